@@ -1,0 +1,117 @@
+"""Thin collective wrappers: explicit group, no-op at group size 1, SUM then divide.
+
+Conventions (STYLE.md, 10):
+- every function takes the group explicitly; ``None`` means "this rank alone" (a
+  single-process run) and the call returns at once;
+- averages are a SUM all-reduce followed by a division, never ``ReduceOp.AVG``;
+- tensors are allocated on the input's device; nothing here calls ``torch.cuda``;
+- bytes put on the wire are counted per kind in ``counter`` (gloo emulates some collectives,
+  so volume is counted from the call, not inferred from timings). Counted bytes are the
+  payload of this rank's input tensor(s), ``numel * element_size``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]
+
+#: bytes passed to each kind of collective by this process, e.g. ``counter["all_reduce"]``.
+counter: Counter = Counter()
+
+
+def group_size(group: Group) -> int:
+    """Number of ranks in ``group`` (1 for ``None``)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This rank's index inside ``group`` (0 for ``None``)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _count(kind: str, t: torch.Tensor) -> None:
+    counter[kind] += t.numel() * t.element_size()
+
+
+def all_reduce_sum(t: torch.Tensor, group: Group, async_op: bool = False):
+    """In-place SUM all-reduce of ``t`` over ``group``; returns the work handle if async."""
+    if group_size(group) == 1:
+        return None
+    _count("all_reduce", t)
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_mean(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """In-place mean over ``group`` as SUM then divide by the group size; returns ``t``."""
+    n = group_size(group)
+    if n > 1:
+        all_reduce_sum(t, group)
+        t.div_(n)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """In-place MAX all-reduce (used for overflow flags and loss-scale agreement)."""
+    if group_size(group) > 1:
+        _count("all_reduce", t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
+    """Gather equal 1-D shards: ``out[i*n:(i+1)*n] = shard of group rank i`` (n = shard.numel()).
+
+    Raises ValueError when ``out.numel() != n * group_size``.
+    """
+    size = group_size(group)
+    if out.numel() != shard.numel() * size:
+        raise ValueError(f"all_gather_into: out has {out.numel()} elements, expected "
+                         f"{shard.numel()} x {size}")
+    if size == 1:
+        if out.data_ptr() != shard.data_ptr():
+            out.copy_(shard)
+        return None
+    _count("all_gather", shard)
+    return dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group,
+                       async_op: bool = False):
+    """SUM reduce-scatter of 1-D ``full`` into equal shards; rank i receives slice i.
+
+    Raises ValueError when ``full.numel() != shard_out.numel() * group_size``.
+    """
+    size = group_size(group)
+    if full.numel() != shard_out.numel() * size:
+        raise ValueError(f"reduce_scatter_sum: input has {full.numel()} elements, expected "
+                         f"{shard_out.numel()} x {size}")
+    if size == 1:
+        if shard_out.data_ptr() != full.data_ptr():
+            shard_out.copy_(full)
+        return None
+    _count("reduce_scatter", full)
+    return dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, group=group,
+                                      async_op=async_op)
+
+
+def all_gather_list(t: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """All ranks' copies of ``t`` (same shape everywhere), in group-rank order."""
+    size = group_size(group)
+    if size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(size)]
+    _count("all_gather", t)
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def broadcast(t: torch.Tensor, src_global_rank: int, group: Group) -> torch.Tensor:
+    """In-place broadcast from global rank ``src_global_rank`` to ``group``; returns ``t``."""
+    if group_size(group) > 1:
+        _count("broadcast", t)
+        dist.broadcast(t, src=src_global_rank, group=group)
+    return t

@@ -1,0 +1,86 @@
+"""Partition metadata carried by every parameter (STYLE.md, 7).
+
+Gradient clipping, gradient synchronisation and checkpoints read these tags and nothing
+else (never parameter names):
+
+- ``tensor_model_parallel`` (bool): True when the parameter is one TP partition of a larger
+  tensor; then ``partition_dim`` and ``partition_stride`` say how (stride > 1 means the
+  full tensor is ``stride`` interleaved blocks, each cut into ``tp`` pieces, as for a fused
+  QKV weight whose q, k and v blocks are each split by head).
+- ``sequence_parallel`` (bool): a TP-replicated parameter that sees sequence-partitioned
+  activations (LayerNorm weight/bias, row-parallel bias under ``--sequence-parallel``): its
+  gradient must be summed over the TP group (Korthikanti et al. 2022, sec. 4.2.2).
+- ``shared_embedding`` (bool): one copy of a weight tied across pipeline stages (word
+  embedding on the first stage, output layer on the last); the copy on the last stage is
+  not counted again by norms.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def set_partitioned(param: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
+    """Tag ``param`` as a TP partition along ``dim`` with ``stride``; returns it."""
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = stride
+    return param
+
+
+def set_replicated(param: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+    """Tag ``param`` as identical on every TP rank; returns it."""
+    param.tensor_model_parallel = False
+    param.partition_dim = -1
+    param.partition_stride = 1
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+def set_shared_embedding(param: torch.Tensor, counted_here: bool) -> torch.Tensor:
+    """Tag one copy of a cross-stage tied weight; ``counted_here`` is True on one copy only."""
+    param.shared_embedding = True
+    param.shared_counted_here = counted_here
+    return param
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "sequence_parallel", False))
+
+
+def is_shared_embedding(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "shared_embedding", False))
+
+
+def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """True when this rank's copy of ``param`` is the one that counts in a global norm.
+
+    A TP partition always counts (the partitions are disjoint); a TP-replicated parameter
+    counts only on TP rank 0; of a cross-stage tied pair only the copy with
+    ``shared_counted_here`` counts. Summing over tp x pp x dp then counts each element of
+    the full model exactly once (ZeRO shards are disjoint, so they sum too).
+    """
+    if is_shared_embedding(param) and not getattr(param, "shared_counted_here", True):
+        return False
+    return is_partitioned(param) or tp_rank == 0
+
+
+def partition_tensor(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1
+                     ) -> torch.Tensor:
+    """Rank ``rank``'s partition of ``full`` along ``dim`` (a contiguous copy).
+
+    With ``stride`` s, ``full`` is s equal blocks along ``dim``; each block is cut into
+    ``size`` pieces and the rank takes piece ``rank`` of every block, concatenated.
+    Shapes: full ``[..., D, ...]`` -> ``[..., D/size, ...]``.
+
+    Raises ValueError when ``D`` is not divisible by ``stride * size``.
+    """
+    d = full.shape[dim]
+    if d % (stride * size) != 0:
+        raise ValueError(f"dimension {dim} of size {d} is not divisible by stride {stride} x "
+                         f"partitions {size}")
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()

@@ -1,0 +1,97 @@
+"""Run a function on N gloo ranks on CPU (loopback) and collect what each rank returns.
+
+``run_distributed(fn, world_size, *args)`` forks ``world_size`` processes; each initialises
+``torch.distributed`` with the gloo backend on 127.0.0.1, calls ``fn(rank, world_size,
+*args, **kwargs)`` and sends back its return value (which must pickle). The first rank to
+fail makes the call raise ``RankError`` carrying that rank's traceback; the others are
+killed. A run longer than ``timeout_s`` seconds raises ``TimeoutError`` (no hang).
+
+fork is used instead of spawn: starting 8 ranks then costs no re-import of torch, which is
+most of the start-up time on a 2-core machine.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+
+class RankError(RuntimeError):
+    """An exception raised inside a spawned rank; the message holds its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, results, collective_timeout_s, args, kwargs):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=collective_timeout_s))
+        out = fn(rank, world_size, *args, **kwargs)
+        dist.barrier()  # nobody tears down connections a peer is still reading from
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0,
+                    collective_timeout_s: float = 60.0, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Returns the list of per-rank return values, indexed by rank.
+    Raises RankError (first failing rank's traceback) or TimeoutError after ``timeout_s``.
+    """
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(fn, r, world_size, port, results, collective_timeout_s, args, kwargs))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"run_distributed: ranks {sorted(set(range(world_size)) - set(out))}"
+                                   f" did not finish within {timeout_s:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in out]
+                if dead:
+                    raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                continue
+            if not ok:
+                raise RankError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=5 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
