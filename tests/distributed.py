@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -42,7 +43,8 @@ def _child(fn, rank, world_size, port, results, collective_timeout_s, args, kwar
                                 timeout=timedelta(seconds=collective_timeout_s))
         out = fn(rank, world_size, *args, **kwargs)
         dist.barrier()  # nobody tears down connections a peer is still reading from
-        results.put((rank, True, out))
+        # plain pickle: tensors travel by value, not as shared-memory handles that die with the rank
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -86,7 +88,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0,
                 continue
             if not ok:
                 raise RankError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             if p.is_alive():

@@ -1,0 +1,142 @@
+"""FLOP accounting for GPT training, device peak throughput, and model FLOPs utilisation.
+
+Formula (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", sec. 5.1, generalised to any FFN width). Only matrix
+multiplications are counted; a ``(m, k) @ (k, n)`` product costs ``2*m*k*n`` FLOPs.
+With ``l`` layers, hidden size ``h``, FFN size ``f``, sequence length ``s``, padded
+vocabulary ``V`` and global batch ``B`` (so ``B*s`` tokens per iteration), the forward
+pass costs per token
+
+    per layer:  2*(3*h*h  [QKV]  +  h*h  [attention output projection]  +  2*h*f  [MLP])
+                + 2*2*s*h  [attention scores Q K^T and probabilities @ V]
+    logits:     2*h*V
+
+and one training iteration costs
+
+    F = B*s * ( k * l * (2*(4*h*h + 2*h*f) + 4*s*h)  +  3 * 2*h*V )
+
+with ``k = 3`` (forward + backward, the backward being twice the forward) or ``k = 4``
+with full activation recomputation (the layers' forward runs twice; the logits are not
+recomputed). For ``f = 4h`` this is the paper's expression
+``F = 72*B*s*l*h^2 * (1 + s/(6h) + V/(12*l*h))`` (``k = 3``) and
+``F = 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h))`` (``k = 4``).
+
+Conventions, as in the paper: the causal attention is counted in full (the ``s x s``
+score matrix, not its lower triangle); head count does not change the count; layer norm,
+softmax, GELU, biases, embedding look-ups and the optimizer are not counted. With
+``recompute=True`` the count includes the recomputed forward, so the ratio to peak is the
+hardware FLOPs utilisation (HFU); pass ``recompute=False`` for model FLOPs utilisation (MFU,
+Chowdhery et al. 2022, PaLM, appendix B). (torch's non-reentrant checkpoint stops
+recomputing once the saved tensors are rebuilt, so it skips each layer's last matmul; the
+formula counts the full recomputation, as the paper does.)
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+# Dense (no sparsity) peak matmul throughput in FLOP/s from NVIDIA's data sheets, keyed by
+# name fragments of ``torch.cuda.get_device_name`` (upper-cased), first match wins.
+# fp32 is the plain FP32 rate, not TF32: PyTorch runs fp32 matmuls without TF32 by default
+# (``torch.backends.cuda.matmul.allow_tf32 = False``). With TF32 on, pass the TF32 peak
+# (A100 156e12, H100 SXM 494.5e12) to the trainer's ``--peak-tflops`` instead.
+_PEAKS: tuple[tuple[tuple[str, ...], dict[torch.dtype, float]], ...] = (
+    (("H100", "PCIE"), {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12}),
+    (("H100", "NVL"), {torch.bfloat16: 835e12, torch.float16: 835e12, torch.float32: 60e12}),
+    (("H100",), {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}),
+    (("H200",), {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}),
+    (("A100",), {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12}),
+    (("V100",), {torch.float16: 125e12, torch.float32: 15.7e12}),
+)
+
+
+def gpt_flops_per_iteration(*, num_layers: int, hidden_size: int, ffn_hidden_size: int,
+                            seq_length: int, padded_vocab_size: int, global_batch_size: int,
+                            num_heads: Optional[int] = None, recompute: bool = False) -> float:
+    """FLOPs of one training iteration (forward + backward) of a GPT, matmuls only.
+
+    ``F = B*s * (k*l*(2*(4*h*h + 2*h*f) + 4*s*h) + 6*h*V)`` with ``k = 3``, or ``k = 4``
+    when ``recompute`` (full activation recomputation re-runs every layer's forward); see
+    the module docstring for each term. Causal attention is counted in full, as in
+    Narayanan et al. 2021, sec. 5.1. ``num_heads`` does not change the count; when given
+    it is only checked to divide ``hidden_size``.
+
+    Returns FLOPs (not FLOP/s) as a float, summed over all devices of the iteration.
+    Raises ValueError naming the setting when a size is not positive or ``num_heads`` does
+    not divide ``hidden_size``.
+    """
+    sizes = dict(num_layers=num_layers, hidden_size=hidden_size,
+                 ffn_hidden_size=ffn_hidden_size, seq_length=seq_length,
+                 padded_vocab_size=padded_vocab_size, global_batch_size=global_batch_size)
+    for name, value in sizes.items():
+        if int(value) != value or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if num_heads is not None and (num_heads <= 0 or hidden_size % num_heads):
+        raise ValueError(f"num_heads={num_heads} must be positive and divide "
+                         f"hidden_size={hidden_size}")
+    h, f, s = hidden_size, ffn_hidden_size, seq_length
+    layer_forward = 2 * (3 * h * h + h * h + 2 * h * f) + 2 * 2 * s * h  # per token
+    logits_forward = 2 * h * padded_vocab_size  # per token
+    layer_passes = 4 if recompute else 3
+    per_token = layer_passes * num_layers * layer_forward + 3 * logits_forward
+    return float(global_batch_size * s * per_token)
+
+
+def peak_flops_for_name(device_name: str, dtype: torch.dtype) -> Optional[float]:
+    """Dense peak matmul FLOP/s of one GPU named ``device_name`` at ``dtype``.
+
+    Matches fragments of the name (case-insensitive): H100 PCIe, H100 NVL, H100 (SXM), H200
+    (as H100 SXM), A100,
+    V100. Returns None for an unknown device or a dtype the table lacks (e.g. bf16 on V100).
+    """
+    name = device_name.upper()
+    for fragments, peaks in _PEAKS:
+        if all(fragment in name for fragment in fragments):
+            return peaks.get(dtype)
+    return None
+
+
+def peak_flops(device: Union[torch.device, str], dtype: torch.dtype) -> Optional[float]:
+    """Dense peak matmul FLOP/s of ``device`` at ``dtype``, or None when unknown.
+
+    On CUDA the name comes from ``torch.cuda.get_device_name(device)`` and is looked up
+    with :func:`peak_flops_for_name`. A CPU has no table entry: None (MFU shown as "n/a";
+    the trainer may pass a ``--peak-tflops`` value instead).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device), dtype)
+
+
+def mfu(achieved_flops_per_s_per_device: float,
+        peak_flops_per_device: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation as a fraction (0.42 = 42 %), or None when the peak is unknown.
+
+    Both arguments are FLOP/s of one device. Raises ValueError for a non-positive peak.
+    """
+    if peak_flops_per_device is None:
+        return None
+    if peak_flops_per_device <= 0:
+        raise ValueError(f"peak FLOP/s per device must be positive, got {peak_flops_per_device}")
+    return achieved_flops_per_s_per_device / peak_flops_per_device
+
+
+def throughput(*, flops_per_iteration: float, tokens_per_iteration: int,
+               iteration_time_s: float, world_size: int,
+               peak_flops_per_device: Optional[float]) -> dict[str, Optional[float]]:
+    """The perf values of one iteration, keyed as :meth:`Monitor.log_iteration` expects.
+
+    Returns ``tokens_per_s`` (all devices together), ``tflops_per_device`` (achieved
+    ``flops_per_iteration / (iteration_time_s * world_size) / 1e12``) and ``mfu``
+    (fraction, or None without a peak). Raises ValueError for a non-positive time or
+    world size.
+    """
+    if iteration_time_s <= 0 or world_size <= 0:
+        raise ValueError(f"iteration_time_s ({iteration_time_s}) and world_size "
+                         f"({world_size}) must be positive")
+    per_device = flops_per_iteration / (iteration_time_s * world_size)  # FLOP/s
+    return {"tokens_per_s": tokens_per_iteration / iteration_time_s,
+            "tflops_per_device": per_device / 1e12,
+            "mfu": mfu(per_device, peak_flops_per_device)}

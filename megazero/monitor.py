@@ -1,0 +1,379 @@
+"""Training monitor: console lines, TensorBoard scalars, a JSON-lines metrics file, timers,
+peak memory, and the unigram-entropy baseline. FLOP accounting and MFU are in
+``megazero/flops.py`` (re-exported here).
+
+Only the logging rank writes (the trainer picks it: the last pipeline stage, tensor-parallel
+rank 0, data-parallel rank 0, which holds the loss); on every other rank the ``Monitor``
+methods do nothing, except :meth:`Monitor.log_memory_breakdown`, which every rank prints.
+
+Console line of :meth:`Monitor.log_iteration` (Megatron-LM's fields, one line; a value the
+trainer did not supply is shown as ``n/a``)::
+
+    iteration 10/100 | consumed samples: 80 | elapsed time per iteration (ms): 52.1 |
+    tokens/s: 9830.2 | TFLOP/s/device: 0.012 | MFU: n/a | learning rate: 3.000E-04 |
+    loss: 5.312345E+00 | grad norm: 1.234 | loss scale: 65536 | skipped iterations: 0 |
+    model state: 12.34 MiB | peak memory: 210.50 MiB
+
+TensorBoard scalars (x-axis = iteration; TensorBoard stores them as float32):
+
+=============================  =====================  =======================================
+tag                            values key             unit
+=============================  =====================  =======================================
+``train/loss``                 ``loss``               nats/token, mean over the global batch
+``train/lr``                   ``lr``                 learning rate
+``train/grad_norm``            ``grad_norm``          global L2 norm of the unscaled gradient
+``train/loss_scale``           ``loss_scale``         fp16 loss scale (1 for bf16/fp32)
+``train/skipped_iterations``   ``skipped_iterations`` count of overflow-skipped steps so far
+``train/consumed_samples``     ``consumed_samples``   samples (sequences) trained on so far
+``perf/iteration_time_s``      ``iteration_time_s``   seconds per iteration (wall clock)
+``perf/tokens_per_s``          ``tokens_per_s``       tokens/s, all devices together
+``perf/tflops_per_device``     ``tflops_per_device``  achieved TFLOP/s (1e12) per device
+``perf/mfu``                   ``mfu``                fraction of peak (0.42 = 42 %)
+``memory/model_state_bytes``   ``model_state_bytes``  bytes of params+grads+optimizer states
+``memory/peak_bytes``          ``peak_memory_bytes``  bytes, see :func:`memory_stats`
+``valid/loss``                 (log_validation)       nats/token
+``valid/ppl``                  (log_validation)       ``exp(valid/loss)``
+=============================  =====================  =======================================
+
+Text: ``config`` (the run's configuration, written when the Monitor starts) and any
+:meth:`Monitor.log_text` tag, shown as a preformatted block.
+
+``metrics.jsonl``: one JSON object per line, appended and flushed per call. Every record has
+``kind`` and ``wall_time`` (Unix seconds). Missing values are ``null``; NaN/inf losses are
+written as Python's ``json`` writes them (``NaN``, ``Infinity``).
+
+=======================  ==========================================================
+kind ``"train"``         one per :meth:`Monitor.log_iteration`
+``iteration``            int, the iteration just finished (1-based as the trainer counts)
+``consumed_samples``     int, samples trained on so far
+``lr``                   float, learning rate used by this iteration
+``loss``                 float, nats/token, mean over every token of the global batch
+``grad_norm``            float, global L2 norm of the gradient (before clipping)
+``loss_scale``           float, fp16 loss scale after this iteration
+``skipped_iterations``   int, iterations skipped for overflow so far
+``iteration_time_s``     float, seconds per iteration
+``tokens_per_s``         float, tokens per second, all devices together
+``tflops_per_device``    float, achieved TFLOP/s per device (model FLOPs, flops.py)
+``mfu``                  float, fraction of the device's peak, or null if unknown
+``model_state_bytes``    int, bytes of model state on the logging rank
+``peak_memory_bytes``    int, bytes, peak memory of the logging rank
+kind ``"valid"``         one per :meth:`Monitor.log_validation`
+``iteration``            int
+``loss``                 float, nats/token on the validation split
+``ppl``                  float, ``exp(loss)``
+kind ``"memory"``        one per :meth:`Monitor.log_memory_breakdown` (logging rank)
+``rank``                 int, global rank
+``bytes``                object, name -> bytes of each part of the model state
+kind ``"summary"``       one per :meth:`Monitor.summary`
+``final_valid_loss``     float, nats/token; ``final_valid_ppl`` its ``exp``
+``unigram_entropy``      float, nats/token; ``unigram_ppl`` its ``exp``
+``loss_to_unigram``      float, ``final_valid_loss / unigram_entropy``
+``sample_text``          str, the generated sample
+=======================  ==========================================================
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Any, Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+from megazero.flops import (gpt_flops_per_iteration, mfu, peak_flops,  # noqa: F401 (re-export)
+                            peak_flops_for_name, throughput)
+
+#: keys accepted by :meth:`Monitor.log_iteration`, in console order.
+ITERATION_KEYS = ("iteration", "consumed_samples", "iteration_time_s", "tokens_per_s",
+                  "tflops_per_device", "mfu", "lr", "loss", "grad_norm", "loss_scale",
+                  "skipped_iterations", "model_state_bytes", "peak_memory_bytes")
+
+#: values key -> TensorBoard scalar tag.
+SCALAR_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+               "loss_scale": "train/loss_scale", "skipped_iterations": "train/skipped_iterations",
+               "consumed_samples": "train/consumed_samples",
+               "iteration_time_s": "perf/iteration_time_s", "tokens_per_s": "perf/tokens_per_s",
+               "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
+               "model_state_bytes": "memory/model_state_bytes",
+               "peak_memory_bytes": "memory/peak_bytes"}
+
+_INT_KEYS = ("iteration", "consumed_samples", "skipped_iterations", "model_state_bytes",
+             "peak_memory_bytes")
+_MiB = 2 ** 20
+
+
+class Timer:
+    """Wall-clock timer in seconds (``time.perf_counter``), accumulating over start/stop.
+
+    With a CUDA ``device``, ``torch.cuda.synchronize(device)`` runs before reading the clock
+    so that queued kernels are counted; other devices never touch ``torch.cuda``.
+    Use as ``with Timer(device) as t: ...; t.elapsed`` or ``start()``/``stop()``.
+    """
+
+    def __init__(self, device: Union[torch.device, str, None] = None):
+        self._device = None if device is None else torch.device(device)
+        self._start: Optional[float] = None
+        self.elapsed = 0.0  # seconds, summed over completed start/stop pairs
+
+    def _sync(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def start(self) -> "Timer":
+        """Start timing. Raises RuntimeError if already running."""
+        if self._start is not None:
+            raise RuntimeError("Timer.start() called on a running timer")
+        self._sync()
+        self._start = time.perf_counter()
+        return self
+
+    def stop(self) -> float:
+        """Stop timing; returns this interval's seconds. Raises RuntimeError if not running."""
+        if self._start is None:
+            raise RuntimeError("Timer.stop() called on a timer that is not running")
+        self._sync()
+        interval = time.perf_counter() - self._start
+        self._start = None
+        self.elapsed += interval
+        return interval
+
+    def reset(self) -> float:
+        """Returns the accumulated seconds and sets them to zero."""
+        elapsed, self.elapsed = self.elapsed, 0.0
+        return elapsed
+
+    def __enter__(self) -> "Timer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def memory_stats(device: Union[torch.device, str]) -> dict[str, Any]:
+    """Peak memory of this process on ``device``, in bytes.
+
+    CUDA: ``peak_bytes`` = ``torch.cuda.max_memory_allocated`` (tensors only, since start or
+    the last ``torch.cuda.reset_peak_memory_stats``), plus ``allocated_bytes`` (now) and
+    ``peak_reserved_bytes`` (caching allocator). Other devices: ``peak_bytes`` = the
+    process's peak resident set size from ``resource.getrusage(RUSAGE_SELF).ru_maxrss``
+    (KiB on Linux, converted to bytes; bytes on macOS), which includes everything the
+    process holds, not only tensors. ``source`` names which one was read.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "allocated_bytes": int(torch.cuda.memory_allocated(device)),
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+                "source": "cuda_max_memory_allocated"}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    per_unit = 1 if sys.platform == "darwin" else 1024
+    return {"peak_bytes": int(rss) * per_unit, "source": "ru_maxrss"}
+
+
+def unigram_entropy(token_counts: np.ndarray) -> float:
+    """Entropy in nats of the unigram distribution ``p = counts / counts.sum()``.
+
+    ``token_counts`` has shape ``[V]`` (e.g. ``np.bincount(valid_tokens, minlength=V)``).
+    ``H = -sum_i p_i ln p_i`` (zero counts contribute 0) is the cross-entropy loss of the
+    best model that ignores context: the baseline a trained model must beat.
+    Raises ValueError for negative counts or an all-zero array.
+    """
+    counts = np.asarray(token_counts, dtype=np.float64).ravel()
+    if counts.size == 0 or (counts < 0).any() or counts.sum() <= 0:
+        raise ValueError("token_counts must be non-negative with a positive total")
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _plain(value: Any) -> Any:
+    """A tensor / numpy scalar -> Python number; None stays None."""
+    if value is None:
+        return None
+    if hasattr(value, "item"):
+        value = value.item()
+    return value
+
+
+def _ppl(loss: Optional[float]) -> Optional[float]:
+    if loss is None:
+        return None
+    return math.inf if loss > 700 else math.exp(loss)  # NaN stays NaN
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _fmt_bytes(value: Optional[int]) -> str:
+    return "n/a" if value is None else f"{value / _MiB:.2f} MiB"
+
+
+def format_iteration_line(values: Mapping[str, Any], train_iters: Optional[int]) -> str:
+    """The console line of one iteration (see the module docstring); None -> ``n/a``."""
+    v = values
+    total = "" if train_iters is None else f"/{train_iters}"
+    time_ms = None if v["iteration_time_s"] is None else v["iteration_time_s"] * 1e3
+    mfu_pct = None if v["mfu"] is None else v["mfu"] * 100
+    fields = [f"iteration {v['iteration']}{total}",
+              f"consumed samples: {_fmt(v['consumed_samples'], 'd')}",
+              f"elapsed time per iteration (ms): {_fmt(time_ms, '.1f')}",
+              f"tokens/s: {_fmt(v['tokens_per_s'], '.1f')}",
+              f"TFLOP/s/device: {_fmt(v['tflops_per_device'], '.3f')}",
+              f"MFU: {_fmt(mfu_pct, '.2f')}{'' if mfu_pct is None else '%'}",
+              f"learning rate: {_fmt(v['lr'], '.3E')}",
+              f"loss: {_fmt(v['loss'], '.6E')}",
+              f"grad norm: {_fmt(v['grad_norm'], '.3f')}",
+              f"loss scale: {_fmt(v['loss_scale'], 'g')}",
+              f"skipped iterations: {_fmt(v['skipped_iterations'], 'd')}",
+              f"model state: {_fmt_bytes(v['model_state_bytes'])}",
+              f"peak memory: {_fmt_bytes(v['peak_memory_bytes'])}"]
+    return " | ".join(fields)
+
+
+def _as_code_block(text: str) -> str:
+    """Indent by four spaces so TensorBoard's markdown shows the text verbatim."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _under(run_dir: str, path: Optional[str]) -> Optional[str]:
+    return None if path is None else os.path.join(run_dir, path)
+
+
+class Monitor:
+    """Console, TensorBoard and ``metrics.jsonl`` logging for one rank.
+
+    Args: ``run_dir`` (created on the logging rank); ``tensorboard_dir`` and
+    ``metrics_file``, relative to ``run_dir`` unless absolute, None to turn that output off;
+    ``rank`` (global rank, used to prefix per-rank lines); ``is_logging_rank`` (only this
+    rank writes anything); ``config_text`` (written as TensorBoard text ``config`` at
+    start); ``train_iters`` (shown as ``iteration i/train_iters``; optional). The metrics
+    file is opened for appending, so a resumed run continues it.
+    """
+
+    def __init__(self, run_dir: str, *, tensorboard_dir: Optional[str],
+                 metrics_file: Optional[str], rank: int, is_logging_rank: bool,
+                 config_text: str, train_iters: Optional[int] = None):
+        self.rank, self.is_logging_rank, self.train_iters = rank, is_logging_rank, train_iters
+        self._writer = None
+        self._metrics = None
+        if not is_logging_rank:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        tb_dir, metrics_path = _under(run_dir, tensorboard_dir), _under(run_dir, metrics_file)
+        if tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=tb_dir)
+        if metrics_path is not None:
+            os.makedirs(os.path.dirname(metrics_path) or ".", exist_ok=True)
+            self._metrics = open(metrics_path, "a", encoding="utf-8")
+        self.log_text("config", config_text)
+
+    def _record(self, kind: str, fields: Mapping[str, Any]) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps({"kind": kind, "wall_time": time.time(), **fields})
+                                + "\n")
+            self._metrics.flush()
+
+    def _scalars(self, tagged: Mapping[str, Any], step: int) -> None:
+        if self._writer is None:
+            return
+        for tag, value in tagged.items():
+            if value is not None:
+                self._writer.add_scalar(tag, value, step)
+        self._writer.flush()
+
+    def log_iteration(self, it: int, values: Mapping[str, Any]) -> None:
+        """Console line, TensorBoard scalars and a ``"train"`` record for iteration ``it``.
+
+        ``values`` holds any of :data:`ITERATION_KEYS` (plain numbers, 0-d tensors or None;
+        missing ones are ``n/a``/``null``). Raises ValueError for an unknown key or an
+        ``iteration`` value different from ``it``.
+        """
+        unknown = set(values) - set(ITERATION_KEYS)
+        if unknown:
+            raise ValueError(f"unknown iteration values {sorted(unknown)}; "
+                             f"expected keys from {ITERATION_KEYS}")
+        if values.get("iteration", it) != it:
+            raise ValueError(f"values['iteration']={values['iteration']} differs from it={it}")
+        if not self.is_logging_rank:
+            return
+        record = {key: _plain(values.get(key)) for key in ITERATION_KEYS}
+        record["iteration"] = it
+        for key in _INT_KEYS:
+            record[key] = None if record[key] is None else int(record[key])
+        print(format_iteration_line(record, self.train_iters), flush=True)
+        self._scalars({tag: record[key] for key, tag in SCALAR_TAGS.items()}, it)
+        self._record("train", record)
+
+    def log_validation(self, it: int, loss: float) -> None:
+        """Validation loss (nats/token) at iteration ``it``: console, ``valid/loss`` and
+        ``valid/ppl`` scalars, and a ``"valid"`` record."""
+        if not self.is_logging_rank:
+            return
+        loss = _plain(loss)
+        ppl = _ppl(loss)
+        print(f"validation at iteration {it} | loss: {loss:.6E} | perplexity: {ppl:.4g}",
+              flush=True)
+        self._scalars({"valid/loss": loss, "valid/ppl": ppl}, it)
+        self._record("valid", {"iteration": it, "loss": loss, "ppl": ppl})
+
+    def log_text(self, tag: str, text: str) -> None:
+        """Write ``text`` as TensorBoard text ``tag`` at step 0, preformatted."""
+        if self._writer is not None:
+            self._writer.add_text(tag, _as_code_block(text), 0)
+            self._writer.flush()
+
+    def log_memory_breakdown(self, breakdown: Mapping[str, int]) -> None:
+        """Print this rank's model-state bytes by part (every rank, one line, rank prefix).
+
+        ``breakdown`` maps a name (e.g. ``"params"``, ``"grads"``, ``"optimizer"``) to
+        bytes; the line ends with the total. The logging rank also writes a ``"memory"``
+        record.
+        """
+        parts = {name: int(_plain(b)) for name, b in breakdown.items()}
+        body = " | ".join(f"{name} {_fmt_bytes(b)}" for name, b in parts.items())
+        print(f"[rank {self.rank}] model state: {body} | total {_fmt_bytes(sum(parts.values()))}",
+              flush=True)
+        if self.is_logging_rank:
+            self._record("memory", {"rank": self.rank, "bytes": parts})
+
+    def summary(self, final_valid_loss: Optional[float], unigram_entropy_nats: float,
+                sample_text: str) -> None:
+        """Print the final validation loss and perplexity beside the unigram-entropy
+        baseline (nats/token, :func:`unigram_entropy`) and their ratio, then the sample.
+
+        Also writes TensorBoard text ``summary`` and a ``"summary"`` record.
+        """
+        if not self.is_logging_rank:
+            return
+        loss, base = _plain(final_valid_loss), float(unigram_entropy_nats)
+        ratio = None if loss is None or base <= 0 else loss / base
+        line = (f"final validation loss: {_fmt(loss, '.4f')} nats/token "
+                f"(perplexity {_fmt(_ppl(loss), '.2f')}) | unigram baseline: {base:.4f} "
+                f"nats/token (perplexity {_ppl(base):.2f}) | loss / baseline: {_fmt(ratio, '.3f')}")
+        print(line, flush=True)
+        print(f"sample: {sample_text}", flush=True)
+        self.log_text("summary", f"{line}\n\n{sample_text}")
+        self._record("summary", {"final_valid_loss": loss, "final_valid_ppl": _ppl(loss),
+                                 "unigram_entropy": base, "unigram_ppl": _ppl(base),
+                                 "loss_to_unigram": ratio, "sample_text": sample_text})
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer and the metrics file (idempotent)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,189 @@
+"""Run one stage's schedule: forward/backward of its model chunks, with the p2p transfers.
+
+The schedule (``schedules.build_schedule``) is data; this module derives from each action
+what it receives and sends, and runs it through Megatron-LM's ``forward_step`` contract:
+
+    forward_step(batch, model_chunk, input_tensor) -> (output, loss_fn)
+
+``input_tensor`` is None on the first virtual stage (stage 0, chunk 0: the chunk reads
+``batch``'s tokens) and otherwise the activation received from the previous virtual stage
+(``[B, T, H]``, a leaf with ``requires_grad``); the chunk must consume it instead of
+tokens. On the last virtual stage (post-process chunk) the executor calls
+``loss = loss_fn(output)``, a 0-d tensor already divided by this data-parallel rank's
+token count; elsewhere ``loss_fn`` is ignored and ``output`` is sent to the next virtual
+stage.
+
+Communication: the actions are grouped (``exchange_groups``: a steady-phase forward with
+the backward after it, else one action); the sends of one group and the receives of the
+next go in one batched exchange (``p2p.StageLinks.exchange``). This gives Megatron-LM's
+combined exchanges (1F1B's ``send_backward_recv_forward`` plus the gradient the next
+backward needs; the interleaved schedule's four-way exchange) without a special case per
+schedule; tests/test_pipeline_schedules.py checks that it completes with blocking sends.
+
+Memory: a (micro-batch, chunk)'s input and output are kept from its forward to its
+backward and dropped right after it, so 1F1B keeps at most ``pp`` micro-batches alive on
+stage 0 while GPipe keeps all ``m``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megazero import collectives
+from megazero.pipeline.p2p import StageLinks, stage_rank
+from megazero.pipeline.partition import virtual_stage
+from megazero.pipeline.schedules import Action, last_backward_index
+from megazero.process_groups import ProcessGroups
+
+
+def message_tag(kind: str, microbatch: int, to_virtual_stage: int, num_virtual: int) -> int:
+    """Unique tag of one message: the activation ("F") or gradient ("B") of ``microbatch``
+    that virtual stage ``to_virtual_stage`` receives (its sender computes the same tag)."""
+    return (microbatch * num_virtual + to_virtual_stage) * 2 + (kind == "B")
+
+
+def comm_plan(a: Action, pp_rank: int, pp_size: int, vp_size: int = 1):
+    """What action ``a`` of stage ``pp_rank`` receives before and sends after it (pure).
+
+    Returns ``(recv, send)``, each None or ``(direction, peer_stage, tag)`` with direction
+    "prev" or "next" (ring neighbours; stage pp-1's next is stage 0 when interleaved).
+    F of virtual stage s receives from s-1 (unless s = 0) and sends to s+1 (unless last);
+    B receives from s+1 and sends to s-1.
+    """
+    n = pp_size * vp_size
+    s = virtual_stage(pp_rank, pp_size, a.chunk)
+    prev, nxt = (pp_rank - 1) % pp_size, (pp_rank + 1) % pp_size
+    mb = a.microbatch
+    if a.kind == "F":
+        recv = ("prev", prev, message_tag("F", mb, s, n)) if s > 0 else None
+        send = ("next", nxt, message_tag("F", mb, s + 1, n)) if s < n - 1 else None
+    else:
+        recv = ("next", nxt, message_tag("B", mb, s, n)) if s < n - 1 else None
+        send = ("prev", prev, message_tag("B", mb, s - 1, n)) if s > 0 else None
+    return recv, send
+
+
+def exchange_groups(actions: Sequence[Action]) -> list[list[int]]:
+    """Indices of the actions that share one exchange (pure).
+
+    A steady-phase forward and the backward after it form one group (unless the backward
+    needs that forward's output); every other action is a group of its own. The executor
+    posts, in one batched exchange, the sends of group i-1 and the receives of group i,
+    which is Megatron-LM's pattern: in the interleaved steady phase the stages form a ring,
+    and sending an activation while waiting for a gradient in separate exchanges would
+    deadlock around it when sends block (NCCL).
+    """
+    out, i = [], 0
+    while i < len(actions):
+        a = actions[i]
+        b = actions[i + 1] if i + 1 < len(actions) else None
+        if (a.kind == "F" and a.phase == "steady" and b is not None and b.kind == "B"
+                and b.phase == "steady" and (a.microbatch, a.chunk) != (b.microbatch, b.chunk)):
+            out.append([i, i + 1])
+            i += 2
+        else:
+            out.append([i])
+            i += 1
+    return out
+
+
+def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Module],
+                 forward_step: Callable, batches: Sequence, groups: ProcessGroups, *,
+                 tensor_shape: Sequence[int], dtype: torch.dtype, num_microbatches: int,
+                 vp_size: int = 1,
+                 before_backward: Optional[Callable[[int, bool], None]] = None,
+                 scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 device: Optional[torch.device] = None, forward_only: bool = False) -> torch.Tensor:
+    """Run ``actions`` (this stage's schedule) and return the summed loss.
+
+    Args:
+        model_chunks: this stage's ``vp_size`` chunks, indexed by ``Action.chunk``.
+        forward_step: see the module docstring.
+        batches: this data-parallel rank's ``num_microbatches`` micro-batches (the same
+            list on every stage; the first stage reads tokens, the last labels).
+        tensor_shape, dtype: of every activation sent between stages, e.g. ``(B, T, H)``.
+        before_backward: called as ``before_backward(chunk, is_last_microbatch)`` right
+            before each backward; ``is_last_microbatch`` is True for the chunk's last
+            backward of the step (gradient sync may start its reductions then).
+        scale_loss: maps the loss to the tensor to backpropagate (fp16 loss scaling).
+        device: where received tensors are allocated; default: the first chunk's
+            parameters' device.
+        forward_only: evaluation (``schedules.forward_only_schedule``): nothing is kept
+            for a backward; run it under ``torch.no_grad()``.
+
+    Returns a 0-d fp32 tensor on every rank of the pipeline: the sum of ``loss_fn`` over
+    this rank's micro-batches, computed on the last stage and broadcast over the pp group.
+    Raises ValueError when ``len(batches)``, ``len(model_chunks)`` or a sent tensor do not
+    match the configuration.
+    """
+    if len(batches) != num_microbatches or len(model_chunks) != vp_size:
+        raise ValueError(f"run_schedule got {len(batches)} micro-batches for "
+                         f"num_microbatches {num_microbatches} and {len(model_chunks)} model "
+                         f"chunks for --virtual-pipeline-size {vp_size}")
+    if device is None:
+        device = next(iter(model_chunks[0].parameters())).device
+    p, r = groups.pp_size, groups.pp_rank
+    saved: dict = {}  # (mb, chunk) -> (input, output or loss), from forward to backward
+    links = StageLinks(groups, tuple(tensor_shape), dtype, device, wrap=vp_size > 1)
+    last_backward = last_backward_index(list(actions))
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    pending: dict = {}  # sends of the previous action, posted with the next receive
+    for group in exchange_groups(actions):
+        plans = [comm_plan(actions[i], r, p, vp_size) for i in group]
+        recvs = {f"recv_{recv[0]}": recv[2] for recv, _ in plans if recv}
+        received = links.exchange(**pending, **recvs)  # (from prev, from next)
+        pending = {}
+        for i, (_, send) in zip(group, plans):
+            a = actions[i]
+            if a.kind == "F":
+                output, loss = _forward(saved, a, model_chunks[a.chunk], forward_step,
+                                        batches[a.microbatch], received[0], send is None)
+                if forward_only:
+                    saved.clear()
+                if loss is not None:
+                    loss_sum += loss.detach().float()
+            else:
+                if before_backward is not None:
+                    before_backward(a.chunk, i == last_backward[a.chunk])
+                output = _backward(saved, a, received[1], scale_loss)
+            if send:
+                pending[f"send_{send[0]}"] = (output, send[2])
+            # A finished output or loss still references its graph, whose AccumulateGrad
+            # node holds the received input: drop it so memory matches the schedule.
+            output = loss = None
+    links.exchange(**pending)
+    if saved:
+        raise ValueError(f"schedule left forwards without backward: {sorted(saved)}")
+    last = stage_rank(groups, p - 1)
+    return collectives.broadcast(loss_sum, last, groups.pp)
+
+
+def _forward(saved: dict, a: Action, chunk: torch.nn.Module, forward_step: Callable, batch,
+             input_tensor: Optional[torch.Tensor], is_last_virtual: bool):
+    """Run F(a); returns (output to send, None) or, on the last virtual stage, (None, loss)."""
+    if input_tensor is not None:
+        input_tensor.requires_grad_()
+    output, loss_fn = forward_step(batch, chunk, input_tensor)
+    if is_last_virtual:
+        loss = loss_fn(output)
+        saved[(a.microbatch, a.chunk)] = (input_tensor, loss)
+        return None, loss
+    saved[(a.microbatch, a.chunk)] = (input_tensor, output)
+    return output, None
+
+
+def _backward(saved: dict, a: Action, output_grad: Optional[torch.Tensor],
+              scale_loss: Optional[Callable]) -> Optional[torch.Tensor]:
+    """Run B(a), free its saved tensors; returns the input's gradient (None on stage 0, chunk 0)."""
+    input_tensor, output = saved.pop((a.microbatch, a.chunk))
+    if output_grad is None:  # last virtual stage: ``output`` is the loss
+        (scale_loss(output) if scale_loss is not None else output).backward()
+    else:
+        torch.autograd.backward(output, grad_tensors=output_grad)
+    if input_tensor is None:
+        return None
+    if input_tensor.grad is None:
+        raise ValueError(f"{a}: forward_step did not use input_tensor, so no gradient "
+                         f"reaches the previous stage")
+    return input_tensor.grad

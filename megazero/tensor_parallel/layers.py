@@ -1,0 +1,208 @@
+"""Tensor-parallel layers: column/row parallel linear, vocabulary-parallel embedding.
+
+Megatron-LM (Shoeybi et al. 2019, sec. 3): a linear layer ``Y = X A^T + b`` is split
+either by output features (column parallel: each rank holds rows of ``A`` in PyTorch's
+``[out, in]`` convention and produces a slice of ``Y``) or by input features (row
+parallel: each rank holds columns of ``A``, consumes a slice of ``X`` and the partial
+products are summed). An MLP or attention block is column-then-row, so one all-reduce
+forward and one backward suffice. The word embedding is split by vocabulary rows.
+
+With sequence parallelism (Korthikanti et al. 2022, sec. 4.2) the activations outside the
+column/row pair are ``[B, T/tp, H]``: the column layer all-gathers the sequence first and
+the row layer reduce-scatters it afterwards.
+
+Every parameter is tagged (``tags.py``); a rank keeps its partition of the full tensor it
+is given (layout-independent initialisation, STYLE.md 6). At group size 1 each layer is
+the plain ``torch.nn.functional`` operation.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero import collectives as C
+from megazero.collectives import Group
+from megazero.tensor_parallel import tags
+from megazero.tensor_parallel.mappings import (
+    copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
+    reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
+
+
+def _partition_param(full: Optional[torch.Tensor], full_shape: tuple, dim: int, rank: int,
+                     size: int, stride: int, dtype: torch.dtype, device, name: str
+                     ) -> nn.Parameter:
+    """This rank's partition of ``full`` (or zeros of the partition's shape), tagged."""
+    d = full_shape[dim]
+    if d % (stride * size) != 0:
+        raise ValueError(f"{name}: dimension {dim} of size {d} is not divisible by stride "
+                         f"{stride} x tensor-parallel size {size}")
+    if full is None:
+        shape = list(full_shape)
+        shape[dim] = d // size
+        part = torch.zeros(shape, dtype=dtype, device=device)
+    else:
+        if tuple(full.shape) != tuple(full_shape):
+            raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, expected "
+                             f"{tuple(full_shape)}")
+        part = tags.partition_tensor(full.detach(), dim, rank, size, stride)
+        part = part.to(dtype=dtype, device=device if device is not None else full.device)
+    return tags.set_partitioned(nn.Parameter(part), dim=dim, stride=stride)
+
+
+def _replicated_param(full: Optional[torch.Tensor], shape: tuple, dtype, device, name: str,
+                      sequence_parallel: bool) -> nn.Parameter:
+    if full is None:
+        t = torch.zeros(shape, dtype=dtype, device=device)
+    else:
+        if tuple(full.shape) != tuple(shape):
+            raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, expected "
+                             f"{tuple(shape)}")
+        t = full.detach().to(dtype=dtype, device=device if device is not None else full.device,
+                             copy=True)
+    return tags.set_replicated(nn.Parameter(t), sequence_parallel=sequence_parallel)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A [out, in]`` split by output rows: weight ``[out/tp, in]``.
+
+    Input ``[B, T, in]`` (``[B, T/tp, in]`` with ``sequence_parallel``, all-gathered along
+    the sequence first); output ``[B, T, out/tp]``, or ``[B, T, out]`` with
+    ``gather_output``. ``stride`` > 1 means the full weight is ``stride`` stacked blocks
+    (e.g. fused q, k, v) each split across ranks (``tags.partition_tensor``).
+
+    Raises ValueError when ``out_features`` is not divisible by ``stride * tp``, when a
+    full tensor has the wrong shape, or when ``gather_output`` is combined with
+    ``stride > 1`` (the gathered columns would be in interleaved, not full, order).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 full_weight: Optional[torch.Tensor] = None,
+                 full_bias: Optional[torch.Tensor] = None, stride: int = 1,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        if gather_output and stride > 1:
+            raise ValueError("ColumnParallelLinear: gather_output=True needs stride=1 "
+                             f"(got stride {stride})")
+        self.group = group
+        self.tp_rank, self.tp_size = C.group_rank(group), C.group_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.weight = _partition_param(full_weight, (out_features, in_features), 0,
+                                       self.tp_rank, self.tp_size, stride, dtype, device,
+                                       "ColumnParallelLinear.weight")
+        self.bias = None
+        if bias:
+            self.bias = _partition_param(full_bias, (out_features,), 0, self.tp_rank,
+                                         self.tp_size, stride, dtype, device,
+                                         "ColumnParallelLinear.bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)  # (B, T, in)
+        else:
+            x = copy_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)                      # (B, T, out/tp)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A [out, in]`` split by input columns: weight ``[out, in/tp]``.
+
+    Input ``[B, T, in/tp]`` when ``input_is_parallel`` (else ``[B, T, in]``, split here).
+    The partial products are summed over TP: output ``[B, T, out]`` (all-reduce), or
+    ``[B, T/tp, out]`` with ``sequence_parallel`` (reduce-scatter along the sequence).
+    The bias ``[out]`` is replicated and added after the reduction; under sequence
+    parallelism it is tagged ``sequence_parallel`` since each rank sees only ``T/tp``
+    tokens and its gradient must be summed over TP (``tags.sync_sequence_parallel_grads``).
+
+    Raises ValueError when ``in_features`` is not divisible by tp or a full tensor has the
+    wrong shape.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 full_weight: Optional[torch.Tensor] = None,
+                 full_bias: Optional[torch.Tensor] = None,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.group = group
+        self.tp_rank, self.tp_size = C.group_rank(group), C.group_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.weight = _partition_param(full_weight, (out_features, in_features), 1,
+                                       self.tp_rank, self.tp_size, 1, dtype, device,
+                                       "RowParallelLinear.weight")
+        self.bias = None
+        if bias:
+            self.bias = _replicated_param(full_bias, (out_features,), dtype, device,
+                                          "RowParallelLinear.bias", sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)                  # (B, T, in/tp)
+        partial = F.linear(x, self.weight)                           # (B, T, out), partial sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
+        else:
+            y = reduce_from_tp_region(partial, self.group)           # (B, T, out)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embedding split by vocabulary rows: weight ``[V/tp, H]``.
+
+    Rank ``r`` owns ids ``[vocab_start_index, vocab_end_index)``; other ids contribute
+    zeros and the all-reduce over TP assembles the lookup (Shoeybi et al. 2019, sec. 3).
+    Input ids ``[B, T]``; output ``[B, T, H]``, or ``[B, T/tp, H]`` with
+    ``sequence_parallel`` (reduce-scatter instead of all-reduce; T divisible by tp).
+    ``num_embeddings`` is the padded vocabulary size. Raises ValueError when it is not
+    divisible by tp or the full weight has the wrong shape.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
+                 full_weight: Optional[torch.Tensor] = None,
+                 dtype: torch.dtype = torch.float32, device=None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.group = group
+        self.tp_rank, self.tp_size = C.group_rank(group), C.group_size(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel
+        self.weight = _partition_param(full_weight, (num_embeddings, embedding_dim), 0,
+                                       self.tp_rank, self.tp_size, 1, dtype, device,
+                                       "VocabParallelEmbedding.weight")
+        per_rank = num_embeddings // self.tp_size
+        self.vocab_start_index = self.tp_rank * per_rank
+        self.vocab_end_index = self.vocab_start_index + per_rank
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # (B, T)
+        local = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        emb = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(emb, self.group)  # (B, T/tp, H)
+        return reduce_from_tp_region(emb, self.group)                          # (B, T, H)
+
+
+def parallel_lm_logits(hidden: torch.Tensor, word_embedding_weight: torch.Tensor, group: Group,
+                       sequence_parallel: bool = False,
+                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Tied output layer: this rank's vocabulary slice of the logits.
+
+    ``hidden [B, T, H]`` (``[B, T/tp, H]`` with ``sequence_parallel``, all-gathered first),
+    ``word_embedding_weight [V/tp, H]`` (the rank's embedding partition), optional
+    ``bias [V/tp]`` -> logits ``[B, T, V/tp]``. The entry mapping (Megatron's ``f``, or the
+    sequence all-gather whose backward reduce-scatters) sums the hidden-state gradient over
+    TP, since each rank's vocabulary slice contributes a part of it.
+    """
+    if sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, group)  # (B, T, H)
+    else:
+        hidden = copy_to_tp_region(hidden, group)
+    return F.linear(hidden, word_embedding_weight, bias)              # (B, T, V/tp)

@@ -1,0 +1,112 @@
+"""GPTConfig: the model's sizes and regularisation, and the padded vocabulary size.
+
+The vocabulary is padded so that the word embedding and output layer split evenly over the
+tensor-parallel ranks and keep matmul-friendly shapes (Megatron-LM's
+``--make-vocab-size-divisible-by``). Padded rows are zero, masked out of the softmax and
+never trained (docs/design.md, contract 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Smallest multiple of ``divisible_by * tp_size`` that is >= ``vocab_size``.
+
+    Example: ``padded_vocab_size(1001, 128, 2) == 1024``; ``(50257, 128, 1) == 50304``.
+    Raises ValueError when any argument is below 1.
+    """
+    if vocab_size < 1 or divisible_by < 1 or tp_size < 1:
+        raise ValueError(f"vocab_size ({vocab_size}), --make-vocab-size-divisible-by "
+                         f"({divisible_by}) and tp ({tp_size}) must all be >= 1")
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class GPTConfig:
+    """Sizes of a GPT-2-style decoder (Radford et al. 2019) and its regularisation."""
+
+    vocab_size: int
+    """Real vocabulary size (tokens the tokenizer can produce), before padding."""
+    num_layers: int
+    """Number of transformer blocks."""
+    hidden_size: int
+    """Model width H (elements)."""
+    num_attention_heads: int
+    """Attention heads; H must divide by it, and it by the tensor-parallel size."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width F (elements); ``None`` means ``4 * hidden_size``."""
+    seq_length: int = 1024
+    """Tokens per training sample T."""
+    max_position_embeddings: Optional[int] = None
+    """Rows of the learned position embedding; ``None`` means ``seq_length``."""
+    hidden_dropout: float = 0.1
+    """Dropout probability after the embedding and on each residual branch."""
+    attention_dropout: float = 0.1
+    """Dropout probability on the attention probabilities."""
+    tie_embeddings: bool = True
+    """Share the word embedding with the output layer (GPT-2); False adds ``output.weight``."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights (GPT-2)."""
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocabulary is a multiple of this times the tensor-parallel size."""
+    sequence_parallel: bool = False
+    """Partition LayerNorm/dropout activations along the sequence over TP ranks
+    (Korthikanti et al. 2022); needs ``seq_length`` divisible by the TP size."""
+    params_dtype: torch.dtype = torch.float32
+    """dtype of the model parameters (the fp32 master copy lives in the optimizer)."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy loss (0 = none)."""
+    norm_backend: str = "auto"
+    """LayerNorm kernels: ``auto``, ``apex``, ``torch`` or ``reference`` (megazero.ops.norm)."""
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab(self, tp_size: int) -> int:
+        """Padded vocabulary size for ``tp_size`` tensor-parallel ranks (see padded_vocab_size)."""
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp_size)
+
+    def validate(self, tp_size: int) -> None:
+        """Check the sizes against ``tp_size`` before any collective.
+
+        Raises ValueError with one message naming the setting and the fix.
+        """
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(msg)
+
+        for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
+                     "ffn_hidden_size", "seq_length", "max_position_embeddings"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, "
+                                           f"got {getattr(self, name)}")
+        need(self.hidden_size % self.num_attention_heads == 0,
+             f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+             f"{self.num_attention_heads}; choose sizes with hidden = heads * head_dim")
+        need(self.num_attention_heads % tp_size == 0,
+             f"--num-attention-heads {self.num_attention_heads} is not divisible by --tp "
+             f"{tp_size}; use a tensor-parallel size that divides the head count")
+        need(self.ffn_hidden_size % tp_size == 0,
+             f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by --tp {tp_size}")
+        need(self.seq_length <= self.max_position_embeddings,
+             f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+             f"{self.max_position_embeddings}; raise the latter")
+        need(not self.sequence_parallel or self.seq_length % tp_size == 0,
+             f"--sequence-parallel needs --seq-length {self.seq_length} divisible by --tp "
+             f"{tp_size}")
+        for name in ("hidden_dropout", "attention_dropout", "label_smoothing"):
+            need(0.0 <= getattr(self, name) < 1.0,
+                 f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")

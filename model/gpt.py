@@ -1,0 +1,360 @@
+"""GPT-2-style decoder built from megazero's tensor-parallel layers.
+
+The model (Radford et al. 2019; nanoGPT's layout) is: word + learned position embedding,
+``num_layers`` pre-LayerNorm blocks ``x + attn(ln1(x))``, ``x + mlp(ln2(x))``, a final
+LayerNorm and an output layer tied to the word embedding (or its own ``output.weight``).
+Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, sec. 3): the fused QKV and
+``fc1`` are column-parallel (each rank holds whole heads / ``F/tp`` hidden units), ``proj``
+and ``fc2`` are row-parallel, the word embedding and logits are split by vocabulary rows and
+the loss is computed without gathering the logits. With sequence parallelism (Korthikanti
+et al. 2022) the LayerNorm / dropout / residual activations are ``[B, T/tp, H]``.
+
+Dropout draws from an ``RNGTracker``: the embedding and residual dropouts act on a
+replicated region (same mask on every TP rank, the ``"replicated"`` stream), or, with
+sequence parallelism, on different token chunks (the ``"tp"`` stream); attention dropout acts
+on this rank's heads (``"tp"`` stream). ``scaled_dot_product_attention`` draws its dropout
+from the global generator, so it runs inside ``tracker.fork("tp")``, which swaps the tp
+stream in for the call.
+
+Initialisation is layout independent (STYLE.md, 6): ``init_full_weights`` makes every full
+tensor from (seed, canonical name) alone and a stage keeps its partitions.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero import collectives as C
+from megazero.ops.norm import LayerNorm
+from megazero.process_groups import ProcessGroups
+from megazero.tensor_parallel import tags
+from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                             VocabParallelEmbedding, parallel_lm_logits)
+from megazero.tensor_parallel.mappings import gather_from_tp_region
+from megazero.tensor_parallel.random import RNGTracker, dropout
+from model.config import GPTConfig
+
+
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output.weight")
+_SCALED_INIT = (".attn.proj.weight", ".mlp.fc2.weight")
+
+
+def canonical_shapes(cfg: GPTConfig, padded_vocab: int) -> dict[str, tuple]:
+    """Canonical name -> full shape (docs/design.md, "Interfaces" > Model)."""
+    H, F_, V = cfg.hidden_size, cfg.ffn_hidden_size, padded_vocab
+    shapes = {"embedding.word_embeddings.weight": (V, H),
+              "embedding.position_embeddings.weight": (cfg.max_position_embeddings, H)}
+    for i in range(cfg.num_layers):
+        for name, shape in (("ln1.weight", (H,)), ("ln1.bias", (H,)),
+                            ("attn.qkv.weight", (3 * H, H)), ("attn.qkv.bias", (3 * H,)),
+                            ("attn.proj.weight", (H, H)), ("attn.proj.bias", (H,)),
+                            ("ln2.weight", (H,)), ("ln2.bias", (H,)),
+                            ("mlp.fc1.weight", (F_, H)), ("mlp.fc1.bias", (F_,)),
+                            ("mlp.fc2.weight", (H, F_)), ("mlp.fc2.bias", (H,))):
+            shapes[f"layers.{i}.{name}"] = shape
+    shapes["final_ln.weight"] = shapes["final_ln.bias"] = (H,)
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (V, H)
+    return shapes
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded from a stable hash of ``"{seed}:{name}"`` (not Python's hash)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def init_full_weights(cfg: GPTConfig, seed: int, tp_size: int = 1,
+                      names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
+    """Every full (unpartitioned) fp32 tensor of the model, from (seed, canonical name) alone.
+
+    GPT-2 initialisation: weights ~ N(0, init_method_std), the residual output projections
+    (``attn.proj``, ``mlp.fc2``) scaled by ``1/sqrt(2 * num_layers)``, biases 0, LayerNorm
+    weight 1 and bias 0. Vocabulary tensors draw ``[vocab_size, H]`` and are zero-padded to
+    ``cfg.padded_vocab(tp_size)`` rows, so the real rows do not depend on ``tp_size``.
+    ``names`` restricts the result to those canonical names (e.g. one pipeline stage's).
+    Raises KeyError for a name that is not canonical.
+    """
+    shapes = canonical_shapes(cfg, cfg.padded_vocab(tp_size))
+    scaled_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
+    full = {}
+    for name in (shapes if names is None else names):
+        shape = shapes[name]
+        if name.endswith(".bias"):
+            t = torch.zeros(shape)
+        elif name.split(".")[-2] in ("ln1", "ln2", "final_ln"):  # LayerNorm weights
+            t = torch.ones(shape)
+        else:
+            std = scaled_std if name.endswith(_SCALED_INIT) else cfg.init_method_std
+            rows = cfg.vocab_size if name in VOCAB_TENSORS else shape[0]
+            t = torch.randn((rows, *shape[1:]), generator=_generator(seed, name)) * std
+            t = F.pad(t, (0, 0, 0, shape[0] - rows))  # zero rows past the real vocabulary
+        full[name] = t
+    return full
+
+
+def _resize_vocab(t: torch.Tensor, vocab_size: int, padded: int) -> torch.Tensor:
+    """Keep the real rows of a vocabulary tensor and zero-pad them to ``padded`` rows."""
+    return F.pad(t[:vocab_size], (0, 0, 0, padded - vocab_size))
+
+
+class Embedding(nn.Module):
+    """Vocabulary-parallel word embedding plus learned positions (replicated over TP).
+
+    tokens ``[B, T]`` -> ``[B, T, H]`` (``[B, T/tp, H]`` with sequence parallelism: the word
+    lookup is reduce-scattered along the sequence and this chunk's positions are added, so
+    the position-embedding gradient is partial per rank and tagged ``sequence_parallel``).
+    With ``with_positions=False`` it holds only the word embedding (the last stage's copy
+    of a tied weight).
+    """
+
+    def __init__(self, cfg: GPTConfig, group, sp: bool, with_positions: bool, device=None):
+        super().__init__()
+        self.group, self.sp = group, sp
+        self.word_embeddings = VocabParallelEmbedding(
+            cfg.padded_vocab(C.group_size(group)), cfg.hidden_size, group,
+            dtype=cfg.params_dtype, device=device, sequence_parallel=sp)
+        if with_positions:
+            # _weight: start from zeros (load_full_weights fills it) without drawing from
+            # torch's global generator, which nn.Embedding's own init would advance
+            zeros = torch.zeros(cfg.max_position_embeddings, cfg.hidden_size,
+                                dtype=cfg.params_dtype, device=device)
+            self.position_embeddings = nn.Embedding(*zeros.shape, _weight=zeros)
+            tags.set_replicated(self.position_embeddings.weight, sequence_parallel=sp)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens)                             # (B, T or T/tp, H)
+        start = C.group_rank(self.group) * x.shape[1] if self.sp else 0
+        positions = torch.arange(start, start + x.shape[1], device=tokens.device)
+        return x + self.position_embeddings(positions)
+
+
+class Attention(nn.Module):
+    """Causal self-attention over this rank's ``n_head/tp`` heads.
+
+    ``[B, T(/tp), H] -> [B, T(/tp), H]``. The QKV weight is column-parallel with stride 3
+    over the canonical ``[q; k; v]`` rows, so each rank holds q, k and v of whole heads.
+    """
+
+    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None):
+        super().__init__()
+        H, tp = cfg.hidden_size, C.group_size(group)
+        self.heads_local, self.head_dim = cfg.num_attention_heads // tp, cfg.head_dim
+        self.dropout_p, self.tracker = cfg.attention_dropout, tracker
+        self.qkv = ColumnParallelLinear(H, 3 * H, group, sequence_parallel=sp, stride=3,
+                                        dtype=cfg.params_dtype, device=device)
+        self.proj = RowParallelLinear(H, H, group, input_is_parallel=True,
+                                      sequence_parallel=sp, dtype=cfg.params_dtype,
+                                      device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)                                   # (B, T, 3H/tp) = [q; k; v] local
+        B, T, _ = qkv.shape
+        # (B, T, H/tp) each -> (B, n_head/tp, T, head_dim)
+        q, k, v = (t.view(B, T, self.heads_local, self.head_dim).transpose(1, 2)
+                   for t in qkv.chunk(3, dim=-1))
+        p = self.dropout_p if self.training else 0.0
+        if p > 0:
+            with self.tracker.fork("tp"):
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, self.heads_local * self.head_dim)  # (B, T, H/tp)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    """``fc2(gelu(fc1(x)))`` with exact (erf) GELU; fc1 column-, fc2 row-parallel."""
+
+    def __init__(self, cfg: GPTConfig, group, sp: bool, device=None):
+        super().__init__()
+        H, F_ = cfg.hidden_size, cfg.ffn_hidden_size
+        self.fc1 = ColumnParallelLinear(H, F_, group, sequence_parallel=sp,
+                                        dtype=cfg.params_dtype, device=device)
+        self.fc2 = RowParallelLinear(F_, H, group, input_is_parallel=True,
+                                     sequence_parallel=sp, dtype=cfg.params_dtype,
+                                     device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))                # (B, T, F/tp) inside
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block with residual dropout (``hidden_dropout``)."""
+
+    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None):
+        super().__init__()
+        self.ln1 = _layer_norm(cfg, sp, device)
+        self.attn = Attention(cfg, group, sp, tracker, device)
+        self.ln2 = _layer_norm(cfg, sp, device)
+        self.mlp = MLP(cfg, group, sp, device)
+        self.tracker, self.p = tracker, cfg.hidden_dropout
+        self.region = "tp" if sp else "replicated"
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.tracker.generator(self.region), self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.ln1(x)))
+        return x + self._drop(self.mlp(self.ln2(x)))
+
+
+def _layer_norm(cfg: GPTConfig, sp: bool, device) -> nn.Module:
+    ln = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, backend=cfg.norm_backend,
+                   dtype=cfg.params_dtype, device=device)
+    for p in ln.parameters():
+        tags.set_replicated(p, sequence_parallel=sp)
+    return ln
+
+
+class GPTStage(nn.Module):
+    """One pipeline model chunk of the GPT: optional embedding, some blocks, optional head.
+
+    Args:
+        cfg: model sizes; validated against the TP size (ValueError names the setting).
+        groups: this rank's ProcessGroups; ``groups.tp`` partitions the layers.
+        layer_ids: global ids of the blocks held here (``layers.{id}.*`` parameter names).
+        pre_process: holds the embedding (first chunk of the first stage).
+        post_process: holds the final LayerNorm and the output layer (last chunk).
+        seed: initialisation seed (``init_full_weights``); the dropout tracker, unless
+            given, is seeded with ``seed + 100 * pp_rank`` (Megatron's convention).
+        full_weights: canonical full tensors to slice instead of ``init_full_weights``.
+        rng_tracker: share one tracker between the chunks of an interleaved schedule.
+        device: where the parameters live and the dropout masks are drawn (default CPU);
+            build the stage on its device rather than moving it, since the tracker's
+            generators stay on the device they were made for.
+
+    With tied embeddings a last stage that is not also the first keeps its own copy of the
+    word-embedding partition (same name, same initial value); when ``pp_size > 1`` both
+    copies are tagged ``shared_embedding`` (counted in norms on the first stage only) and
+    the trainer sums their gradients over the embedding group.
+    """
+
+    def __init__(self, cfg: GPTConfig, groups: ProcessGroups, layer_ids: Iterable[int],
+                 pre_process: bool, post_process: bool, seed: int, *,
+                 full_weights: Optional[dict[str, torch.Tensor]] = None,
+                 rng_tracker: Optional[RNGTracker] = None, device=None):
+        super().__init__()
+        cfg.validate(groups.tp_size)
+        self.cfg, self.groups, self.tp = cfg, groups, groups.tp
+        self.layer_ids = list(layer_ids)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.padded_vocab = cfg.padded_vocab(groups.tp_size)
+        self.sp = cfg.sequence_parallel and groups.tp_size > 1
+        self.rng_tracker = rng_tracker or RNGTracker(seed + 100 * groups.pp_rank,
+                                                     groups.tp_rank, device or "cpu")
+        if pre_process or (post_process and cfg.tie_embeddings):
+            self.embedding = Embedding(cfg, self.tp, self.sp, pre_process, device)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
+                                                   device) for i in self.layer_ids})
+        if post_process:
+            self.final_ln = _layer_norm(cfg, self.sp, device)
+            if not cfg.tie_embeddings:
+                self.output = ColumnParallelLinear(
+                    cfg.hidden_size, self.padded_vocab, self.tp, bias=False,
+                    sequence_parallel=self.sp, dtype=cfg.params_dtype, device=device)
+        if groups.pp_size > 1 and cfg.tie_embeddings and (pre_process or post_process):
+            tags.set_shared_embedding(self.embedding.word_embeddings.weight,
+                                      counted_here=pre_process)
+        if full_weights is None:
+            names = [n for n, _ in self.named_parameters()]
+            full_weights = init_full_weights(cfg, seed, groups.tp_size, names)
+        self.load_full_weights(full_weights)
+
+    @torch.no_grad()
+    def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's partition of each canonical full tensor into the parameters.
+
+        Vocabulary tensors may have any number of rows >= ``vocab_size`` (e.g. padded for
+        another TP size): the real rows are kept and re-padded with zeros to this layout's
+        padded vocabulary. Partitions follow each parameter's tags. Raises KeyError naming
+        a missing tensor, ValueError on a shape mismatch.
+        """
+        tp_rank, tp_size = self.groups.tp_rank, self.groups.tp_size
+        for name, p in self.named_parameters():
+            if name not in full:
+                raise KeyError(f"full weights lack {name!r}, needed by this stage")
+            src = full[name]
+            if name in VOCAB_TENSORS:
+                src = _resize_vocab(src, self.cfg.vocab_size, self.padded_vocab)
+            if tags.is_partitioned(p):
+                src = tags.partition_tensor(src, p.partition_dim, tp_rank, tp_size,
+                                            p.partition_stride)
+            if src.shape != p.shape:
+                raise ValueError(f"{name}: full tensor gives a partition of shape "
+                                 f"{tuple(src.shape)}, parameter is {tuple(p.shape)}")
+            p.copy_(src)
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run this chunk.
+
+        ``x``: token ids ``[B, T]`` with ``pre_process``, else hidden ``[B, T, H]``
+        (``[B, T/tp, H]`` with sequence parallelism). Returns, with ``post_process``,
+        per-token losses ``[B, T]`` fp32 when ``labels [B, T]`` is given, else this rank's
+        vocabulary partition of the logits ``[B, T, V_pad/tp]``; otherwise the hidden
+        states for the next stage. Raises ValueError when ``T`` exceeds
+        ``max_position_embeddings`` or (sequence parallel) is not divisible by tp.
+        """
+        if self.pre_process:
+            if x.shape[1] > self.cfg.max_position_embeddings:
+                raise ValueError(f"sequence of {x.shape[1]} tokens exceeds "
+                                 f"--max-position-embeddings {self.cfg.max_position_embeddings}")
+            x = self.embedding(x)                                    # (B, T(/tp), H)
+            region = "tp" if self.sp else "replicated"
+            x = dropout(x, self.cfg.hidden_dropout, self.rng_tracker.generator(region),
+                        self.training)
+        for layer in self.layers.values():
+            x = layer(x)
+        if not self.post_process:
+            return x
+        x = self.final_ln(x)
+        if self.cfg.tie_embeddings:
+            logits = parallel_lm_logits(x, self.embedding.word_embeddings.weight, self.tp,
+                                        sequence_parallel=self.sp)  # (B, T, V_pad/tp)
+        else:
+            logits = self.output(x)                                  # (B, T, V_pad/tp)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(
+            logits, labels, self.tp, label_smoothing=self.cfg.label_smoothing,
+            vocab_size=self.cfg.vocab_size, padded_vocab_size=self.padded_vocab)
+
+
+@torch.no_grad()
+def generate_greedy(stage: GPTStage, prompt_ids: torch.Tensor, max_new_tokens: int
+                    ) -> torch.Tensor:
+    """Greedy decoding with a whole-model stage (pp == 1): ``[B, T0] -> [B, T0 + new]``.
+
+    Each step runs the last ``max_position_embeddings`` tokens without dropout, gathers the
+    vocabulary partitions of the last position's logits over TP and takes the argmax over
+    the real vocabulary (padded columns ignored). Under sequence parallelism the context is
+    right-padded to a multiple of tp, which causal attention keeps invisible to the real
+    positions. Raises ValueError when the stage lacks the embedding or the output layer.
+    """
+    if not (stage.pre_process and stage.post_process):
+        raise ValueError("generate_greedy needs the whole model in one stage (pp == 1)")
+    cfg, tp = stage.cfg, stage.groups.tp_size
+    window = cfg.max_position_embeddings
+    if stage.sp:
+        window -= window % tp
+    was_training = stage.training
+    stage.eval()
+    ids = prompt_ids
+    try:
+        for _ in range(max_new_tokens):
+            context = ids[:, -window:]                               # (B, t)
+            t = context.shape[1]
+            if stage.sp:
+                context = F.pad(context, (0, (-t) % tp))             # (B, t rounded up to tp)
+            logits = stage(context)[:, t - 1]                        # (B, V_pad/tp)
+            logits = gather_from_tp_region(logits, stage.tp)[:, :cfg.vocab_size]  # (B, V)
+            ids = torch.cat([ids, logits.argmax(dim=-1, keepdim=True)], dim=1)
+    finally:
+        stage.train(was_training)
+    return ids

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# GPU check, run on a machine with NVIDIA GPUs: bash scripts/gpu_check.sh
+#
+# 1. prints the torch / CUDA / cuDNN / NCCL / apex versions and the GPUs;
+# 2. runs the CUDA-marked tests (pytest -m cuda tests/): kernel backends on the GPU, ...;
+# 3. an NCCL smoke on min(2, #GPUs) ranks through torchrun: all-reduce, reduce-scatter and
+#    all-gather through megazero.collectives, checked against their closed-form results;
+# 4. a short training run on the GPU(s): scripts/pretrain_gpt.sh --dp N $GPU_CHECK_TRAIN_ARGS
+#    (default "--device cuda --mock-data --train-iters 5"; GPU_CHECK_TRAIN=0 skips it).
+# Exits non-zero at the first failing step.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$MEGAZERO_ROOT"
+
+echo "== versions"
+"$PY" - <<'PY'
+import torch
+from megazero.ops.backend import apex_available, describe_backends
+print("torch", torch.__version__, "| cuda", torch.version.cuda, "| cudnn", torch.backends.cudnn.version())
+assert torch.cuda.is_available(), "no CUDA device visible: this script needs a GPU machine"
+print("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+for i in range(torch.cuda.device_count()):
+    print(f"gpu {i}:", torch.cuda.get_device_name(i))
+try:
+    import apex
+    print("apex", getattr(apex, "__version__", "installed"), "| CUDA extensions:", apex_available())
+except ImportError:
+    print("apex not installed")
+print(describe_backends(torch.device("cuda", 0)))
+PY
+
+echo "== pytest -m cuda"
+"$PY" -m pytest -q -m cuda tests/
+
+NGPU=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
+echo "== NCCL smoke on $NGPU rank(s)"
+SMOKE="$(mktemp -d)/nccl_smoke.py"
+cat > "$SMOKE" <<'PY'
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megazero import collectives
+
+local = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", local))
+group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+dev = torch.device("cuda", local)
+t = torch.full((8,), float(rank + 1), device=dev)
+collectives.all_reduce_sum(t, group)
+assert torch.all(t == world * (world + 1) / 2), t
+full = torch.arange(4 * world, dtype=torch.float32, device=dev) * (rank + 1)
+shard = torch.empty(4, device=dev)
+collectives.reduce_scatter_sum(shard, full, group)
+expected = torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32, device=dev) * world * (world + 1) / 2
+assert torch.equal(shard, expected), (shard, expected)
+out = torch.empty(4 * world, device=dev)
+collectives.all_gather_into(out, torch.full((4,), float(rank), device=dev), group)
+assert torch.equal(out, torch.arange(world, device=dev).float().repeat_interleave(4)), out
+torch.cuda.synchronize()
+if rank == 0:
+    print(f"NCCL smoke ok on {world} rank(s)")
+dist.destroy_process_group()
+PY
+PYTHONPATH="$MEGAZERO_ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" "$SMOKE"
+
+if [ "${GPU_CHECK_TRAIN:-1}" != 0 ]; then
+  echo "== training smoke: --dp $NGPU ${GPU_CHECK_TRAIN_ARGS:---device cuda --mock-data --train-iters 5}"
+  # shellcheck disable=SC2086  # the extra arguments are meant to split into words
+  bash scripts/pretrain_gpt.sh --dp "$NGPU" ${GPU_CHECK_TRAIN_ARGS:---device cuda --mock-data --train-iters 5}
+fi
+echo "== gpu_check passed"

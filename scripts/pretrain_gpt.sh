@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Front door: bash scripts/pretrain_gpt.sh [--tp T] [--pp P] [--dp D] [--nnodes N] [--node-rank R]
+#             [--master-addr A] [--master-port PORT] [--data-dir DIR] [train.py flags ...]
+#
+# Launches torchrun with T*P*D/N processes per node. Every flag it does not know goes to
+# train.py unchanged. Without --data-path (and without --mock-data) it prepares the embedded
+# default corpus once (Python standard library -> sentencepiece tokenizer -> .bin/.idx) under
+# --data-dir (default: $MEGAZERO_DATA_DIR or <repo>/.cache/data) and trains on it.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$MEGAZERO_ROOT"
+
+TP=1; PP=1; DP=1; NNODES=1; NODE_RANK=0; MASTER_ADDR=127.0.0.1; MASTER_PORT=""
+DATA_DIR="${MEGAZERO_DATA_DIR:-$MEGAZERO_ROOT/.cache/data}"
+ARGS=(); HAVE_DATA=0; RUN_DIR=""; HAVE_TOK=0
+need() { [ "$#" -ge 2 ] || { echo "megazero: config error: $1 needs a value" >&2; exit 2; }; }
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --tp|--tensor-model-parallel-size) need "$@"; TP="$2"; shift 2 ;;
+    --pp|--pipeline-model-parallel-size) need "$@"; PP="$2"; shift 2 ;;
+    --dp|--data-parallel-size) need "$@"; DP="$2"; shift 2 ;;
+    --nnodes) need "$@"; NNODES="$2"; shift 2 ;;
+    --node-rank) need "$@"; NODE_RANK="$2"; shift 2 ;;
+    --master-addr) need "$@"; MASTER_ADDR="$2"; shift 2 ;;
+    --master-port) need "$@"; MASTER_PORT="$2"; shift 2 ;;
+    --data-dir) need "$@"; DATA_DIR="$2"; shift 2 ;;
+    --run-dir) need "$@"; RUN_DIR="$2"; shift 2 ;;
+    --data-path|--mock-data) HAVE_DATA=1; ARGS+=("$1"); shift ;;
+    --tokenizer-model) HAVE_TOK=1; ARGS+=("$1"); shift ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+for v in TP PP DP NNODES NODE_RANK; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] && [ "${!v}" -ge 0 ] || { echo "megazero: config error: --$(echo $v | tr 'A-Z_' 'a-z-') must be a whole number, got '${!v}'" >&2; exit 2; }
+done
+WORLD=$((TP * PP * DP))
+if [ "$WORLD" -lt 1 ] || [ $((WORLD % NNODES)) -ne 0 ]; then
+  echo "megazero: config error: --tp x --pp x --dp = $WORLD is not divisible by --nnodes $NNODES; choose sizes whose product is a multiple of the node count" >&2
+  exit 2
+fi
+NPROC=$((WORLD / NNODES))
+
+if [ "$HAVE_DATA" = 0 ]; then
+  echo "[megazero] no --data-path: preparing the embedded default corpus under $DATA_DIR (once)"
+  PREP_OUT="$("$PY" -m data.prepare --data-dir "$DATA_DIR" | tee /dev/stderr)"
+  DATA_PATH="$(printf '%s\n' "$PREP_OUT" | sed -n 's/^DATA_PATH=//p' | tail -n 1)"
+  TOKENIZER_MODEL="$(printf '%s\n' "$PREP_OUT" | sed -n 's/^TOKENIZER_MODEL=//p' | tail -n 1)"
+  [ -n "$DATA_PATH" ] && [ -n "$TOKENIZER_MODEL" ] || { echo "megazero: data preparation did not report DATA_PATH/TOKENIZER_MODEL" >&2; exit 1; }
+  ARGS+=(--data-path "$DATA_PATH")
+  [ "$HAVE_TOK" = 1 ] || ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
+fi
+
+[ -n "$RUN_DIR" ] || RUN_DIR="$MEGAZERO_ROOT/runs/$(date +%Y%m%d-%H%M%S)-tp${TP}pp${PP}dp${DP}"
+mkdir -p "$RUN_DIR"
+[ -n "$MASTER_PORT" ] || MASTER_PORT=$(( 20000 + RANDOM % 20000 ))
+# Share the cores between the ranks of this node (torch would otherwise start one thread per core in each).
+CORES=$(nproc 2>/dev/null || echo 1)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
+
+echo "[megazero] run directory: $RUN_DIR"
+echo "[megazero] TensorBoard:   tensorboard --logdir $RUN_DIR/tensorboard"
+echo "[megazero] launching $NPROC process(es) on this node (tp=$TP pp=$PP dp=$DP, nnodes=$NNODES)"
+set +e
+"$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"
+rc=$?
+set -e
+echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
+exit $rc

@@ -1,0 +1,83 @@
+"""Global gradient norm: every element of the full model counted exactly once at tp 1, 2, 4,
+with pipeline-tied embeddings, and through the ZeRO optimizer (shards summed over DP)."""
+import math
+
+import pytest
+import torch
+
+from megazero.data_parallel.ddp import DataParallel
+from megazero.optim.clip import clip_coefficient, grad_norm_of_params
+from megazero.optim.zero import DistributedOptimizer
+from megazero.process_groups import ProcessGroups
+from megazero.topology import Topology
+from model.gpt import GPTStage, init_full_weights
+from tests.distributed import run_distributed
+from tests.reference import ReferenceGPT
+from tests.test_zero import SEED, make_batches, tiny_cfg
+
+
+def _stage(cfg, groups, pp_rank, pp):
+    layers = range(cfg.num_layers * pp_rank // pp, cfg.num_layers * (pp_rank + 1) // pp)
+    return GPTStage(cfg, groups, layers, pp_rank == 0, pp_rank == pp - 1, SEED)
+
+
+def _norm_run(rank, world, tokens, labels):
+    cfg = tiny_cfg(vocab_size=64, num_attention_heads=4)   # padded vocab 64 at tp 1, 2, 4
+    out = {}
+    for tp, pp in ((1, 1), (2, 1), (4, 1), (2, 2), (1, 2)):
+        groups = ProcessGroups.build(Topology(tp=tp, pp=pp, dp=world // (tp * pp)))
+        model = _stage(cfg, groups, groups.pp_rank, pp)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        ones = grad_norm_of_params(model.parameters(), groups)
+        real = None
+        if pp == 1:
+            for p in model.parameters():
+                p.grad = None
+            (model(tokens, labels).sum() / labels.numel()).backward()
+            real = grad_norm_of_params(model.parameters(), groups)
+        out[tp, pp] = (ones, real)
+    # through ZeRO-2 at tp 2 x dp 2: shards summed over DP, replicated params once
+    groups = ProcessGroups.build(Topology(tp=2, pp=1, dp=2))
+    model = _stage(cfg, groups, 0, 1)
+    ddp = DataParallel([model], groups, zero_stage=2, bucket_size=101, overlap_comm=True)
+    opt = DistributedOptimizer(ddp, groups, lr=0.0, clip_grad=1e-3)
+    opt.zero_grad()
+    ddp.before_backward(0, True)
+    rows = tokens.shape[0] // 2
+    r = groups.dp_rank
+    (model(tokens[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]).sum()
+     / (labels.numel() // 2)).backward()   # / this DP rank's tokens; DP sums, divides by 2
+    out["zero2"] = opt.step().grad_norm
+    return out
+
+
+def test_norm_counts_every_element_once_at_tp_1_2_4():
+    cfg = tiny_cfg(vocab_size=64, num_attention_heads=4)
+    tokens, labels = make_batches(cfg, 1)[0]
+    results = run_distributed(_norm_run, 4, tokens, labels)
+    full = init_full_weights(cfg, SEED)
+    unique = sum(t.numel() for t in full.values())
+    ref = ReferenceGPT.from_full_weights(full, cfg.vocab_size, cfg.num_attention_heads)
+    ref.loss(tokens, labels).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
+    for out in results:
+        layouts = [k for k in out if k != "zero2"]
+        for tp, pp in layouts:
+            ones, real = out[tp, pp]
+            assert ones ** 2 == pytest.approx(unique, rel=1e-6), (tp, pp)
+            if real is not None:
+                assert real == pytest.approx(ref_norm, rel=1e-5), tp
+        assert out["zero2"] == pytest.approx(ref_norm, rel=1e-5)
+        assert out["zero2"] == results[0]["zero2"]   # identical on every rank
+
+
+def test_clip_coefficient_matches_torch():
+    g = torch.tensor([3.0, 4.0])
+    for max_norm in (1.0, 5.0, 10.0):
+        p = torch.nn.Parameter(torch.zeros(2))
+        p.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_([p], max_norm)
+        assert (g * clip_coefficient(5.0, max_norm)).tolist() == pytest.approx(p.grad.tolist())
+    assert clip_coefficient(5.0, 0.0) == 1.0
+    assert math.isnan(clip_coefficient(float("inf"), 1.0))

@@ -1,0 +1,334 @@
+"""megazero/config.py: flags, DeepSpeed JSON files (the seed documents'), derivation, validation.
+
+Pure and fast: no process groups; one subprocess shows the exit code end to end.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megazero.config import (
+    ConfigError, Config, build_parser, config_from_argv, describe, finalize, flags_table, integer,
+    load_deepspeed_config, parse_args, parse_data_path, settings, split_fractions, to_dict, validate,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SEEDS = Path(__file__).resolve().parents[2] / "shared/cases/deepspeed"
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A corpus prefix with .bin/.idx, one with only .bin, a tokenizer file, a JSON writer."""
+    for name in ("A.bin", "A.idx", "B.bin", "B.idx", "half.bin", "tok.model"):
+        (tmp_path / name).write_bytes(b"")
+
+    def write_json(obj, name="ds.json"):
+        path = tmp_path / name
+        path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+        return str(path)
+    return dict(A=str(tmp_path / "A"), B=str(tmp_path / "B"), HALF=str(tmp_path / "half"),
+                TOK=str(tmp_path / "tok.model"), DIR=str(tmp_path), json=write_json)
+
+
+def fails(argv, world, capsys):
+    """config_from_argv must exit with code 2 and one 'megazero: config error:' line; returns it."""
+    with pytest.raises(SystemExit) as exc:
+        config_from_argv(argv, world)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megazero: config error: ") and err.count("\n") == 1, err
+    return err
+
+
+M = ["--mock-data"]
+BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the message must contain)
+    "heads_not_dividing_hidden": (M + ["--hidden-size", "250"], 1, ["--hidden-size", "--num-attention-heads"]),
+    "heads_not_divisible_by_tp": (M + ["--tp", "3", "--hidden-size", "240"], 3, ["--num-attention-heads", "--tp 3"]),
+    "ffn_not_divisible_by_tp": (M + ["--tp", "2", "--ffn-hidden-size", "1023"], 2, ["--ffn-hidden-size", "--tp 2"]),
+    "layers_not_divisible_by_pp": (M + ["--pp", "3"], 3, ["--num-layers 4", "--pp 3"]),
+    "layers_not_divisible_by_pp_vp": (M + ["--pp", "2", "--virtual-pipeline-size", "4"], 2,
+                                      ["--num-layers 4", "--virtual-pipeline-size 4"]),
+    "layer_split_wrong_sum": (M + ["--pp", "2", "--pipeline-layer-split", "1,2"], 2, ["--pipeline-layer-split"]),
+    "layer_split_wrong_length": (M + ["--pp", "2", "--pipeline-layer-split", "4"], 2, ["--pipeline-layer-split"]),
+    "layer_split_zero_stage": (M + ["--pp", "2", "--pipeline-layer-split", "0,4"], 2, ["--pipeline-layer-split"]),
+    "layer_split_not_integers": (M + ["--pp", "2", "--pipeline-layer-split", "2,x"], 2, ["--pipeline-layer-split"]),
+    "global_not_divisible_by_micro_dp": (M + ["--global-batch-size", "10"], 2,
+                                         ["--global-batch-size 10", "--micro-batch-size 4"]),
+    "global_disagrees_with_three": (M + ["--global-batch-size", "16", "--gradient-accumulation-steps", "3"], 1,
+                                    ["--global-batch-size", "--gradient-accumulation-steps"]),
+    "fp16_with_bf16": (M + ["--fp16", "--bf16"], 1, ["--fp16", "--bf16"]),
+    "world_not_tp_pp_dp": (M + ["--tp", "2", "--dp", "2"], 2, ["world size 2", "--dp 2"]),
+    "world_not_divisible_by_tp_pp": (M + ["--tp", "2"], 3, ["world size 3", "--tp 2"]),
+    "seq_above_positions": (M + ["--seq-length", "512", "--max-position-embeddings", "256"], 1,
+                            ["--seq-length 512", "--max-position-embeddings 256"]),
+    "zero_stage_3": (M + ["--zero-stage", "3"], 1, ["--zero-stage", "not supported", "1 or 2"]),
+    "zero_stage_out_of_range": (M + ["--zero-stage", "5"], 1, ["--zero-stage 5", "out of range"]),
+    "no_data": ([], 1, ["--data-path", "--mock-data"]),
+    "data_files_missing": (["--data-path", "{DIR}/nope", "--tokenizer-model", "{TOK}"], 1,
+                           ["--data-path", "nope.bin"]),
+    "data_idx_missing": (["--data-path", "{HALF}", "--tokenizer-model", "{TOK}"], 1, ["--data-path", "half.idx"]),
+    "data_prefix_with_suffix": (["--data-path", "{A}.bin", "--tokenizer-model", "{TOK}"], 1,
+                                ["--data-path", "without .bin/.idx"]),
+    "blend_odd_count": (["--data-path", "0.5", "{A}", "0.5", "--tokenizer-model", "{TOK}"], 1,
+                        ["--data-path", "weight-prefix pairs"]),
+    "blend_negative_weight": (["--data-path", "-0.5", "{A}", "1.5", "{B}", "--tokenizer-model", "{TOK}"], 1,
+                              ["--data-path", "negative"]),
+    "blend_weight_not_number": (["--data-path", "{A}", "{B}", "--tokenizer-model", "{TOK}"], 1,
+                                ["--data-path", "weight"]),
+    "tokenizer_missing": (["--data-path", "{A}"], 1, ["--tokenizer-model"]),
+    "tokenizer_file_absent": (["--data-path", "{A}", "--tokenizer-model", "{DIR}/no.model"], 1,
+                              ["--tokenizer-model", "no.model not found"]),
+    "interleaved_with_pp1": (M + ["--pipeline-schedule", "interleaved"], 1, ["--pipeline-schedule", "--pp 1"]),
+    "layers_vp_with_pp1": (M + ["--virtual-pipeline-size", "2"], 1, ["--virtual-pipeline-size 2", "--pp 1"]),
+    "interleaved_microbatches_vs_pp": (M + ["--pp", "2", "--virtual-pipeline-size", "2",
+                                            "--gradient-accumulation-steps", "3"], 2,
+                                       ["--gradient-accumulation-steps 3", "--pp 2"]),
+    "vp_without_interleaved": (M + ["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "1f1b"],
+                               2, ["--virtual-pipeline-size 2", "--pipeline-schedule"]),
+    "schedule_none_with_pp": (M + ["--pp", "2", "--pipeline-schedule", "none"], 2, ["--pipeline-schedule none"]),
+    "train_iters_zero": (M + ["--train-iters", "0"], 1, ["--train-iters 0", ">= 1"]),
+    "lr_negative": (M + ["--lr", "-1"], 1, ["--lr -1"]),
+    "min_lr_above_lr": (M + ["--lr", "1e-4", "--min-lr", "1e-3"], 1, ["--min-lr", "--lr"]),
+    "hidden_dropout_one": (M + ["--hidden-dropout", "1.0"], 1, ["--hidden-dropout 1.0", "< 1"]),
+    "attention_dropout_negative": (M + ["--attention-dropout", "-0.1"], 1, ["--attention-dropout"]),
+    "micro_batch_zero": (M + ["--micro-batch-size", "0"], 1, ["--micro-batch-size 0"]),
+    "reduce_bucket_zero": (M + ["--reduce-bucket-size", "0"], 1, ["--reduce-bucket-size 0"]),
+    "allgather_bucket_zero": (M + ["--allgather-bucket-size", "0"], 1, ["--allgather-bucket-size 0"]),
+    "split_not_numbers": (M + ["--split", "a,b"], 1, ["--split"]),
+    "unknown_flag": (M + ["--hiden-size", "64"], 1, ["--hiden-size"]),
+    "wrong_type": (M + ["--hidden-size", "abc"], 1, ["--hidden-size", "abc"]),
+    "bad_choice": (M + ["--device", "tpu"], 1, ["--device", "tpu"]),
+    "dp_zero": (M + ["--dp", "0"], 1, ["--dp 0"]),
+    "sequence_parallel_seq_vs_tp": (M + ["--tp", "4", "--sequence-parallel", "--seq-length", "30",
+                                         "--hidden-size", "64"], 4, ["--sequence-parallel", "--seq-length 30"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_configuration_exits_2_naming_the_flag(case, files, capsys):
+    argv, world, expected = BAD[case]
+    err = fails([a.format(**files) for a in argv], world, capsys)
+    for text in expected:
+        assert text in err, (case, err)
+    assert "fix" in err or case.startswith("layer"), err  # pipeline/partition.py words its fixes itself
+
+
+def test_exit_code_2_end_to_end_in_a_subprocess():
+    code = ("from megazero.config import config_from_argv\n"
+            "config_from_argv(['--mock-data', '--hidden-size', '250'], world_size=1)\n"
+            "print('not reached')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert out.stderr.startswith("megazero: config error: --hidden-size 250 is not divisible by "
+                                 "--num-attention-heads 4")
+
+
+def test_default_config_validates_and_derives():
+    cfg = config_from_argv(["--mock-data"], 1)
+    assert (cfg.parallel.dp, cfg.train.gradient_accumulation_steps, cfg.train.global_batch_size) == (1, 1, 4)
+    assert (cfg.model.ffn_hidden_size, cfg.model.max_position_embeddings) == (1024, 256)
+    assert (cfg.optim.lr_decay_iters, cfg.data.vocab_size, cfg.warnings) == (300, 1024, [])
+    assert cfg.parallel.pipeline_schedule == "1f1b" and cfg.zero.stage == 0
+
+
+def test_real_data_with_blend_validates(files):
+    argv = ["--data-path", "0.75", files["A"], "0.25", files["B"], "--tokenizer-model", files["TOK"]]
+    cfg = config_from_argv(argv, 1)
+    assert parse_data_path(cfg.data.data_path) == [(0.75, files["A"]), (0.25, files["B"])]
+    assert parse_data_path([files["A"]]) == [(1.0, files["A"])]
+    assert split_fractions("969,30,1") == pytest.approx((0.969, 0.030, 0.001))
+    assert split_fractions("8/2") == pytest.approx((0.8, 0.2, 0.0))
+
+
+def test_batch_arithmetic_and_3d_layout():
+    cfg = config_from_argv(M + ["--tp", "2", "--pp", "2", "--global-batch-size", "32"], 8)
+    assert (cfg.parallel.dp, cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps) == (2, 4, 4)
+    cfg = config_from_argv(M + ["--gradient-accumulation-steps", "3", "--micro-batch-size", "2"], 2)
+    assert cfg.train.global_batch_size == 2 * 3 * 2
+    cfg = config_from_argv(M + ["--pp", "2", "--virtual-pipeline-size", "2", "--global-batch-size", "16"], 2)
+    assert cfg.parallel.pipeline_schedule == "interleaved" and cfg.train.gradient_accumulation_steps == 4
+    cfg = config_from_argv(M + ["--pp", "2", "--num-layers", "5", "--pipeline-layer-split", "2,3"], 2)
+    assert cfg.parallel.pipeline_layer_split == [2, 3]
+
+
+def test_sequence_parallel_with_tp1_is_a_warning_and_turned_off(capsys):
+    cfg = config_from_argv(M + ["--sequence-parallel"], 1)
+    assert cfg.parallel.sequence_parallel is False
+    assert any("--sequence-parallel" in w for w in cfg.warnings)
+    assert "megazero: config warning: --sequence-parallel" in capsys.readouterr().err
+    assert config_from_argv(M + ["--sequence-parallel", "--tp", "2"], 2).parallel.sequence_parallel is True
+
+
+def test_every_flag_of_the_interface_exists_and_aliases_agree():
+    flags = ("--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length "
+             "--max-position-embeddings --micro-batch-size --global-batch-size --train-iters --lr --min-lr "
+             "--lr-warmup-iters --lr-decay-iters --lr-decay-style --weight-decay --adam-beta1 --adam-beta2 "
+             "--adam-eps --clip-grad --seed --data-path --split --tokenizer-model --vocab-size --save --load "
+             "--save-interval --eval-interval --eval-iters --log-interval --tensorboard-dir --metrics-file "
+             "--run-dir --fp16 --bf16 --loss-scale --initial-scale-power --loss-scale-window --hysteresis "
+             "--min-loss-scale --zero-stage --hidden-dropout --attention-dropout --make-vocab-size-divisible-by "
+             "--untie-embeddings-and-output-weights --sequence-parallel --virtual-pipeline-size "
+             "--pipeline-schedule --pipeline-layer-split --mock-data --device --kernels --deepspeed-config "
+             "--reduce-bucket-size --allgather-bucket-size --no-overlap-comm --distributed-timeout-s "
+             "--gradient-accumulation-steps --tp --pp --dp --tensor-model-parallel-size "
+             "--pipeline-model-parallel-size --data-parallel-size --grads-in-model-dtype --steps-per-print").split()
+    known = build_parser()._option_string_actions
+    assert [f for f in flags if f not in known] == []
+    long = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "3",
+                       "--data-parallel-size", "4", "--steps-per-print", "7", "--no-overlap-comm",
+                       "--grads-in-model-dtype", "--reduce-bucket-size", "5e8"])
+    assert (long.parallel.tp, long.parallel.pp, long.parallel.dp, long.log.log_interval) == (2, 3, 4, 7)
+    assert long.zero.overlap_comm is False and long.precision.accumulate_allreduce_grads_in_fp32 is False
+    assert long.zero.reduce_bucket_size == 500_000_000 and integer("2e8") == 200_000_000
+    assert long.sources["parallel.tp"] == "--tp" and "model.num_layers" not in long.sources
+
+
+def test_flags_table_has_one_row_per_setting_with_unit():
+    table = flags_table().splitlines()
+    assert table[0] == "| flag | default | unit | meaning |"
+    assert len(table) == 2 + len(settings())
+    row = next(r for r in table if r.startswith("| `--reduce-bucket-size`"))
+    assert row == "| `--reduce-bucket-size` | `500000000` | elements | gradient reduction bucket |"
+    assert any(r.startswith("| `--tp`, `--tensor-model-parallel-size` | `1` | ranks |") for r in table)
+    assert all(s.field.metadata["help"] for s in settings())
+
+
+def test_to_dict_and_describe():
+    cfg = config_from_argv(M + ["--tp", "2", "--hidden-size", "64"], 2)
+    d = json.loads(json.dumps(to_dict(cfg)))
+    assert d["parallel"]["tp"] == 2 and d["model"]["hidden_size"] == 64 and d["train"]["global_batch_size"] == 4
+    assert set(d) == {"model", "parallel", "train", "optim", "precision", "zero", "data", "log",
+                      "deepspeed_config"}
+    text = describe(cfg)
+    assert "parallel.tp" in text and "[--tp]" in text and len(text.splitlines()) == len(settings())
+
+
+def test_validate_is_callable_on_a_built_config():
+    cfg = Config()
+    cfg.train.mock_data = True
+    finalize(cfg, 4)
+    validate(cfg, 4)
+    assert cfg.parallel.dp == 4
+    cfg.model.num_attention_heads = 3
+    with pytest.raises(ConfigError, match="--num-attention-heads 3"):
+        validate(cfg, 4)
+
+
+# -- DeepSpeed JSON -------------------------------------------------------------------------
+def seed(name):
+    path = SEEDS / name
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    return str(path)
+
+
+def assert_dynamic_fp16(cfg):
+    p = cfg.precision
+    assert (p.fp16, p.bf16, p.loss_scale, p.loss_scale_window, p.hysteresis, p.initial_scale_power,
+            p.min_loss_scale) == (True, False, 0.0, 1000, 2, 16, 1.0)
+
+
+@pytest.mark.parametrize("name,stage", [("seed000_stage1.json", 1), ("seed000_stage2.json", 2)])
+def test_seed000_micro_batch_follows_from_train_batch_size(name, stage):
+    cfg = config_from_argv(M + ["--deepspeed-config", seed(name)], 8)
+    assert cfg.zero.stage == stage
+    assert_dynamic_fp16(cfg)
+    assert (cfg.train.global_batch_size, cfg.train.gradient_accumulation_steps, cfg.train.micro_batch_size) \
+        == (32, 1, 32 // 8)
+    cfg = config_from_argv(M + ["--deepspeed-config", seed(name), "--tp", "2"], 8)
+    assert (cfg.parallel.dp, cfg.train.micro_batch_size) == (4, 8)
+
+
+def test_seed000_train_batch_size_disagreeing_with_flags(capsys):
+    err = fails(M + ["--deepspeed-config", seed("seed000_stage1.json"), "--micro-batch-size", "4"], 4, capsys)
+    assert "train_batch_size" in err and "--micro-batch-size 4" in err and "= 16" in err
+
+
+def test_seed004_full():
+    path = seed("seed004_full.json")
+    cfg = config_from_argv(M + ["--deepspeed-config", path], 1)
+    t, z = cfg.train, cfg.zero
+    assert (t.global_batch_size, t.micro_batch_size, t.gradient_accumulation_steps) == (32, 4, 8)
+    assert_dynamic_fp16(cfg)
+    assert (z.stage, z.allgather_bucket_size, z.reduce_bucket_size) == (2, 200_000_000, 200_000_000)
+    assert z.overlap_comm and z.reduce_scatter and z.contiguous_gradients and z.allgather_partitions
+    assert (cfg.optim.clip_grad, cfg.log.log_interval) == (1.0, 100)
+    assert cfg.sources["zero.reduce_bucket_size"] == f"zero_optimization.reduce_bucket_size in {path}"
+    assert config_from_argv(M + ["--deepspeed-config", path, "--tp", "2", "--pp", "2"], 4).parallel.dp == 1
+
+
+def test_seed004_full_on_two_data_parallel_ranks_fails(capsys):
+    err = fails(M + ["--deepspeed-config", seed("seed004_full.json")], 2, capsys)
+    assert "train_batch_size" in err and "train_micro_batch_size_per_gpu" in err and "= 64" in err
+
+
+def test_seed004_partial_files_combine_with_flags(capsys):
+    cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_fp16.json"), "--micro-batch-size", "2",
+                                "--global-batch-size", "16"], 2)
+    assert_dynamic_fp16(cfg)
+    assert cfg.train.gradient_accumulation_steps == 4 and cfg.sources["train.micro_batch_size"] == "--micro-batch-size"
+    cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_bf16.json")], 1)
+    assert (cfg.precision.bf16, cfg.precision.fp16) == (True, False)
+    err = fails(M + ["--deepspeed-config", seed("seed004_bf16.json"), "--fp16"], 1, capsys)
+    assert "--fp16" in err and "--bf16 (bf16.enabled in" in err
+    assert config_from_argv(M + ["--deepspeed-config", seed("seed004_fp16.json"), "--fp16"], 1).precision.fp16
+
+
+def test_seed004_stage_blocks():
+    cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_stage1.json")], 2)
+    assert (cfg.zero.stage, cfg.zero.allgather_bucket_size, cfg.zero.allgather_partitions) == (1, 500_000_000, True)
+    assert "zero.allgather_bucket_size" in cfg.sources and cfg.precision.fp16 is False
+    cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_stage2.json"), "--reduce-bucket-size", "5e8"], 2)
+    z = cfg.zero
+    assert (z.stage, z.overlap_comm, z.contiguous_gradients, z.reduce_bucket_size, z.allgather_bucket_size) \
+        == (2, True, True, 500_000_000, 500_000_000)
+
+
+def test_flag_conflicting_with_json_names_both(capsys):
+    err = fails(M + ["--deepspeed-config", seed("seed004_stage2.json"), "--reduce-bucket-size", "1000"], 1, capsys)
+    assert "--reduce-bucket-size 1000" in err and "zero_optimization.reduce_bucket_size" in err
+    err = fails(M + ["--deepspeed-config", seed("seed004_stage2.json"), "--no-overlap-comm"], 1, capsys)
+    assert "--no-overlap-comm" in err and "zero_optimization.overlap_comm" in err
+
+
+@pytest.mark.parametrize("name,keys", [
+    ("seed000_stage3.json", ["zero_optimization.stage 3", "stage 1 or 2"]),
+    ("seed004_stage3_offload.json", ["zero_optimization.stage 3", "zero_optimization.offload_optimizer",
+                                     "zero_optimization.offload_param",
+                                     "zero_optimization.stage3_prefetch_bucket_size"]),
+    ("seed004_stage2_offload_optimizer.json", ["zero_optimization.offload_optimizer", "remove it"]),
+])
+def test_stage3_and_offload_are_refused(name, keys, capsys):
+    with pytest.raises(ConfigError, match="not supported by megazero") as exc:
+        load_deepspeed_config(seed(name), parse_args(M))
+    for key in keys:
+        assert key in str(exc.value)
+    err = fails(M + ["--deepspeed-config", seed(name)], 1, capsys)
+    assert keys[0] in err and name in err
+
+
+def test_unknown_keys_warn_and_auto_is_derived(files, capsys):
+    path = files["json"]({"zero_optimization": {"stage": 1, "round_robin_gradients": True,
+                                                "offload_optimizer": {"device": "none"}},
+                          "wall_clock_breakdown": False, "train_batch_size": 16,
+                          "train_micro_batch_size_per_gpu": "auto"})
+    cfg = config_from_argv(M + ["--deepspeed-config", path], 2)
+    assert len(cfg.warnings) == 2
+    assert "'zero_optimization.round_robin_gradients'" in cfg.warnings[0]
+    assert "'wall_clock_breakdown'" in cfg.warnings[1]
+    assert capsys.readouterr().err.count("megazero: config warning: --deepspeed-config") == 2
+    assert (cfg.zero.stage, cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps) == (1, 4, 2)
+
+
+def test_json_errors_name_file_line_and_key(files, capsys):
+    path = files["json"]('{\n  "fp16": {"enabled": True}\n}', "bad.json")
+    err = fails(M + ["--deepspeed-config", path], 1, capsys)
+    assert path in err and "line 2" in err
+    path = files["json"]({"zero_optimization": {"overlap_comm": "yes"}})
+    err = fails(M + ["--deepspeed-config", path], 1, capsys)
+    assert "zero_optimization.overlap_comm" in err and "true or false" in err
+    err = fails(M + ["--deepspeed-config", files["DIR"] + "/absent.json"], 1, capsys)
+    assert "--deepspeed-config" in err and "absent.json" in err

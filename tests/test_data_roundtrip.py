@@ -1,0 +1,101 @@
+"""Text -> tokenizer -> .bin/.idx -> text is the identity (whitespace, unicode, huge and tiny docs)."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from data.corpus import is_heldout, list_files, stdlib_root, write_corpus
+from data.indexed_dataset import IndexedDataset
+from data.preprocess import merge, preprocess
+from data.tokenizer import load_tokenizer, train_tokenizer
+
+TRICKY = "Ünïcödé ☃ 日本語 — tabs\tand\r\nCRLF, a literal ▁ and ▁▁, emoji 😀, <|eod|> </s>\n\n\t \n"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """A vocabulary-400 BPE trained in the test on two stdlib modules and the tricky line."""
+    d = tmp_path_factory.mktemp("tok")
+    root = stdlib_root()
+    texts = [open(os.path.join(root, f), encoding="utf-8", newline="").read()
+             for f in ("textwrap.py", "shlex.py")] + [TRICKY]
+    with open(d / "train.jsonl", "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    return load_tokenizer(train_tokenizer(str(d / "train.jsonl"), 400, str(d / "tok"), num_threads=1))
+
+
+def test_tokenizer_interface(tok):
+    assert tok.vocab_size == 400 and tok.eod == 1
+    assert tok.eod not in tok.encode("<|eod|>")  # the text of the EOD piece is ordinary text
+    assert tok.decode(tok.encode(TRICKY)) == TRICKY
+    assert tok.decode(tok.encode("ab") + [tok.eod] + tok.encode("c")) == "abc"
+
+
+def _stdlib_samples(max_per_kind=2):
+    """Real stdlib files with tabs, with CRLF, with non-ASCII characters (as many as exist)."""
+    root, found = stdlib_root(), {"\t": [], "\r\n": [], "nonascii": []}
+    for rel in list_files(root):
+        try:
+            text = open(os.path.join(root, rel), encoding="utf-8", newline="").read()
+        except UnicodeDecodeError:
+            continue
+        for kind, hit in (("\t", "\t" in text), ("\r\n", "\r\n" in text),
+                          ("nonascii", not text.isascii())):
+            if hit and len(found[kind]) < max_per_kind:
+                found[kind].append(text)
+        if all(len(v) >= max_per_kind for v in found.values()):
+            break
+    return [t for v in found.values() for t in v]
+
+
+def test_real_stdlib_files_round_trip(tok):
+    texts = _stdlib_samples()
+    assert len(texts) >= 3  # CPython ships files with tabs and non-ASCII characters
+    for text in texts:
+        assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_jsonl_round_trip_through_bin_idx(tok, tmp_path, workers):
+    big = (open(os.path.join(stdlib_root(), "textwrap.py"), encoding="utf-8").read() + TRICKY) * 40
+    big = big[: 1 << 20]  # a 1 MB document (in characters)
+    docs = [TRICKY, "x", big, "plain ascii\n", "日"]
+    path = tmp_path / "in.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"text": docs[0]}) + "\n\n")  # a blank line: ignored
+        f.write(json.dumps({"text": ""}) + "\n")  # an empty document: skipped and counted
+        for d in docs[1:]:
+            f.write(json.dumps({"text": d}, ensure_ascii=bool(len(d) % 2)) + "\n")
+    stats = preprocess(str(path), ["text"], tok.model_path, str(tmp_path / "out"), append_eod=True,
+                       workers=workers, progress=False)
+    assert (stats["documents"], stats["empty"], stats["bad_lines"]) == (5, 1, 0)
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds.dtype == np.uint16 and ds.num_documents == 5 and ds.num_tokens == stats["tokens"]
+    for i, text in enumerate(docs):
+        ids = ds[i]
+        assert ids[-1] == tok.eod and tok.eod not in ids[:-1].tolist()  # length includes the EOD
+        assert tok.decode(ids.tolist()) == text
+    merged = str(tmp_path / "merged")
+    merge([str(tmp_path / "out_text_document")] * 2, merged)
+    m = IndexedDataset(merged)
+    assert [tok.decode(m[i].tolist()) for i in range(len(m))] == docs + docs
+
+
+def test_corpus_is_deterministic_and_file_disjoint(tmp_path):
+    root = os.path.join(stdlib_root(), "json")  # a small package stands in for the whole stdlib
+    c = write_corpus(str(tmp_path / "a"), root, heldout_per_10k=3000)
+    write_corpus(str(tmp_path / "b"), root, heldout_per_10k=3000)
+    for part in ("train", "heldout"):
+        assert open(tmp_path / "a" / f"{part}.jsonl", "rb").read() == \
+            open(tmp_path / "b" / f"{part}.jsonl", "rb").read()
+    rows = {part: [json.loads(line) for line in open(tmp_path / "a" / f"{part}.jsonl", encoding="utf-8")]
+            for part in ("train", "heldout")}
+    paths = {part: [r["path"] for r in rows[part]] for part in rows}
+    assert paths["train"] == sorted(paths["train"]) and not set(paths["train"]) & set(paths["heldout"])
+    assert paths["heldout"] and all(is_heldout(p, 3000) for p in paths["heldout"])
+    assert sorted(paths["train"] + paths["heldout"]) == list_files(root)
+    assert rows["train"][0]["text"] == open(os.path.join(root, paths["train"][0]), encoding="utf-8",
+                                            newline="").read()
+    assert (c["train"], c["heldout"]) == (len(paths["train"]), len(paths["heldout"]))

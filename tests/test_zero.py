@@ -1,0 +1,293 @@
+"""DataParallel + DistributedOptimizer (ZeRO stages 0/1/2) against the single-process oracle.
+
+fp32, dropout off. Each spawned run loops over many configurations (stage, overlap,
+gradient accumulation) so that ranks are started once per DP size. The oracle is
+``tests/reference.py``'s ``train_reference`` (torch.optim.AdamW on the full batch).
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megazero import collectives as C
+from megazero.data_parallel.ddp import DataParallel
+from megazero.data_parallel.grad_buffer import GradBuffer, Range
+from megazero.optim.zero import DistributedOptimizer
+from megazero.precision import DynamicLossScaler, LossScaleError, cast_model_
+from megazero.process_groups import ProcessGroups
+from megazero.topology import Topology
+from model.config import GPTConfig
+from model.gpt import GPTStage, init_full_weights
+from tests.distributed import run_distributed
+from tests.reference import ReferenceGPT, train_reference
+
+SEED = 99
+ADAM = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+GLOBAL_BATCH, STEPS, BUCKET = 16, 10, 301   # 301 elements: parameters straddle buckets
+
+
+def tiny_cfg(**kw) -> GPTConfig:
+    base = dict(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2,
+                seq_length=8, hidden_dropout=0.0, attention_dropout=0.0,
+                make_vocab_size_divisible_by=8)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def make_batches(cfg: GPTConfig, n: int, batch: int = GLOBAL_BATCH, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        data = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length + 1), generator=g)
+        out.append((data[:, :-1], data[:, 1:]))
+    return out
+
+
+def reference(cfg: GPTConfig, batches, steps=STEPS, clip_grad=0.0):
+    return train_reference(init_full_weights(cfg, SEED), batches, vocab_size=cfg.vocab_size,
+                           num_heads=cfg.num_attention_heads, steps=steps, clip_grad=clip_grad,
+                           **ADAM)
+
+
+def build(cfg, groups, stage, overlap, bucket=BUCKET, clip_grad=0.0, scaler=None, **ddp_kw):
+    model = GPTStage(cfg, groups, range(cfg.num_layers), True, True, SEED)
+    if cfg.params_dtype != torch.float32:
+        cast_model_(model, cfg.params_dtype)
+    ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=bucket,
+                       overlap_comm=overlap, **ddp_kw)
+    opt = DistributedOptimizer(ddp, groups, lr=ADAM["lr"], beta1=ADAM["betas"][0],
+                               beta2=ADAM["betas"][1], eps=ADAM["eps"],
+                               weight_decay=ADAM["weight_decay"], clip_grad=clip_grad,
+                               loss_scaler=scaler, allgather_bucket_size=1001)
+    return model, ddp, opt
+
+
+def tokens_per_rank(batches, groups):
+    return batches[0][0].shape[0] // groups.dp_size
+
+
+def train(model, ddp, opt, groups, batches, num_micro, steps=STEPS, on_backward=None):
+    """Train; each DP rank takes its rows of the global batch, cut into ``num_micro``
+    micro-batches. Returns (global-batch losses, step results, model_state_bytes per step)."""
+    assert tokens_per_rank(batches, groups) % num_micro == 0
+    dp, r = groups.dp_size, groups.dp_rank
+    losses, results, state_bytes = [], [], []
+    for step in range(steps):
+        tokens, labels = batches[step % len(batches)]
+        rows = tokens.shape[0] // dp
+        tokens, labels = tokens[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]
+        rank_tokens = labels.numel()           # this DP rank's tokens in the global batch
+        opt.zero_grad()
+        total = torch.zeros(1)
+        for m, (t, l) in enumerate(zip(tokens.chunk(num_micro), labels.chunk(num_micro))):
+            loss = model(t, l).float().sum() / rank_tokens
+            ddp.before_backward(0, m == num_micro - 1)
+            if on_backward is not None:
+                on_backward(step, m)
+            opt.scale_loss(loss).backward()
+            total += loss.detach()
+        C.all_reduce_sum(total, groups.dp)
+        losses.append(total.item() / dp)
+        results.append(opt.step())
+        state_bytes.append(opt.model_state_bytes())
+    return losses, results, state_bytes
+
+
+def _equivalence_run(rank, world, tp, batches):
+    torch.manual_seed(0)
+    groups = ProcessGroups.build(Topology(tp=tp, pp=1, dp=world // tp))
+    cfg = tiny_cfg(sequence_parallel=tp > 1)
+    out = {}
+    for stage in (0, 1, 2):
+        for num_micro in (1, 4):
+            for overlap in (False, True):
+                C.counter.clear()
+                model, ddp, opt = build(cfg, groups, stage, overlap)
+                losses, _, state_bytes = train(model, ddp, opt, groups, batches, num_micro)
+                rs_bytes = C.counter["reduce_scatter"]
+                check_state_bytes(ddp, state_bytes, param_bytes=4, grad_bytes=4)
+                out[stage, num_micro, overlap] = dict(
+                    losses=losses, main=opt.main_param.numpy().copy(), rs_bytes=rs_bytes,
+                    padded=sum(st.layout.padded_numel for st in ddp.storages),
+                    params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    return out
+
+
+def check_state_bytes(ddp, state_bytes, param_bytes, grad_bytes):
+    """Model-state bytes equal the ZeRO formula (sec. 5, Fig. 1) for these dtypes, up to the
+    padding of the buffer to a multiple of N; buckets stay bounded; no growth after step 2."""
+    psi = sum(p.numel() for p in ddp.params)
+    n, stage = ddp.dp_size, ddp.stage
+    grads = grad_bytes * psi / (n if stage == 2 else 1)
+    formula = param_bytes * psi + grads + 12 * psi / (1 if stage == 0 else n)
+    got = state_bytes[-1]
+    assert got == state_bytes[1], "model state grew between step 2 and the last step"
+    assert 0 <= got["total"] - got["buckets"] - formula <= n * (grad_bytes + 12)
+    assert got["params"] == param_bytes * psi
+    bucket = max(st.layout.bucket_size for st in ddp.storages)
+    span = max(len(b) for st in ddp.storages for b in st.layout.param_buckets.values())
+    staged = (ddp.buckets_in_flight + 1 + span) * bucket * grad_bytes if stage == 2 else 0
+    step_tmp = max(4 * bucket, (1001 + 1001 // n) * param_bytes)
+    assert got["buckets"] <= max(staged, step_tmp)
+    if stage == 2:
+        assert got["buckets"] > 0
+
+
+def _check_equivalence(results, ref, check_bytes=True, tp=1):
+    for out in results:
+        for (stage, num_micro, overlap), r in out.items():
+            assert r["losses"] == pytest.approx(ref, rel=1e-5), (stage, num_micro, overlap)
+            if overlap:   # overlap on and off: bit-identical
+                off = out[stage, num_micro, False]
+                assert r["losses"] == off["losses"]
+                assert np.array_equal(r["main"], off["main"])
+                assert np.array_equal(r["params"], off["params"])
+            # every gradient element (the tied embedding too) is reduced exactly once per
+            # step (stage 1) or once per micro-batch (stage 2)
+            per_step = {0: 0, 1: 1, 2: num_micro}[stage]
+            assert not check_bytes or r["rs_bytes"] == 4 * r["padded"] * per_step * STEPS
+        for stage in (0, 1, 2):   # micro-batch 1 x 4 accumulation == micro-batch 4 x 1
+            assert out[stage, 4, True]["losses"] == pytest.approx(
+                out[stage, 1, True]["losses"], rel=1e-5)
+    for a, b in zip(results, results[tp:]):   # DP peers hold identical model params
+        for key in a:
+            assert np.array_equal(a[key]["params"], b[key]["params"])
+
+
+def test_zero_matches_reference_dp2():
+    cfg = tiny_cfg()
+    batches = make_batches(cfg, STEPS)
+    results = run_distributed(_equivalence_run, 2, 1, batches)
+    _check_equivalence(results, reference(cfg, batches))
+
+
+@pytest.mark.slow
+def test_zero_matches_reference_dp4_and_tp2_dp2():
+    cfg = tiny_cfg()
+    batches = make_batches(cfg, STEPS)
+    ref = reference(cfg, batches)
+    _check_equivalence(run_distributed(_equivalence_run, 4, 1, batches), ref)
+    _check_equivalence(run_distributed(_equivalence_run, 4, 2, batches), ref,
+                       check_bytes=False, tp=2)  # TP's sequence-parallel reduce-scatters count too
+
+
+def _mixed_precision_run(rank, world, batches, inject):
+    groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
+    out = {"bf16": {}}
+    for stage in (0, 1, 2):   # bf16 params and grads: the paper's 2-byte formulas
+        model, ddp, opt = build(tiny_cfg(params_dtype=torch.bfloat16), groups, stage, True,
+                                grad_dtype=torch.bfloat16)
+        *_, state_bytes = train(model, ddp, opt, groups, batches, 2)
+        check_state_bytes(ddp, state_bytes, param_bytes=2, grad_bytes=2)
+        out["bf16"][stage] = state_bytes[-1]
+    # fp32 model with a dynamic fp16 loss scaler: inf injected into rank 1's gradient
+    scaler = DynamicLossScaler(initial_scale_power=16, loss_scale_window=3, hysteresis=2)
+    model, ddp, opt = build(tiny_cfg(), groups, 2, True, scaler=scaler)
+    poison = {"on": False}
+    model.layers["1"].mlp.fc1.weight.register_hook(
+        lambda g: g.index_fill(0, torch.tensor([1]), float("inf")) if poison["on"] else g)
+
+    def on_backward(step, micro):
+        poison["on"] = rank == 1 and step in inject and micro == 0
+    hysteresis = []
+    losses, results, _ = train(model, ddp, opt, groups, batches, 2,
+                               on_backward=lambda s, m: (on_backward(s, m),
+                                                         hysteresis.append(scaler.hysteresis_left)))
+    out["fp16"] = dict(losses=losses, skipped=[r.skipped for r in results],
+                       scales=[r.loss_scale for r in results], skipped_steps=scaler.skipped_steps,
+                       hysteresis=hysteresis[1::2], final_scale=scaler.scale)
+    return out
+
+
+def test_memory_formulas_and_loss_scale_schedule():
+    cfg = tiny_cfg()
+    batches = make_batches(cfg, STEPS)
+    inject = {2, 3, 7}
+    results = run_distributed(_mixed_precision_run, 2, batches, inject)
+    groups = ProcessGroups.single()   # dp 1, in this process
+    for stage in (0, 1, 2):
+        model, ddp, opt = build(tiny_cfg(params_dtype=torch.bfloat16), groups, stage, False,
+                                grad_dtype=torch.bfloat16)
+        *_, state_bytes = train(model, ddp, opt, groups, batches, 1, steps=3)
+        check_state_bytes(ddp, state_bytes, param_bytes=2, grad_bytes=2)
+    psi = sum(p.numel() for p in ddp.params)
+    b = results[0]["bf16"]   # exact paper numbers at N = 2 (Psi is even: no padding)
+    assert psi % 2 == 0
+    assert b[0]["total"] - b[0]["buckets"] == 16 * psi
+    assert b[1]["total"] - b[1]["buckets"] == 4 * psi + 12 * psi // 2
+    assert b[2]["total"] - b[2]["buckets"] == 2 * psi + 14 * psi // 2
+    # loss-scale rules of precision.DynamicLossScaler (window 3, hysteresis 2), by hand:
+    # step 2 overflow -> hysteresis 2->1, scale kept; step 3 overflow -> scale halved;
+    # steps 4-6 clean -> doubled after 3; step 7 overflow -> hysteresis 1, kept.
+    big, half = 2.0 ** 16, 2.0 ** 15
+    expected_scales = [big, big, big, big, half, half, half, big, big, big]
+    expected_skipped = [s in inject for s in range(STEPS)]
+    expected_hysteresis = [2, 2, 2, 1, 1, 1, 1, 2, 1, 1]   # before each step's backward
+    for r in results:
+        f = r["fp16"]
+        assert f["scales"] == expected_scales
+        assert f["skipped"] == expected_skipped
+        assert f["hysteresis"] == expected_hysteresis
+        assert f["skipped_steps"] == 3 and f["final_scale"] == big
+    # the updates that did happen used correctly unscaled gradients: the fp32 oracle
+    # with the skipped steps left out gives the same losses
+    expected = _reference_skipping(cfg, batches, inject)
+    assert results[0]["fp16"]["losses"] == pytest.approx(expected, rel=1e-5)
+    assert results[1]["fp16"]["losses"] == results[0]["fp16"]["losses"]
+
+
+def _reference_skipping(cfg, batches, skip):
+    model = ReferenceGPT.from_full_weights(init_full_weights(cfg, SEED), cfg.vocab_size,
+                                           cfg.num_attention_heads)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": [p for p in params if p.dim() < 2],
+                              "weight_decay": 0.0}], **ADAM)
+    losses = []
+    for step in range(STEPS):
+        tokens, labels = batches[step]
+        opt.zero_grad()
+        loss = model.loss(tokens, labels)
+        losses.append(loss.item())
+        if step not in skip:
+            loss.backward()
+            opt.step()
+    return losses
+
+
+def test_stuck_overflow_raises_clear_error():
+    groups = ProcessGroups.single()
+    cfg = tiny_cfg(num_layers=1)
+    model, ddp, opt = build(cfg, groups, 1, False, scaler=DynamicLossScaler(
+        initial_scale_power=2, hysteresis=1, min_loss_scale=1.0))
+    opt.max_consecutive_skips = 3
+    tokens, labels = make_batches(cfg, 1)[0]
+    results = []
+    with pytest.raises(LossScaleError, match="max_consecutive_skips=3"):
+        for _ in range(10):
+            opt.zero_grad()
+            ddp.before_backward(0, True)
+            (opt.scale_loss(model(tokens, labels).sum()) * float("inf")).backward()
+            results.append(opt.step())
+    # scale 4 -> 2 -> 1, then three skips at the minimum scale: the third raises
+    assert [r.loss_scale for r in results] == [4.0, 2.0, 1.0, 1.0]
+    assert all(r.skipped for r in results)
+
+
+def test_state_dict_resumes_under_another_bucketing():
+    cfg, groups = tiny_cfg(num_layers=1), ProcessGroups.single()
+    batches = make_batches(cfg, 6)
+    model, ddp, opt = build(cfg, groups, 0, False)
+    straight, *_ = train(model, ddp, opt, groups, batches, 1, steps=6)
+    model, ddp, opt = build(cfg, groups, 0, False)
+    first, *_ = train(model, ddp, opt, groups, batches[:3], 1, steps=3)
+    state = opt.state_dict()
+    model, ddp, opt = build(cfg, groups, 2, True, bucket=53)   # fresh weights, new layout
+    opt.load_state_dict(state)
+    assert opt.step_count == 3
+    rest, *_ = train(model, ddp, opt, groups, batches[3:], 1, steps=3)
+    assert first + rest == pytest.approx(straight, rel=1e-6)
+    state["shards"] = state["shards"][1:]
+    with pytest.raises(ValueError, match="pass every rank's shards"):
+        opt.load_state_dict(state)

@@ -1,0 +1,341 @@
+"""megazero's trainer: config -> groups -> stage model -> DDP/ZeRO -> data -> loop.
+
+Launched by ``scripts/pretrain_gpt.sh`` through torchrun (one process per rank; reads
+WORLD_SIZE / RANK / LOCAL_RANK), or directly as ``python train.py ...`` for one process.
+Each step of the orchestration is a named function below; the parallel machinery lives in
+``megazero/``, the GPT in ``model/``, the data pipeline in ``data/``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megazero import collectives
+from megazero.config import Config, config_from_argv, describe, resolve_run_dir
+from megazero.data_parallel.ddp import DataParallel
+from megazero.monitor import Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, unigram_entropy
+from megazero.ops.backend import describe_backends, select_backend
+from megazero.optim.lr_schedule import LRSchedule
+from megazero.optim.zero import DistributedOptimizer
+from megazero.pipeline import partition
+from megazero.pipeline.executor import run_schedule
+from megazero.pipeline.p2p import handshake
+from megazero.pipeline.schedules import build_schedule, forward_only_schedule
+from megazero.precision import DynamicLossScaler, StaticLossScaler, cast_model_, model_dtype
+from megazero.process_groups import ProcessGroups
+from megazero.topology import Topology
+from data.indexed_dataset import DataError
+from model.config import GPTConfig
+from model.gpt import GPTStage, generate_greedy
+
+
+@dataclass
+class Launch:
+    """What the launcher tells this process: ranks and the world size."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def read_launch_env() -> Launch:
+    """torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); one process without it."""
+    return Launch(rank=int(os.environ.get("RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                  world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, ProcessGroups]:
+    """CUDA + NCCL when a GPU is present (unless ``--device cpu``), else CPU + gloo."""
+    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(launch.local_rank)
+        device = torch.device("cuda", launch.local_rank)
+    else:
+        device = torch.device("cpu")
+    topo = Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+    if launch.world_size > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank,
+                                world_size=launch.world_size,
+                                timeout=timedelta(seconds=cfg.parallel.distributed_timeout_s))
+    return device, ProcessGroups.build(topo, timeout_s=cfg.parallel.distributed_timeout_s)
+
+
+# -- model ----------------------------------------------------------------------------------
+def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
+    m = cfg.model
+    return GPTConfig(
+        vocab_size=vocab_size, num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
+        seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        tie_embeddings=not m.untie_embeddings_and_output_weights,
+        layernorm_epsilon=m.layernorm_epsilon, init_method_std=m.init_method_std,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        sequence_parallel=cfg.parallel.sequence_parallel, label_smoothing=m.label_smoothing)
+
+
+def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
+                       device: torch.device) -> list[GPTStage]:
+    """This rank's model chunks (one, or V for the interleaved schedule), cast to the model dtype."""
+    p = cfg.parallel
+    chunks = []
+    for v in range(p.virtual_pipeline_size):
+        ids = partition.layer_ids(gcfg.num_layers, p.pp, groups.pp_rank, p.virtual_pipeline_size, v,
+                                  p.pipeline_layer_split)
+        chunk = GPTStage(gcfg, groups, ids,
+                         pre_process=partition.is_pre_process(groups.pp_rank, v),
+                         post_process=partition.is_post_process(groups.pp_rank, p.pp, v,
+                                                                p.virtual_pipeline_size),
+                         seed=cfg.train.seed)
+        chunks.append(chunk.to(device))
+    dtype = model_dtype(cfg.precision.fp16, cfg.precision.bf16)
+    for c in chunks:
+        cast_model_(c, dtype)
+    return chunks
+
+
+def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
+    """Gradient buffers (ZeRO stage 0/1/2) and the sharded Adam that owns the fp32 main params."""
+    z, pr, o = cfg.zero, cfg.precision, cfg.optim
+    grad_dtype = torch.float32 if pr.accumulate_allreduce_grads_in_fp32 else model_dtype(pr.fp16, pr.bf16)
+    ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=int(z.reduce_bucket_size),
+                       overlap_comm=z.overlap_comm, grad_dtype=grad_dtype)
+    scaler = None
+    if pr.fp16:
+        scaler = (StaticLossScaler(pr.loss_scale) if pr.loss_scale > 0 else
+                  DynamicLossScaler(initial_scale_power=pr.initial_scale_power,
+                                    loss_scale_window=pr.loss_scale_window, hysteresis=pr.hysteresis,
+                                    min_loss_scale=pr.min_loss_scale,
+                                    max_consecutive_skips=pr.max_consecutive_skips))
+    opt = DistributedOptimizer(ddp, groups, beta1=o.adam_beta1, beta2=o.adam_beta2, eps=o.adam_eps,
+                               weight_decay=o.weight_decay, clip_grad=o.clip_grad, loss_scaler=scaler,
+                               allgather_bucket_size=int(z.allgather_bucket_size), adam_backend=o.kernels,
+                               max_consecutive_skips=pr.max_consecutive_skips)
+    return ddp, opt
+
+
+# -- data -----------------------------------------------------------------------------------
+def build_data(cfg: Config):
+    """(tokenizer or None, train, valid, test datasets, vocab size) for this run.
+
+    Every rank builds the same indices (cached atomically on disk, identical everywhere);
+    each data-parallel rank later reads only its slice of every global batch.
+    """
+    from data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
+
+    t = cfg.train
+    gbs = t.global_batch_size
+    evals = (t.train_iters // max(cfg.train.eval_interval, 1) + 1) * cfg.train.eval_iters
+    num_samples = (t.train_iters * gbs, max(evals, 1) * gbs, cfg.train.eval_iters * gbs)
+    seq = cfg.model.seq_length
+    if cfg.train.mock_data:
+        vocab = cfg.data.vocab_size
+        sets = tuple(MockGPTDataset(vocab, seq, n, t.seed + i) for i, n in enumerate(num_samples))
+        return None, sets, vocab
+    from data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.data.tokenizer_model)
+    sets = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed,
+                                           num_samples, cfg.data.data_cache_dir,
+                                           vocab_size=tok.vocab_size)
+    return tok, sets, tok.vocab_size
+
+
+def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups, device):
+    from data.samplers import get_micro_batches
+
+    mbs = get_micro_batches(dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                            groups.dp_rank, groups.dp_size)
+    return [(x.to(device), y.to(device)) for x, y in mbs]
+
+
+# -- one iteration --------------------------------------------------------------------------
+def make_forward_step(tokens_per_dp_rank: int):
+    """Megatron's ``forward_step`` contract: (batch, chunk, input) -> (output, loss_fn).
+
+    The loss of one micro-batch is its token-loss sum divided by this data-parallel rank's
+    tokens in the global batch; with the DP gradient reduction (SUM, then divide by dp) the
+    step minimises the mean over all tokens of the global batch (DESIGN.md, contract 1).
+    """
+    def forward_step(batch, chunk, input_tensor):
+        tokens, labels = batch
+        x = tokens if input_tensor is None else input_tensor
+        out = chunk(x, labels=labels if chunk.post_process else None)
+
+        def loss_fn(per_token_loss):
+            return per_token_loss.float().sum() / tokens_per_dp_rank
+        return out, loss_fn
+    return forward_step
+
+
+class Trainer:
+    """Everything one rank holds for training; ``train_step`` / ``evaluate`` run one iteration."""
+
+    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, vocab_size: int):
+        self.cfg, self.groups, self.device = cfg, groups, device
+        self.gpt_config = build_gpt_config(cfg, vocab_size)
+        self.chunks = build_model_chunks(self.gpt_config, cfg, groups, device)
+        self.ddp, self.optimizer = build_optimizer(self.chunks, cfg, groups)
+        o = cfg.optim
+        self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or cfg.train.train_iters,
+                                      o.lr_decay_style)
+        self.num_microbatches = cfg.train.gradient_accumulation_steps
+        p = cfg.parallel
+        self.actions = build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, groups.pp_rank,
+                                      p.virtual_pipeline_size)
+        self.eval_actions = forward_only_schedule(self.num_microbatches, p.virtual_pipeline_size)
+        seq = cfg.model.seq_length // (p.tp if p.sequence_parallel else 1)
+        self.tensor_shape = (cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
+        self.dtype = model_dtype(cfg.precision.fp16, cfg.precision.bf16)
+        self.tokens_per_dp_rank = self.num_microbatches * cfg.train.micro_batch_size * cfg.model.seq_length
+        if p.pp > 1:
+            handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.skipped_iterations = 0
+
+    def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
+        return run_schedule(actions, self.chunks, make_forward_step(self.tokens_per_dp_rank), batches,
+                            self.groups, tensor_shape=self.tensor_shape, dtype=self.dtype,
+                            num_microbatches=len(batches), vp_size=self.cfg.parallel.virtual_pipeline_size,
+                            before_backward=None if forward_only else self.ddp.before_backward,
+                            scale_loss=None if forward_only else self.optimizer.scale_loss,
+                            forward_only=forward_only)
+
+    def train_step(self, batches) -> dict:
+        """One iteration on this DP rank's micro-batches; returns the logged values."""
+        for c in self.chunks:
+            c.train()
+        lr = self.lr_schedule(self.iteration)
+        self.ddp.zero_grad()
+        loss = self._run(batches, self.actions, forward_only=False)
+        result = self.optimizer.step(lr)
+        collectives.all_reduce_mean(loss, self.groups.dp)  # this DP rank's share -> global mean
+        self.iteration += 1
+        self.consumed_samples += self.cfg.train.global_batch_size
+        self.skipped_iterations += int(result.skipped)
+        return dict(iteration=self.iteration, consumed_samples=self.consumed_samples, lr=lr,
+                    loss=float(loss), grad_norm=result.grad_norm, loss_scale=result.loss_scale,
+                    skipped_iterations=self.skipped_iterations)
+
+    @torch.no_grad()
+    def eval_loss(self, batches) -> float:
+        """Mean token loss of this global batch (forward only), known on every rank."""
+        for c in self.chunks:
+            c.eval()
+        loss = self._run(batches, self.eval_actions, forward_only=True)
+        collectives.all_reduce_mean(loss, self.groups.dp)
+        return float(loss)
+
+
+# -- evaluation, logging, summary -----------------------------------------------------------
+def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[float, np.ndarray]:
+    """Mean validation loss over ``--eval-iters`` global batches and the label token counts."""
+    gbs = cfg.train.global_batch_size
+    losses, counts = [], np.zeros(trainer.gpt_config.vocab_size, dtype=np.int64)
+    for i in range(cfg.train.eval_iters):
+        consumed = ((eval_round * cfg.train.eval_iters + i) * gbs) % max(len(valid) - gbs + 1, 1)
+        batches = dp_micro_batches(valid, consumed, cfg, trainer.groups, trainer.device)
+        losses.append(trainer.eval_loss(batches))
+        for _, labels in batches:
+            counts += np.bincount(labels.flatten().cpu().numpy(), minlength=counts.size)[:counts.size]
+    return float(np.mean(losses)), counts
+
+
+def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
+    g = trainer.gpt_config
+    flops = gpt_flops_per_iteration(num_layers=g.num_layers, hidden_size=g.hidden_size,
+                                    ffn_hidden_size=g.ffn_hidden_size or 4 * g.hidden_size,
+                                    seq_length=g.seq_length,
+                                    padded_vocab_size=g.padded_vocab(cfg.parallel.tp),
+                                    global_batch_size=cfg.train.global_batch_size)
+    per_device = flops / seconds_per_iter / trainer.groups.world_size
+    peak = peak_flops(trainer.device, trainer.dtype)
+    mem = memory_stats(trainer.device)
+    return dict(iteration_time_s=seconds_per_iter,
+                tokens_per_s=cfg.train.global_batch_size * cfg.model.seq_length / seconds_per_iter,
+                tflops_per_device=per_device / 1e12, mfu=(per_device / peak) if peak else None,
+                model_state_bytes=trainer.optimizer.model_state_bytes()["total"],
+                peak_memory_bytes=mem.get("peak_bytes"))
+
+
+def is_logging_rank(groups: ProcessGroups) -> bool:
+    """The last pipeline stage holds the loss; its first TP/DP rank writes the logs."""
+    return groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
+
+
+def final_sample(trainer: Trainer, tokenizer, cfg: Config) -> str:
+    """A short greedy continuation of ``--prompt`` (single-stage layouts only)."""
+    if tokenizer is None or cfg.parallel.pp > 1:
+        return "(sample generation runs with --pp 1 and a tokenizer)"
+    ids = torch.tensor([tokenizer.encode(cfg.log.prompt)], device=trainer.device)
+    out = generate_greedy(trainer.chunks[0], ids, cfg.log.generate_tokens)
+    return tokenizer.decode(out[0].tolist())
+
+
+def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dict:
+    """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data."""
+    tokenizer, (train_ds, valid_ds, _), vocab_size = data
+    trainer = Trainer(cfg, groups, device, vocab_size)
+    logging_rank = is_logging_rank(groups)
+    monitor = Monitor(cfg.log.run_dir, tensorboard_dir=cfg.log.tensorboard_dir,
+                      metrics_file=cfg.log.metrics_file, rank=groups.rank,
+                      is_logging_rank=logging_rank, config_text=describe(cfg),
+                      train_iters=cfg.train.train_iters)
+    if groups.rank == 0:
+        print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
+              f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)
+    monitor.log_memory_breakdown(trainer.optimizer.model_state_bytes())
+    last_valid, counts, eval_round = None, None, 0
+    timer = Timer(device)
+    while trainer.iteration < cfg.train.train_iters:
+        batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
+        with timer:
+            values = trainer.train_step(batches)
+        it = trainer.iteration
+        if it % cfg.log.log_interval == 0 or it == 1 or it == cfg.train.train_iters:
+            values.update(perf_values(trainer, cfg, timer.last))
+            monitor.log_iteration(it, values)
+        if valid_ds is not None and (it % cfg.train.eval_interval == 0 or it == cfg.train.train_iters):
+            last_valid, counts = evaluate(trainer, valid_ds, cfg, eval_round)
+            eval_round += 1
+            monitor.log_validation(it, last_valid)
+    sample = final_sample(trainer, tokenizer, cfg)
+    baseline = unigram_entropy(counts) if counts is not None else float("nan")
+    monitor.summary(last_valid, baseline, sample)
+    monitor.close()
+    return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=trainer.iteration)
+
+
+def main(argv=None) -> int:
+    launch = read_launch_env()
+    argv = sys.argv[1:] if argv is None else argv
+    # Everything that can be wrong with the settings or the data is found here, on every
+    # rank, before any process group exists (DESIGN.md, contract 3).
+    cfg = config_from_argv(argv, launch.world_size, print_warnings=launch.rank == 0)
+    # Same directory on every rank: the launcher passes --run-dir; torchrun's run id otherwise.
+    resolve_run_dir(cfg, os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S"))
+    try:
+        data = build_data(cfg)
+    except DataError as e:
+        print(f"megazero: data error: {e}", file=sys.stderr)
+        return 2
+    device, groups = setup_device_and_groups(cfg, launch)
+    try:
+        train(cfg, groups, device, data)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
