@@ -29,7 +29,7 @@ from megazero.pipeline import partition
 from megazero.pipeline.executor import run_schedule
 from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
-from megazero.precision import DynamicLossScaler, StaticLossScaler, cast_model_, model_dtype
+from megazero.precision import DynamicLossScaler, StaticLossScaler, model_dtype
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
@@ -79,14 +79,20 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         tie_embeddings=not m.untie_embeddings_and_output_weights,
         layernorm_epsilon=m.layernorm_epsilon, init_method_std=m.init_method_std,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        sequence_parallel=cfg.parallel.sequence_parallel, label_smoothing=m.label_smoothing)
+        sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
+        params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
+        label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels)
 
 
 def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
                        device: torch.device) -> list[GPTStage]:
-    """This rank's model chunks (one, or V for the interleaved schedule), cast to the model dtype."""
+    """This rank's model chunks (one, or V for the interleaved schedule), in the model dtype.
+
+    Every chunk starts from the full tensors of (seed, parameter name) and keeps its
+    partition, so any layout starts from the same model (DESIGN.md, contract 1).
+    """
     p = cfg.parallel
-    chunks = []
+    chunks, tracker = [], None
     for v in range(p.virtual_pipeline_size):
         ids = partition.layer_ids(gcfg.num_layers, p.pp, groups.pp_rank, p.virtual_pipeline_size, v,
                                   p.pipeline_layer_split)
@@ -94,11 +100,9 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
                          pre_process=partition.is_pre_process(groups.pp_rank, v),
                          post_process=partition.is_post_process(groups.pp_rank, p.pp, v,
                                                                 p.virtual_pipeline_size),
-                         seed=cfg.train.seed)
-        chunks.append(chunk.to(device))
-    dtype = model_dtype(cfg.precision.fp16, cfg.precision.bf16)
-    for c in chunks:
-        cast_model_(c, dtype)
+                         seed=cfg.train.seed, rng_tracker=tracker, device=device)
+        tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
+        chunks.append(chunk)
     return chunks
 
 
@@ -214,7 +218,7 @@ class Trainer:
         """One iteration on this DP rank's micro-batches; returns the logged values."""
         for c in self.chunks:
             c.train()
-        lr = self.lr_schedule(self.iteration)
+        lr = self.lr_schedule(self.iteration + 1)  # warm-up starts above 0 on the first step
         self.ddp.zero_grad()
         loss = self._run(batches, self.actions, forward_only=False)
         result = self.optimizer.step(lr)
@@ -293,16 +297,18 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     if groups.rank == 0:
         print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
               f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)
-    monitor.log_memory_breakdown(trainer.optimizer.model_state_bytes())
+    monitor.log_memory_breakdown({k: v for k, v in trainer.optimizer.model_state_bytes().items()
+                                  if k != "total"})
     last_valid, counts, eval_round = None, None, 0
-    timer = Timer(device)
+    timer, last_logged = Timer(device), 0
     while trainer.iteration < cfg.train.train_iters:
-        batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
-        with timer:
+        with timer:  # the step's time includes reading its micro-batches
+            batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
             values = trainer.train_step(batches)
         it = trainer.iteration
         if it % cfg.log.log_interval == 0 or it == 1 or it == cfg.train.train_iters:
-            values.update(perf_values(trainer, cfg, timer.last))
+            values.update(perf_values(trainer, cfg, timer.reset() / (it - last_logged)))
+            last_logged = it
             monitor.log_iteration(it, values)
         if valid_ds is not None and (it % cfg.train.eval_interval == 0 or it == cfg.train.train_iters):
             last_valid, counts = evaluate(trainer, valid_ds, cfg, eval_round)

@@ -143,7 +143,8 @@ class OptimizerConfig:
 
     lr: float = _f(1e-3, "peak learning rate", "", ge=0)
     min_lr: float = _f(1e-4, "learning rate at the end of the decay", "", ge=0)
-    lr_warmup_iters: int = _f(30, "linear warm-up from 0 to --lr", "iterations", ge=0)
+    lr_warmup_iters: Optional[int] = _f(None, "linear warm-up from 0 to --lr; None = 10% of --train-iters",
+                                        "iterations", ge=0)
     lr_decay_iters: Optional[int] = _f(None, "iterations of decay to --min-lr; None = --train-iters",
                                        "iterations", ge=1)
     lr_decay_style: str = _f("cosine", "shape of the decay", choices=("cosine", "linear", "constant"))
@@ -490,6 +491,7 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     o.lr_decay_iters = t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters
+    o.lr_warmup_iters = t.train_iters // 10 if o.lr_warmup_iters is None else o.lr_warmup_iters
     if t.mock_data:
         d.vocab_size = MOCK_VOCAB_SIZE if d.vocab_size is None else d.vocab_size
         if d.data_path:
@@ -613,6 +615,12 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
     if o.min_lr > o.lr:
         raise ConfigError(f"{_show(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
                           "--min-lr <= --lr")
+    if o.lr_decay_style != "constant" and o.lr_decay_iters <= o.lr_warmup_iters:
+        raise ConfigError(f"{_show(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
+                          f"{_show(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
+                          f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
+                          "--train-iters, its default), lower --lr-warmup-iters, or use "
+                          "--lr-decay-style constant")
     if pr.fp16 and pr.bf16:
         raise ConfigError(f"{_show(cfg, 'precision.fp16')} and {_show(cfg, 'precision.bf16')} are both on; "
                           "fix: choose one")

@@ -4,8 +4,6 @@ fp32, dropout off. Each spawned run loops over many configurations (stage, overl
 gradient accumulation) so that ranks are started once per DP size. The oracle is
 ``tests/reference.py``'s ``train_reference`` (torch.optim.AdamW on the full batch).
 """
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -19,12 +17,16 @@ from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from model.config import GPTConfig
 from model.gpt import GPTStage, init_full_weights
+from megazero.pipeline.executor import run_schedule
+from megazero.pipeline.partition import is_post_process, is_pre_process, layer_ids
+from megazero.pipeline.schedules import build_schedule
 from tests.distributed import run_distributed
 from tests.reference import ReferenceGPT, train_reference
 
 SEED = 99
 ADAM = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 GLOBAL_BATCH, STEPS, BUCKET = 16, 10, 301   # 301 elements: parameters straddle buckets
+CLIP = 0.05
 
 
 def tiny_cfg(**kw) -> GPTConfig:
@@ -184,23 +186,36 @@ def _mixed_precision_run(rank, world, batches, inject):
     # fp32 model with a dynamic fp16 loss scaler: inf injected into rank 1's gradient
     scaler = DynamicLossScaler(initial_scale_power=16, loss_scale_window=3, hysteresis=2)
     model, ddp, opt = build(tiny_cfg(), groups, 2, True, scaler=scaler)
-    poison = {"on": False}
-    model.layers["1"].mlp.fc1.weight.register_hook(
-        lambda g: g.index_fill(0, torch.tensor([1]), float("inf")) if poison["on"] else g)
-
-    def on_backward(step, micro):
-        poison["on"] = rank == 1 and step in inject and micro == 0
-    hysteresis = []
-    losses, results, _ = train(model, ddp, opt, groups, batches, 2,
-                               on_backward=lambda s, m: (on_backward(s, m),
-                                                         hysteresis.append(scaler.hysteresis_left)))
-    out["fp16"] = dict(losses=losses, skipped=[r.skipped for r in results],
-                       scales=[r.loss_scale for r in results], skipped_steps=scaler.skipped_steps,
-                       hysteresis=hysteresis[1::2], final_scale=scaler.scale)
+    out["scripted"] = _overflow_run(rank, model, ddp, opt, groups, batches, inject, STEPS)
+    # a real fp16 model with fp16 gradient buckets; hysteresis 1: one overflow halves
+    scaler = DynamicLossScaler(initial_scale_power=16, hysteresis=1)
+    model, ddp, opt = build(tiny_cfg(params_dtype=torch.float16), groups, 2, True,
+                            scaler=scaler, grad_dtype=torch.float16)
+    out["fp16"] = _overflow_run(rank, model, ddp, opt, groups, batches, {1}, 4)
+    model, ddp, opt = build(tiny_cfg(), groups, 1, True, clip_grad=CLIP)   # clipping active
+    out["clip"], results, _ = train(model, ddp, opt, groups, batches, 2)
+    out["norms"] = [r.grad_norm for r in results]
     return out
 
 
-def test_memory_formulas_and_loss_scale_schedule():
+def _overflow_run(rank, model, ddp, opt, groups, batches, inject, steps):
+    """Train with inf put into one element of rank 1's fc1 gradient at steps ``inject``."""
+    poison = {"on": False}
+    model.layers["1"].mlp.fc1.weight.register_hook(
+        lambda g: g.index_fill(0, torch.tensor([1]), float("inf")) if poison["on"] else g)
+    hysteresis = []   # before each step's last backward
+
+    def on_backward(step, micro):
+        poison["on"] = rank == 1 and step in inject and micro == 0
+        if micro == 1:
+            hysteresis.append(opt.loss_scaler.hysteresis_left)
+    losses, results, _ = train(model, ddp, opt, groups, batches, 2, steps, on_backward)
+    return dict(losses=losses, skipped=[r.skipped for r in results],
+                scales=[r.loss_scale for r in results], hysteresis=hysteresis,
+                skipped_steps=opt.loss_scaler.skipped_steps, final_scale=opt.loss_scaler.scale)
+
+
+def test_memory_formulas_loss_scale_schedule_and_clipping():
     cfg = tiny_cfg()
     batches = make_batches(cfg, STEPS)
     inject = {2, 3, 7}
@@ -225,19 +240,27 @@ def test_memory_formulas_and_loss_scale_schedule():
     expected_skipped = [s in inject for s in range(STEPS)]
     expected_hysteresis = [2, 2, 2, 1, 1, 1, 1, 2, 1, 1]   # before each step's backward
     for r in results:
-        f = r["fp16"]
+        f = r["scripted"]
         assert f["scales"] == expected_scales
         assert f["skipped"] == expected_skipped
         assert f["hysteresis"] == expected_hysteresis
         assert f["skipped_steps"] == 3 and f["final_scale"] == big
+    # global-norm clipping (ZeRO-1) matches torch.nn.utils.clip_grad_norm_ in the oracle
+    assert results[0]["clip"] == pytest.approx(reference(cfg, batches, clip_grad=CLIP), rel=1e-5)
+    assert min(results[0]["norms"]) > CLIP   # every step was clipped
     # the updates that did happen used correctly unscaled gradients: the fp32 oracle
     # with the skipped steps left out gives the same losses
-    expected = _reference_skipping(cfg, batches, inject)
-    assert results[0]["fp16"]["losses"] == pytest.approx(expected, rel=1e-5)
-    assert results[1]["fp16"]["losses"] == results[0]["fp16"]["losses"]
+    expected = _reference_skipping(cfg, batches, inject, STEPS)
+    assert results[0]["scripted"]["losses"] == pytest.approx(expected, rel=1e-5)
+    assert results[1]["scripted"]["losses"] == results[0]["scripted"]["losses"]
+    for r in results:   # fp16 model: 2^16, overflow at step 1 (skipped), then 2^15
+        assert r["fp16"]["scales"] == [big, big, half, half]
+        assert r["fp16"]["skipped"] == [False, True, False, False]
+        assert r["fp16"]["losses"] == pytest.approx(_reference_skipping(cfg, batches, {1}, 4),
+                                                    rel=1e-4)
 
 
-def _reference_skipping(cfg, batches, skip):
+def _reference_skipping(cfg, batches, skip, steps):
     model = ReferenceGPT.from_full_weights(init_full_weights(cfg, SEED), cfg.vocab_size,
                                            cfg.num_attention_heads)
     params = list(model.parameters())
@@ -245,7 +268,7 @@ def _reference_skipping(cfg, batches, skip):
                              {"params": [p for p in params if p.dim() < 2],
                               "weight_decay": 0.0}], **ADAM)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         tokens, labels = batches[step]
         opt.zero_grad()
         loss = model.loss(tokens, labels)
@@ -291,3 +314,108 @@ def test_state_dict_resumes_under_another_bucketing():
     state["shards"] = state["shards"][1:]
     with pytest.raises(ValueError, match="pass every rank's shards"):
         opt.load_state_dict(state)
+
+
+def test_grad_buffer_layout_tiny_buckets():
+    a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (5, 3, 4))   # registration order
+    layout = GradBuffer([a, b, c], bucket_size=3, dp_size=2, dp_rank=1)
+    assert layout.params == [c, b, a]                    # reverse registration order
+    assert [layout.param_range[id(p)] for p in (c, b, a)] == [Range(0, 4), Range(4, 7),
+                                                              Range(7, 12)]
+    assert layout.bucket_size == 4 and layout.padded_numel == 12
+    assert [bk.range for bk in layout.buckets] == [Range(0, 4), Range(4, 8), Range(8, 12)]
+    assert layout.param_buckets[id(a)] == (1, 2)         # a straddles two buckets
+    assert [bk.shard_world for bk in layout.buckets] == [Range(2, 4), Range(6, 8), Range(10, 12)]
+    assert [bk.shard_local for bk in layout.buckets] == [Range(0, 2), Range(2, 4), Range(4, 6)]
+    # rank 0's local [1, 5) is world [1, 2), [4, 6), [8, 9)
+    assert [w for w, _ in layout.local_to_world(Range(1, 5), 0)] == [Range(1, 2), Range(4, 6),
+                                                                   Range(8, 9)]
+    odd = GradBuffer([a, b], bucket_size=100, dp_size=4, dp_rank=3)   # 8 elements + padding
+    assert odd.padded_numel == 8 and odd.buckets[0].shard_world == Range(6, 8)
+    with pytest.raises(ValueError, match="bucket_size"):
+        GradBuffer([a], bucket_size=0, dp_size=2, dp_rank=0)
+
+
+def _pipeline_run(rank, world, batches, num_layers):
+    """pp 2 x dp 2 through the pipeline executor: tied embeddings on stages 0 and 1."""
+    groups = ProcessGroups.build(Topology(tp=1, pp=2, dp=2))
+    cfg, num_micro, out = tiny_cfg(num_layers=num_layers), 4, {}
+    for kind, vp in (("1f1b", 1), ("interleaved", 2)):
+        for stage in (1, 2):
+            for overlap in (False, True):
+                chunks = [GPTStage(cfg, groups, layer_ids(num_layers, 2, groups.pp_rank, vp, v),
+                                   is_pre_process(groups.pp_rank, v),
+                                   is_post_process(groups.pp_rank, 2, v, vp), SEED)
+                          for v in range(vp)]
+                ddp = DataParallel(chunks, groups, zero_stage=stage, bucket_size=BUCKET,
+                                   overlap_comm=overlap)
+                opt = DistributedOptimizer(ddp, groups, lr=ADAM["lr"], beta1=ADAM["betas"][0],
+                                           beta2=ADAM["betas"][1], eps=ADAM["eps"],
+                                           weight_decay=ADAM["weight_decay"],
+                                           allgather_bucket_size=1001)
+                out[kind, stage, overlap] = _pipeline_steps(groups, chunks, ddp, opt, batches,
+                                                            kind, vp, num_micro, cfg)
+    return out
+
+
+def _pipeline_steps(groups, chunks, ddp, opt, batches, kind, vp, num_micro, cfg):
+    rows = tokens_per_rank(batches, groups)
+    r, mb = groups.dp_rank, rows // num_micro
+    actions = build_schedule(kind, num_micro, 2, groups.pp_rank, vp)
+    losses = []
+    for step in range(STEPS):
+        tokens, labels = (t[r * rows:(r + 1) * rows] for t in batches[step])
+        micro = list(zip(tokens.chunk(num_micro), labels.chunk(num_micro)))
+
+        def forward_step(batch, chunk, input_tensor):
+            x = batch[0] if input_tensor is None else input_tensor
+            if chunk.post_process:
+                return chunk(x, batch[1]), lambda out: out.sum() / labels.numel()
+            return chunk(x), None
+        opt.zero_grad()
+        loss = run_schedule(actions, chunks, forward_step, micro, groups,
+                            tensor_shape=(mb, cfg.seq_length, cfg.hidden_size),
+                            dtype=torch.float32, num_microbatches=num_micro, vp_size=vp,
+                            before_backward=ddp.before_backward, scale_loss=opt.scale_loss)
+        C.all_reduce_sum(loss, groups.dp)
+        losses.append(loss.item() / 2)
+        opt.step()
+    shared = [p for c in chunks for p in c.parameters() if getattr(p, "shared_embedding", 0)]
+    return dict(losses=losses, shared=[p.detach().numpy().copy() for p in shared])
+
+
+@pytest.mark.slow
+def test_zero_under_pipeline_parallelism_with_tied_embeddings():
+    cfg = tiny_cfg(num_layers=4)
+    batches = make_batches(cfg, STEPS)
+    ref = reference(cfg, batches)
+    results = run_distributed(_pipeline_run, 4, batches, 4)
+    for out in results:
+        for key, r in out.items():
+            assert r["losses"] == pytest.approx(ref, rel=1e-5), key
+            if key[2]:
+                assert r["losses"] == out[key[0], key[1], False]["losses"]
+    # the two copies of the tied word embedding stay bit-identical (stage 0 rank 0, stage 1
+    # rank 2: same dp coordinate)
+    for key in results[0]:
+        assert np.array_equal(results[0][key]["shared"][0], results[2][key]["shared"][0])
+
+
+@pytest.mark.cuda
+def test_single_gpu_matches_cpu():
+    cfg, groups = tiny_cfg(), ProcessGroups.single()
+    batches = make_batches(cfg, 3)
+    losses = {}
+    for device in ("cpu", "cuda"):
+        model = GPTStage(cfg, groups, range(cfg.num_layers), True, True, SEED, device=device)
+        ddp = DataParallel([model], groups, zero_stage=1, bucket_size=BUCKET, overlap_comm=True)
+        opt = DistributedOptimizer(ddp, groups, lr=ADAM["lr"], clip_grad=1.0)
+        losses[device] = []
+        for tokens, labels in batches:
+            opt.zero_grad()
+            ddp.before_backward(0, True)
+            loss = model(tokens.to(device), labels.to(device)).sum() / labels.numel()
+            loss.backward()
+            opt.step()
+            losses[device].append(loss.item())
+    assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-4)

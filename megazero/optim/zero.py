@@ -8,7 +8,6 @@ stage 0 (plain DP) owns every bucket whole on every rank.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
