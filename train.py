@@ -24,7 +24,7 @@ from megazero.data_parallel.ddp import DataParallel
 from megazero.monitor import Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, unigram_entropy
 from megazero.ops.backend import describe_backends, select_backend
 from megazero.optim.lr_schedule import LRSchedule
-from megazero.optim.zero import DistributedOptimizer
+from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
 from megazero.pipeline import partition
 from megazero.pipeline.executor import run_schedule
 from megazero.pipeline.p2p import handshake
@@ -271,6 +271,19 @@ def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
                 peak_memory_bytes=mem.get("peak_bytes"))
 
 
+def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
+    """Every rank logs its model-state bytes and, beside them, the ZeRO formula's prediction."""
+    got = trainer.optimizer.model_state_bytes()
+    psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+    p_bytes = trainer.dtype.itemsize
+    g_bytes = trainer.ddp.grad_dtype.itemsize
+    formula = zero_formula_bytes(psi, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
+    monitor.log_memory_breakdown({k: v for k, v in got.items() if k != "total"})
+    print(f"[rank {trainer.groups.rank}] model state {got['total'] - got['buckets']} bytes without buckets vs "
+          f"ZeRO-{trainer.cfg.zero.stage} formula {formula:.0f} bytes (Psi={psi}, N={trainer.groups.dp_size}, "
+          f"{p_bytes}-byte params, {g_bytes}-byte grads, 12 bytes/param fp32 Adam state)", flush=True)
+
+
 def is_logging_rank(groups: ProcessGroups) -> bool:
     """The last pipeline stage holds the loss; its first TP/DP rank writes the logs."""
     return groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
@@ -297,8 +310,6 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     if groups.rank == 0:
         print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
               f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)
-    monitor.log_memory_breakdown({k: v for k, v in trainer.optimizer.model_state_bytes().items()
-                                  if k != "total"})
     last_valid, counts, eval_round = None, None, 0
     timer, last_logged = Timer(device), 0
     while trainer.iteration < cfg.train.train_iters:
@@ -306,6 +317,8 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
             batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
             values = trainer.train_step(batches)
         it = trainer.iteration
+        if it == 1:  # buckets and step temporaries have now been allocated once
+            report_model_state(trainer, monitor)
         if it % cfg.log.log_interval == 0 or it == 1 or it == cfg.train.train_iters:
             values.update(perf_values(trainer, cfg, timer.reset() / (it - last_logged)))
             last_logged = it

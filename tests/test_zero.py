@@ -11,7 +11,7 @@ import torch
 from megazero import collectives as C
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.grad_buffer import GradBuffer, Range
-from megazero.optim.zero import DistributedOptimizer
+from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
 from megazero.precision import DynamicLossScaler, LossScaleError, cast_model_
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
@@ -123,6 +123,7 @@ def check_state_bytes(ddp, state_bytes, param_bytes, grad_bytes):
     n, stage = ddp.dp_size, ddp.stage
     grads = grad_bytes * psi / (n if stage == 2 else 1)
     formula = param_bytes * psi + grads + 12 * psi / (1 if stage == 0 else n)
+    assert formula == zero_formula_bytes(psi, n, stage, param_bytes, grad_bytes)
     got = state_bytes[-1]
     assert got == state_bytes[1], "model state grew between step 2 and the last step"
     assert 0 <= got["total"] - got["buckets"] - formula <= n * (grad_bytes + 12)

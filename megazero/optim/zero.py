@@ -59,6 +59,24 @@ def _merge(segments: list[tuple[Range, bool]]) -> list[tuple[Range, bool]]:
     return out
 
 
+def zero_formula_bytes(num_params: int, dp_size: int, stage: int, param_bytes: int,
+                       grad_bytes: int) -> float:
+    """Model-state bytes per rank predicted by the ZeRO paper (Rajbhandari et al. 2020, sec. 5).
+
+    ``num_params`` (Psi) counts this rank's model-chunk parameters, ``dp_size`` is N; the fp32
+    main params and the two Adam moments are 12 bytes per parameter:
+    stage 0: ``(p + g + 12) Psi``; stage 1: ``(p + g) Psi + 12 Psi / N``; stage 2:
+    ``p Psi + (g + 12) Psi / N``. With 2-byte params and grads this is the paper's 16 Psi,
+    4 Psi + 12 Psi / N and 2 Psi + 14 Psi / N. Buckets in flight and the padding of each
+    bucket to a multiple of N come on top (``DistributedOptimizer.model_state_bytes``).
+    """
+    if stage not in (0, 1, 2):
+        raise ValueError(f"--zero-stage {stage}: the formula covers stages 0, 1 and 2")
+    psi, n = num_params, dp_size
+    grads = grad_bytes * psi / (n if stage == 2 else 1)
+    return param_bytes * psi + grads + 12 * psi / (1 if stage == 0 else n)
+
+
 class DistributedOptimizer:
     """AdamW over the shards of a :class:`DataParallel`'s buffers (ZeRO stage 0, 1 or 2).
 
