@@ -334,6 +334,21 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=trainer.iteration)
 
 
+def preflight(argv: list[str], world_size: int) -> int:
+    """Check the settings and the data as ``main`` would, without starting anything.
+
+    The launcher runs it once before torchrun, so a bad configuration ends with its one-line
+    message and exit code 2 instead of torchrun's per-rank failure report. Returns 0 or 2.
+    """
+    cfg = config_from_argv(argv, world_size)
+    try:
+        build_data(cfg)
+    except DataError as e:
+        print(f"megazero: data error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     launch = read_launch_env()
     argv = sys.argv[1:] if argv is None else argv

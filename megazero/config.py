@@ -119,13 +119,13 @@ class ParallelConfig:
 class TrainingConfig:
     """Batch arithmetic, iterations, checkpoints: global = micro x accumulation x dp."""
 
-    micro_batch_size: int = _f(4, "samples per micro-batch per data-parallel rank", "samples", ge=1)
+    micro_batch_size: int = _f(16, "samples per micro-batch per data-parallel rank", "samples", ge=1)
     global_batch_size: Optional[int] = _f(
         None, "samples per optimizer step; None = micro x accumulation x dp", "samples", ge=1)
     gradient_accumulation_steps: Optional[int] = _f(
         None, "micro-batches per step per data-parallel rank; None = derived (1 without a global batch)",
         "micro-batches", ge=1)
-    train_iters: int = _f(300, "optimizer steps to train", "iterations", ge=1)
+    train_iters: int = _f(400, "optimizer steps to train", "iterations", ge=1)
     seed: int = _f(1234, "seed of weights, data order and dropout", "", ge=0)
     eval_interval: int = _f(100, "validate every this many steps (and at the end)", "iterations", ge=1)
     eval_iters: int = _f(10, "validation batches per evaluation; 0 = none", "iterations", ge=0)
@@ -141,8 +141,8 @@ class TrainingConfig:
 class OptimizerConfig:
     """AdamW (decoupled weight decay), warm-up then decay of the learning rate, clipping."""
 
-    lr: float = _f(1e-3, "peak learning rate", "", ge=0)
-    min_lr: float = _f(1e-4, "learning rate at the end of the decay", "", ge=0)
+    lr: float = _f(2e-3, "peak learning rate", "", ge=0)
+    min_lr: float = _f(2e-4, "learning rate at the end of the decay", "", ge=0)
     lr_warmup_iters: Optional[int] = _f(None, "linear warm-up from 0 to --lr; None = 10% of --train-iters",
                                         "iterations", ge=0)
     lr_decay_iters: Optional[int] = _f(None, "iterations of decay to --min-lr; None = --train-iters",

@@ -51,12 +51,16 @@ if [ "$HAVE_DATA" = 0 ]; then
 fi
 
 [ -n "$RUN_DIR" ] || RUN_DIR="$MEGAZERO_ROOT/runs/$(date +%Y%m%d-%H%M%S)-tp${TP}pp${PP}dp${DP}"
-mkdir -p "$RUN_DIR"
 [ -n "$MASTER_PORT" ] || MASTER_PORT=$(( 20000 + RANDOM % 20000 ))
 # Share the cores between the ranks of this node (torch would otherwise start one thread per core in each).
 CORES=$(nproc 2>/dev/null || echo 1)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
 
+# Settings and data are checked once here, so a mistake ends with one line and exit code 2.
+"$PY" -c 'import sys, train; sys.exit(train.preflight(sys.argv[2:], int(sys.argv[1])))' "$WORLD" \
+  --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"
+
+mkdir -p "$RUN_DIR"
 echo "[megazero] run directory: $RUN_DIR"
 echo "[megazero] TensorBoard:   tensorboard --logdir $RUN_DIR/tensorboard"
 echo "[megazero] launching $NPROC process(es) on this node (tp=$TP pp=$PP dp=$DP, nnodes=$NNODES)"

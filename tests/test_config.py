@@ -43,6 +43,7 @@ def fails(argv, world, capsys):
 
 
 M = ["--mock-data"]
+M4 = M + ["--micro-batch-size", "4"]  # for cases whose batch arithmetic assumes micro-batch 4
 BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the message must contain)
     "heads_not_dividing_hidden": (M + ["--hidden-size", "250"], 1, ["--hidden-size", "--num-attention-heads"]),
     "heads_not_divisible_by_tp": (M + ["--tp", "3", "--hidden-size", "240"], 3, ["--num-attention-heads", "--tp 3"]),
@@ -54,7 +55,7 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "layer_split_wrong_length": (M + ["--pp", "2", "--pipeline-layer-split", "4"], 2, ["--pipeline-layer-split"]),
     "layer_split_zero_stage": (M + ["--pp", "2", "--pipeline-layer-split", "0,4"], 2, ["--pipeline-layer-split"]),
     "layer_split_not_integers": (M + ["--pp", "2", "--pipeline-layer-split", "2,x"], 2, ["--pipeline-layer-split"]),
-    "global_not_divisible_by_micro_dp": (M + ["--global-batch-size", "10"], 2,
+    "global_not_divisible_by_micro_dp": (M4 + ["--global-batch-size", "10"], 2,
                                          ["--global-batch-size 10", "--micro-batch-size 4"]),
     "global_disagrees_with_three": (M + ["--global-batch-size", "16", "--gradient-accumulation-steps", "3"], 1,
                                     ["--global-batch-size", "--gradient-accumulation-steps"]),
@@ -128,9 +129,10 @@ def test_exit_code_2_end_to_end_in_a_subprocess():
 
 def test_default_config_validates_and_derives():
     cfg = config_from_argv(["--mock-data"], 1)
-    assert (cfg.parallel.dp, cfg.train.gradient_accumulation_steps, cfg.train.global_batch_size) == (1, 1, 4)
+    assert (cfg.parallel.dp, cfg.train.gradient_accumulation_steps, cfg.train.global_batch_size) == (1, 1, 16)
     assert (cfg.model.ffn_hidden_size, cfg.model.max_position_embeddings) == (1024, 256)
-    assert (cfg.optim.lr_decay_iters, cfg.data.vocab_size, cfg.warnings) == (300, 1024, [])
+    assert (cfg.optim.lr_decay_iters, cfg.optim.lr_warmup_iters) == (400, 40)
+    assert (cfg.data.vocab_size, cfg.warnings) == (1024, [])
     assert cfg.parallel.pipeline_schedule == "1f1b" and cfg.zero.stage == 0
 
 
@@ -144,13 +146,13 @@ def test_real_data_with_blend_validates(files):
 
 
 def test_batch_arithmetic_and_3d_layout():
-    cfg = config_from_argv(M + ["--tp", "2", "--pp", "2", "--global-batch-size", "32"], 8)
+    cfg = config_from_argv(M4 + ["--tp", "2", "--pp", "2", "--global-batch-size", "32"], 8)
     assert (cfg.parallel.dp, cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps) == (2, 4, 4)
-    cfg = config_from_argv(M + ["--gradient-accumulation-steps", "3", "--micro-batch-size", "2"], 2)
+    cfg = config_from_argv(M4 + ["--gradient-accumulation-steps", "3", "--micro-batch-size", "2"], 2)
     assert cfg.train.global_batch_size == 2 * 3 * 2
-    cfg = config_from_argv(M + ["--pp", "2", "--virtual-pipeline-size", "2", "--global-batch-size", "16"], 2)
+    cfg = config_from_argv(M4 + ["--pp", "2", "--virtual-pipeline-size", "2", "--global-batch-size", "16"], 2)
     assert cfg.parallel.pipeline_schedule == "interleaved" and cfg.train.gradient_accumulation_steps == 4
-    cfg = config_from_argv(M + ["--pp", "2", "--num-layers", "5", "--pipeline-layer-split", "2,3"], 2)
+    cfg = config_from_argv(M4 + ["--pp", "2", "--num-layers", "5", "--pipeline-layer-split", "2,3"], 2)
     assert cfg.parallel.pipeline_layer_split == [2, 3]
 
 
@@ -197,7 +199,7 @@ def test_flags_table_has_one_row_per_setting_with_unit():
 
 
 def test_to_dict_and_describe():
-    cfg = config_from_argv(M + ["--tp", "2", "--hidden-size", "64"], 2)
+    cfg = config_from_argv(M4 + ["--tp", "2", "--hidden-size", "64"], 2)
     d = json.loads(json.dumps(to_dict(cfg)))
     assert d["parallel"]["tp"] == 2 and d["model"]["hidden_size"] == 64 and d["train"]["global_batch_size"] == 4
     assert set(d) == {"model", "parallel", "train", "optim", "precision", "zero", "data", "log",
@@ -315,7 +317,7 @@ def test_unknown_keys_warn_and_auto_is_derived(files, capsys):
                                                 "offload_optimizer": {"device": "none"}},
                           "wall_clock_breakdown": False, "train_batch_size": 16,
                           "train_micro_batch_size_per_gpu": "auto"})
-    cfg = config_from_argv(M + ["--deepspeed-config", path], 2)
+    cfg = config_from_argv(M4 + ["--deepspeed-config", path], 2)
     assert len(cfg.warnings) == 2
     assert "'zero_optimization.round_robin_gradients'" in cfg.warnings[0]
     assert "'wall_clock_breakdown'" in cfg.warnings[1]

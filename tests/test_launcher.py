@@ -1,0 +1,82 @@
+"""The front door end to end: scripts/pretrain_gpt.sh -> torchrun -> train.py -> logs.
+
+Runs real launches (gloo ranks on CPU, a tiny GPT on mock data): two layouts log the same
+losses for the same global batch, the TensorBoard event files load with TensorBoard's own
+EventAccumulator and hold the documented scalars, and a bad setting stops the launcher with
+exit code 2 and one line naming it, before any rank starts.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--mock-data", "--vocab-size", "301", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "1",
+        "--eval-interval", "3", "--eval-iters", "1", "--make-vocab-size-divisible-by", "8"]
+
+
+def launch(args, run_dir=None, timeout=300):
+    env = dict(os.environ)
+    # scripts/env.sh takes the Python on PATH when it has the dependencies: this one
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.pop("MEGAZERO_VENV", None)
+    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args]
+    if run_dir is not None:
+        cmd += ["--run-dir", str(run_dir)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def train_records(run_dir):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_two_layouts_log_the_same_losses_and_tensorboard_holds_them(tmp_path):
+    one = launch(TINY, tmp_path / "tp1")
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    three_d = launch(TINY + ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2"], tmp_path / "3d")
+    assert three_d.returncode == 0, three_d.stdout[-3000:] + three_d.stderr[-3000:]
+    a, b = train_records(tmp_path / "tp1"), train_records(tmp_path / "3d")
+    assert [r["iteration"] for r in a] == list(range(1, 7)) == [r["iteration"] for r in b]
+    for x, y in zip(a, b):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5), (x["loss"], y["loss"])
+        assert math.isclose(x["grad_norm"], y["grad_norm"], rel_tol=1e-4)
+    assert "final validation loss" in three_d.stdout and "tensorboard --logdir" in three_d.stdout
+    assert "formula" in three_d.stdout  # every rank reports model-state bytes beside ZeRO's formula
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "3d" / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_iterations",
+                "perf/tokens_per_s", "perf/tflops_per_device", "memory/model_state_bytes",
+                "memory/peak_bytes", "valid/loss", "valid/ppl"):
+        assert tag in tags, tag
+    logged = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(logged) == list(range(1, 7))
+    for r in b:  # TensorBoard stores float32
+        assert math.isclose(logged[r["iteration"]], r["loss"], rel_tol=1e-6)
+    assert [e.step for e in acc.Scalars("valid/loss")] == [3, 6]
+    assert any("config" in t for t in acc.Tags()["tensors"])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp", "3"], "--tp 3"),
+    (["--pp", "3"], "--pp"),
+    (["--zero-stage", "3"], "--zero-stage"),
+    (["--fp16", "--bf16"], "--bf16"),
+])
+def test_bad_setting_stops_the_launcher_with_exit_code_2(tmp_path, args, needle):
+    out = launch(TINY + args, tmp_path / "bad", timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    errors = [l for l in out.stderr.splitlines() if l.startswith("megazero: config error:")]
+    assert len(errors) == 1 and needle in errors[0], out.stderr
+    assert not (tmp_path / "bad").exists()  # nothing was started or written
