@@ -12,13 +12,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazero import collectives
+from megazero import checkpoint, collectives
 from megazero.config import Config, config_from_argv, describe, resolve_run_dir
 from megazero.data_parallel.ddp import DataParallel
 from megazero.monitor import Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, unigram_entropy
@@ -34,7 +35,7 @@ from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
 from model.config import GPTConfig
-from model.gpt import GPTStage, generate_greedy
+from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, resize_vocab
 
 
 @dataclass
@@ -205,6 +206,40 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.skipped_iterations = 0
+        self.eval_round = 0
+
+    def save_checkpoint(self, root: str) -> str:
+        """Write a layout-independent checkpoint of this iteration (collective)."""
+        return checkpoint.save(root, self.iteration, self.optimizer, self.chunks, self.groups,
+                               rng_states=self.chunks[0].rng_tracker.get_state(),
+                               extra=dict(consumed_samples=self.consumed_samples,
+                                          skipped_iterations=self.skipped_iterations,
+                                          eval_round=self.eval_round))
+
+    def load_checkpoint(self, root: str) -> Optional[int]:
+        """Resume from the latest checkpoint under ``root`` (saved under any layout).
+
+        Returns the iteration resumed from, or None when ``root`` holds no checkpoint yet.
+        """
+        if checkpoint.latest_iteration(root) is None:
+            return None
+        g = self.gpt_config
+        padded = g.padded_vocab(self.groups.tp_size)
+
+        def resize(name, full, param):
+            return resize_vocab(full, g.vocab_size, padded) if name in VOCAB_TENSORS else full
+        meta = checkpoint.load(root, self.optimizer, self.chunks, self.groups, resize=resize)
+        self.iteration = meta["iteration"]
+        self.consumed_samples = meta["extra"]["consumed_samples"]
+        self.skipped_iterations = meta["extra"]["skipped_iterations"]
+        self.eval_round = meta["extra"]["eval_round"]
+        if meta["rng_state"] is not None:
+            self.chunks[0].rng_tracker.set_state(meta["rng_state"])
+        elif self.groups.rank == 0:
+            print(f"[megazero] {meta['directory']} was saved under another layout "
+                  f"{meta['layout']}: weights, optimizer and data position restored, dropout "
+                  f"streams restart from --seed", flush=True)
+        return self.iteration
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
         return run_schedule(actions, self.chunks, make_forward_step(self.tokens_per_dp_rank), batches,
@@ -302,6 +337,12 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data."""
     tokenizer, (train_ds, valid_ds, _), vocab_size = data
     trainer = Trainer(cfg, groups, device, vocab_size)
+    if cfg.train.load:
+        resumed = trainer.load_checkpoint(cfg.train.load)
+        if groups.rank == 0:
+            print(f"[megazero] resumed from {cfg.train.load} at iteration {resumed}" if resumed is not None
+                  else f"[megazero] no checkpoint under --load {cfg.train.load}: starting from scratch",
+                  flush=True)
     logging_rank = is_logging_rank(groups)
     monitor = Monitor(cfg.log.run_dir, tensorboard_dir=cfg.log.tensorboard_dir,
                       metrics_file=cfg.log.metrics_file, rank=groups.rank,
@@ -310,23 +351,30 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     if groups.rank == 0:
         print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
               f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)
-    last_valid, counts, eval_round = None, None, 0
-    timer, last_logged = Timer(device), 0
+    last_valid, counts = None, None
+    timer, last_logged = Timer(device), trainer.iteration
+    first_iteration = trainer.iteration + 1
     while trainer.iteration < cfg.train.train_iters:
         with timer:  # the step's time includes reading its micro-batches
             batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
             values = trainer.train_step(batches)
         it = trainer.iteration
-        if it == 1:  # buckets and step temporaries have now been allocated once
+        if it == first_iteration:  # buckets and step temporaries have now been allocated once
             report_model_state(trainer, monitor)
         if it % cfg.log.log_interval == 0 or it == 1 or it == cfg.train.train_iters:
             values.update(perf_values(trainer, cfg, timer.reset() / (it - last_logged)))
             last_logged = it
             monitor.log_iteration(it, values)
-        if valid_ds is not None and (it % cfg.train.eval_interval == 0 or it == cfg.train.train_iters):
-            last_valid, counts = evaluate(trainer, valid_ds, cfg, eval_round)
-            eval_round += 1
+        if valid_ds is not None and cfg.train.eval_iters > 0 and (
+                it % cfg.train.eval_interval == 0 or it == cfg.train.train_iters):
+            last_valid, counts = evaluate(trainer, valid_ds, cfg, trainer.eval_round)
+            trainer.eval_round += 1
             monitor.log_validation(it, last_valid)
+        s = cfg.train
+        if s.save and ((s.save_interval and it % s.save_interval == 0) or it == s.train_iters):
+            path = trainer.save_checkpoint(s.save)
+            if groups.rank == 0:
+                print(f"[megazero] saved checkpoint {path}", flush=True)
     sample = final_sample(trainer, tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None else float("nan")
     monitor.summary(last_valid, baseline, sample)

@@ -99,7 +99,7 @@ def init_full_weights(cfg: GPTConfig, seed: int, tp_size: int = 1,
     return full
 
 
-def _resize_vocab(t: torch.Tensor, vocab_size: int, padded: int) -> torch.Tensor:
+def resize_vocab(t: torch.Tensor, vocab_size: int, padded: int) -> torch.Tensor:
     """Keep the real rows of a vocabulary tensor and zero-pad them to ``padded`` rows."""
     return F.pad(t[:vocab_size], (0, 0, 0, padded - vocab_size))
 
@@ -282,7 +282,7 @@ class GPTStage(nn.Module):
                 raise KeyError(f"full weights lack {name!r}, needed by this stage")
             src = full[name]
             if name in VOCAB_TENSORS:
-                src = _resize_vocab(src, self.cfg.vocab_size, self.padded_vocab)
+                src = resize_vocab(src, self.cfg.vocab_size, self.padded_vocab)
             if tags.is_partitioned(p):
                 src = tags.partition_tensor(src, p.partition_dim, tp_rank, tp_size,
                                             p.partition_stride)

@@ -110,3 +110,14 @@ def sync_sequence_parallel_grads(params, tp_group, grad_attr: str = "grad") -> i
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
     return len(grads)
+
+
+def join_partitions(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of ``partition_tensor``: the full tensor from every rank's partition, in rank order.
+
+    Each partition is ``stride`` blocks along ``dim``; block j of the full tensor is block j
+    of every partition, concatenated in rank order. Shapes: ``size`` x ``[..., D/size, ...]``
+    -> ``[..., D, ...]``.
+    """
+    blocks = [p.chunk(stride, dim=dim) for p in parts]
+    return torch.cat([torch.cat([b[j] for b in blocks], dim=dim) for j in range(stride)], dim=dim)

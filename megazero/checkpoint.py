@@ -1,0 +1,181 @@
+"""Layout-independent checkpoints: full tensors by canonical name, written atomically.
+
+Format of ``<save>/iter_0000100/`` (DESIGN.md, contract 4):
+
+- ``stage_<pp>.pt``: for every parameter of pipeline stage ``pp``, its FULL (unpartitioned)
+  fp32 main parameter and Adam moments: ``{name: {"main_param", "exp_avg",
+  "exp_avg_sq"}}``, written by the stage's first TP and DP rank. The copy of a weight tied
+  across stages is written once (by the first stage).
+- ``meta.pt`` (rank 0): iteration, consumed samples, optimizer counters and loss-scaler
+  state, the layout it was saved under, and caller extras (e.g. the data position).
+- ``rng_<rank>.pt``: each rank's dropout RNG state (restored only under the same layout).
+
+Saving gathers each parameter's state over DP (ZeRO shards are disjoint, so a SUM of the
+zero-filled shards rebuilds the TP partition) and then over TP (partitions joined by their
+tags). Loading under any other (tp, pp, dp, ZeRO stage, bucket size) slices each full
+tensor by the new rank's tags and hands the pieces to ``DistributedOptimizer``, which
+writes the model parameters. Memory: a rank holds the full states of its own stage's
+parameters while saving (a consolidated checkpoint, fine up to a few billion parameters
+per stage; beyond that a sharded writer would be needed).
+
+Atomicity: every file is written under ``iter_X.tmp`` and the directory is renamed to
+``iter_X`` only after all ranks finished; then ``latest`` (the iteration number) is
+replaced atomically. A crash mid-save leaves the previous checkpoint and ``latest`` intact.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megazero import collectives as C
+from megazero.process_groups import ProcessGroups
+from megazero.tensor_parallel import tags
+
+STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or does not fit this model."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration in ``<root>/latest``, or None when there is no checkpoint yet.
+
+    Raises CheckpointError when ``latest`` is unreadable or names a missing directory.
+    """
+    path = os.path.join(root, "latest")
+    if not os.path.exists(path):
+        return None
+    try:
+        it = int(open(path).read().strip())
+    except ValueError as e:
+        raise CheckpointError(f"{path} does not hold an iteration number; fix: delete it or "
+                              f"write the iteration of a complete iter_* directory") from e
+    if not os.path.isdir(iteration_dir(root, it)):
+        raise CheckpointError(f"{path} names iteration {it} but {iteration_dir(root, it)} is missing")
+    return it
+
+
+def _barrier(groups: ProcessGroups) -> None:
+    if groups.world is not None:
+        dist.barrier(group=groups.world)
+
+
+def _atomic_save(obj, path: str) -> None:
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _full_states(optimizer, chunks, groups: ProcessGroups) -> dict:
+    """{name: {key: full fp32 tensor}} of this rank's parameters (collective over dp and tp)."""
+    local = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            local[name] = (p, {k: torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+                               for k in STATE_KEYS})
+    for shard in optimizer.state_dict()["shards"]:
+        _, bufs = local[shard["name"]]
+        for k in STATE_KEYS:
+            bufs[k][shard["start"]:shard["end"]] = shard[k]
+    out = {}
+    for name, (p, bufs) in local.items():
+        full = {}
+        for k, flat in bufs.items():
+            if optimizer.ddp.stage > 0:  # disjoint shards: the sum is the whole partition
+                C.all_reduce_sum(flat, groups.dp)
+            t = flat.view(p.shape)
+            if tags.is_partitioned(p):
+                t = tags.join_partitions(C.all_gather_list(t, groups.tp), p.partition_dim,
+                                         p.partition_stride)
+            full[k] = t.cpu()
+        if not (tags.is_shared_embedding(p) and not getattr(p, "shared_counted_here", True)):
+            out[name] = full
+    return out
+
+
+def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
+         rng_states: Optional[dict] = None, extra: Optional[dict] = None) -> str:
+    """Write the checkpoint of ``iteration`` under ``root`` (collective: every rank calls it).
+
+    Returns the final directory. ``extra`` (picklable) goes into ``meta.pt``.
+    """
+    final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
+    if groups.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(groups)
+    states = _full_states(optimizer, chunks, groups)
+    if groups.tp_rank == 0 and groups.dp_rank == 0:
+        _atomic_save(states, os.path.join(tmp, f"stage_{groups.pp_rank}.pt"))
+    _atomic_save(rng_states or {}, os.path.join(tmp, f"rng_{groups.rank}.pt"))
+    if groups.rank == 0:
+        opt = optimizer.state_dict()
+        meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size,
+                                                      dp=groups.dp_size),
+                    optimizer={k: opt[k] for k in opt if k != "shards"}, extra=extra or {})
+        _atomic_save(meta, os.path.join(tmp, "meta.pt"))
+    _barrier(groups)
+    if groups.rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(f"{iteration}\n")
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    _barrier(groups)
+    return final
+
+
+def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
+         resize: Optional[Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> dict:
+    """Load the latest checkpoint under ``root`` into ``optimizer`` (and so the model).
+
+    ``resize(name, full, param)`` may adapt a full tensor to this model before slicing (the
+    trainer re-pads vocabulary rows for another TP size). Returns ``meta`` plus
+    ``rng_state`` (this rank's saved RNG, or None when the layout differs).
+    Raises CheckpointError when there is no complete checkpoint or a tensor is missing or
+    has another shape. Collective (the optimizer all-gathers the loaded parameters).
+    """
+    it = latest_iteration(root)
+    if it is None:
+        raise CheckpointError(f"no checkpoint under {root} (no 'latest' file)")
+    d = iteration_dir(root, it)
+    meta = torch.load(os.path.join(d, "meta.pt"), map_location="cpu", weights_only=False)
+    full: dict = {}
+    for pp in range(meta["layout"]["pp"]):
+        path = os.path.join(d, f"stage_{pp}.pt")
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete")
+        full.update(torch.load(path, map_location="cpu", weights_only=True))
+    shards = []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if name not in full:
+                raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
+                                      f"another model; fix: load a checkpoint of this model")
+            entry = dict(name=name, start=0, end=p.numel())
+            for k in STATE_KEYS:
+                t = full[name][k] if resize is None else resize(name, full[name][k], p)
+                if tags.is_partitioned(p):
+                    t = tags.partition_tensor(t, p.partition_dim, groups.tp_rank, groups.tp_size,
+                                              p.partition_stride)
+                if t.shape != p.shape:
+                    raise CheckpointError(f"{name}: checkpoint gives {tuple(t.shape)} for this rank, "
+                                          f"the model has {tuple(p.shape)}; fix: same model sizes")
+                entry[k] = t.reshape(-1).to(p.device)
+            shards.append(entry)
+    optimizer.load_state_dict(dict(meta["optimizer"], shards=shards))
+    same_layout = meta["layout"] == dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size)
+    rng_path = os.path.join(d, f"rng_{groups.rank}.pt")
+    meta["rng_state"] = (torch.load(rng_path, weights_only=False)
+                         if same_layout and os.path.exists(rng_path) else None)
+    meta["directory"] = d
+    return meta
