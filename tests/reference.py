@@ -177,3 +177,13 @@ def train_reference(full_weights: dict[str, torch.Tensor],
         opt.step()
         losses.append(loss.item())
     return (losses, model) if return_model else losses
+
+
+def random_batches(vocab_size: int, seq_length: int, n: int, batch: int, seed: int):
+    """``n`` global batches of uniform random tokens: (tokens ``[batch, T]``, labels ``[batch, T]``)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        data = torch.randint(0, vocab_size, (batch, seq_length + 1), generator=g)
+        out.append((data[:, :-1], data[:, 1:]))
+    return out

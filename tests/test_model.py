@@ -13,7 +13,7 @@ from megazero.topology import Topology
 from model.config import GPTConfig, padded_vocab_size
 from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, init_full_weights
 from tests.distributed import run_distributed
-from tests.reference import ReferenceGPT, train_reference
+from tests.reference import ReferenceGPT, train_reference, random_batches
 
 SEED = 1234
 ADAM = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
@@ -27,12 +27,7 @@ def tiny_cfg(**kw) -> GPTConfig:
 
 
 def make_batches(cfg: GPTConfig, n: int, batch: int, seed: int = 7):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        data = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length + 1), generator=g)
-        out.append((data[:, :-1], data[:, 1:]))
-    return out
+    return random_batches(cfg.vocab_size, cfg.seq_length, n, batch, seed)
 
 
 def adamw(params):

@@ -21,7 +21,7 @@ from megazero.pipeline.executor import run_schedule
 from megazero.pipeline.partition import is_post_process, is_pre_process, layer_ids
 from megazero.pipeline.schedules import build_schedule
 from tests.distributed import run_distributed
-from tests.reference import ReferenceGPT, train_reference
+from tests.reference import ReferenceGPT, train_reference, random_batches
 
 SEED = 99
 ADAM = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
@@ -38,12 +38,7 @@ def tiny_cfg(**kw) -> GPTConfig:
 
 
 def make_batches(cfg: GPTConfig, n: int, batch: int = GLOBAL_BATCH, seed: int = 5):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        data = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length + 1), generator=g)
-        out.append((data[:, :-1], data[:, 1:]))
-    return out
+    return random_batches(cfg.vocab_size, cfg.seq_length, n, batch, seed)
 
 
 def reference(cfg: GPTConfig, batches, steps=STEPS, clip_grad=0.0):
