@@ -67,6 +67,7 @@ def reference():
     return _reference_losses(BASE, STEPS)
 
 
+MICRO1 = ["--micro-batch-size", "1"]  # dp 2 with 8 micro-batches per step
 LAYOUTS = {
     # name: (world, extra flags)
     "single": (1, []),
@@ -75,23 +76,38 @@ LAYOUTS = {
     "dp2-zero1": (2, ["--dp", "2", "--zero-stage", "1"]),
     "dp4-zero2-tiny-buckets": (4, ["--dp", "4", "--zero-stage", "2", "--reduce-bucket-size", "2000",
                                    "--allgather-bucket-size", "3000", "--no-overlap-comm"]),
+    "tp2-pp2-dp1-gpipe": (4, ["--tp", "2", "--pp", "2", "--pipeline-schedule", "gpipe"]),
+    "tp2-pp2-dp1-1f1b": (4, ["--tp", "2", "--pp", "2", "--pipeline-schedule", "1f1b"]),
+    "tp2-pp2-dp1-interleaved": (4, ["--tp", "2", "--pp", "2", "--virtual-pipeline-size", "2"]),
+    "tp2-pp2-dp2-zero0-gpipe": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--pipeline-schedule", "gpipe"]
+                                + MICRO1),
     "tp2-pp2-dp2-zero2-1f1b": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2",
-                                   "--reduce-bucket-size", "300"]),
-    "tp2-pp2-dp2-zero1-interleaved": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1",
-                                          "--virtual-pipeline-size", "2"]),
+                                   "--reduce-bucket-size", "300"] + MICRO1),
+    "tp2-pp2-dp2-zero1-interleaved-sp": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1",
+                                             "--virtual-pipeline-size", "2", "--sequence-parallel"] + MICRO1),
 }
 
 
+@pytest.fixture(scope="module")
+def single_run():
+    return run_distributed(_train_layout, 1, BASE, STEPS)[0]
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_equals_reference(name, reference):
+def test_layout_equals_reference(name, reference, single_run):
+    """Losses equal the reference at every step; every rank sees the same loss and gradient
+    norm, and the norm (clipping at 1.0 is active) equals the single-process norm."""
     world, extra = LAYOUTS[name]
     results = run_distributed(_train_layout, world, BASE + extra, STEPS, timeout_s=300)
     for losses, norms in results:  # every rank knows the global loss and the same norm
         assert losses == results[0][0]
         assert norms == results[0][1]
-    losses = results[0][0]
+    losses, norms = results[0]
     for step, (got, want) in enumerate(zip(losses, reference)):
         assert math.isclose(got, want, rel_tol=1e-5), (name, step, got, want)
+    assert max(single_run[1]) > 1.0  # the clip at 1.0 really acts
+    for got, want in zip(norms, single_run[1]):
+        assert math.isclose(got, want, rel_tol=1e-5), (name, got, want)
     assert losses[-1] < losses[0]
 
 
