@@ -413,6 +413,8 @@ def main(argv=None) -> int:
     device, groups = setup_device_and_groups(cfg, launch)
     try:
         train(cfg, groups, device, data)
+        if dist.is_initialized():
+            dist.barrier()  # nobody tears down connections a peer is still reading from
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
