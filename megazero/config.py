@@ -21,23 +21,21 @@ global batch, FFN width, ...) and ``validate`` checks every rule, raising one ``
 that names the flag and the fix. All of it is pure: the world size is passed in, so it runs
 on every rank before any process group exists (contract 3).
 
-Note on size: one file by DESIGN.md's layout, so it runs past STYLE.md's ~400 lines (about 75
-settings with their docs, the DeepSpeed reader and the checks next to the settings they judge).
+The DeepSpeed reader lives in ``config_deepspeed.py`` and the rules in ``config_checks.py``;
+their public functions are re-exported here, so ``megazero.config`` stays the one entry point.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
-import json
-import math
 import os
 import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megazero.pipeline.partition import PartitionError, parse_layer_split, validate_partition
+from megazero.pipeline.partition import PartitionError, parse_layer_split
 
 MOCK_VOCAB_SIZE = 1024  # vocabulary of --mock-data when --vocab-size is not given
 
@@ -367,113 +365,6 @@ def parse_args(argv: list[str]) -> Config:
     return cfg
 
 
-# -- DeepSpeed JSON -------------------------------------------------------------------------
-_DS_KEYS = {
-    "train_batch_size": "train.global_batch_size",
-    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
-    "gradient_clipping": "optim.clip_grad",
-    "steps_per_print": "log.log_interval",
-    "bf16.enabled": "precision.bf16",
-    "fp16.enabled": "precision.fp16",
-    **{f"fp16.{k}": f"precision.{k}" for k in
-       ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale")},
-    **{f"zero_optimization.{k}": f"zero.{k}" for k in
-       ("stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
-        "reduce_bucket_size", "contiguous_gradients")},
-}
-_DS_BLOCKS = ("zero_optimization", "fp16", "bf16")
-_OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params")
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as e:
-        raise ConfigError(f"--deepspeed-config {path}: cannot read it ({e.strerror}); "
-                          "fix: give the path of a DeepSpeed JSON file") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed-config {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
-                          f"{e.msg}; fix: correct the file (JSON: double quotes, true/false, "
-                          "no trailing commas)") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"--deepspeed-config {path}: the top level must be a JSON object")
-    return doc
-
-
-def _ds_items(doc: dict, path: str):
-    """(dotted key, value) pairs: the blocks' entries one by one, other top-level keys whole."""
-    for key, value in doc.items():
-        if key in _DS_BLOCKS:
-            if not isinstance(value, dict):
-                raise ConfigError(f"--deepspeed-config {path}: {key} must be a JSON object")
-            yield from ((f"{key}.{k}", v) for k, v in value.items())
-        else:
-            yield key, value
-
-
-def _refusal(key: str, value: Any) -> Optional[str]:
-    leaf = key.split(".")[-1]
-    if key == "zero_optimization.stage" and value == 3:
-        return f"{key} 3 (ZeRO-3 parameter sharding; use stage 1 or 2)"
-    if key.startswith("zero_optimization.stage3_"):
-        return f"{key} (a ZeRO-3 setting; remove it and use stage 1 or 2)"
-    offloads = (value.get("device", "cpu") not in ("none", None)) if isinstance(value, dict) else bool(value)
-    if key.startswith("zero_optimization.") and leaf in _OFFLOAD_KEYS and offloads:
-        return f"{key} (CPU/NVMe offload; remove it: states stay on the device)"
-    return None
-
-
-def _coerce(value: Any, base: type, where: str) -> Any:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if base is bool and isinstance(value, bool):
-        return value
-    if base is int and number and float(value).is_integer():
-        return int(value)
-    if base is float and number and math.isfinite(value):
-        return float(value)
-    kind = {bool: "true or false", int: "a whole number", float: "a number"}[base]
-    raise ConfigError(f"{where} must be {kind}, got {json.dumps(value)}; fix: correct the file")
-
-
-def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
-    """Fill ``cfg`` from a DeepSpeed-style JSON file; returns warnings for unused keys.
-
-    Values fill every setting not given on the command line (recorded in ``cfg.sources``);
-    ``"auto"`` (Hugging Face's convention) leaves a setting to be derived.
-    Raises ConfigError: unreadable file or invalid JSON (file, line, column); ZeRO stage 3,
-    offload or ``stage3_*`` keys (all named in one message); a value of the wrong type; a key
-    whose value disagrees with a flag given on the command line (names both).
-    """
-    doc = _read_json(path)
-    items = list(_ds_items(doc, path))
-    refused = [r for r in (_refusal(k, v) for k, v in items) if r]
-    if refused:
-        raise ConfigError(f"--deepspeed-config {path}: not supported by megazero: " + "; ".join(refused))
-    warnings = []
-    for key, raw in items:
-        name = _DS_KEYS.get(key)
-        if name is None:
-            if not key.startswith("zero_optimization.") or key.split(".")[-1] not in _OFFLOAD_KEYS:
-                warnings.append(f"--deepspeed-config {path}: key {key!r} is not used by megazero; ignored")
-            continue
-        if raw == "auto":
-            continue
-        value = _coerce(raw, _setting(name).base, f"{key} in {path}")
-        src = cfg.sources.get(name, "")
-        if src.startswith("--"):
-            if _get(cfg, name) != value:
-                raise ConfigError(f"{src} {_get(cfg, name)} on the command line conflicts with {key} = "
-                                  f"{json.dumps(raw)} in {path}; fix: make them agree or drop one")
-            continue
-        _set(cfg, name, value)
-        cfg.sources[name] = f"{key} in {path}"
-    return warnings
-
-
 # -- derive and validate --------------------------------------------------------------------
 def finalize(cfg: Config, world_size: int) -> list[str]:
     """Fill derived settings in place; returns warnings. Never raises: validate() judges.
@@ -522,196 +413,15 @@ def _derive_batch(cfg: Config) -> None:
         t.gradient_accumulation_steps = total // (t.micro_batch_size * dp)
 
 
-def _check_ranges(cfg: Config, world_size: int) -> None:
-    """Every number inside its documented range, every choice among its choices."""
-    for s in settings():
-        value, meta = _get(cfg, s.name), s.field.metadata
-        if meta["choices"] and value not in meta["choices"]:
-            raise ConfigError(f"{_show(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
-        if value is None or s.base not in (int, float):
-            continue
-        for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
-                              ("lt", "<", lambda v, b: v < b)):
-            if meta[op] is not None and not ok(value, meta[op]):
-                raise ConfigError(f"{_show(cfg, s.name)} {value} is out of range; fix: "
-                                  f"use a value {bound} {meta[op]}")
-
-
-def _check_world(cfg: Config, world_size: int) -> None:
-    """world size = tp x pp x dp."""
-    p = cfg.parallel
-    if p.dp is None:
-        raise ConfigError(f"world size {world_size} is not divisible by --tp {p.tp} x --pp {p.pp}; fix: "
-                          f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp")
-    if p.tp * p.pp * p.dp != world_size:
-        raise ConfigError(f"world size {world_size} != --tp {p.tp} x --pp {p.pp} x --dp {p.dp} = "
-                          f"{p.tp * p.pp * p.dp}; fix: launch {p.tp * p.pp * p.dp} processes or "
-                          "change --tp/--pp/--dp (leave --dp out to derive it)")
-
-
-def _check_model_shape(cfg: Config, world_size: int) -> None:
-    """Heads divide H and tp divides heads (so tp divides H too) and the FFN; seq fits positions."""
-    m, tp = cfg.model, cfg.parallel.tp
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-                          f"{m.num_attention_heads}; fix: choose a head count that divides the hidden size")
-    if m.num_attention_heads % tp:
-        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tp {tp}; "
-                          "fix: use a --tp that divides the head count")
-    if m.ffn_hidden_size % tp:
-        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tp {tp}; "
-                          "fix: use a multiple of the tensor-parallel size")
-    if m.seq_length > m.max_position_embeddings:
-        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-                          f"{m.max_position_embeddings}; fix: raise the positions or shorten the sequence")
-    if cfg.parallel.sequence_parallel and m.seq_length % tp:
-        raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tp {tp}; "
-                          "fix: use a multiple of --tp or drop --sequence-parallel")
-
-
-def _check_batch(cfg: Config, world_size: int) -> None:
-    """global batch = micro x accumulation x dp (covers DeepSpeed's train_batch_size)."""
-    t, dp = cfg.train, cfg.parallel.dp
-    micro, accum, total = t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size
-    if accum is None:
-        raise ConfigError(f"{_show(cfg, 'train.global_batch_size')} {total} is not divisible by "
-                          f"--micro-batch-size {micro} x data-parallel size {dp} = {micro * dp}; fix: "
-                          f"use a multiple of {micro * dp} or change --micro-batch-size")
-    if total != micro * accum * dp:
-        raise ConfigError(
-            f"{_show(cfg, 'train.global_batch_size')} {total} != {_show(cfg, 'train.micro_batch_size')} "
-            f"{micro} x {_show(cfg, 'train.gradient_accumulation_steps')} {accum} x data-parallel size {dp}"
-            f" = {micro * accum * dp}; fix: make them agree, or give only two so the third is derived")
-
-
-def _check_pipeline(cfg: Config, world_size: int) -> None:
-    """Schedule fits pp and vp; layers partition over the stages (pipeline/partition.py)."""
-    p, m = cfg.parallel, cfg.model
-    sched = p.pipeline_schedule
-    try:
-        validate_partition(m.num_layers, p.pp, p.virtual_pipeline_size, p.pipeline_layer_split)
-    except PartitionError as e:
-        raise ConfigError(str(e)) from None
-    if sched == "none" and p.pp > 1:
-        raise ConfigError(f"--pipeline-schedule none cannot run --pp {p.pp}; fix: use 1f1b or gpipe")
-    if p.virtual_pipeline_size > 1 and sched != "interleaved":
-        raise ConfigError(f"--virtual-pipeline-size {p.virtual_pipeline_size} needs --pipeline-schedule "
-                          f"interleaved, got {sched}; fix: drop --pipeline-schedule")
-    if sched == "interleaved":
-        if p.pp < 2 or p.virtual_pipeline_size < 2:
-            raise ConfigError(f"--pipeline-schedule interleaved needs --pp >= 2 and --virtual-pipeline-size"
-                              f" >= 2 (got --pp {p.pp}, --virtual-pipeline-size {p.virtual_pipeline_size}); "
-                              "fix: raise them or use --pipeline-schedule 1f1b")
-        if cfg.train.gradient_accumulation_steps % p.pp:
-            raise ConfigError(f"--pipeline-schedule interleaved needs micro-batches per step "
-                              f"(--gradient-accumulation-steps {cfg.train.gradient_accumulation_steps}) "
-                              f"divisible by --pp {p.pp}; fix: adjust --global-batch-size or "
-                              "--gradient-accumulation-steps")
-
-
-def _check_optim_precision(cfg: Config, world_size: int) -> None:
-    """min lr <= lr; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
-    o, pr, z = cfg.optim, cfg.precision, cfg.zero
-    if o.min_lr > o.lr:
-        raise ConfigError(f"{_show(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
-                          "--min-lr <= --lr")
-    if o.lr_decay_style != "constant" and o.lr_decay_iters <= o.lr_warmup_iters:
-        raise ConfigError(f"{_show(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
-                          f"{_show(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
-                          f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
-                          "--train-iters, its default), lower --lr-warmup-iters, or use "
-                          "--lr-decay-style constant")
-    if pr.fp16 and pr.bf16:
-        raise ConfigError(f"{_show(cfg, 'precision.fp16')} and {_show(cfg, 'precision.bf16')} are both on; "
-                          "fix: choose one")
-    if z.stage == 3:
-        raise ConfigError(f"{_show(cfg, 'zero.stage')} 3 (parameter sharding) is not supported by "
-                          "megazero; fix: use --zero-stage 1 or 2")
-    if z.stage not in (0, 1, 2):
-        raise ConfigError(f"{_show(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
-                          "(replicated), 1 (optimizer states sharded) or 2 (and gradients)")
-
-
-def _check_data(cfg: Config, world_size: int) -> None:
-    """A split of 1-3 proportions; a corpus whose .bin/.idx files exist and a tokenizer file."""
-    d = cfg.data
-    split_fractions(d.split)
-    if cfg.train.mock_data:
-        return
-    if not d.data_path:
-        raise ConfigError("no training data: --data-path is missing; fix: give --data-path PREFIX "
-                          "(PREFIX.bin/.idx written by data/preprocess.py) or --mock-data")
-    for _, prefix in parse_data_path(d.data_path):
-        for path in (prefix + ".bin", prefix + ".idx"):
-            if not os.path.isfile(path):
-                hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-                raise ConfigError(f"--data-path {prefix}: {path} not found{hint}; fix: correct the path or "
-                                  "create it with data/preprocess.py")
-    if d.tokenizer_model is None:
-        raise ConfigError("--tokenizer-model is missing; --data-path needs the sentencepiece model the "
-                          "data was tokenized with; fix: give --tokenizer-model PATH")
-    if not os.path.isfile(d.tokenizer_model):
-        raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
-
-
-_CHECKS = (_check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
-           _check_optim_precision, _check_data)
-
-
-def validate(cfg: Config, world_size: int) -> None:
-    """Run every check (after finalize); raises ConfigError naming the flag and the fix."""
-    if world_size < 1:
-        raise ConfigError(f"world size {world_size} must be >= 1 (WORLD_SIZE of the launcher)")
-    for check in _CHECKS:
-        check(cfg, world_size)
-
-
-def parse_data_path(items: list[str]) -> list[tuple[float, str]]:
-    """``--data-path`` as (weight, prefix) pairs, weights normalised to sum 1.
-
-    One entry is a single prefix (weight 1); more are Megatron's ``W1 P1 W2 P2 ...`` blend.
-    Raises ConfigError: an odd count, a weight that is not a number, negative, or all zero.
-    """
-    if len(items) == 1:
-        return [(1.0, items[0])]
-    if len(items) % 2:
-        raise ConfigError(f"--data-path has {len(items)} entries; a blend is weight-prefix pairs; fix: "
-                          "e.g. --data-path 0.7 PREFIX_A 0.3 PREFIX_B")
-    pairs = []
-    for weight, prefix in zip(items[::2], items[1::2]):
-        try:
-            w = float(weight)
-        except ValueError:
-            raise ConfigError(f"--data-path: {weight!r} should be the weight before {prefix!r}; fix: "
-                              "give weight-prefix pairs, e.g. --data-path 0.7 A 0.3 B") from None
-        if not (math.isfinite(w) and w >= 0):
-            raise ConfigError(f"--data-path weight {weight} of {prefix} is negative; fix: use weights >= 0")
-        pairs.append((w, prefix))
-    total = sum(w for w, _ in pairs)
-    if total <= 0:
-        raise ConfigError("--data-path weights sum to 0; fix: give at least one positive weight")
-    return [(w / total, prefix) for w, prefix in pairs]
-
-
-def split_fractions(split: str) -> tuple[float, float, float]:
-    """``--split`` "969,30,1" (or "/"-separated, 1-3 parts) as train/valid/test fractions summing to 1."""
-    try:
-        parts = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 3 or min(parts) < 0 or sum(parts) <= 0:
-        raise ConfigError(f"--split {split!r} must be 1-3 non-negative proportions with a positive sum; "
-                          "fix: e.g. --split 969,30,1")
-    parts += [0.0] * (3 - len(parts))
-    return tuple(x / sum(parts) for x in parts)
-
-
 def config_from_argv(argv: list[str], world_size: int, *, print_warnings: bool = True) -> Config:
     """parse -> DeepSpeed file -> finalize -> validate. Pure: needs no process group.
 
     On ConfigError prints ``megazero: config error: <message>`` to stderr and exits with code 2.
     Warnings go to ``cfg.warnings`` and, when ``print_warnings``, to stderr.
     """
+    from megazero.config_checks import validate
+    from megazero.config_deepspeed import load_deepspeed_config
+
     try:
         cfg = parse_args(argv)
         warnings = load_deepspeed_config(cfg.deepspeed_config, cfg) if cfg.deepspeed_config else []
@@ -765,3 +475,19 @@ def flags_table() -> str:
         flags = ", ".join(f"`{f}`" for f in s.flags)
         rows.append(f"| {flags} | {shown} | {meta['unit']} | {meaning.replace('|', '/')} |")
     return "\n".join(rows)
+
+
+_ELSEWHERE = {"validate": "config_checks", "parse_data_path": "config_checks",
+              "split_fractions": "config_checks", "load_deepspeed_config": "config_deepspeed"}
+
+
+def __getattr__(name: str):
+    """The reader's and the rules' public functions, reachable as ``megazero.config.<name>``.
+
+    Looked up on first use (PEP 562): those modules import this one's dataclasses.
+    """
+    if name in _ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"megazero.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module 'megazero.config' has no attribute {name!r}")

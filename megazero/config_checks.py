@@ -1,0 +1,196 @@
+"""The rules a megazero Config must satisfy; each raises one ConfigError naming the flag and the fix.
+
+Pure functions of the settings and the world size, so every rank runs them before any
+process group exists (DESIGN.md, contract 3).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from megazero.config import Config, ConfigError, _get, _show, settings
+from megazero.pipeline.partition import PartitionError, validate_partition
+
+
+def _check_ranges(cfg: Config, world_size: int) -> None:
+    """Every number inside its documented range, every choice among its choices."""
+    for s in settings():
+        value, meta = _get(cfg, s.name), s.field.metadata
+        if meta["choices"] and value not in meta["choices"]:
+            raise ConfigError(f"{_show(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
+        if value is None or s.base not in (int, float):
+            continue
+        for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+                              ("lt", "<", lambda v, b: v < b)):
+            if meta[op] is not None and not ok(value, meta[op]):
+                raise ConfigError(f"{_show(cfg, s.name)} {value} is out of range; fix: "
+                                  f"use a value {bound} {meta[op]}")
+
+
+def _check_world(cfg: Config, world_size: int) -> None:
+    """world size = tp x pp x dp."""
+    p = cfg.parallel
+    if p.dp is None:
+        raise ConfigError(f"world size {world_size} is not divisible by --tp {p.tp} x --pp {p.pp}; fix: "
+                          f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp")
+    if p.tp * p.pp * p.dp != world_size:
+        raise ConfigError(f"world size {world_size} != --tp {p.tp} x --pp {p.pp} x --dp {p.dp} = "
+                          f"{p.tp * p.pp * p.dp}; fix: launch {p.tp * p.pp * p.dp} processes or "
+                          "change --tp/--pp/--dp (leave --dp out to derive it)")
+
+
+def _check_model_shape(cfg: Config, world_size: int) -> None:
+    """Heads divide H and tp divides heads (so tp divides H too) and the FFN; seq fits positions."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                          f"{m.num_attention_heads}; fix: choose a head count that divides the hidden size")
+    if m.num_attention_heads % tp:
+        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tp {tp}; "
+                          "fix: use a --tp that divides the head count")
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tp {tp}; "
+                          "fix: use a multiple of the tensor-parallel size")
+    if m.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+                          f"{m.max_position_embeddings}; fix: raise the positions or shorten the sequence")
+    if cfg.parallel.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tp {tp}; "
+                          "fix: use a multiple of --tp or drop --sequence-parallel")
+
+
+def _check_batch(cfg: Config, world_size: int) -> None:
+    """global batch = micro x accumulation x dp (covers DeepSpeed's train_batch_size)."""
+    t, dp = cfg.train, cfg.parallel.dp
+    micro, accum, total = t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size
+    if accum is None:
+        raise ConfigError(f"{_show(cfg, 'train.global_batch_size')} {total} is not divisible by "
+                          f"--micro-batch-size {micro} x data-parallel size {dp} = {micro * dp}; fix: "
+                          f"use a multiple of {micro * dp} or change --micro-batch-size")
+    if total != micro * accum * dp:
+        raise ConfigError(
+            f"{_show(cfg, 'train.global_batch_size')} {total} != {_show(cfg, 'train.micro_batch_size')} "
+            f"{micro} x {_show(cfg, 'train.gradient_accumulation_steps')} {accum} x data-parallel size {dp}"
+            f" = {micro * accum * dp}; fix: make them agree, or give only two so the third is derived")
+
+
+def _check_pipeline(cfg: Config, world_size: int) -> None:
+    """Schedule fits pp and vp; layers partition over the stages (pipeline/partition.py)."""
+    p, m = cfg.parallel, cfg.model
+    sched = p.pipeline_schedule
+    try:
+        validate_partition(m.num_layers, p.pp, p.virtual_pipeline_size, p.pipeline_layer_split)
+    except PartitionError as e:
+        raise ConfigError(str(e)) from None
+    if sched == "none" and p.pp > 1:
+        raise ConfigError(f"--pipeline-schedule none cannot run --pp {p.pp}; fix: use 1f1b or gpipe")
+    if p.virtual_pipeline_size > 1 and sched != "interleaved":
+        raise ConfigError(f"--virtual-pipeline-size {p.virtual_pipeline_size} needs --pipeline-schedule "
+                          f"interleaved, got {sched}; fix: drop --pipeline-schedule")
+    if sched == "interleaved":
+        if p.pp < 2 or p.virtual_pipeline_size < 2:
+            raise ConfigError(f"--pipeline-schedule interleaved needs --pp >= 2 and --virtual-pipeline-size"
+                              f" >= 2 (got --pp {p.pp}, --virtual-pipeline-size {p.virtual_pipeline_size}); "
+                              "fix: raise them or use --pipeline-schedule 1f1b")
+        if cfg.train.gradient_accumulation_steps % p.pp:
+            raise ConfigError(f"--pipeline-schedule interleaved needs micro-batches per step "
+                              f"(--gradient-accumulation-steps {cfg.train.gradient_accumulation_steps}) "
+                              f"divisible by --pp {p.pp}; fix: adjust --global-batch-size or "
+                              "--gradient-accumulation-steps")
+
+
+def _check_optim_precision(cfg: Config, world_size: int) -> None:
+    """min lr <= lr; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
+    o, pr, z = cfg.optim, cfg.precision, cfg.zero
+    if o.min_lr > o.lr:
+        raise ConfigError(f"{_show(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
+                          "--min-lr <= --lr")
+    if o.lr_decay_style != "constant" and o.lr_decay_iters <= o.lr_warmup_iters:
+        raise ConfigError(f"{_show(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
+                          f"{_show(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
+                          f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
+                          "--train-iters, its default), lower --lr-warmup-iters, or use "
+                          "--lr-decay-style constant")
+    if pr.fp16 and pr.bf16:
+        raise ConfigError(f"{_show(cfg, 'precision.fp16')} and {_show(cfg, 'precision.bf16')} are both on; "
+                          "fix: choose one")
+    if z.stage == 3:
+        raise ConfigError(f"{_show(cfg, 'zero.stage')} 3 (parameter sharding) is not supported by "
+                          "megazero; fix: use --zero-stage 1 or 2")
+    if z.stage not in (0, 1, 2):
+        raise ConfigError(f"{_show(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
+                          "(replicated), 1 (optimizer states sharded) or 2 (and gradients)")
+
+
+def _check_data(cfg: Config, world_size: int) -> None:
+    """A split of 1-3 proportions; a corpus whose .bin/.idx files exist and a tokenizer file."""
+    d = cfg.data
+    split_fractions(d.split)
+    if cfg.train.mock_data:
+        return
+    if not d.data_path:
+        raise ConfigError("no training data: --data-path is missing; fix: give --data-path PREFIX "
+                          "(PREFIX.bin/.idx written by data/preprocess.py) or --mock-data")
+    for _, prefix in parse_data_path(d.data_path):
+        for path in (prefix + ".bin", prefix + ".idx"):
+            if not os.path.isfile(path):
+                hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+                raise ConfigError(f"--data-path {prefix}: {path} not found{hint}; fix: correct the path or "
+                                  "create it with data/preprocess.py")
+    if d.tokenizer_model is None:
+        raise ConfigError("--tokenizer-model is missing; --data-path needs the sentencepiece model the "
+                          "data was tokenized with; fix: give --tokenizer-model PATH")
+    if not os.path.isfile(d.tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
+
+
+_CHECKS = (_check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
+           _check_optim_precision, _check_data)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Run every check (after finalize); raises ConfigError naming the flag and the fix."""
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} must be >= 1 (WORLD_SIZE of the launcher)")
+    for check in _CHECKS:
+        check(cfg, world_size)
+
+
+def parse_data_path(items: list[str]) -> list[tuple[float, str]]:
+    """``--data-path`` as (weight, prefix) pairs, weights normalised to sum 1.
+
+    One entry is a single prefix (weight 1); more are Megatron's ``W1 P1 W2 P2 ...`` blend.
+    Raises ConfigError: an odd count, a weight that is not a number, negative, or all zero.
+    """
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    if len(items) % 2:
+        raise ConfigError(f"--data-path has {len(items)} entries; a blend is weight-prefix pairs; fix: "
+                          "e.g. --data-path 0.7 PREFIX_A 0.3 PREFIX_B")
+    pairs = []
+    for weight, prefix in zip(items[::2], items[1::2]):
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ConfigError(f"--data-path: {weight!r} should be the weight before {prefix!r}; fix: "
+                              "give weight-prefix pairs, e.g. --data-path 0.7 A 0.3 B") from None
+        if not (math.isfinite(w) and w >= 0):
+            raise ConfigError(f"--data-path weight {weight} of {prefix} is negative; fix: use weights >= 0")
+        pairs.append((w, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        raise ConfigError("--data-path weights sum to 0; fix: give at least one positive weight")
+    return [(w / total, prefix) for w, prefix in pairs]
+
+
+def split_fractions(split: str) -> tuple[float, float, float]:
+    """``--split`` "969,30,1" (or "/"-separated, 1-3 parts) as train/valid/test fractions summing to 1."""
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or min(parts) < 0 or sum(parts) <= 0:
+        raise ConfigError(f"--split {split!r} must be 1-3 non-negative proportions with a positive sum; "
+                          "fix: e.g. --split 969,30,1")
+    parts += [0.0] * (3 - len(parts))
+    return tuple(x / sum(parts) for x in parts)

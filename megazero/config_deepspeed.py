@@ -1,0 +1,121 @@
+"""A DeepSpeed-style JSON file as a source of megazero's one config (DESIGN.md, contract 5).
+
+Keys read (DeepSpeed's "Configuration JSON" page): ``zero_optimization`` (stage, bucket
+sizes, overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions), ``fp16``
+(loss_scale 0 = dynamic, initial_scale_power, loss_scale_window, hysteresis,
+min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
+``gradient_accumulation_steps``, ``gradient_clipping``, ``steps_per_print``. ZeRO stage 3,
+offloading and ``stage3_*`` keys are refused; any other unknown key gives a warning.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+from megazero.config import Config, ConfigError, _get, _set, _setting
+
+_DS_KEYS = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+    "gradient_clipping": "optim.clip_grad",
+    "steps_per_print": "log.log_interval",
+    "bf16.enabled": "precision.bf16",
+    "fp16.enabled": "precision.fp16",
+    **{f"fp16.{k}": f"precision.{k}" for k in
+       ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale")},
+    **{f"zero_optimization.{k}": f"zero.{k}" for k in
+       ("stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
+        "reduce_bucket_size", "contiguous_gradients")},
+}
+_DS_BLOCKS = ("zero_optimization", "fp16", "bf16")
+_OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise ConfigError(f"--deepspeed-config {path}: cannot read it ({e.strerror}); "
+                          "fix: give the path of a DeepSpeed JSON file") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed-config {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
+                          f"{e.msg}; fix: correct the file (JSON: double quotes, true/false, "
+                          "no trailing commas)") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--deepspeed-config {path}: the top level must be a JSON object")
+    return doc
+
+
+def _ds_items(doc: dict, path: str):
+    """(dotted key, value) pairs: the blocks' entries one by one, other top-level keys whole."""
+    for key, value in doc.items():
+        if key in _DS_BLOCKS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"--deepspeed-config {path}: {key} must be a JSON object")
+            yield from ((f"{key}.{k}", v) for k, v in value.items())
+        else:
+            yield key, value
+
+
+def _refusal(key: str, value: Any) -> Optional[str]:
+    leaf = key.split(".")[-1]
+    if key == "zero_optimization.stage" and value == 3:
+        return f"{key} 3 (ZeRO-3 parameter sharding; use stage 1 or 2)"
+    if key.startswith("zero_optimization.stage3_"):
+        return f"{key} (a ZeRO-3 setting; remove it and use stage 1 or 2)"
+    offloads = (value.get("device", "cpu") not in ("none", None)) if isinstance(value, dict) else bool(value)
+    if key.startswith("zero_optimization.") and leaf in _OFFLOAD_KEYS and offloads:
+        return f"{key} (CPU/NVMe offload; remove it: states stay on the device)"
+    return None
+
+
+def _coerce(value: Any, base: type, where: str) -> Any:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is bool and isinstance(value, bool):
+        return value
+    if base is int and number and float(value).is_integer():
+        return int(value)
+    if base is float and number and math.isfinite(value):
+        return float(value)
+    kind = {bool: "true or false", int: "a whole number", float: "a number"}[base]
+    raise ConfigError(f"{where} must be {kind}, got {json.dumps(value)}; fix: correct the file")
+
+
+def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
+    """Fill ``cfg`` from a DeepSpeed-style JSON file; returns warnings for unused keys.
+
+    Values fill every setting not given on the command line (recorded in ``cfg.sources``);
+    ``"auto"`` (Hugging Face's convention) leaves a setting to be derived.
+    Raises ConfigError: unreadable file or invalid JSON (file, line, column); ZeRO stage 3,
+    offload or ``stage3_*`` keys (all named in one message); a value of the wrong type; a key
+    whose value disagrees with a flag given on the command line (names both).
+    """
+    doc = _read_json(path)
+    items = list(_ds_items(doc, path))
+    refused = [r for r in (_refusal(k, v) for k, v in items) if r]
+    if refused:
+        raise ConfigError(f"--deepspeed-config {path}: not supported by megazero: " + "; ".join(refused))
+    warnings = []
+    for key, raw in items:
+        name = _DS_KEYS.get(key)
+        if name is None:
+            if not key.startswith("zero_optimization.") or key.split(".")[-1] not in _OFFLOAD_KEYS:
+                warnings.append(f"--deepspeed-config {path}: key {key!r} is not used by megazero; ignored")
+            continue
+        if raw == "auto":
+            continue
+        value = _coerce(raw, _setting(name).base, f"{key} in {path}")
+        src = cfg.sources.get(name, "")
+        if src.startswith("--"):
+            if _get(cfg, name) != value:
+                raise ConfigError(f"{src} {_get(cfg, name)} on the command line conflicts with {key} = "
+                                  f"{json.dumps(raw)} in {path}; fix: make them agree or drop one")
+            continue
+        _set(cfg, name, value)
+        cfg.sources[name] = f"{key} in {path}"
+    return warnings
