@@ -277,7 +277,8 @@ class Trainer:
 
 # -- evaluation, logging, summary -----------------------------------------------------------
 def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[float, np.ndarray]:
-    """Mean validation loss over ``--eval-iters`` global batches and the label token counts."""
+    """Mean validation loss over ``--eval-iters`` global batches and their label token counts
+    (summed over data-parallel ranks: the unigram baseline is of exactly these tokens)."""
     gbs = cfg.train.global_batch_size
     losses, counts = [], np.zeros(trainer.gpt_config.vocab_size, dtype=np.int64)
     for i in range(cfg.train.eval_iters):
@@ -286,7 +287,10 @@ def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[flo
         losses.append(trainer.eval_loss(batches))
         for _, labels in batches:
             counts += np.bincount(labels.flatten().cpu().numpy(), minlength=counts.size)[:counts.size]
-    return float(np.mean(losses)), counts
+    # each DP rank counted its slice of the global batches: the baseline needs them all
+    total = torch.from_numpy(counts)
+    collectives.all_reduce_sum(total, trainer.groups.dp)
+    return float(np.mean(losses)), total.numpy()
 
 
 def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:

@@ -33,7 +33,7 @@ import numpy as np
 
 from data.indexed_dataset import DataError, IndexedDataset, tmp_name
 
-_FORMAT = "megazero-gpt-indices-v1"
+_FORMAT = "megazero-gpt-indices-v2"  # v2: indices built for whole shuffle blocks
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -82,7 +82,9 @@ def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
 
 def build_indices(sizes: np.ndarray, seq_ids: np.ndarray, seq_length: int, num_samples: int,
                   seed: int, shuffle: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(doc_idx [E*D], sample_idx [N+1, 2] int64, shuffle_idx [N] int64) for N = num_samples.
+    """(doc_idx [E*D], sample_idx [M+1, 2] int64, shuffle_idx [N] int64) for N = num_samples.
+
+    M >= N: with shuffling, M is N rounded up to whole shuffle blocks (one epoch's samples).
 
     sizes: tokens per sequence of the whole dataset; seq_ids: the split's sequence ids [D].
     With shuffle=False documents keep their order and samples are in stream order.
@@ -91,6 +93,12 @@ def build_indices(sizes: np.ndarray, seq_ids: np.ndarray, seq_length: int, num_s
     per_epoch = int(lengths.sum())
     if per_epoch == 0:
         raise DataError("the split's documents hold no tokens")
+    # Shuffling is within blocks of one epoch's worth of samples. Indices are built for whole
+    # blocks and cut to num_samples afterwards, so the first k samples do not depend on
+    # num_samples (on --train-iters): a run extended or resumed with more iterations
+    # trains on the same samples in the same order.
+    per_block = max(1, per_epoch // seq_length)
+    wanted, num_samples = num_samples, (-(-num_samples // per_block) * per_block if shuffle else num_samples)
     need = num_samples * seq_length + 1
     epochs = -(-need // per_epoch)  # ceil
     perms = [np.random.default_rng([seed, e]).permutation(len(seq_ids)) if shuffle
@@ -103,10 +111,9 @@ def build_indices(sizes: np.ndarray, seq_ids: np.ndarray, seq_length: int, num_s
     pos = np.searchsorted(cum, starts, side="right")  # document holding each start token
     sample_idx = np.stack([pos, starts - (cum[pos] - doc_lengths[pos])], axis=1)  # [N+1, 2]
     if shuffle:
-        per_block = max(1, per_epoch // seq_length)
         block = np.arange(num_samples) // per_block
         noise = np.random.default_rng([seed, 1 << 20]).random(num_samples)
-        shuffle_idx = np.lexsort((noise, block)).astype(np.int64)  # random order within each block
+        shuffle_idx = np.lexsort((noise, block)).astype(np.int64)[:wanted]  # random order within each block
     else:
         shuffle_idx = np.arange(num_samples, dtype=np.int64)
     return doc_idx.astype(np.int64), sample_idx.astype(np.int64), shuffle_idx

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from data.corpus import write_corpus
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
     p.add_argument("--root", default=None, help="corpus source directory (default: the stdlib)")
     p.add_argument("--heldout-per-10k", type=int, default=100, help="held-out share in 1/10000")
     args = p.parse_args(argv)
-    out = prepare(args.data_dir, args.vocab_size, args.workers, args.root, args.heldout_per_10k)
+    # progress on stderr, the KEY=VALUE results on stdout (the launcher captures them)
+    out = prepare(args.data_dir, args.vocab_size, args.workers, args.root, args.heldout_per_10k,
+                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(f"HELDOUT_DATA_PATH={out['heldout_data_path'] or ''}")
     print(f"DATA_PATH={out['data_path']}")
     print(f"TOKENIZER_MODEL={out['tokenizer_model']}")

@@ -183,11 +183,16 @@ class ZeroConfig:
     allgather_bucket_size: int = _f(500_000_000, "parameter all-gather bucket", "elements", ge=1)
     overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass",
                             flags=("--no-overlap-comm",))
-    contiguous_gradients: bool = _f(True, "copy gradients into one contiguous buffer",
+    # DeepSpeed knobs whose alternative megazero does not implement: it always keeps gradients
+    # in contiguous buffers, reduce-scatters them (stages 1/2) and all-gathers updated shards.
+    # Turning one off is accepted (DeepSpeed files set them) and ignored with a warning.
+    contiguous_gradients: bool = _f(True, "DeepSpeed's contiguous_gradients; megazero always copies "
+                                    "gradients into contiguous buffers (off: warning, ignored)",
                                     flags=("--no-contiguous-gradients",))
-    reduce_scatter: bool = _f(True, "reduce gradients with reduce-scatter (else all-reduce)",
-                              flags=("--no-reduce-scatter",))
-    allgather_partitions: bool = _f(True, "all-gather updated shards (else broadcast per shard)",
+    reduce_scatter: bool = _f(True, "DeepSpeed's reduce_scatter; megazero always reduce-scatters at "
+                              "stages 1/2 (off: warning, ignored)", flags=("--no-reduce-scatter",))
+    allgather_partitions: bool = _f(True, "DeepSpeed's allgather_partitions; megazero always all-gathers "
+                                    "updated shards (off: warning, ignored)",
                                     flags=("--no-allgather-partitions",))
 
 
@@ -200,8 +205,7 @@ class DataConfig:
     tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file (needed with --data-path)", "path")
     vocab_size: Optional[int] = _f(
         None, f"vocabulary; None = the tokenizer's ({MOCK_VOCAB_SIZE} with --mock-data)", "tokens", ge=1)
-    data_cache_dir: Optional[str] = _f(None, "where index files are cached; None = beside the data", "path")
-    num_workers: int = _f(0, "data-loader worker processes", "processes", ge=0)
+    data_cache_dir: Optional[str] = _f(None, "where sample indices are cached (atomic, shared by ranks); None = built in memory on every rank", "path")
 
 
 @dataclass
@@ -235,7 +239,7 @@ class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LoggingConfig = field(default_factory=LoggingConfig)
-    deepspeed_config: Optional[str] = _f(None, "DeepSpeed-style JSON file (see the module docstring)", "path",
+    deepspeed_config: Optional[str] = _f(None, "DeepSpeed-style JSON file (keys read: README, section DeepSpeed configuration files; megazero/config_deepspeed.py)", "path",
                                          flags=("--deepspeed-config", "--deepspeed_config"))
     sources: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -392,6 +396,10 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
     if p.sequence_parallel and p.tp == 1:
         p.sequence_parallel = False
         warnings.append("--sequence-parallel does nothing with --tp 1; turned off")
+    for knob in ("contiguous_gradients", "reduce_scatter", "allgather_partitions"):
+        if not getattr(cfg.zero, knob):
+            warnings.append(f"{_show(cfg, 'zero.' + knob)} = false is ignored: megazero always uses "
+                            "contiguous gradient buffers, reduce-scatter and all-gather (same result)")
     if p.dp is None and p.tp >= 1 and p.pp >= 1 and world_size % (p.tp * p.pp) == 0:
         p.dp = world_size // (p.tp * p.pp)
     sizes = (p.dp, t.micro_batch_size, t.global_batch_size, t.gradient_accumulation_steps)

@@ -42,7 +42,8 @@ NPROC=$((WORLD / NNODES))
 
 if [ "$HAVE_DATA" = 0 ]; then
   echo "[megazero] no --data-path: preparing the embedded default corpus under $DATA_DIR (once)"
-  PREP_OUT="$("$PY" -m data.prepare --data-dir "$DATA_DIR" | tee /dev/stderr)"
+  PREP_OUT="$("$PY" -m data.prepare --data-dir "$DATA_DIR")"  # progress goes to stderr
+  printf '%s\n' "$PREP_OUT"
   DATA_PATH="$(printf '%s\n' "$PREP_OUT" | sed -n 's/^DATA_PATH=//p' | tail -n 1)"
   TOKENIZER_MODEL="$(printf '%s\n' "$PREP_OUT" | sed -n 's/^TOKENIZER_MODEL=//p' | tail -n 1)"
   [ -n "$DATA_PATH" ] && [ -n "$TOKENIZER_MODEL" ] || { echo "megazero: data preparation did not report DATA_PATH/TOKENIZER_MODEL" >&2; exit 1; }

@@ -334,3 +334,9 @@ def test_json_errors_name_file_line_and_key(files, capsys):
     assert "zero_optimization.overlap_comm" in err and "true or false" in err
     err = fails(M + ["--deepspeed-config", files["DIR"] + "/absent.json"], 1, capsys)
     assert "--deepspeed-config" in err and "absent.json" in err
+
+
+def test_readme_flag_table_is_the_generated_one():
+    """README.md's table of every flag is flags_table()'s output, so its defaults stay true."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert flags_table().strip() in readme

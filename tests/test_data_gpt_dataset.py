@@ -149,6 +149,29 @@ def test_index_files_identical_on_four_ranks_and_independent_of_dp(tmp_path):
 def test_index_building_is_vectorised_for_large_inputs():
     sizes = np.random.default_rng(0).integers(1, 2000, 200_000).astype(np.int32)  # ~200M tokens
     doc_idx, sample_idx, shuffle_idx = build_indices(sizes, np.arange(len(sizes)), 2048, 50_000, 0)
-    assert sample_idx.shape == (50_001, 2) and shuffle_idx.shape == (50_000,)
+    m = sample_idx.shape[0] - 1  # rounded up to whole shuffle blocks (one epoch of samples)
+    per_block = int(sizes.sum()) // 2048
+    assert m % per_block == 0 and 50_000 <= m < 50_000 + per_block and shuffle_idx.shape == (50_000,)
+    assert shuffle_idx.max() < m
     d, o = sample_idx[-1]
-    assert np.cumsum(sizes[doc_idx].astype(np.int64))[d] - sizes[doc_idx[d]] + o == 50_000 * 2048
+    assert np.cumsum(sizes[doc_idx].astype(np.int64))[d] - sizes[doc_idx[d]] + o == m * 2048
+
+
+def test_sample_order_does_not_depend_on_the_number_of_samples():
+    """The first k samples are the same whatever num_samples (--train-iters) asks for, so a run
+    extended or resumed with more iterations sees the samples of the shorter run first."""
+    from data.gpt_dataset import build_indices
+
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(1, 40, size=50)
+    seq_ids = np.arange(50)
+    per_epoch_samples = int(sizes.sum()) // 8
+    runs = {n: build_indices(sizes, seq_ids, 8, n, seed=11) for n in (5, per_epoch_samples + 3, 4 * per_epoch_samples)}
+    k = 5
+    first = {n: [tuple(r[1][r[2][i]]) for i in range(k)] for n, r in runs.items()}
+    assert len({tuple(v) for v in first.values()}) == 1, first
+    assert all(len(r[2]) == n for n, r in runs.items())
+    longest = runs[4 * per_epoch_samples]
+    mid = runs[per_epoch_samples + 3]
+    for i in range(per_epoch_samples + 3):  # the longer run's order extends the shorter one's
+        assert tuple(mid[1][mid[2][i]]) == tuple(longest[1][longest[2][i]])
