@@ -7,7 +7,6 @@ Each step of the orchestration is a named function below; the parallel machinery
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ from megazero import checkpoint, collectives
 from megazero.config import Config, config_from_argv, describe, resolve_run_dir
 from megazero.data_parallel.ddp import DataParallel
 from megazero.monitor import Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, unigram_entropy
-from megazero.ops.backend import describe_backends, select_backend
+from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
 from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
 from megazero.pipeline import partition
@@ -128,18 +127,25 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
 
 
 # -- data -----------------------------------------------------------------------------------
-def build_data(cfg: Config):
+def build_data(cfg: Config, resume: Optional[dict] = None):
     """(tokenizer or None, train, valid, test datasets, vocab size) for this run.
 
-    Every rank builds the same indices (cached atomically on disk, identical everywhere);
-    each data-parallel rank later reads only its slice of every global batch.
+    Every rank builds the same indices (identical everywhere, cached atomically on disk with
+    --data-cache-dir); each data-parallel rank later reads only its slice of every global
+    batch. ``resume`` (a checkpoint's meta) sizes the train split from the samples already
+    consumed, which differ from iterations x global batch after a change of batch size.
+    Raises DataError for an unusable corpus, tokenizer or split.
     """
     from data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
 
     t = cfg.train
     gbs = t.global_batch_size
     evals = (t.train_iters // max(cfg.train.eval_interval, 1) + 1) * cfg.train.eval_iters
-    num_samples = (t.train_iters * gbs, max(evals, 1) * gbs, cfg.train.eval_iters * gbs)
+    train_samples = t.train_iters * gbs
+    if resume is not None:
+        done = resume["extra"]["consumed_samples"]
+        train_samples = max(train_samples, done + max(t.train_iters - resume["iteration"], 0) * gbs)
+    num_samples = (train_samples, max(evals, 1) * gbs, cfg.train.eval_iters * gbs)
     seq = cfg.model.seq_length
     if cfg.train.mock_data:
         vocab = cfg.data.vocab_size
@@ -148,9 +154,16 @@ def build_data(cfg: Config):
     from data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.data.tokenizer_model)
+    if cfg.data.vocab_size is not None and cfg.data.vocab_size != tok.vocab_size:
+        raise DataError(f"--vocab-size {cfg.data.vocab_size} differs from the {tok.vocab_size} tokens of "
+                        f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
+                        "tokenizer sets it) or use the matching tokenizer")
     sets = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed,
                                            num_samples, cfg.data.data_cache_dir,
                                            vocab_size=tok.vocab_size)
+    if sets[0] is None:
+        raise DataError(f"--split {cfg.data.split} leaves no documents for training; fix: give the "
+                        "train part a positive share, e.g. --split 969,30,1")
     return tok, sets, tok.vocab_size
 
 
@@ -160,6 +173,25 @@ def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups,
     mbs = get_micro_batches(dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                             groups.dp_rank, groups.dp_size)
     return [(x.to(device), y.to(device)) for x, y in mbs]
+
+
+def model_signature(g: GPTConfig) -> dict:
+    """The sizes a checkpoint must share with the model that loads it (layout excluded)."""
+    return dict(vocab_size=g.vocab_size, num_layers=g.num_layers, hidden_size=g.hidden_size,
+                num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
+                max_position_embeddings=g.max_position_embeddings, tie_embeddings=g.tie_embeddings)
+
+
+def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:
+    """Raise CheckpointError naming the first model size that differs from the checkpoint's."""
+    if resume is None:
+        return
+    saved, mine = resume["extra"].get("model", {}), model_signature(build_gpt_config(cfg, vocab_size))
+    for key, value in mine.items():
+        if key in saved and saved[key] != value:
+            raise checkpoint.CheckpointError(
+                f"--load {cfg.train.load}: the checkpoint has {key} = {saved[key]}, this model {value}; "
+                f"fix: use the model settings the checkpoint was saved with, or another --load")
 
 
 # -- one iteration --------------------------------------------------------------------------
@@ -214,7 +246,8 @@ class Trainer:
                                rng_states=self.chunks[0].rng_tracker.get_state(),
                                extra=dict(consumed_samples=self.consumed_samples,
                                           skipped_iterations=self.skipped_iterations,
-                                          eval_round=self.eval_round))
+                                          eval_round=self.eval_round,
+                                          model=model_signature(self.gpt_config)))
 
     def load_checkpoint(self, root: str) -> Optional[int]:
         """Resume from the latest checkpoint under ``root`` (saved under any layout).
@@ -386,17 +419,26 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=trainer.iteration)
 
 
+def prepare_run(cfg: Config):
+    """Everything that can fail before any process group exists: the checkpoint to resume and
+    the data. Returns (data, resume); raises DataError or CheckpointError (contract 3)."""
+    resume = checkpoint.peek(cfg.train.load) if cfg.train.load else None
+    data = build_data(cfg, resume)
+    check_resume(cfg, resume, data[2])
+    return data, resume
+
+
 def preflight(argv: list[str], world_size: int) -> int:
-    """Check the settings and the data as ``main`` would, without starting anything.
+    """Check the settings, the data and the checkpoint as ``main`` would, starting nothing.
 
     The launcher runs it once before torchrun, so a bad configuration ends with its one-line
     message and exit code 2 instead of torchrun's per-rank failure report. Returns 0 or 2.
     """
     cfg = config_from_argv(argv, world_size)
     try:
-        build_data(cfg)
-    except DataError as e:
-        print(f"megazero: data error: {e}", file=sys.stderr)
+        prepare_run(cfg)
+    except (DataError, checkpoint.CheckpointError) as e:
+        print(f"megazero: {'data' if isinstance(e, DataError) else 'checkpoint'} error: {e}", file=sys.stderr)
         return 2
     return 0
 
@@ -404,15 +446,17 @@ def preflight(argv: list[str], world_size: int) -> int:
 def main(argv=None) -> int:
     launch = read_launch_env()
     argv = sys.argv[1:] if argv is None else argv
-    # Everything that can be wrong with the settings or the data is found here, on every
-    # rank, before any process group exists (DESIGN.md, contract 3).
-    cfg = config_from_argv(argv, launch.world_size, print_warnings=launch.rank == 0)
+    # Everything that can be wrong with the settings, the data or the checkpoint is found
+    # here, on every rank, before any process group exists (DESIGN.md, contract 3). The
+    # launcher already printed the config warnings in its preflight.
+    quiet = launch.rank != 0 or os.environ.get("MEGAZERO_PREFLIGHT_DONE") == "1"
+    cfg = config_from_argv(argv, launch.world_size, print_warnings=not quiet)
     # Same directory on every rank: the launcher passes --run-dir; torchrun's run id otherwise.
     resolve_run_dir(cfg, os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S"))
     try:
-        data = build_data(cfg)
-    except DataError as e:
-        print(f"megazero: data error: {e}", file=sys.stderr)
+        data, _ = prepare_run(cfg)
+    except (DataError, checkpoint.CheckpointError) as e:
+        print(f"megazero: {'data' if isinstance(e, DataError) else 'checkpoint'} error: {e}", file=sys.stderr)
         return 2
     device, groups = setup_device_and_groups(cfg, launch)
     try:

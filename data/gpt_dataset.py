@@ -265,6 +265,10 @@ def _build_split(indexed, ranges, weights, s, seq_length, seed, n, cache_dir):
 def check_vocab(indexed: IndexedDataset, vocab_size: int) -> None:
     """Raise DataError naming the file when a token id is >= vocab_size (tokenizer mismatch)."""
     top = int(indexed.tokens.max()) if indexed.num_tokens else -1
+    low = int(indexed.tokens.min()) if indexed.num_tokens else 0
+    if low < 0:
+        raise DataError(f"{indexed.prefix}.bin: negative token id {low}; the file is corrupt or not a "
+                        f"token dataset, re-run data.preprocess")
     if top >= vocab_size:
         raise DataError(f"{indexed.prefix}.bin: token id {top} >= vocabulary size {vocab_size}; the "
                         f"dataset was made with another tokenizer, re-run data.preprocess with this one")

@@ -25,6 +25,7 @@ Files are written under a temporary name and renamed when complete (``.bin`` fir
 from __future__ import annotations
 
 import os
+import signal
 import shutil
 import struct
 import sys
@@ -44,7 +45,14 @@ class DataError(ValueError):
 
 
 def cli_exit(main):
-    """Run ``main(argv) -> int`` as a CLI: a DataError becomes one line on stderr and exit code 2."""
+    """Run ``main(argv) -> int`` as a CLI: a DataError becomes one line on stderr and exit code 2.
+
+    SIGTERM (``timeout``, a scheduler's kill) is turned into KeyboardInterrupt, so the
+    writers' clean-up removes their temporary files as on Ctrl-C (exit code 143).
+    """
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
     try:
         code = main(sys.argv[1:])
     except DataError as e:
@@ -53,6 +61,9 @@ def cli_exit(main):
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         code = 130
+    except OSError as e:  # an output directory that cannot be created, a full disk, ...
+        print(f"error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+        code = 2
     sys.exit(code)
 
 

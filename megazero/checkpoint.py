@@ -56,12 +56,43 @@ def latest_iteration(root: str) -> Optional[int]:
         return None
     try:
         it = int(open(path).read().strip())
-    except ValueError as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} does not hold an iteration number; fix: delete it or "
                               f"write the iteration of a complete iter_* directory") from e
     if not os.path.isdir(iteration_dir(root, it)):
         raise CheckpointError(f"{path} names iteration {it} but {iteration_dir(root, it)} is missing")
     return it
+
+
+def _load_file(path: str, weights_only: bool):
+    """torch.load with a CheckpointError naming the file when it is missing or unreadable."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; fix: load an earlier "
+                              f"iter_* directory (write its number into 'latest')")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # torch raises RuntimeError, EOFError, pickle errors ... for a bad file
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); fix: load an "
+                              f"earlier iter_* directory (write its number into 'latest')") from None
+
+
+def peek(root: str) -> Optional[dict]:
+    """The ``meta.pt`` of the latest checkpoint under ``root`` (None when there is none yet).
+
+    Reads only small files and checks that every stage file is there, so a broken checkpoint
+    is reported before any process group exists. Raises CheckpointError naming the file.
+    """
+    it = latest_iteration(root)
+    if it is None:
+        return None
+    d = iteration_dir(root, it)
+    meta = _load_file(os.path.join(d, "meta.pt"), weights_only=False)
+    for pp in range(meta["layout"]["pp"]):
+        path = os.path.join(d, f"stage_{pp}.pt")
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete; fix: load an "
+                                  f"earlier iter_* directory (write its number into 'latest')")
+    return meta
 
 
 def _barrier(groups: ProcessGroups) -> None:
@@ -148,13 +179,10 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     if it is None:
         raise CheckpointError(f"no checkpoint under {root} (no 'latest' file)")
     d = iteration_dir(root, it)
-    meta = torch.load(os.path.join(d, "meta.pt"), map_location="cpu", weights_only=False)
+    meta = _load_file(os.path.join(d, "meta.pt"), weights_only=False)
     full: dict = {}
     for pp in range(meta["layout"]["pp"]):
-        path = os.path.join(d, f"stage_{pp}.pt")
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete")
-        full.update(torch.load(path, map_location="cpu", weights_only=True))
+        full.update(_load_file(os.path.join(d, f"stage_{pp}.pt"), weights_only=True))
     shards = []
     for chunk in chunks:
         for name, p in chunk.named_parameters():

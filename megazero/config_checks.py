@@ -20,6 +20,8 @@ def _check_ranges(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"{_show(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
         if value is None or s.base not in (int, float):
             continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{_show(cfg, s.name)} {value} is not a finite number; fix: give a number")
         for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
                               ("lt", "<", lambda v, b: v < b)):
             if meta[op] is not None and not ok(value, meta[op]):
@@ -122,6 +124,22 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
                           "(replicated), 1 (optimizer states sharded) or 2 (and gradients)")
 
 
+def _check_outputs(cfg: Config, world_size: int) -> None:
+    """Output directories are directories (or can become one); --load names an existing one."""
+    t = cfg.train
+    for flag, path in (("--save", t.save), ("--run-dir", cfg.log.run_dir)):
+        if path is None:
+            continue
+        probe = path
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe.rstrip("/"))
+        if probe and not os.path.isdir(probe):
+            raise ConfigError(f"{flag} {path}: {probe} is a file, not a directory; fix: choose another path")
+    if t.load is not None and not os.path.isdir(t.load) and t.load != t.save:
+        raise ConfigError(f"--load {t.load}: no such directory; fix: correct the path (with --save DIR "
+                          "--load DIR the same new directory starts a fresh, restartable run)")
+
+
 def _check_data(cfg: Config, world_size: int) -> None:
     """A split of 1-3 proportions; a corpus whose .bin/.idx files exist and a tokenizer file."""
     d = cfg.data
@@ -144,7 +162,7 @@ def _check_data(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
 
 
-_CHECKS = (_check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
+_CHECKS = (_check_outputs, _check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
            _check_optim_precision, _check_data)
 
 

@@ -40,8 +40,14 @@ def _read_json(path: str) -> dict:
     except OSError as e:
         raise ConfigError(f"--deepspeed-config {path}: cannot read it ({e.strerror}); "
                           "fix: give the path of a DeepSpeed JSON file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--deepspeed-config {path}: not UTF-8 text (byte {e.start}); fix: give a "
+                          "DeepSpeed JSON file") from None
     try:
         doc = json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"--deepspeed-config {path}: JSON nested too deeply; fix: give a DeepSpeed "
+                          "JSON file") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed-config {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
                           f"{e.msg}; fix: correct the file (JSON: double quotes, true/false, "

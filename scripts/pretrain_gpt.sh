@@ -13,6 +13,12 @@ cd "$MEGAZERO_ROOT"
 TP=1; PP=1; DP=1; NNODES=1; NODE_RANK=0; MASTER_ADDR=127.0.0.1; MASTER_PORT=""
 DATA_DIR="${MEGAZERO_DATA_DIR:-$MEGAZERO_ROOT/.cache/data}"
 ARGS=(); HAVE_DATA=0; RUN_DIR=""; HAVE_TOK=0
+# --flag=value is split into --flag value, so both spellings reach the cases below.
+SPLIT=()
+for a in "$@"; do
+  if [[ "$a" == --*=* ]]; then SPLIT+=("${a%%=*}" "${a#*=}"); else SPLIT+=("$a"); fi
+done
+set -- ${SPLIT[@]+"${SPLIT[@]}"}
 need() { [ "$#" -ge 2 ] || { echo "megazero: config error: $1 needs a value" >&2; exit 2; }; }
 while [ "$#" -gt 0 ]; do
   case "$1" in
@@ -64,6 +70,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC
 mkdir -p "$RUN_DIR"
 echo "[megazero] run directory: $RUN_DIR"
 echo "[megazero] TensorBoard:   tensorboard --logdir $RUN_DIR/tensorboard"
+export MEGAZERO_PREFLIGHT_DONE=1  # the ranks need not print the config warnings again
 echo "[megazero] launching $NPROC process(es) on this node (tp=$TP pp=$PP dp=$DP, nnodes=$NNODES)"
 set +e
 "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \

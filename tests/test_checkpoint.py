@@ -19,8 +19,8 @@ def _run(rank, world, argv, steps, save=None, load=None):
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
 
-    cfg = config_from_argv(argv, world)
-    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    cfg = config_from_argv(argv + (["--load", load] if load else []), world)
+    (_, (train_ds, _, _), vocab), _ = train.prepare_run(cfg)  # sized for the resumed samples
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
@@ -71,5 +71,27 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
     (tmp_path / "latest").write_text("2\n")
     os.remove(tmp_path / "iter_0000002" / "stage_0.pt")
     from tests.distributed import RankError
-    with pytest.raises(RankError, match="stage_0.pt is missing"):
+    with pytest.raises(RankError, match="stage_0.pt is missing"):  # found by checkpoint.peek too
         run_distributed(_run, 1, ARGS, 1, load=str(tmp_path))
+
+
+def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
+    """A checkpoint of another model, or a broken one, is refused by the launcher's preflight
+    (exit code 2, one line naming the setting or the file); a resume with another global batch
+    size continues past the end of the shorter run's sample count."""
+    import train
+
+    run_distributed(_run, 1, ARGS, 3, save=str(tmp_path))
+    assert train.preflight(ARGS + ["--load", str(tmp_path)], 1) == 0
+    assert train.preflight(ARGS + ["--load", str(tmp_path), "--num-layers", "2"], 1) == 2
+    assert "num_layers = 4, this model 2" in capsys.readouterr().err
+    assert train.preflight(ARGS + ["--load", str(tmp_path), "--untie-embeddings-and-output-weights"], 1) == 2
+    assert "tie_embeddings" in capsys.readouterr().err
+    smaller = [a if a != "16" or i == 0 or ARGS[i - 1] != "--global-batch-size" else "8"
+               for i, a in enumerate(ARGS)]
+    resumed = run_distributed(_run, 1, smaller, 3, load=str(tmp_path))[0]  # 48 + 3 x 8 samples
+    assert resumed[2] == 3 * 16 + 3 * 8 and all(math.isfinite(x) for x in resumed[0])
+    meta = tmp_path / "iter_0000003" / "meta.pt"
+    meta.write_bytes(meta.read_bytes()[:40])
+    assert train.preflight(ARGS + ["--load", str(tmp_path)], 1) == 2
+    assert "meta.pt is unreadable" in capsys.readouterr().err
