@@ -428,6 +428,12 @@ def prepare_run(cfg: Config):
     return data, resume
 
 
+def report_start_error(e: Exception) -> int:
+    """One line on stderr for a data or checkpoint problem found before start; returns exit code 2."""
+    print(f"megazero: {'data' if isinstance(e, DataError) else 'checkpoint'} error: {e}", file=sys.stderr)
+    return 2
+
+
 def preflight(argv: list[str], world_size: int) -> int:
     """Check the settings, the data and the checkpoint as ``main`` would, starting nothing.
 
@@ -438,8 +444,7 @@ def preflight(argv: list[str], world_size: int) -> int:
     try:
         prepare_run(cfg)
     except (DataError, checkpoint.CheckpointError) as e:
-        print(f"megazero: {'data' if isinstance(e, DataError) else 'checkpoint'} error: {e}", file=sys.stderr)
-        return 2
+        return report_start_error(e)
     return 0
 
 
@@ -456,8 +461,7 @@ def main(argv=None) -> int:
     try:
         data, _ = prepare_run(cfg)
     except (DataError, checkpoint.CheckpointError) as e:
-        print(f"megazero: {'data' if isinstance(e, DataError) else 'checkpoint'} error: {e}", file=sys.stderr)
-        return 2
+        return report_start_error(e)
     device, groups = setup_device_and_groups(cfg, launch)
     try:
         train(cfg, groups, device, data)
