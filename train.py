@@ -21,7 +21,8 @@ import torch.distributed as dist
 from megazero import checkpoint, collectives
 from megazero.config import Config, config_from_argv, describe, resolve_run_dir
 from megazero.data_parallel.ddp import DataParallel
-from megazero.monitor import Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, unigram_entropy
+from megazero.monitor import (Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, throughput,
+                              unigram_entropy)
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
 from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
@@ -233,6 +234,11 @@ class Trainer:
         self.tensor_shape = (cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
         self.dtype = model_dtype(cfg.precision.fp16, cfg.precision.bf16)
         self.tokens_per_dp_rank = self.num_microbatches * cfg.train.micro_batch_size * cfg.model.seq_length
+        g = self.gpt_config
+        self.flops_per_iteration = gpt_flops_per_iteration(
+            num_layers=g.num_layers, hidden_size=g.hidden_size, ffn_hidden_size=g.ffn_hidden_size,
+            seq_length=g.seq_length, padded_vocab_size=g.padded_vocab(p.tp),
+            global_batch_size=cfg.train.global_batch_size)
         if p.pp > 1:
             handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches)
         self.iteration = 0
@@ -327,20 +333,14 @@ def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[flo
 
 
 def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
-    g = trainer.gpt_config
-    flops = gpt_flops_per_iteration(num_layers=g.num_layers, hidden_size=g.hidden_size,
-                                    ffn_hidden_size=g.ffn_hidden_size or 4 * g.hidden_size,
-                                    seq_length=g.seq_length,
-                                    padded_vocab_size=g.padded_vocab(cfg.parallel.tp),
-                                    global_batch_size=cfg.train.global_batch_size)
-    per_device = flops / seconds_per_iter / trainer.groups.world_size
-    peak = peak_flops(trainer.device, trainer.dtype)
-    mem = memory_stats(trainer.device)
-    return dict(iteration_time_s=seconds_per_iter,
-                tokens_per_s=cfg.train.global_batch_size * cfg.model.seq_length / seconds_per_iter,
-                tflops_per_device=per_device / 1e12, mfu=(per_device / peak) if peak else None,
+    """Throughput, TFLOP/s, MFU (megazero.flops) and memory for one logged iteration."""
+    values = throughput(flops_per_iteration=trainer.flops_per_iteration,
+                        tokens_per_iteration=cfg.train.global_batch_size * cfg.model.seq_length,
+                        iteration_time_s=seconds_per_iter, world_size=trainer.groups.world_size,
+                        peak_flops_per_device=peak_flops(trainer.device, trainer.dtype))
+    return dict(values, iteration_time_s=seconds_per_iter,
                 model_state_bytes=trainer.optimizer.model_state_bytes()["total"],
-                peak_memory_bytes=mem.get("peak_bytes"))
+                peak_memory_bytes=memory_stats(trainer.device).get("peak_bytes"))
 
 
 def report_model_state(trainer: Trainer, monitor: Monitor) -> None:

@@ -18,7 +18,7 @@ coefficient. ``clip_coefficient`` matches ``torch.nn.utils.clip_grad_norm_``.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
