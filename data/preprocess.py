@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 
@@ -32,6 +33,10 @@ _worker: dict = {}
 
 
 def _init_worker(model_path: str, keys: list[str], append_eod: bool) -> None:
+    # The parent owns clean-up: a worker that the pool terminates (SIGTERM) dies quietly, and
+    # Ctrl-C reaches only the parent, which then terminates the pool.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = load_tokenizer(model_path)
     _worker.update(tok=tok, keys=keys, eod=tok.eod if append_eod else None,
                    dtype=best_dtype(tok.vocab_size))
@@ -120,7 +125,15 @@ def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix:
     try:
         init = (model_path, keys, append_eod)
         if workers > 1:
-            pool = mp.get_context("fork").Pool(workers, _init_worker, init)
+            # Workers fork with default SIGTERM / ignored SIGINT, so no handler of the parent's
+            # (cli_exit turns SIGTERM into KeyboardInterrupt) runs in a child before its initializer.
+            term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            intr = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                pool = mp.get_context("fork").Pool(workers, _init_worker, init)
+            finally:
+                signal.signal(signal.SIGTERM, term)
+                signal.signal(signal.SIGINT, intr)
             results = pool.imap(_encode_line, _lines(input_path), chunksize)
         else:
             _init_worker(*init)
