@@ -18,9 +18,11 @@ writes the model parameters. Memory: a rank holds the full states of its own sta
 parameters while saving (a consolidated checkpoint, fine up to a few billion parameters
 per stage; beyond that a sharded writer would be needed).
 
-Atomicity: every file is written under ``iter_X.tmp`` and the directory is renamed to
-``iter_X`` only after all ranks finished; then ``latest`` (the iteration number) is
-replaced atomically. A crash mid-save leaves the previous checkpoint and ``latest`` intact.
+Atomicity: every file is written under ``iter_X.tmp`` (each fsynced, then renamed) and the
+directory is renamed to ``iter_X`` only after all ranks finished; then ``latest`` (the
+iteration number) is replaced atomically, with the directories fsynced in between so the
+order survives a power loss. A crash mid-save leaves the previous checkpoint and ``latest``
+intact; an iteration saved twice keeps its old copy (``iter_X.old``) until the new one is in.
 """
 from __future__ import annotations
 
@@ -100,8 +102,24 @@ def _barrier(groups: ProcessGroups) -> None:
         dist.barrier(group=groups.world)
 
 
+def _fsync_dir(path: str) -> None:
+    """Make renames and new entries in directory ``path`` durable (POSIX: fsync the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_save(obj, path: str) -> None:
-    torch.save(obj, path + ".tmp")
+    """``torch.save`` to a temporary name, fsync its bytes, then rename onto ``path``.
+
+    After a crash (or power loss) ``path`` is either absent or complete, never truncated.
+    """
+    with open(path + ".tmp", "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
@@ -155,12 +173,20 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
         _atomic_save(meta, os.path.join(tmp, "meta.pt"))
     _barrier(groups)
     if groups.rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        _fsync_dir(tmp)  # every file's entry is on disk before the directory gets its name
+        old = final + ".old"
+        if os.path.exists(final):  # the same iteration saved again: keep the old copy until replaced
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        _fsync_dir(root)  # the new iter_* name is on disk before 'latest' points at it
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        _fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
     _barrier(groups)
     return final
 

@@ -138,6 +138,11 @@ def _check_outputs(cfg: Config, world_size: int) -> None:
     if t.load is not None and not os.path.isdir(t.load) and t.load != t.save:
         raise ConfigError(f"--load {t.load}: no such directory; fix: correct the path (with --save DIR "
                           "--load DIR the same new directory starts a fresh, restartable run)")
+    same = t.load is not None and t.save is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
+    if t.save is not None and not same and os.path.isfile(os.path.join(t.save, "latest")):
+        # A fresh run would count iterations from 0 again and replace that run's checkpoints.
+        raise ConfigError(f"--save {t.save} already holds the checkpoints of another run; fix: add --load "
+                          f"{t.save} to continue it, or choose an empty --save directory")
 
 
 def _check_data(cfg: Config, world_size: int) -> None:

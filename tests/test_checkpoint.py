@@ -65,6 +65,10 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
     assert latest_iteration(str(tmp_path)) == 2
     resumed = run_distributed(_run, 1, ARGS, 1, load=str(tmp_path))[0]
     assert resumed[1] == 2
+    # the same iteration saved again (resume, no step, save) replaces it and leaves no old copy
+    run_distributed(_run, 1, ARGS, 0, save=str(tmp_path), load=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000005.tmp", "latest"]
+    assert run_distributed(_run, 1, ARGS, 1, load=str(tmp_path))[0][0] == resumed[0]
     (tmp_path / "latest").write_text("7\n")
     with pytest.raises(CheckpointError, match="iteration 7 but .*iter_0000007 is missing"):
         latest_iteration(str(tmp_path))

@@ -23,6 +23,8 @@ def files(tmp_path):
     """A corpus prefix with .bin/.idx, one with only .bin, a tokenizer file, a JSON writer."""
     for name in ("A.bin", "A.idx", "B.bin", "B.idx", "half.bin", "tok.model"):
         (tmp_path / name).write_bytes(b"")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("100\n")  # another run's checkpoints
 
     def write_json(obj, name="ds.json"):
         path = tmp_path / name
@@ -102,6 +104,9 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "wrong_type": (M + ["--hidden-size", "abc"], 1, ["--hidden-size", "abc"]),
     "bad_choice": (M + ["--device", "tpu"], 1, ["--device", "tpu"]),
     "dp_zero": (M + ["--dp", "0"], 1, ["--dp 0"]),
+    "save_over_another_run": (M + ["--save", "{DIR}/ckpt"], 1, ["--save", "ckpt", "--load", "empty"]),
+    "save_over_another_run_loading_elsewhere": (M + ["--save", "{DIR}/ckpt", "--load", "{DIR}"], 1,
+                                                ["--save", "ckpt", "another run"]),
     "sequence_parallel_seq_vs_tp": (M + ["--tp", "4", "--sequence-parallel", "--seq-length", "30",
                                          "--hidden-size", "64"], 4, ["--sequence-parallel", "--seq-length 30"]),
 }
@@ -340,3 +345,9 @@ def test_readme_flag_table_is_the_generated_one():
     """README.md's table of every flag is flags_table()'s output, so its defaults stay true."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert flags_table().strip() in readme
+
+
+def test_save_into_a_used_directory_is_fine_when_resuming_it(files):
+    ckpt = files["DIR"] + "/ckpt"
+    cfg = config_from_argv(M + ["--save", ckpt, "--load", ckpt + "/"], 1)  # same directory, other spelling
+    assert cfg.train.save == ckpt and cfg.train.load == ckpt + "/"
