@@ -12,7 +12,7 @@ cd "$MEGAZERO_ROOT"
 
 TP=1; PP=1; DP=1; NNODES=1; NODE_RANK=0; MASTER_ADDR=127.0.0.1; MASTER_PORT=""
 DATA_DIR="${MEGAZERO_DATA_DIR:-$MEGAZERO_ROOT/.cache/data}"
-ARGS=(); HAVE_DATA=0; RUN_DIR=""; HAVE_TOK=0
+ARGS=(); HAVE_DATA=0; RUN_DIR=""; HAVE_TOK=0; DIST_TIMEOUT=300  # train.py's default, seconds
 # --flag=value is split into --flag value, so both spellings reach the cases below.
 SPLIT=()
 for a in "$@"; do
@@ -31,6 +31,7 @@ while [ "$#" -gt 0 ]; do
     --master-port) need "$@"; MASTER_PORT="$2"; shift 2 ;;
     --data-dir) need "$@"; DATA_DIR="$2"; shift 2 ;;
     --run-dir) need "$@"; RUN_DIR="$2"; shift 2 ;;
+    --distributed-timeout-s) need "$@"; DIST_TIMEOUT="$2"; ARGS+=("$1" "$2"); shift 2 ;;
     --data-path|--mock-data) HAVE_DATA=1; ARGS+=("$1"); shift ;;
     --tokenizer-model) HAVE_TOK=1; ARGS+=("$1"); shift ;;
     *) ARGS+=("$1"); shift ;;
@@ -58,7 +59,28 @@ if [ "$HAVE_DATA" = 0 ]; then
 fi
 
 [ -n "$RUN_DIR" ] || RUN_DIR="$MEGAZERO_ROOT/runs/$(date +%Y%m%d-%H%M%S)-tp${TP}pp${PP}dp${DP}"
-[ -n "$MASTER_PORT" ] || MASTER_PORT=$(( 20000 + RANDOM % 20000 ))
+# Node 0 hosts the rendezvous store on --master-port: a port in use is an error now, not a
+# traceback from every rank later. Without --master-port a free one is picked (one node) or
+# torchrun's default 29500 is used (several nodes).
+port_free() { "$PY" -c 'import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try: s.bind(("", int(sys.argv[1])))
+except OSError: sys.exit(1)' "$1"; }
+if [ -z "$MASTER_PORT" ] && [ "$NNODES" -gt 1 ]; then
+  MASTER_PORT=29500  # torchrun's default: every node must agree on it
+elif [ -z "$MASTER_PORT" ]; then
+  for _ in 1 2 3 4 5 6 7 8; do
+    MASTER_PORT=$(( 20000 + RANDOM % 20000 ))
+    if port_free "$MASTER_PORT"; then break; fi
+  done
+fi
+if ! [[ "$MASTER_PORT" =~ ^[0-9]+$ ]] || [ "$MASTER_PORT" -lt 1 ] || [ "$MASTER_PORT" -gt 65535 ]; then
+  echo "megazero: config error: --master-port must be a port number 1-65535, got '$MASTER_PORT'" >&2; exit 2
+fi
+if [ "$NODE_RANK" = 0 ] && ! port_free "$MASTER_PORT"; then
+  echo "megazero: config error: --master-port $MASTER_PORT is already in use on this machine (another run?); fix: choose a free port, or leave --master-port out to pick one" >&2
+  exit 2
+fi
 # Share the cores between the ranks of this node (torch would otherwise start one thread per core in each).
 CORES=$(nproc 2>/dev/null || echo 1)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
@@ -70,13 +92,19 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC
 mkdir -p "$RUN_DIR"
 echo "[megazero] run directory: $RUN_DIR"
 echo "[megazero] TensorBoard:   tensorboard --logdir $RUN_DIR/tensorboard"
+# A node that never joins ends the rendezvous after --distributed-timeout-s (whole seconds), as a
+# dead peer ends a collective.
+RDZV_TIMEOUT=$("$PY" -c 'import math, sys; print(max(1, math.ceil(float(sys.argv[1]))))' "$DIST_TIMEOUT")
 export MEGAZERO_PREFLIGHT_DONE=1  # the ranks need not print the config warnings again
 echo "[megazero] launching $NPROC process(es) on this node (tp=$TP pp=$PP dp=$DP, nnodes=$NNODES)"
 set +e
 "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --rdzv-conf "timeout=$RDZV_TIMEOUT" \
   train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"
 rc=$?
 set -e
+if [ "$rc" != 0 ]; then
+  echo "[megazero] training failed (exit code $rc); the error is above. A node that never joins or a rank that dies ends the run after --distributed-timeout-s $DIST_TIMEOUT." >&2
+fi
 echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
 exit $rc

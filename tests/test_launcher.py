@@ -80,3 +80,28 @@ def test_bad_setting_stops_the_launcher_with_exit_code_2(tmp_path, args, needle)
     errors = [l for l in out.stderr.splitlines() if l.startswith("megazero: config error:")]
     assert len(errors) == 1 and needle in errors[0], out.stderr
     assert not (tmp_path / "bad").exists()  # nothing was started or written
+
+
+def test_master_port_in_use_stops_the_launcher_with_exit_code_2(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # another service holds the port
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = launch(TINY + ["--master-port", str(port)], tmp_path / "busy", timeout=120)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"--master-port {port} is already in use" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "busy").exists()
+
+
+def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(tmp_path):
+    """--nnodes 2 with only node 0 started: torchrun's rendezvous gives up after
+    --distributed-timeout-s instead of waiting forever (DESIGN.md, contract 3)."""
+    import time
+
+    start = time.monotonic()
+    out = launch(TINY + ["--nnodes", "2", "--dp", "2", "--distributed-timeout-s", "3"], tmp_path / "alone",
+                 timeout=120)
+    assert out.returncode != 0 and time.monotonic() - start < 90, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "training failed" in out.stderr and "--distributed-timeout-s 3" in out.stderr, out.stderr[-2000:]
