@@ -35,6 +35,7 @@ from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
 from model.config import GPTConfig
+from model.generation import pipeline_generate_greedy
 from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, resize_vocab
 
 
@@ -361,13 +362,23 @@ def is_logging_rank(groups: ProcessGroups) -> bool:
     return groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
 
 
+def generate_ids(trainer: Trainer, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation under any layout (collective over the model-parallel ranks):
+    a whole-model stage decodes directly, a pipeline runs one forward-only pass per token."""
+    if trainer.cfg.parallel.pp == 1:
+        ids = torch.tensor([prompt_ids], device=trainer.device)
+        return generate_greedy(trainer.chunks[0], ids, max_new_tokens)[0].tolist()
+    return pipeline_generate_greedy(trainer.chunks, trainer.groups, prompt_ids, max_new_tokens,
+                                    seq_length=trainer.cfg.model.seq_length, tensor_shape=trainer.tensor_shape,
+                                    dtype=trainer.dtype, vocab_size=trainer.gpt_config.vocab_size)
+
+
 def final_sample(trainer: Trainer, tokenizer, cfg: Config) -> str:
-    """A short greedy continuation of ``--prompt`` (single-stage layouts only)."""
-    if tokenizer is None or cfg.parallel.pp > 1:
-        return "(sample generation runs with --pp 1 and a tokenizer)"
-    ids = torch.tensor([tokenizer.encode(cfg.log.prompt)], device=trainer.device)
-    out = generate_greedy(trainer.chunks[0], ids, cfg.log.generate_tokens)
-    return tokenizer.decode(out[0].tolist())
+    """A short greedy continuation of ``--prompt`` (needs a tokenizer, i.e. real data)."""
+    prompt = tokenizer.encode(cfg.log.prompt) if tokenizer is not None else []
+    if not prompt:
+        return "(sample generation needs a tokenizer and a non-empty --prompt)"
+    return tokenizer.decode(generate_ids(trainer, prompt, cfg.log.generate_tokens))
 
 
 def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dict:

@@ -38,7 +38,10 @@ def _train_layout(rank, world, argv, steps):
         out = trainer.train_step(batches)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
-    return losses, norms
+    return losses, norms, train.generate_ids(trainer, PROMPT, 15)  # 18 ids: the window slides
+
+
+PROMPT = [5, 17, 3]
 
 
 def _reference_losses(argv, steps):
@@ -99,10 +102,11 @@ def test_layout_equals_reference(name, reference, single_run):
     norm, and the norm (clipping at 1.0 is active) equals the single-process norm."""
     world, extra = LAYOUTS[name]
     results = run_distributed(_train_layout, world, BASE + extra, STEPS, timeout_s=300)
-    for losses, norms in results:  # every rank knows the global loss and the same norm
+    for losses, norms, ids in results:  # every rank knows the global loss, norm and sample
         assert losses == results[0][0]
         assert norms == results[0][1]
-    losses, norms = results[0]
+        assert ids == single_run[2]  # greedy decoding: the same tokens under every layout
+    losses, norms, _ = results[0]
     for step, (got, want) in enumerate(zip(losses, reference)):
         assert math.isclose(got, want, rel_tol=1e-5), (name, step, got, want)
     assert max(single_run[1]) > 1.0  # the clip at 1.0 really acts
@@ -136,7 +140,7 @@ def _ds_run(rank, world, argv, steps):
     from megazero.config import config_from_argv
 
     cfg = config_from_argv(argv, world)
-    losses, _ = _train_layout(rank, world, argv, steps)
+    losses = _train_layout(rank, world, argv, steps)[0]
     return losses, cfg.zero.stage, cfg.precision.fp16, cfg.precision.bf16
 
 
