@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megazero import checkpoint, collectives
-from megazero.config import Config, config_from_argv, describe, resolve_run_dir
+from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir
 from megazero.data_parallel.ddp import DataParallel
 from megazero.monitor import (Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, throughput,
                               unigram_entropy)
@@ -153,6 +153,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None):
         vocab = cfg.data.vocab_size
         sets = tuple(MockGPTDataset(vocab, seq, n, t.seed + i) for i, n in enumerate(num_samples))
         return None, sets, vocab
+    from data.indexed_dataset import check_same_tokenizer
     from data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.data.tokenizer_model)
@@ -160,6 +161,8 @@ def build_data(cfg: Config, resume: Optional[dict] = None):
         raise DataError(f"--vocab-size {cfg.data.vocab_size} differs from the {tok.vocab_size} tokens of "
                         f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
                         "tokenizer sets it) or use the matching tokenizer")
+    check_same_tokenizer([prefix for _, prefix in parse_data_path(cfg.data.data_path)], tok.sha256,
+                         f"--tokenizer-model {cfg.data.tokenizer_model}")
     sets = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed,
                                            num_samples, cfg.data.data_cache_dir,
                                            vocab_size=tok.vocab_size)

@@ -24,6 +24,7 @@ Files are written under a temporary name and renamed when complete (``.bin`` fir
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import shutil
@@ -259,3 +260,58 @@ class IndexedDataset:
 def exists(prefix: str) -> bool:
     """True when both ``PREFIX.idx`` and ``PREFIX.bin`` exist."""
     return os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")
+
+
+# -- the tokenizer record beside a dataset ---------------------------------------------------
+# Megatron's .idx does not say which tokenizer made the ids, so data tokenized with one model
+# and trained with another (same vocabulary size) would train silently on the wrong text.
+# data.preprocess writes PREFIX.tokenizer.json beside the pair: {"sha256": of the .model file,
+# "vocab_size", "eod", "model": the path it was read from}. Other tools ignore the extra file;
+# a pair without one (made by Megatron, say) is accepted without this check.
+def tokenizer_record_path(prefix: str) -> str:
+    return prefix + ".tokenizer.json"
+
+
+def write_tokenizer_record(prefix: str, record: dict) -> None:
+    """Write ``record`` as ``PREFIX.tokenizer.json`` (temporary name, then rename)."""
+    path = tokenizer_record_path(prefix)
+    tmp = tmp_name(path)
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_tokenizer_record(prefix: str) -> dict | None:
+    """The record of ``prefix`` or None when it has none; DataError when it is unreadable."""
+    path = tokenizer_record_path(prefix)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        str(record["sha256"]), int(record["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: unreadable tokenizer record ({e}); delete it (the check is then "
+                        f"skipped) or re-run data.preprocess") from None
+    return record
+
+
+def check_same_tokenizer(prefixes: list[str], sha256: str | None = None, what: str = "") -> dict | None:
+    """Raise DataError when two of ``prefixes`` (or one and ``sha256``, the digest of the model
+    named by ``what``) were tokenized with different models; returns the first record found."""
+    first = None
+    for p in prefixes:
+        r = read_tokenizer_record(p)
+        if r is None:
+            continue
+        if sha256 is not None and r["sha256"] != sha256:
+            raise DataError(f"{p} was tokenized with {r.get('model', 'another model')} (sha256 "
+                            f"{r['sha256'][:12]}), not {what} (sha256 {sha256[:12]}); fix: pass the "
+                            f"tokenizer the data was made with, or re-run data.preprocess with this one")
+        if first is not None and r["sha256"] != first[1]["sha256"]:
+            raise DataError(f"{first[0]} and {p} were tokenized with different models (sha256 "
+                            f"{first[1]['sha256'][:12]} and {r['sha256'][:12]}); fix: re-tokenize one "
+                            f"of them with the other's tokenizer")
+        first = first or (p, r)
+    return first[1] if first else None

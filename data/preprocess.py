@@ -25,8 +25,9 @@ import time
 
 import numpy as np
 
-from data.indexed_dataset import (DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype, cli_exit,
-                                  exists)
+from data.indexed_dataset import (DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype,
+                                  check_same_tokenizer, cli_exit, exists, read_tokenizer_record,
+                                  tokenizer_record_path, write_tokenizer_record)
 from data.tokenizer import load_tokenizer
 
 _worker: dict = {}
@@ -147,6 +148,8 @@ def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix:
             raise DataError(f"{input_path}: no non-empty documents under key(s) {keys}")
         for b in builders:
             b.finalize()
+        for prefix in prefixes.values():
+            write_tokenizer_record(prefix, tok.record())
     except BaseException:
         bar.close()
         for b in builders:
@@ -179,16 +182,24 @@ def _consume(path, lineno, out, builders, keys, stats, skip_bad_lines) -> None:
 
 
 def merge(prefixes: list[str], output_prefix: str) -> dict:
-    """Concatenate datasets (same dtype) into ``output_prefix``; returns documents and tokens."""
+    """Concatenate datasets (same dtype) into ``output_prefix``; returns documents and tokens.
+
+    Raises DataError when two inputs' tokenizer records (``PREFIX.tokenizer.json``) name
+    different models; the output gets the record when every input has it."""
     for p in prefixes:
         if not exists(p):
             raise DataError(f"{p}.idx / {p}.bin: dataset not found (--merge takes prefixes without "
                             f".bin/.idx)")
+    record = check_same_tokenizer(prefixes)  # before any output exists
     first = IndexedDataset(prefixes[0])
     with IndexedDatasetBuilder(output_prefix, first.dtype) as b:
         for p in prefixes:
             b.merge(p)
         b.finalize()
+    if record is not None and all(read_tokenizer_record(p) for p in prefixes):
+        write_tokenizer_record(output_prefix, record)
+    elif os.path.exists(tokenizer_record_path(output_prefix)):  # a stale record of an older output
+        os.remove(tokenizer_record_path(output_prefix))
     out = IndexedDataset(output_prefix)
     return {"documents": out.num_documents, "tokens": out.num_tokens}
 

@@ -26,6 +26,7 @@ with its own table (pieces with "▁" -> space, byte pieces -> that byte, contro
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -58,7 +59,14 @@ class Tokenizer:
         if self.eod < 0:
             raise DataError(f"{model_path}: has no end-of-document piece {EOD_PIECE!r} or </s>")
         self._mark_ids = [self.sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_MARK.encode("utf-8")]
+        with open(model_path, "rb") as f:
+            self.sha256: str = hashlib.sha256(f.read()).hexdigest()  # identifies the model file
         self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
+
+    def record(self) -> dict:
+        """What ``data.preprocess`` stores beside a dataset (``PREFIX.tokenizer.json``)."""
+        return {"sha256": self.sha256, "vocab_size": self.vocab_size, "eod": self.eod,
+                "model": os.path.abspath(self.model_path)}
 
     def _piece_bytes(self, i: int) -> bytes:
         if self.sp.is_byte(i):

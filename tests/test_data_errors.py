@@ -111,7 +111,8 @@ def test_skip_bad_lines_counts_them(tmp_path, model):
                         "--skip-bad-lines", "--no-progress"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert "2 documents" in p.stdout and "1 empty documents and 2 bad lines" in p.stdout
-    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "o_text_document.bin", "o_text_document.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "o_text_document.bin", "o_text_document.idx",
+                                          "o_text_document.tokenizer.json"]
 
 
 API_CASES = {  # name: (data_path with {d}, split, substrings of the DataError); vocabulary is 5

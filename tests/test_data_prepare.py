@@ -21,7 +21,8 @@ def test_prepare_runs_once_and_then_skips_every_step(tmp_path, capsys):
                           f"TOKENIZER_MODEL={tmp_path}/tokenizer.model"]
     outputs = sorted(os.listdir(tmp_path))
     assert outputs == ["corpus", "stdlib_heldout_text_document.bin", "stdlib_heldout_text_document.idx",
-                       "stdlib_text_document.bin", "stdlib_text_document.idx", "tokenizer.model",
+                       "stdlib_heldout_text_document.tokenizer.json", "stdlib_text_document.bin",
+                       "stdlib_text_document.idx", "stdlib_text_document.tokenizer.json", "tokenizer.model",
                        "tokenizer.vocab"]
     stamps = {f: os.stat(tmp_path / f).st_mtime_ns for f in outputs}
     assert main(argv) == 0

@@ -99,3 +99,42 @@ def test_corpus_is_deterministic_and_file_disjoint(tmp_path):
     assert rows["train"][0]["text"] == open(os.path.join(root, paths["train"][0]), encoding="utf-8",
                                             newline="").read()
     assert (c["train"], c["heldout"]) == (len(paths["train"]), len(paths["heldout"]))
+
+
+def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
+    """preprocess writes PREFIX.tokenizer.json (the model's sha256); merge and training refuse
+    data made with another model of the same vocabulary size, naming both sides."""
+    import hashlib
+
+    import train
+    from data.indexed_dataset import DataError, read_tokenizer_record
+    from megazero.config import config_from_argv
+
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": f"def f{i}(): return {i}\n"}) + "\n" for i in range(40)))
+    preprocess(str(path), ["text"], tok.model_path, str(tmp_path / "a"), progress=False)
+    a = str(tmp_path / "a_text_document")
+    record = read_tokenizer_record(a)
+    assert record["sha256"] == hashlib.sha256(open(tok.model_path, "rb").read()).hexdigest()
+    assert (record["vocab_size"], record["eod"]) == (tok.vocab_size, tok.eod)
+    other_dir = tmp_path / "other"  # another model with the same vocabulary size
+    other_dir.mkdir()
+    (other_dir / "t.jsonl").write_text(path.read_text() * 3 + json.dumps({"text": TRICKY}) + "\n")
+    other = load_tokenizer(train_tokenizer(str(other_dir / "t.jsonl"), 400, str(other_dir / "tok"),
+                                           num_threads=1))
+    assert other.vocab_size == tok.vocab_size and other.sha256 != tok.sha256
+    preprocess(str(path), ["text"], other.model_path, str(tmp_path / "b"), progress=False)
+    b = str(tmp_path / "b_text_document")
+    with pytest.raises(DataError, match="different models"):
+        merge([a, b], str(tmp_path / "ab"))
+    assert not os.path.exists(str(tmp_path / "ab") + ".bin")  # refused before writing
+    merge([a, a], str(tmp_path / "aa"))
+    assert read_tokenizer_record(str(tmp_path / "aa")) == record
+    argv = ["--data-path", b, "--tokenizer-model", tok.model_path, "--seq-length", "8",
+            "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--train-iters", "2",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--split", "1", "--eval-iters", "0"]
+    with pytest.raises(DataError, match=f"b_text_document was tokenized with .*other/tok.model.*not "
+                                        f"--tokenizer-model {tok.model_path}"):
+        train.build_data(config_from_argv(argv, 1))
+    argv[1] = a  # the matching model
+    assert train.build_data(config_from_argv(argv, 1))[2] == tok.vocab_size
