@@ -105,3 +105,55 @@ def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(tmp_path):
                  timeout=120)
     assert out.returncode != 0 and time.monotonic() - start < 90, out.stdout[-2000:] + out.stderr[-2000:]
     assert "training failed" in out.stderr and "--distributed-timeout-s 3" in out.stderr, out.stderr[-2000:]
+
+
+def _worker_pids(run_dir):
+    """PIDs of the train.py ranks (not torchrun's agent) whose command line names ``run_dir``."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir).encode() in cmd and b"torch.distributed.run" not in cmd and \
+                any(c.endswith(b"train.py") for c in cmd):
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
+    """kill -9 of one rank mid-run: the launcher exits non-zero within seconds (torchrun stops
+    the other ranks), the last complete checkpoint is intact and a relaunch resumes from it."""
+    import signal
+    import time
+
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = [a if a != "6" else "400" for a in TINY] + ["--dp", "2", "--save", str(ckpt), "--load", str(ckpt),
+                                                         "--save-interval", "2", "--eval-interval", "1000"]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("MEGAZERO_VENV", None)
+    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ckpt / "latest").exists() or len(train_records(run_dir)) < 5:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.2)
+        pids = _worker_pids(run_dir)
+        assert len(pids) == 2, pids
+        os.kill(pids[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and time.monotonic() - killed_at < 60
+    assert "training failed" in err, err[-2000:]
+    assert _worker_pids(run_dir) == []  # no rank left behind
+    saved = int((ckpt / "latest").read_text())
+    assert saved >= 2 and saved % 2 == 0
+    again = launch([a if a != "400" else str(saved + 2) for a in args], run_dir)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"resumed from {ckpt} at iteration {saved}" in again.stdout
+    assert [r["iteration"] for r in train_records(run_dir)][-2:] == [saved + 1, saved + 2]
