@@ -257,7 +257,8 @@ class Trainer:
                                extra=dict(consumed_samples=self.consumed_samples,
                                           skipped_iterations=self.skipped_iterations,
                                           eval_round=self.eval_round,
-                                          model=model_signature(self.gpt_config)))
+                                          model=model_signature(self.gpt_config)),
+                               keep=self.cfg.train.keep_latest_checkpoints)
 
     def load_checkpoint(self, root: str) -> Optional[int]:
         """Resume from the latest checkpoint under ``root`` (saved under any layout).

@@ -150,11 +150,36 @@ def _full_states(optimizer, chunks, groups: ProcessGroups) -> dict:
     return out
 
 
+def saved_iterations(root: str) -> list[int]:
+    """Iterations of the complete ``iter_*`` directories under ``root``, ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(n[5:]) for n in os.listdir(root)
+                  if n.startswith("iter_") and n[5:].isdigit() and os.path.isdir(os.path.join(root, n)))
+
+
+def prune(root: str, keep: int, current: int) -> list[int]:
+    """Delete all but the ``keep`` newest checkpoints up to ``current`` (0 = keep all).
+
+    Checkpoints after ``current`` are never touched, nor is ``current`` itself. Returns the
+    iterations deleted. Call only after ``latest`` points at ``current``.
+    """
+    if keep <= 0:
+        return []
+    older = [it for it in saved_iterations(root) if it < current]
+    doomed = older[:max(len(older) - (keep - 1), 0)]
+    for it in doomed:
+        shutil.rmtree(iteration_dir(root, it))
+    return doomed
+
+
 def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
-         rng_states: Optional[dict] = None, extra: Optional[dict] = None) -> str:
+         rng_states: Optional[dict] = None, extra: Optional[dict] = None, keep: int = 0) -> str:
     """Write the checkpoint of ``iteration`` under ``root`` (collective: every rank calls it).
 
-    Returns the final directory. ``extra`` (picklable) goes into ``meta.pt``.
+    Returns the final directory. ``extra`` (picklable) goes into ``meta.pt``. With ``keep``
+    > 0, older checkpoints beyond the ``keep`` newest are deleted once ``latest`` names
+    this one (``prune``).
     """
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     if groups.rank == 0:
@@ -187,6 +212,7 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
         _fsync_dir(root)
         shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep, iteration)
     _barrier(groups)
     return final
 

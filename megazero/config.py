@@ -131,6 +131,8 @@ class TrainingConfig:
     load: Optional[str] = _f(None, "checkpoint directory to resume from", "path")
     save_interval: Optional[int] = _f(None, "checkpoint every this many steps; None = at the end only",
                                       "iterations", ge=1)
+    keep_latest_checkpoints: int = _f(0, "after each save, delete all but this many newest checkpoints "
+                                      "under --save; 0 = keep all", "checkpoints", ge=0)
     device: str = _f("auto", "auto = CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
     mock_data: bool = _f(False, "train on random tokens; no --data-path needed")
 

@@ -99,3 +99,15 @@ def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
     meta.write_bytes(meta.read_bytes()[:40])
     assert train.preflight(ARGS + ["--load", str(tmp_path)], 1) == 2
     assert "meta.pt is unreadable" in capsys.readouterr().err
+
+
+def test_prune_keeps_the_newest_and_never_a_later_one(tmp_path):
+    from megazero.checkpoint import iteration_dir, prune, saved_iterations
+
+    for it in (1, 2, 3, 4, 5, 9):
+        os.makedirs(iteration_dir(str(tmp_path), it))
+    os.makedirs(tmp_path / "iter_0000006.tmp")  # an unfinished save is not a checkpoint
+    assert prune(str(tmp_path), 0, 5) == [] and saved_iterations(str(tmp_path)) == [1, 2, 3, 4, 5, 9]
+    assert prune(str(tmp_path), 2, 5) == [1, 2, 3]
+    assert saved_iterations(str(tmp_path)) == [4, 5, 9]
+    assert prune(str(tmp_path), 1, 5) == [4] and saved_iterations(str(tmp_path)) == [5, 9]

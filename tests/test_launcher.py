@@ -130,7 +130,8 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
 
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     args = [a if a != "6" else "400" for a in TINY] + ["--dp", "2", "--save", str(ckpt), "--load", str(ckpt),
-                                                         "--save-interval", "2", "--eval-interval", "1000"]
+                                                         "--save-interval", "2", "--eval-interval", "1000",
+                                                         "--keep-latest-checkpoints", "1"]
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("MEGAZERO_VENV", None)
     cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
@@ -153,6 +154,7 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
     assert _worker_pids(run_dir) == []  # no rank left behind
     saved = int((ckpt / "latest").read_text())
     assert saved >= 2 and saved % 2 == 0
+    assert sorted(p.name for p in ckpt.glob("iter_???????")) == [f"iter_{saved:07d}"]  # --keep-latest 1
     again = launch([a if a != "400" else str(saved + 2) for a in args], run_dir)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"resumed from {ckpt} at iteration {saved}" in again.stdout
