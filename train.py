@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazero import checkpoint, collectives
+from megazero import checkpoint, collectives, memory
 from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir
 from megazero.data_parallel.ddp import DataParallel
 from megazero.monitor import (Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, throughput,
@@ -443,9 +443,38 @@ def prepare_run(cfg: Config):
     return data, resume
 
 
+def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
+    """Bytes per rank of the most loaded stage before anything is allocated (megazero.memory)."""
+    p, pr = cfg.parallel, cfg.precision
+    dtype = model_dtype(pr.fp16, pr.bf16)
+    grad_bytes = 4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize
+    return memory.estimate(build_gpt_config(cfg, vocab_size), tp=p.tp, pp=p.pp, dp=p.dp,
+                           vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
+                           schedule=p.pipeline_schedule, micro_batch_size=cfg.train.micro_batch_size,
+                           num_microbatches=cfg.train.gradient_accumulation_steps, zero_stage=cfg.zero.stage,
+                           param_bytes=dtype.itemsize, grad_bytes=grad_bytes,
+                           sequence_parallel=p.sequence_parallel and p.tp > 1)
+
+
+def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
+    """Print the memory plan (``verbose``) and raise MemoryPlanError when the model states
+    cannot fit; a likely activation overflow is a warning."""
+    device = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+    plan = plan_memory(cfg, vocab_size)
+    available = memory.available_bytes_per_rank(device, memory.ranks_per_node())
+    warning = memory.check_fits(plan, available)
+    if verbose:
+        print(f"[megazero] {memory.describe(plan, available)}", flush=True)
+        if warning:
+            print(f"megazero: warning: {warning}", file=sys.stderr, flush=True)
+
+
 def report_start_error(e: Exception) -> int:
-    """One line on stderr for a data or checkpoint problem found before start; returns exit code 2."""
-    print(f"megazero: {'data' if isinstance(e, DataError) else 'checkpoint'} error: {e}", file=sys.stderr)
+    """One line on stderr for a problem found before start; returns exit code 2."""
+    kind = ("data" if isinstance(e, DataError) else "memory" if isinstance(e, memory.MemoryPlanError)
+            else "checkpoint")
+    print(f"megazero: {kind} error: {e}", file=sys.stderr)
     return 2
 
 
@@ -457,8 +486,9 @@ def preflight(argv: list[str], world_size: int) -> int:
     """
     cfg = config_from_argv(argv, world_size)
     try:
-        prepare_run(cfg)
-    except (DataError, checkpoint.CheckpointError) as e:
+        data, _ = prepare_run(cfg)
+        check_memory(cfg, data[2], verbose=True)
+    except (DataError, checkpoint.CheckpointError, memory.MemoryPlanError) as e:
         return report_start_error(e)
     return 0
 
@@ -475,7 +505,8 @@ def main(argv=None) -> int:
     resolve_run_dir(cfg, os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S"))
     try:
         data, _ = prepare_run(cfg)
-    except (DataError, checkpoint.CheckpointError) as e:
+        check_memory(cfg, data[2], verbose=not quiet)
+    except (DataError, checkpoint.CheckpointError, memory.MemoryPlanError) as e:
         return report_start_error(e)
     device, groups = setup_device_and_groups(cfg, launch)
     try:

@@ -85,6 +85,7 @@ fi
 CORES=$(nproc 2>/dev/null || echo 1)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
 
+export MEGAZERO_RANKS_PER_NODE=$NPROC  # the memory check shares this node among its ranks
 # Settings and data are checked once here, so a mistake ends with one line and exit code 2.
 "$PY" -c 'import sys, train; sys.exit(train.preflight(sys.argv[2:], int(sys.argv[1])))' "$WORLD" \
   --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"

@@ -111,3 +111,28 @@ def test_prune_keeps_the_newest_and_never_a_later_one(tmp_path):
     assert prune(str(tmp_path), 2, 5) == [1, 2, 3]
     assert saved_iterations(str(tmp_path)) == [4, 5, 9]
     assert prune(str(tmp_path), 1, 5) == [4] and saved_iterations(str(tmp_path)) == [5, 9]
+
+
+def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
+    """A position table of 4e8 rows needs about 200 GB of model states per rank: refused
+    before launch naming the fix; the plan's model states follow the ZeRO formulas."""
+    import train
+    from megazero import memory
+    from megazero.config import config_from_argv
+
+    monkeypatch.setenv("MEGAZERO_RANKS_PER_NODE", "1")
+    assert train.preflight(ARGS, 1) == 0
+    assert "memory per rank (stage 0): model states" in capsys.readouterr().out
+    huge = ARGS + ["--max-position-embeddings", "400000000"]
+    assert train.preflight(huge, 1) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megazero: memory error: the model states of one rank need") and "--zero-stage" in err
+    plans = {z: train.plan_memory(config_from_argv(ARGS + ["--dp", "4", "--zero-stage", str(z)], 4), 1001)
+             for z in (0, 2)}
+    psi = plans[0].params
+    assert plans[0].model_state_bytes == 20 * psi  # fp32 params and grads + 12 bytes of Adam state
+    assert plans[2].model_state_bytes == 4 * psi + 16 * psi / 4
+    with pytest.raises(memory.MemoryPlanError):
+        memory.check_fits(plans[0], int(plans[0].model_state_bytes) - 1)
+    assert "activations may not fit" in memory.check_fits(plans[0], int(plans[0].model_state_bytes) + 1)
+    assert memory.check_fits(plans[0], int(plans[0].total_bytes) + 1) is None

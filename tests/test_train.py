@@ -38,7 +38,12 @@ def _train_layout(rank, world, argv, steps):
         out = trainer.train_step(batches)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
-    return losses, norms, train.generate_ids(trainer, PROMPT, 15)  # 18 ids: the window slides
+    from megazero import memory
+
+    psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs counted
+           memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
+                                  p.pipeline_layer_split))
+    return losses, norms, train.generate_ids(trainer, PROMPT, 15), psi  # 18 ids: the window slides
 
 
 PROMPT = [5, 17, 3]
@@ -102,11 +107,12 @@ def test_layout_equals_reference(name, reference, single_run):
     norm, and the norm (clipping at 1.0 is active) equals the single-process norm."""
     world, extra = LAYOUTS[name]
     results = run_distributed(_train_layout, world, BASE + extra, STEPS, timeout_s=300)
-    for losses, norms, ids in results:  # every rank knows the global loss, norm and sample
+    for losses, norms, ids, (built, counted) in results:  # every rank: global loss, norm, sample
         assert losses == results[0][0]
         assert norms == results[0][1]
         assert ids == single_run[2]  # greedy decoding: the same tokens under every layout
-    losses, norms, _ = results[0]
+        assert built == counted  # megazero.memory counts each rank's parameters exactly
+    losses, norms = results[0][:2]
     for step, (got, want) in enumerate(zip(losses, reference)):
         assert math.isclose(got, want, rel_tol=1e-5), (name, step, got, want)
     assert max(single_run[1]) > 1.0  # the clip at 1.0 really acts

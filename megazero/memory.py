@@ -1,0 +1,164 @@
+"""Memory per rank before anything is allocated: model states (exact) and activations (estimate).
+
+The launcher's preflight prints these numbers and refuses a run whose model states alone do
+not fit, so a model that cannot fit ends in a second with one line instead of an
+out-of-memory kill minutes later (DESIGN.md, contracts 2 and 3).
+
+- Parameters per rank are counted from the sizes, the same way ``model.gpt.GPTStage`` lays
+  them out (a test checks the count against built stages under several layouts). Per layer
+  with hidden size ``h``, FFN size ``f`` and TP size ``t``: the QKV and ``fc1`` weights and
+  biases and the ``proj`` / ``fc2`` weights are split over TP, the ``proj`` / ``fc2`` biases
+  and both LayerNorms are whole: ``(4h^2 + 2hf + 3h + f)/t + 2h + 4h``. Stage 0 adds the word
+  embedding ``V_pad/t * h`` and the position embedding ``max_pos * h``; the last stage the
+  final LayerNorm ``2h`` and, when it does not hold the word embedding already, the output
+  layer ``V_pad/t * h`` (a tied copy with pp > 1, or the untied output weight).
+- Model-state bytes follow the ZeRO formulas (``optim.zero.zero_formula_bytes``).
+- Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", sec. 4.1, eq. 1-2): one layer of one micro-batch keeps
+  ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with 16-bit activations and tensor parallelism,
+  ``s*b*h*(34 + 5*a*s/h)/t`` with sequence parallelism as well (``a`` heads). With fp32
+  activations the count is doubled. The ``5*a*s/h`` term (attention scores, softmax,
+  dropout mask) is kept although fused attention kernels do not store it: an upper bound.
+  A stage holds as many micro-batch-chunks at once as its schedule's peak
+  (``pipeline.schedules.simulate``: 1F1B about ``pp - stage``, GPipe every micro-batch);
+  the last stage adds the fp32 logits and their softmax, ``2 * 4*b*s*V_pad/t`` bytes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from megazero.optim.zero import zero_formula_bytes
+from megazero.pipeline import partition
+from megazero.pipeline.schedules import build_schedule, simulate
+from model.config import GPTConfig
+
+
+def params_per_rank(g: GPTConfig, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
+                    layer_split=None) -> int:
+    """Parameters (elements) held by one rank of stage ``pp_rank`` (all its chunks)."""
+    h, f, v_pad = g.hidden_size, g.ffn_hidden_size, g.padded_vocab(tp)
+    per_layer = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 2 * h + 4 * h
+    total = 0
+    for v in range(vp_size):
+        layers = partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split)
+        total += per_layer * len(layers)
+        first = partition.is_pre_process(pp_rank, v)
+        last = partition.is_post_process(pp_rank, pp, v, vp_size)
+        if first:
+            total += v_pad // tp * h + g.max_position_embeddings * h
+        if last:
+            total += 2 * h
+            if not g.tie_embeddings or not first:
+                total += v_pad // tp * h
+    return total
+
+
+def activation_bytes_per_layer(g: GPTConfig, micro_batch_size: int, tp: int, sequence_parallel: bool,
+                               activation_bytes: int) -> float:
+    """Bytes one transformer layer keeps for the backward of one micro-batch (Korthikanti eq. 1-2)."""
+    s, b, h, a = g.seq_length, micro_batch_size, g.hidden_size, g.num_attention_heads
+    if sequence_parallel:
+        per = s * b * h * (34 + 5 * a * s / h) / tp
+    else:
+        per = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    return per * activation_bytes / 2
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank of the most loaded stage (``stage``)."""
+
+    stage: int
+    params: int
+    """Parameters (elements) on one rank of that stage (Psi)."""
+    model_state_bytes: float
+    """ZeRO formula for Psi (exact up to buckets and padding)."""
+    activation_bytes: float
+    """Upper-bound estimate (see the module docstring)."""
+
+    @property
+    def total_bytes(self) -> float:
+        return self.model_state_bytes + self.activation_bytes
+
+
+def estimate(g: GPTConfig, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
+             micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
+             grad_bytes: int, sequence_parallel: bool) -> MemoryEstimate:
+    """The stage with the largest model states plus activations, and its numbers (bytes)."""
+    if pp > 1:
+        actions = [build_schedule(schedule, num_microbatches, pp, r, vp_size) for r in range(pp)]
+        inflight = simulate(actions, pp, vp_size).peak_inflight  # micro-batch-chunks per stage
+    else:
+        inflight = [1]
+    layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes)
+    logits = 2 * 4 * micro_batch_size * g.seq_length * g.padded_vocab(tp) / tp
+    best = None
+    for r in range(pp):
+        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split)
+        states = zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
+        layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
+        acts = inflight[r] * layers_per_chunk * layer + (logits if r == pp - 1 else 0.0)
+        e = MemoryEstimate(r, psi, states, acts)
+        if best is None or e.total_bytes > best.total_bytes:
+            best = e
+    return best
+
+
+def available_bytes_per_rank(device: str, ranks_per_node: int) -> Optional[int]:
+    """Free memory one rank may use: a GPU's free bytes (``torch.cuda.mem_get_info``), or on
+    CPU ``MemAvailable`` of /proc/meminfo shared by this node's ranks. None when unknown."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // max(ranks_per_node, 1)
+    except OSError:
+        pass
+    return None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def describe(e: MemoryEstimate, available: Optional[int]) -> str:
+    """One line for the launcher's console."""
+    free = gib(available) if available is not None else "unknown"
+    return (f"memory per rank (stage {e.stage}): model states {gib(e.model_state_bytes)} "
+            f"(Psi={e.params:,}, ZeRO formula) + activations up to {gib(e.activation_bytes)} "
+            f"(Korthikanti et al. 2022) = {gib(e.total_bytes)}; available {free}")
+
+
+def ranks_per_node() -> int:
+    """``LOCAL_WORLD_SIZE`` under torchrun, else the launcher's ``MEGAZERO_RANKS_PER_NODE``, else 1."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MEGAZERO_RANKS_PER_NODE") or 1)
+
+
+class MemoryPlanError(ValueError):
+    """The model states of one rank exceed the memory it has (found before any allocation)."""
+
+
+def check_fits(e: MemoryEstimate, available: Optional[int]) -> Optional[str]:
+    """Raise MemoryPlanError when the model states alone exceed ``available`` bytes; return a
+    warning (str) when states plus the activation estimate do, else None."""
+    if available is None:
+        return None
+    if e.model_state_bytes > available:
+        raise MemoryPlanError(
+            f"the model states of one rank need {gib(e.model_state_bytes)} (stage {e.stage}, "
+            f"Psi={e.params:,} parameters) but {gib(available)} is available; fix: a higher "
+            f"--zero-stage (2 shards gradients and Adam states over --dp), larger --dp, --tp or --pp, "
+            f"or a smaller model (--num-layers, --hidden-size, --max-position-embeddings)")
+    if e.total_bytes > available:
+        return (f"activations may not fit: up to {gib(e.activation_bytes)} on top of "
+                f"{gib(e.model_state_bytes)} of model states, {gib(available)} available; fix: a "
+                f"smaller --micro-batch-size or --seq-length, --sequence-parallel, larger --tp or --pp")
+    return None
