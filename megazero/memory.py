@@ -27,15 +27,29 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 from megazero.optim.zero import zero_formula_bytes
 from megazero.pipeline import partition
 from megazero.pipeline.schedules import build_schedule, simulate
-from model.config import GPTConfig
 
 
-def params_per_rank(g: GPTConfig, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
+class ModelSizes(Protocol):
+    """The sizes this module reads (``model.config.GPTConfig`` has them; megazero does not
+    import ``model``, DESIGN.md "Dependency direction")."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    max_position_embeddings: int
+    tie_embeddings: bool
+
+    def padded_vocab(self, tp_size: int) -> int: ...
+
+
+def params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
                     layer_split=None) -> int:
     """Parameters (elements) held by one rank of stage ``pp_rank`` (all its chunks)."""
     h, f, v_pad = g.hidden_size, g.ffn_hidden_size, g.padded_vocab(tp)
@@ -55,7 +69,7 @@ def params_per_rank(g: GPTConfig, tp: int, pp: int, pp_rank: int, vp_size: int =
     return total
 
 
-def activation_bytes_per_layer(g: GPTConfig, micro_batch_size: int, tp: int, sequence_parallel: bool,
+def activation_bytes_per_layer(g: ModelSizes, micro_batch_size: int, tp: int, sequence_parallel: bool,
                                activation_bytes: int) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch (Korthikanti eq. 1-2)."""
     s, b, h, a = g.seq_length, micro_batch_size, g.hidden_size, g.num_attention_heads
@@ -83,7 +97,7 @@ class MemoryEstimate:
         return self.model_state_bytes + self.activation_bytes
 
 
-def estimate(g: GPTConfig, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
+def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
              grad_bytes: int, sequence_parallel: bool) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes)."""
