@@ -2,27 +2,31 @@
 
 Format of ``<save>/iter_0000100/`` (DESIGN.md, contract 4):
 
-- ``stage_<pp>.pt``: for every parameter of pipeline stage ``pp``, its FULL (unpartitioned)
-  fp32 main parameter and Adam moments: ``{name: {"main_param", "exp_avg",
-  "exp_avg_sq"}}``, written by the stage's first TP and DP rank. The copy of a weight tied
-  across stages is written once (by the first stage).
+- a ``torch.distributed.checkpoint`` (DCP) directory (``.metadata`` plus ``__<rank>_0.distcp``
+  files) holding, for every parameter of the model, its FULL (unpartitioned) fp32 main
+  parameter and Adam moments under the keys ``"<name>/main_param"``, ``"<name>/exp_avg"``,
+  ``"<name>/exp_avg_sq"``. Every rank of a pipeline stage holds the same full tensors after
+  the gathers below, and DCP's planner writes each key once, spreading the writes over the
+  ranks. The copy of a weight tied across stages is written once (by the first stage).
 - ``meta.pt`` (rank 0): iteration, consumed samples, optimizer counters and loss-scaler
   state, the layout it was saved under, and caller extras (e.g. the data position).
 - ``rng_<rank>.pt``: each rank's dropout RNG state (restored only under the same layout).
 
 Saving gathers each parameter's state over DP (ZeRO shards are disjoint, so a SUM of the
 zero-filled shards rebuilds the TP partition) and then over TP (partitions joined by their
-tags). Loading under any other (tp, pp, dp, ZeRO stage, bucket size) slices each full
-tensor by the new rank's tags and hands the pieces to ``DistributedOptimizer``, which
-writes the model parameters. Memory: a rank holds the full states of its own stage's
-parameters while saving (a consolidated checkpoint, fine up to a few billion parameters
-per stage; beyond that a sharded writer would be needed).
+tags). Loading under any other (tp, pp, dp, ZeRO stage, bucket size) reads, through DCP,
+only the full tensors of this rank's own parameters (sizes from the checkpoint's metadata,
+so another vocabulary padding loads too), slices each by the new rank's tags and hands the
+pieces to ``DistributedOptimizer``, which writes the model parameters. Memory: a rank holds
+the full states of its own stage's parameters while saving or loading (fine up to a few
+billion parameters per stage; beyond that the shards would be saved as DTensors).
 
-Atomicity: every file is written under ``iter_X.tmp`` (each fsynced, then renamed) and the
-directory is renamed to ``iter_X`` only after all ranks finished; then ``latest`` (the
-iteration number) is replaced atomically, with the directories fsynced in between so the
-order survives a power loss. A crash mid-save leaves the previous checkpoint and ``latest``
-intact; an iteration saved twice keeps its old copy (``iter_X.old``) until the new one is in.
+Atomicity: every file is written under ``iter_X.tmp`` (fsynced: DCP's ``sync_files``, and
+``_atomic_save`` for the small files) and the directory is renamed to ``iter_X`` only after
+all ranks finished; then ``latest`` (the iteration number) is replaced atomically, with the
+directories fsynced in between so the order survives a power loss. A crash mid-save leaves
+the previous checkpoint and ``latest`` intact; an iteration saved twice keeps its old copy
+(``iter_X.old``) until the new one is in.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from megazero import collectives as C
 from megazero.process_groups import ProcessGroups
@@ -78,21 +84,40 @@ def _load_file(path: str, weights_only: bool):
                               f"earlier iter_* directory (write its number into 'latest')") from None
 
 
+def _read_metadata(d: str):
+    """DCP metadata of checkpoint directory ``d``; CheckpointError naming the file if unreadable."""
+    path = os.path.join(d, ".metadata")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete or from an older "
+                              f"format; fix: load an earlier iter_* directory (write its number into 'latest')")
+    try:
+        return dcp.FileSystemReader(d).read_metadata()
+    except Exception as e:  # pickle, EOF, ... on a damaged file
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); fix: load an "
+                              f"earlier iter_* directory (write its number into 'latest')") from None
+
+
 def peek(root: str) -> Optional[dict]:
     """The ``meta.pt`` of the latest checkpoint under ``root`` (None when there is none yet).
 
-    Reads only small files and checks that every stage file is there, so a broken checkpoint
-    is reported before any process group exists. Raises CheckpointError naming the file.
+    Reads only small files and checks that every tensor file the DCP metadata names is there
+    and long enough, so a broken checkpoint is reported before any process group exists.
+    Raises CheckpointError naming the file.
     """
     it = latest_iteration(root)
     if it is None:
         return None
     d = iteration_dir(root, it)
     meta = _load_file(os.path.join(d, "meta.pt"), weights_only=False)
-    for pp in range(meta["layout"]["pp"]):
-        path = os.path.join(d, f"stage_{pp}.pt")
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete; fix: load an "
+    needed: dict = {}  # file -> bytes the metadata says it holds
+    for info in _read_metadata(d).storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(needed.items()):
+        path = os.path.join(d, rel)
+        have = os.path.getsize(path) if os.path.exists(path) else None
+        if have is None or have < size:
+            what = "is missing" if have is None else f"has {have} bytes, the metadata needs {size}"
+            raise CheckpointError(f"{path} {what}: the checkpoint {d} is incomplete; fix: load an "
                                   f"earlier iter_* directory (write its number into 'latest')")
     return meta
 
@@ -186,9 +211,10 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(groups)
-    states = _full_states(optimizer, chunks, groups)
-    if groups.tp_rank == 0 and groups.dp_rank == 0:
-        _atomic_save(states, os.path.join(tmp, f"stage_{groups.pp_rank}.pt"))
+    states = _full_states(optimizer, chunks, groups)  # the same full tensors on every rank of a stage
+    flat = {f"{name}/{k}": t for name, full in states.items() for k, t in full.items()}
+    dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+             process_group=groups.world, no_dist=groups.world is None)
     _atomic_save(rng_states or {}, os.path.join(tmp, f"rng_{groups.rank}.pt"))
     if groups.rank == 0:
         opt = optimizer.state_dict()
@@ -232,18 +258,32 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
         raise CheckpointError(f"no checkpoint under {root} (no 'latest' file)")
     d = iteration_dir(root, it)
     meta = _load_file(os.path.join(d, "meta.pt"), weights_only=False)
-    full: dict = {}
-    for pp in range(meta["layout"]["pp"]):
-        full.update(_load_file(os.path.join(d, f"stage_{pp}.pt"), weights_only=True))
+    saved = _read_metadata(d).state_dict_metadata
+    full: dict = {}  # "<name>/<key>" -> full tensor of this rank's parameters, filled by DCP
+    for chunk in chunks:
+        for name, _ in chunk.named_parameters():
+            for k in STATE_KEYS:
+                key = f"{name}/{k}"
+                if key not in saved:
+                    raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
+                                          f"another model; fix: load a checkpoint of this model")
+                full[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+    try:
+        dcp.load(full, storage_reader=dcp.FileSystemReader(d), process_group=groups.world,
+                 no_dist=groups.world is None)
+    except (Exception, CheckpointException) as e:  # a damaged .distcp file (DCP gathers every rank's failure)
+        if isinstance(e, CheckpointException) and e.failures:  # the first rank's own exception
+            rank, (e, _) = min(e.failures.items(), key=lambda kv: kv[0])
+        first_line = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(f"{d}: reading the tensors failed ({type(e).__name__}: {first_line}); "
+                              f"fix: load an earlier iter_* directory (write its number into 'latest')") from None
     shards = []
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if name not in full:
-                raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
-                                      f"another model; fix: load a checkpoint of this model")
             entry = dict(name=name, start=0, end=p.numel())
             for k in STATE_KEYS:
-                t = full[name][k] if resize is None else resize(name, full[name][k], p)
+                t = full[f"{name}/{k}"]
+                t = t if resize is None else resize(name, t, p)
                 if tags.is_partitioned(p):
                     t = tags.partition_tensor(t, p.partition_dim, groups.tp_rank, groups.tp_size,
                                               p.partition_stride)

@@ -61,7 +61,7 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
 
     run_distributed(_run, 2, ARGS + ["--dp", "2"], 2, save=str(tmp_path))
     os.makedirs(tmp_path / "iter_0000005.tmp")  # a save that died before its rename
-    (tmp_path / "iter_0000005.tmp" / "stage_0.pt").write_bytes(b"partial")
+    (tmp_path / "iter_0000005.tmp" / "__0_0.distcp").write_bytes(b"partial")
     assert latest_iteration(str(tmp_path)) == 2
     resumed = run_distributed(_run, 1, ARGS, 1, load=str(tmp_path))[0]
     assert resumed[1] == 2
@@ -73,9 +73,21 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
     with pytest.raises(CheckpointError, match="iteration 7 but .*iter_0000007 is missing"):
         latest_iteration(str(tmp_path))
     (tmp_path / "latest").write_text("2\n")
-    os.remove(tmp_path / "iter_0000002" / "stage_0.pt")
+    from megazero.checkpoint import peek
     from tests.distributed import RankError
-    with pytest.raises(RankError, match="stage_0.pt is missing"):  # found by checkpoint.peek too
+
+    d = tmp_path / "iter_0000002"
+    files = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))
+    data = (d / files[0]).read_bytes()
+    (d / files[0]).write_bytes(data[:len(data) // 2])  # truncated
+    with pytest.raises(CheckpointError, match=f"{files[0]} has {len(data) // 2} bytes, the metadata needs"):
+        peek(str(tmp_path))
+    (d / files[0]).write_bytes(b"\0" * len(data))  # same size, garbage: only reading finds it
+    assert peek(str(tmp_path))["iteration"] == 2
+    with pytest.raises(RankError, match="reading the tensors failed"):
+        run_distributed(_run, 1, ARGS, 1, load=str(tmp_path))
+    os.remove(d / files[0])
+    with pytest.raises(RankError, match=f"{files[0]} is missing"):  # found by checkpoint.peek too
         run_distributed(_run, 1, ARGS, 1, load=str(tmp_path))
 
 
