@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Optional
 from datetime import timedelta
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megazero import checkpoint, collectives, memory
+from megazero.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir
 from megazero.data_parallel.ddp import DataParallel
 from megazero.monitor import (Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, throughput,
@@ -30,7 +30,7 @@ from megazero.pipeline import partition
 from megazero.pipeline.executor import run_schedule
 from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
-from megazero.precision import DynamicLossScaler, StaticLossScaler, model_dtype
+from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
@@ -39,24 +39,9 @@ from model.generation import pipeline_generate_greedy
 from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, resize_vocab
 
 
-@dataclass
-class Launch:
-    """What the launcher tells this process: ranks and the world size."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-
-
-def read_launch_env() -> Launch:
-    """torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); one process without it."""
-    return Launch(rank=int(os.environ.get("RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                  world_size=int(os.environ.get("WORLD_SIZE", 1)))
-
-
 def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, ProcessGroups]:
     """CUDA + NCCL when a GPU is present (unless ``--device cpu``), else CPU + gloo."""
-    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(cfg)
     if use_cuda:
         torch.cuda.set_device(launch.local_rank)
         device = torch.device("cuda", launch.local_rank)
@@ -199,6 +184,28 @@ def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:
                 f"fix: use the model settings the checkpoint was saved with, or another --load")
 
 
+def data_signature(cfg: Config) -> dict:
+    """The settings that fix the sample stream (stored in checkpoints, compared on resume)."""
+    d = cfg.data
+    return dict(seed=cfg.train.seed, data_path=list(d.data_path or []), split=d.split,
+                mock_data=cfg.train.mock_data, seq_length=cfg.model.seq_length)
+
+
+def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
+    """What a resume from ``resume`` (a checkpoint's meta) will not do as the user may expect."""
+    if resume is None:
+        return []
+    out = []
+    if resume["iteration"] >= cfg.train.train_iters:
+        out.append(f"--load {cfg.train.load} is at iteration {resume['iteration']}, not below --train-iters "
+                   f"{cfg.train.train_iters}: nothing to train; fix: raise --train-iters to continue")
+    saved, mine = resume["extra"].get("data"), data_signature(cfg)
+    for key in (k for k in mine if saved is not None and k in saved and saved[k] != mine[k]):
+        out.append(f"--load {cfg.train.load} was trained with {key} = {saved[key]}, this run has {mine[key]}: "
+                   f"the samples after the resume differ from those of an uninterrupted run")
+    return out
+
+
 # -- one iteration --------------------------------------------------------------------------
 def make_forward_step(tokens_per_dp_rank: int):
     """Megatron's ``forward_step`` contract: (batch, chunk, input) -> (output, loss_fn).
@@ -257,7 +264,8 @@ class Trainer:
                                extra=dict(consumed_samples=self.consumed_samples,
                                           skipped_iterations=self.skipped_iterations,
                                           eval_round=self.eval_round,
-                                          model=model_signature(self.gpt_config)),
+                                          model=model_signature(self.gpt_config),
+                                          data=data_signature(self.cfg)),
                                keep=self.cfg.train.keep_latest_checkpoints)
 
     def load_checkpoint(self, root: str) -> Optional[int]:
@@ -459,8 +467,7 @@ def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
 def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
     """Print the memory plan (``verbose``) and raise MemoryPlanError when the model states
     cannot fit; a likely activation overflow is a warning."""
-    device = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) \
-        else "cpu"
+    device = "cuda" if uses_cuda(cfg) else "cpu"
     plan = plan_memory(cfg, vocab_size)
     available = memory.available_bytes_per_rank(device, memory.ranks_per_node())
     warning = memory.check_fits(plan, available)
@@ -470,10 +477,12 @@ def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
             print(f"megazero: warning: {warning}", file=sys.stderr, flush=True)
 
 
+START_ERRORS = (DataError, checkpoint.CheckpointError, memory.MemoryPlanError, DeviceError)
+
+
 def report_start_error(e: Exception) -> int:
     """One line on stderr for a problem found before start; returns exit code 2."""
-    kind = ("data" if isinstance(e, DataError) else "memory" if isinstance(e, memory.MemoryPlanError)
-            else "checkpoint")
+    kind = {DataError: "data", memory.MemoryPlanError: "memory", DeviceError: "device"}.get(type(e), "checkpoint")
     print(f"megazero: {kind} error: {e}", file=sys.stderr)
     return 2
 
@@ -486,10 +495,13 @@ def preflight(argv: list[str], world_size: int) -> int:
     """
     cfg = config_from_argv(argv, world_size)
     try:
-        data, _ = prepare_run(cfg)
+        check_device(cfg, memory.ranks_per_node())
+        data, resume = prepare_run(cfg)
         check_memory(cfg, data[2], verbose=True)
-    except (DataError, checkpoint.CheckpointError, memory.MemoryPlanError) as e:
+    except START_ERRORS as e:
         return report_start_error(e)
+    for w in resume_warnings(cfg, resume):
+        print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -503,16 +515,25 @@ def main(argv=None) -> int:
     cfg = config_from_argv(argv, launch.world_size, print_warnings=not quiet)
     # Same directory on every rank: the launcher passes --run-dir; torchrun's run id otherwise.
     resolve_run_dir(cfg, os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        watch_parent()
     try:
-        data, _ = prepare_run(cfg)
+        check_device(cfg, memory.ranks_per_node())
+        data, resume = prepare_run(cfg)
         check_memory(cfg, data[2], verbose=not quiet)
-    except (DataError, checkpoint.CheckpointError, memory.MemoryPlanError) as e:
+    except START_ERRORS as e:
         return report_start_error(e)
+    for w in resume_warnings(cfg, resume) if not quiet else []:
+        print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
     device, groups = setup_device_and_groups(cfg, launch)
     try:
         train(cfg, groups, device, data)
         if dist.is_initialized():
             dist.barrier()  # nobody tears down connections a peer is still reading from
+    except LossScaleError as e:  # every rank skips the same steps, so all of them stop here
+        if launch.rank == 0:
+            print(f"megazero: training error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -63,10 +63,13 @@ def latest_iteration(root: str) -> Optional[int]:
     if not os.path.exists(path):
         return None
     try:
-        it = int(open(path).read().strip())
-    except (ValueError, UnicodeDecodeError) as e:
+        with open(path) as f:
+            it = int(f.read().strip())
+        if it < 0:
+            raise ValueError(it)
+    except (ValueError, UnicodeDecodeError, OSError):  # also a directory named 'latest'
         raise CheckpointError(f"{path} does not hold an iteration number; fix: delete it or "
-                              f"write the iteration of a complete iter_* directory") from e
+                              f"write the iteration of a complete iter_* directory") from None
     if not os.path.isdir(iteration_dir(root, it)):
         raise CheckpointError(f"{path} names iteration {it} but {iteration_dir(root, it)} is missing")
     return it
@@ -119,6 +122,9 @@ def peek(root: str) -> Optional[dict]:
             what = "is missing" if have is None else f"has {have} bytes, the metadata needs {size}"
             raise CheckpointError(f"{path} {what}: the checkpoint {d} is incomplete; fix: load an "
                                   f"earlier iter_* directory (write its number into 'latest')")
+    for name in sorted(os.listdir(d)):
+        if name.startswith("rng_") and name.endswith(".pt"):  # small: read them all now
+            _load_file(os.path.join(d, name), weights_only=False)
     return meta
 
 
@@ -295,7 +301,7 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     optimizer.load_state_dict(dict(meta["optimizer"], shards=shards))
     same_layout = meta["layout"] == dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size)
     rng_path = os.path.join(d, f"rng_{groups.rank}.pt")
-    meta["rng_state"] = (torch.load(rng_path, weights_only=False)
+    meta["rng_state"] = (_load_file(rng_path, weights_only=False)
                          if same_layout and os.path.exists(rng_path) else None)
     meta["directory"] = d
     return meta

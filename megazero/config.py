@@ -110,7 +110,8 @@ class ParallelConfig:
     pipeline_layer_split: Optional[list[int]] = _f(
         None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=_layer_split)
     sequence_parallel: bool = _f(False, "partition LayerNorm/dropout activations along the sequence over tp")
-    distributed_timeout_s: float = _f(300.0, "timeout of every collective", "seconds", gt=0)
+    distributed_timeout_s: float = _f(300.0, "timeout of every collective and of the rendezvous", "seconds",
+                                      gt=0, lt=1_000_000)
 
 
 @dataclass

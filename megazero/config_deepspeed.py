@@ -118,8 +118,10 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
         value = _coerce(raw, _setting(name).base, f"{key} in {path}")
         src = cfg.sources.get(name, "")
         if src.startswith("--"):
-            if _get(cfg, name) != value:
-                raise ConfigError(f"{src} {_get(cfg, name)} on the command line conflicts with {key} = "
+            current = _get(cfg, name)
+            if current != value:
+                shown = src if isinstance(current, bool) else f"{src} {current}"  # a switch: the flag alone
+                raise ConfigError(f"{shown} on the command line conflicts with {key} = "
                                   f"{json.dumps(raw)} in {path}; fix: make them agree or drop one")
             continue
         _set(cfg, name, value)

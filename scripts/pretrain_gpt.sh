@@ -37,9 +37,14 @@ while [ "$#" -gt 0 ]; do
     *) ARGS+=("$1"); shift ;;
   esac
 done
-for v in TP PP DP NNODES NODE_RANK; do
-  [[ "${!v}" =~ ^[0-9]+$ ]] && [ "${!v}" -ge 0 ] || { echo "megazero: config error: --$(echo $v | tr 'A-Z_' 'a-z-') must be a whole number, got '${!v}'" >&2; exit 2; }
+for v in TP PP DP NNODES; do  # decimal, no leading zero (bash would read 08 as octal)
+  [[ "${!v}" =~ ^[1-9][0-9]{0,5}$ ]] || { echo "megazero: config error: --$(echo $v | tr 'A-Z_' 'a-z-') must be a whole number >= 1, got '${!v}'" >&2; exit 2; }
 done
+[[ "$NODE_RANK" =~ ^(0|[1-9][0-9]{0,5})$ ]] || { echo "megazero: config error: --node-rank must be a whole number >= 0, got '$NODE_RANK'" >&2; exit 2; }
+if [ "$NODE_RANK" -ge "$NNODES" ]; then
+  echo "megazero: config error: --node-rank $NODE_RANK is not below --nnodes $NNODES; fix: number the nodes 0 to $((NNODES - 1))" >&2
+  exit 2
+fi
 WORLD=$((TP * PP * DP))
 if [ "$WORLD" -lt 1 ] || [ $((WORLD % NNODES)) -ne 0 ]; then
   echo "megazero: config error: --tp x --pp x --dp = $WORLD is not divisible by --nnodes $NNODES; choose sizes whose product is a multiple of the node count" >&2
@@ -101,8 +106,14 @@ echo "[megazero] launching $NPROC process(es) on this node (tp=$TP pp=$PP dp=$DP
 set +e
 "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --rdzv-conf "timeout=$RDZV_TIMEOUT" \
-  train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"
-rc=$?
+  train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" &
+TORCHRUN=$!
+# Stopping the launcher (Ctrl-C, kill, a scheduler's SIGTERM) stops torchrun, which stops the
+# ranks; a rank whose torchrun dies anyway (kill -9) notices and exits (train.watch_parent).
+trap 'kill -TERM "$TORCHRUN" 2>/dev/null' TERM INT HUP
+wait "$TORCHRUN"; rc=$?
+while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN"; rc=$?; done  # after a trapped signal
+trap - TERM INT HUP
 set -e
 if [ "$rc" != 0 ]; then
   echo "[megazero] training failed (exit code $rc); the error is above. A node that never joins or a rank that dies ends the run after --distributed-timeout-s $DIST_TIMEOUT." >&2

@@ -72,11 +72,25 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
     (tmp_path / "latest").write_text("7\n")
     with pytest.raises(CheckpointError, match="iteration 7 but .*iter_0000007 is missing"):
         latest_iteration(str(tmp_path))
+    for bad in ("-5\n", "two\n"):
+        (tmp_path / "latest").write_text(bad)
+        with pytest.raises(CheckpointError, match="latest does not hold an iteration number"):
+            latest_iteration(str(tmp_path))
+    os.remove(tmp_path / "latest")
+    os.makedirs(tmp_path / "latest")  # a directory where the pointer file belongs
+    with pytest.raises(CheckpointError, match="latest does not hold an iteration number"):
+        latest_iteration(str(tmp_path))
+    os.rmdir(tmp_path / "latest")
     (tmp_path / "latest").write_text("2\n")
     from megazero.checkpoint import peek
     from tests.distributed import RankError
 
     d = tmp_path / "iter_0000002"
+    rng = (d / "rng_0.pt").read_bytes()
+    (d / "rng_0.pt").write_bytes(rng[:len(rng) // 2])  # a damaged RNG file
+    with pytest.raises(CheckpointError, match="rng_0.pt is unreadable"):
+        peek(str(tmp_path))
+    (d / "rng_0.pt").write_bytes(rng)
     files = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))
     data = (d / files[0]).read_bytes()
     (d / files[0]).write_bytes(data[:len(data) // 2])  # truncated
@@ -99,6 +113,14 @@ def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
 
     run_distributed(_run, 1, ARGS, 3, save=str(tmp_path))
     assert train.preflight(ARGS + ["--load", str(tmp_path)], 1) == 0
+    assert "warning" not in capsys.readouterr().err
+    # settings a resume cannot honour are warned about, naming both values
+    shorter = [a if a != "6" else "3" for a in ARGS] + ["--load", str(tmp_path), "--seed", "8",
+                                                        "--lr-warmup-iters", "1"]
+    assert train.preflight(shorter, 1) == 0
+    err = capsys.readouterr().err
+    assert "at iteration 3, not below --train-iters 3: nothing to train" in err
+    assert "was trained with seed = 7, this run has 8" in err
     assert train.preflight(ARGS + ["--load", str(tmp_path), "--num-layers", "2"], 1) == 2
     assert "num_layers = 4, this model 2" in capsys.readouterr().err
     assert train.preflight(ARGS + ["--load", str(tmp_path), "--untie-embeddings-and-output-weights"], 1) == 2

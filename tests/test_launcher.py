@@ -68,17 +68,28 @@ def test_two_layouts_log_the_same_losses_and_tensorboard_holds_them(tmp_path):
     assert any("config" in t for t in acc.Tags()["tensors"])
 
 
+NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--tp", "3"], "--tp 3"),
     (["--pp", "3"], "--pp"),
     (["--zero-stage", "3"], "--zero-stage"),
     (["--fp16", "--bf16"], "--bf16"),
+    (["--nnodes", "0"], "--nnodes must be a whole number >= 1"),
+    (["--tp", "08"], "--tp must be a whole number >= 1, got '08'"),
+    (["--node-rank", "3"], "--node-rank 3 is not below --nnodes 1"),
+    (["--master-port", "99999"], "--master-port must be a port number"),
+    (["--distributed-timeout-s", "1e15"], "--distributed-timeout-s"),
+    pytest.param(["--device", "cuda"], "--device cuda: no CUDA device", marks=NO_CUDA),
+    pytest.param(["--kernels", "apex"], "--kernels apex needs a CUDA device", marks=NO_CUDA),
 ])
 def test_bad_setting_stops_the_launcher_with_exit_code_2(tmp_path, args, needle):
     out = launch(TINY + args, tmp_path / "bad", timeout=120)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
-    errors = [l for l in out.stderr.splitlines() if l.startswith("megazero: config error:")]
+    errors = [l for l in out.stderr.splitlines() if l.startswith("megazero: ") and " error: " in l]
     assert len(errors) == 1 and needle in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
     assert not (tmp_path / "bad").exists()  # nothing was started or written
 
 
@@ -159,3 +170,56 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"resumed from {ckpt} at iteration {saved}" in again.stdout
     assert [r["iteration"] for r in train_records(run_dir)][-2:] == [saved + 1, saved + 2]
+
+
+def _pids(run_dir, agent: bool):
+    """PIDs of torchrun's agent (``agent``) or of the ranks, for the launch into ``run_dir``."""
+    if not agent:
+        return _worker_pids(run_dir)
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir).encode() in cmd and b"torch.distributed.run" in cmd:
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["launcher", "torchrun"])
+def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(tmp_path, victim):
+    """SIGTERM to the launcher is passed on to torchrun, which stops the ranks; kill -9 of
+    torchrun leaves the ranks orphaned, and each exits within seconds (train.watch_parent)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    args = [a if a != "6" else "5000" for a in TINY] + ["--dp", "2", "--eval-interval", "1000"]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("MEGAZERO_VENV", None)
+    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or len(train_records(run_dir)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not get going"
+            time.sleep(0.2)
+        assert len(_pids(run_dir, agent=False)) == 2
+        if victim == "launcher":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            [agent] = _pids(run_dir, agent=True)
+            os.kill(agent, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (_pids(run_dir, agent=False) or _pids(run_dir, agent=True)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _pids(run_dir, agent=False) == [] and _pids(run_dir, agent=True) == []
+        proc.wait(timeout=30)
+        assert proc.returncode != 0
+    finally:
+        for pid in _pids(run_dir, agent=False) + _pids(run_dir, agent=True):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

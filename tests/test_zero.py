@@ -283,7 +283,8 @@ def test_stuck_overflow_raises_clear_error():
     opt.max_consecutive_skips = 3
     tokens, labels = make_batches(cfg, 1)[0]
     results = []
-    with pytest.raises(LossScaleError, match="max_consecutive_skips=3"):
+    with pytest.raises(LossScaleError, match=r"at the minimum loss scale 1 \(--max-consecutive-skips 3\)"
+                                             r".*--bf16 instead of --fp16"):
         for _ in range(10):
             opt.zero_grad()
             ddp.before_backward(0, True)
@@ -292,6 +293,16 @@ def test_stuck_overflow_raises_clear_error():
     # scale 4 -> 2 -> 1, then three skips at the minimum scale: the third raises
     assert [r.loss_scale for r in results] == [4.0, 2.0, 1.0, 1.0]
     assert all(r.skipped for r in results)
+    # fp32 (no scaler): the advice names neither loss scales nor --fp16
+    model, ddp, opt = build(cfg, groups, 1, False)
+    opt.max_consecutive_skips = 2
+    with pytest.raises(LossScaleError, match="2 consecutive steps without loss scaling") as err:
+        for _ in range(3):
+            opt.zero_grad()
+            ddp.before_backward(0, True)
+            (model(tokens, labels).sum() * float("inf")).backward()
+            opt.step()
+    assert "--fp16" not in str(err.value)
 
 
 def test_state_dict_resumes_under_another_bucketing():

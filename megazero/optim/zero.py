@@ -199,11 +199,14 @@ class DistributedOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.update(True)
         if self.consecutive_min_skips >= self.max_consecutive_skips:
+            where = ("without loss scaling" if self.loss_scaler is None
+                     else f"at the minimum loss scale {scale:g}")
+            fix = "lower --lr" + ("" if self.clip_grad else ", enable --clip-grad")
+            fix += "" if self.loss_scaler is None else ", or use --bf16 instead of --fp16"
             raise LossScaleError(
-                f"gradients were inf/NaN in {self.consecutive_min_skips} consecutive steps at "
-                f"the minimum loss scale {scale:g} (max_consecutive_skips="
-                f"{self.max_consecutive_skips}); the run diverged: lower --lr, enable "
-                "--clip-grad, or use --bf16 instead of --fp16")
+                f"gradients were inf/NaN in {self.consecutive_min_skips} consecutive steps "
+                f"{where} (--max-consecutive-skips {self.max_consecutive_skips}); the run "
+                f"diverged: {fix}")
 
     def _update_piece(self, pc: _Piece, scale: float, coef: float, lr: float) -> None:
         g = pc.grad.to(torch.float32, copy=True)                              # (piece,)
