@@ -6,7 +6,8 @@
 # 3. an NCCL smoke on min(2, #GPUs) ranks through torchrun: all-reduce, reduce-scatter and
 #    all-gather through megazero.collectives, checked against their closed-form results;
 # 4. a short training run on the GPU(s): scripts/pretrain_gpt.sh --dp N $GPU_CHECK_TRAIN_ARGS
-#    (default "--device cuda --mock-data --train-iters 5"; GPU_CHECK_TRAIN=0 skips it).
+#    (default "--device cuda --mock-data --train-iters 5"; GPU_CHECK_TRAIN=0 skips it), saving a
+#    checkpoint, then the same run resumed from it to 7 iterations.
 # Exits non-zero at the first failing step.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -69,8 +70,15 @@ PYTHONPATH="$MEGAZERO_ROOT${PYTHONPATH:+:$PYTHONPATH}" \
   "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" "$SMOKE"
 
 if [ "${GPU_CHECK_TRAIN:-1}" != 0 ]; then
-  echo "== training smoke: --dp $NGPU ${GPU_CHECK_TRAIN_ARGS:---device cuda --mock-data --train-iters 5}"
+  TRAIN_ARGS="${GPU_CHECK_TRAIN_ARGS:---device cuda --mock-data --train-iters 5}"
+  CKPT="$(mktemp -d)/ckpt"
+  echo "== training smoke: --dp $NGPU $TRAIN_ARGS --save $CKPT"
   # shellcheck disable=SC2086  # the extra arguments are meant to split into words
-  bash scripts/pretrain_gpt.sh --dp "$NGPU" ${GPU_CHECK_TRAIN_ARGS:---device cuda --mock-data --train-iters 5}
+  bash scripts/pretrain_gpt.sh --dp "$NGPU" $TRAIN_ARGS --save "$CKPT" --load "$CKPT"
+  # a resume on the GPU(s) through torch.distributed.checkpoint over NCCL: two more iterations
+  echo "== resume smoke: the same run continued to 7 iterations from $CKPT"
+  # shellcheck disable=SC2086
+  bash scripts/pretrain_gpt.sh --dp "$NGPU" $TRAIN_ARGS --save "$CKPT" --load "$CKPT" --train-iters 7 \
+    | tee /dev/stderr | grep -q "resumed from $CKPT at iteration"
 fi
 echo "== gpu_check passed"
