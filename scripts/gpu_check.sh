@@ -79,6 +79,8 @@ if [ "${GPU_CHECK_TRAIN:-1}" != 0 ]; then
   echo "== resume smoke: the same run continued to 7 iterations from $CKPT"
   # shellcheck disable=SC2086
   bash scripts/pretrain_gpt.sh --dp "$NGPU" $TRAIN_ARGS --save "$CKPT" --load "$CKPT" --train-iters 7 \
-    | tee /dev/stderr | grep -q "resumed from $CKPT at iteration"
+    > "$CKPT.log" 2>&1 || { cat "$CKPT.log"; exit 1; }
+  cat "$CKPT.log"
+  grep -q "resumed from $CKPT at iteration 5" "$CKPT.log" || { echo "the resume did not start at iteration 5"; exit 1; }
 fi
 echo "== gpu_check passed"
