@@ -442,10 +442,11 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=trainer.iteration)
 
 
-def prepare_run(cfg: Config):
+def prepare_run(cfg: Config, verify: bool = False):
     """Everything that can fail before any process group exists: the checkpoint to resume and
-    the data. Returns (data, resume); raises DataError or CheckpointError (contract 3)."""
-    resume = checkpoint.peek(cfg.train.load) if cfg.train.load else None
+    the data. Returns (data, resume); raises DataError or CheckpointError (contract 3).
+    ``verify`` re-reads the checkpoint's tensor files against their saved CRC-32 sums."""
+    resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
     data = build_data(cfg, resume)
     check_resume(cfg, resume, data[2])
     return data, resume
@@ -496,7 +497,7 @@ def preflight(argv: list[str], world_size: int) -> int:
     cfg = config_from_argv(argv, world_size)
     try:
         check_device(cfg, memory.ranks_per_node())
-        data, resume = prepare_run(cfg)
+        data, resume = prepare_run(cfg, verify=True)
         check_memory(cfg, data[2], verbose=True)
     except START_ERRORS as e:
         return report_start_error(e)
@@ -519,7 +520,9 @@ def main(argv=None) -> int:
         watch_parent()
     try:
         check_device(cfg, memory.ranks_per_node())
-        data, resume = prepare_run(cfg)
+        # the checksums are read once: by the launcher's preflight, else by rank 0
+        verify = launch.rank == 0 and os.environ.get("MEGAZERO_PREFLIGHT_DONE") != "1"
+        data, resume = prepare_run(cfg, verify=verify)
         check_memory(cfg, data[2], verbose=not quiet)
     except START_ERRORS as e:
         return report_start_error(e)
@@ -534,6 +537,10 @@ def main(argv=None) -> int:
         if launch.rank == 0:
             print(f"megazero: training error: {e}", file=sys.stderr, flush=True)
         return 1
+    except checkpoint.CheckpointError as e:  # a tensor file that fails to read: DCP tells every rank
+        if launch.rank == 0:
+            report_start_error(e)
+        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

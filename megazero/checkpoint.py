@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import zlib
 from typing import Callable, Optional
 
 import torch
@@ -61,6 +62,14 @@ def latest_iteration(root: str) -> Optional[int]:
     """
     path = os.path.join(root, "latest")
     if not os.path.exists(path):
+        name, parent = os.path.basename(os.path.normpath(root)), os.path.dirname(os.path.normpath(root))
+        if name.startswith("iter_") and os.path.exists(os.path.join(root, "meta.pt")):
+            raise CheckpointError(f"{root} is one iteration inside a checkpoint directory; fix: --load "
+                                  f"{parent or '.'} (its 'latest' file names the iteration to resume)")
+        found = saved_iterations(root)
+        if found:
+            raise CheckpointError(f"{root} holds checkpoints {found} but no 'latest' file; fix: write the "
+                                  f"iteration to resume (e.g. {found[-1]}) into {path}")
         return None
     try:
         with open(path) as f:
@@ -100,11 +109,22 @@ def _read_metadata(d: str):
                               f"earlier iter_* directory (write its number into 'latest')") from None
 
 
-def peek(root: str) -> Optional[dict]:
+def file_checksum(path: str) -> list:
+    """``[size in bytes, CRC-32]`` of the file at ``path`` (read in 16 MiB blocks)."""
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            crc = zlib.crc32(block, crc)
+    return [os.path.getsize(path), crc]
+
+
+def peek(root: str, verify: bool = False) -> Optional[dict]:
     """The ``meta.pt`` of the latest checkpoint under ``root`` (None when there is none yet).
 
     Reads only small files and checks that every tensor file the DCP metadata names is there
     and long enough, so a broken checkpoint is reported before any process group exists.
+    ``verify`` also reads every tensor file and compares its size and CRC-32 with those
+    recorded at save time (the launcher's preflight does this once, before any rank starts).
     Raises CheckpointError naming the file.
     """
     it = latest_iteration(root)
@@ -125,6 +145,14 @@ def peek(root: str) -> Optional[dict]:
     for name in sorted(os.listdir(d)):
         if name.startswith("rng_") and name.endswith(".pt"):  # small: read them all now
             _load_file(os.path.join(d, name), weights_only=False)
+    for name, want in sorted(meta.get("files", {}).items()) if verify else ():
+        path = os.path.join(d, name)
+        got = file_checksum(path) if os.path.exists(path) else None
+        if got != list(want):
+            what = "is missing" if got is None else (f"has size {got[0]} and CRC-32 {got[1]:08x}, saved as "
+                                                     f"size {want[0]} and CRC-32 {want[1]:08x}")
+            raise CheckpointError(f"{path} {what}: the file was damaged after saving; fix: load an "
+                                  f"earlier iter_* directory (write its number into 'latest')")
     return meta
 
 
@@ -221,12 +249,21 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     flat = {f"{name}/{k}": t for name, full in states.items() for k, t in full.items()}
     dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
              process_group=groups.world, no_dist=groups.world is None)
+    # Each rank checksums the tensor file it wrote (DCP names it after the global rank);
+    # rank 0 records them all in meta.pt, so damage after saving is found before a resume.
+    mine = f"__{groups.rank}_0.distcp"
+    sums = {mine: file_checksum(os.path.join(tmp, mine))} if os.path.exists(os.path.join(tmp, mine)) else {}
+    if groups.world is not None:
+        gathered = [None] * groups.world_size
+        dist.all_gather_object(gathered, sums, group=groups.world)
+        sums = {k: v for part in gathered for k, v in part.items()}
     _atomic_save(rng_states or {}, os.path.join(tmp, f"rng_{groups.rank}.pt"))
     if groups.rank == 0:
         opt = optimizer.state_dict()
         meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size,
                                                       dp=groups.dp_size),
-                    optimizer={k: opt[k] for k in opt if k != "shards"}, extra=extra or {})
+                    optimizer={k: opt[k] for k in opt if k != "shards"}, extra=extra or {},
+                    files=dict(sums, **{".metadata": file_checksum(os.path.join(tmp, ".metadata"))}))
         _atomic_save(meta, os.path.join(tmp, "meta.pt"))
     _barrier(groups)
     if groups.rank == 0:

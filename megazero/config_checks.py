@@ -139,7 +139,9 @@ def _check_outputs(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--load {t.load}: no such directory; fix: correct the path (with --save DIR "
                           "--load DIR the same new directory starts a fresh, restartable run)")
     same = t.load is not None and t.save is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
-    if t.save is not None and not same and os.path.isfile(os.path.join(t.save, "latest")):
+    taken = t.save is not None and os.path.isdir(t.save) and any(
+        n == "latest" or (n.startswith("iter_") and n[5:12].isdigit()) for n in os.listdir(t.save))
+    if taken and not same:
         # A fresh run would count iterations from 0 again and replace that run's checkpoints.
         raise ConfigError(f"--save {t.save} already holds the checkpoints of another run; fix: add --load "
                           f"{t.save} to continue it, or choose an empty --save directory")

@@ -91,32 +91,46 @@ class MemoryEstimate:
     """ZeRO formula for Psi (exact up to buckets and padding)."""
     activation_bytes: float
     """Upper-bound estimate (see the module docstring)."""
+    zero_stage: int = 0
+    dp: int = 1
+    most_states: Optional["MemoryEstimate"] = None
+    """The stage whose model states alone are largest (None: this one)."""
 
     @property
     def total_bytes(self) -> float:
         return self.model_state_bytes + self.activation_bytes
 
 
+def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> list[int]:
+    """Peak micro-batch-chunks alive per stage. GPipe keeps all ``m``; for 1F1B and the
+    interleaved schedule the peak stops growing once ``m`` passes a few times ``pp``, so they
+    are simulated with at most ``4 pp`` micro-batches (a multiple of pp, as interleaving needs)."""
+    if pp == 1:
+        return [1]
+    if schedule == "gpipe":
+        return [num_microbatches * vp_size] * pp
+    m = min(num_microbatches, 4 * pp)
+    actions = [build_schedule(schedule, m, pp, r, vp_size) for r in range(pp)]
+    return simulate(actions, pp, vp_size).peak_inflight
+
+
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
              grad_bytes: int, sequence_parallel: bool) -> MemoryEstimate:
-    """The stage with the largest model states plus activations, and its numbers (bytes)."""
-    if pp > 1:
-        actions = [build_schedule(schedule, num_microbatches, pp, r, vp_size) for r in range(pp)]
-        inflight = simulate(actions, pp, vp_size).peak_inflight  # micro-batch-chunks per stage
-    else:
-        inflight = [1]
+    """The stage with the largest model states plus activations, and its numbers (bytes);
+    ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it)."""
+    inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes)
     logits = 2 * 4 * micro_batch_size * g.seq_length * g.padded_vocab(tp) / tp
-    best = None
+    stages = []
     for r in range(pp):
         psi = params_per_rank(g, tp, pp, r, vp_size, layer_split)
         states = zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         acts = inflight[r] * layers_per_chunk * layer + (logits if r == pp - 1 else 0.0)
-        e = MemoryEstimate(r, psi, states, acts)
-        if best is None or e.total_bytes > best.total_bytes:
-            best = e
+        stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp))
+    best = max(stages, key=lambda e: e.total_bytes)
+    best.most_states = max(stages, key=lambda e: e.model_state_bytes)
     return best
 
 
@@ -161,16 +175,21 @@ class MemoryPlanError(ValueError):
 
 
 def check_fits(e: MemoryEstimate, available: Optional[int]) -> Optional[str]:
-    """Raise MemoryPlanError when the model states alone exceed ``available`` bytes; return a
-    warning (str) when states plus the activation estimate do, else None."""
+    """Raise MemoryPlanError when the model states of any stage alone exceed ``available``
+    bytes; return a warning (str) when states plus the activation estimate do, else None."""
     if available is None:
         return None
-    if e.model_state_bytes > available:
+    worst = e.most_states or e
+    if worst.model_state_bytes > available:
+        fixes = ["--zero-stage 2 (shards gradients and Adam states over --dp)"] if worst.zero_stage < 2 else []
+        if worst.zero_stage > 0:
+            fixes.append("a larger --dp")
+        fixes += ["a larger --tp or --pp", "a smaller model (--num-layers, --hidden-size, "
+                  "--max-position-embeddings, or a tokenizer with fewer tokens)"]
         raise MemoryPlanError(
-            f"the model states of one rank need {gib(e.model_state_bytes)} (stage {e.stage}, "
-            f"Psi={e.params:,} parameters) but {gib(available)} is available; fix: a higher "
-            f"--zero-stage (2 shards gradients and Adam states over --dp), larger --dp, --tp or --pp, "
-            f"or a smaller model (--num-layers, --hidden-size, --max-position-embeddings)")
+            f"the model states of one rank of stage {worst.stage} need {gib(worst.model_state_bytes)} "
+            f"(Psi={worst.params:,} parameters, ZeRO-{worst.zero_stage}) but {gib(available)} is available; "
+            f"fix: {', '.join(fixes)}")
     if e.total_bytes > available:
         return (f"activations may not fit: up to {gib(e.activation_bytes)} on top of "
                 f"{gib(e.model_state_bytes)} of model states, {gib(available)} available; fix: a "

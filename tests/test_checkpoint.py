@@ -81,6 +81,10 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
     with pytest.raises(CheckpointError, match="latest does not hold an iteration number"):
         latest_iteration(str(tmp_path))
     os.rmdir(tmp_path / "latest")
+    with pytest.raises(CheckpointError, match=r"holds checkpoints \[2\] but no 'latest' file"):
+        latest_iteration(str(tmp_path))  # never a silent fresh start beside saved iterations
+    with pytest.raises(CheckpointError, match="is one iteration inside a checkpoint directory; fix: --load"):
+        latest_iteration(str(tmp_path / "iter_0000002"))
     (tmp_path / "latest").write_text("2\n")
     from megazero.checkpoint import peek
     from tests.distributed import RankError
@@ -96,8 +100,10 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
     (d / files[0]).write_bytes(data[:len(data) // 2])  # truncated
     with pytest.raises(CheckpointError, match=f"{files[0]} has {len(data) // 2} bytes, the metadata needs"):
         peek(str(tmp_path))
-    (d / files[0]).write_bytes(b"\0" * len(data))  # same size, garbage: only reading finds it
+    (d / files[0]).write_bytes(b"\0" * len(data))  # same size, garbage: only the checksum finds it
     assert peek(str(tmp_path))["iteration"] == 2
+    with pytest.raises(CheckpointError, match=f"{files[0]} has size {len(data)} and CRC-32 .* saved as"):
+        peek(str(tmp_path), verify=True)  # what the launcher's preflight runs
     with pytest.raises(RankError, match="reading the tensors failed"):
         run_distributed(_run, 1, ARGS, 1, load=str(tmp_path))
     os.remove(d / files[0])
@@ -160,7 +166,8 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     huge = ARGS + ["--max-position-embeddings", "400000000"]
     assert train.preflight(huge, 1) == 2
     err = capsys.readouterr().err
-    assert err.startswith("megazero: memory error: the model states of one rank need") and "--zero-stage" in err
+    assert err.startswith("megazero: memory error: the model states of one rank of stage 0 need")
+    assert "--zero-stage 2" in err and "larger --dp" not in err  # ZeRO-0: more ranks alone do not help
     plans = {z: train.plan_memory(config_from_argv(ARGS + ["--dp", "4", "--zero-stage", str(z)], 4), 1001)
              for z in (0, 2)}
     psi = plans[0].params
@@ -170,3 +177,11 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
         memory.check_fits(plans[0], int(plans[0].model_state_bytes) - 1)
     assert "activations may not fit" in memory.check_fits(plans[0], int(plans[0].model_state_bytes) + 1)
     assert memory.check_fits(plans[0], int(plans[0].total_bytes) + 1) is None
+    # pp 2: stage 1 has the larger total (the logits), stage 0 the larger states (a long
+    # position table): the states of stage 0 decide whether the run can start
+    pp2 = train.plan_memory(config_from_argv(ARGS + ["--pp", "2", "--max-position-embeddings", "40000",
+                                                     "--micro-batch-size", "8"], 2), 50000)
+    assert (pp2.stage, pp2.most_states.stage) == (1, 0)
+    assert pp2.most_states.model_state_bytes > pp2.model_state_bytes
+    with pytest.raises(memory.MemoryPlanError, match="stage 0 need"):
+        memory.check_fits(pp2, int(pp2.most_states.model_state_bytes) - 1)

@@ -25,6 +25,7 @@ def files(tmp_path):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest").write_text("100\n")  # another run's checkpoints
+    (tmp_path / "ckpt2" / "iter_0000100").mkdir(parents=True)  # ... and some without 'latest'
 
     def write_json(obj, name="ds.json"):
         path = tmp_path / name
@@ -105,6 +106,7 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "bad_choice": (M + ["--device", "tpu"], 1, ["--device", "tpu"]),
     "dp_zero": (M + ["--dp", "0"], 1, ["--dp 0"]),
     "save_over_another_run": (M + ["--save", "{DIR}/ckpt"], 1, ["--save", "ckpt", "--load", "empty"]),
+    "save_over_iterations_without_latest": (M + ["--save", "{DIR}/ckpt2"], 1, ["--save", "ckpt2", "another run"]),
     "save_over_another_run_loading_elsewhere": (M + ["--save", "{DIR}/ckpt", "--load", "{DIR}"], 1,
                                                 ["--save", "ckpt", "another run"]),
     "sequence_parallel_seq_vs_tp": (M + ["--tp", "4", "--sequence-parallel", "--seq-length", "30",
