@@ -58,16 +58,34 @@ def check_device(cfg: Config, ranks_per_node: int) -> None:
         raise DeviceError(str(e)) from None
 
 
+def _alive(pid: int) -> bool:
+    """True while process ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # no such process, or no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
 def watch_parent(interval_s: float = 1.0) -> None:
-    """Exit (SIGTERM to this process) when the parent dies, e.g. torchrun killed with -9, so no
-    rank trains on unattended. A daemon thread compares ``os.getppid()`` with its first value."""
+    """Exit (SIGTERM to this process) when torchrun or the megazero launcher dies, e.g. killed
+    with -9, so no rank trains on unattended. A daemon thread compares ``os.getppid()`` with
+    its first value and checks that ``MEGAZERO_LAUNCHER_PID`` (set by pretrain_gpt.sh) lives."""
     parent = os.getppid()
+    launcher = int(os.environ.get("MEGAZERO_LAUNCHER_PID", "0") or 0)
 
     def loop():
         while True:
             time.sleep(interval_s)
-            if os.getppid() != parent:
-                print(f"[megazero] rank {os.environ.get('RANK', 0)}: the launcher (pid {parent}) is gone; "
+            gone = parent if os.getppid() != parent else launcher if launcher and not _alive(launcher) else None
+            if gone is not None:
+                print(f"[megazero] rank {os.environ.get('RANK', 0)}: the launcher (pid {gone}) is gone; "
                       f"exiting", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return

@@ -52,9 +52,32 @@ if [ "$WORLD" -lt 1 ] || [ $((WORLD % NNODES)) -ne 0 ]; then
 fi
 NPROC=$((WORLD / NNODES))
 
+# Stopping the launcher (Ctrl-C, kill, a scheduler's SIGTERM) stops the step running now (data
+# preparation, torchrun and so every rank) and exits with 128 + the signal's number. A rank
+# whose launcher or torchrun dies outright (kill -9) notices and exits (megazero/launch.py).
+CHILD=""; STOPPED=""
+stop() { STOPPED="$1"; [ -z "$CHILD" ] || kill -TERM "$CHILD" 2>/dev/null || true; }
+trap 'stop 15' TERM; trap 'stop 2' INT; trap 'stop 1' HUP
+run_child() {  # run "$@" in the background so a trapped signal reaches it; return its status
+  "$@" & CHILD=$!
+  local status=0
+  wait "$CHILD" || status=$?
+  while kill -0 "$CHILD" 2>/dev/null; do status=0; wait "$CHILD" || status=$?; done
+  CHILD=""
+  return "$status"
+}
+stopped_exit() {
+  [ -z "$STOPPED" ] || { echo "[megazero] stopped by signal $STOPPED" >&2; exit $((128 + STOPPED)); }
+}
+
 if [ "$HAVE_DATA" = 0 ]; then
   echo "[megazero] no --data-path: preparing the embedded default corpus under $DATA_DIR (once)"
-  PREP_OUT="$("$PY" -m data.prepare --data-dir "$DATA_DIR")"  # progress goes to stderr
+  PREP_FILE="$(mktemp)"
+  prep_rc=0
+  run_child "$PY" -m data.prepare --data-dir "$DATA_DIR" > "$PREP_FILE" || prep_rc=$?  # progress: stderr
+  PREP_OUT="$(cat "$PREP_FILE")"; rm -f "$PREP_FILE"
+  stopped_exit
+  [ "$prep_rc" = 0 ] || exit "$prep_rc"
   printf '%s\n' "$PREP_OUT"
   DATA_PATH="$(printf '%s\n' "$PREP_OUT" | sed -n 's/^DATA_PATH=//p' | tail -n 1)"
   TOKENIZER_MODEL="$(printf '%s\n' "$PREP_OUT" | sed -n 's/^TOKENIZER_MODEL=//p' | tail -n 1)"
@@ -95,28 +118,23 @@ export MEGAZERO_RANKS_PER_NODE=$NPROC  # the memory check shares this node among
 "$PY" -c 'import sys, train; sys.exit(train.preflight(sys.argv[2:], int(sys.argv[1])))' "$WORLD" \
   --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"
 
+stopped_exit  # a signal that came during the preflight
 mkdir -p "$RUN_DIR"
 echo "[megazero] run directory: $RUN_DIR"
 echo "[megazero] TensorBoard:   tensorboard --logdir $RUN_DIR/tensorboard"
 # A node that never joins ends the rendezvous after --distributed-timeout-s (whole seconds), as a
 # dead peer ends a collective.
 RDZV_TIMEOUT=$("$PY" -c 'import math, sys; print(max(1, math.ceil(float(sys.argv[1]))))' "$DIST_TIMEOUT")
+export MEGAZERO_LAUNCHER_PID=$$  # the ranks exit if this script is killed outright (-9)
 export MEGAZERO_PREFLIGHT_DONE=1  # the ranks need not print the config warnings again
 echo "[megazero] launching $NPROC process(es) on this node (tp=$TP pp=$PP dp=$DP, nnodes=$NNODES)"
-set +e
-"$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
+rc=0
+run_child "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --rdzv-conf "timeout=$RDZV_TIMEOUT" \
-  train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" &
-TORCHRUN=$!
-# Stopping the launcher (Ctrl-C, kill, a scheduler's SIGTERM) stops torchrun, which stops the
-# ranks; a rank whose torchrun dies anyway (kill -9) notices and exits (train.watch_parent).
-trap 'kill -TERM "$TORCHRUN" 2>/dev/null' TERM INT HUP
-wait "$TORCHRUN"; rc=$?
-while kill -0 "$TORCHRUN" 2>/dev/null; do wait "$TORCHRUN"; rc=$?; done  # after a trapped signal
-trap - TERM INT HUP
-set -e
+  train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" || rc=$?
+echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
+stopped_exit
 if [ "$rc" != 0 ]; then
   echo "[megazero] training failed (exit code $rc); the error is above. A node that never joins or a rank that dies ends the run after --distributed-timeout-s $DIST_TIMEOUT." >&2
 fi
-echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
 exit $rc

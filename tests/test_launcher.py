@@ -188,10 +188,11 @@ def _pids(run_dir, agent: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["launcher", "torchrun"])
+@pytest.mark.parametrize("victim", ["launcher", "launcher -9", "torchrun"])
 def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(tmp_path, victim):
-    """SIGTERM to the launcher is passed on to torchrun, which stops the ranks; kill -9 of
-    torchrun leaves the ranks orphaned, and each exits within seconds (train.watch_parent)."""
+    """SIGTERM to the launcher is passed on to torchrun, which stops the ranks; kill -9 of the
+    launcher or of torchrun leaves ranks behind, and each exits within seconds
+    (megazero.launch.watch_parent); then torchrun, its workers gone, ends too."""
     import signal
     import time
 
@@ -209,6 +210,9 @@ def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(tmp_path, vi
         assert len(_pids(run_dir, agent=False)) == 2
         if victim == "launcher":
             proc.send_signal(signal.SIGTERM)
+        elif victim == "launcher -9":  # torchrun survives it; the ranks see the launcher gone
+            proc.kill()
+            proc.wait()
         else:
             [agent] = _pids(run_dir, agent=True)
             os.kill(agent, signal.SIGKILL)
@@ -217,7 +221,9 @@ def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(tmp_path, vi
             time.sleep(0.2)
         assert _pids(run_dir, agent=False) == [] and _pids(run_dir, agent=True) == []
         proc.wait(timeout=30)
-        assert proc.returncode != 0
+        # the launcher exits with 128 + SIGTERM when stopped, or passes on torchrun's -9 (137)
+        assert proc.returncode == {"launcher": 128 + signal.SIGTERM, "launcher -9": -signal.SIGKILL,
+                                   "torchrun": 128 + signal.SIGKILL}[victim]
     finally:
         for pid in _pids(run_dir, agent=False) + _pids(run_dir, agent=True):
             os.kill(pid, signal.SIGKILL)
