@@ -7,6 +7,7 @@ Each step of the orchestration is a named function below; the parallel machinery
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -182,13 +183,27 @@ def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:
             raise checkpoint.CheckpointError(
                 f"--load {cfg.train.load}: the checkpoint has {key} = {saved[key]}, this model {value}; "
                 f"fix: use the model settings the checkpoint was saved with, or another --load")
+    was, now = (resume["extra"].get("data") or {}).get("tokenizer"), tokenizer_digest(cfg.data.tokenizer_model)
+    if was and now and was != now:  # same vocabulary size, other token meanings: the weights would not fit
+        raise checkpoint.CheckpointError(
+            f"--load {cfg.train.load} was trained with another tokenizer (sha256 {was[:12]}) than "
+            f"--tokenizer-model {cfg.data.tokenizer_model} (sha256 {now[:12]}); fix: the tokenizer it was trained with")
 
 
 def data_signature(cfg: Config) -> dict:
     """The settings that fix the sample stream (stored in checkpoints, compared on resume)."""
     d = cfg.data
-    return dict(seed=cfg.train.seed, data_path=list(d.data_path or []), split=d.split,
-                mock_data=cfg.train.mock_data, seq_length=cfg.model.seq_length)
+    paths = [os.path.realpath(x) if os.path.exists(x + ".idx") else x for x in d.data_path or []]
+    return dict(seed=cfg.train.seed, data_path=paths, split=d.split, mock_data=cfg.train.mock_data,
+                seq_length=cfg.model.seq_length, tokenizer=tokenizer_digest(d.tokenizer_model))
+
+
+def tokenizer_digest(path: Optional[str]) -> Optional[str]:
+    """sha256 of the tokenizer model file (None without one), as in PREFIX.tokenizer.json."""
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
@@ -200,7 +215,7 @@ def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
         out.append(f"--load {cfg.train.load} is at iteration {resume['iteration']}, not below --train-iters "
                    f"{cfg.train.train_iters}: nothing to train; fix: raise --train-iters to continue")
     saved, mine = resume["extra"].get("data"), data_signature(cfg)
-    for key in (k for k in mine if saved is not None and k in saved and saved[k] != mine[k]):
+    for key in (k for k in mine if saved is not None and k in saved and saved[k] != mine[k] and k != "tokenizer"):
         out.append(f"--load {cfg.train.load} was trained with {key} = {saved[key]}, this run has {mine[key]}: "
                    f"the samples after the resume differ from those of an uninterrupted run")
     return out
@@ -288,9 +303,10 @@ class Trainer:
         if meta["rng_state"] is not None:
             self.chunks[0].rng_tracker.set_state(meta["rng_state"])
         elif self.groups.rank == 0:
-            print(f"[megazero] {meta['directory']} was saved under another layout "
-                  f"{meta['layout']}: weights, optimizer and data position restored, dropout "
-                  f"streams restart from --seed", flush=True)
+            why = (f"was saved under another layout {meta['layout']}" if not meta.get("same_layout", False)
+                   else "has no dropout RNG file for some rank")
+            print(f"[megazero] {meta['directory']} {why}: weights, optimizer and data position restored, "
+                  f"dropout streams restart from --seed", flush=True)
         return self.iteration
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:

@@ -290,7 +290,11 @@ def read_tokenizer_record(prefix: str) -> dict | None:
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
-        str(record["sha256"]), int(record["vocab_size"])
+        sha, vocab = record["sha256"], record["vocab_size"]
+        if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+            raise ValueError(f"sha256 {sha!r} is not 64 hex digits")
+        if not (isinstance(vocab, int) and vocab > 0):
+            raise ValueError(f"vocab_size {vocab!r} is not a positive integer")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: unreadable tokenizer record ({e}); delete it (the check is then "
                         f"skipped) or re-run data.preprocess") from None

@@ -340,5 +340,6 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     rng_path = os.path.join(d, f"rng_{groups.rank}.pt")
     meta["rng_state"] = (_load_file(rng_path, weights_only=False)
                          if same_layout and os.path.exists(rng_path) else None)
+    meta["same_layout"] = same_layout
     meta["directory"] = d
     return meta

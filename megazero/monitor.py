@@ -275,8 +275,10 @@ class Monitor:
 
     def _record(self, kind: str, fields: Mapping[str, Any]) -> None:
         if self._metrics is not None:
-            self._metrics.write(json.dumps({"kind": kind, "wall_time": time.time(), **fields})
-                                + "\n")
+            record = {"kind": kind, "wall_time": time.time(), **fields}
+            record = {k: None if isinstance(v, float) and not math.isfinite(v) else v  # strict JSON
+                      for k, v in record.items()}
+            self._metrics.write(json.dumps(record, allow_nan=False) + "\n")
             self._metrics.flush()
 
     def _scalars(self, tagged: Mapping[str, Any], step: int) -> None:

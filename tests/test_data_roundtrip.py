@@ -138,3 +138,15 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
         train.build_data(config_from_argv(argv, 1))
     argv[1] = a  # the matching model
     assert train.build_data(config_from_argv(argv, 1))[2] == tok.vocab_size
+    # the same data named by a relative path has the same signature (no false resume warning)
+    rel = os.path.relpath(a)
+    assert train.data_signature(config_from_argv(argv[:1] + [rel] + argv[2:], 1)) == \
+        train.data_signature(config_from_argv(argv, 1))
+    # a damaged record is one clear error, never a crash
+    from data.indexed_dataset import tokenizer_record_path
+    for bad in ('{"sha256": null, "vocab_size": 400}', '{"sha256": 12, "vocab_size": 400}',
+                '{"sha256": "%s", "vocab_size": "x"}' % ("a" * 64), "[1, 2"):
+        with open(tokenizer_record_path(a), "w") as f:
+            f.write(bad)
+        with pytest.raises(DataError, match="unreadable tokenizer record"):
+            train.build_data(config_from_argv(argv, 1))

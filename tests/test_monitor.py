@@ -292,3 +292,17 @@ def test_unknown_iteration_key_is_an_error(tmp_path):
             mon.log_iteration(1, {"gradnorm": 1.0})
         with pytest.raises(ValueError, match="differs"):
             mon.log_iteration(2, {"iteration": 3})
+
+
+def test_metrics_jsonl_is_strict_json_with_null_for_nan(tmp_path, capsys):
+    with Monitor(str(tmp_path / "run"), tensorboard_dir=None, metrics_file="metrics.jsonl", rank=0,
+                 is_logging_rank=True, config_text="", train_iters=2) as mon:
+        mon.log_iteration(1, {"loss": float("nan"), "grad_norm": float("inf")})
+        mon.summary(None, float("nan"), "")
+
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        records = [json.loads(line, parse_constant=refuse) for line in f]
+    assert records[0]["loss"] is None and records[0]["grad_norm"] is None
+    assert all(v is None or not isinstance(v, float) or math.isfinite(v) for r in records for v in r.values())
