@@ -142,6 +142,15 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
     rel = os.path.relpath(a)
     assert train.data_signature(config_from_argv(argv[:1] + [rel] + argv[2:], 1)) == \
         train.data_signature(config_from_argv(argv, 1))
+    # a checkpoint trained with the other tokenizer is refused on resume (same vocabulary size)
+    from megazero.checkpoint import CheckpointError
+    cfg = config_from_argv(argv, 1)
+    resume = {"iteration": 1, "extra": {"model": {}, "data": dict(train.data_signature(cfg),
+                                                                 tokenizer=other.sha256)}}
+    with pytest.raises(CheckpointError, match="was trained with another tokenizer"):
+        train.check_resume(cfg, resume, tok.vocab_size)
+    resume["extra"]["data"]["tokenizer"] = tok.sha256
+    train.check_resume(cfg, resume, tok.vocab_size)
     # a damaged record is one clear error, never a crash
     from data.indexed_dataset import tokenizer_record_path
     for bad in ('{"sha256": null, "vocab_size": 400}', '{"sha256": 12, "vocab_size": 400}',
