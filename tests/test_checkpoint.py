@@ -185,3 +185,10 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     assert pp2.most_states.model_state_bytes > pp2.model_state_bytes
     with pytest.raises(memory.MemoryPlanError, match="stage 0 need"):
         memory.check_fits(pp2, int(pp2.most_states.model_state_bytes) - 1)
+    # the in-flight counts simulated with at most 4 pp micro-batches equal the full simulation
+    from megazero.pipeline.schedules import build_schedule, simulate
+    for kind, vp in (("1f1b", 1), ("interleaved", 2)):
+        full = simulate([build_schedule(kind, 64, 4, r, vp) for r in range(4)], 4, vp).peak_inflight
+        assert memory._inflight(kind, 4, vp, 64) == full
+    assert memory._inflight("gpipe", 4, 1, 64) == [64] * 4 == simulate(
+        [build_schedule("gpipe", 64, 4, r, 1) for r in range(4)], 4, 1).peak_inflight
