@@ -62,6 +62,12 @@ def all_reduce_max(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t
 
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn on every call); older
+# releases (megazero supports torch >= 2.4) only have the old names. Same arguments, same result.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
     """Gather equal 1-D shards: ``out[i*n:(i+1)*n] = shard of group rank i`` (n = shard.numel()).
 
@@ -76,7 +82,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_
             out.copy_(shard)
         return None
     _count("all_gather", shard)
-    return dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    return _ALL_GATHER(out, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group,
@@ -94,8 +100,7 @@ def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group
             shard_out.copy_(full)
         return None
     _count("reduce_scatter", full)
-    return dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, group=group,
-                                      async_op=async_op)
+    return _REDUCE_SCATTER(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_gather_list(t: torch.Tensor, group: Group) -> list[torch.Tensor]:
