@@ -118,18 +118,27 @@ def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(tmp_path):
     assert "training failed" in out.stderr and "--distributed-timeout-s 3" in out.stderr, out.stderr[-2000:]
 
 
-def _worker_pids(run_dir):
-    """PIDs of the train.py ranks (not torchrun's agent) whose command line names ``run_dir``."""
+def _pids(run_dir, agent: bool = False):
+    """PIDs of the train.py ranks, or of torchrun's agent (``agent``), of the launch into ``run_dir``."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if str(run_dir).encode() in cmd and b"torch.distributed.run" not in cmd and \
-                any(c.endswith(b"train.py") for c in cmd):
+        is_agent = b"torch.distributed.run" in cmd
+        if str(run_dir).encode() in cmd and is_agent == agent and any(c.endswith(b"train.py") for c in cmd):
             pids.append(int(pid))
     return pids
+
+
+def _start(args, run_dir, capture=True):
+    """The launcher in the background for the kill tests (``capture``: pipe its output, else drop it)."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("MEGAZERO_VENV", None)
+    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out, text=True)
 
 
 @pytest.mark.slow
@@ -143,16 +152,13 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
     args = [a if a != "6" else "400" for a in TINY] + ["--dp", "2", "--save", str(ckpt), "--load", str(ckpt),
                                                          "--save-interval", "2", "--eval-interval", "1000",
                                                          "--keep-latest-checkpoints", "1"]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    env.pop("MEGAZERO_VENV", None)
-    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start(args, run_dir)
     try:
         deadline = time.monotonic() + 120
         while not (ckpt / "latest").exists() or len(train_records(run_dir)) < 5:
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not get going"
             time.sleep(0.2)
-        pids = _worker_pids(run_dir)
+        pids = _pids(run_dir)
         assert len(pids) == 2, pids
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -162,7 +168,7 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
             proc.kill()
     assert proc.returncode != 0 and time.monotonic() - killed_at < 60
     assert "training failed" in err, err[-2000:]
-    assert _worker_pids(run_dir) == []  # no rank left behind
+    assert _pids(run_dir) == []  # no rank left behind
     saved = int((ckpt / "latest").read_text())
     assert saved >= 2 and saved % 2 == 0
     assert sorted(p.name for p in ckpt.glob("iter_???????")) == [f"iter_{saved:07d}"]  # --keep-latest 1
@@ -170,21 +176,6 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"resumed from {ckpt} at iteration {saved}" in again.stdout
     assert [r["iteration"] for r in train_records(run_dir)][-2:] == [saved + 1, saved + 2]
-
-
-def _pids(run_dir, agent: bool):
-    """PIDs of torchrun's agent (``agent``) or of the ranks, for the launch into ``run_dir``."""
-    if not agent:
-        return _worker_pids(run_dir)
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if str(run_dir).encode() in cmd and b"torch.distributed.run" in cmd:
-            out.append(int(pid))
-    return out
 
 
 @pytest.mark.slow
@@ -198,10 +189,7 @@ def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(tmp_path, vi
 
     run_dir = tmp_path / "run"
     args = [a if a != "6" else "5000" for a in TINY] + ["--dp", "2", "--eval-interval", "1000"]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    env.pop("MEGAZERO_VENV", None)
-    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _start(args, run_dir, capture=False)
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists() or len(train_records(run_dir)) < 2:
