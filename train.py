@@ -7,7 +7,6 @@ Each step of the orchestration is a named function below; the parallel machinery
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -200,10 +199,9 @@ def data_signature(cfg: Config) -> dict:
 
 def tokenizer_digest(path: Optional[str]) -> Optional[str]:
     """sha256 of the tokenizer model file (None without one), as in PREFIX.tokenizer.json."""
-    if not path or not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    from data.tokenizer import model_sha256
+
+    return model_sha256(path) if path and os.path.isfile(path) else None
 
 
 def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:

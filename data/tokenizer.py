@@ -59,8 +59,7 @@ class Tokenizer:
         if self.eod < 0:
             raise DataError(f"{model_path}: has no end-of-document piece {EOD_PIECE!r} or </s>")
         self._mark_ids = [self.sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_MARK.encode("utf-8")]
-        with open(model_path, "rb") as f:
-            self.sha256: str = hashlib.sha256(f.read()).hexdigest()  # identifies the model file
+        self.sha256: str = model_sha256(model_path)  # identifies the model file
         self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
 
     def record(self) -> dict:
@@ -91,6 +90,13 @@ class Tokenizer:
         """Text of ``ids``; the EOD id decodes to nothing, invalid UTF-8 byte runs to U+FFFD."""
         table = self._bytes
         return b"".join(table[int(i)] for i in ids).decode("utf-8", errors="replace")
+
+
+def model_sha256(model_path: str) -> str:
+    """sha256 (hex) of the bytes of a tokenizer model file: what ``PREFIX.tokenizer.json`` and
+    checkpoints record to tell tokenizers apart. Raises OSError when unreadable."""
+    with open(model_path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
