@@ -197,7 +197,7 @@ def _full_states(optimizer, chunks, groups: ProcessGroups) -> dict:
     for name, (p, bufs) in local.items():
         full = {}
         for k, flat in bufs.items():
-            if optimizer.ddp.stage > 0:  # disjoint shards: the sum is the whole partition
+            if optimizer.ddp.strategy.sharded_over_dp:  # disjoint shards: the sum is the whole partition
                 C.all_reduce_sum(flat, groups.dp)
             t = flat.view(p.shape)
             if tags.is_partitioned(p):

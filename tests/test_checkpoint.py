@@ -171,8 +171,8 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     plans = {z: train.plan_memory(config_from_argv(ARGS + ["--dp", "4", "--zero-stage", str(z)], 4), 1001)
              for z in (0, 2)}
     psi = plans[0].params
-    assert plans[0].model_state_bytes == 20 * psi  # fp32 params and grads + 12 bytes of Adam state
-    assert plans[2].model_state_bytes == 4 * psi + 16 * psi / 4
+    assert plans[0].model_state_bytes == 16 * psi  # fp32 params (= main params), grads, 2 moments
+    assert plans[2].model_state_bytes == 4 * psi + 12 * psi / 4
     with pytest.raises(memory.MemoryPlanError):
         memory.check_fits(plans[0], int(plans[0].model_state_bytes) - 1)
     assert "activations may not fit" in memory.check_fits(plans[0], int(plans[0].model_state_bytes) + 1)

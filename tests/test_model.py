@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megazero import collectives as C
+from megazero.data_parallel.finalize import finalize_param_grads
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 from megazero.topology import Topology
@@ -52,7 +53,7 @@ def train_stage(stage: GPTStage, batches, steps: int, check_padded: bool = False
         opt.zero_grad(set_to_none=True)
         loss = stage(tokens, labels).sum() / labels.numel()
         loss.backward()
-        tags.sync_sequence_parallel_grads(stage.parameters(), stage.tp)
+        finalize_param_grads(stage.parameters(), stage.tp)
         if check_padded:
             padded_ok &= padded_rows_grad_is_zero(stage)
         opt.step()
@@ -281,7 +282,7 @@ def _sequence_parallel(rank, world, cfg, batches):
         stage = GPTStage(c, groups, range(c.num_layers), True, True, SEED)
         tokens, labels = batches[0]
         (stage(tokens, labels).sum() / labels.numel()).backward()
-        tags.sync_sequence_parallel_grads(stage.parameters(), stage.tp)
+        finalize_param_grads(stage.parameters(), stage.tp)
         grads = {n: p.grad.numpy().copy() for n, p in stage.named_parameters()
                  if not tags.is_partitioned(p)}
         sp_tagged = sorted(n for n, p in stage.named_parameters() if tags.is_sequence_parallel(p))

@@ -13,7 +13,7 @@ from megazero.pipeline.executor import run_schedule
 from megazero.pipeline.p2p import PipelineConfigError, StageLinks, handshake
 from megazero.pipeline.partition import is_post_process, is_pre_process, layer_ids
 from megazero.pipeline.schedules import build_schedule, simulate
-from megazero.pipeline.tied import sync_shared_embedding_grads
+from megazero.data_parallel.finalize import finalize_param_grads
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from tests.distributed import run_distributed
@@ -272,7 +272,7 @@ def _gpt_train(groups, kind, vp):
         loss = run_schedule(actions, chunks, _gpt_forward_step, batches, groups,
                             tensor_shape=shape, dtype=torch.float32, num_microbatches=M,
                             vp_size=vp)
-        n_tied = sync_shared_embedding_grads(params, groups.embedding)
+        _, n_tied = finalize_param_grads(params, None, groups.embedding)
         opt.step()
         losses.append(loss.item())
         tied.append(_tied_copies_equal(chunks, groups))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megazero.data_parallel.finalize import finalize_param_grads
 from megazero.tensor_parallel import tags
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
@@ -82,7 +83,7 @@ def _row(rank, tp, g, input_is_parallel, sp):
     (y * (_seq(gy, rank, tp) if sp else gy)).sum().backward()
     assert tags.is_partitioned(layer.weight) and layer.weight.partition_dim == 1
     assert not tags.is_partitioned(layer.bias) and tags.is_sequence_parallel(layer.bias) == sp
-    n_synced = tags.sync_sequence_parallel_grads(list(layer.parameters()), g)
+    n_synced, _ = finalize_param_grads(list(layer.parameters()), g)
     assert n_synced == (1 if sp else 0)
     want_xgrad = tags.partition_tensor(xr.grad, 2, rank, tp) if input_is_parallel else xr.grad
     return max(_err(y, _seq(yr, rank, tp) if sp else yr), _err(xin.grad, want_xgrad),

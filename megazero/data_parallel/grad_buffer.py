@@ -15,7 +15,8 @@ Coordinate systems (STYLE.md 9), all in elements:
   same on every DP rank. ``param_range[p]`` and ``Bucket.range`` are world ranges.
 - *local*: an index into the concatenation of one DP rank's shards of all buckets, in
   bucket order, ``[0, padded_numel / N)``. The optimizer's fp32 main params, moments and
-  the ZeRO-2 gradient shard are local-coordinate tensors.
+  the ZeRO-2 gradient shard are local-coordinate tensors (an fp32 model's main params
+  are its parameters, which live in world coordinates: see ``sharding.py``).
 - *param*: an index into one parameter's flattened ``view(-1)``.
 
 Bucket ``k`` (world ``[s, e)``, shard ``n = (e - s) / N``) gives rank ``r`` the world range
@@ -89,7 +90,7 @@ class GradBuffer:
     Attributes: ``params`` (reverse registration order, the buffer order), ``param_range``
     (id(param) -> world Range), ``numel`` (elements of all params), ``padded_numel``
     (a multiple of N), ``buckets`` (list[Bucket]), ``shard_numel`` (local size =
-    ``padded_numel / N``). This class holds the layout only; ``DataParallel`` owns storage.
+    ``padded_numel / N``). This class holds the layout only; ``sharding.ShardedBuffer`` owns storage.
 
     Raises ValueError for an empty parameter list, ``bucket_size < 1`` or a
     non-contiguous parameter (its flat view would not alias it).
@@ -167,15 +168,3 @@ class GradBuffer:
             if part is not None:
                 out.append((p, part.shift(-r.start), part))
         return out
-
-    def owned_pieces(self, stage: int) -> list[tuple[Range, Range]]:
-        """``(world range, local range)`` per bucket of what this rank owns: every whole
-        bucket at stage 0 (there local = world), else its shard of every bucket."""
-        if stage == 0:
-            return [(b.range, b.range) for b in self.buckets]
-        return [(b.shard_world, b.shard_local) for b in self.buckets]
-
-    def owned_numel(self, stage: int) -> int:
-        """Elements this rank owns (optimizer state size): padded total at stage 0, else
-        one shard."""
-        return self.padded_numel if stage == 0 else self.shard_numel

@@ -1,10 +1,11 @@
-"""ZeRO-1/2 distributed AdamW: each DP rank updates only its shard of the flat buffers.
+"""ZeRO distributed AdamW: each DP rank updates only the runs of the flat buffers it owns.
 
 ZeRO (Rajbhandari et al., SC'20, sec. 5.1-5.2): the fp32 main params and both Adam moments
-(12 bytes per element) are partitioned over the N data-parallel ranks (P_os); ZeRO-2 also
-partitions the gradients (P_os+g, see ``data_parallel/ddp.py``). The shards are the
-``GradBuffer`` shards of every bucket, in local coordinates (see ``grad_buffer.py``);
-stage 0 (plain DP) owns every bucket whole on every rank.
+(12 bytes per element, 8 for an fp32 model whose parameters are the main params) are
+partitioned over the N data-parallel ranks (P_os); ZeRO-2 also partitions the gradients
+(P_os+g). What a rank owns, where its gradients are and how parameters come back after the
+update is asked of the sharded-buffer interface (``data_parallel/sharding.py``), never of
+the stage number: the moments are laid out in local coordinates (``grad_buffer.py``).
 """
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ import torch
 from megazero import collectives as C
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.grad_buffer import Range
+from megazero.data_parallel.sharding import ShardedBuffer, make_strategy
 from megazero.ops.adam import adam_step
 from megazero.optim.clip import clip_coefficient, global_grad_norm
 from megazero.precision import LossScaleError, non_finite_flag
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
+
+STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,13 @@ class StepResult:
 
 @dataclass
 class _Piece:
-    """One owned bucket (or bucket shard): gradient view plus optimizer-local offsets."""
+    """One owned bucket (or bucket shard) of a buffer: gradient, main params, moment offsets."""
 
-    storage: object
-    world: Range                     # world range in the storage's buffer
-    offset: int                      # optimizer-local start of this piece
+    buffer: ShardedBuffer
+    world: Range                     # world range in the buffer
+    offset: int                      # optimizer-local start of this piece (moments)
     grad: torch.Tensor               # 1-D view of the reduced gradient
+    main: torch.Tensor               # 1-D fp32 main params (a view of the model params in fp32)
     adam: list                       # [(piece-relative Range, decays: bool)]
     counted: list                    # piece-relative Ranges that count in the norm
 
@@ -60,47 +65,50 @@ def _merge(segments: list[tuple[Range, bool]]) -> list[tuple[Range, bool]]:
 
 
 def zero_formula_bytes(num_params: int, dp_size: int, stage: int, param_bytes: int,
-                       grad_bytes: int) -> float:
+                       grad_bytes: int, main_param_bytes: Optional[int] = None) -> float:
     """Model-state bytes per rank predicted by the ZeRO paper (Rajbhandari et al. 2020, sec. 5).
 
-    ``num_params`` (Psi) counts this rank's model-chunk parameters, ``dp_size`` is N; the fp32
-    main params and the two Adam moments are 12 bytes per parameter:
-    stage 0: ``(p + g + 12) Psi``; stage 1: ``(p + g) Psi + 12 Psi / N``; stage 2:
-    ``p Psi + (g + 12) Psi / N``. With 2-byte params and grads this is the paper's 16 Psi,
-    4 Psi + 12 Psi / N and 2 Psi + 14 Psi / N. Buckets in flight and the padding of each
-    bucket to a multiple of N come on top (``DistributedOptimizer.model_state_bytes``).
+    ``num_params`` (Psi) counts this rank's model-chunk parameters, ``dp_size`` is N; the two
+    fp32 Adam moments are 8 bytes per parameter and the fp32 main params ``main_param_bytes``
+    (default: 0 for an fp32 model, whose parameters ARE its main params, else 4):
+    stage 0: ``(p + g + m + 8) Psi``; stage 1: ``(p + g) Psi + (m + 8) Psi / N``; stage 2:
+    ``p Psi + (g + m + 8) Psi / N``. With 2-byte params and grads this is the paper's 16 Psi,
+    4 Psi + 12 Psi / N and 2 Psi + 14 Psi / N; fp32: 16 Psi, 8 Psi + 8 Psi / N, 4 Psi +
+    12 Psi / N. Temporary buckets come on top (``DistributedOptimizer.bucket_bound_bytes``),
+    and so does the padding of each buffer to a multiple of N. Raises ValueError for a stage
+    without a strategy.
     """
-    if stage not in (0, 1, 2):
-        raise ValueError(f"--zero-stage {stage}: the formula covers stages 0, 1 and 2")
-    psi, n = num_params, dp_size
-    grads = grad_bytes * psi / (n if stage == 2 else 1)
-    return param_bytes * psi + grads + 12 * psi / (1 if stage == 0 else n)
+    main = (0 if param_bytes == 4 else 4) if main_param_bytes is None else main_param_bytes
+    return make_strategy(stage).formula_bytes(num_params, dp_size, param_bytes, grad_bytes, main)
 
 
 class DistributedOptimizer:
-    """AdamW over the shards of a :class:`DataParallel`'s buffers (ZeRO stage 0, 1 or 2).
+    """AdamW over the owned runs of a :class:`DataParallel`'s sharded buffers (any ZeRO stage).
 
     ``step(lr)`` runs, in order (N = DP size, Psi = elements of this rank's chunks):
 
     1. finish the gradient sync (``ddp.finish_grad_sync``): stage 0 all-reduce (2 Psi
        elements on the wire per step), stage 1 reduce-scatter (Psi per step), stage 2
        reduce-scatter (Psi per micro-batch, mostly already done during backward); then the
-       tied-embedding all-reduce over the embedding group.
+       finalize step (sequence-parallel sums over TP, tied embeddings over their group).
     2. overflow check on this rank's reduced gradients, then one MAX all-reduce of the flag
        over the whole world; on overflow every rank skips, the loss scaler is updated and
        the skip counted (``LossScaleError`` after ``max_consecutive_skips`` consecutive
        skips at the minimum scale).
     3. unscale by the loss scale used in backward, exactly once.
-    4. global gradient norm (``clip.global_grad_norm``: one SUM all-reduce over the world,
-       or the model-parallel group at stage 0), then clip by it when ``clip_grad > 0``.
-    5. AdamW (``ops.adam.adam_step``) on the fp32 shard; weight decay only on elements of
-       parameters with ``ndim >= 2`` (biases and norm weights are not decayed, as in
-       Megatron-LM), done by calling the kernel per run of equal decay.
-    6. copy the updated shard into the model params (model dtype); stages 1/2 all-gather it
-       over DP in buckets of ``allgather_bucket_size`` elements (Psi per step). Stage 0
-       owns everything and copies locally.
+    4. global gradient norm (``clip.global_grad_norm``: one SUM all-reduce over the world
+       when the owned gradients are sharded over DP, else over the model-parallel group),
+       then clip by it when ``clip_grad > 0``.
+    5. AdamW (``ops.adam.adam_step``) on the owned fp32 main params; weight decay only on
+       elements of parameters with ``ndim >= 2`` (biases and norm weights are not decayed,
+       as in Megatron-LM), done by calling the kernel per run of equal decay.
+    6. bring the updated parameters to every DP rank (``ShardedBuffer.gather_params``:
+       stages 1/2 all-gather in pieces of ``allgather_bucket_size`` elements, Psi per step).
 
-    Steps 3-5 run bucket by bucket, so their fp32 temporaries are one bucket (shard) big.
+    An fp32 model's main params are its parameters (views of the flat parameter buffer); a
+    bf16/fp16 model gets an fp32 copy of its owned runs. Steps 3-5 run bucket by bucket: fp32
+    gradients are unscaled and clipped in place, others through one reused fp32 scratch of
+    one bucket (shard), freed when the step ends.
 
     Args: ``ddp``; ``groups``; AdamW ``lr`` (default for ``step``), ``beta1``, ``beta2``,
     ``eps``, ``weight_decay``; ``clip_grad`` (0 = off); ``loss_scaler`` (a
@@ -124,37 +132,45 @@ class DistributedOptimizer:
         self.allgather_bucket_size, self.adam_backend = allgather_bucket_size, adam_backend
         self.max_consecutive_skips = max_consecutive_skips
         self.step_count = self.skipped_steps = self.consecutive_min_skips = 0
-        self.offsets, total = [], 0
-        for st in ddp.storages:
+        self.offsets, self.main_offsets, total, separate = [], [], 0, 0
+        for buf in ddp.buffers:
             self.offsets.append(total)
-            total += st.layout.owned_numel(ddp.stage)
+            self.main_offsets.append(None if buf.main_is_param else separate)
+            total += buf.owned_numel()
+            separate += 0 if buf.main_is_param else buf.owned_numel()
         device = ddp.params[0].device
-        self.main_param = torch.zeros(total, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros_like(self.main_param)
-        self.exp_avg_sq = torch.zeros_like(self.main_param)
-        self.pieces = [p for i, st in enumerate(ddp.storages) for p in self._pieces(i, st)]
+        self._main = torch.zeros(separate, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.pieces = [p for i, buf in enumerate(ddp.buffers) for p in self._pieces(i, buf)]
         self.peak_step_bytes = 0
         self._init_main_params()
 
-    def _pieces(self, i: int, st) -> list[_Piece]:
-        tp_rank, out = self.groups.tp_rank, []
-        for world, local, grad in self.ddp.owned_grads(st):
+    def _pieces(self, i: int, buf: ShardedBuffer) -> list[_Piece]:
+        tp_rank, out, mbase = self.groups.tp_rank, [], self.main_offsets[i]
+        for own in buf.owned():
             adam, counted = [], []
-            for p, _, wr in st.layout.param_pieces(world):
-                rel = wr.shift(-world.start)
+            for p, _, wr in buf.layout.param_pieces(own.world):
+                rel = wr.shift(-own.world.start)
                 adam.append((rel, p.dim() >= 2))
                 if tags.counts_in_norm(p, tp_rank):
                     counted.append((rel, True))
-            out.append(_Piece(st, world, self.offsets[i] + local.start, grad, _merge(adam),
-                              [r for r, _ in _merge(counted)]))
+            main = (buf.param_values(own.world) if mbase is None
+                    else self._main[mbase + own.local.start:mbase + own.local.end])
+            out.append(_Piece(buf, own.world, self.offsets[i] + own.local.start, own.grad, main,
+                              _merge(adam), [r for r, _ in _merge(counted)]))
         return out
 
     @torch.no_grad()
     def _init_main_params(self) -> None:
         for pc in self.pieces:
-            for p, pr, wr in pc.storage.layout.param_pieces(pc.world):
-                s = pc.offset + wr.start - pc.world.start
-                self.main_param[s:s + pr.size].copy_(p.detach().view(-1)[pr.start:pr.end])
+            if not pc.buffer.main_is_param:
+                pc.main.copy_(pc.buffer.param_values(pc.world))
+
+    @property
+    def main_param(self) -> torch.Tensor:
+        """This rank's fp32 main params in local order (a copy; 1-D)."""
+        return torch.cat([pc.main for pc in self.pieces])
 
     # -- public API ----------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -173,7 +189,7 @@ class DistributedOptimizer:
         self.peak_step_bytes = 0
         self.ddp.finish_grad_sync()                                           # 1
         scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        device = self.main_param.device
+        device = self.exp_avg.device
         flag = non_finite_flag([pc.grad for pc in self.pieces]).to(device)    # 2
         C.all_reduce_max(flag, self.groups.world)
         if flag.item() > 0:
@@ -183,14 +199,24 @@ class DistributedOptimizer:
             self.loss_scaler.update(False)
         self.consecutive_min_skips = 0
         counted = [pc.grad[r.start:r.end] for pc in self.pieces for r in pc.counted]
-        norm = global_grad_norm(counted, self.groups, sharded_over_dp=self.ddp.stage > 0,
+        norm = global_grad_norm(counted, self.groups, sharded_over_dp=self.ddp.strategy.sharded_over_dp,
                                 inv_scale=1.0 / scale, device=device)         # 4
         coef = clip_coefficient(norm, self.clip_grad)
         self.step_count += 1
+        scratch = self._scratch(device)
         for pc in self.pieces:                                                # 3-5
-            self._update_piece(pc, scale, coef, lr)
+            self._update_piece(pc, scale, coef, lr, scratch)
+        del scratch                                                           # freed here
         self._update_model_params()                                           # 6
         return StepResult(False, norm, scale)
+
+    def _scratch(self, device) -> Optional[torch.Tensor]:
+        """One fp32 buffer for the largest piece whose gradient is not fp32 (else None)."""
+        sizes = [pc.grad.numel() for pc in self.pieces if pc.grad.dtype != torch.float32]
+        if not sizes:
+            return None
+        self.peak_step_bytes = max(self.peak_step_bytes, 4 * max(sizes))
+        return torch.empty(max(sizes), dtype=torch.float32, device=device)
 
     def _skip(self, scale: float) -> None:
         self.skipped_steps += 1
@@ -208,75 +234,94 @@ class DistributedOptimizer:
                 f"{where} (--max-consecutive-skips {self.max_consecutive_skips}); the run "
                 f"diverged: {fix}")
 
-    def _update_piece(self, pc: _Piece, scale: float, coef: float, lr: float) -> None:
-        g = pc.grad.to(torch.float32, copy=True)                              # (piece,)
-        self.peak_step_bytes = max(self.peak_step_bytes, g.numel() * 4)
+    def _update_piece(self, pc: _Piece, scale: float, coef: float, lr: float,
+                      scratch: Optional[torch.Tensor]) -> None:
+        if pc.grad.dtype == torch.float32:
+            g = pc.grad                                 # (piece,) unscaled/clipped in place
+        else:
+            g = scratch[:pc.grad.numel()]
+            g.copy_(pc.grad)
         if scale != 1.0:
             g.mul_(1.0 / scale)
         if coef < 1.0:
             g.mul_(coef)
         for r, decays in pc.adam:
             s, e = pc.offset + r.start, pc.offset + r.end
-            adam_step(self.main_param[s:e], g[r.start:r.end], self.exp_avg[s:e],
+            adam_step(pc.main[r.start:r.end], g[r.start:r.end], self.exp_avg[s:e],
                       self.exp_avg_sq[s:e], step=self.step_count, lr=lr, beta1=self.beta1,
                       beta2=self.beta2, eps=self.eps,
                       weight_decay=self.weight_decay if decays else 0.0,
                       backend=self.adam_backend)
 
+    @torch.no_grad()
     def _update_model_params(self) -> None:
-        if self.ddp.stage == 0:
-            for pc in self.pieces:
-                self._copy_to_params(pc.storage, pc.world,
-                                     self.main_param[pc.offset:pc.offset + pc.world.size])
-            return
-        dp, group = self.ddp.dp_size, self.groups.dp
-        per_rank = max(1, self.allgather_bucket_size // dp)
-        for st, base in zip(self.ddp.storages, self.offsets):
-            dtype, n = st.layout.params[0].dtype, st.layout.shard_numel
-            for a in range(0, n, per_rank):
-                b = min(a + per_rank, n)
-                shard = self.main_param[base + a:base + b].to(dtype)
-                out = torch.empty((b - a) * dp, dtype=dtype, device=shard.device)
-                self.peak_step_bytes = max(self.peak_step_bytes,
-                                           (out.numel() + shard.numel()) * out.element_size())
-                C.all_gather_into(out, shard, group)   # out: (dp, b - a) rank-major
-                for rank in range(dp):
-                    for world, local in st.layout.local_to_world(Range(a, b), rank):
-                        src = rank * (b - a) + local.start - a
-                        self._copy_to_params(st, world, out[src:src + world.size])
+        dp = self.ddp.dp_size
+        for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
+            used = buf.gather_params(self._shard_filler(buf, mbase),
+                                     max(1, self.allgather_bucket_size // dp), self.groups.dp, dp)
+            self.peak_step_bytes = max(self.peak_step_bytes, used)
 
-    @staticmethod
-    def _copy_to_params(st, world: Range, values: torch.Tensor) -> None:
-        """Write ``values`` (the world range ``world`` of ``st``) into the model params."""
-        for p, pr, wr in st.layout.param_pieces(world):
-            s = wr.start - world.start
-            p.data.view(-1)[pr.start:pr.end].copy_(values[s:s + pr.size])
+    def _shard_filler(self, buf: ShardedBuffer, mbase: Optional[int]):
+        """``fill(a, b, out)``: this rank's updated values of ``buf``'s local ``[a, b)`` into
+        ``out`` (model dtype)."""
+        rank = self.ddp.dp_rank
+
+        def fill(a: int, b: int, out: torch.Tensor) -> None:
+            if mbase is not None:
+                out.copy_(self._main[mbase + a:mbase + b])
+                return
+            for world, local in buf.layout.local_to_world(Range(a, b), rank):
+                out[local.start - a:local.end - a].copy_(buf.param_values(world))
+        return fill
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state allocated on this rank.
 
-        ``params`` model params; ``grads`` persistent gradient storage (full buffers at
-        stages 0/1, a shard at stage 2); ``main_params``, ``exp_avg``, ``exp_avg_sq`` fp32
-        shards (whole at stage 0); ``buckets`` the high-water mark of temporary bucket
-        memory (ZeRO-2 staging during the last backward, or one piece of fp32 gradient /
-        one all-gather bucket during the last step); ``total`` their sum.
+        ``params`` the flat model-parameter buffers; ``grads`` persistent gradient storage
+        (full buffers at stages 0/1, a shard at stage 2); ``main_params`` the fp32 copy of the
+        owned runs (0 for an fp32 model: its parameters are the main params); ``exp_avg``,
+        ``exp_avg_sq`` fp32 moments of the owned runs; ``buckets`` the high-water mark of
+        temporaries during the last step (ZeRO-2 staging and the finalize step's packed
+        buffer during backward, the fp32 scratch or the all-gather buffers in the optimizer
+        step; at most ``bucket_bound_bytes()``); ``total`` their sum.
         """
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
-        out = {"params": sum(size(p) for p in self.ddp.params),
-               "grads": self.ddp.grad_bytes(),
-               "main_params": size(self.main_param), "exp_avg": size(self.exp_avg),
+        out = {"params": self.ddp.param_bytes(), "grads": self.ddp.grad_bytes(),
+               "main_params": size(self._main), "exp_avg": size(self.exp_avg),
                "exp_avg_sq": size(self.exp_avg_sq),
-               "buckets": max(self.ddp.peak_staging_bytes, self.peak_step_bytes)}
+               "buckets": max(self.ddp.peak_temp_bytes, self.peak_step_bytes)}
         out["total"] = sum(out.values())
         return out
 
+    def bucket_bound_bytes(self) -> int:
+        """B: the most temporary bytes one step holds at a time (the formula's "+ at most B
+        bytes of buckets"): the largest of the backward staging bound
+        (``DataParallel.staging_bound_bytes``), the finalize step's packed buffer (one bucket
+        of gradients), the fp32 scratch (one piece, when gradients are not fp32) and the
+        all-gather buffers (``allgather_bucket_size / N`` elements per rank, N + 1 of them).
+        """
+        ddp, n = self.ddp, self.ddp.dp_size
+        g_bytes = ddp.grad_dtype.itemsize
+        scratch = max((4 * pc.grad.numel() for pc in self.pieces
+                       if pc.grad.dtype != torch.float32), default=0)
+        gather = 0
+        for buf in ddp.buffers:
+            if ddp.strategy.sharded_over_dp:
+                per_rank = max(1, min(self.allgather_bucket_size // n, buf.layout.shard_numel))
+                gather = max(gather, per_rank * (n + 1) * buf.params_flat.element_size())
+        return max(ddp.staging_bound_bytes(), ddp.bucket_size * g_bytes, scratch, gather)
+
     # -- checkpoint state ----------------------------------------------------------------
     def _owned_param_pieces(self):
-        """``(name, param, param Range, optimizer-local start)`` of every owned element run."""
+        """``(name, param Range, main view, exp_avg view, exp_avg_sq view)`` of every owned
+        element run (1-D views of ``param Range.size`` elements)."""
         names = {id(p): n for chunk in self.ddp.chunks for n, p in chunk.named_parameters()}
         for pc in self.pieces:
-            for p, pr, wr in pc.storage.layout.param_pieces(pc.world):
-                yield names[id(p)], p, pr, pc.offset + wr.start - pc.world.start
+            for p, pr, wr in pc.buffer.layout.param_pieces(pc.world):
+                rel = wr.start - pc.world.start
+                s, e = pc.offset + rel, pc.offset + rel + pr.size
+                yield (names[id(p)], pr, pc.main[rel:rel + pr.size], self.exp_avg[s:e],
+                       self.exp_avg_sq[s:e])
 
     def state_dict(self) -> dict:
         """This rank's fp32 shard and moments, keyed by parameter name and param Range.
@@ -286,12 +331,9 @@ class DistributedOptimizer:
         rank's list can be loaded under another layout of the same TP partitions.
         """
         shards = []
-        for name, _, pr, s in self._owned_param_pieces():
-            e = s + pr.size
+        for name, pr, *views in self._owned_param_pieces():
             shards.append(dict(name=name, start=pr.start, end=pr.end,
-                               main_param=self.main_param[s:e].clone(),
-                               exp_avg=self.exp_avg[s:e].clone(),
-                               exp_avg_sq=self.exp_avg_sq[s:e].clone()))
+                               **{k: v.clone() for k, v in zip(STATE_KEYS, views)}))
         return dict(step_count=self.step_count, skipped_steps=self.skipped_steps,
                     consecutive_min_skips=self.consecutive_min_skips, shards=shards,
                     loss_scaler=None if self.loss_scaler is None
@@ -302,22 +344,21 @@ class DistributedOptimizer:
         """Load ``state_dict()`` output (one rank's, or several ranks' ``shards`` joined).
 
         Copies every saved run that overlaps an owned one, then writes the main params into
-        the model params (an all-gather at stages 1/2). Raises ValueError naming a parameter whose owned elements are not
-        all covered.
+        the model params (an all-gather at stages 1/2). Raises ValueError naming a parameter
+        whose owned elements are not all covered.
         """
         by_name: dict[str, list] = {}
         for entry in state["shards"]:
             by_name.setdefault(entry["name"], []).append(entry)
-        for name, _, pr, s in self._owned_param_pieces():
+        for name, pr, *views in self._owned_param_pieces():
             covered = 0
             for entry in by_name.get(name, []):
                 part = pr.intersect(Range(entry["start"], entry["end"]))
                 if part is None:
                     continue
-                src, dst = part.start - entry["start"], s + part.start - pr.start
-                for key, buf in (("main_param", self.main_param), ("exp_avg", self.exp_avg),
-                                 ("exp_avg_sq", self.exp_avg_sq)):
-                    buf[dst:dst + part.size].copy_(entry[key][src:src + part.size])
+                src, dst = part.start - entry["start"], part.start - pr.start
+                for key, view in zip(STATE_KEYS, views):
+                    view[dst:dst + part.size].copy_(entry[key][src:src + part.size])
                 covered += part.size
             if covered != pr.size:
                 raise ValueError(f"optimizer state lacks elements [{pr.start}, {pr.end}) of "

@@ -117,7 +117,7 @@ class RowParallelLinear(nn.Module):
     ``[B, T/tp, out]`` with ``sequence_parallel`` (reduce-scatter along the sequence).
     The bias ``[out]`` is replicated and added after the reduction; under sequence
     parallelism it is tagged ``sequence_parallel`` since each rank sees only ``T/tp``
-    tokens and its gradient must be summed over TP (``tags.sync_sequence_parallel_grads``).
+    tokens and its gradient must be summed over TP (``data_parallel.finalize``).
 
     Raises ValueError when ``in_features`` is not divisible by tp or a full tensor has the
     wrong shape.

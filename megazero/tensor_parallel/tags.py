@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from megazero import collectives
 
 
 def set_partitioned(param: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
@@ -86,30 +85,6 @@ def partition_tensor(full: torch.Tensor, dim: int, rank: int, size: int, stride:
                          f"partitions {size}")
     blocks = full.chunk(stride, dim=dim)
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
-
-
-def sync_sequence_parallel_grads(params, tp_group, grad_attr: str = "grad") -> int:
-    """SUM all-reduce over ``tp_group`` of the gradients of ``sequence_parallel`` params.
-
-    Under sequence parallelism a TP-replicated parameter (LayerNorm, row-parallel bias)
-    sees only this rank's ``T/tp`` tokens, so each rank holds a partial gradient; the sum
-    over TP is the full one (Korthikanti et al. 2022, sec. 4.2.2). Parameters are selected
-    by their tag, never by name; ``grad_attr`` names the gradient field (``"grad"`` or
-    ``"main_grad"``). Parameters without that gradient are skipped; every TP rank must
-    pass the same parameters in the same order. All gradients go in one flat all-reduce.
-    Returns the number of gradients reduced.
-    """
-    grads = [getattr(p, grad_attr) for p in params
-             if is_sequence_parallel(p) and getattr(p, grad_attr, None) is not None]
-    if not grads or collectives.group_size(tp_group) == 1:
-        return len(grads)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    collectives.all_reduce_sum(flat, tp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return len(grads)
 
 
 def join_partitions(parts: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:

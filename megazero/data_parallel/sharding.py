@@ -1,0 +1,288 @@
+"""ZeRO sharding strategies (Rajbhandari et al., SC'20, sec. 5) behind one sharded-buffer interface.
+
+A :class:`ShardedBuffer` is one flat buffer of one model chunk's parameters (one dtype, tied
+or not, laid out by :class:`~megazero.data_parallel.grad_buffer.GradBuffer`) plus their
+gradient storage. It is the public interface the optimizer, clipping and checkpointing use:
+
+- ``owned()``: the ranges this rank owns, ``(world, local, grad view)`` per bucket;
+- ``params_flat``: the model parameters themselves (each parameter's ``.data`` is a view of
+  it, as in Megatron-LM's ``param_and_grad_buffer``), so an fp32 model's parameters ARE the
+  fp32 main params the optimizer updates (no second copy);
+- ``gather_params(fill_shard, ...)``: how updated parameters come back to every DP rank.
+
+What differs per ZeRO stage lives in one :class:`ShardingStrategy` subclass each (N = DP size,
+Psi = elements of the buffer), chosen once by :func:`make_strategy`:
+
+- :class:`Stage0` (plain DP): full gradient buffer (Psi), SUM all-reduce per bucket in the
+  last micro-batch, every rank owns every bucket; parameters are updated in place.
+- :class:`Stage1` (P_os): full gradient buffer, SUM reduce-scatter per bucket in the last
+  micro-batch; each rank owns its 1/N shard of every bucket; parameters all-gathered.
+- :class:`Stage2` (P_os+g): only the Psi/N gradient shard persists; each micro-batch stages
+  a bucket, reduce-scatters it as soon as it is complete and adds the rank's shard in.
+
+ZeRO-3 (P_os+g+p) is one more subclass: it keeps ``params_flat`` as the 1/N shard and gathers
+a bucket's parameters before use (``gather_params`` per layer instead of per step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megazero import collectives as C
+from megazero.data_parallel.grad_buffer import GradBuffer, Range
+
+
+@dataclass(frozen=True)
+class OwnedRange:
+    """One owned run of a buffer: ``world`` range in the flat buffer, ``local`` range in this
+    rank's optimizer coordinates (== world at stage 0), ``grad`` its 1-D reduced gradient
+    (valid after ``DataParallel.finish_grad_sync``)."""
+
+    world: Range
+    local: Range
+    grad: torch.Tensor
+
+
+class ShardingStrategy:
+    """What one ZeRO stage stores and communicates; stateless apart from its settings.
+
+    Class attributes: ``stage`` (int), ``sharded_over_dp`` (owned gradients are disjoint over
+    DP, so norms sum over the whole world), ``reduces_each_microbatch`` (reduce every
+    micro-batch during backward, not once in the last one), ``shards_grads``.
+    """
+
+    stage = -1
+    sharded_over_dp = True
+    reduces_each_microbatch = False
+    shards_grads = False
+
+    # -- what this rank owns ----------------------------------------------------------------
+    def owned_ranges(self, layout: GradBuffer) -> list[tuple[Range, Range]]:
+        """``(world, local)`` per bucket: this rank's shard of every bucket."""
+        return [(b.shard_world, b.shard_local) for b in layout.buckets]
+
+    def owned_numel(self, layout: GradBuffer) -> int:
+        return layout.shard_numel
+
+    # -- gradient storage --------------------------------------------------------------------
+    def allocate_grads(self, layout: GradBuffer, dtype: torch.dtype, device) -> torch.Tensor:
+        """Persistent gradient storage: the full buffer (world coordinates)."""
+        return torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+
+    def grad_view(self, buf: "ShardedBuffer", world: Range, local: Range) -> torch.Tensor:
+        return buf.grads[world.start:world.end]
+
+    def accumulate(self, buf: "ShardedBuffer", param, flat: torch.Tensor, stage_piece) -> None:
+        """Add ``param``'s gradient ``flat`` (1-D) into the storage; ``stage_piece(buf, k, pr,
+        flat)`` copies its part of bucket ``k`` into a staging buffer (stage 2)."""
+        pr = buf.layout.param_range[id(param)]
+        buf.grads[pr.start:pr.end].add_(flat)
+
+    def start_reduce(self, buf: "ShardedBuffer", k: int, group, async_op: bool):
+        """Start bucket ``k``'s DP reduction; returns ``(work handle or None, staged)``."""
+        raise NotImplementedError
+
+    def finish_reduce(self, buf: "ShardedBuffer", k: int, staged, dp_size: int) -> None:
+        """After the reduction of bucket ``k`` completed: divide by N / add into the shard."""
+        b = buf.layout.buckets[k]
+        buf.grads[b.shard_world.start:b.shard_world.end].div_(dp_size)
+
+    def finish_sync(self, buf: "ShardedBuffer", dp_size: int) -> None:
+        """After every bucket of the step was reduced (stage 2 divides its shard once)."""
+
+    def needs_flush(self, buf: "ShardedBuffer", k: int) -> bool:
+        """Bucket ``k`` still needs a reduction when the step's gradients are flushed."""
+        return True
+
+    def in_flight_limit(self, overlap: bool, buckets_in_flight: int, pending: int) -> int:
+        """Reductions left waiting after one is started (0: wait at once)."""
+        return pending if overlap else 0
+
+    def staging_slots(self, buckets_in_flight: int) -> int:
+        """Staging buckets the backward may hold at once (see ``DataParallel``)."""
+        return 0
+
+    # -- parameters --------------------------------------------------------------------------
+    def gather_params(self, buf: "ShardedBuffer", fill_shard: Callable, chunk_numel: int,
+                      group, dp_size: int) -> int:
+        """Bring every DP rank the updated parameters of ``buf``; returns the temporary bytes.
+
+        ``fill_shard(a, b, out)`` writes this rank's updated values of local range ``[a, b)``
+        (model dtype) into ``out``. Gathers in pieces of ``chunk_numel`` elements per rank
+        (``allgather_bucket_size / N``), writing straight into ``buf.params_flat``.
+        """
+        layout, dtype = buf.layout, buf.params_flat.dtype
+        per_rank = max(1, min(chunk_numel, layout.shard_numel))
+        shard = torch.empty(per_rank, dtype=dtype, device=buf.params_flat.device)
+        out = torch.empty(per_rank * dp_size, dtype=dtype, device=shard.device)
+        for a in range(0, layout.shard_numel, per_rank):
+            b = min(a + per_rank, layout.shard_numel)
+            fill_shard(a, b, shard[:b - a])
+            C.all_gather_into(out[:(b - a) * dp_size], shard[:b - a], group)   # rank-major
+            for rank in range(dp_size):
+                for world, local in layout.local_to_world(Range(a, b), rank):
+                    src = rank * (b - a) + local.start - a
+                    buf.params_flat[world.start:world.end].copy_(out[src:src + world.size])
+        return (shard.numel() + out.numel()) * shard.element_size()
+
+    # -- the ZeRO paper's accounting ---------------------------------------------------------
+    def formula_bytes(self, psi: float, n: int, param_bytes: int, grad_bytes: int,
+                      main_bytes: int) -> float:
+        """Persistent model-state bytes for Psi elements: params + grads + optimizer state."""
+        grads = grad_bytes * psi / (n if self.shards_grads else 1)
+        return param_bytes * psi + grads + (main_bytes + 8) * psi / n
+
+
+class Stage0(ShardingStrategy):
+    """Plain data parallelism: every rank keeps and updates everything."""
+
+    stage = 0
+    sharded_over_dp = False
+
+    def owned_ranges(self, layout):
+        return [(b.range, b.range) for b in layout.buckets]
+
+    def owned_numel(self, layout):
+        return layout.padded_numel
+
+    def start_reduce(self, buf, k, group, async_op):
+        r = buf.layout.buckets[k].range
+        return C.all_reduce_sum(buf.grads[r.start:r.end], group, async_op), None
+
+    def finish_reduce(self, buf, k, staged, dp_size):
+        r = buf.layout.buckets[k].range
+        buf.grads[r.start:r.end].div_(dp_size)
+
+    def gather_params(self, buf, fill_shard, chunk_numel, group, dp_size):
+        """Every rank owns everything: write the updated values in place (nothing when the
+        main params are the model params)."""
+        if not buf.main_is_param:
+            n = buf.layout.padded_numel
+            fill_shard(0, n, buf.params_flat[:n])
+        return 0
+
+    def formula_bytes(self, psi, n, param_bytes, grad_bytes, main_bytes):
+        return (param_bytes + grad_bytes + main_bytes + 8) * psi
+
+
+class Stage1(ShardingStrategy):
+    """ZeRO-1 (P_os): full gradient buffer, reduce-scatter in the last micro-batch."""
+
+    stage = 1
+
+    def start_reduce(self, buf, k, group, async_op):
+        b = buf.layout.buckets[k]
+        return C.reduce_scatter_sum(buf.grads[b.shard_world.start:b.shard_world.end],
+                                    buf.grads[b.range.start:b.range.end], group, async_op), None
+
+
+class Stage2(ShardingStrategy):
+    """ZeRO-2 (P_os+g): per micro-batch staging buckets, a persistent gradient shard."""
+
+    stage = 2
+    reduces_each_microbatch = True
+    shards_grads = True
+
+    def allocate_grads(self, layout, dtype, device):
+        return torch.zeros(layout.shard_numel, dtype=dtype, device=device)   # local coords
+
+    def grad_view(self, buf, world, local):
+        return buf.grads[local.start:local.end]
+
+    def accumulate(self, buf, param, flat, stage_piece):
+        pr = buf.layout.param_range[id(param)]
+        for k in buf.layout.param_buckets[id(param)]:
+            stage_piece(buf, k, pr, flat)
+
+    def start_reduce(self, buf, k, group, async_op):
+        b = buf.layout.buckets[k]
+        staged = buf.staging.pop(k)   # the next micro-batch stages into another buffer
+        off = b.shard_world.start - b.range.start
+        return C.reduce_scatter_sum(staged[off:off + b.shard_size], staged, group,
+                                    async_op), staged
+
+    def finish_reduce(self, buf, k, staged, dp_size):
+        b = buf.layout.buckets[k]
+        off = b.shard_world.start - b.range.start
+        buf.grads[b.shard_local.start:b.shard_local.end].add_(staged[off:off + b.shard_size])
+
+    def finish_sync(self, buf, dp_size):
+        buf.grads.div_(dp_size)
+
+    def needs_flush(self, buf, k):
+        return k in buf.staging
+
+    def in_flight_limit(self, overlap, buckets_in_flight, pending):
+        return buckets_in_flight if overlap else 0
+
+    def staging_slots(self, buckets_in_flight):
+        return buckets_in_flight + 2
+
+
+STRATEGIES = {0: Stage0, 1: Stage1, 2: Stage2}
+
+
+def make_strategy(stage: int) -> ShardingStrategy:
+    """The strategy of ZeRO stage ``stage``. Raises ValueError for an unknown stage."""
+    if stage not in STRATEGIES:
+        raise ValueError(f"zero_stage must be one of {sorted(STRATEGIES)}, got {stage} "
+                         "(stage 3 is not supported)")
+    return STRATEGIES[stage]()
+
+
+class ShardedBuffer:
+    """One flat parameter buffer, its gradient storage and backward bookkeeping.
+
+    Args: ``layout`` (the GradBuffer), ``chunk_id`` (model chunk), ``shared`` (weights tied
+    across pipeline stages), ``strategy``, ``grad_dtype``. The constructor copies every
+    parameter into ``params_flat`` (world coordinates, model dtype) and makes the parameter's
+    ``.data`` a view of it. ``main_is_param``: the parameters are fp32, so the optimizer
+    updates them in place as its main params.
+    """
+
+    def __init__(self, layout: GradBuffer, chunk_id: int, shared: bool,
+                 strategy: ShardingStrategy, grad_dtype: torch.dtype):
+        self.layout, self.chunk_id, self.shared, self.strategy = layout, chunk_id, shared, strategy
+        first = layout.params[0]
+        self.params_flat = torch.zeros(layout.padded_numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for p in layout.params:
+                r = layout.param_range[id(p)]
+                self.params_flat[r.start:r.end].copy_(p.data.reshape(-1))
+                p.data = self.params_flat[r.start:r.end].view_as(p)
+        self.main_is_param = first.dtype == torch.float32
+        self.grads = strategy.allocate_grads(layout, grad_dtype, first.device)
+        self.staging: dict[int, torch.Tensor] = {}   # stage 2: bucket index -> [bucket size]
+        self.next_issue = 0
+        self.reset_tracking()
+
+    def reset_tracking(self) -> None:
+        self.seen = [set() for _ in self.layout.buckets]
+        self.num_ready = 0
+        self.ready = [False] * len(self.layout.buckets)
+
+    def owned(self) -> list[OwnedRange]:
+        """This rank's owned runs with their reduced gradients, in local order."""
+        return [OwnedRange(w, l, self.strategy.grad_view(self, w, l))
+                for w, l in self.strategy.owned_ranges(self.layout)]
+
+    def owned_numel(self) -> int:
+        return self.strategy.owned_numel(self.layout)
+
+    def param_values(self, world: Range) -> torch.Tensor:
+        """1-D view of the model parameters in world range ``world`` (model dtype)."""
+        return self.params_flat[world.start:world.end]
+
+    def grad_bytes(self) -> int:
+        return self.grads.numel() * self.grads.element_size()
+
+    def param_bytes(self) -> int:
+        return self.params_flat.numel() * self.params_flat.element_size()
+
+    def gather_params(self, fill_shard: Callable, chunk_numel: int, group,
+                      dp_size: int) -> int:
+        """See :meth:`ShardingStrategy.gather_params`; returns the temporary bytes used."""
+        return self.strategy.gather_params(self, fill_shard, chunk_numel, group, dp_size)
+
