@@ -97,7 +97,8 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
     """Gradient buffers (ZeRO stage 0/1/2) and the sharded Adam that owns the fp32 main params."""
     z, pr, o = cfg.zero, cfg.precision, cfg.optim
     grad_dtype = torch.float32 if pr.accumulate_allreduce_grads_in_fp32 else model_dtype(pr.fp16, pr.bf16)
-    ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=int(z.reduce_bucket_size),
+    auto_bucket = cfg.model.hidden_size ** 2   # README: "Bucket sizes"
+    ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=int(z.reduce_bucket_size or auto_bucket),
                        overlap_comm=z.overlap_comm, grad_dtype=grad_dtype)
     scaler = None
     if pr.fp16:
@@ -108,7 +109,8 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
                                     max_consecutive_skips=pr.max_consecutive_skips))
     opt = DistributedOptimizer(ddp, groups, beta1=o.adam_beta1, beta2=o.adam_beta2, eps=o.adam_eps,
                                weight_decay=o.weight_decay, clip_grad=o.clip_grad, loss_scaler=scaler,
-                               allgather_bucket_size=int(z.allgather_bucket_size), adam_backend=o.kernels,
+                               allgather_bucket_size=int(z.allgather_bucket_size or auto_bucket),
+                               adam_backend=o.kernels,
                                max_consecutive_skips=pr.max_consecutive_skips)
     return ddp, opt
 

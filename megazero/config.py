@@ -182,8 +182,10 @@ class ZeroConfig:
     sharded, 2 = optimizer states and gradients sharded. Stage 3 is not implemented."""
 
     stage: int = _f(0, "ZeRO stage: 0, 1 or 2", flags=("--zero-stage",))
-    reduce_bucket_size: int = _f(500_000_000, "gradient reduction bucket", "elements", ge=1)
-    allgather_bucket_size: int = _f(500_000_000, "parameter all-gather bucket", "elements", ge=1)
+    reduce_bucket_size: Optional[int] = _f(
+        None, "gradient reduction bucket; None = hidden size squared (DeepSpeed's 'auto')", "elements", ge=1)
+    allgather_bucket_size: Optional[int] = _f(
+        None, "parameter all-gather bucket; None = hidden size squared", "elements", ge=1)
     overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass",
                             flags=("--no-overlap-comm",))
     # DeepSpeed knobs whose alternative megazero does not implement: it always keeps gradients

@@ -200,7 +200,8 @@ def test_flags_table_has_one_row_per_setting_with_unit():
     assert table[0] == "| flag | default | unit | meaning |"
     assert len(table) == 2 + len(settings())
     row = next(r for r in table if r.startswith("| `--reduce-bucket-size`"))
-    assert row == "| `--reduce-bucket-size` | `500000000` | elements | gradient reduction bucket |"
+    assert row == ("| `--reduce-bucket-size` | `None` | elements | gradient reduction bucket; None = hidden "
+                   "size squared (DeepSpeed's 'auto') |")
     assert any(r.startswith("| `--tp`, `--tensor-model-parallel-size` | `1` | ranks |") for r in table)
     assert all(s.field.metadata["help"] for s in settings())
 

@@ -251,6 +251,14 @@ class DataParallel:
         slots = self.strategy.staging_slots(self.buckets_in_flight)
         return slots * bucket * self.grad_dtype.itemsize
 
+    def finalize_bound_bytes(self) -> int:
+        """Most bytes of the finalize step's packed buffer: min(bucket, the owned elements of
+        sequence-parallel (tp > 1) and tied (embedding group > 1) parameters) gradients."""
+        tp, emb = C.group_size(self.groups.tp) > 1, C.group_size(self.groups.embedding) > 1
+        numel = sum(g.numel() for p, g in self._owned_param_grads()
+                    if (tp and tags.is_sequence_parallel(p)) or (emb and tags.is_shared_embedding(p)))
+        return min(self.bucket_size, numel) * self.grad_dtype.itemsize
+
     def grad_bytes(self) -> int:
         """Bytes of persistent gradient storage on this rank (full buffers or shards)."""
         return sum(buf.grad_bytes() for buf in self.buffers)

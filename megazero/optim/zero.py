@@ -296,12 +296,11 @@ class DistributedOptimizer:
     def bucket_bound_bytes(self) -> int:
         """B: the most temporary bytes one step holds at a time (the formula's "+ at most B
         bytes of buckets"): the largest of the backward staging bound
-        (``DataParallel.staging_bound_bytes``), the finalize step's packed buffer (one bucket
-        of gradients), the fp32 scratch (one piece, when gradients are not fp32) and the
+        (``DataParallel.staging_bound_bytes``), the finalize step's packed buffer (at most one
+        bucket, ``DataParallel.finalize_bound_bytes``), the fp32 scratch (one piece, when gradients are not fp32) and the
         all-gather buffers (``allgather_bucket_size / N`` elements per rank, N + 1 of them).
         """
         ddp, n = self.ddp, self.ddp.dp_size
-        g_bytes = ddp.grad_dtype.itemsize
         scratch = max((4 * pc.grad.numel() for pc in self.pieces
                        if pc.grad.dtype != torch.float32), default=0)
         gather = 0
@@ -309,7 +308,7 @@ class DistributedOptimizer:
             if ddp.strategy.sharded_over_dp:
                 per_rank = max(1, min(self.allgather_bucket_size // n, buf.layout.shard_numel))
                 gather = max(gather, per_rank * (n + 1) * buf.params_flat.element_size())
-        return max(ddp.staging_bound_bytes(), ddp.bucket_size * g_bytes, scratch, gather)
+        return max(ddp.staging_bound_bytes(), ddp.finalize_bound_bytes(), scratch, gather)
 
     # -- checkpoint state ----------------------------------------------------------------
     def _owned_param_pieces(self):
