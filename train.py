@@ -21,8 +21,8 @@ from megazero import checkpoint, collectives, memory
 from megazero.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir
 from megazero.data_parallel.ddp import DataParallel
-from megazero.monitor import (Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, throughput,
-                              unigram_entropy)
+from megazero.flops import spec_flops_per_iteration
+from megazero.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
 from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
@@ -68,7 +68,11 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
-        label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels)
+        label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
+        position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent, normalization=m.normalization, swiglu=m.swiglu,
+        num_query_groups=m.num_query_groups if m.group_query_attention else None,
+        add_bias_linear=m.add_bias_linear)
 
 
 def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
@@ -171,7 +175,10 @@ def model_signature(g: GPTConfig) -> dict:
     """The sizes a checkpoint must share with the model that loads it (layout excluded)."""
     return dict(vocab_size=g.vocab_size, num_layers=g.num_layers, hidden_size=g.hidden_size,
                 num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
-                max_position_embeddings=g.max_position_embeddings, tie_embeddings=g.tie_embeddings)
+                max_position_embeddings=g.max_position_embeddings, tie_embeddings=g.tie_embeddings,
+                position_embedding_type=g.position_embedding_type, rotary_base=g.rotary_base,
+                rotary_percent=g.rotary_percent, normalization=g.normalization, swiglu=g.swiglu,
+                num_query_groups=g.num_query_groups, add_bias_linear=g.add_bias_linear)
 
 
 def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:
@@ -261,9 +268,8 @@ class Trainer:
         self.dtype = model_dtype(cfg.precision.fp16, cfg.precision.bf16)
         self.tokens_per_dp_rank = self.num_microbatches * cfg.train.micro_batch_size * cfg.model.seq_length
         g = self.gpt_config
-        self.flops_per_iteration = gpt_flops_per_iteration(
-            num_layers=g.num_layers, hidden_size=g.hidden_size, ffn_hidden_size=g.ffn_hidden_size,
-            seq_length=g.seq_length, padded_vocab_size=g.padded_vocab(p.tp),
+        self.flops_per_iteration = spec_flops_per_iteration(
+            g.parameter_spec(p.tp), seq_length=g.seq_length, attention_width=g.hidden_size,
             global_batch_size=cfg.train.global_batch_size)
         if p.pp > 1:
             handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches)

@@ -79,7 +79,8 @@ class ModelConfig:
     num_layers: int = _f(4, "transformer layers", "layers", ge=1)
     hidden_size: int = _f(256, "model width H", "features", ge=1)
     num_attention_heads: int = _f(4, "attention heads; head size = H / heads", "heads", ge=1)
-    ffn_hidden_size: Optional[int] = _f(None, "MLP inner width; None = 4 x --hidden-size", "features", ge=1)
+    ffn_hidden_size: Optional[int] = _f(None, "MLP inner width; None = 4 x --hidden-size (--swiglu: "
+                                        "int(8 H / 3 / 64) x 64, as Megatron)", "features", ge=1)
     seq_length: int = _f(256, "tokens per training sample", "tokens", ge=1)
     max_position_embeddings: Optional[int] = _f(
         None, "rows of the position-embedding table; None = --seq-length", "positions", ge=1)
@@ -89,6 +90,18 @@ class ModelConfig:
     attention_dropout: float = _f(0.0, "dropout on attention probabilities", "probability", ge=0, lt=1)
     untie_embeddings_and_output_weights: bool = _f(
         False, "give the output layer its own weight instead of the word embedding's")
+    position_embedding_type: str = _f("learned_absolute", "positions: a learned table (GPT-2) or rotary "
+                                      "(RoPE) in attention", choices=("learned_absolute", "rope"))
+    rotary_base: int = _f(10000, "RoPE frequency base", "", ge=1)
+    rotary_percent: float = _f(1.0, "fraction of each head's dimensions RoPE rotates, in (0, 1]", "fraction")
+    normalization: str = _f("LayerNorm", "norm of every block and the final norm",
+                            choices=("LayerNorm", "RMSNorm"))
+    swiglu: bool = _f(False, "gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8H/3/64)*64")
+    group_query_attention: bool = _f(False, "grouped-query attention with --num-query-groups key/value heads")
+    num_query_groups: int = _f(1, "key/value heads of --group-query-attention (1 = multi-query)", "groups",
+                               ge=1)
+    add_bias_linear: bool = _f(True, "biases in the QKV, attention output and MLP linears",
+                               flags=("--disable-bias-linear",))
     layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon added to the variance", "", gt=0)
     init_method_std: float = _f(0.02, "standard deviation of the normal weight init", "", gt=0)
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy", "probability", ge=0, lt=1)
@@ -378,7 +391,7 @@ def parse_args(argv: list[str]) -> Config:
 def finalize(cfg: Config, world_size: int) -> list[str]:
     """Fill derived settings in place; returns warnings. Never raises: validate() judges.
 
-    dp = world / (tp x pp); FFN = 4 H; max positions = seq; decay iters = train iters;
+    dp = world / (tp x pp); FFN = 4 H (SwiGLU: int(8 H / 3 / 64) x 64); max positions = seq; decay iters = train iters;
     mock vocab = MOCK_VOCAB_SIZE; interleaved schedule when vp > 1 and no schedule was given;
     sequence parallelism off at tp 1 (Megatron does the same, with a warning). Batch (DeepSpeed's
     rule when global and accumulation are given and micro is not, else Megatron's):
@@ -387,7 +400,8 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
     """
     m, p, t, o, d = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.data
     warnings = []
-    m.ffn_hidden_size = 4 * m.hidden_size if m.ffn_hidden_size is None else m.ffn_hidden_size
+    if m.ffn_hidden_size is None:  # Megatron-LM's rule: SwiGLU keeps the 4H MLP's parameter count
+        m.ffn_hidden_size = int(4 * m.hidden_size * 2 / 3 / 64) * 64 if m.swiglu else 4 * m.hidden_size
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     o.lr_decay_iters = t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters

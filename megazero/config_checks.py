@@ -51,7 +51,8 @@ def _check_model_shape(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tp {tp}; "
                           "fix: use a --tp that divides the head count")
     if m.ffn_hidden_size % tp:
-        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tp {tp}; "
+        glu = " (--swiglu: each rank holds F/tp gate and F/tp up units)" if m.swiglu else ""
+        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tp {tp}{glu}; "
                           "fix: use a multiple of the tensor-parallel size")
     if m.seq_length > m.max_position_embeddings:
         raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
@@ -59,6 +60,41 @@ def _check_model_shape(cfg: Config, world_size: int) -> None:
     if cfg.parallel.sequence_parallel and m.seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tp {tp}; "
                           "fix: use a multiple of --tp or drop --sequence-parallel")
+
+
+def _check_block(cfg: Config, world_size: int) -> None:
+    """The LLaMA-style options (Megatron-LM's rules): G divides the heads and tp divides G;
+    RoPE's fraction in (0, 1] giving an even number >= 2 of rotated dimensions; options of
+    a feature that is off are refused."""
+    m, tp, given = cfg.model, cfg.parallel.tp, cfg.sources
+    for name, needs, on in (("model.num_query_groups", "--group-query-attention", m.group_query_attention),
+                            ("model.rotary_base", "--position-embedding-type rope", m.position_embedding_type == "rope"),
+                            ("model.rotary_percent", "--position-embedding-type rope", m.position_embedding_type == "rope")):
+        if name in given and not on:
+            raise ConfigError(f"{_show(cfg, name)} has no effect without {needs}; fix: add {needs} or drop it")
+    if m.group_query_attention:
+        G = m.num_query_groups
+        if m.num_attention_heads % G:
+            raise ConfigError(f"--num-query-groups {G} does not divide --num-attention-heads {m.num_attention_heads}; "
+                              "fix: a divisor of the head count (1 = multi-query, the head count = multi-head)")
+        if G % tp:
+            raise ConfigError(f"--num-query-groups {G} is not divisible by --tp {tp}; fix: a --tp that divides "
+                              "the query groups (each rank holds whole groups with their queries)")
+    if not 0.0 < m.rotary_percent <= 1.0:
+        raise ConfigError(f"--rotary-percent {m.rotary_percent} is outside (0, 1]; fix: e.g. 1.0 or 0.5")
+    rot = int(m.hidden_size // m.num_attention_heads * m.rotary_percent)
+    if m.position_embedding_type == "rope" and (rot < 2 or rot % 2):
+        raise ConfigError(f"--rotary-percent {m.rotary_percent} rotates {rot} dimensions of each "
+                          f"{m.hidden_size // m.num_attention_heads}-dimensional head; RoPE needs an even "
+                          "number >= 2; fix: another --rotary-percent")
+
+
+def _check_swiglu_width(cfg: Config, world_size: int) -> None:
+    """SwiGLU's derived width is not 0 (a small --hidden-size); before the range checks."""
+    m = cfg.model
+    if m.swiglu and m.ffn_hidden_size == 0 and "model.ffn_hidden_size" not in cfg.sources:
+        raise ConfigError(f"--swiglu derives --ffn-hidden-size 0 from --hidden-size {m.hidden_size} "
+                          "(int(8 H / 3 / 64) x 64); fix: give --ffn-hidden-size")
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:
@@ -169,8 +205,8 @@ def _check_data(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
 
 
-_CHECKS = (_check_outputs, _check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
-           _check_optim_precision, _check_data)
+_CHECKS = (_check_outputs, _check_swiglu_width, _check_ranges, _check_world, _check_model_shape, _check_block,
+           _check_batch, _check_pipeline, _check_optim_precision, _check_data)
 
 
 def validate(cfg: Config, world_size: int) -> None:

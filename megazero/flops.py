@@ -32,9 +32,11 @@ formula counts the full recomputation, as the paper does.)
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
+
+from megazero.param_spec import ParamSpec, matmul_params
 
 # Dense (no sparsity) peak matmul throughput in FLOP/s from NVIDIA's data sheets, keyed by
 # name fragments of ``torch.cuda.get_device_name`` (upper-cased), first match wins.
@@ -81,6 +83,29 @@ def gpt_flops_per_iteration(*, num_layers: int, hidden_size: int, ffn_hidden_siz
     layer_passes = 4 if recompute else 3
     per_token = layer_passes * num_layers * layer_forward + 3 * logits_forward
     return float(global_batch_size * s * per_token)
+
+
+def spec_flops_per_iteration(spec: Iterable[ParamSpec], *, seq_length: int, attention_width: int,
+                             global_batch_size: int, recompute: bool = False) -> float:
+    """FLOPs of one training iteration read off a model's parameter spec (matmuls only).
+
+    The same count as :func:`gpt_flops_per_iteration` for any block: a weight ``W`` marked
+    ``matmul`` costs ``2 * numel(W)`` FLOPs per token forward (so the GPT-2 layer's
+    ``2*(4*h*h + 2*h*f)``, a SwiGLU MLP's ``2*3*h*f``, a grouped-query QKV's
+    ``2*h*(heads + 2*G)*d``), attention adds ``2*2*s*attention_width`` per layer and token
+    (``attention_width`` = query heads x head size; keys shared by a group do not change
+    it), the output layer ``2*h*V``:
+    ``F = B*s * (k * (2*layer_matmuls + l*4*s*a) + 3 * 2*output_elements)``, ``k = 3`` or
+    4 with ``recompute``. Returns FLOPs as a float (all devices). Raises ValueError when
+    the spec has no layer or a size is not positive.
+    """
+    layer, num_layers, head = matmul_params(spec)
+    if num_layers == 0 or min(seq_length, attention_width, global_batch_size) <= 0:
+        raise ValueError(f"spec with {num_layers} layers, seq_length={seq_length}, attention_width="
+                         f"{attention_width}, global_batch_size={global_batch_size}: all must be positive")
+    layers_forward = 2 * layer + num_layers * 2 * 2 * seq_length * attention_width  # per token
+    per_token = (4 if recompute else 3) * layers_forward + 3 * 2 * head
+    return float(global_batch_size * seq_length * per_token)
 
 
 def peak_flops_for_name(device_name: str, dtype: torch.dtype) -> Optional[float]:

@@ -4,14 +4,15 @@ The launcher's preflight prints these numbers and refuses a run whose model stat
 not fit, so a model that cannot fit ends in a second with one line instead of an
 out-of-memory kill minutes later (DESIGN.md, contracts 2 and 3).
 
-- Parameters per rank are counted from the sizes, the same way ``model.gpt.GPTStage`` lays
-  them out (a test checks the count against built stages under several layouts). Per layer
-  with hidden size ``h``, FFN size ``f`` and TP size ``t``: the QKV and ``fc1`` weights and
-  biases and the ``proj`` / ``fc2`` weights are split over TP, the ``proj`` / ``fc2`` biases
-  and both LayerNorms are whole: ``(4h^2 + 2hf + 3h + f)/t + 2h + 4h``. Stage 0 adds the word
-  embedding ``V_pad/t * h`` and the position embedding ``max_pos * h``; the last stage the
-  final LayerNorm ``2h`` and, when it does not hold the word embedding already, the output
-  layer ``V_pad/t * h`` (a tied copy with pp > 1, or the untied output weight).
+- Parameters per rank are counted from the model's parameter spec (``param_spec``: every
+  parameter with its full shape and TP partition, declared once by ``model/``), read
+  through ``ModelSizes.parameter_spec`` (a test checks the count against built stages under
+  every layout, for the GPT-2 and the LLaMA-style block). For the GPT-2 block with hidden
+  size ``h``, FFN size ``f`` and TP size ``t`` a layer holds
+  ``(4h^2 + 2hf + 3h + f)/t + 2h + 4h``; stage 0 adds the word embedding ``V_pad/t * h``
+  and the position embedding ``max_pos * h``; the last stage the final norm and, when it does
+  not hold the word embedding already, the output layer ``V_pad/t * h`` (a tied copy with
+  pp > 1, or the untied output weight).
 - Model-state bytes follow the ZeRO formulas (``optim.zero.zero_formula_bytes``).
 - Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", sec. 4.1, eq. 1-2): one layer of one micro-batch keeps
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from megazero.optim.zero import zero_formula_bytes
+from megazero.param_spec import ParamSpec, params_on_chunk
 from megazero.pipeline import partition
 from megazero.pipeline.schedules import build_schedule, simulate
 
@@ -48,25 +50,20 @@ class ModelSizes(Protocol):
 
     def padded_vocab(self, tp_size: int) -> int: ...
 
+    def parameter_spec(self, tp_size: int) -> list[ParamSpec]:
+        """Every parameter of the model with the vocabulary padded for ``tp_size`` ranks."""
+        ...
+
 
 def params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
                     layer_split=None) -> int:
-    """Parameters (elements) held by one rank of stage ``pp_rank`` (all its chunks)."""
-    h, f, v_pad = g.hidden_size, g.ffn_hidden_size, g.padded_vocab(tp)
-    per_layer = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 2 * h + 4 * h
-    total = 0
-    for v in range(vp_size):
-        layers = partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split)
-        total += per_layer * len(layers)
-        first = partition.is_pre_process(pp_rank, v)
-        last = partition.is_post_process(pp_rank, pp, v, vp_size)
-        if first:
-            total += v_pad // tp * h + g.max_position_embeddings * h
-        if last:
-            total += 2 * h
-            if not g.tie_embeddings or not first:
-                total += v_pad // tp * h
-    return total
+    """Parameters (elements) held by one rank of stage ``pp_rank`` (all its chunks), summed
+    from ``g.parameter_spec(tp)`` over the layers, embedding and head of each chunk."""
+    spec = g.parameter_spec(tp)
+    return sum(params_on_chunk(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split),
+                               partition.is_pre_process(pp_rank, v),
+                               partition.is_post_process(pp_rank, pp, v, vp_size), tp)
+               for v in range(vp_size))
 
 
 def activation_bytes_per_layer(g: ModelSizes, micro_batch_size: int, tp: int, sequence_parallel: bool,

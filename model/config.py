@@ -26,6 +26,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """``4 H``; with SwiGLU Megatron-LM's ``int(4 H * 2/3 / 64) * 64`` (same parameter count as a
+    ``4 H`` GELU MLP, a multiple of 64). Example: ``(4096, True) -> 10880``; ``(32, True) -> 64``
+    is the smallest width it gives, ``(16, True) -> 0`` (validation then asks for a width)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
 @dataclass
 class GPTConfig:
     """Sizes of a GPT-2-style decoder (Radford et al. 2019) and its regularisation."""
@@ -65,16 +72,48 @@ class GPTConfig:
     """Label smoothing of the cross-entropy loss (0 = none)."""
     norm_backend: str = "auto"
     """LayerNorm kernels: ``auto``, ``apex``, ``torch`` or ``reference`` (megazero.ops.norm)."""
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` (GPT-2's position table) or ``rope`` (rotary, Su et al. 2021)."""
+    rotary_base: int = 10000
+    """Base of the rotary frequencies ``base^(-2j/d_rot)`` (RoPE only)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates, in (0, 1] (GPT-NeoX's partial rotary)."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only, Zhang & Sennrich 2019)."""
+    swiglu: bool = False
+    """Gated SiLU MLP ``fc2(silu(gate) * up)`` (Shazeer 2020); ``fc1`` holds ``[gate; up]``."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads G of grouped-query attention (Ainslie et al. 2023); ``None`` = GPT-2's
+    multi-head attention with the ``[q; k; v]`` QKV layout."""
+    add_bias_linear: bool = True
+    """Biases in the QKV, attention output and MLP linears (False = Megatron's
+    ``--disable-bias-linear``)."""
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: G with grouped-query attention, else one per query head."""
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (``int(head_dim * rotary_percent)``)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    def parameter_spec(self, tp_size: int):
+        """Every parameter of this model for ``tp_size`` TP ranks (``model.spec.build_spec``)."""
+        from model.spec import build_spec
+
+        return build_spec(self, self.padded_vocab(tp_size))
 
     def padded_vocab(self, tp_size: int) -> int:
         """Padded vocabulary size for ``tp_size`` tensor-parallel ranks (see padded_vocab_size)."""
@@ -100,7 +139,9 @@ class GPTConfig:
              f"--num-attention-heads {self.num_attention_heads} is not divisible by --tp "
              f"{tp_size}; use a tensor-parallel size that divides the head count")
         need(self.ffn_hidden_size % tp_size == 0,
-             f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by --tp {tp_size}")
+             f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by --tp {tp_size}"
+             + (" (--swiglu: each rank holds F/tp gate and F/tp up units)" if self.swiglu else ""))
+        self._validate_block(tp_size, need)
         need(self.seq_length <= self.max_position_embeddings,
              f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
              f"{self.max_position_embeddings}; raise the latter")
@@ -110,3 +151,23 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout", "label_smoothing"):
             need(0.0 <= getattr(self, name) < 1.0,
                  f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+
+    def _validate_block(self, tp_size: int, need) -> None:
+        """The LLaMA-style options: choices, grouped-query sizes, rotary fraction and base."""
+        need(self.position_embedding_type in ("learned_absolute", "rope"),
+             f"--position-embedding-type {self.position_embedding_type!r} is not learned_absolute or rope")
+        need(self.normalization in ("LayerNorm", "RMSNorm"),
+             f"--normalization {self.normalization!r} is not LayerNorm or RMSNorm")
+        G, heads = self.kv_heads, self.num_attention_heads
+        need(G >= 1 and heads % G == 0,
+             f"--num-query-groups {G} does not divide --num-attention-heads {heads}; fix: a "
+             "divisor of the head count (1 = multi-query, heads = multi-head)")
+        need(G % tp_size == 0,
+             f"--num-query-groups {G} is not divisible by --tp {tp_size}; fix: a --tp that divides "
+             "the query groups (each rank holds whole groups with their queries)")
+        need(0.0 < self.rotary_percent <= 1.0,
+             f"--rotary-percent {self.rotary_percent} is outside (0, 1]; fix: e.g. 1.0 or 0.5")
+        need(self.position_embedding_type != "rope" or (self.rotary_dim >= 2 and self.rotary_dim % 2 == 0),
+             f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of the {self.head_dim} "
+             "dimensions of a head; RoPE needs an even number >= 2; fix: another --rotary-percent")
+        need(self.rotary_base >= 1, f"--rotary-base must be >= 1, got {self.rotary_base}")

@@ -21,8 +21,6 @@ tensor from (seed, canonical name) alone and a stage keeps its partitions.
 """
 from __future__ import annotations
 
-import hashlib
-import math
 from typing import Iterable, Optional
 
 import torch
@@ -30,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero import collectives as C
-from megazero.ops.norm import LayerNorm
+from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -39,64 +37,11 @@ from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
 from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from model.config import GPTConfig
+from model.rope import apply_rotary, rotary_cos_sin
+from model.spec import canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
 
 
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output.weight")
-_SCALED_INIT = (".attn.proj.weight", ".mlp.fc2.weight")
-
-
-def canonical_shapes(cfg: GPTConfig, padded_vocab: int) -> dict[str, tuple]:
-    """Canonical name -> full shape (docs/design.md, "Interfaces" > Model)."""
-    H, F_, V = cfg.hidden_size, cfg.ffn_hidden_size, padded_vocab
-    shapes = {"embedding.word_embeddings.weight": (V, H),
-              "embedding.position_embeddings.weight": (cfg.max_position_embeddings, H)}
-    for i in range(cfg.num_layers):
-        for name, shape in (("ln1.weight", (H,)), ("ln1.bias", (H,)),
-                            ("attn.qkv.weight", (3 * H, H)), ("attn.qkv.bias", (3 * H,)),
-                            ("attn.proj.weight", (H, H)), ("attn.proj.bias", (H,)),
-                            ("ln2.weight", (H,)), ("ln2.bias", (H,)),
-                            ("mlp.fc1.weight", (F_, H)), ("mlp.fc1.bias", (F_,)),
-                            ("mlp.fc2.weight", (H, F_)), ("mlp.fc2.bias", (H,))):
-            shapes[f"layers.{i}.{name}"] = shape
-    shapes["final_ln.weight"] = shapes["final_ln.bias"] = (H,)
-    if not cfg.tie_embeddings:
-        shapes["output.weight"] = (V, H)
-    return shapes
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator seeded from a stable hash of ``"{seed}:{name}"`` (not Python's hash)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-
-def init_full_weights(cfg: GPTConfig, seed: int, tp_size: int = 1,
-                      names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
-    """Every full (unpartitioned) fp32 tensor of the model, from (seed, canonical name) alone.
-
-    GPT-2 initialisation: weights ~ N(0, init_method_std), the residual output projections
-    (``attn.proj``, ``mlp.fc2``) scaled by ``1/sqrt(2 * num_layers)``, biases 0, LayerNorm
-    weight 1 and bias 0. Vocabulary tensors draw ``[vocab_size, H]`` and are zero-padded to
-    ``cfg.padded_vocab(tp_size)`` rows, so the real rows do not depend on ``tp_size``.
-    ``names`` restricts the result to those canonical names (e.g. one pipeline stage's).
-    Raises KeyError for a name that is not canonical.
-    """
-    shapes = canonical_shapes(cfg, cfg.padded_vocab(tp_size))
-    scaled_std = cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
-    full = {}
-    for name in (shapes if names is None else names):
-        shape = shapes[name]
-        if name.endswith(".bias"):
-            t = torch.zeros(shape)
-        elif name.split(".")[-2] in ("ln1", "ln2", "final_ln"):  # LayerNorm weights
-            t = torch.ones(shape)
-        else:
-            std = scaled_std if name.endswith(_SCALED_INIT) else cfg.init_method_std
-            rows = cfg.vocab_size if name in VOCAB_TENSORS else shape[0]
-            t = torch.randn((rows, *shape[1:]), generator=_generator(seed, name)) * std
-            t = F.pad(t, (0, 0, 0, shape[0] - rows))  # zero rows past the real vocabulary
-        full[name] = t
-    return full
 
 
 def resize_vocab(t: torch.Tensor, vocab_size: int, padded: int) -> torch.Tensor:
@@ -111,7 +56,7 @@ class Embedding(nn.Module):
     lookup is reduce-scattered along the sequence and this chunk's positions are added, so
     the position-embedding gradient is partial per rank and tagged ``sequence_parallel``).
     With ``with_positions=False`` it holds only the word embedding (the last stage's copy
-    of a tied weight).
+    of a tied weight, or a first stage with rotary positions).
     """
 
     def __init__(self, cfg: GPTConfig, group, sp: bool, with_positions: bool, device=None):
@@ -126,10 +71,12 @@ class Embedding(nn.Module):
             zeros = torch.zeros(cfg.max_position_embeddings, cfg.hidden_size,
                                 dtype=cfg.params_dtype, device=device)
             self.position_embeddings = nn.Embedding(*zeros.shape, _weight=zeros)
-            tags.set_replicated(self.position_embeddings.weight, sequence_parallel=sp)
+        self.with_positions = with_positions
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)                             # (B, T or T/tp, H)
+        if not self.with_positions:  # RoPE: positions enter in attention
+            return x
         start = C.group_rank(self.group) * x.shape[1] if self.sp else 0
         positions = torch.arange(start, start + x.shape[1], device=tokens.device)
         return x + self.position_embeddings(positions)
@@ -138,27 +85,52 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention over this rank's ``n_head/tp`` heads.
 
-    ``[B, T(/tp), H] -> [B, T(/tp), H]``. The QKV weight is column-parallel with stride 3
-    over the canonical ``[q; k; v]`` rows, so each rank holds q, k and v of whole heads.
+    ``[B, T(/tp), H] -> [B, T(/tp), H]``. Multi-head: the QKV weight is column-parallel with
+    stride 3 over the canonical ``[q; k; v]`` rows, so each rank holds q, k and v of whole
+    heads. Grouped-query (``num_query_groups`` G, Ainslie et al. 2023): the rows are G blocks
+    ``[q of heads/G heads; k; v]`` and each rank holds ``G/tp`` whole groups (model/spec.py);
+    each key/value head serves the ``heads/G`` query heads of its group. With
+    ``position_embedding_type == "rope"`` q and k are rotated (model/rope.py).
     """
 
     def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None):
         super().__init__()
         H, tp = cfg.hidden_size, C.group_size(group)
         self.heads_local, self.head_dim = cfg.num_attention_heads // tp, cfg.head_dim
+        self.grouped = cfg.num_query_groups is not None
+        self.groups_local = cfg.kv_heads // tp
+        self.q_per_group = cfg.num_attention_heads // cfg.kv_heads
+        self.rotary = (cfg.rotary_dim, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
         self.dropout_p, self.tracker = cfg.attention_dropout, tracker
-        self.qkv = ColumnParallelLinear(H, 3 * H, group, sequence_parallel=sp, stride=3,
+        rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * H
+        self.qkv = ColumnParallelLinear(H, rows, group, sequence_parallel=sp,
+                                        stride=1 if self.grouped else 3, bias=cfg.add_bias_linear,
                                         dtype=cfg.params_dtype, device=device)
-        self.proj = RowParallelLinear(H, H, group, input_is_parallel=True,
+        self.proj = RowParallelLinear(H, H, group, input_is_parallel=True, bias=cfg.add_bias_linear,
                                       sequence_parallel=sp, dtype=cfg.params_dtype,
                                       device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                                   # (B, T, 3H/tp) = [q; k; v] local
+    def _split_heads(self, qkv: torch.Tensor):
+        """``(B, T, rows/tp)`` -> q ``(B, n_head/tp, T, d)``, k and v ``(B, kv_heads/tp, T, d)``."""
         B, T, _ = qkv.shape
-        # (B, T, H/tp) each -> (B, n_head/tp, T, head_dim)
-        q, k, v = (t.view(B, T, self.heads_local, self.head_dim).transpose(1, 2)
-                   for t in qkv.chunk(3, dim=-1))
+        if not self.grouped:  # (B, T, H/tp) each -> (B, n_head/tp, T, head_dim)
+            return tuple(t.view(B, T, self.heads_local, self.head_dim).transpose(1, 2)
+                         for t in qkv.chunk(3, dim=-1))
+        # (B, T, G/tp, heads/G + 2, d): each group's queries, then its key and its value
+        qkv = qkv.view(B, T, self.groups_local, self.q_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(B, T, self.heads_local, self.head_dim).transpose(1, 2)  # group-major heads
+        k, v = (t.reshape(B, T, self.groups_local, self.head_dim).transpose(1, 2) for t in (k, v))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split_heads(self.qkv(x))            # (B, heads/tp or G/tp, T, d)
+        B, _, T, _ = q.shape
+        if self.rotary is not None:
+            cos, sin = rotary_cos_sin(T, *self.rotary, device=q.device, dtype=q.dtype)  # (T, rot)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_per_group > 1:  # (B, G/tp, T, d) -> (B, n_head/tp, T, d), heads of a group adjacent
+            k, v = (t.repeat_interleave(self.q_per_group, dim=1) for t in (k, v))
         p = self.dropout_p if self.training else 0.0
         if p > 0:
             with self.tracker.fork("tp"):
@@ -170,29 +142,38 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``fc2(gelu(fc1(x)))`` with exact (erf) GELU; fc1 column-, fc2 row-parallel."""
+    """``fc2(gelu(fc1(x)))`` with exact (erf) GELU, or with ``swiglu``
+    ``fc2(silu(gate) * up)`` where ``fc1`` gives ``[gate; up]`` (Shazeer 2020, "GLU Variants
+    Improve Transformer", eq. 6; stride 2, so each rank holds F/tp of each); fc1 column-,
+    fc2 row-parallel."""
 
     def __init__(self, cfg: GPTConfig, group, sp: bool, device=None):
         super().__init__()
         H, F_ = cfg.hidden_size, cfg.ffn_hidden_size
-        self.fc1 = ColumnParallelLinear(H, F_, group, sequence_parallel=sp,
+        self.swiglu = cfg.swiglu
+        self.fc1 = ColumnParallelLinear(H, 2 * F_ if self.swiglu else F_, group, sequence_parallel=sp,
+                                        stride=2 if self.swiglu else 1, bias=cfg.add_bias_linear,
                                         dtype=cfg.params_dtype, device=device)
-        self.fc2 = RowParallelLinear(F_, H, group, input_is_parallel=True,
+        self.fc2 = RowParallelLinear(F_, H, group, input_is_parallel=True, bias=cfg.add_bias_linear,
                                      sequence_parallel=sp, dtype=cfg.params_dtype,
                                      device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))                # (B, T, F/tp) inside
+        h = self.fc1(x)                                     # (B, T, F/tp), or (B, T, 2F/tp)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)                   # (B, T, F/tp) each
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(h))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block with residual dropout (``hidden_dropout``)."""
+    """Pre-norm transformer block with residual dropout (``hidden_dropout``)."""
 
     def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None):
         super().__init__()
-        self.ln1 = _layer_norm(cfg, sp, device)
+        self.ln1 = _norm(cfg, device)
         self.attn = Attention(cfg, group, sp, tracker, device)
-        self.ln2 = _layer_norm(cfg, sp, device)
+        self.ln2 = _norm(cfg, device)
         self.mlp = MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.region = "tp" if sp else "replicated"
@@ -205,12 +186,11 @@ class Block(nn.Module):
         return x + self._drop(self.mlp(self.ln2(x)))
 
 
-def _layer_norm(cfg: GPTConfig, sp: bool, device) -> nn.Module:
-    ln = LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, backend=cfg.norm_backend,
-                   dtype=cfg.params_dtype, device=device)
-    for p in ln.parameters():
-        tags.set_replicated(p, sequence_parallel=sp)
-    return ln
+def _norm(cfg: GPTConfig, device) -> nn.Module:
+    """``cfg.normalization`` over H (tags come from the spec in ``GPTStage``)."""
+    norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    return norm(cfg.hidden_size, eps=cfg.layernorm_epsilon, backend=cfg.norm_backend,
+                dtype=cfg.params_dtype, device=device)
 
 
 class GPTStage(nn.Module):
@@ -250,15 +230,17 @@ class GPTStage(nn.Module):
         self.rng_tracker = rng_tracker or RNGTracker(seed + 100 * groups.pp_rank,
                                                      groups.tp_rank, device or "cpu")
         if pre_process or (post_process and cfg.tie_embeddings):
-            self.embedding = Embedding(cfg, self.tp, self.sp, pre_process, device)
+            with_positions = pre_process and cfg.position_embedding_type == "learned_absolute"
+            self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, device)
         self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
                                                    device) for i in self.layer_ids})
         if post_process:
-            self.final_ln = _layer_norm(cfg, self.sp, device)
+            self.final_ln = _norm(cfg, device)
             if not cfg.tie_embeddings:
                 self.output = ColumnParallelLinear(
                     cfg.hidden_size, self.padded_vocab, self.tp, bias=False,
                     sequence_parallel=self.sp, dtype=cfg.params_dtype, device=device)
+        self._tag_from_spec()
         if groups.pp_size > 1 and cfg.tie_embeddings and (pre_process or post_process):
             tags.set_shared_embedding(self.embedding.word_embeddings.weight,
                                       counted_here=pre_process)
@@ -266,6 +248,24 @@ class GPTStage(nn.Module):
             names = [n for n, _ in self.named_parameters()]
             full_weights = init_full_weights(cfg, seed, groups.tp_size, names)
         self.load_full_weights(full_weights)
+
+    def _tag_from_spec(self) -> None:
+        """Partition tags of every parameter from its spec entry (model/spec.py); a parameter
+        the spec does not declare, or whose partition shape disagrees, is a ValueError."""
+        spec, tp = spec_by_name(self.cfg, self.padded_vocab), self.groups.tp_size
+        for name, p in self.named_parameters():
+            e = spec.get(name)
+            if e is None:
+                raise ValueError(f"parameter {name!r} is not declared in model/spec.py")
+            local = list(e.shape)
+            if e.partition_dim is not None:
+                local[e.partition_dim] //= tp
+                tags.set_partitioned(p, e.partition_dim, e.partition_stride)
+            else:
+                tags.set_replicated(p, sequence_parallel=self.sp)
+            if tuple(local) != tuple(p.shape):
+                raise ValueError(f"{name}: spec gives a partition of shape {tuple(local)}, the "
+                                 f"module holds {tuple(p.shape)}")
 
     @torch.no_grad()
     def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:

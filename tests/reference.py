@@ -4,7 +4,9 @@ Written independently of ``model/`` and ``megazero/`` (it imports only torch and
 the style of nanoGPT (Karpathy) and GPT-2 (Radford et al. 2019): learned position
 embeddings, pre-LayerNorm blocks, causal self-attention computed with an explicit mask and
 softmax, an exact (erf) GELU MLP, a final LayerNorm and an output layer that is tied to the
-word embedding by default. There is no dropout: the oracle is only compared with runs that
+word embedding by default. The LLaMA-style options (Touvron et al. 2023) are written out
+as plainly: RoPE as a complex rotation, RMSNorm, SwiGLU, grouped-query attention by
+indexing each query head's key/value head, linear layers without bias. There is no dropout: the oracle is only compared with runs that
 have dropout off.
 
 It loads the canonical full tensors of docs/design.md ("Interfaces" > Model); only the first
@@ -32,64 +34,134 @@ class _LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-class _Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, ffn: int, eps: float):
+class _RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` (Zhang & Sennrich 2019, eq. 4)."""
+
+    def __init__(self, size: int, eps: float):
         super().__init__()
-        self.heads = heads
-        self.ln1 = _LayerNorm(hidden, eps)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = _LayerNorm(hidden, eps)
-        self.fc1 = nn.Linear(hidden, ffn)
-        self.fc2 = nn.Linear(ffn, hidden)
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = None
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_rotate(x: torch.Tensor, rot_dim: int, base: float) -> torch.Tensor:
+    """RoPE written with complex numbers: pair ``(x_j, x_{j+rot/2})`` of the first ``rot_dim``
+    dimensions is ``x_j + i x_{j+rot/2}``, multiplied by ``exp(i t base^(-2j/rot_dim))`` at
+    position ``t`` (Su et al. 2021, eq. 34). ``x [B, heads, T, d]`` -> same shape."""
+    T, half = x.shape[2], rot_dim // 2
+    theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)        # (rot/2,)
+    phase = torch.polar(torch.ones(T, half, dtype=torch.float64),
+                        torch.arange(T, dtype=torch.float64)[:, None] * theta)     # (T, rot/2)
+    z = torch.complex(x[..., :half].double(), x[..., half:rot_dim].double()) * phase
+    return torch.cat([z.real.to(x.dtype), z.imag.to(x.dtype), x[..., rot_dim:]], dim=-1)
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int, eps: float, *, kv_groups=None,
+                 rope=None, rmsnorm: bool = False, swiglu: bool = False, bias: bool = True):
+        super().__init__()
+        self.heads, self.kv_groups, self.rope, self.swiglu = heads, kv_groups, rope, swiglu
+        d = hidden // heads
+        norm = _RMSNorm if rmsnorm else _LayerNorm
+        self.ln1 = norm(hidden, eps)
+        qkv_rows = 3 * hidden if kv_groups is None else (heads + 2 * kv_groups) * d
+        self.qkv = nn.Linear(hidden, qkv_rows, bias=bias)
+        self.proj = nn.Linear(hidden, hidden, bias=bias)
+        self.ln2 = norm(hidden, eps)
+        self.fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
+        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+
+    def _heads(self, x):
+        """q ``(B, heads, T, d)``; k, v ``(B, heads, T, d)`` (a group's k/v copied to its queries)."""
+        B, T, H = x.shape
+        d, out = H // self.heads, self.qkv(x)
+        if self.kv_groups is None:  # [q; k; v]
+            q, k, v = out.split(H, dim=-1)  # each (B, T, H)
+            return (t.view(B, T, self.heads, d).transpose(1, 2) for t in (q, k, v))
+        G = self.kv_groups
+        n = self.heads // G                     # query heads per group
+        per_group = out.view(B, T, G, (n + 2) * d)   # [q (n*d); k (d); v (d)] per group
+        q = per_group[..., : n * d].reshape(B, T, self.heads, d).transpose(1, 2)
+        k = per_group[..., n * d: (n + 1) * d].transpose(1, 2)   # (B, G, T, d)
+        v = per_group[..., (n + 1) * d:].transpose(1, 2)
+        pick = torch.arange(self.heads) // n    # query head h uses group h // n
+        return q, k[:, pick], v[:, pick]
 
     def attention(self, x):
         B, T, H = x.shape
-        q, k, v = self.qkv(x).split(H, dim=-1)  # each (B, T, H)
-        # (B, T, H) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.heads, H // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self._heads(x)
+        if self.rope is not None:
+            q, k = rope_rotate(q, *self.rope), rope_rotate(k, *self.rope)
         scores = q @ k.transpose(-2, -1) / math.sqrt(H // self.heads)  # (B, heads, T, T)
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
         y = (probs @ v).transpose(1, 2).reshape(B, T, H)  # (B, heads, T, hd) -> (B, T, H)
         return self.proj(y)
 
+    def mlp(self, x):
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return self.fc2(gate * torch.sigmoid(gate) * up)
+        return self.fc2(F.gelu(h))
+
     def forward(self, x):
         x = x + self.attention(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.mlp(self.ln2(x))
+
+
+def block_options(cfg) -> dict:
+    """The reference's block options read off a config object's attributes (a
+    ``model.config.GPTConfig``; read by name, so this file imports nothing of ``model``)."""
+    rope = None
+    if cfg.position_embedding_type == "rope":
+        rope = (int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_percent), cfg.rotary_base)
+    return dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm",
+                swiglu=cfg.swiglu)
 
 
 class ReferenceGPT(nn.Module):
-    """GPT-2-style decoder in one process.
+    """GPT-2-style decoder in one process, or the LLaMA-style variant.
 
     Args: real ``vocab_size`` V, ``num_layers``, ``hidden_size`` H, ``num_heads``,
-    ``ffn_hidden_size`` F, ``max_positions``; ``tie_embeddings`` shares the word embedding
-    with the output layer; ``eps`` is the LayerNorm epsilon.
+    ``ffn_hidden_size`` F, ``max_positions`` (rows of the learned position table; 0 = none,
+    e.g. with ``rope``); ``tie_embeddings`` shares the word embedding with the output layer;
+    ``eps`` is the norm epsilon. Block options: ``kv_groups`` G (grouped-query attention
+    with Megatron's per-group ``[q; k; v]`` QKV rows; None = GPT-2's ``[q; k; v]``),
+    ``rope`` = ``(rotated dims, base)``, ``rmsnorm``, ``swiglu`` (``fc1`` = ``[gate; up]``),
+    ``bias`` (linear biases).
     """
 
     def __init__(self, vocab_size: int, num_layers: int, hidden_size: int, num_heads: int,
                  ffn_hidden_size: int, max_positions: int, tie_embeddings: bool = True,
-                 eps: float = 1e-5):
+                 eps: float = 1e-5, **block):
         super().__init__()
         self.vocab_size, self.num_layers = vocab_size, num_layers
         self.tie_embeddings = tie_embeddings
         self.wte = nn.Embedding(vocab_size, hidden_size)
-        self.wpe = nn.Embedding(max_positions, hidden_size)
-        self.blocks = nn.ModuleList(_Block(hidden_size, num_heads, ffn_hidden_size, eps)
+        self.wpe = nn.Embedding(max_positions, hidden_size) if max_positions else None
+        self.blocks = nn.ModuleList(_Block(hidden_size, num_heads, ffn_hidden_size, eps, **block)
                                     for _ in range(num_layers))
-        self.ln_f = _LayerNorm(hidden_size, eps)
+        self.ln_f = (_RMSNorm if block.get("rmsnorm") else _LayerNorm)(hidden_size, eps)
         self.lm_head = None if tie_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
 
     def canonical_parameters(self) -> dict[str, nn.Parameter]:
         """Canonical name -> parameter (the word embedding holds the real rows only)."""
-        out = {"embedding.word_embeddings.weight": self.wte.weight,
-               "embedding.position_embeddings.weight": self.wpe.weight,
-               "final_ln.weight": self.ln_f.weight, "final_ln.bias": self.ln_f.bias}
+        mods = {"final_ln": self.ln_f}
         for i, b in enumerate(self.blocks):
-            for canon, mod in (("ln1", b.ln1), ("attn.qkv", b.qkv), ("attn.proj", b.proj),
-                               ("ln2", b.ln2), ("mlp.fc1", b.fc1), ("mlp.fc2", b.fc2)):
-                out[f"layers.{i}.{canon}.weight"] = mod.weight
-                out[f"layers.{i}.{canon}.bias"] = mod.bias
+            mods.update({f"layers.{i}.{canon}": mod for canon, mod in (
+                ("ln1", b.ln1), ("attn.qkv", b.qkv), ("attn.proj", b.proj),
+                ("ln2", b.ln2), ("mlp.fc1", b.fc1), ("mlp.fc2", b.fc2))})
+        out = {"embedding.word_embeddings.weight": self.wte.weight}
+        if self.wpe is not None:
+            out["embedding.position_embeddings.weight"] = self.wpe.weight
+        for canon, mod in mods.items():
+            out[f"{canon}.weight"] = mod.weight
+            if mod.bias is not None:
+                out[f"{canon}.bias"] = mod.bias
         if self.lm_head is not None:
             out["output.weight"] = self.lm_head.weight
         return out
@@ -98,9 +170,14 @@ class ReferenceGPT(nn.Module):
     def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Copy the canonical full tensors in; vocabulary rows past ``vocab_size`` are dropped.
 
-        Raises KeyError naming a missing canonical tensor.
+        Raises KeyError naming a missing canonical tensor, ValueError for a tensor this
+        model does not have.
         """
-        for name, p in self.canonical_parameters().items():
+        mine = self.canonical_parameters()
+        extra = sorted(set(full) - set(mine))
+        if extra:
+            raise ValueError(f"full weights hold {extra[0]!r}, which this reference lacks")
+        for name, p in mine.items():
             if name not in full:
                 raise KeyError(f"full weights lack {name!r}")
             src = full[name]
@@ -110,20 +187,29 @@ class ReferenceGPT(nn.Module):
 
     @classmethod
     def from_full_weights(cls, full: dict[str, torch.Tensor], vocab_size: int, num_heads: int,
-                          eps: float = 1e-5) -> "ReferenceGPT":
-        """Build a model whose sizes are read off the canonical tensors, then load them."""
+                          eps: float = 1e-5, **block) -> "ReferenceGPT":
+        """Build a model whose sizes are read off the canonical tensors, then load them.
+
+        Learned positions, linear biases and tying follow from which tensors exist; the
+        other block options are ``block`` (see the class).
+        """
         num_layers = len({k.split(".")[1] for k in full if k.startswith("layers.")})
-        max_positions, hidden = full["embedding.position_embeddings.weight"].shape
-        ffn = full["layers.0.mlp.fc1.weight"].shape[0]
-        model = cls(vocab_size, num_layers, hidden, num_heads, ffn, max_positions,
-                    tie_embeddings="output.weight" not in full, eps=eps)
+        hidden = full["embedding.word_embeddings.weight"].shape[1]
+        wpe = full.get("embedding.position_embeddings.weight")
+        ffn = full["layers.0.mlp.fc2.weight"].shape[1]
+        model = cls(vocab_size, num_layers, hidden, num_heads, ffn,
+                    0 if wpe is None else wpe.shape[0],
+                    tie_embeddings="output.weight" not in full, eps=eps,
+                    bias="layers.0.attn.qkv.bias" in full, **block)
         model.load_full_weights(full)
         return model
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens ``[B, T]`` int64 -> logits ``[B, T, V]`` over the real vocabulary."""
         T = tokens.shape[1]
-        x = self.wte(tokens) + self.wpe(torch.arange(T, device=tokens.device))  # (B, T, H)
+        x = self.wte(tokens)                                                    # (B, T, H)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=tokens.device))
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
@@ -140,7 +226,7 @@ def train_reference(full_weights: dict[str, torch.Tensor],
                     num_heads: int, lr: Union[float, Callable[[int], float]], steps: int,
                     betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
                     eps: float = 1e-8, clip_grad: float = 0.0, layernorm_eps: float = 1e-5,
-                    optimizer: str = "adamw", return_model: bool = False):
+                    optimizer: str = "adamw", return_model: bool = False, block=None):
     """Train the reference model; returns the loss before each of ``steps`` updates.
 
     Step ``s`` uses ``batches[s % len(batches)]`` = (tokens ``[B, T]``, labels ``[B, T]``)
@@ -149,9 +235,11 @@ def train_reference(full_weights: dict[str, torch.Tensor],
     decay on weights of 2 or more dimensions only, none on biases and LayerNorm, as in
     Megatron-LM) or ``"sgd"`` (plain torch.optim.SGD, no momentum). ``clip_grad > 0``
     clips the global gradient norm with ``torch.nn.utils.clip_grad_norm_``.
+    ``block``: the block options of ``ReferenceGPT`` (e.g. ``block_options(gpt_config)``).
     Returns ``list[float]``, or ``(losses, model)`` when ``return_model``.
     """
-    model = ReferenceGPT.from_full_weights(full_weights, vocab_size, num_heads, layernorm_eps)
+    model = ReferenceGPT.from_full_weights(full_weights, vocab_size, num_heads, layernorm_eps,
+                                           **(block or {}))
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]

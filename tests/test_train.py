@@ -55,7 +55,7 @@ def _reference_losses(argv, steps):
     from megazero.config import config_from_argv
     from model.gpt import init_full_weights
     from megazero.optim.lr_schedule import LRSchedule
-    from tests.reference import train_reference
+    from tests.reference import block_options, train_reference
 
     cfg = config_from_argv(argv, 1)
     _, (train_ds, _, _), vocab = train.build_data(cfg)
@@ -67,7 +67,7 @@ def _reference_losses(argv, steps):
     return train_reference(init_full_weights(gcfg, cfg.train.seed), batches, vocab_size=vocab,
                            num_heads=gcfg.num_attention_heads, lr=lambda s: sched(s + 1), steps=steps,
                            betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay,
-                           eps=o.adam_eps, clip_grad=o.clip_grad)
+                           eps=o.adam_eps, clip_grad=o.clip_grad, block=block_options(gcfg))
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,10 @@ def test_layout_equals_reference(name, reference, single_run):
     norm, and the norm (clipping at 1.0 is active) equals the single-process norm."""
     world, extra = LAYOUTS[name]
     results = run_distributed(_train_layout, world, BASE + extra, STEPS, timeout_s=300)
+    _check_layout(name, results, reference, single_run)
+
+
+def _check_layout(name, results, reference, single_run, clip=1.0):
     for losses, norms, ids, (built, counted) in results:  # every rank: global loss, norm, sample
         assert losses == results[0][0]
         assert norms == results[0][1]
@@ -115,10 +119,45 @@ def test_layout_equals_reference(name, reference, single_run):
     losses, norms = results[0][:2]
     for step, (got, want) in enumerate(zip(losses, reference)):
         assert math.isclose(got, want, rel_tol=1e-5), (name, step, got, want)
-    assert max(single_run[1]) > 1.0  # the clip at 1.0 really acts
+    assert max(single_run[1]) > clip  # the clip really acts
     for got, want in zip(norms, single_run[1]):
         assert math.isclose(got, want, rel_tol=1e-5), (name, got, want)
     assert losses[-1] < losses[0]
+
+
+# The LLaMA-style block (RoPE on half of each head, RMSNorm, SwiGLU, 2 query groups for 4
+# heads, no linear biases, untied output) under the same 11 layouts; the layouts of one world
+# size share one set of spawned ranks.
+LLAMA = ["--position-embedding-type", "rope", "--rotary-percent", "0.5", "--rotary-base", "1000",
+         "--normalization", "RMSNorm", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--clip-grad", "0.5"]
+
+
+def _train_layouts(rank, world, argvs, steps):
+    return [_train_layout(rank, world, argv, steps) for argv in argvs]
+
+
+@pytest.fixture(scope="module")
+def llama_runs():
+    """{world size: (layout names, per-rank results)}; the single-process run first."""
+    out = {}
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        argvs = [BASE + LLAMA + LAYOUTS[n][1] for n in names]
+        out[world] = names, run_distributed(_train_layouts, world, argvs, STEPS, timeout_s=600)
+    return out
+
+
+@pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
+def test_llama_block_layouts_equal_reference(world, llama_runs):
+    """The LLaMA-style configuration under every layout of this world size: losses equal the
+    reference's within 1e-5 relative, gradient norms the single process's, the greedy sample
+    decodes the same ids, and the planner counts each rank's parameters exactly."""
+    reference = _reference_losses(BASE + LLAMA, STEPS)
+    single = llama_runs[1][1][0][0]
+    names, per_rank = llama_runs[world]
+    for i, name in enumerate(names):
+        _check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)
 
 
 def test_micro_batch_split_does_not_change_the_run():

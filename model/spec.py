@@ -1,0 +1,118 @@
+"""The GPT's parameters declared once (``megazero.param_spec.ParamSpec`` entries).
+
+``build_spec`` lists every canonical parameter of the GPT-2 block (Radford et al. 2019) or
+of the LLaMA-style block (Touvron et al. 2023: RoPE, RMSNorm, SwiGLU, grouped-query
+attention, no linear biases, untied output) with its full shape, tensor-parallel partition,
+init rule, weight decay and tying. ``GPTStage`` takes its partition tags and checkpoint
+names from it, ``init_full_weights`` its initial values, ``megazero.memory`` and
+``megazero.flops`` their counts.
+
+Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head size:
+
+- ``attn.qkv.weight`` of multi-head attention (no ``num_query_groups``): ``[q; k; v]``,
+  ``[3H, H]``, partition stride 3 (each rank takes its heads of q, of k and of v).
+- with grouped-query attention (``G`` groups): ``G`` blocks of ``[q (heads/G * d rows);
+  k (d); v (d)]``, ``[(heads + 2G) d, H]``, stride 1: each rank holds ``G/tp`` whole groups,
+  their queries with their key and value heads (Megatron-LM's layout). Query head ``h``
+  belongs to group ``h // (heads/G)``.
+- ``mlp.fc1.weight`` with SwiGLU: ``[gate; up]``, ``[2F, H]``, stride 2; ``fc2`` ``[H, F]``.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megazero.param_spec import ParamSpec
+from model.config import GPTConfig
+
+
+def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
+    H, d, heads, G = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
+    grouped = cfg.num_query_groups is not None
+    qkv_rows, qkv_stride = ((heads + 2 * G) * d, 1) if grouped else (3 * H, 3)
+    swiglu = cfg.swiglu
+    fc1_rows, fc1_stride = (2 * cfg.ffn_hidden_size, 2) if swiglu else (cfg.ffn_hidden_size, 1)
+    rows = [  # (name, shape, partition dim, stride, init, matmul)
+        ("ln1.weight", (H,), None, 1, "ones", False),
+        ("attn.qkv.weight", (qkv_rows, H), 0, qkv_stride, "normal", True),
+        ("attn.proj.weight", (H, H), 1, 1, "scaled_normal", True),
+        ("ln2.weight", (H,), None, 1, "ones", False),
+        ("mlp.fc1.weight", (fc1_rows, H), 0, fc1_stride, "normal", True),
+        ("mlp.fc2.weight", (H, cfg.ffn_hidden_size), 1, 1, "scaled_normal", True)]
+    if cfg.normalization == "LayerNorm":
+        rows += [("ln1.bias", (H,), None, 1, "zeros", False), ("ln2.bias", (H,), None, 1, "zeros", False)]
+    if cfg.add_bias_linear:
+        rows += [("attn.qkv.bias", (qkv_rows,), 0, qkv_stride, "zeros", False),
+                 ("attn.proj.bias", (H,), None, 1, "zeros", False),
+                 ("mlp.fc1.bias", (fc1_rows,), 0, fc1_stride, "zeros", False),
+                 ("mlp.fc2.bias", (H,), None, 1, "zeros", False)]
+    return [ParamSpec(f"layers.{i}.{name}", shape, "layer", i, dim, stride, init,
+                      weight_decay=len(shape) >= 2, matmul=mm)
+            for name, shape, dim, stride, init, mm in rows]
+
+
+def build_spec(cfg: GPTConfig, padded_vocab: int) -> list[ParamSpec]:
+    """Every canonical parameter of ``cfg``'s model with a ``padded_vocab``-row vocabulary.
+
+    Weight decay on matrices only (Megatron-LM: none on biases and norm weights).
+    """
+    H, V = cfg.hidden_size, padded_vocab
+    spec = [ParamSpec("embedding.word_embeddings.weight", (V, H), "embedding", partition_dim=0,
+                      vocab=True, tied_output=cfg.tie_embeddings)]
+    if cfg.position_embedding_type == "learned_absolute":
+        spec.append(ParamSpec("embedding.position_embeddings.weight",
+                              (cfg.max_position_embeddings, H), "embedding"))
+    for i in range(cfg.num_layers):
+        spec += _layer_spec(cfg, i)
+    spec.append(ParamSpec("final_ln.weight", (H,), "head", init="ones", weight_decay=False))
+    if cfg.normalization == "LayerNorm":
+        spec.append(ParamSpec("final_ln.bias", (H,), "head", init="zeros", weight_decay=False))
+    if not cfg.tie_embeddings:
+        spec.append(ParamSpec("output.weight", (V, H), "head", partition_dim=0, matmul=True,
+                              vocab=True))
+    return spec
+
+
+def spec_by_name(cfg: GPTConfig, padded_vocab: int) -> dict[str, ParamSpec]:
+    return {e.name: e for e in build_spec(cfg, padded_vocab)}
+
+
+def canonical_shapes(cfg: GPTConfig, padded_vocab: int) -> dict[str, tuple]:
+    """Canonical name -> full shape (docs/design.md, "Interfaces" > Model)."""
+    return {e.name: e.shape for e in build_spec(cfg, padded_vocab)}
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded from a stable hash of ``"{seed}:{name}"`` (not Python's hash)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def init_full_weights(cfg: GPTConfig, seed: int, tp_size: int = 1,
+                      names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
+    """Every full (unpartitioned) fp32 tensor of the model, from (seed, canonical name) alone.
+
+    Each tensor follows its spec entry's init rule: ``normal`` ~ N(0, init_method_std),
+    ``scaled_normal`` divides the std by ``sqrt(2 * num_layers)`` (GPT-2), ``zeros``,
+    ``ones``. Vocabulary tensors draw ``[vocab_size, H]`` and are zero-padded to
+    ``cfg.padded_vocab(tp_size)`` rows, so the real rows do not depend on ``tp_size``.
+    ``names`` restricts the result to those canonical names (e.g. one pipeline stage's).
+    Raises KeyError for a name that is not canonical.
+    """
+    spec = spec_by_name(cfg, cfg.padded_vocab(tp_size))
+    std = {"normal": cfg.init_method_std,
+           "scaled_normal": cfg.init_method_std / math.sqrt(2 * cfg.num_layers)}
+    full = {}
+    for name in (spec if names is None else names):
+        e = spec[name]
+        if e.init in ("zeros", "ones"):
+            full[name] = (torch.zeros if e.init == "zeros" else torch.ones)(e.shape)
+            continue
+        rows = cfg.vocab_size if e.vocab else e.shape[0]
+        t = torch.randn((rows, *e.shape[1:]), generator=_generator(seed, name)) * std[e.init]
+        full[name] = F.pad(t, (0, 0, 0, e.shape[0] - rows))  # zero rows past the real vocabulary
+    return full
