@@ -68,7 +68,9 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
-        label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels)
+        label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers)
 
 
 def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,

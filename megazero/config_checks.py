@@ -16,7 +16,7 @@ def _check_ranges(cfg: Config, world_size: int) -> None:
     """Every number inside its documented range, every choice among its choices."""
     for s in settings():
         value, meta = _get(cfg, s.name), s.field.metadata
-        if meta["choices"] and value not in meta["choices"]:
+        if meta["choices"] and value is not None and value not in meta["choices"]:
             raise ConfigError(f"{_show(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
         if value is None or s.base not in (int, float):
             continue
@@ -59,6 +59,18 @@ def _check_model_shape(cfg: Config, world_size: int) -> None:
     if cfg.parallel.sequence_parallel and m.seq_length % tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tp {tp}; "
                           "fix: use a multiple of --tp or drop --sequence-parallel")
+
+
+def _check_recompute(cfg: Config, world_size: int) -> None:
+    """Megatron-LM's rules: full needs a method; a method belongs to full only."""
+    m = cfg.model
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        raise ConfigError(f"{_show(cfg, 'model.recompute_granularity')} full needs --recompute-method; "
+                          "fix: add --recompute-method uniform (or block)")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        raise ConfigError(f"{_show(cfg, 'model.recompute_method')} {m.recompute_method} applies to "
+                          "--recompute-granularity full only; fix: add --recompute-granularity full "
+                          "or drop --recompute-method")
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:
@@ -169,8 +181,8 @@ def _check_data(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
 
 
-_CHECKS = (_check_outputs, _check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
-           _check_optim_precision, _check_data)
+_CHECKS = (_check_outputs, _check_ranges, _check_world, _check_model_shape, _check_recompute, _check_batch,
+           _check_pipeline, _check_optim_precision, _check_data)
 
 
 def validate(cfg: Config, world_size: int) -> None:

@@ -65,6 +65,15 @@ class GPTConfig:
     """Label smoothing of the cross-entropy loss (0 = none)."""
     norm_backend: str = "auto"
     """LayerNorm kernels: ``auto``, ``apex``, ``torch`` or ``reference`` (megazero.ops.norm)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation (Korthikanti et al. 2022): ``None``, ``"selective"`` (the
+    attention core) or ``"full"`` (whole layers, chosen by ``recompute_method``)."""
+    recompute_method: Optional[str] = None
+    """With ``"full"``: ``"uniform"`` (groups of ``recompute_num_layers`` consecutive layers of a
+    chunk, each group one region) or ``"block"`` (the first ``recompute_num_layers`` layers of
+    each chunk, one region each); Megatron-LM's meanings."""
+    recompute_num_layers: int = 1
+    """Layers per uniform group, or layers recomputed per chunk with ``"block"``."""
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

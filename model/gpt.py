@@ -21,6 +21,7 @@ tensor from (seed, canonical name) alone and a stage keeps its partitions.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Iterable, Optional
@@ -38,6 +39,7 @@ from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
                                              VocabParallelEmbedding, parallel_lm_logits)
 from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tensor_parallel.random import RNGTracker, dropout
+from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
 
 
@@ -147,6 +149,7 @@ class Attention(nn.Module):
         H, tp = cfg.hidden_size, C.group_size(group)
         self.heads_local, self.head_dim = cfg.num_attention_heads // tp, cfg.head_dim
         self.dropout_p, self.tracker = cfg.attention_dropout, tracker
+        self.recompute_core = cfg.recompute_granularity == "selective"
         self.qkv = ColumnParallelLinear(H, 3 * H, group, sequence_parallel=sp, stride=3,
                                         dtype=cfg.params_dtype, device=device)
         self.proj = RowParallelLinear(H, H, group, input_is_parallel=True,
@@ -159,14 +162,20 @@ class Attention(nn.Module):
         # (B, T, H/tp) each -> (B, n_head/tp, T, head_dim)
         q, k, v = (t.view(B, T, self.heads_local, self.head_dim).transpose(1, 2)
                    for t in qkv.chunk(3, dim=-1))
+        if self.recompute_core:  # selective recomputation: keep q, k, v only
+            y = recompute(self._core, self.tracker, q, k, v)
+        else:
+            y = self._core(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, self.heads_local * self.head_dim)  # (B, T, H/tp)
+        return self.proj(y)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim)."""
         p = self.dropout_p if self.training else 0.0
         if p > 0:
             with self.tracker.fork("tp"):
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, self.heads_local * self.head_dim)  # (B, T, H/tp)
-        return self.proj(y)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -309,8 +318,7 @@ class GPTStage(nn.Module):
             region = "tp" if self.sp else "replicated"
             x = dropout(x, self.cfg.hidden_dropout, self.rng_tracker.generator(region),
                         self.training)
-        for layer in self.layers.values():
-            x = layer(x)
+        x = self._run_layers(x)
         if not self.post_process:
             return x
         x = self.final_ln(x)
@@ -324,6 +332,33 @@ class GPTStage(nn.Module):
         return vocab_parallel_cross_entropy(
             logits, labels, self.tp, label_smoothing=self.cfg.label_smoothing,
             vocab_size=self.cfg.vocab_size, padded_vocab_size=self.padded_vocab)
+
+    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks of this chunk, ``[B, T(/tp), H]`` in and out, with full recomputation as
+        Megatron-LM lays it out: ``uniform`` makes each group of ``recompute_num_layers``
+        consecutive layers one recomputed region; ``block`` recomputes the first
+        ``recompute_num_layers`` layers of the chunk one by one and runs the rest normally."""
+        layers, cfg = list(self.layers.values()), self.cfg
+        if cfg.recompute_granularity != "full" or not self.training:
+            for layer in layers:
+                x = layer(x)
+            return x
+        n = cfg.recompute_num_layers
+        if cfg.recompute_method == "uniform":
+            groups = [layers[i:i + n] for i in range(0, len(layers), n)]
+            regions = [(group, True) for group in groups]
+        else:
+            regions = [([layer], i < n) for i, layer in enumerate(layers)]
+        for group, recomputed in regions:
+            run = functools.partial(_run_group, group)
+            x = recompute(run, self.rng_tracker, x) if recomputed else run(x)
+        return x
+
+
+def _run_group(layers: list, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 @torch.no_grad()
