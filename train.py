@@ -72,7 +72,9 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
         rotary_percent=m.rotary_percent, normalization=m.normalization, swiglu=m.swiglu,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
-        add_bias_linear=m.add_bias_linear)
+        add_bias_linear=m.add_bias_linear,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers)
 
 
 def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,

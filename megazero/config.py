@@ -105,6 +105,15 @@ class ModelConfig:
     layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon added to the variance", "", gt=0)
     init_method_std: float = _f(0.02, "standard deviation of the normal weight init", "", gt=0)
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy", "probability", ge=0, lt=1)
+    recompute_granularity: Optional[str] = _f(
+        None, "activation recomputation: selective = the attention core, full = whole layers "
+        "(Korthikanti et al. 2022); None = keep every activation", choices=("selective", "full"))
+    recompute_method: Optional[str] = _f(
+        None, "with full: uniform = each group of --recompute-num-layers layers of a chunk is one "
+        "recomputed region; block = recompute the first --recompute-num-layers layers of each chunk",
+        choices=("uniform", "block"))
+    recompute_num_layers: int = _f(1, "layers per uniform group, or layers recomputed per chunk with "
+                                   "block", "layers", ge=1)
 
 
 @dataclass

@@ -16,7 +16,7 @@ def _check_ranges(cfg: Config, world_size: int) -> None:
     """Every number inside its documented range, every choice among its choices."""
     for s in settings():
         value, meta = _get(cfg, s.name), s.field.metadata
-        if meta["choices"] and value not in meta["choices"]:
+        if meta["choices"] and value is not None and value not in meta["choices"]:
             raise ConfigError(f"{_show(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
         if value is None or s.base not in (int, float):
             continue
@@ -95,6 +95,18 @@ def _check_swiglu_width(cfg: Config, world_size: int) -> None:
     if m.swiglu and m.ffn_hidden_size == 0 and "model.ffn_hidden_size" not in cfg.sources:
         raise ConfigError(f"--swiglu derives --ffn-hidden-size 0 from --hidden-size {m.hidden_size} "
                           "(int(8 H / 3 / 64) x 64); fix: give --ffn-hidden-size")
+
+
+def _check_recompute(cfg: Config, world_size: int) -> None:
+    """Megatron-LM's rules: full needs a method; a method belongs to full only."""
+    m = cfg.model
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        raise ConfigError(f"{_show(cfg, 'model.recompute_granularity')} full needs --recompute-method; "
+                          "fix: add --recompute-method uniform (or block)")
+    if m.recompute_method is not None and m.recompute_granularity != "full":
+        raise ConfigError(f"{_show(cfg, 'model.recompute_method')} {m.recompute_method} applies to "
+                          "--recompute-granularity full only; fix: add --recompute-granularity full "
+                          "or drop --recompute-method")
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:
@@ -206,7 +218,7 @@ def _check_data(cfg: Config, world_size: int) -> None:
 
 
 _CHECKS = (_check_outputs, _check_swiglu_width, _check_ranges, _check_world, _check_model_shape, _check_block,
-           _check_batch, _check_pipeline, _check_optim_precision, _check_data)
+           _check_recompute, _check_batch, _check_pipeline, _check_optim_precision, _check_data)
 
 
 def validate(cfg: Config, world_size: int) -> None:

@@ -6,6 +6,15 @@ sizes, overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions)
 min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, ``gradient_clipping``, ``steps_per_print``. ZeRO stage 3,
 offloading and ``stage3_*`` keys are refused; any other unknown key gives a warning.
+
+``activation_checkpointing`` (DeepSpeed's activation checkpointing API, as Megatron-DeepSpeed
+uses it with one checkpoint per transformer layer): the block turns on
+``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`` unless
+the command line chose recomputation itself. ``cpu_checkpointing`` (offloading the saved
+inputs to the host) is refused; ``partition_activations`` is what ``--sequence-parallel``
+does to the saved inputs (a warning says so when it is off); ``number_checkpoints``,
+``contiguous_memory_optimization``, ``synchronize_checkpoint_boundary`` and ``profile``
+(buffer layout and profiling) have no megazero equivalent and are named in a warning.
 """
 from __future__ import annotations
 
@@ -29,7 +38,9 @@ _DS_KEYS = {
        ("stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
         "reduce_bucket_size", "contiguous_gradients")},
 }
-_DS_BLOCKS = ("zero_optimization", "fp16", "bf16")
+_DS_BLOCKS = ("zero_optimization", "fp16", "bf16", "activation_checkpointing")
+_RECOMPUTE = {"model.recompute_granularity": "full", "model.recompute_method": "uniform",
+              "model.recompute_num_layers": 1}
 _OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params")
 
 
@@ -74,6 +85,8 @@ def _refusal(key: str, value: Any) -> Optional[str]:
         return f"{key} 3 (ZeRO-3 parameter sharding; use stage 1 or 2)"
     if key.startswith("zero_optimization.stage3_"):
         return f"{key} (a ZeRO-3 setting; remove it and use stage 1 or 2)"
+    if key == "activation_checkpointing.cpu_checkpointing" and value:
+        return f"{key} (offloads the saved activations to the host; remove it)"
     offloads = (value.get("device", "cpu") not in ("none", None)) if isinstance(value, dict) else bool(value)
     if key.startswith("zero_optimization.") and leaf in _OFFLOAD_KEYS and offloads:
         return f"{key} (CPU/NVMe offload; remove it: states stay on the device)"
@@ -106,9 +119,11 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
     refused = [r for r in (_refusal(k, v) for k, v in items) if r]
     if refused:
         raise ConfigError(f"--deepspeed-config {path}: not supported by megazero: " + "; ".join(refused))
-    warnings = []
+    warnings = _activation_checkpointing(doc, path, cfg)
     for key, raw in items:
         name = _DS_KEYS.get(key)
+        if key.startswith("activation_checkpointing."):
+            continue
         if name is None:
             if not key.startswith("zero_optimization.") or key.split(".")[-1] not in _OFFLOAD_KEYS:
                 warnings.append(f"--deepspeed-config {path}: key {key!r} is not used by megazero; ignored")
@@ -126,4 +141,24 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         _set(cfg, name, value)
         cfg.sources[name] = f"{key} in {path}"
+    return warnings
+
+
+def _activation_checkpointing(doc: dict, path: str, cfg: Config) -> list[str]:
+    """Map the ``activation_checkpointing`` block onto the recompute flags; returns warnings."""
+    block = doc.get("activation_checkpointing")
+    if block is None:
+        return []
+    if not any(name in cfg.sources for name in _RECOMPUTE):
+        for name, value in _RECOMPUTE.items():
+            _set(cfg, name, value)
+            cfg.sources[name] = f"activation_checkpointing in {path}"
+    warnings = []
+    if block.get("partition_activations") and not cfg.parallel.sequence_parallel:
+        warnings.append(f"--deepspeed-config {path}: activation_checkpointing.partition_activations: "
+                        "megazero shards the saved layer inputs over tp only with --sequence-parallel")
+    unused = [k for k in block if k not in ("partition_activations", "cpu_checkpointing")]
+    if unused:
+        warnings.append(f"--deepspeed-config {path}: activation_checkpointing keys {', '.join(unused)} "
+                        "have no megazero equivalent; ignored")
     return warnings

@@ -88,6 +88,15 @@ class GPTConfig:
     add_bias_linear: bool = True
     """Biases in the QKV, attention output and MLP linears (False = Megatron's
     ``--disable-bias-linear``)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation (Korthikanti et al. 2022): ``None``, ``"selective"`` (the
+    attention core) or ``"full"`` (whole layers, chosen by ``recompute_method``)."""
+    recompute_method: Optional[str] = None
+    """With ``"full"``: ``"uniform"`` (groups of ``recompute_num_layers`` consecutive layers of a
+    chunk, each group one region) or ``"block"`` (the first ``recompute_num_layers`` layers of
+    each chunk, one region each); Megatron-LM's meanings."""
+    recompute_num_layers: int = 1
+    """Layers per uniform group, or layers recomputed per chunk with ``"block"``."""
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

@@ -21,6 +21,7 @@ tensor from (seed, canonical name) alone and a stage keeps its partitions.
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Optional
 
 import torch
@@ -36,6 +37,7 @@ from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
                                              VocabParallelEmbedding, parallel_lm_logits)
 from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tensor_parallel.random import RNGTracker, dropout
+from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
 from model.rope import apply_rotary, rotary_cos_sin
 from model.spec import canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
@@ -102,6 +104,7 @@ class Attention(nn.Module):
         self.q_per_group = cfg.num_attention_heads // cfg.kv_heads
         self.rotary = (cfg.rotary_dim, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
         self.dropout_p, self.tracker = cfg.attention_dropout, tracker
+        self.recompute_core = cfg.recompute_granularity == "selective"
         rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * H
         self.qkv = ColumnParallelLinear(H, rows, group, sequence_parallel=sp,
                                         stride=1 if self.grouped else 3, bias=cfg.add_bias_linear,
@@ -131,14 +134,20 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.q_per_group > 1:  # (B, G/tp, T, d) -> (B, n_head/tp, T, d), heads of a group adjacent
             k, v = (t.repeat_interleave(self.q_per_group, dim=1) for t in (k, v))
+        if self.recompute_core:  # selective recomputation: keep q, k, v only
+            y = recompute(self._core, self.tracker, q, k, v)
+        else:
+            y = self._core(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, self.heads_local * self.head_dim)  # (B, T, H/tp)
+        return self.proj(y)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim)."""
         p = self.dropout_p if self.training else 0.0
         if p > 0:
             with self.tracker.fork("tp"):
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, self.heads_local * self.head_dim)  # (B, T, H/tp)
-        return self.proj(y)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -309,8 +318,7 @@ class GPTStage(nn.Module):
             region = "tp" if self.sp else "replicated"
             x = dropout(x, self.cfg.hidden_dropout, self.rng_tracker.generator(region),
                         self.training)
-        for layer in self.layers.values():
-            x = layer(x)
+        x = self._run_layers(x)
         if not self.post_process:
             return x
         x = self.final_ln(x)
@@ -324,6 +332,33 @@ class GPTStage(nn.Module):
         return vocab_parallel_cross_entropy(
             logits, labels, self.tp, label_smoothing=self.cfg.label_smoothing,
             vocab_size=self.cfg.vocab_size, padded_vocab_size=self.padded_vocab)
+
+    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks of this chunk, ``[B, T(/tp), H]`` in and out, with full recomputation as
+        Megatron-LM lays it out: ``uniform`` makes each group of ``recompute_num_layers``
+        consecutive layers one recomputed region; ``block`` recomputes the first
+        ``recompute_num_layers`` layers of the chunk one by one and runs the rest normally."""
+        layers, cfg = list(self.layers.values()), self.cfg
+        if cfg.recompute_granularity != "full" or not self.training:
+            for layer in layers:
+                x = layer(x)
+            return x
+        n = cfg.recompute_num_layers
+        if cfg.recompute_method == "uniform":
+            groups = [layers[i:i + n] for i in range(0, len(layers), n)]
+            regions = [(group, True) for group in groups]
+        else:
+            regions = [([layer], i < n) for i, layer in enumerate(layers)]
+        for group, recomputed in regions:
+            run = functools.partial(_run_group, group)
+            x = recompute(run, self.rng_tracker, x) if recomputed else run(x)
+        return x
+
+
+def _run_group(layers: list, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 @torch.no_grad()
