@@ -232,8 +232,8 @@ def make_forward_step(tokens_per_dp_rank: int):
         x = tokens if input_tensor is None else input_tensor
         out = chunk(x, labels=labels if chunk.post_process else None)
 
-        def loss_fn(per_token_loss):
-            return per_token_loss.float().sum() / tokens_per_dp_rank
+        def loss_fn(per_token_loss):  # summed in fp64: exact to rounding for any token count
+            return per_token_loss.sum(dtype=torch.float64) / tokens_per_dp_rank
         return out, loss_fn
     return forward_step
 
