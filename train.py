@@ -32,6 +32,7 @@ from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
 from megazero.process_groups import ProcessGroups
+from megazero.tensor_parallel.random import resume_seed
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
 from model.config import GPTConfig
@@ -243,8 +244,8 @@ def make_forward_step(tokens_per_dp_rank: int):
         x = tokens if input_tensor is None else input_tensor
         out = chunk(x, labels=labels if chunk.post_process else None)
 
-        def loss_fn(per_token_loss):
-            return per_token_loss.float().sum() / tokens_per_dp_rank
+        def loss_fn(per_token_loss):  # summed in fp64: exact to rounding for any token count
+            return per_token_loss.sum(dtype=torch.float64) / tokens_per_dp_rank
         return out, loss_fn
     return forward_step
 
@@ -308,13 +309,15 @@ class Trainer:
         self.consumed_samples = meta["extra"]["consumed_samples"]
         self.skipped_iterations = meta["extra"]["skipped_iterations"]
         self.eval_round = meta["extra"]["eval_round"]
+        tracker = self.chunks[0].rng_tracker
         if meta["rng_state"] is not None:
-            self.chunks[0].rng_tracker.set_state(meta["rng_state"])
-        elif self.groups.rank == 0:
-            why = (f"was saved under another layout {meta['layout']}" if not meta.get("same_layout", False)
-                   else "has no dropout RNG file for some rank")
-            print(f"[megazero] {meta['directory']} {why}: weights, optimizer and data position restored, "
-                  f"dropout streams restart from --seed", flush=True)
+            tracker.set_state(meta["rng_state"])
+            return self.iteration
+        tracker.reseed(resume_seed(tracker.seed, self.iteration))  # every rank, one rule
+        if self.groups.rank == 0:
+            print(f"[megazero] {meta['directory']} was saved under another layout {meta['layout']}: weights, "
+                  f"optimizer and data position restored; every rank's dropout streams re-seeded from --seed "
+                  f"and iteration {self.iteration} (megazero.tensor_parallel.random.resume_seed)", flush=True)
         return self.iteration
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:

@@ -10,7 +10,14 @@ Format of ``<save>/iter_0000100/`` (DESIGN.md, contract 4):
   ranks. The copy of a weight tied across stages is written once (by the first stage).
 - ``meta.pt`` (rank 0): iteration, consumed samples, optimizer counters and loss-scaler
   state, the layout it was saved under, and caller extras (e.g. the data position).
-- ``rng_<rank>.pt``: each rank's dropout RNG state (restored only under the same layout).
+- ``rng_<rank>.pt``: each rank's dropout RNG state (restored only under the same layout;
+  under another layout every rank re-seeds by ``random.resume_seed``).
+
+Every file of the directory (the tensor files, ``.metadata`` and every ``rng_<rank>.pt``) is
+listed in ``meta.pt`` with its size and CRC-32: ``peek`` checks that each exists with its
+size, ``peek(verify=True)`` (the launcher's preflight) also its CRC-32, so a missing,
+truncated or foreign (another run's) file is a CheckpointError naming it before any rank
+starts.
 
 Saving gathers each parameter's state over DP (ZeRO shards are disjoint, so a SUM of the
 zero-filled shards rebuilds the TP partition) and then over TP (partitions joined by their
@@ -122,9 +129,11 @@ def peek(root: str, verify: bool = False) -> Optional[dict]:
     """The ``meta.pt`` of the latest checkpoint under ``root`` (None when there is none yet).
 
     Reads only small files and checks that every tensor file the DCP metadata names is there
-    and long enough, so a broken checkpoint is reported before any process group exists.
-    ``verify`` also reads every tensor file and compares its size and CRC-32 with those
-    recorded at save time (the launcher's preflight does this once, before any rank starts).
+    and long enough, that every file listed in ``meta.pt`` (tensor files, ``.metadata``, each
+    ``rng_<rank>.pt``) has its saved size, and reads every ``rng_<rank>.pt`` of the saved
+    layout, so a broken checkpoint is reported before any process group exists. ``verify``
+    also reads every listed file and compares its CRC-32 with the one recorded at save time
+    (the launcher's preflight does this once, before any rank starts).
     Raises CheckpointError naming the file.
     """
     it = latest_iteration(root)
@@ -142,18 +151,32 @@ def peek(root: str, verify: bool = False) -> Optional[dict]:
             what = "is missing" if have is None else f"has {have} bytes, the metadata needs {size}"
             raise CheckpointError(f"{path} {what}: the checkpoint {d} is incomplete; fix: load an "
                                   f"earlier iter_* directory (write its number into 'latest')")
-    for name in sorted(os.listdir(d)):
-        if name.startswith("rng_") and name.endswith(".pt"):  # small: read them all now
-            _load_file(os.path.join(d, name), weights_only=False)
-    for name, want in sorted(meta.get("files", {}).items()) if verify else ():
-        path = os.path.join(d, name)
-        got = file_checksum(path) if os.path.exists(path) else None
-        if got != list(want):
-            what = "is missing" if got is None else (f"has size {got[0]} and CRC-32 {got[1]:08x}, saved as "
-                                                     f"size {want[0]} and CRC-32 {want[1]:08x}")
-            raise CheckpointError(f"{path} {what}: the file was damaged after saving; fix: load an "
-                                  f"earlier iter_* directory (write its number into 'latest')")
+    _check_listed_files(d, meta, verify)
     return meta
+
+
+def rng_files(layout: dict) -> list[str]:
+    """Names of the per-rank dropout RNG files of a checkpoint saved under ``layout``."""
+    return [f"rng_{r}.pt" for r in range(layout["tp"] * layout["pp"] * layout["dp"])]
+
+
+def _check_listed_files(d: str, meta: dict, verify: bool) -> None:
+    """Every ``rng_<rank>.pt`` of the saved layout is there and readable; every file listed in
+    ``meta["files"]`` has its saved size (and, with ``verify``, its CRC-32).
+    Raises CheckpointError naming the first bad file."""
+    fix = "fix: load an earlier iter_* directory (write its number into 'latest')"
+    for name, (size, crc) in sorted(meta.get("files", {}).items()):
+        path = os.path.join(d, name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete; {fix}")
+        got = file_checksum(path) if verify else [os.path.getsize(path), crc]
+        if got != [size, crc]:
+            now, was = (f"size {got[0]} and CRC-32 {got[1]:08x}", f"size {size} and CRC-32 {crc:08x}") \
+                if verify else (f"size {got[0]}", f"size {size}")
+            raise CheckpointError(f"{path} has {now}, saved as {was}: the file was damaged or replaced after "
+                                  f"saving (truncated, or from another run); {fix}")
+    for name in rng_files(meta["layout"]):  # small: read them all (older checkpoints list none)
+        _load_file(os.path.join(d, name), weights_only=False)
 
 
 def _barrier(groups: ProcessGroups) -> None:
@@ -251,13 +274,14 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
              process_group=groups.world, no_dist=groups.world is None)
     # Each rank checksums the tensor file it wrote (DCP names it after the global rank);
     # rank 0 records them all in meta.pt, so damage after saving is found before a resume.
-    mine = f"__{groups.rank}_0.distcp"
+    mine, rng = f"__{groups.rank}_0.distcp", f"rng_{groups.rank}.pt"
+    _atomic_save(rng_states or {}, os.path.join(tmp, rng))
     sums = {mine: file_checksum(os.path.join(tmp, mine))} if os.path.exists(os.path.join(tmp, mine)) else {}
+    sums[rng] = file_checksum(os.path.join(tmp, rng))
     if groups.world is not None:
         gathered = [None] * groups.world_size
         dist.all_gather_object(gathered, sums, group=groups.world)
         sums = {k: v for part in gathered for k, v in part.items()}
-    _atomic_save(rng_states or {}, os.path.join(tmp, f"rng_{groups.rank}.pt"))
     if groups.rank == 0:
         opt = optimizer.state_dict()
         meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size,
@@ -293,8 +317,8 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     ``resize(name, full, param)`` may adapt a full tensor to this model before slicing (the
     trainer re-pads vocabulary rows for another TP size). Returns ``meta`` plus
     ``rng_state`` (this rank's saved RNG, or None when the layout differs).
-    Raises CheckpointError when there is no complete checkpoint or a tensor is missing or
-    has another shape. Collective (the optimizer all-gathers the loaded parameters).
+    Raises CheckpointError when there is no complete checkpoint, a tensor is missing or
+    has another shape, or (same layout) this rank's ``rng_<rank>.pt`` is missing or unreadable. Collective (the optimizer all-gathers the loaded parameters).
     """
     it = latest_iteration(root)
     if it is None:
@@ -338,8 +362,7 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     optimizer.load_state_dict(dict(meta["optimizer"], shards=shards))
     same_layout = meta["layout"] == dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size)
     rng_path = os.path.join(d, f"rng_{groups.rank}.pt")
-    meta["rng_state"] = (_load_file(rng_path, weights_only=False)
-                         if same_layout and os.path.exists(rng_path) else None)
+    meta["rng_state"] = _load_file(rng_path, weights_only=False) if same_layout else None
     meta["same_layout"] = same_layout
     meta["directory"] = d
     return meta

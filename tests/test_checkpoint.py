@@ -92,7 +92,7 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
     d = tmp_path / "iter_0000002"
     rng = (d / "rng_0.pt").read_bytes()
     (d / "rng_0.pt").write_bytes(rng[:len(rng) // 2])  # a damaged RNG file
-    with pytest.raises(CheckpointError, match="rng_0.pt is unreadable"):
+    with pytest.raises(CheckpointError, match=f"rng_0.pt has size {len(rng) // 2}, saved as size {len(rng)}"):
         peek(str(tmp_path))
     (d / "rng_0.pt").write_bytes(rng)
     files = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))
@@ -139,6 +139,68 @@ def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
     meta.write_bytes(meta.read_bytes()[:40])
     assert train.preflight(ARGS + ["--load", str(tmp_path)], 1) == 2
     assert "meta.pt is unreadable" in capsys.readouterr().err
+
+
+def _resumed_rng(rank, world, argv, load):
+    """What ``load_checkpoint`` prints on this rank and the dropout tracker it leaves."""
+    import contextlib
+    import io
+
+    import train
+    from megazero.config import config_from_argv
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+
+    cfg = config_from_argv(argv + ["--load", load], world)
+    (_, _, vocab), _ = train.prepare_run(cfg)
+    p = cfg.parallel
+    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    built_seed = trainer.chunks[0].rng_tracker.seed
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer.load_checkpoint(load)
+    return out.getvalue(), built_seed, trainer.chunks[0].rng_tracker.get_state()
+
+
+def test_every_rng_file_is_checked_before_any_rank_starts(tmp_path, capsys):
+    """Each rank's rng_<rank>.pt missing, truncated or from another run is a checkpoint error
+    naming it in the launcher's preflight (exit code 2); a resume under another layout
+    re-seeds every rank by ``resume_seed`` and says so once."""
+    import train
+    from megazero.tensor_parallel.random import RNGTracker, resume_seed
+
+    args = ARGS + ["--dp", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    run_distributed(_run, 2, args, 2, save=str(tmp_path / "a"))
+    run_distributed(_run, 2, args + ["--seed", "8"], 2, save=str(tmp_path / "b"))  # another run
+    d, other = tmp_path / "a" / "iter_0000002", tmp_path / "b" / "iter_0000002"
+    load = args + ["--load", str(tmp_path / "a")]
+    assert train.preflight(load, 2) == 0
+    capsys.readouterr()
+    for rank in (0, 1):
+        name = f"rng_{rank}.pt"
+        good, foreign = (d / name).read_bytes(), (other / name).read_bytes()
+        assert foreign != good
+        for kind, damaged in (("missing", None), ("truncated", good[:-7]), ("another run", foreign)):
+            os.remove(d / name)
+            if damaged is not None:
+                (d / name).write_bytes(damaged)
+            assert train.preflight(load, 2) == 2, (name, kind)
+            err = capsys.readouterr().err
+            assert err.startswith(f"megazero: checkpoint error: {d / name} "), (kind, err)
+            assert err.count("\n") == 1
+            (d / name).write_bytes(good)
+    assert train.preflight(load, 2) == 0
+    results = run_distributed(_resumed_rng, 2, ARGS + ["--tp", "2", "--hidden-dropout", "0.1"],
+                              str(tmp_path / "a"))
+    assert results[1][0] == "" and results[0][0].count("\n") == 1
+    assert "saved under another layout" in results[0][0] and "re-seeded" in results[0][0]
+    for tp_rank, (_, built_seed, state) in enumerate(results):
+        want = RNGTracker(resume_seed(built_seed, 2), tp_rank).get_state()
+        for region in ("replicated", "tp"):
+            assert torch.equal(state[region], want[region]), (tp_rank, region)
+    assert torch.equal(results[0][2]["replicated"], results[1][2]["replicated"])  # TP-replicated
+    assert not torch.equal(results[0][2]["replicated"], RNGTracker(built_seed, 0).get_state()["replicated"])
 
 
 def test_prune_keeps_the_newest_and_never_a_later_one(tmp_path):

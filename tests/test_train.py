@@ -82,6 +82,7 @@ LAYOUTS = {
     "tp2-sp": (2, ["--tp", "2", "--sequence-parallel"]),
     "pp2-gpipe": (2, ["--pp", "2", "--pipeline-schedule", "gpipe"]),
     "dp2-zero1": (2, ["--dp", "2", "--zero-stage", "1"]),
+    "pp2-dp2-zero0": (4, ["--pp", "2", "--dp", "2"]),
     "dp4-zero2-tiny-buckets": (4, ["--dp", "4", "--zero-stage", "2", "--reduce-bucket-size", "2000",
                                    "--allgather-bucket-size", "3000", "--no-overlap-comm"]),
     "tp2-pp2-dp1-gpipe": (4, ["--tp", "2", "--pp", "2", "--pipeline-schedule", "gpipe"]),
@@ -104,7 +105,8 @@ def single_run():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_reference(name, reference, single_run):
     """Losses equal the reference at every step; every rank sees the same loss and gradient
-    norm, and the norm (clipping at 1.0 is active) equals the single-process norm."""
+    norm, and the norm (clipping at 1.0 is active) equals the single-process norm to 1e-6 at
+    every step (squares summed in fp64: an fp32 sum put pp 2 dp 2 3.6e-6 above pp 1)."""
     world, extra = LAYOUTS[name]
     results = run_distributed(_train_layout, world, BASE + extra, STEPS, timeout_s=300)
     _check_layout(name, results, reference, single_run)
@@ -121,7 +123,7 @@ def _check_layout(name, results, reference, single_run, clip=1.0):
         assert math.isclose(got, want, rel_tol=1e-5), (name, step, got, want)
     assert max(single_run[1]) > clip  # the clip really acts
     for got, want in zip(norms, single_run[1]):
-        assert math.isclose(got, want, rel_tol=1e-5), (name, got, want)
+        assert math.isclose(got, want, rel_tol=1e-6), (name, got, want)
     assert losses[-1] < losses[0]
 
 

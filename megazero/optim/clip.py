@@ -2,7 +2,7 @@
 
 Clipping by the global L2 norm (Pascanu et al. 2013) must give the single-process norm
 under every layout (docs/design.md, contract 1). Every rank sums the squares of the
-gradient elements it is responsible for, in fp32, and one SUM all-reduce adds them:
+gradient elements it is responsible for, in fp64, and one fp64 SUM all-reduce adds them:
 
 - TP partitions are disjoint: all count; a TP-replicated parameter counts on TP rank 0
   only; of a weight tied across pipeline stages only one copy counts
@@ -14,6 +14,13 @@ gradient elements it is responsible for, in fp32, and one SUM all-reduce adds th
 
 The all-reduce leaves the same bits on every rank, so every rank computes the same clip
 coefficient. ``clip_coefficient`` matches ``torch.nn.utils.clip_grad_norm_``.
+
+Precision: an fp32 sum of squares drifts with the element count (torch's CPU ``vector_norm``
+of 25M fp32 values is about 3e-3 off, and layouts that cut the buffer into other pieces
+disagree), so the squares are accumulated in fp64 whatever the gradient dtype: the norm is
+then the exact norm of the fp32 gradients to fp64 rounding, for any model size and layout.
+Each piece is upcast in chunks of ``CHUNK`` elements, so the fp64 temporary stays bounded
+(``CHUNK * 8`` bytes) however large the gradient buffer is.
 """
 from __future__ import annotations
 
@@ -27,20 +34,24 @@ from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 
 
-def squared_sum(tensors: Iterable[torch.Tensor], device=None) -> torch.Tensor:
-    """Sum of squares of every element of ``tensors`` as a one-element fp32 tensor.
+CHUNK = 1 << 22  # elements upcast to fp64 at a time: a 32 MiB temporary
 
-    Each tensor (any shape, any floating dtype) is reduced in fp32. ``device`` is used when
+
+def squared_sum(tensors: Iterable[torch.Tensor], device=None) -> torch.Tensor:
+    """Sum of squares of every element of ``tensors`` as a one-element fp64 tensor.
+
+    Each tensor (any shape, any floating dtype) is upcast to fp64 ``CHUNK`` elements at a
+    time and its squares summed in fp64 (no host synchronisation). ``device`` is used when
     ``tensors`` is empty (CPU when not given).
     """
     total = None
     for t in tensors:
-        if t.numel() == 0:
-            continue
-        sq = torch.linalg.vector_norm(t.reshape(-1), 2, dtype=torch.float32).square()
-        total = sq if total is None else total + sq
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), CHUNK):
+            sq = torch.linalg.vector_norm(flat[start:start + CHUNK], 2, dtype=torch.float64).square()
+            total = sq if total is None else total + sq
     if total is None:
-        return torch.zeros(1, dtype=torch.float32, device=device)
+        return torch.zeros(1, dtype=torch.float64, device=device)
     return total.reshape(1)
 
 
@@ -57,7 +68,8 @@ def global_grad_norm(counted: Iterable[torch.Tensor], groups: ProcessGroups, *,
         inv_scale: multiplies the result (``1 / loss_scale`` for still-scaled gradients).
         device: where to build the sum when ``counted`` is empty.
 
-    Returns the norm as a Python float, identical on every rank (inf/NaN propagate).
+    Returns the norm as a Python float, identical on every rank (inf/NaN propagate); the
+    squares are summed and all-reduced in fp64 (module docstring, "Precision").
     """
     sq = squared_sum(counted, device)
     C.all_reduce_sum(sq, groups.world if sharded_over_dp else groups.mp)

@@ -112,8 +112,9 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
         forward_only: evaluation (``schedules.forward_only_schedule``): nothing is kept
             for a backward; run it under ``torch.no_grad()``.
 
-    Returns a 0-d fp32 tensor on every rank of the pipeline: the sum of ``loss_fn`` over
-    this rank's micro-batches, computed on the last stage and broadcast over the pp group.
+    Returns a 0-d fp64 tensor on every rank of the pipeline: the sum of ``loss_fn`` over
+    this rank's micro-batches (added in fp64, so the sum is exact to fp32 rounding for any
+    number of micro-batches), computed on the last stage and broadcast over the pp group.
     Raises ValueError when ``len(batches)``, ``len(model_chunks)`` or a sent tensor do not
     match the configuration.
     """
@@ -127,7 +128,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
     saved: dict = {}  # (mb, chunk) -> (input, output or loss), from forward to backward
     links = StageLinks(groups, tuple(tensor_shape), dtype, device, wrap=vp_size > 1)
     last_backward = last_backward_index(list(actions))
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     pending: dict = {}  # sends of the previous action, posted with the next receive
     for group in exchange_groups(actions):
         plans = [comm_plan(actions[i], r, p, vp_size) for i in group]
@@ -142,7 +143,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                 if forward_only:
                     saved.clear()
                 if loss is not None:
-                    loss_sum += loss.detach().float()
+                    loss_sum += loss.detach().double()
             else:
                 if before_backward is not None:
                     before_backward(a.chunk, i == last_backward[a.chunk])

@@ -18,17 +18,29 @@ chunks of different tokens, so those masks should come from the ``"tp"`` generat
 (Korthikanti et al. 2022, sec. 4.2.2); that choice is the model's.
 
 A layout change on resume (different tp) cannot reproduce the old masks of ``"tp"``
-regions; ``get_state``/``set_state`` restore the same layout exactly.
+regions; ``get_state``/``set_state`` restore the same layout exactly. Under another layout
+every rank instead calls ``reseed(resume_seed(seed, iteration))`` with the seed it was built
+with: one rule for all ranks, so TP-replicated streams stay equal, and the streams after the
+resume differ from those of the run's first iterations.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Iterator
 
 import torch
 
 TP_SEED_OFFSET = 2718
 NAMES = ("replicated", "tp")
+
+
+def resume_seed(seed: int, iteration: int) -> int:
+    """The seed a tracker built with ``seed`` restarts from when a resume at ``iteration``
+    cannot restore its saved streams (another layout): 62 bits of
+    sha256("{seed}:resume:{iteration}") (room left for the TP offset), the same rule on every rank."""
+    digest = hashlib.sha256(f"{seed}:resume:{iteration}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**62 - 1)
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
