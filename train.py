@@ -248,7 +248,7 @@ class Trainer:
         self.ddp, self.optimizer = build_optimizer(self.chunks, cfg, groups)
         o = cfg.optim
         self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or cfg.train.train_iters,
-                                      o.lr_decay_style)
+                                      o.lr_decay_style, o.lr_wsd_decay_iters, o.lr_wsd_decay_style)
         self.num_microbatches = cfg.train.gradient_accumulation_steps
         p = cfg.parallel
         self.actions = build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, groups.pp_rank,

@@ -148,7 +148,12 @@ class OptimizerConfig:
                                         "iterations", ge=0)
     lr_decay_iters: Optional[int] = _f(None, "iterations of decay to --min-lr; None = --train-iters",
                                        "iterations", ge=1)
-    lr_decay_style: str = _f("cosine", "shape of the decay", choices=("cosine", "linear", "constant"))
+    lr_decay_style: str = _f("cosine", "shape of the decay (WSD: warmup-stable-decay, Megatron's)",
+                             choices=("cosine", "linear", "constant", "WSD"))
+    lr_wsd_decay_iters: Optional[int] = _f(
+        None, "WSD: iterations of the final annealing phase, ending at --lr-decay-iters", "iterations", ge=1)
+    lr_wsd_decay_style: str = _f("exponential", "WSD: shape of the annealing phase",
+                                 choices=("exponential", "linear", "cosine", "minus_sqrt"))
     weight_decay: float = _f(0.1, "decoupled weight decay on matrices", "", ge=0)
     adam_beta1: float = _f(0.9, "Adam first-moment decay", "", ge=0, lt=1)
     adam_beta2: float = _f(0.95, "Adam second-moment decay", "", ge=0, lt=1)

@@ -102,7 +102,7 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
 
 
 def _check_optim_precision(cfg: Config, world_size: int) -> None:
-    """min lr <= lr; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
+    """min lr <= lr; a WSD annealing phase that fits; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
     o, pr, z = cfg.optim, cfg.precision, cfg.zero
     if o.min_lr > o.lr:
         raise ConfigError(f"{_show(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
@@ -113,6 +113,11 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
                           f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
                           "--train-iters, its default), lower --lr-warmup-iters, or use "
                           "--lr-decay-style constant")
+    if o.lr_decay_style == "WSD" and not (
+            o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_iters <= o.lr_decay_iters - o.lr_warmup_iters):
+        raise ConfigError(f"--lr-decay-style WSD needs {_show(cfg, 'optim.lr_wsd_decay_iters')} between 1 and "
+                          f"--lr-decay-iters {o.lr_decay_iters} - --lr-warmup-iters {o.lr_warmup_iters}, got "
+                          f"{o.lr_wsd_decay_iters}; fix: give --lr-wsd-decay-iters in that range")
     if pr.fp16 and pr.bf16:
         raise ConfigError(f"{_show(cfg, 'precision.fp16')} and {_show(cfg, 'precision.bf16')} are both on; "
                           "fix: choose one")
