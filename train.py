@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megazero import checkpoint, collectives, memory
 from megazero.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
-from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir
+from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir, to_dict
 from megazero.data_parallel.ddp import DataParallel
 from megazero.monitor import (Monitor, Timer, gpt_flops_per_iteration, memory_stats, peak_flops, throughput,
                               unigram_entropy)
@@ -364,7 +364,8 @@ def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
     values = throughput(flops_per_iteration=trainer.flops_per_iteration,
                         tokens_per_iteration=cfg.train.global_batch_size * cfg.model.seq_length,
                         iteration_time_s=seconds_per_iter, world_size=trainer.groups.world_size,
-                        peak_flops_per_device=peak_flops(trainer.device, trainer.dtype))
+                        peak_flops_per_device=(cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops
+                                               else peak_flops(trainer.device, trainer.dtype)))
     return dict(values, iteration_time_s=seconds_per_iter,
                 model_state_bytes=trainer.optimizer.model_state_bytes()["total"],
                 peak_memory_bytes=memory_stats(trainer.device).get("peak_bytes"))
@@ -407,6 +408,15 @@ def final_sample(trainer: Trainer, tokenizer, cfg: Config) -> str:
     return tokenizer.decode(generate_ids(trainer, prompt, cfg.log.generate_tokens))
 
 
+def wandb_settings(cfg: Config) -> Optional[dict]:
+    """Arguments of the Monitor's W&B logger, or None without ``--wandb-project``."""
+    lg = cfg.log
+    if lg.wandb_project is None:
+        return None
+    return dict(project=lg.wandb_project, name=lg.wandb_exp_name or os.path.basename(os.path.normpath(lg.run_dir)),
+                save_dir=lg.wandb_save_dir or os.path.join(lg.run_dir, "wandb"), config=to_dict(cfg))
+
+
 def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dict:
     """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data."""
     tokenizer, (train_ds, valid_ds, _), vocab_size = data
@@ -421,7 +431,7 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     monitor = Monitor(cfg.log.run_dir, tensorboard_dir=cfg.log.tensorboard_dir,
                       metrics_file=cfg.log.metrics_file, rank=groups.rank,
                       is_logging_rank=logging_rank, config_text=describe(cfg),
-                      train_iters=cfg.train.train_iters)
+                      train_iters=cfg.train.train_iters, wandb=wandb_settings(cfg))
     if groups.rank == 0:
         print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
               f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)

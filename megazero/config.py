@@ -218,7 +218,7 @@ class DataConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console log, TensorBoard, metrics file, final sample."""
+    """Console log, TensorBoard, Weights & Biases, metrics file, MFU peak, final sample."""
 
     log_interval: int = _f(10, "log every this many steps", "iterations",
                            flags=("--log-interval", "--steps-per-print"), ge=1)
@@ -229,6 +229,13 @@ class LoggingConfig:
     metrics_file: Optional[str] = _f("metrics.jsonl", "JSON-lines metrics, relative to --run-dir", "path")
     generate_tokens: int = _f(64, "length of the greedy sample printed at the end", "tokens", ge=0)
     prompt: str = _f("def ", "prompt of that sample")
+    wandb_project: Optional[str] = _f(None, "Weights & Biases project: log TensorBoard's scalars there too "
+                                      "(needs the wandb extra; WANDB_MODE=offline works without a network); "
+                                      "None = off")
+    wandb_exp_name: Optional[str] = _f(None, "W&B run name; None = the --run-dir folder name")
+    wandb_save_dir: Optional[str] = _f(None, "W&B files directory; None = RUN_DIR/wandb", "path")
+    peak_tflops: Optional[float] = _f(None, "dense peak matmul TFLOP/s of one device, the MFU denominator; "
+                                      "None = megazero's table of known GPUs (else MFU n/a)", "TFLOP/s", gt=0)
 
 
 @dataclass

@@ -5,6 +5,7 @@ process group exists (DESIGN.md, contract 3).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -174,7 +175,14 @@ def _check_data(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
 
 
-_CHECKS = (_check_outputs, _check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
+def _check_logging(cfg: Config, world_size: int) -> None:
+    """--wandb-project needs the optional wandb package (pyproject extra ``wandb``)."""
+    if cfg.log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--wandb-project {cfg.log.wandb_project} needs the wandb package, which is not "
+                          "installed; fix: pip install wandb (or pip install -e .[wandb]), or drop --wandb-project")
+
+
+_CHECKS = (_check_outputs, _check_logging, _check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
            _check_optim_precision, _check_data)
 
 
