@@ -141,7 +141,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None):
     from data.indexed_dataset import check_same_tokenizer
     from data.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(cfg.data.tokenizer_model)
+    tok = load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type)
     if cfg.data.vocab_size is not None and cfg.data.vocab_size != tok.vocab_size:
         raise DataError(f"--vocab-size {cfg.data.vocab_size} differs from the {tok.vocab_size} tokens of "
                         f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
@@ -201,7 +201,7 @@ def tokenizer_digest(path: Optional[str]) -> Optional[str]:
     """sha256 of the tokenizer model file (None without one), as in PREFIX.tokenizer.json."""
     from data.tokenizer import model_sha256
 
-    return model_sha256(path) if path and os.path.isfile(path) else None
+    return model_sha256(path) if path and os.path.exists(path) else None
 
 
 def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:

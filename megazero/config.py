@@ -210,7 +210,10 @@ class DataConfig:
 
     data_path: list[str] = _f([], "PREFIX of PREFIX.bin/.idx, or a blend: W1 PREFIX1 W2 PREFIX2 ...", "path")
     split: str = _f("969,30,1", "train,valid,test proportions of the documents", "parts")
-    tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file (needed with --data-path)", "path")
+    tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file, or a tokenizer.json (or a folder "
+                                        "holding one) with HuggingFaceTokenizer; needed with --data-path", "path")
+    tokenizer_type: str = _f("SentencePieceTokenizer", "how --tokenizer-model is read (Megatron's names)",
+                             choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
     vocab_size: Optional[int] = _f(
         None, f"vocabulary; None = the tokenizer's ({MOCK_VOCAB_SIZE} with --mock-data)", "tokens", ge=1)
     data_cache_dir: Optional[str] = _f(None, "where sample indices are cached (atomic, shared by ranks); None = built in memory on every rank", "path")

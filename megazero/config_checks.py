@@ -171,7 +171,9 @@ def _check_data(cfg: Config, world_size: int) -> None:
     if d.tokenizer_model is None:
         raise ConfigError("--tokenizer-model is missing; --data-path needs the sentencepiece model the "
                           "data was tokenized with; fix: give --tokenizer-model PATH")
-    if not os.path.isfile(d.tokenizer_model):
+    hf_folder = d.tokenizer_type == "HuggingFaceTokenizer" and os.path.isfile(
+        os.path.join(d.tokenizer_model, "tokenizer.json"))
+    if not (os.path.isfile(d.tokenizer_model) or hf_folder):
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
 
 
