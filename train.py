@@ -37,6 +37,7 @@ from data.indexed_dataset import DataError
 from model.config import GPTConfig
 from model.generation import pipeline_generate_greedy
 from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, resize_vocab
+from model.hf import HFConversionError, config_record
 
 
 def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, ProcessGroups]:
@@ -80,6 +81,7 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
     """
     p = cfg.parallel
     chunks, tracker = [], None
+    full = from_hf_weights(cfg, gcfg, groups.tp_size)
     for v in range(p.virtual_pipeline_size):
         ids = partition.layer_ids(gcfg.num_layers, p.pp, groups.pp_rank, p.virtual_pipeline_size, v,
                                   p.pipeline_layer_split)
@@ -87,10 +89,48 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
                          pre_process=partition.is_pre_process(groups.pp_rank, v),
                          post_process=partition.is_post_process(groups.pp_rank, p.pp, v,
                                                                 p.virtual_pipeline_size),
-                         seed=cfg.train.seed, rng_tracker=tracker, device=device)
+                         seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full)
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
         chunks.append(chunk)
     return chunks
+
+
+def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
+    """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2 model, read lazily
+    (each stage loads only its own), vocabulary re-padded for ``tp_size``; else None."""
+    if cfg.train.from_hf is None:
+        return None
+    from safetensors import safe_open
+
+    from model.hf import CanonicalView
+
+    handle = safe_open(os.path.join(cfg.train.from_hf, "model.safetensors"), "pt")
+    return CanonicalView(handle, gcfg, gcfg.padded_vocab(tp_size))
+
+
+def check_from_hf(cfg: Config, vocab_size: int) -> None:
+    """Before any process group: DIR's config.json describes this run's model and its
+    safetensors hold every tensor. Raises CheckpointError naming the difference."""
+    import json
+
+    from model.hf import check_matches, hf_name
+
+    path = cfg.train.from_hf
+    gcfg = build_gpt_config(cfg, vocab_size)
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        check_matches(config, gcfg)
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as handle:
+            keys = set(handle.keys())
+        for name in from_hf_weights(cfg, gcfg, 1) or ():
+            target = "transformer.wte.weight" if name == "output.weight" and gcfg.tie_embeddings else hf_name(name)[0]
+            if target not in keys:
+                raise HFConversionError(f"model.safetensors has no tensor {target!r}")
+    except (HFConversionError, ValueError, KeyError, OSError, ImportError) as e:
+        raise checkpoint.CheckpointError(f"--from-hf {path}: {e}") from None
 
 
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
@@ -197,6 +237,15 @@ def data_signature(cfg: Config) -> dict:
                 seq_length=cfg.model.seq_length, tokenizer=tokenizer_digest(d.tokenizer_model))
 
 
+def tokenizer_record(cfg: Config) -> Optional[dict]:
+    """Where the run's tokenizer is (for scripts/convert_checkpoint.py and generate.py)."""
+    d = cfg.data
+    if d.tokenizer_model is None or cfg.train.mock_data:
+        return None
+    return dict(model=os.path.abspath(d.tokenizer_model), type=d.tokenizer_type,
+                sha256=tokenizer_digest(d.tokenizer_model))
+
+
 def tokenizer_digest(path: Optional[str]) -> Optional[str]:
     """sha256 of the tokenizer model file (None without one), as in PREFIX.tokenizer.json."""
     from data.tokenizer import model_sha256
@@ -278,7 +327,9 @@ class Trainer:
                                           skipped_iterations=self.skipped_iterations,
                                           eval_round=self.eval_round,
                                           model=model_signature(self.gpt_config),
-                                          data=data_signature(self.cfg)),
+                                          data=data_signature(self.cfg),
+                                          gpt_config=config_record(self.gpt_config),
+                                          tokenizer=tokenizer_record(self.cfg)),
                                keep=self.cfg.train.keep_latest_checkpoints)
 
     def load_checkpoint(self, root: str) -> Optional[int]:
@@ -473,6 +524,8 @@ def prepare_run(cfg: Config, verify: bool = False):
     resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
     data = build_data(cfg, resume)
     check_resume(cfg, resume, data[2])
+    if cfg.train.from_hf:
+        check_from_hf(cfg, data[2])
     return data, resume
 
 

@@ -184,7 +184,18 @@ def _check_logging(cfg: Config, world_size: int) -> None:
                           "installed; fix: pip install wandb (or pip install -e .[wandb]), or drop --wandb-project")
 
 
-_CHECKS = (_check_outputs, _check_logging, _check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
+def _check_from_hf(cfg: Config, world_size: int) -> None:
+    """--from-hf names a folder with config.json and model.safetensors."""
+    path = cfg.train.from_hf
+    if path is None:
+        return
+    for name in ("config.json", "model.safetensors"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ConfigError(f"--from-hf {path}: {name} not found; fix: give a folder written by "
+                              "scripts/convert_checkpoint.py --to-hf (or save_pretrained with safetensors)")
+
+
+_CHECKS = (_check_outputs, _check_logging, _check_from_hf, _check_ranges, _check_world, _check_model_shape, _check_batch, _check_pipeline,
            _check_optim_precision, _check_data)
 
 
