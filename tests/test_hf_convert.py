@@ -215,3 +215,21 @@ def test_untied_model_maps_exactly_in_one_process(tmp_path):
     back = CanonicalView(tensors, gcfg, gcfg.padded_vocab(2))  # re-padded for tp 2: 50 -> 64 rows
     assert back["output.weight"].shape == (64, 16) and torch.equal(back["output.weight"][:50], full["output.weight"][:50])
     assert torch.equal(back["layers.1.attn.qkv.weight"], full["layers.1.attn.qkv.weight"])
+
+
+@pytest.mark.slow
+def test_generate_from_the_tp2_pp2_checkpoint_equals_transformers_greedy(exported, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from scripts.generate import main
+
+    prompt = "x = 1\n"
+    assert main(["--load", exported["ckpt"], "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0",
+                 "--print-ids", "--device", "cpu"]) == 0
+    ids = json.loads(capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1])
+    model = AutoModelForCausalLM.from_pretrained(exported["hf"], dtype=torch.float32).eval()
+    start = torch.tensor([exported["tok"].encode(prompt)])
+    want = model.generate(start, max_new_tokens=8, do_sample=False, pad_token_id=model.config.eos_token_id)
+    want, eos = want[0].tolist(), model.config.eos_token_id
+    # generate.py stops after EOD; transformers pads the rest of its rows with it
+    assert ids == want[:len(ids)] and all(t == eos for t in want[len(ids) - 1:]) if len(ids) < len(want) else ids == want
