@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megazero import checkpoint, collectives, memory
 from megazero.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
-from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir
+from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir, to_dict
 from megazero.data_parallel.ddp import DataParallel
 from megazero.flops import spec_flops_per_iteration
 from megazero.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
@@ -38,6 +38,7 @@ from data.indexed_dataset import DataError
 from model.config import GPTConfig
 from model.generation import pipeline_generate_greedy
 from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, resize_vocab
+from model.hf import HFConversionError, config_record
 
 
 def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, ProcessGroups]:
@@ -87,6 +88,7 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
     """
     p = cfg.parallel
     chunks, tracker = [], None
+    full = from_hf_weights(cfg, gcfg, groups.tp_size)
     for v in range(p.virtual_pipeline_size):
         ids = partition.layer_ids(gcfg.num_layers, p.pp, groups.pp_rank, p.virtual_pipeline_size, v,
                                   p.pipeline_layer_split)
@@ -94,10 +96,48 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
                          pre_process=partition.is_pre_process(groups.pp_rank, v),
                          post_process=partition.is_post_process(groups.pp_rank, p.pp, v,
                                                                 p.virtual_pipeline_size),
-                         seed=cfg.train.seed, rng_tracker=tracker, device=device)
+                         seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full)
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
         chunks.append(chunk)
     return chunks
+
+
+def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
+    """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2 model, read lazily
+    (each stage loads only its own), vocabulary re-padded for ``tp_size``; else None."""
+    if cfg.train.from_hf is None:
+        return None
+    from safetensors import safe_open
+
+    from model.hf import CanonicalView
+
+    handle = safe_open(os.path.join(cfg.train.from_hf, "model.safetensors"), "pt")
+    return CanonicalView(handle, gcfg, gcfg.padded_vocab(tp_size))
+
+
+def check_from_hf(cfg: Config, vocab_size: int) -> None:
+    """Before any process group: DIR's config.json describes this run's model and its
+    safetensors hold every tensor. Raises CheckpointError naming the difference."""
+    import json
+
+    from model.hf import check_matches, hf_name
+
+    path = cfg.train.from_hf
+    gcfg = build_gpt_config(cfg, vocab_size)
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        check_matches(config, gcfg)
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as handle:
+            keys = set(handle.keys())
+        for name in from_hf_weights(cfg, gcfg, 1) or ():
+            target = "transformer.wte.weight" if name == "output.weight" and gcfg.tie_embeddings else hf_name(name)[0]
+            if target not in keys:
+                raise HFConversionError(f"model.safetensors has no tensor {target!r}")
+    except (HFConversionError, ValueError, KeyError, OSError, ImportError) as e:
+        raise checkpoint.CheckpointError(f"--from-hf {path}: {e}") from None
 
 
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
@@ -150,7 +190,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None):
     from data.indexed_dataset import check_same_tokenizer
     from data.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(cfg.data.tokenizer_model)
+    tok = load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type)
     if cfg.data.vocab_size is not None and cfg.data.vocab_size != tok.vocab_size:
         raise DataError(f"--vocab-size {cfg.data.vocab_size} differs from the {tok.vocab_size} tokens of "
                         f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
@@ -209,11 +249,20 @@ def data_signature(cfg: Config) -> dict:
                 seq_length=cfg.model.seq_length, tokenizer=tokenizer_digest(d.tokenizer_model))
 
 
+def tokenizer_record(cfg: Config) -> Optional[dict]:
+    """Where the run's tokenizer is (for scripts/convert_checkpoint.py and generate.py)."""
+    d = cfg.data
+    if d.tokenizer_model is None or cfg.train.mock_data:
+        return None
+    return dict(model=os.path.abspath(d.tokenizer_model), type=d.tokenizer_type,
+                sha256=tokenizer_digest(d.tokenizer_model))
+
+
 def tokenizer_digest(path: Optional[str]) -> Optional[str]:
     """sha256 of the tokenizer model file (None without one), as in PREFIX.tokenizer.json."""
     from data.tokenizer import model_sha256
 
-    return model_sha256(path) if path and os.path.isfile(path) else None
+    return model_sha256(path) if path and os.path.exists(path) else None
 
 
 def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
@@ -260,7 +309,7 @@ class Trainer:
         self.ddp, self.optimizer = build_optimizer(self.chunks, cfg, groups)
         o = cfg.optim
         self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or cfg.train.train_iters,
-                                      o.lr_decay_style)
+                                      o.lr_decay_style, o.lr_wsd_decay_iters, o.lr_wsd_decay_style)
         self.num_microbatches = cfg.train.gradient_accumulation_steps
         p = cfg.parallel
         self.actions = build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, groups.pp_rank,
@@ -289,7 +338,9 @@ class Trainer:
                                           skipped_iterations=self.skipped_iterations,
                                           eval_round=self.eval_round,
                                           model=model_signature(self.gpt_config),
-                                          data=data_signature(self.cfg)),
+                                          data=data_signature(self.cfg),
+                                          gpt_config=config_record(self.gpt_config),
+                                          tokenizer=tokenizer_record(self.cfg)),
                                keep=self.cfg.train.keep_latest_checkpoints)
 
     def load_checkpoint(self, root: str) -> Optional[int]:
@@ -377,7 +428,8 @@ def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
     values = throughput(flops_per_iteration=trainer.flops_per_iteration,
                         tokens_per_iteration=cfg.train.global_batch_size * cfg.model.seq_length,
                         iteration_time_s=seconds_per_iter, world_size=trainer.groups.world_size,
-                        peak_flops_per_device=peak_flops(trainer.device, trainer.dtype))
+                        peak_flops_per_device=(cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops
+                                               else peak_flops(trainer.device, trainer.dtype)))
     return dict(values, iteration_time_s=seconds_per_iter,
                 model_state_bytes=trainer.optimizer.model_state_bytes()["total"],
                 peak_memory_bytes=memory_stats(trainer.device).get("peak_bytes"))
@@ -423,6 +475,15 @@ def final_sample(trainer: Trainer, tokenizer, cfg: Config) -> str:
     return tokenizer.decode(generate_ids(trainer, prompt, cfg.log.generate_tokens))
 
 
+def wandb_settings(cfg: Config) -> Optional[dict]:
+    """Arguments of the Monitor's W&B logger, or None without ``--wandb-project``."""
+    lg = cfg.log
+    if lg.wandb_project is None:
+        return None
+    return dict(project=lg.wandb_project, name=lg.wandb_exp_name or os.path.basename(os.path.normpath(lg.run_dir)),
+                save_dir=lg.wandb_save_dir or os.path.join(lg.run_dir, "wandb"), config=to_dict(cfg))
+
+
 def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dict:
     """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data."""
     tokenizer, (train_ds, valid_ds, _), vocab_size = data
@@ -437,7 +498,7 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     monitor = Monitor(cfg.log.run_dir, tensorboard_dir=cfg.log.tensorboard_dir,
                       metrics_file=cfg.log.metrics_file, rank=groups.rank,
                       is_logging_rank=logging_rank, config_text=describe(cfg),
-                      train_iters=cfg.train.train_iters)
+                      train_iters=cfg.train.train_iters, wandb=wandb_settings(cfg))
     if groups.rank == 0:
         print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
               f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)
@@ -479,6 +540,8 @@ def prepare_run(cfg: Config, verify: bool = False):
     resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
     data = build_data(cfg, resume)
     check_resume(cfg, resume, data[2])
+    if cfg.train.from_hf:
+        check_from_hf(cfg, data[2])
     return data, resume
 
 

@@ -1,6 +1,7 @@
 """Tokenize a JSONL corpus into ``.bin``/``.idx`` datasets, in parallel worker processes.
 
     python -m data.preprocess --input X.jsonl --json-keys text --tokenizer-model M \\
+        [--tokenizer-type {SentencePieceTokenizer,HuggingFaceTokenizer}] \\
         --output-prefix P --append-eod --workers N [--skip-bad-lines]
     python -m data.preprocess --merge P1 P2 ... --output-prefix P
 
@@ -28,17 +29,18 @@ import numpy as np
 from data.indexed_dataset import (DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype,
                                   check_same_tokenizer, cli_exit, exists, read_tokenizer_record,
                                   tokenizer_record_path, write_tokenizer_record)
-from data.tokenizer import load_tokenizer
+from data.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
 _worker: dict = {}
 
 
-def _init_worker(model_path: str, keys: list[str], append_eod: bool) -> None:
+def _init_worker(model_path: str, keys: list[str], append_eod: bool,
+                 tokenizer_type: str = "SentencePieceTokenizer") -> None:
     # The parent owns clean-up: a worker that the pool terminates (SIGTERM) dies quietly, and
     # Ctrl-C reaches only the parent, which then terminates the pool.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, tokenizer_type)
     _worker.update(tok=tok, keys=keys, eod=tok.eod if append_eod else None,
                    dtype=best_dtype(tok.vocab_size))
 
@@ -106,8 +108,10 @@ class Progress:
 
 def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix: str,
                append_eod: bool = True, workers: int = 1, skip_bad_lines: bool = False,
-               progress: bool = True, chunksize: int = 16) -> dict:
-    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document`` for each key.
+               progress: bool = True, chunksize: int = 16,
+               tokenizer_type: str = "SentencePieceTokenizer") -> dict:
+    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document`` for each key, with the
+    sentencepiece model or Hugging Face ``tokenizer.json`` ``model_path`` (``tokenizer_type``).
 
     Returns stats: documents, tokens, empty (skipped empty texts), bad_lines (skipped),
     seconds, and prefixes {key: prefix}. Raises DataError (file:line and fix) on bad input;
@@ -115,7 +119,7 @@ def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix:
     """
     if not os.path.isfile(input_path):
         raise DataError(f"{input_path}: input file not found (--input)")
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, tokenizer_type)
     dtype = best_dtype(tok.vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in keys}
     stats = {"documents": 0, "tokens": 0, "empty": 0, "bad_lines": 0, "prefixes": prefixes}
@@ -124,7 +128,7 @@ def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix:
     builders = [IndexedDatasetBuilder(p, dtype) for p in prefixes.values()]
     pool = None
     try:
-        init = (model_path, keys, append_eod)
+        init = (model_path, keys, append_eod, tokenizer_type)
         if workers > 1:
             # Workers fork with default SIGTERM / ignored SIGINT, so no handler of the parent's
             # (cli_exit turns SIGTERM into KeyboardInterrupt) runs in a child before its initializer.
@@ -208,7 +212,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__.split("\n")[0])
     p.add_argument("--input", help="JSONL file, one document per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize")
-    p.add_argument("--tokenizer-model", help="sentencepiece .model (see data.tokenizer)")
+    p.add_argument("--tokenizer-model", help="sentencepiece .model (see data.tokenizer), or with "
+                   "--tokenizer-type HuggingFaceTokenizer a tokenizer.json or a folder holding one")
+    p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD id")
     p.add_argument("--workers", type=int, default=1)
@@ -226,7 +232,8 @@ def main(argv=None) -> int:
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be at least 1")
     s = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
-                   args.append_eod, args.workers, args.skip_bad_lines, not args.no_progress)
+                   args.append_eod, args.workers, args.skip_bad_lines, not args.no_progress,
+                   tokenizer_type=args.tokenizer_type)
     secs = max(s["seconds"], 1e-9)
     print(f"{args.input}: {s['documents']} documents, {s['tokens']} tokens in {secs:.1f} s "
           f"({s['documents'] / secs:.0f} documents/s, {s['tokens'] / secs:.0f} tokens/s, "

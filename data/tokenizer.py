@@ -1,4 +1,6 @@
-"""A byte-fallback BPE tokenizer (sentencepiece) that round-trips any text exactly, code included.
+"""A byte-fallback BPE tokenizer (sentencepiece) that round-trips any text exactly, code included,
+and, behind the same interface, a Hugging Face ``tokenizer.json`` (``HFTokenizer``; Megatron's
+``--tokenizer-type HuggingFaceTokenizer``).
 
 Train: ``python -m data.tokenizer --input X.jsonl --vocab-size 8192 --out-prefix P`` writes
 ``P.model`` (and ``P.vocab``). Load: ``load_tokenizer("P.model")``.
@@ -92,16 +94,100 @@ class Tokenizer:
         return b"".join(table[int(i)] for i in ids).decode("utf-8", errors="replace")
 
 
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")  # Megatron's --tokenizer-type names
+HF_EOD_TOKENS = ("<|endoftext|>", "<|eod|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def tokenizer_file(path: str) -> str:
+    """The file a tokenizer path names: ``path`` itself, or ``path/tokenizer.json`` for a
+    directory (a Hugging Face model folder)."""
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer (a ``tokenizer.json``), behind the same interface
+    as :class:`Tokenizer`: ``vocab_size``, ``eod``, ``encode``, ``decode``, ``sha256``, ``record``.
+
+    ``model_path`` is a ``tokenizer.json`` or a folder holding one. ``vocab_size`` counts the
+    added tokens. The EOD id is the first of ``HF_EOD_TOKENS`` the vocabulary has. As with the
+    sentencepiece tokenizer, special-token text inside a document is encoded as ordinary text
+    (``encode_special_tokens``), never as the EOD id, and no BOS/EOS is added; ``decode`` drops
+    special tokens. Raises DataError for a missing or unreadable file or no EOD token.
+    """
+
+    def __init__(self, model_path: str):
+        path = tokenizer_file(model_path)
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: tokenizer.json not found (--tokenizer-model with --tokenizer-type "
+                            "HuggingFaceTokenizer names a tokenizer.json or a folder holding one)")
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError:
+            raise DataError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers package; fix: "
+                            "pip install tokenizers (or pip install -e .[hf])") from None
+        try:
+            self.tok = _HF.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise DataError(f"{path}: not a Hugging Face tokenizer.json ({e})") from None
+        self.tok.encode_special_tokens = True
+        self.model_path = path
+        self.vocab_size: int = self.tok.get_vocab_size(with_added_tokens=True)
+        eod = next((self.tok.token_to_id(t) for t in HF_EOD_TOKENS if self.tok.token_to_id(t) is not None), None)
+        if eod is None:
+            raise DataError(f"{path}: has none of the end-of-document tokens {', '.join(HF_EOD_TOKENS)}; fix: "
+                            "add one as a special token")
+        self.eod: int = eod
+        self.sha256: str = model_sha256(path)
+
+    def record(self) -> dict:
+        """What ``data.preprocess`` stores beside a dataset (``PREFIX.tokenizer.json``)."""
+        return {"sha256": self.sha256, "vocab_size": self.vocab_size, "eod": self.eod,
+                "model": os.path.abspath(self.model_path), "type": "HuggingFaceTokenizer"}
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        """Text of ``ids``, special tokens (EOD) dropped."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def train_hf_tokenizer(texts, vocab_size: int, out_path: str, eod_token: str = "<|endoftext|>") -> str:
+    """Train a GPT-2-style byte-level BPE ``tokenizer.json`` on an iterable of strings (any text
+    round-trips: every byte is in the alphabet); ``eod_token`` is id 0. Returns ``out_path``."""
+    from tokenizers import Tokenizer as _HF, decoders, models, pre_tokenizers, trainers
+
+    tok = _HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eod_token], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = tmp_name(out_path)
+    tok.save(tmp)
+    os.replace(tmp, out_path)
+    return out_path
+
+
 def model_sha256(model_path: str) -> str:
-    """sha256 (hex) of the bytes of a tokenizer model file: what ``PREFIX.tokenizer.json`` and
-    checkpoints record to tell tokenizers apart. Raises OSError when unreadable."""
-    with open(model_path, "rb") as f:
+    """sha256 (hex) of the bytes of a tokenizer model file (a folder: its tokenizer.json): what
+    ``PREFIX.tokenizer.json`` and checkpoints record to tell tokenizers apart. Raises OSError
+    when unreadable."""
+    with open(tokenizer_file(model_path), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def load_tokenizer(model_path: str) -> Tokenizer:
-    """Load a sentencepiece model written by ``train_tokenizer``. Raises DataError if missing/invalid."""
-    return Tokenizer(model_path)
+def load_tokenizer(model_path: str, tokenizer_type: str = "SentencePieceTokenizer"):
+    """A :class:`Tokenizer` (sentencepiece model written by ``train_tokenizer``) or an
+    :class:`HFTokenizer` (``tokenizer.json``), by Megatron's ``--tokenizer-type`` name.
+    Raises DataError if missing/invalid or for an unknown type."""
+    if tokenizer_type == "SentencePieceTokenizer":
+        return Tokenizer(model_path)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HFTokenizer(model_path)
+    raise DataError(f"--tokenizer-type {tokenizer_type!r} is unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def iter_jsonl_texts(path: str, key: str = "text"):

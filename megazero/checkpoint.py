@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 import zlib
 from typing import Callable, Optional
 
@@ -366,3 +367,27 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     meta["same_layout"] = same_layout
     meta["directory"] = d
     return meta
+
+
+def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, canonical name -> full fp32 main parameter) of the latest checkpoint under
+    ``root``, read in one process without any process group (conversion, generation).
+
+    Raises CheckpointError when there is no checkpoint or a file is unreadable.
+    """
+    meta = peek(root)
+    if meta is None:
+        raise CheckpointError(f"no checkpoint under {root} (no 'latest' file); fix: give the --save "
+                              "directory of a run")
+    d = iteration_dir(root, meta["iteration"])
+    saved = _read_metadata(d).state_dict_metadata
+    suffix = "/main_param"
+    full = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.endswith(suffix)}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(full, storage_reader=dcp.FileSystemReader(d), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{d}: reading the tensors failed ({type(e).__name__}); fix: load an "
+                              f"earlier iter_* directory (write its number into 'latest')") from None
+    return meta, {k[:-len(suffix)]: t for k, t in full.items()}

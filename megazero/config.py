@@ -156,6 +156,9 @@ class TrainingConfig:
                                       "iterations", ge=1)
     keep_latest_checkpoints: int = _f(0, "after each save, delete all but this many newest checkpoints "
                                       "under --save; 0 = keep all", "checkpoints", ge=0)
+    from_hf: Optional[str] = _f(None, "Hugging Face GPT-2 folder (config.json + model.safetensors) to start "
+                                "from: weights sliced for this layout, fresh optimizer; a checkpoint under "
+                                "--load still takes precedence", "path")
     device: str = _f("auto", "auto = CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
     mock_data: bool = _f(False, "train on random tokens; no --data-path needed")
 
@@ -170,7 +173,12 @@ class OptimizerConfig:
                                         "iterations", ge=0)
     lr_decay_iters: Optional[int] = _f(None, "iterations of decay to --min-lr; None = --train-iters",
                                        "iterations", ge=1)
-    lr_decay_style: str = _f("cosine", "shape of the decay", choices=("cosine", "linear", "constant"))
+    lr_decay_style: str = _f("cosine", "shape of the decay (WSD: warmup-stable-decay, Megatron's)",
+                             choices=("cosine", "linear", "constant", "WSD"))
+    lr_wsd_decay_iters: Optional[int] = _f(
+        None, "WSD: iterations of the final annealing phase, ending at --lr-decay-iters", "iterations", ge=1)
+    lr_wsd_decay_style: str = _f("exponential", "WSD: shape of the annealing phase",
+                                 choices=("exponential", "linear", "cosine", "minus_sqrt"))
     weight_decay: float = _f(0.1, "decoupled weight decay on matrices", "", ge=0)
     adam_beta1: float = _f(0.9, "Adam first-moment decay", "", ge=0, lt=1)
     adam_beta2: float = _f(0.95, "Adam second-moment decay", "", ge=0, lt=1)
@@ -229,7 +237,10 @@ class DataConfig:
 
     data_path: list[str] = _f([], "PREFIX of PREFIX.bin/.idx, or a blend: W1 PREFIX1 W2 PREFIX2 ...", "path")
     split: str = _f("969,30,1", "train,valid,test proportions of the documents", "parts")
-    tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file (needed with --data-path)", "path")
+    tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file, or a tokenizer.json (or a folder "
+                                        "holding one) with HuggingFaceTokenizer; needed with --data-path", "path")
+    tokenizer_type: str = _f("SentencePieceTokenizer", "how --tokenizer-model is read (Megatron's names)",
+                             choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
     vocab_size: Optional[int] = _f(
         None, f"vocabulary; None = the tokenizer's ({MOCK_VOCAB_SIZE} with --mock-data)", "tokens", ge=1)
     data_cache_dir: Optional[str] = _f(None, "where sample indices are cached (atomic, shared by ranks); None = built in memory on every rank", "path")
@@ -237,7 +248,7 @@ class DataConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console log, TensorBoard, metrics file, final sample."""
+    """Console log, TensorBoard, Weights & Biases, metrics file, MFU peak, final sample."""
 
     log_interval: int = _f(10, "log every this many steps", "iterations",
                            flags=("--log-interval", "--steps-per-print"), ge=1)
@@ -248,6 +259,13 @@ class LoggingConfig:
     metrics_file: Optional[str] = _f("metrics.jsonl", "JSON-lines metrics, relative to --run-dir", "path")
     generate_tokens: int = _f(64, "length of the greedy sample printed at the end", "tokens", ge=0)
     prompt: str = _f("def ", "prompt of that sample")
+    wandb_project: Optional[str] = _f(None, "Weights & Biases project: log TensorBoard's scalars there too "
+                                      "(needs the wandb extra; WANDB_MODE=offline works without a network); "
+                                      "None = off")
+    wandb_exp_name: Optional[str] = _f(None, "W&B run name; None = the --run-dir folder name")
+    wandb_save_dir: Optional[str] = _f(None, "W&B files directory; None = RUN_DIR/wandb", "path")
+    peak_tflops: Optional[float] = _f(None, "dense peak matmul TFLOP/s of one device, the MFU denominator; "
+                                      "None = megazero's table of known GPUs (else MFU n/a)", "TFLOP/s", gt=0)
 
 
 @dataclass

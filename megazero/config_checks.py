@@ -5,6 +5,7 @@ process group exists (DESIGN.md, contract 3).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -150,7 +151,7 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
 
 
 def _check_optim_precision(cfg: Config, world_size: int) -> None:
-    """min lr <= lr; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
+    """min lr <= lr; a WSD annealing phase that fits; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
     o, pr, z = cfg.optim, cfg.precision, cfg.zero
     if o.min_lr > o.lr:
         raise ConfigError(f"{_show(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
@@ -161,6 +162,11 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
                           f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
                           "--train-iters, its default), lower --lr-warmup-iters, or use "
                           "--lr-decay-style constant")
+    if o.lr_decay_style == "WSD" and not (
+            o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_iters <= o.lr_decay_iters - o.lr_warmup_iters):
+        raise ConfigError(f"--lr-decay-style WSD needs {_show(cfg, 'optim.lr_wsd_decay_iters')} between 1 and "
+                          f"--lr-decay-iters {o.lr_decay_iters} - --lr-warmup-iters {o.lr_warmup_iters}, got "
+                          f"{o.lr_wsd_decay_iters}; fix: give --lr-wsd-decay-iters in that range")
     if pr.fp16 and pr.bf16:
         raise ConfigError(f"{_show(cfg, 'precision.fp16')} and {_show(cfg, 'precision.bf16')} are both on; "
                           "fix: choose one")
@@ -213,12 +219,33 @@ def _check_data(cfg: Config, world_size: int) -> None:
     if d.tokenizer_model is None:
         raise ConfigError("--tokenizer-model is missing; --data-path needs the sentencepiece model the "
                           "data was tokenized with; fix: give --tokenizer-model PATH")
-    if not os.path.isfile(d.tokenizer_model):
+    hf_folder = d.tokenizer_type == "HuggingFaceTokenizer" and os.path.isfile(
+        os.path.join(d.tokenizer_model, "tokenizer.json"))
+    if not (os.path.isfile(d.tokenizer_model) or hf_folder):
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
 
 
-_CHECKS = (_check_outputs, _check_swiglu_width, _check_ranges, _check_world, _check_model_shape, _check_block,
-           _check_recompute, _check_batch, _check_pipeline, _check_optim_precision, _check_data)
+def _check_logging(cfg: Config, world_size: int) -> None:
+    """--wandb-project needs the optional wandb package (pyproject extra ``wandb``)."""
+    if cfg.log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--wandb-project {cfg.log.wandb_project} needs the wandb package, which is not "
+                          "installed; fix: pip install wandb (or pip install -e .[wandb]), or drop --wandb-project")
+
+
+def _check_from_hf(cfg: Config, world_size: int) -> None:
+    """--from-hf names a folder with config.json and model.safetensors."""
+    path = cfg.train.from_hf
+    if path is None:
+        return
+    for name in ("config.json", "model.safetensors"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ConfigError(f"--from-hf {path}: {name} not found; fix: give a folder written by "
+                              "scripts/convert_checkpoint.py --to-hf (or save_pretrained with safetensors)")
+
+
+_CHECKS = (_check_outputs, _check_logging, _check_from_hf, _check_swiglu_width, _check_ranges, _check_world,
+           _check_model_shape, _check_block, _check_recompute, _check_batch, _check_pipeline,
+           _check_optim_precision, _check_data)
 
 
 def validate(cfg: Config, world_size: int) -> None:

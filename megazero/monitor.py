@@ -1,4 +1,5 @@
-"""Training monitor: console lines, TensorBoard scalars, a JSON-lines metrics file, timers,
+"""Training monitor: console lines, TensorBoard scalars (also sent to Weights & Biases with
+``--wandb-project``), a JSON-lines metrics file, timers,
 peak memory, and the unigram-entropy baseline. FLOP accounting and MFU are in
 ``megazero/flops.py`` (re-exported here).
 
@@ -243,6 +244,40 @@ def _under(run_dir: str, path: Optional[str]) -> Optional[str]:
     return None if path is None else os.path.join(run_dir, path)
 
 
+class WandbLogger:
+    """Weights & Biases sink for the scalars the Monitor sends to TensorBoard (same tags,
+    same iteration as W&B's ``step``), the run's settings as W&B config, and the final
+    summary values as the W&B run summary.
+
+    ``wandb.init(project, name, dir=save_dir)``: with ``WANDB_MODE=offline`` (wandb's own
+    variable) the run is written under ``save_dir/wandb/offline-run-*`` without a network,
+    for a later ``wandb sync``. Raises ImportError naming the fix when wandb is missing
+    (the config check reports it before launch; this is the library-level guard).
+    """
+
+    def __init__(self, project: str, name: Optional[str], save_dir: str, config: Mapping[str, Any]):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(f"--wandb-project needs the wandb package ({e}); fix: pip install wandb "
+                              "(or pip install -e .[wandb]), or drop --wandb-project") from None
+        os.makedirs(save_dir, exist_ok=True)
+        self._run = wandb.init(project=project, name=name, dir=save_dir, config=dict(config))
+
+    def log(self, tagged: Mapping[str, Any], step: int) -> None:
+        """Send ``tag -> value`` at iteration ``step``; None values are left out."""
+        self._run.log({tag: v for tag, v in tagged.items() if v is not None}, step=step)
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        """Set W&B run-summary values (final loss, baseline, sample)."""
+        for key, value in values.items():
+            self._run.summary[key] = value
+
+    def close(self) -> None:
+        """Finish the W&B run (flushes; an offline run is then complete on disk)."""
+        self._run.finish()
+
+
 class Monitor:
     """Console, TensorBoard and ``metrics.jsonl`` logging for one rank.
 
@@ -251,17 +286,23 @@ class Monitor:
     ``rank`` (global rank, used to prefix per-rank lines); ``is_logging_rank`` (only this
     rank writes anything); ``config_text`` (written as TensorBoard text ``config`` at
     start); ``train_iters`` (shown as ``iteration i/train_iters``; optional). The metrics
-    file is opened for appending, so a resumed run continues it.
+    file is opened for appending, so a resumed run continues it. ``wandb``: None, or a
+    :class:`WandbLogger`'s arguments (``project``, ``name``, ``save_dir``, ``config``),
+    which then receives every TensorBoard scalar too (logging rank only).
     """
 
     def __init__(self, run_dir: str, *, tensorboard_dir: Optional[str],
                  metrics_file: Optional[str], rank: int, is_logging_rank: bool,
-                 config_text: str, train_iters: Optional[int] = None):
+                 config_text: str, train_iters: Optional[int] = None,
+                 wandb: Optional[Mapping[str, Any]] = None):
         self.rank, self.is_logging_rank, self.train_iters = rank, is_logging_rank, train_iters
         self._writer = None
         self._metrics = None
+        self._wandb = None
         if not is_logging_rank:
             return
+        if wandb is not None:
+            self._wandb = WandbLogger(**wandb)
         os.makedirs(run_dir, exist_ok=True)
         tb_dir, metrics_path = _under(run_dir, tensorboard_dir), _under(run_dir, metrics_file)
         if tb_dir is not None:
@@ -282,6 +323,8 @@ class Monitor:
             self._metrics.flush()
 
     def _scalars(self, tagged: Mapping[str, Any], step: int) -> None:
+        if self._wandb is not None:
+            self._wandb.log(tagged, step)
         if self._writer is None:
             return
         for tag, value in tagged.items():
@@ -361,12 +404,17 @@ class Monitor:
         print(line, flush=True)
         print(f"sample: {sample_text}", flush=True)
         self.log_text("summary", f"{line}\n\n{sample_text}")
-        self._record("summary", {"final_valid_loss": loss, "final_valid_ppl": _ppl(loss),
-                                 "unigram_entropy": base, "unigram_ppl": _ppl(base),
-                                 "loss_to_unigram": ratio, "sample_text": sample_text})
+        values = {"final_valid_loss": loss, "final_valid_ppl": _ppl(loss), "unigram_entropy": base,
+                  "unigram_ppl": _ppl(base), "loss_to_unigram": ratio, "sample_text": sample_text}
+        self._record("summary", values)
+        if self._wandb is not None:
+            self._wandb.summary(values)
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer and the metrics file (idempotent)."""
+        """Flush and close the TensorBoard writer, the metrics file and the W&B run (idempotent)."""
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -1,0 +1,128 @@
+"""Sampling with a key/value cache from a whole-model GPT stage (pp == 1, any tp).
+
+The prompt runs once through the model (prefill), each layer keeping its keys and values
+``[B, n_head/tp, t, head_dim]``; every new token then runs alone, attending to the cache, so
+a step costs one token's forward instead of the whole context's (the standard decoder KV
+cache, e.g. Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 2). The
+forward reuses the stage's own tensor-parallel modules (QKV and fc1 column-parallel,
+projections row-parallel, vocabulary-parallel embedding and logits), so under tp each rank
+holds its heads' cache and the logits are gathered over TP before sampling: every TP rank
+sees the same full logits and, with the same seed, draws the same token.
+
+Sampling (as Hugging Face's ``generate`` and Megatron's text generation define it): with
+``temperature == 0`` the argmax (greedy); otherwise the logits are divided by the
+temperature, restricted to the ``top_k`` largest (0 = all), then to the smallest set of
+tokens whose probabilities sum to at least ``top_p`` (1.0 = all; the most likely token
+always stays; nucleus sampling, Holtzman et al. 2020, sec. 3.1), and one token is drawn
+with a ``torch.Generator`` seeded by ``seed``. Padded vocabulary columns are never drawn.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megazero.tensor_parallel.layers import parallel_lm_logits
+from megazero.tensor_parallel.mappings import gather_from_tp_region
+
+
+def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor, tuple]:
+    """``model.gpt.Attention`` on new tokens ``x [B, t, H]`` with past keys/values ``cache``."""
+    qkv = attn.qkv(x)                                        # (B, t, 3H/tp) = [q; k; v] local
+    B, t, _ = qkv.shape
+    # (B, t, H/tp) each -> (B, n_head/tp, t, head_dim)
+    q, k, v = (z.view(B, t, attn.heads_local, attn.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
+    if cache is not None:
+        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, n/tp, past+t, d)
+    past = k.shape[2] - t
+    # new token i (absolute position past + i) sees keys 0 .. past + i
+    mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, n/tp, t, d)
+    y = y.transpose(1, 2).reshape(B, t, attn.heads_local * attn.head_dim)  # (B, t, H/tp)
+    return attn.proj(y), (k, v)
+
+
+@torch.no_grad()
+def forward_cached(stage, ids: torch.Tensor, caches: list) -> torch.Tensor:
+    """Logits ``[B, V]`` (real vocabulary, gathered over TP) of the last of the new tokens
+    ``ids [B, t]``; ``caches`` (one entry per layer, None at first) is extended in place.
+
+    Raises ValueError when the positions run past ``max_position_embeddings`` or the stage
+    is not the whole model without sequence parallelism.
+    """
+    if not (stage.pre_process and stage.post_process) or stage.sp:
+        raise ValueError("KV-cache decoding needs the whole model in one stage (pp 1), without "
+                         "--sequence-parallel")
+    past = 0 if caches[0] is None else caches[0][0].shape[2]
+    if past + ids.shape[1] > stage.cfg.max_position_embeddings:
+        raise ValueError(f"prompt + new tokens ({past + ids.shape[1]}) exceed the model's "
+                         f"{stage.cfg.max_position_embeddings} positions; lower --max-new-tokens")
+    emb = stage.embedding
+    positions = torch.arange(past, past + ids.shape[1], device=ids.device)
+    x = emb.word_embeddings(ids) + emb.position_embeddings(positions)  # (B, t, H)
+    for i, block in enumerate(stage.layers.values()):
+        y, caches[i] = _attend(block.attn, block.ln1(x), caches[i])
+        x = x + y
+        x = x + block.mlp(block.ln2(x))
+    x = stage.final_ln(x[:, -1:])                                     # (B, 1, H)
+    if stage.cfg.tie_embeddings:
+        logits = parallel_lm_logits(x, emb.word_embeddings.weight, stage.tp, sequence_parallel=False)
+    else:
+        logits = stage.output(x)                                      # (B, 1, V_pad/tp)
+    return gather_from_tp_region(logits[:, 0], stage.tp)[:, :stage.cfg.vocab_size]  # (B, V)
+
+
+def choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+           generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next token ids ``[B]`` from logits ``[B, V]`` (see the module docstring).
+
+    Raises ValueError for a negative temperature or top_k, or top_p outside (0, 1].
+    """
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need --temperature >= 0 (got {temperature}), --top-k >= 0 (got {top_k}) and "
+                         f"0 < --top-p <= 1 (got {top_p})")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]               # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)  # (B, V) each
+        before = probs.cumsum(dim=-1) - probs                          # mass of the better tokens
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= top_p)  # vocab order
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(logits.device)
+
+
+@torch.no_grad()
+def sample(stage, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+           eod: Optional[int] = None) -> list[int]:
+    """``prompt_ids`` continued by up to ``max_new_tokens`` tokens (stops after ``eod``).
+
+    Collective over the stage's TP group (every TP rank calls it with the same arguments and
+    gets the same ids). Reproducible: the same seed gives the same tokens. Raises ValueError
+    for an empty prompt, bad sampling settings, or a length past the model's positions.
+    """
+    if not prompt_ids:
+        raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
+    was_training = stage.training
+    stage.eval()
+    device = next(stage.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    caches: list = [None] * len(stage.layers)
+    ids = list(prompt_ids)
+    new = torch.tensor([ids], device=device)                         # (1, T0): the prefill
+    try:
+        for _ in range(max_new_tokens):
+            token = int(choose(forward_cached(stage, new, caches), temperature, top_k, top_p, generator)[0])
+            ids.append(token)
+            if token == eod:
+                break
+            new = torch.tensor([[token]], device=device)             # (1, 1)
+    finally:
+        stage.train(was_training)
+    return ids

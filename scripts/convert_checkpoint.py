@@ -1,0 +1,132 @@
+"""Export a megazero checkpoint (saved under any layout) as a Hugging Face model folder.
+
+    python scripts/convert_checkpoint.py --load CKPT_DIR --to-hf OUT \\
+        [--tokenizer-model PATH --tokenizer-type {SentencePieceTokenizer,HuggingFaceTokenizer}]
+
+writes ``OUT/config.json`` and ``OUT/model.safetensors`` of a ``GPT2LMHeadModel`` that
+computes what the checkpoint's model computes (``model/hf.py`` holds the name map and the
+differences it refuses), plus the run's tokenizer, so that
+``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)``
+work. The checkpoint is read in this one process (full fp32 master weights; no process
+group). The tokenizer is the one the checkpoint recorded unless ``--tokenizer-model`` is
+given; its sha256 must equal the recorded one. A Hugging Face ``tokenizer.json`` is copied
+as is; a sentencepiece model is refused (its literal-"▁" handling has no exact
+``tokenizers`` equivalent yet): train with ``--tokenizer-type HuggingFaceTokenizer`` to
+export one. The folder appears only when complete (temporary name, then rename).
+Errors: one line ``convert_checkpoint: error: ...`` and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megazero.checkpoint import CheckpointError, read_full_weights  # noqa: E402
+from model.hf import HFConversionError, config_from_record, gpt2_config, to_hf_tensors  # noqa: E402
+
+
+class ConvertError(RuntimeError):
+    """A conversion that cannot be done; the message names the input and the fix."""
+
+
+def resolve_tokenizer(meta: dict, model: str | None, kind: str | None):
+    """The checkpoint's tokenizer (a ``data.tokenizer`` object) or None for a mock-data run.
+
+    Raises ConvertError when the given or recorded tokenizer is missing or is not the one
+    the checkpoint was trained with (sha256)."""
+    from data.indexed_dataset import DataError
+    from data.tokenizer import load_tokenizer
+
+    recorded = meta["extra"].get("tokenizer") or {}
+    model = model or recorded.get("model")
+    if model is None:
+        return None
+    try:
+        tok = load_tokenizer(model, kind or recorded.get("type", "SentencePieceTokenizer"))
+    except DataError as e:
+        raise ConvertError(f"tokenizer: {e}") from None
+    want = recorded.get("sha256") or (meta["extra"].get("data") or {}).get("tokenizer")
+    if want and tok.sha256 != want:
+        raise ConvertError(f"tokenizer {model} (sha256 {tok.sha256[:12]}) is not the one the checkpoint was "
+                           f"trained with (sha256 {want[:12]}); fix: --tokenizer-model of that run")
+    return tok
+
+
+def write_tokenizer(tok, out: str, max_length: int) -> None:
+    """Files for ``AutoTokenizer.from_pretrained(out)`` that encode as ``tok`` does."""
+    from data.tokenizer import HFTokenizer
+
+    if not isinstance(tok, HFTokenizer):
+        raise ConvertError("a sentencepiece tokenizer cannot be exported exactly yet; fix: train with "
+                           "--tokenizer-type HuggingFaceTokenizer (a tokenizer.json), or pass one "
+                           "with --tokenizer-model")
+    shutil.copyfile(tok.model_path, os.path.join(out, "tokenizer.json"))
+    eod = tok.tok.id_to_token(tok.eod)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
+              "model_max_length": max_length, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+
+
+def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_type: str | None = None) -> dict:
+    """Write the Hugging Face folder ``out`` from the latest checkpoint under ``load``.
+
+    Returns the written ``config.json`` as a dict. Raises ConvertError, CheckpointError or
+    HFConversionError (message names the difference) before anything is written.
+    """
+    from safetensors.torch import save_file
+
+    if os.path.exists(out) and os.listdir(out):
+        raise ConvertError(f"--to-hf {out} exists and is not empty; fix: choose a new folder")
+    meta, full = read_full_weights(load)
+    record = meta["extra"].get("gpt_config")
+    if record is None:
+        raise ConvertError(f"--load {load}: the checkpoint does not record its model settings (saved by an "
+                           "older megazero); fix: resume it for one iteration with this version and save")
+    gcfg = config_from_record(record, hidden_dropout=0.0, attention_dropout=0.0)
+    tensors = to_hf_tensors(full, gcfg)
+    tok = resolve_tokenizer(meta, tokenizer_model, tokenizer_type)
+    if tok is not None and tok.vocab_size != gcfg.vocab_size:
+        raise ConvertError(f"tokenizer vocabulary {tok.vocab_size} != the model's {gcfg.vocab_size}")
+    config = gpt2_config(gcfg, eod=None if tok is None else tok.eod)
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=1)
+        if tok is not None:
+            write_tokenizer(tok, tmp, gcfg.max_position_embeddings)
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return config
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/convert_checkpoint.py", description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (the run's --save)")
+    p.add_argument("--to-hf", required=True, metavar="OUT", help="Hugging Face folder to write")
+    p.add_argument("--tokenizer-model", help="tokenizer to export (default: the one the checkpoint recorded)")
+    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
+    args = p.parse_args(argv)
+    try:
+        config = convert(args.load, args.to_hf, args.tokenizer_model, args.tokenizer_type)
+    except (ConvertError, CheckpointError, HFConversionError) as e:
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.to_hf}: GPT2LMHeadModel, {config['n_layer']} layers, hidden {config['n_embd']}, "
+          f"vocabulary {config['vocab_size']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""scripts/generate.py and model/sampling.py: the KV-cache forward equals the full forward,
+temperature 0 equals transformers' greedy generate on the same exported model under tp 1 and
+tp 2, sampling is reproducible with a seed, and top-k / top-p keep the tokens they should."""
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.extras import require
+from tests.test_hf_tokenizer import corpus
+
+PROMPT = "def add(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A Hugging Face GPT-2 folder written from megazero tensors (init_method_std 0.2: peaked
+    logits, so a greedy choice is never a near tie) with a trained tokenizer.json."""
+    require("transformers")
+    from safetensors.torch import save_file
+
+    from data.tokenizer import load_tokenizer, train_hf_tokenizer
+    from model.config import GPTConfig
+    from model.gpt import init_full_weights
+    from model.hf import gpt2_config, to_hf_tensors
+    from scripts.convert_checkpoint import write_tokenizer
+
+    d = tmp_path_factory.mktemp("gen")
+    tok = load_tokenizer(train_hf_tokenizer(corpus(200), 300, str(d / "t" / "tokenizer.json")), "HuggingFaceTokenizer")
+    gcfg = GPTConfig(vocab_size=tok.vocab_size, num_layers=2, hidden_size=32, num_attention_heads=4,
+                     ffn_hidden_size=64, seq_length=64, hidden_dropout=0.0, attention_dropout=0.0,
+                     init_method_std=0.2, make_vocab_size_divisible_by=8)
+    full = init_full_weights(gcfg, seed=5, tp_size=1)
+    out = d / "hf"
+    out.mkdir()
+    save_file(to_hf_tensors(full, gcfg), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(gpt2_config(gcfg, eod=tok.eod)))
+    write_tokenizer(tok, str(out), gcfg.max_position_embeddings)
+    return str(out)
+
+
+def _hf_greedy(hf_dir, prompt_ids, n):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                         pad_token_id=model.config.eos_token_id)
+    return out[0].tolist()
+
+
+def _args(hf_dir, **kw):
+    return SimpleNamespace(from_hf=hf_dir, load=None, tokenizer_model=None, tokenizer_type=None, **kw)
+
+
+def _tp_generate(rank, world, hf_dir):
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+    from model.sampling import sample
+    from scripts.generate import load_model
+
+    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+    stage, tok = load_model(_args(hf_dir), groups, torch.device("cpu"))
+    prompt = tok.encode(PROMPT)
+    greedy = sample(stage, prompt, 24, temperature=0.0)
+    drawn = [sample(stage, prompt, 24, temperature=0.9, top_k=40, top_p=0.95, seed=s) for s in (7, 7, 8)]
+    return prompt, greedy, drawn
+
+
+def test_kv_cache_logits_equal_the_full_forward(hf_dir):
+    from megazero.process_groups import ProcessGroups
+    from model.sampling import forward_cached
+    from scripts.generate import load_model
+
+    stage, _ = load_model(_args(hf_dir), ProcessGroups.single(), torch.device("cpu"))
+    stage.eval()
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    caches = [None] * len(stage.layers)
+    steps = [forward_cached(stage, ids[:, :12], caches)] + [forward_cached(stage, ids[:, t:t + 1], caches)
+                                                            for t in range(12, 20)]
+    with torch.no_grad():
+        full = stage(ids)[..., :300]                          # (B, T, V)
+    for got, t in zip(steps, range(11, 20)):
+        torch.testing.assert_close(got, full[:, t], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="exceed the model's 64 positions"):
+        forward_cached(stage, torch.zeros(1, 60, dtype=torch.long), caches)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_equals_transformers_generate_and_sampling_is_reproducible(hf_dir, tp):
+    prompt, greedy, drawn = run_distributed(_tp_generate, tp, hf_dir)[0]
+    assert greedy == _hf_greedy(hf_dir, prompt, 24)
+    assert drawn[0] == drawn[1] and drawn[0] != drawn[2]  # the seed fixes the draws
+    assert len(drawn[0]) > len(prompt) and drawn[0][:len(prompt)] == prompt
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    from model.sampling import choose
+
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    g = torch.Generator().manual_seed(0)
+    seen = lambda **kw: {int(choose(logits, 1.0, generator=g, **kw)[0]) for _ in range(400)}  # noqa: E731
+    assert seen(top_k=0, top_p=1.0) == {0, 1, 2, 3}
+    assert seen(top_k=2, top_p=1.0) == {0, 1}
+    assert seen(top_k=0, top_p=0.5) == {0, 1}       # 0.4 < 0.5, so the 0.3 token is needed too
+    assert seen(top_k=0, top_p=0.4) == {0}
+    # top-p acts on the top-k renormalised distribution (0.44, 0.33, 0.22): mass before token 2 is 0.78
+    assert seen(top_k=3, top_p=0.75) == {0, 1} and seen(top_k=3, top_p=0.8) == {0, 1, 2}
+    assert int(choose(logits, 0.0, 0, 1.0, None)[0]) == 0
+    with pytest.raises(ValueError, match="--top-p"):
+        choose(logits, 1.0, 0, 0.0, g)
+
+
+def test_cli_prints_the_greedy_text_and_ids(hf_dir, capsys):
+    from data.tokenizer import load_tokenizer
+    from scripts.generate import main
+
+    assert main(["--from-hf", hf_dir, "--prompt", PROMPT, "--max-new-tokens", "10", "--temperature", "0",
+                 "--print-ids", "--device", "cpu"]) == 0
+    text, ids = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    tok = load_tokenizer(hf_dir, "HuggingFaceTokenizer")
+    assert json.loads(ids) == _hf_greedy(hf_dir, tok.encode(PROMPT), 10)
+    assert text == tok.decode(json.loads(ids)) and text.startswith(PROMPT)
+    assert main(["--from-hf", hf_dir, "--prompt", "", "--device", "cpu"]) == 2
+    assert "non-empty prompt" in capsys.readouterr().err
