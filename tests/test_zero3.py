@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from megazero import collectives as C
 from megazero.data_parallel.ddp import DataParallel
 from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
 from megazero.pipeline.partition import is_post_process, is_pre_process, layer_ids
@@ -86,6 +85,26 @@ def test_zero3_under_interleaved_pipeline_with_tied_embeddings():
         assert out[3]["losses"] == pytest.approx(ref, rel=1e-5)
         assert out[3]["losses"] == out[2]["losses"]
         assert np.array_equal(out[3]["main"], out[2]["main"])
+
+
+def _tp_run(rank, world, batches):
+    groups = ProcessGroups.build(Topology(tp=2, pp=1, dp=2))
+    cfg = tiny_cfg(sequence_parallel=True)
+    out = {}
+    for stage in (2, 3):
+        model, ddp, opt = build(cfg, groups, stage, True)
+        out[stage] = train(model, ddp, opt, groups, batches, 2)[0]
+    return out
+
+
+@pytest.mark.slow
+def test_zero3_under_tensor_and_sequence_parallelism():
+    cfg = tiny_cfg()
+    batches = make_batches(cfg, STEPS)
+    ref = reference(cfg, batches)
+    for out in run_distributed(_tp_run, 4, batches):   # tp 2 x dp 2
+        assert out[3] == pytest.approx(ref, rel=1e-5)
+        assert out[3] == out[2]
 
 
 def test_zero3_resumes_from_a_zero0_state_dict():
