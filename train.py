@@ -440,14 +440,15 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     opt = trainer.optimizer
     got, bound = opt.model_state_bytes(), opt.bucket_bound_bytes()
     psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+    padded = sum(b.layout.padded_numel for b in trainer.ddp.buffers)   # Psi + padding to N
     p_bytes = trainer.dtype.itemsize
     g_bytes = trainer.ddp.grad_dtype.itemsize
     m_bytes = 0 if p_bytes == 4 else 4   # an fp32 model's params are its main params
-    formula = zero_formula_bytes(psi, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
+    formula = zero_formula_bytes(padded, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
     monitor.log_memory_breakdown({k: v for k, v in got.items() if k != "total"})
     print(f"[rank {trainer.groups.rank}] model state {got['total'] - got['buckets']} bytes + temporaries "
           f"{got['buckets']} bytes vs ZeRO-{trainer.cfg.zero.stage} formula {formula:.0f} bytes + at most "
-          f"{bound} bytes of buckets (Psi={psi}, N={trainer.groups.dp_size}, {p_bytes}-byte params, "
+          f"{bound} bytes of buckets (Psi={psi}, {padded} padded, N={trainer.groups.dp_size}, {p_bytes}-byte params, "
           f"{g_bytes}-byte grads, {m_bytes + 8} bytes/param fp32 optimizer state)", flush=True)
 
 

@@ -85,8 +85,36 @@ class DataParallel:
         self._pool: set[int] = set()          # data_ptr of every staging buffer of this step
         self._synced = False
         self._temp_bytes = self.peak_temp_bytes = 0
+        self._gathered_bytes = 0   # ZeRO-3: parameters gathered beyond the shards
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+        if self.strategy.gathers_on_demand:
+            for cid, chunk in enumerate(self.chunks):
+                chunk.register_forward_pre_hook(lambda m, a, cid=cid: self._gather(cid))
+                chunk.register_forward_hook(lambda m, a, out, cid=cid: self._after_forward(cid, out))
+
+    def _gather(self, chunk_id: int, *_) -> None:
+        for buf in self.buffers:
+            if buf.chunk_id == chunk_id:
+                self._gathered_bytes -= buf.param_bytes()
+                self.strategy.gather(buf, self.groups.dp)
+                self._gathered_bytes += buf.param_bytes()
+        self.peak_temp_bytes = max(self.peak_temp_bytes, self._temp_bytes + self._gathered_bytes)
+
+    def _release(self, buf: ShardedBuffer) -> None:
+        self._gathered_bytes -= buf.param_bytes()
+        self.strategy.release(buf)
+        self._gathered_bytes += buf.param_bytes()
+
+    def _after_forward(self, chunk_id: int, out) -> None:
+        """Release the chunk's parameters; gather them again when the gradient of the
+        chunk's output arrives, i.e. just before the chunk's backward."""
+        for buf in self.buffers:
+            if buf.chunk_id == chunk_id:
+                self._release(buf)
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, cid=chunk_id: self._gather(cid))
 
     @property
     def stage(self) -> int:
@@ -139,7 +167,7 @@ class DataParallel:
         t = torch.zeros(size, dtype=self.grad_dtype, device=device)
         self._pool.add(t.data_ptr())
         self._temp_bytes += t.numel() * t.element_size()
-        self.peak_temp_bytes = max(self.peak_temp_bytes, self._temp_bytes)
+        self.peak_temp_bytes = max(self.peak_temp_bytes, self._temp_bytes + self._gathered_bytes)
         return t[:numel]
 
     def _issue_ready(self, buf: ShardedBuffer) -> None:
@@ -151,6 +179,7 @@ class DataParallel:
             buf.next_issue += 1
         if buf.num_ready == n:   # this micro-batch's backward is complete for this buffer
             buf.reset_tracking()
+            self._release(buf)
             if each:
                 buf.next_issue = 0
 
@@ -230,6 +259,7 @@ class DataParallel:
         self._pool.clear()
         self._temp_bytes = 0
         for buf in self.buffers:
+            self._release(buf)
             self.strategy.finish_sync(buf, self.dp_size)
         *_, peak = finalize_model_grads(self._owned_param_grads(), self.groups.tp,
                                         self.groups.embedding, self.bucket_size)
@@ -264,5 +294,13 @@ class DataParallel:
         return sum(buf.grad_bytes() for buf in self.buffers)
 
     def param_bytes(self) -> int:
-        """Bytes of the flat model-parameter buffers on this rank (model dtype, padded)."""
-        return sum(buf.param_bytes() for buf in self.buffers)
+        """Bytes of persistent model-parameter storage on this rank (model dtype, padded):
+        the flat buffers, or the shards at ZeRO-3 (gathered parameters are temporaries)."""
+        return sum(buf.param_bytes() for buf in self.buffers) - self._gathered_bytes
+
+    def gathered_bound_bytes(self) -> int:
+        """ZeRO-3: the largest chunk's gathered parameters (else 0)."""
+        if not self.strategy.gathers_on_demand:
+            return 0
+        return max(sum(b.layout.padded_numel * b.param_dtype.itemsize
+                       for b in self.buffers if b.chunk_id == c) for c in range(len(self.chunks)))

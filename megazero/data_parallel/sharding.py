@@ -20,8 +20,8 @@ Psi = elements of the buffer), chosen once by :func:`make_strategy`:
 - :class:`Stage2` (P_os+g): only the Psi/N gradient shard persists; each micro-batch stages
   a bucket, reduce-scatters it as soon as it is complete and adds the rank's shard in.
 
-ZeRO-3 (P_os+g+p) is one more subclass: it keeps ``params_flat`` as the 1/N shard and gathers
-a bucket's parameters before use (``gather_params`` per layer instead of per step).
+- :class:`~megazero.data_parallel.zero3.Stage3` (P_os+g+p): ZeRO-2's gradients plus a 1/N
+  parameter shard; ``gather``/``release`` around each model chunk's forward and backward.
 """
 from __future__ import annotations
 
@@ -57,6 +57,20 @@ class ShardingStrategy:
     sharded_over_dp = True
     reduces_each_microbatch = False
     shards_grads = False
+    gathers_on_demand = False   # parameters gathered around each chunk's compute (ZeRO-3)
+
+    def setup(self, buf: "ShardedBuffer") -> None:
+        """Called once the buffer holds every parameter (ZeRO-3 keeps its shard only)."""
+
+    def gather(self, buf: "ShardedBuffer", group) -> None:
+        """Make ``buf``'s parameters whole before compute (ZeRO-3)."""
+
+    def release(self, buf: "ShardedBuffer") -> None:
+        """Drop what ``gather`` made after compute (ZeRO-3)."""
+
+    def owned_param_view(self, buf: "ShardedBuffer", own) -> torch.Tensor:
+        """1-D view of the model parameters of an owned run (model dtype)."""
+        return buf.params_flat[own.world.start:own.world.end]
 
     # -- what this rank owns ----------------------------------------------------------------
     def owned_ranges(self, layout: GradBuffer) -> list[tuple[Range, Range]]:
@@ -127,6 +141,11 @@ class ShardingStrategy:
                     buf.params_flat[world.start:world.end].copy_(out[src:src + world.size])
         return (shard.numel() + out.numel()) * shard.element_size()
 
+    def gather_bound_bytes(self, buf: "ShardedBuffer", chunk_numel: int, dp_size: int) -> int:
+        """The temporary bytes ``gather_params`` uses (its return value)."""
+        per_rank = max(1, min(chunk_numel, buf.layout.shard_numel))
+        return per_rank * (dp_size + 1) * buf.param_dtype.itemsize
+
     # -- the ZeRO paper's accounting ---------------------------------------------------------
     def formula_bytes(self, psi: float, n: int, param_bytes: int, grad_bytes: int,
                       main_bytes: int) -> float:
@@ -161,6 +180,9 @@ class Stage0(ShardingStrategy):
         if not buf.main_is_param:
             n = buf.layout.padded_numel
             fill_shard(0, n, buf.params_flat[:n])
+        return 0
+
+    def gather_bound_bytes(self, buf, chunk_numel, dp_size):
         return 0
 
     def formula_bytes(self, psi, n, param_bytes, grad_bytes, main_bytes):
@@ -221,15 +243,13 @@ class Stage2(ShardingStrategy):
         return buckets_in_flight + 2
 
 
-STRATEGIES = {0: Stage0, 1: Stage1, 2: Stage2}
-
-
 def make_strategy(stage: int) -> ShardingStrategy:
     """The strategy of ZeRO stage ``stage``. Raises ValueError for an unknown stage."""
-    if stage not in STRATEGIES:
-        raise ValueError(f"zero_stage must be one of {sorted(STRATEGIES)}, got {stage} "
-                         "(stage 3 is not supported)")
-    return STRATEGIES[stage]()
+    from megazero.data_parallel.zero3 import Stage3   # zero3 builds on Stage2
+    strategies = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
+    if stage not in strategies:
+        raise ValueError(f"zero_stage must be one of {sorted(strategies)}, got {stage}")
+    return strategies[stage]()
 
 
 class ShardedBuffer:
@@ -252,11 +272,14 @@ class ShardedBuffer:
                 r = layout.param_range[id(p)]
                 self.params_flat[r.start:r.end].copy_(p.data.reshape(-1))
                 p.data = self.params_flat[r.start:r.end].view_as(p)
+        self.param_dtype = first.dtype
         self.main_is_param = first.dtype == torch.float32
         self.grads = strategy.allocate_grads(layout, grad_dtype, first.device)
         self.staging: dict[int, torch.Tensor] = {}   # stage 2: bucket index -> [bucket size]
+        self.params_shard = None                     # stage 3: local coordinates
         self.next_issue = 0
         self.reset_tracking()
+        strategy.setup(self)
 
     def reset_tracking(self) -> None:
         self.seen = [set() for _ in self.layout.buckets]
@@ -271,6 +294,10 @@ class ShardedBuffer:
     def owned_numel(self) -> int:
         return self.strategy.owned_numel(self.layout)
 
+    def owned_param_values(self, own: OwnedRange) -> torch.Tensor:
+        """1-D view of the model parameters of owned run ``own`` (the shard at ZeRO-3)."""
+        return self.strategy.owned_param_view(self, own)
+
     def param_values(self, world: Range) -> torch.Tensor:
         """1-D view of the model parameters in world range ``world`` (model dtype)."""
         return self.params_flat[world.start:world.end]
@@ -279,7 +306,9 @@ class ShardedBuffer:
         return self.grads.numel() * self.grads.element_size()
 
     def param_bytes(self) -> int:
-        return self.params_flat.numel() * self.params_flat.element_size()
+        """Bytes of parameter storage held now (full buffer and/or ZeRO-3 shard)."""
+        return sum(t.numel() * t.element_size() for t in (self.params_flat, self.params_shard)
+                   if t is not None)
 
     def gather_params(self, fill_shard: Callable, chunk_numel: int, group,
                       dp_size: int) -> int:

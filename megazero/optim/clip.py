@@ -10,7 +10,8 @@ gradient elements it is responsible for, in fp64, and one fp64 SUM all-reduce ad
   every element of one model replica once.
 - ZeRO-1/2 shards are disjoint over DP, so their sums are added over DP too (the reduction
   runs over the whole world); with plain DP (stage 0) every DP rank holds the full reduced
-  gradient and the sum runs over the model-parallel group only.
+  gradient and the sum runs over the model-parallel group only. The caller asks the
+  sharding strategy (``ShardingStrategy.sharded_over_dp``), never the stage number.
 
 The all-reduce leaves the same bits on every rank, so every rank computes the same clip
 coefficient. ``clip_coefficient`` matches ``torch.nn.utils.clip_grad_norm_``.
@@ -64,7 +65,8 @@ def global_grad_norm(counted: Iterable[torch.Tensor], groups: ProcessGroups, *,
             ``tags.counts_in_norm`` and, for ZeRO, passes only its own shard).
         groups: process groups; SUM over ``groups.world`` when ``sharded_over_dp``, else
             over ``groups.mp`` (tensor x pipeline).
-        sharded_over_dp: True for ZeRO-1/2 (each DP rank holds a disjoint shard).
+        sharded_over_dp: True when each DP rank holds a disjoint shard
+            (``ShardingStrategy.sharded_over_dp``: ZeRO-1/2).
         inv_scale: multiplies the result (``1 / loss_scale`` for still-scaled gradients).
         device: where to build the sum when ``counted`` is empty.
 

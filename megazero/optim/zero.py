@@ -155,7 +155,7 @@ class DistributedOptimizer:
                 adam.append((rel, p.dim() >= 2))
                 if tags.counts_in_norm(p, tp_rank):
                     counted.append((rel, True))
-            main = (buf.param_values(own.world) if mbase is None
+            main = (buf.owned_param_values(own) if mbase is None
                     else self._main[mbase + own.local.start:mbase + own.local.end])
             out.append(_Piece(buf, own.world, self.offsets[i] + own.local.start, own.grad, main,
                               _merge(adam), [r for r, _ in _merge(counted)]))
@@ -163,9 +163,11 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _init_main_params(self) -> None:
-        for pc in self.pieces:
-            if not pc.buffer.main_is_param:
-                pc.main.copy_(pc.buffer.param_values(pc.world))
+        for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
+            if mbase is not None:
+                for own in buf.owned():
+                    self._main[mbase + own.local.start:mbase + own.local.end].copy_(
+                        buf.owned_param_values(own))
 
     @property
     def main_param(self) -> torch.Tensor:
@@ -298,17 +300,16 @@ class DistributedOptimizer:
         bytes of buckets"): the largest of the backward staging bound
         (``DataParallel.staging_bound_bytes``), the finalize step's packed buffer (at most one
         bucket, ``DataParallel.finalize_bound_bytes``), the fp32 scratch (one piece, when gradients are not fp32) and the
-        all-gather buffers (``allgather_bucket_size / N`` elements per rank, N + 1 of them).
+        all-gather buffers (``allgather_bucket_size / N`` elements per rank, N + 1 of them),
+        plus at ZeRO-3 the largest chunk's gathered parameters.
         """
         ddp, n = self.ddp, self.ddp.dp_size
         scratch = max((4 * pc.grad.numel() for pc in self.pieces
                        if pc.grad.dtype != torch.float32), default=0)
-        gather = 0
-        for buf in ddp.buffers:
-            if ddp.strategy.sharded_over_dp:
-                per_rank = max(1, min(self.allgather_bucket_size // n, buf.layout.shard_numel))
-                gather = max(gather, per_rank * (n + 1) * buf.params_flat.element_size())
-        return max(ddp.staging_bound_bytes(), ddp.finalize_bound_bytes(), scratch, gather)
+        gather = max(ddp.strategy.gather_bound_bytes(buf, max(1, self.allgather_bucket_size // n), n)
+                     for buf in ddp.buffers)
+        return (max(ddp.staging_bound_bytes(), ddp.finalize_bound_bytes(), scratch, gather)
+                + ddp.gathered_bound_bytes())
 
     # -- checkpoint state ----------------------------------------------------------------
     def _owned_param_pieces(self):

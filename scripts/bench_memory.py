@@ -1,0 +1,106 @@
+"""Peak process memory per rank for ZeRO 0, 1 and 2 (data parallel on CPU gloo ranks).
+
+Each run forks ``--dp`` fresh rank processes that build ``train.Trainer`` (the real training
+path: GPT stage, DataParallel with the default buckets, DistributedOptimizer), train
+``--steps`` steps on mock data and report the peak resident set size (``VmHWM`` of
+``/proc/self/status``), the resident size before the model was built, and the model-state
+bytes against the ZeRO formula. Stages alternate round by round (0, 1, 2, 0, 1, 2, ...) so
+machine noise hits all alike; the table shows, per stage, the model-state bytes per
+parameter (measured = formula), the temporaries and their bound, and the median over rounds
+of the largest peak over ranks.
+
+    python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] ...
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import train  # noqa: E402
+from data.samplers import get_micro_batches  # noqa: E402
+from megazero.config import config_from_argv  # noqa: E402
+from megazero.optim.zero import zero_formula_bytes  # noqa: E402
+from megazero.process_groups import ProcessGroups  # noqa: E402
+from megazero.topology import Topology  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+
+MIB = 2 ** 20
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
+    """One rank: build the trainer, train ``steps`` steps, report memory (bytes)."""
+    before = _status_kib("VmRSS") * 1024
+    cfg = config_from_argv(argv, world)
+    groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
+    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    for step in range(steps):
+        trainer.train_step(get_micro_batches(train_ds, step * gbs, gbs, mbs, groups.dp_rank, world))
+    opt = trainer.optimizer
+    got = opt.model_state_bytes()
+    psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+    padded = sum(b.layout.padded_numel for b in trainer.ddp.buffers)
+    p_bytes, g_bytes = trainer.dtype.itemsize, trainer.ddp.grad_dtype.itemsize
+    return dict(psi=psi, states=got["total"] - got["buckets"], buckets=got["buckets"],
+                bound=opt.bucket_bound_bytes(), before=before, peak=_status_kib("VmHWM") * 1024,
+                formula=zero_formula_bytes(padded, world, cfg.zero.stage, p_bytes, g_bytes))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--hidden-size", type=int, default=512)
+    ap.add_argument("--num-layers", type=int, default=7)
+    ap.add_argument("--num-attention-heads", type=int, default=8)
+    ap.add_argument("--seq-length", type=int, default=256)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--vocab-size", type=int, default=6400)
+    ap.add_argument("--bf16", action="store_true")
+    a = ap.parse_args()
+    base = ["--mock-data", "--vocab-size", str(a.vocab_size), "--hidden-size", str(a.hidden_size),
+            "--num-layers", str(a.num_layers), "--num-attention-heads", str(a.num_attention_heads),
+            "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
+            "--train-iters", str(a.steps), "--eval-iters", "0", "--device", "cpu", "--dp", str(a.dp),
+            "--clip-grad", "1.0"] + (["--bf16"] if a.bf16 else [])
+    runs: dict[int, list] = {0: [], 1: [], 2: []}
+    for _ in range(a.rounds):
+        for stage in runs:
+            argv = base + ["--zero-stage", str(stage)]
+            runs[stage].append(run_distributed(_rank, a.dp, argv, a.steps, timeout_s=1800))
+    psi = runs[0][0][0]["psi"]
+    print(f"GPT: {a.num_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}, seq {a.seq_length}, "
+          f"micro-batch {a.micro_batch_size}; Psi = {psi} parameters; {'bf16' if a.bf16 else 'fp32'}; "
+          f"dp {a.dp}; {a.steps} steps; {a.rounds} interleaved rounds; torch threads {torch.get_num_threads()}")
+    print("| ZeRO | model states B/param (measured = formula) | temporaries MiB (bound) "
+          "| RSS before model MiB | peak RSS MiB (median of rounds, max over ranks) | peak - before MiB |")
+    print("|---|---|---|---|---|---|")
+    for stage, rounds in runs.items():
+        r0 = rounds[0][0]
+        assert all(r["states"] == r["formula"] for rs in rounds for r in rs), "states differ from the formula"
+        peak = statistics.median(max(r["peak"] for r in rs) for rs in rounds)
+        before = statistics.median(max(r["before"] for r in rs) for rs in rounds)
+        print(f"| {stage} | {r0['states'] / psi:.2f} ({r0['formula'] / psi:.2f}) | "
+              f"{r0['buckets'] / MIB:.2f} ({r0['bound'] / MIB:.2f}) | {before / MIB:.0f} | "
+              f"{peak / MIB:.0f} | {(peak - before) / MIB:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
