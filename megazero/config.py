@@ -74,7 +74,9 @@ def integer(text: str) -> int:
 
 @dataclass
 class ModelConfig:
-    """The GPT architecture (pre-LayerNorm transformer, learned positions)."""
+    """The GPT architecture: GPT-2's block by default (pre-LayerNorm, learned positions, GELU MLP,
+    biases, multi-head attention), or LLaMA-style with the RoPE / RMSNorm / SwiGLU /
+    grouped-query / bias-free flags (Megatron-LM's names and meanings)."""
 
     num_layers: int = _f(4, "transformer layers", "layers", ge=1)
     hidden_size: int = _f(256, "model width H", "features", ge=1)

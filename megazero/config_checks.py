@@ -68,9 +68,10 @@ def _check_block(cfg: Config, world_size: int) -> None:
     RoPE's fraction in (0, 1] giving an even number >= 2 of rotated dimensions; options of
     a feature that is off are refused."""
     m, tp, given = cfg.model, cfg.parallel.tp, cfg.sources
+    rope = m.position_embedding_type == "rope"
     for name, needs, on in (("model.num_query_groups", "--group-query-attention", m.group_query_attention),
-                            ("model.rotary_base", "--position-embedding-type rope", m.position_embedding_type == "rope"),
-                            ("model.rotary_percent", "--position-embedding-type rope", m.position_embedding_type == "rope")):
+                            ("model.rotary_base", "--position-embedding-type rope", rope),
+                            ("model.rotary_percent", "--position-embedding-type rope", rope)):
         if name in given and not on:
             raise ConfigError(f"{_show(cfg, name)} has no effect without {needs}; fix: add {needs} or drop it")
     if m.group_query_attention:
@@ -84,7 +85,7 @@ def _check_block(cfg: Config, world_size: int) -> None:
     if not 0.0 < m.rotary_percent <= 1.0:
         raise ConfigError(f"--rotary-percent {m.rotary_percent} is outside (0, 1]; fix: e.g. 1.0 or 0.5")
     rot = int(m.hidden_size // m.num_attention_heads * m.rotary_percent)
-    if m.position_embedding_type == "rope" and (rot < 2 or rot % 2):
+    if rope and (rot < 2 or rot % 2):
         raise ConfigError(f"--rotary-percent {m.rotary_percent} rotates {rot} dimensions of each "
                           f"{m.hidden_size // m.num_attention_heads}-dimensional head; RoPE needs an even "
                           "number >= 2; fix: another --rotary-percent")

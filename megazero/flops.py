@@ -21,6 +21,11 @@ recomputed). For ``f = 4h`` this is the paper's expression
 ``F = 72*B*s*l*h^2 * (1 + s/(6h) + V/(12*l*h))`` (``k = 3``) and
 ``F = 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h))`` (``k = 4``).
 
+``spec_flops_per_iteration`` computes the same count from a model's parameter spec
+(``megazero.param_spec``): ``2 * elements`` per token for every matmul weight, so the
+LLaMA-style block's grouped-query QKV and three SwiGLU matrices are counted as they are,
+without a formula per block. The trainer uses it.
+
 Conventions, as in the paper: the causal attention is counted in full (the ``s x s``
 score matrix, not its lower triangle); head count does not change the count; layer norm,
 softmax, GELU, biases, embedding look-ups and the optimizer are not counted. With

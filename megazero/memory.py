@@ -20,6 +20,8 @@ out-of-memory kill minutes later (DESIGN.md, contracts 2 and 3).
   ``s*b*h*(34 + 5*a*s/h)/t`` with sequence parallelism as well (``a`` heads). With fp32
   activations the count is doubled. The ``5*a*s/h`` term (attention scores, softmax,
   dropout mask) is kept although fused attention kernels do not store it: an upper bound.
+  The formula is the GPT-2 block's; for the LLaMA-style block (smaller K/V with grouped
+  queries, SwiGLU's two F-wide inputs to the gate) it stays an estimate of the same order.
   A stage holds as many micro-batch-chunks at once as its schedule's peak
   (``pipeline.schedules.simulate``: 1F1B about ``pp - stage``, GPipe every micro-batch);
   the last stage adds the fp32 logits and their softmax, ``2 * 4*b*s*V_pad/t`` bytes.

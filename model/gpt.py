@@ -1,8 +1,12 @@
-"""GPT-2-style decoder built from megazero's tensor-parallel layers.
+"""GPT-2-style or LLaMA-style decoder built from megazero's tensor-parallel layers.
 
 The model (Radford et al. 2019; nanoGPT's layout) is: word + learned position embedding,
 ``num_layers`` pre-LayerNorm blocks ``x + attn(ln1(x))``, ``x + mlp(ln2(x))``, a final
 LayerNorm and an output layer tied to the word embedding (or its own ``output.weight``).
+The LLaMA-style options (Touvron et al. 2023) swap parts of the same structure: rotary
+positions inside attention instead of the table (model/rope.py), RMSNorm, a SwiGLU MLP,
+grouped-query attention, linears without bias; ``model/spec.py`` lists the parameters
+each choice has, and the stage takes its partition tags from that list.
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, sec. 3): the fused QKV and
 ``fc1`` are column-parallel (each rank holds whole heads / ``F/tp`` hidden units), ``proj``
 and ``fc2`` are row-parallel, the word embedding and logits are split by vocabulary rows and

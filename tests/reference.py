@@ -6,8 +6,8 @@ embeddings, pre-LayerNorm blocks, causal self-attention computed with an explici
 softmax, an exact (erf) GELU MLP, a final LayerNorm and an output layer that is tied to the
 word embedding by default. The LLaMA-style options (Touvron et al. 2023) are written out
 as plainly: RoPE as a complex rotation, RMSNorm, SwiGLU, grouped-query attention by
-indexing each query head's key/value head, linear layers without bias. There is no dropout: the oracle is only compared with runs that
-have dropout off.
+indexing each query head's key/value head, linear layers without bias. There is no
+dropout: the oracle is only compared with runs that have dropout off.
 
 It loads the canonical full tensors of docs/design.md ("Interfaces" > Model); only the first
 ``vocab_size`` rows of the (padded) word embedding and output weight are used, and the loss

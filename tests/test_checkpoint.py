@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_train import BASE
+from tests.test_train import BASE, LLAMA
 
 ARGS = [a if a != "10" else "6" for a in BASE]  # --train-iters 6: the LR schedule spans the whole run
 
@@ -111,6 +111,18 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
         run_distributed(_run, 1, ARGS, 1, load=str(tmp_path))
 
 
+def test_llama_block_resumes_under_another_layout(tmp_path):
+    """The LLaMA-style block's checkpoint (spec names: no position table, no biases, grouped
+    QKV rows) saved under tp 2 x dp 2 resumes under pp 2 x dp 2 as the uninterrupted run."""
+    args = ARGS + LLAMA
+    whole = run_distributed(_run, 4, args + LAYOUT_A, 6)[0][0]
+    run_distributed(_run, 4, args + LAYOUT_A, 3, save=str(tmp_path))
+    other = run_distributed(_run, 4, args + LAYOUT_B, 3, load=str(tmp_path))[0]
+    assert other[1] == 3
+    for got, want in zip(other[0], whole[3:]):
+        assert math.isclose(got, want, rel_tol=1e-5), (got, want)
+
+
 def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
     """A checkpoint of another model, or a broken one, is refused by the launcher's preflight
     (exit code 2, one line naming the setting or the file); a resume with another global batch
@@ -131,6 +143,8 @@ def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
     assert "num_layers = 4, this model 2" in capsys.readouterr().err
     assert train.preflight(ARGS + ["--load", str(tmp_path), "--untie-embeddings-and-output-weights"], 1) == 2
     assert "tie_embeddings" in capsys.readouterr().err
+    assert train.preflight(ARGS + ["--load", str(tmp_path), "--normalization", "RMSNorm"], 1) == 2
+    assert "normalization = LayerNorm, this model RMSNorm" in capsys.readouterr().err
     smaller = [a if a != "16" or i == 0 or ARGS[i - 1] != "--global-batch-size" else "8"
                for i, a in enumerate(ARGS)]
     resumed = run_distributed(_run, 1, smaller, 3, load=str(tmp_path))[0]  # 48 + 3 x 8 samples
