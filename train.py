@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megazero import checkpoint, collectives, memory
+from megazero.activations import ActivationSettings
 from megazero.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir, to_dict
 from megazero.data_parallel.ddp import DataParallel
@@ -548,15 +549,38 @@ def prepare_run(cfg: Config, verify: bool = False):
 
 def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
     """Bytes per rank of the most loaded stage before anything is allocated (megazero.memory)."""
+    p = cfg.parallel
+    return memory.estimate(build_gpt_config(cfg, vocab_size), **_plan_layout(cfg),
+                           micro_batch_size=cfg.train.micro_batch_size,
+                           sequence_parallel=p.sequence_parallel and p.tp > 1,
+                           activations=activation_settings(cfg),
+                           buckets=(int(cfg.zero.reduce_bucket_size), int(cfg.zero.allgather_bucket_size)))
+
+
+def plan_stages(cfg: Config, vocab_size: int) -> list[memory.MemoryEstimate]:
+    """The memory plan of every pipeline stage (index = pp rank), as ``plan_memory`` counts it."""
+    return memory.stage_estimates(build_gpt_config(cfg, vocab_size), **_plan_layout(cfg),
+                                  a=activation_settings(cfg),
+                                  buckets=(int(cfg.zero.reduce_bucket_size), int(cfg.zero.allgather_bucket_size)))
+
+
+def _plan_layout(cfg: Config) -> dict:
     p, pr = cfg.parallel, cfg.precision
     dtype = model_dtype(pr.fp16, pr.bf16)
-    grad_bytes = 4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize
-    return memory.estimate(build_gpt_config(cfg, vocab_size), tp=p.tp, pp=p.pp, dp=p.dp,
-                           vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
-                           schedule=p.pipeline_schedule, micro_batch_size=cfg.train.micro_batch_size,
-                           num_microbatches=cfg.train.gradient_accumulation_steps, zero_stage=cfg.zero.stage,
-                           param_bytes=dtype.itemsize, grad_bytes=grad_bytes,
-                           sequence_parallel=p.sequence_parallel and p.tp > 1)
+    return dict(tp=p.tp, pp=p.pp, dp=p.dp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
+                schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
+                zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
+                grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize)
+
+
+def activation_settings(cfg: Config) -> ActivationSettings:
+    """What the planner needs to count this run's activations (megazero.activations)."""
+    m, p, pr = cfg.model, cfg.parallel, cfg.precision
+    return ActivationSettings(
+        micro_batch_size=cfg.train.micro_batch_size, tp=p.tp, sequence_parallel=p.sequence_parallel and p.tp > 1,
+        activation_bytes=model_dtype(pr.fp16, pr.bf16).itemsize, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
 
 
 def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:

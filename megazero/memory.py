@@ -25,6 +25,11 @@ out-of-memory kill minutes later (DESIGN.md, contracts 2 and 3).
   A stage holds as many micro-batch-chunks at once as its schedule's peak
   (``pipeline.schedules.simulate``: 1F1B about ``pp - stage``, GPipe every micro-batch);
   the last stage adds the fp32 logits and their softmax, ``2 * 4*b*s*V_pad/t`` bytes.
+- ``estimate`` with ``ActivationSettings`` counts instead what megazero's layers keep,
+  tensor by tensor (``megazero.activations``: dropout masks, the unfused attention core,
+  selective / full recomputation, sequence parallelism), and the temporaries of the
+  reduction and of the step; the peak per rank is ``states + max(activations + backward
+  temporaries, step temporaries)`` (activations are freed before the step).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+from megazero import activations as A
 from megazero.optim.zero import zero_formula_bytes
 from megazero.param_spec import ParamSpec, params_on_chunk
 from megazero.pipeline import partition
@@ -94,10 +100,20 @@ class MemoryEstimate:
     dp: int = 1
     most_states: Optional["MemoryEstimate"] = None
     """The stage whose model states alone are largest (None: this one)."""
+    backward_temporary_bytes: float = 0.0
+    """Reduction staging alive with the activations (``activations.temporary_bytes``)."""
+    step_temporary_bytes: float = 0.0
+    """The optimizer step's temporaries, alive after the activations are freed."""
+
+    @property
+    def temporary_bytes(self) -> float:
+        return max(self.backward_temporary_bytes, self.step_temporary_bytes)
 
     @property
     def total_bytes(self) -> float:
-        return self.model_state_bytes + self.activation_bytes
+        """Peak bytes: states + max(activations + backward temporaries, step temporaries)."""
+        return self.model_state_bytes + max(self.activation_bytes + self.backward_temporary_bytes,
+                                            self.step_temporary_bytes)
 
 
 def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> list[int]:
@@ -115,9 +131,19 @@ def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> li
 
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
-             grad_bytes: int, sequence_parallel: bool) -> MemoryEstimate:
+             grad_bytes: int, sequence_parallel: bool, activations: Optional[A.ActivationSettings] = None,
+             buckets: Optional[tuple[int, int]] = None) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
-    ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it)."""
+    ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
+
+    With ``activations`` the activations are counted per tensor (``megazero.activations``)
+    and, with ``buckets`` = (reduce, all-gather bucket elements), the temporaries too;
+    without, the Korthikanti bound below is used."""
+    if activations is not None:
+        return _estimate_counted(g, tp=tp, pp=pp, dp=dp, vp_size=vp_size, layer_split=layer_split,
+                                 schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage,
+                                 param_bytes=param_bytes, grad_bytes=grad_bytes, a=activations,
+                                 buckets=buckets or (2**62, 2**62))
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes)
     logits = 2 * 4 * micro_batch_size * g.seq_length * g.padded_vocab(tp) / tp
@@ -131,6 +157,32 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     best = max(stages, key=lambda e: e.total_bytes)
     best.most_states = max(stages, key=lambda e: e.model_state_bytes)
     return best
+
+
+def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
+    """``estimate`` with activations and temporaries counted (``megazero.activations``)."""
+    stages = stage_estimates(g, **kw)
+    best = max(stages, key=lambda e: e.total_bytes)
+    best.most_states = max(stages, key=lambda e: e.model_state_bytes)
+    return best
+
+
+def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
+                    num_microbatches: int, zero_stage: int, param_bytes: int, grad_bytes: int,
+                    a: A.ActivationSettings, buckets: tuple[int, int]) -> list[MemoryEstimate]:
+    """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
+    ZeRO-formula model states, counted activations (``megazero.activations``) and temporaries."""
+    inflight = _inflight(schedule, pp, vp_size, num_microbatches)
+    stages = []
+    for r in range(pp):
+        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split)
+        states = zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
+        chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
+                  for v in range(vp_size)]
+        acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, r == pp - 1, pp, g.padded_vocab(tp))
+        staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
+        stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step))
+    return stages
 
 
 def available_bytes_per_rank(device: str, ranks_per_node: int) -> Optional[int]:
@@ -159,9 +211,10 @@ def gib(n: float) -> str:
 def describe(e: MemoryEstimate, available: Optional[int]) -> str:
     """One line for the launcher's console."""
     free = gib(available) if available is not None else "unknown"
+    temps = f" + temporaries {gib(e.temporary_bytes)}" if e.temporary_bytes else ""
     return (f"memory per rank (stage {e.stage}): model states {gib(e.model_state_bytes)} "
             f"(Psi={e.params:,}, ZeRO formula) + activations up to {gib(e.activation_bytes)} "
-            f"(Korthikanti et al. 2022) = {gib(e.total_bytes)}; available {free}")
+            f"(Korthikanti et al. 2022){temps}, peak {gib(e.total_bytes)}; available {free}")
 
 
 def ranks_per_node() -> int:

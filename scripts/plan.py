@@ -1,0 +1,196 @@
+"""Memory plan of a megazero run, without launching it (megazero/memory.py, megazero/activations.py).
+
+    python scripts/plan.py [train.py flags] [--world-size N]
+        the plan per pipeline stage: parameters, ZeRO model states, activations, temporaries, peak;
+    python scripts/plan.py [train.py flags] --world-size N --measure [--measure-steps K]
+        runs K steps on N gloo ranks on this CPU and prints each rank's predicted and measured peak;
+    python scripts/plan.py [model flags] --devices N --device-memory GiB [--top K]
+        the layouts (tp, pp, dp, ZeRO stage, recomputation) whose predicted peak fits, smallest first.
+
+Measured peak (CPU): the rank's peak resident memory (``VmHWM``, reset through
+``/proc/self/clear_refs`` at the baseline) minus its resident memory at the baseline, taken
+after torch's kernels and autograd engine have run once on tiny tensors and before the model
+is built: the bytes the run allocates, not the runtime's own. glibc's malloc keeps freed
+blocks unless their size passes the mmap threshold, so the script re-executes itself with
+``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the resident set.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import train  # noqa: E402
+from megazero.config import MOCK_VOCAB_SIZE, config_from_argv  # noqa: E402
+from megazero.memory import gib  # noqa: E402
+
+MiB = 2**20
+RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
+             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
+
+
+def vocab_of(cfg) -> int:
+    """The vocabulary the run would have: --vocab-size, the mock default, or the tokenizer's."""
+    if cfg.data.vocab_size is not None:
+        return cfg.data.vocab_size
+    if cfg.train.mock_data:
+        return MOCK_VOCAB_SIZE
+    return train.build_data(cfg)[2]
+
+
+def plan_table(cfg, vocab: int) -> str:
+    """One row per pipeline stage: Psi, model states, activations, temporaries, peak (MiB)."""
+    rows = [f"{'stage':>5} {'params':>14} {'states MiB':>11} {'activ. MiB':>11} {'temps MiB':>10} "
+            f"{'peak MiB':>10}"]
+    for e in train.plan_stages(cfg, vocab):
+        rows.append(f"{e.stage:>5} {e.params:>14,} {e.model_state_bytes / MiB:>11.1f} "
+                    f"{e.activation_bytes / MiB:>11.1f} {e.temporary_bytes / MiB:>10.1f} {e.total_bytes / MiB:>10.1f}")
+    return "\n".join(rows)
+
+
+# -- measuring on CPU ranks -----------------------------------------------------------------
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def _warm_up() -> None:
+    """Run the kinds of kernels a step uses once on tiny tensors (their runtime is not counted)."""
+    import torch.nn.functional as F
+
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    w = torch.randn(48, 16, requires_grad=True)
+    q, k, v = (t.transpose(1, 2) for t in F.linear(F.layer_norm(x, (16,)), w).view(2, 8, 3, 4, 4).unbind(2))
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+    y = y + F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y = F.gelu(y.transpose(1, 2).reshape(2, 8, 16)) * torch.empty(2, 8, 16).bernoulli_(0.5)
+    F.cross_entropy(y.reshape(16, 16).float(), torch.zeros(16, dtype=torch.long)).backward()
+    torch._foreach_add_([w.detach()], [w.grad])
+
+
+def measure_rank(rank: int, world: int, argv: list[str], steps: int) -> tuple[int, int]:
+    """(pp rank, measured peak bytes) of this rank after ``steps`` training steps."""
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+
+    cfg = config_from_argv(argv, world, print_warnings=False)
+    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    p = cfg.parallel
+    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    gbs = cfg.train.global_batch_size
+    batches = [train.dp_micro_batches(train_ds, s * gbs, cfg, groups, "cpu") for s in range(steps)]
+    _warm_up()
+    gc.collect()
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    for b in batches:
+        trainer.train_step(b)
+    return groups.pp_rank, _status("VmHWM") - base
+
+
+def measure(argv: list[str], world: int, steps: int) -> list[tuple[int, float, float]]:
+    """(rank, predicted, measured) peak bytes of every rank of a CPU run of ``argv``."""
+    from tests.distributed import run_distributed
+
+    cfg = config_from_argv(argv, world, print_warnings=False)
+    predicted = train.plan_stages(cfg, vocab_of(cfg))
+    out = run_distributed(measure_rank, world, argv, steps, timeout_s=3600, collective_timeout_s=1800)
+    return [(r, predicted[pp_rank].total_bytes, float(peak)) for r, (pp_rank, peak) in enumerate(out)]
+
+
+def ensure_mmap_threshold() -> None:
+    """Re-execute this script with glibc's mmap threshold fixed (see the module docstring)."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable] + sys.argv)
+
+
+# -- searching layouts ----------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(argv: list[str], devices: int, max_tp: int = 8):
+    """Every (tp, pp, dp, ZeRO stage, recomputation) of ``devices`` ranks the model allows, as
+    (label, argv); tp a power of two up to ``max_tp`` (one node), sequence parallel when tp > 1."""
+    base = config_from_argv(argv + ["--tp", "1", "--pp", "1", "--dp", "1"], 1, print_warnings=False)
+    m, t = base.model, base.train
+    for tp in (d for d in (1, 2, 4, 8, 16) if d <= max_tp and devices % d == 0):
+        if m.num_attention_heads % tp or m.ffn_hidden_size % tp:
+            continue
+        for pp in (d for d in _divisors(m.num_layers) if devices % (tp * d) == 0):
+            dp = devices // (tp * pp)
+            if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+                continue
+            for zero in (0, 1, 2):
+                for name, flags in RECOMPUTE.items():
+                    extra = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--zero-stage", str(zero)]
+                    extra += (["--sequence-parallel"] if tp > 1 else []) + flags
+                    yield (tp, pp, dp, zero, name), argv + extra
+
+
+def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tuple[float, tuple]]:
+    """(predicted peak bytes, layout) of every layout whose peak fits ``device_gib``, smallest first."""
+    fits, vocab = [], None
+    for layout, full in layouts(argv, devices):
+        cfg = config_from_argv(full, devices, print_warnings=False)
+        vocab = vocab or vocab_of(cfg)
+        peak = train.plan_memory(cfg, vocab).total_bytes
+        if peak <= device_gib * 2**30:
+            fits.append((peak, layout))
+    return sorted(fits)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the flags)")
+    ap.add_argument("--measure", action="store_true", help="run on CPU gloo ranks and measure each rank's peak")
+    ap.add_argument("--measure-steps", type=int, default=3)
+    ap.add_argument("--devices", type=int, default=None, help="list layouts of this many devices that fit")
+    ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (with --devices)")
+    ap.add_argument("--top", type=int, default=20, help="layouts listed (with --devices)")
+    own, argv = ap.parse_known_args()
+    if own.devices is not None:
+        fits = fitting_layouts(argv, own.devices, own.device_memory)
+        print(f"{len(fits)} layouts of {own.devices} devices fit in {own.device_memory:g} GiB; smallest peak first:")
+        print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'recompute':>10} {'peak per rank':>14}")
+        for peak, (tp, pp, dp, zero, rc) in fits[:own.top]:
+            print(f"{tp:>3} {pp:>3} {dp:>5} {zero:>4} {rc:>10} {gib(peak):>14}")
+        return 0 if fits else 1
+    world = own.world_size or _world_of(argv)
+    cfg = config_from_argv(argv, world)
+    print(plan_table(cfg, vocab_of(cfg)))
+    if own.measure:
+        print(f"\n{'rank':>4} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
+        for r, want, got in measure(argv + ["--device", "cpu"], world, own.measure_steps):
+            print(f"{r:>4} {want / MiB:>14.1f} {got / MiB:>13.1f} {(want - got) / got:>+7.1%}")
+    return 0
+
+
+def _world_of(argv: list[str]) -> int:
+    """tp x pp x dp as given by --tp/--pp/--dp (1 when absent)."""
+    size = 1
+    for flag in ("--tp", "--pp", "--dp"):
+        size *= int(_flag(argv, flag, "1"))
+    return size
+
+
+def _flag(argv: list[str], flag: str, default: str) -> str:
+    return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+if __name__ == "__main__":
+    if "--measure" in sys.argv:
+        ensure_mmap_threshold()
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The memory planner's activation and temporary terms (megazero/activations.py) and scripts/plan.py.
+
+The per-layer counts are checked against the bytes autograd really saves in model/gpt.py's
+layer (a saved-tensors hook sums the distinct storages), the plan against measured peak
+memory of a CPU run, and the layout search against a GPT-3 175B-sized model.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megazero.activations import ActivationSettings, chunk_bytes, layer_bytes, temporary_bytes
+from tests.distributed import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+S, B, H, HEADS = 256, 2, 64, 4
+
+
+def _saved_bytes_per_layer(rank, world, drop, granularity):
+    """Bytes of the distinct non-parameter storages autograd saves, per layer (3 layers - 1 layer)."""
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+    from model.config import GPTConfig
+    from model.gpt import GPTStage
+
+    groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=1))
+    totals = []
+    for layers in (1, 3):
+        cfg = GPTConfig(vocab_size=101, num_layers=layers, hidden_size=H, num_attention_heads=HEADS,
+                        seq_length=S, hidden_dropout=drop, attention_dropout=drop, make_vocab_size_divisible_by=8,
+                        recompute_granularity=granularity,
+                        recompute_method="uniform" if granularity == "full" else None)
+        stage = GPTStage(cfg, groups, range(layers), True, True, seed=1)
+        params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        seen = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+        tokens = torch.randint(0, 100, (B, S))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            stage(tokens, labels=tokens)
+        totals.append(sum(seen.values()))
+    return (totals[1] - totals[0]) / 2
+
+
+class _Sizes:
+    num_layers, hidden_size, ffn_hidden_size, num_attention_heads, seq_length = 1, H, 4 * H, HEADS, S
+
+
+@pytest.mark.parametrize("drop, granularity", [(0.0, None), (0.1, None), (0.1, "selective"), (0.1, "full")])
+def test_layer_bytes_equal_what_autograd_saves(drop, granularity):
+    """What one layer keeps per micro-batch, counted by the planner, is what autograd saves,
+    within the O(s) statistics (LayerNorm mean/rstd, attention log-sum-exp) it leaves out."""
+    saved = run_distributed(_saved_bytes_per_layer, 1, drop, granularity)[0]
+    a = ActivationSettings(micro_batch_size=B, tp=1, sequence_parallel=False, activation_bytes=4,
+                           hidden_dropout=drop, attention_dropout=drop, recompute_granularity=granularity,
+                           recompute_method="uniform" if granularity == "full" else None)
+    kept = chunk_bytes(_Sizes, a, 1)[0]
+    assert kept == pytest.approx(saved, rel=0.03), (kept, saved)
+
+
+def test_recomputation_and_sequence_parallelism_shrink_the_count():
+    """Per layer (Korthikanti et al. 2022, Table 2): full < selective < none with attention
+    dropout; selective equals none without it (the fused core keeps no s^2 tensor); sequence
+    parallelism divides the LayerNorm/dropout terms by tp."""
+    def kept(gran=None, drop=0.1, tp=1, sp=False):
+        a = ActivationSettings(B, tp, sp, 2, drop, drop, gran, "uniform" if gran == "full" else None)
+        return chunk_bytes(_Sizes, a, 4)[0]
+    q = S * B * H
+    assert kept("full") == 4 * q * 2 < kept("selective") < kept()
+    assert kept("selective", drop=0.0) == kept(drop=0.0) == layer_bytes(_Sizes, ActivationSettings(B, 1, False, 2)) * 4
+    # per layer the LayerNorm inputs and dropout masks, 4q elements, become 4q/tp (2 bytes each)
+    assert kept(tp=2) - kept(tp=2, sp=True) == 4 * (4 * q - 4 * q / 2) * 2
+    assert temporary_bytes(1000, 4, 0, 2, 4, 10**9, 10**9) == (0.0, 4000.0)
+    assert temporary_bytes(1000, 4, 2, 2, 4, 100, 100) == (400.0, 4 * 100 + 2 * 100)
+
+
+def test_plan_lists_a_fitting_layout_for_a_175b_gpt():
+    """GPT-3 175B (96 layers, hidden 12288, 96 heads, seq 2048, bf16) on 1024 devices of 80 GiB."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--mock-data", "--num-layers", "96",
+         "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048", "--vocab-size",
+         "50257", "--micro-batch-size", "1", "--global-batch-size", "1536", "--bf16",
+         "--devices", "1024", "--device-memory", "80", "--top", "3"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "layouts of 1024 devices fit in 80 GiB" in lines[0]
+    tp, pp, dp, zero, rc, peak, unit = lines[2].split()
+    assert int(tp) * int(pp) * int(dp) == 1024 and unit == "GiB" and float(peak) <= 80
+    peaks = [float(line.split()[5]) for line in lines[2:]]
+    assert peaks == sorted(peaks)
+
+
+@pytest.mark.slow
+def test_measure_agrees_with_the_plan():
+    """scripts/plan.py --measure on one CPU rank: the predicted peak is within 10 % of the
+    measured one at sequence length 1024, with and without recomputation."""
+    for extra in ([], ["--recompute-granularity", "selective"]):
+        out = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--mock-data", "--vocab-size", "1001",
+             "--make-vocab-size-divisible-by", "8", "--num-layers", "2", "--hidden-size", "256",
+             "--num-attention-heads", "4", "--seq-length", "1024", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+             "--eval-iters", "0", "--measure", "--measure-steps", "2"] + extra,
+            capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+        assert out.returncode == 0, out.stderr
+        rank, want, got, err = out.stdout.splitlines()[-1].split()
+        assert abs(float(want) - float(got)) / float(got) < 0.10, out.stdout
