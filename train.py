@@ -374,16 +374,21 @@ def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
 
 
 def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
-    """Every rank logs its model-state bytes and, beside them, the ZeRO formula's prediction."""
+    """Every rank's model-state bytes beside the ZeRO formula's prediction, gathered into one
+    table that the logging rank prints (collective over the world)."""
     got = trainer.optimizer.model_state_bytes()
     psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     p_bytes = trainer.dtype.itemsize
     g_bytes = trainer.ddp.grad_dtype.itemsize
     formula = zero_formula_bytes(psi, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
-    monitor.log_memory_breakdown({k: v for k, v in got.items() if k != "total"})
-    print(f"[rank {trainer.groups.rank}] model state {got['total'] - got['buckets']} bytes without buckets vs "
-          f"ZeRO-{trainer.cfg.zero.stage} formula {formula:.0f} bytes (Psi={psi}, N={trainer.groups.dp_size}, "
-          f"{p_bytes}-byte params, {g_bytes}-byte grads, 12 bytes/param fp32 Adam state)", flush=True)
+    row = dict(rank=trainer.groups.rank, psi=psi, bytes={k: v for k, v in got.items() if k != "total"},
+               formula=formula)
+    rows = [row]
+    if trainer.groups.world_size > 1:
+        rows = [None] * trainer.groups.world_size
+        dist.all_gather_object(rows, row, group=trainer.groups.world)
+    monitor.log_model_state_table(rows, note=f"ZeRO-{trainer.cfg.zero.stage} formula with N={trainer.groups.dp_size}, "
+                                  f"{p_bytes}-byte params, {g_bytes}-byte grads, 12 bytes/param fp32 Adam state")
 
 
 def is_logging_rank(groups: ProcessGroups) -> bool:
