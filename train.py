@@ -437,7 +437,8 @@ def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
 
 
 def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
-    """Every rank logs its model-state bytes and, beside them, the ZeRO formula's prediction."""
+    """Every rank's model-state bytes beside the ZeRO formula's prediction (and the bound on its
+    bucket temporaries), gathered into one table that the logging rank prints (collective)."""
     opt = trainer.optimizer
     got, bound = opt.model_state_bytes(), opt.bucket_bound_bytes()
     psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
@@ -446,11 +447,16 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     g_bytes = trainer.ddp.grad_dtype.itemsize
     m_bytes = 0 if p_bytes == 4 else 4   # an fp32 model's params are its main params
     formula = zero_formula_bytes(padded, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
-    monitor.log_memory_breakdown({k: v for k, v in got.items() if k != "total"})
-    print(f"[rank {trainer.groups.rank}] model state {got['total'] - got['buckets']} bytes + temporaries "
-          f"{got['buckets']} bytes vs ZeRO-{trainer.cfg.zero.stage} formula {formula:.0f} bytes + at most "
-          f"{bound} bytes of buckets (Psi={psi}, {padded} padded, N={trainer.groups.dp_size}, {p_bytes}-byte params, "
-          f"{g_bytes}-byte grads, {m_bytes + 8} bytes/param fp32 optimizer state)", flush=True)
+    row = dict(rank=trainer.groups.rank, psi=psi, bytes={k: v for k, v in got.items() if k != "total"},
+               formula=formula)
+    rows = [row]
+    if trainer.groups.world_size > 1:
+        rows = [None] * trainer.groups.world_size
+        dist.all_gather_object(rows, row, group=trainer.groups.world)
+    monitor.log_model_state_table(rows, note=(
+        f"ZeRO-{trainer.cfg.zero.stage} formula on the padded Psi with N={trainer.groups.dp_size}, "
+        f"{p_bytes}-byte params, {g_bytes}-byte grads, {m_bytes + 8} bytes/param fp32 optimizer state, "
+        f"+ at most {bound} bytes of buckets"))
 
 
 def is_logging_rank(groups: ProcessGroups) -> bool:

@@ -212,7 +212,7 @@ def describe(e: MemoryEstimate, available: Optional[int]) -> str:
     """One line for the launcher's console."""
     free = gib(available) if available is not None else "unknown"
     temps = f" + temporaries {gib(e.temporary_bytes)}" if e.temporary_bytes else ""
-    return (f"memory per rank (stage {e.stage}): model states {gib(e.model_state_bytes)} "
+    return (f"memory per rank (pipeline stage {e.stage}): model states {gib(e.model_state_bytes)} "
             f"(Psi={e.params:,}, ZeRO formula) + activations up to {gib(e.activation_bytes)} "
             f"(Korthikanti et al. 2022){temps}, peak {gib(e.total_bytes)}; available {free}")
 
@@ -239,7 +239,7 @@ def check_fits(e: MemoryEstimate, available: Optional[int]) -> Optional[str]:
         fixes += ["a larger --tp or --pp", "a smaller model (--num-layers, --hidden-size, "
                   "--max-position-embeddings, or a tokenizer with fewer tokens)"]
         raise MemoryPlanError(
-            f"the model states of one rank of stage {worst.stage} need {gib(worst.model_state_bytes)} "
+            f"the model states of one rank of pipeline stage {worst.stage} need {gib(worst.model_state_bytes)} "
             f"(Psi={worst.params:,} parameters, ZeRO-{worst.zero_stage}) but {gib(available)} is available; "
             f"fix: {', '.join(fixes)}")
     if e.total_bytes > available:

@@ -382,10 +382,39 @@ class Monitor:
         """
         parts = {name: int(_plain(b)) for name, b in breakdown.items()}
         body = " | ".join(f"{name} {_fmt_bytes(b)}" for name, b in parts.items())
-        print(f"[rank {self.rank}] model state: {body} | total {_fmt_bytes(sum(parts.values()))}",
-              flush=True)
+        # one write: other ranks' lines cannot land inside this one on a shared console
+        sys.stdout.write(f"[rank {self.rank}] model state: {body} | total {_fmt_bytes(sum(parts.values()))}\n")
+        sys.stdout.flush()
         if self.is_logging_rank:
             self._record("memory", {"rank": self.rank, "bytes": parts})
+
+    def log_model_state_table(self, rows: list, note: str = "") -> None:
+        """Print every rank's model-state bytes as one table (logging rank only, one write).
+
+        ``rows``: one mapping per rank (gathered by the caller), each with ``"rank"``,
+        ``"bytes"`` (part name -> bytes, e.g. params, grads, optimizer, buckets) and optional
+        ``"psi"`` (its parameter count) and ``"formula"`` (the ZeRO formula's bytes for them,
+        shown beside the total without buckets);
+        ``note`` ends the header. Writes one ``"memory"`` record per rank.
+        """
+        if not self.is_logging_rank:
+            return
+        names = list(dict.fromkeys(n for r in rows for n in r["bytes"]))
+        head = ["rank", "Psi", *names, "total", "w/o buckets", "ZeRO formula"]
+        table = [head]
+        for r in sorted(rows, key=lambda r: r["rank"]):
+            parts = {n: int(_plain(r["bytes"].get(n, 0))) for n in names}
+            total = sum(parts.values())
+            formula = r.get("formula")
+            table.append([str(r["rank"]), str(r.get("psi", "n/a")), *(_fmt_bytes(parts[n]) for n in names), _fmt_bytes(total),
+                          _fmt_bytes(total - parts.get("buckets", 0)),
+                          "n/a" if formula is None else _fmt_bytes(int(formula))])
+            self._record("memory", {"rank": r["rank"], "bytes": parts})
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        lines = [f"model state per rank{': ' + note if note else ''}"]
+        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
 
     def summary(self, final_valid_loss: Optional[float], unigram_entropy_nats: float,
                 sample_text: str) -> None:

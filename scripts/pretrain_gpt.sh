@@ -1,12 +1,47 @@
 #!/usr/bin/env bash
 # Front door: bash scripts/pretrain_gpt.sh [--tp T] [--pp P] [--dp D] [--nnodes N] [--node-rank R]
 #             [--master-addr A] [--master-port PORT] [--data-dir DIR] [train.py flags ...]
+#        bash scripts/pretrain_gpt.sh --help   (both sets of flags; prepares and starts nothing)
 #
 # Launches torchrun with T*P*D/N processes per node. Every flag it does not know goes to
 # train.py unchanged. Without --data-path (and without --mock-data) it prepares the embedded
 # default corpus once (Python standard library -> sentencepiece tokenizer -> .bin/.idx) under
 # --data-dir (default: $MEGAZERO_DATA_DIR or <repo>/.cache/data) and trains on it.
 set -euo pipefail
+
+# --help: the launcher's flags, then train.py's (megazero.config needs only the standard
+# library), and nothing else: no environment check, no data, no run directory, no torchrun.
+usage() {
+  cat <<'USAGE'
+usage: bash scripts/pretrain_gpt.sh [launcher flags] [train.py flags]
+
+launcher flags (read by this script):
+  --tp, --tensor-model-parallel-size T    tensor-parallel size (default: 1)
+  --pp, --pipeline-model-parallel-size P  pipeline-parallel size (default: 1)
+  --dp, --data-parallel-size D            data-parallel size (default: 1); T*P*D ranks in all
+  --nnodes N                              number of nodes (default: 1); T*P*D/N ranks per node
+  --node-rank R                           this node's rank, 0 to N-1 (default: 0)
+  --master-addr A                         address of node 0's rendezvous (default: 127.0.0.1)
+  --master-port PORT                      its port (default: a free one on one node, 29500 on several)
+  --data-dir DIR                          where the embedded default corpus is prepared when no
+                                          --data-path is given (default: $MEGAZERO_DATA_DIR or
+                                          <repo>/.cache/data)
+  --run-dir DIR                           logs, metrics and TensorBoard files (default:
+                                          <repo>/runs/<date>-tp<T>pp<P>dp<D>)
+  --distributed-timeout-s S               also bounds the rendezvous (passed on to train.py)
+  -h, --help                              this help
+Every other flag goes to train.py unchanged:
+
+USAGE
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  local py="${MEGAZERO_VENV:+$MEGAZERO_VENV/bin/python}"
+  py="${py:-$(command -v python3 || command -v python)}"
+  "$py" -c 'from megazero.config import build_parser; build_parser().print_help()'
+}
+for a in "$@"; do
+  case "$a" in -h|--help) usage; exit 0 ;; esac
+done
+
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$MEGAZERO_ROOT"
 

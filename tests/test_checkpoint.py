@@ -238,11 +238,11 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
 
     monkeypatch.setenv("MEGAZERO_RANKS_PER_NODE", "1")
     assert train.preflight(ARGS, 1) == 0
-    assert "memory per rank (stage 0): model states" in capsys.readouterr().out
+    assert "memory per rank (pipeline stage 0): model states" in capsys.readouterr().out
     huge = ARGS + ["--max-position-embeddings", "400000000"]
     assert train.preflight(huge, 1) == 2
     err = capsys.readouterr().err
-    assert err.startswith("megazero: memory error: the model states of one rank of stage 0 need")
+    assert err.startswith("megazero: memory error: the model states of one rank of pipeline stage 0 need")
     assert "--zero-stage 2" in err and "larger --dp" not in err  # ZeRO-0: more ranks alone do not help
     plans = {z: train.plan_memory(config_from_argv(ARGS + ["--dp", "4", "--zero-stage", str(z)], 4), 1001)
              for z in (0, 2)}

@@ -217,3 +217,29 @@ def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(tmp_path, vi
             os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+def test_help_lists_the_launcher_flags_and_train_flags_once_and_does_nothing_else(tmp_path):
+    """``--help`` in a fresh copy of the repository: the launcher's own flags and train.py's,
+    each help once, in under 5 s, with no data prepared and no run directory made."""
+    import shutil
+    import time
+
+    clone = tmp_path / "clone"
+    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "runs", "__pycache__",
+                                                               ".pytest_cache", "*.egg-info"))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("MEGAZERO_VENV", None)
+    start = time.monotonic()
+    out = subprocess.run(["bash", str(clone / "scripts" / "pretrain_gpt.sh"), "--tp", "2", "--help"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert took < 5.0
+    for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--data-dir", "--run-dir",
+                 "--num-layers", "--zero-stage", "--data-path"):
+        assert flag in out.stdout, flag
+    assert out.stdout.count("usage: bash scripts/pretrain_gpt.sh") == 1
+    assert out.stdout.count("usage: train.py") == 1
+    assert not (clone / ".cache").exists() and not (clone / "runs").exists()
+    assert sorted(os.listdir(tmp_path)) == ["clone"]

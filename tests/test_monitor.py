@@ -4,6 +4,7 @@ read back with TensorBoard's own EventAccumulator."""
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -306,3 +307,32 @@ def test_metrics_jsonl_is_strict_json_with_null_for_nan(tmp_path, capsys):
         records = [json.loads(line, parse_constant=refuse) for line in f]
     assert records[0]["loss"] is None and records[0]["grad_norm"] is None
     assert all(v is None or not isinstance(v, float) or math.isfinite(v) for r in records for v in r.values())
+
+
+def test_model_state_table_is_one_write_by_the_logging_rank(tmp_path, monkeypatch):
+    """Every rank's model-state row (gathered by the caller) is printed by the logging rank as
+    one table in a single write, so ranks sharing a console cannot interleave inside it."""
+    import io
+
+    rows = [dict(rank=1, psi=1000, bytes={"params": 2**20, "buckets": 2**10}, formula=2**20),
+            dict(rank=0, psi=2000, bytes={"params": 2**21, "buckets": 0}, formula=2**21)]
+    class Out(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return super().write(text)
+
+    for logging, expect_writes in ((False, 0), (True, 1)):
+        writes = []
+        monkeypatch.setattr(sys, "stdout", Out())
+        with Monitor(str(tmp_path / str(logging)), tensorboard_dir=None, metrics_file="m.jsonl", rank=0,
+                     is_logging_rank=logging, config_text="") as mon:
+            mon.log_model_state_table(rows, note="ZeRO-0")
+        monkeypatch.undo()
+        assert len(writes) == expect_writes
+    lines = writes[0].splitlines()
+    assert lines[0] == "model state per rank: ZeRO-0"
+    assert lines[1].split() == ["rank", "Psi", "params", "buckets", "total", "w/o", "buckets", "ZeRO", "formula"]
+    assert lines[2].split() == ["0", "2000"] + ["2.00", "MiB", "0.00", "MiB"] + ["2.00", "MiB"] * 3
+    assert lines[3].split()[:2] == ["1", "1000"] and lines[3].split()[-2:] == ["1.00", "MiB"]
+    records = [json.loads(x) for x in (tmp_path / "True" / "m.jsonl").read_text().splitlines()]
+    assert [r["rank"] for r in records if r["kind"] == "memory"] == [0, 1]

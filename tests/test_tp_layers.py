@@ -175,6 +175,11 @@ def _cross_entropy(rank, tp, g):
         out["replicated_error"] = None
     except ValueError as e:
         out["replicated_error"] = str(e)
+    try:  # the misuse that gave loss + ln(tp): replicated logits and no sizes
+        vocab_parallel_cross_entropy(torch.zeros(B, T, pv, dtype=D), torch.zeros(B, T, dtype=torch.long), g)
+        out["no_sizes_error"] = None
+    except TypeError as e:
+        out["no_sizes_error"] = str(e)
     return out
 
 
@@ -259,7 +264,7 @@ def test_sequence_mappings_and_divisibility_errors(ranks):
 def test_vocab_parallel_cross_entropy(ranks):
     tp, per_rank = ranks
     for case in per_rank[0]["ce"]:
-        if case == "replicated_error":
+        if case in ("replicated_error", "no_sizes_error"):
             continue
         for rank, res in enumerate(per_rank):
             r = res["ce"][case]
@@ -269,6 +274,8 @@ def test_vocab_parallel_cross_entropy(ranks):
     for res in per_rank:
         msg = res["ce"]["replicated_error"]
         assert msg is not None and f"[B, T, {8 // tp}]" in msg and "[2, 8, 8]" in msg
+        msg = res["ce"]["no_sizes_error"]
+        assert msg is not None and "vocab_size" in msg and "padded_vocab_size" in msg
 
 
 def test_rng_tracker_masks(ranks):
@@ -305,13 +312,14 @@ def test_group_size_one_is_plain_math():
     assert torch.equal(VocabParallelEmbedding(V, H, None, full_weight=table)(ids), F.embedding(ids, table))
     logits = torch.randn(B, T, 8, dtype=torch.bfloat16)
     target = torch.randint(0, 8, (B, T))
-    loss = vocab_parallel_cross_entropy(logits, target, None, label_smoothing=0.1)
+    loss = vocab_parallel_cross_entropy(logits, target, None, vocab_size=8, padded_vocab_size=8,
+                                        label_smoothing=0.1)
     assert loss.dtype == torch.float32
     ref = F.cross_entropy(logits.float().view(-1, 8), target.view(-1), reduction="none",
                           label_smoothing=0.1).view(B, T)
     assert torch.allclose(loss, ref, atol=1e-6)
     with pytest.raises(ValueError, match=r"\[B, T, 16\]"):
-        vocab_parallel_cross_entropy(logits, target, None, padded_vocab_size=16)
+        vocab_parallel_cross_entropy(logits, target, None, vocab_size=8, padded_vocab_size=16)
     with pytest.raises(ValueError, match="stride 3"):
         ColumnParallelLinear(IN, OUT * 3, None, gather_output=True, stride=3)
     with pytest.raises(ValueError, match=r"expected \(12, 8\)"):
@@ -325,7 +333,8 @@ def test_cuda_single_rank_paths():
     dev = torch.device("cuda")
     logits = torch.randn(B, T, 8, device=dev, dtype=torch.bfloat16)
     target = torch.randint(0, 7, (B, T), device=dev)
-    loss = vocab_parallel_cross_entropy(logits, target, None, vocab_size=7, label_smoothing=0.1)
+    loss = vocab_parallel_cross_entropy(logits, target, None, vocab_size=7, padded_vocab_size=8,
+                                        label_smoothing=0.1)
     ref = F.cross_entropy(logits.float()[..., :7].reshape(-1, 7), target.view(-1),
                           reduction="none", label_smoothing=0.1).view(B, T)
     assert loss.dtype == torch.float32 and torch.allclose(loss, ref, atol=1e-5)

@@ -183,6 +183,29 @@ DS_CASES = {  # seed JSON -> (world, extra flags, zero stage, fp16, bf16) the ru
 }
 
 
+def seed_case(name: str) -> str:
+    """Path of a seed DeepSpeed JSON; skips without ../shared/cases/deepspeed, except under
+    CI=true, where a missing folder is a failure (the tests must run there)."""
+    path = os.path.join(SEEDS, name)
+    if not os.path.exists(path):
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"{path} not present under CI=true; fix: check out the shared cases beside the repository")
+        pytest.skip(f"{path} not present")
+    return path
+
+
+def test_seed_cases_skip_locally_and_fail_under_ci(monkeypatch, tmp_path):
+    import tests.test_train as me
+
+    monkeypatch.setattr(me, "SEEDS", str(tmp_path / "absent"))
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="not present"):
+        me.test_seed_deepspeed_configs_train_end_to_end("seed000_stage1.json")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="not present under CI=true"):
+        me.test_seed_deepspeed_configs_train_end_to_end("seed000_stage1.json")
+
+
 def _ds_run(rank, world, argv, steps):
     from megazero.config import config_from_argv
 
@@ -195,9 +218,7 @@ def _ds_run(rank, world, argv, steps):
 def test_seed_deepspeed_configs_train_end_to_end(name):
     """The seed documents' ZeRO-1/2 DeepSpeed JSON files run through --deepspeed-config; the
     mixed-precision runs (fp16 with dynamic loss scaling, bf16) train on tiny shapes."""
-    path = os.path.join(SEEDS, name)
-    if not os.path.exists(path):
-        pytest.skip(f"{path} not present")
+    path = seed_case(name)
     world, extra, stage, fp16, bf16 = DS_CASES[name]
     drop = {i for i, a in enumerate(BASE) if a in ("--global-batch-size", "--micro-batch-size")}
     argv = [a for i, a in enumerate(BASE) if i not in drop and i - 1 not in drop]  # the JSON sets the batch

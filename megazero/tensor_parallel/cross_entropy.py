@@ -17,8 +17,6 @@ eps/V`` on this rank's columns, with no communication. With one TP rank the func
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from megazero import collectives as C
@@ -74,9 +72,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group, *,
-                                 label_smoothing: float = 0.0,
-                                 vocab_size: Optional[int] = None,
-                                 padded_vocab_size: Optional[int] = None) -> torch.Tensor:
+                                 vocab_size: int, padded_vocab_size: int,
+                                 label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-token cross-entropy of one vocabulary partition of the logits.
 
     Args:
@@ -84,10 +81,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
             vocabulary (rank ``r`` holds columns ``[r*V_pad/tp, (r+1)*V_pad/tp)``).
         target: ``[B, T]`` int64 token ids in ``[0, vocab_size)``, identical on TP ranks.
         group: the tensor-parallel group (``None`` = one rank holding the full vocabulary).
+        vocab_size: the real vocabulary; columns at or past it are padding.
+        padded_vocab_size: the full padded vocabulary, ``tp`` times this rank's columns.
         label_smoothing: ``eps`` in ``[0, 1)``, spread over the ``vocab_size`` real tokens.
-        vocab_size: the real vocabulary; columns at or past it are padding (default:
-            ``padded_vocab_size``).
-        padded_vocab_size: the full padded vocabulary (default ``logits.shape[-1] * tp``).
+
+    Both sizes are required: with defaults derived from ``logits``, replicated (gathered)
+    logits passed at ``tp > 1`` looked like a vocabulary ``tp`` times larger and the loss
+    came out ``ln(tp)`` too high (the kind of Megatron's gathered-logits issue). Required,
+    they make that call a ValueError.
 
     Returns:
         ``[B, T]`` loss in nats, fp32 (float64 for float64 logits), identical on every
@@ -102,15 +103,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """
     tp = C.group_size(group)
     part = logits.shape[-1]
-    if padded_vocab_size is None:
-        padded_vocab_size = part * tp
     if part * tp != padded_vocab_size:
         raise ValueError(
             f"vocab_parallel_cross_entropy: expected logits of shape [B, T, "
             f"{padded_vocab_size // tp}] (padded_vocab_size {padded_vocab_size} / tensor-"
             f"parallel size {tp}), got {list(logits.shape)}; pass this rank's vocabulary "
             f"partition, not the full or gathered logits")
-    vocab_size = padded_vocab_size if vocab_size is None else vocab_size
     if not 0 < vocab_size <= padded_vocab_size:
         raise ValueError(f"vocab_parallel_cross_entropy: vocab_size {vocab_size} must be in "
                          f"[1, padded_vocab_size {padded_vocab_size}]")
