@@ -233,3 +233,23 @@ def test_generate_from_the_tp2_pp2_checkpoint_equals_transformers_greedy(exporte
     want, eos = want[0].tolist(), model.config.eos_token_id
     # generate.py stops after EOD; transformers pads the rest of its rows with it
     assert ids == want[:len(ids)] and all(t == eos for t in want[len(ids) - 1:]) if len(ids) < len(want) else ids == want
+
+
+def test_sentencepiece_tokenizer_exports_exactly(tmp_path):
+    require("transformers")
+    from transformers import AutoTokenizer
+
+    from data.tokenizer import load_tokenizer, train_tokenizer
+    from scripts.convert_checkpoint import write_tokenizer
+    from tests.test_data_roundtrip import TRICKY
+
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(60) + [TRICKY]))
+    tok = load_tokenizer(train_tokenizer(str(tmp_path / "t.jsonl"), 400, str(tmp_path / "sp"), num_threads=1))
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_tokenizer(tok, str(out), 64)  # checks the standard-library sample itself
+    hf_tok = AutoTokenizer.from_pretrained(str(out))
+    for text in TEXTS + [TRICKY.replace("<|eod|>", ""), "a literal \u2581 here"]:
+        assert hf_tok(text)["input_ids"] == tok.encode(text), text
+        assert hf_tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    assert hf_tok.eos_token_id == tok.eod == 1
