@@ -151,6 +151,7 @@ def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
     assert via_hf[0] == pytest.approx(hf_loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
     import train
 
@@ -170,6 +171,7 @@ def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_refuses_what_it_cannot_map_exactly(exported, tmp_path, capsys):
     from scripts.convert_checkpoint import main
 
