@@ -106,39 +106,19 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
 def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
     """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2 model, read lazily
     (each stage loads only its own), vocabulary re-padded for ``tp_size``; else None."""
-    if cfg.train.from_hf is None:
-        return None
-    from safetensors import safe_open
+    from model.hf import open_folder
 
-    from model.hf import CanonicalView
-
-    handle = safe_open(os.path.join(cfg.train.from_hf, "model.safetensors"), "pt")
-    return CanonicalView(handle, gcfg, gcfg.padded_vocab(tp_size))
+    return None if cfg.train.from_hf is None else open_folder(cfg.train.from_hf, gcfg, gcfg.padded_vocab(tp_size))
 
 
 def check_from_hf(cfg: Config, vocab_size: int) -> None:
-    """Before any process group: DIR's config.json describes this run's model and its
-    safetensors hold every tensor. Raises CheckpointError naming the difference."""
-    import json
+    """Before any process group: --from-hf's folder holds this run's model (CheckpointError if not)."""
+    from model.hf import check_folder
 
-    from model.hf import check_matches, hf_name
-
-    path = cfg.train.from_hf
-    gcfg = build_gpt_config(cfg, vocab_size)
     try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-        check_matches(config, gcfg)
-        from safetensors import safe_open
-
-        with safe_open(os.path.join(path, "model.safetensors"), "pt") as handle:
-            keys = set(handle.keys())
-        for name in from_hf_weights(cfg, gcfg, 1) or ():
-            target = "transformer.wte.weight" if name == "output.weight" and gcfg.tie_embeddings else hf_name(name)[0]
-            if target not in keys:
-                raise HFConversionError(f"model.safetensors has no tensor {target!r}")
-    except (HFConversionError, ValueError, KeyError, OSError, ImportError) as e:
-        raise checkpoint.CheckpointError(f"--from-hf {path}: {e}") from None
+        check_folder(cfg.train.from_hf, build_gpt_config(cfg, vocab_size))
+    except (HFConversionError, OSError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"--from-hf {cfg.train.from_hf}: {e}") from None
 
 
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:

@@ -171,6 +171,42 @@ def train_hf_tokenizer(texts, vocab_size: int, out_path: str, eod_token: str = "
     return out_path
 
 
+def sentencepiece_to_hf(tok: Tokenizer):
+    """A ``tokenizers.Tokenizer`` that encodes as ``tok`` (this module's sentencepiece BPE) does.
+
+    sentencepiece's BPE merges, anywhere in the text, the adjacent pair whose merged piece
+    has the highest score; Hugging Face's BPE merges the pair of lowest rank. So the vocabulary
+    is the same ids, every split ``a + b`` of a piece is a merge, ranked by the merged piece's
+    id (sentencepiece orders BPE pieces by score), and the whole text is one word (no
+    pre-tokenizer, as ``split_by_whitespace=False``). Pieces carry real spaces instead of
+    "▁", so a literal "▁" matches no piece and falls back to its three UTF-8 bytes, as
+    ``Tokenizer.encode`` does; characters without a piece fall back to bytes in both.
+    Control pieces become special tokens (dropped by decode). Callers must still compare
+    encodings (scripts/convert_checkpoint.py does). Raises DataError for a piece type this
+    mapping does not cover.
+    """
+    from tokenizers import AddedToken, Tokenizer as _HF, decoders, models
+
+    sp, vocab, special = tok.sp, {}, []
+    for i in range(tok.vocab_size):
+        piece = sp.id_to_piece(i)
+        if sp.is_control(i) or sp.is_unknown(i):
+            special.append(piece)
+        elif not sp.is_byte(i):
+            if sp.is_unused(i) or piece.replace(_SPACE_MARK, " ") in vocab:
+                raise DataError(f"{tok.model_path}: piece {piece!r} (id {i}) has no exact tokenizers equivalent")
+            piece = piece.replace(_SPACE_MARK, " ")
+        vocab[piece] = i
+    ranked = sorted((i, vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for p, i in vocab.items()
+                    if p not in special and not sp.is_byte(i) for k in range(1, len(p))
+                    if p[:k] in vocab and p[k:] in vocab)
+    hf = _HF(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=sp.id_to_piece(sp.unk_id()),
+                        byte_fallback=True))
+    hf.add_special_tokens([AddedToken(p, special=True) for p in special])
+    hf.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return hf
+
+
 def model_sha256(model_path: str) -> str:
     """sha256 (hex) of the bytes of a tokenizer model file (a folder: its tokenizer.json): what
     ``PREFIX.tokenizer.json`` and checkpoints record to tell tokenizers apart. Raises OSError

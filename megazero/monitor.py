@@ -274,8 +274,12 @@ class WandbLogger:
             self._run.summary[key] = value
 
     def close(self) -> None:
-        """Finish the W&B run (flushes; an offline run is then complete on disk)."""
+        """Finish the W&B run and wait for wandb's service to write everything (``teardown``:
+        ``finish`` alone may return before an offline run's last records are on disk)."""
+        import wandb
+
         self._run.finish()
+        wandb.teardown()
 
 
 class Monitor:

@@ -23,6 +23,8 @@ needed. Where the two computations could differ, the map is exact or refuses:
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Iterator, Mapping, Optional
 
 import torch
@@ -151,6 +153,32 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
         if getattr(theirs, field) != getattr(gcfg, field):
             raise HFConversionError(f"the folder's model has {field} = {getattr(theirs, field)}, this run "
                                     f"{getattr(gcfg, field)}; fix: set {flag} to match")
+
+
+def open_folder(path: str, gcfg: GPTConfig, padded_vocab: int) -> "CanonicalView":
+    """The canonical full tensors of a Hugging Face GPT-2 folder's ``model.safetensors``,
+    read lazily (``CanonicalView``), vocabulary tensors padded to ``padded_vocab`` rows."""
+    from safetensors import safe_open
+
+    return CanonicalView(safe_open(os.path.join(path, "model.safetensors"), "pt"), gcfg, padded_vocab)
+
+
+def check_folder(path: str, gcfg: GPTConfig) -> None:
+    """Raise HFConversionError unless folder ``path`` holds ``gcfg``'s model: its
+    ``config.json`` matches (``check_matches``) and its safetensors have every tensor.
+    OSError / ValueError for an unreadable file."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        check_matches(json.load(f), gcfg)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as handle:
+        keys = set(handle.keys())
+    for name in canonical_shapes(gcfg, gcfg.vocab_size):
+        target = hf_name(name)[0]
+        if name == "output.weight" and gcfg.tie_embeddings:
+            continue
+        if target not in keys:
+            raise HFConversionError(f"model.safetensors has no tensor {target!r}")
 
 
 def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:

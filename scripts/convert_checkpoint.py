@@ -9,10 +9,11 @@ differences it refuses), plus the run's tokenizer, so that
 ``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)``
 work. The checkpoint is read in this one process (full fp32 master weights; no process
 group). The tokenizer is the one the checkpoint recorded unless ``--tokenizer-model`` is
-given; its sha256 must equal the recorded one. A Hugging Face ``tokenizer.json`` is copied
-as is; a sentencepiece model is refused (its literal-"▁" handling has no exact
-``tokenizers`` equivalent yet): train with ``--tokenizer-type HuggingFaceTokenizer`` to
-export one. The folder appears only when complete (temporary name, then rename).
+given; its sha256 must equal the recorded one. A Hugging Face ``tokenizer.json`` is written
+as is; a sentencepiece model is converted (``data.tokenizer.sentencepiece_to_hf``) and
+exported only when it encodes a check set (unicode, whitespace, a literal "▁", standard
+library files) exactly as megazero does, else refused. The folder appears only when
+complete (temporary name, then rename).
 Errors: one line ``convert_checkpoint: error: ...`` and exit code 2.
 """
 from __future__ import annotations
@@ -56,16 +57,46 @@ def resolve_tokenizer(meta: dict, model: str | None, kind: str | None):
     return tok
 
 
-def write_tokenizer(tok, out: str, max_length: int) -> None:
-    """Files for ``AutoTokenizer.from_pretrained(out)`` that encode as ``tok`` does."""
-    from data.tokenizer import HFTokenizer
+CHECK_TEXTS = ("def f(x):\n    return x ** 2  # square\n", "Ünïcödé ☃ 日本語 — emoji 😀\ttab\r\nCRLF",
+               "  leading and trailing spaces  ", "a literal \u2581 and \u2581\u2581", "x\n\n\t \n")
 
-    if not isinstance(tok, HFTokenizer):
-        raise ConvertError("a sentencepiece tokenizer cannot be exported exactly yet; fix: train with "
-                           "--tokenizer-type HuggingFaceTokenizer (a tokenizer.json), or pass one "
-                           "with --tokenizer-model")
-    shutil.copyfile(tok.model_path, os.path.join(out, "tokenizer.json"))
-    eod = tok.tok.id_to_token(tok.eod)
+
+def check_texts(count: int = 40) -> list[str]:
+    """Texts an exported sentencepiece tokenizer must encode exactly as megazero does: a few
+    hand-made ones (unicode, whitespace, "▁") and the first ``count`` standard-library files."""
+    from data.corpus import list_files, stdlib_root
+
+    root, texts = stdlib_root(), list(CHECK_TEXTS)
+    for rel in list_files(root)[:count]:
+        try:
+            texts.append(open(os.path.join(root, rel), encoding="utf-8", newline="").read())
+        except (UnicodeDecodeError, OSError):
+            continue
+    return texts
+
+
+def hf_tokenizer_of(tok):
+    """A ``tokenizers.Tokenizer`` giving ``tok``'s ids: the run's own tokenizer.json, or the
+    converted sentencepiece model after a check that it encodes ``check_texts`` identically."""
+    from data.tokenizer import HFTokenizer, sentencepiece_to_hf
+
+    if isinstance(tok, HFTokenizer):
+        return tok.tok
+    hf = sentencepiece_to_hf(tok)
+    for text in check_texts():
+        if hf.encode(text, add_special_tokens=False).ids != tok.encode(text):
+            raise ConvertError(f"the sentencepiece tokenizer {tok.model_path} has no exact Hugging Face "
+                               f"equivalent (the ids of {text[:40]!r} differ); fix: train with "
+                               "--tokenizer-type HuggingFaceTokenizer, or pass one with --tokenizer-model")
+    return hf
+
+
+def write_tokenizer(tok, out: str, max_length: int) -> None:
+    """Files for ``AutoTokenizer.from_pretrained(out)`` that encode as ``tok`` does.
+    Raises ConvertError when no exact equivalent exists."""
+    hf = hf_tokenizer_of(tok)
+    hf.save(os.path.join(out, "tokenizer.json"))
+    eod = hf.id_to_token(tok.eod)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
               "model_max_length": max_length, "clean_up_tokenization_spaces": False}
     with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:

@@ -29,7 +29,7 @@ from megazero.checkpoint import CheckpointError, read_full_weights  # noqa: E402
 from megazero.process_groups import ProcessGroups  # noqa: E402
 from megazero.topology import Topology  # noqa: E402
 from model.gpt import GPTStage  # noqa: E402
-from model.hf import CanonicalView, HFConversionError, config_from_record, gpt_config_from_hf  # noqa: E402
+from model.hf import HFConversionError, config_from_record, gpt_config_from_hf, open_folder  # noqa: E402
 from model.sampling import sample  # noqa: E402
 
 
@@ -41,10 +41,7 @@ def load_model(args, groups: ProcessGroups, device) -> tuple[GPTStage, object]:
     if args.from_hf:
         with open(os.path.join(args.from_hf, "config.json"), encoding="utf-8") as f:
             gcfg = gpt_config_from_hf(json.load(f), **off)
-        from safetensors import safe_open
-
-        full = CanonicalView(safe_open(os.path.join(args.from_hf, "model.safetensors"), "pt"), gcfg,
-                             gcfg.padded_vocab(groups.tp_size))
+        full = open_folder(args.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
         tok_path, tok_type = args.tokenizer_model or args.from_hf, args.tokenizer_type or "HuggingFaceTokenizer"
     else:
         meta, full = read_full_weights(args.load)

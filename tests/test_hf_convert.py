@@ -151,6 +151,7 @@ def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
     assert via_hf[0] == pytest.approx(hf_loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
     import train
 
@@ -170,6 +171,7 @@ def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_refuses_what_it_cannot_map_exactly(exported, tmp_path, capsys):
     from scripts.convert_checkpoint import main
 
@@ -233,3 +235,23 @@ def test_generate_from_the_tp2_pp2_checkpoint_equals_transformers_greedy(exporte
     want, eos = want[0].tolist(), model.config.eos_token_id
     # generate.py stops after EOD; transformers pads the rest of its rows with it
     assert ids == want[:len(ids)] and all(t == eos for t in want[len(ids) - 1:]) if len(ids) < len(want) else ids == want
+
+
+def test_sentencepiece_tokenizer_exports_exactly(tmp_path):
+    require("transformers")
+    from transformers import AutoTokenizer
+
+    from data.tokenizer import load_tokenizer, train_tokenizer
+    from scripts.convert_checkpoint import write_tokenizer
+    from tests.test_data_roundtrip import TRICKY
+
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(60) + [TRICKY]))
+    tok = load_tokenizer(train_tokenizer(str(tmp_path / "t.jsonl"), 400, str(tmp_path / "sp"), num_threads=1))
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_tokenizer(tok, str(out), 64)  # checks the standard-library sample itself
+    hf_tok = AutoTokenizer.from_pretrained(str(out))
+    for text in TEXTS + [TRICKY.replace("<|eod|>", ""), "a literal \u2581 here"]:
+        assert hf_tok(text)["input_ids"] == tok.encode(text), text
+        assert hf_tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    assert hf_tok.eos_token_id == tok.eod == 1
