@@ -121,12 +121,20 @@ def check_from_hf(cfg: Config, vocab_size: int) -> None:
         raise checkpoint.CheckpointError(f"--from-hf {cfg.train.from_hf}: {e}") from None
 
 
+def bucket_sizes(cfg: Config) -> tuple[int, int]:
+    """(reduce, all-gather) bucket elements: the flags, or hidden size squared when unset
+    (DeepSpeed's "auto"; README, "Bucket sizes"). The optimizer and the planner both use it."""
+    auto = cfg.model.hidden_size ** 2
+    z = cfg.zero
+    return int(z.reduce_bucket_size or auto), int(z.allgather_bucket_size or auto)
+
+
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
     """Gradient buffers (ZeRO stage 0/1/2) and the sharded Adam that owns the fp32 main params."""
     z, pr, o = cfg.zero, cfg.precision, cfg.optim
     grad_dtype = torch.float32 if pr.accumulate_allreduce_grads_in_fp32 else model_dtype(pr.fp16, pr.bf16)
-    auto_bucket = cfg.model.hidden_size ** 2   # README: "Bucket sizes"
-    ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=int(z.reduce_bucket_size or auto_bucket),
+    reduce_bucket, allgather_bucket = bucket_sizes(cfg)
+    ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=reduce_bucket,
                        overlap_comm=z.overlap_comm, grad_dtype=grad_dtype)
     scaler = None
     if pr.fp16:
@@ -137,7 +145,7 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
                                     max_consecutive_skips=pr.max_consecutive_skips))
     opt = DistributedOptimizer(ddp, groups, beta1=o.adam_beta1, beta2=o.adam_beta2, eps=o.adam_eps,
                                weight_decay=o.weight_decay, clip_grad=o.clip_grad, loss_scaler=scaler,
-                               allgather_bucket_size=int(z.allgather_bucket_size or auto_bucket),
+                               allgather_bucket_size=allgather_bucket,
                                adam_backend=o.kernels,
                                max_consecutive_skips=pr.max_consecutive_skips)
     return ddp, opt
@@ -540,14 +548,14 @@ def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
                            micro_batch_size=cfg.train.micro_batch_size,
                            sequence_parallel=p.sequence_parallel and p.tp > 1,
                            activations=activation_settings(cfg),
-                           buckets=(int(cfg.zero.reduce_bucket_size), int(cfg.zero.allgather_bucket_size)))
+                           buckets=bucket_sizes(cfg))
 
 
 def plan_stages(cfg: Config, vocab_size: int) -> list[memory.MemoryEstimate]:
     """The memory plan of every pipeline stage (index = pp rank), as ``plan_memory`` counts it."""
     return memory.stage_estimates(build_gpt_config(cfg, vocab_size), **_plan_layout(cfg),
                                   a=activation_settings(cfg),
-                                  buckets=(int(cfg.zero.reduce_bucket_size), int(cfg.zero.allgather_bucket_size)))
+                                  buckets=bucket_sizes(cfg))
 
 
 def _plan_layout(cfg: Config) -> dict:

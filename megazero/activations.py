@@ -132,15 +132,17 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
 
 
 def temporary_bytes(psi: int, dp: int, zero_stage: int, param_bytes: int, grad_bytes: int,
-                    reduce_bucket: int, allgather_bucket: int) -> tuple[float, float]:
+                    reduce_bucket: int, allgather_bucket: int, buckets_in_flight: int = 2) -> tuple[float, float]:
     """(bytes alive during the backward, bytes alive during the optimizer step) beyond the
-    model states, as megazero's ZeRO allocates them: ZeRO-2 stages up to one reduce bucket
-    of gradients; the step makes an fp32 copy of at most one bucket of this rank's shard and,
-    at stages 1/2, an all-gather bucket in the model dtype. With the default buckets (larger
-    than the model) the step's are ``4 Psi`` at stage 0 and ``4 Psi/N + p Psi`` at 1 and 2."""
+    model states, as megazero's ZeRO strategies bound them (``DistributedOptimizer.
+    bucket_bound_bytes``): ZeRO-2/3 stage up to ``buckets_in_flight + 2`` reduce buckets of
+    gradients in the backward; the step holds an fp32 scratch of one owned bucket piece when
+    gradients are not fp32, or, at stages 1-3, the all-gather buffers
+    (``allgather_bucket / N`` elements per rank, N + 1 of them, in the model dtype)."""
     shard = psi if zero_stage == 0 else math.ceil(psi / dp)
-    staging = grad_bytes * min(reduce_bucket, psi) if zero_stage == 2 else 0.0
-    step = 4 * min(allgather_bucket, shard)
-    if zero_stage > 0:
-        step += param_bytes * min(allgather_bucket, psi)
-    return float(staging), float(step)
+    bucket = min(reduce_bucket, psi)
+    staging = (buckets_in_flight + 2) * bucket * grad_bytes if zero_stage >= 2 else 0
+    piece = min(bucket if zero_stage == 0 else math.ceil(bucket / dp), shard)
+    scratch = 4 * piece if grad_bytes != 4 else 0
+    gather = (min(max(1, allgather_bucket // dp), shard) * (dp + 1) * param_bytes) if zero_stage > 0 else 0
+    return float(staging), float(max(scratch, gather))

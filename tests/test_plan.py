@@ -76,8 +76,10 @@ def test_recomputation_and_sequence_parallelism_shrink_the_count():
     assert kept("selective", drop=0.0) == kept(drop=0.0) == layer_bytes(_Sizes, ActivationSettings(B, 1, False, 2)) * 4
     # per layer the LayerNorm inputs and dropout masks, 4q elements, become 4q/tp (2 bytes each)
     assert kept(tp=2) - kept(tp=2, sp=True) == 4 * (4 * q - 4 * q / 2) * 2
-    assert temporary_bytes(1000, 4, 0, 2, 4, 10**9, 10**9) == (0.0, 4000.0)
-    assert temporary_bytes(1000, 4, 2, 2, 4, 100, 100) == (400.0, 4 * 100 + 2 * 100)
+    # fp32 gradients at ZeRO-0: no scratch, no gather; ZeRO-2: 2 + 2 staged buckets of 100
+    # elements, and the all-gather's (N + 1) x 100/N elements of 2-byte params
+    assert temporary_bytes(1000, 4, 0, 2, 4, 10**9, 10**9) == (0.0, 0.0)
+    assert temporary_bytes(1000, 4, 2, 2, 4, 100, 100) == (4 * 100 * 4, 5 * 25 * 2)
 
 
 def test_plan_lists_a_fitting_layout_for_a_175b_gpt():

@@ -8,6 +8,7 @@ to ZeRO-1 to ZeRO-2.
 """
 import torch
 
+from megazero.activations import temporary_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
@@ -48,6 +49,8 @@ def _measure(rank, world, batches):
                 got=state_bytes[-1], storage=_storage_bytes(ddp, opt), bound=opt.bucket_bound_bytes(),
                 formula=zero_formula_bytes(padded, world, stage, p_bytes, grad_bytes),
                 psi=sum(p.numel() for p in ddp.params), padded=padded,
+                plan=max(temporary_bytes(sum(p.numel() for p in ddp.params), world, stage, p_bytes,
+                                         grad_bytes, bucket, bucket)),
                 fp32_main_aliases=all(p.data.untyped_storage().data_ptr()
                                       == ddp.buffers[0].params_flat.untyped_storage().data_ptr()
                                       for p in ddp.params))
@@ -64,6 +67,7 @@ def _check(results, world):
                 states = got["total"] - got["buckets"]
                 assert r["storage"] == states == r["formula"], (kind, stage)
                 assert 0 <= got["buckets"] <= r["bound"], (kind, stage)
+                assert r["plan"] == r["bound"], (kind, stage, r["plan"], r["bound"])   # the planner's bound
                 if stage < 2:   # no staging: the step's temporaries are exactly the bound
                     assert got["buckets"] == r["bound"], (kind, stage)
                 totals.append(got["total"])
