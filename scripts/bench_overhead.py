@@ -9,10 +9,11 @@ prints the median step time of each and their ratio (target: megazero / plain <=
 Like with like: the plain model's attention is switched to ``scaled_dot_product_attention``,
 the kernel megazero's model calls (the reference writes softmax(QK^T)V by hand, a kernel
 difference that is no framework overhead). The loss comparison means something only where
-the runs are not chaotic: at the default ``--lr 1e-4`` a relative nudge of 1e-6 on the plain
-loop's gradients (``--nudge 1e-6``) moves its losses far less than a real megazero error would;
-at ``--lr 2e-3`` the same nudge alone moved them by 5e-2. The first step's losses (same
-weights, same batch) are printed apart: they differ by summation order only.
+the runs are not chaotic. Measured over 33 steps (hidden 256, seq 128, micro-batch 2): at
+the default ``--lr 1e-4`` the largest relative difference is 2.5e-7, with or without a 1e-6
+relative nudge of the plain loop's gradients (``--nudge 1e-6``), so a real megazero error
+would show; at ``--lr 2e-3`` that nudge alone gives 3.8e-2. The first step's losses (same
+weights, same batch) are printed apart: they differ by summation order only (8e-9).
 
     python scripts/bench_overhead.py [--steps 30] [--hidden-size 256] [--num-layers 4] ...
 """
