@@ -104,7 +104,7 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
 
 
 def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
-    """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2 model, read lazily
+    """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2 or Llama model, read lazily
     (each stage loads only its own), vocabulary re-padded for ``tp_size``; else None."""
     from model.hf import open_folder
 

@@ -1,5 +1,7 @@
-"""Hugging Face interchange for the GPT-2 block: megazero's canonical parameters <-> the
-tensors and ``config.json`` of ``transformers``' ``GPT2LMHeadModel``.
+"""Hugging Face interchange: megazero's canonical parameters <-> the tensors and
+``config.json`` of ``transformers``' ``GPT2LMHeadModel`` (GPT-2 block, learned positions) or
+``LlamaForCausalLM`` (LLaMA-style block, ``--position-embedding-type rope``; the second half
+of this file, from ``llama_config``).
 
 One name map, keyed by megazero's canonical parameter names (``model.gpt.canonical_shapes``),
 gives each parameter's Hugging Face name and whether it is transposed: GPT-2 stores its
@@ -55,7 +57,8 @@ _LAYER = {"ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False)
 _MAPPED_FIELDS = {"vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                   "seq_length", "max_position_embeddings", "hidden_dropout", "attention_dropout",
                   "tie_embeddings", "layernorm_epsilon", "init_method_std", "make_vocab_size_divisible_by",
-                  "sequence_parallel", "params_dtype", "label_smoothing", "norm_backend"}
+                  "sequence_parallel", "params_dtype", "label_smoothing", "norm_backend",
+                  "recompute_granularity", "recompute_method", "recompute_num_layers"}
 _GELU = "gelu"  # transformers' ACT2FN["gelu"]: exact erf GELU, as torch.nn.functional.gelu
 
 
@@ -93,7 +96,8 @@ def _check_block(gcfg: GPTConfig) -> None:
             continue
         if getattr(gcfg, f.name) != f.default:
             raise HFConversionError(f"model setting {f.name} = {getattr(gcfg, f.name)!r} has no GPT-2 "
-                                    "equivalent; only the GPT-2 block converts to GPT2LMHeadModel")
+                                    "equivalent; only the GPT-2 block converts to GPT2LMHeadModel (a "
+                                    "LLaMA-style block, --position-embedding-type rope, to LlamaForCausalLM)")
 
 
 def gpt2_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
@@ -140,10 +144,13 @@ def gpt_config_from_hf(config: Mapping, **settings) -> GPTConfig:
 
 
 def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
-    """Raise HFConversionError naming the first size where ``config.json`` and the run's
-    model (``gcfg``) differ, as the megazero flag to change."""
-    theirs = gpt_config_from_hf(config, seq_length=gcfg.seq_length)
-    for field, flag in (("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
+    """Raise HFConversionError naming the first size or block option where ``config.json``
+    (GPT-2 or LLaMA) and the run's model (``gcfg``) differ, as the megazero flag to change."""
+    theirs = config_from_hf(config, seq_length=gcfg.seq_length)
+    for field, flag in (("position_embedding_type", "--position-embedding-type"),
+                        ("normalization", "--normalization"), ("swiglu", "--swiglu"),
+                        ("kv_heads", "--group-query-attention --num-query-groups"),
+                        ("rotary_base", "--rotary-base"), ("add_bias_linear", "--disable-bias-linear"),("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
                         ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                         ("num_attention_heads", "--num-attention-heads"),
                         ("ffn_hidden_size", "--ffn-hidden-size"),
@@ -156,7 +163,7 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
 
 
 def open_folder(path: str, gcfg: GPTConfig, padded_vocab: int) -> "CanonicalView":
-    """The canonical full tensors of a Hugging Face GPT-2 folder's ``model.safetensors``,
+    """The canonical full tensors of a Hugging Face GPT-2 or Llama folder's ``model.safetensors``,
     read lazily (``CanonicalView``), vocabulary tensors padded to ``padded_vocab`` rows."""
     from safetensors import safe_open
 
@@ -174,11 +181,12 @@ def check_folder(path: str, gcfg: GPTConfig) -> None:
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as handle:
         keys = set(handle.keys())
     for name in canonical_shapes(gcfg, gcfg.vocab_size):
-        target = hf_name(name)[0]
         if name == "output.weight" and gcfg.tie_embeddings:
             continue
-        if target not in keys:
-            raise HFConversionError(f"model.safetensors has no tensor {target!r}")
+        targets = [p[0] for p in llama_pieces(name, gcfg)] if is_llama(gcfg) else [hf_name(name)[0]]
+        for target in targets:
+            if target not in keys:
+                raise HFConversionError(f"model.safetensors has no tensor {target!r}")
 
 
 def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -186,8 +194,11 @@ def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str
 
     Vocabulary tensors keep their ``vocab_size`` real rows. With tied embeddings
     ``lm_head.weight`` is left out (transformers ties it to ``transformer.wte.weight``).
-    Raises HFConversionError for a missing or unknown parameter.
+    Raises HFConversionError for a missing or unknown parameter. A LLaMA-style ``gcfg`` gives
+    LlamaForCausalLM's tensors (``to_llama_tensors``).
     """
+    if is_llama(gcfg):
+        return to_llama_tensors(full, gcfg)
     _check_block(gcfg)
     out = {}
     for name in canonical_shapes(gcfg, gcfg.vocab_size):
@@ -204,9 +215,10 @@ def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str
 
 
 class CanonicalView(Mapping):
-    """Megazero's canonical full tensors read lazily from GPT-2 tensors (e.g. a safetensors
-    ``safe_open`` handle): ``view[name]`` loads, transposes and pads one tensor, so a stage
-    reads only its own parameters. Vocabulary tensors get ``padded_vocab`` rows."""
+    """Megazero's canonical full tensors read lazily from GPT-2 or (LLaMA-style ``gcfg``)
+    LlamaForCausalLM tensors (e.g. a safetensors ``safe_open`` handle): ``view[name]`` loads,
+    transposes or joins (``llama_pieces``) and pads one tensor, so a stage reads only its own
+    parameters. Vocabulary tensors get ``padded_vocab`` rows."""
 
     def __init__(self, hf_tensors, gcfg: GPTConfig, padded_vocab: int):
         self._src, self._gcfg = hf_tensors, gcfg
@@ -216,11 +228,14 @@ class CanonicalView(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._shapes:
             raise KeyError(name)
-        target, transposed = hf_name(name)
-        if name == "output.weight" and self._gcfg.tie_embeddings:
-            target = "transformer.wte.weight"
-        t = _get(self._src, target).float()
-        t = t.t().contiguous() if transposed else t
+        if is_llama(self._gcfg):
+            t, target = _join_llama(self._src, name, self._gcfg), name
+        else:
+            target, transposed = hf_name(name)
+            if name == "output.weight" and self._gcfg.tie_embeddings:
+                target = "transformer.wte.weight"
+            t = _get(self._src, target).float()
+            t = t.t().contiguous() if transposed else t
         if name in VOCAB_TENSORS:
             t = resize_vocab(t, self._gcfg.vocab_size, self._padded)
         if tuple(t.shape) != tuple(self._shapes[name]):
@@ -240,3 +255,176 @@ def _get(src, key: str) -> torch.Tensor:
     if key not in set(src.keys()):
         raise HFConversionError(f"the folder's model.safetensors has no tensor {key!r}")
     return src.get_tensor(key) if hasattr(src, "get_tensor") else src[key]
+
+
+# ---- LLaMA-style block <-> LlamaForCausalLM ------------------------------------------------
+# LlamaForCausalLM (transformers' modeling_llama) computes exactly megazero's LLaMA-style block
+# when: RoPE on the whole head (rotate-half pairs (x_j, x_{j+d/2}), inv_freq = theta^(-2j/d),
+# as model/rope.py), RMSNorm (x * rsqrt(mean x^2 + eps) * w), SwiGLU MLP down(silu(gate) * up),
+# key/value head j serving query heads j*heads/G .. (j+1)*heads/G - 1 (repeat_kv), scaling
+# 1/sqrt(head_dim), one bias flag for q/k/v/o (attention_bias) and one for gate/up/down
+# (mlp_bias). Its linears are [out, in] like megazero's, so nothing is transposed; the fused
+# canonical tensors are split by rows.
+_LLAMA_GLOBAL = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                 "final_ln.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_LLAMA_LAYER = {"ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight",
+                "attn.proj.weight": "self_attn.o_proj.weight", "attn.proj.bias": "self_attn.o_proj.bias",
+                "mlp.fc2.weight": "mlp.down_proj.weight", "mlp.fc2.bias": "mlp.down_proj.bias"}
+_LLAMA_FIELDS = {"position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
+                 "num_query_groups", "add_bias_linear"}
+
+
+def is_llama(gcfg: GPTConfig) -> bool:
+    """Whether ``gcfg`` converts to LlamaForCausalLM (rotary positions) rather than GPT-2."""
+    return gcfg.position_embedding_type == "rope"
+
+
+def _check_llama(gcfg: GPTConfig) -> None:
+    """Raise HFConversionError naming the first setting LlamaForCausalLM cannot express."""
+    for ok, what in ((gcfg.normalization == "RMSNorm", f"--normalization {gcfg.normalization}: "
+                      "LlamaForCausalLM has RMSNorm only; fix: --normalization RMSNorm"),
+                     (gcfg.swiglu, "a GELU MLP (no --swiglu): LlamaForCausalLM's MLP is the SwiGLU "
+                      "down(silu(gate) * up); fix: --swiglu"),
+                     (gcfg.rotary_percent == 1.0, f"--rotary-percent {gcfg.rotary_percent}: "
+                      "LlamaForCausalLM rotates the whole head (no partial rotary); fix: --rotary-percent 1.0")):
+        if not ok:
+            raise HFConversionError(f"{what} (no exact LlamaForCausalLM equivalent)")
+    for f in dataclasses.fields(gcfg):
+        if f.name in _MAPPED_FIELDS | _LLAMA_FIELDS or f.default is dataclasses.MISSING:
+            continue
+        if getattr(gcfg, f.name) != f.default:
+            raise HFConversionError(f"model setting {f.name} = {getattr(gcfg, f.name)!r} has no "
+                                    "LlamaForCausalLM equivalent")
+
+
+def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
+    """``config.json`` of the LlamaForCausalLM that computes what ``gcfg``'s model computes
+    (``rope_theta`` both top-level, as transformers 4 reads it, and in ``rope_parameters``, as
+    transformers 5 does). Raises HFConversionError for a setting Llama cannot express."""
+    _check_llama(gcfg)
+    theta = float(gcfg.rotary_base)
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": gcfg.vocab_size,
+            "hidden_size": gcfg.hidden_size, "intermediate_size": gcfg.ffn_hidden_size,
+            "num_hidden_layers": gcfg.num_layers, "num_attention_heads": gcfg.num_attention_heads,
+            "num_key_value_heads": gcfg.kv_heads, "head_dim": gcfg.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": gcfg.max_position_embeddings, "rms_norm_eps": gcfg.layernorm_epsilon,
+            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "attention_bias": gcfg.add_bias_linear, "mlp_bias": gcfg.add_bias_linear,
+            "attention_dropout": gcfg.attention_dropout, "initializer_range": gcfg.init_method_std,
+            "tie_word_embeddings": gcfg.tie_embeddings, "pretraining_tp": 1, "bos_token_id": eod,
+            "eos_token_id": eod, "use_cache": True, "torch_dtype": "float32"}
+
+
+def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
+    """The LLaMA-style GPTConfig of a Llama ``config.json`` (``settings`` as in
+    ``gpt_config_from_hf``). Raises HFConversionError for a missing size or a setting megazero
+    computes differently (activation, RoPE scaling or partial rotary, head_dim, biases)."""
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in config]
+    if missing:
+        raise HFConversionError(f"config.json of model_type 'llama' lacks {missing[0]!r}")
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    H, heads = config["hidden_size"], config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    for ok, what in ((config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')!r}: "
+                      "megazero's SwiGLU gate is silu"),
+                     (rope.get("rope_type", rope.get("type", "default")) == "default",
+                      f"rope type {rope.get('rope_type', rope.get('type'))!r}: megazero's RoPE is unscaled"),
+                     (rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) == 1.0,
+                      "partial_rotary_factor != 1: megazero's LLaMA export rotates whole heads"),
+                     (config.get("head_dim", H // heads) * heads == H, f"head_dim {config.get('head_dim')} * "
+                      f"heads {heads} != hidden_size {H}: megazero's heads split the hidden size"),
+                     (config.get("attention_bias", False) == config.get("mlp_bias", False),
+                      "attention_bias != mlp_bias: megazero has one bias flag (--disable-bias-linear)")):
+        if not ok:
+            raise HFConversionError(what)
+    settings.setdefault("seq_length", config.get("max_position_embeddings", 2048))
+    return GPTConfig(vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"], hidden_size=H,
+                     num_attention_heads=heads, ffn_hidden_size=config["intermediate_size"],
+                     max_position_embeddings=config.get("max_position_embeddings", 2048),
+                     position_embedding_type="rope", rotary_base=int(theta) if float(theta).is_integer() else theta,
+                     normalization="RMSNorm", swiglu=True, num_query_groups=None if kv == heads else kv,
+                     add_bias_linear=config.get("attention_bias", False),
+                     tie_embeddings=config.get("tie_word_embeddings", False),
+                     layernorm_epsilon=config.get("rms_norm_eps", 1e-6), **settings)
+
+
+def hf_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
+    """``config.json`` for ``gcfg``: Llama for a rotary (LLaMA-style) block, else GPT-2."""
+    return llama_config(gcfg, eod) if is_llama(gcfg) else gpt2_config(gcfg, eod)
+
+
+def config_from_hf(config: Mapping, **settings) -> GPTConfig:
+    """The GPTConfig of a GPT-2 or Llama ``config.json``; HFConversionError for another type."""
+    if config.get("model_type") == "llama":
+        return llama_config_from_hf(config, **settings)
+    if config.get("model_type") != "gpt2":
+        raise HFConversionError(f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') "
+                                "and LLaMA (model_type 'llama') folders are read")
+    return gpt_config_from_hf(config, **settings)
+
+
+def llama_pieces(canonical: str, gcfg: GPTConfig) -> list[tuple[str, int, Optional[int]]]:
+    """Llama row pieces ``(name, start, stop)`` whose concatenation (in order, stop None =
+    all rows) is megazero's canonical tensor ``canonical``.
+
+    Grouped QKV (G groups): per group ``[q of its heads/G heads; k; v]`` (model/spec.py), so
+    group ``g`` takes q_proj rows ``g*n .. (g+1)*n`` (``n = heads/G * head_dim``) and k_proj /
+    v_proj rows ``g*d .. (g+1)*d``; multi-head QKV is ``[q; k; v]``; SwiGLU fc1 is ``[gate;
+    up]``. Raises HFConversionError for a name the LLaMA-style block does not have.
+    """
+    if canonical in _LLAMA_GLOBAL:
+        return [(_LLAMA_GLOBAL[canonical], 0, None)]
+    parts = canonical.split(".", 2)
+    if parts[0] == "layers" and len(parts) == 3:
+        pre, rest = f"model.layers.{parts[1]}.", parts[2]
+        kind = rest.rsplit(".", 1)[-1]
+        if rest in _LLAMA_LAYER:
+            return [(pre + _LLAMA_LAYER[rest], 0, None)]
+        if rest in ("attn.qkv.weight", "attn.qkv.bias"):
+            q, k, v = (f"{pre}self_attn.{x}_proj.{kind}" for x in "qkv")
+            if gcfg.num_query_groups is None:
+                return [(q, 0, None), (k, 0, None), (v, 0, None)]
+            d, n = gcfg.head_dim, gcfg.num_attention_heads // gcfg.kv_heads * gcfg.head_dim
+            return [p for g in range(gcfg.kv_heads)
+                    for p in ((q, g * n, (g + 1) * n), (k, g * d, (g + 1) * d), (v, g * d, (g + 1) * d))]
+        if rest in ("mlp.fc1.weight", "mlp.fc1.bias"):
+            return [(f"{pre}mlp.gate_proj.{kind}", 0, None), (f"{pre}mlp.up_proj.{kind}", 0, None)]
+    raise HFConversionError(f"parameter {canonical!r} has no counterpart in LlamaForCausalLM")
+
+
+def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM tensors (fp32, contiguous) from megazero's full canonical tensors:
+    fused tensors split by ``llama_pieces``, vocabulary tensors cut to ``vocab_size`` rows,
+    ``lm_head.weight`` left out when tied. Raises HFConversionError for a setting Llama cannot
+    express or a missing / unknown parameter."""
+    _check_llama(gcfg)
+    names = canonical_shapes(gcfg, gcfg.vocab_size)
+    unknown = sorted(set(full) - set(names))
+    if unknown:
+        raise HFConversionError(f"parameter {unknown[0]!r} has no counterpart in LlamaForCausalLM")
+    pieces: dict[str, list] = {}
+    for name in names:
+        if name not in full:
+            raise HFConversionError(f"the checkpoint lacks parameter {name!r}")
+        t = full[name].float()
+        t = t[:gcfg.vocab_size] if name in VOCAB_TENSORS else t
+        parts = llama_pieces(name, gcfg)
+        sizes = [t.shape[0] // len(parts) if stop is None else stop - start for _, start, stop in parts]
+        for (target, _, _), piece in zip(parts, t.split(sizes)):
+            pieces.setdefault(target, []).append(piece)
+    return {target: torch.cat(ps).contiguous() for target, ps in pieces.items()}
+
+
+def _join_llama(src, canonical: str, gcfg: GPTConfig) -> torch.Tensor:
+    """Canonical tensor ``canonical`` (unpadded) read from Llama tensors ``src``."""
+    if canonical == "output.weight" and gcfg.tie_embeddings:
+        canonical = "embedding.word_embeddings.weight"
+    loaded: dict[str, torch.Tensor] = {}
+    out = []
+    for target, start, stop in llama_pieces(canonical, gcfg):
+        if target not in loaded:
+            loaded[target] = _get(src, target).float()
+        out.append(loaded[target][start:stop])
+    return torch.cat(out)

@@ -1,7 +1,11 @@
-"""Sampling with a key/value cache from a whole-model GPT stage (pp == 1, any tp).
+"""Sampling with a key/value cache from a whole-model GPT stage (pp == 1, any tp), GPT-2 or
+LLaMA-style block.
 
 The prompt runs once through the model (prefill), each layer keeping its keys and values
-``[B, n_head/tp, t, head_dim]``; every new token then runs alone, attending to the cache, so
+``[B, kv_heads/tp, t, head_dim]`` (kv_heads = n_head, or the G groups of grouped-query
+attention, whose heads are repeated for their queries only inside attention; with RoPE the
+cached keys are already rotated at their absolute positions ``0 .. t-1``, and the new
+tokens' queries and keys are rotated at ``past .. past+t-1``); every new token then runs alone, attending to the cache, so
 a step costs one token's forward instead of the whole context's (the standard decoder KV
 cache, e.g. Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 2). The
 forward reuses the stage's own tensor-parallel modules (QKV and fc1 column-parallel,
@@ -25,22 +29,27 @@ import torch.nn.functional as F
 
 from megazero.tensor_parallel.layers import parallel_lm_logits
 from megazero.tensor_parallel.mappings import gather_from_tp_region
+from model.rope import apply_rotary, rotary_cos_sin
 
 
 def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor, tuple]:
     """``model.gpt.Attention`` on new tokens ``x [B, t, H]`` with past keys/values ``cache``."""
-    qkv = attn.qkv(x)                                        # (B, t, 3H/tp) = [q; k; v] local
-    B, t, _ = qkv.shape
-    # (B, t, H/tp) each -> (B, n_head/tp, t, head_dim)
-    q, k, v = (z.view(B, t, attn.heads_local, attn.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
+    q, k, v = attn._split_heads(attn.qkv(x))  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
+    B, _, t, _ = q.shape
+    past = 0 if cache is None else cache[0].shape[2]
+    if attn.rotary is not None:  # absolute positions past .. past + t - 1
+        cos, sin = rotary_cos_sin(past + t, *attn.rotary, device=q.device, dtype=q.dtype)  # (past+t, rot)
+        q, k = apply_rotary(q, cos[past:], sin[past:]), apply_rotary(k, cos[past:], sin[past:])
     if cache is not None:
-        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, n/tp, past+t, d)
-    past = k.shape[2] - t
+        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, kv/tp, past+t, d)
+    cache = (k, v)
+    if attn.q_per_group > 1:  # each key/value head serves its group's query heads
+        k, v = (z.repeat_interleave(attn.q_per_group, dim=1) for z in (k, v))
     # new token i (absolute position past + i) sees keys 0 .. past + i
     mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, n/tp, t, d)
     y = y.transpose(1, 2).reshape(B, t, attn.heads_local * attn.head_dim)  # (B, t, H/tp)
-    return attn.proj(y), (k, v)
+    return attn.proj(y), cache
 
 
 @torch.no_grad()
@@ -59,8 +68,9 @@ def forward_cached(stage, ids: torch.Tensor, caches: list) -> torch.Tensor:
         raise ValueError(f"prompt + new tokens ({past + ids.shape[1]}) exceed the model's "
                          f"{stage.cfg.max_position_embeddings} positions; lower --max-new-tokens")
     emb = stage.embedding
-    positions = torch.arange(past, past + ids.shape[1], device=ids.device)
-    x = emb.word_embeddings(ids) + emb.position_embeddings(positions)  # (B, t, H)
+    x = emb.word_embeddings(ids)                                     # (B, t, H)
+    if emb.with_positions:  # learned positions; RoPE enters in attention
+        x = x + emb.position_embeddings(torch.arange(past, past + ids.shape[1], device=ids.device))
     for i, block in enumerate(stage.layers.values()):
         y, caches[i] = _attend(block.attn, block.ln1(x), caches[i])
         x = x + y

@@ -3,8 +3,8 @@
     python scripts/convert_checkpoint.py --load CKPT_DIR --to-hf OUT \\
         [--tokenizer-model PATH --tokenizer-type {SentencePieceTokenizer,HuggingFaceTokenizer}]
 
-writes ``OUT/config.json`` and ``OUT/model.safetensors`` of a ``GPT2LMHeadModel`` that
-computes what the checkpoint's model computes (``model/hf.py`` holds the name map and the
+writes ``OUT/config.json`` and ``OUT/model.safetensors`` of a ``GPT2LMHeadModel`` (GPT-2
+block) or ``LlamaForCausalLM`` (LLaMA-style block) that computes what the checkpoint's model computes (``model/hf.py`` holds the name map and the
 differences it refuses), plus the run's tokenizer, so that
 ``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)``
 work. The checkpoint is read in this one process (full fp32 master weights; no process
@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.checkpoint import CheckpointError, read_full_weights  # noqa: E402
-from model.hf import HFConversionError, config_from_record, gpt2_config, to_hf_tensors  # noqa: E402
+from model.hf import HFConversionError, config_from_record, hf_config, to_hf_tensors  # noqa: E402
 
 
 class ConvertError(RuntimeError):
@@ -123,7 +123,7 @@ def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_t
     tok = resolve_tokenizer(meta, tokenizer_model, tokenizer_type)
     if tok is not None and tok.vocab_size != gcfg.vocab_size:
         raise ConvertError(f"tokenizer vocabulary {tok.vocab_size} != the model's {gcfg.vocab_size}")
-    config = gpt2_config(gcfg, eod=None if tok is None else tok.eod)
+    config = hf_config(gcfg, eod=None if tok is None else tok.eod)
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -154,8 +154,9 @@ def main(argv=None) -> int:
     except (ConvertError, CheckpointError, HFConversionError) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.to_hf}: GPT2LMHeadModel, {config['n_layer']} layers, hidden {config['n_embd']}, "
-          f"vocabulary {config['vocab_size']}")
+    print(f"wrote {args.to_hf}: {config['architectures'][0]}, "
+          f"{config.get('n_layer', config.get('num_hidden_layers'))} layers, "
+          f"hidden {config.get('n_embd', config.get('hidden_size'))}, vocabulary {config['vocab_size']}")
     return 0
 
 

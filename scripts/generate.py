@@ -1,4 +1,4 @@
-"""Generate text from a megazero checkpoint (any layout) or a Hugging Face GPT-2 folder.
+"""Generate text from a megazero checkpoint (any layout) or a Hugging Face GPT-2 / Llama folder.
 
     python scripts/generate.py (--load CKPT_DIR | --from-hf DIR) --prompt TEXT \\
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
@@ -29,7 +29,7 @@ from megazero.checkpoint import CheckpointError, read_full_weights  # noqa: E402
 from megazero.process_groups import ProcessGroups  # noqa: E402
 from megazero.topology import Topology  # noqa: E402
 from model.gpt import GPTStage  # noqa: E402
-from model.hf import HFConversionError, config_from_record, gpt_config_from_hf, open_folder  # noqa: E402
+from model.hf import HFConversionError, config_from_hf, config_from_record, open_folder  # noqa: E402
 from model.sampling import sample  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def load_model(args, groups: ProcessGroups, device) -> tuple[GPTStage, object]:
     off = dict(hidden_dropout=0.0, attention_dropout=0.0)
     if args.from_hf:
         with open(os.path.join(args.from_hf, "config.json"), encoding="utf-8") as f:
-            gcfg = gpt_config_from_hf(json.load(f), **off)
+            gcfg = config_from_hf(json.load(f), **off)
         full = open_folder(args.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
         tok_path, tok_type = args.tokenizer_model or args.from_hf, args.tokenizer_type or "HuggingFaceTokenizer"
     else:
@@ -60,7 +60,7 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save)")
-    src.add_argument("--from-hf", help="Hugging Face GPT-2 folder (config.json + model.safetensors)")
+    src.add_argument("--from-hf", help="Hugging Face GPT-2 or Llama folder (config.json + model.safetensors)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")

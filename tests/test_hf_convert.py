@@ -165,7 +165,7 @@ def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
     for change, message in ((dict(activation_function="gelu_new"), "exact erf GELU"),
                             (dict(n_layer=3), "num_layers = 3, this run 2; fix: set --num-layers"),
                             (dict(vocab_size=512), "vocab_size = 512, this run 300"),
-                            (dict(model_type="llama"), "only GPT-2")):
+                            (dict(model_type="bert"), "only GPT-2")):
         (bad / "config.json").write_text(json.dumps(dict(config, **change)))
         assert train.preflight(exported["argv"] + ["--from-hf", str(bad)], 1) == 2
         assert message in capsys.readouterr().err
