@@ -276,6 +276,7 @@ class GPTStage(nn.Module):
                 tags.set_partitioned(p, e.partition_dim, e.partition_stride)
             else:
                 tags.set_replicated(p, sequence_parallel=self.sp)
+            tags.set_weight_decay(p, e.weight_decay)
             if tuple(local) != tuple(p.shape):
                 raise ValueError(f"{name}: spec gives a partition of shape {tuple(local)}, the "
                                  f"module holds {tuple(p.shape)}")

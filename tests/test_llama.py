@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megazero import memory
 from megazero.flops import gpt_flops_per_iteration, spec_flops_per_iteration
 from megazero.process_groups import ProcessGroups
+from megazero.tensor_parallel import tags
 from megazero.topology import Topology
 from model.config import GPTConfig, default_ffn_hidden_size
 from model.gpt import VOCAB_TENSORS, GPTStage, init_full_weights
@@ -233,7 +234,7 @@ def test_spec_names_tags_and_planner_count_match_built_stages(block):
             e = spec[name]
             names.add(name)
             assert p.partition_dim == (-1 if e.partition_dim is None else e.partition_dim)
-            assert p.partition_stride == e.partition_stride and (p.dim() >= 2) == e.weight_decay
+            assert p.partition_stride == e.partition_stride and tags.decays(p) == e.weight_decay == (p.dim() >= 2)
         assert sum(p.numel() for p in stage.parameters()) == memory.params_per_rank(cfg, 1, 2, r)
     assert names == set(spec)
     assert ("embedding.position_embeddings.weight" in spec) == (block == "gpt2")

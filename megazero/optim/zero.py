@@ -100,8 +100,8 @@ class DistributedOptimizer:
        when the owned gradients are sharded over DP, else over the model-parallel group),
        then clip by it when ``clip_grad > 0``.
     5. AdamW (``ops.adam.adam_step``) on the owned fp32 main params; weight decay only on
-       elements of parameters with ``ndim >= 2`` (biases and norm weights are not decayed,
-       as in Megatron-LM), done by calling the kernel per run of equal decay.
+       parameters whose ``tags.decays`` is True (the model's parameter spec; by default
+       ``ndim >= 2``: biases and norm weights are not decayed, as in Megatron-LM), done by calling the kernel per run of equal decay.
     6. bring the updated parameters to every DP rank (``ShardedBuffer.gather_params``:
        stages 1/2 all-gather in pieces of ``allgather_bucket_size`` elements, Psi per step).
 
@@ -152,7 +152,7 @@ class DistributedOptimizer:
             adam, counted = [], []
             for p, _, wr in buf.layout.param_pieces(own.world):
                 rel = wr.shift(-own.world.start)
-                adam.append((rel, p.dim() >= 2))
+                adam.append((rel, tags.decays(p)))
                 if tags.counts_in_norm(p, tp_rank):
                     counted.append((rel, True))
             main = (buf.owned_param_values(own) if mbase is None

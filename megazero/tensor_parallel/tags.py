@@ -44,6 +44,18 @@ def set_shared_embedding(param: torch.Tensor, counted_here: bool) -> torch.Tenso
     return param
 
 
+def set_weight_decay(param: torch.Tensor, decays: bool) -> torch.Tensor:
+    """Tag whether AdamW decays ``param`` (the model's parameter spec decides); returns it."""
+    param.weight_decay = decays
+    return param
+
+
+def decays(param: torch.Tensor) -> bool:
+    """Whether AdamW decays ``param``: its ``set_weight_decay`` tag, else Megatron-LM's rule
+    (matrices decay; biases and norm weights, ``ndim < 2``, do not)."""
+    return bool(getattr(param, "weight_decay", param.dim() >= 2))
+
+
 def is_partitioned(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
