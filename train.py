@@ -52,10 +52,25 @@ def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, 
         device = torch.device("cpu")
     topo = Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
     if launch.world_size > 1:
+        timeout = timedelta(seconds=cfg.parallel.distributed_timeout_s)
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank,
-                                world_size=launch.world_size,
-                                timeout=timedelta(seconds=cfg.parallel.distributed_timeout_s))
+                                world_size=launch.world_size, timeout=timeout, store=restart_store(timeout))
     return device, ProcessGroups.build(topo, timeout_s=cfg.parallel.distributed_timeout_s)
+
+
+def restart_store(timeout: timedelta):
+    """After torchrun restarted the group: its agent's store under a key prefix of this attempt.
+
+    torchrun's static rendezvous keeps one store for every attempt, so without a prefix the
+    restarted ranks read the dead attempt's gloo addresses and time out ("Connection refused").
+    None (torch's own env:// store) on the first attempt or when the agent hosts no store.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"megazero/attempt_{attempt}", store)
 
 
 # -- model ----------------------------------------------------------------------------------
