@@ -293,9 +293,45 @@ class Trainer:
         self.eval_round = 0
         self.stop_flags = lambda: [0.0] * len(resilience.STOP_SIGNALS + ("time",))
         self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=None)
+        # --async-save writes through its own gloo group, so the background thread's collectives
+        # never interleave with the training loop's
+        self.async_group = None if not cfg.train.async_save else (
+            "local" if groups.world is None else dist.new_group(backend="gloo"))
+        self.pending_save: Optional[checkpoint.PendingSave] = None
+        self.monitor: Optional[Monitor] = None
 
-    def save_checkpoint(self, root: str) -> str:
-        """Write a layout-independent checkpoint of this iteration (collective)."""
+    def save_checkpoint(self, root: str, wait: bool = False) -> str:
+        """Write a layout-independent checkpoint of this iteration (collective); returns its
+        directory. With --async-save the files are written in the background (finished by the
+        next save, ``finish_save`` or ``wait``); the time the loop was blocked is logged."""
+        self.finish_save()
+        t0 = time.perf_counter()
+        out = self._save(root)
+        blocked = time.perf_counter() - t0
+        path = checkpoint.iteration_dir(root, self.iteration)
+        if isinstance(out, checkpoint.PendingSave):
+            self.pending_save, self.pending_path = out, path
+        if self.groups.rank == 0:
+            how = "in the background, " if self.pending_save is not None else ""
+            print(f"[megazero] saving checkpoint {path} ({how}training blocked {blocked:.3f} s)", flush=True)
+        if self.monitor is not None:
+            self.monitor.log_record("checkpoint", dict(iteration=self.iteration, blocked_s=blocked,
+                                                       background=self.pending_save is not None))
+        if wait:
+            self.finish_save()
+        return path
+
+    def finish_save(self) -> None:
+        """Wait for the background checkpoint, if any, and move ``latest`` to it (collective)."""
+        if self.pending_save is None:
+            return
+        pending, self.pending_save = self.pending_save, None
+        pending.wait()
+        if self.groups.rank == 0:
+            print(f"[megazero] checkpoint {self.pending_path} is complete (waited {pending.waited_s:.3f} s)",
+                  flush=True)
+
+    def _save(self, root: str):
         return checkpoint.save(root, self.iteration, self.optimizer, self.chunks, self.groups,
                                rng_states=self.chunks[0].rng_tracker.get_state(),
                                extra=dict(consumed_samples=self.consumed_samples,
@@ -303,7 +339,7 @@ class Trainer:
                                           bad_batches=self.bad_batches, eval_round=self.eval_round,
                                           model=model_signature(self.gpt_config),
                                           data=data_signature(self.cfg)),
-                               keep=self.cfg.train.keep_latest_checkpoints)
+                               keep=self.cfg.train.keep_latest_checkpoints, async_group=self.async_group)
 
     def load_checkpoint(self, root: str) -> Optional[int]:
         """Resume from the latest checkpoint under ``root`` (saved under any layout).
@@ -518,6 +554,7 @@ def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optio
     s = trainer.cfg.train
     if reason != "non-finite" and s.save and saved is None:
         saved = trainer.save_checkpoint(s.save)
+    trainer.finish_save()  # the checkpoint is complete before the run ends
     path = saved if reason != "non-finite" else None
     if control.writes_record:
         resilience.write_stop_record(trainer.cfg.log.run_dir, reason=reason, iteration=trainer.iteration,
@@ -545,6 +582,7 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
                       is_logging_rank=is_logging_rank(groups), config_text=describe(cfg),
                       train_iters=cfg.train.train_iters)
     report_restart(cfg, control, resumed, monitor)
+    trainer.monitor = monitor
     if groups.rank == 0:
         print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
               f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)
@@ -574,12 +612,11 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
         saved = None
         if s.save and ((s.save_interval and it % s.save_interval == 0) or it == s.train_iters):
             saved = trainer.save_checkpoint(s.save)
-            if groups.rank == 0:
-                print(f"[megazero] saved checkpoint {saved}", flush=True)
         reason = trainer.stop_reason or ("interval" if exit_interval and it % exit_interval == 0 else None)
         if reason is not None and it < s.train_iters:
             monitor.close()
             return finish_stop(trainer, control, reason, saved)
+    trainer.finish_save()
     sample = final_sample(trainer, tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None else float("nan")
     monitor.summary(last_valid, baseline, sample)

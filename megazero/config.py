@@ -144,6 +144,8 @@ class TrainingConfig:
     skip_bad_batches: int = _f(
         0, "skip a step whose loss or gradient is non-finite (fp32/bf16), at most this many times; "
         "0 = stop at the first", "steps", ge=0)
+    async_save: bool = _f(False, "write checkpoint files in the background (DCP async_save); 'latest' moves "
+                          "once every rank's files are on disk, at the next save or the end")
     max_restarts: int = _f(
         0, "torchrun restarts the whole group this many times after a rank fails (use with --save D "
         "--load D); read by scripts/pretrain_gpt.sh", "restarts", ge=0)

@@ -197,3 +197,26 @@ def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path, backend):
     assert sorted(b) == [1, 2, 3, 4]
     for it in a:
         assert a[it]["loss"] == pytest.approx(b[it]["loss"], rel=1e-6, abs=0), it
+
+
+def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_the_previous_latest(tmp_path):
+    """--async-save --save-interval 1 logs the losses of synchronous saves; rank 1 killed at the
+    start of iteration 3, while iteration 2's checkpoint is still pending (it is finished only
+    by the next save), leaves latest = 1, which loads and verifies."""
+    from megazero import checkpoint
+
+    args = [a if a != "12" else "4" for a in BASE] + ["--dp", "2", "--save-interval", "1"]
+    sync = launch(args + ["--save", str(tmp_path / "c1")], tmp_path / "sync", timeout=600)
+    both = launch(args + ["--save", str(tmp_path / "c2"), "--async-save"], tmp_path / "async", timeout=600)
+    assert sync.returncode == 0 and both.returncode == 0, both.stdout[-2000:] + both.stderr[-2000:]
+    _same_losses(_last_records(tmp_path / "sync"), _last_records(tmp_path / "async"), range(1, 5))
+    assert (tmp_path / "c2" / "latest").read_text().strip() == "4"
+    assert f"[megazero] saving checkpoint {tmp_path}/c2/iter_0000004 (in the background, training blocked " \
+        in both.stdout
+    assert f"[megazero] checkpoint {tmp_path}/c2/iter_0000004 is complete (waited " in both.stdout
+    env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:3:1")
+    killed = _launch_env(args + ["--save", str(tmp_path / "c3"), "--async-save", "--distributed-timeout-s", "60"],
+                         tmp_path / "killed", env)
+    assert killed.returncode != 0 and "training failed" in killed.stderr
+    assert (tmp_path / "c3" / "latest").read_text().strip() == "1"
+    assert checkpoint.peek(str(tmp_path / "c3"), verify=True)["iteration"] == 1
