@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 from datetime import timedelta
 
@@ -291,8 +291,9 @@ class Trainer:
         self.skipped_iterations = 0
         self.bad_batches = 0  # steps skipped for non-finite values (--skip-bad-batches)
         self.eval_round = 0
-        self.stop_flags = lambda: [0.0] * len(resilience.STOP_SIGNALS + ("time",))
+        self.stop_flags = lambda: resilience.local_flags(None, None)  # train() passes the run's
         self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=None)
+        self.trail = resilience.Trail()  # the communication phases entered, for a failure report
         # --async-save writes through its own gloo group, so the background thread's collectives
         # never interleave with the training loop's
         self.async_group = None if not cfg.train.async_save else (
@@ -305,6 +306,7 @@ class Trainer:
         directory. With --async-save the files are written in the background (finished by the
         next save, ``finish_save`` or ``wait``); the time the loop was blocked is logged."""
         self.finish_save()
+        self.trail.enter(self.iteration, "checkpoint save (gathers over dp and tp)")
         t0 = time.perf_counter()
         out = self._save(root)
         blocked = time.perf_counter() - t0
@@ -388,8 +390,12 @@ class Trainer:
         lr = self.lr_schedule(self.iteration + 1)  # warm-up starts above 0 on the first step
         self.ddp.zero_grad()
         self.forward_watch.begin(self.iteration + 1, batches)
+        it, trail = self.iteration + 1, self.trail
+        trail.enter(it, "the pipeline schedule (forward/backward with p2p, bucketed gradient reduction)")
         loss = self._run(batches, self.actions, forward_only=False)
+        trail.enter(it, "the optimizer step (gradient reduction, overflow all-reduce, norm, parameter all-gather)")
         result = self.optimizer.step(lr)
+        trail.enter(it, "the loss / stop all-reduce")
         # this DP rank's share -> global mean; the same all-reduce agrees on a stop request
         loss, self.stop_reason = resilience.agree(loss, self.stop_flags(), self.groups)
         self.iteration += 1
@@ -501,6 +507,7 @@ class RunControl:
     writes_record: bool = True
     restart: int = 0
     fault: Optional[tuple] = None
+    trail: resilience.Trail = field(default_factory=resilience.Trail)
 
     def flags(self) -> list[float]:
         return resilience.local_flags(self.signals, self.clock)
@@ -572,7 +579,7 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
     control = control or RunControl()
     tokenizer, (train_ds, valid_ds, _), vocab_size = data
     trainer = Trainer(cfg, groups, device, vocab_size)
-    trainer.stop_flags, trainer.forward_watch.fault = control.flags, control.fault
+    trainer.stop_flags, trainer.forward_watch.fault, trainer.trail = control.flags, control.fault, control.trail
     resumed = trainer.load_checkpoint(cfg.train.load) if cfg.train.load else None
     if cfg.train.load and groups.rank == 0:
         print(f"[megazero] resumed from {cfg.train.load} at iteration {resumed}" if resumed is not None
@@ -725,8 +732,9 @@ def main(argv=None) -> int:
     for w in resume_warnings(cfg, resume) if not quiet else []:
         print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
     device, groups = setup_device_and_groups(cfg, launch)
+    control = run_control(cfg, launch, signals, start)
     try:
-        result = train(cfg, groups, device, data, run_control(cfg, launch, signals, start))
+        result = train(cfg, groups, device, data, control)
         if dist.is_initialized():
             dist.barrier()  # nobody tears down connections a peer is still reading from
         if "stop" in result:
@@ -739,10 +747,22 @@ def main(argv=None) -> int:
         if launch.rank == 0:
             report_start_error(e)
         return 2
+    except RuntimeError as e:  # a collective failed: a peer died, was stopped or hung
+        if launch.world_size == 1 or not is_collective_failure(e):
+            raise
+        print(resilience.write_failure(cfg.log.run_dir, launch.rank, control.trail, e), file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: it would wait on the peer that failed
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """True for gloo/NCCL errors of a peer that disappeared or a collective that timed out."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        k in text for k in ("Connection reset", "Connection closed", "timed out", "Timed out", "gloo", "NCCL"))
 
 
 if __name__ == "__main__":

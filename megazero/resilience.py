@@ -237,3 +237,55 @@ class ForwardWatch:
                 g = self.groups
                 return Place(micro, g.pp_rank, v, g.tp_rank, g.dp_rank)
         return None
+
+
+# -- named culprits ---------------------------------------------------------------------------
+class Trail:
+    """A ring buffer of this rank's last ``size`` communication phases: (iteration, phase, time).
+
+    The trainer enters a phase before each collective region of a step (pipeline schedule with
+    its p2p, optimizer step with the gradient reduction, the loss/stop all-reduce, checkpoint),
+    so when a collective fails the last entry is the operation this rank was waiting in.
+    """
+
+    def __init__(self, size: int = 16):
+        from collections import deque
+
+        self.entries = deque(maxlen=size)
+
+    def enter(self, iteration: int, phase: str) -> None:
+        self.entries.append((iteration, phase, time.time()))
+
+    @property
+    def last(self) -> tuple:
+        return self.entries[-1] if self.entries else (0, "start-up (process groups, model, checkpoint)", time.time())
+
+
+def write_failure(run_dir: str, rank: int, trail: Trail, error: BaseException) -> str:
+    """Write ``<run_dir>/failures/rank_<rank>.json`` (the trail and the error's first line) and
+    return the one line this rank prints."""
+    it, phase, _ = trail.last
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    os.makedirs(os.path.join(run_dir, "failures"), exist_ok=True)
+    path = os.path.join(run_dir, "failures", f"rank_{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(rank=rank, iteration=it, phase=phase, error=first,
+                       trail=[dict(iteration=i, phase=p, time=t) for i, p, t in trail.entries]), f)
+    os.replace(path + ".tmp", path)
+    return f"megazero: rank {rank}: a collective failed in {phase} at iteration {it}: {first}"
+
+
+def name_culprits(run_dir: str, world_size: int) -> Optional[str]:
+    """The launcher's line after a failed run: the ranks that wrote no failure report (they died,
+    were stopped or hung first) and the phase the reporting ranks waited in; None without reports."""
+    d = os.path.join(run_dir, "failures")
+    reports = [json.load(open(os.path.join(d, n))) for n in sorted(os.listdir(d)) if n.endswith(".json")] \
+        if os.path.isdir(d) else []
+    if not reports:
+        return None
+    silent = sorted(set(range(world_size)) - {r["rank"] for r in reports})
+    waited = sorted({(r["iteration"], r["phase"]) for r in reports})
+    where = "; ".join(f"{p} at iteration {i}" for i, p in waited)
+    first = f"rank(s) {', '.join(map(str, silent))} failed first (no report: killed, stopped or hung)" if silent \
+        else "every rank reported a failed collective"
+    return f"[megazero] {first}; the others waited in {where} (reports: {d})"

@@ -180,7 +180,7 @@ else
   RDZV=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
         --rdzv-conf "timeout=$RDZV_TIMEOUT")
 fi
-rm -f "$RUN_DIR/stop.json"  # written by the ranks when they end the run early on purpose
+rm -rf "$RUN_DIR/stop.json" "$RUN_DIR/failures"  # written by the ranks: an early end on purpose, failures
 rc=0
 run_child torchrun_ignoring_stop --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
   "${RDZV[@]}" train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" || rc=$?
@@ -190,18 +190,21 @@ if [ "$rc" = 0 ] && [ -f "$RUN_DIR/stop.json" ]; then  # an early end on purpose
 r = json.load(open(sys.argv[1])); save, load = sys.argv[2:4]
 why = {"time": "--exit-duration-in-mins", "interval": "--exit-interval"}.get(r["reason"], r["reason"])
 if r["reason"] == "non-finite":
-    print(r["status"], "[megazero] stopped at iteration %d: non-finite values (above)" % r["iteration"])
-    sys.exit()
+    sys.exit(print(r["status"]))  # the ranks printed the one line
 resume = ("run the same command again (it has --load %s)" % load if load and load == save
           else "run the same command with --load %s" % save)
 where = "checkpoint %s; to resume, %s" % (r["checkpoint"], resume) if r["checkpoint"] else "nothing saved (no --save)"
 print(r["status"], "[megazero] stopped after iteration %d (%s): %s" % (r["iteration"], why, where))' \
     "$RUN_DIR/stop.json" "$SAVE" "$LOAD")
-  echo "${STOP_LINE#* }" >&2
+  [ "${STOP_LINE#* }" = "$STOP_LINE" ] || echo "${STOP_LINE#* }" >&2
   [ -z "$STOPPED" ] || exit $((128 + $(signum "$STOPPED")))
   exit "${STOP_LINE%% *}"
 fi
 stopped_exit
+if [ "$rc" != 0 ] && [ -d "$RUN_DIR/failures" ]; then  # who failed first, what the others waited in
+  "$PY" -c 'import sys; from megazero.resilience import name_culprits
+print(name_culprits(sys.argv[1], int(sys.argv[2])) or "")' "$RUN_DIR" "$WORLD" >&2 || true
+fi
 if [ "$rc" != 0 ]; then
   echo "[megazero] training failed (exit code $rc); the error is above. A node that never joins or a rank that dies ends the run after --distributed-timeout-s $DIST_TIMEOUT." >&2
 fi
