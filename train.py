@@ -7,9 +7,12 @@ Each step of the orchestration is a named function below; the parallel machinery
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 from datetime import timedelta
 
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megazero import checkpoint, collectives, memory
+from megazero import checkpoint, collectives, memory, resilience
 from megazero.activations import ActivationSettings
 from megazero.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir, to_dict
@@ -52,10 +55,25 @@ def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, 
         device = torch.device("cpu")
     topo = Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
     if launch.world_size > 1:
+        timeout = timedelta(seconds=cfg.parallel.distributed_timeout_s)
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank,
-                                world_size=launch.world_size,
-                                timeout=timedelta(seconds=cfg.parallel.distributed_timeout_s))
+                                world_size=launch.world_size, timeout=timeout, store=restart_store(timeout))
     return device, ProcessGroups.build(topo, timeout_s=cfg.parallel.distributed_timeout_s)
+
+
+def restart_store(timeout: timedelta):
+    """After torchrun restarted the group: its agent's store under a key prefix of this attempt.
+
+    torchrun's static rendezvous keeps one store for every attempt, so without a prefix the
+    restarted ranks read the dead attempt's gloo addresses and time out ("Connection refused").
+    None (torch's own env:// store) on the first attempt or when the agent hosts no store.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"megazero/attempt_{attempt}", store)
 
 
 # -- model ----------------------------------------------------------------------------------
@@ -270,17 +288,20 @@ def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
 
 
 # -- one iteration --------------------------------------------------------------------------
-def make_forward_step(tokens_per_dp_rank: int):
+def make_forward_step(tokens_per_dp_rank: int, watch=None):
     """Megatron's ``forward_step`` contract: (batch, chunk, input) -> (output, loss_fn).
 
     The loss of one micro-batch is its token-loss sum divided by this data-parallel rank's
     tokens in the global batch; with the DP gradient reduction (SUM, then divide by dp) the
     step minimises the mean over all tokens of the global batch (DESIGN.md, contract 1).
+    ``watch(batch, chunk, input, output) -> output`` sees every forward (resilience.ForwardWatch).
     """
     def forward_step(batch, chunk, input_tensor):
         tokens, labels = batch
         x = tokens if input_tensor is None else input_tensor
         out = chunk(x, labels=labels if chunk.post_process else None)
+        if watch is not None:
+            out = watch(batch, chunk, input_tensor, out)
 
         def loss_fn(per_token_loss):  # summed in fp64: exact to rounding for any token count
             return per_token_loss.sum(dtype=torch.float64) / tokens_per_dp_rank
@@ -317,20 +338,61 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.skipped_iterations = 0
+        self.bad_batches = 0  # steps skipped for non-finite values (--skip-bad-batches)
         self.eval_round = 0
+        self.stop_flags = lambda: resilience.local_flags(None, None)  # train() passes the run's
+        self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=None)
+        self.trail = resilience.Trail()  # the communication phases entered, for a failure report
+        # --async-save writes through its own gloo group, so the background thread's collectives
+        # never interleave with the training loop's
+        self.async_group = None if not cfg.train.async_save else (
+            "local" if groups.world is None else dist.new_group(backend="gloo"))
+        self.pending_save: Optional[checkpoint.PendingSave] = None
+        self.monitor: Optional[Monitor] = None
 
-    def save_checkpoint(self, root: str) -> str:
-        """Write a layout-independent checkpoint of this iteration (collective)."""
+    def save_checkpoint(self, root: str, wait: bool = False) -> str:
+        """Write a layout-independent checkpoint of this iteration (collective); returns its
+        directory. With --async-save the files are written in the background (finished by the
+        next save, ``finish_save`` or ``wait``); the time the loop was blocked is logged."""
+        self.finish_save()
+        self.trail.enter(self.iteration, "checkpoint save (gathers over dp and tp)")
+        t0 = time.perf_counter()
+        out = self._save(root)
+        blocked = time.perf_counter() - t0
+        path = checkpoint.iteration_dir(root, self.iteration)
+        if isinstance(out, checkpoint.PendingSave):
+            self.pending_save, self.pending_path = out, path
+        if self.groups.rank == 0:
+            how = "in the background, " if self.pending_save is not None else ""
+            print(f"[megazero] saving checkpoint {path} ({how}training blocked {blocked:.3f} s)", flush=True)
+        if self.monitor is not None:
+            self.monitor.log_record("checkpoint", dict(iteration=self.iteration, blocked_s=blocked,
+                                                       background=self.pending_save is not None))
+        if wait:
+            self.finish_save()
+        return path
+
+    def finish_save(self) -> None:
+        """Wait for the background checkpoint, if any, and move ``latest`` to it (collective)."""
+        if self.pending_save is None:
+            return
+        pending, self.pending_save = self.pending_save, None
+        pending.wait()
+        if self.groups.rank == 0:
+            print(f"[megazero] checkpoint {self.pending_path} is complete (waited {pending.waited_s:.3f} s)",
+                  flush=True)
+
+    def _save(self, root: str):
         return checkpoint.save(root, self.iteration, self.optimizer, self.chunks, self.groups,
                                rng_states=self.chunks[0].rng_tracker.get_state(),
                                extra=dict(consumed_samples=self.consumed_samples,
                                           skipped_iterations=self.skipped_iterations,
-                                          eval_round=self.eval_round,
+                                          bad_batches=self.bad_batches, eval_round=self.eval_round,
                                           model=model_signature(self.gpt_config),
                                           data=data_signature(self.cfg),
                                           gpt_config=config_record(self.gpt_config),
                                           tokenizer=tokenizer_record(self.cfg)),
-                               keep=self.cfg.train.keep_latest_checkpoints)
+                               keep=self.cfg.train.keep_latest_checkpoints, async_group=self.async_group)
 
     def load_checkpoint(self, root: str) -> Optional[int]:
         """Resume from the latest checkpoint under ``root`` (saved under any layout).
@@ -349,6 +411,7 @@ class Trainer:
         self.consumed_samples = meta["extra"]["consumed_samples"]
         self.skipped_iterations = meta["extra"]["skipped_iterations"]
         self.eval_round = meta["extra"]["eval_round"]
+        self.bad_batches = meta["extra"].get("bad_batches", 0)
         tracker = self.chunks[0].rng_tracker
         if meta["rng_state"] is not None:
             tracker.set_state(meta["rng_state"])
@@ -361,7 +424,8 @@ class Trainer:
         return self.iteration
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
-        return run_schedule(actions, self.chunks, make_forward_step(self.tokens_per_dp_rank), batches,
+        watch = None if forward_only else self.forward_watch.watch
+        return run_schedule(actions, self.chunks, make_forward_step(self.tokens_per_dp_rank, watch), batches,
                             self.groups, tensor_shape=self.tensor_shape, dtype=self.dtype,
                             num_microbatches=len(batches), vp_size=self.cfg.parallel.virtual_pipeline_size,
                             before_backward=None if forward_only else self.ddp.before_backward,
@@ -369,20 +433,46 @@ class Trainer:
                             forward_only=forward_only)
 
     def train_step(self, batches) -> dict:
-        """One iteration on this DP rank's micro-batches; returns the logged values."""
+        """One iteration on this DP rank's micro-batches; returns the logged values.
+
+        Also sets ``stop_reason`` (agreed by every rank, resilience.agree) and ``bad_step``
+        (a non-finite loss or gradient outside fp16's loss scaling; the optimizer skipped it).
+        """
         for c in self.chunks:
             c.train()
         lr = self.lr_schedule(self.iteration + 1)  # warm-up starts above 0 on the first step
         self.ddp.zero_grad()
+        self.forward_watch.begin(self.iteration + 1, batches)
+        it, trail = self.iteration + 1, self.trail
+        trail.enter(it, "the pipeline schedule (forward/backward with p2p, bucketed gradient reduction)")
         loss = self._run(batches, self.actions, forward_only=False)
+        trail.enter(it, "the optimizer step (gradient reduction, overflow all-reduce, norm, parameter all-gather)")
         result = self.optimizer.step(lr)
-        collectives.all_reduce_mean(loss, self.groups.dp)  # this DP rank's share -> global mean
+        trail.enter(it, "the loss / stop all-reduce")
+        # this DP rank's share -> global mean; the same all-reduce agrees on a stop request
+        loss, self.stop_reason = resilience.agree(loss, self.stop_flags(), self.groups)
         self.iteration += 1
         self.consumed_samples += self.cfg.train.global_batch_size
         self.skipped_iterations += int(result.skipped)
+        self.bad_step = not self.cfg.precision.fp16 and (result.skipped or not torch.isfinite(loss).item())
         return dict(iteration=self.iteration, consumed_samples=self.consumed_samples, lr=lr,
                     loss=float(loss), grad_norm=result.grad_norm, loss_scale=result.loss_scale,
                     skipped_iterations=self.skipped_iterations)
+
+    def locate_bad_step(self) -> str:
+        """The one line naming where the last step's non-finite value appeared (collective)."""
+        mine = resilience.encode_place(self.forward_watch.first_place())
+        gathered = [mine]
+        if self.groups.world is not None:
+            gathered = [None] * self.groups.world_size
+            dist.all_gather_object(gathered, mine, group=self.groups.world)
+        place = resilience.locate_non_finite(gathered)
+        t = self.cfg.train
+        samples = None if place is None else resilience.sample_range(
+            self.consumed_samples - t.global_batch_size, t.global_batch_size, place.dp_rank,
+            self.groups.dp_size, place.microbatch, t.micro_batch_size)
+        return resilience.describe_non_finite(self.iteration, place, samples,
+                                              self.cfg.parallel.virtual_pipeline_size)
 
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
@@ -480,48 +570,133 @@ def wandb_settings(cfg: Config) -> Optional[dict]:
                 save_dir=lg.wandb_save_dir or os.path.join(lg.run_dir, "wandb"), config=to_dict(cfg))
 
 
-def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dict:
-    """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data."""
+@dataclass
+class RunControl:
+    """How a run may end early (megazero/resilience.py): the signals caught, the wall-clock limit,
+    whether this rank writes ``stop.json`` (one per node), the restart count and a test fault."""
+
+    signals: Optional[resilience.StopSignals] = None
+    clock: Optional[resilience.StopClock] = None
+    writes_record: bool = True
+    restart: int = 0
+    fault: Optional[tuple] = None
+    trail: resilience.Trail = field(default_factory=resilience.Trail)
+
+    def flags(self) -> list[float]:
+        return resilience.local_flags(self.signals, self.clock)
+
+
+def inject_fault(control: RunControl, trainer: Trainer) -> None:
+    """The test hook's ``kill`` / ``term`` fault, at the start of its iteration (first attempt)."""
+    f = control.fault
+    if f is not None and f[0] != "nan" and f[1:3] == (trainer.iteration + 1, trainer.groups.rank) \
+            and control.restart == 0:
+        os.kill(os.getpid(), signal.SIGKILL if f[0] == "kill" else signal.SIGTERM)
+
+
+def report_restart(cfg: Config, control: RunControl, resumed: Optional[int], monitor: Monitor) -> None:
+    """After torchrun restarted the group: restarts so far and the iterations lost, from the
+    last iteration the metrics file logged before the failure (exact with --log-interval 1)."""
+    if control.restart == 0 or not monitor.is_logging_rank:
+        return
+    path = os.path.join(cfg.log.run_dir, cfg.log.metrics_file or "")
+    logged = [json.loads(x) for x in open(path)] if cfg.log.metrics_file and os.path.exists(path) else []
+    last = max([r["iteration"] for r in logged if r.get("kind") == "train"] + [resumed or 0])
+    lost = last - (resumed or 0)
+    print(f"[megazero] restart {control.restart} of --max-restarts {cfg.train.max_restarts}: resumed at "
+          f"iteration {resumed or 0}; {lost} trained iteration(s) lost (the last logged was {last})", flush=True)
+    monitor.log_record("restart", dict(restart=control.restart, resumed_iteration=resumed or 0,
+                                       last_logged_iteration=last, iterations_lost=lost))
+
+
+def handle_bad_step(trainer: Trainer, monitor: Monitor) -> Optional[str]:
+    """A step with a non-finite loss or gradient (already skipped by the optimizer): count it
+    against --skip-bad-batches, or return the error line that ends the run."""
+    line, budget = trainer.locate_bad_step(), trainer.cfg.train.skip_bad_batches
+    if trainer.bad_batches < budget:
+        trainer.bad_batches += 1
+        if trainer.groups.rank == 0:
+            print(f"[megazero] skipped iteration {trainer.iteration}: {line} ({trainer.bad_batches} of "
+                  f"--skip-bad-batches {budget} used)", flush=True)
+        monitor.log_record("bad_batch", dict(iteration=trainer.iteration, message=line,
+                                             bad_batches=trainer.bad_batches))
+        return None
+    line += "; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps"
+    if trainer.groups.rank == 0:
+        print(f"megazero: training error: {line}", file=sys.stderr, flush=True)
+    return line
+
+
+def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optional[str],
+                message: str = "") -> dict:
+    """End the run early at this step boundary: save (with --save, unless just saved), write
+    stop.json, say so. Returns train()'s result with ``stop`` and ``status``."""
+    s = trainer.cfg.train
+    if reason != "non-finite" and s.save and saved is None:
+        saved = trainer.save_checkpoint(s.save)
+    trainer.finish_save()  # the checkpoint is complete before the run ends
+    path = saved if reason != "non-finite" else None
+    if control.writes_record:
+        resilience.write_stop_record(trainer.cfg.log.run_dir, reason=reason, iteration=trainer.iteration,
+                                     checkpoint=path, message=message)
+    if trainer.groups.rank == 0 and reason != "non-finite":
+        where = f"checkpoint saved in {path}" if path else "nothing saved (no --save)"
+        print(f"[megazero] stopping after iteration {trainer.iteration} ({reason}): {where}", flush=True)
+    return dict(iteration=trainer.iteration, stop=reason, status=resilience.stop_status(reason))
+
+
+def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
+          control: Optional[RunControl] = None) -> dict:
+    """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data.
+    ``control`` (signals, time limit, test fault) may end it early at a step boundary."""
+    control = control or RunControl()
     tokenizer, (train_ds, valid_ds, _), vocab_size = data
     trainer = Trainer(cfg, groups, device, vocab_size)
-    if cfg.train.load:
-        resumed = trainer.load_checkpoint(cfg.train.load)
-        if groups.rank == 0:
-            print(f"[megazero] resumed from {cfg.train.load} at iteration {resumed}" if resumed is not None
-                  else f"[megazero] no checkpoint under --load {cfg.train.load}: starting from scratch",
-                  flush=True)
-    logging_rank = is_logging_rank(groups)
+    trainer.stop_flags, trainer.forward_watch.fault, trainer.trail = control.flags, control.fault, control.trail
+    resumed = trainer.load_checkpoint(cfg.train.load) if cfg.train.load else None
+    if cfg.train.load and groups.rank == 0:
+        print(f"[megazero] resumed from {cfg.train.load} at iteration {resumed}" if resumed is not None
+              else f"[megazero] no checkpoint under --load {cfg.train.load}: starting from scratch", flush=True)
     monitor = Monitor(cfg.log.run_dir, tensorboard_dir=cfg.log.tensorboard_dir,
                       metrics_file=cfg.log.metrics_file, rank=groups.rank,
-                      is_logging_rank=logging_rank, config_text=describe(cfg),
+                      is_logging_rank=is_logging_rank(groups), config_text=describe(cfg),
                       train_iters=cfg.train.train_iters, wandb=wandb_settings(cfg))
+    report_restart(cfg, control, resumed, monitor)
+    trainer.monitor = monitor
     if groups.rank == 0:
         print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
               f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)
     last_valid, counts = None, None
     timer, last_logged = Timer(device), trainer.iteration
     first_iteration = trainer.iteration + 1
-    while trainer.iteration < cfg.train.train_iters:
+    s, exit_interval = cfg.train, cfg.train.exit_interval
+    while trainer.iteration < s.train_iters:
+        inject_fault(control, trainer)
         with timer:  # the step's time includes reading its micro-batches
             batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
             values = trainer.train_step(batches)
         it = trainer.iteration
         if it == first_iteration:  # buckets and step temporaries have now been allocated once
             report_model_state(trainer, monitor)
-        if it % cfg.log.log_interval == 0 or it == 1 or it == cfg.train.train_iters:
+        if it % cfg.log.log_interval == 0 or it == 1 or it == s.train_iters:
             values.update(perf_values(trainer, cfg, timer.reset() / (it - last_logged)))
             last_logged = it
             monitor.log_iteration(it, values)
-        if valid_ds is not None and cfg.train.eval_iters > 0 and (
-                it % cfg.train.eval_interval == 0 or it == cfg.train.train_iters):
+        if trainer.bad_step and (line := handle_bad_step(trainer, monitor)) is not None:
+            monitor.close()
+            return finish_stop(trainer, control, "non-finite", None, message=line)
+        if valid_ds is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters):
             last_valid, counts = evaluate(trainer, valid_ds, cfg, trainer.eval_round)
             trainer.eval_round += 1
             monitor.log_validation(it, last_valid)
-        s = cfg.train
+        saved = None
         if s.save and ((s.save_interval and it % s.save_interval == 0) or it == s.train_iters):
-            path = trainer.save_checkpoint(s.save)
-            if groups.rank == 0:
-                print(f"[megazero] saved checkpoint {path}", flush=True)
+            saved = trainer.save_checkpoint(s.save)
+        reason = trainer.stop_reason or ("interval" if exit_interval and it % exit_interval == 0 else None)
+        if reason is not None and it < s.train_iters:
+            monitor.close()
+            return finish_stop(trainer, control, reason, saved)
+    trainer.finish_save()
     sample = final_sample(trainer, tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None else float("nan")
     monitor.summary(last_valid, baseline, sample)
@@ -618,7 +793,21 @@ def preflight(argv: list[str], world_size: int) -> int:
     return 0
 
 
+def run_control(cfg: Config, launch: Launch, signals: resilience.StopSignals, start: float) -> RunControl:
+    """The RunControl of this rank: its signals and clock, one stop.json writer per node
+    (local rank 0), torchrun's restart count and the test hook ``MEGAZERO_TEST_FAULT``."""
+    return RunControl(signals=signals, clock=resilience.StopClock(cfg.train.exit_duration_in_mins, start),
+                      writes_record=launch.local_rank == 0,
+                      restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                      fault=resilience.parse_fault(os.environ.get("MEGAZERO_TEST_FAULT", "")))
+
+
 def main(argv=None) -> int:
+    """Train; returns the exit status: 0, 1 (training error), 2 (bad setting, data or checkpoint),
+    or after an early stop its documented status (resilience.stop_status) -- 0 under torchrun,
+    whose launcher reads that status from stop.json, so torchrun neither restarts nor reports."""
+    start = time.monotonic()
+    signals = resilience.StopSignals().install()  # from now on a signal asks for a stop, see train()
     launch = read_launch_env()
     argv = sys.argv[1:] if argv is None else argv
     # Everything that can be wrong with the settings, the data or the checkpoint is found
@@ -641,10 +830,13 @@ def main(argv=None) -> int:
     for w in resume_warnings(cfg, resume) if not quiet else []:
         print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
     device, groups = setup_device_and_groups(cfg, launch)
+    control = run_control(cfg, launch, signals, start)
     try:
-        train(cfg, groups, device, data)
+        result = train(cfg, groups, device, data, control)
         if dist.is_initialized():
             dist.barrier()  # nobody tears down connections a peer is still reading from
+        if "stop" in result:
+            return 0 if "TORCHELASTIC_RUN_ID" in os.environ else result["status"]
     except LossScaleError as e:  # every rank skips the same steps, so all of them stop here
         if launch.rank == 0:
             print(f"megazero: training error: {e}", file=sys.stderr, flush=True)
@@ -653,10 +845,22 @@ def main(argv=None) -> int:
         if launch.rank == 0:
             report_start_error(e)
         return 2
+    except RuntimeError as e:  # a collective failed: a peer died, was stopped or hung
+        if launch.world_size == 1 or not is_collective_failure(e):
+            raise
+        print(resilience.write_failure(cfg.log.run_dir, launch.rank, control.trail, e), file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: it would wait on the peer that failed
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """True for gloo/NCCL errors of a peer that disappeared or a collective that timed out."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        k in text for k in ("Connection reset", "Connection closed", "timed out", "Timed out", "gloo", "NCCL"))
 
 
 if __name__ == "__main__":

@@ -256,13 +256,40 @@ def prune(root: str, keep: int, current: int) -> list[int]:
     return doomed
 
 
+class PendingSave:
+    """A checkpoint whose tensor files DCP's ``async_save`` is still writing in the background.
+
+    ``wait()`` (collective: every rank calls it, in the same order as its other collectives)
+    waits for this rank's files, then finishes the checkpoint as ``save`` does (checksums,
+    ``meta.pt``, rename, ``latest``), so ``latest`` moves only once every rank's part is on
+    disk; a crash before that leaves the previous ``latest``. Returns the final directory and
+    sets ``waited_s`` (seconds the caller was blocked in ``wait``).
+    """
+
+    def __init__(self, future, finish: Callable[[], str]):
+        self._future, self._finish, self.waited_s = future, finish, 0.0
+
+    def wait(self) -> str:
+        import time
+
+        t0 = time.perf_counter()
+        self._future.result()  # this rank's files are written and fsynced (sync_files)
+        final = self._finish()  # collective: every rank's files are in before the rename
+        self.waited_s = time.perf_counter() - t0
+        return final
+
+
 def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
-         rng_states: Optional[dict] = None, extra: Optional[dict] = None, keep: int = 0) -> str:
+         rng_states: Optional[dict] = None, extra: Optional[dict] = None, keep: int = 0,
+         async_group=None):
     """Write the checkpoint of ``iteration`` under ``root`` (collective: every rank calls it).
 
     Returns the final directory. ``extra`` (picklable) goes into ``meta.pt``. With ``keep``
     > 0, older checkpoints beyond the ``keep`` newest are deleted once ``latest`` names
-    this one (``prune``).
+    this one (``prune``). With ``async_group`` (a gloo group of every rank that nothing else
+    uses, or the string ``"local"`` for a single process) the gathered full tensors are handed
+    to DCP's ``async_save`` and a ``PendingSave`` is returned at once; call its ``wait()``
+    before the next save and at the end.
     """
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     if groups.rank == 0:
@@ -271,8 +298,27 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     _barrier(groups)
     states = _full_states(optimizer, chunks, groups)  # the same full tensors on every rank of a stage
     flat = {f"{name}/{k}": t for name, full in states.items() for k, t in full.items()}
-    dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
-             process_group=groups.world, no_dist=groups.world is None)
+    meta = None
+    if groups.rank == 0:  # the counters of this iteration, before training moves them on
+        opt = optimizer.state_dict()
+        meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size),
+                    optimizer={k: opt[k] for k in opt if k != "shards"}, extra=extra or {})
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+
+    def finish() -> str:
+        return _finish_save(root, iteration, tmp, final, groups, rng_states, meta, keep)
+    if async_group is None:
+        dcp.save(flat, storage_writer=writer, process_group=groups.world, no_dist=groups.world is None)
+        return finish()
+    local = async_group == "local"
+    future = dcp.async_save(flat, storage_writer=writer, process_group=None if local else async_group,
+                            no_dist=local)
+    return PendingSave(future, finish)
+
+
+def _finish_save(root: str, iteration: int, tmp: str, final: str, groups: ProcessGroups,
+                 rng_states: Optional[dict], meta: Optional[dict], keep: int) -> str:
+    """Checksums, rng and meta files, then rename and ``latest`` (collective; after the tensors)."""
     # Each rank checksums the tensor file it wrote (DCP names it after the global rank);
     # rank 0 records them all in meta.pt, so damage after saving is found before a resume.
     mine, rng = f"__{groups.rank}_0.distcp", f"rng_{groups.rank}.pt"
@@ -284,11 +330,7 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
         dist.all_gather_object(gathered, sums, group=groups.world)
         sums = {k: v for part in gathered for k, v in part.items()}
     if groups.rank == 0:
-        opt = optimizer.state_dict()
-        meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size,
-                                                      dp=groups.dp_size),
-                    optimizer={k: opt[k] for k in opt if k != "shards"}, extra=extra or {},
-                    files=dict(sums, **{".metadata": file_checksum(os.path.join(tmp, ".metadata"))}))
+        meta = dict(meta, files=dict(sums, **{".metadata": file_checksum(os.path.join(tmp, ".metadata"))}))
         _atomic_save(meta, os.path.join(tmp, "meta.pt"))
     _barrier(groups)
     if groups.rank == 0:

@@ -163,6 +163,19 @@ class TrainingConfig:
                                 "--load still takes precedence", "path")
     device: str = _f("auto", "auto = CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
     mock_data: bool = _f(False, "train on random tokens; no --data-path needed")
+    # stopping on request, on time or on bad values, and restarting (megazero/resilience.py)
+    exit_duration_in_mins: Optional[float] = _f(
+        None, "stop (and save with --save) after this much wall time; None = no limit", "minutes", gt=0)
+    exit_interval: Optional[int] = _f(
+        None, "stop (and save with --save) after an iteration divisible by this; None = never", "iterations", ge=1)
+    skip_bad_batches: int = _f(
+        0, "skip a step whose loss or gradient is non-finite (fp32/bf16), at most this many times; "
+        "0 = stop at the first", "steps", ge=0)
+    async_save: bool = _f(False, "write checkpoint files in the background (DCP async_save); 'latest' moves "
+                          "once every rank's files are on disk, at the next save or the end")
+    max_restarts: int = _f(
+        0, "torchrun restarts the whole group this many times after a rank fails (use with --save D "
+        "--load D); read by scripts/pretrain_gpt.sh", "restarts", ge=0)
 
 
 @dataclass

@@ -371,6 +371,11 @@ class Monitor:
         self._scalars({"valid/loss": loss, "valid/ppl": ppl}, it)
         self._record("valid", {"iteration": it, "loss": loss, "ppl": ppl})
 
+    def log_record(self, kind: str, fields: Mapping[str, Any]) -> None:
+        """A ``kind`` record in the metrics file only (logging rank), e.g. ``"restart"``."""
+        if self.is_logging_rank:
+            self._record(kind, {k: _plain(v) for k, v in fields.items()})
+
     def log_text(self, tag: str, text: str) -> None:
         """Write ``text`` as TensorBoard text ``tag`` at step 0, preformatted."""
         if self._writer is not None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Front door: bash scripts/pretrain_gpt.sh [--tp T] [--pp P] [--dp D] [--nnodes N] [--node-rank R]
-#             [--master-addr A] [--master-port PORT] [--data-dir DIR] [train.py flags ...]
+#             [--master-addr A] [--master-port PORT] [--rdzv-backend static|c10d] [--rdzv-id ID]
+#             [--max-restarts K] [--data-dir DIR] [train.py flags ...]
 #        bash scripts/pretrain_gpt.sh --help   (both sets of flags; prepares and starts nothing)
 #
 # Launches torchrun with T*P*D/N processes per node. Every flag it does not know goes to
@@ -48,6 +49,7 @@ cd "$MEGAZERO_ROOT"
 TP=1; PP=1; DP=1; NNODES=1; NODE_RANK=0; MASTER_ADDR=127.0.0.1; MASTER_PORT=""
 DATA_DIR="${MEGAZERO_DATA_DIR:-$MEGAZERO_ROOT/.cache/data}"
 ARGS=(); HAVE_DATA=0; RUN_DIR=""; HAVE_TOK=0; DIST_TIMEOUT=300  # train.py's default, seconds
+RDZV_BACKEND=static; RDZV_ID="${SLURM_JOB_ID:-megazero}"; MAX_RESTARTS=0; SAVE=""; LOAD=""
 # --flag=value is split into --flag value, so both spellings reach the cases below.
 SPLIT=()
 for a in "$@"; do
@@ -66,6 +68,11 @@ while [ "$#" -gt 0 ]; do
     --master-port) need "$@"; MASTER_PORT="$2"; shift 2 ;;
     --data-dir) need "$@"; DATA_DIR="$2"; shift 2 ;;
     --run-dir) need "$@"; RUN_DIR="$2"; shift 2 ;;
+    --rdzv-backend) need "$@"; RDZV_BACKEND="$2"; shift 2 ;;
+    --rdzv-id) need "$@"; RDZV_ID="$2"; shift 2 ;;
+    --max-restarts) need "$@"; MAX_RESTARTS="$2"; ARGS+=("$1" "$2"); shift 2 ;;
+    --save) need "$@"; SAVE="$2"; ARGS+=("$1" "$2"); shift 2 ;;
+    --load) need "$@"; LOAD="$2"; ARGS+=("$1" "$2"); shift 2 ;;
     --distributed-timeout-s) need "$@"; DIST_TIMEOUT="$2"; ARGS+=("$1" "$2"); shift 2 ;;
     --data-path|--mock-data) HAVE_DATA=1; ARGS+=("$1"); shift ;;
     --tokenizer-model) HAVE_TOK=1; ARGS+=("$1"); shift ;;
@@ -76,6 +83,8 @@ for v in TP PP DP NNODES; do  # decimal, no leading zero (bash would read 08 as 
   [[ "${!v}" =~ ^[1-9][0-9]{0,5}$ ]] || { echo "megazero: config error: --$(echo $v | tr 'A-Z_' 'a-z-') must be a whole number >= 1, got '${!v}'" >&2; exit 2; }
 done
 [[ "$NODE_RANK" =~ ^(0|[1-9][0-9]{0,5})$ ]] || { echo "megazero: config error: --node-rank must be a whole number >= 0, got '$NODE_RANK'" >&2; exit 2; }
+case "$RDZV_BACKEND" in static|c10d) ;; *)
+  echo "megazero: config error: --rdzv-backend must be static or c10d, got '$RDZV_BACKEND'" >&2; exit 2 ;; esac
 if [ "$NODE_RANK" -ge "$NNODES" ]; then
   echo "megazero: config error: --node-rank $NODE_RANK is not below --nnodes $NNODES; fix: number the nodes 0 to $((NNODES - 1))" >&2
   exit 2
@@ -87,22 +96,58 @@ if [ "$WORLD" -lt 1 ] || [ $((WORLD % NNODES)) -ne 0 ]; then
 fi
 NPROC=$((WORLD / NNODES))
 
-# Stopping the launcher (Ctrl-C, kill, a scheduler's SIGTERM) stops the step running now (data
-# preparation, torchrun and so every rank) and exits with 128 + the signal's number. A rank
-# whose launcher or torchrun dies outright (kill -9) notices and exits (megazero/launch.py).
-CHILD=""; STOPPED=""
-stop() { STOPPED="$1"; [ -z "$CHILD" ] || kill -TERM "$CHILD" 2>/dev/null || true; }
-trap 'stop 15' TERM; trap 'stop 2' INT; trap 'stop 1' HUP
+# Stopping the launcher (Ctrl-C, kill, a scheduler's SIGTERM or SIGUSR1) before training stops the
+# step running now (data preparation, the preflight) and exits with 128 + the signal's number.
+# During training the signal is passed to every rank of this node (torchrun itself ignores it):
+# the ranks agree to stop after the same step, save with --save, write stop.json and exit 0; then
+# this script prints one line (the checkpoint and how to resume) and exits with 128 + the signal's
+# number (0 after --exit-interval / --exit-duration-in-mins). A second signal kills the ranks at
+# once. A rank whose launcher or torchrun dies outright (kill -9) notices and stops the same way
+# (megazero/launch.py).
+CHILD=""; STOPPED=""; TORCHRUN=""; TOLD=" "
+signum() { kill -l "$1"; }
+rank_pids() { pgrep -P "$TORCHRUN" 2>/dev/null || true; }
+relay() {  # the stop request to every rank not yet told (ranks that start later are told too)
+  local p sig="$STOPPED"; [ "$sig" != HUP ] || sig=TERM
+  for p in $(rank_pids); do
+    case "$TOLD" in *" $p "*) ;; *) kill -s "$sig" "$p" 2>/dev/null || true; TOLD="$TOLD$p " ;; esac
+  done
+}
+stop() {
+  if [ -n "$STOPPED" ] && [ -n "$TORCHRUN" ]; then
+    echo "[megazero] second signal ($1): killing the ranks now, without saving" >&2
+    for p in $(rank_pids); do kill -KILL "$p" 2>/dev/null || true; done
+    kill -KILL "$TORCHRUN" 2>/dev/null || true
+    return
+  fi
+  STOPPED="$1"
+  if [ -n "$TORCHRUN" ]; then
+    echo "[megazero] SIG$1: every rank stops after its current step${SAVE:+ and saves to $SAVE}; signal again to kill them at once" >&2
+    relay
+  elif [ -n "$CHILD" ]; then
+    kill -TERM "$CHILD" 2>/dev/null || true
+  fi
+}
+trap 'stop TERM' TERM; trap 'stop INT' INT; trap 'stop HUP' HUP; trap 'stop USR1' USR1
 run_child() {  # run "$@" in the background so a trapped signal reaches it; return its status
   "$@" & CHILD=$!
-  local status=0
+  [ "$1" != torchrun_ignoring_stop ] || TORCHRUN=$CHILD
+  local status=0 polled=0
   wait "$CHILD" || status=$?
-  while kill -0 "$CHILD" 2>/dev/null; do status=0; wait "$CHILD" || status=$?; done
-  CHILD=""
+  while kill -0 "$CHILD" 2>/dev/null; do
+    if [ -n "$STOPPED" ] && [ -n "$TORCHRUN" ]; then relay; polled=1; sleep 0.5; continue; fi
+    status=0; wait "$CHILD" || status=$?
+  done
+  [ "$polled" = 0 ] || { status=0; wait "$CHILD" || status=$?; }  # its status, once it has ended
+  CHILD=""; TORCHRUN=""
   return "$status"
 }
+torchrun_ignoring_stop() {  # torchrun, deaf to the stop signals: the ranks handle them
+  trap '' TERM INT USR1
+  TORCHELASTIC_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT exec "$PY" -m torch.distributed.run "$@"
+}
 stopped_exit() {
-  [ -z "$STOPPED" ] || { echo "[megazero] stopped by signal $STOPPED" >&2; exit $((128 + STOPPED)); }
+  [ -z "$STOPPED" ] || { echo "[megazero] stopped by SIG$STOPPED" >&2; exit $((128 + $(signum "$STOPPED"))); }
 }
 
 if [ "$HAVE_DATA" = 0 ]; then
@@ -163,12 +208,38 @@ RDZV_TIMEOUT=$("$PY" -c 'import math, sys; print(max(1, math.ceil(float(sys.argv
 export MEGAZERO_LAUNCHER_PID=$$  # the ranks exit if this script is killed outright (-9)
 export MEGAZERO_PREFLIGHT_DONE=1  # the ranks need not print the config warnings again
 echo "[megazero] launching $NPROC process(es) on this node (tp=$TP pp=$PP dp=$DP, nnodes=$NNODES)"
+if [ "$RDZV_BACKEND" = c10d ]; then  # dynamic rendezvous (restarts across nodes); node 0 hosts its store
+  RDZV=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+        --rdzv-conf "timeout=$RDZV_TIMEOUT,is_host=$([ "$NODE_RANK" = 0 ] && echo 1 || echo 0)")
+else
+  RDZV=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+        --rdzv-conf "timeout=$RDZV_TIMEOUT")
+fi
+rm -rf "$RUN_DIR/stop.json" "$RUN_DIR/failures"  # written by the ranks: an early end on purpose, failures
 rc=0
-run_child "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --rdzv-conf "timeout=$RDZV_TIMEOUT" \
-  train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" || rc=$?
+run_child torchrun_ignoring_stop --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
+  "${RDZV[@]}" train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" || rc=$?
 echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
+if [ "$rc" = 0 ] && [ -f "$RUN_DIR/stop.json" ]; then  # an early end on purpose: one line, its status
+  STOP_LINE=$("$PY" -c 'import json, sys
+r = json.load(open(sys.argv[1])); save, load = sys.argv[2:4]
+why = {"time": "--exit-duration-in-mins", "interval": "--exit-interval"}.get(r["reason"], r["reason"])
+if r["reason"] == "non-finite":
+    sys.exit(print(r["status"]))  # the ranks printed the one line
+resume = ("run the same command again (it has --load %s)" % load if load and load == save
+          else "run the same command with --load %s" % save)
+where = "checkpoint %s; to resume, %s" % (r["checkpoint"], resume) if r["checkpoint"] else "nothing saved (no --save)"
+print(r["status"], "[megazero] stopped after iteration %d (%s): %s" % (r["iteration"], why, where))' \
+    "$RUN_DIR/stop.json" "$SAVE" "$LOAD")
+  [ "${STOP_LINE#* }" = "$STOP_LINE" ] || echo "${STOP_LINE#* }" >&2
+  [ -z "$STOPPED" ] || exit $((128 + $(signum "$STOPPED")))
+  exit "${STOP_LINE%% *}"
+fi
 stopped_exit
+if [ "$rc" != 0 ] && [ -d "$RUN_DIR/failures" ]; then  # who failed first, what the others waited in
+  "$PY" -c 'import sys; from megazero.resilience import name_culprits
+print(name_culprits(sys.argv[1], int(sys.argv[2])) or "")' "$RUN_DIR" "$WORLD" >&2 || true
+fi
 if [ "$rc" != 0 ]; then
   echo "[megazero] training failed (exit code $rc); the error is above. A node that never joins or a rank that dies ends the run after --distributed-timeout-s $DIST_TIMEOUT." >&2
 fi
