@@ -92,14 +92,18 @@ def local_flags(signals: Optional[StopSignals], clock: Optional[StopClock]) -> l
 def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tuple[torch.Tensor, Optional[str]]:
     """Global mean loss of the step and the stop reason every rank agrees on (collective).
 
-    ``loss`` (0-d fp32) is this data-parallel replica's loss, the same on all its ranks (the
+    ``loss`` (0-d, any float dtype; fp64 from the schedule) is this data-parallel replica's loss, the same on all its ranks (the
     pipeline broadcast it); one rank per replica (last stage, tp rank 0) contributes it, so the
     SUM over the world divided by dp is the mean over replicas, as ``all_reduce_mean`` over dp
     gave. ``flags`` from ``local_flags``. Returns (loss, reason) with reason None, ``"SIGTERM"``,
     ``"SIGINT"``, ``"SIGUSR1"`` (the first slot any rank set) or ``"time"``.
     """
-    share = loss.detach().float() if (groups.is_last_stage and groups.tp_rank == 0) else torch.zeros_like(loss)
-    v = torch.cat([share.reshape(1), torch.tensor(flags, dtype=torch.float32, device=loss.device)])
+    # fp64 on every rank (the same dtype everywhere, or the all-reduce mismatches): the loss
+    # sum over replicas keeps its precision
+    mine = groups.is_last_stage and groups.tp_rank == 0
+    share = loss.detach().to(torch.float64).reshape(1) if mine else torch.zeros(1, dtype=torch.float64,
+                                                                             device=loss.device)
+    v = torch.cat([share, torch.tensor(flags, dtype=torch.float64, device=loss.device)])
     C.all_reduce_sum(v, groups.world)
     values = v.tolist()  # one device sync, as float(loss) did
     mean = v[0] / groups.dp_size if groups.dp_size > 1 else v[0]
