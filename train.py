@@ -33,6 +33,7 @@ from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
 from megazero.process_groups import ProcessGroups
+from megazero.profiling import StepProfiler, step_profiler
 from megazero.tensor_parallel.random import resume_seed
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
@@ -472,6 +473,12 @@ def wandb_settings(cfg: Config) -> Optional[dict]:
                 save_dir=lg.wandb_save_dir or os.path.join(lg.run_dir, "wandb"), config=to_dict(cfg))
 
 
+def make_profiler(cfg: Config, rank: int) -> StepProfiler:
+    """--profile: this rank's torch.profiler window (a no-op on the other ranks)."""
+    g = cfg.log
+    return step_profiler(g.run_dir, rank, g.profile, g.profile_step_start, g.profile_step_end, g.profile_ranks)
+
+
 def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dict:
     """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data."""
     tokenizer, (train_ds, valid_ds, _), vocab_size = data
@@ -493,11 +500,14 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
     last_valid, counts = None, None
     timer, last_logged = Timer(device), trainer.iteration
     first_iteration = trainer.iteration + 1
+    profiler = make_profiler(cfg, groups.rank)
     while trainer.iteration < cfg.train.train_iters:
+        profiler.before_step(trainer.iteration + 1)
         with timer:  # the step's time includes reading its micro-batches
             batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
             values = trainer.train_step(batches)
         it = trainer.iteration
+        profiler.after_step(it)
         if it == first_iteration:  # buckets and step temporaries have now been allocated once
             report_model_state(trainer, monitor)
         if it % cfg.log.log_interval == 0 or it == 1 or it == cfg.train.train_iters:
@@ -514,6 +524,7 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data) -> dic
             path = trainer.save_checkpoint(s.save)
             if groups.rank == 0:
                 print(f"[megazero] saved checkpoint {path}", flush=True)
+    profiler.close()
     sample = final_sample(trainer, tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None else float("nan")
     monitor.summary(last_valid, baseline, sample)

@@ -268,6 +268,11 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = _f(None, "W&B files directory; None = RUN_DIR/wandb", "path")
     peak_tflops: Optional[float] = _f(None, "dense peak matmul TFLOP/s of one device, the MFU denominator; "
                                       "None = megazero's table of known GPUs (else MFU n/a)", "TFLOP/s", gt=0)
+    profile: bool = _f(False, "torch.profiler trace of steps --profile-step-start to --profile-step-end - 1 on "
+                       "each rank of --profile-ranks, written to RUN_DIR/profile/rankR.*.pt.trace.json (TensorBoard, Perfetto)")
+    profile_step_start: int = _f(10, "first profiled step (Megatron's --profile-step-start)", "iterations", ge=1)
+    profile_step_end: int = _f(12, "profiling stops before this step", "iterations", ge=2)
+    profile_ranks: list[str] = _f(["0"], "global ranks that write a trace", "ranks")
 
 
 @dataclass
