@@ -134,6 +134,9 @@ class ParallelConfig:
     pipeline_layer_split: Optional[list[int]] = _f(
         None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=_layer_split)
     sequence_parallel: bool = _f(False, "partition LayerNorm/dropout activations along the sequence over tp")
+    async_tensor_model_parallel_allreduce: bool = _f(
+        True, "overlap the column-parallel layers' input-gradient all-reduce with their weight-gradient "
+        "matmul (bit-identical)", flags=("--no-async-tensor-model-parallel-allreduce",))
     distributed_timeout_s: float = _f(300.0, "timeout of every collective and of the rendezvous", "seconds",
                                       gt=0, lt=1_000_000)
 
@@ -163,6 +166,8 @@ class TrainingConfig:
                                 "--load still takes precedence", "path")
     device: str = _f("auto", "auto = CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
     mock_data: bool = _f(False, "train on random tokens; no --data-path needed")
+    compile: bool = _f(False, "torch.compile each transformer layer (pipeline, ZeRO and the collectives "
+                       "between layers stay eager); the first steps pay the compilation")
 
 
 @dataclass
