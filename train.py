@@ -71,6 +71,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         layernorm_epsilon=m.layernorm_epsilon, init_method_std=m.init_method_std,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
+        tp_overlap_grad_reduce=cfg.parallel.async_tensor_model_parallel_allreduce,
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
         label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
         position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
@@ -101,7 +102,18 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
                          seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full)
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
         chunks.append(chunk)
+    if cfg.train.compile:
+        compile_layers(chunks)
     return chunks
+
+
+def compile_layers(chunks: list[GPTStage]) -> None:
+    """--compile: ``torch.compile`` each transformer layer in place (``nn.Module.compile``:
+    parameter names, hooks and checkpoints unchanged); embeddings, head, the pipeline and
+    ZeRO machinery stay eager."""
+    for chunk in chunks:
+        for layer in chunk.layers.values():
+            layer.compile()
 
 
 def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
