@@ -36,6 +36,7 @@ from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
 from megazero.process_groups import ProcessGroups
+from megazero.profiling import StepProfiler, step_profiler
 from megazero.tensor_parallel.random import resume_seed
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
@@ -88,6 +89,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         layernorm_epsilon=m.layernorm_epsilon, init_method_std=m.init_method_std,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
+        tp_overlap_grad_reduce=cfg.parallel.async_tensor_model_parallel_allreduce,
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
         label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
         position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
@@ -118,7 +120,18 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
                          seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full)
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
         chunks.append(chunk)
+    if cfg.train.compile:
+        compile_layers(chunks)
     return chunks
+
+
+def compile_layers(chunks: list[GPTStage]) -> None:
+    """--compile: ``torch.compile`` each transformer layer in place (``nn.Module.compile``:
+    parameter names, hooks and checkpoints unchanged); embeddings, head, the pipeline and
+    ZeRO machinery stay eager."""
+    for chunk in chunks:
+        for layer in chunk.layers.values():
+            layer.compile()
 
 
 def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
@@ -570,6 +583,12 @@ def wandb_settings(cfg: Config) -> Optional[dict]:
                 save_dir=lg.wandb_save_dir or os.path.join(lg.run_dir, "wandb"), config=to_dict(cfg))
 
 
+def make_profiler(cfg: Config, rank: int) -> StepProfiler:
+    """--profile: this rank's torch.profiler window (a no-op on the other ranks)."""
+    g = cfg.log
+    return step_profiler(g.run_dir, rank, g.profile, g.profile_step_start, g.profile_step_end, g.profile_ranks)
+
+
 @dataclass
 class RunControl:
     """How a run may end early (megazero/resilience.py): the signals caught, the wall-clock limit,
@@ -670,12 +689,15 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
     timer, last_logged = Timer(device), trainer.iteration
     first_iteration = trainer.iteration + 1
     s, exit_interval = cfg.train, cfg.train.exit_interval
+    profiler = make_profiler(cfg, groups.rank)
     while trainer.iteration < s.train_iters:
         inject_fault(control, trainer)
+        profiler.before_step(trainer.iteration + 1)
         with timer:  # the step's time includes reading its micro-batches
             batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
             values = trainer.train_step(batches)
         it = trainer.iteration
+        profiler.after_step(it)
         if it == first_iteration:  # buckets and step temporaries have now been allocated once
             report_model_state(trainer, monitor)
         if it % cfg.log.log_interval == 0 or it == 1 or it == s.train_iters:
@@ -694,8 +716,10 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
             saved = trainer.save_checkpoint(s.save)
         reason = trainer.stop_reason or ("interval" if exit_interval and it % exit_interval == 0 else None)
         if reason is not None and it < s.train_iters:
+            profiler.close()
             monitor.close()
             return finish_stop(trainer, control, reason, saved)
+    profiler.close()
     trainer.finish_save()
     sample = final_sample(trainer, tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None else float("nan")

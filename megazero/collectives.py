@@ -37,6 +37,12 @@ def _count(kind: str, t: torch.Tensor) -> None:
     counter[kind] += t.numel() * t.element_size()
 
 
+def count_send(t: torch.Tensor) -> None:
+    """Count a point-to-point send of ``t`` (``counter["send"]``, bytes): ``pipeline.p2p``
+    posts its sends itself (batched ``isend``/``irecv``), so it reports them here."""
+    _count("send", t)
+
+
 def all_reduce_sum(t: torch.Tensor, group: Group, async_op: bool = False):
     """In-place SUM all-reduce of ``t`` over ``group``; returns the work handle if async."""
     if group_size(group) == 1:

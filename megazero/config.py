@@ -134,6 +134,9 @@ class ParallelConfig:
     pipeline_layer_split: Optional[list[int]] = _f(
         None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=_layer_split)
     sequence_parallel: bool = _f(False, "partition LayerNorm/dropout activations along the sequence over tp")
+    async_tensor_model_parallel_allreduce: bool = _f(
+        True, "overlap the column-parallel layers' input-gradient all-reduce with their weight-gradient "
+        "matmul (bit-identical)", flags=("--no-async-tensor-model-parallel-allreduce",))
     distributed_timeout_s: float = _f(300.0, "timeout of every collective and of the rendezvous", "seconds",
                                       gt=0, lt=1_000_000)
 
@@ -176,6 +179,8 @@ class TrainingConfig:
     max_restarts: int = _f(
         0, "torchrun restarts the whole group this many times after a rank fails (use with --save D "
         "--load D); read by scripts/pretrain_gpt.sh", "restarts", ge=0)
+    compile: bool = _f(False, "torch.compile each transformer layer (pipeline, ZeRO and the collectives "
+                       "between layers stay eager); the first steps pay the compilation")
 
 
 @dataclass
@@ -281,6 +286,11 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = _f(None, "W&B files directory; None = RUN_DIR/wandb", "path")
     peak_tflops: Optional[float] = _f(None, "dense peak matmul TFLOP/s of one device, the MFU denominator; "
                                       "None = megazero's table of known GPUs (else MFU n/a)", "TFLOP/s", gt=0)
+    profile: bool = _f(False, "torch.profiler trace of steps --profile-step-start to --profile-step-end - 1 on "
+                       "each rank of --profile-ranks, written to RUN_DIR/profile/rankR.*.pt.trace.json (TensorBoard, Perfetto)")
+    profile_step_start: int = _f(10, "first profiled step (Megatron's --profile-step-start)", "iterations", ge=1)
+    profile_step_end: int = _f(12, "profiling stops before this step", "iterations", ge=2)
+    profile_ranks: list[str] = _f(["0"], "global ranks that write a trace", "ranks")
 
 
 @dataclass

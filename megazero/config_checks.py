@@ -233,6 +233,20 @@ def _check_logging(cfg: Config, world_size: int) -> None:
                           "installed; fix: pip install wandb (or pip install -e .[wandb]), or drop --wandb-project")
 
 
+def _check_profile(cfg: Config, world_size: int) -> None:
+    """--profile: a non-empty step window and ranks that exist."""
+    g = cfg.log
+    if not g.profile:
+        return
+    if g.profile_step_end <= g.profile_step_start:
+        raise ConfigError(f"--profile-step-end {g.profile_step_end} must be above --profile-step-start "
+                          f"{g.profile_step_start}; fix: profile at least one step")
+    for r in g.profile_ranks:
+        if not r.isdigit() or int(r) >= world_size:
+            raise ConfigError(f"--profile-ranks {r} is not a rank of this run (0 to {world_size - 1}); "
+                              "fix: give global ranks below the world size")
+
+
 def _check_from_hf(cfg: Config, world_size: int) -> None:
     """--from-hf names a folder with config.json and model.safetensors."""
     path = cfg.train.from_hf
@@ -244,7 +258,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
                               "scripts/convert_checkpoint.py --to-hf (or save_pretrained with safetensors)")
 
 
-_CHECKS = (_check_outputs, _check_logging, _check_from_hf, _check_swiglu_width, _check_ranges, _check_world,
+_CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges, _check_world,
            _check_model_shape, _check_block, _check_recompute, _check_batch, _check_pipeline,
            _check_optim_precision, _check_data)
 

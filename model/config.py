@@ -66,6 +66,9 @@ class GPTConfig:
     sequence_parallel: bool = False
     """Partition LayerNorm/dropout activations along the sequence over TP ranks
     (Korthikanti et al. 2022); needs ``seq_length`` divisible by the TP size."""
+    tp_overlap_grad_reduce: bool = True
+    """Column-parallel layers overlap their input-gradient all-reduce (reduce-scatter with
+    sequence parallelism) with the weight-gradient matmul; bit-identical either way."""
     params_dtype: torch.dtype = torch.float32
     """dtype of the model parameters (the fp32 master copy lives in the optimizer)."""
     label_smoothing: float = 0.0

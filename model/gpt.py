@@ -112,7 +112,8 @@ class Attention(nn.Module):
         rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * H
         self.qkv = ColumnParallelLinear(H, rows, group, sequence_parallel=sp,
                                         stride=1 if self.grouped else 3, bias=cfg.add_bias_linear,
-                                        dtype=cfg.params_dtype, device=device)
+                                        dtype=cfg.params_dtype, device=device,
+                                        overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
         self.proj = RowParallelLinear(H, H, group, input_is_parallel=True, bias=cfg.add_bias_linear,
                                       sequence_parallel=sp, dtype=cfg.params_dtype,
                                       device=device)
@@ -166,7 +167,8 @@ class MLP(nn.Module):
         self.swiglu = cfg.swiglu
         self.fc1 = ColumnParallelLinear(H, 2 * F_ if self.swiglu else F_, group, sequence_parallel=sp,
                                         stride=2 if self.swiglu else 1, bias=cfg.add_bias_linear,
-                                        dtype=cfg.params_dtype, device=device)
+                                        dtype=cfg.params_dtype, device=device,
+                                        overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
         self.fc2 = RowParallelLinear(F_, H, group, input_is_parallel=True, bias=cfg.add_bias_linear,
                                      sequence_parallel=sp, dtype=cfg.params_dtype,
                                      device=device)
@@ -252,7 +254,8 @@ class GPTStage(nn.Module):
             if not cfg.tie_embeddings:
                 self.output = ColumnParallelLinear(
                     cfg.hidden_size, self.padded_vocab, self.tp, bias=False,
-                    sequence_parallel=self.sp, dtype=cfg.params_dtype, device=device)
+                    sequence_parallel=self.sp, dtype=cfg.params_dtype, device=device,
+                    overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
         self._tag_from_spec()
         if groups.pp_size > 1 and cfg.tie_embeddings and (pre_process or post_process):
             tags.set_shared_embedding(self.embedding.word_embeddings.weight,

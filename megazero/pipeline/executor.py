@@ -13,12 +13,13 @@ tokens. On the last virtual stage (post-process chunk) the executor calls
 token count; elsewhere ``loss_fn`` is ignored and ``output`` is sent to the next virtual
 stage.
 
-Communication: the actions are grouped (``exchange_groups``: a steady-phase forward with
-the backward after it, else one action); the sends of one group and the receives of the
-next go in one batched exchange (``p2p.StageLinks.exchange``). This gives Megatron-LM's
-combined exchanges (1F1B's ``send_backward_recv_forward`` plus the gradient the next
-backward needs; the interleaved schedule's four-way exchange) without a special case per
-schedule; tests/test_pipeline_schedules.py checks that it completes with blocking sends.
+Communication: the actions are grouped (``exchange_groups``: under the interleaved schedule
+a steady-phase forward with the backward after it, else one action); the sends of one group
+and the receives of the next go in one batched exchange (``p2p.StageLinks.exchange``). This
+gives Megatron-LM's combined exchanges (1F1B's ``send_forward_recv_backward`` and
+``send_backward_recv_forward``; the interleaved schedule's four-way exchange) without a
+special case per schedule; tests/test_pipeline_schedules.py checks that it completes with
+blocking sends.
 
 Memory: a (micro-batch, chunk)'s input and output are kept from its forward to its
 backward and dropped right after it, so 1F1B keeps at most ``pp`` micro-batches alive on
@@ -26,6 +27,7 @@ stage 0 while GPipe keeps all ``m``.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -67,14 +69,21 @@ def comm_plan(a: Action, pp_rank: int, pp_size: int, vp_size: int = 1):
 def exchange_groups(actions: Sequence[Action]) -> list[list[int]]:
     """Indices of the actions that share one exchange (pure).
 
-    A steady-phase forward and the backward after it form one group (unless the backward
-    needs that forward's output); every other action is a group of its own. The executor
-    posts, in one batched exchange, the sends of group i-1 and the receives of group i,
-    which is Megatron-LM's pattern: in the interleaved steady phase the stages form a ring,
-    and sending an activation while waiting for a gradient in separate exchanges would
-    deadlock around it when sends block (NCCL).
+    Interleaved schedule (actions of several chunks): a steady-phase forward and the
+    backward after it form one group (unless the backward needs that forward's output);
+    every other action is a group of its own. The executor posts, in one batched exchange,
+    the sends of group i-1 and the receives of group i, which is Megatron-LM's pattern: in
+    the interleaved steady phase the stages form a ring, and sending an activation while
+    waiting for a gradient in separate exchanges would deadlock around it when sends block
+    (NCCL). One chunk (GPipe, 1F1B): every action is its own group, so a steady forward runs
+    before the stage waits for the next backward's gradient (Megatron's
+    ``send_forward_recv_backward`` after the forward); grouping them would make the two
+    neighbours of a pp 2 pipeline take turns (scripts/bench_pipeline.py measured a 51 %
+    bubble against the ideal 11 %).
     """
     out, i = [], 0
+    if all(a.chunk == 0 for a in actions):
+        return [[k] for k in range(len(actions))]
     while i < len(actions):
         a = actions[i]
         b = actions[i + 1] if i + 1 < len(actions) else None
@@ -94,7 +103,8 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                  vp_size: int = 1,
                  before_backward: Optional[Callable[[int, bool], None]] = None,
                  scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 device: Optional[torch.device] = None, forward_only: bool = False) -> torch.Tensor:
+                 device: Optional[torch.device] = None, forward_only: bool = False,
+                 busy: Optional[list] = None) -> torch.Tensor:
     """Run ``actions`` (this stage's schedule) and return the summed loss.
 
     Args:
@@ -111,6 +121,10 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             parameters' device.
         forward_only: evaluation (``schedules.forward_only_schedule``): nothing is kept
             for a backward; run it under ``torch.no_grad()``.
+        busy: when a list, ``(kind, start, end)`` is appended for every action ("F" or
+            "B", ``time.perf_counter()`` seconds, a clock shared by the processes of one
+            machine); the rest of the step is this stage's idle time and communication
+            (``scripts/bench_pipeline.py``).
 
     Returns a 0-d fp64 tensor on every rank of the pipeline: the sum of ``loss_fn`` over
     this rank's micro-batches (added in fp64, so the sum is exact to fp32 rounding for any
@@ -137,6 +151,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
         pending = {}
         for i, (_, send) in zip(group, plans):
             a = actions[i]
+            start = time.perf_counter()
             if a.kind == "F":
                 output, loss = _forward(saved, a, model_chunks[a.chunk], forward_step,
                                         batches[a.microbatch], received[0], send is None)
@@ -148,6 +163,8 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                 if before_backward is not None:
                     before_backward(a.chunk, i == last_backward[a.chunk])
                 output = _backward(saved, a, received[1], scale_loss)
+            if busy is not None:
+                busy.append((a.kind, start, time.perf_counter()))
             if send:
                 pending[f"send_{send[0]}"] = (output, send[2])
             # A finished output or loss still references its graph, whose AccumulateGrad

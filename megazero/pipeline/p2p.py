@@ -69,6 +69,7 @@ class StageLinks:
             if sent is not None:
                 tensor, tag = sent
                 self._check(tensor)
+                collectives.count_send(tensor)
                 ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
                                       self._peer(step), self.groups.pp, tag))
         for i, (tag, step) in enumerate(((recv_prev, -1), (recv_next, 1))):

@@ -65,6 +65,47 @@ def _replicated_param(full: Optional[torch.Tensor], shape: tuple, dtype, device,
     return tags.set_replicated(nn.Parameter(t), sequence_parallel=sequence_parallel)
 
 
+class _ColumnLinearOverlap(torch.autograd.Function):
+    """Column-parallel ``F.linear`` whose backward overlaps the input-gradient reduction with
+    the weight-gradient matmul (Megatron-LM's async tensor-parallel all-reduce,
+    ``LinearWithGradAccumulationAndAsyncCommunication``; Narayanan et al. 2021, sec. 4.1).
+
+    Forward: ``x [B, T, in]`` (``[B, T/tp, in]`` with ``sp``: all-gathered along the sequence)
+    -> ``[B, T, out/tp]``. Backward: ``dX = dY W`` is started as an async SUM all-reduce over
+    TP (a reduce-scatter along the sequence with ``sp``); ``dW = (X^T dY)^T`` and
+    ``db = sum(dY)`` are computed while it runs, then the handle is waited. The matmuls are
+    the ones autograd runs for ``F.linear`` (``addmm``/``mm`` on the flattened tokens), so
+    the gradients are bit-identical to the non-overlapped layer.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sp):
+        full = gather_from_sequence_parallel_region(x, group) if sp else x   # (B, T, in)
+        ctx.save_for_backward(full, weight)
+        ctx.group, ctx.sp, ctx.has_bias = group, sp, bias is not None
+        return F.linear(full, weight, bias)                                  # (B, T, out/tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])                                # (B*T, out/tp)
+        dx = g2.mm(weight).view(full.shape)                                  # (B, T, in)
+        if ctx.sp:
+            front = dx.movedim(1, 0).contiguous()                            # (T, B, in)
+            out = torch.empty((front.shape[0] // C.group_size(ctx.group), *front.shape[1:]),
+                              dtype=dx.dtype, device=dx.device)              # (T/tp, B, in)
+            work = C.reduce_scatter_sum(out.view(-1), front.view(-1), ctx.group, async_op=True)
+        else:
+            work = C.all_reduce_sum(dx, ctx.group, async_op=True)
+        x2 = full.reshape(-1, full.shape[-1])                                # (B*T, in)
+        dw = x2.t().mm(g2).t()                                               # (out/tp, in)
+        db = g2.sum(0) if ctx.has_bias else None
+        work.wait()
+        if ctx.sp:
+            dx = out.movedim(0, 1).contiguous()                              # (B, T/tp, in)
+        return dx, dw, db, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A [out, in]`` split by output rows: weight ``[out/tp, in]``.
 
@@ -72,6 +113,9 @@ class ColumnParallelLinear(nn.Module):
     the sequence first); output ``[B, T, out/tp]``, or ``[B, T, out]`` with
     ``gather_output``. ``stride`` > 1 means the full weight is ``stride`` stacked blocks
     (e.g. fused q, k, v) each split across ranks (``tags.partition_tensor``).
+
+    ``overlap_grad_reduce`` (tp > 1, training): the backward overlaps the input-gradient
+    reduction with the weight-gradient matmul (``_ColumnLinearOverlap``), bit-identical.
 
     Raises ValueError when ``out_features`` is not divisible by ``stride * tp``, when a
     full tensor has the wrong shape, or when ``gather_output`` is combined with
@@ -82,8 +126,9 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, sequence_parallel: bool = False,
                  full_weight: Optional[torch.Tensor] = None,
                  full_bias: Optional[torch.Tensor] = None, stride: int = 1,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, overlap_grad_reduce: bool = True):
         super().__init__()
+        self.overlap_grad_reduce = overlap_grad_reduce
         if gather_output and stride > 1:
             raise ValueError("ColumnParallelLinear: gather_output=True needs stride=1 "
                              f"(got stride {stride})")
@@ -101,6 +146,10 @@ class ColumnParallelLinear(nn.Module):
                                          "ColumnParallelLinear.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.overlap_grad_reduce and self.tp_size > 1 and torch.is_grad_enabled():
+            y = _ColumnLinearOverlap.apply(x, self.weight, self.bias, self.group,
+                                           self.sequence_parallel)   # (B, T, out/tp)
+            return gather_from_tp_region(y, self.group) if self.gather_output else y
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T, in)
         else:

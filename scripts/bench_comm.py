@@ -1,0 +1,266 @@
+"""Bytes each rank hands to each kind of collective in one training step, beside the theory.
+
+Every case trains a small GPT-2-style model (learned positions, tied embeddings, biases,
+LayerNorm, no recomputation) through ``train.Trainer`` on gloo ranks; the second step's
+bytes are read from ``megazero.collectives.counter`` (the payload of this rank's input
+tensor per call, ``numel x element_size``; pipeline sends are counted by ``pipeline.p2p``)
+and compared with one closed-form function per case below, derived from the algorithm:
+
+- ``theory_dp_zero0``: DP all-reduce of the whole gradient buffer once per step;
+- ``theory_zero1``: reduce-scatter of the buffer once per step, all-gather of the shard;
+- ``theory_zero2``: reduce-scatter in every micro-batch, all-gather of the shard;
+- ``theory_tp``: Megatron (Shoeybi et al. 2019, sec. 3): per layer two all-reduces forward
+  (the two row-parallel outputs) and two backward (the two column-parallel inputs), plus the
+  embedding's forward all-reduce, the LM head's input-gradient all-reduce and the
+  vocabulary-parallel cross-entropy's max and sums;
+- ``theory_tp_sp``: sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2): each of
+  those all-reduces becomes a reduce-scatter (payload ``[B, T, H]``) and its conjugate an
+  all-gather (payload ``[B, T/tp, H]``); the sequence-parallel parameters' gradients are
+  summed over TP once per step;
+- ``theory_pipeline``: one activation ``[B, T, H]`` sent forward per micro-batch at every
+  chunk that is not the model's last, one gradient sent back at every chunk that is not the
+  first; the tied word embedding's gradient summed over first and last stage; the loss
+  broadcast from the last stage.
+
+Every step also has three scalars: the inf/NaN flag (fp32, MAX over the world), the squared
+gradient norm (fp64, SUM over tp x pp, or over the world when ZeRO shards it) and the
+logged loss (fp64, mean over DP); each is counted only where its group has > 1 rank.
+
+    python scripts/bench_comm.py           # prints one table, exits 1 on any mismatch
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+F32, F64 = 4, 8
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, POSITIONS, MICRO = 2, 32, 4, 1001, 16, 16, 2
+BASE = ["--mock-data", "--vocab-size", str(VOCAB), "--num-layers", str(LAYERS),
+        "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+        "--seq-length", str(SEQ), "--max-position-embeddings", str(POSITIONS),
+        "--micro-batch-size", str(MICRO), "--train-iters", "2", "--lr", "1e-3",
+        "--clip-grad", "1.0", "--seed", "7", "--make-vocab-size-divisible-by", "8",
+        "--eval-iters", "0", "--device", "cpu", "--reduce-bucket-size", "500",
+        "--allgather-bucket-size", "700"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One case's sizes: layers L, hidden H, padded vocabulary V, positions P, micro-batch B,
+    sequence T, micro-batches per step m, and the layout."""
+
+    L: int
+    H: int
+    V: int
+    P: int
+    B: int
+    T: int
+    m: int
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vp: int = 1
+
+
+def shape_of(tp=1, pp=1, dp=1, vp=1, global_batch=8) -> Shape:
+    """The model of ``BASE`` under a layout; V padded to a multiple of 8 x tp (Megatron)."""
+    step = 8 * tp
+    padded = -(-VOCAB // step) * step
+    return Shape(LAYERS, HIDDEN, padded, POSITIONS, MICRO, SEQ, global_batch // (MICRO * dp),
+                 tp, pp, dp, vp)
+
+
+def round_up(x: int, n: int) -> int:
+    return -(-x // n) * n
+
+
+def layer_params(s: Shape) -> int:
+    """Elements of one transformer layer on one TP rank: QKV [3H/tp, H] + 3H/tp, projection
+    [H, H/tp] + H, fc1 [4H/tp, H] + 4H/tp, fc2 [H, 4H/tp] + H, two LayerNorms 4H."""
+    return 12 * s.H * s.H // s.tp + 7 * s.H // s.tp + 6 * s.H
+
+
+def params_per_rank(s: Shape) -> int:
+    """Elements one rank holds at pp = 1: layers, word embedding [V/tp, H], positions
+    [P, H], final LayerNorm 2H (the output layer is the tied word embedding)."""
+    return s.L * layer_params(s) + s.V // s.tp * s.H + s.P * s.H + 2 * s.H
+
+
+def scalars(s: Shape, zero_stage: int) -> dict:
+    """The step's three scalars: flag (fp32, world), norm (fp64, tp x pp or world), loss
+    (fp64, dp); the loss is also broadcast from the last stage over pp (fp64)."""
+    world, mp = s.tp * s.pp * s.dp, s.tp * s.pp
+    norm_group = world if zero_stage >= 1 else mp
+    out = {"all_reduce": F32 * (world > 1) + F64 * (norm_group > 1) + F64 * (s.dp > 1)}
+    if s.pp > 1:
+        out["broadcast"] = F64
+    return out
+
+
+def add(*parts: dict) -> dict:
+    total: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            total[k] = total.get(k, 0) + v
+    return {k: v for k, v in total.items() if v}
+
+
+def theory_dp_zero0(s: Shape, pp_rank: int) -> dict:
+    """ZeRO-0: the gradient buffer (padded to a multiple of dp) all-reduced once per step."""
+    return add({"all_reduce": F32 * round_up(params_per_rank(s), s.dp)}, scalars(s, 0))
+
+
+def theory_zero1(s: Shape, pp_rank: int) -> dict:
+    """ZeRO-1 (P_os): the full buffer reduce-scattered once per step (input payload = the
+    padded buffer), each rank's updated shard (padded / dp) all-gathered."""
+    padded = round_up(params_per_rank(s), s.dp)
+    return add({"reduce_scatter": F32 * padded, "all_gather": F32 * padded // s.dp},
+               scalars(s, 1))
+
+
+def theory_zero2(s: Shape, pp_rank: int) -> dict:
+    """ZeRO-2 (P_os+g): the buffer reduce-scattered in each of the m micro-batches."""
+    padded = round_up(params_per_rank(s), s.dp)
+    return add({"reduce_scatter": F32 * padded * s.m, "all_gather": F32 * padded // s.dp},
+               scalars(s, 2))
+
+
+def _ce(s: Shape) -> int:
+    """Vocabulary-parallel cross-entropy forward: MAX of [B, T] and SUM of [3, B, T], fp32."""
+    return F32 * 4 * s.B * s.T
+
+
+def theory_tp(s: Shape, pp_rank: int) -> dict:
+    """Megatron TP, per micro-batch: 4 all-reduces of [B, T, H] per layer (2 forward, 2
+    backward), the embedding's forward one, the LM head's backward one, cross-entropy."""
+    act = F32 * s.B * s.T * s.H
+    per_micro = (4 * s.L + 2) * act + _ce(s)
+    return add({"all_reduce": s.m * per_micro}, scalars(s, 0))
+
+
+def sequence_parallel_params(s: Shape) -> int:
+    """Parameters whose gradient is partial under SP: per layer two LayerNorms (4H) and the
+    two row-parallel biases (2H); the final LayerNorm 2H; the positions [P, H]."""
+    return s.L * 6 * s.H + 2 * s.H + s.P * s.H
+
+
+def theory_tp_sp(s: Shape, pp_rank: int) -> dict:
+    """TP with SP, per micro-batch: the 4L + 2 all-reduces become reduce-scatters of
+    [B, T, H] and their conjugates all-gathers of [B, T/tp, H]; cross-entropy unchanged;
+    once per step the SP parameters' gradients all-reduced over TP."""
+    act = F32 * s.B * s.T * s.H
+    per_micro = {"reduce_scatter": (4 * s.L + 2) * act,
+                 "all_gather": (4 * s.L + 2) * act // s.tp, "all_reduce": _ce(s)}
+    step = {k: s.m * v for k, v in per_micro.items()}
+    return add(step, {"all_reduce": F32 * sequence_parallel_params(s)}, scalars(s, 0))
+
+
+def theory_pipeline(s: Shape, pp_rank: int) -> dict:
+    """Pipeline (pp stages, vp chunks each, virtual stage of chunk v = v pp + pp_rank): per
+    micro-batch one [B, T, H] send forward from each chunk but the model's last, one send
+    backward from each chunk but the first; the tied word embedding [V, H] summed between
+    the first and last stage once per step."""
+    stages = [v * s.pp + pp_rank for v in range(s.vp)]
+    last = s.pp * s.vp - 1
+    sends = sum(v < last for v in stages) + sum(v > 0 for v in stages)
+    tied = F32 * s.V * s.H if pp_rank in (0, s.pp - 1) else 0
+    return add({"send": F32 * s.B * s.T * s.H * s.m * sends, "all_reduce": tied}, scalars(s, 0))
+
+
+def theory_tp_zero2(s: Shape, pp_rank: int) -> dict:
+    """TP x DP with ZeRO-2: the TP traffic of ``theory_tp`` (each DP replica alone) plus the
+    ZeRO-2 traffic of this TP rank's partition over its DP group; one set of scalars."""
+    act = F32 * s.B * s.T * s.H
+    padded = round_up(params_per_rank(s), s.dp)
+    return add({"all_reduce": s.m * ((4 * s.L + 2) * act + _ce(s))},
+               {"reduce_scatter": F32 * padded * s.m, "all_gather": F32 * padded // s.dp},
+               scalars(s, 2))
+
+
+#: name, ranks, flags beyond BASE, shape, theory
+CASES = [
+    ("dp2 ZeRO-0", 2, ["--dp", "2", "--zero-stage", "0", "--global-batch-size", "8"],
+     shape_of(dp=2), theory_dp_zero0),
+    ("dp2 ZeRO-1", 2, ["--dp", "2", "--zero-stage", "1", "--global-batch-size", "8"],
+     shape_of(dp=2), theory_zero1),
+    ("dp2 ZeRO-2", 2, ["--dp", "2", "--zero-stage", "2", "--global-batch-size", "8"],
+     shape_of(dp=2), theory_zero2),
+    ("tp2", 2, ["--tp", "2", "--global-batch-size", "4"], shape_of(tp=2, global_batch=4),
+     theory_tp),
+    ("tp2 SP", 2, ["--tp", "2", "--sequence-parallel", "--global-batch-size", "4"],
+     shape_of(tp=2, global_batch=4), theory_tp_sp),
+    ("pp2 GPipe", 2, ["--pp", "2", "--pipeline-schedule", "gpipe", "--global-batch-size", "8"],
+     shape_of(pp=2), theory_pipeline),
+    ("pp2 1F1B", 2, ["--pp", "2", "--pipeline-schedule", "1f1b", "--global-batch-size", "8"],
+     shape_of(pp=2), theory_pipeline),
+    ("pp2 interleaved vp2", 2, ["--pp", "2", "--pipeline-schedule", "interleaved",
+                                "--virtual-pipeline-size", "2", "--num-layers", "4",
+                                "--global-batch-size", "8"],
+     Shape(**{**shape_of(pp=2).__dict__, "L": 4, "vp": 2}), theory_pipeline),
+    ("pp4 1F1B", 4, ["--pp", "4", "--num-layers", "4", "--global-batch-size", "8"],
+     Shape(**{**shape_of(pp=4).__dict__, "L": 4}), theory_pipeline),
+    ("tp2 dp2 ZeRO-2", 4, ["--tp", "2", "--dp", "2", "--zero-stage", "2",
+                           "--global-batch-size", "8"], shape_of(tp=2, dp=2), theory_tp_zero2),
+]
+
+
+def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int, dict]]:
+    """On every rank: for each argv, build a Trainer, run one step, count the second.
+    Returns ``(pp_rank, {kind: bytes})`` per argv."""
+    import torch
+
+    import train
+    from megazero import collectives
+    from megazero.config import config_from_argv
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+
+    out = []
+    for argv in argvs:
+        cfg = config_from_argv(argv, world)
+        (_, (train_ds, _, _), vocab), _ = train.prepare_run(cfg)
+        p = cfg.parallel
+        groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+        trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+        for step in range(2):
+            batches = train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, "cpu")
+            collectives.counter.clear()
+            trainer.train_step(batches)
+        out.append((groups.pp_rank, dict(collectives.counter)))
+    return out
+
+
+def measure(cases=CASES) -> list[tuple[str, int, int, dict, dict]]:
+    """Run every case (one spawn per world size). Returns ``(name, rank, pp_rank, counted,
+    theory)`` rows."""
+    from tests.distributed import run_distributed
+
+    rows = []
+    for world in sorted({c[1] for c in cases}):
+        mine = [c for c in cases if c[1] == world]
+        per_rank = run_distributed(count_step, world, [BASE + c[2] for c in mine], timeout_s=600)
+        for rank, results in enumerate(per_rank):
+            for (name, _, _, shape, theory), (pp_rank, counted) in zip(mine, results):
+                rows.append((name, rank, pp_rank, counted, theory(shape, pp_rank)))
+    return rows
+
+
+def main() -> int:
+    rows = measure()
+    print("| case | rank | kind | counted bytes | theory bytes | equal |")
+    print("|---|---|---|---|---|---|")
+    bad = 0
+    for name, rank, _, counted, theory in rows:
+        for kind in sorted(set(counted) | set(theory)):
+            c, t = counted.get(kind, 0), theory.get(kind, 0)
+            bad += c != t
+            print(f"| {name} | {rank} | {kind} | {c:,} | {t:,} | {'yes' if c == t else 'NO'} |")
+    print(f"{'all equal' if not bad else f'{bad} mismatches'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Each pipeline stage's measured busy and idle time beside the simulator's bubble fraction.
+
+For GPipe, 1F1B and the interleaved schedule (V = 2) at pp 2 and 4, gloo ranks on this
+machine run forward and backward of a GPT (8 layers, hidden 192, sequence 128, micro-batch 4, so every stage and chunk holds whole
+layers) through ``megazero.pipeline.executor.run_schedule``, which records each action's
+start and end (``busy=``). A step spans from the earliest stage's start (after a barrier)
+to the latest stage's end; a stage is busy while it runs a forward or backward and idle
+otherwise (waiting on a neighbour, or sending). The measured bubble is the simulator's
+definition, ``sum(idle) / (pp * makespan)`` (``schedules.simulate``), the median over the
+measured steps. The simulator is run with this run's median forward and backward cost per
+chunk (``forward_cost = V x median chunk-forward``), and with the textbook 1 : 2 costs,
+whose bubble is (pp-1)/(m+pp-1), or (pp-1)/(V m+pp-1) interleaved.
+
+The first and last stage also run the embedding and the LM head with cross-entropy, which
+the simulator does not model; a small vocabulary keeps them a few percent of a stage.
+On a shared CPU the ranks also compete for cores: see docs/performance.md.
+
+    python scripts/bench_pipeline.py [--steps 3] [--micro-batches 8] [--pp 2 4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+MODEL = dict(vocab_size=128, num_layers=8, hidden_size=192, num_attention_heads=4,
+             seq_length=128, hidden_dropout=0.0, attention_dropout=0.0,
+             make_vocab_size_divisible_by=8)
+MICRO_BATCH = 4
+
+
+def stage_times(rank: int, world: int, micro_batches: int, steps: int) -> list[dict]:
+    """On every rank, for each schedule: per measured step, this stage's start, end and
+    busy seconds, and its forward / backward action durations (the first step warms up)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megazero.pipeline.executor import run_schedule
+    from megazero.pipeline.partition import is_post_process, is_pre_process, layer_ids
+    from megazero.pipeline.schedules import build_schedule
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+    from model.config import GPTConfig
+    from model.gpt import GPTStage
+    from train import make_forward_step
+
+    cfg = GPTConfig(**MODEL)
+    groups = ProcessGroups.build(Topology(tp=1, pp=world, dp=1))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batches, MICRO_BATCH, cfg.seq_length + 1),
+                           generator=gen)
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    out = []
+    for kind, vp in SCHEDULES:
+        chunks = [GPTStage(cfg, groups, layer_ids(cfg.num_layers, world, rank, vp, v),
+                           is_pre_process(rank, v), is_post_process(rank, world, v, vp), 7)
+                  for v in range(vp)]
+        actions = build_schedule(kind, micro_batches, world, rank, vp)
+        step = make_forward_step(micro_batches * MICRO_BATCH * cfg.seq_length)
+        records = []
+        for i in range(steps + 1):
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+            busy: list = []
+            dist.barrier()
+            t0 = time.perf_counter()
+            run_schedule(actions, chunks, step, batches, groups,
+                         tensor_shape=(MICRO_BATCH, cfg.seq_length, cfg.hidden_size),
+                         dtype=torch.float32, num_microbatches=micro_batches, vp_size=vp,
+                         busy=busy)
+            t1 = time.perf_counter()
+            if i > 0:
+                records.append(dict(start=t0, end=t1, busy=sum(e - s for _, s, e in busy),
+                                    F=[e - s for k, s, e in busy if k == "F"],
+                                    B=[e - s for k, s, e in busy if k == "B"]))
+        out.append(dict(kind=kind, vp=vp, steps=records))
+    return out
+
+
+def summarize(per_rank: list[list[dict]], pp: int, micro_batches: int) -> list[dict]:
+    """One row per schedule: per-stage median busy / idle ms, measured and simulated bubble."""
+    from megazero.pipeline.schedules import build_schedule, simulate
+
+    rows = []
+    for j, (kind, vp) in enumerate(SCHEDULES):
+        steps = len(per_rank[0][j]["steps"])
+        bubbles, busy, idle = [], [[] for _ in range(pp)], [[] for _ in range(pp)]
+        for k in range(steps):
+            recs = [per_rank[r][j]["steps"][k] for r in range(pp)]
+            span = max(x["end"] for x in recs) - min(x["start"] for x in recs)
+            for r, x in enumerate(recs):
+                busy[r].append(x["busy"])
+                idle[r].append(span - x["busy"])
+            bubbles.append(sum(span - x["busy"] for x in recs) / (pp * span))
+        f = statistics.median(d for r in per_rank for s in r[j]["steps"] for d in s["F"])
+        b = statistics.median(d for r in per_rank for s in r[j]["steps"] for d in s["B"])
+        scheds = [build_schedule(kind, micro_batches, pp, r, vp) for r in range(pp)]
+        sim = simulate(scheds, pp, vp, forward_cost=f * vp, backward_cost=b * vp).bubble_fraction
+        textbook = simulate(scheds, pp, vp).bubble_fraction
+        rows.append(dict(kind=kind, vp=vp, pp=pp, measured=statistics.median(bubbles),
+                         spread=(min(bubbles), max(bubbles)), simulated=sim, textbook=textbook,
+                         busy=[statistics.median(x) * 1e3 for x in busy],
+                         idle=[statistics.median(x) * 1e3 for x in idle], f_ms=f * 1e3,
+                         b_ms=b * 1e3))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="measured steps after one warm-up")
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    args = ap.parse_args(argv)
+    from tests.distributed import run_distributed
+
+    print("| pp | schedule | F / B ms per chunk | busy ms per stage | idle ms per stage | "
+          "measured bubble (min-max) | simulated (measured costs) | simulated 1:2 | "
+          "difference pp |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for pp in args.pp:
+        per_rank = run_distributed(stage_times, pp, args.micro_batches, args.steps, timeout_s=1800,
+                                   collective_timeout_s=600)
+        for row in summarize(per_rank, pp, args.micro_batches):
+            diff = 100 * (row["measured"] - row["simulated"])
+            worst = max(worst, abs(diff))
+            name = row["kind"] + (f" V={row['vp']}" if row["vp"] > 1 else "")
+            print(f"| {pp} | {name} | {row['f_ms']:.1f} / {row['b_ms']:.1f} | "
+                  f"{' / '.join(f'{x:.0f}' for x in row['busy'])} | "
+                  f"{' / '.join(f'{x:.0f}' for x in row['idle'])} | "
+                  f"{100 * row['measured']:.1f}% ({100 * row['spread'][0]:.1f}-"
+                  f"{100 * row['spread'][1]:.1f}) | {100 * row['simulated']:.1f}% | "
+                  f"{100 * row['textbook']:.1f}% | {diff:+.1f} |", flush=True)
+    print(f"largest |measured - simulated|: {worst:.1f} percentage points")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
