@@ -24,7 +24,8 @@ and compared with one closed-form function per case below, derived from the algo
 
 Every step also has three scalars: the inf/NaN flag (fp32, MAX over the world), the squared
 gradient norm (fp64, SUM over tp x pp, or over the world when ZeRO shards it) and the
-logged loss (fp64, mean over DP); each is counted only where its group has > 1 rank.
+logged loss together with the four stop flags (five fp64 values, SUM over the world:
+``megazero.resilience.agree``); each is counted only where its group has > 1 rank.
 
     python scripts/bench_comm.py           # prints one table, exits 1 on any mismatch
 """
@@ -90,11 +91,12 @@ def params_per_rank(s: Shape) -> int:
 
 
 def scalars(s: Shape, zero_stage: int) -> dict:
-    """The step's three scalars: flag (fp32, world), norm (fp64, tp x pp or world), loss
-    (fp64, dp); the loss is also broadcast from the last stage over pp (fp64)."""
+    """The step's three scalars: flag (fp32, world), norm (fp64, tp x pp or world), loss share
+    plus the SIGTERM/SIGINT/SIGUSR1/time stop flags (5 x fp64, world); the loss is also
+    broadcast from the last stage over pp (fp64)."""
     world, mp = s.tp * s.pp * s.dp, s.tp * s.pp
     norm_group = world if zero_stage >= 1 else mp
-    out = {"all_reduce": F32 * (world > 1) + F64 * (norm_group > 1) + F64 * (s.dp > 1)}
+    out = {"all_reduce": F32 * (world > 1) + F64 * (norm_group > 1) + 5 * F64 * (world > 1)}
     if s.pp > 1:
         out["broadcast"] = F64
     return out
