@@ -443,7 +443,8 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
         offload = (f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
                    f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)")
     row = dict(rank=trainer.groups.rank, psi=psi, formula=formula,
-               bytes={("host " + k if k in opt.HOST_PARTS else k): v for k, v in got.items() if k != "total"})
+               bytes={(k.replace("host_", "host ") if k.startswith("host") else "host " + k) if k in opt.HOST_PARTS
+                      else k: v for k, v in got.items() if k != "total"})
     rows = [row]
     if trainer.groups.world_size > 1:
         rows = [None] * trainer.groups.world_size
@@ -571,7 +572,8 @@ def _plan_layout(cfg: Config) -> dict:
     return dict(tp=p.tp, pp=p.pp, dp=p.dp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
                 schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
                 zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
-                grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize)
+                grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
+                states_on_host=cfg.zero.offload_optimizer == "cpu" and uses_cuda(cfg))
 
 
 def activation_settings(cfg: Config) -> ActivationSettings:

@@ -110,3 +110,43 @@ def test_offload_formula_per_stage():
                                                       "host": 16 * psi / n}
     assert offload_formula_bytes(psi, n, 3, 2, 2) == {"device": 4 * psi / n, "host": 16 * psi / n}
     assert offload_formula_bytes(psi, n, 0, 2, 2) == {"device": 4 * psi, "host": 16 * psi}
+
+
+def _checkpoint_runs(rank, world, jobs):
+    from tests.test_checkpoint import _run
+    return [_run(rank, world, argv, steps, save=save, load=load) for argv, steps, save, load in jobs]
+
+
+def test_checkpoint_with_offload_resumes_without_and_back(tmp_path):
+    """Through the Trainer and checkpoint.py (dp 2, ZeRO-2): a checkpoint saved with
+    --offload-optimizer cpu resumes without it, and one saved without resumes with it; both
+    continue the uninterrupted run within 1e-6 (same arithmetic, same state format)."""
+    from tests.test_checkpoint import ARGS
+
+    plain, off = ARGS + ["--dp", "2", "--zero-stage", "2"], ["--offload-optimizer", "cpu"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    jobs = [(plain, 6, None, None), (plain + off, 3, a, None), (plain, 3, None, a),
+            (plain, 3, b, None), (plain + off, 3, None, b)]
+    whole, first_off, resumed_plain, first_plain, resumed_off = run_distributed(
+        _checkpoint_runs, 2, jobs)[0]
+    assert first_off[0] == pytest.approx(whole[0][:3], rel=1e-6)
+    for resumed in (resumed_plain, resumed_off):
+        assert resumed[1] == 3
+        assert resumed[0] == pytest.approx(whole[0][3:], rel=1e-6)
+
+
+def test_planner_counts_only_device_states_when_offloaded_to_a_gpu_host(monkeypatch):
+    """On CUDA the memory planner counts the device part of the offload formula (params and
+    grads), so a run that fits only with offload is not refused; on CPU the ZeRO formula."""
+    import train
+    from megazero.config import config_from_argv
+    from megazero.optim.zero import zero_formula_bytes
+
+    argv = ["--mock-data", "--zero-stage", "2", "--dp", "2", "--device", "cpu"]
+    plain = train.plan_memory(config_from_argv(argv, 2), 1001)
+    cpu = train.plan_memory(config_from_argv(argv + ["--offload-optimizer", "cpu"], 2), 1001)
+    assert cpu.model_state_bytes == plain.model_state_bytes == zero_formula_bytes(plain.params, 2, 2, 4, 4)
+    monkeypatch.setattr(train, "uses_cuda", lambda cfg: True)
+    gpu = train.plan_memory(config_from_argv(argv + ["--offload-optimizer", "cpu"], 2), 1001)
+    assert gpu.model_state_bytes == offload_formula_bytes(plain.params, 2, 2, 4, 4)["device"] \
+        == 4 * plain.params + 4 * plain.params / 2
