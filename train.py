@@ -29,6 +29,7 @@ from megazero.flops import spec_flops_per_iteration
 from megazero.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
+from megazero.optim.offload import HostOffloadOptimizer, offload_formula_bytes
 from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
 from megazero.pipeline import partition
 from megazero.pipeline.executor import run_schedule
@@ -174,12 +175,12 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
                                     loss_scale_window=pr.loss_scale_window, hysteresis=pr.hysteresis,
                                     min_loss_scale=pr.min_loss_scale,
                                     max_consecutive_skips=pr.max_consecutive_skips))
-    opt = DistributedOptimizer(ddp, groups, beta1=o.adam_beta1, beta2=o.adam_beta2, eps=o.adam_eps,
-                               weight_decay=o.weight_decay, clip_grad=o.clip_grad, loss_scaler=scaler,
-                               allgather_bucket_size=allgather_bucket,
-                               adam_backend=o.kernels,
-                               max_consecutive_skips=pr.max_consecutive_skips)
-    return ddp, opt
+    kw = dict(beta1=o.adam_beta1, beta2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay,
+              clip_grad=o.clip_grad, loss_scaler=scaler, allgather_bucket_size=allgather_bucket,
+              adam_backend=o.kernels, max_consecutive_skips=pr.max_consecutive_skips)
+    if z.offload_optimizer == "cpu":   # ZeRO-Offload: fp32 state and Adam on the host
+        return ddp, HostOffloadOptimizer(ddp, groups, pin_memory=z.offload_optimizer_pin_memory, **kw)
+    return ddp, DistributedOptimizer(ddp, groups, **kw)
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -538,8 +539,15 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     g_bytes = trainer.ddp.grad_dtype.itemsize
     m_bytes = 0 if p_bytes == 4 else 4   # an fp32 model's params are its main params
     formula = zero_formula_bytes(padded, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
-    row = dict(rank=trainer.groups.rank, psi=psi, bytes={k: v for k, v in got.items() if k != "total"},
-               formula=formula)
+    offload = ""
+    if isinstance(opt, HostOffloadOptimizer):   # host parts get their own "host ..." columns
+        split = offload_formula_bytes(padded, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
+        formula, m_bytes = split["device"] + split["host"], 4
+        offload = (f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
+                   f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)")
+    row = dict(rank=trainer.groups.rank, psi=psi, formula=formula,
+               bytes={(k.replace("host_", "host ") if k.startswith("host") else "host " + k) if k in opt.HOST_PARTS
+                      else k: v for k, v in got.items() if k != "total"})
     rows = [row]
     if trainer.groups.world_size > 1:
         rows = [None] * trainer.groups.world_size
@@ -547,7 +555,7 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     monitor.log_model_state_table(rows, note=(
         f"ZeRO-{trainer.cfg.zero.stage} formula on the padded Psi with N={trainer.groups.dp_size}, "
         f"{p_bytes}-byte params, {g_bytes}-byte grads, {m_bytes + 8} bytes/param fp32 optimizer state, "
-        f"+ at most {bound} bytes of buckets"))
+        f"+ at most {bound} bytes of buckets{offload}"))
 
 
 def is_logging_rank(groups: ProcessGroups) -> bool:
@@ -763,7 +771,8 @@ def _plan_layout(cfg: Config) -> dict:
     return dict(tp=p.tp, pp=p.pp, dp=p.dp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
                 schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
                 zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
-                grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize)
+                grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
+                states_on_host=cfg.zero.offload_optimizer == "cpu" and uses_cuda(cfg))
 
 
 def activation_settings(cfg: Config) -> ActivationSettings:

@@ -12,7 +12,7 @@ Three sources fill a ``Config``, in this order:
    ``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
    ``gradient_clipping``, ``steps_per_print``. It fills every setting not given on the
    command line. A setting given both on the command line and in the file must agree:
-   otherwise ``ConfigError`` naming the flag and the key. ZeRO stage 3, offloading and
+   otherwise ``ConfigError`` naming the flag and the key. ZeRO stage 3, NVMe offload and
    ``stage3_*`` keys are refused; any other key megazero does not read gives a warning;
 3. Megatron-style long flags (plus ``--tp/--pp/--dp``), generated from the fields.
 
@@ -249,6 +249,16 @@ class ZeroConfig:
     allgather_partitions: bool = _f(True, "DeepSpeed's allgather_partitions; megazero always all-gathers "
                                     "updated shards (off: warning, ignored)",
                                     flags=("--no-allgather-partitions",))
+    # ZeRO-Offload (Ren et al. 2021): DeepSpeed's zero_optimization.offload_optimizer/offload_param.
+    offload_optimizer: str = _f("none", "where the fp32 main params and Adam moments live and Adam runs: "
+                                "none (the device) or cpu (host memory, ZeRO-Offload; stage >= 1)",
+                                choices=("none", "cpu"), flags=("--offload-optimizer",))
+    offload_optimizer_pin_memory: bool = _f(True, "page-lock the offloaded host state on CUDA (DeepSpeed's "
+                                            "offload_optimizer.pin_memory)",
+                                            flags=("--no-offload-pin-memory",))
+    offload_param: str = _f("none", "where ZeRO-3 parameter shards live between uses: none or cpu "
+                            "(needs stage 3; not implemented yet)", choices=("none", "cpu"),
+                            flags=("--offload-param",))
 
 
 @dataclass

@@ -179,6 +179,23 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
                           "(replicated), 1 (optimizer states sharded) or 2 (and gradients)")
 
 
+def _check_offload(cfg: Config, world_size: int) -> None:
+    """--offload-optimizer cpu needs a sharded stage (1-3, as DeepSpeed) and CPU Adam kernels;
+    --offload-param cpu needs ZeRO-3 parameter shards (not implemented yet: refused)."""
+    z = cfg.zero
+    if z.offload_optimizer == "cpu" and z.stage == 0:
+        raise ConfigError(f"{_show(cfg, 'zero.offload_optimizer')} cpu needs a ZeRO stage of 1 or more "
+                          f"(got {_show(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2")
+    if z.offload_optimizer == "cpu" and cfg.optim.kernels == "apex":
+        raise ConfigError(f"{_show(cfg, 'optim.kernels')} apex needs CUDA but "
+                          f"{_show(cfg, 'zero.offload_optimizer')} cpu runs Adam on the host; fix: use "
+                          "--kernels auto or torch")
+    if z.offload_param == "cpu":
+        raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu (ZeRO-3 parameter shards in host "
+                          "memory) is not supported by megazero yet; fix: remove it (--offload-optimizer "
+                          "cpu offloads the optimizer states)")
+
+
 def _check_outputs(cfg: Config, world_size: int) -> None:
     """Output directories are directories (or can become one); --load names an existing one."""
     t = cfg.train
@@ -260,7 +277,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges, _check_world,
            _check_model_shape, _check_block, _check_recompute, _check_batch, _check_pipeline,
-           _check_optim_precision, _check_data)
+           _check_optim_precision, _check_offload, _check_data)
 
 
 def validate(cfg: Config, world_size: int) -> None:

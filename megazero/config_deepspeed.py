@@ -4,8 +4,10 @@ Keys read (DeepSpeed's "Configuration JSON" page): ``zero_optimization`` (stage,
 sizes, overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions), ``fp16``
 (loss_scale 0 = dynamic, initial_scale_power, loss_scale_window, hysteresis,
 min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
-``gradient_accumulation_steps``, ``gradient_clipping``, ``steps_per_print``. ZeRO stage 3,
-offloading and ``stage3_*`` keys are refused; any other unknown key gives a warning.
+``gradient_accumulation_steps``, ``gradient_clipping``, ``steps_per_print``,
+``zero_optimization.offload_optimizer`` (``device`` cpu/none, ``pin_memory``) and
+``offload_param`` (``device``). ZeRO stage 3, NVMe offload, the legacy ``cpu_offload*`` switches
+and ``stage3_*`` keys are refused; any other unknown key gives a warning.
 
 ``activation_checkpointing`` (DeepSpeed's activation checkpointing API, as Megatron-DeepSpeed
 uses it with one checkpoint per transformer layer): the block turns on
@@ -37,11 +39,15 @@ _DS_KEYS = {
     **{f"zero_optimization.{k}": f"zero.{k}" for k in
        ("stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
         "reduce_bucket_size", "contiguous_gradients")},
+    "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
+    "zero_optimization.offload_optimizer.pin_memory": "zero.offload_optimizer_pin_memory",
+    "zero_optimization.offload_param.device": "zero.offload_param",
 }
 _DS_BLOCKS = ("zero_optimization", "fp16", "bf16", "activation_checkpointing")
 _RECOMPUTE = {"model.recompute_granularity": "full", "model.recompute_method": "uniform",
               "model.recompute_num_layers": 1}
-_OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params")
+_OFFLOAD_KEYS = ("cpu_offload", "cpu_offload_params")           # DeepSpeed's legacy switches
+_OFFLOAD_BLOCKS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
 
 
 def _read_json(path: str) -> dict:
@@ -74,7 +80,11 @@ def _ds_items(doc: dict, path: str):
         if key in _DS_BLOCKS:
             if not isinstance(value, dict):
                 raise ConfigError(f"--deepspeed-config {path}: {key} must be a JSON object")
-            yield from ((f"{key}.{k}", v) for k, v in value.items())
+            for k, v in value.items():
+                if f"{key}.{k}" in _OFFLOAD_BLOCKS and isinstance(v, dict):   # one level deeper
+                    yield from ((f"{key}.{k}.{kk}", vv) for kk, vv in v.items())
+                else:
+                    yield f"{key}.{k}", v
         else:
             yield key, value
 
@@ -87,9 +97,12 @@ def _refusal(key: str, value: Any) -> Optional[str]:
         return f"{key} (a ZeRO-3 setting; remove it and use stage 1 or 2)"
     if key == "activation_checkpointing.cpu_checkpointing" and value:
         return f"{key} (offloads the saved activations to the host; remove it)"
-    offloads = (value.get("device", "cpu") not in ("none", None)) if isinstance(value, dict) else bool(value)
-    if key.startswith("zero_optimization.") and leaf in _OFFLOAD_KEYS and offloads:
-        return f"{key} (CPU/NVMe offload; remove it: states stay on the device)"
+    if key in _OFFLOAD_BLOCKS:
+        return f"{key} must be a JSON object such as {{\"device\": \"cpu\"}}"
+    if key.endswith(".device") and key.rsplit(".", 1)[0] in _OFFLOAD_BLOCKS and value not in ("cpu", "none"):
+        return f"{key} {json.dumps(value)} (only cpu or none; NVMe offload is not implemented)"
+    if key.startswith("zero_optimization.") and leaf in _OFFLOAD_KEYS and value:
+        return f"{key} (DeepSpeed's legacy switch; use offload_optimizer: {{\"device\": \"cpu\"}})"
     return None
 
 
@@ -101,7 +114,9 @@ def _coerce(value: Any, base: type, where: str) -> Any:
         return int(value)
     if base is float and number and math.isfinite(value):
         return float(value)
-    kind = {bool: "true or false", int: "a whole number", float: "a number"}[base]
+    if base is str and isinstance(value, str):
+        return value
+    kind = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[base]
     raise ConfigError(f"{where} must be {kind}, got {json.dumps(value)}; fix: correct the file")
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from megazero import activations as A
+from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.param_spec import ParamSpec, params_on_chunk
 from megazero.pipeline import partition
@@ -132,31 +133,41 @@ def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> li
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
              grad_bytes: int, sequence_parallel: bool, activations: Optional[A.ActivationSettings] = None,
-             buckets: Optional[tuple[int, int]] = None) -> MemoryEstimate:
+             buckets: Optional[tuple[int, int]] = None, states_on_host: bool = False) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
 
     With ``activations`` the activations are counted per tensor (``megazero.activations``)
     and, with ``buckets`` = (reduce, all-gather bucket elements), the temporaries too;
-    without, the Korthikanti bound below is used."""
+    without, the Korthikanti bound below is used. ``states_on_host``: the optimizer is
+    offloaded to another memory than the one planned (``--offload-optimizer cpu`` on a GPU),
+    so only the device part of ``optim.offload.offload_formula_bytes`` counts."""
     if activations is not None:
         return _estimate_counted(g, tp=tp, pp=pp, dp=dp, vp_size=vp_size, layer_split=layer_split,
                                  schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage,
                                  param_bytes=param_bytes, grad_bytes=grad_bytes, a=activations,
-                                 buckets=buckets or (2**62, 2**62))
+                                 buckets=buckets or (2**62, 2**62), states_on_host=states_on_host)
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes)
     logits = 2 * 4 * micro_batch_size * g.seq_length * g.padded_vocab(tp) / tp
     stages = []
     for r in range(pp):
         psi = params_per_rank(g, tp, pp, r, vp_size, layer_split)
-        states = zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
+        states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         acts = inflight[r] * layers_per_chunk * layer + (logits if r == pp - 1 else 0.0)
         stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp))
     best = max(stages, key=lambda e: e.total_bytes)
     best.most_states = max(stages, key=lambda e: e.model_state_bytes)
     return best
+
+
+def _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host: bool) -> float:
+    """Model-state bytes in the planned memory: the ZeRO formula, or with the optimizer
+    offloaded elsewhere only its device part (params and grads)."""
+    if states_on_host:
+        return offload_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)["device"]
+    return zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
 
 
 def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
@@ -169,14 +180,15 @@ def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
 
 def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
                     num_microbatches: int, zero_stage: int, param_bytes: int, grad_bytes: int,
-                    a: A.ActivationSettings, buckets: tuple[int, int]) -> list[MemoryEstimate]:
+                    a: A.ActivationSettings, buckets: tuple[int, int],
+                    states_on_host: bool = False) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.activations``) and temporaries."""
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     stages = []
     for r in range(pp):
         psi = params_per_rank(g, tp, pp, r, vp_size, layer_split)
-        states = zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
+        states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
         chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
                   for v in range(vp_size)]
         acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, r == pp - 1, pp, g.padded_vocab(tp))

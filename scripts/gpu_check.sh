@@ -8,6 +8,11 @@
 # 4. a short training run on the GPU(s): scripts/pretrain_gpt.sh --dp N $GPU_CHECK_TRAIN_ARGS
 #    (default "--device cuda --mock-data --train-iters 5"; GPU_CHECK_TRAIN=0 skips it), saving a
 #    checkpoint, then the same run resumed from it to 7 iterations.
+# 5. optimizer offload on the GPU (ZeRO-Offload): scripts/bench_offload.py --device cuda at
+#    ZeRO-1 and ZeRO-2, fp32 and bf16: device/host model-state bytes against the formulas, peak
+#    device memory and step time with and without --offload-optimizer cpu; fails when the
+#    losses differ by more than 1e-5 or offload does not lower the device bytes
+#    (GPU_CHECK_OFFLOAD=0 skips it).
 # Exits non-zero at the first failing step.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -82,5 +87,15 @@ if [ "${GPU_CHECK_TRAIN:-1}" != 0 ]; then
     > "$CKPT.log" 2>&1 || { cat "$CKPT.log"; exit 1; }
   cat "$CKPT.log"
   grep -q "resumed from $CKPT at iteration 5" "$CKPT.log" || { echo "the resume did not start at iteration 5"; exit 1; }
+fi
+if [ "${GPU_CHECK_OFFLOAD:-1}" != 0 ]; then
+  for STAGE in 1 2; do
+    for DTYPE in "" "--bf16"; do
+      echo "== offload: ZeRO-$STAGE ${DTYPE:-fp32}, with and without --offload-optimizer cpu"
+      # shellcheck disable=SC2086  # an empty DTYPE adds no word
+      PYTHONPATH="$MEGAZERO_ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+        "$PY" scripts/bench_offload.py --device cuda --stage "$STAGE" --steps 6 $DTYPE
+    done
+  done
 fi
 echo "== gpu_check passed"

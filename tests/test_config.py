@@ -69,6 +69,11 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                             ["--seq-length 512", "--max-position-embeddings 256"]),
     "zero_stage_3": (M + ["--zero-stage", "3"], 1, ["--zero-stage", "not supported", "1 or 2"]),
     "zero_stage_out_of_range": (M + ["--zero-stage", "5"], 1, ["--zero-stage 5", "out of range"]),
+    "offload_stage0": (M + ["--offload-optimizer", "cpu"], 1, ["--offload-optimizer cpu", "--zero-stage 0"]),
+    "offload_apex": (M + ["--offload-optimizer", "cpu", "--zero-stage", "1", "--kernels", "apex"], 1,
+                     ["--kernels apex", "--offload-optimizer cpu", "--kernels auto or torch"]),
+    "offload_param": (M + ["--offload-param", "cpu", "--zero-stage", "2"], 1, ["--offload-param cpu", "remove it"]),
+    "offload_device": (M + ["--offload-optimizer", "nvme"], 1, ["--offload-optimizer", "nvme"]),
     "no_data": ([], 1, ["--data-path", "--mock-data"]),
     "data_files_missing": (["--data-path", "{DIR}/nope", "--tokenizer-model", "{TOK}"], 1,
                            ["--data-path", "nope.bin"]),
@@ -306,10 +311,8 @@ def test_flag_conflicting_with_json_names_both(capsys):
 
 @pytest.mark.parametrize("name,keys", [
     ("seed000_stage3.json", ["zero_optimization.stage 3", "stage 1 or 2"]),
-    ("seed004_stage3_offload.json", ["zero_optimization.stage 3", "zero_optimization.offload_optimizer",
-                                     "zero_optimization.offload_param",
+    ("seed004_stage3_offload.json", ["zero_optimization.stage 3",
                                      "zero_optimization.stage3_prefetch_bucket_size"]),
-    ("seed004_stage2_offload_optimizer.json", ["zero_optimization.offload_optimizer", "remove it"]),
 ])
 def test_stage3_and_offload_are_refused(name, keys, capsys):
     with pytest.raises(ConfigError, match="not supported by megazero") as exc:
@@ -354,3 +357,25 @@ def test_save_into_a_used_directory_is_fine_when_resuming_it(files):
     ckpt = files["DIR"] + "/ckpt"
     cfg = config_from_argv(M + ["--save", ckpt, "--load", ckpt + "/"], 1)  # same directory, other spelling
     assert cfg.train.save == ckpt and cfg.train.load == ckpt + "/"
+
+
+def test_offload_keys_are_read_from_deepspeed_json(files, capsys):
+    """offload_optimizer.{device, pin_memory} fill --offload-optimizer / its pin switch (the seed
+    file); NVMe and the legacy cpu_offload switch are refused naming the key."""
+    cfg = config_from_argv(M + ["--dp", "2", "--deepspeed-config", seed("seed004_stage2_offload_optimizer.json")], 2)
+    z = cfg.zero
+    assert (z.stage, z.offload_optimizer, z.offload_optimizer_pin_memory, z.offload_param) == (2, "cpu", True, "none")
+    assert cfg.sources["zero.offload_optimizer"].startswith("zero_optimization.offload_optimizer.device in")
+    path = files["json"]({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
+                                                                                  "pin_memory": False}}})
+    z = config_from_argv(M + ["--deepspeed-config", path], 1).zero
+    assert (z.offload_optimizer, z.offload_optimizer_pin_memory) == ("cpu", False)
+    for bad, key in (({"offload_optimizer": {"device": "nvme"}}, "zero_optimization.offload_optimizer.device"),
+                     ({"cpu_offload": True}, "zero_optimization.cpu_offload")):
+        path = files["json"]({"zero_optimization": {"stage": 2, **bad}})
+        with pytest.raises(ConfigError, match="not supported by megazero") as exc:
+            load_deepspeed_config(path, parse_args(M))
+        assert key in str(exc.value)
+    path = files["json"]({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    err = fails(M + ["--deepspeed-config", path], 1, capsys)
+    assert "zero_optimization.offload_param.device" in err and "remove it" in err

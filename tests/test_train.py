@@ -180,6 +180,7 @@ DS_CASES = {  # seed JSON -> (world, extra flags, zero stage, fp16, bf16) the ru
     "seed000_stage2.json": (2, ["--dp", "2"], 2, True, False),
     "seed004_full.json": (1, [], 2, True, False),
     "seed004_stage2.json": (2, ["--dp", "2", "--bf16"], 2, False, True),
+    "seed004_stage2_offload_optimizer.json": (2, ["--dp", "2"], 2, False, False),
 }
 
 
@@ -227,3 +228,35 @@ def test_seed_deepspeed_configs_train_end_to_end(name):
     assert (got_stage, got_fp16, got_bf16) == (stage, fp16, bf16)
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def _offload_runs(rank, world, argvs, steps):
+    """(losses, optimizer class name, bytes_by_place) of a Trainer per argv."""
+    import train
+    from megazero.config import config_from_argv
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+
+    out = []
+    for argv in argvs:
+        cfg = config_from_argv(argv, world)
+        _, (train_ds, _, _), vocab = train.build_data(cfg)
+        groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=cfg.parallel.dp))
+        trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+        losses = [trainer.train_step(train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg,
+                                                            groups, "cpu"))["loss"] for _ in range(steps)]
+        out.append((losses, type(trainer.optimizer).__name__, trainer.optimizer.bytes_by_place()))
+    return out
+
+
+def test_seed_offload_config_equals_stage2_without_offload():
+    """seed004_stage2_offload_optimizer.json (ZeRO-2, optimizer offloaded to the CPU) trains
+    through the Trainer with HostOffloadOptimizer; its losses equal ZeRO-2 without offload
+    within 1e-6 and its optimizer state is reported as host bytes."""
+    path = seed_case("seed004_stage2_offload_optimizer.json")
+    argvs = [BASE + ["--dp", "2", "--deepspeed-config", path], BASE + ["--dp", "2", "--zero-stage", "2"]]
+    (off, cls, place), (plain, plain_cls, plain_place) = run_distributed(_offload_runs, 2, argvs, 4)[0]
+    assert (cls, plain_cls) == ("HostOffloadOptimizer", "DistributedOptimizer")
+    assert off == pytest.approx(plain, rel=1e-6)
+    assert place["host"] > 0 and plain_place["host"] == 0
+    assert place["device"] < plain_place["device"]

@@ -134,17 +134,26 @@ class DistributedOptimizer:
         self.step_count = self.skipped_steps = self.consecutive_min_skips = 0
         self.offsets, self.main_offsets, total, separate = [], [], 0, 0
         for buf in ddp.buffers:
+            own = self._separate_main(buf)
             self.offsets.append(total)
-            self.main_offsets.append(None if buf.main_is_param else separate)
+            self.main_offsets.append(separate if own else None)
             total += buf.owned_numel()
-            separate += 0 if buf.main_is_param else buf.owned_numel()
-        device = ddp.params[0].device
-        self._main = torch.zeros(separate, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+            separate += buf.owned_numel() if own else 0
+        self.device = ddp.params[0].device   # where the model and the collectives live
+        self._main = self._state_tensor(separate)
+        self.exp_avg = self._state_tensor(total)
+        self.exp_avg_sq = self._state_tensor(total)
         self.pieces = [p for i, buf in enumerate(ddp.buffers) for p in self._pieces(i, buf)]
         self.peak_step_bytes = 0
         self._init_main_params()
+
+    def _separate_main(self, buf: ShardedBuffer) -> bool:
+        """Whether ``buf``'s owned runs get an fp32 main copy (else the params are the main)."""
+        return not buf.main_is_param
+
+    def _state_tensor(self, numel: int) -> torch.Tensor:
+        """A zeroed fp32 optimizer-state tensor of ``numel`` elements (on the model's device)."""
+        return torch.zeros(numel, dtype=torch.float32, device=self.device)
 
     def _pieces(self, i: int, buf: ShardedBuffer) -> list[_Piece]:
         tp_rank, out, mbase = self.groups.tp_rank, [], self.main_offsets[i]
@@ -191,7 +200,7 @@ class DistributedOptimizer:
         self.peak_step_bytes = 0
         self.ddp.finish_grad_sync()                                           # 1
         scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        device = self.exp_avg.device
+        device = self.device
         flag = non_finite_flag([pc.grad for pc in self.pieces]).to(device)    # 2
         C.all_reduce_max(flag, self.groups.world)
         if flag.item() > 0:
@@ -294,6 +303,16 @@ class DistributedOptimizer:
                "buckets": max(self.ddp.peak_temp_bytes, self.peak_step_bytes)}
         out["total"] = sum(out.values())
         return out
+
+    HOST_PARTS: tuple = ()   # model_state_bytes() keys kept in host memory (none here)
+
+    def bytes_by_place(self) -> dict[str, int]:
+        """``{"device": bytes, "host": bytes}``: ``model_state_bytes()["total"]`` split by where
+        each part lives (the keys in ``HOST_PARTS`` are in host memory, the rest on the model's
+        device; on a CPU-only machine both are the same memory, still reported apart)."""
+        got = self.model_state_bytes()
+        host = sum(got[k] for k in self.HOST_PARTS)
+        return {"device": got["total"] - host, "host": host}
 
     def bucket_bound_bytes(self) -> int:
         """B: the most temporary bytes one step holds at a time (the formula's "+ at most B

@@ -1,0 +1,119 @@
+"""ZeRO-Offload: the optimizer state and the Adam step in host memory (Ren et al., ATC'21).
+
+ZeRO-Offload (Ren et al. 2021, sec. 4.1-4.2) keeps the fp32 main params, both Adam moments
+and an fp32 copy of the owned gradients in host (CPU) memory and runs the Adam update on the
+CPU, while the device keeps what the ZeRO stage gives it: the model-dtype parameters (all of
+them at stages 1/2, a shard at stage 3) and the gradients (full at stage 1, a shard at stage
+2/3). :class:`HostOffloadOptimizer` is the same optimizer as
+:class:`~megazero.optim.zero.DistributedOptimizer` (same phases, same owned runs, same
+checkpoint format) with its state allocated on the host. One step:
+
+1. the stage reduces the gradients on the device (``ddp.finish_grad_sync``); the overflow flag
+   and the global gradient norm are computed there too, so every collective stays on the
+   device (NCCL needs device tensors);
+2. then, piece by piece (one owned bucket, or bucket shard, at a time), the device gradient
+   is copied into the host fp32 gradient buffer (cast from bf16/fp16 on the way), unscaled
+   and clipped there, and AdamW (``ops.adam.adam_step``, torch's CPU kernel) updates the host
+   main params and moments of that piece. The copy happens at the optimizer step, after
+   ``finish_grad_sync``, not during backward (the paper overlaps it with backward; megazero
+   does not yet);
+3. the updated fp32 main params are copied back to the device: for an fp32 model into the
+   owned runs of the parameter buffer, for bf16/fp16 cast by the stage's ``gather_params``;
+   stages 1/2 then all-gather as without offload.
+
+Without a GPU the same code runs with host and device the same memory; the accounting still
+reports them apart (``HOST_PARTS``, ``bytes_by_place``). Because the model's parameters live
+on the device, an fp32 model also gets a host main copy (4 bytes per owned element), so the
+host holds 16 bytes per owned element: main 4 + moments 8 + gradient copy 4.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from megazero.data_parallel.ddp import DataParallel
+from megazero.data_parallel.sharding import ShardedBuffer, make_strategy
+from megazero.optim.zero import DistributedOptimizer, _Piece
+from megazero.process_groups import ProcessGroups
+
+HOST_BYTES_PER_ELEMENT = 16   # fp32 main params + exp_avg + exp_avg_sq + gradient copy
+
+
+def offload_formula_bytes(num_params: int, dp_size: int, stage: int, param_bytes: int,
+                          grad_bytes: int) -> dict[str, float]:
+    """Model-state bytes per rank with the optimizer offloaded: ``{"device", "host"}``.
+
+    ``num_params`` (Psi) counts this rank's chunk parameters (padded to N for an exact count),
+    N = ``dp_size``. The device keeps the stage's parameters and gradients: stage 0
+    ``(p + g) Psi``, stage 1 ``(p + g) Psi``, stage 2 ``p Psi + g Psi / N``, stage 3
+    ``(p + g) Psi / N``; the host keeps 16 bytes per owned element: ``16 Psi / N`` (``16 Psi``
+    at stage 0, where a rank owns everything). Raises ValueError for a stage without a
+    strategy.
+    """
+    strategy = make_strategy(stage)
+    owned = num_params / dp_size if strategy.sharded_over_dp else num_params
+    device = strategy.formula_bytes(num_params, dp_size, param_bytes, grad_bytes, 0) - 8 * owned
+    return {"device": device, "host": HOST_BYTES_PER_ELEMENT * owned}
+
+
+class HostOffloadOptimizer(DistributedOptimizer):
+    """:class:`DistributedOptimizer` whose fp32 state and Adam step live in host memory.
+
+    Args: those of :class:`DistributedOptimizer`, plus ``pin_memory`` (page-lock the host
+    tensors when the model is on CUDA, DeepSpeed's ``offload_optimizer.pin_memory``; ignored
+    on a CPU-only machine, where nothing can be pinned). ``adam_backend`` resolves on the CPU
+    (``"auto"`` gives torch's kernel; ``"apex"`` raises ValueError, it needs CUDA).
+
+    State (host, fp32, local coordinates as in the base class): ``_main`` (every owned
+    element, also for an fp32 model), ``exp_avg``, ``exp_avg_sq`` and ``host_grads``.
+    Checkpoints (``state_dict``) are the base class's format: a run saved with offload resumes
+    without it and the other way round.
+    """
+
+    HOST_PARTS = ("main_params", "exp_avg", "exp_avg_sq", "host_grads")
+
+    def __init__(self, ddp: DataParallel, groups: ProcessGroups, *, pin_memory: bool = True,
+                 **kwargs):
+        self.pin_memory = pin_memory and ddp.params[0].device.type == "cuda"
+        super().__init__(ddp, groups, **kwargs)
+        self.host_grads = self._state_tensor(self.exp_avg.numel())
+
+    def _separate_main(self, buf: ShardedBuffer) -> bool:
+        return True   # the model params stay on the device; the main copy is on the host
+
+    def _state_tensor(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=torch.float32, device="cpu", pin_memory=self.pin_memory)
+
+    def _scratch(self, device):
+        return None   # the host gradient copy is already fp32
+
+    def _update_piece(self, pc: _Piece, scale: float, coef: float, lr: float, scratch) -> None:
+        """Copy the piece's reduced device gradient to the host, then unscale/clip/AdamW there."""
+        host = self.host_grads[pc.offset:pc.offset + pc.grad.numel()]
+        host.copy_(pc.grad)
+        super()._update_piece(replace(pc, grad=host), scale, coef, lr, None)
+
+    @torch.no_grad()
+    def _update_model_params(self) -> None:
+        """Copy the host main params back into the device parameters (fp32 models: the owned
+        runs; bf16/fp16: cast by the stage's ``gather_params``), then the stage's gather."""
+        for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
+            if buf.main_is_param:
+                for own in buf.owned():
+                    buf.owned_param_values(own).copy_(
+                        self._main[mbase + own.local.start:mbase + own.local.end])
+        super()._update_model_params()
+
+    def _shard_filler(self, buf: ShardedBuffer, mbase):
+        # fp32 models: the device params already hold the update (copied above)
+        return super()._shard_filler(buf, None if buf.main_is_param else mbase)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """The base class's parts plus ``host_grads`` (the host fp32 gradient copy); the parts
+        in ``HOST_PARTS`` are host memory, ``bytes_by_place`` sums each side."""
+        out = super().model_state_bytes()
+        del out["total"]
+        out["host_grads"] = self.host_grads.numel() * self.host_grads.element_size()
+        out["total"] = sum(out.values())
+        return out
