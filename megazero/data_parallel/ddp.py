@@ -45,8 +45,9 @@ class DataParallel:
     Args:
         chunks: this rank's model chunks (one per virtual pipeline stage), in order.
         groups: process groups (uses ``dp``, ``tp``, ``embedding``).
-        zero_stage: 0 (all-reduce), 1 (reduce-scatter, full gradient buffer) or 2
-            (reduce-scatter per micro-batch, gradient shard only).
+        zero_stage: 0 (all-reduce), 1 (reduce-scatter, full gradient buffer), 2
+            (reduce-scatter per micro-batch, gradient shard only) or 3 (stage 2 plus parameter
+            shards, gathered around each chunk's forward and backward: ``zero3.py``).
         bucket_size: elements per bucket (rounded up to a multiple of the DP size); also
             bounds the finalize step's packed buffers.
         overlap_comm: start reductions asynchronously during backward.
