@@ -12,8 +12,8 @@ Three sources fill a ``Config``, in this order:
    ``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
    ``gradient_clipping``, ``steps_per_print``. It fills every setting not given on the
    command line. A setting given both on the command line and in the file must agree:
-   otherwise ``ConfigError`` naming the flag and the key. ZeRO stage 3, offloading and
-   ``stage3_*`` keys are refused; any other key megazero does not read gives a warning;
+   otherwise ``ConfigError`` naming the flag and the key. Offloading is refused; ``stage3_*``
+   keys and any other key megazero does not read give a warning;
 3. Megatron-style long flags (plus ``--tp/--pp/--dp``), generated from the fields.
 
 ``finalize`` then derives what was left open (data-parallel size, accumulation steps or
@@ -211,9 +211,10 @@ class PrecisionConfig:
 @dataclass
 class ZeroConfig:
     """ZeRO data parallelism (Rajbhandari et al. 2020): 0 = replicated, 1 = optimizer states
-    sharded, 2 = optimizer states and gradients sharded. Stage 3 is not implemented."""
+    sharded, 2 = optimizer states and gradients sharded, 3 = parameters sharded too (gathered
+    per model chunk around its forward and backward, ``megazero.data_parallel.zero3``)."""
 
-    stage: int = _f(0, "ZeRO stage: 0, 1 or 2", flags=("--zero-stage",))
+    stage: int = _f(0, "ZeRO stage: 0, 1, 2 or 3", flags=("--zero-stage",))
     reduce_bucket_size: Optional[int] = _f(
         None, "gradient reduction bucket; None = hidden size squared (DeepSpeed's 'auto')", "elements", ge=1)
     allgather_bucket_size: Optional[int] = _f(

@@ -180,6 +180,7 @@ DS_CASES = {  # seed JSON -> (world, extra flags, zero stage, fp16, bf16) the ru
     "seed000_stage2.json": (2, ["--dp", "2"], 2, True, False),
     "seed004_full.json": (1, [], 2, True, False),
     "seed004_stage2.json": (2, ["--dp", "2", "--bf16"], 2, False, True),
+    "seed000_stage3.json": (2, ["--dp", "2"], 3, True, False),
 }
 
 
@@ -216,7 +217,7 @@ def _ds_run(rank, world, argv, steps):
 
 @pytest.mark.parametrize("name", list(DS_CASES))
 def test_seed_deepspeed_configs_train_end_to_end(name):
-    """The seed documents' ZeRO-1/2 DeepSpeed JSON files run through --deepspeed-config; the
+    """The seed documents' ZeRO-1/2/3 DeepSpeed JSON files run through --deepspeed-config; the
     mixed-precision runs (fp16 with dynamic loss scaling, bf16) train on tiny shapes."""
     path = seed_case(name)
     world, extra, stage, fp16, bf16 = DS_CASES[name]
