@@ -221,6 +221,11 @@ class ZeroConfig:
         None, "parameter all-gather bucket; None = hidden size squared", "elements", ge=1)
     overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass",
                             flags=("--no-overlap-comm",))
+    zero3_reshard_after_forward: str = _f(
+        "auto", "ZeRO-3: drop a chunk's gathered parameters after its forward and gather them again "
+        "for its backward (on: less memory, one more all-gather per micro-batch), or keep them "
+        "gathered across the step's micro-batches (off); auto = off under --pp > 1, else on",
+        choices=("auto", "on", "off"))
     # DeepSpeed knobs whose alternative megazero does not implement: it always keeps gradients
     # in contiguous buffers, reduce-scatters them (stages 1/2) and all-gathers updated shards.
     # Turning one off is accepted (DeepSpeed files set them) and ignored with a warning.
