@@ -130,7 +130,7 @@ def bucket_sizes(cfg: Config) -> tuple[int, int]:
 
 
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
-    """Gradient buffers (ZeRO stage 0/1/2) and the sharded Adam that owns the fp32 main params."""
+    """Gradient buffers (ZeRO stage 0-3) and the sharded Adam that owns the fp32 main params."""
     z, pr, o = cfg.zero, cfg.precision, cfg.optim
     grad_dtype = torch.float32 if pr.accumulate_allreduce_grads_in_fp32 else model_dtype(pr.fp16, pr.bf16)
     reduce_bucket, allgather_bucket = bucket_sizes(cfg)
