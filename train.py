@@ -162,12 +162,14 @@ def bucket_sizes(cfg: Config) -> tuple[int, int]:
 
 
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
-    """Gradient buffers (ZeRO stage 0/1/2) and the sharded Adam that owns the fp32 main params."""
+    """Gradient buffers (ZeRO stage 0-3) and the sharded Adam that owns the fp32 main params."""
     z, pr, o = cfg.zero, cfg.precision, cfg.optim
     grad_dtype = torch.float32 if pr.accumulate_allreduce_grads_in_fp32 else model_dtype(pr.fp16, pr.bf16)
     reduce_bucket, allgather_bucket = bucket_sizes(cfg)
+    reshard = z.zero3_reshard_after_forward
     ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=reduce_bucket,
-                       overlap_comm=z.overlap_comm, grad_dtype=grad_dtype)
+                       overlap_comm=z.overlap_comm, grad_dtype=grad_dtype,
+                       reshard_after_forward=cfg.parallel.pp == 1 if reshard == "auto" else reshard == "on")
     scaler = None
     if pr.fp16:
         scaler = (StaticLossScaler(pr.loss_scale) if pr.loss_scale > 0 else

@@ -138,10 +138,16 @@ def temporary_bytes(psi: int, dp: int, zero_stage: int, param_bytes: int, grad_b
     bucket_bound_bytes``): ZeRO-2/3 stage up to ``buckets_in_flight + 2`` reduce buckets of
     gradients in the backward; the step holds an fp32 scratch of one owned bucket piece when
     gradients are not fp32, or, at stages 1-3, the all-gather buffers
-    (``allgather_bucket / N`` elements per rank, N + 1 of them, in the model dtype)."""
+    (``allgather_bucket / N`` elements per rank, N + 1 of them, in the model dtype). ZeRO-3
+    adds the gathered parameters to the backward's bytes (``zero3.Stage3`` gathers one model
+    chunk at a time; ``psi`` counts every chunk of the stage, an upper bound under the
+    interleaved schedule) and needs no all-gather after the step."""
     shard = psi if zero_stage == 0 else math.ceil(psi / dp)
     bucket = min(reduce_bucket, psi)
     staging = (buckets_in_flight + 2) * bucket * grad_bytes if zero_stage >= 2 else 0
+    if zero_stage == 3:
+        return float(staging + psi * param_bytes), float(4 * min(math.ceil(bucket / dp), shard)
+                                                         if grad_bytes != 4 else 0)
     piece = min(bucket if zero_stage == 0 else math.ceil(bucket / dp), shard)
     scratch = 4 * piece if grad_bytes != 4 else 0
     gather = (min(max(1, allgather_bucket // dp), shard) * (dp + 1) * param_bytes) if zero_stage > 0 else 0

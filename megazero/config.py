@@ -12,8 +12,8 @@ Three sources fill a ``Config``, in this order:
    ``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
    ``gradient_clipping``, ``steps_per_print``. It fills every setting not given on the
    command line. A setting given both on the command line and in the file must agree:
-   otherwise ``ConfigError`` naming the flag and the key. ZeRO stage 3, NVMe offload and
-   ``stage3_*`` keys are refused; any other key megazero does not read gives a warning;
+   otherwise ``ConfigError`` naming the flag and the key. NVMe offload and parameter offload
+   are refused; ``stage3_*`` keys and any other key megazero does not read give a warning;
 3. Megatron-style long flags (plus ``--tp/--pp/--dp``), generated from the fields.
 
 ``finalize`` then derives what was left open (data-parallel size, accumulation steps or
@@ -229,15 +229,21 @@ class PrecisionConfig:
 @dataclass
 class ZeroConfig:
     """ZeRO data parallelism (Rajbhandari et al. 2020): 0 = replicated, 1 = optimizer states
-    sharded, 2 = optimizer states and gradients sharded. Stage 3 is not implemented."""
+    sharded, 2 = optimizer states and gradients sharded, 3 = parameters sharded too (gathered
+    per model chunk around its forward and backward, ``megazero.data_parallel.zero3``)."""
 
-    stage: int = _f(0, "ZeRO stage: 0, 1 or 2", flags=("--zero-stage",))
+    stage: int = _f(0, "ZeRO stage: 0, 1, 2 or 3", flags=("--zero-stage",))
     reduce_bucket_size: Optional[int] = _f(
         None, "gradient reduction bucket; None = hidden size squared (DeepSpeed's 'auto')", "elements", ge=1)
     allgather_bucket_size: Optional[int] = _f(
         None, "parameter all-gather bucket; None = hidden size squared", "elements", ge=1)
     overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass",
                             flags=("--no-overlap-comm",))
+    zero3_reshard_after_forward: str = _f(
+        "auto", "ZeRO-3: drop a chunk's gathered parameters after its forward and gather them again "
+        "for its backward (on: less memory, one more all-gather per micro-batch), or keep them "
+        "gathered across the step's micro-batches (off); auto = off under --pp > 1, else on",
+        choices=("auto", "on", "off"))
     # DeepSpeed knobs whose alternative megazero does not implement: it always keeps gradients
     # in contiguous buffers, reduce-scatters them (stages 1/2) and all-gathers updated shards.
     # Turning one off is accepted (DeepSpeed files set them) and ignored with a warning.

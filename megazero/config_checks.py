@@ -171,12 +171,10 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
     if pr.fp16 and pr.bf16:
         raise ConfigError(f"{_show(cfg, 'precision.fp16')} and {_show(cfg, 'precision.bf16')} are both on; "
                           "fix: choose one")
-    if z.stage == 3:
-        raise ConfigError(f"{_show(cfg, 'zero.stage')} 3 (parameter sharding) is not supported by "
-                          "megazero; fix: use --zero-stage 1 or 2")
-    if z.stage not in (0, 1, 2):
+    if z.stage not in (0, 1, 2, 3):
         raise ConfigError(f"{_show(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
-                          "(replicated), 1 (optimizer states sharded) or 2 (and gradients)")
+                          "(replicated), 1 (optimizer states sharded), 2 (and gradients) or 3 "
+                          "(and parameters)")
 
 
 def _check_offload(cfg: Config, world_size: int) -> None:

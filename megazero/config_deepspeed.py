@@ -6,8 +6,9 @@ sizes, overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions)
 min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, ``gradient_clipping``, ``steps_per_print``,
 ``zero_optimization.offload_optimizer`` (``device`` cpu/none, ``pin_memory``) and
-``offload_param`` (``device``). ZeRO stage 3, NVMe offload, the legacy ``cpu_offload*`` switches
-and ``stage3_*`` keys are refused; any other unknown key gives a warning.
+``offload_param`` (``device``; parameter offload is refused). NVMe offload and the legacy
+``cpu_offload*`` switches are refused; ``stage3_*`` keys (ZeRO-3's prefetch/persistence knobs,
+which megazero's per-chunk gathering does not have) and any other unknown key give a warning.
 
 ``activation_checkpointing`` (DeepSpeed's activation checkpointing API, as Megatron-DeepSpeed
 uses it with one checkpoint per transformer layer): the block turns on
@@ -91,10 +92,6 @@ def _ds_items(doc: dict, path: str):
 
 def _refusal(key: str, value: Any) -> Optional[str]:
     leaf = key.split(".")[-1]
-    if key == "zero_optimization.stage" and value == 3:
-        return f"{key} 3 (ZeRO-3 parameter sharding; use stage 1 or 2)"
-    if key.startswith("zero_optimization.stage3_"):
-        return f"{key} (a ZeRO-3 setting; remove it and use stage 1 or 2)"
     if key == "activation_checkpointing.cpu_checkpointing" and value:
         return f"{key} (offloads the saved activations to the host; remove it)"
     if key in _OFFLOAD_BLOCKS:
@@ -125,8 +122,8 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
 
     Values fill every setting not given on the command line (recorded in ``cfg.sources``);
     ``"auto"`` (Hugging Face's convention) leaves a setting to be derived.
-    Raises ConfigError: unreadable file or invalid JSON (file, line, column); ZeRO stage 3,
-    offload or ``stage3_*`` keys (all named in one message); a value of the wrong type; a key
+    Raises ConfigError: unreadable file or invalid JSON (file, line, column); offload keys
+    (all named in one message); a value of the wrong type; a key
     whose value disagrees with a flag given on the command line (names both).
     """
     doc = _read_json(path)
@@ -138,6 +135,11 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
     for key, raw in items:
         name = _DS_KEYS.get(key)
         if key.startswith("activation_checkpointing."):
+            continue
+        if name is None and key.startswith("zero_optimization.stage3_"):
+            warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's ZeRO-3 "
+                            "gathers a whole model chunk around its forward and backward, without "
+                            "prefetch or persistent small parameters; ignored")
             continue
         if name is None:
             if not key.startswith("zero_optimization.") or key.split(".")[-1] not in _OFFLOAD_KEYS:

@@ -245,7 +245,8 @@ def check_fits(e: MemoryEstimate, available: Optional[int]) -> Optional[str]:
         return None
     worst = e.most_states or e
     if worst.model_state_bytes > available:
-        fixes = ["--zero-stage 2 (shards gradients and Adam states over --dp)"] if worst.zero_stage < 2 else []
+        fixes = (["--zero-stage 2 (shards gradients and Adam states over --dp)"] if worst.zero_stage < 2 else
+                 ["--zero-stage 3 (shards the parameters too)"] if worst.zero_stage == 2 else [])
         if worst.zero_stage > 0:
             fixes.append("a larger --dp")
         fixes += ["a larger --tp or --pp", "a smaller model (--num-layers, --hidden-size, "

@@ -1,15 +1,15 @@
-"""Peak process memory per rank for ZeRO 0, 1 and 2 (data parallel on CPU gloo ranks).
+"""Peak process memory per rank for ZeRO 0, 1, 2 (and 3) (data parallel on CPU gloo ranks).
 
 Each run forks ``--dp`` fresh rank processes that build ``train.Trainer`` (the real training
 path: GPT stage, DataParallel with the default buckets, DistributedOptimizer), train
 ``--steps`` steps on mock data and report the peak resident set size (``VmHWM`` of
 ``/proc/self/status``), the resident size before the model was built, and the model-state
-bytes against the ZeRO formula. Stages alternate round by round (0, 1, 2, 0, 1, 2, ...) so
+bytes against the ZeRO formula. Stages (``--stages``, default 0,1,2) alternate round by round (0, 1, 2, 0, 1, 2, ...) so
 machine noise hits all alike; the table shows, per stage, the model-state bytes per
 parameter (measured = formula), the temporaries and their bound, and the median over rounds
 of the largest peak over ranks.
 
-    python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] ...
+    python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3] ...
 """
 from __future__ import annotations
 
@@ -74,21 +74,24 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=6400)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--stages", default="0,1,2", help="comma-separated ZeRO stages to compare (0-3)")
+    ap.add_argument("--zero3-reshard-after-forward", default="auto", choices=("auto", "on", "off"))
     a = ap.parse_args()
     base = ["--mock-data", "--vocab-size", str(a.vocab_size), "--hidden-size", str(a.hidden_size),
             "--num-layers", str(a.num_layers), "--num-attention-heads", str(a.num_attention_heads),
             "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
             "--train-iters", str(a.steps), "--eval-iters", "0", "--device", "cpu", "--dp", str(a.dp),
-            "--clip-grad", "1.0"] + (["--bf16"] if a.bf16 else [])
-    runs: dict[int, list] = {0: [], 1: [], 2: []}
+            "--clip-grad", "1.0", "--zero3-reshard-after-forward", a.zero3_reshard_after_forward] + (
+                ["--bf16"] if a.bf16 else [])
+    runs: dict[int, list] = {int(s): [] for s in a.stages.split(",")}
     for _ in range(a.rounds):
         for stage in runs:
             argv = base + ["--zero-stage", str(stage)]
             runs[stage].append(run_distributed(_rank, a.dp, argv, a.steps, timeout_s=1800))
-    psi = runs[0][0][0]["psi"]
+    psi = next(iter(runs.values()))[0][0]["psi"]
     print(f"GPT: {a.num_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}, seq {a.seq_length}, "
           f"micro-batch {a.micro_batch_size}; Psi = {psi} parameters; {'bf16' if a.bf16 else 'fp32'}; "
-          f"dp {a.dp}; {a.steps} steps; {a.rounds} interleaved rounds; torch threads {torch.get_num_threads()}")
+          f"dp {a.dp}; ZeRO-3 reshard after forward {a.zero3_reshard_after_forward}; {a.steps} steps; {a.rounds} interleaved rounds; torch threads {torch.get_num_threads()}")
     print("| ZeRO | model states B/param (measured = formula) | temporaries MiB (bound) "
           "| RSS before model MiB | peak RSS MiB (median of rounds, max over ranks) | peak - before MiB |")
     print("|---|---|---|---|---|---|")

@@ -56,6 +56,21 @@ def test_resume_same_layout_is_bit_identical_and_other_layout_matches(tmp_path):
         assert math.isclose(got, want, rel_tol=1e-5), (got, want)
 
 
+@pytest.mark.slow
+def test_zero3_checkpoint_resumes_under_zero3_and_another_layout(tmp_path):
+    """Saved under pp 2 x dp 2 ZeRO-3 (tied embeddings, parameters sharded): the same layout
+    resumes bit for bit, tp 2 x dp 2 ZeRO-1 within 1e-5 relative."""
+    z3 = ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--reduce-bucket-size", "500"]
+    whole = run_distributed(_run, 4, ARGS + z3, 6)[0][0]
+    first = run_distributed(_run, 4, ARGS + z3, 3, save=str(tmp_path))[0]
+    assert first[0] == whole[:3]
+    same = run_distributed(_run, 4, ARGS + z3, 3, load=str(tmp_path))[0]
+    assert same[0] == whole[3:]
+    other = run_distributed(_run, 4, ARGS + LAYOUT_A, 3, load=str(tmp_path))[0]
+    for got, want in zip(other[0], whole[3:]):
+        assert math.isclose(got, want, rel_tol=1e-5), (got, want)
+
+
 def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp_path):
     from megazero.checkpoint import CheckpointError, latest_iteration
 
@@ -245,10 +260,13 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     assert err.startswith("megazero: memory error: the model states of one rank of pipeline stage 0 need")
     assert "--zero-stage 2" in err and "larger --dp" not in err  # ZeRO-0: more ranks alone do not help
     plans = {z: train.plan_memory(config_from_argv(ARGS + ["--dp", "4", "--zero-stage", str(z)], 4), 1001)
-             for z in (0, 2)}
+             for z in (0, 2, 3)}
     psi = plans[0].params
     assert plans[0].model_state_bytes == 16 * psi  # fp32 params (= main params), grads, 2 moments
     assert plans[2].model_state_bytes == 4 * psi + 12 * psi / 4
+    assert plans[3].model_state_bytes == 16 * psi / 4   # (p + g + K) Psi / N
+    with pytest.raises(memory.MemoryPlanError, match="--zero-stage 3"):
+        memory.check_fits(plans[2], int(plans[2].model_state_bytes) - 1)
     with pytest.raises(memory.MemoryPlanError):
         memory.check_fits(plans[0], int(plans[0].model_state_bytes) - 1)
     assert "activations may not fit" in memory.check_fits(plans[0], int(plans[0].model_state_bytes) + 1)

@@ -67,8 +67,7 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "world_not_divisible_by_tp_pp": (M + ["--tp", "2"], 3, ["world size 3", "--tp 2"]),
     "seq_above_positions": (M + ["--seq-length", "512", "--max-position-embeddings", "256"], 1,
                             ["--seq-length 512", "--max-position-embeddings 256"]),
-    "zero_stage_3": (M + ["--zero-stage", "3"], 1, ["--zero-stage", "not supported", "1 or 2"]),
-    "zero_stage_out_of_range": (M + ["--zero-stage", "5"], 1, ["--zero-stage 5", "out of range"]),
+    "zero_stage_out_of_range": (M + ["--zero-stage", "5"], 1, ["--zero-stage 5", "out of range", "3 (and parameters)"]),
     "offload_stage0": (M + ["--offload-optimizer", "cpu"], 1, ["--offload-optimizer cpu", "--zero-stage 0"]),
     "offload_apex": (M + ["--offload-optimizer", "cpu", "--zero-stage", "1", "--kernels", "apex"], 1,
                      ["--kernels apex", "--offload-optimizer cpu", "--kernels auto or torch"]),
@@ -309,18 +308,21 @@ def test_flag_conflicting_with_json_names_both(capsys):
     assert "--no-overlap-comm on the command line conflicts with zero_optimization.overlap_comm" in err
 
 
-@pytest.mark.parametrize("name,keys", [
-    ("seed000_stage3.json", ["zero_optimization.stage 3", "stage 1 or 2"]),
-    ("seed004_stage3_offload.json", ["zero_optimization.stage 3",
-                                     "zero_optimization.stage3_prefetch_bucket_size"]),
-])
-def test_stage3_and_offload_are_refused(name, keys, capsys):
-    with pytest.raises(ConfigError, match="not supported by megazero") as exc:
-        load_deepspeed_config(seed(name), parse_args(M))
-    for key in keys:
-        assert key in str(exc.value)
-    err = fails(M + ["--deepspeed-config", seed(name)], 1, capsys)
-    assert keys[0] in err and name in err
+def test_parameter_offload_is_refused_naming_the_key(capsys):
+    """seed004_stage3_offload.json asks for ZeRO-3 parameter offload (not built yet): one line
+    naming the flag, the JSON key and the file."""
+    err = fails(M + ["--deepspeed-config", seed("seed004_stage3_offload.json")], 1, capsys)
+    assert "--offload-param (zero_optimization.offload_param.device in" in err
+    assert "seed004_stage3_offload.json" in err and "not supported by megazero yet" in err
+
+
+def test_stage3_is_read_and_its_knobs_named_in_a_warning(files):
+    cfg = config_from_argv(M4 + ["--deepspeed-config", seed("seed000_stage3.json"), "--micro-batch-size", "16"], 2)
+    assert (cfg.zero.stage, cfg.precision.fp16, cfg.train.global_batch_size) == (3, True, 32)
+    path = files["json"]({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}})
+    cfg = config_from_argv(M4 + ["--deepspeed-config", path], 2)
+    assert cfg.zero.stage == 3 and len(cfg.warnings) == 1
+    assert "'zero_optimization.stage3_max_live_parameters' is not honoured" in cfg.warnings[0]
 
 
 def test_unknown_keys_warn_and_auto_is_derived(files, capsys):

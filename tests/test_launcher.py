@@ -74,7 +74,7 @@ NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="th
 @pytest.mark.parametrize("args,needle", [
     (["--tp", "3"], "--tp 3"),
     (["--pp", "3"], "--pp"),
-    (["--zero-stage", "3"], "--zero-stage"),
+    (["--zero-stage", "4"], "--zero-stage 4 is out of range"),
     (["--fp16", "--bf16"], "--bf16"),
     (["--nnodes", "0"], "--nnodes must be a whole number >= 1"),
     (["--tp", "08"], "--tp must be a whole number >= 1, got '08'"),

@@ -80,6 +80,19 @@ def test_recomputation_and_sequence_parallelism_shrink_the_count():
     # elements, and the all-gather's (N + 1) x 100/N elements of 2-byte params
     assert temporary_bytes(1000, 4, 0, 2, 4, 10**9, 10**9) == (0.0, 0.0)
     assert temporary_bytes(1000, 4, 2, 2, 4, 100, 100) == (4 * 100 * 4, 5 * 25 * 2)
+    # ZeRO-3: the same staging plus the stage's 1000 gathered 2-byte params; no gather after the
+    # step, only the fp32 scratch of one 25-element piece when gradients are 2-byte
+    assert temporary_bytes(1000, 4, 3, 2, 4, 100, 100) == (4 * 100 * 4 + 1000 * 2, 0.0)
+    assert temporary_bytes(1000, 4, 3, 2, 2, 100, 100) == (4 * 100 * 2 + 1000 * 2, 4 * 25)
+
+
+def test_zero3_formula_is_p_g_k_over_n():
+    """Rajbhandari et al. 2020, sec. 5.3: (p + g + K) Psi / N; K = 8 (Adam) + 4 (fp32 main
+    params) unless the model itself is fp32 (the main params are the parameters)."""
+    from megazero.optim.zero import zero_formula_bytes
+    assert zero_formula_bytes(1000, 4, 3, 4, 4) == (4 + 4 + 8) * 1000 / 4
+    assert zero_formula_bytes(1000, 4, 3, 2, 2) == (2 + 2 + 12) * 1000 / 4
+    assert zero_formula_bytes(1000, 4, 3, 2, 4) == (2 + 4 + 12) * 1000 / 4
 
 
 def test_plan_lists_a_fitting_layout_for_a_175b_gpt():

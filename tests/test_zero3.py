@@ -32,6 +32,10 @@ def _dp_run(rank, world, batches):
                 losses=losses, main=opt.main_param.numpy().copy(), got=got,
                 bound=opt.bucket_bound_bytes(), formula=zero_formula_bytes(padded, world, stage, 4, 4),
                 placeholder=all(p.stride() == (0,) * p.dim() for p in model.parameters()))
+    model, ddp, opt = build(tiny_cfg(), groups, 3, True, reshard_after_forward=False)
+    losses, _, state_bytes = train(model, ddp, opt, groups, batches, 4)
+    out["keep"] = dict(losses=losses, main=opt.main_param.numpy().copy(), got=state_bytes[-1],
+                       placeholder=all(p.stride() == (0,) * p.dim() for p in model.parameters()))
     model, ddp, opt = build(tiny_cfg(params_dtype=torch.bfloat16), groups, 3, True,
                             grad_dtype=torch.bfloat16)
     *_, state_bytes = train(model, ddp, opt, groups, batches, 2, steps=2)
@@ -56,6 +60,10 @@ def test_zero3_matches_zero2_and_reference_dp2():
             assert 0 < got["buckets"] <= z3["bound"]
             assert z3["placeholder"]   # between steps no rank holds the whole parameters
         assert z3["got"]["total"] - z3["got"]["buckets"] < z2["got"]["total"] - z2["got"]["buckets"]
+        keep = out["keep"]   # reshard-after-forward off: gathered once per step, same arithmetic
+        assert keep["losses"] == out[3, 4]["losses"] and np.array_equal(keep["main"], out[3, 4]["main"])
+        assert keep["got"]["total"] - keep["got"]["buckets"] == out[3, 4]["formula"]
+        assert keep["placeholder"]   # released at the end of the step all the same
         got, formula = out["bf16"]   # the paper's 16 Psi / N
         assert got["total"] - got["buckets"] == formula
 
@@ -63,16 +71,17 @@ def test_zero3_matches_zero2_and_reference_dp2():
 def _pipeline_run(rank, world, batches):
     groups = ProcessGroups.build(Topology(tp=1, pp=2, dp=2))
     cfg, num_micro, vp, out = tiny_cfg(num_layers=4), 4, 2, {}
-    for stage in (2, 3):
+    for stage, reshard in ((2, True), (3, True), (3, False)):
         chunks = [GPTStage(cfg, groups, layer_ids(4, 2, groups.pp_rank, vp, v),
                            is_pre_process(groups.pp_rank, v), is_post_process(groups.pp_rank, 2, v, vp),
                            SEED) for v in range(vp)]
-        ddp = DataParallel(chunks, groups, zero_stage=stage, bucket_size=BUCKET, overlap_comm=True)
+        ddp = DataParallel(chunks, groups, zero_stage=stage, bucket_size=BUCKET, overlap_comm=True,
+                           reshard_after_forward=reshard)
         opt = DistributedOptimizer(ddp, groups, lr=ADAM["lr"], beta1=ADAM["betas"][0],
                                    beta2=ADAM["betas"][1], eps=ADAM["eps"],
                                    weight_decay=ADAM["weight_decay"], allgather_bucket_size=1001)
         r = _pipeline_steps(groups, chunks, ddp, opt, batches, "interleaved", vp, num_micro, cfg)
-        out[stage] = dict(losses=r["losses"], main=opt.main_param.numpy().copy())
+        out[stage, reshard] = dict(losses=r["losses"], main=opt.main_param.numpy().copy())
     return out
 
 
@@ -82,9 +91,12 @@ def test_zero3_under_interleaved_pipeline_with_tied_embeddings():
     batches = make_batches(cfg, STEPS)
     ref = reference(cfg, batches)
     for out in run_distributed(_pipeline_run, 4, batches):
-        assert out[3]["losses"] == pytest.approx(ref, rel=1e-5)
-        assert out[3]["losses"] == out[2]["losses"]
-        assert np.array_equal(out[3]["main"], out[2]["main"])
+        z2 = out[2, True]
+        for reshard in (True, False):   # reshard after forward on and off: bit-identical
+            z3 = out[3, reshard]
+            assert z3["losses"] == pytest.approx(ref, rel=1e-5)
+            assert z3["losses"] == z2["losses"]
+            assert np.array_equal(z3["main"], z2["main"])
 
 
 def _tp_run(rank, world, batches):

@@ -53,6 +53,10 @@ class DataParallel:
         overlap_comm: start reductions asynchronously during backward.
         grad_dtype: dtype of gradient storage and of the reductions (fp32 default).
         buckets_in_flight: stage 2: started reductions waiting to complete at most.
+        reshard_after_forward: stage 3: drop a chunk's gathered parameters after its forward
+            and gather them again before its backward (True), or keep them gathered from the
+            chunk's first forward until ``finish_grad_sync`` (False: one all-gather per chunk
+            and step, the whole chunk held across the step's micro-batches).
 
     Attributes: ``buffers`` (list[ShardedBuffer], the public interface), ``strategy``,
     ``params``, ``dp_size``, ``peak_temp_bytes`` (staging high-water mark of the last step).
@@ -65,7 +69,8 @@ class DataParallel:
 
     def __init__(self, chunks: list[nn.Module], groups: ProcessGroups, *, zero_stage: int,
                  bucket_size: int, overlap_comm: bool, grad_dtype: torch.dtype = torch.float32,
-                 buckets_in_flight: int = 2):
+                 buckets_in_flight: int = 2, reshard_after_forward: bool = True):
+        self.reshard_after_forward = reshard_after_forward
         self.strategy = make_strategy(zero_stage)
         if bucket_size < 1 or buckets_in_flight < 1:
             raise ValueError(f"bucket_size ({bucket_size}) and buckets_in_flight "
@@ -109,7 +114,10 @@ class DataParallel:
 
     def _after_forward(self, chunk_id: int, out) -> None:
         """Release the chunk's parameters; gather them again when the gradient of the
-        chunk's output arrives, i.e. just before the chunk's backward."""
+        chunk's output arrives, i.e. just before the chunk's backward (only when
+        ``reshard_after_forward``; else they stay gathered until ``finish_grad_sync``)."""
+        if not self.reshard_after_forward:
+            return
         for buf in self.buffers:
             if buf.chunk_id == chunk_id:
                 self._release(buf)
@@ -180,7 +188,8 @@ class DataParallel:
             buf.next_issue += 1
         if buf.num_ready == n:   # this micro-batch's backward is complete for this buffer
             buf.reset_tracking()
-            self._release(buf)
+            if self.reshard_after_forward:
+                self._release(buf)
             if each:
                 buf.next_issue = 0
 
