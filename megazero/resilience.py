@@ -93,14 +93,14 @@ def local_flags(signals: Optional[StopSignals], clock: Optional[StopClock]) -> l
 def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tuple[torch.Tensor, Optional[str]]:
     """Global mean loss of the step and the stop reason every rank agrees on (collective).
 
-    ``loss`` (0-d fp32) is this data-parallel replica's loss, the same on all its ranks (the
+    ``loss`` (0-d, fp32 or fp64; the same dtype on every rank) is this data-parallel replica's loss, the same on all its ranks (the
     pipeline broadcast it); one rank per replica (last stage, tp rank 0) contributes it, so the
     SUM over the world divided by dp is the mean over replicas, as ``all_reduce_mean`` over dp
     gave. ``flags`` from ``local_flags``. Returns (loss, reason) with reason None, ``"SIGTERM"``,
     ``"SIGINT"``, ``"SIGUSR1"`` (the first slot any rank set) or ``"time"``.
     """
-    share = loss.detach().float() if (groups.is_last_stage and groups.tp_rank == 0) else torch.zeros_like(loss)
-    v = torch.cat([share.reshape(1), torch.tensor(flags, dtype=torch.float32, device=loss.device)])
+    share = loss.detach() if (groups.is_last_stage and groups.tp_rank == 0) else torch.zeros_like(loss)
+    v = torch.cat([share.reshape(1), torch.tensor(flags, dtype=loss.dtype, device=loss.device)])
     C.all_reduce_sum(v, groups.world)
     values = v.tolist()  # one device sync, as float(loss) did
     mean = v[0] / groups.dp_size if groups.dp_size > 1 else v[0]
