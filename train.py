@@ -408,7 +408,16 @@ class Trainer:
                                           data=data_signature(self.cfg),
                                           gpt_config=config_record(self.gpt_config),
                                           tokenizer=tokenizer_record(self.cfg)),
-                               keep=self.cfg.train.keep_latest_checkpoints, async_group=self.async_group)
+                               keep=self.cfg.train.keep_latest_checkpoints, async_group=self.async_group,
+                               after_write=self._save_fault())
+
+    def _save_fault(self):
+        """The test hook's ``savekill`` fault for this save: SIGKILL this rank's process from
+        inside the background write (None when it does not apply)."""
+        f, pid = self.forward_watch.fault, os.getpid()
+        if f is not None and f[0] == "savekill" and f[1:3] == (self.iteration, self.groups.rank):
+            return lambda: os.kill(pid, signal.SIGKILL)
+        return None
 
     def load_checkpoint(self, root: str) -> Optional[int]:
         """Resume from the latest checkpoint under ``root`` (saved under any layout).
@@ -618,7 +627,7 @@ class RunControl:
 def inject_fault(control: RunControl, trainer: Trainer) -> None:
     """The test hook's ``kill`` / ``term`` fault, at the start of its iteration (first attempt)."""
     f = control.fault
-    if f is not None and f[0] != "nan" and f[1:3] == (trainer.iteration + 1, trainer.groups.rank) \
+    if f is not None and f[0] in ("kill", "term") and f[1:3] == (trainer.iteration + 1, trainer.groups.rank) \
             and control.restart == 0:
         os.kill(os.getpid(), signal.SIGKILL if f[0] == "kill" else signal.SIGTERM)
 

@@ -279,9 +279,23 @@ class PendingSave:
         return final
 
 
+class _WriterWithHook(dcp.FileSystemWriter):
+    """DCP's file writer that calls ``after_write()`` once this rank's tensor files are written."""
+
+    def __init__(self, path: str, after_write: Callable[[], None], **kwargs):
+        super().__init__(path, **kwargs)
+        self._after_write = after_write
+
+    def write_data(self, plan, planner):
+        done = super().write_data(plan, planner)
+        done.wait()
+        self._after_write()
+        return done
+
+
 def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
          rng_states: Optional[dict] = None, extra: Optional[dict] = None, keep: int = 0,
-         async_group=None):
+         async_group=None, after_write: Optional[Callable[[], None]] = None):
     """Write the checkpoint of ``iteration`` under ``root`` (collective: every rank calls it).
 
     Returns the final directory. ``extra`` (picklable) goes into ``meta.pt``. With ``keep``
@@ -289,7 +303,9 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     this one (``prune``). With ``async_group`` (a gloo group of every rank that nothing else
     uses, or the string ``"local"`` for a single process) the gathered full tensors are handed
     to DCP's ``async_save`` and a ``PendingSave`` is returned at once; call its ``wait()``
-    before the next save and at the end.
+    before the next save and at the end. ``after_write`` (tests: a fault injected mid-save) runs
+    where the tensor files of this rank have just been written, before DCP's metadata and
+    ``_finish_save`` (in the background with ``async_group``).
     """
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     if groups.rank == 0:
@@ -303,7 +319,8 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
         opt = optimizer.state_dict()
         meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size),
                     optimizer={k: opt[k] for k in opt if k != "shards"}, extra=extra or {})
-    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    writer = dcp.FileSystemWriter(tmp, sync_files=True) if after_write is None else \
+        _WriterWithHook(tmp, after_write, sync_files=True)
 
     def finish() -> str:
         return _finish_save(root, iteration, tmp, final, groups, rng_states, meta, keep)

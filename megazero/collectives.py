@@ -7,11 +7,16 @@ Conventions (STYLE.md, 10):
 - tensors are allocated on the input's device; nothing here calls ``torch.cuda``;
 - bytes put on the wire are counted per kind in ``counter`` (gloo emulates some collectives,
   so volume is counted from the call, not inferred from timings). Counted bytes are the
-  payload of this rank's input tensor(s), ``numel * element_size``.
+  payload of this rank's input tensor(s), ``numel * element_size``;
+- every call that reaches the wire is also appended to ``recent``, a bounded ring buffer of
+  ``(operation, ranks, sequence number, shape, dtype)`` (pipeline/p2p.py adds its sends and
+  receives), so that a rank whose collective fails can name the operation it was waiting in
+  (megazero/resilience.py ``write_failure``).
 """
 from __future__ import annotations
 
-from collections import Counter
+import itertools
+from collections import Counter, deque
 from typing import Optional
 
 import torch
@@ -21,6 +26,13 @@ Group = Optional[dist.ProcessGroup]
 
 #: bytes passed to each kind of collective by this process, e.g. ``counter["all_reduce"]``.
 counter: Counter = Counter()
+
+#: this process's last operations on the wire, oldest first: ``(op, ranks, seq, shape, dtype)``
+#: with ``ranks`` the global ranks of the group (the peer for ``send``/``recv``), ``seq`` this
+#: process's running count of recorded operations (1, 2, ...), ``shape`` a tuple, ``dtype`` e.g.
+#: ``"float32"``. Bounded (``maxlen``), one tuple per call.
+recent: deque = deque(maxlen=32)
+_seq = itertools.count(1)
 
 
 def group_size(group: Group) -> int:
@@ -33,21 +45,37 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _count(kind: str, t: torch.Tensor) -> None:
+def record(op: str, ranks: tuple, t: torch.Tensor) -> None:
+    """Append one operation to ``recent`` (``ranks``: global ranks of the group, or the peer)."""
+    recent.append((op, tuple(ranks), next(_seq), tuple(t.shape), str(t.dtype).replace("torch.", "")))
+
+
+def describe(entry: tuple) -> str:
+    """One ``recent`` entry in words, e.g. ``all_reduce #57 over ranks [0, 1], shape (5,) float32``."""
+    op, ranks, seq, shape, dtype = entry
+    where = f"{'to' if op == 'send' else 'from'} rank {ranks[0]}" if op in ("send", "recv") \
+        else f"over ranks {list(ranks)}"
+    return f"{op} #{seq} {where}, shape {shape} {dtype}"
+
+
+def _count(kind: str, t: torch.Tensor, group: Group) -> None:
     counter[kind] += t.numel() * t.element_size()
+    record(kind, dist.get_process_group_ranks(group), t)
 
 
-def count_send(t: torch.Tensor) -> None:
-    """Count a point-to-point send of ``t`` (``counter["send"]``, bytes): ``pipeline.p2p``
-    posts its sends itself (batched ``isend``/``irecv``), so it reports them here."""
-    _count("send", t)
+def count_send(t: torch.Tensor, peer: int) -> None:
+    """Count a point-to-point send of ``t`` to global rank ``peer`` (``counter["send"]``, bytes,
+    and ``recent``): ``pipeline.p2p`` posts its sends itself (batched ``isend``/``irecv``), so
+    it reports them here."""
+    counter["send"] += t.numel() * t.element_size()
+    record("send", (peer,), t)
 
 
 def all_reduce_sum(t: torch.Tensor, group: Group, async_op: bool = False):
     """In-place SUM all-reduce of ``t`` over ``group``; returns the work handle if async."""
     if group_size(group) == 1:
         return None
-    _count("all_reduce", t)
+    _count("all_reduce", t, group)
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -63,7 +91,7 @@ def all_reduce_mean(t: torch.Tensor, group: Group) -> torch.Tensor:
 def all_reduce_max(t: torch.Tensor, group: Group) -> torch.Tensor:
     """In-place MAX all-reduce (used for overflow flags and loss-scale agreement)."""
     if group_size(group) > 1:
-        _count("all_reduce", t)
+        _count("all_reduce", t, group)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
@@ -87,7 +115,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard)
         return None
-    _count("all_gather", shard)
+    _count("all_gather", shard, group)
     return _ALL_GATHER(out, shard, group=group, async_op=async_op)
 
 
@@ -105,7 +133,7 @@ def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group
         if shard_out.data_ptr() != full.data_ptr():
             shard_out.copy_(full)
         return None
-    _count("reduce_scatter", full)
+    _count("reduce_scatter", full, group)
     return _REDUCE_SCATTER(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -115,7 +143,7 @@ def all_gather_list(t: torch.Tensor, group: Group) -> list[torch.Tensor]:
     if size == 1:
         return [t]
     out = [torch.empty_like(t) for _ in range(size)]
-    _count("all_gather", t)
+    _count("all_gather", t, group)
     dist.all_gather(out, t.contiguous(), group=group)
     return out
 
@@ -123,6 +151,6 @@ def all_gather_list(t: torch.Tensor, group: Group) -> list[torch.Tensor]:
 def broadcast(t: torch.Tensor, src_global_rank: int, group: Group) -> torch.Tensor:
     """In-place broadcast from global rank ``src_global_rank`` to ``group``; returns ``t``."""
     if group_size(group) > 1:
-        _count("broadcast", t)
+        _count("broadcast", t, group)
         dist.broadcast(t, src=src_global_rank, group=group)
     return t

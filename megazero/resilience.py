@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -194,16 +195,18 @@ def parse_fault(text: str) -> Optional[tuple[str, int, int, int]]:
     """A test hook's fault ``KIND:ITERATION:RANK[:MICROBATCH]`` -> (kind, iteration, rank, micro).
 
     Kinds: ``nan`` (multiply the forward output of that micro-batch by NaN), ``kill`` (SIGKILL
-    this rank at the start of that iteration, first attempt only), ``term`` (SIGTERM it there).
+    this rank at the start of that iteration, first attempt only), ``term`` (SIGTERM it there),
+    ``savekill`` (SIGKILL it inside the background write of that iteration's ``--async-save``,
+    once its tensor files are written and before the checkpoint is finished).
     Tests set it through the environment (``MEGAZERO_TEST_FAULT``); it is no user setting.
     Raises ValueError for another shape.
     """
     if not text:
         return None
     parts = text.split(":")
-    if parts[0] not in ("nan", "kill", "term") or len(parts) not in (3, 4):
+    if parts[0] not in ("nan", "kill", "term", "savekill") or len(parts) not in (3, 4):
         raise ValueError(f"MEGAZERO_TEST_FAULT={text!r}: expected KIND:ITERATION:RANK[:MICROBATCH] "
-                         f"with KIND nan, kill or term")
+                         f"with KIND nan, kill, term or savekill")
     nums = [int(x) for x in parts[1:]]
     return parts[0], nums[0], nums[1], nums[2] if len(nums) == 3 else 0
 
@@ -266,30 +269,73 @@ class Trail:
 
 
 def write_failure(run_dir: str, rank: int, trail: Trail, error: BaseException) -> str:
-    """Write ``<run_dir>/failures/rank_<rank>.json`` (the trail and the error's first line) and
-    return the one line this rank prints."""
+    """Write ``<run_dir>/failures/rank_<rank>.json`` and return the one line this rank prints.
+
+    The report holds the phase trail, the error's first line, ``operation`` (the last entry of
+    ``collectives.recent`` in words: the collective or send/receive this rank was waiting in) and
+    ``ops``, the whole ring buffer (op, ranks, seq, shape, dtype per entry).
+    """
     it, phase, _ = trail.last
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    ops = list(C.recent)
+    op = C.describe(ops[-1]) if ops else "no recorded operation"
     os.makedirs(os.path.join(run_dir, "failures"), exist_ok=True)
     path = os.path.join(run_dir, "failures", f"rank_{rank}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump(dict(rank=rank, iteration=it, phase=phase, error=first,
-                       trail=[dict(iteration=i, phase=p, time=t) for i, p, t in trail.entries]), f)
+        json.dump(dict(rank=rank, iteration=it, phase=phase, operation=op, error=first,
+                       trail=[dict(iteration=i, phase=p, time=t) for i, p, t in trail.entries],
+                       ops=[dict(op=o, ranks=list(r), seq=q, shape=list(sh), dtype=d) for o, r, q, sh, d in ops]),
+                  f)
     os.replace(path + ".tmp", path)
-    return f"megazero: rank {rank}: a collective failed in {phase} at iteration {it}: {first}"
+    return f"megazero: rank {rank}: a collective failed in {phase} at iteration {it}, waiting in {op}: {first}"
+
+
+_ENTRY = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank.*?exitcode\s*:\s*(-?\d+).*?traceback\s*:\s*([^\n]*)", re.S)
+
+
+def torchrun_failures(text: str) -> dict[int, str]:
+    """Global rank -> how it ended, from torchrun's failure summary (its ``rank : R (local_rank:
+    ...)``, ``exitcode : X (pid: ...)`` and ``traceback : Signal N (SIGX) ...`` lines), e.g.
+    ``"signal 9 (SIGKILL), exit code -9"`` or ``"exit code 1"``; the root cause comes first.
+    Empty when ``text`` holds no summary."""
+    out: dict[int, str] = {}
+    root = text.rfind("Root Cause")
+    for chunk in (text[root:], text) if root >= 0 else ():
+        for rank, code, tb in _ENTRY.findall(chunk):
+            sig = re.match(r"Signal (\d+) \((SIG\w+)\)", tb.strip())
+            out.setdefault(int(rank), (f"signal {sig[1]} ({sig[2]}), " if sig else "") + f"exit code {code}")
+    return out
 
 
 def name_culprits(run_dir: str, world_size: int) -> Optional[str]:
-    """The launcher's line after a failed run: the ranks that wrote no failure report (they died,
-    were stopped or hung first) and the phase the reporting ranks waited in; None without reports."""
+    """The launcher's line after a failed run: the rank that failed first and what the others
+    waited in; None when neither the failure reports nor torchrun's summary say anything.
+
+    The first to fail are the ranks that wrote no report (killed, stopped or hung), each with its
+    exit code or signal from torchrun's summary (``<run_dir>/torchrun.log``) when it is listed
+    there; when every rank reported, torchrun's root cause. The others' operation (the last one
+    they recorded), phase and iteration come from their reports.
+    """
     d = os.path.join(run_dir, "failures")
     reports = [json.load(open(os.path.join(d, n))) for n in sorted(os.listdir(d)) if n.endswith(".json")] \
         if os.path.isdir(d) else []
-    if not reports:
+    log = os.path.join(run_dir, "torchrun.log")
+    ended = torchrun_failures(open(log, errors="replace").read()) if os.path.isfile(log) else {}
+    silent = sorted(set(range(world_size)) - {r["rank"] for r in reports}) if reports else []
+    if silent:
+        unknown = [r for r in silent if r not in ended]
+        first = "; ".join([f"rank {r} failed first ({ended[r]}, from torchrun's report)" for r in silent if r in ended]
+                          + [f"rank(s) {', '.join(map(str, unknown))} failed first (no report: killed, stopped or "
+                             f"hung)"] * bool(unknown))
+    elif ended:
+        r = next(iter(ended))
+        first = f"rank {r} failed first ({ended[r]}, from torchrun's report)"
+    elif reports:
+        first = "every rank reported a failed collective"
+    else:
         return None
-    silent = sorted(set(range(world_size)) - {r["rank"] for r in reports})
-    waited = sorted({(r["iteration"], r["phase"]) for r in reports})
-    where = "; ".join(f"{p} at iteration {i}" for i, p in waited)
-    first = f"rank(s) {', '.join(map(str, silent))} failed first (no report: killed, stopped or hung)" if silent \
-        else "every rank reported a failed collective"
+    if not reports:
+        return f"[megazero] {first}"
+    waited = sorted({(r["iteration"], r.get("operation", "?"), r["phase"]) for r in reports})
+    where = "; ".join(f"{o} during {p} at iteration {i}" for i, o, p in waited)
     return f"[megazero] {first}; the others waited in {where} (reports: {d})"

@@ -215,10 +215,14 @@ else
   RDZV=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
         --rdzv-conf "timeout=$RDZV_TIMEOUT")
 fi
-rm -rf "$RUN_DIR/stop.json" "$RUN_DIR/failures"  # written by the ranks: an early end on purpose, failures
+rm -rf "$RUN_DIR/stop.json" "$RUN_DIR/failures" "$RUN_DIR/torchrun.log"  # an early end on purpose, failures
+# torchrun's stderr (its failure summary: which rank ended first, with what code or signal) is
+# also kept in RUN_DIR/torchrun.log, read below to name the culprit.
+exec 3> >(trap '' INT TERM USR1 HUP; exec tee -a "$RUN_DIR/torchrun.log" >&2); TEE=$!  # deaf to Ctrl-C, as torchrun
 rc=0
 run_child torchrun_ignoring_stop --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
-  "${RDZV[@]}" train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" || rc=$?
+  "${RDZV[@]}" train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" 2>&3 || rc=$?
+exec 3>&-; wait "$TEE" 2>/dev/null || true
 echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
 if [ "$rc" = 0 ] && [ -f "$RUN_DIR/stop.json" ]; then  # an early end on purpose: one line, its status
   STOP_LINE=$("$PY" -c 'import json, sys
@@ -236,9 +240,10 @@ print(r["status"], "[megazero] stopped after iteration %d (%s): %s" % (r["iterat
   exit "${STOP_LINE%% *}"
 fi
 stopped_exit
-if [ "$rc" != 0 ] && [ -d "$RUN_DIR/failures" ]; then  # who failed first, what the others waited in
+if [ "$rc" != 0 ]; then  # who failed first (torchrun's summary), what the others waited in (their reports)
   "$PY" -c 'import sys; from megazero.resilience import name_culprits
-print(name_culprits(sys.argv[1], int(sys.argv[2])) or "")' "$RUN_DIR" "$WORLD" >&2 || true
+line = name_culprits(sys.argv[1], int(sys.argv[2]))
+if line: print(line)' "$RUN_DIR" "$WORLD" >&2 || true
 fi
 if [ "$rc" != 0 ]; then
   echo "[megazero] training failed (exit code $rc); the error is above. A node that never joins or a rank that dies ends the run after --distributed-timeout-s $DIST_TIMEOUT." >&2

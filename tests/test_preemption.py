@@ -200,9 +200,10 @@ def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path, backend):
 
 
 def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_the_previous_latest(tmp_path):
-    """--async-save --save-interval 1 logs the losses of synchronous saves; rank 1 killed at the
-    start of iteration 3, while iteration 2's checkpoint is still pending (it is finished only
-    by the next save), leaves latest = 1, which loads and verifies."""
+    """--async-save --save-interval 1 logs the losses of synchronous saves; rank 1 killed (-9)
+    inside the background write of iteration 2's checkpoint, after its file is written, leaves
+    latest = 1, which loads and verifies, and the relaunched run resumes from it and logs the
+    losses of the uninterrupted run."""
     from megazero import checkpoint
 
     args = [a if a != "12" else "4" for a in BASE] + ["--dp", "2", "--save-interval", "1"]
@@ -214,12 +215,21 @@ def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_th
     assert f"[megazero] saving checkpoint {tmp_path}/c2/iter_0000004 (in the background, training blocked " \
         in both.stdout
     assert f"[megazero] checkpoint {tmp_path}/c2/iter_0000004 is complete (waited " in both.stdout
-    env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:3:1")
-    killed = _launch_env(args + ["--save", str(tmp_path / "c3"), "--async-save", "--distributed-timeout-s", "60"],
+    # rank 1 SIGKILLs itself inside the background write of iteration 2's checkpoint, once its
+    # tensor file is on disk: latest stays 1, which loads, and the run resumes from it.
+    env = dict(os.environ, MEGAZERO_TEST_FAULT="savekill:2:1")
+    c3 = tmp_path / "c3"
+    killed = _launch_env(args + ["--save", str(c3), "--async-save", "--distributed-timeout-s", "30"],
                          tmp_path / "killed", env)
-    assert killed.returncode != 0 and "training failed" in killed.stderr
-    assert (tmp_path / "c3" / "latest").read_text().strip() == "1"
-    assert checkpoint.peek(str(tmp_path / "c3"), verify=True)["iteration"] == 1
+    assert killed.returncode != 0 and "training failed" in killed.stderr, killed.stderr[-2000:]
+    assert "[megazero] rank 1 failed first (" in killed.stderr, killed.stderr[-3000:]
+    assert list((c3 / "iter_0000002.tmp").glob("*.distcp")), "the kill came before any file was written"
+    assert not (c3 / "iter_0000002").exists() and (c3 / "latest").read_text().strip() == "1"
+    assert checkpoint.peek(str(c3), verify=True)["iteration"] == 1
+    again = launch(args + ["--save", str(c3), "--load", str(c3), "--async-save"], tmp_path / "again", timeout=600)
+    assert again.returncode == 0 and f"resumed from {c3} at iteration 1" in again.stdout, again.stderr[-2000:]
+    _same_losses(_last_records(tmp_path / "sync"), _last_records(tmp_path / "again"), range(2, 5))
+    assert (c3 / "latest").read_text().strip() == "4"
 
 
 def _rank_of(pid: int) -> int:
@@ -227,9 +237,14 @@ def _rank_of(pid: int) -> int:
     return int(next(e for e in env if e.startswith(b"RANK="))[5:])
 
 
+#: an operation of the ring buffer in words (collectives.describe), between ranks 0 and 1
+OP = r"(all_reduce|all_gather|reduce_scatter|broadcast) #\d+ over ranks \[0, 1\], shape \(\d+,\) float32"
+
+
 def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_path):
-    """SIGSTOP to rank 1 of 2: rank 0's collective times out (--distributed-timeout-s 10), it
-    writes its failure report, and the launcher names rank 1 and the phase rank 0 waited in."""
+    """SIGSTOP to rank 1 of 2: rank 0's collective fails (--distributed-timeout-s 10), it writes
+    its failure report, torchrun ends the stopped rank (SIGKILL, in its summary), and the launcher
+    names rank 1 with that signal and the operation rank 0 waited in."""
     import re
 
     run = tmp_path / "run"
@@ -251,9 +266,30 @@ def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_pat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0, err[-2000:]
-    named = [x for x in err.splitlines() if x.startswith("[megazero] rank(s)")]
+    named = [x for x in err.splitlines() if x.startswith("[megazero] rank")]
+    print("\n".join(named))
     assert len(named) == 1 and re.fullmatch(
-        r"\[megazero\] rank\(s\) 1 failed first \(no report: killed, stopped or hung\); the others waited in "
-        r"the .+ at iteration \d+ \(reports: .+/failures\)", named[0]), err[-3000:]
-    assert re.search(r"megazero: rank 0: a collective failed in the .+ at iteration \d+: ", err), err[-3000:]
+        r"\[megazero\] rank 1 failed first \(signal 9 \(SIGKILL\), exit code -9, from torchrun's report\); the "
+        rf"others waited in {OP} during the .+ at iteration \d+ \(reports: .+/failures\)", named[0]), err[-3000:]
+    assert re.search(rf"megazero: rank 0: a collective failed in the .+ at iteration \d+, waiting in {OP}: ", err), \
+        err[-3000:]
     print(f"\nSIGSTOP to rank 1: the launcher ended {took:.1f} s later; line: {named[0]}")
+
+
+def test_a_killed_rank_is_named_with_its_signal_and_the_operation_the_others_waited_in(tmp_path):
+    """kill -9 of rank 1 of 2 at the start of iteration 3: rank 0's collective fails, it writes
+    its report, and the launcher names rank 1 with SIGKILL from torchrun's summary (kept in
+    RUN_DIR/torchrun.log) and the operation rank 0 waited in."""
+    env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:3:1")
+    start = time.monotonic()
+    done = _launch_env([a if a != "12" else "5" for a in BASE] + ["--dp", "2", "--distributed-timeout-s", "20"],
+                       tmp_path / "run", env, timeout=300)
+    named = [x for x in done.stderr.splitlines() if x.startswith("[megazero] rank")]
+    print("\n".join(named), f"\nkill -9 of rank 1: the launcher ended {time.monotonic() - start:.1f} s after start")
+    assert done.returncode != 0 and "Root Cause" in (tmp_path / "run" / "torchrun.log").read_text()
+    # the operation's sequence number and shape follow the model and the bucket sizes: matched by form
+    assert len(named) == 1 and re.fullmatch(
+        r"\[megazero\] rank 1 failed first \(signal 9 \(SIGKILL\), exit code -9, from torchrun's report\); "
+        r"the others waited in all_reduce #\d+ over ranks \[0, 1\], shape \(\d+,\) float32 during the optimizer step "
+        r"\(gradient reduction, overflow all-reduce, norm, parameter all-gather\) at iteration 3 "
+        + re.escape(f"(reports: {tmp_path}/run/failures)"), named[0]), done.stderr[-3000:]

@@ -79,7 +79,7 @@ def test_the_non_finite_line_names_everything():
     assert "backward" in R.describe_non_finite(3, None, None, vp_size=1)
 
 
-@pytest.mark.parametrize("text,err", [("nan:3", "KIND:ITERATION:RANK"), ("boom:1:2", "KIND nan, kill or term")])
+@pytest.mark.parametrize("text,err", [("nan:3", "KIND:ITERATION:RANK"), ("boom:1:2", "KIND nan, kill, term or savekill")])
 def test_a_bad_fault_spec_is_refused(text, err):
     with pytest.raises(ValueError, match=err):
         R.parse_fault(text)
@@ -132,3 +132,64 @@ def test_a_nan_in_one_micro_batch_is_located():
         assert steps[1][3] == ("non-finite loss/gradient at iteration 2: it first appeared in the forward pass "
                                "of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch "
                                "2), on training samples 10-10")
+
+
+SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_04:30:01
+  host      : box
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4321)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_04:30:01
+  host      : box
+  rank      : 3 (local_rank: 1)
+  exitcode  : -9 (pid: 4322) SIGKILL
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4322
+============================================================
+"""
+
+
+def test_torchruns_summary_gives_each_failed_rank_its_code_or_signal():
+    assert R.torchrun_failures(SUMMARY) == {3: "signal 9 (SIGKILL), exit code -9", 0: "exit code 1"}
+    assert list(R.torchrun_failures(SUMMARY)) == [3, 0]  # the root cause first
+    assert R.torchrun_failures("[megazero] training failed") == {}
+
+
+def test_the_ring_buffer_is_bounded_and_named_in_the_report_and_the_launchers_line(tmp_path, monkeypatch):
+    from megazero import collectives as C
+
+    monkeypatch.setattr(C, "recent", type(C.recent)(maxlen=C.recent.maxlen))
+    for _ in range(C.recent.maxlen + 5):
+        C.record("recv", (2,), torch.zeros(2, 8, dtype=torch.bfloat16))
+    C.record("all_reduce", (0, 2), torch.zeros(5))
+    assert len(C.recent) == C.recent.maxlen
+    seq = C.recent[-1][2]
+    assert C.recent[-1] == ("all_reduce", (0, 2), seq, (5,), "float32") and C.recent[-2][2] == seq - 1
+    assert C.describe(C.recent[-2]) == f"recv #{seq - 1} from rank 2, shape (2, 8) bfloat16"
+    trail = R.Trail()
+    trail.enter(7, "the loss / stop all-reduce")
+    line = R.write_failure(str(tmp_path), 0, trail, RuntimeError("Connection closed by peer\nmore"))
+    op = f"all_reduce #{seq} over ranks [0, 2], shape (5,) float32"
+    assert line == f"megazero: rank 0: a collective failed in the loss / stop all-reduce at iteration 7, " \
+                   f"waiting in {op}: Connection closed by peer"
+    report = json.loads((tmp_path / "failures" / "rank_0.json").read_text())
+    assert report["operation"] == op and len(report["ops"]) == C.recent.maxlen
+    assert report["ops"][-1] == dict(op="all_reduce", ranks=[0, 2], seq=seq, shape=[5], dtype="float32")
+    R.write_failure(str(tmp_path), 2, trail, RuntimeError("Connection closed by peer"))
+    waited = f"the others waited in {op} during the loss / stop all-reduce at iteration 7 (reports: {tmp_path}/failures)"
+    assert R.name_culprits(str(tmp_path), 4) == \
+        f"[megazero] rank(s) 1, 3 failed first (no report: killed, stopped or hung); {waited}"
+    (tmp_path / "torchrun.log").write_text(SUMMARY)
+    assert R.name_culprits(str(tmp_path), 4) == (
+        "[megazero] rank 3 failed first (signal 9 (SIGKILL), exit code -9, from torchrun's report); rank(s) 1 "
+        f"failed first (no report: killed, stopped or hung); {waited}")

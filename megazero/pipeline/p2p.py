@@ -14,7 +14,8 @@ to stage 0's chunk c+1 (``wrap=True``).
 
 Each message carries a tag (its micro-batch, virtual stage and direction). gloo matches
 messages by tag; NCCL ignores tags and matches in posting order, which the schedules keep
-consistent (see tests/test_pipeline_schedules.py).
+consistent (see tests/test_pipeline_schedules.py). Every send and receive is recorded in
+``collectives.recent`` (its peer's global rank, shape, dtype) for failure reports.
 """
 from __future__ import annotations
 
@@ -69,12 +70,13 @@ class StageLinks:
             if sent is not None:
                 tensor, tag = sent
                 self._check(tensor)
-                collectives.count_send(tensor)
+                collectives.count_send(tensor, self._peer(step))
                 ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
                                       self._peer(step), self.groups.pp, tag))
         for i, (tag, step) in enumerate(((recv_prev, -1), (recv_next, 1))):
             if tag is not None:
                 out[i] = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+                collectives.record("recv", (self._peer(step),), out[i])
                 ops.append(dist.P2POp(dist.irecv, out[i], self._peer(step), self.groups.pp, tag))
         if ops:
             for work in dist.batch_isend_irecv(ops):
