@@ -7,6 +7,7 @@ each fault to the end (or the resume) are printed (pytest -s) for the notes.
 """
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -245,8 +246,6 @@ def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_pat
     """SIGSTOP to rank 1 of 2: rank 0's collective fails (--distributed-timeout-s 10), it writes
     its failure report, torchrun ends the stopped rank (SIGKILL, in its summary), and the launcher
     names rank 1 with that signal and the operation rank 0 waited in."""
-    import re
-
     run = tmp_path / "run"
     proc = _start([a if a != "12" else "400" for a in BASE] + ["--dp", "2", "--distributed-timeout-s", "10"], run)
     victim = None
