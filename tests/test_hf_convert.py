@@ -74,27 +74,32 @@ def _single_stage(gcfg, full):
                     full_weights=full).eval()
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def export_tp2pp2(d, model_argv: list) -> dict:
+    """Train ``model_argv`` 8 steps under tp 2 pp 2 on a 300-token Hugging Face tokenizer's
+    corpus, save, and export with ``convert_checkpoint.py --to-hf``; the paths, tokenizer and argv."""
     require("transformers")
     require("safetensors")
     from data.preprocess import preprocess
     from data.tokenizer import load_tokenizer, train_hf_tokenizer
 
-    d = tmp_path_factory.mktemp("hfconv")
     tok = load_tokenizer(train_hf_tokenizer(corpus(200), 300, str(d / "tok" / "tokenizer.json")),
                          "HuggingFaceTokenizer")
     src = d / "in.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(150)), encoding="utf-8")
     preprocess(str(src), ["text"], tok.model_path, str(d / "c"), progress=False,
                tokenizer_type="HuggingFaceTokenizer")
-    argv = MODEL + ["--data-path", str(d / "c_text_document"), "--tokenizer-type", "HuggingFaceTokenizer",
-                    "--tokenizer-model", tok.model_path, "--train-iters", "8"]
+    argv = model_argv + ["--data-path", str(d / "c_text_document"), "--tokenizer-type", "HuggingFaceTokenizer",
+                         "--tokenizer-model", tok.model_path, "--train-iters", "8"]
     run_distributed(_train_and_save, 4, argv + TP2PP2, str(d / "ckpt"))
     from scripts.convert_checkpoint import main
 
     assert main(["--load", str(d / "ckpt"), "--to-hf", str(d / "hf")]) == 0
     return dict(dir=d, tok=tok, argv=argv, ckpt=str(d / "ckpt"), hf=str(d / "hf"))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return export_tp2pp2(tmp_path_factory.mktemp("hfconv"), MODEL)
 
 
 @pytest.mark.slow

@@ -17,8 +17,7 @@ from tests.distributed import run_distributed
 from tests.extras import require
 from tests.test_generate import _args
 from tests.test_hf_convert import (MODEL, TEXTS, TP2PP2, _from_hf_and_from_checkpoint, _logits,
-                                   _single_stage, _train_and_save)
-from tests.test_hf_tokenizer import corpus
+                                   _single_stage, export_tp2pp2)
 
 LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "1000", "--normalization", "RMSNorm",
          "--swiglu", "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
@@ -39,25 +38,7 @@ def _gcfg(**kw):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    require("transformers")
-    require("safetensors")
-    from data.preprocess import preprocess
-    from data.tokenizer import load_tokenizer, train_hf_tokenizer
-
-    d = tmp_path_factory.mktemp("hfllama")
-    tok = load_tokenizer(train_hf_tokenizer(corpus(200), 300, str(d / "tok" / "tokenizer.json")),
-                         "HuggingFaceTokenizer")
-    src = d / "in.jsonl"
-    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(150)), encoding="utf-8")
-    preprocess(str(src), ["text"], tok.model_path, str(d / "c"), progress=False,
-               tokenizer_type="HuggingFaceTokenizer")
-    argv = MODEL + LLAMA + ["--data-path", str(d / "c_text_document"), "--tokenizer-type",
-                            "HuggingFaceTokenizer", "--tokenizer-model", tok.model_path, "--train-iters", "8"]
-    run_distributed(_train_and_save, 4, argv + TP2PP2, str(d / "ckpt"))
-    from scripts.convert_checkpoint import main
-
-    assert main(["--load", str(d / "ckpt"), "--to-hf", str(d / "hf")]) == 0
-    return dict(dir=d, tok=tok, argv=argv, ckpt=str(d / "ckpt"), hf=str(d / "hf"))
+    return export_tp2pp2(tmp_path_factory.mktemp("hfllama"), MODEL + LLAMA)
 
 
 def _checkpoint_model(ckpt):
