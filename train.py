@@ -90,7 +90,8 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         layernorm_epsilon=m.layernorm_epsilon, init_method_std=m.init_method_std,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
-        tp_overlap_grad_reduce=cfg.parallel.async_tensor_model_parallel_allreduce,
+        # torch.compile cannot trace the overlapped backward (a hand-written autograd.Function)
+        tp_overlap_grad_reduce=cfg.parallel.async_tensor_model_parallel_allreduce and not cfg.train.compile,
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
         label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
         position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,

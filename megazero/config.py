@@ -136,7 +136,7 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "partition LayerNorm/dropout activations along the sequence over tp")
     async_tensor_model_parallel_allreduce: bool = _f(
         True, "overlap the column-parallel layers' input-gradient all-reduce with their weight-gradient "
-        "matmul (bit-identical)", flags=("--no-async-tensor-model-parallel-allreduce",))
+        "matmul (bit-identical; off under --compile)", flags=("--no-async-tensor-model-parallel-allreduce",))
     distributed_timeout_s: float = _f(300.0, "timeout of every collective and of the rendezvous", "seconds",
                                       gt=0, lt=1_000_000)
 
