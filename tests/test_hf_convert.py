@@ -97,6 +97,20 @@ def export_tp2pp2(d, model_argv: list) -> dict:
     return dict(dir=d, tok=tok, argv=argv, ckpt=str(d / "ckpt"), hf=str(d / "hf"))
 
 
+def assert_same_logits_and_ids(hf, ids, ours, exported):
+    """transformers' logits on ``ids`` equal megazero's ``ours`` within 1e-5 (relative to the
+    largest), and the exported tokenizer encodes TEXTS into megazero's ids; returns it."""
+    from transformers import AutoTokenizer
+
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5 * ours.abs().max().item())
+    hf_tok = AutoTokenizer.from_pretrained(exported["hf"])
+    for text in TEXTS:
+        assert hf_tok(text)["input_ids"] == exported["tok"].encode(text), text
+    return hf_tok
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     return export_tp2pp2(tmp_path_factory.mktemp("hfconv"), MODEL)
@@ -104,7 +118,7 @@ def exported(tmp_path_factory):
 
 @pytest.mark.slow
 def test_exported_model_and_tokenizer_match_megazero(exported):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from megazero.checkpoint import read_full_weights
     from model.hf import config_from_record
@@ -116,12 +130,8 @@ def test_exported_model_and_tokenizer_match_megazero(exported):
     ours = _logits(_single_stage(gcfg, full), ids)
     hf = AutoModelForCausalLM.from_pretrained(exported["hf"], dtype=torch.float32).eval()
     assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.vocab_size == 300
-    with torch.no_grad():
-        theirs = hf(ids).logits
-    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5 * ours.abs().max().item())
-    hf_tok = AutoTokenizer.from_pretrained(exported["hf"])
+    hf_tok = assert_same_logits_and_ids(hf, ids, ours, exported)
     for text in TEXTS:
-        assert hf_tok(text)["input_ids"] == exported["tok"].encode(text), text
         assert hf_tok.decode(exported["tok"].encode(text)) == text
     assert hf_tok.eos_token_id == exported["tok"].eod
 

@@ -16,8 +16,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.extras import require
 from tests.test_generate import _args
-from tests.test_hf_convert import (MODEL, TEXTS, TP2PP2, _from_hf_and_from_checkpoint, _logits,
-                                   _single_stage, export_tp2pp2)
+from tests.test_hf_convert import (MODEL, TP2PP2, _from_hf_and_from_checkpoint, _logits,
+                                   _single_stage, assert_same_logits_and_ids, export_tp2pp2)
 
 LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "1000", "--normalization", "RMSNorm",
          "--swiglu", "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
@@ -57,8 +57,6 @@ def _hf(path):
 
 @pytest.mark.slow
 def test_exported_llama_matches_megazero(exported):
-    from transformers import AutoTokenizer
-
     gcfg, full = _checkpoint_model(exported["ckpt"])
     assert gcfg.num_query_groups == 2 and full["output.weight"].shape[0] == 304  # untied, padded at tp 2
     ids = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(0))
@@ -68,12 +66,7 @@ def test_exported_llama_matches_megazero(exported):
     assert type(hf).__name__ == "LlamaForCausalLM" and c.vocab_size == 300 and c.num_key_value_heads == 2
     assert (c.rms_norm_eps, c.rope_parameters["rope_theta"], c.tie_word_embeddings, c.attention_bias,
             c.intermediate_size) == (1e-6, 1000.0, False, False, 64)
-    with torch.no_grad():
-        theirs = hf(ids).logits
-    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5 * ours.abs().max().item())
-    hf_tok = AutoTokenizer.from_pretrained(exported["hf"])
-    for text in TEXTS:
-        assert hf_tok(text)["input_ids"] == exported["tok"].encode(text), text
+    assert_same_logits_and_ids(hf, ids, ours, exported)
 
 
 @pytest.mark.slow
