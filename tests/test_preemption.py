@@ -35,6 +35,21 @@ def _wait_for(cond, proc, what: str, timeout: float = 240.0) -> None:
         time.sleep(0.1)
 
 
+def _interrupt_after_two_steps(proc, run, send, timeout: float = 120.0):
+    """Wait until the launcher ``proc`` has logged 2 steps in ``run``, call ``send()`` (a signal),
+    wait for the launcher's end: (stdout, stderr, seconds from the signal to the end). The
+    launcher is killed if any of it fails."""
+    try:
+        _wait_for(lambda: (run / "metrics.jsonl").exists() and len(train_records(run)) >= 2, proc, "2 steps")
+        send()
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=timeout)
+        return out, err, time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _same_losses(a: dict, b: dict, iterations) -> None:
     for it in iterations:  # bit-identical: the JSON floats are the exact float32 -> float64 values
         assert (a[it]["loss"], a[it]["grad_norm"]) == (b[it]["loss"], b[it]["grad_norm"]), it
@@ -48,15 +63,7 @@ def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_
     assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     proc = _start(args + ["--save", str(ckpt)], run)
-    try:
-        _wait_for(lambda: (run / "metrics.jsonl").exists() and len(train_records(run)) >= 2, proc, "2 steps")
-        proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        out, err = proc.communicate(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err, took = _interrupt_after_two_steps(proc, run, lambda: proc.send_signal(signal.SIGTERM))
     assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-2000:]
     stop = int((ckpt / "latest").read_text())
     assert 2 <= stop < 12
@@ -76,16 +83,10 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGUSR1 to one of two ranks: both stop after the same iteration and one checkpoint holds both."""
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     proc = _start([a if a != "12" else "400" for a in BASE] + ["--dp", "2", "--save", str(ckpt)], run)
-    try:
-        _wait_for(lambda: (run / "metrics.jsonl").exists() and len(train_records(run)) >= 2, proc, "2 steps")
-        victim = max(_pids(run))
-        os.kill(victim, signal.SIGUSR1)
-        sent = time.monotonic()
-        out, err = proc.communicate(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    victims = []
+    out, err, took = _interrupt_after_two_steps(
+        proc, run, lambda: (victims.append(max(_pids(run))), os.kill(victims[0], signal.SIGUSR1)))
+    victim = victims[0]
     record = json.loads((run / "stop.json").read_text())
     stop = record["iteration"]
     assert record["reason"] == "SIGUSR1" and proc.returncode == 128 + signal.SIGUSR1, err[-2000:]
