@@ -1,22 +1,32 @@
-"""megazero against torch's data-parallel peers: the same GPT, data and hyper-parameters.
+"""megazero against its peers: the same GPT, data and hyper-parameters on the same ranks.
 
-Systems, each on the same gloo ranks (dp = world size), pairs compared:
+Data-parallel pairs (dp = world size, a small GPT: ``--layers --hidden ...``):
 
-- ``megazero-zero0`` / ``ddp`` (``torch.nn.parallel.DistributedDataParallel``);
+- ``megazero-zero0`` / ``ddp`` (``torch.nn.parallel.DistributedDataParallel``) and
+  ``deepspeed-zero0``;
 - ``megazero-zero1`` / ``zero-redundancy-optimizer`` (DDP + ``torch.distributed.optim.
-  ZeroRedundancyOptimizer`` over AdamW: optimizer states sharded, ZeRO-1);
+  ZeroRedundancyOptimizer`` over AdamW: optimizer states sharded, ZeRO-1) and
+  ``deepspeed-zero1``;
 - ``megazero-zero2`` / ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per transformer layer
-  and the root; it shards parameters too, i.e. ZeRO-3, the nearest torch peer of ZeRO-2).
+  and the root; it shards parameters too, i.e. ZeRO-3, the nearest torch peer of ZeRO-2) and
+  ``deepspeed-zero2``.
 
-Every system trains a ``model.gpt.GPTStage`` built from the same seed (identical weights), on
-the same random token batches, with AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay
-0.1), gradient clipping at 1.0, ``--accum`` micro-batches per step (the peers skip the
-gradient sync on all but the last: ``no_sync`` / ``set_requires_gradient_sync``), fp32.
-Rounds are interleaved (round r runs every system in turn, ``--steps`` timed steps after one
-warm-up step each); the median step time of a system is over all its timed steps of all
-rounds, the spread is the range of its per-round medians. Model-state bytes per rank are the
-parameters, gradients and optimizer states this rank holds after a step (``to_local()``
-shards for FSDP2). DeepSpeed and Megatron-core are not run (not installed here).
+Tensor-parallel pair (tp = world size, a GPT where compute dominates: ``--tp-layers
+--tp-hidden ...``, 25.8M parameters by default): ``megazero-tp2`` / ``megatron-core-tp2``
+(Megatron-core's ``GPTModel``, loaded with megazero's initial weights). ``--tp-layers 0``
+leaves the pair out.
+
+DeepSpeed and Megatron-core are benchmark-only optional dependencies
+(``scripts/bench_peers_optional.py``): a peer that is not importable is skipped with one line
+saying so. Every system trains ``model.gpt.GPTStage`` weights built from the same seed, on the
+same random token batches, with AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1),
+gradient clipping at 1.0 and several micro-batches per step (the peers skip the gradient sync
+on all but the last: ``no_sync`` / ``set_requires_gradient_sync`` / DeepSpeed's
+accumulation boundary), fp32. Rounds are interleaved (round r runs every system in turn,
+``--steps`` timed steps after one warm-up step each); the median step time of a system is over
+all its timed steps of all rounds, the spread is the range of its per-round medians.
+Model-state bytes per rank are the parameters, gradients and optimizer states this rank holds
+after a step (``to_local()`` shards for FSDP2, every distinct storage DeepSpeed's engine holds).
 
     python scripts/bench_peers.py --rounds 5 --steps 4
 """
@@ -32,18 +42,52 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
-PAIRS = (("megazero-zero0", "ddp"), ("megazero-zero1", "zero-redundancy-optimizer"),
-         ("megazero-zero2", "fsdp2"))
+PAIRS = (("megazero-zero0", "ddp"), ("megazero-zero0", "deepspeed-zero0"),
+         ("megazero-zero1", "zero-redundancy-optimizer"), ("megazero-zero1", "deepspeed-zero1"),
+         ("megazero-zero2", "fsdp2"), ("megazero-zero2", "deepspeed-zero2"),
+         ("megazero-tp2", "megatron-core-tp2"))
+DP_SYSTEMS = ("megazero-zero0", "ddp", "deepspeed-zero0", "megazero-zero1",
+              "zero-redundancy-optimizer", "deepspeed-zero1", "megazero-zero2", "fsdp2",
+              "deepspeed-zero2")
+TP_SYSTEMS = ("megazero-tp2", "megatron-core-tp2")
+OPTIONAL = {"deepspeed-zero0": "deepspeed", "deepspeed-zero1": "deepspeed",
+            "deepspeed-zero2": "deepspeed", "megatron-core-tp2": "megatron-core"}
+
+
+def _gpt_config(args):
+    from model.config import GPTConfig
+
+    return GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
+                     num_attention_heads=args.heads, seq_length=args.seq, hidden_dropout=0.0,
+                     attention_dropout=0.0, make_vocab_size_divisible_by=8)
 
 
 def _model(args, groups):
-    from model.config import GPTConfig
     from model.gpt import GPTStage
 
-    cfg = GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
-                    num_attention_heads=args.heads, seq_length=args.seq, hidden_dropout=0.0,
-                    attention_dropout=0.0, make_vocab_size_divisible_by=8)
-    return GPTStage(cfg, groups, range(args.layers), True, True, 1234)
+    return GPTStage(_gpt_config(args), groups, range(args.layers), True, True, 1234)
+
+
+def tp_args(args) -> argparse.Namespace:
+    """The tensor-parallel pair's sizes (``--tp-*``) under the names the runners read."""
+    return argparse.Namespace(layers=args.tp_layers, hidden=args.tp_hidden, heads=args.tp_heads,
+                              seq=args.tp_seq, vocab=args.vocab, micro=args.tp_micro,
+                              accum=args.tp_accum)
+
+
+def systems_to_run(args) -> tuple[list, list]:
+    """(systems that run, one line per optional package whose systems are skipped)."""
+    from scripts.bench_peers_optional import peer_available
+
+    names = list(DP_SYSTEMS) + (list(TP_SYSTEMS) if args.tp_layers > 0 else [])
+    skipped = {}
+    for name in names:
+        pkg = OPTIONAL.get(name)
+        if pkg is not None and not (args.optional and peer_available(pkg)):
+            skipped.setdefault(pkg, []).append(name)
+    why = "not importable" if args.optional else "--no-optional-peers"
+    lines = [f"skipped {pkg} ({why}): {' '.join(n)}" for pkg, n in skipped.items()]
+    return [n for n in names if not any(n in v for v in skipped.values())], lines
 
 
 def _megazero(args, groups, stage):
@@ -129,32 +173,55 @@ def _peer(args, groups, kind):
     return step, state
 
 
-SYSTEMS = ("megazero-zero0", "ddp", "megazero-zero1", "zero-redundancy-optimizer",
-           "megazero-zero2", "fsdp2")
+def _system(name, args, dp_groups, tp_groups):
+    """(step, state) of system ``name`` (one of DP_SYSTEMS / TP_SYSTEMS)."""
+    if name.startswith("megazero-zero"):
+        return _megazero(args, dp_groups, int(name[-1]))
+    if name == "megazero-tp2":
+        return _megazero(tp_args(args), tp_groups, 0)
+    if name.startswith("deepspeed-zero"):
+        from scripts.bench_peers_optional import deepspeed_system
+        return deepspeed_system(args, _model(args, dp_groups), int(name[-1]), ADAMW, CLIP)
+    if name == "megatron-core-tp2":
+        from model.spec import init_full_weights
+        from scripts.bench_peers_optional import megatron_core_system
+        cfg = _gpt_config(tp_args(args))
+        full = init_full_weights(cfg, 1234, tp_groups.tp_size)
+        return megatron_core_system(tp_args(args), cfg, full, ADAMW, CLIP)
+    return _peer(args, dp_groups, name)
 
 
-def run_rank(rank: int, world: int, args) -> dict:
-    """Interleaved rounds on every rank; returns per system: per-round step times (s), the
-    last loss, model-state bytes."""
+def _batches(a, gen, ranks: int, rank: int) -> list:
+    """4 steps of ``a.accum`` micro-batches ``(tokens, labels)`` ``[a.micro, a.seq]`` of this
+    rank (``ranks`` = 1: the same batches on every rank, as tensor parallelism needs)."""
+    import torch
+
+    data = torch.randint(0, a.vocab, (4, ranks, a.accum, a.micro, a.seq + 1), generator=gen)
+    return [[(d[:, :-1], d[:, 1:]) for d in data[i, rank % ranks]] for i in range(len(data))]
+
+
+def run_rank(rank: int, world: int, args, names) -> dict:
+    """Interleaved rounds of the systems ``names`` on every rank; returns per system: per-round
+    step times (s), the last loss, model-state bytes."""
     import torch
     import torch.distributed as dist
 
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
 
-    groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
+    dp_groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
+    tp_groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1)) if args.tp_layers else None
     gen = torch.Generator().manual_seed(5)
-    data = torch.randint(0, args.vocab, (4, world, args.accum, args.micro, args.seq + 1), generator=gen)
-    micro_batches = [[(d[:, :-1], d[:, 1:]) for d in data[i, rank]] for i in range(len(data))]
-    systems = {}
-    for name in SYSTEMS:
-        stage = int(name[-1]) if name.startswith("megazero") else None
-        systems[name] = _megazero(args, groups, stage) if stage is not None else _peer(args, groups, name)
-    out = {name: dict(times=[], loss=None, state=None) for name in SYSTEMS}
+    batches = {"dp": _batches(args, gen, world, rank)}
+    if args.tp_layers:
+        batches["tp"] = _batches(tp_args(args), gen, 1, rank)
+    systems = {name: _system(name, args, dp_groups, tp_groups) for name in names}
+    out = {name: dict(times=[], loss=None, state=None) for name in names}
     steps_done = 0
     for _ in range(args.rounds):
-        for name in SYSTEMS:
+        for name in names:
             step, state = systems[name]
+            micro_batches = batches["tp" if name in TP_SYSTEMS else "dp"]
             times = []
             for k in range(args.steps + 1):
                 dist.barrier()
@@ -169,42 +236,73 @@ def run_rank(rank: int, world: int, args) -> dict:
     return out
 
 
+def report(res: list, names: list) -> list[str]:
+    """The table, per-round ratios, losses and final ``ratio ours/peer: R`` lines (one per
+    pair whose both systems ran) from ``run_rank``'s per-rank results."""
+    r0 = res[0]
+    lines = ["| system | median ms/step | per-round medians min-max | model-state MiB per rank (max) | "
+             "loss after the last step |", "|---|---|---|---|---|"]
+    med = {}
+    for name in names:
+        times = [t for rnd in r0[name]["times"] for t in rnd]
+        rounds = [statistics.median(rnd) for rnd in r0[name]["times"]]
+        med[name] = (statistics.median(times), rounds)
+        state = max(r[name]["state"] for r in res) / 2 ** 20
+        lines.append(f"| {name} | {1e3 * med[name][0]:.1f} | {1e3 * min(rounds):.1f}-"
+                     f"{1e3 * max(rounds):.1f} | {state:.2f} | {r0[name]['loss']:.6f} |")
+    pairs = [(a, b) for a, b in PAIRS if a in med and b in med]
+    for ours, peer in pairs:
+        per_round = [a / b for a, b in zip(med[ours][1], med[peer][1])]
+        lines.append(f"per-round ratios {ours}/{peer}: " + ", ".join(f"{x:.3f}" for x in per_round)
+                     + f" (min {min(per_round):.3f}, max {max(per_round):.3f})")
+    for ours, peer in pairs:
+        a, b = r0[ours]["loss"], r0[peer]["loss"]
+        lines.append(f"loss {ours} {a:.6f} vs {peer} {b:.6f}: relative difference "
+                     f"{abs(a - b) / abs(b):.2e}")
+    for ours, peer in pairs:
+        lines.append(f"ratio {ours}/{peer}: {med[ours][0] / med[peer][0]:.2f}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--world", type=int, default=2, help="ranks (all data-parallel)")
+    ap.add_argument("--world", type=int, default=2, help="ranks (dp for the ZeRO pairs, tp for tp2)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per system per round")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=1024, help="vocabulary of both models")
     ap.add_argument("--micro", type=int, default=4, help="micro-batch size per rank")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--tp-layers", type=int, default=8, help="tp pair's layers (0: no tp pair)")
+    ap.add_argument("--tp-hidden", type=int, default=512)
+    ap.add_argument("--tp-heads", type=int, default=8)
+    ap.add_argument("--tp-seq", type=int, default=128)
+    ap.add_argument("--tp-micro", type=int, default=8, help="tp pair's micro-batch size")
+    ap.add_argument("--tp-accum", type=int, default=2, help="tp pair's micro-batches per step")
+    ap.add_argument("--no-optional-peers", dest="optional", action="store_false",
+                    help="skip DeepSpeed and Megatron-core even when they are installed")
     args = ap.parse_args(argv)
+    if args.tp_layers and args.world != 2:
+        print(f"error: the tp pair runs at tp 2, got --world {args.world}: use --world 2 or "
+              "--tp-layers 0", file=sys.stderr)
+        return 2
     from tests.distributed import run_distributed
 
-    res = run_distributed(run_rank, args.world, args, timeout_s=3600, collective_timeout_s=1800)
-    r0 = res[0]
-    print(f"world {args.world}, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
-          f"vocab {args.vocab}, micro-batch {args.micro} x {args.accum} per rank, fp32, "
-          f"{args.rounds} interleaved rounds x {args.steps} timed steps")
-    print("| system | median ms/step | per-round medians min-max | model-state MiB per rank (max) | "
-          "loss after the last step |")
-    print("|---|---|---|---|---|")
-    med = {}
-    for name in SYSTEMS:
-        times = [t for rnd in r0[name]["times"] for t in rnd]
-        rounds = [statistics.median(rnd) for rnd in r0[name]["times"]]
-        med[name] = (statistics.median(times), rounds)
-        state = max(r[name]["state"] for r in res) / 2 ** 20
-        print(f"| {name} | {1e3 * med[name][0]:.1f} | {1e3 * min(rounds):.1f}-{1e3 * max(rounds):.1f} | "
-              f"{state:.2f} | {r0[name]['loss']:.6f} |")
-    for ours, peer in PAIRS:
-        per_round = [a / b for a, b in zip(med[ours][1], med[peer][1])]
-        print(f"per-round ratios {ours}/{peer}: " + ", ".join(f"{x:.3f}" for x in per_round))
-    for ours, peer in PAIRS:
-        print(f"ratio {ours}/{peer}: {med[ours][0] / med[peer][0]:.3f}")
+    names, skipped = systems_to_run(args)
+    for line in skipped:
+        print(line)
+    load = os.getloadavg()
+    res = run_distributed(run_rank, args.world, args, names, timeout_s=7200, collective_timeout_s=1800)
+    print(f"world {args.world}, fp32, {args.rounds} interleaved rounds x {args.steps} timed steps; "
+          f"dp pairs: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, "
+          f"micro-batch {args.micro} x {args.accum} per rank; tp pair: {args.tp_layers} layers, "
+          f"hidden {args.tp_hidden}, heads {args.tp_heads}, seq {args.tp_seq}, micro-batch "
+          f"{args.tp_micro} x {args.tp_accum}; load average {load[0]:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
+    print("\n".join(report(res, names)))
     return 0
 
 

@@ -1,23 +1,67 @@
 """scripts/bench_peers.py trains the same thing in every system: from identical weights and
 batches, megazero ZeRO-0/1/2, DDP, ZeroRedundancyOptimizer and FSDP2 reach the same loss, and
-the model-state bytes per rank follow the ZeRO accounting (16, 12 bytes per parameter...)."""
+the model-state bytes per rank follow the ZeRO accounting (16, 12 bytes per parameter...).
+DeepSpeed and Megatron-core are not needed: the optional peers are switched off here, and
+Megatron-core's weight layout is checked as a pure function of megazero's."""
 import argparse
 import math
 
+import torch
+
 from scripts import bench_peers as B
+from scripts.bench_peers_optional import megatron_core_weights
 from tests.distributed import run_distributed
+
+ARGS = dict(rounds=1, steps=2, layers=1, hidden=32, heads=2, seq=16, vocab=64, micro=2, accum=2,
+            tp_layers=1, tp_hidden=32, tp_heads=2, tp_seq=16, tp_micro=2, tp_accum=2,
+            optional=False)
 
 
 def test_every_system_trains_the_same_and_states_follow_zero():
-    args = argparse.Namespace(rounds=1, steps=2, layers=1, hidden=32, heads=2, seq=16, vocab=64,
-                              micro=2, accum=2)
-    for out in run_distributed(B.run_rank, 2, args, timeout_s=300):
-        losses = {name: out[name]["loss"] for name in B.SYSTEMS}
+    args = argparse.Namespace(**ARGS)
+    names, skipped = B.systems_to_run(args)
+    assert skipped == ["skipped deepspeed (--no-optional-peers): deepspeed-zero0 deepspeed-zero1 "
+                       "deepspeed-zero2", "skipped megatron-core (--no-optional-peers): megatron-core-tp2"]
+    res = run_distributed(B.run_rank, 2, args, names, timeout_s=300)
+    for out in res:
+        losses = {name: out[name]["loss"] for name in names if name != "megazero-tp2"}
         for name, loss in losses.items():
             assert math.isclose(loss, losses["ddp"], rel_tol=1e-5), losses
-        state = {name: out[name]["state"] for name in B.SYSTEMS}
+        state = {name: out[name]["state"] for name in names}
         # ZeRO-0 and DDP: 4 (params) + 4 (grads) + 8 (Adam) bytes per parameter, up to padding
         assert math.isclose(state["megazero-zero0"], state["ddp"], rel_tol=1e-3), state
         assert state["megazero-zero1"] < state["megazero-zero0"]
         assert state["megazero-zero2"] < state["megazero-zero1"]
         assert math.isclose(state["megazero-zero1"] / state["megazero-zero0"], 12 / 16, rel_tol=1e-2)
+        # tp 2: each rank holds about half of the same model's 16 bytes per parameter
+        assert 0.5 < state["megazero-tp2"] / state["megazero-zero0"] < 0.6, state
+    # both TP ranks trained on the same batches: one loss
+    assert res[0]["megazero-tp2"]["loss"] == res[1]["megazero-tp2"]["loss"]
+    lines = B.report(res, names)
+    assert lines[-1].startswith("ratio megazero-zero2/fsdp2: ")
+    assert [line.split(":")[0] for line in lines if line.startswith("ratio ")] == [
+        "ratio megazero-zero0/ddp", "ratio megazero-zero1/zero-redundancy-optimizer",
+        "ratio megazero-zero2/fsdp2"]
+
+
+def test_megatron_core_layout_interleaves_q_k_v_per_head():
+    cfg = B._gpt_config(argparse.Namespace(**ARGS))
+    full = {}
+    for n, shape in [("embedding.word_embeddings.weight", (64, 32)), ("final_ln.weight", (32,)),
+                     ("embedding.position_embeddings.weight", (16, 32)), ("final_ln.bias", (32,))]:
+        full[n] = torch.randn(shape)
+    for name, shape in [("ln1", (32,)), ("attn.qkv", (96, 32)), ("attn.proj", (32, 32)),
+                        ("ln2", (32,)), ("mlp.fc1", (128, 32)), ("mlp.fc2", (32, 128))]:
+        full[f"layers.0.{name}.weight"] = torch.randn(shape)
+        full[f"layers.0.{name}.bias"] = torch.randn(shape[0])
+    out = megatron_core_weights(full, cfg)
+    assert len(out) == len(full)
+    d = cfg.head_dim  # 16: head h of Megatron's rows is [q_h; k_h; v_h]
+    qkv, theirs = full["layers.0.attn.qkv.weight"], out["decoder.layers.0.self_attention.linear_qkv.weight"]
+    for h in range(2):
+        for j in range(3):
+            row = (3 * h + j) * d
+            assert torch.equal(theirs[row:row + d], qkv[j * 32 + h * d:j * 32 + (h + 1) * d])
+    bias = out["decoder.layers.0.self_attention.linear_qkv.bias"]
+    assert torch.equal(bias[d:2 * d], full["layers.0.attn.qkv.bias"][32:32 + d])  # k of head 0
+    assert out["decoder.layers.0.mlp.linear_fc2.weight"] is full["layers.0.mlp.fc2.weight"]
