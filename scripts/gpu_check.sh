@@ -13,7 +13,15 @@
 #    device memory and step time with and without --offload-optimizer cpu; fails when the
 #    losses differ by more than 1e-5 or offload does not lower the device bytes
 #    (GPU_CHECK_OFFLOAD=0 skips it).
-# Exits non-zero at the first failing step.
+# 6. kernels (scripts/bench_kernels.py --dtype bf16): the bf16 matmul peak of GPU 0, measured
+#    by a timed 8192^3 product, and each fused kernel (LayerNorm, RMSNorm, Adam, attention)
+#    against its reference: times and speed-up (GPU_CHECK_KERNELS=0 skips it and step 7's MFU).
+# 7. a 1.3B-parameter GPT (24 layers, hidden 2048, 16 heads, seq 2048, vocabulary 50257) in
+#    bf16 with the fused kernels on one GPU, 6 iterations of 8 sequences, full recomputation
+#    when the GPU has under 60 GiB; prints scripts/run_throughput.py's line: tokens/s and MFU
+#    against step 6's measured peak (GPU_CHECK_1B3=0 skips it; GPU_CHECK_1B3_ARGS adds flags).
+# Output format of steps 6-7: docs/performance.md, "GPU check". Under 8 minutes on one GPU
+# with GPU_CHECK_OFFLOAD=0. Exits non-zero at the first failing step.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$MEGAZERO_ROOT"
@@ -97,5 +105,29 @@ if [ "${GPU_CHECK_OFFLOAD:-1}" != 0 ]; then
         "$PY" scripts/bench_offload.py --device cuda --stage "$STAGE" --steps 6 $DTYPE
     done
   done
+fi
+PEAK=""
+if [ "${GPU_CHECK_KERNELS:-1}" != 0 ]; then
+  echo "== kernels: bf16 matmul peak and each fused kernel against its reference"
+  KERNELS="$(mktemp)"
+  PYTHONPATH="$MEGAZERO_ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" scripts/bench_kernels.py --device cuda --dtype bf16 | tee "$KERNELS"
+  PEAK=$(sed -n 's/^matmul peak bf16: .*, \([0-9.]*\) TFLOP\/s$/\1/p' "$KERNELS")
+fi
+if [ "${GPU_CHECK_1B3:-1}" != 0 ]; then
+  RECOMPUTE=()
+  GIB=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  [ "$GIB" -ge 60 ] || RECOMPUTE=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+  RUN="$(mktemp -d)/gpt1b3"
+  echo "== GPT 1.3B bf16 on one GPU ($GIB GiB${RECOMPUTE[*]:+, ${RECOMPUTE[*]}}), peak ${PEAK:-unknown} TFLOP/s: $RUN"
+  # shellcheck disable=SC2086  # the extra arguments are meant to split into words
+  bash scripts/pretrain_gpt.sh --run-dir "$RUN" --device cuda --mock-data --bf16 --kernels auto \
+    --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
+    --vocab-size 50257 --micro-batch-size 4 --global-batch-size 8 --train-iters 6 \
+    --log-interval 1 --lr 1e-4 --min-lr 1e-5 ${PEAK:+--peak-tflops "$PEAK"} "${RECOMPUTE[@]}" \
+    ${GPU_CHECK_1B3_ARGS:-} > "$RUN.log" 2>&1 || { tail -n 40 "$RUN.log"; exit 1; }
+  grep -E -A1 "rank +Psi" "$RUN.log" || true   # Psi: the parameters of the rank
+  grep "^iteration" "$RUN.log" || true
+  PYTHONPATH="$MEGAZERO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/run_throughput.py "$RUN" --skip 2
 fi
 echo "== gpu_check passed"
