@@ -33,6 +33,7 @@ after a step (``to_local()`` shards for FSDP2, every distinct storage DeepSpeed'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -68,11 +69,17 @@ def _model(args, groups):
     return GPTStage(_gpt_config(args), groups, range(args.layers), True, True, 1234)
 
 
+def bucket_size(args) -> int:
+    """Gradient-reduction and parameter all-gather bucket of every system, elements:
+    ``--bucket-size``, else hidden size squared (megazero's default, DeepSpeed's 'auto')."""
+    return getattr(args, "bucket_size", None) or args.hidden ** 2
+
+
 def tp_args(args) -> argparse.Namespace:
     """The tensor-parallel pair's sizes (``--tp-*``) under the names the runners read."""
     return argparse.Namespace(layers=args.tp_layers, hidden=args.tp_hidden, heads=args.tp_heads,
                               seq=args.tp_seq, vocab=args.vocab, micro=args.tp_micro,
-                              accum=args.tp_accum)
+                              accum=args.tp_accum, bucket_size=getattr(args, "bucket_size", None))
 
 
 def systems_to_run(args) -> tuple[list, list]:
@@ -97,12 +104,12 @@ def _megazero(args, groups, stage):
     from megazero.optim.zero import DistributedOptimizer
 
     model = _model(args, groups)
-    ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=args.hidden ** 2,
+    ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=bucket_size(args),
                        overlap_comm=True)
     opt = DistributedOptimizer(ddp, groups, lr=ADAMW["lr"], beta1=ADAMW["betas"][0],
                                beta2=ADAMW["betas"][1], eps=ADAMW["eps"],
                                weight_decay=ADAMW["weight_decay"], clip_grad=CLIP,
-                               allgather_bucket_size=args.hidden ** 2)
+                               allgather_bucket_size=bucket_size(args))
 
     def step(micro):
         ddp.zero_grad()
@@ -136,7 +143,7 @@ def _peer(args, groups, kind):
             fully_shard(layer)
         wrapped = fully_shard(model)
     else:
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=args.hidden ** 2 * 4 / 2 ** 20)
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_size(args) * 4 / 2 ** 20)
     if kind == "zero-redundancy-optimizer":
         opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
     else:
@@ -173,6 +180,46 @@ def _peer(args, groups, kind):
     return step, state
 
 
+#: torch.distributed function -> (kind, payload: the first tensor argument, or the last).
+COLLECTIVES = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0), "reduce": ("reduce", 0),
+               "all_gather": ("all_gather", -1), "all_gather_into_tensor": ("all_gather", -1),
+               "all_gather_single": ("all_gather", -1), "reduce_scatter_tensor": ("reduce_scatter", -1),
+               "reduce_scatter_single": ("reduce_scatter", -1)}
+
+
+@contextlib.contextmanager
+def count_collectives(out: dict):
+    """Count, while inside, each collective called through torch.distributed's Python functions
+    (and megazero.collectives' bound all-gather / reduce-scatter): ``out[kind] = [calls,
+    bytes]``, bytes = the payload tensor's ``numel x element_size`` (the input of a gather or
+    scatter, as ``megazero.collectives.counter``). DDP's reducer calls gloo from C++: unseen."""
+    import torch
+    import torch.distributed as dist
+
+    from megazero import collectives as C
+
+    def wrap(fn, kind, which):
+        def counted(*a, **k):
+            tensors = [t for t in (*a, *k.values()) if isinstance(t, torch.Tensor)]
+            calls_bytes = out.setdefault(kind, [0, 0])
+            calls_bytes[0] += 1
+            calls_bytes[1] += tensors[which].numel() * tensors[which].element_size()
+            return fn(*a, **k)
+        return counted
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    bound = {"_ALL_GATHER": C._ALL_GATHER, "_REDUCE_SCATTER": C._REDUCE_SCATTER}
+    try:
+        for name, fn in saved.items():
+            setattr(dist, name, wrap(fn, *COLLECTIVES[name]))
+        C._ALL_GATHER = wrap(bound["_ALL_GATHER"], "all_gather", -1)
+        C._REDUCE_SCATTER = wrap(bound["_REDUCE_SCATTER"], "reduce_scatter", -1)
+        yield out
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        C._ALL_GATHER, C._REDUCE_SCATTER = bound["_ALL_GATHER"], bound["_REDUCE_SCATTER"]
+
+
 def _system(name, args, dp_groups, tp_groups):
     """(step, state) of system ``name`` (one of DP_SYSTEMS / TP_SYSTEMS)."""
     if name.startswith("megazero-zero"):
@@ -181,7 +228,8 @@ def _system(name, args, dp_groups, tp_groups):
         return _megazero(tp_args(args), tp_groups, 0)
     if name.startswith("deepspeed-zero"):
         from scripts.bench_peers_optional import deepspeed_system
-        return deepspeed_system(args, _model(args, dp_groups), int(name[-1]), ADAMW, CLIP)
+        return deepspeed_system(args, _model(args, dp_groups), int(name[-1]), ADAMW, CLIP,
+                                bucket_size(args))
     if name == "megatron-core-tp2":
         from model.spec import init_full_weights
         from scripts.bench_peers_optional import megatron_core_system
@@ -216,7 +264,7 @@ def run_rank(rank: int, world: int, args, names) -> dict:
     if args.tp_layers:
         batches["tp"] = _batches(tp_args(args), gen, 1, rank)
     systems = {name: _system(name, args, dp_groups, tp_groups) for name in names}
-    out = {name: dict(times=[], loss=None, state=None) for name in names}
+    out = {name: dict(times=[], cpu=[], loss=None, state=None, comm={}) for name in names}
     steps_done = 0
     for _ in range(args.rounds):
         for name in names:
@@ -225,23 +273,42 @@ def run_rank(rank: int, world: int, args, names) -> dict:
             times = []
             for k in range(args.steps + 1):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 loss = step(micro_batches[(steps_done + k) % len(micro_batches)])
                 if k > 0:
                     times.append(time.perf_counter() - t0)
+                    out[name]["cpu"].append(time.process_time() - c0)
             out[name]["times"].append(times)
             out[name]["loss"] = loss
             out[name]["state"] = state()
         steps_done += args.steps + 1
+    for name in names:  # one more step, its collectives counted
+        with count_collectives(out[name]["comm"]):
+            systems[name][0](batches["tp" if name in TP_SYSTEMS else "dp"][0])
     return out
 
 
-def report(res: list, names: list) -> list[str]:
-    """The table, per-round ratios, losses and final ``ratio ours/peer: R`` lines (one per
-    pair whose both systems ran) from ``run_rank``'s per-rank results."""
+def tp_theory(a) -> str:
+    """Megatron's tensor-parallel communication of one step (Shoeybi et al. 2019, sec. 3;
+    ``scripts/bench_comm.theory_tp``): per micro-batch 4 all-reduces of ``[B, T, H]`` fp32 per
+    layer (2 forward, 2 backward), the embedding's and the LM head's input gradient's; the
+    vocabulary-parallel cross-entropy's few ``[B, T]`` ones come on top."""
+    calls = a.accum * (4 * a.layers + 2)
+    return (f"theory tp (Megatron): {calls} all-reduces of [{a.micro}, {a.seq}, {a.hidden}] fp32 = "
+            f"{calls * 4 * a.micro * a.seq * a.hidden / 1e6:.2f} MB, + cross-entropy [B, T] sums/max")
+
+
+def _comm(counts: dict) -> str:
+    return "; ".join(f"{kind} {n} calls {b / 1e6:.2f} MB" for kind, (n, b) in sorted(counts.items()))
+
+
+def report(res: list, names: list, args=None) -> list[str]:
+    """The table, collectives of one step, per-round ratios, losses and final ``ratio
+    ours/peer: R`` lines (one per pair whose both systems ran) from ``run_rank``'s results;
+    ``args`` adds the tensor-parallel theory line."""
     r0 = res[0]
-    lines = ["| system | median ms/step | per-round medians min-max | model-state MiB per rank (max) | "
-             "loss after the last step |", "|---|---|---|---|---|"]
+    lines = ["| system | median ms/step | per-round medians min-max | median CPU ms/step | "
+             "model-state MiB per rank (max) | loss after the last step |", "|---|---|---|---|---|---|"]
     med = {}
     for name in names:
         times = [t for rnd in r0[name]["times"] for t in rnd]
@@ -249,7 +316,13 @@ def report(res: list, names: list) -> list[str]:
         med[name] = (statistics.median(times), rounds)
         state = max(r[name]["state"] for r in res) / 2 ** 20
         lines.append(f"| {name} | {1e3 * med[name][0]:.1f} | {1e3 * min(rounds):.1f}-"
-                     f"{1e3 * max(rounds):.1f} | {state:.2f} | {r0[name]['loss']:.6f} |")
+                     f"{1e3 * max(rounds):.1f} | {1e3 * statistics.median(r0[name]['cpu']):.1f} | "
+                     f"{state:.2f} | {r0[name]['loss']:.6f} |")
+    for name in names:
+        unseen = " (+ DDP's C++ reducer, not counted)" if name in ("ddp", "zero-redundancy-optimizer") else ""
+        lines.append(f"collectives of one step, {name}: {_comm(r0[name]['comm']) or 'none'}{unseen}")
+    if args is not None and "megazero-tp2" in names:
+        lines.append(tp_theory(tp_args(args)))
     pairs = [(a, b) for a, b in PAIRS if a in med and b in med]
     for ours, peer in pairs:
         per_round = [a / b for a, b in zip(med[ours][1], med[peer][1])]
@@ -276,6 +349,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=1024, help="vocabulary of both models")
     ap.add_argument("--micro", type=int, default=4, help="micro-batch size per rank")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--bucket-size", type=int, default=None,
+                    help="gradient/all-gather bucket of every system, elements (default hidden^2; "
+                         "DDP's bucket_cap_mb, DeepSpeed's reduce/allgather_bucket_size)")
     ap.add_argument("--tp-layers", type=int, default=8, help="tp pair's layers (0: no tp pair)")
     ap.add_argument("--tp-hidden", type=int, default=512)
     ap.add_argument("--tp-heads", type=int, default=8)
@@ -302,7 +378,7 @@ def main(argv=None) -> int:
           f"hidden {args.tp_hidden}, heads {args.tp_heads}, seq {args.tp_seq}, micro-batch "
           f"{args.tp_micro} x {args.tp_accum}; load average {load[0]:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
-    print("\n".join(report(res, names)))
+    print("\n".join(report(res, names, args)))
     return 0
 
 

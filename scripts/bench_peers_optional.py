@@ -48,9 +48,9 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _tensors_in(obj, depth: int = 3):
-    """Every tensor reachable from ``obj`` through dicts, lists, tuples and object attributes
-    (``depth`` levels); used to count what DeepSpeed's ZeRO optimizer keeps."""
+def _tensors_in(obj, depth: int = 2):
+    """Every tensor (and its ``.grad``) reachable from ``obj`` through dicts, lists and
+    tuples, ``depth`` levels deep."""
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -63,17 +63,34 @@ def _tensors_in(obj, depth: int = 3):
     elif depth > 0 and isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors_in(v, depth - 1)
-    elif depth > 0 and hasattr(obj, "__dict__") and not isinstance(obj, type):
-        yield from _tensors_in(vars(obj), depth - 1)
 
 
-def deepspeed_system(args, model, stage: int, adamw: dict, clip: float):
+#: DeepSpeed ZeRO-1/2 optimizer attributes holding model state: the flat parameter groups,
+#: the fp32 partitions, the reduced gradient partitions and the reduction buckets.
+DEEPSPEED_STATE_ATTRS = ("bit16_groups_flat", "single_partition_of_fp32_groups",
+                         "averaged_gradients", "ipg_buffer", "grads_in_partition")
+
+
+def deepspeed_state_bytes(engine, ds_opt) -> int:
+    """Bytes of the distinct storages of DeepSpeed's model state on this rank: the module's
+    parameters and gradients, the wrapped torch optimizer's parameters, gradients and Adam
+    moments, and the ZeRO optimizer's ``DEEPSPEED_STATE_ATTRS``."""
+    inner = getattr(ds_opt, "optimizer", ds_opt)
+    tensors = list(_tensors_in(list(engine.module.parameters()), 1))
+    tensors += _tensors_in([p for g in inner.param_groups for p in g["params"]], 1)
+    tensors += _tensors_in(list(inner.state.values()), 2)
+    for name in DEEPSPEED_STATE_ATTRS:
+        tensors += _tensors_in(getattr(ds_opt, name, None), 3)
+    return storage_bytes([t for t in tensors if t.numel() > 1])
+
+
+def deepspeed_system(args, model, stage: int, adamw: dict, clip: float, bucket: int):
     """(step, state) of DeepSpeed ZeRO ``stage`` training ``model`` (dp = world size).
 
     ``step(micro)`` runs ``len(micro)`` micro-batches ``(tokens, labels)`` ``[micro, seq]`` and
-    one optimizer step, returning the summed mean loss / len(micro); ``state()`` the bytes of
-    every distinct storage the engine's module and optimizer hold (parameters, gradients,
-    fp32 partitions, flat buffers, Adam moments).
+    one optimizer step, returning the summed mean loss / len(micro); ``state()``
+    ``deepspeed_state_bytes``. ``bucket``: ``reduce_bucket_size`` and ``allgather_bucket_size``
+    (elements), the benchmark's bucket for every system.
     """
     import torch
 
@@ -84,7 +101,8 @@ def deepspeed_system(args, model, stage: int, adamw: dict, clip: float):
     import deepspeed
 
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.accum,
-              "gradient_clipping": clip, "zero_optimization": {"stage": stage},
+              "gradient_clipping": clip, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                    "allgather_bucket_size": bucket},
               "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 30}
     opt = torch.optim.AdamW(model.parameters(), **adamw)
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
@@ -99,10 +117,7 @@ def deepspeed_system(args, model, stage: int, adamw: dict, clip: float):
             total += loss.item() / len(micro)
         return total
 
-    def state():
-        return storage_bytes(list(_tensors_in(list(engine.module.parameters()), 2))
-                             + list(_tensors_in(ds_opt, 5)))
-    return step, state
+    return step, lambda: deepspeed_state_bytes(engine, ds_opt)
 
 
 def megatron_core_weights(full: dict, cfg) -> dict:

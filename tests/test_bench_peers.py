@@ -37,7 +37,14 @@ def test_every_system_trains_the_same_and_states_follow_zero():
         assert 0.5 < state["megazero-tp2"] / state["megazero-zero0"] < 0.6, state
     # both TP ranks trained on the same batches: one loss
     assert res[0]["megazero-tp2"]["loss"] == res[1]["megazero-tp2"]["loss"]
-    lines = B.report(res, names)
+    # one tp2 step counted: Megatron's 4L + 2 all-reduces of [B, T, H] per micro-batch, the
+    # cross-entropy's MAX [B, T] and SUM [3, B, T] per micro-batch, the fp32 inf/NaN flag
+    # and the fp64 squared norm once per step (scripts/bench_comm.py, theory_tp)
+    m, act, bt = 2, 4 * 2 * 16 * 32, 2 * 16
+    assert res[0]["megazero-tp2"]["comm"] == {
+        "all_reduce": [m * (4 * 1 + 2) + 2 * m + 2, m * (6 * act + 4 * 4 * bt) + 4 + 8]}
+    lines = B.report(res, names, argparse.Namespace(**ARGS))
+    assert "theory tp (Megatron): 12 all-reduces of [2, 16, 32] fp32 = 0.05 MB" in "\n".join(lines)
     assert lines[-1].startswith("ratio megazero-zero2/fsdp2: ")
     assert [line.split(":")[0] for line in lines if line.startswith("ratio ")] == [
         "ratio megazero-zero0/ddp", "ratio megazero-zero1/zero-redundancy-optimizer",
