@@ -72,3 +72,25 @@ def test_megatron_core_layout_interleaves_q_k_v_per_head():
     bias = out["decoder.layers.0.self_attention.linear_qkv.bias"]
     assert torch.equal(bias[d:2 * d], full["layers.0.attn.qkv.bias"][32:32 + d])  # k of head 0
     assert out["decoder.layers.0.mlp.linear_fc2.weight"] is full["layers.0.mlp.fc2.weight"]
+
+
+def test_only_the_benchmark_imports_deepspeed_or_megatron():
+    """The peers are benchmark-only: no module of megazero/, model/, data/, train.py or the
+    tests imports them, and bench_peers_optional.py imports them only inside its runners."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "train.py"] + [f for d in ("megazero", "model", "data", "tests", "scripts")
+                                   for f in sorted((root / d).rglob("*.py"))]
+    for f in files:
+        tree = ast.parse(f.read_text(), str(f))
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            peers = [n for n in names if n.split(".")[0] in ("deepspeed", "megatron")]
+            if f.name == "bench_peers_optional.py":
+                top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+                assert not (peers and node in top), f"{f}: module-level import of {peers}"
+            else:
+                assert not peers, f"{f} imports {peers}"
