@@ -374,9 +374,10 @@ def main(argv=None) -> int:
     res = run_distributed(run_rank, args.world, args, names, timeout_s=7200, collective_timeout_s=1800)
     print(f"world {args.world}, fp32, {args.rounds} interleaved rounds x {args.steps} timed steps; "
           f"dp pairs: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, "
-          f"micro-batch {args.micro} x {args.accum} per rank; tp pair: {args.tp_layers} layers, "
-          f"hidden {args.tp_hidden}, heads {args.tp_heads}, seq {args.tp_seq}, micro-batch "
-          f"{args.tp_micro} x {args.tp_accum}; load average {load[0]:.1f} before, "
+          f"micro-batch {args.micro} x {args.accum} per rank, bucket {bucket_size(args)}; tp pair: "
+          + (f"{args.tp_layers} layers, hidden {args.tp_hidden}, heads {args.tp_heads}, seq "
+             f"{args.tp_seq}, micro-batch {args.tp_micro} x {args.tp_accum}" if args.tp_layers else "none")
+          + f"; load average {load[0]:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
     print("\n".join(report(res, names, args)))
     return 0
