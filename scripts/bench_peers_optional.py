@@ -157,6 +157,23 @@ def _megatron_core_cpu_shims(torch, ps, tensor_parallel) -> None:
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
 
 
+def _load_partitions(model, weights: dict, tp: int, rank: int) -> None:
+    """Copy this TP rank's partition of each full tensor into ``model``'s parameter of that
+    name; a parameter smaller than its full tensor along a dim is that dim's ``rank``-th of
+    ``tp`` chunks (without ``perform_initialization`` Megatron sets no partition attributes).
+    Marks each parameter ``bench_partitioned``."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = weights[name]
+            partitioned = [d for d in range(t.dim()) if p.shape[d] != t.shape[d]]
+            for d in partitioned:
+                t = t.chunk(tp, dim=d)[rank]
+            p.copy_(t)
+            p.bench_partitioned = bool(partitioned)
+
+
 def megatron_core_system(args, cfg, full: dict, adamw: dict, clip: float):
     """(step, state) of Megatron-core's GPTModel at tp = world size, from megazero's ``cfg``
     (``model.config.GPTConfig``, GPT-2 layout, tied embeddings) and full initial weights.
@@ -185,15 +202,8 @@ def megatron_core_system(args, cfg, full: dict, adamw: dict, clip: float):
     model = GPTModel(mc, get_gpt_layer_local_spec(), vocab_size=cfg.padded_vocab(tp),
                      max_sequence_length=cfg.seq_length, position_embedding_type="learned_absolute",
                      share_embeddings_and_output_weights=True)
-    rank, weights = ps.get_tensor_model_parallel_rank(), megatron_core_weights(full, cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            t = weights[name]
-            partitioned = [d for d in range(t.dim()) if p.shape[d] != t.shape[d]]
-            for d in partitioned:  # without perform_initialization no partition tags are set
-                t = t.chunk(tp, dim=d)[rank]
-            p.copy_(t)
-            p.bench_partitioned = bool(partitioned)
+    rank = ps.get_tensor_model_parallel_rank()
+    _load_partitions(model, megatron_core_weights(full, cfg), tp, rank)
     params = list(model.parameters())
     counted = [p for p in params if p.bench_partitioned or rank == 0]
     opt = torch.optim.AdamW(params, **adamw)
