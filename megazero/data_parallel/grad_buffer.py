@@ -25,6 +25,7 @@ sum of the earlier buckets' shards.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -123,6 +124,9 @@ class GradBuffer:
         self.param_buckets: dict[int, tuple[int, ...]] = {
             id(p): tuple(b.index for b in self.buckets if i in b.params)
             for i, p in enumerate(self.params)}
+        # increasing ends, for the range look-ups below (bisect instead of a scan per call)
+        self._shard_local_ends = [b.shard_local.end for b in self.buckets]
+        self._param_ends = [self.param_range[id(p)].end for p in self.params]
 
     def _make_buckets(self) -> list[Bucket]:
         buckets, local = [], 0
@@ -148,7 +152,9 @@ class GradBuffer:
         position. Pieces come in increasing local order, one per bucket touched.
         """
         pieces = []
-        for b in self.buckets:
+        for b in self.buckets[bisect.bisect_right(self._shard_local_ends, local.start):]:
+            if b.shard_local.start >= local.end:
+                break
             part = b.shard_local.intersect(local)
             if part is None:
                 continue
@@ -162,8 +168,10 @@ class GradBuffer:
         Padding (world indices past ``numel``) belongs to no parameter and is skipped.
         """
         out = []
-        for p in self.params:
+        for p in self.params[bisect.bisect_right(self._param_ends, world.start):]:
             r = self.param_range[id(p)]
+            if r.start >= world.end:
+                break
             part = r.intersect(world)
             if part is not None:
                 out.append((p, part.shift(-r.start), part))
