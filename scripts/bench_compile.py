@@ -66,11 +66,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: no OpenMP barrier to spin on when other jobs share the cores)")
     return ap.parse_args()
 
 
 def main() -> None:
     a = parse()
+    torch.set_num_threads(a.threads)
     total = a.warmup + a.rounds * a.steps
     argv = ["--mock-data", "--vocab-size", str(a.vocab_size), "--hidden-size", str(a.hidden_size),
             "--num-layers", str(a.num_layers), "--num-attention-heads", str(a.num_attention_heads),
@@ -80,6 +83,7 @@ def main() -> None:
             "--device", "cpu"]
     runs = {"eager": Run(argv), "compiled": Run(argv + ["--compile"])}
     warm = {name: sum(r.step() for _ in range(a.warmup)) for name, r in runs.items()}
+    graphs = _compiled_graphs()
     times = {name: [] for name in runs}
     per_round = {name: [] for name in runs}
     for rnd in range(a.rounds):
@@ -94,7 +98,8 @@ def main() -> None:
           f"each; torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
           f"{os.getloadavg()[0]:.1f}")
     print(f"untimed first {a.warmup} steps: eager {warm['eager']:.1f} s, compiled {warm['compiled']:.1f} s "
-          "(tracing and compilation)")
+          f"(tracing and compilation: {graphs} graphs; compiled during the timed steps: "
+          f"{_compiled_graphs() - graphs})")
     for name in runs:
         r = [x * 1e3 for x in per_round[name]]
         print(f"{name:9s} median {med[name]:8.1f} ms/step   per-round medians {min(r):.1f} - {max(r):.1f}")
@@ -104,6 +109,13 @@ def main() -> None:
     e, c = runs["eager"].losses, runs["compiled"].losses
     diff = max(abs(x - y) / abs(x) for x, y in zip(e, c))
     print(f"largest relative loss difference over {len(e)} steps: {diff:.2e} (first step {abs(e[0] - c[0]) / abs(e[0]):.2e})")
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 if __name__ == "__main__":
