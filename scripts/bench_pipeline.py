@@ -14,8 +14,8 @@ executor does: its grouped exchanges (a stage posts the sends of one group with 
 receives of the next and waits for all; a message moves once both sides posted it), each
 action costing what it took on its stage in that step (so the embedding on the first stage
 and the LM head and loss on the last are in), and every exchange costing the step's median
-hand-over time (completion minus the later of the two postings: transfer and wake-up of a
-waiting rank, 1-10 ms on a loaded CPU). Each measured step is replayed; the table shows the
+hand-over time of exchanges moving as many messages (completion minus the latest posting of
+its messages: transfer and wake-up of a waiting rank, 1-10 ms on a loaded CPU). Each measured step is replayed; the table shows the
 medians over the steps and the per-step difference. Two textbook columns follow:
 ``schedules.simulate`` with one median forward / backward cost and free communication, and
 the 1 : 2 costs, whose bubble is (pp-1)/(m+pp-1), or (pp-1)/(V m+pp-1) interleaved. Every
@@ -93,12 +93,12 @@ def stage_times(rank: int, world: int, micro_batches: int, steps: int) -> list[d
     return out
 
 
-def exchange_latency(recs: list[dict]) -> float:
+def exchange_latency(recs: list[dict]) -> dict[int, float]:
     """Median time (s) an exchange of one measured step took after its last message was posted
-    on both sides: ``done - max(own post, the peers' posts of its messages)`` over every
-    exchange of every stage (``recs``: the step's record of each stage): the hand-over and
-    wake-up the replay adds per exchange."""
-    posted, got = {}, []   # (tag, "send" / "recv") -> post time
+    on both sides, ``done - max(own post, the peers' posts of its messages)``, over the
+    exchanges of every stage with the same number of messages (``recs``: the step's record
+    of each stage): the hand-over and wake-up the replay adds per exchange."""
+    posted, got = {}, {}   # (tag, "send" / "recv") -> post time; messages -> durations
     for x in recs:
         for post, _, sent, received in x["exchanges"]:
             posted.update({(t, "send"): post for t in sent})
@@ -106,18 +106,19 @@ def exchange_latency(recs: list[dict]) -> float:
     for x in recs:
         for post, done, sent, received in x["exchanges"]:
             peers = [posted[(t, "recv")] for t in sent] + [posted[(t, "send")] for t in received]
-            got.append(done - max([post] + peers))
-    return statistics.median(got)
+            got.setdefault(len(peers), []).append(done - max([post] + peers))
+    return {n: statistics.median(v) for n, v in got.items()}
 
 
-def replay_step(recs: list[dict], scheds, pp: int, vp: int) -> tuple[float, float]:
-    """``(bubble, latency)``: ``replay.simulate_executor`` of one measured step, each action
-    costing what it took in that step, every exchange the step's median hand-over time."""
+def replay_step(recs: list[dict], scheds, pp: int, vp: int) -> tuple[float, dict]:
+    """``(bubble, latency by messages)``: ``replay.simulate_executor`` of one measured step,
+    each action costing what it took in that step, each exchange the step's median
+    hand-over time of exchanges with as many messages."""
     from megazero.pipeline.replay import simulate_executor
 
     latency = exchange_latency(recs)
     cost = lambda s, a: recs[s]["actions"][(a.kind, a.microbatch, a.chunk)]  # noqa: E731
-    return simulate_executor(scheds, pp, vp, cost, latency).bubble_fraction, latency
+    return simulate_executor(scheds, pp, vp, cost, latency.__getitem__).bubble_fraction, latency
 
 
 def summarize(per_rank: list[list[dict]], pp: int, micro_batches: int) -> list[dict]:
@@ -129,7 +130,7 @@ def summarize(per_rank: list[list[dict]], pp: int, micro_batches: int) -> list[d
     for j, (kind, vp) in enumerate(SCHEDULES):
         scheds = [build_schedule(kind, micro_batches, pp, r, vp) for r in range(pp)]
         steps = len(per_rank[0][j]["steps"])
-        bubbles, replays, lat, busy, idle = [], [], [], [[] for _ in range(pp)], [[] for _ in range(pp)]
+        bubbles, replays, lat, busy, idle = [], [], {}, [[] for _ in range(pp)], [[] for _ in range(pp)]
         for k in range(steps):
             recs = [per_rank[r][j]["steps"][k] for r in range(pp)]
             span = max(x["end"] for x in recs) - min(x["start"] for x in recs)
@@ -139,7 +140,8 @@ def summarize(per_rank: list[list[dict]], pp: int, micro_batches: int) -> list[d
             bubbles.append(sum(span - x["busy"] for x in recs) / (pp * span))
             replay, latency = replay_step(recs, scheds, pp, vp)
             replays.append(replay)
-            lat.append(latency)
+            for n, v in latency.items():
+                lat.setdefault(n, []).append(v)
         diffs = [m - r for m, r in zip(bubbles, replays)]
         f = statistics.median(d for r in per_rank for s in r[j]["steps"] for d in s["F"])
         b = statistics.median(d for r in per_rank for s in r[j]["steps"] for d in s["B"])
@@ -147,7 +149,8 @@ def summarize(per_rank: list[list[dict]], pp: int, micro_batches: int) -> list[d
         rows.append(dict(kind=kind, vp=vp, pp=pp, measured=statistics.median(bubbles),
                          spread=(min(bubbles), max(bubbles)), simulated=sim,
                          textbook=simulate(scheds, pp, vp).bubble_fraction,
-                         replay=statistics.median(replays), latency_ms=statistics.median(lat) * 1e3,
+                         replay=statistics.median(replays),
+                         latency_ms={n: statistics.median(v) * 1e3 for n, v in sorted(lat.items())},
                          diff=statistics.median(diffs), diff_spread=(min(diffs), max(diffs)),
                          busy=[statistics.median(x) * 1e3 for x in busy],
                          idle=[statistics.median(x) * 1e3 for x in idle], f_ms=f * 1e3,
@@ -181,7 +184,8 @@ def main(argv=None) -> int:
                   f"{' / '.join(f'{x:.0f}' for x in row['idle'])} | "
                   f"{100 * row['measured']:.1f}% ({100 * row['spread'][0]:.1f}-"
                   f"{100 * row['spread'][1]:.1f}) | {100 * row['replay']:.1f}% "
-                  f"({row['latency_ms']:.1f} ms) | {diff:+.1f} ({100 * row['diff_spread'][0]:+.1f} to "
+                  f"({' / '.join(f'{v:.1f}' for v in row['latency_ms'].values())} ms for "
+                  f"{' / '.join(str(n) for n in row['latency_ms'])} messages) | {diff:+.1f} ({100 * row['diff_spread'][0]:+.1f} to "
                   f"{100 * row['diff_spread'][1]:+.1f}) | {100 * row['simulated']:.1f}% | "
                   f"{100 * row['textbook']:.1f}% |", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

@@ -23,13 +23,17 @@ def test_free_exchanges_give_the_textbook_bubble(kind, vp, pp):
 
 
 def test_hand_over_time_by_hand():
-    """pp 2, one micro-batch, F = 1, B = 2, hand-over L: stage 0's F ends at 1 and its send is
-    matched at 1 + L; stage 1 runs F and B and sends the gradient, matched at 4 + 2L; stage 0's
-    B ends at 6 + 2L: bubble (2 (6 + 2L) - 6) / (2 (6 + 2L))."""
+    """pp 2, one micro-batch, F = 1, B = 2, hand-over L: stage 0's F ends at 1 and stage 1
+    receives the activation at 1 + L; stage 1 runs F and B and posts the gradient at 4 + L;
+    stage 0's exchange (its activation out, the gradient in) completes at 4 + 2L, its B ends at
+    6 + 2L: bubble (2 (6 + 2L) - 6) / (2 (6 + 2L))."""
     for L in (0.0, 0.5, 3.0):
         got = simulate_executor(_scheds("1f1b", 1, 2, 1), 2, 1, lambda s, a: 1.0 if a.kind == "F" else 2.0, L)
         assert got.makespan == pytest.approx(6 + 2 * L)
         assert got.bubble_fraction == pytest.approx((6 + 4 * L) / (12 + 4 * L))
+        by_messages = simulate_executor(_scheds("1f1b", 1, 2, 1), 2, 1,
+                                        lambda s, a: 1.0 if a.kind == "F" else 2.0, {1: L, 2: L}.__getitem__)
+        assert by_messages.makespan == got.makespan   # the same hand-over for 1 and 2 messages
 
 
 def test_stage_costs_move_the_bubble():

@@ -25,7 +25,7 @@ idle time the rest of the makespan (waiting and exchanging), and the bubble frac
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Union
 
 from megazero.pipeline.executor import comm_plan, exchange_groups
 from megazero.pipeline.schedules import Action, ScheduleError, SimResult, _check_actions, _peak_inflight
@@ -52,12 +52,13 @@ def _plan(schedules, pp_size: int, vp_size: int):
 
 
 def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
-                      cost: Callable[[int, Action], float], latency: float = 0.0) -> SimResult:
+                      cost: Callable[[int, Action], float],
+                      latency: Union[float, Callable[[int], float]] = 0.0) -> SimResult:
     """Replay the executor's exchanges (module docstring); times in ``cost``'s unit.
 
     Args: ``schedules`` (one ``build_schedule`` list per stage), ``pp_size``, ``vp_size``,
     ``cost(stage, action)`` (duration of one action), ``latency`` (added to every
-    exchange that moves a message). Returns a ``schedules.SimResult`` whose ``finish[s][k]``
+    exchange that moves a message; a callable gets the exchange's number of messages). Returns a ``schedules.SimResult`` whose ``finish[s][k]``
     is the completion time of stage ``s``'s exchange ``k``. Raises ScheduleError for invalid
     schedules or when the exchanges deadlock.
     """
@@ -83,7 +84,8 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
                 peers = [peer_post(t, "recv") for t in sends] + [peer_post(t, "send") for t in recvs]
                 if any(p is None for p in peers):
                     break
-                t = max([post[s][k]] + peers) + (latency if peers else 0.0)
+                lat = 0.0 if not peers else latency(len(peers)) if callable(latency) else latency
+                t = max([post[s][k]] + peers) + lat
                 done[s].append(t)
                 if k < len(groups):
                     work = sum(cost(s, schedules[s][i]) for i in groups[k])
