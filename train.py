@@ -162,6 +162,12 @@ def bucket_sizes(cfg: Config) -> tuple[int, int]:
     return int(z.reduce_bucket_size or auto), int(z.allgather_bucket_size or auto)
 
 
+def overlap_param_gather(cfg: Config) -> bool:
+    """--overlap-param-gather resolved: auto = on exactly at ZeRO stages 1 and 2."""
+    z = cfg.zero
+    return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto" and z.stage in (1, 2))
+
+
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
     """Gradient buffers (ZeRO stage 0-3) and the sharded Adam that owns the fp32 main params."""
     z, pr, o = cfg.zero, cfg.precision, cfg.optim
@@ -180,7 +186,8 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
                                     max_consecutive_skips=pr.max_consecutive_skips))
     kw = dict(beta1=o.adam_beta1, beta2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay,
               clip_grad=o.clip_grad, loss_scaler=scaler, allgather_bucket_size=allgather_bucket,
-              adam_backend=o.kernels, max_consecutive_skips=pr.max_consecutive_skips)
+              adam_backend=o.kernels, max_consecutive_skips=pr.max_consecutive_skips,
+              overlap_param_gather=overlap_param_gather(cfg))
     if z.offload_optimizer == "cpu":   # ZeRO-Offload: fp32 state and Adam on the host
         return ddp, HostOffloadOptimizer(ddp, groups, pin_memory=z.offload_optimizer_pin_memory, **kw)
     return ddp, DistributedOptimizer(ddp, groups, **kw)
@@ -372,6 +379,7 @@ class Trainer:
         directory. With --async-save the files are written in the background (finished by the
         next save, ``finish_save`` or ``wait``); the time the loop was blocked is logged."""
         self.finish_save()
+        self.optimizer.wait_param_gather()
         self.trail.enter(self.iteration, "checkpoint save (gathers over dp and tp)")
         t0 = time.perf_counter()
         out = self._save(root)
@@ -503,6 +511,7 @@ class Trainer:
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
         """Mean token loss of this global batch (forward only), known on every rank."""
+        self.optimizer.wait_param_gather()
         for c in self.chunks:
             c.eval()
         loss = self._run(batches, self.eval_actions, forward_only=True)
@@ -674,6 +683,7 @@ def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optio
     if reason != "non-finite" and s.save and saved is None:
         saved = trainer.save_checkpoint(s.save)
     trainer.finish_save()  # the checkpoint is complete before the run ends
+    trainer.optimizer.wait_param_gather()
     path = saved if reason != "non-finite" else None
     if control.writes_record:
         resilience.write_stop_record(trainer.cfg.log.run_dir, reason=reason, iteration=trainer.iteration,
@@ -741,6 +751,7 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
             return finish_stop(trainer, control, reason, saved)
     profiler.close()
     trainer.finish_save()
+    trainer.optimizer.wait_param_gather()
     sample = final_sample(trainer, tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None else float("nan")
     monitor.summary(last_valid, baseline, sample)

@@ -239,6 +239,12 @@ class ZeroConfig:
         None, "parameter all-gather bucket; None = hidden size squared", "elements", ge=1)
     overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass",
                             flags=("--no-overlap-comm",))
+    overlap_param_gather: str = _f(
+        "auto", "ZeRO-1/2: leave the all-gather of the updated parameters in flight after the "
+        "optimizer step, bucket by bucket, each waited for just before the next forward uses it "
+        "(Megatron-core's overlap_param_gather; bit-identical to off); auto = on at --zero-stage 1 "
+        "and 2, off at 0 (nothing to gather) and 3 (gathered before each forward anyway); on at "
+        "stage 0 or 3 is refused", choices=("auto", "on", "off"))
     zero3_reshard_after_forward: str = _f(
         "auto", "ZeRO-3: drop a chunk's gathered parameters after its forward and gather them again "
         "for its backward (on: less memory, one more all-gather per micro-batch), or keep them "

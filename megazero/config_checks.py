@@ -188,6 +188,10 @@ def _check_offload(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"{_show(cfg, 'optim.kernels')} apex needs CUDA but "
                           f"{_show(cfg, 'zero.offload_optimizer')} cpu runs Adam on the host; fix: use "
                           "--kernels auto or torch")
+    if z.overlap_param_gather == "on" and z.stage not in (1, 2):
+        raise ConfigError(f"{_show(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
+                          f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
+                          "before each forward); fix: use --zero-stage 1 or 2, or --overlap-param-gather auto")
     if z.offload_param == "cpu":
         raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu (ZeRO-3 parameter shards in host "
                           "memory) is not supported by megazero yet; fix: remove it (--offload-optimizer "

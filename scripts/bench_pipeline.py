@@ -1,21 +1,28 @@
-"""Each pipeline stage's measured busy and idle time beside the simulator's bubble fraction.
+"""Each pipeline stage's measured busy and idle time beside the simulated bubble fraction.
 
 For GPipe, 1F1B and the interleaved schedule (V = 2) at pp 2 and 4, gloo ranks on this
-machine run forward and backward of a GPT (8 layers, hidden 192, sequence 128, micro-batch 4, so every stage and chunk holds whole
-layers) through ``megazero.pipeline.executor.run_schedule``, which records each action's
-start and end (``busy=``). A step spans from the earliest stage's start (after a barrier)
+machine run forward and backward of a GPT (8 layers, hidden 192, sequence 128, micro-batch 4,
+so every stage and chunk holds whole layers) through ``megazero.pipeline.executor.run_schedule``,
+which records each action's start and end (``busy=``) and each p2p exchange's posting and
+completion (``exchanges=``). A step spans from the earliest stage's start (after a barrier)
 to the latest stage's end; a stage is busy while it runs a forward or backward and idle
-otherwise (waiting on a neighbour, or sending). The measured bubble is the simulator's
-definition, ``sum(idle) / (pp * makespan)`` (``schedules.simulate``), the median over the
-measured steps. The simulator is run with this run's median forward and backward cost per
-chunk (``forward_cost = V x median chunk-forward``), and with the textbook 1 : 2 costs,
-whose bubble is (pp-1)/(m+pp-1), or (pp-1)/(V m+pp-1) interleaved.
+otherwise (waiting on a neighbour, exchanging). The measured bubble is
+``sum(idle) / (pp * makespan)`` (``schedules.simulate``'s definition).
 
-The first and last stage also run the embedding and the LM head with cross-entropy, which
-the simulator does not model; a small vocabulary keeps them a few percent of a stage.
-On a shared CPU the ranks also compete for cores: see docs/performance.md.
+The comparison is with ``megazero.pipeline.replay.simulate_executor``, which models what the
+executor does: its grouped exchanges (a stage posts the sends of one group with the
+receives of the next and waits for all; a message moves once both sides posted it), each
+action costing what it took on its stage in that step (so the embedding on the first stage
+and the LM head and loss on the last are in), and every exchange costing the step's median
+hand-over time of exchanges moving as many messages (completion minus the latest posting of
+its messages: transfer and wake-up of a waiting rank, 1-10 ms on a loaded CPU). Each measured step is replayed; the table shows the
+medians over the steps and the per-step difference. Two textbook columns follow:
+``schedules.simulate`` with one median forward / backward cost and free communication, and
+the 1 : 2 costs, whose bubble is (pp-1)/(m+pp-1), or (pp-1)/(V m+pp-1) interleaved. Every
+rank runs one torch thread (``tests.distributed``). On a shared CPU the ranks also compete
+for cores: see docs/performance.md.
 
-    python scripts/bench_pipeline.py [--steps 3] [--micro-batches 8] [--pp 2 4]
+    python scripts/bench_pipeline.py [--steps 5] [--micro-batches 8] [--pp 2 4]
 """
 from __future__ import annotations
 
@@ -67,30 +74,63 @@ def stage_times(rank: int, world: int, micro_batches: int, steps: int) -> list[d
         for i in range(steps + 1):
             for c in chunks:
                 c.zero_grad(set_to_none=True)
-            busy: list = []
+            busy, exchanges = [], []
             dist.barrier()
             t0 = time.perf_counter()
             run_schedule(actions, chunks, step, batches, groups,
                          tensor_shape=(MICRO_BATCH, cfg.seq_length, cfg.hidden_size),
                          dtype=torch.float32, num_microbatches=micro_batches, vp_size=vp,
-                         busy=busy)
+                         busy=busy, exchanges=exchanges)
             t1 = time.perf_counter()
             if i > 0:
                 records.append(dict(start=t0, end=t1, busy=sum(e - s for _, s, e in busy),
                                     F=[e - s for k, s, e in busy if k == "F"],
-                                    B=[e - s for k, s, e in busy if k == "B"]))
+                                    B=[e - s for k, s, e in busy if k == "B"],
+                                    actions={(a.kind, a.microbatch, a.chunk): e - s
+                                             for a, (_, s, e) in zip(actions, busy)},
+                                    exchanges=exchanges))
         out.append(dict(kind=kind, vp=vp, steps=records))
     return out
 
 
+def exchange_latency(recs: list[dict]) -> dict[int, float]:
+    """Median time (s) an exchange of one measured step took after its last message was posted
+    on both sides, ``done - max(own post, the peers' posts of its messages)``, over the
+    exchanges of every stage with the same number of messages (``recs``: the step's record
+    of each stage): the hand-over and wake-up the replay adds per exchange."""
+    posted, got = {}, {}   # (tag, "send" / "recv") -> post time; messages -> durations
+    for x in recs:
+        for post, _, sent, received in x["exchanges"]:
+            posted.update({(t, "send"): post for t in sent})
+            posted.update({(t, "recv"): post for t in received})
+    for x in recs:
+        for post, done, sent, received in x["exchanges"]:
+            peers = [posted[(t, "recv")] for t in sent] + [posted[(t, "send")] for t in received]
+            got.setdefault(len(peers), []).append(done - max([post] + peers))
+    return {n: statistics.median(v) for n, v in got.items()}
+
+
+def replay_step(recs: list[dict], scheds, pp: int, vp: int) -> tuple[float, dict]:
+    """``(bubble, latency by messages)``: ``replay.simulate_executor`` of one measured step,
+    each action costing what it took in that step, each exchange the step's median
+    hand-over time of exchanges with as many messages."""
+    from megazero.pipeline.replay import simulate_executor
+
+    latency = exchange_latency(recs)
+    cost = lambda s, a: recs[s]["actions"][(a.kind, a.microbatch, a.chunk)]  # noqa: E731
+    return simulate_executor(scheds, pp, vp, cost, latency.__getitem__).bubble_fraction, latency
+
+
 def summarize(per_rank: list[list[dict]], pp: int, micro_batches: int) -> list[dict]:
-    """One row per schedule: per-stage median busy / idle ms, measured and simulated bubble."""
+    """One row per schedule: per-stage median busy / idle ms, measured bubble, the executor
+    replay of each measured step and the per-step difference (medians over the steps)."""
     from megazero.pipeline.schedules import build_schedule, simulate
 
     rows = []
     for j, (kind, vp) in enumerate(SCHEDULES):
+        scheds = [build_schedule(kind, micro_batches, pp, r, vp) for r in range(pp)]
         steps = len(per_rank[0][j]["steps"])
-        bubbles, busy, idle = [], [[] for _ in range(pp)], [[] for _ in range(pp)]
+        bubbles, replays, lat, busy, idle = [], [], {}, [[] for _ in range(pp)], [[] for _ in range(pp)]
         for k in range(steps):
             recs = [per_rank[r][j]["steps"][k] for r in range(pp)]
             span = max(x["end"] for x in recs) - min(x["start"] for x in recs)
@@ -98,13 +138,20 @@ def summarize(per_rank: list[list[dict]], pp: int, micro_batches: int) -> list[d
                 busy[r].append(x["busy"])
                 idle[r].append(span - x["busy"])
             bubbles.append(sum(span - x["busy"] for x in recs) / (pp * span))
+            replay, latency = replay_step(recs, scheds, pp, vp)
+            replays.append(replay)
+            for n, v in latency.items():
+                lat.setdefault(n, []).append(v)
+        diffs = [m - r for m, r in zip(bubbles, replays)]
         f = statistics.median(d for r in per_rank for s in r[j]["steps"] for d in s["F"])
         b = statistics.median(d for r in per_rank for s in r[j]["steps"] for d in s["B"])
-        scheds = [build_schedule(kind, micro_batches, pp, r, vp) for r in range(pp)]
         sim = simulate(scheds, pp, vp, forward_cost=f * vp, backward_cost=b * vp).bubble_fraction
-        textbook = simulate(scheds, pp, vp).bubble_fraction
         rows.append(dict(kind=kind, vp=vp, pp=pp, measured=statistics.median(bubbles),
-                         spread=(min(bubbles), max(bubbles)), simulated=sim, textbook=textbook,
+                         spread=(min(bubbles), max(bubbles)), simulated=sim,
+                         textbook=simulate(scheds, pp, vp).bubble_fraction,
+                         replay=statistics.median(replays),
+                         latency_ms={n: statistics.median(v) * 1e3 for n, v in sorted(lat.items())},
+                         diff=statistics.median(diffs), diff_spread=(min(diffs), max(diffs)),
                          busy=[statistics.median(x) * 1e3 for x in busy],
                          idle=[statistics.median(x) * 1e3 for x in idle], f_ms=f * 1e3,
                          b_ms=b * 1e3))
@@ -113,31 +160,36 @@ def summarize(per_rank: list[list[dict]], pp: int, micro_batches: int) -> list[d
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="measured steps after one warm-up")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps after one warm-up")
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args(argv)
     from tests.distributed import run_distributed
 
+    print(f"load average {os.getloadavg()[0]:.1f} at the start")
     print("| pp | schedule | F / B ms per chunk | busy ms per stage | idle ms per stage | "
-          "measured bubble (min-max) | simulated (measured costs) | simulated 1:2 | "
-          "difference pp |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "measured bubble (min-max) | executor replay (hand-over) | difference pp (min-max) | "
+          "textbook model, measured costs | textbook 1:2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for pp in args.pp:
         per_rank = run_distributed(stage_times, pp, args.micro_batches, args.steps, timeout_s=1800,
                                    collective_timeout_s=600)
         for row in summarize(per_rank, pp, args.micro_batches):
-            diff = 100 * (row["measured"] - row["simulated"])
+            diff = 100 * row["diff"]
             worst = max(worst, abs(diff))
             name = row["kind"] + (f" V={row['vp']}" if row["vp"] > 1 else "")
             print(f"| {pp} | {name} | {row['f_ms']:.1f} / {row['b_ms']:.1f} | "
                   f"{' / '.join(f'{x:.0f}' for x in row['busy'])} | "
                   f"{' / '.join(f'{x:.0f}' for x in row['idle'])} | "
                   f"{100 * row['measured']:.1f}% ({100 * row['spread'][0]:.1f}-"
-                  f"{100 * row['spread'][1]:.1f}) | {100 * row['simulated']:.1f}% | "
-                  f"{100 * row['textbook']:.1f}% | {diff:+.1f} |", flush=True)
-    print(f"largest |measured - simulated|: {worst:.1f} percentage points")
+                  f"{100 * row['spread'][1]:.1f}) | {100 * row['replay']:.1f}% "
+                  f"({' / '.join(f'{v:.1f}' for v in row['latency_ms'].values())} ms for "
+                  f"{' / '.join(str(n) for n in row['latency_ms'])} messages) | {diff:+.1f} ({100 * row['diff_spread'][0]:+.1f} to "
+                  f"{100 * row['diff_spread'][1]:+.1f}) | {100 * row['simulated']:.1f}% | "
+                  f"{100 * row['textbook']:.1f}% |", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"largest |measured - executor replay|: {worst:.1f} percentage points")
     return 0
 
 

@@ -17,6 +17,7 @@ import torch
 from megazero import collectives as C
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.grad_buffer import Range
+from megazero.data_parallel.param_gather import ParamGatherOverlap
 from megazero.data_parallel.sharding import ShardedBuffer, make_strategy
 from megazero.ops.adam import adam_step
 from megazero.optim.clip import clip_coefficient, global_grad_norm
@@ -103,7 +104,9 @@ class DistributedOptimizer:
        parameters whose ``tags.decays`` is True (the model's parameter spec; by default
        ``ndim >= 2``: biases and norm weights are not decayed, as in Megatron-LM), done by calling the kernel per run of equal decay.
     6. bring the updated parameters to every DP rank (``ShardedBuffer.gather_params``:
-       stages 1/2 all-gather in pieces of ``allgather_bucket_size`` elements, Psi per step).
+       stages 1/2 all-gather in pieces of ``allgather_bucket_size`` elements, Psi per step;
+       with ``overlap_param_gather`` one asynchronous in-place all-gather per bucket instead,
+       each waited for just before the next forward uses it: ``param_gather.py``).
 
     An fp32 model's main params are its parameters (views of the flat parameter buffer); a
     bf16/fp16 model gets an fp32 copy of its owned runs. Steps 3-5 run bucket by bucket: fp32
@@ -114,15 +117,17 @@ class DistributedOptimizer:
     ``eps``, ``weight_decay``; ``clip_grad`` (0 = off); ``loss_scaler`` (a
     ``precision.DynamicLossScaler``/``StaticLossScaler``, None for fp32/bf16);
     ``allgather_bucket_size`` (elements per all-gather); ``adam_backend``;
-    ``max_consecutive_skips``. Raises ValueError for ``allgather_bucket_size < 1`` or
-    ``max_consecutive_skips < 1``.
+    ``max_consecutive_skips``; ``overlap_param_gather`` (ZeRO-1/2 only: leave the step-6
+    all-gathers in flight; call ``wait_param_gather`` before reading the parameters other than
+    through the model's forward). Raises ValueError for ``allgather_bucket_size < 1``,
+    ``max_consecutive_skips < 1`` or ``overlap_param_gather`` at ZeRO stage 0 or 3.
     """
 
     def __init__(self, ddp: DataParallel, groups: ProcessGroups, *, lr: float = 1e-3,
                  beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  weight_decay: float = 0.0, clip_grad: float = 0.0, loss_scaler=None,
                  allgather_bucket_size: int = 500_000_000, adam_backend: str = "auto",
-                 max_consecutive_skips: int = 50):
+                 max_consecutive_skips: int = 50, overlap_param_gather: bool = False):
         if allgather_bucket_size < 1 or max_consecutive_skips < 1:
             raise ValueError(f"allgather_bucket_size ({allgather_bucket_size}) and "
                              f"max_consecutive_skips ({max_consecutive_skips}) must be >= 1")
@@ -146,6 +151,8 @@ class DistributedOptimizer:
         self.pieces = [p for i, buf in enumerate(ddp.buffers) for p in self._pieces(i, buf)]
         self.peak_step_bytes = 0
         self._init_main_params()
+        self.param_gather = (ParamGatherOverlap(ddp.chunks, ddp.buffers, groups.dp)
+                             if overlap_param_gather else None)
 
     def _separate_main(self, buf: ShardedBuffer) -> bool:
         """Whether ``buf``'s owned runs get an fp32 main copy (else the params are the main)."""
@@ -198,6 +205,7 @@ class DistributedOptimizer:
         constructor's. Raises LossScaleError (a RuntimeError) when stuck skipping."""
         lr = self.lr if lr is None else lr
         self.peak_step_bytes = 0
+        self.wait_param_gather()   # normally done: the forward waited for every bucket
         self.ddp.finish_grad_sync()                                           # 1
         scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
         device = self.device
@@ -264,9 +272,18 @@ class DistributedOptimizer:
                       weight_decay=self.weight_decay if decays else 0.0,
                       backend=self.adam_backend)
 
+    def wait_param_gather(self) -> None:
+        """Wait for the all-gathers ``overlap_param_gather`` left in flight (no-op without)."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
+
     @torch.no_grad()
     def _update_model_params(self) -> None:
         dp = self.ddp.dp_size
+        if self.param_gather is not None:
+            self.param_gather.start({id(buf): None if buf.main_is_param else self._shard_filler(buf, m)
+                                     for buf, m in zip(self.ddp.buffers, self.main_offsets)})
+            return
         for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
             used = buf.gather_params(self._shard_filler(buf, mbase),
                                      max(1, self.allgather_bucket_size // dp), self.groups.dp, dp)
@@ -387,4 +404,6 @@ class DistributedOptimizer:
         self.consecutive_min_skips = int(state["consecutive_min_skips"])
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.wait_param_gather()
         self._update_model_params()   # collective at stages 1/2: every rank loads
+        self.wait_param_gather()

@@ -104,7 +104,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                  before_backward: Optional[Callable[[int, bool], None]] = None,
                  scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  device: Optional[torch.device] = None, forward_only: bool = False,
-                 busy: Optional[list] = None) -> torch.Tensor:
+                 busy: Optional[list] = None, exchanges: Optional[list] = None) -> torch.Tensor:
     """Run ``actions`` (this stage's schedule) and return the summed loss.
 
     Args:
@@ -125,6 +125,8 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             "B", ``time.perf_counter()`` seconds, a clock shared by the processes of one
             machine); the rest of the step is this stage's idle time and communication
             (``scripts/bench_pipeline.py``).
+        exchanges: when a list, ``(posted, done, sent tags, received tags)`` is appended for
+            every p2p exchange (``time.perf_counter()`` seconds; ``message_tag`` tags).
 
     Returns a 0-d fp64 tensor on every rank of the pipeline: the sum of ``loss_fn`` over
     this rank's micro-batches (added in fp64, so the sum is exact to fp32 rounding for any
@@ -147,7 +149,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
     for group in exchange_groups(actions):
         plans = [comm_plan(actions[i], r, p, vp_size) for i in group]
         recvs = {f"recv_{recv[0]}": recv[2] for recv, _ in plans if recv}
-        received = links.exchange(**pending, **recvs)  # (from prev, from next)
+        received = _exchange(links, pending, recvs, exchanges)  # (from prev, from next)
         pending = {}
         for i, (_, send) in zip(group, plans):
             a = actions[i]
@@ -170,11 +172,21 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             # A finished output or loss still references its graph, whose AccumulateGrad
             # node holds the received input: drop it so memory matches the schedule.
             output = loss = None
-    links.exchange(**pending)
+    _exchange(links, pending, {}, exchanges)
     if saved:
         raise ValueError(f"schedule left forwards without backward: {sorted(saved)}")
     last = stage_rank(groups, p - 1)
     return collectives.broadcast(loss_sum, last, groups.pp)
+
+
+def _exchange(links: StageLinks, sends: dict, recvs: dict, record: Optional[list]):
+    """``links.exchange`` of ``sends`` and ``recvs``, timed into ``record`` when it is a list."""
+    posted = time.perf_counter()
+    received = links.exchange(**sends, **recvs)
+    if record is not None and (sends or recvs):
+        record.append((posted, time.perf_counter(), [tag for _, tag in sends.values()],
+                       list(recvs.values())))
+    return received
 
 
 def _forward(saved: dict, a: Action, chunk: torch.nn.Module, forward_step: Callable, batch,
