@@ -203,6 +203,7 @@ DS_CASES = {  # seed JSON -> (world, extra flags, zero stage, fp16, bf16) the ru
     "seed004_stage2.json": (2, ["--dp", "2", "--bf16"], 2, False, True),
     "seed004_stage2_offload_optimizer.json": (2, ["--dp", "2"], 2, False, False),
     "seed000_stage3.json": (2, ["--dp", "2"], 3, True, False),
+    "seed004_stage3_offload.json": (2, ["--dp", "2"], 3, False, False),
 }
 
 
