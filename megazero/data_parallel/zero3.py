@@ -9,7 +9,9 @@ schedule of gathers, prefetches and releases is :mod:`megazero.data_parallel.zer
 1. ``start_gather`` issues the all-gather of every bucket into a fresh ``params_flat``
    (``async_op=True`` when prefetching); ``finish_gather`` waits for it and points each
    parameter's ``.data`` at its view of the gathered buffer;
-2. ``release`` drops the gathered buffer: ``.data`` becomes a zero-stride placeholder of the
+2. ``release`` frees the gathered buffer's memory (its storage resized to 0 bytes; the
+   next gather fills the same storage again, so tensors autograd saved as its views stay
+   valid without keeping the memory): ``.data`` becomes a zero-stride placeholder of the
    parameter's shape (reading it gives zeros);
 3. gradients are reduce-scattered per micro-batch exactly as in ZeRO-2 (``Stage2``);
 4. the optimizer updates the shard in place (an fp32 model's shard is its main params), so
@@ -51,7 +53,7 @@ class Stage3(Stage2):
             buf.params_shard[b.shard_local.start:b.shard_local.end].copy_(
                 buf.params_flat[b.shard_world.start:b.shard_world.end])
         buf.placeholder = torch.zeros(1, dtype=buf.params_shard.dtype, device=device)
-        buf.pending_gather, buf.offloaded = None, self.offload_param
+        buf.pending_gather, buf.offloaded, buf.full = None, self.offload_param, None
         self.release(buf)
 
     def owned_param_view(self, buf, own):
@@ -63,7 +65,12 @@ class Stage3(Stage2):
         if buf.params_flat is not None or buf.pending_gather is not None:
             return
         layout, device = buf.layout, buf.placeholder.device
-        full = torch.empty(layout.padded_numel, dtype=buf.params_shard.dtype, device=device)
+        full = buf.full   # one storage per buffer: tensors autograd saved as its views see it
+        if full is None:
+            full = buf.full = torch.empty(layout.padded_numel, dtype=buf.params_shard.dtype,
+                                          device=device)
+        else:
+            full.untyped_storage().resize_(layout.padded_numel * full.element_size())
         works = []
         for b in layout.buckets:   # rank-major output == the bucket's world layout
             out = full[b.range.start:b.range.end]
@@ -92,10 +99,14 @@ class Stage3(Stage2):
         self.finish_gather(buf)
 
     def release(self, buf) -> None:
-        """Drop the gathered buffer; parameters keep their shapes (zero-stride zeros)."""
+        """Free the gathered buffer's memory (its storage resized to 0 bytes, as FSDP does, so
+        that views autograd saved, e.g. ``weight.t()``, hold no memory and see the values
+        again once re-gathered); parameters keep their shapes (zero-stride zeros)."""
         self.finish_gather(buf)
         for p in buf.layout.params:
             p.data = buf.placeholder.expand(p.shape)
+        if buf.full is not None:
+            buf.full.untyped_storage().resize_(0)
         buf.params_flat = None
 
     def gather_params(self, buf, fill_shard, chunk_numel, group, dp_size):

@@ -214,6 +214,8 @@ class Zero3Gather:
         ``u`` in the trace are gathered before ``u``'s backward)."""
         if not self.opt.reshard_after_forward or _in_backward():
             return True
+        if not torch.is_grad_enabled():   # no backward follows (evaluation, generation)
+            return False
         if u.module is None:   # the chunk's own parameters: its backward comes next
             return self.opt.max_reuse_distance >= 0
         if u.chunk_id not in self.traced:
