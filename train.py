@@ -790,14 +790,14 @@ def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
                            micro_batch_size=cfg.train.micro_batch_size,
                            sequence_parallel=p.sequence_parallel and p.tp > 1,
                            activations=activation_settings(cfg),
-                           buckets=bucket_sizes(cfg))
+                           buckets=bucket_sizes(cfg) + (2, cfg.zero.zero3_max_live_parameters))
 
 
 def plan_stages(cfg: Config, vocab_size: int) -> list[memory.MemoryEstimate]:
     """The memory plan of every pipeline stage (index = pp rank), as ``plan_memory`` counts it."""
     return memory.stage_estimates(build_gpt_config(cfg, vocab_size), **_plan_layout(cfg),
                                   a=activation_settings(cfg),
-                                  buckets=bucket_sizes(cfg))
+                                  buckets=bucket_sizes(cfg) + (2, cfg.zero.zero3_max_live_parameters))
 
 
 def _plan_layout(cfg: Config) -> dict:
