@@ -73,6 +73,8 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                      ["--kernels apex", "--offload-optimizer cpu", "--kernels auto or torch"]),
     "offload_param": (M + ["--offload-param", "cpu", "--zero-stage", "2"], 1,
                       ["--offload-param cpu", "--zero-stage 3", "got 2"]),
+    "offload_param_alone": (M + ["--offload-param", "cpu", "--zero-stage", "3"], 1,
+                            ["--offload-param cpu", "--offload-optimizer cpu"]),
     "offload_device": (M + ["--offload-optimizer", "nvme"], 1, ["--offload-optimizer", "nvme"]),
     "no_data": ([], 1, ["--data-path", "--mock-data"]),
     "data_files_missing": (["--data-path", "{DIR}/nope", "--tokenizer-model", "{TOK}"], 1,
