@@ -50,7 +50,7 @@ class DataParallel:
         groups: process groups (uses ``dp``, ``tp``, ``embedding``).
         zero_stage: 0 (all-reduce), 1 (reduce-scatter, full gradient buffer), 2
             (reduce-scatter per micro-batch, gradient shard only) or 3 (stage 2 plus parameter
-            shards, gathered around each chunk's forward and backward: ``zero3.py``).
+            shards, gathered per unit around its forward and backward: ``zero3_gather.py``).
         bucket_size: elements per bucket (rounded up to a multiple of the DP size); also
             bounds the finalize step's packed buffers.
         overlap_comm: start reductions asynchronously during backward.
