@@ -19,12 +19,14 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from megazero import checkpoint, collectives, memory, resilience
 from megazero.activations import ActivationSettings
 from megazero.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir, to_dict
 from megazero.data_parallel.ddp import DataParallel
+from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.flops import spec_flops_per_iteration
 from megazero.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
@@ -168,15 +170,36 @@ def overlap_param_gather(cfg: Config) -> bool:
     return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto" and z.stage in (1, 2))
 
 
+def zero3_units(chunk: GPTStage) -> list[nn.Module]:
+    """ZeRO-3 gather units of one model chunk in forward order: the embedding (its position
+    table alone when the word embedding is also the tied output layer, which then stays in
+    the chunk's own unit, gathered around the whole chunk), each block, the final norm and an
+    untied output layer."""
+    units, tied = [], chunk.cfg.tie_embeddings
+    if chunk.pre_process:
+        emb = chunk.embedding
+        units += [emb] if not tied else ([emb.position_embeddings] if emb.with_positions else [])
+    units += list(chunk.layers.values())
+    if chunk.post_process:
+        units += [chunk.final_ln] + ([] if tied else [chunk.output])
+    return units
+
+
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
     """Gradient buffers (ZeRO stage 0-3) and the sharded Adam that owns the fp32 main params."""
     z, pr, o = cfg.zero, cfg.precision, cfg.optim
     grad_dtype = torch.float32 if pr.accumulate_allreduce_grads_in_fp32 else model_dtype(pr.fp16, pr.bf16)
     reduce_bucket, allgather_bucket = bucket_sizes(cfg)
     reshard = z.zero3_reshard_after_forward
+    zero3 = Zero3Options(prefetch_bucket_size=z.zero3_prefetch_bucket_size,
+                         max_live_parameters=z.zero3_max_live_parameters,
+                         param_persistence_threshold=z.zero3_param_persistence_threshold,
+                         max_reuse_distance=z.zero3_max_reuse_distance,
+                         offload_param=z.offload_param == "cpu")
     ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=reduce_bucket,
                        overlap_comm=z.overlap_comm, grad_dtype=grad_dtype,
-                       reshard_after_forward=cfg.parallel.pp == 1 if reshard == "auto" else reshard == "on")
+                       reshard_after_forward=cfg.parallel.pp == 1 if reshard == "auto" else reshard == "on",
+                       units=[zero3_units(c) for c in chunks], zero3=zero3)
     scaler = None
     if pr.fp16:
         scaler = (StaticLossScaler(pr.loss_scale) if pr.loss_scale > 0 else
@@ -778,14 +801,14 @@ def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
                            micro_batch_size=cfg.train.micro_batch_size,
                            sequence_parallel=p.sequence_parallel and p.tp > 1,
                            activations=activation_settings(cfg),
-                           buckets=bucket_sizes(cfg))
+                           buckets=bucket_sizes(cfg) + (2, cfg.zero.zero3_max_live_parameters))
 
 
 def plan_stages(cfg: Config, vocab_size: int) -> list[memory.MemoryEstimate]:
     """The memory plan of every pipeline stage (index = pp rank), as ``plan_memory`` counts it."""
     return memory.stage_estimates(build_gpt_config(cfg, vocab_size), **_plan_layout(cfg),
                                   a=activation_settings(cfg),
-                                  buckets=bucket_sizes(cfg))
+                                  buckets=bucket_sizes(cfg) + (2, cfg.zero.zero3_max_live_parameters))
 
 
 def _plan_layout(cfg: Config) -> dict:

@@ -132,21 +132,24 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
 
 
 def temporary_bytes(psi: int, dp: int, zero_stage: int, param_bytes: int, grad_bytes: int,
-                    reduce_bucket: int, allgather_bucket: int, buckets_in_flight: int = 2) -> tuple[float, float]:
+                    reduce_bucket: int, allgather_bucket: int, buckets_in_flight: int = 2,
+                    zero3_max_live: Optional[int] = None) -> tuple[float, float]:
     """(bytes alive during the backward, bytes alive during the optimizer step) beyond the
     model states, as megazero's ZeRO strategies bound them (``DistributedOptimizer.
     bucket_bound_bytes``): ZeRO-2/3 stage up to ``buckets_in_flight + 2`` reduce buckets of
     gradients in the backward; the step holds an fp32 scratch of one owned bucket piece when
     gradients are not fp32, or, at stages 1-3, the all-gather buffers
     (``allgather_bucket / N`` elements per rank, N + 1 of them, in the model dtype). ZeRO-3
-    adds the gathered parameters to the backward's bytes (``zero3.Stage3`` gathers one model
-    chunk at a time; ``psi`` counts every chunk of the stage, an upper bound under the
-    interleaved schedule) and needs no all-gather after the step."""
+    adds the gathered parameters to the backward's bytes: at most ``zero3_max_live``
+    elements (``--zero3-max-live-parameters``; ``zero3_gather`` gathers per layer, prefetches
+    only under that bound and releases idle layers to stay under it) and never more than the
+    stage's ``psi``; it needs no all-gather after the step."""
     shard = psi if zero_stage == 0 else math.ceil(psi / dp)
     bucket = min(reduce_bucket, psi)
     staging = (buckets_in_flight + 2) * bucket * grad_bytes if zero_stage >= 2 else 0
     if zero_stage == 3:
-        return float(staging + psi * param_bytes), float(4 * min(math.ceil(bucket / dp), shard)
+        live = psi if zero3_max_live is None else min(psi, zero3_max_live)
+        return float(staging + live * param_bytes), float(4 * min(math.ceil(bucket / dp), shard)
                                                          if grad_bytes != 4 else 0)
     piece = min(bucket if zero_stage == 0 else math.ceil(bucket / dp), shard)
     scratch = 4 * piece if grad_bytes != 4 else 0

@@ -230,7 +230,8 @@ class PrecisionConfig:
 class ZeroConfig:
     """ZeRO data parallelism (Rajbhandari et al. 2020): 0 = replicated, 1 = optimizer states
     sharded, 2 = optimizer states and gradients sharded, 3 = parameters sharded too (gathered
-    per model chunk around its forward and backward, ``megazero.data_parallel.zero3``)."""
+    per layer around its forward and backward, prefetched ahead:
+    ``megazero.data_parallel.zero3_gather``)."""
 
     stage: int = _f(0, "ZeRO stage: 0, 1, 2 or 3", flags=("--zero-stage",))
     reduce_bucket_size: Optional[int] = _f(
@@ -246,10 +247,23 @@ class ZeroConfig:
         "and 2, off at 0 (nothing to gather) and 3 (gathered before each forward anyway); on at "
         "stage 0 or 3 is refused", choices=("auto", "on", "off"))
     zero3_reshard_after_forward: str = _f(
-        "auto", "ZeRO-3: drop a chunk's gathered parameters after its forward and gather them again "
+        "auto", "ZeRO-3: drop a layer's gathered parameters after its forward and gather them again "
         "for its backward (on: less memory, one more all-gather per micro-batch), or keep them "
         "gathered across the step's micro-batches (off); auto = off under --pp > 1, else on",
         choices=("auto", "on", "off"))
+    # DeepSpeed's zero_optimization.stage3_* knobs, in elements as DeepSpeed counts them.
+    zero3_prefetch_bucket_size: int = _f(
+        50_000_000, "ZeRO-3: parameters all-gathered ahead of the computing layer (DeepSpeed's "
+        "stage3_prefetch_bucket_size); 0 = no prefetch", "elements", ge=0)
+    zero3_max_live_parameters: int = _f(
+        1_000_000_000, "ZeRO-3: bound on gathered parameters at any time (DeepSpeed's "
+        "stage3_max_live_parameters): no prefetch past it, idle layers released first", "elements", ge=1)
+    zero3_param_persistence_threshold: int = _f(
+        100_000, "ZeRO-3: parameters with fewer elements stay whole on every rank (gradients and "
+        "optimizer state still sharded; DeepSpeed's stage3_param_persistence_threshold)", "elements", ge=0)
+    zero3_max_reuse_distance: int = _f(
+        1_000_000_000, "ZeRO-3: a layer used again (its backward) within this many gathered elements "
+        "stays gathered after its forward (DeepSpeed's stage3_max_reuse_distance)", "elements", ge=0)
     # DeepSpeed knobs whose alternative megazero does not implement: it always keeps gradients
     # in contiguous buffers, reduce-scatters them (stages 1/2) and all-gathers updated shards.
     # Turning one off is accepted (DeepSpeed files set them) and ignored with a warning.
@@ -269,7 +283,8 @@ class ZeroConfig:
                                             "offload_optimizer.pin_memory)",
                                             flags=("--no-offload-pin-memory",))
     offload_param: str = _f("none", "where ZeRO-3 parameter shards live between uses: none or cpu "
-                            "(needs stage 3; not implemented yet)", choices=("none", "cpu"),
+                            "(host memory, copied to the device for each all-gather; needs stage 3)",
+                            choices=("none", "cpu"),
                             flags=("--offload-param",))
 
 

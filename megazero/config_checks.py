@@ -179,7 +179,8 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
 
 def _check_offload(cfg: Config, world_size: int) -> None:
     """--offload-optimizer cpu needs a sharded stage (1-3, as DeepSpeed) and CPU Adam kernels;
-    --offload-param cpu needs ZeRO-3 parameter shards (not implemented yet: refused)."""
+    --offload-param cpu needs ZeRO-3 parameter shards (refused at stages 0-2) and the optimizer
+    offloaded too (the host shards are updated where they live)."""
     z = cfg.zero
     if z.offload_optimizer == "cpu" and z.stage == 0:
         raise ConfigError(f"{_show(cfg, 'zero.offload_optimizer')} cpu needs a ZeRO stage of 1 or more "
@@ -192,10 +193,13 @@ def _check_offload(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"{_show(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
                           f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
                           "before each forward); fix: use --zero-stage 1 or 2, or --overlap-param-gather auto")
-    if z.offload_param == "cpu":
-        raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu (ZeRO-3 parameter shards in host "
-                          "memory) is not supported by megazero yet; fix: remove it (--offload-optimizer "
-                          "cpu offloads the optimizer states)")
+    if z.offload_param == "cpu" and z.stage != 3:
+        raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu keeps ZeRO-3 parameter shards in host "
+                          f"memory and needs {_show(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
+                          "--zero-stage 3, or remove it (--offload-optimizer cpu offloads the optimizer states)")
+    if z.offload_param == "cpu" and z.offload_optimizer != "cpu":
+        raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu needs the optimizer on the host too "
+                          "(it updates the host shards in place); fix: add --offload-optimizer cpu")
 
 
 def _check_outputs(cfg: Config, world_size: int) -> None:

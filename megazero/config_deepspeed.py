@@ -6,9 +6,11 @@ sizes, overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions)
 min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, ``gradient_clipping``, ``steps_per_print``,
 ``zero_optimization.offload_optimizer`` (``device`` cpu/none, ``pin_memory``) and
-``offload_param`` (``device``; parameter offload is refused). NVMe offload and the legacy
-``cpu_offload*`` switches are refused; ``stage3_*`` keys (ZeRO-3's prefetch/persistence knobs,
-which megazero's per-chunk gathering does not have) and any other unknown key give a warning.
+``offload_param`` (``device``: ZeRO-3 parameter shards in host memory), and ZeRO-3's
+``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
+``stage3_param_persistence_threshold`` and ``stage3_max_reuse_distance`` (elements). NVMe
+offload and the legacy ``cpu_offload*`` switches are refused; other ``stage3_*`` keys and any
+other unknown key give a warning.
 
 ``activation_checkpointing`` (DeepSpeed's activation checkpointing API, as Megatron-DeepSpeed
 uses it with one checkpoint per transformer layer): the block turns on
@@ -43,6 +45,9 @@ _DS_KEYS = {
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
     "zero_optimization.offload_optimizer.pin_memory": "zero.offload_optimizer_pin_memory",
     "zero_optimization.offload_param.device": "zero.offload_param",
+    **{f"zero_optimization.stage3_{k}": f"zero.zero3_{k}" for k in
+       ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
+        "max_reuse_distance")},
 }
 _DS_BLOCKS = ("zero_optimization", "fp16", "bf16", "activation_checkpointing")
 _RECOMPUTE = {"model.recompute_granularity": "full", "model.recompute_method": "uniform",
@@ -138,8 +143,9 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         if name is None and key.startswith("zero_optimization.stage3_"):
             warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's ZeRO-3 "
-                            "gathers a whole model chunk around its forward and backward, without "
-                            "prefetch or persistent small parameters; ignored")
+                            "reads stage3_prefetch_bucket_size, stage3_max_live_parameters, "
+                            "stage3_param_persistence_threshold and stage3_max_reuse_distance only; "
+                            "ignored")
             continue
         if name is None:
             if not key.startswith("zero_optimization.") or key.split(".")[-1] not in _OFFLOAD_KEYS:

@@ -133,12 +133,13 @@ def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> li
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
              grad_bytes: int, sequence_parallel: bool, activations: Optional[A.ActivationSettings] = None,
-             buckets: Optional[tuple[int, int]] = None, states_on_host: bool = False) -> MemoryEstimate:
+             buckets: Optional[tuple] = None, states_on_host: bool = False) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
 
     With ``activations`` the activations are counted per tensor (``megazero.activations``)
-    and, with ``buckets`` = (reduce, all-gather bucket elements), the temporaries too;
+    and, with ``buckets`` = (reduce, all-gather bucket elements[, buckets in flight, ZeRO-3
+    max live parameters]), the temporaries too (``activations.temporary_bytes``);
     without, the Korthikanti bound below is used. ``states_on_host``: the optimizer is
     offloaded to another memory than the one planned (``--offload-optimizer cpu`` on a GPU),
     so only the device part of ``optim.offload.offload_formula_bytes`` counts."""
@@ -180,7 +181,7 @@ def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
 
 def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
                     num_microbatches: int, zero_stage: int, param_bytes: int, grad_bytes: int,
-                    a: A.ActivationSettings, buckets: tuple[int, int],
+                    a: A.ActivationSettings, buckets: tuple,
                     states_on_host: bool = False) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.activations``) and temporaries."""

@@ -9,7 +9,8 @@ machine noise hits all alike; the table shows, per stage, the model-state bytes 
 parameter (measured = formula), the temporaries and their bound, and the median over rounds
 of the largest peak over ranks.
 
-    python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3] ...
+    python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3]
+        [--zero3-prefetch-bucket-size N] [--zero3-max-reuse-distance N] ...
 """
 from __future__ import annotations
 
@@ -57,9 +58,13 @@ def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
     psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     padded = sum(b.layout.padded_numel for b in trainer.ddp.buffers)
     p_bytes, g_bytes = trainer.dtype.itemsize, trainer.ddp.grad_dtype.itemsize
+    # ZeRO-3: parameters under the persistence threshold stay whole ((N - 1) / N more bytes)
+    whole = sum(b.layout.padded_numel for b in trainer.ddp.buffers
+                if cfg.zero.stage == 3 and b.strategy.stage != 3)
     return dict(psi=psi, states=got["total"] - got["buckets"], buckets=got["buckets"],
                 bound=opt.bucket_bound_bytes(), before=before, peak=_status_kib("VmHWM") * 1024,
-                formula=zero_formula_bytes(padded, world, cfg.zero.stage, p_bytes, g_bytes))
+                formula=zero_formula_bytes(padded, world, cfg.zero.stage, p_bytes, g_bytes)
+                + p_bytes * whole * (world - 1) / world)
 
 
 def main() -> None:
@@ -76,13 +81,19 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--stages", default="0,1,2", help="comma-separated ZeRO stages to compare (0-3)")
     ap.add_argument("--zero3-reshard-after-forward", default="auto", choices=("auto", "on", "off"))
+    knobs = ("prefetch-bucket-size", "max-live-parameters", "param-persistence-threshold",
+             "max-reuse-distance")
+    for k in knobs:   # ZeRO-3 knobs (elements); train.py's defaults when not given
+        ap.add_argument(f"--zero3-{k}", type=int, default=None)
     a = ap.parse_args()
+    given = [(k, getattr(a, "zero3_" + k.replace("-", "_"))) for k in knobs]
+    given = [(k, v) for k, v in given if v is not None]
     base = ["--mock-data", "--vocab-size", str(a.vocab_size), "--hidden-size", str(a.hidden_size),
             "--num-layers", str(a.num_layers), "--num-attention-heads", str(a.num_attention_heads),
             "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
             "--train-iters", str(a.steps), "--eval-iters", "0", "--device", "cpu", "--dp", str(a.dp),
             "--clip-grad", "1.0", "--zero3-reshard-after-forward", a.zero3_reshard_after_forward] + (
-                ["--bf16"] if a.bf16 else [])
+                ["--bf16"] if a.bf16 else []) + [x for k, v in given for x in (f"--zero3-{k}", str(v))]
     runs: dict[int, list] = {int(s): [] for s in a.stages.split(",")}
     for _ in range(a.rounds):
         for stage in runs:
@@ -91,7 +102,8 @@ def main() -> None:
     psi = next(iter(runs.values()))[0][0]["psi"]
     print(f"GPT: {a.num_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}, seq {a.seq_length}, "
           f"micro-batch {a.micro_batch_size}; Psi = {psi} parameters; {'bf16' if a.bf16 else 'fp32'}; "
-          f"dp {a.dp}; ZeRO-3 reshard after forward {a.zero3_reshard_after_forward}; {a.steps} steps; {a.rounds} interleaved rounds; torch threads {torch.get_num_threads()}")
+          f"dp {a.dp}; ZeRO-3 reshard after forward {a.zero3_reshard_after_forward}"
+          f"{''.join(f', {k} {v}' for k, v in given)}; {a.steps} steps; {a.rounds} interleaved rounds; torch threads {torch.get_num_threads()}")
     print("| ZeRO | model states B/param (measured = formula) | temporaries MiB (bound) "
           "| RSS before model MiB | peak RSS MiB (median of rounds, max over ranks) | peak - before MiB |")
     print("|---|---|---|---|---|---|")

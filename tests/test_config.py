@@ -71,7 +71,10 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "offload_stage0": (M + ["--offload-optimizer", "cpu"], 1, ["--offload-optimizer cpu", "--zero-stage 0"]),
     "offload_apex": (M + ["--offload-optimizer", "cpu", "--zero-stage", "1", "--kernels", "apex"], 1,
                      ["--kernels apex", "--offload-optimizer cpu", "--kernels auto or torch"]),
-    "offload_param": (M + ["--offload-param", "cpu", "--zero-stage", "2"], 1, ["--offload-param cpu", "remove it"]),
+    "offload_param": (M + ["--offload-param", "cpu", "--zero-stage", "2"], 1,
+                      ["--offload-param cpu", "--zero-stage 3", "got 2"]),
+    "offload_param_alone": (M + ["--offload-param", "cpu", "--zero-stage", "3"], 1,
+                            ["--offload-param cpu", "--offload-optimizer cpu"]),
     "offload_device": (M + ["--offload-optimizer", "nvme"], 1, ["--offload-optimizer", "nvme"]),
     "no_data": ([], 1, ["--data-path", "--mock-data"]),
     "data_files_missing": (["--data-path", "{DIR}/nope", "--tokenizer-model", "{TOK}"], 1,
@@ -308,21 +311,25 @@ def test_flag_conflicting_with_json_names_both(capsys):
     assert "--no-overlap-comm on the command line conflicts with zero_optimization.overlap_comm" in err
 
 
-def test_parameter_offload_is_refused_naming_the_key(capsys):
-    """seed004_stage3_offload.json asks for ZeRO-3 parameter offload (not built yet): one line
-    naming the flag, the JSON key and the file."""
-    err = fails(M + ["--deepspeed-config", seed("seed004_stage3_offload.json")], 1, capsys)
-    assert "--offload-param (zero_optimization.offload_param.device in" in err
-    assert "seed004_stage3_offload.json" in err and "not supported by megazero yet" in err
+def test_stage3_offload_seed_fills_the_stage3_knobs_and_parameter_offload():
+    """seed004_stage3_offload.json: offload_param and the four stage3_* knobs (elements) read."""
+    cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_stage3_offload.json")], 1)
+    z = cfg.zero
+    assert (z.stage, z.offload_param, z.offload_optimizer) == (3, "cpu", "cpu")
+    assert (z.zero3_prefetch_bucket_size, z.zero3_max_live_parameters, z.zero3_param_persistence_threshold,
+            z.zero3_max_reuse_distance) == (500_000_000, 1_000_000_000, 1_000_000, 1_000_000_000)
+    assert cfg.sources["zero.zero3_max_reuse_distance"].startswith("zero_optimization.stage3_max_reuse_distance in")
 
 
-def test_stage3_is_read_and_its_knobs_named_in_a_warning(files):
+def test_stage3_is_read_and_unread_stage3_keys_named_in_a_warning(files):
     cfg = config_from_argv(M4 + ["--deepspeed-config", seed("seed000_stage3.json"), "--micro-batch-size", "16"], 2)
     assert (cfg.zero.stage, cfg.precision.fp16, cfg.train.global_batch_size) == (3, True, 32)
-    path = files["json"]({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9}})
-    cfg = config_from_argv(M4 + ["--deepspeed-config", path], 2)
-    assert cfg.zero.stage == 3 and len(cfg.warnings) == 1
-    assert "'zero_optimization.stage3_max_live_parameters' is not honoured" in cfg.warnings[0]
+    path = files["json"]({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 2e6,
+                                                "stage3_gather_16bit_weights_on_model_save": True}})
+    cfg = config_from_argv(M4 + ["--deepspeed-config", path, "--zero3-prefetch-bucket-size", "0"], 2)
+    assert (cfg.zero.stage, cfg.zero.zero3_max_live_parameters, cfg.zero.zero3_prefetch_bucket_size) == (3, 2_000_000, 0)
+    assert len(cfg.warnings) == 1
+    assert "'zero_optimization.stage3_gather_16bit_weights_on_model_save' is not honoured" in cfg.warnings[0]
 
 
 def test_unknown_keys_warn_and_auto_is_derived(files, capsys):
@@ -380,4 +387,4 @@ def test_offload_keys_are_read_from_deepspeed_json(files, capsys):
         assert key in str(exc.value)
     path = files["json"]({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
     err = fails(M + ["--deepspeed-config", path], 1, capsys)
-    assert "zero_optimization.offload_param.device" in err and "remove it" in err
+    assert "zero_optimization.offload_param.device" in err and "--zero-stage 3" in err

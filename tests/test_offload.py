@@ -150,3 +150,17 @@ def test_planner_counts_only_device_states_when_offloaded_to_a_gpu_host(monkeypa
     gpu = train.plan_memory(config_from_argv(argv + ["--offload-optimizer", "cpu"], 2), 1001)
     assert gpu.model_state_bytes == offload_formula_bytes(plain.params, 2, 2, 4, 4)["device"] \
         == 4 * plain.params + 4 * plain.params / 2
+
+
+def test_offload_param_through_the_trainer_equals_no_parameter_offload():
+    """--offload-param cpu at ZeRO-3 (train.py, dp 2): losses equal the same run without it
+    within 1e-6; the parameter shards (4 bytes x Psi/N, fp32) move from the device bytes to
+    the host bytes of bytes_by_place."""
+    from tests.test_train import BASE, _offload_runs
+    z3 = BASE + ["--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
+                 "--offload-optimizer", "cpu"]
+    (plain, _, plain_place), (off, cls, place) = run_distributed(
+        _offload_runs, 2, [z3, z3 + ["--offload-param", "cpu"]], 3)[0]
+    assert cls == "HostOffloadOptimizer" and off == pytest.approx(plain, rel=1e-6)
+    moved = place["host"] - plain_place["host"]
+    assert moved > 0 and plain_place["device"] - place["device"] == moved

@@ -84,6 +84,8 @@ def test_recomputation_and_sequence_parallelism_shrink_the_count():
     # step, only the fp32 scratch of one 25-element piece when gradients are 2-byte
     assert temporary_bytes(1000, 4, 3, 2, 4, 100, 100) == (4 * 100 * 4 + 1000 * 2, 0.0)
     assert temporary_bytes(1000, 4, 3, 2, 2, 100, 100) == (4 * 100 * 2 + 1000 * 2, 4 * 25)
+    # --zero3-max-live-parameters 300 bounds the gathered params to 300 elements (2 bytes each)
+    assert temporary_bytes(1000, 4, 3, 2, 4, 100, 100, 2, 300) == (4 * 100 * 4 + 300 * 2, 0.0)
 
 
 def test_zero3_formula_is_p_g_k_over_n():

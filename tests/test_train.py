@@ -131,9 +131,11 @@ def _check_layout(name, results, reference, single_run, clip=1.0):
 # backward): dp 4 with 4 micro-batches per step, and tp 2 x pp 2 x dp 2 with the embedding
 # tied across the pipeline's first and last stage (8 micro-batches per step).
 ZERO3_LAYOUTS = {
-    "dp4-zero3-accum4": (4, ["--dp", "4", "--zero-stage", "3"] + MICRO1),
+    "dp4-zero3-accum4": (4, ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
+                             "--zero3-prefetch-bucket-size", "5000", "--zero3-max-reuse-distance", "0"] + MICRO1),
     "tp2-pp2-dp2-zero3-1f1b-tied": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3",
-                                        "--reduce-bucket-size", "300"] + MICRO1),
+                                        "--reduce-bucket-size", "300", "--zero3-param-persistence-threshold", "0"]
+                                    + MICRO1),
 }
 
 
@@ -203,6 +205,7 @@ DS_CASES = {  # seed JSON -> (world, extra flags, zero stage, fp16, bf16) the ru
     "seed004_stage2.json": (2, ["--dp", "2", "--bf16"], 2, False, True),
     "seed004_stage2_offload_optimizer.json": (2, ["--dp", "2"], 2, False, False),
     "seed000_stage3.json": (2, ["--dp", "2"], 3, True, False),
+    "seed004_stage3_offload.json": (2, ["--dp", "2"], 3, False, False),
 }
 
 

@@ -27,6 +27,8 @@ first and last stage, so the two copies' owned runs match range for range.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
+from typing import Optional
 
 import torch
 from torch import nn
@@ -34,7 +36,8 @@ from torch import nn
 from megazero import collectives as C
 from megazero.data_parallel.finalize import finalize_model_grads
 from megazero.data_parallel.grad_buffer import GradBuffer, Range
-from megazero.data_parallel.sharding import ShardedBuffer, make_strategy
+from megazero.data_parallel.sharding import ShardedBuffer, Stage2, make_strategy
+from megazero.data_parallel.zero3_gather import Zero3Gather, Zero3Options, split_units
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 
@@ -47,19 +50,26 @@ class DataParallel:
         groups: process groups (uses ``dp``, ``tp``, ``embedding``).
         zero_stage: 0 (all-reduce), 1 (reduce-scatter, full gradient buffer), 2
             (reduce-scatter per micro-batch, gradient shard only) or 3 (stage 2 plus parameter
-            shards, gathered around each chunk's forward and backward: ``zero3.py``).
+            shards, gathered per unit around its forward and backward: ``zero3_gather.py``).
         bucket_size: elements per bucket (rounded up to a multiple of the DP size); also
             bounds the finalize step's packed buffers.
         overlap_comm: start reductions asynchronously during backward.
         grad_dtype: dtype of gradient storage and of the reductions (fp32 default).
         buckets_in_flight: stage 2: started reductions waiting to complete at most.
-        reshard_after_forward: stage 3: drop a chunk's gathered parameters after its forward
+        reshard_after_forward: stage 3: drop a unit's gathered parameters after its forward
             and gather them again before its backward (True), or keep them gathered from the
-            chunk's first forward until ``finish_grad_sync`` (False: one all-gather per chunk
-            and step, the whole chunk held across the step's micro-batches).
+            unit's first forward until ``finish_grad_sync`` (False: one all-gather per unit
+            and step, held across the step's micro-batches).
+        units: stage 3: per chunk, the modules that are gather units, in forward order (e.g.
+            the embedding, each transformer layer, the head); the chunk's other parameters are
+            one more unit gathered around the whole chunk. ``None``: one unit per chunk.
+        zero3: stage 3 settings (:class:`~megazero.data_parallel.zero3_gather.Zero3Options`:
+            prefetch, live bound, persistence, reuse distance, parameter offload); its
+            ``reshard_after_forward`` is replaced by the argument above.
 
     Attributes: ``buffers`` (list[ShardedBuffer], the public interface), ``strategy``,
-    ``params``, ``dp_size``, ``peak_temp_bytes`` (staging high-water mark of the last step).
+    ``params``, ``dp_size``, ``peak_temp_bytes`` (staging high-water mark of the last step),
+    ``zero3`` (the stage-3 gather schedule, else None).
 
     Call ``zero_grad()`` at the start of a step, ``before_backward(chunk_id,
     is_last_microbatch)`` before each backward (needed for overlap in stages 0/1 and for
@@ -69,9 +79,16 @@ class DataParallel:
 
     def __init__(self, chunks: list[nn.Module], groups: ProcessGroups, *, zero_stage: int,
                  bucket_size: int, overlap_comm: bool, grad_dtype: torch.dtype = torch.float32,
-                 buckets_in_flight: int = 2, reshard_after_forward: bool = True):
+                 buckets_in_flight: int = 2, reshard_after_forward: bool = True,
+                 units: Optional[list[list[nn.Module]]] = None,
+                 zero3: Optional[Zero3Options] = None):
         self.reshard_after_forward = reshard_after_forward
         self.strategy = make_strategy(zero_stage)
+        self.zero3 = None
+        if self.strategy.gathers_on_demand:
+            opts = replace(zero3 or Zero3Options(), reshard_after_forward=reshard_after_forward)
+            self.strategy.offload_param = opts.offload_param
+            self.zero3 = Zero3Gather(self, opts)
         if bucket_size < 1 or buckets_in_flight < 1:
             raise ValueError(f"bucket_size ({bucket_size}) and buckets_in_flight "
                              f"({buckets_in_flight}) must be >= 1")
@@ -84,63 +101,53 @@ class DataParallel:
         self._index: dict[int, int] = {}
         self.params: list[nn.Parameter] = []
         for cid, chunk in enumerate(self.chunks):
-            self._add_chunk(cid, chunk, bucket_size)
+            self._add_chunk(cid, chunk, bucket_size, (units or [[]] * len(chunks))[cid])
         self._is_last = [False] * len(self.chunks)
         self._pending: deque = deque()   # (buffer, bucket index, work handle, staged)
         self._free: list[torch.Tensor] = []   # staging buffers to reuse (stage 2)
         self._pool: set[int] = set()          # data_ptr of every staging buffer of this step
         self._synced = False
         self._temp_bytes = self.peak_temp_bytes = 0
-        self._gathered_bytes = 0   # ZeRO-3: parameters gathered beyond the shards
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
-        if self.strategy.gathers_on_demand:
-            for cid, chunk in enumerate(self.chunks):
-                chunk.register_forward_pre_hook(lambda m, a, cid=cid: self._gather(cid))
-                chunk.register_forward_hook(lambda m, a, out, cid=cid: self._after_forward(cid, out))
 
-    def _gather(self, chunk_id: int, *_) -> None:
-        for buf in self.buffers:
-            if buf.chunk_id == chunk_id:
-                self._gathered_bytes -= buf.param_bytes()
-                self.strategy.gather(buf, self.groups.dp)
-                self._gathered_bytes += buf.param_bytes()
-        self.peak_temp_bytes = max(self.peak_temp_bytes, self._temp_bytes + self._gathered_bytes)
-
-    def _release(self, buf: ShardedBuffer) -> None:
-        self._gathered_bytes -= buf.param_bytes()
-        self.strategy.release(buf)
-        self._gathered_bytes += buf.param_bytes()
-
-    def _after_forward(self, chunk_id: int, out) -> None:
-        """Release the chunk's parameters; gather them again when the gradient of the
-        chunk's output arrives, i.e. just before the chunk's backward (only when
-        ``reshard_after_forward``; else they stay gathered until ``finish_grad_sync``)."""
-        if not self.reshard_after_forward:
-            return
-        for buf in self.buffers:
-            if buf.chunk_id == chunk_id:
-                self._release(buf)
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g, cid=chunk_id: self._gather(cid))
+    @property
+    def _gathered_bytes(self) -> int:
+        """ZeRO-3: bytes of parameters gathered (or being gathered) beyond the shards."""
+        return 0 if self.zero3 is None else self.zero3.live_bytes
 
     @property
     def stage(self) -> int:
         return self.strategy.stage
 
-    def _add_chunk(self, cid: int, chunk: nn.Module, bucket_size: int) -> None:
+    def _add_chunk(self, cid: int, chunk: nn.Module, bucket_size: int, units: list) -> None:
         params = [p for p in chunk.parameters() if p.requires_grad and id(p) not in self._owner]
+        if self.zero3 is None:
+            self._add_buffers(cid, params, bucket_size, self.strategy)
+        else:   # ZeRO-3: small parameters stay whole (ZeRO-2 buffer), one buffer set per unit
+            persistent, groups = split_units(params, units,
+                                             self.zero3.opt.param_persistence_threshold)
+            self._add_buffers(cid, persistent, bucket_size, Stage2())
+            self.zero3.add_chunk(chunk, cid)
+            for module, members in groups:
+                self.zero3.add_unit(chunk, cid, module,
+                                    self._add_buffers(cid, members, bucket_size, self.strategy))
+        self.params.extend(params)
+
+    def _add_buffers(self, cid: int, params: list, bucket_size: int, strategy) -> list:
+        """One ShardedBuffer per (tied across stages, dtype) group of ``params``."""
         groups: dict[tuple, list] = {}
         for p in params:
             groups.setdefault((tags.is_shared_embedding(p), p.dtype), []).append(p)
+        made = []
         for (shared, _), members in groups.items():
             layout = GradBuffer(members, bucket_size, self.dp_size, self.dp_rank)
-            buf = ShardedBuffer(layout, cid, shared, self.strategy, self.grad_dtype)
+            buf = ShardedBuffer(layout, cid, shared, strategy, self.grad_dtype)
             self.buffers.append(buf)
+            made.append(buf)
             for i, p in enumerate(layout.params):
                 self._owner[id(p)], self._index[id(p)] = buf, i
-        self.params.extend(params)
+        return made
 
     # -- backward side -------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -188,8 +195,8 @@ class DataParallel:
             buf.next_issue += 1
         if buf.num_ready == n:   # this micro-batch's backward is complete for this buffer
             buf.reset_tracking()
-            if self.reshard_after_forward:
-                self._release(buf)
+            if self.zero3 is not None:
+                self.zero3.after_backward(buf)
             if each:
                 buf.next_issue = 0
 
@@ -268,8 +275,9 @@ class DataParallel:
         self._free.clear()
         self._pool.clear()
         self._temp_bytes = 0
+        if self.zero3 is not None:
+            self.zero3.release_all()
         for buf in self.buffers:
-            self._release(buf)
             self.strategy.finish_sync(buf, self.dp_size)
         *_, peak = finalize_model_grads(self._owned_param_grads(), self.groups.tp,
                                         self.groups.embedding, self.bucket_size)
@@ -306,11 +314,23 @@ class DataParallel:
     def param_bytes(self) -> int:
         """Bytes of persistent model-parameter storage on this rank (model dtype, padded):
         the flat buffers, or the shards at ZeRO-3 (gathered parameters are temporaries)."""
-        return sum(buf.param_bytes() for buf in self.buffers) - self._gathered_bytes
+        return sum(b.param_bytes() if b.params_shard is None
+                   else b.params_shard.numel() * b.params_shard.element_size()
+                   for b in self.buffers)
+
+    def host_param_bytes(self) -> int:
+        """Bytes of the parameter shards kept in host memory (ZeRO-3 ``offload_param``)."""
+        return sum(b.params_shard.numel() * b.params_shard.element_size() for b in self.buffers
+                   if getattr(b, "offloaded", False))
 
     def gathered_bound_bytes(self) -> int:
-        """ZeRO-3: the largest chunk's gathered parameters (else 0)."""
-        if not self.strategy.gathers_on_demand:
+        """ZeRO-3: most bytes of gathered parameters: ``max_live_parameters``, or what is in
+        use at once when that is more (a chunk's remaining parameters and two units: the one
+        computing and the one whose backward is finishing), never more than all units."""
+        if self.zero3 is None:
             return 0
-        return max(sum(b.layout.padded_numel * b.param_dtype.itemsize
-                       for b in self.buffers if b.chunk_id == c) for c in range(len(self.chunks)))
+        units = self.zero3.units
+        rest = max((u.numel for u in units if u.module is None), default=0)
+        top = sorted((u.numel for u in units if u.module is not None), reverse=True)[:2]
+        live = max(self.zero3.opt.max_live_parameters, rest + sum(top))
+        return min(live, sum(u.numel for u in units)) * self.zero3.itemsize

@@ -21,7 +21,8 @@ Psi = elements of the buffer), chosen once by :func:`make_strategy`:
   a bucket, reduce-scatters it as soon as it is complete and adds the rank's shard in.
 
 - :class:`~megazero.data_parallel.zero3.Stage3` (P_os+g+p): ZeRO-2's gradients plus a 1/N
-  parameter shard; ``gather``/``release`` around each model chunk's forward and backward.
+  parameter shard; ``gather``/``release`` around each gather unit's forward and backward
+  (``zero3_gather``: per layer, prefetched).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ class ShardingStrategy:
     sharded_over_dp = True
     reduces_each_microbatch = False
     shards_grads = False
-    gathers_on_demand = False   # parameters gathered around each chunk's compute (ZeRO-3)
+    gathers_on_demand = False   # parameters gathered around each unit's compute (ZeRO-3)
 
     def setup(self, buf: "ShardedBuffer") -> None:
         """Called once the buffer holds every parameter (ZeRO-3 keeps its shard only)."""

@@ -1,22 +1,27 @@
 """ZeRO-3 (P_os+g+p, Rajbhandari et al., SC'20, sec. 5.3): parameters sharded too.
 
 Each DP rank keeps 1/N of every parameter buffer (``ShardedBuffer.params_shard``, local
-coordinates, the same shards as the gradients and optimizer state) and gathers a model
-chunk's parameters only while the chunk computes:
+coordinates, the same shards as the gradients and optimizer state) and gathers a buffer's
+parameters only while they compute. A buffer here is one *gather unit* of a model chunk
+(a transformer layer, the embedding, the head, or the chunk's remaining parameters; the
+schedule of gathers, prefetches and releases is :mod:`megazero.data_parallel.zero3_gather`):
 
-1. before the chunk's forward (a forward pre-hook), every bucket is all-gathered from the
-   shards into a fresh ``params_flat`` and each parameter's ``.data`` becomes a view of it;
-2. after the forward (a forward hook) the gathered buffer is dropped: ``.data`` becomes a
-   zero-stride placeholder of the parameter's shape (reading it gives zeros);
-3. before the chunk's backward (a full backward pre-hook) the parameters are gathered again;
-   once every parameter of the buffer has its gradient in this micro-batch they are dropped;
-4. gradients are reduce-scattered per micro-batch exactly as in ZeRO-2 (``Stage2``);
-5. the optimizer updates the shard in place (an fp32 model's shard is its main params), so
+1. ``start_gather`` issues the all-gather of every bucket into a fresh ``params_flat``
+   (``async_op=True`` when prefetching); ``finish_gather`` waits for it and points each
+   parameter's ``.data`` at its view of the gathered buffer;
+2. ``release`` frees the gathered buffer's memory (its storage resized to 0 bytes; the
+   next gather fills the same storage again, so tensors autograd saved as its views stay
+   valid without keeping the memory): ``.data`` becomes a zero-stride placeholder of the
+   parameter's shape (reading it gives zeros);
+3. gradients are reduce-scattered per micro-batch exactly as in ZeRO-2 (``Stage2``);
+4. the optimizer updates the shard in place (an fp32 model's shard is its main params), so
    nothing is gathered after the step.
 
-Granularity is the model chunk (megazero does not know the model's layers); persistent
-memory is (p + g + m + 8) Psi / N per rank plus one gathered chunk while it computes.
-Tensors saved by autograd as views of the gathered buffer keep it alive until their backward.
+With ``offload_param`` (ZeRO-Infinity's ``offload_param: {device: cpu}``, Rajbhandari et al.
+2021) the shard lives in host memory (page-locked on CUDA) between uses and is copied to the
+device bucket by bucket just before its all-gather.
+Persistent memory is (p + g + m + 8) Psi / N per rank (the p Psi / N part on the host with
+offload) plus the gathered units while they compute.
 """
 from __future__ import annotations
 
@@ -27,44 +32,81 @@ from megazero.data_parallel.sharding import Stage2
 
 
 class Stage3(Stage2):
-    """ZeRO-3: parameter shards, gathered per model chunk around forward and backward."""
+    """ZeRO-3: parameter shards, gathered per gather unit around forward and backward.
+
+    ``offload_param`` (set before any buffer is built): keep ``params_shard`` in host memory.
+    """
 
     stage = 3
     gathers_on_demand = True
+    offload_param = False
 
     def setup(self, buf) -> None:
-        """Keep this rank's shard of the parameters and drop the full buffer."""
-        layout = buf.layout
+        """Keep this rank's shard of the parameters (host memory with offload) and drop the
+        full buffer."""
+        layout, device = buf.layout, buf.params_flat.device
+        host = self.offload_param and device.type != "cpu"
         buf.params_shard = torch.empty(layout.shard_numel, dtype=buf.params_flat.dtype,
-                                       device=buf.params_flat.device)
+                                       device="cpu" if self.offload_param else device,
+                                       pin_memory=host)
         for b in layout.buckets:
             buf.params_shard[b.shard_local.start:b.shard_local.end].copy_(
                 buf.params_flat[b.shard_world.start:b.shard_world.end])
-        buf.placeholder = torch.zeros(1, dtype=buf.params_shard.dtype, device=buf.params_shard.device)
+        buf.placeholder = torch.zeros(1, dtype=buf.params_shard.dtype, device=device)
+        buf.pending_gather, buf.offloaded, buf.full = None, self.offload_param, None
         self.release(buf)
 
     def owned_param_view(self, buf, own):
         return buf.params_shard[own.local.start:own.local.end]
 
-    def gather(self, buf, group) -> None:
-        """All-gather every bucket into a new ``params_flat``; point the params at it."""
-        if buf.params_flat is not None:
+    def start_gather(self, buf, group, async_op: bool) -> None:
+        """Issue the all-gather of every bucket into a new buffer (kept in
+        ``buf.pending_gather`` until :meth:`finish_gather`); no-op when gathered or pending."""
+        if buf.params_flat is not None or buf.pending_gather is not None:
             return
-        layout = buf.layout
-        full = torch.empty(layout.padded_numel, dtype=buf.params_shard.dtype,
-                           device=buf.params_shard.device)
+        layout, device = buf.layout, buf.placeholder.device
+        full = buf.full   # one storage per buffer: tensors autograd saved as its views see it
+        if full is None:
+            full = buf.full = torch.empty(layout.padded_numel, dtype=buf.params_shard.dtype,
+                                          device=device)
+        else:
+            full.untyped_storage().resize_(layout.padded_numel * full.element_size())
+        works = []
         for b in layout.buckets:   # rank-major output == the bucket's world layout
-            C.all_gather_into(full[b.range.start:b.range.end],
-                              buf.params_shard[b.shard_local.start:b.shard_local.end], group)
-        buf.params_flat = full
-        for p in layout.params:
-            r = layout.param_range[id(p)]
+            out = full[b.range.start:b.range.end]
+            shard = buf.params_shard[b.shard_local.start:b.shard_local.end]
+            if shard.device != device:   # offload_param: host -> device (one bucket's shard)
+                shard = shard.to(device, non_blocking=True)
+            works.append(C.all_gather_into(out, shard, group, async_op=async_op))
+        buf.pending_gather = (full, works)
+
+    def finish_gather(self, buf) -> None:
+        """Wait for the pending all-gather and point the parameters at the gathered buffer."""
+        if buf.pending_gather is None:
+            return
+        full, works = buf.pending_gather
+        for w in works:
+            if w is not None:
+                w.wait()
+        buf.pending_gather, buf.params_flat = None, full
+        for p in buf.layout.params:
+            r = buf.layout.param_range[id(p)]
             p.data = full[r.start:r.end].view_as(p)
 
+    def gather(self, buf, group) -> None:
+        """All-gather every bucket into a new ``params_flat`` now; point the params at it."""
+        self.start_gather(buf, group, async_op=False)
+        self.finish_gather(buf)
+
     def release(self, buf) -> None:
-        """Drop the gathered buffer; parameters keep their shapes (zero-stride zeros)."""
+        """Free the gathered buffer's memory (its storage resized to 0 bytes, as FSDP does, so
+        that views autograd saved, e.g. ``weight.t()``, hold no memory and see the values
+        again once re-gathered); parameters keep their shapes (zero-stride zeros)."""
+        self.finish_gather(buf)
         for p in buf.layout.params:
             p.data = buf.placeholder.expand(p.shape)
+        if buf.full is not None:
+            buf.full.untyped_storage().resize_(0)
         buf.params_flat = None
 
     def gather_params(self, buf, fill_shard, chunk_numel, group, dp_size):

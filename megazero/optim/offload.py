@@ -71,7 +71,7 @@ class HostOffloadOptimizer(DistributedOptimizer):
     without it and the other way round.
     """
 
-    HOST_PARTS = ("main_params", "exp_avg", "exp_avg_sq", "host_grads")
+    HOST_PARTS = ("host_params", "main_params", "exp_avg", "exp_avg_sq", "host_grads")
 
     def __init__(self, ddp: DataParallel, groups: ProcessGroups, *, pin_memory: bool = True,
                  **kwargs):

@@ -306,7 +306,8 @@ class DistributedOptimizer:
         """Bytes of model state allocated on this rank.
 
         ``params`` the flat model-parameter buffers; ``grads`` persistent gradient storage
-        (full buffers at stages 0/1, a shard at stage 2); ``main_params`` the fp32 copy of the
+        (full buffers at stages 0/1, a shard at stage 2); ``host_params`` (only with ZeRO-3
+        ``offload_param``) the parameter shards in host memory; ``main_params`` the fp32 copy of the
         owned runs (0 for an fp32 model: its parameters are the main params); ``exp_avg``,
         ``exp_avg_sq`` fp32 moments of the owned runs; ``buckets`` the high-water mark of
         temporaries during the last step (ZeRO-2 staging and the finalize step's packed
@@ -314,21 +315,24 @@ class DistributedOptimizer:
         step; at most ``bucket_bound_bytes()``); ``total`` their sum.
         """
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
-        out = {"params": self.ddp.param_bytes(), "grads": self.ddp.grad_bytes(),
+        host = self.ddp.host_param_bytes()   # ZeRO-3 offload_param: shards in host memory
+        out = {"params": self.ddp.param_bytes() - host, "grads": self.ddp.grad_bytes(),
                "main_params": size(self._main), "exp_avg": size(self.exp_avg),
                "exp_avg_sq": size(self.exp_avg_sq),
                "buckets": max(self.ddp.peak_temp_bytes, self.peak_step_bytes)}
+        if host:
+            out["host_params"] = host
         out["total"] = sum(out.values())
         return out
 
-    HOST_PARTS: tuple = ()   # model_state_bytes() keys kept in host memory (none here)
+    HOST_PARTS: tuple = ("host_params",)   # model_state_bytes() keys kept in host memory
 
     def bytes_by_place(self) -> dict[str, int]:
         """``{"device": bytes, "host": bytes}``: ``model_state_bytes()["total"]`` split by where
         each part lives (the keys in ``HOST_PARTS`` are in host memory, the rest on the model's
         device; on a CPU-only machine both are the same memory, still reported apart)."""
         got = self.model_state_bytes()
-        host = sum(got[k] for k in self.HOST_PARTS)
+        host = sum(got.get(k, 0) for k in self.HOST_PARTS)
         return {"device": got["total"] - host, "host": host}
 
     def bucket_bound_bytes(self) -> int:
@@ -337,12 +341,12 @@ class DistributedOptimizer:
         (``DataParallel.staging_bound_bytes``), the finalize step's packed buffer (at most one
         bucket, ``DataParallel.finalize_bound_bytes``), the fp32 scratch (one piece, when gradients are not fp32) and the
         all-gather buffers (``allgather_bucket_size / N`` elements per rank, N + 1 of them),
-        plus at ZeRO-3 the largest chunk's gathered parameters.
+        plus at ZeRO-3 the gathered parameters (``DataParallel.gathered_bound_bytes``).
         """
         ddp, n = self.ddp, self.ddp.dp_size
         scratch = max((4 * pc.grad.numel() for pc in self.pieces
                        if pc.grad.dtype != torch.float32), default=0)
-        gather = max(ddp.strategy.gather_bound_bytes(buf, max(1, self.allgather_bucket_size // n), n)
+        gather = max(buf.strategy.gather_bound_bytes(buf, max(1, self.allgather_bucket_size // n), n)
                      for buf in ddp.buffers)
         return (max(ddp.staging_bound_bytes(), ddp.finalize_bound_bytes(), scratch, gather)
                 + ddp.gathered_bound_bytes())
