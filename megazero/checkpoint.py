@@ -48,11 +48,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from megazero import collectives as C
+from megazero import checkpoint_shards as shards
+from megazero.checkpoint_shards import STATE_KEYS
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
-
-STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(RuntimeError):
@@ -206,31 +204,13 @@ def _atomic_save(obj, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _full_states(optimizer, chunks, groups: ProcessGroups) -> dict:
-    """{name: {key: full fp32 tensor}} of this rank's parameters (collective over dp and tp)."""
-    local = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            local[name] = (p, {k: torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-                               for k in STATE_KEYS})
-    for shard in optimizer.state_dict()["shards"]:
-        _, bufs = local[shard["name"]]
-        for k in STATE_KEYS:
-            bufs[k][shard["start"]:shard["end"]] = shard[k]
-    out = {}
-    for name, (p, bufs) in local.items():
-        full = {}
-        for k, flat in bufs.items():
-            if optimizer.ddp.strategy.sharded_over_dp:  # disjoint shards: the sum is the whole partition
-                C.all_reduce_sum(flat, groups.dp)
-            t = flat.view(p.shape)
-            if tags.is_partitioned(p):
-                t = tags.join_partitions(C.all_gather_list(t, groups.tp), p.partition_dim,
-                                         p.partition_stride)
-            full[k] = t.cpu()
-        if not (tags.is_shared_embedding(p) and not getattr(p, "shared_counted_here", True)):
-            out[name] = full
-    return out
+def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
+    """(``{key: [Chunk]}``, ``{key: full shape}``): the owned runs this rank writes (replicated
+    copies once, ``checkpoint_shards.writes_here``), views of the optimizer's state."""
+    sharded = optimizer.ddp.strategy.sharded_over_dp
+    mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: shards.writes_here(
+        p, groups.tp_rank, groups.dp_rank, sharded))
+    return mine, {f"{name}/{k}": shape for name, (_, shape) in params.items() for k in STATE_KEYS}
 
 
 def saved_iterations(root: str) -> list[int]:
@@ -312,8 +292,11 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(groups)
-    states = _full_states(optimizer, chunks, groups)  # the same full tensors on every rank of a stage
-    flat = {f"{name}/{k}": t for name, full in states.items() for k, t in full.items()}
+    mine, sizes = _chunks_to_write(optimizer, groups)
+    if async_group is not None:  # training goes on: DCP writes a staged copy of this rank's shards
+        mine = {k: [shards.Chunk(c.offsets, c.sizes, c.tensor.detach().to("cpu", copy=True)) for c in cs]
+                for k, cs in mine.items()}
+    planner = shards.SavePlanner(mine, sizes)
     meta = None
     if groups.rank == 0:  # the counters of this iteration, before training moves them on
         opt = optimizer.state_dict()
@@ -325,11 +308,12 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     def finish() -> str:
         return _finish_save(root, iteration, tmp, final, groups, rng_states, meta, keep)
     if async_group is None:
-        dcp.save(flat, storage_writer=writer, process_group=groups.world, no_dist=groups.world is None)
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=groups.world,
+                 no_dist=groups.world is None)
         return finish()
     local = async_group == "local"
-    future = dcp.async_save(flat, storage_writer=writer, process_group=None if local else async_group,
-                            no_dist=local)
+    future = dcp.async_save({}, storage_writer=writer, planner=planner,
+                            process_group=None if local else async_group, no_dist=local)
     return PendingSave(future, finish)
 
 
@@ -371,14 +355,20 @@ def _finish_save(root: str, iteration: int, tmp: str, final: str, groups: Proces
 
 
 def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
-         resize: Optional[Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> dict:
+         real_rows: Optional[Callable[[str], Optional[int]]] = None) -> dict:
     """Load the latest checkpoint under ``root`` into ``optimizer`` (and so the model).
 
-    ``resize(name, full, param)`` may adapt a full tensor to this model before slicing (the
-    trainer re-pads vocabulary rows for another TP size). Returns ``meta`` plus
-    ``rng_state`` (this rank's saved RNG, or None when the layout differs).
-    Raises CheckpointError when there is no complete checkpoint, a tensor is missing or
-    has another shape, or (same layout) this rank's ``rng_<rank>.pt`` is missing or unreadable. Collective (the optimizer all-gathers the loaded parameters).
+    Every rank reads, through DCP, only the saved pieces that overlap its own owned runs
+    (``checkpoint_shards``), straight into the optimizer's fp32 main params and moments, then
+    the model params are refreshed (``refresh_model_params``). ``chunks`` (the model chunks)
+    is kept for the callers; the optimizer knows its parameters. ``real_rows(name)`` (None:
+    all) is the number of leading rows (dim 0) of a parameter that hold data, e.g. the
+    vocabulary size of a padded vocabulary tensor: those rows are read, the rows after them
+    zeroed, so a checkpoint saved with another vocabulary padding loads. Returns ``meta``
+    plus ``rng_state`` (this rank's saved RNG, or None when the layout differs).
+    Raises CheckpointError when there is no complete checkpoint, a tensor is missing or has
+    another shape, a tensor file fails to read, or (same layout) this rank's
+    ``rng_<rank>.pt`` is missing or unreadable. Collective (DCP's planning, the all-gather).
     """
     it = latest_iteration(root)
     if it is None:
@@ -386,46 +376,51 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     d = iteration_dir(root, it)
     meta = _load_file(os.path.join(d, "meta.pt"), weights_only=False)
     saved = _read_metadata(d).state_dict_metadata
-    full: dict = {}  # "<name>/<key>" -> full tensor of this rank's parameters, filled by DCP
-    for chunk in chunks:
-        for name, _ in chunk.named_parameters():
-            for k in STATE_KEYS:
-                key = f"{name}/{k}"
-                if key not in saved:
-                    raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
-                                          f"another model; fix: load a checkpoint of this model")
-                full[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+    mine, params = shards.owned_chunks(optimizer, groups)
+    for name, (_, shape) in params.items():
+        rows = None if real_rows is None else real_rows(name)
+        for k in STATE_KEYS:
+            key = f"{name}/{k}"
+            if key not in saved:
+                raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
+                                      f"another model; fix: load a checkpoint of this model")
+            have = tuple(saved[key].size)
+            fits = have == shape or (rows is not None and have[1:] == shape[1:] and min(have[0], shape[0]) >= rows)
+            if not fits:
+                raise CheckpointError(f"{name}: the checkpoint holds {have}, the model has {shape}; "
+                                      f"fix: same model sizes")
+            if rows is not None:
+                mine[key] = _clip_rows(mine.get(key, []), rows)
     try:
-        dcp.load(full, storage_reader=dcp.FileSystemReader(d), process_group=groups.world,
-                 no_dist=groups.world is None)
+        dcp.load({}, storage_reader=dcp.FileSystemReader(d), planner=shards.LoadPlanner(mine),
+                 process_group=groups.world, no_dist=groups.world is None)
     except (Exception, CheckpointException) as e:  # a damaged .distcp file (DCP gathers every rank's failure)
         if isinstance(e, CheckpointException) and e.failures:  # the first rank's own exception
             rank, (e, _) = min(e.failures.items(), key=lambda kv: kv[0])
         first_line = (str(e).strip().splitlines() or [""])[0][:160]
         raise CheckpointError(f"{d}: reading the tensors failed ({type(e).__name__}: {first_line}); "
                               f"fix: load an earlier iter_* directory (write its number into 'latest')") from None
-    shards = []
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            entry = dict(name=name, start=0, end=p.numel())
-            for k in STATE_KEYS:
-                t = full[f"{name}/{k}"]
-                t = t if resize is None else resize(name, t, p)
-                if tags.is_partitioned(p):
-                    t = tags.partition_tensor(t, p.partition_dim, groups.tp_rank, groups.tp_size,
-                                              p.partition_stride)
-                if t.shape != p.shape:
-                    raise CheckpointError(f"{name}: checkpoint gives {tuple(t.shape)} for this rank, "
-                                          f"the model has {tuple(p.shape)}; fix: same model sizes")
-                entry[k] = t.reshape(-1).to(p.device)
-            shards.append(entry)
-    optimizer.load_state_dict(dict(meta["optimizer"], shards=shards))
+    optimizer.load_counters(meta["optimizer"])
+    optimizer.refresh_model_params()
     same_layout = meta["layout"] == dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size)
     rng_path = os.path.join(d, f"rng_{groups.rank}.pt")
     meta["rng_state"] = _load_file(rng_path, weights_only=False) if same_layout else None
     meta["same_layout"] = same_layout
     meta["directory"] = d
     return meta
+
+
+def _clip_rows(chunks: list, rows: int) -> list:
+    """``chunks`` cut to rows ``< rows`` of dim 0; the rows at or after ``rows`` are zeroed now
+    (they are not read)."""
+    out = []
+    with torch.no_grad():
+        for c in chunks:
+            keep = max(0, min(c.sizes[0], rows - c.offsets[0]))
+            c.tensor.narrow(0, keep, c.sizes[0] - keep).zero_()
+            if keep:
+                out.append(shards.Chunk(c.offsets, (keep,) + tuple(c.sizes[1:]), c.tensor.narrow(0, 0, keep)))
+    return out
 
 
 def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
