@@ -299,9 +299,8 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     planner = shards.SavePlanner(mine, sizes)
     meta = None
     if groups.rank == 0:  # the counters of this iteration, before training moves them on
-        opt = optimizer.state_dict()
         meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size),
-                    optimizer={k: opt[k] for k in opt if k != "shards"}, extra=extra or {})
+                    optimizer=optimizer.counters(), extra=extra or {})
     writer = dcp.FileSystemWriter(tmp, sync_files=True) if after_write is None else \
         _WriterWithHook(tmp, after_write, sync_files=True)
 
@@ -335,22 +334,31 @@ def _finish_save(root: str, iteration: int, tmp: str, final: str, groups: Proces
         _atomic_save(meta, os.path.join(tmp, "meta.pt"))
     _barrier(groups)
     if groups.rank == 0:
-        _fsync_dir(tmp)  # every file's entry is on disk before the directory gets its name
-        old = final + ".old"
-        if os.path.exists(final):  # the same iteration saved again: keep the old copy until replaced
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(root)  # the new iter_* name is on disk before 'latest' points at it
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(f"{iteration}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        _fsync_dir(root)
-        shutil.rmtree(old, ignore_errors=True)
+        publish(root, iteration, tmp)
         prune(root, keep, iteration)
     _barrier(groups)
+    return final
+
+
+def publish(root: str, iteration: int, tmp: str) -> str:
+    """Rename the complete directory ``tmp`` to ``iter_<iteration>`` under ``root`` and point
+    ``latest`` at it, fsyncing in between (one process); returns the final directory. An
+    existing ``iter_<iteration>`` is kept as ``.old`` until the new one is in."""
+    final = iteration_dir(root, iteration)
+    _fsync_dir(tmp)  # every file's entry is on disk before the directory gets its name
+    old = final + ".old"
+    if os.path.exists(final):  # the same iteration saved again: keep the old copy until replaced
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)  # the new iter_* name is on disk before 'latest' points at it
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -429,13 +437,23 @@ def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
     Raises CheckpointError when there is no checkpoint or a file is unreadable.
     """
+    meta, _, full = read_full_tensors(root, "/main_param")
+    return meta, {k[:-len("/main_param")]: t for k, t in full.items()}
+
+
+def read_full_tensors(root: str, suffix: str = "") -> tuple[dict, str, dict[str, torch.Tensor]]:
+    """(meta, iteration directory, key -> FULL tensor) of the latest checkpoint under ``root``
+    for every key ending in ``suffix``, assembled from the saved shards of any layout in one
+    process (no process group; holds every full tensor: offline use only).
+
+    Raises CheckpointError when there is no checkpoint or a file is missing or unreadable.
+    """
     meta = peek(root)
     if meta is None:
         raise CheckpointError(f"no checkpoint under {root} (no 'latest' file); fix: give the --save "
                               "directory of a run")
     d = iteration_dir(root, meta["iteration"])
     saved = _read_metadata(d).state_dict_metadata
-    suffix = "/main_param"
     full = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.endswith(suffix)}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
@@ -444,4 +462,4 @@ def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{d}: reading the tensors failed ({type(e).__name__}); fix: load an "
                               f"earlier iter_* directory (write its number into 'latest')") from None
-    return meta, {k[:-len(suffix)]: t for k, t in full.items()}
+    return meta, d, full

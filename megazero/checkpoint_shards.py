@@ -136,16 +136,41 @@ def owned_chunks(optimizer, groups, select: Optional[Callable[[torch.Tensor], bo
                     t = view[pos - pr.start:pos - pr.start + n].view(sizes)
                     if tags.is_partitioned(p):
                         t = t.narrow(p.partition_dim, lo, length)
-                    chunks.setdefault(f"{name}/{key}", []).append(Chunk(g, size, t))
+                    chunks.setdefault(f"{name}/{key}", []).extend(_contiguous(g, size, t))
             pos += n
     return chunks, params
+
+
+def _contiguous(offsets: tuple, sizes: tuple, t: torch.Tensor) -> list[Chunk]:
+    """``Chunk(offsets, sizes, t)`` split along its leading dims until every piece is one
+    contiguous run of memory (a box narrowed along a later dim by a partition stride)."""
+    if t.is_contiguous():
+        return [Chunk(tuple(offsets), tuple(sizes), t)]
+    j = next(i for i, n in enumerate(sizes) if n > 1)
+    out = []
+    for i in range(sizes[j]):
+        o, s = list(offsets), list(sizes)
+        o[j], s[j] = o[j] + i, 1
+        out += _contiguous(tuple(o), tuple(s), t.narrow(j, i, 1))
+    return out
+
+
+def compact_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, on the CPU) as a tensor whose storage is exactly its own bytes, a
+    slice of ``t``'s storage sharing its memory: DCP's file writer then writes it as is
+    (it copies any tensor whose storage is larger than the tensor, and keeps the last copy
+    of every key until the rank's file is closed)."""
+    begin = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[begin:begin + t.numel() * t.element_size()]
+    return torch.empty(0, dtype=t.dtype).set_(storage).view(t.shape)
 
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner writing ``chunks`` (``{key: [Chunk]}``) with their global
     offsets and ``sizes`` (``{key: full shape}``); the state dict given to ``dcp.save`` is
-    ignored (pass ``{}``). ``resolve_data`` hands DCP a CPU tensor of one chunk (a view
-    when the state is on the CPU, a one-chunk copy when on a GPU)."""
+    ignored (pass ``{}``). ``resolve_data`` hands DCP a CPU tensor of one chunk: a
+    ``compact_view`` of the state when it is on the CPU (no copy), a one-chunk host copy when
+    it is on a GPU (DCP keeps the last copy of each key until the rank's file is closed)."""
 
     def __init__(self, chunks: dict[str, list[Chunk]], sizes: dict[str, tuple]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -162,7 +187,8 @@ class SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.by_index[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach().cpu()
+        t = self.by_index[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
+        return compact_view(t) if t.device.type == "cpu" else t.cpu()
 
 
 class LoadPlanner(DefaultLoadPlanner):

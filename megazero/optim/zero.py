@@ -358,10 +358,13 @@ class DistributedOptimizer:
         for name, pr, *views in self._owned_param_pieces():
             shards.append(dict(name=name, start=pr.start, end=pr.end,
                                **{k: v.clone() for k, v in zip(STATE_KEYS, views)}))
+        return dict(self.counters(), shards=shards)
+
+    def counters(self) -> dict:
+        """The step counters and loss-scaler state of ``state_dict()`` without its ``shards``."""
         return dict(step_count=self.step_count, skipped_steps=self.skipped_steps,
-                    consecutive_min_skips=self.consecutive_min_skips, shards=shards,
-                    loss_scaler=None if self.loss_scaler is None
-                    else self.loss_scaler.state_dict())
+                    consecutive_min_skips=self.consecutive_min_skips,
+                    loss_scaler=None if self.loss_scaler is None else self.loss_scaler.state_dict())
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
