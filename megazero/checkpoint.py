@@ -1,13 +1,15 @@
-"""Layout-independent checkpoints: full tensors by canonical name, written atomically.
+"""Layout-independent sharded checkpoints: owned pieces of full tensors by name, written atomically.
 
 Format of ``<save>/iter_0000100/`` (DESIGN.md, contract 4):
 
 - a ``torch.distributed.checkpoint`` (DCP) directory (``.metadata`` plus ``__<rank>_0.distcp``
-  files) holding, for every parameter of the model, its FULL (unpartitioned) fp32 main
-  parameter and Adam moments under the keys ``"<name>/main_param"``, ``"<name>/exp_avg"``,
-  ``"<name>/exp_avg_sq"``. Every rank of a pipeline stage holds the same full tensors after
-  the gathers below, and DCP's planner writes each key once, spreading the writes over the
-  ranks. The copy of a weight tied across stages is written once (by the first stage).
+  files) holding, for every parameter of the model, its fp32 main parameter and Adam moments
+  under the keys ``"<name>/main_param"``, ``"<name>/exp_avg"``, ``"<name>/exp_avg_sq"``, each
+  with the FULL (unpartitioned) shape. Each rank writes only the runs its optimizer owns (its
+  ZeRO shard of its tensor-parallel partition) as chunks with their offsets in the full
+  tensor (``checkpoint_shards``); replicated copies (TP-replicated parameters, every DP rank
+  at ZeRO-0, the second copy of a weight tied across stages) are written once. The older
+  format (one full-tensor chunk per key) reads through the same path.
 - ``meta.pt`` (rank 0): iteration, consumed samples, optimizer counters and loss-scaler
   state, the layout it was saved under, and caller extras (e.g. the data position).
 - ``rng_<rank>.pt``: each rank's dropout RNG state (restored only under the same layout;
@@ -19,14 +21,12 @@ size, ``peek(verify=True)`` (the launcher's preflight) also its CRC-32, so a mis
 truncated or foreign (another run's) file is a CheckpointError naming it before any rank
 starts.
 
-Saving gathers each parameter's state over DP (ZeRO shards are disjoint, so a SUM of the
-zero-filled shards rebuilds the TP partition) and then over TP (partitions joined by their
-tags). Loading under any other (tp, pp, dp, ZeRO stage, bucket size) reads, through DCP,
-only the full tensors of this rank's own parameters (sizes from the checkpoint's metadata,
-so another vocabulary padding loads too), slices each by the new rank's tags and hands the
-pieces to ``DistributedOptimizer``, which writes the model parameters. Memory: a rank holds
-the full states of its own stage's parameters while saving or loading (fine up to a few
-billion parameters per stage; beyond that the shards would be saved as DTensors).
+Nothing is gathered: saving hands DCP views of the optimizer's own state; loading under any
+other (tp, pp, dp, ZeRO stage 0-3, offload, bucket size) reads, through DCP's resharding,
+only the saved pieces that overlap this rank's owned runs, straight into its main params and
+moments, then refreshes the model parameters. Memory: a rank holds its own shards plus at
+most one bucket (one saved chunk while reading) and DCP's plans; ``--async-save`` adds one
+staged host copy of the own shards.
 
 Atomicity: every file is written under ``iter_X.tmp`` (fsynced: DCP's ``sync_files``, and
 ``_atomic_save`` for the small files) and the directory is renamed to ``iter_X`` only after
