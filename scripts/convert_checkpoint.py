@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 
 import torch
 
@@ -166,7 +167,9 @@ def consolidate(load: str, out: str) -> str:
     meta, src, full = read_full_tensors(load)
     tmp = iteration_dir(out, meta["iteration"]) + ".tmp"
     os.makedirs(tmp)
-    dcp.save(full, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it saves in one process: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(full, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
     del full
     for name in rng_files(meta["layout"]):
         shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
