@@ -45,7 +45,7 @@ from megazero.topology import Topology
 from data.indexed_dataset import DataError
 from model.config import GPTConfig
 from model.generation import pipeline_generate_greedy
-from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, resize_vocab
+from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy
 from model.hf import HFConversionError, config_record
 
 
@@ -459,11 +459,10 @@ class Trainer:
         if checkpoint.latest_iteration(root) is None:
             return None
         g = self.gpt_config
-        padded = g.padded_vocab(self.groups.tp_size)
 
-        def resize(name, full, param):
-            return resize_vocab(full, g.vocab_size, padded) if name in VOCAB_TENSORS else full
-        meta = checkpoint.load(root, self.optimizer, self.chunks, self.groups, resize=resize)
+        def real_rows(name):  # a vocabulary tensor's padding rows are zeroed, not read
+            return g.vocab_size if name in VOCAB_TENSORS else None
+        meta = checkpoint.load(root, self.optimizer, self.chunks, self.groups, real_rows=real_rows)
         self.iteration = meta["iteration"]
         self.consumed_samples = meta["extra"]["consumed_samples"]
         self.skipped_iterations = meta["extra"]["skipped_iterations"]

@@ -1,13 +1,15 @@
-"""Layout-independent checkpoints: full tensors by canonical name, written atomically.
+"""Layout-independent sharded checkpoints: owned pieces of full tensors by name, written atomically.
 
 Format of ``<save>/iter_0000100/`` (DESIGN.md, contract 4):
 
 - a ``torch.distributed.checkpoint`` (DCP) directory (``.metadata`` plus ``__<rank>_0.distcp``
-  files) holding, for every parameter of the model, its FULL (unpartitioned) fp32 main
-  parameter and Adam moments under the keys ``"<name>/main_param"``, ``"<name>/exp_avg"``,
-  ``"<name>/exp_avg_sq"``. Every rank of a pipeline stage holds the same full tensors after
-  the gathers below, and DCP's planner writes each key once, spreading the writes over the
-  ranks. The copy of a weight tied across stages is written once (by the first stage).
+  files) holding, for every parameter of the model, its fp32 main parameter and Adam moments
+  under the keys ``"<name>/main_param"``, ``"<name>/exp_avg"``, ``"<name>/exp_avg_sq"``, each
+  with the FULL (unpartitioned) shape. Each rank writes only the runs its optimizer owns (its
+  ZeRO shard of its tensor-parallel partition) as chunks with their offsets in the full
+  tensor (``checkpoint_shards``); replicated copies (TP-replicated parameters, every DP rank
+  at ZeRO-0, the second copy of a weight tied across stages) are written once. The older
+  format (one full-tensor chunk per key) reads through the same path.
 - ``meta.pt`` (rank 0): iteration, consumed samples, optimizer counters and loss-scaler
   state, the layout it was saved under, and caller extras (e.g. the data position).
 - ``rng_<rank>.pt``: each rank's dropout RNG state (restored only under the same layout;
@@ -19,14 +21,12 @@ size, ``peek(verify=True)`` (the launcher's preflight) also its CRC-32, so a mis
 truncated or foreign (another run's) file is a CheckpointError naming it before any rank
 starts.
 
-Saving gathers each parameter's state over DP (ZeRO shards are disjoint, so a SUM of the
-zero-filled shards rebuilds the TP partition) and then over TP (partitions joined by their
-tags). Loading under any other (tp, pp, dp, ZeRO stage, bucket size) reads, through DCP,
-only the full tensors of this rank's own parameters (sizes from the checkpoint's metadata,
-so another vocabulary padding loads too), slices each by the new rank's tags and hands the
-pieces to ``DistributedOptimizer``, which writes the model parameters. Memory: a rank holds
-the full states of its own stage's parameters while saving or loading (fine up to a few
-billion parameters per stage; beyond that the shards would be saved as DTensors).
+Nothing is gathered: saving hands DCP views of the optimizer's own state; loading under any
+other (tp, pp, dp, ZeRO stage 0-3, offload, bucket size) reads, through DCP's resharding,
+only the saved pieces that overlap this rank's owned runs, straight into its main params and
+moments, then refreshes the model parameters. Memory: a rank holds its own shards plus at
+most one bucket (one saved chunk while reading) and DCP's plans; ``--async-save`` adds one
+staged host copy of the own shards.
 
 Atomicity: every file is written under ``iter_X.tmp`` (fsynced: DCP's ``sync_files``, and
 ``_atomic_save`` for the small files) and the directory is renamed to ``iter_X`` only after
@@ -48,11 +48,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from megazero import collectives as C
+from megazero import checkpoint_shards as shards
+from megazero.checkpoint_shards import STATE_KEYS
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
-
-STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 
 
 class CheckpointError(RuntimeError):
@@ -206,31 +204,13 @@ def _atomic_save(obj, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _full_states(optimizer, chunks, groups: ProcessGroups) -> dict:
-    """{name: {key: full fp32 tensor}} of this rank's parameters (collective over dp and tp)."""
-    local = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            local[name] = (p, {k: torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-                               for k in STATE_KEYS})
-    for shard in optimizer.state_dict()["shards"]:
-        _, bufs = local[shard["name"]]
-        for k in STATE_KEYS:
-            bufs[k][shard["start"]:shard["end"]] = shard[k]
-    out = {}
-    for name, (p, bufs) in local.items():
-        full = {}
-        for k, flat in bufs.items():
-            if optimizer.ddp.strategy.sharded_over_dp:  # disjoint shards: the sum is the whole partition
-                C.all_reduce_sum(flat, groups.dp)
-            t = flat.view(p.shape)
-            if tags.is_partitioned(p):
-                t = tags.join_partitions(C.all_gather_list(t, groups.tp), p.partition_dim,
-                                         p.partition_stride)
-            full[k] = t.cpu()
-        if not (tags.is_shared_embedding(p) and not getattr(p, "shared_counted_here", True)):
-            out[name] = full
-    return out
+def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
+    """(``{key: [Chunk]}``, ``{key: full shape}``): the owned runs this rank writes (replicated
+    copies once, ``checkpoint_shards.writes_here``), views of the optimizer's state."""
+    sharded = optimizer.ddp.strategy.sharded_over_dp
+    mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: shards.writes_here(
+        p, groups.tp_rank, groups.dp_rank, sharded))
+    return mine, {f"{name}/{k}": shape for name, (_, shape) in params.items() for k in STATE_KEYS}
 
 
 def saved_iterations(root: str) -> list[int]:
@@ -312,24 +292,27 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(groups)
-    states = _full_states(optimizer, chunks, groups)  # the same full tensors on every rank of a stage
-    flat = {f"{name}/{k}": t for name, full in states.items() for k, t in full.items()}
+    mine, sizes = _chunks_to_write(optimizer, groups)
+    if async_group is not None:  # training goes on: DCP writes a staged copy of this rank's shards
+        mine = {k: [shards.Chunk(c.offsets, c.sizes, c.tensor.detach().to("cpu", copy=True)) for c in cs]
+                for k, cs in mine.items()}
+    planner = shards.SavePlanner(mine, sizes)
     meta = None
     if groups.rank == 0:  # the counters of this iteration, before training moves them on
-        opt = optimizer.state_dict()
         meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size),
-                    optimizer={k: opt[k] for k in opt if k != "shards"}, extra=extra or {})
+                    optimizer=optimizer.counters(), extra=extra or {})
     writer = dcp.FileSystemWriter(tmp, sync_files=True) if after_write is None else \
         _WriterWithHook(tmp, after_write, sync_files=True)
 
     def finish() -> str:
         return _finish_save(root, iteration, tmp, final, groups, rng_states, meta, keep)
     if async_group is None:
-        dcp.save(flat, storage_writer=writer, process_group=groups.world, no_dist=groups.world is None)
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=groups.world,
+                 no_dist=groups.world is None)
         return finish()
     local = async_group == "local"
-    future = dcp.async_save(flat, storage_writer=writer, process_group=None if local else async_group,
-                            no_dist=local)
+    future = dcp.async_save({}, storage_writer=writer, planner=planner,
+                            process_group=None if local else async_group, no_dist=local)
     return PendingSave(future, finish)
 
 
@@ -351,34 +334,49 @@ def _finish_save(root: str, iteration: int, tmp: str, final: str, groups: Proces
         _atomic_save(meta, os.path.join(tmp, "meta.pt"))
     _barrier(groups)
     if groups.rank == 0:
-        _fsync_dir(tmp)  # every file's entry is on disk before the directory gets its name
-        old = final + ".old"
-        if os.path.exists(final):  # the same iteration saved again: keep the old copy until replaced
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(root)  # the new iter_* name is on disk before 'latest' points at it
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(f"{iteration}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        _fsync_dir(root)
-        shutil.rmtree(old, ignore_errors=True)
+        publish(root, iteration, tmp)
         prune(root, keep, iteration)
     _barrier(groups)
     return final
 
 
+def publish(root: str, iteration: int, tmp: str) -> str:
+    """Rename the complete directory ``tmp`` to ``iter_<iteration>`` under ``root`` and point
+    ``latest`` at it, fsyncing in between (one process); returns the final directory. An
+    existing ``iter_<iteration>`` is kept as ``.old`` until the new one is in."""
+    final = iteration_dir(root, iteration)
+    _fsync_dir(tmp)  # every file's entry is on disk before the directory gets its name
+    old = final + ".old"
+    if os.path.exists(final):  # the same iteration saved again: keep the old copy until replaced
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)  # the new iter_* name is on disk before 'latest' points at it
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
-         resize: Optional[Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> dict:
+         real_rows: Optional[Callable[[str], Optional[int]]] = None) -> dict:
     """Load the latest checkpoint under ``root`` into ``optimizer`` (and so the model).
 
-    ``resize(name, full, param)`` may adapt a full tensor to this model before slicing (the
-    trainer re-pads vocabulary rows for another TP size). Returns ``meta`` plus
-    ``rng_state`` (this rank's saved RNG, or None when the layout differs).
-    Raises CheckpointError when there is no complete checkpoint, a tensor is missing or
-    has another shape, or (same layout) this rank's ``rng_<rank>.pt`` is missing or unreadable. Collective (the optimizer all-gathers the loaded parameters).
+    Every rank reads, through DCP, only the saved pieces that overlap its own owned runs
+    (``checkpoint_shards``), straight into the optimizer's fp32 main params and moments, then
+    the model params are refreshed (``refresh_model_params``). ``chunks`` (the model chunks)
+    is kept for the callers; the optimizer knows its parameters. ``real_rows(name)`` (None:
+    all) is the number of leading rows (dim 0) of a parameter that hold data, e.g. the
+    vocabulary size of a padded vocabulary tensor: those rows are read, the rows after them
+    zeroed, so a checkpoint saved with another vocabulary padding loads. Returns ``meta``
+    plus ``rng_state`` (this rank's saved RNG, or None when the layout differs).
+    Raises CheckpointError when there is no complete checkpoint, a tensor is missing or has
+    another shape, a tensor file fails to read, or (same layout) this rank's
+    ``rng_<rank>.pt`` is missing or unreadable. Collective (DCP's planning, the all-gather).
     """
     it = latest_iteration(root)
     if it is None:
@@ -386,40 +384,32 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     d = iteration_dir(root, it)
     meta = _load_file(os.path.join(d, "meta.pt"), weights_only=False)
     saved = _read_metadata(d).state_dict_metadata
-    full: dict = {}  # "<name>/<key>" -> full tensor of this rank's parameters, filled by DCP
-    for chunk in chunks:
-        for name, _ in chunk.named_parameters():
-            for k in STATE_KEYS:
-                key = f"{name}/{k}"
-                if key not in saved:
-                    raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
-                                          f"another model; fix: load a checkpoint of this model")
-                full[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+    mine, params = shards.owned_chunks(optimizer, groups)
+    for name, (_, shape) in params.items():
+        rows = None if real_rows is None else real_rows(name)
+        for k in STATE_KEYS:
+            key = f"{name}/{k}"
+            if key not in saved:
+                raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
+                                      f"another model; fix: load a checkpoint of this model")
+            have = tuple(saved[key].size)
+            fits = have == shape or (rows is not None and have[1:] == shape[1:] and min(have[0], shape[0]) >= rows)
+            if not fits:
+                raise CheckpointError(f"{name}: the checkpoint holds {have}, the model has {shape}; "
+                                      f"fix: same model sizes")
+            if rows is not None:
+                mine[key] = _clip_rows(mine.get(key, []), rows)
     try:
-        dcp.load(full, storage_reader=dcp.FileSystemReader(d), process_group=groups.world,
-                 no_dist=groups.world is None)
+        dcp.load({}, storage_reader=dcp.FileSystemReader(d), planner=shards.LoadPlanner(mine),
+                 process_group=groups.world, no_dist=groups.world is None)
     except (Exception, CheckpointException) as e:  # a damaged .distcp file (DCP gathers every rank's failure)
         if isinstance(e, CheckpointException) and e.failures:  # the first rank's own exception
             rank, (e, _) = min(e.failures.items(), key=lambda kv: kv[0])
         first_line = (str(e).strip().splitlines() or [""])[0][:160]
         raise CheckpointError(f"{d}: reading the tensors failed ({type(e).__name__}: {first_line}); "
                               f"fix: load an earlier iter_* directory (write its number into 'latest')") from None
-    shards = []
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            entry = dict(name=name, start=0, end=p.numel())
-            for k in STATE_KEYS:
-                t = full[f"{name}/{k}"]
-                t = t if resize is None else resize(name, t, p)
-                if tags.is_partitioned(p):
-                    t = tags.partition_tensor(t, p.partition_dim, groups.tp_rank, groups.tp_size,
-                                              p.partition_stride)
-                if t.shape != p.shape:
-                    raise CheckpointError(f"{name}: checkpoint gives {tuple(t.shape)} for this rank, "
-                                          f"the model has {tuple(p.shape)}; fix: same model sizes")
-                entry[k] = t.reshape(-1).to(p.device)
-            shards.append(entry)
-    optimizer.load_state_dict(dict(meta["optimizer"], shards=shards))
+    optimizer.load_counters(meta["optimizer"])
+    optimizer.refresh_model_params()
     same_layout = meta["layout"] == dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size)
     rng_path = os.path.join(d, f"rng_{groups.rank}.pt")
     meta["rng_state"] = _load_file(rng_path, weights_only=False) if same_layout else None
@@ -428,11 +418,35 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     return meta
 
 
+def _clip_rows(chunks: list, rows: int) -> list:
+    """``chunks`` cut to rows ``< rows`` of dim 0; the rows at or after ``rows`` are zeroed now
+    (they are not read)."""
+    out = []
+    with torch.no_grad():
+        for c in chunks:
+            keep = max(0, min(c.sizes[0], rows - c.offsets[0]))
+            c.tensor.narrow(0, keep, c.sizes[0] - keep).zero_()
+            if keep:
+                out.append(shards.Chunk(c.offsets, (keep,) + tuple(c.sizes[1:]), c.tensor.narrow(0, 0, keep)))
+    return out
+
+
 def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, canonical name -> full fp32 main parameter) of the latest checkpoint under
     ``root``, read in one process without any process group (conversion, generation).
 
     Raises CheckpointError when there is no checkpoint or a file is unreadable.
+    """
+    meta, _, full = read_full_tensors(root, "/main_param")
+    return meta, {k[:-len("/main_param")]: t for k, t in full.items()}
+
+
+def read_full_tensors(root: str, suffix: str = "") -> tuple[dict, str, dict[str, torch.Tensor]]:
+    """(meta, iteration directory, key -> FULL tensor) of the latest checkpoint under ``root``
+    for every key ending in ``suffix``, assembled from the saved shards of any layout in one
+    process (no process group; holds every full tensor: offline use only).
+
+    Raises CheckpointError when there is no checkpoint or a file is missing or unreadable.
     """
     meta = peek(root)
     if meta is None:
@@ -440,7 +454,6 @@ def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
                               "directory of a run")
     d = iteration_dir(root, meta["iteration"])
     saved = _read_metadata(d).state_dict_metadata
-    suffix = "/main_param"
     full = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.endswith(suffix)}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
@@ -449,4 +462,4 @@ def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"{d}: reading the tensors failed ({type(e).__name__}); fix: load an "
                               f"earlier iter_* directory (write its number into 'latest')") from None
-    return meta, {k[:-len(suffix)]: t for k, t in full.items()}
+    return meta, d, full

@@ -1,7 +1,16 @@
-"""Export a megazero checkpoint (saved under any layout) as a Hugging Face model folder.
+"""Export a megazero checkpoint (saved under any layout) as a Hugging Face model folder, or
+consolidate its shards into full tensors.
 
     python scripts/convert_checkpoint.py --load CKPT_DIR --to-hf OUT \\
         [--tokenizer-model PATH --tokenizer-type {SentencePieceTokenizer,HuggingFaceTokenizer}]
+    python scripts/convert_checkpoint.py --load CKPT_DIR --consolidate OUT
+
+``--consolidate`` writes ``OUT/iter_<N>/`` (and ``OUT/latest``): the same checkpoint with every
+key ``"<name>/<state>"`` stored as ONE full tensor (the format megazero saved before sharded
+checkpoints; ``megazero.checkpoint.load`` reads it under any layout, like the sharded one),
+``meta.pt`` with the new files' sizes and CRC-32, and the ``rng_<rank>.pt`` files. It runs in
+this one process and holds every full tensor (offline use; the CRC-32 of the input is checked
+first).
 
 writes ``OUT/config.json`` and ``OUT/model.safetensors`` of a ``GPT2LMHeadModel`` (GPT-2
 block) or ``LlamaForCausalLM`` (LLaMA-style block) that computes what the checkpoint's model computes (``model/hf.py`` holds the name map and the
@@ -23,10 +32,14 @@ import json
 import os
 import shutil
 import sys
+import warnings
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.checkpoint import CheckpointError, read_full_weights  # noqa: E402
+from megazero.checkpoint import (CheckpointError, file_checksum, iteration_dir, peek, publish,  # noqa: E402
+                                 read_full_tensors, read_full_weights, rng_files)
 from model.hf import HFConversionError, config_from_record, hf_config, to_hf_tensors  # noqa: E402
 
 
@@ -142,14 +155,47 @@ def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_t
     return config
 
 
+def consolidate(load: str, out: str) -> str:
+    """Write the latest checkpoint under ``load`` with full tensors under the new root ``out``
+    (see the module docstring); returns the written iteration directory. Raises ConvertError
+    when ``out`` is not empty, CheckpointError for a damaged input."""
+    import torch.distributed.checkpoint as dcp
+
+    if os.path.exists(out) and os.listdir(out):
+        raise ConvertError(f"--consolidate {out} exists and is not empty; fix: choose a new folder")
+    peek(load, verify=True)
+    meta, src, full = read_full_tensors(load)
+    tmp = iteration_dir(out, meta["iteration"]) + ".tmp"
+    os.makedirs(tmp)
+    with warnings.catch_warnings():  # DCP warns that it saves in one process: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(full, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
+    del full
+    for name in rng_files(meta["layout"]):
+        shutil.copyfile(os.path.join(src, name), os.path.join(tmp, name))
+    files = [n for n in os.listdir(tmp) if n.endswith(".distcp") or n.startswith("rng_") or n == ".metadata"]
+    meta = dict(meta, files={n: file_checksum(os.path.join(tmp, n)) for n in sorted(files)})
+    with open(os.path.join(tmp, "meta.pt"), "wb") as f:
+        torch.save(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return publish(out, meta["iteration"], tmp)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="scripts/convert_checkpoint.py", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory (the run's --save)")
-    p.add_argument("--to-hf", required=True, metavar="OUT", help="Hugging Face folder to write")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--to-hf", metavar="OUT", help="Hugging Face folder to write")
+    what.add_argument("--consolidate", metavar="OUT",
+                      help="new checkpoint directory to write with full tensors (one chunk per key)")
     p.add_argument("--tokenizer-model", help="tokenizer to export (default: the one the checkpoint recorded)")
     p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
     args = p.parse_args(argv)
     try:
+        if args.consolidate:
+            print(f"wrote {consolidate(args.load, args.consolidate)} (full tensors)")
+            return 0
         config = convert(args.load, args.to_hf, args.tokenizer_model, args.tokenizer_type)
     except (ConvertError, CheckpointError, HFConversionError) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)

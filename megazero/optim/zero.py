@@ -352,16 +352,21 @@ class DistributedOptimizer:
                 + ddp.gathered_bound_bytes())
 
     # -- checkpoint state ----------------------------------------------------------------
-    def _owned_param_pieces(self):
-        """``(name, param Range, main view, exp_avg view, exp_avg_sq view)`` of every owned
-        element run (1-D views of ``param Range.size`` elements)."""
+    def owned_state(self):
+        """``(name, param, param Range, main view, exp_avg view, exp_avg_sq view)`` of every
+        owned element run: ``param Range`` in the parameter's flattened (TP-local) coordinates,
+        the views 1-D fp32 of ``param Range.size`` elements of this optimizer's own state
+        (writing them sets the state; call ``refresh_model_params`` after writing main)."""
         names = {id(p): n for chunk in self.ddp.chunks for n, p in chunk.named_parameters()}
         for pc in self.pieces:
             for p, pr, wr in pc.buffer.layout.param_pieces(pc.world):
                 rel = wr.start - pc.world.start
                 s, e = pc.offset + rel, pc.offset + rel + pr.size
-                yield (names[id(p)], pr, pc.main[rel:rel + pr.size], self.exp_avg[s:e],
+                yield (names[id(p)], p, pr, pc.main[rel:rel + pr.size], self.exp_avg[s:e],
                        self.exp_avg_sq[s:e])
+
+    def _owned_param_pieces(self):
+        return ((name, pr, *views) for name, _, pr, *views in self.owned_state())
 
     def state_dict(self) -> dict:
         """This rank's fp32 shard and moments, keyed by parameter name and param Range.
@@ -374,10 +379,13 @@ class DistributedOptimizer:
         for name, pr, *views in self._owned_param_pieces():
             shards.append(dict(name=name, start=pr.start, end=pr.end,
                                **{k: v.clone() for k, v in zip(STATE_KEYS, views)}))
+        return dict(self.counters(), shards=shards)
+
+    def counters(self) -> dict:
+        """The step counters and loss-scaler state of ``state_dict()`` without its ``shards``."""
         return dict(step_count=self.step_count, skipped_steps=self.skipped_steps,
-                    consecutive_min_skips=self.consecutive_min_skips, shards=shards,
-                    loss_scaler=None if self.loss_scaler is None
-                    else self.loss_scaler.state_dict())
+                    consecutive_min_skips=self.consecutive_min_skips,
+                    loss_scaler=None if self.loss_scaler is None else self.loss_scaler.state_dict())
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -403,11 +411,22 @@ class DistributedOptimizer:
             if covered != pr.size:
                 raise ValueError(f"optimizer state lacks elements [{pr.start}, {pr.end}) of "
                                  f"{name!r} (covered {covered}); pass every rank's shards")
+        self.load_counters(state)
+        self.refresh_model_params()
+
+    def load_counters(self, state: dict) -> None:
+        """The step counters and loss-scaler state of a ``state_dict()`` (its ``shards`` are
+        not read)."""
         self.step_count = int(state["step_count"])
         self.skipped_steps = int(state["skipped_steps"])
         self.consecutive_min_skips = int(state["consecutive_min_skips"])
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    @torch.no_grad()
+    def refresh_model_params(self) -> None:
+        """Write the main params into the model params after they were set in place (a
+        checkpoint load); collective at stages 1/2 (the all-gather): every rank calls it."""
         self.wait_param_gather()
-        self._update_model_params()   # collective at stages 1/2: every rank loads
+        self._update_model_params()
         self.wait_param_gather()
