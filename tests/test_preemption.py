@@ -5,10 +5,13 @@ a signal saves at one step boundary on every rank and the resumed run continues 
 NaN names where it appeared; torchrun restarts a group after a rank is killed. The seconds from
 each fault to the end (or the resume) are printed (pytest -s) for the notes.
 """
+import contextlib
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +30,7 @@ def _last_records(run_dir) -> dict:
     return {r["iteration"]: r for r in train_records(run_dir)}
 
 
-def _wait_for(cond, proc, what: str, timeout: float = 240.0) -> None:
+def _wait_for(cond, proc, what: str, timeout: float = 480.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert proc is None or proc.poll() is None, f"the launcher ended before {what}"
@@ -50,6 +53,32 @@ def _interrupt_after_two_steps(proc, run, send, timeout: float = 120.0):
             proc.kill()
 
 
+@contextlib.contextmanager
+def _background(args, run_dir, env=None):
+    """The launcher on ``args`` in the background (output piped), killed on the way out if it
+    still runs: independent launches of one test overlap (one core is idle while a 1-rank run
+    imports torch, both while a run waits out a timeout)."""
+    env = dict(os.environ if env is None else env)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.pop("MEGAZERO_VENV", None)
+    cmd = ["bash", str(Path(__file__).resolve().parents[1] / "scripts" / "pretrain_gpt.sh"), *args,
+           "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _finish(proc, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Wait for a ``_background`` launch: its status and output, as ``launch`` returns them."""
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _same_losses(a: dict, b: dict, iterations) -> None:
     for it in iterations:  # bit-identical: the JSON floats are the exact float32 -> float64 values
         assert (a[it]["loss"], a[it]["grad_norm"]) == (b[it]["loss"], b[it]["grad_norm"]), it
@@ -59,11 +88,12 @@ def _same_losses(a: dict, b: dict, iterations) -> None:
                          ids=["1x1x1", "2x2x2"])
 def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_path, layout):
     args = BASE + layout
-    full = launch(args, tmp_path / "full", timeout=600)
-    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
-    proc = _start(args + ["--save", str(ckpt)], run)
-    out, err, took = _interrupt_after_two_steps(proc, run, lambda: proc.send_signal(signal.SIGTERM))
+    with _background(args, tmp_path / "full") as uninterrupted:
+        proc = _start(args + ["--save", str(ckpt)], run)
+        out, err, took = _interrupt_after_two_steps(proc, run, lambda: proc.send_signal(signal.SIGTERM))
+        full = _finish(uninterrupted)
+    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
     assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-2000:]
     stop = int((ckpt / "latest").read_text())
     assert 2 <= stop < 12
@@ -79,6 +109,17 @@ def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_
     _same_losses(_last_records(tmp_path / "full"), _last_records(run), range(stop + 1, 13))
 
 
+@pytest.fixture(scope="module")
+def exit_interval_run(tmp_path_factory):
+    """The launch of the --exit-interval test (1 rank, stops after iteration 4 with --save),
+    started by the SIGUSR1 test so that the two overlap; returns (finished launch, its run
+    directory, its checkpoint directory)."""
+    d = tmp_path_factory.mktemp("exit_interval")
+    with _background(BASE + ["--exit-interval", "4", "--save", str(d / "ckpt")], d / "run") as proc:
+        yield lambda: (_finish(proc, timeout=300), d / "run", d / "ckpt")
+
+
+@pytest.mark.usefixtures("exit_interval_run")
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGUSR1 to one of two ranks: both stop after the same iteration and one checkpoint holds both."""
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
@@ -98,9 +139,8 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     print(f"\nSIGUSR1 to rank pid {victim}: every rank exited {took:.1f} s later")
 
 
-def test_exit_interval_saves_and_exits_with_status_0(tmp_path):
-    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
-    out = launch(BASE + ["--exit-interval", "4", "--save", str(ckpt)], run, timeout=300)
+def test_exit_interval_saves_and_exits_with_status_0(exit_interval_run):
+    out, run, ckpt = exit_interval_run()
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert (f"[megazero] stopped after iteration 4 (--exit-interval): checkpoint {ckpt}/iter_0000004; "
             f"to resume, run the same command with --load {ckpt}") in out.stderr
@@ -113,13 +153,14 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_equals_the_uninterrupted
     --save-interval 5: torchrun restarts the group, which resumes at 5 and finishes; iterations
     6-12 equal the uninterrupted run and the restart is in the log and the metrics file."""
     args = BASE + ["--dp", "2"]
-    full = launch(args, tmp_path / "full", timeout=600)
-    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:7:1")
     start = time.monotonic()
-    out = _launch_env(args + ["--max-restarts", "1", "--save", str(ckpt), "--load", str(ckpt),
-                              "--save-interval", "5", "--distributed-timeout-s", "60"], run, env)
+    with _background(args, tmp_path / "full") as uninterrupted:
+        out = _launch_env(args + ["--max-restarts", "1", "--save", str(ckpt), "--load", str(ckpt),
+                                  "--save-interval", "5", "--distributed-timeout-s", "60"], run, env)
+        full = _finish(uninterrupted)
+    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = "[megazero] restart 1 of --max-restarts 1: resumed at iteration 5; 1 trained iteration(s) lost " \
            "(the last logged was 6)"
@@ -136,9 +177,6 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_equals_the_uninterrupted
 
 
 def _launch_env(args, run_dir, env, timeout=600):
-    import subprocess
-    import sys
-
     env = dict(env, PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
     env.pop("MEGAZERO_VENV", None)
     cmd = ["bash", str(Path(__file__).resolve().parents[1] / "scripts" / "pretrain_gpt.sh"), *args,
@@ -153,14 +191,15 @@ def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(tmp_path):
     --skip-bad-batches 1 the run completes with one skipped step."""
     args = [a if a != "12" else "5" for a in BASE] + ["--tp", "2", "--pp", "2"]
     env = dict(os.environ, MEGAZERO_TEST_FAULT="nan:3:1:1")
-    stopped = _launch_env(args, tmp_path / "stop", env)
+    with _background(args + ["--skip-bad-batches", "1"], tmp_path / "skip", env) as skipping:
+        stopped = _launch_env(args, tmp_path / "stop", env)
+        skipped = _finish(skipping)
     assert stopped.returncode == 1, stopped.stdout[-2000:] + stopped.stderr[-2000:]
     line = ("megazero: training error: non-finite loss/gradient at iteration 3: it first appeared in the forward "
             "pass of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch 1), on training "
             "samples 18-19; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps")
     assert [x for x in stopped.stderr.splitlines() if "non-finite" in x] == [line], stopped.stderr[-3000:]
     assert not any(t in stopped.stdout + stopped.stderr for t in NO_TRACEBACK)
-    skipped = _launch_env(args + ["--skip-bad-batches", "1"], tmp_path / "skip", env)
     assert skipped.returncode == 0, skipped.stdout[-2000:] + skipped.stderr[-2000:]
     assert "[megazero] skipped iteration 3: non-finite loss/gradient at iteration 3" in skipped.stdout
     records = train_records(tmp_path / "skip")
@@ -168,18 +207,29 @@ def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(tmp_path):
     assert records[2]["loss"] is None and all(r["loss"] is not None for r in records[3:])
 
 
+TWO_NODES = [a if a != "12" else "4" for a in BASE] + ["--tp", "2", "--dp", "2"]
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """The run directory of TWO_NODES launched on one node: started in the background by the
+    first two-node test, shared by both (the function waits for it)."""
+    run = tmp_path_factory.mktemp("one_node") / "one"
+    with _background(TWO_NODES, run) as proc:
+        def finished():
+            one = _finish(proc)
+            assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+            return run
+        yield finished
+
+
 @pytest.mark.parametrize("backend", ["static", "c10d"])
-def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path, backend):
+def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path, backend, one_node):
     """--nnodes 2 --node-rank 0/1 --master-addr 127.0.0.1 (tp 2, dp 2: one tp pair per "node")
     logs the losses of the same layout launched on one node."""
-    import subprocess
-    import sys
-
     from tests.distributed import free_port
 
-    args = [a if a != "12" else "4" for a in BASE] + ["--tp", "2", "--dp", "2"]
-    one = launch(args, tmp_path / "one", timeout=600)
-    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    args = TWO_NODES
     port, run = free_port(), tmp_path / "two"
     nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-backend", backend]
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
@@ -195,7 +245,7 @@ def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path, backend):
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert all("launching 2 process(es) on this node (tp=2 pp=1 dp=2, nnodes=2)" in o for o in outs)
-    a, b = _last_records(tmp_path / "one"), _last_records(run)
+    a, b = _last_records(one_node()), _last_records(run)
     assert sorted(b) == [1, 2, 3, 4]
     for it in a:
         assert a[it]["loss"] == pytest.approx(b[it]["loss"], rel=1e-6, abs=0), it
@@ -209,20 +259,22 @@ def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_th
     from megazero import checkpoint
 
     args = [a if a != "12" else "4" for a in BASE] + ["--dp", "2", "--save-interval", "1"]
-    sync = launch(args + ["--save", str(tmp_path / "c1")], tmp_path / "sync", timeout=600)
-    both = launch(args + ["--save", str(tmp_path / "c2"), "--async-save"], tmp_path / "async", timeout=600)
+    # rank 1 SIGKILLs itself inside the background write of iteration 2's checkpoint, once its
+    # tensor file is on disk: latest stays 1, which loads, and the run resumes from it. The
+    # synchronous and the asynchronous run go on beside it.
+    env = dict(os.environ, MEGAZERO_TEST_FAULT="savekill:2:1")
+    c3 = tmp_path / "c3"
+    with _background(args + ["--save", str(tmp_path / "c1")], tmp_path / "sync") as sync_proc, \
+            _background(args + ["--save", str(tmp_path / "c2"), "--async-save"], tmp_path / "async") as async_proc:
+        killed = _launch_env(args + ["--save", str(c3), "--async-save", "--distributed-timeout-s", "30"],
+                             tmp_path / "killed", env)
+        sync, both = _finish(sync_proc), _finish(async_proc)
     assert sync.returncode == 0 and both.returncode == 0, both.stdout[-2000:] + both.stderr[-2000:]
     _same_losses(_last_records(tmp_path / "sync"), _last_records(tmp_path / "async"), range(1, 5))
     assert (tmp_path / "c2" / "latest").read_text().strip() == "4"
     assert f"[megazero] saving checkpoint {tmp_path}/c2/iter_0000004 (in the background, training blocked " \
         in both.stdout
     assert f"[megazero] checkpoint {tmp_path}/c2/iter_0000004 is complete (waited " in both.stdout
-    # rank 1 SIGKILLs itself inside the background write of iteration 2's checkpoint, once its
-    # tensor file is on disk: latest stays 1, which loads, and the run resumes from it.
-    env = dict(os.environ, MEGAZERO_TEST_FAULT="savekill:2:1")
-    c3 = tmp_path / "c3"
-    killed = _launch_env(args + ["--save", str(c3), "--async-save", "--distributed-timeout-s", "30"],
-                         tmp_path / "killed", env)
     assert killed.returncode != 0 and "training failed" in killed.stderr, killed.stderr[-2000:]
     assert "[megazero] rank 1 failed first (" in killed.stderr, killed.stderr[-3000:]
     assert list((c3 / "iter_0000002.tmp").glob("*.distcp")), "the kill came before any file was written"
@@ -243,6 +295,20 @@ def _rank_of(pid: int) -> int:
 OP = r"(all_reduce|all_gather|reduce_scatter|broadcast) #\d+ over ranks \[0, 1\], shape \(\d+,\) float32"
 
 
+@pytest.fixture(scope="module")
+def killed_rank_run(tmp_path_factory):
+    """The launch of the kill -9 test below (rank 1 of 2 kills itself at the start of iteration
+    3, --distributed-timeout-s 20), started by the SIGSTOP test so that it runs while that test
+    waits out its timeouts; returns (finished launch, its run directory, seconds from its start)."""
+    run = tmp_path_factory.mktemp("killed_rank") / "run"
+    env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:3:1")
+    start = time.monotonic()
+    with _background([a if a != "12" else "5" for a in BASE] + ["--dp", "2", "--distributed-timeout-s", "20"],
+                     run, env) as proc:
+        yield lambda: (_finish(proc, timeout=300), run, time.monotonic() - start)
+
+
+@pytest.mark.usefixtures("killed_rank_run")
 def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_path):
     """SIGSTOP to rank 1 of 2: rank 0's collective fails (--distributed-timeout-s 10), it writes
     its failure report, torchrun ends the stopped rank (SIGKILL, in its summary), and the launcher
@@ -276,20 +342,17 @@ def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_pat
     print(f"\nSIGSTOP to rank 1: the launcher ended {took:.1f} s later; line: {named[0]}")
 
 
-def test_a_killed_rank_is_named_with_its_signal_and_the_operation_the_others_waited_in(tmp_path):
+def test_a_killed_rank_is_named_with_its_signal_and_the_operation_the_others_waited_in(killed_rank_run):
     """kill -9 of rank 1 of 2 at the start of iteration 3: rank 0's collective fails, it writes
     its report, and the launcher names rank 1 with SIGKILL from torchrun's summary (kept in
     RUN_DIR/torchrun.log) and the operation rank 0 waited in."""
-    env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:3:1")
-    start = time.monotonic()
-    done = _launch_env([a if a != "12" else "5" for a in BASE] + ["--dp", "2", "--distributed-timeout-s", "20"],
-                       tmp_path / "run", env, timeout=300)
+    done, run, took = killed_rank_run()
     named = [x for x in done.stderr.splitlines() if x.startswith("[megazero] rank")]
-    print("\n".join(named), f"\nkill -9 of rank 1: the launcher ended {time.monotonic() - start:.1f} s after start")
-    assert done.returncode != 0 and "Root Cause" in (tmp_path / "run" / "torchrun.log").read_text()
+    print("\n".join(named), f"\nkill -9 of rank 1: the launcher ended {took:.1f} s after start")
+    assert done.returncode != 0 and "Root Cause" in (run / "torchrun.log").read_text()
     # the operation's sequence number and shape follow the model and the bucket sizes: matched by form
     assert len(named) == 1 and re.fullmatch(
         r"\[megazero\] rank 1 failed first \(signal 9 \(SIGKILL\), exit code -9, from torchrun's report\); "
         r"the others waited in all_reduce #\d+ over ranks \[0, 1\], shape \(\d+,\) float32 during the optimizer step "
         r"\(gradient reduction, overflow all-reduce, norm, parameter all-gather\) at iteration 3 "
-        + re.escape(f"(reports: {tmp_path}/run/failures)"), named[0]), done.stderr[-3000:]
+        + re.escape(f"(reports: {run}/failures)"), named[0]), done.stderr[-3000:]

@@ -102,14 +102,34 @@ def single_run():
     return run_distributed(_train_layout, 1, BASE, STEPS)[0]
 
 
+def _train_layouts(rank, world, argvs, steps):
+    return [_train_layout(rank, world, argv, steps) for argv in argvs]
+
+
+@pytest.fixture(scope="module")
+def layout_results(single_run):
+    """name -> per-rank results of that layout; the layouts of one world size share one set
+    of spawned ranks (started by the first test that needs one of them), "single" is
+    ``single_run`` itself."""
+    cache = {"single": [single_run]}
+
+    def get(name):
+        if name not in cache:
+            world = LAYOUTS[name][0]
+            names = [n for n, (w, _) in LAYOUTS.items() if w == world and n not in cache]
+            per_rank = run_distributed(_train_layouts, world, [BASE + LAYOUTS[n][1] for n in names], STEPS,
+                                       timeout_s=300 * len(names))
+            cache.update({n: [r[i] for r in per_rank] for i, n in enumerate(names)})
+        return cache[name]
+    return get
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_equals_reference(name, reference, single_run):
+def test_layout_equals_reference(name, reference, single_run, layout_results):
     """Losses equal the reference at every step; every rank sees the same loss and gradient
     norm, and the norm (clipping at 1.0 is active) equals the single-process norm to 1e-6 at
     every step (squares summed in fp64: an fp32 sum put pp 2 dp 2 3.6e-6 above pp 1)."""
-    world, extra = LAYOUTS[name]
-    results = run_distributed(_train_layout, world, BASE + extra, STEPS, timeout_s=300)
-    _check_layout(name, results, reference, single_run)
+    _check_layout(name, layout_results(name), reference, single_run)
 
 
 def _check_layout(name, results, reference, single_run, clip=1.0):
@@ -158,10 +178,6 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-percent", "0.5", "--rota
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--clip-grad", "0.5"]
 
 
-def _train_layouts(rank, world, argvs, steps):
-    return [_train_layout(rank, world, argv, steps) for argv in argvs]
-
-
 @pytest.fixture(scope="module")
 def llama_runs():
     """{world size: (layout names, per-rank results)}; the single-process run first."""
@@ -173,25 +189,27 @@ def llama_runs():
     return out
 
 
+@pytest.fixture(scope="module")
+def llama_reference():
+    return _reference_losses(BASE + LLAMA, STEPS)
+
+
 @pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
-def test_llama_block_layouts_equal_reference(world, llama_runs):
+def test_llama_block_layouts_equal_reference(world, llama_runs, llama_reference):
     """The LLaMA-style configuration under every layout of this world size: losses equal the
     reference's within 1e-5 relative, gradient norms the single process's, the greedy sample
     decodes the same ids, and the planner counts each rank's parameters exactly."""
-    reference = _reference_losses(BASE + LLAMA, STEPS)
     single = llama_runs[1][1][0][0]
     names, per_rank = llama_runs[world]
     for i, name in enumerate(names):
-        _check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)
+        _check_layout(name, [r[i] for r in per_rank], llama_reference, single, clip=0.5)
 
 
 def test_micro_batch_split_does_not_change_the_run():
-    """micro-batch 1 x 4 accumulation equals micro-batch 4 x 1, at dp 2 with ZeRO-2."""
-    argv = [a for a in BASE]
-    a = run_distributed(_train_layout, 2, argv + ["--dp", "2", "--zero-stage", "2", "--micro-batch-size", "1"],
-                        4)[0][0]
-    b = run_distributed(_train_layout, 2, argv + ["--dp", "2", "--zero-stage", "2", "--micro-batch-size", "8"],
-                        4)[0][0]
+    """micro-batch 1 x 4 accumulation equals micro-batch 4 x 1, at dp 2 with ZeRO-2 (one spawn)."""
+    argv = BASE + ["--dp", "2", "--zero-stage", "2"]
+    (a, *_), (b, *_) = run_distributed(_train_layouts, 2, [argv + ["--micro-batch-size", "1"],
+                                                           argv + ["--micro-batch-size", "8"]], 4)[0]
     for x, y in zip(a, b):
         assert math.isclose(x, y, rel_tol=1e-6)
 
