@@ -935,10 +935,12 @@ def main(argv=None) -> int:
 
 
 def is_collective_failure(e: BaseException) -> bool:
-    """True for gloo/NCCL errors of a peer that disappeared or a collective that timed out."""
+    """True for gloo/NCCL errors of a peer that disappeared or a collective that timed out
+    (gloo's asynchronous ``Work.wait`` says "Application timeout caused pair closure")."""
     text = str(e)
     return isinstance(e, dist.DistError) or any(
-        k in text for k in ("Connection reset", "Connection closed", "timed out", "Timed out", "gloo", "NCCL"))
+        k in text for k in ("Connection reset", "Connection closed", "timed out", "Timed out", "timeout",
+                             "pair closure", "gloo", "NCCL"))
 
 
 if __name__ == "__main__":

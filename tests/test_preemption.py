@@ -291,8 +291,10 @@ def _rank_of(pid: int) -> int:
     return int(next(e for e in env if e.startswith(b"RANK="))[5:])
 
 
-#: an operation of the ring buffer in words (collectives.describe), between ranks 0 and 1
-OP = r"(all_reduce|all_gather|reduce_scatter|broadcast) #\d+ over ranks \[0, 1\], shape \(\d+,\) float32"
+#: an operation of the ring buffer in words (collectives.describe), between ranks 0 and 1: the
+#: optimizer's fp32 collectives, or the fp64 loss / stop all-reduce of the next iteration (with
+#: --overlap-param-gather nothing blocks rank 0 after the step, so it may get that far)
+OP = r"(all_reduce|all_gather|reduce_scatter|broadcast) #\d+ over ranks \[0, 1\], shape \(\d+,\) (float32|float64)"
 
 
 @pytest.fixture(scope="module")
