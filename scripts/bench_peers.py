@@ -11,6 +11,18 @@ Data-parallel pairs (dp = world size, a small GPT: ``--layers --hidden ...``):
   and the root; it shards parameters too, i.e. ZeRO-3, the nearest torch peer of ZeRO-2) and
   ``deepspeed-zero2``.
 
+- ``floor``: the same model's forward and backward on the same micro-batches, nothing else (no
+  gradient sync, no clipping, no optimizer step). Every data-parallel system runs exactly this
+  computation plus its own synchronisation and update, so ``floor`` bounds them all from below:
+  ``floor/peer`` is the smallest ratio megazero could reach against that peer, and
+  ``(megazero - floor) / (peer - floor)`` compares what each adds to the computation (its
+  overhead: communication not hidden, clipping, the optimizer step).
+
+megazero runs as ``train.py`` does by default: ``overlap_comm`` and, at ZeRO-1/2,
+``--overlap-param-gather``; ``--sync-param-gather`` adds ``megazero-zero1-sync-gather`` and
+``megazero-zero2-sync-gather`` (the parameter all-gather waited for inside the step) with their
+own ratio lines.
+
 Tensor-parallel pair (tp = world size, a GPT where compute dominates: ``--tp-layers
 --tp-hidden ...``, 25.8M parameters by default): ``megazero-tp2`` / ``megatron-core-tp2``
 (Megatron-core's ``GPTModel``, loaded with megazero's initial weights). ``--tp-layers 0``
@@ -43,11 +55,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
+OVERLAP_PAIRS = (("megazero-zero1", "megazero-zero1-sync-gather"),
+                 ("megazero-zero2", "megazero-zero2-sync-gather"))
 PAIRS = (("megazero-zero0", "ddp"), ("megazero-zero0", "deepspeed-zero0"),
          ("megazero-zero1", "zero-redundancy-optimizer"), ("megazero-zero1", "deepspeed-zero1"),
          ("megazero-zero2", "fsdp2"), ("megazero-zero2", "deepspeed-zero2"),
          ("megazero-tp2", "megatron-core-tp2"))
-DP_SYSTEMS = ("megazero-zero0", "ddp", "deepspeed-zero0", "megazero-zero1",
+DP_SYSTEMS = ("floor", "megazero-zero0", "ddp", "deepspeed-zero0", "megazero-zero1",
               "zero-redundancy-optimizer", "deepspeed-zero1", "megazero-zero2", "fsdp2",
               "deepspeed-zero2")
 TP_SYSTEMS = ("megazero-tp2", "megatron-core-tp2")
@@ -69,10 +83,16 @@ def _model(args, groups):
     return GPTStage(_gpt_config(args), groups, range(args.layers), True, True, 1234)
 
 
+#: Default ``--bucket-size``: 2^20 elements (4 MiB fp32), below DDP's 25 MiB and Megatron-core's
+#: 4e7 elements. At hidden size squared (megazero's default, 65,536 elements for the default
+#: model) every system pays gloo's per-call latency 53 times a step (docs/performance.md).
+DEFAULT_BUCKET = 1 << 20
+
+
 def bucket_size(args) -> int:
     """Gradient-reduction and parameter all-gather bucket of every system, elements:
-    ``--bucket-size``, else hidden size squared (megazero's default, DeepSpeed's 'auto')."""
-    return getattr(args, "bucket_size", None) or args.hidden ** 2
+    ``--bucket-size``, else ``DEFAULT_BUCKET``."""
+    return getattr(args, "bucket_size", None) or DEFAULT_BUCKET
 
 
 def tp_args(args) -> argparse.Namespace:
@@ -87,6 +107,9 @@ def systems_to_run(args) -> tuple[list, list]:
     from scripts.bench_peers_optional import peer_available
 
     names = list(DP_SYSTEMS) + (list(TP_SYSTEMS) if args.tp_layers > 0 else [])
+    if getattr(args, "sync_param_gather", False):
+        for ours, sync in OVERLAP_PAIRS:
+            names.insert(names.index(ours) + 1, sync)
     skipped = {}
     for name in names:
         pkg = OPTIONAL.get(name)
@@ -97,8 +120,9 @@ def systems_to_run(args) -> tuple[list, list]:
     return [n for n in names if not any(n in v for v in skipped.values())], lines
 
 
-def _megazero(args, groups, stage):
-    """(step function, model-state bytes function) of megazero at ZeRO ``stage``."""
+def _megazero(args, groups, stage, overlap_param_gather=None):
+    """(step function, model-state bytes function) of megazero at ZeRO ``stage``;
+    ``overlap_param_gather`` None: train.py's default (on at stages 1 and 2)."""
     from megazero import collectives as C
     from megazero.data_parallel.ddp import DataParallel
     from megazero.optim.zero import DistributedOptimizer
@@ -109,7 +133,9 @@ def _megazero(args, groups, stage):
     opt = DistributedOptimizer(ddp, groups, lr=ADAMW["lr"], beta1=ADAMW["betas"][0],
                                beta2=ADAMW["betas"][1], eps=ADAMW["eps"],
                                weight_decay=ADAMW["weight_decay"], clip_grad=CLIP,
-                               allgather_bucket_size=bucket_size(args))
+                               allgather_bucket_size=bucket_size(args),
+                               overlap_param_gather=(stage in (1, 2) if overlap_param_gather is None
+                                                     else overlap_param_gather))
 
     def step(micro):
         ddp.zero_grad()
@@ -123,9 +149,27 @@ def _megazero(args, groups, stage):
         return total
 
     def state():
+        opt.wait_param_gather()   # nothing left in flight when the ranks compare or exit
         s = opt.model_state_bytes()
         return s["total"] - s["buckets"]
     return step, state
+
+
+def _floor(args, groups):
+    """(step, state) of the compute floor: forward and backward of the same model on the same
+    micro-batches, gradients accumulated by autograd and dropped; no sync, no update."""
+    model = _model(args, groups)
+
+    def step(micro):
+        for p in model.parameters():
+            p.grad = None
+        total = 0.0
+        for t, l in micro:
+            loss = model(t, l).sum() / (len(micro) * l.numel())
+            loss.backward()
+            total += loss.item()
+        return total
+    return step, lambda: sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _peer(args, groups, kind):
@@ -222,6 +266,10 @@ def count_collectives(out: dict):
 
 def _system(name, args, dp_groups, tp_groups):
     """(step, state) of system ``name`` (one of DP_SYSTEMS / TP_SYSTEMS)."""
+    if name == "floor":
+        return _floor(args, dp_groups)
+    if name.endswith("-sync-gather"):
+        return _megazero(args, dp_groups, int(name[len("megazero-zero")]), False)
     if name.startswith("megazero-zero"):
         return _megazero(args, dp_groups, int(name[-1]))
     if name == "megazero-tp2":
@@ -285,6 +333,7 @@ def run_rank(rank: int, world: int, args, names) -> dict:
     for name in names:  # one more step, its collectives counted
         with count_collectives(out[name]["comm"]):
             systems[name][0](batches["tp" if name in TP_SYSTEMS else "dp"][0])
+            systems[name][1]()   # waits for what the step left in flight
     return out
 
 
@@ -332,6 +381,18 @@ def report(res: list, names: list, args=None) -> list[str]:
         a, b = r0[ours]["loss"], r0[peer]["loss"]
         lines.append(f"loss {ours} {a:.6f} vs {peer} {b:.6f}: relative difference "
                      f"{abs(a - b) / abs(b):.2e}")
+    if "floor" in med:
+        floor = med["floor"][0]
+        for ours, peer in pairs:
+            if peer in TP_SYSTEMS:
+                continue
+            lines.append(f"floor/{peer}: {floor / med[peer][0]:.2f} (the lowest {ours}/{peer} "
+                         f"any system could reach); overhead over the floor {ours} "
+                         f"{1e3 * (med[ours][0] - floor):.1f} ms vs {peer} "
+                         f"{1e3 * (med[peer][0] - floor):.1f} ms")
+    for ours, sync in OVERLAP_PAIRS:
+        if ours in med and sync in med:
+            lines.append(f"ratio {ours}/{sync}: {med[ours][0] / med[sync][0]:.2f}")
     for ours, peer in pairs:
         lines.append(f"ratio {ours}/{peer}: {med[ours][0] / med[peer][0]:.2f}")
     return lines
@@ -349,8 +410,10 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=1024, help="vocabulary of both models")
     ap.add_argument("--micro", type=int, default=4, help="micro-batch size per rank")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--sync-param-gather", action="store_true",
+                    help="also run megazero ZeRO-1/2 with the parameter all-gather inside the step")
     ap.add_argument("--bucket-size", type=int, default=None,
-                    help="gradient/all-gather bucket of every system, elements (default hidden^2; "
+                    help=f"gradient/all-gather bucket of every system, elements (default {DEFAULT_BUCKET}; "
                          "DDP's bucket_cap_mb, DeepSpeed's reduce/allgather_bucket_size)")
     ap.add_argument("--tp-layers", type=int, default=8, help="tp pair's layers (0: no tp pair)")
     ap.add_argument("--tp-hidden", type=int, default=512)

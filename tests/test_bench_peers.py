@@ -14,7 +14,7 @@ from tests.distributed import run_distributed
 
 ARGS = dict(rounds=1, steps=2, layers=1, hidden=32, heads=2, seq=16, vocab=64, micro=2, accum=2,
             tp_layers=1, tp_hidden=32, tp_heads=2, tp_seq=16, tp_micro=2, tp_accum=2,
-            optional=False)
+            optional=False, sync_param_gather=True)
 
 
 def test_every_system_trains_the_same_and_states_follow_zero():
@@ -22,9 +22,18 @@ def test_every_system_trains_the_same_and_states_follow_zero():
     names, skipped = B.systems_to_run(args)
     assert skipped == ["skipped deepspeed (--no-optional-peers): deepspeed-zero0 deepspeed-zero1 "
                        "deepspeed-zero2", "skipped megatron-core (--no-optional-peers): megatron-core-tp2"]
+    assert names[:4] == ["floor", "megazero-zero0", "ddp", "megazero-zero1"]
+    assert names[names.index("megazero-zero1") + 1] == "megazero-zero1-sync-gather"
+    assert names[names.index("megazero-zero2") + 1] == "megazero-zero2-sync-gather"
     res = run_distributed(B.run_rank, 2, args, names, timeout_s=300)
     for out in res:
-        losses = {name: out[name]["loss"] for name in names if name != "megazero-tp2"}
+        # the parameter all-gather overlapped with the next forward or waited in the step:
+        # the same bits (tests/test_param_gather_overlap.py checks every parameter)
+        for stage in (1, 2):
+            assert out[f"megazero-zero{stage}"]["loss"] == out[f"megazero-zero{stage}-sync-gather"]["loss"]
+        # the floor runs forward and backward only: no collective, no update
+        assert out["floor"]["comm"] == {}
+        losses = {name: out[name]["loss"] for name in names if name not in ("megazero-tp2", "floor")}
         for name, loss in losses.items():
             assert math.isclose(loss, losses["ddp"], rel_tol=1e-5), losses
         state = {name: out[name]["state"] for name in names}
@@ -46,7 +55,15 @@ def test_every_system_trains_the_same_and_states_follow_zero():
     lines = B.report(res, names, argparse.Namespace(**ARGS))
     assert "theory tp (Megatron): 12 all-reduces of [2, 16, 32] fp32 = 0.05 MB" in "\n".join(lines)
     assert lines[-1].startswith("ratio megazero-zero2/fsdp2: ")
-    assert [line.split(":")[0] for line in lines if line.startswith("ratio ")] == [
+    floor_lines = [line for line in lines if line.startswith("floor/")]
+    assert [line.split(":")[0] for line in floor_lines] == [
+        "floor/ddp", "floor/zero-redundancy-optimizer", "floor/fsdp2"]
+    assert "overhead over the floor megazero-zero0" in floor_lines[0]
+    assert [line.split(":")[0] for line in lines if line.startswith("ratio") and "sync-gather:" in line] == [
+        "ratio megazero-zero1/megazero-zero1-sync-gather",
+        "ratio megazero-zero2/megazero-zero2-sync-gather"]
+    assert [line.split(":")[0] for line in lines
+            if line.startswith("ratio ") and "sync-gather" not in line] == [
         "ratio megazero-zero0/ddp", "ratio megazero-zero1/zero-redundancy-optimizer",
         "ratio megazero-zero2/fsdp2"]
 
