@@ -1,6 +1,7 @@
 """--compile: torch.compile of each transformer layer gives the eager run's fp32 losses within
-1e-5 (tensor parallel with sequence parallelism and its collectives inside the layers, and a
-pipeline with ZeRO-2). Slow: inductor compiles the layer on every rank (minutes on CPU)."""
+1e-5 (tensor parallel with sequence parallelism and its collectives inside the layers, a
+pipeline with ZeRO-2, and ZeRO-3, whose per-layer gather hooks run around the compiled
+layers). Slow: inductor compiles the layer on every rank (minutes on CPU)."""
 import pytest
 
 from tests.distributed import run_distributed
@@ -8,7 +9,8 @@ from tests.test_train import BASE
 
 STEPS = 3
 LAYOUTS = {"tp2 SP": ["--tp", "2", "--sequence-parallel"],
-           "pp2 1F1B ZeRO-2": ["--pp", "2", "--zero-stage", "2"]}
+           "pp2 1F1B ZeRO-2": ["--pp", "2", "--zero-stage", "2"],
+           "dp2 ZeRO-3": ["--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"]}
 
 
 def _eager_and_compiled(rank, world, steps):

@@ -30,6 +30,7 @@ optimizer step, a checkpoint save, an evaluation, the end of training) call
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -107,10 +108,9 @@ class ParamGatherOverlap:
                 stack.extend(m.children())
 
     def _register(self, module: nn.Module, position: int) -> None:
-        @torch.compiler.disable
         def hook(_module, _args):
             self._wait_upto(position, by_hook=True)
-        module.register_forward_pre_hook(hook)
+        module.register_forward_pre_hook(eager_hook(module, hook))
 
     @torch.no_grad()
     def start(self, fills: dict[int, Optional[Callable]]) -> None:
@@ -157,3 +157,16 @@ class ParamGatherOverlap:
 
 def _is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def eager_hook(module: nn.Module, hook: Callable) -> Callable:
+    """``hook`` (a module forward / pre-forward hook of megazero's machinery) made to run
+    eagerly: the hooks of a module compiled with ``nn.Module.compile`` run inside its compiled
+    region, so there they are ``torch.compiler.disable``-d (a graph break at their start), and
+    so is every hook once ``torch._dynamo`` is imported (something may compile a larger region).
+    Otherwise ``hook`` is returned as it is: ``torch.compiler.disable`` imports torch._dynamo,
+    about 2 s of CPU an eager run never needs. Used for the overlapped parameter all-gather's
+    waits and ZeRO-3's gather / release (``zero3_gather.py``)."""
+    if _is_compiled(module) or "torch._dynamo" in sys.modules:
+        return torch.compiler.disable(hook)
+    return hook

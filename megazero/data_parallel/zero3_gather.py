@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megazero.data_parallel.param_gather import eager_hook
+
 
 @dataclass(frozen=True)
 class Zero3Options:
@@ -117,8 +119,8 @@ class Zero3Gather:
         for b in buffers:
             self._unit_of[id(b)] = u
         target = chunk if module is None else module
-        target.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
-        target.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+        target.register_forward_pre_hook(eager_hook(target, lambda m, a, u=u: self._pre_forward(u)))
+        target.register_forward_hook(eager_hook(target, lambda m, a, out, u=u: self._post_forward(u, out)))
 
     @property
     def live_bytes(self) -> int:
