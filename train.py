@@ -132,7 +132,9 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
 def compile_layers(chunks: list[GPTStage]) -> None:
     """--compile: ``torch.compile`` each transformer layer in place (``nn.Module.compile``:
     parameter names, hooks and checkpoints unchanged); embeddings, head, the pipeline and
-    ZeRO machinery stay eager."""
+    ZeRO machinery stay eager; the collectives' bookkeeping runs eagerly between the traced
+    graphs (``collectives.keep_bookkeeping_out_of_compiled_graphs``)."""
+    collectives.keep_bookkeeping_out_of_compiled_graphs()
     for chunk in chunks:
         for layer in chunk.layers.values():
             layer.compile()

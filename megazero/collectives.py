@@ -50,6 +50,26 @@ def record(op: str, ranks: tuple, t: torch.Tensor) -> None:
     recent.append((op, tuple(ranks), next(_seq), tuple(t.shape), str(t.dtype).replace("torch.", "")))
 
 
+def keep_bookkeeping_out_of_compiled_graphs() -> None:
+    """Make ``record`` and the byte counting run eagerly when called from a region that
+    ``torch.compile`` traces (``--compile``: a tensor-parallel layer's collectives run inside
+    its compiled forward and backward).
+
+    Traced, ``record``'s running sequence number is a value dynamo guards on, so every call
+    of the layer failed the guard and recompiled it, and after ``torch._dynamo.config.
+    recompile_limit`` (8) recompilations the layer ran uncompiled. ``torch.compiler.disable``
+    ends the traced graph before the bookkeeping and starts a new one after it (a graph break
+    at each collective, where no fusion is possible anyway); every collective is still
+    counted and recorded. Called by ``train.compile_layers`` before compiling (not at import:
+    ``torch.compiler.disable`` imports torch._dynamo, about 2 s of CPU an eager run never
+    needs). Idempotent.
+    """
+    global record, _count
+    if not getattr(record, "_megazero_eager", False):
+        record, _count = torch.compiler.disable(record), torch.compiler.disable(_count)
+        record._megazero_eager = True
+
+
 def describe(entry: tuple) -> str:
     """One ``recent`` entry in words, e.g. ``all_reduce #57 over ranks [0, 1], shape (5,) float32``."""
     op, ranks, seq, shape, dtype = entry
