@@ -14,8 +14,13 @@ LAYOUTS = {"tp2 SP": ["--tp", "2", "--sequence-parallel"],
 
 
 def _eager_and_compiled(rank, world, steps):
+    import torch._dynamo
+
     from tests.test_train import _train_layout
 
+    # a layer that keeps failing its guards (e.g. on a Python counter its collectives bump)
+    # recompiles up to recompile_limit times and then runs uncompiled, silently: fail instead
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     out = {}
     for name, extra in LAYOUTS.items():
         eager = _train_layout(rank, world, BASE + extra, steps)[0]
