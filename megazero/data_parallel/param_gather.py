@@ -21,8 +21,9 @@ stages (their own buffer, ``DataParallel``) first, because the first stage's emb
 them before anything else. Waits are in issue order: a hook that needs the i-th bucket waits
 for buckets 0..i. Hooks sit on every module that directly owns parameters, except that a
 module compiled with ``torch.compile`` (``nn.Module.compile``) counts as one module owning all
-its parameters, so no hook runs inside a compiled region (the hook is
-``torch.compiler.disable``-d, a graph break at its start). The tied buffer is waited for by a
+its parameters, so no hook runs inside a compiled region (the hook of a compiled module is
+``torch.compiler.disable``-d, a graph break at its start; every hook is, once torch._dynamo is
+imported). The tied buffer is waited for by a
 pre-hook on the chunk itself, because the last stage's head reads the embedding weight
 without calling the embedding module. Before anything else reads the parameters (the next
 optimizer step, a checkpoint save, an evaluation, the end of training) call
@@ -30,6 +31,7 @@ optimizer step, a checkpoint save, an evaluation, the end of training) call
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -107,9 +109,14 @@ class ParamGatherOverlap:
                 stack.extend(m.children())
 
     def _register(self, module: nn.Module, position: int) -> None:
-        @torch.compiler.disable
         def hook(_module, _args):
             self._wait_upto(position, by_hook=True)
+        # The pre-hook of a compiled module runs inside its compiled region: disabled there (a
+        # graph break). Elsewhere it runs eagerly, unless something compiles a larger region,
+        # which needs torch._dynamo: then every hook is disabled. torch.compiler.disable
+        # imports torch._dynamo (about 2 s of CPU), which an eager run never needs.
+        if _is_compiled(module) or "torch._dynamo" in sys.modules:
+            hook = torch.compiler.disable(hook)
         module.register_forward_pre_hook(hook)
 
     @torch.no_grad()
