@@ -45,12 +45,33 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from megazero import checkpoint_shards as shards
-from megazero.checkpoint_shards import STATE_KEYS
 from megazero.process_groups import ProcessGroups
+
+# torch.distributed.checkpoint (and checkpoint_shards, whose planners subclass DCP's) is
+# imported where a checkpoint is read or written, not with this module: importing it pulls
+# in torch.distributed.tensor, about 1 s of CPU in every process that imports train.
+
+
+def _dcp():
+    """``torch.distributed.checkpoint``, imported on first use."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _shards():
+    """``megazero.checkpoint_shards``, imported on first use (it imports DCP)."""
+    from megazero import checkpoint_shards
+
+    return checkpoint_shards
+
+
+def _checkpoint_exception() -> type:
+    """DCP's CheckpointException: a BaseException, not an Exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 class CheckpointError(RuntimeError):
@@ -109,7 +130,7 @@ def _read_metadata(d: str):
         raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete or from an older "
                               f"format; fix: load an earlier iter_* directory (write its number into 'latest')")
     try:
-        return dcp.FileSystemReader(d).read_metadata()
+        return _dcp().FileSystemReader(d).read_metadata()
     except Exception as e:  # pickle, EOF, ... on a damaged file
         raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); fix: load an "
                               f"earlier iter_* directory (write its number into 'latest')") from None
@@ -207,10 +228,11 @@ def _atomic_save(obj, path: str) -> None:
 def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
     """(``{key: [Chunk]}``, ``{key: full shape}``): the owned runs this rank writes (replicated
     copies once, ``checkpoint_shards.writes_here``), views of the optimizer's state."""
+    shards = _shards()
     sharded = optimizer.ddp.strategy.sharded_over_dp
     mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: shards.writes_here(
         p, groups.tp_rank, groups.dp_rank, sharded))
-    return mine, {f"{name}/{k}": shape for name, (_, shape) in params.items() for k in STATE_KEYS}
+    return mine, {f"{name}/{k}": shape for name, (_, shape) in params.items() for k in shards.STATE_KEYS}
 
 
 def saved_iterations(root: str) -> list[int]:
@@ -259,18 +281,26 @@ class PendingSave:
         return final
 
 
-class _WriterWithHook(dcp.FileSystemWriter):
-    """DCP's file writer that calls ``after_write()`` once this rank's tensor files are written."""
+_writer_with_hook: Optional[type] = None
 
-    def __init__(self, path: str, after_write: Callable[[], None], **kwargs):
-        super().__init__(path, **kwargs)
-        self._after_write = after_write
 
-    def write_data(self, plan, planner):
-        done = super().write_data(plan, planner)
-        done.wait()
-        self._after_write()
-        return done
+def _writer_with_hook_class() -> type:
+    """DCP's file writer that calls ``after_write()`` once this rank's tensor files are written
+    (the class is made on first use: its base class is DCP's)."""
+    global _writer_with_hook
+    if _writer_with_hook is None:
+        class _WriterWithHook(_dcp().FileSystemWriter):
+            def __init__(self, path: str, after_write: Callable[[], None], **kwargs):
+                super().__init__(path, **kwargs)
+                self._after_write = after_write
+
+            def write_data(self, plan, planner):
+                done = super().write_data(plan, planner)
+                done.wait()
+                self._after_write()
+                return done
+        _writer_with_hook = _WriterWithHook
+    return _writer_with_hook
 
 
 def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
@@ -287,6 +317,7 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     where the tensor files of this rank have just been written, before DCP's metadata and
     ``_finish_save`` (in the background with ``async_group``).
     """
+    dcp, shards = _dcp(), _shards()
     final, tmp = iteration_dir(root, iteration), iteration_dir(root, iteration) + ".tmp"
     if groups.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -302,7 +333,7 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
         meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size),
                     optimizer=optimizer.counters(), extra=extra or {})
     writer = dcp.FileSystemWriter(tmp, sync_files=True) if after_write is None else \
-        _WriterWithHook(tmp, after_write, sync_files=True)
+        _writer_with_hook_class()(tmp, after_write, sync_files=True)
 
     def finish() -> str:
         return _finish_save(root, iteration, tmp, final, groups, rng_states, meta, keep)
@@ -384,10 +415,11 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     d = iteration_dir(root, it)
     meta = _load_file(os.path.join(d, "meta.pt"), weights_only=False)
     saved = _read_metadata(d).state_dict_metadata
+    dcp, shards, CheckpointException = _dcp(), _shards(), _checkpoint_exception()
     mine, params = shards.owned_chunks(optimizer, groups)
     for name, (_, shape) in params.items():
         rows = None if real_rows is None else real_rows(name)
-        for k in STATE_KEYS:
+        for k in shards.STATE_KEYS:
             key = f"{name}/{k}"
             if key not in saved:
                 raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
@@ -421,7 +453,7 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
 def _clip_rows(chunks: list, rows: int) -> list:
     """``chunks`` cut to rows ``< rows`` of dim 0; the rows at or after ``rows`` are zeroed now
     (they are not read)."""
-    out = []
+    shards, out = _shards(), []
     with torch.no_grad():
         for c in chunks:
             keep = max(0, min(c.sizes[0], rows - c.offsets[0]))
@@ -455,6 +487,7 @@ def read_full_tensors(root: str, suffix: str = "") -> tuple[dict, str, dict[str,
     d = iteration_dir(root, meta["iteration"])
     saved = _read_metadata(d).state_dict_metadata
     full = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.endswith(suffix)}
+    dcp, CheckpointException = _dcp(), _checkpoint_exception()
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
             warnings.simplefilter("ignore", UserWarning)

@@ -73,7 +73,10 @@ def _warm_up() -> None:
     y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
     y = y + F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = F.gelu(y.transpose(1, 2).reshape(2, 8, 16)) * torch.empty(2, 8, 16).bernoulli_(0.5)
-    F.cross_entropy(y.reshape(16, 16).float(), torch.zeros(16, dtype=torch.long)).backward()
+    loss = F.cross_entropy(y.reshape(16, 16).float(), torch.zeros(16, dtype=torch.long))
+    # with explicit output gradients, as the pipeline and recomputation call it: its first call
+    # imports torch's symbolic-shape module (sympy, about 30 MiB resident)
+    torch.autograd.backward([loss], [torch.ones_like(loss)])
     torch._foreach_add_([w.detach()], [w.grad])
 
 

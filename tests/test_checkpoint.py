@@ -34,24 +34,32 @@ def _run(rank, world, argv, steps, save=None, load=None):
     return losses, start, trainer.consumed_samples
 
 
+def _runs(rank, world, jobs):
+    """Several ``_run``s one after the other in one set of ranks (each builds its own process
+    groups and Trainer): ``jobs`` = [(argv, steps, save, load)] -> their results, in order."""
+    return [_run(rank, world, argv, steps, save=save, load=load) for argv, steps, save, load in jobs]
+
+
 LAYOUT_A = ["--tp", "2", "--dp", "2", "--zero-stage", "1"]
 LAYOUT_B = ["--pp", "2", "--dp", "2", "--zero-stage", "2", "--reduce-bucket-size", "500"]
 
 
 def test_resume_same_layout_is_bit_identical_and_other_layout_matches(tmp_path):
-    whole = run_distributed(_run, 4, ARGS + LAYOUT_A, 6)[0][0]
-    first = run_distributed(_run, 4, ARGS + LAYOUT_A, 3, save=str(tmp_path))[0]
+    ckpt = str(tmp_path)
+    # one set of 4 ranks runs, in order: the uninterrupted run, the first half with a save,
+    # and three resumes from that save (the same layout, another one, tp 4)
+    whole, first, same, other, tp4 = run_distributed(_runs, 4, [
+        (ARGS + LAYOUT_A, 6, None, None), (ARGS + LAYOUT_A, 3, ckpt, None), (ARGS + LAYOUT_A, 3, None, ckpt),
+        (ARGS + LAYOUT_B, 3, None, ckpt), (ARGS + ["--tp", "4"], 3, None, ckpt)], timeout_s=600)[0]
+    whole = whole[0]
     assert first[0] == whole[:3]
     assert open(tmp_path / "latest").read().strip() == "3"
     assert sorted(os.listdir(tmp_path)) == ["iter_0000003", "latest"]
-    same = run_distributed(_run, 4, ARGS + LAYOUT_A, 3, load=str(tmp_path))[0]
     assert same[1] == 3 and same[2] == 6 * 16
     assert same[0] == whole[3:]  # bit for bit
-    other = run_distributed(_run, 4, ARGS + LAYOUT_B, 3, load=str(tmp_path))[0]
     for got, want in zip(other[0], whole[3:]):
         assert math.isclose(got, want, rel_tol=1e-5), (got, want)
     # a tensor-parallel size with another vocabulary padding (1001 -> 1008 at tp 1, 1008 at tp 4)
-    tp4 = run_distributed(_run, 4, ARGS + ["--tp", "4"], 3, load=str(tmp_path))[0]
     for got, want in zip(tp4[0], whole[3:]):
         assert math.isclose(got, want, rel_tol=1e-5), (got, want)
 
@@ -60,13 +68,13 @@ def test_resume_same_layout_is_bit_identical_and_other_layout_matches(tmp_path):
 def test_zero3_checkpoint_resumes_under_zero3_and_another_layout(tmp_path):
     """Saved under pp 2 x dp 2 ZeRO-3 (tied embeddings, parameters sharded): the same layout
     resumes bit for bit, tp 2 x dp 2 ZeRO-1 within 1e-5 relative."""
-    z3 = ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--reduce-bucket-size", "500"]
-    whole = run_distributed(_run, 4, ARGS + z3, 6)[0][0]
-    first = run_distributed(_run, 4, ARGS + z3, 3, save=str(tmp_path))[0]
+    z3, ckpt = ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--reduce-bucket-size", "500"], str(tmp_path)
+    whole, first, same, other = run_distributed(_runs, 4, [
+        (ARGS + z3, 6, None, None), (ARGS + z3, 3, ckpt, None), (ARGS + z3, 3, None, ckpt),
+        (ARGS + LAYOUT_A, 3, None, ckpt)], timeout_s=600)[0]  # in order, in one set of ranks
+    whole = whole[0]
     assert first[0] == whole[:3]
-    same = run_distributed(_run, 4, ARGS + z3, 3, load=str(tmp_path))[0]
     assert same[0] == whole[3:]
-    other = run_distributed(_run, 4, ARGS + LAYOUT_A, 3, load=str(tmp_path))[0]
     for got, want in zip(other[0], whole[3:]):
         assert math.isclose(got, want, rel_tol=1e-5), (got, want)
 
@@ -129,10 +137,11 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
 def test_llama_block_resumes_under_another_layout(tmp_path):
     """The LLaMA-style block's checkpoint (spec names: no position table, no biases, grouped
     QKV rows) saved under tp 2 x dp 2 resumes under pp 2 x dp 2 as the uninterrupted run."""
-    args = ARGS + LLAMA
-    whole = run_distributed(_run, 4, args + LAYOUT_A, 6)[0][0]
-    run_distributed(_run, 4, args + LAYOUT_A, 3, save=str(tmp_path))
-    other = run_distributed(_run, 4, args + LAYOUT_B, 3, load=str(tmp_path))[0]
+    args, ckpt = ARGS + LLAMA, str(tmp_path)
+    whole, _, other = run_distributed(_runs, 4, [(args + LAYOUT_A, 6, None, None), (args + LAYOUT_A, 3, ckpt, None),
+                                                 (args + LAYOUT_B, 3, None, ckpt)],
+                                  timeout_s=600)[0]  # in order, in one set of ranks
+    whole = whole[0]
     assert other[1] == 3
     for got, want in zip(other[0], whole[3:]):
         assert math.isclose(got, want, rel_tol=1e-5), (got, want)

@@ -25,3 +25,19 @@ def test_package_imports_follow_the_dependency_direction(package):
     assert files
     bad = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) & FORBIDDEN[package]) for f in files}
     assert {f: b for f, b in bad.items() if b} == {}
+
+
+def test_importing_train_leaves_out_the_heavy_optional_modules():
+    """Every rank, and the launcher's preflight, imports train: torch.distributed.checkpoint
+    (with torch.distributed.tensor, about 1 s of CPU), torch._dynamo, tensorboard and the
+    optional extras are imported where they are used, not with train."""
+    import subprocess
+    import sys
+
+    heavy = ["torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo",
+             "torch.utils.tensorboard", "transformers", "wandb"]
+    code = ("import sys, train; print(' '.join(m for m in sys.argv[1:] if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *heavy], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == []

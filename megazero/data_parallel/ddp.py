@@ -179,12 +179,17 @@ class DataParallel:
         """A zeroed ``[numel]`` staging view: a reused buffer when one is free."""
         if self._free:
             return self._free.pop()[:numel].zero_()
-        size = max(b.layout.bucket_size for b in self.buffers)
-        t = torch.zeros(size, dtype=self.grad_dtype, device=device)
+        t = torch.zeros(self._largest_bucket(), dtype=self.grad_dtype, device=device)
         self._pool.add(t.data_ptr())
         self._temp_bytes += t.numel() * t.element_size()
         self.peak_temp_bytes = max(self.peak_temp_bytes, self._temp_bytes + self._gathered_bytes)
         return t[:numel]
+
+    def _largest_bucket(self) -> int:
+        """Elements of the largest bucket of any buffer: the size of a staging buffer. A bucket
+        never exceeds its buffer, so a bucket size above the model's gradient (e.g. DeepSpeed's
+        2e8) costs the size of the gradient, not of the setting."""
+        return max(bk.range.size for b in self.buffers for bk in b.layout.buckets)
 
     def _issue_ready(self, buf: ShardedBuffer) -> None:
         n = len(buf.layout.buckets)
@@ -295,9 +300,8 @@ class DataParallel:
         """Most staging bytes the backward holds: stage 2 ``buckets_in_flight + 2`` buckets
         (those waiting for their reduction, the one being filled and the one just completed)
         when gradients arrive in buffer order, i.e. reverse registration order; else 0."""
-        bucket = max(buf.layout.bucket_size for buf in self.buffers)
         slots = self.strategy.staging_slots(self.buckets_in_flight)
-        return slots * bucket * self.grad_dtype.itemsize
+        return slots * self._largest_bucket() * self.grad_dtype.itemsize
 
     def finalize_bound_bytes(self) -> int:
         """Most bytes of the finalize step's packed buffer: min(bucket, the owned elements of

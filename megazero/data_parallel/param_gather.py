@@ -21,8 +21,9 @@ stages (their own buffer, ``DataParallel``) first, because the first stage's emb
 them before anything else. Waits are in issue order: a hook that needs the i-th bucket waits
 for buckets 0..i. Hooks sit on every module that directly owns parameters, except that a
 module compiled with ``torch.compile`` (``nn.Module.compile``) counts as one module owning all
-its parameters, so no hook runs inside a compiled region (the hook is
-``torch.compiler.disable``-d, a graph break at its start). The tied buffer is waited for by a
+its parameters, so no hook runs inside a compiled region (the hook of a compiled module is
+``torch.compiler.disable``-d, a graph break at its start; every hook is, once torch._dynamo is
+imported). The tied buffer is waited for by a
 pre-hook on the chunk itself, because the last stage's head reads the embedding weight
 without calling the embedding module. Before anything else reads the parameters (the next
 optimizer step, a checkpoint save, an evaluation, the end of training) call
