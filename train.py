@@ -21,14 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megazero import checkpoint, collectives, memory, resilience
-from megazero.activations import ActivationSettings
-from megazero.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
+from megazero import checkpoint, collectives
+from megazero.planning import memory
+from megazero.runtime import resilience
+from megazero.planning.activations import ActivationSettings
+from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir, to_dict
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
-from megazero.flops import spec_flops_per_iteration
-from megazero.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
+from megazero.planning.flops import spec_flops_per_iteration
+from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
 from megazero.optim.offload import HostOffloadOptimizer, offload_formula_bytes
@@ -39,7 +41,7 @@ from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
 from megazero.process_groups import ProcessGroups
-from megazero.profiling import StepProfiler, step_profiler
+from megazero.runtime.profiling import StepProfiler, step_profiler
 from megazero.tensor_parallel.random import resume_seed
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
@@ -562,7 +564,7 @@ def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[flo
 
 
 def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
-    """Throughput, TFLOP/s, MFU (megazero.flops) and memory for one logged iteration."""
+    """Throughput, TFLOP/s, MFU (megazero.planning.flops) and memory for one logged iteration."""
     values = throughput(flops_per_iteration=trainer.flops_per_iteration,
                         tokens_per_iteration=cfg.train.global_batch_size * cfg.model.seq_length,
                         iteration_time_s=seconds_per_iter, world_size=trainer.groups.world_size,
@@ -644,7 +646,7 @@ def make_profiler(cfg: Config, rank: int) -> StepProfiler:
 
 @dataclass
 class RunControl:
-    """How a run may end early (megazero/resilience.py): the signals caught, the wall-clock limit,
+    """How a run may end early (megazero/runtime/resilience.py): the signals caught, the wall-clock limit,
     whether this rank writes ``stop.json`` (one per node), the restart count and a test fault."""
 
     signals: Optional[resilience.StopSignals] = None
@@ -796,7 +798,7 @@ def prepare_run(cfg: Config, verify: bool = False):
 
 
 def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
-    """Bytes per rank of the most loaded stage before anything is allocated (megazero.memory)."""
+    """Bytes per rank of the most loaded stage before anything is allocated (megazero.planning.memory)."""
     p = cfg.parallel
     return memory.estimate(build_gpt_config(cfg, vocab_size), **_plan_layout(cfg),
                            micro_batch_size=cfg.train.micro_batch_size,
@@ -823,7 +825,7 @@ def _plan_layout(cfg: Config) -> dict:
 
 
 def activation_settings(cfg: Config) -> ActivationSettings:
-    """What the planner needs to count this run's activations (megazero.activations)."""
+    """What the planner needs to count this run's activations (megazero.planning.activations)."""
     m, p, pr = cfg.model, cfg.parallel, cfg.precision
     return ActivationSettings(
         micro_batch_size=cfg.train.micro_batch_size, tp=p.tp, sequence_parallel=p.sequence_parallel and p.tp > 1,

@@ -11,7 +11,7 @@ Conventions (STYLE.md, 10):
 - every call that reaches the wire is also appended to ``recent``, a bounded ring buffer of
   ``(operation, ranks, sequence number, shape, dtype)`` (pipeline/p2p.py adds its sends and
   receives), so that a rank whose collective fails can name the operation it was waiting in
-  (megazero/resilience.py ``write_failure``).
+  (megazero/runtime/resilience.py ``write_failure``).
 """
 from __future__ import annotations
 

@@ -166,7 +166,7 @@ class TrainingConfig:
                                 "--load still takes precedence", "path")
     device: str = _f("auto", "auto = CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
     mock_data: bool = _f(False, "train on random tokens; no --data-path needed")
-    # stopping on request, on time or on bad values, and restarting (megazero/resilience.py)
+    # stopping on request, on time or on bad values, and restarting (megazero/runtime/resilience.py)
     exit_duration_in_mins: Optional[float] = _f(
         None, "stop (and save with --save) after this much wall time; None = no limit", "minutes", gt=0)
     exit_interval: Optional[int] = _f(

@@ -4,8 +4,8 @@
 of the LLaMA-style block (Touvron et al. 2023: RoPE, RMSNorm, SwiGLU, grouped-query
 attention, no linear biases, untied output) with its full shape, tensor-parallel partition,
 init rule, weight decay and tying. ``GPTStage`` takes its partition tags and checkpoint
-names from it, ``init_full_weights`` its initial values, ``megazero.memory`` and
-``megazero.flops`` their counts.
+names from it, ``init_full_weights`` its initial values, ``megazero.planning.memory`` and
+``megazero.planning.flops`` their counts.
 
 Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head size:
 

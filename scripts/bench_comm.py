@@ -25,7 +25,7 @@ and compared with one closed-form function per case below, derived from the algo
 Every step also has three scalars: the inf/NaN flag (fp32, MAX over the world), the squared
 gradient norm (fp64, SUM over tp x pp, or over the world when ZeRO shards it) and the
 logged loss together with the four stop flags (five fp64 values, SUM over the world:
-``megazero.resilience.agree``); each is counted only where its group has > 1 rank.
+``megazero.runtime.resilience.agree``); each is counted only where its group has > 1 rank.
 
     python scripts/bench_comm.py           # prints one table, exits 1 on any mismatch
 """

@@ -4,7 +4,7 @@ Two Markdown tables (docs/performance.md, "Activation memory and the planner"):
 
 1. a GPT at sequence length 1024 with hidden and attention dropout 0.1, trained on one CPU
    rank with no / selective / full recomputation: measured peak memory beside the planner's
-   prediction (megazero/activations.py);
+   prediction (megazero/planning/activations.py);
 2. predicted and measured peak memory of every rank for CPU layouts (tp, pp, dp, ZeRO stage,
    schedule, sequence parallelism, recomputation), with the error of the worst rank
    (target: within 10 %).

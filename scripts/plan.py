@@ -1,4 +1,4 @@
-"""Memory plan of a megazero run, without launching it (megazero/memory.py, megazero/activations.py).
+"""Memory plan of a megazero run, without launching it (megazero/planning/memory.py, megazero/planning/activations.py).
 
     python scripts/plan.py [train.py flags] [--world-size N]
         the plan per pipeline stage: parameters, ZeRO model states, activations, temporaries, peak;
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import train  # noqa: E402
 from megazero.config import MOCK_VOCAB_SIZE, config_from_argv  # noqa: E402
-from megazero.memory import gib  # noqa: E402
+from megazero.planning.memory import gib  # noqa: E402
 
 MiB = 2**20
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],

@@ -103,7 +103,7 @@ NPROC=$((WORLD / NNODES))
 # this script prints one line (the checkpoint and how to resume) and exits with 128 + the signal's
 # number (0 after --exit-interval / --exit-duration-in-mins). A second signal kills the ranks at
 # once. A rank whose launcher or torchrun dies outright (kill -9) notices and stops the same way
-# (megazero/launch.py).
+# (megazero/runtime/launch.py).
 CHILD=""; STOPPED=""; TORCHRUN=""; TOLD=" "
 signum() { kill -l "$1"; }
 rank_pids() { pgrep -P "$TORCHRUN" 2>/dev/null || true; }
@@ -241,7 +241,7 @@ print(r["status"], "[megazero] stopped after iteration %d (%s): %s" % (r["iterat
 fi
 stopped_exit
 if [ "$rc" != 0 ]; then  # who failed first (torchrun's summary), what the others waited in (their reports)
-  "$PY" -c 'import sys; from megazero.resilience import name_culprits
+  "$PY" -c 'import sys; from megazero.runtime.resilience import name_culprits
 line = name_culprits(sys.argv[1], int(sys.argv[2]))
 if line: print(line)' "$RUN_DIR" "$WORLD" >&2 || true
 fi

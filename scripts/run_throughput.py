@@ -1,6 +1,6 @@
 """Median throughput of a finished training run, from its ``RUN_DIR/metrics.jsonl``.
 
-Reads the ``kind: "train"`` records the monitor writes (``megazero/monitor.py``: one per
+Reads the ``kind: "train"`` records the monitor writes (``megazero/runtime/monitor.py``: one per
 logged iteration), drops the first ``--skip`` logged iterations (warm-up: allocator, kernel
 selection) and prints the medians of the rest in one line::
 

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import megazero.checkpoint_shards  # noqa: E402,F401  (torch.distributed.checkpoint)
+import megazero.checkpoint.shards  # noqa: E402,F401  (torch.distributed.checkpoint)
 import train  # noqa: E402,F401
 
 

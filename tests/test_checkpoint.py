@@ -257,7 +257,7 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     """A position table of 4e8 rows needs about 200 GB of model states per rank: refused
     before launch naming the fix; the plan's model states follow the ZeRO formulas."""
     import train
-    from megazero import memory
+    from megazero.planning import memory
     from megazero.config import config_from_argv
 
     monkeypatch.setenv("MEGAZERO_RANKS_PER_NODE", "1")

@@ -18,7 +18,7 @@ def test_owned_boxes_rebuild_every_tp_partition():
     """The boxes of every flat range of every TP partition (strides 1 and 3, dims 0 and 1)
     placed at their global offsets rebuild exactly the elements ``tags.partition_tensor`` gave
     that rank, each once."""
-    from megazero.checkpoint_shards import flat_boxes, to_global
+    from megazero.checkpoint.shards import flat_boxes, to_global
     from megazero.tensor_parallel import tags
 
     full = torch.arange(12 * 18).view(12, 18)

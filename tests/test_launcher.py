@@ -183,7 +183,7 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
 def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(tmp_path, victim):
     """SIGTERM to the launcher is passed on to torchrun, which stops the ranks; kill -9 of the
     launcher or of torchrun leaves ranks behind, and each exits within seconds
-    (megazero.launch.watch_parent); then torchrun, its workers gone, ends too."""
+    (megazero.runtime.launch.watch_parent); then torchrun, its workers gone, ends too."""
     import signal
     import time
 

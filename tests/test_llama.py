@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megazero import memory
-from megazero.flops import gpt_flops_per_iteration, spec_flops_per_iteration
+from megazero.planning import memory
+from megazero.planning.flops import gpt_flops_per_iteration, spec_flops_per_iteration
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 from megazero.topology import Topology

@@ -14,9 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from megazero.flops import (gpt_flops_per_iteration, mfu, peak_flops, peak_flops_for_name,
+from megazero.planning.flops import (gpt_flops_per_iteration, mfu, peak_flops, peak_flops_for_name,
                             throughput)
-from megazero.monitor import (ITERATION_KEYS, Monitor, Timer, memory_stats,
+from megazero.runtime.monitor import (ITERATION_KEYS, Monitor, Timer, memory_stats,
                               unigram_entropy)
 from tests.reference import ReferenceGPT
 

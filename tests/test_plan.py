@@ -1,4 +1,4 @@
-"""The memory planner's activation and temporary terms (megazero/activations.py) and scripts/plan.py.
+"""The memory planner's activation and temporary terms (megazero/planning/activations.py) and scripts/plan.py.
 
 The per-layer counts are checked against the bytes autograd really saves in model/gpt.py's
 layer (a saved-tensors hook sums the distinct storages), the plan against measured peak
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megazero.activations import ActivationSettings, chunk_bytes, layer_bytes, temporary_bytes
+from megazero.planning.activations import ActivationSettings, chunk_bytes, layer_bytes, temporary_bytes
 from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""megazero.resilience without a launcher: signals become one agreed stop, bad values get a place.
+"""megazero.runtime.resilience without a launcher: signals become one agreed stop, bad values get a place.
 
 The agreement and the NaN location run on real gloo ranks (tests/distributed.py) through
 ``train.Trainer``; the rest is pure.
@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from megazero import resilience as R
+from megazero.runtime import resilience as R
 from tests.distributed import run_distributed
 
 

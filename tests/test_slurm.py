@@ -1,4 +1,4 @@
-"""scripts/pretrain_gpt.slurm and megazero/slurm.py: SLURM's variables -> the launcher's flags.
+"""scripts/pretrain_gpt.slurm and megazero/runtime/slurm.py: SLURM's variables -> the launcher's flags.
 
 The parsing is pure; the sbatch script itself runs with a stand-in ``srun`` (runs the task once
 on this machine) and a stand-in launcher that prints the flags it was given.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero.slurm import SlurmError, expand_nodelist, launcher_flags, main
+from megazero.runtime.slurm import SlurmError, expand_nodelist, launcher_flags, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,8 +54,9 @@ def test_outside_slurm_one_line_and_exit_code_2(capsys):
 def test_the_sbatch_script_starts_the_launcher_with_the_node_flags(tmp_path):
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
-    (root / "megazero").mkdir()
-    for rel in ("scripts/env.sh", "megazero/__init__.py", "megazero/slurm.py"):
+    (root / "megazero" / "runtime").mkdir(parents=True)
+    for rel in ("scripts/env.sh", "megazero/__init__.py", "megazero/runtime/__init__.py",
+                "megazero/runtime/slurm.py"):
         shutil.copy(ROOT / rel, root / rel)
     (root / "scripts" / "pretrain_gpt.sh").write_text('echo "LAUNCH $*"\n')
     bin_dir = tmp_path / "bin"

@@ -38,7 +38,7 @@ def _train_layout(rank, world, argv, steps):
         out = trainer.train_step(batches)
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
-    from megazero import memory
+    from megazero.planning import memory
 
     psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs counted
            memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
@@ -137,7 +137,7 @@ def _check_layout(name, results, reference, single_run, clip=1.0):
         assert losses == results[0][0]
         assert norms == results[0][1]
         assert ids == single_run[2]  # greedy decoding: the same tokens under every layout
-        assert built == counted  # megazero.memory counts each rank's parameters exactly
+        assert built == counted  # megazero.planning.memory counts each rank's parameters exactly
     losses, norms = results[0][:2]
     for step, (got, want) in enumerate(zip(losses, reference)):
         assert math.isclose(got, want, rel_tol=1e-5), (name, step, got, want)

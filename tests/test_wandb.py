@@ -61,7 +61,7 @@ def offline(monkeypatch, tmp_path):
 
 
 def test_offline_run_holds_exactly_the_tensorboard_scalars(tmp_path, offline, capsys):
-    from megazero.monitor import Monitor
+    from megazero.runtime.monitor import Monitor
 
     wb = dict(project="megazero-test", name="unit", save_dir=str(tmp_path / "wb"), config={"tp": 2})
     with Monitor(str(tmp_path / "run"), tensorboard_dir="tb", metrics_file=None, rank=0,

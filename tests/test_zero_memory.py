@@ -8,7 +8,7 @@ to ZeRO-1 to ZeRO-2.
 """
 import torch
 
-from megazero.activations import temporary_bytes
+from megazero.planning.activations import temporary_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology

@@ -11,7 +11,8 @@ gradient storage. It is the public interface the optimizer, clipping and checkpo
 - ``gather_params(fill_shard, ...)``: how updated parameters come back to every DP rank.
 
 What differs per ZeRO stage lives in one :class:`ShardingStrategy` subclass each (N = DP size,
-Psi = elements of the buffer), chosen once by :func:`make_strategy`:
+Psi = elements of the buffer), chosen once by
+:func:`megazero.data_parallel.stages.make_strategy`:
 
 - :class:`Stage0` (plain DP): full gradient buffer (Psi), SUM all-reduce per bucket in the
   last micro-batch, every rank owns every bucket; parameters are updated in place.
@@ -242,15 +243,6 @@ class Stage2(ShardingStrategy):
 
     def staging_slots(self, buckets_in_flight):
         return buckets_in_flight + 2
-
-
-def make_strategy(stage: int) -> ShardingStrategy:
-    """The strategy of ZeRO stage ``stage``. Raises ValueError for an unknown stage."""
-    from megazero.data_parallel.zero3 import Stage3   # zero3 builds on Stage2
-    strategies = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
-    if stage not in strategies:
-        raise ValueError(f"zero_stage must be one of {sorted(strategies)}, got {stage}")
-    return strategies[stage]()
 
 
 class ShardedBuffer:

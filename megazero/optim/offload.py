@@ -33,7 +33,8 @@ from dataclasses import replace
 import torch
 
 from megazero.data_parallel.ddp import DataParallel
-from megazero.data_parallel.sharding import ShardedBuffer, make_strategy
+from megazero.data_parallel.sharding import ShardedBuffer
+from megazero.data_parallel.stages import make_strategy
 from megazero.optim.zero import DistributedOptimizer, _Piece
 from megazero.process_groups import ProcessGroups
 

@@ -18,7 +18,8 @@ from megazero import collectives as C
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.grad_buffer import Range
 from megazero.data_parallel.param_gather import ParamGatherOverlap
-from megazero.data_parallel.sharding import ShardedBuffer, make_strategy
+from megazero.data_parallel.sharding import ShardedBuffer
+from megazero.data_parallel.stages import make_strategy
 from megazero.ops.adam import adam_step
 from megazero.optim.clip import clip_coefficient, global_grad_norm
 from megazero.precision import LossScaleError, non_finite_flag

@@ -61,8 +61,8 @@ def _dcp():
 
 
 def _shards():
-    """``megazero.checkpoint_shards``, imported on first use (it imports DCP)."""
-    from megazero import checkpoint_shards
+    """``megazero.checkpoint.shards``, imported on first use (it imports DCP)."""
+    from megazero.checkpoint import shards as checkpoint_shards
 
     return checkpoint_shards
 

@@ -1,6 +1,6 @@
 """The launcher's multi-node flags from SLURM's environment (used by scripts/pretrain_gpt.slurm).
 
-``python -m megazero.slurm`` prints, one per line, ``--nnodes N --node-rank R --master-addr A
+``python -m megazero.runtime.slurm`` prints, one per line, ``--nnodes N --node-rank R --master-addr A
 --rdzv-id J`` for the node it runs on: the master address is the first host of
 ``SLURM_JOB_NODELIST`` (SLURM's compressed host list, e.g. ``node[01-03]``, ``a,b,c``,
 ``gpu-[1,3-4]``, ``rack[1-2]-n[1-2]``; expanded as ``scontrol show hostnames`` does, zero

@@ -26,7 +26,7 @@ out-of-memory kill minutes later (DESIGN.md, contracts 2 and 3).
   (``pipeline.schedules.simulate``: 1F1B about ``pp - stage``, GPipe every micro-batch);
   the last stage adds the fp32 logits and their softmax, ``2 * 4*b*s*V_pad/t`` bytes.
 - ``estimate`` with ``ActivationSettings`` counts instead what megazero's layers keep,
-  tensor by tensor (``megazero.activations``: dropout masks, the unfused attention core,
+  tensor by tensor (``megazero.planning.activations``: dropout masks, the unfused attention core,
   selective / full recomputation, sequence parallelism), and the temporaries of the
   reduction and of the step; the peak per rank is ``states + max(activations + backward
   temporaries, step temporaries)`` (activations are freed before the step).
@@ -37,7 +37,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-from megazero import activations as A
+from megazero.planning import activations as A
 from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.param_spec import ParamSpec, params_on_chunk
@@ -137,7 +137,7 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
 
-    With ``activations`` the activations are counted per tensor (``megazero.activations``)
+    With ``activations`` the activations are counted per tensor (``megazero.planning.activations``)
     and, with ``buckets`` = (reduce, all-gather bucket elements[, buckets in flight, ZeRO-3
     max live parameters]), the temporaries too (``activations.temporary_bytes``);
     without, the Korthikanti bound below is used. ``states_on_host``: the optimizer is
@@ -172,7 +172,7 @@ def _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host: bool) 
 
 
 def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
-    """``estimate`` with activations and temporaries counted (``megazero.activations``)."""
+    """``estimate`` with activations and temporaries counted (``megazero.planning.activations``)."""
     stages = stage_estimates(g, **kw)
     best = max(stages, key=lambda e: e.total_bytes)
     best.most_states = max(stages, key=lambda e: e.model_state_bytes)
@@ -184,7 +184,7 @@ def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, l
                     a: A.ActivationSettings, buckets: tuple,
                     states_on_host: bool = False) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
-    ZeRO-formula model states, counted activations (``megazero.activations``) and temporaries."""
+    ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     stages = []
     for r in range(pp):

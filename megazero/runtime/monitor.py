@@ -1,7 +1,7 @@
 """Training monitor: console lines, TensorBoard scalars (also sent to Weights & Biases with
 ``--wandb-project``), a JSON-lines metrics file, timers,
 peak memory, and the unigram-entropy baseline. FLOP accounting and MFU are in
-``megazero/flops.py`` (re-exported here).
+``megazero/planning/flops.py`` (re-exported here).
 
 Only the logging rank writes (the trainer picks it: the last pipeline stage, tensor-parallel
 rank 0, data-parallel rank 0, which holds the loss); on every other rank the ``Monitor``
@@ -85,7 +85,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from megazero.flops import (gpt_flops_per_iteration, mfu, peak_flops,  # noqa: F401 (re-export)
+from megazero.planning.flops import (gpt_flops_per_iteration, mfu, peak_flops,  # noqa: F401 (re-export)
                             peak_flops_for_name, throughput)
 
 #: keys accepted by :meth:`Monitor.log_iteration`, in console order.
