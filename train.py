@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 from datetime import timedelta
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero import checkpoint, collectives
+from megazero.checkpoint.manager import CheckpointManager, RunState
 from megazero.planning import memory
 from megazero.runtime import resilience
 from megazero.planning.activations import ActivationSettings
@@ -33,8 +34,8 @@ from megazero.planning.flops import spec_flops_per_iteration
 from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
-from megazero.optim.offload import HostOffloadOptimizer, offload_formula_bytes
-from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
+from megazero.optim.offload import HostOffloadOptimizer
+from megazero.optim.zero import DistributedOptimizer
 from megazero.pipeline import partition
 from megazero.pipeline.executor import run_schedule
 from megazero.pipeline.p2p import handshake
@@ -45,6 +46,7 @@ from megazero.runtime.profiling import StepProfiler, step_profiler
 from megazero.tensor_parallel.random import resume_seed
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
+from data.run_data import RunData
 from model.config import GPTConfig
 from model.generation import pipeline_generate_greedy
 from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy
@@ -221,8 +223,9 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
 
 
 # -- data -----------------------------------------------------------------------------------
-def build_data(cfg: Config, resume: Optional[dict] = None):
-    """(tokenizer or None, train, valid, test datasets, vocab size) for this run.
+def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
+    """The tokenizer (None with mock data), the train / valid / test datasets and the vocabulary
+    size of this run, as a ``RunData`` (its ``resume`` is the ``resume`` given).
 
     Every rank builds the same indices (identical everywhere, cached atomically on disk with
     --data-cache-dir); each data-parallel rank later reads only its slice of every global
@@ -244,7 +247,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None):
     if cfg.train.mock_data:
         vocab = cfg.data.vocab_size
         sets = tuple(MockGPTDataset(vocab, seq, n, t.seed + i) for i, n in enumerate(num_samples))
-        return None, sets, vocab
+        return RunData(None, *sets, vocab_size=vocab, resume=resume)
     from data.indexed_dataset import check_same_tokenizer
     from data.tokenizer import load_tokenizer
 
@@ -261,7 +264,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None):
     if sets[0] is None:
         raise DataError(f"--split {cfg.data.split} leaves no documents for training; fix: give the "
                         "train part a positive share, e.g. --split 969,30,1")
-    return tok, sets, tok.vocab_size
+    return RunData(tok, *sets, vocab_size=tok.vocab_size, resume=resume)
 
 
 def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups, device):
@@ -360,10 +363,36 @@ def make_forward_step(tokens_per_dp_rank: int, watch=None):
     return forward_step
 
 
-class Trainer:
-    """Everything one rank holds for training; ``train_step`` / ``evaluate`` run one iteration."""
+@dataclass
+class StepOutcome:
+    """What one ``Trainer.train_step`` produced.
 
-    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, vocab_size: int):
+    ``values``: the logged values (iteration, consumed_samples, lr, loss [nats/token, the
+    global batch's token mean], grad_norm, loss_scale, skipped_iterations); ``stop_reason``:
+    a stop every rank agreed on in the step's loss all-reduce (``resilience.agree``), else None;
+    ``bad_step``: a non-finite loss or gradient outside fp16's loss scaling (the optimizer
+    skipped the update).
+    """
+
+    values: dict
+    stop_reason: Optional[str] = None
+    bad_step: bool = False
+
+
+class Trainer:
+    """Everything one rank holds for training; ``train_step`` / ``eval_loss`` run one iteration.
+
+    Args: ``cfg``, ``groups``, ``device``, ``vocab_size`` (the real vocabulary), and the run's
+    collaborators: ``stop_flags`` (a callable giving this rank's stop requests,
+    ``resilience.local_flags``; default: none), ``fault`` (the test hook's parsed fault or
+    None), ``trail`` (the communication phases entered, for a failure report) and ``monitor``
+    (where checkpoint records are logged; None logs none). The run's counters are ``state``
+    (a ``RunState``), its checkpoints ``checkpoints`` (a ``CheckpointManager``).
+    """
+
+    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, vocab_size: int, *,
+                 stop_flags: Optional[Callable[[], list]] = None, fault: Optional[tuple] = None,
+                 trail: Optional[resilience.Trail] = None, monitor: Optional[Monitor] = None):
         self.cfg, self.groups, self.device = cfg, groups, device
         self.gpt_config = build_gpt_config(cfg, vocab_size)
         self.chunks = build_model_chunks(self.gpt_config, cfg, groups, device)
@@ -386,72 +415,38 @@ class Trainer:
             global_batch_size=cfg.train.global_batch_size)
         if p.pp > 1:
             handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches)
-        self.iteration = 0
-        self.consumed_samples = 0
-        self.skipped_iterations = 0
-        self.bad_batches = 0  # steps skipped for non-finite values (--skip-bad-batches)
-        self.eval_round = 0
-        self.stop_flags = lambda: resilience.local_flags(None, None)  # train() passes the run's
-        self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=None)
-        self.trail = resilience.Trail()  # the communication phases entered, for a failure report
-        # --async-save writes through its own gloo group, so the background thread's collectives
-        # never interleave with the training loop's
-        self.async_group = None if not cfg.train.async_save else (
-            "local" if groups.world is None else dist.new_group(backend="gloo"))
-        self.pending_save: Optional[checkpoint.PendingSave] = None
-        self.monitor: Optional[Monitor] = None
+        self.state = RunState()
+        self.stop_flags = stop_flags or (lambda: resilience.local_flags(None, None))
+        self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=fault)
+        self.trail = trail or resilience.Trail()
+        self.monitor = monitor
+        self.checkpoints = CheckpointManager(groups, keep=cfg.train.keep_latest_checkpoints,
+                                             async_save=cfg.train.async_save,
+                                             log=None if monitor is None else monitor.log_record)
 
     def save_checkpoint(self, root: str, wait: bool = False) -> str:
         """Write a layout-independent checkpoint of this iteration (collective); returns its
         directory. With --async-save the files are written in the background (finished by the
         next save, ``finish_save`` or ``wait``); the time the loop was blocked is logged."""
-        self.finish_save()
+        self.checkpoints.finish()
         self.optimizer.wait_param_gather()
-        self.trail.enter(self.iteration, "checkpoint save (gathers over dp and tp)")
-        t0 = time.perf_counter()
-        out = self._save(root)
-        blocked = time.perf_counter() - t0
-        path = checkpoint.iteration_dir(root, self.iteration)
-        if isinstance(out, checkpoint.PendingSave):
-            self.pending_save, self.pending_path = out, path
-        if self.groups.rank == 0:
-            how = "in the background, " if self.pending_save is not None else ""
-            print(f"[megazero] saving checkpoint {path} ({how}training blocked {blocked:.3f} s)", flush=True)
-        if self.monitor is not None:
-            self.monitor.log_record("checkpoint", dict(iteration=self.iteration, blocked_s=blocked,
-                                                       background=self.pending_save is not None))
-        if wait:
-            self.finish_save()
-        return path
+        self.trail.enter(self.state.iteration, "checkpoint save (gathers over dp and tp)")
+        g = self.gpt_config
+        return self.checkpoints.save(
+            root, self.state, self.optimizer, self.chunks, rng_states=self.chunks[0].rng_tracker.get_state(),
+            extra=dict(model=model_signature(g), data=data_signature(self.cfg), gpt_config=config_record(g),
+                       tokenizer=tokenizer_record(self.cfg)),
+            after_write=self._save_fault(), wait=wait)
 
     def finish_save(self) -> None:
         """Wait for the background checkpoint, if any, and move ``latest`` to it (collective)."""
-        if self.pending_save is None:
-            return
-        pending, self.pending_save = self.pending_save, None
-        pending.wait()
-        if self.groups.rank == 0:
-            print(f"[megazero] checkpoint {self.pending_path} is complete (waited {pending.waited_s:.3f} s)",
-                  flush=True)
-
-    def _save(self, root: str):
-        return checkpoint.save(root, self.iteration, self.optimizer, self.chunks, self.groups,
-                               rng_states=self.chunks[0].rng_tracker.get_state(),
-                               extra=dict(consumed_samples=self.consumed_samples,
-                                          skipped_iterations=self.skipped_iterations,
-                                          bad_batches=self.bad_batches, eval_round=self.eval_round,
-                                          model=model_signature(self.gpt_config),
-                                          data=data_signature(self.cfg),
-                                          gpt_config=config_record(self.gpt_config),
-                                          tokenizer=tokenizer_record(self.cfg)),
-                               keep=self.cfg.train.keep_latest_checkpoints, async_group=self.async_group,
-                               after_write=self._save_fault())
+        self.checkpoints.finish()
 
     def _save_fault(self):
         """The test hook's ``savekill`` fault for this save: SIGKILL this rank's process from
         inside the background write (None when it does not apply)."""
         f, pid = self.forward_watch.fault, os.getpid()
-        if f is not None and f[0] == "savekill" and f[1:3] == (self.iteration, self.groups.rank):
+        if f is not None and f[0] == "savekill" and f[1:3] == (self.state.iteration, self.groups.rank):
             return lambda: os.kill(pid, signal.SIGKILL)
         return None
 
@@ -460,28 +455,24 @@ class Trainer:
 
         Returns the iteration resumed from, or None when ``root`` holds no checkpoint yet.
         """
-        if checkpoint.latest_iteration(root) is None:
-            return None
         g = self.gpt_config
 
         def real_rows(name):  # a vocabulary tensor's padding rows are zeroed, not read
             return g.vocab_size if name in VOCAB_TENSORS else None
-        meta = checkpoint.load(root, self.optimizer, self.chunks, self.groups, real_rows=real_rows)
-        self.iteration = meta["iteration"]
-        self.consumed_samples = meta["extra"]["consumed_samples"]
-        self.skipped_iterations = meta["extra"]["skipped_iterations"]
-        self.eval_round = meta["extra"]["eval_round"]
-        self.bad_batches = meta["extra"].get("bad_batches", 0)
+        resumed = self.checkpoints.resume(root, self.optimizer, self.chunks, real_rows=real_rows)
+        if resumed is None:
+            return None
+        self.state, meta = resumed
         tracker = self.chunks[0].rng_tracker
         if meta["rng_state"] is not None:
             tracker.set_state(meta["rng_state"])
-            return self.iteration
-        tracker.reseed(resume_seed(tracker.seed, self.iteration))  # every rank, one rule
+            return self.state.iteration
+        tracker.reseed(resume_seed(tracker.seed, self.state.iteration))  # every rank, one rule
         if self.groups.rank == 0:
             print(f"[megazero] {meta['directory']} was saved under another layout {meta['layout']}: weights, "
                   f"optimizer and data position restored; every rank's dropout streams re-seeded from --seed "
-                  f"and iteration {self.iteration} (megazero.tensor_parallel.random.resume_seed)", flush=True)
-        return self.iteration
+                  f"and iteration {self.state.iteration} (megazero.tensor_parallel.random.resume_seed)", flush=True)
+        return self.state.iteration
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
         watch = None if forward_only else self.forward_watch.watch
@@ -492,32 +483,29 @@ class Trainer:
                             scale_loss=None if forward_only else self.optimizer.scale_loss,
                             forward_only=forward_only)
 
-    def train_step(self, batches) -> dict:
-        """One iteration on this DP rank's micro-batches; returns the logged values.
-
-        Also sets ``stop_reason`` (agreed by every rank, resilience.agree) and ``bad_step``
-        (a non-finite loss or gradient outside fp16's loss scaling; the optimizer skipped it).
-        """
+    def train_step(self, batches) -> StepOutcome:
+        """One iteration on this DP rank's micro-batches (a list of (tokens, labels), each
+        ``(micro_batch_size, seq_length)`` int64); advances ``state`` and returns the outcome."""
         for c in self.chunks:
             c.train()
-        lr = self.lr_schedule(self.iteration + 1)  # warm-up starts above 0 on the first step
+        it, trail = self.state.iteration + 1, self.trail
+        lr = self.lr_schedule(it)  # warm-up starts above 0 on the first step
         self.ddp.zero_grad()
-        self.forward_watch.begin(self.iteration + 1, batches)
-        it, trail = self.iteration + 1, self.trail
+        self.forward_watch.begin(it, batches)
         trail.enter(it, "the pipeline schedule (forward/backward with p2p, bucketed gradient reduction)")
         loss = self._run(batches, self.actions, forward_only=False)
         trail.enter(it, "the optimizer step (gradient reduction, overflow all-reduce, norm, parameter all-gather)")
         result = self.optimizer.step(lr)
         trail.enter(it, "the loss / stop all-reduce")
         # this DP rank's share -> global mean; the same all-reduce agrees on a stop request
-        loss, self.stop_reason = resilience.agree(loss, self.stop_flags(), self.groups)
-        self.iteration += 1
-        self.consumed_samples += self.cfg.train.global_batch_size
-        self.skipped_iterations += int(result.skipped)
-        self.bad_step = not self.cfg.precision.fp16 and (result.skipped or not torch.isfinite(loss).item())
-        return dict(iteration=self.iteration, consumed_samples=self.consumed_samples, lr=lr,
-                    loss=float(loss), grad_norm=result.grad_norm, loss_scale=result.loss_scale,
-                    skipped_iterations=self.skipped_iterations)
+        loss, stop_reason = resilience.agree(loss, self.stop_flags(), self.groups)
+        s = self.state
+        s.advance(self.cfg.train.global_batch_size, result.skipped)
+        bad = not self.cfg.precision.fp16 and (result.skipped or not torch.isfinite(loss).item())
+        values = dict(iteration=s.iteration, consumed_samples=s.consumed_samples, lr=lr, loss=float(loss),
+                      grad_norm=result.grad_norm, loss_scale=result.loss_scale,
+                      skipped_iterations=s.skipped_iterations)
+        return StepOutcome(values, stop_reason, bool(bad))
 
     def locate_bad_step(self) -> str:
         """The one line naming where the last step's non-finite value appeared (collective)."""
@@ -529,9 +517,9 @@ class Trainer:
         place = resilience.locate_non_finite(gathered)
         t = self.cfg.train
         samples = None if place is None else resilience.sample_range(
-            self.consumed_samples - t.global_batch_size, t.global_batch_size, place.dp_rank,
+            self.state.consumed_samples - t.global_batch_size, t.global_batch_size, place.dp_rank,
             self.groups.dp_size, place.microbatch, t.micro_batch_size)
-        return resilience.describe_non_finite(self.iteration, place, samples,
+        return resilience.describe_non_finite(self.state.iteration, place, samples,
                                               self.cfg.parallel.virtual_pipeline_size)
 
     @torch.no_grad()
@@ -579,19 +567,11 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     """Every rank's model-state bytes beside the ZeRO formula's prediction (and the bound on its
     bucket temporaries), gathered into one table that the logging rank prints (collective)."""
     opt = trainer.optimizer
-    got, bound = opt.model_state_bytes(), opt.bucket_bound_bytes()
+    got, bound, predicted = opt.model_state_bytes(), opt.bucket_bound_bytes(), opt.formula()
     psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
-    padded = sum(b.layout.padded_numel for b in trainer.ddp.buffers)   # Psi + padding to N
     p_bytes = trainer.dtype.itemsize
     g_bytes = trainer.ddp.grad_dtype.itemsize
-    m_bytes = 0 if p_bytes == 4 else 4   # an fp32 model's params are its main params
-    formula = zero_formula_bytes(padded, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
-    offload = ""
-    if isinstance(opt, HostOffloadOptimizer):   # host parts get their own "host ..." columns
-        split = offload_formula_bytes(padded, trainer.groups.dp_size, trainer.cfg.zero.stage, p_bytes, g_bytes)
-        formula, m_bytes = split["device"] + split["host"], 4
-        offload = (f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
-                   f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)")
+    formula, m_bytes, offload = predicted["total"], predicted["main_bytes"], predicted["note"]
     row = dict(rank=trainer.groups.rank, psi=psi, formula=formula,
                bytes={(k.replace("host_", "host ") if k.startswith("host") else "host " + k) if k in opt.HOST_PARTS
                       else k: v for k, v in got.items() if k != "total"})
@@ -663,7 +643,7 @@ class RunControl:
 def inject_fault(control: RunControl, trainer: Trainer) -> None:
     """The test hook's ``kill`` / ``term`` fault, at the start of its iteration (first attempt)."""
     f = control.fault
-    if f is not None and f[0] in ("kill", "term") and f[1:3] == (trainer.iteration + 1, trainer.groups.rank) \
+    if f is not None and f[0] in ("kill", "term") and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank) \
             and control.restart == 0:
         os.kill(os.getpid(), signal.SIGKILL if f[0] == "kill" else signal.SIGTERM)
 
@@ -686,14 +666,14 @@ def report_restart(cfg: Config, control: RunControl, resumed: Optional[int], mon
 def handle_bad_step(trainer: Trainer, monitor: Monitor) -> Optional[str]:
     """A step with a non-finite loss or gradient (already skipped by the optimizer): count it
     against --skip-bad-batches, or return the error line that ends the run."""
-    line, budget = trainer.locate_bad_step(), trainer.cfg.train.skip_bad_batches
-    if trainer.bad_batches < budget:
-        trainer.bad_batches += 1
+    line, budget, state = trainer.locate_bad_step(), trainer.cfg.train.skip_bad_batches, trainer.state
+    if state.bad_batches < budget:
+        state.bad_batches += 1
         if trainer.groups.rank == 0:
-            print(f"[megazero] skipped iteration {trainer.iteration}: {line} ({trainer.bad_batches} of "
+            print(f"[megazero] skipped iteration {state.iteration}: {line} ({state.bad_batches} of "
                   f"--skip-bad-batches {budget} used)", flush=True)
-        monitor.log_record("bad_batch", dict(iteration=trainer.iteration, message=line,
-                                             bad_batches=trainer.bad_batches))
+        monitor.log_record("bad_batch", dict(iteration=state.iteration, message=line,
+                                             bad_batches=state.bad_batches))
         return None
     line += "; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps"
     if trainer.groups.rank == 0:
@@ -705,72 +685,77 @@ def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optio
                 message: str = "") -> dict:
     """End the run early at this step boundary: save (with --save, unless just saved), write
     stop.json, say so. Returns train()'s result with ``stop`` and ``status``."""
-    s = trainer.cfg.train
+    s, it = trainer.cfg.train, trainer.state.iteration
     if reason != "non-finite" and s.save and saved is None:
         saved = trainer.save_checkpoint(s.save)
     trainer.finish_save()  # the checkpoint is complete before the run ends
     trainer.optimizer.wait_param_gather()
     path = saved if reason != "non-finite" else None
     if control.writes_record:
-        resilience.write_stop_record(trainer.cfg.log.run_dir, reason=reason, iteration=trainer.iteration,
+        resilience.write_stop_record(trainer.cfg.log.run_dir, reason=reason, iteration=it,
                                      checkpoint=path, message=message)
     if trainer.groups.rank == 0 and reason != "non-finite":
         where = f"checkpoint saved in {path}" if path else "nothing saved (no --save)"
-        print(f"[megazero] stopping after iteration {trainer.iteration} ({reason}): {where}", flush=True)
-    return dict(iteration=trainer.iteration, stop=reason, status=resilience.stop_status(reason))
+        print(f"[megazero] stopping after iteration {it} ({reason}): {where}", flush=True)
+    return dict(iteration=it, stop=reason, status=resilience.stop_status(reason))
 
 
-def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
-          control: Optional[RunControl] = None) -> dict:
-    """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data.
-    ``control`` (signals, time limit, test fault) may end it early at a step boundary."""
-    control = control or RunControl()
-    tokenizer, (train_ds, valid_ds, _), vocab_size = data
-    trainer = Trainer(cfg, groups, device, vocab_size)
-    trainer.stop_flags, trainer.forward_watch.fault, trainer.trail = control.flags, control.fault, control.trail
-    resumed = trainer.load_checkpoint(cfg.train.load) if cfg.train.load else None
-    if cfg.train.load and groups.rank == 0:
-        print(f"[megazero] resumed from {cfg.train.load} at iteration {resumed}" if resumed is not None
-              else f"[megazero] no checkpoint under --load {cfg.train.load}: starting from scratch", flush=True)
+def start_run(cfg: Config, groups: ProcessGroups, device: torch.device, data: RunData,
+              control: RunControl) -> tuple[Trainer, Monitor]:
+    """The run's Monitor and Trainer (its collaborators passed in), resumed from ``--load``."""
     monitor = Monitor(cfg.log.run_dir, tensorboard_dir=cfg.log.tensorboard_dir,
                       metrics_file=cfg.log.metrics_file, rank=groups.rank,
                       is_logging_rank=is_logging_rank(groups), config_text=describe(cfg),
                       train_iters=cfg.train.train_iters, wandb=wandb_settings(cfg))
+    trainer = Trainer(cfg, groups, device, data.vocab_size, stop_flags=control.flags, fault=control.fault,
+                      trail=control.trail, monitor=monitor)
+    resumed = trainer.load_checkpoint(cfg.train.load) if cfg.train.load else None
+    if cfg.train.load and groups.rank == 0:
+        print(f"[megazero] resumed from {cfg.train.load} at iteration {resumed}" if resumed is not None
+              else f"[megazero] no checkpoint under --load {cfg.train.load}: starting from scratch", flush=True)
     report_restart(cfg, control, resumed, monitor)
-    trainer.monitor = monitor
     if groups.rank == 0:
         print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
-              f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {vocab_size})", flush=True)
+              f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {data.vocab_size})", flush=True)
+    return trainer, monitor
+
+
+def train(cfg: Config, groups: ProcessGroups, device: torch.device, data: RunData,
+          control: Optional[RunControl] = None) -> dict:
+    """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data.
+    ``control`` (signals, time limit, test fault) may end it early at a step boundary."""
+    control = control or RunControl()
+    trainer, monitor = start_run(cfg, groups, device, data, control)
+    state, s, exit_interval = trainer.state, cfg.train, cfg.train.exit_interval
     last_valid, counts = None, None
-    timer, last_logged = Timer(device), trainer.iteration
-    first_iteration = trainer.iteration + 1
-    s, exit_interval = cfg.train, cfg.train.exit_interval
+    timer, last_logged = Timer(device), state.iteration
+    first_iteration = state.iteration + 1
     profiler = make_profiler(cfg, groups.rank)
-    while trainer.iteration < s.train_iters:
+    while state.iteration < s.train_iters:
         inject_fault(control, trainer)
-        profiler.before_step(trainer.iteration + 1)
+        profiler.before_step(state.iteration + 1)
         with timer:  # the step's time includes reading its micro-batches
-            batches = dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, device)
-            values = trainer.train_step(batches)
-        it = trainer.iteration
+            batches = dp_micro_batches(data.train, state.consumed_samples, cfg, groups, device)
+            outcome = trainer.train_step(batches)
+        it = state.iteration
         profiler.after_step(it)
         if it == first_iteration:  # buckets and step temporaries have now been allocated once
             report_model_state(trainer, monitor)
         if it % cfg.log.log_interval == 0 or it == 1 or it == s.train_iters:
-            values.update(perf_values(trainer, cfg, timer.reset() / (it - last_logged)))
+            outcome.values.update(perf_values(trainer, cfg, timer.reset() / (it - last_logged)))
             last_logged = it
-            monitor.log_iteration(it, values)
-        if trainer.bad_step and (line := handle_bad_step(trainer, monitor)) is not None:
+            monitor.log_iteration(it, outcome.values)
+        if outcome.bad_step and (line := handle_bad_step(trainer, monitor)) is not None:
             monitor.close()
             return finish_stop(trainer, control, "non-finite", None, message=line)
-        if valid_ds is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters):
-            last_valid, counts = evaluate(trainer, valid_ds, cfg, trainer.eval_round)
-            trainer.eval_round += 1
+        if data.valid is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters):
+            last_valid, counts = evaluate(trainer, data.valid, cfg, state.eval_round)
+            state.eval_round += 1
             monitor.log_validation(it, last_valid)
         saved = None
         if s.save and ((s.save_interval and it % s.save_interval == 0) or it == s.train_iters):
             saved = trainer.save_checkpoint(s.save)
-        reason = trainer.stop_reason or ("interval" if exit_interval and it % exit_interval == 0 else None)
+        reason = outcome.stop_reason or ("interval" if exit_interval and it % exit_interval == 0 else None)
         if reason is not None and it < s.train_iters:
             profiler.close()
             monitor.close()
@@ -778,23 +763,24 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data,
     profiler.close()
     trainer.finish_save()
     trainer.optimizer.wait_param_gather()
-    sample = final_sample(trainer, tokenizer, cfg)
+    sample = final_sample(trainer, data.tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None else float("nan")
     monitor.summary(last_valid, baseline, sample)
     monitor.close()
-    return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=trainer.iteration)
+    return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=state.iteration)
 
 
-def prepare_run(cfg: Config, verify: bool = False):
+def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     """Everything that can fail before any process group exists: the checkpoint to resume and
-    the data. Returns (data, resume); raises DataError or CheckpointError (contract 3).
+    the data. Returns the RunData, ``resume`` set to the checkpoint's meta (None without
+    ``--load`` or a checkpoint); raises DataError or CheckpointError (contract 3).
     ``verify`` re-reads the checkpoint's tensor files against their saved CRC-32 sums."""
     resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
     data = build_data(cfg, resume)
-    check_resume(cfg, resume, data[2])
+    check_resume(cfg, resume, data.vocab_size)
     if cfg.train.from_hf:
-        check_from_hf(cfg, data[2])
-    return data, resume
+        check_from_hf(cfg, data.vocab_size)
+    return data
 
 
 def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
@@ -866,11 +852,11 @@ def preflight(argv: list[str], world_size: int) -> int:
     cfg = config_from_argv(argv, world_size)
     try:
         check_device(cfg, memory.ranks_per_node())
-        data, resume = prepare_run(cfg, verify=True)
-        check_memory(cfg, data[2], verbose=True)
+        data = prepare_run(cfg, verify=True)
+        check_memory(cfg, data.vocab_size, verbose=True)
     except START_ERRORS as e:
         return report_start_error(e)
-    for w in resume_warnings(cfg, resume):
+    for w in resume_warnings(cfg, data.resume):
         print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
     return 0
 
@@ -905,11 +891,11 @@ def main(argv=None) -> int:
         check_device(cfg, memory.ranks_per_node())
         # the checksums are read once: by the launcher's preflight, else by rank 0
         verify = launch.rank == 0 and os.environ.get("MEGAZERO_PREFLIGHT_DONE") != "1"
-        data, resume = prepare_run(cfg, verify=verify)
-        check_memory(cfg, data[2], verbose=not quiet)
+        data = prepare_run(cfg, verify=verify)
+        check_memory(cfg, data.vocab_size, verbose=not quiet)
     except START_ERRORS as e:
         return report_start_error(e)
-    for w in resume_warnings(cfg, resume) if not quiet else []:
+    for w in resume_warnings(cfg, data.resume) if not quiet else []:
         print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
     device, groups = setup_device_and_groups(cfg, launch)
     control = run_control(cfg, launch, signals, start)

@@ -223,12 +223,13 @@ def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int,
     out = []
     for argv in argvs:
         cfg = config_from_argv(argv, world)
-        (_, (train_ds, _, _), vocab), _ = train.prepare_run(cfg)
+        run = train.prepare_run(cfg)
+        train_ds, vocab = run.train, run.vocab_size
         p = cfg.parallel
         groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
         trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
         for step in range(2):
-            batches = train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, "cpu")
+            batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
             collectives.counter.clear()
             trainer.train_step(batches)
         out.append((groups.pp_rank, dict(collectives.counter)))

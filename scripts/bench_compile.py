@@ -39,16 +39,17 @@ class Run:
 
     def __init__(self, argv: list[str]):
         self.cfg = config_from_argv(argv, 1)
-        _, (self.data, _, _), vocab = train.build_data(self.cfg)
+        run = train.build_data(self.cfg)
+        self.data, vocab = run.train, run.vocab_size
         self.trainer = train.Trainer(self.cfg, ProcessGroups.single(), torch.device("cpu"), vocab)
         self.losses: list[float] = []
 
     def step(self) -> float:
         """One training step on the next global batch; returns its wall time in seconds."""
-        gbs, t = self.cfg.train.global_batch_size, self.trainer.iteration
+        gbs, t = self.cfg.train.global_batch_size, self.trainer.state.iteration
         batches = get_micro_batches(self.data, t * gbs, gbs, self.cfg.train.micro_batch_size, 0, 1)
         t0 = time.perf_counter()
-        out = self.trainer.train_step(batches)
+        out = self.trainer.train_step(batches).values
         elapsed = time.perf_counter() - t0
         self.losses.append(out["loss"])
         return elapsed

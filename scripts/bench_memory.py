@@ -48,7 +48,8 @@ def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
     before = _status_kib("VmRSS") * 1024
     cfg = config_from_argv(argv, world)
     groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
-    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    run = train.build_data(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     for step in range(steps):

@@ -44,7 +44,8 @@ def _sync(device: torch.device) -> None:
 def run(argv: list, steps: int, device: torch.device) -> dict:
     """Train ``steps`` steps with ``argv``; losses, step times (s), bytes by place, formula."""
     cfg = config_from_argv(argv, 1)
-    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    run = train.build_data(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -55,7 +56,7 @@ def run(argv: list, steps: int, device: torch.device) -> dict:
         batches = [(t.to(device), l.to(device)) for t, l in get_micro_batches(train_ds, step * gbs, gbs, mbs, 0, 1)]
         _sync(device)
         t0 = time.perf_counter()
-        losses.append(trainer.train_step(batches)["loss"])
+        losses.append(trainer.train_step(batches).values["loss"])
         _sync(device)
         times.append(time.perf_counter() - t0)
     opt = trainer.optimizer

@@ -75,7 +75,8 @@ def main() -> None:
             "--lr", str(a.lr), "--min-lr", str(a.lr),
             "--clip-grad", "1.0", "--eval-iters", "0", "--device", "cpu"]
     cfg = config_from_argv(argv, 1)
-    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    run = train.build_data(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     trainer = train.Trainer(cfg, ProcessGroups.single(), torch.device("cpu"), vocab)
 
     full = init_full_weights(trainer.gpt_config, cfg.train.seed)
@@ -95,7 +96,7 @@ def main() -> None:
     for step in range(steps):
         batches = get_micro_batches(train_ds, step * gbs, gbs, cfg.train.micro_batch_size, 0, 1)
         t0 = clock()
-        out = trainer.train_step(batches)
+        out = trainer.train_step(batches).values
         t1 = clock()
         tokens, labels = batches[0]
         opt.zero_grad(set_to_none=True)

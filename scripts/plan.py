@@ -41,7 +41,7 @@ def vocab_of(cfg) -> int:
         return cfg.data.vocab_size
     if cfg.train.mock_data:
         return MOCK_VOCAB_SIZE
-    return train.build_data(cfg)[2]
+    return train.build_data(cfg).vocab_size
 
 
 def plan_table(cfg, vocab: int) -> str:
@@ -86,7 +86,8 @@ def measure_rank(rank: int, world: int, argv: list[str], steps: int) -> tuple[in
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv, world, print_warnings=False)
-    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    run = train.build_data(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     gbs = cfg.train.global_batch_size

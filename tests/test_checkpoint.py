@@ -20,18 +20,19 @@ def _run(rank, world, argv, steps, save=None, load=None):
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv + (["--load", load] if load else []), world)
-    (_, (train_ds, _, _), vocab), _ = train.prepare_run(cfg)  # sized for the resumed samples
+    run = train.prepare_run(cfg)  # sized for the resumed samples
+    train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     start = trainer.load_checkpoint(load) if load else None
     losses = []
     for _ in range(steps):
-        batches = train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, "cpu")
-        losses.append(trainer.train_step(batches)["loss"])
+        batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+        losses.append(trainer.train_step(batches).values["loss"])
     if save:
         trainer.save_checkpoint(save)
-    return losses, start, trainer.consumed_samples
+    return losses, start, trainer.state.consumed_samples
 
 
 def _runs(rank, world, jobs):
@@ -190,7 +191,7 @@ def _resumed_rng(rank, world, argv, load):
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv + ["--load", load], world)
-    (_, _, vocab), _ = train.prepare_run(cfg)
+    vocab = train.prepare_run(cfg).vocab_size
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)

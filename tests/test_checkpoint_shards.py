@@ -119,7 +119,8 @@ def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=5):
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv, world)
-    (_, (train_ds, _, _), vocab), _ = train.prepare_run(cfg)
+    run = train.prepare_run(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
@@ -127,8 +128,8 @@ def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=5):
     def run(n):
         out = []
         for _ in range(n):
-            batches = train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, "cpu")
-            out.append(trainer.train_step(batches)["loss"])
+            batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+            out.append(trainer.train_step(batches).values["loss"])
         return out
     own = 12 * sum(pr.size for _, _, pr, *_ in trainer.optimizer.owned_state())
     bucket = 4 * max(b.range.size for buf in trainer.optimizer.ddp.buffers for b in buf.layout.buckets)

@@ -137,7 +137,7 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
                                         f"--tokenizer-model {tok.model_path}"):
         train.build_data(config_from_argv(argv, 1))
     argv[1] = a  # the matching model
-    assert train.build_data(config_from_argv(argv, 1))[2] == tok.vocab_size
+    assert train.build_data(config_from_argv(argv, 1)).vocab_size == tok.vocab_size
     # the same data named by a relative path has the same signature (no false resume warning)
     rel = os.path.relpath(a)
     assert train.data_signature(config_from_argv(argv[:1] + [rel] + argv[2:], 1)) == \

@@ -28,7 +28,8 @@ def _trainer(argv, world):
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv, world)
-    (_, (train_ds, _, _), vocab), _ = train.prepare_run(cfg)
+    run = train.prepare_run(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     return train, cfg, groups, train_ds, train.Trainer(cfg, groups, torch.device("cpu"), vocab)
@@ -37,8 +38,8 @@ def _trainer(argv, world):
 def _steps(train, cfg, groups, ds, trainer, n):
     out = []
     for _ in range(n):
-        batches = train.dp_micro_batches(ds, trainer.consumed_samples, cfg, groups, "cpu")
-        out.append(trainer.train_step(batches)["loss"])
+        batches = train.dp_micro_batches(ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+        out.append(trainer.train_step(batches).values["loss"])
     return out
 
 
@@ -157,7 +158,7 @@ def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
     via_hf, native = run_distributed(_from_hf_and_from_checkpoint, 4, argv, exported["hf"],
                                      exported["ckpt"])[-1]  # the last rank holds the loss
     assert via_hf == native  # same layout, same weights: the same 5 losses, bit for bit
-    (_, (ds, _, _), _) = train.build_data(cfg)
+    ds = train.build_data(cfg).train
     tokens, labels = get_micro_batches(ds, 0, 4, 4, 0, 1)[0]  # the first global batch
     hf = AutoModelForCausalLM.from_pretrained(exported["hf"], dtype=torch.float32).eval()
     with torch.no_grad():

@@ -85,7 +85,7 @@ def test_llama_round_trip_gives_the_same_logits_and_losses(exported):
     via_hf, native = run_distributed(_from_hf_and_from_checkpoint, 4, exported["argv"] + TP2PP2,
                                      exported["hf"], exported["ckpt"])[-1]  # the last rank holds the loss
     assert via_hf == native and len(via_hf) == 5
-    (_, (ds, _, _), _) = train.build_data(cfg)
+    ds = train.build_data(cfg).train
     tokens, labels = get_micro_batches(ds, 0, 4, 4, 0, 1)[0]  # the first global batch
     with torch.no_grad():
         logits = _hf(exported["hf"])(tokens).logits

@@ -113,7 +113,8 @@ def _wsd_lrs(rank, world, argv, steps, save=None, load=None):
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv + (["--load", load] if load else []), world)
-    (_, (train_ds, _, _), vocab), _ = train.prepare_run(cfg)
+    run = train.prepare_run(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
@@ -121,8 +122,8 @@ def _wsd_lrs(rank, world, argv, steps, save=None, load=None):
         trainer.load_checkpoint(load)
     out = []
     for _ in range(steps):
-        batches = train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, "cpu")
-        v = trainer.train_step(batches)
+        batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+        v = trainer.train_step(batches).values
         out.append((v["iteration"], v["lr"], v["loss"]))
     if save:
         trainer.save_checkpoint(save)

@@ -22,15 +22,16 @@ def _train(rank, world, argvs):
     out = []
     for argv in argvs:
         cfg = config_from_argv(argv, world)
-        (_, (train_ds, _, _), vocab), _ = train.prepare_run(cfg)
+        run = train.prepare_run(cfg)
+        train_ds, vocab = run.train, run.vocab_size
         p = cfg.parallel
         groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
         trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
         values, counted = [], {}
         for _ in range(STEPS):
-            batches = train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, "cpu")
+            batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
             collectives.counter.clear()
-            v = trainer.train_step(batches)
+            v = trainer.train_step(batches).values
             counted = dict(collectives.counter)
             values.append((v["loss"], v["grad_norm"]))
         gather = trainer.optimizer.param_gather

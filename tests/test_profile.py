@@ -21,7 +21,7 @@ def _train(rank, world, argv):
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv, world)
-    data, _ = train.prepare_run(cfg)
+    data = train.prepare_run(cfg)
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     return train.train(cfg, groups, torch.device("cpu"), data)["iteration"]

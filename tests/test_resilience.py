@@ -99,17 +99,19 @@ def _steps(rank, world, stop_rank, fault):
     from megazero.topology import Topology
 
     cfg = config_from_argv(ARGV, world)
-    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    run = train.build_data(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     groups = ProcessGroups.build(Topology(tp=2, pp=2, dp=cfg.parallel.dp))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
-    trainer.forward_watch.fault = fault
+    asked = [False]
+    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab, fault=fault,
+                            stop_flags=lambda: [0.0, 0.0, float(asked[0]), 0.0])
     out = []
     for step in range(1, 4):
-        asked = rank == stop_rank and step == 2  # as if SIGUSR1 came to this rank during step 2
-        trainer.stop_flags = lambda: [0.0, 0.0, float(asked), 0.0]
-        values = trainer.train_step(train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, "cpu"))
-        line = trainer.locate_bad_step() if trainer.bad_step else None
-        out.append((values["loss"], trainer.stop_reason, trainer.bad_step, line))
+        asked[0] = rank == stop_rank and step == 2  # as if SIGUSR1 came to this rank during step 2
+        step_out = trainer.train_step(train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg,
+                                                             groups, "cpu"))
+        line = trainer.locate_bad_step() if step_out.bad_step else None
+        out.append((step_out.values["loss"], step_out.stop_reason, step_out.bad_step, line))
     return out
 
 

@@ -28,14 +28,15 @@ def _train_layout(rank, world, argv, steps):
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv, world)
-    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    run = train.build_data(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     losses, norms = [], []
     for _ in range(steps):
-        batches = train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg, groups, "cpu")
-        out = trainer.train_step(batches)
+        batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+        out = trainer.train_step(batches).values
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
     from megazero.planning import memory
@@ -58,7 +59,8 @@ def _reference_losses(argv, steps):
     from tests.reference import block_options, train_reference
 
     cfg = config_from_argv(argv, 1)
-    _, (train_ds, _, _), vocab = train.build_data(cfg)
+    run = train.build_data(cfg)
+    train_ds, vocab = run.train, run.vocab_size
     gcfg = train.build_gpt_config(cfg, vocab)
     gbs = cfg.train.global_batch_size
     batches = [get_micro_batches(train_ds, s * gbs, gbs, gbs, 0, 1)[0] for s in range(steps)]
@@ -283,11 +285,12 @@ def _offload_runs(rank, world, argvs, steps):
     out = []
     for argv in argvs:
         cfg = config_from_argv(argv, world)
-        _, (train_ds, _, _), vocab = train.build_data(cfg)
+        run = train.build_data(cfg)
+        train_ds, vocab = run.train, run.vocab_size
         groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=cfg.parallel.dp))
         trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
-        losses = [trainer.train_step(train.dp_micro_batches(train_ds, trainer.consumed_samples, cfg,
-                                                            groups, "cpu"))["loss"] for _ in range(steps)]
+        losses = [trainer.train_step(train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg,
+                                                            groups, "cpu")).values["loss"] for _ in range(steps)]
         out.append((losses, type(trainer.optimizer).__name__, trainer.optimizer.bytes_by_place()))
     return out
 

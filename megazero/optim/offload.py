@@ -110,6 +110,17 @@ class HostOffloadOptimizer(DistributedOptimizer):
         # fp32 models: the device params already hold the update (copied above)
         return super()._shard_filler(buf, None if buf.main_is_param else mbase)
 
+    def formula(self) -> dict:
+        """As the base class, with the optimizer's fp32 state on the host
+        (:func:`offload_formula_bytes`): the total is device + host, main params 4 bytes per
+        owned element (kept on the host even for an fp32 model), and the note gives both sides."""
+        padded = sum(b.layout.padded_numel for b in self.ddp.buffers)
+        split = offload_formula_bytes(padded, self.ddp.dp_size, self.ddp.strategy.stage, self._model_bytes(),
+                                      self.ddp.grad_dtype.itemsize)
+        return dict(total=split["device"] + split["host"], main_bytes=4, note=(
+            f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
+            f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)"))
+
     def model_state_bytes(self) -> dict[str, int]:
         """The base class's parts plus ``host_grads`` (the host fp32 gradient copy); the parts
         in ``HOST_PARTS`` are host memory, ``bytes_by_place`` sums each side."""

@@ -328,6 +328,25 @@ class DistributedOptimizer:
 
     HOST_PARTS: tuple = ("host_params",)   # model_state_bytes() keys kept in host memory
 
+    def formula(self) -> dict:
+        """The ZeRO paper's prediction of ``model_state_bytes()`` for this optimizer (sec. 5).
+
+        Psi is the padded element count of this rank's buffers (parameters plus the padding
+        of each buffer to a multiple of N), N the data-parallel size, p / g the parameter and
+        gradient bytes. Returns ``{"total": bytes, "main_bytes": m, "note": str}``: the total
+        of :func:`zero_formula_bytes` for this stage, the fp32 main-param bytes per parameter
+        (0 for an fp32 model, whose parameters are its main params) and what the table adds
+        to the formula's description (empty here; offload names its host part).
+        """
+        padded = sum(b.layout.padded_numel for b in self.ddp.buffers)
+        p, g = self._model_bytes(), self.ddp.grad_dtype.itemsize
+        return dict(total=zero_formula_bytes(padded, self.ddp.dp_size, self.ddp.strategy.stage, p, g),
+                    main_bytes=0 if p == 4 else 4, note="")
+
+    def _model_bytes(self) -> int:
+        """Bytes per element of the model's parameters (their dtype)."""
+        return self.ddp.buffers[0].layout.params[0].dtype.itemsize
+
     def bytes_by_place(self) -> dict[str, int]:
         """``{"device": bytes, "host": bytes}``: ``model_state_bytes()["total"]`` split by where
         each part lives (the keys in ``HOST_PARTS`` are in host memory, the rest on the model's
