@@ -19,7 +19,6 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megazero import checkpoint, collectives
 from megazero.checkpoint.manager import CheckpointManager, RunState
@@ -36,7 +35,6 @@ from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
 from megazero.optim.offload import HostOffloadOptimizer
 from megazero.optim.zero import DistributedOptimizer
-from megazero.pipeline import partition
 from megazero.pipeline.executor import run_schedule
 from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
@@ -47,10 +45,10 @@ from megazero.tensor_parallel.random import resume_seed
 from megazero.topology import Topology
 from data.indexed_dataset import DataError
 from data.run_data import RunData
-from model.config import GPTConfig
 from model.generation import pipeline_generate_greedy
-from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy
-from model.hf import HFConversionError, config_record
+from model.build import build_gpt_config, build_model_chunks, check_from_hf, model_signature, zero3_units
+from model.gpt import VOCAB_TENSORS, generate_greedy
+from model.hf import config_record
 
 
 def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, ProcessGroups]:
@@ -85,83 +83,6 @@ def restart_store(timeout: timedelta):
 
 
 # -- model ----------------------------------------------------------------------------------
-def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
-    m = cfg.model
-    return GPTConfig(
-        vocab_size=vocab_size, num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
-        seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-        tie_embeddings=not m.untie_embeddings_and_output_weights,
-        layernorm_epsilon=m.layernorm_epsilon, init_method_std=m.init_method_std,
-        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
-        # torch.compile cannot trace the overlapped backward (a hand-written autograd.Function)
-        tp_overlap_grad_reduce=cfg.parallel.async_tensor_model_parallel_allreduce and not cfg.train.compile,
-        params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
-        label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
-        position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
-        rotary_percent=m.rotary_percent, normalization=m.normalization, swiglu=m.swiglu,
-        num_query_groups=m.num_query_groups if m.group_query_attention else None,
-        add_bias_linear=m.add_bias_linear,
-        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers)
-
-
-def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
-                       device: torch.device) -> list[GPTStage]:
-    """This rank's model chunks (one, or V for the interleaved schedule), in the model dtype.
-
-    Every chunk starts from the full tensors of (seed, parameter name) and keeps its
-    partition, so any layout starts from the same model (DESIGN.md, contract 1).
-    """
-    p = cfg.parallel
-    chunks, tracker = [], None
-    full = from_hf_weights(cfg, gcfg, groups.tp_size)
-    for v in range(p.virtual_pipeline_size):
-        ids = partition.layer_ids(gcfg.num_layers, p.pp, groups.pp_rank, p.virtual_pipeline_size, v,
-                                  p.pipeline_layer_split)
-        chunk = GPTStage(gcfg, groups, ids,
-                         pre_process=partition.is_pre_process(groups.pp_rank, v),
-                         post_process=partition.is_post_process(groups.pp_rank, p.pp, v,
-                                                                p.virtual_pipeline_size),
-                         seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full)
-        tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
-        chunks.append(chunk)
-    if cfg.train.compile:
-        compile_layers(chunks)
-    return chunks
-
-
-def compile_layers(chunks: list[GPTStage]) -> None:
-    """--compile: ``torch.compile`` each transformer layer in place (``nn.Module.compile``:
-    parameter names, hooks and checkpoints unchanged); embeddings, head, the pipeline and
-    ZeRO machinery stay eager; the collectives' bookkeeping runs eagerly between the traced
-    graphs (``collectives.keep_bookkeeping_out_of_compiled_graphs``)."""
-    collectives.keep_bookkeeping_out_of_compiled_graphs()
-    for chunk in chunks:
-        for layer in chunk.layers.values():
-            layer.compile()
-
-
-def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
-    """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2 or Llama model, read lazily
-    (each stage loads only its own), vocabulary re-padded for ``tp_size``; else None."""
-    from model.hf import open_folder
-
-    return None if cfg.train.from_hf is None else open_folder(cfg.train.from_hf, gcfg, gcfg.padded_vocab(tp_size))
-
-
-def check_from_hf(cfg: Config, vocab_size: int) -> None:
-    """Before any process group: --from-hf's folder holds this run's model (CheckpointError if not)."""
-    from model.hf import check_folder
-
-    try:
-        check_folder(cfg.train.from_hf, build_gpt_config(cfg, vocab_size))
-    except (HFConversionError, OSError, ValueError) as e:
-        raise checkpoint.CheckpointError(f"--from-hf {cfg.train.from_hf}: {e}") from None
-
-
 def bucket_sizes(cfg: Config) -> tuple[int, int]:
     """(reduce, all-gather) bucket elements: the flags, or hidden size squared when unset
     (DeepSpeed's "auto"; README, "Bucket sizes"). The optimizer and the planner both use it."""
@@ -174,21 +95,6 @@ def overlap_param_gather(cfg: Config) -> bool:
     """--overlap-param-gather resolved: auto = on exactly at ZeRO stages 1 and 2."""
     z = cfg.zero
     return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto" and z.stage in (1, 2))
-
-
-def zero3_units(chunk: GPTStage) -> list[nn.Module]:
-    """ZeRO-3 gather units of one model chunk in forward order: the embedding (its position
-    table alone when the word embedding is also the tied output layer, which then stays in
-    the chunk's own unit, gathered around the whole chunk), each block, the final norm and an
-    untied output layer."""
-    units, tied = [], chunk.cfg.tie_embeddings
-    if chunk.pre_process:
-        emb = chunk.embedding
-        units += [emb] if not tied else ([emb.position_embeddings] if emb.with_positions else [])
-    units += list(chunk.layers.values())
-    if chunk.post_process:
-        units += [chunk.final_ln] + ([] if tied else [chunk.output])
-    return units
 
 
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
@@ -273,16 +179,6 @@ def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups,
     mbs = get_micro_batches(dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                             groups.dp_rank, groups.dp_size)
     return [(x.to(device), y.to(device)) for x, y in mbs]
-
-
-def model_signature(g: GPTConfig) -> dict:
-    """The sizes a checkpoint must share with the model that loads it (layout excluded)."""
-    return dict(vocab_size=g.vocab_size, num_layers=g.num_layers, hidden_size=g.hidden_size,
-                num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
-                max_position_embeddings=g.max_position_embeddings, tie_embeddings=g.tie_embeddings,
-                position_embedding_type=g.position_embedding_type, rotary_base=g.rotary_base,
-                rotary_percent=g.rotary_percent, normalization=g.normalization, swiglu=g.swiglu,
-                num_query_groups=g.num_query_groups, add_bias_linear=g.add_bias_linear)
 
 
 def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:

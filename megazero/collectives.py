@@ -60,7 +60,7 @@ def keep_bookkeeping_out_of_compiled_graphs() -> None:
     recompile_limit`` (8) recompilations the layer ran uncompiled. ``torch.compiler.disable``
     ends the traced graph before the bookkeeping and starts a new one after it (a graph break
     at each collective, where no fusion is possible anyway); every collective is still
-    counted and recorded. Called by ``train.compile_layers`` before compiling (not at import:
+    counted and recorded. Called by ``model.build.compile_layers`` before compiling (not at import:
     ``torch.compiler.disable`` imports torch._dynamo, about 2 s of CPU an eager run never
     needs). Idempotent.
     """

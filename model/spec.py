@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megazero.param_spec import ParamSpec
-from model.config import GPTConfig
+if TYPE_CHECKING:   # model.config imports this module (GPTConfig.parameter_spec)
+    from model.config import GPTConfig
 
 
 def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:

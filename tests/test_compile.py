@@ -42,16 +42,16 @@ def test_compile_wraps_only_the_layers():
     """Parameter names (checkpoints, tags) are unchanged; embedding and head stay eager."""
     import torch
 
-    import train
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
+    from model.build import build_gpt_config, build_model_chunks
 
     cfg = config_from_argv(BASE + ["--compile"], 1)
-    gcfg = train.build_gpt_config(cfg, 1001)
+    gcfg = build_gpt_config(cfg, 1001)
     groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=1))
-    plain = train.build_model_chunks(gcfg, config_from_argv(BASE, 1), groups, torch.device("cpu"))[0]
-    chunk = train.build_model_chunks(gcfg, cfg, groups, torch.device("cpu"))[0]
+    plain = build_model_chunks(gcfg, config_from_argv(BASE, 1), groups, torch.device("cpu"))[0]
+    chunk = build_model_chunks(gcfg, cfg, groups, torch.device("cpu"))[0]
     assert [n for n, _ in chunk.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert all(layer._compiled_call_impl is not None for layer in chunk.layers.values())
     assert getattr(chunk.embedding, "_compiled_call_impl", None) is None

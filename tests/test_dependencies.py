@@ -1,5 +1,14 @@
-"""DESIGN.md "Dependency direction": train.py -> model, data, megazero; model -> megazero;
-megazero imports neither model nor data; data imports neither model nor megazero."""
+"""The floor plan's import rules (docs/design.md, "Layout" and "Dependency direction").
+
+- train.py -> model, data, megazero; model -> megazero; megazero imports neither model nor
+  data; data imports neither model nor megazero; nothing imports train.
+- Inside megazero/: the root modules (the foundation: topology, process_groups,
+  collectives, precision, param_spec) import no subpackage; config/ imports nothing from
+  runtime/, planning/ or checkpoint/.
+- No import circle between the files of megazero/, model/ and data/ (every import counts,
+  also one inside a function), no module-level ``__getattr__`` and no private name
+  (``_x``) imported from another file.
+"""
 import ast
 from pathlib import Path
 
@@ -7,16 +16,58 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"megazero": {"model", "data", "train"}, "model": {"data", "train"}, "data": {"model", "megazero", "train"}}
+LIBRARY = ("megazero", "model", "data")
+FOUNDATION = {"megazero.topology", "megazero.process_groups", "megazero.collectives", "megazero.precision",
+              "megazero.param_spec"}
+
+
+def _tree(path: Path) -> ast.Module:
+    """The file's syntax tree without its ``if TYPE_CHECKING:`` blocks (annotations only)."""
+    tree = ast.parse(path.read_text(), str(path))
+    tree.body = [n for n in tree.body if not (isinstance(n, ast.If) and isinstance(n.test, ast.Name)
+                                              and n.test.id == "TYPE_CHECKING")]
+    return tree
 
 
 def _imported_packages(path: Path) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module.split(".")[0])
     return found
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the library packages, by dotted name (a package by its __init__)."""
+    return {_module_name(f): f for pkg in LIBRARY for f in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The library modules ``path`` imports: ``from a.b import c`` is module a.b.c when that
+    is a module, else a.b; ``import a.b`` is a.b. A package's implicit parent imports are
+    not counted (Python runs them, but they are not edges a file chose)."""
+    out = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in known:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & known.keys()
+            out |= subs
+            if len(subs) < len(node.names):
+                out.add(node.module)
+    return out - {_module_name(path)}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: _imports(path, known) for name, path in known.items()}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -25,6 +76,84 @@ def test_package_imports_follow_the_dependency_direction(package):
     assert files
     bad = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) & FORBIDDEN[package]) for f in files}
     assert {f: b for f, b in bad.items() if b} == {}
+
+
+def test_the_megazero_root_holds_only_the_foundation_and_it_imports_no_subpackage():
+    graph = _graph()
+    root = {m for m in graph if m.startswith("megazero.") and m.count(".") == 1
+            and (ROOT / m.replace(".", "/")).with_suffix(".py").exists()}
+    assert root == FOUNDATION
+    assert {m: sorted(d for d in graph[m] if d not in FOUNDATION) for m in sorted(root)
+            if any(d not in FOUNDATION for d in graph[m])} == {}
+
+
+def test_config_imports_nothing_from_runtime_planning_or_checkpoint():
+    above = ("megazero.runtime", "megazero.planning", "megazero.checkpoint")
+    graph = _graph()
+    bad = {m: sorted(d for d in deps if d.startswith(above)) for m, deps in graph.items()
+           if m.startswith("megazero.config")}
+    assert {m: d for m, d in bad.items() if d} == {}
+    assert any(m.startswith("megazero.config.") for m in graph)   # the package exists
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_sees_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_between_library_files():
+    assert _cycles(_graph()) == []
+
+
+def _project_files() -> list[Path]:
+    files = [f for pkg in LIBRARY for f in (ROOT / pkg).rglob("*.py")]
+    return sorted(files + [ROOT / "train.py"] + sorted((ROOT / "scripts").glob("*.py")))
+
+
+def test_no_module_level_getattr():
+    bad = [str(f.relative_to(ROOT)) for f in _project_files()
+           if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in _tree(f).body)]
+    assert bad == []
+
+
+def test_no_private_name_imported_from_another_file():
+    bad = []
+    for f in _project_files():
+        for node in ast.walk(_tree(f)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARY + ("train",):
+                bad += [f"{f.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == []
 
 
 def test_importing_train_leaves_out_the_heavy_optional_modules():

@@ -52,12 +52,13 @@ def _train_and_save(rank, world, argv, save):
 
 def _from_hf_and_from_checkpoint(rank, world, argv, hf_dir, ckpt):
     """5 losses starting from --from-hf, then 5 starting from the checkpoint's weights (fresh optimizer)."""
-    import train
     from megazero.checkpoint import read_full_weights
 
     via_hf = _steps(*_trainer(argv + ["--from-hf", hf_dir], world)[:5], 5)
     full = read_full_weights(ckpt)[1]
-    train.from_hf_weights = lambda cfg, gcfg, tp_size: full  # the hook, fed megazero's own tensors
+    import model.build
+
+    model.build.from_hf_weights = lambda cfg, gcfg, tp_size: full  # the hook, fed megazero's own tensors
     native = _steps(*_trainer(argv, world)[:5], 5)
     return via_hf, native
 
@@ -145,12 +146,13 @@ def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
     from data.samplers import get_micro_batches
     from megazero.checkpoint import read_full_weights
     from megazero.config import config_from_argv
+    from model.build import from_hf_weights
     from model.hf import config_from_record
 
     meta, full = read_full_weights(exported["ckpt"])
     gcfg = config_from_record(meta["extra"]["gpt_config"], hidden_dropout=0.0, attention_dropout=0.0)
     cfg = config_from_argv(exported["argv"] + ["--from-hf", exported["hf"]], 1)
-    back = _single_stage(gcfg, train.from_hf_weights(cfg, gcfg, 1))
+    back = _single_stage(gcfg, from_hf_weights(cfg, gcfg, 1))
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     assert torch.equal(_logits(back, ids), _logits(_single_stage(gcfg, full), ids))  # bit for bit
 

@@ -75,10 +75,11 @@ def test_llama_round_trip_gives_the_same_logits_and_losses(exported):
 
     from data.samplers import get_micro_batches
     from megazero.config import config_from_argv
+    from model.build import from_hf_weights
 
     gcfg, full = _checkpoint_model(exported["ckpt"])
     cfg = config_from_argv(exported["argv"] + ["--from-hf", exported["hf"]], 1)
-    back = _single_stage(gcfg, train.from_hf_weights(cfg, gcfg, 1))
+    back = _single_stage(gcfg, from_hf_weights(cfg, gcfg, 1))
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     assert torch.equal(_logits(back, ids), _logits(_single_stage(gcfg, full), ids))  # bit for bit
 

@@ -56,12 +56,13 @@ def _reference_losses(argv, steps):
     from megazero.config import config_from_argv
     from model.gpt import init_full_weights
     from megazero.optim.lr_schedule import LRSchedule
+    from model.build import build_gpt_config
     from tests.reference import block_options, train_reference
 
     cfg = config_from_argv(argv, 1)
     run = train.build_data(cfg)
     train_ds, vocab = run.train, run.vocab_size
-    gcfg = train.build_gpt_config(cfg, vocab)
+    gcfg = build_gpt_config(cfg, vocab)
     gbs = cfg.train.global_batch_size
     batches = [get_micro_batches(train_ds, s * gbs, gbs, gbs, 0, 1)[0] for s in range(steps)]
     o = cfg.optim

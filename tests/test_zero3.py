@@ -16,7 +16,7 @@ from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from model.gpt import GPTStage
 from tests.distributed import run_distributed
-from train import zero3_units
+from model.build import zero3_units
 from tests.test_zero import (ADAM, BUCKET, SEED, STEPS, _pipeline_steps, build, make_batches,
                              reference, tiny_cfg, train)
 
@@ -142,7 +142,7 @@ def test_zero3_resumes_from_a_zero0_state_dict():
 
 
 def _unit_run(rank, world, batches, cfg):
-    """ZeRO-3 with per-layer gather units (train.zero3_units) under several stage3 settings."""
+    """ZeRO-3 with per-layer gather units (model.build.zero3_units) under several stage3 settings."""
     groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
     model = GPTStage(cfg, groups, range(cfg.num_layers), True, True, SEED)
     units = zero3_units(model)

@@ -35,7 +35,7 @@ import torch
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.sharding import ShardedBuffer
 from megazero.data_parallel.stages import make_strategy
-from megazero.optim.zero import DistributedOptimizer, _Piece
+from megazero.optim.zero import DistributedOptimizer, Piece
 from megazero.process_groups import ProcessGroups
 
 HOST_BYTES_PER_ELEMENT = 16   # fp32 main params + exp_avg + exp_avg_sq + gradient copy
@@ -89,7 +89,7 @@ class HostOffloadOptimizer(DistributedOptimizer):
     def _scratch(self, device):
         return None   # the host gradient copy is already fp32
 
-    def _update_piece(self, pc: _Piece, scale: float, coef: float, lr: float, scratch) -> None:
+    def _update_piece(self, pc: Piece, scale: float, coef: float, lr: float, scratch) -> None:
         """Copy the piece's reduced device gradient to the host, then unscale/clip/AdamW there."""
         host = self.host_grads[pc.offset:pc.offset + pc.grad.numel()]
         host.copy_(pc.grad)

@@ -44,7 +44,7 @@ class StepResult:
 
 
 @dataclass
-class _Piece:
+class Piece:
     """One owned bucket (or bucket shard) of a buffer: gradient, main params, moment offsets."""
 
     buffer: ShardedBuffer
@@ -163,7 +163,7 @@ class DistributedOptimizer:
         """A zeroed fp32 optimizer-state tensor of ``numel`` elements (on the model's device)."""
         return torch.zeros(numel, dtype=torch.float32, device=self.device)
 
-    def _pieces(self, i: int, buf: ShardedBuffer) -> list[_Piece]:
+    def _pieces(self, i: int, buf: ShardedBuffer) -> list[Piece]:
         tp_rank, out, mbase = self.groups.tp_rank, [], self.main_offsets[i]
         for own in buf.owned():
             adam, counted = [], []
@@ -174,7 +174,7 @@ class DistributedOptimizer:
                     counted.append((rel, True))
             main = (buf.owned_param_values(own) if mbase is None
                     else self._main[mbase + own.local.start:mbase + own.local.end])
-            out.append(_Piece(buf, own.world, self.offsets[i] + own.local.start, own.grad, main,
+            out.append(Piece(buf, own.world, self.offsets[i] + own.local.start, own.grad, main,
                               _merge(adam), [r for r, _ in _merge(counted)]))
         return out
 
@@ -254,7 +254,7 @@ class DistributedOptimizer:
                 f"{where} (--max-consecutive-skips {self.max_consecutive_skips}); the run "
                 f"diverged: {fix}")
 
-    def _update_piece(self, pc: _Piece, scale: float, coef: float, lr: float,
+    def _update_piece(self, pc: Piece, scale: float, coef: float, lr: float,
                       scratch: Optional[torch.Tensor]) -> None:
         if pc.grad.dtype == torch.float32:
             g = pc.grad                                 # (piece,) unscaled/clipped in place

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Callable, Union
 
 from megazero.pipeline.executor import comm_plan, exchange_groups
-from megazero.pipeline.schedules import Action, ScheduleError, SimResult, _check_actions, _peak_inflight
+from megazero.pipeline.schedules import Action, ScheduleError, SimResult, check_actions, peak_inflight_of
 
 
 def _plan(schedules, pp_size: int, vp_size: int):
@@ -64,7 +64,7 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
     """
     if len(schedules) != pp_size:
         raise ScheduleError(f"{len(schedules)} schedules for {pp_size} stages")
-    _check_actions(schedules, vp_size)
+    check_actions(schedules, vp_size)
     plans, where = _plan(schedules, pp_size, vp_size)
     post = [[0.0] for _ in range(pp_size)]    # post[s][k]: when stage s posts exchange k
     done: list[list[float]] = [[] for _ in range(pp_size)]
@@ -98,5 +98,5 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
     makespan = max(d[-1] for d in done)
     idle = [makespan - b for b in busy]
     return SimResult(makespan=makespan, bubble_fraction=sum(idle) / (pp_size * makespan),
-                     peak_inflight=[_peak_inflight(sched) for sched in schedules],
+                     peak_inflight=[peak_inflight_of(sched) for sched in schedules],
                      busy=busy, idle=idle, finish=done)

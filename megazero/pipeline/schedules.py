@@ -160,7 +160,7 @@ def simulate(schedules: list[list[Action]], pp_size: int, vp_size: int = 1,
     """
     if len(schedules) != pp_size:
         raise ScheduleError(f"{len(schedules)} schedules for {pp_size} stages")
-    _check_actions(schedules, vp_size)
+    check_actions(schedules, vp_size)
     cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> finish time
     pos, free = [0] * pp_size, [0.0] * pp_size
@@ -188,7 +188,7 @@ def simulate(schedules: list[list[Action]], pp_size: int, vp_size: int = 1,
     busy = [sum(cost[a.kind] for a in sched) for sched in schedules]
     idle = [makespan - b for b in busy]
     return SimResult(makespan=makespan, bubble_fraction=sum(idle) / (pp_size * makespan),
-                     peak_inflight=[_peak_inflight(sched) for sched in schedules],
+                     peak_inflight=[peak_inflight_of(sched) for sched in schedules],
                      busy=busy, idle=idle, finish=finish)
 
 
@@ -205,8 +205,10 @@ def _describe(dep, pp_size: int) -> str:
     return f"{kind}(mb={mb}, chunk={s // pp_size}) on stage {s % pp_size}"
 
 
-def _check_actions(schedules: list[list[Action]], vp_size: int) -> None:
-    """Each stage: every (mb, chunk) exactly once as F, once as B, F before B."""
+def check_actions(schedules: list[list[Action]], vp_size: int) -> None:
+    """Each stage (one action list per pipeline rank) runs every (micro-batch, chunk) exactly
+    once as F and once as B, F before B, and all stages run the same set. Raises
+    ScheduleError naming the stage and the action otherwise."""
     expected = None
     for s, sched in enumerate(schedules):
         seen_f: set[tuple[int, int]] = set()
@@ -230,7 +232,8 @@ def _check_actions(schedules: list[list[Action]], vp_size: int) -> None:
         expected = seen_f
 
 
-def _peak_inflight(sched: list[Action]) -> int:
+def peak_inflight_of(sched: list[Action]) -> int:
+    """The most micro-batches (x chunks) one stage's action list holds activations for at once."""
     alive = peak = 0
     for a in sched:
         alive += 1 if a.kind == "F" else -1

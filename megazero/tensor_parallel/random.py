@@ -43,7 +43,7 @@ def resume_seed(seed: int, iteration: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**62 - 1)
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
+def default_generator(device: torch.device) -> torch.Generator:
     """The global generator that ``torch.nn.functional.dropout`` uses on ``device``."""
     if device.type == "cpu":
         return torch.default_generator
@@ -91,7 +91,7 @@ class RNGTracker:
         state is kept and the global generator is restored.
         """
         gen = self.generator(name)
-        glob = _default_generator(self.device)
+        glob = default_generator(self.device)
         saved = glob.get_state()
         glob.set_state(gen.get_state())
         try:

@@ -23,17 +23,17 @@ from typing import Callable
 
 import torch
 
-from megazero.tensor_parallel.random import RNGTracker, _default_generator
+from megazero.tensor_parallel.random import RNGTracker, default_generator
 
 
 def _capture(tracker: RNGTracker) -> tuple:
     """The state of the tracker's streams and of its device's default generator."""
-    return tracker.get_state(), _default_generator(tracker.device).get_state()
+    return tracker.get_state(), default_generator(tracker.device).get_state()
 
 
 def _restore(tracker: RNGTracker, state: tuple) -> None:
     tracker.set_state(state[0])
-    _default_generator(tracker.device).set_state(state[1])
+    default_generator(tracker.device).set_state(state[1])
 
 
 class _Recompute(torch.autograd.Function):
