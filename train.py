@@ -243,7 +243,7 @@ def make_forward_step(tokens_per_dp_rank: int, watch=None):
 
     The loss of one micro-batch is its token-loss sum divided by this data-parallel rank's
     tokens in the global batch; with the DP gradient reduction (SUM, then divide by dp) the
-    step minimises the mean over all tokens of the global batch (DESIGN.md, contract 1).
+    step minimises the mean over all tokens of the global batch (docs/design.md, contract 1).
     ``watch(batch, chunk, input, output) -> output`` sees every forward (resilience.ForwardWatch).
     """
     def forward_step(batch, chunk, input_tensor):
@@ -775,7 +775,7 @@ def main(argv=None) -> int:
     launch = read_launch_env()
     argv = sys.argv[1:] if argv is None else argv
     # Everything that can be wrong with the settings, the data or the checkpoint is found
-    # here, on every rank, before any process group exists (DESIGN.md, contract 3). The
+    # here, on every rank, before any process group exists (docs/design.md, contract 3). The
     # launcher already printed the config warnings in its preflight.
     quiet = launch.rank != 0 or os.environ.get("MEGAZERO_PREFLIGHT_DONE") == "1"
     cfg = config_from_argv(argv, launch.world_size, print_warnings=not quiet)

@@ -1,6 +1,6 @@
 """Thin collective wrappers: explicit group, no-op at group size 1, SUM then divide.
 
-Conventions (STYLE.md, 10):
+Conventions (docs/design.md, "Conventions" 10):
 - every function takes the group explicitly; ``None`` means "this rank alone" (a
   single-process run) and the call returns at once;
 - averages are a SUM all-reduce followed by a division, never ``ReduceOp.AVG``;

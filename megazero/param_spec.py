@@ -1,12 +1,12 @@
 """The type of a parameter spec: every parameter of a model declared once, as plain data.
 
 ``model/`` writes the spec of its blocks (``model.spec.build_spec``); megazero reads it
-without importing ``model`` (DESIGN.md, "Dependency direction"): the memory planner counts
+without importing ``model`` (docs/design.md, "Dependency direction"): the memory planner counts
 each rank's parameters from it (``memory.params_per_rank``), the FLOP count takes its
 matmul weights (``flops.spec_flops_per_iteration``), and the model's initialisation,
 partition tags and checkpoint names come from the same entries. A new block is then a
-change in ``model/`` alone (torchtitan's model args play this role; STYLE.md, "Declare the
-model once").
+change in ``model/`` alone (torchtitan's model args play this role; docs/design.md,
+"Conventions" 7).
 
 Vocabulary of a spec entry:
 

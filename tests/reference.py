@@ -1,4 +1,4 @@
-"""A plain single-process GPT: the test oracle for every layout-equivalence test (STYLE.md, 13).
+"""A plain single-process GPT: the test oracle for every layout-equivalence test (docs/design.md, "Conventions" 13).
 
 Written independently of ``model/`` and ``megazero/`` (it imports only torch and math), in
 the style of nanoGPT (Karpathy) and GPT-2 (Radford et al. 2019): learned position

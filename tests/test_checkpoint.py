@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN.md, contract 4): resuming reproduces the uninterrupted run, under the
+"""Checkpoints (docs/design.md, contract 4): resuming reproduces the uninterrupted run, under the
 same layout bit for bit and under any other layout to summation-order rounding; writes are
 atomic, and a broken checkpoint is an error that names it."""
 import math

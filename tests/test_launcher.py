@@ -108,7 +108,7 @@ def test_master_port_in_use_stops_the_launcher_with_exit_code_2(tmp_path):
 
 def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(tmp_path):
     """--nnodes 2 with only node 0 started: torchrun's rendezvous gives up after
-    --distributed-timeout-s instead of waiting forever (DESIGN.md, contract 3)."""
+    --distributed-timeout-s instead of waiting forever (docs/design.md, contract 3)."""
     import time
 
     start = time.monotonic()

@@ -118,7 +118,7 @@ def _checkpoint_runs(rank, world, jobs):
 
 
 def test_checkpoint_with_offload_resumes_without_and_back(tmp_path):
-    """Through the Trainer and checkpoint.py (dp 2, ZeRO-2): a checkpoint saved with
+    """Through the Trainer and megazero/checkpoint/ (dp 2, ZeRO-2): a checkpoint saved with
     --offload-optimizer cpu resumes without it, and one saved without resumes with it; both
     continue the uninterrupted run within 1e-6 (same arithmetic, same state format)."""
     from tests.test_checkpoint import ARGS

@@ -1,4 +1,4 @@
-"""Layout invariance of the whole trainer (DESIGN.md, contract 1).
+"""Layout invariance of the whole trainer (docs/design.md, contract 1).
 
 Every layout (tp, pp, dp, ZeRO stage, schedule, sequence parallelism, micro-batch split)
 trains the same GPT on the same global batches as ``tests/reference.py``, a plain

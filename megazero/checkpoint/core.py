@@ -1,6 +1,6 @@
 """Layout-independent sharded checkpoints: owned pieces of full tensors by name, written atomically.
 
-Format of ``<save>/iter_0000100/`` (DESIGN.md, contract 4):
+Format of ``<save>/iter_0000100/`` (docs/design.md, contract 4):
 
 - a ``torch.distributed.checkpoint`` (DCP) directory (``.metadata`` plus ``__<rank>_0.distcp``
   files) holding, for every parameter of the model, its fp32 main parameter and Adam moments

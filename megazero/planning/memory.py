@@ -2,7 +2,7 @@
 
 The launcher's preflight prints these numbers and refuses a run whose model states alone do
 not fit, so a model that cannot fit ends in a second with one line instead of an
-out-of-memory kill minutes later (DESIGN.md, contracts 2 and 3).
+out-of-memory kill minutes later (docs/design.md, contracts 2 and 3).
 
 - Parameters per rank are counted from the model's parameter spec (``param_spec``: every
   parameter with its full shape and TP partition, declared once by ``model/``), read
@@ -47,7 +47,7 @@ from megazero.pipeline.schedules import build_schedule, simulate
 
 class ModelSizes(Protocol):
     """The sizes this module reads (``model.config.GPTConfig`` has them; megazero does not
-    import ``model``, DESIGN.md "Dependency direction")."""
+    import ``model``, docs/design.md "Dependency direction")."""
 
     num_layers: int
     hidden_size: int

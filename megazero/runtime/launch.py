@@ -1,7 +1,7 @@
 """How this process was launched, and the checks of the machine made before any process group.
 
 ``read_launch_env`` reads torchrun's environment; ``check_device`` refuses a ``--device`` or
-``--kernels`` the machine cannot run (DESIGN.md, contract 3: before the first collective, one
+``--kernels`` the machine cannot run (docs/design.md, contract 3: before the first collective, one
 line, exit code 2); ``watch_parent`` ends a rank whose torchrun died without stopping it.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Stopping on request and on bad values, and restarting: what a rank agrees on at a step boundary.
 
-Preemption (DESIGN.md, contract 4). ``StopSignals`` turns SIGTERM, SIGINT and SIGUSR1 into a
+Preemption (docs/design.md, contract 4). ``StopSignals`` turns SIGTERM, SIGINT and SIGUSR1 into a
 flag (the handler only records the signal, so a signal that lands inside a collective or a
 checkpoint write interrupts nothing). Once per iteration each rank adds its flags to the
 small all-reduce that already averages the loss (``agree``: one SUM over the world of
