@@ -163,7 +163,8 @@ class Topology:
         Raises ValueError on an unknown dimension or a coordinate outside the layout.
         """
         if len(index) > len(self.dims):
-            raise ValueError(f"{len(index)} coordinates for the {len(self.dims)} dimensions of {self}")
+            raise ValueError(f"{len(index)} coordinates for the {len(self.dims)} dimensions "
+                             f"of {self}")
         at = dict(zip(self.names, index))
         for name, i in named.items():
             self._index_of(name)
@@ -202,7 +203,8 @@ class Topology:
         module); a middle stage gets the group of its end stages, which it is not in.
         """
         c = self.coord(rank)
-        return sorted({self.rank(**c.replace(pp=0)), self.rank(**c.replace(pp=self.size("pp") - 1))})
+        first, last = c.replace(pp=0), c.replace(pp=self.size("pp") - 1)
+        return sorted({self.rank(**first), self.rank(**last)})
 
     def embedding_groups(self) -> list[list[int]]:
         return _unique(self.embedding_group(r) for r in range(self.world_size))
@@ -245,7 +247,8 @@ class Topology:
     # -- helpers -------------------------------------------------------------------------
     def __repr__(self) -> str:
         sizes = ", ".join(f"{d.name}={d.size}" for d in self.dims)
-        return f"Topology({sizes})" if self.order == ORDER else f"Topology({sizes}, order={self.order!r})"
+        order = "" if self.order == ORDER else f", order={self.order!r}"
+        return f"Topology({sizes}{order})"
 
     def _index_of(self, name: str) -> int:
         for i, d in enumerate(self.dims):
