@@ -20,8 +20,8 @@ on this rank's heads (``"tp"`` stream). ``scaled_dot_product_attention`` draws i
 from the global generator, so it runs inside ``tracker.fork("tp")``, which swaps the tp
 stream in for the call.
 
-Initialisation is layout independent (STYLE.md, 6): ``init_full_weights`` makes every full
-tensor from (seed, canonical name) alone and a stage keeps its partitions.
+Initialisation is layout independent (docs/design.md, contract 1): ``init_full_weights``
+makes every full tensor from (seed, canonical name) alone and a stage keeps its partitions.
 """
 from __future__ import annotations
 
