@@ -3,7 +3,8 @@
 Every module that communicates takes this object (or the one group it needs) as an argument;
 there is no global registry. ``ProcessGroups.single()`` describes a one-process run with no
 torch.distributed at all: every group is ``None`` and every collective in
-``megazero.collectives`` is a no-op on it.
+``megazero.collectives`` is a no-op on it. ``build`` creates the groups named in
+``megazero.topology.GROUPS`` and the embedding group, so each of them is a field here.
 """
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megazero.topology import Coord, Topology
+from megazero.topology import GROUPS, Coord, Topology
 
 Group = Optional[dist.ProcessGroup]
 
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    """This rank's place in the 3D grid and its communication groups.
+    """This rank's place in the layout and its communication groups.
 
-    Fields ``tp``, ``dp``, ``pp``, ``mp``, ``embedding`` are process groups (``None`` in a
-    single-process run). ``world`` is the default group (``None`` without distributed).
+    Fields ``tp``, ``dp``, ``pp``, ``mp`` (one per name in ``GROUPS``) and ``embedding`` are
+    process groups (``None`` in a single-process run; ``embedding`` also on a middle stage).
+    ``world`` is the default group (``None`` without distributed).
     """
 
     topology: Topology
@@ -50,20 +52,19 @@ class ProcessGroups:
         if not dist.is_initialized():
             if topology.world_size == 1:
                 return ProcessGroups.single()
-            raise ValueError("torch.distributed is not initialised but tp*pp*dp > 1")
+            raise ValueError(f"torch.distributed is not initialised but {_product(topology)} > 1")
         world = dist.get_world_size()
         if world != topology.world_size:
             raise ValueError(
-                f"world size {world} != tp*pp*dp = {topology.tp}*{topology.pp}*{topology.dp}"
-                f" = {topology.world_size}; launch tp*pp*dp processes")
+                f"world size {world} != {_product(topology)} = "
+                f"{'*'.join(str(d.size) for d in topology.dims)} = {topology.world_size}; "
+                f"launch {_product(topology)} processes")
         rank = dist.get_rank()
         timeout = timedelta(seconds=timeout_s)
         mine = {}
         # new_group is collective over the world: every rank creates every group, same order.
-        for kind, groups in (("tp", topology.tp_groups()), ("dp", topology.dp_groups()),
-                             ("pp", topology.pp_groups()), ("mp", topology.mp_groups()),
-                             ("embedding", topology.embedding_groups())):
-            for ranks in groups:
+        for kind in (*GROUPS, "embedding"):
+            for ranks in topology.named_groups(kind):
                 g = dist.new_group(ranks=ranks, timeout=timeout)
                 if rank in ranks:
                     mine[kind] = g
@@ -76,15 +77,15 @@ class ProcessGroups:
 
     @property
     def tp_size(self) -> int:
-        return self.topology.tp
+        return self.topology.size("tp")
 
     @property
     def dp_size(self) -> int:
-        return self.topology.dp
+        return self.topology.size("dp")
 
     @property
     def pp_size(self) -> int:
-        return self.topology.pp
+        return self.topology.size("pp")
 
     @property
     def tp_rank(self) -> int:
@@ -112,22 +113,26 @@ class ProcessGroups:
 
     @property
     def next_stage_rank(self) -> Optional[int]:
-        """Global rank of the next pipeline stage (same tp, dp), ``None`` on the last stage."""
+        """Global rank of the next pipeline stage (same other coordinates), ``None`` on the
+        last stage."""
         if self.is_last_stage:
             return None
-        c = self.coord
-        return self.topology.rank(c.tp, c.dp, c.pp + 1)
+        return self.topology.rank(**self.coord.replace(pp=self.pp_rank + 1))
 
     @property
     def prev_stage_rank(self) -> Optional[int]:
         """Global rank of the previous pipeline stage, ``None`` on the first stage."""
         if self.is_first_stage:
             return None
-        c = self.coord
-        return self.topology.rank(c.tp, c.dp, c.pp - 1)
+        return self.topology.rank(**self.coord.replace(pp=self.pp_rank - 1))
 
     def describe(self) -> str:
         """One line for the start-up log, e.g. ``rank 5: tp 1/2 dp 0/2 pp 1/2``."""
         c = self.coord
-        return (f"rank {self.rank}: tp {c.tp}/{self.tp_size} dp {c.dp}/{self.dp_size} "
-                f"pp {c.pp}/{self.pp_size}")
+        return f"rank {self.rank}: " + " ".join(f"{d.name} {c[d.name]}/{d.size}"
+                                                  for d in self.topology.dims)
+
+
+def _product(topology: Topology) -> str:
+    """``"tp*dp*pp"``: the dimensions whose product is the world size."""
+    return "*".join(topology.names)

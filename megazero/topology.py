@@ -1,106 +1,283 @@
-"""Pure rank arithmetic for 3D parallelism: global rank <-> (tp, dp, pp) coordinates.
+"""Pure rank arithmetic over an ordered list of named parallel dimensions.
 
-The order is "tp-dp-pp": tensor-parallel ranks are innermost (adjacent global ranks, so one
-TP group sits on one node and its all-reduces stay on NVLink), then data-parallel, then
-pipeline stages outermost, as in Megatron-LM (Narayanan et al. 2021, sec. 3.3):
+A layout is a list of dimensions, innermost first; today ``ORDER = "tp-dp-pp"``. A rank's
+index in dimension ``i`` is ``(rank // stride_i) % size_i`` with ``stride_i`` the product
+of the sizes before it, and the rank is ``sum(index_i * stride_i)``. For "tp-dp-pp":
 
     tp_rank = rank % tp
     dp_rank = (rank // tp) % dp
     pp_rank = rank // (tp * dp)
 
+Tensor-parallel ranks are innermost (adjacent global ranks, so one TP group sits on one node
+and its all-reduces stay on NVLink), then data-parallel, then pipeline stages outermost, as
+in Megatron-LM (Narayanan et al. 2021, sec. 3.3; Megatron core's ``RankGenerator`` orders
+"tp-cp-ep-dp-pp" the same way). A group over a subset S of the dimensions is the set of ranks
+that differ from a rank only in S (the idea of torch's ``DeviceMesh``): the TP group is the
+group over ``("tp",)``, the model-parallel group the one over ``("tp", "pp")``. ``GROUPS``
+names the groups the trainer builds; the embedding group (first and last stage) is the one
+group that is not over a set of dimensions.
+
+A new dimension is data: its name in ``ORDER`` (say "tp-cp-dp-pp"; ``Topology(cp=2)`` then
+works, every other size defaulting to 1), its groups in ``GROUPS`` (``"cp": ("cp",)``,
+``"dp_cp": ("dp", "cp")``) and a field per group in ``ProcessGroups``. ``Topology(order=...)``
+builds any other order without touching ``ORDER``.
+
 This module imports no torch.distributed; it is the one place where the order is written.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence, Union
+
+ORDER = "tp-dp-pp"
+"""The dimensions of ``Topology(...)``, innermost first, joined by "-"."""
+
+GROUPS: dict[str, tuple[str, ...]] = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",),
+                                       "mp": ("tp", "pp")}
+"""Named groups over sets of dimensions, in the order ``ProcessGroups.build`` creates them."""
+
+Over = Union[str, Sequence[str]]  # "dp", "dp-cp" or ("dp", "cp")
 
 
 @dataclass(frozen=True)
-class Coord:
-    """Position of one rank in the (tp, dp, pp) grid."""
+class Dim:
+    """One parallel dimension: its name (``"tp"``) and its size (number of ranks along it)."""
 
-    tp: int
-    dp: int
-    pp: int
+    name: str
+    size: int
 
 
-@dataclass(frozen=True)
-class Topology:
-    """A (tp, pp, dp) layout of ``world_size = tp * pp * dp`` ranks.
+@dataclass(frozen=True, init=False, repr=False)
+class Coord(Mapping):
+    """Position of one rank: an index per dimension, innermost first.
 
-    Raises:
-        ValueError: a size below 1.
+    Read by attribute (``c.tp``) or key (``c["tp"]``); ``dict(c)`` and ``topology.rank(**c)``
+    work since a Coord is a mapping from dimension name to index.
     """
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    index: tuple[tuple[str, int], ...]
 
-    def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+    def __init__(self, **index: int):
+        object.__setattr__(self, "index", tuple(index.items()))
+
+    def __getattr__(self, name: str) -> int:
+        if not name.startswith("_") and name != "index":
+            for n, i in self.__dict__.get("index", ()):
+                if n == name:
+                    return i
+        raise AttributeError(f"{type(self).__name__} has no attribute or dimension {name!r}")
+
+    def __getitem__(self, name: str) -> int:
+        for n, i in self.index:
+            if n == name:
+                return i
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n, _ in self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def replace(self, **changes: int) -> "Coord":
+        """The same position with the given indices changed; ValueError on an unknown name."""
+        for name in changes:
+            if name not in self:
+                raise ValueError(f"unknown dimension {name!r}: {self} has {list(self)}")
+        return Coord(**{n: changes.get(n, i) for n, i in self.index})
+
+    def __repr__(self) -> str:
+        return "Coord(" + ", ".join(f"{n}={i}" for n, i in self.index) + ")"
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class Topology:
+    """A layout of ``world_size = prod(sizes)`` ranks over named dimensions, innermost first.
+
+    ``Topology(tp, pp, dp)`` (the positional order of the command line's ``--tp/--pp/--dp``)
+    lays them out in ``ORDER``; ``Topology(order="tp-cp-dp-pp", tp=2, cp=2)`` any other
+    order, a dimension without a size having size 1. A dimension's size reads as an
+    attribute: ``t.tp``, ``t.cp``.
+
+    Raises:
+        ValueError: a size below 1 (``--tp must be >= 1, got 0``), a size for a dimension
+            the order does not have, or an order that repeats a name.
+    """
+
+    dims: tuple[Dim, ...]
+
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, order: str = ORDER,
+                 **sizes: int):
+        names = order.split("-")
+        if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
+            raise ValueError(f"order {order!r} must name distinct dimensions, e.g. {ORDER!r}")
+        unknown = [n for n in sizes if n not in names]
+        unknown += [n for n, s in (("tp", tp), ("pp", pp), ("dp", dp)) if n not in names and s != 1]
+        if unknown:
+            raise ValueError(f"unknown dimension {unknown[0]!r}: order {order!r} has {names}")
+        sizes.update(tp=tp, pp=pp, dp=dp)
+        dims = tuple(Dim(n, sizes.get(n, 1)) for n in names)
+        for d in dims:
+            if d.size < 1:
+                raise ValueError(f"--{d.name} must be >= 1, got {d.size}")
+        object.__setattr__(self, "dims", dims)
+
+    # -- sizes and coordinates -----------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims)
+
+    @property
+    def order(self) -> str:
+        """The dimensions innermost first, e.g. ``"tp-dp-pp"``."""
+        return "-".join(self.names)
+
+    def size(self, name: str) -> int:
+        """Size of dimension ``name``; ValueError naming it when the layout has no such one."""
+        return self.dims[self._index_of(name)].size
+
+    def __getattr__(self, name: str) -> int:
+        if not name.startswith("_") and name != "dims":
+            for d in self.__dict__.get("dims", ()):
+                if d.name == name:
+                    return d.size
+        raise AttributeError(f"{type(self).__name__} has no attribute or dimension {name!r}")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return _prod(d.size for d in self.dims)
 
     def coord(self, rank: int) -> Coord:
         """Coordinates of global ``rank``. Raises ValueError when rank is outside the world."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
-        return Coord(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+        return Coord(**{d.name: (rank // s) % d.size for d, s in zip(self.dims, self._strides())})
 
-    def rank(self, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        """Global rank at coordinates (tp, dp, pp)."""
-        if not (0 <= tp < self.tp and 0 <= dp < self.dp and 0 <= pp < self.pp):
-            raise ValueError(f"coordinate (tp={tp}, dp={dp}, pp={pp}) outside {self}")
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank(self, *index: int, **named: int) -> int:
+        """Global rank at the given coordinates, positional in the order (``rank(tp, dp, pp)``)
+        or by name (``rank(tp=1, pp=0)``, ``rank(**coord)``); a dimension not given is 0.
+        Library code passes names: positions shift when a dimension joins the order.
 
-    # Group membership: every function returns the sorted global ranks of the group that
-    # contains ``rank``; *_groups() return all groups of a kind (each a sorted list).
-    def tp_group(self, rank: int) -> list[int]:
-        c = self.coord(rank)
-        return [self.rank(t, c.dp, c.pp) for t in range(self.tp)]
+        Raises ValueError on an unknown dimension or a coordinate outside the layout.
+        """
+        if len(index) > len(self.dims):
+            raise ValueError(f"{len(index)} coordinates for the {len(self.dims)} dimensions "
+                             f"of {self}")
+        at = dict(zip(self.names, index))
+        for name, i in named.items():
+            self._index_of(name)
+            if name in at:
+                raise ValueError(f"coordinate {name} given twice")
+            at[name] = i
+        at = {d.name: at.get(d.name, 0) for d in self.dims}
+        if not all(0 <= at[d.name] < d.size for d in self.dims):
+            where = ", ".join(f"{n}={i}" for n, i in at.items())
+            raise ValueError(f"coordinate ({where}) outside {self}")
+        return sum(at[d.name] * s for d, s in zip(self.dims, self._strides()))
 
-    def dp_group(self, rank: int) -> list[int]:
-        c = self.coord(rank)
-        return [self.rank(c.tp, d, c.pp) for d in range(self.dp)]
+    # -- groups --------------------------------------------------------------------------
+    def group(self, rank: int, over: Over) -> list[int]:
+        """The sorted global ranks that differ from ``rank`` only in the dimensions ``over``.
 
-    def pp_group(self, rank: int) -> list[int]:
-        c = self.coord(rank)
-        return [self.rank(c.tp, c.dp, p) for p in range(self.pp)]
+        ``over`` is a name, names joined by "-" or a sequence of names; ValueError on an
+        unknown one. Over no dimension the group is ``[rank]``, over all of them the world.
+        """
+        c, strides = self.coord(rank), self._strides()
+        base = rank - sum(c[self.names[i]] * strides[i] for i in self._indices(over))
+        return [base + o for o in self._offsets(over)]
 
-    def mp_group(self, rank: int) -> list[int]:
-        """Model-parallel group: all tp x pp ranks that hold one replica of the model."""
-        c = self.coord(rank)
-        return sorted(self.rank(t, c.dp, p) for t in range(self.tp) for p in range(self.pp))
+    def groups(self, over: Over) -> list[list[int]]:
+        """Every group over ``over``: a partition of the world, ordered by lowest member."""
+        offsets, seen, out = self._offsets(over), set(), []
+        for r in range(self.world_size):
+            if r not in seen:  # r is the lowest member of a group not yet listed
+                out.append([r + o for o in offsets])
+                seen.update(out[-1])
+        return out
 
     def embedding_group(self, rank: int) -> list[int]:
-        """First and last stage at this rank's (tp, dp): the holders of tied embedding copies.
-
-        With pp == 1 the group is the rank alone (the tie is inside one module).
+        """First and last stage at this rank's other coordinates: the holders of tied
+        embedding copies. With pp == 1 the group is the rank alone (the tie is inside one
+        module); a middle stage gets the group of its end stages, which it is not in.
         """
         c = self.coord(rank)
-        return sorted({self.rank(c.tp, c.dp, 0), self.rank(c.tp, c.dp, self.pp - 1)})
-
-    def tp_groups(self) -> list[list[int]]:
-        return _unique(self.tp_group(r) for r in range(self.world_size))
-
-    def dp_groups(self) -> list[list[int]]:
-        return _unique(self.dp_group(r) for r in range(self.world_size))
-
-    def pp_groups(self) -> list[list[int]]:
-        return _unique(self.pp_group(r) for r in range(self.world_size))
-
-    def mp_groups(self) -> list[list[int]]:
-        return _unique(self.mp_group(r) for r in range(self.world_size))
+        first, last = c.replace(pp=0), c.replace(pp=self.size("pp") - 1)
+        return sorted({self.rank(**first), self.rank(**last)})
 
     def embedding_groups(self) -> list[list[int]]:
         return _unique(self.embedding_group(r) for r in range(self.world_size))
 
+    def named_groups(self, kind: str) -> list[list[int]]:
+        """All groups of ``kind``: a name in ``GROUPS`` or ``"embedding"``; ValueError otherwise."""
+        if kind == "embedding":
+            return self.embedding_groups()
+        if kind not in GROUPS:
+            raise ValueError(f"unknown group {kind!r}: known are {[*GROUPS, 'embedding']}")
+        return self.groups(GROUPS[kind])
 
-def _unique(groups) -> list[list[int]]:
+    # The named groups of the three dimensions every caller knows: the group containing
+    # ``rank`` (sorted), and all groups of a kind.
+    def tp_group(self, rank: int) -> list[int]:
+        return self.group(rank, GROUPS["tp"])
+
+    def dp_group(self, rank: int) -> list[int]:
+        return self.group(rank, GROUPS["dp"])
+
+    def pp_group(self, rank: int) -> list[int]:
+        return self.group(rank, GROUPS["pp"])
+
+    def mp_group(self, rank: int) -> list[int]:
+        """Model-parallel group: all tp x pp ranks that hold one replica of the model."""
+        return self.group(rank, GROUPS["mp"])
+
+    def tp_groups(self) -> list[list[int]]:
+        return self.named_groups("tp")
+
+    def dp_groups(self) -> list[list[int]]:
+        return self.named_groups("dp")
+
+    def pp_groups(self) -> list[list[int]]:
+        return self.named_groups("pp")
+
+    def mp_groups(self) -> list[list[int]]:
+        return self.named_groups("mp")
+
+    # -- helpers -------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{d.name}={d.size}" for d in self.dims)
+        order = "" if self.order == ORDER else f", order={self.order!r}"
+        return f"Topology({sizes}{order})"
+
+    def _index_of(self, name: str) -> int:
+        for i, d in enumerate(self.dims):
+            if d.name == name:
+                return i
+        raise ValueError(f"unknown dimension {name!r}: {self} has {list(self.names)}")
+
+    def _indices(self, over: Over) -> list[int]:
+        names = over.split("-") if isinstance(over, str) else over
+        return sorted({self._index_of(n) for n in names})
+
+    def _strides(self) -> list[int]:
+        return [_prod(d.size for d in self.dims[:i]) for i in range(len(self.dims))]
+
+    def _offsets(self, over: Over) -> list[int]:
+        """Sorted offsets from a group's lowest member to each member, for groups over ``over``."""
+        strides, idx = self._strides(), self._indices(over)
+        steps = [[j * strides[i] for j in range(self.dims[i].size)] for i in idx]
+        return sorted(sum(p) for p in itertools.product(*steps))
+
+
+def _prod(xs: Iterable[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _unique(groups: Iterable[list[int]]) -> list[list[int]]:
     seen, out = set(), []
     for g in groups:
         if tuple(g) not in seen:

@@ -20,8 +20,8 @@ on this rank's heads (``"tp"`` stream). ``scaled_dot_product_attention`` draws i
 from the global generator, so it runs inside ``tracker.fork("tp")``, which swaps the tp
 stream in for the call.
 
-Initialisation is layout independent (STYLE.md, 6): ``init_full_weights`` makes every full
-tensor from (seed, canonical name) alone and a stage keeps its partitions.
+Initialisation is layout independent (docs/design.md, contract 1): ``init_full_weights``
+makes every full tensor from (seed, canonical name) alone and a stage keeps its partitions.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 from torch import nn
 
 from megazero import collectives as C
@@ -120,30 +121,27 @@ class Attention(nn.Module):
 
     def _split_heads(self, qkv: torch.Tensor):
         """``(B, T, rows/tp)`` -> q ``(B, n_head/tp, T, d)``, k and v ``(B, kv_heads/tp, T, d)``."""
-        B, T, _ = qkv.shape
-        if not self.grouped:  # (B, T, H/tp) each -> (B, n_head/tp, T, head_dim)
-            return tuple(t.view(B, T, self.heads_local, self.head_dim).transpose(1, 2)
-                         for t in qkv.chunk(3, dim=-1))
-        # (B, T, G/tp, heads/G + 2, d): each group's queries, then its key and its value
-        qkv = qkv.view(B, T, self.groups_local, self.q_per_group + 2, self.head_dim)
-        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
-        q = q.reshape(B, T, self.heads_local, self.head_dim).transpose(1, 2)  # group-major heads
-        k, v = (t.reshape(B, T, self.groups_local, self.head_dim).transpose(1, 2) for t in (k, v))
-        return q, k, v
+        if not self.grouped:  # rows [q; k; v], each of h = n_head/tp whole heads
+            q, k, v = rearrange(qkv, "b t (qkv h d) -> qkv b h t d", qkv=3, d=self.head_dim)
+            return q, k, v
+        # rows: g = G/tp blocks [q of heads/G heads; k; v], so r = heads/G + 2 heads a block
+        qkv = rearrange(qkv, "b t (g r d) -> b g r t d", g=self.groups_local, d=self.head_dim)
+        q = rearrange(qkv[:, :, :self.q_per_group], "b g r t d -> b (g r) t d")  # group-major heads
+        return q, qkv[:, :, -2], qkv[:, :, -1]                   # k, v: (B, G/tp, T, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._split_heads(self.qkv(x))            # (B, heads/tp or G/tp, T, d)
-        B, _, T, _ = q.shape
+        T = q.shape[2]
         if self.rotary is not None:
             cos, sin = rotary_cos_sin(T, *self.rotary, device=q.device, dtype=q.dtype)  # (T, rot)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.q_per_group > 1:  # (B, G/tp, T, d) -> (B, n_head/tp, T, d), heads of a group adjacent
-            k, v = (t.repeat_interleave(self.q_per_group, dim=1) for t in (k, v))
+        if self.q_per_group > 1:  # each key/value head serves the heads/G query heads of its group
+            k, v = (repeat(t, "b g t d -> b (g r) t d", r=self.q_per_group) for t in (k, v))
         if self.recompute_core:  # selective recomputation: keep q, k, v only
             y = recompute(self._core, self.tracker, q, k, v)
         else:
             y = self._core(q, k, v)
-        y = y.transpose(1, 2).reshape(B, T, self.heads_local * self.head_dim)  # (B, T, H/tp)
+        y = rearrange(y, "b h t d -> b t (h d)")                   # (B, T, n_head/tp * d = H/tp)
         return self.proj(y)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

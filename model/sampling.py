@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 
 from megazero.tensor_parallel.layers import parallel_lm_logits
 from megazero.tensor_parallel.mappings import gather_from_tp_region
@@ -35,7 +36,7 @@ from model.rope import apply_rotary, rotary_cos_sin
 def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor, tuple]:
     """``model.gpt.Attention`` on new tokens ``x [B, t, H]`` with past keys/values ``cache``."""
     q, k, v = attn._split_heads(attn.qkv(x))  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
-    B, _, t, _ = q.shape
+    t = q.shape[2]
     past = 0 if cache is None else cache[0].shape[2]
     if attn.rotary is not None:  # absolute positions past .. past + t - 1
         cos, sin = rotary_cos_sin(past + t, *attn.rotary, device=q.device, dtype=q.dtype)  # (past+t, rot)
@@ -44,11 +45,11 @@ def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor
         k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, kv/tp, past+t, d)
     cache = (k, v)
     if attn.q_per_group > 1:  # each key/value head serves its group's query heads
-        k, v = (z.repeat_interleave(attn.q_per_group, dim=1) for z in (k, v))
+        k, v = (repeat(z, "b g t d -> b (g r) t d", r=attn.q_per_group) for z in (k, v))
     # new token i (absolute position past + i) sees keys 0 .. past + i
     mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, n/tp, t, d)
-    y = y.transpose(1, 2).reshape(B, t, attn.heads_local * attn.head_dim)  # (B, t, H/tp)
+    y = rearrange(y, "b h t d -> b t (h d)")                       # (B, t, n_head/tp * d = H/tp)
     return attn.proj(y), cache
 
 

@@ -1,6 +1,7 @@
 """Flat gradient layout for ZeRO: one contiguous buffer, fixed-size buckets, equal shards.
 
-The layout follows Megatron-LM's distributed optimizer (``param_and_grad_buffer.py``) and
+The layout follows Megatron-LM's distributed optimizer
+(``megatron/core/distributed/param_and_grad_buffer.py``) and
 ZeRO's partitioning (Rajbhandari et al., SC'20, sec. 5): the parameters of one model chunk
 (one dtype) are laid end to end in *reverse* registration order, because backward produces
 gradients roughly last layer first, so the first bucket fills first. The flat stream is cut
@@ -9,7 +10,8 @@ is a multiple of the data-parallel size N (the bucket size is rounded up to one,
 last bucket is zero-padded), so every DP rank owns an equal contiguous shard of EVERY
 bucket, and a reduce-scatter of one bucket gives each rank its shard.
 
-Coordinate systems (STYLE.md 9), all in elements:
+Coordinate systems (``OwnedRange(world, local, grad)`` in docs/design.md, "Data parallel
+and optimizer"), all in elements:
 
 - *world*: an index into the padded flat buffer of this chunk, ``[0, padded_numel)``; the
   same on every DP rank. ``param_range[p]`` and ``Bucket.range`` are world ranges.

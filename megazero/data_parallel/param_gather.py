@@ -1,8 +1,9 @@
 """ZeRO-1/2 parameter all-gather overlapped with the next forward (``--overlap-param-gather``).
 
-Megatron-core's ``overlap_param_gather`` (``distributed/param_and_grad_buffer.py``,
-``distributed_data_parallel.py``): after the optimizer step of iteration k each rank holds the
-updated values of its shard only. Instead of all-gathering every bucket before the step
+Megatron-core's ``overlap_param_gather``
+(``megatron/core/distributed/param_and_grad_buffer.py``,
+``megatron/core/distributed/distributed_data_parallel.py``): after the optimizer step of
+iteration k each rank holds the updated values of its shard only. Instead of all-gathering every bucket before the step
 returns, :meth:`ParamGatherOverlap.start` issues one asynchronous all-gather per bucket, in
 the order the next forward needs them, and forward pre-hooks wait for a bucket just before
 the first module of iteration k+1 that uses its parameters runs.

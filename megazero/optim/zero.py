@@ -4,8 +4,9 @@ ZeRO (Rajbhandari et al., SC'20, sec. 5.1-5.2): the fp32 main params and both Ad
 (12 bytes per element, 8 for an fp32 model whose parameters are the main params) are
 partitioned over the N data-parallel ranks (P_os); ZeRO-2 also partitions the gradients
 (P_os+g). What a rank owns, where its gradients are and how parameters come back after the
-update is asked of the sharded-buffer interface (``data_parallel/sharding.py``), never of
-the stage number: the moments are laid out in local coordinates (``grad_buffer.py``).
+update is asked of the sharded-buffer interface (``megazero/data_parallel/sharding.py``),
+never of the stage number: the moments are laid out in local coordinates
+(``megazero/data_parallel/grad_buffer.py``).
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ class DistributedOptimizer:
     6. bring the updated parameters to every DP rank (``ShardedBuffer.gather_params``:
        stages 1/2 all-gather in pieces of ``allgather_bucket_size`` elements, Psi per step;
        with ``overlap_param_gather`` one asynchronous in-place all-gather per bucket instead,
-       each waited for just before the next forward uses it: ``param_gather.py``).
+       each waited for just before the next forward uses it:
+       ``megazero/data_parallel/param_gather.py``).
 
     An fp32 model's main params are its parameters (views of the flat parameter buffer); a
     bf16/fp16 model gets an fp32 copy of its owned runs. Steps 3-5 run bucket by bucket: fp32

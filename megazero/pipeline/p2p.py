@@ -30,9 +30,8 @@ from megazero.process_groups import ProcessGroups
 
 
 def stage_rank(groups: ProcessGroups, pp_rank: int) -> int:
-    """Global rank of pipeline stage ``pp_rank % pp_size`` at this rank's (tp, dp)."""
-    c = groups.coord
-    return groups.topology.rank(c.tp, c.dp, pp_rank % groups.pp_size)
+    """Global rank of pipeline stage ``pp_rank % pp_size`` at this rank's other coordinates."""
+    return groups.topology.rank(**groups.coord.replace(pp=pp_rank % groups.pp_size))
 
 
 @dataclass

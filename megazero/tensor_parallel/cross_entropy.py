@@ -11,7 +11,7 @@ each rank holds ``[B, T, V_pad/tp]``, and three per-token scalars are combined o
 
 Columns whose global index is ``>= vocab_size`` (vocabulary padding) are set to ``-inf``
 before the softmax, so they carry no probability and get exactly zero gradient
-(DESIGN.md, contract 1). The backward pass is local: ``softmax - (1-eps) one_hot -
+(docs/design.md, contract 1). The backward pass is local: ``softmax - (1-eps) one_hot -
 eps/V`` on this rank's columns, with no communication. With one TP rank the function is
 ``torch.nn.functional.cross_entropy`` on the real-vocabulary columns.
 """
@@ -118,8 +118,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if tp == 1:
-        # One rank holds the whole vocabulary: plain math (STYLE.md, 5). Dropping the padded
-        # columns before torch's fused cross-entropy gives them exactly zero gradient.
+        # One rank holds the whole vocabulary: plain math, as every layer at size 1.
+        # Dropping the padded columns before torch's fused cross-entropy gives them exactly
+        # zero gradient.
         x = logits[..., :vocab_size].float() if logits.dtype != torch.float64 else logits[..., :vocab_size]
         return torch.nn.functional.cross_entropy(x.flatten(0, -2), target.flatten(), reduction="none",
                                                  label_smoothing=label_smoothing).view(target.shape)

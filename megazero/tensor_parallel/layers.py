@@ -12,8 +12,8 @@ column/row pair are ``[B, T/tp, H]``: the column layer all-gathers the sequence 
 the row layer reduce-scatters it afterwards.
 
 Every parameter is tagged (``tags.py``); a rank keeps its partition of the full tensor it
-is given (layout-independent initialisation, STYLE.md 6). At group size 1 each layer is
-the plain ``torch.nn.functional`` operation.
+is given (layout-independent initialisation, docs/design.md contract 1). At group size 1
+each layer is the plain ``torch.nn.functional`` operation.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ device's default generator, sets them back for the replay and then returns them 
 they were at backward time, so that (a) the replay draws the same dropout masks as the first
 forward and (b) the forwards of other micro-batches that ran in between (1F1B, interleaved)
 see their streams undisturbed. This is what Megatron-LM's ``CheckpointFunction``
-(``tensor_parallel/random.py``) does with its CUDA RNG tracker; the code here is megazero's.
+(``megatron/core/tensor_parallel/random.py``) does with its CUDA RNG tracker; the code here
+is megazero's.
 
 With sequence parallelism the inputs of a transformer layer are the ``[B, T/tp, H]`` chunks
 of this rank, so the stored input of a layer region is the sequence-sharded one.

@@ -1,4 +1,4 @@
-"""Partition metadata carried by every parameter (STYLE.md, 7).
+"""Partition metadata carried by every parameter (docs/design.md, "Partition tags").
 
 Gradient clipping, gradient synchronisation and checkpoints read these tags and nothing
 else (never parameter names):
