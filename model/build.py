@@ -47,7 +47,7 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
     """This rank's model chunks (one, or V for the interleaved schedule), in the model dtype.
 
     Every chunk starts from the full tensors of (seed, parameter name) and keeps its
-    partition, so any layout starts from the same model (DESIGN.md, contract 1).
+    partition, so any layout starts from the same model (docs/design.md, contract 1).
     """
     p = cfg.parallel
     chunks, tracker = [], None
