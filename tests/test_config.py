@@ -1,4 +1,4 @@
-"""megazero/config.py: flags, DeepSpeed JSON files (the seed documents'), derivation, validation.
+"""megazero/config/ (the config package): flags, DeepSpeed JSON files (the seed documents'), derivation, validation.
 
 Pure and fast: no process groups; one subprocess shows the exit code end to end.
 """

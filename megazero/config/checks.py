@@ -9,24 +9,24 @@ import importlib.util
 import math
 import os
 
-from megazero.config import Config, ConfigError, _get, _show, settings
+from megazero.config.schema import Config, ConfigError, get_value, settings, show_flag
 from megazero.pipeline.partition import PartitionError, validate_partition
 
 
 def _check_ranges(cfg: Config, world_size: int) -> None:
     """Every number inside its documented range, every choice among its choices."""
     for s in settings():
-        value, meta = _get(cfg, s.name), s.field.metadata
+        value, meta = get_value(cfg, s.name), s.field.metadata
         if meta["choices"] and value is not None and value not in meta["choices"]:
-            raise ConfigError(f"{_show(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
+            raise ConfigError(f"{show_flag(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
         if value is None or s.base not in (int, float):
             continue
         if not math.isfinite(value):
-            raise ConfigError(f"{_show(cfg, s.name)} {value} is not a finite number; fix: give a number")
+            raise ConfigError(f"{show_flag(cfg, s.name)} {value} is not a finite number; fix: give a number")
         for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
                               ("lt", "<", lambda v, b: v < b)):
             if meta[op] is not None and not ok(value, meta[op]):
-                raise ConfigError(f"{_show(cfg, s.name)} {value} is out of range; fix: "
+                raise ConfigError(f"{show_flag(cfg, s.name)} {value} is out of range; fix: "
                                   f"use a value {bound} {meta[op]}")
 
 
@@ -73,7 +73,7 @@ def _check_block(cfg: Config, world_size: int) -> None:
                             ("model.rotary_base", "--position-embedding-type rope", rope),
                             ("model.rotary_percent", "--position-embedding-type rope", rope)):
         if name in given and not on:
-            raise ConfigError(f"{_show(cfg, name)} has no effect without {needs}; fix: add {needs} or drop it")
+            raise ConfigError(f"{show_flag(cfg, name)} has no effect without {needs}; fix: add {needs} or drop it")
     if m.group_query_attention:
         G = m.num_query_groups
         if m.num_attention_heads % G:
@@ -103,10 +103,10 @@ def _check_recompute(cfg: Config, world_size: int) -> None:
     """Megatron-LM's rules: full needs a method; a method belongs to full only."""
     m = cfg.model
     if m.recompute_granularity == "full" and m.recompute_method is None:
-        raise ConfigError(f"{_show(cfg, 'model.recompute_granularity')} full needs --recompute-method; "
+        raise ConfigError(f"{show_flag(cfg, 'model.recompute_granularity')} full needs --recompute-method; "
                           "fix: add --recompute-method uniform (or block)")
     if m.recompute_method is not None and m.recompute_granularity != "full":
-        raise ConfigError(f"{_show(cfg, 'model.recompute_method')} {m.recompute_method} applies to "
+        raise ConfigError(f"{show_flag(cfg, 'model.recompute_method')} {m.recompute_method} applies to "
                           "--recompute-granularity full only; fix: add --recompute-granularity full "
                           "or drop --recompute-method")
 
@@ -116,13 +116,13 @@ def _check_batch(cfg: Config, world_size: int) -> None:
     t, dp = cfg.train, cfg.parallel.dp
     micro, accum, total = t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size
     if accum is None:
-        raise ConfigError(f"{_show(cfg, 'train.global_batch_size')} {total} is not divisible by "
+        raise ConfigError(f"{show_flag(cfg, 'train.global_batch_size')} {total} is not divisible by "
                           f"--micro-batch-size {micro} x data-parallel size {dp} = {micro * dp}; fix: "
                           f"use a multiple of {micro * dp} or change --micro-batch-size")
     if total != micro * accum * dp:
         raise ConfigError(
-            f"{_show(cfg, 'train.global_batch_size')} {total} != {_show(cfg, 'train.micro_batch_size')} "
-            f"{micro} x {_show(cfg, 'train.gradient_accumulation_steps')} {accum} x data-parallel size {dp}"
+            f"{show_flag(cfg, 'train.global_batch_size')} {total} != {show_flag(cfg, 'train.micro_batch_size')} "
+            f"{micro} x {show_flag(cfg, 'train.gradient_accumulation_steps')} {accum} x data-parallel size {dp}"
             f" = {micro * accum * dp}; fix: make them agree, or give only two so the third is derived")
 
 
@@ -155,24 +155,24 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
     """min lr <= lr; a WSD annealing phase that fits; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
     o, pr, z = cfg.optim, cfg.precision, cfg.zero
     if o.min_lr > o.lr:
-        raise ConfigError(f"{_show(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
+        raise ConfigError(f"{show_flag(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
                           "--min-lr <= --lr")
     if o.lr_decay_style != "constant" and o.lr_decay_iters <= o.lr_warmup_iters:
-        raise ConfigError(f"{_show(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
-                          f"{_show(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
+        raise ConfigError(f"{show_flag(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
+                          f"{show_flag(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
                           f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
                           "--train-iters, its default), lower --lr-warmup-iters, or use "
                           "--lr-decay-style constant")
     if o.lr_decay_style == "WSD" and not (
             o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_iters <= o.lr_decay_iters - o.lr_warmup_iters):
-        raise ConfigError(f"--lr-decay-style WSD needs {_show(cfg, 'optim.lr_wsd_decay_iters')} between 1 and "
+        raise ConfigError(f"--lr-decay-style WSD needs {show_flag(cfg, 'optim.lr_wsd_decay_iters')} between 1 and "
                           f"--lr-decay-iters {o.lr_decay_iters} - --lr-warmup-iters {o.lr_warmup_iters}, got "
                           f"{o.lr_wsd_decay_iters}; fix: give --lr-wsd-decay-iters in that range")
     if pr.fp16 and pr.bf16:
-        raise ConfigError(f"{_show(cfg, 'precision.fp16')} and {_show(cfg, 'precision.bf16')} are both on; "
+        raise ConfigError(f"{show_flag(cfg, 'precision.fp16')} and {show_flag(cfg, 'precision.bf16')} are both on; "
                           "fix: choose one")
     if z.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{_show(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
+        raise ConfigError(f"{show_flag(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
                           "(replicated), 1 (optimizer states sharded), 2 (and gradients) or 3 "
                           "(and parameters)")
 
@@ -183,22 +183,22 @@ def _check_offload(cfg: Config, world_size: int) -> None:
     offloaded too (the host shards are updated where they live)."""
     z = cfg.zero
     if z.offload_optimizer == "cpu" and z.stage == 0:
-        raise ConfigError(f"{_show(cfg, 'zero.offload_optimizer')} cpu needs a ZeRO stage of 1 or more "
-                          f"(got {_show(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2")
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} cpu needs a ZeRO stage of 1 or more "
+                          f"(got {show_flag(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2")
     if z.offload_optimizer == "cpu" and cfg.optim.kernels == "apex":
-        raise ConfigError(f"{_show(cfg, 'optim.kernels')} apex needs CUDA but "
-                          f"{_show(cfg, 'zero.offload_optimizer')} cpu runs Adam on the host; fix: use "
+        raise ConfigError(f"{show_flag(cfg, 'optim.kernels')} apex needs CUDA but "
+                          f"{show_flag(cfg, 'zero.offload_optimizer')} cpu runs Adam on the host; fix: use "
                           "--kernels auto or torch")
     if z.overlap_param_gather == "on" and z.stage not in (1, 2):
-        raise ConfigError(f"{_show(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
+        raise ConfigError(f"{show_flag(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
                           f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
                           "before each forward); fix: use --zero-stage 1 or 2, or --overlap-param-gather auto")
     if z.offload_param == "cpu" and z.stage != 3:
-        raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu keeps ZeRO-3 parameter shards in host "
-                          f"memory and needs {_show(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} cpu keeps ZeRO-3 parameter shards in host "
+                          f"memory and needs {show_flag(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
                           "--zero-stage 3, or remove it (--offload-optimizer cpu offloads the optimizer states)")
     if z.offload_param == "cpu" and z.offload_optimizer != "cpu":
-        raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu needs the optimizer on the host too "
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} cpu needs the optimizer on the host too "
                           "(it updates the host shards in place); fix: add --offload-optimizer cpu")
 
 

@@ -1,0 +1,53 @@
+"""megazero's one configuration (DESIGN.md, contract 5).
+
+Every setting is a dataclass field with a default; its documentation (meaning, unit, valid
+range, choices, command-line flags) is the field's ``metadata`` and is rendered three ways
+from that one place: ``--help``, ``flags_table()`` (the README's table) and ``describe()``.
+
+Three sources fill a ``Config``, in this order:
+
+1. defaults (the dataclasses of ``schema.py``);
+2. a DeepSpeed-style JSON file (``--deepspeed-config``; keys documented at DeepSpeed's
+   "Configuration JSON" page): ``zero_optimization``, ``fp16``, ``bf16``,
+   ``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+   ``gradient_clipping``, ``steps_per_print``. It fills every setting not given on the
+   command line. A setting given both on the command line and in the file must agree:
+   otherwise ``ConfigError`` naming the flag and the key. NVMe offload and parameter offload
+   are refused; ``stage3_*`` keys and any other key megazero does not read give a warning;
+3. Megatron-style long flags (plus ``--tp/--pp/--dp``), generated from the fields.
+
+``finalize`` then derives what was left open (data-parallel size, accumulation steps or
+global batch, FFN width, ...) and ``validate`` checks every rule, raising one ``ConfigError``
+that names the flag and the fix. All of it is pure: the world size is passed in, so it runs
+on every rank before any process group exists (contract 3).
+
+The package imports downwards only (no file imports one listed after it):
+
+- ``schema.py``: the dataclasses, ``ConfigError``, ``Setting`` / ``settings()`` and the
+  get / set / show helpers;
+- ``cli.py``: the generated parser, ``parse_args``, ``flags_table``;
+- ``derive.py``: ``finalize`` (batch arithmetic, defaults);
+- ``checks.py``: ``validate``, every rule;
+- ``deepspeed.py``: the DeepSpeed JSON source;
+- ``render.py``: ``describe``, ``to_dict``;
+- ``load.py``: ``config_from_argv`` (parse -> DeepSpeed -> derive -> check), ``resolve_run_dir``.
+"""
+from megazero.config.checks import parse_data_path, split_fractions, validate
+from megazero.config.cli import build_parser, flags_table, integer, parse_args
+from megazero.config.deepspeed import load_deepspeed_config
+from megazero.config.derive import finalize
+from megazero.config.load import config_from_argv, resolve_run_dir
+from megazero.config.render import describe, to_dict
+from megazero.config.schema import (
+    MOCK_VOCAB_SIZE, Config, ConfigError, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
+    ParallelConfig, PrecisionConfig, Setting, TrainingConfig, ZeroConfig, get_value, set_value,
+    setting_named, settings, show_flag,
+)
+
+__all__ = [
+    "MOCK_VOCAB_SIZE", "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
+    "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "Setting", "TrainingConfig", "ZeroConfig",
+    "build_parser", "config_from_argv", "describe", "finalize", "flags_table", "get_value", "integer",
+    "load_deepspeed_config", "parse_args", "parse_data_path", "resolve_run_dir", "set_value",
+    "setting_named", "settings", "show_flag", "split_fractions", "to_dict", "validate",
+]
