@@ -26,7 +26,8 @@ from megazero.planning import memory
 from megazero.runtime import resilience
 from megazero.planning.activations import ActivationSettings
 from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
-from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir, to_dict
+from megazero.config import (Config, bucket_sizes, config_from_argv, describe, overlap_param_gather,
+                             parse_data_path, resolve_run_dir, to_dict)
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.planning.flops import spec_flops_per_iteration
@@ -158,20 +159,6 @@ def check_from_hf(cfg: Config, vocab_size: int) -> None:
         check_folder(cfg.train.from_hf, build_gpt_config(cfg, vocab_size))
     except (HFConversionError, OSError, ValueError) as e:
         raise checkpoint.CheckpointError(f"--from-hf {cfg.train.from_hf}: {e}") from None
-
-
-def bucket_sizes(cfg: Config) -> tuple[int, int]:
-    """(reduce, all-gather) bucket elements: the flags, or hidden size squared when unset
-    (DeepSpeed's "auto"; README, "Bucket sizes"). The optimizer and the planner both use it."""
-    auto = cfg.model.hidden_size ** 2
-    z = cfg.zero
-    return int(z.reduce_bucket_size or auto), int(z.allgather_bucket_size or auto)
-
-
-def overlap_param_gather(cfg: Config) -> bool:
-    """--overlap-param-gather resolved: auto = on exactly at ZeRO stages 1 and 2."""
-    z = cfg.zero
-    return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto" and z.stage in (1, 2))
 
 
 def zero3_units(chunk: GPTStage) -> list[nn.Module]:

@@ -26,7 +26,8 @@ The package imports downwards only (no file imports one listed after it):
 - ``schema.py``: the dataclasses, ``ConfigError``, ``Setting`` / ``settings()`` and the
   get / set / show helpers;
 - ``cli.py``: the generated parser, ``parse_args``, ``flags_table``;
-- ``derive.py``: ``finalize`` (batch arithmetic, defaults);
+- ``derive.py``: ``finalize`` (batch arithmetic, defaults), ``bucket_sizes``,
+  ``overlap_param_gather``;
 - ``checks.py``: ``validate``, every rule;
 - ``deepspeed.py``: the DeepSpeed JSON source;
 - ``render.py``: ``describe``, ``to_dict``;
@@ -35,7 +36,7 @@ The package imports downwards only (no file imports one listed after it):
 from megazero.config.checks import parse_data_path, split_fractions, validate
 from megazero.config.cli import build_parser, flags_table, integer, parse_args
 from megazero.config.deepspeed import load_deepspeed_config
-from megazero.config.derive import finalize
+from megazero.config.derive import bucket_sizes, finalize, overlap_param_gather
 from megazero.config.load import config_from_argv, resolve_run_dir
 from megazero.config.render import describe, to_dict
 from megazero.config.schema import (
@@ -45,9 +46,10 @@ from megazero.config.schema import (
 )
 
 __all__ = [
-    "MOCK_VOCAB_SIZE", "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
-    "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "Setting", "TrainingConfig", "ZeroConfig",
-    "build_parser", "config_from_argv", "describe", "finalize", "flags_table", "get_value", "integer",
-    "load_deepspeed_config", "parse_args", "parse_data_path", "resolve_run_dir", "set_value",
-    "setting_named", "settings", "show_flag", "split_fractions", "to_dict", "validate",
+    "Config", "ConfigError", "DataConfig", "LoggingConfig", "MOCK_VOCAB_SIZE", "ModelConfig",
+    "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "Setting", "TrainingConfig",
+    "ZeroConfig", "bucket_sizes", "build_parser", "config_from_argv", "describe", "finalize",
+    "flags_table", "get_value", "integer", "load_deepspeed_config", "overlap_param_gather",
+    "parse_args", "parse_data_path", "resolve_run_dir", "set_value", "setting_named", "settings",
+    "show_flag", "split_fractions", "to_dict", "validate",
 ]

@@ -1,7 +1,9 @@
 """Derivation: the settings a run leaves open, filled from the others (pure, no process group).
 
 ``finalize`` fills a parsed Config in place (data-parallel size, batch arithmetic, FFN width,
-positions, LR iterations, schedule). It never raises: ``checks.validate`` judges the result.
+positions, LR iterations, schedule); ``bucket_sizes`` and ``overlap_param_gather`` resolve
+two ZeRO settings for the optimizer and the planner. None of them raises: ``checks.validate``
+judges the result.
 """
 from __future__ import annotations
 
@@ -58,3 +60,17 @@ def _derive_batch(cfg: Config) -> None:
         t.global_batch_size = t.micro_batch_size * accum * dp
     elif accum is None and total % (t.micro_batch_size * dp) == 0:
         t.gradient_accumulation_steps = total // (t.micro_batch_size * dp)
+
+
+def bucket_sizes(cfg: Config) -> tuple[int, int]:
+    """(reduce, all-gather) bucket elements: the flags, or hidden size squared when unset
+    (DeepSpeed's "auto"; README, "Bucket sizes"). The optimizer and the planner both use it."""
+    auto = cfg.model.hidden_size ** 2
+    z = cfg.zero
+    return int(z.reduce_bucket_size or auto), int(z.allgather_bucket_size or auto)
+
+
+def overlap_param_gather(cfg: Config) -> bool:
+    """--overlap-param-gather resolved: auto = on exactly at ZeRO stages 1 and 2."""
+    z = cfg.zero
+    return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto" and z.stage in (1, 2))
