@@ -25,6 +25,8 @@ The package imports downwards only (no file imports one listed after it):
 
 - ``schema.py``: the dataclasses, ``ConfigError``, ``Setting`` / ``settings()`` and the
   get / set / show helpers;
+- ``shape.py``: the model-shape rules (heads, widths, positions, query groups, RoPE under
+  tp), written once for the flags here and for ``model.config.GPTConfig.validate``;
 - ``cli.py``: the generated parser, ``parse_args``, ``flags_table``;
 - ``derive.py``: ``finalize`` (batch arithmetic, defaults), ``bucket_sizes``,
   ``overlap_param_gather``;
@@ -33,7 +35,7 @@ The package imports downwards only (no file imports one listed after it):
 - ``render.py``: ``describe``, ``to_dict``;
 - ``load.py``: ``config_from_argv`` (parse -> DeepSpeed -> derive -> check), ``resolve_run_dir``.
 """
-from megazero.config.checks import parse_data_path, split_fractions, validate
+from megazero.config.checks import check_value, parse_data_path, split_fractions, validate
 from megazero.config.cli import build_parser, flags_table, integer, parse_args
 from megazero.config.deepspeed import load_deepspeed_config
 from megazero.config.derive import bucket_sizes, finalize, overlap_param_gather
@@ -44,12 +46,14 @@ from megazero.config.schema import (
     ParallelConfig, PrecisionConfig, Setting, TrainingConfig, ZeroConfig, get_value, set_value,
     setting_named, settings, show_flag,
 )
+from megazero.config.shape import check_block, check_sizes, default_ffn_hidden_size
 
 __all__ = [
     "Config", "ConfigError", "DataConfig", "LoggingConfig", "MOCK_VOCAB_SIZE", "ModelConfig",
     "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "Setting", "TrainingConfig",
-    "ZeroConfig", "bucket_sizes", "build_parser", "config_from_argv", "describe", "finalize",
-    "flags_table", "get_value", "integer", "load_deepspeed_config", "overlap_param_gather",
-    "parse_args", "parse_data_path", "resolve_run_dir", "set_value", "setting_named", "settings",
-    "show_flag", "split_fractions", "to_dict", "validate",
+    "ZeroConfig", "bucket_sizes", "build_parser", "check_block", "check_sizes", "check_value",
+    "config_from_argv", "default_ffn_hidden_size", "describe", "finalize", "flags_table",
+    "get_value", "integer", "load_deepspeed_config", "overlap_param_gather", "parse_args",
+    "parse_data_path", "resolve_run_dir", "set_value", "setting_named", "settings", "show_flag",
+    "split_fractions", "to_dict", "validate",
 ]

@@ -8,26 +8,36 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import Any, Optional
 
-from megazero.config.schema import Config, ConfigError, get_value, settings, show_flag
+from megazero.config.schema import Config, ConfigError, Setting, get_value, settings, show_flag
+from megazero.config.shape import check_block, check_sizes
 from megazero.pipeline.partition import PartitionError, validate_partition
+
+
+def check_value(setting: Setting, value: Any, label: Optional[str] = None) -> None:
+    """``value`` inside ``setting``'s documented range and among its choices (the field's
+    metadata in schema.py); None passes. ``label`` names it in the message (default: its flag).
+
+    Raises ConfigError, e.g. "--hidden-dropout 1.0 is out of range; fix: use a value < 1".
+    """
+    meta, label = setting.field.metadata, label or setting.flag
+    if meta["choices"] and value is not None and value not in meta["choices"]:
+        raise ConfigError(f"{label} {value!r} is not one of {', '.join(meta['choices'])}")
+    if value is None or setting.base not in (int, float):
+        return
+    if not math.isfinite(value):
+        raise ConfigError(f"{label} {value} is not a finite number; fix: give a number")
+    for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+                          ("lt", "<", lambda v, b: v < b)):
+        if meta[op] is not None and not ok(value, meta[op]):
+            raise ConfigError(f"{label} {value} is out of range; fix: use a value {bound} {meta[op]}")
 
 
 def _check_ranges(cfg: Config, world_size: int) -> None:
     """Every number inside its documented range, every choice among its choices."""
     for s in settings():
-        value, meta = get_value(cfg, s.name), s.field.metadata
-        if meta["choices"] and value is not None and value not in meta["choices"]:
-            raise ConfigError(f"{show_flag(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
-        if value is None or s.base not in (int, float):
-            continue
-        if not math.isfinite(value):
-            raise ConfigError(f"{show_flag(cfg, s.name)} {value} is not a finite number; fix: give a number")
-        for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
-                              ("lt", "<", lambda v, b: v < b)):
-            if meta[op] is not None and not ok(value, meta[op]):
-                raise ConfigError(f"{show_flag(cfg, s.name)} {value} is out of range; fix: "
-                                  f"use a value {bound} {meta[op]}")
+        check_value(s, get_value(cfg, s.name), show_flag(cfg, s.name))
 
 
 def _check_world(cfg: Config, world_size: int) -> None:
@@ -43,52 +53,31 @@ def _check_world(cfg: Config, world_size: int) -> None:
 
 
 def _check_model_shape(cfg: Config, world_size: int) -> None:
-    """Heads divide H and tp divides heads (so tp divides H too) and the FFN; seq fits positions."""
-    m, tp = cfg.model, cfg.parallel.tp
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-                          f"{m.num_attention_heads}; fix: choose a head count that divides the hidden size")
-    if m.num_attention_heads % tp:
-        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tp {tp}; "
-                          "fix: use a --tp that divides the head count")
-    if m.ffn_hidden_size % tp:
-        glu = " (--swiglu: each rank holds F/tp gate and F/tp up units)" if m.swiglu else ""
-        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tp {tp}{glu}; "
-                          "fix: use a multiple of the tensor-parallel size")
-    if m.seq_length > m.max_position_embeddings:
-        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-                          f"{m.max_position_embeddings}; fix: raise the positions or shorten the sequence")
-    if cfg.parallel.sequence_parallel and m.seq_length % tp:
-        raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tp {tp}; "
-                          "fix: use a multiple of --tp or drop --sequence-parallel")
+    """The sizes split over tp (shape.py, the rules GPTConfig.validate applies too)."""
+    m, p = cfg.model, cfg.parallel
+    check_sizes(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
+                max_position_embeddings=m.max_position_embeddings, tp=p.tp,
+                sequence_parallel=p.sequence_parallel, swiglu=m.swiglu)
 
 
-def _check_block(cfg: Config, world_size: int) -> None:
-    """The LLaMA-style options (Megatron-LM's rules): G divides the heads and tp divides G;
-    RoPE's fraction in (0, 1] giving an even number >= 2 of rotated dimensions; options of
-    a feature that is off are refused."""
-    m, tp, given = cfg.model, cfg.parallel.tp, cfg.sources
+def _check_unused_options(cfg: Config, world_size: int) -> None:
+    """An option of a feature that is off is refused (Megatron-LM's rule)."""
+    m, given = cfg.model, cfg.sources
     rope = m.position_embedding_type == "rope"
     for name, needs, on in (("model.num_query_groups", "--group-query-attention", m.group_query_attention),
                             ("model.rotary_base", "--position-embedding-type rope", rope),
                             ("model.rotary_percent", "--position-embedding-type rope", rope)):
         if name in given and not on:
             raise ConfigError(f"{show_flag(cfg, name)} has no effect without {needs}; fix: add {needs} or drop it")
-    if m.group_query_attention:
-        G = m.num_query_groups
-        if m.num_attention_heads % G:
-            raise ConfigError(f"--num-query-groups {G} does not divide --num-attention-heads {m.num_attention_heads}; "
-                              "fix: a divisor of the head count (1 = multi-query, the head count = multi-head)")
-        if G % tp:
-            raise ConfigError(f"--num-query-groups {G} is not divisible by --tp {tp}; fix: a --tp that divides "
-                              "the query groups (each rank holds whole groups with their queries)")
-    if not 0.0 < m.rotary_percent <= 1.0:
-        raise ConfigError(f"--rotary-percent {m.rotary_percent} is outside (0, 1]; fix: e.g. 1.0 or 0.5")
-    rot = int(m.hidden_size // m.num_attention_heads * m.rotary_percent)
-    if rope and (rot < 2 or rot % 2):
-        raise ConfigError(f"--rotary-percent {m.rotary_percent} rotates {rot} dimensions of each "
-                          f"{m.hidden_size // m.num_attention_heads}-dimensional head; RoPE needs an even "
-                          "number >= 2; fix: another --rotary-percent")
+
+
+def _check_block(cfg: Config, world_size: int) -> None:
+    """The LLaMA-style block's sizes (shape.py, the rules GPTConfig.validate applies too)."""
+    m = cfg.model
+    check_block(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, tp=cfg.parallel.tp,
+                num_query_groups=m.num_query_groups if m.group_query_attention else None,
+                rotary_percent=m.rotary_percent, rope=m.position_embedding_type == "rope")
 
 
 def _check_swiglu_width(cfg: Config, world_size: int) -> None:
@@ -281,9 +270,9 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
                               "scripts/convert_checkpoint.py --to-hf (or save_pretrained with safetensors)")
 
 
-_CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges, _check_world,
-           _check_model_shape, _check_block, _check_recompute, _check_batch, _check_pipeline,
-           _check_optim_precision, _check_offload, _check_data)
+_CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
+           _check_world, _check_model_shape, _check_unused_options, _check_block, _check_recompute,
+           _check_batch, _check_pipeline, _check_optim_precision, _check_offload, _check_data)
 
 
 def validate(cfg: Config, world_size: int) -> None:

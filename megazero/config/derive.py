@@ -8,6 +8,7 @@ judges the result.
 from __future__ import annotations
 
 from megazero.config.schema import MOCK_VOCAB_SIZE, Config, show_flag
+from megazero.config.shape import default_ffn_hidden_size
 
 
 def finalize(cfg: Config, world_size: int) -> list[str]:
@@ -23,7 +24,7 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
     m, p, t, o, d = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.data
     warnings = []
     if m.ffn_hidden_size is None:  # Megatron-LM's rule: SwiGLU keeps the 4H MLP's parameter count
-        m.ffn_hidden_size = int(4 * m.hidden_size * 2 / 3 / 64) * 64 if m.swiglu else 4 * m.hidden_size
+        m.ffn_hidden_size = default_ffn_hidden_size(m.hidden_size, m.swiglu)
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     o.lr_decay_iters = t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters
