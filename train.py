@@ -27,7 +27,7 @@ from megazero.runtime import resilience
 from megazero.planning.activations import ActivationSettings
 from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import (Config, bucket_sizes, config_from_argv, describe, overlap_param_gather,
-                             parse_data_path, resolve_run_dir, to_dict)
+                             resolve_run_dir, to_dict)
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.planning.flops import spec_flops_per_iteration
@@ -217,7 +217,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None):
     consumed, which differ from iterations x global batch after a change of batch size.
     Raises DataError for an unusable corpus, tokenizer or split.
     """
-    from data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
+    from data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets, parse_data_path
 
     t = cfg.train
     gbs = t.global_batch_size

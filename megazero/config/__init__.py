@@ -35,7 +35,7 @@ The package imports downwards only (no file imports one listed after it):
 - ``render.py``: ``describe``, ``to_dict``;
 - ``load.py``: ``config_from_argv`` (parse -> DeepSpeed -> derive -> check), ``resolve_run_dir``.
 """
-from megazero.config.checks import check_value, parse_data_path, split_fractions, validate
+from megazero.config.checks import check_value, validate
 from megazero.config.cli import build_parser, flags_table, integer, parse_args
 from megazero.config.deepspeed import load_deepspeed_config
 from megazero.config.derive import bucket_sizes, finalize, overlap_param_gather
@@ -54,6 +54,5 @@ __all__ = [
     "ZeroConfig", "bucket_sizes", "build_parser", "check_block", "check_sizes", "check_value",
     "config_from_argv", "default_ffn_hidden_size", "describe", "finalize", "flags_table",
     "get_value", "integer", "load_deepspeed_config", "overlap_param_gather", "parse_args",
-    "parse_data_path", "resolve_run_dir", "set_value", "setting_named", "settings", "show_flag",
-    "split_fractions", "to_dict", "validate",
+    "resolve_run_dir", "set_value", "setting_named", "settings", "show_flag", "to_dict", "validate",
 ]
