@@ -14,6 +14,7 @@ process group exists (DESIGN.md, contract 3). Where each kind of rule lives:
 - the training data: data/ owns the ``--data-path`` blend and ``--split`` rules
   (``data.gpt_dataset``); here the presence of a corpus, its files and its tokenizer, with
   data/'s refusals repeated word for word (megazero may not import data/; see ``_split``).
+  ``validate(..., needs_data=False)`` leaves these out for tools that read no data.
 """
 from __future__ import annotations
 
@@ -324,12 +325,16 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
            _check_world, _check_model_shape, _check_unused_options, _check_block, _check_recompute,
-           _check_batch, _check_pipeline, _check_optim_precision, _check_offload, _check_data)
+           _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Run every check (after finalize); raises ConfigError naming the flag and the fix."""
+def validate(cfg: Config, world_size: int, *, needs_data: bool = True) -> None:
+    """Run every check (after finalize); raises ConfigError naming the flag and the fix.
+
+    ``needs_data=False`` leaves out the training data's checks (``--data-path``, ``--split``,
+    ``--tokenizer-model``): for tools that read no data, such as scripts/plan.py.
+    """
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be >= 1 (WORLD_SIZE of the launcher)")
-    for check in _CHECKS:
+    for check in _CHECKS + ((_check_data,) if needs_data else ()):
         check(cfg, world_size)

@@ -16,17 +16,20 @@ from megazero.config.derive import finalize
 from megazero.config.schema import Config, ConfigError
 
 
-def config_from_argv(argv: list[str], world_size: int, *, print_warnings: bool = True) -> Config:
+def config_from_argv(argv: list[str], world_size: int, *, print_warnings: bool = True,
+                     needs_data: bool = True) -> Config:
     """parse -> DeepSpeed file -> finalize -> validate. Pure: needs no process group.
 
     On ConfigError prints ``megazero: config error: <message>`` to stderr and exits with code 2.
-    Warnings go to ``cfg.warnings`` and, when ``print_warnings``, to stderr.
+    Warnings go to ``cfg.warnings`` and, when ``print_warnings``, to stderr. ``needs_data=False``
+    (a tool that reads no training data, e.g. scripts/plan.py) accepts a run without
+    ``--data-path`` / ``--mock-data``; a training run keeps the default.
     """
     try:
         cfg = parse_args(argv)
         warnings = load_deepspeed_config(cfg.deepspeed_config, cfg) if cfg.deepspeed_config else []
         warnings += finalize(cfg, world_size)
-        validate(cfg, world_size)
+        validate(cfg, world_size, needs_data=needs_data)
     except ConfigError as e:
         print(f"megazero: config error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
