@@ -26,7 +26,8 @@ from megazero.planning import memory
 from megazero.runtime import resilience
 from megazero.planning.activations import ActivationSettings
 from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
-from megazero.config import Config, config_from_argv, describe, parse_data_path, resolve_run_dir, to_dict
+from megazero.config import (Config, bucket_sizes, config_from_argv, describe, overlap_param_gather,
+                             resolve_run_dir, to_dict)
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.planning.flops import spec_flops_per_iteration
@@ -82,21 +83,7 @@ def restart_store(timeout: timedelta):
     return dist.PrefixStore(f"megazero/attempt_{attempt}", store)
 
 
-# -- model ----------------------------------------------------------------------------------
-def bucket_sizes(cfg: Config) -> tuple[int, int]:
-    """(reduce, all-gather) bucket elements: the flags, or hidden size squared when unset
-    (DeepSpeed's "auto"; README, "Bucket sizes"). The optimizer and the planner both use it."""
-    auto = cfg.model.hidden_size ** 2
-    z = cfg.zero
-    return int(z.reduce_bucket_size or auto), int(z.allgather_bucket_size or auto)
-
-
-def overlap_param_gather(cfg: Config) -> bool:
-    """--overlap-param-gather resolved: auto = on exactly at ZeRO stages 1 and 2."""
-    z = cfg.zero
-    return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto" and z.stage in (1, 2))
-
-
+# -- optimizer ------------------------------------------------------------------------------
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
     """Gradient buffers (ZeRO stage 0-3) and the sharded Adam that owns the fp32 main params."""
     z, pr, o = cfg.zero, cfg.precision, cfg.optim
@@ -139,7 +126,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
     consumed, which differ from iterations x global batch after a change of batch size.
     Raises DataError for an unusable corpus, tokenizer or split.
     """
-    from data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets
+    from data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets, parse_data_path
 
     t = cfg.train
     gbs = t.global_batch_size

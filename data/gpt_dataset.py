@@ -37,15 +37,17 @@ _FORMAT = "megazero-gpt-indices-v2"  # v2: indices built for whole shuffle block
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
-    """``"969,30,1"`` (or ``"98/2/0"``, fewer parts = 0) -> normalised (train, valid, test) fractions."""
-    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    """``--split "969,30,1"`` (or ``"98/2/0"``; fewer parts = 0) -> normalised (train, valid, test)
+    fractions; raises DataError naming ``--split`` and the fix. data/ owns this rule; megazero's
+    pre-launch check, which may not import data/, refuses the same strings with the same
+    message (megazero/config/checks.py; tests/test_config.py holds the two equal)."""
     try:
-        vals = [float(p) for p in parts]
+        vals = [float(p) for p in split.replace("/", ",").split(",")]
     except ValueError:
-        raise DataError(f"--split {split!r}: expected up to 3 comma-separated numbers, e.g. 969,30,1") from None
-    if len(vals) > 3 or any(v < 0 or not np.isfinite(v) for v in vals) or sum(vals) <= 0:
-        raise DataError(f"--split {split!r}: needs 1 to 3 non-negative numbers with a positive sum, "
-                        f"e.g. 969,30,1")
+        vals = []
+    if not 1 <= len(vals) <= 3 or any(v < 0 or not np.isfinite(v) for v in vals) or sum(vals) <= 0:
+        raise DataError(f"--split {split!r} must be 1-3 non-negative proportions with a positive sum; "
+                        "fix: e.g. 969,30,1 (train, valid, test)")
     vals += [0.0] * (3 - len(vals))
     total = sum(vals)
     return tuple(v / total for v in vals)
@@ -59,24 +61,35 @@ def split_ranges(num_docs: int, fractions) -> list[tuple[int, int]]:
 
 
 def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
-    """``[prefix]`` or ``[w1, p1, w2, p2, ...]`` -> [(normalised weight, prefix)]. Raises DataError."""
+    """``--data-path``: ``[prefix]`` or Megatron's blend ``[w1, p1, w2, p2, ...]`` ->
+    [(weight normalised to sum 1, prefix)]. data/ owns this rule; megazero's pre-launch check,
+    which may not import data/, refuses the same lists with the same messages
+    (megazero/config/checks.py; tests/test_config.py holds the two equal).
+
+    Raises DataError: no entry or an odd count, a weight that is not a number, negative or not
+    finite, or weights summing to 0.
+    """
     if len(data_path) == 1:
         return [(1.0, data_path[0])]
     if len(data_path) == 0 or len(data_path) % 2:
-        raise DataError(f"--data-path {' '.join(data_path)}: give one prefix or weight/prefix pairs, "
-                        f"e.g. --data-path 0.7 A 0.3 B")
+        raise DataError(f"--data-path {' '.join(data_path)}: a blend is weight-prefix pairs, got "
+                        f"{len(data_path)} entries; fix: give one prefix or weight/prefix pairs, "
+                        "e.g. --data-path 0.7 A 0.3 B")
     pairs = []
     for w, p in zip(data_path[0::2], data_path[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise DataError(f"--data-path: weight {w!r} (before {p}) is not a number") from None
+            raise DataError(f"--data-path: weight {w!r} (before {p}) is not a number; fix: give "
+                            "weight-prefix pairs, e.g. --data-path 0.7 A 0.3 B") from None
         if weight < 0 or not np.isfinite(weight):
-            raise DataError(f"--data-path: weight {w} of {p} is negative; weights must be >= 0")
+            raise DataError(f"--data-path weight {w} of {p} is negative or not finite; fix: use "
+                            "finite weights >= 0")
         pairs.append((weight, p))
     total = sum(w for w, _ in pairs)
     if total <= 0:
-        raise DataError(f"--data-path: weights {data_path[0::2]} sum to 0; give a positive weight")
+        raise DataError(f"--data-path weights {' '.join(data_path[0::2])} sum to 0; fix: give at least "
+                        "one positive weight")
     return [(w / total, p) for w, p in pairs]
 
 

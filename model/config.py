@@ -12,6 +12,10 @@ from typing import Optional
 
 import torch
 
+from megazero.config.checks import check_value
+from megazero.config.schema import setting_named
+from megazero.config.shape import check_block, check_sizes, default_ffn_hidden_size
+
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     """Smallest multiple of ``divisible_by * tp_size`` that is >= ``vocab_size``.
@@ -24,13 +28,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
                          f"({divisible_by}) and tp ({tp_size}) must all be >= 1")
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
-
-
-def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
-    """``4 H``; with SwiGLU Megatron-LM's ``int(4 H * 2/3 / 64) * 64`` (same parameter count as a
-    ``4 H`` GELU MLP, a multiple of 64). Example: ``(4096, True) -> 10880``; ``(32, True) -> 64``
-    is the smallest width it gives, ``(16, True) -> 0`` (validation then asks for a width)."""
-    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
 
 
 _SPECS: dict = {}  # (repr(GPTConfig), padded vocab) -> its parameter spec (GPTConfig.parameter_spec)
@@ -148,52 +145,25 @@ class GPTConfig:
     def validate(self, tp_size: int) -> None:
         """Check the sizes against ``tp_size`` before any collective.
 
-        Raises ValueError with one message naming the setting and the fix.
+        The rules are megazero's, written once for the flags and for this class: each field's
+        range and choices are its flag's (``megazero.config.schema`` metadata), the shapes
+        those of ``megazero.config.shape``. Raises ConfigError (a ValueError) with one message
+        naming the flag and the fix.
         """
-        def need(ok: bool, msg: str):
-            if not ok:
-                raise ValueError(msg)
+        for name, where in _SETTING_OF.items():
+            check_value(setting_named(where), getattr(self, name))
+        check_sizes(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                    ffn_hidden_size=self.ffn_hidden_size, seq_length=self.seq_length,
+                    max_position_embeddings=self.max_position_embeddings, tp=tp_size,
+                    sequence_parallel=self.sequence_parallel, swiglu=self.swiglu)
+        check_block(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads, tp=tp_size,
+                    num_query_groups=self.num_query_groups, rotary_percent=self.rotary_percent,
+                    rope=self.position_embedding_type == "rope")
 
-        for name in ("vocab_size", "num_layers", "hidden_size", "num_attention_heads",
-                     "ffn_hidden_size", "seq_length", "max_position_embeddings"):
-            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, "
-                                           f"got {getattr(self, name)}")
-        need(self.hidden_size % self.num_attention_heads == 0,
-             f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-             f"{self.num_attention_heads}; choose sizes with hidden = heads * head_dim")
-        need(self.num_attention_heads % tp_size == 0,
-             f"--num-attention-heads {self.num_attention_heads} is not divisible by --tp "
-             f"{tp_size}; use a tensor-parallel size that divides the head count")
-        need(self.ffn_hidden_size % tp_size == 0,
-             f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by --tp {tp_size}"
-             + (" (--swiglu: each rank holds F/tp gate and F/tp up units)" if self.swiglu else ""))
-        self._validate_block(tp_size, need)
-        need(self.seq_length <= self.max_position_embeddings,
-             f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
-             f"{self.max_position_embeddings}; raise the latter")
-        need(not self.sequence_parallel or self.seq_length % tp_size == 0,
-             f"--sequence-parallel needs --seq-length {self.seq_length} divisible by --tp "
-             f"{tp_size}")
-        for name in ("hidden_dropout", "attention_dropout", "label_smoothing"):
-            need(0.0 <= getattr(self, name) < 1.0,
-                 f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
 
-    def _validate_block(self, tp_size: int, need) -> None:
-        """The LLaMA-style options: choices, grouped-query sizes, rotary fraction and base."""
-        need(self.position_embedding_type in ("learned_absolute", "rope"),
-             f"--position-embedding-type {self.position_embedding_type!r} is not learned_absolute or rope")
-        need(self.normalization in ("LayerNorm", "RMSNorm"),
-             f"--normalization {self.normalization!r} is not LayerNorm or RMSNorm")
-        G, heads = self.kv_heads, self.num_attention_heads
-        need(G >= 1 and heads % G == 0,
-             f"--num-query-groups {G} does not divide --num-attention-heads {heads}; fix: a "
-             "divisor of the head count (1 = multi-query, heads = multi-head)")
-        need(G % tp_size == 0,
-             f"--num-query-groups {G} is not divisible by --tp {tp_size}; fix: a --tp that divides "
-             "the query groups (each rank holds whole groups with their queries)")
-        need(0.0 < self.rotary_percent <= 1.0,
-             f"--rotary-percent {self.rotary_percent} is outside (0, 1]; fix: e.g. 1.0 or 0.5")
-        need(self.position_embedding_type != "rope" or (self.rotary_dim >= 2 and self.rotary_dim % 2 == 0),
-             f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of the {self.head_dim} "
-             "dimensions of a head; RoPE needs an even number >= 2; fix: another --rotary-percent")
-        need(self.rotary_base >= 1, f"--rotary-base must be >= 1, got {self.rotary_base}")
+# GPTConfig field -> the setting (flag) whose documented range and choices it must satisfy
+_SETTING_OF = {"vocab_size": "data.vocab_size",
+               **{name: f"model.{name}" for name in (
+                   "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                   "max_position_embeddings", "hidden_dropout", "attention_dropout", "label_smoothing",
+                   "position_embedding_type", "normalization", "rotary_base", "num_query_groups")}}

@@ -20,6 +20,7 @@ import argparse
 import gc
 import os
 import sys
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -27,6 +28,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import train  # noqa: E402
+from data.indexed_dataset import DataError  # noqa: E402
+from data.tokenizer import load_tokenizer  # noqa: E402
 from megazero.config import MOCK_VOCAB_SIZE, config_from_argv  # noqa: E402
 from megazero.planning.memory import gib  # noqa: E402
 
@@ -36,12 +39,23 @@ RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
 
 
 def vocab_of(cfg) -> int:
-    """The vocabulary the run would have: --vocab-size, the mock default, or the tokenizer's."""
+    """The vocabulary the run would have: --vocab-size, the mock default, or --tokenizer-model's.
+
+    A plan reads no data; without any of the three it exits 2 with one line naming --vocab-size.
+    """
     if cfg.data.vocab_size is not None:
         return cfg.data.vocab_size
     if cfg.train.mock_data:
         return MOCK_VOCAB_SIZE
-    return train.build_data(cfg).vocab_size
+    if cfg.data.tokenizer_model is None:
+        print("megazero: config error: the plan needs the vocabulary size; fix: give --vocab-size N "
+              "(or --tokenizer-model, or --mock-data)", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        return load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type).vocab_size
+    except DataError as e:
+        print(f"megazero: data error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def plan_table(cfg, vocab: int) -> str:
@@ -128,7 +142,8 @@ def _divisors(n: int) -> list[int]:
 def layouts(argv: list[str], devices: int, max_tp: int = 8):
     """Every (tp, pp, dp, ZeRO stage, recomputation) of ``devices`` ranks the model allows, as
     (label, argv); tp a power of two up to ``max_tp`` (one node), sequence parallel when tp > 1."""
-    base = config_from_argv(argv + ["--tp", "1", "--pp", "1", "--dp", "1"], 1, print_warnings=False)
+    base = config_from_argv(argv + ["--tp", "1", "--pp", "1", "--dp", "1"], 1, print_warnings=False,
+                            needs_data=False)
     m, t = base.model, base.train
     for tp in (d for d in (1, 2, 4, 8, 16) if d <= max_tp and devices % d == 0):
         if m.num_attention_heads % tp or m.ffn_hidden_size % tp:
@@ -148,7 +163,7 @@ def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tu
     """(predicted peak bytes, layout) of every layout whose peak fits ``device_gib``, smallest first."""
     fits, vocab = [], None
     for layout, full in layouts(argv, devices):
-        cfg = config_from_argv(full, devices, print_warnings=False)
+        cfg = config_from_argv(full, devices, print_warnings=False, needs_data=False)
         vocab = vocab or vocab_of(cfg)
         peak = train.plan_memory(cfg, vocab).total_bytes
         if peak <= device_gib * 2**30:
@@ -156,7 +171,8 @@ def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tu
     return sorted(fits)
 
 
-def main() -> int:
+def main(argv: Optional[list[str]] = None) -> int:
+    """Plan (or measure, or search layouts for) the run of ``argv`` (default: the command line)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the flags)")
     ap.add_argument("--measure", action="store_true", help="run on CPU gloo ranks and measure each rank's peak")
@@ -164,7 +180,7 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=None, help="list layouts of this many devices that fit")
     ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (with --devices)")
     ap.add_argument("--top", type=int, default=20, help="layouts listed (with --devices)")
-    own, argv = ap.parse_known_args()
+    own, argv = ap.parse_known_args(argv)
     if own.devices is not None:
         fits = fitting_layouts(argv, own.devices, own.device_memory)
         print(f"{len(fits)} layouts of {own.devices} devices fit in {own.device_memory:g} GiB; smallest peak first:")
@@ -173,7 +189,7 @@ def main() -> int:
             print(f"{tp:>3} {pp:>3} {dp:>5} {zero:>4} {rc:>10} {gib(peak):>14}")
         return 0 if fits else 1
     world = own.world_size or _world_of(argv)
-    cfg = config_from_argv(argv, world)
+    cfg = config_from_argv(argv, world, needs_data=own.measure)  # only --measure reads the data
     print(plan_table(cfg, vocab_of(cfg)))
     if own.measure:
         print(f"\n{'rank':>4} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")

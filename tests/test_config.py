@@ -1,4 +1,4 @@
-"""megazero/config.py: flags, DeepSpeed JSON files (the seed documents'), derivation, validation.
+"""megazero/config/ (the config package): flags, DeepSpeed JSON files (the seed documents'), derivation, validation.
 
 Pure and fast: no process groups; one subprocess shows the exit code end to end.
 """
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from data.gpt_dataset import parse_data_path, parse_split as split_fractions
 from megazero.config import (
     ConfigError, Config, build_parser, config_from_argv, describe, finalize, flags_table, integer,
-    load_deepspeed_config, parse_args, parse_data_path, settings, split_fractions, to_dict, validate,
+    load_deepspeed_config, parse_args, settings, to_dict, validate,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,6 +158,26 @@ def test_real_data_with_blend_validates(files):
     assert parse_data_path([files["A"]]) == [(1.0, files["A"])]
     assert split_fractions("969,30,1") == pytest.approx((0.969, 0.030, 0.001))
     assert split_fractions("8/2") == pytest.approx((0.8, 0.2, 0.0))
+
+
+DATA_REFUSALS = [  # (--data-path, --split): each refused by data/ (its owner) and by config's pre-launch check
+    (["0.5", "A", "0.5"], "969,30,1"), (["x", "A", "1", "B"], "969,30,1"), (["-0.5", "A", "1.5", "B"], "969,30,1"),
+    (["inf", "A", "1", "B"], "969,30,1"), (["0", "A", "0", "B"], "969,30,1"), (["A"], "a,b"), (["A"], "1,2,3,4"),
+    (["A"], "-1,2,3"), (["A"], "0,0,0"), (["A"], ""), (["A"], "nan,1"), (["A"], "96/x/4"),
+]
+
+
+@pytest.mark.parametrize("data_path,split", DATA_REFUSALS, ids=[" ".join(p) + " | " + s for p, s in DATA_REFUSALS])
+def test_data_path_and_split_refusals_are_data_s_word_for_word(data_path, split, capsys):
+    """data/gpt_dataset.py owns the --data-path blend and --split rules; megazero.config, which
+    may not import data/, repeats its refusals before launch: the same message for each input."""
+    from data.indexed_dataset import DataError
+
+    with pytest.raises(DataError) as e:
+        parse_data_path(data_path)
+        split_fractions(split)
+    err = fails(["--data-path", *data_path, f"--split={split}"], 1, capsys)
+    assert err == f"megazero: config error: {e.value}\n"
 
 
 def test_batch_arithmetic_and_3d_layout():

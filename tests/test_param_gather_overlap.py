@@ -77,12 +77,11 @@ def test_pp2_dp2_interleaved_bit_identical():
 
 
 def test_auto_and_refusal(capsys):
-    import train
-    from megazero.config import config_from_argv
+    from megazero.config import config_from_argv, overlap_param_gather
 
     for stage, on in (("0", False), ("1", True), ("2", True), ("3", False)):
         cfg = config_from_argv(BASE + ["--dp", "2", "--zero-stage", stage], 2)
-        assert train.overlap_param_gather(cfg) is on
+        assert overlap_param_gather(cfg) is on
     for stage in ("0", "3"):
         with pytest.raises(SystemExit) as e:
             config_from_argv(BASE + ["--dp", "2", "--zero-stage", stage, "--overlap-param-gather", "on"], 2)

@@ -114,6 +114,38 @@ def test_plan_lists_a_fitting_layout_for_a_175b_gpt():
     assert peaks == sorted(peaks)
 
 
+def _plan_script():
+    """scripts/plan.py as a module (its main takes the command line as a list)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_script", os.path.join(ROOT, "scripts", "plan.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_needs_no_data(capsys):
+    """scripts/plan.py launches nothing and reads no data: GPT-3 175B on tp 8 x pp 8 x dp 8 is
+    planned without --data-path or --mock-data (one row per pipeline stage); without
+    --vocab-size it stops with one line naming the flag."""
+    plan = _plan_script()
+    argv = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+            "--tp", "8", "--pp", "8", "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "1536",
+            "--bf16", "--zero-stage", "1", "--sequence-parallel"]
+    assert plan.main(argv + ["--vocab-size", "50257"]) == 0
+    out = capsys.readouterr()
+    rows = out.out.splitlines()
+    assert rows[0].split() == ["stage", "params", "states", "MiB", "activ.", "MiB", "temps", "MiB", "peak", "MiB"]
+    assert [int(r.split()[0]) for r in rows[1:]] == list(range(8))
+    assert all(int(r.split()[1].replace(",", "")) > 10**9 for r in rows[1:])  # 175e9 / (tp 8 x pp 8) each
+    assert "error" not in out.err
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megazero: config error: ") and "--vocab-size" in err and err.count("\n") == 1
+
+
 @pytest.mark.slow
 def test_measure_agrees_with_the_plan():
     """scripts/plan.py --measure on one CPU rank: the predicted peak is within 10 % of the

@@ -27,7 +27,7 @@ import json
 import math
 from typing import Any, Optional
 
-from megazero.config import Config, ConfigError, _get, _set, _setting
+from megazero.config.schema import Config, ConfigError, get_value, set_value, setting_named
 
 _DS_KEYS = {
     "train_batch_size": "train.global_batch_size",
@@ -153,16 +153,16 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         if raw == "auto":
             continue
-        value = _coerce(raw, _setting(name).base, f"{key} in {path}")
+        value = _coerce(raw, setting_named(name).base, f"{key} in {path}")
         src = cfg.sources.get(name, "")
         if src.startswith("--"):
-            current = _get(cfg, name)
+            current = get_value(cfg, name)
             if current != value:
                 shown = src if isinstance(current, bool) else f"{src} {current}"  # a switch: the flag alone
                 raise ConfigError(f"{shown} on the command line conflicts with {key} = "
                                   f"{json.dumps(raw)} in {path}; fix: make them agree or drop one")
             continue
-        _set(cfg, name, value)
+        set_value(cfg, name, value)
         cfg.sources[name] = f"{key} in {path}"
     return warnings
 
@@ -174,7 +174,7 @@ def _activation_checkpointing(doc: dict, path: str, cfg: Config) -> list[str]:
         return []
     if not any(name in cfg.sources for name in _RECOMPUTE):
         for name, value in _RECOMPUTE.items():
-            _set(cfg, name, value)
+            set_value(cfg, name, value)
             cfg.sources[name] = f"activation_checkpointing in {path}"
     warnings = []
     if block.get("partition_activations") and not cfg.parallel.sequence_parallel:

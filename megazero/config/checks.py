@@ -1,33 +1,56 @@
 """The rules a megazero Config must satisfy; each raises one ConfigError naming the flag and the fix.
 
 Pure functions of the settings and the world size, so every rank runs them before any
-process group exists (DESIGN.md, contract 3).
+process group exists (DESIGN.md, contract 3). Where each kind of rule lives:
+
+- one setting's range and choices: its field's metadata (schema.py), applied by
+  ``check_value`` here and by ``model.config.GPTConfig.validate`` to the model's fields;
+- model shapes under tp (heads, widths, positions, sequence parallelism, query groups,
+  RoPE): ``shape.py``, applied here and by ``GPTConfig.validate``;
+- layers over pipeline stages and chunks: ``megazero.pipeline.partition.validate_partition``;
+- flag combinations (an option of a feature that is off, recomputation, world size =
+  tp x pp x dp, batch arithmetic, schedules, precision, ZeRO and offload, output
+  directories, logging, profiling, ``--from-hf``): here;
+- the training data: data/ owns the ``--data-path`` blend and ``--split`` rules
+  (``data.gpt_dataset``); here the presence of a corpus, its files and its tokenizer, with
+  data/'s refusals repeated word for word (megazero may not import data/; see ``_split``).
+  ``validate(..., needs_data=False)`` leaves these out for tools that read no data.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+from typing import Any, Optional
 
-from megazero.config import Config, ConfigError, _get, _show, settings
+from megazero.config.schema import Config, ConfigError, Setting, get_value, settings, show_flag
+from megazero.config.shape import check_block, check_sizes
 from megazero.pipeline.partition import PartitionError, validate_partition
+
+
+def check_value(setting: Setting, value: Any, label: Optional[str] = None) -> None:
+    """``value`` inside ``setting``'s documented range and among its choices (the field's
+    metadata in schema.py); None passes. ``label`` names it in the message (default: its flag).
+
+    Raises ConfigError, e.g. "--hidden-dropout 1.0 is out of range; fix: use a value < 1".
+    """
+    meta, label = setting.field.metadata, label or setting.flag
+    if meta["choices"] and value is not None and value not in meta["choices"]:
+        raise ConfigError(f"{label} {value!r} is not one of {', '.join(meta['choices'])}")
+    if value is None or setting.base not in (int, float):
+        return
+    if not math.isfinite(value):
+        raise ConfigError(f"{label} {value} is not a finite number; fix: give a number")
+    for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+                          ("lt", "<", lambda v, b: v < b)):
+        if meta[op] is not None and not ok(value, meta[op]):
+            raise ConfigError(f"{label} {value} is out of range; fix: use a value {bound} {meta[op]}")
 
 
 def _check_ranges(cfg: Config, world_size: int) -> None:
     """Every number inside its documented range, every choice among its choices."""
     for s in settings():
-        value, meta = _get(cfg, s.name), s.field.metadata
-        if meta["choices"] and value is not None and value not in meta["choices"]:
-            raise ConfigError(f"{_show(cfg, s.name)} {value!r} is not one of {', '.join(meta['choices'])}")
-        if value is None or s.base not in (int, float):
-            continue
-        if not math.isfinite(value):
-            raise ConfigError(f"{_show(cfg, s.name)} {value} is not a finite number; fix: give a number")
-        for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
-                              ("lt", "<", lambda v, b: v < b)):
-            if meta[op] is not None and not ok(value, meta[op]):
-                raise ConfigError(f"{_show(cfg, s.name)} {value} is out of range; fix: "
-                                  f"use a value {bound} {meta[op]}")
+        check_value(s, get_value(cfg, s.name), show_flag(cfg, s.name))
 
 
 def _check_world(cfg: Config, world_size: int) -> None:
@@ -43,52 +66,31 @@ def _check_world(cfg: Config, world_size: int) -> None:
 
 
 def _check_model_shape(cfg: Config, world_size: int) -> None:
-    """Heads divide H and tp divides heads (so tp divides H too) and the FFN; seq fits positions."""
-    m, tp = cfg.model, cfg.parallel.tp
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-                          f"{m.num_attention_heads}; fix: choose a head count that divides the hidden size")
-    if m.num_attention_heads % tp:
-        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tp {tp}; "
-                          "fix: use a --tp that divides the head count")
-    if m.ffn_hidden_size % tp:
-        glu = " (--swiglu: each rank holds F/tp gate and F/tp up units)" if m.swiglu else ""
-        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tp {tp}{glu}; "
-                          "fix: use a multiple of the tensor-parallel size")
-    if m.seq_length > m.max_position_embeddings:
-        raise ConfigError(f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
-                          f"{m.max_position_embeddings}; fix: raise the positions or shorten the sequence")
-    if cfg.parallel.sequence_parallel and m.seq_length % tp:
-        raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tp {tp}; "
-                          "fix: use a multiple of --tp or drop --sequence-parallel")
+    """The sizes split over tp (shape.py, the rules GPTConfig.validate applies too)."""
+    m, p = cfg.model, cfg.parallel
+    check_sizes(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
+                max_position_embeddings=m.max_position_embeddings, tp=p.tp,
+                sequence_parallel=p.sequence_parallel, swiglu=m.swiglu)
 
 
-def _check_block(cfg: Config, world_size: int) -> None:
-    """The LLaMA-style options (Megatron-LM's rules): G divides the heads and tp divides G;
-    RoPE's fraction in (0, 1] giving an even number >= 2 of rotated dimensions; options of
-    a feature that is off are refused."""
-    m, tp, given = cfg.model, cfg.parallel.tp, cfg.sources
+def _check_unused_options(cfg: Config, world_size: int) -> None:
+    """An option of a feature that is off is refused (Megatron-LM's rule)."""
+    m, given = cfg.model, cfg.sources
     rope = m.position_embedding_type == "rope"
     for name, needs, on in (("model.num_query_groups", "--group-query-attention", m.group_query_attention),
                             ("model.rotary_base", "--position-embedding-type rope", rope),
                             ("model.rotary_percent", "--position-embedding-type rope", rope)):
         if name in given and not on:
-            raise ConfigError(f"{_show(cfg, name)} has no effect without {needs}; fix: add {needs} or drop it")
-    if m.group_query_attention:
-        G = m.num_query_groups
-        if m.num_attention_heads % G:
-            raise ConfigError(f"--num-query-groups {G} does not divide --num-attention-heads {m.num_attention_heads}; "
-                              "fix: a divisor of the head count (1 = multi-query, the head count = multi-head)")
-        if G % tp:
-            raise ConfigError(f"--num-query-groups {G} is not divisible by --tp {tp}; fix: a --tp that divides "
-                              "the query groups (each rank holds whole groups with their queries)")
-    if not 0.0 < m.rotary_percent <= 1.0:
-        raise ConfigError(f"--rotary-percent {m.rotary_percent} is outside (0, 1]; fix: e.g. 1.0 or 0.5")
-    rot = int(m.hidden_size // m.num_attention_heads * m.rotary_percent)
-    if rope and (rot < 2 or rot % 2):
-        raise ConfigError(f"--rotary-percent {m.rotary_percent} rotates {rot} dimensions of each "
-                          f"{m.hidden_size // m.num_attention_heads}-dimensional head; RoPE needs an even "
-                          "number >= 2; fix: another --rotary-percent")
+            raise ConfigError(f"{show_flag(cfg, name)} has no effect without {needs}; fix: add {needs} or drop it")
+
+
+def _check_block(cfg: Config, world_size: int) -> None:
+    """The LLaMA-style block's sizes (shape.py, the rules GPTConfig.validate applies too)."""
+    m = cfg.model
+    check_block(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, tp=cfg.parallel.tp,
+                num_query_groups=m.num_query_groups if m.group_query_attention else None,
+                rotary_percent=m.rotary_percent, rope=m.position_embedding_type == "rope")
 
 
 def _check_swiglu_width(cfg: Config, world_size: int) -> None:
@@ -103,10 +105,10 @@ def _check_recompute(cfg: Config, world_size: int) -> None:
     """Megatron-LM's rules: full needs a method; a method belongs to full only."""
     m = cfg.model
     if m.recompute_granularity == "full" and m.recompute_method is None:
-        raise ConfigError(f"{_show(cfg, 'model.recompute_granularity')} full needs --recompute-method; "
+        raise ConfigError(f"{show_flag(cfg, 'model.recompute_granularity')} full needs --recompute-method; "
                           "fix: add --recompute-method uniform (or block)")
     if m.recompute_method is not None and m.recompute_granularity != "full":
-        raise ConfigError(f"{_show(cfg, 'model.recompute_method')} {m.recompute_method} applies to "
+        raise ConfigError(f"{show_flag(cfg, 'model.recompute_method')} {m.recompute_method} applies to "
                           "--recompute-granularity full only; fix: add --recompute-granularity full "
                           "or drop --recompute-method")
 
@@ -116,13 +118,13 @@ def _check_batch(cfg: Config, world_size: int) -> None:
     t, dp = cfg.train, cfg.parallel.dp
     micro, accum, total = t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size
     if accum is None:
-        raise ConfigError(f"{_show(cfg, 'train.global_batch_size')} {total} is not divisible by "
+        raise ConfigError(f"{show_flag(cfg, 'train.global_batch_size')} {total} is not divisible by "
                           f"--micro-batch-size {micro} x data-parallel size {dp} = {micro * dp}; fix: "
                           f"use a multiple of {micro * dp} or change --micro-batch-size")
     if total != micro * accum * dp:
         raise ConfigError(
-            f"{_show(cfg, 'train.global_batch_size')} {total} != {_show(cfg, 'train.micro_batch_size')} "
-            f"{micro} x {_show(cfg, 'train.gradient_accumulation_steps')} {accum} x data-parallel size {dp}"
+            f"{show_flag(cfg, 'train.global_batch_size')} {total} != {show_flag(cfg, 'train.micro_batch_size')} "
+            f"{micro} x {show_flag(cfg, 'train.gradient_accumulation_steps')} {accum} x data-parallel size {dp}"
             f" = {micro * accum * dp}; fix: make them agree, or give only two so the third is derived")
 
 
@@ -155,24 +157,24 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
     """min lr <= lr; a WSD annealing phase that fits; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
     o, pr, z = cfg.optim, cfg.precision, cfg.zero
     if o.min_lr > o.lr:
-        raise ConfigError(f"{_show(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
+        raise ConfigError(f"{show_flag(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
                           "--min-lr <= --lr")
     if o.lr_decay_style != "constant" and o.lr_decay_iters <= o.lr_warmup_iters:
-        raise ConfigError(f"{_show(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
-                          f"{_show(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
+        raise ConfigError(f"{show_flag(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
+                          f"{show_flag(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
                           f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
                           "--train-iters, its default), lower --lr-warmup-iters, or use "
                           "--lr-decay-style constant")
     if o.lr_decay_style == "WSD" and not (
             o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_iters <= o.lr_decay_iters - o.lr_warmup_iters):
-        raise ConfigError(f"--lr-decay-style WSD needs {_show(cfg, 'optim.lr_wsd_decay_iters')} between 1 and "
+        raise ConfigError(f"--lr-decay-style WSD needs {show_flag(cfg, 'optim.lr_wsd_decay_iters')} between 1 and "
                           f"--lr-decay-iters {o.lr_decay_iters} - --lr-warmup-iters {o.lr_warmup_iters}, got "
                           f"{o.lr_wsd_decay_iters}; fix: give --lr-wsd-decay-iters in that range")
     if pr.fp16 and pr.bf16:
-        raise ConfigError(f"{_show(cfg, 'precision.fp16')} and {_show(cfg, 'precision.bf16')} are both on; "
+        raise ConfigError(f"{show_flag(cfg, 'precision.fp16')} and {show_flag(cfg, 'precision.bf16')} are both on; "
                           "fix: choose one")
     if z.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{_show(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
+        raise ConfigError(f"{show_flag(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
                           "(replicated), 1 (optimizer states sharded), 2 (and gradients) or 3 "
                           "(and parameters)")
 
@@ -183,22 +185,22 @@ def _check_offload(cfg: Config, world_size: int) -> None:
     offloaded too (the host shards are updated where they live)."""
     z = cfg.zero
     if z.offload_optimizer == "cpu" and z.stage == 0:
-        raise ConfigError(f"{_show(cfg, 'zero.offload_optimizer')} cpu needs a ZeRO stage of 1 or more "
-                          f"(got {_show(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2")
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} cpu needs a ZeRO stage of 1 or more "
+                          f"(got {show_flag(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2")
     if z.offload_optimizer == "cpu" and cfg.optim.kernels == "apex":
-        raise ConfigError(f"{_show(cfg, 'optim.kernels')} apex needs CUDA but "
-                          f"{_show(cfg, 'zero.offload_optimizer')} cpu runs Adam on the host; fix: use "
+        raise ConfigError(f"{show_flag(cfg, 'optim.kernels')} apex needs CUDA but "
+                          f"{show_flag(cfg, 'zero.offload_optimizer')} cpu runs Adam on the host; fix: use "
                           "--kernels auto or torch")
     if z.overlap_param_gather == "on" and z.stage not in (1, 2):
-        raise ConfigError(f"{_show(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
+        raise ConfigError(f"{show_flag(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
                           f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
                           "before each forward); fix: use --zero-stage 1 or 2, or --overlap-param-gather auto")
     if z.offload_param == "cpu" and z.stage != 3:
-        raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu keeps ZeRO-3 parameter shards in host "
-                          f"memory and needs {_show(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} cpu keeps ZeRO-3 parameter shards in host "
+                          f"memory and needs {show_flag(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
                           "--zero-stage 3, or remove it (--offload-optimizer cpu offloads the optimizer states)")
     if z.offload_param == "cpu" and z.offload_optimizer != "cpu":
-        raise ConfigError(f"{_show(cfg, 'zero.offload_param')} cpu needs the optimizer on the host too "
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} cpu needs the optimizer on the host too "
                           "(it updates the host shards in place); fix: add --offload-optimizer cpu")
 
 
@@ -226,15 +228,17 @@ def _check_outputs(cfg: Config, world_size: int) -> None:
 
 
 def _check_data(cfg: Config, world_size: int) -> None:
-    """A split of 1-3 proportions; a corpus whose .bin/.idx files exist and a tokenizer file."""
+    """A training corpus is given and present: --data-path's .bin/.idx files (unless
+    --mock-data) and the tokenizer file; --split and a blend well formed (``_split`` and
+    ``_data_prefixes``, data/'s rules repeated for this pre-launch check)."""
     d = cfg.data
-    split_fractions(d.split)
+    _split(d.split)
     if cfg.train.mock_data:
         return
     if not d.data_path:
         raise ConfigError("no training data: --data-path is missing; fix: give --data-path PREFIX "
                           "(PREFIX.bin/.idx written by data/preprocess.py) or --mock-data")
-    for _, prefix in parse_data_path(d.data_path):
+    for prefix in _data_prefixes(d.data_path):
         for path in (prefix + ".bin", prefix + ".idx"):
             if not os.path.isfile(path):
                 hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
@@ -247,6 +251,44 @@ def _check_data(cfg: Config, world_size: int) -> None:
         os.path.join(d.tokenizer_model, "tokenizer.json"))
     if not (os.path.isfile(d.tokenizer_model) or hf_folder):
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
+
+
+# data/gpt_dataset.py's parse_split and parse_data_path own the --split and --data-path rules;
+# megazero may not import data/ (DESIGN.md, dependency direction), so this pre-launch check
+# repeats their refusals word for word, and tests/test_config.py asserts that both give the
+# same message for every bad input. Change them together.
+def _split(split: str) -> None:
+    try:
+        parts = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(v < 0 or not math.isfinite(v) for v in parts) or sum(parts) <= 0:
+        raise ConfigError(f"--split {split!r} must be 1-3 non-negative proportions with a positive sum; "
+                          "fix: e.g. 969,30,1 (train, valid, test)")
+
+
+def _data_prefixes(items: list[str]) -> list[str]:
+    """The prefixes of a --data-path of one prefix or weight-prefix pairs."""
+    if len(items) == 1:
+        return list(items)
+    if len(items) == 0 or len(items) % 2:
+        raise ConfigError(f"--data-path {' '.join(items)}: a blend is weight-prefix pairs, got "
+                          f"{len(items)} entries; fix: give one prefix or weight/prefix pairs, "
+                          "e.g. --data-path 0.7 A 0.3 B")
+    weights = []
+    for w, p in zip(items[0::2], items[1::2]):
+        try:
+            weights.append(float(w))
+        except ValueError:
+            raise ConfigError(f"--data-path: weight {w!r} (before {p}) is not a number; fix: give "
+                              "weight-prefix pairs, e.g. --data-path 0.7 A 0.3 B") from None
+        if weights[-1] < 0 or not math.isfinite(weights[-1]):
+            raise ConfigError(f"--data-path weight {w} of {p} is negative or not finite; fix: use "
+                              "finite weights >= 0")
+    if sum(weights) <= 0:
+        raise ConfigError(f"--data-path weights {' '.join(items[0::2])} sum to 0; fix: give at least "
+                          "one positive weight")
+    return items[1::2]
 
 
 def _check_logging(cfg: Config, world_size: int) -> None:
@@ -281,54 +323,18 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
                               "scripts/convert_checkpoint.py --to-hf (or save_pretrained with safetensors)")
 
 
-_CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges, _check_world,
-           _check_model_shape, _check_block, _check_recompute, _check_batch, _check_pipeline,
-           _check_optim_precision, _check_offload, _check_data)
+_CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
+           _check_world, _check_model_shape, _check_unused_options, _check_block, _check_recompute,
+           _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Run every check (after finalize); raises ConfigError naming the flag and the fix."""
+def validate(cfg: Config, world_size: int, *, needs_data: bool = True) -> None:
+    """Run every check (after finalize); raises ConfigError naming the flag and the fix.
+
+    ``needs_data=False`` leaves out the training data's checks (``--data-path``, ``--split``,
+    ``--tokenizer-model``): for tools that read no data, such as scripts/plan.py.
+    """
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be >= 1 (WORLD_SIZE of the launcher)")
-    for check in _CHECKS:
+    for check in _CHECKS + ((_check_data,) if needs_data else ()):
         check(cfg, world_size)
-
-
-def parse_data_path(items: list[str]) -> list[tuple[float, str]]:
-    """``--data-path`` as (weight, prefix) pairs, weights normalised to sum 1.
-
-    One entry is a single prefix (weight 1); more are Megatron's ``W1 P1 W2 P2 ...`` blend.
-    Raises ConfigError: an odd count, a weight that is not a number, negative, or all zero.
-    """
-    if len(items) == 1:
-        return [(1.0, items[0])]
-    if len(items) % 2:
-        raise ConfigError(f"--data-path has {len(items)} entries; a blend is weight-prefix pairs; fix: "
-                          "e.g. --data-path 0.7 PREFIX_A 0.3 PREFIX_B")
-    pairs = []
-    for weight, prefix in zip(items[::2], items[1::2]):
-        try:
-            w = float(weight)
-        except ValueError:
-            raise ConfigError(f"--data-path: {weight!r} should be the weight before {prefix!r}; fix: "
-                              "give weight-prefix pairs, e.g. --data-path 0.7 A 0.3 B") from None
-        if not (math.isfinite(w) and w >= 0):
-            raise ConfigError(f"--data-path weight {weight} of {prefix} is negative; fix: use weights >= 0")
-        pairs.append((w, prefix))
-    total = sum(w for w, _ in pairs)
-    if total <= 0:
-        raise ConfigError("--data-path weights sum to 0; fix: give at least one positive weight")
-    return [(w / total, prefix) for w, prefix in pairs]
-
-
-def split_fractions(split: str) -> tuple[float, float, float]:
-    """``--split`` "969,30,1" (or "/"-separated, 1-3 parts) as train/valid/test fractions summing to 1."""
-    try:
-        parts = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 3 or min(parts) < 0 or sum(parts) <= 0:
-        raise ConfigError(f"--split {split!r} must be 1-3 non-negative proportions with a positive sum; "
-                          "fix: e.g. --split 969,30,1")
-    parts += [0.0] * (3 - len(parts))
-    return tuple(x / sum(parts) for x in parts)

@@ -1,41 +1,23 @@
-"""megazero's one configuration (DESIGN.md, contract 5).
+"""The schema of megazero's one configuration (DESIGN.md, contract 5): every setting a field.
 
-Every setting is a dataclass field with a default; its documentation (meaning, unit, valid
-range, choices, command-line flags) is the field's ``metadata`` and is rendered three ways
-from that one place: ``--help``, ``flags_table()`` (the README's table) and ``describe()``.
+Each setting is a dataclass field with a default; its documentation (meaning, unit, valid
+range, choices, command-line flags) is the field's ``metadata``, written once here and read
+by the command line (``cli.py``: ``--help``, ``flags_table()``), the rules (``checks.py``:
+ranges and choices) and the rendering (``render.py``: ``describe()``).
 
-Three sources fill a ``Config``, in this order:
-
-1. defaults (the dataclasses below);
-2. a DeepSpeed-style JSON file (``--deepspeed-config``; keys documented at DeepSpeed's
-   "Configuration JSON" page): ``zero_optimization``, ``fp16``, ``bf16``,
-   ``train_batch_size``, ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
-   ``gradient_clipping``, ``steps_per_print``. It fills every setting not given on the
-   command line. A setting given both on the command line and in the file must agree:
-   otherwise ``ConfigError`` naming the flag and the key. NVMe offload and parameter offload
-   are refused; ``stage3_*`` keys and any other key megazero does not read give a warning;
-3. Megatron-style long flags (plus ``--tp/--pp/--dp``), generated from the fields.
-
-``finalize`` then derives what was left open (data-parallel size, accumulation steps or
-global batch, FFN width, ...) and ``validate`` checks every rule, raising one ``ConfigError``
-that names the flag and the fix. All of it is pure: the world size is passed in, so it runs
-on every rank before any process group exists (contract 3).
-
-The DeepSpeed reader lives in ``config_deepspeed.py`` and the rules in ``config_checks.py``;
-their public functions are re-exported here, so ``megazero.config`` stays the one entry point.
+``settings()`` lists the fields as ``Setting`` rows named ``section.field``
+("model.num_layers"); ``get_value`` / ``set_value`` / ``show_flag`` address a ``Config`` by
+that name. Imports nothing of megazero but ``pipeline.partition`` (the layer-split parser).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megazero.pipeline.partition import PartitionError, parse_layer_split
+from megazero.pipeline.partition import parse_layer_split
 
 MOCK_VOCAB_SIZE = 1024  # vocabulary of --mock-data when --vocab-size is not given
 
@@ -47,29 +29,14 @@ class ConfigError(ValueError):
 def _f(default: Any, help: str, unit: str = "", *, flags: tuple = (), choices: tuple = (),
        ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
        parse=None):
-    """A setting: default, meaning, unit, flags (first = the name used in messages), range."""
+    """A setting: default, meaning, unit, flags (first = the name used in messages), range.
+
+    ``parse``: the command-line parser of its value (text -> value; ValueError when invalid).
+    """
     meta = dict(help=help, unit=unit, flags=flags, choices=choices, ge=ge, gt=gt, lt=lt, parse=parse)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
-
-
-def _layer_split(text: str) -> list[int]:
-    try:
-        return parse_layer_split(text)
-    except PartitionError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def integer(text: str) -> int:
-    """An integer flag value; accepts DeepSpeed-style ``5e8`` when it is a whole number."""
-    try:
-        return int(text)
-    except ValueError:
-        value = float(text)
-        if not value.is_integer():
-            raise ValueError(text) from None
-        return int(value)
 
 
 @dataclass
@@ -132,7 +99,7 @@ class ParallelConfig:
     pipeline_schedule: str = _f("1f1b", "pipeline schedule; interleaved when --virtual-pipeline-size > 1",
                                 choices=("none", "gpipe", "1f1b", "interleaved"))
     pipeline_layer_split: Optional[list[int]] = _f(
-        None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=_layer_split)
+        None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=parse_layer_split)
     sequence_parallel: bool = _f(False, "partition LayerNorm/dropout activations along the sequence over tp")
     async_tensor_model_parallel_allreduce: bool = _f(
         True, "overlap the column-parallel layers' input-gradient all-reduce with their weight-gradient "
@@ -346,8 +313,9 @@ class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LoggingConfig = field(default_factory=LoggingConfig)
-    deepspeed_config: Optional[str] = _f(None, "DeepSpeed-style JSON file (keys read: README, section DeepSpeed configuration files; megazero/config_deepspeed.py)", "path",
-                                         flags=("--deepspeed-config", "--deepspeed_config"))
+    deepspeed_config: Optional[str] = _f(
+        None, "DeepSpeed-style JSON file (keys read: README, section DeepSpeed configuration files; "
+        "megazero/config/deepspeed.py)", "path", flags=("--deepspeed-config", "--deepspeed_config"))
     sources: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -363,6 +331,8 @@ class Setting:
 
     @property
     def flags(self) -> tuple[str, ...]:
+        """Its command-line flags: the field's, else ``--leaf-name`` (``--no-leaf-name`` for a
+        switch that is on by default)."""
         given = self.field.metadata["flags"]
         if given:
             return given
@@ -371,7 +341,14 @@ class Setting:
 
     @property
     def flag(self) -> str:
+        """The flag that names this setting in messages (the first one)."""
         return self.flags[0]
+
+    @property
+    def default(self) -> Any:
+        """The default value (a fresh list for list settings)."""
+        f = self.field
+        return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def _base(hint) -> type:
@@ -396,18 +373,21 @@ def settings() -> tuple[Setting, ...]:
     return tuple(out)
 
 
-def _setting(name: str) -> Setting:
+def setting_named(name: str) -> Setting:
+    """The Setting called ``name`` ("model.num_layers"); StopIteration when there is none."""
     return next(s for s in settings() if s.name == name)
 
 
-def _get(cfg: Config, name: str) -> Any:
+def get_value(cfg: Config, name: str) -> Any:
+    """The value of setting ``name`` ("train.micro_batch_size") in ``cfg``."""
     obj = cfg
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def _set(cfg: Config, name: str, value: Any) -> None:
+def set_value(cfg: Config, name: str, value: Any) -> None:
+    """Set setting ``name`` ("train.micro_batch_size") of ``cfg`` to ``value`` (unchecked)."""
     *path, leaf = name.split(".")
     obj = cfg
     for part in path:
@@ -415,195 +395,8 @@ def _set(cfg: Config, name: str, value: Any) -> None:
     setattr(obj, leaf, value)
 
 
-def _show(cfg: Config, name: str) -> str:
-    """The flag of a setting, plus the JSON key when the value came from the DeepSpeed file."""
-    flag, src = _setting(name).flag, cfg.sources.get(name, "")
+def show_flag(cfg: Config, name: str) -> str:
+    """The flag of a setting, plus the JSON key when the value came from the DeepSpeed file:
+    ``--micro-batch-size`` or ``--micro-batch-size (train_micro_batch_size_per_gpu in ds.json)``."""
+    flag, src = setting_named(name).flag, cfg.sources.get(name, "")
     return f"{flag} ({src})" if src and not src.startswith("--") else flag
-
-
-# -- command line ---------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ConfigError(f"{message}; fix: see `python train.py --help` for the flags")
-
-
-def _help(s: Setting) -> str:
-    m = s.field.metadata
-    unit = f" [{m['unit']}]" if m["unit"] else ""
-    if s.base is bool:
-        return m["help"] + unit + (" (on by default; this flag turns it off)" if s.field.default else "")
-    default = s.field.default if s.field.default is not dataclasses.MISSING else s.field.default_factory()
-    return f"{m['help']}{unit} (default: {default})"
-
-
-@functools.lru_cache(maxsize=None)
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser, one option per setting; absent flags leave no attribute."""
-    parser = _Parser(prog="train.py", allow_abbrev=False, argument_default=argparse.SUPPRESS,
-                     description="megazero: 3D-parallel GPT pretraining (see README.md).")
-    groups: dict[str, Any] = {}
-    for s in settings():
-        section = s.name.split(".")[0] if "." in s.name else "files"
-        if section not in groups:
-            groups[section] = parser.add_argument_group(section)
-        kw: dict[str, Any] = dict(dest=s.name, help=_help(s).replace("%", "%%"))
-        meta = s.field.metadata
-        if s.base is not bool and not meta["choices"]:
-            kw["metavar"] = s.name.split(".")[-1].upper()
-        if s.base is bool:
-            kw["action"] = "store_false" if s.field.default else "store_true"
-        elif meta["parse"] is not None:
-            kw["type"] = meta["parse"]
-        elif s.base is list:
-            kw.update(nargs="+", type=str)
-        else:
-            kw["type"] = {int: integer, float: float, str: str}[s.base]
-            if meta["choices"]:
-                kw["choices"] = meta["choices"]
-        groups[section].add_argument(*s.flags, **kw)
-    return parser
-
-
-def parse_args(argv: list[str]) -> Config:
-    """Defaults overridden by the flags in ``argv``; records each given flag in ``cfg.sources``.
-
-    Raises ConfigError on an unknown flag or a value of the wrong type (message names the flag).
-    """
-    cfg = Config()
-    for name, value in vars(build_parser().parse_args(list(argv))).items():
-        _set(cfg, name, value)
-        cfg.sources[name] = _setting(name).flag
-    return cfg
-
-
-# -- derive and validate --------------------------------------------------------------------
-def finalize(cfg: Config, world_size: int) -> list[str]:
-    """Fill derived settings in place; returns warnings. Never raises: validate() judges.
-
-    dp = world / (tp x pp); FFN = 4 H (SwiGLU: int(8 H / 3 / 64) x 64); max positions = seq; decay iters = train iters;
-    mock vocab = MOCK_VOCAB_SIZE; interleaved schedule when vp > 1 and no schedule was given;
-    sequence parallelism off at tp 1 (Megatron does the same, with a warning). Batch (DeepSpeed's
-    rule when global and accumulation are given and micro is not, else Megatron's):
-    micro = global / (accumulation x dp), or accumulation = global / (micro x dp), or
-    global = micro x accumulation x dp with accumulation 1 by default.
-    """
-    m, p, t, o, d = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.data
-    warnings = []
-    if m.ffn_hidden_size is None:  # Megatron-LM's rule: SwiGLU keeps the 4H MLP's parameter count
-        m.ffn_hidden_size = int(4 * m.hidden_size * 2 / 3 / 64) * 64 if m.swiglu else 4 * m.hidden_size
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
-    o.lr_decay_iters = t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters
-    o.lr_warmup_iters = t.train_iters // 10 if o.lr_warmup_iters is None else o.lr_warmup_iters
-    if t.mock_data:
-        d.vocab_size = MOCK_VOCAB_SIZE if d.vocab_size is None else d.vocab_size
-        if d.data_path:
-            warnings.append("--mock-data is set: --data-path is ignored")
-    if p.virtual_pipeline_size > 1 and "parallel.pipeline_schedule" not in cfg.sources:
-        p.pipeline_schedule = "interleaved"
-    if p.sequence_parallel and p.tp == 1:
-        p.sequence_parallel = False
-        warnings.append("--sequence-parallel does nothing with --tp 1; turned off")
-    for knob in ("contiguous_gradients", "reduce_scatter", "allgather_partitions"):
-        if not getattr(cfg.zero, knob):
-            warnings.append(f"{_show(cfg, 'zero.' + knob)} = false is ignored: megazero always uses "
-                            "contiguous gradient buffers, reduce-scatter and all-gather (same result)")
-    if p.dp is None and p.tp >= 1 and p.pp >= 1 and world_size % (p.tp * p.pp) == 0:
-        p.dp = world_size // (p.tp * p.pp)
-    sizes = (p.dp, t.micro_batch_size, t.global_batch_size, t.gradient_accumulation_steps)
-    if p.dp is not None and all(v is None or v >= 1 for v in sizes):
-        _derive_batch(cfg)
-    return warnings
-
-
-def _derive_batch(cfg: Config) -> None:
-    t, dp = cfg.train, cfg.parallel.dp
-    total, accum = t.global_batch_size, t.gradient_accumulation_steps
-    if total is not None and accum is not None and "train.micro_batch_size" not in cfg.sources \
-            and total % (accum * dp) == 0:
-        t.micro_batch_size = total // (accum * dp)
-    if total is None:
-        t.gradient_accumulation_steps = accum = accum or 1
-        t.global_batch_size = t.micro_batch_size * accum * dp
-    elif accum is None and total % (t.micro_batch_size * dp) == 0:
-        t.gradient_accumulation_steps = total // (t.micro_batch_size * dp)
-
-
-def config_from_argv(argv: list[str], world_size: int, *, print_warnings: bool = True) -> Config:
-    """parse -> DeepSpeed file -> finalize -> validate. Pure: needs no process group.
-
-    On ConfigError prints ``megazero: config error: <message>`` to stderr and exits with code 2.
-    Warnings go to ``cfg.warnings`` and, when ``print_warnings``, to stderr.
-    """
-    from megazero.config_checks import validate
-    from megazero.config_deepspeed import load_deepspeed_config
-
-    try:
-        cfg = parse_args(argv)
-        warnings = load_deepspeed_config(cfg.deepspeed_config, cfg) if cfg.deepspeed_config else []
-        warnings += finalize(cfg, world_size)
-        validate(cfg, world_size)
-    except ConfigError as e:
-        print(f"megazero: config error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    cfg.warnings = warnings
-    for w in warnings if print_warnings else ():
-        print(f"megazero: config warning: {w}", file=sys.stderr, flush=True)
-    return cfg
-
-
-def resolve_run_dir(cfg: Config, stamp: str) -> str:
-    """Set ``--run-dir`` to ``runs/<stamp>`` when not given; every rank must pass the same stamp."""
-    if cfg.log.run_dir is None:
-        cfg.log.run_dir = os.path.join("runs", stamp)
-    return cfg.log.run_dir
-
-
-# -- rendering ------------------------------------------------------------------------------
-def to_dict(cfg: Config) -> dict[str, Any]:
-    """The settings as nested plain data (JSON-serialisable), without sources and warnings."""
-    out = {f.name: dataclasses.asdict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-           if dataclasses.is_dataclass(getattr(cfg, f.name))}
-    out["deepspeed_config"] = cfg.deepspeed_config
-    return out
-
-
-def describe(cfg: Config) -> str:
-    """One line per setting, ``section.name = value  [source]``, then the warnings."""
-    lines = []
-    for s in settings():
-        src = cfg.sources.get(s.name)
-        lines.append(f"{s.name:<46} = {_get(cfg, s.name)!r}" + (f"   [{src}]" if src else ""))
-    lines += [f"warning: {w}" for w in cfg.warnings]
-    return "\n".join(lines)
-
-
-def flags_table() -> str:
-    """A Markdown table of every flag: flags, default, unit, meaning (for the README)."""
-    rows = ["| flag | default | unit | meaning |", "|---|---|---|---|"]
-    for s in settings():
-        meta = s.field.metadata
-        default = s.field.default if s.field.default is not dataclasses.MISSING else s.field.default_factory()
-        shown = "off" if s.base is bool else f"`{default}`"
-        meaning = meta["help"] + (f" ({' / '.join(meta['choices'])})" if meta["choices"] else "")
-        if s.base is bool and s.field.default:
-            meaning += " (on by default; the flag turns it off)"
-        flags = ", ".join(f"`{f}`" for f in s.flags)
-        rows.append(f"| {flags} | {shown} | {meta['unit']} | {meaning.replace('|', '/')} |")
-    return "\n".join(rows)
-
-
-_ELSEWHERE = {"validate": "config_checks", "parse_data_path": "config_checks",
-              "split_fractions": "config_checks", "load_deepspeed_config": "config_deepspeed"}
-
-
-def __getattr__(name: str):
-    """The reader's and the rules' public functions, reachable as ``megazero.config.<name>``.
-
-    Looked up on first use (PEP 562): those modules import this one's dataclasses.
-    """
-    if name in _ELSEWHERE:
-        import importlib
-
-        return getattr(importlib.import_module(f"megazero.{_ELSEWHERE[name]}"), name)
-    raise AttributeError(f"module 'megazero.config' has no attribute {name!r}")

@@ -1,0 +1,79 @@
+"""The model-shape rules, written once: which GPT sizes split over ``tp`` tensor-parallel ranks.
+
+Two callers apply the same functions: ``megazero.config.checks`` to the flags (so
+``config_from_argv`` refuses a bad shape on every rank before any process group exists,
+DESIGN.md contract 3) and ``model.config.GPTConfig.validate`` to a GPTConfig built directly.
+The rules live here, not in model/, because megazero imports neither model nor data while
+model may import megazero (DESIGN.md, dependency direction). Every message names the
+Megatron-LM flag and the fix; ConfigError is a ValueError.
+
+The rules (Megatron-LM's): the heads divide the hidden size and ``tp`` divides the heads and
+the FFN width (each rank holds whole heads and F/tp MLP units; SwiGLU's F/tp gate and F/tp up
+units); the sequence fits the position table, and divides by ``tp`` under sequence
+parallelism; grouped-query attention's G key/value heads divide the heads and divide by
+``tp``; RoPE rotates an even number >= 2 of each head's dimensions, a fraction in (0, 1].
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megazero.config.schema import ConfigError
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """``4 H``; with SwiGLU Megatron-LM's ``int(4 H * 2/3 / 64) * 64`` (same parameter count as a
+    ``4 H`` GELU MLP, a multiple of 64). Example: ``(4096, True) -> 10880``; ``(32, True) -> 64``
+    is the smallest width it gives, ``(16, True) -> 0`` (validation then asks for a width)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
+def check_sizes(*, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int, seq_length: int,
+                max_position_embeddings: int, tp: int, sequence_parallel: bool = False,
+                swiglu: bool = False) -> None:
+    """Heads divide H, tp divides the heads and the FFN width (so tp divides H too), the
+    sequence fits the positions and, with sequence parallelism, divides by tp.
+
+    Sizes in elements / heads / tokens, all >= 1. Raises ConfigError naming the flags.
+    """
+    if hidden_size % num_attention_heads:
+        raise ConfigError(f"--hidden-size {hidden_size} is not divisible by --num-attention-heads "
+                          f"{num_attention_heads}; fix: choose a head count that divides the hidden size")
+    if num_attention_heads % tp:
+        raise ConfigError(f"--num-attention-heads {num_attention_heads} is not divisible by --tp {tp}; "
+                          "fix: use a --tp that divides the head count")
+    if ffn_hidden_size % tp:
+        glu = " (--swiglu: each rank holds F/tp gate and F/tp up units)" if swiglu else ""
+        raise ConfigError(f"--ffn-hidden-size {ffn_hidden_size} is not divisible by --tp {tp}{glu}; "
+                          "fix: use a multiple of the tensor-parallel size")
+    if seq_length > max_position_embeddings:
+        raise ConfigError(f"--seq-length {seq_length} exceeds --max-position-embeddings "
+                          f"{max_position_embeddings}; fix: raise the positions or shorten the sequence")
+    if sequence_parallel and seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length {seq_length} divisible by --tp {tp}; "
+                          "fix: use a multiple of --tp or drop --sequence-parallel")
+
+
+def check_block(*, hidden_size: int, num_attention_heads: int, tp: int, num_query_groups: Optional[int] = None,
+                rotary_percent: float = 1.0, rope: bool = False) -> None:
+    """The LLaMA-style block: G = ``num_query_groups`` (None = multi-head attention) divides
+    the heads and divides by tp; ``rotary_percent`` in (0, 1], and with ``rope`` it rotates an
+    even number >= 2 of each head's ``H / heads`` dimensions.
+
+    Call after ``check_sizes`` (the heads divide H). Raises ConfigError naming the flags.
+    """
+    G = num_query_groups
+    if G is not None:
+        if num_attention_heads % G:
+            raise ConfigError(f"--num-query-groups {G} does not divide --num-attention-heads {num_attention_heads}; "
+                              "fix: a divisor of the head count (1 = multi-query, the head count = multi-head)")
+        if G % tp:
+            raise ConfigError(f"--num-query-groups {G} is not divisible by --tp {tp}; fix: a --tp that divides "
+                              "the query groups (each rank holds whole groups with their queries)")
+    if not 0.0 < rotary_percent <= 1.0:
+        raise ConfigError(f"--rotary-percent {rotary_percent} is outside (0, 1]; fix: e.g. 1.0 or 0.5")
+    head_dim = hidden_size // num_attention_heads
+    rot = int(head_dim * rotary_percent)
+    if rope and (rot < 2 or rot % 2):
+        raise ConfigError(f"--rotary-percent {rotary_percent} rotates {rot} dimensions of each "
+                          f"{head_dim}-dimensional head; RoPE needs an even number >= 2; fix: another "
+                          "--rotary-percent")
