@@ -126,7 +126,8 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
     consumed, which differ from iterations x global batch after a change of batch size.
     Raises DataError for an unusable corpus, tokenizer or split.
     """
-    from data.gpt_dataset import MockGPTDataset, build_train_valid_test_datasets, parse_data_path
+    from data.gpt_dataset import (MockGPTDataset, build_train_valid_test_datasets, parse_data_path,
+                                  parse_split, require_files)
 
     t = cfg.train
     gbs = t.global_batch_size
@@ -137,6 +138,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
         train_samples = max(train_samples, done + max(t.train_iters - resume["iteration"], 0) * gbs)
     num_samples = (train_samples, max(evals, 1) * gbs, cfg.train.eval_iters * gbs)
     seq = cfg.model.seq_length
+    parse_split(cfg.data.split)   # a bad --split is refused also where mock data reads none
     if cfg.train.mock_data:
         vocab = cfg.data.vocab_size
         sets = tuple(MockGPTDataset(vocab, seq, n, t.seed + i) for i, n in enumerate(num_samples))
@@ -144,12 +146,14 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
     from data.indexed_dataset import check_same_tokenizer
     from data.tokenizer import load_tokenizer
 
+    blend = parse_data_path(cfg.data.data_path)
+    require_files(blend)
     tok = load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type)
     if cfg.data.vocab_size is not None and cfg.data.vocab_size != tok.vocab_size:
         raise DataError(f"--vocab-size {cfg.data.vocab_size} differs from the {tok.vocab_size} tokens of "
                         f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
                         "tokenizer sets it) or use the matching tokenizer")
-    check_same_tokenizer([prefix for _, prefix in parse_data_path(cfg.data.data_path)], tok.sha256,
+    check_same_tokenizer([prefix for _, prefix in blend], tok.sha256,
                          f"--tokenizer-model {cfg.data.tokenizer_model}")
     sets = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed,
                                            num_samples, cfg.data.data_cache_dir,

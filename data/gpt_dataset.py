@@ -38,9 +38,9 @@ _FORMAT = "megazero-gpt-indices-v2"  # v2: indices built for whole shuffle block
 
 def parse_split(split: str) -> tuple[float, float, float]:
     """``--split "969,30,1"`` (or ``"98/2/0"``; fewer parts = 0) -> normalised (train, valid, test)
-    fractions; raises DataError naming ``--split`` and the fix. data/ owns this rule; megazero's
-    pre-launch check, which may not import data/, refuses the same strings with the same
-    message (megazero/config/checks.py; tests/test_config.py holds the two equal)."""
+    fractions; raises DataError naming ``--split`` and the fix. This is the rule's one home:
+    train.py's ``build_data`` applies it before launch (also with --mock-data, which reads no
+    split but still gets a well-formed flag)."""
     try:
         vals = [float(p) for p in split.replace("/", ",").split(",")]
     except ValueError:
@@ -62,9 +62,8 @@ def split_ranges(num_docs: int, fractions) -> list[tuple[int, int]]:
 
 def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
     """``--data-path``: ``[prefix]`` or Megatron's blend ``[w1, p1, w2, p2, ...]`` ->
-    [(weight normalised to sum 1, prefix)]. data/ owns this rule; megazero's pre-launch check,
-    which may not import data/, refuses the same lists with the same messages
-    (megazero/config/checks.py; tests/test_config.py holds the two equal).
+    [(weight normalised to sum 1, prefix)]. This is the rule's one home (megazero's config only
+    checks that --data-path or --mock-data is given); ``require_files`` then checks the files.
 
     Raises DataError: no entry or an odd count, a weight that is not a number, negative or not
     finite, or weights summing to 0.
@@ -91,6 +90,19 @@ def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
         raise DataError(f"--data-path weights {' '.join(data_path[0::2])} sum to 0; fix: give at least "
                         "one positive weight")
     return [(w / total, p) for w, p in pairs]
+
+
+def require_files(blend: list[tuple[float, str]]) -> None:
+    """Every prefix of a parsed ``--data-path`` has its ``PREFIX.bin`` and ``PREFIX.idx``.
+
+    Raises DataError naming ``--data-path``, the missing file and the fix (a prefix given with
+    its ``.bin``/``.idx`` suffix is named as such)."""
+    for _, prefix in blend:
+        for path in (prefix + ".bin", prefix + ".idx"):
+            if not os.path.isfile(path):
+                hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+                raise DataError(f"--data-path {prefix}: {path} not found{hint}; fix: correct the path or "
+                                "create it with data/preprocess.py")
 
 
 def build_indices(sizes: np.ndarray, seq_ids: np.ndarray, seq_length: int, num_samples: int,

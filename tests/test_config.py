@@ -78,17 +78,6 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                             ["--offload-param cpu", "--offload-optimizer cpu"]),
     "offload_device": (M + ["--offload-optimizer", "nvme"], 1, ["--offload-optimizer", "nvme"]),
     "no_data": ([], 1, ["--data-path", "--mock-data"]),
-    "data_files_missing": (["--data-path", "{DIR}/nope", "--tokenizer-model", "{TOK}"], 1,
-                           ["--data-path", "nope.bin"]),
-    "data_idx_missing": (["--data-path", "{HALF}", "--tokenizer-model", "{TOK}"], 1, ["--data-path", "half.idx"]),
-    "data_prefix_with_suffix": (["--data-path", "{A}.bin", "--tokenizer-model", "{TOK}"], 1,
-                                ["--data-path", "without .bin/.idx"]),
-    "blend_odd_count": (["--data-path", "0.5", "{A}", "0.5", "--tokenizer-model", "{TOK}"], 1,
-                        ["--data-path", "weight-prefix pairs"]),
-    "blend_negative_weight": (["--data-path", "-0.5", "{A}", "1.5", "{B}", "--tokenizer-model", "{TOK}"], 1,
-                              ["--data-path", "negative"]),
-    "blend_weight_not_number": (["--data-path", "{A}", "{B}", "--tokenizer-model", "{TOK}"], 1,
-                                ["--data-path", "weight"]),
     "tokenizer_missing": (["--data-path", "{A}"], 1, ["--tokenizer-model"]),
     "tokenizer_file_absent": (["--data-path", "{A}", "--tokenizer-model", "{DIR}/no.model"], 1,
                               ["--tokenizer-model", "no.model not found"]),
@@ -108,7 +97,6 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "micro_batch_zero": (M + ["--micro-batch-size", "0"], 1, ["--micro-batch-size 0"]),
     "reduce_bucket_zero": (M + ["--reduce-bucket-size", "0"], 1, ["--reduce-bucket-size 0"]),
     "allgather_bucket_zero": (M + ["--allgather-bucket-size", "0"], 1, ["--allgather-bucket-size 0"]),
-    "split_not_numbers": (M + ["--split", "a,b"], 1, ["--split"]),
     "unknown_flag": (M + ["--hiden-size", "64"], 1, ["--hiden-size"]),
     "wrong_type": (M + ["--hidden-size", "abc"], 1, ["--hidden-size", "abc"]),
     "bad_choice": (M + ["--device", "tpu"], 1, ["--device", "tpu"]),
@@ -122,13 +110,51 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
 }
 
 
+# data/ owns these rules (data.gpt_dataset: the blend, the corpus files, the split); the
+# launcher's preflight applies them before any rank starts, like the config's own rules
+DATA_BAD = {  # case: (argv as in BAD, world size, strings the message must contain)
+    "data_files_missing": (["--data-path", "{DIR}/nope", "--tokenizer-model", "{TOK}"], 1,
+                           ["--data-path", "nope.bin"]),
+    "data_idx_missing": (["--data-path", "{HALF}", "--tokenizer-model", "{TOK}"], 1, ["--data-path", "half.idx"]),
+    "data_prefix_with_suffix": (["--data-path", "{A}.bin", "--tokenizer-model", "{TOK}"], 1,
+                                ["--data-path", "without .bin/.idx"]),
+    "blend_odd_count": (["--data-path", "0.5", "{A}", "0.5", "--tokenizer-model", "{TOK}"], 1,
+                        ["--data-path", "weight-prefix pairs"]),
+    "blend_negative_weight": (["--data-path", "-0.5", "{A}", "1.5", "{B}", "--tokenizer-model", "{TOK}"], 1,
+                              ["--data-path", "negative"]),
+    "blend_weight_not_number": (["--data-path", "{A}", "{B}", "--tokenizer-model", "{TOK}"], 1,
+                                ["--data-path", "weight"]),
+    "split_not_numbers": (M + ["--split", "a,b"], 1, ["--split"]),
+}
+
+
+def fails_before_launch(argv, world, capsys):
+    """train.preflight (what the launcher runs before torchrun) must return 2 with one
+    'megazero: data error:' line; returns it."""
+    import train
+
+    assert train.preflight(argv, world) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megazero: data error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("case", sorted(DATA_BAD))
+def test_bad_data_setting_exits_2_before_launch_naming_the_flag(case, files, capsys):
+    argv, world, expected = DATA_BAD[case]
+    err = fails_before_launch([a.format(**files) for a in argv], world, capsys)
+    for text in expected:
+        assert text in err, (case, err)
+    assert "fix" in err, err
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_configuration_exits_2_naming_the_flag(case, files, capsys):
     argv, world, expected = BAD[case]
     err = fails([a.format(**files) for a in argv], world, capsys)
     for text in expected:
         assert text in err, (case, err)
-    assert "fix" in err or case.startswith("layer"), err  # pipeline/partition.py words its fixes itself
+    assert "fix" in err or case.startswith("layer"), err  # megazero/pipeline/partition.py words its fixes itself
 
 
 def test_exit_code_2_end_to_end_in_a_subprocess():
@@ -160,7 +186,7 @@ def test_real_data_with_blend_validates(files):
     assert split_fractions("8/2") == pytest.approx((0.8, 0.2, 0.0))
 
 
-DATA_REFUSALS = [  # (--data-path, --split): each refused by data/ (its owner) and by config's pre-launch check
+DATA_REFUSALS = [  # (--data-path, --split): each refused by data/, their one home, before launch
     (["0.5", "A", "0.5"], "969,30,1"), (["x", "A", "1", "B"], "969,30,1"), (["-0.5", "A", "1.5", "B"], "969,30,1"),
     (["inf", "A", "1", "B"], "969,30,1"), (["0", "A", "0", "B"], "969,30,1"), (["A"], "a,b"), (["A"], "1,2,3,4"),
     (["A"], "-1,2,3"), (["A"], "0,0,0"), (["A"], ""), (["A"], "nan,1"), (["A"], "96/x/4"),
@@ -168,16 +194,17 @@ DATA_REFUSALS = [  # (--data-path, --split): each refused by data/ (its owner) a
 
 
 @pytest.mark.parametrize("data_path,split", DATA_REFUSALS, ids=[" ".join(p) + " | " + s for p, s in DATA_REFUSALS])
-def test_data_path_and_split_refusals_are_data_s_word_for_word(data_path, split, capsys):
-    """data/gpt_dataset.py owns the --data-path blend and --split rules; megazero.config, which
-    may not import data/, repeats its refusals before launch: the same message for each input."""
+def test_data_path_and_split_refusals_come_from_data_alone(data_path, split, files, capsys):
+    """data/gpt_dataset.py owns the --data-path blend and --split rules: the config accepts
+    these flags as given, and the launcher's preflight prints data's own message."""
     from data.indexed_dataset import DataError
 
     with pytest.raises(DataError) as e:
         parse_data_path(data_path)
         split_fractions(split)
-    err = fails(["--data-path", *data_path, f"--split={split}"], 1, capsys)
-    assert err == f"megazero: config error: {e.value}\n"
+    argv = ["--data-path", *data_path, f"--split={split}", "--tokenizer-model", files["TOK"]]
+    assert config_from_argv(argv, 1).data.split == split
+    assert fails_before_launch(argv, 1, capsys) == f"megazero: data error: {e.value}\n"
 
 
 def test_batch_arithmetic_and_3d_layout():

@@ -1,7 +1,7 @@
 """The rules a megazero Config must satisfy; each raises one ConfigError naming the flag and the fix.
 
 Pure functions of the settings and the world size, so every rank runs them before any
-process group exists (DESIGN.md, contract 3). Where each kind of rule lives:
+process group exists (docs/design.md, contract 3). Where each kind of rule lives:
 
 - one setting's range and choices: its field's metadata (schema.py), applied by
   ``check_value`` here and by ``model.config.GPTConfig.validate`` to the model's fields;
@@ -11,9 +11,9 @@ process group exists (DESIGN.md, contract 3). Where each kind of rule lives:
 - flag combinations (an option of a feature that is off, recomputation, world size =
   tp x pp x dp, batch arithmetic, schedules, precision, ZeRO and offload, output
   directories, logging, profiling, ``--from-hf``): here;
-- the training data: data/ owns the ``--data-path`` blend and ``--split`` rules
-  (``data.gpt_dataset``); here the presence of a corpus, its files and its tokenizer, with
-  data/'s refusals repeated word for word (megazero may not import data/; see ``_split``).
+- the training data: data/ owns the ``--data-path`` blend, the corpus files and the
+  ``--split`` rules (``data.gpt_dataset``, applied by train.py's ``build_data`` before
+  launch); here only that a corpus (or --mock-data) and its tokenizer are given.
   ``validate(..., needs_data=False)`` leaves these out for tools that read no data.
 """
 from __future__ import annotations
@@ -228,22 +228,15 @@ def _check_outputs(cfg: Config, world_size: int) -> None:
 
 
 def _check_data(cfg: Config, world_size: int) -> None:
-    """A training corpus is given and present: --data-path's .bin/.idx files (unless
-    --mock-data) and the tokenizer file; --split and a blend well formed (``_split`` and
-    ``_data_prefixes``, data/'s rules repeated for this pre-launch check)."""
+    """A training corpus is given (--data-path, unless --mock-data) with its tokenizer file.
+    The blend, the split and the corpus files are data/'s rules (``data.gpt_dataset``), checked
+    by train.py's ``build_data`` before launch."""
     d = cfg.data
-    _split(d.split)
     if cfg.train.mock_data:
         return
     if not d.data_path:
         raise ConfigError("no training data: --data-path is missing; fix: give --data-path PREFIX "
                           "(PREFIX.bin/.idx written by data/preprocess.py) or --mock-data")
-    for prefix in _data_prefixes(d.data_path):
-        for path in (prefix + ".bin", prefix + ".idx"):
-            if not os.path.isfile(path):
-                hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-                raise ConfigError(f"--data-path {prefix}: {path} not found{hint}; fix: correct the path or "
-                                  "create it with data/preprocess.py")
     if d.tokenizer_model is None:
         raise ConfigError("--tokenizer-model is missing; --data-path needs the sentencepiece model the "
                           "data was tokenized with; fix: give --tokenizer-model PATH")
@@ -251,44 +244,6 @@ def _check_data(cfg: Config, world_size: int) -> None:
         os.path.join(d.tokenizer_model, "tokenizer.json"))
     if not (os.path.isfile(d.tokenizer_model) or hf_folder):
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
-
-
-# data/gpt_dataset.py's parse_split and parse_data_path own the --split and --data-path rules;
-# megazero may not import data/ (DESIGN.md, dependency direction), so this pre-launch check
-# repeats their refusals word for word, and tests/test_config.py asserts that both give the
-# same message for every bad input. Change them together.
-def _split(split: str) -> None:
-    try:
-        parts = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 3 or any(v < 0 or not math.isfinite(v) for v in parts) or sum(parts) <= 0:
-        raise ConfigError(f"--split {split!r} must be 1-3 non-negative proportions with a positive sum; "
-                          "fix: e.g. 969,30,1 (train, valid, test)")
-
-
-def _data_prefixes(items: list[str]) -> list[str]:
-    """The prefixes of a --data-path of one prefix or weight-prefix pairs."""
-    if len(items) == 1:
-        return list(items)
-    if len(items) == 0 or len(items) % 2:
-        raise ConfigError(f"--data-path {' '.join(items)}: a blend is weight-prefix pairs, got "
-                          f"{len(items)} entries; fix: give one prefix or weight/prefix pairs, "
-                          "e.g. --data-path 0.7 A 0.3 B")
-    weights = []
-    for w, p in zip(items[0::2], items[1::2]):
-        try:
-            weights.append(float(w))
-        except ValueError:
-            raise ConfigError(f"--data-path: weight {w!r} (before {p}) is not a number; fix: give "
-                              "weight-prefix pairs, e.g. --data-path 0.7 A 0.3 B") from None
-        if weights[-1] < 0 or not math.isfinite(weights[-1]):
-            raise ConfigError(f"--data-path weight {w} of {p} is negative or not finite; fix: use "
-                              "finite weights >= 0")
-    if sum(weights) <= 0:
-        raise ConfigError(f"--data-path weights {' '.join(items[0::2])} sum to 0; fix: give at least "
-                          "one positive weight")
-    return items[1::2]
 
 
 def _check_logging(cfg: Config, world_size: int) -> None:
