@@ -24,7 +24,7 @@ from megazero import checkpoint, collectives
 from megazero.checkpoint.manager import CheckpointManager, RunState
 from megazero.planning import memory
 from megazero.runtime import resilience
-from megazero.planning.activations import ActivationSettings
+from megazero.planning.plan import plan_memory
 from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import (Config, bucket_sizes, config_from_argv, describe, overlap_param_gather,
                              resolve_run_dir, to_dict)
@@ -670,48 +670,11 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     return data
 
 
-def plan_memory(cfg: Config, vocab_size: int) -> memory.MemoryEstimate:
-    """Bytes per rank of the most loaded stage before anything is allocated (megazero.planning.memory)."""
-    p = cfg.parallel
-    return memory.estimate(build_gpt_config(cfg, vocab_size), **_plan_layout(cfg),
-                           micro_batch_size=cfg.train.micro_batch_size,
-                           sequence_parallel=p.sequence_parallel and p.tp > 1,
-                           activations=activation_settings(cfg),
-                           buckets=bucket_sizes(cfg) + (2, cfg.zero.zero3_max_live_parameters))
-
-
-def plan_stages(cfg: Config, vocab_size: int) -> list[memory.MemoryEstimate]:
-    """The memory plan of every pipeline stage (index = pp rank), as ``plan_memory`` counts it."""
-    return memory.stage_estimates(build_gpt_config(cfg, vocab_size), **_plan_layout(cfg),
-                                  a=activation_settings(cfg),
-                                  buckets=bucket_sizes(cfg) + (2, cfg.zero.zero3_max_live_parameters))
-
-
-def _plan_layout(cfg: Config) -> dict:
-    p, pr = cfg.parallel, cfg.precision
-    dtype = model_dtype(pr.fp16, pr.bf16)
-    return dict(tp=p.tp, pp=p.pp, dp=p.dp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
-                schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
-                zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
-                grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
-                states_on_host=cfg.zero.offload_optimizer == "cpu" and uses_cuda(cfg))
-
-
-def activation_settings(cfg: Config) -> ActivationSettings:
-    """What the planner needs to count this run's activations (megazero.planning.activations)."""
-    m, p, pr = cfg.model, cfg.parallel, cfg.precision
-    return ActivationSettings(
-        micro_batch_size=cfg.train.micro_batch_size, tp=p.tp, sequence_parallel=p.sequence_parallel and p.tp > 1,
-        activation_bytes=model_dtype(pr.fp16, pr.bf16).itemsize, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout, recompute_granularity=m.recompute_granularity,
-        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
-
-
 def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
     """Print the memory plan (``verbose``) and raise MemoryPlanError when the model states
     cannot fit; a likely activation overflow is a warning."""
     device = "cuda" if uses_cuda(cfg) else "cpu"
-    plan = plan_memory(cfg, vocab_size)
+    plan = plan_memory(cfg, build_gpt_config(cfg, vocab_size), on_cuda=device == "cuda")
     available = memory.available_bytes_per_rank(device, memory.ranks_per_node())
     warning = memory.check_fits(plan, available)
     if verbose:

@@ -32,6 +32,9 @@ from data.indexed_dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer  # noqa: E402
 from megazero.config import MOCK_VOCAB_SIZE, config_from_argv  # noqa: E402
 from megazero.planning.memory import gib  # noqa: E402
+from megazero.planning.plan import plan_memory, plan_stages  # noqa: E402
+from megazero.runtime.launch import uses_cuda  # noqa: E402
+from model.build import build_gpt_config  # noqa: E402
 
 MiB = 2**20
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
@@ -62,7 +65,7 @@ def plan_table(cfg, vocab: int) -> str:
     """One row per pipeline stage: Psi, model states, activations, temporaries, peak (MiB)."""
     rows = [f"{'stage':>5} {'params':>14} {'states MiB':>11} {'activ. MiB':>11} {'temps MiB':>10} "
             f"{'peak MiB':>10}"]
-    for e in train.plan_stages(cfg, vocab):
+    for e in plan_stages(cfg, build_gpt_config(cfg, vocab), on_cuda=uses_cuda(cfg)):
         rows.append(f"{e.stage:>5} {e.params:>14,} {e.model_state_bytes / MiB:>11.1f} "
                     f"{e.activation_bytes / MiB:>11.1f} {e.temporary_bytes / MiB:>10.1f} {e.total_bytes / MiB:>10.1f}")
     return "\n".join(rows)
@@ -122,7 +125,7 @@ def measure(argv: list[str], world: int, steps: int) -> list[tuple[int, float, f
     from tests.distributed import run_distributed
 
     cfg = config_from_argv(argv, world, print_warnings=False)
-    predicted = train.plan_stages(cfg, vocab_of(cfg))
+    predicted = plan_stages(cfg, build_gpt_config(cfg, vocab_of(cfg)), on_cuda=uses_cuda(cfg))
     out = run_distributed(measure_rank, world, argv, steps, timeout_s=3600, collective_timeout_s=1800)
     return [(r, predicted[pp_rank].total_bytes, float(peak)) for r, (pp_rank, peak) in enumerate(out)]
 
@@ -165,7 +168,7 @@ def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tu
     for layout, full in layouts(argv, devices):
         cfg = config_from_argv(full, devices, print_warnings=False, needs_data=False)
         vocab = vocab or vocab_of(cfg)
-        peak = train.plan_memory(cfg, vocab).total_bytes
+        peak = plan_memory(cfg, build_gpt_config(cfg, vocab), on_cuda=uses_cuda(cfg)).total_bytes
         if peak <= device_gib * 2**30:
             fits.append((peak, layout))
     return sorted(fits)

@@ -260,7 +260,12 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     import train
     from megazero.planning import memory
     from megazero.config import config_from_argv
+    from megazero.planning.plan import plan_memory
+    from model.build import build_gpt_config
 
+    def plan(argv, world, vocab):
+        cfg = config_from_argv(argv, world)
+        return plan_memory(cfg, build_gpt_config(cfg, vocab))
     monkeypatch.setenv("MEGAZERO_RANKS_PER_NODE", "1")
     assert train.preflight(ARGS, 1) == 0
     assert "memory per rank (pipeline stage 0): model states" in capsys.readouterr().out
@@ -269,8 +274,7 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("megazero: memory error: the model states of one rank of pipeline stage 0 need")
     assert "--zero-stage 2" in err and "larger --dp" not in err  # ZeRO-0: more ranks alone do not help
-    plans = {z: train.plan_memory(config_from_argv(ARGS + ["--dp", "4", "--zero-stage", str(z)], 4), 1001)
-             for z in (0, 2, 3)}
+    plans = {z: plan(ARGS + ["--dp", "4", "--zero-stage", str(z)], 4, 1001) for z in (0, 2, 3)}
     psi = plans[0].params
     assert plans[0].model_state_bytes == 16 * psi  # fp32 params (= main params), grads, 2 moments
     assert plans[2].model_state_bytes == 4 * psi + 12 * psi / 4
@@ -283,8 +287,7 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     assert memory.check_fits(plans[0], int(plans[0].total_bytes) + 1) is None
     # pp 2: stage 1 has the larger total (the logits), stage 0 the larger states (a long
     # position table): the states of stage 0 decide whether the run can start
-    pp2 = train.plan_memory(config_from_argv(ARGS + ["--pp", "2", "--max-position-embeddings", "40000",
-                                                     "--micro-batch-size", "8"], 2), 50000)
+    pp2 = plan(ARGS + ["--pp", "2", "--max-position-embeddings", "40000", "--micro-batch-size", "8"], 2, 50000)
     assert (pp2.stage, pp2.most_states.stage) == (1, 0)
     assert pp2.most_states.model_state_bytes > pp2.model_state_bytes
     with pytest.raises(memory.MemoryPlanError, match="stage 0 need"):

@@ -135,19 +135,22 @@ def test_checkpoint_with_offload_resumes_without_and_back(tmp_path):
         assert resumed[0] == pytest.approx(whole[0][3:], rel=1e-6)
 
 
-def test_planner_counts_only_device_states_when_offloaded_to_a_gpu_host(monkeypatch):
+def test_planner_counts_only_device_states_when_offloaded_to_a_gpu_host():
     """On CUDA the memory planner counts the device part of the offload formula (params and
     grads), so a run that fits only with offload is not refused; on CPU the ZeRO formula."""
-    import train
     from megazero.config import config_from_argv
     from megazero.optim.zero import zero_formula_bytes
+    from megazero.planning.plan import plan_memory
+    from model.build import build_gpt_config
 
+    def plan(argv, on_cuda=False):
+        cfg = config_from_argv(argv, 2)
+        return plan_memory(cfg, build_gpt_config(cfg, 1001), on_cuda=on_cuda)
     argv = ["--mock-data", "--zero-stage", "2", "--dp", "2", "--device", "cpu"]
-    plain = train.plan_memory(config_from_argv(argv, 2), 1001)
-    cpu = train.plan_memory(config_from_argv(argv + ["--offload-optimizer", "cpu"], 2), 1001)
+    plain = plan(argv)
+    cpu = plan(argv + ["--offload-optimizer", "cpu"])
     assert cpu.model_state_bytes == plain.model_state_bytes == zero_formula_bytes(plain.params, 2, 2, 4, 4)
-    monkeypatch.setattr(train, "uses_cuda", lambda cfg: True)
-    gpu = train.plan_memory(config_from_argv(argv + ["--offload-optimizer", "cpu"], 2), 1001)
+    gpu = plan(argv + ["--offload-optimizer", "cpu"], on_cuda=True)
     assert gpu.model_state_bytes == offload_formula_bytes(plain.params, 2, 2, 4, 4)["device"] \
         == 4 * plain.params + 4 * plain.params / 2
 
