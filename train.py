@@ -36,7 +36,7 @@ from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
 from megazero.optim.offload import HostOffloadOptimizer
 from megazero.optim.zero import DistributedOptimizer
-from megazero.pipeline.executor import run_schedule
+from megazero.pipeline.executor import make_forward_step, run_schedule
 from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
@@ -229,27 +229,6 @@ def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
 
 
 # -- one iteration --------------------------------------------------------------------------
-def make_forward_step(tokens_per_dp_rank: int, watch=None):
-    """Megatron's ``forward_step`` contract: (batch, chunk, input) -> (output, loss_fn).
-
-    The loss of one micro-batch is its token-loss sum divided by this data-parallel rank's
-    tokens in the global batch; with the DP gradient reduction (SUM, then divide by dp) the
-    step minimises the mean over all tokens of the global batch (docs/design.md, contract 1).
-    ``watch(batch, chunk, input, output) -> output`` sees every forward (resilience.ForwardWatch).
-    """
-    def forward_step(batch, chunk, input_tensor):
-        tokens, labels = batch
-        x = tokens if input_tensor is None else input_tensor
-        out = chunk(x, labels=labels if chunk.post_process else None)
-        if watch is not None:
-            out = watch(batch, chunk, input_tensor, out)
-
-        def loss_fn(per_token_loss):  # summed in fp64: exact to rounding for any token count
-            return per_token_loss.sum(dtype=torch.float64) / tokens_per_dp_rank
-        return out, loss_fn
-    return forward_step
-
-
 @dataclass
 class StepOutcome:
     """What one ``Trainer.train_step`` produced.

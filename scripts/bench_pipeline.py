@@ -55,7 +55,7 @@ def stage_times(rank: int, world: int, micro_batches: int, steps: int) -> list[d
     from megazero.topology import Topology
     from model.config import GPTConfig
     from model.gpt import GPTStage
-    from train import make_forward_step
+    from megazero.pipeline.executor import make_forward_step
 
     cfg = GPTConfig(**MODEL)
     groups = ProcessGroups.build(Topology(tp=1, pp=world, dp=1))
