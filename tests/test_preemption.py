@@ -199,7 +199,7 @@ def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(tmp_path):
             "pass of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch 1), on training "
             "samples 18-19; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps")
     assert [x for x in stopped.stderr.splitlines() if "non-finite" in x] == [line], stopped.stderr[-3000:]
-    assert not any(t in stopped.stdout + stopped.stderr for t in NO_TRACEBACK)
+    assert not any(t in stopped.stdout + stopped.stderr for t in NO_TRACEBACK), stopped.stderr[-3000:]
     assert skipped.returncode == 0, skipped.stdout[-2000:] + skipped.stderr[-2000:]
     assert "[megazero] skipped iteration 3: non-finite loss/gradient at iteration 3" in skipped.stdout
     records = train_records(tmp_path / "skip")

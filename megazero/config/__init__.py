@@ -1,4 +1,4 @@
-"""megazero's one configuration (DESIGN.md, contract 5).
+"""megazero's one configuration (docs/design.md, contract 5).
 
 Every setting is a dataclass field with a default; its documentation (meaning, unit, valid
 range, choices, command-line flags) is the field's ``metadata`` and is rendered three ways

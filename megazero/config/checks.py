@@ -129,7 +129,7 @@ def _check_batch(cfg: Config, world_size: int) -> None:
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:
-    """Schedule fits pp and vp; layers partition over the stages (pipeline/partition.py)."""
+    """Schedule fits pp and vp; layers partition over the stages (megazero/pipeline/partition.py)."""
     p, m = cfg.parallel, cfg.model
     sched = p.pipeline_schedule
     try:

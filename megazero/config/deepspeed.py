@@ -1,4 +1,4 @@
-"""A DeepSpeed-style JSON file as a source of megazero's one config (DESIGN.md, contract 5).
+"""A DeepSpeed-style JSON file as a source of megazero's one config (docs/design.md, contract 5).
 
 Keys read (DeepSpeed's "Configuration JSON" page): ``zero_optimization`` (stage, bucket
 sizes, overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions), ``fp16``

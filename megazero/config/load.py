@@ -2,7 +2,7 @@
 
 ``config_from_argv`` is what train.py, the launcher's preflight and the scripts call; it is
 pure (the world size is passed in), so every rank runs it before any process group exists
-(DESIGN.md, contract 3).
+(docs/design.md, contract 3).
 """
 from __future__ import annotations
 

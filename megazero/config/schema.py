@@ -1,4 +1,4 @@
-"""The schema of megazero's one configuration (DESIGN.md, contract 5): every setting a field.
+"""The schema of megazero's one configuration (docs/design.md, contract 5): every setting a field.
 
 Each setting is a dataclass field with a default; its documentation (meaning, unit, valid
 range, choices, command-line flags) is the field's ``metadata``, written once here and read

@@ -2,9 +2,9 @@
 
 Two callers apply the same functions: ``megazero.config.checks`` to the flags (so
 ``config_from_argv`` refuses a bad shape on every rank before any process group exists,
-DESIGN.md contract 3) and ``model.config.GPTConfig.validate`` to a GPTConfig built directly.
+docs/design.md, contract 3) and ``model.config.GPTConfig.validate`` to a GPTConfig built directly.
 The rules live here, not in model/, because megazero imports neither model nor data while
-model may import megazero (DESIGN.md, dependency direction). Every message names the
+model may import megazero (docs/design.md, "Dependency direction"). Every message names the
 Megatron-LM flag and the fix; ConfigError is a ValueError.
 
 The rules (Megatron-LM's): the heads divide the hidden size and ``tp`` divides the heads and
