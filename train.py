@@ -7,6 +7,7 @@ Each step of the orchestration is a named function below; the parallel machinery
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -308,6 +309,16 @@ class Trainer:
         """Wait for the background checkpoint, if any, and move ``latest`` to it (collective)."""
         self.checkpoints.finish()
 
+    def close(self) -> None:
+        """End of the run (collective): the background save finished, the parameter
+        all-gathers and ZeRO-3 prefetches waited for, the gradient hooks removed, so that
+        nothing asynchronous is in flight and the model and its process groups can be freed
+        before ``destroy_process_group`` (issue 26, F1: gloo worker threads that outlived the
+        interpreter aborted a finished run)."""
+        self.checkpoints.finish()
+        self.optimizer.wait_param_gather()
+        self.ddp.close()
+
     def _save_fault(self):
         """The test hook's ``savekill`` fault for this save: SIGKILL this rank's process from
         inside the background write (None when it does not apply)."""
@@ -592,6 +603,15 @@ def train(cfg: Config, groups: ProcessGroups, device: torch.device, data: RunDat
     ``control`` (signals, time limit, test fault) may end it early at a step boundary."""
     control = control or RunControl()
     trainer, monitor = start_run(cfg, groups, device, data, control)
+    result = run_loop(trainer, monitor, data, control)
+    trainer.close()   # nothing in flight, every hook removed: the model can be freed
+    return result
+
+
+def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunControl) -> dict:
+    """Train until ``--train-iters`` or an agreed stop; evaluate, log and save on the way.
+    Returns train()'s result (with ``stop`` and ``status`` after an early stop)."""
+    cfg, groups, device = trainer.cfg, trainer.groups, trainer.device
     state, s, exit_interval = trainer.state, cfg.train, cfg.train.exit_interval
     last_valid, counts = None, None
     timer, last_logged = Timer(device), state.iteration
@@ -748,8 +768,11 @@ def main(argv=None) -> int:
         print(resilience.write_failure(cfg.log.run_dir, launch.rank, control.trail, e), file=sys.stderr, flush=True)
         os._exit(1)  # no teardown: it would wait on the peer that failed
     finally:
+        groups = None   # train() has closed and dropped the Trainer: these are the last references
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()    # the model's reference cycles go, and with them every process group, whose
+        # destructor joins its worker threads now, not during interpreter shutdown (issue 26, F1)
     return 0
 
 

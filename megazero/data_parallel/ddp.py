@@ -109,8 +109,9 @@ class DataParallel:
         self._pool: set[int] = set()          # data_ptr of every staging buffer of this step
         self._synced = False
         self._temp_bytes = self.peak_temp_bytes = 0
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        # held by autograd in C++, where Python's garbage collector cannot see the cycle
+        # parameter -> hook -> self -> chunks -> parameter: ``close`` removes them
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     @property
     def _gathered_bytes(self) -> int:
@@ -289,6 +290,22 @@ class DataParallel:
                                         self.groups.embedding, self.bucket_size)
         self.peak_temp_bytes = max(self.peak_temp_bytes, peak)
         self._synced = True
+
+    def close(self) -> None:
+        """End of the run: wait for any reduction still in flight and remove the gradient hooks.
+
+        The hooks live in autograd's C++ state, so without this the model, these buffers and
+        the process groups they reference are never freed and their gloo/NCCL worker threads
+        outlive ``destroy_process_group`` into interpreter shutdown (issue 26, F1)."""
+        while self._pending:   # normally empty: finish_grad_sync retires every reduction
+            work = self._pending.popleft()[2]
+            if work is not None:
+                work.wait()
+        if self.zero3 is not None:
+            self.zero3.release_all()   # waits for every prefetched all-gather
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _owned_param_grads(self):
         """``(param, gradient view)`` for every parameter run this rank owns."""
