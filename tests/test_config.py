@@ -107,6 +107,15 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                                                 ["--save", "ckpt", "another run"]),
     "sequence_parallel_seq_vs_tp": (M + ["--tp", "4", "--sequence-parallel", "--seq-length", "30",
                                          "--hidden-size", "64"], 4, ["--sequence-parallel", "--seq-length 30"]),
+    # a restart resumes from --load's latest: this run must write it (issue 26, F6)
+    "max_restarts_without_save": (M + ["--max-restarts", "1"], 1,
+                                  ["--max-restarts 1", "iteration 0", "--save DIR --load DIR", "--save-interval N"]),
+    "max_restarts_save_without_load": (M + ["--max-restarts", "2", "--save", "{DIR}/new"], 1,
+                                       ["--max-restarts 2", "resumes from --load (not given)", "--save DIR --load DIR"]),
+    "max_restarts_load_elsewhere": (M + ["--max-restarts", "1", "--save", "{DIR}/new", "--load", "{DIR}"], 1,
+                                    ["--max-restarts 1", "not from this run's checkpoints"]),
+    "max_restarts_without_save_interval": (M + ["--max-restarts", "1", "--save", "{DIR}/new", "--load", "{DIR}/new"], 1,
+                                           ["--max-restarts 1", "saves only at the end", "--save-interval N"]),
     # a checkpoint option without --save: the run would write no checkpoint
     "save_interval_without_save": (M + ["--save-interval", "5"], 1,
                                    ["--save-interval has no effect without --save", "add --save DIR or drop it"]),

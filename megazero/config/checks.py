@@ -11,7 +11,7 @@ process group exists (docs/design.md, contract 3). Where each kind of rule lives
 - a setting given that has no effect as configured: its field's ``applies`` (schema.py's
   ``Needs``), judged in one pass (``derive.unused_settings``): a warning from ``finalize``,
   or refused here where its Needs says ``refuse``;
-- flag combinations (recomputation, world size = tp x pp x dp, batch
+- flag combinations (recomputation, restarts, world size = tp x pp x dp, batch
   arithmetic, schedules, precision, ZeRO and offload, output directories, logging,
   profiling, ``--from-hf``): here;
 - the training data: data/ owns the ``--data-path`` blend, the corpus files and the
@@ -88,6 +88,29 @@ def _check_unused_options(cfg: Config, world_size: int) -> None:
     for name, need in unused_settings(cfg):
         if need.refuse:
             raise ConfigError(unused_message(cfg, name, need))
+
+
+def _check_restarts(cfg: Config, world_size: int) -> None:
+    """--max-restarts K > 0: torchrun restarts the group, which resumes from --load's ``latest``;
+    that must be this run's own checkpoint, written during training (docs/design.md, contract
+    4), else every restart trains again from where the run began."""
+    t = cfg.train
+    if t.max_restarts == 0:
+        return
+    same = t.save is not None and t.load is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
+    if t.save is None:
+        why = "nothing is saved (no --save), so a restarted group trains again from iteration 0"
+    elif not same:
+        why = (f"a restarted group resumes from --load ({t.load or 'not given'}), not from this run's "
+               f"checkpoints under --save {t.save}")
+    elif t.save_interval is None:
+        why = ("without --save-interval this run saves only at the end, so a restarted group trains "
+               "again from where it began")
+    else:
+        return
+    raise ConfigError(f"{show_flag(cfg, 'train.max_restarts')} {t.max_restarts} cannot resume this run after "
+                      f"a rank fails: {why}; fix: add --save DIR --load DIR (the same directory) and "
+                      "--save-interval N, or drop --max-restarts")
 
 
 def _check_block(cfg: Config, world_size: int) -> None:
@@ -284,7 +307,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
-           _check_world, _check_model_shape, _check_unused_options, _check_block,
+           _check_world, _check_model_shape, _check_unused_options, _check_restarts, _check_block,
            _check_recompute, _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
 
 

@@ -197,8 +197,9 @@ class TrainingConfig:
     async_save: bool = _f(False, "write checkpoint files in the background (DCP async_save); 'latest' moves "
                           "once every rank's files are on disk, at the next save or the end", applies=_SAVE)
     max_restarts: int = _f(
-        0, "torchrun restarts the whole group this many times after a rank fails (use with --save D "
-        "--load D); read by scripts/pretrain_gpt.sh", "restarts", ge=0)
+        0, "torchrun restarts the whole group this many times after a rank fails; needs --save D --load D "
+        "--save-interval N (the group resumes from D's latest checkpoint); read by scripts/pretrain_gpt.sh",
+        "restarts", ge=0)
     compile: bool = _f(False, "torch.compile each transformer layer (pipeline, ZeRO and the collectives "
                        "between layers stay eager); the first steps pay the compilation")
 
