@@ -316,6 +316,38 @@ def test_deepspeed_stage3_keys_in_a_stage2_file_are_named_with_the_file(files, c
     assert config_from_argv(M + ["--deepspeed-config", stage3], 1).warnings == []
 
 
+def test_max_live_parameters_below_the_smallest_gather_unit_is_a_warning_before_launch(capsys):
+    """At ZeRO-3 a --zero3-max-live-parameters below the smallest gather unit can never hold
+    (zero3_gather gathers a unit anyway): the launcher's preflight warns, naming the flag, the
+    unit's elements and the bound that holds; the memory plan counts what is gathered at once."""
+    import train
+    from megazero.planning import memory
+    from megazero.planning.plan import plan_memory, zero3_live_warning, zero3_units
+    from model.build import build_gpt_config
+
+    argv = M4 + ["--zero-stage", "3", "--dp", "2", "--zero3-max-live-parameters", "10"]
+    assert train.preflight(argv, 2) == 0
+    err = capsys.readouterr().err
+    cfg = config_from_argv(argv, 2)
+    gpt = build_gpt_config(cfg, cfg.data.vocab_size)
+    [[units]] = zero3_units(cfg, gpt)  # one stage, one chunk
+    # hidden 256, 4 layers: a layer's QKV, fc1 and fc2 weights (3 + 4 + 4) x 65,536; the tied word
+    # embedding (1024 x 256) is the chunk's own unit; tensors under 100,000 elements (the default
+    # persistence threshold: norms, biases, attention projection, position table) stay whole
+    assert units == {**{f"layers.{i}": 11 * 65_536 for i in range(4)}, "chunk": 262_144}
+    need = memory.zero3_gathered_at_once([units])
+    assert need == 262_144 + 2 * 11 * 65_536
+    warning = zero3_live_warning(cfg, gpt)
+    assert warning.startswith("--zero3-max-live-parameters 10 is below the smallest ZeRO-3 gather unit (the "
+                              "chunk's own parameters, 262,144 elements per rank), so the bound can never hold")
+    assert f"fix: give at least {need:,}" in warning
+    assert f"megazero: config warning: {warning}\n" in err
+    for bound in (262_144, 10**9):  # a bound that a unit fits is left alone
+        assert zero3_live_warning(config_from_argv(argv[:-1] + [str(bound)], 2), gpt) is None
+    low, honest = (plan_memory(config_from_argv(argv[:-1] + [str(b)], 2), gpt) for b in (10, need))
+    assert low.backward_temporary_bytes == honest.backward_temporary_bytes
+
+
 def test_every_flag_of_the_interface_exists_and_aliases_agree():
     flags = ("--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length "
              "--max-position-embeddings --micro-batch-size --global-batch-size --train-iters --lr --min-lr "
