@@ -25,7 +25,7 @@ from megazero import checkpoint, collectives
 from megazero.checkpoint.manager import CheckpointManager, RunState
 from megazero.planning import memory
 from megazero.runtime import resilience
-from megazero.planning.plan import plan_memory
+from megazero.planning.plan import plan_memory, zero3_live_warning
 from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import (Config, bucket_sizes, config_from_argv, describe, overlap_param_gather,
                              resolve_run_dir, to_dict)
@@ -671,15 +671,21 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
 
 def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
     """Print the memory plan (``verbose``) and raise MemoryPlanError when the model states
-    cannot fit; a likely activation overflow is a warning."""
+    cannot fit; a likely activation overflow is a warning, and so is a ZeRO-3 live bound the
+    model's gather units make moot (added to ``cfg.warnings``)."""
     device = "cuda" if uses_cuda(cfg) else "cpu"
-    plan = plan_memory(cfg, build_gpt_config(cfg, vocab_size), on_cuda=device == "cuda")
+    gpt = build_gpt_config(cfg, vocab_size)
+    plan = plan_memory(cfg, gpt, on_cuda=device == "cuda")
     available = memory.available_bytes_per_rank(device, memory.ranks_per_node())
     warning = memory.check_fits(plan, available)
+    moot = zero3_live_warning(cfg, gpt)
+    cfg.warnings += [moot] if moot else []
     if verbose:
         print(f"[megazero] {memory.describe(plan, available)}", flush=True)
         if warning:
             print(f"megazero: warning: {warning}", file=sys.stderr, flush=True)
+        if moot:
+            print(f"megazero: config warning: {moot}", file=sys.stderr, flush=True)
 
 
 START_ERRORS = (DataError, checkpoint.CheckpointError, memory.MemoryPlanError, DeviceError)

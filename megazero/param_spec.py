@@ -89,6 +89,31 @@ def params_on_chunk(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_pro
     return total
 
 
+def gather_units(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool,
+                 post_process: bool, tp: int, persistence_threshold: int = 0) -> dict[str, int]:
+    """ZeRO-3 gather units of one model chunk: unit name -> elements one TP rank gathers
+    (unpadded), as ``model.build.zero3_units`` and ``data_parallel.zero3_gather.split_units``
+    form them: ``"embedding"`` (without a tied word embedding), ``"layers.{i}"``, ``"final_ln"``,
+    ``"output"`` (untied), then ``"chunk"``: the chunk's remaining parameters (the tied word
+    embedding, gathered around the whole chunk). A parameter with fewer than
+    ``persistence_threshold`` elements on the rank stays whole and joins no unit; a unit left
+    empty is dropped."""
+    ids, units, rest = set(layer_ids), {}, 0
+    for e in spec:
+        n = e.local_numel(tp)
+        if n < persistence_threshold:
+            continue
+        if e.tied_output and (pre_process or post_process):
+            rest += n
+            continue
+        key = (f"layers.{e.layer}" if e.part == "layer" and e.layer in ids else
+               "embedding" if e.part == "embedding" and pre_process else
+               e.name.split(".")[0] if e.part == "head" and post_process else None)
+        if key is not None:
+            units[key] = units.get(key, 0) + n
+    return {**units, "chunk": rest} if rest else units
+
+
 def matmul_params(spec: Iterable[ParamSpec]) -> tuple[int, int, int]:
     """(matmul weight elements of all layers, number of layers, output-layer elements).
 

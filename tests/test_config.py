@@ -107,6 +107,20 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                                                 ["--save", "ckpt", "another run"]),
     "sequence_parallel_seq_vs_tp": (M + ["--tp", "4", "--sequence-parallel", "--seq-length", "30",
                                          "--hidden-size", "64"], 4, ["--sequence-parallel", "--seq-length 30"]),
+    # a restart resumes from --load's latest: this run must write it (issue 26, F6)
+    "max_restarts_without_save": (M + ["--max-restarts", "1"], 1,
+                                  ["--max-restarts 1", "iteration 0", "--save DIR --load DIR", "--save-interval N"]),
+    "max_restarts_save_without_load": (M + ["--max-restarts", "2", "--save", "{DIR}/new"], 1,
+                                       ["--max-restarts 2", "resumes from --load (not given)", "--save DIR --load DIR"]),
+    "max_restarts_load_elsewhere": (M + ["--max-restarts", "1", "--save", "{DIR}/new", "--load", "{DIR}"], 1,
+                                    ["--max-restarts 1", "not from this run's checkpoints"]),
+    "max_restarts_without_save_interval": (M + ["--max-restarts", "1", "--save", "{DIR}/new", "--load", "{DIR}/new"], 1,
+                                           ["--max-restarts 1", "saves only at the end", "--save-interval N"]),
+    # a checkpoint option without --save: the run would write no checkpoint
+    "save_interval_without_save": (M + ["--save-interval", "5"], 1,
+                                   ["--save-interval has no effect without --save", "add --save DIR or drop it"]),
+    "keep_latest_without_save": (M + ["--keep-latest-checkpoints", "2"], 1, ["--keep-latest-checkpoints", "--save DIR"]),
+    "async_save_without_save": (M + ["--async-save"], 1, ["--async-save has no effect without --save"]),
 }
 
 
@@ -217,6 +231,121 @@ def test_sequence_parallel_with_tp1_is_a_warning_and_turned_off(capsys):
     assert any("--sequence-parallel" in w for w in cfg.warnings)
     assert "megazero: config warning: --sequence-parallel" in capsys.readouterr().err
     assert config_from_argv(M + ["--sequence-parallel", "--tp", "2"], 2).parallel.sequence_parallel is True
+
+
+UNUSED = [  # (flags, world size, the warning, flags under which the setting applies: no warning)
+    *[(["--zero-stage", "2", flag, value], 1, f"{flag} has no effect without --zero-stage 3 (this run: --zero-stage 2); "
+       "ignored", ["--zero-stage", "3", flag, value]) for flag, value in (
+        ("--zero3-prefetch-bucket-size", "0"), ("--zero3-max-live-parameters", "10"),
+        ("--zero3-param-persistence-threshold", "0"), ("--zero3-max-reuse-distance", "0"),
+        ("--zero3-reshard-after-forward", "on"))],
+    (["--zero3-max-live-parameters", "10"], 1, "--zero3-max-live-parameters has no effect without --zero-stage 3; "
+     "ignored", ["--zero3-max-live-parameters", "10", "--zero-stage", "3"]),
+    (["--zero-stage", "1", "--allgather-bucket-size", "1000"], 1, "--allgather-bucket-size has no effect without "
+     "--zero-stage 3 (this run: --zero-stage 1) and without --overlap-param-gather off; ignored",
+     ["--zero-stage", "1", "--allgather-bucket-size", "1000", "--overlap-param-gather", "off"]),
+    (["--overlap-param-gather", "off"], 1, "--overlap-param-gather has no effect without --zero-stage 1 or 2; ignored",
+     ["--overlap-param-gather", "off", "--zero-stage", "2"]),
+    (["--zero-stage", "1", "--no-offload-pin-memory"], 1, "--no-offload-pin-memory has no effect without "
+     "--offload-optimizer cpu; ignored", ["--zero-stage", "1", "--no-offload-pin-memory", "--offload-optimizer", "cpu"]),
+    (["--recompute-num-layers", "2"], 1, "--recompute-num-layers has no effect without --recompute-granularity full; "
+     "ignored", ["--recompute-num-layers", "2", "--recompute-granularity", "full", "--recompute-method", "block"]),
+    (["--bf16", "--loss-scale", "1024"], 1, "--loss-scale has no effect without --fp16; ignored",
+     ["--fp16", "--loss-scale", "1024"]),
+    (["--fp16", "--loss-scale", "1024", "--hysteresis", "4"], 1, "--hysteresis has no effect without --loss-scale 0 "
+     "(this run: --loss-scale 1024); ignored", ["--fp16", "--hysteresis", "4"]),
+    (["--grads-in-model-dtype"], 1, "--grads-in-model-dtype has no effect without --fp16 and without --bf16; ignored",
+     ["--grads-in-model-dtype", "--bf16"]),
+    (["--fp16", "--skip-bad-batches", "3"], 1, "--skip-bad-batches has no effect with --fp16; ignored",
+     ["--bf16", "--skip-bad-batches", "3"]),
+    (["--no-async-tensor-model-parallel-allreduce"], 2, "--no-async-tensor-model-parallel-allreduce has no effect "
+     "at --tp 1; ignored", ["--no-async-tensor-model-parallel-allreduce", "--tp", "2"]),
+    (["--tp", "2", "--compile", "--no-async-tensor-model-parallel-allreduce"], 2, "--no-async-tensor-model-parallel-"
+     "allreduce has no effect with --compile; ignored", ["--tp", "2", "--no-async-tensor-model-parallel-allreduce"]),
+    (["--pipeline-layer-split", "4"], 2, "--pipeline-layer-split has no effect at --pp 1; ignored",
+     ["--pipeline-layer-split", "1,3", "--pp", "2"]),
+    (["--eval-iters", "0", "--eval-interval", "5"], 1, "--eval-interval has no effect at --eval-iters 0; ignored",
+     ["--eval-interval", "5"]),
+    (["--lr-decay-style", "constant", "--min-lr", "0"], 1, "--min-lr has no effect with --lr-decay-style constant; "
+     "ignored", ["--min-lr", "0"]),
+    (["--lr-decay-iters", "300", "--lr-decay-style", "constant"], 1, "--lr-decay-iters has no effect with "
+     "--lr-decay-style constant; ignored", ["--lr-decay-iters", "300"]),
+    (["--lr-wsd-decay-style", "cosine"], 1, "--lr-wsd-decay-style has no effect without --lr-decay-style WSD; ignored",
+     ["--lr-wsd-decay-style", "cosine", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10"]),
+    (["--profile-step-start", "3"], 1, "--profile-step-start has no effect without --profile; ignored",
+     ["--profile-step-start", "3", "--profile"]),
+    (["--profile-ranks", "0", "1"], 2, "--profile-ranks has no effect without --profile; ignored",
+     ["--profile-ranks", "0", "1", "--profile"]),
+    (["--wandb-exp-name", "x"], 1, "--wandb-exp-name has no effect without --wandb-project; ignored", None),
+    (["--prompt", "Once"], 1, "--prompt has no effect with --mock-data; ignored", None),
+    (["--data-cache-dir", "/tmp/cache"], 1, "--data-cache-dir has no effect with --mock-data; ignored", None),
+]
+
+
+@pytest.mark.parametrize("argv,world,warning,applies", UNUSED, ids=[" ".join(u[0]) for u in UNUSED])
+def test_a_setting_without_effect_is_a_warning_naming_it(argv, world, warning, applies, capsys):
+    """A setting given that cannot take effect in this configuration (its field's ``applies``)
+    is one warning naming its flag, kept in cfg.warnings; where it applies there is none."""
+    cfg = config_from_argv(M4 + argv, world)
+    assert warning in cfg.warnings, cfg.warnings
+    assert f"megazero: config warning: {warning}\n" in capsys.readouterr().err
+    if applies is not None:
+        flag = warning.split()[0]
+        assert not [w for w in config_from_argv(M4 + applies, world).warnings if w.startswith(flag)]
+
+
+def test_deepspeed_stage3_keys_in_a_stage2_file_are_named_with_the_file(files, capsys):
+    """A stage-2 DeepSpeed file with ZeRO-3's stage3_* knobs: each is read, and named in a warning
+    with its key and file (they take effect at stage 3 only); an unread stage3_* key is named as
+    not honoured, as at stage 3."""
+    knobs = {"stage3_prefetch_bucket_size": "--zero3-prefetch-bucket-size",
+             "stage3_max_live_parameters": "--zero3-max-live-parameters",
+             "stage3_param_persistence_threshold": "--zero3-param-persistence-threshold",
+             "stage3_max_reuse_distance": "--zero3-max-reuse-distance"}
+    path = files["json"]({"zero_optimization": {"stage": 2, **{k: 1e6 for k in knobs},
+                                                "stage3_gather_16bit_weights_on_model_save": True}})
+    cfg = config_from_argv(M + ["--deepspeed-config", path], 1)
+    assert cfg.zero.stage == 2 and cfg.zero.zero3_max_live_parameters == 1_000_000
+    assert "'zero_optimization.stage3_gather_16bit_weights_on_model_save' is not honoured" in cfg.warnings[0]
+    for key, flag in knobs.items():
+        assert (f"{flag} (zero_optimization.{key} in {path}) has no effect without --zero-stage 3 (this run: "
+                f"--zero-stage 2, zero_optimization.stage in {path}); ignored") in cfg.warnings
+    assert len(cfg.warnings) == 5
+    assert capsys.readouterr().err.count("megazero: config warning: ") == 5
+    stage3 = files["json"]({"zero_optimization": {"stage": 3, **{k: 1e6 for k in knobs}}}, "ds3.json")
+    assert config_from_argv(M + ["--deepspeed-config", stage3], 1).warnings == []
+
+
+def test_max_live_parameters_below_the_smallest_gather_unit_is_a_warning_before_launch(capsys):
+    """At ZeRO-3 a --zero3-max-live-parameters below the smallest gather unit can never hold
+    (zero3_gather gathers a unit anyway): the launcher's preflight warns, naming the flag, the
+    unit's elements and the bound that holds; the memory plan counts what is gathered at once."""
+    import train
+    from megazero.planning import memory
+    from megazero.planning.plan import plan_memory, zero3_live_warning, zero3_units
+    from model.build import build_gpt_config
+
+    argv = M4 + ["--zero-stage", "3", "--dp", "2", "--zero3-max-live-parameters", "10"]
+    assert train.preflight(argv, 2) == 0
+    err = capsys.readouterr().err
+    cfg = config_from_argv(argv, 2)
+    gpt = build_gpt_config(cfg, cfg.data.vocab_size)
+    [[units]] = zero3_units(cfg, gpt)  # one stage, one chunk
+    # hidden 256, 4 layers: a layer's QKV, fc1 and fc2 weights (3 + 4 + 4) x 65,536; the tied word
+    # embedding (1024 x 256) is the chunk's own unit; tensors under 100,000 elements (the default
+    # persistence threshold: norms, biases, attention projection, position table) stay whole
+    assert units == {**{f"layers.{i}": 11 * 65_536 for i in range(4)}, "chunk": 262_144}
+    need = memory.zero3_gathered_at_once([units])
+    assert need == 262_144 + 2 * 11 * 65_536
+    warning = zero3_live_warning(cfg, gpt)
+    assert warning.startswith("--zero3-max-live-parameters 10 is below the smallest ZeRO-3 gather unit (the "
+                              "chunk's own parameters, 262,144 elements per rank), so the bound can never hold")
+    assert f"fix: give at least {need:,}" in warning
+    assert f"megazero: config warning: {warning}\n" in err
+    for bound in (262_144, 10**9):  # a bound that a unit fits is left alone
+        assert zero3_live_warning(config_from_argv(argv[:-1] + [str(bound)], 2), gpt) is None
+    low, honest = (plan_memory(config_from_argv(argv[:-1] + [str(b)], 2), gpt) for b in (10, need))
+    assert low.backward_temporary_bytes == honest.backward_temporary_bytes
 
 
 def test_every_flag_of_the_interface_exists_and_aliases_agree():

@@ -81,6 +81,7 @@ NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="th
     (["--node-rank", "3"], "--node-rank 3 is not below --nnodes 1"),
     (["--master-port", "99999"], "--master-port must be a port number"),
     (["--distributed-timeout-s", "1e15"], "--distributed-timeout-s"),
+    (["--max-restarts", "1"], "--max-restarts 1 cannot resume this run"),  # read by the launcher, refused before torchrun
     pytest.param(["--device", "cuda"], "--device cuda: no CUDA device", marks=NO_CUDA),
     pytest.param(["--kernels", "apex"], "--kernels apex needs a CUDA device", marks=NO_CUDA),
 ])

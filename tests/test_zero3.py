@@ -151,6 +151,7 @@ def _unit_run(rank, world, batches, cfg):
     settings = {"prefetch": {}, "no_prefetch": dict(prefetch_bucket_size=0),
                 "keep": dict(reshard_after_forward=False), "reuse0": dict(max_reuse_distance=0, prefetch_bucket_size=layer),
                 "bounded": dict(max_live_parameters=live_cap, max_reuse_distance=0),
+                "below_a_unit": dict(max_live_parameters=10),   # a bound that can never hold
                 "persist": dict(param_persistence_threshold=100),
                 "offload": dict(offload_param=True, max_reuse_distance=0)}
     out = {}
@@ -174,6 +175,27 @@ def _unit_run(rank, world, batches, cfg):
             total=sum(u.numel for u in ddp.zero3.units), cap=live_cap, persistent=persistent,
             sharded=sum(b.layout.shard_numel for b in ddp.buffers if b.strategy.stage == 3))
     return out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("rope", [False, True])
+def test_planned_gather_units_are_the_units_zero3_gathers(tied, rope):
+    """The planner's ZeRO-3 gather units (``param_spec.gather_units``, from the parameter spec:
+    what the preflight judges --zero3-max-live-parameters by) are the ones ``DataParallel``
+    forms from ``model.build.zero3_units`` and ``split_units``, for every kind of chunk and
+    persistence threshold."""
+    from megazero.data_parallel.zero3_gather import split_units
+    from megazero.param_spec import gather_units
+
+    cfg = tiny_cfg(num_layers=4, tie_embeddings=tied, position_embedding_type="rope" if rope else "learned_absolute")
+    for ids, pre, post in ((range(4), True, True), (range(2), True, False), (range(2, 4), False, True)):
+        stage = GPTStage(cfg, ProcessGroups.single(), list(ids), pre, post, SEED)
+        for threshold in (0, 20, 1000):
+            _, groups = split_units([p for p in stage.parameters()], zero3_units(stage), threshold)
+            built = sorted(sum(p.numel() for p in members) for _, members in groups)
+            planned = gather_units(cfg.parameter_spec(1), list(ids), pre, post, 1, threshold)
+            assert built == sorted(planned.values()), (list(ids), threshold, planned)
+            assert ("chunk" in planned) == (tied and any(m is None for m, _ in groups))
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -201,6 +223,8 @@ def test_zero3_per_layer_units_prefetch_live_bound_and_offload(tied):
         assert base["prefetches"] > 0 and out["no_prefetch"]["prefetches"] == 0
         bounded = out["bounded"]
         assert 0 < bounded["live"] <= bounded["cap"] < bounded["total"]
+        # below the smallest unit (the preflight warns): each unit gathered anyway, none prefetched
+        assert out["below_a_unit"]["prefetches"] == 0 and out["below_a_unit"]["live"] > 10
         assert out["reuse0"]["live"] < out["keep"]["live"] == base["live"] == base["total"]
         assert out["persist"]["persistent"] > 0 and out["prefetch"]["persistent"] == 0
         off = out["offload"]

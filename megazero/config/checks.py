@@ -8,9 +8,12 @@ process group exists (docs/design.md, contract 3). Where each kind of rule lives
 - model shapes under tp (heads, widths, positions, sequence parallelism, query groups,
   RoPE): ``shape.py``, applied here and by ``GPTConfig.validate``;
 - layers over pipeline stages and chunks: ``megazero.pipeline.partition.validate_partition``;
-- flag combinations (an option of a feature that is off, recomputation, world size =
-  tp x pp x dp, batch arithmetic, schedules, precision, ZeRO and offload, output
-  directories, logging, profiling, ``--from-hf``): here;
+- a setting given that has no effect as configured: its field's ``applies`` (schema.py's
+  ``Needs``), judged in one pass (``derive.unused_settings``): a warning from ``finalize``,
+  or refused here where its Needs says ``refuse``;
+- flag combinations (recomputation, restarts, world size = tp x pp x dp, batch
+  arithmetic, schedules, precision, ZeRO and offload, output directories, logging,
+  profiling, ``--from-hf``): here;
 - the training data: data/ owns the ``--data-path`` blend, the corpus files and the
   ``--split`` rules (``data.gpt_dataset``, applied by train.py's ``build_data`` before
   launch); here only that a corpus (or --mock-data) and its tokenizer are given.
@@ -23,6 +26,7 @@ import math
 import os
 from typing import Any, Optional
 
+from megazero.config.derive import unused_message, unused_settings
 from megazero.config.schema import Config, ConfigError, Setting, get_value, settings, show_flag
 from megazero.config.shape import check_block, check_sizes
 from megazero.pipeline.partition import PartitionError, validate_partition
@@ -75,14 +79,38 @@ def _check_model_shape(cfg: Config, world_size: int) -> None:
 
 
 def _check_unused_options(cfg: Config, world_size: int) -> None:
-    """An option of a feature that is off is refused (Megatron-LM's rule)."""
-    m, given = cfg.model, cfg.sources
-    rope = m.position_embedding_type == "rope"
-    for name, needs, on in (("model.num_query_groups", "--group-query-attention", m.group_query_attention),
-                            ("model.rotary_base", "--position-embedding-type rope", rope),
-                            ("model.rotary_percent", "--position-embedding-type rope", rope)):
-        if name in given and not on:
-            raise ConfigError(f"{show_flag(cfg, name)} has no effect without {needs}; fix: add {needs} or drop it")
+    """A setting given that has no effect here and whose ``Needs`` says ``refuse`` (schema.py):
+    ignoring it would run something other than what the flags describe, so it is refused
+    (``derive.unused_settings``, the one pass; the others are warnings from ``finalize``):
+    a model-shape option of a block feature that is off (Megatron-LM's rule: --num-query-groups,
+    --rotary-base, --rotary-percent) and a checkpoint option without --save (--save-interval,
+    --keep-latest-checkpoints, --async-save: no checkpoint would be written)."""
+    for name, need in unused_settings(cfg):
+        if need.refuse:
+            raise ConfigError(unused_message(cfg, name, need))
+
+
+def _check_restarts(cfg: Config, world_size: int) -> None:
+    """--max-restarts K > 0: torchrun restarts the group, which resumes from --load's ``latest``;
+    that must be this run's own checkpoint, written during training (docs/design.md, contract
+    4), else every restart trains again from where the run began."""
+    t = cfg.train
+    if t.max_restarts == 0:
+        return
+    same = t.save is not None and t.load is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
+    if t.save is None:
+        why = "nothing is saved (no --save), so a restarted group trains again from iteration 0"
+    elif not same:
+        why = (f"a restarted group resumes from --load ({t.load or 'not given'}), not from this run's "
+               f"checkpoints under --save {t.save}")
+    elif t.save_interval is None:
+        why = ("without --save-interval this run saves only at the end, so a restarted group trains "
+               "again from where it began")
+    else:
+        return
+    raise ConfigError(f"{show_flag(cfg, 'train.max_restarts')} {t.max_restarts} cannot resume this run after "
+                      f"a rank fails: {why}; fix: add --save DIR --load DIR (the same directory) and "
+                      "--save-interval N, or drop --max-restarts")
 
 
 def _check_block(cfg: Config, world_size: int) -> None:
@@ -279,8 +307,8 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
-           _check_world, _check_model_shape, _check_unused_options, _check_block, _check_recompute,
-           _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
+           _check_world, _check_model_shape, _check_unused_options, _check_restarts, _check_block,
+           _check_recompute, _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
 
 
 def validate(cfg: Config, world_size: int, *, needs_data: bool = True) -> None:

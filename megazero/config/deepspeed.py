@@ -10,7 +10,8 @@ min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_siz
 ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
 ``stage3_param_persistence_threshold`` and ``stage3_max_reuse_distance`` (elements). NVMe
 offload and the legacy ``cpu_offload*`` switches are refused; other ``stage3_*`` keys and any
-other unknown key give a warning.
+other unknown key give a warning. A key read whose setting has no effect in the run (the
+``stage3_*`` knobs below stage 3, say) is named with its file by ``derive.unused_settings``.
 
 ``activation_checkpointing`` (DeepSpeed's activation checkpointing API, as Megatron-DeepSpeed
 uses it with one checkpoint per transformer layer): the block turns on

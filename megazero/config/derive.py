@@ -4,10 +4,15 @@
 positions, LR iterations, schedule); ``bucket_sizes`` and ``overlap_param_gather`` resolve
 two ZeRO settings for the optimizer and the planner. None of them raises: ``checks.validate``
 judges the result.
+
+``unused_settings`` is the one pass over the settings that have no effect as configured:
+every setting given (a flag or a DeepSpeed key, ``cfg.sources``) whose field's ``applies``
+(``schema.Needs``) fails. ``finalize`` returns a warning for each; ``checks`` refuses those
+whose Needs says ``refuse``. ``unused_message`` words both.
 """
 from __future__ import annotations
 
-from megazero.config.schema import MOCK_VOCAB_SIZE, Config, show_flag
+from megazero.config.schema import MOCK_VOCAB_SIZE, Config, Needs, get_value, setting_named, settings, show_flag
 from megazero.config.shape import default_ffn_hidden_size
 
 
@@ -47,7 +52,71 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
     sizes = (p.dp, t.micro_batch_size, t.global_batch_size, t.gradient_accumulation_steps)
     if p.dp is not None and all(v is None or v >= 1 for v in sizes):
         _derive_batch(cfg)
-    return warnings
+    return warnings + [unused_message(cfg, name, need) for name, need in unused_settings(cfg) if not need.refuse]
+
+
+def unused_settings(cfg: Config) -> list[tuple[str, Needs]]:
+    """``(setting name, the first Needs that fails)`` for every setting given (``cfg.sources``)
+    whose field's ``applies`` does not hold, in declaration order: settings that have no effect
+    in this configuration (schema.py's ``Needs``)."""
+    out = []
+    for s in settings():
+        needs = s.field.metadata.get("applies") or ()
+        failed = next((n for n in needs if not n.holds(cfg)), None)
+        if failed is not None and s.name in cfg.sources:
+            out.append((s.name, failed))
+    return out
+
+
+def unused_message(cfg: Config, name: str, need: Needs) -> str:
+    """One line naming the setting (its flag, or the JSON key and file), the condition it misses
+    and, for a refusal, the fix: ``--zero3-max-live-parameters has no effect without --zero-stage
+    3 (this run: --zero-stage 2); ignored`` / ``--save-interval has no effect without --save;
+    fix: add --save DIR or drop it``."""
+    chain, n = [], need
+    while n is not None:
+        chain.append(n)
+        n = n.alt
+    text = f"{show_flag(cfg, name)} has no effect " + " and ".join(_missed(cfg, n) for n in chain)
+    if need.refuse:
+        return f"{text}; fix: add {' or '.join(_condition(n) for n in chain)} or drop it"
+    return f"{text}; ignored"
+
+
+def _condition(n: Needs) -> str:
+    """The condition ``n`` names: "--zero-stage 3", "--fp16", "--tp > 1", "--save DIR"."""
+    s = setting_named(n.on)
+    values = n.values or n.besides
+    if n.wanted:
+        return n.wanted
+    if n.above is not None:
+        return f"{s.flag} > {n.above:g}"
+    if s.base is bool or values == (None,):
+        return s.flag
+    return f"{s.flag} {' or '.join(_text(v) for v in values)}"
+
+
+def _text(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _missed(cfg: Config, n: Needs) -> str:
+    """How this run misses ``n``: "without --zero-stage 3 (this run: --zero-stage 2)",
+    "with --mock-data", "at --tp 1", "with --lr-decay-style constant"."""
+    s, value = setting_named(n.on), get_value(cfg, n.on)
+    if n.above is not None:
+        return f"at {s.flag} {value}"
+    if s.base is bool:   # the flag sets the opposite of the default
+        ok = set(n.values) if n.values else {True, False} - set(n.besides)
+        return f"without {s.flag}" if (not s.default) in ok else f"with {s.flag}"
+    if (n.values or n.besides) == (None,):
+        return f"with {s.flag}" if n.values else f"without {s.flag}"
+    if n.besides:
+        return f"with {s.flag} {_text(value)}"
+    src = cfg.sources.get(n.on, "")   # name the state only where it was given (or read from a file)
+    where = "" if src.startswith("--") else f", {src}"
+    state = f" (this run: {s.flag} {_text(value)}{where})" if src else ""
+    return f"without {_condition(n)}{state}"
 
 
 def _derive_batch(cfg: Config) -> None:

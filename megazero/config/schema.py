@@ -8,6 +8,11 @@ ranges and choices) and the rendering (``render.py``: ``describe()``).
 ``settings()`` lists the fields as ``Setting`` rows named ``section.field``
 ("model.num_layers"); ``get_value`` / ``set_value`` / ``show_flag`` address a ``Config`` by
 that name. Imports nothing of megazero but ``pipeline.partition`` (the layer-split parser).
+
+A setting that belongs to one stage or feature says so in its metadata: ``applies`` is the
+``Needs`` under which it has an effect (e.g. ZeRO-3's knobs: ``Needs("zero.stage", (3,))``).
+One pass over the given settings (``derive.unused_settings``) names every one whose
+condition fails: a warning, or a ConfigError where ``refuse`` says running on would mislead.
 """
 from __future__ import annotations
 
@@ -26,14 +31,56 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the setting (flag) and the fix."""
 
 
+@dataclass(frozen=True)
+class Needs:
+    """When a setting has an effect: setting ``on`` ("zero.stage") has one of ``values``, none
+    of ``besides``, or a number above ``above``; or ``alt`` holds (one alternative).
+
+    ``refuse``: given while this fails, the setting is a ConfigError, not a warning: where
+    ignoring it would run something other than what the flags describe (another model, no
+    checkpoint). ``wanted``: how the fix names the condition (default: ``on``'s flag and values).
+    """
+
+    on: str
+    values: tuple = ()
+    besides: tuple = ()
+    above: Optional[float] = None
+    alt: Optional["Needs"] = None
+    refuse: bool = False
+    wanted: str = ""
+
+    def holds(self, cfg: "Config") -> bool:
+        v = get_value(cfg, self.on)
+        if self.above is not None:
+            ok = v is not None and v > self.above
+        else:
+            ok = v not in self.besides if self.besides else v in self.values
+        return ok or (self.alt is not None and self.alt.holds(cfg))
+
+
+_ZERO3 = Needs("zero.stage", (3,))
+_FP16 = Needs("precision.fp16", (True,))
+_DYNAMIC_SCALE = (_FP16, Needs("precision.loss_scale", (0.0,)))
+_REAL_DATA = Needs("train.mock_data", (False,))
+_PROFILE = Needs("log.profile", (True,))
+_WANDB = Needs("log.wandb_project", besides=(None,))
+_DECAY = Needs("optim.lr_decay_style", besides=("constant",))
+_SAVE = Needs("train.save", besides=(None,), refuse=True, wanted="--save DIR")
+_ROPE = Needs("model.position_embedding_type", ("rope",), refuse=True)
+_WSD = Needs("optim.lr_decay_style", ("WSD",))
+
+
 def _f(default: Any, help: str, unit: str = "", *, flags: tuple = (), choices: tuple = (),
        ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
-       parse=None):
+       parse=None, applies=None):
     """A setting: default, meaning, unit, flags (first = the name used in messages), range.
 
     ``parse``: the command-line parser of its value (text -> value; ValueError when invalid).
+    ``applies``: the ``Needs`` (or a tuple of them, all needed) under which it has an effect;
+    None = always.
     """
-    meta = dict(help=help, unit=unit, flags=flags, choices=choices, ge=ge, gt=gt, lt=lt, parse=parse)
+    meta = dict(help=help, unit=unit, flags=flags, choices=choices, ge=ge, gt=gt, lt=lt, parse=parse,
+                applies=applies if applies is None or isinstance(applies, tuple) else (applies,))
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -61,18 +108,20 @@ class ModelConfig:
         False, "give the output layer its own weight instead of the word embedding's")
     position_embedding_type: str = _f("learned_absolute", "positions: a learned table (GPT-2) or rotary "
                                       "(RoPE) in attention", choices=("learned_absolute", "rope"))
-    rotary_base: int = _f(10000, "RoPE frequency base", "", ge=1)
-    rotary_percent: float = _f(1.0, "fraction of each head's dimensions RoPE rotates, in (0, 1]", "fraction")
+    rotary_base: int = _f(10000, "RoPE frequency base", "", ge=1, applies=_ROPE)
+    rotary_percent: float = _f(1.0, "fraction of each head's dimensions RoPE rotates, in (0, 1]", "fraction",
+                               applies=_ROPE)
     normalization: str = _f("LayerNorm", "norm of every block and the final norm",
                             choices=("LayerNorm", "RMSNorm"))
     swiglu: bool = _f(False, "gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8H/3/64)*64")
     group_query_attention: bool = _f(False, "grouped-query attention with --num-query-groups key/value heads")
     num_query_groups: int = _f(1, "key/value heads of --group-query-attention (1 = multi-query)", "groups",
-                               ge=1)
+                               ge=1, applies=Needs("model.group_query_attention", (True,), refuse=True))
     add_bias_linear: bool = _f(True, "biases in the QKV, attention output and MLP linears",
                                flags=("--disable-bias-linear",))
     layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon added to the variance", "", gt=0)
-    init_method_std: float = _f(0.02, "standard deviation of the normal weight init", "", gt=0)
+    init_method_std: float = _f(0.02, "standard deviation of the normal weight init", "", gt=0,
+                                applies=Needs("train.from_hf", (None,)))
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy", "probability", ge=0, lt=1)
     recompute_granularity: Optional[str] = _f(
         None, "activation recomputation: selective = the attention core, full = whole layers "
@@ -82,7 +131,8 @@ class ModelConfig:
         "recomputed region; block = recompute the first --recompute-num-layers layers of each chunk",
         choices=("uniform", "block"))
     recompute_num_layers: int = _f(1, "layers per uniform group, or layers recomputed per chunk with "
-                                   "block", "layers", ge=1)
+                                   "block", "layers", ge=1,
+                                   applies=Needs("model.recompute_granularity", ("full",)))
 
 
 @dataclass
@@ -99,11 +149,13 @@ class ParallelConfig:
     pipeline_schedule: str = _f("1f1b", "pipeline schedule; interleaved when --virtual-pipeline-size > 1",
                                 choices=("none", "gpipe", "1f1b", "interleaved"))
     pipeline_layer_split: Optional[list[int]] = _f(
-        None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=parse_layer_split)
+        None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=parse_layer_split,
+        applies=Needs("parallel.pp", above=1))
     sequence_parallel: bool = _f(False, "partition LayerNorm/dropout activations along the sequence over tp")
     async_tensor_model_parallel_allreduce: bool = _f(
         True, "overlap the column-parallel layers' input-gradient all-reduce with their weight-gradient "
-        "matmul (bit-identical; off under --compile)", flags=("--no-async-tensor-model-parallel-allreduce",))
+        "matmul (bit-identical; off under --compile)", flags=("--no-async-tensor-model-parallel-allreduce",),
+        applies=(Needs("parallel.tp", above=1), Needs("train.compile", (False,))))
     distributed_timeout_s: float = _f(300.0, "timeout of every collective and of the rendezvous", "seconds",
                                       gt=0, lt=1_000_000)
 
@@ -120,14 +172,15 @@ class TrainingConfig:
         "micro-batches", ge=1)
     train_iters: int = _f(400, "optimizer steps to train", "iterations", ge=1)
     seed: int = _f(1234, "seed of weights, data order and dropout", "", ge=0)
-    eval_interval: int = _f(100, "validate every this many steps (and at the end)", "iterations", ge=1)
+    eval_interval: int = _f(100, "validate every this many steps (and at the end)", "iterations", ge=1,
+                            applies=Needs("train.eval_iters", above=0))
     eval_iters: int = _f(10, "validation batches per evaluation; 0 = none", "iterations", ge=0)
     save: Optional[str] = _f(None, "checkpoint directory to write; None = no checkpoints", "path")
     load: Optional[str] = _f(None, "checkpoint directory to resume from", "path")
     save_interval: Optional[int] = _f(None, "checkpoint every this many steps; None = at the end only",
-                                      "iterations", ge=1)
+                                      "iterations", ge=1, applies=_SAVE)
     keep_latest_checkpoints: int = _f(0, "after each save, delete all but this many newest checkpoints "
-                                      "under --save; 0 = keep all", "checkpoints", ge=0)
+                                      "under --save; 0 = keep all", "checkpoints", ge=0, applies=_SAVE)
     from_hf: Optional[str] = _f(None, "Hugging Face GPT-2 or Llama folder (config.json + model.safetensors) to start "
                                 "from: weights sliced for this layout, fresh optimizer; a checkpoint under "
                                 "--load still takes precedence", "path")
@@ -140,12 +193,13 @@ class TrainingConfig:
         None, "stop (and save with --save) after an iteration divisible by this; None = never", "iterations", ge=1)
     skip_bad_batches: int = _f(
         0, "skip a step whose loss or gradient is non-finite (fp32/bf16), at most this many times; "
-        "0 = stop at the first", "steps", ge=0)
+        "0 = stop at the first", "steps", ge=0, applies=Needs("precision.fp16", (False,)))
     async_save: bool = _f(False, "write checkpoint files in the background (DCP async_save); 'latest' moves "
-                          "once every rank's files are on disk, at the next save or the end")
+                          "once every rank's files are on disk, at the next save or the end", applies=_SAVE)
     max_restarts: int = _f(
-        0, "torchrun restarts the whole group this many times after a rank fails (use with --save D "
-        "--load D); read by scripts/pretrain_gpt.sh", "restarts", ge=0)
+        0, "torchrun restarts the whole group this many times after a rank fails; needs --save D --load D "
+        "--save-interval N (the group resumes from D's latest checkpoint); read by scripts/pretrain_gpt.sh",
+        "restarts", ge=0)
     compile: bool = _f(False, "torch.compile each transformer layer (pipeline, ZeRO and the collectives "
                        "between layers stay eager); the first steps pay the compilation")
 
@@ -155,17 +209,18 @@ class OptimizerConfig:
     """AdamW (decoupled weight decay), warm-up then decay of the learning rate, clipping."""
 
     lr: float = _f(2e-3, "peak learning rate", "", ge=0)
-    min_lr: float = _f(2e-4, "learning rate at the end of the decay", "", ge=0)
+    min_lr: float = _f(2e-4, "learning rate at the end of the decay", "", ge=0, applies=_DECAY)
     lr_warmup_iters: Optional[int] = _f(None, "linear warm-up from 0 to --lr; None = 10% of --train-iters",
                                         "iterations", ge=0)
     lr_decay_iters: Optional[int] = _f(None, "iterations of decay to --min-lr; None = --train-iters",
-                                       "iterations", ge=1)
+                                       "iterations", ge=1, applies=_DECAY)
     lr_decay_style: str = _f("cosine", "shape of the decay (WSD: warmup-stable-decay, Megatron's)",
                              choices=("cosine", "linear", "constant", "WSD"))
     lr_wsd_decay_iters: Optional[int] = _f(
-        None, "WSD: iterations of the final annealing phase, ending at --lr-decay-iters", "iterations", ge=1)
+        None, "WSD: iterations of the final annealing phase, ending at --lr-decay-iters", "iterations", ge=1,
+        applies=_WSD)
     lr_wsd_decay_style: str = _f("exponential", "WSD: shape of the annealing phase",
-                                 choices=("exponential", "linear", "cosine", "minus_sqrt"))
+                                 choices=("exponential", "linear", "cosine", "minus_sqrt"), applies=_WSD)
     weight_decay: float = _f(0.1, "decoupled weight decay on matrices", "", ge=0)
     adam_beta1: float = _f(0.9, "Adam first-moment decay", "", ge=0, lt=1)
     adam_beta2: float = _f(0.95, "Adam second-moment decay", "", ge=0, lt=1)
@@ -181,16 +236,20 @@ class PrecisionConfig:
 
     fp16: bool = _f(False, "fp16 weights and activations, fp32 master weights, loss scaling")
     bf16: bool = _f(False, "bf16 weights and activations, fp32 master weights")
-    loss_scale: float = _f(0.0, "static fp16 loss scale; 0 = dynamic", "", ge=0)
-    initial_scale_power: int = _f(16, "dynamic loss scale starts at 2**power", "", ge=0, lt=128)
-    loss_scale_window: int = _f(1000, "steps without overflow before the scale doubles", "iterations", ge=1)
-    hysteresis: int = _f(2, "overflows tolerated before the scale halves", "overflows", ge=1)
-    min_loss_scale: float = _f(1.0, "floor of the dynamic loss scale", "", gt=0)
+    loss_scale: float = _f(0.0, "static fp16 loss scale; 0 = dynamic", "", ge=0, applies=_FP16)
+    initial_scale_power: int = _f(16, "dynamic loss scale starts at 2**power", "", ge=0, lt=128,
+                                  applies=_DYNAMIC_SCALE)
+    loss_scale_window: int = _f(1000, "steps without overflow before the scale doubles", "iterations", ge=1,
+                                applies=_DYNAMIC_SCALE)
+    hysteresis: int = _f(2, "overflows tolerated before the scale halves", "overflows", ge=1,
+                         applies=_DYNAMIC_SCALE)
+    min_loss_scale: float = _f(1.0, "floor of the dynamic loss scale", "", gt=0, applies=_DYNAMIC_SCALE)
     max_consecutive_skips: int = _f(50, "stop after this many skipped (overflowed) steps in a row",
                                     "iterations", ge=1)
     accumulate_allreduce_grads_in_fp32: bool = _f(
         True, "keep and reduce gradients in fp32, else in the model dtype (fp16/bf16)",
-        flags=("--grads-in-model-dtype",))
+        flags=("--grads-in-model-dtype",),
+        applies=Needs("precision.fp16", (True,), alt=Needs("precision.bf16", (True,))))
 
 
 @dataclass
@@ -204,7 +263,10 @@ class ZeroConfig:
     reduce_bucket_size: Optional[int] = _f(
         None, "gradient reduction bucket; None = hidden size squared (DeepSpeed's 'auto')", "elements", ge=1)
     allgather_bucket_size: Optional[int] = _f(
-        None, "parameter all-gather bucket; None = hidden size squared", "elements", ge=1)
+        None, "parameter all-gather bucket; None = hidden size squared", "elements", ge=1,
+        # the all-gather after the step: ZeRO-1/2 without the overlap (which gathers per reduce
+        # bucket), and ZeRO-3's persistent parameters
+        applies=Needs("zero.stage", (3,), alt=Needs("zero.overlap_param_gather", ("off",))))
     overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass",
                             flags=("--no-overlap-comm",))
     overlap_param_gather: str = _f(
@@ -212,25 +274,28 @@ class ZeroConfig:
         "optimizer step, bucket by bucket, each waited for just before the next forward uses it "
         "(Megatron-core's overlap_param_gather; bit-identical to off); auto = on at --zero-stage 1 "
         "and 2, off at 0 (nothing to gather) and 3 (gathered before each forward anyway); on at "
-        "stage 0 or 3 is refused", choices=("auto", "on", "off"))
+        "stage 0 or 3 is refused", choices=("auto", "on", "off"), applies=Needs("zero.stage", (1, 2)))
     zero3_reshard_after_forward: str = _f(
         "auto", "ZeRO-3: drop a layer's gathered parameters after its forward and gather them again "
         "for its backward (on: less memory, one more all-gather per micro-batch), or keep them "
         "gathered across the step's micro-batches (off); auto = off under --pp > 1, else on",
-        choices=("auto", "on", "off"))
+        choices=("auto", "on", "off"), applies=_ZERO3)
     # DeepSpeed's zero_optimization.stage3_* knobs, in elements as DeepSpeed counts them.
     zero3_prefetch_bucket_size: int = _f(
         50_000_000, "ZeRO-3: parameters all-gathered ahead of the computing layer (DeepSpeed's "
-        "stage3_prefetch_bucket_size); 0 = no prefetch", "elements", ge=0)
+        "stage3_prefetch_bucket_size); 0 = no prefetch", "elements", ge=0, applies=_ZERO3)
     zero3_max_live_parameters: int = _f(
         1_000_000_000, "ZeRO-3: bound on gathered parameters at any time (DeepSpeed's "
-        "stage3_max_live_parameters): no prefetch past it, idle layers released first", "elements", ge=1)
+        "stage3_max_live_parameters): no prefetch past it, idle layers released first", "elements", ge=1,
+        applies=_ZERO3)
     zero3_param_persistence_threshold: int = _f(
         100_000, "ZeRO-3: parameters with fewer elements stay whole on every rank (gradients and "
-        "optimizer state still sharded; DeepSpeed's stage3_param_persistence_threshold)", "elements", ge=0)
+        "optimizer state still sharded; DeepSpeed's stage3_param_persistence_threshold)", "elements", ge=0,
+        applies=_ZERO3)
     zero3_max_reuse_distance: int = _f(
         1_000_000_000, "ZeRO-3: a layer used again (its backward) within this many gathered elements "
-        "stays gathered after its forward (DeepSpeed's stage3_max_reuse_distance)", "elements", ge=0)
+        "stays gathered after its forward (DeepSpeed's stage3_max_reuse_distance)", "elements", ge=0,
+        applies=_ZERO3)
     # DeepSpeed knobs whose alternative megazero does not implement: it always keeps gradients
     # in contiguous buffers, reduce-scatters them (stages 1/2) and all-gathers updated shards.
     # Turning one off is accepted (DeepSpeed files set them) and ignored with a warning.
@@ -248,7 +313,8 @@ class ZeroConfig:
                                 choices=("none", "cpu"), flags=("--offload-optimizer",))
     offload_optimizer_pin_memory: bool = _f(True, "page-lock the offloaded host state on CUDA (DeepSpeed's "
                                             "offload_optimizer.pin_memory)",
-                                            flags=("--no-offload-pin-memory",))
+                                            flags=("--no-offload-pin-memory",),
+                                            applies=Needs("zero.offload_optimizer", ("cpu",)))
     offload_param: str = _f("none", "where ZeRO-3 parameter shards live between uses: none or cpu "
                             "(host memory, copied to the device for each all-gather; needs stage 3)",
                             choices=("none", "cpu"),
@@ -264,10 +330,11 @@ class DataConfig:
     tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file, or a tokenizer.json (or a folder "
                                         "holding one) with HuggingFaceTokenizer; needed with --data-path", "path")
     tokenizer_type: str = _f("SentencePieceTokenizer", "how --tokenizer-model is read (Megatron's names)",
-                             choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
+                             choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"), applies=_REAL_DATA)
     vocab_size: Optional[int] = _f(
         None, f"vocabulary; None = the tokenizer's ({MOCK_VOCAB_SIZE} with --mock-data)", "tokens", ge=1)
-    data_cache_dir: Optional[str] = _f(None, "where sample indices are cached (atomic, shared by ranks); None = built in memory on every rank", "path")
+    data_cache_dir: Optional[str] = _f(None, "where sample indices are cached (atomic, shared by ranks); None = built in memory on every rank", "path",
+                                       applies=_REAL_DATA)
 
 
 @dataclass
@@ -281,20 +348,22 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = _f("tensorboard", "TensorBoard event directory, relative to --run-dir",
                                         "path")
     metrics_file: Optional[str] = _f("metrics.jsonl", "JSON-lines metrics, relative to --run-dir", "path")
-    generate_tokens: int = _f(64, "length of the greedy sample printed at the end", "tokens", ge=0)
-    prompt: str = _f("def ", "prompt of that sample")
+    generate_tokens: int = _f(64, "length of the greedy sample printed at the end", "tokens", ge=0,
+                              applies=_REAL_DATA)   # the sample needs a tokenizer
+    prompt: str = _f("def ", "prompt of that sample", applies=_REAL_DATA)
     wandb_project: Optional[str] = _f(None, "Weights & Biases project: log TensorBoard's scalars there too "
                                       "(needs the wandb extra; WANDB_MODE=offline works without a network); "
                                       "None = off")
-    wandb_exp_name: Optional[str] = _f(None, "W&B run name; None = the --run-dir folder name")
-    wandb_save_dir: Optional[str] = _f(None, "W&B files directory; None = RUN_DIR/wandb", "path")
+    wandb_exp_name: Optional[str] = _f(None, "W&B run name; None = the --run-dir folder name", applies=_WANDB)
+    wandb_save_dir: Optional[str] = _f(None, "W&B files directory; None = RUN_DIR/wandb", "path", applies=_WANDB)
     peak_tflops: Optional[float] = _f(None, "dense peak matmul TFLOP/s of one device, the MFU denominator; "
                                       "None = megazero's table of known GPUs (else MFU n/a)", "TFLOP/s", gt=0)
     profile: bool = _f(False, "torch.profiler trace of steps --profile-step-start to --profile-step-end - 1 on "
                        "each rank of --profile-ranks, written to RUN_DIR/profile/rankR.*.pt.trace.json (TensorBoard, Perfetto)")
-    profile_step_start: int = _f(10, "first profiled step (Megatron's --profile-step-start)", "iterations", ge=1)
-    profile_step_end: int = _f(12, "profiling stops before this step", "iterations", ge=2)
-    profile_ranks: list[str] = _f(["0"], "global ranks that write a trace", "ranks")
+    profile_step_start: int = _f(10, "first profiled step (Megatron's --profile-step-start)", "iterations", ge=1,
+                                 applies=_PROFILE)
+    profile_step_end: int = _f(12, "profiling stops before this step", "iterations", ge=2, applies=_PROFILE)
+    profile_ranks: list[str] = _f(["0"], "global ranks that write a trace", "ranks", applies=_PROFILE)
 
 
 @dataclass

@@ -40,7 +40,7 @@ from typing import Optional, Protocol
 from megazero.planning import activations as A
 from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
-from megazero.param_spec import ParamSpec, params_on_chunk
+from megazero.param_spec import ParamSpec, gather_units, params_on_chunk
 from megazero.pipeline import partition
 from megazero.pipeline.schedules import build_schedule, simulate
 
@@ -73,6 +73,27 @@ def params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int 
                                partition.is_pre_process(pp_rank, v),
                                partition.is_post_process(pp_rank, pp, v, vp_size), tp)
                for v in range(vp_size))
+
+
+def zero3_units(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1, layer_split=None,
+                persistence_threshold: int = 0) -> list[dict[str, int]]:
+    """ZeRO-3 gather units of each model chunk of stage ``pp_rank``: unit name -> elements on one
+    rank (``param_spec.gather_units``, from ``g.parameter_spec(tp)``)."""
+    spec = g.parameter_spec(tp)
+    return [gather_units(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split),
+                         partition.is_pre_process(pp_rank, v), partition.is_post_process(pp_rank, pp, v, vp_size),
+                         tp, persistence_threshold)
+            for v in range(vp_size)]
+
+
+def zero3_gathered_at_once(chunks: list[dict[str, int]]) -> int:
+    """Elements a rank holds gathered at once whatever ``--zero3-max-live-parameters`` says, as
+    ``DataParallel.gathered_bound_bytes`` counts them: the largest chunk's own unit (gathered
+    around the whole chunk) plus the two largest other units (the one computing and the one
+    whose backward is finishing), never more than all units."""
+    rest = max((c.get("chunk", 0) for c in chunks), default=0)
+    top = sorted((n for c in chunks for k, n in c.items() if k != "chunk"), reverse=True)[:2]
+    return min(rest + sum(top), sum(n for c in chunks for n in c.values()))
 
 
 def activation_bytes_per_layer(g: ModelSizes, micro_batch_size: int, tp: int, sequence_parallel: bool,

@@ -3,10 +3,16 @@
 The model's sizes come in as a ``memory.ModelSizes`` (``model.config.GPTConfig``, which
 megazero does not import); ``on_cuda`` says whether the run's devices are GPUs, where an
 offloaded optimizer's fp32 state lives in host memory and leaves the device's count. train.py's preflight, ``scripts/plan.py`` and the tests plan through here.
+
+The model's sizes also judge one setting the config alone cannot: ``zero3_live_warning`` (a
+``--zero3-max-live-parameters`` below the smallest ZeRO-3 gather unit can never hold), and
+the plan counts what is gathered at once even when that bound is lower.
 """
 from __future__ import annotations
 
-from megazero.config import Config, bucket_sizes
+from typing import Optional
+
+from megazero.config import Config, bucket_sizes, show_flag
 from megazero.planning import memory
 from megazero.planning.activations import ActivationSettings
 from megazero.precision import model_dtype
@@ -34,8 +40,44 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
                 states_on_host=cfg.zero.offload_optimizer == "cpu" and on_cuda)
 
 
-def _buckets(cfg: Config) -> tuple:
-    return bucket_sizes(cfg) + (2, cfg.zero.zero3_max_live_parameters)
+def zero3_units(cfg: Config, model: memory.ModelSizes) -> list[list[dict[str, int]]]:
+    """The ZeRO-3 gather units of each pipeline stage (index = pp rank), per model chunk: unit
+    name -> elements on one rank of that stage (``memory.zero3_units``)."""
+    p = cfg.parallel
+    return [memory.zero3_units(model, p.tp, p.pp, r, p.virtual_pipeline_size, p.pipeline_layer_split,
+                               cfg.zero.zero3_param_persistence_threshold) for r in range(p.pp)]
+
+
+def zero3_live_warning(cfg: Config, model: memory.ModelSizes) -> Optional[str]:
+    """At ZeRO-3, a ``--zero3-max-live-parameters`` below the smallest gather unit of a stage
+    can never hold: ``zero3_gather`` gathers a unit on demand anyway (releasing idle ones
+    first) and never prefetches, so the bound limits nothing. Returns that warning, else None."""
+    if cfg.zero.stage != 3:
+        return None
+    bound = cfg.zero.zero3_max_live_parameters
+    stages = zero3_units(cfg, model)
+    for r, chunks in enumerate(stages):
+        units = sorted((n, name) for c in chunks for name, n in c.items())
+        if units and bound < units[0][0]:
+            n, name = units[0]
+            where = (f"pipeline stage {r}: " if cfg.parallel.pp > 1 else "") + (
+                "the chunk's own parameters" if name == "chunk" else name)
+            need = max(memory.zero3_gathered_at_once(c) for c in stages)
+            return (f"{show_flag(cfg, 'zero.zero3_max_live_parameters')} {bound:,} is below the smallest "
+                    f"ZeRO-3 gather unit ({where}, {n:,} elements per rank), so the bound can never "
+                    "hold: every unit is gathered anyway when it computes (idle ones released first) and "
+                    f"nothing is prefetched; fix: give at least {need:,} (what is gathered at once: the "
+                    "chunk's own parameters and the two largest units) or leave the default")
+    return None
+
+
+def _buckets(cfg: Config, model: memory.ModelSizes) -> tuple:
+    """(reduce, all-gather bucket, buckets in flight, gathered ZeRO-3 elements): the live bound,
+    or what is gathered at once when that is more (``zero3_gather`` exceeds a lower bound)."""
+    live = cfg.zero.zero3_max_live_parameters
+    if cfg.zero.stage == 3:
+        live = max([live] + [memory.zero3_gathered_at_once(c) for c in zero3_units(cfg, model)])
+    return bucket_sizes(cfg) + (2, live)
 
 
 def plan_memory(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False) -> memory.MemoryEstimate:
@@ -43,10 +85,10 @@ def plan_memory(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False)
     p = cfg.parallel
     return memory.estimate(model, **layout_settings(cfg, on_cuda), micro_batch_size=cfg.train.micro_batch_size,
                            sequence_parallel=p.sequence_parallel and p.tp > 1,
-                           activations=activation_settings(cfg), buckets=_buckets(cfg))
+                           activations=activation_settings(cfg), buckets=_buckets(cfg, model))
 
 
 def plan_stages(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False) -> list[memory.MemoryEstimate]:
     """The memory plan of every pipeline stage (index = pp rank), as ``plan_memory`` counts it."""
     return memory.stage_estimates(model, **layout_settings(cfg, on_cuda), a=activation_settings(cfg),
-                                  buckets=_buckets(cfg))
+                                  buckets=_buckets(cfg, model))
