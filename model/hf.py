@@ -58,7 +58,7 @@ _MAPPED_FIELDS = {"vocab_size", "num_layers", "hidden_size", "num_attention_head
                   "seq_length", "max_position_embeddings", "hidden_dropout", "attention_dropout",
                   "tie_embeddings", "layernorm_epsilon", "init_method_std", "make_vocab_size_divisible_by",
                   "sequence_parallel", "params_dtype", "label_smoothing", "norm_backend",
-                  "recompute_granularity", "recompute_method", "recompute_num_layers"}
+                  "recompute_granularity", "recompute_method", "recompute_num_layers", "tp_overlap_grad_reduce"}
 _GELU = "gelu"  # transformers' ACT2FN["gelu"]: exact erf GELU, as torch.nn.functional.gelu
 
 
