@@ -31,6 +31,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
+from megazero.runtime.extras import require
 from model.config import GPTConfig
 from model.gpt import VOCAB_TENSORS, canonical_shapes, resize_vocab
 
@@ -164,20 +165,19 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
 
 def open_folder(path: str, gcfg: GPTConfig, padded_vocab: int) -> "CanonicalView":
     """The canonical full tensors of a Hugging Face GPT-2 or Llama folder's ``model.safetensors``,
-    read lazily (``CanonicalView``), vocabulary tensors padded to ``padded_vocab`` rows."""
-    from safetensors import safe_open
-
+    read lazily (``CanonicalView``), vocabulary tensors padded to ``padded_vocab`` rows.
+    Raises MissingExtra (megazero.runtime.extras) without safetensors."""
+    safe_open = require("safetensors", "--from-hf").safe_open
     return CanonicalView(safe_open(os.path.join(path, "model.safetensors"), "pt"), gcfg, padded_vocab)
 
 
 def check_folder(path: str, gcfg: GPTConfig) -> None:
     """Raise HFConversionError unless folder ``path`` holds ``gcfg``'s model: its
     ``config.json`` matches (``check_matches``) and its safetensors have every tensor.
-    OSError / ValueError for an unreadable file."""
+    OSError / ValueError for an unreadable file; MissingExtra without safetensors."""
+    safe_open = require("safetensors", "--from-hf").safe_open
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         check_matches(json.load(f), gcfg)
-    from safetensors import safe_open
-
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as handle:
         keys = set(handle.keys())
     for name in canonical_shapes(gcfg, gcfg.vocab_size):

@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megazero.checkpoint import CheckpointError, read_full_weights  # noqa: E402
 from megazero.process_groups import ProcessGroups  # noqa: E402
+from megazero.runtime.extras import MissingExtra  # noqa: E402
 from megazero.topology import Topology  # noqa: E402
 from model.gpt import GPTStage  # noqa: E402
 from model.hf import HFConversionError, config_from_hf, config_from_record, open_folder  # noqa: E402
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
             raise CheckpointError("no tokenizer: the run used --mock-data; fix: give --tokenizer-model")
         ids = sample(stage, tok.encode(args.prompt), args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, eod=tok.eod)
-    except (CheckpointError, HFConversionError, ValueError, OSError) as e:
+    except (CheckpointError, HFConversionError, MissingExtra, ValueError, OSError) as e:
         if rank == 0:
             print(f"generate: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,180 @@
+"""Hostile inputs stop before launch with one line and exit code 2, never a traceback
+(docs/design.md, contract 3), from the launcher's preflight (``train.preflight``),
+scripts/generate.py and scripts/convert_checkpoint.py:
+
+- a missing optional extra (safetensors, tokenizers, wandb hidden): ``<what> needs the
+  optional extra hf (...); fix: pip install -e .[hf]``.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.extras import require
+from tests.test_hf_tokenizer import corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, make_vocab_size_divisible_by=8,
+             hidden_dropout=0.0, attention_dropout=0.0)
+ARGV = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--make-vocab-size-divisible-by", "8",
+        "--train-iters", "2", "--eval-iters", "0", "--device", "cpu"]
+
+
+def _gcfg(vocab, **kw):
+    from model.config import GPTConfig
+
+    return GPTConfig(vocab_size=vocab, **{**MODEL, **kw})
+
+
+def _tensors(gcfg):
+    from model.gpt import init_full_weights
+    from model.hf import to_hf_tensors
+
+    return to_hf_tensors(init_full_weights(gcfg, seed=1), gcfg)
+
+
+def _write(d: Path, gcfg, tensors=None, config=None, tok_dir=None) -> Path:
+    """A Hugging Face folder: ``gcfg``'s tensors (or ``tensors``), its config.json (or ``config``)."""
+    from safetensors.torch import save_file
+
+    from model.hf import hf_config
+
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(_tensors(gcfg) if tensors is None else tensors, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(hf_config(gcfg) if config is None else config))
+    if tok_dir is not None:
+        shutil.copy(tok_dir / "tokenizer.json", d / "tokenizer.json")
+    return d
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """(folder of a tiny GPT-2 with a tokenizer.json, its vocabulary, the run's argv)."""
+    require("safetensors")
+    from data.tokenizer import load_tokenizer, train_hf_tokenizer
+
+    d = tmp_path_factory.mktemp("hostile")
+    tok = load_tokenizer(train_hf_tokenizer(corpus(200), 300, str(d / "tok" / "tokenizer.json")), "HuggingFaceTokenizer")
+    vocab = tok.vocab_size
+    return _write(d / "good", _gcfg(vocab), tok_dir=d / "tok"), vocab, ARGV + ["--vocab-size", str(vocab)]
+
+
+def one_line(err: str, prefix: str) -> str:
+    assert err.startswith(prefix) and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def preflight_fails(argv, capsys) -> str:
+    """train.preflight (what the launcher runs before torchrun) returns 2 (or, for a config
+    rule, exits 2) with one 'megazero: ... error:' line on stderr; returns it."""
+    import train
+
+    try:
+        code = train.preflight(argv, 1)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megazero: ") and " error: " in err.split("\n")[0], err
+    return one_line(err, "megazero: ")
+
+
+# ---- optional extras ------------------------------------------------------------------------
+
+def _hiding(tmp_path, *modules) -> dict:
+    """An environment whose Python cannot import ``modules`` (a sitecustomize.py on PYTHONPATH
+    sets them to None in sys.modules: importing one raises ModuleNotFoundError)."""
+    hide = tmp_path / "hide"
+    hide.mkdir(exist_ok=True)
+    (hide / "sitecustomize.py").write_text("import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(hide), str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
+    return env
+
+
+def _script(name, args, env=None, timeout=120):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_pyproject_extras_are_the_ones_require_knows():
+    import re
+    import tomllib
+
+    from megazero.runtime.extras import EXTRA_OF
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = {re.split(r"[<>=!~\[ ]", req)[0]: extra for extra, reqs in extras.items() if extra != "dev"
+                for req in reqs}
+    assert declared == EXTRA_OF
+
+
+def test_require_and_data_word_a_missing_extra_alike(monkeypatch):
+    from data.indexed_dataset import DataError
+    from data.tokenizer import hf_tokenizers
+    from megazero.runtime.extras import MissingExtra, missing_extra_message, require as require_extra
+
+    for name in ("tokenizers", "wandb", "safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(MissingExtra) as e:
+        require_extra("safetensors.torch", "--to-hf")
+    assert str(e.value) == ("--to-hf needs the optional extra hf (safetensors.torch is not installed); "
+                            "fix: pip install -e .[hf]")
+    with pytest.raises(DataError) as d:
+        hf_tokenizers("--tokenizer-type HuggingFaceTokenizer")
+    assert str(d.value) == missing_extra_message("tokenizers", "--tokenizer-type HuggingFaceTokenizer")
+    from megazero.runtime.monitor import WandbLogger
+
+    with pytest.raises(MissingExtra, match=r"--wandb-project needs the optional extra wandb \(wandb is not "
+                                           r"installed\); fix: pip install -e .\[wandb\]"):
+        WandbLogger("p", None, "/nonexistent", {})
+
+
+def test_preflight_without_safetensors_names_the_extra(good, monkeypatch, capsys):
+    folder, _, argv = good
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    err = preflight_fails(argv + ["--from-hf", str(folder)], capsys)
+    assert err == ("megazero: config error: --from-hf needs the optional extra hf (safetensors is not installed); "
+                   "fix: pip install -e .[hf]\n")
+
+
+def test_the_launcher_without_safetensors_stops_with_one_line(good, tmp_path):
+    folder, _, argv = good
+    env = _hiding(tmp_path, "safetensors")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # scripts/env.sh takes it
+    env.pop("MEGAZERO_VENV", None)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *argv, "--from-hf", str(folder),
+                          "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr == ("megazero: config error: --from-hf needs the optional extra hf (safetensors is not "
+                          "installed); fix: pip install -e .[hf]\n")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("hidden,line", [
+    ("safetensors", "generate: error: --from-hf needs the optional extra hf (safetensors is not installed); "
+                    "fix: pip install -e .[hf]\n"),
+    ("tokenizers", "generate: error: --tokenizer-type HuggingFaceTokenizer needs the optional extra hf "
+                   "(tokenizers is not installed); fix: pip install -e .[hf]\n")])
+def test_generate_without_the_hf_extra_prints_one_line(good, tmp_path, hidden, line):
+    out = _script("generate.py", ["--from-hf", str(good[0]), "--prompt", "def ", "--device", "cpu"],
+                  _hiding(tmp_path, hidden))
+    assert (out.returncode, out.stderr, out.stdout) == (2, line, "")
+
+
+def test_convert_without_the_hf_extra_prints_one_line(tmp_path):
+    for hidden in ("safetensors", "tokenizers"):
+        out = _script("convert_checkpoint.py", ["--load", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out")],
+                      _hiding(tmp_path, hidden))
+        assert (out.returncode, out.stderr) == (2, f"convert_checkpoint: error: --to-hf needs the optional extra hf "
+                                                   f"({hidden.replace('safetensors', 'safetensors.torch')} is not "
+                                                   "installed); fix: pip install -e .[hf]\n")
+    (tmp_path / "file").write_text("x")
+    out = _script("convert_checkpoint.py", ["--load", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "file")])
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not a folder" in out.stderr, out.stderr
