@@ -7,7 +7,7 @@
 Every process is one tensor-parallel rank of a whole model (tp = the number of processes,
 pipeline size 1): it reads only its own partitions of the full weights (a checkpoint of any
 layout, ``megazero.checkpoint.read_full_weights``; or ``model.safetensors`` through
-``model/hf.py``), then samples with a key/value cache (``model/sampling.py``; temperature 0
+``model/hf_folder.py``, which checks every tensor's shape first), then samples with a key/value cache (``model/sampling.py``; temperature 0
 is greedy). The tokenizer is the checkpoint's recorded one (or ``--tokenizer-model``), or
 the folder's ``tokenizer.json``. Rank 0 prints the text (and the ids with ``--print-ids``).
 The same ``--seed`` gives the same text, under any tp. Errors: one line and exit code 2.
@@ -30,7 +30,8 @@ from megazero.process_groups import ProcessGroups  # noqa: E402
 from megazero.runtime.extras import MissingExtra  # noqa: E402
 from megazero.topology import Topology  # noqa: E402
 from model.gpt import GPTStage  # noqa: E402
-from model.hf import HFConversionError, config_from_hf, config_from_record, open_folder  # noqa: E402
+from model.hf import HFConversionError, config_from_record  # noqa: E402
+from model.hf_folder import folder_config, open_folder  # noqa: E402
 from model.sampling import sample  # noqa: E402
 
 
@@ -40,8 +41,7 @@ def load_model(args, groups: ProcessGroups, device) -> tuple[GPTStage, object]:
 
     off = dict(hidden_dropout=0.0, attention_dropout=0.0)
     if args.from_hf:
-        with open(os.path.join(args.from_hf, "config.json"), encoding="utf-8") as f:
-            gcfg = config_from_hf(json.load(f), **off)
+        gcfg = folder_config(args.from_hf, **off)
         full = open_folder(args.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
         tok_path, tok_type = args.tokenizer_model or args.from_hf, args.tokenizer_type or "HuggingFaceTokenizer"
     else:

@@ -2,6 +2,12 @@
 (docs/design.md, contract 3), from the launcher's preflight (``train.preflight``),
 scripts/generate.py and scripts/convert_checkpoint.py:
 
+- a --from-hf folder whose tensors contradict its config.json: another width, one tensor
+  transposed, one missing, an integer tensor (every tensor's shape and dtype is checked
+  against what the map converts, ``model.hf.hf_shapes``, reading headers only);
+- damaged files, one per error class of the readers (``model/hf_folder.py`` lists them): a
+  truncated, empty or garbage model.safetensors, a directory in its place, a config.json that
+  is truncated, not UTF-8, nested too deep, not an object, or lacks / mistypes a size;
 - a missing optional extra (safetensors, tokenizers, wandb hidden): ``<what> needs the
   optional extra hf (...); fix: pip install -e .[hf]``.
 """
@@ -13,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.extras import require
 from tests.test_hf_tokenizer import corpus
@@ -64,6 +71,80 @@ def good(tmp_path_factory):
     return _write(d / "good", _gcfg(vocab), tok_dir=d / "tok"), vocab, ARGV + ["--vocab-size", str(vocab)]
 
 
+def _edit_config(**change):
+    def edit(d, vocab):
+        config = json.loads((d / "config.json").read_text())
+        for k, v in change.items():
+            config.pop(k) if v is _DROP else config.__setitem__(k, v)
+        (d / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+def _edit_tensors(fn):
+    def edit(d, vocab):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(d / "model.safetensors"))
+        fn(tensors)
+        save_file(tensors, str(d / "model.safetensors"))
+    return edit
+
+
+def _raw(name, data):
+    def edit(d, vocab):
+        (d / name).write_bytes(data(d / name) if callable(data) else data)
+    return edit
+
+
+def _as_directory(d, vocab):
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()
+
+
+_DROP = object()
+C_FC = "transformer.h.1.mlp.c_fc.weight"
+# name -> (how the good folder is damaged, what the one line must say)
+CASES = {
+    "tensors_wider_than_config_json": (
+        lambda d, vocab: _write(d, _gcfg(vocab), tensors=_tensors(_gcfg(vocab, hidden_size=64))),
+        "model.safetensors: tensor 'transformer.wte.weight' has shape (VOCAB, 64), config.json's model needs "
+        "(VOCAB, 32)"),
+    "one_tensor_transposed": (_edit_tensors(lambda t: t.__setitem__(C_FC, t[C_FC].t().contiguous())),
+                              f"tensor '{C_FC}' has shape (128, 32), config.json's model needs (32, 128)"),
+    "one_tensor_missing": (_edit_tensors(lambda t: t.pop("transformer.h.0.ln_2.bias")),
+                           "model.safetensors has no tensor 'transformer.h.0.ln_2.bias'"),
+    "integer_tensor": (_edit_tensors(lambda t: t.__setitem__("transformer.ln_f.weight", torch.ones(32, dtype=torch.int64))),
+                       "tensor 'transformer.ln_f.weight' has dtype I64"),
+    "truncated_safetensors": (_raw("model.safetensors", lambda p: p.read_bytes()[:p.stat().st_size // 2]),
+                              "model.safetensors: cannot be read (SafetensorError: Error while deserializing header"),
+    "empty_safetensors": (_raw("model.safetensors", b""), "model.safetensors: cannot be read (SafetensorError"),
+    "garbage_safetensors": (_raw("model.safetensors", bytes(range(256)) * 4), "cannot be read (SafetensorError"),
+    "truncated_config_json": (_raw("config.json", lambda p: p.read_bytes()[:40]),
+                              "config.json: cannot be read (JSONDecodeError"),
+    "config_json_not_utf8": (_raw("config.json", lambda p: b'{"x": "\xff", ' + p.read_bytes()[1:]),
+                             "config.json: cannot be read (UnicodeDecodeError"),
+    "config_json_nested_too_deep": (_raw("config.json", b"[" * 100000 + b"]" * 100000),
+                                    "config.json: cannot be read (RecursionError"),
+    "config_json_a_list": (_raw("config.json", b"[1, 2]"), "config.json: holds a JSON list, not an object"),
+    "config_json_lacks_a_size": (_edit_config(n_embd=_DROP), "config.json: 'n_embd' is missing; fix: a complete config.json"),
+    "config_json_size_is_text": (_edit_config(n_embd="32"), 'n_embd = "32" is not a whole number >= 1'),
+    "config_json_epsilon_nan": (_edit_config(layer_norm_epsilon=float("nan")),
+                                "layer_norm_epsilon = NaN is not a finite number > 0"),
+}
+# the launcher's config check already refuses a folder without a file named model.safetensors
+LAUNCHER_ONLY = {"safetensors_is_a_directory": (_as_directory, "model.safetensors not found")}
+GENERATE_ONLY = {"safetensors_is_a_directory": (_as_directory, "model.safetensors: cannot be read (OSError")}
+
+
+def _damaged(good, tmp_path, case, table):
+    folder, vocab, argv = good
+    d = tmp_path / case
+    shutil.copytree(folder, d)
+    damage, expected = table[case]
+    damage(d, vocab)
+    return d, expected.replace("VOCAB", str(vocab)), argv
+
+
 def one_line(err: str, prefix: str) -> str:
     assert err.startswith(prefix) and err.count("\n") == 1 and "Traceback" not in err, err
     return err
@@ -82,6 +163,62 @@ def preflight_fails(argv, capsys) -> str:
     err = capsys.readouterr().err
     assert err.startswith("megazero: ") and " error: " in err.split("\n")[0], err
     return one_line(err, "megazero: ")
+
+
+def generate_fails(argv, capsys) -> str:
+    from scripts.generate import main
+
+    assert main(argv + ["--prompt", "def ", "--device", "cpu"]) == 2
+    return one_line(capsys.readouterr().err, "generate: error: ")
+
+
+@pytest.mark.parametrize("case", sorted({**CASES, **LAUNCHER_ONLY}))
+def test_a_damaged_from_hf_folder_stops_the_preflight(good, tmp_path, case, capsys):
+    d, expected, argv = _damaged(good, tmp_path, case, {**CASES, **LAUNCHER_ONLY})
+    err = preflight_fails(argv + ["--from-hf", str(d)], capsys)
+    assert expected in err and str(d) in err
+
+
+@pytest.mark.parametrize("case", sorted({**CASES, **GENERATE_ONLY}))
+def test_a_damaged_folder_stops_generate(good, tmp_path, case, capsys):
+    d, expected, _ = _damaged(good, tmp_path, case, {**CASES, **GENERATE_ONLY})
+    err = generate_fails(["--from-hf", str(d)], capsys)
+    assert expected in err and str(d) in err
+
+
+def test_the_good_folder_passes_both(good, capsys):
+    import train
+    from scripts.generate import main
+
+    folder, _, argv = good
+    assert train.preflight(argv + ["--from-hf", str(folder)], 1) == 0
+    capsys.readouterr()
+    assert main(["--from-hf", str(folder), "--prompt", "def ", "--max-new-tokens", "3", "--temperature", "0",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_a_llama_folder_whose_key_value_heads_contradict_config_json(good, tmp_path, capsys):
+    _, vocab, _ = good
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                 ffn_hidden_size=64)
+    gqa, mha = _gcfg(vocab, num_query_groups=2, **llama), _gcfg(vocab, **llama)
+    from model.hf import hf_config
+
+    d = _write(tmp_path / "llama", mha, tensors=_tensors(gqa), config=hf_config(mha), tok_dir=good[0])
+    err = generate_fails(["--from-hf", str(d)], capsys)
+    assert "tensor 'model.layers.0.self_attn.k_proj.weight' has shape (16, 32), config.json's model needs (32, 32)" in err
+
+
+def test_hf_shapes_are_the_shapes_the_export_writes():
+    require("safetensors")
+    from model.hf import hf_shapes
+
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=48)
+    for kw in (dict(), dict(tie_embeddings=False), dict(llama), dict(llama, num_query_groups=2),
+               dict(llama, num_query_groups=1, add_bias_linear=False, tie_embeddings=True)):
+        gcfg = _gcfg(50, **kw)
+        assert hf_shapes(gcfg) == {k: tuple(t.shape) for k, t in _tensors(gcfg).items()}, kw
 
 
 # ---- optional extras ------------------------------------------------------------------------
