@@ -9,7 +9,9 @@ scripts/generate.py and scripts/convert_checkpoint.py:
   truncated, empty or garbage model.safetensors, a directory in its place, a config.json that
   is truncated, not UTF-8, nested too deep, not an object, or lacks / mistypes a size;
 - a missing optional extra (safetensors, tokenizers, wandb hidden): ``<what> needs the
-  optional extra hf (...); fix: pip install -e .[hf]``.
+  optional extra hf (...); fix: pip install -e .[hf]``;
+- generate.py --tp 2 outside torchrun checks its inputs before it starts torchrun, so a bad
+  folder ends with the one line alone (no torchrun failure summary).
 """
 import json
 import os
@@ -210,6 +212,23 @@ def test_a_llama_folder_whose_key_value_heads_contradict_config_json(good, tmp_p
     assert "tensor 'model.layers.0.self_attn.k_proj.weight' has shape (16, 32), config.json's model needs (32, 32)" in err
 
 
+def test_generate_refuses_a_tokenizer_larger_than_the_model_and_a_prompt_too_long(good, tmp_path, capsys):
+    folder, vocab, _ = good
+    d = _write(tmp_path / "small", _gcfg(vocab - 10), tok_dir=folder)
+    assert f"has {vocab} tokens, more than the model's vocabulary of {vocab - 10}" in generate_fails(
+        ["--from-hf", str(d)], capsys)
+    from scripts.generate import main
+
+    assert main(["--from-hf", str(folder), "--prompt", "x = 1\n" * 20, "--device", "cpu"]) == 2
+    assert "more than the model's 16 positions; fix: a shorter prompt" in one_line(capsys.readouterr().err,
+                                                                                  "generate: error: ")
+
+
+def test_generate_refuses_a_load_without_a_checkpoint(tmp_path, capsys):
+    err = generate_fails(["--load", str(tmp_path / "none")], capsys)
+    assert "no checkpoint there (no 'latest' file)" in err
+
+
 def test_hf_shapes_are_the_shapes_the_export_writes():
     require("safetensors")
     from model.hf import hf_shapes
@@ -315,3 +334,20 @@ def test_convert_without_the_hf_extra_prints_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     out = _script("convert_checkpoint.py", ["--load", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "file")])
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not a folder" in out.stderr, out.stderr
+
+
+# ---- generate.py under torchrun -------------------------------------------------------------
+
+def test_generate_tp2_checks_before_torchrun_starts(good, tmp_path):
+    d, expected, _ = _damaged(good, tmp_path, "one_tensor_transposed", CASES)
+    out = _script("generate.py", ["--tp", "2", "--from-hf", str(d), "--prompt", "def ", "--device", "cpu"])
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert one_line(out.stderr, "generate: error: ") and expected in out.stderr  # no ChildFailedError summary
+
+
+def test_generate_tp2_through_torchrun_gives_the_tp1_text(good):
+    args = ["--from-hf", str(good[0]), "--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0",
+            "--print-ids", "--device", "cpu"]
+    one, two = _script("generate.py", args), _script("generate.py", ["--tp", "2"] + args, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert one.stdout == two.stdout and one.stdout.startswith("def ")
