@@ -25,6 +25,7 @@ from megazero import checkpoint, collectives
 from megazero.checkpoint.manager import CheckpointManager, RunState
 from megazero.planning import memory
 from megazero.runtime import resilience
+from megazero.runtime.extras import MissingExtra
 from megazero.planning.plan import plan_memory, zero3_live_warning
 from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
 from megazero.config import (Config, bucket_sizes, config_from_argv, describe, overlap_param_gather,
@@ -688,12 +689,13 @@ def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
             print(f"megazero: config warning: {moot}", file=sys.stderr, flush=True)
 
 
-START_ERRORS = (DataError, checkpoint.CheckpointError, memory.MemoryPlanError, DeviceError)
+START_ERRORS = (DataError, checkpoint.CheckpointError, memory.MemoryPlanError, DeviceError, MissingExtra)
 
 
 def report_start_error(e: Exception) -> int:
     """One line on stderr for a problem found before start; returns exit code 2."""
-    kind = {DataError: "data", memory.MemoryPlanError: "memory", DeviceError: "device"}.get(type(e), "checkpoint")
+    kind = {DataError: "data", memory.MemoryPlanError: "memory", DeviceError: "device",
+            MissingExtra: "config"}.get(type(e), "checkpoint")
     print(f"megazero: {kind} error: {e}", file=sys.stderr)
     return 2
 

@@ -98,6 +98,22 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")  # Megatron
 HF_EOD_TOKENS = ("<|endoftext|>", "<|eod|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
+def hf_tokenizers(what: str):
+    """The ``tokenizers`` package (pyproject's optional extra ``hf``) that ``what`` needs.
+
+    Raises DataError with megazero's one-line form for a missing optional extra
+    (``megazero.runtime.extras.missing_extra_message``, which data/ may not import; a test
+    keeps the two equal) when it is not installed or does not import."""
+    try:
+        import tokenizers
+    except ImportError as e:
+        missing = isinstance(e, ModuleNotFoundError) and (e.name or "tokenizers").split(".")[0] == "tokenizers"
+        reason = "is not installed" if missing else "cannot be imported: " + " ".join(str(e).split())
+        raise DataError(f"{what} needs the optional extra hf (tokenizers {reason}); fix: "
+                        "pip install -e .[hf]") from None
+    return tokenizers
+
+
 def tokenizer_file(path: str) -> str:
     """The file a tokenizer path names: ``path`` itself, or ``path/tokenizer.json`` for a
     directory (a Hugging Face model folder)."""
@@ -112,7 +128,8 @@ class HFTokenizer:
     added tokens. The EOD id is the first of ``HF_EOD_TOKENS`` the vocabulary has. As with the
     sentencepiece tokenizer, special-token text inside a document is encoded as ordinary text
     (``encode_special_tokens``), never as the EOD id, and no BOS/EOS is added; ``decode`` drops
-    special tokens. Raises DataError for a missing or unreadable file or no EOD token.
+    special tokens. Raises DataError for a missing or unreadable file, no EOD token, or
+    without the tokenizers package (``hf_tokenizers``).
     """
 
     def __init__(self, model_path: str):
@@ -120,11 +137,7 @@ class HFTokenizer:
         if not os.path.isfile(path):
             raise DataError(f"{path}: tokenizer.json not found (--tokenizer-model with --tokenizer-type "
                             "HuggingFaceTokenizer names a tokenizer.json or a folder holding one)")
-        try:
-            from tokenizers import Tokenizer as _HF
-        except ImportError:
-            raise DataError("--tokenizer-type HuggingFaceTokenizer needs the tokenizers package; fix: "
-                            "pip install tokenizers (or pip install -e .[hf])") from None
+        _HF = hf_tokenizers("--tokenizer-type HuggingFaceTokenizer").Tokenizer
         try:
             self.tok = _HF.from_file(path)
         except Exception as e:  # tokenizers raises a bare Exception on a malformed file
@@ -155,8 +168,11 @@ class HFTokenizer:
 
 def train_hf_tokenizer(texts, vocab_size: int, out_path: str, eod_token: str = "<|endoftext|>") -> str:
     """Train a GPT-2-style byte-level BPE ``tokenizer.json`` on an iterable of strings (any text
-    round-trips: every byte is in the alphabet); ``eod_token`` is id 0. Returns ``out_path``."""
-    from tokenizers import Tokenizer as _HF, decoders, models, pre_tokenizers, trainers
+    round-trips: every byte is in the alphabet); ``eod_token`` is id 0. Returns ``out_path``.
+    Raises DataError without the tokenizers package (``hf_tokenizers``)."""
+    hf = hf_tokenizers("training a Hugging Face tokenizer")
+    _HF, decoders, models, pre_tokenizers, trainers = (hf.Tokenizer, hf.decoders, hf.models, hf.pre_tokenizers,
+                                                      hf.trainers)
 
     tok = _HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -183,9 +199,10 @@ def sentencepiece_to_hf(tok: Tokenizer):
     ``Tokenizer.encode`` does; characters without a piece fall back to bytes in both.
     Control pieces become special tokens (dropped by decode). Callers must still compare
     encodings (scripts/convert_checkpoint.py does). Raises DataError for a piece type this
-    mapping does not cover.
+    mapping does not cover, or without the tokenizers package (``hf_tokenizers``).
     """
-    from tokenizers import AddedToken, Tokenizer as _HF, decoders, models
+    hf = hf_tokenizers("exporting a sentencepiece tokenizer to Hugging Face")
+    AddedToken, _HF, decoders, models = hf.AddedToken, hf.Tokenizer, hf.decoders, hf.models
 
     sp, vocab, special = tok.sp, {}, []
     for i in range(tok.vocab_size):

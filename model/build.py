@@ -17,6 +17,7 @@ from megazero.process_groups import ProcessGroups
 from model.config import GPTConfig
 from model.gpt import GPTStage
 from model.hf import HFConversionError
+from model.hf_folder import check_folder, open_folder
 
 
 def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
@@ -80,20 +81,20 @@ def compile_layers(chunks: list[GPTStage]) -> None:
 
 def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
     """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2 or Llama model, read lazily
-    (each stage loads only its own), vocabulary re-padded for ``tp_size``; else None."""
-    from model.hf import open_folder
-
+    (each stage loads only its own), vocabulary re-padded for ``tp_size``; else None.
+    Raises HFConversionError (model.hf_folder.open_folder) for a folder that does not hold it."""
     return None if cfg.train.from_hf is None else open_folder(cfg.train.from_hf, gcfg, gcfg.padded_vocab(tp_size))
 
 
 def check_from_hf(cfg: Config, vocab_size: int) -> None:
-    """Before any process group: --from-hf's folder holds this run's model (CheckpointError if not)."""
-    from model.hf import check_folder
-
+    """Before any process group: --from-hf's folder holds this run's model, its config.json and
+    every tensor's shape and dtype (``model.hf_folder.check_folder``, headers only). Raises
+    CheckpointError naming the file and the fix when it does not or a file cannot be read;
+    MissingExtra (megazero.runtime.extras) without the ``hf`` extra."""
     try:
         check_folder(cfg.train.from_hf, build_gpt_config(cfg, vocab_size))
-    except (HFConversionError, OSError, ValueError) as e:
-        raise CheckpointError(f"--from-hf {cfg.train.from_hf}: {e}") from None
+    except HFConversionError as e:
+        raise CheckpointError(f"--from-hf {e}") from None
 
 
 def zero3_units(chunk: GPTStage) -> list[nn.Module]:

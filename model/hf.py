@@ -21,12 +21,15 @@ needed. Where the two computations could differ, the map is exact or refuses:
   are written to / checked against ``config.json``.
 - any parameter or model setting this map does not know (e.g. another block type) is
   refused by name, so an export never writes a model that computes something else.
+
+This file reads no file: ``model/hf_folder.py`` reads a folder from disk, turns the readers'
+errors into HFConversionError and checks every tensor's shape against ``hf_shapes``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import math
 from typing import Iterator, Mapping, Optional
 
 import torch
@@ -58,7 +61,7 @@ _MAPPED_FIELDS = {"vocab_size", "num_layers", "hidden_size", "num_attention_head
                   "seq_length", "max_position_embeddings", "hidden_dropout", "attention_dropout",
                   "tie_embeddings", "layernorm_epsilon", "init_method_std", "make_vocab_size_divisible_by",
                   "sequence_parallel", "params_dtype", "label_smoothing", "norm_backend",
-                  "recompute_granularity", "recompute_method", "recompute_num_layers"}
+                  "recompute_granularity", "recompute_method", "recompute_num_layers", "tp_overlap_grad_reduce"}
 _GELU = "gelu"  # transformers' ACT2FN["gelu"]: exact erf GELU, as torch.nn.functional.gelu
 
 
@@ -134,13 +137,36 @@ def gpt_config_from_hf(config: Mapping, **settings) -> GPTConfig:
                       ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
         if config.get(key, want) != want:
             raise HFConversionError(f"{key} = {config[key]!r}: megazero's attention needs {want!r}")
-    hidden = config["n_embd"]
-    settings.setdefault("seq_length", config["n_positions"])
-    return GPTConfig(vocab_size=config["vocab_size"], num_layers=config["n_layer"], hidden_size=hidden,
-                     num_attention_heads=config["n_head"], ffn_hidden_size=config.get("n_inner") or 4 * hidden,
-                     max_position_embeddings=config["n_positions"],
-                     tie_embeddings=config.get("tie_word_embeddings", True),
-                     layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5), **settings)
+    hidden, positions = _value(config, "n_embd", "size"), _value(config, "n_positions", "size")
+    settings.setdefault("seq_length", positions)
+    return GPTConfig(vocab_size=_value(config, "vocab_size", "size"), num_layers=_value(config, "n_layer", "size"),
+                     hidden_size=hidden, num_attention_heads=_value(config, "n_head", "size"),
+                     ffn_hidden_size=_value(config, "n_inner", "size", 4 * hidden),
+                     max_position_embeddings=positions,
+                     tie_embeddings=_value(config, "tie_word_embeddings", "flag", True),
+                     layernorm_epsilon=_value(config, "layer_norm_epsilon", "number", 1e-5), **settings)
+
+
+_REQUIRED = object()
+_KINDS = {"size": "a whole number >= 1", "number": "a finite number > 0", "flag": "true or false",
+          "table": "a JSON object"}
+
+
+def _value(config: Mapping, key: str, kind: str, default=_REQUIRED):
+    """``config[key]`` of ``kind`` (``_KINDS``); ``default`` when absent or null. Raises
+    HFConversionError naming the key when it is required and absent, or of another kind."""
+    v = config.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise HFConversionError(f"{key!r} is missing; fix: a complete config.json (as "
+                                    "scripts/convert_checkpoint.py --to-hf or save_pretrained writes it)")
+        return default
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = {"size": number and isinstance(v, int) and v >= 1, "flag": isinstance(v, bool),
+          "number": number and math.isfinite(v) and v > 0, "table": isinstance(v, dict)}[kind]
+    if not ok:
+        raise HFConversionError(f"{key} = {json.dumps(v)[:60]} is not {_KINDS[kind]}; fix: correct config.json")
+    return v
 
 
 def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
@@ -162,31 +188,21 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
                                     f"{getattr(gcfg, field)}; fix: set {flag} to match")
 
 
-def open_folder(path: str, gcfg: GPTConfig, padded_vocab: int) -> "CanonicalView":
-    """The canonical full tensors of a Hugging Face GPT-2 or Llama folder's ``model.safetensors``,
-    read lazily (``CanonicalView``), vocabulary tensors padded to ``padded_vocab`` rows."""
-    from safetensors import safe_open
-
-    return CanonicalView(safe_open(os.path.join(path, "model.safetensors"), "pt"), gcfg, padded_vocab)
-
-
-def check_folder(path: str, gcfg: GPTConfig) -> None:
-    """Raise HFConversionError unless folder ``path`` holds ``gcfg``'s model: its
-    ``config.json`` matches (``check_matches``) and its safetensors have every tensor.
-    OSError / ValueError for an unreadable file."""
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        check_matches(json.load(f), gcfg)
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as handle:
-        keys = set(handle.keys())
-    for name in canonical_shapes(gcfg, gcfg.vocab_size):
-        if name == "output.weight" and gcfg.tie_embeddings:
+def hf_shapes(gcfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> the shape in which a folder holding ``gcfg``'s model stores it:
+    what ``to_hf_tensors`` writes (vocabulary tensors with ``vocab_size`` rows, GPT-2's linear
+    weights ``[in, out]``, Llama's fused tensors split by ``llama_pieces``; no ``lm_head.weight``
+    when tied). Raises HFConversionError for a parameter with no counterpart."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in canonical_shapes(gcfg, gcfg.vocab_size).items():
+        if not is_llama(gcfg):
+            target, transposed = hf_name(name)
+            out[target] = tuple(reversed(shape)) if transposed else tuple(shape)
             continue
-        targets = [p[0] for p in llama_pieces(name, gcfg)] if is_llama(gcfg) else [hf_name(name)[0]]
-        for target in targets:
-            if target not in keys:
-                raise HFConversionError(f"model.safetensors has no tensor {target!r}")
+        parts = llama_pieces(name, gcfg)
+        for (target, _, _), rows in zip(parts, _piece_rows(parts, shape[0])):
+            out[target] = (out.get(target, (0,))[0] + rows,) + tuple(shape[1:])
+    return out
 
 
 def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -319,35 +335,34 @@ def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
     """The LLaMA-style GPTConfig of a Llama ``config.json`` (``settings`` as in
     ``gpt_config_from_hf``). Raises HFConversionError for a missing size or a setting megazero
     computes differently (activation, RoPE scaling or partial rotary, head_dim, biases)."""
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in config]
-    if missing:
-        raise HFConversionError(f"config.json of model_type 'llama' lacks {missing[0]!r}")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    H, heads = config["hidden_size"], config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
+    H, heads = _value(config, "hidden_size", "size"), _value(config, "num_attention_heads", "size")
+    rope = _value(config, "rope_parameters", "table", None) or _value(config, "rope_scaling", "table", {})
+    theta = _value(rope, "rope_theta", "number", _value(config, "rope_theta", "number", 10000.0))
+    kv = _value(config, "num_key_value_heads", "size", heads)
+    head_dim = _value(config, "head_dim", "size", H // heads)
+    partial = _value(rope, "partial_rotary_factor", "number", _value(config, "partial_rotary_factor", "number", 1.0))
+    bias = _value(config, "attention_bias", "flag", False)
     for ok, what in ((config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')!r}: "
                       "megazero's SwiGLU gate is silu"),
                      (rope.get("rope_type", rope.get("type", "default")) == "default",
                       f"rope type {rope.get('rope_type', rope.get('type'))!r}: megazero's RoPE is unscaled"),
-                     (rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) == 1.0,
-                      "partial_rotary_factor != 1: megazero's LLaMA export rotates whole heads"),
-                     (config.get("head_dim", H // heads) * heads == H, f"head_dim {config.get('head_dim')} * "
-                      f"heads {heads} != hidden_size {H}: megazero's heads split the hidden size"),
-                     (config.get("attention_bias", False) == config.get("mlp_bias", False),
+                     (partial == 1.0, "partial_rotary_factor != 1: megazero's LLaMA export rotates whole heads"),
+                     (head_dim * heads == H, f"head_dim {head_dim} * heads {heads} != hidden_size {H}: "
+                      "megazero's heads split the hidden size"),
+                     (bias == _value(config, "mlp_bias", "flag", False),
                       "attention_bias != mlp_bias: megazero has one bias flag (--disable-bias-linear)")):
         if not ok:
             raise HFConversionError(what)
-    settings.setdefault("seq_length", config.get("max_position_embeddings", 2048))
-    return GPTConfig(vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"], hidden_size=H,
-                     num_attention_heads=heads, ffn_hidden_size=config["intermediate_size"],
-                     max_position_embeddings=config.get("max_position_embeddings", 2048),
-                     position_embedding_type="rope", rotary_base=int(theta) if float(theta).is_integer() else theta,
+    positions = _value(config, "max_position_embeddings", "size", 2048)
+    settings.setdefault("seq_length", positions)
+    return GPTConfig(vocab_size=_value(config, "vocab_size", "size"),
+                     num_layers=_value(config, "num_hidden_layers", "size"), hidden_size=H,
+                     num_attention_heads=heads, ffn_hidden_size=_value(config, "intermediate_size", "size"),
+                     max_position_embeddings=positions, position_embedding_type="rope",
+                     rotary_base=int(theta) if float(theta).is_integer() else theta,
                      normalization="RMSNorm", swiglu=True, num_query_groups=None if kv == heads else kv,
-                     add_bias_linear=config.get("attention_bias", False),
-                     tie_embeddings=config.get("tie_word_embeddings", False),
-                     layernorm_epsilon=config.get("rms_norm_eps", 1e-6), **settings)
+                     add_bias_linear=bias, tie_embeddings=_value(config, "tie_word_embeddings", "flag", False),
+                     layernorm_epsilon=_value(config, "rms_norm_eps", "number", 1e-6), **settings)
 
 
 def hf_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
@@ -394,6 +409,12 @@ def llama_pieces(canonical: str, gcfg: GPTConfig) -> list[tuple[str, int, Option
     raise HFConversionError(f"parameter {canonical!r} has no counterpart in LlamaForCausalLM")
 
 
+def _piece_rows(parts: list[tuple[str, int, Optional[int]]], rows: int) -> list[int]:
+    """Rows of each ``llama_pieces`` piece of a canonical tensor of ``rows`` rows (pieces
+    without bounds share the rows equally)."""
+    return [rows // len(parts) if stop is None else stop - start for _, start, stop in parts]
+
+
 def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM tensors (fp32, contiguous) from megazero's full canonical tensors:
     fused tensors split by ``llama_pieces``, vocabulary tensors cut to ``vocab_size`` rows,
@@ -411,8 +432,7 @@ def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[
         t = full[name].float()
         t = t[:gcfg.vocab_size] if name in VOCAB_TENSORS else t
         parts = llama_pieces(name, gcfg)
-        sizes = [t.shape[0] // len(parts) if stop is None else stop - start for _, start, stop in parts]
-        for (target, _, _), piece in zip(parts, t.split(sizes)):
+        for (target, _, _), piece in zip(parts, t.split(_piece_rows(parts, t.shape[0]))):
             pieces.setdefault(target, []).append(piece)
     return {target: torch.cat(ps).contiguous() for target, ps in pieces.items()}
 

@@ -108,6 +108,16 @@ def choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(logits.device)
 
 
+def check_prompt(prompt_ids: list[int], max_positions: int) -> None:
+    """Raise ValueError (naming --prompt and the fix) unless the prompt has 1 to
+    ``max_positions`` tokens (the model's ``max_position_embeddings``)."""
+    if not prompt_ids:
+        raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
+    if len(prompt_ids) > max_positions:
+        raise ValueError(f"--prompt encodes to {len(prompt_ids)} tokens, more than the model's {max_positions} "
+                         "positions; fix: a shorter prompt")
+
+
 @torch.no_grad()
 def sample(stage, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -118,8 +128,7 @@ def sample(stage, prompt_ids: list[int], max_new_tokens: int, *, temperature: fl
     gets the same ids). Reproducible: the same seed gives the same tokens. Raises ValueError
     for an empty prompt, bad sampling settings, or a length past the model's positions.
     """
-    if not prompt_ids:
-        raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
+    check_prompt(prompt_ids, stage.cfg.max_position_embeddings)
     was_training = stage.training
     stage.eval()
     device = next(stage.parameters()).device

@@ -40,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.checkpoint import (CheckpointError, file_checksum, iteration_dir, peek, publish,  # noqa: E402
                                  read_full_tensors, read_full_weights, rng_files)
+from megazero.runtime.extras import MissingExtra, require  # noqa: E402
+from data.indexed_dataset import DataError  # noqa: E402
 from model.hf import HFConversionError, config_from_record, hf_config, to_hf_tensors  # noqa: E402
 
 
@@ -52,7 +54,6 @@ def resolve_tokenizer(meta: dict, model: str | None, kind: str | None):
 
     Raises ConvertError when the given or recorded tokenizer is missing or is not the one
     the checkpoint was trained with (sha256)."""
-    from data.indexed_dataset import DataError
     from data.tokenizer import load_tokenizer
 
     recorded = meta["extra"].get("tokenizer") or {}
@@ -119,13 +120,14 @@ def write_tokenizer(tok, out: str, max_length: int) -> None:
 def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_type: str | None = None) -> dict:
     """Write the Hugging Face folder ``out`` from the latest checkpoint under ``load``.
 
-    Returns the written ``config.json`` as a dict. Raises ConvertError, CheckpointError or
-    HFConversionError (message names the difference) before anything is written.
+    Returns the written ``config.json`` as a dict. Raises ConvertError, CheckpointError,
+    HFConversionError or DataError (message names the difference) before anything is written;
+    MissingExtra (megazero.runtime.extras) without the optional extra ``hf``, before reading.
     """
-    from safetensors.torch import save_file
-
-    if os.path.exists(out) and os.listdir(out):
-        raise ConvertError(f"--to-hf {out} exists and is not empty; fix: choose a new folder")
+    save_file = require("safetensors.torch", "--to-hf").save_file
+    require("tokenizers", "--to-hf")  # the tokenizer's export (data.tokenizer)
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ConvertError(f"--to-hf {out} exists and is not empty (or not a folder); fix: choose a new folder")
     meta, full = read_full_weights(load)
     record = meta["extra"].get("gpt_config")
     if record is None:
@@ -139,8 +141,8 @@ def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_t
     config = hf_config(gcfg, eod=None if tok is None else tok.eod)
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     try:
+        os.makedirs(tmp)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=1)
@@ -149,8 +151,11 @@ def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_t
         if os.path.isdir(out):
             os.rmdir(out)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # the output is unwritable: not a directory, no permission, disk full
+            raise ConvertError(f"--to-hf {out}: cannot write {e.filename or tmp} ({e.strerror or e}); fix: "
+                               "choose a writable folder with enough space") from None
         raise
     return config
 
@@ -161,8 +166,9 @@ def consolidate(load: str, out: str) -> str:
     when ``out`` is not empty, CheckpointError for a damaged input."""
     import torch.distributed.checkpoint as dcp
 
-    if os.path.exists(out) and os.listdir(out):
-        raise ConvertError(f"--consolidate {out} exists and is not empty; fix: choose a new folder")
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ConvertError(f"--consolidate {out} exists and is not empty (or not a folder); fix: choose a new "
+                           "folder")
     peek(load, verify=True)
     meta, src, full = read_full_tensors(load)
     tmp = iteration_dir(out, meta["iteration"]) + ".tmp"
@@ -197,7 +203,7 @@ def main(argv=None) -> int:
             print(f"wrote {consolidate(args.load, args.consolidate)} (full tensors)")
             return 0
         config = convert(args.load, args.to_hf, args.tokenizer_model, args.tokenizer_type)
-    except (ConvertError, CheckpointError, HFConversionError) as e:
+    except (ConvertError, CheckpointError, HFConversionError, DataError, MissingExtra) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.to_hf}: {config['architectures'][0]}, "

@@ -237,6 +237,18 @@ def test_untied_model_maps_exactly_in_one_process(tmp_path):
     assert torch.equal(back["layers.1.attn.qkv.weight"], full["layers.1.attn.qkv.weight"])
 
 
+def test_settings_that_do_not_change_the_math_export():
+    """A checkpoint trained with --compile or --no-async-tensor-model-parallel-allreduce records
+    tp_overlap_grad_reduce = False (bit-identical either way): it exports like the default."""
+    from model.config import GPTConfig
+    from model.hf import config_from_record, config_record, hf_config
+
+    for block in (dict(), dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)):
+        gcfg = GPTConfig(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2, **block)
+        record = dict(config_record(gcfg), tp_overlap_grad_reduce=False, recompute_granularity="selective")
+        assert hf_config(config_from_record(record)) == hf_config(gcfg)
+
+
 @pytest.mark.slow
 def test_generate_from_the_tp2_pp2_checkpoint_equals_transformers_greedy(exported, capsys):
     from transformers import AutoModelForCausalLM

@@ -87,6 +87,7 @@ import torch
 
 from megazero.planning.flops import (gpt_flops_per_iteration, mfu, peak_flops,  # noqa: F401 (re-export)
                             peak_flops_for_name, throughput)
+from megazero.runtime.extras import require
 
 #: keys accepted by :meth:`Monitor.log_iteration`, in console order.
 ITERATION_KEYS = ("iteration", "consumed_samples", "iteration_time_s", "tokens_per_s",
@@ -251,16 +252,13 @@ class WandbLogger:
 
     ``wandb.init(project, name, dir=save_dir)``: with ``WANDB_MODE=offline`` (wandb's own
     variable) the run is written under ``save_dir/wandb/offline-run-*`` without a network,
-    for a later ``wandb sync``. Raises ImportError naming the fix when wandb is missing
-    (the config check reports it before launch; this is the library-level guard).
+    for a later ``wandb sync``. Raises MissingExtra (an ImportError, megazero.runtime.extras)
+    naming the fix when wandb is missing (the config check reports it before launch; this is
+    the library-level guard).
     """
 
     def __init__(self, project: str, name: Optional[str], save_dir: str, config: Mapping[str, Any]):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError(f"--wandb-project needs the wandb package ({e}); fix: pip install wandb "
-                              "(or pip install -e .[wandb]), or drop --wandb-project") from None
+        wandb = require("wandb", "--wandb-project")
         os.makedirs(save_dir, exist_ok=True)
         self._run = wandb.init(project=project, name=name, dir=save_dir, config=dict(config))
 
