@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 from datetime import timedelta
 
 import numpy as np
@@ -42,6 +42,7 @@ from megazero.pipeline.executor import make_forward_step, run_schedule
 from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
+from megazero.context_parallel.sequence import Packing, shard_micro_batch
 from megazero.process_groups import ProcessGroups
 from megazero.runtime.profiling import StepProfiler, step_profiler
 from megazero.tensor_parallel.random import resume_seed
@@ -62,7 +63,7 @@ def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, 
         device = torch.device("cuda", launch.local_rank)
     else:
         device = torch.device("cpu")
-    topo = Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+    topo = Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, cp=cfg.parallel.cp)
     if launch.world_size > 1:
         timeout = timedelta(seconds=cfg.parallel.distributed_timeout_s)
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank,
@@ -254,17 +255,27 @@ class Trainer:
     collaborators: ``stop_flags`` (a callable giving this rank's stop requests,
     ``resilience.local_flags``; default: none), ``fault`` (the test hook's parsed fault or
     None), ``trail`` (the communication phases entered, for a failure report) and ``monitor``
-    (where checkpoint records are logged; None logs none). The run's counters are ``state``
+    (where checkpoint records are logged; None logs none), ``eod`` (the tokenizer's
+    end-of-document id, which the packed-document flags need). The run's counters are ``state``
     (a ``RunState``), its checkpoints ``checkpoints`` (a ``CheckpointManager``).
+
+    ``train_step`` and ``eval_loss`` take whole sequences; with context parallelism each rank
+    keeps its zigzag share (``local_batches``). The data-parallel machinery (gradient
+    reduction, ZeRO, optimizer, checkpoint shards, the loss mean) runs over ``replicas``: the
+    dp x cp ranks that hold the same parameters.
     """
 
     def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, vocab_size: int, *,
                  stop_flags: Optional[Callable[[], list]] = None, fault: Optional[tuple] = None,
-                 trail: Optional[resilience.Trail] = None, monitor: Optional[Monitor] = None):
+                 trail: Optional[resilience.Trail] = None, monitor: Optional[Monitor] = None,
+                 eod: Optional[int] = None):
         self.cfg, self.groups, self.device = cfg, groups, device
+        self.replicas = groups.replicas()
+        d = cfg.data
+        self.packing = Packing(eod, d.reset_attention_mask, d.reset_position_ids, d.eod_mask_loss)
         self.gpt_config = build_gpt_config(cfg, vocab_size)
         self.chunks = build_model_chunks(self.gpt_config, cfg, groups, device)
-        self.ddp, self.optimizer = build_optimizer(self.chunks, cfg, groups)
+        self.ddp, self.optimizer = build_optimizer(self.chunks, cfg, self.replicas)
         o = cfg.optim
         self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or cfg.train.train_iters,
                                       o.lr_decay_style, o.lr_wsd_decay_iters, o.lr_wsd_decay_style)
@@ -273,10 +284,11 @@ class Trainer:
         self.actions = build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, groups.pp_rank,
                                       p.virtual_pipeline_size)
         self.eval_actions = forward_only_schedule(self.num_microbatches, p.virtual_pipeline_size)
-        seq = cfg.model.seq_length // (p.tp if p.sequence_parallel else 1)
+        seq = cfg.model.seq_length // p.cp // (p.tp if p.sequence_parallel else 1)
         self.tensor_shape = (cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
         self.dtype = model_dtype(cfg.precision.fp16, cfg.precision.bf16)
-        self.tokens_per_dp_rank = self.num_microbatches * cfg.train.micro_batch_size * cfg.model.seq_length
+        # the loss divisor of one replica rank: its share of the global batch's targets
+        self.tokens_per_dp_rank = self.num_microbatches * cfg.train.micro_batch_size * cfg.model.seq_length // p.cp
         g = self.gpt_config
         self.flops_per_iteration = spec_flops_per_iteration(
             g.parameter_spec(p.tp), seq_length=g.seq_length, attention_width=g.hidden_size,
@@ -288,7 +300,7 @@ class Trainer:
         self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=fault)
         self.trail = trail or resilience.Trail()
         self.monitor = monitor
-        self.checkpoints = CheckpointManager(groups, keep=cfg.train.keep_latest_checkpoints,
+        self.checkpoints = CheckpointManager(self.replicas, keep=cfg.train.keep_latest_checkpoints,
                                              async_save=cfg.train.async_save,
                                              log=None if monitor is None else monitor.log_record)
 
@@ -352,9 +364,26 @@ class Trainer:
                   f"and iteration {self.state.iteration} (megazero.tensor_parallel.random.resume_seed)", flush=True)
         return self.state.iteration
 
+    def local_batches(self, batches) -> tuple[list, Union[int, torch.Tensor]]:
+        """Whole-sequence micro-batches ``(tokens, labels)`` -> this rank's share (its zigzag
+        ``T/cp`` with a ``SequenceInfo``, megazero/context_parallel/sequence.py) and the loss
+        divisor: the targets this step counts over all dp ranks, divided by dp x cp (with
+        --eod-mask-loss a 0-d fp64 tensor summed over the dp group, no host sync)."""
+        g, packing = self.groups, self.packing
+        local = [shard_micro_batch(x, y, cp=g.cp_size, cp_rank=g.cp_rank, packing=packing) for x, y in batches]
+        if not packing.eod_mask_loss:
+            return local, self.tokens_per_dp_rank
+        counted = sum((y != packing.eod).sum(dtype=torch.float64) for _, y in batches)
+        counted = counted.reshape(()).to(self.device)
+        collectives.all_reduce_sum(counted, g.dp)
+        return local, counted / (g.dp_size * g.cp_size)
+
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
         watch = None if forward_only else self.forward_watch.watch
-        return run_schedule(actions, self.chunks, make_forward_step(self.tokens_per_dp_rank, watch), batches,
+        batches, divisor = self.local_batches(batches)
+        if not forward_only:
+            self.forward_watch.begin(self.state.iteration + 1, batches)
+        return run_schedule(actions, self.chunks, make_forward_step(divisor, watch), batches,
                             self.groups, tensor_shape=self.tensor_shape, dtype=self.dtype,
                             num_microbatches=len(batches), vp_size=self.cfg.parallel.virtual_pipeline_size,
                             before_backward=None if forward_only else self.ddp.before_backward,
@@ -369,14 +398,13 @@ class Trainer:
         it, trail = self.state.iteration + 1, self.trail
         lr = self.lr_schedule(it)  # warm-up starts above 0 on the first step
         self.ddp.zero_grad()
-        self.forward_watch.begin(it, batches)
         trail.enter(it, "the pipeline schedule (forward/backward with p2p, bucketed gradient reduction)")
         loss = self._run(batches, self.actions, forward_only=False)
         trail.enter(it, "the optimizer step (gradient reduction, overflow all-reduce, norm, parameter all-gather)")
         result = self.optimizer.step(lr)
         trail.enter(it, "the loss / stop all-reduce")
         # this DP rank's share -> global mean; the same all-reduce agrees on a stop request
-        loss, stop_reason = resilience.agree(loss, self.stop_flags(), self.groups)
+        loss, stop_reason = resilience.agree(loss, self.stop_flags(), self.replicas)
         s = self.state
         s.advance(self.cfg.train.global_batch_size, result.skipped)
         bad = not self.cfg.precision.fp16 and (result.skipped or not torch.isfinite(loss).item())
@@ -407,7 +435,7 @@ class Trainer:
         for c in self.chunks:
             c.eval()
         loss = self._run(batches, self.eval_actions, forward_only=True)
-        collectives.all_reduce_mean(loss, self.groups.dp)
+        collectives.all_reduce_mean(loss, self.replicas.dp)
         return float(loss)
 
 
@@ -465,17 +493,21 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
 
 def is_logging_rank(groups: ProcessGroups) -> bool:
     """The last pipeline stage holds the loss; its first TP/DP rank writes the logs."""
-    return groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0
+    return groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
 
 
 def generate_ids(trainer: Trainer, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation under any layout (collective over the model-parallel ranks):
-    a whole-model stage decodes directly, a pipeline runs one forward-only pass per token."""
+    a whole-model stage decodes directly, a pipeline runs one forward-only pass per token. The
+    context-parallel ranks decode the whole context each, the same tokens (no cp attention)."""
     if trainer.cfg.parallel.pp == 1:
         ids = torch.tensor([prompt_ids], device=trainer.device)
         return generate_greedy(trainer.chunks[0], ids, max_new_tokens)[0].tolist()
+    B, _, H = trainer.tensor_shape
+    p = trainer.cfg.parallel
+    shape = (B, trainer.cfg.model.seq_length // (p.tp if p.sequence_parallel else 1), H)
     return pipeline_generate_greedy(trainer.chunks, trainer.groups, prompt_ids, max_new_tokens,
-                                    seq_length=trainer.cfg.model.seq_length, tensor_shape=trainer.tensor_shape,
+                                    seq_length=trainer.cfg.model.seq_length, tensor_shape=shape,
                                     dtype=trainer.dtype, vocab_size=trainer.gpt_config.vocab_size)
 
 
@@ -586,7 +618,8 @@ def start_run(cfg: Config, groups: ProcessGroups, device: torch.device, data: Ru
                       is_logging_rank=is_logging_rank(groups), config_text=describe(cfg),
                       train_iters=cfg.train.train_iters, wandb=wandb_settings(cfg))
     trainer = Trainer(cfg, groups, device, data.vocab_size, stop_flags=control.flags, fault=control.fault,
-                      trail=control.trail, monitor=monitor)
+                      trail=control.trail, monitor=monitor,
+                      eod=None if data.tokenizer is None else data.tokenizer.eod)
     resumed = trainer.load_checkpoint(cfg.train.load) if cfg.train.load else None
     if cfg.train.load and groups.rank == 0:
         print(f"[megazero] resumed from {cfg.train.load} at iteration {resumed}" if resumed is not None

@@ -1,10 +1,12 @@
-"""ProcessGroups: the tp / dp / pp / model-parallel / embedding groups of one rank, built once.
+"""ProcessGroups: the tp / cp / dp / pp / model-parallel / replica / embedding groups of one rank.
 
 Every module that communicates takes this object (or the one group it needs) as an argument;
 there is no global registry. ``ProcessGroups.single()`` describes a one-process run with no
 torch.distributed at all: every group is ``None`` and every collective in
 ``megazero.collectives`` is a no-op on it. ``build`` creates the groups named in
 ``megazero.topology.GROUPS`` and the embedding group, so each of them is a field here.
+``replicas()`` is the view the data-parallel machinery (gradient reduction, ZeRO, the
+optimizer, checkpoint shards) takes: cp folded into dp, its ``dp`` the ``dp_cp`` group.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ Group = Optional[dist.ProcessGroup]
 class ProcessGroups:
     """This rank's place in the layout and its communication groups.
 
-    Fields ``tp``, ``dp``, ``pp``, ``mp`` (one per name in ``GROUPS``) and ``embedding`` are
-    process groups (``None`` in a single-process run; ``embedding`` also on a middle stage).
+    Fields ``tp``, ``dp``, ``pp``, ``mp``, ``cp``, ``dp_cp`` (one per name in ``GROUPS``) and
+    ``embedding`` are process groups (``None`` in a single-process run; ``embedding`` also on a
+    middle stage). Two kinds with the same members share one group (``dp_cp`` is ``dp`` when
+    cp == 1).
     ``world`` is the default group (``None`` without distributed).
     """
 
@@ -34,6 +38,8 @@ class ProcessGroups:
     dp: Group = None
     pp: Group = None
     mp: Group = None
+    cp: Group = None
+    dp_cp: Group = None
     embedding: Group = None
     world: Group = None
 
@@ -61,13 +67,15 @@ class ProcessGroups:
                 f"launch {_product(topology)} processes")
         rank = dist.get_rank()
         timeout = timedelta(seconds=timeout_s)
-        mine = {}
-        # new_group is collective over the world: every rank creates every group, same order.
+        mine, made = {}, {}
+        # new_group is collective over the world: every rank creates every group, same order;
+        # a member list already made (dp_cp at cp 1) is not made twice
         for kind in (*GROUPS, "embedding"):
             for ranks in topology.named_groups(kind):
-                g = dist.new_group(ranks=ranks, timeout=timeout)
+                if tuple(ranks) not in made:
+                    made[tuple(ranks)] = dist.new_group(ranks=ranks, timeout=timeout)
                 if rank in ranks:
-                    mine[kind] = g
+                    mine[kind] = made[tuple(ranks)]
         return ProcessGroups(topology=topology, rank=rank, world=dist.group.WORLD, **mine)
 
     # -- coordinates ---------------------------------------------------------------------
@@ -86,6 +94,33 @@ class ProcessGroups:
     @property
     def pp_size(self) -> int:
         return self.topology.size("pp")
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel size (1 when the layout has no cp dimension)."""
+        return self.topology.size("cp") if "cp" in self.topology.names else 1
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord.cp if "cp" in self.topology.names else 0
+
+    @property
+    def cp_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this rank's cp group in cp-rank order (the ring's members)."""
+        if self.cp_size == 1:
+            return (self.rank,)
+        return tuple(self.topology.group(self.rank, "cp"))
+
+    def replicas(self) -> "ProcessGroups":
+        """The same rank with cp folded into dp (``Topology.replica_topology``): ``dp`` is
+        the ``dp_cp`` group, ``dp_size`` is dp x cp, ``dp_rank`` is ``cp_rank + cp * dp_rank``.
+        Gradients are reduced and ZeRO shards over it; at cp == 1 it is ``self``."""
+        if self.cp_size == 1:
+            return self
+        return ProcessGroups(topology=self.topology.replica_topology(), rank=self.rank,
+                             tp=self.tp, dp=self.dp_cp, pp=self.pp, mp=self.mp,
+                             cp=None, dp_cp=self.dp_cp, embedding=self.embedding,
+                             world=self.world)
 
     @property
     def tp_rank(self) -> int:
@@ -130,9 +165,10 @@ class ProcessGroups:
         """One line for the start-up log, e.g. ``rank 5: tp 1/2 dp 0/2 pp 1/2``."""
         c = self.coord
         return f"rank {self.rank}: " + " ".join(f"{d.name} {c[d.name]}/{d.size}"
-                                                  for d in self.topology.dims)
+                                                  for d in self.topology.dims
+                                                  if d.size > 1 or d.name in ("tp", "dp", "pp"))
 
 
 def _product(topology: Topology) -> str:
-    """``"tp*dp*pp"``: the dimensions whose product is the world size."""
-    return "*".join(topology.names)
+    """``"tp*dp*pp"``: the dimensions whose product is the world size (cp where > 1)."""
+    return "*".join(d.name for d in topology.dims if d.size > 1 or d.name != "cp")

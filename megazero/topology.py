@@ -1,26 +1,30 @@
 """Pure rank arithmetic over an ordered list of named parallel dimensions.
 
-A layout is a list of dimensions, innermost first; today ``ORDER = "tp-dp-pp"``. A rank's
-index in dimension ``i`` is ``(rank // stride_i) % size_i`` with ``stride_i`` the product
-of the sizes before it, and the rank is ``sum(index_i * stride_i)``. For "tp-dp-pp":
+A layout is a list of dimensions, innermost first; today ``ORDER = "tp-cp-dp-pp"``. A
+rank's index in dimension ``i`` is ``(rank // stride_i) % size_i`` with ``stride_i`` the
+product of the sizes before it, and the rank is ``sum(index_i * stride_i)``. For
+"tp-cp-dp-pp":
 
     tp_rank = rank % tp
-    dp_rank = (rank // tp) % dp
-    pp_rank = rank // (tp * dp)
+    cp_rank = (rank // tp) % cp
+    dp_rank = (rank // (tp * cp)) % dp
+    pp_rank = rank // (tp * cp * dp)
 
 Tensor-parallel ranks are innermost (adjacent global ranks, so one TP group sits on one node
-and its all-reduces stay on NVLink), then data-parallel, then pipeline stages outermost, as
-in Megatron-LM (Narayanan et al. 2021, sec. 3.3; Megatron core's ``RankGenerator`` orders
+and its all-reduces stay on NVLink), then context-parallel (the ring of K/V blocks, next
+closest), then data-parallel, then pipeline stages outermost, as in Megatron-LM (Narayanan et al. 2021, sec. 3.3; Megatron core's ``RankGenerator`` orders
 "tp-cp-ep-dp-pp" the same way). A group over a subset S of the dimensions is the set of ranks
 that differ from a rank only in S (the idea of torch's ``DeviceMesh``): the TP group is the
-group over ``("tp",)``, the model-parallel group the one over ``("tp", "pp")``. ``GROUPS``
-names the groups the trainer builds; the embedding group (first and last stage) is the one
-group that is not over a set of dimensions.
+group over ``("tp",)``, the model-parallel group the one over ``("tp", "pp")``, the ranks
+holding replicas of the same parameters (gradients reduced, ZeRO sharded) the one over
+``("dp", "cp")``. ``GROUPS`` names the groups the trainer builds; the embedding group (first
+and last stage) is the one group that is not over a set of dimensions.
 
-A new dimension is data: its name in ``ORDER`` (say "tp-cp-dp-pp"; ``Topology(cp=2)`` then
-works, every other size defaulting to 1), its groups in ``GROUPS`` (``"cp": ("cp",)``,
-``"dp_cp": ("dp", "cp")``) and a field per group in ``ProcessGroups``. ``Topology(order=...)``
-builds any other order without touching ``ORDER``.
+A new dimension is data: its name in ``ORDER`` (``Topology(cp=2)`` works, every other size
+defaulting to 1), its groups in ``GROUPS`` and a field per group in ``ProcessGroups``.
+``Topology(order=...)`` builds any other order without touching ``ORDER``. Since cp and dp
+are adjacent, the layout with dp and cp merged into one "dp" of size ``dp * cp`` (index
+``cp_rank + cp * dp_rank``) numbers the ranks the same way: ``replica_topology``.
 
 This module imports no torch.distributed; it is the one place where the order is written.
 """
@@ -31,11 +35,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence, Union
 
-ORDER = "tp-dp-pp"
+ORDER = "tp-cp-dp-pp"
 """The dimensions of ``Topology(...)``, innermost first, joined by "-"."""
 
 GROUPS: dict[str, tuple[str, ...]] = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",),
-                                       "mp": ("tp", "pp")}
+                                       "mp": ("tp", "pp"), "cp": ("cp",), "dp_cp": ("dp", "cp")}
 """Named groups over sets of dimensions, in the order ``ProcessGroups.build`` creates them."""
 
 Over = Union[str, Sequence[str]]  # "dp", "dp-cp" or ("dp", "cp")
@@ -232,6 +236,24 @@ class Topology:
         """Model-parallel group: all tp x pp ranks that hold one replica of the model."""
         return self.group(rank, GROUPS["mp"])
 
+    def replica_topology(self) -> "Topology":
+        """This layout with cp folded into dp: ``Topology(tp, pp, dp * cp)`` in ``ORDER``.
+
+        Every rank keeps its number, and its "dp" group there is its ``dp_cp`` group here:
+        the ranks whose parameters are replicas (Megatron-LM's distributed optimizer shards
+        over data x context parallel the same way). Raises ValueError when cp and dp are not
+        adjacent in the order (the merged numbering would differ).
+        """
+        names = self.names
+        if "cp" not in names:
+            return self
+        i = names.index("cp")
+        if i + 1 >= len(names) or names[i + 1] != "dp":
+            raise ValueError(f"replica_topology needs cp right inside dp, {self} has {self.order!r}")
+        sizes = {d.name: d.size for d in self.dims if d.name not in ("cp", "dp")}
+        sizes["dp"] = self.size("dp") * self.size("cp")
+        return Topology(order="-".join(n for n in names if n != "cp"), **sizes)
+
     def tp_groups(self) -> list[list[int]]:
         return self.named_groups("tp")
 
@@ -247,7 +269,8 @@ class Topology:
     # -- helpers -------------------------------------------------------------------------
     def __repr__(self) -> str:
         sizes = ", ".join(f"{d.name}={d.size}" for d in self.dims)
-        order = "" if self.order == ORDER else f", order={self.order!r}"
+        order = "" if self.order == ORDER or "cp" not in self.names and self.order == "tp-dp-pp" \
+            else f", order={self.order!r}"
         return f"Topology({sizes}{order})"
 
     def _index_of(self, name: str) -> int:

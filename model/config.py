@@ -91,6 +91,8 @@ class GPTConfig:
     add_bias_linear: bool = True
     """Biases in the QKV, attention output and MLP linears (False = Megatron's
     ``--disable-bias-linear``)."""
+    cp_comm_type: str = "p2p"
+    """Attention across context-parallel ranks: ``p2p`` (ring) or ``a2a`` (all-to-all over heads)."""
     recompute_granularity: Optional[str] = None
     """Activation recomputation (Korthikanti et al. 2022): ``None``, ``"selective"`` (the
     attention core) or ``"full"`` (whole layers, chosen by ``recompute_method``)."""

@@ -22,6 +22,12 @@ stream in for the call.
 
 Initialisation is layout independent (docs/design.md, contract 1): ``init_full_weights``
 makes every full tensor from (seed, canonical name) alone and a stage keeps its partitions.
+
+Context parallelism and packed documents (megazero/context_parallel): a micro-batch may come
+with a ``SequenceInfo`` (``seq``): the rank then holds ``T/cp`` tokens of each sequence (two
+zigzag chunks), positions come from ``seq.position_ids``, and attention runs across the cp
+ranks (ring or all-to-all) and inside documents (``seq.segment_ids``). Without ``seq`` the
+model is exactly the single-sequence one (positions 0..T-1, causal SDPA).
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ from einops import rearrange, repeat
 from torch import nn
 
 from megazero import collectives as C
+from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention
+from megazero.context_parallel.sequence import SequenceInfo
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
@@ -44,7 +52,7 @@ from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
-from model.rope import apply_rotary, rotary_cos_sin
+from model.rope import apply_rotary, rotary_cos_sin, rotary_cos_sin_at
 from model.spec import canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
 
 
@@ -80,12 +88,17 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(*zeros.shape, _weight=zeros)
         self.with_positions = with_positions
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``position_ids [B, T]`` of the tokens (default ``0..T-1``); with sequence
+        parallelism this rank adds those of its ``T/tp`` chunk."""
         x = self.word_embeddings(tokens)                             # (B, T or T/tp, H)
         if not self.with_positions:  # RoPE: positions enter in attention
             return x
         start = C.group_rank(self.group) * x.shape[1] if self.sp else 0
-        positions = torch.arange(start, start + x.shape[1], device=tokens.device)
+        if position_ids is None:
+            positions = torch.arange(start, start + x.shape[1], device=tokens.device)
+        else:
+            positions = position_ids[:, start:start + x.shape[1]]   # (B, T or T/tp)
         return x + self.position_embeddings(positions)
 
 
@@ -100,9 +113,11 @@ class Attention(nn.Module):
     ``position_embedding_type == "rope"`` q and k are rotated (model/rope.py).
     """
 
-    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None):
+    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None):
         super().__init__()
         H, tp = cfg.hidden_size, C.group_size(group)
+        self.cp = cp  # (cp group, its global ranks in cp order) or None
+        self.cp_comm_type = cfg.cp_comm_type
         self.heads_local, self.head_dim = cfg.num_attention_heads // tp, cfg.head_dim
         self.grouped = cfg.num_query_groups is not None
         self.groups_local = cfg.kv_heads // tp
@@ -129,12 +144,19 @@ class Attention(nn.Module):
         q = rearrange(qkv[:, :, :self.q_per_group], "b g r t d -> b (g r) t d")  # group-major heads
         return q, qkv[:, :, -2], qkv[:, :, -1]                   # k, v: (B, G/tp, T, d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
         q, k, v = self._split_heads(self.qkv(x))            # (B, heads/tp or G/tp, T, d)
         T = q.shape[2]
         if self.rotary is not None:
-            cos, sin = rotary_cos_sin(T, *self.rotary, device=q.device, dtype=q.dtype)  # (T, rot)
+            if seq is None:
+                cos, sin = rotary_cos_sin(T, *self.rotary, device=q.device, dtype=q.dtype)  # (T, rot)
+            else:  # this rank's positions: zigzag chunks, or restarting per document
+                cos, sin = rotary_cos_sin_at(seq.position_ids, *self.rotary, dtype=q.dtype)  # (B, 1, T, rot)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if seq is not None:  # K/V stay query groups: the ring sends G/tp heads, not heads/tp
+            core = functools.partial(self._context_core, seq=seq)
+            y = recompute(core, self.tracker, q, k, v) if self.recompute_core else core(q, k, v)
+            return self.proj(rearrange(y, "b h t d -> b t (h d)"))
         if self.q_per_group > 1:  # each key/value head serves the heads/G query heads of its group
             k, v = (repeat(t, "b g t d -> b (g r) t d", r=self.q_per_group) for t in (k, v))
         if self.recompute_core:  # selective recomputation: keep q, k, v only
@@ -143,6 +165,22 @@ class Attention(nn.Module):
             y = self._core(q, k, v)
         y = rearrange(y, "b h t d -> b t (h d)")                   # (B, T, n_head/tp * d = H/tp)
         return self.proj(y)
+
+    def _context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      seq: SequenceInfo) -> torch.Tensor:
+        """Causal attention of this rank's ``T/cp`` queries over the whole sequence, inside
+        documents when ``seq.segment_ids`` is set: q ``(B, heads/tp, T/cp, d)``, k and v
+        ``(B, G/tp, T/cp, d)`` -> ``(B, heads/tp, T/cp, d)``. No attention dropout (the
+        config refuses it with cp > 1; with packed documents alone it is applied nowhere either,
+        so it is refused there too)."""
+        if self.cp is None:
+            return local_attention(q, k, v, token_index=seq.token_index, segment_ids=seq.segment_ids)
+        group, ranks = self.cp
+        if self.cp_comm_type == "a2a":
+            return all_to_all_attention(q, k, v, group=group, token_index=seq.token_index,
+                                        segment_ids=seq.segment_ids)
+        return ring_attention(q, k, v, group=group, cp_ranks=ranks, token_index=seq.token_index,
+                              segment_ids=seq.segment_ids)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim)."""
@@ -182,10 +220,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block with residual dropout (``hidden_dropout``)."""
 
-    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None):
+    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None):
         super().__init__()
         self.ln1 = _norm(cfg, device)
-        self.attn = Attention(cfg, group, sp, tracker, device)
+        self.attn = Attention(cfg, group, sp, tracker, device, cp)
         self.ln2 = _norm(cfg, device)
         self.mlp = MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
@@ -194,8 +232,8 @@ class Block(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.tracker.generator(self.region), self.training)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.ln1(x), seq))
         return x + self._drop(self.mlp(self.ln2(x)))
 
 
@@ -245,8 +283,9 @@ class GPTStage(nn.Module):
         if pre_process or (post_process and cfg.tie_embeddings):
             with_positions = pre_process and cfg.position_embedding_type == "learned_absolute"
             self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, device)
+        cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
-                                                   device) for i in self.layer_ids})
+                                                   device, cp) for i in self.layer_ids})
         if post_process:
             self.final_ln = _norm(cfg, device)
             if not cfg.tie_embeddings:
@@ -306,11 +345,13 @@ class GPTStage(nn.Module):
                                  f"{tuple(src.shape)}, parameter is {tuple(p.shape)}")
             p.copy_(src)
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                seq: Optional[SequenceInfo] = None) -> torch.Tensor:
         """Run this chunk.
 
         ``x``: token ids ``[B, T]`` with ``pre_process``, else hidden ``[B, T, H]``
-        (``[B, T/tp, H]`` with sequence parallelism). Returns, with ``post_process``,
+        (``[B, T/tp, H]`` with sequence parallelism); ``T`` is this rank's ``T/cp`` tokens
+        when ``seq`` (their positions and documents) is given. Returns, with ``post_process``,
         per-token losses ``[B, T]`` fp32 when ``labels [B, T]`` is given, else this rank's
         vocabulary partition of the logits ``[B, T, V_pad/tp]``; otherwise the hidden
         states for the next stage. Raises ValueError when ``T`` exceeds
@@ -320,11 +361,11 @@ class GPTStage(nn.Module):
             if x.shape[1] > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence of {x.shape[1]} tokens exceeds "
                                  f"--max-position-embeddings {self.cfg.max_position_embeddings}")
-            x = self.embedding(x)                                    # (B, T(/tp), H)
+            x = self.embedding(x, None if seq is None else seq.position_ids)  # (B, T(/tp), H)
             region = "tp" if self.sp else "replicated"
             x = dropout(x, self.cfg.hidden_dropout, self.rng_tracker.generator(region),
                         self.training)
-        x = self._run_layers(x)
+        x = self._run_layers(x, seq)
         if not self.post_process:
             return x
         x = self.final_ln(x)
@@ -339,7 +380,7 @@ class GPTStage(nn.Module):
             logits, labels, self.tp, label_smoothing=self.cfg.label_smoothing,
             vocab_size=self.cfg.vocab_size, padded_vocab_size=self.padded_vocab)
 
-    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
         """The blocks of this chunk, ``[B, T(/tp), H]`` in and out, with full recomputation as
         Megatron-LM lays it out: ``uniform`` makes each group of ``recompute_num_layers``
         consecutive layers one recomputed region; ``block`` recomputes the first
@@ -347,7 +388,7 @@ class GPTStage(nn.Module):
         layers, cfg = list(self.layers.values()), self.cfg
         if cfg.recompute_granularity != "full" or not self.training:
             for layer in layers:
-                x = layer(x)
+                x = layer(x) if seq is None else layer(x, seq)
             return x
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "uniform":
@@ -356,14 +397,14 @@ class GPTStage(nn.Module):
         else:
             regions = [([layer], i < n) for i, layer in enumerate(layers)]
         for group, recomputed in regions:
-            run = functools.partial(_run_group, group)
+            run = functools.partial(_run_group, group, seq=seq)
             x = recompute(run, self.rng_tracker, x) if recomputed else run(x)
         return x
 
 
-def _run_group(layers: list, x: torch.Tensor) -> torch.Tensor:
+def _run_group(layers: list, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
     for layer in layers:
-        x = layer(x)
+        x = layer(x) if seq is None else layer(x, seq)
     return x
 
 

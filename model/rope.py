@@ -9,7 +9,9 @@ key at ``n`` then have a dot product that depends on ``m - n`` only (sec. 3.4.2)
 Each rank rotates its own heads (the rotation is per head, so tensor parallelism changes
 nothing), and inside attention the sequence is whole (sequence parallelism all-gathers it
 before the QKV projection; pipeline stages pass whole samples), so positions are
-``0 .. T-1``.
+``0 .. T-1``, unless the batch says otherwise: under context parallelism a rank holds two
+chunks of each sequence, and with ``--reset-position-ids`` positions restart with every
+document; ``rotary_cos_sin_at`` takes those positions (megazero/context_parallel/sequence.py).
 """
 from __future__ import annotations
 
@@ -28,8 +30,19 @@ def rotary_cos_sin(seq_len: int, rot_dim: int, base: float, device=None,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rotary_cos_sin_at(positions: torch.Tensor, rot_dim: int, base: float,
+                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` at given positions ``[B, T]`` (int): two ``[B, 1, T, rot]`` tensors that
+    broadcast over heads in ``apply_rotary``; the angles are those of ``rotary_cos_sin``."""
+    inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float32, device=positions.device) / rot_dim)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq                # (B, T, rot/2)
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)                     # (B, 1, T, rot)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, heads, T, head_dim]`` by ``cos``/``sin [T, rot]``; same shape back."""
+    """Rotate ``x [B, heads, T, head_dim]`` by ``cos``/``sin [T, rot]`` (or ``[B, 1, T, rot]``);
+    same shape back."""
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     x1, x2 = x_rot.chunk(2, dim=-1)                                   # (B, n, T, rot/2) each

@@ -47,14 +47,16 @@ class _RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_rotate(x: torch.Tensor, rot_dim: int, base: float) -> torch.Tensor:
+def rope_rotate(x: torch.Tensor, rot_dim: int, base: float, positions=None) -> torch.Tensor:
     """RoPE written with complex numbers: pair ``(x_j, x_{j+rot/2})`` of the first ``rot_dim``
     dimensions is ``x_j + i x_{j+rot/2}``, multiplied by ``exp(i t base^(-2j/rot_dim))`` at
-    position ``t`` (Su et al. 2021, eq. 34). ``x [B, heads, T, d]`` -> same shape."""
-    T, half = x.shape[2], rot_dim // 2
+    position ``t`` (Su et al. 2021, eq. 34). ``x [B, heads, T, d]`` -> same shape; ``positions``
+    ``[B, T]`` (default 0..T-1)."""
+    B, T, half = x.shape[0], x.shape[2], rot_dim // 2
     theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)        # (rot/2,)
-    phase = torch.polar(torch.ones(T, half, dtype=torch.float64),
-                        torch.arange(T, dtype=torch.float64)[:, None] * theta)     # (T, rot/2)
+    t = torch.arange(T, dtype=torch.float64).expand(B, T) if positions is None else positions.double()
+    phase = torch.polar(torch.ones(B, 1, T, half, dtype=torch.float64),
+                        t[:, None, :, None] * theta)                                # (B, 1, T, rot/2)
     z = torch.complex(x[..., :half].double(), x[..., half:rot_dim].double()) * phase
     return torch.cat([z.real.to(x.dtype), z.imag.to(x.dtype), x[..., rot_dim:]], dim=-1)
 
@@ -90,13 +92,16 @@ class _Block(nn.Module):
         pick = torch.arange(self.heads) // n    # query head h uses group h // n
         return q, k[:, pick], v[:, pick]
 
-    def attention(self, x):
+    def attention(self, x, positions=None, hidden=None):
+        """``hidden [B, T, T]`` bool: key j is hidden from query i (besides the future)."""
         B, T, H = x.shape
         q, k, v = self._heads(x)
         if self.rope is not None:
-            q, k = rope_rotate(q, *self.rope), rope_rotate(k, *self.rope)
+            q, k = rope_rotate(q, *self.rope, positions), rope_rotate(k, *self.rope, positions)
         scores = q @ k.transpose(-2, -1) / math.sqrt(H // self.heads)  # (B, heads, T, T)
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        if hidden is not None:
+            future = future | hidden[:, None]                           # (B, 1, T, T)
         probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
         y = (probs @ v).transpose(1, 2).reshape(B, T, H)  # (B, heads, T, hd) -> (B, T, H)
         return self.proj(y)
@@ -108,8 +113,8 @@ class _Block(nn.Module):
             return self.fc2(gate * torch.sigmoid(gate) * up)
         return self.fc2(F.gelu(h))
 
-    def forward(self, x):
-        x = x + self.attention(self.ln1(x))
+    def forward(self, x, positions=None, hidden=None):
+        x = x + self.attention(self.ln1(x), positions, hidden)
         return x + self.mlp(self.ln2(x))
 
 
@@ -204,21 +209,47 @@ class ReferenceGPT(nn.Module):
         model.load_full_weights(full)
         return model
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens ``[B, T]`` int64 -> logits ``[B, T, V]`` over the real vocabulary."""
-        T = tokens.shape[1]
+    def forward(self, tokens: torch.Tensor, eod=None, reset_attention_mask=False,
+                reset_position_ids=False) -> torch.Tensor:
+        """tokens ``[B, T]`` int64 -> logits ``[B, T, V]`` over the real vocabulary.
+
+        Packed documents (Megatron's flags): with ``eod`` set, a document ends at each EOD token
+        (which belongs to it); ``reset_attention_mask`` hides other documents' keys,
+        ``reset_position_ids`` counts positions from 0 in each document."""
+        B, T = tokens.shape
+        positions, hidden = torch.arange(T).expand(B, T), None
+        if eod is not None:
+            doc = torch.zeros(B, T, dtype=torch.long)
+            for b in range(B):
+                start = 0
+                for t in range(T):  # written out: token t opens a document after an EOD
+                    if t > 0 and tokens[b, t - 1] == eod:
+                        start = t
+                        doc[b, t] = doc[b, t - 1] + 1
+                    elif t > 0:
+                        doc[b, t] = doc[b, t - 1]
+                    if reset_position_ids:
+                        positions[b, t] = t - start
+            if reset_attention_mask:
+                hidden = doc[:, :, None] != doc[:, None, :]                     # (B, T, T)
         x = self.wte(tokens)                                                    # (B, T, H)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=tokens.device))
+            x = x + self.wpe(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions, hidden)
         x = self.ln_f(x)
         return x @ (self.wte.weight if self.lm_head is None else self.lm_head.weight).t()
 
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all ``B*T`` tokens (a scalar)."""
-        logits = self(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, eod=None, eod_mask_loss=False,
+             **packing) -> torch.Tensor:
+        """Mean cross-entropy over all ``B*T`` tokens (a scalar); with ``eod_mask_loss`` over the
+        targets that are not ``eod``. ``packing``: ``forward``'s document flags."""
+        logits = self(tokens, eod, **packing)
+        if not eod_mask_loss:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        each = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
+        counted = labels.reshape(-1) != eod
+        return each[counted].sum() / counted.sum()
 
 
 def train_reference(full_weights: dict[str, torch.Tensor],
@@ -226,7 +257,7 @@ def train_reference(full_weights: dict[str, torch.Tensor],
                     num_heads: int, lr: Union[float, Callable[[int], float]], steps: int,
                     betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
                     eps: float = 1e-8, clip_grad: float = 0.0, layernorm_eps: float = 1e-5,
-                    optimizer: str = "adamw", return_model: bool = False, block=None):
+                    optimizer: str = "adamw", return_model: bool = False, block=None, packing=None):
     """Train the reference model; returns the loss before each of ``steps`` updates.
 
     Step ``s`` uses ``batches[s % len(batches)]`` = (tokens ``[B, T]``, labels ``[B, T]``)
@@ -235,7 +266,8 @@ def train_reference(full_weights: dict[str, torch.Tensor],
     decay on weights of 2 or more dimensions only, none on biases and LayerNorm, as in
     Megatron-LM) or ``"sgd"`` (plain torch.optim.SGD, no momentum). ``clip_grad > 0``
     clips the global gradient norm with ``torch.nn.utils.clip_grad_norm_``.
-    ``block``: the block options of ``ReferenceGPT`` (e.g. ``block_options(gpt_config)``).
+    ``block``: the block options of ``ReferenceGPT`` (e.g. ``block_options(gpt_config)``);
+    ``packing``: ``ReferenceGPT.loss``'s document options (``eod``, ``reset_attention_mask``, ...).
     Returns ``list[float]``, or ``(losses, model)`` when ``return_model``.
     """
     model = ReferenceGPT.from_full_weights(full_weights, vocab_size, num_heads, layernorm_eps,
@@ -258,7 +290,7 @@ def train_reference(full_weights: dict[str, torch.Tensor],
             group["lr"] = lr(step) if callable(lr) else lr
         tokens, labels = batches[step % len(batches)]
         opt.zero_grad(set_to_none=True)
-        loss = model.loss(tokens, labels)
+        loss = model.loss(tokens, labels, **(packing or {}))
         loss.backward()
         if clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(params, clip_grad)

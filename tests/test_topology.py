@@ -14,14 +14,27 @@ from megazero.topology import GROUPS, Coord, Topology
 from tests.distributed import run_distributed
 
 
-def test_order_is_tp_dp_pp():
+def test_order_is_tp_cp_dp_pp():
     t = Topology(tp=2, pp=2, dp=2)
+    assert t.order == "tp-cp-dp-pp" and t.cp == 1
     # rank = tp + 2 * (dp + 2 * pp)
     assert [(c.tp, c.dp, c.pp) for c in map(t.coord, range(8))] == [
         (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
     for r in range(8):
         c = t.coord(r)
-        assert t.rank(c.tp, c.dp, c.pp) == r
+        assert t.rank(c.tp, c.cp, c.dp, c.pp) == t.rank(tp=c.tp, dp=c.dp, pp=c.pp) == r
+
+
+def test_replica_topology_folds_cp_into_dp_with_the_same_rank_numbers():
+    t = Topology(tp=2, pp=2, dp=3, cp=2)
+    rt = t.replica_topology()
+    assert rt.order == "tp-dp-pp" and (rt.tp, rt.dp, rt.pp) == (2, 6, 2)
+    for r in range(t.world_size):
+        c, rc = t.coord(r), rt.coord(r)
+        assert (rc.tp, rc.pp, rc.dp) == (c.tp, c.pp, c.cp + 2 * c.dp)
+        assert rt.group(r, "dp") == t.group(r, ("dp", "cp"))
+    with pytest.raises(ValueError, match="cp right inside dp"):
+        Topology(order="tp-dp-cp-pp", cp=2).replica_topology()
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 2, 1), (3, 2, 5)])
@@ -98,12 +111,12 @@ LAYOUTS = [(tp, pp, dp) for tp, pp, dp in itertools.product(range(1, 9), repeat=
 def test_generic_arithmetic_equals_the_three_dimension_formulas(tp, pp, dp):
     t = Topology(tp, pp, dp)  # positional order tp, pp, dp, as the callers use it
     assert (t.tp, t.pp, t.dp, t.world_size) == (tp, pp, dp, tp * pp * dp)
-    assert t.order == "tp-dp-pp" and t == Topology(tp=tp, pp=pp, dp=dp)
+    assert t.order == "tp-cp-dp-pp" and t == Topology(tp=tp, pp=pp, dp=dp, cp=1)
     for r in range(t.world_size):
         c = t.coord(r)
         assert (c.tp, c.dp, c.pp) == _old_coord(r, tp, pp, dp)
-        assert c == Coord(tp=c.tp, dp=c.dp, pp=c.pp)
-        assert t.rank(c.tp, c.dp, c.pp) == t.rank(**c) == r
+        assert c == Coord(tp=c.tp, cp=0, dp=c.dp, pp=c.pp)
+        assert t.rank(c.tp, 0, c.dp, c.pp) == t.rank(**c) == r
         for kind in ("tp", "dp", "pp", "mp", "embedding"):
             assert getattr(t, f"{kind}_group")(r) == _old_group(kind, r, tp, pp, dp), (kind, r)
     for kind in ("tp", "dp", "pp", "mp", "embedding"):
@@ -113,7 +126,7 @@ def test_generic_arithmetic_equals_the_three_dimension_formulas(tp, pp, dp):
 
 def test_process_groups_build_creates_the_old_groups_in_the_old_order():
     """``build`` creates GROUPS then the embedding group; each has a ProcessGroups field."""
-    assert [*GROUPS, "embedding"] == ["tp", "dp", "pp", "mp", "embedding"]
+    assert [*GROUPS, "embedding"] == ["tp", "dp", "pp", "mp", "cp", "dp_cp", "embedding"]
     fields = {f.name for f in dataclasses.fields(ProcessGroups)}
     assert set(GROUPS) | {"embedding"} <= fields
 
@@ -168,8 +181,8 @@ def test_errors_name_the_setting():
     with pytest.raises(ValueError, match="--cp must be >= 1, got 0"):
         Topology(order="tp-cp-dp-pp", cp=0)
     with pytest.raises(ValueError, match="unknown dimension 'cp'"):
-        Topology(cp=2)  # not in the default order
-    t = Topology(tp=2, pp=2, dp=2)
+        Topology(order="tp-dp-pp", cp=2)  # not in that order
+    t = Topology(tp=2, pp=2, dp=2, order="tp-dp-pp")
     with pytest.raises(ValueError, match="unknown dimension 'cp'"):
         t.group(0, ("dp", "cp"))
     with pytest.raises(ValueError, match="unknown dimension 'ep'"):
@@ -225,9 +238,9 @@ def test_documented_members_on_gloo_ranks():
                 assert got[kind] in groups and rank in got[kind], (layout, rank, kind, got[kind])
             assert got["stage"][0] == (c.pp == 0) and got["stage"][1] == (c.pp == layout[1] - 1)
             if c.pp > 0:
-                assert got["stage"][2] == t.rank(c.tp, c.dp, c.pp - 1)
+                assert got["stage"][2] == t.rank(tp=c.tp, dp=c.dp, pp=c.pp - 1)
             if c.pp < layout[1] - 1:
-                assert got["stage"][3] == t.rank(c.tp, c.dp, c.pp + 1)
+                assert got["stage"][3] == t.rank(tp=c.tp, dp=c.dp, pp=c.pp + 1)
 
 
 def test_rank_error_names_failing_rank():

@@ -31,7 +31,7 @@ def _train_layout(rank, world, argv, steps):
     run = train.build_data(cfg)
     train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     losses, norms = [], []
     for _ in range(steps):

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from megazero.config.derive import unused_message, unused_settings
 from megazero.config.schema import Config, ConfigError, Setting, get_value, settings, show_flag
-from megazero.config.shape import check_block, check_sizes
+from megazero.config.shape import check_context_parallel, check_block, check_sizes
 from megazero.pipeline.partition import PartitionError, validate_partition
 
 
@@ -58,14 +58,16 @@ def _check_ranges(cfg: Config, world_size: int) -> None:
 
 
 def _check_world(cfg: Config, world_size: int) -> None:
-    """world size = tp x pp x dp."""
+    """world size = tp x cp x pp x dp."""
     p = cfg.parallel
+    cp = f" x --cp {p.cp}" if p.cp > 1 else ""
+    mp = p.tp * p.cp * p.pp
     if p.dp is None:
-        raise ConfigError(f"world size {world_size} is not divisible by --tp {p.tp} x --pp {p.pp}; fix: "
-                          f"launch a multiple of {p.tp * p.pp} processes or change --tp/--pp")
-    if p.tp * p.pp * p.dp != world_size:
-        raise ConfigError(f"world size {world_size} != --tp {p.tp} x --pp {p.pp} x --dp {p.dp} = "
-                          f"{p.tp * p.pp * p.dp}; fix: launch {p.tp * p.pp * p.dp} processes or "
+        raise ConfigError(f"world size {world_size} is not divisible by --tp {p.tp}{cp} x --pp {p.pp}; fix: "
+                          f"launch a multiple of {mp} processes or change --tp/--pp{'/--cp' if cp else ''}")
+    if mp * p.dp != world_size:
+        raise ConfigError(f"world size {world_size} != --tp {p.tp}{cp} x --pp {p.pp} x --dp {p.dp} = "
+                          f"{mp * p.dp}; fix: launch {mp * p.dp} processes or "
                           "change --tp/--pp/--dp (leave --dp out to derive it)")
 
 
@@ -76,6 +78,31 @@ def _check_model_shape(cfg: Config, world_size: int) -> None:
                 ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
                 max_position_embeddings=m.max_position_embeddings, tp=p.tp,
                 sequence_parallel=p.sequence_parallel, swiglu=m.swiglu)
+    check_context_parallel(seq_length=m.seq_length, cp=p.cp, tp=p.tp, sequence_parallel=p.sequence_parallel,
+                           comm_type=p.cp_comm_type, num_attention_heads=m.num_attention_heads,
+                           num_query_groups=m.num_query_groups if m.group_query_attention else None)
+
+
+def _check_context_parallel(cfg: Config, world_size: int) -> None:
+    """What the cp attention does not do (dropout inside the ring, --compile of its layers), and
+    packed documents need an EOD token: mock data has no tokenizer."""
+    p, m = cfg.parallel, cfg.model
+    d = cfg.data
+    packing = d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss
+    if (p.cp > 1 or packing) and m.attention_dropout > 0:
+        why = f"--cp {p.cp}" if p.cp > 1 else "packed-document flags"
+        raise ConfigError(f"--attention-dropout {m.attention_dropout} with {why}: the context-parallel and "
+                          "document-masked attention has no dropout; fix: --attention-dropout 0 (LLaMA and most "
+                          "long-context recipes use none)")
+    if p.cp > 1 and cfg.train.compile:
+        raise ConfigError(f"--compile with --cp {p.cp} is not supported (the K/V ring runs eagerly); fix: drop "
+                          "--compile or use --cp 1")
+    packed = [f for f, on in (("--reset-attention-mask", cfg.data.reset_attention_mask),
+                              ("--reset-position-ids", cfg.data.reset_position_ids),
+                              ("--eod-mask-loss", cfg.data.eod_mask_loss)) if on]
+    if packed and cfg.train.mock_data:
+        raise ConfigError(f"{packed[0]} needs the tokenizer's end-of-document token, and --mock-data has no "
+                          "tokenizer; fix: train on --data-path with --tokenizer-model, or drop " + " ".join(packed))
 
 
 def _check_unused_options(cfg: Config, world_size: int) -> None:
@@ -307,7 +334,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
-           _check_world, _check_model_shape, _check_unused_options, _check_restarts, _check_block,
+           _check_world, _check_model_shape, _check_context_parallel, _check_unused_options, _check_restarts, _check_block,
            _check_recompute, _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
 
 

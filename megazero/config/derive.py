@@ -19,7 +19,7 @@ from megazero.config.shape import default_ffn_hidden_size
 def finalize(cfg: Config, world_size: int) -> list[str]:
     """Fill derived settings in place; returns warnings. Never raises: validate() judges.
 
-    dp = world / (tp x pp); FFN = 4 H (SwiGLU: int(8 H / 3 / 64) x 64); max positions = seq; decay iters = train iters;
+    dp = world / (tp x cp x pp); FFN = 4 H (SwiGLU: int(8 H / 3 / 64) x 64); max positions = seq; decay iters = train iters;
     mock vocab = MOCK_VOCAB_SIZE; interleaved schedule when vp > 1 and no schedule was given;
     sequence parallelism off at tp 1 (Megatron does the same, with a warning). Batch (DeepSpeed's
     rule when global and accumulation are given and micro is not, else Megatron's):
@@ -47,8 +47,8 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
         if not getattr(cfg.zero, knob):
             warnings.append(f"{show_flag(cfg, 'zero.' + knob)} = false is ignored: megazero always uses "
                             "contiguous gradient buffers, reduce-scatter and all-gather (same result)")
-    if p.dp is None and p.tp >= 1 and p.pp >= 1 and world_size % (p.tp * p.pp) == 0:
-        p.dp = world_size // (p.tp * p.pp)
+    if p.dp is None and min(p.tp, p.pp, p.cp) >= 1 and world_size % (p.tp * p.cp * p.pp) == 0:
+        p.dp = world_size // (p.tp * p.cp * p.pp)
     sizes = (p.dp, t.micro_batch_size, t.global_batch_size, t.gradient_accumulation_steps)
     if p.dp is not None and all(v is None or v >= 1 for v in sizes):
         _derive_batch(cfg)

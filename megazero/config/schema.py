@@ -137,12 +137,17 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """The 3D layout: world size = tp x pp x dp (ranks ordered tp-dp-pp, see topology.py)."""
+    """The layout: world size = tp x cp x pp x dp (ranks ordered tp-cp-dp-pp, see topology.py)."""
 
     tp: int = _f(1, "tensor-parallel size", "ranks", flags=("--tp", "--tensor-model-parallel-size"), ge=1)
+    cp: int = _f(1, "context-parallel size: each sequence is cut into 2 x cp chunks, cp rank r holds chunks r "
+                 "and 2cp-1-r (causal load balancing)", "ranks", flags=("--cp", "--context-parallel-size"), ge=1)
+    cp_comm_type: str = _f("p2p", "attention across the cp ranks: p2p = a ring of K/V blocks (ring attention), "
+                           "a2a = all-to-all over heads (DeepSpeed-Ulysses)", choices=("p2p", "a2a"),
+                           applies=Needs("parallel.cp", above=1))
     pp: int = _f(1, "pipeline-parallel size (stages)", "ranks",
                  flags=("--pp", "--pipeline-model-parallel-size"), ge=1)
-    dp: Optional[int] = _f(None, "data-parallel size; None = world size / (tp x pp)", "ranks",
+    dp: Optional[int] = _f(None, "data-parallel size; None = world size / (tp x cp x pp)", "ranks",
                            flags=("--dp", "--data-parallel-size"), ge=1)
     virtual_pipeline_size: int = _f(
         1, "model chunks per pipeline stage; > 1 selects the interleaved schedule", "chunks", ge=1)
@@ -335,6 +340,12 @@ class DataConfig:
         None, f"vocabulary; None = the tokenizer's ({MOCK_VOCAB_SIZE} with --mock-data)", "tokens", ge=1)
     data_cache_dir: Optional[str] = _f(None, "where sample indices are cached (atomic, shared by ranks); None = built in memory on every rank", "path",
                                        applies=_REAL_DATA)
+    # packed documents (Megatron's flags): a sample is documents joined by the tokenizer's EOD id
+    reset_attention_mask: bool = _f(False, "a token attends only to its own document: attention restarts after "
+                                    "each EOD token (the EOD belongs to the document it ends)")
+    reset_position_ids: bool = _f(False, "position ids restart at 0 after each EOD token")
+    eod_mask_loss: bool = _f(False, "leave targets that are the EOD token out of the loss (the mean is over "
+                             "the other targets of the global batch)")
 
 
 @dataclass

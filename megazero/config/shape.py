@@ -77,3 +77,27 @@ def check_block(*, hidden_size: int, num_attention_heads: int, tp: int, num_quer
         raise ConfigError(f"--rotary-percent {rotary_percent} rotates {rot} dimensions of each "
                           f"{head_dim}-dimensional head; RoPE needs an even number >= 2; fix: another "
                           "--rotary-percent")
+
+
+def check_context_parallel(*, seq_length: int, cp: int, tp: int, sequence_parallel: bool, comm_type: str,
+                           num_attention_heads: int, num_query_groups: Optional[int] = None) -> None:
+    """Context parallelism (megazero/context_parallel): the sequence cuts into ``2 cp`` equal
+    chunks (causal load balancing), and with sequence parallelism each rank's ``T/cp`` tokens
+    divide by tp again; ``a2a`` (DeepSpeed-Ulysses) hands each cp rank ``heads/tp/cp`` query
+    heads and ``G/tp/cp`` key/value heads. Sizes in tokens / heads. Raises ConfigError naming
+    the flags and the fix; nothing at ``cp == 1``.
+    """
+    if cp == 1:
+        return
+    if seq_length % (2 * cp):
+        raise ConfigError(f"--seq-length {seq_length} is not divisible by 2 x --cp {cp} = {2 * cp} (each sequence "
+                          f"is cut into 2 x cp chunks); fix: a multiple of {2 * cp}")
+    if sequence_parallel and seq_length % (cp * tp):
+        raise ConfigError(f"--sequence-parallel with --cp {cp} needs --seq-length {seq_length} divisible by "
+                          f"--cp x --tp = {cp * tp}; fix: a multiple of {cp * tp} (and of {2 * cp})")
+    if comm_type == "a2a":
+        G = num_query_groups or num_attention_heads
+        for flag, n in (("--num-attention-heads", num_attention_heads), ("--num-query-groups", G)):
+            if n % (tp * cp):
+                raise ConfigError(f"--cp-comm-type a2a needs {flag} {n} divisible by --tp x --cp = {tp * cp} "
+                                  f"(each cp rank takes whole heads); fix: --cp-comm-type p2p or another --cp")

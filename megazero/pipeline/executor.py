@@ -219,27 +219,34 @@ def _backward(saved: dict, a: Action, output_grad: Optional[torch.Tensor],
     return input_tensor.grad
 
 
-def make_forward_step(tokens_per_dp_rank: int, watch=None):
+def make_forward_step(tokens_per_dp_rank: float, watch=None):
     """Megatron's ``forward_step`` contract: (batch, chunk, input) -> (output, loss_fn).
 
-    ``batch`` is (tokens, labels), each ``(micro_batch_size, seq_length)`` int64; ``input`` is
-    None on the first stage, else the previous stage's activation; a last-stage chunk returns
-    its per-token losses ``(micro_batch_size, seq_length)``, which ``loss_fn`` turns into this
-    micro-batch's share of the loss (fp64 scalar).
+    ``batch`` is (tokens, labels), each ``(micro_batch_size, seq_length)`` int64, or (tokens,
+    labels, seq) with ``seq`` the ``SequenceInfo`` of a context-parallel share or of packed
+    documents (megazero/context_parallel/sequence.py: tokens and labels are then this rank's
+    ``T/cp`` of each sequence); ``input`` is None on the first stage, else the previous stage's
+    activation; a last-stage chunk returns its per-token losses ``(micro_batch_size, T(/cp))``,
+    which ``loss_fn`` turns into this micro-batch's share of the loss (fp64 scalar).
 
-    The loss of one micro-batch is its token-loss sum divided by this data-parallel rank's
-    tokens in the global batch; with the DP gradient reduction (SUM, then divide by dp) the
-    step minimises the mean over all tokens of the global batch (docs/design.md, contract 1).
+    The loss of one micro-batch is its token-loss sum (targets with ``seq.loss_mask`` 0 left
+    out) divided by ``tokens_per_dp_rank``: the counted targets of the global batch divided by
+    the number of replica ranks (dp x cp). With the gradient reduction over those ranks (SUM,
+    then divide by dp x cp) the step minimises the mean over all counted targets of the
+    global batch (docs/design.md, contract 1).
     ``watch(batch, chunk, input, output) -> output`` sees every forward (``megazero.runtime.resilience.ForwardWatch``).
     """
     def forward_step(batch, chunk, input_tensor):
-        tokens, labels = batch
+        tokens, labels, *rest = batch
+        seq = rest[0] if rest else None
         x = tokens if input_tensor is None else input_tensor
-        out = chunk(x, labels=labels if chunk.post_process else None)
+        out = chunk(x, labels=labels if chunk.post_process else None, seq=seq)
         if watch is not None:
             out = watch(batch, chunk, input_tensor, out)
 
         def loss_fn(per_token_loss):  # summed in fp64: exact to rounding for any token count
+            if seq is not None and seq.loss_mask is not None:
+                per_token_loss = per_token_loss * seq.loss_mask
             return per_token_loss.sum(dtype=torch.float64) / tokens_per_dp_rank
         return out, loss_fn
     return forward_step

@@ -1,0 +1,111 @@
+"""Where a rank's tokens sit in their sequences: packed documents and the context-parallel split.
+
+A micro-batch arrives as whole sequences ``tokens, labels [B, T]``. ``shard_micro_batch``
+turns it into this cp rank's share (``[B, T/cp]``, chunks r and 2cp-1-r of the zigzag split,
+megazero/context_parallel/zigzag.py) and a ``SequenceInfo`` with what attention, the position
+embedding and the loss need to know about those tokens:
+
+- ``token_index [T/cp]``: each local token's place in the sequence (the causal order);
+- ``position_ids [B, T/cp]``: the position the embedding or RoPE uses; ``token_index``
+  unless ``--reset-position-ids``, when positions restart at 0 after each EOD token;
+- ``segment_ids [B, T/cp]`` with ``--reset-attention-mask``: the document of each token (the
+  number of EOD tokens before it, so an EOD belongs to the document it ends); a query
+  attends a key only inside its own document;
+- ``loss_mask [B, T/cp]`` with ``--eod-mask-loss``: 0 where the target is the EOD token.
+
+These are Megatron-LM's ``get_ltor_masks_and_position_ids`` meanings (its masks per
+document), with one difference: ``--eod-mask-loss`` here leaves out EOD *targets* (the issue's
+definition: the count is of non-EOD targets), where Megatron zeroes the positions whose
+*input* is EOD. The documents are computed on the whole sequence before the split, so a
+document that spans two cp ranks keeps its ids and positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megazero.context_parallel.zigzag import local_token_index, split_for_rank
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """This rank's tokens of a micro-batch of ``B`` sequences: shapes as in the module docstring
+    (``Tl = T / cp``); ``segment_ids`` and ``loss_mask`` are None when their flag is off."""
+
+    token_index: torch.Tensor
+    position_ids: torch.Tensor
+    segment_ids: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The packed-document flags and the EOD id (``None`` when no flag is set)."""
+
+    eod: Optional[int] = None
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.reset_attention_mask or self.reset_position_ids or self.eod_mask_loss
+
+    def __post_init__(self):
+        if self.active and self.eod is None:
+            raise ValueError("--reset-attention-mask / --reset-position-ids / --eod-mask-loss need the "
+                             "tokenizer's EOD id; fix: give a tokenizer or drop the flags")
+
+
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """``[B, T]`` int64: the document of each token, the number of EOD tokens before it."""
+    is_eod = (tokens == eod).long()
+    return torch.cumsum(is_eod, dim=1) - is_eod
+
+
+def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int64: each token's position inside its document (0 at a document's start)."""
+    T = segment_ids.shape[1]
+    index = torch.arange(T, device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+def counted_targets(labels: torch.Tensor, packing: Packing) -> int:
+    """Targets the loss counts in ``labels [B, T]`` (all of them unless ``--eod-mask-loss``)."""
+    if packing.eod_mask_loss:
+        return int((labels != packing.eod).sum())
+    return labels.numel()
+
+
+def shard_micro_batch(tokens: torch.Tensor, labels: torch.Tensor, *, cp: int, cp_rank: int,
+                      packing: Packing) -> tuple:
+    """``(tokens, labels)`` of ``[B, T]`` whole sequences -> this cp rank's
+    ``(tokens, labels, SequenceInfo)`` of ``[B, T/cp]``; the pair unchanged when cp == 1 and
+    no packing flag is set (the model then takes its default positions 0..T-1).
+
+    Raises ValueError (via zigzag.split_for_rank) when T is not divisible by 2 cp.
+    """
+    if cp == 1 and not packing.active:
+        return tokens, labels
+    B, T = tokens.shape
+    positions = torch.arange(T, device=tokens.device).expand(B, T)
+    segments = mask = None
+    if packing.reset_attention_mask or packing.reset_position_ids:
+        docs = document_ids(tokens, packing.eod)
+        segments = docs if packing.reset_attention_mask else None
+        if packing.reset_position_ids:
+            positions = document_positions(docs)
+    if packing.eod_mask_loss:
+        mask = (labels != packing.eod).float()
+
+    def local(x):
+        return None if x is None else split_for_rank(x, 1, cp_rank, cp)
+    info = SequenceInfo(token_index=local_token_index(T, cp_rank, cp, device=tokens.device),
+                        position_ids=local(positions).contiguous(), segment_ids=local(segments),
+                        loss_mask=local(mask))
+    return local(tokens), local(labels), info
