@@ -1,0 +1,211 @@
+"""Causal self-attention over a sequence split across the context-parallel (cp) group.
+
+Three entry points, one per ``--cp-comm-type``, with the same tensors: queries ``q [B, h, T/C,
+d]`` with h = G*R heads in group-major order (heads g*R .. g*R+R-1 use key/value head g, as in
+model/gpt.py), keys and values ``[B, G, T/C, d]`` (not expanded), this rank's tokens in the
+zigzag order of ``zigzag.py`` (``token_index = local_token_index(T, cp_rank, C)``), and
+optional document ids ``segment_ids [B, T/C]`` (int64; packed documents, ``--reset-attention-
+mask``): query i attends key j iff they are in the same document and ``pos(j) <= pos(i)``.
+
+- ``ring_attention`` (p2p): ring attention, Liu et al. 2023 (``ring.py``), zigzag balanced
+  (Megatron-LM's context parallelism), FlashAttention-2 backward (Dao 2023, sec. 3.1).
+- ``all_to_all_attention`` (a2a): DeepSpeed-Ulysses, Jacobs et al. 2023 (sec. 3): an
+  all-to-all turns "all heads, T/C tokens" into "h/C heads, all T tokens", each rank runs
+  ordinary attention, a second all-to-all turns it back.
+- ``local_attention``: C = 1, plain (document-masked) causal attention.
+
+Bytes this rank puts on the wire per layer and micro-batch (``elt`` = bytes per element of
+q/k/v, ``acc`` = bytes per element of ``blockwise.compute_dtype``: 4, or 8 for float64),
+counted in ``megazero.collectives.counter`` and given in closed form by the functions below:
+
+- p2p forward: C-1 sends of K and V, ``(C-1) * 2*B*G*(T/C)*d*elt`` (``"send"``), plus
+  ``(C-1) * B*(T/C)*8`` for the document ids if any. Backward: C-1 sends of K and V again plus
+  C sends of the dK/dV accumulators, ``(C-1) * 2*B*G*(T/C)*d*elt + C * 2*B*G*(T/C)*d*acc``.
+  None at C = 1.
+- a2a forward: 4 all-to-alls (q, k, v, out), ``2*B*(h+G)*(T/C)*d*elt`` (``"all_to_all"``,
+  counted as this rank's input, the 1/C it keeps included), plus an all-gather of the document
+  ids, ``B*(T/C)*8`` (``"all_gather"``), if any. Backward: 4 all-to-alls (dout, dq, dk, dv),
+  the same ``2*B*(h+G)*(T/C)*d*elt``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero import collectives
+from megazero.context_parallel.blockwise import (block_attention, block_mask,  # noqa: F401
+                                                 compute_dtype, merge_partials)
+from megazero.context_parallel.ring import RingAttention, RingLink
+from megazero.context_parallel.zigzag import chunk_size, local_token_index
+
+# enable_gqa (torch >= 2.5) lets SDPA share a key/value head across its group without a copy.
+_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids) -> None:
+    B, h, T, d = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, d) or h % k.shape[1] != 0:
+        raise ValueError(f"attention: q {tuple(q.shape)} [B, h, T, d] needs k and v [B, G, T, d] "
+                         f"with G dividing h; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
+        raise ValueError(f"attention: segment_ids {tuple(segment_ids.shape)} is not [B, T] = "
+                         f"{(B, T)}")
+
+
+def _sdpa(q, k, v, mask: Optional[torch.Tensor], scale: Optional[float]) -> torch.Tensor:
+    """SDPA with group-major GQA; causal when ``mask`` is None, else the bool mask only."""
+    extra = {}
+    if k.shape[1] != q.shape[1]:
+        if _SDPA_GQA:
+            extra["enable_gqa"] = True
+        else:
+            R = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(R, dim=1), v.repeat_interleave(R, dim=1)  # (B, h, T, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, **extra)
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    token_index: Optional[torch.Tensor] = None,
+                    segment_ids: Optional[torch.Tensor] = None,
+                    scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of a whole sequence on one rank (cp = 1), document-masked if asked.
+
+    q ``[B, h, T, d]``, k and v ``[B, G, T, d]`` (G divides h, group-major heads),
+    ``token_index [T]`` the positions (None: ``0..T-1``), ``segment_ids [B, T]`` document ids or
+    None. ``scale`` defaults to ``d**-0.5``. Returns ``[B, h, T, d]``. Without documents and
+    positions this is ``F.scaled_dot_product_attention(is_causal=True)``; otherwise SDPA with the
+    bool mask "same document and ``pos(j) <= pos(i)``" (block-diagonal causal). Raises
+    ValueError on inconsistent shapes.
+    """
+    _check(q, k, v, segment_ids)
+    if token_index is None and segment_ids is None:
+        return _sdpa(q, k, v, None, scale)
+    pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
+    mask = block_mask(pos, pos, segment_ids, segment_ids, causal=True)[:, None]  # (B|1, 1, T, T)
+    return _sdpa(q, k, v, mask, scale)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                   cp_ranks: Sequence[int], token_index: torch.Tensor,
+                   segment_ids: Optional[torch.Tensor] = None,
+                   scale: Optional[float] = None) -> torch.Tensor:
+    """``--cp-comm-type p2p``: ring attention over the cp group (``ring.RingAttention``).
+
+    q ``[B, h, T/C, d]``, k and v ``[B, G, T/C, d]``, ``token_index [T/C]`` this rank's zigzag
+    positions (``local_token_index(T, cp_rank, C)``; the keys' positions are derived from the
+    same layout), ``segment_ids [B, T/C]`` or None; ``cp_ranks`` the global ranks of ``group`` in
+    cp-rank order, C = ``len(cp_ranks)``. Returns ``[B, h, T/C, d]`` in q's dtype; differentiable
+    in q, k and v. At C = 1 it is ``local_attention`` (no communication). Raises ValueError when
+    the group size is not C, T/C is odd, or shapes disagree.
+    """
+    _check(q, k, v, segment_ids)
+    C, Tl = len(cp_ranks), q.shape[2]
+    if collectives.group_size(group) != C:
+        raise ValueError(f"ring_attention: the cp group has {collectives.group_size(group)} "
+                         f"ranks but cp_ranks lists {C}")
+    if tuple(token_index.shape) != (Tl,):
+        raise ValueError(f"ring_attention: token_index {tuple(token_index.shape)} is not [T/C] = "
+                         f"[{Tl}]")
+    chunk_size(Tl * C, C)
+    if C == 1:
+        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    link = RingLink(group, cp_ranks, collectives.group_rank(group))
+    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale)
+
+
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Chunk i of ``x`` along ``scatter_dim`` goes to group rank i; what rank i sent lands as
+    chunk i along ``gather_dim``. Counted in ``counter["all_to_all"]`` (this rank's input)."""
+    C = collectives.group_size(group)
+    send = torch.stack(x.chunk(C, dim=scatter_dim))     # (C, ...): row i for group rank i
+    recv = torch.empty_like(send)
+    collectives.counter["all_to_all"] += send.numel() * send.element_size()
+    collectives.record("all_to_all", dist.get_process_group_ranks(group), send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``_all_to_all`` forward; its inverse (the two dims swapped) backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                         token_index: torch.Tensor, segment_ids: Optional[torch.Tensor] = None,
+                         scale: Optional[float] = None) -> torch.Tensor:
+    """``--cp-comm-type a2a``: DeepSpeed-Ulysses attention over the cp group.
+
+    Shapes as ``ring_attention`` (q ``[B, h, T/C, d]``, k, v ``[B, G, T/C, d]``, ``token_index
+    [T/C]`` this rank's zigzag positions, of which the gathered order is derived, ``segment_ids
+    [B, T/C]`` or None). Inside: ``[B, h/C, T, d]`` and ``[B, G/C, T, d]`` in natural order,
+    ``local_attention`` on them, and back. Returns ``[B, h, T/C, d]``; differentiable. Raises
+    ValueError naming --cp-comm-type a2a when h or G is not divisible by C (group-major heads:
+    rank i gets query groups i*G/C .. (i+1)*G/C-1 and their heads).
+    """
+    _check(q, k, v, segment_ids)
+    C, (B, h, Tl, d), G = collectives.group_size(group), q.shape, k.shape[1]
+    if h % C or G % C:
+        raise ValueError(f"--cp-comm-type a2a needs the attention heads (h = {h}) and the "
+                         f"key/value heads (G = {G}) of this rank divisible by the context-"
+                         f"parallel size C = {C}; use --cp-comm-type p2p")
+    if tuple(token_index.shape) != (Tl,):
+        raise ValueError(f"all_to_all_attention: token_index {tuple(token_index.shape)} is not "
+                         f"[T/C] = [{Tl}]")
+    if C == 1:
+        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale)
+    T = Tl * C
+    gathered = torch.cat([local_token_index(T, i, C, device=q.device) for i in range(C)])
+    natural = torch.argsort(gathered)                   # natural[p] = where position p arrived
+    seq_major = [_AllToAll.apply(t, group, 1, 2).index_select(2, natural) for t in (q, k, v)]
+    seg = None                                          # heads/C (or G/C) of all T tokens above
+    if segment_ids is not None:
+        seg = torch.cat(collectives.all_gather_list(segment_ids.contiguous(), group), dim=1)
+        seg = seg.index_select(1, natural)              # (B, T), natural order
+    y = local_attention(*seq_major, segment_ids=seg, scale=scale)   # (B, h/C, T, d)
+    y = y.index_select(2, gathered)                     # back to the arrival (rank-major) order
+    return _AllToAll.apply(y, group, 2, 1)              # (B, h, T/C, d)
+
+
+class LayerBytes(NamedTuple):
+    """Bytes one rank sends per layer and micro-batch, by ``collectives.counter`` kind."""
+
+    forward: dict
+    backward: dict
+
+
+def ring_bytes_per_layer(B: int, G: int, Tl: int, d: int, elt: int, C: int, *,
+                         documents: bool = False) -> LayerBytes:
+    """``ring_attention``'s bytes (module docstring): ``Tl = T/C`` local tokens, ``elt`` bytes per
+    element of k/v; the dK/dV accumulators travel in ``compute_dtype`` (``max(elt, 4)`` bytes)."""
+    if C == 1:
+        return LayerBytes({"send": 0}, {"send": 0})
+    kv, dkv = 2 * B * G * Tl * d * elt, 2 * B * G * Tl * d * max(elt, 4)
+    seg = B * Tl * 8 if documents else 0
+    return LayerBytes({"send": (C - 1) * (kv + seg)}, {"send": (C - 1) * kv + C * dkv})
+
+
+def a2a_bytes_per_layer(B: int, h: int, G: int, Tl: int, d: int, elt: int, C: int, *,
+                        documents: bool = False) -> LayerBytes:
+    """``all_to_all_attention``'s bytes (module docstring): q and out ``[B, h, Tl, d]``, k and v
+    ``[B, G, Tl, d]`` each forward, their gradients backward, ``elt`` bytes per element."""
+    if C == 1:
+        return LayerBytes({"all_to_all": 0}, {"all_to_all": 0})
+    per_pass = 2 * B * (h + G) * Tl * d * elt
+    forward = {"all_to_all": per_pass}
+    if documents:
+        forward["all_gather"] = B * Tl * 8
+    return LayerBytes(forward, {"all_to_all": per_pass})

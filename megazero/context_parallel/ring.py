@@ -1,0 +1,171 @@
+"""Ring attention (``--cp-comm-type p2p``) as an autograd function over the zigzag layout.
+
+Liu et al. 2023, "Ring Attention with Blockwise Parallel Transformers" (sec. 3, Algorithm 1):
+the C ranks of a context-parallel group form a ring; each holds T/C tokens (zigzag order,
+``zigzag.py``) of q, k, v. In C steps the keys and values travel once around the ring, each
+rank computing its queries against the block it holds while the next block is in flight.
+
+Forward, step s = 0 .. C-1 (rank r holds the K/V of rank ``src = (r - s) mod C``):
+  1. post the send of the K/V (and their document ids) to rank r+1 and the receive from r-1
+     (skipped at the last step), before any compute, so the transfer overlaps step s;
+  2. compute the blocks ``zigzag.block_pairs`` lists for step s (``blockwise.block_attention``)
+     and merge them into the running (out, lse) of each query chunk (``merge_partials``);
+  3. wait for the next K/V.
+The document ids that arrived at each step are kept for the backward (B*T int64, small next to
+the K/V), so the backward does not send them again.
+
+Backward, step s = 0 .. C-1, with the final lse saved (FlashAttention-2, Dao 2023, sec. 3.1):
+  1. post the K/V transfer for step s+1, as in the forward (not at the last step);
+  2. compute dQ (kept here) and this rank's contribution to the dK/dV of rank src's K/V;
+  3. wait for the dK/dV accumulator of rank src from rank r-1 (none at step 0), add the
+     contribution, post its send to rank r+1; then wait for the next K/V.
+After step C-1 the accumulator that arrives is this rank's own: C sends of dK/dV, C-1 of K/V.
+Accumulators are in ``blockwise.compute_dtype`` (float32 for 16- and 32-bit inputs).
+
+Every send is counted with ``collectives.count_send`` and every receive recorded in
+``collectives.recent``. Messages carry one tag per kind (gloo matches by tag; NCCL by posting
+order, which is the same on every rank).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from megazero import collectives
+from megazero.context_parallel.blockwise import (block_attention, block_attention_backward,
+                                                 block_mask, compute_dtype, merge_partials)
+from megazero.context_parallel.zigzag import (DIAGONAL, block_pairs, local_token_index,
+                                              ring_source, zigzag_chunks)
+
+_TAG_FWD_KV, _TAG_FWD_SEG, _TAG_BWD_KV, _TAG_BWD_DKV = 0, 1, 2, 3
+
+
+class _Transfer:
+    """Sends and receives in flight; ``wait()`` returns the received tensors."""
+
+    def __init__(self, works, received: list[torch.Tensor]):
+        self.works, self.received = works, received
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+class RingLink:
+    """This rank's two neighbours in the cp ring: it sends to ``next`` and receives from ``prev``
+    (global ranks, taken from ``cp_ranks``, the group's global ranks in cp-rank order)."""
+
+    def __init__(self, group, cp_ranks: Sequence[int], cp_rank: int):
+        C = len(cp_ranks)
+        self.group, self.size, self.cp_rank = group, C, cp_rank
+        self.next, self.prev = cp_ranks[(cp_rank + 1) % C], cp_ranks[(cp_rank - 1) % C]
+
+    def start(self, tensors: Sequence[torch.Tensor], tag: int) -> _Transfer:
+        """Post the send of each tensor to ``next`` and a receive of the same shape from ``prev``
+        (tags ``tag``, ``tag + 1``, ...); returns at once."""
+        ops, received = [], []
+        for i, t in enumerate(tensors):
+            t = t.contiguous()
+            collectives.count_send(t, self.next)
+            ops.append(dist.P2POp(dist.isend, t, self.next, self.group, tag + i))
+            buf = torch.empty_like(t)
+            collectives.record("recv", (self.prev,), buf)
+            ops.append(dist.P2POp(dist.irecv, buf, self.prev, self.group, tag + i))
+            received.append(buf)
+        return _Transfer(dist.batch_isend_irecv(ops), received)
+
+
+def _halves(x: Optional[torch.Tensor], dim: int):
+    """The two zigzag chunks of a local ``[.., T/C, ..]`` tensor (or ``(None, None)``)."""
+    return (None, None) if x is None else x.chunk(2, dim=dim)
+
+
+class _Blocks:
+    """What one step needs to find its blocks: positions, chunk ids and document ids."""
+
+    def __init__(self, rank: int, C: int, Tl: int, token_index: torch.Tensor, q_seg):
+        self.rank, self.C, self.T = rank, C, Tl * C
+        self.plan = [[p for p in block_pairs(rank, C) if p[0] == s] for s in range(C)]
+        self.q_pos, self.q_seg = _halves(token_index, 0), _halves(q_seg, 1)
+
+    def each(self, step: int, k_seg):
+        """Yield ``(i, j, mask)`` for the blocks of ``step``: query half i, key half j."""
+        src = ring_source(self.rank, step, self.C)
+        k_pos = _halves(local_token_index(self.T, src, self.C, device=self.q_pos[0].device), 0)
+        k_seg = _halves(k_seg, 1)
+        for _, q_chunk, kv_chunk, kind in self.plan[step]:
+            i, j = zigzag_chunks(self.rank, self.C).index(q_chunk), \
+                zigzag_chunks(src, self.C).index(kv_chunk)
+            yield i, j, block_mask(self.q_pos[i], k_pos[j], self.q_seg[i], k_seg[j],
+                                   causal=kind == DIAGONAL)
+
+
+class RingAttention(torch.autograd.Function):
+    """``apply(q, k, v, segment_ids, link, token_index, scale) -> out``: q ``[B, h, T/C, d]``
+    (group-major heads), k and v ``[B, G, T/C, d]``, segment_ids ``[B, T/C]`` or None, token_index
+    ``[T/C]`` (this rank's zigzag positions). Returns ``[B, h, T/C, d]`` in q's dtype. Use
+    ``attention.ring_attention``, which checks the arguments."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segment_ids, link: RingLink, token_index, scale: float):
+        B, h, Tl, d = q.shape
+        G, C, n = k.shape[1], link.size, Tl // 2
+        qs = _halves(q.reshape(B, G, h // G, Tl, d), 3)       # 2 x (B, G, R, T/(2C), d)
+        blocks = _Blocks(link.cp_rank, C, Tl, token_index, segment_ids)
+        kv, seg, kv_segs = torch.stack([k, v]), segment_ids, []   # kv (2, B, G, T/C, d)
+        out, lse = [None, None], [None, None]
+        for step in range(C):
+            pending = None
+            if step < C - 1:
+                pending = link.start([kv] if seg is None else [kv, seg], _TAG_FWD_KV)
+            kv_segs.append(seg)
+            for i, j, mask in blocks.each(step, seg):
+                kj, vj = kv[:, :, :, j * n:(j + 1) * n].unbind(0)  # (B, G, T/(2C), d)
+                o, l = block_attention(qs[i], kj, vj, mask, scale)
+                out[i], lse[i] = (o, l) if out[i] is None else merge_partials(out[i], lse[i], o, l)
+            if pending is not None:
+                kv, *rest = pending.wait()
+                seg = rest[0] if rest else None
+        y = torch.cat(out, dim=3).reshape(B, h, Tl, d).to(q.dtype)   # (B, h, T/C, d)
+        ctx.save_for_backward(q, k, v, y, torch.cat(lse, dim=3))     # lse (B, G, R, T/C)
+        ctx.link, ctx.blocks, ctx.kv_segs, ctx.scale = link, blocks, kv_segs, scale
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        q, k, v, y, lse = ctx.saved_tensors
+        link, blocks, scale = ctx.link, ctx.blocks, ctx.scale
+        B, h, Tl, d = q.shape
+        G, C, n, acc = k.shape[1], link.size, Tl // 2, compute_dtype(q.dtype)
+        grouped = (B, G, h // G, Tl, d)
+        do = dy.reshape(grouped).to(acc)                             # (B, G, R, T/C, d)
+        delta = (do * y.reshape(grouped).to(acc)).sum(-1)            # D = rowsum(dO * O)
+        qs, dos = _halves(q.reshape(grouped), 3), _halves(do, 3)
+        deltas, lses = _halves(delta, 3), _halves(lse, 3)
+        dq = torch.zeros(grouped, dtype=acc, device=q.device)
+        kv, pending_dkv = torch.stack([k, v]), None
+        for step in range(C):
+            pending_kv = link.start([kv], _TAG_BWD_KV) if step < C - 1 else None
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # (2, B, G, T/C, d)
+            for i, j, mask in blocks.each(step, ctx.kv_segs[step]):
+                kj, vj = kv[:, :, :, j * n:(j + 1) * n].unbind(0)
+                dq_b, dk_b, dv_b = block_attention_backward(qs[i], kj, vj, dos[i], deltas[i],
+                                                            lses[i], mask, scale)
+                dq[:, :, :, i * n:(i + 1) * n] += dq_b
+                dkv[0, :, :, j * n:(j + 1) * n] += dk_b
+                dkv[1, :, :, j * n:(j + 1) * n] += dv_b
+            if pending_dkv is not None:
+                dkv += pending_dkv.wait()[0]       # rank src's accumulator, from rank r-1
+            if C > 1:
+                pending_dkv = link.start([dkv], _TAG_BWD_DKV)
+            if pending_kv is not None:
+                kv = pending_kv.wait()[0]
+        if pending_dkv is not None:
+            dkv = pending_dkv.wait()[0]            # this rank's own, back after C sends
+        dq = dq.reshape(B, h, Tl, d).to(q.dtype)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
