@@ -217,7 +217,7 @@ class ReferenceGPT(nn.Module):
         (which belongs to it); ``reset_attention_mask`` hides other documents' keys,
         ``reset_position_ids`` counts positions from 0 in each document."""
         B, T = tokens.shape
-        positions, hidden = torch.arange(T).expand(B, T), None
+        positions, hidden = torch.arange(T).repeat(B, 1), None                 # (B, T)
         if eod is not None:
             doc = torch.zeros(B, T, dtype=torch.long)
             for b in range(B):
