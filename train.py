@@ -28,7 +28,7 @@ from megazero.runtime import resilience
 from megazero.runtime.extras import MissingExtra
 from megazero.planning.plan import plan_memory, zero3_live_warning
 from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
-from megazero.config import (Config, bucket_sizes, config_from_argv, describe, overlap_param_gather,
+from megazero.config import (Config, bucket_sizes, config_from_argv, describe, layout_topology, overlap_param_gather,
                              resolve_run_dir, to_dict)
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
@@ -46,7 +46,6 @@ from megazero.context_parallel.sequence import Packing, shard_micro_batch
 from megazero.process_groups import ProcessGroups
 from megazero.runtime.profiling import StepProfiler, step_profiler
 from megazero.tensor_parallel.random import resume_seed
-from megazero.topology import Topology
 from data.indexed_dataset import DataError
 from data.run_data import RunData
 from model.generation import pipeline_generate_greedy
@@ -63,7 +62,7 @@ def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, 
         device = torch.device("cuda", launch.local_rank)
     else:
         device = torch.device("cpu")
-    topo = Topology(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp, cp=cfg.parallel.cp)
+    topo = layout_topology(cfg)
     if launch.world_size > 1:
         timeout = timedelta(seconds=cfg.parallel.distributed_timeout_s)
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank,

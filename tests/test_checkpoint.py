@@ -17,13 +17,12 @@ def _run(rank, world, argv, steps, save=None, load=None):
     import train
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
-    from megazero.topology import Topology
+    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv + (["--load", load] if load else []), world)
     run = train.prepare_run(cfg)  # sized for the resumed samples
     train_ds, vocab = run.train, run.vocab_size
-    p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    groups = ProcessGroups.build(layout_topology(cfg))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     start = trainer.load_checkpoint(load) if load else None
     losses = []
@@ -188,12 +187,11 @@ def _resumed_rng(rank, world, argv, load):
     import train
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
-    from megazero.topology import Topology
+    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv + ["--load", load], world)
     vocab = train.prepare_run(cfg).vocab_size
-    p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    groups = ProcessGroups.build(layout_topology(cfg))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     built_seed = trainer.chunks[0].rng_tracker.seed
     out = io.StringIO()

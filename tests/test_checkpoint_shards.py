@@ -116,13 +116,12 @@ def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=5):
     import train
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
-    from megazero.topology import Topology
+    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv, world)
     run = train.prepare_run(cfg)
     train_ds, vocab = run.train, run.vocab_size
-    p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    groups = ProcessGroups.build(layout_topology(cfg))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
 
     def run(n):

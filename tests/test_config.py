@@ -121,6 +121,21 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                                    ["--save-interval has no effect without --save", "add --save DIR or drop it"]),
     "keep_latest_without_save": (M + ["--keep-latest-checkpoints", "2"], 1, ["--keep-latest-checkpoints", "--save DIR"]),
     "async_save_without_save": (M + ["--async-save"], 1, ["--async-save has no effect without --save"]),
+    # context parallelism and packed documents (issue 21)
+    "seq_not_divisible_by_2cp": (M + ["--cp", "3", "--seq-length", "256"], 3, ["--seq-length 256", "2 x --cp 3 = 6"]),
+    "sp_seq_not_divisible_by_cp_tp": (M + ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-length", "36",
+                                           "--hidden-size", "64"], 8, ["--sequence-parallel", "--cp x --tp = 8"]),
+    "a2a_heads_not_divisible": (M + ["--cp", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
+                                     "--tp", "2"], 4, ["--cp-comm-type a2a", "--num-attention-heads 2", "--tp x --cp = 4"]),
+    "a2a_query_groups_not_divisible": (M + ["--cp", "2", "--cp-comm-type", "a2a", "--group-query-attention",
+                                            "--num-query-groups", "1"], 2, ["--num-query-groups 1", "--tp x --cp = 2"]),
+    "world_not_tp_cp_pp_dp": (M + ["--cp", "2", "--dp", "2"], 2, ["--cp 2", "= 4", "launch 4 processes"]),
+    "world_not_divisible_by_cp": (M + ["--cp", "2", "--tp", "2"], 6, ["--tp 2 x --cp 2", "multiple of 4"]),
+    "reset_attention_mask_without_tokenizer": (M + ["--reset-attention-mask"], 1,
+                                               ["--reset-attention-mask", "end-of-document token", "--mock-data has no tokenizer"]),
+    "eod_mask_loss_without_tokenizer": (M + ["--eod-mask-loss"], 1, ["--eod-mask-loss", "--tokenizer-model"]),
+    "cp_with_attention_dropout": (M + ["--cp", "2", "--attention-dropout", "0.1"], 2,
+                                  ["--attention-dropout 0.1", "--cp 2", "--attention-dropout 0"]),
 }
 
 
@@ -558,3 +573,9 @@ def test_offload_keys_are_read_from_deepspeed_json(files, capsys):
     path = files["json"]({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
     err = fails(M + ["--deepspeed-config", path], 1, capsys)
     assert "zero_optimization.offload_param.device" in err and "--zero-stage 3" in err
+
+
+def test_cp_comm_type_at_cp_1_is_a_warning(capsys):
+    cfg = config_from_argv(M + ["--cp-comm-type", "a2a"], 1)
+    assert cfg.parallel.cp == 1
+    assert "--cp-comm-type has no effect at --cp 1" in capsys.readouterr().err

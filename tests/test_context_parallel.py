@@ -61,3 +61,19 @@ def test_p2p_and_a2a_give_the_same_losses(block, runs):
     ring, a2a = runs[(block, "cp2-p2p")][0][0], runs[(block, "cp2-a2a")][0][0]
     for x, y in zip(ring, a2a):
         assert math.isclose(x, y, rel_tol=1e-6), (x, y)
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path):
+    """cp is not part of the saved state: saved at cp 2 (ZeRO-1, optimizer shards over the dp x cp
+    ranks) after 3 steps, resumed at cp 1 and at cp 4, the next 5 steps equal the
+    uninterrupted cp 2 run within 1e-5 relative."""
+    from tests.test_checkpoint_shards import ARGS, _close, _session
+
+    root = str(tmp_path / "ckpt")
+    saved = run_distributed(_session, 2, ARGS + ["--cp", "2", "--zero-stage", "1"], save=root, save_after=3,
+                            timeout_s=600)
+    whole = saved[0]["losses"][1]
+    for world, layout in ((1, []), (4, ["--cp", "4"])):
+        loaded = run_distributed(_session, world, ARGS + layout + ["--zero-stage", "1", "--load", root],
+                                 loads=[root], timeout_s=600)
+        _close(loaded[0]["losses"][0], whole)

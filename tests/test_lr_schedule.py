@@ -110,13 +110,12 @@ def _wsd_lrs(rank, world, argv, steps, save=None, load=None):
     import train
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
-    from megazero.topology import Topology
+    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv + (["--load", load] if load else []), world)
     run = train.prepare_run(cfg)
     train_ds, vocab = run.train, run.vocab_size
-    p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    groups = ProcessGroups.build(layout_topology(cfg))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     if load:
         trainer.load_checkpoint(load)

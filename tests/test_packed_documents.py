@@ -144,7 +144,7 @@ def _train_packed(rank, world, argvs):
     import train
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
-    from megazero.topology import Topology
+    from megazero.config import layout_topology
 
     results = []
     for argv in argvs:
@@ -152,7 +152,7 @@ def _train_packed(rank, world, argvs):
         for k, v in FLAGS.items():  # mock data has no tokenizer: the trainer is given the EOD id
             setattr(cfg.data, k, v)
         p, t = cfg.parallel, cfg.train
-        groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
+        groups = ProcessGroups.build(layout_topology(cfg))
         trainer = train.Trainer(cfg, groups, torch.device("cpu"), V, eod=EOD)
         losses = []
         per_dp = t.global_batch_size // p.dp
@@ -169,7 +169,6 @@ def _train_packed(rank, world, argvs):
 
 @pytest.fixture(scope="module")
 def packed_reference():
-    import train  # noqa: F401 (the same import order as the ranks)
     from megazero.config import config_from_argv
     from model.build import build_gpt_config
     from model.gpt import init_full_weights

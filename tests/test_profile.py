@@ -18,12 +18,11 @@ def _train(rank, world, argv):
     import train
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
-    from megazero.topology import Topology
+    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv, world)
     data = train.prepare_run(cfg)
-    p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    groups = ProcessGroups.build(layout_topology(cfg))
     return train.train(cfg, groups, torch.device("cpu"), data)["iteration"]
 
 

@@ -25,13 +25,13 @@ def _train_layout(rank, world, argv, steps):
     import train
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
-    from megazero.topology import Topology
+    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv, world)
     run = train.build_data(cfg)
     train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
+    groups = ProcessGroups.build(layout_topology(cfg))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     losses, norms = [], []
     for _ in range(steps):

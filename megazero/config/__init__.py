@@ -29,7 +29,7 @@ The package imports downwards only (no file imports one listed after it):
   tp), written once for the flags here and for ``model.config.GPTConfig.validate``;
 - ``cli.py``: the generated parser, ``parse_args``, ``flags_table``;
 - ``derive.py``: ``finalize`` (batch arithmetic, defaults), ``bucket_sizes``,
-  ``overlap_param_gather``;
+  ``overlap_param_gather``, ``layout_topology``;
 - ``checks.py``: ``validate``, every rule;
 - ``deepspeed.py``: the DeepSpeed JSON source;
 - ``render.py``: ``describe``, ``to_dict``;
@@ -38,7 +38,7 @@ The package imports downwards only (no file imports one listed after it):
 from megazero.config.checks import check_value, validate
 from megazero.config.cli import build_parser, flags_table, integer, parse_args
 from megazero.config.deepspeed import load_deepspeed_config
-from megazero.config.derive import bucket_sizes, finalize, overlap_param_gather
+from megazero.config.derive import bucket_sizes, finalize, layout_topology, overlap_param_gather
 from megazero.config.load import config_from_argv, resolve_run_dir
 from megazero.config.render import describe, to_dict
 from megazero.config.schema import (
@@ -53,6 +53,6 @@ __all__ = [
     "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "Setting", "TrainingConfig",
     "ZeroConfig", "bucket_sizes", "build_parser", "check_block", "check_sizes", "check_value",
     "config_from_argv", "default_ffn_hidden_size", "describe", "finalize", "flags_table",
-    "get_value", "integer", "load_deepspeed_config", "overlap_param_gather", "parse_args",
+    "get_value", "integer", "layout_topology", "load_deepspeed_config", "overlap_param_gather", "parse_args",
     "resolve_run_dir", "set_value", "setting_named", "settings", "show_flag", "to_dict", "validate",
 ]

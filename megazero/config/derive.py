@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from megazero.config.schema import MOCK_VOCAB_SIZE, Config, Needs, get_value, setting_named, settings, show_flag
 from megazero.config.shape import default_ffn_hidden_size
+from megazero.topology import Topology
 
 
 def finalize(cfg: Config, world_size: int) -> list[str]:
@@ -144,3 +145,10 @@ def overlap_param_gather(cfg: Config) -> bool:
     """--overlap-param-gather resolved: auto = on exactly at ZeRO stages 1 and 2."""
     z = cfg.zero
     return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto" and z.stage in (1, 2))
+
+
+def layout_topology(cfg: Config) -> Topology:
+    """The rank layout of a finalized config: ``Topology(tp, pp, dp, cp)`` in the order
+    tp-cp-dp-pp (megazero/topology.py); one place, so no caller forgets a dimension."""
+    p = cfg.parallel
+    return Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
