@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Front door: bash scripts/pretrain_gpt.sh [--tp T] [--pp P] [--dp D] [--nnodes N] [--node-rank R]
+# Front door: bash scripts/pretrain_gpt.sh [--tp T] [--cp C] [--pp P] [--dp D] [--nnodes N] [--node-rank R]
 #             [--master-addr A] [--master-port PORT] [--rdzv-backend static|c10d] [--rdzv-id ID]
 #             [--max-restarts K] [--data-dir DIR] [train.py flags ...]
 #        bash scripts/pretrain_gpt.sh --help   (both sets of flags; prepares and starts nothing)
 #
-# Launches torchrun with T*P*D/N processes per node. Every flag it does not know goes to
+# Launches torchrun with T*C*P*D/N processes per node. Every flag it does not know goes to
 # train.py unchanged. Without --data-path (and without --mock-data) it prepares the embedded
 # default corpus once (Python standard library -> sentencepiece tokenizer -> .bin/.idx) under
 # --data-dir (default: $MEGAZERO_DATA_DIR or <repo>/.cache/data) and trains on it.
@@ -18,9 +18,10 @@ usage: bash scripts/pretrain_gpt.sh [launcher flags] [train.py flags]
 
 launcher flags (read by this script):
   --tp, --tensor-model-parallel-size T    tensor-parallel size (default: 1)
+  --cp, --context-parallel-size C         context-parallel size (default: 1): each sequence split over C ranks
   --pp, --pipeline-model-parallel-size P  pipeline-parallel size (default: 1)
-  --dp, --data-parallel-size D            data-parallel size (default: 1); T*P*D ranks in all
-  --nnodes N                              number of nodes (default: 1); T*P*D/N ranks per node
+  --dp, --data-parallel-size D            data-parallel size (default: 1); T*C*P*D ranks in all
+  --nnodes N                              number of nodes (default: 1); T*C*P*D/N ranks per node
   --node-rank R                           this node's rank, 0 to N-1 (default: 0)
   --master-addr A                         address of node 0's rendezvous (default: 127.0.0.1)
   --master-port PORT                      its port (default: a free one on one node, 29500 on several)
@@ -28,7 +29,7 @@ launcher flags (read by this script):
                                           --data-path is given (default: $MEGAZERO_DATA_DIR or
                                           <repo>/.cache/data)
   --run-dir DIR                           logs, metrics and TensorBoard files (default:
-                                          <repo>/runs/<date>-tp<T>pp<P>dp<D>)
+                                          <repo>/runs/<date>-tp<T>[cp<C>]pp<P>dp<D>)
   --distributed-timeout-s S               also bounds the rendezvous (passed on to train.py)
   -h, --help                              this help
 Every other flag goes to train.py unchanged:
@@ -46,7 +47,7 @@ done
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$MEGAZERO_ROOT"
 
-TP=1; PP=1; DP=1; NNODES=1; NODE_RANK=0; MASTER_ADDR=127.0.0.1; MASTER_PORT=""
+TP=1; CP=1; PP=1; DP=1; NNODES=1; NODE_RANK=0; MASTER_ADDR=127.0.0.1; MASTER_PORT=""
 DATA_DIR="${MEGAZERO_DATA_DIR:-$MEGAZERO_ROOT/.cache/data}"
 ARGS=(); HAVE_DATA=0; RUN_DIR=""; HAVE_TOK=0; DIST_TIMEOUT=300  # train.py's default, seconds
 RDZV_BACKEND=static; RDZV_ID="${SLURM_JOB_ID:-megazero}"; MAX_RESTARTS=0; SAVE=""; LOAD=""
@@ -61,6 +62,7 @@ while [ "$#" -gt 0 ]; do
   case "$1" in
     --tp|--tensor-model-parallel-size) need "$@"; TP="$2"; shift 2 ;;
     --pp|--pipeline-model-parallel-size) need "$@"; PP="$2"; shift 2 ;;
+    --cp|--context-parallel-size) need "$@"; CP="$2"; shift 2 ;;
     --dp|--data-parallel-size) need "$@"; DP="$2"; shift 2 ;;
     --nnodes) need "$@"; NNODES="$2"; shift 2 ;;
     --node-rank) need "$@"; NODE_RANK="$2"; shift 2 ;;
@@ -79,7 +81,7 @@ while [ "$#" -gt 0 ]; do
     *) ARGS+=("$1"); shift ;;
   esac
 done
-for v in TP PP DP NNODES; do  # decimal, no leading zero (bash would read 08 as octal)
+for v in TP CP PP DP NNODES; do  # decimal, no leading zero (bash would read 08 as octal)
   [[ "${!v}" =~ ^[1-9][0-9]{0,5}$ ]] || { echo "megazero: config error: --$(echo $v | tr 'A-Z_' 'a-z-') must be a whole number >= 1, got '${!v}'" >&2; exit 2; }
 done
 [[ "$NODE_RANK" =~ ^(0|[1-9][0-9]{0,5})$ ]] || { echo "megazero: config error: --node-rank must be a whole number >= 0, got '$NODE_RANK'" >&2; exit 2; }
@@ -89,9 +91,9 @@ if [ "$NODE_RANK" -ge "$NNODES" ]; then
   echo "megazero: config error: --node-rank $NODE_RANK is not below --nnodes $NNODES; fix: number the nodes 0 to $((NNODES - 1))" >&2
   exit 2
 fi
-WORLD=$((TP * PP * DP))
+WORLD=$((TP * CP * PP * DP))
 if [ "$WORLD" -lt 1 ] || [ $((WORLD % NNODES)) -ne 0 ]; then
-  echo "megazero: config error: --tp x --pp x --dp = $WORLD is not divisible by --nnodes $NNODES; choose sizes whose product is a multiple of the node count" >&2
+  echo "megazero: config error: --tp x --cp x --pp x --dp = $WORLD is not divisible by --nnodes $NNODES; choose sizes whose product is a multiple of the node count" >&2
   exit 2
 fi
 NPROC=$((WORLD / NNODES))
@@ -166,7 +168,7 @@ if [ "$HAVE_DATA" = 0 ]; then
   [ "$HAVE_TOK" = 1 ] || ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
 fi
 
-[ -n "$RUN_DIR" ] || RUN_DIR="$MEGAZERO_ROOT/runs/$(date +%Y%m%d-%H%M%S)-tp${TP}pp${PP}dp${DP}"
+[ -n "$RUN_DIR" ] || RUN_DIR="$MEGAZERO_ROOT/runs/$(date +%Y%m%d-%H%M%S)-tp${TP}$([ "$CP" = 1 ] || echo "cp$CP")pp${PP}dp${DP}"
 # Node 0 hosts the rendezvous store on --master-port: a port in use is an error now, not a
 # traceback from every rank later. Without --master-port a free one is picked (one node) or
 # torchrun's default 29500 is used (several nodes).
@@ -196,7 +198,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC
 export MEGAZERO_RANKS_PER_NODE=$NPROC  # the memory check shares this node among its ranks
 # Settings and data are checked once here, so a mistake ends with one line and exit code 2.
 "$PY" -c 'import sys, train; sys.exit(train.preflight(sys.argv[2:], int(sys.argv[1])))' "$WORLD" \
-  --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"
+  --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"
 
 stopped_exit  # a signal that came during the preflight
 mkdir -p "$RUN_DIR"
@@ -207,7 +209,7 @@ echo "[megazero] TensorBoard:   tensorboard --logdir $RUN_DIR/tensorboard"
 RDZV_TIMEOUT=$("$PY" -c 'import math, sys; print(max(1, math.ceil(float(sys.argv[1]))))' "$DIST_TIMEOUT")
 export MEGAZERO_LAUNCHER_PID=$$  # the ranks exit if this script is killed outright (-9)
 export MEGAZERO_PREFLIGHT_DONE=1  # the ranks need not print the config warnings again
-echo "[megazero] launching $NPROC process(es) on this node (tp=$TP pp=$PP dp=$DP, nnodes=$NNODES)"
+echo "[megazero] launching $NPROC process(es) on this node (tp=$TP cp=$CP pp=$PP dp=$DP, nnodes=$NNODES)"
 if [ "$RDZV_BACKEND" = c10d ]; then  # dynamic rendezvous (restarts across nodes); node 0 hosts its store
   RDZV=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
         --rdzv-conf "timeout=$RDZV_TIMEOUT,is_host=$([ "$NODE_RANK" = 0 ] && echo 1 || echo 0)")
@@ -221,7 +223,7 @@ rm -rf "$RUN_DIR/stop.json" "$RUN_DIR/failures" "$RUN_DIR/torchrun.log"  # an ea
 exec 3> >(trap '' INT TERM USR1 HUP; exec tee -a "$RUN_DIR/torchrun.log" >&2); TEE=$!  # deaf to Ctrl-C, as torchrun
 rc=0
 run_child torchrun_ignoring_stop --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
-  "${RDZV[@]}" train.py --tp "$TP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" 2>&3 || rc=$?
+  "${RDZV[@]}" train.py --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" 2>&3 || rc=$?
 exec 3>&-; wait "$TEE" 2>/dev/null || true
 echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
 if [ "$rc" = 0 ] && [ -f "$RUN_DIR/stop.json" ]; then  # an early end on purpose: one line, its status
