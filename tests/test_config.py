@@ -579,3 +579,15 @@ def test_cp_comm_type_at_cp_1_is_a_warning(capsys):
     cfg = config_from_argv(M + ["--cp-comm-type", "a2a"], 1)
     assert cfg.parallel.cp == 1
     assert "--cp-comm-type has no effect at --cp 1" in capsys.readouterr().err
+
+
+def test_deepspeed_sequence_parallel_size_is_ulysses_context_parallelism(files, capsys):
+    """DeepSpeed-Ulysses' ``sequence_parallel_size`` N is --cp N over heads (a2a); a
+    --cp-comm-type on the command line wins; a disagreeing --cp is refused naming both."""
+    path = files["json"]({"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": 2})
+    p = config_from_argv(M + ["--deepspeed-config", path], 2).parallel
+    assert (p.cp, p.cp_comm_type, p.dp) == (2, "a2a", 1)
+    p = config_from_argv(M + ["--cp-comm-type", "p2p", "--deepspeed-config", path], 2).parallel
+    assert (p.cp, p.cp_comm_type) == (2, "p2p")
+    err = fails(M + ["--cp", "4", "--deepspeed-config", path], 4, capsys)
+    assert "--cp 4 on the command line conflicts with sequence_parallel_size = 2" in err

@@ -13,6 +13,10 @@ offload and the legacy ``cpu_offload*`` switches are refused; other ``stage3_*``
 other unknown key give a warning. A key read whose setting has no effect in the run (the
 ``stage3_*`` knobs below stage 3, say) is named with its file by ``derive.unused_settings``.
 
+``sequence_parallel_size`` (DeepSpeed-Ulysses' degree, which DeepSpeed's config reads for its
+sequence-parallel groups) is context parallelism over heads: ``--cp N --cp-comm-type a2a``
+unless the command line chose the communication type.
+
 ``activation_checkpointing`` (DeepSpeed's activation checkpointing API, as Megatron-DeepSpeed
 uses it with one checkpoint per transformer layer): the block turns on
 ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`` unless
@@ -36,6 +40,7 @@ _DS_KEYS = {
     "gradient_accumulation_steps": "train.gradient_accumulation_steps",
     "gradient_clipping": "optim.clip_grad",
     "steps_per_print": "log.log_interval",
+    "sequence_parallel_size": "parallel.cp",
     "bf16.enabled": "precision.bf16",
     "fp16.enabled": "precision.fp16",
     **{f"fp16.{k}": f"precision.{k}" for k in
@@ -165,6 +170,10 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         set_value(cfg, name, value)
         cfg.sources[name] = f"{key} in {path}"
+    if cfg.sources.get("parallel.cp", "").startswith("sequence_parallel_size") and cfg.parallel.cp > 1 \
+            and "parallel.cp_comm_type" not in cfg.sources:  # Ulysses is the all-to-all over heads
+        cfg.parallel.cp_comm_type = "a2a"
+        cfg.sources["parallel.cp_comm_type"] = f"sequence_parallel_size in {path}"
     return warnings
 
 
