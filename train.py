@@ -293,7 +293,7 @@ class Trainer:
             g.parameter_spec(p.tp), seq_length=g.seq_length, attention_width=g.hidden_size,
             global_batch_size=cfg.train.global_batch_size)
         if p.pp > 1:
-            handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches)
+            handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches, device=device)
         self.state = RunState()
         self.stop_flags = stop_flags or (lambda: resilience.local_flags(None, None))
         self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=fault)
@@ -441,19 +441,20 @@ class Trainer:
 # -- evaluation, logging, summary -----------------------------------------------------------
 def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[float, np.ndarray]:
     """Mean validation loss over ``--eval-iters`` global batches and their label token counts
-    (summed over data-parallel ranks: the unigram baseline is of exactly these tokens)."""
-    gbs = cfg.train.global_batch_size
-    losses, counts = [], np.zeros(trainer.gpt_config.vocab_size, dtype=np.int64)
+    (int64 ``[vocab_size]``, summed over data-parallel ranks: the unigram baseline is of exactly
+    these tokens). The counts stay on the trainer's device until the one copy at the end: the
+    dp all-reduce runs on the group's backend device (NCCL has no CPU tensors)."""
+    gbs, vocab = cfg.train.global_batch_size, trainer.gpt_config.vocab_size
+    losses, counts = [], torch.zeros(vocab, dtype=torch.int64, device=trainer.device)
     for i in range(cfg.train.eval_iters):
         consumed = ((eval_round * cfg.train.eval_iters + i) * gbs) % max(len(valid) - gbs + 1, 1)
         batches = dp_micro_batches(valid, consumed, cfg, trainer.groups, trainer.device)
         losses.append(trainer.eval_loss(batches))
         for _, labels in batches:
-            counts += np.bincount(labels.flatten().cpu().numpy(), minlength=counts.size)[:counts.size]
+            counts += torch.bincount(labels.flatten(), minlength=vocab)[:vocab]
     # each DP rank counted its slice of the global batches: the baseline needs them all
-    total = torch.from_numpy(counts)
-    collectives.all_reduce_sum(total, trainer.groups.dp)
-    return float(np.mean(losses)), total.numpy()
+    collectives.all_reduce_sum(counts, trainer.groups.dp)
+    return float(np.mean(losses)), counts.cpu().numpy()
 
 
 def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
