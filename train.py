@@ -27,7 +27,9 @@ from megazero.planning import memory
 from megazero.runtime import resilience
 from megazero.runtime.extras import MissingExtra
 from megazero.planning.plan import plan_memory, zero3_live_warning
-from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
+from megazero.runtime import flight_recorder
+from megazero.runtime.launch import (DeviceError, Launch, bind_device, check_device, launch_exports,
+                                     max_connections_warning, read_launch_env, uses_cuda, watch_parent)
 from megazero.config import (Config, bucket_sizes, config_from_argv, describe, layout_topology, overlap_param_gather,
                              resolve_run_dir, to_dict)
 from megazero.data_parallel.ddp import DataParallel
@@ -54,20 +56,21 @@ from model.gpt import VOCAB_TENSORS, generate_greedy
 from model.hf import config_record
 
 
-def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, ProcessGroups]:
-    """CUDA + NCCL when a GPU is present (unless ``--device cpu``), else CPU + gloo."""
-    use_cuda = uses_cuda(cfg)
+def setup_groups(cfg: Config, launch: Launch, device: torch.device) -> ProcessGroups:
+    """NCCL on ``device`` (bound by ``bind_device``) when it is a GPU, else gloo; every group of
+    the layout. On CUDA first the flight recorder's variables (megazero/runtime/flight_recorder.py,
+    read when NCCL's process group is created) and the CUDA_DEVICE_MAX_CONNECTIONS check."""
+    use_cuda = device.type == "cuda"
     if use_cuda:
-        torch.cuda.set_device(launch.local_rank)
-        device = torch.device("cuda", launch.local_rank)
-    else:
-        device = torch.device("cpu")
-    topo = layout_topology(cfg)
+        flight_recorder.enable(cfg.log.run_dir, os.environ)
+        warning = max_connections_warning(cfg, os.environ)
+        if warning and launch.rank == 0:
+            print(f"megazero: warning: {warning}", file=sys.stderr, flush=True)
     if launch.world_size > 1:
         timeout = timedelta(seconds=cfg.parallel.distributed_timeout_s)
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout, store=restart_store(timeout))
-    return device, ProcessGroups.build(topo, timeout_s=cfg.parallel.distributed_timeout_s)
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, store=restart_store(timeout), device_id=device if use_cuda else None)
+    return ProcessGroups.build(layout_topology(cfg), timeout_s=cfg.parallel.distributed_timeout_s)
 
 
 def restart_store(timeout: timedelta):
@@ -733,11 +736,14 @@ def report_start_error(e: Exception) -> int:
     return 2
 
 
-def preflight(argv: list[str], world_size: int) -> int:
+def preflight(argv: list[str], world_size: int, exports_file: Optional[str] = None) -> int:
     """Check the settings, the data and the checkpoint as ``main`` would, starting nothing.
 
     The launcher runs it once before torchrun, so a bad configuration ends with its one-line
     message and exit code 2 instead of torchrun's per-rank failure report. Returns 0 or 2.
+    ``exports_file``: where to write the launcher's ``export NAME=VALUE`` lines for this run
+    (``launch_exports``: CUDA_DEVICE_MAX_CONNECTIONS where the overlap needs it), each after a
+    comment with its reason; the launcher sources it before torchrun.
     """
     cfg = config_from_argv(argv, world_size)
     try:
@@ -748,6 +754,12 @@ def preflight(argv: list[str], world_size: int) -> int:
         return report_start_error(e)
     for w in resume_warnings(cfg, data.resume):
         print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
+    if exports_file is not None:
+        import shlex
+
+        with open(exports_file, "w") as f:
+            f.writelines(f"# {why}\nexport {name}={shlex.quote(value)}\n"
+                         for name, value, why in launch_exports(cfg, os.environ))
     return 0
 
 
@@ -779,6 +791,7 @@ def main(argv=None) -> int:
         watch_parent()
     try:
         check_device(cfg, memory.ranks_per_node())
+        device = bind_device(cfg, launch)  # before anything opens a CUDA context (the memory check does)
         # the checksums are read once: by the launcher's preflight, else by rank 0
         verify = launch.rank == 0 and os.environ.get("MEGAZERO_PREFLIGHT_DONE") != "1"
         data = prepare_run(cfg, verify=verify)
@@ -787,7 +800,7 @@ def main(argv=None) -> int:
         return report_start_error(e)
     for w in resume_warnings(cfg, data.resume) if not quiet else []:
         print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
-    device, groups = setup_device_and_groups(cfg, launch)
+    groups = setup_groups(cfg, launch, device)
     control = run_control(cfg, launch, signals, start)
     try:
         result = train(cfg, groups, device, data, control)
