@@ -37,7 +37,8 @@ def cuda_spies(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(f"set_device({torch.device('cuda', d)})"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(
+        f"set_device({d if isinstance(d, torch.device) else torch.device('cuda', d)})"))
     for name in CONTEXT_CALLS:
         monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n) or (80 << 30, 80 << 30))
 
