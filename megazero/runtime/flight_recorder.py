@@ -38,7 +38,7 @@ from typing import Mapping, MutableMapping, Optional
 
 #: the dump folder inside the run directory, and the file prefix (rank R writes ``rank_R``)
 DUMP_DIR, PREFIX = "nccl_trace", "rank_"
-#: entries per rank: several steps of a large pipeline (each about 1 KB in the C++ buffer)
+#: entries per rank: the collectives and p2p operations of several steps of a large pipeline
 BUFFER_SIZE = 2000
 #: variable -> the other name torch reads it under (either set keeps the user's value)
 _ALIASES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE",
