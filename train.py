@@ -27,7 +27,9 @@ from megazero.planning import memory
 from megazero.runtime import resilience
 from megazero.runtime.extras import MissingExtra
 from megazero.planning.plan import plan_memory, zero3_live_warning
-from megazero.runtime.launch import DeviceError, Launch, check_device, read_launch_env, uses_cuda, watch_parent
+from megazero.runtime import flight_recorder
+from megazero.runtime.launch import (DeviceError, Launch, bind_device, check_device, launch_exports,
+                                     max_connections_warning, read_launch_env, uses_cuda, watch_parent)
 from megazero.config import (Config, bucket_sizes, config_from_argv, describe, layout_topology, overlap_param_gather,
                              resolve_run_dir, to_dict)
 from megazero.data_parallel.ddp import DataParallel
@@ -54,20 +56,21 @@ from model.gpt import VOCAB_TENSORS, generate_greedy
 from model.hf import config_record
 
 
-def setup_device_and_groups(cfg: Config, launch: Launch) -> tuple[torch.device, ProcessGroups]:
-    """CUDA + NCCL when a GPU is present (unless ``--device cpu``), else CPU + gloo."""
-    use_cuda = uses_cuda(cfg)
+def setup_groups(cfg: Config, launch: Launch, device: torch.device) -> ProcessGroups:
+    """NCCL on ``device`` (bound by ``bind_device``) when it is a GPU, else gloo; every group of
+    the layout. On CUDA first the flight recorder's variables (megazero/runtime/flight_recorder.py,
+    read when NCCL's process group is created) and the CUDA_DEVICE_MAX_CONNECTIONS check."""
+    use_cuda = device.type == "cuda"
     if use_cuda:
-        torch.cuda.set_device(launch.local_rank)
-        device = torch.device("cuda", launch.local_rank)
-    else:
-        device = torch.device("cpu")
-    topo = layout_topology(cfg)
+        flight_recorder.enable(cfg.log.run_dir, os.environ)
+        warning = max_connections_warning(cfg, os.environ)
+        if warning and launch.rank == 0:
+            print(f"megazero: warning: {warning}", file=sys.stderr, flush=True)
     if launch.world_size > 1:
         timeout = timedelta(seconds=cfg.parallel.distributed_timeout_s)
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout, store=restart_store(timeout))
-    return device, ProcessGroups.build(topo, timeout_s=cfg.parallel.distributed_timeout_s)
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, store=restart_store(timeout), device_id=device if use_cuda else None)
+    return ProcessGroups.build(layout_topology(cfg), timeout_s=cfg.parallel.distributed_timeout_s)
 
 
 def restart_store(timeout: timedelta):
@@ -293,7 +296,7 @@ class Trainer:
             g.parameter_spec(p.tp), seq_length=g.seq_length, attention_width=g.hidden_size,
             global_batch_size=cfg.train.global_batch_size)
         if p.pp > 1:
-            handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches)
+            handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches, device=device)
         self.state = RunState()
         self.stop_flags = stop_flags or (lambda: resilience.local_flags(None, None))
         self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=fault)
@@ -441,19 +444,20 @@ class Trainer:
 # -- evaluation, logging, summary -----------------------------------------------------------
 def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[float, np.ndarray]:
     """Mean validation loss over ``--eval-iters`` global batches and their label token counts
-    (summed over data-parallel ranks: the unigram baseline is of exactly these tokens)."""
-    gbs = cfg.train.global_batch_size
-    losses, counts = [], np.zeros(trainer.gpt_config.vocab_size, dtype=np.int64)
+    (int64 ``[vocab_size]``, summed over data-parallel ranks: the unigram baseline is of exactly
+    these tokens). The counts stay on the trainer's device until the one copy at the end: the
+    dp all-reduce runs on the group's backend device (NCCL has no CPU tensors)."""
+    gbs, vocab = cfg.train.global_batch_size, trainer.gpt_config.vocab_size
+    losses, counts = [], torch.zeros(vocab, dtype=torch.int64, device=trainer.device)
     for i in range(cfg.train.eval_iters):
         consumed = ((eval_round * cfg.train.eval_iters + i) * gbs) % max(len(valid) - gbs + 1, 1)
         batches = dp_micro_batches(valid, consumed, cfg, trainer.groups, trainer.device)
         losses.append(trainer.eval_loss(batches))
         for _, labels in batches:
-            counts += np.bincount(labels.flatten().cpu().numpy(), minlength=counts.size)[:counts.size]
+            counts += torch.bincount(labels.flatten(), minlength=vocab)[:vocab]
     # each DP rank counted its slice of the global batches: the baseline needs them all
-    total = torch.from_numpy(counts)
-    collectives.all_reduce_sum(total, trainer.groups.dp)
-    return float(np.mean(losses)), total.numpy()
+    collectives.all_reduce_sum(counts, trainer.groups.dp)
+    return float(np.mean(losses)), counts.cpu().numpy()
 
 
 def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
@@ -732,11 +736,14 @@ def report_start_error(e: Exception) -> int:
     return 2
 
 
-def preflight(argv: list[str], world_size: int) -> int:
+def preflight(argv: list[str], world_size: int, exports_file: Optional[str] = None) -> int:
     """Check the settings, the data and the checkpoint as ``main`` would, starting nothing.
 
     The launcher runs it once before torchrun, so a bad configuration ends with its one-line
     message and exit code 2 instead of torchrun's per-rank failure report. Returns 0 or 2.
+    ``exports_file``: where to write the launcher's ``export NAME=VALUE`` lines for this run
+    (``launch_exports``: CUDA_DEVICE_MAX_CONNECTIONS where the overlap needs it), each after a
+    comment with its reason; the launcher sources it before torchrun.
     """
     cfg = config_from_argv(argv, world_size)
     try:
@@ -747,6 +754,12 @@ def preflight(argv: list[str], world_size: int) -> int:
         return report_start_error(e)
     for w in resume_warnings(cfg, data.resume):
         print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
+    if exports_file is not None:
+        import shlex
+
+        with open(exports_file, "w") as f:
+            f.writelines(f"# {why}\nexport {name}={shlex.quote(value)}\n"
+                         for name, value, why in launch_exports(cfg, os.environ))
     return 0
 
 
@@ -778,6 +791,7 @@ def main(argv=None) -> int:
         watch_parent()
     try:
         check_device(cfg, memory.ranks_per_node())
+        device = bind_device(cfg, launch)  # before anything opens a CUDA context (the memory check does)
         # the checksums are read once: by the launcher's preflight, else by rank 0
         verify = launch.rank == 0 and os.environ.get("MEGAZERO_PREFLIGHT_DONE") != "1"
         data = prepare_run(cfg, verify=verify)
@@ -786,7 +800,7 @@ def main(argv=None) -> int:
         return report_start_error(e)
     for w in resume_warnings(cfg, data.resume) if not quiet else []:
         print(f"megazero: warning: {w}", file=sys.stderr, flush=True)
-    device, groups = setup_device_and_groups(cfg, launch)
+    groups = setup_groups(cfg, launch, device)
     control = run_control(cfg, launch, signals, start)
     try:
         result = train(cfg, groups, device, data, control)

@@ -30,7 +30,10 @@ counter: Counter = Counter()
 #: this process's last operations on the wire, oldest first: ``(op, ranks, seq, shape, dtype)``
 #: with ``ranks`` the global ranks of the group (the peer for ``send``/``recv``), ``seq`` this
 #: process's running count of recorded operations (1, 2, ...), ``shape`` a tuple, ``dtype`` e.g.
-#: ``"float32"``. Bounded (``maxlen``), one tuple per call.
+#: ``"float32"``. Bounded (``maxlen``), one tuple per call, in the order the calls were
+#: *enqueued*, not completed: under NCCL an async op (and ``Work.wait``, which does not block
+#: the host) leaves later ones queued behind a collective that hangs; NCCL's flight recorder
+#: knows which one (megazero/runtime/flight_recorder.py).
 recent: deque = deque(maxlen=32)
 _seq = itertools.count(1)
 

@@ -78,12 +78,20 @@ def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[to
     return groups
 
 
-def unscale_and_check_(tensors: Iterable[torch.Tensor], inv_scale: float) -> torch.Tensor:
-    """Multiply ``tensors`` in place by ``inv_scale`` and flag inf/NaN, in one fused pass.
+#: dtypes that ``torch._amp_foreach_non_finite_check_and_unscale_`` takes on every device: its
+#: CUDA kernel dispatches on float, double and half only and refuses bf16 ("... not
+#: implemented for 'BFloat16'", pytorch#127176, open), so bf16 takes :func:`_check_and_unscale_ops_`.
+AMP_KERNEL_DTYPES = (torch.float16, torch.float32, torch.float64)
 
-    Uses ``torch._amp_foreach_non_finite_check_and_unscale_`` (the kernel of
-    ``torch.amp.GradScaler``), one launch per (device, dtype), as GradScaler groups them.
-    Floating tensors of any shape and dtype.
+
+def unscale_and_check_(tensors: Iterable[torch.Tensor], inv_scale: float) -> torch.Tensor:
+    """Multiply ``tensors`` in place by ``inv_scale`` and flag inf/NaN.
+
+    fp16, fp32 and fp64 use ``torch._amp_foreach_non_finite_check_and_unscale_`` (the kernel
+    of ``torch.amp.GradScaler``), one launch per (device, dtype), as GradScaler groups them.
+    bf16, which that kernel refuses on CUDA, uses ``_check_and_unscale_ops_`` on every device
+    (the CPU suite runs the path a GPU runs). Floating tensors of any shape; the check sees the
+    values before the multiplication, as the kernel's does.
 
     Returns:
         A one-element fp32 tensor on the first tensor's device (CPU when there are none):
@@ -93,12 +101,30 @@ def unscale_and_check_(tensors: Iterable[torch.Tensor], inv_scale: float) -> tor
     groups = _by_device_and_dtype(tensors)
     first = next(iter(groups), (torch.device("cpu"),))[0]
     found = torch.zeros(1, dtype=torch.float32, device=first)
-    for (device, _), group in groups.items():
+    for (device, dtype), group in groups.items():
         found_here = torch.zeros(1, dtype=torch.float32, device=device)
-        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, inv)
+        if dtype in AMP_KERNEL_DTYPES:
+            inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, inv)
+        else:
+            _check_and_unscale_ops_(group, found_here, inv_scale)
         found = torch.maximum(found, found_here.to(first))
     return found
+
+
+def _check_and_unscale_ops_(group: list[torch.Tensor], found: torch.Tensor, inv_scale: float) -> None:
+    """The AMP kernel's work with plain torch ops (any dtype, any device): set ``found`` (fp32,
+    one element) to 1.0 when an element of ``group`` is inf or NaN, then multiply in place.
+
+    Each tensor's fp64 sum is non-finite exactly when one of its elements is: NaN propagates
+    through addition, an inf stays inf (or meets -inf and makes NaN), and finite bf16 or fp32
+    values (below 3.4e38 each) cannot overflow an fp64 sum of fewer than 5e269 of them. One
+    reduction per tensor, no temporary of the tensor's size, no host synchronisation.
+    """
+    sums = torch.stack([t.sum(dtype=torch.float64) for t in group])
+    found.copy_(torch.logical_not(torch.isfinite(sums).all()).to(found.dtype).reshape(found.shape))
+    if inv_scale != 1.0:
+        torch._foreach_mul_(group, inv_scale)
 
 
 def non_finite_flag(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

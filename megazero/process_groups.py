@@ -10,6 +10,7 @@ optimizer, checkpoint shards) takes: cp folded into dp, its ``dp`` the ``dp_cp``
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -69,11 +70,14 @@ class ProcessGroups:
         timeout = timedelta(seconds=timeout_s)
         mine, made = {}, {}
         # new_group is collective over the world: every rank creates every group, same order;
-        # a member list already made (dp_cp at cp 1) is not made twice
+        # a member list already made (dp_cp at cp 1) is not made twice. The group's kind is its
+        # description, which NCCL's flight-recorder dumps show (megazero/runtime/flight_recorder.py).
+        named = "group_desc" in inspect.signature(dist.new_group).parameters
         for kind in (*GROUPS, "embedding"):
             for ranks in topology.named_groups(kind):
                 if tuple(ranks) not in made:
-                    made[tuple(ranks)] = dist.new_group(ranks=ranks, timeout=timeout)
+                    made[tuple(ranks)] = dist.new_group(ranks=ranks, timeout=timeout,
+                                                        **({"group_desc": kind} if named else {}))
                 if rank in ranks:
                     mine[kind] = made[tuple(ranks)]
         return ProcessGroups(topology=topology, rank=rank, world=dist.group.WORLD, **mine)

@@ -111,9 +111,9 @@ def init_full_weights(cfg: GPTConfig, seed: int, tp_size: int = 1,
     for name in (spec if names is None else names):
         e = spec[name]
         if e.init in ("zeros", "ones"):
-            full[name] = (torch.zeros if e.init == "zeros" else torch.ones)(e.shape)
+            full[name] = (torch.zeros if e.init == "zeros" else torch.ones)(e.shape, device="cpu")
             continue
         rows = cfg.vocab_size if e.vocab else e.shape[0]
-        t = torch.randn((rows, *e.shape[1:]), generator=_generator(seed, name)) * std[e.init]
+        t = torch.randn((rows, *e.shape[1:]), generator=_generator(seed, name), device="cpu") * std[e.init]
         full[name] = F.pad(t, (0, 0, 0, e.shape[0] - rows))  # zero rows past the real vocabulary
     return full

@@ -169,8 +169,11 @@ def main(argv=None) -> int:
     if tp > 1 and not is_rank:
         start_torchrun(tp, argv)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":  # this rank's GPU, before the process group or a tensor opens a context on GPU 0
+        torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=300),
+                                device_id=device if device.type == "cuda" else None)
     groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
     try:
         stage, tok = load_model(args, groups, device)

@@ -196,9 +196,19 @@ CORES=$(nproc 2>/dev/null || echo 1)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC : 1 ))}"
 
 export MEGAZERO_RANKS_PER_NODE=$NPROC  # the memory check shares this node among its ranks
-# Settings and data are checked once here, so a mistake ends with one line and exit code 2.
-"$PY" -c 'import sys, train; sys.exit(train.preflight(sys.argv[2:], int(sys.argv[1])))' "$WORLD" \
-  --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}"
+# Settings and data are checked once here, so a mistake ends with one line and exit code 2. The
+# preflight also writes the variables this run's ranks need (train.preflight, launch_exports:
+# CUDA_DEVICE_MAX_CONNECTIONS=1 where tensor/context-parallel overlap needs it; a value already in
+# the environment is kept), exported here so that they are set before any CUDA context exists.
+EXPORTS="$(mktemp)"
+"$PY" -c 'import sys, train; sys.exit(train.preflight(sys.argv[3:], int(sys.argv[1]), sys.argv[2]))' "$WORLD" \
+  "$EXPORTS" --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" || { rc=$?; rm -f "$EXPORTS"; exit "$rc"; }
+# shellcheck disable=SC1090  # written just now by the preflight
+source "$EXPORTS"
+for name in $(sed -n 's/^export \([A-Z_]*\)=.*/\1/p' "$EXPORTS"); do
+  echo "[megazero] $name=${!name} ($(grep -B1 "^export $name=" "$EXPORTS" | sed -n 's/^# //p'))"
+done
+rm -f "$EXPORTS"
 
 stopped_exit  # a signal that came during the preflight
 mkdir -p "$RUN_DIR"
@@ -217,7 +227,7 @@ else
   RDZV=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
         --rdzv-conf "timeout=$RDZV_TIMEOUT")
 fi
-rm -rf "$RUN_DIR/stop.json" "$RUN_DIR/failures" "$RUN_DIR/torchrun.log"  # an early end on purpose, failures
+rm -rf "$RUN_DIR/stop.json" "$RUN_DIR/failures" "$RUN_DIR/torchrun.log" "$RUN_DIR/nccl_trace"  # an early end on purpose, failures, NCCL dumps
 # torchrun's stderr (its failure summary: which rank ended first, with what code or signal) is
 # also kept in RUN_DIR/torchrun.log, read below to name the culprit.
 exec 3> >(trap '' INT TERM USR1 HUP; exec tee -a "$RUN_DIR/torchrun.log" >&2); TEE=$!  # deaf to Ctrl-C, as torchrun

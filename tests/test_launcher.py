@@ -119,6 +119,16 @@ def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(tmp_path):
     assert "training failed" in out.stderr and "--distributed-timeout-s 3" in out.stderr, out.stderr[-2000:]
 
 
+def test_the_launcher_exports_cuda_device_max_connections_for_tensor_parallel_overlap(tmp_path):
+    """--tp 2 (async tensor-parallel all-reduce): the preflight's decision is exported before
+    torchrun starts (the value printed is read back from the launcher's environment; a value
+    the user set is kept: tests/test_cuda_init.py). The launch itself ends at once (node 1 of
+    --nnodes 2 never joins)."""
+    out = launch(TINY + ["--tp", "2", "--nnodes", "2", "--distributed-timeout-s", "1"], tmp_path / "tp2", timeout=120)
+    assert "[megazero] CUDA_DEVICE_MAX_CONNECTIONS=1 (the async tensor-parallel input-gradient reduction " \
+           "(--tp 2) overlaps" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def _pids(run_dir, agent: bool = False):
     """PIDs of the train.py ranks, or of torchrun's agent (``agent``), of the launch into ``run_dir``."""
     pids = []

@@ -55,6 +55,63 @@ def test_inf_nan_check():
     assert grads[0].tolist() == [0.5, -1.0] and grads[1].tolist() == [2.0]
 
 
+def refuse_bf16_like_cuda(monkeypatch) -> list:
+    """Make ``torch._amp_foreach_non_finite_check_and_unscale_`` refuse bf16 as its CUDA build
+    does (pytorch#127176: the kernel dispatches on float, double and half only); returns the
+    list of the dtypes of each call it accepted."""
+    real, accepted = torch._amp_foreach_non_finite_check_and_unscale_, []
+
+    def kernel(tensors, found_inf, inv_scale):
+        if any(t.dtype == torch.bfloat16 for t in tensors):
+            raise RuntimeError('"_amp_foreach_non_finite_check_and_unscale_cuda" not implemented for \'BFloat16\'')
+        accepted.append(sorted({str(t.dtype) for t in tensors}))
+        return real(tensors, found_inf, inv_scale)
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", kernel)
+    return accepted
+
+
+def test_bf16_overflow_check_without_the_cuda_amp_kernel(monkeypatch):
+    """With the kernel refusing bf16 as on CUDA: bf16 tensors are checked and unscaled by torch
+    ops (flags inf, -inf, NaN, inf with -inf in one tensor; no false alarm on the largest finite
+    bf16 values), fp16 and fp32 still go through the fused kernel, one call per dtype."""
+    accepted = refuse_bf16_like_cuda(monkeypatch)
+    bf = [torch.tensor([2.0, -4.0]).bfloat16(), torch.tensor([[8.0]]).bfloat16()]
+    others = [torch.tensor([2.0]).half(), torch.tensor([4.0])]
+    assert unscale_and_check_(bf + others, 0.5).tolist() == [0.0]
+    assert bf[0].tolist() == [1.0, -2.0] and bf[1].tolist() == [[4.0]]
+    assert others[0].tolist() == [1.0] and others[1].tolist() == [2.0]
+    assert accepted == [["torch.float16"], ["torch.float32"]]
+    inf, nan = float("inf"), float("nan")
+    for bad in ([1.0, inf], [-inf, 1.0], [nan, 2.0], [inf, -inf]):
+        flag = non_finite_flag([torch.ones(3).bfloat16(), torch.tensor(bad).bfloat16()])
+        assert flag.dtype == torch.float32 and flag.tolist() == [1.0], bad
+    biggest = torch.finfo(torch.bfloat16).max
+    assert not has_inf_or_nan([torch.full((4096,), biggest).bfloat16(), torch.full((7,), -biggest).bfloat16()])
+
+
+def _bf16_steps(rank, world, argv, steps):
+    from tests.test_train import _train_layout
+
+    return _train_layout(rank, world, argv, steps)[:2]  # (losses, gradient norms)
+
+
+def test_bf16_grads_in_model_dtype_train_with_the_cuda_kernel_refusal(monkeypatch):
+    """``--bf16 --grads-in-model-dtype`` (bf16 gradient buffers) trains through the Trainer and
+    ZeRO-1 at dp 2 while the AMP kernel refuses bf16 as on CUDA: no step is skipped (finite
+    gradient norms) and the losses follow the fp32 reference to bf16's precision (issue 27:
+    the first step failed on a GPU)."""
+    from tests.distributed import run_distributed
+    from tests.test_train import BASE, _reference_losses
+
+    steps = 3
+    reference = _reference_losses(BASE, steps)
+    refuse_bf16_like_cuda(monkeypatch)  # the forked ranks inherit the patched torch
+    argv = BASE + ["--bf16", "--grads-in-model-dtype", "--dp", "2", "--zero-stage", "1"]
+    for losses, norms in run_distributed(_bf16_steps, 2, argv, steps):
+        assert all(math.isfinite(x) for x in norms), norms
+        assert losses == pytest.approx(reference, rel=1e-2), (losses, reference)
+
+
 def _run(scaler, events):
     """Apply ``events``; return (scale, hysteresis_left, skipped_steps, consecutive_skips) after each."""
     trace = []

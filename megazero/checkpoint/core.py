@@ -486,7 +486,7 @@ def read_full_tensors(root: str, suffix: str = "") -> tuple[dict, str, dict[str,
                               "directory of a run")
     d = iteration_dir(root, meta["iteration"])
     saved = _read_metadata(d).state_dict_metadata
-    full = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.endswith(suffix)}
+    full = {k: torch.empty(v.size, dtype=v.properties.dtype, device="cpu") for k, v in saved.items() if k.endswith(suffix)}
     dcp, CheckpointException = _dcp(), _checkpoint_exception()
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent

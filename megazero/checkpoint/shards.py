@@ -162,7 +162,7 @@ def compact_view(t: torch.Tensor) -> torch.Tensor:
     of every key until the rank's file is closed)."""
     begin = t.storage_offset() * t.element_size()
     storage = t.untyped_storage()[begin:begin + t.numel() * t.element_size()]
-    return torch.empty(0, dtype=t.dtype).set_(storage).view(t.shape)
+    return torch.empty(0, dtype=t.dtype, device="cpu").set_(storage).view(t.shape)
 
 
 class SavePlanner(DefaultSavePlanner):

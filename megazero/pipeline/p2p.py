@@ -39,13 +39,15 @@ class StageLinks:
     """This stage's links to its neighbours; every method is a blocking batched exchange.
 
     ``tensor_shape`` and ``dtype`` describe every activation (and gradient) on the wire;
+    ``device`` is where received tensors are allocated: the device of the pp group's backend
+    (a CUDA device under NCCL, which has no CPU transport), so it has no default;
     ``wrap`` makes the last stage's next stage stage 0 (interleaved ring).
     """
 
     groups: ProcessGroups
     tensor_shape: tuple[int, ...]
     dtype: torch.dtype
-    device: torch.device = torch.device("cpu")
+    device: torch.device
     wrap: bool = False
 
     def _peer(self, step: int) -> int:
@@ -125,14 +127,14 @@ _SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 
 
 def _settings_vector(pp_rank: int, tensor_shape: Sequence[int], dtype: torch.dtype,
-                     num_microbatches: int, vp_size: int, schedule: str) -> torch.Tensor:
+                     num_microbatches: int, vp_size: int, schedule: str, device: torch.device) -> torch.Tensor:
     if len(tensor_shape) > _MAX_DIMS:
         raise ValueError(f"activation shape {tuple(tensor_shape)} has more than {_MAX_DIMS} dims")
     shape = list(tensor_shape) + [-1] * (_MAX_DIMS - len(tensor_shape))
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     sched_code = _SCHEDULES.index(schedule) if schedule in _SCHEDULES else len(_SCHEDULES)
     return torch.tensor([pp_rank, *shape, dtype_code, num_microbatches, vp_size, sched_code],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=device)
 
 
 def _fields(v: list[int]) -> list:
@@ -144,14 +146,18 @@ def _fields(v: list[int]) -> list:
 
 
 def handshake(groups: ProcessGroups, tensor_shape: Sequence[int], dtype: torch.dtype,
-              num_microbatches: int, vp_size: int = 1, schedule: str = "1f1b") -> None:
+              num_microbatches: int, vp_size: int = 1, schedule: str = "1f1b", *,
+              device: torch.device) -> None:
     """Check once, before the first step, that all stages agree on the p2p settings.
 
     Three phases: (1) exchange a small int64 settings vector with both ring neighbours over
     the p2p path (checks the wiring: the peer must be the expected stage); (2) all-gather
     the vectors over the pp group, so every stage sees every stage's settings; (3) MAX
     all-reduce of an error flag over the world, so the other pipelines (data-parallel
-    replicas) fail too instead of waiting in their first collective.
+    replicas) fail too instead of waiting in their first collective. Every tensor of the
+    three phases lives on ``device``, the device the training tensors use (a CUDA device
+    under NCCL: NCCL has no CPU transport, so a CPU vector would end every ``--pp > 1`` run
+    here, before step 1).
 
     Call it once before the first ``run_schedule``: its neighbour exchange is then the first
     batched p2p call on the pp group and involves every rank of it, as NCCL's
@@ -162,13 +168,13 @@ def handshake(groups: ProcessGroups, tensor_shape: Sequence[int], dtype: torch.d
     1 has (2, 8, 32)"). Collective over the world: every rank must call it.
     """
     p, r = groups.pp_size, groups.pp_rank
-    mine = _settings_vector(r, tensor_shape, dtype, num_microbatches, vp_size, schedule)
+    mine = _settings_vector(r, tensor_shape, dtype, num_microbatches, vp_size, schedule, device)
     problem = None
     if p > 1:
         problem = _exchange_with_neighbours(groups, mine)
         everyone = collectives.all_gather_list(mine, groups.pp)
         problem = _first_difference([t.tolist() for t in everyone]) or problem
-    flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64)
+    flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64, device=device)
     collectives.all_reduce_max(flag, groups.world)
     if problem is not None:
         raise PipelineConfigError(f"pipeline handshake failed: {problem}")
@@ -179,7 +185,7 @@ def handshake(groups: ProcessGroups, tensor_shape: Sequence[int], dtype: torch.d
 
 def _exchange_with_neighbours(groups: ProcessGroups, mine: torch.Tensor) -> Optional[str]:
     p, r = groups.pp_size, groups.pp_rank
-    links = StageLinks(groups, tuple(mine.shape), mine.dtype, wrap=True)
+    links = StageLinks(groups, tuple(mine.shape), mine.dtype, mine.device, wrap=True)
     tag = 1 << 20  # apart from the schedule's tags
     if p == 2:
         got = {r + 1: links.exchange(send_next=(mine, tag), recv_next=tag)[1]}

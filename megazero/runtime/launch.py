@@ -2,7 +2,9 @@
 
 ``read_launch_env`` reads torchrun's environment; ``check_device`` refuses a ``--device`` or
 ``--kernels`` the machine cannot run (docs/design.md, contract 3: before the first collective, one
-line, exit code 2); ``watch_parent`` ends a rank whose torchrun died without stopping it.
+line, exit code 2); ``bind_device`` makes this rank's GPU the current device before anything opens
+a CUDA context; ``launch_exports`` and ``max_connections_warning`` decide and check
+``CUDA_DEVICE_MAX_CONNECTIONS``; ``watch_parent`` ends a rank whose torchrun died without stopping it.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Mapping, Optional
 
 import torch
 
@@ -56,6 +59,79 @@ def check_device(cfg: Config, ranks_per_node: int) -> None:
         select_backend(cfg.optim.kernels, torch.device("cuda" if uses_cuda(cfg) else "cpu"))
     except ValueError as e:
         raise DeviceError(str(e)) from None
+
+
+def bind_device(cfg: Config, launch: Launch) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` made the current CUDA device, or the CPU.
+
+    Call it right after ``check_device`` and before anything that opens a CUDA context
+    (``torch.cuda.mem_get_info`` in the memory check, a CUDA tensor, ``init_process_group``):
+    every call without an explicit device runs on the current device, GPU 0 until this is
+    set, so each rank would open a context (hundreds of MiB) on GPU 0 and NCCL would see
+    every rank on one GPU. ``torch.cuda.is_available`` / ``device_count`` open none.
+    """
+    if not uses_cuda(cfg):
+        return torch.device("cpu")
+    torch.cuda.set_device(launch.local_rank)
+    return torch.device("cuda", launch.local_rank)
+
+
+MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def max_connections_rule(cfg: Config) -> tuple[Optional[str], str]:
+    """``(value, reason)``: the ``CUDA_DEVICE_MAX_CONNECTIONS`` this run wants, or None to leave
+    CUDA's default (8 hardware work queues per device), and why, in words.
+
+    The rule is Megatron-LM's (``validate_args`` in megatron/training/arguments.py): tensor and
+    context parallelism overlap a communication kernel with compute that the host queued after
+    it (here the async tensor-parallel all-reduce or reduce-scatter of the input gradient beside
+    the weight-gradient matmul, and the ring attention's K/V exchange beside each block). With
+    one work queue the GPU starts kernels in the order they were queued, so the communication
+    kernel holds its SMs before the matmul fills the device; with several queues the matmul
+    may take every SM first and the overlap is lost. FSDP (ZeRO-3 here) wants the opposite:
+    its prefetch all-gathers on their own streams need several queues to run beside compute.
+    Where both apply Megatron warns and sets nothing; so does megazero. ZeRO-1/2 and plain data
+    parallelism overlap on their own streams too and keep CUDA's default. (Megatron skips the
+    rule from Blackwell, compute capability 10, on; the launcher decides before any CUDA call
+    and reads no capability, so it sets 1 there too.)
+    """
+    p = cfg.parallel
+    overlaps = []
+    if p.tp > 1 and p.async_tensor_model_parallel_allreduce and not cfg.train.compile:
+        overlaps.append(f"the async tensor-parallel input-gradient reduction (--tp {p.tp}"
+                        f"{', --sequence-parallel' if p.sequence_parallel else ''})")
+    if p.cp > 1 and p.cp_comm_type == "p2p":
+        overlaps.append(f"the ring attention's K/V exchange (--cp {p.cp})")
+    if not overlaps:
+        return None, "no tensor- or context-parallel overlap: CUDA's default queues"
+    what = " and ".join(overlaps)
+    if cfg.zero.stage == 3:
+        return None, (f"{what} wants {MAX_CONNECTIONS}=1 but ZeRO-3's prefetch all-gathers want several "
+                      "queues: left to CUDA's default (Megatron-LM decides so with FSDP)")
+    return "1", f"{what} overlaps with compute only when kernels start in the order they were queued"
+
+
+def launch_exports(cfg: Config, environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """``(name, value, reason)`` of each variable the launcher exports for this run: those
+    ``max_connections_rule`` wants and ``environ`` does not set already (a value the user set
+    wins; ``max_connections_warning`` then says what it costs). Inert on a CPU run."""
+    value, why = max_connections_rule(cfg)
+    return [(MAX_CONNECTIONS, value, why)] if value is not None and MAX_CONNECTIONS not in environ else []
+
+
+def max_connections_warning(cfg: Config, environ: Mapping[str, str]) -> Optional[str]:
+    """The warning train.py prints on CUDA when ``CUDA_DEVICE_MAX_CONNECTIONS`` does not match
+    ``max_connections_rule`` (missing or other than 1 where an overlap needs 1; 1 where ZeRO-3
+    wants several queues), else None."""
+    value, why = max_connections_rule(cfg)
+    have = environ.get(MAX_CONNECTIONS)
+    if value == "1" and have != "1":
+        return (f"{MAX_CONNECTIONS} is {'unset' if have is None else repr(have)}: {why}; fix: export "
+                f"{MAX_CONNECTIONS}=1 before the ranks start (scripts/pretrain_gpt.sh does)")
+    if value is None and cfg.zero.stage == 3 and have == "1" and "ZeRO-3" in why:
+        return f"{MAX_CONNECTIONS}=1 serialises ZeRO-3's prefetch all-gathers with compute: {why}"
+    return None
 
 
 def _alive(pid: int) -> bool:

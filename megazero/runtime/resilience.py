@@ -37,6 +37,7 @@ import torch
 
 from megazero import collectives as C
 from megazero.process_groups import ProcessGroups
+from megazero.runtime import flight_recorder
 
 #: the signals that request a stop, in the order of the slots of ``agree``'s vector.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -272,7 +273,9 @@ def write_failure(run_dir: str, rank: int, trail: Trail, error: BaseException) -
     """Write ``<run_dir>/failures/rank_<rank>.json`` and return the one line this rank prints.
 
     The report holds the phase trail, the error's first line, ``operation`` (the last entry of
-    ``collectives.recent`` in words: the collective or send/receive this rank was waiting in) and
+    ``collectives.recent`` in words: the last collective or send/receive this rank enqueued,
+    which under gloo, whose ``Work.wait`` blocks, is the one it was waiting in, but under NCCL
+    may be a later one queued behind it; the flight recorder's dumps tell which one hung) and
     ``ops``, the whole ring buffer (op, ranks, seq, shape, dtype per entry).
     """
     it, phase, _ = trail.last
@@ -308,14 +311,26 @@ def torchrun_failures(text: str) -> dict[int, str]:
 
 
 def name_culprits(run_dir: str, world_size: int) -> Optional[str]:
-    """The launcher's line after a failed run: the rank that failed first and what the others
-    waited in; None when neither the failure reports nor torchrun's summary say anything.
+    """The launcher's lines after a failed run: the rank that failed first and what the others
+    waited in, then what NCCL's flight recorder saw; None when neither the failure reports,
+    torchrun's summary nor a flight-recorder dump say anything.
 
     The first to fail are the ranks that wrote no report (killed, stopped or hung), each with its
     exit code or signal from torchrun's summary (``<run_dir>/torchrun.log``) when it is listed
     there; when every rank reported, torchrun's root cause. The others' operation (the last one
-    they recorded), phase and iteration come from their reports.
+    they enqueued), phase and iteration come from their reports. Under NCCL the watchdog ends a
+    timed-out rank before it can write a report; its dump (``<run_dir>/nccl_trace/rank_R``,
+    ``flight_recorder.describe_dumps``) names the ranks that never enqueued a collective the
+    others of its group did, and each rank's last completed and started collective.
     """
+    ours = _culprits_from_reports(run_dir, world_size)
+    dumps = flight_recorder.describe_dumps(os.path.join(run_dir, flight_recorder.DUMP_DIR))
+    lines = [x for x in (ours, dumps and f"[megazero] {dumps}") if x]
+    return "\n".join(lines) or None
+
+
+def _culprits_from_reports(run_dir: str, world_size: int) -> Optional[str]:
+    """``name_culprits``' first line: from megazero's failure reports and torchrun's summary."""
     d = os.path.join(run_dir, "failures")
     reports = [json.load(open(os.path.join(d, n))) for n in sorted(os.listdir(d)) if n.endswith(".json")] \
         if os.path.isdir(d) else []
