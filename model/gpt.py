@@ -20,8 +20,9 @@ on this rank's heads (``"tp"`` stream). ``scaled_dot_product_attention`` draws i
 from the global generator, so it runs inside ``tracker.fork("tp")``, which swaps the tp
 stream in for the call.
 
-Initialisation is layout independent (docs/design.md, contract 1): ``init_full_weights``
-makes every full tensor from (seed, canonical name) alone and a stage keeps its partitions.
+Initialisation is layout independent (docs/design.md, contract 1): every full tensor comes
+from (seed, canonical name) alone (``model.spec.InitialWeights``) and a stage keeps its
+partitions, made one full tensor at a time (model/materialize.py).
 
 Context parallelism and packed documents (megazero/context_parallel): a micro-batch may come
 with a ``SequenceInfo`` (``seq``): the rank then holds ``T/cp`` tokens of each sequence (two
@@ -32,6 +33,7 @@ model is exactly the single-sequence one (positions 0..T-1, causal SDPA).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Iterable, Optional
 
 import torch
@@ -52,16 +54,10 @@ from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
+from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_placeholders  # noqa: F401
 from model.rope import apply_rotary, rotary_cos_sin, rotary_cos_sin_at
-from model.spec import canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
+from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
 
-
-VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output.weight")
-
-
-def resize_vocab(t: torch.Tensor, vocab_size: int, padded: int) -> torch.Tensor:
-    """Keep the real rows of a vocabulary tensor and zero-pad them to ``padded`` rows."""
-    return F.pad(t[:vocab_size], (0, 0, 0, padded - vocab_size))
 
 
 class Embedding(nn.Module):
@@ -255,11 +251,17 @@ class GPTStage(nn.Module):
         post_process: holds the final LayerNorm and the output layer (last chunk).
         seed: initialisation seed (``init_full_weights``); the dropout tracker, unless
             given, is seeded with ``seed + 100 * pp_rank`` (Megatron's convention).
-        full_weights: canonical full tensors to slice instead of ``init_full_weights``.
+        full_weights: canonical full tensors to slice instead of ``InitialWeights(cfg, seed,
+            tp)`` (a mapping; a lazy one, e.g. ``model.hf.CanonicalView``, is read one tensor
+            at a time).
         rng_tracker: share one tracker between the chunks of an interleaved schedule.
         device: where the parameters live and the dropout masks are drawn (default CPU);
             build the stage on its device rather than moving it, since the tracker's
             generators stay on the device they were made for.
+        materialize: give the parameters their initial values now (``materialize()``), one
+            at a time. False: they stay placeholders holding no memory (NaN when read) until
+            whoever owns their storage fills them from ``initial_partition`` -- ZeRO-3's
+            ``DataParallel(initial_values=...)``, which writes each straight into its shard.
 
     With tied embeddings a last stage that is not also the first keeps its own copy of the
     word-embedding partition (same name, same initial value); when ``pp_size > 1`` both
@@ -269,8 +271,8 @@ class GPTStage(nn.Module):
 
     def __init__(self, cfg: GPTConfig, groups: ProcessGroups, layer_ids: Iterable[int],
                  pre_process: bool, post_process: bool, seed: int, *,
-                 full_weights: Optional[dict[str, torch.Tensor]] = None,
-                 rng_tracker: Optional[RNGTracker] = None, device=None):
+                 full_weights: Optional[Mapping[str, torch.Tensor]] = None,
+                 rng_tracker: Optional[RNGTracker] = None, device=None, materialize: bool = True):
         super().__init__()
         cfg.validate(groups.tp_size)
         self.cfg, self.groups, self.tp = cfg, groups, groups.tp
@@ -278,29 +280,37 @@ class GPTStage(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.padded_vocab = cfg.padded_vocab(groups.tp_size)
         self.sp = cfg.sequence_parallel and groups.tp_size > 1
+        self.device = torch.device(device if device is not None else "cpu")
         self.rng_tracker = rng_tracker or RNGTracker(seed + 100 * groups.pp_rank,
-                                                     groups.tp_rank, device or "cpu")
-        if pre_process or (post_process and cfg.tie_embeddings):
-            with_positions = pre_process and cfg.position_embedding_type == "learned_absolute"
-            self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, device)
-        cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
-                                                   device, cp) for i in self.layer_ids})
-        if post_process:
-            self.final_ln = _norm(cfg, device)
-            if not cfg.tie_embeddings:
-                self.output = ColumnParallelLinear(
-                    cfg.hidden_size, self.padded_vocab, self.tp, bias=False,
-                    sequence_parallel=self.sp, dtype=cfg.params_dtype, device=device,
-                    overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
+                                                     groups.tp_rank, self.device)
+        self._build_modules(cfg, groups)
+        use_placeholders(self, self.device)
         self._tag_from_spec()
         if groups.pp_size > 1 and cfg.tie_embeddings and (pre_process or post_process):
             tags.set_shared_embedding(self.embedding.word_embeddings.weight,
                                       counted_here=pre_process)
-        if full_weights is None:
-            names = [n for n, _ in self.named_parameters()]
-            full_weights = init_full_weights(cfg, seed, groups.tp_size, names)
-        self.load_full_weights(full_weights)
+        self._initial = InitialWeights(cfg, seed, groups.tp_size) if full_weights is None else full_weights
+        self.materialized = False
+        if materialize:
+            self.materialize()
+
+    def _build_modules(self, cfg: GPTConfig, groups: ProcessGroups) -> None:
+        """The embedding, blocks and head on the meta device (no memory; ``use_placeholders``
+        moves them to ``self.device``)."""
+        meta, pre, post = "meta", self.pre_process, self.post_process
+        if pre or (post and cfg.tie_embeddings):
+            with_positions = pre and cfg.position_embedding_type == "learned_absolute"
+            self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, meta)
+        cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
+                                                   meta, cp) for i in self.layer_ids})
+        if post:
+            self.final_ln = _norm(cfg, meta)
+            if not cfg.tie_embeddings:
+                self.output = ColumnParallelLinear(
+                    cfg.hidden_size, self.padded_vocab, self.tp, bias=False,
+                    sequence_parallel=self.sp, dtype=cfg.params_dtype, device=meta,
+                    overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
 
     def _tag_from_spec(self) -> None:
         """Partition tags of every parameter from its spec entry (model/spec.py); a parameter
@@ -321,29 +331,43 @@ class GPTStage(nn.Module):
                 raise ValueError(f"{name}: spec gives a partition of shape {tuple(local)}, the "
                                  f"module holds {tuple(p.shape)}")
 
-    @torch.no_grad()
-    def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's partition of each canonical full tensor into the parameters.
+    def _partition(self, name: str, full: Mapping) -> torch.Tensor:
+        g = self.groups
+        return local_partition(name, self.get_parameter(name), full, g.tp_rank, g.tp_size,
+                               self.cfg.vocab_size, self.padded_vocab)
 
-        Vocabulary tensors may have any number of rows >= ``vocab_size`` (e.g. padded for
-        another TP size): the real rows are kept and re-padded with zeros to this layout's
-        padded vocabulary. Partitions follow each parameter's tags. Raises KeyError naming
-        a missing tensor, ValueError on a shape mismatch.
-        """
-        tp_rank, tp_size = self.groups.tp_rank, self.groups.tp_size
+    @torch.no_grad()
+    def initial_partition(self, name: str) -> torch.Tensor:
+        """This rank's partition of parameter ``name``'s initial value: a new tensor of the
+        parameter's shape and dtype on ``self.device``, cut from its full tensor alone (made by
+        ``InitialWeights`` or read from ``full_weights``), which is dropped on return. Raises
+        KeyError naming a missing tensor, ValueError on a shape mismatch, RuntimeError once the
+        stage has materialized (its source is dropped then)."""
+        if self._initial is None:
+            raise RuntimeError(f"{name}: the stage's initial values were already given to its parameters")
+        p = self.get_parameter(name)
+        src = self._partition(name, self._initial)
+        if tags.is_partitioned(p) and src.dtype == p.dtype and src.device == self.device:
+            return src   # already a new contiguous tensor (tags.partition_tensor): no third copy
+        return torch.empty(p.shape, dtype=p.dtype, device=self.device).copy_(src)
+
+    @torch.no_grad()
+    def materialize(self) -> None:
+        """Give every parameter its initial value, one at a time (``initial_partition``): at
+        most one full tensor and one partition exist beyond the parameters already made.
+        Drops the source of the values (``full_weights`` is not kept alive by the stage)."""
         for name, p in self.named_parameters():
-            if name not in full:
-                raise KeyError(f"full weights lack {name!r}, needed by this stage")
-            src = full[name]
-            if name in VOCAB_TENSORS:
-                src = resize_vocab(src, self.cfg.vocab_size, self.padded_vocab)
-            if tags.is_partitioned(p):
-                src = tags.partition_tensor(src, p.partition_dim, tp_rank, tp_size,
-                                            p.partition_stride)
-            if src.shape != p.shape:
-                raise ValueError(f"{name}: full tensor gives a partition of shape "
-                                 f"{tuple(src.shape)}, parameter is {tuple(p.shape)}")
-            p.copy_(src)
+            p.data = self.initial_partition(name)
+        self._initial, self.materialized = None, True
+
+    @torch.no_grad()
+    def load_full_weights(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's partition of each canonical full tensor into the (materialized)
+        parameters, one tensor at a time (``model.materialize.local_partition``: vocabulary
+        tensors of any padding, partitions from each parameter's tags). Raises KeyError naming
+        a missing tensor, ValueError on a shape mismatch."""
+        for name, p in self.named_parameters():
+            p.copy_(self._partition(name, full))
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 seq: Optional[SequenceInfo] = None) -> torch.Tensor:
