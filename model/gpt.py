@@ -38,7 +38,7 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import rearrange
 from torch import nn
 
 from megazero import collectives as C
@@ -55,9 +55,12 @@ from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
 from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_placeholders  # noqa: F401
-from model.rope import apply_rotary, rotary_cos_sin, rotary_cos_sin_at
+from model.rope import RotaryTable, apply_rotary
 from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
 
+
+# SDPA expands the key/value heads itself (``enable_gqa``, torch >= 2.5): no repeated K/V tensors
+SDPA_GQA = torch.__version__ >= (2, 5)
 
 
 class Embedding(nn.Module):
@@ -106,10 +109,12 @@ class Attention(nn.Module):
     heads. Grouped-query (``num_query_groups`` G, Ainslie et al. 2023): the rows are G blocks
     ``[q of heads/G heads; k; v]`` and each rank holds ``G/tp`` whole groups (model/spec.py);
     each key/value head serves the ``heads/G`` query heads of its group. With
-    ``position_embedding_type == "rope"`` q and k are rotated (model/rope.py).
+    ``position_embedding_type == "rope"`` q and k are rotated by the stage's ``rope`` table
+    (model/rope.py; made here when not given).
     """
 
-    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None):
+    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None,
+                 rope: Optional[RotaryTable] = None):
         super().__init__()
         H, tp = cfg.hidden_size, C.group_size(group)
         self.cp = cp  # (cp group, its global ranks in cp order) or None
@@ -119,6 +124,9 @@ class Attention(nn.Module):
         self.groups_local = cfg.kv_heads // tp
         self.q_per_group = cfg.num_attention_heads // cfg.kv_heads
         self.rotary = (cfg.rotary_dim, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
+        if self.rotary is not None and rope is None:
+            rope = RotaryTable.for_model(cfg, device)
+        self.rope = rope
         self.dropout_p, self.tracker = cfg.attention_dropout, tracker
         self.recompute_core = cfg.recompute_granularity == "selective"
         rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * H
@@ -145,16 +153,16 @@ class Attention(nn.Module):
         T = q.shape[2]
         if self.rotary is not None:
             if seq is None:
-                cos, sin = rotary_cos_sin(T, *self.rotary, device=q.device, dtype=q.dtype)  # (T, rot)
+                cos, sin = self.rope.first(T, q.dtype)                           # (T, rot)
             else:  # this rank's positions: zigzag chunks, or restarting per document
-                cos, sin = rotary_cos_sin_at(seq.position_ids, *self.rotary, dtype=q.dtype)  # (B, 1, T, rot)
+                cos, sin = self.rope.at(seq.position_ids, q.dtype)               # (B, 1, T, rot)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if seq is not None:  # K/V stay query groups: the ring sends G/tp heads, not heads/tp
             core = functools.partial(self._context_core, seq=seq)
             y = recompute(core, self.tracker, q, k, v) if self.recompute_core else core(q, k, v)
             return self.proj(rearrange(y, "b h t d -> b t (h d)"))
-        if self.q_per_group > 1:  # each key/value head serves the heads/G query heads of its group
-            k, v = (repeat(t, "b g t d -> b (g r) t d", r=self.q_per_group) for t in (k, v))
+        if self.q_per_group > 1 and not SDPA_GQA:  # each key/value head serves its group's query heads
+            k, v = (t.repeat_interleave(self.q_per_group, dim=1) for t in (k, v))  # (B, heads/tp, T, d)
         if self.recompute_core:  # selective recomputation: keep q, k, v only
             y = recompute(self._core, self.tracker, q, k, v)
         else:
@@ -179,12 +187,18 @@ class Attention(nn.Module):
                               segment_ids=seq.segment_ids)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim)."""
+        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim).
+
+        k and v have ``G/tp`` heads under grouped-query attention when SDPA expands them itself
+        (``SDPA_GQA``): query head h reads key/value head ``h // (heads/G)``, as
+        ``repeat_interleave`` would give, with the same forward values (its K/V gradients sum
+        the group's heads in another order: equal to rounding, tests/test_model_build.py)."""
         p = self.dropout_p if self.training else 0.0
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if p > 0:
             with self.tracker.fork("tp"):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
 
 
 class MLP(nn.Module):
@@ -216,10 +230,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block with residual dropout (``hidden_dropout``)."""
 
-    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None):
+    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None,
+                 rope: Optional[RotaryTable] = None):
         super().__init__()
         self.ln1 = _norm(cfg, device)
-        self.attn = Attention(cfg, group, sp, tracker, device, cp)
+        self.attn = Attention(cfg, group, sp, tracker, device, cp, rope)
         self.ln2 = _norm(cfg, device)
         self.mlp = MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
@@ -296,14 +311,15 @@ class GPTStage(nn.Module):
 
     def _build_modules(self, cfg: GPTConfig, groups: ProcessGroups) -> None:
         """The embedding, blocks and head on the meta device (no memory; ``use_placeholders``
-        moves them to ``self.device``)."""
+        moves them to ``self.device``), sharing one rotary table made on the device."""
         meta, pre, post = "meta", self.pre_process, self.post_process
         if pre or (post and cfg.tie_embeddings):
             with_positions = pre and cfg.position_embedding_type == "learned_absolute"
             self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, meta)
         cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
+        rope = RotaryTable.for_model(cfg, self.device) if cfg.position_embedding_type == "rope" else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
-                                                   meta, cp) for i in self.layer_ids})
+                                                   meta, cp, rope) for i in self.layer_ids})
         if post:
             self.final_ln = _norm(cfg, meta)
             if not cfg.tie_embeddings:

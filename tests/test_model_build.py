@@ -1,4 +1,5 @@
-"""Building the model within bounded memory (issue 27, item 4).
+"""Building the model within bounded memory (issue 27, item 4) and the model's cheap GPU items
+(item 7: the rotary table, SDPA's ``enable_gqa``).
 
 - Every parameter of a stage made one full tensor at a time (model/materialize.py), and at
   ZeRO-3 written straight into its gather unit's shard, equals slicing ``init_full_weights``
@@ -22,7 +23,9 @@ from megazero.tensor_parallel import tags
 from megazero.topology import Topology
 from model.build import build_gpt_config, build_model_chunks, build_peak_bytes, initial_values, zero3_units
 from model.config import GPTConfig
-from model.gpt import VOCAB_TENSORS, GPTStage, init_full_weights, resize_vocab
+from model.gpt import VOCAB_TENSORS, Attention, GPTStage, init_full_weights, resize_vocab
+from model.rope import RotaryTable, rotary_cos_sin, rotary_cos_sin_at
+from megazero.tensor_parallel.random import RNGTracker
 from tests.distributed import run_distributed
 
 SEED = 5
@@ -203,3 +206,51 @@ def test_build_peak_bytes_without_zero3_is_the_partitions_plus_one_parameter_in_
     assert build_peak_bytes(sharded, build_gpt_config(sharded, 250)).resident == 2 * halves   # bf16 shards
     whole = config_from_argv(z3, 2)   # DeepSpeed's threshold of 100,000 elements: every tensor here stays whole
     assert build_peak_bytes(whole, build_gpt_config(whole, 250)).resident == 2 * sum(e.numel for e in spec)
+
+
+# -- item 7: rotary table, enable_gqa --------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_table_rows_equal_the_tables_rebuilt_per_layer(dtype):
+    table = RotaryTable(64, 8, 10000.0)
+    for T in (1, 7, 16, 64):
+        assert all(torch.equal(a, b) for a, b in zip(table.first(T, dtype), rotary_cos_sin(T, 8, 10000.0, dtype=dtype)))
+    positions = torch.randint(0, 64, (3, 20))
+    assert all(torch.equal(a, b) for a, b in zip(table.at(positions, dtype), rotary_cos_sin_at(positions, 8, 10000.0, dtype)))
+    with pytest.raises(ValueError, match="exceed"):
+        table.first(65, dtype)
+
+
+def test_a_stage_shares_one_rotary_table_across_its_layers():
+    cfg = GPTConfig(vocab_size=101, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, **LLAMA)
+    stage = GPTStage(cfg, ProcessGroups.single(), range(3), True, True, SEED)
+    assert len({id(block.attn.rope) for block in stage.layers.values()}) == 1
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_enable_gqa_equals_repeated_keys_and_values(monkeypatch, groups):
+    """Grouped-query attention through SDPA's ``enable_gqa`` (no repeated K/V tensors): the same
+    output bit for bit; the K/V gradients sum a group's heads in another order, equal to fp32
+    rounding."""
+    import model.gpt as gpt
+    if not gpt.SDPA_GQA:
+        pytest.skip("torch < 2.5: SDPA has no enable_gqa")
+    cfg = GPTConfig(vocab_size=101, num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    attention_dropout=0.0, **dict(LLAMA, num_query_groups=groups))
+    torch.manual_seed(0)
+    attn = Attention(cfg, None, False, RNGTracker(1, 0))
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(2, 16, 32)
+
+    def run(gqa):
+        monkeypatch.setattr(gpt, "SDPA_GQA", gqa)
+        xi = x.clone().requires_grad_(True)
+        y = attn(xi)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), [xi, *attn.parameters()])
+        return y, grads
+    (y1, g1), (y0, g0) = run(True), run(False)
+    assert torch.equal(y1, y0)
+    for a, b in zip(g1, g0):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
