@@ -58,9 +58,11 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
     tensors are made one at a time (``GPTStage.materialize``). At ZeRO-3 the chunks come back
     unmaterialized (``materialized`` False: placeholders holding no memory) and
     ``DataParallel(initial_values=initial_values(chunks))`` writes each parameter straight into
-    its gather unit's shard, so no rank ever holds its whole partition.
+    its gather unit's shard, so no rank ever holds its whole partition. With ``--tf32`` on
+    CUDA, fp32 matmuls run on TF32 (``set_tf32``).
     """
     p = cfg.parallel
+    set_tf32(cfg.precision.tf32, device)
     chunks, tracker = [], None
     full = from_hf_weights(cfg, gcfg, groups.tp_size)
     for v in range(p.virtual_pipeline_size):
@@ -83,6 +85,22 @@ def initial_values(chunks: list[GPTStage]) -> list[Optional[Callable[[str], torc
     """Per chunk, what ``DataParallel(initial_values=...)`` fills an unmaterialized chunk from
     (its ``initial_partition``), or None for a chunk whose parameters hold their values."""
     return [None if c.materialized else c.initial_partition for c in chunks]
+
+
+def set_tf32(enabled: bool, device: torch.device) -> None:
+    """``--tf32`` on CUDA: let fp32 matmuls (cuBLAS) and convolutions (cuDNN) run on TF32 tensor
+    cores (inputs rounded to a 10-bit mantissa, fp32 accumulation; NVIDIA's A100 white paper,
+    "TF32"). Through ``fp32_precision = "tf32"`` where torch has it (2.9+; the ``allow_tf32``
+    switches are to be deprecated), else ``allow_tf32``. Without the flag, or on another
+    device, nothing is touched: PyTorch's default (no TF32 in matmuls) stays."""
+    if not enabled or device.type != "cuda":
+        return
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def compile_layers(chunks: list[GPTStage]) -> None:

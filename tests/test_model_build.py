@@ -1,5 +1,5 @@
 """Building the model within bounded memory (issue 27, item 4) and the model's cheap GPU items
-(item 7: the rotary table, SDPA's ``enable_gqa``).
+(item 7: the rotary table, SDPA's ``enable_gqa``, ``--tf32``, the sequence-parallel copies).
 
 - Every parameter of a stage made one full tensor at a time (model/materialize.py), and at
   ZeRO-3 written straight into its gather unit's shard, equals slicing ``init_full_weights``
@@ -21,7 +21,8 @@ from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 from megazero.topology import Topology
-from model.build import build_gpt_config, build_model_chunks, build_peak_bytes, initial_values, zero3_units
+from model.build import (build_gpt_config, build_model_chunks, build_peak_bytes, initial_values, set_tf32,
+                         zero3_units)
 from model.config import GPTConfig
 from model.gpt import VOCAB_TENSORS, Attention, GPTStage, init_full_weights, resize_vocab
 from model.rope import RotaryTable, rotary_cos_sin, rotary_cos_sin_at
@@ -208,7 +209,7 @@ def test_build_peak_bytes_without_zero3_is_the_partitions_plus_one_parameter_in_
     assert build_peak_bytes(whole, build_gpt_config(whole, 250)).resident == 2 * sum(e.numel for e in spec)
 
 
-# -- item 7: rotary table, enable_gqa --------------------------------------------------------
+# -- item 7: rotary table, enable_gqa, TF32 ---------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_table_rows_equal_the_tables_rebuilt_per_layer(dtype):
@@ -254,3 +255,27 @@ def test_enable_gqa_equals_repeated_keys_and_values(monkeypatch, groups):
     assert torch.equal(y1, y0)
     for a, b in zip(g1, g0):
         assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+
+
+def test_tf32_flag_is_off_by_default_and_acts_on_cuda_only(monkeypatch):
+    assert config_from_argv(["--mock-data"], 1).precision.tf32 is False
+    assert config_from_argv(["--mock-data", "--tf32"], 1).precision.tf32 is True
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+    before = (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) if new_api else \
+        (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
+    def state():
+        return (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) if new_api else \
+            (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        set_tf32(True, torch.device("cpu"))
+        set_tf32(False, torch.device("cuda"))
+        assert state() == before
+        set_tf32(True, torch.device("cuda"))   # only flips the switches: no CUDA context is made
+        assert state() == (("tf32", "tf32") if new_api else (True, True))
+    finally:
+        if new_api:
+            matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+        else:
+            matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
