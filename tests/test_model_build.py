@@ -279,3 +279,39 @@ def test_tf32_flag_is_off_by_default_and_acts_on_cuda_only(monkeypatch):
             matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
         else:
             matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _sp_copies_run(rank, world, layers):
+    """Layout copies (``aten.clone`` of ``.contiguous()``/``reshape``) made in the TP/SP borders
+    (megazero/tensor_parallel) during one forward and one backward of a ``layers``-layer stage."""
+    import traceback
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.phase, self.counts = "forward", {"forward": 0, "backward": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.clone.default and any(
+                    "megazero/tensor_parallel/" in f.filename for f in traceback.extract_stack()):
+                self.counts[self.phase] += 1
+            return func(*args, **(kwargs or {}))
+    cfg = GPTConfig(vocab_size=256, num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=32,
+                    hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=True)
+    stage = GPTStage(cfg, ProcessGroups.build(Topology(tp=2, pp=1, dp=1)), range(layers), True, True, SEED)
+    x = torch.randint(0, 256, (2, 32))
+    with Count() as count:
+        loss = stage(x, x).sum()
+        count.phase = "backward"
+        loss.backward()
+    return count.counts
+
+
+def test_sequence_parallel_layer_makes_six_layout_copies_forward_and_six_backward():
+    """docs/design.md ("Model"): batch-first activations cost each sequence-parallel layer 6
+    copies in the forward (2 all-gathers x 1, 2 reduce-scatters x 2) and 6 in the backward,
+    which Megatron's sequence-first layout avoids; counted here as the difference between a
+    2-layer and a 1-layer stage at tp 2."""
+    one, two = (run_distributed(_sp_copies_run, 2, n)[0] for n in (1, 2))
+    assert {k: two[k] - one[k] for k in one} == {"forward": 6, "backward": 6}
