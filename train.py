@@ -51,7 +51,8 @@ from megazero.tensor_parallel.random import resume_seed
 from data.indexed_dataset import DataError
 from data.run_data import RunData
 from model.generation import pipeline_generate_greedy
-from model.build import build_gpt_config, build_model_chunks, check_from_hf, model_signature, zero3_units
+from model.build import (build_gpt_config, build_model_chunks, check_from_hf, initial_values, model_signature,
+                         zero3_units)
 from model.gpt import VOCAB_TENSORS, generate_greedy
 from model.hf import config_record
 
@@ -103,7 +104,8 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
     ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=reduce_bucket,
                        overlap_comm=z.overlap_comm, grad_dtype=grad_dtype,
                        reshard_after_forward=cfg.parallel.pp == 1 if reshard == "auto" else reshard == "on",
-                       units=[zero3_units(c) for c in chunks], zero3=zero3)
+                       units=[zero3_units(c) for c in chunks], zero3=zero3,
+                       initial_values=initial_values(chunks))   # ZeRO-3: built into the shards
     scaler = None
     if pr.fp16:
         scaler = (StaticLossScaler(pr.loss_scale) if pr.loss_scale > 0 else

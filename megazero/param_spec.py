@@ -75,18 +75,21 @@ class ParamSpec:
         return self.numel if self.partition_dim is None else self.numel // tp
 
 
+def chunk_entries(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool,
+                  post_process: bool) -> list[ParamSpec]:
+    """The entries of the parameters a model chunk holds: its layers, the embedding when
+    ``pre_process``, the head when ``post_process`` (plus a copy of a ``tied_output`` tensor
+    when the chunk holds the head but not the embedding)."""
+    ids = set(layer_ids)
+    return [e for e in spec
+            if (e.part == "layer" and e.layer in ids) or (e.part == "embedding" and pre_process)
+            or (e.part == "head" and post_process) or (e.tied_output and post_process and not pre_process)]
+
+
 def params_on_chunk(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool,
                     post_process: bool, tp: int) -> int:
-    """Parameters (elements) one TP rank of a model chunk holds: its layers, the embedding
-    when ``pre_process``, the head when ``post_process`` (plus a copy of a ``tied_output``
-    tensor when the chunk holds the head but not the embedding)."""
-    ids, total = set(layer_ids), 0
-    for e in spec:
-        here = ((e.part == "layer" and e.layer in ids) or (e.part == "embedding" and pre_process)
-                or (e.part == "head" and post_process)
-                or (e.tied_output and post_process and not pre_process))
-        total += e.local_numel(tp) if here else 0
-    return total
+    """Parameters (elements) one TP rank of a model chunk holds (``chunk_entries``)."""
+    return sum(e.local_numel(tp) for e in chunk_entries(spec, layer_ids, pre_process, post_process))
 
 
 def gather_units(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool,

@@ -1,9 +1,13 @@
 """From megazero's Config to this rank's GPT: the GPTConfig, the model chunks of this pipeline
-stage (built from full tensors and partitioned, DESIGN contract 1 in docs/design.md), their
-ZeRO-3 gather units, an optional Hugging Face starting point, and the model signature a
+stage (built from full tensors and partitioned, DESIGN contract 1 in docs/design.md, one full
+tensor at a time: model/materialize.py), their ZeRO-3 gather units, an optional Hugging Face
+starting point, the memory the build needs (``build_peak_bytes``) and the model signature a
 checkpoint must match. The Trainer (train.py), the planner and the scripts build the model here.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -11,6 +15,7 @@ from torch import nn
 from megazero import collectives
 from megazero.checkpoint import CheckpointError
 from megazero.config import Config
+from megazero.param_spec import chunk_entries
 from megazero.pipeline import partition
 from megazero.precision import model_dtype
 from megazero.process_groups import ProcessGroups
@@ -49,9 +54,15 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
     """This rank's model chunks (one, or V for the interleaved schedule), in the model dtype.
 
     Every chunk starts from the full tensors of (seed, parameter name) and keeps its
-    partition, so any layout starts from the same model (docs/design.md, contract 1).
+    partition, so any layout starts from the same model (docs/design.md, contract 1); the full
+    tensors are made one at a time (``GPTStage.materialize``). At ZeRO-3 the chunks come back
+    unmaterialized (``materialized`` False: placeholders holding no memory) and
+    ``DataParallel(initial_values=initial_values(chunks))`` writes each parameter straight into
+    its gather unit's shard, so no rank ever holds its whole partition. With ``--tf32`` on
+    CUDA, fp32 matmuls run on TF32 (``set_tf32``).
     """
     p = cfg.parallel
+    set_tf32(cfg.precision.tf32, device)
     chunks, tracker = [], None
     full = from_hf_weights(cfg, gcfg, groups.tp_size)
     for v in range(p.virtual_pipeline_size):
@@ -61,12 +72,35 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
                          pre_process=partition.is_pre_process(groups.pp_rank, v),
                          post_process=partition.is_post_process(groups.pp_rank, p.pp, v,
                                                                 p.virtual_pipeline_size),
-                         seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full)
+                         seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full,
+                         materialize=cfg.zero.stage != 3)
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
         chunks.append(chunk)
     if cfg.train.compile:
         compile_layers(chunks)
     return chunks
+
+
+def initial_values(chunks: list[GPTStage]) -> list[Optional[Callable[[str], torch.Tensor]]]:
+    """Per chunk, what ``DataParallel(initial_values=...)`` fills an unmaterialized chunk from
+    (its ``initial_partition``), or None for a chunk whose parameters hold their values."""
+    return [None if c.materialized else c.initial_partition for c in chunks]
+
+
+def set_tf32(enabled: bool, device: torch.device) -> None:
+    """``--tf32`` on CUDA: let fp32 matmuls (cuBLAS) and convolutions (cuDNN) run on TF32 tensor
+    cores (inputs rounded to a 10-bit mantissa, fp32 accumulation; NVIDIA's A100 white paper,
+    "TF32"). Through ``fp32_precision = "tf32"`` where torch has it (2.9+; the ``allow_tf32``
+    switches are to be deprecated), else ``allow_tf32``. Without the flag, or on another
+    device, nothing is touched: PyTorch's default (no TF32 in matmuls) stays."""
+    if not enabled or device.type != "cuda":
+        return
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def compile_layers(chunks: list[GPTStage]) -> None:
@@ -111,6 +145,62 @@ def zero3_units(chunk: GPTStage) -> list[nn.Module]:
     if chunk.post_process:
         units += [chunk.final_ln] + ([] if tied else [chunk.output])
     return units
+
+
+@dataclass(frozen=True)
+class BuildPeak:
+    """Predicted memory of building one rank's model chunks (model/materialize.py), in bytes.
+
+    ``resident``: the parameters the rank keeps: its TP partitions in the model dtype, at ZeRO-3
+    their 1/N shards (N = dp x cp; parameters under ``--zero3-param-persistence-threshold``
+    whole; the buckets' padding, under N elements each, not counted). ZeRO's gradients and
+    optimizer state are not build memory (``megazero.planning.memory`` counts them).
+    ``full``: the largest full fp32 tensor of the rank's chunks. ``in_flight``: the most held
+    at once beside ``resident`` while one parameter is made: its full fp32 tensor, the fp32
+    partition cut from it and that partition's copy in the model dtype on the device, where it
+    is another tensor. ``peak`` puts it all in one memory, as on the CPU; on CUDA the full
+    tensor and its fp32 partition are host memory, ``resident`` and the copy device memory.
+    ``bound``: 2 x (full + resident), what tests/test_model_build.py holds the measured peak to.
+    Reading ``--from-hf`` adds the file's own dtype and layout conversions to ``in_flight``.
+    """
+
+    resident: int
+    full: int
+    in_flight: int
+
+    @property
+    def peak(self) -> int:
+        return self.resident + self.in_flight
+
+    @property
+    def bound(self) -> int:
+        return 2 * (self.full + self.resident)
+
+
+def build_peak_bytes(cfg: Config, gcfg: GPTConfig, pp_rank: int = 0, device_type: str = "cpu") -> BuildPeak:
+    """What building pipeline stage ``pp_rank``'s chunks (``build_model_chunks``, then
+    ``DataParallel`` at ZeRO-3) holds at most on one of its ranks, from the parameter spec
+    alone (no tensor is made): a ``BuildPeak``. ``device_type``: where the parameters live
+    ("cpu" or "cuda"; on CUDA the model-dtype copy of every partition is a tensor of its own)."""
+    p, tp = cfg.parallel, cfg.parallel.tp
+    item = gcfg.params_dtype.itemsize
+    shards = p.dp * p.cp if cfg.zero.stage == 3 else 1
+    threshold = cfg.zero.zero3_param_persistence_threshold
+    spec = gcfg.parameter_spec(tp)
+    resident = full = in_flight = 0
+    for v in range(p.virtual_pipeline_size):
+        ids = partition.layer_ids(gcfg.num_layers, p.pp, pp_rank, p.virtual_pipeline_size, v,
+                                  p.pipeline_layer_split)
+        pre = partition.is_pre_process(pp_rank, v)
+        post = partition.is_post_process(pp_rank, p.pp, v, p.virtual_pipeline_size)
+        for e in chunk_entries(spec, ids, pre, post):
+            local = e.local_numel(tp)
+            resident += item * (local if shards == 1 or local < threshold else -(-local // shards))
+            cut = 4 * local if e.partition_dim is not None else 0   # replicated: the full tensor is it
+            copied = e.partition_dim is None or item != 4 or device_type != "cpu"
+            in_flight = max(in_flight, 4 * e.numel + cut + (item * local if copied else 0))
+            full = max(full, 4 * e.numel)
+    return BuildPeak(resident, full, in_flight)
 
 
 def model_signature(g: GPTConfig) -> dict:

@@ -20,8 +20,9 @@ on this rank's heads (``"tp"`` stream). ``scaled_dot_product_attention`` draws i
 from the global generator, so it runs inside ``tracker.fork("tp")``, which swaps the tp
 stream in for the call.
 
-Initialisation is layout independent (docs/design.md, contract 1): ``init_full_weights``
-makes every full tensor from (seed, canonical name) alone and a stage keeps its partitions.
+Initialisation is layout independent (docs/design.md, contract 1): every full tensor comes
+from (seed, canonical name) alone (``model.spec.InitialWeights``) and a stage keeps its
+partitions, made one full tensor at a time (model/materialize.py).
 
 Context parallelism and packed documents (megazero/context_parallel): a micro-batch may come
 with a ``SequenceInfo`` (``seq``): the rank then holds ``T/cp`` tokens of each sequence (two
@@ -32,11 +33,12 @@ model is exactly the single-sequence one (positions 0..T-1, causal SDPA).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import rearrange
 from torch import nn
 
 from megazero import collectives as C
@@ -52,16 +54,13 @@ from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
-from model.rope import apply_rotary, rotary_cos_sin, rotary_cos_sin_at
-from model.spec import canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
+from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_placeholders  # noqa: F401
+from model.rope import RotaryTable, apply_rotary
+from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
 
 
-VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output.weight")
-
-
-def resize_vocab(t: torch.Tensor, vocab_size: int, padded: int) -> torch.Tensor:
-    """Keep the real rows of a vocabulary tensor and zero-pad them to ``padded`` rows."""
-    return F.pad(t[:vocab_size], (0, 0, 0, padded - vocab_size))
+# SDPA expands the key/value heads itself (``enable_gqa``, torch >= 2.5): no repeated K/V tensors
+SDPA_GQA = torch.__version__ >= (2, 5)
 
 
 class Embedding(nn.Module):
@@ -110,10 +109,12 @@ class Attention(nn.Module):
     heads. Grouped-query (``num_query_groups`` G, Ainslie et al. 2023): the rows are G blocks
     ``[q of heads/G heads; k; v]`` and each rank holds ``G/tp`` whole groups (model/spec.py);
     each key/value head serves the ``heads/G`` query heads of its group. With
-    ``position_embedding_type == "rope"`` q and k are rotated (model/rope.py).
+    ``position_embedding_type == "rope"`` q and k are rotated by the stage's ``rope`` table
+    (model/rope.py; made here when not given).
     """
 
-    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None):
+    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None,
+                 rope: Optional[RotaryTable] = None):
         super().__init__()
         H, tp = cfg.hidden_size, C.group_size(group)
         self.cp = cp  # (cp group, its global ranks in cp order) or None
@@ -123,6 +124,9 @@ class Attention(nn.Module):
         self.groups_local = cfg.kv_heads // tp
         self.q_per_group = cfg.num_attention_heads // cfg.kv_heads
         self.rotary = (cfg.rotary_dim, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
+        if self.rotary is not None and rope is None:
+            rope = RotaryTable.for_model(cfg, device)
+        self.rope = rope
         self.dropout_p, self.tracker = cfg.attention_dropout, tracker
         self.recompute_core = cfg.recompute_granularity == "selective"
         rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * H
@@ -149,16 +153,16 @@ class Attention(nn.Module):
         T = q.shape[2]
         if self.rotary is not None:
             if seq is None:
-                cos, sin = rotary_cos_sin(T, *self.rotary, device=q.device, dtype=q.dtype)  # (T, rot)
+                cos, sin = self.rope.first(T, q.dtype)                           # (T, rot)
             else:  # this rank's positions: zigzag chunks, or restarting per document
-                cos, sin = rotary_cos_sin_at(seq.position_ids, *self.rotary, dtype=q.dtype)  # (B, 1, T, rot)
+                cos, sin = self.rope.at(seq.position_ids, q.dtype)               # (B, 1, T, rot)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if seq is not None:  # K/V stay query groups: the ring sends G/tp heads, not heads/tp
             core = functools.partial(self._context_core, seq=seq)
             y = recompute(core, self.tracker, q, k, v) if self.recompute_core else core(q, k, v)
             return self.proj(rearrange(y, "b h t d -> b t (h d)"))
-        if self.q_per_group > 1:  # each key/value head serves the heads/G query heads of its group
-            k, v = (repeat(t, "b g t d -> b (g r) t d", r=self.q_per_group) for t in (k, v))
+        if self.q_per_group > 1 and not SDPA_GQA:  # each key/value head serves its group's query heads
+            k, v = (t.repeat_interleave(self.q_per_group, dim=1) for t in (k, v))  # (B, heads/tp, T, d)
         if self.recompute_core:  # selective recomputation: keep q, k, v only
             y = recompute(self._core, self.tracker, q, k, v)
         else:
@@ -183,12 +187,18 @@ class Attention(nn.Module):
                               segment_ids=seq.segment_ids)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim)."""
+        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim).
+
+        k and v have ``G/tp`` heads under grouped-query attention when SDPA expands them itself
+        (``SDPA_GQA``): query head h reads key/value head ``h // (heads/G)``, as
+        ``repeat_interleave`` would give, with the same forward values (its K/V gradients sum
+        the group's heads in another order: equal to rounding, tests/test_model_build.py)."""
         p = self.dropout_p if self.training else 0.0
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if p > 0:
             with self.tracker.fork("tp"):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
 
 
 class MLP(nn.Module):
@@ -220,10 +230,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block with residual dropout (``hidden_dropout``)."""
 
-    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None):
+    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None,
+                 rope: Optional[RotaryTable] = None):
         super().__init__()
         self.ln1 = _norm(cfg, device)
-        self.attn = Attention(cfg, group, sp, tracker, device, cp)
+        self.attn = Attention(cfg, group, sp, tracker, device, cp, rope)
         self.ln2 = _norm(cfg, device)
         self.mlp = MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
@@ -255,11 +266,17 @@ class GPTStage(nn.Module):
         post_process: holds the final LayerNorm and the output layer (last chunk).
         seed: initialisation seed (``init_full_weights``); the dropout tracker, unless
             given, is seeded with ``seed + 100 * pp_rank`` (Megatron's convention).
-        full_weights: canonical full tensors to slice instead of ``init_full_weights``.
+        full_weights: canonical full tensors to slice instead of ``InitialWeights(cfg, seed,
+            tp)`` (a mapping; a lazy one, e.g. ``model.hf.CanonicalView``, is read one tensor
+            at a time).
         rng_tracker: share one tracker between the chunks of an interleaved schedule.
         device: where the parameters live and the dropout masks are drawn (default CPU);
             build the stage on its device rather than moving it, since the tracker's
             generators stay on the device they were made for.
+        materialize: give the parameters their initial values now (``materialize()``), one
+            at a time. False: they stay placeholders holding no memory (NaN when read) until
+            whoever owns their storage fills them from ``initial_partition`` -- ZeRO-3's
+            ``DataParallel(initial_values=...)``, which writes each straight into its shard.
 
     With tied embeddings a last stage that is not also the first keeps its own copy of the
     word-embedding partition (same name, same initial value); when ``pp_size > 1`` both
@@ -269,8 +286,8 @@ class GPTStage(nn.Module):
 
     def __init__(self, cfg: GPTConfig, groups: ProcessGroups, layer_ids: Iterable[int],
                  pre_process: bool, post_process: bool, seed: int, *,
-                 full_weights: Optional[dict[str, torch.Tensor]] = None,
-                 rng_tracker: Optional[RNGTracker] = None, device=None):
+                 full_weights: Optional[Mapping[str, torch.Tensor]] = None,
+                 rng_tracker: Optional[RNGTracker] = None, device=None, materialize: bool = True):
         super().__init__()
         cfg.validate(groups.tp_size)
         self.cfg, self.groups, self.tp = cfg, groups, groups.tp
@@ -278,29 +295,38 @@ class GPTStage(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.padded_vocab = cfg.padded_vocab(groups.tp_size)
         self.sp = cfg.sequence_parallel and groups.tp_size > 1
+        self.device = torch.device(device if device is not None else "cpu")
         self.rng_tracker = rng_tracker or RNGTracker(seed + 100 * groups.pp_rank,
-                                                     groups.tp_rank, device or "cpu")
-        if pre_process or (post_process and cfg.tie_embeddings):
-            with_positions = pre_process and cfg.position_embedding_type == "learned_absolute"
-            self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, device)
-        cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
-                                                   device, cp) for i in self.layer_ids})
-        if post_process:
-            self.final_ln = _norm(cfg, device)
-            if not cfg.tie_embeddings:
-                self.output = ColumnParallelLinear(
-                    cfg.hidden_size, self.padded_vocab, self.tp, bias=False,
-                    sequence_parallel=self.sp, dtype=cfg.params_dtype, device=device,
-                    overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
+                                                     groups.tp_rank, self.device)
+        self._build_modules(cfg, groups)
+        use_placeholders(self, self.device)
         self._tag_from_spec()
         if groups.pp_size > 1 and cfg.tie_embeddings and (pre_process or post_process):
             tags.set_shared_embedding(self.embedding.word_embeddings.weight,
                                       counted_here=pre_process)
-        if full_weights is None:
-            names = [n for n, _ in self.named_parameters()]
-            full_weights = init_full_weights(cfg, seed, groups.tp_size, names)
-        self.load_full_weights(full_weights)
+        self._initial = InitialWeights(cfg, seed, groups.tp_size) if full_weights is None else full_weights
+        self.materialized = False
+        if materialize:
+            self.materialize()
+
+    def _build_modules(self, cfg: GPTConfig, groups: ProcessGroups) -> None:
+        """The embedding, blocks and head on the meta device (no memory; ``use_placeholders``
+        moves them to ``self.device``), sharing one rotary table made on the device."""
+        meta, pre, post = "meta", self.pre_process, self.post_process
+        if pre or (post and cfg.tie_embeddings):
+            with_positions = pre and cfg.position_embedding_type == "learned_absolute"
+            self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, meta)
+        cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
+        rope = RotaryTable.for_model(cfg, self.device) if cfg.position_embedding_type == "rope" else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
+                                                   meta, cp, rope) for i in self.layer_ids})
+        if post:
+            self.final_ln = _norm(cfg, meta)
+            if not cfg.tie_embeddings:
+                self.output = ColumnParallelLinear(
+                    cfg.hidden_size, self.padded_vocab, self.tp, bias=False,
+                    sequence_parallel=self.sp, dtype=cfg.params_dtype, device=meta,
+                    overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
 
     def _tag_from_spec(self) -> None:
         """Partition tags of every parameter from its spec entry (model/spec.py); a parameter
@@ -321,29 +347,43 @@ class GPTStage(nn.Module):
                 raise ValueError(f"{name}: spec gives a partition of shape {tuple(local)}, the "
                                  f"module holds {tuple(p.shape)}")
 
-    @torch.no_grad()
-    def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's partition of each canonical full tensor into the parameters.
+    def _partition(self, name: str, full: Mapping) -> torch.Tensor:
+        g = self.groups
+        return local_partition(name, self.get_parameter(name), full, g.tp_rank, g.tp_size,
+                               self.cfg.vocab_size, self.padded_vocab)
 
-        Vocabulary tensors may have any number of rows >= ``vocab_size`` (e.g. padded for
-        another TP size): the real rows are kept and re-padded with zeros to this layout's
-        padded vocabulary. Partitions follow each parameter's tags. Raises KeyError naming
-        a missing tensor, ValueError on a shape mismatch.
-        """
-        tp_rank, tp_size = self.groups.tp_rank, self.groups.tp_size
+    @torch.no_grad()
+    def initial_partition(self, name: str) -> torch.Tensor:
+        """This rank's partition of parameter ``name``'s initial value: a new tensor of the
+        parameter's shape and dtype on ``self.device``, cut from its full tensor alone (made by
+        ``InitialWeights`` or read from ``full_weights``), which is dropped on return. Raises
+        KeyError naming a missing tensor, ValueError on a shape mismatch, RuntimeError once the
+        stage has materialized (its source is dropped then)."""
+        if self._initial is None:
+            raise RuntimeError(f"{name}: the stage's initial values were already given to its parameters")
+        p = self.get_parameter(name)
+        src = self._partition(name, self._initial)
+        if tags.is_partitioned(p) and src.dtype == p.dtype and src.device == self.device:
+            return src   # already a new contiguous tensor (tags.partition_tensor): no third copy
+        return torch.empty(p.shape, dtype=p.dtype, device=self.device).copy_(src)
+
+    @torch.no_grad()
+    def materialize(self) -> None:
+        """Give every parameter its initial value, one at a time (``initial_partition``): at
+        most one full tensor and one partition exist beyond the parameters already made.
+        Drops the source of the values (``full_weights`` is not kept alive by the stage)."""
         for name, p in self.named_parameters():
-            if name not in full:
-                raise KeyError(f"full weights lack {name!r}, needed by this stage")
-            src = full[name]
-            if name in VOCAB_TENSORS:
-                src = resize_vocab(src, self.cfg.vocab_size, self.padded_vocab)
-            if tags.is_partitioned(p):
-                src = tags.partition_tensor(src, p.partition_dim, tp_rank, tp_size,
-                                            p.partition_stride)
-            if src.shape != p.shape:
-                raise ValueError(f"{name}: full tensor gives a partition of shape "
-                                 f"{tuple(src.shape)}, parameter is {tuple(p.shape)}")
-            p.copy_(src)
+            p.data = self.initial_partition(name)
+        self._initial, self.materialized = None, True
+
+    @torch.no_grad()
+    def load_full_weights(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's partition of each canonical full tensor into the (materialized)
+        parameters, one tensor at a time (``model.materialize.local_partition``: vocabulary
+        tensors of any padding, partitions from each parameter's tags). Raises KeyError naming
+        a missing tensor, ValueError on a shape mismatch."""
+        for name, p in self.named_parameters():
+            p.copy_(self._partition(name, full))
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 seq: Optional[SequenceInfo] = None) -> torch.Tensor:

@@ -48,3 +48,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x_rot.chunk(2, dim=-1)                                   # (B, n, T, rot/2) each
     rotated = torch.cat([-x2, x1], dim=-1)                            # "rotate half"
     return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+class RotaryTable:
+    """``cos`` and ``sin`` of positions ``0 .. length-1`` made once (``rotary_cos_sin``, fp32) and
+    read by every layer of a stage in every forward, instead of each layer rebuilding them.
+
+    ``length`` covers every position the model sees (``max_position_embeddings``); the rows of
+    a prefix or of given positions equal ``rotary_cos_sin`` / ``rotary_cos_sin_at`` bit for bit
+    in every dtype (each angle is one product ``t * inv_freq[j]`` whatever the length, and a
+    dtype's table is the fp32 one cast once, as those functions cast; tests/test_model_build.py).
+    Tables: two ``[length, rot]`` fp32 tensors on ``device``, plus one cast pair per other dtype.
+    """
+
+    def __init__(self, length: int, rot_dim: int, base: float, device=None):
+        self.cos, self.sin = rotary_cos_sin(length, rot_dim, base, device=device)
+        self._cast = {torch.float32: (self.cos, self.sin)}
+
+    @classmethod
+    def for_model(cls, cfg, device=None) -> "RotaryTable":
+        """The table of a ``model.config.GPTConfig`` with rotary positions."""
+        return cls(max(cfg.max_position_embeddings, cfg.seq_length), cfg.rotary_dim, cfg.rotary_base,
+                   device=device)
+
+    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return self._cast[dtype]
+
+    def first(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``0 .. seq_len-1``: two ``[T, rot]`` views. Raises ValueError past the table."""
+        if seq_len > self.cos.shape[0]:
+            raise ValueError(f"{seq_len} positions exceed the rotary table's {self.cos.shape[0]}")
+        cos, sin = self._tables(dtype)
+        return cos[:seq_len], sin[:seq_len]
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Given positions ``[B, T]`` (int, below the table's length): two ``[B, 1, T, rot]``
+        tensors that broadcast over heads (``rotary_cos_sin_at``'s values)."""
+        cos, sin = self._tables(dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)   # (B, 1, T, rot)

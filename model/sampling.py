@@ -26,11 +26,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import rearrange
 
 from megazero.tensor_parallel.layers import parallel_lm_logits
 from megazero.tensor_parallel.mappings import gather_from_tp_region
-from model.rope import apply_rotary, rotary_cos_sin
+from model.gpt import SDPA_GQA
+from model.rope import apply_rotary
 
 
 def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor, tuple]:
@@ -38,17 +39,20 @@ def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor
     q, k, v = attn._split_heads(attn.qkv(x))  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
     t = q.shape[2]
     past = 0 if cache is None else cache[0].shape[2]
-    if attn.rotary is not None:  # absolute positions past .. past + t - 1
-        cos, sin = rotary_cos_sin(past + t, *attn.rotary, device=q.device, dtype=q.dtype)  # (past+t, rot)
+    if attn.rotary is not None:  # absolute positions past .. past + t - 1: the stage's table
+        cos, sin = attn.rope.first(past + t, q.dtype)                               # (past+t, rot)
         q, k = apply_rotary(q, cos[past:], sin[past:]), apply_rotary(k, cos[past:], sin[past:])
     if cache is not None:
         k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, kv/tp, past+t, d)
     cache = (k, v)
-    if attn.q_per_group > 1:  # each key/value head serves its group's query heads
-        k, v = (repeat(z, "b g t d -> b (g r) t d", r=attn.q_per_group) for z in (k, v))
+    gqa = {}
+    if attn.q_per_group > 1 and SDPA_GQA:  # SDPA reads each key/value head for its group's queries
+        gqa = {"enable_gqa": True}
+    elif attn.q_per_group > 1:
+        k, v = (z.repeat_interleave(attn.q_per_group, dim=1) for z in (k, v))  # (B, n/tp, past+t, d)
     # new token i (absolute position past + i) sees keys 0 .. past + i
     mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, n/tp, t, d)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)  # (B, n/tp, t, d)
     y = rearrange(y, "b h t d -> b t (h d)")                       # (B, t, n_head/tp * d = H/tp)
     return attn.proj(y), cache
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Iterable, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 
 from megazero.param_spec import ParamSpec
 if TYPE_CHECKING:   # model.config imports this module (GPTConfig.parameter_spec)
@@ -93,27 +93,48 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+class InitialWeights(Mapping):
+    """The initial full (unpartitioned) fp32 tensors of the model, made one at a time.
+
+    ``weights[name]`` makes canonical tensor ``name`` from (seed, name) alone and keeps no
+    reference to it, so a caller that slices its partition and drops the full tensor holds
+    at most one full tensor at a time (model/gpt.py, ``GPTStage``). Each tensor follows its
+    spec entry's init rule: ``normal`` ~ N(0, init_method_std), ``scaled_normal`` divides the
+    std by ``sqrt(2 * num_layers)`` (GPT-2), ``zeros``, ``ones``. Vocabulary tensors draw
+    ``[vocab_size, H]`` and are zero-padded to ``cfg.padded_vocab(tp_size)`` rows, so the real
+    rows do not depend on ``tp_size``. Raises KeyError for a name that is not canonical.
+    """
+
+    def __init__(self, cfg: GPTConfig, seed: int, tp_size: int = 1):
+        self.cfg, self.seed = cfg, seed
+        self.spec = spec_by_name(cfg, cfg.padded_vocab(tp_size))
+        self.std = {"normal": cfg.init_method_std,
+                    "scaled_normal": cfg.init_method_std / math.sqrt(2 * cfg.num_layers)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        e = self.spec[name]
+        if e.init in ("zeros", "ones"):
+            return (torch.zeros if e.init == "zeros" else torch.ones)(e.shape, device="cpu")
+        rows = self.cfg.vocab_size if e.vocab else e.shape[0]
+        full = torch.zeros(e.shape, device="cpu")   # rows past the real vocabulary stay zero
+        # normal_ on the real rows draws what torch.randn((rows, ...)) draws (randn is
+        # empty().normal_()); in place, with the in-place product, one tensor in all
+        full[:rows].normal_(0, 1, generator=_generator(self.seed, name)).mul_(self.std[e.init])
+        return full
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.spec)
+
+    def __len__(self) -> int:
+        return len(self.spec)
+
+
 def init_full_weights(cfg: GPTConfig, seed: int, tp_size: int = 1,
                       names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
-    """Every full (unpartitioned) fp32 tensor of the model, from (seed, canonical name) alone.
-
-    Each tensor follows its spec entry's init rule: ``normal`` ~ N(0, init_method_std),
-    ``scaled_normal`` divides the std by ``sqrt(2 * num_layers)`` (GPT-2), ``zeros``,
-    ``ones``. Vocabulary tensors draw ``[vocab_size, H]`` and are zero-padded to
-    ``cfg.padded_vocab(tp_size)`` rows, so the real rows do not depend on ``tp_size``.
-    ``names`` restricts the result to those canonical names (e.g. one pipeline stage's).
-    Raises KeyError for a name that is not canonical.
-    """
-    spec = spec_by_name(cfg, cfg.padded_vocab(tp_size))
-    std = {"normal": cfg.init_method_std,
-           "scaled_normal": cfg.init_method_std / math.sqrt(2 * cfg.num_layers)}
-    full = {}
-    for name in (spec if names is None else names):
-        e = spec[name]
-        if e.init in ("zeros", "ones"):
-            full[name] = (torch.zeros if e.init == "zeros" else torch.ones)(e.shape, device="cpu")
-            continue
-        rows = cfg.vocab_size if e.vocab else e.shape[0]
-        t = torch.randn((rows, *e.shape[1:]), generator=_generator(seed, name), device="cpu") * std[e.init]
-        full[name] = F.pad(t, (0, 0, 0, e.shape[0] - rows))  # zero rows past the real vocabulary
-    return full
+    """Every full (unpartitioned) fp32 tensor of the model at once, from (seed, canonical name)
+    alone (``InitialWeights``' rules); ``names`` restricts the result to those canonical names
+    (e.g. one pipeline stage's). The oracle (tests/reference.py) and the Hugging Face export
+    read it; a stage builds from ``InitialWeights`` so as not to hold them all. Raises KeyError
+    for a name that is not canonical."""
+    weights = InitialWeights(cfg, seed, tp_size)
+    return {name: weights[name] for name in (weights if names is None else names)}

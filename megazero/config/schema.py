@@ -241,6 +241,8 @@ class PrecisionConfig:
 
     fp16: bool = _f(False, "fp16 weights and activations, fp32 master weights, loss scaling")
     bf16: bool = _f(False, "bf16 weights and activations, fp32 master weights")
+    tf32: bool = _f(False, "CUDA only: fp32 matmuls and convolutions on TF32 tensor cores "
+                    "(10-bit mantissa inputs, fp32 accumulation); ignored on the CPU")
     loss_scale: float = _f(0.0, "static fp16 loss scale; 0 = dynamic", "", ge=0, applies=_FP16)
     initial_scale_power: int = _f(16, "dynamic loss scale starts at 2**power", "", ge=0, lt=128,
                                   applies=_DYNAMIC_SCALE)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -67,6 +67,12 @@ class DataParallel:
         zero3: stage 3 settings (:class:`~megazero.data_parallel.zero3_gather.Zero3Options`:
             prefetch, live bound, persistence, reuse distance, parameter offload); its
             ``reshard_after_forward`` is replaced by the argument above.
+        initial_values: per chunk, None (its parameters hold their values) or, for a chunk
+            whose parameters are placeholders (``model.gpt.GPTStage(materialize=False)``), a
+            function from parameter name to its initial value (the stage's
+            ``initial_partition``). The buffers ask for one parameter at a time, in buffer
+            order; at ZeRO-3 each gather unit is filled and sharded before the next, and only
+            the parts in this rank's shards are kept (``zero3.Stage3.init_params``).
 
     Attributes: ``buffers`` (list[ShardedBuffer], the public interface), ``strategy``,
     ``params``, ``dp_size``, ``peak_temp_bytes`` (staging high-water mark of the last step),
@@ -82,7 +88,8 @@ class DataParallel:
                  bucket_size: int, overlap_comm: bool, grad_dtype: torch.dtype = torch.float32,
                  buckets_in_flight: int = 2, reshard_after_forward: bool = True,
                  units: Optional[list[list[nn.Module]]] = None,
-                 zero3: Optional[Zero3Options] = None):
+                 zero3: Optional[Zero3Options] = None,
+                 initial_values: Optional[list[Optional[Callable[[str], torch.Tensor]]]] = None):
         self.reshard_after_forward = reshard_after_forward
         self.strategy = make_strategy(zero_stage)
         self.zero3 = None
@@ -102,7 +109,8 @@ class DataParallel:
         self._index: dict[int, int] = {}
         self.params: list[nn.Parameter] = []
         for cid, chunk in enumerate(self.chunks):
-            self._add_chunk(cid, chunk, bucket_size, (units or [[]] * len(chunks))[cid])
+            self._add_chunk(cid, chunk, bucket_size, (units or [[]] * len(chunks))[cid],
+                            (initial_values or [None] * len(chunks))[cid])
         self._is_last = [False] * len(self.chunks)
         self._pending: deque = deque()   # (buffer, bucket index, work handle, staged)
         self._free: list[torch.Tensor] = []   # staging buffers to reuse (stage 2)
@@ -122,29 +130,40 @@ class DataParallel:
     def stage(self) -> int:
         return self.strategy.stage
 
-    def _add_chunk(self, cid: int, chunk: nn.Module, bucket_size: int, units: list) -> None:
+    def _add_chunk(self, cid: int, chunk: nn.Module, bucket_size: int, units: list,
+                   initial_value: Optional[Callable[[str], torch.Tensor]]) -> None:
         params = [p for p in chunk.parameters() if p.requires_grad and id(p) not in self._owner]
+        values = None
+        if initial_value is not None:
+            names = {id(p): name for name, p in chunk.named_parameters()}
+            values = lambda p: initial_value(names[id(p)])   # noqa: E731
         if self.zero3 is None:
-            self._add_buffers(cid, params, bucket_size, self.strategy)
+            self._add_buffers(cid, params, bucket_size, self.strategy, values)
         else:   # ZeRO-3: small parameters stay whole (ZeRO-2 buffer), one buffer set per unit
             persistent, groups = split_units(params, units,
                                              self.zero3.opt.param_persistence_threshold)
-            self._add_buffers(cid, persistent, bucket_size, Stage2())
+            self._add_buffers(cid, persistent, bucket_size, Stage2(), values)
             self.zero3.add_chunk(chunk, cid)
             for module, members in groups:
                 self.zero3.add_unit(chunk, cid, module,
-                                    self._add_buffers(cid, members, bucket_size, self.strategy))
+                                    self._add_buffers(cid, members, bucket_size, self.strategy, values))
+        if values is not None:
+            left = [name for name, p in chunk.named_parameters() if id(p) not in self._owner]
+            if left:
+                raise ValueError(f"chunk {cid}: parameters {left[:3]} are placeholders that no buffer "
+                                 "fills (requires_grad=False); materialize the stage first")
         self.params.extend(params)
 
-    def _add_buffers(self, cid: int, params: list, bucket_size: int, strategy) -> list:
-        """One ShardedBuffer per (tied across stages, dtype) group of ``params``."""
+    def _add_buffers(self, cid: int, params: list, bucket_size: int, strategy, values=None) -> list:
+        """One ShardedBuffer per (tied across stages, dtype) group of ``params``, its values
+        from ``values(p)`` (default: each parameter's own)."""
         groups: dict[tuple, list] = {}
         for p in params:
             groups.setdefault((tags.is_shared_embedding(p), p.dtype), []).append(p)
         made = []
         for (shared, _), members in groups.items():
             layout = GradBuffer(members, bucket_size, self.dp_size, self.dp_rank)
-            buf = ShardedBuffer(layout, cid, shared, strategy, self.grad_dtype)
+            buf = ShardedBuffer(layout, cid, shared, strategy, self.grad_dtype, values)
             self.buffers.append(buf)
             made.append(buf)
             for i, p in enumerate(layout.params):

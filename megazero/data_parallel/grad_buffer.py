@@ -96,7 +96,8 @@ class GradBuffer:
     ``padded_numel / N``). This class holds the layout only; ``sharding.ShardedBuffer`` owns storage.
 
     Raises ValueError for an empty parameter list, ``bucket_size < 1`` or a
-    non-contiguous parameter (its flat view would not alias it).
+    non-contiguous parameter (its flat view would not alias it) other than a zero-stride
+    placeholder (``model.materialize.use_placeholders``: its values come from elsewhere).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], bucket_size: int, dp_size: int,
@@ -107,7 +108,7 @@ class GradBuffer:
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
         for p in unique:
-            if not p.is_contiguous():
+            if not p.is_contiguous() and any(p.stride()):
                 raise ValueError(f"GradBuffer: parameter of shape {tuple(p.shape)} is not "
                                  "contiguous")
         self.params = unique[::-1]

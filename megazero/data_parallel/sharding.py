@@ -28,7 +28,7 @@ Psi = elements of the buffer), chosen once by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -61,8 +61,17 @@ class ShardingStrategy:
     shards_grads = False
     gathers_on_demand = False   # parameters gathered around each unit's compute (ZeRO-3)
 
-    def setup(self, buf: "ShardedBuffer") -> None:
-        """Called once the buffer holds every parameter (ZeRO-3 keeps its shard only)."""
+    def init_params(self, buf: "ShardedBuffer", values: Callable) -> None:
+        """Give ``buf`` its parameter storage and values, one parameter at a time: here the full
+        flat buffer ``params_flat`` (world coordinates, zero padding), each parameter's
+        ``.data`` becoming its view. ``values(p)`` is ``p``'s value (its ``.data``, or an
+        unmaterialized stage's ``initial_partition``). ZeRO-3 keeps its shard only."""
+        layout = buf.layout
+        buf.params_flat = torch.zeros(layout.padded_numel, dtype=buf.param_dtype, device=buf.device)
+        for p in layout.params:
+            r = layout.param_range[id(p)]
+            buf.params_flat[r.start:r.end].copy_(values(p).reshape(-1))
+            p.data = buf.params_flat[r.start:r.end].view_as(p)
 
     def gather(self, buf: "ShardedBuffer", group) -> None:
         """Make ``buf``'s parameters whole before compute (ZeRO-3)."""
@@ -245,34 +254,40 @@ class Stage2(ShardingStrategy):
         return buckets_in_flight + 2
 
 
+def _own_values(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s own values; ValueError for a placeholder (zero strides: one value repeated)."""
+    if p.numel() > 1 and not any(p.stride()):
+        raise ValueError(f"parameter of shape {tuple(p.shape)} is a placeholder holding no values; "
+                         "give DataParallel its initial_values (model.build.initial_values)")
+    return p.data
+
+
 class ShardedBuffer:
     """One flat parameter buffer, its gradient storage and backward bookkeeping.
 
     Args: ``layout`` (the GradBuffer), ``chunk_id`` (model chunk), ``shared`` (weights tied
-    across pipeline stages), ``strategy``, ``grad_dtype``. The constructor copies every
-    parameter into ``params_flat`` (world coordinates, model dtype) and makes the parameter's
-    ``.data`` a view of it. ``main_is_param``: the parameters are fp32, so the optimizer
-    updates them in place as its main params.
+    across pipeline stages), ``strategy``, ``grad_dtype``, ``values`` (a parameter's initial
+    value, default its ``.data``; asked for one parameter at a time). The constructor copies
+    every parameter into ``params_flat`` (world coordinates, model dtype) and makes the
+    parameter's ``.data`` a view of it (``strategy.init_params``; ZeRO-3 copies only this rank's
+    shard). ``main_is_param``: the parameters are fp32, so the optimizer updates them in place
+    as its main params. ``device``: where the parameters live (that of the first parameter).
     """
 
     def __init__(self, layout: GradBuffer, chunk_id: int, shared: bool,
-                 strategy: ShardingStrategy, grad_dtype: torch.dtype):
+                 strategy: ShardingStrategy, grad_dtype: torch.dtype,
+                 values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         self.layout, self.chunk_id, self.shared, self.strategy = layout, chunk_id, shared, strategy
         first = layout.params[0]
-        self.params_flat = torch.zeros(layout.padded_numel, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for p in layout.params:
-                r = layout.param_range[id(p)]
-                self.params_flat[r.start:r.end].copy_(p.data.reshape(-1))
-                p.data = self.params_flat[r.start:r.end].view_as(p)
-        self.param_dtype = first.dtype
+        self.param_dtype, self.device = first.dtype, first.device
         self.main_is_param = first.dtype == torch.float32
-        self.grads = strategy.allocate_grads(layout, grad_dtype, first.device)
+        self.params_flat = self.params_shard = None   # stage 3: the shard, local coordinates
+        with torch.no_grad():
+            strategy.init_params(self, values or _own_values)
+        self.grads = strategy.allocate_grads(layout, grad_dtype, self.device)
         self.staging: dict[int, torch.Tensor] = {}   # stage 2: bucket index -> [bucket size]
-        self.params_shard = None                     # stage 3: local coordinates
         self.next_issue = 0
         self.reset_tracking()
-        strategy.setup(self)
 
     def reset_tracking(self) -> None:
         self.seen = [set() for _ in self.layout.buckets]

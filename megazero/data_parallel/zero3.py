@@ -41,18 +41,29 @@ class Stage3(Stage2):
     gathers_on_demand = True
     offload_param = False
 
-    def setup(self, buf) -> None:
-        """Keep this rank's shard of the parameters (host memory with offload) and drop the
-        full buffer."""
-        layout, device = buf.layout, buf.params_flat.device
+    def init_params(self, buf, values) -> None:
+        """Keep only this rank's shard of the parameters (host memory with offload): each
+        parameter's value is asked for in turn (``values(p)``; not at all when no part of it
+        lies in this rank's shard), its part in the shard copied in and the value dropped, so
+        the full buffer never exists, nor, with an unmaterialized stage
+        (``model.gpt.GPTStage(materialize=False)``), more than one parameter's partition. The
+        parameters are then released (zero-stride placeholders)."""
+        layout, device = buf.layout, buf.device
         host = self.offload_param and device.type != "cpu"
-        buf.params_shard = torch.empty(layout.shard_numel, dtype=buf.params_flat.dtype,
+        buf.params_shard = torch.zeros(layout.shard_numel, dtype=buf.param_dtype,   # padding: 0
                                        device="cpu" if self.offload_param else device,
                                        pin_memory=host)
-        for b in layout.buckets:
-            buf.params_shard[b.shard_local.start:b.shard_local.end].copy_(
-                buf.params_flat[b.shard_world.start:b.shard_world.end])
-        buf.placeholder = torch.zeros(1, dtype=buf.params_shard.dtype, device=device)
+        for p in layout.params:
+            r, flat = layout.param_range[id(p)], None
+            for k in layout.param_buckets[id(p)]:
+                b = layout.buckets[k]
+                part = r.intersect(b.shard_world)   # world range of p in this rank's shard of b
+                if part is None:
+                    continue
+                flat = values(p).reshape(-1) if flat is None else flat
+                at = b.shard_local.start + part.start - b.shard_world.start
+                buf.params_shard[at:at + part.size].copy_(flat[part.start - r.start:part.end - r.start])
+        buf.placeholder = torch.zeros(1, dtype=buf.param_dtype, device=device)
         buf.pending_gather, buf.offloaded, buf.full = None, self.offload_param, None
         self.release(buf)
 
