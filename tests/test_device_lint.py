@@ -42,7 +42,7 @@ HOST_TENSORS = {
     # Layout-invariant initialisation (docs/design.md, contract 6): every full weight is drawn
     # by a CPU generator seeded from (seed, name), so its values do not depend on the device;
     # the caller keeps this rank's partition and moves it to the device.
-    ("model/spec.py", "init_full_weights"):
+    ("model/spec.py", "InitialWeights.__getitem__"):
         "full weights from a seeded CPU generator",
     # The full (unsharded) tensors of a checkpoint, read in one process for generate.py and
     # convert_checkpoint.py: the host holds them; the model takes its partitions from them.
