@@ -62,12 +62,20 @@ def vocab_of(cfg) -> int:
 
 
 def plan_table(cfg, vocab: int) -> str:
-    """One row per pipeline stage: Psi, model states, activations, temporaries, peak (MiB)."""
+    """One row per pipeline stage: Psi, model states, activations, temporaries, peak (MiB).
+
+    With --cp > 1 two more columns name what one layer's cp attention holds at once (part of the
+    activations where it is the larger transient): its K/V buffers (the ring's K/V current and
+    next with the dK/dV and dQ accumulators, or the all-to-all buffers) and the ring's block
+    scores (``megazero.planning.activations.context_parallel_bytes``).
+    """
+    cp = cfg.parallel.cp > 1
     rows = [f"{'stage':>5} {'params':>14} {'states MiB':>11} {'activ. MiB':>11} {'temps MiB':>10} "
-            f"{'peak MiB':>10}"]
+            f"{'peak MiB':>10}" + (f" {'cp K/V bufs MiB':>16} {'ring blocks MiB':>16}" if cp else "")]
     for e in plan_stages(cfg, build_gpt_config(cfg, vocab), on_cuda=uses_cuda(cfg)):
         rows.append(f"{e.stage:>5} {e.params:>14,} {e.model_state_bytes / MiB:>11.1f} "
-                    f"{e.activation_bytes / MiB:>11.1f} {e.temporary_bytes / MiB:>10.1f} {e.total_bytes / MiB:>10.1f}")
+                    f"{e.activation_bytes / MiB:>11.1f} {e.temporary_bytes / MiB:>10.1f} {e.total_bytes / MiB:>10.1f}"
+                    + (f" {e.cp_attention.kv_buffers / MiB:>16.1f} {e.cp_attention.scores / MiB:>16.1f}" if cp else ""))
     return "\n".join(rows)
 
 
@@ -106,7 +114,7 @@ def measure_rank(rank: int, world: int, argv: list[str], steps: int) -> tuple[in
     run = train.build_data(cfg)
     train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
     gbs = cfg.train.global_batch_size
     batches = [train.dp_micro_batches(train_ds, s * gbs, cfg, groups, "cpu") for s in range(steps)]
     _warm_up()
@@ -177,7 +185,7 @@ def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tu
 def main(argv: Optional[list[str]] = None) -> int:
     """Plan (or measure, or search layouts for) the run of ``argv`` (default: the command line)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the flags)")
+    ap.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x cp x pp x dp of the flags)")
     ap.add_argument("--measure", action="store_true", help="run on CPU gloo ranks and measure each rank's peak")
     ap.add_argument("--measure-steps", type=int, default=3)
     ap.add_argument("--devices", type=int, default=None, help="list layouts of this many devices that fit")
@@ -202,9 +210,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _world_of(argv: list[str]) -> int:
-    """tp x pp x dp as given by --tp/--pp/--dp (1 when absent)."""
+    """tp x cp x pp x dp as given by --tp/--cp/--pp/--dp (1 when absent)."""
     size = 1
-    for flag in ("--tp", "--pp", "--dp"):
+    for flag in ("--tp", "--cp", "--pp", "--dp"):
         size *= int(_flag(argv, flag, "1"))
     return size
 
