@@ -3,7 +3,7 @@
 The per-layer counts are checked against the bytes autograd really saves in model/gpt.py's
 layer (a saved-tensors hook sums the distinct storages; with context parallelism on 2 gloo
 ranks, ring and all-to-all), the plan against measured peak memory of a CPU run (cp 1 and
-cp 2), and the layout search against a GPT-3 175B-sized model.
+cp 2), and the layout search against a GPT-3 175B-sized model (with cp in the search).
 """
 import os
 import subprocess
@@ -180,10 +180,29 @@ def test_plan_lists_a_fitting_layout_for_a_175b_gpt():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "layouts of 1024 devices fit in 80 GiB" in lines[0]
-    tp, pp, dp, zero, rc, peak, unit = lines[2].split()
-    assert int(tp) * int(pp) * int(dp) == 1024 and unit == "GiB" and float(peak) <= 80
-    peaks = [float(line.split()[5]) for line in lines[2:]]
+    assert lines[1].split() == ["tp", "cp", "comm", "pp", "dp", "zero", "recompute", "peak", "per", "rank"]
+    tp, cp, comm, pp, dp, zero, rc, peak, unit = lines[2].split()
+    assert int(tp) * int(cp) * int(pp) * int(dp) == 1024 and unit == "GiB" and float(peak) <= 80
+    peaks = [float(line.split()[7]) for line in lines[2:]]
     assert peaks == sorted(peaks)
+
+
+def test_layout_search_takes_cp_where_the_sequence_allows_it():
+    """The search's cp: divisors of devices / (tp x pp) with 2 cp dividing the sequence (12
+    tokens: of 8 devices cp 2, not 4 or 8; of 6 devices cp 2, 3 and 6), cp x tp dividing it
+    under sequence parallelism, a2a only where tp x cp divides the heads (2 heads: only tp 1,
+    cp 2); no cp with attention dropout, which cp refuses. Every layout has tp x cp x pp x dp
+    ranks."""
+    plan = _plan_script()
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "12",
+            "--vocab-size", "101", "--micro-batch-size", "1", "--global-batch-size", "24"]
+    found = {label[:5] for label, _ in plan.layouts(argv, 8)}
+    assert all(tp * cp * pp * dp == 8 for tp, cp, _, pp, dp in found)
+    cps = {(tp, cp, comm) for tp, cp, comm, _, _ in found}
+    assert {cp for _, cp, _ in cps} == {1, 2}   # cp 4 and 8: 12 tokens are not 2 cp chunks
+    assert {(tp, cp, comm) for tp, cp, comm in cps if cp > 1} == {(1, 2, "p2p"), (1, 2, "a2a"), (2, 2, "p2p")}
+    assert {label[1] for label, _ in plan.layouts(argv + ["--attention-dropout", "0.1"], 8)} == {1}
+    assert {label[1] for label, _ in plan.layouts(argv, 6)} == {1, 2, 3, 6}
 
 
 def _plan_script():

@@ -38,6 +38,7 @@ out-of-memory kill minutes later (docs/design.md, contracts 2 and 3).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -154,13 +155,20 @@ def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> li
     """Peak micro-batch-chunks alive per stage. GPipe keeps all ``m``; for 1F1B and the
     interleaved schedule the peak stops growing once ``m`` passes a few times ``pp``, so they
     are simulated with at most ``4 pp`` micro-batches (a multiple of pp, as interleaving needs)."""
+    return list(_simulated_inflight(schedule, pp, vp_size, num_microbatches))
+
+
+@functools.lru_cache(maxsize=256)
+def _simulated_inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> tuple[int, ...]:
+    """``_inflight``, cached: a layout search (scripts/plan.py --devices) asks for the same
+    schedules many times."""
     if pp == 1:
-        return [1]
+        return (1,)
     if schedule == "gpipe":
-        return [num_microbatches * vp_size] * pp
+        return (num_microbatches * vp_size,) * pp
     m = min(num_microbatches, 4 * pp)
     actions = [build_schedule(schedule, m, pp, r, vp_size) for r in range(pp)]
-    return simulate(actions, pp, vp_size).peak_inflight
+    return tuple(simulate(actions, pp, vp_size).peak_inflight)
 
 
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
