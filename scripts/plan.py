@@ -223,7 +223,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if own.devices is not None:
         fits = fitting_layouts(argv, own.devices, own.device_memory)
         print(f"{len(fits)} layouts of {own.devices} devices fit in {own.device_memory:g} GiB; smallest peak first:")
-        print(f"{'tp':>3} {'cp':>4} {'comm':>4} {'pp':>3} {'dp':>5} {'zero':>4} {'recompute':>10} {'peak per rank':>14}")
+        print(f"{'tp':>3} {'cp':>4} {'comm':>4} {'pp':>3} {'dp':>5} {'zero':>4} {'recompute':>10} "
+              f"{'peak per rank':>14}")
         for peak, (tp, cp, comm, pp, dp, zero, rc) in fits[:own.top]:
             print(f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {rc:>10} {gib(peak):>14}")
         return 0 if fits else 1
