@@ -20,7 +20,14 @@ and compared with one closed-form function per case below, derived from the algo
 - ``theory_pipeline``: one activation ``[B, T, H]`` sent forward per micro-batch at every
   chunk that is not the model's last, one gradient sent back at every chunk that is not the
   first; the tied word embedding's gradient summed over first and last stage; the loss
-  broadcast from the last stage.
+  broadcast from the last stage;
+- ``theory_cp``: context parallelism (megazero/context_parallel/attention.py): per layer and
+  micro-batch the ring's K/V (and dK/dV) sends (``--cp-comm-type p2p``, counted as "send"
+  beside the pipeline's) or the all-to-alls of q, k, v, out and their gradients (``a2a``), in
+  the closed forms ``ring_bytes_per_layer`` / ``a2a_bytes_per_layer`` on this rank's
+  ``T/cp`` tokens and ``G/tp`` key/value heads; the gradient buffer all-reduced over the
+  ``dp x cp`` ranks that hold the same parameters (padded to a multiple of dp x cp); with tp
+  the sequence-parallel traffic of ``theory_tp_sp`` on ``[B, T/cp, H]``.
 
 Every step also has three scalars: the inf/NaN flag (fp32, MAX over the world), the squared
 gradient norm (fp64, SUM over tp x pp, or over the world when ZeRO shards it) and the
@@ -51,7 +58,8 @@ BASE = ["--mock-data", "--vocab-size", str(VOCAB), "--num-layers", str(LAYERS),
 @dataclass(frozen=True)
 class Shape:
     """One case's sizes: layers L, hidden H, padded vocabulary V, positions P, micro-batch B,
-    sequence T, micro-batches per step m, and the layout."""
+    sequence T (whole; a rank holds ``T/cp``), micro-batches per step m, and the layout (cp
+    with its ``cp_comm`` type)."""
 
     L: int
     H: int
@@ -64,14 +72,26 @@ class Shape:
     pp: int = 1
     dp: int = 1
     vp: int = 1
+    cp: int = 1
+    cp_comm: str = "p2p"
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are reduced: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def Tl(self) -> int:
+        """Tokens of each sequence on one rank: T/cp."""
+        return self.T // self.cp
 
 
-def shape_of(tp=1, pp=1, dp=1, vp=1, global_batch=8) -> Shape:
+def shape_of(tp=1, pp=1, dp=1, vp=1, global_batch=8, cp=1, cp_comm="p2p") -> Shape:
     """The model of ``BASE`` under a layout; V padded to a multiple of 8 x tp (Megatron)."""
     step = 8 * tp
     padded = -(-VOCAB // step) * step
     return Shape(LAYERS, HIDDEN, padded, POSITIONS, MICRO, SEQ, global_batch // (MICRO * dp),
-                 tp, pp, dp, vp)
+                 tp, pp, dp, vp, cp, cp_comm)
 
 
 def round_up(x: int, n: int) -> int:
@@ -94,7 +114,7 @@ def scalars(s: Shape, zero_stage: int) -> dict:
     """The step's three scalars: flag (fp32, world), norm (fp64, tp x pp or world), loss share
     plus the SIGTERM/SIGINT/SIGUSR1/time stop flags (5 x fp64, world); the loss is also
     broadcast from the last stage over pp (fp64)."""
-    world, mp = s.tp * s.pp * s.dp, s.tp * s.pp
+    world, mp = s.tp * s.cp * s.pp * s.dp, s.tp * s.pp
     norm_group = world if zero_stage >= 1 else mp
     out = {"all_reduce": F32 * (world > 1) + F64 * (norm_group > 1) + 5 * F64 * (world > 1)}
     if s.pp > 1:
@@ -131,8 +151,8 @@ def theory_zero2(s: Shape, pp_rank: int) -> dict:
 
 
 def _ce(s: Shape) -> int:
-    """Vocabulary-parallel cross-entropy forward: MAX of [B, T] and SUM of [3, B, T], fp32."""
-    return F32 * 4 * s.B * s.T
+    """Vocabulary-parallel cross-entropy forward: MAX of [B, T/cp] and SUM of [3, B, T/cp], fp32."""
+    return F32 * 4 * s.B * s.Tl
 
 
 def theory_tp(s: Shape, pp_rank: int) -> dict:
@@ -152,8 +172,8 @@ def sequence_parallel_params(s: Shape) -> int:
 def theory_tp_sp(s: Shape, pp_rank: int) -> dict:
     """TP with SP, per micro-batch: the 4L + 2 all-reduces become reduce-scatters of
     [B, T, H] and their conjugates all-gathers of [B, T/tp, H]; cross-entropy unchanged;
-    once per step the SP parameters' gradients all-reduced over TP."""
-    act = F32 * s.B * s.T * s.H
+    once per step the SP parameters' gradients all-reduced over TP. (T is a rank's T/cp.)"""
+    act = F32 * s.B * s.Tl * s.H
     per_micro = {"reduce_scatter": (4 * s.L + 2) * act,
                  "all_gather": (4 * s.L + 2) * act // s.tp, "all_reduce": _ce(s)}
     step = {k: s.m * v for k, v in per_micro.items()}
@@ -182,6 +202,28 @@ def theory_tp_zero2(s: Shape, pp_rank: int) -> dict:
                scalars(s, 2))
 
 
+def context_parallel_attention(s: Shape) -> dict:
+    """The cp attention's bytes in one step: ``m`` micro-batches x ``L`` layers of the forward
+    and backward closed forms (``megazero.context_parallel.attention``), fp32, no documents."""
+    from megazero.context_parallel.attention import a2a_bytes_per_layer, ring_bytes_per_layer
+
+    heads, d = HEADS // s.tp, s.H // HEADS                 # G = heads (multi-head attention)
+    if s.cp_comm == "a2a":
+        per = a2a_bytes_per_layer(s.B, heads, heads, s.Tl, d, F32, s.cp)
+    else:
+        per = ring_bytes_per_layer(s.B, heads, s.Tl, d, F32, s.cp)
+    return {kind: s.m * s.L * n for kind, n in add(per.forward, per.backward).items()}
+
+
+def theory_cp(s: Shape, pp_rank: int) -> dict:
+    """Context parallelism at ZeRO-0: the cp attention's bytes, the gradient buffer (padded to
+    a multiple of dp x cp) all-reduced once per step over the dp x cp replicas, with tp the
+    sequence-parallel traffic of ``theory_tp_sp`` on the ``T/cp`` local tokens; the scalars."""
+    reduce = {"all_reduce": F32 * round_up(params_per_rank(s), s.replicas)}
+    rest = theory_tp_sp(s, pp_rank) if s.tp > 1 else scalars(s, 0)
+    return add(context_parallel_attention(s), reduce, rest)
+
+
 #: name, ranks, flags beyond BASE, shape, theory
 CASES = [
     ("dp2 ZeRO-0", 2, ["--dp", "2", "--zero-stage", "0", "--global-batch-size", "8"],
@@ -206,6 +248,11 @@ CASES = [
      Shape(**{**shape_of(pp=4).__dict__, "L": 4}), theory_pipeline),
     ("tp2 dp2 ZeRO-2", 4, ["--tp", "2", "--dp", "2", "--zero-stage", "2",
                            "--global-batch-size", "8"], shape_of(tp=2, dp=2), theory_tp_zero2),
+    ("cp2 p2p", 2, ["--cp", "2", "--global-batch-size", "4"], shape_of(cp=2, global_batch=4), theory_cp),
+    ("cp2 a2a", 2, ["--cp", "2", "--cp-comm-type", "a2a", "--global-batch-size", "4"],
+     shape_of(cp=2, cp_comm="a2a", global_batch=4), theory_cp),
+    ("tp2 cp2 SP p2p", 4, ["--tp", "2", "--cp", "2", "--sequence-parallel", "--global-batch-size", "4"],
+     shape_of(tp=2, cp=2, global_batch=4), theory_cp),
 ]
 
 
@@ -226,7 +273,7 @@ def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int,
         run = train.prepare_run(cfg)
         train_ds, vocab = run.train, run.vocab_size
         p = cfg.parallel
-        groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+        groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
         trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
         for step in range(2):
             batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")

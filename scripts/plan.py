@@ -5,7 +5,8 @@
     python scripts/plan.py [train.py flags] --world-size N --measure [--measure-steps K]
         runs K steps on N gloo ranks on this CPU and prints each rank's predicted and measured peak;
     python scripts/plan.py [model flags] --devices N --device-memory GiB [--top K]
-        the layouts (tp, pp, dp, ZeRO stage, recomputation) whose predicted peak fits, smallest first.
+        the layouts (tp, cp with its comm type, pp, dp, ZeRO stage, recomputation) whose predicted
+        peak fits, smallest first.
 
 Measured peak (CPU): the rank's peak resident memory (``VmHWM``, reset through
 ``/proc/self/clear_refs`` at the baseline) minus its resident memory at the baseline, taken
@@ -30,7 +31,8 @@ import torch  # noqa: E402
 import train  # noqa: E402
 from data.indexed_dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer  # noqa: E402
-from megazero.config import MOCK_VOCAB_SIZE, config_from_argv  # noqa: E402
+from megazero.config import MOCK_VOCAB_SIZE, ConfigError, config_from_argv  # noqa: E402
+from megazero.config.shape import check_context_parallel  # noqa: E402
 from megazero.planning.memory import gib  # noqa: E402
 from megazero.planning.plan import plan_memory, plan_stages  # noqa: E402
 from megazero.runtime.launch import uses_cuda  # noqa: E402
@@ -62,12 +64,20 @@ def vocab_of(cfg) -> int:
 
 
 def plan_table(cfg, vocab: int) -> str:
-    """One row per pipeline stage: Psi, model states, activations, temporaries, peak (MiB)."""
+    """One row per pipeline stage: Psi, model states, activations, temporaries, peak (MiB).
+
+    With --cp > 1 two more columns name what one layer's cp attention holds at once (part of the
+    activations where it is the larger transient): its K/V buffers (the ring's K/V current and
+    next with the dK/dV and dQ accumulators, or the all-to-all buffers) and the ring's block
+    scores (``megazero.planning.activations.context_parallel_bytes``).
+    """
+    cp = cfg.parallel.cp > 1
     rows = [f"{'stage':>5} {'params':>14} {'states MiB':>11} {'activ. MiB':>11} {'temps MiB':>10} "
-            f"{'peak MiB':>10}"]
+            f"{'peak MiB':>10}" + (f" {'cp K/V bufs MiB':>16} {'ring blocks MiB':>16}" if cp else "")]
     for e in plan_stages(cfg, build_gpt_config(cfg, vocab), on_cuda=uses_cuda(cfg)):
         rows.append(f"{e.stage:>5} {e.params:>14,} {e.model_state_bytes / MiB:>11.1f} "
-                    f"{e.activation_bytes / MiB:>11.1f} {e.temporary_bytes / MiB:>10.1f} {e.total_bytes / MiB:>10.1f}")
+                    f"{e.activation_bytes / MiB:>11.1f} {e.temporary_bytes / MiB:>10.1f} {e.total_bytes / MiB:>10.1f}"
+                    + (f" {e.cp_attention.kv_buffers / MiB:>16.1f} {e.cp_attention.scores / MiB:>16.1f}" if cp else ""))
     return "\n".join(rows)
 
 
@@ -106,7 +116,7 @@ def measure_rank(rank: int, world: int, argv: list[str], steps: int) -> tuple[in
     run = train.build_data(cfg)
     train_ds, vocab = run.train, run.vocab_size
     p = cfg.parallel
-    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp))
+    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
     gbs = cfg.train.global_batch_size
     batches = [train.dp_micro_batches(train_ds, s * gbs, cfg, groups, "cpu") for s in range(steps)]
     _warm_up()
@@ -142,9 +152,32 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _cp_options(base, tp: int, ranks: int) -> list[tuple[int, str]]:
+    """(cp, comm type) pairs for ``ranks`` = devices / (tp x pp): cp = 1, and every divisor cp > 1
+    of ``ranks`` that ``shape.check_context_parallel`` accepts (2 cp divides the sequence, with
+    SP cp x tp does, a2a needs the heads divisible by tp x cp), with p2p and a2a. None at cp > 1
+    when the run has attention dropout or --compile, which context parallelism refuses
+    (``config.checks._check_context_parallel``)."""
+    m = base.model
+    options = [(1, "p2p")]
+    if m.attention_dropout > 0 or base.train.compile:
+        return options
+    for cp in (d for d in _divisors(ranks) if d > 1):
+        for comm in ("p2p", "a2a"):
+            try:
+                check_context_parallel(seq_length=m.seq_length, cp=cp, tp=tp, sequence_parallel=tp > 1,
+                                       comm_type=comm, num_attention_heads=m.num_attention_heads,
+                                       num_query_groups=m.num_query_groups if m.group_query_attention else None)
+            except ConfigError:
+                continue
+            options.append((cp, comm))
+    return options
+
+
 def layouts(argv: list[str], devices: int, max_tp: int = 8):
-    """Every (tp, pp, dp, ZeRO stage, recomputation) of ``devices`` ranks the model allows, as
-    (label, argv); tp a power of two up to ``max_tp`` (one node), sequence parallel when tp > 1."""
+    """Every (tp, cp, cp comm type, pp, dp, ZeRO stage, recomputation) of ``devices`` ranks the
+    model allows, as (label, argv); tp a power of two up to ``max_tp`` (one node), sequence
+    parallel when tp > 1, cp as ``_cp_options`` gives it (the comm type "-" at cp 1)."""
     base = config_from_argv(argv + ["--tp", "1", "--pp", "1", "--dp", "1"], 1, print_warnings=False,
                             needs_data=False)
     m, t = base.model, base.train
@@ -152,14 +185,17 @@ def layouts(argv: list[str], devices: int, max_tp: int = 8):
         if m.num_attention_heads % tp or m.ffn_hidden_size % tp:
             continue
         for pp in (d for d in _divisors(m.num_layers) if devices % (tp * d) == 0):
-            dp = devices // (tp * pp)
-            if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
-                continue
-            for zero in (0, 1, 2):
-                for name, flags in RECOMPUTE.items():
-                    extra = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--zero-stage", str(zero)]
-                    extra += (["--sequence-parallel"] if tp > 1 else []) + flags
-                    yield (tp, pp, dp, zero, name), argv + extra
+            for cp, comm in _cp_options(base, tp, devices // (tp * pp)):
+                dp = devices // (tp * pp * cp)
+                if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+                    continue
+                extra = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp)]
+                extra += ["--cp", str(cp), "--cp-comm-type", comm] if cp > 1 else []
+                extra += ["--sequence-parallel"] if tp > 1 else []
+                for zero in (0, 1, 2):
+                    for name, flags in RECOMPUTE.items():
+                        label = (tp, cp, comm if cp > 1 else "-", pp, dp, zero, name)
+                        yield label, argv + extra + ["--zero-stage", str(zero)] + flags
 
 
 def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tuple[float, tuple]]:
@@ -177,7 +213,7 @@ def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tu
 def main(argv: Optional[list[str]] = None) -> int:
     """Plan (or measure, or search layouts for) the run of ``argv`` (default: the command line)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the flags)")
+    ap.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x cp x pp x dp of the flags)")
     ap.add_argument("--measure", action="store_true", help="run on CPU gloo ranks and measure each rank's peak")
     ap.add_argument("--measure-steps", type=int, default=3)
     ap.add_argument("--devices", type=int, default=None, help="list layouts of this many devices that fit")
@@ -187,9 +223,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if own.devices is not None:
         fits = fitting_layouts(argv, own.devices, own.device_memory)
         print(f"{len(fits)} layouts of {own.devices} devices fit in {own.device_memory:g} GiB; smallest peak first:")
-        print(f"{'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'recompute':>10} {'peak per rank':>14}")
-        for peak, (tp, pp, dp, zero, rc) in fits[:own.top]:
-            print(f"{tp:>3} {pp:>3} {dp:>5} {zero:>4} {rc:>10} {gib(peak):>14}")
+        print(f"{'tp':>3} {'cp':>4} {'comm':>4} {'pp':>3} {'dp':>5} {'zero':>4} {'recompute':>10} "
+              f"{'peak per rank':>14}")
+        for peak, (tp, cp, comm, pp, dp, zero, rc) in fits[:own.top]:
+            print(f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {rc:>10} {gib(peak):>14}")
         return 0 if fits else 1
     world = own.world_size or _world_of(argv)
     cfg = config_from_argv(argv, world, needs_data=own.measure)  # only --measure reads the data
@@ -202,9 +239,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _world_of(argv: list[str]) -> int:
-    """tp x pp x dp as given by --tp/--pp/--dp (1 when absent)."""
+    """tp x cp x pp x dp as given by --tp/--cp/--pp/--dp (1 when absent)."""
     size = 1
-    for flag in ("--tp", "--pp", "--dp"):
+    for flag in ("--tp", "--cp", "--pp", "--dp"):
         size *= int(_flag(argv, flag, "1"))
     return size
 

@@ -1,6 +1,7 @@
 """Communication volume equals theory: bytes counted in megazero/collectives.py for one
 training step of each layout in scripts/bench_comm.py (DP ZeRO-0/1/2, TP with and without
-sequence parallelism, pipeline GPipe / 1F1B / interleaved, TP x ZeRO-2) equal the closed-form
+sequence parallelism, pipeline GPipe / 1F1B / interleaved, TP x ZeRO-2, context parallelism:
+cp 2 ring and all-to-all on two ranks, tp 2 x cp 2 with SP on four) equal the closed-form
 functions there, kind by kind, on every rank. One spawn per world size runs all its cases."""
 import pytest
 
@@ -34,3 +35,12 @@ def test_theory_relations():
     d = B.shape_of(dp=2)
     assert B.theory_zero2(d, 0)["reduce_scatter"] == d.m * B.theory_zero1(d, 0)["reduce_scatter"]
     assert B.theory_zero1(d, 0)["all_gather"] * d.dp == B.theory_zero1(d, 0)["reduce_scatter"]
+    # context parallelism: the replicas are dp x cp, so cp 2 all-reduces the gradient buffer as
+    # dp 2 does; its ring moves "send" bytes where a2a moves "all_to_all" ones; tp 2 x cp 2 runs
+    # tp 2's sequence-parallel collectives on half the tokens of each sequence
+    c, a = B.shape_of(cp=2, global_batch=4), B.shape_of(cp=2, cp_comm="a2a", global_batch=4)
+    dp2 = B.shape_of(dp=2, global_batch=8)
+    assert B.theory_cp(c, 0)["all_reduce"] == B.theory_dp_zero0(dp2, 0)["all_reduce"] and dp2.m == c.m
+    assert set(B.theory_cp(c, 0)) == {"send", "all_reduce"} and set(B.theory_cp(a, 0)) == {"all_to_all", "all_reduce"}
+    tc = B.theory_cp(B.shape_of(tp=2, cp=2, global_batch=4), 0)
+    assert 2 * tc["reduce_scatter"] == sp["reduce_scatter"] and 2 * tc["all_gather"] == sp["all_gather"]

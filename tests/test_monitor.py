@@ -123,6 +123,28 @@ def test_peak_table_mfu_and_throughput():
     assert perf == {"tokens_per_s": 2048.0, "tflops_per_device": 1.0, "mfu": 0.25}
 
 
+def _trainer_flops(rank, world, argv):
+    import train
+    from megazero.config import config_from_argv
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+
+    cfg = config_from_argv(argv, world)
+    p = cfg.parallel
+    groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
+    return train.Trainer(cfg, groups, torch.device("cpu"), 1001).flops_per_iteration
+
+
+def test_model_flops_per_iteration_do_not_change_with_cp():
+    """Context parallelism splits each sequence, not the batch: the trainer's FLOPs per iteration
+    (the same tokens, the attention counted over the whole sequence) at cp 2 equal dp 2's."""
+    from tests.distributed import run_distributed
+    from tests.test_train import BASE
+
+    flops = {flag: run_distributed(_trainer_flops, 2, BASE + [flag, "2"]) for flag in ("--cp", "--dp")}
+    assert flops["--cp"] == flops["--dp"] and flops["--cp"][0] > 0
+
+
 @pytest.mark.cuda
 def test_cuda_peak_timer_and_memory():
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -1,8 +1,9 @@
 """The memory planner's activation and temporary terms (megazero/planning/activations.py) and scripts/plan.py.
 
 The per-layer counts are checked against the bytes autograd really saves in model/gpt.py's
-layer (a saved-tensors hook sums the distinct storages), the plan against measured peak
-memory of a CPU run, and the layout search against a GPT-3 175B-sized model.
+layer (a saved-tensors hook sums the distinct storages; with context parallelism on 2 gloo
+ranks, ring and all-to-all), the plan against measured peak memory of a CPU run (cp 1 and
+cp 2), and the layout search against a GPT-3 175B-sized model (with cp in the search).
 """
 import os
 import subprocess
@@ -18,20 +19,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S, B, H, HEADS = 256, 2, 64, 4
 
 
-def _saved_bytes_per_layer(rank, world, drop, granularity):
-    """Bytes of the distinct non-parameter storages autograd saves, per layer (3 layers - 1 layer)."""
+def _saved_bytes_per_layer(rank, world, drop, granularity, cp_comm_type="p2p"):
+    """Bytes of the distinct non-parameter storages autograd saves, per layer (3 layers - 1 layer),
+    on one rank of a cp = ``world`` layout (this rank's zigzag ``S/cp`` tokens of each sequence)."""
+    from megazero.context_parallel.sequence import SequenceInfo
+    from megazero.context_parallel.zigzag import local_token_index, split_for_rank
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
     from model.config import GPTConfig
     from model.gpt import GPTStage
 
-    groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=1))
+    groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=1, cp=world))
     totals = []
     for layers in (1, 3):
         cfg = GPTConfig(vocab_size=101, num_layers=layers, hidden_size=H, num_attention_heads=HEADS,
-                        seq_length=S, hidden_dropout=drop, attention_dropout=drop, make_vocab_size_divisible_by=8,
-                        recompute_granularity=granularity,
-                        recompute_method="uniform" if granularity == "full" else None)
+                        seq_length=S, hidden_dropout=drop, attention_dropout=0.0 if world > 1 else drop,
+                        make_vocab_size_divisible_by=8, recompute_granularity=granularity,
+                        recompute_method="uniform" if granularity == "full" else None, cp_comm_type=cp_comm_type)
         stage = GPTStage(cfg, groups, range(layers), True, True, seed=1)
         params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
         seen = {}
@@ -41,15 +45,19 @@ def _saved_bytes_per_layer(rank, world, drop, granularity):
             if storage.data_ptr() not in params:
                 seen[storage.data_ptr()] = storage.nbytes()
             return t
-        tokens = torch.randint(0, 100, (B, S))
+        tokens, seq = torch.randint(0, 100, (B, S)), None
+        if world > 1:
+            index = local_token_index(S, groups.cp_rank, world)
+            tokens = split_for_rank(tokens, 1, groups.cp_rank, world)               # (B, S/cp)
+            seq = SequenceInfo(token_index=index, position_ids=index.expand(B, -1))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            stage(tokens, labels=tokens)
+            stage(tokens, labels=tokens, seq=seq)
         totals.append(sum(seen.values()))
     return (totals[1] - totals[0]) / 2
 
 
 class _Sizes:
-    num_layers, hidden_size, ffn_hidden_size, num_attention_heads, seq_length = 1, H, 4 * H, HEADS, S
+    num_layers, hidden_size, ffn_hidden_size, num_attention_heads, kv_heads, seq_length = 1, H, 4 * H, HEADS, HEADS, S
 
 
 @pytest.mark.parametrize("drop, granularity", [(0.0, None), (0.1, None), (0.1, "selective"), (0.1, "full")])
@@ -62,6 +70,20 @@ def test_layer_bytes_equal_what_autograd_saves(drop, granularity):
                            recompute_method="uniform" if granularity == "full" else None)
     kept = chunk_bytes(_Sizes, a, 1)[0]
     assert kept == pytest.approx(saved, rel=0.03), (kept, saved)
+
+
+@pytest.mark.parametrize("comm, drop, granularity", [("p2p", 0.0, None), ("a2a", 0.0, None),
+                                                     ("p2p", 0.1, "selective")])
+def test_layer_bytes_at_cp2_equal_what_autograd_saves(comm, drop, granularity):
+    """At cp 2 every kept tensor holds S/2 tokens, and the cp core keeps its output besides
+    ``proj``'s input: the planner's count per layer is what autograd saves on each rank."""
+    saved = run_distributed(_saved_bytes_per_layer, 2, drop, granularity, comm)
+    a = ActivationSettings(micro_batch_size=B, tp=1, sequence_parallel=False, activation_bytes=4,
+                           hidden_dropout=drop, recompute_granularity=granularity, cp=2, cp_comm_type=comm)
+    kept = chunk_bytes(_Sizes, a, 1)[0]
+    assert kept == pytest.approx(S // 2 * B * H * 4 * (17 if granularity is None else 18))
+    for rank_saved in saved:
+        assert kept == pytest.approx(rank_saved, rel=0.03), (kept, rank_saved)
 
 
 def test_recomputation_and_sequence_parallelism_shrink_the_count():
@@ -88,6 +110,56 @@ def test_recomputation_and_sequence_parallelism_shrink_the_count():
     assert temporary_bytes(1000, 4, 3, 2, 4, 100, 100, 2, 300) == (4 * 100 * 4 + 300 * 2, 0.0)
 
 
+def _plan_of(argv: list[str], world: int):
+    from megazero.config import config_from_argv
+    from megazero.planning.plan import plan_memory
+    from model.build import build_gpt_config
+
+    cfg = config_from_argv(argv, world, print_warnings=False, needs_data=False)
+    return plan_memory(cfg, build_gpt_config(cfg, 1001))
+
+
+def test_plan_per_rank_shrinks_with_cp():
+    """GPT of 4 layers, hidden 1024, sequence 8192, bf16, ZeRO-1: each cp rank keeps T/cp tokens
+    of every activation (a2a: cp x activations is the same at cp 2, 4, 8) and ZeRO shards over
+    dp x cp (cp 2's states are dp 2's); the ring's K/V buffers halve and its block scores (one
+    (T/2cp)^2 block, five alive in the backward) quarter when cp doubles, and the ring's peak
+    falls from cp 2 on. (At cp 2 its fp32 blocks, 640 MiB here, outweigh the halved
+    activations: the fused kernel of cp 1 keeps no score matrix.)"""
+    base = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "8192",
+            "--vocab-size", "1001", "--micro-batch-size", "1", "--bf16", "--zero-stage", "1"]
+
+    def plan(cp, comm="p2p"):
+        return _plan_of(base + ["--cp", str(cp), "--cp-comm-type", comm, "--global-batch-size", "1"], cp)
+    a2a = {cp: plan(cp, "a2a") for cp in (2, 4, 8)}
+    ring = {cp: plan(cp) for cp in (2, 4, 8)}
+    single = plan(1)
+    assert a2a[2].activation_bytes * 2 == a2a[4].activation_bytes * 4 == a2a[8].activation_bytes * 8
+    assert single.total_bytes > a2a[2].total_bytes > a2a[4].total_bytes > a2a[8].total_bytes
+    assert single.cp_attention.total == 0 and a2a[2].cp_attention.scores == 0
+    assert ring[2].model_state_bytes == _plan_of(base + ["--dp", "2", "--global-batch-size", "2"], 2).model_state_bytes
+    assert ring[2].cp_attention.scores == 5 * 1 * 8 * (8192 // 4) ** 2 * 4 == 4 * ring[4].cp_attention.scores
+    assert ring[2].cp_attention.kv_buffers == 2 * ring[4].cp_attention.kv_buffers
+    assert ring[2].total_bytes > ring[4].total_bytes > ring[8].total_bytes
+    assert ring[2].activation_bytes > single.activation_bytes
+
+
+def test_plan_table_names_the_ring_buffers(capsys):
+    """scripts/plan.py at --cp 2 adds the cp attention's K/V buffers and the ring's block scores
+    as columns; the launcher's line names them too."""
+    from megazero.planning.memory import describe
+
+    plan = _plan_script()
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "4096",
+            "--vocab-size", "1001", "--micro-batch-size", "1", "--global-batch-size", "1"]
+    assert plan.main(argv + ["--cp", "2"]) == 0
+    head, row = capsys.readouterr().out.splitlines()
+    assert head.split()[-7:] == ["cp", "K/V", "bufs", "MiB", "ring", "blocks", "MiB"]
+    assert [float(x) for x in row.split()[-2:]] == [4.5, 80.0]   # 9 q-sized fp32 buffers; 5 x 16 MiB
+    line = describe(_plan_of(argv + ["--cp", "2"], 2), None)
+    assert "context-parallel attention holds 0.08 GiB at once: K/V buffers 0.00 GiB, block scores 0.08 GiB" in line
+
+
 def test_zero3_formula_is_p_g_k_over_n():
     """Rajbhandari et al. 2020, sec. 5.3: (p + g + K) Psi / N; K = 8 (Adam) + 4 (fp32 main
     params) unless the model itself is fp32 (the main params are the parameters)."""
@@ -108,10 +180,29 @@ def test_plan_lists_a_fitting_layout_for_a_175b_gpt():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "layouts of 1024 devices fit in 80 GiB" in lines[0]
-    tp, pp, dp, zero, rc, peak, unit = lines[2].split()
-    assert int(tp) * int(pp) * int(dp) == 1024 and unit == "GiB" and float(peak) <= 80
-    peaks = [float(line.split()[5]) for line in lines[2:]]
+    assert lines[1].split() == ["tp", "cp", "comm", "pp", "dp", "zero", "recompute", "peak", "per", "rank"]
+    tp, cp, comm, pp, dp, zero, rc, peak, unit = lines[2].split()
+    assert int(tp) * int(cp) * int(pp) * int(dp) == 1024 and unit == "GiB" and float(peak) <= 80
+    peaks = [float(line.split()[7]) for line in lines[2:]]
     assert peaks == sorted(peaks)
+
+
+def test_layout_search_takes_cp_where_the_sequence_allows_it():
+    """The search's cp: divisors of devices / (tp x pp) with 2 cp dividing the sequence (12
+    tokens: of 8 devices cp 2, not 4 or 8; of 6 devices cp 2, 3 and 6), cp x tp dividing it
+    under sequence parallelism, a2a only where tp x cp divides the heads (2 heads: only tp 1,
+    cp 2); no cp with attention dropout, which cp refuses. Every layout has tp x cp x pp x dp
+    ranks."""
+    plan = _plan_script()
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "12",
+            "--vocab-size", "101", "--micro-batch-size", "1", "--global-batch-size", "24"]
+    found = {label[:5] for label, _ in plan.layouts(argv, 8)}
+    assert all(tp * cp * pp * dp == 8 for tp, cp, _, pp, dp in found)
+    cps = {(tp, cp, comm) for tp, cp, comm, _, _ in found}
+    assert {cp for _, cp, _ in cps} == {1, 2}   # cp 4 and 8: 12 tokens are not 2 cp chunks
+    assert {(tp, cp, comm) for tp, cp, comm in cps if cp > 1} == {(1, 2, "p2p"), (1, 2, "a2a"), (2, 2, "p2p")}
+    assert {label[1] for label, _ in plan.layouts(argv + ["--attention-dropout", "0.1"], 8)} == {1}
+    assert {label[1] for label, _ in plan.layouts(argv, 6)} == {1, 2, 3, 6}
 
 
 def _plan_script():
@@ -146,18 +237,40 @@ def test_plan_needs_no_data(capsys):
     assert err.startswith("megazero: config error: ") and "--vocab-size" in err and err.count("\n") == 1
 
 
+def _measure(argv: list[str]) -> list[tuple[float, float]]:
+    """(predicted, measured) peak MiB of every rank of ``scripts/plan.py --measure`` on ``argv``."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--mock-data", "--vocab-size", "1001",
+         "--make-vocab-size-divisible-by", "8", "--num-layers", "2", "--num-attention-heads", "4",
+         "--eval-iters", "0", "--measure", "--measure-steps", "2"] + argv,
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    rows = lines[lines.index(next(l for l in lines if l.split()[:2] == ["rank", "predicted"])) + 1:]
+    return [(float(r.split()[1]), float(r.split()[2])) for r in rows]
+
+
 @pytest.mark.slow
 def test_measure_agrees_with_the_plan():
     """scripts/plan.py --measure on one CPU rank: the predicted peak is within 10 % of the
     measured one at sequence length 1024, with and without recomputation."""
     for extra in ([], ["--recompute-granularity", "selective"]):
-        out = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--mock-data", "--vocab-size", "1001",
-             "--make-vocab-size-divisible-by", "8", "--num-layers", "2", "--hidden-size", "256",
-             "--num-attention-heads", "4", "--seq-length", "1024", "--micro-batch-size", "2",
-             "--global-batch-size", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-             "--eval-iters", "0", "--measure", "--measure-steps", "2"] + extra,
-            capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-        assert out.returncode == 0, out.stderr
-        rank, want, got, err = out.stdout.splitlines()[-1].split()
-        assert abs(float(want) - float(got)) / float(got) < 0.10, out.stdout
+        (want, got), = _measure(["--hidden-size", "256", "--seq-length", "1024", "--micro-batch-size", "2",
+                                 "--global-batch-size", "2", "--hidden-dropout", "0.1", "--attention-dropout",
+                                 "0.1"] + extra)
+        assert abs(want - got) / got < 0.10, (extra, want, got)
+
+
+@pytest.mark.slow
+def test_measure_agrees_with_the_plan_at_cp2():
+    """The same on two ranks at cp 2: ring attention where its block scores dominate the peak
+    (hidden 64, sequence 4096: five 16 MiB blocks), and all-to-all on the model above (sequence
+    1024, no dropout: cp refuses attention dropout). Within 10 % on every rank."""
+    for extra in (["--hidden-size", "64", "--seq-length", "4096", "--micro-batch-size", "1",
+                   "--global-batch-size", "1"],
+                  ["--hidden-size", "256", "--seq-length", "1024", "--micro-batch-size", "2",
+                   "--global-batch-size", "2", "--cp-comm-type", "a2a"]):
+        rows = _measure(["--cp", "2"] + extra)
+        assert len(rows) == 2
+        for want, got in rows:
+            assert abs(want - got) / got < 0.10, (extra, want, got)

@@ -26,12 +26,37 @@ The last stage keeps, per micro-batch, the fp32 softmax of its logits partition
 A pipeline stage keeps each in-flight chunk output for its backward.
 While a layer is back-propagated its activation gradients are alive too, at most about the
 FFN-width gradient ``fq/(h t)`` at once (the GELU and ``fc1`` output gradients in turn).
+
+Context parallelism (megazero/context_parallel, ``cp`` ranks): a rank holds ``T/cp`` tokens of
+every sequence, so ``s`` above is ``T/cp`` in every per-token term (``q = (T/cp)*b*h``), the
+head's logits included. The cp core saves its own output ``q/t`` besides ``proj``'s input (at
+cp = 1 SDPA's output is ``proj``'s input viewed) and an O(s) log-sum-exp; attention dropout is
+refused at cp > 1, so there is no ``s^2`` term kept. Alive once, inside one layer's attention
+(``context_parallel_bytes``), with ``Tl = T/cp``, ``d`` the head size, ``h_l``/``G_l`` the
+query/key-value heads per tp rank and ``acc`` = ``max(elt, 4)`` bytes (fp32 accumulation):
+
+- ring (p2p, ``context_parallel/ring.py``): the K/V buffers, current and next,
+  ``2 * 2*b*G_l*Tl*d*elt``, and in the backward the dK/dV accumulators, the one being added to
+  and the one arriving (the one sent is freed once its send completes),
+  ``2 * 2*b*G_l*Tl*d*acc``, and the dQ accumulator ``b*h_l*Tl*d*acc``;
+  the scores of one block pair ``b*h_l*(Tl/2)^2*acc``, of which the backward holds five at
+  once (scores, probabilities, dP, dP - D, dS; the forward three). So the ring's temporaries
+  shrink as ``1/cp`` (buffers) and ``1/cp^2`` (blocks), but a block is an unfused n x n
+  matrix: at cp = 2 the ring may need more than the fused kernel of cp = 1.
+- all-to-all (a2a, DeepSpeed-Ulysses): one all-to-all's send, receive and concatenation of a
+  ``b*h_l*Tl*d`` tensor and the three gathered gradients of the backward, ``6*b*h_l*Tl*d*elt``;
+  the attention itself runs in the fused kernel over ``h_l/cp`` heads of all T tokens (O(s)).
+
+These are alive when the logits and the FFN-width gradient are not (the attention runs before
+the head in the forward and after the MLP in the backward), so a stage counts the larger of
+the two; the bound keeps the last layer's FFN inputs and the head's inputs, freed by then.
+The sizes were measured on CPU ranks (``tests/test_plan.py``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
 @dataclass(frozen=True)
@@ -48,10 +73,15 @@ class ActivationSettings:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: int = 1
+    cp: int = 1
+    """Context-parallel size (ranks): each rank holds ``T/cp`` tokens of every sequence."""
+    cp_comm_type: str = "p2p"
+    """Attention across the cp ranks, ``"p2p"`` (ring) or ``"a2a"`` (all-to-all); read at cp > 1."""
 
 
 def _q(g, a: ActivationSettings) -> int:
-    return g.seq_length * a.micro_batch_size * g.hidden_size
+    """Activation elements ``(T/cp)*b*h`` of one micro-batch on one rank (before tp)."""
+    return g.seq_length // a.cp * a.micro_batch_size * g.hidden_size
 
 
 def layer_bytes(g, a: ActivationSettings, with_core: bool = True) -> float:
@@ -67,11 +97,49 @@ def layer_bytes(g, a: ActivationSettings, with_core: bool = True) -> float:
 
 
 def core_elements(g, a: ActivationSettings) -> float:
-    """Elements the unfused attention core keeps (scores, softmax, dropout mask): ``3as^2b/t``;
-    0 without attention dropout (the fused kernel keeps only its ``O(s)`` statistics)."""
+    """Elements the attention core keeps besides q, k, v and ``proj``'s input: with attention
+    dropout the unfused core's scores, softmax and dropout mask, ``3as^2b/t``; at cp > 1 (no
+    dropout there) the ring's or the all-to-all's own output ``q/t``; else 0 (the fused
+    kernel keeps only its ``O(s)`` statistics and its output is ``proj``'s input)."""
+    if a.cp > 1:
+        return _q(g, a) / a.tp
     if a.attention_dropout <= 0:
         return 0.0
     return 3 * g.num_attention_heads * g.seq_length ** 2 * a.micro_batch_size / a.tp
+
+
+class ContextParallelBytes(NamedTuple):
+    """Bytes alive once inside one layer's context-parallel attention (module docstring)."""
+
+    kv_buffers: float
+    """ring: K/V current and next, the dK/dV accumulators and dQ's; a2a: the all-to-all buffers."""
+    scores: float
+    """ring: the block scores alive at once in the backward; a2a: 0 (fused kernel)."""
+
+    @property
+    def total(self) -> float:
+        return self.kv_buffers + self.scores
+
+
+def context_parallel_bytes(g, a: ActivationSettings) -> ContextParallelBytes:
+    """What one layer's cp attention has alive at once, per rank, in bytes (zeros at cp = 1).
+
+    Reads ``g.seq_length`` (T, tokens), ``g.num_attention_heads``, ``g.kv_heads`` (G),
+    ``g.hidden_size``; ``a.cp``, ``a.cp_comm_type``, ``a.tp``, ``a.micro_batch_size``,
+    ``a.activation_bytes``. The formulas are in the module docstring; ``T/(2 cp)`` is the zigzag
+    chunk (``context_parallel/zigzag.py``), one block's side.
+    """
+    if a.cp == 1:
+        return ContextParallelBytes(0.0, 0.0)
+    b, elt, acc = a.micro_batch_size, a.activation_bytes, max(a.activation_bytes, 4)
+    Tl, d = g.seq_length // a.cp, g.hidden_size // g.num_attention_heads
+    h_l, G_l = g.num_attention_heads // a.tp, g.kv_heads // a.tp
+    q_l = b * h_l * Tl * d                                # elements of this rank's q
+    if a.cp_comm_type == "a2a":
+        return ContextParallelBytes(6.0 * q_l * elt, 0.0)
+    kv = 2 * b * G_l * Tl * d                             # one K/V pair [2, b, G/tp, T/cp, d]
+    buffers = 2 * kv * elt + 2 * kv * acc + q_l * acc
+    return ContextParallelBytes(float(buffers), 5.0 * b * h_l * (Tl // 2) ** 2 * acc)
 
 
 def chunk_bytes(g, a: ActivationSettings, num_layers: int) -> tuple[float, float]:
@@ -100,7 +168,7 @@ def head_bytes(g, a: ActivationSettings, padded_vocab: int) -> tuple[float, floa
     ``4*b*s*V_pad/t``; alive once are the logits and their gradient, two more partitions
     (three with the vocabulary-parallel cross-entropy at tp > 1)."""
     t_sp = a.tp if a.sequence_parallel else 1
-    partition = 4 * a.micro_batch_size * g.seq_length * padded_vocab / a.tp
+    partition = 4 * a.micro_batch_size * (g.seq_length // a.cp) * padded_vocab / a.tp
     kept = _q(g, a) * (1 / t_sp + 1) * a.activation_bytes + partition
     return kept, (2 if a.tp == 1 else 3) * partition
 
@@ -112,12 +180,14 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
     gradients. Pipelined (pp > 1): each kept micro-batch-chunk that is not the last stage's
     also keeps its output ``q/t_sp`` for the backward, and a received and a sent tensor are in
     flight. The first stage adds, at tp > 1, the full partial-sum embedding before its
-    reduction; the last stage the head (``head_bytes``) for each of its micro-batches."""
+    reduction; the last stage the head (``head_bytes``) for each of its micro-batches. At
+    cp > 1 the attention's temporaries (``context_parallel_bytes``) count instead of the FFN
+    gradient and the head's logits when they are larger (they are never alive together)."""
     q_sp = _q(g, a) / (a.tp if a.sequence_parallel else 1) * a.activation_bytes
     kept = [chunk_bytes(g, a, n) for n in layers_per_chunk]
     per_chunk = max(k for k, _ in kept)
     once = max(r for _, r in kept)
-    once += _q(g, a) * g.ffn_hidden_size / (g.hidden_size * a.tp) * a.activation_bytes
+    transient = _q(g, a) * g.ffn_hidden_size / (g.hidden_size * a.tp) * a.activation_bytes
     if pp > 1:
         per_chunk += q_sp
         once += 2 * q_sp
@@ -127,8 +197,9 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
     if last_stage:
         head_kept, head_once = head_bytes(g, a, padded_vocab)
         last_inflight = inflight if pp == 1 else max(1, inflight // len(layers_per_chunk))
-        total += last_inflight * head_kept + head_once
-    return total
+        total += last_inflight * head_kept
+        transient += head_once
+    return total + max(transient, context_parallel_bytes(g, a).total)
 
 
 def temporary_bytes(psi: int, dp: int, zero_stage: int, param_bytes: int, grad_bytes: int,

@@ -34,6 +34,11 @@ hardware FLOPs utilisation (HFU); pass ``recompute=False`` for model FLOPs utili
 Chowdhery et al. 2022, PaLM, appendix B). (torch's non-reentrant checkpoint stops
 recomputing once the saved tensors are rebuilt, so it skips each layer's last matmul; the
 formula counts the full recomputation, as the paper does.)
+
+Context parallelism changes none of this: it splits each sequence, not the batch, so an
+iteration still trains ``B*s`` tokens and the attention is still counted over the whole
+``s x s`` (the cp ranks together compute its causal half, as one rank does). ``throughput``
+divides by the whole world, tp x cp x pp x dp ranks.
 """
 from __future__ import annotations
 

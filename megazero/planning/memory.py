@@ -25,14 +25,20 @@ out-of-memory kill minutes later (docs/design.md, contracts 2 and 3).
   A stage holds as many micro-batch-chunks at once as its schedule's peak
   (``pipeline.schedules.simulate``: 1F1B about ``pp - stage``, GPipe every micro-batch);
   the last stage adds the fp32 logits and their softmax, ``2 * 4*b*s*V_pad/t`` bytes.
+  With context parallelism a rank holds ``s/cp`` tokens: every per-token term is divided by
+  cp and the ``5*a*s/h`` term counts ``s/cp`` queries against ``s`` keys.
 - ``estimate`` with ``ActivationSettings`` counts instead what megazero's layers keep,
   tensor by tensor (``megazero.planning.activations``: dropout masks, the unfused attention core,
   selective / full recomputation, sequence parallelism), and the temporaries of the
   reduction and of the step; the peak per rank is ``states + max(activations + backward
-  temporaries, step temporaries)`` (activations are freed before the step).
+  temporaries, step temporaries)`` (activations are freed before the step). At cp > 1 that
+  count includes the cp attention's buffers (the ring's K/V blocks, ``ContextParallelBytes``),
+  and ZeRO shards over the ``dp x cp`` ranks that hold the same parameters (pass that
+  product as ``dp``).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -53,6 +59,8 @@ class ModelSizes(Protocol):
     hidden_size: int
     ffn_hidden_size: int
     num_attention_heads: int
+    kv_heads: int
+    """Key/value heads G (the heads, without grouped-query attention)."""
     seq_length: int
     max_position_embeddings: int
     tie_embeddings: bool
@@ -97,13 +105,15 @@ def zero3_gathered_at_once(chunks: list[dict[str, int]]) -> int:
 
 
 def activation_bytes_per_layer(g: ModelSizes, micro_batch_size: int, tp: int, sequence_parallel: bool,
-                               activation_bytes: int) -> float:
-    """Bytes one transformer layer keeps for the backward of one micro-batch (Korthikanti eq. 1-2)."""
+                               activation_bytes: int, cp: int = 1) -> float:
+    """Bytes one transformer layer keeps for the backward of one micro-batch (Korthikanti eq. 1-2),
+    on a rank holding ``s/cp`` of the ``s`` tokens (its queries score against all ``s`` keys)."""
     s, b, h, a = g.seq_length, micro_batch_size, g.hidden_size, g.num_attention_heads
+    s_local = s // cp
     if sequence_parallel:
-        per = s * b * h * (34 + 5 * a * s / h) / tp
+        per = s_local * b * h * (34 + 5 * a * s / h) / tp
     else:
-        per = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+        per = s_local * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     return per * activation_bytes / 2
 
 
@@ -126,6 +136,9 @@ class MemoryEstimate:
     """Reduction staging alive with the activations (``activations.temporary_bytes``)."""
     step_temporary_bytes: float = 0.0
     """The optimizer step's temporaries, alive after the activations are freed."""
+    cp_attention: A.ContextParallelBytes = A.ContextParallelBytes(0.0, 0.0)
+    """The cp attention's buffers alive inside one layer (the ring's K/V and blocks); counted
+    in ``activation_bytes`` where larger than the logits and FFN gradient (zeros at cp = 1)."""
 
     @property
     def temporary_bytes(self) -> float:
@@ -142,19 +155,26 @@ def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> li
     """Peak micro-batch-chunks alive per stage. GPipe keeps all ``m``; for 1F1B and the
     interleaved schedule the peak stops growing once ``m`` passes a few times ``pp``, so they
     are simulated with at most ``4 pp`` micro-batches (a multiple of pp, as interleaving needs)."""
+    return list(_simulated_inflight(schedule, pp, vp_size, num_microbatches))
+
+
+@functools.lru_cache(maxsize=256)
+def _simulated_inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> tuple[int, ...]:
+    """``_inflight``, cached: a layout search (scripts/plan.py --devices) asks for the same
+    schedules many times."""
     if pp == 1:
-        return [1]
+        return (1,)
     if schedule == "gpipe":
-        return [num_microbatches * vp_size] * pp
+        return (num_microbatches * vp_size,) * pp
     m = min(num_microbatches, 4 * pp)
     actions = [build_schedule(schedule, m, pp, r, vp_size) for r in range(pp)]
-    return simulate(actions, pp, vp_size).peak_inflight
+    return tuple(simulate(actions, pp, vp_size).peak_inflight)
 
 
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
              grad_bytes: int, sequence_parallel: bool, activations: Optional[A.ActivationSettings] = None,
-             buckets: Optional[tuple] = None, states_on_host: bool = False) -> MemoryEstimate:
+             buckets: Optional[tuple] = None, states_on_host: bool = False, cp: int = 1) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
 
@@ -163,15 +183,17 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     max live parameters]), the temporaries too (``activations.temporary_bytes``);
     without, the Korthikanti bound below is used. ``states_on_host``: the optimizer is
     offloaded to another memory than the one planned (``--offload-optimizer cpu`` on a GPU),
-    so only the device part of ``optim.offload.offload_formula_bytes`` counts."""
+    so only the device part of ``optim.offload.offload_formula_bytes`` counts. ``cp``: the
+    context-parallel size of the bound (the counted path reads ``activations.cp``); ``dp`` is
+    the number of ranks ZeRO shards over, ``dp x cp`` with context parallelism."""
     if activations is not None:
         return _estimate_counted(g, tp=tp, pp=pp, dp=dp, vp_size=vp_size, layer_split=layer_split,
                                  schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage,
                                  param_bytes=param_bytes, grad_bytes=grad_bytes, a=activations,
                                  buckets=buckets or (2**62, 2**62), states_on_host=states_on_host)
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
-    layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes)
-    logits = 2 * 4 * micro_batch_size * g.seq_length * g.padded_vocab(tp) / tp
+    layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
+    logits = 2 * 4 * micro_batch_size * g.seq_length // cp * g.padded_vocab(tp) / tp
     stages = []
     for r in range(pp):
         psi = params_per_rank(g, tp, pp, r, vp_size, layer_split)
@@ -215,7 +237,8 @@ def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, l
                   for v in range(vp_size)]
         acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, r == pp - 1, pp, g.padded_vocab(tp))
         staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
-        stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step))
+        stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step,
+                                     A.context_parallel_bytes(g, a)))
     return stages
 
 
@@ -246,9 +269,12 @@ def describe(e: MemoryEstimate, available: Optional[int]) -> str:
     """One line for the launcher's console."""
     free = gib(available) if available is not None else "unknown"
     temps = f" + temporaries {gib(e.temporary_bytes)}" if e.temporary_bytes else ""
+    cp = e.cp_attention
+    ring = (f"; one layer's context-parallel attention holds {gib(cp.total)} at once: K/V buffers "
+            f"{gib(cp.kv_buffers)}, block scores {gib(cp.scores)}") if cp.total else ""
     return (f"memory per rank (pipeline stage {e.stage}): model states {gib(e.model_state_bytes)} "
             f"(Psi={e.params:,}, ZeRO formula) + activations up to {gib(e.activation_bytes)} "
-            f"(Korthikanti et al. 2022){temps}, peak {gib(e.total_bytes)}; available {free}")
+            f"(Korthikanti et al. 2022{ring}){temps}, peak {gib(e.total_bytes)}; available {free}")
 
 
 def ranks_per_node() -> int:

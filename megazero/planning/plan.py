@@ -25,15 +25,17 @@ def activation_settings(cfg: Config) -> ActivationSettings:
         micro_batch_size=cfg.train.micro_batch_size, tp=p.tp, sequence_parallel=p.sequence_parallel and p.tp > 1,
         activation_bytes=model_dtype(pr.fp16, pr.bf16).itemsize, hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout, recompute_granularity=m.recompute_granularity,
-        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
+        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
+        cp=p.cp, cp_comm_type=p.cp_comm_type)
 
 
 def layout_settings(cfg: Config, on_cuda: bool) -> dict:
     """The layout, schedule, ZeRO stage and byte widths (bytes per element) of ``cfg``, as the
-    keyword arguments ``memory.estimate`` and ``memory.stage_estimates`` share."""
+    keyword arguments ``memory.estimate`` and ``memory.stage_estimates`` share. Their ``dp`` is
+    the replica count ZeRO shards over, dp x cp (``ProcessGroups.replicas``)."""
     p, pr = cfg.parallel, cfg.precision
     dtype = model_dtype(pr.fp16, pr.bf16)
-    return dict(tp=p.tp, pp=p.pp, dp=p.dp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
+    return dict(tp=p.tp, pp=p.pp, dp=p.dp * p.cp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
                 schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
                 zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
                 grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
@@ -84,7 +86,7 @@ def plan_memory(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False)
     """Bytes per rank of the most loaded pipeline stage before anything is allocated."""
     p = cfg.parallel
     return memory.estimate(model, **layout_settings(cfg, on_cuda), micro_batch_size=cfg.train.micro_batch_size,
-                           sequence_parallel=p.sequence_parallel and p.tp > 1,
+                           sequence_parallel=p.sequence_parallel and p.tp > 1, cp=p.cp,
                            activations=activation_settings(cfg), buckets=_buckets(cfg, model))
 
 
