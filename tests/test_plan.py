@@ -122,10 +122,12 @@ def _plan_of(argv: list[str], world: int):
 def test_plan_per_rank_shrinks_with_cp():
     """GPT of 4 layers, hidden 1024, sequence 8192, bf16, ZeRO-1: each cp rank keeps T/cp tokens
     of every activation (a2a: cp x activations is the same at cp 2, 4, 8) and ZeRO shards over
-    dp x cp (cp 2's states are dp 2's); the ring's K/V buffers halve and its block scores (one
-    (T/2cp)^2 block, five alive in the backward) quarter when cp doubles, and the ring's peak
-    falls from cp 2 on. (At cp 2 its fp32 blocks, 640 MiB here, outweigh the halved
-    activations: the fused kernel of cp 1 keeps no score matrix.)"""
+    dp x cp (cp 2's states are dp 2's); the ring's K/V buffers halve when cp doubles, and its
+    block scores are two row tiles of at most SCORE_TILE_BYTES (16 MiB) each (P and dP/dS, in
+    place; a whole (T/2cp)^2 block would be 128 MiB at cp 2 here); from a block that fits one
+    tile on, they quarter when cp doubles."""
+    from megazero.context_parallel.blockwise import SCORE_TILE_BYTES
+
     base = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "8192",
             "--vocab-size", "1001", "--micro-batch-size", "1", "--bf16", "--zero-stage", "1"]
 
@@ -138,10 +140,11 @@ def test_plan_per_rank_shrinks_with_cp():
     assert single.total_bytes > a2a[2].total_bytes > a2a[4].total_bytes > a2a[8].total_bytes
     assert single.cp_attention.total == 0 and a2a[2].cp_attention.scores == 0
     assert ring[2].model_state_bytes == _plan_of(base + ["--dp", "2", "--global-batch-size", "2"], 2).model_state_bytes
-    assert ring[2].cp_attention.scores == 5 * 1 * 8 * (8192 // 4) ** 2 * 4 == 4 * ring[4].cp_attention.scores
+    rows = SCORE_TILE_BYTES // (1 * 8 * (8192 // 4) * 4)      # 256 query rows of 2,048 keys per tile
+    assert ring[2].cp_attention.scores == 2 * 1 * 8 * rows * (8192 // 4) * 4 == 2 * SCORE_TILE_BYTES
+    assert ring[8].cp_attention.scores == 2 * 1 * 8 * (8192 // 16) ** 2 * 4     # one tile: a whole block
     assert ring[2].cp_attention.kv_buffers == 2 * ring[4].cp_attention.kv_buffers
-    assert ring[2].total_bytes > ring[4].total_bytes > ring[8].total_bytes
-    assert ring[2].activation_bytes > single.activation_bytes
+    assert single.total_bytes > ring[2].total_bytes > ring[4].total_bytes > ring[8].total_bytes
 
 
 def test_plan_table_names_the_ring_buffers(capsys):
@@ -155,9 +158,9 @@ def test_plan_table_names_the_ring_buffers(capsys):
     assert plan.main(argv + ["--cp", "2"]) == 0
     head, row = capsys.readouterr().out.splitlines()
     assert head.split()[-7:] == ["cp", "K/V", "bufs", "MiB", "ring", "blocks", "MiB"]
-    assert [float(x) for x in row.split()[-2:]] == [4.5, 80.0]   # 9 q-sized fp32 buffers; 5 x 16 MiB
+    assert [float(x) for x in row.split()[-2:]] == [4.5, 32.0]   # 9 q-sized fp32 buffers; 2 x 16 MiB
     line = describe(_plan_of(argv + ["--cp", "2"], 2), None)
-    assert "context-parallel attention holds 0.08 GiB at once: K/V buffers 0.00 GiB, block scores 0.08 GiB" in line
+    assert "context-parallel attention holds 0.04 GiB at once: K/V buffers 0.00 GiB, block scores 0.03 GiB" in line
 
 
 def test_zero3_formula_is_p_g_k_over_n():
@@ -263,8 +266,8 @@ def test_measure_agrees_with_the_plan():
 
 @pytest.mark.slow
 def test_measure_agrees_with_the_plan_at_cp2():
-    """The same on two ranks at cp 2: ring attention where its block scores dominate the peak
-    (hidden 64, sequence 4096: five 16 MiB blocks), and all-to-all on the model above (sequence
+    """The same on two ranks at cp 2: ring attention where its block scores weigh in the peak
+    (hidden 64, sequence 4096: two 16 MiB score tiles), and all-to-all on the model above (sequence
     1024, no dropout: cp refuses attention dropout). Within 10 % on every rank."""
     for extra in (["--hidden-size", "64", "--seq-length", "4096", "--micro-batch-size", "1",
                    "--global-batch-size", "1"],

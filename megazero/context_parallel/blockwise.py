@@ -27,6 +27,30 @@ from typing import Optional
 import torch
 
 
+SCORE_TILE_BYTES = 16 * 2**20
+"""Bytes of one tile of scores ``[B, G, R, rows, Tk]`` in the accumulation dtype: a block's
+queries are processed in row tiles of at most this size, so the ring's temporaries (three in the
+forward, five in the backward) stay bounded whatever the block's side ``T/(2 cp)`` is."""
+
+
+def tile_rows(B: int, heads: int, Tq: int, Tk: int, acc_bytes: int, budget: int = SCORE_TILE_BYTES) -> int:
+    """Query rows per tile: the most rows whose scores ``B * heads * rows * Tk * acc_bytes`` fit
+    ``budget`` bytes, at least 1 and at most ``Tq``."""
+    per_row = max(B * heads * Tk * acc_bytes, 1)
+    return max(1, min(Tq, budget // per_row))
+
+
+def _tiles(q: torch.Tensor, Tk: int):
+    """Slices of q's rows (dim 3 of ``[B, G, R, Tq, d]``) of at most ``tile_rows`` each."""
+    B, G, R, Tq, _ = q.shape
+    rows = tile_rows(B, G * R, Tq, Tk, torch.finfo(compute_dtype(q.dtype)).bits // 8, SCORE_TILE_BYTES)
+    return [slice(i, min(i + rows, Tq)) for i in range(0, Tq, rows)]
+
+
+def _rows(mask: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
+    return None if mask is None else mask[:, rows]
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 for float64 inputs: the accumulation dtype of every block."""
     return torch.promote_types(dtype, torch.float32)
@@ -41,7 +65,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scal
     acc = compute_dtype(q.dtype)
     s = torch.einsum("bgrqd,bgkd->bgrqk", q.to(acc), k.to(acc)) * scale  # (B, G, R, Tq, Tk)
     if mask is not None:
-        s = s.masked_fill(~mask[:, None, None], float("-inf"))           # mask (B|1, 1, 1, Tq, Tk)
+        s.masked_fill_(~mask[:, None, None], float("-inf"))              # mask (B|1, 1, 1, Tq, Tk)
     return s
 
 
@@ -52,13 +76,18 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q ``[B, G, R, Tq, d]``, k and v ``[B, G, Tk, d]``, mask bool ``[B or 1, Tq, Tk]`` or None,
     ``scale`` the factor on the scores (usually ``d**-0.5``). Returns ``out [B, G, R, Tq, d]``
     and ``lse [B, G, R, Tq]``, both in ``compute_dtype(q.dtype)``; a fully masked row has
-    ``lse = -inf`` and ``out = 0``.
+    ``lse = -inf`` and ``out = 0``. The rows run in tiles of ``SCORE_TILE_BYTES`` of scores (each
+    row's result is the same as in one pass).
     """
-    s = _scores(q, k, mask, scale)
-    lse = torch.logsumexp(s, dim=-1)                    # (B, G, R, Tq); -inf on an empty row
-    p = torch.exp(s - _finite(lse)[..., None])          # rows sum to 1, empty rows to 0
-    out = torch.einsum("bgrqk,bgkd->bgrqd", p, v.to(p.dtype))
-    return out, lse
+    outs, lses = [], []
+    for rows in _tiles(q, k.shape[2]):
+        s = _scores(q[:, :, :, rows], k, _rows(mask, rows), scale)    # (B, G, R, tile, Tk)
+        lse = torch.logsumexp(s, dim=-1)                # (B, G, R, tile); -inf on an empty row
+        p = s.sub_(_finite(lse)[..., None]).exp_()      # in place: rows sum to 1, empty rows to 0
+        outs.append(torch.einsum("bgrqk,bgkd->bgrqd", p, v.to(p.dtype)))
+        lses.append(lse)
+        del s, p
+    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -84,18 +113,25 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q and do ``[B, G, R, Tq, d]``, k and v ``[B, G, Tk, d]``, ``delta = rowsum(dO * O)`` and
     ``lse`` ``[B, G, R, Tq]`` (over all keys, not just this block's), mask as in
     ``block_attention``. Returns ``(dq [B, G, R, Tq, d], dk [B, G, Tk, d], dv [B, G, Tk, d])``
-    in ``compute_dtype(q.dtype)``; dk and dv are summed over the R heads of each group.
+    in ``compute_dtype(q.dtype)``; dk and dv are summed over the R heads of each group and over
+    the row tiles (``SCORE_TILE_BYTES`` of scores each).
     """
-    s = _scores(q, k, mask, scale)
-    p = torch.exp(s - _finite(lse)[..., None])          # (B, G, R, Tq, Tk), final probabilities
-    acc = p.dtype
-    do, v, q, k = do.to(acc), v.to(acc), q.to(acc), k.to(acc)
-    dv = torch.einsum("bgrqk,bgrqd->bgkd", p, do)
-    dp = torch.einsum("bgrqd,bgkd->bgrqk", do, v)
-    ds = p * (dp - delta[..., None])                    # masked entries: p = 0, so ds = 0
-    dq = torch.einsum("bgrqk,bgkd->bgrqd", ds, k) * scale
-    dk = torch.einsum("bgrqk,bgrqd->bgkd", ds, q) * scale
-    return dq, dk, dv
+    acc = compute_dtype(q.dtype)
+    do, v, qa, ka = do.to(acc), v.to(acc), q.to(acc), k.to(acc)
+    dqs, dk, dv = [], None, None
+    for rows in _tiles(q, k.shape[2]):
+        # in place, so at most two score tiles are alive: P, then dP and dS in dP's memory
+        p = _scores(qa[:, :, :, rows], ka, _rows(mask, rows), scale)
+        p.sub_(_finite(lse[..., rows])[..., None]).exp_()     # (B, G, R, tile, Tk), final probabilities
+        dv_t = torch.einsum("bgrqk,bgrqd->bgkd", p, do[:, :, :, rows])
+        ds = torch.einsum("bgrqd,bgkd->bgrqk", do[:, :, :, rows], v)    # dP
+        ds.sub_(delta[..., rows, None]).mul_(p)         # dS = P (dP - D); masked entries: P = 0
+        del p
+        dqs.append(torch.einsum("bgrqk,bgkd->bgrqd", ds, ka) * scale)
+        dk_t = torch.einsum("bgrqk,bgrqd->bgkd", ds, qa[:, :, :, rows]) * scale
+        dk, dv = (dk_t, dv_t) if dk is None else (dk + dk_t, dv + dv_t)
+        del ds
+    return torch.cat(dqs, dim=3), dk, dv
 
 
 def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: Optional[torch.Tensor],

@@ -39,10 +39,13 @@ query/key-value heads per tp rank and ``acc`` = ``max(elt, 4)`` bytes (fp32 accu
   ``2 * 2*b*G_l*Tl*d*elt``, and in the backward the dK/dV accumulators, the one being added to
   and the one arriving (the one sent is freed once its send completes),
   ``2 * 2*b*G_l*Tl*d*acc``, and the dQ accumulator ``b*h_l*Tl*d*acc``;
-  the scores of one block pair ``b*h_l*(Tl/2)^2*acc``, of which the backward holds five at
-  once (scores, probabilities, dP, dP - D, dS; the forward three). So the ring's temporaries
-  shrink as ``1/cp`` (buffers) and ``1/cp^2`` (blocks), but a block is an unfused n x n
-  matrix: at cp = 2 the ring may need more than the fused kernel of cp = 1.
+  the scores of one row tile of a block pair ``b*h_l*rows*(Tl/2)*acc`` (``rows`` = the block's
+  ``Tl/2`` queries, or fewer: ``blockwise.tile_rows`` keeps a tile within
+  ``SCORE_TILE_BYTES``, 16 MiB), of which the backward holds two at once (P, computed in the
+  scores' memory, and dP, turned into dS in place; the forward one, and logsumexp's reduction).
+  Measured by scripts/bench_context_parallel.py. So the ring's buffers shrink as ``1/cp``
+  and its score tiles stay bounded; a tile is still an unfused matrix, where the fused kernel
+  of cp = 1 keeps O(s).
 - all-to-all (a2a, DeepSpeed-Ulysses): one all-to-all's send, receive and concatenation of a
   ``b*h_l*Tl*d`` tensor and the three gathered gradients of the backward, ``6*b*h_l*Tl*d*elt``;
   the attention itself runs in the fused kernel over ``h_l/cp`` heads of all T tokens (O(s)).
@@ -57,6 +60,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
+
+from megazero.context_parallel.blockwise import tile_rows
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,9 @@ def context_parallel_bytes(g, a: ActivationSettings) -> ContextParallelBytes:
         return ContextParallelBytes(6.0 * q_l * elt, 0.0)
     kv = 2 * b * G_l * Tl * d                             # one K/V pair [2, b, G/tp, T/cp, d]
     buffers = 2 * kv * elt + 2 * kv * acc + q_l * acc
-    return ContextParallelBytes(float(buffers), 5.0 * b * h_l * (Tl // 2) ** 2 * acc)
+    n = Tl // 2                                           # one block's side, T/(2 cp)
+    rows = tile_rows(b, h_l, n, n, acc)                   # the block's queries run in row tiles
+    return ContextParallelBytes(float(buffers), 2.0 * b * h_l * rows * n * acc)
 
 
 def chunk_bytes(g, a: ActivationSettings, num_layers: int) -> tuple[float, float]:
