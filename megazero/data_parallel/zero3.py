@@ -18,8 +18,9 @@ schedule of gathers, prefetches and releases is :mod:`megazero.data_parallel.zer
    nothing is gathered after the step.
 
 With ``offload_param`` (ZeRO-Infinity's ``offload_param: {device: cpu}``, Rajbhandari et al.
-2021) the shard lives in host memory (page-locked on CUDA) between uses and is copied to the
-device bucket by bucket just before its all-gather.
+2021) the shard lives in host memory between uses (one exactly-sized ``HostArena`` per
+buffer, page-locked on CUDA) and is copied to the device bucket by bucket just before its
+all-gather.
 Persistent memory is (p + g + m + 8) Psi / N per rank (the p Psi / N part on the host with
 offload) plus the gathered units while they compute.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from megazero import collectives as C
+from megazero.data_parallel.host_memory import HostArena, can_pin
 from megazero.data_parallel.sharding import Stage2
 
 
@@ -45,10 +47,12 @@ class Stage3(Stage2):
         """Keep this rank's shard of the parameters (host memory with offload) and drop the
         full buffer."""
         layout, device = buf.layout, buf.params_flat.device
-        host = self.offload_param and device.type != "cpu"
-        buf.params_shard = torch.empty(layout.shard_numel, dtype=buf.params_flat.dtype,
-                                       device="cpu" if self.offload_param else device,
-                                       pin_memory=host)
+        buf.host_arena = None
+        if self.offload_param:   # one exactly-sized arena per buffer, pinned on CUDA
+            buf.host_arena = HostArena([layout.shard_numel], buf.params_flat.dtype, pin=can_pin(device))
+            buf.params_shard = buf.host_arena.parts[0]
+        else:
+            buf.params_shard = torch.empty(layout.shard_numel, dtype=buf.params_flat.dtype, device=device)
         for b in layout.buckets:
             buf.params_shard[b.shard_local.start:b.shard_local.end].copy_(
                 buf.params_flat[b.shard_world.start:b.shard_world.end])
