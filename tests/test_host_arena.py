@@ -117,3 +117,33 @@ def test_model_state_table_shows_the_pinned_bytes(tmp_path, monkeypatch):
     monkeypatch.undo()
     head, row = out.getvalue().splitlines()[1:3]
     assert head.split()[-1] == "pinned" and row.split()[-2:] == ["1.00", "MiB"]
+
+
+def test_background_save_stages_every_chunk_in_one_reused_buffer():
+    """``--async-save``: the owned chunks' host copy is one exactly-sized buffer, not one
+    copy per chunk, and the manager hands the same buffer to the next save."""
+    from megazero.checkpoint import core
+    from megazero.checkpoint.manager import CheckpointManager
+    from megazero.checkpoint.shards import Chunk
+
+    state = torch.arange(20, dtype=torch.float32)
+    mine = {"a/main_param": [Chunk((0,), (6,), state[:6]), Chunk((8,), (4,), state[8:12])],
+            "b/exp_avg": [Chunk((0, 0), (2, 3), state[14:20].view(2, 3))]}
+    manager = CheckpointManager(ProcessGroups.single(), async_save=True)
+    asked = []
+
+    def staging(numel, device):
+        asked.append((numel, device))
+        return manager._staging(numel, device)
+    staged = core.stage_chunks(mine, staging)
+    assert asked == [(16, torch.device("cpu"))]
+    flat = manager.staging.flat
+    assert flat.numel() == 16 and manager.staging.pinned_bytes == 0   # CPU: not pinned
+    for key, cs in mine.items():
+        for c, s in zip(cs, staged[key]):
+            assert s.offsets == c.offsets and s.sizes == c.sizes and torch.equal(s.tensor, c.tensor)
+            assert s.tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    state.add_(100)   # training goes on: the staged copy keeps the saved values
+    assert staged["a/main_param"][1].tensor.tolist() == [8.0, 9.0, 10.0, 11.0]
+    core.stage_chunks(mine, staging)
+    assert manager.staging.flat.data_ptr() == flat.data_ptr()   # reused by the next save
