@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import signal
 import sys
@@ -411,8 +412,8 @@ class Trainer:
         loss, stop_reason = resilience.agree(loss, self.stop_flags(), self.replicas)
         s = self.state
         s.advance(self.cfg.train.global_batch_size, result.skipped)
-        bad = not self.cfg.precision.fp16 and (result.skipped or not torch.isfinite(loss).item())
-        values = dict(iteration=s.iteration, consumed_samples=s.consumed_samples, lr=lr, loss=float(loss),
+        bad = not self.cfg.precision.fp16 and (result.skipped or not math.isfinite(loss))
+        values = dict(iteration=s.iteration, consumed_samples=s.consumed_samples, lr=lr, loss=loss,
                       grad_norm=result.grad_norm, loss_scale=result.loss_scale,
                       skipped_iterations=s.skipped_iterations)
         return StepOutcome(values, stop_reason, bool(bad))
@@ -486,6 +487,8 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     row = dict(rank=trainer.groups.rank, psi=psi, formula=formula,
                bytes={(k.replace("host_", "host ") if k.startswith("host") else "host " + k) if k in opt.HOST_PARTS
                       else k: v for k, v in got.items() if k != "total"})
+    if got.keys() & set(opt.HOST_PARTS):   # host memory in use: how much of it is page-locked
+        row["pinned"] = opt.pinned_bytes()
     rows = [row]
     if trainer.groups.world_size > 1:
         rows = [None] * trainer.groups.world_size

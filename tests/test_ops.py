@@ -185,3 +185,28 @@ def test_select_backend_cuda():
     if not apex_available():
         with pytest.raises(ValueError, match="--kernels apex.*not importable"):
             select_backend("apex", cuda)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_adam_over_a_list_equals_one_call_per_tensor_bit_for_bit(backend):
+    """One multi-tensor call over views of a flat shard (what the optimizer issues per buffer
+    and weight decay) gives exactly the values of one call per view (what it issued per
+    bucket piece and decay run before issue 27)."""
+    from megazero.ops.adam import adam_step_lists
+
+    gen = torch.Generator().manual_seed(3)
+    cuts = [0, 5, 37, 38, 300, 301, 1000]   # odd sizes: vectorised bodies and scalar tails
+    state = [torch.randn(1000, generator=gen) for _ in range(2)] + [torch.rand(1000, generator=gen)]
+    grads = [torch.randn(1000, generator=gen) for _ in range(3)]
+    runs = [(a, b) for a, b in zip(cuts, cuts[1:])]
+    one, lists = [t.clone() for t in state], [t.clone() for t in state]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, backend=backend)
+    for step, g in enumerate(grads, start=1):
+        for a, b in runs:
+            adam_step(one[0][a:b], g[a:b], one[1][a:b], one[2][a:b], step=step, **hyper)
+        adam_step_lists(*([t[a:b] for a, b in runs] for t in (lists[0], g, lists[1], lists[2])),
+                        step=step, **hyper)
+    for x, y in zip(one, lists):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="list lengths differ"):
+        adam_step_lists([state[0]], [], [], [], step=1, **hyper)

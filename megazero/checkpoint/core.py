@@ -26,7 +26,8 @@ other (tp, pp, dp, ZeRO stage 0-3, offload, bucket size) reads, through DCP's re
 only the saved pieces that overlap this rank's owned runs, straight into its main params and
 moments, then refreshes the model parameters. Memory: a rank holds its own shards plus at
 most one bucket (one saved chunk while reading) and DCP's plans; ``--async-save`` adds one
-staged host copy of the own shards.
+staged host copy of the own shards, one buffer (``stage_chunks``), page-locked on CUDA and
+reused by the next save (``CheckpointManager``).
 
 Atomicity: every file is written under ``iter_X.tmp`` (fsynced: DCP's ``sync_files``, and
 ``_atomic_save`` for the small files) and the directory is renamed to ``iter_X`` only after
@@ -37,16 +38,20 @@ the previous checkpoint and ``latest`` intact; an iteration saved twice keeps it
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import warnings
 import zlib
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megazero.process_groups import ProcessGroups
+
+if TYPE_CHECKING:
+    from megazero.data_parallel.host_memory import HostArena
 
 # torch.distributed.checkpoint (and checkpoint_shards, whose planners subclass DCP's) is
 # imported where a checkpoint is read or written, not with this module: importing it pulls
@@ -303,9 +308,45 @@ def _writer_with_hook_class() -> type:
     return _writer_with_hook
 
 
+def stage_chunks(mine: dict, staging: Callable[[int, torch.device], "HostArena"]) -> dict:
+    """Host copies of every chunk of ``mine`` (``{key: [Chunk]}``) in ONE staging buffer.
+
+    ``staging(numel, device)`` gives a :class:`~megazero.data_parallel.host_memory.HostArena`
+    of ``numel`` fp32 elements (the sum over the chunks; ``device`` is where the chunks
+    live); each chunk becomes a view of it. From a GPU into a pinned arena the copies are
+    asynchronous, followed by one wait on the stream, instead of one blocking device-to-host
+    copy per chunk. Returns the same structure with the staged views.
+    """
+    flat = [c for cs in mine.values() for c in cs]
+    if not flat:
+        return mine
+    device = flat[0].tensor.device
+    arena = staging(sum(c.tensor.numel() for c in flat), device)
+    non_blocking, pos, out = arena.pinned_bytes > 0, 0, {}
+    for key, cs in mine.items():
+        out[key] = []
+        for c in cs:
+            n = c.tensor.numel()
+            dst = arena.flat[pos:pos + n].view(c.tensor.shape)
+            dst.copy_(c.tensor.detach(), non_blocking=non_blocking)
+            out[key].append(dataclasses.replace(c, tensor=dst))
+            pos += n
+    if non_blocking and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()   # DCP's writer thread reads them next
+    return out
+
+
+def host_staging(numel: int, device: torch.device) -> "HostArena":
+    """A fresh, unpinned staging arena (``save`` without a manager's reusable one)."""
+    from megazero.data_parallel.host_memory import HostArena
+
+    return HostArena([numel], torch.float32, pin=False)
+
+
 def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
          rng_states: Optional[dict] = None, extra: Optional[dict] = None, keep: int = 0,
-         async_group=None, after_write: Optional[Callable[[], None]] = None):
+         async_group=None, after_write: Optional[Callable[[], None]] = None,
+         staging: Optional[Callable[[int, torch.device], "HostArena"]] = None):
     """Write the checkpoint of ``iteration`` under ``root`` (collective: every rank calls it).
 
     Returns the final directory. ``extra`` (picklable) goes into ``meta.pt``. With ``keep``
@@ -313,7 +354,9 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     this one (``prune``). With ``async_group`` (a gloo group of every rank that nothing else
     uses, or the string ``"local"`` for a single process) the gathered full tensors are handed
     to DCP's ``async_save`` and a ``PendingSave`` is returned at once; call its ``wait()``
-    before the next save and at the end. ``after_write`` (tests: a fault injected mid-save) runs
+    before the next save and at the end; the copy is staged in one host buffer from
+    ``staging`` (:func:`stage_chunks`; default a fresh unpinned one per save). ``after_write``
+    (tests: a fault injected mid-save) runs
     where the tensor files of this rank have just been written, before DCP's metadata and
     ``_finish_save`` (in the background with ``async_group``).
     """
@@ -325,8 +368,7 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     _barrier(groups)
     mine, sizes = _chunks_to_write(optimizer, groups)
     if async_group is not None:  # training goes on: DCP writes a staged copy of this rank's shards
-        mine = {k: [shards.Chunk(c.offsets, c.sizes, c.tensor.detach().to("cpu", copy=True)) for c in cs]
-                for k, cs in mine.items()}
+        mine = stage_chunks(mine, staging or host_staging)
     planner = shards.SavePlanner(mine, sizes)
     meta = None
     if groups.rank == 0:  # the counters of this iteration, before training moves them on

@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import core
+from megazero.data_parallel.host_memory import HostArena, can_pin
 from megazero.process_groups import ProcessGroups
 
 
@@ -75,6 +77,15 @@ class CheckpointManager:
             "local" if groups.world is None else dist.new_group(backend="gloo"))
         self.pending: Optional[core.PendingSave] = None
         self.pending_path: Optional[str] = None
+        self.staging = None   # the background saves' host buffer, reused while its size holds
+
+    def _staging(self, numel: int, device: torch.device):
+        """One exactly-sized host buffer for a background save's copy, page-locked when the
+        state is on CUDA; the next save reuses it (``save`` finishes the previous one first)."""
+        if self.staging is None or self.staging.flat.numel() != numel:
+            self.staging = None   # free (and unregister) the old one before the new one
+            self.staging = HostArena([numel], torch.float32, pin=can_pin(device))
+        return self.staging
 
     def save(self, root: str, state: RunState, optimizer, chunks, *, rng_states: Optional[dict],
              extra: dict, after_write: Optional[Callable[[], None]] = None, wait: bool = False) -> str:
@@ -89,7 +100,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         out = core.save(root, state.iteration, optimizer, chunks, self.groups, rng_states=rng_states,
                         extra=dict(state.to_meta(), **extra), keep=self.keep,
-                        async_group=self.async_group, after_write=after_write)
+                        async_group=self.async_group, after_write=after_write, staging=self._staging)
         blocked = time.perf_counter() - t0
         path = core.iteration_dir(root, state.iteration)
         if isinstance(out, core.PendingSave):

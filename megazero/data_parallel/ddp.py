@@ -364,6 +364,12 @@ class DataParallel:
         return sum(b.params_shard.numel() * b.params_shard.element_size() for b in self.buffers
                    if getattr(b, "offloaded", False))
 
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked host memory held by the buffers (the ZeRO-3 ``offload_param``
+        shards' arenas; 0 without CUDA or without offload)."""
+        return sum(b.host_arena.pinned_bytes for b in self.buffers
+                   if getattr(b, "host_arena", None) is not None)
+
     def gathered_bound_bytes(self) -> int:
         """ZeRO-3: most bytes of gathered parameters: ``max_live_parameters``, or what is in
         use at once when that is more (a chunk's remaining parameters and two units: the one

@@ -18,8 +18,9 @@ schedule of gathers, prefetches and releases is :mod:`megazero.data_parallel.zer
    nothing is gathered after the step.
 
 With ``offload_param`` (ZeRO-Infinity's ``offload_param: {device: cpu}``, Rajbhandari et al.
-2021) the shard lives in host memory (page-locked on CUDA) between uses and is copied to the
-device bucket by bucket just before its all-gather.
+2021) the shard lives in host memory between uses (one exactly-sized ``HostArena`` per
+buffer, page-locked on CUDA) and is copied to the device bucket by bucket just before its
+all-gather.
 Persistent memory is (p + g + m + 8) Psi / N per rank (the p Psi / N part on the host with
 offload) plus the gathered units while they compute.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from megazero import collectives as C
+from megazero.data_parallel.host_memory import HostArena, can_pin
 from megazero.data_parallel.sharding import Stage2
 
 
@@ -42,17 +44,19 @@ class Stage3(Stage2):
     offload_param = False
 
     def init_params(self, buf, values) -> None:
-        """Keep only this rank's shard of the parameters (host memory with offload): each
-        parameter's value is asked for in turn (``values(p)``; not at all when no part of it
-        lies in this rank's shard), its part in the shard copied in and the value dropped, so
-        the full buffer never exists, nor, with an unmaterialized stage
-        (``model.gpt.GPTStage(materialize=False)``), more than one parameter's partition. The
-        parameters are then released (zero-stride placeholders)."""
+        """Keep only this rank's shard of the parameters (host memory with offload: one exactly
+        sized arena per buffer, pinned on CUDA): each parameter's value is asked for in turn
+        (``values(p)``; not at all when no part of it lies in this rank's shard), its part in
+        the shard copied in and the value dropped, so the full buffer never exists, nor, with
+        an unmaterialized stage (``model.gpt.GPTStage(materialize=False)``), more than one
+        parameter's partition. The parameters are then released (zero-stride placeholders)."""
         layout, device = buf.layout, buf.device
-        host = self.offload_param and device.type != "cpu"
-        buf.params_shard = torch.zeros(layout.shard_numel, dtype=buf.param_dtype,   # padding: 0
-                                       device="cpu" if self.offload_param else device,
-                                       pin_memory=host)
+        buf.host_arena = None
+        if self.offload_param:   # zero-filled: the padding stays 0
+            buf.host_arena = HostArena([layout.shard_numel], buf.param_dtype, pin=can_pin(device))
+            buf.params_shard = buf.host_arena.parts[0]
+        else:
+            buf.params_shard = torch.zeros(layout.shard_numel, dtype=buf.param_dtype, device=device)
         for p in layout.params:
             r, flat = layout.param_range[id(p)], None
             for k in layout.param_buckets[id(p)]:

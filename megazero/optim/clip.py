@@ -2,7 +2,7 @@
 
 Clipping by the global L2 norm (Pascanu et al. 2013) must give the single-process norm
 under every layout (docs/design.md, contract 1). Every rank sums the squares of the
-gradient elements it is responsible for (partial sums added in fp64, see "Precision"), and
+gradient elements it is responsible for (accumulated in fp64, see "Precision"), and
 one fp64 SUM all-reduce adds them:
 
 - TP partitions are disjoint: all count; a TP-replicated parameter counts on TP rank 0
@@ -17,13 +17,19 @@ one fp64 SUM all-reduce adds them:
 The all-reduce leaves the same bits on every rank, so every rank computes the same clip
 coefficient. ``clip_coefficient`` matches ``torch.nn.utils.clip_grad_norm_``.
 
-Precision: an fp32 sum of squares drifts with the element count (torch's CPU ``vector_norm``
-of 25M fp32 values is 4e-3 off, and layouts that cut the buffer into other pieces
-disagree), so no fp32 accumulator ever holds more than ``ROW`` squares: a piece is viewed as
-rows of ``ROW`` elements, each row's norm is taken in fp32 (one pass, no copy of the piece)
-and the squared row norms are summed in fp64; short pieces and the tail are summed in fp64
-directly. Measured on 25M values: 4e-9 relative to the fp64 sum, for 1.25x the time of one
-fp32 ``vector_norm`` (a full fp64 upcast cost 12x). The all-reduce runs in fp64 too.
+Precision and launches: an fp32 sum of squares drifts with the element count (torch's CPU
+``vector_norm`` of 25M fp32 values is 4e-3 off, and layouts that cut the buffer into other
+pieces disagree), so every piece's squares are accumulated in fp64: one
+``torch._foreach_norm(pieces, 2, dtype=float64)`` over the whole precomputed list of counted
+pieces, then the fp64 squares of those norms summed (``squared_sum``: 4 calls whatever the
+number of pieces; the previous per-piece fp32 row sums cost ~5 kernels per piece, about 1,500
+per step on the 1.3B check model, issue 27). On CUDA the multi-tensor kernel converts each
+element to fp64 in registers (no fp64 copy; the pass stays memory-bound); on the CPU torch
+loops over the pieces and upcasts each: 90 ms for 25M values on one core, 12x the earlier
+fp32 row sums (7.6 ms), which only CPU runs (the tests) pay. Measured on 25M values: 6e-13 relative to an
+fp64 sum. The all-reduce runs in fp64 too, and nothing here reads the result on the host
+(``reduce_squared_sum``): the optimizer reads it together with the overflow flag, one host
+synchronisation for both.
 """
 from __future__ import annotations
 
@@ -37,33 +43,30 @@ from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 
 
-ROW = 64             # squares per fp32 accumulator
-SMALL = 1 << 16      # pieces up to this many elements are upcast to fp64 whole
-
-
-def _piece_squares(flat: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of the 1-D ``flat`` as a 0-d fp64 tensor (module docstring, "Precision")."""
-    if flat.numel() <= SMALL:
-        return torch.linalg.vector_norm(flat, 2, dtype=torch.float64).square()
-    body = flat.numel() - flat.numel() % ROW
-    rows = flat[:body].view(-1, ROW)                                              # (n/ROW, ROW)
-    sq = torch.linalg.vector_norm(rows, 2, dim=1, dtype=torch.float32).double().square().sum()
-    if body < flat.numel():
-        sq = sq + torch.linalg.vector_norm(flat[body:], 2, dtype=torch.float64).square()
-    return sq
-
-
 def squared_sum(tensors: Iterable[torch.Tensor], device=None) -> torch.Tensor:
     """Sum of squares of every element of ``tensors`` as a one-element fp64 tensor.
 
-    Each tensor (any shape, any floating dtype) is summed with at most ``ROW`` squares per
-    fp32 accumulator and the partial sums added in fp64 (no host synchronisation).
-    ``device`` is used when ``tensors`` is empty (CPU when not given).
+    ``tensors``: any shapes and floating dtypes on one device (the optimizer passes a list it
+    built once). Each tensor's squares are accumulated in fp64 by one multi-tensor norm call
+    for the whole list (module docstring, "Precision and launches"); no host
+    synchronisation. ``device`` is used when ``tensors`` is empty (CPU when not given).
     """
-    parts = [_piece_squares(t.reshape(-1)) for t in tensors if t.numel() > 0]
+    parts = [t for t in tensors if t.numel() > 0]
     if not parts:
         return torch.zeros(1, dtype=torch.float64, device=device)
-    return torch.stack(parts).sum().reshape(1)
+    norms = torch._foreach_norm(parts, 2, dtype=torch.float64)           # [()] per piece, fp64
+    return torch.stack(norms).square().sum().reshape(1)
+
+
+def reduce_squared_sum(counted: Iterable[torch.Tensor], groups: ProcessGroups, *,
+                       sharded_over_dp: bool, device=None) -> torch.Tensor:
+    """The global sum of squares as a one-element fp64 tensor, identical on every rank, left
+    on the device (no host synchronisation): :func:`squared_sum` of this rank's ``counted``
+    pieces, then one SUM all-reduce over ``groups.world`` when ``sharded_over_dp``, else over
+    ``groups.mp`` (arguments as :func:`global_grad_norm`)."""
+    sq = squared_sum(counted, device)
+    C.all_reduce_sum(sq, groups.world if sharded_over_dp else groups.mp)
+    return sq
 
 
 def global_grad_norm(counted: Iterable[torch.Tensor], groups: ProcessGroups, *,
@@ -81,11 +84,16 @@ def global_grad_norm(counted: Iterable[torch.Tensor], groups: ProcessGroups, *,
         device: where to build the sum when ``counted`` is empty.
 
     Returns the norm as a Python float, identical on every rank (inf/NaN propagate); the
-    squares are summed and all-reduced in fp64 (module docstring, "Precision").
+    squares are summed and all-reduced in fp64 (module docstring). Reads it on the host: one
+    synchronisation (the optimizer uses :func:`reduce_squared_sum` to share it).
     """
-    sq = squared_sum(counted, device)
-    C.all_reduce_sum(sq, groups.world if sharded_over_dp else groups.mp)
-    return math.sqrt(sq.item()) * inv_scale
+    sq = reduce_squared_sum(counted, groups, sharded_over_dp=sharded_over_dp, device=device)
+    return norm_from_squares(sq.item(), inv_scale)
+
+
+def norm_from_squares(sq: float, inv_scale: float = 1.0) -> float:
+    """``sqrt(sq) * inv_scale``: the norm from the global sum of squares read on the host."""
+    return math.sqrt(sq) * inv_scale
 
 
 def grad_norm_of_params(params: Iterable[torch.nn.Parameter], groups: ProcessGroups) -> float:

@@ -11,15 +11,22 @@ checkpoint format) with its state allocated on the host. One step:
 1. the stage reduces the gradients on the device (``ddp.finish_grad_sync``); the overflow flag
    and the global gradient norm are computed there too, so every collective stays on the
    device (NCCL needs device tensors);
-2. then, piece by piece (one owned bucket, or bucket shard, at a time), the device gradient
-   is copied into the host fp32 gradient buffer (cast from bf16/fp16 on the way), unscaled
-   and clipped there, and AdamW (``ops.adam.adam_step``, torch's CPU kernel) updates the host
-   main params and moments of that piece. The copy happens at the optimizer step, after
-   ``finish_grad_sync``, not during backward (the paper overlaps it with backward; megazero
-   does not yet);
+2. then every owned device gradient is copied into the host fp32 gradient buffer (cast from
+   bf16/fp16 on the way; asynchronous into pinned memory, then one wait on the stream),
+   unscaled and clipped there, and AdamW (``ops.adam.adam_step_lists``, torch's CPU kernel)
+   updates the host main params and moments, one call per buffer and weight decay on the
+   lists of views built once (``megazero/optim/step_lists.py``). The copy happens at the
+   optimizer step, after ``finish_grad_sync``, not during backward (the paper overlaps it
+   with backward; megazero does not yet);
 3. the updated fp32 main params are copied back to the device: for an fp32 model into the
-   owned runs of the parameter buffer, for bf16/fp16 cast by the stage's ``gather_params``;
-   stages 1/2 then all-gather as without offload.
+   owned runs of the parameter buffer (one list copy, asynchronous from pinned memory), for
+   bf16/fp16 cast by the stage's ``gather_params``; stages 1/2 then all-gather as without
+   offload.
+
+Pinned memory: the four host tensors are the parts of one :class:`HostArena` of exactly 16
+bytes per owned element, page-locked as a whole with ``cudaHostRegister`` (not through CUDA's
+caching host allocator, which rounds each tensor up to a power of two);
+``pinned_bytes()`` reports what is actually page-locked.
 
 Without a GPU the same code runs with host and device the same memory; the accounting still
 reports them apart (``HOST_PARTS``, ``bytes_by_place``). Because the model's parameters live
@@ -28,14 +35,16 @@ host holds 16 bytes per owned element: main 4 + moments 8 + gradient copy 4.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import Optional
 
 import torch
 
 from megazero.data_parallel.ddp import DataParallel
+from megazero.data_parallel.host_memory import HostArena, can_pin
 from megazero.data_parallel.sharding import ShardedBuffer
 from megazero.data_parallel.stages import make_strategy
-from megazero.optim.zero import DistributedOptimizer, Piece
+from megazero.optim.step_lists import Piece
+from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups
 
 HOST_BYTES_PER_ELEMENT = 16   # fp32 main params + exp_avg + exp_avg_sq + gradient copy
@@ -62,48 +71,77 @@ class HostOffloadOptimizer(DistributedOptimizer):
     """:class:`DistributedOptimizer` whose fp32 state and Adam step live in host memory.
 
     Args: those of :class:`DistributedOptimizer`, plus ``pin_memory`` (page-lock the host
-    tensors when the model is on CUDA, DeepSpeed's ``offload_optimizer.pin_memory``; ignored
-    on a CPU-only machine, where nothing can be pinned). ``adam_backend`` resolves on the CPU
-    (``"auto"`` gives torch's kernel; ``"apex"`` raises ValueError, it needs CUDA).
+    state when the model is on CUDA, DeepSpeed's ``offload_optimizer.pin_memory``; ignored
+    on a machine without CUDA, where nothing can be pinned) and ``registrar`` (what pins the
+    arena: ``host_memory.CudaRegistrar`` by default; tests pass a recorder, which also pins on
+    a CPU-only machine). ``adam_backend`` resolves on the CPU (``"auto"`` gives torch's
+    kernel; ``"apex"`` raises ValueError, it needs CUDA).
 
-    State (host, fp32, local coordinates as in the base class): ``_main`` (every owned
-    element, also for an fp32 model), ``exp_avg``, ``exp_avg_sq`` and ``host_grads``.
-    Checkpoints (``state_dict``) are the base class's format: a run saved with offload resumes
-    without it and the other way round.
+    State (host, fp32, local coordinates as in the base class), the parts of one arena
+    (``arena``): ``_main`` (every owned element, also for an fp32 model), ``exp_avg``,
+    ``exp_avg_sq`` and ``host_grads``. Checkpoints (``state_dict``) are the base class's
+    format: a run saved with offload resumes without it and the other way round.
     """
 
     HOST_PARTS = ("host_params", "main_params", "exp_avg", "exp_avg_sq", "host_grads")
 
     def __init__(self, ddp: DataParallel, groups: ProcessGroups, *, pin_memory: bool = True,
-                 **kwargs):
-        self.pin_memory = pin_memory and ddp.params[0].device.type == "cuda"
+                 registrar=None, **kwargs):
+        self.registrar = registrar
+        self.pin_memory = pin_memory and (registrar is not None or can_pin(ddp.params[0].device))
         super().__init__(ddp, groups, **kwargs)
-        self.host_grads = self._state_tensor(self.exp_avg.numel())
+        # fp32 models: the device owned runs <- the host main params, one list copy (phase 3)
+        self._to_device = ([], [])
+        for buf, mbase in zip(ddp.buffers, self.main_offsets):
+            if buf.main_is_param:
+                for own in buf.owned():
+                    self._to_device[0].append(buf.owned_param_values(own))
+                    self._to_device[1].append(self._main[mbase + own.local.start:mbase + own.local.end])
 
     def _separate_main(self, buf: ShardedBuffer) -> bool:
         return True   # the model params stay on the device; the main copy is on the host
 
-    def _state_tensor(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=torch.float32, device="cpu", pin_memory=self.pin_memory)
+    def _allocate_state(self, main_numel: int, numel: int) -> tuple[torch.Tensor, ...]:
+        """One host arena of ``main_numel + 3 numel`` fp32 elements: main params, moments and
+        the gradient copy (``host_grads``), pinned as a whole when ``pin_memory``."""
+        self.arena = HostArena([main_numel, numel, numel, numel], torch.float32,
+                               pin=self.pin_memory, registrar=self.registrar)
+        *state, self.host_grads = self.arena.parts
+        return tuple(state)
 
-    def _scratch(self, device):
-        return None   # the host gradient copy is already fp32
+    def _scratch_size(self) -> int:
+        return 0      # the host gradient copy is the fp32 tensor AdamW reads
 
-    def _update_piece(self, pc: Piece, scale: float, coef: float, lr: float, scratch) -> None:
-        """Copy the piece's reduced device gradient to the host, then unscale/clip/AdamW there."""
-        host = self.host_grads[pc.offset:pc.offset + pc.grad.numel()]
-        host.copy_(pc.grad)
-        super()._update_piece(replace(pc, grad=host), scale, coef, lr, None)
+    def _window_limit(self, buf: ShardedBuffer) -> Optional[int]:
+        return None   # ... and it is persistent: one window per buffer
+
+    def _work_of(self, pc: Piece, position: int):
+        return pc.grad, self.host_grads[pc.offset:pc.offset + pc.grad.numel()]
+
+    def _update(self, scale: float, coef: float, lr: float) -> None:
+        """Every reduced device gradient to the host first (one wait), then unscale, clip and
+        AdamW there, window by window."""
+        for win in self.windows:
+            torch._foreach_copy_(win.work, win.sources, non_blocking=self.pin_memory)
+        if self.pin_memory and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()   # the host reads them next
+        for win in self.windows:
+            self._update_window(win, scale, coef, lr)
+
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory page-locked for this optimizer: its arena (exactly 16 bytes per
+        owned element when pinned, else 0) plus the ZeRO-3 ``offload_param`` shards' arenas."""
+        return self.arena.pinned_bytes + self.ddp.pinned_bytes()
 
     @torch.no_grad()
     def _update_model_params(self) -> None:
         """Copy the host main params back into the device parameters (fp32 models: the owned
-        runs; bf16/fp16: cast by the stage's ``gather_params``), then the stage's gather."""
-        for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
-            if buf.main_is_param:
-                for own in buf.owned():
-                    buf.owned_param_values(own).copy_(
-                        self._main[mbase + own.local.start:mbase + own.local.end])
+        runs; bf16/fp16: cast by the stage's ``gather_params``), then the stage's gather.
+
+        From pinned memory the copy is asynchronous: the host writes ``_main`` again only in
+        the next step's phase 5, after the next ``_update`` waited for the stream that runs it."""
+        if self._to_device[0]:
+            torch._foreach_copy_(*self._to_device, non_blocking=self.pin_memory)
         super()._update_model_params()
 
     def _shard_filler(self, buf: ShardedBuffer, mbase):

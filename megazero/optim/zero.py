@@ -21,8 +21,9 @@ from megazero.data_parallel.grad_buffer import Range
 from megazero.data_parallel.param_gather import ParamGatherOverlap
 from megazero.data_parallel.sharding import ShardedBuffer
 from megazero.data_parallel.stages import make_strategy
-from megazero.ops.adam import adam_step
-from megazero.optim.clip import clip_coefficient, global_grad_norm
+from megazero.ops.adam import adam_step_lists
+from megazero.optim.clip import clip_coefficient, norm_from_squares, reduce_squared_sum
+from megazero.optim.step_lists import Piece, Window, build_windows, counted_views, merge_runs
 from megazero.precision import LossScaleError, non_finite_flag
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
@@ -42,29 +43,6 @@ class StepResult:
     skipped: bool
     grad_norm: float
     loss_scale: float
-
-
-@dataclass
-class Piece:
-    """One owned bucket (or bucket shard) of a buffer: gradient, main params, moment offsets."""
-
-    buffer: ShardedBuffer
-    world: Range                     # world range in the buffer
-    offset: int                      # optimizer-local start of this piece (moments)
-    grad: torch.Tensor               # 1-D view of the reduced gradient
-    main: torch.Tensor               # 1-D fp32 main params (a view of the model params in fp32)
-    adam: list                       # [(piece-relative Range, decays: bool)]
-    counted: list                    # piece-relative Ranges that count in the norm
-
-
-def _merge(segments: list[tuple[Range, bool]]) -> list[tuple[Range, bool]]:
-    out: list[tuple[Range, bool]] = []
-    for r, flag in segments:
-        if out and out[-1][1] == flag and out[-1][0].end == r.start:
-            out[-1] = (Range(out[-1][0].start, r.end), flag)
-        else:
-            out.append((r, flag))
-    return out
 
 
 def zero_formula_bytes(num_params: int, dp_size: int, stage: int, param_bytes: int,
@@ -99,12 +77,14 @@ class DistributedOptimizer:
        the skip counted (``LossScaleError`` after ``max_consecutive_skips`` consecutive
        skips at the minimum scale).
     3. unscale by the loss scale used in backward, exactly once.
-    4. global gradient norm (``clip.global_grad_norm``: one SUM all-reduce over the world
+    4. global gradient norm (``clip.reduce_squared_sum``: one SUM all-reduce over the world
        when the owned gradients are sharded over DP, else over the model-parallel group),
-       then clip by it when ``clip_grad > 0``.
-    5. AdamW (``ops.adam.adam_step``) on the owned fp32 main params; weight decay only on
-       parameters whose ``tags.decays`` is True (the model's parameter spec; by default
-       ``ndim >= 2``: biases and norm weights are not decayed, as in Megatron-LM), done by calling the kernel per run of equal decay.
+       then clip by it when ``clip_grad > 0``. The flag and the sum of squares are read on
+       the host together, after both all-reduces: the step's one host synchronisation.
+    5. AdamW (``ops.adam.adam_step_lists``) on the owned fp32 main params; weight decay only
+       on parameters whose ``tags.decays`` is True (the model's parameter spec; by default
+       ``ndim >= 2``: biases and norm weights are not decayed, as in Megatron-LM): one
+       multi-tensor call per buffer and weight-decay value.
     6. bring the updated parameters to every DP rank (``ShardedBuffer.gather_params``:
        stages 1/2 all-gather in pieces of ``allgather_bucket_size`` elements, Psi per step;
        with ``overlap_param_gather`` one asynchronous in-place all-gather per bucket instead,
@@ -112,9 +92,11 @@ class DistributedOptimizer:
        ``megazero/data_parallel/param_gather.py``).
 
     An fp32 model's main params are its parameters (views of the flat parameter buffer); a
-    bf16/fp16 model gets an fp32 copy of its owned runs. Steps 3-5 run bucket by bucket: fp32
-    gradients are unscaled and clipped in place, others through one reused fp32 scratch of
-    one bucket (shard), freed when the step ends.
+    bf16/fp16 model gets an fp32 copy of its owned runs. Steps 2-5 run multi-tensor kernels on
+    lists of views built once here (``megazero/optim/step_lists.py``): fp32 gradients are
+    unscaled and clipped in place, a whole buffer per call; gradients in the model dtype go
+    through one fp32 scratch of one piece (bucket shard), a piece per call, allocated for the
+    step only.
 
     Args: ``ddp``; ``groups``; AdamW ``lr`` (default for ``step``), ``beta1``, ``beta2``,
     ``eps``, ``weight_decay``; ``clip_grad`` (0 = off); ``loss_scaler`` (a
@@ -148,11 +130,10 @@ class DistributedOptimizer:
             total += buf.owned_numel()
             separate += buf.owned_numel() if own else 0
         self.device = ddp.params[0].device   # where the model and the collectives live
-        self._main = self._state_tensor(separate)
-        self.exp_avg = self._state_tensor(total)
-        self.exp_avg_sq = self._state_tensor(total)
+        self._main, self.exp_avg, self.exp_avg_sq = self._allocate_state(separate, total)
         self.pieces = [p for i, buf in enumerate(ddp.buffers) for p in self._pieces(i, buf)]
         self.peak_step_bytes = 0
+        self._build_step_lists()
         self._init_main_params()
         self.param_gather = (ParamGatherOverlap(ddp.chunks, ddp.buffers, groups.dp)
                              if overlap_param_gather else None)
@@ -161,9 +142,53 @@ class DistributedOptimizer:
         """Whether ``buf``'s owned runs get an fp32 main copy (else the params are the main)."""
         return not buf.main_is_param
 
-    def _state_tensor(self, numel: int) -> torch.Tensor:
-        """A zeroed fp32 optimizer-state tensor of ``numel`` elements (on the model's device)."""
-        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+    def _allocate_state(self, main_numel: int, numel: int) -> tuple[torch.Tensor, ...]:
+        """Zeroed fp32 ``(main params, exp_avg, exp_avg_sq)`` of ``main_numel``, ``numel`` and
+        ``numel`` elements (local coordinates, on the model's device)."""
+        return tuple(torch.zeros(n, dtype=torch.float32, device=self.device)
+                     for n in (main_numel, numel, numel))
+
+    def _build_step_lists(self) -> None:
+        """The views every step works on, taken once (``megazero/optim/step_lists.py``): the
+        overflow check's gradients, the norm's counted runs, the update windows."""
+        self._flag_grads = [pc.grad for pc in self.pieces]
+        self._counted = counted_views(self.pieces)
+        self._scratch_numel = self._scratch_size()
+        self._scratch = (torch.empty(self._scratch_numel, dtype=torch.float32, device=self.device)
+                         if self._scratch_numel else None)
+        self.windows: list[Window] = []
+        for buf in self.ddp.buffers:
+            pieces = [pc for pc in self.pieces if pc.buffer is buf]
+            self.windows += build_windows(pieces, self._work_of, self.exp_avg, self.exp_avg_sq,
+                                          self._window_limit(buf))
+        self._hold_scratch(False)   # the views stay; the memory exists during a step only
+
+    def _scratch_size(self) -> int:
+        """Elements of the fp32 scratch for gradients kept in the model dtype: the largest
+        piece (0 when the gradients are fp32). A window is then one piece: a scratch of a whole
+        buffer would add 4 bytes per owned element to the step's high-water mark."""
+        return max((pc.grad.numel() for pc in self.pieces if pc.grad.dtype != torch.float32), default=0)
+
+    def _window_limit(self, buf: ShardedBuffer) -> Optional[int]:
+        """Most elements per update window of ``buf`` (None: the whole buffer)."""
+        return None if buf.grads.dtype == torch.float32 else self._scratch_numel
+
+    def _work_of(self, pc: Piece, position: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """``(gradient to copy, fp32 tensor AdamW reads)`` of ``pc`` at ``position`` in its
+        window: fp32 gradients in place, others through the scratch."""
+        if pc.grad.dtype == torch.float32:
+            return None, pc.grad
+        return pc.grad, self._scratch[position:position + pc.grad.numel()]
+
+    def _hold_scratch(self, hold: bool) -> None:
+        """Give the scratch its memory for a step, or take it away (storage resized to 0
+        bytes; the views taken once stay valid, as ZeRO-3's released buffers do)."""
+        if self._scratch is None:
+            return
+        storage = self._scratch.untyped_storage()
+        storage.resize_(self._scratch_numel * 4 if hold else 0)
+        if hold:
+            self.peak_step_bytes = max(self.peak_step_bytes, self._scratch_numel * 4)
 
     def _pieces(self, i: int, buf: ShardedBuffer) -> list[Piece]:
         tp_rank, out, mbase = self.groups.tp_rank, [], self.main_offsets[i]
@@ -177,7 +202,7 @@ class DistributedOptimizer:
             main = (buf.owned_param_values(own) if mbase is None
                     else self._main[mbase + own.local.start:mbase + own.local.end])
             out.append(Piece(buf, own.world, self.offsets[i] + own.local.start, own.grad, main,
-                              _merge(adam), [r for r, _ in _merge(counted)]))
+                              merge_runs(adam), [r for r, _ in merge_runs(counted)]))
         return out
 
     @torch.no_grad()
@@ -205,40 +230,52 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self, lr: Optional[float] = None) -> StepResult:
         """One optimizer step (phases 1-6 of the class docstring); ``lr`` defaults to the
-        constructor's. Raises LossScaleError (a RuntimeError) when stuck skipping."""
+        constructor's. Reads the device once (the overflow flag with the sum of squares).
+        Raises LossScaleError (a RuntimeError) when stuck skipping."""
         lr = self.lr if lr is None else lr
         self.peak_step_bytes = 0
         self.wait_param_gather()   # normally done: the forward waited for every bucket
         self.ddp.finish_grad_sync()                                           # 1
         scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        device = self.device
-        flag = non_finite_flag([pc.grad for pc in self.pieces]).to(device)    # 2
+        flag = non_finite_flag(self._flag_grads).to(self.device)             # 2
         C.all_reduce_max(flag, self.groups.world)
-        if flag.item() > 0:
+        sq = reduce_squared_sum(self._counted, self.groups, device=self.device,   # 4
+                                sharded_over_dp=self.ddp.strategy.sharded_over_dp)
+        overflow, squares = torch.cat([flag.double(), sq]).tolist()   # the step's host sync
+        if overflow > 0:
             self._skip(scale)
             return StepResult(True, float("nan"), scale)
         if self.loss_scaler is not None:
             self.loss_scaler.update(False)
         self.consecutive_min_skips = 0
-        counted = [pc.grad[r.start:r.end] for pc in self.pieces for r in pc.counted]
-        norm = global_grad_norm(counted, self.groups, sharded_over_dp=self.ddp.strategy.sharded_over_dp,
-                                inv_scale=1.0 / scale, device=device)         # 4
+        norm = norm_from_squares(squares, 1.0 / scale)
         coef = clip_coefficient(norm, self.clip_grad)
         self.step_count += 1
-        scratch = self._scratch(device)
-        for pc in self.pieces:                                                # 3-5
-            self._update_piece(pc, scale, coef, lr, scratch)
-        del scratch                                                           # freed here
+        self._update(scale, coef, lr)                                        # 3-5
         self._update_model_params()                                           # 6
         return StepResult(False, norm, scale)
 
-    def _scratch(self, device) -> Optional[torch.Tensor]:
-        """One fp32 buffer for the largest piece whose gradient is not fp32 (else None)."""
-        sizes = [pc.grad.numel() for pc in self.pieces if pc.grad.dtype != torch.float32]
-        if not sizes:
-            return None
-        self.peak_step_bytes = max(self.peak_step_bytes, 4 * max(sizes))
-        return torch.empty(max(sizes), dtype=torch.float32, device=device)
+    def _update(self, scale: float, coef: float, lr: float) -> None:
+        """Phases 3-5 window by window: gradients into the scratch when not fp32, unscale,
+        clip, AdamW; the scratch's memory is held for this loop only."""
+        self._hold_scratch(True)
+        for win in self.windows:
+            if win.sources:
+                torch._foreach_copy_(win.work, win.sources)
+            self._update_window(win, scale, coef, lr)
+        self._hold_scratch(False)
+
+    def _update_window(self, win: Window, scale: float, coef: float, lr: float) -> None:
+        """Unscale and clip ``win.work`` in place, then one AdamW call per weight decay."""
+        if scale != 1.0:
+            torch._foreach_mul_(win.work, 1.0 / scale)
+        if coef < 1.0:
+            torch._foreach_mul_(win.work, coef)
+        for a in win.adam:
+            adam_step_lists(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, step=self.step_count,
+                            lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                            weight_decay=self.weight_decay if a.decays else 0.0,
+                            backend=self.adam_backend)
 
     def _skip(self, scale: float) -> None:
         self.skipped_steps += 1
@@ -255,25 +292,6 @@ class DistributedOptimizer:
                 f"gradients were inf/NaN in {self.consecutive_min_skips} consecutive steps "
                 f"{where} (--max-consecutive-skips {self.max_consecutive_skips}); the run "
                 f"diverged: {fix}")
-
-    def _update_piece(self, pc: Piece, scale: float, coef: float, lr: float,
-                      scratch: Optional[torch.Tensor]) -> None:
-        if pc.grad.dtype == torch.float32:
-            g = pc.grad                                 # (piece,) unscaled/clipped in place
-        else:
-            g = scratch[:pc.grad.numel()]
-            g.copy_(pc.grad)
-        if scale != 1.0:
-            g.mul_(1.0 / scale)
-        if coef < 1.0:
-            g.mul_(coef)
-        for r, decays in pc.adam:
-            s, e = pc.offset + r.start, pc.offset + r.end
-            adam_step(pc.main[r.start:r.end], g[r.start:r.end], self.exp_avg[s:e],
-                      self.exp_avg_sq[s:e], step=self.step_count, lr=lr, beta1=self.beta1,
-                      beta2=self.beta2, eps=self.eps,
-                      weight_decay=self.weight_decay if decays else 0.0,
-                      backend=self.adam_backend)
 
     def wait_param_gather(self) -> None:
         """Wait for the all-gathers ``overlap_param_gather`` left in flight (no-op without)."""
@@ -357,21 +375,30 @@ class DistributedOptimizer:
         host = sum(got.get(k, 0) for k in self.HOST_PARTS)
         return {"device": got["total"] - host, "host": host}
 
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory page-locked for the model state (ZeRO-3 ``offload_param``
+        shards; the offloaded optimizer adds its arena)."""
+        return self.ddp.pinned_bytes()
+
     def bucket_bound_bytes(self) -> int:
         """B: the most temporary bytes one step holds at a time (the formula's "+ at most B
         bytes of buckets"): the largest of the backward staging bound
         (``DataParallel.staging_bound_bytes``), the finalize step's packed buffer (at most one
-        bucket, ``DataParallel.finalize_bound_bytes``), the fp32 scratch (one piece, when gradients are not fp32) and the
+        bucket, ``DataParallel.finalize_bound_bytes``), the fp32 scratch (one piece, when
+        gradients are not fp32) and the
         all-gather buffers (``allgather_bucket_size / N`` elements per rank, N + 1 of them),
         plus at ZeRO-3 the gathered parameters (``DataParallel.gathered_bound_bytes``).
         """
-        ddp, n = self.ddp, self.ddp.dp_size
-        scratch = max((4 * pc.grad.numel() for pc in self.pieces
-                       if pc.grad.dtype != torch.float32), default=0)
-        gather = max(buf.strategy.gather_bound_bytes(buf, max(1, self.allgather_bucket_size // n), n)
-                     for buf in ddp.buffers)
-        return (max(ddp.staging_bound_bytes(), ddp.finalize_bound_bytes(), scratch, gather)
-                + ddp.gathered_bound_bytes())
+        ddp = self.ddp
+        scratch = 4 * self._scratch_numel
+        return (max(ddp.staging_bound_bytes(), ddp.finalize_bound_bytes(), scratch,
+                    self._gather_bound_bytes()) + ddp.gathered_bound_bytes())
+
+    def _gather_bound_bytes(self) -> int:
+        """The most temporary bytes of the step's parameter all-gather (phase 6)."""
+        n = self.ddp.dp_size
+        return max(buf.strategy.gather_bound_bytes(buf, max(1, self.allgather_bucket_size // n), n)
+                   for buf in self.ddp.buffers)
 
     # -- checkpoint state ----------------------------------------------------------------
     def owned_state(self):

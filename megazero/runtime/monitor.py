@@ -109,50 +109,83 @@ _MiB = 2 ** 20
 
 
 class Timer:
-    """Wall-clock timer in seconds (``time.perf_counter``), accumulating over start/stop.
+    """Seconds between ``start()`` and ``stop()``, accumulated over the intervals.
 
-    With a CUDA ``device``, ``torch.cuda.synchronize(device)`` runs before reading the clock
-    so that queued kernels are counted; other devices never touch ``torch.cuda``.
+    On the CPU (or without a device) the clock is ``time.perf_counter``. With a CUDA
+    ``device`` each interval is a pair of CUDA events recorded on the current stream, so
+    starting and stopping never wait for the device: a device-wide ``torch.cuda.synchronize``
+    at every step boundary (what this timer did until issue 27) would also wait for the
+    ZeRO-1/2 parameter all-gathers that ``--overlap-param-gather`` leaves in flight into the
+    next forward, and keep the host from queueing the next step while the device works.
+    ``elapsed`` / ``reset()`` read the events, waiting for the last stop event only
+    (``Event.synchronize``); the training loop reads them on log steps alone. An event pair
+    times the stream from the moment the device reaches ``start`` to the moment it reaches
+    ``stop``: with the host ahead of the device, back-to-back steps are timed as their
+    throughput; time the device idles waiting for the host counts too.
     Use as ``with Timer(device) as t: ...; t.elapsed`` or ``start()``/``stop()``.
     """
 
     def __init__(self, device: Union[torch.device, str, None] = None):
-        self._device = None if device is None else torch.device(device)
-        self._start: Optional[float] = None
-        self.elapsed = 0.0  # seconds, summed over completed start/stop pairs
+        device = None if device is None else torch.device(device)
+        self._cuda = device is not None and device.type == "cuda"
+        self._start = None        # perf_counter seconds, or a CUDA start event
+        self._pending: list = []  # CUDA (start, stop) event pairs not yet added to _elapsed
+        self._elapsed = self._last = 0.0
 
-    def _sync(self) -> None:
-        if self._device is not None and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+    def _mark(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def start(self) -> "Timer":
-        """Start timing. Raises RuntimeError if already running."""
+        """Start timing (no device synchronisation). Raises RuntimeError if already running."""
         if self._start is not None:
             raise RuntimeError("Timer.start() called on a running timer")
-        self._sync()
-        self._start = time.perf_counter()
+        self._start = self._mark()
         return self
 
-    def stop(self) -> float:
-        """Stop timing; returns this interval's seconds. Raises RuntimeError if not running."""
+    def _stop(self) -> None:
         if self._start is None:
             raise RuntimeError("Timer.stop() called on a timer that is not running")
-        self._sync()
-        interval = time.perf_counter() - self._start
-        self._start = None
-        self.elapsed += interval
-        return interval
+        end, begin, self._start = self._mark(), self._start, None
+        if self._cuda:
+            self._pending.append((begin, end))
+        else:
+            self._last = end - begin
+            self._elapsed += self._last
+
+    def stop(self) -> float:
+        """Stop timing; returns this interval's seconds (on CUDA reading it waits for the
+        interval's stop event; ``with Timer(...)`` does not read it). Raises RuntimeError if
+        not running."""
+        self._stop()
+        if not self._cuda:
+            return self._last
+        begin, end = self._pending[-1]
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds summed over the completed intervals (on CUDA: waits for the last stop event)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()   # the stream reached it: every earlier event too
+            self._elapsed += sum(a.elapsed_time(b) for a, b in self._pending) / 1e3   # ms -> s
+            self._pending = []
+        return self._elapsed
 
     def reset(self) -> float:
         """Returns the accumulated seconds and sets them to zero."""
-        elapsed, self.elapsed = self.elapsed, 0.0
+        elapsed, self._elapsed = self.elapsed, 0.0
         return elapsed
 
     def __enter__(self) -> "Timer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self._stop()
 
 
 def memory_stats(device: Union[torch.device, str]) -> dict[str, Any]:
@@ -400,14 +433,17 @@ class Monitor:
 
         ``rows``: one mapping per rank (gathered by the caller), each with ``"rank"``,
         ``"bytes"`` (part name -> bytes, e.g. params, grads, optimizer, buckets) and optional
-        ``"psi"`` (its parameter count) and ``"formula"`` (the ZeRO formula's bytes for them,
-        shown beside the total without buckets);
-        ``note`` ends the header. Writes one ``"memory"`` record per rank.
+        ``"psi"`` (its parameter count), ``"formula"`` (the ZeRO formula's bytes for them,
+        shown beside the total without buckets) and ``"pinned"`` (bytes of host memory
+        actually page-locked, a last column when any row has it);
+        ``note`` ends the header. Writes one ``"memory"`` record per rank (with
+        ``pinned_bytes`` when given).
         """
         if not self.is_logging_rank:
             return
         names = list(dict.fromkeys(n for r in rows for n in r["bytes"]))
-        head = ["rank", "Psi", *names, "total", "w/o buckets", "ZeRO formula"]
+        pinned = any("pinned" in r for r in rows)
+        head = ["rank", "Psi", *names, "total", "w/o buckets", "ZeRO formula"] + ["pinned"] * pinned
         table = [head]
         for r in sorted(rows, key=lambda r: r["rank"]):
             parts = {n: int(_plain(r["bytes"].get(n, 0))) for n in names}
@@ -415,8 +451,12 @@ class Monitor:
             formula = r.get("formula")
             table.append([str(r["rank"]), str(r.get("psi", "n/a")), *(_fmt_bytes(parts[n]) for n in names), _fmt_bytes(total),
                           _fmt_bytes(total - parts.get("buckets", 0)),
-                          "n/a" if formula is None else _fmt_bytes(int(formula))])
-            self._record("memory", {"rank": r["rank"], "bytes": parts})
+                          "n/a" if formula is None else _fmt_bytes(int(formula))]
+                         + [_fmt_bytes(int(r.get("pinned", 0)))] * pinned)
+            record = {"rank": r["rank"], "bytes": parts}
+            if "pinned" in r:
+                record["pinned_bytes"] = int(r["pinned"])
+            self._record("memory", record)
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
         lines = [f"model state per rank{': ' + note if note else ''}"]
         lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]

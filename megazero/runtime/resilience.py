@@ -91,14 +91,15 @@ def local_flags(signals: Optional[StopSignals], clock: Optional[StopClock]) -> l
     return [float(pending == s) for s in STOP_SIGNALS] + [float(clock is not None and clock.expired())]
 
 
-def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tuple[torch.Tensor, Optional[str]]:
+def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tuple[float, Optional[str]]:
     """Global mean loss of the step and the stop reason every rank agrees on (collective).
 
     ``loss`` (0-d, any float dtype; fp64 from the schedule) is this data-parallel replica's loss, the same on all its ranks (the
     pipeline broadcast it); one rank per replica (last stage, tp rank 0) contributes it, so the
     SUM over the world divided by dp is the mean over replicas, as ``all_reduce_mean`` over dp
-    gave. ``flags`` from ``local_flags``. Returns (loss, reason) with reason None, ``"SIGTERM"``,
-    ``"SIGINT"``, ``"SIGUSR1"`` (the first slot any rank set) or ``"time"``.
+    gave. ``flags`` from ``local_flags``. Returns (loss as a Python float, reason) with reason
+    None, ``"SIGTERM"``, ``"SIGINT"``, ``"SIGUSR1"`` (the first slot any rank set) or
+    ``"time"``; both come from one read of the device (the only one the caller needs).
     """
     # fp64 on every rank (the same dtype everywhere, or the all-reduce mismatches): the loss
     # sum over replicas keeps its precision
@@ -107,8 +108,8 @@ def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tupl
                                                                              device=loss.device)
     v = torch.cat([share, torch.tensor(flags, dtype=torch.float64, device=loss.device)])
     C.all_reduce_sum(v, groups.world)
-    values = v.tolist()  # one device sync, as float(loss) did
-    mean = v[0] / groups.dp_size if groups.dp_size > 1 else v[0]
+    values = v.tolist()  # the one device sync: loss and flags together
+    mean = values[0] / groups.dp_size if groups.dp_size > 1 else values[0]   # fp64, as on the device
     names = [signal.Signals(s).name for s in STOP_SIGNALS] + ["time"]
     reason = next((n for n, x in zip(names, values[1:]) if x > 0), None)
     return mean, reason
