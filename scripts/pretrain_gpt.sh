@@ -219,7 +219,7 @@ echo "[megazero] TensorBoard:   tensorboard --logdir $RUN_DIR/tensorboard"
 RDZV_TIMEOUT=$("$PY" -c 'import math, sys; print(max(1, math.ceil(float(sys.argv[1]))))' "$DIST_TIMEOUT")
 export MEGAZERO_LAUNCHER_PID=$$  # the ranks exit if this script is killed outright (-9)
 export MEGAZERO_PREFLIGHT_DONE=1  # the ranks need not print the config warnings again
-echo "[megazero] launching $NPROC process(es) on this node (tp=$TP cp=$CP pp=$PP dp=$DP, nnodes=$NNODES)"
+echo "[megazero] launching $NPROC process(es) on this node (tp=$TP $([ "$CP" = 1 ] || echo "cp=$CP ")pp=$PP dp=$DP, nnodes=$NNODES)"
 if [ "$RDZV_BACKEND" = c10d ]; then  # dynamic rendezvous (restarts across nodes); node 0 hosts its store
   RDZV=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
         --rdzv-conf "timeout=$RDZV_TIMEOUT,is_host=$([ "$NODE_RANK" = 0 ] && echo 1 || echo 0)")

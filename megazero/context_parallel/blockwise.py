@@ -29,8 +29,8 @@ import torch
 
 SCORE_TILE_BYTES = 16 * 2**20
 """Bytes of one tile of scores ``[B, G, R, rows, Tk]`` in the accumulation dtype: a block's
-queries are processed in row tiles of at most this size, so the ring's temporaries (three in the
-forward, five in the backward) stay bounded whatever the block's side ``T/(2 cp)`` is."""
+queries are processed in row tiles of at most this size, so the ring's temporaries (one in the
+forward, two in the backward) stay bounded whatever the block's side ``T/(2 cp)`` is."""
 
 
 def tile_rows(B: int, heads: int, Tq: int, Tk: int, acc_bytes: int, budget: int = SCORE_TILE_BYTES) -> int:
