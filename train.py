@@ -173,11 +173,18 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
 
 
 def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups, device):
+    """This dp rank's micro-batches of the global batch after ``consumed`` samples, as
+    ``(tokens, labels)`` ``[micro, T]`` int64 on ``device`` (the cp ranks of one dp rank read the
+    same ones). On CUDA each pair is copied from pinned host memory without blocking the host
+    (the copies queue on the current stream, ahead of the forward that reads them)."""
     from data.samplers import get_micro_batches
 
     mbs = get_micro_batches(dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                             groups.dp_rank, groups.dp_size)
-    return [(x.to(device), y.to(device)) for x, y in mbs]
+    if torch.device(device).type != "cuda":
+        return [(x.to(device), y.to(device)) for x, y in mbs]
+    return [(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
+            for x, y in mbs]
 
 
 def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:

@@ -36,7 +36,7 @@ from megazero.config.shape import check_context_parallel  # noqa: E402
 from megazero.planning.memory import gib  # noqa: E402
 from megazero.planning.plan import plan_memory, plan_stages  # noqa: E402
 from megazero.runtime.launch import uses_cuda  # noqa: E402
-from model.build import build_gpt_config  # noqa: E402
+from model.build import build_gpt_config, build_peak_bytes  # noqa: E402
 
 MiB = 2**20
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
@@ -61,6 +61,22 @@ def vocab_of(cfg) -> int:
     except DataError as e:
         print(f"megazero: data error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def build_table(cfg, vocab: int) -> str:
+    """One line per pipeline stage: what building its model holds at most on one rank, in MiB
+    (``model.build.build_peak_bytes``: each full tensor made, cut to this rank's partition
+    (its ZeRO-3 shard) and freed before the next), the kept partitions and the largest
+    transient (one full fp32 tensor, its cut and its copy in the model dtype)."""
+    gcfg = build_gpt_config(cfg, vocab)
+    where = "cuda" if uses_cuda(cfg) else "cpu"
+    lines = []
+    for r in range(cfg.parallel.pp):
+        b = build_peak_bytes(cfg, gcfg, r, where)
+        lines.append(f"model build, stage {r}: peak {b.peak / MiB:.1f} MiB = kept {b.resident / MiB:.1f} MiB + "
+                     f"one tensor in flight {b.in_flight / MiB:.1f} MiB (largest full tensor "
+                     f"{b.full / MiB:.1f} MiB)")
+    return "\n".join(lines)
 
 
 def plan_table(cfg, vocab: int) -> str:
@@ -230,7 +246,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0 if fits else 1
     world = own.world_size or _world_of(argv)
     cfg = config_from_argv(argv, world, needs_data=own.measure)  # only --measure reads the data
-    print(plan_table(cfg, vocab_of(cfg)))
+    vocab = vocab_of(cfg)
+    print(plan_table(cfg, vocab))
+    print("\n" + build_table(cfg, vocab))
     if own.measure:
         print(f"\n{'rank':>4} {'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
         for r, want, got in measure(argv + ["--device", "cpu"], world, own.measure_steps):

@@ -136,3 +136,29 @@ def test_preflight_writes_the_launchers_exports(tmp_path):
     assert lines[1] == "export CUDA_DEVICE_MAX_CONNECTIONS=1" and lines[0].startswith("# the async tensor-parallel")
     assert train.preflight(TINY + ["--device", "cpu", "--run-dir", str(tmp_path)], 1, str(out)) == 0
     assert out.read_text() == ""
+
+
+def test_cuda_batches_are_copied_from_pinned_memory_without_blocking(monkeypatch):
+    """train.dp_micro_batches on a CUDA device pins each host tensor and copies it with
+    non_blocking=True (on CPU: plain .to); spies stand for the CUDA copies."""
+    import train
+    from megazero.process_groups import ProcessGroups
+
+    cfg = config_from_argv(TINY, 1)
+    data = train.build_data(cfg).train
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pin") or self)
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and str(args[0]).startswith("cuda"):
+            copies.append(("to", str(args[0]), kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    batches = train.dp_micro_batches(data, 0, cfg, ProcessGroups.single(), torch.device("cuda", 0))
+    assert len(batches) == 2
+    assert copies == ["pin", ("to", "cuda:0", True)] * 4
+    copies.clear()
+    train.dp_micro_batches(data, 0, cfg, ProcessGroups.single(), torch.device("cpu"))
+    assert copies == []

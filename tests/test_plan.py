@@ -156,7 +156,9 @@ def test_plan_table_names_the_ring_buffers(capsys):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "4096",
             "--vocab-size", "1001", "--micro-batch-size", "1", "--global-batch-size", "1"]
     assert plan.main(argv + ["--cp", "2"]) == 0
-    head, row = capsys.readouterr().out.splitlines()
+    table, build = capsys.readouterr().out.split("\n\n")
+    head, row = table.splitlines()
+    assert build.startswith("model build, stage 0: peak ")
     assert head.split()[-7:] == ["cp", "K/V", "bufs", "MiB", "ring", "blocks", "MiB"]
     assert [float(x) for x in row.split()[-2:]] == [4.5, 32.0]   # 9 q-sized fp32 buffers; 2 x 16 MiB
     line = describe(_plan_of(argv + ["--cp", "2"], 2), None)
@@ -228,7 +230,9 @@ def test_plan_needs_no_data(capsys):
             "--bf16", "--zero-stage", "1", "--sequence-parallel"]
     assert plan.main(argv + ["--vocab-size", "50257"]) == 0
     out = capsys.readouterr()
-    rows = out.out.splitlines()
+    table, build = out.out.split("\n\n")
+    rows = table.splitlines()
+    assert len(build.splitlines()) == 8                   # one build line per stage
     assert rows[0].split() == ["stage", "params", "states", "MiB", "activ.", "MiB", "temps", "MiB", "peak", "MiB"]
     assert [int(r.split()[0]) for r in rows[1:]] == list(range(8))
     assert all(int(r.split()[1].replace(",", "")) > 10**9 for r in rows[1:])  # 175e9 / (tp 8 x pp 8) each
