@@ -51,6 +51,9 @@ HOST_TENSORS = {
     # A view of a host tensor's own storage for DCP's file writer (the tensor is on the CPU).
     ("megazero/checkpoint/shards.py", "compact_view"):
         "an empty CPU tensor re-pointed at a host storage",
+    # One exactly-sized host allocation per offloaded buffer, page-locked in place on CUDA.
+    ("megazero/data_parallel/host_memory.py", "HostArena.__init__"):
+        "an offload arena in host memory",
     # ZeRO-Offload keeps fp32 main params and Adam moments in (pinned) host memory.
     ("megazero/optim/offload.py", "HostOffloadOptimizer._state_tensor"):
         "offloaded optimizer state in host memory",
