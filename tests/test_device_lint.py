@@ -54,9 +54,6 @@ HOST_TENSORS = {
     # One exactly-sized host allocation per offloaded buffer, page-locked in place on CUDA.
     ("megazero/data_parallel/host_memory.py", "HostArena.__init__"):
         "an offload arena in host memory",
-    # ZeRO-Offload keeps fp32 main params and Adam moments in (pinned) host memory.
-    ("megazero/optim/offload.py", "HostOffloadOptimizer._state_tensor"):
-        "offloaded optimizer state in host memory",
 }
 
 
