@@ -135,7 +135,7 @@ class Topology:
 
     @property
     def order(self) -> str:
-        """The dimensions innermost first, e.g. ``"tp-dp-pp"``."""
+        """The dimensions innermost first, e.g. ``"tp-cp-dp-pp"``."""
         return "-".join(self.names)
 
     def size(self, name: str) -> int:

@@ -11,7 +11,7 @@ process group exists (docs/design.md, contract 3). Where each kind of rule lives
 - a setting given that has no effect as configured: its field's ``applies`` (schema.py's
   ``Needs``), judged in one pass (``derive.unused_settings``): a warning from ``finalize``,
   or refused here where its Needs says ``refuse``;
-- flag combinations (recomputation, restarts, world size = tp x pp x dp, batch
+- flag combinations (recomputation, restarts, world size = tp x cp x pp x dp, batch
   arithmetic, schedules, precision, ZeRO and offload, output directories, logging,
   profiling, ``--from-hf``): here;
 - the training data: data/ owns the ``--data-path`` blend, the corpus files and the
