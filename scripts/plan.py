@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import train  # noqa: E402
 from data.indexed_dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer  # noqa: E402
-from megazero.config import MOCK_VOCAB_SIZE, ConfigError, config_from_argv  # noqa: E402
+from megazero.config import MOCK_VOCAB_SIZE, ConfigError, config_from_argv, parse_args  # noqa: E402
 from megazero.config.shape import check_context_parallel  # noqa: E402
 from megazero.planning.memory import gib  # noqa: E402
 from megazero.planning.plan import plan_memory, plan_stages  # noqa: E402
@@ -257,15 +257,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _world_of(argv: list[str]) -> int:
-    """tp x cp x pp x dp as given by --tp/--cp/--pp/--dp (1 when absent)."""
-    size = 1
-    for flag in ("--tp", "--cp", "--pp", "--dp"):
-        size *= int(_flag(argv, flag, "1"))
-    return size
-
-
-def _flag(argv: list[str], flag: str, default: str) -> str:
-    return argv[argv.index(flag) + 1] if flag in argv else default
+    """tp x cp x pp x dp as the flags give them (any of their names, e.g. --tp or
+    --tensor-model-parallel-size; 1 when absent). A flag that does not parse gives 1 here and
+    its error from ``config_from_argv``, which reads the same argv next."""
+    try:
+        p = parse_args(argv).parallel
+    except (ConfigError, SystemExit):
+        return 1
+    return p.tp * p.cp * p.pp * (p.dp or 1)
 
 
 if __name__ == "__main__":

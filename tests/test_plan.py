@@ -281,3 +281,14 @@ def test_measure_agrees_with_the_plan_at_cp2():
         assert len(rows) == 2
         for want, got in rows:
             assert abs(want - got) / got < 0.10, (extra, want, got)
+
+
+def test_plan_script_reads_the_world_size_from_any_layout_flag_name():
+    """scripts/plan.py without --world-size takes tp x cp x pp x dp from the flags, under any of
+    their names (Megatron's long ones too); a flag that does not parse leaves the error to the
+    config's one line."""
+    plan = _plan_script()
+    assert plan._world_of(["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                           "--pipeline-model-parallel-size", "2", "--dp", "3"]) == 24
+    assert plan._world_of(["--cp", "4"]) == 4
+    assert plan._world_of(["--tp", "two"]) == 1
