@@ -45,7 +45,7 @@ from megazero.pipeline.executor import make_forward_step, run_schedule
 from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
-from megazero.context_parallel.sequence import Packing, shard_micro_batch
+from megazero.context_parallel.sequence import Packing, counted_targets, shard_micro_batch
 from megazero.process_groups import ProcessGroups
 from megazero.runtime.profiling import StepProfiler, step_profiler
 from megazero.tensor_parallel.random import resume_seed
@@ -385,7 +385,7 @@ class Trainer:
         local = [shard_micro_batch(x, y, cp=g.cp_size, cp_rank=g.cp_rank, packing=packing) for x, y in batches]
         if not packing.eod_mask_loss:
             return local, self.tokens_per_dp_rank
-        counted = sum((y != packing.eod).sum(dtype=torch.float64) for _, y in batches)
+        counted = sum(counted_targets(y, packing) for _, y in batches)
         counted = counted.reshape(()).to(self.device)
         collectives.all_reduce_sum(counted, g.dp)
         return local, counted / (g.dp_size * g.cp_size)

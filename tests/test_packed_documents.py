@@ -44,8 +44,8 @@ def test_document_ids_and_positions_restart_after_each_eod():
     assert document_ids(tokens, EOD).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3]]
     assert document_positions(document_ids(tokens, EOD)).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
     labels = torch.tensor([[6, EOD, 7, EOD, EOD, 8, 9, EOD]])
-    assert counted_targets(labels, Packing(EOD, eod_mask_loss=True)) == 4
-    assert counted_targets(labels, Packing(EOD)) == 8
+    assert int(counted_targets(labels, Packing(EOD, eod_mask_loss=True))) == 4
+    assert int(counted_targets(labels, Packing(EOD))) == 8
     with pytest.raises(ValueError, match="EOD"):
         Packing(None, reset_attention_mask=True)
 
@@ -219,7 +219,7 @@ def test_eod_mask_loss_is_the_mean_over_non_eod_targets():
     with torch.no_grad():
         each = F.cross_entropy(model(tokens).reshape(-1, V), labels.reshape(-1), reduction="none")
         keep = labels.reshape(-1) != EOD
-        assert 0 < counted_targets(labels, Packing(EOD, eod_mask_loss=True)) == int(keep.sum()) < labels.numel()
+        assert 0 < int(counted_targets(labels, Packing(EOD, eod_mask_loss=True))) == int(keep.sum()) < labels.numel()
         masked = model.loss(tokens, labels, eod=EOD, eod_mask_loss=True)
         assert math.isclose(float(masked), float(each[keep].sum() / keep.sum()), rel_tol=1e-6)
         assert not math.isclose(float(masked), float(each.mean()), rel_tol=1e-4)

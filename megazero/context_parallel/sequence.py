@@ -75,11 +75,12 @@ def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def counted_targets(labels: torch.Tensor, packing: Packing) -> int:
-    """Targets the loss counts in ``labels [B, T]`` (all of them unless ``--eod-mask-loss``)."""
+def counted_targets(labels: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """Targets the loss counts in ``labels [B, T]`` (all of them unless ``--eod-mask-loss``): a
+    0-d fp64 tensor on ``labels``' device (no host sync)."""
     if packing.eod_mask_loss:
-        return int((labels != packing.eod).sum())
-    return labels.numel()
+        return (labels != packing.eod).sum(dtype=torch.float64)
+    return torch.tensor(float(labels.numel()), dtype=torch.float64, device=labels.device)
 
 
 def shard_micro_batch(tokens: torch.Tensor, labels: torch.Tensor, *, cp: int, cp_rank: int,
