@@ -114,6 +114,7 @@ def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=5):
     train ``steps`` more. Returns losses per phase, the measured allocation peaks and this
     rank's owned state bytes (3 fp32 tensors of its owned elements)."""
     import train
+    from torch.distributed.checkpoint import FileSystemReader as dcp_reader
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
     from megazero.config import layout_topology
@@ -134,7 +135,15 @@ def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=5):
     bucket = 4 * max(b.range.size for buf in trainer.optimizer.ddp.buffers for b in buf.layout.buckets)
     rng = sum(t.numel() * t.element_size() for t in trainer.chunks[0].rng_tracker.get_state().values()
               if torch.is_tensor(t))
-    out = dict(own=own, bucket=bucket, step=trainer.optimizer.bucket_bound_bytes(), rng=rng, losses=[], peaks=[])
+    out = dict(own=own, bucket=bucket, step=trainer.optimizer.bucket_bound_bytes(), rng=rng, losses=[], peaks=[],
+               in_flight=[])
+    gather = trainer.optimizer.param_gather   # the overlapped all-gathers (ZeRO-1/2), or None
+    read = dcp_reader.read_data
+
+    def read_data(*a, **k):   # the all-gathers still in flight when DCP writes the loaded tensors
+        out["in_flight"].append(0 if gather is None else gather.pending())
+        return read(*a, **k)
+    dcp_reader.read_data = read_data
     if not loads:
         out["losses"].append(run(save_after))
         out["peaks"].append(_measured(lambda: trainer.save_checkpoint(save)))
@@ -156,11 +165,14 @@ def test_save_and_load_hold_at_most_one_bucket_beyond_the_own_shards(tmp_path):
     """dp 2 ZeRO-2, buckets of 500 elements: DCP's tensor reads and writes allocate at most
     one fp32 bucket beyond the rank's own state (the chunks handed to DCP are views of it),
     the whole save/load, apart from DCP's plan exchange, at most one bucket and the RNG
-    states; the same-layout resume is bit-identical."""
+    states; the same-layout resume is bit-identical, also the second load of the session, made
+    two steps later while the overlapped parameter all-gathers of its last step were in flight
+    (none is left in flight when DCP writes the loaded tensors)."""
     argv = ARGS + ["--dp", "2", "--zero-stage", "2"]
     saved = run_distributed(_session, 2, argv, save=str(tmp_path), save_after=2, steps=2)
-    loaded = run_distributed(_session, 2, argv + ["--load", str(tmp_path)], loads=[str(tmp_path)], steps=2)
-    assert loaded[0]["losses"][0] == saved[0]["losses"][1]   # bit for bit
+    loaded = run_distributed(_session, 2, argv + ["--load", str(tmp_path)], loads=[str(tmp_path)] * 2, steps=2)
+    assert loaded[0]["losses"] == [saved[0]["losses"][1]] * 2   # bit for bit, both loads
+    assert all(out["in_flight"] == [0, 0] for out in loaded), [out["in_flight"] for out in loaded]
     for out in saved + loaded:
         _check_peaks(out, out["peaks"], out["bucket"])
 

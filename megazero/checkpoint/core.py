@@ -441,7 +441,8 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
 
     Every rank reads, through DCP, only the saved pieces that overlap its own owned runs
     (``checkpoint_shards``), straight into the optimizer's fp32 main params and moments, then
-    the model params are refreshed (``refresh_model_params``). ``chunks`` (the model chunks)
+    the model params are refreshed (``refresh_model_params``); parameter all-gathers still in
+    flight from the last step are waited for first. ``chunks`` (the model chunks)
     is kept for the callers; the optimizer knows its parameters. ``real_rows(name)`` (None:
     all) is the number of leading rows (dim 0) of a parameter that hold data, e.g. the
     vocabulary size of a padded vocabulary tensor: those rows are read, the rows after them
@@ -473,6 +474,10 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
                                       f"fix: same model sizes")
             if rows is not None:
                 mine[key] = _clip_rows(mine.get(key, []), rows)
+    # DCP writes into the optimizer's state, which is the model's own flat buffer where the
+    # main params are the params (fp32): the overlapped all-gathers of the last step must
+    # land first, or one finishing later overwrites loaded values (issue 27's CI flake)
+    optimizer.wait_param_gather()
     try:
         dcp.load({}, storage_reader=dcp.FileSystemReader(d), planner=shards.LoadPlanner(mine),
                  process_group=groups.world, no_dist=groups.world is None)

@@ -444,6 +444,7 @@ class DistributedOptimizer:
         the model params (an all-gather at stages 1/2). Raises ValueError naming a parameter
         whose owned elements are not all covered.
         """
+        self.wait_param_gather()   # an all-gather landing after the copies would undo them
         by_name: dict[str, list] = {}
         for entry in state["shards"]:
             by_name.setdefault(entry["name"], []).append(entry)
