@@ -42,6 +42,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
         position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
         rotary_percent=m.rotary_percent, normalization=m.normalization, swiglu=m.swiglu,
+        openai_gelu=m.openai_gelu,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         add_bias_linear=m.add_bias_linear,
         cp_comm_type=cfg.parallel.cp_comm_type,
@@ -210,4 +211,4 @@ def model_signature(g: GPTConfig) -> dict:
                 max_position_embeddings=g.max_position_embeddings, tie_embeddings=g.tie_embeddings,
                 position_embedding_type=g.position_embedding_type, rotary_base=g.rotary_base,
                 rotary_percent=g.rotary_percent, normalization=g.normalization, swiglu=g.swiglu,
-                num_query_groups=g.num_query_groups, add_bias_linear=g.add_bias_linear)
+                num_query_groups=g.num_query_groups, add_bias_linear=g.add_bias_linear, openai_gelu=g.openai_gelu)

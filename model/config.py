@@ -85,6 +85,10 @@ class GPTConfig:
     """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only, Zhang & Sennrich 2019)."""
     swiglu: bool = False
     """Gated SiLU MLP ``fc2(silu(gate) * up)`` (Shazeer 2020); ``fc1`` holds ``[gate; up]``."""
+    openai_gelu: bool = False
+    """The GELU MLP with the tanh approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``
+    (Hendrycks & Gimpel 2016, section 2; GPT-2's ``gelu_new``, Megatron-LM's ``--openai-gelu``)
+    instead of the exact erf GELU; GPT-2 block only (no ``swiglu``)."""
     num_query_groups: Optional[int] = None
     """Key/value heads G of grouped-query attention (Ainslie et al. 2023); ``None`` = GPT-2's
     multi-head attention with the ``[q; k; v]`` QKV layout."""

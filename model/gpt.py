@@ -202,7 +202,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``fc2(gelu(fc1(x)))`` with exact (erf) GELU, or with ``swiglu``
+    """``fc2(gelu(fc1(x)))`` with exact (erf) GELU (tanh-approximated with ``openai_gelu``), or with ``swiglu``
     ``fc2(silu(gate) * up)`` where ``fc1`` gives ``[gate; up]`` (Shazeer 2020, "GLU Variants
     Improve Transformer", eq. 6; stride 2, so each rank holds F/tp of each); fc1 column-,
     fc2 row-parallel."""
@@ -211,6 +211,7 @@ class MLP(nn.Module):
         super().__init__()
         H, F_ = cfg.hidden_size, cfg.ffn_hidden_size
         self.swiglu = cfg.swiglu
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"   # torch's two GELUs
         self.fc1 = ColumnParallelLinear(H, 2 * F_ if self.swiglu else F_, group, sequence_parallel=sp,
                                         stride=2 if self.swiglu else 1, bias=cfg.add_bias_linear,
                                         dtype=cfg.params_dtype, device=device,
@@ -224,7 +225,7 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)                   # (B, T, F/tp) each
             return self.fc2(F.silu(gate) * up)
-        return self.fc2(F.gelu(h))
+        return self.fc2(F.gelu(h, approximate=self.gelu_approximate))
 
 
 class Block(nn.Module):

@@ -10,9 +10,11 @@ QKV rows are ``[q; k; v]`` with the heads contiguous inside each in both (GPT-2 
 ``c_attn``'s output in three along the features, then into heads), so no permutation is
 needed. Where the two computations could differ, the map is exact or refuses:
 
-- GELU: megazero's MLP uses the exact (erf) GELU, ``activation_function = "gelu"``; GPT-2's
-  own default ``"gelu_new"`` (tanh approximation) and every other activation are refused on
-  import (``HFConversionError`` names the setting).
+- GELU: megazero's MLP uses the exact (erf) GELU, ``activation_function = "gelu"``, or with
+  ``openai_gelu`` (``--openai-gelu``) the tanh approximation, ``"gelu_new"`` (GPT-2's own
+  default, that of ``GPT2Config()`` and the public checkpoints; ``"gelu_pytorch_tanh"`` is the
+  same function, read as the same). Every other activation is refused on import
+  (``HFConversionError`` names the setting).
 - vocabulary: megazero pads it (``make_vocab_size_divisible_by`` x tp) with zero rows that are
   masked out of the softmax; the export keeps the ``vocab_size`` real rows, the import
   re-pads them for the layout at hand.
@@ -61,8 +63,12 @@ _MAPPED_FIELDS = {"vocab_size", "num_layers", "hidden_size", "num_attention_head
                   "seq_length", "max_position_embeddings", "hidden_dropout", "attention_dropout",
                   "tie_embeddings", "layernorm_epsilon", "init_method_std", "make_vocab_size_divisible_by",
                   "sequence_parallel", "params_dtype", "label_smoothing", "norm_backend",
-                  "recompute_granularity", "recompute_method", "recompute_num_layers", "tp_overlap_grad_reduce"}
-_GELU = "gelu"  # transformers' ACT2FN["gelu"]: exact erf GELU, as torch.nn.functional.gelu
+                  "recompute_granularity", "recompute_method", "recompute_num_layers", "tp_overlap_grad_reduce",
+                  "openai_gelu"}
+# transformers' ACT2FN names -> GPTConfig.openai_gelu: "gelu" is the exact erf GELU
+# (torch.nn.functional.gelu), "gelu_new" and "gelu_pytorch_tanh" its tanh approximation
+# (F.gelu(approximate="tanh"), the same formula); an export writes the first name of each
+_GELUS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
 _RUNTIME_FIELDS = ("params_dtype", "norm_backend", "sequence_parallel")  # not the model's math
@@ -113,7 +119,7 @@ def gpt2_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": gcfg.vocab_size,
             "n_positions": gcfg.max_position_embeddings, "n_embd": gcfg.hidden_size,
             "n_layer": gcfg.num_layers, "n_head": gcfg.num_attention_heads, "n_inner": gcfg.ffn_hidden_size,
-            "activation_function": _GELU, "layer_norm_epsilon": gcfg.layernorm_epsilon,
+            "activation_function": "gelu_new" if gcfg.openai_gelu else "gelu", "layer_norm_epsilon": gcfg.layernorm_epsilon,
             "resid_pdrop": gcfg.hidden_dropout, "embd_pdrop": gcfg.hidden_dropout,
             "attn_pdrop": gcfg.attention_dropout, "initializer_range": gcfg.init_method_std,
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
@@ -128,11 +134,11 @@ def gpt_config_from_hf(config: Mapping, **settings) -> GPTConfig:
     if config.get("model_type") != "gpt2":
         raise HFConversionError(f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') "
                                 "folders are read")
-    act = config.get("activation_function", "gelu_new")
-    if act != _GELU:
-        raise HFConversionError(f"activation_function {act!r}: megazero's MLP uses the exact erf GELU "
-                                f"('{_GELU}'); a tanh-approximated or other activation would compute "
-                                "something else")
+    act = config.get("activation_function", "gelu_new")   # GPT2Config's default
+    if act not in _GELUS:
+        raise HFConversionError(f"activation_function {act!r}: megazero's GPT-2 MLP computes the exact erf "
+                                f"GELU ('gelu') or its tanh approximation ('gelu_new', 'gelu_pytorch_tanh'); "
+                                "another activation would compute something else")
     for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
         if config.get(key, want) != want:
@@ -144,7 +150,8 @@ def gpt_config_from_hf(config: Mapping, **settings) -> GPTConfig:
                      ffn_hidden_size=_value(config, "n_inner", "size", 4 * hidden),
                      max_position_embeddings=positions,
                      tie_embeddings=_value(config, "tie_word_embeddings", "flag", True),
-                     layernorm_epsilon=_value(config, "layer_norm_epsilon", "number", 1e-5), **settings)
+                     layernorm_epsilon=_value(config, "layer_norm_epsilon", "number", 1e-5),
+                     openai_gelu=_GELUS[act], **settings)
 
 
 _REQUIRED = object()
@@ -174,7 +181,7 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
     (GPT-2 or LLaMA) and the run's model (``gcfg``) differ, as the megazero flag to change."""
     theirs = config_from_hf(config, seq_length=gcfg.seq_length)
     for field, flag in (("position_embedding_type", "--position-embedding-type"),
-                        ("normalization", "--normalization"), ("swiglu", "--swiglu"),
+                        ("normalization", "--normalization"), ("swiglu", "--swiglu"), ("openai_gelu", "--openai-gelu"),
                         ("kv_heads", "--group-query-attention --num-query-groups"),
                         ("rotary_base", "--rotary-base"), ("add_bias_linear", "--disable-bias-linear"),("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
                         ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),

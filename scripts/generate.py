@@ -1,6 +1,6 @@
 """Generate text from a megazero checkpoint (any layout) or a Hugging Face GPT-2 / Llama folder.
 
-    python scripts/generate.py (--load CKPT_DIR | --from-hf DIR) --prompt TEXT \\
+    python scripts/generate.py (--load CKPT_DIR | --from-hf DIR) (--prompt TEXT | --prompt-ids 5,17,300) \\
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
     python scripts/generate.py --tp 2 ...                       # tensor parallel over 2 ranks
     torchrun --nproc-per-node 2 scripts/generate.py ...         # the same, under your own torchrun
@@ -11,6 +11,9 @@ layout, ``megazero.checkpoint.read_full_weights``; or ``model.safetensors`` thro
 ``model/hf_folder.py``), then samples with a key/value cache (``model/sampling.py``; temperature 0
 is greedy). The tokenizer is the checkpoint's recorded one (or ``--tokenizer-model``), or
 the folder's ``tokenizer.json``. Rank 0 prints the text (and the ids with ``--print-ids``).
+``--prompt-ids`` gives the prompt as token ids instead, so a folder or checkpoint without a
+tokenizer generates too: then only the ids are printed (a JSON list), and generation stops at
+``--max-new-tokens`` (no end-of-document id is known).
 The same ``--seed`` gives the same text, under any tp.
 
 Errors: one line ``generate: error: ...`` and exit code 2. Every input (the model's settings
@@ -89,13 +92,23 @@ def check_inputs(args, tp: int):
         raise ValueError(f"{source}: the model does not run under --tp {tp}: {e}") from None
     if args.from_hf:
         open_folder(args.from_hf, gcfg, gcfg.padded_vocab(tp))  # checks every tensor, loads none
+    if args.prompt_ids is not None:
+        bad = [i for i in args.prompt_ids if not 0 <= i < gcfg.vocab_size]
+        if bad:
+            raise ValueError(f"--prompt-ids {bad[0]} is not a token id of the model's vocabulary of "
+                             f"{gcfg.vocab_size}; fix: ids in [0, {gcfg.vocab_size})")
+        check_prompt(args.prompt_ids, gcfg.max_position_embeddings)
+        if not _has_tokenizer(tok_path):   # ids need no tokenizer
+            return None
     if tok_path is None:
-        raise CheckpointError("no tokenizer: the run used --mock-data; fix: give --tokenizer-model")
+        raise CheckpointError("no tokenizer: the run used --mock-data; fix: give --tokenizer-model, "
+                              "or the prompt as --prompt-ids")
     tok = load_tokenizer(tok_path, tok_type)
     if tok.vocab_size > gcfg.vocab_size:  # its ids past the embedding's rows would not index it
         raise DataError(f"tokenizer {tok_path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
                         f"{gcfg.vocab_size}; fix: --tokenizer-model of this model")
-    check_prompt(tok.encode(args.prompt), gcfg.max_position_embeddings)
+    if args.prompt_ids is None:
+        check_prompt(tok.encode(args.prompt), gcfg.max_position_embeddings)
     return tok
 
 
@@ -105,6 +118,8 @@ def load_model(args, groups: ProcessGroups, device) -> tuple[GPTStage, object]:
     from data.tokenizer import load_tokenizer
 
     gcfg, tok_path, tok_type = model_settings(args)
+    if args.prompt_ids is not None and not _has_tokenizer(tok_path):
+        tok_path = None   # ids need no tokenizer (check_inputs)
     if args.from_hf:
         full = open_folder(args.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
     else:
@@ -124,12 +139,33 @@ def start_torchrun(tp: int, argv: list[str]) -> None:
                                str(tp), os.path.abspath(__file__), *argv], env)
 
 
+def _has_tokenizer(path) -> bool:
+    """Whether ``path`` (a tokenizer file, or a Hugging Face folder) holds a tokenizer to load."""
+    if path is None:
+        return False
+    return os.path.isfile(os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else os.path.exists(path)
+
+
+def _ids(text: str) -> list[int]:
+    """``"5,17,300"`` -> ``[5, 17, 300]``; argparse turns the ValueError into its usage error."""
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated whole numbers, e.g. 5,17,300") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: token ids are >= 0")
+    return ids
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save)")
     src.add_argument("--from-hf", help="Hugging Face GPT-2 or Llama folder (config.json + model.safetensors)")
-    p.add_argument("--prompt", required=True)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument("--prompt-ids", type=_ids, help="the prompt as comma-separated token ids, e.g. 5,17,300 "
+                        "(no tokenizer needed)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
@@ -177,15 +213,17 @@ def main(argv=None) -> int:
     groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
     try:
         stage, tok = load_model(args, groups, device)
-        ids = sample(stage, tok.encode(args.prompt), args.max_new_tokens, temperature=args.temperature,
-                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, eod=tok.eod)
+        prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt)
+        ids = sample(stage, prompt, args.max_new_tokens, temperature=args.temperature,
+                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, eod=None if tok is None else tok.eod)
     except INPUT_ERRORS as e:  # a file that changed since check_inputs
         if rank == 0:
             print(f"generate: error: {e}", file=sys.stderr)
         return 2
     if rank == 0:
-        print(tok.decode(ids))
-        if args.print_ids:
+        if tok is not None:
+            print(tok.decode(ids))
+        if args.print_ids or tok is None:
             print(json.dumps(ids))
     return 0
 

@@ -52,6 +52,7 @@ def _hf_greedy(hf_dir, prompt_ids, n):
 
 
 def _args(hf_dir, **kw):
+    kw.setdefault("prompt_ids", None)
     return SimpleNamespace(from_hf=hf_dir, load=None, tokenizer_model=None, tokenizer_type=None, **kw)
 
 
@@ -125,3 +126,64 @@ def test_cli_prints_the_greedy_text_and_ids(hf_dir, capsys):
     assert text == tok.decode(json.loads(ids)) and text.startswith(PROMPT)
     assert main(["--from-hf", hf_dir, "--prompt", "", "--device", "cpu"]) == 2
     assert "non-empty prompt" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def gpt2_default_dir(tmp_path_factory):
+    """A ``transformers`` GPT2LMHeadModel with ``GPT2Config``'s defaults (``activation_function``
+    ``gelu_new``, the tanh GELU of the public GPT-2 checkpoints) at tiny sizes, saved with
+    ``save_pretrained`` (no tokenizer): the folder a user downloads, minus the tokenizer."""
+    require("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2)
+    assert hf_cfg.activation_function == "gelu_new"
+    torch.manual_seed(3)
+    out = str(tmp_path_factory.mktemp("gpt2default") / "hf")
+    GPT2LMHeadModel(hf_cfg).eval().save_pretrained(out)
+    return out
+
+
+def _tp_logits(rank, world, hf_dir, ids):
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+    from scripts.generate import load_model
+
+    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+    stage, tok = load_model(_args(hf_dir, prompt_ids=ids[0]), groups, torch.device("cpu"))
+    with torch.no_grad():
+        return tok, stage.cfg.openai_gelu, stage.eval()(torch.tensor(ids))[..., :96]
+
+
+def test_gpt2_config_default_folder_imports_under_tp2_with_the_tanh_gelu(gpt2_default_dir, capsys):
+    """Issue 25, item 5: a GPT2Config()-default folder (gelu_new) loads under tp 2 with the tanh
+    GELU (logits equal transformers' within 1e-5), --prompt-ids generates from it without a
+    tokenizer (greedy ids equal transformers'), and a training run's --from-hf names
+    --openai-gelu until it is given."""
+    from transformers import AutoModelForCausalLM
+
+    from megazero.checkpoint import CheckpointError
+    from megazero.config import config_from_argv
+    from model.build import check_from_hf
+    from scripts.generate import main
+
+    ids = [[5, 17, 30, 2, 88, 41, 7, 63], [1, 2, 3, 4, 5, 6, 7, 8]]
+    hf = AutoModelForCausalLM.from_pretrained(gpt2_default_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits
+    tok, tanh, ours = run_distributed(_tp_logits, 2, gpt2_default_dir, ids)[0]
+    assert tok is None and tanh is True
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+    exact = (theirs - ours).abs().max().item()
+    assert main(["--from-hf", gpt2_default_dir, "--prompt-ids", "5,17,30", "--max-new-tokens", "6",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out) == _hf_greedy(gpt2_default_dir, [5, 17, 30], 6)
+    assert main(["--from-hf", gpt2_default_dir, "--prompt-ids", "5,96", "--device", "cpu"]) == 2
+    assert "--prompt-ids 96 is not a token id of the model's vocabulary of 96" in capsys.readouterr().err
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--mock-data", "--from-hf", gpt2_default_dir, "--micro-batch-size", "1", "--global-batch-size", "1"]
+    with pytest.raises(CheckpointError, match="openai_gelu = True, this run False; fix: set --openai-gelu"):
+        check_from_hf(config_from_argv(model, 1), 96)
+    check_from_hf(config_from_argv(model + ["--openai-gelu"], 1), 96)
+    assert exact < 1e-5

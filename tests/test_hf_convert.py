@@ -179,7 +179,8 @@ def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
     assert e.value.code == 2 and "config.json not found" in capsys.readouterr().err
     os.link(os.path.join(exported["hf"], "model.safetensors"), bad / "model.safetensors")
     config = json.load(open(os.path.join(exported["hf"], "config.json")))
-    for change, message in ((dict(activation_function="gelu_new"), "exact erf GELU"),
+    for change, message in ((dict(activation_function="gelu_new"), "openai_gelu = True, this run False; fix: set --openai-gelu"),
+                            (dict(activation_function="relu"), "activation_function 'relu'"),
                             (dict(n_layer=3), "num_layers = 3, this run 2; fix: set --num-layers"),
                             (dict(vocab_size=512), "vocab_size = 512, this run 300"),
                             (dict(model_type="bert"), "only GPT-2")):

@@ -114,6 +114,9 @@ class ModelConfig:
     normalization: str = _f("LayerNorm", "norm of every block and the final norm",
                             choices=("LayerNorm", "RMSNorm"))
     swiglu: bool = _f(False, "gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8H/3/64)*64")
+    openai_gelu: bool = _f(False, "the MLP's GELU with the tanh approximation (GPT-2's gelu_new, as the public "
+                           "GPT-2 checkpoints) instead of the exact erf GELU",
+                           applies=Needs("model.swiglu", (False,), refuse=True, wanted="a GELU MLP (no --swiglu)"))
     group_query_attention: bool = _f(False, "grouped-query attention with --num-query-groups key/value heads")
     num_query_groups: int = _f(1, "key/value heads of --group-query-attention (1 = multi-query)", "groups",
                                ge=1, applies=Needs("model.group_query_attention", (True,), refuse=True))
