@@ -222,7 +222,8 @@ def build_sft_index(lengths: np.ndarray, capacity: int, num_samples: int, seed: 
     """(records [K] positions in ``lengths``, starts [num_samples + 1]): sample i holds records
     ``records[starts[i]:starts[i+1]]``. Epoch e visits every record once in the order of
     ``default_rng([seed, e]).permutation``; with ``pack`` its records are next-fit into
-    samples (no sample spans two epochs), with ``pad`` each record is a sample."""
+    samples (no sample spans two epochs), with ``pad`` each record is a sample. The first k
+    samples do not depend on ``num_samples``: a run extended or resumed sees the same ones."""
     lengths = np.minimum(lengths.astype(np.int64), capacity)
     orders, counts, total, epoch = [], [], 0, 0
     while total < num_samples:

@@ -238,6 +238,28 @@ def test_from_hf_fine_tuning_lowers_the_response_loss(runs):
     assert last < 0.6 * first, losses
 
 
+def test_packing_keeps_records_whole_and_a_longer_run_the_same_samples():
+    """next-fit: every sample within capacity, each record once per epoch, a record that does
+    not fit starts the next sample; the first samples do not depend on the count asked for."""
+    import numpy as np
+
+    from data.sft import build_sft_index, next_fit
+
+    assert next_fit(np.array([3, 4, 2, 6, 1, 9]), 7).tolist() == [0, 0, 1, 2, 2, 3]
+    lengths = np.random.default_rng(0).integers(1, 30, 200)
+    for packing in ("pack", "pad"):
+        records, starts = build_sft_index(lengths, 32, 400, 5, packing)
+        fill = [int(np.minimum(lengths, 32)[records[a:b]].sum()) for a, b in zip(starts[:-1], starts[1:])]
+        assert max(fill) <= 32 and (packing == "pack" or starts.tolist() == list(range(401)))
+        clipped = np.minimum(lengths, 32)
+        for i in range(len(fill) - 1):  # the next record did not fit (unless a new epoch began)
+            nxt = starts[i + 1]
+            assert packing == "pad" or nxt % 200 == 0 or fill[i] + clipped[records[nxt]] > 32
+        assert sorted(records[:200].tolist()) == list(range(200))  # epoch 0: each record once
+        shorter = build_sft_index(lengths, 32, 150, 5, packing)
+        assert np.array_equal(shorter[1], starts[:151]) and np.array_equal(shorter[0], records[:starts[150]])
+
+
 # -- bad input ----------------------------------------------------------------------------------
 def _sft_cli(sft, tmp_path, lines):
     bad = tmp_path / "bad.jsonl"
