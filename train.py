@@ -163,9 +163,10 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
                         "tokenizer sets it) or use the matching tokenizer")
     check_same_tokenizer([prefix for _, prefix in blend], tok.sha256,
                          f"--tokenizer-model {cfg.data.tokenizer_model}")
+    sft = (cfg.data.sft_packing, tok.eod) if cfg.data.sft else None   # (packing, pad id)
     sets = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed,
                                            num_samples, cfg.data.data_cache_dir,
-                                           vocab_size=tok.vocab_size)
+                                           vocab_size=tok.vocab_size, sft=sft)
     if sets[0] is None:
         raise DataError(f"--split {cfg.data.split} leaves no documents for training; fix: give the "
                         "train part a positive share, e.g. --split 969,30,1")
@@ -174,17 +175,20 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
 
 def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups, device):
     """This dp rank's micro-batches of the global batch after ``consumed`` samples, as
-    ``(tokens, labels)`` ``[micro, T]`` int64 on ``device`` (the cp ranks of one dp rank read the
-    same ones). On CUDA each pair is copied from pinned host memory without blocking the host
-    (the copies queue on the current stream, ahead of the forward that reads them)."""
+    ``(tokens, labels)`` ``[micro, T]`` int64 on ``device``; with ``--sft`` ``(tokens, labels,
+    loss_mask)``, the mask float32 and 1 on response labels (data/sft.py). The cp ranks of one
+    dp rank read the same ones. On CUDA each tensor is copied from pinned host memory without
+    blocking the host (the copies queue on the current stream, ahead of the forward that reads them)."""
     from data.samplers import get_micro_batches
 
-    mbs = get_micro_batches(dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                            groups.dp_rank, groups.dp_size)
+    read = get_micro_batches
+    if cfg.data.sft:  # (tokens, labels, loss_mask): the loss on response tokens only
+        from data.sft import sft_micro_batches as read
+    mbs = read(dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+               groups.dp_rank, groups.dp_size)
     if torch.device(device).type != "cuda":
-        return [(x.to(device), y.to(device)) for x, y in mbs]
-    return [(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
-            for x, y in mbs]
+        return [tuple(x.to(device) for x in mb) for mb in mbs]
+    return [tuple(x.pin_memory().to(device, non_blocking=True) for x in mb) for mb in mbs]
 
 
 def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:
@@ -209,7 +213,8 @@ def data_signature(cfg: Config) -> dict:
     d = cfg.data
     paths = [os.path.realpath(x) if os.path.exists(x + ".idx") else x for x in d.data_path or []]
     return dict(seed=cfg.train.seed, data_path=paths, split=d.split, mock_data=cfg.train.mock_data,
-                seq_length=cfg.model.seq_length, tokenizer=tokenizer_digest(d.tokenizer_model))
+                seq_length=cfg.model.seq_length, tokenizer=tokenizer_digest(d.tokenizer_model),
+                sft=d.sft_packing if d.sft else None)
 
 
 def tokenizer_record(cfg: Config) -> Optional[dict]:
@@ -377,18 +382,22 @@ class Trainer:
         return self.state.iteration
 
     def local_batches(self, batches) -> tuple[list, Union[int, torch.Tensor]]:
-        """Whole-sequence micro-batches ``(tokens, labels)`` -> this rank's share (its zigzag
-        ``T/cp`` with a ``SequenceInfo``, megazero/context_parallel/sequence.py) and the loss
-        divisor: the targets this step counts over all dp ranks, divided by dp x cp (with
-        --eod-mask-loss a 0-d fp64 tensor summed over the dp group, no host sync)."""
+        """Whole-sequence micro-batches ``(tokens, labels)``, or ``(tokens, labels, loss_mask)``
+        of SFT data (data/sft.py) -> this rank's share (its zigzag ``T/cp`` with a
+        ``SequenceInfo``, megazero/context_parallel/sequence.py) and the loss divisor: the
+        targets this step counts over all dp ranks, divided by dp x cp (with --eod-mask-loss or
+        a loss mask a 0-d fp64 tensor summed over the dp group, no host sync; at least 1, so a
+        batch without a response token has loss 0)."""
         g, packing = self.groups, self.packing
-        local = [shard_micro_batch(x, y, cp=g.cp_size, cp_rank=g.cp_rank, packing=packing) for x, y in batches]
-        if not packing.eod_mask_loss:
+        masks = [b[2] if len(b) > 2 else None for b in batches]
+        local = [shard_micro_batch(b[0], b[1], cp=g.cp_size, cp_rank=g.cp_rank, packing=packing, loss_mask=m)
+                 for b, m in zip(batches, masks)]
+        if not packing.eod_mask_loss and all(m is None for m in masks):
             return local, self.tokens_per_dp_rank
-        counted = sum(counted_targets(y, packing) for _, y in batches)
+        counted = sum(counted_targets(b[1], packing, m) for b, m in zip(batches, masks))
         counted = counted.reshape(()).to(self.device)
         collectives.all_reduce_sum(counted, g.dp)
-        return local, counted / (g.dp_size * g.cp_size)
+        return local, counted.clamp_min(1.0) / (g.dp_size * g.cp_size)
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
         watch = None if forward_only else self.forward_watch.watch
@@ -463,7 +472,8 @@ def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[flo
         consumed = ((eval_round * cfg.train.eval_iters + i) * gbs) % max(len(valid) - gbs + 1, 1)
         batches = dp_micro_batches(valid, consumed, cfg, trainer.groups, trainer.device)
         losses.append(trainer.eval_loss(batches))
-        for _, labels in batches:
+        for batch in batches:  # with SFT data, the labels in the loss only
+            labels = batch[1] if len(batch) < 3 else batch[1][batch[2] > 0]
             counts += torch.bincount(labels.flatten(), minlength=vocab)[:vocab]
     # each DP rank counted its slice of the global batches: the baseline needs them all
     collectives.all_reduce_sum(counts, trainer.groups.dp)

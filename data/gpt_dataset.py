@@ -32,6 +32,7 @@ import os
 import numpy as np
 
 from data.indexed_dataset import DataError, IndexedDataset, tmp_name
+from data.sft import SFTDataset, open_loss_masks
 
 _FORMAT = "megazero-gpt-indices-v2"  # v2: indices built for whole shuffle blocks
 
@@ -269,12 +270,15 @@ class MockGPTDataset:
         return (start + step * np.arange(self.seq_length + 1, dtype=np.int64)) % self.vocab_size
 
 
-def _build_split(indexed, ranges, weights, s, seq_length, seed, n, cache_dir):
+def _build_split(indexed, ranges, weights, s, seq_length, seed, n, cache_dir, sft=None):
     live = [k for k in range(len(indexed)) if ranges[k][s][1] > ranges[k][s][0] and weights[k] > 0]
     if n == 0 or not live:
         return None
 
     def make(k, count):
+        if sft is not None:  # (masks, packing, pad id): whole records with their loss mask
+            masks, packing, pad_id = sft
+            return SFTDataset(indexed[k], masks[k], ranges[k][s], seq_length, count, seed + s, packing, pad_id)
         return GPTDataset(indexed[k], ranges[k][s], seq_length, count, seed + s, cache_dir)
     if len(live) == 1:
         return make(live[0], n)
@@ -301,8 +305,11 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int) -> None:
 
 def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
                                     num_samples: tuple[int, int, int], cache_dir: str | None = None,
-                                    vocab_size: int | None = None):
+                                    vocab_size: int | None = None, sft: tuple[str, int] | None = None):
     """(train, valid, test) datasets; each ``ds[i]`` -> np.ndarray int64 [seq_length + 1].
+
+    ``sft``: (packing, pad id) for supervised fine-tuning data (``--sft``): every prefix has its
+    loss-mask pair (data/sft.py) and ``ds[i]`` is an ``SFTDataset`` sample (tokens, loss mask).
 
     data_path: ``[prefix]`` or ``[w1, p1, w2, p2, ...]`` (Megatron style); split: e.g. "969,30,1",
     applied to each component's documents; num_samples: samples wanted per split (build with
@@ -323,5 +330,7 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
             check_vocab(ds, vocab_size)
     ranges = [split_ranges(ds.num_documents, fractions) for ds in indexed]
     weights = [w for w, _ in blend]
+    if sft is not None:
+        sft = ([open_loss_masks(p) for _, p in blend],) + tuple(sft)
     return tuple(_build_split(indexed, ranges, weights, s, seq_length, seed, int(num_samples[s]),
-                              cache_dir) for s in range(3))
+                              cache_dir, sft) for s in range(3))

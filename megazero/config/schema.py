@@ -351,6 +351,13 @@ class DataConfig:
     reset_position_ids: bool = _f(False, "position ids restart at 0 after each EOD token")
     eod_mask_loss: bool = _f(False, "leave targets that are the EOD token out of the loss (the mean is over "
                              "the other targets of the global batch)")
+    # supervised fine-tuning data (python -m data.sft): records with a per-token loss mask
+    sft: bool = _f(False, "--data-path holds supervised fine-tuning data (python -m data.sft): samples of whole "
+                   "records, the loss on response tokens only (the mean is over those of the global batch)",
+                   applies=Needs("train.mock_data", (False,), refuse=True, wanted="--data-path (not --mock-data)"))
+    sft_packing: str = _f("pack", "pack: records filled greedily into each sample (add --reset-attention-mask "
+                          "--reset-position-ids to keep them apart); pad: one record per sample, padded",
+                          choices=("pack", "pad"), applies=Needs("data.sft", (True,)))
 
 
 @dataclass

@@ -5,13 +5,16 @@ turns it into this cp rank's share (``[B, T/cp]``, chunks r and 2cp-1-r of the z
 megazero/context_parallel/zigzag.py) and a ``SequenceInfo`` with what attention, the position
 embedding and the loss need to know about those tokens:
 
-- ``token_index [T/cp]``: each local token's place in the sequence (the causal order);
+- ``token_index [T/cp]``: each local token's place in the sequence (the causal order); None at
+  cp 1, where it is ``0..T-1`` (attention then takes plain causal SDPA unless documents mask it);
 - ``position_ids [B, T/cp]``: the position the embedding or RoPE uses; ``token_index``
   unless ``--reset-position-ids``, when positions restart at 0 after each EOD token;
 - ``segment_ids [B, T/cp]`` with ``--reset-attention-mask``: the document of each token (the
   number of EOD tokens before it, so an EOD belongs to the document it ends); a query
   attends a key only inside its own document;
-- ``loss_mask [B, T/cp]`` with ``--eod-mask-loss``: 0 where the target is the EOD token.
+- ``loss_mask [B, T/cp]`` with ``--eod-mask-loss``: 0 where the target is the EOD token; with
+  supervised fine-tuning data (``--sft``, data/sft.py) the dataset's mask of the labels (1 on
+  response tokens), times the EOD rule when both are on.
 
 These are Megatron-LM's ``get_ltor_masks_and_position_ids`` meanings (its masks per
 document), with one difference: ``--eod-mask-loss`` here leaves out EOD *targets* (the issue's
@@ -34,7 +37,7 @@ class SequenceInfo:
     """This rank's tokens of a micro-batch of ``B`` sequences: shapes as in the module docstring
     (``Tl = T / cp``); ``segment_ids`` and ``loss_mask`` are None when their flag is off."""
 
-    token_index: torch.Tensor
+    token_index: Optional[torch.Tensor]
     position_ids: torch.Tensor
     segment_ids: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
@@ -75,38 +78,53 @@ def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def counted_targets(labels: torch.Tensor, packing: Packing) -> torch.Tensor:
-    """Targets the loss counts in ``labels [B, T]`` (all of them unless ``--eod-mask-loss``): a
-    0-d fp64 tensor on ``labels``' device (no host sync)."""
+def target_mask(labels: torch.Tensor, packing: Packing,
+                loss_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """``[B, T]`` float32: 1 where the loss counts the target, or None when it counts them all.
+    ``loss_mask [B, T]`` is the dataset's (SFT: 1 on response labels); ``--eod-mask-loss``
+    also leaves out EOD targets."""
+    mask = None if loss_mask is None else loss_mask.float()
     if packing.eod_mask_loss:
-        return (labels != packing.eod).sum(dtype=torch.float64)
+        not_eod = (labels != packing.eod).float()
+        mask = not_eod if mask is None else mask * not_eod
+    return mask
+
+
+def counted_targets(labels: torch.Tensor, packing: Packing,
+                    loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Targets the loss counts in ``labels [B, T]`` (all of them unless ``--eod-mask-loss`` or a
+    dataset ``loss_mask``, as ``target_mask``): a 0-d fp64 tensor on ``labels``' device (no
+    host sync)."""
+    mask = target_mask(labels, packing, loss_mask)
+    if mask is not None:
+        return mask.sum(dtype=torch.float64)
     return torch.tensor(float(labels.numel()), dtype=torch.float64, device=labels.device)
 
 
 def shard_micro_batch(tokens: torch.Tensor, labels: torch.Tensor, *, cp: int, cp_rank: int,
-                      packing: Packing) -> tuple:
-    """``(tokens, labels)`` of ``[B, T]`` whole sequences -> this cp rank's
-    ``(tokens, labels, SequenceInfo)`` of ``[B, T/cp]``; the pair unchanged when cp == 1 and
-    no packing flag is set (the model then takes its default positions 0..T-1).
+                      packing: Packing, loss_mask: Optional[torch.Tensor] = None) -> tuple:
+    """``(tokens, labels)`` of ``[B, T]`` whole sequences (and the dataset's ``loss_mask [B, T]``
+    of the labels, SFT data) -> this cp rank's ``(tokens, labels, SequenceInfo)`` of
+    ``[B, T/cp]``; the pair unchanged when cp == 1, no packing flag is set and there is no
+    ``loss_mask`` (the model then takes its default positions 0..T-1).
 
-    Raises ValueError (via zigzag.split_for_rank) when T is not divisible by 2 cp.
+    Raises ValueError (via zigzag.split_for_rank) when cp > 1 and T is not divisible by 2 cp.
     """
-    if cp == 1 and not packing.active:
+    if cp == 1 and not packing.active and loss_mask is None:
         return tokens, labels
     B, T = tokens.shape
     positions = torch.arange(T, device=tokens.device).expand(B, T)
-    segments = mask = None
+    segments = None
     if packing.reset_attention_mask or packing.reset_position_ids:
         docs = document_ids(tokens, packing.eod)
         segments = docs if packing.reset_attention_mask else None
         if packing.reset_position_ids:
             positions = document_positions(docs)
-    if packing.eod_mask_loss:
-        mask = (labels != packing.eod).float()
+    mask = target_mask(labels, packing, loss_mask)
 
     def local(x):
-        return None if x is None else split_for_rank(x, 1, cp_rank, cp)
-    info = SequenceInfo(token_index=local_token_index(T, cp_rank, cp, device=tokens.device),
+        return x if x is None or cp == 1 else split_for_rank(x, 1, cp_rank, cp)
+    info = SequenceInfo(token_index=local_token_index(T, cp_rank, cp, device=tokens.device) if cp > 1 else None,
                         position_ids=local(positions).contiguous(), segment_ids=local(segments),
                         loss_mask=local(mask))
     return local(tokens), local(labels), info
