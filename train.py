@@ -164,13 +164,27 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
     check_same_tokenizer([prefix for _, prefix in blend], tok.sha256,
                          f"--tokenizer-model {cfg.data.tokenizer_model}")
     sft = (cfg.data.sft_packing, tok.eod) if cfg.data.sft else None   # (packing, pad id)
+    own_vocab, fim = tok.vocab_size, fim_settings(cfg, tok)   # FIM sentinels may grow tok.vocab_size
     sets = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed,
                                            num_samples, cfg.data.data_cache_dir,
-                                           vocab_size=tok.vocab_size, sft=sft)
+                                           vocab_size=own_vocab, sft=sft, fim=fim)
     if sets[0] is None:
         raise DataError(f"--split {cfg.data.split} leaves no documents for training; fix: give the "
                         "train part a positive share, e.g. --split 969,30,1")
     return RunData(tok, *sets, vocab_size=tok.vocab_size, resume=resume)
+
+
+def fim_settings(cfg: Config, tok):
+    """``data.fim.FIMSettings`` of --fim-rate > 0 (adding the tokenizer's sentinels), else None.
+    Raises DataError naming --fim-tokens / --fim-split-sample."""
+    from data.fim import build_fim
+    from data.tokenizer import add_fim_sentinels
+
+    d = cfg.data
+    if d.fim_rate <= 0:
+        return None
+    return build_fim(tok, add_fim_sentinels(tok, d.fim_tokens), rate=d.fim_rate, spm_rate=d.fim_spm_rate,
+                     split_sample=d.fim_split_sample, fragment_rate=d.fim_fragment_rate, no_prefix=d.fim_no_prefix)
 
 
 def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups, device):
@@ -206,6 +220,11 @@ def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:
         raise checkpoint.CheckpointError(
             f"--load {cfg.train.load} was trained with another tokenizer (sha256 {was[:12]}) than "
             f"--tokenizer-model {cfg.data.tokenizer_model} (sha256 {now[:12]}); fix: the tokenizer it was trained with")
+    was, now = (resume["extra"].get("tokenizer") or {}).get("fim"), (tokenizer_record(cfg) or {}).get("fim")
+    if was and now and was != now:  # the sentinels' rows of the embedding would mean other tokens
+        raise checkpoint.CheckpointError(
+            f"--load {cfg.train.load} was trained with the FIM sentinels {was}, this run has {now}; fix: the "
+            "--fim-tokens and tokenizer it was trained with")
 
 
 def data_signature(cfg: Config) -> dict:
@@ -214,7 +233,8 @@ def data_signature(cfg: Config) -> dict:
     paths = [os.path.realpath(x) if os.path.exists(x + ".idx") else x for x in d.data_path or []]
     return dict(seed=cfg.train.seed, data_path=paths, split=d.split, mock_data=cfg.train.mock_data,
                 seq_length=cfg.model.seq_length, tokenizer=tokenizer_digest(d.tokenizer_model),
-                sft=d.sft_packing if d.sft else None)
+                sft=d.sft_packing if d.sft else None,
+                fim=[d.fim_rate, d.fim_spm_rate, d.fim_split_sample, d.fim_fragment_rate, d.fim_no_prefix])
 
 
 def tokenizer_record(cfg: Config) -> Optional[dict]:
@@ -222,8 +242,12 @@ def tokenizer_record(cfg: Config) -> Optional[dict]:
     d = cfg.data
     if d.tokenizer_model is None or cfg.train.mock_data:
         return None
+    from data.tokenizer import fim_record
+
     return dict(model=os.path.abspath(d.tokenizer_model), type=d.tokenizer_type,
-                sha256=tokenizer_digest(d.tokenizer_model))
+                sha256=tokenizer_digest(d.tokenizer_model),
+                fim=fim_record(d.tokenizer_model, d.tokenizer_type, tuple(d.fim_tokens or ()) or None)
+                if d.fim_rate > 0 else None)
 
 
 def tokenizer_digest(path: Optional[str]) -> Optional[str]:

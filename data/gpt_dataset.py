@@ -305,7 +305,8 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int) -> None:
 
 def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
                                     num_samples: tuple[int, int, int], cache_dir: str | None = None,
-                                    vocab_size: int | None = None, sft: tuple[str, int] | None = None):
+                                    vocab_size: int | None = None, sft: tuple[str, int] | None = None,
+                                    fim=None):
     """(train, valid, test) datasets; each ``ds[i]`` -> np.ndarray int64 [seq_length + 1].
 
     ``sft``: (packing, pad id) for supervised fine-tuning data (``--sft``): every prefix has its
@@ -317,8 +318,10 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
     token id is checked against it (one pass over the .bin). Split s uses seed + s, so
     train/valid/test shuffles differ. A split with no documents (or 0 samples wanted)
     is None; in a blend, components without documents in a split are left out of that split
-    and the others' weights renormalised. Raises DataError for a bad split string, bad
-    weights, a missing / corrupt dataset or a vocabulary mismatch, before any index is built.
+    and the others' weights renormalised. fim: a ``data.fim.FIMSettings``: every split's samples
+    are read in fill-in-the-middle form (``data.fim.FIMDataset``, seeded with the split's seed).
+    Raises DataError for a bad split string, bad weights, a missing / corrupt dataset or a
+    vocabulary mismatch, before any index is built.
     """
     blend = parse_data_path(list(data_path))
     fractions = parse_split(split)
@@ -332,5 +335,9 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
     weights = [w for w, _ in blend]
     if sft is not None:
         sft = ([open_loss_masks(p) for _, p in blend],) + tuple(sft)
-    return tuple(_build_split(indexed, ranges, weights, s, seq_length, seed, int(num_samples[s]),
-                              cache_dir, sft) for s in range(3))
+    sets = [_build_split(indexed, ranges, weights, s, seq_length, seed, int(num_samples[s]), cache_dir, sft)
+            for s in range(3)]
+    if fim is not None:   # plain token samples only (--fim-rate with --sft is refused by the config)
+        from data.fim import FIMDataset
+        sets = [None if ds is None else FIMDataset(ds, fim, seed + s) for s, ds in enumerate(sets)]
+    return tuple(sets)

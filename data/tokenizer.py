@@ -28,6 +28,7 @@ with its own table (pieces with "▁" -> space, byte pieces -> that byte, contro
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import io
 import json
@@ -36,6 +37,7 @@ import random
 
 import sentencepiece as spm
 
+from data.fim import FIMSentinels
 from data.indexed_dataset import DataError, cli_exit, tmp_name
 
 EOD_PIECE = "<|eod|>"
@@ -63,11 +65,24 @@ class Tokenizer:
         self._mark_ids = [self.sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_MARK.encode("utf-8")]
         self.sha256: str = model_sha256(model_path)  # identifies the model file
         self._bytes = [self._piece_bytes(i) for i in range(self.vocab_size)]
+        self.fim: FIMSentinels | None = None  # set by add_fim_sentinels
 
     def record(self) -> dict:
         """What ``data.preprocess`` stores beside a dataset (``PREFIX.tokenizer.json``)."""
         return {"sha256": self.sha256, "vocab_size": self.vocab_size, "eod": self.eod,
                 "model": os.path.abspath(self.model_path)}
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the piece spelled ``text`` (None when the model has none)."""
+        i = self.sp.piece_to_id(text)
+        return None if i == self.sp.unk_id() and text != self.sp.id_to_piece(i) else i
+
+    def _append_ids(self, n: int) -> int:
+        """Grow the vocabulary by ``n`` ids that decode to nothing; returns the first."""
+        first = self.vocab_size
+        self._bytes += [b""] * n
+        self.vocab_size += n
+        return first
 
     def _piece_bytes(self, i: int) -> bytes:
         if self.sp.is_byte(i):
@@ -151,6 +166,8 @@ class HFTokenizer:
                             "add one as a special token")
         self.eod: int = eod
         self.sha256: str = model_sha256(path)
+        self._own_size = self.vocab_size  # ids past it were appended (add_fim_sentinels)
+        self.fim: FIMSentinels | None = None
 
     def record(self) -> dict:
         """What ``data.preprocess`` stores beside a dataset (``PREFIX.tokenizer.json``)."""
@@ -162,8 +179,69 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        """Text of ``ids``, special tokens (EOD) dropped."""
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        """Text of ``ids``, special tokens (EOD) and appended ids dropped."""
+        return self.tok.decode([int(i) for i in ids if int(i) < self._own_size], skip_special_tokens=True)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled ``text`` (None when the tokenizer has none)."""
+        return self.tok.token_to_id(text)
+
+    def _append_ids(self, n: int) -> int:
+        """Grow the vocabulary by ``n`` ids that decode to nothing; returns the first."""
+        first = self.vocab_size
+        self.vocab_size += n
+        return first
+
+
+# FIM sentinel spellings of common tokenizers, in the order prefix, middle, suffix, pad:
+# Megatron-LM / StarCoder (also the names of appended ids), then Qwen2.5-Coder.
+FIM_TOKEN_SETS = (("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"),
+                  ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"))
+
+
+def add_fim_sentinels(tok, names=None) -> FIMSentinels:
+    """The prefix/middle/suffix/pad sentinels of ``tok`` (a :class:`Tokenizer` or
+    :class:`HFTokenizer`), set as ``tok.fim`` and returned.
+
+    ``names`` (``--fim-tokens``, four token texts): those tokens, each of which must exist.
+    None: the first of ``FIM_TOKEN_SETS`` the tokenizer has all of; when it has none of them,
+    four new ids ``vocab_size .. vocab_size + 3`` appended after its vocabulary (``vocab_size``
+    grows by 4; they decode to nothing). Idempotent. Raises DataError naming ``--fim-tokens``
+    when a named token is missing, a set is only partly present, or two sentinels (or a
+    sentinel and the EOD) share an id.
+    """
+    if tok.fim is not None:
+        return tok.fim
+    where = f"--tokenizer-model {tok.model_path}"
+    if names is not None:
+        ids = [tok.token_id(n) for n in names]
+        missing = [n for n, i in zip(names, ids) if i is None]
+        if missing:
+            raise DataError(f"--fim-tokens: {missing[0]!r} is not a token of {where}; fix: name four of its "
+                            "tokens (prefix middle suffix pad) or drop --fim-tokens to append new ids")
+        found = FIMSentinels(*ids, names=tuple(names), appended=False)
+    else:
+        found = None
+        for cand in FIM_TOKEN_SETS:
+            ids = [tok.token_id(n) for n in cand]
+            have = [n for n, i in zip(cand, ids) if i is not None]
+            if len(have) == 4:
+                found = FIMSentinels(*ids, names=cand, appended=False)
+                break
+            if have:
+                lack = next(n for n, i in zip(cand, ids) if i is None)
+                raise DataError(f"--fim-tokens: {where} has the FIM token {have[0]!r} but not {lack!r}; fix: "
+                                "give its four FIM tokens with --fim-tokens PREFIX MIDDLE SUFFIX PAD")
+        if found is None:
+            first = tok._append_ids(4)
+            found = FIMSentinels(first, first + 1, first + 2, first + 3)
+    ids = found.ids()
+    if len(set(ids)) < 4 or tok.eod in ids:
+        raise DataError(f"--fim-tokens: the FIM sentinels of {where} ({', '.join(found.names)}) have ids "
+                        f"{', '.join(map(str, ids))} (EOD {tok.eod}): two of them, or one and the EOD, share an id; fix: name four distinct "
+                        "tokens other than the EOD")
+    tok.fim = found
+    return found
 
 
 def train_hf_tokenizer(texts, vocab_size: int, out_path: str, eod_token: str = "<|endoftext|>") -> str:
@@ -222,6 +300,14 @@ def sentencepiece_to_hf(tok: Tokenizer):
     hf.add_special_tokens([AddedToken(p, special=True) for p in special])
     hf.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     return hf
+
+
+@functools.lru_cache(maxsize=8)
+def fim_record(model_path: str, tokenizer_type: str, names=None) -> dict:
+    """The FIM sentinels ``add_fim_sentinels`` gives the tokenizer at ``model_path`` (``names``:
+    ``--fim-tokens``), as the record a checkpoint stores (``FIMSentinels.record``); cached."""
+    tok = load_tokenizer(model_path, tokenizer_type)
+    return add_fim_sentinels(tok, None if names is None else list(names)).record()  # callers must not mutate it
 
 
 def model_sha256(model_path: str) -> str:

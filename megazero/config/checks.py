@@ -13,7 +13,7 @@ process group exists (docs/design.md, contract 3). Where each kind of rule lives
   or refused here where its Needs says ``refuse``;
 - flag combinations (recomputation, restarts, world size = tp x cp x pp x dp, batch
   arithmetic, schedules, precision, ZeRO and offload, output directories, logging,
-  profiling, ``--from-hf``): here;
+  profiling, ``--from-hf``, fill-in-the-middle rates and tokens): here;
 - the training data: data/ owns the ``--data-path`` blend, the corpus files and the
   ``--split`` rules (``data.gpt_dataset``, applied by train.py's ``build_data`` before
   launch); here only that a corpus (or --mock-data) and its tokenizer are given.
@@ -301,6 +301,26 @@ def _check_data(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
 
 
+def _check_fim(cfg: Config, world_size: int) -> None:
+    """Fill-in-the-middle: rates are probabilities (at most 1); --fim-tokens names four distinct
+    tokens, none of them --fim-split-sample; not with --sft. That the tokens exist is data/'s rule
+    (``data.tokenizer.add_fim_sentinels``, applied by train.py's ``build_data`` before launch)."""
+    d = cfg.data
+    for name in ("data.fim_rate", "data.fim_spm_rate", "data.fim_fragment_rate"):
+        value = get_value(cfg, name)
+        if value is not None and value > 1:
+            raise ConfigError(f"{show_flag(cfg, name)} {value} is out of range; fix: use a probability in [0, 1]")
+    if d.fim_tokens is not None and (len(d.fim_tokens) != 4 or len(set(d.fim_tokens)) != 4):
+        raise ConfigError(f"--fim-tokens {' '.join(d.fim_tokens)}: need four distinct tokens (prefix middle suffix "
+                          "pad); fix: e.g. --fim-tokens '<fim_prefix>' '<fim_middle>' '<fim_suffix>' '<fim_pad>'")
+    if d.fim_tokens is not None and d.fim_split_sample in d.fim_tokens:
+        raise ConfigError(f"--fim-split-sample {d.fim_split_sample!r} is also one of --fim-tokens; fix: split at "
+                          "another token")
+    if d.fim_rate > 0 and d.sft:   # FIM rewrites plain token samples; an SFT sample's mask would not follow
+        raise ConfigError(f"--fim-rate {d.fim_rate} with --sft: fill-in-the-middle rewrites pre-training samples, "
+                          "not supervised fine-tuning records; fix: drop one of them")
+
+
 def _check_logging(cfg: Config, world_size: int) -> None:
     """--wandb-project needs the optional wandb package (pyproject extra ``wandb``)."""
     if cfg.log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
@@ -334,7 +354,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
-           _check_world, _check_model_shape, _check_context_parallel, _check_unused_options, _check_restarts, _check_block,
+           _check_fim, _check_world, _check_model_shape, _check_context_parallel, _check_unused_options, _check_restarts, _check_block,
            _check_recompute, _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
 
 

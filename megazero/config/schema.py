@@ -68,6 +68,7 @@ _DECAY = Needs("optim.lr_decay_style", besides=("constant",))
 _SAVE = Needs("train.save", besides=(None,), refuse=True, wanted="--save DIR")
 _ROPE = Needs("model.position_embedding_type", ("rope",), refuse=True)
 _WSD = Needs("optim.lr_decay_style", ("WSD",))
+_FIM = Needs("data.fim_rate", above=0)
 
 
 def _f(default: Any, help: str, unit: str = "", *, flags: tuple = (), choices: tuple = (),
@@ -358,6 +359,26 @@ class DataConfig:
     sft_packing: str = _f("pack", "pack: records filled greedily into each sample (add --reset-attention-mask "
                           "--reset-position-ids to keep them apart); pad: one record per sample, padded",
                           choices=("pack", "pad"), applies=Needs("data.sft", (True,)))
+    # fill-in-the-middle (Bavarian et al. 2022; Megatron-LM's flags): data/fim.py, applied as samples are read
+    fim_rate: float = _f(0.0, "probability that a document piece of a sample (split at EOD) is rewritten in "
+                         "fill-in-the-middle form, cut at token boundaries; in [0, 1]; 0 = off; adds 4 sentinel "
+                         "tokens to the tokenizer (--fim-tokens)", "probability", ge=0,
+                         applies=Needs("train.mock_data", (False,), refuse=True,
+                                       wanted="--data-path with --tokenizer-model (no --mock-data)"))
+    fim_spm_rate: float = _f(0.5, "probability that a FIM unit uses the SPM order (suffix, prefix, middle) "
+                             "instead of PSM; in [0, 1]", "probability", ge=0, applies=_FIM)
+    fim_split_sample: Optional[str] = _f(None, "text of a token (e.g. a file separator) at which a document "
+                                         "piece is split into fragments, each FIMed with --fim-fragment-rate",
+                                         applies=_FIM)
+    fim_fragment_rate: Optional[float] = _f(None, "probability of FIM per fragment of --fim-split-sample, in "
+                                            "[0, 1]; None = --fim-rate", "probability", ge=0,
+                                            applies=Needs("data.fim_split_sample", besides=(None,), refuse=True))
+    fim_no_prefix: Optional[str] = _f(None, "leave a FIM unit whose decoded text starts with this string as it is",
+                                      applies=_FIM)
+    fim_tokens: Optional[list[str]] = _f(None, "the tokenizer's own prefix, middle, suffix and pad tokens (four "
+                                         "texts); None = its <fim_prefix> <fim_middle> <fim_suffix> <fim_pad> (or "
+                                         "Qwen's fim_ tokens) when it has them, else 4 ids appended after its "
+                                         "vocabulary", applies=_FIM)
 
 
 @dataclass
