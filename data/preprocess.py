@@ -1,18 +1,27 @@
-"""Tokenize a JSONL corpus into ``.bin``/``.idx`` datasets, in parallel worker processes.
+"""Tokenize a corpus (JSONL, JSONL.gz/.zst, parquet, a ``datasets`` folder) into ``.bin``/``.idx``
+datasets, in parallel worker processes.
 
-    python -m data.preprocess --input X.jsonl --json-keys text --tokenizer-model M \\
+    python -m data.preprocess --input X.jsonl [Y.jsonl.gz 'shards/*.parquet' HF_DIR ...] \\
+        --json-keys text --tokenizer-model M \\
         [--tokenizer-type {SentencePieceTokenizer,HuggingFaceTokenizer}] \\
-        --output-prefix P --append-eod --workers N [--skip-bad-lines]
+        --output-prefix P --append-eod --workers N [--skip-bad-lines] [--chunk-rows 1024]
     python -m data.preprocess --merge P1 P2 ... --output-prefix P
 
-For each JSON key K the output is ``P_K_document.bin/.idx`` (Megatron's naming), one sequence
-per document: its tokens, plus the tokenizer's EOD id with ``--append-eod``. Lines are
-tokenized by a ``multiprocessing.Pool`` (``imap``, ordered, in chunks) and written in input
-order, so the output does not depend on ``--workers``. Blank lines are ignored; documents
-whose text is empty are skipped and counted; a line that is not JSON or lacks a key is an
-error naming file and line (or, with ``--skip-bad-lines``, skipped and counted). A progress
-bar goes to stderr; the summary (documents/s, tokens/s) to stdout. Outputs appear only
-when complete (temporary names, then rename); on any error nothing is left behind.
+``--input`` takes files, globs (expanded sorted) and Hugging Face ``save_to_disk`` folders,
+read in the order given as one stream of documents (data.sources: the formats, and for
+parquet and ``datasets`` the ``--json-keys`` columns). For each JSON key K the output is
+``P_K_document.bin/.idx`` (Megatron's naming), one sequence per document: its tokens, plus
+the tokenizer's EOD id with ``--append-eod``. Documents are tokenized by a
+``multiprocessing.Pool`` (``imap``, ordered, in chunks) and written in input order, so the
+output depends neither on ``--workers`` nor on the input format. About two ``--chunk-rows``
+of documents are in memory at once (one read, one being tokenized), whatever the corpus
+size. Blank lines are
+ignored; documents whose text is empty are skipped and counted; a line that is not JSON or
+lacks a key, or a row whose value is null, is an error naming file and line or row (or, with
+``--skip-bad-lines``, skipped and counted). Every input is checked (it opens, its columns
+exist) before any output is written. A progress bar (bytes of the input files) goes to
+stderr; the summary (documents/s, tokens/s) to stdout. Outputs appear only when complete
+(temporary names, then rename); on any error nothing is left behind.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -29,6 +39,7 @@ import numpy as np
 from data.indexed_dataset import (DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype,
                                   check_same_tokenizer, cli_exit, exists, read_tokenizer_record,
                                   tokenizer_record_path, write_tokenizer_record)
+from data.sources import resolve_inputs
 from data.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
 _worker: dict = {}
@@ -45,38 +56,67 @@ def _init_worker(model_path: str, keys: list[str], append_eod: bool,
                    dtype=best_dtype(tok.vocab_size))
 
 
-def _encode_line(item: tuple[int, str]):
-    """(lineno, line) -> (lineno, {key: token array} or None for a blank line, or an error string)."""
-    lineno, line = item
-    nbytes = len(line.encode("utf-8"))  # progress is measured in bytes of the file
-    if not line.strip():
-        return lineno, None, nbytes
-    try:
-        obj = json.loads(line)
-        texts = [obj[k] for k in _worker["keys"]]
-        if not all(isinstance(t, str) for t in texts):
-            raise TypeError
-    except json.JSONDecodeError as e:
-        return lineno, f"not valid JSON ({e.msg})", nbytes
-    except (KeyError, TypeError):
-        return lineno, f"needs string field(s) {_worker['keys']}", nbytes
+def _encode(item):
+    """(position, payload, nbytes) -> (position, {key: token array} | None (blank line) | error, nbytes).
+
+    The payload is a JSON line (str) or the row's values in key order (tuple, from a column source)."""
+    position, payload, nbytes = item
+    keys = _worker["keys"]
+    if isinstance(payload, str):
+        if not payload.strip():
+            return position, None, nbytes
+        try:
+            obj = json.loads(payload)
+            texts = [obj[k] for k in keys]
+        except json.JSONDecodeError as e:
+            return position, f"not valid JSON ({e.msg})", nbytes
+        except (KeyError, TypeError):
+            return position, f"needs string field(s) {keys}", nbytes
+    else:
+        texts = payload
+    if not all(isinstance(t, str) for t in texts):
+        return position, f"needs string field(s) {keys}", nbytes
     out = {}
-    for k, text in zip(_worker["keys"], texts):
+    for k, text in zip(keys, texts):
         ids = _worker["tok"].encode(text) if text else []
         if ids and _worker["eod"] is not None:
             ids.append(_worker["eod"])
         out[k] = np.asarray(ids, dtype=_worker["dtype"])
-    return lineno, out, nbytes
+    return position, out, nbytes
 
 
-def _lines(path: str):
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of "
-                                f"the line); re-encode the file as UTF-8") from None
+class _Window:
+    """Keeps at most ``size`` documents between the reader and the writer: the pool's feeder
+    thread drains its input as fast as the workers take it, and results wait for the writer,
+    so without it both would hold as much of the corpus as they get ahead by. A reader error
+    is kept and raised by the writer after the documents before it (input order)."""
+
+    def __init__(self, size: int):
+        self._slots = threading.Semaphore(size)
+        self.stopped = False
+        self.error: BaseException | None = None
+
+    def feed(self, items):
+        try:
+            for item in items:
+                while not self._slots.acquire(timeout=0.1):
+                    if self.stopped:
+                        return
+                if self.stopped:
+                    return
+                yield item
+        except Exception as e:  # raised in the pool's feeder thread: hand it to the writer
+            self.error = e
+
+    def release(self) -> None:
+        self._slots.release()
+
+
+def _items(sources, keys, chunk_rows):
+    """((source index, position), payload, nbytes) for every document of every source, in order."""
+    for i, src in enumerate(sources):
+        for position, payload, nbytes in src.items(keys, chunk_rows):
+            yield (i, position), payload, nbytes
 
 
 class Progress:
@@ -106,29 +146,36 @@ class Progress:
         sys.stderr.flush()
 
 
-def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix: str,
+def preprocess(inputs, keys: list[str], model_path: str, output_prefix: str,
                append_eod: bool = True, workers: int = 1, skip_bad_lines: bool = False,
                progress: bool = True, chunksize: int = 16,
-               tokenizer_type: str = "SentencePieceTokenizer") -> dict:
-    """Tokenize ``input_path`` into ``{output_prefix}_{key}_document`` for each key, with the
-    sentencepiece model or Hugging Face ``tokenizer.json`` ``model_path`` (``tokenizer_type``).
+               tokenizer_type: str = "SentencePieceTokenizer", chunk_rows: int = 1024) -> dict:
+    """Tokenize ``inputs`` (a path or glob, or a list of them: JSONL, JSONL.gz, JSONL.zst,
+    parquet, a ``datasets`` folder; see data.sources) into ``{output_prefix}_{key}_document``
+    for each key, with the sentencepiece model or Hugging Face ``tokenizer.json``
+    ``model_path`` (``tokenizer_type``). Documents keep the input order; at most about
+    ``chunk_rows`` documents are held at once (plus one reader batch of as many rows).
 
-    Returns stats: documents, tokens, empty (skipped empty texts), bad_lines (skipped),
-    seconds, and prefixes {key: prefix}. Raises DataError (file:line and fix) on bad input;
-    no output file survives an error.
+    Returns stats: documents, tokens, empty (skipped empty texts), bad_lines (skipped lines or
+    rows), seconds, files (number of sources) and prefixes {key: prefix}. Raises DataError
+    (file:line or file: row N, and the fix) on bad input; no output file survives an error.
     """
-    if not os.path.isfile(input_path):
-        raise DataError(f"{input_path}: input file not found (--input)")
+    if chunk_rows < 1:
+        raise DataError(f"--chunk-rows {chunk_rows}: must be at least 1")
+    sources = resolve_inputs(inputs, keys)  # every input checked before any output exists
+    label = inputs if isinstance(inputs, (str, os.PathLike)) else " ".join(map(os.fspath, inputs))
     tok = load_tokenizer(model_path, tokenizer_type)
     dtype = best_dtype(tok.vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in keys}
-    stats = {"documents": 0, "tokens": 0, "empty": 0, "bad_lines": 0, "prefixes": prefixes}
-    bar = Progress(os.path.getsize(input_path), progress)
+    stats = {"documents": 0, "tokens": 0, "empty": 0, "bad_lines": 0, "prefixes": prefixes,
+             "files": len(sources)}
+    bar = Progress(sum(s.size for s in sources), progress)
     start = time.monotonic()
     builders = [IndexedDatasetBuilder(p, dtype) for p in prefixes.values()]
-    pool = None
+    pool, window = None, _Window(max(chunk_rows, 2 * chunksize * workers))
     try:
         init = (model_path, keys, append_eod, tokenizer_type)
+        items = _items(sources, keys, chunk_rows)
         if workers > 1:
             # Workers fork with default SIGTERM / ignored SIGINT, so no handler of the parent's
             # (cli_exit turns SIGTERM into KeyboardInterrupt) runs in a child before its initializer.
@@ -139,17 +186,20 @@ def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix:
             finally:
                 signal.signal(signal.SIGTERM, term)
                 signal.signal(signal.SIGINT, intr)
-            results = pool.imap(_encode_line, _lines(input_path), chunksize)
+            results = pool.imap(_encode, window.feed(items), chunksize)
         else:
             _init_worker(*init)
-            results = map(_encode_line, _lines(input_path))
+            results = map(_encode, items)
         done = 0
-        for lineno, out, nbytes in results:
+        for (i, position), out, nbytes in results:
+            window.release()
             done += nbytes
-            _consume(input_path, lineno, out, builders, keys, stats, skip_bad_lines)
+            _consume(sources[i], position, out, builders, keys, stats, skip_bad_lines)
             bar.update(done, stats["documents"], stats["tokens"])
+        if window.error is not None:
+            raise window.error
         if stats["documents"] == 0:
-            raise DataError(f"{input_path}: no non-empty documents under key(s) {keys}")
+            raise DataError(f"{label}: no non-empty documents under key(s) {keys}")
         for b in builders:
             b.finalize()
         for prefix in prefixes.values():
@@ -160,6 +210,7 @@ def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix:
             b.abort()
         raise
     finally:
+        window.stopped = True
         if pool is not None:
             pool.terminate()
             pool.join()
@@ -168,12 +219,13 @@ def preprocess(input_path: str, keys: list[str], model_path: str, output_prefix:
     return stats
 
 
-def _consume(path, lineno, out, builders, keys, stats, skip_bad_lines) -> None:
+def _consume(source, position, out, builders, keys, stats, skip_bad_lines) -> None:
     if out is None:
         return
     if isinstance(out, str):
         if not skip_bad_lines:
-            raise DataError(f"{path}:{lineno}: {out}; fix the line or pass --skip-bad-lines")
+            raise DataError(f"{source.where(position)}: {out}; fix the {source.unit} or pass "
+                            "--skip-bad-lines")
         stats["bad_lines"] += 1
         return
     if all(out[k].size == 0 for k in keys):
@@ -210,8 +262,11 @@ def merge(prefixes: list[str], output_prefix: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__.split("\n")[0])
-    p.add_argument("--input", help="JSONL file, one document per line")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize")
+    p.add_argument("--input", nargs="+", metavar="PATH", help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst: "
+                   "one document per line), .parquet files, globs of them, or a Hugging Face "
+                   "datasets folder (save_to_disk); read in this order")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="fields (JSONL) or string "
+                   "columns (parquet, datasets) to tokenize")
     p.add_argument("--tokenizer-model", help="sentencepiece .model (see data.tokenizer), or with "
                    "--tokenizer-type HuggingFaceTokenizer a tokenizer.json or a folder holding one")
     p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
@@ -221,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) malformed lines")
     p.add_argument("--merge", nargs="+", metavar="PREFIX", help="merge these datasets instead")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--chunk-rows", type=int, default=1024, help="documents read and held at once "
+                   "(memory is bounded by about two such chunks)")
     args = p.parse_args(argv)
     if args.merge:
         s = merge(args.merge, args.output_prefix)
@@ -233,12 +290,13 @@ def main(argv=None) -> int:
         raise DataError(f"--workers {args.workers}: must be at least 1")
     s = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
                    args.append_eod, args.workers, args.skip_bad_lines, not args.no_progress,
-                   tokenizer_type=args.tokenizer_type)
+                   tokenizer_type=args.tokenizer_type, chunk_rows=args.chunk_rows)
     secs = max(s["seconds"], 1e-9)
-    print(f"{args.input}: {s['documents']} documents, {s['tokens']} tokens in {secs:.1f} s "
+    files = f" ({s['files']} files)" if s["files"] > 1 else ""
+    print(f"{' '.join(args.input)}{files}: {s['documents']} documents, {s['tokens']} tokens in {secs:.1f} s "
           f"({s['documents'] / secs:.0f} documents/s, {s['tokens'] / secs:.0f} tokens/s, "
           f"{s['tokens'] / secs / args.workers:.0f} tokens/s per worker); skipped "
-          f"{s['empty']} empty documents and {s['bad_lines']} bad lines -> "
+          f"{s['empty']} empty documents and {s['bad_lines']} bad lines/rows -> "
           + ", ".join(s["prefixes"].values()))
     return 0
 

@@ -8,15 +8,17 @@ scripts print before exit code 2, naming the feature, the extra and the command:
     --from-hf needs the optional extra hf (safetensors is not installed); fix: pip install -e .[hf]
 
 ``EXTRA_OF`` maps each optional package to its extra (tests/test_hostile_inputs.py checks it
-against pyproject.toml). ``data/`` may not import megazero, so data/tokenizer.py words its
-own guard for ``tokenizers`` with ``missing_extra_message``'s form (the same test compares).
+against pyproject.toml). ``data/`` may not import megazero, so data/tokenizer.py (``tokenizers``)
+and data/sources.py (``pyarrow``, ``zstandard``) word their own guards with
+``missing_extra_message``'s form (tests compare).
 """
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
-EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "tokenizers": "hf", "wandb": "wandb"}
+EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "tokenizers": "hf", "wandb": "wandb",
+            "pyarrow": "data", "zstandard": "data", "datasets": "data"}
 
 
 class MissingExtra(ImportError):
