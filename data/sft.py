@@ -43,7 +43,6 @@ function of (document lengths, seq_length, num_samples, seed, packing).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 from dataclasses import dataclass
@@ -133,29 +132,28 @@ def encode_record(pieces: list[tuple[str, bool]], tok) -> tuple[np.ndarray, np.n
 
 
 def _jsonl_records(path: str) -> Iterator[tuple[str, object]]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text ({e.reason}); re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+    """(``file:line``, record) of a JSONL file, plain, ``.gz`` or ``.zst`` (``data.sources``'
+    reader: a truncated or corrupt compressed file is a DataError, never a shorter corpus)."""
+    from data.sources import JsonlSource
+
+    src = JsonlSource(path)
+    src.check([])
+    for lineno, line, _ in src.items([], 0):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
 
 
 def _parquet_records(path: str) -> Iterator[tuple[str, object]]:
-    try:
-        import pyarrow
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed; fix: pip install "
-                        "pyarrow, or give JSONL") from None
+    """(``file:row N``, record) of every row of a parquet file, 1,024 rows decoded at a time
+    (the chat form's ``messages`` column is a list of structs, so rows are read whole)."""
+    from data.sources import require_data_extra
+
+    pyarrow = require_data_extra("pyarrow", f"--input {path}")
+    pq = require_data_extra("pyarrow.parquet", f"--input {path}")
     try:
         rows = pq.ParquetFile(path)
         row = 0
@@ -169,7 +167,8 @@ def _parquet_records(path: str) -> Iterator[tuple[str, object]]:
 
 def iter_records(paths: list[str]) -> Iterator[tuple[str, object]]:
     """(``file:line`` or ``file:row N``, record) of every record of ``paths`` in order (JSONL,
-    ``.jsonl.gz`` or ``.parquet``). Raises DataError for a missing file or a bad line."""
+    ``.jsonl.gz``, ``.jsonl.zst`` or ``.parquet``). Raises DataError for a missing file or a
+    bad line."""
     for path in paths:
         if not os.path.isfile(path):
             raise DataError(f"{path}: input file not found (--input)")
