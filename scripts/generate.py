@@ -73,12 +73,20 @@ def model_settings(args) -> tuple[GPTConfig, str | None, str]:
 
 
 def check_inputs(args, tp: int):
-    """Every input, before any process group exists and without loading a weight: the model's
-    settings and their sizes under ``tp`` ranks (``GPTConfig.validate``), every tensor's name,
-    shape and dtype (--from-hf, ``model.hf_folder.open_folder``) or the checkpoint's files
-    (--load), the tokenizer (its vocabulary within the model's) and the prompt
-    (``model.sampling.check_prompt``). Returns the tokenizer. Raises one of ``INPUT_ERRORS``,
-    whose message is the one line to print."""
+    """Every input, before any process group exists and without loading a weight: the model and
+    its tokenizer (``check_model``) and the prompt (``model.sampling.check_prompt``). Returns
+    the tokenizer. Raises one of ``INPUT_ERRORS``, whose message is the one line to print."""
+    tok = check_model(args, tp)
+    check_prompt(tok.encode(args.prompt), model_settings(args)[0].max_position_embeddings)
+    return tok
+
+
+def check_model(args, tp: int):
+    """The model's settings and their sizes under ``tp`` ranks (``GPTConfig.validate``), every
+    tensor's name, shape and dtype (--from-hf, ``model.hf_folder.open_folder``) or the
+    checkpoint's files (--load), and the tokenizer (its vocabulary within the model's), without
+    loading a weight (also scripts/evaluate.py's check). Returns the tokenizer. Raises one of
+    ``INPUT_ERRORS``."""
     from data.tokenizer import load_tokenizer
 
     gcfg, tok_path, tok_type = model_settings(args)
@@ -95,7 +103,6 @@ def check_inputs(args, tp: int):
     if tok.vocab_size > gcfg.vocab_size:  # its ids past the embedding's rows would not index it
         raise DataError(f"tokenizer {tok_path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
                         f"{gcfg.vocab_size}; fix: --tokenizer-model of this model")
-    check_prompt(tok.encode(args.prompt), gcfg.max_position_embeddings)
     return tok
 
 
@@ -113,15 +120,15 @@ def load_model(args, groups: ProcessGroups, device) -> tuple[GPTStage, object]:
     return stage, (load_tokenizer(tok_path, tok_type) if tok_path else None)
 
 
-def start_torchrun(tp: int, argv: list[str]) -> None:
-    """Replace this process by torchrun running this script on ``tp`` ranks of this machine
-    (after ``check_inputs`` passed here); its exit status becomes this command's. The ranks
-    share the cores (``OMP_NUM_THREADS``, unless set)."""
+def start_torchrun(tp: int, argv: list[str], script: str = __file__) -> None:
+    """Replace this process by torchrun running ``script`` (default: this one) on ``tp`` ranks
+    of this machine (after its input check passed here); its exit status becomes this
+    command's. The ranks share the cores (``OMP_NUM_THREADS``, unless set)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(tp), os.path.abspath(__file__), *argv], env)
+                               str(tp), os.path.abspath(script), *argv], env)
 
 
 def parse(argv):

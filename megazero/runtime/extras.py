@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "tokenizers": "hf", "wandb": "wandb"}
+EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "tokenizers": "hf", "wandb": "wandb", "lm_eval": "eval"}
 
 
 class MissingExtra(ImportError):
