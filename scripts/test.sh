@@ -4,12 +4,12 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$MEGAZERO_ROOT"
-# The optional extras the tests exercise (Hugging Face interchange, W&B). They are installed
+# The optional extras the tests exercise (Hugging Face interchange, W&B, lm-evaluation-harness). They are installed
 # when missing; where that is impossible (no index) their tests skip, except under CI=true,
 # where tests/extras.py turns such a skip into a failure.
-if ! "$PY" -c "import transformers, safetensors, tokenizers, wandb" >/dev/null 2>&1; then
-  echo "[megazero] installing the optional extras hf and wandb for their tests" >&2
-  "$PY" -m pip install -q -e "$MEGAZERO_ROOT[dev,hf,wandb]" \
-    || echo "[megazero] could not install the extras hf/wandb: their tests will skip" >&2
+if ! "$PY" -c "import transformers, safetensors, tokenizers, wandb, lm_eval, accelerate" >/dev/null 2>&1; then
+  echo "[megazero] installing the optional extras hf, wandb and eval for their tests" >&2
+  "$PY" -m pip install -q -e "$MEGAZERO_ROOT[dev,hf,wandb,eval]" \
+    || echo "[megazero] could not install the extras hf/wandb/eval: their tests will skip" >&2
 fi
 exec "$PY" -m pytest "$@"

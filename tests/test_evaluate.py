@@ -99,6 +99,7 @@ def run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_log_likelihoods_and_accuracy_equal_the_harness_hf_backend_at_tp1_and_tp2(run):
+    require("accelerate")                                     # HFLM needs it
     from lm_eval.models.huggingface import HFLM
 
     from model.evaluation import run_tasks
