@@ -502,7 +502,7 @@ def harness_scores(trainer: Trainer, tokenizer, cfg: Config) -> dict:
     trainer.optimizer.wait_param_gather()
     lm = make_lm(trainer.chunks[0], tokenizer, what=flag)
     return run_tasks(lm, split_names(cfg.train.eval_harness_tasks), limit=cfg.train.eval_harness_limit,
-                     what=flag, flag=flag)
+                     what=flag, flag=flag, quiet=True)
 
 
 def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:

@@ -40,6 +40,7 @@ section "Evaluation"). Nothing is fetched over the network for the shipped tasks
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import random
@@ -293,16 +294,18 @@ def check_tasks(names: Sequence[str], include: Sequence[str] = (), what: str = "
 
 
 @contextlib.contextmanager
-def _kept_rng_and_quiet_logs():
+def _kept_rng_and_quiet_logs(quiet: bool):
     """The harness seeds python's, numpy's and torch's global generators and logs at INFO:
-    leave both as they were for the caller (a training run continues its own streams)."""
+    leave both as they were for the caller (a training run continues its own streams). With
+    ``quiet`` its progress bars (stderr) are dropped too."""
     py, npy, cpu = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     log = logging.getLogger("lm_eval")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+            yield
     finally:
         log.setLevel(level)
         random.setstate(py)
@@ -314,14 +317,15 @@ def _kept_rng_and_quiet_logs():
 
 def run_tasks(lm, names: Sequence[str], *, tm=None, include: Sequence[str] = (), num_fewshot: Optional[int] = None,
               limit: Optional[float] = None, what: str = "scripts/evaluate.py",
-              flag: str = "--tasks") -> dict[str, dict[str, float]]:
+              flag: str = "--tasks", quiet: bool = False) -> dict[str, dict[str, float]]:
     """Evaluate ``lm`` (an ``lm_eval`` LM) on the tasks ``names``: ``{task: {metric: value}}``,
     with ``<metric>_stderr`` beside each metric where the harness gives one; ``limit`` documents
-    per task (a fraction below 1), None = all. The global RNG states are restored afterwards.
+    per task (a fraction below 1), None = all. The global RNG states are restored afterwards;
+    ``quiet`` drops the harness's progress bars.
     Raises HarnessError for an unknown name, MissingExtra without lm_eval."""
     tm = tm or check_tasks(names, include, what, flag)
     evaluator = require("lm_eval.evaluator", what)
-    with _kept_rng_and_quiet_logs():
+    with _kept_rng_and_quiet_logs(quiet):
         results = evaluator.simple_evaluate(model=lm, tasks=list(names), num_fewshot=num_fewshot, limit=limit,
                                             task_manager=tm, log_samples=False, bootstrap_iters=1000,
                                             verbosity=None)

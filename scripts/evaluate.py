@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     try:
         stage, tok = load_model(args, groups, device)
         lm = make_lm(stage, tok, batch_size=args.batch_size, seed=args.seed)
-        scores = run_tasks(lm, args.tasks, tm=tm, num_fewshot=args.num_fewshot, limit=args.limit)
+        scores = run_tasks(lm, args.tasks, tm=tm, num_fewshot=args.num_fewshot, limit=args.limit,
+                           quiet=rank != 0)  # rank 0 shows the harness's progress bars
     except ERRORS as e:  # a file that changed since the check
         if rank == 0:
             print(f"evaluate: error: {e}", file=sys.stderr)

@@ -413,7 +413,8 @@ class Monitor:
             print(f"harness at iteration {it} | {task}: {shown}", flush=True)
         self._scalars({f"harness/{task}/{m}": _plain(v) for task, row in scores.items() for m, v in row.items()
                        if not m.endswith("_stderr")}, it)
-        self._record("harness", {"iteration": it, "scores": {t: {m: _plain(v) for m, v in row.items()}
+        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731  (strict JSON, as _record)
+        self._record("harness", {"iteration": it, "scores": {t: {m: finite(_plain(v)) for m, v in row.items()}
                                                              for t, row in scores.items()}})
 
     def log_record(self, kind: str, fields: Mapping[str, Any]) -> None:
