@@ -10,7 +10,7 @@ The model and tokenizer load as in scripts/generate.py (every process one tensor
 of the whole model, reading only its partitions; pp 1), and ``model.evaluation.MegazeroLM`` (an
 ``lm_eval.api.model.LM`` over megazero's own forward and KV-cache decoding) answers the harness's
 requests; every rank runs the same requests, rank 0 prints one line per task with each metric
-and its standard error, e.g. ``megazero_stdlib: acc 0.3196 (± 0.0336), acc_norm 0.3093 (± 0.0333)``.
+and its standard error, e.g. ``megazero_stdlib: acc 0.3247 (± 0.0337), acc_norm 0.3763 (± 0.0349)``.
 
 Tasks: the YAML files under data/tasks (``megazero_stdlib``, ``megazero_stdlib_ppl``; no
 network) and under each ``--include-path`` folder (the harness's own tasks: its installed
