@@ -54,6 +54,7 @@ from data.run_data import RunData
 from model.generation import pipeline_generate_greedy
 from model.build import (build_gpt_config, build_model_chunks, check_from_hf, initial_values, model_signature,
                          zero3_units)
+from model.evaluation import HarnessError
 from model.gpt import VOCAB_TENSORS, generate_greedy
 from model.hf import config_record
 
@@ -504,6 +505,40 @@ def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[flo
     return float(np.mean(losses)), counts.cpu().numpy()
 
 
+def check_harness(cfg: Config) -> None:
+    """``--eval-harness-tasks``: every name a task of data/tasks, lm_eval installed, a whole-model
+    stage (--pp 1) and a tokenizer. Raises HarnessError or MissingExtra (one line)."""
+    from model.evaluation import check_tasks, split_names
+
+    flag = "--eval-harness-tasks"
+    if cfg.parallel.pp > 1:
+        raise HarnessError(f"{flag} needs --pp 1 (the harness scores with the whole model in one stage; this run: "
+                           f"--pp {cfg.parallel.pp}); fix: score a saved checkpoint with scripts/evaluate.py")
+    if cfg.train.mock_data:
+        raise HarnessError(f"{flag} needs a tokenizer, which --mock-data has none of; fix: --data-path with "
+                           "--tokenizer-model")
+    check_tasks(split_names(cfg.train.eval_harness_tasks), what=flag, flag=flag)
+
+
+def harness_due(cfg: Config, it: int) -> bool:
+    """Whether iteration ``it`` scores the ``--eval-harness-tasks`` (each interval, and the last)."""
+    t = cfg.train
+    return bool(t.eval_harness_tasks) and (it == t.train_iters or bool(t.eval_harness_interval
+                                                                      and it % t.eval_harness_interval == 0))
+
+
+def harness_scores(trainer: Trainer, tokenizer, cfg: Config) -> dict:
+    """``{task: {metric: value}}`` of the live model on ``--eval-harness-tasks`` (model/evaluation.py;
+    pp 1, collective over the model's tp group: every rank scores the same requests)."""
+    from model.evaluation import make_lm, run_tasks, split_names
+
+    flag = "--eval-harness-tasks"
+    trainer.optimizer.wait_param_gather()
+    lm = make_lm(trainer.chunks[0], tokenizer, what=flag)
+    return run_tasks(lm, split_names(cfg.train.eval_harness_tasks), limit=cfg.train.eval_harness_limit,
+                     what=flag, flag=flag, quiet=True)
+
+
 def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
     """Throughput, TFLOP/s, MFU (megazero.planning.flops) and memory for one logged iteration."""
     values = throughput(flops_per_iteration=trainer.flops_per_iteration,
@@ -721,6 +756,8 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
             last_valid, counts = evaluate(trainer, data.valid, cfg, state.eval_round)
             state.eval_round += 1
             monitor.log_validation(it, last_valid)
+        if harness_due(cfg, it):
+            monitor.log_harness(it, harness_scores(trainer, data.tokenizer, cfg))
         saved = None
         if s.save and ((s.save_interval and it % s.save_interval == 0) or it == s.train_iters):
             saved = trainer.save_checkpoint(s.save)
@@ -749,6 +786,8 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     check_resume(cfg, resume, data.vocab_size)
     if cfg.train.from_hf:
         check_from_hf(cfg, data.vocab_size)
+    if cfg.train.eval_harness_tasks:
+        check_harness(cfg)
     return data
 
 
@@ -771,13 +810,13 @@ def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
             print(f"megazero: config warning: {moot}", file=sys.stderr, flush=True)
 
 
-START_ERRORS = (DataError, checkpoint.CheckpointError, memory.MemoryPlanError, DeviceError, MissingExtra)
+START_ERRORS = (DataError, checkpoint.CheckpointError, memory.MemoryPlanError, DeviceError, MissingExtra, HarnessError)
 
 
 def report_start_error(e: Exception) -> int:
     """One line on stderr for a problem found before start; returns exit code 2."""
     kind = {DataError: "data", memory.MemoryPlanError: "memory", DeviceError: "device",
-            MissingExtra: "config"}.get(type(e), "checkpoint")
+            MissingExtra: "config", HarnessError: "config"}.get(type(e), "checkpoint")
     print(f"megazero: {kind} error: {e}", file=sys.stderr)
     return 2
 

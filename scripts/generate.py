@@ -76,12 +76,30 @@ def model_settings(args) -> tuple[GPTConfig, str | None, str]:
 
 
 def check_inputs(args, tp: int):
-    """Every input, before any process group exists and without loading a weight: the model's
-    settings and their sizes under ``tp`` ranks (``GPTConfig.validate``), every tensor's name,
-    shape and dtype (--from-hf, ``model.hf_folder.open_folder``) or the checkpoint's files
-    (--load), the tokenizer (its vocabulary within the model's) and the prompt
-    (``model.sampling.check_prompt``). Returns the tokenizer. Raises one of ``INPUT_ERRORS``,
-    whose message is the one line to print."""
+    """Every input, before any process group exists and without loading a weight: the model and
+    its tokenizer (``check_model``) and the prompt (``model.sampling.check_prompt``; with
+    ``--prompt-ids`` every id inside the vocabulary, and no tokenizer needed). Returns the
+    tokenizer (None for ids without one). Raises one of ``INPUT_ERRORS``, whose message is the
+    one line to print."""
+    gcfg = model_settings(args)[0]
+    if args.prompt_ids is None:
+        tok = check_model(args, tp)
+        check_prompt(tok.encode(args.prompt), gcfg.max_position_embeddings)
+        return tok
+    bad = [i for i in args.prompt_ids if not 0 <= i < gcfg.vocab_size]
+    if bad:
+        raise ValueError(f"--prompt-ids {bad[0]} is not a token id of the model's vocabulary of "
+                         f"{gcfg.vocab_size}; fix: ids in [0, {gcfg.vocab_size})")
+    check_prompt(args.prompt_ids, gcfg.max_position_embeddings)
+    return check_model(args, tp, need_tokenizer=False)
+
+
+def check_model(args, tp: int, need_tokenizer: bool = True):
+    """The model's settings and their sizes under ``tp`` ranks (``GPTConfig.validate``), every
+    tensor's name, shape and dtype (--from-hf, ``model.hf_folder.open_folder``) or the
+    checkpoint's files (--load), and the tokenizer (its vocabulary within the model's), without
+    loading a weight (also scripts/evaluate.py's check). Returns the tokenizer, or None when
+    there is none and ``need_tokenizer`` is False. Raises one of ``INPUT_ERRORS``."""
     from data.tokenizer import load_tokenizer
 
     gcfg, tok_path, tok_type = model_settings(args)
@@ -92,14 +110,8 @@ def check_inputs(args, tp: int):
         raise ValueError(f"{source}: the model does not run under --tp {tp}: {e}") from None
     if args.from_hf:
         open_folder(args.from_hf, gcfg, gcfg.padded_vocab(tp))  # checks every tensor, loads none
-    if args.prompt_ids is not None:
-        bad = [i for i in args.prompt_ids if not 0 <= i < gcfg.vocab_size]
-        if bad:
-            raise ValueError(f"--prompt-ids {bad[0]} is not a token id of the model's vocabulary of "
-                             f"{gcfg.vocab_size}; fix: ids in [0, {gcfg.vocab_size})")
-        check_prompt(args.prompt_ids, gcfg.max_position_embeddings)
-        if not _has_tokenizer(tok_path):   # ids need no tokenizer
-            return None
+    if not need_tokenizer and not _has_tokenizer(tok_path):
+        return None
     if tok_path is None:
         raise CheckpointError("no tokenizer: the run used --mock-data; fix: give --tokenizer-model, "
                               "or the prompt as --prompt-ids")
@@ -107,8 +119,6 @@ def check_inputs(args, tp: int):
     if tok.vocab_size > gcfg.vocab_size:  # its ids past the embedding's rows would not index it
         raise DataError(f"tokenizer {tok_path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
                         f"{gcfg.vocab_size}; fix: --tokenizer-model of this model")
-    if args.prompt_ids is None:
-        check_prompt(tok.encode(args.prompt), gcfg.max_position_embeddings)
     return tok
 
 
@@ -118,7 +128,7 @@ def load_model(args, groups: ProcessGroups, device) -> tuple[GPTStage, object]:
     from data.tokenizer import load_tokenizer
 
     gcfg, tok_path, tok_type = model_settings(args)
-    if args.prompt_ids is not None and not _has_tokenizer(tok_path):
+    if getattr(args, "prompt_ids", None) is not None and not _has_tokenizer(tok_path):
         tok_path = None   # ids need no tokenizer (check_inputs)
     if args.from_hf:
         full = open_folder(args.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
@@ -128,15 +138,15 @@ def load_model(args, groups: ProcessGroups, device) -> tuple[GPTStage, object]:
     return stage, (load_tokenizer(tok_path, tok_type) if tok_path else None)
 
 
-def start_torchrun(tp: int, argv: list[str]) -> None:
-    """Replace this process by torchrun running this script on ``tp`` ranks of this machine
-    (after ``check_inputs`` passed here); its exit status becomes this command's. The ranks
-    share the cores (``OMP_NUM_THREADS``, unless set)."""
+def start_torchrun(tp: int, argv: list[str], script: str = __file__) -> None:
+    """Replace this process by torchrun running ``script`` (default: this one) on ``tp`` ranks
+    of this machine (after its input check passed here); its exit status becomes this
+    command's. The ranks share the cores (``OMP_NUM_THREADS``, unless set)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(tp), os.path.abspath(__file__), *argv], env)
+                               str(tp), os.path.abspath(script), *argv], env)
 
 
 def _has_tokenizer(path) -> bool:

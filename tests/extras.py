@@ -17,5 +17,5 @@ def require(module: str):
     except ImportError as e:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"CI=true but the optional extra {module!r} is missing ({e}); "
-                        "scripts/test.sh installs it with pip install -e .[hf,wandb]")
-        pytest.skip(f"optional extra {module!r} not installed (pip install -e .[hf,wandb])")
+                        "scripts/test.sh installs it with pip install -e .[hf,wandb,eval]")
+        pytest.skip(f"optional extra {module!r} not installed (pip install -e .[hf,wandb,eval])")

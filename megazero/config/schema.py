@@ -69,6 +69,7 @@ _SAVE = Needs("train.save", besides=(None,), refuse=True, wanted="--save DIR")
 _ROPE = Needs("model.position_embedding_type", ("rope",), refuse=True)
 _WSD = Needs("optim.lr_decay_style", ("WSD",))
 _FIM = Needs("data.fim_rate", above=0)
+_HARNESS = Needs("train.eval_harness_tasks", besides=(None,))
 
 
 def _f(default: Any, help: str, unit: str = "", *, flags: tuple = (), choices: tuple = (),
@@ -184,6 +185,14 @@ class TrainingConfig:
     eval_interval: int = _f(100, "validate every this many steps (and at the end)", "iterations", ge=1,
                             applies=Needs("train.eval_iters", above=0))
     eval_iters: int = _f(10, "validation batches per evaluation; 0 = none", "iterations", ge=0)
+    eval_harness_tasks: Optional[list[str]] = _f(
+        None, "lm-evaluation-harness tasks to score during training, comma-separated (data/tasks: megazero_stdlib, "
+        "megazero_stdlib_ppl; needs the eval extra, --pp 1 and a tokenizer); scores go to the console, "
+        "TensorBoard/W&B (harness/TASK/METRIC) and the metrics file; None = none", "tasks")
+    eval_harness_interval: Optional[int] = _f(None, "score those tasks every this many steps (and at the end); "
+                                              "None = at the end only", "iterations", ge=1, applies=_HARNESS)
+    eval_harness_limit: Optional[int] = _f(None, "documents per harness task; None = all", "documents", ge=1,
+                                           applies=_HARNESS)
     save: Optional[str] = _f(None, "checkpoint directory to write; None = no checkpoints", "path")
     load: Optional[str] = _f(None, "checkpoint directory to resume from", "path")
     save_interval: Optional[int] = _f(None, "checkpoint every this many steps; None = at the end only",

@@ -18,7 +18,7 @@ import importlib
 from types import ModuleType
 
 EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "tokenizers": "hf", "wandb": "wandb",
-            "pyarrow": "data", "zstandard": "data", "datasets": "data"}
+            "pyarrow": "data", "zstandard": "data", "datasets": "data", "lm_eval": "eval"}
 
 
 class MissingExtra(ImportError):

@@ -402,6 +402,21 @@ class Monitor:
         self._scalars({"valid/loss": loss, "valid/ppl": ppl}, it)
         self._record("valid", {"iteration": it, "loss": loss, "ppl": ppl})
 
+    def log_harness(self, it: int, scores: Mapping[str, Mapping[str, float]]) -> None:
+        """lm-evaluation-harness scores ``{task: {metric: value}}`` at iteration ``it``: one
+        console line per task, ``harness/<task>/<metric>`` scalars (standard errors only in the
+        record) and a ``"harness"`` record."""
+        if not self.is_logging_rank:
+            return
+        for task, row in scores.items():
+            shown = ", ".join(f"{m} {_plain(v):.4f}" for m, v in row.items() if not m.endswith("_stderr"))
+            print(f"harness at iteration {it} | {task}: {shown}", flush=True)
+        self._scalars({f"harness/{task}/{m}": _plain(v) for task, row in scores.items() for m, v in row.items()
+                       if not m.endswith("_stderr")}, it)
+        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731  (strict JSON, as _record)
+        self._record("harness", {"iteration": it, "scores": {t: {m: finite(_plain(v)) for m, v in row.items()}
+                                                             for t, row in scores.items()}})
+
     def log_record(self, kind: str, fields: Mapping[str, Any]) -> None:
         """A ``kind`` record in the metrics file only (logging rank), e.g. ``"restart"``."""
         if self.is_logging_rank:

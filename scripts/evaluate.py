@@ -1,0 +1,117 @@
+"""Score a megazero checkpoint (any layout) or a Hugging Face GPT-2 / Llama folder on
+lm-evaluation-harness tasks.
+
+    python scripts/evaluate.py (--load CKPT_DIR | --from-hf DIR) --tasks T1,T2 \\
+        [--num-fewshot N] [--limit N] [--batch-size B] [--include-path DIR ...]
+    python scripts/evaluate.py --tp 2 ...                       # tensor parallel over 2 ranks
+    torchrun --nproc-per-node 2 scripts/evaluate.py ...         # the same, under your own torchrun
+
+The model and tokenizer load as in scripts/generate.py (every process one tensor-parallel rank
+of the whole model, reading only its partitions; pp 1), and ``model.evaluation.MegazeroLM`` (an
+``lm_eval.api.model.LM`` over megazero's own forward and KV-cache decoding) answers the harness's
+requests; every rank runs the same requests, rank 0 prints one line per task with each metric
+and its standard error, e.g. ``megazero_stdlib: acc 0.3247 (± 0.0337), acc_norm 0.3763 (± 0.0349)``.
+
+Tasks: the YAML files under data/tasks (``megazero_stdlib``, ``megazero_stdlib_ppl``; no
+network) and under each ``--include-path`` folder (the harness's own tasks: its installed
+``lm_eval/tasks`` folder, whose datasets come from the Hugging Face hub or its cache).
+
+Errors: one line ``evaluate: error: ...`` and exit code 2 (a missing lm_eval names
+``pip install -e .[eval]``): the model, tokenizer and task names are checked before any
+process group exists, and with ``--tp N`` outside torchrun before torchrun starts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megazero.process_groups import ProcessGroups  # noqa: E402
+from megazero.topology import Topology  # noqa: E402
+from model.evaluation import HarnessError, check_tasks, format_scores, make_lm, run_tasks, split_names  # noqa: E402
+from scripts.generate import INPUT_ERRORS, check_model, load_model, start_torchrun  # noqa: E402
+
+ERRORS = INPUT_ERRORS + (HarnessError,)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="scripts/evaluate.py", description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--load", help="megazero checkpoint directory (a run's --save), any layout")
+    src.add_argument("--from-hf", help="Hugging Face GPT-2 or Llama folder (config.json + model.safetensors)")
+    p.add_argument("--tasks", required=True, nargs="+", help="task names, comma- or space-separated")
+    p.add_argument("--num-fewshot", type=int, help="examples before each question (default: the task's)")
+    p.add_argument("--limit", type=float, help="documents per task (below 1: a fraction); default all")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
+    p.add_argument("--include-path", nargs="+", default=[], help="more folders of task YAML files")
+    p.add_argument("--tokenizer-model", help="default: the checkpoint's recorded tokenizer / the folder's")
+    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=1234, help="generator of sampled generate_until requests")
+    p.add_argument("--tp", type=int, help="tensor-parallel ranks; N > 1 outside torchrun checks the inputs here, "
+                   "then starts torchrun with N processes (default: torchrun's WORLD_SIZE, else 1)")
+    args = p.parse_args(argv)
+    if args.tp is not None and args.tp < 1:
+        p.error("need --tp >= 1")
+    if args.batch_size < 1 or (args.num_fewshot is not None and args.num_fewshot < 0) or \
+            (args.limit is not None and args.limit <= 0):
+        p.error("need --batch-size >= 1, --num-fewshot >= 0 and --limit > 0")
+    if args.limit is not None and args.limit >= 1:
+        args.limit = int(args.limit)
+    args.tasks = split_names(args.tasks)
+    return args
+
+
+def main(argv=None) -> int:
+    """Check the inputs, then evaluate (or, with ``--tp N > 1`` outside torchrun, start
+    torchrun); returns the exit status: 0, or 2 after the one-line error."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    is_rank = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+    tp = args.tp or world
+    try:
+        if is_rank and tp != world:
+            raise ValueError(f"--tp {tp}, but the launcher started {world} processes; fix: the same number for "
+                             "both (or leave --tp out)")
+        tm = check_tasks(args.tasks, args.include_path)  # before any weight or process group
+        check_model(args, tp)
+    except ERRORS as e:
+        if rank == 0:
+            print(f"evaluate: error: {e}", file=sys.stderr)
+        return 2
+    if tp > 1 and not is_rank:
+        start_torchrun(tp, argv, __file__)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=600),
+                                device_id=device if device.type == "cuda" else None)
+    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+    try:
+        stage, tok = load_model(args, groups, device)
+        lm = make_lm(stage, tok, batch_size=args.batch_size, seed=args.seed)
+        scores = run_tasks(lm, args.tasks, tm=tm, num_fewshot=args.num_fewshot, limit=args.limit,
+                           quiet=rank != 0)  # rank 0 shows the harness's progress bars
+    except ERRORS as e:  # a file that changed since the check
+        if rank == 0:
+            print(f"evaluate: error: {e}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        for line in format_scores(scores):
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
