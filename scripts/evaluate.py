@@ -25,17 +25,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megazero.process_groups import ProcessGroups  # noqa: E402
-from megazero.topology import Topology  # noqa: E402
 from model.evaluation import HarnessError, check_tasks, format_scores, make_lm, run_tasks, split_names  # noqa: E402
-from scripts.generate import INPUT_ERRORS, check_model, load_model, start_torchrun  # noqa: E402
+from scripts.generate import INPUT_ERRORS, check_model, join_tp_ranks, load_model, start_torchrun  # noqa: E402
 
 ERRORS = INPUT_ERRORS + (HarnessError,)
 
@@ -88,13 +85,7 @@ def main(argv=None) -> int:
         return 2
     if tp > 1 and not is_rank:
         start_torchrun(tp, argv, __file__)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=600),
-                                device_id=device if device.type == "cuda" else None)
-    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+    device, groups = join_tp_ranks(args.device, world, timeout_s=600)
     try:
         stage, tok = load_model(args, groups, device)
         lm = make_lm(stage, tok, batch_size=args.batch_size, seed=args.seed)

@@ -167,6 +167,21 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def join_tp_ranks(device_type: str, world: int, timeout_s: float) -> tuple[torch.device, ProcessGroups]:
+    """This process as one of ``world`` tensor-parallel ranks (pipeline and data-parallel size
+    1): its device (``cuda:LOCAL_RANK``, made current before the process group or any tensor
+    opens a context on GPU 0, or the CPU), the process group (NCCL on CUDA, else gloo, with
+    ``timeout_s`` seconds for a collective) and the groups. Used by this script and
+    scripts/evaluate.py."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return device, ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -214,13 +229,7 @@ def main(argv=None) -> int:
         return 2
     if tp > 1 and not is_rank:
         start_torchrun(tp, argv)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":  # this rank's GPU, before the process group or a tensor opens a context on GPU 0
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=300),
-                                device_id=device if device.type == "cuda" else None)
-    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+    device, groups = join_tp_ranks(args.device, world, timeout_s=300)
     try:
         stage, tok = load_model(args, groups, device)
         prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt)
