@@ -169,10 +169,9 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
                         window = (list(ctx) + list(cont))[-(L + 1):]
                         rows.append((i, window[:-1], list(cont)))
                     T = max(len(inp) for _, inp, _ in rows)
-                    ids = torch.zeros(len(rows), T, dtype=torch.long)               # (B, T), right-padded
-                    for b, (_, inp, _) in enumerate(rows):
-                        ids[b, :len(inp)] = torch.tensor(inp)
-                    logp = self.log_probs(ids.to(self._device))                     # (B, T, V)
+                    ids = torch.tensor([inp + [0] * (T - len(inp)) for _, inp, _ in rows],  # (B, T), right-padded
+                                       dtype=torch.long, device=self._device)
+                    logp = self.log_probs(ids)                                      # (B, T, V)
                     for b, (i, inp, cont) in enumerate(rows):
                         lp = logp[b, len(inp) - len(cont):len(inp)]                  # (n, V)
                         target = torch.tensor(cont, device=lp.device)                # (n,)
