@@ -207,3 +207,18 @@ def test_moe_spec_names_experts_by_global_index_and_counts_active_flops():
     attn = 2 * ((2 + 2 * 2) * 8 * 16 + 16 * 16)                     # qkv + proj of both layers
     active = 8 * 16 + 2 * (3 * 16 * 8) + 3 * 16 * 12                # router + k experts + shared
     assert layer == attn + active + 3 * 16 * 32                      # layer 1: the dense SwiGLU MLP
+
+
+def test_moe_losses_reach_the_log_line_and_metrics(tmp_path, capsys):
+    """The step's aux and z-loss values go to the console line and metrics.jsonl (a dense run's
+    records keep their keys: tests/test_monitor.py)."""
+    import json
+
+    from megazero.runtime.monitor import Monitor
+
+    with Monitor(str(tmp_path), tensorboard_dir=None, metrics_file="m.jsonl", rank=0, is_logging_rank=True,
+                 config_text="") as mon:
+        mon.log_iteration(1, {"loss": 2.0, "moe_aux_loss": 0.04, "moe_z_loss": 0.0175})
+    assert "| moe aux loss: 4.000000E-02 | moe z loss: 1.750000E-02" in capsys.readouterr().out
+    train = [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if r["kind"] == "train"]
+    assert (train[0]["moe_aux_loss"], train[0]["moe_z_loss"]) == (0.04, 0.0175)
