@@ -5,8 +5,9 @@ trainer equals ``tests/reference.py``'s plain MoE (every expert on every token, 
 LLaMA-style block with grouped-query attention, top-2 of 8 experts plus one shared expert,
 aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 10 steps, gradient
 norms and the logged auxiliary losses likewise, the first step's token-to-expert assignment
-of every token equal (integers); a capacity-factor run drops exactly the reference rule's
-assignments; an expert-bias run ends with the reference's bias. All layouts of the 4-rank
+of every token equal (integers); capacity-factor runs (drop by probability, and by position
+with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the reference rule's
+assignments; an expert-bias run has the reference's bias after every step. All layouts of the 4-rank
 world share one spawn.
 """
 import math
@@ -29,6 +30,10 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
     # capacity 1.0 of 8 experts: ceil(32 x 2 / 8) = 8 slots each, so most micro-batches drop some
     "capacity-tp2-dp2": (["--tp", "2", "--dp", "2"], ["--moe-expert-capacity-factor", "1.0",
                                                       "--moe-token-drop-policy", "probs"], 4),
+    # the other router and drop rules: sequence-wise aux loss, top-k of the full softmax, drops by position
+    "capacity-position-seqaux-dp4": (["--dp", "4"], ["--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy",
+                                                     "position", "--moe-router-load-balancing-type", "seq_aux_loss",
+                                                     "--moe-router-pre-softmax"], 4),
     # DeepSeek-V3's aux-loss-free bias; a large rate so that it changes the routing within 4 steps
     "bias-pp2-dp2": (["--pp", "2", "--dp", "2"], ["--moe-router-score-function", "sigmoid",
                                                   "--moe-router-enable-expert-bias",
@@ -158,7 +163,7 @@ def fails(argv, capsys):
     from megazero.config import config_from_argv
 
     with pytest.raises(SystemExit) as exc:
-        config_from_argv(argv, 1)
+        config_from_argv(argv, 2)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("megazero: config error: ") and err.count("\n") == 1, err
@@ -175,6 +180,8 @@ def fails(argv, capsys):
      "--recompute-granularity full"),
     (["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
       "--save", "/nonexistent/x"], "--save"),
+    (["--num-experts", "4", "--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
+    (["--num-experts", "4", "--tp", "2", "--moe-ffn-hidden-size", "7"], "--moe-ffn-hidden-size 7"),
     (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--tp", "1", "--moe-router-topk", "1"], None),
 ])
 def test_bad_moe_settings_exit_2_naming_the_flag(extra, named, capsys):
@@ -182,7 +189,7 @@ def test_bad_moe_settings_exit_2_naming_the_flag(extra, named, capsys):
 
     argv = ["--mock-data", "--device", "cpu"] + extra
     if named is None:   # a valid setting for contrast: parses
-        assert config_from_argv(argv, 1).model.moe_ffn_hidden_size == 7
+        assert config_from_argv(argv, 2).model.moe_ffn_hidden_size == 7
         return
     assert named in fails(argv, capsys)
 
