@@ -338,6 +338,7 @@ class ReferenceGPT(nn.Module):
         return x @ (self.wte.weight if self.lm_head is None else self.lm_head.weight).t()
 
     def moe_layers(self) -> list:
+        """The blocks' MoE MLPs (``_MoE``), in layer order; empty for a dense model."""
         return [b.moe for b in self.blocks if b.moe is not None]
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor, eod=None, eod_mask_loss=False,

@@ -61,8 +61,15 @@ def _moe_run(rank, world, argv, steps):
         batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
         values.append(trainer.train_step(batches).values)
         bias.append({i: None if m.expert_bias is None else m.expert_bias.clone() for i, m in moe.items()})
+    from megazero.planning import memory
+
+    p = cfg.parallel
+    psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs the planner's count
+           memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
+                                  p.pipeline_layer_split))
     trainer.close()
-    return dict(values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank)
+    return dict(values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
+                psi=psi)
 
 
 def _moe_runs(rank, world, argvs, steps):
@@ -129,6 +136,7 @@ def test_moe_layout_equals_reference(name, runs):
     results, (ref_losses, stats) = runs[name]
     values = results[0]["values"]
     for r in results:
+        assert r["psi"][0] == r["psi"][1]   # the planner counts each rank's parameters exactly
         assert [v["loss"] for v in r["values"]] == [v["loss"] for v in values]
         assert [v["grad_norm"] for v in r["values"]] == [v["grad_norm"] for v in values]
     for step, v in enumerate(values):
