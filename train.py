@@ -280,7 +280,8 @@ class StepOutcome:
     """What one ``Trainer.train_step`` produced.
 
     ``values``: the logged values (iteration, consumed_samples, lr, loss [nats/token, the
-    global batch's token mean], grad_norm, loss_scale, skipped_iterations); ``stop_reason``:
+    global batch's token mean], grad_norm, loss_scale, skipped_iterations; an MoE model adds
+    moe_aux_loss and moe_z_loss, ``model.gpt.moe_step_end``); ``stop_reason``:
     a stop every rank agreed on in the step's loss all-reduce (``resilience.agree``), else None;
     ``bad_step``: a non-finite loss or gradient outside fp16's loss scaling (the optimizer
     skipped the update).
