@@ -41,6 +41,7 @@ from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
 from megazero.optim.offload import HostOffloadOptimizer
 from megazero.optim.zero import DistributedOptimizer
+from megazero.moe.router import AuxLossBackward
 from megazero.pipeline.executor import make_forward_step, run_schedule
 from megazero.pipeline.p2p import handshake
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
@@ -55,7 +56,7 @@ from model.generation import pipeline_generate_greedy
 from model.build import (build_gpt_config, build_model_chunks, check_from_hf, initial_values, model_signature,
                          zero3_units)
 from model.evaluation import HarnessError
-from model.gpt import VOCAB_TENSORS, generate_greedy
+from model.gpt import VOCAB_TENSORS, generate_greedy, moe_step_end
 from model.hf import config_record
 
 
@@ -279,7 +280,8 @@ class StepOutcome:
     """What one ``Trainer.train_step`` produced.
 
     ``values``: the logged values (iteration, consumed_samples, lr, loss [nats/token, the
-    global batch's token mean], grad_norm, loss_scale, skipped_iterations); ``stop_reason``:
+    global batch's token mean], grad_norm, loss_scale, skipped_iterations; an MoE model adds
+    moe_aux_loss and moe_z_loss, ``model.gpt.moe_step_end``); ``stop_reason``:
     a stop every rank agreed on in the step's loss all-reduce (``resilience.agree``), else None;
     ``bad_step``: a non-finite loss or gradient outside fp16's loss scaling (the optimizer
     skipped the update).
@@ -429,6 +431,10 @@ class Trainer:
         batches, divisor = self.local_batches(batches)
         if not forward_only:
             self.forward_watch.begin(self.state.iteration + 1, batches)
+        if not forward_only and self.gpt_config.num_experts is not None:
+            # MoE auxiliary losses weigh as Megatron-LM's: coeff x loss per micro-batch, averaged
+            # over the micro-batches (and, by the gradient mean, over dp), times the fp16 loss scale
+            AuxLossBackward.set_scale(self.optimizer.scale_loss(torch.ones((), device=self.device)) / len(batches))
         return run_schedule(actions, self.chunks, make_forward_step(divisor, watch), batches,
                             self.groups, tensor_shape=self.tensor_shape, dtype=self.dtype,
                             num_microbatches=len(batches), vp_size=self.cfg.parallel.virtual_pipeline_size,
@@ -457,6 +463,9 @@ class Trainer:
         values = dict(iteration=s.iteration, consumed_samples=s.consumed_samples, lr=lr, loss=loss,
                       grad_norm=result.grad_norm, loss_scale=result.loss_scale,
                       skipped_iterations=s.skipped_iterations)
+        if self.gpt_config.num_experts is not None:
+            trail.enter(it, "the MoE statistics and expert-bias all-reduce over dp and pp")
+            values.update(moe_step_end(self.chunks, self.groups, self.replicas.dp, self.num_microbatches))
         return StepOutcome(values, stop_reason, bool(bad))
 
     def locate_bad_step(self) -> str:

@@ -51,6 +51,9 @@ class ParamSpec:
     matmul: bool = False
     vocab: bool = False
     tied_output: bool = False
+    active: float = 1.0
+    """Fraction of the tokens whose activations meet this weight: 1, or k / E for an expert of
+    a top-k Mixture of Experts (the FLOP count takes active parameters only)."""
 
     def __post_init__(self):
         if self.init not in INIT_RULES or self.part not in PARTS:
@@ -119,6 +122,7 @@ def gather_units(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_proces
 
 def matmul_params(spec: Iterable[ParamSpec]) -> tuple[int, int, int]:
     """(matmul weight elements of all layers, number of layers, output-layer elements).
+    Experts count their ``active`` fraction (k / E each: the k experts a token meets).
 
     The output layer is the untied ``matmul`` head weight or the ``tied_output`` embedding.
     """
@@ -126,7 +130,7 @@ def matmul_params(spec: Iterable[ParamSpec]) -> tuple[int, int, int]:
     for e in spec:
         if e.part == "layer":
             layers.add(e.layer)
-            layer += e.numel if e.matmul else 0
+            layer += e.numel * e.active if e.matmul else 0
         elif (e.part == "head" and e.matmul) or e.tied_output:
             head += e.numel
-    return layer, len(layers), head
+    return round(layer), len(layers), head

@@ -47,7 +47,16 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         add_bias_linear=m.add_bias_linear,
         cp_comm_type=cfg.parallel.cp_comm_type,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers)
+        recompute_num_layers=m.recompute_num_layers,
+        **({} if m.num_experts is None else {name: getattr(m, name) for name in MOE_FIELDS}))
+
+
+# the MoE settings GPTConfig shares with ModelConfig (same names; issue 22)
+MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
+              "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_pre_softmax",
+              "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+              "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_enable_expert_bias",
+              "moe_router_bias_update_rate")
 
 
 def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
@@ -205,8 +214,12 @@ def build_peak_bytes(cfg: Config, gcfg: GPTConfig, pp_rank: int = 0, device_type
 
 
 def model_signature(g: GPTConfig) -> dict:
-    """The sizes a checkpoint must share with the model that loads it (layout excluded)."""
-    return dict(vocab_size=g.vocab_size, num_layers=g.num_layers, hidden_size=g.hidden_size,
+    """The sizes a checkpoint must share with the model that loads it (layout excluded); an MoE
+    model adds its expert sizes (a dense model's signature is unchanged)."""
+    moe = {} if g.num_experts is None else dict(
+        num_experts=g.num_experts, moe_ffn_hidden_size=g.moe_ffn_hidden_size, moe_layer_freq=g.moe_layer_freq,
+        moe_shared_expert_intermediate_size=g.moe_shared_expert_intermediate_size)
+    return moe | dict(vocab_size=g.vocab_size, num_layers=g.num_layers, hidden_size=g.hidden_size,
                 num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
                 max_position_embeddings=g.max_position_embeddings, tie_embeddings=g.tie_embeddings,
                 position_embedding_type=g.position_embedding_type, rotary_base=g.rotary_base,

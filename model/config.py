@@ -14,7 +14,7 @@ import torch
 
 from megazero.config.checks import check_value
 from megazero.config.schema import setting_named
-from megazero.config.shape import check_block, check_sizes, default_ffn_hidden_size
+from megazero.config.shape import check_block, check_moe_sizes, check_sizes, default_ffn_hidden_size
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -107,11 +107,46 @@ class GPTConfig:
     recompute_num_layers: int = 1
     """Layers per uniform group, or layers recomputed per chunk with ``"block"``."""
 
+    num_experts: Optional[int] = None
+    """Mixture of Experts (issue 22): experts E of each MoE layer; ``None`` = dense MLPs."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Inner width of each expert's MLP; ``None`` = ``ffn_hidden_size``."""
+    moe_router_topk: int = 2
+    """Experts k each token is routed to."""
+    moe_layer_freq: int = 1
+    """Layer ``i`` is an MoE layer when ``i % moe_layer_freq == 0`` (Megatron-LM's integer form)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Inner width of the shared expert every token passes through; ``None`` = none."""
+    moe_router_score_function: str = "softmax"
+    """``softmax`` or ``sigmoid`` (megazero.moe.router.route)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (weights not renormalised)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """``aux_loss``, ``seq_aux_loss`` or ``none``."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (per micro-batch, as Megatron-LM)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss; ``None`` or 0 = off."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Capacity factor F (``router.expert_capacity``); ``None`` = dropless."""
+    moe_token_drop_policy: str = "probs"
+    """``probs`` or ``position`` (``router.capacity_keep``)."""
+    moe_router_enable_expert_bias: bool = False
+    """DeepSeek-V3's aux-loss-free bias (sigmoid scores), updated once per step."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias sign update."""
+
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer ``i`` holds an MoE MLP (``num_experts`` set and ``i % moe_layer_freq == 0``)."""
+        return self.num_experts is not None and i % self.moe_layer_freq == 0
 
     @property
     def head_dim(self) -> int:
@@ -165,6 +200,8 @@ class GPTConfig:
         check_block(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads, tp=tp_size,
                     num_query_groups=self.num_query_groups, rotary_percent=self.rotary_percent,
                     rope=self.position_embedding_type == "rope")
+        if self.num_experts is not None:
+            check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
 
 
 # GPTConfig field -> the setting (flag) whose documented range and choices it must satisfy
@@ -172,4 +209,6 @@ _SETTING_OF = {"vocab_size": "data.vocab_size",
                **{name: f"model.{name}" for name in (
                    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                    "max_position_embeddings", "hidden_dropout", "attention_dropout", "label_smoothing",
-                   "position_embedding_type", "normalization", "rotary_base", "num_query_groups")}}
+                   "position_embedding_type", "normalization", "rotary_base", "num_query_groups", "num_experts",
+                   "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
+                   "moe_router_load_balancing_type", "moe_expert_capacity_factor", "moe_token_drop_policy")}}

@@ -228,16 +228,160 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(h, approximate=self.gelu_approximate))
 
 
+class _Linear(nn.Module):
+    """The weight ``[out, in]`` (and bias) of one linear layer, applied by its owner with
+    ``F.linear`` (an expert's partition; its tags come from the spec in ``GPTStage``)."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+
+class ExpertMLP(nn.Module):
+    """One expert (or the shared expert) of inner width ``ffn``: this rank's ``ffn/tp`` hidden
+    units of the block's MLP (GELU, or SwiGLU with ``fc1 = [gate; up]``), as ``MLP`` partitions
+    them. ``forward`` returns the rank's *partial* sum of ``fc2`` (no reduction, no ``fc2``
+    bias): ``MoEMLP`` reduces every expert's output in one all-reduce and adds the biases."""
+
+    def __init__(self, cfg: GPTConfig, ffn: int, tp: int, device=None):
+        super().__init__()
+        H, local = cfg.hidden_size, ffn // tp
+        self.swiglu, self.gelu_approximate = cfg.swiglu, "tanh" if cfg.openai_gelu else "none"
+        self.fc1 = _Linear(2 * local if cfg.swiglu else local, H, cfg.add_bias_linear, cfg.params_dtype, device)
+        self.fc2 = _Linear(H, local, cfg.add_bias_linear, cfg.params_dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.fc1.weight, self.fc1.bias)           # (n, F/tp) or (n, 2F/tp)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate=self.gelu_approximate)
+        return F.linear(h, self.fc2.weight)                       # (n, H), partial over tp
+
+
+class MoEMLP(nn.Module):
+    """Mixture-of-Experts MLP of one layer, every expert on this rank (issue 22, expert-parallel
+    size 1): ``[B, T, H] -> [B, T, H]``.
+
+    The router (``router.weight [E, H]``, replicated over tp) scores the micro-batch's ``B*T``
+    tokens; ``megazero.moe.router.route`` picks each token's k experts and weights, and with a
+    capacity factor ``capacity_keep`` drops the assignments over capacity (dropped: that
+    expert adds nothing to the token). Each expert runs on its assigned tokens (gather, expert
+    MLP, scale by the weight, ``index_add`` back; an expert with no token runs on an empty
+    batch so its gradients still arrive), the shared expert on all tokens; the partial sums
+    over tp are all-reduced once, then the ``fc2`` biases are added weighted by the routing
+    weights. The routing weights enter the expert path through ``copy_to_tp_region``, so their
+    gradient (and the router's) is the full one on every tp rank.
+
+    Training forwards (grad enabled) add the load-balancing loss (``aux_loss`` or
+    ``seq_aux_loss`` of the pre-drop assignment) and the z-loss of this micro-batch through
+    ``AuxLossBackward`` (its scale set by the trainer: ``Trainer._run``), accumulate the step's
+    ``aux_sum`` / ``z_sum`` (for the log) and the pre-drop ``token_counts [E]`` (for the expert
+    bias, ``update_expert_bias``). ``record``: when a list, ``(experts [N, k], keep [N, k] or
+    None)`` of every training forward is appended (tests).
+    """
+
+    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None):
+        super().__init__()
+        self.cfg, self.group, E = cfg, group, cfg.num_experts
+        tp = C.group_size(group)
+        self.router = _Linear(E, cfg.hidden_size, False, cfg.params_dtype, device)
+        self.experts = nn.ModuleList(ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device) for _ in range(E))
+        shared = cfg.moe_shared_expert_intermediate_size
+        self.shared_experts = None if shared is None else ExpertMLP(cfg, shared, tp, device)
+        state_device = torch.device("cpu") if state_device is None else state_device
+        self.expert_bias = (torch.zeros(E, device=state_device) if cfg.moe_router_enable_expert_bias else None)
+        self.token_counts = torch.zeros(E, dtype=torch.int64, device=state_device)
+        self.aux_sum = torch.zeros((), device=state_device)
+        self.z_sum = torch.zeros((), device=state_device)
+        self.record: Optional[list] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megazero.moe import router as R
+        from megazero.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+
+        cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)
+        logits = F.linear(flat, self.router.weight)                                   # (N, E)
+        routing = R.route(logits, k, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
+                          self.expert_bias)
+        experts, weights, keep = routing.experts, routing.probs, None                 # (N, k)
+        if cfg.moe_expert_capacity_factor is not None:
+            capacity = R.expert_capacity(B * T, E, k, cfg.moe_expert_capacity_factor)
+            keep = R.capacity_keep(routing.probs, experts, E, capacity, cfg.moe_token_drop_policy)
+            weights = weights * keep
+        weights = weights.to(x.dtype)
+        inp, w_tp = copy_to_tp_region(flat, self.group), copy_to_tp_region(weights, self.group)
+        out = torch.zeros_like(flat)
+        assigned = experts if keep is None else experts.masked_fill(~keep, -1)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (assigned == e).nonzero(as_tuple=True)     # its tokens, in token order
+            y = expert(inp[tok]) * w_tp[tok, slot, None]
+            out = out.index_add(0, tok, y)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(inp)
+        out = reduce_from_tp_region(out, self.group)                                 # (N, H)
+        if cfg.add_bias_linear:
+            b2 = torch.stack([ex.fc2.bias for ex in self.experts])                   # (E, H)
+            out = out + (weights[..., None] * b2[experts]).sum(1)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts.fc2.bias
+        if self.training and torch.is_grad_enabled():
+            out = self._auxiliary_losses(out, logits, routing, T)
+            with torch.no_grad():
+                self.token_counts += R.assignment_counts(experts, E)
+            if self.record is not None:
+                self.record.append((experts.detach().clone(), None if keep is None else keep.clone()))
+        return out.view(B, T, H)
+
+    def _auxiliary_losses(self, out: torch.Tensor, logits: torch.Tensor, routing, seq_length: int) -> torch.Tensor:
+        """``out`` carrying this micro-batch's load-balancing and z-loss into the backward."""
+        from megazero.moe import router as R
+
+        cfg, k, total = self.cfg, self.cfg.moe_router_topk, None
+        if cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff > 0:
+            if cfg.moe_router_load_balancing_type == "aux_loss":
+                aux = R.aux_loss(routing.scores, routing.experts, k, cfg.moe_aux_loss_coeff)
+            else:
+                aux = R.seq_aux_loss(routing.scores, routing.experts, k, seq_length, cfg.moe_aux_loss_coeff)
+            self.aux_sum += aux.detach()
+            total = aux
+        if cfg.moe_z_loss_coeff:
+            z = R.z_loss(logits, cfg.moe_z_loss_coeff)
+            self.z_sum += z.detach()
+            total = z if total is None else total + z
+        return out if total is None else R.AuxLossBackward.apply(out, total)
+
+    @torch.no_grad()
+    def update_expert_bias(self, dp_group) -> None:
+        """End of a step: sum the step's token counts over ``dp_group`` (the ranks that share
+        this router and see other tokens), apply ``router.expert_bias_update`` (every dp rank
+        then holds the same bias) and start the next step's counts and losses from zero."""
+        from megazero.moe import router as R
+
+        if self.expert_bias is not None:
+            counts = self.token_counts.clone()
+            C.all_reduce_sum(counts, dp_group)
+            self.expert_bias.copy_(R.expert_bias_update(self.expert_bias, counts, self.cfg.moe_router_bias_update_rate))
+        self.token_counts.zero_()
+        self.aux_sum.zero_()
+        self.z_sum.zero_()
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block with residual dropout (``hidden_dropout``)."""
+    """Pre-norm transformer block with residual dropout (``hidden_dropout``); its MLP is an
+    ``MoEMLP`` when ``moe`` (``state_device``: where the MoE's counters and expert bias live)."""
 
     def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None,
-                 rope: Optional[RotaryTable] = None):
+                 rope: Optional[RotaryTable] = None, moe: bool = False, state_device=None):
         super().__init__()
         self.ln1 = _norm(cfg, device)
         self.attn = Attention(cfg, group, sp, tracker, device, cp, rope)
         self.ln2 = _norm(cfg, device)
-        self.mlp = MLP(cfg, group, sp, device)
+        self.mlp = MoEMLP(cfg, group, device, state_device) if moe else MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.region = "tp" if sp else "replicated"
 
@@ -319,8 +463,9 @@ class GPTStage(nn.Module):
             self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, meta)
         cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
         rope = RotaryTable.for_model(cfg, self.device) if cfg.position_embedding_type == "rope" else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker,
-                                                   meta, cp, rope) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker, meta, cp, rope,
+                                                   moe=cfg.is_moe_layer(i), state_device=self.device)
+                                     for i in self.layer_ids})
         if post:
             self.final_ln = _norm(cfg, meta)
             if not cfg.tie_embeddings:
@@ -441,6 +586,33 @@ class GPTStage(nn.Module):
             run = functools.partial(_run_group, group, seq=seq)
             x = recompute(run, self.rng_tracker, x) if recomputed else run(x)
         return x
+
+
+def moe_layers(chunks: Iterable[nn.Module]) -> list[MoEMLP]:
+    """The MoE MLPs of a rank's model chunks, in layer order."""
+    return [m for c in chunks for m in c.modules() if isinstance(m, MoEMLP)]
+
+
+def moe_step_end(chunks: Iterable[nn.Module], groups: ProcessGroups, dp_group, num_microbatches: int) -> dict:
+    """After a training step, on every rank (collective over ``dp_group`` and the pp group):
+    the step's auxiliary losses for the log and the expert-bias update.
+
+    Returns ``{"moe_aux_loss": ..., "moe_z_loss": ...}``: the coefficient-weighted losses summed
+    over the MoE layers of every stage and averaged over the micro-batches and dp ranks (what
+    the step added to the training loss). Then each layer's bias takes its update from the
+    step's token counts summed over ``dp_group`` (``MoEMLP.update_expert_bias``)."""
+    layers = moe_layers(chunks)
+    stats = torch.zeros(2, dtype=torch.float64, device=next(iter(chunks)).device)
+    for m in layers:
+        stats[0] += m.aux_sum.double()
+        stats[1] += m.z_sum.double()
+    C.all_reduce_sum(stats, dp_group)
+    if groups.pp_size > 1:
+        C.all_reduce_sum(stats, groups.pp)
+    stats /= C.group_size(dp_group) * num_microbatches
+    for m in layers:
+        m.update_expert_bias(dp_group)
+    return {"moe_aux_loss": float(stats[0]), "moe_z_loss": float(stats[1])}
 
 
 def _run_group(layers: list, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:

@@ -16,6 +16,10 @@ Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head si
   their queries with their key and value heads (Megatron-LM's layout). Query head ``h``
   belongs to group ``h // (heads/G)``.
 - ``mlp.fc1.weight`` with SwiGLU: ``[gate; up]``, ``[2F, H]``, stride 2; ``fc2`` ``[H, F]``.
+- an MoE layer (``cfg.is_moe_layer(i)``, issue 22) has instead ``mlp.router.weight`` ``[E, H]``
+  (replicated over tp), ``mlp.experts.{j}.fc1/fc2.*`` for every expert j (its global index,
+  so expert parallelism can re-shard them), each laid out and partitioned as the dense MLP
+  with ``moe_ffn_hidden_size``, and ``mlp.shared_experts.fc1/fc2.*`` for a shared expert.
 """
 from __future__ import annotations
 
@@ -36,24 +40,47 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
     grouped = cfg.num_query_groups is not None
     qkv_rows, qkv_stride = ((heads + 2 * G) * d, 1) if grouped else (3 * H, 3)
     swiglu = cfg.swiglu
-    fc1_rows, fc1_stride = (2 * cfg.ffn_hidden_size, 2) if swiglu else (cfg.ffn_hidden_size, 1)
+    mlp_weights, mlp_biases, active = [], [], {}   # active: name -> fraction of tokens (an expert's: k / E)
+    if not cfg.is_moe_layer(i):
+        mlp_weights, mlp_biases = _mlp_rows(cfg, "mlp", cfg.ffn_hidden_size)
+    else:
+        E = cfg.num_experts
+        mlp_weights.append(("mlp.router.weight", (E, H), None, 1, "normal", True))
+        for j in range(E):
+            weights, biases = _mlp_rows(cfg, f"mlp.experts.{j}", cfg.moe_ffn_hidden_size)
+            mlp_weights += weights
+            mlp_biases += biases
+            active.update({name: cfg.moe_router_topk / E for name, *_ in weights + biases})
+        if cfg.moe_shared_expert_intermediate_size is not None:
+            weights, biases = _mlp_rows(cfg, "mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
+            mlp_weights += weights
+            mlp_biases += biases
     rows = [  # (name, shape, partition dim, stride, init, matmul)
         ("ln1.weight", (H,), None, 1, "ones", False),
         ("attn.qkv.weight", (qkv_rows, H), 0, qkv_stride, "normal", True),
         ("attn.proj.weight", (H, H), 1, 1, "scaled_normal", True),
-        ("ln2.weight", (H,), None, 1, "ones", False),
-        ("mlp.fc1.weight", (fc1_rows, H), 0, fc1_stride, "normal", True),
-        ("mlp.fc2.weight", (H, cfg.ffn_hidden_size), 1, 1, "scaled_normal", True)]
+        ("ln2.weight", (H,), None, 1, "ones", False)] + mlp_weights
     if cfg.normalization == "LayerNorm":
         rows += [("ln1.bias", (H,), None, 1, "zeros", False), ("ln2.bias", (H,), None, 1, "zeros", False)]
     if cfg.add_bias_linear:
         rows += [("attn.qkv.bias", (qkv_rows,), 0, qkv_stride, "zeros", False),
-                 ("attn.proj.bias", (H,), None, 1, "zeros", False),
-                 ("mlp.fc1.bias", (fc1_rows,), 0, fc1_stride, "zeros", False),
-                 ("mlp.fc2.bias", (H,), None, 1, "zeros", False)]
+                 ("attn.proj.bias", (H,), None, 1, "zeros", False)] + mlp_biases
     return [ParamSpec(f"layers.{i}.{name}", shape, "layer", i, dim, stride, init,
-                      weight_decay=len(shape) >= 2, matmul=mm)
+                      weight_decay=len(shape) >= 2, matmul=mm, active=active.get(name, 1.0))
             for name, shape, dim, stride, init, mm in rows]
+
+
+def _mlp_rows(cfg: GPTConfig, prefix: str, ffn: int) -> tuple[list, list]:
+    """The weight rows and the bias rows of one MLP of inner width ``ffn`` (the dense MLP, an
+    expert or the shared expert): ``fc1`` column-parallel (SwiGLU: ``[gate; up]``, stride 2),
+    ``fc2`` row-parallel; biases with ``add_bias_linear`` (``fc2``'s replicated)."""
+    H = cfg.hidden_size
+    fc1_rows, fc1_stride = (2 * ffn, 2) if cfg.swiglu else (ffn, 1)
+    weights = [(f"{prefix}.fc1.weight", (fc1_rows, H), 0, fc1_stride, "normal", True),
+               (f"{prefix}.fc2.weight", (H, ffn), 1, 1, "scaled_normal", True)]
+    biases = [(f"{prefix}.fc1.bias", (fc1_rows,), 0, fc1_stride, "zeros", False),
+              (f"{prefix}.fc2.bias", (H,), None, 1, "zeros", False)] if cfg.add_bias_linear else []
+    return weights, biases
 
 
 def build_spec(cfg: GPTConfig, padded_vocab: int) -> list[ParamSpec]:

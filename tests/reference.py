@@ -1,6 +1,7 @@
 """A plain single-process GPT: the test oracle for every layout-equivalence test (docs/design.md, "Conventions" 13).
 
-Written independently of ``model/`` and ``megazero/`` (it imports only torch and math), in
+Written independently of ``model/`` and ``megazero/`` (it imports only torch and math; an MoE
+layer routes with ``megazero.moe.router``'s functions, the one routing rule of the project), in
 the style of nanoGPT (Karpathy) and GPT-2 (Radford et al. 2019): learned position
 embeddings, pre-LayerNorm blocks, causal self-attention computed with an explicit mask and
 softmax, an exact (erf) GELU MLP, a final LayerNorm and an output layer that is tied to the
@@ -16,7 +17,7 @@ is ``F.cross_entropy`` over the real vocabulary, averaged over every token of th
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -61,9 +62,77 @@ def rope_rotate(x: torch.Tensor, rot_dim: int, base: float, positions=None) -> t
     return torch.cat([z.real.to(x.dtype), z.imag.to(x.dtype), x[..., rot_dim:]], dim=-1)
 
 
+class _Expert(nn.Module):
+    def __init__(self, hidden: int, ffn: int, swiglu: bool, bias: bool):
+        super().__init__()
+        self.swiglu = swiglu
+        self.fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
+        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return self.fc2(gate * torch.sigmoid(gate) * up)
+        return self.fc2(F.gelu(h))
+
+
+class _MoE(nn.Module):
+    """A Mixture-of-Experts MLP written plainly: every expert runs on every token of a group and
+    each token keeps the outputs of its (kept) top-k experts, weighted by the routing weights;
+    plus the shared expert on all tokens. The tokens are routed in groups of ``group_rows``
+    sequences (the trainer's micro-batches): routing, capacity, the load-balancing loss and
+    the z-loss are each group's. The routing rules are ``megazero.moe.router``'s functions (one
+    rule, the issue's requirement); ``losses`` collects each group's coefficient-weighted
+    auxiliary loss, ``counts`` the pre-drop assignments per expert, ``record`` each group's
+    ``(experts, keep)`` while it is a list."""
+
+    def __init__(self, hidden: int, num_experts: int, ffn: int, shared, swiglu: bool, bias: bool, opts: dict):
+        super().__init__()
+        self.o, self.E = opts, num_experts
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(hidden, ffn, swiglu, bias) for _ in range(num_experts))
+        self.shared = None if shared is None else _Expert(hidden, shared, swiglu, bias)
+        self.expert_bias = torch.zeros(num_experts) if opts["expert_bias"] else None
+        self.losses, self.counts, self.record = [], torch.zeros(num_experts, dtype=torch.long), None
+
+    def forward(self, x):
+        from megazero.moe import router as R
+
+        o, (B, T, H), k = self.o, x.shape, self.o["topk"]
+        outs = []
+        rows = o.get("group_rows") or B
+        for g in range(0, B, rows):
+            flat = x[g:g + rows].reshape(-1, H)                          # (N, H)
+            logits = self.router(flat)                                               # (N, E)
+            r = R.route(logits, k, o["score_function"], o["pre_softmax"], self.expert_bias)
+            keep = torch.ones_like(r.experts, dtype=torch.bool)
+            if o["capacity_factor"] is not None:
+                cap = R.expert_capacity(flat.shape[0], self.E, k, o["capacity_factor"])
+                keep = R.capacity_keep(r.probs, r.experts, self.E, cap, o["drop_policy"])
+            every = torch.stack([e(flat) for e in self.experts], dim=1)              # (N, E, H)
+            chosen = every.gather(1, r.experts[..., None].expand(-1, -1, H))         # (N, k, H)
+            out = (chosen * (r.probs * keep)[..., None]).sum(1)
+            if self.shared is not None:
+                out = out + self.shared(flat)
+            loss = torch.zeros(())
+            if o["load_balancing"] == "aux_loss" and o["aux_coeff"] > 0:
+                loss = loss + R.aux_loss(r.scores, r.experts, k, o["aux_coeff"])
+            elif o["load_balancing"] == "seq_aux_loss" and o["aux_coeff"] > 0:
+                loss = loss + R.seq_aux_loss(r.scores, r.experts, k, T, o["aux_coeff"])
+            if o["z_coeff"]:
+                loss = loss + R.z_loss(logits, o["z_coeff"])
+            self.losses.append(loss)
+            self.counts += R.assignment_counts(r.experts, self.E)
+            if self.record is not None:
+                self.record.append((r.experts.clone(), keep.clone()))
+            outs.append(out.view(-1, T, H))
+        return torch.cat(outs)
+
+
 class _Block(nn.Module):
     def __init__(self, hidden: int, heads: int, ffn: int, eps: float, *, kv_groups=None,
-                 rope=None, rmsnorm: bool = False, swiglu: bool = False, bias: bool = True):
+                 rope=None, rmsnorm: bool = False, swiglu: bool = False, bias: bool = True, moe=None):
         super().__init__()
         self.heads, self.kv_groups, self.rope, self.swiglu = heads, kv_groups, rope, swiglu
         d = hidden // heads
@@ -73,8 +142,11 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(hidden, qkv_rows, bias=bias)
         self.proj = nn.Linear(hidden, hidden, bias=bias)
         self.ln2 = norm(hidden, eps)
-        self.fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
-        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+        self.moe = None if moe is None else _MoE(hidden, moe["num_experts"], moe["ffn"], moe["shared"],
+                                                 swiglu, bias, moe)
+        if moe is None:
+            self.fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
+            self.fc2 = nn.Linear(ffn, hidden, bias=bias)
 
     def _heads(self, x):
         """q ``(B, heads, T, d)``; k, v ``(B, heads, T, d)`` (a group's k/v copied to its queries)."""
@@ -107,6 +179,8 @@ class _Block(nn.Module):
         return self.proj(y)
 
     def mlp(self, x):
+        if self.moe is not None:
+            return self.moe(x)
         h = self.fc1(x)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
@@ -124,8 +198,16 @@ def block_options(cfg) -> dict:
     rope = None
     if cfg.position_embedding_type == "rope":
         rope = (int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_percent), cfg.rotary_base)
-    return dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm",
-                swiglu=cfg.swiglu)
+    out = dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm",
+               swiglu=cfg.swiglu)
+    if getattr(cfg, "num_experts", None) is not None:
+        out["moe"] = dict(topk=cfg.moe_router_topk, layer_freq=cfg.moe_layer_freq,
+                          score_function=cfg.moe_router_score_function, pre_softmax=cfg.moe_router_pre_softmax,
+                          load_balancing=cfg.moe_router_load_balancing_type, aux_coeff=cfg.moe_aux_loss_coeff,
+                          z_coeff=cfg.moe_z_loss_coeff, capacity_factor=cfg.moe_expert_capacity_factor,
+                          drop_policy=cfg.moe_token_drop_policy, expert_bias=cfg.moe_router_enable_expert_bias,
+                          bias_rate=cfg.moe_router_bias_update_rate)
+    return out
 
 
 class ReferenceGPT(nn.Module):
@@ -148,8 +230,11 @@ class ReferenceGPT(nn.Module):
         self.tie_embeddings = tie_embeddings
         self.wte = nn.Embedding(vocab_size, hidden_size)
         self.wpe = nn.Embedding(max_positions, hidden_size) if max_positions else None
-        self.blocks = nn.ModuleList(_Block(hidden_size, num_heads, ffn_hidden_size, eps, **block)
-                                    for _ in range(num_layers))
+        moe = block.pop("moe", None)   # MoE options (block_options) and sizes (from_full_weights)
+        self.blocks = nn.ModuleList(
+            _Block(hidden_size, num_heads, ffn_hidden_size, eps, **block,
+                   moe=moe if moe is not None and i % moe["layer_freq"] == 0 else None)
+            for i in range(num_layers))
         self.ln_f = (_RMSNorm if block.get("rmsnorm") else _LayerNorm)(hidden_size, eps)
         self.lm_head = None if tie_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
 
@@ -158,8 +243,14 @@ class ReferenceGPT(nn.Module):
         mods = {"final_ln": self.ln_f}
         for i, b in enumerate(self.blocks):
             mods.update({f"layers.{i}.{canon}": mod for canon, mod in (
-                ("ln1", b.ln1), ("attn.qkv", b.qkv), ("attn.proj", b.proj),
-                ("ln2", b.ln2), ("mlp.fc1", b.fc1), ("mlp.fc2", b.fc2))})
+                ("ln1", b.ln1), ("attn.qkv", b.qkv), ("attn.proj", b.proj), ("ln2", b.ln2))})
+            if b.moe is None:
+                mods.update({f"layers.{i}.mlp.fc1": b.fc1, f"layers.{i}.mlp.fc2": b.fc2})
+                continue
+            mods[f"layers.{i}.mlp.router"] = b.moe.router
+            experts = [(f"experts.{j}", e) for j, e in enumerate(b.moe.experts)]
+            for prefix, e in experts + ([("shared_experts", b.moe.shared)] if b.moe.shared is not None else []):
+                mods.update({f"layers.{i}.mlp.{prefix}.fc1": e.fc1, f"layers.{i}.mlp.{prefix}.fc2": e.fc2})
         out = {"embedding.word_embeddings.weight": self.wte.weight}
         if self.wpe is not None:
             out["embedding.position_embeddings.weight"] = self.wpe.weight
@@ -201,7 +292,13 @@ class ReferenceGPT(nn.Module):
         num_layers = len({k.split(".")[1] for k in full if k.startswith("layers.")})
         hidden = full["embedding.word_embeddings.weight"].shape[1]
         wpe = full.get("embedding.position_embeddings.weight")
-        ffn = full["layers.0.mlp.fc2.weight"].shape[1]
+        dense = [k for k in full if k.endswith(".mlp.fc2.weight")]
+        ffn = full[dense[0]].shape[1] if dense else 1
+        if block.get("moe") is not None:   # the sizes of the experts, read off the first MoE layer's
+            block = dict(block, moe=dict(block["moe"], num_experts=full["layers.0.mlp.router.weight"].shape[0],
+                                         ffn=full["layers.0.mlp.experts.0.fc2.weight"].shape[1],
+                                         shared=full["layers.0.mlp.shared_experts.fc2.weight"].shape[1]
+                                         if "layers.0.mlp.shared_experts.fc2.weight" in full else None))
         model = cls(vocab_size, num_layers, hidden, num_heads, ffn,
                     0 if wpe is None else wpe.shape[0],
                     tie_embeddings="output.weight" not in full, eps=eps,
@@ -240,16 +337,28 @@ class ReferenceGPT(nn.Module):
         x = self.ln_f(x)
         return x @ (self.wte.weight if self.lm_head is None else self.lm_head.weight).t()
 
+    def moe_layers(self) -> list:
+        """The blocks' MoE MLPs (``_MoE``), in layer order; empty for a dense model."""
+        return [b.moe for b in self.blocks if b.moe is not None]
+
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor, eod=None, eod_mask_loss=False,
              **packing) -> torch.Tensor:
         """Mean cross-entropy over all ``B*T`` tokens (a scalar); with ``eod_mask_loss`` over the
-        targets that are not ``eod``. ``packing``: ``forward``'s document flags."""
+        targets that are not ``eod``. ``packing``: ``forward``'s document flags. With MoE layers
+        the loss to minimise adds, per layer, the mean over the token groups of their
+        auxiliary losses (``aux_loss``: the last call's sum of those means)."""
+        for m in self.moe_layers():
+            m.losses = []
         logits = self(tokens, eod, **packing)
+        self.aux_loss = sum((torch.stack(m.losses).mean() for m in self.moe_layers()), torch.zeros(()))
         if not eod_mask_loss:
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-        each = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
-        counted = labels.reshape(-1) != eod
-        return each[counted].sum() / counted.sum()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        else:
+            each = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
+            counted = labels.reshape(-1) != eod
+            ce = each[counted].sum() / counted.sum()
+        self.cross_entropy = ce.detach()
+        return ce + self.aux_loss if self.moe_layers() else ce
 
 
 def train_reference(full_weights: dict[str, torch.Tensor],
@@ -257,7 +366,8 @@ def train_reference(full_weights: dict[str, torch.Tensor],
                     num_heads: int, lr: Union[float, Callable[[int], float]], steps: int,
                     betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
                     eps: float = 1e-8, clip_grad: float = 0.0, layernorm_eps: float = 1e-5,
-                    optimizer: str = "adamw", return_model: bool = False, block=None, packing=None):
+                    optimizer: str = "adamw", return_model: bool = False, block=None, packing=None,
+                    stats: Optional[dict] = None):
     """Train the reference model; returns the loss before each of ``steps`` updates.
 
     Step ``s`` uses ``batches[s % len(batches)]`` = (tokens ``[B, T]``, labels ``[B, T]``)
@@ -268,8 +378,14 @@ def train_reference(full_weights: dict[str, torch.Tensor],
     clips the global gradient norm with ``torch.nn.utils.clip_grad_norm_``.
     ``block``: the block options of ``ReferenceGPT`` (e.g. ``block_options(gpt_config)``);
     ``packing``: ``ReferenceGPT.loss``'s document options (``eod``, ``reset_attention_mask``, ...).
-    Returns ``list[float]``, or ``(losses, model)`` when ``return_model``.
+    Returns ``list[float]`` (the cross-entropy, without MoE auxiliary losses), or ``(losses,
+    model)`` when ``return_model``. ``stats``: a dict to fill with each step's ``grad_norms`` (the
+    global norm before clipping) and ``aux_losses``, the first step's MoE ``assignments`` (per MoE
+    layer, per token group ``(experts [N, k], keep [N, k])``) and ``expert_bias``: after each step,
+    per MoE layer, its bias (None without one).
     """
+    from megazero.moe.router import expert_bias_update
+
     model = ReferenceGPT.from_full_weights(full_weights, vocab_size, num_heads, layernorm_eps,
                                            **(block or {}))
     params = list(model.parameters())
@@ -290,12 +406,28 @@ def train_reference(full_weights: dict[str, torch.Tensor],
             group["lr"] = lr(step) if callable(lr) else lr
         tokens, labels = batches[step % len(batches)]
         opt.zero_grad(set_to_none=True)
+        moe = model.moe_layers()
+        for m in moe:
+            m.record = [] if stats is not None and step == 0 else None
         loss = model.loss(tokens, labels, **(packing or {}))
         loss.backward()
+        if stats is not None:
+            stats.setdefault("grad_norms", []).append(
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item())
+            stats.setdefault("aux_losses", []).append(model.aux_loss.item())
         if clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(params, clip_grad)
         opt.step()
-        losses.append(loss.item())
+        for m in moe:   # the aux-loss-free bias: once per step, from the step's pre-drop counts
+            if m.expert_bias is not None:
+                m.expert_bias = expert_bias_update(m.expert_bias, m.counts, m.o["bias_rate"])
+            m.counts.zero_()
+        if stats is not None:
+            stats.setdefault("expert_bias", []).append([None if m.expert_bias is None else m.expert_bias.clone()
+                                                         for m in moe])
+            if step == 0:
+                stats["assignments"] = [m.record for m in moe]
+        losses.append(model.cross_entropy.item())
     return (losses, model) if return_model else losses
 
 

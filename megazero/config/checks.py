@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from megazero.config.derive import unused_message, unused_settings
 from megazero.config.schema import Config, ConfigError, Setting, get_value, settings, show_flag
-from megazero.config.shape import check_context_parallel, check_block, check_sizes
+from megazero.config.shape import check_context_parallel, check_block, check_moe_sizes, check_sizes
 from megazero.pipeline.partition import PartitionError, validate_partition
 
 
@@ -154,6 +154,33 @@ def _check_swiglu_width(cfg: Config, world_size: int) -> None:
     if m.swiglu and m.ffn_hidden_size == 0 and "model.ffn_hidden_size" not in cfg.sources:
         raise ConfigError(f"--swiglu derives --ffn-hidden-size 0 from --hidden-size {m.hidden_size} "
                           "(int(8 H / 3 / 64) x 64); fix: give --ffn-hidden-size")
+
+
+def _check_moe(cfg: Config, world_size: int) -> None:
+    """Mixture of Experts (issue 22, no expert parallelism yet): top-k <= E (Megatron-LM's
+    rule), the expert bias with sigmoid scores only, and the combinations not built yet refused
+    by name: sequence parallelism and context parallelism (the router sees the micro-batch's
+    whole sequences), full recomputation (the router would count a recomputed forward twice),
+    --from-hf (no Mixtral / Qwen2-MoE reader yet) and --save with the expert bias (the bias is
+    a tensor checkpoints do not hold yet)."""
+    m, p = cfg.model, cfg.parallel
+    if m.num_experts is None:
+        return
+    E = m.num_experts
+    check_moe_sizes(m.moe_ffn_hidden_size or m.ffn_hidden_size, m.moe_shared_expert_intermediate_size, p.tp)
+    if m.moe_router_topk > E:
+        raise ConfigError(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {E}; fix: choose k <= {E}")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                          f"(this run: {m.moe_router_score_function}); fix: add --moe-router-score-function sigmoid")
+    refused = [("--sequence-parallel", p.sequence_parallel), (f"--cp {p.cp}", p.cp > 1),
+               ("--recompute-granularity full", m.recompute_granularity == "full"),
+               ("--from-hf (no MoE Hugging Face reader yet)", cfg.train.from_hf is not None),
+               ("--save with --moe-router-enable-expert-bias",
+                m.moe_router_enable_expert_bias and cfg.train.save is not None)]
+    for what, given in refused:
+        if given:
+            raise ConfigError(f"--num-experts with {what} is not supported yet (issue 22); fix: drop {what.split()[0]}")
 
 
 def _check_recompute(cfg: Config, world_size: int) -> None:
@@ -355,7 +382,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
            _check_fim, _check_world, _check_model_shape, _check_context_parallel, _check_unused_options, _check_restarts, _check_block,
-           _check_recompute, _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
+           _check_recompute, _check_moe, _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
 
 
 def validate(cfg: Config, world_size: int, *, needs_data: bool = True) -> None:

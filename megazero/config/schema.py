@@ -70,6 +70,7 @@ _ROPE = Needs("model.position_embedding_type", ("rope",), refuse=True)
 _WSD = Needs("optim.lr_decay_style", ("WSD",))
 _FIM = Needs("data.fim_rate", above=0)
 _HARNESS = Needs("train.eval_harness_tasks", besides=(None,))
+_MOE = Needs("model.num_experts", besides=(None,), refuse=True, wanted="--num-experts E")
 
 
 def _f(default: Any, help: str, unit: str = "", *, flags: tuple = (), choices: tuple = (),
@@ -128,6 +129,40 @@ class ModelConfig:
     init_method_std: float = _f(0.02, "standard deviation of the normal weight init", "", gt=0,
                                 applies=Needs("train.from_hf", (None,)))
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy", "probability", ge=0, lt=1)
+    num_experts: Optional[int] = _f(None, "Mixture of Experts: experts per MoE layer (Megatron-LM's flag); "
+                                    "None = dense MLPs", "experts", ge=1)
+    moe_ffn_hidden_size: Optional[int] = _f(None, "inner width of each expert's MLP; None = --ffn-hidden-size",
+                                            "features", ge=1, applies=_MOE)
+    moe_router_topk: int = _f(2, "experts each token is routed to (k)", "experts", ge=1, applies=_MOE)
+    moe_layer_freq: int = _f(1, "every N-th layer is an MoE layer, starting at layer 0 (1 = all)", "layers",
+                             ge=1, applies=_MOE)
+    moe_shared_expert_intermediate_size: Optional[int] = _f(
+        None, "inner width of a shared expert every token passes through (DeepSeek/Qwen); None = none",
+        "features", ge=1, applies=_MOE)
+    moe_router_score_function: str = _f("softmax", "router scores: softmax, or sigmoid (DeepSeek-V3; the "
+                                        "chosen k renormalised)", choices=("softmax", "sigmoid"), applies=_MOE)
+    moe_router_pre_softmax: bool = _f(False, "softmax over all experts before the top-k (weights not "
+                                      "renormalised) instead of a softmax over the k chosen logits",
+                                      applies=_MOE)
+    moe_router_load_balancing_type: str = _f(
+        "aux_loss", "load-balancing loss: aux_loss (Switch/GShard, per micro-batch), seq_aux_loss "
+        "(DeepSeek-V3, per sequence) or none", choices=("aux_loss", "seq_aux_loss", "none"), applies=_MOE)
+    moe_aux_loss_coeff: float = _f(0.0, "weight of the load-balancing loss (0 = off)", "", ge=0, applies=_MOE)
+    moe_z_loss_coeff: Optional[float] = _f(None, "weight of the router z-loss (ST-MoE); None = off", "", ge=0,
+                                           applies=_MOE)
+    moe_expert_capacity_factor: Optional[float] = _f(
+        None, "slots per expert = ceil(tokens x k / E x factor), the rest dropped; None = dropless", "",
+        gt=0, applies=_MOE)
+    moe_token_drop_policy: str = _f("probs", "over capacity drop the lowest-probability (probs) or the "
+                                    "latest (position) assignments", choices=("probs", "position"),
+                                    applies=(_MOE, Needs("model.moe_expert_capacity_factor", besides=(None,),
+                                                         wanted="--moe-expert-capacity-factor F")))
+    moe_router_enable_expert_bias: bool = _f(
+        False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the top-k, updated once per "
+        "step from the global token counts; needs --moe-router-score-function sigmoid", applies=_MOE)
+    moe_router_bias_update_rate: float = _f(1e-3, "step of the expert-bias update", "", gt=0,
+                                            applies=(_MOE, Needs("model.moe_router_enable_expert_bias", (True,),
+                                                                 wanted="--moe-router-enable-expert-bias")))
     recompute_granularity: Optional[str] = _f(
         None, "activation recomputation: selective = the attention core, full = whole layers "
         "(Korthikanti et al. 2022); None = keep every activation", choices=("selective", "full"))

@@ -101,3 +101,12 @@ def check_context_parallel(*, seq_length: int, cp: int, tp: int, sequence_parall
             if n % (tp * cp):
                 raise ConfigError(f"--cp-comm-type a2a needs {flag} {n} divisible by --tp x --cp = {tp * cp} "
                                   f"(each cp rank takes whole heads); fix: --cp-comm-type p2p or another --cp")
+
+
+def check_moe_sizes(moe_ffn_hidden_size: int, shared_size, tp: int) -> None:
+    """Each expert's (and the shared expert's) inner width splits over tp like the dense MLP's.
+    Raises ConfigError naming the flag."""
+    for flag, size in (("--moe-ffn-hidden-size", moe_ffn_hidden_size),
+                       ("--moe-shared-expert-intermediate-size", shared_size)):
+        if size is not None and size % tp:
+            raise ConfigError(f"{flag} {size} is not divisible by --tp {tp}; fix: choose a multiple of {tp}")

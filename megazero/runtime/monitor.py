@@ -32,6 +32,8 @@ tag                            values key             unit
 ``perf/mfu``                   ``mfu``                fraction of peak (0.42 = 42 %)
 ``memory/model_state_bytes``   ``model_state_bytes``  bytes of params+grads+optimizer states
 ``memory/peak_bytes``          ``peak_memory_bytes``  bytes, see :func:`memory_stats`
+``train/moe_aux_loss``         ``moe_aux_loss``       MoE: load-balancing loss added
+``train/moe_z_loss``           ``moe_z_loss``         MoE: router z-loss added
 ``valid/loss``                 (log_validation)       nats/token
 ``valid/ppl``                  (log_validation)       ``exp(valid/loss)``
 =============================  =====================  =======================================
@@ -93,6 +95,11 @@ from megazero.runtime.extras import require
 ITERATION_KEYS = ("iteration", "consumed_samples", "iteration_time_s", "tokens_per_s",
                   "tflops_per_device", "mfu", "lr", "loss", "grad_norm", "loss_scale",
                   "skipped_iterations", "model_state_bytes", "peak_memory_bytes")
+
+#: keys of a Mixture-of-Experts run (issue 22), logged only when given: the step's
+#: coefficient-weighted load-balancing and z-loss (added to the loss; ``model.gpt.moe_step_end``).
+MOE_KEYS = ("moe_aux_loss", "moe_z_loss")
+MOE_TAGS = {"moe_aux_loss": "train/moe_aux_loss", "moe_z_loss": "train/moe_z_loss"}
 
 #: values key -> TensorBoard scalar tag.
 SCALAR_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -374,7 +381,7 @@ class Monitor:
         missing ones are ``n/a``/``null``). Raises ValueError for an unknown key or an
         ``iteration`` value different from ``it``.
         """
-        unknown = set(values) - set(ITERATION_KEYS)
+        unknown = set(values) - set(ITERATION_KEYS) - set(MOE_KEYS)
         if unknown:
             raise ValueError(f"unknown iteration values {sorted(unknown)}; "
                              f"expected keys from {ITERATION_KEYS}")
@@ -386,9 +393,14 @@ class Monitor:
         record["iteration"] = it
         for key in _INT_KEYS:
             record[key] = None if record[key] is None else int(record[key])
-        print(format_iteration_line(record, self.train_iters), flush=True)
-        self._scalars({tag: record[key] for key, tag in SCALAR_TAGS.items()}, it)
-        self._record("train", record)
+        moe = {key: _plain(values[key]) for key in MOE_KEYS if key in values}
+        line = format_iteration_line(record, self.train_iters)
+        if moe:
+            line += "".join(f" | {key.replace('_', ' ')}: {value:.6E}" for key, value in moe.items())
+        print(line, flush=True)
+        self._scalars({tag: record[key] for key, tag in SCALAR_TAGS.items()}
+                      | {MOE_TAGS[key]: value for key, value in moe.items()}, it)
+        self._record("train", record | moe)
 
     def log_validation(self, it: int, loss: float) -> None:
         """Validation loss (nats/token) at iteration ``it``: console, ``valid/loss`` and

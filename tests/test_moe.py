@@ -1,0 +1,239 @@
+"""Mixture of Experts without expert parallelism (issue 22): the MoE MLP through the whole
+trainer equals ``tests/reference.py``'s plain MoE (every expert on every token, the same
+``megazero.moe.router`` rules) under (tp, pp, dp) layouts and ZeRO stages, fp32, dropout off.
+
+LLaMA-style block with grouped-query attention, top-2 of 8 experts plus one shared expert,
+aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 10 steps, gradient
+norms and the logged auxiliary losses likewise, the first step's token-to-expert assignment
+of every token equal (integers); capacity-factor runs (drop by probability, and by position
+with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the reference rule's
+assignments; an expert-bias run has the reference's bias after every step. All layouts of the 4-rank
+world share one spawn.
+"""
+import math
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_train import BASE, LLAMA, STEPS
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+ARGS = BASE + LLAMA + MOE
+LAYOUTS = {  # name -> (layout flags, model flags, steps)
+    "dp4-zero1": (["--dp", "4", "--zero-stage", "1"], [], STEPS),
+    "dp4-zero3": (["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"], [], STEPS),
+    "tp2-dp2-zero2": (["--tp", "2", "--dp", "2", "--zero-stage", "2"], [], STEPS),
+    "pp2-dp2-interleaved-zero1": (["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2", "--zero-stage", "1"],
+                                  [], STEPS),
+    # capacity 1.0 of 8 experts: ceil(32 x 2 / 8) = 8 slots each, so most micro-batches drop some
+    "capacity-tp2-dp2": (["--tp", "2", "--dp", "2"], ["--moe-expert-capacity-factor", "1.0",
+                                                      "--moe-token-drop-policy", "probs"], 4),
+    # the other router and drop rules: sequence-wise aux loss, top-k of the full softmax, drops by position
+    "capacity-position-seqaux-dp4": (["--dp", "4"], ["--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy",
+                                                     "position", "--moe-router-load-balancing-type", "seq_aux_loss",
+                                                     "--moe-router-pre-softmax"], 4),
+    # DeepSeek-V3's aux-loss-free bias; a large rate so that it changes the routing within 4 steps
+    "bias-pp2-dp2": (["--pp", "2", "--dp", "2"], ["--moe-router-score-function", "sigmoid",
+                                                  "--moe-router-enable-expert-bias",
+                                                  "--moe-router-bias-update-rate", "0.05"], 4),
+}
+
+
+def _moe_run(rank, world, argv, steps):
+    import train
+    from megazero.config import config_from_argv, layout_topology
+    from megazero.process_groups import ProcessGroups
+    from model.gpt import MoEMLP
+
+    cfg = config_from_argv(argv, world)
+    run = train.build_data(cfg)
+    groups = ProcessGroups.build(layout_topology(cfg))
+    trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+    moe = {int(i): b.mlp for c in trainer.chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
+    values, bias = [], []   # bias: after each step, per MoE layer held here
+    for step in range(steps):
+        for m in moe.values():
+            m.record = [] if step == 0 else None
+        if step == 0:
+            records = {i: m.record for i, m in moe.items()}
+        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        values.append(trainer.train_step(batches).values)
+        bias.append({i: None if m.expert_bias is None else m.expert_bias.clone() for i, m in moe.items()})
+    from megazero.planning import memory
+
+    p = cfg.parallel
+    psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs the planner's count
+           memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
+                                  p.pipeline_layer_split))
+    trainer.close()
+    return dict(values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
+                psi=psi)
+
+
+def _moe_runs(rank, world, argvs, steps):
+    return [_moe_run(rank, world, argv, n) for argv, n in zip(argvs, steps)]
+
+
+def _reference(argv, steps):
+    import train
+    from data.samplers import get_micro_batches
+    from megazero.config import config_from_argv
+    from megazero.optim.lr_schedule import LRSchedule
+    from model.build import build_gpt_config
+    from model.gpt import init_full_weights
+    from tests.reference import block_options, train_reference
+
+    cfg = config_from_argv(argv, 1)
+    run = train.build_data(cfg)
+    gcfg = build_gpt_config(cfg, run.vocab_size)
+    gbs = cfg.train.global_batch_size
+    batches = [get_micro_batches(run.train, s * gbs, gbs, gbs, 0, 1)[0] for s in range(steps)]
+    o = cfg.optim
+    sched = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, cfg.train.train_iters, o.lr_decay_style)
+    block = block_options(gcfg)
+    block["moe"]["group_rows"] = cfg.train.micro_batch_size   # route per micro-batch, as the trainer
+    stats, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)   # tiny matmuls: two threads made the oracle 20x slower on 2 busy cores
+    try:
+        losses = train_reference(init_full_weights(gcfg, cfg.train.seed), batches, vocab_size=run.vocab_size,
+                                 num_heads=gcfg.num_attention_heads, lr=lambda s: sched(s + 1), steps=steps,
+                                 betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay, eps=o.adam_eps,
+                                 clip_grad=o.clip_grad, block=block, stats=stats)
+    finally:
+        torch.set_num_threads(threads)
+    return losses, stats
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """name -> (per-rank results, reference (losses, stats)); one 4-rank spawn runs every layout."""
+    names = list(LAYOUTS)
+    per_rank = run_distributed(_moe_runs, 4, [ARGS + LAYOUTS[n][1] + LAYOUTS[n][0] for n in names],
+                               [LAYOUTS[n][2] for n in names], timeout_s=900)
+    return {n: ([r[i] for r in per_rank], _reference(ARGS + LAYOUTS[n][1], LAYOUTS[n][2]))
+            for i, n in enumerate(names)}
+
+
+def _global_assignment(results, layer):
+    """The first step's (experts, keep) of every token of the global batch for ``layer``: the
+    micro-batches of dp rank 0, then of dp rank 1, ... (the global batch's row order)."""
+    by_dp = {}
+    for r in results:
+        if layer in r["records"] and r["tp_rank"] == 0:
+            by_dp[r["dp_rank"]] = r["records"][layer]
+    return [mb for d in sorted(by_dp) for mb in by_dp[d]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layout_equals_reference(name, runs):
+    """Losses (cross-entropy) within 1e-5 relative of the reference at every step, the gradient
+    norms (aux-loss gradients included) and the logged aux + z losses too, every rank the same
+    values; the first step's expert of every token, and with a capacity factor which of its
+    assignments are kept, equal the reference's exactly; the expert bias at the end as well."""
+    results, (ref_losses, stats) = runs[name]
+    values = results[0]["values"]
+    for r in results:
+        assert r["psi"][0] == r["psi"][1]   # the planner counts each rank's parameters exactly
+        assert [v["loss"] for v in r["values"]] == [v["loss"] for v in values]
+        assert [v["grad_norm"] for v in r["values"]] == [v["grad_norm"] for v in values]
+    for step, v in enumerate(values):
+        assert math.isclose(v["loss"], ref_losses[step], rel_tol=1e-5), (name, step, v["loss"], ref_losses[step])
+        assert math.isclose(v["grad_norm"], stats["grad_norms"][step], rel_tol=1e-5), (name, step)
+        aux = v["moe_aux_loss"] + v["moe_z_loss"]
+        assert math.isclose(aux, stats["aux_losses"][step], rel_tol=1e-5), (name, step, aux)
+    assert values[-1]["loss"] < values[0]["loss"]
+    dropped = 0
+    for layer, want in enumerate(stats["assignments"]):   # every layer is an MoE layer here
+        got = _global_assignment(results, layer)
+        assert len(got) == len(want) == 8   # 16 sequences / micro-batches of 2
+        for (g_experts, g_keep), (w_experts, w_keep) in zip(got, want):
+            assert torch.equal(g_experts, w_experts), (name, layer)
+            assert torch.equal(w_keep, torch.ones_like(w_keep) if g_keep is None else g_keep), (name, layer)
+            dropped += int((~w_keep).sum())
+    assert (dropped > 0) == name.startswith("capacity"), dropped
+    moved = False
+    for step, per_layer in enumerate(stats["expert_bias"]):   # after every step
+        for layer, want in enumerate(per_layer):
+            for r in results:
+                if layer in r["bias"][step]:
+                    got = r["bias"][step][layer]
+                    assert (got is None) == (want is None)
+                    if want is not None:
+                        assert torch.equal(got, want), (step, layer, got, want)
+                        moved |= bool(want.abs().sum() > 0)
+    assert moved == name.startswith("bias")
+
+
+def fails(argv, capsys):
+    from megazero.config import config_from_argv
+
+    with pytest.raises(SystemExit) as exc:
+        config_from_argv(argv, 2)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megazero: config error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor 0"),
+    (["--num-experts", "4", "--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),
+    (["--moe-router-topk", "1"], "--num-experts"),
+    (["--moe-aux-loss-coeff", "0.01"], "--num-experts"),
+    (["--num-experts", "4", "--tp", "1", "--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "--recompute-granularity full"),
+    (["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+      "--save", "/nonexistent/x"], "--save"),
+    (["--num-experts", "4", "--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
+    (["--num-experts", "4", "--tp", "2", "--moe-ffn-hidden-size", "7"], "--moe-ffn-hidden-size 7"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--tp", "1", "--moe-router-topk", "1"], None),
+])
+def test_bad_moe_settings_exit_2_naming_the_flag(extra, named, capsys):
+    from megazero.config import config_from_argv
+
+    argv = ["--mock-data", "--device", "cpu"] + extra
+    if named is None:   # a valid setting for contrast: parses
+        assert config_from_argv(argv, 2).model.moe_ffn_hidden_size == 7
+        return
+    assert named in fails(argv, capsys)
+
+
+def test_moe_spec_names_experts_by_global_index_and_counts_active_flops():
+    """The spec declares router, experts and shared expert with the dense MLP's partitions; the
+    FLOP count takes the k active experts (and the shared one), not all E."""
+    from megazero.param_spec import matmul_params
+    from model.config import GPTConfig
+
+    kw = dict(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, swiglu=True,
+              add_bias_linear=False, ffn_hidden_size=32)
+    moe = GPTConfig(**kw, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=8,
+                    moe_shared_expert_intermediate_size=12, moe_layer_freq=2)
+    spec = {e.name: e for e in moe.parameter_spec(2)}
+    assert spec["layers.0.mlp.router.weight"].shape == (8, 16) and spec["layers.0.mlp.router.weight"].partition_dim is None
+    e7 = spec["layers.0.mlp.experts.7.fc1.weight"]
+    assert e7.shape == (16, 16) and (e7.partition_dim, e7.partition_stride) == (0, 2)
+    assert spec["layers.0.mlp.shared_experts.fc2.weight"].shape == (16, 12)
+    assert "layers.1.mlp.fc1.weight" in spec and "layers.1.mlp.router.weight" not in spec   # freq 2
+    layer, _, _ = matmul_params(moe.parameter_spec(1))
+    attn = 2 * ((2 + 2 * 2) * 8 * 16 + 16 * 16)                     # qkv + proj of both layers
+    active = 8 * 16 + 2 * (3 * 16 * 8) + 3 * 16 * 12                # router + k experts + shared
+    assert layer == attn + active + 3 * 16 * 32                      # layer 1: the dense SwiGLU MLP
+
+
+def test_moe_losses_reach_the_log_line_and_metrics(tmp_path, capsys):
+    """The step's aux and z-loss values go to the console line and metrics.jsonl (a dense run's
+    records keep their keys: tests/test_monitor.py)."""
+    import json
+
+    from megazero.runtime.monitor import Monitor
+
+    with Monitor(str(tmp_path), tensorboard_dir=None, metrics_file="m.jsonl", rank=0, is_logging_rank=True,
+                 config_text="") as mon:
+        mon.log_iteration(1, {"loss": 2.0, "moe_aux_loss": 0.04, "moe_z_loss": 0.0175})
+    assert "| moe aux loss: 4.000000E-02 | moe z loss: 1.750000E-02" in capsys.readouterr().out
+    train = [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if r["kind"] == "train"]
+    assert (train[0]["moe_aux_loss"], train[0]["moe_z_loss"]) == (0.04, 0.0175)
