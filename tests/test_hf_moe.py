@@ -33,7 +33,8 @@ ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 def _run_both(rank, world, runs):
     """Per kind: train 3 steps at tp 2 and save; rank 0 exports (convert_checkpoint --to-hf);
     then every rank loads the folder at tp 2 for greedy generation and trains one step from it
-    (--from-hf). Returns {kind: (greedy ids, first loss from the folder)}."""
+    (--from-hf). A kind without a folder (``hf`` None) trains one step and saves only.
+    Returns {kind: (greedy ids, first loss from the folder)}."""
     import torch.distributed as dist
 
     from megazero.process_groups import ProcessGroups
@@ -45,9 +46,11 @@ def _run_both(rank, world, runs):
     out = {}
     for kind, (argv, ckpt, hf) in runs.items():
         train, cfg, groups, ds, trainer = _trainer(argv, world)
-        _steps(train, cfg, groups, ds, trainer, 3)
+        _steps(train, cfg, groups, ds, trainer, 3 if hf else 1)
         trainer.save_checkpoint(ckpt)
         trainer.close()
+        if hf is None:
+            continue
         if rank == 0:
             assert convert(["--load", ckpt, "--to-hf", hf]) == 0
         dist.barrier()
@@ -74,9 +77,12 @@ def exported(tmp_path_factory):
             "--tokenizer-model", tok.model_path, "--train-iters", "8"]
     runs = {kind: (MODEL + LLAMA + flags + data + ["--tp", "2"], str(d / kind / "ckpt"), str(d / kind / "hf"))
             for kind, flags in KINDS.items()}
+    runs["sigmoid"] = (MODEL + LLAMA + EXPERTS + ["--moe-router-score-function", "sigmoid"] + data + ["--tp", "2"],
+                       str(d / "sigmoid" / "ckpt"), None)
     results = run_distributed(_run_both, 2, runs, timeout_s=400)
-    return {kind: dict(argv=argv[:-2], ckpt=ckpt, hf=hf, greedy=results[0][kind][0], from_hf_loss=results[0][kind][1],
-                       tok=tok, dense=MODEL + LLAMA + data) for kind, (argv, ckpt, hf) in runs.items()}
+    out = {kind: dict(argv=argv[:-2], ckpt=ckpt, hf=hf, greedy=results[0][kind][0], from_hf_loss=results[0][kind][1],
+                      tok=tok, dense=MODEL + LLAMA + data) for kind, (argv, ckpt, hf) in runs.items() if hf}
+    return dict(out, sigmoid=dict(ckpt=runs["sigmoid"][1], dir=d))
 
 
 def _checkpoint_model(ckpt):
@@ -271,3 +277,15 @@ def test_moe_import_refuses_a_gated_shared_expert(tmp_path):
     with pytest.raises(HFConversionError, match=re.escape("model.layers.2.mlp.shared_expert_gate.weight is not "
                                                           "zero: its shared expert is weighted by sigmoid(gate x)")):
         check_folder(_write(tmp_path / "gated", tensors, hf_config(gcfg)), gcfg)
+
+
+@pytest.mark.slow
+def test_convert_refuses_a_sigmoid_router_in_one_line(exported, capsys):
+    from scripts.convert_checkpoint import main
+
+    out = exported["sigmoid"]["dir"] / "sigmoid" / "hf"
+    assert main(["--load", exported["sigmoid"]["ckpt"], "--to-hf", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("convert_checkpoint: error: --moe-router-score-function sigmoid: MixtralForCausalLM and "
+                   "Qwen2MoeForCausalLM score the experts with a softmax (no exact MixtralForCausalLM equivalent)\n")
+    assert not out.exists()
