@@ -396,8 +396,8 @@ def config_from_hf(config: Mapping, **settings) -> GPTConfig:
     if config.get("model_type") in hf_moe.MODEL_TYPES:
         return llama_config_from_hf(config, **hf_moe.moe_settings_from_hf(config), **settings)
     if config.get("model_type") != "gpt2":
-        raise HFConversionError(f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2'), "
-                                "LLaMA ('llama'), Mixtral ('mixtral') and Qwen2-MoE ('qwen2_moe') folders are read")
+        raise HFConversionError(f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
+                                "LLaMA-style (model_type 'llama', 'mixtral' or 'qwen2_moe') folders are read")
     return gpt_config_from_hf(config, **settings)
 
 
