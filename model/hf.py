@@ -180,7 +180,9 @@ def _value(config: Mapping, key: str, kind: str, default=_REQUIRED):
 
 def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
     """Raise HFConversionError naming the first size or block option where ``config.json``
-    (GPT-2 or LLaMA) and the run's model (``gcfg``) differ, as the megazero flag to change."""
+    (GPT-2, LLaMA, Mixtral or Qwen2-MoE) and the run's model (``gcfg``) differ, as the megazero
+    flag to change: the MoE settings first (``model.hf_moe.MATCHED``), the dense MLP width only
+    where some layer is dense."""
     theirs = config_from_hf(config, seq_length=gcfg.seq_length)
     all_moe = theirs.num_experts is not None and theirs.moe_layer_freq == 1   # no dense MLP: its width is moot
     for field, flag in hf_moe.MATCHED + (("position_embedding_type", "--position-embedding-type"),
@@ -204,7 +206,8 @@ def hf_shapes(gcfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> the shape in which a folder holding ``gcfg``'s model stores it:
     what ``to_hf_tensors`` writes (vocabulary tensors with ``vocab_size`` rows, GPT-2's linear
     weights ``[in, out]``, Llama's fused tensors split by ``llama_pieces``; no ``lm_head.weight``
-    when tied). Raises HFConversionError for a parameter with no counterpart."""
+    when tied; Qwen2-MoE's shared-expert gates ``[1, H]``). Raises HFConversionError for a
+    parameter with no counterpart."""
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in canonical_shapes(gcfg, gcfg.vocab_size).items():
         if not is_llama(gcfg):
