@@ -125,8 +125,9 @@ def compile_layers(chunks: list[GPTStage]) -> None:
 
 
 def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
-    """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2 or Llama model, read lazily
-    (each stage loads only its own), vocabulary re-padded for ``tp_size``; else None.
+    """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2, Llama, Mixtral or
+    Qwen2-MoE model, read lazily (each stage loads only its own), vocabulary re-padded for
+    ``tp_size``; else None.
     Raises HFConversionError (model.hf_folder.open_folder) for a folder that does not hold it."""
     return None if cfg.train.from_hf is None else open_folder(cfg.train.from_hf, gcfg, gcfg.padded_vocab(tp_size))
 

@@ -1,7 +1,8 @@
 """Hugging Face interchange: megazero's canonical parameters <-> the tensors and
 ``config.json`` of ``transformers``' ``GPT2LMHeadModel`` (GPT-2 block, learned positions) or
 ``LlamaForCausalLM`` (LLaMA-style block, ``--position-embedding-type rope``; the second half
-of this file, from ``llama_config``).
+of this file, from ``llama_config``), and with experts ``MixtralForCausalLM`` /
+``Qwen2MoeForCausalLM`` (``model/hf_moe.py`` adds their MoE MLPs to the Llama map).
 
 One name map, keyed by megazero's canonical parameter names (``model.gpt.canonical_shapes``),
 gives each parameter's Hugging Face name and whether it is transposed: GPT-2 stores its
@@ -100,6 +101,7 @@ def hf_name(canonical: str) -> tuple[str, bool]:
 
 
 def _check_block(gcfg: GPTConfig) -> None:
+    hf_moe.check_export(gcfg)
     for f in dataclasses.fields(gcfg):
         if f.name in _MAPPED_FIELDS or f.default is dataclasses.MISSING:
             continue
@@ -178,9 +180,12 @@ def _value(config: Mapping, key: str, kind: str, default=_REQUIRED):
 
 def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
     """Raise HFConversionError naming the first size or block option where ``config.json``
-    (GPT-2 or LLaMA) and the run's model (``gcfg``) differ, as the megazero flag to change."""
+    (GPT-2, LLaMA, Mixtral or Qwen2-MoE) and the run's model (``gcfg``) differ, as the megazero
+    flag to change: the MoE settings first (``model.hf_moe.MATCHED``), the dense MLP width only
+    where some layer is dense."""
     theirs = config_from_hf(config, seq_length=gcfg.seq_length)
-    for field, flag in (("position_embedding_type", "--position-embedding-type"),
+    all_moe = theirs.num_experts is not None and theirs.moe_layer_freq == 1   # no dense MLP: its width is moot
+    for field, flag in hf_moe.MATCHED + (("position_embedding_type", "--position-embedding-type"),
                         ("normalization", "--normalization"), ("swiglu", "--swiglu"), ("openai_gelu", "--openai-gelu"),
                         ("kv_heads", "--group-query-attention --num-query-groups"),
                         ("rotary_base", "--rotary-base"), ("add_bias_linear", "--disable-bias-linear"),("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
@@ -190,6 +195,8 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
                         ("max_position_embeddings", "--max-position-embeddings"),
                         ("tie_embeddings", "--untie-embeddings-and-output-weights"),
                         ("layernorm_epsilon", "--layernorm-epsilon")):
+        if field == "ffn_hidden_size" and all_moe and gcfg.num_experts is not None:
+            continue
         if getattr(theirs, field) != getattr(gcfg, field):
             raise HFConversionError(f"the folder's model has {field} = {getattr(theirs, field)}, this run "
                                     f"{getattr(gcfg, field)}; fix: set {flag} to match")
@@ -199,7 +206,8 @@ def hf_shapes(gcfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> the shape in which a folder holding ``gcfg``'s model stores it:
     what ``to_hf_tensors`` writes (vocabulary tensors with ``vocab_size`` rows, GPT-2's linear
     weights ``[in, out]``, Llama's fused tensors split by ``llama_pieces``; no ``lm_head.weight``
-    when tied). Raises HFConversionError for a parameter with no counterpart."""
+    when tied; Qwen2-MoE's shared-expert gates ``[1, H]``). Raises HFConversionError for a
+    parameter with no counterpart."""
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in canonical_shapes(gcfg, gcfg.vocab_size).items():
         if not is_llama(gcfg):
@@ -209,7 +217,7 @@ def hf_shapes(gcfg: GPTConfig) -> dict[str, tuple[int, ...]]:
         parts = llama_pieces(name, gcfg)
         for (target, _, _), rows in zip(parts, _piece_rows(parts, shape[0])):
             out[target] = (out.get(target, (0,))[0] + rows,) + tuple(shape[1:])
-    return out
+    return {**out, **{name: tuple(t.shape) for name, t in hf_moe.extra_tensors(gcfg).items()}}
 
 
 def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -312,8 +320,11 @@ def _check_llama(gcfg: GPTConfig) -> None:
                       "LlamaForCausalLM rotates the whole head (no partial rotary); fix: --rotary-percent 1.0")):
         if not ok:
             raise HFConversionError(f"{what} (no exact LlamaForCausalLM equivalent)")
+    hf_moe.check_export(gcfg)
     for f in dataclasses.fields(gcfg):
         if f.name in _MAPPED_FIELDS | _LLAMA_FIELDS or f.default is dataclasses.MISSING:
+            continue
+        if hf_moe.is_moe(gcfg) and hf_moe.is_moe_field(f.name):
             continue
         if getattr(gcfg, f.name) != f.default:
             raise HFConversionError(f"model setting {f.name} = {getattr(gcfg, f.name)!r} has no "
@@ -323,10 +334,12 @@ def _check_llama(gcfg: GPTConfig) -> None:
 def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     """``config.json`` of the LlamaForCausalLM that computes what ``gcfg``'s model computes
     (``rope_theta`` both top-level, as transformers 4 reads it, and in ``rope_parameters``, as
-    transformers 5 does). Raises HFConversionError for a setting Llama cannot express."""
+    transformers 5 does). With experts, Mixtral's or Qwen2-MoE's (``model.hf_moe.moe_config``).
+    Raises HFConversionError for a setting Llama (or with experts, Mixtral / Qwen2-MoE) cannot
+    express."""
     _check_llama(gcfg)
     theta = float(gcfg.rotary_base)
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": gcfg.vocab_size,
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": gcfg.vocab_size,
             "hidden_size": gcfg.hidden_size, "intermediate_size": gcfg.ffn_hidden_size,
             "num_hidden_layers": gcfg.num_layers, "num_attention_heads": gcfg.num_attention_heads,
             "num_key_value_heads": gcfg.kv_heads, "head_dim": gcfg.head_dim, "hidden_act": "silu",
@@ -336,6 +349,7 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
             "attention_dropout": gcfg.attention_dropout, "initializer_range": gcfg.init_method_std,
             "tie_word_embeddings": gcfg.tie_embeddings, "pretraining_tp": 1, "bos_token_id": eod,
             "eos_token_id": eod, "use_cache": True, "torch_dtype": "float32"}
+    return hf_moe.moe_config(gcfg, config) if hf_moe.is_moe(gcfg) else config
 
 
 def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
@@ -378,12 +392,15 @@ def hf_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
 
 
 def config_from_hf(config: Mapping, **settings) -> GPTConfig:
-    """The GPTConfig of a GPT-2 or Llama ``config.json``; HFConversionError for another type."""
+    """The GPTConfig of a GPT-2, Llama, Mixtral or Qwen2-MoE ``config.json`` (the last two:
+    ``model.hf_moe``); HFConversionError for another type."""
     if config.get("model_type") == "llama":
         return llama_config_from_hf(config, **settings)
+    if config.get("model_type") in hf_moe.MODEL_TYPES:
+        return llama_config_from_hf(config, **hf_moe.moe_settings_from_hf(config), **settings)
     if config.get("model_type") != "gpt2":
-        raise HFConversionError(f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') "
-                                "and LLaMA (model_type 'llama') folders are read")
+        raise HFConversionError(f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
+                                "LLaMA-style (model_type 'llama', 'mixtral' or 'qwen2_moe') folders are read")
     return gpt_config_from_hf(config, **settings)
 
 
@@ -404,6 +421,9 @@ def llama_pieces(canonical: str, gcfg: GPTConfig) -> list[tuple[str, int, Option
         kind = rest.rsplit(".", 1)[-1]
         if rest in _LLAMA_LAYER:
             return [(pre + _LLAMA_LAYER[rest], 0, None)]
+        moe = hf_moe.moe_pieces(rest, pre, gcfg)
+        if moe is not None:
+            return moe
         if rest in ("attn.qkv.weight", "attn.qkv.bias"):
             q, k, v = (f"{pre}self_attn.{x}_proj.{kind}" for x in "qkv")
             if gcfg.num_query_groups is None:
@@ -425,7 +445,8 @@ def _piece_rows(parts: list[tuple[str, int, Optional[int]]], rows: int) -> list[
 def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM tensors (fp32, contiguous) from megazero's full canonical tensors:
     fused tensors split by ``llama_pieces``, vocabulary tensors cut to ``vocab_size`` rows,
-    ``lm_head.weight`` left out when tied. Raises HFConversionError for a setting Llama cannot
+    ``lm_head.weight`` left out when tied; with experts Mixtral's / Qwen2-MoE's (``model.hf_moe``:
+    names, the shared expert's scale, its zero gate). Raises HFConversionError for a setting Llama cannot
     express or a missing / unknown parameter."""
     _check_llama(gcfg)
     names = canonical_shapes(gcfg, gcfg.vocab_size)
@@ -436,12 +457,12 @@ def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[
     for name in names:
         if name not in full:
             raise HFConversionError(f"the checkpoint lacks parameter {name!r}")
-        t = full[name].float()
+        t = full[name].float() * hf_moe.export_scale(name, gcfg)
         t = t[:gcfg.vocab_size] if name in VOCAB_TENSORS else t
         parts = llama_pieces(name, gcfg)
         for (target, _, _), piece in zip(parts, t.split(_piece_rows(parts, t.shape[0]))):
             pieces.setdefault(target, []).append(piece)
-    return {target: torch.cat(ps).contiguous() for target, ps in pieces.items()}
+    return {**{target: torch.cat(ps).contiguous() for target, ps in pieces.items()}, **hf_moe.extra_tensors(gcfg)}
 
 
 def _join_llama(src, canonical: str, gcfg: GPTConfig) -> torch.Tensor:
@@ -454,4 +475,8 @@ def _join_llama(src, canonical: str, gcfg: GPTConfig) -> torch.Tensor:
         if target not in loaded:
             loaded[target] = _get(src, target).float()
         out.append(loaded[target][start:stop])
-    return torch.cat(out)
+    scale = hf_moe.export_scale(canonical, gcfg)
+    return torch.cat(out) if scale == 1.0 else torch.cat(out) / scale
+
+
+from model import hf_moe  # noqa: E402  (the MoE half of the map; it imports HFConversionError from here)

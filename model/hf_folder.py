@@ -36,6 +36,7 @@ from typing import Iterator
 from megazero.runtime.extras import require
 from model.config import GPTConfig
 from model.hf import CanonicalView, HFConversionError, check_matches, config_from_hf, hf_shapes
+from model.hf_moe import check_extra_tensors
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors dtype codes megazero reads as weights
 _FIX = ("fix: the file is missing, damaged or truncated; write the folder again (scripts/convert_checkpoint.py "
@@ -86,7 +87,8 @@ def folder_config(path: str, **settings) -> GPTConfig:
 def _open(path: str, gcfg: GPTConfig):
     """A ``safe_open`` handle of folder ``path``'s model.safetensors after checking that it holds
     every tensor of ``gcfg``'s model (``model.hf.hf_shapes``) in that shape and a floating-point
-    dtype, reading no tensor data. Raises HFConversionError naming the file and the tensor,
+    dtype, reading no tensor data but Qwen2-MoE's ``[1, H]`` shared-expert gates (which must be
+    zero: ``model.hf_moe.check_extra_tensors``). Raises HFConversionError naming the file and the tensor,
     MissingExtra without safetensors."""
     safe_open = require("safetensors", "--from-hf").safe_open
     file = os.path.join(path, "model.safetensors")
@@ -104,6 +106,11 @@ def _open(path: str, gcfg: GPTConfig):
         if dtype not in FLOAT_DTYPES:
             raise HFConversionError(f"{file}: tensor {name!r} has dtype {dtype}; megazero reads weights stored "
                                     f"as {', '.join(FLOAT_DTYPES)}; fix: save the model unquantized")
+    try:
+        with reading(file):
+            check_extra_tensors(handle, gcfg)   # Qwen2-MoE's shared-expert gates: [1, H] each, read
+    except HFConversionError as e:
+        raise HFConversionError(f"{file}: {e}") from None
     return handle
 
 

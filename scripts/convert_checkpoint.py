@@ -13,8 +13,9 @@ this one process and holds every full tensor (offline use; the CRC-32 of the inp
 first).
 
 writes ``OUT/config.json`` and ``OUT/model.safetensors`` of a ``GPT2LMHeadModel`` (GPT-2
-block) or ``LlamaForCausalLM`` (LLaMA-style block) that computes what the checkpoint's model computes (``model/hf.py`` holds the name map and the
-differences it refuses), plus the run's tokenizer, so that
+block) or ``LlamaForCausalLM`` (LLaMA-style block; with experts ``MixtralForCausalLM``, or
+``Qwen2MoeForCausalLM`` with a shared expert) that computes what the checkpoint's model computes (``model/hf.py`` and
+``model/hf_moe.py`` hold the name map and the differences they refuse), plus the run's tokenizer, so that
 ``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)``
 work. The checkpoint is read in this one process (full fp32 master weights; no process
 group). The tokenizer is the one the checkpoint recorded unless ``--tokenizer-model`` is

@@ -41,7 +41,7 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="scripts/evaluate.py", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save), any layout")
-    src.add_argument("--from-hf", help="Hugging Face GPT-2 or Llama folder (config.json + model.safetensors)")
+    src.add_argument("--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)")
     p.add_argument("--tasks", required=True, nargs="+", help="task names, comma- or space-separated")
     p.add_argument("--num-fewshot", type=int, help="examples before each question (default: the task's)")
     p.add_argument("--limit", type=float, help="documents per task (below 1: a fraction); default all")

@@ -186,7 +186,7 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save)")
-    src.add_argument("--from-hf", help="Hugging Face GPT-2 or Llama folder (config.json + model.safetensors)")
+    src.add_argument("--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")
     prompt.add_argument("--prompt-ids", type=_ids, help="the prompt as comma-separated token ids, e.g. 5,17,300 "

@@ -160,9 +160,9 @@ def _check_moe(cfg: Config, world_size: int) -> None:
     """Mixture of Experts (issue 22, no expert parallelism yet): top-k <= E (Megatron-LM's
     rule), the expert bias with sigmoid scores only, and the combinations not built yet refused
     by name: sequence parallelism and context parallelism (the router sees the micro-batch's
-    whole sequences), full recomputation (the router would count a recomputed forward twice),
-    --from-hf (no Mixtral / Qwen2-MoE reader yet) and --save with the expert bias (the bias is
-    a tensor checkpoints do not hold yet)."""
+    whole sequences), full recomputation (the router would count a recomputed forward twice)
+    and --save with the expert bias (the bias is a tensor checkpoints do not hold yet).
+    --from-hf reads Mixtral / Qwen2-MoE folders (model/hf_moe.py)."""
     m, p = cfg.model, cfg.parallel
     if m.num_experts is None:
         return
@@ -175,7 +175,6 @@ def _check_moe(cfg: Config, world_size: int) -> None:
                           f"(this run: {m.moe_router_score_function}); fix: add --moe-router-score-function sigmoid")
     refused = [("--sequence-parallel", p.sequence_parallel), (f"--cp {p.cp}", p.cp > 1),
                ("--recompute-granularity full", m.recompute_granularity == "full"),
-               ("--from-hf (no MoE Hugging Face reader yet)", cfg.train.from_hf is not None),
                ("--save with --moe-router-enable-expert-bias",
                 m.moe_router_enable_expert_bias and cfg.train.save is not None)]
     for what, given in refused:

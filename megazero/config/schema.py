@@ -234,9 +234,9 @@ class TrainingConfig:
                                       "iterations", ge=1, applies=_SAVE)
     keep_latest_checkpoints: int = _f(0, "after each save, delete all but this many newest checkpoints "
                                       "under --save; 0 = keep all", "checkpoints", ge=0, applies=_SAVE)
-    from_hf: Optional[str] = _f(None, "Hugging Face GPT-2 or Llama folder (config.json + model.safetensors) to start "
-                                "from: weights sliced for this layout, fresh optimizer; a checkpoint under "
-                                "--load still takes precedence", "path")
+    from_hf: Optional[str] = _f(None, "Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + "
+                                "model.safetensors) to start from: weights sliced for this layout, fresh "
+                                "optimizer; a checkpoint under --load still takes precedence", "path")
     device: str = _f("auto", "auto = CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
     mock_data: bool = _f(False, "train on random tokens; no --data-path needed")
     # stopping on request, on time or on bad values, and restarting (megazero/runtime/resilience.py)
