@@ -27,6 +27,10 @@ Group = Optional[dist.ProcessGroup]
 #: bytes passed to each kind of collective by this process, e.g. ``counter["all_reduce"]``.
 counter: Counter = Counter()
 
+#: calls that reached the wire, per kind, counted with ``counter`` (gloo pays a latency per
+#: call, so the number of collectives matters beside their bytes; tests/test_buckets.py).
+calls: Counter = Counter()
+
 #: this process's last operations on the wire, oldest first: ``(op, ranks, seq, shape, dtype)``
 #: with ``ranks`` the global ranks of the group (the peer for ``send``/``recv``), ``seq`` this
 #: process's running count of recorded operations (1, 2, ...), ``shape`` a tuple, ``dtype`` e.g.
@@ -83,6 +87,7 @@ def describe(entry: tuple) -> str:
 
 def _count(kind: str, t: torch.Tensor, group: Group) -> None:
     counter[kind] += t.numel() * t.element_size()
+    calls[kind] += 1
     record(kind, dist.get_process_group_ranks(group), t)
 
 

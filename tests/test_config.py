@@ -340,14 +340,17 @@ def test_max_live_parameters_below_the_smallest_gather_unit_is_a_warning_before_
     from megazero.planning.plan import plan_memory, zero3_live_warning, zero3_units
     from model.build import build_gpt_config
 
-    argv = M4 + ["--zero-stage", "3", "--dp", "2", "--zero3-max-live-parameters", "10"]
+    # DeepSpeed's absolute threshold (1e5) rather than the default 10 x hidden, so the small
+    # tensors below stay whole and the units are the three big matrices of each layer
+    argv = M4 + ["--zero-stage", "3", "--dp", "2", "--zero3-param-persistence-threshold", "100000",
+                 "--zero3-max-live-parameters", "10"]
     assert train.preflight(argv, 2) == 0
     err = capsys.readouterr().err
     cfg = config_from_argv(argv, 2)
     gpt = build_gpt_config(cfg, cfg.data.vocab_size)
     [[units]] = zero3_units(cfg, gpt)  # one stage, one chunk
     # hidden 256, 4 layers: a layer's QKV, fc1 and fc2 weights (3 + 4 + 4) x 65,536; the tied word
-    # embedding (1024 x 256) is the chunk's own unit; tensors under 100,000 elements (the default
+    # embedding (1024 x 256) is the chunk's own unit; tensors under 100,000 elements (the
     # persistence threshold: norms, biases, attention projection, position table) stay whole
     assert units == {**{f"layers.{i}": 11 * 65_536 for i in range(4)}, "chunk": 262_144}
     need = memory.zero3_gathered_at_once([units])
@@ -591,3 +594,21 @@ def test_deepspeed_sequence_parallel_size_is_ulysses_context_parallelism(files, 
     assert (p.cp, p.cp_comm_type) == (2, "p2p")
     err = fails(M + ["--cp", "4", "--deepspeed-config", path], 4, capsys)
     assert "--cp 4 on the command line conflicts with sequence_parallel_size = 2" in err
+
+
+def test_zero3_knobs_scale_with_the_hidden_size_and_auto_means_the_same(files):
+    """ZeRO-3's prefetch bucket and persistence threshold default to 0.9 H^2 and 10 H (the
+    Hugging Face DeepSpeed integration's "auto"); "auto" in a JSON file gives the same, and a
+    number (flag or JSON) is kept."""
+    z3 = M + ["--zero-stage", "3", "--dp", "2", "--hidden-size", "512", "--num-attention-heads", "8"]
+    auto = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}}
+    for argv in (z3, z3 + ["--deepspeed-config", files["json"](auto)]):
+        z = config_from_argv(argv, 2).zero
+        assert (z.zero3_prefetch_bucket_size, z.zero3_param_persistence_threshold) == (235_929, 5_120)
+    given = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7,
+                                   "stage3_param_persistence_threshold": 1e5}}
+    z = config_from_argv(z3 + ["--deepspeed-config", files["json"](given, "given.json")], 2).zero
+    assert (z.zero3_prefetch_bucket_size, z.zero3_param_persistence_threshold) == (50_000_000, 100_000)
+    z = config_from_argv(z3 + ["--zero3-prefetch-bucket-size", "0"], 2).zero
+    assert (z.zero3_prefetch_bucket_size, z.zero3_param_persistence_threshold) == (0, 5_120)

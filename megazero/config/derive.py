@@ -22,7 +22,10 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
 
     dp = world / (tp x cp x pp); FFN = 4 H (SwiGLU: int(8 H / 3 / 64) x 64); max positions = seq; decay iters = train iters;
     mock vocab = MOCK_VOCAB_SIZE; interleaved schedule when vp > 1 and no schedule was given;
-    sequence parallelism off at tp 1 (Megatron does the same, with a warning). Batch (DeepSpeed's
+    sequence parallelism off at tp 1 (Megatron does the same, with a warning); ZeRO-3's prefetch
+    bucket 0.9 H^2 and persistence threshold 10 H when unset or "auto" (the values the Hugging
+    Face DeepSpeed integration documents for "auto", so a small model's knobs scale with it
+    instead of DeepSpeed's absolute 5e7 and 1e5). Batch (DeepSpeed's
     rule when global and accumulation are given and micro is not, else Megatron's):
     micro = global / (accumulation x dp), or accumulation = global / (micro x dp), or
     global = micro x accumulation x dp with accumulation 1 by default.
@@ -33,6 +36,7 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
         m.ffn_hidden_size = default_ffn_hidden_size(m.hidden_size, m.swiglu)
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
+    _derive_zero3_knobs(cfg)
     o.lr_decay_iters = t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters
     o.lr_warmup_iters = t.train_iters // 10 if o.lr_warmup_iters is None else o.lr_warmup_iters
     if t.mock_data:
@@ -131,6 +135,14 @@ def _derive_batch(cfg: Config) -> None:
         t.global_batch_size = t.micro_batch_size * accum * dp
     elif accum is None and total % (t.micro_batch_size * dp) == 0:
         t.gradient_accumulation_steps = total // (t.micro_batch_size * dp)
+
+
+def _derive_zero3_knobs(cfg: Config) -> None:
+    z, h = cfg.zero, cfg.model.hidden_size
+    if z.zero3_prefetch_bucket_size is None:
+        z.zero3_prefetch_bucket_size = int(0.9 * h * h)
+    if z.zero3_param_persistence_threshold is None:
+        z.zero3_param_persistence_threshold = 10 * h
 
 
 def bucket_sizes(cfg: Config) -> tuple[int, int]:

@@ -336,16 +336,18 @@ class ZeroConfig:
         "gathered across the step's micro-batches (off); auto = off under --pp > 1, else on",
         choices=("auto", "on", "off"), applies=_ZERO3)
     # DeepSpeed's zero_optimization.stage3_* knobs, in elements as DeepSpeed counts them.
-    zero3_prefetch_bucket_size: int = _f(
-        50_000_000, "ZeRO-3: parameters all-gathered ahead of the computing layer (DeepSpeed's "
-        "stage3_prefetch_bucket_size); 0 = no prefetch", "elements", ge=0, applies=_ZERO3)
+    zero3_prefetch_bucket_size: Optional[int] = _f(
+        None, "ZeRO-3: parameters all-gathered ahead of the computing layer (DeepSpeed's "
+        "stage3_prefetch_bucket_size); 0 = no prefetch; None = 0.9 x hidden size squared (the "
+        "Hugging Face DeepSpeed integration's 'auto')", "elements", ge=0, applies=_ZERO3)
     zero3_max_live_parameters: int = _f(
         1_000_000_000, "ZeRO-3: bound on gathered parameters at any time (DeepSpeed's "
         "stage3_max_live_parameters): no prefetch past it, idle layers released first", "elements", ge=1,
         applies=_ZERO3)
-    zero3_param_persistence_threshold: int = _f(
-        100_000, "ZeRO-3: parameters with fewer elements stay whole on every rank (gradients and "
-        "optimizer state still sharded; DeepSpeed's stage3_param_persistence_threshold)", "elements", ge=0,
+    zero3_param_persistence_threshold: Optional[int] = _f(
+        None, "ZeRO-3: parameters with fewer elements stay whole on every rank (gradients and "
+        "optimizer state still sharded; DeepSpeed's stage3_param_persistence_threshold); None = 10 x "
+        "hidden size (the Hugging Face DeepSpeed integration's 'auto')", "elements", ge=0,
         applies=_ZERO3)
     zero3_max_reuse_distance: int = _f(
         1_000_000_000, "ZeRO-3: a layer used again (its backward) within this many gathered elements "
