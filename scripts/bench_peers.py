@@ -31,12 +31,15 @@ leaves the pair out.
 DeepSpeed and Megatron-core are benchmark-only optional dependencies
 (``scripts/bench_peers_optional.py``): a peer that is not importable is skipped with one line
 saying so. Every system trains ``model.gpt.GPTStage`` weights built from the same seed, on the
-same random token batches, with AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1),
+same random token batches, with AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on
+the matrices and none on biases and norms: megazero's parameter groups, ``adamw_groups``),
 gradient clipping at 1.0 and several micro-batches per step (the peers skip the gradient sync
 on all but the last: ``no_sync`` / ``set_requires_gradient_sync`` / DeepSpeed's
 accumulation boundary), fp32. Rounds are interleaved (round r runs every system in turn,
 ``--steps`` timed steps after one warm-up step each); the median step time of a system is over
-all its timed steps of all rounds, the spread is the range of its per-round medians.
+all its timed steps of all rounds, the spread is the range of its per-round medians. The last
+lines are ``ratio megazero-zero1/deepspeed-zero1: 0.97`` (median step times) and ``overhead
+megazero-zero1/deepspeed-zero1: 0.79`` (each system's median over the floor's, divided).
 Model-state bytes per rank are the parameters, gradients and optimizer states this rank holds
 after a step (``to_local()`` shards for FSDP2, every distinct storage DeepSpeed's engine holds).
 
@@ -179,6 +182,8 @@ def _peer(args, groups, kind):
     import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from scripts.bench_peers_optional import adamw_groups
     from torch.nn.parallel import DistributedDataParallel
 
     model = _model(args, groups)
@@ -189,9 +194,12 @@ def _peer(args, groups, kind):
     else:
         wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_size(args) * 4 / 2 ** 20)
     if kind == "zero-redundancy-optimizer":
-        opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
+        # ZeroRedundancyOptimizer takes one group at construction, the second by add_param_group
+        decay, rest = adamw_groups(wrapped.parameters(), ADAMW["weight_decay"])
+        opt = ZeroRedundancyOptimizer(decay["params"], optimizer_class=torch.optim.AdamW, **ADAMW)
+        opt.add_param_group(rest)
     else:
-        opt = torch.optim.AdamW(wrapped.parameters(), **ADAMW)
+        opt = torch.optim.AdamW(adamw_groups(wrapped.parameters(), ADAMW["weight_decay"]), **ADAMW)
 
     def step(micro):
         opt.zero_grad(set_to_none=True)
@@ -395,6 +403,11 @@ def report(res: list, names: list, args=None) -> list[str]:
             lines.append(f"ratio {ours}/{sync}: {med[ours][0] / med[sync][0]:.2f}")
     for ours, peer in pairs:
         lines.append(f"ratio {ours}/{peer}: {med[ours][0] / med[peer][0]:.2f}")
+    if "floor" in med:
+        floor = med["floor"][0]
+        for ours, peer in pairs:
+            if peer not in TP_SYSTEMS and med[peer][0] > floor:
+                lines.append(f"overhead {ours}/{peer}: {(med[ours][0] - floor) / (med[peer][0] - floor):.2f}")
     return lines
 
 

@@ -30,6 +30,16 @@ import os
 PEER_PACKAGES = {"deepspeed": "deepspeed", "megatron-core": "megatron.core"}
 
 
+def adamw_groups(params, weight_decay: float) -> list[dict]:
+    """megazero's parameter groups for a peer's ``torch.optim.AdamW``: weight decay on the
+    matrices (``ndim >= 2``: linear weights, embeddings), none on biases and norm weights, the
+    rule of ``megazero.tensor_parallel.tags.decays`` for this model and Megatron-LM's. Without
+    it a peer's ``AdamW(model.parameters())`` decays everything and trains another model."""
+    params = list(params)
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
 def peer_available(peer: str) -> bool:
     """Whether ``peer`` ("deepspeed" or "megatron-core") can be imported here."""
     name = PEER_PACKAGES[peer]
@@ -104,7 +114,7 @@ def deepspeed_system(args, model, stage: int, adamw: dict, clip: float, bucket: 
               "gradient_clipping": clip, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
                                     "allgather_bucket_size": bucket},
               "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 30}
-    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    opt = torch.optim.AdamW(adamw_groups(model.parameters(), adamw["weight_decay"]), **adamw)
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
                                                 dist_init_required=False)
 
@@ -206,7 +216,7 @@ def megatron_core_system(args, cfg, full: dict, adamw: dict, clip: float):
     _load_partitions(model, megatron_core_weights(full, cfg), tp, rank)
     params = list(model.parameters())
     counted = [p for p in params if p.bench_partitioned or rank == 0]
-    opt = torch.optim.AdamW(params, **adamw)
+    opt = torch.optim.AdamW(adamw_groups(params, adamw["weight_decay"]), **adamw)
     group = ps.get_tensor_model_parallel_group()
     mask = torch.triu(torch.ones(cfg.seq_length, cfg.seq_length, dtype=torch.bool), 1)[None, None]
     position_ids = torch.arange(cfg.seq_length)[None]
