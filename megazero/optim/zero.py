@@ -374,7 +374,7 @@ class DistributedOptimizer:
         by_n: dict[int, int] = {}
         for b in self.ddp.buffers:
             by_n[b.layout.dp_size] = by_n.get(b.layout.dp_size, 0) + b.layout.padded_numel
-        return sorted(by_n.items(), key=lambda t: -t[0])
+        return [(psi, n) for n, psi in sorted(by_n.items(), reverse=True)]
 
     def _model_bytes(self) -> int:
         """Bytes per element of the model's parameters (their dtype)."""
