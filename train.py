@@ -57,6 +57,7 @@ from model.build import (build_gpt_config, build_model_chunks, check_from_hf, in
                          zero3_units)
 from model.evaluation import HarnessError
 from model.gpt import VOCAB_TENSORS, generate_greedy, moe_step_end
+from model.moe_state import expert_bias_state, load_expert_bias
 from model.hf import config_record
 
 
@@ -359,7 +360,8 @@ class Trainer:
         return self.checkpoints.save(
             root, self.state, self.optimizer, self.chunks, rng_states=self.chunks[0].rng_tracker.get_state(),
             extra=dict(model=model_signature(g), data=data_signature(self.cfg), gpt_config=config_record(g),
-                       tokenizer=tokenizer_record(self.cfg)),
+                       tokenizer=tokenizer_record(self.cfg),
+                       moe_expert_bias=expert_bias_state(self.chunks, self.groups, g)),
             after_write=self._save_fault(), wait=wait)
 
     def finish_save(self) -> None:
@@ -397,6 +399,7 @@ class Trainer:
         if resumed is None:
             return None
         self.state, meta = resumed
+        load_expert_bias(self.chunks, meta["extra"].get("moe_expert_bias", {}))
         tracker = self.chunks[0].rng_tracker
         if meta["rng_state"] is not None:
             tracker.set_state(meta["rng_state"])

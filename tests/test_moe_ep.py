@@ -226,3 +226,77 @@ def test_expert_parallel_settings_parse():
                             EP, "2", "--expert-tensor-parallel-size", "2"], 4)
     assert cfg.parallel.expert_model_parallel_size == 2 and layout_topology(cfg).ep == 2
     assert cfg.model.moe_token_dispatcher_type == "alltoall"
+
+
+# -- checkpoints: saved at EP 2, resumed at EP 4 and at EP 1 ------------------------------------
+BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.05"]   # a bias that moves the routing within a few steps
+SAVE_AT, AFTER = 3, 3
+SAVED = ["--tp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"]
+RESUMED = {"dp4-ep4-zero2": ["--dp", "4", "--zero-stage", "2", EP, "4"],
+           "dp4-ep1-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"],
+           "pp2-dp2-ep2-zero0-allgather": ["--pp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
+                                           "--moe-token-dispatcher-type", "allgather"]}
+
+
+def _steps(trainer, run, cfg, groups, n):
+    """``n`` training steps: their values and then each held MoE layer's expert bias by layer id."""
+    import train
+    from model.gpt import MoEMLP
+
+    values = []
+    for _ in range(n):
+        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        values.append(trainer.train_step(batches).values)
+    bias = {int(i): b.mlp.expert_bias.clone() for c in trainer.chunks for i, b in c.layers.items()
+            if isinstance(b.mlp, MoEMLP)}
+    return values, bias
+
+
+def _checkpoint_runs(rank, world, root, saved, resumed):
+    import train
+    from megazero.config import config_from_argv, layout_topology
+    from megazero.process_groups import ProcessGroups
+
+    def trainer(argv):
+        cfg = config_from_argv(argv, world)
+        run = train.build_data(cfg)
+        groups = ProcessGroups.build(layout_topology(cfg))
+        return train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size), run, cfg, groups
+
+    t, run, cfg, groups = trainer(saved)
+    _steps(t, run, cfg, groups, SAVE_AT)
+    t.save_checkpoint(root, wait=True)
+    out = {"uninterrupted": _steps(t, run, cfg, groups, AFTER)}
+    t.close()
+    for name, argv in resumed.items():
+        t, run, cfg, groups = trainer(argv)
+        assert t.load_checkpoint(root) == SAVE_AT
+        out[name] = _steps(t, run, cfg, groups, AFTER)
+        t.close()
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
+    """Saved at tp 2, dp 2, EP 2 after 3 steps (with the aux-loss-free expert bias); resumed at
+    dp 4 EP 4 ZeRO-2, dp 4 EP 1 ZeRO-3 and pp 2 dp 2 EP 2 ZeRO-0 (all-gather dispatcher): the
+    next 3 steps' losses and gradient norms equal the uninterrupted run's within 1e-5, and every
+    MoE layer's expert bias after them is the same (exactly)."""
+    per_rank = run_distributed(_checkpoint_runs, 4, str(tmp_path), ARGS + BIAS + SAVED,
+                               {n: ARGS + BIAS + a for n, a in RESUMED.items()}, timeout_s=900)
+    want, _ = per_rank[0]["uninterrupted"]
+    assert len(want) == AFTER and want[0]["iteration"] == SAVE_AT + 1
+    for name in RESUMED:
+        for r in per_rank:
+            got, bias = r[name]
+            for g, w in zip(got, want):
+                assert g["iteration"] == w["iteration"]
+                assert math.isclose(g["loss"], w["loss"], rel_tol=1e-5), (name, g["loss"], w["loss"])
+                assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (name, g, w)
+    layers = per_rank[0]["uninterrupted"][1]   # tp 2 dp 2 pp 1: every layer on every rank
+    assert sorted(layers) == [0, 1, 2, 3] and any(b.abs().sum() > 0 for b in layers.values())
+    for name in RESUMED:
+        for r in per_rank:
+            for i, b in r[name][1].items():
+                assert torch.equal(b, layers[i]), (name, i)

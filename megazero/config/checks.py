@@ -162,8 +162,7 @@ def _check_moe(cfg: Config, world_size: int) -> None:
     (``_check_expert_parallel``), and the combinations not built yet refused
     by name: sequence parallelism and context parallelism (the router sees the micro-batch's
     whole sequences), full recomputation (the router would count a recomputed forward twice),
-    --from-hf (no Mixtral / Qwen2-MoE reader yet) and --save with the expert bias (the bias is
-    a tensor checkpoints do not hold yet)."""
+    and --from-hf (no Mixtral / Qwen2-MoE reader yet)."""
     m, p = cfg.model, cfg.parallel
     if m.num_experts is None:
         return
@@ -177,9 +176,7 @@ def _check_moe(cfg: Config, world_size: int) -> None:
     _check_expert_parallel(cfg)
     refused = [("--sequence-parallel", p.sequence_parallel), (f"--cp {p.cp}", p.cp > 1),
                ("--recompute-granularity full", m.recompute_granularity == "full"),
-               ("--from-hf (no MoE Hugging Face reader yet)", cfg.train.from_hf is not None),
-               ("--save with --moe-router-enable-expert-bias",
-                m.moe_router_enable_expert_bias and cfg.train.save is not None)]
+               ("--from-hf (no MoE Hugging Face reader yet)", cfg.train.from_hf is not None)]
     for what, given in refused:
         if given:
             raise ConfigError(f"--num-experts with {what} is not supported yet (issue 22); fix: drop {what.split()[0]}")

@@ -46,7 +46,8 @@ class ParamGatherOverlap:
 
     Args: ``chunks`` (this rank's model chunks, in order), ``buffers`` (the
     ``DataParallel.buffers``: ``ShardedBuffer`` objects of ZeRO stage 1 or 2), ``group`` (the DP
-    group, for a buffer that names no group of its own; expert buffers gather over theirs). Attributes: ``order`` (list of ``(buffer, bucket index)`` in issue order),
+    group, for a buffer that names no group of its own; expert buffers gather over theirs).
+    Attributes: ``order`` (list of ``(buffer, bucket index)`` in issue order),
     ``waits`` (buckets waited for by a forward pre-hook since construction), ``waits_all``
     (buckets waited for by ``wait_all``), ``starts`` (calls of ``start``).
 
