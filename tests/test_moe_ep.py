@@ -3,8 +3,8 @@ tokens dispatched to their experts' ranks by all-to-all or all-gather, expert pa
 reduced and ZeRO-sharded over the expert-data-parallel group.
 
 The model of tests/test_moe.py (LLaMA-style block with GQA, top-2 of 8 experts plus one shared
-expert, aux and z losses) under EP in {2, 4} with (tp, pp, dp) = (1, 1, 4) ZeRO-1 and ZeRO-3,
-(2, 1, 2) ZeRO-2, (1, 2, 2) interleaved, both dispatchers: 10 steps equal ``tests/reference.py``
+expert, aux and z losses) under EP in {2, 4} with (tp, pp, dp) = (1, 1, 4) ZeRO-1, 2 and 3,
+(2, 1, 2) ZeRO-0 and 2, (1, 2, 2) interleaved, both dispatchers: 10 steps equal ``tests/reference.py``
 within 1e-5 relative (losses, gradient norms, aux losses), and the expert of every token at
 every step equals the reference's (integers). Each step's all-to-all bytes over the world equal
 the closed form; each rank's expert model-state bytes equal the ZeRO formula with
@@ -21,13 +21,16 @@ from tests.test_moe import ARGS, _reference
 from tests.test_train import STEPS
 
 EP = "--expert-model-parallel-size"
-LAYOUTS = {  # name -> layout flags (model flags are tests/test_moe.py's ARGS)
+LAYOUTS = {  # name -> layout flags (model flags are tests/test_moe.py's ARGS); edp = dp / EP
     "dp4-ep2-zero1": ["--dp", "4", "--zero-stage", "1", EP, "2"],
-    "dp4-ep4-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "4"],
+    "dp4-ep2-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
+    "dp4-ep4-zero1": ["--dp", "4", "--zero-stage", "1", EP, "4"],
     "tp2-dp2-ep2-zero2": ["--tp", "2", "--dp", "2", "--zero-stage", "2", EP, "2"],
     "pp2-dp2-ep2-interleaved-zero1": ["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2",
                                       "--zero-stage", "1", EP, "2"],
-    "dp4-ep4-zero1-allgather": ["--dp", "4", "--zero-stage", "1", EP, "4", "--moe-token-dispatcher-type",
+    "dp4-ep4-zero3-allgather": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
+                                EP, "4", "--moe-token-dispatcher-type", "allgather"],
+    "dp4-ep2-zero2-allgather": ["--dp", "4", "--zero-stage", "2", EP, "2", "--moe-token-dispatcher-type",
                                 "allgather"],
     "tp2-dp2-ep2-zero0-allgather": ["--tp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
                                     "--moe-token-dispatcher-type", "allgather"],
@@ -176,6 +179,37 @@ def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
         assert held == zero_formula_bytes(padded, n, stage, 4, 4)
         assert r["terms"][-1] == (padded, n) or ep == 1
         assert r["state_bytes"] == r["formula"] == sum(zero_formula_bytes(psi, m, stage, 4, 4) for psi, m in r["terms"])
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher):
+    """At ep size 1 (group None) each dispatcher gives the EP-1 loop's output and gradients
+    bitwise: outputs scaled by the routing weights and added token by token in expert order."""
+    from megazero.moe.dispatch import DISPATCHERS
+
+    g = torch.Generator().manual_seed(3)
+    N, H, E, k = 12, 8, 4, 2
+    experts = {e: torch.nn.Linear(H, H, bias=False) for e in range(E)}
+    assigned = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    assigned[3, 1] = assigned[7, 0] = -1   # two dropped assignments
+    results = []
+    for way in ("loop", dispatcher):
+        x = torch.randn(N, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        w = torch.rand(N, k, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        for m in experts.values():
+            m.zero_grad()
+        if way == "loop":
+            out = torch.zeros_like(x)
+            for e, m in experts.items():
+                tok, slot = (assigned == e).nonzero(as_tuple=True)
+                out = out.index_add(0, tok, m(x[tok]) * w[tok, slot, None])
+        else:
+            out = DISPATCHERS[way](x, w, assigned, experts, E, None, 0)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, w.grad, [m.weight.grad.clone() for m in experts.values()]))
+    (o1, x1, w1, e1), (o2, x2, w2, e2) = results
+    assert torch.equal(o1, o2) and torch.equal(x1, x2) and torch.equal(w1, w2)
+    assert all(torch.equal(a, b) for a, b in zip(e1, e2))
 
 
 def test_expert_groups_are_carved_out_of_the_replicas():
