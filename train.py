@@ -57,6 +57,7 @@ from model.build import (build_gpt_config, build_model_chunks, check_from_hf, in
                          zero3_units)
 from model.evaluation import HarnessError
 from model.gpt import VOCAB_TENSORS, generate_greedy, moe_step_end
+from model.moe_state import expert_bias_state, load_expert_bias
 from model.hf import config_record
 
 
@@ -359,7 +360,8 @@ class Trainer:
         return self.checkpoints.save(
             root, self.state, self.optimizer, self.chunks, rng_states=self.chunks[0].rng_tracker.get_state(),
             extra=dict(model=model_signature(g), data=data_signature(self.cfg), gpt_config=config_record(g),
-                       tokenizer=tokenizer_record(self.cfg)),
+                       tokenizer=tokenizer_record(self.cfg),
+                       moe_expert_bias=expert_bias_state(self.chunks, self.groups, g)),
             after_write=self._save_fault(), wait=wait)
 
     def finish_save(self) -> None:
@@ -397,6 +399,7 @@ class Trainer:
         if resumed is None:
             return None
         self.state, meta = resumed
+        load_expert_bias(self.chunks, meta["extra"].get("moe_expert_bias", {}))
         tracker = self.chunks[0].rng_tracker
         if meta["rng_state"] is not None:
             tracker.set_state(meta["rng_state"])
@@ -578,8 +581,9 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     if trainer.groups.world_size > 1:
         rows = [None] * trainer.groups.world_size
         dist.all_gather_object(rows, row, group=trainer.groups.world)
+    experts = f" (expert parameters: N={trainer.replicas.edp_size})" if trainer.replicas.ep_size > 1 else ""
     monitor.log_model_state_table(rows, note=(
-        f"ZeRO-{trainer.cfg.zero.stage} formula on the padded Psi with N={trainer.replicas.dp_size}, "
+        f"ZeRO-{trainer.cfg.zero.stage} formula on the padded Psi with N={trainer.replicas.dp_size}{experts}, "
         f"{p_bytes}-byte params, {g_bytes}-byte grads, {m_bytes + 8} bytes/param fp32 optimizer state, "
         f"+ at most {bound} bytes of buckets{offload}"))
 

@@ -165,6 +165,23 @@ def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group
     return _REDUCE_SCATTER(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                      group: Group) -> torch.Tensor:
+    """Variable-size all-to-all along dim 0: rows ``[sum(in_splits[:j]), +in_splits[j])`` of
+    ``inp`` go to group rank j, which receives them at the rank's place in ``out`` (``out_splits``
+    rows from each rank, in group-rank order). Counted as ``counter["all_to_all"]``, the bytes of
+    ``inp`` (the rows kept on this rank included). At size 1 ``out`` is a copy of ``inp``.
+    Raises ValueError when the splits do not add up to the row counts. Returns ``out``."""
+    if sum(in_splits) != inp.shape[0] or sum(out_splits) != out.shape[0]:
+        raise ValueError(f"all_to_all_single: splits {in_splits} -> {out_splits} do not match "
+                         f"{inp.shape[0]} -> {out.shape[0]} rows")
+    if group_size(group) == 1:
+        return out.copy_(inp)
+    _count("all_to_all", inp, group)
+    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
 def all_gather_list(t: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """All ranks' copies of ``t`` (same shape everywhere), in group-rank order."""
     size = group_size(group)

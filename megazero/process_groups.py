@@ -7,6 +7,8 @@ torch.distributed at all: every group is ``None`` and every collective in
 ``megazero.topology.GROUPS`` and the embedding group, so each of them is a field here.
 ``replicas()`` is the view the data-parallel machinery (gradient reduction, ZeRO, the
 optimizer, checkpoint shards) takes: cp folded into dp, its ``dp`` the ``dp_cp`` group.
+With expert parallelism (``topology.ep > 1``) ``ep`` is the group the MoE layers dispatch
+tokens over and ``edp`` the group expert parameters are reduced and sharded over.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megazero.topology import GROUPS, Coord, Topology
+from megazero.topology import EXPERT_GROUPS, GROUPS, Coord, Topology
 
 Group = Optional[dist.ProcessGroup]
 
@@ -29,7 +31,8 @@ class ProcessGroups:
     Fields ``tp``, ``dp``, ``pp``, ``mp``, ``cp``, ``dp_cp`` (one per name in ``GROUPS``) and
     ``embedding`` are process groups (``None`` in a single-process run; ``embedding`` also on a
     middle stage). Two kinds with the same members share one group (``dp_cp`` is ``dp`` when
-    cp == 1).
+    cp == 1). ``ep`` and ``edp`` (expert parallel, expert data parallel; megazero/topology.py)
+    exist when ``topology.ep > 1``; else ``ep`` is None (the rank alone) and ``edp`` is ``dp_cp``.
     ``world`` is the default group (``None`` without distributed).
     """
 
@@ -43,6 +46,8 @@ class ProcessGroups:
     dp_cp: Group = None
     embedding: Group = None
     world: Group = None
+    ep: Group = None
+    edp: Group = None
 
     @staticmethod
     def single() -> "ProcessGroups":
@@ -73,13 +78,14 @@ class ProcessGroups:
         # a member list already made (dp_cp at cp 1) is not made twice. The group's kind is its
         # description, which NCCL's flight-recorder dumps show (megazero/runtime/flight_recorder.py).
         named = "group_desc" in inspect.signature(dist.new_group).parameters
-        for kind in (*GROUPS, "embedding"):
+        for kind in (*GROUPS, "embedding", *(EXPERT_GROUPS if topology.ep > 1 else ())):
             for ranks in topology.named_groups(kind):
                 if tuple(ranks) not in made:
                     made[tuple(ranks)] = dist.new_group(ranks=ranks, timeout=timeout,
                                                         **({"group_desc": kind} if named else {}))
                 if rank in ranks:
                     mine[kind] = made[tuple(ranks)]
+        mine.setdefault("edp", mine["dp_cp"])
         return ProcessGroups(topology=topology, rank=rank, world=dist.group.WORLD, **mine)
 
     # -- coordinates ---------------------------------------------------------------------
@@ -124,7 +130,26 @@ class ProcessGroups:
         return ProcessGroups(topology=self.topology.replica_topology(), rank=self.rank,
                              tp=self.tp, dp=self.dp_cp, pp=self.pp, mp=self.mp,
                              cp=None, dp_cp=self.dp_cp, embedding=self.embedding,
-                             world=self.world)
+                             world=self.world, ep=self.ep, edp=self.edp)
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel size (1 without expert parallelism)."""
+        return self.topology.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank: it holds experts ``[ep_rank E/ep, (ep_rank+1) E/ep)``."""
+        return self.topology.ep_rank(self.rank)
+
+    @property
+    def edp_size(self) -> int:
+        """Expert-data-parallel size: dp x cp / ep."""
+        return self.topology.size("dp") * self.cp_size // self.topology.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.topology.edp_rank(self.rank)
 
     @property
     def tp_rank(self) -> int:

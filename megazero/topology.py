@@ -26,6 +26,17 @@ defaulting to 1), its groups in ``GROUPS`` and a field per group in ``ProcessGro
 are adjacent, the layout with dp and cp merged into one "dp" of size ``dp * cp`` (index
 ``cp_rank + cp * dp_rank``) numbers the ranks the same way: ``replica_topology``.
 
+Expert parallelism (issue 22) is no dimension of its own: ``Topology(..., ep=EP)`` carves it out
+of the replica ranks, as Megatron-LM's expert rank order "tp-ep-dp-pp" does. With the replica
+index ``r' = cp_rank + cp * dp_rank`` (``replica_index``):
+
+    ep_rank  = r' % EP          (which E/EP experts the rank holds)
+    edp_rank = r' // EP         (expert data parallel: the replicas of those experts)
+
+The ``ep`` group is the EP ranks with the same ``r' // EP`` (and tp, pp); the ``edp`` group the
+``dp * cp / EP`` ranks with the same ``ep_rank``. At EP = 1 the ep group is the rank alone and the
+edp group is the replica group ``dp_cp``.
+
 This module imports no torch.distributed; it is the one place where the order is written.
 """
 from __future__ import annotations
@@ -41,6 +52,9 @@ ORDER = "tp-cp-dp-pp"
 GROUPS: dict[str, tuple[str, ...]] = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",),
                                        "mp": ("tp", "pp"), "cp": ("cp",), "dp_cp": ("dp", "cp")}
 """Named groups over sets of dimensions, in the order ``ProcessGroups.build`` creates them."""
+
+EXPERT_GROUPS = ("ep", "edp")
+"""Groups carved out of the dp x cp replicas by expert parallelism (module docstring)."""
 
 Over = Union[str, Sequence[str]]  # "dp", "dp-cp" or ("dp", "cp")
 
@@ -98,7 +112,8 @@ class Coord(Mapping):
 
 @dataclass(frozen=True, init=False, repr=False)
 class Topology:
-    """A layout of ``world_size = prod(sizes)`` ranks over named dimensions, innermost first.
+    """A layout of ``world_size = prod(sizes)`` ranks over named dimensions, innermost first,
+    and the expert-parallel size ``ep`` carved out of the dp x cp replicas (module docstring).
 
     ``Topology(tp, pp, dp)`` (the positional order of the command line's ``--tp/--pp/--dp``)
     lays them out in ``ORDER``; ``Topology(order="tp-cp-dp-pp", tp=2, cp=2)`` any other
@@ -111,8 +126,9 @@ class Topology:
     """
 
     dims: tuple[Dim, ...]
+    ep: int = 1
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, order: str = ORDER,
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, order: str = ORDER, ep: int = 1,
                  **sizes: int):
         names = order.split("-")
         if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
@@ -127,6 +143,10 @@ class Topology:
             if d.size < 1:
                 raise ValueError(f"--{d.name} must be >= 1, got {d.size}")
         object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "ep", ep)
+        replicas = self._size_or_1("dp") * self._size_or_1("cp")
+        if ep < 1 or replicas % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must be >= 1 and divide dp x cp = {replicas}")
 
     # -- sizes and coordinates -----------------------------------------------------------
     @property
@@ -214,12 +234,40 @@ class Topology:
         return _unique(self.embedding_group(r) for r in range(self.world_size))
 
     def named_groups(self, kind: str) -> list[list[int]]:
-        """All groups of ``kind``: a name in ``GROUPS`` or ``"embedding"``; ValueError otherwise."""
+        """All groups of ``kind``: a name in ``GROUPS``, ``"embedding"``, ``"ep"`` or ``"edp"``;
+        ValueError otherwise."""
         if kind == "embedding":
             return self.embedding_groups()
+        if kind in EXPERT_GROUPS:
+            return _unique(self.expert_group(r, kind) for r in range(self.world_size))
         if kind not in GROUPS:
-            raise ValueError(f"unknown group {kind!r}: known are {[*GROUPS, 'embedding']}")
+            raise ValueError(f"unknown group {kind!r}: known are {[*GROUPS, 'embedding', *EXPERT_GROUPS]}")
         return self.groups(GROUPS[kind])
+
+    # -- expert parallelism ----------------------------------------------------------------
+    def replica_index(self, rank: int) -> int:
+        """``cp_rank + cp * dp_rank``: the rank's index among the dp x cp replicas."""
+        c = self.coord(rank)
+        cp = c["cp"] if "cp" in self.names else 0
+        return cp + self._size_or_1("cp") * c["dp"]
+
+    def ep_rank(self, rank: int) -> int:
+        """Expert-parallel rank ``r' % ep``: the rank holds experts ``[ep_rank E/ep, (ep_rank+1) E/ep)``."""
+        return self.replica_index(rank) % self.ep
+
+    def edp_rank(self, rank: int) -> int:
+        """Expert-data-parallel rank ``r' // ep`` (index among the replicas of the same experts)."""
+        return self.replica_index(rank) // self.ep
+
+    def expert_group(self, rank: int, kind: str) -> list[int]:
+        """The ``"ep"`` or ``"edp"`` group of ``rank`` (module docstring), in increasing global
+        rank, which is increasing ep (edp) rank. ValueError for another kind."""
+        if kind not in EXPERT_GROUPS:
+            raise ValueError(f"unknown expert group {kind!r}: one of {EXPERT_GROUPS}")
+        same = self.edp_rank if kind == "ep" else self.ep_rank
+        members = [r for r in self.group(rank, ("dp", "cp") if "cp" in self.names else ("dp",))
+                   if same(r) == same(rank)]
+        return sorted(members)
 
     # The named groups of the three dimensions every caller knows: the group containing
     # ``rank`` (sorted), and all groups of a kind.
@@ -252,7 +300,7 @@ class Topology:
             raise ValueError(f"replica_topology needs cp right inside dp, {self} has {self.order!r}")
         sizes = {d.name: d.size for d in self.dims if d.name not in ("cp", "dp")}
         sizes["dp"] = self.size("dp") * self.size("cp")
-        return Topology(order="-".join(n for n in names if n != "cp"), **sizes)
+        return Topology(order="-".join(n for n in names if n != "cp"), ep=self.ep, **sizes)
 
     def tp_groups(self) -> list[list[int]]:
         return self.named_groups("tp")
@@ -271,7 +319,11 @@ class Topology:
         sizes = ", ".join(f"{d.name}={d.size}" for d in self.dims)
         order = "" if self.order == ORDER or "cp" not in self.names and self.order == "tp-dp-pp" \
             else f", order={self.order!r}"
-        return f"Topology({sizes}{order})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"Topology({sizes}{ep}{order})"
+
+    def _size_or_1(self, name: str) -> int:
+        return self.size(name) if name in self.names else 1
 
     def _index_of(self, name: str) -> int:
         for i, d in enumerate(self.dims):

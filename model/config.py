@@ -135,6 +135,9 @@ class GPTConfig:
     """DeepSeek-V3's aux-loss-free bias (sigmoid scores), updated once per step."""
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert-bias sign update."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """How tokens reach their experts' ranks under expert parallelism: ``alltoall`` or
+    ``allgather`` (megazero.moe.dispatch)."""
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

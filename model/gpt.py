@@ -44,6 +44,7 @@ from torch import nn
 from megazero import collectives as C
 from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention
 from megazero.context_parallel.sequence import SequenceInfo
+from megazero.moe.dispatch import DISPATCHERS, gather_rows
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
@@ -262,8 +263,7 @@ class ExpertMLP(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """Mixture-of-Experts MLP of one layer, every expert on this rank (issue 22, expert-parallel
-    size 1): ``[B, T, H] -> [B, T, H]``.
+    """Mixture-of-Experts MLP of one layer (issue 22): ``[B, T, H] -> [B, T, H]``.
 
     The router (``router.weight [E, H]``, replicated over tp) scores the micro-batch's ``B*T``
     tokens; ``megazero.moe.router.route`` picks each token's k experts and weights, and with a
@@ -281,14 +281,24 @@ class MoEMLP(nn.Module):
     ``aux_sum`` / ``z_sum`` (for the log) and the pre-drop ``token_counts [E]`` (for the expert
     bias, ``update_expert_bias``). ``record``: when a list, ``(experts [N, k], keep [N, k] or
     None)`` of every training forward is appended (tests).
+
+    Expert parallelism (``ep = (ep group, ep rank)`` with EP ranks): this rank holds the E/EP
+    experts ``[ep_rank E/EP, (ep_rank+1) E/EP)``, keyed by their global index (``experts["5"]``,
+    so names, initial values and checkpoints are those of EP = 1), and the assignments travel to
+    their experts' ranks and back (``megazero.moe.dispatch``, ``cfg.moe_token_dispatcher_type``);
+    routing, drops and losses stay on the rank that holds the tokens. The ``fc2`` biases of all
+    E experts are all-gathered over ep for the bias term (their gradients reduce-scattered back).
     """
 
-    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None):
+    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None, ep=None):
         super().__init__()
         self.cfg, self.group, E = cfg, group, cfg.num_experts
         tp = C.group_size(group)
+        self.ep_group, self.ep_rank = (None, 0) if ep is None else ep
+        local = E // C.group_size(self.ep_group)
         self.router = _Linear(E, cfg.hidden_size, False, cfg.params_dtype, device)
-        self.experts = nn.ModuleList(ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device) for _ in range(E))
+        self.experts = nn.ModuleDict({str(e): ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device)
+                                      for e in range(self.ep_rank * local, (self.ep_rank + 1) * local)})
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_experts = None if shared is None else ExpertMLP(cfg, shared, tp, device)
         state_device = torch.device("cpu") if state_device is None else state_device
@@ -315,17 +325,15 @@ class MoEMLP(nn.Module):
             weights = weights * keep
         weights = weights.to(x.dtype)
         inp, w_tp = copy_to_tp_region(flat, self.group), copy_to_tp_region(weights, self.group)
-        out = torch.zeros_like(flat)
         assigned = experts if keep is None else experts.masked_fill(~keep, -1)
-        for e, expert in enumerate(self.experts):
-            tok, slot = (assigned == e).nonzero(as_tuple=True)     # its tokens, in token order
-            y = expert(inp[tok]) * w_tp[tok, slot, None]
-            out = out.index_add(0, tok, y)
+        out = self._routed(inp, w_tp, assigned)                                      # (N, H), partial over tp
         if self.shared_experts is not None:
             out = out + self.shared_experts(inp)
         out = reduce_from_tp_region(out, self.group)                                 # (N, H)
         if cfg.add_bias_linear:
-            b2 = torch.stack([ex.fc2.bias for ex in self.experts])                   # (E, H)
+            b2 = torch.stack([ex.fc2.bias for ex in self.experts.values()])          # (E/EP, H)
+            if self.ep_group is not None:
+                b2 = gather_rows(b2, self.ep_group)                                  # (E, H)
             out = out + (weights[..., None] * b2[experts]).sum(1)
             if self.shared_experts is not None:
                 out = out + self.shared_experts.fc2.bias
@@ -336,6 +344,26 @@ class MoEMLP(nn.Module):
             if self.record is not None:
                 self.record.append((experts.detach().clone(), None if keep is None else keep.clone()))
         return out.view(B, T, H)
+
+    def _routed(self, inp: torch.Tensor, w_tp: torch.Tensor, assigned: torch.Tensor) -> torch.Tensor:
+        """The routing-weighted sum of each token's kept experts, ``(N, H)`` partial over tp:
+        every expert here on its tokens (gather, expert MLP, scale, ``index_add`` in expert
+        order), or through the ep group's dispatcher."""
+        if self.ep_group is not None:
+            dispatch = DISPATCHERS[self.cfg.moe_token_dispatcher_type]
+            return dispatch(inp, w_tp, assigned, self.experts_by_index, self.cfg.num_experts, self.ep_group,
+                            self.ep_rank)
+        out = torch.zeros_like(inp)
+        for name, expert in self.experts.items():
+            tok, slot = (assigned == int(name)).nonzero(as_tuple=True)     # its tokens, in token order
+            y = expert(inp[tok]) * w_tp[tok, slot, None]
+            out = out.index_add(0, tok, y)
+        return out
+
+    @property
+    def experts_by_index(self) -> dict:
+        """This rank's experts by global index."""
+        return {int(name): ex for name, ex in self.experts.items()}
 
     def _auxiliary_losses(self, out: torch.Tensor, logits: torch.Tensor, routing, seq_length: int) -> torch.Tensor:
         """``out`` carrying this micro-batch's load-balancing and z-loss into the backward."""
@@ -373,15 +401,16 @@ class MoEMLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block with residual dropout (``hidden_dropout``); its MLP is an
-    ``MoEMLP`` when ``moe`` (``state_device``: where the MoE's counters and expert bias live)."""
+    ``MoEMLP`` when ``moe`` (``state_device``: where the MoE's counters and expert bias live;
+    ``ep``: its (expert-parallel group, ep rank), None without expert parallelism)."""
 
     def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None,
-                 rope: Optional[RotaryTable] = None, moe: bool = False, state_device=None):
+                 rope: Optional[RotaryTable] = None, moe: bool = False, state_device=None, ep=None):
         super().__init__()
         self.ln1 = _norm(cfg, device)
         self.attn = Attention(cfg, group, sp, tracker, device, cp, rope)
         self.ln2 = _norm(cfg, device)
-        self.mlp = MoEMLP(cfg, group, device, state_device) if moe else MLP(cfg, group, sp, device)
+        self.mlp = MoEMLP(cfg, group, device, state_device, ep) if moe else MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.region = "tp" if sp else "replicated"
 
@@ -463,8 +492,9 @@ class GPTStage(nn.Module):
             self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, meta)
         cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
         rope = RotaryTable.for_model(cfg, self.device) if cfg.position_embedding_type == "rope" else None
+        ep = (groups.ep, groups.ep_rank) if groups.ep_size > 1 else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker, meta, cp, rope,
-                                                   moe=cfg.is_moe_layer(i), state_device=self.device)
+                                                   moe=cfg.is_moe_layer(i), state_device=self.device, ep=ep)
                                      for i in self.layer_ids})
         if post:
             self.final_ln = _norm(cfg, meta)
@@ -488,6 +518,8 @@ class GPTStage(nn.Module):
                 tags.set_partitioned(p, e.partition_dim, e.partition_stride)
             else:
                 tags.set_replicated(p, sequence_parallel=self.sp)
+            if self.groups.ep_size > 1 and ".mlp.experts." in name:
+                tags.set_expert_parallel(p)
             tags.set_weight_decay(p, e.weight_decay)
             if tuple(local) != tuple(p.shape):
                 raise ValueError(f"{name}: spec gives a partition of shape {tuple(local)}, the "

@@ -381,7 +381,8 @@ def train_reference(full_weights: dict[str, torch.Tensor],
     Returns ``list[float]`` (the cross-entropy, without MoE auxiliary losses), or ``(losses,
     model)`` when ``return_model``. ``stats``: a dict to fill with each step's ``grad_norms`` (the
     global norm before clipping) and ``aux_losses``, the first step's MoE ``assignments`` (per MoE
-    layer, per token group ``(experts [N, k], keep [N, k])``) and ``expert_bias``: after each step,
+    layer, per token group ``(experts [N, k], keep [N, k])``; every step's in ``assignment_steps``)
+    and ``expert_bias``: after each step,
     per MoE layer, its bias (None without one).
     """
     from megazero.moe.router import expert_bias_update
@@ -408,7 +409,7 @@ def train_reference(full_weights: dict[str, torch.Tensor],
         opt.zero_grad(set_to_none=True)
         moe = model.moe_layers()
         for m in moe:
-            m.record = [] if stats is not None and step == 0 else None
+            m.record = [] if stats is not None else None
         loss = model.loss(tokens, labels, **(packing or {}))
         loss.backward()
         if stats is not None:
@@ -427,6 +428,7 @@ def train_reference(full_weights: dict[str, torch.Tensor],
                                                          for m in moe])
             if step == 0:
                 stats["assignments"] = [m.record for m in moe]
+            stats.setdefault("assignment_steps", []).append([m.record for m in moe])
         losses.append(model.cross_entropy.item())
     return (losses, model) if return_model else losses
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.process_groups import ProcessGroups
+from megazero.tensor_parallel import tags
 
 if TYPE_CHECKING:
     from megazero.data_parallel.host_memory import HostArena
@@ -232,11 +233,12 @@ def _atomic_save(obj, path: str) -> None:
 
 def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
     """(``{key: [Chunk]}``, ``{key: full shape}``): the owned runs this rank writes (replicated
-    copies once, ``checkpoint_shards.writes_here``), views of the optimizer's state."""
+    copies once, ``checkpoint_shards.writes_here``: an expert-parallel parameter once per ep
+    rank, by its first expert-data-parallel replica), views of the optimizer's state."""
     shards = _shards()
     sharded = optimizer.ddp.strategy.sharded_over_dp
     mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: shards.writes_here(
-        p, groups.tp_rank, groups.dp_rank, sharded))
+        p, groups.tp_rank, groups.edp_rank if tags.is_expert_parallel(p) else groups.dp_rank, sharded))
     return mine, {f"{name}/{k}": shape for name, (_, shape) in params.items() for k in shards.STATE_KEYS}
 
 

@@ -157,11 +157,11 @@ def _check_swiglu_width(cfg: Config, world_size: int) -> None:
 
 
 def _check_moe(cfg: Config, world_size: int) -> None:
-    """Mixture of Experts (issue 22, no expert parallelism yet): top-k <= E (Megatron-LM's
-    rule), the expert bias with sigmoid scores only, and the combinations not built yet refused
+    """Mixture of Experts (issue 22): top-k <= E (Megatron-LM's
+    rule), the expert bias with sigmoid scores only, expert parallelism
+    (``_check_expert_parallel``), and the combinations not built yet refused
     by name: sequence parallelism and context parallelism (the router sees the micro-batch's
-    whole sequences), full recomputation (the router would count a recomputed forward twice)
-    and --save with the expert bias (the bias is a tensor checkpoints do not hold yet).
+    whole sequences) and full recomputation (the router would count a recomputed forward twice).
     --from-hf reads Mixtral / Qwen2-MoE folders (model/hf_moe.py)."""
     m, p = cfg.model, cfg.parallel
     if m.num_experts is None:
@@ -173,13 +173,30 @@ def _check_moe(cfg: Config, world_size: int) -> None:
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
                           f"(this run: {m.moe_router_score_function}); fix: add --moe-router-score-function sigmoid")
+    _check_expert_parallel(cfg)
     refused = [("--sequence-parallel", p.sequence_parallel), (f"--cp {p.cp}", p.cp > 1),
-               ("--recompute-granularity full", m.recompute_granularity == "full"),
-               ("--save with --moe-router-enable-expert-bias",
-                m.moe_router_enable_expert_bias and cfg.train.save is not None)]
+               ("--recompute-granularity full", m.recompute_granularity == "full")]
     for what, given in refused:
         if given:
             raise ConfigError(f"--num-experts with {what} is not supported yet (issue 22); fix: drop {what.split()[0]}")
+
+
+def _check_expert_parallel(cfg: Config) -> None:
+    """Expert parallelism (Megatron-LM's rules): EP divides E (each rank holds E/EP whole experts)
+    and the dp x cp replica ranks it is carved out of; experts are sliced over tp as the dense
+    MLP, so an --expert-tensor-parallel-size other than --tp is refused by name."""
+    m, p = cfg.model, cfg.parallel
+    ep, replicas = p.expert_model_parallel_size, p.dp * p.cp
+    if m.num_experts % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide --num-experts {m.num_experts}; "
+                          f"fix: choose a divisor of {m.num_experts}")
+    if replicas % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data x context parallel size "
+                          f"{p.dp} x {p.cp} = {replicas}; fix: choose a divisor of {replicas}")
+    etp = p.expert_tensor_parallel_size
+    if etp is not None and etp != p.tp:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} other than --tp {p.tp} is not supported (experts "
+                          f"are sliced over tp as the dense MLP); fix: drop it or set it to {p.tp}")
 
 
 def _check_recompute(cfg: Config, world_size: int) -> None:

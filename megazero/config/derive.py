@@ -161,6 +161,8 @@ def overlap_param_gather(cfg: Config) -> bool:
 
 def layout_topology(cfg: Config) -> Topology:
     """The rank layout of a finalized config: ``Topology(tp, pp, dp, cp)`` in the order
-    tp-cp-dp-pp (megazero/topology.py); one place, so no caller forgets a dimension."""
+    tp-cp-dp-pp (megazero/topology.py) with the expert-parallel size carved out of dp x cp
+    (an MoE model's ``--expert-model-parallel-size``); one place, so no caller forgets a dimension."""
     p = cfg.parallel
-    return Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    ep = p.expert_model_parallel_size if cfg.model.num_experts is not None else 1
+    return Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=ep)

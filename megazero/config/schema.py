@@ -163,6 +163,10 @@ class ModelConfig:
     moe_router_bias_update_rate: float = _f(1e-3, "step of the expert-bias update", "", gt=0,
                                             applies=(_MOE, Needs("model.moe_router_enable_expert_bias", (True,),
                                                                  wanted="--moe-router-enable-expert-bias")))
+    moe_token_dispatcher_type: str = _f(
+        "alltoall", "how tokens reach their experts' ranks under --expert-model-parallel-size > 1: alltoall = "
+        "each (token, expert) sent to the expert's rank and back, allgather = every rank sees the ep group's "
+        "tokens and the outputs are reduce-scattered", choices=("alltoall", "allgather"), applies=_MOE)
     recompute_granularity: Optional[str] = _f(
         None, "activation recomputation: selective = the attention core, full = whole layers "
         "(Korthikanti et al. 2022); None = keep every activation", choices=("selective", "full"))
@@ -196,6 +200,13 @@ class ParallelConfig:
     pipeline_layer_split: Optional[list[int]] = _f(
         None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=parse_layer_split,
         applies=Needs("parallel.pp", above=1))
+    expert_model_parallel_size: int = _f(
+        1, "expert-parallel size EP, carved out of the dp x cp ranks: each rank holds E/EP experts of every MoE "
+        "layer; expert parameters reduce over the dp x cp / EP expert-data-parallel ranks", "ranks", ge=1,
+        applies=_MOE)
+    expert_tensor_parallel_size: Optional[int] = _f(
+        None, "tensor-parallel size of the experts; None = --tp (the only size built: experts sliced as the "
+        "dense MLP)", "ranks", ge=1, applies=_MOE)
     sequence_parallel: bool = _f(False, "partition LayerNorm/dropout activations along the sequence over tp")
     async_tensor_model_parallel_allreduce: bool = _f(
         True, "overlap the column-parallel layers' input-gradient all-reduce with their weight-gradient "

@@ -23,6 +23,13 @@ results are bit-identical. All reductions are SUM then divide by N (never ``Redu
 and the tied-embedding gradients over ``groups.embedding``, coalesced, on the owned runs.
 Weights tied across pipeline stages get a buffer of their own, laid out identically on the
 first and last stage, so the two copies' owned runs match range for range.
+
+Expert parallelism (issue 22): the routed experts' parameters (``tags.is_expert_parallel``) get
+buffers of their own, reduced and sharded over ``groups.edp`` (the dp x cp / EP ranks holding
+the same experts) instead of ``groups.dp``. Their gradient already sums the tokens of the whole
+ep group (the dispatch's backward), so it is divided by the full replica count N like every
+other gradient: each buffer carries its ``group`` (reduction and sharding) and its ``divisor``
+(always N, Megatron-LM's gradient scaling of expert parameters).
 """
 from __future__ import annotations
 
@@ -48,7 +55,8 @@ class DataParallel:
 
     Args:
         chunks: this rank's model chunks (one per virtual pipeline stage), in order.
-        groups: process groups (uses ``dp``, ``tp``, ``embedding``).
+        groups: process groups (uses ``dp``, ``tp``, ``embedding``, and ``edp`` for expert-parallel
+            parameters).
         zero_stage: 0 (all-reduce), 1 (reduce-scatter, full gradient buffer), 2
             (reduce-scatter per micro-batch, gradient shard only) or 3 (stage 2 plus parameter
             shards, gathered per unit around its forward and backward: ``zero3_gather.py``).
@@ -155,15 +163,17 @@ class DataParallel:
         self.params.extend(params)
 
     def _add_buffers(self, cid: int, params: list, bucket_size: int, strategy, values=None) -> list:
-        """One ShardedBuffer per (tied across stages, dtype) group of ``params``, its values
+        """One ShardedBuffer per (tied across stages, dtype, expert-parallel) group of ``params``, its values
         from ``values(p)`` (default: each parameter's own)."""
         groups: dict[tuple, list] = {}
         for p in params:
-            groups.setdefault((tags.is_shared_embedding(p), p.dtype), []).append(p)
+            groups.setdefault((tags.is_shared_embedding(p), p.dtype, tags.is_expert_parallel(p)), []).append(p)
         made = []
-        for (shared, _), members in groups.items():
-            layout = GradBuffer(members, bucket_size, self.dp_size, self.dp_rank)
-            buf = ShardedBuffer(layout, cid, shared, strategy, self.grad_dtype, values)
+        for (shared, _, expert), members in groups.items():
+            group = self.groups.edp if expert else self.groups.dp
+            layout = GradBuffer(members, bucket_size, C.group_size(group), C.group_rank(group))
+            buf = ShardedBuffer(layout, cid, shared, strategy, self.grad_dtype, values, group=group,
+                                divisor=self.dp_size)
             self.buffers.append(buf)
             made.append(buf)
             for i, p in enumerate(layout.params):
@@ -227,7 +237,7 @@ class DataParallel:
                 buf.next_issue = 0
 
     def _issue(self, buf: ShardedBuffer, k: int) -> None:
-        work, staged = self.strategy.start_reduce(buf, k, self.groups.dp, self.overlap)
+        work, staged = self.strategy.start_reduce(buf, k, buf.group, self.overlap)
         self._pending.append((buf, k, work, staged))
         limit = self.strategy.in_flight_limit(self.overlap, self.buckets_in_flight,
                                               len(self._pending))
@@ -239,7 +249,7 @@ class DataParallel:
         if work is not None:
             work.wait()
         with torch.no_grad():
-            self.strategy.finish_reduce(buf, k, staged, self.dp_size)
+            self.strategy.finish_reduce(buf, k, staged, buf.divisor)
         base = None if staged is None else staged._base
         if base is not None and base.data_ptr() in self._pool:
             self._free.append(base)
@@ -304,7 +314,7 @@ class DataParallel:
         if self.zero3 is not None:
             self.zero3.release_all()
         for buf in self.buffers:
-            self.strategy.finish_sync(buf, self.dp_size)
+            self.strategy.finish_sync(buf, buf.divisor)
         *_, peak = finalize_model_grads(self._owned_param_grads(), self.groups.tp,
                                         self.groups.embedding, self.bucket_size)
         self.peak_temp_bytes = max(self.peak_temp_bytes, peak)

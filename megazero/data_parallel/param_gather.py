@@ -46,7 +46,8 @@ class ParamGatherOverlap:
 
     Args: ``chunks`` (this rank's model chunks, in order), ``buffers`` (the
     ``DataParallel.buffers``: ``ShardedBuffer`` objects of ZeRO stage 1 or 2), ``group`` (the DP
-    group). Attributes: ``order`` (list of ``(buffer, bucket index)`` in issue order),
+    group, for a buffer that names no group of its own; expert buffers gather over theirs).
+    Attributes: ``order`` (list of ``(buffer, bucket index)`` in issue order),
     ``waits`` (buckets waited for by a forward pre-hook since construction), ``waits_all``
     (buckets waited for by ``wait_all``), ``starts`` (calls of ``start``).
 
@@ -135,7 +136,8 @@ class ParamGatherOverlap:
             if fill is not None:
                 fill(b.shard_local.start, b.shard_local.end, shard)
             full = buf.params_flat[b.range.start:b.range.end]
-            self._pending.append(C.all_gather_into(full, shard, self.group, async_op=True))
+            group = self.group if buf.group is None else buf.group
+            self._pending.append(C.all_gather_into(full, shard, group, async_op=True))
 
     def pending(self) -> int:
         """All-gathers issued and not yet waited for."""

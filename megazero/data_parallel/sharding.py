@@ -272,12 +272,18 @@ class ShardedBuffer:
     parameter's ``.data`` a view of it (``strategy.init_params``; ZeRO-3 copies only this rank's
     shard). ``main_is_param``: the parameters are fp32, so the optimizer updates them in place
     as its main params. ``device``: where the parameters live (that of the first parameter).
+    ``group``: the data-parallel group the buffer is reduced and sharded over (its size is the
+    layout's ``dp_size``; the expert-data-parallel group for expert parameters); ``divisor``:
+    what the summed gradient is divided by (the number of replicas whose losses it sums;
+    default the group size).
     """
 
     def __init__(self, layout: GradBuffer, chunk_id: int, shared: bool,
                  strategy: ShardingStrategy, grad_dtype: torch.dtype,
-                 values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+                 values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, *,
+                 group=None, divisor: Optional[int] = None):
         self.layout, self.chunk_id, self.shared, self.strategy = layout, chunk_id, shared, strategy
+        self.group, self.divisor = group, layout.dp_size if divisor is None else divisor
         first = layout.params[0]
         self.param_dtype, self.device = first.dtype, first.device
         self.main_is_param = first.dtype == torch.float32
@@ -318,8 +324,8 @@ class ShardedBuffer:
         return sum(t.numel() * t.element_size() for t in (self.params_flat, self.params_shard)
                    if t is not None)
 
-    def gather_params(self, fill_shard: Callable, chunk_numel: int, group,
-                      dp_size: int) -> int:
-        """See :meth:`ShardingStrategy.gather_params`; returns the temporary bytes used."""
-        return self.strategy.gather_params(self, fill_shard, chunk_numel, group, dp_size)
+    def gather_params(self, fill_shard: Callable, chunk_numel: int) -> int:
+        """See :meth:`ShardingStrategy.gather_params` (over this buffer's ``group``); returns
+        the temporary bytes used."""
+        return self.strategy.gather_params(self, fill_shard, chunk_numel, self.group, self.layout.dp_size)
 

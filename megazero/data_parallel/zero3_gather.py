@@ -93,7 +93,7 @@ def _in_backward() -> bool:
 class Zero3Gather:
     """The gather/prefetch/release schedule of one ``DataParallel`` at ZeRO-3.
 
-    Args: ``ddp`` (its ``strategy``, ``groups.dp``, byte counters), ``options``
+    Args: ``ddp`` (its ``strategy``, each buffer's ``group``, byte counters), ``options``
     (:class:`Zero3Options`). Attributes: ``units``, ``live`` (gathered or in-flight
     elements now), ``peak_live`` (its high-water mark), ``prefetches`` (units prefetched).
     """
@@ -134,7 +134,7 @@ class Zero3Gather:
         if self._gathered(u):
             return
         for b in u.buffers:
-            self.ddp.strategy.start_gather(b, self.ddp.groups.dp, async_op)
+            self.ddp.strategy.start_gather(b, b.group, async_op)
         self.live += u.numel
         self.peak_live = max(self.peak_live, self.live)
         ddp = self.ddp

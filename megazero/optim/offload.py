@@ -152,9 +152,11 @@ class HostOffloadOptimizer(DistributedOptimizer):
         """As the base class, with the optimizer's fp32 state on the host
         (:func:`offload_formula_bytes`): the total is device + host, main params 4 bytes per
         owned element (kept on the host even for an fp32 model), and the note gives both sides."""
-        padded = sum(b.layout.padded_numel for b in self.ddp.buffers)
-        split = offload_formula_bytes(padded, self.ddp.dp_size, self.ddp.strategy.stage, self._model_bytes(),
-                                      self.ddp.grad_dtype.itemsize)
+        split = {"device": 0.0, "host": 0.0}
+        for psi, n in self.formula_terms():
+            part = offload_formula_bytes(psi, n, self.ddp.strategy.stage, self._model_bytes(),
+                                         self.ddp.grad_dtype.itemsize)
+            split = {k: split[k] + part[k] for k in split}
         return dict(total=split["device"] + split["host"], main_bytes=4, note=(
             f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
             f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)"))

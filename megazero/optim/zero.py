@@ -152,7 +152,13 @@ class DistributedOptimizer:
         """The views every step works on, taken once (``megazero/optim/step_lists.py``): the
         overflow check's gradients, the norm's counted runs, the update windows."""
         self._flag_grads = [pc.grad for pc in self.pieces]
-        self._counted = counted_views(self.pieces)
+        # every element once: ZeRO shards are disjoint over the world; unsharded (stage 0) buffers
+        # are summed over the model-parallel group, or, with expert parallelism (expert buffers
+        # differ across the ep ranks), over the world from the first replica of each buffer
+        self._sharded_norm = self.ddp.strategy.sharded_over_dp or self.groups.ep_size > 1
+        counted = [pc for pc in self.pieces if self.ddp.strategy.sharded_over_dp or self.groups.ep_size == 1
+                   or pc.buffer.layout.dp_rank == 0]
+        self._counted = counted_views(counted)
         self._scratch_numel = self._scratch_size()
         self._scratch = (torch.empty(self._scratch_numel, dtype=torch.float32, device=self.device)
                          if self._scratch_numel else None)
@@ -240,7 +246,7 @@ class DistributedOptimizer:
         flag = non_finite_flag(self._flag_grads).to(self.device)             # 2
         C.all_reduce_max(flag, self.groups.world)
         sq = reduce_squared_sum(self._counted, self.groups, device=self.device,   # 4
-                                sharded_over_dp=self.ddp.strategy.sharded_over_dp)
+                                sharded_over_dp=self._sharded_norm)
         overflow, squares = torch.cat([flag.double(), sq]).tolist()   # the step's host sync
         if overflow > 0:
             self._skip(scale)
@@ -300,20 +306,19 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _update_model_params(self) -> None:
-        dp = self.ddp.dp_size
         if self.param_gather is not None:
             self.param_gather.start({id(buf): None if buf.main_is_param else self._shard_filler(buf, m)
                                      for buf, m in zip(self.ddp.buffers, self.main_offsets)})
             return
         for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
             used = buf.gather_params(self._shard_filler(buf, mbase),
-                                     max(1, self.allgather_bucket_size // dp), self.groups.dp, dp)
+                                     max(1, self.allgather_bucket_size // buf.layout.dp_size))
             self.peak_step_bytes = max(self.peak_step_bytes, used)
 
     def _shard_filler(self, buf: ShardedBuffer, mbase: Optional[int]):
         """``fill(a, b, out)``: this rank's updated values of ``buf``'s local ``[a, b)`` into
         ``out`` (model dtype)."""
-        rank = self.ddp.dp_rank
+        rank = buf.layout.dp_rank
 
         def fill(a: int, b: int, out: torch.Tensor) -> None:
             if mbase is not None:
@@ -358,10 +363,18 @@ class DistributedOptimizer:
         (0 for an fp32 model, whose parameters are its main params) and what the table adds
         to the formula's description (empty here; offload names its host part).
         """
-        padded = sum(b.layout.padded_numel for b in self.ddp.buffers)
         p, g = self._model_bytes(), self.ddp.grad_dtype.itemsize
-        return dict(total=zero_formula_bytes(padded, self.ddp.dp_size, self.ddp.strategy.stage, p, g),
-                    main_bytes=0 if p == 4 else 4, note="")
+        total = sum(zero_formula_bytes(psi, n, self.ddp.strategy.stage, p, g) for psi, n in self.formula_terms())
+        return dict(total=total, main_bytes=0 if p == 4 else 4, note="")
+
+    def formula_terms(self) -> list[tuple[int, int]]:
+        """``(Psi, N)`` per kind of buffer: the padded elements of the buffers sharded over the
+        dp x cp replicas with N their count, and (expert parallelism) those of the expert
+        buffers with N the expert-data-parallel size (megazero/data_parallel/ddp.py)."""
+        by_n: dict[int, int] = {}
+        for b in self.ddp.buffers:
+            by_n[b.layout.dp_size] = by_n.get(b.layout.dp_size, 0) + b.layout.padded_numel
+        return [(psi, n) for n, psi in sorted(by_n.items(), reverse=True)]
 
     def _model_bytes(self) -> int:
         """Bytes per element of the model's parameters (their dtype)."""
@@ -396,8 +409,8 @@ class DistributedOptimizer:
 
     def _gather_bound_bytes(self) -> int:
         """The most temporary bytes of the step's parameter all-gather (phase 6)."""
-        n = self.ddp.dp_size
-        return max(buf.strategy.gather_bound_bytes(buf, max(1, self.allgather_bucket_size // n), n)
+        return max(buf.strategy.gather_bound_bytes(buf, max(1, self.allgather_bucket_size // buf.layout.dp_size),
+                                                   buf.layout.dp_size)
                    for buf in self.ddp.buffers)
 
     # -- checkpoint state ----------------------------------------------------------------

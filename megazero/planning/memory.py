@@ -73,10 +73,16 @@ class ModelSizes(Protocol):
 
 
 def params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
-                    layer_split=None) -> int:
+                    layer_split=None, ep: int = 1) -> int:
     """Parameters (elements) held by one rank of stage ``pp_rank`` (all its chunks), summed
-    from ``g.parameter_spec(tp)`` over the layers, embedding and head of each chunk."""
+    from ``g.parameter_spec(tp)`` over the layers, embedding and head of each chunk. With
+    expert parallelism ``ep`` a rank holds E/ep of each MoE layer's routed experts (every ep
+    rank the same number: those of ep rank 0 are counted)."""
     spec = g.parameter_spec(tp)
+    if ep > 1:
+        local = g.num_experts // ep
+        spec = [e for e in spec if ".mlp.experts." not in e.name
+                or int(e.name.split(".mlp.experts.")[1].split(".")[0]) < local]
     return sum(params_on_chunk(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split),
                                partition.is_pre_process(pp_rank, v),
                                partition.is_post_process(pp_rank, pp, v, vp_size), tp)

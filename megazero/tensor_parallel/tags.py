@@ -44,6 +44,18 @@ def set_shared_embedding(param: torch.Tensor, counted_here: bool) -> torch.Tenso
     return param
 
 
+def set_expert_parallel(param: torch.Tensor) -> torch.Tensor:
+    """Tag a parameter of a routed expert held by this expert-parallel rank alone (issue 22):
+    its gradient is reduced and its optimizer state sharded over the expert-data-parallel
+    group, not over all dp x cp replicas (Megatron-LM marks these ``allreduce = False``)."""
+    param.expert_parallel = True
+    return param
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "expert_parallel", False))
+
+
 def set_weight_decay(param: torch.Tensor, decays: bool) -> torch.Tensor:
     """Tag whether AdamW decays ``param`` (the model's parameter spec decides); returns it."""
     param.weight_decay = decays

@@ -1,0 +1,165 @@
+"""Token dispatch for expert parallelism (issue 22): each (token, chosen expert) assignment of a
+micro-batch reaches the rank holding that expert and its output comes back.
+
+Expert parallelism (GShard, Lepikhin et al. 2021, sec. 3.2; Megatron-LM's
+``--expert-model-parallel-size``) gives each of the EP ranks of an ``ep`` group ``E/EP``
+experts (global indices ``[ep_rank E/EP, (ep_rank+1) E/EP)``). Every rank routes its own tokens
+with the replicated router, so routing, capacity drops and the load-balancing losses are those
+of expert-parallel size 1; only where the experts run changes. Two dispatchers, Megatron-LM's
+``--moe-token-dispatcher-type``:
+
+- :func:`alltoall_experts`: the kept assignments, sorted by expert (token order inside an
+  expert), are sent to their expert's rank: first the counts (``[E]`` int64 per rank, one
+  all-to-all), then the tokens (one variable-size ``all_to_all_single``); each local expert runs
+  on what it received, and the outputs return by the reverse all-to-all. Per MoE layer and
+  micro-batch a rank puts ``8 E + 4 H (S + R)`` bytes (fp32) into all-to-alls in the forward
+  and ``4 H (S + R)`` in the backward, with ``S`` the assignments it sends and ``R`` those it
+  receives; over the ep group sum R = sum S.
+- :func:`allgather_experts`: the ep group's tokens, weights and assignments are all-gathered,
+  each rank computes its local experts on every token routed to them, and the partial outputs
+  are reduce-scattered back (summed over the ep ranks).
+
+Both return ``[N, W]``: the routing-weighted sum over each token's kept assignments of the
+expert outputs, the same arithmetic as the loop of ``model.gpt.MoEMLP`` at EP = 1 (outputs
+scaled by their weights and added token by token in expert order). The exchanges are autograd
+Functions (an all-to-all's backward is the all-to-all with the splits swapped; all-gather and
+reduce-scatter are each other's backward), so the expert gradients sum the tokens of every
+ep rank and the routing weights' gradients return to the router that made them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from megazero import collectives as C
+
+Expert = Callable[[torch.Tensor], torch.Tensor]   # rows [n, H] -> outputs [n, W]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``[sum(in_splits), ...]`` -> ``[sum(out_splits), ...]`` over ``group``; backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        return C.all_to_all_single(out, x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        return C.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """``[n, ...]`` of every ep rank -> ``[EP n, ...]`` in group-rank order; backward: the SUM
+    reduce-scatter of the gradient (this rank's rows of every rank's contribution)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_rows_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """``[EP n, ...]`` -> the SUM over the ep ranks of this rank's ``[n, ...]`` rows; backward:
+    the all-gather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows_raw(grad, ctx.group), None
+
+
+def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """``[n, ...]`` of every rank of ``group`` -> ``[size n, ...]`` in group-rank order; with
+    autograd (:class:`_GatherRows`) when ``x`` requires grad."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _GatherRows.apply(x, group)
+    return _gather_rows_raw(x, group)
+
+
+def _gather_rows_raw(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.new_empty((C.group_size(group) * x.shape[0], *x.shape[1:]))
+    C.all_gather_into(out.view(-1), x.contiguous().view(-1), group)
+    return out
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // C.group_size(group), *x.shape[1:]))
+    C.reduce_scatter_sum(out.view(-1), x.contiguous().view(-1), group)
+    return out
+
+
+def _sorted_assignments(assigned: torch.Tensor):
+    """The kept assignments of ``assigned [N, k]`` (-1 = dropped) sorted by expert, token order
+    inside an expert: ``(token [S], slot [S], expert [S])`` int64."""
+    tok, slot = (assigned >= 0).nonzero(as_tuple=True)              # token-major
+    expert = assigned[tok, slot]
+    order = torch.sort(expert, stable=True).indices
+    return tok[order], slot[order], expert[order]
+
+
+def alltoall_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
+                     experts: Mapping[int, Expert], num_experts: int, group, ep_rank: int) -> torch.Tensor:
+    """The weighted expert outputs of this rank's tokens through the all-to-all dispatcher
+    (module docstring): ``x [N, H]``, ``weights [N, k]`` (the routing weights), ``assigned
+    [N, k]`` (int64 expert of each assignment, -1 for a dropped one); ``experts`` this rank's
+    experts by global index (``E/EP`` of them, ``ep_rank``'s block), each run on every row it
+    receives (also on none, so its gradients arrive). Returns ``[N, W]``."""
+    ep = C.group_size(group)
+    local = num_experts // ep
+    tok, slot, expert = _sorted_assignments(assigned)
+    counts = torch.bincount(expert, minlength=num_experts)                           # [E] to each expert
+    recv_counts = torch.empty_like(counts)
+    C.all_to_all_single(recv_counts, counts, [local] * ep, [local] * ep, group)      # [EP sources x E/EP]
+    send_rows = counts.view(ep, local).sum(1).tolist()
+    recv_matrix = recv_counts.view(ep, local)
+    recv_rows = recv_matrix.sum(1).tolist()
+    received = _AllToAll.apply(x[tok], recv_rows, send_rows, group)                   # [R, H], source-major
+    # reorder expert-major (source order inside an expert), run each local expert, restore the order
+    starts = torch.cumsum(recv_matrix.reshape(-1), 0) - recv_matrix.reshape(-1)
+    starts, sizes = starts.view(ep, local).tolist(), recv_matrix.tolist()
+    perm, outs = [], []
+    for j in range(local):
+        rows = [torch.arange(starts[s][j], starts[s][j] + sizes[s][j], device=x.device) for s in range(ep)]
+        rows = torch.cat(rows)
+        perm.append(rows)
+        outs.append(experts[ep_rank * local + j](received[rows]))
+    perm, y = torch.cat(perm), torch.cat(outs)
+    y = torch.zeros_like(y).index_copy(0, perm, y)                                   # [R, W] source-major
+    back = _AllToAll.apply(y, send_rows, recv_rows, group)                           # [S, W] expert-sorted
+    out = x.new_zeros((x.shape[0], back.shape[1]))
+    return out.index_add(0, tok, back * weights[tok, slot, None])
+
+
+def allgather_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
+                      experts: Mapping[int, Expert], num_experts: int, group, ep_rank: int) -> torch.Tensor:
+    """The weighted expert outputs of this rank's tokens through the all-gather dispatcher
+    (module docstring); arguments and result as :func:`alltoall_experts`. Every rank of the
+    ep group must hold the same number of tokens N (one micro-batch shape)."""
+    local = num_experts // C.group_size(group)
+    x_all = _GatherRows.apply(x, group)                                              # [EP N, H]
+    w_all = _GatherRows.apply(weights, group)                                        # [EP N, k]
+    a_all = assigned.new_empty((x_all.shape[0], assigned.shape[1]))
+    C.all_gather_into(a_all.view(-1), assigned.contiguous().view(-1), group)
+    out = None
+    for e in range(ep_rank * local, (ep_rank + 1) * local):
+        tok, slot = (a_all == e).nonzero(as_tuple=True)
+        y = experts[e](x_all[tok]) * w_all[tok, slot, None]
+        out = (x_all.new_zeros((x_all.shape[0], y.shape[1])) if out is None else out).index_add(0, tok, y)
+    return _ReduceScatterRows.apply(out, group)                                      # [N, W]
+
+
+DISPATCHERS = {"alltoall": alltoall_experts, "allgather": allgather_experts}
+"""``--moe-token-dispatcher-type`` -> its function."""

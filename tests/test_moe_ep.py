@@ -1,0 +1,336 @@
+"""Expert parallelism (issue 22): ``--expert-model-parallel-size`` EP carved out of the dp ranks,
+tokens dispatched to their experts' ranks by all-to-all or all-gather, expert parameters
+reduced and ZeRO-sharded over the expert-data-parallel group.
+
+The model of tests/test_moe.py (LLaMA-style block with GQA, top-2 of 8 experts plus one shared
+expert, aux and z losses) under EP in {2, 4} with (tp, pp, dp) = (1, 1, 4) ZeRO-1, 2 and 3,
+(2, 1, 2) ZeRO-0 and 2, (1, 2, 2) interleaved, both dispatchers: 10 steps equal ``tests/reference.py``
+within 1e-5 relative (losses, gradient norms, aux losses), and the expert of every token at
+every step equals the reference's (integers). Each step's all-to-all bytes over the world equal
+the closed form; each rank's expert model-state bytes equal the ZeRO formula with
+N = dp / EP (and its whole model state the sum of both formulas). One 4-rank spawn runs every
+layout; the pure rank arithmetic and the refused settings are tested without processes.
+"""
+import math
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_moe import ARGS, _reference
+from tests.test_train import STEPS
+
+EP = "--expert-model-parallel-size"
+LAYOUTS = {  # name -> layout flags (model flags are tests/test_moe.py's ARGS); edp = dp / EP
+    "dp4-ep2-zero1": ["--dp", "4", "--zero-stage", "1", EP, "2"],
+    "dp4-ep2-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
+    "dp4-ep4-zero1": ["--dp", "4", "--zero-stage", "1", EP, "4"],
+    "tp2-dp2-ep2-zero2": ["--tp", "2", "--dp", "2", "--zero-stage", "2", EP, "2"],
+    "pp2-dp2-ep2-interleaved-zero1": ["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2",
+                                      "--zero-stage", "1", EP, "2"],
+    "dp4-ep4-zero3-allgather": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
+                                EP, "4", "--moe-token-dispatcher-type", "allgather"],
+    "dp4-ep2-zero2-allgather": ["--dp", "4", "--zero-stage", "2", EP, "2", "--moe-token-dispatcher-type",
+                                "allgather"],
+    "tp2-dp2-ep2-zero0-allgather": ["--tp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
+                                    "--moe-token-dispatcher-type", "allgather"],
+}
+
+
+def _expert_state(optimizer):
+    """This rank's expert-parallel buffers: (unpadded elements, padded elements, their N, the bytes
+    they hold: parameters, gradients, optimizer moments and fp32 main copies)."""
+    from megazero.tensor_parallel import tags
+
+    numel = padded = held = 0
+    n = None
+    for buf in optimizer.ddp.buffers:
+        if not tags.is_expert_parallel(buf.layout.params[0]):
+            continue
+        n = buf.layout.dp_size
+        numel += buf.layout.numel
+        padded += buf.layout.padded_numel
+        params = buf.param_bytes() if buf.params_shard is None else buf.params_shard.numel() * 4
+        state = 8 if buf.main_is_param else 12
+        held += params + buf.grad_bytes() + state * buf.owned_numel()
+    return numel, padded, n, held
+
+
+def _ep_run(rank, world, argv, steps):
+    import train
+    from megazero import collectives as C
+    from megazero.config import config_from_argv, layout_topology
+    from megazero.planning import memory
+    from megazero.process_groups import ProcessGroups
+    from model.gpt import MoEMLP
+
+    cfg = config_from_argv(argv, world)
+    run = train.build_data(cfg)
+    groups = ProcessGroups.build(layout_topology(cfg))
+    trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+    moe = {int(i): b.mlp for c in trainer.chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
+    values, records, a2a = [], [], []
+    for _ in range(steps):
+        for m in moe.values():
+            m.record = []
+        before = C.counter["all_to_all"]
+        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        values.append(trainer.train_step(batches).values)
+        a2a.append(C.counter["all_to_all"] - before)
+        records.append({i: m.record for i, m in moe.items()})
+    p, opt = cfg.parallel, trainer.optimizer
+    psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),
+           memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
+                                  ep=groups.ep_size))
+    got = opt.model_state_bytes()
+    out = dict(values=values, records=records, a2a=a2a, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
+               experts={i: sorted(m.experts_by_index) for i, m in moe.items()}, psi=psi, ep_rank=groups.ep_rank,
+               expert_state=_expert_state(opt), edp_size=groups.edp_size, terms=opt.formula_terms(),
+               state_bytes=got["total"] - got["buckets"], formula=opt.formula()["total"])
+    trainer.close()
+    return out
+
+
+def _ep_runs(rank, world, argvs, steps):
+    return [_ep_run(rank, world, argv, steps) for argv in argvs]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """name -> per-rank results; the reference's (losses, stats) under "reference"."""
+    names = list(LAYOUTS)
+    per_rank = run_distributed(_ep_runs, 4, [ARGS + LAYOUTS[n] for n in names], STEPS, timeout_s=900)
+    out = {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
+    out["reference"] = _reference(ARGS, STEPS)
+    return out
+
+
+def _assignments(results, step, layer):
+    """Step ``step``'s experts ``[N, k]`` of every micro-batch of the global batch for ``layer``
+    (dp rank 0's micro-batches, then dp rank 1's, ...)."""
+    by_dp = {r["dp_rank"]: r["records"][step][layer] for r in results
+             if layer in r["records"][step] and r["tp_rank"] == 0}
+    return [experts for d in sorted(by_dp) for experts, _ in by_dp[d]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_layout_equals_reference(name, runs):
+    """Losses, gradient norms and aux + z losses within 1e-5 relative of the reference at every
+    step on every rank; the expert of every token at every step equal (integers); each rank
+    holds its E/EP experts by global index, and the planner counts its parameters exactly."""
+    results, (ref_losses, stats) = runs[name], runs["reference"]
+    ep = int(LAYOUTS[name][LAYOUTS[name].index(EP) + 1])
+    for r in results:
+        assert r["psi"][0] == r["psi"][1]
+        for layer, held in r["experts"].items():
+            assert held == list(range(r["ep_rank"] * 8 // ep, (r["ep_rank"] + 1) * 8 // ep)), (layer, held)
+        for step, v in enumerate(r["values"]):
+            assert math.isclose(v["loss"], ref_losses[step], rel_tol=1e-5), (name, step, v["loss"], ref_losses[step])
+            assert math.isclose(v["grad_norm"], stats["grad_norms"][step], rel_tol=1e-5), (name, step)
+            aux = v["moe_aux_loss"] + v["moe_z_loss"]
+            assert math.isclose(aux, stats["aux_losses"][step], rel_tol=1e-5), (name, step, aux)
+    assert results[0]["values"][-1]["loss"] < results[0]["values"][0]["loss"]
+    for step, per_layer in enumerate(stats["assignment_steps"]):
+        for layer, want in enumerate(per_layer):
+            got = _assignments(results, step, layer)
+            assert len(got) == len(want) == 8   # 16 sequences in micro-batches of 2
+            for g, (w, _) in zip(got, want):
+                assert torch.equal(g, w), (name, step, layer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_all_to_all_bytes_equal_the_closed_form(name, runs):
+    """Per step, summed over the world: every (rank, MoE layer held, micro-batch) puts 8 E bytes of
+    counts and, dropless, ``4 H (S + R)`` bytes of tokens forward and as many backward into
+    all-to-alls, with ``S = N k`` the assignments it sends; over an ep group sum R = sum S, so the
+    world total is ``pairs x M x (8 E + 16 H N k)`` (fp32). The all-gather dispatcher sends none."""
+    results = runs[name]
+    flags = LAYOUTS[name]
+    tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
+    dp = int(flags[flags.index("--dp") + 1])
+    E, H, k, layers, micro, seq, gbs = 8, 32, 2, 4, 2, 16, 16
+    M, N = gbs // (micro * dp), micro * seq
+    want = tp * dp * layers * M * (8 * E + 4 * H * 4 * N * k)   # (rank, layer) pairs: each layer on tp x dp ranks
+    for step in range(STEPS):
+        total = sum(r["a2a"][step] for r in results)
+        assert total == (0 if "allgather" in name else want), (name, step, total, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
+    """Each rank's expert buffers hold E/EP experts and exactly the ZeRO formula's bytes with
+    N = dp / EP (fp32: parameters and gradients 4 bytes, moments 8); the whole model state is the
+    dense formula (N = dp) plus the expert one."""
+    from megazero.optim.zero import zero_formula_bytes
+
+    flags = LAYOUTS[name]
+    stage, dp = int(flags[flags.index("--zero-stage") + 1]), int(flags[flags.index("--dp") + 1])
+    ep = int(flags[flags.index(EP) + 1])
+    tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
+    pp = int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1
+    per_expert = 3 * 32 * 16 // tp   # SwiGLU fc1 [2F/tp, H] and fc2 [H, F/tp], F = 16, H = 32
+    for r in runs[name]:
+        numel, padded, n, held = r["expert_state"]
+        assert r["edp_size"] == n == dp // ep
+        assert numel == (4 // pp) * (8 // ep) * per_expert
+        assert held == zero_formula_bytes(padded, n, stage, 4, 4)
+        assert r["terms"][-1] == (padded, n) or ep == 1
+        assert r["state_bytes"] == r["formula"] == sum(zero_formula_bytes(psi, m, stage, 4, 4) for psi, m in r["terms"])
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher):
+    """At ep size 1 (group None) each dispatcher gives the EP-1 loop's output and gradients
+    bitwise: outputs scaled by the routing weights and added token by token in expert order."""
+    from megazero.moe.dispatch import DISPATCHERS
+
+    g = torch.Generator().manual_seed(3)
+    N, H, E, k = 12, 8, 4, 2
+    experts = {e: torch.nn.Linear(H, H, bias=False) for e in range(E)}
+    assigned = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    assigned[3, 1] = assigned[7, 0] = -1   # two dropped assignments
+    results = []
+    for way in ("loop", dispatcher):
+        x = torch.randn(N, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        w = torch.rand(N, k, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        for m in experts.values():
+            m.zero_grad()
+        if way == "loop":
+            out = torch.zeros_like(x)
+            for e, m in experts.items():
+                tok, slot = (assigned == e).nonzero(as_tuple=True)
+                out = out.index_add(0, tok, m(x[tok]) * w[tok, slot, None])
+        else:
+            out = DISPATCHERS[way](x, w, assigned, experts, E, None, 0)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, w.grad, [m.weight.grad.clone() for m in experts.values()]))
+    (o1, x1, w1, e1), (o2, x2, w2, e2) = results
+    assert torch.equal(o1, o2) and torch.equal(x1, x2) and torch.equal(w1, w2)
+    assert all(torch.equal(a, b) for a, b in zip(e1, e2))
+
+
+def test_expert_groups_are_carved_out_of_the_replicas():
+    """ep_rank = r' % EP and edp rank = r' // EP with r' = cp_rank + cp x dp_rank (Megatron's
+    tp-ep-dp-pp): groups by hand for tp 2, cp 2, dp 2, pp 2, EP 2 (16 ranks)."""
+    from megazero.topology import Topology
+
+    t = Topology(tp=2, pp=2, dp=2, cp=2, ep=2)
+    # rank = tp + 2 cp + 4 dp + 8 pp; r' = cp + 2 dp
+    for rank in range(16):
+        c = t.coord(rank)
+        r = c.cp + 2 * c.dp
+        assert (t.replica_index(rank), t.ep_rank(rank), t.edp_rank(rank)) == (r, r % 2, r // 2)
+    assert t.expert_group(0, "ep") == [0, 2] and t.expert_group(0, "edp") == [0, 4]
+    assert t.expert_group(13, "ep") == [13, 15] and t.expert_group(13, "edp") == [9, 13]
+    assert len(t.named_groups("ep")) == len(t.named_groups("edp")) == 8
+    four = Topology(tp=1, pp=1, dp=4, ep=4)
+    assert four.named_groups("ep") == [[0, 1, 2, 3]] and four.named_groups("edp") == [[0], [1], [2], [3]]
+    one = Topology(tp=1, pp=1, dp=4)
+    assert one.named_groups("edp") == one.named_groups("dp_cp") and one.named_groups("ep") == [[0], [1], [2], [3]]
+    assert t.replica_topology().ep == 2 and "ep=2" in repr(t)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 3"):
+        Topology(tp=1, pp=1, dp=4, ep=3)
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--num-experts", "6", "--dp", "4", EP, "4"], f"{EP} 4 does not divide --num-experts 6"),
+    (["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "4"], f"{EP} 4 does not divide the data"),
+    (["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "2", "--expert-tensor-parallel-size", "1"],
+     "--expert-tensor-parallel-size 1"),
+    (["--num-experts", "8", "--dp", "4", EP, "4", "--moe-token-dispatcher-type", "ring"],
+     "--moe-token-dispatcher-type"),
+])
+def test_bad_expert_parallel_settings_exit_2_naming_the_flag(extra, named, capsys):
+    from megazero.config import config_from_argv
+
+    with pytest.raises(SystemExit) as exc:
+        config_from_argv(["--mock-data", "--device", "cpu"] + extra, 4)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megazero: config error: ") and err.count("\n") == 1 and named in err, err
+
+
+def test_expert_parallel_settings_parse():
+    from megazero.config import config_from_argv, layout_topology
+
+    cfg = config_from_argv(["--mock-data", "--device", "cpu", "--num-experts", "8", "--dp", "2", "--tp", "2",
+                            EP, "2", "--expert-tensor-parallel-size", "2"], 4)
+    assert cfg.parallel.expert_model_parallel_size == 2 and layout_topology(cfg).ep == 2
+    assert cfg.model.moe_token_dispatcher_type == "alltoall"
+
+
+# -- checkpoints: saved at EP 2, resumed at EP 4 and at EP 1 ------------------------------------
+BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "0.05"]   # a bias that moves the routing within a few steps
+SAVE_AT, AFTER = 3, 3
+SAVED = ["--tp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"]
+RESUMED = {"dp4-ep4-zero2": ["--dp", "4", "--zero-stage", "2", EP, "4"],
+           "dp4-ep1-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"],
+           "pp2-dp2-ep2-zero0-allgather": ["--pp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
+                                           "--moe-token-dispatcher-type", "allgather"]}
+
+
+def _steps(trainer, run, cfg, groups, n):
+    """``n`` training steps: their values and then each held MoE layer's expert bias by layer id."""
+    import train
+    from model.gpt import MoEMLP
+
+    values = []
+    for _ in range(n):
+        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        values.append(trainer.train_step(batches).values)
+    bias = {int(i): b.mlp.expert_bias.clone() for c in trainer.chunks for i, b in c.layers.items()
+            if isinstance(b.mlp, MoEMLP)}
+    return values, bias
+
+
+def _checkpoint_runs(rank, world, root, saved, resumed):
+    import train
+    from megazero.config import config_from_argv, layout_topology
+    from megazero.process_groups import ProcessGroups
+
+    def trainer(argv):
+        cfg = config_from_argv(argv, world)
+        run = train.build_data(cfg)
+        groups = ProcessGroups.build(layout_topology(cfg))
+        return train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size), run, cfg, groups
+
+    t, run, cfg, groups = trainer(saved)
+    _steps(t, run, cfg, groups, SAVE_AT)
+    t.save_checkpoint(root, wait=True)
+    out = {"uninterrupted": _steps(t, run, cfg, groups, AFTER)}
+    t.close()
+    for name, argv in resumed.items():
+        t, run, cfg, groups = trainer(argv)
+        assert t.load_checkpoint(root) == SAVE_AT
+        out[name] = _steps(t, run, cfg, groups, AFTER)
+        t.close()
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
+    """Saved at tp 2, dp 2, EP 2 after 3 steps (with the aux-loss-free expert bias); resumed at
+    dp 4 EP 4 ZeRO-2, dp 4 EP 1 ZeRO-3 and pp 2 dp 2 EP 2 ZeRO-0 (all-gather dispatcher): the
+    next 3 steps' losses and gradient norms equal the uninterrupted run's within 1e-5, and every
+    MoE layer's expert bias after them is the same (exactly)."""
+    per_rank = run_distributed(_checkpoint_runs, 4, str(tmp_path), ARGS + BIAS + SAVED,
+                               {n: ARGS + BIAS + a for n, a in RESUMED.items()}, timeout_s=900)
+    want, _ = per_rank[0]["uninterrupted"]
+    assert len(want) == AFTER and want[0]["iteration"] == SAVE_AT + 1
+    for name in RESUMED:
+        for r in per_rank:
+            got, bias = r[name]
+            for g, w in zip(got, want):
+                assert g["iteration"] == w["iteration"]
+                assert math.isclose(g["loss"], w["loss"], rel_tol=1e-5), (name, g["loss"], w["loss"])
+                assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (name, g, w)
+    layers = per_rank[0]["uninterrupted"][1]   # tp 2 dp 2 pp 1: every layer on every rank
+    assert sorted(layers) == [0, 1, 2, 3] and any(b.abs().sum() > 0 for b in layers.values())
+    for name in RESUMED:
+        for r in per_rank:
+            for i, b in r[name][1].items():
+                assert torch.equal(b, layers[i]), (name, i)
