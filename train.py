@@ -442,7 +442,13 @@ class Trainer:
                             before_backward=None if forward_only else self.ddp.before_backward,
                             scale_loss=None if forward_only else self.optimizer.scale_loss,
                             forward_only=forward_only,
-                            layout=chunk_layout(self.cfg.parallel.pipeline_schedule))
+                            layout=chunk_layout(self.cfg.parallel.pipeline_schedule),
+                            schedule_of=None if forward_only else self._schedule_of)
+
+    def _schedule_of(self, pp_rank: int):
+        """The training schedule of stage ``pp_rank`` (the executor reads its neighbours')."""
+        p = self.cfg.parallel
+        return build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, pp_rank, p.virtual_pipeline_size)
 
     def train_step(self, batches) -> StepOutcome:
         """One iteration on this DP rank's micro-batches (a list of (tokens, labels), each

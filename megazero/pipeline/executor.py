@@ -117,7 +117,8 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                  scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  device: Optional[torch.device] = None, forward_only: bool = False,
                  busy: Optional[list] = None, exchanges: Optional[list] = None,
-                 layout: str = "interleaved") -> torch.Tensor:
+                 layout: str = "interleaved",
+                 schedule_of: Optional[Callable[[int], Sequence[Action]]] = None) -> torch.Tensor:
     """Run ``actions`` (this stage's schedule) and return the summed loss.
 
     Args:
@@ -142,6 +143,10 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
         exchanges: when a list, ``(posted, done, sent tags, received tags)`` is appended for
             every p2p exchange (``time.perf_counter()`` seconds; ``message_tag`` tags).
         layout: how chunks sit on stages (``partition.chunk_layout``): "v" for zb-v.
+        schedule_of: zero-bubble schedules: ``schedule_of(stage)`` is that stage's action
+            list. Sends are then posted without waiting, and the messages from each
+            neighbour are received in the order it sent them (``_Inbox``), which NCCL needs
+            (it ignores tags); without it a receive waits for its tag (gloo only).
 
     Returns a 0-d fp64 tensor on every rank of the pipeline: the sum of ``loss_fn`` over
     this rank's micro-batches (added in fp64, so the sum is exact to fp32 rounding for any
@@ -163,13 +168,16 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                        wrap=vp_size > 1 and layout == "interleaved")
     local: dict = {}  # tag -> tensor passed between two chunks of this stage (V layout)
     pending: dict = {}  # sends of the previous action, posted with the next receive
-    # V layout: a stage runs ahead of its receiver (the list-scheduled order sends a forward
-    # the peer takes only after several actions), so its sends are posted at once, waited
-    # at the end of the step; pairing them with the next receive would deadlock.
-    eager, posted = layout == "v", []
+    # Zero-bubble schedules: a stage runs ahead of its receiver (ZB-V's list-scheduled order
+    # sends a forward the peer takes only after several actions; ZB-H1 fills with W's the time
+    # a send would wait), so sends are posted at once and waited when done or at the end of
+    # the step; pairing them with the next receive would deadlock (ZB-V) or idle (ZB-H1).
+    eager, posted = run.split, []
+    inbox = _Inbox(links, r, p, vp_size, layout, schedule_of) if eager and schedule_of else None
     for group in exchange_groups(actions):
         plans = [comm_plan(actions[i], r, p, vp_size, layout) for i in group]
-        recvs = {f"recv_{recv[0]}": recv[2] for recv, _ in plans if recv and recv[0] != "self"}
+        recvs = {f"recv_{recv[0]}": recv[2] for recv, _ in plans
+                 if recv and recv[0] != "self" and inbox is None}
         got = _exchange(links, pending, recvs, exchanges)  # (from prev, from next)
         by_tag = {tag: got[0 if key == "recv_prev" else 1] for key, tag in recvs.items()}
         pending = {}
@@ -177,13 +185,15 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             start = time.perf_counter()
             received = None
             if recv is not None:
-                received = local.pop(recv[2]) if recv[0] == "self" else by_tag[recv[2]]
+                received = (local.pop(recv[2]) if recv[0] == "self" else by_tag[recv[2]]
+                            if inbox is None else inbox.get(recv, exchanges))
             output = run.action(i, received, send is None)
             if busy is not None:
                 busy.append((actions[i].kind, start, time.perf_counter()))
             if send and send[0] == "self":
                 local[send[2]] = output.detach().clone()
             elif send and eager:
+                posted = [w for w in posted if not w.is_completed()]   # free finished sends
                 posted += links.post_sends(**{f"send_{send[0]}": (output.detach(), send[2])})
             elif send:
                 pending[f"send_{send[0]}"] = (output, send[2])
@@ -198,6 +208,32 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                          f"{sorted(run.saved) + sorted(run.weight_work)}")
     last = stage_rank(groups, stage_of(p * vp_size - 1, p, layout)[0])
     return collectives.broadcast(run.loss_sum, last, groups.pp)
+
+
+class _Inbox:
+    """Receives the messages of each neighbour stage in the order that stage sends them,
+    keeping those that arrive before they are needed (zero-bubble schedules: a stage can
+    send a forward before a gradient its peer needs first). NCCL matches the sends and
+    receives of a pair of ranks in posting order, ignoring tags; so does this inbox."""
+
+    def __init__(self, links: StageLinks, r: int, p: int, vp_size: int, layout: str, schedule_of):
+        self.links, self.kept, self.queue = links, {}, {}
+        for q in {(r - 1) % p, (r + 1) % p} - {r}:
+            self.queue[q] = [send[2] for a in schedule_of(q)
+                             for _, send in [comm_plan(a, q, p, vp_size, layout)]
+                             if send and send[0] != "self" and send[1] == r]
+
+    def get(self, recv: tuple, record: Optional[list]) -> torch.Tensor:
+        """The tensor of ``recv = (direction, peer stage, tag)``: receive the peer's messages
+        in its send order up to that tag."""
+        direction, peer, tag = recv
+        while tag not in self.kept:
+            if not self.queue[peer]:
+                raise ValueError(f"stage {peer} never sends the message tagged {tag}")
+            t = self.queue[peer].pop(0)
+            got = _exchange(self.links, {}, {f"recv_{direction}": t}, record)
+            self.kept[t] = got[0 if direction == "prev" else 1]
+        return self.kept.pop(tag)
 
 
 class _StageRun:

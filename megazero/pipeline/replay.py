@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import Callable, Union
 
 from megazero.pipeline.executor import comm_plan, exchange_groups
-from megazero.pipeline.schedules import Action, ScheduleError, SimResult, check_actions, peak_inflight_of
+from megazero.pipeline.schedules import (Action, ScheduleError, SimResult, check_actions, is_split,
+                                         peak_inflight_of)
 
 
 def _plan(schedules, pp_size: int, vp_size: int, layout: str = "interleaved"):
@@ -71,6 +72,7 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
         raise ScheduleError(f"{len(schedules)} schedules for {pp_size} stages")
     check_actions(schedules, vp_size)
     plans, where = _plan(schedules, pp_size, vp_size, layout)
+    eager = any(is_split(sched) for sched in schedules)
     post = [[0.0] for _ in range(pp_size)]    # post[s][k]: when stage s posts exchange k
     done: list[list[float]] = [[] for _ in range(pp_size)]
     busy = [0.0] * pp_size
@@ -86,8 +88,8 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
             while len(done[s]) < len(ex):
                 k = len(done[s])
                 sends, recvs = ex[k]
-                # V layout: sends are posted without waiting (executor.run_schedule)
-                peers = ([] if layout == "v" else [peer_post(t, "recv") for t in sends]) + [
+                # zero-bubble schedules: sends are posted without waiting (executor.run_schedule)
+                peers = ([] if eager else [peer_post(t, "recv") for t in sends]) + [
                     peer_post(t, "send") for t in recvs]
                 if any(p is None for p in peers):
                     break
