@@ -194,7 +194,10 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                 local[send[2]] = output.detach().clone()
             elif send and eager:
                 posted = [w for w in posted if not w.is_completed()]   # free finished sends
+                t_post = time.perf_counter()
                 posted += links.post_sends(**{f"send_{send[0]}": (output.detach(), send[2])})
+                if exchanges is not None:   # posted, not waited: done when posted
+                    exchanges.append((t_post, t_post, [send[2]], []))
             elif send:
                 pending[f"send_{send[0]}"] = (output, send[2])
             # A finished output or loss still references its graph, whose AccumulateGrad
