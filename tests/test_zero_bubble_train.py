@@ -39,7 +39,9 @@ def _run(rank, world, argv):
     values.append((trainer.eval_loss(batches), None))   # forward only, through the same chunks
     trainer.optimizer.wait_param_gather()
     if cfg.zero.stage == 3:   # this rank's shards (the parameters are gathered on demand)
-        params = {(f"shard{i}", groups.pp_rank, groups.dp_rank, groups.tp_rank): b.params_shard.clone()
+        params = {(f"shard{i}", groups.pp_rank, groups.dp_rank, groups.tp_rank):
+                  b.params_shard.clone() if b.params_shard is not None   # small ones stay whole
+                  else torch.cat([q.detach().reshape(-1) for q in b.layout.params])
                   for i, b in enumerate(trainer.ddp.buffers)}
     else:
         params = {(n, groups.tp_rank): q.detach().clone() for c in trainer.chunks for n, q in c.named_parameters()}
