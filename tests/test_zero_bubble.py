@@ -110,12 +110,16 @@ def test_build_schedule_refuses_zero_bubble_without_pipeline():
 
 
 # -- the B/W split of one chunk -----------------------------------------------------------------
-def _stage(pre, post, tie=False):
+RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
+             "full": dict(recompute_granularity="full", recompute_method="uniform")}
+
+
+def _stage(pre, post, recompute="none"):
     from model.config import GPTConfig
     from model.gpt import GPTStage
     cfg = GPTConfig(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8,
                     hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=16,
-                    tie_embeddings=tie)
+                    tie_embeddings=False, **RECOMPUTE[recompute])
     return GPTStage(cfg, ProcessGroups.single(), [0, 1], pre, post, seed=3)
 
 
@@ -142,13 +146,15 @@ def _three_microbatches(stage, split):
     return [p.grad for p in stage.parameters()], input_grads
 
 
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
 @pytest.mark.parametrize("pre, post", [(True, False), (False, False), (False, True), (True, True)])
-def test_split_backward_is_bit_identical(pre, post):
+def test_split_backward_is_bit_identical(pre, post, recompute):
     """B then W (all B's first, W's in micro-batch order) gives the fused backward's input
     gradients and accumulated weight gradients bit for bit, on the first, middle and last
-    stage; no weight gradient exists before W."""
-    fused, fused_dx = _three_microbatches(_stage(pre, post), split=False)
-    split, split_dx = _three_microbatches(_stage(pre, post), split=True)
+    stage, with and without recomputation (full: the replayed region's backward is split
+    too); no weight gradient exists before W."""
+    fused, fused_dx = _three_microbatches(_stage(pre, post, recompute), split=False)
+    split, split_dx = _three_microbatches(_stage(pre, post, recompute), split=True)
     assert len(fused) == len(split) and all(torch.equal(a, b) for a, b in zip(fused, split))
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(fused_dx, split_dx))
 
@@ -180,8 +186,6 @@ BAD = {
     "zb-v tied": (["--pp", "2", "--pipeline-schedule", "zb-v", "--num-layers", "4"], 2,
                   "--untie-embeddings-and-output-weights"),
     "zb-h1 moe": (["--pp", "2", "--pipeline-schedule", "zb-h1", "--num-experts", "4"], 2, "with --num-experts"),
-    "zb-h1 recompute": (["--pp", "2", "--pipeline-schedule", "zb-h1", "--recompute-granularity", "full",
-                         "--recompute-method", "uniform"], 2, "with --recompute-granularity full"),
 }
 
 

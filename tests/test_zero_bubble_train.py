@@ -74,7 +74,7 @@ def _compare(results, base, other, same_layout):
     assert not bad, (other, bad[:4])
 
 
-def _check(layouts, results, names):
+def _check(layouts, results, names, model=()):
     refs = {}
     for i, name in enumerate(names):
         argv, _ = layouts[name]
@@ -83,7 +83,7 @@ def _check(layouts, results, names):
             threads = torch.get_num_threads()
             torch.set_num_threads(1)   # tiny matmuls: the oracle is many times faster on one thread
             try:
-                refs[key] = _reference_losses(BASE + GBS + (UNTIE if key else []), STEPS)
+                refs[key] = _reference_losses(BASE + GBS + list(model) + (UNTIE if key else []), STEPS)
             finally:
                 torch.set_num_threads(threads)
         for r in results:   # every rank agrees, and equals the oracle within 1e-5
@@ -104,11 +104,17 @@ PP2 = {
 }
 
 
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+
+
 def test_zero_bubble_pp2_equals_1f1b_bit_for_bit():
-    """pp 2, 4 micro-batches, 2 ranks: ZB-H1 and ZB-V against 1F1B and the reference."""
-    names = list(PP2)
-    out = run_distributed(_runs, 2, [BASE + GBS + PP2[n][0] for n in names], timeout_s=600)
-    _check(PP2, out, names)
+    """pp 2, 4 micro-batches, 2 ranks: ZB-H1 and ZB-V against 1F1B and the reference; ZB-H1
+    with full recomputation too (the forward replayed in B, its weights' gradients in W)."""
+    layouts = dict(PP2, **{"1f1b recompute": (PP2["1f1b"][0] + FULL, None),
+                           "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute")})
+    names = list(layouts)
+    out = run_distributed(_runs, 2, [BASE + GBS + layouts[n][0] for n in names], timeout_s=600)
+    _check(layouts, out, names)
 
 
 def _layouts4():
@@ -130,3 +136,15 @@ def test_zero_bubble_with_tp_sp_and_zero_equals_1f1b_bit_for_bit():
     names = list(layouts)
     out = run_distributed(_runs, 4, [BASE + GBS + layouts[n][0] for n in names], timeout_s=1500)
     _check(layouts, out, names)
+
+
+PP4 = ["--num-layers", "8", "--global-batch-size", "16"]   # zb-v: 2 x 4 chunks; 8 micro-batches
+
+
+@pytest.mark.slow
+def test_zero_bubble_pp4_with_8_microbatches_equals_1f1b():
+    """(pp, micro-batches) = (4, 8) on 4 ranks (pp only: the tp 2 / dp 2 variants need 8)."""
+    layouts = {n: (["--pp", "4"] + flags[2:], base) for n, (flags, base) in PP2.items()}
+    names = list(layouts)
+    out = run_distributed(_runs, 4, [BASE + PP4 + layouts[n][0] for n in names], timeout_s=1500)
+    _check(layouts, out, names, model=PP4)

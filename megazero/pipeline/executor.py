@@ -182,11 +182,11 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
         by_tag = {tag: got[0 if key == "recv_prev" else 1] for key, tag in recvs.items()}
         pending = {}
         for i, (recv, send) in zip(group, plans):
-            start = time.perf_counter()
             received = None
-            if recv is not None:
+            if recv is not None:   # (the inbox's wait for a message is idle time, not busy)
                 received = (local.pop(recv[2]) if recv[0] == "self" else by_tag[recv[2]]
                             if inbox is None else inbox.get(recv, exchanges))
+            start = time.perf_counter()
             output = run.action(i, received, send is None)
             if busy is not None:
                 busy.append((actions[i].kind, start, time.perf_counter()))

@@ -35,7 +35,10 @@ chunk): its two contributions are added here in B's order, not in the engine's.
 
 Refused (``SplitBackwardError``): a boundary that is a custom ``autograd.Function`` with both
 activation and weight children (its Python backward ignores which outputs are needed, so it
-would run twice; e.g. the overlapped column-parallel linear or the recomputed region).
+would run twice; e.g. the overlapped column-parallel linear). A recomputed region (full
+recomputation, ``tensor_parallel.recompute``) replays its forward in B and splits its inner
+backward the same way (``split_in_b_pass``), so the forward is re-run before B, not before
+W, and the replayed graph is held from B to W.
 """
 from __future__ import annotations
 
@@ -80,12 +83,13 @@ def _nodes_postorder(roots: list) -> list:
     return order
 
 
-def _classify(roots: list, input_node):
-    """Per node: (leads to the input, the one parameter node reachable / _MANY / None)."""
+def _classify(roots: list, input_nodes: set):
+    """Per node: (leads to an input, the one parameter node reachable / _MANY / None)."""
     info = {}
     for node in _nodes_postorder(roots):
         if hasattr(node, "variable"):   # AccumulateGrad: a leaf
-            info[node] = (node is input_node, None if node is input_node else node)
+            is_input = node in input_nodes
+            info[node] = (is_input, None if is_input else node)
             continue
         to_input, reach = False, None
         for c, _ in node.next_functions:
@@ -125,7 +129,7 @@ def _boundaries(roots: list, info) -> list:
                 f"{type(node).__name__}: a custom autograd.Function computes both an activation "
                 f"gradient and a weight gradient, so its backward cannot be split into B and W "
                 f"(zero-bubble schedules); build the model without it (e.g. "
-                f"--no-async-tensor-model-parallel-allreduce, no --recompute-granularity)")
+                f"--no-async-tensor-model-parallel-allreduce)")
         out.append((node, weights))
     return out
 
@@ -142,26 +146,51 @@ def backward_input(outputs: torch.Tensor, output_grad: Optional[torch.Tensor],
     or, on the last virtual stage, the 0-d (scaled) loss (``output_grad`` None).
     ``input_tensor`` is the received activation (a leaf with ``requires_grad``) or None on
     the first virtual stage. Returns ``(grad of input_tensor or None, WeightGradWork)``;
-    no parameter's ``.grad`` changes. Raises SplitBackwardError (module docstring).
+    no parameter's ``.grad`` changes. A recomputed region met on the way (full
+    recomputation) replays its forward here and splits its own backward the same way
+    (``split_in_b_pass``): its W joins this micro-batch's. Raises SplitBackwardError.
     """
-    root = outputs.grad_fn
-    input_node = None
-    if input_tensor is not None:
-        input_node = torch.autograd.graph.get_gradient_edge(input_tensor).node
-    info = _classify([root], input_node)
-    bounds = _boundaries([root], info)
-    edges = [GradientEdge(node, i) for node, _ in bounds for i in range(_num_inputs(node))]
-    wanted = ([input_tensor] if input_tensor is not None else []) + edges
-    grads = torch.autograd.grad(outputs, wanted, grad_outputs=output_grad, retain_graph=True,
-                                allow_unused=True) if wanted else ()
-    input_grad = grads[0] if input_tensor is not None else None
-    captured = list(grads[1:] if input_tensor is not None else grads)
     work = WeightGradWork()
+    _B_PASSES.append(work)
+    try:
+        grads = _split([outputs], [output_grad], [] if input_tensor is None else [input_tensor], work)
+    finally:
+        _B_PASSES.pop()
+    return (grads[0] if input_tensor is not None else None), work
+
+
+# The B passes running, innermost last. A recomputed region's backward runs inside the
+# engine (on its device thread under CUDA), so it finds the pass here, not in an argument.
+_B_PASSES: list = []
+
+
+def split_in_b_pass(outputs: list, grads: list, inputs: list) -> Optional[list]:
+    """For a custom Function whose backward runs its own autograd pass over ``outputs``
+    (``tensor_parallel.recompute``): inside a B pass, compute only the gradients of
+    ``inputs`` (leaves) and add the region's weight work to the pass's W; returns them, or
+    None outside a B pass (then back-propagate as usual)."""
+    if not _B_PASSES:
+        return None
+    return _split(outputs, grads, inputs, _B_PASSES[-1])
+
+
+def _split(outputs: list, grads: list, inputs: list, work: WeightGradWork) -> list:
+    """B over ``outputs`` with ``grads`` (None for a scalar): returns the gradients of
+    ``inputs`` (None where unused) and appends the boundaries' captures to ``work``."""
+    roots = [o.grad_fn for o in outputs]
+    input_nodes = {torch.autograd.graph.get_gradient_edge(x).node for x in inputs}
+    info = _classify(roots, input_nodes)
+    bounds = _boundaries(roots, info)
+    edges = [GradientEdge(node, i) for node, _ in bounds for i in range(_num_inputs(node))]
+    wanted = list(inputs) + edges
+    got = list(torch.autograd.grad(outputs, wanted, grad_outputs=grads, retain_graph=True,
+                                   allow_unused=True)) if wanted else []
+    captured = got[len(inputs):]
     for node, params in bounds:
         n = _num_inputs(node)
         node_grads, captured = tuple(captured[:n]), captured[n:]
         work.items.append((node, node_grads, [p.variable for p in params]))
-    return input_grad, work
+    return got[:len(inputs)]
 
 
 def backward_weight(work: WeightGradWork) -> None:
