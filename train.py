@@ -44,6 +44,7 @@ from megazero.optim.zero import DistributedOptimizer
 from megazero.moe.router import AuxLossBackward
 from megazero.pipeline.executor import make_forward_step, run_schedule
 from megazero.pipeline.p2p import handshake
+from megazero.pipeline.partition import chunk_layout
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.precision import DynamicLossScaler, LossScaleError, StaticLossScaler, model_dtype
 from megazero.context_parallel.sequence import Packing, counted_targets, shard_micro_batch
@@ -443,7 +444,14 @@ class Trainer:
                             num_microbatches=len(batches), vp_size=self.cfg.parallel.virtual_pipeline_size,
                             before_backward=None if forward_only else self.ddp.before_backward,
                             scale_loss=None if forward_only else self.optimizer.scale_loss,
-                            forward_only=forward_only)
+                            forward_only=forward_only,
+                            layout=chunk_layout(self.cfg.parallel.pipeline_schedule),
+                            schedule_of=None if forward_only else self._schedule_of)
+
+    def _schedule_of(self, pp_rank: int):
+        """The training schedule of stage ``pp_rank`` (the executor reads its neighbours')."""
+        p = self.cfg.parallel
+        return build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, pp_rank, p.virtual_pipeline_size)
 
     def train_step(self, batches) -> StepOutcome:
         """One iteration on this DP rank's micro-batches (a list of (tokens, labels), each

@@ -36,8 +36,11 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         layernorm_epsilon=m.layernorm_epsilon, init_method_std=m.init_method_std,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
-        # torch.compile cannot trace the overlapped backward (a hand-written autograd.Function)
-        tp_overlap_grad_reduce=cfg.parallel.async_tensor_model_parallel_allreduce and not cfg.train.compile,
+        # torch.compile cannot trace the overlapped backward (a hand-written autograd.Function);
+        # zero-bubble schedules split the backward into B and W, and that Function computes
+        # both at once (megazero/pipeline/weight_grad.py): B's all-reduce then runs unoverlapped
+        tp_overlap_grad_reduce=(cfg.parallel.async_tensor_model_parallel_allreduce and not cfg.train.compile
+                                and cfg.parallel.pipeline_schedule not in ("zb-h1", "zb-v")),
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
         label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
         position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
@@ -75,13 +78,14 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
     set_tf32(cfg.precision.tf32, device)
     chunks, tracker = [], None
     full = from_hf_weights(cfg, gcfg, groups.tp_size)
+    layout = partition.chunk_layout(p.pipeline_schedule)
     for v in range(p.virtual_pipeline_size):
         ids = partition.layer_ids(gcfg.num_layers, p.pp, groups.pp_rank, p.virtual_pipeline_size, v,
-                                  p.pipeline_layer_split)
+                                  p.pipeline_layer_split, layout)
         chunk = GPTStage(gcfg, groups, ids,
                          pre_process=partition.is_pre_process(groups.pp_rank, v),
                          post_process=partition.is_post_process(groups.pp_rank, p.pp, v,
-                                                                p.virtual_pipeline_size),
+                                                                p.virtual_pipeline_size, layout),
                          seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full,
                          materialize=cfg.zero.stage != 3)
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage

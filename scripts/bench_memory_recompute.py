@@ -12,7 +12,7 @@ Two Markdown tables (docs/performance.md, "Activation memory and the planner"):
 Peak memory per rank is measured as in ``scripts/plan.py --measure`` (resident memory the
 run adds over its baseline, glibc's mmap threshold fixed).
 
-    python scripts/bench_memory_recompute.py [--steps 3] [--only recompute|layouts]
+    python scripts/bench_memory_recompute.py [--steps 3] [--only recompute|layouts] [--match pp2]
 """
 from __future__ import annotations
 
@@ -42,6 +42,11 @@ LAYOUTS = {  # name: (world, flags)
     "pp2 GPipe, 4 micro-batches": (2, ["--pp", "2", "--pipeline-schedule", "gpipe", "--global-batch-size", "8"]),
     "pp2 interleaved (vp 2), 4 micro-batches": (2, ["--pp", "2", "--virtual-pipeline-size", "2",
                                                     "--global-batch-size", "8"]),
+    "pp2 ZB-H1, 4 micro-batches": (2, ["--pp", "2", "--pipeline-schedule", "zb-h1", "--global-batch-size", "8"]),
+    "pp2 1F1B untied, 4 micro-batches": (2, ["--pp", "2", "--global-batch-size", "8",
+                                             "--untie-embeddings-and-output-weights"]),
+    "pp2 ZB-V untied, 4 micro-batches": (2, ["--pp", "2", "--pipeline-schedule", "zb-v", "--global-batch-size", "8",
+                                             "--untie-embeddings-and-output-weights"]),
     "dp2 ZeRO-1": (2, ["--dp", "2", "--zero-stage", "1", "--global-batch-size", "4"]),
     "dp2 ZeRO-2": (2, ["--dp", "2", "--zero-stage", "2", "--global-batch-size", "4"]),
     "tp2 pp2 dp2 SP ZeRO-1, full recompute, dropout": (
@@ -62,10 +67,12 @@ def recompute_table(steps: int) -> str:
     return "\n".join(rows)
 
 
-def layouts_table(steps: int) -> str:
+def layouts_table(steps: int, match: str = "") -> str:
     rows = ["| layout | ranks | predicted peak MiB per rank | measured peak MiB per rank | worst error |",
             "|---|---|---|---|---|"]
     for name, (world, flags) in LAYOUTS.items():
+        if match not in name:
+            continue
         res = plan.measure(MODEL + flags, world, steps)
         worst = max((abs(want - got) / got, (want - got) / got) for _, want, got in res)[1]
         wants = " / ".join(f"{w / MiB:.0f}" for _, w, _ in res)
@@ -79,11 +86,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", choices=("recompute", "layouts"), default=None)
+    ap.add_argument("--match", default="", help="only the layouts whose name contains this text")
     args = ap.parse_args()
     if args.only != "layouts":
         print(recompute_table(args.steps) + "\n")
     if args.only != "recompute":
-        print(layouts_table(args.steps))
+        print(layouts_table(args.steps, args.match))
 
 
 if __name__ == "__main__":

@@ -230,13 +230,15 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
     """Schedule fits pp and vp; layers partition over the stages (megazero/pipeline/partition.py)."""
     p, m = cfg.parallel, cfg.model
     sched = p.pipeline_schedule
+    if sched in ("zb-h1", "zb-v"):
+        _check_zero_bubble(cfg)
     try:
         validate_partition(m.num_layers, p.pp, p.virtual_pipeline_size, p.pipeline_layer_split)
     except PartitionError as e:
         raise ConfigError(str(e)) from None
     if sched == "none" and p.pp > 1:
         raise ConfigError(f"--pipeline-schedule none cannot run --pp {p.pp}; fix: use 1f1b or gpipe")
-    if p.virtual_pipeline_size > 1 and sched != "interleaved":
+    if p.virtual_pipeline_size > 1 and sched not in ("interleaved", "zb-v"):
         raise ConfigError(f"--virtual-pipeline-size {p.virtual_pipeline_size} needs --pipeline-schedule "
                           f"interleaved, got {sched}; fix: drop --pipeline-schedule")
     if sched == "interleaved":
@@ -249,6 +251,32 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
                               f"(--gradient-accumulation-steps {cfg.train.gradient_accumulation_steps}) "
                               f"divisible by --pp {p.pp}; fix: adjust --global-batch-size or "
                               "--gradient-accumulation-steps")
+
+
+def _check_zero_bubble(cfg: Config) -> None:
+    """zb-h1 / zb-v (Qi et al. 2024): pipelined (pp >= 2); zb-v's V of 2 x pp equal chunks;
+    MoE, whose backward is not split into B and W yet, refused by name."""
+    p, m, sched = cfg.parallel, cfg.model, cfg.parallel.pipeline_schedule
+    if p.pp < 2:
+        raise ConfigError(f"--pipeline-schedule {sched} needs --pp >= 2 (got --pp {p.pp}); fix: raise --pp "
+                          "or use --pipeline-schedule 1f1b")
+    if sched == "zb-v":
+        if p.virtual_pipeline_size != 2:
+            raise ConfigError(f"--pipeline-schedule zb-v runs 2 model chunks per stage, got "
+                              f"--virtual-pipeline-size {p.virtual_pipeline_size}; fix: drop --virtual-pipeline-size")
+        if m.num_layers % (2 * p.pp):
+            raise ConfigError(f"--pipeline-schedule zb-v needs --num-layers ({m.num_layers}) divisible by 2 x --pp "
+                              f"= {2 * p.pp} (two chunks per stage); fix: change --num-layers or --pp")
+        if p.pipeline_layer_split is not None:
+            raise ConfigError("--pipeline-layer-split cannot be combined with --pipeline-schedule zb-v; "
+                              "fix: drop --pipeline-layer-split")
+        if not m.untie_embeddings_and_output_weights:
+            raise ConfigError("--pipeline-schedule zb-v puts the embedding and the output layer on stage 0, "
+                              "and tied copies there are not supported yet; fix: add "
+                              "--untie-embeddings-and-output-weights")
+    if m.num_experts is not None:
+        raise ConfigError(f"--pipeline-schedule {sched} with --num-experts is not supported yet (the MoE "
+                          "auxiliary-loss backward is not split into B and W); fix: drop --num-experts or use 1f1b")
 
 
 def _check_optim_precision(cfg: Config, world_size: int) -> None:

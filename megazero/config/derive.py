@@ -45,6 +45,8 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
             warnings.append("--mock-data is set: --data-path is ignored")
     if p.virtual_pipeline_size > 1 and "parallel.pipeline_schedule" not in cfg.sources:
         p.pipeline_schedule = "interleaved"
+    if p.pipeline_schedule == "zb-v" and "parallel.virtual_pipeline_size" not in cfg.sources:
+        p.virtual_pipeline_size = 2   # ZB-V: two chunks per stage, in a V
     if p.sequence_parallel and p.tp == 1:
         p.sequence_parallel = False
         warnings.append("--sequence-parallel does nothing with --tp 1; turned off")

@@ -195,8 +195,9 @@ class ParallelConfig:
                            flags=("--dp", "--data-parallel-size"), ge=1)
     virtual_pipeline_size: int = _f(
         1, "model chunks per pipeline stage; > 1 selects the interleaved schedule", "chunks", ge=1)
-    pipeline_schedule: str = _f("1f1b", "pipeline schedule; interleaved when --virtual-pipeline-size > 1",
-                                choices=("none", "gpipe", "1f1b", "interleaved"))
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule; interleaved when --virtual-pipeline-size > 1; "
+                                "zb-h1 / zb-v: zero bubble (backward split into B and W; zb-v: 2 chunks per "
+                                "stage in a V)", choices=("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"))
     pipeline_layer_split: Optional[list[int]] = _f(
         None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=parse_layer_split,
         applies=Needs("parallel.pp", above=1))

@@ -34,8 +34,9 @@ import torch
 
 from megazero import collectives
 from megazero.pipeline.p2p import StageLinks, stage_rank
-from megazero.pipeline.partition import virtual_stage
-from megazero.pipeline.schedules import Action, last_backward_index
+from megazero.pipeline.partition import stage_of, virtual_stage
+from megazero.pipeline.schedules import Action, is_split, last_backward_index
+from megazero.pipeline.weight_grad import backward_input, backward_weight
 from megazero.process_groups import ProcessGroups
 
 
@@ -45,24 +46,35 @@ def message_tag(kind: str, microbatch: int, to_virtual_stage: int, num_virtual: 
     return (microbatch * num_virtual + to_virtual_stage) * 2 + (kind == "B")
 
 
-def comm_plan(a: Action, pp_rank: int, pp_size: int, vp_size: int = 1):
+def comm_plan(a: Action, pp_rank: int, pp_size: int, vp_size: int = 1, layout: str = "interleaved"):
     """What action ``a`` of stage ``pp_rank`` receives before and sends after it (pure).
 
     Returns ``(recv, send)``, each None or ``(direction, peer_stage, tag)`` with direction
-    "prev" or "next" (ring neighbours; stage pp-1's next is stage 0 when interleaved).
+    "prev" or "next" (ring neighbours; stage pp-1's next is stage 0 when interleaved), or
+    "self" when the peer virtual stage is on this rank (the turn of the V layout).
     F of virtual stage s receives from s-1 (unless s = 0) and sends to s+1 (unless last);
-    B receives from s+1 and sends to s-1.
+    B receives from s+1 and sends to s-1; W moves nothing. In the V layout chunk 1 runs
+    from the last stage back to stage 0, so its forward comes from "next" and goes to "prev".
     """
+    if a.kind == "W":
+        return None, None
     n = pp_size * vp_size
-    s = virtual_stage(pp_rank, pp_size, a.chunk)
-    prev, nxt = (pp_rank - 1) % pp_size, (pp_rank + 1) % pp_size
+    s = virtual_stage(pp_rank, pp_size, a.chunk, layout)
+    down = not (layout == "v" and a.chunk == 1)   # forward travels to higher ranks
     mb = a.microbatch
+
+    def peer(v: int, toward_forward: bool):
+        stage = stage_of(v, pp_size, layout)[0]
+        if stage == pp_rank:
+            return "self", stage
+        return ("next" if toward_forward == down else "prev"), stage
+
     if a.kind == "F":
-        recv = ("prev", prev, message_tag("F", mb, s, n)) if s > 0 else None
-        send = ("next", nxt, message_tag("F", mb, s + 1, n)) if s < n - 1 else None
+        recv = (*peer(s - 1, False), message_tag("F", mb, s, n)) if s > 0 else None
+        send = (*peer(s + 1, True), message_tag("F", mb, s + 1, n)) if s < n - 1 else None
     else:
-        recv = ("next", nxt, message_tag("B", mb, s, n)) if s < n - 1 else None
-        send = ("prev", prev, message_tag("B", mb, s - 1, n)) if s > 0 else None
+        recv = (*peer(s + 1, True), message_tag("B", mb, s, n)) if s < n - 1 else None
+        send = (*peer(s - 1, False), message_tag("B", mb, s - 1, n)) if s > 0 else None
     return recv, send
 
 
@@ -79,10 +91,10 @@ def exchange_groups(actions: Sequence[Action]) -> list[list[int]]:
     before the stage waits for the next backward's gradient (Megatron's
     ``send_forward_recv_backward`` after the forward); grouping them would make the two
     neighbours of a pp 2 pipeline take turns (scripts/bench_pipeline.py measured a 51 %
-    bubble against the ideal 11 %).
+    bubble against the ideal 11 %). Zero-bubble schedules (B/W split): one action per group.
     """
     out, i = [], 0
-    if all(a.chunk == 0 for a in actions):
+    if all(a.chunk == 0 for a in actions) or is_split(list(actions)):
         return [[k] for k in range(len(actions))]
     while i < len(actions):
         a = actions[i]
@@ -104,7 +116,9 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
                  before_backward: Optional[Callable[[int, bool], None]] = None,
                  scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  device: Optional[torch.device] = None, forward_only: bool = False,
-                 busy: Optional[list] = None, exchanges: Optional[list] = None) -> torch.Tensor:
+                 busy: Optional[list] = None, exchanges: Optional[list] = None,
+                 layout: str = "interleaved",
+                 schedule_of: Optional[Callable[[int], Sequence[Action]]] = None) -> torch.Tensor:
     """Run ``actions`` (this stage's schedule) and return the summed loss.
 
     Args:
@@ -114,23 +128,30 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             list on every stage; the first stage reads tokens, the last labels).
         tensor_shape, dtype: of every activation sent between stages, e.g. ``(B, T, H)``.
         before_backward: called as ``before_backward(chunk, is_last_microbatch)`` right
-            before each backward; ``is_last_microbatch`` is True for the chunk's last
-            backward of the step (gradient sync may start its reductions then).
+            before each backward (each W when the backward is split: the parameters'
+            gradients arrive there); ``is_last_microbatch`` is True for the chunk's last
+            one of the step (gradient sync may start its reductions then).
         scale_loss: maps the loss to the tensor to backpropagate (fp16 loss scaling).
         device: where received tensors are allocated; default: the first chunk's
             parameters' device.
         forward_only: evaluation (``schedules.forward_only_schedule``): nothing is kept
             for a backward; run it under ``torch.no_grad()``.
-        busy: when a list, ``(kind, start, end)`` is appended for every action ("F" or
-            "B", ``time.perf_counter()`` seconds, a clock shared by the processes of one
+        busy: when a list, ``(kind, start, end)`` is appended for every action ("F",
+            "B" or "W", ``time.perf_counter()`` seconds, a clock shared by the processes of one
             machine); the rest of the step is this stage's idle time and communication
             (``scripts/bench_pipeline.py``).
         exchanges: when a list, ``(posted, done, sent tags, received tags)`` is appended for
             every p2p exchange (``time.perf_counter()`` seconds; ``message_tag`` tags).
+        layout: how chunks sit on stages (``partition.chunk_layout``): "v" for zb-v.
+        schedule_of: zero-bubble schedules: ``schedule_of(stage)`` is that stage's action
+            list. Sends are then posted without waiting, and the messages from each
+            neighbour are received in the order it sent them (``_Inbox``), which NCCL needs
+            (it ignores tags); without it a receive waits for its tag (gloo only).
 
     Returns a 0-d fp64 tensor on every rank of the pipeline: the sum of ``loss_fn`` over
     this rank's micro-batches (added in fp64, so the sum is exact to fp32 rounding for any
-    number of micro-batches), computed on the last stage and broadcast over the pp group.
+    number of micro-batches), computed on the stage holding the last virtual stage and
+    broadcast over the pp group.
     Raises ValueError when ``len(batches)``, ``len(model_chunks)`` or a sent tensor do not
     match the configuration.
     """
@@ -141,42 +162,118 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
     if device is None:
         device = next(iter(model_chunks[0].parameters())).device
     p, r = groups.pp_size, groups.pp_rank
-    saved: dict = {}  # (mb, chunk) -> (input, output or loss), from forward to backward
-    links = StageLinks(groups, tuple(tensor_shape), dtype, device, wrap=vp_size > 1)
-    last_backward = last_backward_index(list(actions))
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    run = _StageRun(actions, model_chunks, forward_step, batches, before_backward, scale_loss,
+                    forward_only, device)
+    links = StageLinks(groups, tuple(tensor_shape), dtype, device,
+                       wrap=vp_size > 1 and layout == "interleaved")
+    local: dict = {}  # tag -> tensor passed between two chunks of this stage (V layout)
     pending: dict = {}  # sends of the previous action, posted with the next receive
+    # Zero-bubble schedules: a stage runs ahead of its receiver (ZB-V's list-scheduled order
+    # sends a forward the peer takes only after several actions; ZB-H1 fills with W's the time
+    # a send would wait), so sends are posted at once and waited when done or at the end of
+    # the step; pairing them with the next receive would deadlock (ZB-V) or idle (ZB-H1).
+    eager, posted = run.split, []
+    inbox = _Inbox(links, r, p, vp_size, layout, schedule_of) if eager and schedule_of else None
     for group in exchange_groups(actions):
-        plans = [comm_plan(actions[i], r, p, vp_size) for i in group]
-        recvs = {f"recv_{recv[0]}": recv[2] for recv, _ in plans if recv}
-        received = _exchange(links, pending, recvs, exchanges)  # (from prev, from next)
+        plans = [comm_plan(actions[i], r, p, vp_size, layout) for i in group]
+        recvs = {f"recv_{recv[0]}": recv[2] for recv, _ in plans
+                 if recv and recv[0] != "self" and inbox is None}
+        got = _exchange(links, pending, recvs, exchanges)  # (from prev, from next)
+        by_tag = {tag: got[0 if key == "recv_prev" else 1] for key, tag in recvs.items()}
         pending = {}
-        for i, (_, send) in zip(group, plans):
-            a = actions[i]
+        for i, (recv, send) in zip(group, plans):
+            received = None
+            if recv is not None:   # (the inbox's wait for a message is idle time, not busy)
+                received = (local.pop(recv[2]) if recv[0] == "self" else by_tag[recv[2]]
+                            if inbox is None else inbox.get(recv, exchanges))
             start = time.perf_counter()
-            if a.kind == "F":
-                output, loss = _forward(saved, a, model_chunks[a.chunk], forward_step,
-                                        batches[a.microbatch], received[0], send is None)
-                if forward_only:
-                    saved.clear()
-                if loss is not None:
-                    loss_sum += loss.detach().double()
-            else:
-                if before_backward is not None:
-                    before_backward(a.chunk, i == last_backward[a.chunk])
-                output = _backward(saved, a, received[1], scale_loss)
+            output = run.action(i, received, send is None)
             if busy is not None:
-                busy.append((a.kind, start, time.perf_counter()))
-            if send:
+                busy.append((actions[i].kind, start, time.perf_counter()))
+            if send and send[0] == "self":
+                local[send[2]] = output.detach().clone()
+            elif send and eager:
+                posted = [w for w in posted if not w.is_completed()]   # free finished sends
+                t_post = time.perf_counter()
+                posted += links.post_sends(**{f"send_{send[0]}": (output.detach(), send[2])})
+                if exchanges is not None:   # posted, not waited: done when posted
+                    exchanges.append((t_post, t_post, [send[2]], []))
+            elif send:
                 pending[f"send_{send[0]}"] = (output, send[2])
             # A finished output or loss still references its graph, whose AccumulateGrad
             # node holds the received input: drop it so memory matches the schedule.
-            output = loss = None
+            output = None
     _exchange(links, pending, {}, exchanges)
-    if saved:
-        raise ValueError(f"schedule left forwards without backward: {sorted(saved)}")
-    last = stage_rank(groups, p - 1)
-    return collectives.broadcast(loss_sum, last, groups.pp)
+    for work in posted:
+        work.wait()
+    if run.saved or run.weight_work:
+        raise ValueError(f"schedule left forwards without backward or W: "
+                         f"{sorted(run.saved) + sorted(run.weight_work)}")
+    last = stage_rank(groups, stage_of(p * vp_size - 1, p, layout)[0])
+    return collectives.broadcast(run.loss_sum, last, groups.pp)
+
+
+class _Inbox:
+    """Receives the messages of each neighbour stage in the order that stage sends them,
+    keeping those that arrive before they are needed (zero-bubble schedules: a stage can
+    send a forward before a gradient its peer needs first). NCCL matches the sends and
+    receives of a pair of ranks in posting order, ignoring tags; so does this inbox."""
+
+    def __init__(self, links: StageLinks, r: int, p: int, vp_size: int, layout: str, schedule_of):
+        self.links, self.kept, self.queue = links, {}, {}
+        for q in {(r - 1) % p, (r + 1) % p} - {r}:
+            self.queue[q] = [send[2] for a in schedule_of(q)
+                             for _, send in [comm_plan(a, q, p, vp_size, layout)]
+                             if send and send[0] != "self" and send[1] == r]
+
+    def get(self, recv: tuple, record: Optional[list]) -> torch.Tensor:
+        """The tensor of ``recv = (direction, peer stage, tag)``: receive the peer's messages
+        in its send order up to that tag."""
+        direction, peer, tag = recv
+        while tag not in self.kept:
+            if not self.queue[peer]:
+                raise ValueError(f"stage {peer} never sends the message tagged {tag}")
+            t = self.queue[peer].pop(0)
+            got = _exchange(self.links, {}, {f"recv_{direction}": t}, record)
+            self.kept[t] = got[0 if direction == "prev" else 1]
+        return self.kept.pop(tag)
+
+
+class _StageRun:
+    """The compute side of ``run_schedule``: runs one action, keeps what F leaves for B and
+    (split backward) what B leaves for W, and sums the losses."""
+
+    def __init__(self, actions, chunks, forward_step, batches, before_backward, scale_loss,
+                 forward_only, device):
+        self.actions, self.chunks, self.forward_step = list(actions), chunks, forward_step
+        self.batches, self.before_backward = batches, before_backward
+        self.scale_loss, self.forward_only = scale_loss, forward_only
+        self.split = is_split(self.actions)
+        self.last_grad = last_backward_index(self.actions)
+        self.saved: dict = {}        # (mb, chunk) -> (input, output or loss), F to B
+        self.weight_work: dict = {}  # (mb, chunk) -> weight_grad.WeightGradWork, B to W
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+    def action(self, i: int, received: Optional[torch.Tensor], is_last_virtual: bool):
+        """Run action ``i``; returns what it sends (output, input gradient) or None."""
+        a = self.actions[i]
+        if a.kind == "F":
+            output, loss = _forward(self.saved, a, self.chunks[a.chunk], self.forward_step,
+                                    self.batches[a.microbatch], received, is_last_virtual)
+            if self.forward_only:
+                self.saved.clear()
+            if loss is not None:
+                self.loss_sum += loss.detach().double()
+            return output
+        if a.kind == "W" or not self.split:
+            if self.before_backward is not None:   # gradients reach the buffers in this action
+                self.before_backward(a.chunk, i == self.last_grad[a.chunk])
+        if a.kind == "W":
+            backward_weight(self.weight_work.pop((a.microbatch, a.chunk)))
+            return None
+        if self.split:
+            return _backward_input(self.saved, self.weight_work, a, received, self.scale_loss)
+        return _backward(self.saved, a, received, self.scale_loss)
 
 
 def _exchange(links: StageLinks, sends: dict, recvs: dict, record: Optional[list]):
@@ -201,6 +298,19 @@ def _forward(saved: dict, a: Action, chunk: torch.nn.Module, forward_step: Calla
         return None, loss
     saved[(a.microbatch, a.chunk)] = (input_tensor, output)
     return output, None
+
+
+def _backward_input(saved: dict, weight_work: dict, a: Action, output_grad: Optional[torch.Tensor],
+                    scale_loss: Optional[Callable]) -> Optional[torch.Tensor]:
+    """B(a) of a split backward: returns the input's gradient, keeps the work W will do."""
+    input_tensor, output = saved.pop((a.microbatch, a.chunk))
+    if output_grad is None and scale_loss is not None:
+        output = scale_loss(output)
+    grad, weight_work[(a.microbatch, a.chunk)] = backward_input(output, output_grad, input_tensor)
+    if input_tensor is not None and grad is None:
+        raise ValueError(f"{a}: forward_step did not use input_tensor, so no gradient "
+                         f"reaches the previous stage")
+    return grad
 
 
 def _backward(saved: dict, a: Action, output_grad: Optional[torch.Tensor],

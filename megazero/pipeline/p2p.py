@@ -56,6 +56,21 @@ class StageLinks:
             raise ValueError(f"stage {self.groups.pp_rank} has no neighbour at stage {target}")
         return stage_rank(self.groups, target)
 
+    def post_sends(self, send_next: Optional[tuple[torch.Tensor, int]] = None,
+                   send_prev: Optional[tuple[torch.Tensor, int]] = None) -> list:
+        """Post the given sends ``(tensor, tag)`` without waiting: returns the work handles
+        (wait them before the step ends; the tensors stay referenced by the handles' ops).
+        Used by the V layout (zb-v), whose stages run ahead of their receivers."""
+        ops = []
+        for sent, step in ((send_next, 1), (send_prev, -1)):
+            if sent is not None:
+                tensor, tag = sent
+                self._check(tensor)
+                collectives.count_send(tensor, self._peer(step))
+                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
+                                      self._peer(step), self.groups.pp, tag))
+        return list(dist.batch_isend_irecv(ops)) if ops else []
+
     def exchange(self, send_next: Optional[tuple[torch.Tensor, int]] = None,
                  send_prev: Optional[tuple[torch.Tensor, int]] = None,
                  recv_prev: Optional[int] = None, recv_next: Optional[int] = None
@@ -123,7 +138,7 @@ _FIELDS = ("activation shape [B, T, H] (--micro-batch-size, --seq-length, --hidd
            "--sequence-parallel)", "activation dtype (--fp16 / --bf16)",
            "number of micro-batches (--global-batch-size / (--micro-batch-size x dp))",
            "--virtual-pipeline-size", "pipeline schedule (--pipeline-schedule)")
-_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
+_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
 def _settings_vector(pp_rank: int, tensor_shape: Sequence[int], dtype: torch.dtype,

@@ -10,6 +10,11 @@ Model Training on GPU Clusters Using Megatron-LM", sec. 2.2.2): the layers are c
 0, 1, ..., pp-1, 0, 1, ... ``V`` times. The position of a chunk in that order is its
 *virtual stage* ``v * pp_size + p``.
 
+V shape (``layout="v"``, the ZB-V schedule of Qi et al. 2024, "Zero Bubble Pipeline
+Parallelism", sec. 5): ``V == 2`` and stage ``p`` holds virtual stages ``p`` (chunk 0) and
+``2 * pp_size - 1 - p`` (chunk 1), so a micro-batch goes down the stages and back up; the
+turn at stage pp-1 stays on that rank, and stage 0 holds both the first and the last chunk.
+
 The word and position embeddings live on virtual stage 0 (stage 0, chunk 0); the final
 LayerNorm and the output layer on the last virtual stage (stage pp-1, chunk V-1). The
 trainer builds each chunk with ``pre_process=is_pre_process(...)`` and
@@ -80,13 +85,23 @@ def _validate_split(num_layers: int, pp_size: int, vp_size: int, split: list[int
                              f"--num-layers is {num_layers}: make them agree")
 
 
+LAYOUTS = ("interleaved", "v")
+
+
+def chunk_layout(schedule: str) -> str:
+    """How a schedule places model chunks on stages: "v" for zb-v, else "interleaved"."""
+    return "v" if schedule == "zb-v" else "interleaved"
+
+
 def layer_ids(num_layers: int, pp_size: int, pp_rank: int, vp_size: int = 1,
-              vp_rank: int = 0, layer_split: Optional[Sequence[int]] = None) -> list[int]:
+              vp_rank: int = 0, layer_split: Optional[Sequence[int]] = None,
+              layout: str = "interleaved") -> list[int]:
     """Global ids of the layers in model chunk ``vp_rank`` of stage ``pp_rank``.
 
     Example: ``layer_ids(8, 2, 1) == [4, 5, 6, 7]``; interleaved
     ``layer_ids(8, 2, 1, vp_size=2, vp_rank=1) == [6, 7]`` (block 1*2+1 of 2 layers);
-    ``layer_ids(5, 2, 1, layer_split=[2, 3]) == [2, 3, 4]``.
+    ``layer_ids(5, 2, 1, layer_split=[2, 3]) == [2, 3, 4]``; V shape
+    ``layer_ids(8, 2, 1, vp_size=2, vp_rank=1, layout="v") == [4, 5]`` (virtual stage 2).
     Raises PartitionError (see ``validate_partition``) or ValueError for a rank out of range.
     """
     validate_partition(num_layers, pp_size, vp_size, layer_split)
@@ -97,21 +112,32 @@ def layer_ids(num_layers: int, pp_size: int, pp_rank: int, vp_size: int = 1,
         start = sum(layer_split[:pp_rank])
         return list(range(start, start + layer_split[pp_rank]))
     per_chunk = num_layers // (pp_size * vp_size)
-    block = vp_rank * pp_size + pp_rank
+    block = virtual_stage(pp_rank, pp_size, vp_rank, layout)
     return list(range(block * per_chunk, (block + 1) * per_chunk))
 
 
-def virtual_stage(pp_rank: int, pp_size: int, vp_rank: int = 0) -> int:
-    """Position of chunk ``vp_rank`` of stage ``pp_rank`` in the forward order: v*pp + p."""
+def virtual_stage(pp_rank: int, pp_size: int, vp_rank: int = 0, layout: str = "interleaved") -> int:
+    """Position of chunk ``vp_rank`` of stage ``pp_rank`` in the forward order: v*pp + p
+    (interleaved), or p for chunk 0 and 2*pp - 1 - p for chunk 1 (V shape)."""
+    if layout == "v":
+        return pp_rank if vp_rank == 0 else 2 * pp_size - 1 - pp_rank
     return vp_rank * pp_size + pp_rank
 
 
+def stage_of(virtual: int, pp_size: int, layout: str = "interleaved") -> tuple[int, int]:
+    """(pp_rank, chunk) holding virtual stage ``virtual``: the inverse of ``virtual_stage``."""
+    if layout == "v":
+        return (virtual, 0) if virtual < pp_size else (2 * pp_size - 1 - virtual, 1)
+    return virtual % pp_size, virtual // pp_size
+
+
 def is_pre_process(pp_rank: int, vp_rank: int = 0) -> bool:
-    """True for the chunk that holds the embeddings (stage 0, chunk 0)."""
+    """True for the chunk that holds the embeddings (stage 0, chunk 0; any layout)."""
     return pp_rank == 0 and vp_rank == 0
 
 
-def is_post_process(pp_rank: int, pp_size: int, vp_rank: int = 0, vp_size: int = 1) -> bool:
-    """True for the chunk with the final LayerNorm, output layer and loss (last stage,
-    last chunk)."""
-    return pp_rank == pp_size - 1 and vp_rank == vp_size - 1
+def is_post_process(pp_rank: int, pp_size: int, vp_rank: int = 0, vp_size: int = 1,
+                    layout: str = "interleaved") -> bool:
+    """True for the chunk with the final LayerNorm, output layer and loss (the last virtual
+    stage: last stage, last chunk; stage 0's chunk 1 in the V shape)."""
+    return virtual_stage(pp_rank, pp_size, vp_rank, layout) == pp_size * vp_size - 1

@@ -28,10 +28,11 @@ from __future__ import annotations
 from typing import Callable, Union
 
 from megazero.pipeline.executor import comm_plan, exchange_groups
-from megazero.pipeline.schedules import Action, ScheduleError, SimResult, check_actions, peak_inflight_of
+from megazero.pipeline.schedules import (Action, ScheduleError, SimResult, check_actions, is_split,
+                                         peak_inflight_of)
 
 
-def _plan(schedules, pp_size: int, vp_size: int):
+def _plan(schedules, pp_size: int, vp_size: int, layout: str = "interleaved"):
     """Per stage, per exchange k (0..groups): the tags it sends and receives; and per tag the
     (stage, exchange) that sends and receives it."""
     plans, where = [], {}
@@ -40,7 +41,9 @@ def _plan(schedules, pp_size: int, vp_size: int):
         ex = [([], []) for _ in range(len(groups) + 1)]   # (sends, recvs)
         for k, group in enumerate(groups):
             for i in group:
-                recv, send = comm_plan(sched[i], s, pp_size, vp_size)
+                recv, send = comm_plan(sched[i], s, pp_size, vp_size, layout)
+                recv = None if recv and recv[0] == "self" else recv   # no exchange within a stage
+                send = None if send and send[0] == "self" else send
                 if recv:
                     ex[k][1].append(recv[2])
                     where.setdefault(recv[2], {})["recv"] = (s, k)
@@ -53,19 +56,23 @@ def _plan(schedules, pp_size: int, vp_size: int):
 
 def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
                       cost: Callable[[int, Action], float],
-                      latency: Union[float, Callable[[int], float]] = 0.0) -> SimResult:
+                      latency: Union[float, Callable[[int], float]] = 0.0,
+                      layout: str = "interleaved") -> SimResult:
     """Replay the executor's exchanges (module docstring); times in ``cost``'s unit.
 
     Args: ``schedules`` (one ``build_schedule`` list per stage), ``pp_size``, ``vp_size``,
     ``cost(stage, action)`` (duration of one action), ``latency`` (added to every
-    exchange that moves a message; a callable gets the exchange's number of messages). Returns a ``schedules.SimResult`` whose ``finish[s][k]``
+    exchange that moves a message; a callable gets the exchange's number of messages),
+    ``layout`` (``partition.chunk_layout``; a message between two chunks of one stage is
+    handed over locally, without an exchange). Returns a ``schedules.SimResult`` whose ``finish[s][k]``
     is the completion time of stage ``s``'s exchange ``k``. Raises ScheduleError for invalid
     schedules or when the exchanges deadlock.
     """
     if len(schedules) != pp_size:
         raise ScheduleError(f"{len(schedules)} schedules for {pp_size} stages")
     check_actions(schedules, vp_size)
-    plans, where = _plan(schedules, pp_size, vp_size)
+    plans, where = _plan(schedules, pp_size, vp_size, layout)
+    eager = any(is_split(sched) for sched in schedules)
     post = [[0.0] for _ in range(pp_size)]    # post[s][k]: when stage s posts exchange k
     done: list[list[float]] = [[] for _ in range(pp_size)]
     busy = [0.0] * pp_size
@@ -81,7 +88,9 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
             while len(done[s]) < len(ex):
                 k = len(done[s])
                 sends, recvs = ex[k]
-                peers = [peer_post(t, "recv") for t in sends] + [peer_post(t, "send") for t in recvs]
+                # zero-bubble schedules: sends are posted without waiting (executor.run_schedule)
+                peers = ([] if eager else [peer_post(t, "recv") for t in sends]) + [
+                    peer_post(t, "send") for t in recvs]
                 if any(p is None for p in peers):
                     break
                 lat = 0.0 if not peers else latency(len(peers)) if callable(latency) else latency

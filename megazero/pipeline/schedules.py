@@ -16,6 +16,10 @@ A schedule is a ``list[Action]`` per stage; it does no communication (the execut
   ``(pp - p - 1) * 2 + (V - 1) * pp`` chunk-forwards (capped at ``m * V``), then 1F1B over
   chunk-micro-batches. Needs ``m % pp == 0``. The bubble shrinks by ``V``.
 
+- ``zb-h1`` and ``zb-v`` (Qi et al. 2024, zero bubble; ``zero_bubble.py``): the backward
+  split into "B" (input gradient) and "W" (weight gradient); zb-v holds two chunks per stage
+  in a V (``partition.chunk_layout``).
+
 ``simulate`` replays the schedules of all stages with a cost per action, checking that the
 schedules are executable (no backward before its forward, cross-stage order without
 deadlock) and measuring makespan, bubble and the activations kept alive.
@@ -24,9 +28,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megazero.pipeline.partition import virtual_stage
+from megazero.pipeline.partition import stage_of, virtual_stage
+from megazero.pipeline.zero_bubble import zb_h1, zb_v
 
-KINDS = ("none", "gpipe", "1f1b", "interleaved")
+KINDS = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+ZERO_BUBBLE = ("zb-h1", "zb-v")
 
 
 class ScheduleError(ValueError):
@@ -35,7 +41,8 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage: forward ("F") or backward ("B") of ``microbatch`` through
+    """One step of a stage: forward ("F"), backward ("B"; under a zero-bubble schedule only
+    the input gradient) or weight gradient ("W", zero-bubble only) of ``microbatch`` through
     model chunk ``chunk``, in phase "warmup", "steady" or "cooldown" (GPipe: forwards are
     warm-up, backwards cool-down; "none": every action is steady)."""
 
@@ -53,7 +60,8 @@ def build_schedule(kind: str, num_microbatches: int, pp_size: int, pp_rank: int,
     """The ordered actions of stage ``pp_rank`` for one training step.
 
     Raises ValueError when ``kind`` is unknown, sizes are below 1, ``none`` is used with
-    ``pp_size > 1``, ``vp_size > 1`` with a non-interleaved kind, or interleaved gets
+    ``pp_size > 1``, ``vp_size > 1`` with a non-interleaved kind (zb-v needs exactly 2), a
+    zero-bubble kind runs at ``pp_size`` 1, or interleaved gets
     ``num_microbatches % pp_size != 0`` (the fix: choose --global-batch-size /
     (--micro-batch-size x dp) as a multiple of --pp).
     """
@@ -63,6 +71,8 @@ def build_schedule(kind: str, num_microbatches: int, pp_size: int, pp_rank: int,
     if m < 1 or p < 1 or not 0 <= r < p or vp_size < 1:
         raise ValueError(f"bad schedule sizes: num_microbatches {m}, pp {p}, pp_rank {r}, "
                          f"virtual-pipeline-size {vp_size}")
+    if kind in ZERO_BUBBLE:
+        return _zero_bubble(kind, m, p, r, vp_size)
     if kind != "interleaved" and vp_size != 1:
         raise ValueError(f"--virtual-pipeline-size {vp_size} needs the interleaved schedule "
                          f"(got {kind!r})")
@@ -77,6 +87,18 @@ def build_schedule(kind: str, num_microbatches: int, pp_size: int, pp_rank: int,
     if kind == "1f1b":
         return _one_f_one_b(m, min(p - r - 1, m), lambda k, fwd: (k, 0))
     return _interleaved(m, p, r, vp_size)
+
+
+def _zero_bubble(kind: str, m: int, p: int, r: int, vp_size: int) -> list[Action]:
+    if p < 2:
+        raise ValueError(f"--pipeline-schedule {kind} needs --pp >= 2 (got --pp {p}); fix: "
+                         f"use --pipeline-schedule 1f1b")
+    want = 2 if kind == "zb-v" else 1
+    if vp_size != want:
+        raise ValueError(f"--pipeline-schedule {kind} runs {want} model chunk(s) per stage, "
+                         f"got --virtual-pipeline-size {vp_size}")
+    rows = [zb_h1(m, p, r)] if kind == "zb-h1" else [zb_v(m, p)[r]]
+    return [Action(*a) for a in rows[0]]
 
 
 def _one_f_one_b(total: int, warmup: int, unit) -> list[Action]:
@@ -117,9 +139,16 @@ def forward_only_schedule(num_microbatches: int, vp_size: int = 1) -> list[Actio
     return [Action("F", mb, c, "warmup") for mb in range(num_microbatches) for c in range(vp_size)]
 
 
+def is_split(actions: list[Action]) -> bool:
+    """True when the backward is split into B and W (a zero-bubble schedule)."""
+    return any(a.kind == "W" for a in actions)
+
+
 def last_backward_index(actions: list[Action]) -> dict[int, int]:
-    """chunk -> index in ``actions`` of that chunk's last backward."""
-    return {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+    """chunk -> index in ``actions`` of that chunk's last gradient-producing action: its last
+    W under a zero-bubble schedule (the parameters' gradients arrive in W), else its last B."""
+    kind = "W" if is_split(actions) else "B"
+    return {a.chunk: i for i, a in enumerate(actions) if a.kind == kind}
 
 
 @dataclass
@@ -128,9 +157,8 @@ class SimResult:
 
     ``makespan``: end of the last action; ``busy[s]``/``idle[s]``: compute and idle time of
     stage ``s`` within the makespan; ``bubble_fraction = sum(idle) / (pp * makespan)``;
-    ``peak_inflight[s]``: most (micro-batch, chunk) pairs whose forward has run and whose
-    backward has not, on stage ``s`` (activations kept alive); ``finish[s][i]``: end time
-    of action ``i`` of stage ``s``.
+    ``peak_inflight[s]``: most (micro-batch, chunk) pairs whose activations stage ``s`` holds
+    at once (``peak_inflight_of``); ``finish[s][i]``: end time of action ``i`` of stage ``s``.
     """
 
     makespan: float
@@ -142,47 +170,52 @@ class SimResult:
 
 
 def simulate(schedules: list[list[Action]], pp_size: int, vp_size: int = 1,
-             forward_cost: float = 1.0, backward_cost: float = 2.0) -> SimResult:
+             forward_cost: float = 1.0, backward_cost: float = 2.0, weight_cost: float = 0.0,
+             layout: str = "interleaved") -> SimResult:
     """Replay one schedule per stage with zero-cost communication; return timings.
 
-    A chunk-forward costs ``forward_cost / vp_size`` and a chunk-backward
-    ``backward_cost / vp_size`` (a chunk holds 1/V of the stage's layers), so every stage
-    computes ``m * (forward_cost + backward_cost)`` whatever V is. An action starts when
-    its stage is free and its dependencies are done: F of (mb, virtual stage s) needs F of
-    (mb, s-1); B of (mb, s) needs B of (mb, s+1); virtual stage of chunk c on stage p is
-    ``c * pp + p``. The bubble fraction is the idle share of all stages' time,
-    ``sum(idle) / (pp * makespan)``; with ``m`` micro-batches it is (pp-1)/(m+pp-1) for
-    GPipe and 1F1B and (pp-1)/(V*m+pp-1) for the interleaved schedule.
+    A chunk-forward costs ``forward_cost / vp_size``; a chunk-backward ``(backward_cost +
+    weight_cost) / vp_size``, or, split (zero-bubble), B ``backward_cost / vp_size`` and W
+    ``weight_cost / vp_size`` (a chunk holds 1/V of the stage's layers), so every stage
+    computes ``m * (forward_cost + backward_cost + weight_cost)`` whatever V is. An action
+    starts when its stage is free and its dependencies are done: F of (mb, virtual stage s)
+    needs F of (mb, s-1); B of (mb, s) needs B of (mb, s+1); W of (mb, s) needs B of (mb, s);
+    virtual stages follow ``layout`` (``partition.virtual_stage``). The bubble fraction is
+    the idle share of all stages' time, ``sum(idle) / (pp * makespan)``; with ``m``
+    micro-batches it is (pp-1)/(m+pp-1) for GPipe and 1F1B and (pp-1)/(V*m+pp-1) for the
+    interleaved schedule.
 
-    Raises ScheduleError naming the stage and action when a stage's actions are not each
-    (micro-batch, chunk) once forward and once backward, a backward precedes its forward,
-    or the stages deadlock (every unfinished stage waits on an action never reached).
+    Raises ScheduleError naming the stage and action when ``check_actions`` fails or the
+    stages deadlock (every unfinished stage waits on an action never reached).
     """
     if len(schedules) != pp_size:
         raise ScheduleError(f"{len(schedules)} schedules for {pp_size} stages")
     check_actions(schedules, vp_size)
-    cost = {"F": forward_cost / vp_size, "B": backward_cost / vp_size}
+    split = any(is_split(sched) for sched in schedules)
+    b = backward_cost if split else backward_cost + weight_cost
+    cost = {"F": forward_cost / vp_size, "B": b / vp_size, "W": weight_cost / vp_size}
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> finish time
     pos, free = [0] * pp_size, [0.0] * pp_size
     finish: list[list[float]] = [[] for _ in range(pp_size)]
+    dep_of = lambda a, s: _dependency(a, s, pp_size, vp_size, layout)   # noqa: E731
     while any(pos[s] < len(schedules[s]) for s in range(pp_size)):
         progressed = False
         for s in range(pp_size):
             while pos[s] < len(schedules[s]):
                 a = schedules[s][pos[s]]
-                dep = _dependency(a, s, pp_size, vp_size)
+                dep = dep_of(a, s)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[s], done[dep] if dep is not None else 0.0)
                 free[s] = start + cost[a.kind]
-                done[(a.kind, a.microbatch, virtual_stage(s, pp_size, a.chunk))] = free[s]
+                done[(a.kind, a.microbatch, virtual_stage(s, pp_size, a.chunk, layout))] = free[s]
                 finish[s].append(free[s])
                 pos[s] += 1
                 progressed = True
         if not progressed:
             raise ScheduleError("deadlock: " + "; ".join(
                 f"stage {s} waits at {schedules[s][pos[s]]} for "
-                f"{_describe(_dependency(schedules[s][pos[s]], s, pp_size, vp_size), pp_size)}"
+                f"{_describe(dep_of(schedules[s][pos[s]], s), pp_size, layout)}"
                 for s in range(pp_size) if pos[s] < len(schedules[s])))
     makespan = max(free)
     busy = [sum(cost[a.kind] for a in sched) for sched in schedules]
@@ -192,50 +225,65 @@ def simulate(schedules: list[list[Action]], pp_size: int, vp_size: int = 1,
                      busy=busy, idle=idle, finish=finish)
 
 
-def _dependency(a: Action, stage: int, pp_size: int, vp_size: int):
+def _dependency(a: Action, stage: int, pp_size: int, vp_size: int, layout: str = "interleaved"):
     """(kind, mb, virtual stage) that must finish before ``a`` may start, or None."""
-    s = virtual_stage(stage, pp_size, a.chunk)
+    s = virtual_stage(stage, pp_size, a.chunk, layout)
     if a.kind == "F":
         return ("F", a.microbatch, s - 1) if s > 0 else None
+    if a.kind == "W":
+        return ("B", a.microbatch, s)
     return ("B", a.microbatch, s + 1) if s < pp_size * vp_size - 1 else None
 
 
-def _describe(dep, pp_size: int) -> str:
+def _describe(dep, pp_size: int, layout: str = "interleaved") -> str:
     kind, mb, s = dep
-    return f"{kind}(mb={mb}, chunk={s // pp_size}) on stage {s % pp_size}"
+    stage, chunk = stage_of(s, pp_size, layout)
+    return f"{kind}(mb={mb}, chunk={chunk}) on stage {stage}"
 
 
 def check_actions(schedules: list[list[Action]], vp_size: int) -> None:
     """Each stage (one action list per pipeline rank) runs every (micro-batch, chunk) exactly
-    once as F and once as B, F before B, and all stages run the same set. Raises
+    once as F and once as B, F before B, and all stages run the same set. A split backward
+    (any "W" on a stage) also runs each once as W, after its B, and each chunk's W's in
+    micro-batch order (the order 1F1B accumulates gradients in: ``weight_grad.py``). Raises
     ScheduleError naming the stage and the action otherwise."""
     expected = None
     for s, sched in enumerate(schedules):
-        seen_f: set[tuple[int, int]] = set()
-        seen_b: set[tuple[int, int]] = set()
+        seen: dict[str, set] = {"F": set(), "B": set(), "W": set()}
+        last_w: dict[int, int] = {}
         for a in sched:
             key = (a.microbatch, a.chunk)
-            if a.kind not in ("F", "B") or not 0 <= a.chunk < vp_size:
+            if a.kind not in seen or not 0 <= a.chunk < vp_size:
                 raise ScheduleError(f"stage {s}: invalid action {a}")
-            seen = seen_f if a.kind == "F" else seen_b
-            if key in seen:
+            if key in seen[a.kind]:
                 raise ScheduleError(f"stage {s}: {a} appears twice")
-            if a.kind == "B" and key not in seen_f:
-                raise ScheduleError(f"stage {s}: {a} runs before its forward")
-            seen.add(key)
-        if seen_f != seen_b:
+            before = {"B": ("F", "forward"), "W": ("B", "backward (B)")}.get(a.kind)
+            if before and key not in seen[before[0]]:
+                raise ScheduleError(f"stage {s}: {a} runs before its {before[1]}")
+            if a.kind == "W":
+                if a.microbatch < last_w.get(a.chunk, -1):
+                    raise ScheduleError(f"stage {s}: {a} after W of micro-batch "
+                                        f"{last_w[a.chunk]}: weight gradients out of order")
+                last_w[a.chunk] = a.microbatch
+            seen[a.kind].add(key)
+        if seen["F"] != seen["B"]:
             raise ScheduleError(f"stage {s}: forwards without backward: "
-                                f"{sorted(seen_f - seen_b)}")
-        if expected is not None and seen_f != expected:
-            raise ScheduleError(f"stage {s} runs micro-batches/chunks {sorted(seen_f)}, "
+                                f"{sorted(seen['F'] - seen['B'])}")
+        if seen["W"] and seen["W"] != seen["B"]:
+            raise ScheduleError(f"stage {s}: backwards without W: {sorted(seen['B'] - seen['W'])}")
+        if expected is not None and seen["F"] != expected:
+            raise ScheduleError(f"stage {s} runs micro-batches/chunks {sorted(seen['F'])}, "
                                 f"stage 0 runs {sorted(expected)}")
-        expected = seen_f
+        expected = seen["F"]
 
 
 def peak_inflight_of(sched: list[Action]) -> int:
-    """The most micro-batches (x chunks) one stage's action list holds activations for at once."""
+    """The most micro-batches (x chunks) one stage's action list holds activations for at
+    once: from F to B, or to W when the backward is split (B leaves the saved tensors that W
+    reads, ``weight_grad.py``)."""
+    release = "W" if is_split(sched) else "B"
     alive = peak = 0
     for a in sched:
-        alive += 1 if a.kind == "F" else -1
+        alive += 1 if a.kind == "F" else -1 if a.kind == release else 0
         peak = max(peak, alive)
     return peak

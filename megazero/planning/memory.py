@@ -73,30 +73,31 @@ class ModelSizes(Protocol):
 
 
 def params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
-                    layer_split=None, ep: int = 1) -> int:
+                    layer_split=None, ep: int = 1, layout: str = "interleaved") -> int:
     """Parameters (elements) held by one rank of stage ``pp_rank`` (all its chunks), summed
-    from ``g.parameter_spec(tp)`` over the layers, embedding and head of each chunk. With
-    expert parallelism ``ep`` a rank holds E/ep of each MoE layer's routed experts (every ep
-    rank the same number: those of ep rank 0 are counted)."""
+    from ``g.parameter_spec(tp)`` over the layers, embedding and head of each chunk
+    (``layout``: ``partition.chunk_layout`` of the schedule). With expert parallelism ``ep`` a
+    rank holds E/ep of each MoE layer's routed experts (every ep rank the same number: those of
+    ep rank 0 are counted)."""
     spec = g.parameter_spec(tp)
     if ep > 1:
         local = g.num_experts // ep
         spec = [e for e in spec if ".mlp.experts." not in e.name
                 or int(e.name.split(".mlp.experts.")[1].split(".")[0]) < local]
-    return sum(params_on_chunk(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split),
+    return sum(params_on_chunk(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
                                partition.is_pre_process(pp_rank, v),
-                               partition.is_post_process(pp_rank, pp, v, vp_size), tp)
+                               partition.is_post_process(pp_rank, pp, v, vp_size, layout), tp)
                for v in range(vp_size))
 
 
 def zero3_units(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1, layer_split=None,
-                persistence_threshold: int = 0) -> list[dict[str, int]]:
+                persistence_threshold: int = 0, layout: str = "interleaved") -> list[dict[str, int]]:
     """ZeRO-3 gather units of each model chunk of stage ``pp_rank``: unit name -> elements on one
     rank (``param_spec.gather_units``, from ``g.parameter_spec(tp)``)."""
     spec = g.parameter_spec(tp)
-    return [gather_units(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split),
-                         partition.is_pre_process(pp_rank, v), partition.is_post_process(pp_rank, pp, v, vp_size),
-                         tp, persistence_threshold)
+    return [gather_units(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
+                         partition.is_pre_process(pp_rank, v),
+                         partition.is_post_process(pp_rank, pp, v, vp_size, layout), tp, persistence_threshold)
             for v in range(vp_size)]
 
 
@@ -174,7 +175,7 @@ def _simulated_inflight(schedule: str, pp: int, vp_size: int, num_microbatches: 
         return (num_microbatches * vp_size,) * pp
     m = min(num_microbatches, 4 * pp)
     actions = [build_schedule(schedule, m, pp, r, vp_size) for r in range(pp)]
-    return tuple(simulate(actions, pp, vp_size).peak_inflight)
+    return tuple(simulate(actions, pp, vp_size, layout=partition.chunk_layout(schedule)).peak_inflight)
 
 
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
@@ -202,10 +203,12 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     logits = 2 * 4 * micro_batch_size * g.seq_length // cp * g.padded_vocab(tp) / tp
     stages = []
     for r in range(pp):
-        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split)
+        layout = partition.chunk_layout(schedule)
+        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, layout)
         states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
-        acts = inflight[r] * layers_per_chunk * layer + (logits if r == pp - 1 else 0.0)
+        head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
+        acts = inflight[r] * layers_per_chunk * layer + (logits if head else 0.0)
         stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp))
     best = max(stages, key=lambda e: e.total_bytes)
     best.most_states = max(stages, key=lambda e: e.model_state_bytes)
@@ -237,11 +240,13 @@ def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, l
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     stages = []
     for r in range(pp):
-        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split)
+        layout = partition.chunk_layout(schedule)
+        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, layout)
         states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
         chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
                   for v in range(vp_size)]
-        acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, r == pp - 1, pp, g.padded_vocab(tp))
+        head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
+        acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, head, pp, g.padded_vocab(tp))
         staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
         stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step,
                                      A.context_parallel_bytes(g, a)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megazero.config import Config, bucket_sizes, show_flag
+from megazero.pipeline.partition import chunk_layout
 from megazero.planning import memory
 from megazero.planning.activations import ActivationSettings
 from megazero.precision import model_dtype
@@ -47,7 +48,8 @@ def zero3_units(cfg: Config, model: memory.ModelSizes) -> list[list[dict[str, in
     name -> elements on one rank of that stage (``memory.zero3_units``)."""
     p = cfg.parallel
     return [memory.zero3_units(model, p.tp, p.pp, r, p.virtual_pipeline_size, p.pipeline_layer_split,
-                               cfg.zero.zero3_param_persistence_threshold) for r in range(p.pp)]
+                               cfg.zero.zero3_param_persistence_threshold, chunk_layout(p.pipeline_schedule))
+            for r in range(p.pp)]
 
 
 def zero3_live_warning(cfg: Config, model: memory.ModelSizes) -> Optional[str]:

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from megazero.pipeline.weight_grad import split_in_b_pass
 from megazero.tensor_parallel.random import RNGTracker, default_generator
 
 
@@ -61,6 +62,12 @@ class _Recompute(torch.autograd.Function):
             _restore(ctx.tracker, now)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        wanted = [x for x in inputs if x.requires_grad]
+        # inside a zero-bubble B pass: input gradients only, the weights' wait for W
+        split = split_in_b_pass([o for o, _ in pairs], [g for _, g in pairs], wanted)
+        if split is not None:
+            by_id = {id(x): g for x, g in zip(wanted, split)}
+            return (None, None) + tuple(by_id.get(id(x)) for x in inputs)
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
 

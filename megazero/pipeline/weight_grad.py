@@ -1,0 +1,219 @@
+"""The backward of one (micro-batch, chunk) split into B (input gradient) and W (weight gradient).
+
+Qi et al. 2024 ("Zero Bubble Pipeline Parallelism", ICLR, sec. 2): the previous stage waits
+only for the gradient of this stage's input, so the backward is cut in two. B computes the
+gradients along the activation path down to the chunk's input (what gets sent); W computes
+the parameters' gradients from what B left behind: the saved forward inputs of each operator
+and the gradient of its output. Nothing of the forward is recomputed.
+
+How the cut is made here, without a layer of its own per operator: after the forward, the
+autograd graph is walked once from the chunk's output. A node is on the *activation path*
+when the chunk's input is reachable from it, or when two or more parameters are (the
+embedding's sum of word and position lookups on the first stage, which has no input tensor);
+a node from which exactly one parameter and not the input is reachable is *weight-only*. A
+*boundary* is an activation-path node with a weight-only child: ``addmm`` of a linear layer
+(child ``t`` -> weight), a norm (children -> weight, bias), the embedding's reduction.
+
+- B: ``torch.autograd.grad(output, inputs=[input] + [edges into every boundary])`` with the
+  graph retained. The engine runs only nodes that lead to a requested edge and, inside each
+  operator, only the outputs that lead there (``addmm`` computes ``dX = dY W`` but not
+  ``dW``), and returns the gradient flowing into each boundary (its output gradient).
+- W: per boundary, in the order B reached them, ``torch.autograd.grad`` from that boundary's
+  edges with the captured gradients, asking only for the parameters behind its weight-only
+  children: the engine re-enters the boundary operator computing only ``dW = X^T dY``
+  (``db``, the norm's ``dgamma``/``dbeta``) from its saved tensors. Each parameter's gradient
+  is then accumulated with ``torch.autograd.backward(param, dW)``: the parameter's own
+  ``AccumulateGrad`` node, so the gradient hooks of ``data_parallel.ddp`` (buckets, ZeRO)
+  fire in W exactly as they fire in a plain backward.
+
+Exactness: each gradient is the same operator formula on the same tensors as in the fused
+backward, and each parameter receives one accumulation per micro-batch, so when W runs in
+micro-batch order per chunk (every zero-bubble schedule here does) the summed gradients are
+bit-identical to 1F1B's. Where it cannot hold: a parameter reached through two boundaries in
+one chunk (a weight used twice in one forward, e.g. tied input and output embeddings in one
+chunk): its two contributions are added here in B's order, not in the engine's.
+
+Refused (``SplitBackwardError``): a boundary that is a custom ``autograd.Function`` with both
+activation and weight children (its Python backward ignores which outputs are needed, so it
+would run twice; e.g. the overlapped column-parallel linear). A recomputed region (full
+recomputation, ``tensor_parallel.recompute``) replays its forward in B and splits its inner
+backward the same way (``split_in_b_pass``), so the forward is re-run before B, not before
+W, and the replayed graph is held from B to W.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+_MANY = object()   # more than one parameter reachable
+
+
+class SplitBackwardError(RuntimeError):
+    """The autograd graph of a chunk cannot be split into B and W (module docstring)."""
+
+
+@dataclass
+class WeightGradWork:
+    """What B leaves for W of one (micro-batch, chunk): per boundary node, the gradients
+    flowing into it and the parameters (``AccumulateGrad`` nodes) behind its weight-only
+    children, in the order B reached them. Holds the graph (and its saved tensors) alive."""
+
+    items: list = field(default_factory=list)   # (node, tuple of grads or None, [params])
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _nodes_postorder(roots: list) -> list:
+    """Every node reachable from ``roots``, children before parents (iterative DFS)."""
+    order, seen, stack = [], set(), [(r, False) for r in roots if r is not None]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((c, False) for c, _ in node.next_functions if c is not None and c not in seen)
+    return order
+
+
+def _classify(roots: list, input_nodes: set):
+    """Per node: (leads to an input, the one parameter node reachable / _MANY / None)."""
+    info = {}
+    for node in _nodes_postorder(roots):
+        if hasattr(node, "variable"):   # AccumulateGrad: a leaf
+            is_input = node in input_nodes
+            info[node] = (is_input, None if is_input else node)
+            continue
+        to_input, reach = False, None
+        for c, _ in node.next_functions:
+            if c is None:
+                continue
+            ci, cr = info[c]
+            to_input = to_input or ci
+            if cr is not None:
+                reach = cr if reach is None or reach is cr else _MANY
+        info[node] = (to_input, reach)
+    return info
+
+
+def _on_activation_path(info, node) -> bool:
+    to_input, reach = info[node]
+    return to_input or reach is _MANY
+
+
+def _boundaries(roots: list, info) -> list:
+    """(node, [param nodes behind its weight-only children]), parents before children."""
+    out = []
+    for node in reversed(_nodes_postorder(roots)):
+        if hasattr(node, "variable") or not (_on_activation_path(info, node) or node in roots):
+            continue
+        weights, activation_child = [], False
+        for c, _ in node.next_functions:
+            if c is None:
+                continue
+            if _on_activation_path(info, c):
+                activation_child = True
+            elif info[c][1] is not None and info[c][1] not in weights:
+                weights.append(info[c][1])
+        if not weights:
+            continue
+        if activation_child and isinstance(node, torch.autograd.function.BackwardCFunction):
+            raise SplitBackwardError(
+                f"{type(node).__name__}: a custom autograd.Function computes both an activation "
+                f"gradient and a weight gradient, so its backward cannot be split into B and W "
+                f"(zero-bubble schedules); build the model without it (e.g. "
+                f"--no-async-tensor-model-parallel-allreduce)")
+        out.append((node, weights))
+    return out
+
+
+def _num_inputs(node) -> int:
+    return len(node._input_metadata)
+
+
+def backward_input(outputs: torch.Tensor, output_grad: Optional[torch.Tensor],
+                   input_tensor: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], WeightGradWork]:
+    """B of one (micro-batch, chunk): the input's gradient, and the work W will do.
+
+    ``outputs`` is the chunk's output ``[B, T, H]`` (with ``output_grad`` of the same shape)
+    or, on the last virtual stage, the 0-d (scaled) loss (``output_grad`` None).
+    ``input_tensor`` is the received activation (a leaf with ``requires_grad``) or None on
+    the first virtual stage. Returns ``(grad of input_tensor or None, WeightGradWork)``;
+    no parameter's ``.grad`` changes. A recomputed region met on the way (full
+    recomputation) replays its forward here and splits its own backward the same way
+    (``split_in_b_pass``): its W joins this micro-batch's. Raises SplitBackwardError.
+    """
+    work = WeightGradWork()
+    _B_PASSES.append(work)
+    try:
+        grads = _split([outputs], [output_grad], [] if input_tensor is None else [input_tensor], work)
+    finally:
+        _B_PASSES.pop()
+    return (grads[0] if input_tensor is not None else None), work
+
+
+# The B passes running, innermost last. A recomputed region's backward runs inside the
+# engine (on its device thread under CUDA), so it finds the pass here, not in an argument.
+_B_PASSES: list = []
+
+
+def split_in_b_pass(outputs: list, grads: list, inputs: list) -> Optional[list]:
+    """For a custom Function whose backward runs its own autograd pass over ``outputs``
+    (``tensor_parallel.recompute``): inside a B pass, compute only the gradients of
+    ``inputs`` (leaves) and add the region's weight work to the pass's W; returns them, or
+    None outside a B pass (then back-propagate as usual)."""
+    if not _B_PASSES:
+        return None
+    return _split(outputs, grads, inputs, _B_PASSES[-1])
+
+
+def _split(outputs: list, grads: list, inputs: list, work: WeightGradWork) -> list:
+    """B over ``outputs`` with ``grads`` (None for a scalar): returns the gradients of
+    ``inputs`` (None where unused) and appends the boundaries' captures to ``work``."""
+    roots = [o.grad_fn for o in outputs]
+    input_nodes = {torch.autograd.graph.get_gradient_edge(x).node for x in inputs}
+    info = _classify(roots, input_nodes)
+    bounds = _boundaries(roots, info)
+    edges = [GradientEdge(node, i) for node, _ in bounds for i in range(_num_inputs(node))]
+    wanted = list(inputs) + edges
+    got = list(torch.autograd.grad(outputs, wanted, grad_outputs=grads, retain_graph=True,
+                                   allow_unused=True)) if wanted else []
+    captured = got[len(inputs):]
+    for node, params in bounds:
+        n = _num_inputs(node)
+        node_grads, captured = tuple(captured[:n]), captured[n:]
+        work.items.append((node, node_grads, [p.variable for p in params]))
+    return got[:len(inputs)]
+
+
+def backward_weight(work: WeightGradWork) -> None:
+    """W: compute each boundary's weight gradients from what B captured and accumulate them
+    into the parameters through their ``AccumulateGrad`` nodes (gradient hooks fire), in B's
+    order. Releases the graph. A parameter reached by several boundaries gets the sum."""
+    uses: dict[int, int] = {}
+    for _, _, params in work.items:
+        for p in params:
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    partial: dict[int, torch.Tensor] = {}
+    for node, grads, params in work.items:
+        live = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
+        got = torch.autograd.grad([e for e, _ in live], params, grad_outputs=[g for _, g in live],
+                                  retain_graph=True, allow_unused=True) if live else [None] * len(params)
+        for p, g in zip(params, got):
+            uses[id(p)] -= 1
+            if g is not None and id(p) in partial:
+                g = partial.pop(id(p)) + g
+            elif g is None:
+                g = partial.pop(id(p), None)
+            if g is not None and uses[id(p)] > 0:
+                partial[id(p)] = g
+            elif g is not None:
+                torch.autograd.backward(p, g)   # AccumulateGrad: .grad += g, hooks fire
+    work.items.clear()

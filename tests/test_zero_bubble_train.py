@@ -1,0 +1,150 @@
+"""Zero-bubble schedules through the whole trainer on spawned gloo ranks, fp32, dropout off:
+ZB-H1 and ZB-V at (pp, micro-batches) = (2, 4) give 1F1B's losses, gradient norms and
+updated parameters bit for bit over 10 steps (and the evaluation loss after them), and
+tests/reference.py's losses within 1e-5.
+
+ZB-V places layers differently (stage r holds virtual stages r and 2p-1-r, the output layer
+on stage 0), so its gradient norm, a sum of per-rank squares, is added in another order:
+equal to 1F1B's within 1e-12 relative, not bit for bit; its losses and every parameter (by
+name) are bit-identical (at ZeRO-3, whose shards follow the placement, losses and norms
+only). ZB-V needs untied embeddings (refused otherwise), so it is compared
+with an untied 1F1B run. One spawn runs every layout of its world size.
+"""
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_train import BASE, STEPS, _reference_losses
+
+GBS = ["--global-batch-size", "8"]   # micro-batch 2: 4 micro-batches at dp 1
+UNTIE = ["--untie-embeddings-and-output-weights"]
+MICRO1 = ["--micro-batch-size", "1"]  # dp 2: still 4 micro-batches per pipeline
+
+
+def _run(rank, world, argv):
+    import train
+    from megazero.config import config_from_argv, layout_topology
+    from megazero.process_groups import ProcessGroups
+
+    torch.set_num_threads(1)
+    cfg = config_from_argv(argv, world)
+    run = train.build_data(cfg)
+    groups = ProcessGroups.build(layout_topology(cfg))
+    trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+    values = []
+    for _ in range(STEPS):
+        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        v = trainer.train_step(batches).values
+        values.append((v["loss"], v["grad_norm"]))
+    values.append((trainer.eval_loss(batches), None))   # forward only, through the same chunks
+    trainer.optimizer.wait_param_gather()
+    if cfg.zero.stage == 3:   # this rank's shards (the parameters are gathered on demand)
+        params = {(f"shard{i}", groups.pp_rank, groups.dp_rank, groups.tp_rank):
+                  b.params_shard.clone() if b.params_shard is not None   # small ones stay whole
+                  else torch.cat([q.detach().reshape(-1) for q in b.layout.params])
+                  for i, b in enumerate(trainer.ddp.buffers)}
+    else:
+        params = {(n, groups.tp_rank): q.detach().clone() for c in trainer.chunks for n, q in c.named_parameters()}
+    trainer.close()
+    return values, params
+
+
+def _runs(rank, world, argvs):
+    return [_run(rank, world, a) for a in argvs]
+
+
+def _compare(results, base, other, same_layout):
+    """``other``'s run equals ``base``'s: losses bit for bit, gradient norms bit for bit
+    (same layout) or within 1e-12, every updated parameter bit for bit."""
+    b_vals, o_vals = results[0][base][0], results[0][other][0]
+    assert [v[0] for v in o_vals] == [v[0] for v in b_vals], (other, "loss")   # and the eval loss
+    b_norms, o_norms = [v[1] for v in b_vals[:-1]], [v[1] for v in o_vals[:-1]]
+    if same_layout:
+        assert o_norms == b_norms, (other, "grad norm")
+    else:
+        assert o_norms == pytest.approx(b_norms, rel=1e-12, abs=0)
+    b_par, o_par = {}, {}
+    for r in results:   # every rank's parameters, by name (and tp rank) or by shard
+        b_par.update(r[base][1])
+        o_par.update(r[other][1])
+    if not same_layout and any(k[0].startswith("shard") for k in b_par):
+        return   # ZeRO-3 shards of different layer placements hold different parameters
+    assert b_par.keys() == o_par.keys() and len(b_par) > 0
+    bad = [k for k in b_par if not torch.equal(b_par[k], o_par[k])]
+    assert not bad, (other, bad[:4])
+
+
+def _check(layouts, results, names, model=()):
+    refs = {}
+    for i, name in enumerate(names):
+        argv, _ = layouts[name]
+        key = UNTIE[0] in argv
+        if key not in refs:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)   # tiny matmuls: the oracle is many times faster on one thread
+            try:
+                refs[key] = _reference_losses(BASE + GBS + list(model) + (UNTIE if key else []), STEPS)
+            finally:
+                torch.set_num_threads(threads)
+        for r in results:   # every rank agrees, and equals the oracle within 1e-5
+            assert [v[0] for v in r[i][0]] == [v[0] for v in results[0][i][0]]
+            assert [v[0] for v in r[i][0][:-1]] == pytest.approx(refs[key], rel=1e-5), name
+    for i, name in enumerate(names):
+        base = layouts[name][1]
+        if base is not None:
+            _compare(results, names.index(base), i, same_layout="zb-v" not in name)
+
+
+# name -> (flags, the 1F1B run it must equal bit for bit)
+PP2 = {
+    "1f1b": (["--pp", "2"], None),
+    "zb-h1": (["--pp", "2", "--pipeline-schedule", "zb-h1"], "1f1b"),
+    "1f1b-untied": (["--pp", "2"] + UNTIE, None),
+    "zb-v": (["--pp", "2", "--pipeline-schedule", "zb-v"] + UNTIE, "1f1b-untied"),
+}
+
+
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+
+
+def test_zero_bubble_pp2_equals_1f1b_bit_for_bit():
+    """pp 2, 4 micro-batches, 2 ranks: ZB-H1 and ZB-V against 1F1B and the reference; ZB-H1
+    with full recomputation too (the forward replayed in B, its weights' gradients in W)."""
+    layouts = dict(PP2, **{"1f1b recompute": (PP2["1f1b"][0] + FULL, None),
+                           "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute")})
+    names = list(layouts)
+    out = run_distributed(_runs, 2, [BASE + GBS + layouts[n][0] for n in names], timeout_s=600)
+    _check(layouts, out, names)
+
+
+def _layouts4():
+    out = {}
+    for tag, flags in (("tp2-sp", ["--tp", "2", "--sequence-parallel"]),
+                       ("dp2-zero2", ["--dp", "2", "--zero-stage", "2"] + MICRO1),
+                       ("dp2-zero3", ["--dp", "2", "--zero-stage", "3"] + MICRO1)):
+        for name, (pp_flags, base) in PP2.items():
+            out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
+    return out
+
+
+@pytest.mark.slow
+def test_zero_bubble_with_tp_sp_and_zero_equals_1f1b_bit_for_bit():
+    """4 ranks: tp 2 + sequence parallelism, ZeRO-2 and ZeRO-3 over dp 2, each with ZB-H1 and
+    ZB-V next to 1F1B (the bucket reductions start when a bucket's last W is done; ZeRO-3
+    keeps a unit gathered from its B to its last W)."""
+    layouts = _layouts4()
+    names = list(layouts)
+    out = run_distributed(_runs, 4, [BASE + GBS + layouts[n][0] for n in names], timeout_s=1500)
+    _check(layouts, out, names)
+
+
+PP4 = ["--num-layers", "8", "--global-batch-size", "16"]   # zb-v: 2 x 4 chunks; 8 micro-batches
+
+
+@pytest.mark.slow
+def test_zero_bubble_pp4_with_8_microbatches_equals_1f1b():
+    """(pp, micro-batches) = (4, 8) on 4 ranks (pp only: the tp 2 / dp 2 variants need 8)."""
+    layouts = {n: (["--pp", "4"] + flags[2:], base) for n, (flags, base) in PP2.items()}
+    names = list(layouts)
+    out = run_distributed(_runs, 4, [BASE + PP4 + layouts[n][0] for n in names], timeout_s=1500)
+    _check(layouts, out, names, model=PP4)
