@@ -204,7 +204,7 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     stages = []
     for r in range(pp):
         layout = partition.chunk_layout(schedule)
-        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, layout)
+        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, layout=layout)
         states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
@@ -241,7 +241,7 @@ def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, l
     stages = []
     for r in range(pp):
         layout = partition.chunk_layout(schedule)
-        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, layout)
+        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, layout=layout)
         states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
         chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
                   for v in range(vp_size)]
