@@ -31,18 +31,14 @@ errors into HFConversionError and checks every tensor's shape against ``hf_shape
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from typing import Iterator, Mapping, Optional
 
 import torch
 
+from model import hf_moe
 from model.config import GPTConfig
 from model.gpt import VOCAB_TENSORS, canonical_shapes, resize_vocab
-
-
-class HFConversionError(ValueError):
-    """A model or folder that cannot be converted exactly; the message names the difference."""
+from model.hf_config import HFConversionError, config_value as _value
 
 
 # canonical name (per layer: after "layers.{i}.") -> (Hugging Face name, transposed)
@@ -154,28 +150,6 @@ def gpt_config_from_hf(config: Mapping, **settings) -> GPTConfig:
                      tie_embeddings=_value(config, "tie_word_embeddings", "flag", True),
                      layernorm_epsilon=_value(config, "layer_norm_epsilon", "number", 1e-5),
                      openai_gelu=_GELUS[act], **settings)
-
-
-_REQUIRED = object()
-_KINDS = {"size": "a whole number >= 1", "number": "a finite number > 0", "flag": "true or false",
-          "table": "a JSON object"}
-
-
-def _value(config: Mapping, key: str, kind: str, default=_REQUIRED):
-    """``config[key]`` of ``kind`` (``_KINDS``); ``default`` when absent or null. Raises
-    HFConversionError naming the key when it is required and absent, or of another kind."""
-    v = config.get(key)
-    if v is None:
-        if default is _REQUIRED:
-            raise HFConversionError(f"{key!r} is missing; fix: a complete config.json (as "
-                                    "scripts/convert_checkpoint.py --to-hf or save_pretrained writes it)")
-        return default
-    number = isinstance(v, (int, float)) and not isinstance(v, bool)
-    ok = {"size": number and isinstance(v, int) and v >= 1, "flag": isinstance(v, bool),
-          "number": number and math.isfinite(v) and v > 0, "table": isinstance(v, dict)}[kind]
-    if not ok:
-        raise HFConversionError(f"{key} = {json.dumps(v)[:60]} is not {_KINDS[kind]}; fix: correct config.json")
-    return v
 
 
 def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
@@ -477,6 +451,3 @@ def _join_llama(src, canonical: str, gcfg: GPTConfig) -> torch.Tensor:
         out.append(loaded[target][start:stop])
     scale = hf_moe.export_scale(canonical, gcfg)
     return torch.cat(out) if scale == 1.0 else torch.cat(out) / scale
-
-
-from model import hf_moe  # noqa: E402  (the MoE half of the map; it imports HFConversionError from here)

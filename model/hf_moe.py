@@ -45,7 +45,7 @@ from typing import Mapping, Optional
 import torch
 
 from model.config import GPTConfig
-from model.hf import HFConversionError, _value as config_value
+from model.hf_config import HFConversionError, config_value
 
 # (field, flag) of the MoE settings that define the forward, in the order a mismatch is named
 MATCHED = (("num_experts", "--num-experts"), ("moe_router_topk", "--moe-router-topk"),

@@ -406,8 +406,11 @@ def report(res: list, names: list, args=None) -> list[str]:
     if "floor" in med:
         floor = med["floor"][0]
         for ours, peer in pairs:
-            if peer not in TP_SYSTEMS and med[peer][0] > floor:
-                lines.append(f"overhead {ours}/{peer}: {(med[ours][0] - floor) / (med[peer][0] - floor):.2f}")
+            if peer in TP_SYSTEMS:
+                continue
+            over = med[peer][0] - floor   # a noisy round can put a peer at the floor
+            value = f"{(med[ours][0] - floor) / over:.2f}" if over > 0 else "n/a (the peer's median is at the floor)"
+            lines.append(f"overhead {ours}/{peer}: {value}")
     return lines
 
 

@@ -73,7 +73,8 @@ def test_every_system_trains_the_same_and_states_follow_zero():
         "overhead megazero-zero0/ddp", "overhead megazero-zero1/zero-redundancy-optimizer",
         "overhead megazero-zero2/fsdp2"]
     for line in overheads:
-        float(line.split(": ")[1])
+        value = line.split(": ")[1]
+        assert value.startswith("n/a (") or float(value) == float(value), line
 
 
 def test_peer_parameter_groups_are_megazeros():
