@@ -294,7 +294,7 @@ BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bi
         "--moe-router-bias-update-rate", "0.05"]   # a bias that moves the routing within a few steps
 SAVE_AT, AFTER = 3, 3
 SAVED = ["--tp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"]
-RESUMED = {"dp4-ep4-zero2": ["--dp", "4", "--zero-stage", "2", EP, "4"],
+RESUMED = {"dp4-ep4-zero2-offload": ["--dp", "4", "--zero-stage", "2", EP, "4", "--offload-optimizer", "cpu"],
            "dp4-ep1-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"],
            "pp2-dp2-ep2-zero0-allgather": ["--pp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
                                            "--moe-token-dispatcher-type", "allgather"]}
@@ -341,7 +341,7 @@ def _checkpoint_runs(rank, world, root, saved, resumed):
 @pytest.mark.slow
 def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
     """Saved at tp 2, dp 2, EP 2 after 3 steps (with the aux-loss-free expert bias); resumed at
-    dp 4 EP 4 ZeRO-2, dp 4 EP 1 ZeRO-3 and pp 2 dp 2 EP 2 ZeRO-0 (all-gather dispatcher): the
+    dp 4 EP 4 ZeRO-2 with the optimizer offloaded to the host, dp 4 EP 1 ZeRO-3 and pp 2 dp 2 EP 2 ZeRO-0 (all-gather dispatcher): the
     next 3 steps' losses and gradient norms equal the uninterrupted run's within 1e-5, and every
     MoE layer's expert bias after them is the same (exactly)."""
     per_rank = run_distributed(_checkpoint_runs, 4, str(tmp_path), ARGS + BIAS + SAVED,
