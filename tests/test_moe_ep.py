@@ -21,20 +21,38 @@ from tests.test_moe import ARGS, _reference
 from tests.test_train import STEPS
 
 EP = "--expert-model-parallel-size"
-LAYOUTS = {  # name -> layout flags (model flags are tests/test_moe.py's ARGS); edp = dp / EP
-    "dp4-ep2-zero1": ["--dp", "4", "--zero-stage", "1", EP, "2"],
-    "dp4-ep2-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
-    "dp4-ep4-zero1": ["--dp", "4", "--zero-stage", "1", EP, "4"],
-    "tp2-dp2-ep2-zero2": ["--tp", "2", "--dp", "2", "--zero-stage", "2", EP, "2"],
-    "pp2-dp2-ep2-interleaved-zero1": ["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2",
-                                      "--zero-stage", "1", EP, "2"],
-    "dp4-ep4-zero3-allgather": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
-                                EP, "4", "--moe-token-dispatcher-type", "allgather"],
-    "dp4-ep2-zero2-allgather": ["--dp", "4", "--zero-stage", "2", EP, "2", "--moe-token-dispatcher-type",
-                                "allgather"],
-    "tp2-dp2-ep2-zero0-allgather": ["--tp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
-                                    "--moe-token-dispatcher-type", "allgather"],
+MODELS = {  # model flags beside tests/test_moe.py's ARGS: tests/test_moe.py's routing variants
+    "dropless": [],
+    "capacity": ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
+    "position": ["--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position",
+                 "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-pre-softmax"],
+    "bias": ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-bias-update-rate", "0.05"],
 }
+LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
+    "dp4-ep2-zero1": (["--dp", "4", "--zero-stage", "1", EP, "2"], "dropless"),
+    "dp4-ep2-zero3": (["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
+                      "dropless"),
+    "dp4-ep4-zero1": (["--dp", "4", "--zero-stage", "1", EP, "4"], "dropless"),
+    "tp2-dp2-ep2-zero2": (["--tp", "2", "--dp", "2", "--zero-stage", "2", EP, "2"], "dropless"),
+    "pp2-dp2-ep2-interleaved-zero1": (["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2",
+                                       "--zero-stage", "1", EP, "2"], "dropless"),
+    "dp4-ep4-zero3-allgather": (["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
+                                 EP, "4", "--moe-token-dispatcher-type", "allgather"], "dropless"),
+    "dp4-ep2-zero2-allgather": (["--dp", "4", "--zero-stage", "2", EP, "2", "--moe-token-dispatcher-type",
+                                 "allgather"], "dropless"),
+    "tp2-dp2-ep2-zero0-allgather": (["--tp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
+                                     "--moe-token-dispatcher-type", "allgather"], "dropless"),
+    "capacity-tp2-dp2-ep2-zero1": (["--tp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"], "capacity"),
+    "position-dp4-ep4-zero2-allgather": (["--dp", "4", "--zero-stage", "2", EP, "4", "--moe-token-dispatcher-type",
+                                          "allgather"], "position"),
+    "bias-pp2-dp2-ep2-zero1": (["--pp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"], "bias"),
+}
+
+
+def _flag(name: str, flag: str, default: int = 1) -> int:
+    flags = LAYOUTS[name][0]
+    return int(flags[flags.index(flag) + 1]) if flag in flags else default
 
 
 def _expert_state(optimizer):
@@ -60,7 +78,7 @@ def _ep_run(rank, world, argv, steps):
     import train
     from megazero import collectives as C
     from megazero.config import config_from_argv, layout_topology
-    from megazero.planning import memory
+    from megazero.planning import memory, plan
     from megazero.process_groups import ProcessGroups
     from model.gpt import MoEMLP
 
@@ -83,10 +101,15 @@ def _ep_run(rank, world, argv, steps):
            memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
                                   ep=groups.ep_size))
     got = opt.model_state_bytes()
-    out = dict(values=values, records=records, a2a=a2a, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
+    planned = memory.stage_estimates(trainer.gpt_config, **plan.layout_settings(cfg, False),
+                                     a=plan.activation_settings(cfg), buckets=(2**62, 2**62))
+    planned = planned[groups.pp_rank].model_state_bytes
+    bias = {i: None if m.expert_bias is None else m.expert_bias.clone() for i, m in moe.items()}
+    out = dict(values=values, records=records, a2a=a2a, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
                experts={i: sorted(m.experts_by_index) for i, m in moe.items()}, psi=psi, ep_rank=groups.ep_rank,
                expert_state=_expert_state(opt), edp_size=groups.edp_size, terms=opt.formula_terms(),
-               state_bytes=got["total"] - got["buckets"], formula=opt.formula()["total"])
+               state_bytes=got["total"] - got["buckets"], formula=opt.formula()["total"], planned=planned,
+               buffers=len(opt.ddp.buffers))
     trainer.close()
     return out
 
@@ -97,12 +120,12 @@ def _ep_runs(rank, world, argvs, steps):
 
 @pytest.fixture(scope="module")
 def runs():
-    """name -> per-rank results; the reference's (losses, stats) under "reference"."""
+    """name -> (per-rank results, the reference's (losses, stats) for its model)."""
     names = list(LAYOUTS)
-    per_rank = run_distributed(_ep_runs, 4, [ARGS + LAYOUTS[n] for n in names], STEPS, timeout_s=900)
-    out = {n: [r[i] for r in per_rank] for i, n in enumerate(names)}
-    out["reference"] = _reference(ARGS, STEPS)
-    return out
+    per_rank = run_distributed(_ep_runs, 4, [ARGS + MODELS[LAYOUTS[n][1]] + LAYOUTS[n][0] for n in names],
+                               STEPS, timeout_s=900)
+    refs = {m: _reference(ARGS + MODELS[m], STEPS) for m in {LAYOUTS[n][1] for n in names}}
+    return {n: ([r[i] for r in per_rank], refs[LAYOUTS[n][1]]) for i, n in enumerate(names)}
 
 
 def _assignments(results, step, layer):
@@ -110,17 +133,19 @@ def _assignments(results, step, layer):
     (dp rank 0's micro-batches, then dp rank 1's, ...)."""
     by_dp = {r["dp_rank"]: r["records"][step][layer] for r in results
              if layer in r["records"][step] and r["tp_rank"] == 0}
-    return [experts for d in sorted(by_dp) for experts, _ in by_dp[d]]
+    return [record for d in sorted(by_dp) for record in by_dp[d]]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_parallel_layout_equals_reference(name, runs):
     """Losses, gradient norms and aux + z losses within 1e-5 relative of the reference at every
-    step on every rank; the expert of every token at every step equal (integers); each rank
-    holds its E/EP experts by global index, and the planner counts its parameters exactly."""
-    results, (ref_losses, stats) = runs[name], runs["reference"]
-    ep = int(LAYOUTS[name][LAYOUTS[name].index(EP) + 1])
+    step on every rank; the expert of every token at every step equal (integers), with a
+    capacity factor which assignments are kept too (and some are dropped), with the expert
+    bias the bias after the last step (exactly, and moved); each rank holds its E/EP experts by
+    global index, and the planner counts its parameters exactly."""
+    results, (ref_losses, stats) = runs[name]
+    ep = _flag(name, EP)
     for r in results:
         assert r["psi"][0] == r["psi"][1]
         for layer, held in r["experts"].items():
@@ -135,25 +160,35 @@ def test_expert_parallel_layout_equals_reference(name, runs):
         for layer, want in enumerate(per_layer):
             got = _assignments(results, step, layer)
             assert len(got) == len(want) == 8   # 16 sequences in micro-batches of 2
-            for g, (w, _) in zip(got, want):
+            for (g, g_keep), (w, w_keep) in zip(got, want):
                 assert torch.equal(g, w), (name, step, layer)
+                assert torch.equal(w_keep, torch.ones_like(w_keep) if g_keep is None else g_keep), (name, step)
+    dropped = sum(int((~keep).sum()) for per_layer in stats["assignment_steps"] for mbs in per_layer
+                  for _, keep in mbs)
+    assert (dropped > 0) == (LAYOUTS[name][1] in ("capacity", "position")), dropped
+    for r in results:
+        for layer, got in r["bias"].items():
+            want = stats["expert_bias"][-1][layer]   # every layer is an MoE layer
+            assert (got is None) == (want is None) and (want is None or torch.equal(got, want)), (name, layer)
+            assert want is None or want.abs().sum() > 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_all_to_all_bytes_equal_the_closed_form(name, runs):
     """Per step, summed over the world: every (rank, MoE layer held, micro-batch) puts 8 E bytes of
-    counts and, dropless, ``4 H (S + R)`` bytes of tokens forward and as many backward into
-    all-to-alls, with ``S = N k`` the assignments it sends; over an ep group sum R = sum S, so the
-    world total is ``pairs x M x (8 E + 16 H N k)`` (fp32). The all-gather dispatcher sends none."""
-    results = runs[name]
-    flags = LAYOUTS[name]
-    tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
-    dp = int(flags[flags.index("--dp") + 1])
-    E, H, k, layers, micro, seq, gbs = 8, 32, 2, 4, 2, 16, 16
-    M, N = gbs // (micro * dp), micro * seq
-    want = tp * dp * layers * M * (8 * E + 4 * H * 4 * N * k)   # (rank, layer) pairs: each layer on tp x dp ranks
+    counts and ``4 H (S + R)`` bytes of tokens forward and as many backward into all-to-alls,
+    with ``S`` the assignments it keeps and sends; over an ep group sum R = sum S, so the world
+    total is ``tp x dp x layers x M x 8 E + 16 H tp K`` (fp32) with K the kept assignments of the
+    step's global batch over all layers (the reference's: ``N k`` per micro-batch and layer when
+    dropless). The all-gather dispatcher sends none."""
+    results, (_, stats) = runs[name]
+    tp, dp = _flag(name, "--tp"), _flag(name, "--dp")
+    E, H, layers, micro, gbs = 8, 32, 4, 2, 16
+    M = gbs // (micro * dp)
     for step in range(STEPS):
+        kept = sum(int(keep.sum()) for mbs in stats["assignment_steps"][step] for _, keep in mbs)
+        want = tp * dp * layers * M * 8 * E + 4 * H * 4 * tp * kept   # each layer on tp x dp ranks
         total = sum(r["a2a"][step] for r in results)
         assert total == (0 if "allgather" in name else want), (name, step, total, want)
 
@@ -163,22 +198,20 @@ def test_all_to_all_bytes_equal_the_closed_form(name, runs):
 def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
     """Each rank's expert buffers hold E/EP experts and exactly the ZeRO formula's bytes with
     N = dp / EP (fp32: parameters and gradients 4 bytes, moments 8); the whole model state is the
-    dense formula (N = dp) plus the expert one."""
+    dense formula (N = dp) plus the expert one, and the memory planner predicts it up to the
+    padding of each buffer to a multiple of its N (< N elements of 16 bytes per buffer)."""
     from megazero.optim.zero import zero_formula_bytes
 
-    flags = LAYOUTS[name]
-    stage, dp = int(flags[flags.index("--zero-stage") + 1]), int(flags[flags.index("--dp") + 1])
-    ep = int(flags[flags.index(EP) + 1])
-    tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
-    pp = int(flags[flags.index("--pp") + 1]) if "--pp" in flags else 1
+    stage, dp, ep, tp, pp = (_flag(name, f) for f in ("--zero-stage", "--dp", EP, "--tp", "--pp"))
     per_expert = 3 * 32 * 16 // tp   # SwiGLU fc1 [2F/tp, H] and fc2 [H, F/tp], F = 16, H = 32
-    for r in runs[name]:
+    for r in runs[name][0]:
         numel, padded, n, held = r["expert_state"]
         assert r["edp_size"] == n == dp // ep
         assert numel == (4 // pp) * (8 // ep) * per_expert
         assert held == zero_formula_bytes(padded, n, stage, 4, 4)
         assert r["terms"][-1] == (padded, n) or ep == 1
         assert r["state_bytes"] == r["formula"] == sum(zero_formula_bytes(psi, m, stage, 4, 4) for psi, m in r["terms"])
+        assert 0 <= r["state_bytes"] - r["planned"] < 16 * dp * r["buffers"], (r["state_bytes"], r["planned"])
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
@@ -267,7 +300,7 @@ BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bi
         "--moe-router-bias-update-rate", "0.05"]   # a bias that moves the routing within a few steps
 SAVE_AT, AFTER = 3, 3
 SAVED = ["--tp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"]
-RESUMED = {"dp4-ep4-zero2": ["--dp", "4", "--zero-stage", "2", EP, "4"],
+RESUMED = {"dp4-ep4-zero2-offload": ["--dp", "4", "--zero-stage", "2", EP, "4", "--offload-optimizer", "cpu"],
            "dp4-ep1-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"],
            "pp2-dp2-ep2-zero0-allgather": ["--pp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
                                            "--moe-token-dispatcher-type", "allgather"]}
@@ -314,8 +347,8 @@ def _checkpoint_runs(rank, world, root, saved, resumed):
 @pytest.mark.slow
 def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
     """Saved at tp 2, dp 2, EP 2 after 3 steps (with the aux-loss-free expert bias); resumed at
-    dp 4 EP 4 ZeRO-2, dp 4 EP 1 ZeRO-3 and pp 2 dp 2 EP 2 ZeRO-0 (all-gather dispatcher): the
-    next 3 steps' losses and gradient norms equal the uninterrupted run's within 1e-5, and every
+    dp 4 EP 4 ZeRO-2 with the optimizer offloaded to the host, dp 4 EP 1 ZeRO-3 and pp 2 dp 2 EP 2
+    ZeRO-0 (all-gather dispatcher): the next 3 steps' losses and gradient norms equal the uninterrupted run's within 1e-5, and every
     MoE layer's expert bias after them is the same (exactly)."""
     per_rank = run_distributed(_checkpoint_runs, 4, str(tmp_path), ARGS + BIAS + SAVED,
                                {n: ARGS + BIAS + a for n, a in RESUMED.items()}, timeout_s=900)

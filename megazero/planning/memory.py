@@ -48,7 +48,7 @@ from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.param_spec import ParamSpec, gather_units, params_on_chunk
 from megazero.pipeline import partition
-from megazero.pipeline.schedules import build_schedule, simulate
+from megazero.pipeline.schedules import build_schedule, peak_awaiting_weight_of, simulate
 
 
 class ModelSizes(Protocol):
@@ -79,11 +79,24 @@ def params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int 
     (``layout``: ``partition.chunk_layout`` of the schedule). With expert parallelism ``ep`` a
     rank holds E/ep of each MoE layer's routed experts (every ep rank the same number: those of
     ep rank 0 are counted)."""
-    spec = g.parameter_spec(tp)
-    if ep > 1:
-        local = g.num_experts // ep
-        spec = [e for e in spec if ".mlp.experts." not in e.name
-                or int(e.name.split(".mlp.experts.")[1].split(".")[0]) < local]
+    spec = [e for e in g.parameter_spec(tp) if _held(e.name, g, ep)]
+    return sum(params_on_chunk(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
+                               partition.is_pre_process(pp_rank, v),
+                               partition.is_post_process(pp_rank, pp, v, vp_size, layout), tp)
+               for v in range(vp_size))
+
+
+def _held(name: str, g: ModelSizes, ep: int) -> bool:
+    """Whether ep rank 0 holds parameter ``name`` (every parameter but the routed experts past
+    its E/ep)."""
+    return ".mlp.experts." not in name or int(name.split(".mlp.experts.")[1].split(".")[0]) < g.num_experts // ep
+
+
+def expert_params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
+                           layer_split=None, ep: int = 1, layout: str = "interleaved") -> int:
+    """The routed-expert elements among ``params_per_rank``'s (E/ep experts of each MoE layer):
+    the parameters reduced and sharded over the expert-data-parallel ranks (0 for a dense model)."""
+    spec = [e for e in g.parameter_spec(tp) if ".mlp.experts." in e.name and _held(e.name, g, ep)]
     return sum(params_on_chunk(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
                                partition.is_pre_process(pp_rank, v),
                                partition.is_post_process(pp_rank, pp, v, vp_size, layout), tp)
@@ -178,10 +191,20 @@ def _simulated_inflight(schedule: str, pp: int, vp_size: int, num_microbatches: 
     return tuple(simulate(actions, pp, vp_size, layout=partition.chunk_layout(schedule)).peak_inflight)
 
 
+@functools.lru_cache(maxsize=256)
+def _awaiting_weight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batch-chunks between their B and their W (zero-bubble
+    schedules; 0 otherwise): ``schedules.peak_awaiting_weight_of``."""
+    if pp == 1 or schedule not in ("zb-h1", "zb-v"):
+        return (0,) * pp
+    m = min(num_microbatches, 4 * pp)
+    return tuple(peak_awaiting_weight_of(build_schedule(schedule, m, pp, r, vp_size)) for r in range(pp))
+
+
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
              grad_bytes: int, sequence_parallel: bool, activations: Optional[A.ActivationSettings] = None,
-             buckets: Optional[tuple] = None, states_on_host: bool = False, cp: int = 1) -> MemoryEstimate:
+             buckets: Optional[tuple] = None, states_on_host: bool = False, cp: int = 1, ep: int = 1) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
 
@@ -192,20 +215,22 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     offloaded to another memory than the one planned (``--offload-optimizer cpu`` on a GPU),
     so only the device part of ``optim.offload.offload_formula_bytes`` counts. ``cp``: the
     context-parallel size of the bound (the counted path reads ``activations.cp``); ``dp`` is
-    the number of ranks ZeRO shards over, ``dp x cp`` with context parallelism."""
+    the number of ranks ZeRO shards over, ``dp x cp`` with context parallelism; ``ep`` the
+    expert-parallel size (a rank holds E/ep experts, their states sharded over ``dp / ep``)."""
     if activations is not None:
         return _estimate_counted(g, tp=tp, pp=pp, dp=dp, vp_size=vp_size, layer_split=layer_split,
                                  schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage,
                                  param_bytes=param_bytes, grad_bytes=grad_bytes, a=activations,
-                                 buckets=buckets or (2**62, 2**62), states_on_host=states_on_host)
+                                 buckets=buckets or (2**62, 2**62), states_on_host=states_on_host, ep=ep)
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
     logits = 2 * 4 * micro_batch_size * g.seq_length // cp * g.padded_vocab(tp) / tp
     stages = []
     for r in range(pp):
         layout = partition.chunk_layout(schedule)
-        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, layout=layout)
-        states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
+        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
+        states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host,
+                         expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0, ep)
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
         acts = inflight[r] * layers_per_chunk * layer + (logits if head else 0.0)
@@ -215,9 +240,14 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     return best
 
 
-def _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host: bool) -> float:
+def _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host: bool, experts: int = 0,
+            ep: int = 1) -> float:
     """Model-state bytes in the planned memory: the ZeRO formula, or with the optimizer
-    offloaded elsewhere only its device part (params and grads)."""
+    offloaded elsewhere only its device part (params and grads); with expert parallelism the
+    ``experts`` among the ``psi`` elements are sharded over ``dp / ep`` ranks, the rest over dp."""
+    if experts:
+        return (_states(psi - experts, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
+                + _states(experts, dp // ep, zero_stage, param_bytes, grad_bytes, states_on_host))
     if states_on_host:
         return offload_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)["device"]
     return zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
@@ -234,19 +264,21 @@ def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
 def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
                     num_microbatches: int, zero_stage: int, param_bytes: int, grad_bytes: int,
                     a: A.ActivationSettings, buckets: tuple,
-                    states_on_host: bool = False) -> list[MemoryEstimate]:
+                    states_on_host: bool = False, ep: int = 1) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     stages = []
     for r in range(pp):
         layout = partition.chunk_layout(schedule)
-        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, layout=layout)
-        states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
+        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
+        states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host,
+                         expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0, ep)
         chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
                   for v in range(vp_size)]
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
-        acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, head, pp, g.padded_vocab(tp))
+        acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, head, pp, g.padded_vocab(tp),
+                                        _awaiting_weight(schedule, pp, vp_size, num_microbatches)[r])
         staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
         stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step,
                                      A.context_parallel_bytes(g, a)))

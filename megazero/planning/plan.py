@@ -33,14 +33,16 @@ def activation_settings(cfg: Config) -> ActivationSettings:
 def layout_settings(cfg: Config, on_cuda: bool) -> dict:
     """The layout, schedule, ZeRO stage and byte widths (bytes per element) of ``cfg``, as the
     keyword arguments ``memory.estimate`` and ``memory.stage_estimates`` share. Their ``dp`` is
-    the replica count ZeRO shards over, dp x cp (``ProcessGroups.replicas``)."""
+    the replica count ZeRO shards over, dp x cp (``ProcessGroups.replicas``); ``ep`` the
+    expert-parallel size of an MoE model (1 for a dense one)."""
     p, pr = cfg.parallel, cfg.precision
     dtype = model_dtype(pr.fp16, pr.bf16)
     return dict(tp=p.tp, pp=p.pp, dp=p.dp * p.cp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
                 schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
                 zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
                 grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
-                states_on_host=cfg.zero.offload_optimizer == "cpu" and on_cuda)
+                states_on_host=cfg.zero.offload_optimizer == "cpu" and on_cuda,
+                ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1)
 
 
 def zero3_units(cfg: Config, model: memory.ModelSizes) -> list[list[dict[str, int]]]:
