@@ -206,6 +206,7 @@ def backward_weight(work: WeightGradWork) -> None:
         live = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
         got = torch.autograd.grad([e for e, _ in live], params, grad_outputs=[g for _, g in live],
                                   retain_graph=True, allow_unused=True) if live else [None] * len(params)
+        ready = []
         for p, g in zip(params, got):
             uses[id(p)] -= 1
             if g is not None and id(p) in partial:
@@ -215,5 +216,7 @@ def backward_weight(work: WeightGradWork) -> None:
             if g is not None and uses[id(p)] > 0:
                 partial[id(p)] = g
             elif g is not None:
-                torch.autograd.backward(p, g)   # AccumulateGrad: .grad += g, hooks fire
+                ready.append((p, g))
+        if ready:   # AccumulateGrad of each: .grad += g, the gradient hooks fire
+            torch.autograd.backward([p for p, _ in ready], [g for _, g in ready])
     work.items.clear()
