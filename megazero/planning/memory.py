@@ -48,7 +48,7 @@ from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.param_spec import ParamSpec, gather_units, params_on_chunk
 from megazero.pipeline import partition
-from megazero.pipeline.schedules import build_schedule, simulate
+from megazero.pipeline.schedules import build_schedule, peak_awaiting_weight_of, simulate
 
 
 class ModelSizes(Protocol):
@@ -172,6 +172,16 @@ def _simulated_inflight(schedule: str, pp: int, vp_size: int, num_microbatches: 
     return tuple(simulate(actions, pp, vp_size, layout=partition.chunk_layout(schedule)).peak_inflight)
 
 
+@functools.lru_cache(maxsize=256)
+def _awaiting_weight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batch-chunks between their B and their W (zero-bubble
+    schedules; 0 otherwise): ``schedules.peak_awaiting_weight_of``."""
+    if pp == 1 or schedule not in ("zb-h1", "zb-v"):
+        return (0,) * pp
+    m = min(num_microbatches, 4 * pp)
+    return tuple(peak_awaiting_weight_of(build_schedule(schedule, m, pp, r, vp_size)) for r in range(pp))
+
+
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
              grad_bytes: int, sequence_parallel: bool, activations: Optional[A.ActivationSettings] = None,
@@ -240,7 +250,8 @@ def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, l
         chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
                   for v in range(vp_size)]
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
-        acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, head, pp, g.padded_vocab(tp))
+        acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, head, pp, g.padded_vocab(tp),
+                                        _awaiting_weight(schedule, pp, vp_size, num_microbatches)[r])
         staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
         stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step,
                                      A.context_parallel_bytes(g, a)))
