@@ -124,6 +124,10 @@ def _layouts4():
                        ("dp2-zero3", ["--dp", "2", "--zero-stage", "3"] + MICRO1)):
         for name, (pp_flags, base) in PP2.items():
             out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
+    for tag, flags in (("dp2-zero1", ["--dp", "2", "--zero-stage", "1"] + MICRO1), ("cp2", ["--cp", "2"])):
+        for name in ("1f1b", "zb-h1"):   # ZeRO-1's overlapped reduction and gather; context parallel
+            pp_flags, base = PP2[name]
+            out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
     return out
 
 
@@ -131,7 +135,8 @@ def _layouts4():
 def test_zero_bubble_with_tp_sp_and_zero_equals_1f1b_bit_for_bit():
     """4 ranks: tp 2 + sequence parallelism, ZeRO-2 and ZeRO-3 over dp 2, each with ZB-H1 and
     ZB-V next to 1F1B (the bucket reductions start when a bucket's last W is done; ZeRO-3
-    keeps a unit gathered from its B to its last W)."""
+    keeps a unit gathered from its B to its last W); ZB-H1 also with ZeRO-1 (overlapped
+    reduction and parameter gather) and with context parallelism cp 2."""
     layouts = _layouts4()
     names = list(layouts)
     out = run_distributed(_runs, 4, [BASE + GBS + layouts[n][0] for n in names], timeout_s=1500)
