@@ -33,6 +33,11 @@ bit-identical to 1F1B's. Where it cannot hold: a parameter reached through two b
 one chunk (a weight used twice in one forward, e.g. tied input and output embeddings in one
 chunk): its two contributions are added here in B's order, not in the engine's.
 
+Memory: B retains the graph, so a micro-batch keeps all its saved tensors, and the captured
+output gradients, until its W (the paper's layers free what only B needed; a node's saved
+tensors cannot be released in part from outside). ``planning.activations.weight_grad_bytes``
+counts the gradients; docs/performance.md measures both.
+
 Refused (``SplitBackwardError``): a boundary that is a custom ``autograd.Function`` with both
 activation and weight children (its Python backward ignores which outputs are needed, so it
 would run twice; e.g. the overlapped column-parallel linear). A recomputed region (full
