@@ -613,7 +613,8 @@ def generate_ids(trainer: Trainer, prompt_ids: list[int], max_new_tokens: int) -
     shape = (B, trainer.cfg.model.seq_length // (p.tp if p.sequence_parallel else 1), H)
     return pipeline_generate_greedy(trainer.chunks, trainer.groups, prompt_ids, max_new_tokens,
                                     seq_length=trainer.cfg.model.seq_length, tensor_shape=shape,
-                                    dtype=trainer.dtype, vocab_size=trainer.gpt_config.vocab_size)
+                                    dtype=trainer.dtype, vocab_size=trainer.gpt_config.vocab_size,
+                                    layout=chunk_layout(p.pipeline_schedule))
 
 
 def final_sample(trainer: Trainer, tokenizer, cfg: Config) -> str:

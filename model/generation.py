@@ -29,7 +29,7 @@ from megazero.tensor_parallel.mappings import gather_from_tp_region
 def pipeline_generate_greedy(chunks: Sequence[torch.nn.Module], groups: ProcessGroups,
                              prompt_ids: Sequence[int], max_new_tokens: int, *,
                              seq_length: int, tensor_shape: Sequence[int], dtype: torch.dtype,
-                             vocab_size: int) -> list[int]:
+                             vocab_size: int, layout: str = "interleaved") -> list[int]:
     """Greedy continuation of ``prompt_ids`` by the model whose stage chunks are ``chunks``.
 
     Collective over the pipeline and tensor-parallel groups: every rank of a data-parallel
@@ -42,6 +42,7 @@ def pipeline_generate_greedy(chunks: Sequence[torch.nn.Module], groups: ProcessG
         tensor_shape: the activation shape the stages exchange in training,
             ``(micro-batch, seq_length / (tp if sequence-parallel else 1), hidden)``.
         vocab_size: the real vocabulary; padded logit columns are never chosen.
+        layout: how the chunks sit on the stages (``pipeline.partition.chunk_layout``).
 
     Returns ``prompt_ids + new`` (``len(prompt_ids) + max_new_tokens`` ids).
     Raises ValueError for an empty prompt.
@@ -72,7 +73,7 @@ def pipeline_generate_greedy(chunks: Sequence[torch.nn.Module], groups: ProcessG
 
             token = run_schedule(actions, chunks, forward_step, [tokens], groups,
                                  tensor_shape=tensor_shape, dtype=dtype, num_microbatches=1,
-                                 vp_size=len(chunks), device=device, forward_only=True)
+                                 vp_size=len(chunks), device=device, forward_only=True, layout=layout)
             ids.append(int(token.item()))
     finally:
         for c, mode in zip(chunks, was_training):

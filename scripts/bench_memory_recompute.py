@@ -12,7 +12,7 @@ Two Markdown tables (docs/performance.md, "Activation memory and the planner"):
 Peak memory per rank is measured as in ``scripts/plan.py --measure`` (resident memory the
 run adds over its baseline, glibc's mmap threshold fixed).
 
-    python scripts/bench_memory_recompute.py [--steps 3] [--only recompute|layouts] [--match pp2]
+    python scripts/bench_memory_recompute.py [--steps 3] [--only recompute|layouts] [--match "pp2 1F1B" "pp2 ZB"]
 """
 from __future__ import annotations
 
@@ -67,11 +67,11 @@ def recompute_table(steps: int) -> str:
     return "\n".join(rows)
 
 
-def layouts_table(steps: int, match: str = "") -> str:
+def layouts_table(steps: int, match: tuple = ("",)) -> str:
     rows = ["| layout | ranks | predicted peak MiB per rank | measured peak MiB per rank | worst error |",
             "|---|---|---|---|---|"]
     for name, (world, flags) in LAYOUTS.items():
-        if match not in name:
+        if not any(m in name for m in match):
             continue
         res = plan.measure(MODEL + flags, world, steps)
         worst = max((abs(want - got) / got, (want - got) / got) for _, want, got in res)[1]
@@ -86,7 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", choices=("recompute", "layouts"), default=None)
-    ap.add_argument("--match", default="", help="only the layouts whose name contains this text")
+    ap.add_argument("--match", nargs="+", default=[""], help="only the layouts whose name contains one of these")
     args = ap.parse_args()
     if args.only != "layouts":
         print(recompute_table(args.steps) + "\n")

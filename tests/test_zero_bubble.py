@@ -205,3 +205,29 @@ def test_zb_v_selects_two_chunks():
     cfg = config_from_argv(["--mock-data", "--pp", "2", "--pipeline-schedule", "zb-v", "--num-layers", "4",
                             "--untie-embeddings-and-output-weights"], 2)
     assert cfg.parallel.virtual_pipeline_size == 2
+
+
+def test_planner_counts_what_b_leaves_for_w():
+    """Between B and W a micro-batch holds its boundaries' output gradients: stage r of ZB-H1
+    holds at most r + 1 such micro-batches, and the planner adds that many times
+    ``weight_grad_bytes`` to 1F1B's activations on stage 0 (same in-flight count, p)."""
+    from megazero.config import config_from_argv
+    from megazero.planning import activations as A
+    from megazero.planning.plan import plan_stages
+    from megazero.pipeline.schedules import peak_awaiting_weight_of
+    from model.build import build_gpt_config
+
+    assert [peak_awaiting_weight_of(build_schedule("zb-h1", 8, 4, r)) for r in range(4)] == [1, 2, 3, 4]
+    assert peak_awaiting_weight_of(build_schedule("1f1b", 8, 4, 0)) == 0
+    base = ["--mock-data", "--vocab-size", "1001", "--num-layers", "4", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "2", "--pp", "2",
+            "--global-batch-size", "8"]
+    stages = {}
+    for kind in ("1f1b", "zb-h1"):
+        cfg = config_from_argv(base + ["--pipeline-schedule", kind], 2, print_warnings=False)
+        gcfg = build_gpt_config(cfg, 1001)
+        stages[kind] = plan_stages(cfg, gcfg, on_cuda=False)
+    a = A.ActivationSettings(micro_batch_size=2, tp=1, sequence_parallel=False, activation_bytes=4)
+    extra = A.weight_grad_bytes(gcfg, a, 2, True, False, gcfg.padded_vocab(1))
+    assert extra == 4 * 2 * 128 * 64 * (2 * (4 + 2 + 3 + 4) + 1)   # 2 layers + the embedding's
+    assert stages["zb-h1"][0].total_bytes - stages["1f1b"][0].total_bytes == pytest.approx(extra)

@@ -1,7 +1,7 @@
 """Zero-bubble schedules through the whole trainer on spawned gloo ranks, fp32, dropout off:
 ZB-H1 and ZB-V at (pp, micro-batches) = (2, 4) give 1F1B's losses, gradient norms and
-updated parameters bit for bit over 10 steps (and the evaluation loss after them), and
-tests/reference.py's losses within 1e-5.
+updated parameters bit for bit over 10 steps (and the evaluation loss and greedy generation
+after them), and tests/reference.py's losses within 1e-5.
 
 ZB-V places layers differently (stage r holds virtual stages r and 2p-1-r, the output layer
 on stage 0), so its gradient norm, a sum of per-rank squares, is added in another order:
@@ -37,6 +37,7 @@ def _run(rank, world, argv):
         v = trainer.train_step(batches).values
         values.append((v["loss"], v["grad_norm"]))
     values.append((trainer.eval_loss(batches), None))   # forward only, through the same chunks
+    values.append((train.generate_ids(trainer, [1, 2, 3], 3), None))   # greedy, forward only
     trainer.optimizer.wait_param_gather()
     if cfg.zero.stage == 3:   # this rank's shards (the parameters are gathered on demand)
         params = {(f"shard{i}", groups.pp_rank, groups.dp_rank, groups.tp_rank):
@@ -57,8 +58,8 @@ def _compare(results, base, other, same_layout):
     """``other``'s run equals ``base``'s: losses bit for bit, gradient norms bit for bit
     (same layout) or within 1e-12, every updated parameter bit for bit."""
     b_vals, o_vals = results[0][base][0], results[0][other][0]
-    assert [v[0] for v in o_vals] == [v[0] for v in b_vals], (other, "loss")   # and the eval loss
-    b_norms, o_norms = [v[1] for v in b_vals[:-1]], [v[1] for v in o_vals[:-1]]
+    assert [v[0] for v in o_vals] == [v[0] for v in b_vals], (other, "loss")   # eval loss, generated ids
+    b_norms, o_norms = [v[1] for v in b_vals[:-2]], [v[1] for v in o_vals[:-2]]
     if same_layout:
         assert o_norms == b_norms, (other, "grad norm")
     else:
@@ -88,7 +89,7 @@ def _check(layouts, results, names, model=()):
                 torch.set_num_threads(threads)
         for r in results:   # every rank agrees, and equals the oracle within 1e-5
             assert [v[0] for v in r[i][0]] == [v[0] for v in results[0][i][0]]
-            assert [v[0] for v in r[i][0][:-1]] == pytest.approx(refs[key], rel=1e-5), name
+            assert [v[0] for v in r[i][0][:-2]] == pytest.approx(refs[key], rel=1e-5), name
     for i, name in enumerate(names):
         base = layouts[name][1]
         if base is not None:
@@ -124,6 +125,10 @@ def _layouts4():
                        ("dp2-zero3", ["--dp", "2", "--zero-stage", "3"] + MICRO1)):
         for name, (pp_flags, base) in PP2.items():
             out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
+    for tag, flags in (("dp2-zero1", ["--dp", "2", "--zero-stage", "1"] + MICRO1), ("cp2", ["--cp", "2"])):
+        for name in ("1f1b", "zb-h1"):   # ZeRO-1's overlapped reduction and gather; context parallel
+            pp_flags, base = PP2[name]
+            out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
     return out
 
 
@@ -131,7 +136,8 @@ def _layouts4():
 def test_zero_bubble_with_tp_sp_and_zero_equals_1f1b_bit_for_bit():
     """4 ranks: tp 2 + sequence parallelism, ZeRO-2 and ZeRO-3 over dp 2, each with ZB-H1 and
     ZB-V next to 1F1B (the bucket reductions start when a bucket's last W is done; ZeRO-3
-    keeps a unit gathered from its B to its last W)."""
+    keeps a unit gathered from its B to its last W); ZB-H1 also with ZeRO-1 (overlapped
+    reduction and parameter gather) and with context parallelism cp 2."""
     layouts = _layouts4()
     names = list(layouts)
     out = run_distributed(_runs, 4, [BASE + GBS + layouts[n][0] for n in names], timeout_s=1500)

@@ -287,3 +287,14 @@ def peak_inflight_of(sched: list[Action]) -> int:
         alive += 1 if a.kind == "F" else -1 if a.kind == release else 0
         peak = max(peak, alive)
     return peak
+
+
+def peak_awaiting_weight_of(sched: list[Action]) -> int:
+    """The most (micro-batch, chunk) pairs whose B has run and whose W has not (0 when the
+    backward is not split): each holds its boundaries' output gradients for W besides its
+    activations (``weight_grad.py``; the planner counts them)."""
+    waiting = peak = 0
+    for a in sched:
+        waiting += 1 if a.kind == "B" and is_split(sched) else -1 if a.kind == "W" else 0
+        peak = max(peak, waiting)
+    return peak

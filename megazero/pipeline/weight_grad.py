@@ -33,6 +33,11 @@ bit-identical to 1F1B's. Where it cannot hold: a parameter reached through two b
 one chunk (a weight used twice in one forward, e.g. tied input and output embeddings in one
 chunk): its two contributions are added here in B's order, not in the engine's.
 
+Memory: B retains the graph, so a micro-batch keeps all its saved tensors, and the captured
+output gradients, until its W (the paper's layers free what only B needed; a node's saved
+tensors cannot be released in part from outside). ``planning.activations.weight_grad_bytes``
+counts the gradients; docs/performance.md measures both.
+
 Refused (``SplitBackwardError``): a boundary that is a custom ``autograd.Function`` with both
 activation and weight children (its Python backward ignores which outputs are needed, so it
 would run twice; e.g. the overlapped column-parallel linear). A recomputed region (full
@@ -206,6 +211,7 @@ def backward_weight(work: WeightGradWork) -> None:
         live = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
         got = torch.autograd.grad([e for e, _ in live], params, grad_outputs=[g for _, g in live],
                                   retain_graph=True, allow_unused=True) if live else [None] * len(params)
+        ready = []
         for p, g in zip(params, got):
             uses[id(p)] -= 1
             if g is not None and id(p) in partial:
@@ -215,5 +221,7 @@ def backward_weight(work: WeightGradWork) -> None:
             if g is not None and uses[id(p)] > 0:
                 partial[id(p)] = g
             elif g is not None:
-                torch.autograd.backward(p, g)   # AccumulateGrad: .grad += g, hooks fire
+                ready.append((p, g))
+        if ready:   # AccumulateGrad of each: .grad += g, the gradient hooks fire
+            torch.autograd.backward([p for p, _ in ready], [g for _, g in ready])
     work.items.clear()

@@ -180,8 +180,30 @@ def head_bytes(g, a: ActivationSettings, padded_vocab: int) -> tuple[float, floa
     return kept, (2 if a.tp == 1 else 3) * partition
 
 
+def weight_grad_bytes(g, a: ActivationSettings, num_layers: int, first_stage: bool, last_stage: bool,
+                      padded_vocab: int) -> float:
+    """Bytes a split backward (zero-bubble schedules, ``pipeline/weight_grad.py``) holds from a
+    micro-batch-chunk's B to its W beyond its activations: the gradient flowing into each
+    operator that owns weights. Per layer: the two norms and two bias additions ``q/t_sp``
+    each, the attention projection and second MLP linear's partial sums ``q``, the fused
+    q/k/v ``q (h + 2 G)/(h t)`` and the first MLP linear ``q ffn (2 with SwiGLU) / (H t)``;
+    the first stage's embedding ``q/t_sp``, the last stage's final norm ``q/t_sp`` and
+    logits ``b s V_pad / t``. An upper bound: a model without linear biases holds less."""
+    q, t = _q(g, a), a.tp
+    t_sp = t if a.sequence_parallel else 1
+    qkv = (g.num_attention_heads + 2 * g.kv_heads) / g.num_attention_heads
+    ffn = g.ffn_hidden_size * (2 if getattr(g, "swiglu", False) else 1) / g.hidden_size
+    elements = num_layers * q * (4 / t_sp + 2 + (qkv + ffn) / t)
+    if first_stage:
+        elements += q / t_sp
+    if last_stage:
+        elements += q / t_sp + a.micro_batch_size * (g.seq_length // a.cp) * padded_vocab / t
+    return elements * a.activation_bytes
+
+
 def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int], inflight: int,
-                           first_stage: bool, last_stage: bool, pp: int, padded_vocab: int) -> float:
+                           first_stage: bool, last_stage: bool, pp: int, padded_vocab: int,
+                           awaiting_weight: int = 0) -> float:
     """Peak activation bytes of one rank: ``inflight`` micro-batch-chunks kept (the schedule's
     peak, spread over the chunks in turn) plus one replayed region and one layer's activation
     gradients. Pipelined (pp > 1): each kept micro-batch-chunk that is not the last stage's
@@ -201,6 +223,9 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
     if first_stage and a.tp > 1:
         once += _q(g, a) * a.activation_bytes
     total = inflight * per_chunk + once
+    if awaiting_weight:
+        total += awaiting_weight * max(weight_grad_bytes(g, a, n, first_stage, last_stage, padded_vocab)
+                                       for n in layers_per_chunk)
     if last_stage:
         head_kept, head_once = head_bytes(g, a, padded_vocab)
         last_inflight = inflight if pp == 1 else max(1, inflight // len(layers_per_chunk))
