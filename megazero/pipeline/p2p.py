@@ -61,6 +61,12 @@ class StageLinks:
         """Post the given sends ``(tensor, tag)`` without waiting: returns the work handles
         (wait them before the step ends; the tensors stay referenced by the handles' ops).
         Used by the V layout (zb-v), whose stages run ahead of their receivers."""
+        ops = self._send_ops(send_next, send_prev)
+        return list(dist.batch_isend_irecv(ops)) if ops else []
+
+    def _send_ops(self, send_next, send_prev) -> list:
+        """``P2POp`` isends of the given ``(tensor, tag)`` pairs to the next / previous stage,
+        each checked against the configured shape and dtype and counted."""
         ops = []
         for sent, step in ((send_next, 1), (send_prev, -1)):
             if sent is not None:
@@ -69,7 +75,7 @@ class StageLinks:
                 collectives.count_send(tensor, self._peer(step))
                 ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
                                       self._peer(step), self.groups.pp, tag))
-        return list(dist.batch_isend_irecv(ops)) if ops else []
+        return ops
 
     def exchange(self, send_next: Optional[tuple[torch.Tensor, int]] = None,
                  send_prev: Optional[tuple[torch.Tensor, int]] = None,
@@ -81,14 +87,7 @@ class StageLinks:
         None where no receive was asked for. Raises ValueError when a tensor to send does
         not have the configured shape and dtype.
         """
-        ops, out = [], [None, None]
-        for sent, step in ((send_next, 1), (send_prev, -1)):
-            if sent is not None:
-                tensor, tag = sent
-                self._check(tensor)
-                collectives.count_send(tensor, self._peer(step))
-                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
-                                      self._peer(step), self.groups.pp, tag))
+        ops, out = self._send_ops(send_next, send_prev), [None, None]
         for i, (tag, step) in enumerate(((recv_prev, -1), (recv_next, 1))):
             if tag is not None:
                 out[i] = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
