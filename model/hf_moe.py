@@ -206,7 +206,7 @@ def _gates(gcfg: GPTConfig) -> list[str]:
 def extra_tensors(gcfg: GPTConfig) -> dict[str, torch.Tensor]:
     """Tensors a folder holds with no canonical counterpart: Qwen2-MoE's zero shared-expert
     gates ``[1, H]`` (fp32), one per MoE layer."""
-    return {name: torch.zeros(1, gcfg.hidden_size) for name in _gates(gcfg)}
+    return {name: torch.zeros(1, gcfg.hidden_size, device="cpu") for name in _gates(gcfg)}
 
 
 def check_extra_tensors(src, gcfg: GPTConfig) -> None:

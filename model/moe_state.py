@@ -47,4 +47,4 @@ def load_expert_bias(chunks: list[nn.Module], state: dict[int, list[float]]) -> 
             raise ValueError(f"the checkpoint holds no expert bias of {m.expert_bias.numel()} experts for MoE "
                              f"layer {i}; it was saved without --moe-router-enable-expert-bias or another "
                              "--num-experts")
-        m.expert_bias.copy_(torch.tensor(values, dtype=m.expert_bias.dtype))
+        m.expert_bias.copy_(torch.tensor(values, dtype=m.expert_bias.dtype, device=m.expert_bias.device))

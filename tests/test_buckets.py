@@ -1,10 +1,9 @@
-"""Reduce buckets end on parameter boundaries (issue 24, item 3): on the model of
+"""Gradient collectives per step against PyTorch DDP (issue 24, item 3): on the model of
 ``scripts/bench_peers.py`` at its default bucket (2^20 elements, DDP's ``bucket_cap_mb`` of the
-same bytes), megazero's ZeRO-0/1/2 make no more gradient collectives per step than PyTorch
-DDP, counted call by call on 2 gloo ranks (megazero's in ``megazero.collectives.calls``, DDP's
-with a communication hook), and the reduced gradients equal DDP's within 1e-6 (1e-6 relative
-to the largest gradient) at the default bucket and at a bucket of 1,000 elements (hundreds of
-buckets)."""
+same bytes), megazero's ZeRO-0/1/2 make no more gradient collectives per micro-batch than DDP,
+counted call by call on 2 gloo ranks (megazero's in ``megazero.collectives.calls``, DDP's with
+a communication hook), and the reduced gradients equal DDP's within 1e-6 of the largest
+gradient at the default bucket and at a bucket of 1,000 elements (thousands of buckets)."""
 import argparse
 
 import torch

@@ -39,6 +39,8 @@ FACTORIES = frozenset({"tensor", "as_tensor", "from_numpy", "zeros", "ones", "em
 
 #: (file, enclosing function) -> why its tensors live in host memory on purpose.
 HOST_TENSORS = {
+    # Hugging Face export: the tensors written to a safetensors file are host tensors.
+    ("model/hf_moe.py", "extra_tensors"): "Qwen2-MoE's zero shared-expert gates, written to a file",
     # Layout-invariant initialisation (docs/design.md, contract 6): every full weight is drawn
     # by a CPU generator seeded from (seed, name), so its values do not depend on the device;
     # the caller keeps this rank's partition and moves it to the device.

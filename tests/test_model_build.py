@@ -205,7 +205,8 @@ def test_build_peak_bytes_without_zero3_is_the_partitions_plus_one_parameter_in_
     sharded = config_from_argv(z3 + ["--zero3-param-persistence-threshold", "0"], 2)
     halves = sum(-(-e.numel // 2) for e in spec)
     assert build_peak_bytes(sharded, build_gpt_config(sharded, 250)).resident == 2 * halves   # bf16 shards
-    whole = config_from_argv(z3, 2)   # DeepSpeed's threshold of 100,000 elements: every tensor here stays whole
+    # DeepSpeed's own threshold of 100,000 elements (the default is 10 x hidden): every tensor here stays whole
+    whole = config_from_argv(z3 + ["--zero3-param-persistence-threshold", "100000"], 2)
     assert build_peak_bytes(whole, build_gpt_config(whole, 250)).resident == 2 * sum(e.numel for e in spec)
 
 

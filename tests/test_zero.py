@@ -126,10 +126,9 @@ def check_state_bytes(ddp, opt, state_bytes, param_bytes, grad_bytes):
     assert got == state_bytes[1], "model state grew between step 2 and the last step"
     assert got["total"] - got["buckets"] == zero_formula_bytes(padded, n, stage, param_bytes,
                                                               grad_bytes)
-    num_buckets = sum(len(b.layout.buckets) for b in ddp.buffers)   # each padded to a multiple of N
-    assert got["params"] == param_bytes * padded and padded - psi < n * num_buckets
+    assert got["params"] == param_bytes * padded and padded - psi < n * len(ddp.buffers)
     assert got["main_params"] == (0 if param_bytes == 4 else got["exp_avg"])
-    bucket = max(bk.range.size for b in ddp.buffers for bk in b.layout.buckets)
+    bucket = max(b.layout.bucket_size for b in ddp.buffers)
     staged = (ddp.buckets_in_flight + 2) * bucket * grad_bytes if stage == 2 else 0
     step_tmp = max(4 * bucket, (1001 + 1001 // n) * param_bytes)
     assert got["buckets"] <= opt.bucket_bound_bytes() <= max(staged, step_tmp)
@@ -332,21 +331,16 @@ def test_grad_buffer_layout_tiny_buckets():
     a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (5, 3, 4))   # registration order
     layout = GradBuffer([a, b, c], bucket_size=3, dp_size=2, dp_rank=1)
     assert layout.params == [c, b, a]                    # reverse registration order
-    # each bucket closes once it holds >= 3 elements, then pads to a multiple of 2
     assert [layout.param_range[id(p)] for p in (c, b, a)] == [Range(0, 4), Range(4, 7),
-                                                              Range(8, 13)]
-    assert layout.numel == 12 and layout.padded_numel == 14
-    assert [bk.range for bk in layout.buckets] == [Range(0, 4), Range(4, 8), Range(8, 14)]
-    assert [layout.param_buckets[id(p)] for p in (c, b, a)] == [(0,), (1,), (2,)]   # none split
-    assert [bk.shard_world for bk in layout.buckets] == [Range(2, 4), Range(6, 8), Range(11, 14)]
-    assert [bk.shard_local for bk in layout.buckets] == [Range(0, 2), Range(2, 4), Range(4, 7)]
+                                                              Range(7, 12)]
+    assert layout.bucket_size == 4 and layout.padded_numel == 12
+    assert [bk.range for bk in layout.buckets] == [Range(0, 4), Range(4, 8), Range(8, 12)]
+    assert layout.param_buckets[id(a)] == (1, 2)         # a straddles two buckets
+    assert [bk.shard_world for bk in layout.buckets] == [Range(2, 4), Range(6, 8), Range(10, 12)]
+    assert [bk.shard_local for bk in layout.buckets] == [Range(0, 2), Range(2, 4), Range(4, 6)]
     # rank 0's local [1, 5) is world [1, 2), [4, 6), [8, 9)
     assert [w for w, _ in layout.local_to_world(Range(1, 5), 0)] == [Range(1, 2), Range(4, 6),
                                                                    Range(8, 9)]
-    # padding is no parameter's: world [7, 8) (after b) holds nothing
-    assert layout.param_pieces(Range(7, 8)) == []
-    merged = GradBuffer([a, b, c], bucket_size=8, dp_size=4, dp_rank=0)   # c + b reach 7 < 8
-    assert [bk.params for bk in merged.buckets] == [(0, 1, 2)] and merged.padded_numel == 12
     odd = GradBuffer([a, b], bucket_size=100, dp_size=4, dp_rank=3)   # 8 elements + padding
     assert odd.padded_numel == 8 and odd.buckets[0].shard_world == Range(6, 8)
     with pytest.raises(ValueError, match="bucket_size"):

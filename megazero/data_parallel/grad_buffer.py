@@ -1,25 +1,20 @@
-"""Flat gradient layout for ZeRO: one contiguous buffer, buckets ending on parameter
-boundaries, each padded to equal shards.
+"""Flat gradient layout for ZeRO: one contiguous buffer, fixed-size buckets, equal shards.
 
 The layout follows Megatron-LM's distributed optimizer
 (``megatron/core/distributed/param_and_grad_buffer.py``) and
 ZeRO's partitioning (Rajbhandari et al., SC'20, sec. 5): the parameters of one model chunk
 (one dtype) are laid end to end in *reverse* registration order, because backward produces
-gradients roughly last layer first, so the first bucket fills first. A bucket takes
-parameters until it holds at least ``bucket_size`` elements, then closes (the rule of
-PyTorch DDP's ``bucket_cap_mb`` and Megatron-core's ``bucket_size``): a parameter is never
-split across buckets, so a step makes as many reductions as DDP does for the same cap, and a
-bucket holds at most ``bucket_size + (largest parameter - 1)`` elements. Each bucket is then
-zero-padded inside the flat buffer to a multiple of the data-parallel size N, so every DP
-rank owns an equal contiguous shard of EVERY bucket, and a reduce-scatter of one bucket
-gives each rank its shard.
+gradients roughly last layer first, so the first bucket fills first. The flat stream is cut
+into buckets at fixed boundaries; a parameter may straddle a boundary. Each bucket's size
+is a multiple of the data-parallel size N (the bucket size is rounded up to one, and the
+last bucket is zero-padded), so every DP rank owns an equal contiguous shard of EVERY
+bucket, and a reduce-scatter of one bucket gives each rank its shard.
 
 Coordinate systems (``OwnedRange(world, local, grad)`` in docs/design.md, "Data parallel
 and optimizer"), all in elements:
 
 - *world*: an index into the padded flat buffer of this chunk, ``[0, padded_numel)``; the
-  same on every DP rank. ``param_range[p]`` and ``Bucket.range`` are world ranges; a
-  bucket's padding (world indices after its last parameter) belongs to no parameter.
+  same on every DP rank. ``param_range[p]`` and ``Bucket.range`` are world ranges.
 - *local*: an index into the concatenation of one DP rank's shards of all buckets, in
   bucket order, ``[0, padded_numel / N)``. The optimizer's fp32 main params, moments and
   the ZeRO-2 gradient shard are local-coordinate tensors (an fp32 model's main params
@@ -92,15 +87,12 @@ class GradBuffer:
 
     Args:
         params: parameters of one model chunk, in registration order (duplicates removed).
-        bucket_size: elements a bucket reaches before it closes (a bucket holds whole
-            parameters: at least this many elements unless it is the last, at most this many
-            plus the largest parameter's less one; then padded to a multiple of ``dp_size``).
+        bucket_size: elements per bucket; rounded up to a multiple of ``dp_size``.
         dp_size, dp_rank: data-parallel size N and this rank's index in the DP group.
 
     Attributes: ``params`` (reverse registration order, the buffer order), ``param_range``
     (id(param) -> world Range), ``numel`` (elements of all params), ``padded_numel``
-    (params plus every bucket's padding, a multiple of N), ``buckets`` (list[Bucket]),
-    ``shard_numel`` (local size =
+    (a multiple of N), ``buckets`` (list[Bucket]), ``shard_numel`` (local size =
     ``padded_numel / N``). This class holds the layout only; ``sharding.ShardedBuffer`` owns storage.
 
     Raises ValueError for an empty parameter list, ``bucket_size < 1`` or a
@@ -121,11 +113,15 @@ class GradBuffer:
                                  "contiguous")
         self.params = unique[::-1]
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        self.bucket_size = bucket_size
         self.param_range: dict[int, Range] = {}
+        offset = 0
+        for p in self.params:
+            self.param_range[id(p)] = Range(offset, offset + p.numel())
+            offset += p.numel()
+        self.numel = offset
+        self.padded_numel = round_up(offset, dp_size)
+        self.bucket_size = round_up(bucket_size, dp_size)
         self.buckets = self._make_buckets()
-        self.numel = sum(p.numel() for p in self.params)
-        self.padded_numel = self.buckets[-1].range.end
         self.shard_numel = self.padded_numel // dp_size
         # id(param) -> indices of the buckets it overlaps (a parameter may span several)
         self.param_buckets: dict[int, tuple[int, ...]] = {
@@ -136,22 +132,15 @@ class GradBuffer:
         self._param_ends = [self.param_range[id(p)].end for p in self.params]
 
     def _make_buckets(self) -> list[Bucket]:
-        """Lay out the parameters (filling ``param_range``) and cut the buckets: a bucket closes
-        after the parameter that brings it to ``bucket_size`` elements or more (or after the
-        last parameter), then is zero-padded to a multiple of N."""
-        buckets, start, offset, local, members = [], 0, 0, 0, []
-        for i, p in enumerate(self.params):
-            self.param_range[id(p)] = Range(offset, offset + p.numel())
-            offset += p.numel()
-            members.append(i)
-            if offset - start >= self.bucket_size or i == len(self.params) - 1:
-                world = Range(start, start + round_up(offset - start, self.dp_size))
-                n = world.size // self.dp_size
-                shard_world = Range(start + self.dp_rank * n, start + (self.dp_rank + 1) * n)
-                buckets.append(Bucket(len(buckets), world, shard_world, Range(local, local + n),
-                                      tuple(members)))
-                start = offset = world.end
-                local, members = local + n, []
+        buckets, local = [], 0
+        for k, start in enumerate(range(0, self.padded_numel, self.bucket_size)):
+            world = Range(start, min(start + self.bucket_size, self.padded_numel))
+            n = world.size // self.dp_size
+            shard_world = Range(start + self.dp_rank * n, start + (self.dp_rank + 1) * n)
+            members = tuple(i for i, p in enumerate(self.params)
+                            if self.param_range[id(p)].intersect(world) is not None)
+            buckets.append(Bucket(k, world, shard_world, Range(local, local + n), members))
+            local += n
         return buckets
 
     def shard_world_range(self, bucket: Bucket, rank: int) -> Range:

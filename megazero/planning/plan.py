@@ -78,20 +78,12 @@ def zero3_live_warning(cfg: Config, model: memory.ModelSizes) -> Optional[str]:
 
 
 def _buckets(cfg: Config, model: memory.ModelSizes) -> tuple:
-    """(largest reduce bucket, all-gather bucket, buckets in flight, gathered ZeRO-3 elements).
-
-    A reduce bucket closes on the parameter that brings it to ``--reduce-bucket-size`` elements
-    (``grad_buffer.GradBuffer``), so it holds at most the setting plus the largest parameter
-    on a rank less one, padded to a multiple of the data-parallel size. The gathered bound is
-    the live bound, or what is gathered at once when that is more (``zero3_gather`` exceeds a
-    lower bound)."""
+    """(reduce, all-gather bucket, buckets in flight, gathered ZeRO-3 elements): the live bound,
+    or what is gathered at once when that is more (``zero3_gather`` exceeds a lower bound)."""
     live = cfg.zero.zero3_max_live_parameters
     if cfg.zero.stage == 3:
         live = max([live] + [memory.zero3_gathered_at_once(c) for c in zero3_units(cfg, model)])
-    reduce, allgather = bucket_sizes(cfg)
-    largest = max(e.local_numel(cfg.parallel.tp) for e in model.parameter_spec(cfg.parallel.tp))
-    n = cfg.parallel.dp * cfg.parallel.cp
-    return (-(-(reduce + largest - 1) // n) * n, allgather, 2, live)
+    return bucket_sizes(cfg) + (2, live)
 
 
 def plan_memory(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False) -> memory.MemoryEstimate:
