@@ -27,6 +27,10 @@ Group = Optional[dist.ProcessGroup]
 #: bytes passed to each kind of collective by this process, e.g. ``counter["all_reduce"]``.
 counter: Counter = Counter()
 
+#: bytes per ``(kind, ranks)``: ``counter`` split by the group's global ranks (sorted tuple), so
+#: the bytes crossing given groups (hybrid sharding's replica all-reduce) are counted apart.
+by_group: Counter = Counter()
+
 #: calls that reached the wire, per kind, counted with ``counter`` (gloo pays a latency per
 #: call, so the number of collectives matters beside their bytes; tests/test_buckets.py).
 calls: Counter = Counter()
@@ -88,7 +92,9 @@ def describe(entry: tuple) -> str:
 def _count(kind: str, t: torch.Tensor, group: Group) -> None:
     counter[kind] += t.numel() * t.element_size()
     calls[kind] += 1
-    record(kind, dist.get_process_group_ranks(group), t)
+    ranks = dist.get_process_group_ranks(group)
+    by_group[(kind, tuple(sorted(ranks)))] += t.numel() * t.element_size()
+    record(kind, ranks, t)
 
 
 def count_send(t: torch.Tensor, peer: int) -> None:

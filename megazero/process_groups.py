@@ -8,7 +8,9 @@ torch.distributed at all: every group is ``None`` and every collective in
 ``replicas()`` is the view the data-parallel machinery (gradient reduction, ZeRO, the
 optimizer, checkpoint shards) takes: cp folded into dp, its ``dp`` the ``dp_cp`` group.
 With expert parallelism (``topology.ep > 1``) ``ep`` is the group the MoE layers dispatch
-tokens over and ``edp`` the group expert parameters are reduced and sharded over.
+tokens over and ``edp`` the group expert parameters are reduced and sharded over. With hybrid
+sharding (``topology.hybrid``) ZeRO shards over ``zero_shard_group`` (``zero_shard``, S ranks) and
+all-reduces the shards over ``zero_replica``; flat, ``zero_shard_group`` is ``dp``.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megazero.topology import EXPERT_GROUPS, GROUPS, Coord, Topology
+from megazero.topology import EXPERT_GROUPS, GROUPS, HYBRID_GROUPS, Coord, Topology
 
 Group = Optional[dist.ProcessGroup]
 
@@ -33,6 +35,8 @@ class ProcessGroups:
     middle stage). Two kinds with the same members share one group (``dp_cp`` is ``dp`` when
     cp == 1). ``ep`` and ``edp`` (expert parallel, expert data parallel; megazero/topology.py)
     exist when ``topology.ep > 1``; else ``ep`` is None (the rank alone) and ``edp`` is ``dp_cp``.
+    ``zero_shard`` and ``zero_replica`` (hybrid sharding, megazero/topology.py) exist when
+    ``topology.hybrid``; else both are None and ZeRO shards over ``dp`` (``zero_shard_group``).
     ``world`` is the default group (``None`` without distributed).
     """
 
@@ -48,6 +52,8 @@ class ProcessGroups:
     world: Group = None
     ep: Group = None
     edp: Group = None
+    zero_shard: Group = None
+    zero_replica: Group = None
 
     @staticmethod
     def single() -> "ProcessGroups":
@@ -78,7 +84,8 @@ class ProcessGroups:
         # a member list already made (dp_cp at cp 1) is not made twice. The group's kind is its
         # description, which NCCL's flight-recorder dumps show (megazero/runtime/flight_recorder.py).
         named = "group_desc" in inspect.signature(dist.new_group).parameters
-        for kind in (*GROUPS, "embedding", *(EXPERT_GROUPS if topology.ep > 1 else ())):
+        for kind in (*GROUPS, "embedding", *(EXPERT_GROUPS if topology.ep > 1 else ()),
+                     *(HYBRID_GROUPS if topology.hybrid else ())):
             for ranks in topology.named_groups(kind):
                 if tuple(ranks) not in made:
                     made[tuple(ranks)] = dist.new_group(ranks=ranks, timeout=timeout,
@@ -130,7 +137,23 @@ class ProcessGroups:
         return ProcessGroups(topology=self.topology.replica_topology(), rank=self.rank,
                              tp=self.tp, dp=self.dp_cp, pp=self.pp, mp=self.mp,
                              cp=None, dp_cp=self.dp_cp, embedding=self.embedding,
-                             world=self.world, ep=self.ep, edp=self.edp)
+                             world=self.world, ep=self.ep, edp=self.edp,
+                             zero_shard=self.zero_shard, zero_replica=self.zero_replica)
+
+    @property
+    def zero_shard_group(self) -> Group:
+        """The group ZeRO shards over: ``zero_shard`` under hybrid sharding, else ``dp``."""
+        return self.zero_shard if self.topology.hybrid else self.dp
+
+    @property
+    def zero_shard_size(self) -> int:
+        """S: ranks one ZeRO shard set is spread over (dp x cp when flat)."""
+        return self.topology.zero_shard
+
+    @property
+    def zero_replica_rank(self) -> int:
+        """Which copy of the sharded ZeRO state this rank holds (0 when flat)."""
+        return self.topology.zero_replica_rank(self.rank)
 
     @property
     def ep_size(self) -> int:

@@ -37,6 +37,19 @@ The ``ep`` group is the EP ranks with the same ``r' // EP`` (and tp, pp); the ``
 ``dp * cp / EP`` ranks with the same ``ep_rank``. At EP = 1 the ep group is the rank alone and the
 edp group is the replica group ``dp_cp``.
 
+Hybrid sharding (issue 24; torchtitan's ``data_parallel_shard_degree``, DeepSpeed's MiCS
+``mics_shard_size``, Megatron's distributed-optimizer instances): ``Topology(..., zero_shard=S)``
+with S dividing dp x cp shards ZeRO's state over S consecutive replicas and replicates it
+across the dp x cp / S groups of them:
+
+    zero_shard_rank   = r' % S      (index in the shard group: reduce-scatter, all-gather)
+    zero_replica_rank = r' // S     (index in the replica group: all-reduce of the shards)
+
+The ``zero_shard`` group is the S ranks with the same ``r' // S``, the ``zero_replica`` group the
+dp x cp / S ranks with the same ``r' % S`` (the arithmetic of ep and edp with S for EP). With
+tp-cp-dp-pp and S = GPUs per node / (tp x cp) a shard group is one node. S = dp x cp (the
+default) is flat ZeRO: the shard group is ``dp_cp`` and there is no replica group.
+
 This module imports no torch.distributed; it is the one place where the order is written.
 """
 from __future__ import annotations
@@ -44,7 +57,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 ORDER = "tp-cp-dp-pp"
 """The dimensions of ``Topology(...)``, innermost first, joined by "-"."""
@@ -55,6 +68,9 @@ GROUPS: dict[str, tuple[str, ...]] = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",
 
 EXPERT_GROUPS = ("ep", "edp")
 """Groups carved out of the dp x cp replicas by expert parallelism (module docstring)."""
+
+HYBRID_GROUPS = ("zero_shard", "zero_replica")
+"""Groups of hybrid sharding: ZeRO shards inside ``zero_shard``, replicated over ``zero_replica``."""
 
 Over = Union[str, Sequence[str]]  # "dp", "dp-cp" or ("dp", "cp")
 
@@ -113,7 +129,8 @@ class Coord(Mapping):
 @dataclass(frozen=True, init=False, repr=False)
 class Topology:
     """A layout of ``world_size = prod(sizes)`` ranks over named dimensions, innermost first,
-    and the expert-parallel size ``ep`` carved out of the dp x cp replicas (module docstring).
+    the expert-parallel size ``ep`` carved out of the dp x cp replicas and the ZeRO shard size
+    ``zero_shard`` (S; None = dp x cp, flat ZeRO) of hybrid sharding (module docstring).
 
     ``Topology(tp, pp, dp)`` (the positional order of the command line's ``--tp/--pp/--dp``)
     lays them out in ``ORDER``; ``Topology(order="tp-cp-dp-pp", tp=2, cp=2)`` any other
@@ -122,14 +139,17 @@ class Topology:
 
     Raises:
         ValueError: a size below 1 (``--tp must be >= 1, got 0``), a size for a dimension
-            the order does not have, or an order that repeats a name.
+            the order does not have, an order that repeats a name, or an ``ep`` / ``zero_shard``
+            that does not divide dp x cp (naming ``--expert-model-parallel-size`` /
+            ``--zero-shard-size``).
     """
 
     dims: tuple[Dim, ...]
     ep: int = 1
+    zero_shard: int = 1
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, order: str = ORDER, ep: int = 1,
-                 **sizes: int):
+                 zero_shard: Optional[int] = None, **sizes: int):
         names = order.split("-")
         if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
             raise ValueError(f"order {order!r} must name distinct dimensions, e.g. {ORDER!r}")
@@ -147,6 +167,10 @@ class Topology:
         replicas = self._size_or_1("dp") * self._size_or_1("cp")
         if ep < 1 or replicas % ep:
             raise ValueError(f"--expert-model-parallel-size {ep} must be >= 1 and divide dp x cp = {replicas}")
+        shard = replicas if zero_shard is None else zero_shard
+        if shard < 1 or replicas % shard:
+            raise ValueError(f"--zero-shard-size {shard} must be >= 1 and divide dp x cp = {replicas}")
+        object.__setattr__(self, "zero_shard", shard)
 
     # -- sizes and coordinates -----------------------------------------------------------
     @property
@@ -234,14 +258,17 @@ class Topology:
         return _unique(self.embedding_group(r) for r in range(self.world_size))
 
     def named_groups(self, kind: str) -> list[list[int]]:
-        """All groups of ``kind``: a name in ``GROUPS``, ``"embedding"``, ``"ep"`` or ``"edp"``;
-        ValueError otherwise."""
+        """All groups of ``kind``: a name in ``GROUPS``, ``"embedding"``, ``EXPERT_GROUPS`` or
+        ``HYBRID_GROUPS``; ValueError otherwise."""
         if kind == "embedding":
             return self.embedding_groups()
         if kind in EXPERT_GROUPS:
             return _unique(self.expert_group(r, kind) for r in range(self.world_size))
+        if kind in HYBRID_GROUPS:
+            return _unique(self.zero_group(r, kind) for r in range(self.world_size))
         if kind not in GROUPS:
-            raise ValueError(f"unknown group {kind!r}: known are {[*GROUPS, 'embedding', *EXPERT_GROUPS]}")
+            raise ValueError(f"unknown group {kind!r}: known are "
+                             f"{[*GROUPS, 'embedding', *EXPERT_GROUPS, *HYBRID_GROUPS]}")
         return self.groups(GROUPS[kind])
 
     # -- expert parallelism ----------------------------------------------------------------
@@ -264,10 +291,35 @@ class Topology:
         rank, which is increasing ep (edp) rank. ValueError for another kind."""
         if kind not in EXPERT_GROUPS:
             raise ValueError(f"unknown expert group {kind!r}: one of {EXPERT_GROUPS}")
-        same = self.edp_rank if kind == "ep" else self.ep_rank
-        members = [r for r in self.group(rank, ("dp", "cp") if "cp" in self.names else ("dp",))
-                   if same(r) == same(rank)]
-        return sorted(members)
+        return self._replica_subgroup(rank, self.edp_rank if kind == "ep" else self.ep_rank)
+
+    def _replica_subgroup(self, rank: int, same) -> list[int]:
+        """The ranks of ``rank``'s dp x cp replica group where ``same(r) == same(rank)``, sorted."""
+        return sorted(r for r in self.group(rank, ("dp", "cp") if "cp" in self.names else ("dp",))
+                      if same(r) == same(rank))
+
+    # -- hybrid sharding ---------------------------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        """ZeRO shards over fewer ranks than the dp x cp replicas (``zero_shard < dp x cp``)."""
+        return self.zero_shard < self._size_or_1("dp") * self._size_or_1("cp")
+
+    def zero_shard_rank(self, rank: int) -> int:
+        """``r' % S``: the rank's index in its ZeRO shard group."""
+        return self.replica_index(rank) % self.zero_shard
+
+    def zero_replica_rank(self, rank: int) -> int:
+        """``r' // S``: which replica of the sharded state the rank holds (0 when flat)."""
+        return self.replica_index(rank) // self.zero_shard
+
+    def zero_group(self, rank: int, kind: str) -> list[int]:
+        """The ``"zero_shard"`` or ``"zero_replica"`` group of ``rank`` (module docstring), in
+        increasing global rank; the shard group is the ``dp_cp`` group when flat. ValueError
+        for another kind."""
+        if kind not in HYBRID_GROUPS:
+            raise ValueError(f"unknown hybrid-sharding group {kind!r}: one of {HYBRID_GROUPS}")
+        same = self.zero_replica_rank if kind == "zero_shard" else self.zero_shard_rank
+        return self._replica_subgroup(rank, same)
 
     # The named groups of the three dimensions every caller knows: the group containing
     # ``rank`` (sorted), and all groups of a kind.
@@ -300,7 +352,8 @@ class Topology:
             raise ValueError(f"replica_topology needs cp right inside dp, {self} has {self.order!r}")
         sizes = {d.name: d.size for d in self.dims if d.name not in ("cp", "dp")}
         sizes["dp"] = self.size("dp") * self.size("cp")
-        return Topology(order="-".join(n for n in names if n != "cp"), ep=self.ep, **sizes)
+        return Topology(order="-".join(n for n in names if n != "cp"), ep=self.ep,
+                        zero_shard=self.zero_shard, **sizes)
 
     def tp_groups(self) -> list[list[int]]:
         return self.named_groups("tp")
@@ -320,6 +373,7 @@ class Topology:
         order = "" if self.order == ORDER or "cp" not in self.names and self.order == "tp-dp-pp" \
             else f", order={self.order!r}"
         ep = f", ep={self.ep}" if self.ep > 1 else ""
+        ep += f", zero_shard={self.zero_shard}" if self.hybrid else ""
         return f"Topology({sizes}{ep}{order})"
 
     def _size_or_1(self, name: str) -> int:

@@ -27,7 +27,12 @@ and compared with one closed-form function per case below, derived from the algo
   the closed forms ``ring_bytes_per_layer`` / ``a2a_bytes_per_layer`` on this rank's
   ``T/cp`` tokens and ``G/tp`` key/value heads; the gradient buffer all-reduced over the
   ``dp x cp`` ranks that hold the same parameters (padded to a multiple of dp x cp); with tp
-  the sequence-parallel traffic of ``theory_tp_sp`` on ``[B, T/cp, H]``.
+  the sequence-parallel traffic of ``theory_tp_sp`` on ``[B, T/cp, H]``;
+- ``theory_hybrid``: hybrid sharding (``--zero-shard-size S``, MiCS / HSDP): ZeRO-1/2's
+  reduce-scatter and all-gather inside the S-rank shard group on a buffer padded to a multiple
+  of S, plus one SUM all-reduce of the rank's shard over the dp / S replica group; its row
+  ``crossing`` is every byte on a group that spans shard groups (that all-reduce and the world
+  scalars), taken from ``collectives.by_group``.
 
 Every step also has three scalars: the inf/NaN flag (fp32, MAX over the world), the squared
 gradient norm (fp64, SUM over tp x pp, or over the world when ZeRO shards it) and the
@@ -74,6 +79,7 @@ class Shape:
     vp: int = 1
     cp: int = 1
     cp_comm: str = "p2p"
+    shard: int = 0
 
     @property
     def replicas(self) -> int:
@@ -85,13 +91,18 @@ class Shape:
         """Tokens of each sequence on one rank: T/cp."""
         return self.T // self.cp
 
+    @property
+    def S(self) -> int:
+        """Ranks ZeRO shards over: the replicas, or hybrid sharding's ``--zero-shard-size``."""
+        return self.shard or self.replicas
 
-def shape_of(tp=1, pp=1, dp=1, vp=1, global_batch=8, cp=1, cp_comm="p2p") -> Shape:
+
+def shape_of(tp=1, pp=1, dp=1, vp=1, global_batch=8, cp=1, cp_comm="p2p", shard=0) -> Shape:
     """The model of ``BASE`` under a layout; V padded to a multiple of 8 x tp (Megatron)."""
     step = 8 * tp
     padded = -(-VOCAB // step) * step
     return Shape(LAYERS, HIDDEN, padded, POSITIONS, MICRO, SEQ, global_batch // (MICRO * dp),
-                 tp, pp, dp, vp, cp, cp_comm)
+                 tp, pp, dp, vp, cp, cp_comm, shard)
 
 
 def round_up(x: int, n: int) -> int:
@@ -148,6 +159,27 @@ def theory_zero2(s: Shape, pp_rank: int) -> dict:
     padded = round_up(params_per_rank(s), s.dp)
     return add({"reduce_scatter": F32 * padded * s.m, "all_gather": F32 * padded // s.dp},
                scalars(s, 2))
+
+
+def theory_hybrid(s: Shape, pp_rank: int, stage: int) -> dict:
+    """Hybrid sharding (``--zero-shard-size S``) at ZeRO-1 or 2: the buffer (padded to a multiple
+    of S) reduce-scattered inside the S-rank shard group (once per step, or per micro-batch at
+    stage 2), the rank's shard (padded / S) SUM all-reduced over the replicas / S replica group
+    once per step, the shard all-gathered inside the shard group. ``crossing``: the bytes on
+    groups that span shard groups: that all-reduce and the step's world scalars."""
+    padded = round_up(params_per_rank(s), s.S)
+    out = add({"reduce_scatter": F32 * padded * (s.m if stage == 2 else 1), "all_gather": F32 * padded // s.S,
+               "all_reduce": F32 * padded // s.S}, scalars(s, stage))
+    out["crossing"] = F32 * padded // s.S + scalars(s, stage)["all_reduce"]
+    return out
+
+
+def theory_hybrid1(s: Shape, pp_rank: int) -> dict:
+    return theory_hybrid(s, pp_rank, 1)
+
+
+def theory_hybrid2(s: Shape, pp_rank: int) -> dict:
+    return theory_hybrid(s, pp_rank, 2)
 
 
 def _ce(s: Shape) -> int:
@@ -248,6 +280,10 @@ CASES = [
      Shape(**{**shape_of(pp=4).__dict__, "L": 4}), theory_pipeline),
     ("tp2 dp2 ZeRO-2", 4, ["--tp", "2", "--dp", "2", "--zero-stage", "2",
                            "--global-batch-size", "8"], shape_of(tp=2, dp=2), theory_tp_zero2),
+    ("dp4 S2 ZeRO-1", 4, ["--dp", "4", "--zero-stage", "1", "--zero-shard-size", "2", "--global-batch-size", "8"],
+     shape_of(dp=4, shard=2), theory_hybrid1),
+    ("dp4 S2 ZeRO-2", 4, ["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2", "--global-batch-size", "16"],
+     shape_of(dp=4, shard=2, global_batch=16), theory_hybrid2),
     ("cp2 p2p", 2, ["--cp", "2", "--global-batch-size", "4"], shape_of(cp=2, global_batch=4), theory_cp),
     ("cp2 a2a", 2, ["--cp", "2", "--cp-comm-type", "a2a", "--global-batch-size", "4"],
      shape_of(cp=2, cp_comm="a2a", global_batch=4), theory_cp),
@@ -263,23 +299,27 @@ def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int,
 
     import train
     from megazero import collectives
-    from megazero.config import config_from_argv
+    from megazero.config import config_from_argv, layout_topology
     from megazero.process_groups import ProcessGroups
-    from megazero.topology import Topology
 
     out = []
     for argv in argvs:
         cfg = config_from_argv(argv, world)
         run = train.prepare_run(cfg)
         train_ds, vocab = run.train, run.vocab_size
-        p = cfg.parallel
-        groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
+        groups = ProcessGroups.build(layout_topology(cfg))
         trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
         for step in range(2):
             batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
             collectives.counter.clear()
+            collectives.by_group.clear()
             trainer.train_step(batches)
-        out.append((groups.pp_rank, dict(collectives.counter)))
+        counted = dict(collectives.counter)
+        if groups.topology.hybrid:   # bytes on groups that are not inside this rank's shard group
+            shard = set(groups.topology.zero_group(groups.rank, "zero_shard"))
+            counted["crossing"] = sum(n for (_, ranks), n in collectives.by_group.items() if not shard >= set(ranks))
+        trainer.close()
+        out.append((groups.pp_rank, counted))
     return out
 
 

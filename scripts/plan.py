@@ -5,7 +5,7 @@
     python scripts/plan.py [train.py flags] --world-size N --measure [--measure-steps K]
         runs K steps on N gloo ranks on this CPU and prints each rank's predicted and measured peak;
     python scripts/plan.py [model flags] --devices N --device-memory GiB [--top K]
-        the layouts (tp, cp with its comm type, pp, dp, ZeRO stage, recomputation) whose predicted
+        the layouts (tp, cp with its comm type, pp, dp, ZeRO stage and shard size, recomputation) whose predicted
         peak fits, smallest first.
 
 Measured peak (CPU): the rank's peak resident memory (``VmHWM``, reset through
@@ -190,10 +190,20 @@ def _cp_options(base, tp: int, ranks: int) -> list[tuple[int, str]]:
     return options
 
 
-def layouts(argv: list[str], devices: int, max_tp: int = 8):
-    """Every (tp, cp, cp comm type, pp, dp, ZeRO stage, recomputation) of ``devices`` ranks the
-    model allows, as (label, argv); tp a power of two up to ``max_tp`` (one node), sequence
-    parallel when tp > 1, cp as ``_cp_options`` gives it (the comm type "-" at cp 1)."""
+def _shard_options(zero: int, replicas: int, per_replica: int, gpus_per_node: int) -> list[int]:
+    """ZeRO shard sizes S searched: the flat dp x cp (``replicas``), and at stages >= 1 one node's
+    replicas (``gpus_per_node / (tp x cp)``) when that divides ``replicas`` and is smaller: hybrid
+    sharding, whose all-gathers and reduce-scatters stay inside the node."""
+    node = gpus_per_node // per_replica if gpus_per_node % per_replica == 0 else 0
+    hybrid = zero >= 1 and 1 <= node < replicas and replicas % node == 0
+    return [replicas, node] if hybrid else [replicas]
+
+
+def layouts(argv: list[str], devices: int, max_tp: int = 8, gpus_per_node: int = 8):
+    """Every (tp, cp, cp comm type, pp, dp, ZeRO stage, ZeRO shard size S, recomputation) of
+    ``devices`` ranks the model allows, as (label, argv); tp a power of two up to ``max_tp`` (one
+    node), sequence parallel when tp > 1, cp as ``_cp_options`` gives it (the comm type "-" at cp
+    1), S the flat dp x cp or one node of ``gpus_per_node`` (``_shard_options``)."""
     base = config_from_argv(argv + ["--tp", "1", "--pp", "1", "--dp", "1"], 1, print_warnings=False,
                             needs_data=False)
     m, t = base.model, base.train
@@ -209,9 +219,11 @@ def layouts(argv: list[str], devices: int, max_tp: int = 8):
                 extra += ["--cp", str(cp), "--cp-comm-type", comm] if cp > 1 else []
                 extra += ["--sequence-parallel"] if tp > 1 else []
                 for zero in (0, 1, 2):
-                    for name, flags in RECOMPUTE.items():
-                        label = (tp, cp, comm if cp > 1 else "-", pp, dp, zero, name)
-                        yield label, argv + extra + ["--zero-stage", str(zero)] + flags
+                    for shard in _shard_options(zero, dp * cp, tp * cp, gpus_per_node):
+                        hybrid = ["--zero-shard-size", str(shard)] if shard < dp * cp else []
+                        for name, flags in RECOMPUTE.items():
+                            label = (tp, cp, comm if cp > 1 else "-", pp, dp, zero, shard, name)
+                            yield label, argv + extra + ["--zero-stage", str(zero)] + hybrid + flags
 
 
 def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tuple[float, tuple]]:
@@ -239,10 +251,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if own.devices is not None:
         fits = fitting_layouts(argv, own.devices, own.device_memory)
         print(f"{len(fits)} layouts of {own.devices} devices fit in {own.device_memory:g} GiB; smallest peak first:")
-        print(f"{'tp':>3} {'cp':>4} {'comm':>4} {'pp':>3} {'dp':>5} {'zero':>4} {'recompute':>10} "
+        print(f"{'tp':>3} {'cp':>4} {'comm':>4} {'pp':>3} {'dp':>5} {'zero':>4} {'shard':>5} {'recompute':>10} "
               f"{'peak per rank':>14}")
-        for peak, (tp, cp, comm, pp, dp, zero, rc) in fits[:own.top]:
-            print(f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {rc:>10} {gib(peak):>14}")
+        for peak, (tp, cp, comm, pp, dp, zero, shard, rc) in fits[:own.top]:
+            print(f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {shard:>5} {rc:>10} {gib(peak):>14}")
         return 0 if fits else 1
     world = own.world_size or _world_of(argv)
     cfg = config_from_argv(argv, world, needs_data=own.measure)  # only --measure reads the data

@@ -185,10 +185,11 @@ def test_plan_lists_a_fitting_layout_for_a_175b_gpt():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "layouts of 1024 devices fit in 80 GiB" in lines[0]
-    assert lines[1].split() == ["tp", "cp", "comm", "pp", "dp", "zero", "recompute", "peak", "per", "rank"]
-    tp, cp, comm, pp, dp, zero, rc, peak, unit = lines[2].split()
+    assert lines[1].split() == ["tp", "cp", "comm", "pp", "dp", "zero", "shard", "recompute", "peak", "per", "rank"]
+    tp, cp, comm, pp, dp, zero, shard, rc, peak, unit = lines[2].split()
     assert int(tp) * int(cp) * int(pp) * int(dp) == 1024 and unit == "GiB" and float(peak) <= 80
-    peaks = [float(line.split()[7]) for line in lines[2:]]
+    assert (int(dp) * int(cp)) % int(shard) == 0
+    peaks = [float(line.split()[8]) for line in lines[2:]]
     assert peaks == sorted(peaks)
 
 
@@ -208,6 +209,33 @@ def test_layout_search_takes_cp_where_the_sequence_allows_it():
     assert {(tp, cp, comm) for tp, cp, comm in cps if cp > 1} == {(1, 2, "p2p"), (1, 2, "a2a"), (2, 2, "p2p")}
     assert {label[1] for label, _ in plan.layouts(argv + ["--attention-dropout", "0.1"], 8)} == {1}
     assert {label[1] for label, _ in plan.layouts(argv, 6)} == {1, 2, 3, 6}
+
+
+def test_layout_search_takes_one_node_as_the_zero_shard_size():
+    """Hybrid sharding in the search: at ZeRO stages 1 and 2 the shard size S is the flat dp x cp
+    and one node's replicas (8 GPUs / (tp x cp)) where that is smaller and divides dp x cp; at
+    stage 0 only the flat one. The planner's model states use N = S: at dp 16 the hybrid S = 8
+    layout needs more than the flat one, exactly the ZeRO-2 formula's difference."""
+    from megazero.config import config_from_argv
+    from megazero.optim.zero import zero_formula_bytes
+    from megazero.planning.plan import plan_memory
+    from model.build import build_gpt_config
+
+    plan = _plan_script()
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "12",
+            "--vocab-size", "101", "--micro-batch-size", "1", "--global-batch-size", "32"]
+    labels = [label for label, _ in plan.layouts(argv, 16)]
+    shards = {(tp, cp, dp, zero): set() for tp, cp, _, _, dp, zero, _, _ in labels}
+    for tp, cp, _, _, dp, zero, shard, _ in labels:
+        shards[(tp, cp, dp, zero)].add(shard)
+    assert shards[(1, 1, 16, 0)] == {16} and shards[(1, 1, 16, 2)] == {16, 8} and shards[(2, 1, 8, 1)] == {8, 4}
+    assert shards[(1, 2, 8, 1)] == {16, 4}
+    flat, hybrid = (config_from_argv(argv + ["--dp", "16", "--zero-stage", "2"] + extra, 16, print_warnings=False,
+                                     needs_data=False) for extra in ([], ["--zero-shard-size", "8"]))
+    g = build_gpt_config(flat, 101)
+    states = [plan_memory(c, g).model_state_bytes for c in (flat, hybrid)]
+    psi = plan_memory(flat, g).params
+    assert states[1] - states[0] == zero_formula_bytes(psi, 8, 2, 4, 4) - zero_formula_bytes(psi, 16, 2, 4, 4) > 0
 
 
 def _plan_script():

@@ -234,11 +234,14 @@ def _atomic_save(obj, path: str) -> None:
 def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
     """(``{key: [Chunk]}``, ``{key: full shape}``): the owned runs this rank writes (replicated
     copies once, ``checkpoint_shards.writes_here``: an expert-parallel parameter once per ep
-    rank, by its first expert-data-parallel replica), views of the optimizer's state."""
+    rank, by its first expert-data-parallel replica; under hybrid sharding by the first replica
+    of the shards, ``groups.zero_replica_rank == 0``), views of the optimizer's state. The chunks
+    are boxes of the full tensors whatever S, so a checkpoint loads at any other S."""
     shards = _shards()
     sharded = optimizer.ddp.strategy.sharded_over_dp
-    mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: shards.writes_here(
-        p, groups.tp_rank, groups.edp_rank if tags.is_expert_parallel(p) else groups.dp_rank, sharded))
+    mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: groups.zero_replica_rank == 0 and
+                                       shards.writes_here(p, groups.tp_rank, groups.edp_rank
+                                                          if tags.is_expert_parallel(p) else groups.dp_rank, sharded))
     return mine, {f"{name}/{k}": shape for name, (_, shape) in params.items() for k in shards.STATE_KEYS}
 
 

@@ -330,6 +330,26 @@ def _check_offload(cfg: Config, world_size: int) -> None:
                           "(it updates the host shards in place); fix: add --offload-optimizer cpu")
 
 
+def _check_hybrid_shard(cfg: Config, world_size: int) -> None:
+    """--zero-shard-size S (hybrid sharding): S divides dp x cp, needs a sharded stage (1-3), and
+    is refused with expert parallelism (expert buffers shard over their own edp group)."""
+    z, p = cfg.zero, cfg.parallel
+    s = z.zero_shard_size
+    if s is None:
+        return
+    flag, replicas = show_flag(cfg, "zero.zero_shard_size"), p.dp * p.cp
+    if replicas % s:
+        raise ConfigError(f"{flag} {s} does not divide the data x context parallel size {p.dp} x {p.cp} = "
+                          f"{replicas}; fix: choose a divisor of {replicas}")
+    if z.stage == 0:
+        raise ConfigError(f"{flag} {s} needs a ZeRO stage of 1 or more (got {show_flag(cfg, 'zero.stage')} 0: "
+                          "nothing is sharded); fix: add --zero-stage 1, 2 or 3, or drop it")
+    ep = p.expert_model_parallel_size if cfg.model.num_experts is not None else 1
+    if ep > 1 and s < replicas:
+        raise ConfigError(f"{flag} {s} with --expert-model-parallel-size {ep} is not supported (expert "
+                          "parameters shard over their expert-data-parallel group); fix: drop one of them")
+
+
 def _check_outputs(cfg: Config, world_size: int) -> None:
     """Output directories are directories (or can become one); --load names an existing one."""
     t = cfg.train
@@ -426,7 +446,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
            _check_fim, _check_world, _check_model_shape, _check_context_parallel, _check_unused_options, _check_restarts, _check_block,
-           _check_recompute, _check_moe, _check_batch, _check_pipeline, _check_optim_precision, _check_offload)
+           _check_recompute, _check_moe, _check_batch, _check_pipeline, _check_optim_precision, _check_offload, _check_hybrid_shard)
 
 
 def validate(cfg: Config, world_size: int, *, needs_data: bool = True) -> None:

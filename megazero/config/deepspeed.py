@@ -13,6 +13,14 @@ offload and the legacy ``cpu_offload*`` switches are refused; other ``stage3_*``
 other unknown key give a warning. A key read whose setting has no effect in the run (the
 ``stage3_*`` knobs below stage 3, say) is named with its file by ``derive.unused_settings``.
 
+``mics_shard_size`` (MiCS) is ``--zero-shard-size`` (hybrid sharding; DeepSpeed's -1 = off).
+ZeRO++'s ``zero_hpz_partition_size`` keeps a secondary copy of the parameters sharded over that
+many ranks while gradients and optimizer states stay sharded over the whole group: the same as
+hybrid sharding for the parameters only, so it is accepted where it changes nothing beyond
+``mics_shard_size`` (1, its default, or equal to ``mics_shard_size``) and named in a warning
+otherwise, as are the quantized ZeRO++ switches (``zero_quantized_weights``,
+``zero_quantized_gradients``), which have no megazero equivalent.
+
 ``sequence_parallel_size`` (DeepSpeed-Ulysses' degree, which DeepSpeed's config reads for its
 sequence-parallel groups) is context parallelism over heads: ``--cp N --cp-comm-type a2a``
 unless the command line chose the communication type.
@@ -51,6 +59,7 @@ _DS_KEYS = {
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
     "zero_optimization.offload_optimizer.pin_memory": "zero.offload_optimizer_pin_memory",
     "zero_optimization.offload_param.device": "zero.offload_param",
+    "zero_optimization.mics_shard_size": "zero.zero_shard_size",
     **{f"zero_optimization.stage3_{k}": f"zero.zero3_{k}" for k in
        ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
         "max_reuse_distance")},
@@ -143,10 +152,13 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
     if refused:
         raise ConfigError(f"--deepspeed-config {path}: not supported by megazero: " + "; ".join(refused))
     warnings = _activation_checkpointing(doc, path, cfg)
+    warnings += _hierarchical_partition(doc.get("zero_optimization"), path)
     for key, raw in items:
         name = _DS_KEYS.get(key)
-        if key.startswith("activation_checkpointing."):
+        if key.startswith("activation_checkpointing.") or key == _HPZ:
             continue
+        if key == "zero_optimization.mics_shard_size" and isinstance(raw, int) and raw <= 0:
+            continue   # DeepSpeed's -1: MiCS off
         if name is None and key.startswith("zero_optimization.stage3_"):
             warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's ZeRO-3 "
                             "reads stage3_prefetch_bucket_size, stage3_max_live_parameters, "
@@ -175,6 +187,23 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
         cfg.parallel.cp_comm_type = "a2a"
         cfg.sources["parallel.cp_comm_type"] = f"sequence_parallel_size in {path}"
     return warnings
+
+
+_HPZ = "zero_optimization.zero_hpz_partition_size"
+
+
+def _hierarchical_partition(zero: Any, path: str) -> list[str]:
+    """ZeRO++'s ``zero_hpz_partition_size`` (module docstring): no warning at 1 (off) or when it
+    equals ``mics_shard_size`` (hybrid sharding already keeps the parameters over those ranks)."""
+    if not isinstance(zero, dict) or _HPZ.split(".")[1] not in zero:
+        return []
+    hpz, mics = zero["zero_hpz_partition_size"], zero.get("mics_shard_size")
+    if hpz == 1 or (hpz == mics and isinstance(hpz, int) and hpz > 1):
+        return []
+    return [f"--deepspeed-config {path}: key {_HPZ!r} = {json.dumps(hpz)} is not honoured: ZeRO++'s secondary "
+            "parameter partition alone has no megazero equivalent (--zero-shard-size / mics_shard_size shards "
+            "the parameters, gradients and optimizer states together); set mics_shard_size to the same value "
+            "for hybrid sharding; ignored"]
 
 
 def _activation_checkpointing(doc: dict, path: str, cfg: Config) -> list[str]:

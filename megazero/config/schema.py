@@ -327,6 +327,12 @@ class ZeroConfig:
     ``megazero.data_parallel.zero3_gather``)."""
 
     stage: int = _f(0, "ZeRO stage: 0, 1, 2 or 3", flags=("--zero-stage",))
+    zero_shard_size: Optional[int] = _f(
+        None, "hybrid sharding (HSDP / MiCS): shard the ZeRO state (optimizer states, gradients, stage-3 "
+        "parameters) over S consecutive data-parallel ranks and replicate it over the dp x cp / S groups of "
+        "them; gradients reduce-scattered inside the group, then all-reduced across the groups; S divides "
+        "dp x cp; None = dp x cp (flat ZeRO); DeepSpeed's mics_shard_size", "ranks", ge=1,
+        flags=("--zero-shard-size",))
     reduce_bucket_size: Optional[int] = _f(
         None, "gradient reduction bucket; None = hidden size squared (DeepSpeed's 'auto')", "elements", ge=1)
     allgather_bucket_size: Optional[int] = _f(

@@ -30,6 +30,14 @@ the same experts) instead of ``groups.dp``. Their gradient already sums the toke
 ep group (the dispatch's backward), so it is divided by the full replica count N like every
 other gradient: each buffer carries its ``group`` (reduction and sharding) and its ``divisor``
 (always N, Megatron-LM's gradient scaling of expert parameters).
+
+Hybrid sharding (issue 24; MiCS, Zhang et al. 2022, sec. 3; FSDP's HYBRID_SHARD): with
+``groups.topology.hybrid`` every buffer's ``group`` is the S-rank ``groups.zero_shard`` and its
+``replica_group`` the dp x cp / S-rank ``groups.zero_replica``. Gradients are reduce-scattered
+inside the shard group as above; then each reduced shard is SUM all-reduced across the replica
+group (stage 1: per bucket as it retires; stages 2/3: the accumulated shard once per step, in
+``finish_sync``), and only then divided by the full N. Parameter all-gathers stay inside the
+shard group. Expert-parallel buffers (``ep > 1``) keep the flat edp path.
 """
 from __future__ import annotations
 
@@ -170,10 +178,13 @@ class DataParallel:
             groups.setdefault((tags.is_shared_embedding(p), p.dtype, tags.is_expert_parallel(p)), []).append(p)
         made = []
         for (shared, _, expert), members in groups.items():
-            group = self.groups.edp if expert else self.groups.dp
+            if expert and self.groups.ep_size > 1:
+                group, replica = self.groups.edp, None
+            else:   # hybrid sharding: shard over S ranks, all-reduce the shards over the rest
+                group, replica = self.groups.zero_shard_group, self.groups.zero_replica
             layout = GradBuffer(members, bucket_size, C.group_size(group), C.group_rank(group))
             buf = ShardedBuffer(layout, cid, shared, strategy, self.grad_dtype, values, group=group,
-                                divisor=self.dp_size)
+                                divisor=self.dp_size, replica_group=replica)
             self.buffers.append(buf)
             made.append(buf)
             for i, p in enumerate(layout.params):

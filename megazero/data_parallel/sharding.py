@@ -110,12 +110,16 @@ class ShardingStrategy:
         raise NotImplementedError
 
     def finish_reduce(self, buf: "ShardedBuffer", k: int, staged, dp_size: int) -> None:
-        """After the reduction of bucket ``k`` completed: divide by N / add into the shard."""
+        """After the reduction of bucket ``k`` completed: sum the shard over the replica group
+        (hybrid sharding), divide by N / add into the shard."""
         b = buf.layout.buckets[k]
-        buf.grads[b.shard_world.start:b.shard_world.end].div_(dp_size)
+        shard = buf.grads[b.shard_world.start:b.shard_world.end]
+        C.all_reduce_sum(shard, buf.replica_group)
+        shard.div_(dp_size)
 
     def finish_sync(self, buf: "ShardedBuffer", dp_size: int) -> None:
-        """After every bucket of the step was reduced (stage 2 divides its shard once)."""
+        """After every bucket of the step was reduced (stage 2 sums its shard over the replica
+        group and divides it once)."""
 
     def needs_flush(self, buf: "ShardedBuffer", k: int) -> bool:
         """Bucket ``k`` still needs a reduction when the step's gradients are flushed."""
@@ -242,6 +246,7 @@ class Stage2(ShardingStrategy):
         buf.grads[b.shard_local.start:b.shard_local.end].add_(staged[off:off + b.shard_size])
 
     def finish_sync(self, buf, dp_size):
+        C.all_reduce_sum(buf.grads, buf.replica_group)   # hybrid sharding; no-op when flat
         buf.grads.div_(dp_size)
 
     def needs_flush(self, buf, k):
@@ -275,15 +280,18 @@ class ShardedBuffer:
     ``group``: the data-parallel group the buffer is reduced and sharded over (its size is the
     layout's ``dp_size``; the expert-data-parallel group for expert parameters); ``divisor``:
     what the summed gradient is divided by (the number of replicas whose losses it sums;
-    default the group size).
+    default the group size); ``replica_group``: hybrid sharding's group holding the other copies
+    of this rank's shards (their reduced gradients SUM all-reduced over it), None when flat;
+    ``replica_rank`` this rank's index in it (0 when flat: the copy the norm and checkpoints count).
     """
 
     def __init__(self, layout: GradBuffer, chunk_id: int, shared: bool,
                  strategy: ShardingStrategy, grad_dtype: torch.dtype,
                  values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, *,
-                 group=None, divisor: Optional[int] = None):
+                 group=None, divisor: Optional[int] = None, replica_group=None):
         self.layout, self.chunk_id, self.shared, self.strategy = layout, chunk_id, shared, strategy
         self.group, self.divisor = group, layout.dp_size if divisor is None else divisor
+        self.replica_group, self.replica_rank = replica_group, C.group_rank(replica_group)
         first = layout.params[0]
         self.param_dtype, self.device = first.dtype, first.device
         self.main_is_param = first.dtype == torch.float32

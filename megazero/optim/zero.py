@@ -156,8 +156,10 @@ class DistributedOptimizer:
         # are summed over the model-parallel group, or, with expert parallelism (expert buffers
         # differ across the ep ranks), over the world from the first replica of each buffer
         self._sharded_norm = self.ddp.strategy.sharded_over_dp or self.groups.ep_size > 1
-        counted = [pc for pc in self.pieces if self.ddp.strategy.sharded_over_dp or self.groups.ep_size == 1
-                   or pc.buffer.layout.dp_rank == 0]
+        # hybrid sharding: the shards are disjoint over the shard group and replicated over the
+        # replica group, so only the first replica's copy counts
+        counted = [pc for pc in self.pieces if (self.ddp.strategy.sharded_over_dp or self.groups.ep_size == 1
+                                                or pc.buffer.layout.dp_rank == 0) and pc.buffer.replica_rank == 0]
         self._counted = counted_views(counted)
         self._scratch_numel = self._scratch_size()
         self._scratch = (torch.empty(self._scratch_numel, dtype=torch.float32, device=self.device)

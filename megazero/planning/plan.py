@@ -33,11 +33,13 @@ def activation_settings(cfg: Config) -> ActivationSettings:
 def layout_settings(cfg: Config, on_cuda: bool) -> dict:
     """The layout, schedule, ZeRO stage and byte widths (bytes per element) of ``cfg``, as the
     keyword arguments ``memory.estimate`` and ``memory.stage_estimates`` share. Their ``dp`` is
-    the replica count ZeRO shards over, dp x cp (``ProcessGroups.replicas``); ``ep`` the
-    expert-parallel size of an MoE model (1 for a dense one)."""
+    the number of ranks ZeRO shards over: the replicas, dp x cp (``ProcessGroups.replicas``), or
+    the shard size S of hybrid sharding (``--zero-shard-size``: the state is replicated over the
+    dp x cp / S groups, so the formulas hold with N = S); ``ep`` the expert-parallel size of an
+    MoE model (1 for a dense one)."""
     p, pr = cfg.parallel, cfg.precision
     dtype = model_dtype(pr.fp16, pr.bf16)
-    return dict(tp=p.tp, pp=p.pp, dp=p.dp * p.cp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
+    return dict(tp=p.tp, pp=p.pp, dp=cfg.zero.zero_shard_size or p.dp * p.cp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
                 schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
                 zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
                 grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
