@@ -34,7 +34,8 @@ out-of-memory kill minutes later (docs/design.md, contracts 2 and 3).
   temporaries, step temporaries)`` (activations are freed before the step). At cp > 1 that
   count includes the cp attention's buffers (the ring's K/V blocks, ``ContextParallelBytes``),
   and ZeRO shards over the ``dp x cp`` ranks that hold the same parameters (pass that
-  product as ``dp``).
+  product as ``dp``). Under hybrid sharding (``--zero-shard-size S``) the state is sharded over
+  S ranks and replicated across the rest: the formulas hold with N = S (pass S as ``dp``).
 """
 from __future__ import annotations
 
