@@ -7,9 +7,10 @@ path: GPT stage, DataParallel with the default buckets, DistributedOptimizer), t
 bytes against the ZeRO formula. Stages (``--stages``, default 0,1,2) alternate round by round (0, 1, 2, 0, 1, 2, ...) so
 machine noise hits all alike; the table shows, per stage, the model-state bytes per
 parameter (measured = formula), the temporaries and their bound, and the median over rounds
-of the largest peak over ranks.
+of the largest peak over ranks. ``--zero-shard-size S`` adds a hybrid-sharding row (state
+sharded over S ranks, replicated over dp / S; formula with N = S) beside each stage >= 1.
 
-    python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3]
+    python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3] [--zero-shard-size S]
         [--zero3-prefetch-bucket-size N] [--zero3-max-reuse-distance N] ...
 """
 from __future__ import annotations
@@ -26,10 +27,9 @@ sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
 from data.samplers import get_micro_batches  # noqa: E402
-from megazero.config import config_from_argv  # noqa: E402
+from megazero.config import config_from_argv, layout_topology  # noqa: E402
 from megazero.optim.zero import zero_formula_bytes  # noqa: E402
 from megazero.process_groups import ProcessGroups  # noqa: E402
-from megazero.topology import Topology  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 MIB = 2 ** 20
@@ -47,7 +47,8 @@ def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
     """One rank: build the trainer, train ``steps`` steps, report memory (bytes)."""
     before = _status_kib("VmRSS") * 1024
     cfg = config_from_argv(argv, world)
-    groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
+    groups = ProcessGroups.build(layout_topology(cfg))
+    n = groups.zero_shard_size   # N of the formula: dp, or S under hybrid sharding
     run = train.build_data(cfg)
     train_ds, vocab = run.train, run.vocab_size
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
@@ -64,8 +65,8 @@ def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
                 if cfg.zero.stage == 3 and b.strategy.stage != 3)
     return dict(psi=psi, states=got["total"] - got["buckets"], buckets=got["buckets"],
                 bound=opt.bucket_bound_bytes(), before=before, peak=_status_kib("VmHWM") * 1024,
-                formula=zero_formula_bytes(padded, world, cfg.zero.stage, p_bytes, g_bytes)
-                + p_bytes * whole * (world - 1) / world)
+                formula=zero_formula_bytes(padded, n, cfg.zero.stage, p_bytes, g_bytes)
+                + p_bytes * whole * (n - 1) / n)
 
 
 def main() -> None:
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--stages", default="0,1,2", help="comma-separated ZeRO stages to compare (0-3)")
     ap.add_argument("--zero3-reshard-after-forward", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--zero-shard-size", type=int, default=None,
+                    help="also run each stage >= 1 with hybrid sharding over S ranks (a row 'stage/S')")
     knobs = ("prefetch-bucket-size", "max-live-parameters", "param-persistence-threshold",
              "max-reuse-distance")
     for k in knobs:   # ZeRO-3 knobs (elements); train.py's defaults when not given
@@ -95,11 +98,14 @@ def main() -> None:
             "--train-iters", str(a.steps), "--eval-iters", "0", "--device", "cpu", "--dp", str(a.dp),
             "--clip-grad", "1.0", "--zero3-reshard-after-forward", a.zero3_reshard_after_forward] + (
                 ["--bf16"] if a.bf16 else []) + [x for k, v in given for x in (f"--zero3-{k}", str(v))]
-    runs: dict[int, list] = {int(s): [] for s in a.stages.split(",")}
+    rows = [(int(s), None) for s in a.stages.split(",")]
+    if a.zero_shard_size is not None:
+        rows = [r for s, _ in rows for r in ([(s, None), (s, a.zero_shard_size)] if s >= 1 else [(s, None)])]
+    runs: dict[tuple, list] = {r: [] for r in rows}
     for _ in range(a.rounds):
-        for stage in runs:
-            argv = base + ["--zero-stage", str(stage)]
-            runs[stage].append(run_distributed(_rank, a.dp, argv, a.steps, timeout_s=1800))
+        for stage, shard in runs:
+            argv = base + ["--zero-stage", str(stage)] + ([] if shard is None else ["--zero-shard-size", str(shard)])
+            runs[(stage, shard)].append(run_distributed(_rank, a.dp, argv, a.steps, timeout_s=1800))
     psi = next(iter(runs.values()))[0][0]["psi"]
     print(f"GPT: {a.num_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}, seq {a.seq_length}, "
           f"micro-batch {a.micro_batch_size}; Psi = {psi} parameters; {'bf16' if a.bf16 else 'fp32'}; "
@@ -108,12 +114,12 @@ def main() -> None:
     print("| ZeRO | model states B/param (measured = formula) | temporaries MiB (bound) "
           "| RSS before model MiB | peak RSS MiB (median of rounds, max over ranks) | peak - before MiB |")
     print("|---|---|---|---|---|---|")
-    for stage, rounds in runs.items():
+    for (stage, shard), rounds in runs.items():
         r0 = rounds[0][0]
         assert all(r["states"] == r["formula"] for rs in rounds for r in rs), "states differ from the formula"
         peak = statistics.median(max(r["peak"] for r in rs) for rs in rounds)
         before = statistics.median(max(r["before"] for r in rs) for rs in rounds)
-        print(f"| {stage} | {r0['states'] / psi:.2f} ({r0['formula'] / psi:.2f}) | "
+        print(f"| {stage}{'' if shard is None else f' S={shard}'} | {r0['states'] / psi:.2f} ({r0['formula'] / psi:.2f}) | "
               f"{r0['buckets'] / MIB:.2f} ({r0['bound'] / MIB:.2f}) | {before / MIB:.0f} | "
               f"{peak / MIB:.0f} | {(peak - before) / MIB:.0f} |")
 
