@@ -590,8 +590,11 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
         rows = [None] * trainer.groups.world_size
         dist.all_gather_object(rows, row, group=trainer.groups.world)
     experts = f" (expert parameters: N={trainer.replicas.edp_size})" if trainer.replicas.ep_size > 1 else ""
+    hybrid = (f" (hybrid sharding: replicated over {trainer.replicas.dp_size // trainer.replicas.zero_shard_size})"
+              if trainer.replicas.topology.hybrid else "")
     monitor.log_model_state_table(rows, note=(
-        f"ZeRO-{trainer.cfg.zero.stage} formula on the padded Psi with N={trainer.replicas.dp_size}{experts}, "
+        f"ZeRO-{trainer.cfg.zero.stage} formula on the padded Psi with N={trainer.replicas.zero_shard_size}{hybrid}"
+        f"{experts}, "
         f"{p_bytes}-byte params, {g_bytes}-byte grads, {m_bytes + 8} bytes/param fp32 optimizer state, "
         f"+ at most {bound} bytes of buckets{offload}"))
 
