@@ -2,7 +2,8 @@
 consecutive data-parallel ranks and replicates it over the dp x cp / S groups of them.
 
 One 4-rank spawn trains tests/test_train.py's GPT for 10 steps under dp 4 = 2 x 2 at ZeRO stages
-1, 2 and 3 beside the flat (S = 4) runs, tp 2 x dp 2 with S = 1 and pp 2 x dp 2 with S = 1: every
+1, 2 and 3 beside the flat (S = 4) runs, ZeRO-2 with the optimizer offloaded, tp 2 x dp 2 with
+S = 1, pp 2 x dp 2 with S = 1 and cp 2 x dp 2 with S = 2 (a shard group is one cp pair): every
 loss and gradient norm equals the flat run's within 1e-6 and ``tests/reference.py``'s within 1e-5;
 each rank's model-state bytes equal the ZeRO formula with N = S (and the planner's); a checkpoint
 saved at S = 2 after 5 steps resumes at S = 4 (and at ZeRO-1) with the S = 2 run's next 5 losses;
@@ -30,6 +31,9 @@ LAYOUTS = {  # name -> (flags, the flat layout it must equal)
     "dp4-zero3-s2": (["--dp", "4", "--zero-shard-size", "2"] + Z3, "dp4-zero3-flat"),
     "tp2-dp2-zero2-s1": (["--tp", "2", "--dp", "2", "--zero-stage", "2", "--zero-shard-size", "1"], None),
     "pp2-dp2-zero1-s1": (["--pp", "2", "--dp", "2", "--zero-stage", "1", "--zero-shard-size", "1"], None),
+    "cp2-dp2-zero2-s2": (["--cp", "2", "--dp", "2", "--zero-stage", "2", "--zero-shard-size", "2"], None),
+    "dp4-zero2-s2-offload": (["--dp", "4", "--zero-stage", "2", "--reduce-bucket-size", "2000", "--zero-shard-size",
+                              "2", "--offload-optimizer", "cpu"], "dp4-zero2-flat"),
 }
 SAVE_AT = 5
 RESUME = {  # resumed from dp4-zero2-s2's checkpoint at step SAVE_AT
@@ -105,12 +109,13 @@ def test_hybrid_layout_equals_flat_and_reference(name, runs):
     """10 steps: every rank's losses and gradient norms equal the flat ZeRO run's within 1e-6
     (bit-identical where the sums are) and the single-process reference's losses within 1e-5;
     the model-state bytes equal the ZeRO formula with N = S."""
+    from megazero.optim.offload import offload_formula_bytes
     from megazero.optim.zero import zero_formula_bytes
 
     per_rank, reference = runs
     flags, flat = LAYOUTS[name]
     stage = _flag(flags, "--zero-stage", 0)
-    replicas = _flag(flags, "--dp", 1)
+    replicas = _flag(flags, "--dp", 1) * _flag(flags, "--cp", 1)
     shard = _flag(flags, "--zero-shard-size", replicas)
     for r in per_rank:
         got = r[name]
@@ -121,6 +126,10 @@ def test_hybrid_layout_equals_flat_and_reference(name, runs):
             assert got["norms"] == pytest.approx(r[flat]["norms"], rel=1e-6, abs=0), name
         held, formula, terms, planned, buffers = got["state"]
         assert [n for _, n in terms] == [shard]
+        if "--offload-optimizer" in flags:   # offload_formula_bytes: device p + g, host 16 Psi / N
+            assert held == formula == sum(sum(offload_formula_bytes(psi, n, stage, 4, 4).values())
+                                          for psi, n in terms)
+            continue
         assert held == formula == sum(zero_formula_bytes(psi, n, stage, 4, 4) for psi, n in terms)
         assert 0 <= held - planned < 16 * shard * buffers, (held, planned)
     assert per_rank[0][name]["losses"][-1] < per_rank[0][name]["losses"][0]
