@@ -13,6 +13,9 @@ one fp64 SUM all-reduce adds them:
   runs over the whole world); with plain DP (stage 0) every DP rank holds the full reduced
   gradient and the sum runs over the model-parallel group only. The caller asks the
   sharding strategy (``ShardingStrategy.sharded_over_dp``), never the stage number.
+- Hybrid sharding (``--zero-shard-size S``): shards are disjoint inside a shard group and
+  replicated over the dp x cp / S replica groups, so the optimizer passes a buffer's pieces
+  only where ``ShardedBuffer.replica_rank == 0`` and the sum still runs over the world.
 
 The all-reduce leaves the same bits on every rank, so every rank computes the same clip
 coefficient. ``clip_coefficient`` matches ``torch.nn.utils.clip_grad_norm_``.
