@@ -1,7 +1,8 @@
 """Communication volume equals theory: bytes counted in megazero/collectives.py for one
 training step of each layout in scripts/bench_comm.py (DP ZeRO-0/1/2, TP with and without
 sequence parallelism, pipeline GPipe / 1F1B / interleaved, TP x ZeRO-2, context parallelism:
-cp 2 ring and all-to-all on two ranks, tp 2 x cp 2 with SP on four) equal the closed-form
+cp 2 ring and all-to-all on two ranks, tp 2 x cp 2 with SP on four, hybrid sharding dp 4 with
+S 2 at ZeRO-1/2 on four, with the bytes crossing shard groups) equal the closed-form
 functions there, kind by kind, on every rank. One spawn per world size runs all its cases."""
 import pytest
 
