@@ -6,7 +6,8 @@
         runs K steps on N gloo ranks on this CPU and prints each rank's predicted and measured peak;
     python scripts/plan.py [model flags] --devices N --device-memory GiB [--top K]
         the layouts (tp, cp with its comm type, pp, dp, ZeRO stage and shard size, recomputation) whose predicted
-        peak fits, smallest first.
+        peak fits, smallest first, with the data-parallel bytes each rank sends off its node per step
+        (--gpus-per-node, default 8).
 
 Measured peak (CPU): the rank's peak resident memory (``VmHWM``, reset through
 ``/proc/self/clear_refs`` at the baseline) minus its resident memory at the baseline, taken
@@ -34,6 +35,7 @@ from data.tokenizer import load_tokenizer  # noqa: E402
 from megazero.config import MOCK_VOCAB_SIZE, ConfigError, config_from_argv, parse_args  # noqa: E402
 from megazero.config.shape import check_context_parallel  # noqa: E402
 from megazero.planning.memory import gib  # noqa: E402
+from megazero.planning import plan  # noqa: E402
 from megazero.planning.plan import plan_memory, plan_stages  # noqa: E402
 from megazero.runtime.launch import uses_cuda  # noqa: E402
 from model.build import build_gpt_config, build_peak_bytes  # noqa: E402
@@ -190,13 +192,31 @@ def _cp_options(base, tp: int, ranks: int) -> list[tuple[int, str]]:
     return options
 
 
-def _shard_options(zero: int, replicas: int, per_replica: int, gpus_per_node: int) -> list[int]:
+def _shard_options(zero: int, replicas: int, tp: int, gpus_per_node: int) -> list[int]:
     """ZeRO shard sizes S searched: the flat dp x cp (``replicas``), and at stages >= 1 one node's
-    replicas (``gpus_per_node / (tp x cp)``) when that divides ``replicas`` and is smaller: hybrid
-    sharding, whose all-gathers and reduce-scatters stay inside the node."""
-    node = gpus_per_node // per_replica if gpus_per_node % per_replica == 0 else 0
+    replicas (``gpus_per_node / tp``: consecutive replicas r' = cp_rank + cp dp_rank are tp global
+    ranks apart) when that divides ``replicas`` and is smaller: hybrid sharding, whose
+    all-gathers and reduce-scatters stay inside the node."""
+    node = gpus_per_node // tp if gpus_per_node % tp == 0 else 0
     hybrid = zero >= 1 and 1 <= node < replicas and replicas % node == 0
     return [replicas, node] if hybrid else [replicas]
+
+
+def dp_internode_bytes(psi: float, zero: int, replicas: int, shard: int, tp: int, gpus_per_node: int,
+                       num_microbatches: int, param_bytes: int, grad_bytes: int) -> float:
+    """Bytes per rank and step the data-parallel collectives hand to groups that span nodes (the
+    payload ``megazero.collectives.counter`` counts), ranks filling nodes of ``gpus_per_node`` in
+    order. n consecutive replicas are ``tp x n`` consecutive ranks, so a group of them spans nodes
+    when ``tp x n > gpus_per_node``. ZeRO-0: the all-reduce of the g Psi buffer; ZeRO-1/2: the
+    shard group's reduce-scatter (g Psi, per micro-batch at stage 2) and all-gather (p Psi / S)
+    when that group spans nodes, plus hybrid sharding's all-reduce of the shard (g Psi / S) over
+    the replica group when that one does. Psi unpadded (each buffer pads < N elements)."""
+    spans = lambda n: tp * n > gpus_per_node   # noqa: E731
+    if zero == 0:
+        return grad_bytes * psi if spans(replicas) else 0.0
+    inside = (num_microbatches if zero == 2 else 1) * grad_bytes * psi + param_bytes * psi / shard
+    across = grad_bytes * psi / shard if shard < replicas and spans(replicas) else 0.0
+    return (inside if spans(shard) else 0.0) + across
 
 
 def layouts(argv: list[str], devices: int, max_tp: int = 8, gpus_per_node: int = 8):
@@ -219,22 +239,29 @@ def layouts(argv: list[str], devices: int, max_tp: int = 8, gpus_per_node: int =
                 extra += ["--cp", str(cp), "--cp-comm-type", comm] if cp > 1 else []
                 extra += ["--sequence-parallel"] if tp > 1 else []
                 for zero in (0, 1, 2):
-                    for shard in _shard_options(zero, dp * cp, tp * cp, gpus_per_node):
+                    for shard in _shard_options(zero, dp * cp, tp, gpus_per_node):
                         hybrid = ["--zero-shard-size", str(shard)] if shard < dp * cp else []
                         for name, flags in RECOMPUTE.items():
                             label = (tp, cp, comm if cp > 1 else "-", pp, dp, zero, shard, name)
                             yield label, argv + extra + ["--zero-stage", str(zero)] + hybrid + flags
 
 
-def fitting_layouts(argv: list[str], devices: int, device_gib: float) -> list[tuple[float, tuple]]:
-    """(predicted peak bytes, layout) of every layout whose peak fits ``device_gib``, smallest first."""
+def fitting_layouts(argv: list[str], devices: int, device_gib: float,
+                    gpus_per_node: int = 8) -> list[tuple[float, tuple, float]]:
+    """(predicted peak bytes, layout, data-parallel bytes off the node per rank and step:
+    ``dp_internode_bytes``) of every layout whose peak fits ``device_gib``, smallest peak first."""
     fits, vocab = [], None
-    for layout, full in layouts(argv, devices):
+    for layout, full in layouts(argv, devices, gpus_per_node=gpus_per_node):
         cfg = config_from_argv(full, devices, print_warnings=False, needs_data=False)
         vocab = vocab or vocab_of(cfg)
-        peak = plan_memory(cfg, build_gpt_config(cfg, vocab), on_cuda=uses_cuda(cfg)).total_bytes
-        if peak <= device_gib * 2**30:
-            fits.append((peak, layout))
+        est = plan_memory(cfg, build_gpt_config(cfg, vocab), on_cuda=uses_cuda(cfg))
+        if est.total_bytes <= device_gib * 2**30:
+            tp, cp, _, _, dp, zero, shard, _ = layout
+            widths = plan.layout_settings(cfg, False)
+            p_bytes, g_bytes = widths["param_bytes"], widths["grad_bytes"]
+            off = dp_internode_bytes(est.params, zero, dp * cp, shard, tp, gpus_per_node,
+                                     cfg.train.gradient_accumulation_steps, p_bytes, g_bytes)
+            fits.append((est.total_bytes, layout, off))
     return sorted(fits)
 
 
@@ -247,14 +274,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--devices", type=int, default=None, help="list layouts of this many devices that fit")
     ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (with --devices)")
     ap.add_argument("--top", type=int, default=20, help="layouts listed (with --devices)")
+    ap.add_argument("--gpus-per-node", type=int, default=8,
+                    help="with --devices: ranks per node (hybrid sharding's one-node S, off-node bytes)")
     own, argv = ap.parse_known_args(argv)
     if own.devices is not None:
-        fits = fitting_layouts(argv, own.devices, own.device_memory)
+        fits = fitting_layouts(argv, own.devices, own.device_memory, own.gpus_per_node)
         print(f"{len(fits)} layouts of {own.devices} devices fit in {own.device_memory:g} GiB; smallest peak first:")
         print(f"{'tp':>3} {'cp':>4} {'comm':>4} {'pp':>3} {'dp':>5} {'zero':>4} {'shard':>5} {'recompute':>10} "
-              f"{'peak per rank':>14}")
-        for peak, (tp, cp, comm, pp, dp, zero, shard, rc) in fits[:own.top]:
-            print(f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {shard:>5} {rc:>10} {gib(peak):>14}")
+              f"{'peak per rank':>14} {'dp_off_node_GiB/step':>20}")
+        for peak, (tp, cp, comm, pp, dp, zero, shard, rc), off in fits[:own.top]:
+            print(f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {shard:>5} {rc:>10} {gib(peak):>14} "
+                  f"{off / 2**30:>20.2f}")
         return 0 if fits else 1
     world = own.world_size or _world_of(argv)
     cfg = config_from_argv(argv, world, needs_data=own.measure)  # only --measure reads the data

@@ -185,10 +185,11 @@ def test_plan_lists_a_fitting_layout_for_a_175b_gpt():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "layouts of 1024 devices fit in 80 GiB" in lines[0]
-    assert lines[1].split() == ["tp", "cp", "comm", "pp", "dp", "zero", "shard", "recompute", "peak", "per", "rank"]
-    tp, cp, comm, pp, dp, zero, shard, rc, peak, unit = lines[2].split()
+    assert lines[1].split() == ["tp", "cp", "comm", "pp", "dp", "zero", "shard", "recompute", "peak", "per", "rank",
+                                "dp_off_node_GiB/step"]
+    tp, cp, comm, pp, dp, zero, shard, rc, peak, unit, off = lines[2].split()
     assert int(tp) * int(cp) * int(pp) * int(dp) == 1024 and unit == "GiB" and float(peak) <= 80
-    assert (int(dp) * int(cp)) % int(shard) == 0
+    assert (int(dp) * int(cp)) % int(shard) == 0 and float(off) >= 0
     peaks = [float(line.split()[8]) for line in lines[2:]]
     assert peaks == sorted(peaks)
 
@@ -213,7 +214,7 @@ def test_layout_search_takes_cp_where_the_sequence_allows_it():
 
 def test_layout_search_takes_one_node_as_the_zero_shard_size():
     """Hybrid sharding in the search: at ZeRO stages 1 and 2 the shard size S is the flat dp x cp
-    and one node's replicas (8 GPUs / (tp x cp)) where that is smaller and divides dp x cp; at
+    and one node's replicas (8 GPUs / tp) where that is smaller and divides dp x cp; at
     stage 0 only the flat one. The planner's model states use N = S: at dp 16 the hybrid S = 8
     layout needs more than the flat one, exactly the ZeRO-2 formula's difference."""
     from megazero.config import config_from_argv
@@ -229,13 +230,31 @@ def test_layout_search_takes_one_node_as_the_zero_shard_size():
     for tp, cp, _, _, dp, zero, shard, _ in labels:
         shards[(tp, cp, dp, zero)].add(shard)
     assert shards[(1, 1, 16, 0)] == {16} and shards[(1, 1, 16, 2)] == {16, 8} and shards[(2, 1, 8, 1)] == {8, 4}
-    assert shards[(1, 2, 8, 1)] == {16, 4}
+    assert shards[(1, 2, 8, 1)] == {16, 8}   # r' = cp_rank + cp dp_rank: 8 replicas are one node at tp 1
     flat, hybrid = (config_from_argv(argv + ["--dp", "16", "--zero-stage", "2"] + extra, 16, print_warnings=False,
                                      needs_data=False) for extra in ([], ["--zero-shard-size", "8"]))
     g = build_gpt_config(flat, 101)
     states = [plan_memory(c, g).model_state_bytes for c in (flat, hybrid)]
     psi = plan_memory(flat, g).params
     assert states[1] - states[0] == zero_formula_bytes(psi, 8, 2, 4, 4) - zero_formula_bytes(psi, 16, 2, 4, 4) > 0
+
+
+def test_off_node_bytes_are_the_replica_all_reduce_counted_by_bench_comm():
+    """The search's data-parallel bytes off the node: with a node per shard group (bench_comm's
+    dp 4, S 2 at 2 GPUs per node) exactly the all-reduce bytes scripts/bench_comm.py counts on the
+    groups crossing shard groups (its ``crossing`` less the world scalars), 4 Psi / S; flat ZeRO-2
+    over the same 4 ranks sends its reduce-scatter (per micro-batch) and all-gather off the node,
+    and a group inside one node sends nothing."""
+    from scripts import bench_comm as B
+
+    plan = _plan_script()
+    shape = B.shape_of(dp=4, shard=2, global_batch=16)
+    padded = B.round_up(B.params_per_rank(shape), 2)
+    crossing = B.theory_hybrid2(shape, 0)["crossing"] - B.scalars(shape, 2)["all_reduce"]
+    assert plan.dp_internode_bytes(padded, 2, 4, 2, 1, 2, shape.m, 4, 4) == crossing == 4 * padded / 2
+    assert plan.dp_internode_bytes(padded, 2, 4, 4, 1, 2, shape.m, 4, 4) == 4 * padded * shape.m + 4 * padded / 4
+    assert plan.dp_internode_bytes(padded, 1, 4, 2, 1, 8, shape.m, 4, 4) == 0
+    assert plan.dp_internode_bytes(padded, 0, 4, 4, 2, 4, shape.m, 2, 4) == 4 * padded
 
 
 def _plan_script():
