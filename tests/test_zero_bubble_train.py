@@ -7,17 +7,21 @@ ZB-V places layers differently (stage r holds virtual stages r and 2p-1-r, the o
 on stage 0), so its gradient norm, a sum of per-rank squares, is added in another order:
 equal to 1F1B's within 1e-12 relative, not bit for bit; its losses and every parameter (by
 name) are bit-identical (at ZeRO-3, whose shards follow the placement, losses and norms
-only). ZB-V needs untied embeddings (refused otherwise), so it is compared
-with an untied 1F1B run. One spawn runs every layout of its world size.
+only). With tied embeddings both copies sit on stage 0 (chunks 0 and 1) and their
+gradients are summed there; untied, ZB-V is compared with an untied 1F1B run. MoE layouts
+are checked against the MoE reference. One spawn runs every layout of its world size.
 """
 import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.test_moe import _reference as _moe_reference
 from tests.test_train import BASE, STEPS, _reference_losses
 
 GBS = ["--global-batch-size", "8"]   # micro-batch 2: 4 micro-batches at dp 1
 UNTIE = ["--untie-embeddings-and-output-weights"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+       "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
 MICRO1 = ["--micro-batch-size", "1"]  # dp 2: still 4 micro-batches per pipeline
 
 
@@ -79,12 +83,13 @@ def _check(layouts, results, names, model=()):
     refs = {}
     for i, name in enumerate(names):
         argv, _ = layouts[name]
-        key = UNTIE[0] in argv
+        key = (UNTIE[0] in argv, MOE[0] in argv)
         if key not in refs:
+            ref_argv = BASE + GBS + list(model) + (UNTIE if key[0] else []) + (MOE if key[1] else [])
             threads = torch.get_num_threads()
             torch.set_num_threads(1)   # tiny matmuls: the oracle is many times faster on one thread
-            try:
-                refs[key] = _reference_losses(BASE + GBS + list(model) + (UNTIE if key else []), STEPS)
+            try:   # MoE: the reference routes (and takes its auxiliary losses) per micro-batch
+                refs[key] = _moe_reference(ref_argv, STEPS)[0] if key[1] else _reference_losses(ref_argv, STEPS)
             finally:
                 torch.set_num_threads(threads)
         for r in results:   # every rank agrees, and equals the oracle within 1e-5
@@ -110,9 +115,17 @@ FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 
 def test_zero_bubble_pp2_equals_1f1b_bit_for_bit():
     """pp 2, 4 micro-batches, 2 ranks: ZB-H1 and ZB-V against 1F1B and the reference; ZB-H1
-    with full recomputation too (the forward replayed in B, its weights' gradients in W)."""
+    with full recomputation too (the forward replayed in B, its weights' gradients in W); ZB-V
+    with tied embeddings (both copies on stage 0, their gradients summed on the rank: a sum of
+    two, the same bits as the embedding group's all-reduce); ZB-H1 and ZB-V with MoE (router,
+    auxiliary losses and the shared expert: B runs the routing's backward, W the experts')."""
     layouts = dict(PP2, **{"1f1b recompute": (PP2["1f1b"][0] + FULL, None),
-                           "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute")})
+                           "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute"),
+                           "zb-v tied": (["--pp", "2", "--pipeline-schedule", "zb-v"], "1f1b"),
+                           "1f1b moe": (PP2["1f1b"][0] + MOE, None),
+                           "zb-h1 moe": (PP2["zb-h1"][0] + MOE, "1f1b moe"),
+                           "1f1b moe untied": (PP2["1f1b-untied"][0] + MOE, None),
+                           "zb-v moe": (PP2["zb-v"][0] + MOE, "1f1b moe untied")})
     names = list(layouts)
     out = run_distributed(_runs, 2, [BASE + GBS + layouts[n][0] for n in names], timeout_s=600)
     _check(layouts, out, names)
