@@ -23,7 +23,8 @@ blocking sends.
 
 Memory: a (micro-batch, chunk)'s input and output are kept from its forward to its
 backward and dropped right after it, so 1F1B keeps at most ``pp`` micro-batches alive on
-stage 0 while GPipe keeps all ``m``.
+stage 0 while GPipe keeps all ``m``. Under a zero-bubble schedule each forward runs under
+its own ``weight_grad.SavedTensors`` boxes, and B keeps of them only what W reads.
 """
 from __future__ import annotations
 
