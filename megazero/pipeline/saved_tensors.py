@@ -88,15 +88,20 @@ class SavedTensors:
         return sum(seen.values())
 
 
+_SAVED_NAMES: dict = {}   # node type -> its ``_saved_*`` attribute names
+
+
 def _read_saved(node) -> None:
     """Unpack every tensor ``node`` saved (a custom Function's ``saved_tensors``, a built-in
     node's ``_saved_*`` attributes)."""
     if isinstance(node, torch.autograd.function.BackwardCFunction):
         node.saved_tensors
         return
-    for name in dir(node):
-        if name.startswith("_saved_"):
-            getattr(node, name)
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        names = _SAVED_NAMES[type(node)] = [n for n in dir(node) if n.startswith("_saved_")]
+    for name in names:
+        getattr(node, name)
 
 
 def boxes_of(node) -> list:
