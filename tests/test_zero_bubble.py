@@ -155,8 +155,10 @@ def _three_microbatches(stage, split):
     return [p.grad for p in stage.parameters()], input_grads
 
 
-@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
-@pytest.mark.parametrize("pre, post", [(True, False), (False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("recompute, pre, post", [
+    (r, pre, post) for r in ("none", "selective", "full")
+    for pre, post in [(True, False), (False, False), (False, True), (True, True)]]
+    + [("moe", True, True)])   # one stage with embedding, MoE layers and head
 def test_split_backward_is_bit_identical(pre, post, recompute):
     """B then W (all B's first, W's in micro-batch order) gives the fused backward's input
     gradients and accumulated weight gradients bit for bit, on the first, middle and last
