@@ -7,21 +7,25 @@ ZB-V places layers differently (stage r holds virtual stages r and 2p-1-r, the o
 on stage 0), so its gradient norm, a sum of per-rank squares, is added in another order:
 equal to 1F1B's within 1e-12 relative, not bit for bit; its losses and every parameter (by
 name) are bit-identical (at ZeRO-3, whose shards follow the placement, losses and norms
-only). ZB-V needs untied embeddings (refused otherwise), so it is compared
-with an untied 1F1B run. One spawn runs every layout of its world size.
+only). With tied embeddings both copies sit on stage 0 (chunks 0 and 1) and their
+gradients are summed there; untied, ZB-V is compared with an untied 1F1B run. MoE layouts
+are checked against the MoE reference. One spawn runs every layout of its world size.
 """
 import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.test_moe import _reference as _moe_reference
 from tests.test_train import BASE, STEPS, _reference_losses
 
 GBS = ["--global-batch-size", "8"]   # micro-batch 2: 4 micro-batches at dp 1
 UNTIE = ["--untie-embeddings-and-output-weights"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+       "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
 MICRO1 = ["--micro-batch-size", "1"]  # dp 2: still 4 micro-batches per pipeline
 
 
-def _run(rank, world, argv):
+def _run(rank, world, argv, steps=STEPS):
     import train
     from megazero.config import config_from_argv, layout_topology
     from megazero.process_groups import ProcessGroups
@@ -32,7 +36,7 @@ def _run(rank, world, argv):
     groups = ProcessGroups.build(layout_topology(cfg))
     trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
     values = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
         v = trainer.train_step(batches).values
         values.append((v["loss"], v["grad_norm"]))
@@ -50,8 +54,8 @@ def _run(rank, world, argv):
     return values, params
 
 
-def _runs(rank, world, argvs):
-    return [_run(rank, world, a) for a in argvs]
+def _runs(rank, world, argvs, steps=STEPS):
+    return [_run(rank, world, a, steps) for a in argvs]
 
 
 def _compare(results, base, other, same_layout):
@@ -79,12 +83,13 @@ def _check(layouts, results, names, model=()):
     refs = {}
     for i, name in enumerate(names):
         argv, _ = layouts[name]
-        key = UNTIE[0] in argv
+        key = (UNTIE[0] in argv, MOE[0] in argv)
         if key not in refs:
+            ref_argv = BASE + GBS + list(model) + (UNTIE if key[0] else []) + (MOE if key[1] else [])
             threads = torch.get_num_threads()
             torch.set_num_threads(1)   # tiny matmuls: the oracle is many times faster on one thread
-            try:
-                refs[key] = _reference_losses(BASE + GBS + list(model) + (UNTIE if key else []), STEPS)
+            try:   # MoE: the reference routes (and takes its auxiliary losses) per micro-batch
+                refs[key] = _moe_reference(ref_argv, STEPS)[0] if key[1] else _reference_losses(ref_argv, STEPS)
             finally:
                 torch.set_num_threads(threads)
         for r in results:   # every rank agrees, and equals the oracle within 1e-5
@@ -106,13 +111,21 @@ PP2 = {
 
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+TIED_V = ["--pp", "2", "--pipeline-schedule", "zb-v"]
 
 
 def test_zero_bubble_pp2_equals_1f1b_bit_for_bit():
     """pp 2, 4 micro-batches, 2 ranks: ZB-H1 and ZB-V against 1F1B and the reference; ZB-H1
-    with full recomputation too (the forward replayed in B, its weights' gradients in W)."""
+    with full recomputation too (the forward replayed in B, its weights' gradients in W); ZB-V
+    with tied embeddings (both copies on stage 0, their gradients summed on the rank: a sum of
+    two, the same bits as the embedding group's all-reduce); ZB-H1 and ZB-V with MoE (router,
+    auxiliary losses and the shared expert: B runs the routing's backward, W the experts')."""
     layouts = dict(PP2, **{"1f1b recompute": (PP2["1f1b"][0] + FULL, None),
-                           "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute")})
+                           "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute"),
+                           "zb-v tied": (TIED_V, "1f1b"),
+                           "1f1b moe": (PP2["1f1b"][0] + MOE, None),
+                           "zb-h1 moe": (PP2["zb-h1"][0] + MOE, "1f1b moe"),
+                           "zb-v tied moe": (TIED_V + MOE, "1f1b moe")})
     names = list(layouts)
     out = run_distributed(_runs, 2, [BASE + GBS + layouts[n][0] for n in names], timeout_s=600)
     _check(layouts, out, names)
@@ -154,3 +167,27 @@ def test_zero_bubble_pp4_with_8_microbatches_equals_1f1b():
     names = list(layouts)
     out = run_distributed(_runs, 4, [BASE + PP4 + layouts[n][0] for n in names], timeout_s=1500)
     _check(layouts, out, names, model=PP4)
+
+
+@pytest.mark.slow
+def test_zero_bubble_pp4_8_ranks_equals_1f1b():
+    """8 ranks, (pp, micro-batches) = (4, 8), 5 steps: pp 4 x tp 2 + sequence parallelism and
+    pp 4 x dp 2 with ZeRO-2 and ZeRO-3, each under ZB-H1 and ZB-V (tied embeddings: both
+    copies on stage 0) against 1F1B: losses and every parameter bit for bit (ZB-V: gradient
+    norms within 1e-12, at ZeRO-3 losses and norms only, as in _compare)."""
+    layouts = {}
+    for tag, flags in (("tp2-sp", ["--tp", "2", "--sequence-parallel", "--global-batch-size", "16"]),
+                       ("dp2-zero2", ["--dp", "2", "--zero-stage", "2", "--micro-batch-size", "1",
+                                      "--global-batch-size", "16"]),
+                       ("dp2-zero3", ["--dp", "2", "--zero-stage", "3", "--micro-batch-size", "1",
+                                      "--global-batch-size", "16"])):
+        for sched in ("1f1b", "zb-h1", "zb-v"):
+            layouts[f"{tag} {sched}"] = (["--pp", "4", "--num-layers", "8", "--pipeline-schedule", sched] + flags,
+                                         None if sched == "1f1b" else f"{tag} 1f1b")
+    names = list(layouts)
+    out = run_distributed(_runs, 8, [BASE + layouts[n][0] for n in names], 5, timeout_s=2400,
+                          collective_timeout_s=600)
+    for i, name in enumerate(names):
+        assert all([v[0] for v in r[i][0]] == [v[0] for v in out[0][i][0]] for r in out), name
+        if layouts[name][1] is not None:
+            _compare(out, names.index(layouts[name][1]), i, same_layout="zb-v" not in name)

@@ -254,8 +254,7 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
 
 
 def _check_zero_bubble(cfg: Config) -> None:
-    """zb-h1 / zb-v (Qi et al. 2024): pipelined (pp >= 2); zb-v's V of 2 x pp equal chunks;
-    MoE, whose backward is not split into B and W yet, refused by name."""
+    """zb-h1 / zb-v (Qi et al. 2024): pipelined (pp >= 2); zb-v's V of 2 x pp equal chunks."""
     p, m, sched = cfg.parallel, cfg.model, cfg.parallel.pipeline_schedule
     if p.pp < 2:
         raise ConfigError(f"--pipeline-schedule {sched} needs --pp >= 2 (got --pp {p.pp}); fix: raise --pp "
@@ -270,13 +269,6 @@ def _check_zero_bubble(cfg: Config) -> None:
         if p.pipeline_layer_split is not None:
             raise ConfigError("--pipeline-layer-split cannot be combined with --pipeline-schedule zb-v; "
                               "fix: drop --pipeline-layer-split")
-        if not m.untie_embeddings_and_output_weights:
-            raise ConfigError("--pipeline-schedule zb-v puts the embedding and the output layer on stage 0, "
-                              "and tied copies there are not supported yet; fix: add "
-                              "--untie-embeddings-and-output-weights")
-    if m.num_experts is not None:
-        raise ConfigError(f"--pipeline-schedule {sched} with --num-experts is not supported yet (the MoE "
-                          "auxiliary-loss backward is not split into B and W); fix: drop --num-experts or use 1f1b")
 
 
 def _check_optim_precision(cfg: Config, world_size: int) -> None:

@@ -326,8 +326,9 @@ class DataParallel:
             self.zero3.release_all()
         for buf in self.buffers:
             self.strategy.finish_sync(buf, buf.divisor)
+        tied_here = self._sum_tied_on_rank()
         *_, peak = finalize_model_grads(self._owned_param_grads(), self.groups.tp,
-                                        self.groups.embedding, self.bucket_size)
+                                        None if tied_here else self.groups.embedding, self.bucket_size)
         self.peak_temp_bytes = max(self.peak_temp_bytes, peak)
         self._synced = True
 
@@ -346,6 +347,26 @@ class DataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def _sum_tied_on_rank(self) -> bool:
+        """V layout (zb-v): both copies of the tied word embedding sit on this rank, the
+        input's in chunk 0 and the output layer's in chunk 1, in buffers of one layout. Their
+        owned gradients are summed here and written to both (what the embedding group's
+        all-reduce does between two stages; a sum of two is the same in either order), and
+        True is returned so that the group's all-reduce leaves them out (the last stage holds
+        no copy). False when the copies are on two stages."""
+        shared = [b for b in self.buffers if b.shared]
+        by_chunk = [[b for b in shared if b.chunk_id == c] for c in sorted({b.chunk_id for b in shared})]
+        if len(by_chunk) != 2:
+            return False
+        with torch.no_grad():
+            for a, b in zip(*by_chunk):
+                if [p.shape for p in a.layout.params] != [p.shape for p in b.layout.params]:
+                    raise ValueError("tied embedding copies of chunks 0 and 1 have different layouts")
+                for own_a, own_b in zip(a.owned(), b.owned()):
+                    own_a.grad.add_(own_b.grad)
+                    own_b.grad.copy_(own_a.grad)
+        return True
 
     def _owned_param_grads(self):
         """``(param, gradient view)`` for every parameter run this rank owns."""

@@ -23,7 +23,8 @@ blocking sends.
 
 Memory: a (micro-batch, chunk)'s input and output are kept from its forward to its
 backward and dropped right after it, so 1F1B keeps at most ``pp`` micro-batches alive on
-stage 0 while GPipe keeps all ``m``.
+stage 0 while GPipe keeps all ``m``. Under a zero-bubble schedule each forward runs under
+its own ``weight_grad.SavedTensors`` boxes, and B keeps of them only what W reads.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from megazero import collectives
 from megazero.pipeline.p2p import StageLinks, stage_rank
 from megazero.pipeline.partition import stage_of, virtual_stage
 from megazero.pipeline.schedules import Action, is_split, last_backward_index
-from megazero.pipeline.weight_grad import backward_input, backward_weight
+from megazero.pipeline.weight_grad import SavedTensors, backward_input, backward_weight
 from megazero.process_groups import ProcessGroups
 
 
@@ -251,6 +252,7 @@ class _StageRun:
         self.split = is_split(self.actions)
         self.last_grad = last_backward_index(self.actions)
         self.saved: dict = {}        # (mb, chunk) -> (input, output or loss), F to B
+        self.boxes: dict = {}        # (mb, chunk) -> weight_grad.SavedTensors, F to B (split)
         self.weight_work: dict = {}  # (mb, chunk) -> weight_grad.WeightGradWork, B to W
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -258,8 +260,14 @@ class _StageRun:
         """Run action ``i``; returns what it sends (output, input gradient) or None."""
         a = self.actions[i]
         if a.kind == "F":
-            output, loss = _forward(self.saved, a, self.chunks[a.chunk], self.forward_step,
-                                    self.batches[a.microbatch], received, is_last_virtual)
+            if self.split and not self.forward_only:   # boxed, so B can free what W won't read
+                boxes = self.boxes[(a.microbatch, a.chunk)] = SavedTensors()
+                with boxes.hooks():
+                    output, loss = _forward(self.saved, a, self.chunks[a.chunk], self.forward_step,
+                                            self.batches[a.microbatch], received, is_last_virtual)
+            else:
+                output, loss = _forward(self.saved, a, self.chunks[a.chunk], self.forward_step,
+                                        self.batches[a.microbatch], received, is_last_virtual)
             if self.forward_only:
                 self.saved.clear()
             if loss is not None:
@@ -272,7 +280,8 @@ class _StageRun:
             backward_weight(self.weight_work.pop((a.microbatch, a.chunk)))
             return None
         if self.split:
-            return _backward_input(self.saved, self.weight_work, a, received, self.scale_loss)
+            return _backward_input(self.saved, self.weight_work, a, received, self.scale_loss,
+                                   self.boxes.pop((a.microbatch, a.chunk), None))
         return _backward(self.saved, a, received, self.scale_loss)
 
 
@@ -301,12 +310,13 @@ def _forward(saved: dict, a: Action, chunk: torch.nn.Module, forward_step: Calla
 
 
 def _backward_input(saved: dict, weight_work: dict, a: Action, output_grad: Optional[torch.Tensor],
-                    scale_loss: Optional[Callable]) -> Optional[torch.Tensor]:
-    """B(a) of a split backward: returns the input's gradient, keeps the work W will do."""
+                    scale_loss: Optional[Callable], boxes: Optional[SavedTensors]) -> Optional[torch.Tensor]:
+    """B(a) of a split backward: returns the input's gradient, keeps the work W will do
+    (and of the forward's saved tensors, ``boxes``, only those W reads)."""
     input_tensor, output = saved.pop((a.microbatch, a.chunk))
     if output_grad is None and scale_loss is not None:
         output = scale_loss(output)
-    grad, weight_work[(a.microbatch, a.chunk)] = backward_input(output, output_grad, input_tensor)
+    grad, weight_work[(a.microbatch, a.chunk)] = backward_input(output, output_grad, input_tensor, boxes)
     if input_tensor is not None and grad is None:
         raise ValueError(f"{a}: forward_step did not use input_tensor, so no gradient "
                          f"reaches the previous stage")

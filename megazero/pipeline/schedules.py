@@ -289,12 +289,18 @@ def peak_inflight_of(sched: list[Action]) -> int:
     return peak
 
 
-def peak_awaiting_weight_of(sched: list[Action]) -> int:
-    """The most (micro-batch, chunk) pairs whose B has run and whose W has not (0 when the
-    backward is not split): each holds its boundaries' output gradients for W besides its
-    activations (``weight_grad.py``; the planner counts them)."""
-    waiting = peak = 0
+def inflight_pairs_of(sched: list[Action]) -> tuple[tuple[int, int], ...]:
+    """What one stage's action list holds at the moments that can be its memory peak: the
+    pairs ``(kept, awaiting_weight)`` after each action, ``kept`` the (micro-batch, chunk)
+    pairs between F and B (all their activations), ``awaiting_weight`` those between B and
+    W (a split backward's weight-operator inputs and output gradients, ``weight_grad.py``),
+    reduced to the pairs no other pair exceeds in both (so the planner's maximum over them
+    is the peak whatever the bytes of each). ``((peak_inflight_of, 0),)`` without W."""
+    kept = waiting = 0
+    seen = set()
     for a in sched:
-        waiting += 1 if a.kind == "B" and is_split(sched) else -1 if a.kind == "W" else 0
-        peak = max(peak, waiting)
-    return peak
+        kept += {"F": 1, "B": -1}.get(a.kind, 0)
+        waiting += {"B": 1, "W": -1}.get(a.kind, 0) if is_split(sched) else 0
+        seen.add((kept, waiting))
+    return tuple(sorted(p for p in seen
+                        if not any(o != p and o[0] >= p[0] and o[1] >= p[1] for o in seen)))

@@ -33,17 +33,30 @@ bit-identical to 1F1B's. Where it cannot hold: a parameter reached through two b
 one chunk (a weight used twice in one forward, e.g. tied input and output embeddings in one
 chunk): its two contributions are added here in B's order, not in the engine's.
 
-Memory: B retains the graph, so a micro-batch keeps all its saved tensors, and the captured
-output gradients, until its W (the paper's layers free what only B needed; a node's saved
-tensors cannot be released in part from outside). ``planning.activations.weight_grad_bytes``
-counts the gradients; docs/performance.md measures both.
+Vector boundaries (every parameter behind them 1-D: a norm's scale and shift, a bias added
+after a row-parallel reduction) have their weight gradients computed in B, from the same
+operator call as the input gradient, and kept (a few vectors) until W accumulates them: their
+W would hold the operator's input and output gradient for an O(h) result. Their parameters
+still receive their gradients in W, so gradient hooks and bucket order do not change.
+
+Memory: B retains the graph for W, but the executor runs each chunk's forward (and its B, where
+a recomputed region is replayed) under ``SavedTensors.hooks``: every tensor autograd saves goes
+into a box. Before B, a post-hook on every node W will not run empties that node's boxes as
+soon as B has run it (what a backward without ``retain_graph`` frees, freed as early); after
+B, ``SavedTensors.keep_for_weight`` marks the boxes W reads (the saved tensors of the matrix
+boundaries and of the nodes between them and their parameters: a linear's input, an
+embedding's ids) by reading them once and empties the rest. From B to W a micro-batch then
+holds those inputs and the captured output gradients (``planning.activations.
+weight_grad_bytes``). W reading an emptied box raises SplitBackwardError. About as much as
+its activations when attention keeps no score matrix (docs/performance.md): the paper's
+ZB-H1 keeps 1F1B's peak on the first stage assuming W needs less than B (its Table 1).
 
 Refused (``SplitBackwardError``): a boundary that is a custom ``autograd.Function`` with both
 activation and weight children (its Python backward ignores which outputs are needed, so it
 would run twice; e.g. the overlapped column-parallel linear). A recomputed region (full
 recomputation, ``tensor_parallel.recompute``) replays its forward in B and splits its inner
 backward the same way (``split_in_b_pass``), so the forward is re-run before B, not before
-W, and the replayed graph is held from B to W.
+W; of the replayed graph, W's share is held from B to W.
 """
 from __future__ import annotations
 
@@ -53,23 +66,55 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
+from megazero.pipeline.saved_tensors import SavedTensors, SplitBackwardError, boxes_of, empty_after_run
+
 _MANY = object()   # more than one parameter reachable
 
 
-class SplitBackwardError(RuntimeError):
-    """The autograd graph of a chunk cannot be split into B and W (module docstring)."""
+def _release_during_b(roots: list, weight_nodes: set) -> list:
+    """Hooks that free the saved tensors of every node W does not run as soon as B has
+    run it, as a backward without ``retain_graph`` would; returns their handles."""
+    handles = []
+    for node in _nodes_postorder(roots):
+        if node in weight_nodes or hasattr(node, "variable"):
+            continue
+        boxes = boxes_of(node)
+        if boxes:
+            handles.append(node.register_hook(empty_after_run(boxes)))
+    return handles
+
+
+@dataclass
+class _Item:
+    """One boundary's share of W: ``grads`` flowing into ``node`` (captured in B) and the
+    parameters behind its ``weight_children``; or, for a vector boundary, ``done``: the
+    parameters' gradients B computed already."""
+
+    node: object
+    grads: tuple
+    params: list
+    weight_children: list
+    done: Optional[list] = None
 
 
 @dataclass
 class WeightGradWork:
-    """What B leaves for W of one (micro-batch, chunk): per boundary node, the gradients
-    flowing into it and the parameters (``AccumulateGrad`` nodes) behind its weight-only
-    children, in the order B reached them. Holds the graph (and its saved tensors) alive."""
+    """What B leaves for W of one (micro-batch, chunk): one ``_Item`` per boundary, in the
+    order B reached them, and the boxes of its saved tensors (None: none boxed). Holds the
+    graph alive."""
 
-    items: list = field(default_factory=list)   # (node, tuple of grads or None, [params])
+    items: list = field(default_factory=list)
+    saved: Optional[SavedTensors] = None
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def weight_nodes(self) -> list:
+        """The nodes W runs: the matrix boundaries and everything from their weight-only
+        children down to the parameters."""
+        out = [it.node for it in self.items if it.done is None]
+        out += _nodes_postorder([c for it in self.items if it.done is None for c in it.weight_children])
+        return out
 
 
 def _nodes_postorder(roots: list) -> list:
@@ -114,19 +159,21 @@ def _on_activation_path(info, node) -> bool:
 
 
 def _boundaries(roots: list, info) -> list:
-    """(node, [param nodes behind its weight-only children]), parents before children."""
+    """(node, [weight-only children], [param nodes behind them]), parents before children."""
     out = []
     for node in reversed(_nodes_postorder(roots)):
         if hasattr(node, "variable") or not (_on_activation_path(info, node) or node in roots):
             continue
-        weights, activation_child = [], False
+        weights, children, activation_child = [], [], False
         for c, _ in node.next_functions:
             if c is None:
                 continue
             if _on_activation_path(info, c):
                 activation_child = True
-            elif info[c][1] is not None and info[c][1] not in weights:
-                weights.append(info[c][1])
+            elif info[c][1] is not None:
+                children.append(c)
+                if info[c][1] not in weights:
+                    weights.append(info[c][1])
         if not weights:
             continue
         if activation_child and isinstance(node, torch.autograd.function.BackwardCFunction):
@@ -135,7 +182,7 @@ def _boundaries(roots: list, info) -> list:
                 f"gradient and a weight gradient, so its backward cannot be split into B and W "
                 f"(zero-bubble schedules); build the model without it (e.g. "
                 f"--no-async-tensor-model-parallel-allreduce)")
-        out.append((node, weights))
+        out.append((node, children, weights))
     return out
 
 
@@ -144,23 +191,32 @@ def _num_inputs(node) -> int:
 
 
 def backward_input(outputs: torch.Tensor, output_grad: Optional[torch.Tensor],
-                   input_tensor: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], WeightGradWork]:
+                   input_tensor: Optional[torch.Tensor],
+                   saved: Optional[SavedTensors] = None) -> tuple[Optional[torch.Tensor], WeightGradWork]:
     """B of one (micro-batch, chunk): the input's gradient, and the work W will do.
 
     ``outputs`` is the chunk's output ``[B, T, H]`` (with ``output_grad`` of the same shape)
     or, on the last virtual stage, the 0-d (scaled) loss (``output_grad`` None).
     ``input_tensor`` is the received activation (a leaf with ``requires_grad``) or None on
-    the first virtual stage. Returns ``(grad of input_tensor or None, WeightGradWork)``;
-    no parameter's ``.grad`` changes. A recomputed region met on the way (full
-    recomputation) replays its forward here and splits its own backward the same way
-    (``split_in_b_pass``): its W joins this micro-batch's. Raises SplitBackwardError.
+    the first virtual stage. ``saved``: the boxes the chunk's forward filled (``SavedTensors``);
+    B runs under them too (a replayed region saves into them) and empties every box W does
+    not read. Returns ``(grad of input_tensor or None, WeightGradWork)``; no parameter's
+    ``.grad`` changes. A recomputed region met on the way (full recomputation) replays its
+    forward here and splits its own backward the same way (``split_in_b_pass``): its W joins
+    this micro-batch's. Raises SplitBackwardError.
     """
-    work = WeightGradWork()
+    work = WeightGradWork(saved=saved)
     _B_PASSES.append(work)
     try:
-        grads = _split([outputs], [output_grad], [] if input_tensor is None else [input_tensor], work)
+        if saved is None:
+            grads = _split([outputs], [output_grad], [] if input_tensor is None else [input_tensor], work)
+        else:
+            with saved.hooks():
+                grads = _split([outputs], [output_grad], [] if input_tensor is None else [input_tensor], work)
     finally:
         _B_PASSES.pop()
+    if saved is not None:
+        saved.keep_for_weight(work.weight_nodes())
     return (grads[0] if input_tensor is not None else None), work
 
 
@@ -179,40 +235,68 @@ def split_in_b_pass(outputs: list, grads: list, inputs: list) -> Optional[list]:
     return _split(outputs, grads, inputs, _B_PASSES[-1])
 
 
+def _is_vector(bound, matrix_params: set) -> bool:
+    """A boundary whose parameters are all 1-D and reached by no matrix boundary: its weight
+    gradients are computed in B (module docstring)."""
+    return all(p.variable.dim() == 1 and p not in matrix_params for p in bound[2])
+
+
 def _split(outputs: list, grads: list, inputs: list, work: WeightGradWork) -> list:
     """B over ``outputs`` with ``grads`` (None for a scalar): returns the gradients of
-    ``inputs`` (None where unused) and appends the boundaries' captures to ``work``."""
+    ``inputs`` (None where unused) and appends the boundaries' items to ``work``."""
     roots = [o.grad_fn for o in outputs]
     input_nodes = {torch.autograd.graph.get_gradient_edge(x).node for x in inputs}
     info = _classify(roots, input_nodes)
     bounds = _boundaries(roots, info)
-    edges = [GradientEdge(node, i) for node, _ in bounds for i in range(_num_inputs(node))]
-    wanted = list(inputs) + edges
-    got = list(torch.autograd.grad(outputs, wanted, grad_outputs=grads, retain_graph=True,
-                                   allow_unused=True)) if wanted else []
-    captured = got[len(inputs):]
-    for node, params in bounds:
+    matrix = {p for b in bounds if not all(q.variable.dim() == 1 for q in b[2]) for p in b[2]}
+    vector = [_is_vector(b, matrix) for b in bounds]
+    edges = [GradientEdge(node, i) for (node, _, _), v in zip(bounds, vector) if not v
+             for i in range(_num_inputs(node))]
+    vparams = list(dict.fromkeys(p for b, v in zip(bounds, vector) if v for p in b[2]))
+    wanted = list(inputs) + edges + [p.variable for p in vparams]
+    handles = []
+    if work.saved is not None:   # the nodes W runs: matrix boundaries and below their weights
+        matrix_bounds = [b for b, v in zip(bounds, vector) if not v]
+        handles = _release_during_b(roots, {n for n, _, _ in matrix_bounds} | set(
+            _nodes_postorder([c for _, children, _ in matrix_bounds for c in children])))
+    try:
+        got = list(torch.autograd.grad(outputs, wanted, grad_outputs=grads, retain_graph=True,
+                                       allow_unused=True)) if wanted else []
+    finally:
+        for h in handles:
+            h.remove()
+    captured = got[len(inputs):len(inputs) + len(edges)]
+    computed = dict(zip(vparams, got[len(inputs) + len(edges):]))
+    for (node, children, params), v in zip(bounds, vector):
+        if v:   # each parameter's gradient once, at its first vector boundary
+            done = [computed.pop(p, None) for p in params]
+            work.items.append(_Item(node, (), [p.variable for p in params], children, done))
+            continue
         n = _num_inputs(node)
         node_grads, captured = tuple(captured[:n]), captured[n:]
-        work.items.append((node, node_grads, [p.variable for p in params]))
+        work.items.append(_Item(node, node_grads, [p.variable for p in params], children))
     return got[:len(inputs)]
 
 
 def backward_weight(work: WeightGradWork) -> None:
-    """W: compute each boundary's weight gradients from what B captured and accumulate them
-    into the parameters through their ``AccumulateGrad`` nodes (gradient hooks fire), in B's
-    order. Releases the graph. A parameter reached by several boundaries gets the sum."""
+    """W: compute each matrix boundary's weight gradients from what B captured (a vector
+    boundary's B computed already) and accumulate them into the parameters through their
+    ``AccumulateGrad`` nodes (gradient hooks fire), in B's order. Releases the graph and
+    the saved tensors. A parameter reached by several boundaries gets the sum."""
     uses: dict[int, int] = {}
-    for _, _, params in work.items:
-        for p in params:
+    for it in work.items:
+        for p in it.params:
             uses[id(p)] = uses.get(id(p), 0) + 1
     partial: dict[int, torch.Tensor] = {}
-    for node, grads, params in work.items:
-        live = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
-        got = torch.autograd.grad([e for e, _ in live], params, grad_outputs=[g for _, g in live],
-                                  retain_graph=True, allow_unused=True) if live else [None] * len(params)
+    for it in work.items:
+        if it.done is not None:
+            got = it.done
+        else:
+            live = [(GradientEdge(it.node, i), g) for i, g in enumerate(it.grads) if g is not None]
+            got = torch.autograd.grad([e for e, _ in live], it.params, grad_outputs=[g for _, g in live],
+                                      retain_graph=True, allow_unused=True) if live else [None] * len(it.params)
         ready = []
-        for p, g in zip(params, got):
+        for p, g in zip(it.params, got):
             uses[id(p)] -= 1
             if g is not None and id(p) in partial:
                 g = partial.pop(id(p)) + g
@@ -225,3 +309,5 @@ def backward_weight(work: WeightGradWork) -> None:
         if ready:   # AccumulateGrad of each: .grad += g, the gradient hooks fire
             torch.autograd.backward([p for p, _ in ready], [g for _, g in ready])
     work.items.clear()
+    if work.saved is not None:
+        work.saved.release()

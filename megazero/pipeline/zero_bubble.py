@@ -18,6 +18,20 @@ gradient, what nobody waits for; ``weight_grad.py``), and W fills the bubbles.
   lowest micro-batch. At unit costs every stage is busy from its first forward to the end
   but for the start-up delay: bubble ``(pp - 1) / (6 m + pp - 1)`` (4 % at pp 2, m 4).
 
+  That is a lower bound for any schedule with a synchronous step boundary: stage ``pp - 1``
+  can start nothing before micro-batch 0 has passed the ``pp - 1`` chunk-forwards ahead of
+  it (everything it runs depends on that chain), and every stage has ``6 m`` unit actions
+  (F, B, W of two chunks per micro-batch), so the makespan is at least ``6 m + pp - 1`` and
+  the idle fraction ``1 - 6 m / makespan`` at least ``(pp - 1) / (6 m + pp - 1)``. The list
+  schedule attains it at pp 2-4 for every m >= pp (tests/test_zero_bubble.py; at pp 8 it
+  misses by a few units at m 9, 10, 13). The paper's "zero bubble" for ZB-V counts this
+  parallelogram as free because its optimizer post-validation ("bypassing optimizer
+  synchronizations") lets the next
+  iteration's forwards start while the last stage finishes; megazero's step (gradient norm,
+  optimizer) is synchronous, so it is a bubble here. Hence "< 5 % at m = 2 pp" holds at pp
+  2 (4 %) but not at pp 3 (5.3 %) or pp 4 (5.9 % at m 8): below 5 % needs
+  ``m > 19 (pp - 1) / 6``, m >= 10 at pp 4.
+
 Both run each chunk's W's in micro-batch order, so every parameter's gradient is accumulated
 in the order 1F1B accumulates it (``weight_grad.py``: bit-identical gradients).
 """

@@ -182,22 +182,28 @@ def head_bytes(g, a: ActivationSettings, padded_vocab: int) -> tuple[float, floa
 
 def weight_grad_bytes(g, a: ActivationSettings, num_layers: int, first_stage: bool, last_stage: bool,
                       padded_vocab: int) -> float:
-    """Bytes a split backward (zero-bubble schedules, ``pipeline/weight_grad.py``) holds from a
-    micro-batch-chunk's B to its W beyond its activations: the gradient flowing into each
-    operator that owns weights. Per layer: the two norms and two bias additions ``q/t_sp``
-    each, the attention projection and second MLP linear's partial sums ``q``, the fused
-    q/k/v ``q (h + 2 G)/(h t)`` and the first MLP linear ``q ffn (2 with SwiGLU) / (H t)``;
-    the first stage's embedding ``q/t_sp``, the last stage's final norm ``q/t_sp`` and
-    logits ``b s V_pad / t``. An upper bound: a model without linear biases holds less."""
+    """Bytes a split backward (zero-bubble schedules, ``pipeline/weight_grad.py``) holds for one
+    micro-batch-chunk from its B to its W, in place of its activations (B frees the rest): per
+    linear layer its saved input and the gradient of its output. Per transformer layer the
+    inputs are the fused q/k/v's and the first MLP linear's ``q`` each (the all-gathered input
+    with sequence parallelism), the attention projection's ``q/t`` and the second MLP linear's
+    ``q ffn/(H t)``; the output gradients the q/k/v's ``q (h + 2 G)/(h t)``, the first MLP
+    linear's ``q ffn (2 with SwiGLU)/(H t)`` and the two row-parallel linears' partial sums
+    ``q`` each. The first stage adds the embedding's output gradient ``q/t_sp``, the last
+    stage the output layer's input ``q`` and the logits' gradient ``b s V_pad / t``. Norms and
+    bias additions get their gradients in B (a few vectors, not counted)."""
     q, t = _q(g, a), a.tp
     t_sp = t if a.sequence_parallel else 1
     qkv = (g.num_attention_heads + 2 * g.kv_heads) / g.num_attention_heads
-    ffn = g.ffn_hidden_size * (2 if getattr(g, "swiglu", False) else 1) / g.hidden_size
-    elements = num_layers * q * (4 / t_sp + 2 + (qkv + ffn) / t)
+    ffn = g.ffn_hidden_size / g.hidden_size
+    ffn_out = ffn * (2 if getattr(g, "swiglu", False) else 1)
+    inputs = 2 + (1 + ffn) / t
+    grads = 2 + (qkv + ffn_out) / t
+    elements = num_layers * q * (inputs + grads)
     if first_stage:
         elements += q / t_sp
     if last_stage:
-        elements += q / t_sp + a.micro_batch_size * (g.seq_length // a.cp) * padded_vocab / t
+        elements += q + a.micro_batch_size * (g.seq_length // a.cp) * padded_vocab / t
     return elements * a.activation_bytes
 
 
@@ -205,7 +211,8 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
                            first_stage: bool, last_stage: bool, pp: int, padded_vocab: int,
                            awaiting_weight: int = 0) -> float:
     """Peak activation bytes of one rank: ``inflight`` micro-batch-chunks kept (the schedule's
-    peak, spread over the chunks in turn) plus one replayed region and one layer's activation
+    peak, spread over the chunks in turn; a split backward's ``awaiting_weight`` more hold
+    ``weight_grad_bytes`` each) plus one replayed region and one layer's activation
     gradients. Pipelined (pp > 1): each kept micro-batch-chunk that is not the last stage's
     also keeps its output ``q/t_sp`` for the backward, and a received and a sent tensor are in
     flight. The first stage adds, at tp > 1, the full partial-sum embedding before its

@@ -49,7 +49,7 @@ from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.param_spec import ParamSpec, gather_units, params_on_chunk
 from megazero.pipeline import partition
-from megazero.pipeline.schedules import build_schedule, peak_awaiting_weight_of, simulate
+from megazero.pipeline.schedules import build_schedule, inflight_pairs_of, simulate
 
 
 class ModelSizes(Protocol):
@@ -193,13 +193,13 @@ def _simulated_inflight(schedule: str, pp: int, vp_size: int, num_microbatches: 
 
 
 @functools.lru_cache(maxsize=256)
-def _awaiting_weight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> tuple[int, ...]:
-    """Per stage, the most micro-batch-chunks between their B and their W (zero-bubble
-    schedules; 0 otherwise): ``schedules.peak_awaiting_weight_of``."""
+def _inflight_pairs(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> tuple[tuple, ...]:
+    """Per stage, ``schedules.inflight_pairs_of``: the (kept, awaiting W) micro-batch-chunk
+    counts that can make its peak; ``((in flight, 0),)`` for a schedule without W."""
     if pp == 1 or schedule not in ("zb-h1", "zb-v"):
-        return (0,) * pp
+        return tuple(((n, 0),) for n in _inflight(schedule, pp, vp_size, num_microbatches))
     m = min(num_microbatches, 4 * pp)
-    return tuple(peak_awaiting_weight_of(build_schedule(schedule, m, pp, r, vp_size)) for r in range(pp))
+    return tuple(inflight_pairs_of(build_schedule(schedule, m, pp, r, vp_size)) for r in range(pp))
 
 
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
@@ -268,7 +268,6 @@ def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, l
                     states_on_host: bool = False, ep: int = 1) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
-    inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     stages = []
     for r in range(pp):
         layout = partition.chunk_layout(schedule)
@@ -278,8 +277,8 @@ def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, l
         chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
                   for v in range(vp_size)]
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
-        acts = A.stage_activation_bytes(g, a, chunks, inflight[r], r == 0, head, pp, g.padded_vocab(tp),
-                                        _awaiting_weight(schedule, pp, vp_size, num_microbatches)[r])
+        acts = max(A.stage_activation_bytes(g, a, chunks, kept, r == 0, head, pp, g.padded_vocab(tp), waiting)
+                   for kept, waiting in _inflight_pairs(schedule, pp, vp_size, num_microbatches)[r])
         staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
         stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step,
                                      A.context_parallel_bytes(g, a)))
