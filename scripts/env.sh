@@ -15,16 +15,13 @@
 set -euo pipefail
 MEGAZERO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export MEGAZERO_ROOT
-_missing() {  # the modules megazero needs that python "$1" cannot import, comma-separated
+_missing() {  # the modules megazero needs that python "$1" does not have, comma-separated
+  # found, not imported: importing torch costs seconds on every launch; a module that is present
+  # but broken fails at its import in the run, with its own traceback
   "$1" - <<'PY' 2>/dev/null || echo "torch, numpy, sentencepiece, tensorboard, einops, pytest"
-import importlib
-missing = []
-for m in ("torch", "numpy", "sentencepiece", "tensorboard", "einops", "pytest"):
-    try:
-        importlib.import_module(m)
-    except Exception:
-        missing.append(m)
-print(", ".join(missing))
+import importlib.util
+mods = ("torch", "numpy", "sentencepiece", "tensorboard", "einops", "pytest")
+print(", ".join(m for m in mods if importlib.util.find_spec(m) is None))
 PY
 }
 _deps_ok() { [ -z "$(_missing "$1")" ]; }
