@@ -135,3 +135,26 @@ def test_seed_style_stage3_nvme_config_and_checkpoints_through_the_trainer(tmp_p
     for resumed in (resumed_cpu, resumed_nvme):
         assert resumed[1] == 3 and resumed[0] == pytest.approx(whole_cpu[0][3:], rel=1e-6)
     assert not os.listdir(tmp_path / "swap")   # every run's swap directory removed at close
+
+
+def test_swap_file_check_names_a_missing_truncated_or_foreign_file(tmp_path):
+    """SwapFile.check: each failure is one line naming the file and what is wrong with it."""
+    from megazero.optim.swap import IoCounter, SwapFile
+
+    path = str(tmp_path / "state.swp")
+    f = SwapFile(path, 10, "run-a", IoCounter())
+    f.write(0, torch.arange(30, dtype=torch.float32))
+    out = torch.empty(30)
+    f.read(0, out)
+    assert torch.equal(out, torch.arange(30, dtype=torch.float32)) and (f.counter.read, f.counter.written) == (120, 120)
+    f.check()
+    for bad, word in ((lambda: os.truncate(path, 4096 + 12 * 10 - 1), "truncated"),
+                      (lambda: os.remove(path), "missing"),
+                      (lambda: SwapFile(path, 7, "run-b", IoCounter()).fd, "another run")):
+        bad()
+        with pytest.raises(SwapError) as exc:
+            f.check()
+        msg = str(exc.value)
+        assert path in msg and word in msg and len(msg.splitlines()) == 1, msg
+    with pytest.raises(SwapError, match="short read"):
+        SwapFile(str(tmp_path / "b.swp"), 2, "run-c", IoCounter()).read(5, out)

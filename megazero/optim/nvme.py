@@ -21,8 +21,13 @@ The step (after the stage's reductions, the overflow flag and the norm, as in th
    weight-decay value), its main params written into the model's owned runs, and written
    back. The read of k + 1 is issued before the update of k and the write of k after it, on a
    thread pool of ``aio.thread_count`` threads, so I/O overlaps the update; a buffer is
-   reused only after its write finished. Host memory for the state is the pool:
-   ``buffer_count x 12 x min(sub_group_size, owned)`` bytes;
+   reused only after its write finished. Sub-groups are cut only where an AdamW run (a
+   parameter's owned elements of one weight decay inside one bucket) starts, so every run is
+   one tensor of one multi-tensor call as in cpu offload, and the CPU kernel's vectorised body
+   and scalar tail fall on the same elements: bit for bit cpu offload's values. Host memory
+   for the state is the pool: ``min(buffer_count, sub-groups) x 12 x`` the longest
+   sub-group's elements (DeepSpeed's default ``sub_group_size`` of 1e9 makes one sub-group
+   of a small model, so one buffer as large as cpu offload's state: set it smaller);
 4. the stage's parameter all-gather, as without offload.
 
 Bytes per step (``step_io``): every owned element's 12 bytes are read once and written once,
@@ -152,6 +157,8 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         runs = [(pc.offset + r.start, pc.offset + r.end, d) for pc in self.pieces for r, d in pc.adam]
         self.sub_groups = cut_sub_groups(self.numel, sorted({s for s, _, _ in runs}), self.sub_group_size)
         longest = max(b - a for a, b in self.sub_groups)
+        # a buffer past the number of sub-groups would never be used: at most one per sub-group
+        self.buffer_count = min(self.buffer_count, len(self.sub_groups))
         self.pool_arena = HostArena([3 * longest] * self.buffer_count, torch.float32, pin=self.pin_memory,
                                     registrar=self.registrar)
         self.buffers = self.pool_arena.parts

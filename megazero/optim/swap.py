@@ -83,13 +83,14 @@ class SwapFile:
         except FileNotFoundError:
             raise SwapError(f"NVMe swap file {self.path} is missing (deleted during the run); "
                             "the optimizer state in it is lost: resume from the last checkpoint") from None
-        if st.st_ino != self.inode:
-            with open(self.path, "rb") as f:
-                magic, run, numel = struct.unpack(_FORMAT, f.read(struct.calcsize(_FORMAT)).ljust(
-                    struct.calcsize(_FORMAT), b"\0"))
-            raise SwapError(f"NVMe swap file {self.path} is from another run (run id "
-                            f"{run.decode(errors='replace')!r}, {numel} elements; this run "
-                            f"{self.run_id!r}, {self.numel}): resume from the last checkpoint")
+        if st.st_size >= HEADER:
+            with open(self.path, "rb") as f:   # the header, read from the path (not our descriptor)
+                magic, run, numel = struct.unpack(_FORMAT, f.read(struct.calcsize(_FORMAT)))
+            run = run.rstrip(b"\0").decode(errors="replace")
+            if (magic, run, numel) != (MAGIC, self.run_id, self.numel):
+                raise SwapError(f"NVMe swap file {self.path} is from another run (run id {run!r}, {numel} "
+                                f"elements; this run {self.run_id!r}, {self.numel}): resume from the last "
+                                "checkpoint")
         if st.st_size < self.size:
             raise SwapError(f"NVMe swap file {self.path} is truncated ({st.st_size} bytes, expected "
                             f"{self.size}): resume from the last checkpoint")
