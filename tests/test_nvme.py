@@ -111,7 +111,6 @@ def _trainer_runs(rank, world, jobs):
     return [run(rank, world, argv, steps, save=save, load=load) for argv, steps, save, load in jobs]
 
 
-@pytest.mark.slow
 def test_seed_style_stage3_nvme_config_and_checkpoints_through_the_trainer(tmp_path):
     """The fixture (seed004_stage3_offload.json with offload_optimizer.device nvme and an aio
     block) trains through train.Trainer; its losses equal the cpu-offload seed's exactly, and a
@@ -158,3 +157,21 @@ def test_swap_file_check_names_a_missing_truncated_or_foreign_file(tmp_path):
         assert path in msg and word in msg and len(msg.splitlines()) == 1, msg
     with pytest.raises(SwapError, match="short read"):
         SwapFile(str(tmp_path / "b.swp"), 2, "run-c", IoCounter()).read(5, out)
+
+
+@pytest.mark.slow
+def test_truncated_swap_file_through_the_launcher_exits_1_naming_it(tmp_path):
+    """scripts/pretrain_gpt.sh (torchrun, dp 2, ZeRO-2, --offload-optimizer nvme) with rank 1's
+    swap file cut short at iteration 3 (test hook): status 1, one line naming rank 1's file, no
+    Python traceback (torchrun's failure summary follows, as for every training error that
+    exits 1), no hang (both ranks stop in the step's flag all-reduce)."""
+    from tests.test_preemption import BASE, _launch_env
+
+    args = [a if a != "12" else "5" for a in BASE] + ["--dp", "2", "--zero-stage", "2", "--offload-optimizer",
+                                                      "nvme", "--offload-nvme-path", str(tmp_path / "swap")]
+    out = _launch_env(args, tmp_path / "run", dict(os.environ, MEGAZERO_TEST_FAULT="swaptrunc:3:1"), timeout=300)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    lines = [x for x in out.stderr.splitlines() if "swap file" in x]
+    assert len(lines) == 1 and "rank1/optimizer_state.swp is truncated" in lines[0], out.stderr[-3000:]
+    assert "Traceback (most recent call last)" not in out.stdout + out.stderr, out.stderr[-3000:]
+    assert not os.listdir(tmp_path / "swap")   # both ranks' swap directories removed on the way out
