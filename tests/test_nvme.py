@@ -163,8 +163,8 @@ def test_swap_file_check_names_a_missing_truncated_or_foreign_file(tmp_path):
 def test_truncated_swap_file_through_the_launcher_exits_1_naming_it(tmp_path):
     """scripts/pretrain_gpt.sh (torchrun, dp 2, ZeRO-2, --offload-optimizer nvme) with rank 1's
     swap file cut short at iteration 3 (test hook): status 1, one line naming rank 1's file, no
-    Python traceback (torchrun's failure summary follows, as for every training error that
-    exits 1), no hang (both ranks stop in the step's flag all-reduce)."""
+    traceback from the ranks (torchrun's own ChildFailedError summary follows, as for every
+    training error that exits 1), no hang (both ranks stop in the step's flag all-reduce)."""
     from tests.test_preemption import BASE, _launch_env
 
     args = [a if a != "12" else "5" for a in BASE] + ["--dp", "2", "--zero-stage", "2", "--offload-optimizer",
@@ -173,5 +173,5 @@ def test_truncated_swap_file_through_the_launcher_exits_1_naming_it(tmp_path):
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     lines = [x for x in out.stderr.splitlines() if "swap file" in x]
     assert len(lines) == 1 and "rank1/optimizer_state.swp is truncated" in lines[0], out.stderr[-3000:]
-    assert "Traceback (most recent call last)" not in out.stdout + out.stderr, out.stderr[-3000:]
+    assert "SwapError" not in out.stdout + out.stderr and "train.py\", line" not in out.stderr, out.stderr[-3000:]
     assert not os.listdir(tmp_path / "swap")   # both ranks' swap directories removed on the way out
