@@ -39,7 +39,9 @@ from megazero.planning.flops import spec_flops_per_iteration
 from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
+from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
+from megazero.optim.swap import SwapError
 from megazero.optim.zero import DistributedOptimizer
 from megazero.moe.router import AuxLossBackward
 from megazero.pipeline.executor import make_forward_step, run_schedule
@@ -122,6 +124,11 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
               clip_grad=o.clip_grad, loss_scaler=scaler, allgather_bucket_size=allgather_bucket,
               adam_backend=o.kernels, max_consecutive_skips=pr.max_consecutive_skips,
               overlap_param_gather=overlap_param_gather(cfg))
+    if z.offload_optimizer == "nvme":   # ZeRO-Infinity: fp32 state in swap files, Adam on the host
+        return ddp, NvmeOffloadOptimizer(ddp, groups, pin_memory=z.offload_optimizer_pin_memory,
+                                         nvme_path=z.offload_nvme_path, buffer_count=z.offload_nvme_buffer_count,
+                                         sub_group_size=z.sub_group_size, io_threads=z.offload_nvme_io_threads,
+                                         **kw)
     if z.offload_optimizer == "cpu":   # ZeRO-Offload: fp32 state and Adam on the host
         return ddp, HostOffloadOptimizer(ddp, groups, pin_memory=z.offload_optimizer_pin_memory, **kw)
     return ddp, DistributedOptimizer(ddp, groups, **kw)
@@ -378,6 +385,8 @@ class Trainer:
         self.checkpoints.finish()
         self.optimizer.wait_param_gather()
         self.ddp.close()
+        if hasattr(self.optimizer, "close"):   # NVMe offload: its swap files go
+            self.optimizer.close()
 
     def _save_fault(self):
         """The test hook's ``savekill`` fault for this save: SIGKILL this rank's process from
@@ -660,8 +669,11 @@ class RunControl:
 
 
 def inject_fault(control: RunControl, trainer: Trainer) -> None:
-    """The test hook's ``kill`` / ``term`` fault, at the start of its iteration (first attempt)."""
+    """The test hook's ``kill`` / ``term`` / ``swaptrunc`` fault, at the start of its iteration
+    (first attempt)."""
     f = control.fault
+    if f is not None and f[0] == "swaptrunc" and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank):
+        os.truncate(trainer.optimizer.swap_path, os.path.getsize(trainer.optimizer.swap_path) - 12)
     if f is not None and f[0] in ("kill", "term") and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank) \
             and control.restart == 0:
         os.kill(os.getpid(), signal.SIGKILL if f[0] == "kill" else signal.SIGTERM)
@@ -918,6 +930,10 @@ def main(argv=None) -> int:
             dist.barrier()  # nobody tears down connections a peer is still reading from
         if "stop" in result:
             return 0 if "TORCHELASTIC_RUN_ID" in os.environ else result["status"]
+    except SwapError as e:  # an NVMe swap file failed its check: every rank stops in the same step
+        if e.local:   # the rank whose file it is names it
+            print(f"megazero: training error: {e}", file=sys.stderr, flush=True)
+        return 1
     except LossScaleError as e:  # every rank skips the same steps, so all of them stop here
         if launch.rank == 0:
             print(f"megazero: training error: {e}", file=sys.stderr, flush=True)

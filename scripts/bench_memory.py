@@ -12,13 +12,20 @@ sharded over S ranks, replicated over dp / S; formula with N = S) beside each st
 
     python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3] [--zero-shard-size S]
         [--zero3-prefetch-bucket-size N] [--zero3-max-reuse-distance N] ...
+        [--offload none,cpu,nvme [--sub-group-size N] [--offload-nvme-path DIR]]
+
+``--offload cpu,nvme`` runs each stage with the optimizer offloaded to host memory and to NVMe
+swap files: the two peaks differ by about the owned fp32 state (12 bytes per owned element)
+minus the swap buffer pool (the last column).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 
 import torch
 
@@ -57,16 +64,22 @@ def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
         trainer.train_step(get_micro_batches(train_ds, step * gbs, gbs, mbs, groups.dp_rank, world))
     opt = trainer.optimizer
     got = opt.model_state_bytes()
+    close = getattr(opt, "close", None)
+    if close is not None:
+        close()   # NVMe offload: the swap files go
     psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     padded = sum(b.layout.padded_numel for b in trainer.ddp.buffers)
     p_bytes, g_bytes = trainer.dtype.itemsize, trainer.ddp.grad_dtype.itemsize
     # ZeRO-3: parameters under the persistence threshold stay whole ((N - 1) / N more bytes)
     whole = sum(b.layout.padded_numel for b in trainer.ddp.buffers
                 if cfg.zero.stage == 3 and b.strategy.stage != 3)
+    offloaded = cfg.zero.offload_optimizer != "none"
+    formula = (opt.formula()["total"] if offloaded else   # the offload formulas (offload.py, nvme.py)
+               zero_formula_bytes(padded, n, cfg.zero.stage, p_bytes, g_bytes) + p_bytes * whole * (n - 1) / n)
+    owned = sum(b.layout.padded_numel // b.layout.dp_size for b in trainer.ddp.buffers)
     return dict(psi=psi, states=got["total"] - got["buckets"], buckets=got["buckets"],
                 bound=opt.bucket_bound_bytes(), before=before, peak=_status_kib("VmHWM") * 1024,
-                formula=zero_formula_bytes(padded, n, cfg.zero.stage, p_bytes, g_bytes)
-                + p_bytes * whole * (n - 1) / n)
+                formula=formula, owned_state=12 * owned, pool=got.get("swap_buffers", 0))
 
 
 def main() -> None:
@@ -85,6 +98,11 @@ def main() -> None:
     ap.add_argument("--zero3-reshard-after-forward", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--zero-shard-size", type=int, default=None,
                     help="also run each stage >= 1 with hybrid sharding over S ranks (a row 'stage/S')")
+    ap.add_argument("--offload", default="none", help="comma-separated --offload-optimizer values to run at "
+                    "each stage (none, cpu, nvme; cpu and nvme need a stage >= 1)")
+    ap.add_argument("--offload-nvme-path", default=None, help="swap directory for nvme (default: a temporary one)")
+    ap.add_argument("--sub-group-size", type=int, default=1_000_000, help="elements per swapped sub-group (nvme)")
+    ap.add_argument("--offload-nvme-buffer-count", type=int, default=4)
     knobs = ("prefetch-bucket-size", "max-live-parameters", "param-persistence-threshold",
              "max-reuse-distance")
     for k in knobs:   # ZeRO-3 knobs (elements); train.py's defaults when not given
@@ -98,30 +116,40 @@ def main() -> None:
             "--train-iters", str(a.steps), "--eval-iters", "0", "--device", "cpu", "--dp", str(a.dp),
             "--clip-grad", "1.0", "--zero3-reshard-after-forward", a.zero3_reshard_after_forward] + (
                 ["--bf16"] if a.bf16 else []) + [x for k, v in given for x in (f"--zero3-{k}", str(v))]
-    rows = [(int(s), None) for s in a.stages.split(",")]
-    if a.zero_shard_size is not None:
-        rows = [r for s, _ in rows for r in ([(s, None), (s, a.zero_shard_size)] if s >= 1 else [(s, None)])]
-    runs: dict[tuple, list] = {r: [] for r in rows}
+    swap = a.offload_nvme_path or tempfile.mkdtemp(prefix="megazero-bench-")
+    offload = {"none": [], "cpu": ["--offload-optimizer", "cpu"],
+               "nvme": ["--offload-optimizer", "nvme", "--offload-nvme-path", swap, "--sub-group-size",
+                        str(a.sub_group_size), "--offload-nvme-buffer-count", str(a.offload_nvme_buffer_count)]}
+    shards = [None] + ([] if a.zero_shard_size is None else [a.zero_shard_size])
+    runs: dict[tuple, list] = {(int(s), shard, o): [] for s in a.stages.split(",") for shard in shards
+                               for o in a.offload.split(",") if shard is None or int(s) >= 1}
     for _ in range(a.rounds):
-        for stage, shard in runs:
-            argv = base + ["--zero-stage", str(stage)] + ([] if shard is None else ["--zero-shard-size", str(shard)])
-            runs[(stage, shard)].append(run_distributed(_rank, a.dp, argv, a.steps, timeout_s=1800))
+        for stage, shard, off in runs:
+            argv = (base + ["--zero-stage", str(stage)] + offload[off]
+                    + ([] if shard is None else ["--zero-shard-size", str(shard)]))
+            runs[stage, shard, off].append(run_distributed(_rank, a.dp, argv, a.steps, timeout_s=1800))
     psi = next(iter(runs.values()))[0][0]["psi"]
     print(f"GPT: {a.num_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}, seq {a.seq_length}, "
           f"micro-batch {a.micro_batch_size}; Psi = {psi} parameters; {'bf16' if a.bf16 else 'fp32'}; "
           f"dp {a.dp}; ZeRO-3 reshard after forward {a.zero3_reshard_after_forward}"
           f"{''.join(f', {k} {v}' for k, v in given)}; {a.steps} steps; {a.rounds} interleaved rounds; torch threads {torch.get_num_threads()}")
-    print("| ZeRO | model states B/param (measured = formula) | temporaries MiB (bound) "
-          "| RSS before model MiB | peak RSS MiB (median of rounds, max over ranks) | peak - before MiB |")
-    print("|---|---|---|---|---|---|")
-    for (stage, shard), rounds in runs.items():
+    print("| ZeRO | optimizer offload | model states B/param (measured = formula) | temporaries MiB (bound) "
+          "| RSS before model MiB | peak RSS MiB (median of rounds, max over ranks) | peak - before MiB "
+          "| owned fp32 state (12 B x owned) - buffer pool MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (stage, shard, off), rounds in runs.items():
         r0 = rounds[0][0]
-        assert all(r["states"] == r["formula"] for rs in rounds for r in rs), "states differ from the formula"
+        # offload at ZeRO-3: the offload formulas do not count the whole (persistent) small buffers
+        assert (off != "none" and stage == 3) or all(r["states"] == r["formula"] for rs in rounds for r in rs), \
+            "states differ from the formula"
         peak = statistics.median(max(r["peak"] for r in rs) for rs in rounds)
         before = statistics.median(max(r["before"] for r in rs) for rs in rounds)
-        print(f"| {stage}{'' if shard is None else f' S={shard}'} | {r0['states'] / psi:.2f} ({r0['formula'] / psi:.2f}) | "
+        saved = f"{(r0['owned_state'] - r0['pool']) / MIB:.1f}" if off == "nvme" else ""
+        print(f"| {stage}{'' if shard is None else f' S={shard}'} | {off} | {r0['states'] / psi:.2f} ({r0['formula'] / psi:.2f}) | "
               f"{r0['buckets'] / MIB:.2f} ({r0['bound'] / MIB:.2f}) | {before / MIB:.0f} | "
-              f"{peak / MIB:.0f} | {(peak - before) / MIB:.0f} |")
+              f"{peak / MIB:.0f} | {(peak - before) / MIB:.0f} | {saved} |")
+    if a.offload_nvme_path is None:
+        shutil.rmtree(swap, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,9 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                       ["--offload-param cpu", "--zero-stage 3", "got 2"]),
     "offload_param_alone": (M + ["--offload-param", "cpu", "--zero-stage", "3"], 1,
                             ["--offload-param cpu", "--offload-optimizer cpu"]),
-    "offload_device": (M + ["--offload-optimizer", "nvme"], 1, ["--offload-optimizer", "nvme"]),
+    "offload_nvme_stage0": (M + ["--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp"], 1,
+                            ["--offload-optimizer nvme", "--zero-stage 0"]),
+    "offload_param_nvme": (M + ["--offload-param", "nvme", "--zero-stage", "3"], 1, ["--offload-param", "nvme"]),
     "no_data": ([], 1, ["--data-path", "--mock-data"]),
     "tokenizer_missing": (["--data-path", "{A}"], 1, ["--tokenizer-model"]),
     "tokenizer_file_absent": (["--data-path", "{A}", "--tokenizer-model", "{DIR}/no.model"], 1,
@@ -262,7 +264,7 @@ UNUSED = [  # (flags, world size, the warning, flags under which the setting app
     (["--overlap-param-gather", "off"], 1, "--overlap-param-gather has no effect without --zero-stage 1 or 2; ignored",
      ["--overlap-param-gather", "off", "--zero-stage", "2"]),
     (["--zero-stage", "1", "--no-offload-pin-memory"], 1, "--no-offload-pin-memory has no effect without "
-     "--offload-optimizer cpu; ignored", ["--zero-stage", "1", "--no-offload-pin-memory", "--offload-optimizer", "cpu"]),
+     "--offload-optimizer cpu or nvme; ignored", ["--zero-stage", "1", "--no-offload-pin-memory", "--offload-optimizer", "cpu"]),
     (["--recompute-num-layers", "2"], 1, "--recompute-num-layers has no effect without --recompute-granularity full; "
      "ignored", ["--recompute-num-layers", "2", "--recompute-granularity", "full", "--recompute-method", "block"]),
     (["--bf16", "--loss-scale", "1024"], 1, "--loss-scale has no effect without --fp16; ignored",
@@ -558,7 +560,8 @@ def test_save_into_a_used_directory_is_fine_when_resuming_it(files):
 
 def test_offload_keys_are_read_from_deepspeed_json(files, capsys):
     """offload_optimizer.{device, pin_memory} fill --offload-optimizer / its pin switch (the seed
-    file); NVMe and the legacy cpu_offload switch are refused naming the key."""
+    file); NVMe parameter offload, an unknown device and the legacy cpu_offload switch are
+    refused naming the key."""
     cfg = config_from_argv(M + ["--dp", "2", "--deepspeed-config", seed("seed004_stage2_offload_optimizer.json")], 2)
     z = cfg.zero
     assert (z.stage, z.offload_optimizer, z.offload_optimizer_pin_memory, z.offload_param) == (2, "cpu", True, "none")
@@ -567,7 +570,8 @@ def test_offload_keys_are_read_from_deepspeed_json(files, capsys):
                                                                                   "pin_memory": False}}})
     z = config_from_argv(M + ["--deepspeed-config", path], 1).zero
     assert (z.offload_optimizer, z.offload_optimizer_pin_memory) == ("cpu", False)
-    for bad, key in (({"offload_optimizer": {"device": "nvme"}}, "zero_optimization.offload_optimizer.device"),
+    for bad, key in (({"offload_param": {"device": "nvme"}}, "zero_optimization.offload_param.device"),
+                     ({"offload_optimizer": {"device": "disk"}}, "zero_optimization.offload_optimizer.device"),
                      ({"cpu_offload": True}, "zero_optimization.cpu_offload")):
         path = files["json"]({"zero_optimization": {"stage": 2, **bad}})
         with pytest.raises(ConfigError, match="not supported by megazero") as exc:
@@ -576,6 +580,21 @@ def test_offload_keys_are_read_from_deepspeed_json(files, capsys):
     path = files["json"]({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
     err = fails(M + ["--deepspeed-config", path], 1, capsys)
     assert "zero_optimization.offload_param.device" in err and "--zero-stage 3" in err
+
+
+def test_nvme_offload_keys_are_read_from_deepspeed_json(files, capsys):
+    """offload_optimizer.{device nvme, nvme_path, buffer_count}, sub_group_size and
+    aio.thread_count fill their settings; the aio block's other knobs are named in a warning;
+    nvme without a path stops naming --offload-nvme-path."""
+    path = files["json"]({"zero_optimization": {"stage": 3, "sub_group_size": 5e3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 3, "pin_memory": True}},
+        "aio": {"thread_count": 2, "block_size": 1048576}})
+    z = config_from_argv(M + ["--dp", "2", "--deepspeed-config", path], 2).zero
+    assert (z.offload_optimizer, z.offload_nvme_path, z.offload_nvme_buffer_count, z.sub_group_size,
+            z.offload_nvme_io_threads) == ("nvme", "/tmp/x", 3, 5000, 2)
+    assert "'aio.block_size' is not honoured" in capsys.readouterr().err
+    err = fails(M + ["--zero-stage", "2", "--offload-optimizer", "nvme"], 1, capsys)
+    assert "--offload-optimizer nvme" in err and "--offload-nvme-path DIR" in err
 
 
 def test_cp_comm_type_at_cp_1_is_a_warning(capsys):

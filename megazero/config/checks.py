@@ -298,17 +298,22 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
 
 
 def _check_offload(cfg: Config, world_size: int) -> None:
-    """--offload-optimizer cpu needs a sharded stage (1-3, as DeepSpeed) and CPU Adam kernels;
+    """--offload-optimizer cpu/nvme needs a sharded stage (1-3, as DeepSpeed) and CPU Adam kernels
+    (nvme also --offload-nvme-path);
     --offload-param cpu needs ZeRO-3 parameter shards (refused at stages 0-2) and the optimizer
-    offloaded too (the host shards are updated where they live)."""
+    offloaded too (cpu or nvme: the host shards are updated where they live)."""
     z = cfg.zero
-    if z.offload_optimizer == "cpu" and z.stage == 0:
-        raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} cpu needs a ZeRO stage of 1 or more "
+    off = z.offload_optimizer
+    if off != "none" and z.stage == 0:
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} {off} needs a ZeRO stage of 1 or more "
                           f"(got {show_flag(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2")
-    if z.offload_optimizer == "cpu" and cfg.optim.kernels == "apex":
+    if off != "none" and cfg.optim.kernels == "apex":
         raise ConfigError(f"{show_flag(cfg, 'optim.kernels')} apex needs CUDA but "
-                          f"{show_flag(cfg, 'zero.offload_optimizer')} cpu runs Adam on the host; fix: use "
+                          f"{show_flag(cfg, 'zero.offload_optimizer')} {off} runs Adam on the host; fix: use "
                           "--kernels auto or torch")
+    if off == "nvme" and not z.offload_nvme_path:
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} nvme needs a directory for the swap "
+                          "files; fix: add --offload-nvme-path DIR (DeepSpeed: offload_optimizer.nvme_path)")
     if z.overlap_param_gather == "on" and z.stage not in (1, 2):
         raise ConfigError(f"{show_flag(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
                           f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
@@ -317,7 +322,7 @@ def _check_offload(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} cpu keeps ZeRO-3 parameter shards in host "
                           f"memory and needs {show_flag(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
                           "--zero-stage 3, or remove it (--offload-optimizer cpu offloads the optimizer states)")
-    if z.offload_param == "cpu" and z.offload_optimizer != "cpu":
+    if z.offload_param == "cpu" and z.offload_optimizer == "none":
         raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} cpu needs the optimizer on the host too "
                           "(it updates the host shards in place); fix: add --offload-optimizer cpu")
 

@@ -5,11 +5,14 @@ sizes, overlap_comm, contiguous_gradients, reduce_scatter, allgather_partitions)
 (loss_scale 0 = dynamic, initial_scale_power, loss_scale_window, hysteresis,
 min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, ``gradient_clipping``, ``steps_per_print``,
-``zero_optimization.offload_optimizer`` (``device`` cpu/none, ``pin_memory``) and
-``offload_param`` (``device``: ZeRO-3 parameter shards in host memory), and ZeRO-3's
+``zero_optimization.offload_optimizer`` (``device`` cpu/nvme/none, ``pin_memory``, and for
+nvme ``nvme_path``, ``buffer_count``), ``zero_optimization.sub_group_size`` (the unit of the
+swapped optimizer step), ``aio.thread_count`` (threads of the swap I/O; the ``aio`` block's
+other knobs are named in a warning), ``offload_param`` (``device``: ZeRO-3 parameter shards
+in host memory), and ZeRO-3's
 ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
-``stage3_param_persistence_threshold`` and ``stage3_max_reuse_distance`` (elements). NVMe
-offload and the legacy ``cpu_offload*`` switches are refused; other ``stage3_*`` keys and any
+``stage3_param_persistence_threshold`` and ``stage3_max_reuse_distance`` (elements).
+``offload_param.device nvme`` and the legacy ``cpu_offload*`` switches are refused; other ``stage3_*`` keys and any
 other unknown key give a warning. A key read whose setting has no effect in the run (the
 ``stage3_*`` knobs below stage 3, say) is named with its file by ``derive.unused_settings``.
 
@@ -58,13 +61,17 @@ _DS_KEYS = {
         "reduce_bucket_size", "contiguous_gradients")},
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
     "zero_optimization.offload_optimizer.pin_memory": "zero.offload_optimizer_pin_memory",
+    "zero_optimization.offload_optimizer.nvme_path": "zero.offload_nvme_path",
+    "zero_optimization.offload_optimizer.buffer_count": "zero.offload_nvme_buffer_count",
+    "zero_optimization.sub_group_size": "zero.sub_group_size",
+    "aio.thread_count": "zero.offload_nvme_io_threads",
     "zero_optimization.offload_param.device": "zero.offload_param",
     "zero_optimization.mics_shard_size": "zero.zero_shard_size",
     **{f"zero_optimization.stage3_{k}": f"zero.zero3_{k}" for k in
        ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
         "max_reuse_distance")},
 }
-_DS_BLOCKS = ("zero_optimization", "fp16", "bf16", "activation_checkpointing")
+_DS_BLOCKS = ("zero_optimization", "fp16", "bf16", "activation_checkpointing", "aio")
 _RECOMPUTE = {"model.recompute_granularity": "full", "model.recompute_method": "uniform",
               "model.recompute_num_layers": 1}
 _OFFLOAD_KEYS = ("cpu_offload", "cpu_offload_params")           # DeepSpeed's legacy switches
@@ -116,8 +123,11 @@ def _refusal(key: str, value: Any) -> Optional[str]:
         return f"{key} (offloads the saved activations to the host; remove it)"
     if key in _OFFLOAD_BLOCKS:
         return f"{key} must be a JSON object such as {{\"device\": \"cpu\"}}"
-    if key.endswith(".device") and key.rsplit(".", 1)[0] in _OFFLOAD_BLOCKS and value not in ("cpu", "none"):
-        return f"{key} {json.dumps(value)} (only cpu or none; NVMe offload is not implemented)"
+    if key == "zero_optimization.offload_optimizer.device" and value not in ("cpu", "nvme", "none"):
+        return f"{key} {json.dumps(value)} (only cpu, nvme or none)"
+    if key == "zero_optimization.offload_param.device" and value not in ("cpu", "none"):
+        return (f"{key} {json.dumps(value)} (only cpu or none; ZeRO-3 parameter shards on NVMe are "
+                "not implemented, the optimizer state is: offload_optimizer.device nvme)")
     if key.startswith("zero_optimization.") and leaf in _OFFLOAD_KEYS and value:
         return f"{key} (DeepSpeed's legacy switch; use offload_optimizer: {{\"device\": \"cpu\"}})"
     return None
@@ -159,6 +169,11 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         if key == "zero_optimization.mics_shard_size" and isinstance(raw, int) and raw <= 0:
             continue   # DeepSpeed's -1: MiCS off
+        if name is None and key.startswith("aio."):
+            warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's NVMe swap "
+                            "I/O is pread/pwrite on a pool of aio.thread_count threads (no libaio queue, "
+                            "blocks or events); ignored")
+            continue
         if name is None and key.startswith("zero_optimization.stage3_"):
             warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's ZeRO-3 "
                             "reads stage3_prefetch_bucket_size, stage3_max_live_parameters, "

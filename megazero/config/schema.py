@@ -59,6 +59,7 @@ class Needs:
 
 
 _ZERO3 = Needs("zero.stage", (3,))
+_NVME = Needs("zero.offload_optimizer", ("nvme",))
 _FP16 = Needs("precision.fp16", (True,))
 _DYNAMIC_SCALE = (_FP16, Needs("precision.loss_scale", (0.0,)))
 _REAL_DATA = Needs("train.mock_data", (False,))
@@ -384,12 +385,26 @@ class ZeroConfig:
                                     flags=("--no-allgather-partitions",))
     # ZeRO-Offload (Ren et al. 2021): DeepSpeed's zero_optimization.offload_optimizer/offload_param.
     offload_optimizer: str = _f("none", "where the fp32 main params and Adam moments live and Adam runs: "
-                                "none (the device) or cpu (host memory, ZeRO-Offload; stage >= 1)",
-                                choices=("none", "cpu"), flags=("--offload-optimizer",))
+                                "none (the device), cpu (host memory, ZeRO-Offload; stage >= 1) or nvme "
+                                "(swap files under --offload-nvme-path, Adam on the host; ZeRO-Infinity)",
+                                choices=("none", "cpu", "nvme"), flags=("--offload-optimizer",))
     offload_optimizer_pin_memory: bool = _f(True, "page-lock the offloaded host state on CUDA (DeepSpeed's "
                                             "offload_optimizer.pin_memory)",
                                             flags=("--no-offload-pin-memory",),
-                                            applies=Needs("zero.offload_optimizer", ("cpu",)))
+                                            applies=Needs("zero.offload_optimizer", ("cpu", "nvme")))
+    # ZeRO-Infinity (Rajbhandari et al. 2021): DeepSpeed's offload_optimizer.{nvme_path, buffer_count},
+    # zero_optimization.sub_group_size and aio.thread_count
+    offload_nvme_path: Optional[str] = _f(None, "directory of the NVMe swap files (one fresh directory per "
+                                          "rank and run under it, removed at exit; DeepSpeed's nvme_path)",
+                                          "path", applies=_NVME)
+    offload_nvme_buffer_count: int = _f(4, "host buffers the swapped optimizer step cycles sub-groups "
+                                        "through (DeepSpeed's offload_optimizer.buffer_count)", "buffers",
+                                        ge=1, applies=_NVME)
+    sub_group_size: int = _f(1_000_000_000, "elements of optimizer state swapped and updated at a time "
+                             "with --offload-optimizer nvme (DeepSpeed's sub_group_size)", "elements", ge=1,
+                             applies=_NVME)
+    offload_nvme_io_threads: int = _f(1, "threads doing the swap-file reads and writes (DeepSpeed's "
+                                      "aio.thread_count)", "threads", ge=1, applies=_NVME)
     offload_param: str = _f("none", "where ZeRO-3 parameter shards live between uses: none or cpu "
                             "(host memory, copied to the device for each all-gather; needs stage 3)",
                             choices=("none", "cpu"),

@@ -43,7 +43,7 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
                 schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
                 zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
                 grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
-                states_on_host=cfg.zero.offload_optimizer == "cpu" and on_cuda,
+                states_on_host=cfg.zero.offload_optimizer != "none" and on_cuda,
                 ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1)
 
 

@@ -199,16 +199,17 @@ def parse_fault(text: str) -> Optional[tuple[str, int, int, int]]:
     Kinds: ``nan`` (multiply the forward output of that micro-batch by NaN), ``kill`` (SIGKILL
     this rank at the start of that iteration, first attempt only), ``term`` (SIGTERM it there),
     ``savekill`` (SIGKILL it inside the background write of that iteration's ``--async-save``,
-    once its tensor files are written and before the checkpoint is finished).
+    once its tensor files are written and before the checkpoint is finished), ``swaptrunc``
+    (cut the last 12 bytes off that rank's NVMe swap file at the start of that iteration).
     Tests set it through the environment (``MEGAZERO_TEST_FAULT``); it is no user setting.
     Raises ValueError for another shape.
     """
     if not text:
         return None
     parts = text.split(":")
-    if parts[0] not in ("nan", "kill", "term", "savekill") or len(parts) not in (3, 4):
+    if parts[0] not in ("nan", "kill", "term", "savekill", "swaptrunc") or len(parts) not in (3, 4):
         raise ValueError(f"MEGAZERO_TEST_FAULT={text!r}: expected KIND:ITERATION:RANK[:MICROBATCH] "
-                         f"with KIND nan, kill, term or savekill")
+                         f"with KIND nan, kill, term, savekill or swaptrunc")
     nums = [int(x) for x in parts[1:]]
     return parts[0], nums[0], nums[1], nums[2] if len(nums) == 3 else 0
 
