@@ -39,6 +39,9 @@ FACTORIES = frozenset({"tensor", "as_tensor", "from_numpy", "zeros", "ones", "em
 
 #: (file, enclosing function) -> why its tensors live in host memory on purpose.
 HOST_TENSORS = {
+    # NVMe offload (ZeRO-Infinity): the optimizer state lives in swap files and host buffers; a
+    # checkpoint reads it whole into host memory, as cpu offload keeps it there.
+    ("megazero/optim/nvme.py", "NvmeOffloadOptimizer._swap_in"): "the swapped optimizer state, read for a checkpoint",
     # Hugging Face export: the tensors written to a safetensors file are host tensors.
     ("model/hf_moe.py", "extra_tensors"): "Qwen2-MoE's zero shared-expert gates, written to a file",
     # Layout-invariant initialisation (docs/design.md, contract 6): every full weight is drawn

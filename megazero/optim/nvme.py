@@ -264,7 +264,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
     def _swap_in(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole owned state as host tensors (read from the file once, then kept)."""
         if self._resident is None:
-            whole = [torch.empty(self.numel, dtype=torch.float32) for _ in range(3)]
+            whole = [torch.empty(self.numel, dtype=torch.float32, device="cpu") for _ in range(3)]
 
             def take(k, *parts):
                 a, b = self.sub_groups[k]
