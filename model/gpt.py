@@ -262,6 +262,37 @@ class ExpertMLP(nn.Module):
             h = F.gelu(h, approximate=self.gelu_approximate)
         return F.linear(h, self.fc2.weight)                       # (n, H), partial over tp
 
+    @staticmethod
+    def grouped_forward(experts: list, rows: torch.Tensor, sizes: list[int]) -> Optional[torch.Tensor]:
+        """``forward`` of ``experts[j]`` on its ``sizes[j]`` consecutive rows of ``rows [S, H]``
+        as two grouped GEMMs (``torch._grouped_mm``, the weights stacked ``[n, in, out]`` as
+        transposed views, which gives the per-expert ``F.linear`` bitwise on CPU); None where
+        it is not offered (see :func:`grouped_mm_available`; experts with biases: ``F.linear``
+        adds them inside the GEMM; widths whose fp32 rows are not 16-byte multiples), and the
+        caller loops."""
+        e0 = experts[0]
+        align = 16 // rows.element_size()   # the kernel wants every row stride a multiple of 16 bytes
+        if (e0.fc1.bias is not None or not grouped_mm_available(rows)
+                or any(d % align for d in (*e0.fc1.weight.shape, *e0.fc2.weight.shape))):
+            return None
+        offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
+        w1 = torch.stack([e.fc1.weight for e in experts]).transpose(1, 2)      # (n, H, F/tp or 2F/tp)
+        h = torch._grouped_mm(rows, w1, offs=offs)
+        if e0.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate=e0.gelu_approximate)
+        w2 = torch.stack([e.fc2.weight for e in experts]).transpose(1, 2)      # (n, F/tp, H)
+        return torch._grouped_mm(h, w2, offs=offs)                             # (S, H), partial over tp
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """Whether the experts run as grouped GEMMs on ``x``'s device and dtype: torch's
+    ``_grouped_mm`` on CPU in fp32 (checked equal to the loop, tests/test_moe_ep.py). Other
+    devices and dtypes loop until checked there (CUDA's kernel wants bf16 on sm90+)."""
+    return hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and x.dtype == torch.float32
+
 
 class MoEMLP(nn.Module):
     """Mixture-of-Experts MLP of one layer (issue 22): ``[B, T, H] -> [B, T, H]``.

@@ -300,3 +300,40 @@ def test_pad_expert_input_to_capacity_keeps_the_numbers(swiglu, bias):
     (o1, x1, g1), (o2, x2, g2) = results
     assert torch.equal(o1, o2) and torch.equal(x1, x2)   # the zero rows change no row's sums
     assert all(torch.equal(g1[n], g2[n]) for n in g1)
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_grouped_expert_gemm_equals_the_loop(swiglu):
+    """Experts without biases run as two grouped GEMMs (``torch._grouped_mm`` on CPU fp32):
+    outputs and the gradients of the rows and of every expert weight equal the loop over
+    experts bitwise, an expert with no rows included; with biases the loop runs (None)."""
+    from megazero.moe.dispatch import run_blocks
+    from model.config import GPTConfig
+    from model.gpt import ExpertMLP, grouped_mm_available
+
+    cfg = GPTConfig(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2, swiglu=swiglu,
+                    add_bias_linear=False)
+    g = torch.Generator().manual_seed(2)
+    experts = [ExpertMLP(cfg, 12, 1) for _ in range(4)]
+    for e in experts:
+        with torch.no_grad():
+            for p in e.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+    sizes = [5, 0, 9, 3]
+    rows0 = torch.randn(sum(sizes), 16, generator=g)
+    assert grouped_mm_available(rows0)
+    results = []
+    for grouped in (False, True):
+        rows = rows0.clone().requires_grad_(True)
+        if grouped:
+            y = ExpertMLP.grouped_forward(experts, rows, sizes)
+            assert torch.equal(run_blocks(experts, rows, sizes), y)
+        else:
+            y = torch.cat([e(b) for e, b in zip(experts, rows.split(sizes))])
+        params = [p for e in experts for p in e.parameters()]
+        grads = torch.autograd.grad(y.square().sum(), [rows] + params)
+        results.append((y.detach(), grads))
+    (y1, g1), (y2, g2) = results
+    assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    biased = GPTConfig(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2)
+    assert ExpertMLP.grouped_forward([ExpertMLP(biased, 12, 1)], rows0, [17]) is None

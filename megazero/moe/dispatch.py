@@ -123,6 +123,20 @@ def _sorted_assignments(assigned: torch.Tensor):
     return tok[order], slot[order], expert[order]
 
 
+def run_blocks(experts: list, rows: torch.Tensor, sizes: list[int], pad_to=None) -> torch.Tensor:
+    """``experts[j]`` on its block of ``sizes[j]`` consecutive rows of ``rows [S, H]`` ->
+    ``[S, W]`` in the same order: one grouped matrix product when the experts offer it
+    (a ``grouped_forward(experts, rows, sizes)`` returning a tensor, e.g. ``model.gpt.ExpertMLP``
+    where torch has a grouped GEMM for the device and dtype; not with ``pad_to``), else a loop
+    over the blocks (``run_expert``). Both give the same numbers (tests/test_moe_ep.py)."""
+    grouped = getattr(experts[0], "grouped_forward", None) if experts else None
+    if pad_to is None and grouped is not None:
+        y = grouped(experts, rows, sizes)
+        if y is not None:
+            return y
+    return torch.cat([run_expert(e, b, pad_to) for e, b in zip(experts, rows.split(sizes))])
+
+
 def local_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
                   experts: Mapping[int, Expert], pad_to=None) -> torch.Tensor:
     """The routing-weighted sum of the outputs of ``experts`` (consecutive global indices) on
@@ -130,14 +144,13 @@ def local_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor
     -1 or an expert not in ``experts``: skipped) -> ``[N, W]``. The assignments are sorted by
     expert once (token order inside an expert), the rows gathered once and split, each expert
     runs on its block (also on none; ``pad_to``: ``run_expert``), and one ``index_add`` in that
-    order adds them up: the arithmetic of a loop over experts adding each expert's weighted
+    order adds them up (``run_blocks``: one grouped GEMM where offered): the arithmetic of a loop over experts adding each expert's weighted
     outputs token by token, without one ``[N, H]`` copy and one ``[N, H]`` gradient per expert."""
     first, n = min(experts), len(experts)
     local = (assigned >= first) & (assigned < first + n)
     tok, slot, expert = _sorted_assignments(assigned.masked_fill(~local, -1))
     sizes = torch.bincount(expert - first, minlength=n).tolist()                     # one host sync
-    blocks = x[tok].split(sizes)                                                     # [S, H] by expert
-    y = torch.cat([run_expert(experts[first + j], b, pad_to) for j, b in enumerate(blocks)])
+    y = run_blocks([experts[first + j] for j in range(n)], x[tok], sizes, pad_to)     # rows by expert
     return x.new_zeros((x.shape[0], y.shape[1])).index_add(0, tok, y * weights[tok, slot, None])
 
 
@@ -163,8 +176,8 @@ def alltoall_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Ten
     # reorder expert-major (source order inside an expert), run each local expert, restore the order
     expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv_matrix.reshape(-1))
     perm = torch.sort(expert_of_row, stable=True).indices                            # [R] expert-major
-    blocks = received[perm].split(recv_matrix.sum(0).tolist())
-    y = torch.cat([run_expert(experts[ep_rank * local + j], b, pad_to) for j, b in enumerate(blocks)])
+    mine = [experts[ep_rank * local + j] for j in range(local)]
+    y = run_blocks(mine, received[perm], recv_matrix.sum(0).tolist(), pad_to)
     y = torch.zeros_like(y).index_copy(0, perm, y)                                   # [R, W] source-major
     back = _AllToAll.apply(y, send_rows, recv_rows, group)                           # [S, W] expert-sorted
     out = x.new_zeros((x.shape[0], back.shape[1]))
