@@ -58,8 +58,8 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
 MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
               "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_pre_softmax",
               "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-              "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_enable_expert_bias",
-              "moe_router_bias_update_rate", "moe_token_dispatcher_type")
+              "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+              "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_token_dispatcher_type")
 
 
 def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,

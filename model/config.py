@@ -131,6 +131,8 @@ class GPTConfig:
     """Capacity factor F (``router.expert_capacity``); ``None`` = dropless."""
     moe_token_drop_policy: str = "probs"
     """``probs`` or ``position`` (``router.capacity_keep``)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Each expert runs on exactly its capacity of rows (needs a capacity factor)."""
     moe_router_enable_expert_bias: bool = False
     """DeepSeek-V3's aux-loss-free bias (sigmoid scores), updated once per step."""
     moe_router_bias_update_rate: float = 1e-3

@@ -44,14 +44,15 @@ from torch import nn
 from megazero import collectives as C
 from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention
 from megazero.context_parallel.sequence import SequenceInfo
-from megazero.moe.dispatch import DISPATCHERS, gather_rows
+from megazero.moe.dispatch import DISPATCHERS, gather_rows, local_experts
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, parallel_lm_logits)
-from megazero.tensor_parallel.mappings import gather_from_tp_region
+from megazero.tensor_parallel.mappings import (gather_from_sequence_parallel_region, gather_from_tp_region,
+                                               reduce_scatter_to_sequence_parallel_region)
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
@@ -261,6 +262,37 @@ class ExpertMLP(nn.Module):
             h = F.gelu(h, approximate=self.gelu_approximate)
         return F.linear(h, self.fc2.weight)                       # (n, H), partial over tp
 
+    @staticmethod
+    def grouped_forward(experts: list, rows: torch.Tensor, sizes: list[int]) -> Optional[torch.Tensor]:
+        """``forward`` of ``experts[j]`` on its ``sizes[j]`` consecutive rows of ``rows [S, H]``
+        as two grouped GEMMs (``torch._grouped_mm``, the weights stacked ``[n, in, out]`` as
+        transposed views, which gives the per-expert ``F.linear`` bitwise on CPU); None where
+        it is not offered (see :func:`grouped_mm_available`; experts with biases: ``F.linear``
+        adds them inside the GEMM; widths whose fp32 rows are not 16-byte multiples), and the
+        caller loops."""
+        e0 = experts[0]
+        align = 16 // rows.element_size()   # the kernel wants every row stride a multiple of 16 bytes
+        if (e0.fc1.bias is not None or not grouped_mm_available(rows)
+                or any(d % align for d in (*e0.fc1.weight.shape, *e0.fc2.weight.shape))):
+            return None
+        offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
+        w1 = torch.stack([e.fc1.weight for e in experts]).transpose(1, 2)      # (n, H, F/tp or 2F/tp)
+        h = torch._grouped_mm(rows, w1, offs=offs)
+        if e0.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate=e0.gelu_approximate)
+        w2 = torch.stack([e.fc2.weight for e in experts]).transpose(1, 2)      # (n, F/tp, H)
+        return torch._grouped_mm(h, w2, offs=offs)                             # (S, H), partial over tp
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """Whether the experts run as grouped GEMMs on ``x``'s device and dtype: torch's
+    ``_grouped_mm`` on CPU in fp32 (checked equal to the loop, tests/test_moe_ep.py). Other
+    devices and dtypes loop until checked there (CUDA's kernel wants bf16 on sm90+)."""
+    return hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and x.dtype == torch.float32
+
 
 class MoEMLP(nn.Module):
     """Mixture-of-Experts MLP of one layer (issue 22): ``[B, T, H] -> [B, T, H]``.
@@ -288,11 +320,17 @@ class MoEMLP(nn.Module):
     their experts' ranks and back (``megazero.moe.dispatch``, ``cfg.moe_token_dispatcher_type``);
     routing, drops and losses stay on the rank that holds the tokens. The ``fc2`` biases of all
     E experts are all-gathered over ep for the bias term (their gradients reduce-scattered back).
+
+    Sequence parallelism (``sp``): input and output ``[B, T/tp, H]``; the router runs on the
+    rank's positions, its logits and the tokens are all-gathered over tp (routing, drops and
+    losses those of the whole micro-batch), the partial outputs reduce-scattered and the bias
+    term added on the rank's positions (docs/design.md). Under full recomputation only the
+    forward with autograd (the replay) counts and attaches the auxiliary losses.
     """
 
-    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None, ep=None):
+    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None, ep=None, sp: bool = False):
         super().__init__()
-        self.cfg, self.group, E = cfg, group, cfg.num_experts
+        self.cfg, self.group, self.sp, E = cfg, group, sp, cfg.num_experts
         tp = C.group_size(group)
         self.ep_group, self.ep_rank = (None, 0) if ep is None else ep
         local = E // C.group_size(self.ep_group)
@@ -304,18 +342,24 @@ class MoEMLP(nn.Module):
         state_device = torch.device("cpu") if state_device is None else state_device
         self.expert_bias = (torch.zeros(E, device=state_device) if cfg.moe_router_enable_expert_bias else None)
         self.token_counts = torch.zeros(E, dtype=torch.int64, device=state_device)
+        self.dropped = torch.zeros((), dtype=torch.int64, device=state_device)
         self.aux_sum = torch.zeros((), device=state_device)
         self.z_sum = torch.zeros((), device=state_device)
         self.record: Optional[list] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H] -> [B, T, H]``; with sequence parallelism ``[B, T/tp, H]`` in and out."""
         from megazero.moe import router as R
         from megazero.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
         cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
         B, T, H = x.shape
-        flat = x.reshape(B * T, H)
-        logits = F.linear(flat, self.router.weight)                                   # (N, E)
+        logits = F.linear(x, self.router.weight)                                      # (B, T(/tp), E)
+        if self.sp:   # the router ran on this rank's T/tp positions; route the micro-batch's N
+            logits, inp, T = self._gather_sequence(logits, x)
+        else:
+            inp = copy_to_tp_region(x, self.group)
+        logits, inp = logits.reshape(B * T, E), inp.reshape(B * T, H)                 # (N, E), (N, H)
         routing = R.route(logits, k, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
                           self.expert_bias)
         experts, weights, keep = routing.experts, routing.probs, None                 # (N, k)
@@ -324,41 +368,65 @@ class MoEMLP(nn.Module):
             keep = R.capacity_keep(routing.probs, experts, E, capacity, cfg.moe_token_drop_policy)
             weights = weights * keep
         weights = weights.to(x.dtype)
-        inp, w_tp = copy_to_tp_region(flat, self.group), copy_to_tp_region(weights, self.group)
         assigned = experts if keep is None else experts.masked_fill(~keep, -1)
-        out = self._routed(inp, w_tp, assigned)                                      # (N, H), partial over tp
+        pad_to = capacity if cfg.moe_pad_expert_input_to_capacity else None
+        out = self._routed(inp, copy_to_tp_region(weights, self.group), assigned, pad_to)  # (N, H), partial over tp
         if self.shared_experts is not None:
             out = out + self.shared_experts(inp)
-        out = reduce_from_tp_region(out, self.group)                                 # (N, H)
-        if cfg.add_bias_linear:
-            b2 = torch.stack([ex.fc2.bias for ex in self.experts.values()])          # (E/EP, H)
-            if self.ep_group is not None:
-                b2 = gather_rows(b2, self.ep_group)                                  # (E, H)
-            out = out + (weights[..., None] * b2[experts]).sum(1)
-            if self.shared_experts is not None:
-                out = out + self.shared_experts.fc2.bias
-        if self.training and torch.is_grad_enabled():
+        if self.sp:
+            out = reduce_scatter_to_sequence_parallel_region(out.view(B, T, H), self.group)  # (B, T/tp, H)
+            weights, experts = (self._local_rows(t.view(B, T, k)) for t in (weights, experts))
+        else:
+            out = reduce_from_tp_region(out, self.group)                             # (N, H)
+        out = self._add_biases(out.reshape(-1, H), weights, experts)
+        if self.training and torch.is_grad_enabled():   # under full recomputation: the replay only
             out = self._auxiliary_losses(out, logits, routing, T)
             with torch.no_grad():
-                self.token_counts += R.assignment_counts(experts, E)
+                self.token_counts += R.assignment_counts(routing.experts, E)
+                if keep is not None:
+                    self.dropped += keep.numel() - keep.sum()
             if self.record is not None:
-                self.record.append((experts.detach().clone(), None if keep is None else keep.clone()))
-        return out.view(B, T, H)
+                self.record.append((routing.experts.detach().clone(), None if keep is None else keep.clone()))
+        return out.view(x.shape)
 
-    def _routed(self, inp: torch.Tensor, w_tp: torch.Tensor, assigned: torch.Tensor) -> torch.Tensor:
+    def _gather_sequence(self, logits: torch.Tensor, x: torch.Tensor):
+        """Sequence parallelism: ``logits [B, T/tp, E]`` and ``x [B, T/tp, H]`` of this rank's
+        positions -> the micro-batch's ``[B, T, E]`` (backward: this rank's rows of the gradient,
+        which every tp rank computes whole) and ``[B, T, H]`` (backward: SUM reduce-scatter of
+        the experts' partial gradients), and ``T``."""
+        logits = gather_from_sequence_parallel_region(logits, self.group, grad_reduce_scatter=False)
+        return logits, gather_from_sequence_parallel_region(x, self.group), logits.shape[1]
+
+    def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``[B, T, ...]`` -> this tp rank's sequence chunk ``[B T/tp, ...]`` (no autograd hook:
+        the gradient of the other rows is zero here and comes from their own rank)."""
+        n = t.shape[1] // C.group_size(self.group)
+        r = C.group_rank(self.group)
+        return t[:, r * n:(r + 1) * n].reshape(-1, t.shape[-1])
+
+    def _add_biases(self, out: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``out [n, H]`` plus the fc2 biases of each token's experts weighted by its routing
+        weights ``[n, k]`` (``experts [n, k]``), and the shared expert's."""
+        if not self.cfg.add_bias_linear:
+            return out
+        b2 = torch.stack([ex.fc2.bias for ex in self.experts.values()])              # (E/EP, H)
+        if self.ep_group is not None:
+            b2 = gather_rows(b2, self.ep_group)                                      # (E, H)
+        out = out + (weights[..., None] * b2[experts]).sum(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.fc2.bias
+        return out
+
+    def _routed(self, inp: torch.Tensor, w_tp: torch.Tensor, assigned: torch.Tensor, pad_to=None) -> torch.Tensor:
         """The routing-weighted sum of each token's kept experts, ``(N, H)`` partial over tp:
-        every expert here on its tokens (gather, expert MLP, scale, ``index_add`` in expert
-        order), or through the ep group's dispatcher."""
+        every expert here on its tokens (``dispatch.local_experts``: gather, expert MLP, scale,
+        ``index_add`` in expert order), or through the ep group's dispatcher. ``pad_to``: each expert's capacity
+        (``--moe-pad-expert-input-to-capacity``, ``dispatch.run_expert``)."""
         if self.ep_group is not None:
             dispatch = DISPATCHERS[self.cfg.moe_token_dispatcher_type]
             return dispatch(inp, w_tp, assigned, self.experts_by_index, self.cfg.num_experts, self.ep_group,
-                            self.ep_rank)
-        out = torch.zeros_like(inp)
-        for name, expert in self.experts.items():
-            tok, slot = (assigned == int(name)).nonzero(as_tuple=True)     # its tokens, in token order
-            y = expert(inp[tok]) * w_tp[tok, slot, None]
-            out = out.index_add(0, tok, y)
-        return out
+                            self.ep_rank, pad_to)
+        return local_experts(inp, w_tp, assigned, self.experts_by_index, pad_to)
 
     @property
     def experts_by_index(self) -> dict:
@@ -395,6 +463,7 @@ class MoEMLP(nn.Module):
             C.all_reduce_sum(counts, dp_group)
             self.expert_bias.copy_(R.expert_bias_update(self.expert_bias, counts, self.cfg.moe_router_bias_update_rate))
         self.token_counts.zero_()
+        self.dropped.zero_()
         self.aux_sum.zero_()
         self.z_sum.zero_()
 
@@ -410,7 +479,7 @@ class Block(nn.Module):
         self.ln1 = _norm(cfg, device)
         self.attn = Attention(cfg, group, sp, tracker, device, cp, rope)
         self.ln2 = _norm(cfg, device)
-        self.mlp = MoEMLP(cfg, group, device, state_device, ep) if moe else MLP(cfg, group, sp, device)
+        self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp) if moe else MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.region = "tp" if sp else "replicated"
 
@@ -620,31 +689,41 @@ class GPTStage(nn.Module):
         return x
 
 
-def moe_layers(chunks: Iterable[nn.Module]) -> list[MoEMLP]:
-    """The MoE MLPs of a rank's model chunks, in layer order."""
-    return [m for c in chunks for m in c.modules() if isinstance(m, MoEMLP)]
-
-
 def moe_step_end(chunks: Iterable[nn.Module], groups: ProcessGroups, dp_group, num_microbatches: int) -> dict:
     """After a training step, on every rank (collective over ``dp_group`` and the pp group):
-    the step's auxiliary losses for the log and the expert-bias update.
+    the step's MoE statistics for the log and the expert-bias update.
 
-    Returns ``{"moe_aux_loss": ..., "moe_z_loss": ...}``: the coefficient-weighted losses summed
-    over the MoE layers of every stage and averaged over the micro-batches and dp ranks (what
-    the step added to the training loss). Then each layer's bias takes its update from the
-    step's token counts summed over ``dp_group`` (``MoEMLP.update_expert_bias``)."""
-    layers = moe_layers(chunks)
-    stats = torch.zeros(2, dtype=torch.float64, device=next(iter(chunks)).device)
-    for m in layers:
-        stats[0] += m.aux_sum.double()
-        stats[1] += m.z_sum.double()
-    C.all_reduce_sum(stats, dp_group)
+    One table ``[L, E + 3]`` fp64 (L = the model's MoE layers, every stage filling in its own
+    rows): per layer the pre-drop tokens per expert, the dropped assignments, and the
+    coefficient-weighted aux and z-loss sums over the rank's micro-batches; SUM over
+    ``dp_group`` (the replicas that see other tokens; tp ranks hold the same values) then over
+    pp, so every rank, the logging last stage included, holds the whole model's. Returns
+    ``{"moe_aux_loss", "moe_z_loss"}``: the losses summed over the layers and averaged over the
+    micro-batches and dp ranks (what the step added to the training loss), and ``"moe_layers"``:
+    ``{layer id: {"tokens_per_expert": [E ints], "dropped": int, "assignments": int (N k per
+    micro-batch, summed), "aux_loss": float, "z_loss": float}}`` (losses: that layer's mean over
+    the micro-batches). Then each layer's bias takes its update from the step's token counts
+    summed over ``dp_group`` (``MoEMLP.update_expert_bias``)."""
+    held = {int(i): b.mlp for c in chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
+    cfg = next(iter(chunks)).cfg
+    E, ids = cfg.num_experts, [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    table = torch.zeros(len(ids), E + 3, dtype=torch.float64, device=next(iter(chunks)).device)
+    for i, m in held.items():
+        row = table[ids.index(i)]
+        row[:E] = m.token_counts
+        row[E], row[E + 1], row[E + 2] = m.dropped, m.aux_sum, m.z_sum
+    C.all_reduce_sum(table, dp_group)
     if groups.pp_size > 1:
-        C.all_reduce_sum(stats, groups.pp)
-    stats /= C.group_size(dp_group) * num_microbatches
-    for m in layers:
+        C.all_reduce_sum(table, groups.pp)
+    table[:, E + 1:] /= C.group_size(dp_group) * num_microbatches
+    for m in held.values():
         m.update_expert_bias(dp_group)
-    return {"moe_aux_loss": float(stats[0]), "moe_z_loss": float(stats[1])}
+    rows = table.cpu().tolist()                       # one host transfer per step
+    layers = {i: {"tokens_per_expert": [int(v) for v in r[:E]], "dropped": int(r[E]),
+                  "assignments": int(sum(r[:E])), "aux_loss": r[E + 1], "z_loss": r[E + 2]}
+              for i, r in zip(ids, rows)}
+    return {"moe_aux_loss": sum(r[E + 1] for r in rows), "moe_z_loss": sum(r[E + 2] for r in rows),
+            "moe_layers": layers}
 
 
 def _run_group(layers: list, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:

@@ -184,10 +184,9 @@ def fails(argv, capsys):
     (["--num-experts", "4", "--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),
     (["--moe-router-topk", "1"], "--num-experts"),
     (["--moe-aux-loss-coeff", "0.01"], "--num-experts"),
-    (["--num-experts", "4", "--tp", "1", "--recompute-granularity", "full", "--recompute-method", "uniform"],
-     "--recompute-granularity full"),
+    (["--num-experts", "4", "--cp", "2"], "--num-experts with --cp 2"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity"),
     (["--num-experts", "4", "--dp", "2", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3"),
-    (["--num-experts", "4", "--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
     (["--num-experts", "4", "--tp", "2", "--moe-ffn-hidden-size", "7"], "--moe-ffn-hidden-size 7"),
     (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--tp", "1", "--moe-router-topk", "1"], None),
 ])
@@ -236,3 +235,105 @@ def test_moe_losses_reach_the_log_line_and_metrics(tmp_path, capsys):
     assert "| moe aux loss: 4.000000E-02 | moe z loss: 1.750000E-02" in capsys.readouterr().out
     train = [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if r["kind"] == "train"]
     assert (train[0]["moe_aux_loss"], train[0]["moe_z_loss"]) == (0.04, 0.0175)
+
+
+def test_moe_layer_statistics_reach_the_log_line_tensorboard_and_metrics(tmp_path, capsys):
+    """Per-layer routing statistics (``moe_step_end``'s ``moe_layers``): the log line shows the
+    worst layer's busiest-expert load over the mean and the dropped fraction over all layers;
+    TensorBoard holds every layer's values under ``moe/layer{i}/``; metrics.jsonl the table."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megazero.runtime.monitor import Monitor
+
+    layers = {0: {"tokens_per_expert": [4, 4, 4, 4], "dropped": 0, "assignments": 16, "aux_loss": 0.01,
+                  "z_loss": 0.002},
+              2: {"tokens_per_expert": [10, 2, 4, 0], "dropped": 4, "assignments": 16, "aux_loss": 0.03,
+                  "z_loss": 0.001}}
+    with Monitor(str(tmp_path), tensorboard_dir="tb", metrics_file="m.jsonl", rank=0, is_logging_rank=True,
+                 config_text="") as mon:
+        mon.log_iteration(3, {"loss": 2.0, "moe_aux_loss": 0.04, "moe_z_loss": 0.003, "moe_layers": layers})
+    line = capsys.readouterr().out
+    # layer 2: max 10 over mean 4 = 2.5; dropped 4 of 32 assignments = 12.5 %
+    assert "| moe load max/mean: 2.500 (layer 2) | moe dropped: 12.50 %" in line, line
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalar = lambda tag: acc.Scalars(tag)[0].value  # noqa: E731
+    assert scalar("moe/layer2/tokens/expert0") == 10 and scalar("moe/layer2/tokens/expert3") == 0
+    assert scalar("moe/layer2/dropped_fraction") == 0.25 and scalar("moe/layer0/load_max_over_mean") == 1.0
+    assert math.isclose(scalar("moe/layer2/aux_loss"), 0.03, rel_tol=1e-6)
+    assert math.isclose(scalar("moe/layer0/z_loss"), 0.002, rel_tol=1e-6)
+    assert acc.Scalars("moe/layer2/aux_loss")[0].step == 3
+    train = [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if r["kind"] == "train"]
+    assert train[0]["moe_layers"]["2"]["tokens_per_expert"] == [10, 2, 4, 0]
+
+
+@pytest.mark.parametrize("swiglu, bias", [(True, False), (False, True)])
+def test_pad_expert_input_to_capacity_keeps_the_numbers(swiglu, bias):
+    """``--moe-pad-expert-input-to-capacity``: every expert computes on exactly its capacity of
+    rows (seen through a hook), and the layer's output and every gradient equal the unpadded
+    layer's bitwise (on this CPU's matmuls: a row's sums do not depend on the other rows)."""
+    from model.config import GPTConfig
+    from model.gpt import MoEMLP
+
+    results, shapes = [], []
+    for pad in (False, True):
+        cfg = GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=6,
+                        swiglu=swiglu, add_bias_linear=bias, num_experts=4, moe_ffn_hidden_size=6,
+                        moe_router_topk=2, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=pad,
+                        moe_aux_loss_coeff=1e-2)
+        layer = MoEMLP(cfg, None)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        for ex in layer.experts.values():
+            ex.register_forward_hook(lambda m, inp, out: shapes.append((pad, inp[0].shape[0])))
+        x = torch.randn(2, 6, 8, generator=g, requires_grad=True)
+        out = layer(x)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}))
+    capacity = 6   # ceil(12 tokens x 2 / 4 experts x 1.0)
+    assert {n for padded, n in shapes if padded} == {capacity}
+    assert any(n < capacity for padded, n in shapes if not padded)   # some expert had fewer rows
+    (o1, x1, g1), (o2, x2, g2) = results
+    assert torch.equal(o1, o2) and torch.equal(x1, x2)   # the zero rows change no row's sums
+    assert all(torch.equal(g1[n], g2[n]) for n in g1)
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_grouped_expert_gemm_equals_the_loop(swiglu):
+    """Experts without biases run as two grouped GEMMs (``torch._grouped_mm`` on CPU fp32):
+    outputs and the gradients of the rows and of every expert weight equal the loop over
+    experts bitwise, an expert with no rows included; with biases the loop runs (None)."""
+    from megazero.moe.dispatch import run_blocks
+    from model.config import GPTConfig
+    from model.gpt import ExpertMLP, grouped_mm_available
+
+    cfg = GPTConfig(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2, swiglu=swiglu,
+                    add_bias_linear=False)
+    g = torch.Generator().manual_seed(2)
+    experts = [ExpertMLP(cfg, 12, 1) for _ in range(4)]
+    for e in experts:
+        with torch.no_grad():
+            for p in e.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+    sizes = [5, 0, 9, 3]
+    rows0 = torch.randn(sum(sizes), 16, generator=g)
+    assert grouped_mm_available(rows0)
+    results = []
+    for grouped in (False, True):
+        rows = rows0.clone().requires_grad_(True)
+        if grouped:
+            y = ExpertMLP.grouped_forward(experts, rows, sizes)
+            assert torch.equal(run_blocks(experts, rows, sizes), y)
+        else:
+            y = torch.cat([e(b) for e, b in zip(experts, rows.split(sizes))])
+        params = [p for e in experts for p in e.parameters()]
+        grads = torch.autograd.grad(y.square().sum(), [rows] + params)
+        results.append((y.detach(), grads))
+    (y1, g1), (y2, g2) = results
+    assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    biased = GPTConfig(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2)
+    assert ExpertMLP.grouped_forward([ExpertMLP(biased, 12, 1)], rows0, [17]) is None

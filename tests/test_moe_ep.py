@@ -47,7 +47,24 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
     "position-dp4-ep4-zero2-allgather": (["--dp", "4", "--zero-stage", "2", EP, "4", "--moe-token-dispatcher-type",
                                           "allgather"], "position"),
     "bias-pp2-dp2-ep2-zero1": (["--pp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"], "bias"),
+    # sequence parallelism and recomputation, 5 steps each (SHORT)
+    "sp-selective-tp2-dp2-ep2-zero1": (["--tp", "2", "--sequence-parallel", "--dp", "2", "--zero-stage", "1", EP, "2",
+                                        "--recompute-granularity", "selective"], "dropless"),
+    "full-recompute-bias-pp2-dp2-ep2-zero1": (["--pp", "2", "--dp", "2", "--zero-stage", "1", EP, "2",
+                                               "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                               "--recompute-num-layers", "1"], "bias"),
+    "sp-full-recompute-capacity-tp2-dp2-ep2-allgather": (["--tp", "2", "--sequence-parallel", "--dp", "2", EP, "2",
+                                                          "--zero-stage", "2",
+                                                          "--moe-token-dispatcher-type", "allgather",
+                                                          "--moe-pad-expert-input-to-capacity",
+                                                          "--recompute-granularity", "full", "--recompute-method",
+                                                          "block", "--recompute-num-layers", "1"], "capacity"),
 }
+SHORT = 5   # steps of the layouts whose names hold "sp-" or "recompute"
+
+
+def _steps_of(name: str) -> int:
+    return SHORT if name.startswith("sp-") or "recompute" in name else STEPS
 
 
 def _flag(name: str, flag: str, default: int = 1) -> int:
@@ -115,7 +132,7 @@ def _ep_run(rank, world, argv, steps):
 
 
 def _ep_runs(rank, world, argvs, steps):
-    return [_ep_run(rank, world, argv, steps) for argv in argvs]
+    return [_ep_run(rank, world, argv, n) for argv, n in zip(argvs, steps)]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +140,7 @@ def runs():
     """name -> (per-rank results, the reference's (losses, stats) for its model)."""
     names = list(LAYOUTS)
     per_rank = run_distributed(_ep_runs, 4, [ARGS + MODELS[LAYOUTS[n][1]] + LAYOUTS[n][0] for n in names],
-                               STEPS, timeout_s=900)
+                               [_steps_of(n) for n in names], timeout_s=900)
     refs = {m: _reference(ARGS + MODELS[m], STEPS) for m in {LAYOUTS[n][1] for n in names}}
     return {n: ([r[i] for r in per_rank], refs[LAYOUTS[n][1]]) for i, n in enumerate(names)}
 
@@ -156,21 +173,44 @@ def test_expert_parallel_layout_equals_reference(name, runs):
             aux = v["moe_aux_loss"] + v["moe_z_loss"]
             assert math.isclose(aux, stats["aux_losses"][step], rel_tol=1e-5), (name, step, aux)
     assert results[0]["values"][-1]["loss"] < results[0]["values"][0]["loss"]
-    for step, per_layer in enumerate(stats["assignment_steps"]):
+    for step, per_layer in enumerate(stats["assignment_steps"][:_steps_of(name)]):
         for layer, want in enumerate(per_layer):
             got = _assignments(results, step, layer)
             assert len(got) == len(want) == 8   # 16 sequences in micro-batches of 2
             for (g, g_keep), (w, w_keep) in zip(got, want):
                 assert torch.equal(g, w), (name, step, layer)
                 assert torch.equal(w_keep, torch.ones_like(w_keep) if g_keep is None else g_keep), (name, step)
-    dropped = sum(int((~keep).sum()) for per_layer in stats["assignment_steps"] for mbs in per_layer
+    dropped = sum(int((~keep).sum()) for per_layer in stats["assignment_steps"][:_steps_of(name)] for mbs in per_layer
                   for _, keep in mbs)
     assert (dropped > 0) == (LAYOUTS[name][1] in ("capacity", "position")), dropped
     for r in results:
         for layer, got in r["bias"].items():
-            want = stats["expert_bias"][-1][layer]   # every layer is an MoE layer
+            want = stats["expert_bias"][_steps_of(name) - 1][layer]   # every layer is an MoE layer
             assert (got is None) == (want is None) and (want is None or torch.equal(got, want)), (name, layer)
             assert want is None or want.abs().sum() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_logged_routing_statistics_equal_the_reference_counts(name, runs):
+    """The per-layer statistics each step returns for the log (``moe_step_end``'s ``moe_layers``,
+    reduced over dp and the pipeline stages, so every rank, the logging last stage too, holds
+    every layer's): tokens per expert before drops and dropped assignments equal the
+    reference's over the whole global batch (integers; under full recomputation counted once),
+    and the layers' aux + z losses add up to the logged totals."""
+    results, (_, stats) = runs[name]
+    for r in results:
+        for step, v in enumerate(r["values"]):
+            layers = v["moe_layers"]
+            assert sorted(layers) == [0, 1, 2, 3]
+            for layer, got in layers.items():
+                mbs = stats["assignment_steps"][step][layer]
+                want = sum(torch.bincount(e.reshape(-1), minlength=8) for e, _ in mbs).tolist()
+                assert got["tokens_per_expert"] == want, (name, step, layer, got, want)
+                assert got["dropped"] == sum(int((~keep).sum()) for _, keep in mbs), (name, step, layer)
+                assert got["assignments"] == 16 * 16 * 2   # global batch 16 x 16 tokens, top-2
+            assert math.isclose(sum(x["aux_loss"] for x in layers.values()), v["moe_aux_loss"], rel_tol=1e-12)
+            assert math.isclose(sum(x["z_loss"] for x in layers.values()), v["moe_z_loss"], rel_tol=1e-12)
 
 
 @pytest.mark.slow
@@ -181,14 +221,18 @@ def test_all_to_all_bytes_equal_the_closed_form(name, runs):
     with ``S`` the assignments it keeps and sends; over an ep group sum R = sum S, so the world
     total is ``tp x dp x layers x M x 8 E + 16 H tp K`` (fp32) with K the kept assignments of the
     step's global batch over all layers (the reference's: ``N k`` per micro-batch and layer when
-    dropless). The all-gather dispatcher sends none."""
+    dropless). Under full recomputation of every layer the forward's half runs twice
+    (``8 E`` per rank, layer and micro-batch, ``8 H tp K`` in all). The all-gather dispatcher
+    sends none."""
     results, (_, stats) = runs[name]
     tp, dp = _flag(name, "--tp"), _flag(name, "--dp")
     E, H, layers, micro, gbs = 8, 32, 4, 2, 16
     M = gbs // (micro * dp)
-    for step in range(STEPS):
+    for step in range(_steps_of(name)):
         kept = sum(int(keep.sum()) for mbs in stats["assignment_steps"][step] for _, keep in mbs)
         want = tp * dp * layers * M * 8 * E + 4 * H * 4 * tp * kept   # each layer on tp x dp ranks
+        if "full-recompute" in name:   # every layer recomputed: its forward all-to-alls run twice
+            want += tp * dp * layers * M * 8 * E + 4 * H * 2 * tp * kept
         total = sum(r["a2a"][step] for r in results)
         assert total == (0 if "allgather" in name else want), (name, step, total, want)
 
@@ -214,10 +258,12 @@ def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
         assert 0 <= r["state_bytes"] - r["planned"] < 16 * dp * r["buffers"], (r["state_bytes"], r["planned"])
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher):
+@pytest.mark.parametrize("dispatcher, capacity", [("alltoall", None), ("allgather", None), ("alltoall", 10),
+                                                  ("allgather", 10)])
+def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher, capacity):
     """At ep size 1 (group None) each dispatcher gives the EP-1 loop's output and gradients
-    bitwise: outputs scaled by the routing weights and added token by token in expert order."""
+    bitwise: outputs scaled by the routing weights and added token by token in expert order;
+    also with each expert's input padded to a capacity (``--moe-pad-expert-input-to-capacity``)."""
     from megazero.moe.dispatch import DISPATCHERS
 
     g = torch.Generator().manual_seed(3)
@@ -237,7 +283,7 @@ def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher):
                 tok, slot = (assigned == e).nonzero(as_tuple=True)
                 out = out.index_add(0, tok, m(x[tok]) * w[tok, slot, None])
         else:
-            out = DISPATCHERS[way](x, w, assigned, experts, E, None, 0)
+            out = DISPATCHERS[way](x, w, assigned, experts, E, None, 0, capacity)
         out.square().sum().backward()
         results.append((out.detach(), x.grad, w.grad, [m.weight.grad.clone() for m in experts.values()]))
     (o1, x1, w1, e1), (o2, x2, w2, e2) = results

@@ -160,8 +160,7 @@ def _check_moe(cfg: Config, world_size: int) -> None:
     """Mixture of Experts (issue 22): top-k <= E (Megatron-LM's
     rule), the expert bias with sigmoid scores only, expert parallelism
     (``_check_expert_parallel``), and the combinations not built yet refused
-    by name: sequence parallelism and context parallelism (the router sees the micro-batch's
-    whole sequences) and full recomputation (the router would count a recomputed forward twice).
+    by name: context parallelism (the router sees the micro-batch's whole sequences).
     --from-hf reads Mixtral / Qwen2-MoE folders (model/hf_moe.py)."""
     m, p = cfg.model, cfg.parallel
     if m.num_experts is None:
@@ -174,11 +173,8 @@ def _check_moe(cfg: Config, world_size: int) -> None:
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
                           f"(this run: {m.moe_router_score_function}); fix: add --moe-router-score-function sigmoid")
     _check_expert_parallel(cfg)
-    refused = [("--sequence-parallel", p.sequence_parallel), (f"--cp {p.cp}", p.cp > 1),
-               ("--recompute-granularity full", m.recompute_granularity == "full")]
-    for what, given in refused:
-        if given:
-            raise ConfigError(f"--num-experts with {what} is not supported yet (issue 22); fix: drop {what.split()[0]}")
+    if p.cp > 1:
+        raise ConfigError(f"--num-experts with --cp {p.cp} is not supported yet (issue 22); fix: drop --cp")
 
 
 def _check_expert_parallel(cfg: Config) -> None:

@@ -158,6 +158,11 @@ class ModelConfig:
                                     "latest (position) assignments", choices=("probs", "position"),
                                     applies=(_MOE, Needs("model.moe_expert_capacity_factor", besides=(None,),
                                                          wanted="--moe-expert-capacity-factor F")))
+    moe_pad_expert_input_to_capacity: bool = _f(
+        False, "each expert computes on exactly its capacity of rows (its kept tokens, then zero rows) "
+        "under a capacity factor: static shapes, the same numbers", applies=(
+            _MOE, Needs("model.moe_expert_capacity_factor", besides=(None,), refuse=True,
+                        wanted="--moe-expert-capacity-factor F")))
     moe_router_enable_expert_bias: bool = _f(
         False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the top-k, updated once per "
         "step from the global token counts; needs --moe-router-score-function sigmoid", applies=_MOE)

@@ -37,6 +37,19 @@ from megazero import collectives as C
 Expert = Callable[[torch.Tensor], torch.Tensor]   # rows [n, H] -> outputs [n, W]
 
 
+def run_expert(expert: Expert, rows: torch.Tensor, pad_to=None) -> torch.Tensor:
+    """``expert(rows)`` for ``rows [n, H]`` -> ``[n, W]``; with ``pad_to`` (Megatron-LM's
+    ``--moe-pad-expert-input-to-capacity``) the expert computes on ``[pad_to, H]``: the rows,
+    then zero rows, whose outputs are cut off (so no gradient reaches them). Raises ValueError
+    when ``n > pad_to`` (more rows than the capacity allows)."""
+    if pad_to is None:
+        return expert(rows)
+    n = rows.shape[0]
+    if n > pad_to:
+        raise ValueError(f"an expert received {n} rows, more than its padded capacity {pad_to}")
+    return expert(torch.cat([rows, rows.new_zeros((pad_to - n, *rows.shape[1:]))]))[:n]
+
+
 class _AllToAll(torch.autograd.Function):
     """``[sum(in_splits), ...]`` -> ``[sum(out_splits), ...]`` over ``group``; backward swaps the splits."""
 
@@ -110,15 +123,48 @@ def _sorted_assignments(assigned: torch.Tensor):
     return tok[order], slot[order], expert[order]
 
 
+def run_blocks(experts: list, rows: torch.Tensor, sizes: list[int], pad_to=None) -> torch.Tensor:
+    """``experts[j]`` on its block of ``sizes[j]`` consecutive rows of ``rows [S, H]`` ->
+    ``[S, W]`` in the same order: one grouped matrix product when the experts offer it
+    (a ``grouped_forward(experts, rows, sizes)`` returning a tensor, e.g. ``model.gpt.ExpertMLP``
+    where torch has a grouped GEMM for the device and dtype; not with ``pad_to``), else a loop
+    over the blocks (``run_expert``). Both give the same numbers (tests/test_moe_ep.py)."""
+    grouped = getattr(experts[0], "grouped_forward", None) if experts else None
+    if pad_to is None and grouped is not None:
+        y = grouped(experts, rows, sizes)
+        if y is not None:
+            return y
+    return torch.cat([run_expert(e, b, pad_to) for e, b in zip(experts, rows.split(sizes))])
+
+
+def local_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
+                  experts: Mapping[int, Expert], pad_to=None) -> torch.Tensor:
+    """The routing-weighted sum of the outputs of ``experts`` (consecutive global indices) on
+    the rows assigned to them: ``x [N, H]``, ``weights [N, k]``, ``assigned [N, k]`` (int64,
+    -1 or an expert not in ``experts``: skipped) -> ``[N, W]``. The assignments are sorted by
+    expert once (token order inside an expert), the rows gathered once and split, each expert
+    runs on its block (also on none; ``pad_to``: ``run_expert``), and one ``index_add`` in that
+    order adds them up (``run_blocks``: one grouped GEMM where offered): the arithmetic of a loop over experts adding each expert's weighted
+    outputs token by token, without one ``[N, H]`` copy and one ``[N, H]`` gradient per expert."""
+    first, n = min(experts), len(experts)
+    local = (assigned >= first) & (assigned < first + n)
+    tok, slot, expert = _sorted_assignments(assigned.masked_fill(~local, -1))
+    sizes = torch.bincount(expert - first, minlength=n).tolist()                     # one host sync
+    y = run_blocks([experts[first + j] for j in range(n)], x[tok], sizes, pad_to)     # rows by expert
+    return x.new_zeros((x.shape[0], y.shape[1])).index_add(0, tok, y * weights[tok, slot, None])
+
+
 def alltoall_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
-                     experts: Mapping[int, Expert], num_experts: int, group, ep_rank: int) -> torch.Tensor:
+                     experts: Mapping[int, Expert], num_experts: int, group, ep_rank: int,
+                     capacity=None) -> torch.Tensor:
     """The weighted expert outputs of this rank's tokens through the all-to-all dispatcher
     (module docstring): ``x [N, H]``, ``weights [N, k]`` (the routing weights), ``assigned
     [N, k]`` (int64 expert of each assignment, -1 for a dropped one); ``experts`` this rank's
     experts by global index (``E/EP`` of them, ``ep_rank``'s block), each run on every row it
-    receives (also on none, so its gradients arrive). Returns ``[N, W]``."""
+    receives (also on none, so its gradients arrive), padded with zero rows to EP x ``capacity``
+    rows when ``capacity`` is given (``run_expert``). Returns ``[N, W]``."""
     ep = C.group_size(group)
-    local = num_experts // ep
+    local, pad_to = num_experts // ep, None if capacity is None else ep * capacity
     tok, slot, expert = _sorted_assignments(assigned)
     counts = torch.bincount(expert, minlength=num_experts)                           # [E] to each expert
     recv_counts = torch.empty_like(counts)
@@ -128,15 +174,10 @@ def alltoall_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Ten
     recv_rows = recv_matrix.sum(1).tolist()
     received = _AllToAll.apply(x[tok], recv_rows, send_rows, group)                   # [R, H], source-major
     # reorder expert-major (source order inside an expert), run each local expert, restore the order
-    starts = torch.cumsum(recv_matrix.reshape(-1), 0) - recv_matrix.reshape(-1)
-    starts, sizes = starts.view(ep, local).tolist(), recv_matrix.tolist()
-    perm, outs = [], []
-    for j in range(local):
-        rows = [torch.arange(starts[s][j], starts[s][j] + sizes[s][j], device=x.device) for s in range(ep)]
-        rows = torch.cat(rows)
-        perm.append(rows)
-        outs.append(experts[ep_rank * local + j](received[rows]))
-    perm, y = torch.cat(perm), torch.cat(outs)
+    expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv_matrix.reshape(-1))
+    perm = torch.sort(expert_of_row, stable=True).indices                            # [R] expert-major
+    mine = [experts[ep_rank * local + j] for j in range(local)]
+    y = run_blocks(mine, received[perm], recv_matrix.sum(0).tolist(), pad_to)
     y = torch.zeros_like(y).index_copy(0, perm, y)                                   # [R, W] source-major
     back = _AllToAll.apply(y, send_rows, recv_rows, group)                           # [S, W] expert-sorted
     out = x.new_zeros((x.shape[0], back.shape[1]))
@@ -144,20 +185,19 @@ def alltoall_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Ten
 
 
 def allgather_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
-                      experts: Mapping[int, Expert], num_experts: int, group, ep_rank: int) -> torch.Tensor:
+                      experts: Mapping[int, Expert], num_experts: int, group, ep_rank: int,
+                      capacity=None) -> torch.Tensor:
     """The weighted expert outputs of this rank's tokens through the all-gather dispatcher
     (module docstring); arguments and result as :func:`alltoall_experts`. Every rank of the
     ep group must hold the same number of tokens N (one micro-batch shape)."""
-    local = num_experts // C.group_size(group)
+    ep = C.group_size(group)
+    local, pad_to = num_experts // ep, None if capacity is None else ep * capacity
     x_all = _GatherRows.apply(x, group)                                              # [EP N, H]
     w_all = _GatherRows.apply(weights, group)                                        # [EP N, k]
     a_all = assigned.new_empty((x_all.shape[0], assigned.shape[1]))
     C.all_gather_into(a_all.view(-1), assigned.contiguous().view(-1), group)
-    out = None
-    for e in range(ep_rank * local, (ep_rank + 1) * local):
-        tok, slot = (a_all == e).nonzero(as_tuple=True)
-        y = experts[e](x_all[tok]) * w_all[tok, slot, None]
-        out = (x_all.new_zeros((x_all.shape[0], y.shape[1])) if out is None else out).index_add(0, tok, y)
+    mine = {e: experts[e] for e in range(ep_rank * local, (ep_rank + 1) * local)}
+    out = local_experts(x_all, w_all, a_all, mine, pad_to)                          # [EP N, W]
     return _ReduceScatterRows.apply(out, group)                                      # [N, W]
 
 

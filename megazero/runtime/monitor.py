@@ -34,6 +34,11 @@ tag                            values key             unit
 ``memory/peak_bytes``          ``peak_memory_bytes``  bytes, see :func:`memory_stats`
 ``train/moe_aux_loss``         ``moe_aux_loss``       MoE: load-balancing loss added
 ``train/moe_z_loss``           ``moe_z_loss``         MoE: router z-loss added
+``moe/layer{i}/...``           ``moe_layers``         MoE layer i: ``aux_loss``, ``z_loss`` (its
+                                                      mean over the micro-batches),
+                                                      ``dropped_fraction`` (of its assignments),
+                                                      ``load_max_over_mean`` (busiest expert's
+                                                      tokens / the mean), ``tokens/expert{j}``
 ``valid/loss``                 (log_validation)       nats/token
 ``valid/ppl``                  (log_validation)       ``exp(valid/loss)``
 =============================  =====================  =======================================
@@ -60,6 +65,8 @@ kind ``"train"``         one per :meth:`Monitor.log_iteration`
 ``mfu``                  float, fraction of the device's peak, or null if unknown
 ``model_state_bytes``    int, bytes of model state on the logging rank
 ``peak_memory_bytes``    int, bytes, peak memory of the logging rank
+``moe_aux_loss`` ...     MoE runs only: ``moe_aux_loss``, ``moe_z_loss`` (floats) and
+                         ``moe_layers`` ({layer id: the statistics of ``model.gpt.moe_step_end``})
 kind ``"valid"``         one per :meth:`Monitor.log_validation`
 ``iteration``            int
 ``loss``                 float, nats/token on the validation split
@@ -100,6 +107,8 @@ ITERATION_KEYS = ("iteration", "consumed_samples", "iteration_time_s", "tokens_p
 #: coefficient-weighted load-balancing and z-loss (added to the loss; ``model.gpt.moe_step_end``).
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss")
 MOE_TAGS = {"moe_aux_loss": "train/moe_aux_loss", "moe_z_loss": "train/moe_z_loss"}
+#: per-MoE-layer routing statistics (``model.gpt.moe_step_end``'s ``moe_layers``), logged when given.
+MOE_LAYERS_KEY = "moe_layers"
 
 #: values key -> TensorBoard scalar tag.
 SCALAR_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -113,6 +122,36 @@ SCALAR_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_
 _INT_KEYS = ("iteration", "consumed_samples", "skipped_iterations", "model_state_bytes",
              "peak_memory_bytes")
 _MiB = 2 ** 20
+
+
+def _load_max_over_mean(tokens: list) -> float:
+    mean = sum(tokens) / len(tokens)
+    return max(tokens) / mean if mean > 0 else float("nan")
+
+
+def moe_layers_summary(layers: Mapping[int, Mapping[str, Any]]) -> str:
+    """The log line's compact MoE routing fields: `` | moe load max/mean: X (layer i) | moe
+    dropped: Y %``: the busiest expert's tokens over the mean tokens per expert (1 = balanced,
+    E = every token on one expert) of the worst layer, and the dropped assignments over all
+    assignments of every layer (0 when dropless)."""
+    worst = max(layers, key=lambda i: _load_max_over_mean(layers[i]["tokens_per_expert"]))
+    load = _load_max_over_mean(layers[worst]["tokens_per_expert"])
+    dropped = sum(v["dropped"] for v in layers.values())
+    total = sum(v["assignments"] for v in layers.values())
+    return (f" | moe load max/mean: {load:.3f} (layer {worst})"
+            f" | moe dropped: {100 * dropped / max(total, 1):.2f} %")
+
+
+def moe_layer_scalars(layers: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+    """TensorBoard tags of each MoE layer's statistics (module docstring's ``moe/layer{i}/...``)."""
+    out = {}
+    for i, v in layers.items():
+        tokens = v["tokens_per_expert"]
+        out |= {f"moe/layer{i}/aux_loss": v["aux_loss"], f"moe/layer{i}/z_loss": v["z_loss"],
+                f"moe/layer{i}/dropped_fraction": v["dropped"] / max(v["assignments"], 1),
+                f"moe/layer{i}/load_max_over_mean": _load_max_over_mean(tokens)}
+        out |= {f"moe/layer{i}/tokens/expert{j}": float(n) for j, n in enumerate(tokens)}
+    return out
 
 
 class Timer:
@@ -381,7 +420,7 @@ class Monitor:
         missing ones are ``n/a``/``null``). Raises ValueError for an unknown key or an
         ``iteration`` value different from ``it``.
         """
-        unknown = set(values) - set(ITERATION_KEYS) - set(MOE_KEYS)
+        unknown = set(values) - set(ITERATION_KEYS) - set(MOE_KEYS) - {MOE_LAYERS_KEY}
         if unknown:
             raise ValueError(f"unknown iteration values {sorted(unknown)}; "
                              f"expected keys from {ITERATION_KEYS}")
@@ -397,9 +436,15 @@ class Monitor:
         line = format_iteration_line(record, self.train_iters)
         if moe:
             line += "".join(f" | {key.replace('_', ' ')}: {value:.6E}" for key, value in moe.items())
+        layers = values.get(MOE_LAYERS_KEY)
+        tagged = {}
+        if layers:
+            line += moe_layers_summary(layers)
+            tagged = moe_layer_scalars(layers)
+            moe[MOE_LAYERS_KEY] = {str(i): dict(v) for i, v in layers.items()}
         print(line, flush=True)
         self._scalars({tag: record[key] for key, tag in SCALAR_TAGS.items()}
-                      | {MOE_TAGS[key]: value for key, value in moe.items()}, it)
+                      | {MOE_TAGS[key]: value for key, value in moe.items() if key in MOE_TAGS} | tagged, it)
         self._record("train", record | moe)
 
     def log_validation(self, it: int, loss: float) -> None:
