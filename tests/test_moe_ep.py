@@ -344,12 +344,14 @@ def test_expert_parallel_settings_parse():
 # -- checkpoints: saved at EP 2, resumed at EP 4 and at EP 1 ------------------------------------
 BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.05"]   # a bias that moves the routing within a few steps
-SAVE_AT, AFTER = 3, 3
-SAVED = ["--tp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"]
-RESUMED = {"dp4-ep4-zero2-offload": ["--dp", "4", "--zero-stage", "2", EP, "4", "--offload-optimizer", "cpu"],
-           "dp4-ep1-zero3": ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"],
-           "pp2-dp2-ep2-zero0-allgather": ["--pp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
+SAVE_AT, AFTER = 3, 5
+SAVED = ["--tp", "2", "--dp", "4", "--zero-stage", "1", EP, "2"]   # 8 ranks
+RESUMED = {"tp2-dp4-ep4-zero2-offload": ["--tp", "2", "--dp", "4", "--zero-stage", "2", EP, "4",
+                                         "--offload-optimizer", "cpu"],
+           "pp2-dp4-ep2-zero3-allgather": ["--pp", "2", "--dp", "4", "--zero-stage", "3",
+                                           "--zero3-param-persistence-threshold", "0", EP, "2",
                                            "--moe-token-dispatcher-type", "allgather"]}
+ONE_RANK = {"one-rank-ep1": []}   # resumed in a process of its own: tp = pp = dp = EP = 1
 
 
 def _steps(trainer, run, cfg, groups, n):
@@ -367,6 +369,7 @@ def _steps(trainer, run, cfg, groups, n):
 
 
 def _checkpoint_runs(rank, world, root, saved, resumed):
+    """Rank ``rank`` of ``world``: without ``saved``, only resume each of ``resumed``."""
     import train
     from megazero.config import config_from_argv, layout_topology
     from megazero.process_groups import ProcessGroups
@@ -377,11 +380,13 @@ def _checkpoint_runs(rank, world, root, saved, resumed):
         groups = ProcessGroups.build(layout_topology(cfg))
         return train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size), run, cfg, groups
 
-    t, run, cfg, groups = trainer(saved)
-    _steps(t, run, cfg, groups, SAVE_AT)
-    t.save_checkpoint(root, wait=True)
-    out = {"uninterrupted": _steps(t, run, cfg, groups, AFTER)}
-    t.close()
+    out = {}
+    if saved is not None:
+        t, run, cfg, groups = trainer(saved)
+        _steps(t, run, cfg, groups, SAVE_AT)
+        t.save_checkpoint(root, wait=True)
+        out["uninterrupted"] = _steps(t, run, cfg, groups, AFTER)
+        t.close()
     for name, argv in resumed.items():
         t, run, cfg, groups = trainer(argv)
         assert t.load_checkpoint(root) == SAVE_AT
@@ -392,24 +397,31 @@ def _checkpoint_runs(rank, world, root, saved, resumed):
 
 @pytest.mark.slow
 def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
-    """Saved at tp 2, dp 2, EP 2 after 3 steps (with the aux-loss-free expert bias); resumed at
-    dp 4 EP 4 ZeRO-2 with the optimizer offloaded to the host, dp 4 EP 1 ZeRO-3 and pp 2 dp 2 EP 2
-    ZeRO-0 (all-gather dispatcher): the next 3 steps' losses and gradient norms equal the uninterrupted run's within 1e-5, and every
-    MoE layer's expert bias after them is the same (exactly)."""
-    per_rank = run_distributed(_checkpoint_runs, 4, str(tmp_path), ARGS + BIAS + SAVED,
+    """Saved at tp 2, dp 4, EP 2 (8 ranks) after 3 steps, with the aux-loss-free expert bias;
+    resumed at tp 2 dp 4 EP 4 ZeRO-2 with the optimizer offloaded to the host, at pp 2 dp 4 EP 2
+    ZeRO-3 (all-gather dispatcher) and in one process (EP 1): the next 5 steps' losses and
+    gradient norms equal the uninterrupted run's within 1e-5, and every MoE layer's expert bias
+    after them is the same (exactly)."""
+    per_rank = run_distributed(_checkpoint_runs, 8, str(tmp_path), ARGS + BIAS + SAVED,
                                {n: ARGS + BIAS + a for n, a in RESUMED.items()}, timeout_s=900)
+    per_rank += run_distributed(_checkpoint_runs, 1, str(tmp_path), None,
+                                {n: ARGS + BIAS + a for n, a in ONE_RANK.items()}, timeout_s=300)
     want, _ = per_rank[0]["uninterrupted"]
     assert len(want) == AFTER and want[0]["iteration"] == SAVE_AT + 1
-    for name in RESUMED:
+    for name in [*RESUMED, *ONE_RANK]:
         for r in per_rank:
+            if name not in r:
+                continue
             got, bias = r[name]
+            assert len(got) == AFTER
             for g, w in zip(got, want):
                 assert g["iteration"] == w["iteration"]
                 assert math.isclose(g["loss"], w["loss"], rel_tol=1e-5), (name, g["loss"], w["loss"])
                 assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (name, g, w)
-    layers = per_rank[0]["uninterrupted"][1]   # tp 2 dp 2 pp 1: every layer on every rank
+    layers = per_rank[0]["uninterrupted"][1]   # tp 2 dp 4 pp 1: every layer on every rank
     assert sorted(layers) == [0, 1, 2, 3] and any(b.abs().sum() > 0 for b in layers.values())
-    for name in RESUMED:
+    assert sorted(per_rank[-1]["one-rank-ep1"][1]) == [0, 1, 2, 3]
+    for name in [*RESUMED, *ONE_RANK]:
         for r in per_rank:
-            for i, b in r[name][1].items():
+            for i, b in r.get(name, (None, {}))[1].items():
                 assert torch.equal(b, layers[i]), (name, i)
