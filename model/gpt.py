@@ -44,19 +44,18 @@ from torch import nn
 from megazero import collectives as C
 from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention
 from megazero.context_parallel.sequence import SequenceInfo
-from megazero.moe.dispatch import DISPATCHERS, gather_rows, local_experts
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, parallel_lm_logits)
-from megazero.tensor_parallel.mappings import (gather_from_sequence_parallel_region, gather_from_tp_region,
-                                               reduce_scatter_to_sequence_parallel_region)
+from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
 from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_placeholders  # noqa: F401
+from model.moe import ExpertMLP, MoEMLP, grouped_mm_available, moe_step_end  # noqa: F401 (re-export)
 from model.rope import RotaryTable, apply_rotary
 from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
 
@@ -229,243 +228,6 @@ class MLP(nn.Module):
             return self.fc2(F.silu(gate) * up)
         return self.fc2(F.gelu(h, approximate=self.gelu_approximate))
 
-
-class _Linear(nn.Module):
-    """The weight ``[out, in]`` (and bias) of one linear layer, applied by its owner with
-    ``F.linear`` (an expert's partition; its tags come from the spec in ``GPTStage``)."""
-
-    def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-
-
-class ExpertMLP(nn.Module):
-    """One expert (or the shared expert) of inner width ``ffn``: this rank's ``ffn/tp`` hidden
-    units of the block's MLP (GELU, or SwiGLU with ``fc1 = [gate; up]``), as ``MLP`` partitions
-    them. ``forward`` returns the rank's *partial* sum of ``fc2`` (no reduction, no ``fc2``
-    bias): ``MoEMLP`` reduces every expert's output in one all-reduce and adds the biases."""
-
-    def __init__(self, cfg: GPTConfig, ffn: int, tp: int, device=None):
-        super().__init__()
-        H, local = cfg.hidden_size, ffn // tp
-        self.swiglu, self.gelu_approximate = cfg.swiglu, "tanh" if cfg.openai_gelu else "none"
-        self.fc1 = _Linear(2 * local if cfg.swiglu else local, H, cfg.add_bias_linear, cfg.params_dtype, device)
-        self.fc2 = _Linear(H, local, cfg.add_bias_linear, cfg.params_dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.fc1.weight, self.fc1.bias)           # (n, F/tp) or (n, 2F/tp)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        return F.linear(h, self.fc2.weight)                       # (n, H), partial over tp
-
-    @staticmethod
-    def grouped_forward(experts: list, rows: torch.Tensor, sizes: list[int]) -> Optional[torch.Tensor]:
-        """``forward`` of ``experts[j]`` on its ``sizes[j]`` consecutive rows of ``rows [S, H]``
-        as two grouped GEMMs (``torch._grouped_mm``, the weights stacked ``[n, in, out]`` as
-        transposed views, which gives the per-expert ``F.linear`` bitwise on CPU); None where
-        it is not offered (see :func:`grouped_mm_available`; experts with biases: ``F.linear``
-        adds them inside the GEMM; widths whose fp32 rows are not 16-byte multiples), and the
-        caller loops."""
-        e0 = experts[0]
-        align = 16 // rows.element_size()   # the kernel wants every row stride a multiple of 16 bytes
-        if (e0.fc1.bias is not None or not grouped_mm_available(rows)
-                or any(d % align for d in (*e0.fc1.weight.shape, *e0.fc2.weight.shape))):
-            return None
-        offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
-        w1 = torch.stack([e.fc1.weight for e in experts]).transpose(1, 2)      # (n, H, F/tp or 2F/tp)
-        h = torch._grouped_mm(rows, w1, offs=offs)
-        if e0.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate=e0.gelu_approximate)
-        w2 = torch.stack([e.fc2.weight for e in experts]).transpose(1, 2)      # (n, F/tp, H)
-        return torch._grouped_mm(h, w2, offs=offs)                             # (S, H), partial over tp
-
-
-def grouped_mm_available(x: torch.Tensor) -> bool:
-    """Whether the experts run as grouped GEMMs on ``x``'s device and dtype: torch's
-    ``_grouped_mm`` on CPU in fp32 (checked equal to the loop, tests/test_moe_ep.py). Other
-    devices and dtypes loop until checked there (CUDA's kernel wants bf16 on sm90+)."""
-    return hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and x.dtype == torch.float32
-
-
-class MoEMLP(nn.Module):
-    """Mixture-of-Experts MLP of one layer (issue 22): ``[B, T, H] -> [B, T, H]``.
-
-    The router (``router.weight [E, H]``, replicated over tp) scores the micro-batch's ``B*T``
-    tokens; ``megazero.moe.router.route`` picks each token's k experts and weights, and with a
-    capacity factor ``capacity_keep`` drops the assignments over capacity (dropped: that
-    expert adds nothing to the token). Each expert runs on its assigned tokens (gather, expert
-    MLP, scale by the weight, ``index_add`` back; an expert with no token runs on an empty
-    batch so its gradients still arrive), the shared expert on all tokens; the partial sums
-    over tp are all-reduced once, then the ``fc2`` biases are added weighted by the routing
-    weights. The routing weights enter the expert path through ``copy_to_tp_region``, so their
-    gradient (and the router's) is the full one on every tp rank.
-
-    Training forwards (grad enabled) add the load-balancing loss (``aux_loss`` or
-    ``seq_aux_loss`` of the pre-drop assignment) and the z-loss of this micro-batch through
-    ``AuxLossBackward`` (its scale set by the trainer: ``Trainer._run``), accumulate the step's
-    ``aux_sum`` / ``z_sum`` (for the log) and the pre-drop ``token_counts [E]`` (for the expert
-    bias, ``update_expert_bias``). ``record``: when a list, ``(experts [N, k], keep [N, k] or
-    None)`` of every training forward is appended (tests).
-
-    Expert parallelism (``ep = (ep group, ep rank)`` with EP ranks): this rank holds the E/EP
-    experts ``[ep_rank E/EP, (ep_rank+1) E/EP)``, keyed by their global index (``experts["5"]``,
-    so names, initial values and checkpoints are those of EP = 1), and the assignments travel to
-    their experts' ranks and back (``megazero.moe.dispatch``, ``cfg.moe_token_dispatcher_type``);
-    routing, drops and losses stay on the rank that holds the tokens. The ``fc2`` biases of all
-    E experts are all-gathered over ep for the bias term (their gradients reduce-scattered back).
-
-    Sequence parallelism (``sp``): input and output ``[B, T/tp, H]``; the router runs on the
-    rank's positions, its logits and the tokens are all-gathered over tp (routing, drops and
-    losses those of the whole micro-batch), the partial outputs reduce-scattered and the bias
-    term added on the rank's positions (docs/design.md). Under full recomputation only the
-    forward with autograd (the replay) counts and attaches the auxiliary losses.
-    """
-
-    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None, ep=None, sp: bool = False):
-        super().__init__()
-        self.cfg, self.group, self.sp, E = cfg, group, sp, cfg.num_experts
-        tp = C.group_size(group)
-        self.ep_group, self.ep_rank = (None, 0) if ep is None else ep
-        local = E // C.group_size(self.ep_group)
-        self.router = _Linear(E, cfg.hidden_size, False, cfg.params_dtype, device)
-        self.experts = nn.ModuleDict({str(e): ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device)
-                                      for e in range(self.ep_rank * local, (self.ep_rank + 1) * local)})
-        shared = cfg.moe_shared_expert_intermediate_size
-        self.shared_experts = None if shared is None else ExpertMLP(cfg, shared, tp, device)
-        state_device = torch.device("cpu") if state_device is None else state_device
-        self.expert_bias = (torch.zeros(E, device=state_device) if cfg.moe_router_enable_expert_bias else None)
-        self.token_counts = torch.zeros(E, dtype=torch.int64, device=state_device)
-        self.dropped = torch.zeros((), dtype=torch.int64, device=state_device)
-        self.aux_sum = torch.zeros((), device=state_device)
-        self.z_sum = torch.zeros((), device=state_device)
-        self.record: Optional[list] = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, T, H] -> [B, T, H]``; with sequence parallelism ``[B, T/tp, H]`` in and out."""
-        from megazero.moe import router as R
-        from megazero.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
-
-        cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
-        B, T, H = x.shape
-        logits = F.linear(x, self.router.weight)                                      # (B, T(/tp), E)
-        if self.sp:   # the router ran on this rank's T/tp positions; route the micro-batch's N
-            logits, inp, T = self._gather_sequence(logits, x)
-        else:
-            inp = copy_to_tp_region(x, self.group)
-        logits, inp = logits.reshape(B * T, E), inp.reshape(B * T, H)                 # (N, E), (N, H)
-        routing = R.route(logits, k, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
-                          self.expert_bias)
-        experts, weights, keep = routing.experts, routing.probs, None                 # (N, k)
-        if cfg.moe_expert_capacity_factor is not None:
-            capacity = R.expert_capacity(B * T, E, k, cfg.moe_expert_capacity_factor)
-            keep = R.capacity_keep(routing.probs, experts, E, capacity, cfg.moe_token_drop_policy)
-            weights = weights * keep
-        weights = weights.to(x.dtype)
-        assigned = experts if keep is None else experts.masked_fill(~keep, -1)
-        pad_to = capacity if cfg.moe_pad_expert_input_to_capacity else None
-        out = self._routed(inp, copy_to_tp_region(weights, self.group), assigned, pad_to)  # (N, H), partial over tp
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(inp)
-        if self.sp:
-            out = reduce_scatter_to_sequence_parallel_region(out.view(B, T, H), self.group)  # (B, T/tp, H)
-            weights, experts = (self._local_rows(t.view(B, T, k)) for t in (weights, experts))
-        else:
-            out = reduce_from_tp_region(out, self.group)                             # (N, H)
-        out = self._add_biases(out.reshape(-1, H), weights, experts)
-        if self.training and torch.is_grad_enabled():   # under full recomputation: the replay only
-            out = self._auxiliary_losses(out, logits, routing, T)
-            with torch.no_grad():
-                self.token_counts += R.assignment_counts(routing.experts, E)
-                if keep is not None:
-                    self.dropped += keep.numel() - keep.sum()
-            if self.record is not None:
-                self.record.append((routing.experts.detach().clone(), None if keep is None else keep.clone()))
-        return out.view(x.shape)
-
-    def _gather_sequence(self, logits: torch.Tensor, x: torch.Tensor):
-        """Sequence parallelism: ``logits [B, T/tp, E]`` and ``x [B, T/tp, H]`` of this rank's
-        positions -> the micro-batch's ``[B, T, E]`` (backward: this rank's rows of the gradient,
-        which every tp rank computes whole) and ``[B, T, H]`` (backward: SUM reduce-scatter of
-        the experts' partial gradients), and ``T``."""
-        logits = gather_from_sequence_parallel_region(logits, self.group, grad_reduce_scatter=False)
-        return logits, gather_from_sequence_parallel_region(x, self.group), logits.shape[1]
-
-    def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """``[B, T, ...]`` -> this tp rank's sequence chunk ``[B T/tp, ...]`` (no autograd hook:
-        the gradient of the other rows is zero here and comes from their own rank)."""
-        n = t.shape[1] // C.group_size(self.group)
-        r = C.group_rank(self.group)
-        return t[:, r * n:(r + 1) * n].reshape(-1, t.shape[-1])
-
-    def _add_biases(self, out: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """``out [n, H]`` plus the fc2 biases of each token's experts weighted by its routing
-        weights ``[n, k]`` (``experts [n, k]``), and the shared expert's."""
-        if not self.cfg.add_bias_linear:
-            return out
-        b2 = torch.stack([ex.fc2.bias for ex in self.experts.values()])              # (E/EP, H)
-        if self.ep_group is not None:
-            b2 = gather_rows(b2, self.ep_group)                                      # (E, H)
-        out = out + (weights[..., None] * b2[experts]).sum(1)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts.fc2.bias
-        return out
-
-    def _routed(self, inp: torch.Tensor, w_tp: torch.Tensor, assigned: torch.Tensor, pad_to=None) -> torch.Tensor:
-        """The routing-weighted sum of each token's kept experts, ``(N, H)`` partial over tp:
-        every expert here on its tokens (``dispatch.local_experts``: gather, expert MLP, scale,
-        ``index_add`` in expert order), or through the ep group's dispatcher. ``pad_to``: each expert's capacity
-        (``--moe-pad-expert-input-to-capacity``, ``dispatch.run_expert``)."""
-        if self.ep_group is not None:
-            dispatch = DISPATCHERS[self.cfg.moe_token_dispatcher_type]
-            return dispatch(inp, w_tp, assigned, self.experts_by_index, self.cfg.num_experts, self.ep_group,
-                            self.ep_rank, pad_to)
-        return local_experts(inp, w_tp, assigned, self.experts_by_index, pad_to)
-
-    @property
-    def experts_by_index(self) -> dict:
-        """This rank's experts by global index."""
-        return {int(name): ex for name, ex in self.experts.items()}
-
-    def _auxiliary_losses(self, out: torch.Tensor, logits: torch.Tensor, routing, seq_length: int) -> torch.Tensor:
-        """``out`` carrying this micro-batch's load-balancing and z-loss into the backward."""
-        from megazero.moe import router as R
-
-        cfg, k, total = self.cfg, self.cfg.moe_router_topk, None
-        if cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff > 0:
-            if cfg.moe_router_load_balancing_type == "aux_loss":
-                aux = R.aux_loss(routing.scores, routing.experts, k, cfg.moe_aux_loss_coeff)
-            else:
-                aux = R.seq_aux_loss(routing.scores, routing.experts, k, seq_length, cfg.moe_aux_loss_coeff)
-            self.aux_sum += aux.detach()
-            total = aux
-        if cfg.moe_z_loss_coeff:
-            z = R.z_loss(logits, cfg.moe_z_loss_coeff)
-            self.z_sum += z.detach()
-            total = z if total is None else total + z
-        return out if total is None else R.AuxLossBackward.apply(out, total)
-
-    @torch.no_grad()
-    def update_expert_bias(self, dp_group) -> None:
-        """End of a step: sum the step's token counts over ``dp_group`` (the ranks that share
-        this router and see other tokens), apply ``router.expert_bias_update`` (every dp rank
-        then holds the same bias) and start the next step's counts and losses from zero."""
-        from megazero.moe import router as R
-
-        if self.expert_bias is not None:
-            counts = self.token_counts.clone()
-            C.all_reduce_sum(counts, dp_group)
-            self.expert_bias.copy_(R.expert_bias_update(self.expert_bias, counts, self.cfg.moe_router_bias_update_rate))
-        self.token_counts.zero_()
-        self.dropped.zero_()
-        self.aux_sum.zero_()
-        self.z_sum.zero_()
 
 
 class Block(nn.Module):
@@ -687,43 +449,6 @@ class GPTStage(nn.Module):
             run = functools.partial(_run_group, group, seq=seq)
             x = recompute(run, self.rng_tracker, x) if recomputed else run(x)
         return x
-
-
-def moe_step_end(chunks: Iterable[nn.Module], groups: ProcessGroups, dp_group, num_microbatches: int) -> dict:
-    """After a training step, on every rank (collective over ``dp_group`` and the pp group):
-    the step's MoE statistics for the log and the expert-bias update.
-
-    One table ``[L, E + 3]`` fp64 (L = the model's MoE layers, every stage filling in its own
-    rows): per layer the pre-drop tokens per expert, the dropped assignments, and the
-    coefficient-weighted aux and z-loss sums over the rank's micro-batches; SUM over
-    ``dp_group`` (the replicas that see other tokens; tp ranks hold the same values) then over
-    pp, so every rank, the logging last stage included, holds the whole model's. Returns
-    ``{"moe_aux_loss", "moe_z_loss"}``: the losses summed over the layers and averaged over the
-    micro-batches and dp ranks (what the step added to the training loss), and ``"moe_layers"``:
-    ``{layer id: {"tokens_per_expert": [E ints], "dropped": int, "assignments": int (N k per
-    micro-batch, summed), "aux_loss": float, "z_loss": float}}`` (losses: that layer's mean over
-    the micro-batches). Then each layer's bias takes its update from the step's token counts
-    summed over ``dp_group`` (``MoEMLP.update_expert_bias``)."""
-    held = {int(i): b.mlp for c in chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
-    cfg = next(iter(chunks)).cfg
-    E, ids = cfg.num_experts, [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    table = torch.zeros(len(ids), E + 3, dtype=torch.float64, device=next(iter(chunks)).device)
-    for i, m in held.items():
-        row = table[ids.index(i)]
-        row[:E] = m.token_counts
-        row[E], row[E + 1], row[E + 2] = m.dropped, m.aux_sum, m.z_sum
-    C.all_reduce_sum(table, dp_group)
-    if groups.pp_size > 1:
-        C.all_reduce_sum(table, groups.pp)
-    table[:, E + 1:] /= C.group_size(dp_group) * num_microbatches
-    for m in held.values():
-        m.update_expert_bias(dp_group)
-    rows = table.cpu().tolist()                       # one host transfer per step
-    layers = {i: {"tokens_per_expert": [int(v) for v in r[:E]], "dropped": int(r[E]),
-                  "assignments": int(sum(r[:E])), "aux_loss": r[E + 1], "z_loss": r[E + 2]}
-              for i, r in zip(ids, rows)}
-    return {"moe_aux_loss": sum(r[E + 1] for r in rows), "moe_z_loss": sum(r[E + 2] for r in rows),
-            "moe_layers": layers}
 
 
 def _run_group(layers: list, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
