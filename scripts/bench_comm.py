@@ -338,6 +338,42 @@ def measure(cases=CASES) -> list[tuple[str, int, int, dict, dict]]:
     return rows
 
 
+#: MoE (expert parallelism) cases on tests/test_moe.py's model (4 layers, all MoE, E 8, top-2,
+#: hidden 32, dropless): name, flags, (tp, dp). One 4-rank spawn runs them all.
+MOE_CASES = [("MoE dp4 EP2", ["--dp", "4", "--expert-model-parallel-size", "2"], (1, 4)),
+             ("MoE dp4 EP4", ["--dp", "4", "--expert-model-parallel-size", "4"], (1, 4)),
+             ("MoE tp2 dp2 EP2", ["--tp", "2", "--dp", "2", "--expert-model-parallel-size", "2"], (2, 2))]
+
+
+def theory_moe_all_to_all(tp: int, dp: int, layers: int, micro_batches: int, experts: int, hidden: int,
+                          kept: int) -> int:
+    """Bytes of one step's all-to-alls summed over the world (fp32; megazero/moe/dispatch.py).
+
+    Every (rank, MoE layer, micro-batch) exchanges its ``experts`` int64 token counts (8 E
+    bytes); every kept assignment's token row (4 H bytes) is sent to its expert and its output
+    back in the forward, and the two gradients the same way in the backward, by each of the tp
+    ranks: ``tp dp L M 8 E + 16 H tp K``. Dropless routing keeps ``K = tokens x top-k x L``.
+    What one rank sends depends on the routing, so only the world total has a closed form."""
+    return tp * dp * layers * micro_batches * 8 * experts + 16 * hidden * tp * kept
+
+
+def measure_moe(cases=MOE_CASES) -> list[tuple[str, int, int]]:
+    """Run the MoE cases (one 4-rank spawn); ``(name, counted, theory)`` all-to-all bytes of the
+    second step, summed over the world."""
+    from tests.distributed import run_distributed
+    from tests.test_moe import ARGS
+
+    layers, experts, hidden, top_k, gbs, mbs, seq = 4, 8, 32, 2, 16, 2, 16
+    assert all(f in ARGS for f in ("--num-experts", "8", "--moe-router-topk", "2", "--hidden-size", "32"))
+    per_rank = run_distributed(count_step, 4, [ARGS + flags for _, flags, _ in cases], timeout_s=600)
+    rows = []
+    for i, (name, _, (tp, dp)) in enumerate(cases):
+        counted = sum(results[i][1].get("all_to_all", 0) for results in per_rank)
+        kept = gbs * seq * top_k * layers
+        rows.append((name, counted, theory_moe_all_to_all(tp, dp, layers, gbs // (mbs * dp), experts, hidden, kept)))
+    return rows
+
+
 def main() -> int:
     rows = measure()
     print("| case | rank | kind | counted bytes | theory bytes | equal |")
@@ -348,6 +384,11 @@ def main() -> int:
             c, t = counted.get(kind, 0), theory.get(kind, 0)
             bad += c != t
             print(f"| {name} | {rank} | {kind} | {c:,} | {t:,} | {'yes' if c == t else 'NO'} |")
+    print("\n| MoE case | all-to-all bytes summed over the world | theory tp dp L M 8E + 16 H tp K | equal |")
+    print("|---|---|---|---|")
+    for name, c, t in measure_moe():
+        bad += c != t
+        print(f"| {name} | {c:,} | {t:,} | {'yes' if c == t else 'NO'} |")
     print(f"{'all equal' if not bad else f'{bad} mismatches'}")
     return 1 if bad else 0
 
