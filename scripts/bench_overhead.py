@@ -40,13 +40,14 @@ from model.gpt import init_full_weights  # noqa: E402
 from tests.reference import ReferenceGPT  # noqa: E402
 
 
-def sdpa_attention(block, x: torch.Tensor) -> torch.Tensor:
+def sdpa_attention(block, x: torch.Tensor, positions=None, hidden=None) -> torch.Tensor:
     """The reference block's attention with ``F.scaled_dot_product_attention`` (causal), as
-    megazero's model computes it; ``x`` is ``(B, T, H)``."""
+    megazero's model computes it; ``x`` is ``(B, T, H)``. The benchmark's model has learned
+    positions and no packed documents, so ``positions`` and ``hidden`` must be None."""
+    if positions is not None and block.rope is not None or hidden is not None:
+        raise ValueError("bench_overhead's SDPA attention covers the GPT-2 block only (no RoPE, no document mask)")
     B, T, H = x.shape
-    q, k, v = block.qkv(x).split(H, dim=-1)  # each (B, T, H)
-    # (B, T, H) -> (B, heads, T, head_dim)
-    q, k, v = (t.view(B, T, block.heads, H // block.heads).transpose(1, 2) for t in (q, k, v))
+    q, k, v = block._heads(x)  # each (B, heads, T, head_dim)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return block.proj(y.transpose(1, 2).reshape(B, T, H))  # (B, heads, T, hd) -> (B, T, H)
 

@@ -120,3 +120,22 @@ def test_norm_of_100m_parameters_equals_fp64():
     got, exact, psi = _norm_against_fp64(hidden=1024, num_layers=8)
     assert psi > 100e6
     assert got == pytest.approx(exact, rel=1e-6)
+
+
+def test_cpu_squared_sum_rows_equal_fp64():
+    """The CPU path (rows of 64 fp32 squares, fp64 partial sums) against an fp64 sum: pieces
+    below and above the whole-upcast threshold, with and without a tail, 4e6 elements."""
+    from megazero.optim.clip import ROW, SMALL, squared_sum
+
+    gen = torch.Generator().manual_seed(3)
+    sizes = [1, ROW - 1, SMALL, SMALL + 1, SMALL + ROW, 3 * SMALL + 17, 2 ** 21 + 5, 2 ** 20 * 1 + 63]
+    pieces = [torch.randn(n, generator=gen) * 10 ** (i % 5 - 2) for i, n in enumerate(sizes)]
+    exact = sum(p.double().square().sum() for p in pieces).item()
+    got = squared_sum(pieces)
+    assert got.dtype == torch.float64 and got.shape == (1,)
+    assert got.item() == pytest.approx(exact, rel=1e-8)   # each row's norm is rounded to fp32
+    # a fp32 accumulation over the same values is far off: the test can tell the paths apart
+    fp32 = sum(torch.linalg.vector_norm(p).square().item() for p in pieces)
+    assert abs(fp32 - exact) / exact > 1e-8
+    assert squared_sum([torch.empty(0)]).item() == 0.0
+    assert math.isinf(squared_sum([torch.tensor([1.0, float("inf")] * 40000)]).item())

@@ -47,6 +47,13 @@ class OwnedRange:
     grad: torch.Tensor
 
 
+def divide(t: torch.Tensor, n: int) -> None:
+    """``t /= n`` in place, skipped at ``n == 1`` (x / 1 is x: a pass over the gradient saved
+    per bucket at dp 1)."""
+    if n != 1:
+        t.div_(n)
+
+
 class ShardingStrategy:
     """What one ZeRO stage stores and communicates; stateless apart from its settings.
 
@@ -115,7 +122,7 @@ class ShardingStrategy:
         b = buf.layout.buckets[k]
         shard = buf.grads[b.shard_world.start:b.shard_world.end]
         C.all_reduce_sum(shard, buf.replica_group)
-        shard.div_(dp_size)
+        divide(shard, dp_size)
 
     def finish_sync(self, buf: "ShardedBuffer", dp_size: int) -> None:
         """After every bucket of the step was reduced (stage 2 sums its shard over the replica
@@ -187,7 +194,7 @@ class Stage0(ShardingStrategy):
 
     def finish_reduce(self, buf, k, staged, dp_size):
         r = buf.layout.buckets[k].range
-        buf.grads[r.start:r.end].div_(dp_size)
+        divide(buf.grads[r.start:r.end], dp_size)
 
     def gather_params(self, buf, fill_shard, chunk_numel, group, dp_size):
         """Every rank owns everything: write the updated values in place (nothing when the
@@ -247,7 +254,7 @@ class Stage2(ShardingStrategy):
 
     def finish_sync(self, buf, dp_size):
         C.all_reduce_sum(buf.grads, buf.replica_group)   # hybrid sharding; no-op when flat
-        buf.grads.div_(dp_size)
+        divide(buf.grads, dp_size)
 
     def needs_flush(self, buf, k):
         return k in buf.staging

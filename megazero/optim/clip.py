@@ -22,17 +22,26 @@ coefficient. ``clip_coefficient`` matches ``torch.nn.utils.clip_grad_norm_``.
 
 Precision and launches: an fp32 sum of squares drifts with the element count (torch's CPU
 ``vector_norm`` of 25M fp32 values is 4e-3 off, and layouts that cut the buffer into other
-pieces disagree), so every piece's squares are accumulated in fp64: one
-``torch._foreach_norm(pieces, 2, dtype=float64)`` over the whole precomputed list of counted
-pieces, then the fp64 squares of those norms summed (``squared_sum``: 4 calls whatever the
-number of pieces; the previous per-piece fp32 row sums cost ~5 kernels per piece, about 1,500
-per step on the 1.3B check model, issue 27). On CUDA the multi-tensor kernel converts each
-element to fp64 in registers (no fp64 copy; the pass stays memory-bound); on the CPU torch
-loops over the pieces and upcasts each: 90 ms for 25M values on one core, 12x the earlier
-fp32 row sums (7.6 ms), which only CPU runs (the tests) pay. Measured on 25M values: 6e-13 relative to an
-fp64 sum. The all-reduce runs in fp64 too, and nothing here reads the result on the host
-(``reduce_squared_sum``): the optimizer reads it together with the overflow flag, one host
-synchronisation for both.
+pieces disagree), so no fp32 accumulator holds more than a few dozen squares, and every
+partial sum is added in fp64. How, depends on the device (``squared_sum``):
+
+- CUDA: one ``torch._foreach_norm(pieces, 2, dtype=float64)`` over the whole precomputed list
+  of counted pieces, then the fp64 squares of those norms summed: 4 launches whatever the
+  number of pieces (per-piece kernels cost about 1,500 launches per step on the 1.3B check
+  model, issue 27). The multi-tensor kernel converts each element to fp64 in registers, so
+  the pass stays memory-bound. 1e-13 relative to an fp64 sum.
+- CPU: torch's ``_foreach_norm`` loops over the pieces and upcasts each to fp64 (5x one fp32
+  pass: 10.6 against 2.1 ms on 5.25M values, one thread), which made the norm the largest
+  item of megazero's overhead over a plain PyTorch loop (issue 24, item 4). So a piece is
+  viewed as rows of ``ROW`` elements, each row's norm taken in fp32 (one pass, no copy) and
+  the squared row norms summed in fp64; short pieces and the tail are upcast whole. 3.1 ms on
+  the same values; off the fp64 sum by the fp32 rounding of each row's norm, averaged over
+  the rows: 5e-11 on 5.25M values, at most a few 1e-9 on pieces of a thousand rows.
+
+Either way, layouts that cut the gradient into other pieces agree far inside the 1e-9 the
+layout tests ask. The all-reduce runs in fp64 too, and nothing here reads the result on the
+host (``reduce_squared_sum``): the optimizer reads it together with the overflow flag, one
+host synchronisation for both.
 """
 from __future__ import annotations
 
@@ -46,17 +55,37 @@ from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel import tags
 
 
+ROW = 64            # squares per fp32 accumulator on the CPU path
+SMALL = 1 << 16     # CPU pieces up to this many elements are upcast to fp64 whole
+
+
+def _cpu_piece_squares(flat: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of the 1-D ``flat`` as a 0-d fp64 tensor: rows of ``ROW`` squares in
+    fp32, their sums added in fp64 (module docstring, "Precision and launches")."""
+    if flat.numel() <= SMALL:
+        return torch.linalg.vector_norm(flat, 2, dtype=torch.float64).square()
+    body = flat.numel() - flat.numel() % ROW
+    rows = flat[:body].view(-1, ROW)                                             # (n/ROW, ROW)
+    sq = torch.linalg.vector_norm(rows, 2, dim=1).double().square().sum()
+    if body < flat.numel():
+        sq = sq + torch.linalg.vector_norm(flat[body:], 2, dtype=torch.float64).square()
+    return sq
+
+
 def squared_sum(tensors: Iterable[torch.Tensor], device=None) -> torch.Tensor:
     """Sum of squares of every element of ``tensors`` as a one-element fp64 tensor.
 
     ``tensors``: any shapes and floating dtypes on one device (the optimizer passes a list it
-    built once). Each tensor's squares are accumulated in fp64 by one multi-tensor norm call
-    for the whole list (module docstring, "Precision and launches"); no host
-    synchronisation. ``device`` is used when ``tensors`` is empty (CPU when not given).
+    built once). On CUDA one multi-tensor fp64 norm call for the whole list; on the CPU rows of
+    ``ROW`` fp32 squares per piece, added in fp64 (module docstring, "Precision and
+    launches"); no host synchronisation. ``device`` is used when ``tensors`` is empty (CPU
+    when not given).
     """
     parts = [t for t in tensors if t.numel() > 0]
     if not parts:
         return torch.zeros(1, dtype=torch.float64, device=device)
+    if parts[0].device.type == "cpu":
+        return torch.stack([_cpu_piece_squares(t.reshape(-1)) for t in parts]).sum().reshape(1)
     norms = torch._foreach_norm(parts, 2, dtype=torch.float64)           # [()] per piece, fp64
     return torch.stack(norms).square().sum().reshape(1)
 
