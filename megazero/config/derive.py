@@ -25,7 +25,8 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
     sequence parallelism off at tp 1 (Megatron does the same, with a warning); ZeRO-3's prefetch
     bucket 0.9 H^2 and persistence threshold 10 H when unset or "auto" (the values the Hugging
     Face DeepSpeed integration documents for "auto", so a small model's knobs scale with it
-    instead of DeepSpeed's absolute 5e7 and 1e5). Batch (DeepSpeed's
+    instead of DeepSpeed's absolute 5e7 and 1e5), and its reuse distance the prefetch bucket
+    (DeepSpeed's absolute 1e9 keeps every layer of a smaller model gathered through the step). Batch (DeepSpeed's
     rule when global and accumulation are given and micro is not, else Megatron's):
     micro = global / (accumulation x dp), or accumulation = global / (micro x dp), or
     global = micro x accumulation x dp with accumulation 1 by default.
@@ -145,6 +146,8 @@ def _derive_zero3_knobs(cfg: Config) -> None:
         z.zero3_prefetch_bucket_size = int(0.9 * h * h)
     if z.zero3_param_persistence_threshold is None:
         z.zero3_param_persistence_threshold = 10 * h
+    if z.zero3_max_reuse_distance is None:
+        z.zero3_max_reuse_distance = z.zero3_prefetch_bucket_size
 
 
 def bucket_sizes(cfg: Config) -> tuple[int, int]:

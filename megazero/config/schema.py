@@ -373,10 +373,11 @@ class ZeroConfig:
         "optimizer state still sharded; DeepSpeed's stage3_param_persistence_threshold); None = 10 x "
         "hidden size (the Hugging Face DeepSpeed integration's 'auto')", "elements", ge=0,
         applies=_ZERO3)
-    zero3_max_reuse_distance: int = _f(
-        1_000_000_000, "ZeRO-3: a layer used again (its backward) within this many gathered elements "
-        "stays gathered after its forward (DeepSpeed's stage3_max_reuse_distance)", "elements", ge=0,
-        applies=_ZERO3)
+    zero3_max_reuse_distance: Optional[int] = _f(
+        None, "ZeRO-3: a layer used again (its backward) within this many gathered elements "
+        "stays gathered after its forward (DeepSpeed's stage3_max_reuse_distance); None = the "
+        "prefetch bucket, so only the layers whose backward follows their forward within about "
+        "one bucket (the last) stay gathered", "elements", ge=0, applies=_ZERO3)
     # DeepSpeed knobs whose alternative megazero does not implement: it always keeps gradients
     # in contiguous buffers, reduce-scatters them (stages 1/2) and all-gathers updated shards.
     # Turning one off is accepted (DeepSpeed files set them) and ignored with a warning.
