@@ -4,7 +4,7 @@ Trains the same GPT (same weights, same batches) with ``train.Trainer`` (pipelin
 gradient buffer, sharded-Adam optimizer, loss scaling hooks, all at size 1) and with
 ``tests/reference.py``'s model under ``torch.optim.AdamW`` (the plain loop a researcher would
 write). The two alternate step by step, so machine noise hits both alike, and the script
-prints the median step time of each and their ratio (target: megazero / plain <= 1.05).
+prints the median step time of each and their ratio (target: megazero / plain <= 1.02).
 
 Like with like: the plain model's attention is switched to ``scaled_dot_product_attention``,
 the kernel megazero's model calls (the reference writes softmax(QK^T)V by hand, a kernel
@@ -52,7 +52,10 @@ def sdpa_attention(block, x: torch.Tensor, positions=None, hidden=None) -> torch
     return block.proj(y.transpose(1, 2).reshape(B, T, H))  # (B, heads, T, hd) -> (B, T, H)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
+    """Run the comparison (``argv``: the command-line flags, default ``sys.argv[1:]``); prints the
+    report and returns ``{"ratio": megazero / plain median step time, "loss_diffs": relative loss
+    difference per step}``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps of each not timed")
@@ -67,7 +70,7 @@ def main() -> None:
                     help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)")
     ap.add_argument("--nudge", type=float, default=0.0,
                     help="multiply the plain loop's gradients by (1 + nudge): the chaos floor of the comparison")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     steps = a.steps + a.warmup
     argv = ["--mock-data", "--vocab-size", str(a.vocab_size), "--hidden-size", str(a.hidden_size),
             "--num-layers", str(a.num_layers), "--num-attention-heads", str(a.num_attention_heads),
@@ -120,10 +123,11 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}; {a.clock} clock")
     print(f"median step time  megazero: {med['megazero'] * 1e3:.1f} ms   plain PyTorch: "
           f"{med['plain'] * 1e3:.1f} ms")
-    print(f"ratio megazero / plain: {med['megazero'] / med['plain']:.3f}  (target <= 1.05)")
+    print(f"ratio megazero / plain: {med['megazero'] / med['plain']:.3f}  (target <= 1.02)")
     diffs = [abs(x - y) / abs(y) for x, y in zip(losses["megazero"], losses["plain"])]
     print(f"relative loss difference at step 1 (same weights and batch): {diffs[0]:.2e}; largest over "
           f"{steps} steps at --lr {a.lr:g}{f' with --nudge {a.nudge:g}' if a.nudge else ''}: {max(diffs):.2e}")
+    return {"ratio": med["megazero"] / med["plain"], "loss_diffs": diffs}
 
 
 if __name__ == "__main__":
