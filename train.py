@@ -39,6 +39,7 @@ from megazero.planning.flops import spec_flops_per_iteration
 from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
+from megazero.data_parallel.param_swap import ParamSwapOptions
 from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
 from megazero.optim.swap import SwapError
@@ -107,7 +108,10 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
                          max_live_parameters=z.zero3_max_live_parameters,
                          param_persistence_threshold=z.zero3_param_persistence_threshold,
                          max_reuse_distance=z.zero3_max_reuse_distance,
-                         offload_param=z.offload_param == "cpu")
+                         offload_param=z.offload_param == "cpu",
+                         param_swap=None if z.offload_param != "nvme" else ParamSwapOptions(
+                             z.offload_nvme_path, buffer_count=z.offload_param_buffer_count,
+                             buffer_size=z.offload_param_buffer_size, max_in_cpu=z.offload_param_max_in_cpu))
     ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=reduce_bucket,
                        overlap_comm=z.overlap_comm, grad_dtype=grad_dtype,
                        reshard_after_forward=cfg.parallel.pp == 1 if reshard == "auto" else reshard == "on",

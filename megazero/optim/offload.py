@@ -93,7 +93,7 @@ class HostOffloadOptimizer(DistributedOptimizer):
         # fp32 models: the device owned runs <- the host main params, one list copy (phase 3)
         self._to_device = ([], [])
         for buf, mbase in zip(ddp.buffers, self.main_offsets):
-            if buf.main_is_param:
+            if buf.main_is_param and not getattr(buf, "swapped", False):   # NVMe: gather_params
                 for own in buf.owned():
                     self._to_device[0].append(buf.owned_param_values(own))
                     self._to_device[1].append(self._main[mbase + own.local.start:mbase + own.local.end])
@@ -145,8 +145,10 @@ class HostOffloadOptimizer(DistributedOptimizer):
         super()._update_model_params()
 
     def _shard_filler(self, buf: ShardedBuffer, mbase):
-        # fp32 models: the device params already hold the update (copied above)
-        return super()._shard_filler(buf, None if buf.main_is_param else mbase)
+        # fp32 models: the device params already hold the update (copied above); a ZeRO-3
+        # shard on NVMe is rebuilt from the host main params (zero3.Stage3.gather_params)
+        swapped = getattr(buf, "swapped", False)
+        return super()._shard_filler(buf, None if buf.main_is_param and not swapped else mbase)
 
     def formula(self) -> dict:
         """As the base class, with the optimizer's fp32 state on the host
