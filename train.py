@@ -673,11 +673,13 @@ class RunControl:
 
 
 def inject_fault(control: RunControl, trainer: Trainer) -> None:
-    """The test hook's ``kill`` / ``term`` / ``swaptrunc`` fault, at the start of its iteration
-    (first attempt)."""
+    """The test hook's ``kill`` / ``term`` / ``swaptrunc`` / ``paramtrunc`` fault, at the start of
+    its iteration (first attempt)."""
     f = control.fault
-    if f is not None and f[0] == "swaptrunc" and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank):
-        os.truncate(trainer.optimizer.swap_path, os.path.getsize(trainer.optimizer.swap_path) - 12)
+    if f is not None and f[0] in ("swaptrunc", "paramtrunc") and f[1:3] == (trainer.state.iteration + 1,
+                                                                          trainer.groups.rank):
+        path = trainer.optimizer.swap_path if f[0] == "swaptrunc" else trainer.ddp.param_swap.swap_path
+        os.truncate(path, os.path.getsize(path) - 12)
     if f is not None and f[0] in ("kill", "term") and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank) \
             and control.restart == 0:
         os.kill(os.getpid(), signal.SIGKILL if f[0] == "kill" else signal.SIGTERM)

@@ -181,3 +181,81 @@ def test_buffer_size_below_a_shard_names_the_setting(tmp_path):
     with pytest.raises(ValueError, match="offload_param buffer_size 10 .*--offload-param-buffer-size"):
         DataParallel([model], groups, zero_stage=3, bucket_size=BUCKET, overlap_comm=False,
                      units=[zero3_units(model)], zero3=Zero3Options(param_swap=swap))
+
+
+def _trainer_run(rank, world, argv, steps, save=None, load=None):
+    """tests/test_checkpoint.py's ``_run``, closing the Trainer at the end (what train.py does),
+    which removes the parameter swap directory."""
+    import train
+    from megazero.config import config_from_argv, layout_topology
+
+    cfg = config_from_argv(argv + (["--load", load] if load else []), world)
+    run = train.prepare_run(cfg)
+    trainer = train.Trainer(cfg, ProcessGroups.build(layout_topology(cfg)), torch.device("cpu"), run.vocab_size)
+    start = trainer.load_checkpoint(load) if load else None
+    losses = []
+    for _ in range(steps):
+        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, trainer.groups, "cpu")
+        losses.append(trainer.train_step(batches).values["loss"])
+    if save:
+        trainer.save_checkpoint(save)
+    trainer.close()
+    return losses, start
+
+
+def _trainer_runs(rank, world, jobs):
+    return [_trainer_run(rank, world, argv, steps, save=save, load=load) for argv, steps, save, load in jobs]
+
+
+def test_seed_style_stage3_all_nvme_config_through_the_trainer_and_checkpoints(tmp_path):
+    """The stage-3 ZeRO-Infinity fixture with ``offload_param: {device: nvme, nvme_path,
+    buffer_count, buffer_size, max_in_cpu}`` too (both on NVMe, persistence threshold 0 so that
+    every layer is swapped) trains through train.Trainer: losses bit for bit the cpu-offload
+    run's; a checkpoint saved with nvme resumes with cpu offload, one saved with cpu resumes
+    with nvme, both bit for bit; every swap directory is removed at close."""
+    import json
+
+    from tests.test_checkpoint import ARGS
+    from tests.test_nvme import FIXTURE
+
+    with open(FIXTURE) as f:
+        doc = json.load(f)
+    z, swap = doc["zero_optimization"], str(tmp_path / "swap")
+    z.update(stage3_param_persistence_threshold=0)
+    z["offload_optimizer"]["nvme_path"] = swap
+    cpu_doc = json.loads(json.dumps(doc))
+    cpu_doc["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    z["offload_param"] = {"device": "nvme", "nvme_path": swap, "buffer_count": 2, "buffer_size": 1e6,
+                          "max_in_cpu": 0, "pin_memory": True}
+    paths = {}
+    for name, d in (("nvme", doc), ("cpu", cpu_doc)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(d))
+    nvme, cpu = (ARGS + ["--dp", "2", "--deepspeed-config", str(paths[k])] for k in ("nvme", "cpu"))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    jobs = [(cpu, 4, None, None), (nvme, 2, a, None), (cpu, 2, b, None), (cpu, 2, None, a), (nvme, 2, None, b)]
+    whole, first_nvme, first_cpu, resumed_cpu, resumed_nvme = run_distributed(_trainer_runs, 2, jobs)[0]
+    assert first_nvme[0] == first_cpu[0] == whole[0][:2]
+    for resumed in (resumed_cpu, resumed_nvme):
+        assert resumed[1] == 2 and resumed[0] == whole[0][2:]
+    assert not os.listdir(swap)
+
+
+@pytest.mark.slow
+def test_truncated_param_swap_file_through_the_launcher_exits_1_naming_it(tmp_path):
+    """scripts/pretrain_gpt.sh (torchrun, dp 2, ZeRO-3, --offload-param nvme) with rank 0's
+    parameter swap file cut short at iteration 3 (test hook ``paramtrunc``): status 1, one line
+    naming rank 0's file, no traceback, no hang (both ranks stop in the step's check), both
+    ranks' swap directories removed on the way out."""
+    from tests.test_preemption import BASE, _launch_env
+
+    args = [a if a != "12" else "5" for a in BASE] + [
+        "--dp", "2", "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "nvme",
+        "--offload-nvme-path", str(tmp_path / "swap"), "--offload-param-max-in-cpu", "0",
+        "--zero3-param-persistence-threshold", "0"]
+    out = _launch_env(args, tmp_path / "run", dict(os.environ, MEGAZERO_TEST_FAULT="paramtrunc:3:0"), timeout=300)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    lines = [x for x in out.stderr.splitlines() if "swap file" in x]
+    assert len(lines) == 1 and "rank0-params/params.swp is truncated" in lines[0], out.stderr[-3000:]
+    assert "SwapError" not in out.stdout + out.stderr and "train.py\", line" not in out.stderr, out.stderr[-3000:]
+    assert not os.listdir(tmp_path / "swap")
