@@ -73,7 +73,9 @@ def _run_case(groups, batches, root, **kw):
         if swap:
             io.append((swap.io.read - before[0], swap.io.written - before[1]))
             held.append(swap.held_bytes())
-    out = dict(losses=losses, main=opt.main_param.clone(), shards=_shards(ddp), io=io, held=held)
+    got = opt.model_state_bytes()
+    out = dict(losses=losses, main=opt.main_param.clone(), shards=_shards(ddp), io=io, held=held,
+               states=got["total"] - got["buckets"], formula=opt.formula()["total"] if kw.get("opt") != "none" else 0)
     if swap:
         out.update(swapped=sum(b.params_shard.numel() for b in swap.swapped),
                    in_layers=sum(b.params_shard.numel() for u in ddp.zero3.units if u.module is not None
@@ -164,6 +166,10 @@ def test_param_nvme_equals_cpu_and_none_io_bytes_checkpoints_and_faults(tmp_path
             assert o["host"] == o["pool"] + 4 * o["resident"]
             assert o["file"] == 4096 + 4 * s and o["removed"], name
         assert out["nvme_resident"]["resident"] > 0
+        for name in ("nvme", "nvme_one_slot", "nvme_resident"):   # cpu optimizer: only the shards differ
+            o = out[name]
+            saved = 4 * o["swapped"] - o["pool"]   # the swapped shards' bytes are replaced by the slots
+            assert ref["states"] - o["states"] == saved > 0 and ref["formula"] - o["formula"] == saved, name
         for key, losses in out["ckpt"].items():
             assert losses == ref["losses"], key
         msg, local, path = out["faults"][("truncate", 0)]

@@ -153,15 +153,22 @@ class HostOffloadOptimizer(DistributedOptimizer):
     def formula(self) -> dict:
         """As the base class, with the optimizer's fp32 state on the host
         (:func:`offload_formula_bytes`): the total is device + host, main params 4 bytes per
-        owned element (kept on the host even for an fp32 model), and the note gives both sides."""
+        owned element (kept on the host even for an fp32 model), and the note gives both sides.
+        ZeRO-3 shards on NVMe (``ddp.param_swap``): the swapped shards' bytes are replaced by the
+        slots' bound (``ParamSwapper.pool_bytes``)."""
         split = {"device": 0.0, "host": 0.0}
         for psi, n in self.formula_terms():
             part = offload_formula_bytes(psi, n, self.ddp.strategy.stage, self._model_bytes(),
                                          self.ddp.grad_dtype.itemsize)
             split = {k: split[k] + part[k] for k in split}
+        swap, note = self.ddp.param_swap, ""
+        if swap is not None:   # ZeRO-3 shards on NVMe: the swapped ones are in the file, the slots on the host
+            swapped = sum(b.params_shard.numel() * b.params_shard.element_size() for b in swap.swapped)
+            split["device"] -= swapped - swap.pool_bytes()
+            note = f"; parameter shards on NVMe: {swapped} bytes swapped, {swap.pool_bytes()} bytes of slots"
         return dict(total=split["device"] + split["host"], main_bytes=4, note=(
             f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
-            f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)"))
+            f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)" + note))
 
     def model_state_bytes(self) -> dict[str, int]:
         """The base class's parts plus ``host_grads`` (the host fp32 gradient copy); the parts
