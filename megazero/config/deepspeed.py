@@ -8,8 +8,8 @@ min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_siz
 ``zero_optimization.offload_optimizer`` (``device`` cpu/nvme/none, ``pin_memory``, and for
 nvme ``nvme_path``, ``buffer_count``), ``zero_optimization.sub_group_size`` (the unit of the
 swapped optimizer step), ``aio.thread_count`` (threads of the swap I/O; the ``aio`` block's
-other knobs are named in a warning), ``offload_param`` (``device``: ZeRO-3 parameter shards
-in host memory, or ``nvme`` in swap files; for nvme ``nvme_path``, which must agree with
+other knobs are named in a warning), ``offload_param`` (``device`` cpu: ZeRO-3 parameter
+shards in host memory, nvme: in swap files; for nvme ``nvme_path``, which must agree with
 ``offload_optimizer.nvme_path`` when both are given (one ``--offload-nvme-path``),
 ``buffer_count``, ``buffer_size``, ``max_in_cpu``; ``pin_memory`` is named in a warning:
 the parameter slots are not page-locked), and ZeRO-3's
@@ -180,9 +180,9 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
                             "blocks or events); ignored")
             continue
         if key == "zero_optimization.offload_param.pin_memory":
-            warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's swapped "
-                            "parameter shards are read into unpinned host slots (offload_param.device cpu pins "
-                            "its shards on CUDA always); ignored")
+            warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero page-locks "
+                            "the shards of offload_param.device cpu on CUDA always and never the host slots of "
+                            "device nvme; ignored")
             continue
         if name is None and key.startswith("zero_optimization.stage3_"):
             warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's ZeRO-3 "

@@ -140,13 +140,15 @@ class Stage3(Stage2):
     def gather_params(self, buf, fill_shard, chunk_numel, group, dp_size):
         """After the update: a separate fp32 copy is cast into the shard; no collective. A
         swapped shard (NVMe) is rebuilt in a zero-filled slot from ``fill_shard``, written back
-        and dropped; ``fill_shard`` None: the optimizer wrote it already."""
+        and dropped. ``fill_shard`` None: the optimizer wrote the shard already (NVMe offload of
+        the optimizer writes the owned runs while it walks its sub-groups)."""
+        if fill_shard is None:
+            return 0
         if buf.swapped:
-            if fill_shard is not None:
-                self.param_swap.acquire(buf, read=False, evict=self.finish_gather)
-                fill_shard(0, buf.layout.shard_numel, buf.params_shard)
-                self.param_swap.write_back(buf)
-                self.param_swap.drop(buf)
+            self.param_swap.acquire(buf, read=False, evict=self.finish_gather)
+            fill_shard(0, buf.layout.shard_numel, buf.params_shard)
+            self.param_swap.write_back(buf)
+            self.param_swap.drop(buf)
             return 0
         if not buf.main_is_param:
             fill_shard(0, buf.layout.shard_numel, buf.params_shard)

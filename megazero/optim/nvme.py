@@ -39,6 +39,12 @@ time is not done yet) and served as views, so the checkpoint format is the base 
 run saved with nvme resumes with cpu offload or none and the other way round. Writing into
 those views (a load) is followed by ``refresh_model_params``, which writes them to the file.
 
+With ZeRO-3's parameter shards on NVMe too (``--offload-param nvme``,
+``megazero/data_parallel/param_swap.py``) the model's owned runs of a swapped shard are written
+while the sub-groups are walked (``_param_runs``): the shard gets a zero-filled slot at its
+first run and is written to its own swap file at its last (local order is shard order, so one
+shard is held at a time), and ``_shard_filler`` gives None for it (nothing left to fill).
+
 The swap directory ``<nvme_path>/megazero-<run id>-rank<r>`` is created fresh for each
 optimizer and removed with its file by :meth:`close` (or when the optimizer is collected, or
 at interpreter exit).
@@ -271,8 +277,8 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         DistributedOptimizer._update_model_params(self)
 
     def _shard_filler(self, buf: ShardedBuffer, mbase):
-        if getattr(buf, "swapped", False):
-            return None   # a ZeRO-3 shard on NVMe: written in _update (_param_runs)
+        if buf.strategy.gathers_on_demand:
+            return None   # ZeRO-3: the owned runs are the shard, written in _update (_param_runs)
         return DistributedOptimizer._shard_filler(self, buf, None)   # from the model's owned runs
 
     # -- checkpoint state ----------------------------------------------------------------
