@@ -275,7 +275,7 @@ def test_bf16_shards_on_nvme_equal_cpu_with_either_optimizer_offload(tmp_path):
 
     groups = ProcessGroups.single()
     cfg = tiny_cfg(**CFG)
-    batches = make_batches(cfg, 3)
+    batches = make_batches(cfg, 2)
 
     def run(param, opt):
         model = GPTStage(cfg, groups, range(CFG["num_layers"]), True, True, SEED)
@@ -286,11 +286,11 @@ def test_bf16_shards_on_nvme_equal_cpu_with_either_optimizer_offload(tmp_path):
         kw = dict(lr=ADAM["lr"], weight_decay=ADAM["weight_decay"])
         o = (NvmeOffloadOptimizer(ddp, groups, nvme_path=str(tmp_path / "o"), sub_group_size=500, **kw)
              if opt == "nvme" else HostOffloadOptimizer(ddp, groups, **kw))
-        losses = train(model, ddp, o, groups, batches, 2, steps=3)[0]
+        losses = train(model, ddp, o, groups, batches, 1, steps=2)[0]
         ddp.close()
         return losses
 
     ref = run("cpu", "cpu")
-    assert len(set(ref)) == 3
+    assert len(set(ref)) == 2
     for param, opt in (("nvme", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")):
         assert run(param, opt) == ref, (param, opt)
