@@ -271,6 +271,10 @@ UNUSED = [  # (flags, world size, the warning, flags under which the setting app
      ["--overlap-param-gather", "off", "--zero-stage", "2"]),
     (["--zero-stage", "1", "--no-offload-pin-memory"], 1, "--no-offload-pin-memory has no effect without "
      "--offload-optimizer cpu or nvme; ignored", ["--zero-stage", "1", "--no-offload-pin-memory", "--offload-optimizer", "cpu"]),
+    (["--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu", "--offload-param-max-in-cpu", "0"], 1,
+     "--offload-param-max-in-cpu has no effect without --offload-param nvme (this run: --offload-param cpu); ignored",
+     ["--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "nvme", "--offload-param-max-in-cpu", "0",
+      "--offload-nvme-path", "/tmp"]),
     (["--recompute-num-layers", "2"], 1, "--recompute-num-layers has no effect without --recompute-granularity full; "
      "ignored", ["--recompute-num-layers", "2", "--recompute-granularity", "full", "--recompute-method", "block"]),
     (["--bf16", "--loss-scale", "1024"], 1, "--loss-scale has no effect without --fp16; ignored",
