@@ -39,6 +39,7 @@ from megazero.planning.flops import spec_flops_per_iteration
 from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
+from megazero.data_parallel.param_swap import ParamSwapOptions
 from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
 from megazero.optim.swap import SwapError
@@ -107,7 +108,10 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
                          max_live_parameters=z.zero3_max_live_parameters,
                          param_persistence_threshold=z.zero3_param_persistence_threshold,
                          max_reuse_distance=z.zero3_max_reuse_distance,
-                         offload_param=z.offload_param == "cpu")
+                         offload_param=z.offload_param == "cpu",
+                         param_swap=None if z.offload_param != "nvme" else ParamSwapOptions(
+                             z.offload_nvme_path, buffer_count=z.offload_param_buffer_count,
+                             buffer_size=z.offload_param_buffer_size, max_in_cpu=z.offload_param_max_in_cpu))
     ddp = DataParallel(chunks, groups, zero_stage=z.stage, bucket_size=reduce_bucket,
                        overlap_comm=z.overlap_comm, grad_dtype=grad_dtype,
                        reshard_after_forward=cfg.parallel.pp == 1 if reshard == "auto" else reshard == "on",
@@ -669,11 +673,13 @@ class RunControl:
 
 
 def inject_fault(control: RunControl, trainer: Trainer) -> None:
-    """The test hook's ``kill`` / ``term`` / ``swaptrunc`` fault, at the start of its iteration
-    (first attempt)."""
+    """The test hook's ``kill`` / ``term`` / ``swaptrunc`` / ``paramtrunc`` fault, at the start of
+    its iteration (first attempt)."""
     f = control.fault
-    if f is not None and f[0] == "swaptrunc" and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank):
-        os.truncate(trainer.optimizer.swap_path, os.path.getsize(trainer.optimizer.swap_path) - 12)
+    if f is not None and f[0] in ("swaptrunc", "paramtrunc") and f[1:3] == (trainer.state.iteration + 1,
+                                                                          trainer.groups.rank):
+        path = trainer.optimizer.swap_path if f[0] == "swaptrunc" else trainer.ddp.param_swap.swap_path
+        os.truncate(path, os.path.getsize(path) - 12)
     if f is not None and f[0] in ("kill", "term") and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank) \
             and control.restart == 0:
         os.kill(os.getpid(), signal.SIGKILL if f[0] == "kill" else signal.SIGTERM)

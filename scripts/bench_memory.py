@@ -13,10 +13,14 @@ sharded over S ranks, replicated over dp / S; formula with N = S) beside each st
     python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3] [--zero-shard-size S]
         [--zero3-prefetch-bucket-size N] [--zero3-max-reuse-distance N] ...
         [--offload none,cpu,nvme [--sub-group-size N] [--offload-nvme-path DIR]]
+        [--offload-param none,cpu,nvme [--offload-param-buffer-count N] [--offload-param-max-in-cpu N]]
 
 ``--offload cpu,nvme`` runs each stage with the optimizer offloaded to host memory and to NVMe
 swap files: the two peaks differ by about the owned fp32 state (12 bytes per owned element)
-minus the swap buffer pool (the last column).
+minus the swap buffer pool (the last column). ``--offload-param cpu,nvme`` adds, at stage 3
+with an offloaded optimizer, the parameter shards in host memory and in swap files: those two
+peaks differ by about the swapped shards (p bytes per swapped element) minus the slots
+(``--offload-param-buffer-count`` x the largest shard; the column after it).
 """
 from __future__ import annotations
 
@@ -64,9 +68,10 @@ def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
         trainer.train_step(get_micro_batches(train_ds, step * gbs, gbs, mbs, groups.dp_rank, world))
     opt = trainer.optimizer
     got = opt.model_state_bytes()
-    close = getattr(opt, "close", None)
-    if close is not None:
-        close()   # NVMe offload: the swap files go
+    swap = trainer.ddp.param_swap
+    params_saved = 0 if swap is None else (sum(b.params_shard.numel() * b.params_shard.element_size()
+                                               for b in swap.swapped) - swap.pool_bytes())
+    trainer.close()   # NVMe offload: the swap files go
     psi = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     padded = sum(b.layout.padded_numel for b in trainer.ddp.buffers)
     p_bytes, g_bytes = trainer.dtype.itemsize, trainer.ddp.grad_dtype.itemsize
@@ -79,7 +84,7 @@ def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
     owned = sum(b.layout.padded_numel // b.layout.dp_size for b in trainer.ddp.buffers)
     return dict(psi=psi, states=got["total"] - got["buckets"], buckets=got["buckets"],
                 bound=opt.bucket_bound_bytes(), before=before, peak=_status_kib("VmHWM") * 1024,
-                formula=formula, owned_state=12 * owned, pool=got.get("swap_buffers", 0))
+                formula=formula, owned_state=12 * owned, pool=got.get("swap_buffers", 0), params_saved=params_saved)
 
 
 def main() -> None:
@@ -103,6 +108,10 @@ def main() -> None:
     ap.add_argument("--offload-nvme-path", default=None, help="swap directory for nvme (default: a temporary one)")
     ap.add_argument("--sub-group-size", type=int, default=1_000_000, help="elements per swapped sub-group (nvme)")
     ap.add_argument("--offload-nvme-buffer-count", type=int, default=4)
+    ap.add_argument("--offload-param", default="none", help="comma-separated --offload-param values (none, cpu, "
+                    "nvme); cpu and nvme run at stage 3 with an offloaded optimizer only")
+    ap.add_argument("--offload-param-buffer-count", type=int, default=2)
+    ap.add_argument("--offload-param-max-in-cpu", type=int, default=0)
     knobs = ("prefetch-bucket-size", "max-live-parameters", "param-persistence-threshold",
              "max-reuse-distance")
     for k in knobs:   # ZeRO-3 knobs (elements); train.py's defaults when not given
@@ -120,24 +129,29 @@ def main() -> None:
     offload = {"none": [], "cpu": ["--offload-optimizer", "cpu"],
                "nvme": ["--offload-optimizer", "nvme", "--offload-nvme-path", swap, "--sub-group-size",
                         str(a.sub_group_size), "--offload-nvme-buffer-count", str(a.offload_nvme_buffer_count)]}
+    param = {"none": [], "cpu": ["--offload-param", "cpu"],
+             "nvme": ["--offload-param", "nvme", "--offload-nvme-path", swap, "--offload-param-buffer-count",
+                      str(a.offload_param_buffer_count), "--offload-param-max-in-cpu", str(a.offload_param_max_in_cpu)]}
     shards = [None] + ([] if a.zero_shard_size is None else [a.zero_shard_size])
-    runs: dict[tuple, list] = {(int(s), shard, o): [] for s in a.stages.split(",") for shard in shards
-                               for o in a.offload.split(",") if shard is None or int(s) >= 1}
+    runs: dict[tuple, list] = {(int(s), shard, o, po): [] for s in a.stages.split(",") for shard in shards
+                               for o in a.offload.split(",") for po in a.offload_param.split(",")
+                               if (shard is None or int(s) >= 1) and (po == "none" or (int(s) == 3 and o != "none"))}
     for _ in range(a.rounds):
-        for stage, shard, off in runs:
-            argv = (base + ["--zero-stage", str(stage)] + offload[off]
+        for stage, shard, off, poff in runs:
+            argv = (base + ["--zero-stage", str(stage)] + offload[off] + param[poff]
                     + ([] if shard is None else ["--zero-shard-size", str(shard)]))
-            runs[stage, shard, off].append(run_distributed(_rank, a.dp, argv, a.steps, timeout_s=1800))
+            runs[stage, shard, off, poff].append(run_distributed(_rank, a.dp, argv, a.steps, timeout_s=1800))
     psi = next(iter(runs.values()))[0][0]["psi"]
     print(f"GPT: {a.num_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}, seq {a.seq_length}, "
           f"micro-batch {a.micro_batch_size}; Psi = {psi} parameters; {'bf16' if a.bf16 else 'fp32'}; "
           f"dp {a.dp}; ZeRO-3 reshard after forward {a.zero3_reshard_after_forward}"
           f"{''.join(f', {k} {v}' for k, v in given)}; {a.steps} steps; {a.rounds} interleaved rounds; torch threads {torch.get_num_threads()}")
-    print("| ZeRO | optimizer offload | model states B/param (measured = formula) | temporaries MiB (bound) "
-          "| RSS before model MiB | peak RSS MiB (median of rounds, max over ranks) | peak - before MiB "
-          "| owned fp32 state (12 B x owned) - buffer pool MiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (stage, shard, off), rounds in runs.items():
+    print("| ZeRO | optimizer offload | parameter offload | model states B/param (measured = formula) "
+          "| temporaries MiB (bound) | RSS before model MiB | peak RSS MiB (median of rounds, max over ranks) "
+          "| peak - before MiB | owned fp32 state (12 B x owned) - buffer pool MiB "
+          "| swapped parameter shards - slots MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (stage, shard, off, poff), rounds in runs.items():
         r0 = rounds[0][0]
         # offload at ZeRO-3: the offload formulas do not count the whole (persistent) small buffers
         assert (off != "none" and stage == 3) or all(r["states"] == r["formula"] for rs in rounds for r in rs), \
@@ -145,9 +159,11 @@ def main() -> None:
         peak = statistics.median(max(r["peak"] for r in rs) for rs in rounds)
         before = statistics.median(max(r["before"] for r in rs) for rs in rounds)
         saved = f"{(r0['owned_state'] - r0['pool']) / MIB:.1f}" if off == "nvme" else ""
-        print(f"| {stage}{'' if shard is None else f' S={shard}'} | {off} | {r0['states'] / psi:.2f} ({r0['formula'] / psi:.2f}) | "
+        psaved = f"{r0['params_saved'] / MIB:.1f}" if poff == "nvme" else ""
+        print(f"| {stage}{'' if shard is None else f' S={shard}'} | {off} | {poff} | "
+              f"{r0['states'] / psi:.2f} ({r0['formula'] / psi:.2f}) | "
               f"{r0['buckets'] / MIB:.2f} ({r0['bound'] / MIB:.2f}) | {before / MIB:.0f} | "
-              f"{peak / MIB:.0f} | {(peak - before) / MIB:.0f} | {saved} |")
+              f"{peak / MIB:.0f} | {(peak - before) / MIB:.0f} | {saved} | {psaved} |")
     if a.offload_nvme_path is None:
         shutil.rmtree(swap, ignore_errors=True)
 

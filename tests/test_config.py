@@ -78,7 +78,13 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                             ["--offload-param cpu", "--offload-optimizer cpu"]),
     "offload_nvme_stage0": (M + ["--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp"], 1,
                             ["--offload-optimizer nvme", "--zero-stage 0"]),
-    "offload_param_nvme": (M + ["--offload-param", "nvme", "--zero-stage", "3"], 1, ["--offload-param", "nvme"]),
+    "offload_param_nvme": (M + ["--offload-param", "nvme", "--zero-stage", "3"], 1,
+                           ["--offload-param nvme", "--offload-optimizer cpu"]),
+    "offload_param_nvme_stage2": (M + ["--offload-param", "nvme", "--offload-optimizer", "cpu", "--zero-stage", "2",
+                                       "--offload-nvme-path", "/tmp"], 1,
+                                  ["--offload-param nvme", "--zero-stage 3", "got 2"]),
+    "offload_param_nvme_no_path": (M + ["--offload-param", "nvme", "--offload-optimizer", "cpu", "--zero-stage",
+                                        "3"], 1, ["--offload-param nvme", "--offload-nvme-path DIR"]),
     "no_data": ([], 1, ["--data-path", "--mock-data"]),
     "tokenizer_missing": (["--data-path", "{A}"], 1, ["--tokenizer-model"]),
     "tokenizer_file_absent": (["--data-path", "{A}", "--tokenizer-model", "{DIR}/no.model"], 1,
@@ -265,6 +271,10 @@ UNUSED = [  # (flags, world size, the warning, flags under which the setting app
      ["--overlap-param-gather", "off", "--zero-stage", "2"]),
     (["--zero-stage", "1", "--no-offload-pin-memory"], 1, "--no-offload-pin-memory has no effect without "
      "--offload-optimizer cpu or nvme; ignored", ["--zero-stage", "1", "--no-offload-pin-memory", "--offload-optimizer", "cpu"]),
+    (["--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu", "--offload-param-max-in-cpu", "0"], 1,
+     "--offload-param-max-in-cpu has no effect without --offload-param nvme (this run: --offload-param cpu); ignored",
+     ["--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "nvme", "--offload-param-max-in-cpu", "0",
+      "--offload-nvme-path", "/tmp"]),
     (["--recompute-num-layers", "2"], 1, "--recompute-num-layers has no effect without --recompute-granularity full; "
      "ignored", ["--recompute-num-layers", "2", "--recompute-granularity", "full", "--recompute-method", "block"]),
     (["--bf16", "--loss-scale", "1024"], 1, "--loss-scale has no effect without --fp16; ignored",
@@ -570,7 +580,7 @@ def test_offload_keys_are_read_from_deepspeed_json(files, capsys):
                                                                                   "pin_memory": False}}})
     z = config_from_argv(M + ["--deepspeed-config", path], 1).zero
     assert (z.offload_optimizer, z.offload_optimizer_pin_memory) == ("cpu", False)
-    for bad, key in (({"offload_param": {"device": "nvme"}}, "zero_optimization.offload_param.device"),
+    for bad, key in (({"offload_param": {"device": "disk"}}, "zero_optimization.offload_param.device"),
                      ({"offload_optimizer": {"device": "disk"}}, "zero_optimization.offload_optimizer.device"),
                      ({"cpu_offload": True}, "zero_optimization.cpu_offload")):
         path = files["json"]({"zero_optimization": {"stage": 2, **bad}})
@@ -595,6 +605,26 @@ def test_nvme_offload_keys_are_read_from_deepspeed_json(files, capsys):
     assert "'aio.block_size' is not honoured" in capsys.readouterr().err
     err = fails(M + ["--zero-stage", "2", "--offload-optimizer", "nvme"], 1, capsys)
     assert "--offload-optimizer nvme" in err and "--offload-nvme-path DIR" in err
+
+
+def test_offload_param_nvme_keys_are_read_from_deepspeed_json(files, capsys):
+    """offload_param.{device nvme, nvme_path, buffer_count, buffer_size, max_in_cpu} fill
+    --offload-param nvme and its knobs (the path is --offload-nvme-path, shared with the
+    optimizer's); pin_memory is named in the warning; two paths that disagree are refused naming
+    both keys; nvme at stage 2 exits 2 naming --zero-stage 3."""
+    block = {"device": "nvme", "nvme_path": "/tmp/p", "buffer_count": 3, "buffer_size": 2e4, "max_in_cpu": 1e3,
+             "pin_memory": True}
+    doc = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": block}}
+    z = config_from_argv(M + ["--dp", "2", "--deepspeed-config", files["json"](doc)], 2).zero
+    assert (z.offload_param, z.offload_nvme_path, z.offload_param_buffer_count, z.offload_param_buffer_size,
+            z.offload_param_max_in_cpu) == ("nvme", "/tmp/p", 3, 20_000, 1_000)
+    assert "'zero_optimization.offload_param.pin_memory' is not honoured" in capsys.readouterr().err
+    doc["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp/o"}
+    err = fails(M + ["--dp", "2", "--deepspeed-config", files["json"](doc, "two.json")], 2, capsys)
+    assert "zero_optimization.offload_optimizer.nvme_path" in err and "zero_optimization.offload_param.nvme_path" in err
+    doc["zero_optimization"].update(stage=2, offload_optimizer={"device": "cpu"})
+    err = fails(M + ["--dp", "2", "--deepspeed-config", files["json"](doc, "s2.json")], 2, capsys)
+    assert "zero_optimization.offload_param.device" in err and "--zero-stage 3" in err
 
 
 def test_cp_comm_type_at_cp_1_is_a_warning(capsys):

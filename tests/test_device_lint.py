@@ -42,6 +42,9 @@ HOST_TENSORS = {
     # NVMe offload (ZeRO-Infinity): the optimizer state lives in swap files and host buffers; a
     # checkpoint reads it whole into host memory, as cpu offload keeps it there.
     ("megazero/optim/nvme.py", "NvmeOffloadOptimizer._swap_in"): "the swapped optimizer state, read for a checkpoint",
+    # ZeRO-3 parameter shards on NVMe: a shard is built in host memory, written to its swap file
+    # and read back into host slots (megazero/data_parallel/param_swap.py)
+    ("megazero/data_parallel/zero3.py", "Stage3.init_params"): "a ZeRO-3 parameter shard kept in a swap file",
     # Hugging Face export: the tensors written to a safetensors file are host tensors.
     ("model/hf_moe.py", "extra_tensors"): "Qwen2-MoE's zero shared-expert gates, written to a file",
     # Layout-invariant initialisation (docs/design.md, contract 6): every full weight is drawn

@@ -79,7 +79,7 @@ def test_the_non_finite_line_names_everything():
     assert "backward" in R.describe_non_finite(3, None, None, vp_size=1)
 
 
-@pytest.mark.parametrize("text,err", [("nan:3", "KIND:ITERATION:RANK"), ("boom:1:2", "KIND nan, kill, term, savekill or swaptrunc")])
+@pytest.mark.parametrize("text,err", [("nan:3", "KIND:ITERATION:RANK"), ("boom:1:2", "KIND nan, kill, term, savekill, swaptrunc or paramtrunc")])
 def test_a_bad_fault_spec_is_refused(text, err):
     with pytest.raises(ValueError, match=err):
         R.parse_fault(text)

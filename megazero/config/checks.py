@@ -296,8 +296,9 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
 def _check_offload(cfg: Config, world_size: int) -> None:
     """--offload-optimizer cpu/nvme needs a sharded stage (1-3, as DeepSpeed) and CPU Adam kernels
     (nvme also --offload-nvme-path);
-    --offload-param cpu needs ZeRO-3 parameter shards (refused at stages 0-2) and the optimizer
-    offloaded too (cpu or nvme: the host shards are updated where they live)."""
+    --offload-param cpu/nvme needs ZeRO-3 parameter shards (refused at stages 0-2) and the
+    optimizer offloaded too (cpu or nvme: the host shards are updated where they live); nvme
+    also --offload-nvme-path."""
     z = cfg.zero
     off = z.offload_optimizer
     if off != "none" and z.stage == 0:
@@ -314,13 +315,18 @@ def _check_offload(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"{show_flag(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
                           f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
                           "before each forward); fix: use --zero-stage 1 or 2, or --overlap-param-gather auto")
-    if z.offload_param == "cpu" and z.stage != 3:
-        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} cpu keeps ZeRO-3 parameter shards in host "
-                          f"memory and needs {show_flag(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
+    par = z.offload_param
+    where = "host memory" if par == "cpu" else "NVMe swap files"
+    if par != "none" and z.stage != 3:
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} {par} keeps ZeRO-3 parameter shards in {where} "
+                          f"and needs {show_flag(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
                           "--zero-stage 3, or remove it (--offload-optimizer cpu offloads the optimizer states)")
-    if z.offload_param == "cpu" and z.offload_optimizer == "none":
-        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} cpu needs the optimizer on the host too "
-                          "(it updates the host shards in place); fix: add --offload-optimizer cpu")
+    if par != "none" and z.offload_optimizer == "none":
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} {par} needs the optimizer on the host too "
+                          "(it updates the offloaded shards where they live); fix: add --offload-optimizer cpu")
+    if par == "nvme" and not z.offload_nvme_path:
+        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} nvme needs a directory for the swap files; "
+                          "fix: add --offload-nvme-path DIR (DeepSpeed: offload_param.nvme_path)")
 
 
 def _check_hybrid_shard(cfg: Config, world_size: int) -> None:

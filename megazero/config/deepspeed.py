@@ -8,11 +8,14 @@ min_loss_scale), ``bf16.enabled``, ``train_batch_size``, ``train_micro_batch_siz
 ``zero_optimization.offload_optimizer`` (``device`` cpu/nvme/none, ``pin_memory``, and for
 nvme ``nvme_path``, ``buffer_count``), ``zero_optimization.sub_group_size`` (the unit of the
 swapped optimizer step), ``aio.thread_count`` (threads of the swap I/O; the ``aio`` block's
-other knobs are named in a warning), ``offload_param`` (``device``: ZeRO-3 parameter shards
-in host memory), and ZeRO-3's
+other knobs are named in a warning), ``offload_param`` (``device`` cpu: ZeRO-3 parameter
+shards in host memory, nvme: in swap files; for nvme ``nvme_path``, which must agree with
+``offload_optimizer.nvme_path`` when both are given (one ``--offload-nvme-path``),
+``buffer_count``, ``buffer_size``, ``max_in_cpu``; ``pin_memory`` is named in a warning:
+the parameter slots are not page-locked), and ZeRO-3's
 ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
 ``stage3_param_persistence_threshold`` and ``stage3_max_reuse_distance`` (elements).
-``offload_param.device nvme`` and the legacy ``cpu_offload*`` switches are refused; other ``stage3_*`` keys and any
+The legacy ``cpu_offload*`` switches are refused; other ``stage3_*`` keys and any
 other unknown key give a warning. A key read whose setting has no effect in the run (the
 ``stage3_*`` knobs below stage 3, say) is named with its file by ``derive.unused_settings``.
 
@@ -66,6 +69,9 @@ _DS_KEYS = {
     "zero_optimization.sub_group_size": "zero.sub_group_size",
     "aio.thread_count": "zero.offload_nvme_io_threads",
     "zero_optimization.offload_param.device": "zero.offload_param",
+    "zero_optimization.offload_param.nvme_path": "zero.offload_nvme_path",
+    **{f"zero_optimization.offload_param.{k}": f"zero.offload_param_{k}" for k in
+       ("buffer_count", "buffer_size", "max_in_cpu")},
     "zero_optimization.mics_shard_size": "zero.zero_shard_size",
     **{f"zero_optimization.stage3_{k}": f"zero.zero3_{k}" for k in
        ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
@@ -125,9 +131,8 @@ def _refusal(key: str, value: Any) -> Optional[str]:
         return f"{key} must be a JSON object such as {{\"device\": \"cpu\"}}"
     if key == "zero_optimization.offload_optimizer.device" and value not in ("cpu", "nvme", "none"):
         return f"{key} {json.dumps(value)} (only cpu, nvme or none)"
-    if key == "zero_optimization.offload_param.device" and value not in ("cpu", "none"):
-        return (f"{key} {json.dumps(value)} (only cpu or none; ZeRO-3 parameter shards on NVMe are "
-                "not implemented, the optimizer state is: offload_optimizer.device nvme)")
+    if key == "zero_optimization.offload_param.device" and value not in ("cpu", "nvme", "none"):
+        return f"{key} {json.dumps(value)} (only cpu, nvme or none)"
     if key.startswith("zero_optimization.") and leaf in _OFFLOAD_KEYS and value:
         return f"{key} (DeepSpeed's legacy switch; use offload_optimizer: {{\"device\": \"cpu\"}})"
     return None
@@ -174,6 +179,11 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
                             "I/O is pread/pwrite on a pool of aio.thread_count threads (no libaio queue, "
                             "blocks or events); ignored")
             continue
+        if key == "zero_optimization.offload_param.pin_memory":
+            warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero page-locks "
+                            "the shards of offload_param.device cpu on CUDA always and never the host slots of "
+                            "device nvme; ignored")
+            continue
         if name is None and key.startswith("zero_optimization.stage3_"):
             warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's ZeRO-3 "
                             "reads stage3_prefetch_bucket_size, stage3_max_live_parameters, "
@@ -188,6 +198,10 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         value = _coerce(raw, setting_named(name).base, f"{key} in {path}")
         src = cfg.sources.get(name, "")
+        if src.endswith(f" in {path}") and get_value(cfg, name) != value:   # two keys, one setting
+            raise ConfigError(f"{src.split(' in ')[0]} = {json.dumps(get_value(cfg, name))} and {key} = "
+                              f"{json.dumps(raw)} in {path} disagree (megazero has one {setting_named(name).flag}); "
+                              "fix: make them agree or drop one")
         if src.startswith("--"):
             current = get_value(cfg, name)
             if current != value:

@@ -59,7 +59,9 @@ class Needs:
 
 
 _ZERO3 = Needs("zero.stage", (3,))
+_PARAM_NVME = Needs("zero.offload_param", ("nvme",))
 _NVME = Needs("zero.offload_optimizer", ("nvme",))
+_ANY_NVME = Needs("zero.offload_optimizer", ("nvme",), alt=_PARAM_NVME)
 _FP16 = Needs("precision.fp16", (True,))
 _DYNAMIC_SCALE = (_FP16, Needs("precision.loss_scale", (0.0,)))
 _REAL_DATA = Needs("train.mock_data", (False,))
@@ -402,7 +404,7 @@ class ZeroConfig:
     # zero_optimization.sub_group_size and aio.thread_count
     offload_nvme_path: Optional[str] = _f(None, "directory of the NVMe swap files (one fresh directory per "
                                           "rank and run under it, removed at exit; DeepSpeed's nvme_path)",
-                                          "path", applies=_NVME)
+                                          "path", applies=_ANY_NVME)
     offload_nvme_buffer_count: int = _f(4, "host buffers the swapped optimizer step cycles sub-groups "
                                         "through (DeepSpeed's offload_optimizer.buffer_count)", "buffers",
                                         ge=1, applies=_NVME)
@@ -411,10 +413,21 @@ class ZeroConfig:
                              applies=_NVME)
     offload_nvme_io_threads: int = _f(1, "threads doing the swap-file reads and writes (DeepSpeed's "
                                       "aio.thread_count)", "threads", ge=1, applies=_NVME)
-    offload_param: str = _f("none", "where ZeRO-3 parameter shards live between uses: none or cpu "
-                            "(host memory, copied to the device for each all-gather; needs stage 3)",
-                            choices=("none", "cpu"),
+    offload_param: str = _f("none", "where ZeRO-3 parameter shards live between uses: none, cpu "
+                            "(host memory, copied to the device for each all-gather) or nvme (swap files "
+                            "under --offload-nvme-path, read for each all-gather; ZeRO-Infinity); needs stage 3",
+                            choices=("none", "cpu", "nvme"),
                             flags=("--offload-param",))
+    # DeepSpeed's offload_param.{buffer_count, buffer_size, max_in_cpu} (device nvme)
+    offload_param_buffer_count: int = _f(5, "parameter shards in host memory at once with --offload-param "
+                                         "nvme (DeepSpeed's offload_param.buffer_count)", "buffers", ge=1,
+                                         applies=_PARAM_NVME)
+    offload_param_buffer_size: int = _f(100_000_000, "most elements of one swapped parameter shard with "
+                                        "--offload-param nvme (DeepSpeed's offload_param.buffer_size)",
+                                        "elements", ge=1, applies=_PARAM_NVME)
+    offload_param_max_in_cpu: int = _f(1_000_000_000, "elements of parameter shards kept in host memory, never "
+                                       "swapped, with --offload-param nvme (DeepSpeed's offload_param.max_in_cpu)",
+                                       "elements", ge=0, applies=_PARAM_NVME)
 
 
 @dataclass

@@ -51,6 +51,7 @@ from torch import nn
 from megazero import collectives as C
 from megazero.data_parallel.finalize import finalize_model_grads
 from megazero.data_parallel.grad_buffer import GradBuffer, Range
+from megazero.data_parallel.param_swap import ParamSwapper
 from megazero.data_parallel.sharding import ShardedBuffer, Stage2
 from megazero.data_parallel.stages import make_strategy
 from megazero.data_parallel.zero3_gather import Zero3Gather, Zero3Options, split_units
@@ -111,7 +112,9 @@ class DataParallel:
         self.zero3 = None
         if self.strategy.gathers_on_demand:
             opts = replace(zero3 or Zero3Options(), reshard_after_forward=reshard_after_forward)
-            self.strategy.offload_param = opts.offload_param
+            self.strategy.offload_param = opts.offload_param or opts.param_swap is not None
+            self.strategy.param_swap = (None if opts.param_swap is None else   # NVMe: swap files
+                                        ParamSwapper(opts.param_swap, groups.rank))
             self.zero3 = Zero3Gather(self, opts)
         if bucket_size < 1 or buckets_in_flight < 1:
             raise ValueError(f"bucket_size ({bucket_size}) and buckets_in_flight "
@@ -278,11 +281,15 @@ class DataParallel:
     def zero_grad(self) -> None:
         """Start a step: zero the gradient storage and the bookkeeping.
 
-        Raises RuntimeError when reductions of the previous step are still in flight.
+        ZeRO-3 parameter shards on NVMe: every rank checks its swap file, one MAX all-reduce
+        over the world (``param_swap.ParamSwapper.check``). Raises RuntimeError when reductions
+        of the previous step are still in flight; SwapError on every rank for a bad swap file.
         """
         if self._pending:
             raise RuntimeError("zero_grad() with gradient reductions in flight: call "
                                "finish_grad_sync() (or optimizer.step()) first")
+        if self.param_swap is not None:
+            self.param_swap.check(self.groups.world, self.params[0].device)
         for buf in self.buffers:
             buf.grads.zero_()
             buf.staging.clear()
@@ -347,6 +354,13 @@ class DataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.param_swap is not None:
+            self.param_swap.close()   # the parameter swap file and its directory
+
+    @property
+    def param_swap(self):
+        """ZeRO-3 ``offload_param`` nvme: the rank's :class:`ParamSwapper`, else None."""
+        return getattr(self.strategy, "param_swap", None)
 
     def _sum_tied_on_rank(self) -> bool:
         """V layout (zb-v): both copies of the tied word embedding sit on this rank, the
@@ -399,12 +413,16 @@ class DataParallel:
         the flat buffers, or the shards at ZeRO-3 (gathered parameters are temporaries)."""
         return sum(b.param_bytes() if b.params_shard is None
                    else b.params_shard.numel() * b.params_shard.element_size()
-                   for b in self.buffers)
+                   for b in self.buffers if not getattr(b, "swapped", False)) + self._swap_pool_bytes()
+
+    def _swap_pool_bytes(self) -> int:
+        return 0 if self.param_swap is None else self.param_swap.pool_bytes()
 
     def host_param_bytes(self) -> int:
-        """Bytes of the parameter shards kept in host memory (ZeRO-3 ``offload_param``)."""
+        """Bytes of the parameter shards kept in host memory (ZeRO-3 ``offload_param``; on
+        NVMe the ``max_in_cpu`` resident shards plus the bound of the swap pool's slots)."""
         return sum(b.params_shard.numel() * b.params_shard.element_size() for b in self.buffers
-                   if getattr(b, "offloaded", False))
+                   if getattr(b, "offloaded", False) and not getattr(b, "swapped", False)) + self._swap_pool_bytes()
 
     def pinned_bytes(self) -> int:
         """Bytes of page-locked host memory held by the buffers (the ZeRO-3 ``offload_param``

@@ -27,6 +27,8 @@ Psi = elements of the buffer), chosen once by
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -85,6 +87,11 @@ class ShardingStrategy:
 
     def release(self, buf: "ShardedBuffer") -> None:
         """Drop what ``gather`` made after compute (ZeRO-3)."""
+
+    def shard_on_host(self, buf: "ShardedBuffer"):
+        """Context in which ``buf``'s parameter storage holds its values (always, but for ZeRO-3
+        shards on NVMe)."""
+        return contextlib.nullcontext()
 
     def owned_param_view(self, buf: "ShardedBuffer", own) -> torch.Tensor:
         """1-D view of the model parameters of an owned run (model dtype)."""

@@ -20,7 +20,9 @@ schedule of gathers, prefetches and releases is :mod:`megazero.data_parallel.zer
 With ``offload_param`` (ZeRO-Infinity's ``offload_param: {device: cpu}``, Rajbhandari et al.
 2021) the shard lives in host memory between uses (one exactly-sized ``HostArena`` per
 buffer, page-locked on CUDA) and is copied to the device bucket by bucket just before its
-all-gather.
+all-gather. With ``param_swap`` (``offload_param: {device: nvme}``) the shards live in a swap
+file instead and are read into a bounded set of host slots for each gather and rebuilt from
+the optimizer's main params after the step (:mod:`megazero.data_parallel.param_swap`).
 Persistent memory is (p + g + m + 8) Psi / N per rank (the p Psi / N part on the host with
 offload) plus the gathered units while they compute.
 """
@@ -36,12 +38,15 @@ from megazero.data_parallel.sharding import Stage2
 class Stage3(Stage2):
     """ZeRO-3: parameter shards, gathered per gather unit around forward and backward.
 
-    ``offload_param`` (set before any buffer is built): keep ``params_shard`` in host memory.
+    ``offload_param`` (set before any buffer is built): keep ``params_shard`` in host memory;
+    ``param_swap`` (a :class:`~megazero.data_parallel.param_swap.ParamSwapper`, or None): keep
+    it in the swap file (``buf.swapped``) beyond the swapper's ``max_in_cpu`` elements.
     """
 
     stage = 3
     gathers_on_demand = True
     offload_param = False
+    param_swap = None
 
     def init_params(self, buf, values) -> None:
         """Keep only this rank's shard of the parameters (host memory with offload: one exactly
@@ -51,8 +56,10 @@ class Stage3(Stage2):
         an unmaterialized stage (``model.gpt.GPTStage(materialize=False)``), more than one
         parameter's partition. The parameters are then released (zero-stride placeholders)."""
         layout, device = buf.layout, buf.device
-        buf.host_arena = None
-        if self.offload_param:   # zero-filled: the padding stays 0
+        buf.host_arena, buf.swapped = None, False
+        if self.param_swap is not None:   # its own storage: resized to 0 bytes when swapped out
+            buf.params_shard = torch.zeros(layout.shard_numel, dtype=buf.param_dtype, device="cpu")
+        elif self.offload_param:   # zero-filled: the padding stays 0
             buf.host_arena = HostArena([layout.shard_numel], buf.param_dtype, pin=can_pin(device))
             buf.params_shard = buf.host_arena.parts[0]
         else:
@@ -69,6 +76,8 @@ class Stage3(Stage2):
                 buf.params_shard[at:at + part.size].copy_(flat[part.start - r.start:part.end - r.start])
         buf.placeholder = torch.zeros(1, dtype=buf.param_dtype, device=device)
         buf.pending_gather, buf.offloaded, buf.full = None, self.offload_param, None
+        if self.param_swap is not None:
+            self.param_swap.add(buf)   # written to the swap file unless kept within max_in_cpu
         self.release(buf)
 
     def owned_param_view(self, buf, own):
@@ -86,6 +95,8 @@ class Stage3(Stage2):
                                           device=device)
         else:
             full.untyped_storage().resize_(layout.padded_numel * full.element_size())
+        if buf.swapped:   # NVMe: a slot, read from the swap file; given back in finish_gather
+            self.param_swap.acquire(buf, read=True, evict=self.finish_gather)
         works = []
         for b in layout.buckets:   # rank-major output == the bucket's world layout
             out = full[b.range.start:b.range.end]
@@ -104,6 +115,8 @@ class Stage3(Stage2):
             if w is not None:
                 w.wait()
         buf.pending_gather, buf.params_flat = None, full
+        if buf.swapped:
+            self.param_swap.drop(buf)   # the shard is unchanged until the step: nothing to write
         for p in buf.layout.params:
             r = buf.layout.param_range[id(p)]
             p.data = full[r.start:r.end].view_as(p)
@@ -125,10 +138,27 @@ class Stage3(Stage2):
         buf.params_flat = None
 
     def gather_params(self, buf, fill_shard, chunk_numel, group, dp_size):
-        """After the update: a separate fp32 copy is cast into the shard; no collective."""
+        """After the update: a separate fp32 copy is cast into the shard; no collective. A
+        swapped shard (NVMe) is rebuilt in a zero-filled slot from ``fill_shard``, written back
+        and dropped. ``fill_shard`` None: the optimizer wrote the shard already (NVMe offload of
+        the optimizer writes the owned runs while it walks its sub-groups)."""
+        if fill_shard is None:
+            return 0
+        if buf.swapped:
+            self.param_swap.acquire(buf, read=False, evict=self.finish_gather)
+            fill_shard(0, buf.layout.shard_numel, buf.params_shard)
+            self.param_swap.write_back(buf)
+            self.param_swap.drop(buf)
+            return 0
         if not buf.main_is_param:
             fill_shard(0, buf.layout.shard_numel, buf.params_shard)
         return 0
+
+    def shard_on_host(self, buf):
+        """Context in which ``buf.params_shard`` holds its values (NVMe: read into a slot)."""
+        if self.param_swap is None:
+            return super().shard_on_host(buf)
+        return self.param_swap.reading(buf, evict=self.finish_gather)
 
     def gather_bound_bytes(self, buf, chunk_numel, dp_size):
         return 0

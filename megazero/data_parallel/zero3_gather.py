@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from megazero.data_parallel.param_gather import eager_hook
+from megazero.data_parallel.param_swap import ParamSwapOptions
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,9 @@ class Zero3Options:
     ``param_persistence_threshold``: parameters with fewer elements stay whole;
     ``max_reuse_distance``: a unit used again within this many elements stays gathered;
     ``reshard_after_forward``: release after the forward (else keep until the step's end);
-    ``offload_param``: parameter shards in host memory between uses.
+    ``offload_param``: parameter shards in host memory between uses;
+    ``param_swap``: parameter shards in NVMe swap files between uses
+    (:class:`~megazero.data_parallel.param_swap.ParamSwapOptions`; None: not on NVMe).
     Defaults are DeepSpeed's, except the persistence threshold (DeepSpeed 100,000; here 0 so
     that a bare ``DataParallel`` shards every parameter; ``train.py`` passes the flag).
     """
@@ -54,6 +57,7 @@ class Zero3Options:
     max_reuse_distance: int = 1_000_000_000
     reshard_after_forward: bool = True
     offload_param: bool = False
+    param_swap: Optional[ParamSwapOptions] = None
 
 
 @dataclass(eq=False)

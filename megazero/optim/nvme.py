@@ -39,6 +39,12 @@ time is not done yet) and served as views, so the checkpoint format is the base 
 run saved with nvme resumes with cpu offload or none and the other way round. Writing into
 those views (a load) is followed by ``refresh_model_params``, which writes them to the file.
 
+With ZeRO-3's parameter shards on NVMe too (``--offload-param nvme``,
+``megazero/data_parallel/param_swap.py``) the model's owned runs of a swapped shard are written
+while the sub-groups are walked (``_param_runs``): the shard gets a zero-filled slot at its
+first run and is written to its own swap file at its last (local order is shard order, so one
+shard is held at a time), and ``_shard_filler`` gives None for it (nothing left to fill).
+
 The swap directory ``<nvme_path>/megazero-<run id>-rank<r>`` is created fresh for each
 optimizer and removed with its file by :meth:`close` (or when the optimizer is collected, or
 at interpreter exit).
@@ -54,13 +60,12 @@ from typing import Callable
 
 import torch
 
-from megazero import collectives as C
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.host_memory import HostArena
 from megazero.data_parallel.sharding import ShardedBuffer
 from megazero.ops.adam import adam_step_lists
 from megazero.optim.offload import HostOffloadOptimizer
-from megazero.optim.swap import BYTES_PER_ELEMENT, IoCounter, SwapError, SwapFile
+from megazero.optim.swap import BYTES_PER_ELEMENT, IoCounter, SwapFile, check_everywhere
 from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups
 
@@ -147,8 +152,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         def first(k, main, m, v):
             m.zero_()
             v.zero_()
-            for view, lo, hi in self._sg_params[k]:
-                main[lo:hi].copy_(view)
+            self._param_runs(k, lambda view, lo, hi: main[lo:hi].copy_(view), write=False)
         self._walk(first, read=False)
 
     def _plan_sub_groups(self) -> None:
@@ -162,14 +166,39 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         self.pool_arena = HostArena([3 * longest] * self.buffer_count, torch.float32, pin=self.pin_memory,
                                     registrar=self.registrar)
         self.buffers = self.pool_arena.parts
-        owned = [(self.offsets[i] + own.local.start, buf.owned_param_values(own))
-                 for i, buf in enumerate(self.ddp.buffers) for own in buf.owned()]
+        owned = []
+        for i, buf in enumerate(self.ddp.buffers):
+            with buf.strategy.shard_on_host(buf):   # views of a swapped shard are taken while it is held
+                owned += [(self.offsets[i] + own.local.start, buf.owned_param_values(own), buf,
+                           self.offsets[i] + buf.owned_numel()) for own in buf.owned()]
         self._sg_adam, self._sg_params = [], []
         for a, b in self.sub_groups:
             self._sg_adam.append([(max(s, a), min(e, b), d) for s, e, d in runs if s < b and e > a])
-            self._sg_params.append([(view[max(s, a) - s:min(s + view.numel(), b) - s], max(s, a) - a,
-                                     min(s + view.numel(), b) - a)
-                                    for s, view in owned if s < b and s + view.numel() > a])
+            # (view, lo, hi, swapped buffer or None, whether the run ends that buffer's shard)
+            pieces = []
+            for s, view, buf, end in owned:
+                if s < b and s + view.numel() > a:
+                    with buf.strategy.shard_on_host(buf):
+                        pieces.append((view[max(s, a) - s:min(s + view.numel(), b) - s], max(s, a) - a,
+                                     min(s + view.numel(), b) - a,
+                                     buf if getattr(buf, "swapped", False) else None, min(s + view.numel(), b) == end))
+            self._sg_params.append(pieces)
+
+    def _param_runs(self, k: int, fn: Callable, write: bool) -> None:
+        """``fn(view, lo, hi)`` on each model-parameter run of sub-group ``k`` in local order. A
+        ZeRO-3 shard on NVMe (``--offload-param nvme``) is given a slot at its first run (read
+        from its swap file when not ``write``, zero-filled when ``write``: its runs cover it
+        whole, padding included) and, at its last, written back (``write``) and dropped; runs
+        are in local order, so one shard is held at a time."""
+        swap = self.ddp.param_swap
+        for view, lo, hi, buf, last in self._sg_params[k]:
+            if buf is not None:
+                swap.acquire(buf, read=not write, evict=self.ddp.strategy.finish_gather)
+            fn(view, lo, hi)
+            if buf is not None and last:
+                if write:
+                    swap.write_back(buf)
+                swap.drop(buf)
 
     def _walk(self, fn: Callable, read: bool = True, write: bool = True) -> None:
         """``fn(k, main, exp_avg, exp_avg_sq)`` on each sub-group's state in a pool buffer, in
@@ -207,17 +236,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
 
     def _check_files(self) -> None:
         """Every rank checks its file, then one MAX all-reduce of the failure: all ranks stop."""
-        err = None
-        try:
-            self.file.check()
-        except SwapError as e:
-            err = e
-        flag = torch.tensor([0.0 if err is None else 1.0], device=self.device)
-        C.all_reduce_max(flag, self.groups.world)
-        if err is not None:
-            raise err
-        if flag.item() > 0:
-            raise SwapError("another rank's NVMe swap file failed its check (that rank names it)", local=False)
+        check_everywhere(self.file, self.groups.world, self.device)
 
     def _update(self, scale: float, coef: float, lr: float) -> None:
         """Check the files; gradients to the host, unscale, clip; then AdamW sub-group by
@@ -246,8 +265,8 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
                                     step=self.step_count, lr=lr, beta1=self.beta1, beta2=self.beta2,
                                     eps=self.eps, weight_decay=self.weight_decay if decays else 0.0,
                                     backend=self.adam_backend)
-            for view, lo, hi in self._sg_params[k]:
-                view.copy_(main[lo:hi])   # blocking: the buffer is refilled next
+            # blocking: the pool buffer is refilled next
+            self._param_runs(k, lambda view, lo, hi: view.copy_(main[lo:hi]), write=True)
         self._walk(adam)
         self.step_io = {"read": self.io.read - read0, "written": self.io.written - written0}
 
@@ -258,6 +277,8 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         DistributedOptimizer._update_model_params(self)
 
     def _shard_filler(self, buf: ShardedBuffer, mbase):
+        if buf.strategy.gathers_on_demand:
+            return None   # ZeRO-3: the owned runs are the shard, written in _update (_param_runs)
         return DistributedOptimizer._shard_filler(self, buf, None)   # from the model's owned runs
 
     # -- checkpoint state ----------------------------------------------------------------
@@ -301,13 +322,11 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
                 a, b = self.sub_groups[k]
                 for dst, src in zip(parts, whole):
                     dst.copy_(src[a:b])
-                for view, lo, hi in self._sg_params[k]:
-                    view.copy_(parts[0][lo:hi])
+                self._param_runs(k, lambda view, lo, hi: view.copy_(parts[0][lo:hi]), write=True)
             self._walk(put, read=False)
         else:
             def params(k, main, *_):
-                for view, lo, hi in self._sg_params[k]:
-                    view.copy_(main[lo:hi])
+                self._param_runs(k, lambda view, lo, hi: view.copy_(main[lo:hi]), write=True)
             self._walk(params, write=False)
         self._update_model_params()
         self.wait_param_gather()

@@ -93,7 +93,7 @@ class HostOffloadOptimizer(DistributedOptimizer):
         # fp32 models: the device owned runs <- the host main params, one list copy (phase 3)
         self._to_device = ([], [])
         for buf, mbase in zip(ddp.buffers, self.main_offsets):
-            if buf.main_is_param:
+            if buf.main_is_param and not getattr(buf, "swapped", False):   # NVMe: gather_params
                 for own in buf.owned():
                     self._to_device[0].append(buf.owned_param_values(own))
                     self._to_device[1].append(self._main[mbase + own.local.start:mbase + own.local.end])
@@ -145,21 +145,30 @@ class HostOffloadOptimizer(DistributedOptimizer):
         super()._update_model_params()
 
     def _shard_filler(self, buf: ShardedBuffer, mbase):
-        # fp32 models: the device params already hold the update (copied above)
-        return super()._shard_filler(buf, None if buf.main_is_param else mbase)
+        # fp32 models: the device params already hold the update (copied above); a ZeRO-3
+        # shard on NVMe is rebuilt from the host main params (zero3.Stage3.gather_params)
+        swapped = getattr(buf, "swapped", False)
+        return super()._shard_filler(buf, None if buf.main_is_param and not swapped else mbase)
 
     def formula(self) -> dict:
         """As the base class, with the optimizer's fp32 state on the host
         (:func:`offload_formula_bytes`): the total is device + host, main params 4 bytes per
-        owned element (kept on the host even for an fp32 model), and the note gives both sides."""
+        owned element (kept on the host even for an fp32 model), and the note gives both sides.
+        ZeRO-3 shards on NVMe (``ddp.param_swap``): the swapped shards' bytes are replaced by the
+        slots' bound (``ParamSwapper.pool_bytes``)."""
         split = {"device": 0.0, "host": 0.0}
         for psi, n in self.formula_terms():
             part = offload_formula_bytes(psi, n, self.ddp.strategy.stage, self._model_bytes(),
                                          self.ddp.grad_dtype.itemsize)
             split = {k: split[k] + part[k] for k in split}
+        swap, note = self.ddp.param_swap, ""
+        if swap is not None:   # ZeRO-3 shards on NVMe: the swapped ones are in the file, the slots on the host
+            swapped = sum(b.params_shard.numel() * b.params_shard.element_size() for b in swap.swapped)
+            split["device"] -= swapped - swap.pool_bytes()
+            note = f"; parameter shards on NVMe: {swapped} bytes swapped, {swap.pool_bytes()} bytes of slots"
         return dict(total=split["device"] + split["host"], main_bytes=4, note=(
             f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
-            f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)"))
+            f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)" + note))
 
     def model_state_bytes(self) -> dict[str, int]:
         """The base class's parts plus ``host_grads`` (the host fp32 gradient copy); the parts

@@ -217,9 +217,10 @@ class DistributedOptimizer:
     def _init_main_params(self) -> None:
         for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
             if mbase is not None:
-                for own in buf.owned():
-                    self._main[mbase + own.local.start:mbase + own.local.end].copy_(
-                        buf.owned_param_values(own))
+                with buf.strategy.shard_on_host(buf):   # ZeRO-3 on NVMe: read from the swap file
+                    for own in buf.owned():
+                        self._main[mbase + own.local.start:mbase + own.local.end].copy_(
+                            buf.owned_param_values(own))
 
     @property
     def main_param(self) -> torch.Tensor:

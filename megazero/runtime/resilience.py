@@ -200,16 +200,17 @@ def parse_fault(text: str) -> Optional[tuple[str, int, int, int]]:
     this rank at the start of that iteration, first attempt only), ``term`` (SIGTERM it there),
     ``savekill`` (SIGKILL it inside the background write of that iteration's ``--async-save``,
     once its tensor files are written and before the checkpoint is finished), ``swaptrunc``
-    (cut the last 12 bytes off that rank's NVMe swap file at the start of that iteration).
+    (cut the last 12 bytes off that rank's NVMe swap file at the start of that iteration),
+    ``paramtrunc`` (the same to its ZeRO-3 parameter swap file).
     Tests set it through the environment (``MEGAZERO_TEST_FAULT``); it is no user setting.
     Raises ValueError for another shape.
     """
     if not text:
         return None
     parts = text.split(":")
-    if parts[0] not in ("nan", "kill", "term", "savekill", "swaptrunc") or len(parts) not in (3, 4):
+    if parts[0] not in ("nan", "kill", "term", "savekill", "swaptrunc", "paramtrunc") or len(parts) not in (3, 4):
         raise ValueError(f"MEGAZERO_TEST_FAULT={text!r}: expected KIND:ITERATION:RANK[:MICROBATCH] "
-                         f"with KIND nan, kill, term, savekill or swaptrunc")
+                         f"with KIND nan, kill, term, savekill, swaptrunc or paramtrunc")
     nums = [int(x) for x in parts[1:]]
     return parts[0], nums[0], nums[1], nums[2] if len(nums) == 3 else 0
 
