@@ -24,7 +24,9 @@ blocking sends.
 Memory: a (micro-batch, chunk)'s input and output are kept from its forward to its
 backward and dropped right after it, so 1F1B keeps at most ``pp`` micro-batches alive on
 stage 0 while GPipe keeps all ``m``. Under a zero-bubble schedule each forward runs under
-its own ``weight_grad.SavedTensors`` boxes, and B keeps of them only what W reads.
+its own ``weight_grad.SavedTensors`` boxes, and B keeps of them only what W reads; a B
+on the first virtual stage followed at once by its W (all of ZB-H1's stage 0) runs as one
+plain backward (``_StageRun._fusable``), with 1F1B's memory.
 """
 from __future__ import annotations
 
@@ -254,6 +256,7 @@ class _StageRun:
         self.saved: dict = {}        # (mb, chunk) -> (input, output or loss), F to B
         self.boxes: dict = {}        # (mb, chunk) -> weight_grad.SavedTensors, F to B (split)
         self.weight_work: dict = {}  # (mb, chunk) -> weight_grad.WeightGradWork, B to W
+        self.fused: set = set()      # (mb, chunk) whose B ran the whole backward (_fusable)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
 
     def action(self, i: int, received: Optional[torch.Tensor], is_last_virtual: bool):
@@ -273,16 +276,35 @@ class _StageRun:
             if loss is not None:
                 self.loss_sum += loss.detach().double()
             return output
-        if a.kind == "W" or not self.split:
-            if self.before_backward is not None:   # gradients reach the buffers in this action
-                self.before_backward(a.chunk, i == self.last_grad[a.chunk])
-        if a.kind == "W":
-            backward_weight(self.weight_work.pop((a.microbatch, a.chunk)))
+        key = (a.microbatch, a.chunk)
+        if a.kind == "W" and key in self.fused:   # its B ran the whole backward
+            self.fused.discard(key)
             return None
+        fuse = self.split and a.kind == "B" and self._fusable(i)
+        if a.kind == "W" or not self.split or fuse:
+            if self.before_backward is not None:   # gradients reach the buffers in this action
+                self.before_backward(a.chunk, (i + 1 if fuse else i) == self.last_grad[a.chunk])
+        if a.kind == "W":
+            backward_weight(self.weight_work.pop(key))
+            return None
+        if fuse:   # nobody waits for this B's result: run B and W as one backward
+            self.fused.add(key)
+            self.boxes.pop(key, None)
+            return _backward(self.saved, a, received, self.scale_loss)
         if self.split:
             return _backward_input(self.saved, self.weight_work, a, received, self.scale_loss,
-                                   self.boxes.pop((a.microbatch, a.chunk), None))
+                                   self.boxes.pop(key, None))
         return _backward(self.saved, a, received, self.scale_loss)
+
+    def _fusable(self, i: int) -> bool:
+        """B at ``i`` followed at once by its own W, on the first virtual stage (no input
+        gradient to send, so W delays nobody): one fused backward is then the same
+        computation with 1F1B's memory (B's split would hold every layer's output gradient
+        until W) and the same gradients, accumulated in the same order."""
+        a = self.actions[i]
+        nxt = self.actions[i + 1] if i + 1 < len(self.actions) else None
+        return (nxt is not None and nxt.kind == "W" and (nxt.microbatch, nxt.chunk) == (a.microbatch, a.chunk)
+                and self.saved[(a.microbatch, a.chunk)][0] is None)
 
 
 def _exchange(links: StageLinks, sends: dict, recvs: dict, record: Optional[list]):
