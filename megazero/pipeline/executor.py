@@ -188,7 +188,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             received = None
             if recv is not None:   # (the inbox's wait for a message is idle time, not busy)
                 received = (local.pop(recv[2]) if recv[0] == "self" else by_tag[recv[2]]
-                            if inbox is None else inbox.get(recv, exchanges))
+                            if inbox is None else inbox.get(recv, exchanges, posted))
             start = time.perf_counter()
             output = run.action(i, received, send is None)
             if busy is not None:
@@ -196,9 +196,10 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             if send and send[0] == "self":
                 local[send[2]] = output.detach().clone()
             elif send and eager:
-                posted = [w for w in posted if not w.is_completed()]   # free finished sends
+                posted = [(q, t, w) for q, t, w in posted if not w.is_completed()]   # free finished sends
                 t_post = time.perf_counter()
-                posted += links.post_sends(**{f"send_{send[0]}": (output.detach(), send[2])})
+                posted += [(send[1], send[2], w)
+                           for w in links.post_sends(**{f"send_{send[0]}": (output.detach(), send[2])})]
                 if exchanges is not None:   # posted, not waited: done when posted
                     exchanges.append((t_post, t_post, [send[2]], []))
             elif send:
@@ -207,7 +208,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             # node holds the received input: drop it so memory matches the schedule.
             output = None
     _exchange(links, pending, {}, exchanges)
-    for work in posted:
+    for _, _, work in posted:
         work.wait()
     if run.saved or run.weight_work:
         raise ValueError(f"schedule left forwards without backward or W: "
@@ -223,15 +224,24 @@ class _Inbox:
     receives of a pair of ranks in posting order, ignoring tags; so does this inbox."""
 
     def __init__(self, links: StageLinks, r: int, p: int, vp_size: int, layout: str, schedule_of):
-        self.links, self.kept, self.queue = links, {}, {}
+        self.links, self.kept, self.queue, self.acked = links, {}, {}, {}
         for q in {(r - 1) % p, (r + 1) % p} - {r}:
-            self.queue[q] = [send[2] for a in schedule_of(q)
-                             for _, send in [comm_plan(a, q, p, vp_size, layout)]
-                             if send and send[0] != "self" and send[1] == r]
+            self.queue[q], consumed = [], set()
+            for a in schedule_of(q):
+                recv, send = comm_plan(a, q, p, vp_size, layout)
+                if recv and recv[0] != "self" and recv[1] == r:
+                    consumed.add(recv[2])
+                if send and send[0] != "self" and send[1] == r:
+                    self.queue[q].append(send[2])
+                    self.acked[send[2]] = frozenset(consumed)
 
-    def get(self, recv: tuple, record: Optional[list]) -> torch.Tensor:
+    def get(self, recv: tuple, record: Optional[list], posted: list) -> torch.Tensor:
         """The tensor of ``recv = (direction, peer stage, tag)``: receive the peer's messages
-        in its send order up to that tag."""
+        in its send order up to that tag. Each message received shows which of this stage's
+        sends the peer had consumed before sending it (``acked``, from the peer's schedule):
+        those are waited and dropped from ``posted`` (``(peer, tag, work)``), so their tensors
+        are freed then, not at the end of the step (gloo's ``is_completed`` stays False until
+        ``wait``)."""
         direction, peer, tag = recv
         while tag not in self.kept:
             if not self.queue[peer]:
@@ -239,6 +249,9 @@ class _Inbox:
             t = self.queue[peer].pop(0)
             got = _exchange(self.links, {}, {f"recv_{direction}": t}, record)
             self.kept[t] = got[0 if direction == "prev" else 1]
+            done = [i for i, (q, sent, _) in enumerate(posted) if q == peer and sent in self.acked[t]]
+            for i in reversed(done):   # the peer received these: their waits return at once
+                posted.pop(i)[2].wait()
         return self.kept.pop(tag)
 
 
