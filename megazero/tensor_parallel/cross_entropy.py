@@ -34,21 +34,17 @@ class _VocabParallelCE(torch.autograd.Function):
         start = rank * part
         cols = torch.arange(start, start + part, device=logits.device)    # (V/tp,) global ids
         padded = cols >= vocab_size
-        # one partition beside the logits at any time: x is shifted and exponentiated in place
-        x = logits.to(_compute_dtype(logits.dtype))
-        x = x.masked_fill(padded, float("-inf")) if x is logits else x.masked_fill_(padded, float("-inf"))
+        x = logits.to(_compute_dtype(logits.dtype)).masked_fill(padded, float("-inf"))
 
         gmax = x.max(dim=-1).values                                        # (B, T)
         C.all_reduce_max(gmax, group)
-        x.sub_(gmax.unsqueeze(-1))                                         # (B, T, V/tp)
+        x = x - gmax.unsqueeze(-1)                                         # (B, T, V/tp)
+        exp = x.exp()                                                      # padded -> 0
 
         mine = (target >= start) & (target < start + part)                 # (B, T)
         local_t = (target - start).masked_fill(~mine, 0)
         x_t = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        # label smoothing's sum of the shifted logits (only then: a partition-sized temporary)
-        sum_x = x.masked_fill(padded, 0.0).sum(-1) if eps > 0 else torch.zeros_like(x_t)
-        exp = x.exp_()                                                     # padded -> 0
-        sums = torch.stack([exp.sum(-1), x_t, sum_x])                      # (3, B, T)
+        sums = torch.stack([exp.sum(-1), x_t, x.masked_fill(padded, 0.0).sum(-1)])  # (3, B, T)
         C.all_reduce_sum(sums, group)
         sum_exp, x_target, sum_x = sums.unbind(0)
 
@@ -66,7 +62,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_t, mine, padded = ctx.saved_tensors
         eps, vocab_size = ctx.eps, ctx.vocab_size
-        grad = softmax   # (B, T, V/tp), in place as Megatron-LM: the graph is not run twice
+        grad = softmax.clone()                                             # (B, T, V/tp)
         hit = mine.to(grad.dtype) * (1.0 - eps)                            # (B, T)
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1))
         if eps > 0:
