@@ -309,6 +309,9 @@ class GPTStage(nn.Module):
         if groups.pp_size > 1 and cfg.tie_embeddings and (pre_process or post_process):
             tags.set_shared_embedding(self.embedding.word_embeddings.weight,
                                       counted_here=pre_process)
+        if post_process and not pre_process:   # the head's W would hold [B, T, V/tp]
+            tags.set_weight_grad_in_b(self.embedding.word_embeddings.weight if cfg.tie_embeddings
+                                      else self.output.weight)
         self._initial = InitialWeights(cfg, seed, groups.tp_size) if full_weights is None else full_weights
         self.materialized = False
         if materialize:

@@ -47,6 +47,8 @@ LAYOUTS = {  # name: (world, flags)
                                              "--untie-embeddings-and-output-weights"]),
     "pp2 ZB-V untied, 4 micro-batches": (2, ["--pp", "2", "--pipeline-schedule", "zb-v", "--global-batch-size", "8",
                                              "--untie-embeddings-and-output-weights"]),
+    "pp4 1F1B, 8 micro-batches": (4, ["--pp", "4", "--global-batch-size", "16"]),
+    "pp4 ZB-H1, 8 micro-batches": (4, ["--pp", "4", "--pipeline-schedule", "zb-h1", "--global-batch-size", "16"]),
     "dp2 ZeRO-1": (2, ["--dp", "2", "--zero-stage", "1", "--global-batch-size", "4"]),
     "dp2 ZeRO-2": (2, ["--dp", "2", "--zero-stage", "2", "--global-batch-size", "4"]),
     "tp2 pp2 dp2 SP ZeRO-1, full recompute, dropout": (

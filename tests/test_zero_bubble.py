@@ -241,7 +241,7 @@ def test_planner_counts_what_b_leaves_for_w():
     q, vocab = 4 * 2 * 128 * 64, gcfg.padded_vocab(1)
     # per layer: inputs 2 q + q + 4 q, output gradients 3 q + 4 q + 2 q; the embedding's q
     assert A.weight_grad_bytes(gcfg, a, 2, True, False, vocab) == q * (2 * 16 + 1)
-    assert A.weight_grad_bytes(gcfg, a, 2, False, True, vocab) == q * (2 * 16 + 1) + 4 * 2 * 128 * vocab
+    assert A.weight_grad_bytes(gcfg, a, 2, False, True, vocab) == q * 2 * 16 + 4 * vocab * 64   # + the head's dW
     for r, (first, last) in enumerate(((True, False), (False, True))):
         want = max(A.stage_activation_bytes(gcfg, a, [2], kept, first, last, 2, vocab, waiting)
                    for kept, waiting in inflight_pairs_of(build_schedule("zb-h1", 4, 2, r)))
@@ -253,7 +253,8 @@ def test_planner_counts_what_b_leaves_for_w():
 @pytest.mark.parametrize("pre, post", [(False, False), (True, False), (False, True)])
 def test_b_frees_what_w_does_not_read(pre, post):
     """After B a micro-batch keeps, of its saved tensors, only its linear layers' inputs (and
-    views of the weights, the embeddings' ids), plus the captured output gradients: together
+    views of the weights, the embeddings' ids), plus the captured output gradients and, on
+    the last stage, the output layer's weight gradient that B computed: together
     the planner's ``weight_grad_bytes`` exactly; W reading an emptied box raises instead of computing."""
     from megazero.planning import activations as A
     from model.config import GPTConfig
@@ -275,6 +276,8 @@ def test_b_frees_what_w_does_not_read(pre, post):
     kept = sum(t.untyped_storage().nbytes() for t in kept.values()) - indices
     grads = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
              for it in work.items for t in it.grads if t is not None}
+    grads.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()   # the head's, B computed
+                  for it in work.items if it.done for t in it.done if t is not None and t.dim() > 1})
     cfg = GPTConfig(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8,
                     make_vocab_size_divisible_by=16)
     a = A.ActivationSettings(micro_batch_size=2, tp=1, sequence_parallel=False, activation_bytes=4)

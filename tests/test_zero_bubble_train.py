@@ -54,8 +54,36 @@ def _run(rank, world, argv, steps=STEPS):
     return values, params
 
 
-def _runs(rank, world, argvs, steps=STEPS):
-    return [_run(rank, world, a, steps) for a in argvs]
+def _runs(rank, world, argvs, steps=STEPS, resume=None):
+    out = [_run(rank, world, a, steps) for a in argvs]
+    return out if resume is None else (out, _save_resume(rank, world, *resume))
+
+
+def _save_resume(rank, world, argv, save_at, ckpt, resume_argvs):
+    """Train ``save_at`` steps under ``argv`` and save; then, for each of ``resume_argvs``,
+    a new Trainer loads that checkpoint and trains to STEPS. Returns the losses of each part."""
+    import train
+    from megazero.config import config_from_argv, layout_topology
+    from megazero.process_groups import ProcessGroups
+
+    torch.set_num_threads(1)
+    out = []
+    for i, (a, steps) in enumerate([(argv, save_at)] + [(r, STEPS - save_at) for r in resume_argvs]):
+        cfg = config_from_argv(a + (["--load", ckpt] if i else []), world)
+        run = train.prepare_run(cfg)
+        groups = ProcessGroups.build(layout_topology(cfg))
+        trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+        if i:
+            trainer.load_checkpoint(ckpt)
+        losses = []
+        for _ in range(steps):
+            batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+            losses.append(trainer.train_step(batches).values["loss"])
+        if not i:
+            trainer.save_checkpoint(ckpt)
+        trainer.close()
+        out.append(losses)
+    return out
 
 
 def _compare(results, base, other, same_layout):
@@ -114,12 +142,15 @@ FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 TIED_V = ["--pp", "2", "--pipeline-schedule", "zb-v"]
 
 
-def test_zero_bubble_pp2_equals_1f1b_bit_for_bit():
+def test_zero_bubble_pp2_equals_1f1b_bit_for_bit(tmp_path):
     """pp 2, 4 micro-batches, 2 ranks: ZB-H1 and ZB-V against 1F1B and the reference; ZB-H1
     with full recomputation too (the forward replayed in B, its weights' gradients in W); ZB-V
     with tied embeddings (both copies on stage 0, their gradients summed on the rank: a sum of
     two, the same bits as the embedding group's all-reduce); ZB-H1 and ZB-V with MoE (router,
-    auxiliary losses and the shared expert: B runs the routing's backward, W the experts')."""
+    auxiliary losses and the shared expert: B runs the routing's backward, W the experts').
+    In the same ranks, ZB-V with tied embeddings saved at step 4 and resumed under ZB-V gives
+    the unbroken run's losses bit for bit; resumed under 1F1B (both embedding copies back on
+    their own stages), the same losses, which 1F1B and ZB-V share bit for bit."""
     layouts = dict(PP2, **{"1f1b recompute": (PP2["1f1b"][0] + FULL, None),
                            "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute"),
                            "zb-v tied": (TIED_V, "1f1b"),
@@ -127,8 +158,14 @@ def test_zero_bubble_pp2_equals_1f1b_bit_for_bit():
                            "zb-h1 moe": (PP2["zb-h1"][0] + MOE, "1f1b moe"),
                            "zb-v tied moe": (TIED_V + MOE, "1f1b moe")})
     names = list(layouts)
-    out = run_distributed(_runs, 2, [BASE + GBS + layouts[n][0] for n in names], timeout_s=600)
-    _check(layouts, out, names)
+    resume = (BASE + GBS + TIED_V, 4, str(tmp_path), [BASE + GBS + TIED_V, BASE + GBS + PP2["1f1b"][0]])
+    got = run_distributed(_runs, 2, [BASE + GBS + layouts[n][0] for n in names], resume=resume, timeout_s=900)
+    _check(layouts, [g[0] for g in got], names)
+    unbroken = [v[0] for v in got[0][0][names.index("zb-v tied")][0][:STEPS]]
+    for first, same, other in (g[1] for g in got):
+        assert first == unbroken[:4]
+        assert same == unbroken[4:], "zb-v resumed under zb-v"
+        assert other == unbroken[4:], "zb-v resumed under 1f1b"
 
 
 def _layouts4():

@@ -36,7 +36,10 @@ chunk): its two contributions are added here in B's order, not in the engine's.
 Vector boundaries (every parameter behind them 1-D: a norm's scale and shift, a bias added
 after a row-parallel reduction) have their weight gradients computed in B, from the same
 operator call as the input gradient, and kept (a few vectors) until W accumulates them: their
-W would hold the operator's input and output gradient for an O(h) result. Their parameters
+W would hold the operator's input and output gradient for an O(h) result. The output layer
+(its weight tagged ``weight_grad_in_b`` by the model) is treated alike: its W would hold the
+logits' gradient ``[B, T, V/tp]`` and its input ``[B, T, H]`` from B to W, where B's result
+is ``[V/tp, H]`` (B then costs that matmul more; docs/performance.md). Their parameters
 still receive their gradients in W, so gradient hooks and bucket order do not change.
 
 Memory: B retains the graph for W, but the executor runs each chunk's forward (and its B, where
@@ -67,6 +70,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from megazero.pipeline.saved_tensors import SavedTensors, SplitBackwardError, boxes_of, empty_after_run
+from megazero.tensor_parallel.tags import is_weight_grad_in_b
 
 _MANY = object()   # more than one parameter reachable
 
@@ -235,10 +239,16 @@ def split_in_b_pass(outputs: list, grads: list, inputs: list) -> Optional[list]:
     return _split(outputs, grads, inputs, _B_PASSES[-1])
 
 
+def _grad_in_b(param_node) -> bool:
+    """A parameter whose weight gradient B computes: a vector (1-D), or one tagged
+    ``weight_grad_in_b`` (the output layer's: ``tensor_parallel.tags``)."""
+    return param_node.variable.dim() == 1 or is_weight_grad_in_b(param_node.variable)
+
+
 def _is_vector(bound, matrix_params: set) -> bool:
-    """A boundary whose parameters are all 1-D and reached by no matrix boundary: its weight
-    gradients are computed in B (module docstring)."""
-    return all(p.variable.dim() == 1 and p not in matrix_params for p in bound[2])
+    """A boundary whose parameters all have their gradients computed in B (``_grad_in_b``)
+    and are reached by no matrix boundary (module docstring)."""
+    return all(_grad_in_b(p) and p not in matrix_params for p in bound[2])
 
 
 def _split(outputs: list, grads: list, inputs: list, work: WeightGradWork) -> list:
@@ -248,7 +258,7 @@ def _split(outputs: list, grads: list, inputs: list, work: WeightGradWork) -> li
     input_nodes = {torch.autograd.graph.get_gradient_edge(x).node for x in inputs}
     info = _classify(roots, input_nodes)
     bounds = _boundaries(roots, info)
-    matrix = {p for b in bounds if not all(q.variable.dim() == 1 for q in b[2]) for p in b[2]}
+    matrix = {p for b in bounds if not all(_grad_in_b(q) for q in b[2]) for p in b[2]}
     vector = [_is_vector(b, matrix) for b in bounds]
     edges = [GradientEdge(node, i) for (node, _, _), v in zip(bounds, vector) if not v
              for i in range(_num_inputs(node))]

@@ -190,8 +190,10 @@ def weight_grad_bytes(g, a: ActivationSettings, num_layers: int, first_stage: bo
     ``q ffn/(H t)``; the output gradients the q/k/v's ``q (h + 2 G)/(h t)``, the first MLP
     linear's ``q ffn (2 with SwiGLU)/(H t)`` and the two row-parallel linears' partial sums
     ``q`` each. The first stage adds the embedding's output gradient ``q/t_sp``, the last
-    stage the output layer's input ``q`` and the logits' gradient ``b s V_pad / t``. Norms and
-    bias additions get their gradients in B (a few vectors, not counted)."""
+    stage the output layer's weight gradient ``V_pad h / t``, which B computes (tagged
+    ``weight_grad_in_b``: its W would hold the layer's input ``q`` and the logits' gradient
+    ``b s V_pad / t``). Norms and bias additions get their gradients in B (a few vectors,
+    not counted)."""
     q, t = _q(g, a), a.tp
     t_sp = t if a.sequence_parallel else 1
     qkv = (g.num_attention_heads + 2 * g.kv_heads) / g.num_attention_heads
@@ -203,7 +205,7 @@ def weight_grad_bytes(g, a: ActivationSettings, num_layers: int, first_stage: bo
     if first_stage:
         elements += q / t_sp
     if last_stage:
-        elements += q + a.micro_batch_size * (g.seq_length // a.cp) * padded_vocab / t
+        elements += padded_vocab * g.hidden_size / t
     return elements * a.activation_bytes
 
 

@@ -10,6 +10,9 @@ else (never parameter names):
 - ``sequence_parallel`` (bool): a TP-replicated parameter that sees sequence-partitioned
   activations (LayerNorm weight/bias, row-parallel bias under ``--sequence-parallel``): its
   gradient must be summed over the TP group (Korthikanti et al. 2022, sec. 4.2.2).
+- ``weight_grad_in_b`` (bool): under a zero-bubble schedule, B computes this parameter's
+  weight gradient and hands it to W (``pipeline/weight_grad.py``): the output layer's, whose
+  W would otherwise hold the logits' gradient ``[B, T, V/tp]`` from B to W.
 - ``shared_embedding`` (bool): one copy of a weight tied across pipeline stages (word
   embedding on the first stage, output layer on the last); the copy on the last stage is
   not counted again by norms.
@@ -50,6 +53,16 @@ def set_expert_parallel(param: torch.Tensor) -> torch.Tensor:
     group, not over all dp x cp replicas (Megatron-LM marks these ``allreduce = False``)."""
     param.expert_parallel = True
     return param
+
+
+def set_weight_grad_in_b(param: torch.Tensor) -> torch.Tensor:
+    """Tag ``param`` so a split backward computes its weight gradient in B (module docstring)."""
+    param.weight_grad_in_b = True
+    return param
+
+
+def is_weight_grad_in_b(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "weight_grad_in_b", False))
 
 
 def is_expert_parallel(param: torch.Tensor) -> bool:
