@@ -8,17 +8,23 @@ killed. A run longer than ``timeout_s`` seconds raises ``TimeoutError`` (no hang
 
 fork is used instead of spawn: starting 8 ranks then costs no re-import of torch, which is
 most of the start-up time on a 2-core machine.
+
+``forked_train_main(args, run_dir)`` forks the ranks of a whole ``train.main`` run (torchrun's
+variables, no launcher) in the background, for the reference runs launched ones are compared with.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 
 class RankError(RuntimeError):
@@ -97,3 +103,61 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0,
                 p.kill()
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+def _train_main_rank(args, rank: int, world: int, port: int, log: str) -> None:
+    """One rank of ``forked_train_main``: torchrun's variables, one thread, ``train.main``."""
+    import torch
+
+    import train
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEGAZERO_RANKS_PER_NODE=str(world),
+                      MEGAZERO_PREFLIGHT_DONE="1", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    code = 1
+    try:
+        code = train.main(list(args))
+    except BaseException:  # noqa: BLE001 - the traceback goes to the log, the status to the parent
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@contextlib.contextmanager
+def forked_train_main(args, run_dir):
+    """A run of ``train.main(args + ["--run-dir", run_dir])`` on forked ranks, in the background:
+    what torchrun's ranks run, with torchrun's variables and one thread each (OMP_NUM_THREADS=1;
+    a launch compared bit for bit with it needs the same), world size from --tp/--cp/--pp/--dp.
+    For the reference runs that launched ones are compared with: a launch through
+    scripts/pretrain_gpt.sh imports torch in its preflight, in torchrun and in every rank (some
+    4 CPU-s each), a forked rank inherits the imports. Yields a function that waits for the ranks
+    (``timeout`` seconds) and asserts they exited 0; their output goes to RUN_DIR/ranks.log. The
+    ranks still alive on the way out are killed."""
+    size = {f: int(args[args.index(f) + 1]) if f in args else 1 for f in ("--tp", "--cp", "--pp", "--dp")}
+    world = size["--tp"] * size["--cp"] * size["--pp"] * size["--dp"]
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    log, port, ctx = str(Path(run_dir) / "ranks.log"), free_port(), mp.get_context("fork")
+    argv = list(args) + ["--run-dir", str(run_dir)]
+    procs = [ctx.Process(target=_train_main_rank, args=(argv, r, world, port, log)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+
+    def finished(timeout: float = 600):
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(1.0, deadline - time.monotonic()))
+        codes = [proc.exitcode for proc in procs]
+        assert codes == [0] * world, f"forked train.main: exit codes {codes}: " + Path(log).read_text()[-3000:]
+    try:
+        yield finished
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

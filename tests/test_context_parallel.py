@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_train import BASE, LLAMA, STEPS, _check_layout, _reference_losses, _train_layout, _train_layouts
+from tests.test_train import BASE, LLAMA, SWEEP_STEPS, _check_layout, _reference_losses, _train_layout, _train_layouts
 
 CP_LAYOUTS = {  # name -> (world size, flags)
     "cp2-p2p": (2, ["--cp", "2"]),
@@ -41,22 +41,22 @@ def runs():
     for world in sorted({w for w, _ in CP_LAYOUTS.values()}):
         keys = [(b, n) for b, n in CASES if CP_LAYOUTS[n][0] == world]
         argvs = [BASE + BLOCKS[b] + CP_LAYOUTS[n][1] for b, n in keys]
-        per_rank = run_distributed(_train_layouts, world, argvs, STEPS, timeout_s=900)
+        per_rank = run_distributed(_train_layouts, world, argvs, SWEEP_STEPS, timeout_s=900)
         out.update({k: [r[i] for r in per_rank] for i, k in enumerate(keys)})
     for b in BLOCKS:
-        out[(b, "single")] = run_distributed(_train_layout, 1, BASE + BLOCKS[b], STEPS)
+        out[(b, "single")] = run_distributed(_train_layout, 1, BASE + BLOCKS[b], SWEEP_STEPS)
     return out
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {b: _reference_losses(BASE + flags, STEPS) for b, flags in BLOCKS.items()}
+    return {b: _reference_losses(BASE + flags, SWEEP_STEPS) for b, flags in BLOCKS.items()}
 
 
 @pytest.mark.parametrize("block,name", CASES)
 def test_context_parallel_layout_equals_reference(name, block, runs, references):
-    """10 steps: losses equal the reference within 1e-5 relative, gradient norms the single
-    process's within 1e-6, every rank the same values, the same greedy sample."""
+    """6 steps (``SWEEP_STEPS``): losses equal the reference within 1e-5 relative, gradient
+    norms the single process's within 1e-6, every rank the same values, the same greedy sample."""
     _check_layout(name, runs[(block, name)], references[block], runs[(block, "single")][0],
                   clip=0.5 if block == "llama" else 1.0)
 
@@ -70,7 +70,7 @@ def test_p2p_and_a2a_give_the_same_losses(block, runs):
 
 def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path):
     """cp is not part of the saved state: saved at cp 2 (ZeRO-1, optimizer shards over the dp x cp
-    ranks) after 3 steps, resumed at cp 1 and at cp 4, the next 5 steps equal the
+    ranks) after 3 steps, resumed at cp 1 and at cp 4, the next 3 steps equal the
     uninterrupted cp 2 run within 1e-5 relative."""
     from tests.test_checkpoint_shards import ARGS, _close, _session
 

@@ -39,9 +39,13 @@ def train_records(run_dir):
 
 @pytest.mark.slow
 def test_two_layouts_log_the_same_losses_and_tensorboard_holds_them(tmp_path):
-    one = launch(TINY, tmp_path / "tp1")
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    three_d = launch(TINY + ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2"], tmp_path / "3d")
+    """The 3D layout launched; the one-rank run it is compared with runs train.main on a forked
+    rank beside it (``forked_train_main``: not a second launch, whose imports cost more than it)."""
+    from tests.distributed import forked_train_main
+
+    with forked_train_main(TINY, tmp_path / "tp1") as one:
+        three_d = launch(TINY + ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2"], tmp_path / "3d")
+        one()
     assert three_d.returncode == 0, three_d.stdout[-3000:] + three_d.stderr[-3000:]
     a, b = train_records(tmp_path / "tp1"), train_records(tmp_path / "3d")
     assert [r["iteration"] for r in a] == list(range(1, 7)) == [r["iteration"] for r in b]

@@ -3,7 +3,9 @@
 Real launches (gloo ranks on CPU, a tiny GPT on mock data, fp32, dropout on): a stop requested by
 a signal saves at one step boundary on every rank and the resumed run continues bit for bit; a
 NaN names where it appeared; torchrun restarts a group after a rank is killed. The seconds from
-each fault to the end (or the resume) are printed (pytest -s) for the notes.
+each fault to the end (or the resume) are printed (pytest -s) for the notes. The uninterrupted
+runs the launched ones are compared with are not launched: ``_uninterrupted`` forks their ranks
+and calls train.main, which saves each launch's imports of torch.
 """
 import contextlib
 import json
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import forked_train_main as _uninterrupted
 from tests.test_launcher import TINY, _pids, _start, launch, train_records
 
 pytestmark = pytest.mark.slow
@@ -84,16 +87,22 @@ def _same_losses(a: dict, b: dict, iterations) -> None:
         assert (a[it]["loss"], a[it]["grad_norm"]) == (b[it]["loss"], b[it]["grad_norm"]), it
 
 
+@pytest.fixture
+def one_thread(monkeypatch):
+    """OMP_NUM_THREADS=1 for this test's launches: the thread count of ``_uninterrupted``'s ranks,
+    so that launched and forked runs are bit for bit comparable on any number of cores."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 @pytest.mark.parametrize("layout", [[], ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1"]],
                          ids=["1x1x1", "2x2x2"])
-def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_path, layout):
+def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_path, layout, one_thread):
     args = BASE + layout
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
-    with _background(args, tmp_path / "full") as uninterrupted:
+    with _uninterrupted(args, tmp_path / "full") as uninterrupted:
         proc = _start(args + ["--save", str(ckpt)], run)
         out, err, took = _interrupt_after_two_steps(proc, run, lambda: proc.send_signal(signal.SIGTERM))
-        full = _finish(uninterrupted)
-    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
+        uninterrupted()
     assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-2000:]
     stop = int((ckpt / "latest").read_text())
     assert 2 <= stop < 12
@@ -148,7 +157,7 @@ def test_exit_interval_saves_and_exits_with_status_0(exit_interval_run):
     assert (ckpt / "latest").read_text().strip() == "4"
 
 
-def test_a_rank_killed_mid_run_is_restarted_and_the_run_equals_the_uninterrupted_one(tmp_path):
+def test_a_rank_killed_mid_run_is_restarted_and_the_run_equals_the_uninterrupted_one(tmp_path, one_thread):
     """kill -9 of rank 1 at iteration 7 of 12 (test hook) with --max-restarts 1 --save D --load D
     --save-interval 5: torchrun restarts the group, which resumes at 5 and finishes; iterations
     6-12 equal the uninterrupted run and the restart is in the log and the metrics file."""
@@ -156,11 +165,10 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_equals_the_uninterrupted
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:7:1")
     start = time.monotonic()
-    with _background(args, tmp_path / "full") as uninterrupted:
+    with _uninterrupted(args, tmp_path / "full") as uninterrupted:
         out = _launch_env(args + ["--max-restarts", "1", "--save", str(ckpt), "--load", str(ckpt),
                                   "--save-interval", "5", "--distributed-timeout-s", "60"], run, env)
-        full = _finish(uninterrupted)
-    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
+        uninterrupted()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = "[megazero] restart 1 of --max-restarts 1: resumed at iteration 5; 1 trained iteration(s) lost " \
            "(the last logged was 6)"
@@ -212,13 +220,13 @@ TWO_NODES = [a if a != "12" else "4" for a in BASE] + ["--tp", "2", "--dp", "2"]
 
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory):
-    """The run directory of TWO_NODES launched on one node: started in the background by the
-    first two-node test, shared by both (the function waits for it)."""
+    """The run directory of TWO_NODES run on one node (``_uninterrupted``: 4 forked ranks):
+    started in the background by the first two-node test, shared by both (the function waits
+    for it)."""
     run = tmp_path_factory.mktemp("one_node") / "one"
-    with _background(TWO_NODES, run) as proc:
+    with _uninterrupted(TWO_NODES, run) as wait:
         def finished():
-            one = _finish(proc)
-            assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+            wait()
             return run
         yield finished
 
@@ -251,7 +259,8 @@ def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path, backend, one_n
         assert a[it]["loss"] == pytest.approx(b[it]["loss"], rel=1e-6, abs=0), it
 
 
-def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_the_previous_latest(tmp_path):
+def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_the_previous_latest(tmp_path,
+                                                                                                   one_thread):
     """--async-save --save-interval 1 logs the losses of synchronous saves; rank 1 killed (-9)
     inside the background write of iteration 2's checkpoint, after its file is written, leaves
     latest = 1, which loads and verifies, and the relaunched run resumes from it and logs the
@@ -261,15 +270,16 @@ def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_th
     args = [a if a != "12" else "4" for a in BASE] + ["--dp", "2", "--save-interval", "1"]
     # rank 1 SIGKILLs itself inside the background write of iteration 2's checkpoint, once its
     # tensor file is on disk: latest stays 1, which loads, and the run resumes from it. The
-    # synchronous and the asynchronous run go on beside it.
+    # synchronous run (forked ranks, not launched) and the asynchronous run go on beside it.
     env = dict(os.environ, MEGAZERO_TEST_FAULT="savekill:2:1")
     c3 = tmp_path / "c3"
-    with _background(args + ["--save", str(tmp_path / "c1")], tmp_path / "sync") as sync_proc, \
+    with _uninterrupted(args + ["--save", str(tmp_path / "c1")], tmp_path / "sync") as sync, \
             _background(args + ["--save", str(tmp_path / "c2"), "--async-save"], tmp_path / "async") as async_proc:
         killed = _launch_env(args + ["--save", str(c3), "--async-save", "--distributed-timeout-s", "30"],
                              tmp_path / "killed", env)
-        sync, both = _finish(sync_proc), _finish(async_proc)
-    assert sync.returncode == 0 and both.returncode == 0, both.stdout[-2000:] + both.stderr[-2000:]
+        sync()
+        both = _finish(async_proc)
+    assert both.returncode == 0, both.stdout[-2000:] + both.stderr[-2000:]
     _same_losses(_last_records(tmp_path / "sync"), _last_records(tmp_path / "async"), range(1, 5))
     assert (tmp_path / "c2" / "latest").read_text().strip() == "4"
     assert f"[megazero] saving checkpoint {tmp_path}/c2/iter_0000004 (in the background, training blocked " \

@@ -14,6 +14,11 @@ import torch
 from tests.distributed import run_distributed
 
 STEPS = 10
+"""--train-iters of BASE (the LR schedule's length); the files that import it run this many steps."""
+SWEEP_STEPS = 6
+"""Steps each layout of the sweeps runs: the first 6 of BASE's 10-iteration schedule (warm-up,
+peak, decay; ``_check_layout`` asserts that clipping acts and that the last loss is below the
+first, which on the mock data holds from step 6 on). A sweep's CPU time is its ranks x steps."""
 BASE = ["--mock-data", "--vocab-size", "1001", "--num-layers", "4", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
         "--global-batch-size", "16", "--train-iters", str(STEPS), "--lr", "3e-3", "--min-lr", "3e-4",
@@ -75,7 +80,7 @@ def _reference_losses(argv, steps):
 
 @pytest.fixture(scope="module")
 def reference():
-    return _reference_losses(BASE, STEPS)
+    return _reference_losses(BASE, SWEEP_STEPS)
 
 
 MICRO1 = ["--micro-batch-size", "1"]  # dp 2 with 8 micro-batches per step
@@ -102,7 +107,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def single_run():
-    return run_distributed(_train_layout, 1, BASE, STEPS)[0]
+    return run_distributed(_train_layout, 1, BASE, SWEEP_STEPS)[0]
 
 
 def _train_layouts(rank, world, argvs, steps):
@@ -120,7 +125,7 @@ def layout_results(single_run):
         if name not in cache:
             world = LAYOUTS[name][0]
             names = [n for n, (w, _) in LAYOUTS.items() if w == world and n not in cache]
-            per_rank = run_distributed(_train_layouts, world, [BASE + LAYOUTS[n][1] for n in names], STEPS,
+            per_rank = run_distributed(_train_layouts, world, [BASE + LAYOUTS[n][1] for n in names], SWEEP_STEPS,
                                        timeout_s=300 * len(names))
             cache.update({n: [r[i] for r in per_rank] for i, n in enumerate(names)})
         return cache[name]
@@ -219,7 +224,7 @@ def test_zero3_layout_equals_reference(name, reference, single_run):
     norms the single process's within 1e-6, the same greedy sample (decoded through the
     gathering hooks)."""
     world, extra = ZERO3_LAYOUTS[name]
-    results = run_distributed(_train_layout, world, BASE + extra, STEPS, timeout_s=600)
+    results = run_distributed(_train_layout, world, BASE + extra, SWEEP_STEPS, timeout_s=600)
     _check_layout(name, results, reference, single_run)
 
 
@@ -238,13 +243,13 @@ def llama_runs():
     for world in sorted({w for w, _ in LAYOUTS.values()}):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
         argvs = [BASE + LLAMA + LAYOUTS[n][1] for n in names]
-        out[world] = names, run_distributed(_train_layouts, world, argvs, STEPS, timeout_s=600)
+        out[world] = names, run_distributed(_train_layouts, world, argvs, SWEEP_STEPS, timeout_s=600)
     return out
 
 
 @pytest.fixture(scope="module")
 def llama_reference():
-    return _reference_losses(BASE + LLAMA, STEPS)
+    return _reference_losses(BASE + LLAMA, SWEEP_STEPS)
 
 
 @pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))

@@ -26,6 +26,7 @@ from tests.reference import ReferenceGPT, train_reference, random_batches
 SEED = 99
 ADAM = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 GLOBAL_BATCH, STEPS, BUCKET = 16, 10, 301   # 301 elements: parameters straddle buckets
+EQUIV_STEPS = 5   # steps of the layout-equivalence runs (the loss-scale scripts need all STEPS)
 CLIP = 0.05
 
 
@@ -101,7 +102,7 @@ def _equivalence_run(rank, world, tp, batches):
             for overlap in (False, True):
                 C.counter.clear()
                 model, ddp, opt = build(cfg, groups, stage, overlap)
-                losses, _, state_bytes = train(model, ddp, opt, groups, batches, num_micro)
+                losses, _, state_bytes = train(model, ddp, opt, groups, batches, num_micro, len(batches))
                 rs_bytes = C.counter["reduce_scatter"]
                 check_state_bytes(ddp, opt, state_bytes, param_bytes=4, grad_bytes=4)
                 out[stage, num_micro, overlap] = dict(
@@ -148,7 +149,7 @@ def _check_equivalence(results, ref, check_bytes=True, tp=1):
             # every gradient element (the tied embedding too) is reduced exactly once per
             # step (stage 1) or once per micro-batch (stage 2)
             per_step = {0: 0, 1: 1, 2: num_micro}[stage]
-            assert not check_bytes or r["rs_bytes"] == 4 * r["padded"] * per_step * STEPS
+            assert not check_bytes or r["rs_bytes"] == 4 * r["padded"] * per_step * len(ref)
         for stage in (0, 1, 2):   # micro-batch 1 x 4 accumulation == micro-batch 4 x 1
             assert out[stage, 4, True]["losses"] == pytest.approx(
                 out[stage, 1, True]["losses"], rel=1e-5)
@@ -159,16 +160,16 @@ def _check_equivalence(results, ref, check_bytes=True, tp=1):
 
 def test_zero_matches_reference_dp2():
     cfg = tiny_cfg()
-    batches = make_batches(cfg, STEPS)
+    batches = make_batches(cfg, EQUIV_STEPS)
     results = run_distributed(_equivalence_run, 2, 1, batches)
-    _check_equivalence(results, reference(cfg, batches))
+    _check_equivalence(results, reference(cfg, batches, EQUIV_STEPS))
 
 
 @pytest.mark.slow
 def test_zero_matches_reference_dp4_and_tp2_dp2():
     cfg = tiny_cfg()
-    batches = make_batches(cfg, STEPS)
-    ref = reference(cfg, batches)
+    batches = make_batches(cfg, EQUIV_STEPS)
+    ref = reference(cfg, batches, EQUIV_STEPS)
     _check_equivalence(run_distributed(_equivalence_run, 4, 1, batches), ref)
     _check_equivalence(run_distributed(_equivalence_run, 4, 2, batches), ref,
                        check_bytes=False, tp=2)  # TP's sequence-parallel reduce-scatters count too
@@ -374,7 +375,7 @@ def _pipeline_steps(groups, chunks, ddp, opt, batches, kind, vp, num_micro, cfg)
     r, mb = groups.dp_rank, rows // num_micro
     actions = build_schedule(kind, num_micro, 2, groups.pp_rank, vp)
     losses = []
-    for step in range(STEPS):
+    for step in range(len(batches)):
         tokens, labels = (t[r * rows:(r + 1) * rows] for t in batches[step])
         micro = list(zip(tokens.chunk(num_micro), labels.chunk(num_micro)))
 
@@ -398,8 +399,8 @@ def _pipeline_steps(groups, chunks, ddp, opt, batches, kind, vp, num_micro, cfg)
 @pytest.mark.slow
 def test_zero_under_pipeline_parallelism_with_tied_embeddings():
     cfg = tiny_cfg(num_layers=4)
-    batches = make_batches(cfg, STEPS)
-    ref = reference(cfg, batches)
+    batches = make_batches(cfg, EQUIV_STEPS)
+    ref = reference(cfg, batches, EQUIV_STEPS)
     results = run_distributed(_pipeline_run, 4, batches, 4)
     for out in results:
         for key, r in out.items():
