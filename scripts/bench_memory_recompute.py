@@ -49,6 +49,14 @@ LAYOUTS = {  # name: (world, flags)
                                              "--untie-embeddings-and-output-weights"]),
     "pp4 1F1B, 8 micro-batches": (4, ["--pp", "4", "--global-batch-size", "16"]),
     "pp4 ZB-H1, 8 micro-batches": (4, ["--pp", "4", "--pipeline-schedule", "zb-h1", "--global-batch-size", "16"]),
+    # GPT-2's dropout and four (two) layers per stage: the same comparison where the head is a
+    # smaller share of the last stage and B keeps the dropout masks W does not need
+    "pp2 1F1B, 8 layers, dropout": (2, ["--pp", "2", "--global-batch-size", "8", "--num-layers", "8"] + DROPOUT),
+    "pp2 ZB-H1, 8 layers, dropout": (2, ["--pp", "2", "--pipeline-schedule", "zb-h1", "--global-batch-size", "8",
+                                         "--num-layers", "8"] + DROPOUT),
+    "pp4 1F1B, 8 layers, dropout": (4, ["--pp", "4", "--global-batch-size", "16", "--num-layers", "8"] + DROPOUT),
+    "pp4 ZB-H1, 8 layers, dropout": (4, ["--pp", "4", "--pipeline-schedule", "zb-h1", "--global-batch-size", "16",
+                                         "--num-layers", "8"] + DROPOUT),
     "dp2 ZeRO-1": (2, ["--dp", "2", "--zero-stage", "1", "--global-batch-size", "4"]),
     "dp2 ZeRO-2": (2, ["--dp", "2", "--zero-stage", "2", "--global-batch-size", "4"]),
     "tp2 pp2 dp2 SP ZeRO-1, full recompute, dropout": (
