@@ -9,7 +9,8 @@ reads per step and no device-wide synchronize at all, the step timer included (C
 read on log steps only: ``megazero.runtime.monitor.Timer``). In the optimizer step they count
 the kernel calls that scaled with the number of buckets: fused AdamW at most twice per buffer
 (one per weight-decay value), one multi-tensor norm call per step, whatever the number of
-bucket pieces. Gradients kept in the model dtype (``--grads-in-model-dtype``) are the
+bucket pieces (the CUDA path of ``optim.clip.squared_sum``, forced here: on the CPU it sums
+rows per piece). Gradients kept in the model dtype (``--grads-in-model-dtype``) are the
 exception: AdamW reads them from an fp32 scratch of one piece (the memory bound allows no
 more), so there it is at most 2 calls per piece (``DistributedOptimizer.windows``).
 """
@@ -69,6 +70,9 @@ def _counting_run(rank, world, argvs):
             return original(*a, **k)
         setattr(owner, name, counted)
         return original
+
+    from megazero.optim import clip
+    clip.uses_rows = lambda device: False   # count the norm's launches on the path CUDA takes
 
     out = {}
     tolist = wrap(torch.Tensor, "tolist", "reads")

@@ -72,6 +72,12 @@ def _cpu_piece_squares(flat: torch.Tensor) -> torch.Tensor:
     return sq
 
 
+def uses_rows(device: torch.device) -> bool:
+    """Whether ``squared_sum`` takes the rows path on ``device`` (the CPU) rather than the one
+    multi-tensor call (module docstring, "Precision and launches")."""
+    return device.type == "cpu"
+
+
 def squared_sum(tensors: Iterable[torch.Tensor], device=None) -> torch.Tensor:
     """Sum of squares of every element of ``tensors`` as a one-element fp64 tensor.
 
@@ -84,7 +90,7 @@ def squared_sum(tensors: Iterable[torch.Tensor], device=None) -> torch.Tensor:
     parts = [t for t in tensors if t.numel() > 0]
     if not parts:
         return torch.zeros(1, dtype=torch.float64, device=device)
-    if parts[0].device.type == "cpu":
+    if uses_rows(parts[0].device):
         return torch.stack([_cpu_piece_squares(t.reshape(-1)) for t in parts]).sum().reshape(1)
     norms = torch._foreach_norm(parts, 2, dtype=torch.float64)           # [()] per piece, fp64
     return torch.stack(norms).square().sum().reshape(1)
