@@ -34,9 +34,10 @@ and compared with one closed-form function per case below, derived from the algo
   ``crossing`` is every byte on a group that spans shard groups (that all-reduce and the world
   scalars), taken from ``collectives.by_group``.
 
-Every step also has three scalars: the inf/NaN flag (fp32, MAX over the world), the squared
-gradient norm (fp64, SUM over tp x pp, or over the world when ZeRO shards it) and the
-logged loss together with the four stop flags (five fp64 values, SUM over the world:
+Every step also has two scalars: the squared gradient norm (fp64, SUM over tp x pp, or over
+the world when ZeRO shards it), which is also the step's inf/NaN check (the fp32 flag's MAX
+all-reduce over the world runs only when that sum is not finite: ``DistributedOptimizer.step``),
+and the logged loss together with the four stop flags (five fp64 values, SUM over the world:
 ``megazero.runtime.resilience.agree``); each is counted only where its group has > 1 rank.
 
     python scripts/bench_comm.py           # prints one table, exits 1 on any mismatch
@@ -122,12 +123,12 @@ def params_per_rank(s: Shape) -> int:
 
 
 def scalars(s: Shape, zero_stage: int) -> dict:
-    """The step's three scalars: flag (fp32, world), norm (fp64, tp x pp or world), loss share
-    plus the SIGTERM/SIGINT/SIGUSR1/time stop flags (5 x fp64, world); the loss is also
+    """The step's two scalars: norm (fp64, tp x pp or world; it is also the inf/NaN check), loss
+    share plus the SIGTERM/SIGINT/SIGUSR1/time stop flags (5 x fp64, world); the loss is also
     broadcast from the last stage over pp (fp64)."""
     world, mp = s.tp * s.cp * s.pp * s.dp, s.tp * s.pp
     norm_group = world if zero_stage >= 1 else mp
-    out = {"all_reduce": F32 * (world > 1) + F64 * (norm_group > 1) + 5 * F64 * (world > 1)}
+    out = {"all_reduce": F64 * (norm_group > 1) + 5 * F64 * (world > 1)}
     if s.pp > 1:
         out["broadcast"] = F64
     return out

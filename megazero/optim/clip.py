@@ -40,7 +40,7 @@ partial sum is added in fp64. How, depends on the device (``squared_sum``):
 
 Either way, layouts that cut the gradient into other pieces agree far inside the 1e-9 the
 layout tests ask. The all-reduce runs in fp64 too, and nothing here reads the result on the
-host (``reduce_squared_sum``): the optimizer reads it together with the overflow flag, one
+host (``reduce_squared_sum``): the optimizer reads it once, and it doubles as the overflow check: one
 host synchronisation for both.
 """
 from __future__ import annotations

@@ -122,5 +122,25 @@ def _window(group, work_of: WorkOf, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
 
 
 def counted_views(pieces: list[Piece]) -> list[torch.Tensor]:
-    """The gradient views that count in the global norm (``Piece.counted``), in order."""
-    return [pc.grad[r.start:r.end] for pc in pieces for r in pc.counted]
+    """The gradient views that count in the global norm (``Piece.counted``), in order, views
+    that follow each other in memory joined into one (ZeRO-0/1 buckets of one buffer, ZeRO-2
+    shards): the CPU norm then takes a whole buffer's rows in one call, where pieces of at most
+    ``clip.SMALL`` elements each were upcast to fp64 whole (81 calls a step on bench_overhead's
+    model at its hidden^2 buckets), and CUDA's multi-tensor call gets fewer tensors."""
+    return join_adjacent([pc.grad[r.start:r.end] for pc in pieces for r in pc.counted])
+
+
+def join_adjacent(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``views`` (1-D, contiguous) with each run of views that continue one another in one
+    storage replaced by a single view of the run (same storage, no copy), in order."""
+    out: list[torch.Tensor] = []
+    for v in views:
+        u = out[-1] if out else None
+        if (u is not None and v.dim() == u.dim() == 1 and u.is_contiguous() and v.is_contiguous()
+                and u.dtype == v.dtype and u.device == v.device
+                and u.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                and u.storage_offset() + u.numel() == v.storage_offset()):
+            out[-1] = u.as_strided((u.numel() + v.numel(),), (1,), u.storage_offset())
+        else:
+            out.append(v)
+    return out

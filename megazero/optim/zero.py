@@ -10,6 +10,7 @@ never of the stage number: the moments are laid out in local coordinates
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,15 +73,20 @@ class DistributedOptimizer:
        elements on the wire per step), stage 1 reduce-scatter (Psi per step), stage 2
        reduce-scatter (Psi per micro-batch, mostly already done during backward); then the
        finalize step (sequence-parallel sums over TP, tied embeddings over their group).
-    2. overflow check on this rank's reduced gradients, then one MAX all-reduce of the flag
-       over the whole world; on overflow every rank skips, the loss scaler is updated and
-       the skip counted (``LossScaleError`` after ``max_consecutive_skips`` consecutive
-       skips at the minimum scale).
+    2. overflow check, from the sum of squares of step 4: an inf/NaN anywhere in the counted
+       gradients makes it inf/NaN on every rank (every gradient a rank does not count is a
+       bitwise copy of one another rank counts: TP-replicated, tied or DP-replicated). Only
+       then is the inf/NaN flag of this rank's reduced gradients taken and MAX all-reduced
+       over the whole world (``_has_non_finite``); in the common step no pass over the
+       gradients and no collective is spent on it (PyTorch's ``clip_grad_norm_`` with
+       ``error_if_nonfinite`` reads its norm the same way). On overflow every rank skips, the
+       loss scaler is updated and the skip counted (``LossScaleError`` after
+       ``max_consecutive_skips`` consecutive skips at the minimum scale).
     3. unscale by the loss scale used in backward, exactly once.
     4. global gradient norm (``clip.reduce_squared_sum``: one SUM all-reduce over the world
        when the owned gradients are sharded over DP, else over the model-parallel group),
-       then clip by it when ``clip_grad > 0``. The flag and the sum of squares are read on
-       the host together, after both all-reduces: the step's one host synchronisation.
+       then clip by it when ``clip_grad > 0``. The sum of squares is read on the host after
+       its all-reduce: the step's one host synchronisation.
     5. AdamW (``ops.adam.adam_step_lists``) on the owned fp32 main params; weight decay only
        on parameters whose ``tags.decays`` is True (the model's parameter spec; by default
        ``ndim >= 2``: biases and norm weights are not decayed, as in Megatron-LM): one
@@ -239,19 +245,17 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self, lr: Optional[float] = None) -> StepResult:
         """One optimizer step (phases 1-6 of the class docstring); ``lr`` defaults to the
-        constructor's. Reads the device once (the overflow flag with the sum of squares).
+        constructor's. Reads the device once (the sum of squares; twice when it is not finite).
         Raises LossScaleError (a RuntimeError) when stuck skipping."""
         lr = self.lr if lr is None else lr
         self.peak_step_bytes = 0
         self.wait_param_gather()   # normally done: the forward waited for every bucket
         self.ddp.finish_grad_sync()                                           # 1
         scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        flag = non_finite_flag(self._flag_grads).to(self.device)             # 2
-        C.all_reduce_max(flag, self.groups.world)
-        sq = reduce_squared_sum(self._counted, self.groups, device=self.device,   # 4
+        sq = reduce_squared_sum(self._counted, self.groups, device=self.device,   # 2 and 4
                                 sharded_over_dp=self._sharded_norm)
-        overflow, squares = torch.cat([flag.double(), sq]).tolist()   # the step's host sync
-        if overflow > 0:
+        squares = sq.item()   # the step's host sync
+        if not math.isfinite(squares) and self._has_non_finite():
             self._skip(scale)
             return StepResult(True, float("nan"), scale)
         if self.loss_scaler is not None:
@@ -263,6 +267,16 @@ class DistributedOptimizer:
         self._update(scale, coef, lr)                                        # 3-5
         self._update_model_params()                                           # 6
         return StepResult(False, norm, scale)
+
+    def _has_non_finite(self) -> bool:
+        """Whether any rank's reduced gradients hold an inf/NaN: the flag over this rank's pieces,
+        one MAX all-reduce over the world, read on the host. Asked only when the global sum of
+        squares is not finite (it is the same number on every rank, so every rank asks): an
+        inf/NaN gradient, or finite gradients whose squares overflow the fp32 rows of the CPU
+        norm (``optim.clip``), which are no overflow and keep today's inf norm."""
+        flag = non_finite_flag(self._flag_grads).to(self.device)
+        C.all_reduce_max(flag, self.groups.world)
+        return bool(flag.item() > 0)
 
     def _update(self, scale: float, coef: float, lr: float) -> None:
         """Phases 3-5 window by window: gradients into the scratch when not fp32, unscale,
