@@ -43,6 +43,12 @@ megazero-zero1/deepspeed-zero1: 0.79`` (each system's median over the floor's, d
 Model-state bytes per rank are the parameters, gradients and optimizer states this rank holds
 after a step (``to_local()`` shards for FSDP2, every distinct storage DeepSpeed's engine holds).
 
+Every rank keeps freed heap memory for reuse by default (``--allocator keep``: glibc's
+``M_TOP_PAD``, ``scripts/bench_overhead.keep_freed_memory``), the footing of a caching
+allocator, so no system's step is weighed by the page faults of memory glibc handed back to the
+kernel (a sixth of a step on this machine with the defaults); ``--allocator system`` keeps
+glibc's defaults.
+
     python scripts/bench_peers.py --rounds 5 --steps 4
 """
 from __future__ import annotations
@@ -312,7 +318,10 @@ def run_rank(rank: int, world: int, args, names) -> dict:
 
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
+    from scripts.bench_overhead import keep_freed_memory
 
+    if args.allocator == "keep":   # every system on a caching allocator's footing (bench_overhead)
+        keep_freed_memory()
     dp_groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
     tp_groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1)) if args.tp_layers else None
     gen = torch.Generator().manual_seed(5)
@@ -439,6 +448,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tp-accum", type=int, default=2, help="tp pair's micro-batches per step")
     ap.add_argument("--no-optional-peers", dest="optional", action="store_false",
                     help="skip DeepSpeed and Megatron-core even when they are installed")
+    ap.add_argument("--allocator", choices=("keep", "system"), default="keep",
+                    help="keep: glibc keeps freed heap memory in every rank (M_TOP_PAD 1 GiB, as a caching "
+                         "allocator does: scripts/bench_overhead.keep_freed_memory); system: glibc's defaults")
     args = ap.parse_args(argv)
     if args.tp_layers and args.world != 2:
         print(f"error: the tp pair runs at tp 2, got --world {args.world}: use --world 2 or "
@@ -456,7 +468,7 @@ def main(argv=None) -> int:
           f"micro-batch {args.micro} x {args.accum} per rank, bucket {bucket_size(args)}; tp pair: "
           + (f"{args.tp_layers} layers, hidden {args.tp_hidden}, heads {args.tp_heads}, seq "
              f"{args.tp_seq}, micro-batch {args.tp_micro} x {args.tp_accum}" if args.tp_layers else "none")
-          + f"; load average {load[0]:.1f} before, "
+          + f"; allocator {args.allocator}; load average {load[0]:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after")
     print("\n".join(report(res, names, args)))
     return 0

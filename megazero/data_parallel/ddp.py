@@ -188,6 +188,12 @@ class DataParallel:
             layout = GradBuffer(members, bucket_size, C.group_size(group), C.group_rank(group))
             buf = ShardedBuffer(layout, cid, shared, strategy, self.grad_dtype, values, group=group,
                                 divisor=self.dp_size, replica_group=replica)
+            # nothing to reduce: one rank, no replica, no division, gradients kept whole in the
+            # buffer (stages 0/1). The hook then only stores the gradient, copied over the
+            # range on its first micro-batch (no zeroing pass) and added after; ranges without
+            # a gradient are zeroed in finish_grad_sync (a plain loop's cost, issue 24 item 4)
+            buf.solo = (layout.dp_size == 1 and replica is None and buf.divisor == 1
+                        and not strategy.reduces_each_microbatch and self.zero3 is None)
             self.buffers.append(buf)
             made.append(buf)
             for i, p in enumerate(layout.params):
@@ -198,6 +204,15 @@ class DataParallel:
     def _on_grad(self, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None
         buf = self._owner[id(param)]
+        if buf.solo:   # no bucket to reduce: storing the gradient is the whole step
+            pr = buf.layout.param_range[id(param)]
+            with torch.no_grad():
+                if id(param) in buf.untouched:   # the step's first gradient: written, not added
+                    buf.untouched.discard(id(param))
+                    buf.grads[pr.start:pr.end].copy_(grad.reshape(-1))
+                else:
+                    buf.grads[pr.start:pr.end].add_(grad.reshape(-1))
+            return
         with torch.no_grad():
             self.strategy.accumulate(buf, param, grad.reshape(-1), self._stage_piece)
         idx = self._index[id(param)]
@@ -279,7 +294,9 @@ class DataParallel:
 
     # -- step side -----------------------------------------------------------------------
     def zero_grad(self) -> None:
-        """Start a step: zero the gradient storage and the bookkeeping.
+        """Start a step: zero the gradient storage and the bookkeeping (a buffer with nothing to
+        reduce, ``solo``, is not zeroed: each range is overwritten by its first gradient, and
+        ``finish_grad_sync`` zeroes the ranges that got none).
 
         ZeRO-3 parameter shards on NVMe: every rank checks its swap file, one MAX all-reduce
         over the world (``param_swap.ParamSwapper.check``). Raises RuntimeError when reductions
@@ -291,7 +308,10 @@ class DataParallel:
         if self.param_swap is not None:
             self.param_swap.check(self.groups.world, self.params[0].device)
         for buf in self.buffers:
-            buf.grads.zero_()
+            if buf.solo:   # the first gradient of each parameter overwrites its range (_on_grad)
+                buf.untouched = set(buf.layout.param_range)
+            else:
+                buf.grads.zero_()
             buf.staging.clear()
             buf.next_issue = 0
             buf.reset_tracking()
@@ -322,6 +342,13 @@ class DataParallel:
         if self._synced:
             return
         for buf in self.buffers:
+            if buf.solo:   # nothing to reduce; a parameter without a gradient this step gets zeros
+                with torch.no_grad():
+                    for key in buf.untouched:
+                        pr = buf.layout.param_range[key]
+                        buf.grads[pr.start:pr.end].zero_()
+                buf.untouched = set()
+                continue
             if buf.next_issue < len(buf.layout.buckets) or self.strategy.reduces_each_microbatch:
                 self._flush(buf)
         while self._pending:

@@ -315,6 +315,8 @@ class ShardedBuffer:
         self.grads = strategy.allocate_grads(layout, grad_dtype, self.device)
         self.staging: dict[int, torch.Tensor] = {}   # stage 2: bucket index -> [bucket size]
         self.next_issue = 0
+        self.solo = False   # set by DataParallel: no rank to reduce with, the hooks only store
+        self.untouched: set = set()   # solo: id of each parameter whose range holds no gradient of this step yet
         self.reset_tracking()
 
     def reset_tracking(self) -> None:

@@ -164,7 +164,8 @@ class RowParallelLinear(nn.Module):
     Input ``[B, T, in/tp]`` when ``input_is_parallel`` (else ``[B, T, in]``, split here).
     The partial products are summed over TP: output ``[B, T, out]`` (all-reduce), or
     ``[B, T/tp, out]`` with ``sequence_parallel`` (reduce-scatter along the sequence).
-    The bias ``[out]`` is replicated and added after the reduction; under sequence
+    The bias ``[out]`` is replicated and added after the reduction (at tp 1, with nothing to
+    reduce, inside the matmul as ``nn.Linear`` adds it: one pass fewer); under sequence
     parallelism it is tagged ``sequence_parallel`` since each rank sees only ``T/tp``
     tokens and its gradient must be summed over TP (``data_parallel.finalize``).
 
@@ -191,6 +192,8 @@ class RowParallelLinear(nn.Module):
                                           "RowParallelLinear.bias", sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:   # no partial sums to reduce: the bias joins the matmul (addmm), as in nn.Linear
+            return F.linear(x, self.weight, self.bias)               # (B, T, out)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)                  # (B, T, in/tp)
         partial = F.linear(x, self.weight)                           # (B, T, out), partial sum
