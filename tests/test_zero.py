@@ -4,6 +4,8 @@ fp32, dropout off. Each spawned run loops over many configurations (stage, overl
 gradient accumulation) so that ranks are started once per DP size. The oracle is
 ``tests/reference.py``'s ``train_reference`` (torch.optim.AdamW on the full batch).
 """
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from megazero import collectives as C
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.grad_buffer import GradBuffer, Range
+from megazero.optim import clip
 from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
 from megazero.precision import DynamicLossScaler, LossScaleError, cast_model_
 from megazero.process_groups import ProcessGroups
@@ -431,3 +434,54 @@ def test_single_gpu_matches_cpu():
             opt.step()
             losses[device].append(loss.item())
     assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-4)
+
+
+def test_overflow_check_from_the_norm_and_one_rank_buffers():
+    """One rank, nothing to reduce (``ShardedBuffer.solo``): the buffer is not zeroed between
+    steps and the step's overflow check is the norm's sum of squares.
+
+    - finite gradients whose squares overflow the CPU norm's fp32 rows (about 1e20) are no
+      overflow: the step runs with an inf norm, as when a separate inf/NaN pass decided;
+    - a NaN in one gradient element skips the step;
+    - a parameter without a gradient in a step reads zeros, not the previous step's gradient.
+    """
+    groups = ProcessGroups.single()
+    cfg = tiny_cfg(num_layers=1, vocab_size=4200)   # a buffer above clip.SMALL: fp32 rows
+    model, ddp, opt = build(cfg, groups, 0, False)
+    assert ddp.buffers and all(b.solo for b in ddp.buffers)
+    assert sum(b.grads.numel() for b in ddp.buffers) > clip.SMALL
+    tokens, labels = make_batches(cfg, 1)[0]
+
+    def backward(loss_of):
+        opt.zero_grad()
+        ddp.before_backward(0, True)
+        loss_of().backward()
+
+    backward(lambda: model(tokens, labels).sum())
+    for b in ddp.buffers:
+        b.grads.fill_(1e20)   # finite in fp32; its square is not
+    r = opt.step()
+    assert not r.skipped and math.isinf(r.grad_norm) and opt.skipped_steps == 0
+
+    model, ddp, opt = build(cfg, groups, 0, False)
+    backward(lambda: model(tokens, labels).sum())
+    ddp.buffers[0].grads[3] = float("nan")
+    r = opt.step()
+    assert r.skipped and math.isnan(r.grad_norm) and opt.skipped_steps == 1
+
+    backward(lambda: model(tokens, labels).sum())   # every range written, the NaN overwritten
+    assert bool(torch.isfinite(torch.cat([b.grads for b in ddp.buffers])).all())
+    assert not opt.step().skipped
+    # only the word embedding gets a gradient: every other range must read zero
+    backward(lambda: model.embedding.word_embeddings(tokens).sum())
+    ddp.finish_grad_sync()
+    word = model.embedding.word_embeddings.weight
+    for buf in ddp.buffers:
+        for p in buf.layout.params:
+            pr = buf.layout.param_range[id(p)]
+            g = buf.grads[pr.start:pr.end]
+            if p is word:
+                assert torch.equal(g, torch.bincount(tokens.flatten(), minlength=p.shape[0])
+                                   .repeat_interleave(p.shape[1]).to(g.dtype))
+            else:
+                assert not bool(g.any()), tuple(p.shape)
