@@ -153,6 +153,16 @@ def test_planner_counts_only_device_states_when_offloaded_to_a_gpu_host():
     gpu = plan(argv + ["--offload-optimizer", "cpu"], on_cuda=True)
     assert gpu.model_state_bytes == offload_formula_bytes(plain.params, 2, 2, 4, 4)["device"] \
         == 4 * plain.params + 4 * plain.params / 2
+    # ZeRO-3 with the parameter shards offloaded too (cpu or nvme): only the gradient shard
+    # stays on the GPU, g Psi / N; the gathered parameters are temporaries, the same either way
+    z3 = ["--mock-data", "--zero-stage", "3", "--dp", "2", "--device", "cpu", "--offload-optimizer", "cpu"]
+    opt_only = plan(z3, on_cuda=True)
+    assert opt_only.model_state_bytes == (4 + 4) * opt_only.params / 2
+    for where in ("cpu", "nvme"):
+        both = plan(z3 + ["--offload-param", where, "--offload-nvme-path", "/tmp/unused"], on_cuda=True)
+        assert both.model_state_bytes == 4 * both.params / 2, where
+        assert both.temporary_bytes == opt_only.temporary_bytes, where
+    assert plan(z3 + ["--offload-param", "cpu"]).model_state_bytes == plan(z3).model_state_bytes  # CPU run
 
 
 def test_offload_param_through_the_trainer_equals_no_parameter_offload():

@@ -205,7 +205,8 @@ def _inflight_pairs(schedule: str, pp: int, vp_size: int, num_microbatches: int)
 def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
              micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
              grad_bytes: int, sequence_parallel: bool, activations: Optional[A.ActivationSettings] = None,
-             buckets: Optional[tuple] = None, states_on_host: bool = False, cp: int = 1, ep: int = 1) -> MemoryEstimate:
+             buckets: Optional[tuple] = None, states_on_host: bool = False, cp: int = 1, ep: int = 1,
+             params_on_host: bool = False) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
 
@@ -214,7 +215,10 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     max live parameters]), the temporaries too (``activations.temporary_bytes``);
     without, the Korthikanti bound below is used. ``states_on_host``: the optimizer is
     offloaded to another memory than the one planned (``--offload-optimizer cpu`` on a GPU),
-    so only the device part of ``optim.offload.offload_formula_bytes`` counts. ``cp``: the
+    so only the device part of ``optim.offload.offload_formula_bytes`` counts;
+    ``params_on_host``: ZeRO-3's parameter shards live there too (``--offload-param cpu|nvme``
+    on a GPU), so their ``p Psi / N`` leaves the device's count as well (the gathered parameters
+    stay among the temporaries). ``cp``: the
     context-parallel size of the bound (the counted path reads ``activations.cp``); ``dp`` is
     the number of ranks ZeRO shards over, ``dp x cp`` with context parallelism; ``ep`` the
     expert-parallel size (a rank holds E/ep experts, their states sharded over ``dp / ep``)."""
@@ -222,7 +226,8 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
         return _estimate_counted(g, tp=tp, pp=pp, dp=dp, vp_size=vp_size, layer_split=layer_split,
                                  schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage,
                                  param_bytes=param_bytes, grad_bytes=grad_bytes, a=activations,
-                                 buckets=buckets or (2**62, 2**62), states_on_host=states_on_host, ep=ep)
+                                 buckets=buckets or (2**62, 2**62), states_on_host=states_on_host, ep=ep,
+                                 params_on_host=params_on_host)
     inflight = _inflight(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
     logits = 2 * 4 * micro_batch_size * g.seq_length // cp * g.padded_vocab(tp) / tp
@@ -231,7 +236,8 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
         layout = partition.chunk_layout(schedule)
         psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
         states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host,
-                         expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0, ep)
+                         expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0, ep,
+                         params_on_host)
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
         acts = inflight[r] * layers_per_chunk * layer + (logits if head else 0.0)
@@ -242,15 +248,19 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
 
 
 def _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host: bool, experts: int = 0,
-            ep: int = 1) -> float:
+            ep: int = 1, params_on_host: bool = False) -> float:
     """Model-state bytes in the planned memory: the ZeRO formula, or with the optimizer
-    offloaded elsewhere only its device part (params and grads); with expert parallelism the
+    offloaded elsewhere only its device part (params and grads), without the ZeRO-3 parameter
+    shards (``p Psi / N``) when ``params_on_host`` too; with expert parallelism the
     ``experts`` among the ``psi`` elements are sharded over ``dp / ep`` ranks, the rest over dp."""
     if experts:
-        return (_states(psi - experts, dp, zero_stage, param_bytes, grad_bytes, states_on_host)
-                + _states(experts, dp // ep, zero_stage, param_bytes, grad_bytes, states_on_host))
+        return (_states(psi - experts, dp, zero_stage, param_bytes, grad_bytes, states_on_host,
+                        params_on_host=params_on_host)
+                + _states(experts, dp // ep, zero_stage, param_bytes, grad_bytes, states_on_host,
+                          params_on_host=params_on_host))
     if states_on_host:
-        return offload_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)["device"]
+        device = offload_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)["device"]
+        return device - (param_bytes * psi / dp if params_on_host and zero_stage == 3 else 0.0)
     return zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
 
 
@@ -265,7 +275,7 @@ def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
 def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
                     num_microbatches: int, zero_stage: int, param_bytes: int, grad_bytes: int,
                     a: A.ActivationSettings, buckets: tuple,
-                    states_on_host: bool = False, ep: int = 1) -> list[MemoryEstimate]:
+                    states_on_host: bool = False, ep: int = 1, params_on_host: bool = False) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
     stages = []
@@ -273,7 +283,8 @@ def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, l
         layout = partition.chunk_layout(schedule)
         psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
         states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host,
-                         expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0, ep)
+                         expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0, ep,
+                         params_on_host)
         chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
                   for v in range(vp_size)]
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]

@@ -36,7 +36,9 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
     the number of ranks ZeRO shards over: the replicas, dp x cp (``ProcessGroups.replicas``), or
     the shard size S of hybrid sharding (``--zero-shard-size``: the state is replicated over the
     dp x cp / S groups, so the formulas hold with N = S); ``ep`` the expert-parallel size of an
-    MoE model (1 for a dense one)."""
+    MoE model (1 for a dense one); ``states_on_host`` / ``params_on_host``: the optimizer state /
+    ZeRO-3's parameter shards offloaded off the GPU (``--offload-optimizer`` / ``--offload-param``
+    cpu or nvme; on a CPU run the host is the planned memory, so nothing leaves it)."""
     p, pr = cfg.parallel, cfg.precision
     dtype = model_dtype(pr.fp16, pr.bf16)
     return dict(tp=p.tp, pp=p.pp, dp=cfg.zero.zero_shard_size or p.dp * p.cp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
@@ -44,6 +46,7 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
                 zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
                 grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
                 states_on_host=cfg.zero.offload_optimizer != "none" and on_cuda,
+                params_on_host=cfg.zero.offload_param != "none" and cfg.zero.stage == 3 and on_cuda,
                 ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1)
 
 
