@@ -274,8 +274,9 @@ def test_eight_rank_hybrid_layouts_equal_reference():
 @pytest.mark.slow
 def test_two_loopback_nodes_train_like_one_process(tmp_path):
     """scripts/pretrain_gpt.sh --nnodes 2 on this machine (node ranks 0 and 1, two ranks each, one
-    rendezvous on 127.0.0.1): dp 4 with --zero-shard-size 2 (one shard group per node, ZeRO-2)
-    logs the losses of the single-process run of the same settings within 1e-5."""
+    static rendezvous, the default, on 127.0.0.1): dp 4 with --zero-shard-size 2 (one shard group
+    per node, ZeRO-2) logs the losses of the single-process run of the same settings within
+    1e-5. (tests/test_preemption.py launches two nodes with the c10d rendezvous.)"""
     from tests.distributed import forked_train_main, free_port
     from tests.test_launcher import TINY, _start, train_records
 
@@ -293,6 +294,7 @@ def test_two_loopback_nodes_train_like_one_process(tmp_path):
                     n.kill()
         one()
     assert [n.returncode for n in nodes] == [0, 0], [o[1][-3000:] for o in outs]
+    assert all("launching 2 process(es) on this node (tp=1 pp=1 dp=4, nnodes=2)" in o[0] for o in outs), outs
     a, b = train_records(tmp_path / "one"), train_records(tmp_path / "node0")
     assert [r["iteration"] for r in a] == [r["iteration"] for r in b] == list(range(1, 7))
     for x, y in zip(a, b):
