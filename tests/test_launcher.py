@@ -111,24 +111,32 @@ def test_master_port_in_use_stops_the_launcher_with_exit_code_2(tmp_path):
     assert not (tmp_path / "busy").exists()
 
 
-def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(tmp_path):
-    """--nnodes 2 with only node 0 started: torchrun's rendezvous gives up after
-    --distributed-timeout-s instead of waiting forever (docs/design.md, contract 3)."""
+@pytest.fixture(scope="module")
+def lone_node(tmp_path_factory):
+    """One launch for the two tests below: --tp 2 --nnodes 2 with only node 0 started (its
+    output, the seconds it took)."""
     import time
 
     start = time.monotonic()
-    out = launch(TINY + ["--nnodes", "2", "--dp", "2", "--distributed-timeout-s", "3"], tmp_path / "alone",
-                 timeout=120)
-    assert out.returncode != 0 and time.monotonic() - start < 90, out.stdout[-2000:] + out.stderr[-2000:]
+    out = launch(TINY + ["--tp", "2", "--nnodes", "2", "--distributed-timeout-s", "3"],
+                 tmp_path_factory.mktemp("alone") / "run", timeout=120)
+    return out, time.monotonic() - start
+
+
+def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(lone_node):
+    """--nnodes 2 with only node 0 started: torchrun's rendezvous gives up after
+    --distributed-timeout-s instead of waiting forever (docs/design.md, contract 3)."""
+    out, took = lone_node
+    assert out.returncode != 0 and took < 90, out.stdout[-2000:] + out.stderr[-2000:]
     assert "training failed" in out.stderr and "--distributed-timeout-s 3" in out.stderr, out.stderr[-2000:]
 
 
-def test_the_launcher_exports_cuda_device_max_connections_for_tensor_parallel_overlap(tmp_path):
+def test_the_launcher_exports_cuda_device_max_connections_for_tensor_parallel_overlap(lone_node):
     """--tp 2 (async tensor-parallel all-reduce): the preflight's decision is exported before
     torchrun starts (the value printed is read back from the launcher's environment; a value
     the user set is kept: tests/test_cuda_init.py). The launch itself ends at once (node 1 of
-    --nnodes 2 never joins)."""
-    out = launch(TINY + ["--tp", "2", "--nnodes", "2", "--distributed-timeout-s", "1"], tmp_path / "tp2", timeout=120)
+    --nnodes 2 never joins: the launch of the test above)."""
+    out, _ = lone_node
     assert "[megazero] CUDA_DEVICE_MAX_CONNECTIONS=1 (the async tensor-parallel input-gradient reduction " \
            "(--tp 2) overlaps" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
