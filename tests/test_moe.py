@@ -10,6 +10,7 @@ with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the refe
 assignments; an expert-bias run has the reference's bias after every step. All layouts of the 4-rank
 world share one spawn.
 """
+import functools
 import math
 
 import pytest
@@ -77,6 +78,14 @@ def _moe_runs(rank, world, argvs, steps):
 
 
 def _reference(argv, steps):
+    """tests/reference.py's MoE run for ``argv``: (losses, stats), computed once per pytest
+    process (tests/test_moe_ep.py and tests/test_zero_bubble_train.py share it); read only."""
+    return _reference_once(tuple(argv), steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_once(argv: tuple, steps: int):
+    argv = list(argv)
     import train
     from data.samplers import get_micro_batches
     from megazero.config import config_from_argv
