@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_moe import ARGS, _reference
-from tests.test_train import STEPS
+from tests.test_moe import ARGS, MOE_STEPS, _reference
 
 EP = "--expert-model-parallel-size"
 MODELS = {  # model flags beside tests/test_moe.py's ARGS: tests/test_moe.py's routing variants
@@ -61,7 +60,7 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
                                                           "block", "--recompute-num-layers", "1"], "capacity"),
 }
 SHORT = 5   # steps of the layouts whose names hold "sp-" or "recompute"
-EP_STEPS = 6   # steps of the others (the references run STEPS, shared with tests/test_moe.py; compared by step)
+EP_STEPS = MOE_STEPS   # steps of the others (6; the dropless reference is tests/test_moe.py's)
 
 
 def _steps_of(name: str) -> int:
@@ -142,7 +141,7 @@ def runs():
     names = list(LAYOUTS)
     per_rank = run_distributed(_ep_runs, 4, [ARGS + MODELS[LAYOUTS[n][1]] + LAYOUTS[n][0] for n in names],
                                [_steps_of(n) for n in names], timeout_s=900)
-    refs = {m: _reference(ARGS + MODELS[m], STEPS) for m in {LAYOUTS[n][1] for n in names}}
+    refs = {m: _reference(ARGS + MODELS[m], EP_STEPS) for m in {LAYOUTS[n][1] for n in names}}
     return {n: ([r[i] for r in per_rank], refs[LAYOUTS[n][1]]) for i, n in enumerate(names)}
 
 
