@@ -11,6 +11,7 @@ in the restart test here), --skip-bad-batches and the asynchronous saves that ar
 """
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -320,6 +321,33 @@ def two_node_runs(tmp_path_factory):
         yield _Later(start)
 
 
+HYBRID = TINY + ["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_node_runs(tmp_path_factory):
+    """tests/test_hybrid_shard.py's two-node run (started by the SIGSTOP test while it waits out
+    the timeouts): HYBRID's settings on one forked rank, and launched as two nodes of two ranks
+    (the static rendezvous, the default). ``result()``: (the launches' (status, stdout, stderr),
+    the one-rank run directory, node 0's run directory)."""
+    from tests.distributed import free_port
+
+    d = tmp_path_factory.mktemp("hybrid_nodes")
+    with contextlib.ExitStack() as stack:
+        def start():
+            one = stack.enter_context(_uninterrupted(TINY, d / "one"))
+            flags = HYBRID + ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+            procs = [_start(flags + ["--node-rank", str(r)], d / f"node{r}") for r in (0, 1)]
+            stack.callback(lambda: [p.kill() for p in procs if p.poll() is None])
+
+            def wait():
+                outs = [p.communicate(timeout=600) for p in procs]
+                one()
+                return [(p.returncode, *o) for p, o in zip(procs, outs)], d / "one", d / "node0"
+            return wait
+        yield _Later(start)
+
+
 @pytest.fixture(scope="module")
 def killed_rank_run(tmp_path_factory):
     """The launch of the kill -9 test below (rank 1 of 2 kills itself at the start of iteration
@@ -334,11 +362,11 @@ def killed_rank_run(tmp_path_factory):
 
 
 def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_path, killed_rank_run, nan_runs,
-                                                                        two_node_runs):
+                                                                        two_node_runs, hybrid_node_runs):
     """SIGSTOP to rank 1 of 2: rank 0's collective fails (--distributed-timeout-s 10), it writes
     its failure report, torchrun ends the stopped rank (SIGKILL, in its summary), and the launcher
     names rank 1 with that signal and the operation rank 0 waited in. While it waits out the
-    timeout and torchrun's grace period, the NaN and the two-node tests' runs start."""
+    timeout and torchrun's grace period, the NaN and the two two-node tests' runs start."""
     run = tmp_path / "run"
     proc = _start([a if a != "12" else "400" for a in BASE] + ["--dp", "2", "--distributed-timeout-s", "10"], run)
     victim = None
@@ -349,6 +377,7 @@ def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_pat
         sent = time.monotonic()
         nan_runs.start()
         two_node_runs.start()
+        hybrid_node_runs.start()
         out, err = proc.communicate(timeout=240)
         took = time.monotonic() - sent
     finally:
@@ -408,8 +437,8 @@ def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(nan_runs):
 def test_two_launchers_as_two_nodes_train_like_one_node(two_node_runs):
     """--nnodes 2 --node-rank 0/1 --master-addr 127.0.0.1 --rdzv-backend c10d (tp 2, dp 2: one
     tp pair per "node") logs the losses of the same layout launched on one node. The static
-    rendezvous (the default) of two loopback nodes is tests/test_hybrid_shard.py's two-node test
-    (dp 4, one ZeRO shard group per node)."""
+    rendezvous (the default) of two loopback nodes is the hybrid-shard test below (dp 4, one ZeRO
+    shard group per node)."""
     nodes, one, two = two_node_runs.result()
     assert [rc for rc, _ in nodes] == [0, 0], nodes[0][1][-2000:] + nodes[1][1][-2000:]
     assert all("launching 2 process(es) on this node (tp=2 pp=1 dp=2, nnodes=2)" in o for _, o in nodes)
@@ -417,3 +446,17 @@ def test_two_launchers_as_two_nodes_train_like_one_node(two_node_runs):
     assert sorted(b) == [1, 2, 3, 4]
     for it in a:
         assert a[it]["loss"] == pytest.approx(b[it]["loss"], rel=1e-6, abs=0), it
+
+
+def test_two_loopback_nodes_with_hybrid_shards_train_like_one_process(hybrid_node_runs):
+    """(tests/test_hybrid_shard.py's, issue 24) scripts/pretrain_gpt.sh --nnodes 2 on this
+    machine (node ranks 0 and 1, two ranks each, one static rendezvous, the default, on
+    127.0.0.1): dp 4 with --zero-shard-size 2 (one shard group per node, ZeRO-2) logs the
+    losses of the single-process run of the same settings within 1e-5."""
+    nodes, one, node0 = hybrid_node_runs.result()
+    assert [rc for rc, _, _ in nodes] == [0, 0], [err[-3000:] for _, _, err in nodes]
+    assert all("launching 2 process(es) on this node (tp=1 pp=1 dp=4, nnodes=2)" in out for _, out, _ in nodes), nodes
+    a, b = train_records(one), train_records(node0)
+    assert [r["iteration"] for r in a] == [r["iteration"] for r in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5), (x["loss"], y["loss"])
