@@ -105,8 +105,8 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0,
     return [out[r] for r in range(world_size)]
 
 
-def _train_main_rank(args, rank: int, world: int, port: int, log: str) -> None:
-    """One rank of ``forked_train_main``: torchrun's variables, one thread, ``train.main``."""
+def _train_main_rank(args, rank: int, world: int, port: int, log: str, env: dict) -> None:
+    """One rank of ``forked_train_main``: torchrun's variables (and ``env``), one thread, ``train.main``."""
     import torch
 
     import train
@@ -114,9 +114,12 @@ def _train_main_rank(args, rank: int, world: int, port: int, log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    # Python-level streams onto the log too: under pytest they are its capture objects
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEGAZERO_RANKS_PER_NODE=str(world),
-                      MEGAZERO_PREFLIGHT_DONE="1", OMP_NUM_THREADS="1")
+                      MEGAZERO_PREFLIGHT_DONE="1", OMP_NUM_THREADS="1", **env)
     torch.set_num_threads(1)
     code = 1
     try:
@@ -130,7 +133,7 @@ def _train_main_rank(args, rank: int, world: int, port: int, log: str) -> None:
 
 
 @contextlib.contextmanager
-def forked_train_main(args, run_dir):
+def forked_train_main(args, run_dir, env=None):
     """A run of ``train.main(args + ["--run-dir", run_dir])`` on forked ranks, in the background:
     what torchrun's ranks run, with torchrun's variables and one thread each (OMP_NUM_THREADS=1;
     a launch compared bit for bit with it needs the same), world size from --tp/--cp/--pp/--dp.
@@ -138,13 +141,16 @@ def forked_train_main(args, run_dir):
     scripts/pretrain_gpt.sh imports torch in its preflight, in torchrun and in every rank (some
     4 CPU-s each), a forked rank inherits the imports. Yields a function that waits for the ranks
     (``timeout`` seconds) and asserts they exited 0; their output goes to RUN_DIR/ranks.log. The
-    ranks still alive on the way out are killed."""
+    ranks still alive on the way out are killed. ``env``: more variables for the ranks (a test
+    hook's ``MEGAZERO_TEST_FAULT``). A run that is not about the launcher (a resume, a fault
+    inside train.main) runs this way instead of a launch."""
     size = {f: int(args[args.index(f) + 1]) if f in args else 1 for f in ("--tp", "--cp", "--pp", "--dp")}
     world = size["--tp"] * size["--cp"] * size["--pp"] * size["--dp"]
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     log, port, ctx = str(Path(run_dir) / "ranks.log"), free_port(), mp.get_context("fork")
     argv = list(args) + ["--run-dir", str(run_dir)]
-    procs = [ctx.Process(target=_train_main_rank, args=(argv, r, world, port, log)) for r in range(world)]
+    procs = [ctx.Process(target=_train_main_rank, args=(argv, r, world, port, log, dict(env or {})))
+             for r in range(world)]
     for proc in procs:
         proc.start()
 
@@ -161,3 +167,11 @@ def forked_train_main(args, run_dir):
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def train_main_forked(args, run_dir, env=None, timeout: float = 600) -> str:
+    """``forked_train_main`` run to its end (every rank exits 0, else AssertionError with the
+    log's tail); returns the ranks' output (RUN_DIR/ranks.log)."""
+    with forked_train_main(args, run_dir, env) as finished:
+        finished(timeout)
+    return (Path(run_dir) / "ranks.log").read_text()

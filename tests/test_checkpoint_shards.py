@@ -108,11 +108,12 @@ def _measured(fn):
     return _alloc_peaks(prof)
 
 
-def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=3):
+def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=3, measure=True):
     """One launch: build the trainer of ``argv``; for each root in ``loads`` resume from it and
     train ``steps`` steps; without ``loads`` train ``save_after`` steps, save to ``save`` and
-    train ``steps`` more. Returns losses per phase, the measured allocation peaks and this
-    rank's owned state bytes (3 fp32 tensors of its owned elements)."""
+    train ``steps`` more. Returns losses per phase, the measured allocation peaks (``measure``:
+    the save and loads under torch's profiler, else no peaks) and this rank's owned state bytes
+    (3 fp32 tensors of its owned elements)."""
     import train
     from torch.distributed.checkpoint import FileSystemReader as dcp_reader
     from megazero.config import config_from_argv
@@ -146,9 +147,11 @@ def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=3):
     dcp_reader.read_data = read_data
     if not loads:
         out["losses"].append(run(save_after))
-        out["peaks"].append(_measured(lambda: trainer.save_checkpoint(save)))
+        out["peaks"].append(_measured(lambda: trainer.save_checkpoint(save)) if measure
+                            else trainer.save_checkpoint(save))
     for root in loads:
-        out["peaks"].append(_measured(lambda: trainer.load_checkpoint(root)))
+        out["peaks"].append(_measured(lambda: trainer.load_checkpoint(root)) if measure
+                            else trainer.load_checkpoint(root))
         out["losses"].append(run(steps))
     if not loads:
         out["losses"].append(run(steps))

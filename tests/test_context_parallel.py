@@ -12,7 +12,8 @@ import math
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_train import BASE, LLAMA, SWEEP_STEPS, _check_layout, _reference_losses, _train_layout, _train_layouts
+from tests.test_train import (BASE, LLAMA, SWEEP_STEPS, _check_layout, _reference_losses, _train_layouts,
+                              single_layout_run)
 
 CP_LAYOUTS = {  # name -> (world size, flags)
     "cp2-p2p": (2, ["--cp", "2"]),
@@ -43,8 +44,8 @@ def runs():
         argvs = [BASE + BLOCKS[b] + CP_LAYOUTS[n][1] for b, n in keys]
         per_rank = run_distributed(_train_layouts, world, argvs, SWEEP_STEPS, timeout_s=900)
         out.update({k: [r[i] for r in per_rank] for i, k in enumerate(keys)})
-    for b in BLOCKS:
-        out[(b, "single")] = run_distributed(_train_layout, 1, BASE + BLOCKS[b], SWEEP_STEPS)
+    for b in BLOCKS:   # shared with tests/test_train.py (one run per pytest process)
+        out[(b, "single")] = [single_layout_run(BASE + BLOCKS[b], SWEEP_STEPS)]
     return out
 
 
@@ -76,11 +77,11 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path):
 
     root = str(tmp_path / "ckpt")
     saved = run_distributed(_session, 2, ARGS + ["--cp", "2", "--zero-stage", "1"], save=root, save_after=3,
-                            timeout_s=600)
+                            measure=False, timeout_s=600)   # the allocation peaks: test_checkpoint_shards.py
     whole = saved[0]["losses"][1]
     for world, layout in ((1, []), (4, ["--cp", "4"])):
         loaded = run_distributed(_session, world, ARGS + layout + ["--zero-stage", "1", "--load", root],
-                                 loads=[root], timeout_s=600)
+                                 loads=[root], measure=False, timeout_s=600)
         _close(loaded[0]["losses"][0], whole)
 
 

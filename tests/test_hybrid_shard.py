@@ -271,29 +271,6 @@ def test_eight_rank_hybrid_layouts_equal_reference():
             assert all(math.isfinite(n) for n in got["norms"])
 
 
-@pytest.mark.slow
-def test_two_loopback_nodes_train_like_one_process(tmp_path):
-    """scripts/pretrain_gpt.sh --nnodes 2 on this machine (node ranks 0 and 1, two ranks each, one
-    rendezvous on 127.0.0.1): dp 4 with --zero-shard-size 2 (one shard group per node, ZeRO-2)
-    logs the losses of the single-process run of the same settings within 1e-5."""
-    from tests.distributed import forked_train_main, free_port
-    from tests.test_launcher import TINY, _start, train_records
-
-    port = str(free_port())
-    flags = TINY + ["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2", "--nnodes", "2",
-                    "--master-addr", "127.0.0.1", "--master-port", port]
-    # the single-process run: train.main on a forked rank (a launch would import torch 3 times)
-    with forked_train_main(TINY, tmp_path / "one") as one:
-        nodes = [_start(flags + ["--node-rank", str(r)], tmp_path / f"node{r}") for r in (0, 1)]
-        try:
-            outs = [n.communicate(timeout=600) for n in nodes]
-        finally:
-            for n in nodes:
-                if n.poll() is None:
-                    n.kill()
-        one()
-    assert [n.returncode for n in nodes] == [0, 0], [o[1][-3000:] for o in outs]
-    a, b = train_records(tmp_path / "one"), train_records(tmp_path / "node0")
-    assert [r["iteration"] for r in a] == [r["iteration"] for r in b] == list(range(1, 7))
-    for x, y in zip(a, b):
-        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5), (x["loss"], y["loss"])
+# The two-loopback-node launch of dp 4 with --zero-shard-size 2 (one shard group per node) is
+# tests/test_preemption.py's test_two_loopback_nodes_with_hybrid_shards_train_like_one_process: it
+# runs there while another launch waits out its timeouts.

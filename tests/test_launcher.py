@@ -111,24 +111,32 @@ def test_master_port_in_use_stops_the_launcher_with_exit_code_2(tmp_path):
     assert not (tmp_path / "busy").exists()
 
 
-def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(tmp_path):
-    """--nnodes 2 with only node 0 started: torchrun's rendezvous gives up after
-    --distributed-timeout-s instead of waiting forever (docs/design.md, contract 3)."""
+@pytest.fixture(scope="module")
+def lone_node(tmp_path_factory):
+    """One launch for the two tests below: --tp 2 --nnodes 2 with only node 0 started (its
+    output, the seconds it took)."""
     import time
 
     start = time.monotonic()
-    out = launch(TINY + ["--nnodes", "2", "--dp", "2", "--distributed-timeout-s", "3"], tmp_path / "alone",
-                 timeout=120)
-    assert out.returncode != 0 and time.monotonic() - start < 90, out.stdout[-2000:] + out.stderr[-2000:]
+    out = launch(TINY + ["--tp", "2", "--nnodes", "2", "--distributed-timeout-s", "3"],
+                 tmp_path_factory.mktemp("alone") / "run", timeout=120)
+    return out, time.monotonic() - start
+
+
+def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(lone_node):
+    """--nnodes 2 with only node 0 started: torchrun's rendezvous gives up after
+    --distributed-timeout-s instead of waiting forever (docs/design.md, contract 3)."""
+    out, took = lone_node
+    assert out.returncode != 0 and took < 90, out.stdout[-2000:] + out.stderr[-2000:]
     assert "training failed" in out.stderr and "--distributed-timeout-s 3" in out.stderr, out.stderr[-2000:]
 
 
-def test_the_launcher_exports_cuda_device_max_connections_for_tensor_parallel_overlap(tmp_path):
+def test_the_launcher_exports_cuda_device_max_connections_for_tensor_parallel_overlap(lone_node):
     """--tp 2 (async tensor-parallel all-reduce): the preflight's decision is exported before
     torchrun starts (the value printed is read back from the launcher's environment; a value
     the user set is kept: tests/test_cuda_init.py). The launch itself ends at once (node 1 of
-    --nnodes 2 never joins)."""
-    out = launch(TINY + ["--tp", "2", "--nnodes", "2", "--distributed-timeout-s", "1"], tmp_path / "tp2", timeout=120)
+    --nnodes 2 never joins: the launch of the test above)."""
+    out, _ = lone_node
     assert "[megazero] CUDA_DEVICE_MAX_CONNECTIONS=1 (the async tensor-parallel input-gradient reduction " \
            "(--tp 2) overlaps" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
@@ -193,45 +201,71 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
     assert [r["iteration"] for r in train_records(run_dir)][-2:] == [saved + 1, saved + 2]
 
 
+VICTIMS = ("launcher", "launcher -9", "torchrun")
+
+
+@pytest.fixture(scope="module")
+def stopped_launches(tmp_path_factory):
+    """The three launches of the test below, side by side (one core idles while a launch
+    imports torch, both while the ranks wait to notice their parent gone): each run of dp 2
+    reaches 2 logged steps, then its victim is hit (SIGTERM to the launcher, kill -9 of the
+    launcher, kill -9 of torchrun). Returns victim -> (train.py ranks before the stop, ranks
+    and torchrun agents left 30 s later, the launcher's exit status)."""
+    import signal
+    import time
+
+    root = tmp_path_factory.mktemp("stop")
+    args = [a if a != "6" else "5000" for a in TINY] + ["--dp", "2", "--eval-interval", "1000"]
+    runs = {v: (root / f"run{i}", _start(args, root / f"run{i}", capture=False)) for i, v in enumerate(VICTIMS)}
+    out = {}
+    try:
+        deadline = time.monotonic() + 120
+        for run_dir, proc in runs.values():
+            while not (run_dir / "metrics.jsonl").exists() or len(train_records(run_dir)) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, "the run did not get going"
+                time.sleep(0.2)
+        ranks = {v: len(_pids(run_dir, agent=False)) for v, (run_dir, _) in runs.items()}
+        for victim, (run_dir, proc) in runs.items():
+            if victim == "launcher":
+                proc.send_signal(signal.SIGTERM)
+            elif victim == "launcher -9":  # torchrun survives it; the ranks see the launcher gone
+                proc.kill()
+                proc.wait()
+            else:
+                [agent] = _pids(run_dir, agent=True)
+                os.kill(agent, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        left = lambda d: _pids(d, agent=False) + _pids(d, agent=True)  # noqa: E731
+        while any(left(d) for d, _ in runs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for victim, (run_dir, proc) in runs.items():
+            remaining = left(run_dir)
+            if not remaining:
+                proc.wait(timeout=30)
+            out[victim] = ranks[victim], remaining, proc.poll()
+    finally:
+        for run_dir, proc in runs.values():
+            for pid in _pids(run_dir, agent=False) + _pids(run_dir, agent=True):
+                os.kill(pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["launcher", "launcher -9", "torchrun"])
-def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(tmp_path, victim):
+@pytest.mark.parametrize("victim", VICTIMS)
+def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(victim, stopped_launches):
     """SIGTERM to the launcher is passed on to torchrun, which stops the ranks; kill -9 of the
     launcher or of torchrun leaves ranks behind, and each exits within seconds
     (megazero.runtime.launch.watch_parent); then torchrun, its workers gone, ends too."""
     import signal
-    import time
 
-    run_dir = tmp_path / "run"
-    args = [a if a != "6" else "5000" for a in TINY] + ["--dp", "2", "--eval-interval", "1000"]
-    proc = _start(args, run_dir, capture=False)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists() or len(train_records(run_dir)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not get going"
-            time.sleep(0.2)
-        assert len(_pids(run_dir, agent=False)) == 2
-        if victim == "launcher":
-            proc.send_signal(signal.SIGTERM)
-        elif victim == "launcher -9":  # torchrun survives it; the ranks see the launcher gone
-            proc.kill()
-            proc.wait()
-        else:
-            [agent] = _pids(run_dir, agent=True)
-            os.kill(agent, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while (_pids(run_dir, agent=False) or _pids(run_dir, agent=True)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _pids(run_dir, agent=False) == [] and _pids(run_dir, agent=True) == []
-        proc.wait(timeout=30)
-        # the launcher exits with 128 + SIGTERM when stopped, or passes on torchrun's -9 (137)
-        assert proc.returncode == {"launcher": 128 + signal.SIGTERM, "launcher -9": -signal.SIGKILL,
-                                   "torchrun": 128 + signal.SIGKILL}[victim]
-    finally:
-        for pid in _pids(run_dir, agent=False) + _pids(run_dir, agent=True):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
+    ranks, remaining, status = stopped_launches[victim]
+    assert ranks == 2
+    assert remaining == []   # no train.py rank and no torchrun agent 30 s after the stop
+    # the launcher exits with 128 + SIGTERM when stopped, or passes on torchrun's -9 (137)
+    assert status == {"launcher": 128 + signal.SIGTERM, "launcher -9": -signal.SIGKILL,
+                      "torchrun": 128 + signal.SIGKILL}[victim]
 
 
 def test_help_lists_the_launcher_flags_and_train_flags_once_and_does_nothing_else(tmp_path):

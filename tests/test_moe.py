@@ -3,30 +3,32 @@ trainer equals ``tests/reference.py``'s plain MoE (every expert on every token, 
 ``megazero.moe.router`` rules) under (tp, pp, dp) layouts and ZeRO stages, fp32, dropout off.
 
 LLaMA-style block with grouped-query attention, top-2 of 8 experts plus one shared expert,
-aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 10 steps, gradient
+aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 6 steps, gradient
 norms and the logged auxiliary losses likewise, the first step's token-to-expert assignment
 of every token equal (integers); capacity-factor runs (drop by probability, and by position
 with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the reference rule's
 assignments; an expert-bias run has the reference's bias after every step. All layouts of the 4-rank
 world share one spawn.
 """
+import functools
 import math
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_train import BASE, LLAMA, STEPS
+from tests.test_train import BASE, LLAMA
 
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
        "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
 ARGS = BASE + LLAMA + MOE
+MOE_STEPS = 6   # of BASE's 10-iteration schedule (warm-up, peak, decay); tests/test_moe_ep.py's too
 LAYOUTS = {  # name -> (layout flags, model flags, steps)
-    "dp4-zero1": (["--dp", "4", "--zero-stage", "1"], [], STEPS),
-    "dp4-zero3": (["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"], [], STEPS),
-    "tp2-dp2-zero2": (["--tp", "2", "--dp", "2", "--zero-stage", "2"], [], STEPS),
+    "dp4-zero1": (["--dp", "4", "--zero-stage", "1"], [], MOE_STEPS),
+    "dp4-zero3": (["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"], [], MOE_STEPS),
+    "tp2-dp2-zero2": (["--tp", "2", "--dp", "2", "--zero-stage", "2"], [], MOE_STEPS),
     "pp2-dp2-interleaved-zero1": (["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2", "--zero-stage", "1"],
-                                  [], STEPS),
+                                  [], MOE_STEPS),
     # capacity 1.0 of 8 experts: ceil(32 x 2 / 8) = 8 slots each, so most micro-batches drop some
     "capacity-tp2-dp2": (["--tp", "2", "--dp", "2"], ["--moe-expert-capacity-factor", "1.0",
                                                       "--moe-token-drop-policy", "probs"], 4),
@@ -77,6 +79,14 @@ def _moe_runs(rank, world, argvs, steps):
 
 
 def _reference(argv, steps):
+    """tests/reference.py's MoE run for ``argv``: (losses, stats), computed once per pytest
+    process (tests/test_moe_ep.py and tests/test_zero_bubble_train.py share it); read only."""
+    return _reference_once(tuple(argv), steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_once(argv: tuple, steps: int):
+    argv = list(argv)
     import train
     from data.samplers import get_micro_batches
     from megazero.config import config_from_argv
@@ -337,3 +347,4 @@ def test_grouped_expert_gemm_equals_the_loop(swiglu):
     assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
     biased = GPTConfig(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2)
     assert ExpertMLP.grouped_forward([ExpertMLP(biased, 12, 1)], rows0, [17]) is None
+

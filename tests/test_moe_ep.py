@@ -4,8 +4,8 @@ reduced and ZeRO-sharded over the expert-data-parallel group.
 
 The model of tests/test_moe.py (LLaMA-style block with GQA, top-2 of 8 experts plus one shared
 expert, aux and z losses) under EP in {2, 4} with (tp, pp, dp) = (1, 1, 4) ZeRO-1, 2 and 3,
-(2, 1, 2) ZeRO-0 and 2, (1, 2, 2) interleaved, both dispatchers: 10 steps equal ``tests/reference.py``
-within 1e-5 relative (losses, gradient norms, aux losses), and the expert of every token at
+(2, 1, 2) ZeRO-0 and 2, (1, 2, 2) interleaved, both dispatchers: 6 steps (warm-up, peak and
+decay of the 10-iteration schedule) equal ``tests/reference.py`` within 1e-5 relative (losses, gradient norms, aux losses), and the expert of every token at
 every step equals the reference's (integers). Each step's all-to-all bytes over the world equal
 the closed form; each rank's expert model-state bytes equal the ZeRO formula with
 N = dp / EP (and its whole model state the sum of both formulas). One 4-rank spawn runs every
@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_moe import ARGS, _reference
-from tests.test_train import STEPS
+from tests.test_moe import ARGS, MOE_STEPS, _reference
 
 EP = "--expert-model-parallel-size"
 MODELS = {  # model flags beside tests/test_moe.py's ARGS: tests/test_moe.py's routing variants
@@ -61,10 +60,11 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
                                                           "block", "--recompute-num-layers", "1"], "capacity"),
 }
 SHORT = 5   # steps of the layouts whose names hold "sp-" or "recompute"
+EP_STEPS = MOE_STEPS   # steps of the others (6; the dropless reference is tests/test_moe.py's)
 
 
 def _steps_of(name: str) -> int:
-    return SHORT if name.startswith("sp-") or "recompute" in name else STEPS
+    return SHORT if name.startswith("sp-") or "recompute" in name else EP_STEPS
 
 
 def _flag(name: str, flag: str, default: int = 1) -> int:
@@ -141,7 +141,7 @@ def runs():
     names = list(LAYOUTS)
     per_rank = run_distributed(_ep_runs, 4, [ARGS + MODELS[LAYOUTS[n][1]] + LAYOUTS[n][0] for n in names],
                                [_steps_of(n) for n in names], timeout_s=900)
-    refs = {m: _reference(ARGS + MODELS[m], STEPS) for m in {LAYOUTS[n][1] for n in names}}
+    refs = {m: _reference(ARGS + MODELS[m], EP_STEPS) for m in {LAYOUTS[n][1] for n in names}}
     return {n: ([r[i] for r in per_rank], refs[LAYOUTS[n][1]]) for i, n in enumerate(names)}
 
 
@@ -425,3 +425,4 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
         for r in per_rank:
             for i, b in r.get(name, (None, {}))[1].items():
                 assert torch.equal(b, layers[i]), (name, i)
+

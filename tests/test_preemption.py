@@ -5,10 +5,13 @@ a signal saves at one step boundary on every rank and the resumed run continues 
 NaN names where it appeared; torchrun restarts a group after a rank is killed. The seconds from
 each fault to the end (or the resume) are printed (pytest -s) for the notes. The uninterrupted
 runs the launched ones are compared with are not launched: ``_uninterrupted`` forks their ranks
-and calls train.main, which saves each launch's imports of torch.
+and calls train.main, which saves each launch's imports of torch. Nor are the runs whose part
+is train.main's alone: the resumes after a stop (a launch resumes in tests/test_launcher.py and
+in the restart test here), --skip-bad-batches and the asynchronous saves that are not killed.
 """
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -20,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import forked_train_main as _uninterrupted
-from tests.test_launcher import TINY, _pids, _start, launch, train_records
+from tests.distributed import train_main_forked
+from tests.test_launcher import TINY, _pids, _start, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -112,9 +116,9 @@ def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_
     assert not any(t in out + err for t in NO_TRACEBACK), err[-3000:]
     assert _pids(run) == [] and _pids(run, agent=True) == []
     print(f"\nSIGTERM to the launcher ({layout or '1x1x1'}): every rank exited {took:.1f} s later; line: {line}")
-    again = launch(args + ["--save", str(ckpt), "--load", str(ckpt)], run, timeout=600)
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert f"resumed from {ckpt} at iteration {stop}" in again.stdout
+    # the resume (train.main's, not the launcher's: a launch resumes in test_launcher.py) on forked ranks
+    again = train_main_forked(args + ["--save", str(ckpt), "--load", str(ckpt)], run)
+    assert f"resumed from {ckpt} at iteration {stop}" in again
     _same_losses(_last_records(tmp_path / "full"), _last_records(run), range(stop + 1, 13))
 
 
@@ -193,105 +197,40 @@ def _launch_env(args, run_dir, env, timeout=600):
                           cwd=Path(__file__).resolve().parents[1])
 
 
-def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(tmp_path):
-    """NaN in micro-batch 1 of iteration 3 on rank 1 (tp rank 1 of stage 0) of tp2 x pp2: the run
-    stops with status 1 and a line naming iteration, stage, ranks and samples; with
-    --skip-bad-batches 1 the run completes with one skipped step."""
-    args = [a if a != "12" else "5" for a in BASE] + ["--tp", "2", "--pp", "2"]
-    env = dict(os.environ, MEGAZERO_TEST_FAULT="nan:3:1:1")
-    with _background(args + ["--skip-bad-batches", "1"], tmp_path / "skip", env) as skipping:
-        stopped = _launch_env(args, tmp_path / "stop", env)
-        skipped = _finish(skipping)
-    assert stopped.returncode == 1, stopped.stdout[-2000:] + stopped.stderr[-2000:]
-    line = ("megazero: training error: non-finite loss/gradient at iteration 3: it first appeared in the forward "
-            "pass of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch 1), on training "
-            "samples 18-19; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps")
-    assert [x for x in stopped.stderr.splitlines() if "non-finite" in x] == [line], stopped.stderr[-3000:]
-    assert not any(t in stopped.stdout + stopped.stderr for t in NO_TRACEBACK), stopped.stderr[-3000:]
-    assert skipped.returncode == 0, skipped.stdout[-2000:] + skipped.stderr[-2000:]
-    assert "[megazero] skipped iteration 3: non-finite loss/gradient at iteration 3" in skipped.stdout
-    records = train_records(tmp_path / "skip")
-    assert [r["skipped_iterations"] for r in records] == [0, 0, 1, 1, 1]
-    assert records[2]["loss"] is None and all(r["loss"] is not None for r in records[3:])
-
-
-TWO_NODES = [a if a != "12" else "4" for a in BASE] + ["--tp", "2", "--dp", "2"]
-
-
-@pytest.fixture(scope="module")
-def one_node(tmp_path_factory):
-    """The run directory of TWO_NODES run on one node (``_uninterrupted``: 4 forked ranks):
-    started in the background by the first two-node test, shared by both (the function waits
-    for it)."""
-    run = tmp_path_factory.mktemp("one_node") / "one"
-    with _uninterrupted(TWO_NODES, run) as wait:
-        def finished():
-            wait()
-            return run
-        yield finished
-
-
-@pytest.mark.parametrize("backend", ["static", "c10d"])
-def test_two_launchers_as_two_nodes_train_like_one_node(tmp_path, backend, one_node):
-    """--nnodes 2 --node-rank 0/1 --master-addr 127.0.0.1 (tp 2, dp 2: one tp pair per "node")
-    logs the losses of the same layout launched on one node."""
-    from tests.distributed import free_port
-
-    args = TWO_NODES
-    port, run = free_port(), tmp_path / "two"
-    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-backend", backend]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    env.pop("MEGAZERO_VENV", None)
-    procs = [subprocess.Popen(["bash", "scripts/pretrain_gpt.sh", *args, *nodes, "--node-rank", str(r),
-                               "--run-dir", str(run)], cwd=Path(__file__).resolve().parents[1], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    assert all("launching 2 process(es) on this node (tp=2 pp=1 dp=2, nnodes=2)" in o for o in outs)
-    a, b = _last_records(one_node()), _last_records(run)
-    assert sorted(b) == [1, 2, 3, 4]
-    for it in a:
-        assert a[it]["loss"] == pytest.approx(b[it]["loss"], rel=1e-6, abs=0), it
-
-
 def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_the_previous_latest(tmp_path,
                                                                                                    one_thread):
     """--async-save --save-interval 1 logs the losses of synchronous saves; rank 1 killed (-9)
-    inside the background write of iteration 2's checkpoint, after its file is written, leaves
-    latest = 1, which loads and verifies, and the relaunched run resumes from it and logs the
-    losses of the uninterrupted run."""
+    inside the background write of iteration 2's checkpoint of a launched run, after its file is
+    written, leaves latest = 1, which loads and verifies, and the resumed run continues from it
+    and logs the losses of the uninterrupted run. Only the killed run is launched (the launcher
+    names the rank that failed); the synchronous, the asynchronous and the resumed runs are
+    train.main on forked ranks."""
     from megazero import checkpoint
 
     args = [a if a != "12" else "4" for a in BASE] + ["--dp", "2", "--save-interval", "1"]
     # rank 1 SIGKILLs itself inside the background write of iteration 2's checkpoint, once its
     # tensor file is on disk: latest stays 1, which loads, and the run resumes from it. The
-    # synchronous run (forked ranks, not launched) and the asynchronous run go on beside it.
+    # synchronous and the asynchronous runs go on beside it.
     env = dict(os.environ, MEGAZERO_TEST_FAULT="savekill:2:1")
     c3 = tmp_path / "c3"
     with _uninterrupted(args + ["--save", str(tmp_path / "c1")], tmp_path / "sync") as sync, \
-            _background(args + ["--save", str(tmp_path / "c2"), "--async-save"], tmp_path / "async") as async_proc:
+            _uninterrupted(args + ["--save", str(tmp_path / "c2"), "--async-save"], tmp_path / "async") as both:
         killed = _launch_env(args + ["--save", str(c3), "--async-save", "--distributed-timeout-s", "30"],
                              tmp_path / "killed", env)
         sync()
-        both = _finish(async_proc)
-    assert both.returncode == 0, both.stdout[-2000:] + both.stderr[-2000:]
+        both()   # every rank exited 0
     _same_losses(_last_records(tmp_path / "sync"), _last_records(tmp_path / "async"), range(1, 5))
     assert (tmp_path / "c2" / "latest").read_text().strip() == "4"
-    assert f"[megazero] saving checkpoint {tmp_path}/c2/iter_0000004 (in the background, training blocked " \
-        in both.stdout
-    assert f"[megazero] checkpoint {tmp_path}/c2/iter_0000004 is complete (waited " in both.stdout
+    log = (tmp_path / "async" / "ranks.log").read_text()
+    assert f"[megazero] saving checkpoint {tmp_path}/c2/iter_0000004 (in the background, training blocked " in log
+    assert f"[megazero] checkpoint {tmp_path}/c2/iter_0000004 is complete (waited " in log
     assert killed.returncode != 0 and "training failed" in killed.stderr, killed.stderr[-2000:]
     assert "[megazero] rank 1 failed first (" in killed.stderr, killed.stderr[-3000:]
     assert list((c3 / "iter_0000002.tmp").glob("*.distcp")), "the kill came before any file was written"
     assert not (c3 / "iter_0000002").exists() and (c3 / "latest").read_text().strip() == "1"
     assert checkpoint.peek(str(c3), verify=True)["iteration"] == 1
-    again = launch(args + ["--save", str(c3), "--load", str(c3), "--async-save"], tmp_path / "again", timeout=600)
-    assert again.returncode == 0 and f"resumed from {c3} at iteration 1" in again.stdout, again.stderr[-2000:]
+    again = train_main_forked(args + ["--save", str(c3), "--load", str(c3), "--async-save"], tmp_path / "again")
+    assert f"resumed from {c3} at iteration 1" in again, again[-2000:]
     _same_losses(_last_records(tmp_path / "sync"), _last_records(tmp_path / "again"), range(2, 5))
     assert (c3 / "latest").read_text().strip() == "4"
 
@@ -307,6 +246,108 @@ def _rank_of(pid: int) -> int:
 OP = r"(all_reduce|all_gather|reduce_scatter|broadcast) #\d+ over ranks \[0, 1\], shape \(\d+,\) (float32|float64)"
 
 
+class _Later:
+    """A run that one test starts where it leaves the machine idle and another test checks
+    (started then, when the first did not): ``start()``, then ``result()`` (waited for once)."""
+
+    def __init__(self, start):
+        self._start, self._wait, self._result = start, None, None
+
+    def start(self) -> None:
+        if self._wait is None:
+            self._wait = self._start()
+
+    def result(self):
+        self.start()
+        if self._result is None:
+            self._result = self._wait()
+        return self._result
+
+
+NAN = [a if a != "12" else "5" for a in BASE] + ["--tp", "2", "--pp", "2"]
+NAN_FAULT = {"MEGAZERO_TEST_FAULT": "nan:3:1:1"}   # micro-batch 1 of iteration 3 on rank 1
+
+
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory):
+    """The NaN test's runs (started by the SIGSTOP test while it waits out the timeouts): the
+    launch that stops, and --skip-bad-batches 1 on forked ranks (train.main's handling).
+    ``result()``: (the finished launch, the directory of both run directories)."""
+    d = tmp_path_factory.mktemp("nan")
+    with contextlib.ExitStack() as stack:
+        def start():
+            skipping = stack.enter_context(_uninterrupted(NAN + ["--skip-bad-batches", "1"], d / "skip",
+                                                          env=NAN_FAULT))
+            stopping = stack.enter_context(_background(NAN, d / "stop", dict(os.environ, **NAN_FAULT)))
+
+            def wait():
+                stopped = _finish(stopping)
+                skipping()   # every rank exited 0
+                return stopped, d
+            return wait
+        yield _Later(start)
+
+
+TWO_NODES = [a if a != "12" else "4" for a in BASE] + ["--tp", "2", "--dp", "2"]
+
+
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory):
+    """The two-node test's runs (started by the SIGSTOP test while it waits out the timeouts):
+    TWO_NODES on one node (4 forked ranks) and launched as two nodes, --nnodes 2 --node-rank
+    0/1 --rdzv-backend c10d on 127.0.0.1. ``result()``: (the two launches' output, the
+    one-node run directory, the two-node run directory)."""
+    from tests.distributed import free_port
+
+    d = tmp_path_factory.mktemp("two_nodes")
+    with contextlib.ExitStack() as stack:
+        def start():
+            one = stack.enter_context(_uninterrupted(TWO_NODES, d / "one"))
+            nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                     "--rdzv-backend", "c10d"]
+            env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+            env.pop("MEGAZERO_VENV", None)
+            procs = [subprocess.Popen(["bash", "scripts/pretrain_gpt.sh", *TWO_NODES, *nodes, "--node-rank", str(r),
+                                       "--run-dir", str(d / "two")], cwd=Path(__file__).resolve().parents[1],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for r in (0, 1)]
+            stack.callback(lambda: [p.kill() for p in procs if p.poll() is None])
+
+            def wait():
+                outs = [p.communicate(timeout=600)[0] for p in procs]
+                one()
+                return [(p.returncode, o) for p, o in zip(procs, outs)], d / "one", d / "two"
+            return wait
+        yield _Later(start)
+
+
+HYBRID = TINY + ["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_node_runs(tmp_path_factory):
+    """tests/test_hybrid_shard.py's two-node run (started by the SIGSTOP test while it waits out
+    the timeouts): HYBRID's settings on one forked rank, and launched as two nodes of two ranks
+    (the static rendezvous, the default). ``result()``: (the launches' (status, stdout, stderr),
+    the one-rank run directory, node 0's run directory)."""
+    from tests.distributed import free_port
+
+    d = tmp_path_factory.mktemp("hybrid_nodes")
+    with contextlib.ExitStack() as stack:
+        def start():
+            one = stack.enter_context(_uninterrupted(TINY, d / "one"))
+            flags = HYBRID + ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+            procs = [_start(flags + ["--node-rank", str(r)], d / f"node{r}") for r in (0, 1)]
+            stack.callback(lambda: [p.kill() for p in procs if p.poll() is None])
+
+            def wait():
+                outs = [p.communicate(timeout=600) for p in procs]
+                one()
+                return [(p.returncode, *o) for p, o in zip(procs, outs)], d / "one", d / "node0"
+            return wait
+        yield _Later(start)
+
+
 @pytest.fixture(scope="module")
 def killed_rank_run(tmp_path_factory):
     """The launch of the kill -9 test below (rank 1 of 2 kills itself at the start of iteration
@@ -320,11 +361,12 @@ def killed_rank_run(tmp_path_factory):
         yield lambda: (_finish(proc, timeout=300), run, time.monotonic() - start)
 
 
-@pytest.mark.usefixtures("killed_rank_run")
-def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_path):
+def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_path, killed_rank_run, nan_runs,
+                                                                        two_node_runs, hybrid_node_runs):
     """SIGSTOP to rank 1 of 2: rank 0's collective fails (--distributed-timeout-s 10), it writes
     its failure report, torchrun ends the stopped rank (SIGKILL, in its summary), and the launcher
-    names rank 1 with that signal and the operation rank 0 waited in."""
+    names rank 1 with that signal and the operation rank 0 waited in. While it waits out the
+    timeout and torchrun's grace period, the NaN and the two two-node tests' runs start."""
     run = tmp_path / "run"
     proc = _start([a if a != "12" else "400" for a in BASE] + ["--dp", "2", "--distributed-timeout-s", "10"], run)
     victim = None
@@ -333,6 +375,9 @@ def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_pat
         victim = next(p for p in _pids(run) if _rank_of(p) == 1)
         os.kill(victim, signal.SIGSTOP)
         sent = time.monotonic()
+        nan_runs.start()
+        two_node_runs.start()
+        hybrid_node_runs.start()
         out, err = proc.communicate(timeout=240)
         took = time.monotonic() - sent
     finally:
@@ -368,3 +413,50 @@ def test_a_killed_rank_is_named_with_its_signal_and_the_operation_the_others_wai
         r"the others waited in all_reduce #\d+ over ranks \[0, 1\], shape \(\d+,\) float32 during the optimizer step "
         r"\(gradient reduction, overflow all-reduce, norm, parameter all-gather\) at iteration 3 "
         + re.escape(f"(reports: {run}/failures)"), named[0]), done.stderr[-3000:]
+
+
+def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(nan_runs):
+    """NaN in micro-batch 1 of iteration 3 on rank 1 (tp rank 1 of stage 0) of tp2 x pp2: the
+    launched run stops with status 1 and a line naming iteration, stage, ranks and samples; with
+    --skip-bad-batches 1 (train.main's handling: forked ranks beside the launch) the run
+    completes with one skipped step."""
+    stopped, d = nan_runs.result()
+    skipped = (d / "skip" / "ranks.log").read_text()
+    assert stopped.returncode == 1, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    line = ("megazero: training error: non-finite loss/gradient at iteration 3: it first appeared in the forward "
+            "pass of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch 1), on training "
+            "samples 18-19; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps")
+    assert [x for x in stopped.stderr.splitlines() if "non-finite" in x] == [line], stopped.stderr[-3000:]
+    assert not any(t in stopped.stdout + stopped.stderr for t in NO_TRACEBACK), stopped.stderr[-3000:]
+    assert "[megazero] skipped iteration 3: non-finite loss/gradient at iteration 3" in skipped, skipped[-3000:]
+    records = train_records(d / "skip")
+    assert [r["skipped_iterations"] for r in records] == [0, 0, 1, 1, 1]
+    assert records[2]["loss"] is None and all(r["loss"] is not None for r in records[3:])
+
+
+def test_two_launchers_as_two_nodes_train_like_one_node(two_node_runs):
+    """--nnodes 2 --node-rank 0/1 --master-addr 127.0.0.1 --rdzv-backend c10d (tp 2, dp 2: one
+    tp pair per "node") logs the losses of the same layout launched on one node. The static
+    rendezvous (the default) of two loopback nodes is the hybrid-shard test below (dp 4, one ZeRO
+    shard group per node)."""
+    nodes, one, two = two_node_runs.result()
+    assert [rc for rc, _ in nodes] == [0, 0], nodes[0][1][-2000:] + nodes[1][1][-2000:]
+    assert all("launching 2 process(es) on this node (tp=2 pp=1 dp=2, nnodes=2)" in o for _, o in nodes)
+    a, b = _last_records(one), _last_records(two)
+    assert sorted(b) == [1, 2, 3, 4]
+    for it in a:
+        assert a[it]["loss"] == pytest.approx(b[it]["loss"], rel=1e-6, abs=0), it
+
+
+def test_two_loopback_nodes_with_hybrid_shards_train_like_one_process(hybrid_node_runs):
+    """(tests/test_hybrid_shard.py's, issue 24) scripts/pretrain_gpt.sh --nnodes 2 on this
+    machine (node ranks 0 and 1, two ranks each, one static rendezvous, the default, on
+    127.0.0.1): dp 4 with --zero-shard-size 2 (one shard group per node, ZeRO-2) logs the
+    losses of the single-process run of the same settings within 1e-5."""
+    nodes, one, node0 = hybrid_node_runs.result()
+    assert [rc for rc, _, _ in nodes] == [0, 0], [err[-3000:] for _, _, err in nodes]
+    assert all("launching 2 process(es) on this node (tp=1 pp=1 dp=4, nnodes=2)" in out for _, out, _ in nodes), nodes
+    a, b = train_records(one), train_records(node0)
+    assert [r["iteration"] for r in a] == [r["iteration"] for r in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5), (x["loss"], y["loss"])

@@ -1,7 +1,7 @@
 """Activation recomputation (megazero/tensor_parallel/recompute.py, model/gpt.py).
 
 Recomputation changes when activations are computed, never their values: with dropout on,
-6 steps' losses and gradient norms are bit-identical to the same layout without it (the
+5 steps' losses and gradient norms are bit-identical to the same layout without it (the
 replay draws the same masks from the RNG tracker's streams); with dropout off they equal the
 single-process oracle (tests/reference.py) within 1e-5 relative. Each layout starts one set
 of gloo ranks and trains every recomputation setting in it.
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
 from tests.distributed import run_distributed
-from tests.test_train import BASE, SWEEP_STEPS, _reference_losses, _train_layout
+from tests.test_train import BASE, _reference_losses, _train_layout
 
-STEPS = SWEEP_STEPS  # 6 of BASE's 10-iteration schedule: every setting's replay runs in every step
+STEPS = 5  # of BASE's 10-iteration schedule (warm-up, peak, decay): every setting's replay runs in every step
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 SETTINGS = {
     "none": [],

@@ -5,6 +5,7 @@ trains the same GPT on the same global batches as ``tests/reference.py``, a plai
 single-process PyTorch GPT, and must give its losses step by step (fp32, dropout off).
 Each layout runs in one set of spawned gloo ranks through ``train.Trainer``.
 """
+import functools
 import math
 import os
 
@@ -55,7 +56,36 @@ def _train_layout(rank, world, argv, steps):
 PROMPT = [5, 17, 3]
 
 
-def _reference_losses(argv, steps):
+def _reference_losses(argv, steps) -> list:
+    """tests/reference.py's losses for ``argv`` over ``steps`` steps: computed once per pytest
+    process (every module that compares with the same oracle shares it), on one thread (tiny
+    matmuls: many times faster than on two busy cores)."""
+    return list(_reference_once(tuple(argv), steps))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_once(argv: tuple, steps: int) -> tuple:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return tuple(_oracle_losses(list(argv), steps))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def single_layout_run(argv, steps):
+    """``_train_layout``'s result for ``argv`` on one spawned rank, run once per pytest process:
+    the single-process run every layout's gradient norms and greedy sample are compared with
+    (tests/test_context_parallel.py uses the same ones)."""
+    return _single_once(tuple(argv), steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_once(argv: tuple, steps: int):
+    return run_distributed(_train_layout, 1, list(argv), steps)[0]
+
+
+def _oracle_losses(argv, steps):
     import train
     from data.samplers import get_micro_batches
     from megazero.config import config_from_argv
@@ -107,7 +137,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def single_run():
-    return run_distributed(_train_layout, 1, BASE, SWEEP_STEPS)[0]
+    return single_layout_run(BASE, SWEEP_STEPS)
 
 
 def _train_layouts(rank, world, argvs, steps):
@@ -229,19 +259,28 @@ def test_zero3_layout_equals_reference(name, reference, single_run):
 
 
 # The LLaMA-style block (RoPE on half of each head, RMSNorm, SwiGLU, 2 query groups for 4
-# heads, no linear biases, untied output) under the same 11 layouts; the layouts of one world
-# size share one set of spawned ranks.
+# heads, no linear biases, untied output) under the layouts where the block meets the split:
+# tp (query groups and SwiGLU halves per rank), sequence parallelism, every pipeline schedule
+# (the untied output layer on the last stage), and tp x pp x dp with all of them. Data
+# parallelism and ZeRO alone do not depend on the block (tests/test_moe.py runs this block
+# under dp 4 ZeRO-1/3, tp 2 x dp 2 ZeRO-2 and pp 2 x dp 2), so the sweep's dp-only, pp x dp
+# and two of its 8-rank layouts run with the GPT-2 block only. The layouts of one world size
+# share one set of spawned ranks.
 LLAMA = ["--position-embedding-type", "rope", "--rotary-percent", "0.5", "--rotary-base", "1000",
          "--normalization", "RMSNorm", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--clip-grad", "0.5"]
 
 
+LLAMA_LAYOUTS = ("single", "tp2-sp", "pp2-gpipe", "tp2-pp2-dp1-gpipe", "tp2-pp2-dp1-1f1b",
+                 "tp2-pp2-dp1-interleaved", "tp2-pp2-dp2-zero1-interleaved-sp")
+
+
 @pytest.fixture(scope="module")
 def llama_runs():
     """{world size: (layout names, per-rank results)}; the single-process run first."""
-    out = {}
-    for world in sorted({w for w, _ in LAYOUTS.values()}):
-        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+    out = {1: (["single"], [[single_layout_run(BASE + LLAMA, SWEEP_STEPS)]])}
+    for world in sorted({LAYOUTS[n][0] for n in LLAMA_LAYOUTS} - {1}):
+        names = [n for n in LLAMA_LAYOUTS if LAYOUTS[n][0] == world]
         argvs = [BASE + LLAMA + LAYOUTS[n][1] for n in names]
         out[world] = names, run_distributed(_train_layouts, world, argvs, SWEEP_STEPS, timeout_s=600)
     return out
@@ -252,9 +291,9 @@ def llama_reference():
     return _reference_losses(BASE + LLAMA, SWEEP_STEPS)
 
 
-@pytest.mark.parametrize("world", sorted({w for w, _ in LAYOUTS.values()}))
+@pytest.mark.parametrize("world", sorted({LAYOUTS[n][0] for n in LLAMA_LAYOUTS}))
 def test_llama_block_layouts_equal_reference(world, llama_runs, llama_reference):
-    """The LLaMA-style configuration under every layout of this world size: losses equal the
+    """The LLaMA-style configuration under every layout of this world size in LLAMA_LAYOUTS: losses equal the
     reference's within 1e-5 relative, gradient norms the single process's, the greedy sample
     decodes the same ids, and the planner counts each rank's parameters exactly."""
     single = llama_runs[1][1][0][0]
