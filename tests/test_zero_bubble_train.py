@@ -173,8 +173,7 @@ def _layouts4():
     for tag, flags in (("tp2-sp", ["--tp", "2", "--sequence-parallel"]),
                        ("dp2-zero2", ["--dp", "2", "--zero-stage", "2"] + MICRO1),
                        ("dp2-zero3", ["--dp", "2", "--zero-stage", "3"] + MICRO1)):
-        for name in ("1f1b-untied", "zb-v"):   # ZB-H1 and tied ZB-V with these: the 8-rank test (pp 4)
-            pp_flags, base = PP2[name]
+        for name, (pp_flags, base) in PP2.items():
             out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
     for tag, flags in (("dp2-zero1", ["--dp", "2", "--zero-stage", "1"] + MICRO1), ("cp2", ["--cp", "2"])):
         for name in ("1f1b", "zb-h1"):   # ZeRO-1's overlapped reduction and gather; context parallel
@@ -185,11 +184,10 @@ def _layouts4():
 
 @pytest.mark.slow
 def test_zero_bubble_with_tp_sp_and_zero_equals_1f1b_bit_for_bit():
-    """4 ranks: tp 2 + sequence parallelism, ZeRO-2 and ZeRO-3 over dp 2, each with ZB-V
-    (untied embeddings) next to 1F1B (the bucket reductions start when a bucket's last W is
-    done; ZeRO-3 keeps a unit gathered from its B to its last W); ZB-H1 with ZeRO-1
-    (overlapped reduction and parameter gather) and with context parallelism cp 2. ZB-H1 and
-    tied ZB-V with tp 2 + SP, ZeRO-2 and ZeRO-3 are the 8-rank test's (pp 4, 8 micro-batches)."""
+    """4 ranks: tp 2 + sequence parallelism, ZeRO-2 and ZeRO-3 over dp 2, each with ZB-H1 and
+    ZB-V next to 1F1B (the bucket reductions start when a bucket's last W is done; ZeRO-3
+    keeps a unit gathered from its B to its last W); ZB-H1 also with ZeRO-1 (overlapped
+    reduction and parameter gather) and with context parallelism cp 2."""
     layouts = _layouts4()
     names = list(layouts)
     out = run_distributed(_runs, 4, [BASE + GBS + layouts[n][0] for n in names], timeout_s=1500)
