@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.distributed import run_distributed
-from tests.test_train import (BASE, LLAMA, SWEEP_STEPS, _check_layout, _reference_losses, _train_layouts,
+from tests.test_train import (BASE, LLAMA, MB4, SWEEP_STEPS, _check_layout, _reference_losses, _train_layouts,
                               single_layout_run)
 
 CP_LAYOUTS = {  # name -> (world size, flags)
@@ -41,7 +41,7 @@ def runs():
     out = {}
     for world in sorted({w for w, _ in CP_LAYOUTS.values()}):
         keys = [(b, n) for b, n in CASES if CP_LAYOUTS[n][0] == world]
-        argvs = [BASE + BLOCKS[b] + CP_LAYOUTS[n][1] for b, n in keys]
+        argvs = [BASE + BLOCKS[b] + MB4 + CP_LAYOUTS[n][1] for b, n in keys]   # 4 micro-batches at dp 1
         per_rank = run_distributed(_train_layouts, world, argvs, SWEEP_STEPS, timeout_s=900)
         out.update({k: [r[i] for r in per_rank] for i, k in enumerate(keys)})
     for b in BLOCKS:   # shared with tests/test_train.py (one run per pytest process)
