@@ -16,6 +16,7 @@ Conventions (docs/design.md, "Conventions" 10):
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import Counter, deque
 from typing import Optional
 
@@ -89,11 +90,26 @@ def describe(entry: tuple) -> str:
     return f"{op} #{seq} {where}, shape {shape} {dtype}"
 
 
+_group_ranks = weakref.WeakKeyDictionary()
+"""group -> (its global ranks in group-rank order, the same sorted): ``_count``'s lookups, made once
+per group (``dist.get_process_group_ranks`` walks the group's rank map on every call). Weak keys:
+a destroyed group is not kept alive (nor its gloo threads) by this cache."""
+
+
+def _ranks_of(group) -> tuple:
+    got = _group_ranks.get(group)
+    if got is None:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        got = _group_ranks[group] = (ranks, tuple(sorted(ranks)))
+    return got
+
+
 def _count(kind: str, t: torch.Tensor, group: Group) -> None:
-    counter[kind] += t.numel() * t.element_size()
+    nbytes = t.numel() * t.element_size()
+    counter[kind] += nbytes
     calls[kind] += 1
-    ranks = dist.get_process_group_ranks(group)
-    by_group[(kind, tuple(sorted(ranks)))] += t.numel() * t.element_size()
+    ranks, ordered = _ranks_of(group)
+    by_group[(kind, ordered)] += nbytes
     record(kind, ranks, t)
 
 
