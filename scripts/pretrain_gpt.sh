@@ -152,6 +152,14 @@ stopped_exit() {
   [ -z "$STOPPED" ] || { echo "[megazero] stopped by SIG$STOPPED" >&2; exit $((128 + $(signum "$STOPPED"))); }
 }
 
+# The settings alone first: megazero.config needs only the standard library (a fraction of a
+# second), so a mistake in them ends with its one line and exit code 2 before the corpus is
+# prepared or torch is imported. The preflight below checks them again, with the data, the
+# checkpoint and the device.
+"$PY" -c 'import sys; from megazero.config import config_from_argv
+config_from_argv(sys.argv[2:], int(sys.argv[1]), print_warnings=False, needs_data=False)' "$WORLD" \
+  --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" ${ARGS[@]+"${ARGS[@]}"} || exit $?
+
 if [ "$HAVE_DATA" = 0 ]; then
   echo "[megazero] no --data-path: preparing the embedded default corpus under $DATA_DIR (once)"
   PREP_FILE="$(mktemp)"
