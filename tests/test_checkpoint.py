@@ -40,8 +40,13 @@ def _runs(rank, world, jobs):
     return [_run(rank, world, argv, steps, save=save, load=load) for argv, steps, save, load in jobs]
 
 
-LAYOUT_A = ["--tp", "2", "--dp", "2", "--zero-stage", "1"]
-LAYOUT_B = ["--pp", "2", "--dp", "2", "--zero-stage", "2", "--reduce-bucket-size", "500"]
+MB4 = ["--micro-batch-size", "4"]
+"""The 4-rank resume tests' micro-batch: 2 micro-batches per step at dp 2 (gradients still
+accumulate, pp 2's 1F1B still has 2), not 4; a step's CPU time on gloo ranks is its collectives'
+latency, one set per micro-batch. The global batch (16), and so the losses, are unchanged."""
+LAYOUT_A = ["--tp", "2", "--dp", "2", "--zero-stage", "1"] + MB4
+# buckets of 2,000 elements (parameters still straddle them; DCP costs ~10 ms of CPU per chunk)
+LAYOUT_B = ["--pp", "2", "--dp", "2", "--zero-stage", "2", "--reduce-bucket-size", "2000"] + MB4
 
 
 def test_resume_same_layout_is_bit_identical_and_other_layout_matches(tmp_path):
@@ -50,7 +55,7 @@ def test_resume_same_layout_is_bit_identical_and_other_layout_matches(tmp_path):
     # and three resumes from that save (the same layout, another one, tp 4)
     whole, first, same, other, tp4 = run_distributed(_runs, 4, [
         (ARGS + LAYOUT_A, 6, None, None), (ARGS + LAYOUT_A, 3, ckpt, None), (ARGS + LAYOUT_A, 3, None, ckpt),
-        (ARGS + LAYOUT_B, 3, None, ckpt), (ARGS + ["--tp", "4"], 3, None, ckpt)], timeout_s=600)[0]
+        (ARGS + LAYOUT_B, 3, None, ckpt), (ARGS + ["--tp", "4", "--micro-batch-size", "8"], 3, None, ckpt)], timeout_s=600)[0]
     whole = whole[0]
     assert first[0] == whole[:3]
     assert open(tmp_path / "latest").read().strip() == "3"
@@ -68,7 +73,9 @@ def test_resume_same_layout_is_bit_identical_and_other_layout_matches(tmp_path):
 def test_zero3_checkpoint_resumes_under_zero3_and_another_layout(tmp_path):
     """Saved under pp 2 x dp 2 ZeRO-3 (tied embeddings, parameters sharded): the same layout
     resumes bit for bit, tp 2 x dp 2 ZeRO-1 within 1e-5 relative."""
-    z3, ckpt = ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--reduce-bucket-size", "500"], str(tmp_path)
+    # buckets of 2,000 elements (parameters still straddle them): a DCP save or load costs some
+    # 10 ms of CPU per chunk, and ZeRO-3 cuts its shards per bucket
+    z3, ckpt = ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--reduce-bucket-size", "2000"] + MB4, str(tmp_path)
     whole, first, same, other = run_distributed(_runs, 4, [
         (ARGS + z3, 6, None, None), (ARGS + z3, 3, ckpt, None), (ARGS + z3, 3, None, ckpt),
         (ARGS + LAYOUT_A, 3, None, ckpt)], timeout_s=600)[0]  # in order, in one set of ranks

@@ -12,6 +12,10 @@ from tests.test_train import BASE
 
 BUCKET = 500   # --reduce-bucket-size (elements): chunks are at most one bucket
 ARGS = [a if a != "10" else "8" for a in BASE] + ["--reduce-bucket-size", str(BUCKET)]
+MB4 = ["--micro-batch-size", "4"]
+"""Micro-batches of 4 rows: 2 per step at dp 2 (the ZeRO-2 overlap and pp 2's 1F1B still have
+two), 1 at dp 4; a step's CPU time on gloo ranks is its collectives' latency, one set per
+micro-batch. The global batch (16) and so the losses are unchanged."""
 
 
 def test_owned_boxes_rebuild_every_tp_partition():
@@ -108,12 +112,12 @@ def _measured(fn):
     return _alloc_peaks(prof)
 
 
-def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=3, measure=True):
+def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=3, measure=None):
     """One launch: build the trainer of ``argv``; for each root in ``loads`` resume from it and
     train ``steps`` steps; without ``loads`` train ``save_after`` steps, save to ``save`` and
-    train ``steps`` more. Returns losses per phase, the measured allocation peaks (``measure``:
-    the save and loads under torch's profiler, else no peaks) and this rank's owned state bytes
-    (3 fp32 tensors of its owned elements)."""
+    train ``steps`` more. Returns losses per phase, the measured allocation peaks (the save and
+    the loads under torch's profiler; only the first ``measure`` loads if given, the others None) and
+    this rank's owned state bytes (3 fp32 tensors of its owned elements)."""
     import train
     from torch.distributed.checkpoint import FileSystemReader as dcp_reader
     from megazero.config import config_from_argv
@@ -145,17 +149,29 @@ def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=3, m
         out["in_flight"].append(0 if gather is None else gather.pending())
         return read(*a, **k)
     dcp_reader.read_data = read_data
-    if not loads:
-        out["losses"].append(run(save_after))
-        out["peaks"].append(_measured(lambda: trainer.save_checkpoint(save)) if measure
-                            else trainer.save_checkpoint(save))
-    for root in loads:
-        out["peaks"].append(_measured(lambda: trainer.load_checkpoint(root)) if measure
-                            else trainer.load_checkpoint(root))
-        out["losses"].append(run(steps))
-    if not loads:
-        out["losses"].append(run(steps))
+    try:
+        if not loads:
+            out["losses"].append(run(save_after))
+            out["peaks"].append(_measured(lambda: trainer.save_checkpoint(save)))
+        for i, root in enumerate(loads):
+            profiled = measure is None or i < measure
+            out["peaks"].append(_measured(lambda: trainer.load_checkpoint(root)) if profiled
+                                else trainer.load_checkpoint(root))
+            out["losses"].append(run(steps))
+        if not loads:
+            out["losses"].append(run(steps))
+    finally:   # the next session of these ranks wraps the original
+        dcp_reader.read_data = read
     return out
+
+
+def _sessions(rank, world, root, extra, layouts):
+    """``_session`` (``ARGS + extra``, resumed from ``root``) for each {name: (layout flags,
+    loads)} of ``layouts`` in turn, in one set of ranks (one spawn, not one per layout); only
+    the first load of each is profiled (the ones checked). {name: this rank's result}."""
+    return {name: _session(rank, world, ARGS + extra + layout + ["--load", root], loads=loads,
+                           measure=1)
+            for name, (layout, loads) in layouts.items()}
 
 
 def _close(got, want):
@@ -171,13 +187,19 @@ def test_save_and_load_hold_at_most_one_bucket_beyond_the_own_shards(tmp_path):
     states; the same-layout resume is bit-identical, also the second load of the session, made
     two steps later while the overlapped parameter all-gathers of its last step were in flight
     (none is left in flight when DCP writes the loaded tensors)."""
-    argv = ARGS + ["--dp", "2", "--zero-stage", "2"]
+    argv = ARGS + MB4 + ["--dp", "2", "--zero-stage", "2"]   # 2 micro-batches per step
     saved = run_distributed(_session, 2, argv, save=str(tmp_path), save_after=2, steps=2)
     loaded = run_distributed(_session, 2, argv + ["--load", str(tmp_path)], loads=[str(tmp_path)] * 2, steps=2)
     assert loaded[0]["losses"] == [saved[0]["losses"][1]] * 2   # bit for bit, both loads
     assert all(out["in_flight"] == [0, 0] for out in loaded), [out["in_flight"] for out in loaded]
     for out in saved + loaded:
         _check_peaks(out, out["peaks"], out["bucket"])
+
+
+Z3_ARGS = MB4 + ["--reduce-bucket-size", "2000"]
+"""The layout test's extra flags: 2 micro-batches per step at dp 2, and buckets of 2,000
+elements, a third of the saving ranks' own state at most (their chunks: a DCP save or load
+costs some 10 ms of CPU per chunk, and at 500 elements the test was mostly that)."""
 
 
 def _check_peaks(out: dict, peaks: list, saved_bucket: int, name: str = "") -> None:
@@ -201,18 +223,19 @@ def test_save_under_tp2_pp2_dp2_zero3_loads_under_other_layouts(tmp_path):
     from scripts.convert_checkpoint import consolidate
 
     root, full = str(tmp_path / "sharded"), str(tmp_path / "full")
-    z3 = ARGS + ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3"]
+    z3 = ARGS + Z3_ARGS + ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3"]
     saved = run_distributed(_session, 8, z3, save=root, save_after=3, timeout_s=600)
     whole = saved[0]["losses"][1]
     consolidate(root, full)
+    # micro-batches per step: 1 at dp 4, 2 at tp 4 (micro-batch 8), 2 at pp 2 x dp 2
     layouts = {"(1,1,4) ZeRO-1": (["--dp", "4", "--zero-stage", "1"], [root, full]),
-               "(4,1,1) ZeRO-0": (["--tp", "4", "--zero-stage", "0"], [root]),
+               "(4,1,1) ZeRO-0": (["--micro-batch-size", "8", "--tp", "4", "--zero-stage", "0"], [root]),
                "(1,2,2) ZeRO-2 offload": (["--pp", "2", "--dp", "2", "--zero-stage", "2",
                                            "--offload-optimizer", "cpu"], [root])}
     results = {"(2,2,2) ZeRO-3 save": saved}
-    for name, (layout, loads) in layouts.items():
-        results[name] = run_distributed(_session, 4, ARGS + layout + ["--load", root], loads=loads,
-                                        timeout_s=600)
+    per_rank = run_distributed(_sessions, 4, root, Z3_ARGS, layouts, timeout_s=600)   # the 3 layouts, one spawn
+    for name in layouts:
+        results[name] = [r[name] for r in per_rank]
         for losses in results[name][0]["losses"]:   # rank 0 reports the step's loss
             _close(losses, whole)
     saved_bucket = max(out["bucket"] for out in saved)

@@ -167,23 +167,27 @@ def test_recompute_single_rank(reference):
 @pytest.mark.slow
 def test_recompute_tp2_pp2_dp2_sequence_parallel(reference):
     """(2, 2, 2) with --sequence-parallel, 1F1B, ZeRO-1: the saved layer inputs are the
-    [B, T/tp, H] chunks and the "tp" stream is replayed per rank."""
+    [B, T/tp, H] chunks and the "tp" stream is replayed per rank. Micro-batch 4: 2 per
+    pipeline and step (1F1B's warm-up, steady state and cool-down; a step's CPU time on gloo
+    ranks is one set of collectives per micro-batch)."""
     names = ["none", "selective", "full-uniform"]
     extra = ["--tp", "2", "--pp", "2", "--dp", "2", "--sequence-parallel", "--zero-stage", "1",
-             "--micro-batch-size", "1"]
+             "--micro-batch-size", "4"]
     _equals_reference(_check_layout(8, extra, names), reference, names)
 
 
 def test_recompute_pp2_interleaved(reference):
     """pp 2 with 2 model chunks per stage (interleaved): chunks share one tracker, and the
-    forwards of other micro-batches run between a region's forward and its replay."""
+    forwards of other micro-batches run between a region's forward and its replay (4
+    micro-batches per step, a multiple of pp)."""
     names = ["none", "selective", "full-block"]
-    extra = ["--pp", "2", "--virtual-pipeline-size", "2", "--micro-batch-size", "2"]
+    extra = ["--pp", "2", "--virtual-pipeline-size", "2", "--micro-batch-size", "4"]
     _equals_reference(_check_layout(2, extra, names), reference, names)
 
 
 @pytest.mark.parametrize("dtype", ["--bf16", "--fp16"])
 def test_recompute_half_precision(dtype):
-    """bf16 / fp16 weights and activations, pp 2 with GPipe: recomputation changes nothing."""
-    _check_layout(2, ["--pp", "2", "--pipeline-schedule", "gpipe"], ["none", "selective", "full-uniform"],
-                  dtype_flags=[dtype])
+    """bf16 / fp16 weights and activations, pp 2 with GPipe (4 micro-batches per step):
+    recomputation changes nothing."""
+    _check_layout(2, ["--pp", "2", "--pipeline-schedule", "gpipe", "--micro-batch-size", "4"],
+                  ["none", "selective", "full-uniform"], dtype_flags=[dtype])

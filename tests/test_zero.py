@@ -95,13 +95,14 @@ def train(model, ddp, opt, groups, batches, num_micro, steps=STEPS, on_backward=
     return losses, results, state_bytes
 
 
-def _equivalence_run(rank, world, tp, batches):
+def _equivalence_run(rank, world, tp, batches, accum=4):
+    """Stages 0-2, overlap on and off, with 1 and ``accum`` micro-batches per step."""
     torch.manual_seed(0)
     groups = ProcessGroups.build(Topology(tp=tp, pp=1, dp=world // tp))
     cfg = tiny_cfg(sequence_parallel=tp > 1)
     out = {}
     for stage in (0, 1, 2):
-        for num_micro in (1, 4):
+        for num_micro in (1, accum):
             for overlap in (False, True):
                 C.counter.clear()
                 model, ddp, opt = build(cfg, groups, stage, overlap)
@@ -153,8 +154,9 @@ def _check_equivalence(results, ref, check_bytes=True, tp=1):
             # step (stage 1) or once per micro-batch (stage 2)
             per_step = {0: 0, 1: 1, 2: num_micro}[stage]
             assert not check_bytes or r["rs_bytes"] == 4 * r["padded"] * per_step * len(ref)
-        for stage in (0, 1, 2):   # micro-batch 1 x 4 accumulation == micro-batch 4 x 1
-            assert out[stage, 4, True]["losses"] == pytest.approx(
+        accum = max(n for _, n, _ in out)
+        for stage in (0, 1, 2):   # micro-batch 1 x 4 accumulation == micro-batch 4 x 1 (or 2 x 2)
+            assert out[stage, accum, True]["losses"] == pytest.approx(
                 out[stage, 1, True]["losses"], rel=1e-5)
     for a, b in zip(results, results[tp:]):   # DP peers hold identical model params
         for key in a:
@@ -170,11 +172,14 @@ def test_zero_matches_reference_dp2():
 
 @pytest.mark.slow
 def test_zero_matches_reference_dp4_and_tp2_dp2():
+    """dp 4 and tp 2 x dp 2 (sequence parallel), 3 steps, 1 and 2 micro-batches per step (dp 2
+    covers 4): a step's CPU time on gloo ranks is its collectives' latency, stage 2 reducing
+    once per micro-batch; 3 steps still compare the state bytes of step 2 and the last."""
     cfg = tiny_cfg()
-    batches = make_batches(cfg, EQUIV_STEPS)
-    ref = reference(cfg, batches, EQUIV_STEPS)
-    _check_equivalence(run_distributed(_equivalence_run, 4, 1, batches), ref)
-    _check_equivalence(run_distributed(_equivalence_run, 4, 2, batches), ref,
+    batches = make_batches(cfg, 3)
+    ref = reference(cfg, batches, 3)
+    _check_equivalence(run_distributed(_equivalence_run, 4, 1, batches, 2), ref)
+    _check_equivalence(run_distributed(_equivalence_run, 4, 2, batches, 2), ref,
                        check_bytes=False, tp=2)  # TP's sequence-parallel reduce-scatters count too
 
 
@@ -401,9 +406,11 @@ def _pipeline_steps(groups, chunks, ddp, opt, batches, kind, vp, num_micro, cfg)
 
 @pytest.mark.slow
 def test_zero_under_pipeline_parallelism_with_tied_embeddings():
+    """pp 2 x dp 2, 1F1B and interleaved, ZeRO-1/2, overlap on and off: 3 steps of 4
+    micro-batches equal the oracle."""
     cfg = tiny_cfg(num_layers=4)
-    batches = make_batches(cfg, EQUIV_STEPS)
-    ref = reference(cfg, batches, EQUIV_STEPS)
+    batches = make_batches(cfg, 3)
+    ref = reference(cfg, batches, 3)
     results = run_distributed(_pipeline_run, 4, batches, 4)
     for out in results:
         for key, r in out.items():

@@ -17,8 +17,13 @@ from megazero.topology import Topology
 from model.gpt import GPTStage
 from tests.distributed import run_distributed
 from model.build import zero3_units
-from tests.test_zero import (ADAM, BUCKET, SEED, STEPS, _pipeline_steps, build, make_batches,
+from tests.test_zero import (ADAM, BUCKET, SEED, _pipeline_steps, build, make_batches,
                              reference, tiny_cfg, train)
+
+STEPS = 4
+"""Steps of the multi-rank comparisons (was test_zero's 10): a step's CPU time on gloo ranks is
+its collectives' latency; 4 steps still compare losses and main params bit for bit after
+several Adam steps and the state bytes of step 2 with the last."""
 
 
 def _dp_run(rank, world, batches):
@@ -27,7 +32,7 @@ def _dp_run(rank, world, batches):
     for stage in (2, 3):
         for num_micro, overlap in ((1, False), (4, True)):
             model, ddp, opt = build(tiny_cfg(), groups, stage, overlap)
-            losses, _, state_bytes = train(model, ddp, opt, groups, batches, num_micro)
+            losses, _, state_bytes = train(model, ddp, opt, groups, batches, num_micro, STEPS)
             padded = sum(b.layout.padded_numel for b in ddp.buffers)
             got = state_bytes[-1]
             out[stage, num_micro] = dict(
@@ -35,7 +40,7 @@ def _dp_run(rank, world, batches):
                 bound=opt.bucket_bound_bytes(), formula=zero_formula_bytes(padded, world, stage, 4, 4),
                 placeholder=all(p.stride() == (0,) * p.dim() for p in model.parameters()))
     model, ddp, opt = build(tiny_cfg(), groups, 3, True, reshard_after_forward=False)
-    losses, _, state_bytes = train(model, ddp, opt, groups, batches, 4)
+    losses, _, state_bytes = train(model, ddp, opt, groups, batches, 4, STEPS)
     out["keep"] = dict(losses=losses, main=opt.main_param.numpy().copy(), got=state_bytes[-1],
                        placeholder=all(p.stride() == (0,) * p.dim() for p in model.parameters()))
     model, ddp, opt = build(tiny_cfg(params_dtype=torch.bfloat16), groups, 3, True,
@@ -49,7 +54,7 @@ def _dp_run(rank, world, batches):
 def test_zero3_matches_zero2_and_reference_dp2():
     cfg = tiny_cfg()
     batches = make_batches(cfg, STEPS)
-    ref = reference(cfg, batches)
+    ref = reference(cfg, batches, STEPS)
     for out in run_distributed(_dp_run, 2, batches):
         for num_micro in (1, 4):
             z2, z3 = out[2, num_micro], out[3, num_micro]
@@ -93,7 +98,7 @@ def _pipeline_run(rank, world, batches):
 def test_zero3_under_interleaved_pipeline_with_tied_embeddings():
     cfg = tiny_cfg(num_layers=4)
     batches = make_batches(cfg, STEPS)
-    ref = reference(cfg, batches)
+    ref = reference(cfg, batches, STEPS)
     for out in run_distributed(_pipeline_run, 4, batches):
         z2, on, off = out[2, True], out[3, True], out[3, False]
         # per-layer buffers lay the shards out differently from ZeRO-2's per-chunk ones (Adam's
@@ -110,7 +115,7 @@ def _tp_run(rank, world, batches):
     out = {}
     for stage in (2, 3):
         model, ddp, opt = build(cfg, groups, stage, True)
-        out[stage] = train(model, ddp, opt, groups, batches, 2)[0]
+        out[stage] = train(model, ddp, opt, groups, batches, 2, STEPS)[0]
     return out
 
 
@@ -118,7 +123,7 @@ def _tp_run(rank, world, batches):
 def test_zero3_under_tensor_and_sequence_parallelism():
     cfg = tiny_cfg()
     batches = make_batches(cfg, STEPS)
-    ref = reference(cfg, batches)
+    ref = reference(cfg, batches, STEPS)
     for out in run_distributed(_tp_run, 4, batches):   # tp 2 x dp 2
         assert out[3] == pytest.approx(ref, rel=1e-5)
         assert out[3] == out[2]
