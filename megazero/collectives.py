@@ -96,6 +96,12 @@ per group (``dist.get_process_group_ranks`` walks the group's rank map on every 
 a destroyed group is not kept alive (nor its gloo threads) by this cache."""
 
 
+def group_ranks(group) -> tuple:
+    """The global ranks of ``group`` in group-rank order (a process group, not ``None``),
+    looked up once per group."""
+    return _ranks_of(group)[0]
+
+
 def _ranks_of(group) -> tuple:
     got = _group_ranks.get(group)
     if got is None:

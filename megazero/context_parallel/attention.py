@@ -125,7 +125,7 @@ def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> to
     send = torch.stack(x.chunk(C, dim=scatter_dim))     # (C, ...): row i for group rank i
     recv = torch.empty_like(send)
     collectives.counter["all_to_all"] += send.numel() * send.element_size()
-    collectives.record("all_to_all", dist.get_process_group_ranks(group), send)
+    collectives.record("all_to_all", collectives.group_ranks(group), send)
     dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
