@@ -1,7 +1,7 @@
 """Bytes each rank hands to each kind of collective in one training step, beside the theory.
 
 Every case trains a small GPT-2-style model (learned positions, tied embeddings, biases,
-LayerNorm, no recomputation) through ``train.Trainer`` on gloo ranks; the second step's
+LayerNorm, no recomputation) through ``training.Trainer`` on gloo ranks; the second step's
 bytes are read from ``megazero.collectives.counter`` (the payload of this rank's input
 tensor per call, ``numel x element_size``; pipeline sends are counted by ``pipeline.p2p``)
 and compared with one closed-form function per case below, derived from the algorithm:
@@ -296,22 +296,20 @@ CASES = [
 def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int, dict]]:
     """On every rank: for each argv, build a Trainer, run one step, count the second.
     Returns ``(pp_rank, {kind: bytes})`` per argv."""
-    import torch
 
-    import train
+    from megazero import training
+
+    from megazero.training import build_trainer
     from megazero import collectives
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+    from megazero.config import config_from_argv
 
     out = []
     for argv in argvs:
         cfg = config_from_argv(argv, world)
-        run = train.prepare_run(cfg)
-        train_ds, vocab = run.train, run.vocab_size
-        groups = ProcessGroups.build(layout_topology(cfg))
-        trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+        cfg, groups = trainer.cfg, trainer.groups
         for step in range(2):
-            batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+            batches = trainer.next_batches()
             collectives.counter.clear()
             collectives.by_group.clear()
             trainer.train_step(batches)

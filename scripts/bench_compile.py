@@ -1,6 +1,6 @@
 """Step time of ``--compile`` (``torch.compile`` of each transformer layer) against eager.
 
-Two ``train.Trainer`` s at tp = pp = dp = 1, the same GPT (same seed, hence the same weights)
+Two ``training.Trainer`` s at tp = pp = dp = 1, the same GPT (same seed, hence the same weights)
 and the same batches, one eager and one with ``--compile``. Their first ``--warmup`` steps
 are not timed (the compiled one traces and compiles there; its time is printed apart). Then
 ``--rounds`` interleaved rounds: in each, both run ``--steps`` steps, the one that goes first
@@ -28,20 +28,16 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import train  # noqa: E402
+from megazero.training import build_trainer  # noqa: E402
 from data.samplers import get_micro_batches  # noqa: E402
-from megazero.config import config_from_argv  # noqa: E402
-from megazero.process_groups import ProcessGroups  # noqa: E402
 
 
 class Run:
     """One trainer and its own position in the shared batch sequence."""
 
     def __init__(self, argv: list[str]):
-        self.cfg = config_from_argv(argv, 1)
-        run = train.build_data(self.cfg)
-        self.data, vocab = run.train, run.vocab_size
-        self.trainer = train.Trainer(self.cfg, ProcessGroups.single(), torch.device("cpu"), vocab)
+        self.trainer = build_trainer(argv, 1)
+        self.cfg, self.data = self.trainer.cfg, self.trainer.data.train
         self.losses: list[float] = []
 
     def step(self) -> float:

@@ -2,7 +2,7 @@
 time of ring (p2p) against all-to-all (a2a) attention.
 
 A small GPT-2-style model (2 layers, hidden 64, 4 heads, micro-batch 1, vocabulary 1001, fp32,
-no dropout) trains through ``train.Trainer`` on ``cp`` gloo ranks (world = cp, one torch thread
+no dropout) trains through ``training.Trainer`` on ``cp`` gloo ranks (world = cp, one torch thread
 each) at sequence lengths 2048, 4096 and 8192 and cp 1, 2, 4. Two Markdown tables:
 
 1. memory: each rank's peak as ``scripts/plan.py --measure`` measures it (resident memory the run
@@ -90,23 +90,23 @@ def step_times(rank: int, world: int, seq: int, rounds: int) -> dict:
     """On every rank of a cp = ``world`` layout: a p2p and an a2a Trainer on the same groups,
     one warm-up step each, then ``rounds`` rounds of one step each in alternating order.
     Returns rank 0's step seconds per comm type (barrier to barrier), other ranks ``{}``."""
-    import torch
     import torch.distributed as dist
 
-    import train
+    from megazero import training
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
 
     cfgs = {c: config_from_argv(layout_argv(seq, world, c), world, print_warnings=False) for c in COMMS}
     groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=1, cp=world))
-    data = train.build_data(cfgs["p2p"])
-    trainers = {c: train.Trainer(cfg, groups, torch.device("cpu"), data.vocab_size) for c, cfg in cfgs.items()}
+    data = training.build_data(cfgs["p2p"])
+    trainers = {c: build_trainer(cfg, data=data, groups=groups) for c, cfg in cfgs.items()}
     times = {c: [] for c in COMMS}
     for r in range(rounds + 1):
         for c in (COMMS if r % 2 == 0 else COMMS[::-1]):
             t = trainers[c]
-            batches = train.dp_micro_batches(data.train, t.state.consumed_samples, cfgs[c], groups, "cpu")
+            batches = training.dp_micro_batches(data.train, t.state.consumed_samples, cfgs[c], groups, "cpu")
             dist.barrier()
             t0 = time.perf_counter()
             t.train_step(batches)

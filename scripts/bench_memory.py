@@ -1,6 +1,6 @@
 """Peak process memory per rank for ZeRO 0, 1, 2 (and 3) (data parallel on CPU gloo ranks).
 
-Each run forks ``--dp`` fresh rank processes that build ``train.Trainer`` (the real training
+Each run forks ``--dp`` fresh rank processes that build ``training.Trainer`` (the real training
 path: GPT stage, DataParallel with the default buckets, DistributedOptimizer), train
 ``--steps`` steps on mock data and report the peak resident set size (``VmHWM`` of
 ``/proc/self/status``), the resident size before the model was built, and the model-state
@@ -36,11 +36,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import train  # noqa: E402
+from megazero.training import build_trainer  # noqa: E402
 from data.samplers import get_micro_batches  # noqa: E402
-from megazero.config import config_from_argv, layout_topology  # noqa: E402
 from megazero.optim.zero import zero_formula_bytes  # noqa: E402
-from megazero.process_groups import ProcessGroups  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 MIB = 2 ** 20
@@ -57,12 +55,9 @@ def _status_kib(field: str) -> int:
 def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
     """One rank: build the trainer, train ``steps`` steps, report memory (bytes)."""
     before = _status_kib("VmRSS") * 1024
-    cfg = config_from_argv(argv, world)
-    groups = ProcessGroups.build(layout_topology(cfg))
+    trainer = build_trainer(argv, world)
+    cfg, groups, train_ds = trainer.cfg, trainer.groups, trainer.data.train
     n = groups.zero_shard_size   # N of the formula: dp, or S under hybrid sharding
-    run = train.build_data(cfg)
-    train_ds, vocab = run.train, run.vocab_size
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     for step in range(steps):
         trainer.train_step(get_micro_batches(train_ds, step * gbs, gbs, mbs, groups.dp_rank, world))

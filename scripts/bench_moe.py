@@ -1,6 +1,6 @@
 """A Mixture-of-Experts training step against the dense step with the same active parameters.
 
-Two ``train.Trainer`` runs at tp = pp = dp = 1 (one process): a dense GPT with MLP width
+Two ``training.Trainer`` runs at tp = pp = dp = 1 (one process): a dense GPT with MLP width
 ``k x F_e`` and an MoE GPT whose every MLP has ``E`` experts of width ``F_e`` routed top-k (no
 shared expert, aux loss 1e-2), so both have the same active matmul parameters per token. The
 steps alternate (machine noise hits both alike) and the script prints the median step time of
@@ -24,17 +24,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import train  # noqa: E402
+from megazero.training import build_trainer  # noqa: E402
 from data.samplers import get_micro_batches  # noqa: E402
-from megazero.config import config_from_argv  # noqa: E402
-from megazero.process_groups import ProcessGroups  # noqa: E402
 from model.gpt import MLP, MoEMLP  # noqa: E402
 
 
 def _trainer(base: list[str], extra: list[str]):
-    cfg = config_from_argv(base + extra, 1)
-    run = train.build_data(cfg)
-    return train.Trainer(cfg, ProcessGroups.single(), torch.device("cpu"), run.vocab_size), run.train, cfg
+    trainer = build_trainer(base + extra, 1)
+    return trainer, trainer.data.train, trainer.cfg
 
 
 def _layer_time(layer, x: torch.Tensor, reps: int, clock) -> float:

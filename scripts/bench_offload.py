@@ -1,6 +1,6 @@
 """Optimizer offload (ZeRO-Offload) against no offload: device/host bytes, peak memory, step time.
 
-One process (dp 1) builds ``train.Trainer`` twice on ``--device`` with the same model and
+One process (dp 1) builds ``training.Trainer`` twice on ``--device`` with the same model and
 ZeRO stage, once with ``--offload-optimizer cpu``, trains ``--steps`` steps on mock data and
 prints per run: the model-state bytes on the device and on the host
 (``DistributedOptimizer.bytes_by_place``) beside ``offload_formula_bytes`` /
@@ -26,12 +26,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import train  # noqa: E402
+from megazero.training import build_trainer  # noqa: E402
 from data.samplers import get_micro_batches  # noqa: E402
-from megazero.config import config_from_argv  # noqa: E402
 from megazero.optim.offload import offload_formula_bytes  # noqa: E402
 from megazero.optim.zero import zero_formula_bytes  # noqa: E402
-from megazero.process_groups import ProcessGroups  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -43,13 +41,11 @@ def _sync(device: torch.device) -> None:
 
 def run(argv: list, steps: int, device: torch.device) -> dict:
     """Train ``steps`` steps with ``argv``; losses, step times (s), bytes by place, formula."""
-    cfg = config_from_argv(argv, 1)
-    run = train.build_data(cfg)
-    train_ds, vocab = run.train, run.vocab_size
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    trainer = train.Trainer(cfg, ProcessGroups.single(), device, vocab)
+    trainer = build_trainer(argv, 1, device=device)
+    cfg, train_ds = trainer.cfg, trainer.data.train
     gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     losses, times = [], []
     for step in range(steps):

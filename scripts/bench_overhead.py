@@ -1,6 +1,6 @@
 """What megazero's machinery costs at tp = pp = dp = 1, against a plain PyTorch loop.
 
-Trains the same GPT (same weights, same batches) with ``train.Trainer`` (pipeline executor,
+Trains the same GPT (same weights, same batches) with ``training.Trainer`` (pipeline executor,
 gradient buffer, sharded-Adam optimizer, loss scaling hooks, all at size 1) and with
 ``tests/reference.py``'s model under ``torch.optim.AdamW`` (the plain loop a researcher would
 write). The two alternate step by step, so machine noise hits both alike, and the script
@@ -38,10 +38,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import train  # noqa: E402
+from megazero.training import build_trainer  # noqa: E402
 from data.samplers import get_micro_batches  # noqa: E402
-from megazero.config import config_from_argv  # noqa: E402
-from megazero.process_groups import ProcessGroups  # noqa: E402
 from model.gpt import init_full_weights  # noqa: E402
 from tests.reference import ReferenceGPT  # noqa: E402
 
@@ -116,10 +114,8 @@ def main(argv=None) -> dict:
             "--train-iters", str(steps), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
             "--lr", str(a.lr), "--min-lr", str(a.lr),
             "--clip-grad", "1.0", "--eval-iters", "0", "--device", "cpu"]
-    cfg = config_from_argv(argv, 1)
-    run = train.build_data(cfg)
-    train_ds, vocab = run.train, run.vocab_size
-    trainer = train.Trainer(cfg, ProcessGroups.single(), torch.device("cpu"), vocab)
+    trainer = build_trainer(argv, 1)
+    cfg, train_ds, vocab = trainer.cfg, trainer.data.train, trainer.data.vocab_size
 
     full = init_full_weights(trainer.gpt_config, cfg.train.seed)
     ref = ReferenceGPT.from_full_weights(full, vocab, a.num_attention_heads, cfg.model.layernorm_epsilon)

@@ -132,7 +132,6 @@ def systems_to_run(args) -> tuple[list, list]:
 def _megazero(args, groups, stage, overlap_param_gather=None):
     """(step function, model-state bytes function) of megazero at ZeRO ``stage``;
     ``overlap_param_gather`` None: train.py's default (on at stages 1 and 2)."""
-    from megazero import collectives as C
     from megazero.data_parallel.ddp import DataParallel
     from megazero.optim.zero import DistributedOptimizer
 

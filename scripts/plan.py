@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import train  # noqa: E402
+from megazero import training  # noqa: E402
 from data.indexed_dataset import DataError  # noqa: E402
 from data.tokenizer import load_tokenizer  # noqa: E402
 from megazero.config import MOCK_VOCAB_SIZE, ConfigError, config_from_argv, parse_args  # noqa: E402
@@ -131,18 +131,18 @@ def measure_rank(rank: int, world: int, argv: list[str], steps: int) -> tuple[in
     from megazero.topology import Topology
 
     cfg = config_from_argv(argv, world, print_warnings=False)
-    run = train.build_data(cfg)
-    train_ds, vocab = run.train, run.vocab_size
+    run = training.build_data(cfg)
+    train_ds = run.train
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
     gbs = cfg.train.global_batch_size
-    batches = [train.dp_micro_batches(train_ds, s * gbs, cfg, groups, "cpu") for s in range(steps)]
+    batches = [training.dp_micro_batches(train_ds, s * gbs, cfg, groups, "cpu") for s in range(steps)]
     _warm_up()
     gc.collect()
     base = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    trainer = training.build_trainer(cfg, data=run, groups=groups)   # the peak counts the model from here on
     for b in batches:
         trainer.train_step(b)
     return groups.pp_rank, _status("VmHWM") - base

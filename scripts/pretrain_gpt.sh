@@ -205,11 +205,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( CORES / NPROC > 0 ? CORES / NPROC
 
 export MEGAZERO_RANKS_PER_NODE=$NPROC  # the memory check shares this node among its ranks
 # Settings and data are checked once here, so a mistake ends with one line and exit code 2. The
-# preflight also writes the variables this run's ranks need (train.preflight, launch_exports:
+# preflight also writes the variables this run's ranks need (megazero.training.preflight, launch_exports:
 # CUDA_DEVICE_MAX_CONNECTIONS=1 where tensor/context-parallel overlap needs it; a value already in
 # the environment is kept), exported here so that they are set before any CUDA context exists.
 EXPORTS="$(mktemp)"
-"$PY" -c 'import sys, train; sys.exit(train.preflight(sys.argv[3:], int(sys.argv[1]), sys.argv[2]))' "$WORLD" \
+"$PY" -c 'import sys; from megazero.training import preflight; sys.exit(preflight(sys.argv[3:], int(sys.argv[1]), sys.argv[2]))' "$WORLD" \
   "$EXPORTS" --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" || { rc=$?; rm -f "$EXPORTS"; exit "$rc"; }
 # shellcheck disable=SC1090  # written just now by the preflight
 source "$EXPORTS"

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megazero.checkpoint.shards  # noqa: E402,F401  (torch.distributed.checkpoint)
-import train  # noqa: E402,F401
+from megazero import training  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,7 @@ killed. A run longer than ``timeout_s`` seconds raises ``TimeoutError`` (no hang
 fork is used instead of spawn: starting 8 ranks then costs no re-import of torch, which is
 most of the start-up time on a 2-core machine.
 
-``forked_train_main(args, run_dir)`` forks the ranks of a whole ``train.main`` run (torchrun's
+``forked_train_main(args, run_dir)`` forks the ranks of a whole ``training.main`` run (torchrun's
 variables, no launcher) in the background, for the reference runs launched ones are compared with.
 """
 from __future__ import annotations
@@ -106,10 +106,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0,
 
 
 def _train_main_rank(args, rank: int, world: int, port: int, log: str, env: dict) -> None:
-    """One rank of ``forked_train_main``: torchrun's variables (and ``env``), one thread, ``train.main``."""
+    """One rank of ``forked_train_main``: torchrun's variables (and ``env``), one thread, ``training.main``."""
     import torch
 
-    import train
+    from megazero import training
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
@@ -123,7 +123,7 @@ def _train_main_rank(args, rank: int, world: int, port: int, log: str, env: dict
     torch.set_num_threads(1)
     code = 1
     try:
-        code = train.main(list(args))
+        code = training.main(list(args))
     except BaseException:  # noqa: BLE001 - the traceback goes to the log, the status to the parent
         traceback.print_exc()
     finally:
@@ -134,7 +134,7 @@ def _train_main_rank(args, rank: int, world: int, port: int, log: str, env: dict
 
 @contextlib.contextmanager
 def forked_train_main(args, run_dir, env=None):
-    """A run of ``train.main(args + ["--run-dir", run_dir])`` on forked ranks, in the background:
+    """A run of ``training.main(args + ["--run-dir", run_dir])`` on forked ranks, in the background:
     what torchrun's ranks run, with torchrun's variables and one thread each (OMP_NUM_THREADS=1;
     a launch compared bit for bit with it needs the same), world size from --tp/--cp/--pp/--dp.
     For the reference runs that launched ones are compared with: a launch through
@@ -143,7 +143,7 @@ def forked_train_main(args, run_dir, env=None):
     (``timeout`` seconds) and asserts they exited 0; their output goes to RUN_DIR/ranks.log. The
     ranks still alive on the way out are killed. ``env``: more variables for the ranks (a test
     hook's ``MEGAZERO_TEST_FAULT``). A run that is not about the launcher (a resume, a fault
-    inside train.main) runs this way instead of a launch."""
+    inside training.main) runs this way instead of a launch."""
     size = {f: int(args[args.index(f) + 1]) if f in args else 1 for f in ("--tp", "--cp", "--pp", "--dp")}
     world = size["--tp"] * size["--cp"] * size["--pp"] * size["--dp"]
     Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,7 @@ def forked_train_main(args, run_dir, env=None):
         for proc in procs:
             proc.join(max(1.0, deadline - time.monotonic()))
         codes = [proc.exitcode for proc in procs]
-        assert codes == [0] * world, f"forked train.main: exit codes {codes}: " + Path(log).read_text()[-3000:]
+        assert codes == [0] * world, f"forked training.main: exit codes {codes}: " + Path(log).read_text()[-3000:]
     try:
         yield finished
     finally:

@@ -14,20 +14,17 @@ ARGS = [a if a != "10" else "6" for a in BASE]  # --train-iters 6: the LR schedu
 
 
 def _run(rank, world, argv, steps, save=None, load=None):
-    import train
+    from megazero import training
+    from megazero.training import build_trainer
     from megazero.config import config_from_argv
-    from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv + (["--load", load] if load else []), world)
-    run = train.prepare_run(cfg)  # sized for the resumed samples
-    train_ds, vocab = run.train, run.vocab_size
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    trainer = build_trainer(cfg, data=training.prepare_run(cfg))  # sized for the resumed samples
+    cfg = trainer.cfg
     start = trainer.load_checkpoint(load) if load else None
     losses = []
     for _ in range(steps):
-        batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+        batches = trainer.next_batches()
         losses.append(trainer.train_step(batches).values["loss"])
     if save:
         trainer.save_checkpoint(save)
@@ -158,23 +155,23 @@ def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
     """A checkpoint of another model, or a broken one, is refused by the launcher's preflight
     (exit code 2, one line naming the setting or the file); a resume with another global batch
     size continues past the end of the shorter run's sample count."""
-    import train
+    from megazero import training
 
     run_distributed(_run, 1, ARGS, 3, save=str(tmp_path))
-    assert train.preflight(ARGS + ["--load", str(tmp_path)], 1) == 0
+    assert training.preflight(ARGS + ["--load", str(tmp_path)], 1) == 0
     assert "warning" not in capsys.readouterr().err
     # settings a resume cannot honour are warned about, naming both values
     shorter = [a if a != "6" else "3" for a in ARGS] + ["--load", str(tmp_path), "--seed", "8",
                                                         "--lr-warmup-iters", "1"]
-    assert train.preflight(shorter, 1) == 0
+    assert training.preflight(shorter, 1) == 0
     err = capsys.readouterr().err
     assert "at iteration 3, not below --train-iters 3: nothing to train" in err
     assert "was trained with seed = 7, this run has 8" in err
-    assert train.preflight(ARGS + ["--load", str(tmp_path), "--num-layers", "2"], 1) == 2
+    assert training.preflight(ARGS + ["--load", str(tmp_path), "--num-layers", "2"], 1) == 2
     assert "num_layers = 4, this model 2" in capsys.readouterr().err
-    assert train.preflight(ARGS + ["--load", str(tmp_path), "--untie-embeddings-and-output-weights"], 1) == 2
+    assert training.preflight(ARGS + ["--load", str(tmp_path), "--untie-embeddings-and-output-weights"], 1) == 2
     assert "tie_embeddings" in capsys.readouterr().err
-    assert train.preflight(ARGS + ["--load", str(tmp_path), "--normalization", "RMSNorm"], 1) == 2
+    assert training.preflight(ARGS + ["--load", str(tmp_path), "--normalization", "RMSNorm"], 1) == 2
     assert "normalization = LayerNorm, this model RMSNorm" in capsys.readouterr().err
     smaller = [a if a != "16" or i == 0 or ARGS[i - 1] != "--global-batch-size" else "8"
                for i, a in enumerate(ARGS)]
@@ -182,7 +179,7 @@ def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
     assert resumed[2] == 3 * 16 + 3 * 8 and all(math.isfinite(x) for x in resumed[0])
     meta = tmp_path / "iter_0000003" / "meta.pt"
     meta.write_bytes(meta.read_bytes()[:40])
-    assert train.preflight(ARGS + ["--load", str(tmp_path)], 1) == 2
+    assert training.preflight(ARGS + ["--load", str(tmp_path)], 1) == 2
     assert "meta.pt is unreadable" in capsys.readouterr().err
 
 
@@ -191,15 +188,13 @@ def _resumed_rng(rank, world, argv, load):
     import contextlib
     import io
 
-    import train
+    from megazero import training
+
+    from megazero.training import build_trainer
     from megazero.config import config_from_argv
-    from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv + ["--load", load], world)
-    vocab = train.prepare_run(cfg).vocab_size
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    trainer = build_trainer(cfg, data=training.prepare_run(cfg))
     built_seed = trainer.chunks[0].rng_tracker.seed
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -211,7 +206,7 @@ def test_every_rng_file_is_checked_before_any_rank_starts(tmp_path, capsys):
     """Each rank's rng_<rank>.pt missing, truncated or from another run is a checkpoint error
     naming it in the launcher's preflight (exit code 2); a resume under another layout
     re-seeds every rank by ``resume_seed`` and says so once."""
-    import train
+    from megazero import training
     from megazero.tensor_parallel.random import RNGTracker, resume_seed
 
     args = ARGS + ["--dp", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
@@ -219,7 +214,7 @@ def test_every_rng_file_is_checked_before_any_rank_starts(tmp_path, capsys):
     run_distributed(_run, 2, args + ["--seed", "8"], 2, save=str(tmp_path / "b"))  # another run
     d, other = tmp_path / "a" / "iter_0000002", tmp_path / "b" / "iter_0000002"
     load = args + ["--load", str(tmp_path / "a")]
-    assert train.preflight(load, 2) == 0
+    assert training.preflight(load, 2) == 0
     capsys.readouterr()
     for rank in (0, 1):
         name = f"rng_{rank}.pt"
@@ -229,12 +224,12 @@ def test_every_rng_file_is_checked_before_any_rank_starts(tmp_path, capsys):
             os.remove(d / name)
             if damaged is not None:
                 (d / name).write_bytes(damaged)
-            assert train.preflight(load, 2) == 2, (name, kind)
+            assert training.preflight(load, 2) == 2, (name, kind)
             err = capsys.readouterr().err
             assert err.startswith(f"megazero: checkpoint error: {d / name} "), (kind, err)
             assert err.count("\n") == 1
             (d / name).write_bytes(good)
-    assert train.preflight(load, 2) == 0
+    assert training.preflight(load, 2) == 0
     results = run_distributed(_resumed_rng, 2, ARGS + ["--tp", "2", "--hidden-dropout", "0.1"],
                               str(tmp_path / "a"))
     assert results[1][0] == "" and results[0][0].count("\n") == 1
@@ -262,7 +257,7 @@ def test_prune_keeps_the_newest_and_never_a_later_one(tmp_path):
 def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     """A position table of 4e8 rows needs about 200 GB of model states per rank: refused
     before launch naming the fix; the plan's model states follow the ZeRO formulas."""
-    import train
+    from megazero import training
     from megazero.planning import memory
     from megazero.config import config_from_argv
     from megazero.planning.plan import plan_memory
@@ -272,10 +267,10 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
         cfg = config_from_argv(argv, world)
         return plan_memory(cfg, build_gpt_config(cfg, vocab))
     monkeypatch.setenv("MEGAZERO_RANKS_PER_NODE", "1")
-    assert train.preflight(ARGS, 1) == 0
+    assert training.preflight(ARGS, 1) == 0
     assert "memory per rank (pipeline stage 0): model states" in capsys.readouterr().out
     huge = ARGS + ["--max-position-embeddings", "400000000"]
-    assert train.preflight(huge, 1) == 2
+    assert training.preflight(huge, 1) == 2
     err = capsys.readouterr().err
     assert err.startswith("megazero: memory error: the model states of one rank of pipeline stage 0 need")
     assert "--zero-stage 2" in err and "larger --dp" not in err  # ZeRO-0: more ranks alone do not help

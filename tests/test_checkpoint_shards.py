@@ -118,22 +118,18 @@ def _session(rank, world, argv, save=None, save_after=None, loads=(), steps=3, m
     train ``steps`` more. Returns losses per phase, the measured allocation peaks (the save and
     the loads under torch's profiler; only the first ``measure`` loads if given, the others None) and
     this rank's owned state bytes (3 fp32 tensors of its owned elements)."""
-    import train
+    from megazero import training
+    from megazero.training import build_trainer
     from torch.distributed.checkpoint import FileSystemReader as dcp_reader
     from megazero.config import config_from_argv
-    from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv, world)
-    run = train.prepare_run(cfg)
-    train_ds, vocab = run.train, run.vocab_size
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    trainer = build_trainer(cfg, data=training.prepare_run(cfg))
 
     def run(n):
         out = []
         for _ in range(n):
-            batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+            batches = trainer.next_batches()
             out.append(trainer.train_step(batches).values["loss"])
         return out
     own = 12 * sum(pr.size for _, _, pr, *_ in trainer.optimizer.owned_state())

@@ -166,11 +166,11 @@ DATA_BAD = {  # case: (argv as in BAD, world size, strings the message must cont
 
 
 def fails_before_launch(argv, world, capsys):
-    """train.preflight (what the launcher runs before torchrun) must return 2 with one
+    """training.preflight (what the launcher runs before torchrun) must return 2 with one
     'megazero: data error:' line; returns it."""
-    import train
+    from megazero import training
 
-    assert train.preflight(argv, world) == 2
+    assert training.preflight(argv, world) == 2
     err = capsys.readouterr().err
     assert err.startswith("megazero: data error: ") and err.count("\n") == 1, err
     return err
@@ -347,7 +347,7 @@ def test_max_live_parameters_below_the_smallest_gather_unit_is_a_warning_before_
     """At ZeRO-3 a --zero3-max-live-parameters below the smallest gather unit can never hold
     (zero3_gather gathers a unit anyway): the launcher's preflight warns, naming the flag, the
     unit's elements and the bound that holds; the memory plan counts what is gathered at once."""
-    import train
+    from megazero import training
     from megazero.planning import memory
     from megazero.planning.plan import plan_memory, zero3_live_warning, zero3_units
     from model.build import build_gpt_config
@@ -356,7 +356,7 @@ def test_max_live_parameters_below_the_smallest_gather_unit_is_a_warning_before_
     # tensors below stay whole and the units are the three big matrices of each layer
     argv = M4 + ["--zero-stage", "3", "--dp", "2", "--zero3-param-persistence-threshold", "100000",
                  "--zero3-max-live-parameters", "10"]
-    assert train.preflight(argv, 2) == 0
+    assert training.preflight(argv, 2) == 0
     err = capsys.readouterr().err
     cfg = config_from_argv(argv, 2)
     gpt = build_gpt_config(cfg, cfg.data.vocab_size)

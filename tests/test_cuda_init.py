@@ -60,14 +60,14 @@ def cuda_spies(monkeypatch):
 
 
 def test_train_sets_its_device_before_any_cuda_context(cuda_spies, tmp_path, capsys):
-    """train.main on rank 1 of 2 (--tp 2) with --device cuda: set_device(1) comes before the
+    """training.main on rank 1 of 2 (--tp 2) with --device cuda: set_device(1) comes before the
     memory check's mem_get_info and before NCCL (bound to cuda:1); on the way the flight
     recorder is enabled into the run directory and the missing CUDA_DEVICE_MAX_CONNECTIONS=1
     is named."""
-    import train
+    from megazero import training
 
     with pytest.raises(Reached):
-        train.main(TINY + ["--device", "cuda", "--tp", "2", "--run-dir", str(tmp_path)])
+        training.main(TINY + ["--device", "cuda", "--tp", "2", "--run-dir", str(tmp_path)])
     assert cuda_spies[0] == "set_device(cuda:1)", cuda_spies
     assert "mem_get_info" in cuda_spies and cuda_spies[-1] == "init_process_group(cuda:1)", cuda_spies
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace" / "rank_")
@@ -128,24 +128,24 @@ def test_launch_exports_and_the_warning_keep_a_users_value():
 
 
 def test_preflight_writes_the_launchers_exports(tmp_path):
-    import train
+    from megazero import training
 
     out = tmp_path / "exports"
-    assert train.preflight(TINY + ["--tp", "2", "--device", "cpu", "--run-dir", str(tmp_path)], 2, str(out)) == 0
+    assert training.preflight(TINY + ["--tp", "2", "--device", "cpu", "--run-dir", str(tmp_path)], 2, str(out)) == 0
     lines = out.read_text().splitlines()
     assert lines[1] == "export CUDA_DEVICE_MAX_CONNECTIONS=1" and lines[0].startswith("# the async tensor-parallel")
-    assert train.preflight(TINY + ["--device", "cpu", "--run-dir", str(tmp_path)], 1, str(out)) == 0
+    assert training.preflight(TINY + ["--device", "cpu", "--run-dir", str(tmp_path)], 1, str(out)) == 0
     assert out.read_text() == ""
 
 
 def test_cuda_batches_are_copied_from_pinned_memory_without_blocking(monkeypatch):
-    """train.dp_micro_batches on a CUDA device pins each host tensor and copies it with
+    """training.dp_micro_batches on a CUDA device pins each host tensor and copies it with
     non_blocking=True (on CPU: plain .to); spies stand for the CUDA copies."""
-    import train
+    from megazero import training
     from megazero.process_groups import ProcessGroups
 
     cfg = config_from_argv(TINY, 1)
-    data = train.build_data(cfg).train
+    data = training.build_data(cfg).train
     copies = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pin") or self)
     real_to = torch.Tensor.to
@@ -156,9 +156,9 @@ def test_cuda_batches_are_copied_from_pinned_memory_without_blocking(monkeypatch
             return self
         return real_to(self, *args, **kwargs)
     monkeypatch.setattr(torch.Tensor, "to", to)
-    batches = train.dp_micro_batches(data, 0, cfg, ProcessGroups.single(), torch.device("cuda", 0))
+    batches = training.dp_micro_batches(data, 0, cfg, ProcessGroups.single(), torch.device("cuda", 0))
     assert len(batches) == 2
     assert copies == ["pin", ("to", "cuda:0", True)] * 4
     copies.clear()
-    train.dp_micro_batches(data, 0, cfg, ProcessGroups.single(), torch.device("cpu"))
+    training.dp_micro_batches(data, 0, cfg, ProcessGroups.single(), torch.device("cpu"))
     assert copies == []

@@ -106,7 +106,7 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
     data made with another model of the same vocabulary size, naming both sides."""
     import hashlib
 
-    import train
+    from megazero import training
     from data.indexed_dataset import DataError, read_tokenizer_record
     from megazero.config import config_from_argv
 
@@ -135,22 +135,22 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
             "--micro-batch-size", "2", "--global-batch-size", "2", "--split", "1", "--eval-iters", "0"]
     with pytest.raises(DataError, match=f"b_text_document was tokenized with .*other/tok.model.*not "
                                         f"--tokenizer-model {tok.model_path}"):
-        train.build_data(config_from_argv(argv, 1))
+        training.build_data(config_from_argv(argv, 1))
     argv[1] = a  # the matching model
-    assert train.build_data(config_from_argv(argv, 1)).vocab_size == tok.vocab_size
+    assert training.build_data(config_from_argv(argv, 1)).vocab_size == tok.vocab_size
     # the same data named by a relative path has the same signature (no false resume warning)
     rel = os.path.relpath(a)
-    assert train.data_signature(config_from_argv(argv[:1] + [rel] + argv[2:], 1)) == \
-        train.data_signature(config_from_argv(argv, 1))
+    assert training.data_signature(config_from_argv(argv[:1] + [rel] + argv[2:], 1)) == \
+        training.data_signature(config_from_argv(argv, 1))
     # a checkpoint trained with the other tokenizer is refused on resume (same vocabulary size)
     from megazero.checkpoint import CheckpointError
     cfg = config_from_argv(argv, 1)
-    resume = {"iteration": 1, "extra": {"model": {}, "data": dict(train.data_signature(cfg),
+    resume = {"iteration": 1, "extra": {"model": {}, "data": dict(training.data_signature(cfg),
                                                                  tokenizer=other.sha256)}}
     with pytest.raises(CheckpointError, match="was trained with another tokenizer"):
-        train.check_resume(cfg, resume, tok.vocab_size)
+        training.check_resume(cfg, resume, tok.vocab_size)
     resume["extra"]["data"]["tokenizer"] = tok.sha256
-    train.check_resume(cfg, resume, tok.vocab_size)
+    training.check_resume(cfg, resume, tok.vocab_size)
     # a damaged record is one clear error, never a crash
     from data.indexed_dataset import tokenizer_record_path
     for bad in ('{"sha256": null, "vocab_size": 400}', '{"sha256": 12, "vocab_size": 400}',
@@ -158,4 +158,4 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
         with open(tokenizer_record_path(a), "w") as f:
             f.write(bad)
         with pytest.raises(DataError, match="unreadable tokenizer record"):
-            train.build_data(config_from_argv(argv, 1))
+            training.build_data(config_from_argv(argv, 1))

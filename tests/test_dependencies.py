@@ -1,7 +1,8 @@
 """The floor plan's import rules (docs/design.md, "Layout" and "Dependency direction").
 
-- train.py -> model, data, megazero; model -> megazero; megazero imports neither model nor
-  data; data imports neither model nor megazero; nothing imports train.
+- train.py -> megazero.training -> model, data, megazero; model -> megazero; the library
+  packages of megazero (all but megazero.training, the application layer) import neither model
+  nor data nor megazero.training; data imports neither model nor megazero; nothing imports train.
 - Inside megazero/: the root modules (the foundation: topology, process_groups,
   collectives, precision, param_spec) import no subpackage; config/ imports nothing from
   runtime/, planning/ or checkpoint/.
@@ -70,12 +71,54 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(path, known) for name, path in known.items()}
 
 
+APPLICATION = ROOT / "megazero" / "training"   # the trainer: may import model and data
+
+
+def _forbidden(path: Path) -> set[str]:
+    """The top-level packages ``path`` must not import."""
+    if path.is_relative_to(APPLICATION):
+        return {"train"}
+    return FORBIDDEN[path.relative_to(ROOT).parts[0]]
+
+
+def _imports_training(path: Path) -> bool:
+    """Whether ``path`` imports megazero.training (or a module of it)."""
+    for node in ast.walk(_tree(path)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if any(n == "megazero.training" or n.startswith("megazero.training.") for n in names):
+            return True
+    return False
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_follow_the_dependency_direction(package):
     files = sorted((ROOT / package).rglob("*.py"))
     assert files
-    bad = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) & FORBIDDEN[package]) for f in files}
+    bad = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) & _forbidden(f)) for f in files}
     assert {f: b for f, b in bad.items() if b} == {}
+    upward = [str(f.relative_to(ROOT)) for f in files if not f.is_relative_to(APPLICATION) and _imports_training(f)]
+    assert upward == []   # the trainer sits above the library, model and data
+
+
+def test_the_dependency_rules_see_a_planted_import(tmp_path, monkeypatch):
+    """A library module importing model, or the trainer, is caught (the rules are not vacuous)."""
+    planted = tmp_path / "megazero" / "moe" / "planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from model.gpt import GPT\nfrom megazero.training import build_trainer\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    monkeypatch.setattr(f"{__name__}.APPLICATION", tmp_path / "megazero" / "training")
+    assert _imported_packages(planted) & _forbidden(planted) == {"model"}
+    assert _imports_training(planted)
+
+
+def test_nothing_imports_train_py():
+    """train.py is the entry only: tests, scripts and benchmarks use megazero.training."""
+    files = [f for f in ROOT.rglob("*.py") if ".venv" not in f.parts and f.name != "train.py"]
+    bad = [str(f.relative_to(ROOT)) for f in files if "train" in _imported_packages(f)]
+    assert bad == []
+    assert len((ROOT / "train.py").read_text().splitlines()) <= 150
 
 
 def test_the_megazero_root_holds_only_the_foundation_and_it_imports_no_subpackage():
@@ -156,16 +199,17 @@ def test_no_private_name_imported_from_another_file():
     assert bad == []
 
 
-def test_importing_train_leaves_out_the_heavy_optional_modules():
-    """Every rank, and the launcher's preflight, imports train: torch.distributed.checkpoint
-    (with torch.distributed.tensor, about 1 s of CPU), torch._dynamo, tensorboard and the
-    optional extras are imported where they are used, not with train."""
+def test_importing_the_trainer_leaves_out_the_heavy_optional_modules():
+    """Every rank, and the launcher's preflight, imports megazero.training:
+    torch.distributed.checkpoint (with torch.distributed.tensor, about 1 s of CPU),
+    torch._dynamo, tensorboard and the optional extras are imported where they are used, not
+    with the trainer."""
     import subprocess
     import sys
 
     heavy = ["torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo",
              "torch.utils.tensorboard", "transformers", "wandb"]
-    code = ("import sys, train; print(' '.join(m for m in sys.argv[1:] if m in sys.modules))")
+    code = ("import sys, megazero.training; print(' '.join(m for m in sys.argv[1:] if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, *heavy], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

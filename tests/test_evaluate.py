@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from model.evaluation import HarnessError
 from tests.extras import require
 from tests.test_hf_tokenizer import corpus
 
@@ -51,13 +52,13 @@ def _answers(lm):
 
 
 def _train(rank, world, argv):
-    import train
+    from megazero import training
     from megazero.config import config_from_argv, layout_topology
     from megazero.process_groups import ProcessGroups
 
     cfg = config_from_argv(argv, world)
-    data = train.prepare_run(cfg)
-    return train.train(cfg, ProcessGroups.build(layout_topology(cfg)), torch.device("cpu"), data)
+    data = training.prepare_run(cfg)
+    return training.train(cfg, ProcessGroups.build(layout_topology(cfg)), torch.device("cpu"), data)
 
 
 def _ours(rank, world, ckpt, limit, answers=True):
@@ -149,11 +150,11 @@ def test_cli_prints_one_line_per_task_and_refuses_an_unknown_task(run, capsys):
 
 def test_train_refuses_an_unknown_harness_task_before_start(tmp_path, capsys):
     require("lm_eval")
-    import train
+    from megazero import training
 
     argv = ["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
             "--seq-length", "8", "--device", "cpu", "--eval-harness-tasks", "megazero_stdlib,nope"]
-    assert train.preflight(argv, 1) == 2
+    assert training.preflight(argv, 1) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if "error" in line] == err[-1:]
     assert err[-1].startswith("megazero: config error: --eval-harness-tasks needs a tokenizer")
@@ -161,8 +162,8 @@ def test_train_refuses_an_unknown_harness_task_before_start(tmp_path, capsys):
 
     cfg = config_from_argv(argv, 1, print_warnings=False)
     cfg.train.mock_data = False                               # as with --data-path: the task names next
-    with pytest.raises(train.HarnessError, match=r"^--eval-harness-tasks: unknown task 'nope'"):
-        train.check_harness(cfg)
+    with pytest.raises(HarnessError, match=r"^--eval-harness-tasks: unknown task 'nope'"):
+        training.check_harness(cfg)
 
 
 def test_rolling_windows_predict_every_token_once_with_the_fullest_context():

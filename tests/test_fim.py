@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from data.fim import FIMDataset, FIMSentinels, FIMSettings, fim_inverse, fim_sample
+from data.fim import FIMDataset, FIMSentinels, FIMSettings, fim_inverse
 from data.gpt_dataset import GPTDataset, MockGPTDataset
 from data.indexed_dataset import DataError, IndexedDataset, IndexedDatasetBuilder
 from data.tokenizer import FIM_TOKEN_SETS, add_fim_sentinels, load_tokenizer, train_tokenizer
@@ -121,11 +121,11 @@ def _argv(corpus, *extra):
 
 
 def _batches(data, cfg, dp_rank, dp, steps):
-    import train
+    from megazero import training
 
     groups = SimpleNamespace(dp_rank=dp_rank, dp_size=dp)
     gbs = cfg.train.global_batch_size
-    return [np.concatenate([x.numpy() for x, _ in train.dp_micro_batches(data.train, s * gbs, cfg, groups, "cpu")])
+    return [np.concatenate([x.numpy() for x, _ in training.dp_micro_batches(data.train, s * gbs, cfg, groups, "cpu")])
             for s in steps]
 
 
@@ -133,11 +133,11 @@ def test_layout_2_2_2_and_every_resume_see_the_single_rank_samples(corpus):
     """Each of the 8 ranks of (tp, pp, dp) = (2, 2, 2) builds its data as train.py does; the dp
     ranks' slices, joined, are the 1-rank global batches; a run resumed at step k builds its
     data again and reads the uninterrupted run's batches from k on."""
-    import train
+    from megazero import training
 
     one = config_from_argv(_argv(corpus), 1)
     base = load_tokenizer(corpus["model"]).vocab_size
-    data = train.build_data(one)
+    data = training.build_data(one)
     assert data.vocab_size == base + 4 and data.tokenizer.fim == FIMSentinels(base, base + 1, base + 2, base + 3)
     ref = _batches(data, one, 0, 1, range(6))
     assert sum(int((b == base).sum()) for b in ref) > 10   # FIM units present
@@ -149,30 +149,30 @@ def test_layout_2_2_2_and_every_resume_see_the_single_rank_samples(corpus):
     per_dp = {}
     for rank in range(8):
         dp_rank = topo.coord(rank).dp
-        mine = _batches(train.build_data(three_d), three_d, dp_rank, 2, range(6))
+        mine = _batches(training.build_data(three_d), three_d, dp_rank, 2, range(6))
         assert all(np.array_equal(a, b) for a, b in zip(mine, per_dp.setdefault(dp_rank, mine)))
     for s in range(6):
         np.testing.assert_array_equal(np.concatenate([per_dp[0][s], per_dp[1][s]]), ref[s])
 
     for k in range(6):
         resume = {"iteration": k, "extra": {"consumed_samples": k * 8}}
-        resumed = train.build_data(one, resume)
+        resumed = training.build_data(one, resume)
         assert all(np.array_equal(a, b) for a, b in zip(_batches(resumed, one, 0, 1, range(k, 6)), ref[k:]))
 
 
 def test_checkpoint_records_the_sentinels_and_a_resume_checks_them(corpus):
-    import train
+    from megazero import training
     from megazero.checkpoint import CheckpointError
 
     cfg = config_from_argv(_argv(corpus), 1)
-    rec = train.tokenizer_record(cfg)
+    rec = training.tokenizer_record(cfg)
     base = load_tokenizer(corpus["model"]).vocab_size
     assert (rec["fim"]["prefix"], rec["fim"]["pad"], rec["fim"]["appended"]) == (base, base + 3, True)
-    assert train.tokenizer_record(config_from_argv(_argv(corpus)[:-4], 1))["fim"] is None   # --fim-rate 0
+    assert training.tokenizer_record(config_from_argv(_argv(corpus)[:-4], 1))["fim"] is None   # --fim-rate 0
     meta = {"iteration": 1, "extra": {"tokenizer": {**rec, "fim": {**rec["fim"], "prefix": 5}}, "model": {}}}
     with pytest.raises(CheckpointError, match="FIM sentinels"):
-        train.check_resume(cfg, meta, base + 4)
-    assert train.data_signature(cfg)["fim"] == [0.7, 0.5, None, None, None]
+        training.check_resume(cfg, meta, base + 4)
+    assert training.data_signature(cfg)["fim"] == [0.7, 0.5, None, None, None]
 
 
 def test_hf_tokenizer_uses_its_own_fim_tokens_and_refuses_a_partial_set(tmp_path):
@@ -228,7 +228,7 @@ DATA_BAD = {  # data rules, refused by the launcher's preflight
 
 @pytest.mark.parametrize("case", sorted(BAD) + sorted(DATA_BAD))
 def test_bad_fim_settings_exit_2_naming_the_setting(case, corpus, capsys):
-    import train
+    from megazero import training
 
     extra, expected = {**BAD, **DATA_BAD}[case]
     argv = _argv(corpus, *extra)
@@ -237,7 +237,7 @@ def test_bad_fim_settings_exit_2_naming_the_setting(case, corpus, capsys):
             config_from_argv(argv, 1)
         assert exc.value.code == 2
     else:
-        assert train.preflight(argv, 1) == 2
+        assert training.preflight(argv, 1) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "fix" in err, err
     for text in expected:

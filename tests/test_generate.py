@@ -2,7 +2,6 @@
 temperature 0 equals transformers' greedy generate on the same exported model under tp 1 and
 tp 2, sampling is reproducible with a seed, and top-k / top-p keep the tokens they should."""
 import json
-import os
 from types import SimpleNamespace
 
 import pytest

@@ -22,29 +22,21 @@ TP2PP2 = ["--tp", "2", "--pp", "2"]
 
 
 def _trainer(argv, world):
-    import train
+    from megazero import training
+    from megazero.training import build_trainer
     from megazero.config import config_from_argv
-    from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv, world)
-    run = train.prepare_run(cfg)
-    train_ds, vocab = run.train, run.vocab_size
-    groups = ProcessGroups.build(layout_topology(cfg))
-    return train, cfg, groups, train_ds, train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    return build_trainer(cfg, data=training.prepare_run(cfg))
 
 
-def _steps(train, cfg, groups, ds, trainer, n):
-    out = []
-    for _ in range(n):
-        batches = train.dp_micro_batches(ds, trainer.state.consumed_samples, cfg, groups, "cpu")
-        out.append(trainer.train_step(batches).values["loss"])
-    return out
+def _steps(trainer, n):
+    return [trainer.train_step(trainer.next_batches()).values["loss"] for _ in range(n)]
 
 
 def _train_and_save(rank, world, argv, save):
-    train, cfg, groups, ds, trainer = _trainer(argv, world)
-    losses = _steps(train, cfg, groups, ds, trainer, 3)
+    trainer = _trainer(argv, world)
+    losses = _steps(trainer, 3)
     trainer.save_checkpoint(save)
     return losses
 
@@ -53,12 +45,12 @@ def _from_hf_and_from_checkpoint(rank, world, argv, hf_dir, ckpt):
     """5 losses starting from --from-hf, then 5 starting from the checkpoint's weights (fresh optimizer)."""
     from megazero.checkpoint import read_full_weights
 
-    via_hf = _steps(*_trainer(argv + ["--from-hf", hf_dir], world)[:5], 5)
+    via_hf = _steps(_trainer(argv + ["--from-hf", hf_dir], world), 5)
     full = read_full_weights(ckpt)[1]
     import model.build
 
     model.build.from_hf_weights = lambda cfg, gcfg, tp_size: full  # the hook, fed megazero's own tensors
-    native = _steps(*_trainer(argv, world)[:5], 5)
+    native = _steps(_trainer(argv, world), 5)
     return via_hf, native
 
 
@@ -139,7 +131,7 @@ def test_exported_model_and_tokenizer_match_megazero(exported):
 
 @pytest.mark.slow
 def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
-    import train
+    from megazero import training
     from transformers import AutoModelForCausalLM
 
     from data.samplers import get_micro_batches
@@ -159,7 +151,7 @@ def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
     via_hf, native = run_distributed(_from_hf_and_from_checkpoint, 4, argv, exported["hf"],
                                      exported["ckpt"])[-1]  # the last rank holds the loss
     assert via_hf == native  # same layout, same weights: the same 5 losses, bit for bit
-    ds = train.build_data(cfg).train
+    ds = training.build_data(cfg).train
     tokens, labels = get_micro_batches(ds, 0, 4, 4, 0, 1)[0]  # the first global batch
     hf = AutoModelForCausalLM.from_pretrained(exported["hf"], dtype=torch.float32).eval()
     with torch.no_grad():
@@ -170,12 +162,12 @@ def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
 
 @pytest.mark.slow
 def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
-    import train
+    from megazero import training
 
     bad = tmp_path / "bad"
     bad.mkdir()
     with pytest.raises(SystemExit) as e:  # no config.json / model.safetensors: a config error
-        train.preflight(exported["argv"] + ["--from-hf", str(bad)], 1)
+        training.preflight(exported["argv"] + ["--from-hf", str(bad)], 1)
     assert e.value.code == 2 and "config.json not found" in capsys.readouterr().err
     os.link(os.path.join(exported["hf"], "model.safetensors"), bad / "model.safetensors")
     config = json.load(open(os.path.join(exported["hf"], "config.json")))
@@ -185,7 +177,7 @@ def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
                             (dict(vocab_size=512), "vocab_size = 512, this run 300"),
                             (dict(model_type="bert"), "only GPT-2")):
         (bad / "config.json").write_text(json.dumps(dict(config, **change)))
-        assert train.preflight(exported["argv"] + ["--from-hf", str(bad)], 1) == 2
+        assert training.preflight(exported["argv"] + ["--from-hf", str(bad)], 1) == 2
         assert message in capsys.readouterr().err
 
 

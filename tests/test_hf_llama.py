@@ -71,7 +71,7 @@ def test_exported_llama_matches_megazero(exported):
 
 @pytest.mark.slow
 def test_llama_round_trip_gives_the_same_logits_and_losses(exported):
-    import train
+    from megazero import training
 
     from data.samplers import get_micro_batches
     from megazero.config import config_from_argv
@@ -86,7 +86,7 @@ def test_llama_round_trip_gives_the_same_logits_and_losses(exported):
     via_hf, native = run_distributed(_from_hf_and_from_checkpoint, 4, exported["argv"] + TP2PP2,
                                      exported["hf"], exported["ckpt"])[-1]  # the last rank holds the loss
     assert via_hf == native and len(via_hf) == 5
-    ds = train.build_data(cfg).train
+    ds = training.build_data(cfg).train
     tokens, labels = get_micro_batches(ds, 0, 4, 4, 0, 1)[0]  # the first global batch
     with torch.no_grad():
         logits = _hf(exported["hf"])(tokens).logits
@@ -134,7 +134,7 @@ def test_llama_generate_greedy_equals_transformers_at_tp1_and_tp2(exported, caps
 
 @pytest.mark.slow
 def test_llama_from_hf_mismatch_stops_before_launch(exported, tmp_path, capsys):
-    import train
+    from megazero import training
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -144,10 +144,10 @@ def test_llama_from_hf_mismatch_stops_before_launch(exported, tmp_path, capsys):
                             (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
                             (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'")):
         (bad / "config.json").write_text(json.dumps(dict(config, **change)))
-        assert train.preflight(exported["argv"] + ["--from-hf", str(bad)], 1) == 2
+        assert training.preflight(exported["argv"] + ["--from-hf", str(bad)], 1) == 2
         assert message in capsys.readouterr().err
     gpt2_run = MODEL + exported["argv"][len(MODEL) + len(LLAMA):]  # the same sizes, GPT-2 block
-    assert train.preflight(gpt2_run + ["--from-hf", exported["hf"]], 1) == 2
+    assert training.preflight(gpt2_run + ["--from-hf", exported["hf"]], 1) == 2
     assert "position_embedding_type = rope, this run learned_absolute; fix: set --position-embedding-type" \
         in capsys.readouterr().err
 

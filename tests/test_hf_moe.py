@@ -102,7 +102,7 @@ def _folder_tensors(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_exported_moe_logits_and_first_loss_match_transformers(exported, kind):
-    import train
+    from megazero import training
     from data.samplers import get_micro_batches
     from megazero.config import config_from_argv
 
@@ -129,7 +129,7 @@ def test_exported_moe_logits_and_first_loss_match_transformers(exported, kind):
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5 * ours.abs().max().item())
 
     cfg = config_from_argv(run["argv"] + ["--from-hf", run["hf"]], 1)
-    tokens, labels = get_micro_batches(train.build_data(cfg).train, 0, 4, 4, 0, 1)[0]  # the first global batch
+    tokens, labels = get_micro_batches(training.build_data(cfg).train, 0, 4, 4, 0, 1)[0]  # the first global batch
     with torch.no_grad():
         logits = hf(tokens).logits
     hf_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
@@ -155,7 +155,7 @@ def test_moe_generate_greedy_equals_transformers_at_tp1_and_tp2(exported, kind, 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_moe_round_trip_hf_megazero_hf_is_identical(exported, kind, tmp_path, capsys):
-    import train
+    from megazero import training
     from megazero.config import config_from_argv
     from model.build import from_hf_weights
     from model.hf import to_hf_tensors
@@ -174,9 +174,9 @@ def test_moe_round_trip_hf_megazero_hf_is_identical(exported, kind, tmp_path, ca
     assert sorted(back) == sorted(theirs) and all(torch.equal(back[k], theirs[k]) for k in theirs)
 
     flag, value = ("--moe-router-topk", "1") if kind == "mixtral" else ("--moe-shared-expert-intermediate-size", "8")
-    assert train.preflight(run["argv"] + [flag, value, "--from-hf", run["hf"]], 1) == 2
+    assert training.preflight(run["argv"] + [flag, value, "--from-hf", run["hf"]], 1) == 2
     assert f"fix: set {flag} to match" in capsys.readouterr().err
-    assert train.preflight(run["dense"] + ["--from-hf", run["hf"]], 1) == 2
+    assert training.preflight(run["dense"] + ["--from-hf", run["hf"]], 1) == 2
     assert "num_experts = 4, this run None; fix: set --num-experts to match" in capsys.readouterr().err
 
 

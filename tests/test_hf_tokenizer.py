@@ -54,7 +54,7 @@ def test_bad_tokenizer_files_are_data_errors(tmp_path, hf_tok):
 
 @pytest.mark.slow
 def test_tokenizer_json_trains_from_preprocessing_to_final_summary(hf_tok, tmp_path, capsys):
-    import train
+    from megazero import training
     from data import preprocess
     from data.indexed_dataset import DataError, IndexedDataset, read_tokenizer_record
     from megazero.config import config_from_argv
@@ -78,7 +78,7 @@ def test_tokenizer_json_trains_from_preprocessing_to_final_summary(hf_tok, tmp_p
             "--num-attention-heads", "2", "--train-iters", "4", "--micro-batch-size", "2", "--split", "90,10",
             "--eval-iters", "1", "--eval-interval", "4", "--device", "cpu", "--run-dir", str(run),
             "--prompt", "def ", "--generate-tokens", "6"]
-    assert train.main(argv) == 0
+    assert training.main(argv) == 0
     out = capsys.readouterr().out
     assert "final validation loss:" in out and "sample: def " in out
     summary = [json.loads(x) for x in open(run / "metrics.jsonl")][-1]
@@ -91,4 +91,4 @@ def test_tokenizer_json_trains_from_preprocessing_to_final_summary(hf_tok, tmp_p
     bad = list(argv)
     bad[bad.index(hf_tok.model_path)] = other
     with pytest.raises(DataError, match="was tokenized with .*not --tokenizer-model"):
-        train.build_data(config_from_argv(bad, 1))
+        training.build_data(config_from_argv(bad, 1))

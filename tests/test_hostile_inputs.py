@@ -1,5 +1,5 @@
 """Hostile inputs stop before launch with one line and exit code 2, never a traceback
-(docs/design.md, contract 3), from the launcher's preflight (``train.preflight``),
+(docs/design.md, contract 3), from the launcher's preflight (``training.preflight``),
 scripts/generate.py and scripts/convert_checkpoint.py:
 
 - a --from-hf folder whose tensors contradict its config.json: another width, one tensor
@@ -153,12 +153,12 @@ def one_line(err: str, prefix: str) -> str:
 
 
 def preflight_fails(argv, capsys) -> str:
-    """train.preflight (what the launcher runs before torchrun) returns 2 (or, for a config
+    """training.preflight (what the launcher runs before torchrun) returns 2 (or, for a config
     rule, exits 2) with one 'megazero: ... error:' line on stderr; returns it."""
-    import train
+    from megazero import training
 
     try:
-        code = train.preflight(argv, 1)
+        code = training.preflight(argv, 1)
     except SystemExit as e:
         code = e.code
     assert code == 2
@@ -189,11 +189,11 @@ def test_a_damaged_folder_stops_generate(good, tmp_path, case, capsys):
 
 
 def test_the_good_folder_passes_both(good, capsys):
-    import train
+    from megazero import training
     from scripts.generate import main
 
     folder, _, argv = good
-    assert train.preflight(argv + ["--from-hf", str(folder)], 1) == 0
+    assert training.preflight(argv + ["--from-hf", str(folder)], 1) == 0
     capsys.readouterr()
     assert main(["--from-hf", str(folder), "--prompt", "def ", "--max-new-tokens", "3", "--temperature", "0",
                  "--device", "cpu"]) == 0

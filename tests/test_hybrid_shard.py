@@ -15,7 +15,6 @@ with S = 2 and tp 2 x pp 2 x dp 2 with S = 1.
 import math
 
 import pytest
-import torch
 
 from tests.distributed import run_distributed
 from tests.test_train import BASE, STEPS, _reference_losses   # 10 steps: issue 24 names them
@@ -60,19 +59,15 @@ def _state(trainer, cfg, groups):
 
 
 def _run(rank, world, argv, steps, save=None, load=None):
-    import train
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+    from megazero.training import build_trainer
 
-    cfg = config_from_argv(argv, world)
-    run = train.build_data(cfg)
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+    trainer = build_trainer(argv, world)
+    cfg, groups = trainer.cfg, trainer.groups
     if load is not None:
         assert trainer.load_checkpoint(load) == SAVE_AT
     values = []
     for _ in range(steps):
-        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        batches = trainer.next_batches()
         values.append(trainer.train_step(batches).values)
         if save is not None and trainer.state.iteration == SAVE_AT:
             trainer.save_checkpoint(save, wait=True)

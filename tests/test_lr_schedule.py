@@ -105,23 +105,20 @@ def test_wsd_config_needs_its_phase(capsys):
 
 
 def _wsd_lrs(rank, world, argv, steps, save=None, load=None):
-    import torch
 
-    import train
+    from megazero import training
+
+    from megazero.training import build_trainer
     from megazero.config import config_from_argv
-    from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv + (["--load", load] if load else []), world)
-    run = train.prepare_run(cfg)
-    train_ds, vocab = run.train, run.vocab_size
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+    trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+    cfg = trainer.cfg
     if load:
         trainer.load_checkpoint(load)
     out = []
     for _ in range(steps):
-        batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+        batches = trainer.next_batches()
         v = trainer.train_step(batches).values
         out.append((v["iteration"], v["lr"], v["loss"]))
     if save:

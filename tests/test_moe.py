@@ -44,15 +44,11 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
 
 
 def _moe_run(rank, world, argv, steps):
-    import train
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+    from megazero.training import build_trainer
     from model.gpt import MoEMLP
 
-    cfg = config_from_argv(argv, world)
-    run = train.build_data(cfg)
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+    trainer = build_trainer(argv, world)
+    cfg, groups = trainer.cfg, trainer.groups
     moe = {int(i): b.mlp for c in trainer.chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
     values, bias = [], []   # bias: after each step, per MoE layer held here
     for step in range(steps):
@@ -60,7 +56,7 @@ def _moe_run(rank, world, argv, steps):
             m.record = [] if step == 0 else None
         if step == 0:
             records = {i: m.record for i, m in moe.items()}
-        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        batches = trainer.next_batches()
         values.append(trainer.train_step(batches).values)
         bias.append({i: None if m.expert_bias is None else m.expert_bias.clone() for i, m in moe.items()})
     from megazero.planning import memory
@@ -87,7 +83,7 @@ def _reference(argv, steps):
 @functools.lru_cache(maxsize=None)
 def _reference_once(argv: tuple, steps: int):
     argv = list(argv)
-    import train
+    from megazero import training
     from data.samplers import get_micro_batches
     from megazero.config import config_from_argv
     from megazero.optim.lr_schedule import LRSchedule
@@ -96,7 +92,7 @@ def _reference_once(argv: tuple, steps: int):
     from tests.reference import block_options, train_reference
 
     cfg = config_from_argv(argv, 1)
-    run = train.build_data(cfg)
+    run = training.build_data(cfg)
     gcfg = build_gpt_config(cfg, run.vocab_size)
     gbs = cfg.train.global_batch_size
     batches = [get_micro_batches(run.train, s * gbs, gbs, gbs, 0, 1)[0] for s in range(steps)]

@@ -92,24 +92,20 @@ def _expert_state(optimizer):
 
 
 def _ep_run(rank, world, argv, steps):
-    import train
+    from megazero.training import build_trainer
     from megazero import collectives as C
-    from megazero.config import config_from_argv, layout_topology
     from megazero.planning import memory, plan
-    from megazero.process_groups import ProcessGroups
     from model.gpt import MoEMLP
 
-    cfg = config_from_argv(argv, world)
-    run = train.build_data(cfg)
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+    trainer = build_trainer(argv, world)
+    cfg, groups = trainer.cfg, trainer.groups
     moe = {int(i): b.mlp for c in trainer.chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
     values, records, a2a = [], [], []
     for _ in range(steps):
         for m in moe.values():
             m.record = []
         before = C.counter["all_to_all"]
-        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        batches = trainer.next_batches()
         values.append(trainer.train_step(batches).values)
         a2a.append(C.counter["all_to_all"] - before)
         records.append({i: m.record for i, m in moe.items()})
@@ -356,12 +352,11 @@ ONE_RANK = {"one-rank-ep1": []}   # resumed in a process of its own: tp = pp = d
 
 def _steps(trainer, run, cfg, groups, n):
     """``n`` training steps: their values and then each held MoE layer's expert bias by layer id."""
-    import train
     from model.gpt import MoEMLP
 
     values = []
     for _ in range(n):
-        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        batches = trainer.next_batches()
         values.append(trainer.train_step(batches).values)
     bias = {int(i): b.mlp.expert_bias.clone() for c in trainer.chunks for i, b in c.layers.items()
             if isinstance(b.mlp, MoEMLP)}
@@ -370,15 +365,11 @@ def _steps(trainer, run, cfg, groups, n):
 
 def _checkpoint_runs(rank, world, root, saved, resumed):
     """Rank ``rank`` of ``world``: without ``saved``, only resume each of ``resumed``."""
-    import train
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+    from megazero.training import build_trainer
 
     def trainer(argv):
-        cfg = config_from_argv(argv, world)
-        run = train.build_data(cfg)
-        groups = ProcessGroups.build(layout_topology(cfg))
-        return train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size), run, cfg, groups
+        t = build_trainer(argv, world)
+        return t, t.data, t.cfg, t.groups
 
     out = {}
     if saved is not None:

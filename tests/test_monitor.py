@@ -124,7 +124,7 @@ def test_peak_table_mfu_and_throughput():
 
 
 def _trainer_flops(rank, world, argv):
-    import train
+    from megazero import training
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
@@ -132,7 +132,7 @@ def _trainer_flops(rank, world, argv):
     cfg = config_from_argv(argv, world)
     p = cfg.parallel
     groups = ProcessGroups.build(Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp))
-    return train.Trainer(cfg, groups, torch.device("cpu"), 1001).flops_per_iteration
+    return training.build_trainer(cfg, groups=groups).flops_per_iteration
 
 
 def test_model_flops_per_iteration_do_not_change_with_cp():

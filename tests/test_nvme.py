@@ -9,7 +9,6 @@ nvme and cpu offload both ways; a truncated swap file stops every rank, named on
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 

@@ -141,7 +141,7 @@ def _batches():
 
 
 def _train_packed(rank, world, argvs):
-    import train
+    from megazero import training
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
     from megazero.config import layout_topology
@@ -153,7 +153,7 @@ def _train_packed(rank, world, argvs):
             setattr(cfg.data, k, v)
         p, t = cfg.parallel, cfg.train
         groups = ProcessGroups.build(layout_topology(cfg))
-        trainer = train.Trainer(cfg, groups, torch.device("cpu"), V, eod=EOD)
+        trainer = training.build_trainer(cfg, groups=groups, eod=EOD)
         losses = []
         per_dp = t.global_batch_size // p.dp
         for tokens, labels in _batches():  # this dp rank's samples, in micro-batches

@@ -13,22 +13,19 @@ STEPS = 3
 
 
 def _train(rank, world, argvs):
-    import train
+    from megazero import training
+    from megazero.training import build_trainer
     from megazero import collectives
     from megazero.config import config_from_argv
-    from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
 
     out = []
     for argv in argvs:
         cfg = config_from_argv(argv, world)
-        run = train.prepare_run(cfg)
-        train_ds, vocab = run.train, run.vocab_size
-        groups = ProcessGroups.build(layout_topology(cfg))
-        trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+        cfg = trainer.cfg
         values, counted = [], {}
         for _ in range(STEPS):
-            batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+            batches = trainer.next_batches()
             collectives.counter.clear()
             v = trainer.train_step(batches).values
             counted = dict(collectives.counter)

@@ -192,16 +192,16 @@ def test_buffer_size_below_a_shard_names_the_setting(tmp_path):
 def _trainer_run(rank, world, argv, steps, save=None, load=None):
     """tests/test_checkpoint.py's ``_run``, closing the Trainer at the end (what train.py does),
     which removes the parameter swap directory."""
-    import train
-    from megazero.config import config_from_argv, layout_topology
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     cfg = config_from_argv(argv + (["--load", load] if load else []), world)
-    run = train.prepare_run(cfg)
-    trainer = train.Trainer(cfg, ProcessGroups.build(layout_topology(cfg)), torch.device("cpu"), run.vocab_size)
+    trainer = build_trainer(cfg, data=training.prepare_run(cfg))
     start = trainer.load_checkpoint(load) if load else None
     losses = []
     for _ in range(steps):
-        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, trainer.groups, "cpu")
+        batches = trainer.next_batches()
         losses.append(trainer.train_step(batches).values["loss"])
     if save:
         trainer.save_checkpoint(save)
@@ -216,7 +216,7 @@ def _trainer_runs(rank, world, jobs):
 def test_seed_style_stage3_all_nvme_config_through_the_trainer_and_checkpoints(tmp_path):
     """The stage-3 ZeRO-Infinity fixture with ``offload_param: {device: nvme, nvme_path,
     buffer_count, buffer_size, max_in_cpu}`` too (both on NVMe, persistence threshold 0 so that
-    every layer is swapped) trains through train.Trainer: losses bit for bit the cpu-offload
+    every layer is swapped) trains through training.Trainer: losses bit for bit the cpu-offload
     run's; a checkpoint saved with nvme resumes with cpu offload, one saved with cpu resumes
     with nvme, both bit for bit; every swap directory is removed at close."""
     import json

@@ -15,15 +15,15 @@ ARGS = [a if a != "10" else "4" for a in BASE]  # --train-iters 4
 def _train(rank, world, argv):
     import torch
 
-    import train
+    from megazero import training
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
     from megazero.config import layout_topology
 
     cfg = config_from_argv(argv, world)
-    data = train.prepare_run(cfg)
+    data = training.prepare_run(cfg)
     groups = ProcessGroups.build(layout_topology(cfg))
-    return train.train(cfg, groups, torch.device("cpu"), data)["iteration"]
+    return training.train(cfg, groups, torch.device("cpu"), data)["iteration"]
 
 
 def test_trace_written_for_chosen_ranks_only(tmp_path):

@@ -1,7 +1,7 @@
 """megazero.runtime.resilience without a launcher: signals become one agreed stop, bad values get a place.
 
 The agreement and the NaN location run on real gloo ranks (tests/distributed.py) through
-``train.Trainer``; the rest is pure.
+``training.Trainer``; the rest is pure.
 """
 import json
 import os
@@ -93,23 +93,19 @@ ARGV = ["--mock-data", "--vocab-size", "101", "--num-layers", "2", "--hidden-siz
 
 
 def _steps(rank, world, stop_rank, fault):
-    import train
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
 
     cfg = config_from_argv(ARGV, world)
-    run = train.build_data(cfg)
-    train_ds, vocab = run.train, run.vocab_size
-    groups = ProcessGroups.build(Topology(tp=2, pp=2, dp=cfg.parallel.dp))
     asked = [False]
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab, fault=fault,
+    trainer = build_trainer(cfg, groups=ProcessGroups.build(Topology(tp=2, pp=2, dp=cfg.parallel.dp)), fault=fault,
                             stop_flags=lambda: [0.0, 0.0, float(asked[0]), 0.0])
     out = []
     for step in range(1, 4):
         asked[0] = rank == stop_rank and step == 2  # as if SIGUSR1 came to this rank during step 2
-        step_out = trainer.train_step(train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg,
-                                                             groups, "cpu"))
+        step_out = trainer.train_step(trainer.next_batches())
         line = trainer.locate_bad_step() if step_out.bad_step else None
         out.append((step_out.values["loss"], step_out.stop_reason, step_out.bad_step, line))
     return out

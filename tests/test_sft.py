@@ -129,20 +129,19 @@ def _argv(sft, packing, *extra):
 def _train_sft(rank, world, runs):
     """For each (argv, steps): the losses, the targets each step's loss divides by (all dp
     ranks), and the records of each step's global batch."""
-    import train
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     out = []
     for argv, steps in runs:
         cfg = config_from_argv(argv, world)
-        run = train.prepare_run(cfg)
-        groups = ProcessGroups.build(layout_topology(cfg))
-        trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size, eod=run.tokenizer.eod)
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))   # eod: the tokenizer's
+        run, groups = trainer.data, trainer.groups
         gbs, got = cfg.train.global_batch_size, dict(losses=[], counted=[], records=[])
         for _ in range(steps):
             done = trainer.state.consumed_samples
-            batches = train.dp_micro_batches(run.train, done, cfg, groups, "cpu")
+            batches = training.dp_micro_batches(run.train, done, cfg, groups, "cpu")
             got["counted"].append(float(trainer.local_batches(batches)[1]) * groups.dp_size * groups.cp_size)
             got["records"].append([int(r) for i in range(done, done + gbs) for r in run.train.records(i)])
             got["losses"].append(trainer.train_step(batches).values["loss"])
@@ -201,7 +200,7 @@ def test_first_loss_is_the_reference_masked_cross_entropy(sft, runs, packing):
     count; it differs from the mean over every label."""
     import torch.nn.functional as F
 
-    import train
+    from megazero import training
     from data.sft import sft_micro_batches
     from megazero.config import config_from_argv
     from model.build import build_gpt_config
@@ -209,7 +208,7 @@ def test_first_loss_is_the_reference_masked_cross_entropy(sft, runs, packing):
     from tests.reference import ReferenceGPT
 
     cfg = config_from_argv(_argv(sft, packing), 1)
-    run = train.build_data(cfg)
+    run = training.build_data(cfg)
     (tokens, labels, mask), = sft_micro_batches(run.train, 0, 8, 8, 0, 1)
     model = ReferenceGPT.from_full_weights(init_full_weights(build_gpt_config(cfg, run.vocab_size), 7),
                                            run.vocab_size, 4)
@@ -287,7 +286,7 @@ def test_bad_records_exit_2_with_one_line_and_leave_nothing(sft, tmp_path, case)
 
 
 def test_record_errors_name_the_field_and_sft_needs_real_data(sft, capsys):
-    import train
+    from megazero import training
     from data.indexed_dataset import DataError
     from data.sft import SFTKeys, record_pieces
     from megazero.config import config_from_argv
@@ -311,4 +310,4 @@ def test_record_errors_name_the_field_and_sft_needs_real_data(sft, capsys):
             os.link(sft["prefix"] + ext, plain + ext)
     argv = [plain if a == sft["prefix"] else a for a in _argv(sft, "pad")]
     with pytest.raises(DataError, match="plain_loss_mask.bin/.idx not found .*python -m data.sft"):
-        train.build_data(config_from_argv(argv, 1))
+        training.build_data(config_from_argv(argv, 1))

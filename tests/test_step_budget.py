@@ -43,9 +43,8 @@ STEPS = 3
 def _counting_run(rank, world, argvs):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import train
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+
+    from megazero.training import build_trainer
 
     counts = collections.Counter()
 
@@ -79,10 +78,7 @@ def _counting_run(rank, world, argvs):
     synchronize = wrap(torch.cuda, "synchronize", "synchronize")
     try:
         for argv in argvs:
-            cfg = config_from_argv(argv, world)
-            run = train.build_data(cfg)
-            groups = ProcessGroups.build(layout_topology(cfg))
-            trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+            trainer = build_trainer(argv, world)
             spy = Spy()
             step = trainer.optimizer.step
 
@@ -95,7 +91,7 @@ def _counting_run(rank, world, argvs):
             trainer.optimizer.step = optimizer_step
             per_step = []
             for _ in range(STEPS):
-                batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+                batches = trainer.next_batches()
                 counts.clear()
                 with spy:
                     loss = trainer.train_step(batches).values["loss"]
@@ -152,7 +148,7 @@ class _FakeEvent:
 
 
 def test_step_timer_never_synchronizes_the_device(monkeypatch):
-    """The training loop's use of the timer (``train.run_loop``: ``with timer`` around every
+    """The training loop's use of the timer (``training.run_loop``: ``with timer`` around every
     step, ``timer.reset()`` on log steps) on a CUDA device, with ``torch.cuda`` faked: no
     ``torch.cuda.synchronize``; the events are waited for once per log step."""
     from megazero.runtime.monitor import Timer

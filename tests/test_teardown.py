@@ -9,7 +9,7 @@ survived ``destroy_process_group``: 6 process groups and their 18 gloo threads (
 transport loops) were still running when the interpreter shut down, and a worker that
 dropped the last reference to a Python-owned tensor then needs the GIL of an interpreter
 that is going away. ``Trainer.close`` and ``main``'s teardown end them while Python is alive;
-this test asserts that no gloo thread outlives ``train.main`` on any rank (it fails on the
+this test asserts that no gloo thread outlives ``training.main`` on any rank (it fails on the
 code before the fix: 18 threads per rank).
 """
 import os
@@ -28,19 +28,20 @@ F1 = ["--mock-data", "--dp", "2", "--zero-stage", "3", "--recompute-granularity"
 WRAPPER = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
-import train
+from megazero import training
+from megazero.training import loop
 
 def gloo_threads():
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
     return sorted(n for n in names if "gloo" in n)
 
 during = []
-inner = train.run_loop
+inner = loop.run_loop
 def counting_loop(*args):   # the groups exist while the loop runs
     during.append(len(gloo_threads()))
     return inner(*args)
-train.run_loop = counting_loop
-rc = train.main(sys.argv[3:])
+loop.run_loop = counting_loop   # train() calls the loop module's run_loop
+rc = training.main(sys.argv[3:])
 with open(os.path.join(sys.argv[2], "teardown_" + os.environ["RANK"]), "w") as f:   # one file a rank
     f.write(f"{rc} {during} {gloo_threads()}")
 """

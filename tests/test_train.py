@@ -3,7 +3,7 @@
 Every layout (tp, pp, dp, ZeRO stage, schedule, sequence parallelism, micro-batch split)
 trains the same GPT on the same global batches as ``tests/reference.py``, a plain
 single-process PyTorch GPT, and must give its losses step by step (fp32, dropout off).
-Each layout runs in one set of spawned gloo ranks through ``train.Trainer``.
+Each layout runs in one set of spawned gloo ranks through ``training.Trainer``.
 """
 import functools
 import math
@@ -28,20 +28,15 @@ BASE = ["--mock-data", "--vocab-size", "1001", "--num-layers", "4", "--hidden-si
 
 
 def _train_layout(rank, world, argv, steps):
-    import train
-    from megazero.config import config_from_argv
-    from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
+    from megazero import training
+    from megazero.training import build_trainer
 
-    cfg = config_from_argv(argv, world)
-    run = train.build_data(cfg)
-    train_ds, vocab = run.train, run.vocab_size
+    trainer = build_trainer(argv, world)
+    cfg, groups = trainer.cfg, trainer.groups
     p = cfg.parallel
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
     losses, norms = [], []
     for _ in range(steps):
-        batches = train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg, groups, "cpu")
+        batches = trainer.next_batches()
         out = trainer.train_step(batches).values
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
@@ -50,7 +45,7 @@ def _train_layout(rank, world, argv, steps):
     psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs counted
            memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
                                   p.pipeline_layer_split))
-    return losses, norms, train.generate_ids(trainer, PROMPT, 15), psi  # 18 ids: the window slides
+    return losses, norms, training.generate_ids(trainer, PROMPT, 15), psi  # 18 ids: the window slides
 
 
 PROMPT = [5, 17, 3]
@@ -86,7 +81,7 @@ def _single_once(argv: tuple, steps: int):
 
 
 def _oracle_losses(argv, steps):
-    import train
+    from megazero import training
     from data.samplers import get_micro_batches
     from megazero.config import config_from_argv
     from model.gpt import init_full_weights
@@ -95,7 +90,7 @@ def _oracle_losses(argv, steps):
     from tests.reference import block_options, train_reference
 
     cfg = config_from_argv(argv, 1)
-    run = train.build_data(cfg)
+    run = training.build_data(cfg)
     train_ds, vocab = run.train, run.vocab_size
     gcfg = build_gpt_config(cfg, vocab)
     gbs = cfg.train.global_batch_size
@@ -203,20 +198,16 @@ META_STEPS = 2
 
 
 def _meta_default_layouts(rank, world, argvs, steps, save_root):
-    import train
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+    from megazero import training
+    from megazero.training import build_trainer
 
-    cpu, out = torch.device("cpu"), []
+    out = []
     for i, argv in enumerate(argvs):
-        cfg = config_from_argv(argv, world)
-        run = train.build_data(cfg)
         with torch.device("meta"):
-            groups = ProcessGroups.build(layout_topology(cfg))
-            trainer = train.Trainer(cfg, groups, cpu, run.vocab_size)
-            losses = [trainer.train_step(train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg,
-                                                                groups, cpu)).values["loss"] for _ in range(steps)]
-            valid, counts = train.evaluate(trainer, run.valid, cfg, 0)
+            trainer = build_trainer(argv, world)
+            cfg, run = trainer.cfg, trainer.data
+            losses = [trainer.train_step(trainer.next_batches()).values["loss"] for _ in range(steps)]
+            valid, counts = training.evaluate(trainer, run.valid, cfg, 0)
             root = os.path.join(save_root, str(i))
             trainer.save_checkpoint(root, wait=True)
             resumed = trainer.load_checkpoint(root)
@@ -377,7 +368,7 @@ def test_seed_deepspeed_configs_train_end_to_end(name):
 
 def _offload_runs(rank, world, argvs, steps):
     """(losses, optimizer class name, bytes_by_place) of a Trainer per argv."""
-    import train
+    from megazero.training import build_trainer
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
@@ -385,12 +376,8 @@ def _offload_runs(rank, world, argvs, steps):
     out = []
     for argv in argvs:
         cfg = config_from_argv(argv, world)
-        run = train.build_data(cfg)
-        train_ds, vocab = run.train, run.vocab_size
-        groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=cfg.parallel.dp))
-        trainer = train.Trainer(cfg, groups, torch.device("cpu"), vocab)
-        losses = [trainer.train_step(train.dp_micro_batches(train_ds, trainer.state.consumed_samples, cfg,
-                                                            groups, "cpu")).values["loss"] for _ in range(steps)]
+        trainer = build_trainer(cfg, groups=ProcessGroups.build(Topology(tp=1, pp=1, dp=cfg.parallel.dp)))
+        losses = [trainer.train_step(trainer.next_batches()).values["loss"] for _ in range(steps)]
         out.append((losses, type(trainer.optimizer).__name__, trainer.optimizer.bytes_by_place()))
     return out
 

@@ -96,7 +96,7 @@ def test_missing_wandb_is_a_config_error(monkeypatch, capsys):
 
 
 def test_training_run_sends_its_scalars_to_wandb_with_peak_tflops_mfu(tmp_path, offline, capsys):
-    import train
+    from megazero import training
 
     run = tmp_path / "run"
     argv = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
@@ -104,7 +104,7 @@ def test_training_run_sends_its_scalars_to_wandb_with_peak_tflops_mfu(tmp_path, 
             "--log-interval", "1", "--eval-iters", "0", "--device", "cpu", "--make-vocab-size-divisible-by", "8",
             "--run-dir", str(run), "--wandb-project", "megazero-test", "--wandb-exp-name", "tiny",
             "--peak-tflops", "0.5"]
-    assert train.main(argv) == 0
+    assert training.main(argv) == 0
     records = [json.loads(line) for line in open(run / "metrics.jsonl")]
     logged = [r for r in records if r["kind"] == "train"]
     assert [r["iteration"] for r in logged] == [1, 2, 3]

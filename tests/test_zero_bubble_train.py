@@ -26,22 +26,19 @@ MICRO1 = ["--micro-batch-size", "1"]  # dp 2: still 4 micro-batches per pipeline
 
 
 def _run(rank, world, argv, steps=STEPS):
-    import train
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+    from megazero import training
+    from megazero.training import build_trainer
 
     torch.set_num_threads(1)
-    cfg = config_from_argv(argv, world)
-    run = train.build_data(cfg)
-    groups = ProcessGroups.build(layout_topology(cfg))
-    trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+    trainer = build_trainer(argv, world)
+    cfg, groups = trainer.cfg, trainer.groups
     values = []
     for _ in range(steps):
-        batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+        batches = trainer.next_batches()
         v = trainer.train_step(batches).values
         values.append((v["loss"], v["grad_norm"]))
     values.append((trainer.eval_loss(batches), None))   # forward only, through the same chunks
-    values.append((train.generate_ids(trainer, [1, 2, 3], 3), None))   # greedy, forward only
+    values.append((training.generate_ids(trainer, [1, 2, 3], 3), None))   # greedy, forward only
     trainer.optimizer.wait_param_gather()
     if cfg.zero.stage == 3:   # this rank's shards (the parameters are gathered on demand)
         params = {(f"shard{i}", groups.pp_rank, groups.dp_rank, groups.tp_rank):
@@ -62,22 +59,21 @@ def _runs(rank, world, argvs, steps=STEPS, resume=None):
 def _save_resume(rank, world, argv, save_at, ckpt, resume_argvs):
     """Train ``save_at`` steps under ``argv`` and save; then, for each of ``resume_argvs``,
     a new Trainer loads that checkpoint and trains to STEPS. Returns the losses of each part."""
-    import train
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
+    from megazero import training
+    from megazero.training import build_trainer
+    from megazero.config import config_from_argv
 
     torch.set_num_threads(1)
     out = []
     for i, (a, steps) in enumerate([(argv, save_at)] + [(r, STEPS - save_at) for r in resume_argvs]):
         cfg = config_from_argv(a + (["--load", ckpt] if i else []), world)
-        run = train.prepare_run(cfg)
-        groups = ProcessGroups.build(layout_topology(cfg))
-        trainer = train.Trainer(cfg, groups, torch.device("cpu"), run.vocab_size)
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+        cfg = trainer.cfg
         if i:
             trainer.load_checkpoint(ckpt)
         losses = []
         for _ in range(steps):
-            batches = train.dp_micro_batches(run.train, trainer.state.consumed_samples, cfg, groups, "cpu")
+            batches = trainer.next_batches()
             losses.append(trainer.train_step(batches).values["loss"])
         if not i:
             trainer.save_checkpoint(ckpt)

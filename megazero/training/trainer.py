@@ -1,0 +1,277 @@
+"""The Trainer: everything one rank holds for training, and one iteration of it
+(``Trainer.train_step``: pipeline schedule -> gradient reduction -> optimizer step -> the loss
+all-reduce), evaluation losses and checkpoints."""
+from __future__ import annotations
+
+
+import math
+import os
+import signal
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megazero import collectives
+from megazero.checkpoint.manager import CheckpointManager, RunState
+from megazero.runtime import resilience
+from megazero.config import (Config)
+from megazero.planning.flops import spec_flops_per_iteration
+from megazero.runtime.monitor import Monitor
+from megazero.optim.lr_schedule import LRSchedule
+from megazero.moe.router import AuxLossBackward
+from megazero.pipeline.executor import make_forward_step, run_schedule
+from megazero.pipeline.p2p import handshake
+from megazero.pipeline.partition import chunk_layout
+from megazero.pipeline.schedules import build_schedule, forward_only_schedule
+from megazero.precision import model_dtype
+from megazero.context_parallel.sequence import Packing, counted_targets, shard_micro_batch
+from megazero.process_groups import ProcessGroups
+from megazero.tensor_parallel.random import resume_seed
+from model.build import (build_gpt_config, build_model_chunks, model_signature)
+from model.gpt import VOCAB_TENSORS, moe_step_end
+from model.moe_state import expert_bias_state, load_expert_bias
+from model.hf import config_record
+from data.run_data import RunData
+from megazero.training.inputs import data_signature, dp_micro_batches, tokenizer_record
+from megazero.training.optimizer import build_optimizer
+
+
+
+@dataclass
+class StepOutcome:
+    """What one ``Trainer.train_step`` produced.
+
+    ``values``: the logged values (iteration, consumed_samples, lr, loss [nats/token, the
+    global batch's token mean], grad_norm, loss_scale, skipped_iterations; an MoE model adds
+    moe_aux_loss and moe_z_loss, ``model.gpt.moe_step_end``); ``stop_reason``:
+    a stop every rank agreed on in the step's loss all-reduce (``resilience.agree``), else None;
+    ``bad_step``: a non-finite loss or gradient outside fp16's loss scaling (the optimizer
+    skipped the update).
+    """
+
+    values: dict
+    stop_reason: Optional[str] = None
+    bad_step: bool = False
+
+
+class Trainer:
+    """Everything one rank holds for training; ``train_step`` / ``eval_loss`` run one iteration.
+
+    Args: ``cfg``, ``groups``, ``device``, ``vocab_size`` (the real vocabulary), and the run's
+    collaborators: ``stop_flags`` (a callable giving this rank's stop requests,
+    ``resilience.local_flags``; default: none), ``fault`` (the test hook's parsed fault or
+    None), ``trail`` (the communication phases entered, for a failure report) and ``monitor``
+    (where checkpoint records are logged; None logs none), ``eod`` (the tokenizer's
+    end-of-document id, which the packed-document flags need), ``data`` (the run's ``RunData``,
+    read by ``next_batches``; ``build_trainer`` sets it). The run's counters are ``state``
+    (a ``RunState``), its checkpoints ``checkpoints`` (a ``CheckpointManager``).
+
+    ``train_step`` and ``eval_loss`` take whole sequences; with context parallelism each rank
+    keeps its zigzag share (``local_batches``). The data-parallel machinery (gradient
+    reduction, ZeRO, optimizer, checkpoint shards, the loss mean) runs over ``replicas``: the
+    dp x cp ranks that hold the same parameters.
+    """
+
+    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, vocab_size: int, *,
+                 stop_flags: Optional[Callable[[], list]] = None, fault: Optional[tuple] = None,
+                 trail: Optional[resilience.Trail] = None, monitor: Optional[Monitor] = None,
+                 eod: Optional[int] = None, data: Optional[RunData] = None):
+        self.cfg, self.groups, self.device, self.data = cfg, groups, device, data
+        self.replicas = groups.replicas()
+        d = cfg.data
+        self.packing = Packing(eod, d.reset_attention_mask, d.reset_position_ids, d.eod_mask_loss)
+        self.gpt_config = build_gpt_config(cfg, vocab_size)
+        self.chunks = build_model_chunks(self.gpt_config, cfg, groups, device)
+        self.ddp, self.optimizer = build_optimizer(self.chunks, cfg, self.replicas)
+        o = cfg.optim
+        self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or cfg.train.train_iters,
+                                      o.lr_decay_style, o.lr_wsd_decay_iters, o.lr_wsd_decay_style)
+        self.num_microbatches = cfg.train.gradient_accumulation_steps
+        p = cfg.parallel
+        self.actions = build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, groups.pp_rank,
+                                      p.virtual_pipeline_size)
+        self.eval_actions = forward_only_schedule(self.num_microbatches, p.virtual_pipeline_size)
+        seq = cfg.model.seq_length // p.cp // (p.tp if p.sequence_parallel else 1)
+        self.tensor_shape = (cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
+        self.dtype = model_dtype(cfg.precision.fp16, cfg.precision.bf16)
+        # the loss divisor of one replica rank: its share of the global batch's targets
+        self.tokens_per_dp_rank = self.num_microbatches * cfg.train.micro_batch_size * cfg.model.seq_length // p.cp
+        g = self.gpt_config
+        self.flops_per_iteration = spec_flops_per_iteration(
+            g.parameter_spec(p.tp), seq_length=g.seq_length, attention_width=g.hidden_size,
+            global_batch_size=cfg.train.global_batch_size)
+        if p.pp > 1:
+            handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches, device=device)
+        self.state = RunState()
+        self.stop_flags = stop_flags or (lambda: resilience.local_flags(None, None))
+        self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=fault)
+        self.trail = trail or resilience.Trail()
+        self.monitor = monitor
+        self.checkpoints = CheckpointManager(self.replicas, keep=cfg.train.keep_latest_checkpoints,
+                                             async_save=cfg.train.async_save,
+                                             log=None if monitor is None else monitor.log_record)
+
+    def save_checkpoint(self, root: str, wait: bool = False) -> str:
+        """Write a layout-independent checkpoint of this iteration (collective); returns its
+        directory. With --async-save the files are written in the background (finished by the
+        next save, ``finish_save`` or ``wait``); the time the loop was blocked is logged."""
+        self.checkpoints.finish()
+        self.optimizer.wait_param_gather()
+        self.trail.enter(self.state.iteration, "checkpoint save (gathers over dp and tp)")
+        g = self.gpt_config
+        return self.checkpoints.save(
+            root, self.state, self.optimizer, self.chunks, rng_states=self.chunks[0].rng_tracker.get_state(),
+            extra=dict(model=model_signature(g), data=data_signature(self.cfg), gpt_config=config_record(g),
+                       tokenizer=tokenizer_record(self.cfg),
+                       moe_expert_bias=expert_bias_state(self.chunks, self.groups, g)),
+            after_write=self._save_fault(), wait=wait)
+
+    def finish_save(self) -> None:
+        """Wait for the background checkpoint, if any, and move ``latest`` to it (collective)."""
+        self.checkpoints.finish()
+
+    def close(self) -> None:
+        """End of the run (collective): the background save finished, the parameter
+        all-gathers and ZeRO-3 prefetches waited for, the gradient hooks removed, so that
+        nothing asynchronous is in flight and the model and its process groups can be freed
+        before ``destroy_process_group`` (issue 26, F1: gloo worker threads that outlived the
+        interpreter aborted a finished run)."""
+        self.checkpoints.finish()
+        self.optimizer.wait_param_gather()
+        self.ddp.close()
+        if hasattr(self.optimizer, "close"):   # NVMe offload: its swap files go
+            self.optimizer.close()
+
+    def _save_fault(self):
+        """The test hook's ``savekill`` fault for this save: SIGKILL this rank's process from
+        inside the background write (None when it does not apply)."""
+        f, pid = self.forward_watch.fault, os.getpid()
+        if f is not None and f[0] == "savekill" and f[1:3] == (self.state.iteration, self.groups.rank):
+            return lambda: os.kill(pid, signal.SIGKILL)
+        return None
+
+    def load_checkpoint(self, root: str) -> Optional[int]:
+        """Resume from the latest checkpoint under ``root`` (saved under any layout).
+
+        Returns the iteration resumed from, or None when ``root`` holds no checkpoint yet.
+        """
+        g = self.gpt_config
+
+        def real_rows(name):  # a vocabulary tensor's padding rows are zeroed, not read
+            return g.vocab_size if name in VOCAB_TENSORS else None
+        resumed = self.checkpoints.resume(root, self.optimizer, self.chunks, real_rows=real_rows)
+        if resumed is None:
+            return None
+        self.state, meta = resumed
+        load_expert_bias(self.chunks, meta["extra"].get("moe_expert_bias", {}))
+        tracker = self.chunks[0].rng_tracker
+        if meta["rng_state"] is not None:
+            tracker.set_state(meta["rng_state"])
+            return self.state.iteration
+        tracker.reseed(resume_seed(tracker.seed, self.state.iteration))  # every rank, one rule
+        if self.groups.rank == 0:
+            print(f"[megazero] {meta['directory']} was saved under another layout {meta['layout']}: weights, "
+                  f"optimizer and data position restored; every rank's dropout streams re-seeded from --seed "
+                  f"and iteration {self.state.iteration} (megazero.tensor_parallel.random.resume_seed)", flush=True)
+        return self.state.iteration
+
+    def local_batches(self, batches) -> tuple[list, Union[int, torch.Tensor]]:
+        """Whole-sequence micro-batches ``(tokens, labels)``, or ``(tokens, labels, loss_mask)``
+        of SFT data (data/sft.py) -> this rank's share (its zigzag ``T/cp`` with a
+        ``SequenceInfo``, megazero/context_parallel/sequence.py) and the loss divisor: the
+        targets this step counts over all dp ranks, divided by dp x cp (with --eod-mask-loss or
+        a loss mask a 0-d fp64 tensor summed over the dp group, no host sync; at least 1, so a
+        batch without a response token has loss 0)."""
+        g, packing = self.groups, self.packing
+        masks = [b[2] if len(b) > 2 else None for b in batches]
+        local = [shard_micro_batch(b[0], b[1], cp=g.cp_size, cp_rank=g.cp_rank, packing=packing, loss_mask=m)
+                 for b, m in zip(batches, masks)]
+        if not packing.eod_mask_loss and all(m is None for m in masks):
+            return local, self.tokens_per_dp_rank
+        counted = sum(counted_targets(b[1], packing, m) for b, m in zip(batches, masks))
+        counted = counted.reshape(()).to(self.device)
+        collectives.all_reduce_sum(counted, g.dp)
+        return local, counted.clamp_min(1.0) / (g.dp_size * g.cp_size)
+
+    def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
+        watch = None if forward_only else self.forward_watch.watch
+        batches, divisor = self.local_batches(batches)
+        if not forward_only:
+            self.forward_watch.begin(self.state.iteration + 1, batches)
+        if not forward_only and self.gpt_config.num_experts is not None:
+            # MoE auxiliary losses weigh as Megatron-LM's: coeff x loss per micro-batch, averaged
+            # over the micro-batches (and, by the gradient mean, over dp), times the fp16 loss scale
+            AuxLossBackward.set_scale(self.optimizer.scale_loss(torch.ones((), device=self.device)) / len(batches))
+        return run_schedule(actions, self.chunks, make_forward_step(divisor, watch), batches,
+                            self.groups, tensor_shape=self.tensor_shape, dtype=self.dtype,
+                            num_microbatches=len(batches), vp_size=self.cfg.parallel.virtual_pipeline_size,
+                            before_backward=None if forward_only else self.ddp.before_backward,
+                            scale_loss=None if forward_only else self.optimizer.scale_loss,
+                            forward_only=forward_only,
+                            layout=chunk_layout(self.cfg.parallel.pipeline_schedule),
+                            schedule_of=None if forward_only else self._schedule_of)
+
+    def _schedule_of(self, pp_rank: int):
+        """The training schedule of stage ``pp_rank`` (the executor reads its neighbours')."""
+        p = self.cfg.parallel
+        return build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, pp_rank, p.virtual_pipeline_size)
+
+    def next_batches(self, dataset=None) -> list:
+        """This data-parallel rank's micro-batches of the next global batch (``dp_micro_batches``
+        after ``state.consumed_samples``) of ``dataset``, default the run's training split
+        (``data.train``; a Trainer built without ``data`` needs ``dataset``)."""
+        dataset = self.data.train if dataset is None else dataset
+        return dp_micro_batches(dataset, self.state.consumed_samples, self.cfg, self.groups, self.device)
+
+    def train_step(self, batches) -> StepOutcome:
+        """One iteration on this DP rank's micro-batches (a list of (tokens, labels), each
+        ``(micro_batch_size, seq_length)`` int64); advances ``state`` and returns the outcome."""
+        for c in self.chunks:
+            c.train()
+        it, trail = self.state.iteration + 1, self.trail
+        lr = self.lr_schedule(it)  # warm-up starts above 0 on the first step
+        self.ddp.zero_grad()
+        trail.enter(it, "the pipeline schedule (forward/backward with p2p, bucketed gradient reduction)")
+        loss = self._run(batches, self.actions, forward_only=False)
+        trail.enter(it, "the optimizer step (gradient reduction, overflow all-reduce, norm, parameter all-gather)")
+        result = self.optimizer.step(lr)
+        trail.enter(it, "the loss / stop all-reduce")
+        # this DP rank's share -> global mean; the same all-reduce agrees on a stop request
+        loss, stop_reason = resilience.agree(loss, self.stop_flags(), self.replicas)
+        s = self.state
+        s.advance(self.cfg.train.global_batch_size, result.skipped)
+        bad = not self.cfg.precision.fp16 and (result.skipped or not math.isfinite(loss))
+        values = dict(iteration=s.iteration, consumed_samples=s.consumed_samples, lr=lr, loss=loss,
+                      grad_norm=result.grad_norm, loss_scale=result.loss_scale,
+                      skipped_iterations=s.skipped_iterations)
+        if self.gpt_config.num_experts is not None:
+            trail.enter(it, "the MoE statistics and expert-bias all-reduce over dp and pp")
+            values.update(moe_step_end(self.chunks, self.groups, self.replicas.dp, self.num_microbatches))
+        return StepOutcome(values, stop_reason, bool(bad))
+
+    def locate_bad_step(self) -> str:
+        """The one line naming where the last step's non-finite value appeared (collective)."""
+        mine = resilience.encode_place(self.forward_watch.first_place())
+        gathered = [mine]
+        if self.groups.world is not None:
+            gathered = [None] * self.groups.world_size
+            dist.all_gather_object(gathered, mine, group=self.groups.world)
+        place = resilience.locate_non_finite(gathered)
+        t = self.cfg.train
+        samples = None if place is None else resilience.sample_range(
+            self.state.consumed_samples - t.global_batch_size, t.global_batch_size, place.dp_rank,
+            self.groups.dp_size, place.microbatch, t.micro_batch_size)
+        return resilience.describe_non_finite(self.state.iteration, place, samples,
+                                              self.cfg.parallel.virtual_pipeline_size)
+
+    @torch.no_grad()
+    def eval_loss(self, batches) -> float:
+        """Mean token loss of this global batch (forward only), known on every rank."""
+        self.optimizer.wait_param_gather()
+        for c in self.chunks:
+            c.eval()
+        loss = self._run(batches, self.eval_actions, forward_only=True)
+        collectives.all_reduce_mean(loss, self.replicas.dp)
+        return float(loss)
