@@ -160,7 +160,7 @@ def init_full_weights(cfg: GPTConfig, seed: int, tp_size: int = 1,
                       names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
     """Every full (unpartitioned) fp32 tensor of the model at once, from (seed, canonical name)
     alone (``InitialWeights``' rules); ``names`` restricts the result to those canonical names
-    (e.g. one pipeline stage's). The oracle (tests/reference.py) and the Hugging Face export
+    (e.g. one pipeline stage's). The oracle (tests/support/reference.py) and the Hugging Face export
     read it; a stage builds from ``InitialWeights`` so as not to hold them all. Raises KeyError
     for a name that is not canonical."""
     weights = InitialWeights(cfg, seed, tp_size)

@@ -325,7 +325,7 @@ def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int,
 def measure(cases=CASES) -> list[tuple[str, int, int, dict, dict]]:
     """Run every case (one spawn per world size). Returns ``(name, rank, pp_rank, counted,
     theory)`` rows."""
-    from tests.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     rows = []
     for world in sorted({c[1] for c in cases}):
@@ -359,8 +359,8 @@ def theory_moe_all_to_all(tp: int, dp: int, layers: int, micro_batches: int, exp
 def measure_moe(cases=MOE_CASES) -> list[tuple[str, int, int]]:
     """Run the MoE cases (one 4-rank spawn); ``(name, counted, theory)`` all-to-all bytes of the
     second step, summed over the world."""
-    from tests.distributed import run_distributed
-    from tests.test_moe import ARGS
+    from tests.support.distributed import run_distributed
+    from tests.support.moe import ARGS
 
     layers, experts, hidden, top_k, gbs, mbs, seq = 4, 8, 32, 2, 16, 2, 16
     assert all(f in ARGS for f in ("--num-experts", "8", "--moe-router-topk", "2", "--hidden-size", "32"))

@@ -123,7 +123,7 @@ def _fmt(xs: list[float]) -> str:
 
 
 def time_table(seqs, cps, rounds: int) -> str:
-    from tests.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     rows = ["| T | cp | p2p step s, median (min-max) | a2a step s, median (min-max) | a2a / p2p |",
             "|---|---|---|---|---|"]

@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 from megazero.training import build_trainer  # noqa: E402
 from data.samplers import get_micro_batches  # noqa: E402
 from megazero.optim.zero import zero_formula_bytes  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
 
 MIB = 2 ** 20
 

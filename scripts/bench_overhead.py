@@ -2,7 +2,7 @@
 
 Trains the same GPT (same weights, same batches) with ``training.Trainer`` (pipeline executor,
 gradient buffer, sharded-Adam optimizer, loss scaling hooks, all at size 1) and with
-``tests/reference.py``'s model under ``torch.optim.AdamW`` (the plain loop a researcher would
+``tests/support/reference.py``'s model under ``torch.optim.AdamW`` (the plain loop a researcher would
 write). The two alternate step by step, so machine noise hits both alike, and the script
 prints the median step time of each and their ratio (target: megazero / plain <= 1.02).
 
@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 from megazero.training import build_trainer  # noqa: E402
 from data.samplers import get_micro_batches  # noqa: E402
 from model.gpt import init_full_weights  # noqa: E402
-from tests.reference import ReferenceGPT  # noqa: E402
+from tests.support.reference import ReferenceGPT  # noqa: E402
 
 
 def sdpa_attention(block, x: torch.Tensor, positions=None, hidden=None) -> torch.Tensor:

@@ -455,7 +455,7 @@ def main(argv=None) -> int:
         print(f"error: the tp pair runs at tp 2, got --world {args.world}: use --world 2 or "
               "--tp-layers 0", file=sys.stderr)
         return 2
-    from tests.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     names, skipped = systems_to_run(args)
     for line in skipped:

@@ -22,7 +22,7 @@ medians over the steps and the per-step difference. Two textbook columns follow:
 ``schedules.simulate`` with one median forward / backward cost and free communication, and
 the F : B : W = 1 : 1 : 1 costs, whose bubble is (pp-1)/(m+pp-1) for 1F1B, (pp-1)/(V m+pp-1)
 interleaved. Under zb-* sends do not wait (only receives are replayed against their peers). Every
-rank runs one torch thread (``tests.distributed``). On a shared CPU the ranks also compete
+rank runs one torch thread (``tests.support.distributed``). On a shared CPU the ranks also compete
 for cores: see docs/performance.md.
 
     python scripts/bench_pipeline.py [--steps 5] [--micro-batches 8] [--pp 2 4]
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args(argv)
-    from tests.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     print(f"load average {os.getloadavg()[0]:.1f} at the start")
     print("| pp | schedule | step ms (min-max) | F / B (/ W) ms per chunk | busy ms per stage | "

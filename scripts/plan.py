@@ -150,7 +150,7 @@ def measure_rank(rank: int, world: int, argv: list[str], steps: int) -> tuple[in
 
 def measure(argv: list[str], world: int, steps: int) -> list[tuple[int, float, float]]:
     """(rank, predicted, measured) peak bytes of every rank of a CPU run of ``argv``."""
-    from tests.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     cfg = config_from_argv(argv, world, print_warnings=False)
     predicted = plan_stages(cfg, build_gpt_config(cfg, vocab_of(cfg)), on_cuda=uses_cuda(cfg))

@@ -6,7 +6,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$MEGAZERO_ROOT"
 # The optional extras the tests exercise (Hugging Face interchange, W&B, data formats,
 # lm-evaluation-harness). They are installed when missing; where that is impossible (no index)
-# their tests skip, except under CI=true, where tests/extras.py turns such a skip into a failure.
+# their tests skip, except under CI=true, where tests/support/extras.py turns such a skip into a failure.
 if ! "$PY" -c "import transformers, safetensors, tokenizers, wandb, pyarrow, zstandard, datasets, lm_eval, accelerate" >/dev/null 2>&1; then
   echo "[megazero] installing the optional extras hf, wandb, data and eval for their tests" >&2
   "$PY" -m pip install -q -e "$MEGAZERO_ROOT[dev,hf,wandb,data,eval]" \

@@ -172,7 +172,7 @@ class MemoryEstimate:
                                             self.step_temporary_bytes)
 
 
-def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> list[int]:
+def inflight_per_stage(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> list[int]:
     """Peak micro-batch-chunks alive per stage. GPipe keeps all ``m``; for 1F1B and the
     interleaved schedule the peak stops growing once ``m`` passes a few times ``pp``, so they
     are simulated with at most ``4 pp`` micro-batches (a multiple of pp, as interleaving needs)."""
@@ -181,7 +181,7 @@ def _inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> li
 
 @functools.lru_cache(maxsize=256)
 def _simulated_inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> tuple[int, ...]:
-    """``_inflight``, cached: a layout search (scripts/plan.py --devices) asks for the same
+    """``inflight_per_stage``, cached: a layout search (scripts/plan.py --devices) asks for the same
     schedules many times."""
     if pp == 1:
         return (1,)
@@ -197,7 +197,7 @@ def _inflight_pairs(schedule: str, pp: int, vp_size: int, num_microbatches: int)
     """Per stage, ``schedules.inflight_pairs_of``: the (kept, awaiting W) micro-batch-chunk
     counts that can make its peak; ``((in flight, 0),)`` for a schedule without W."""
     if pp == 1 or schedule not in ("zb-h1", "zb-v"):
-        return tuple(((n, 0),) for n in _inflight(schedule, pp, vp_size, num_microbatches))
+        return tuple(((n, 0),) for n in inflight_per_stage(schedule, pp, vp_size, num_microbatches))
     m = min(num_microbatches, 4 * pp)
     return tuple(inflight_pairs_of(build_schedule(schedule, m, pp, r, vp_size)) for r in range(pp))
 
@@ -228,7 +228,7 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
                                  param_bytes=param_bytes, grad_bytes=grad_bytes, a=activations,
                                  buckets=buckets or (2**62, 2**62), states_on_host=states_on_host, ep=ep,
                                  params_on_host=params_on_host)
-    inflight = _inflight(schedule, pp, vp_size, num_microbatches)
+    inflight = inflight_per_stage(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
     logits = 2 * 4 * micro_batch_size * g.seq_length // cp * g.padded_vocab(tp) / tp
     stages = []

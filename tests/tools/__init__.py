@@ -1,0 +1,1 @@
+"""User tools and benchmarks: plan, generate, evaluate, and the bench_* measurements."""

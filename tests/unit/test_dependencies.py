@@ -1,0 +1,269 @@
+"""The floor plan's import rules (docs/design.md, "Layout" and "Dependency direction").
+
+- train.py -> megazero.training -> model, data, megazero; model -> megazero; the library
+  packages of megazero (all but megazero.training, the application layer) import neither model
+  nor data nor megazero.training; data imports neither model nor megazero; nothing imports train.
+- Inside megazero/: the root modules (the foundation: topology, process_groups,
+  collectives, precision, param_spec) import no subpackage; config/ imports nothing from
+  runtime/, planning/ or checkpoint/.
+- No import circle between the files of megazero/, model/ and data/ (every import counts,
+  also one inside a function), no module-level ``__getattr__`` and no private name
+  (``_x``) imported from another file anywhere (library, train.py, scripts/, tests/).
+- Tests and scripts share helpers only through ``tests.support``: a test module imports no
+  other test module, and scripts import nothing of tests/ but ``tests.support``.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+from tests.support.paths import REPO
+
+ROOT = REPO
+FORBIDDEN = {"megazero": {"model", "data", "train"}, "model": {"data", "train"}, "data": {"model", "megazero", "train"}}
+LIBRARY = ("megazero", "model", "data")
+FOUNDATION = {"megazero.topology", "megazero.process_groups", "megazero.collectives", "megazero.precision",
+              "megazero.param_spec"}
+
+
+def _tree(path: Path) -> ast.Module:
+    """The file's syntax tree without its ``if TYPE_CHECKING:`` blocks (annotations only)."""
+    tree = ast.parse(path.read_text(), str(path))
+    tree.body = [n for n in tree.body if not (isinstance(n, ast.If) and isinstance(n.test, ast.Name)
+                                              and n.test.id == "TYPE_CHECKING")]
+    return tree
+
+
+def _imported_packages(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the library packages, by dotted name (a package by its __init__)."""
+    return {_module_name(f): f for pkg in LIBRARY for f in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The library modules ``path`` imports: ``from a.b import c`` is module a.b.c when that
+    is a module, else a.b; ``import a.b`` is a.b. A package's implicit parent imports are
+    not counted (Python runs them, but they are not edges a file chose)."""
+    out = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in known:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & known.keys()
+            out |= subs
+            if len(subs) < len(node.names):
+                out.add(node.module)
+    return out - {_module_name(path)}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: _imports(path, known) for name, path in known.items()}
+
+
+APPLICATION = ROOT / "megazero" / "training"   # the trainer: may import model and data
+
+
+def _forbidden(path: Path) -> set[str]:
+    """The top-level packages ``path`` must not import."""
+    if path.is_relative_to(APPLICATION):
+        return {"train"}
+    return FORBIDDEN[path.relative_to(ROOT).parts[0]]
+
+
+def _imports_training(path: Path) -> bool:
+    """Whether ``path`` imports megazero.training (or a module of it)."""
+    for node in ast.walk(_tree(path)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if any(n == "megazero.training" or n.startswith("megazero.training.") for n in names):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_follow_the_dependency_direction(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files
+    bad = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) & _forbidden(f)) for f in files}
+    assert {f: b for f, b in bad.items() if b} == {}
+    upward = [str(f.relative_to(ROOT)) for f in files if not f.is_relative_to(APPLICATION) and _imports_training(f)]
+    assert upward == []   # the trainer sits above the library, model and data
+
+
+def test_the_dependency_rules_see_a_planted_import(tmp_path, monkeypatch):
+    """A library module importing model, or the trainer, is caught (the rules are not vacuous)."""
+    planted = tmp_path / "megazero" / "moe" / "planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from model.gpt import GPT\nfrom megazero.training import build_trainer\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    monkeypatch.setattr(f"{__name__}.APPLICATION", tmp_path / "megazero" / "training")
+    assert _imported_packages(planted) & _forbidden(planted) == {"model"}
+    assert _imports_training(planted)
+
+
+def test_nothing_imports_train_py():
+    """train.py is the entry only: tests, scripts and benchmarks use megazero.training."""
+    files = [f for f in ROOT.rglob("*.py") if ".venv" not in f.parts and f.name != "train.py"]
+    bad = [str(f.relative_to(ROOT)) for f in files if "train" in _imported_packages(f)]
+    assert bad == []
+    assert len((ROOT / "train.py").read_text().splitlines()) <= 150
+
+
+def test_the_megazero_root_holds_only_the_foundation_and_it_imports_no_subpackage():
+    graph = _graph()
+    root = {m for m in graph if m.startswith("megazero.") and m.count(".") == 1
+            and (ROOT / m.replace(".", "/")).with_suffix(".py").exists()}
+    assert root == FOUNDATION
+    assert {m: sorted(d for d in graph[m] if d not in FOUNDATION) for m in sorted(root)
+            if any(d not in FOUNDATION for d in graph[m])} == {}
+
+
+def test_config_imports_nothing_from_runtime_planning_or_checkpoint():
+    above = ("megazero.runtime", "megazero.planning", "megazero.checkpoint")
+    graph = _graph()
+    bad = {m: sorted(d for d in deps if d.startswith(above)) for m, deps in graph.items()
+           if m.startswith("megazero.config")}
+    assert {m: d for m, d in bad.items() if d} == {}
+    assert any(m.startswith("megazero.config.") for m in graph)   # the package exists
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_sees_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_between_library_files():
+    assert _cycles(_graph()) == []
+
+
+def _project_files() -> list[Path]:
+    """Every Python file of the project: the library packages, train.py, scripts/ and tests/."""
+    files = [f for pkg in LIBRARY + ("scripts", "tests") for f in (ROOT / pkg).rglob("*.py")]
+    return sorted(files + [ROOT / "train.py"])
+
+
+def test_no_module_level_getattr():
+    bad = [str(f.relative_to(ROOT)) for f in _project_files()
+           if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in _tree(f).body)]
+    assert bad == []
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``module.name`` of each private name (``_x``) ``path`` imports from a project module."""
+    ours = LIBRARY + ("train", "scripts", "tests")
+    return [f"{node.module}.{a.name}" for node in ast.walk(_tree(path))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ours
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_no_private_name_imported_from_another_file():
+    bad = [f"{f.relative_to(ROOT)}: {name}" for f in _project_files() for name in _private_imports(f)]
+    assert bad == []
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The dotted modules ``path`` imports (``from a.b import c``: a.b and a.b.c; ``import a.b``: a.b)."""
+    out = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def _test_side_violations(path: Path) -> list[str]:
+    """What ``path`` imports across the tests/scripts line: a test module imports no other test
+    module (shared helpers live in tests.support), scripts import nothing of tests but
+    tests.support."""
+    rel = path.relative_to(ROOT)
+    mods = _imported_modules(path)
+    if rel.parts[0] == "tests":   # a test may import itself (to patch its own globals)
+        return sorted(m for m in mods if m.startswith("tests.") and m.rsplit(".", 1)[-1].startswith("test_")
+                      and m != _module_name(path))
+    if rel.parts[0] == "scripts":
+        return sorted(m for m in mods if (m == "tests" or m.startswith("tests."))
+                      and not (m == "tests.support" or m.startswith("tests.support.")))
+    return []
+
+
+def test_tests_and_scripts_share_helpers_only_through_tests_support():
+    bad = {str(f.relative_to(ROOT)): v for f in _project_files() if (v := _test_side_violations(f))}
+    assert bad == {}
+
+
+def test_the_test_side_rules_see_planted_violations(tmp_path, monkeypatch):
+    """A test importing another test module, a script importing a test module and a private name
+    imported from a script are each caught."""
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "scripts").mkdir()
+    a = tmp_path / "tests" / "unit" / "test_a.py"
+    a.write_text("from tests.layouts.test_train import BASE\nfrom scripts.plan import _status\n")
+    b = tmp_path / "scripts" / "tool.py"
+    b.write_text("from tests.layouts import test_train\nfrom tests.support.distributed import run_distributed\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert _test_side_violations(a) == ["tests.layouts.test_train"]
+    assert _test_side_violations(b) == ["tests.layouts", "tests.layouts.test_train"]
+    assert _private_imports(a) == ["scripts.plan._status"]
+
+
+def test_importing_the_trainer_leaves_out_the_heavy_optional_modules():
+    """Every rank, and the launcher's preflight, imports megazero.training:
+    torch.distributed.checkpoint (with torch.distributed.tensor, about 1 s of CPU),
+    torch._dynamo, tensorboard and the optional extras are imported where they are used, not
+    with the trainer."""
+    import subprocess
+    import sys
+
+    heavy = ["torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo",
+             "torch.utils.tensorboard", "transformers", "wandb"]
+    code = ("import sys, megazero.training; print(' '.join(m for m in sys.argv[1:] if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *heavy], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == []

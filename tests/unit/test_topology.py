@@ -1,0 +1,256 @@
+"""Rank arithmetic (pure) and the process groups built from it (spawned gloo ranks).
+
+The generic N-dimensional arithmetic is checked against the three-dimension formulas it
+replaced (written out below, independently of megazero.topology) for every layout of up to
+8 ranks, and a fourth dimension against Megatron-LM's tp-cp-dp-pp arithmetic.
+"""
+import dataclasses
+import itertools
+
+import pytest
+
+from megazero.process_groups import ProcessGroups
+from megazero.topology import GROUPS, Coord, Topology
+from tests.support.distributed import run_distributed
+
+
+def test_order_is_tp_cp_dp_pp():
+    t = Topology(tp=2, pp=2, dp=2)
+    assert t.order == "tp-cp-dp-pp" and t.cp == 1
+    # rank = tp + 2 * (dp + 2 * pp)
+    assert [(c.tp, c.dp, c.pp) for c in map(t.coord, range(8))] == [
+        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+    for r in range(8):
+        c = t.coord(r)
+        assert t.rank(c.tp, c.cp, c.dp, c.pp) == t.rank(tp=c.tp, dp=c.dp, pp=c.pp) == r
+
+
+def test_replica_topology_folds_cp_into_dp_with_the_same_rank_numbers():
+    t = Topology(tp=2, pp=2, dp=3, cp=2)
+    rt = t.replica_topology()
+    assert rt.order == "tp-dp-pp" and (rt.tp, rt.dp, rt.pp) == (2, 6, 2)
+    for r in range(t.world_size):
+        c, rc = t.coord(r), rt.coord(r)
+        assert (rc.tp, rc.pp, rc.dp) == (c.tp, c.pp, c.cp + 2 * c.dp)
+        assert rt.group(r, "dp") == t.group(r, ("dp", "cp"))
+    with pytest.raises(ValueError, match="cp right inside dp"):
+        Topology(order="tp-dp-cp-pp", cp=2).replica_topology()
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(2, 2, 2), (1, 4, 2), (4, 1, 2), (2, 2, 1), (3, 2, 5)])
+def test_groups_partition_the_world(tp, pp, dp):
+    t = Topology(tp=tp, pp=pp, dp=dp)
+    for kind, size in (("tp", tp), ("dp", dp), ("pp", pp), ("mp", tp * pp)):
+        groups = getattr(t, f"{kind}_groups")()
+        assert sorted(r for g in groups for r in g) == list(range(t.world_size))
+        assert all(len(g) == size for g in groups)
+
+
+EXPECTED = {
+    (2, 2, 2): dict(tp=[[0, 1], [2, 3], [4, 5], [6, 7]], dp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+                    pp=[[0, 4], [1, 5], [2, 6], [3, 7]], mp=[[0, 1, 4, 5], [2, 3, 6, 7]],
+                    embedding=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+    (1, 4, 2): dict(tp=[[r] for r in range(8)], dp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+                    pp=[[0, 2, 4, 6], [1, 3, 5, 7]], mp=[[0, 2, 4, 6], [1, 3, 5, 7]],
+                    embedding=[[0, 6], [1, 7]]),
+    (4, 1, 2): dict(tp=[[0, 1, 2, 3], [4, 5, 6, 7]], dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+                    pp=[[r] for r in range(8)], mp=[[0, 1, 2, 3], [4, 5, 6, 7]],
+                    embedding=[[r] for r in range(8)]),
+    (2, 2, 1): dict(tp=[[0, 1], [2, 3]], dp=[[0], [1], [2], [3]], pp=[[0, 2], [1, 3]],
+                    mp=[[0, 1, 2, 3]], embedding=[[0, 2], [1, 3]]),
+}
+
+
+@pytest.mark.parametrize("layout", list(EXPECTED))
+def test_documented_members_pure(layout):
+    tp, pp, dp = layout
+    t = Topology(tp=tp, pp=pp, dp=dp)
+    for kind, groups in EXPECTED[layout].items():
+        assert getattr(t, f"{kind}_groups")() == groups, kind
+
+
+# -- the three-dimension arithmetic as it was (order tp-dp-pp), the oracle -----------------
+
+def _old_coord(r, tp, pp, dp):
+    return r % tp, (r // tp) % dp, r // (tp * dp)
+
+
+def _old_rank(t, d, p, tp, pp, dp):
+    return t + tp * (d + dp * p)
+
+
+def _old_group(kind, r, tp, pp, dp):
+    t, d, p = _old_coord(r, tp, pp, dp)
+    at = lambda t_, d_, p_: _old_rank(t_, d_, p_, tp, pp, dp)  # noqa: E731
+    if kind == "tp":
+        return [at(x, d, p) for x in range(tp)]
+    if kind == "dp":
+        return [at(t, x, p) for x in range(dp)]
+    if kind == "pp":
+        return [at(t, d, x) for x in range(pp)]
+    if kind == "mp":
+        return sorted(at(x, d, y) for x in range(tp) for y in range(pp))
+    return sorted({at(t, d, 0), at(t, d, pp - 1)})  # embedding
+
+
+def _old_groups(kind, tp, pp, dp):
+    seen, out = set(), []
+    for r in range(tp * pp * dp):
+        g = _old_group(kind, r, tp, pp, dp)
+        if tuple(g) not in seen:
+            seen.add(tuple(g))
+            out.append(g)
+    return out
+
+
+LAYOUTS = [(tp, pp, dp) for tp, pp, dp in itertools.product(range(1, 9), repeat=3)
+           if tp * pp * dp <= 8]
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+def test_generic_arithmetic_equals_the_three_dimension_formulas(tp, pp, dp):
+    t = Topology(tp, pp, dp)  # positional order tp, pp, dp, as the callers use it
+    assert (t.tp, t.pp, t.dp, t.world_size) == (tp, pp, dp, tp * pp * dp)
+    assert t.order == "tp-cp-dp-pp" and t == Topology(tp=tp, pp=pp, dp=dp, cp=1)
+    for r in range(t.world_size):
+        c = t.coord(r)
+        assert (c.tp, c.dp, c.pp) == _old_coord(r, tp, pp, dp)
+        assert c == Coord(tp=c.tp, cp=0, dp=c.dp, pp=c.pp)
+        assert t.rank(c.tp, 0, c.dp, c.pp) == t.rank(**c) == r
+        for kind in ("tp", "dp", "pp", "mp", "embedding"):
+            assert getattr(t, f"{kind}_group")(r) == _old_group(kind, r, tp, pp, dp), (kind, r)
+    for kind in ("tp", "dp", "pp", "mp", "embedding"):
+        assert getattr(t, f"{kind}_groups")() == _old_groups(kind, tp, pp, dp), kind
+        assert t.named_groups(kind) == _old_groups(kind, tp, pp, dp), kind
+
+
+def test_process_groups_build_creates_the_old_groups_in_the_old_order():
+    """``build`` creates GROUPS then the embedding group; each has a ProcessGroups field."""
+    assert [*GROUPS, "embedding"] == ["tp", "dp", "pp", "mp", "cp", "dp_cp", "embedding"]
+    fields = {f.name for f in dataclasses.fields(ProcessGroups)}
+    assert set(GROUPS) | {"embedding"} <= fields
+
+
+def test_process_groups_coordinates_pure():
+    t = Topology(tp=2, pp=2, dp=2)
+    g = ProcessGroups(t, rank=5)
+    assert g.describe() == "rank 5: tp 1/2 dp 0/2 pp 1/2"
+    assert (g.tp_rank, g.dp_rank, g.pp_rank, g.tp_size, g.dp_size, g.pp_size) == (1, 0, 1, 2, 2, 2)
+    assert (g.is_first_stage, g.is_last_stage, g.prev_stage_rank, g.next_stage_rank) == (
+        False, True, 1, None)
+    assert ProcessGroups(t, rank=1).next_stage_rank == 5
+    assert ProcessGroups.single().describe() == "rank 0: tp 0/1 dp 0/1 pp 0/1"
+
+
+# -- a fourth dimension is one entry --------------------------------------------------------
+
+def test_context_parallel_dimension_follows_megatron_arithmetic():
+    """Order tp-cp-dp-pp (Megatron-LM): tp_rank = r % tp, cp_rank = (r // tp) % cp,
+    dp_rank = (r // (tp*cp)) % dp, pp_rank = r // (tp*cp*dp); groups over any subset."""
+    tp, cp, dp, pp = 2, 2, 3, 2
+    t = Topology(order="tp-cp-dp-pp", tp=tp, cp=cp, dp=dp, pp=pp)
+    assert t.world_size == 24 and (t.tp, t.cp, t.dp, t.pp) == (tp, cp, dp, pp)
+    same = lambda r, s, keep: all(getattr(t.coord(r), n) == getattr(t.coord(s), n)  # noqa: E731
+                                  for n in keep)
+    for r in range(t.world_size):
+        c = t.coord(r)
+        assert (c.tp, c.cp, c.dp, c.pp) == (r % tp, (r // tp) % cp, (r // (tp * cp)) % dp,
+                                            r // (tp * cp * dp))
+        assert t.rank(c.tp, c.cp, c.dp, c.pp) == t.rank(**c) == r
+        # the group over S: the ranks that agree with r outside S
+        for over in [("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("tp", "pp"),
+                     ("tp", "cp", "dp", "pp"), ()]:
+            keep = [n for n in t.names if n not in over]
+            assert t.group(r, over) == [s for s in range(t.world_size) if same(r, s, keep)]
+    assert t.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11],
+                              [12, 14], [13, 15], [16, 18], [17, 19], [20, 22], [21, 23]]
+    assert t.groups(("dp", "cp")) == t.groups("cp-dp") == [
+        [0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11], [12, 14, 16, 18, 20, 22],
+        [13, 15, 17, 19, 21, 23]]
+    assert t.dp_group(0) == [0, 4, 8] and t.pp_group(3) == [3, 15]
+    assert t.mp_groups()[:2] == [[0, 1, 12, 13], [2, 3, 14, 15]]
+    assert t.embedding_group(2) == [2, 14]
+    # every named group partitions the world
+    for kind in GROUPS:
+        assert sorted(r for g in t.named_groups(kind) for r in g) == list(range(24))
+
+
+def test_errors_name_the_setting():
+    with pytest.raises(ValueError, match="--tp must be >= 1, got 0"):
+        Topology(tp=0)
+    with pytest.raises(ValueError, match="--cp must be >= 1, got 0"):
+        Topology(order="tp-cp-dp-pp", cp=0)
+    with pytest.raises(ValueError, match="unknown dimension 'cp'"):
+        Topology(order="tp-dp-pp", cp=2)  # not in that order
+    t = Topology(tp=2, pp=2, dp=2, order="tp-dp-pp")
+    with pytest.raises(ValueError, match="unknown dimension 'cp'"):
+        t.group(0, ("dp", "cp"))
+    with pytest.raises(ValueError, match="unknown dimension 'ep'"):
+        t.rank(ep=0)
+    with pytest.raises(ValueError, match="unknown dimension 'ep'"):
+        t.size("ep")
+    with pytest.raises(ValueError, match=r"coordinate \(tp=2, dp=0, pp=0\) outside"):
+        t.rank(tp=2)
+    with pytest.raises(ValueError, match="rank 8 outside world of size 8"):
+        t.coord(8)
+    with pytest.raises(ValueError, match="distinct"):
+        Topology(order="tp-dp-tp")
+    with pytest.raises(AttributeError, match="'cp'"):
+        t.cp
+
+
+def _members(rank, world, layout):
+    import torch
+    import torch.distributed as dist
+
+    from megazero.process_groups import ProcessGroups
+
+    tp, pp, dp = layout
+    groups = ProcessGroups.build(Topology(tp=tp, pp=pp, dp=dp))
+    out = {}
+    for kind in ("tp", "dp", "pp", "mp", "embedding"):
+        g = getattr(groups, kind)
+        if g is None:  # a middle stage belongs to no embedding group
+            assert kind == "embedding" and not (groups.is_first_stage or groups.is_last_stage)
+            out[kind] = [rank]
+            continue
+        # each rank all-gathers its global rank inside the group: the members, as seen by torch
+        mine = torch.tensor([rank])
+        got = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(g))]
+        dist.all_gather(got, mine, group=g)
+        out[kind] = [int(x) for x in got]
+    out["stage"] = (groups.is_first_stage, groups.is_last_stage, groups.prev_stage_rank,
+                    groups.next_stage_rank)
+    return out
+
+
+def test_documented_members_on_gloo_ranks():
+    for layout, expected in EXPECTED.items():
+        world = layout[0] * layout[1] * layout[2]
+        results = run_distributed(_members, world, layout)
+        t = Topology(tp=layout[0], pp=layout[1], dp=layout[2])
+        for rank, got in enumerate(results):
+            c = t.coord(rank)
+            for kind, groups in expected.items():
+                if kind == "embedding" and 0 < c.pp < layout[1] - 1:
+                    assert got[kind] == [rank]
+                    continue
+                assert got[kind] in groups and rank in got[kind], (layout, rank, kind, got[kind])
+            assert got["stage"][0] == (c.pp == 0) and got["stage"][1] == (c.pp == layout[1] - 1)
+            if c.pp > 0:
+                assert got["stage"][2] == t.rank(tp=c.tp, dp=c.dp, pp=c.pp - 1)
+            if c.pp < layout[1] - 1:
+                assert got["stage"][3] == t.rank(tp=c.tp, dp=c.dp, pp=c.pp + 1)
+
+
+def test_rank_error_names_failing_rank():
+    from tests.support.distributed import RankError
+
+    with pytest.raises(RankError, match="rank 1 failed"):
+        run_distributed(_fail_on_one, 2)
+
+
+def _fail_on_one(rank, world):
+    if rank == 1:
+        raise ValueError("boom")
+    return rank
