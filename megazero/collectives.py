@@ -33,7 +33,7 @@ counter: Counter = Counter()
 by_group: Counter = Counter()
 
 #: calls that reached the wire, per kind, counted with ``counter`` (gloo pays a latency per
-#: call, so the number of collectives matters beside their bytes; tests/test_buckets.py).
+#: call, so the number of collectives matters beside their bytes; tests/layouts/test_buckets.py).
 calls: Counter = Counter()
 
 #: this process's last operations on the wire, oldest first: ``(op, ranks, seq, shape, dtype)``

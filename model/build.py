@@ -175,7 +175,7 @@ class BuildPeak:
     partition cut from it and that partition's copy in the model dtype on the device, where it
     is another tensor. ``peak`` puts it all in one memory, as on the CPU; on CUDA the full
     tensor and its fp32 partition are host memory, ``resident`` and the copy device memory.
-    ``bound``: 2 x (full + resident), what tests/test_model_build.py holds the measured peak to.
+    ``bound``: 2 x (full + resident), what tests/layouts/test_model_build.py holds the measured peak to.
     Reading ``--from-hf`` adds the file's own dtype and layout conversions to ``in_flight``.
     """
 

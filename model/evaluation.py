@@ -6,7 +6,7 @@ that ``scripts/evaluate.py`` and ``train.py --eval-harness-tasks`` share.
 answers the same requests in the same order (the harness is deterministic), so the forward's
 collectives match; each rank gets the same numbers. Its three request types behave as the
 harness's Hugging Face backend (``lm_eval.models.huggingface.HFLM``, whose per-request
-log-likelihoods tests/test_evaluate.py compares within 1e-5):
+log-likelihoods tests/tools/test_evaluate.py compares within 1e-5):
 
 - ``loglikelihood((context, continuation))``: trailing whitespace of the context moves to the
   start of the continuation; the continuation's tokens are those of ``encode(context +

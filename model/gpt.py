@@ -193,7 +193,7 @@ class Attention(nn.Module):
         k and v have ``G/tp`` heads under grouped-query attention when SDPA expands them itself
         (``SDPA_GQA``): query head h reads key/value head ``h // (heads/G)``, as
         ``repeat_interleave`` would give, with the same forward values (its K/V gradients sum
-        the group's heads in another order: equal to rounding, tests/test_model_build.py)."""
+        the group's heads in another order: equal to rounding, tests/layouts/test_model_build.py)."""
         p = self.dropout_p if self.training else 0.0
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if p > 0:

@@ -7,7 +7,7 @@ What the readers raise for a file they cannot read (found by reading their Pytho
 ``safetensors/__init__.pyi``: ``SafetensorError`` derives from ``Exception`` only -- and by
 feeding each a missing file, a directory, an empty, a truncated, a padded and a garbage
 file, a header with bad JSON, bad UTF-8, an unknown dtype or offsets that contradict the
-shapes; tests/test_hostile_inputs.py keeps the cases):
+shapes; tests/launcher/test_hostile_inputs.py keeps the cases):
 
 - ``open`` + ``json.load`` (config.json): OSError (missing, a directory, no permission),
   UnicodeDecodeError and json.JSONDecodeError (both ValueError), RecursionError (JSON nested

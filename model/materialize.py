@@ -9,7 +9,7 @@ cut from it (``local_partition``) and copied to the device, and the full tensor 
 A rank therefore holds its own partitions plus one full tensor and one partition of it in
 flight; at ZeRO-3 the partition goes straight into the gather unit's shard
 (``megazero.data_parallel.zero3.Stage3.init_params``), so not even the partition persists.
-The values are those of slicing ``init_full_weights`` (tests/test_model_build.py compares
+The values are those of slicing ``init_full_weights`` (tests/layouts/test_model_build.py compares
 every parameter of several layouts bit for bit).
 """
 from __future__ import annotations

@@ -81,7 +81,7 @@ class ExpertMLP(nn.Module):
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether the experts run as grouped GEMMs on ``x``'s device and dtype: torch's
-    ``_grouped_mm`` on CPU in fp32 (checked equal to the loop, tests/test_moe_ep.py). Other
+    ``_grouped_mm`` on CPU in fp32 (checked equal to the loop, tests/layouts/test_moe_ep.py). Other
     devices and dtypes loop until checked there (CUDA's kernel wants bf16 on sm90+)."""
     return hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and x.dtype == torch.float32
 

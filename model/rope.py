@@ -57,7 +57,7 @@ class RotaryTable:
     ``length`` covers every position the model sees (``max_position_embeddings``); the rows of
     a prefix or of given positions equal ``rotary_cos_sin`` / ``rotary_cos_sin_at`` bit for bit
     in every dtype (each angle is one product ``t * inv_freq[j]`` whatever the length, and a
-    dtype's table is the fp32 one cast once, as those functions cast; tests/test_model_build.py).
+    dtype's table is the fp32 one cast once, as those functions cast; tests/layouts/test_model_build.py).
     Tables: two ``[length, rot]`` fp32 tensors on ``device``, plus one cast pair per other dtype.
     """
 

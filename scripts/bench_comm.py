@@ -337,7 +337,7 @@ def measure(cases=CASES) -> list[tuple[str, int, int, dict, dict]]:
     return rows
 
 
-#: MoE (expert parallelism) cases on tests/test_moe.py's model (4 layers, all MoE, E 8, top-2,
+#: MoE (expert parallelism) cases on tests/layouts/test_moe.py's model (4 layers, all MoE, E 8, top-2,
 #: hidden 32, dropless): name, flags, (tp, dp). One 4-rank spawn runs them all.
 MOE_CASES = [("MoE dp4 EP2", ["--dp", "4", "--expert-model-parallel-size", "2"], (1, 4)),
              ("MoE dp4 EP4", ["--dp", "4", "--expert-model-parallel-size", "4"], (1, 4)),

@@ -8,7 +8,7 @@ alternating from round to round, so that machine noise hits both alike. Printed:
 ms/step of each over all timed steps, the spread (lowest and highest per-round median), the
 per-round ratio compiled / eager, and the largest relative loss difference over every step
 (both runs see the same batches in the same order; ``--compile`` promises fp32 losses
-equal to eager within 1e-5, tests/test_compile.py).
+equal to eager within 1e-5, tests/layouts/test_compile.py).
 
     python scripts/bench_compile.py [--rounds 5] [--steps 3] [--hidden-size 256] ...
 """

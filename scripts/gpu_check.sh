@@ -35,7 +35,7 @@
 #
 # GPU_CHECK_DRY_RUN=1 prints each step's command instead of running it and touches no GPU
 # (GPU_CHECK_NGPU, GPU_CHECK_GIB and GPU_CHECK_GPU_NAME stand for the machine; tested on CPU in
-# tests/test_gpu_check.py).
+# tests/launcher/test_gpu_check.py).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$MEGAZERO_ROOT"

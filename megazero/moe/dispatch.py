@@ -128,7 +128,7 @@ def run_blocks(experts: list, rows: torch.Tensor, sizes: list[int], pad_to=None)
     ``[S, W]`` in the same order: one grouped matrix product when the experts offer it
     (a ``grouped_forward(experts, rows, sizes)`` returning a tensor, e.g. ``model.gpt.ExpertMLP``
     where torch has a grouped GEMM for the device and dtype; not with ``pad_to``), else a loop
-    over the blocks (``run_expert``). Both give the same numbers (tests/test_moe_ep.py)."""
+    over the blocks (``run_expert``). Both give the same numbers (tests/layouts/test_moe_ep.py)."""
     grouped = getattr(experts[0], "grouped_forward", None) if experts else None
     if pad_to is None and grouped is not None:
         y = grouped(experts, rows, sizes)

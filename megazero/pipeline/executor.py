@@ -18,7 +18,7 @@ a steady-phase forward with the backward after it, else one action); the sends o
 and the receives of the next go in one batched exchange (``p2p.StageLinks.exchange``). This
 gives Megatron-LM's combined exchanges (1F1B's ``send_forward_recv_backward`` and
 ``send_backward_recv_forward``; the interleaved schedule's four-way exchange) without a
-special case per schedule; tests/test_pipeline_schedules.py checks that it completes with
+special case per schedule; tests/unit/test_pipeline_schedules.py checks that it completes with
 blocking sends.
 
 Memory: a (micro-batch, chunk)'s input and output are kept from its forward to its

@@ -14,7 +14,7 @@ to stage 0's chunk c+1 (``wrap=True``).
 
 Each message carries a tag (its micro-batch, virtual stage and direction). gloo matches
 messages by tag; NCCL ignores tags and matches in posting order, which the schedules keep
-consistent (see tests/test_pipeline_schedules.py). Every send and receive is recorded in
+consistent (see tests/unit/test_pipeline_schedules.py). Every send and receive is recorded in
 ``collectives.recent`` (its peer's global rank, shape, dtype) for failure reports.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ gradient, what nobody waits for; ``weight_grad.py``), and W fills the bubbles.
   it (everything it runs depends on that chain), and every stage has ``6 m`` unit actions
   (F, B, W of two chunks per micro-batch), so the makespan is at least ``6 m + pp - 1`` and
   the idle fraction ``1 - 6 m / makespan`` at least ``(pp - 1) / (6 m + pp - 1)``. The list
-  schedule attains it at pp 2-4 for every m >= pp (tests/test_zero_bubble.py; at pp 8 it
+  schedule attains it at pp 2-4 for every m >= pp (tests/unit/test_zero_bubble.py; at pp 8 it
   misses by a few units at m 9, 10, 13). The paper's "zero bubble" for ZB-V counts this
   parallelogram as free because its optimizer post-validation ("bypassing optimizer
   synchronizations") lets the next

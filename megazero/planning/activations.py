@@ -53,7 +53,7 @@ query/key-value heads per tp rank and ``acc`` = ``max(elt, 4)`` bytes (fp32 accu
 These are alive when the logits and the FFN-width gradient are not (the attention runs before
 the head in the forward and after the MLP in the backward), so a stage counts the larger of
 the two; the bound keeps the last layer's FFN inputs and the head's inputs, freed by then.
-The sizes were measured on CPU ranks (``tests/test_plan.py``).
+The sizes were measured on CPU ranks (``tests/tools/test_plan.py``).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ scripts print before exit code 2, naming the feature, the extra and the command:
 
     --from-hf needs the optional extra hf (safetensors is not installed); fix: pip install -e .[hf]
 
-``EXTRA_OF`` maps each optional package to its extra (tests/test_hostile_inputs.py checks it
+``EXTRA_OF`` maps each optional package to its extra (tests/launcher/test_hostile_inputs.py checks it
 against pyproject.toml). ``data/`` may not import megazero, so data/tokenizer.py (``tokenizers``)
 and data/sources.py (``pyarrow``, ``zstandard``) word their own guards with
 ``missing_extra_message``'s form (tests compare).

@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh on CPU: what it would run on one GPU and on two (its dry run), the MFU
 line against both peaks (scripts/run_throughput.py), and scripts/env.sh refusing to pip-install
-without a network. The kernel and peak-parsing parts are in tests/test_bench_kernels.py."""
+without a network. The kernel and peak-parsing parts are in tests/tools/test_bench_kernels.py."""
 import os
 import shlex
 import subprocess

@@ -122,7 +122,7 @@ def test_a_node_that_never_joins_ends_the_launch_after_the_timeout(lone_node):
 def test_the_launcher_exports_cuda_device_max_connections_for_tensor_parallel_overlap(lone_node):
     """--tp 2 (async tensor-parallel all-reduce): the preflight's decision is exported before
     torchrun starts (the value printed is read back from the launcher's environment; a value
-    the user set is kept: tests/test_cuda_init.py). The launch itself ends at once (node 1 of
+    the user set is kept: tests/unit/test_cuda_init.py). The launch itself ends at once (node 1 of
     --nnodes 2 never joins: the launch of the test above)."""
     out, _ = lone_node
     assert "[megazero] CUDA_DEVICE_MAX_CONNECTIONS=1 (the async tensor-parallel input-gradient reduction " \

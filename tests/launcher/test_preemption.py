@@ -6,7 +6,7 @@ NaN names where it appeared; torchrun restarts a group after a rank is killed. T
 each fault to the end (or the resume) are printed (pytest -s) for the notes. The uninterrupted
 runs the launched ones are compared with are not launched: ``_uninterrupted`` forks their ranks
 and calls train.main, which saves each launch's imports of torch. Nor are the runs whose part
-is train.main's alone: the resumes after a stop (a launch resumes in tests/test_launcher.py and
+is train.main's alone: the resumes after a stop (a launch resumes in tests/launcher/test_launcher.py and
 in the restart test here), --skip-bad-batches and the asynchronous saves that are not killed.
 """
 import contextlib
@@ -317,7 +317,7 @@ HYBRID = TINY + ["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2"]
 
 @pytest.fixture(scope="module")
 def hybrid_node_runs(tmp_path_factory):
-    """tests/test_hybrid_shard.py's two-node run (started by the SIGSTOP test while it waits out
+    """tests/layouts/test_hybrid_shard.py's two-node run (started by the SIGSTOP test while it waits out
     the timeouts): HYBRID's settings on one forked rank, and launched as two nodes of two ranks
     (the static rendezvous, the default). ``result()``: (the launches' (status, stdout, stderr),
     the one-rank run directory, node 0's run directory)."""
@@ -440,7 +440,7 @@ def test_two_launchers_as_two_nodes_train_like_one_node(two_node_runs):
 
 
 def test_two_loopback_nodes_with_hybrid_shards_train_like_one_process(hybrid_node_runs):
-    """(tests/test_hybrid_shard.py's, issue 24) scripts/pretrain_gpt.sh --nnodes 2 on this
+    """(tests/layouts/test_hybrid_shard.py's, issue 24) scripts/pretrain_gpt.sh --nnodes 2 on this
     machine (node ranks 0 and 1, two ranks each, one static rendezvous, the default, on
     127.0.0.1): dp 4 with --zero-shard-size 2 (one shard group per node, ZeRO-2) logs the
     losses of the single-process run of the same settings within 1e-5."""

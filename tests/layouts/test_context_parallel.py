@@ -43,7 +43,7 @@ def runs():
         argvs = [BASE + BLOCKS[b] + MB4 + CP_LAYOUTS[n][1] for b, n in keys]   # 4 micro-batches at dp 1
         per_rank = run_distributed(train_layouts, world, argvs, SWEEP_STEPS, timeout_s=900)
         out.update({k: [r[i] for r in per_rank] for i, k in enumerate(keys)})
-    for b in BLOCKS:   # shared with tests/test_train.py (one run per pytest process)
+    for b in BLOCKS:   # shared with tests/layouts/test_train.py (one run per pytest process)
         out[(b, "single")] = [single_layout_run(BASE + BLOCKS[b], SWEEP_STEPS)]
     return out
 

@@ -1,7 +1,7 @@
 """Hybrid sharding (issue 24; HSDP / MiCS): ``--zero-shard-size S`` shards the ZeRO state over S
 consecutive data-parallel ranks and replicates it over the dp x cp / S groups of them.
 
-One 4-rank spawn trains tests/test_train.py's GPT for 10 steps under dp 4 = 2 x 2 at ZeRO stages
+One 4-rank spawn trains tests/layouts/test_train.py's GPT for 10 steps under dp 4 = 2 x 2 at ZeRO stages
 1, 2 and 3 beside the flat (S = 4) runs, ZeRO-2 with the optimizer offloaded, tp 2 x dp 2 with
 S = 1, pp 2 x dp 2 with S = 1 and cp 2 x dp 2 with S = 2 (a shard group is one cp pair): every
 loss and gradient norm equals the flat run's within 1e-6 and ``tests/support/reference.py``'s within 1e-5;
@@ -267,5 +267,5 @@ def test_eight_rank_hybrid_layouts_equal_reference():
 
 
 # The two-loopback-node launch of dp 4 with --zero-shard-size 2 (one shard group per node) is
-# tests/test_preemption.py's test_two_loopback_nodes_with_hybrid_shards_train_like_one_process: it
+# tests/launcher/test_preemption.py's test_two_loopback_nodes_with_hybrid_shards_train_like_one_process: it
 # runs there while another launch waits out its timeouts.

@@ -5,7 +5,7 @@ RoPE is checked against its closed form, grouped-query attention at G = 1 (multi
 G = heads (multi-head) and between against both the oracle and closed-form rewrites of the
 weights; every bad combination of the flags exits with code 2 naming the setting; the
 planner and the FLOP count read the spec. The block under the 11 trainer layouts is in
-tests/test_train.py.
+tests/layouts/test_train.py.
 """
 import math
 import subprocess

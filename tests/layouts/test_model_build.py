@@ -7,7 +7,7 @@
   blocks (GPT-2; LLaMA-style with RoPE, RMSNorm, SwiGLU, GQA, untied), bf16, a last pipeline
   stage with its copy of the tied embedding, buckets that cut parameters.
 - Peak host memory while building a 4-layer stage at tp 2, and at ZeRO-3 dp 2, measured from
-  torch's profiler (every CPU tensor allocation and free, as tests/test_checkpoint_shards.py
+  torch's profiler (every CPU tensor allocation and free, as tests/layouts/test_checkpoint_shards.py
   measures checkpoint I/O), stays within 2 x (largest full tensor + this rank's shards), and
   within ``model.build.build_peak_bytes``' prediction, where building from
   ``init_full_weights`` held the whole stage in fp32.

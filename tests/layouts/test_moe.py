@@ -187,7 +187,7 @@ def test_moe_spec_names_experts_by_global_index_and_counts_active_flops():
 
 def test_moe_losses_reach_the_log_line_and_metrics(tmp_path, capsys):
     """The step's aux and z-loss values go to the console line and metrics.jsonl (a dense run's
-    records keep their keys: tests/test_monitor.py)."""
+    records keep their keys: tests/unit/test_monitor.py)."""
     import json
 
     from megazero.runtime.monitor import Monitor

@@ -2,7 +2,7 @@
 tokens dispatched to their experts' ranks by all-to-all or all-gather, expert parameters
 reduced and ZeRO-sharded over the expert-data-parallel group.
 
-The model of tests/test_moe.py (LLaMA-style block with GQA, top-2 of 8 experts plus one shared
+The model of tests/layouts/test_moe.py (LLaMA-style block with GQA, top-2 of 8 experts plus one shared
 expert, aux and z losses) under EP in {2, 4} with (tp, pp, dp) = (1, 1, 4) ZeRO-1, 2 and 3,
 (2, 1, 2) ZeRO-0 and 2, (1, 2, 2) interleaved, both dispatchers: 6 steps (warm-up, peak and
 decay of the 10-iteration schedule) equal ``tests/support/reference.py`` within 1e-5 relative (losses, gradient norms, aux losses), and the expert of every token at
@@ -20,7 +20,7 @@ from tests.support.distributed import run_distributed
 from tests.support.moe import ARGS, MOE_STEPS, moe_reference
 
 EP = "--expert-model-parallel-size"
-MODELS = {  # model flags beside tests/test_moe.py's ARGS: tests/test_moe.py's routing variants
+MODELS = {  # model flags beside tests/layouts/test_moe.py's ARGS: tests/layouts/test_moe.py's routing variants
     "dropless": [],
     "capacity": ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
     "position": ["--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position",
@@ -60,7 +60,7 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
                                                           "block", "--recompute-num-layers", "1"], "capacity"),
 }
 SHORT = 5   # steps of the layouts whose names hold "sp-" or "recompute"
-EP_STEPS = MOE_STEPS   # steps of the others (6; the dropless reference is tests/test_moe.py's)
+EP_STEPS = MOE_STEPS   # steps of the others (6; the dropless reference is tests/layouts/test_moe.py's)
 
 
 def _steps_of(name: str) -> int:

@@ -20,7 +20,7 @@ STEPS = 5
 
 
 def build_offload(cfg, groups, stage, overlap, clip_grad=CLIP):
-    """``tests.test_zero.build`` with the optimizer replaced by a HostOffloadOptimizer."""
+    """``tests.support.zero.build`` with the optimizer replaced by a HostOffloadOptimizer."""
     model, ddp, _ = build(cfg, groups, stage, overlap, clip_grad=clip_grad)
     opt = HostOffloadOptimizer(ddp, groups, pin_memory=True, lr=ADAM["lr"], beta1=ADAM["betas"][0],
                                beta2=ADAM["betas"][1], eps=ADAM["eps"],

@@ -190,7 +190,7 @@ def test_buffer_size_below_a_shard_names_the_setting(tmp_path):
 
 
 def _trainer_run(rank, world, argv, steps, save=None, load=None):
-    """tests/test_checkpoint.py's ``_run``, closing the Trainer at the end (what train.py does),
+    """tests/layouts/test_checkpoint.py's ``_run``, closing the Trainer at the end (what train.py does),
     which removes the parameter swap directory."""
     from megazero import training
     from megazero.config import config_from_argv

@@ -67,7 +67,7 @@ def reference_once(argv: tuple, steps: int) -> tuple:
 def single_layout_run(argv, steps):
     """``train_layout``'s result for ``argv`` on one spawned rank, run once per pytest process:
     the single-process run every layout's gradient norms and greedy sample are compared with
-    (tests/test_context_parallel.py uses the same ones)."""
+    (tests/layouts/test_context_parallel.py uses the same ones)."""
     return single_once(tuple(argv), steps)
 
 
@@ -135,7 +135,7 @@ def check_layout(name, results, reference, single_run, clip=1.0):
 # heads, no linear biases, untied output) under the layouts where the block meets the split:
 # tp (query groups and SwiGLU halves per rank), sequence parallelism, every pipeline schedule
 # (the untied output layer on the last stage), and tp x pp x dp with all of them. Data
-# parallelism and ZeRO alone do not depend on the block (tests/test_moe.py runs this block
+# parallelism and ZeRO alone do not depend on the block (tests/layouts/test_moe.py runs this block
 # under dp 4 ZeRO-1/3, tp 2 x dp 2 ZeRO-2 and pp 2 x dp 2), so the sweep's dp-only, pp x dp
 # and two of its 8-rank layouts run with the GPT-2 block only. The layouts of one world size
 # share one set of spawned ranks.

@@ -12,12 +12,12 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 ARGS = BASE + LLAMA + MOE
 
 
-MOE_STEPS = 6   # of BASE's 10-iteration schedule (warm-up, peak, decay); tests/test_moe_ep.py's too
+MOE_STEPS = 6   # of BASE's 10-iteration schedule (warm-up, peak, decay); tests/layouts/test_moe_ep.py's too
 
 
 def moe_reference(argv, steps):
     """tests/support/reference.py's MoE run for ``argv``: (losses, stats), computed once per pytest
-    process (tests/test_moe_ep.py and tests/test_zero_bubble_train.py share it); read only."""
+    process (tests/layouts/test_moe_ep.py and tests/layouts/test_zero_bubble_train.py share it); read only."""
     return _reference_once(tuple(argv), steps)
 
 

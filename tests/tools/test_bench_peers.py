@@ -29,7 +29,7 @@ def test_every_system_trains_the_same_and_states_follow_zero():
     res = run_distributed(B.run_rank, 2, args, names, timeout_s=300)
     for out in res:
         # the parameter all-gather overlapped with the next forward or waited in the step:
-        # the same bits (tests/test_param_gather_overlap.py checks every parameter)
+        # the same bits (tests/layouts/test_param_gather_overlap.py checks every parameter)
         for stage in (1, 2):
             assert out[f"megazero-zero{stage}"]["loss"] == out[f"megazero-zero{stage}-sync-gather"]["loss"]
         # the floor runs forward and backward only: no collective, no update

@@ -547,12 +547,6 @@ def test_json_errors_name_file_line_and_key(files, capsys):
     assert "--deepspeed-config" in err and "absent.json" in err
 
 
-def test_readme_flag_table_is_the_generated_one():
-    """README.md's table of every flag is flags_table()'s output, so its defaults stay true."""
-    readme = (REPO / "README.md").read_text()
-    assert flags_table().strip() in readme
-
-
 def test_save_into_a_used_directory_is_fine_when_resuming_it(files):
     ckpt = files["DIR"] + "/ckpt"
     cfg = config_from_argv(M + ["--save", ckpt, "--load", ckpt + "/"], 1)  # same directory, other spelling

@@ -21,8 +21,8 @@ and ``Tensor.new_*`` forms inherit their input's device and are not factories he
 The allowlist is keyed by file and enclosing function (``Class.method``), not line numbers,
 and an entry that matches nothing fails too, so the list stays short and true. The dynamic
 counterpart runs the trainer and the pipeline handshake with ``torch.device("meta")`` as the
-default device and the real device passed explicitly (tests/test_train.py,
-tests/test_pipeline.py): a factory that forgot ``device=`` then makes a meta tensor, which gloo
+default device and the real device passed explicitly (tests/layouts/test_train.py,
+tests/layouts/test_pipeline.py): a factory that forgot ``device=`` then makes a meta tensor, which gloo
 refuses.
 """
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_every_tensor_factory_names_its_device():
     assert not problems, (
         "tensor factory calls that leave their tensor on the CPU (NCCL cannot send it): pass "
         "device=, or, for a tensor meant for host memory, add (file, function) with the reason to "
-        "HOST_TENSORS in tests/test_device_lint.py:\n  " + "\n  ".join(problems))
+        "HOST_TENSORS in tests/unit/test_device_lint.py:\n  " + "\n  ".join(problems))
     stale = sorted(set(HOST_TENSORS) - used)
     assert not stale, f"HOST_TENSORS entries that match no host tensor any more (remove them): {stale}"
 

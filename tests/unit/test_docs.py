@@ -9,11 +9,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.support.paths import REPO
+
 import pytest
 
 from megazero.config.reference import reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 README = ROOT / "README.md"
 PAGES = [README] + sorted((ROOT / "docs").glob("*.md"))
 LAYOUT_HEADING = "## Where things are"
