@@ -1,5 +1,10 @@
-"""Shared pytest set-up: the ``cuda`` marker skips without CUDA, and the trainer imported once in
-the pytest process.
+"""Shared pytest set-up: the two lanes, the ``cuda`` marker, and the trainer imported once in the
+pytest process.
+
+Lanes: every test under tests/layouts/ (multi-rank equivalence sweeps) and tests/launcher/ (real
+launches) is marked ``slow``, as is any test marked so by hand; the quick lane
+(``bash scripts/test.sh --lane quick``) runs the rest. A test marked ``cuda`` is skipped without
+CUDA.
 
 The repository root is on ``sys.path`` through pytest's rootdir-based import of the ``tests``
 package (tests/__init__.py and one per folder). ``tests.support.distributed.run_distributed``
@@ -12,9 +17,15 @@ import megazero.training  # noqa: F401
 import pytest
 
 
+SLOW_FOLDERS = ("layouts", "launcher")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:
+        if item.path.parent.name in SLOW_FOLDERS and item.path.parent.parent.name == "tests":
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
