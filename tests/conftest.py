@@ -16,6 +16,9 @@ import megazero.checkpoint.shards  # noqa: F401  (torch.distributed.checkpoint)
 import megazero.training  # noqa: F401
 import pytest
 
+# the fixtures that tests in several modules share (a test module imports no other test module)
+pytest_plugins = ["tests.support.generate", "tests.support.hf_convert", "tests.support.layouts"]
+
 
 SLOW_FOLDERS = ("layouts", "launcher")
 

@@ -45,8 +45,8 @@ def _run_both(rank, world, runs):
 
     out = {}
     for kind, (argv, ckpt, hf) in runs.items():
-        train, cfg, groups, ds, trainer = hf_trainer(argv, world)
-        train_steps(train, cfg, groups, ds, trainer, 3 if hf else 1)
+        trainer = hf_trainer(argv, world)
+        train_steps(trainer, 3 if hf else 1)
         trainer.save_checkpoint(ckpt)
         trainer.close()
         if hf is None:
@@ -56,7 +56,7 @@ def _run_both(rank, world, runs):
         dist.barrier()
         stage, tok = load_model(generate_args(hf), ProcessGroups.build(Topology(tp=world, pp=1, dp=1)), torch.device("cpu"))
         greedy = sample(stage, tok.encode(PROMPT), 10, temperature=0.0)
-        out[kind] = (greedy, train_steps(*hf_trainer(argv + ["--from-hf", hf], world)[:5], 1)[0])
+        out[kind] = (greedy, train_steps(hf_trainer(argv + ["--from-hf", hf], world), 1)[0])
     return out
 
 

@@ -258,8 +258,10 @@ def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
                                                   ("allgather", 10)])
 def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher, capacity):
     """At ep size 1 (group None) each dispatcher gives the EP-1 loop's output and gradients
-    bitwise: outputs scaled by the routing weights and added token by token in expert order;
-    also with each expert's input padded to a capacity (``--moe-pad-expert-input-to-capacity``)."""
+    bitwise: outputs scaled by the routing weights and added token by token in expert order.
+    With each expert's input padded to a capacity (``--moe-pad-expert-input-to-capacity``) the
+    expert's matmul runs on more rows, and BLAS may block a [capacity, H] product differently from
+    the [n, H] one: equal within one fp32 rounding (1e-6) there, not bitwise."""
     from megazero.moe.dispatch import DISPATCHERS
 
     g = torch.Generator().manual_seed(3)
@@ -283,8 +285,11 @@ def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher, capacity):
         out.square().sum().backward()
         results.append((out.detach(), x.grad, w.grad, [m.weight.grad.clone() for m in experts.values()]))
     (o1, x1, w1, e1), (o2, x2, w2, e2) = results
-    assert torch.equal(o1, o2) and torch.equal(x1, x2) and torch.equal(w1, w2)
-    assert all(torch.equal(a, b) for a, b in zip(e1, e2))
+    if capacity is None:
+        assert torch.equal(o1, o2) and torch.equal(x1, x2) and torch.equal(w1, w2)
+        assert all(torch.equal(a, b) for a, b in zip(e1, e2))
+    for a, b in zip([o1, x1, w1, *e1], [o2, x2, w2, *e2]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_expert_groups_are_carved_out_of_the_replicas():
