@@ -39,10 +39,10 @@ from megazero.planning.flops import spec_flops_per_iteration
 from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.ops.backend import describe_backends
 from megazero.optim.lr_schedule import LRSchedule
-from megazero.data_parallel.param_swap import ParamSwapOptions
+from megazero.offload.param_swap import ParamSwapOptions
 from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
-from megazero.optim.swap import SwapError
+from megazero.offload.swap import SwapError
 from megazero.optim.zero import DistributedOptimizer
 from megazero.moe.router import AuxLossBackward
 from megazero.pipeline.executor import make_forward_step, run_schedule

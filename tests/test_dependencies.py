@@ -3,7 +3,7 @@
 - train.py -> model, data, megazero; model -> megazero; megazero imports neither model nor
   data; data imports neither model nor megazero; nothing imports train.
 - Inside megazero/: the root modules (the foundation: topology, process_groups,
-  collectives, precision, param_spec) import no subpackage; config/ imports nothing from
+  collectives, precision, param_spec, tags) import no subpackage; config/ imports nothing from
   runtime/, planning/ or checkpoint/.
 - No import circle between the files of megazero/, model/ and data/ (every import counts,
   also one inside a function), no module-level ``__getattr__`` and no private name
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"megazero": {"model", "data", "train"}, "model": {"data", "train"}, "data": {"model", "megazero", "train"}}
 LIBRARY = ("megazero", "model", "data")
 FOUNDATION = {"megazero.topology", "megazero.process_groups", "megazero.collectives", "megazero.precision",
-              "megazero.param_spec"}
+              "megazero.param_spec", "megazero.tags"}
 
 
 def _tree(path: Path) -> ast.Module:

@@ -49,14 +49,14 @@ import torch
 from torch import nn
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.data_parallel.finalize import finalize_model_grads
 from megazero.data_parallel.grad_buffer import GradBuffer, Range
-from megazero.data_parallel.param_swap import ParamSwapper
 from megazero.data_parallel.sharding import ShardedBuffer, Stage2
 from megazero.data_parallel.stages import make_strategy
 from megazero.data_parallel.zero3_gather import Zero3Gather, Zero3Options, split_units
+from megazero.offload.param_swap import ParamSwapper
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
 
 
 class DataParallel:

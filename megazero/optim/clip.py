@@ -51,8 +51,8 @@ from typing import Iterable
 import torch
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
 
 
 ROW = 64            # squares per fp32 accumulator on the CPU path

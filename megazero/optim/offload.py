@@ -40,9 +40,9 @@ from typing import Optional
 import torch
 
 from megazero.data_parallel.ddp import DataParallel
-from megazero.data_parallel.host_memory import HostArena, can_pin
 from megazero.data_parallel.sharding import ShardedBuffer
 from megazero.data_parallel.stages import make_strategy
+from megazero.offload.host_memory import HostArena, can_pin
 from megazero.optim.step_lists import Piece
 from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.grad_buffer import Range
 from megazero.data_parallel.param_gather import ParamGatherOverlap
@@ -27,7 +28,6 @@ from megazero.optim.clip import clip_coefficient, norm_from_squares, reduce_squa
 from megazero.optim.step_lists import Piece, Window, build_windows, counted_views, merge_runs
 from megazero.precision import LossScaleError, non_finite_flag
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
 
 STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 
