@@ -5,6 +5,11 @@
 - Inside megazero/: the root modules (the foundation: topology, process_groups,
   collectives, precision, param_spec, tags) import no subpackage; config/ imports nothing from
   runtime/, planning/ or checkpoint/.
+- No circle between the packages of megazero/: a package is a first-level sub-package
+  (``megazero.optim``, ``megazero.offload``, every module below it included); the root
+  modules count as one group, ``megazero`` (the foundation, which imports no sub-package, so it
+  can close no circle). ``optim -> data_parallel -> optim`` is a circle even when no two files
+  import each other.
 - No import circle between the files of megazero/, model/ and data/ (every import counts,
   also one inside a function), no module-level ``__getattr__`` and no private name
   (``_x``) imported from another file.
@@ -133,6 +138,54 @@ def test_the_cycle_finder_sees_a_circle():
 
 def test_no_import_circle_between_library_files():
     assert _cycles(_graph()) == []
+
+
+def _package(module: str, modules: set[str]) -> str:
+    """The megazero package a module belongs to: ``megazero.optim.zero`` and ``megazero.optim``
+    (its ``__init__``) -> ``megazero.optim``; a root module (the foundation) -> ``megazero``.
+    ``modules``: every module, to tell a package's ``__init__`` from a root module."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    if len(parts) > 2 or any(m.startswith(top + ".") for m in modules):
+        return top
+    return parts[0]
+
+
+def _package_graph(graph: dict[str, set[str]]) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """The megazero package graph of the module ``graph``, and per package edge the module
+    imports that make it (``"a.b -> c.d"``, for the failure message)."""
+    packages: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    modules = set(graph) | {d for deps in graph.values() for d in deps}
+    for m, deps in graph.items():
+        if not m.startswith("megazero"):
+            continue
+        src = _package(m, modules)
+        packages.setdefault(src, set())
+        for d in deps:
+            dst = _package(d, modules)
+            if d.startswith("megazero") and dst != src:
+                packages[src].add(dst)
+                why.setdefault((src, dst), []).append(f"{m} -> {d}")
+    return packages, why
+
+
+def test_the_package_graph_sees_a_circle_that_no_two_files_close():
+    graph = {"megazero.a.x": {"megazero.b.y"}, "megazero.b.y": set(), "megazero.b.z": {"megazero.a.w"},
+             "megazero.a.w": {"megazero.topology"}, "megazero.topology": set()}
+    assert _cycles(graph) == []
+    packages, why = _package_graph(graph)
+    assert packages == {"megazero.a": {"megazero", "megazero.b"}, "megazero.b": {"megazero.a"}, "megazero": set()}
+    assert _cycles(packages) == [["megazero.a", "megazero.b"]]
+    assert why[("megazero.b", "megazero.a")] == ["megazero.b.z -> megazero.a.w"]
+
+
+def test_no_import_circle_between_megazero_packages():
+    packages, why = _package_graph(_graph())
+    assert {"megazero", "megazero.optim", "megazero.data_parallel", "megazero.offload"} <= packages.keys()
+    circles = _cycles(packages)
+    edges = {f"{a} -> {b}": why[a, b] for c in circles for a in c for b in sorted(packages[a]) if b in c}
+    assert circles == [], edges
 
 
 def _project_files() -> list[Path]:
