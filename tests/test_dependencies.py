@@ -10,6 +10,8 @@
   modules count as one group, ``megazero`` (the foundation, which imports no sub-package, so it
   can close no circle). ``optim -> data_parallel -> optim`` is a circle even when no two files
   import each other.
+- No ZeRO stage number compared outside ``data_parallel/policy.py`` and ``data_parallel/stages.py``:
+  the rest asks the stage's policy (``shards_grads``, ``staging_slots``, ...).
 - No import circle between the files of megazero/, model/ and data/ (every import counts,
   also one inside a function), no module-level ``__getattr__`` and no private name
   (``_x``) imported from another file.
@@ -186,6 +188,50 @@ def test_no_import_circle_between_megazero_packages():
     circles = _cycles(packages)
     edges = {f"{a} -> {b}": why[a, b] for c in circles for a in c for b in sorted(packages[a]) if b in c}
     assert circles == [], edges
+
+
+def _is_zero_stage(node: ast.AST) -> bool:
+    """``zero_stage``, ``<x>.zero_stage``, ``<x>.zero.stage``, ``z.stage`` or ``<x>.strategy.stage``."""
+    if isinstance(node, ast.Name):
+        return node.id == "zero_stage"
+    if isinstance(node, ast.Attribute) and node.attr == "zero_stage":
+        return True
+    if isinstance(node, ast.Attribute) and node.attr == "stage":
+        v = node.value
+        return (isinstance(v, ast.Name) and v.id == "z") or (isinstance(v, ast.Attribute)
+                                                              and v.attr in ("zero", "strategy"))
+    return False
+
+
+def _is_number(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_is_number(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, int)
+
+
+def _stage_comparisons(path: Path) -> list[int]:
+    """Lines of ``path`` comparing a ZeRO stage with a number (``stage == 3``, ``stage in (1, 2)``)."""
+    out = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_is_zero_stage(a) for a in sides) and any(_is_number(a) for a in sides):
+                out.append(node.lineno)
+    return out
+
+
+def test_the_stage_finder_sees_a_comparison(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("a = cfg.zero.stage == 3\nb = z.stage in (1, 2)\nc = zero_stage >= 2\n"
+                 "d = self.strategy.stage != 0\ne = stage == 0\nf = z.stage in POLICIES\ng = e.zero_stage < 2\n")
+    assert _stage_comparisons(f) == [1, 2, 3, 4, 7]
+
+
+def test_no_zero_stage_number_compared_outside_the_policy():
+    allowed = {"megazero/data_parallel/policy.py", "megazero/data_parallel/stages.py"}
+    bad = {str(f.relative_to(ROOT)): _stage_comparisons(f) for f in sorted((ROOT / "megazero").rglob("*.py"))
+           if str(f.relative_to(ROOT)) not in allowed}
+    assert {f: lines for f, lines in bad.items() if lines} == {}
 
 
 def _project_files() -> list[Path]:

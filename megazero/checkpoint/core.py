@@ -238,7 +238,7 @@ def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
     of the shards, ``groups.zero_replica_rank == 0``), views of the optimizer's state. The chunks
     are boxes of the full tensors whatever S, so a checkpoint loads at any other S."""
     shards = _shards()
-    sharded = optimizer.ddp.strategy.sharded_over_dp
+    sharded = optimizer.ddp.strategy.shards_optimizer
     mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: groups.zero_replica_rank == 0 and
                                        shards.writes_here(p, groups.tp_rank, groups.edp_rank
                                                           if tags.is_expert_parallel(p) else groups.dp_rank, sharded))

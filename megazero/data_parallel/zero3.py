@@ -31,11 +31,12 @@ from __future__ import annotations
 import torch
 
 from megazero import collectives as C
+from megazero.data_parallel.policy import ShardParameters
 from megazero.data_parallel.sharding import Stage2
 from megazero.offload.host_memory import HostArena, can_pin
 
 
-class Stage3(Stage2):
+class Stage3(ShardParameters, Stage2):
     """ZeRO-3: parameter shards, gathered per gather unit around forward and backward.
 
     ``offload_param`` (set before any buffer is built): keep ``params_shard`` in host memory;
@@ -43,8 +44,6 @@ class Stage3(Stage2):
     it in the swap file (``buf.swapped``) beyond the swapper's ``max_in_cpu`` elements.
     """
 
-    stage = 3
-    gathers_on_demand = True
     offload_param = False
     param_swap = None
 
@@ -162,6 +161,3 @@ class Stage3(Stage2):
 
     def gather_bound_bytes(self, buf, chunk_numel, dp_size):
         return 0
-
-    def formula_bytes(self, psi, n, param_bytes, grad_bytes, main_bytes):
-        return (param_bytes + grad_bytes + main_bytes + 8) * psi / n

@@ -277,7 +277,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         DistributedOptimizer._update_model_params(self)
 
     def _shard_filler(self, buf: ShardedBuffer, mbase):
-        if buf.strategy.gathers_on_demand:
+        if buf.strategy.shards_params:
             return None   # ZeRO-3: the owned runs are the shard, written in _update (_param_runs)
         return DistributedOptimizer._shard_filler(self, buf, None)   # from the model's owned runs
 
