@@ -13,8 +13,8 @@ product of the sizes before it, and the rank is ``sum(index_i * stride_i)``. For
 Tensor-parallel ranks are innermost (adjacent global ranks, so one TP group sits on one node
 and its all-reduces stay on NVLink), then context-parallel (the ring of K/V blocks, next
 closest), then data-parallel, then pipeline stages outermost, as in Megatron-LM (Narayanan
-et al. 2021, sec. 3.3; Megatron core's ``RankGenerator`` orders "tp-cp-ep-dp-pp" the same way). A group over a subset S of the dimensions is the set of ranks
-that differ from a rank only in S (the idea of torch's ``DeviceMesh``): the TP group is the
+et al. 2021, sec. 3.3; Megatron core's ``RankGenerator`` orders "tp-cp-ep-dp-pp" the same way).
+A group over a subset S of the dimensions is the set of ranks that differ from a rank only in S (the idea of torch's ``DeviceMesh``): the TP group is the
 group over ``("tp",)``, the model-parallel group the one over ``("tp", "pp")``, the ranks
 holding replicas of the same parameters (gradients reduced, ZeRO sharded) the one over
 ``("dp", "cp")``.

@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from megazero.process_groups import ProcessGroups
-from megazero.topology import GROUP_TABLE, GROUPS, GroupRow, Coord, Topology
+from megazero.topology import GROUP_TABLE, GROUPS, Coord, GroupRow, Topology
 from tests.distributed import run_distributed
 
 
