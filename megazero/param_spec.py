@@ -14,7 +14,7 @@ Vocabulary of a spec entry:
   ``"layer"`` (transformer layer ``layer``) or ``"head"`` (the last stage: final norm,
   untied output weight).
 - ``partition_dim`` / ``partition_stride``: the tensor-parallel partition
-  (``tensor_parallel.tags.partition_tensor``); ``None`` means replicated over TP, counted
+  (``megazero.tags.partition_tensor``); ``None`` means replicated over TP, counted
   once in a global norm (on TP rank 0), while a partition counts on every TP rank.
 - ``tied_output``: the tensor is also the output layer's weight; a last stage without the
   embedding keeps its own copy (tagged ``shared_embedding``, counted on the first stage).

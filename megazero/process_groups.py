@@ -1,75 +1,53 @@
-"""ProcessGroups: the tp / cp / dp / pp / model-parallel / replica / embedding groups of one rank.
+"""ProcessGroups: this rank's place in the layout and one process group per row of the topology's table.
 
 Every module that communicates takes this object (or the one group it needs) as an argument;
-there is no global registry. ``ProcessGroups.single()`` describes a one-process run with no
-torch.distributed at all: every group is ``None`` and every collective in
-``megazero.collectives`` is a no-op on it. ``build`` creates the groups named in
-``megazero.topology.GROUPS`` and the embedding group, so each of them is a field here.
-``replicas()`` is the view the data-parallel machinery (gradient reduction, ZeRO, the
-optimizer, checkpoint shards) takes: cp folded into dp, its ``dp`` the ``dp_cp`` group.
-With expert parallelism (``topology.ep > 1``) ``ep`` is the group the MoE layers dispatch
-tokens over and ``edp`` the group expert parameters are reduced and sharded over. With hybrid
-sharding (``topology.hybrid``) ZeRO shards over ``zero_shard_group`` (``zero_shard``, S ranks) and
-all-reduces the shards over ``zero_replica``; flat, ``zero_shard_group`` is ``dp``.
+there is no global registry. The fields are generated from ``megazero.topology.GROUP_TABLE``:
+``topology`` and ``rank``, then one group per row (``tp``, ``dp``, ``pp``, ``mp``, ``cp``,
+``dp_cp``, ``embedding``, ``ep``, ``edp``, ``zero_shard``, ``zero_replica``), then ``world``; a
+new row is a new field with no code here. ``ProcessGroups.single()`` describes a one-process run
+with no torch.distributed at all: every group is ``None`` and every collective in
+``megazero.collectives`` is a no-op on it. ``replicas()`` is the view the data-parallel
+machinery (gradient reduction, ZeRO, the optimizer, checkpoint shards) takes: cp folded into
+dp, its ``dp`` the ``dp_cp`` group. With expert parallelism (``topology.ep > 1``) ``ep`` is the
+group the MoE layers dispatch tokens over and ``edp`` the group expert parameters are reduced
+and sharded over. With hybrid sharding (``topology.hybrid``) ZeRO shards over
+``zero_shard_group`` (``zero_shard``, S ranks) and all-reduces the shards over
+``zero_replica``; flat, ``zero_shard_group`` is ``dp``.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
-from megazero.topology import EXPERT_GROUPS, GROUPS, HYBRID_GROUPS, Coord, Topology
+from megazero.topology import GROUP_TABLE, Coord, Topology
 
 Group = Optional[dist.ProcessGroup]
 
 
-@dataclass(frozen=True)
-class ProcessGroups:
-    """This rank's place in the layout and its communication groups.
+class _Methods:
+    """What ``ProcessGroups`` computes from its fields (the fields are generated below)."""
 
-    Fields ``tp``, ``dp``, ``pp``, ``mp``, ``cp``, ``dp_cp`` (one per name in ``GROUPS``) and
-    ``embedding`` are process groups (``None`` in a single-process run; ``embedding`` also on a
-    middle stage). Two kinds with the same members share one group (``dp_cp`` is ``dp`` when
-    cp == 1). ``ep`` and ``edp`` (expert parallel, expert data parallel; megazero/topology.py)
-    exist when ``topology.ep > 1``; else ``ep`` is None (the rank alone) and ``edp`` is ``dp_cp``.
-    ``zero_shard`` and ``zero_replica`` (hybrid sharding, megazero/topology.py) exist when
-    ``topology.hybrid``; else both are None and ZeRO shards over ``dp`` (``zero_shard_group``).
-    ``world`` is the default group (``None`` without distributed).
-    """
-
-    topology: Topology
-    rank: int
-    tp: Group = None
-    dp: Group = None
-    pp: Group = None
-    mp: Group = None
-    cp: Group = None
-    dp_cp: Group = None
-    embedding: Group = None
-    world: Group = None
-    ep: Group = None
-    edp: Group = None
-    zero_shard: Group = None
-    zero_replica: Group = None
-
-    @staticmethod
-    def single() -> "ProcessGroups":
+    @classmethod
+    def single(cls) -> "ProcessGroups":
         """A one-rank layout that needs no ``torch.distributed`` initialisation."""
-        return ProcessGroups(topology=Topology(1, 1, 1), rank=0)
+        return cls(topology=Topology(1, 1, 1), rank=0)
 
-    @staticmethod
-    def build(topology: Topology, timeout_s: float = 300.0) -> "ProcessGroups":
+    @classmethod
+    def build(cls, topology: Topology, timeout_s: float = 300.0) -> "ProcessGroups":
         """Create every group of ``topology`` (collective: all ranks must call it).
 
-        Requires ``torch.distributed`` to be initialised with ``world_size ==
+        One pass over ``GROUP_TABLE``: each built row's groups are created in the table's
+        order on every rank; a row not built (its ``when`` false) gets its ``otherwise`` row's
+        group or None. Requires ``torch.distributed`` to be initialised with ``world_size ==
         topology.world_size``. Raises ValueError naming both numbers otherwise.
         """
         if not dist.is_initialized():
             if topology.world_size == 1:
-                return ProcessGroups.single()
+                return cls.single()
             raise ValueError(f"torch.distributed is not initialised but {_product(topology)} > 1")
         world = dist.get_world_size()
         if world != topology.world_size:
@@ -84,16 +62,17 @@ class ProcessGroups:
         # a member list already made (dp_cp at cp 1) is not made twice. The group's kind is its
         # description, which NCCL's flight-recorder dumps show (megazero/runtime/flight_recorder.py).
         named = "group_desc" in inspect.signature(dist.new_group).parameters
-        for kind in (*GROUPS, "embedding", *(EXPERT_GROUPS if topology.ep > 1 else ()),
-                     *(HYBRID_GROUPS if topology.hybrid else ())):
-            for ranks in topology.named_groups(kind):
+        for row in filter(topology.builds, GROUP_TABLE):
+            for ranks in topology.row_groups(row):
                 if tuple(ranks) not in made:
                     made[tuple(ranks)] = dist.new_group(ranks=ranks, timeout=timeout,
-                                                        **({"group_desc": kind} if named else {}))
+                                                        **({"group_desc": row.name} if named else {}))
                 if rank in ranks:
-                    mine[kind] = made[tuple(ranks)]
-        mine.setdefault("edp", mine["dp_cp"])
-        return ProcessGroups(topology=topology, rank=rank, world=dist.group.WORLD, **mine)
+                    mine[row.name] = made[tuple(ranks)]
+        for row in GROUP_TABLE:
+            if not topology.builds(row) and row.otherwise is not None:
+                mine[row.name] = mine.get(row.otherwise)
+        return cls(topology=topology, rank=rank, world=dist.group.WORLD, **mine)
 
     # -- coordinates ---------------------------------------------------------------------
     @property
@@ -134,11 +113,7 @@ class ProcessGroups:
         Gradients are reduced and ZeRO shards over it; at cp == 1 it is ``self``."""
         if self.cp_size == 1:
             return self
-        return ProcessGroups(topology=self.topology.replica_topology(), rank=self.rank,
-                             tp=self.tp, dp=self.dp_cp, pp=self.pp, mp=self.mp,
-                             cp=None, dp_cp=self.dp_cp, embedding=self.embedding,
-                             world=self.world, ep=self.ep, edp=self.edp,
-                             zero_shard=self.zero_shard, zero_replica=self.zero_replica)
+        return dataclasses.replace(self, topology=self.topology.replica_topology(), dp=self.dp_cp, cp=None)
 
     @property
     def zero_shard_group(self) -> Group:
@@ -219,6 +194,24 @@ class ProcessGroups:
         return f"rank {self.rank}: " + " ".join(f"{d.name} {c[d.name]}/{d.size}"
                                                   for d in self.topology.dims
                                                   if d.size > 1 or d.name in ("tp", "dp", "pp"))
+
+
+_DOC = f"""This rank's place in the layout and its communication groups (frozen).
+
+Fields: ``topology`` (Topology), ``rank`` (global rank), one process group per row of
+``GROUP_TABLE`` ({", ".join(row.name for row in GROUP_TABLE)}) and ``world``, the
+default group. A group is ``None`` in a single-process run, for a group this rank is not in
+(``embedding`` on a middle stage) and for a row the layout does not build (``ep``,
+``zero_shard``, ``zero_replica`` without expert parallelism / hybrid sharding; ``edp`` is then
+``dp_cp``). Two rows with the same members share one group (``dp_cp`` is ``dp`` when cp == 1).
+"""
+
+ProcessGroups = dataclasses.make_dataclass(
+    "ProcessGroups",
+    [("topology", Topology), ("rank", int),
+     *((row.name, Group, dataclasses.field(default=None)) for row in GROUP_TABLE),
+     ("world", Group, dataclasses.field(default=None))],
+    bases=(_Methods,), frozen=True, namespace={"__module__": __name__, "__doc__": _DOC})
 
 
 def _product(topology: Topology) -> str:

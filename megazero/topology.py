@@ -12,41 +12,48 @@ product of the sizes before it, and the rank is ``sum(index_i * stride_i)``. For
 
 Tensor-parallel ranks are innermost (adjacent global ranks, so one TP group sits on one node
 and its all-reduces stay on NVLink), then context-parallel (the ring of K/V blocks, next
-closest), then data-parallel, then pipeline stages outermost, as in Megatron-LM (Narayanan et al. 2021, sec. 3.3; Megatron core's ``RankGenerator`` orders
-"tp-cp-ep-dp-pp" the same way). A group over a subset S of the dimensions is the set of ranks
-that differ from a rank only in S (the idea of torch's ``DeviceMesh``): the TP group is the
+closest), then data-parallel, then pipeline stages outermost, as in Megatron-LM (Narayanan
+et al. 2021, sec. 3.3; Megatron core's ``RankGenerator`` orders "tp-cp-ep-dp-pp" the same way).
+A group over a subset S of the dimensions is the set of ranks that differ from a rank only in S (the idea of torch's ``DeviceMesh``): the TP group is the
 group over ``("tp",)``, the model-parallel group the one over ``("tp", "pp")``, the ranks
 holding replicas of the same parameters (gradients reduced, ZeRO sharded) the one over
-``("dp", "cp")``. ``GROUPS`` names the groups the trainer builds; the embedding group (first
-and last stage) is the one group that is not over a set of dimensions.
+``("dp", "cp")``.
+
+Every group the trainer builds is a row of ``GROUP_TABLE``: a name (the ``ProcessGroups`` field),
+a family, the dimensions ``over`` it lives in and a rule that picks this rank's members out of
+its group over them (``GroupRow``). Three families, one code path (``Topology.row_group``):
+
+- *dense*: the group over a set of dimensions (``all``), and the embedding group, the first and
+  last member along ``pp`` (``ends``: the holders of tied embedding copies);
+- *expert*: expert parallelism carved out of the dp x cp replicas by the size ``ep``;
+- *hybrid*: hybrid sharding's ZeRO shard group and its replica group, carved by ``zero_shard``.
+
+A carved row splits the rank's group over ``over`` (sorted, so a member's position is its
+index among those ranks) into ``k``-rank blocks of consecutive positions (``block``: the same
+``position // k``) or into the ranks ``k`` positions apart (``stride``: the same
+``position % k``). A row with ``when`` is built only when that property of the topology holds
+(``ep > 1``, ``hybrid``); else its field is the group of its ``otherwise`` row, or None.
 
 A new dimension is data: its name in ``ORDER`` (``Topology(cp=2)`` works, every other size
-defaulting to 1), its groups in ``GROUPS`` and a field per group in ``ProcessGroups``.
-``Topology(order=...)`` builds any other order without touching ``ORDER``. Since cp and dp
-are adjacent, the layout with dp and cp merged into one "dp" of size ``dp * cp`` (index
-``cp_rank + cp * dp_rank``) numbers the ranks the same way: ``replica_topology``.
+defaulting to 1) and its groups as rows of ``GROUP_TABLE``; ``ProcessGroups`` gets a field per
+row without further code. ``Topology(order=...)`` builds any other order without touching
+``ORDER``. Since cp and dp are adjacent, the layout with dp and cp merged into one "dp" of size
+``dp * cp`` (index ``cp_rank + cp * dp_rank``) numbers the ranks the same way:
+``replica_topology``.
 
-Expert parallelism (issue 22) is no dimension of its own: ``Topology(..., ep=EP)`` carves it out
-of the replica ranks, as Megatron-LM's expert rank order "tp-ep-dp-pp" does. With the replica
-index ``r' = cp_rank + cp * dp_rank`` (``replica_index``):
+Expert parallelism is no dimension of its own: ``Topology(..., ep=EP)`` carves it out of the
+replica ranks, as Megatron-LM's expert rank order "tp-ep-dp-pp" does. With the replica index
+``r' = cp_rank + cp * dp_rank`` (``replica_index``, the rank's position in its ``dp_cp`` group),
+``ep_rank = r' % EP`` (which E/EP experts the rank holds) and ``edp_rank = r' // EP`` (expert
+data parallel: the replicas of those experts); the ``ep`` group is a block of EP replicas, the
+``edp`` group the ``dp * cp / EP`` replicas EP apart. At EP = 1 the ep group is the rank alone
+and the edp group is ``dp_cp``.
 
-    ep_rank  = r' % EP          (which E/EP experts the rank holds)
-    edp_rank = r' // EP         (expert data parallel: the replicas of those experts)
-
-The ``ep`` group is the EP ranks with the same ``r' // EP`` (and tp, pp); the ``edp`` group the
-``dp * cp / EP`` ranks with the same ``ep_rank``. At EP = 1 the ep group is the rank alone and the
-edp group is the replica group ``dp_cp``.
-
-Hybrid sharding (issue 24; torchtitan's ``data_parallel_shard_degree``, DeepSpeed's MiCS
-``mics_shard_size``, Megatron's distributed-optimizer instances): ``Topology(..., zero_shard=S)``
-with S dividing dp x cp shards ZeRO's state over S consecutive replicas and replicates it
-across the dp x cp / S groups of them:
-
-    zero_shard_rank   = r' % S      (index in the shard group: reduce-scatter, all-gather)
-    zero_replica_rank = r' // S     (index in the replica group: all-reduce of the shards)
-
-The ``zero_shard`` group is the S ranks with the same ``r' // S``, the ``zero_replica`` group the
-dp x cp / S ranks with the same ``r' % S`` (the arithmetic of ep and edp with S for EP). With
+Hybrid sharding (torchtitan's ``data_parallel_shard_degree``, DeepSpeed's MiCS
+``mics_shard_size``, Megatron's distributed-optimizer instances) is the same arithmetic with
+``Topology(..., zero_shard=S)`` for EP: ZeRO's state is sharded over a block of S consecutive
+replicas (``zero_shard_rank = r' % S``: reduce-scatter, all-gather) and replicated across the
+dp x cp / S blocks (``zero_replica_rank = r' // S``: all-reduce of the shards). With
 tp-cp-dp-pp and S = GPUs per node / (tp x cp) a shard group is one node. S = dp x cp (the
 default) is flat ZeRO: the shard group is ``dp_cp`` and there is no replica group.
 
@@ -62,14 +69,67 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 ORDER = "tp-cp-dp-pp"
 """The dimensions of ``Topology(...)``, innermost first, joined by "-"."""
 
-GROUPS: dict[str, tuple[str, ...]] = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",),
-                                       "mp": ("tp", "pp"), "cp": ("cp",), "dp_cp": ("dp", "cp")}
-"""Named groups over sets of dimensions, in the order ``ProcessGroups.build`` creates them."""
+FAMILIES = ("dense", "expert", "hybrid")
+"""The families of ``GROUP_TABLE``'s rows (module docstring)."""
 
-EXPERT_GROUPS = ("ep", "edp")
-"""Groups carved out of the dp x cp replicas by expert parallelism (module docstring)."""
+RULES = ("all", "ends", "block", "stride")
+"""How a ``GroupRow`` picks members out of a rank's group over its dimensions (module docstring)."""
 
-HYBRID_GROUPS = ("zero_shard", "zero_replica")
+
+@dataclass(frozen=True)
+class GroupRow:
+    """One kind of process group: a row of ``GROUP_TABLE`` and a field of ``ProcessGroups``.
+
+    ``name``: the field (``"dp_cp"``); ``family``: ``"dense"``, ``"expert"`` or ``"hybrid"``;
+    ``over``: the dimensions the group lives in (one absent from a layout's order has size 1
+    there and is skipped); ``rule``: one of ``RULES``; ``by``: the ``Topology`` attribute whose
+    value is the ``k`` of a ``block`` / ``stride`` row (``"ep"``, ``"zero_shard"``); ``when``: a
+    boolean ``Topology`` property without which the row is not built (None: always built);
+    ``otherwise``: the row whose group stands in when not built (None: the field is None).
+    """
+
+    name: str
+    family: str
+    over: tuple[str, ...]
+    rule: str = "all"
+    by: Optional[str] = None
+    when: Optional[str] = None
+    otherwise: Optional[str] = None
+
+    def __post_init__(self):
+        """Raises ValueError for an unknown family or rule, or ``by`` given to the wrong rule."""
+        if self.family not in FAMILIES:
+            raise ValueError(f"group row {self.name!r}: family {self.family!r} must be one of {FAMILIES}")
+        if self.rule not in RULES or (self.rule in ("block", "stride")) != (self.by is not None):
+            raise ValueError(f"group row {self.name!r}: rule {self.rule!r} must be one of {RULES}, "
+                             f"with `by` exactly for block and stride")
+
+
+GROUP_TABLE: tuple[GroupRow, ...] = (
+    #        name            family    over          rule      by            when               otherwise
+    GroupRow("tp",           "dense",  ("tp",)),
+    GroupRow("dp",           "dense",  ("dp",)),
+    GroupRow("pp",           "dense",  ("pp",)),
+    GroupRow("mp",           "dense",  ("tp", "pp")),
+    GroupRow("cp",           "dense",  ("cp",)),
+    GroupRow("dp_cp",        "dense",  ("dp", "cp")),
+    GroupRow("embedding",    "dense",  ("pp",),      "ends"),
+    GroupRow("ep",           "expert", ("dp", "cp"), "block",  "ep",         "expert_parallel"),
+    GroupRow("edp",          "expert", ("dp", "cp"), "stride", "ep",         "expert_parallel", "dp_cp"),
+    GroupRow("zero_shard",   "hybrid", ("dp", "cp"), "block",  "zero_shard", "hybrid"),
+    GroupRow("zero_replica", "hybrid", ("dp", "cp"), "stride", "zero_shard", "hybrid"),
+)
+"""Every process group, in the order ``ProcessGroups.build`` creates them (module docstring)."""
+
+ROWS: dict[str, GroupRow] = {row.name: row for row in GROUP_TABLE}
+
+GROUPS: dict[str, tuple[str, ...]] = {r.name: r.over for r in GROUP_TABLE if r.rule == "all"}
+"""The groups over a set of dimensions (a view of ``GROUP_TABLE``): name -> dimensions."""
+
+EXPERT_GROUPS = tuple(r.name for r in GROUP_TABLE if r.family == "expert")
+"""Groups carved out of the dp x cp replicas by expert parallelism (a view of ``GROUP_TABLE``)."""
+
+HYBRID_GROUPS = tuple(r.name for r in GROUP_TABLE if r.family == "hybrid")
 """Groups of hybrid sharding: ZeRO shards inside ``zero_shard``, replicated over ``zero_replica``."""
 
 Over = Union[str, Sequence[str]]  # "dp", "dp-cp" or ("dp", "cp")
@@ -245,38 +305,62 @@ class Topology:
                 seen.update(out[-1])
         return out
 
-    def embedding_group(self, rank: int) -> list[int]:
-        """First and last stage at this rank's other coordinates: the holders of tied
-        embedding copies. With pp == 1 the group is the rank alone (the tie is inside one
-        module); a middle stage gets the group of its end stages, which it is not in.
-        """
-        c = self.coord(rank)
-        first, last = c.replace(pp=0), c.replace(pp=self.size("pp") - 1)
-        return sorted({self.rank(**first), self.rank(**last)})
+    # -- the rows of GROUP_TABLE -------------------------------------------------------------
+    def row_group(self, rank: int, row: GroupRow) -> list[int]:
+        """``rank``'s group of kind ``row`` (module docstring), sorted. For an ``ends`` row on a
+        middle stage it is the group of the end stages, which ``rank`` is not in; with pp == 1
+        the rank alone (the tie is inside one module)."""
+        over = self.present(row.over)
+        members = self.group(rank, over)   # sorted: a member's position is its index here
+        if row.rule == "all":
+            return members
+        if row.rule == "ends":
+            return sorted({members[0], members[-1]})
+        k, at = getattr(self, row.by), members.index(rank)
+        if row.rule == "block":
+            return members[at - at % k:at - at % k + k]
+        return members[at % k::k]   # stride
 
-    def embedding_groups(self) -> list[list[int]]:
-        return _unique(self.embedding_group(r) for r in range(self.world_size))
+    def row_groups(self, row: GroupRow) -> list[list[int]]:
+        """Every group of kind ``row``, ordered by lowest member: a partition of the world, but
+        for an ``ends`` row (a partition of the first and last stages' ranks)."""
+        if row.rule == "all":
+            return self.groups(self.present(row.over))
+        return _unique(self.row_group(r, row) for r in range(self.world_size))
+
+    def builds(self, row: GroupRow) -> bool:
+        """Whether ``ProcessGroups.build`` creates the groups of ``row`` here (its ``when``)."""
+        return row.when is None or bool(getattr(self, row.when))
+
+    def present(self, over: Over) -> tuple[str, ...]:
+        """The dimensions of ``over`` this layout has (an absent one has size 1: a no-op)."""
+        names = over.split("-") if isinstance(over, str) else over
+        return tuple(n for n in names if n in self.names)
 
     def named_groups(self, kind: str) -> list[list[int]]:
-        """All groups of ``kind``: a name in ``GROUPS``, ``"embedding"``, ``EXPERT_GROUPS`` or
-        ``HYBRID_GROUPS``; ValueError otherwise."""
-        if kind == "embedding":
-            return self.embedding_groups()
-        if kind in EXPERT_GROUPS:
-            return _unique(self.expert_group(r, kind) for r in range(self.world_size))
-        if kind in HYBRID_GROUPS:
-            return _unique(self.zero_group(r, kind) for r in range(self.world_size))
-        if kind not in GROUPS:
-            raise ValueError(f"unknown group {kind!r}: known are "
-                             f"{[*GROUPS, 'embedding', *EXPERT_GROUPS, *HYBRID_GROUPS]}")
-        return self.groups(GROUPS[kind])
+        """All groups of ``kind``, a row name in ``GROUP_TABLE``; ValueError otherwise."""
+        if kind not in ROWS:
+            raise ValueError(f"unknown group {kind!r}: known are {list(ROWS)}")
+        return self.row_groups(ROWS[kind])
+
+    def embedding_group(self, rank: int) -> list[int]:
+        """First and last stage at this rank's other coordinates: the holders of tied
+        embedding copies (the ``embedding`` row)."""
+        return self.row_group(rank, ROWS["embedding"])
+
+    def embedding_groups(self) -> list[list[int]]:
+        return self.named_groups("embedding")
+
+    def replica_index(self, rank: int) -> int:
+        """The rank's position in its (sorted) ``dp_cp`` group: ``cp_rank + cp * dp_rank`` with
+        cp inside dp (``ORDER``)."""
+        return self.group(rank, self.present(("dp", "cp"))).index(rank)
 
     # -- expert parallelism ----------------------------------------------------------------
-    def replica_index(self, rank: int) -> int:
-        """``cp_rank + cp * dp_rank``: the rank's index among the dp x cp replicas."""
-        c = self.coord(rank)
-        cp = c["cp"] if "cp" in self.names else 0
-        return cp + self._size_or_1("cp") * c["dp"]
+    @property
+    def expert_parallel(self) -> bool:
+        """Experts are spread over more than one rank (``ep > 1``): the expert rows are built."""
+        return self.ep > 1
 
     def ep_rank(self, rank: int) -> int:
         """Expert-parallel rank ``r' % ep``: the rank holds experts ``[ep_rank E/ep, (ep_rank+1) E/ep)``."""
@@ -291,12 +375,7 @@ class Topology:
         rank, which is increasing ep (edp) rank. ValueError for another kind."""
         if kind not in EXPERT_GROUPS:
             raise ValueError(f"unknown expert group {kind!r}: one of {EXPERT_GROUPS}")
-        return self._replica_subgroup(rank, self.edp_rank if kind == "ep" else self.ep_rank)
-
-    def _replica_subgroup(self, rank: int, same) -> list[int]:
-        """The ranks of ``rank``'s dp x cp replica group where ``same(r) == same(rank)``, sorted."""
-        return sorted(r for r in self.group(rank, ("dp", "cp") if "cp" in self.names else ("dp",))
-                      if same(r) == same(rank))
+        return self.row_group(rank, ROWS[kind])
 
     # -- hybrid sharding ---------------------------------------------------------------------
     @property
@@ -318,8 +397,7 @@ class Topology:
         for another kind."""
         if kind not in HYBRID_GROUPS:
             raise ValueError(f"unknown hybrid-sharding group {kind!r}: one of {HYBRID_GROUPS}")
-        same = self.zero_replica_rank if kind == "zero_shard" else self.zero_shard_rank
-        return self._replica_subgroup(rank, same)
+        return self.row_group(rank, ROWS[kind])
 
     # The named groups of the three dimensions every caller knows: the group containing
     # ``rank`` (sorted), and all groups of a kind.

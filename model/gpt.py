@@ -46,7 +46,7 @@ from megazero.context_parallel.attention import all_to_all_attention, local_atte
 from megazero.context_parallel.sequence import SequenceInfo
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
+from megazero import tags
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, parallel_lm_logits)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from megazero.tensor_parallel import tags
+from megazero import tags
 
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output.weight")
 

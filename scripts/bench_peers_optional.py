@@ -33,7 +33,7 @@ PEER_PACKAGES = {"deepspeed": "deepspeed", "megatron-core": "megatron.core"}
 def adamw_groups(params, weight_decay: float) -> list[dict]:
     """megazero's parameter groups for a peer's ``torch.optim.AdamW``: weight decay on the
     matrices (``ndim >= 2``: linear weights, embeddings), none on biases and norm weights, the
-    rule of ``megazero.tensor_parallel.tags.decays`` for this model and Megatron-LM's. Without
+    rule of ``megazero.tags.decays`` for this model and Megatron-LM's. Without
     it a peer's ``AdamW(model.parameters())`` decays everything and trains another model."""
     params = list(params)
     return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},

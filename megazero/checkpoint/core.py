@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megazero import tags
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
 
 if TYPE_CHECKING:
-    from megazero.data_parallel.host_memory import HostArena
+    from megazero.offload.host_memory import HostArena
 
 # torch.distributed.checkpoint (and checkpoint_shards, whose planners subclass DCP's) is
 # imported where a checkpoint is read or written, not with this module: importing it pulls
@@ -238,7 +238,7 @@ def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
     of the shards, ``groups.zero_replica_rank == 0``), views of the optimizer's state. The chunks
     are boxes of the full tensors whatever S, so a checkpoint loads at any other S."""
     shards = _shards()
-    sharded = optimizer.ddp.strategy.sharded_over_dp
+    sharded = optimizer.ddp.strategy.shards_optimizer
     mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: groups.zero_replica_rank == 0 and
                                        shards.writes_here(p, groups.tp_rank, groups.edp_rank
                                                           if tags.is_expert_parallel(p) else groups.dp_rank, sharded))
@@ -316,7 +316,7 @@ def _writer_with_hook_class() -> type:
 def stage_chunks(mine: dict, staging: Callable[[int, torch.device], "HostArena"]) -> dict:
     """Host copies of every chunk of ``mine`` (``{key: [Chunk]}``) in ONE staging buffer.
 
-    ``staging(numel, device)`` gives a :class:`~megazero.data_parallel.host_memory.HostArena`
+    ``staging(numel, device)`` gives a :class:`~megazero.offload.host_memory.HostArena`
     of ``numel`` fp32 elements (the sum over the chunks; ``device`` is where the chunks
     live); each chunk becomes a view of it. From a GPU into a pinned arena the copies are
     asynchronous, followed by one wait on the stream, instead of one blocking device-to-host
@@ -343,7 +343,7 @@ def stage_chunks(mine: dict, staging: Callable[[int, torch.device], "HostArena"]
 
 def host_staging(numel: int, device: torch.device) -> "HostArena":
     """A fresh, unpinned staging arena (``save`` without a manager's reusable one)."""
-    from megazero.data_parallel.host_memory import HostArena
+    from megazero.offload.host_memory import HostArena
 
     return HostArena([numel], torch.float32, pin=False)
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint import core
-from megazero.data_parallel.host_memory import HostArena, can_pin
+from megazero.offload.host_memory import HostArena, can_pin
 from megazero.process_groups import ProcessGroups
 
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megazero.tensor_parallel import tags
+from megazero import tags
 
 STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 

@@ -29,6 +29,7 @@ from typing import Any, Optional
 from megazero.config.derive import unused_message, unused_settings
 from megazero.config.schema import Config, ConfigError, Setting, get_value, settings, show_flag
 from megazero.config.shape import check_context_parallel, check_block, check_moe_sizes, check_sizes
+from megazero.data_parallel.policy import POLICIES, stages_where
 from megazero.pipeline.partition import PartitionError, validate_partition
 
 
@@ -287,7 +288,7 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
     if pr.fp16 and pr.bf16:
         raise ConfigError(f"{show_flag(cfg, 'precision.fp16')} and {show_flag(cfg, 'precision.bf16')} are both on; "
                           "fix: choose one")
-    if z.stage not in (0, 1, 2, 3):
+    if z.stage not in POLICIES:
         raise ConfigError(f"{show_flag(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
                           "(replicated), 1 (optimizer states sharded), 2 (and gradients) or 3 "
                           "(and parameters)")
@@ -301,7 +302,7 @@ def _check_offload(cfg: Config, world_size: int) -> None:
     also --offload-nvme-path."""
     z = cfg.zero
     off = z.offload_optimizer
-    if off != "none" and z.stage == 0:
+    if off != "none" and z.stage not in stages_where("shards_optimizer"):
         raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} {off} needs a ZeRO stage of 1 or more "
                           f"(got {show_flag(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2")
     if off != "none" and cfg.optim.kernels == "apex":
@@ -311,13 +312,13 @@ def _check_offload(cfg: Config, world_size: int) -> None:
     if off == "nvme" and not z.offload_nvme_path:
         raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} nvme needs a directory for the swap "
                           "files; fix: add --offload-nvme-path DIR (DeepSpeed: offload_optimizer.nvme_path)")
-    if z.overlap_param_gather == "on" and z.stage not in (1, 2):
+    if z.overlap_param_gather == "on" and z.stage not in stages_where("gathers_after_step"):
         raise ConfigError(f"{show_flag(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
                           f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
                           "before each forward); fix: use --zero-stage 1 or 2, or --overlap-param-gather auto")
     par = z.offload_param
     where = "host memory" if par == "cpu" else "NVMe swap files"
-    if par != "none" and z.stage != 3:
+    if par != "none" and z.stage not in stages_where("shards_params"):
         raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} {par} keeps ZeRO-3 parameter shards in {where} "
                           f"and needs {show_flag(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
                           "--zero-stage 3, or remove it (--offload-optimizer cpu offloads the optimizer states)")
@@ -340,7 +341,7 @@ def _check_hybrid_shard(cfg: Config, world_size: int) -> None:
     if replicas % s:
         raise ConfigError(f"{flag} {s} does not divide the data x context parallel size {p.dp} x {p.cp} = "
                           f"{replicas}; fix: choose a divisor of {replicas}")
-    if z.stage == 0:
+    if z.stage not in stages_where("shards_optimizer"):
         raise ConfigError(f"{flag} {s} needs a ZeRO stage of 1 or more (got {show_flag(cfg, 'zero.stage')} 0: "
                           "nothing is sharded); fix: add --zero-stage 1, 2 or 3, or drop it")
     ep = p.expert_model_parallel_size if cfg.model.num_experts is not None else 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from megazero.config.schema import MOCK_VOCAB_SIZE, Config, Needs, get_value, setting_named, settings, show_flag
 from megazero.config.shape import default_ffn_hidden_size
+from megazero.data_parallel.policy import stages_where
 from megazero.topology import Topology
 
 
@@ -159,9 +160,11 @@ def bucket_sizes(cfg: Config) -> tuple[int, int]:
 
 
 def overlap_param_gather(cfg: Config) -> bool:
-    """--overlap-param-gather resolved: auto = on exactly at ZeRO stages 1 and 2."""
+    """--overlap-param-gather resolved: auto = on exactly where the ZeRO stage gathers the updated
+    parameters after the step (stages 1 and 2: ``ShardingPolicy.gathers_after_step``)."""
     z = cfg.zero
-    return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto" and z.stage in (1, 2))
+    return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto"
+                                              and z.stage in stages_where("gathers_after_step"))
 
 
 def layout_topology(cfg: Config) -> Topology:

@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megazero.data_parallel.policy import stages_where
 from megazero.pipeline.partition import parse_layer_split
 
 MOCK_VOCAB_SIZE = 1024  # vocabulary of --mock-data when --vocab-size is not given
@@ -58,7 +59,7 @@ class Needs:
         return ok or (self.alt is not None and self.alt.holds(cfg))
 
 
-_ZERO3 = Needs("zero.stage", (3,))
+_ZERO3 = Needs("zero.stage", stages_where("shards_params"))   # the stage that gathers parameters
 _PARAM_NVME = Needs("zero.offload_param", ("nvme",))
 _NVME = Needs("zero.offload_optimizer", ("nvme",))
 _ANY_NVME = Needs("zero.offload_optimizer", ("nvme",), alt=_PARAM_NVME)
@@ -347,7 +348,7 @@ class ZeroConfig:
         None, "parameter all-gather bucket; None = hidden size squared", "elements", ge=1,
         # the all-gather after the step: ZeRO-1/2 without the overlap (which gathers per reduce
         # bucket), and ZeRO-3's persistent parameters
-        applies=Needs("zero.stage", (3,), alt=Needs("zero.overlap_param_gather", ("off",))))
+        applies=Needs("zero.stage", stages_where("shards_params"), alt=Needs("zero.overlap_param_gather", ("off",))))
     overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass",
                             flags=("--no-overlap-comm",))
     overlap_param_gather: str = _f(
@@ -355,7 +356,8 @@ class ZeroConfig:
         "optimizer step, bucket by bucket, each waited for just before the next forward uses it "
         "(Megatron-core's overlap_param_gather; bit-identical to off); auto = on at --zero-stage 1 "
         "and 2, off at 0 (nothing to gather) and 3 (gathered before each forward anyway); on at "
-        "stage 0 or 3 is refused", choices=("auto", "on", "off"), applies=Needs("zero.stage", (1, 2)))
+        "stage 0 or 3 is refused", choices=("auto", "on", "off"),
+        applies=Needs("zero.stage", stages_where("gathers_after_step")))
     zero3_reshard_after_forward: str = _f(
         "auto", "ZeRO-3: drop a layer's gathered parameters after its forward and gather them again "
         "for its backward (on: less memory, one more all-gather per micro-batch), or keep them "

@@ -49,14 +49,15 @@ import torch
 from torch import nn
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.data_parallel.finalize import finalize_model_grads
 from megazero.data_parallel.grad_buffer import GradBuffer, Range
-from megazero.data_parallel.param_swap import ParamSwapper
+from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT
 from megazero.data_parallel.sharding import ShardedBuffer, Stage2
 from megazero.data_parallel.stages import make_strategy
 from megazero.data_parallel.zero3_gather import Zero3Gather, Zero3Options, split_units
+from megazero.offload.param_swap import ParamSwapper
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
 
 
 class DataParallel:
@@ -103,14 +104,14 @@ class DataParallel:
 
     def __init__(self, chunks: list[nn.Module], groups: ProcessGroups, *, zero_stage: int,
                  bucket_size: int, overlap_comm: bool, grad_dtype: torch.dtype = torch.float32,
-                 buckets_in_flight: int = 2, reshard_after_forward: bool = True,
+                 buckets_in_flight: int = BUCKETS_IN_FLIGHT, reshard_after_forward: bool = True,
                  units: Optional[list[list[nn.Module]]] = None,
                  zero3: Optional[Zero3Options] = None,
                  initial_values: Optional[list[Optional[Callable[[str], torch.Tensor]]]] = None):
         self.reshard_after_forward = reshard_after_forward
         self.strategy = make_strategy(zero_stage)
         self.zero3 = None
-        if self.strategy.gathers_on_demand:
+        if self.strategy.shards_params:
             opts = replace(zero3 or Zero3Options(), reshard_after_forward=reshard_after_forward)
             self.strategy.offload_param = opts.offload_param or opts.param_swap is not None
             self.strategy.param_swap = (None if opts.param_swap is None else   # NVMe: swap files

@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 import torch
 
 from megazero import collectives as C
-from megazero.tensor_parallel import tags
+from megazero import tags
 
 
 def _coalesced_all_reduce(tensors: list[torch.Tensor], group, max_numel: Optional[int]) -> int:

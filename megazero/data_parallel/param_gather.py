@@ -57,7 +57,7 @@ class ParamGatherOverlap:
 
     def __init__(self, chunks: list[nn.Module], buffers: list, group):
         for buf in buffers:
-            if buf.strategy.stage not in (1, 2):
+            if not buf.strategy.gathers_after_step:
                 raise ValueError(f"overlap_param_gather needs ZeRO stage 1 or 2, got stage "
                                  f"{buf.strategy.stage}; fix: --overlap-param-gather off")
         self.group, self.waits, self.waits_all, self.starts = group, 0, 0, 0

@@ -12,7 +12,9 @@ gradient storage. It is the public interface the optimizer, clipping and checkpo
 
 What differs per ZeRO stage lives in one :class:`ShardingStrategy` subclass each (N = DP size,
 Psi = elements of the buffer), chosen once by
-:func:`megazero.data_parallel.stages.make_strategy`:
+:func:`megazero.data_parallel.stages.make_strategy`; each extends its stage's
+:class:`~megazero.data_parallel.policy.ShardingPolicy` (what is sharded, staged and gathered,
+the paper's formula: the answers the config and the planner read without processes):
 
 - :class:`Stage0` (plain DP): full gradient buffer (Psi), SUM all-reduce per bucket in the
   last micro-batch, every rank owns every bucket; parameters are updated in place.
@@ -36,6 +38,7 @@ import torch
 
 from megazero import collectives as C
 from megazero.data_parallel.grad_buffer import GradBuffer, Range
+from megazero.data_parallel.policy import Replicated, ShardGradients, ShardingPolicy, ShardOptimizer
 
 
 @dataclass(frozen=True)
@@ -56,19 +59,17 @@ def divide(t: torch.Tensor, n: int) -> None:
         t.div_(n)
 
 
-class ShardingStrategy:
+class ShardingStrategy(ShardingPolicy):
     """What one ZeRO stage stores and communicates; stateless apart from its settings.
 
-    Class attributes: ``stage`` (int), ``sharded_over_dp`` (owned gradients are disjoint over
-    DP, so norms sum over the whole world), ``reduces_each_microbatch`` (reduce every
-    micro-batch during backward, not once in the last one), ``shards_grads``.
+    The policy's answers (``stage``, ``shards_optimizer``: owned gradients are disjoint over DP,
+    so norms sum over the whole world; ``shards_grads``; ``shards_params``: parameters gathered
+    around each unit's compute; ``staging_slots``; ``formula_bytes``) come from the stage's
+    :class:`~megazero.data_parallel.policy.ShardingPolicy`; ``reduces_each_microbatch`` (reduce
+    every micro-batch during backward, not once in the last one) is the mechanics' own.
     """
 
-    stage = -1
-    sharded_over_dp = True
     reduces_each_microbatch = False
-    shards_grads = False
-    gathers_on_demand = False   # parameters gathered around each unit's compute (ZeRO-3)
 
     def init_params(self, buf: "ShardedBuffer", values: Callable) -> None:
         """Give ``buf`` its parameter storage and values, one parameter at a time: here the full
@@ -143,10 +144,6 @@ class ShardingStrategy:
         """Reductions left waiting after one is started (0: wait at once)."""
         return pending if overlap else 0
 
-    def staging_slots(self, buckets_in_flight: int) -> int:
-        """Staging buckets the backward may hold at once (see ``DataParallel``)."""
-        return 0
-
     # -- parameters --------------------------------------------------------------------------
     def gather_params(self, buf: "ShardedBuffer", fill_shard: Callable, chunk_numel: int,
                       group, dp_size: int) -> int:
@@ -175,19 +172,9 @@ class ShardingStrategy:
         per_rank = max(1, min(chunk_numel, buf.layout.shard_numel))
         return per_rank * (dp_size + 1) * buf.param_dtype.itemsize
 
-    # -- the ZeRO paper's accounting ---------------------------------------------------------
-    def formula_bytes(self, psi: float, n: int, param_bytes: int, grad_bytes: int,
-                      main_bytes: int) -> float:
-        """Persistent model-state bytes for Psi elements: params + grads + optimizer state."""
-        grads = grad_bytes * psi / (n if self.shards_grads else 1)
-        return param_bytes * psi + grads + (main_bytes + 8) * psi / n
 
-
-class Stage0(ShardingStrategy):
+class Stage0(Replicated, ShardingStrategy):
     """Plain data parallelism: every rank keeps and updates everything."""
-
-    stage = 0
-    sharded_over_dp = False
 
     def owned_ranges(self, layout):
         return [(b.range, b.range) for b in layout.buckets]
@@ -214,14 +201,9 @@ class Stage0(ShardingStrategy):
     def gather_bound_bytes(self, buf, chunk_numel, dp_size):
         return 0
 
-    def formula_bytes(self, psi, n, param_bytes, grad_bytes, main_bytes):
-        return (param_bytes + grad_bytes + main_bytes + 8) * psi
 
-
-class Stage1(ShardingStrategy):
+class Stage1(ShardOptimizer, ShardingStrategy):
     """ZeRO-1 (P_os): full gradient buffer, reduce-scatter in the last micro-batch."""
-
-    stage = 1
 
     def start_reduce(self, buf, k, group, async_op):
         b = buf.layout.buckets[k]
@@ -229,12 +211,10 @@ class Stage1(ShardingStrategy):
                                     buf.grads[b.range.start:b.range.end], group, async_op), None
 
 
-class Stage2(ShardingStrategy):
+class Stage2(ShardGradients, ShardingStrategy):
     """ZeRO-2 (P_os+g): per micro-batch staging buckets, a persistent gradient shard."""
 
-    stage = 2
     reduces_each_microbatch = True
-    shards_grads = True
 
     def allocate_grads(self, layout, dtype, device):
         return torch.zeros(layout.shard_numel, dtype=dtype, device=device)   # local coords
@@ -268,9 +248,6 @@ class Stage2(ShardingStrategy):
 
     def in_flight_limit(self, overlap, buckets_in_flight, pending):
         return buckets_in_flight if overlap else 0
-
-    def staging_slots(self, buckets_in_flight):
-        return buckets_in_flight + 2
 
 
 def _own_values(p: torch.Tensor) -> torch.Tensor:

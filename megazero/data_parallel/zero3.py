@@ -22,7 +22,7 @@ With ``offload_param`` (ZeRO-Infinity's ``offload_param: {device: cpu}``, Rajbha
 buffer, page-locked on CUDA) and is copied to the device bucket by bucket just before its
 all-gather. With ``param_swap`` (``offload_param: {device: nvme}``) the shards live in a swap
 file instead and are read into a bounded set of host slots for each gather and rebuilt from
-the optimizer's main params after the step (:mod:`megazero.data_parallel.param_swap`).
+the optimizer's main params after the step (:mod:`megazero.offload.param_swap`).
 Persistent memory is (p + g + m + 8) Psi / N per rank (the p Psi / N part on the host with
 offload) plus the gathered units while they compute.
 """
@@ -31,20 +31,19 @@ from __future__ import annotations
 import torch
 
 from megazero import collectives as C
-from megazero.data_parallel.host_memory import HostArena, can_pin
+from megazero.data_parallel.policy import ShardParameters
 from megazero.data_parallel.sharding import Stage2
+from megazero.offload.host_memory import HostArena, can_pin
 
 
-class Stage3(Stage2):
+class Stage3(ShardParameters, Stage2):
     """ZeRO-3: parameter shards, gathered per gather unit around forward and backward.
 
     ``offload_param`` (set before any buffer is built): keep ``params_shard`` in host memory;
-    ``param_swap`` (a :class:`~megazero.data_parallel.param_swap.ParamSwapper`, or None): keep
+    ``param_swap`` (a :class:`~megazero.offload.param_swap.ParamSwapper`, or None): keep
     it in the swap file (``buf.swapped``) beyond the swapper's ``max_in_cpu`` elements.
     """
 
-    stage = 3
-    gathers_on_demand = True
     offload_param = False
     param_swap = None
 
@@ -162,6 +161,3 @@ class Stage3(Stage2):
 
     def gather_bound_bytes(self, buf, chunk_numel, dp_size):
         return 0
-
-    def formula_bytes(self, psi, n, param_bytes, grad_bytes, main_bytes):
-        return (param_bytes + grad_bytes + main_bytes + 8) * psi / n

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from megazero.data_parallel.param_gather import eager_hook
-from megazero.data_parallel.param_swap import ParamSwapOptions
+from megazero.offload.param_swap import ParamSwapOptions
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Zero3Options:
     ``reshard_after_forward``: release after the forward (else keep until the step's end);
     ``offload_param``: parameter shards in host memory between uses;
     ``param_swap``: parameter shards in NVMe swap files between uses
-    (:class:`~megazero.data_parallel.param_swap.ParamSwapOptions`; None: not on NVMe).
+    (:class:`~megazero.offload.param_swap.ParamSwapOptions`; None: not on NVMe).
     Defaults are DeepSpeed's, except the persistence threshold (DeepSpeed 100,000; here 0 so
     that a bare ``DataParallel`` shards every parameter; ``train.py`` passes the flag).
     """

@@ -12,7 +12,7 @@ one fp64 SUM all-reduce adds them:
 - ZeRO-1/2 shards are disjoint over DP, so their sums are added over DP too (the reduction
   runs over the whole world); with plain DP (stage 0) every DP rank holds the full reduced
   gradient and the sum runs over the model-parallel group only. The caller asks the
-  sharding strategy (``ShardingStrategy.sharded_over_dp``), never the stage number.
+  sharding strategy (``ShardingPolicy.shards_optimizer``), never the stage number.
 - Hybrid sharding (``--zero-shard-size S``): shards are disjoint inside a shard group and
   replicated over the dp x cp / S replica groups, so the optimizer passes a buffer's pieces
   only where ``ShardedBuffer.replica_rank == 0`` and the sum still runs over the world.
@@ -51,8 +51,8 @@ from typing import Iterable
 import torch
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
 
 
 ROW = 64            # squares per fp32 accumulator on the CPU path
@@ -117,7 +117,7 @@ def global_grad_norm(counted: Iterable[torch.Tensor], groups: ProcessGroups, *,
         groups: process groups; SUM over ``groups.world`` when ``sharded_over_dp``, else
             over ``groups.mp`` (tensor x pipeline).
         sharded_over_dp: True when each DP rank holds a disjoint shard
-            (``ShardingStrategy.sharded_over_dp``: ZeRO-1/2).
+            (``ShardingPolicy.shards_optimizer``: ZeRO-1/2).
         inv_scale: multiplies the result (``1 / loss_scale`` for still-scaled gradients).
         device: where to build the sum when ``counted`` is empty.
 

@@ -3,7 +3,7 @@
 :class:`NvmeOffloadOptimizer` is :class:`~megazero.optim.offload.HostOffloadOptimizer` (the
 Adam step on the host, same phases, same arithmetic, same checkpoint format) with the fp32
 optimizer state of the owned elements in a swap file instead of host memory: main params (4
-bytes), exp_avg and exp_avg_sq (8 bytes) = 12 bytes per owned element (``megazero/optim/swap.py``
+bytes), exp_avg and exp_avg_sq (8 bytes) = 12 bytes per owned element (``megazero/offload/swap.py``
 for the file). As in cpu offload the host keeps its own fp32 main copy even for an fp32 model
 (the device params are written from it after the update), so an fp32 model swaps the same 12
 bytes per element as a bf16 one.
@@ -40,7 +40,7 @@ run saved with nvme resumes with cpu offload or none and the other way round. Wr
 those views (a load) is followed by ``refresh_model_params``, which writes them to the file.
 
 With ZeRO-3's parameter shards on NVMe too (``--offload-param nvme``,
-``megazero/data_parallel/param_swap.py``) the model's owned runs of a swapped shard are written
+``megazero/offload/param_swap.py``) the model's owned runs of a swapped shard are written
 while the sub-groups are walked (``_param_runs``): the shard gets a zero-filled slot at its
 first run and is written to its own swap file at its last (local order is shard order, so one
 shard is held at a time), and ``_shard_filler`` gives None for it (nothing left to fill).
@@ -61,11 +61,11 @@ from typing import Callable
 import torch
 
 from megazero.data_parallel.ddp import DataParallel
-from megazero.data_parallel.host_memory import HostArena
 from megazero.data_parallel.sharding import ShardedBuffer
+from megazero.offload.host_memory import HostArena
+from megazero.offload.swap import BYTES_PER_ELEMENT, IoCounter, SwapFile, check_everywhere
 from megazero.ops.adam import adam_step_lists
 from megazero.optim.offload import HostOffloadOptimizer
-from megazero.optim.swap import BYTES_PER_ELEMENT, IoCounter, SwapFile, check_everywhere
 from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups
 
@@ -277,7 +277,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         DistributedOptimizer._update_model_params(self)
 
     def _shard_filler(self, buf: ShardedBuffer, mbase):
-        if buf.strategy.gathers_on_demand:
+        if buf.strategy.shards_params:
             return None   # ZeRO-3: the owned runs are the shard, written in _update (_param_runs)
         return DistributedOptimizer._shard_filler(self, buf, None)   # from the model's owned runs
 

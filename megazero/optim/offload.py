@@ -40,9 +40,9 @@ from typing import Optional
 import torch
 
 from megazero.data_parallel.ddp import DataParallel
-from megazero.data_parallel.host_memory import HostArena, can_pin
 from megazero.data_parallel.sharding import ShardedBuffer
-from megazero.data_parallel.stages import make_strategy
+from megazero.data_parallel.policy import sharding_policy
+from megazero.offload.host_memory import HostArena, can_pin
 from megazero.optim.step_lists import Piece
 from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups
@@ -61,9 +61,9 @@ def offload_formula_bytes(num_params: int, dp_size: int, stage: int, param_bytes
     at stage 0, where a rank owns everything). Raises ValueError for a stage without a
     strategy.
     """
-    strategy = make_strategy(stage)
-    owned = num_params / dp_size if strategy.sharded_over_dp else num_params
-    device = strategy.formula_bytes(num_params, dp_size, param_bytes, grad_bytes, 0) - 8 * owned
+    policy = sharding_policy(stage)
+    owned = policy.owned_numel(num_params, dp_size)
+    device = policy.formula_bytes(num_params, dp_size, param_bytes, grad_bytes, 0) - 8 * owned
     return {"device": device, "host": HOST_BYTES_PER_ELEMENT * owned}
 
 

@@ -17,17 +17,17 @@ from typing import Optional
 import torch
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.grad_buffer import Range
 from megazero.data_parallel.param_gather import ParamGatherOverlap
+from megazero.data_parallel.policy import sharding_policy
 from megazero.data_parallel.sharding import ShardedBuffer
-from megazero.data_parallel.stages import make_strategy
 from megazero.ops.adam import adam_step_lists
 from megazero.optim.clip import clip_coefficient, norm_from_squares, reduce_squared_sum
 from megazero.optim.step_lists import Piece, Window, build_windows, counted_views, merge_runs
 from megazero.precision import LossScaleError, non_finite_flag
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
 
 STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 
@@ -61,7 +61,7 @@ def zero_formula_bytes(num_params: int, dp_size: int, stage: int, param_bytes: i
     without a strategy.
     """
     main = (0 if param_bytes == 4 else 4) if main_param_bytes is None else main_param_bytes
-    return make_strategy(stage).formula_bytes(num_params, dp_size, param_bytes, grad_bytes, main)
+    return sharding_policy(stage).formula_bytes(num_params, dp_size, param_bytes, grad_bytes, main)
 
 
 class DistributedOptimizer:
@@ -161,10 +161,10 @@ class DistributedOptimizer:
         # every element once: ZeRO shards are disjoint over the world; unsharded (stage 0) buffers
         # are summed over the model-parallel group, or, with expert parallelism (expert buffers
         # differ across the ep ranks), over the world from the first replica of each buffer
-        self._sharded_norm = self.ddp.strategy.sharded_over_dp or self.groups.ep_size > 1
+        self._sharded_norm = self.ddp.strategy.shards_optimizer or self.groups.ep_size > 1
         # hybrid sharding: the shards are disjoint over the shard group and replicated over the
         # replica group, so only the first replica's copy counts
-        counted = [pc for pc in self.pieces if (self.ddp.strategy.sharded_over_dp or self.groups.ep_size == 1
+        counted = [pc for pc in self.pieces if (self.ddp.strategy.shards_optimizer or self.groups.ep_size == 1
                                                 or pc.buffer.layout.dp_rank == 0) and pc.buffer.replica_rank == 0]
         self._counted = counted_views(counted)
         self._scratch_numel = self._scratch_size()

@@ -70,7 +70,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from megazero.pipeline.saved_tensors import SavedTensors, SplitBackwardError, boxes_of, empty_after_run
-from megazero.tensor_parallel.tags import is_weight_grad_in_b
+from megazero.tags import is_weight_grad_in_b
 
 _MANY = object()   # more than one parameter reachable
 
@@ -241,7 +241,7 @@ def split_in_b_pass(outputs: list, grads: list, inputs: list) -> Optional[list]:
 
 def _grad_in_b(param_node) -> bool:
     """A parameter whose weight gradient B computes: a vector (1-D), or one tagged
-    ``weight_grad_in_b`` (the output layer's: ``tensor_parallel.tags``)."""
+    ``weight_grad_in_b`` (the output layer's: ``megazero.tags``)."""
     return param_node.variable.dim() == 1 or is_weight_grad_in_b(param_node.variable)
 
 

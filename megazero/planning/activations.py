@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from megazero.context_parallel.blockwise import tile_rows
+from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT, sharding_policy
 
 
 @dataclass(frozen=True)
@@ -244,26 +245,27 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
 
 
 def temporary_bytes(psi: int, dp: int, zero_stage: int, param_bytes: int, grad_bytes: int,
-                    reduce_bucket: int, allgather_bucket: int, buckets_in_flight: int = 2,
+                    reduce_bucket: int, allgather_bucket: int, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
                     zero3_max_live: Optional[int] = None) -> tuple[float, float]:
     """(bytes alive during the backward, bytes alive during the optimizer step) beyond the
     model states, as megazero's ZeRO strategies bound them (``DistributedOptimizer.
-    bucket_bound_bytes``): ZeRO-2/3 stage up to ``buckets_in_flight + 2`` reduce buckets of
-    gradients in the backward; the step holds an fp32 scratch of one owned bucket piece when
-    gradients are not fp32, or, at stages 1-3, the all-gather buffers
-    (``allgather_bucket / N`` elements per rank, N + 1 of them, in the model dtype). ZeRO-3
-    adds the gathered parameters to the backward's bytes: at most ``zero3_max_live``
-    elements (``--zero3-max-live-parameters``; ``zero3_gather`` gathers per layer, prefetches
-    only under that bound and releases idle layers to stay under it) and never more than the
-    stage's ``psi``; it needs no all-gather after the step."""
-    shard = psi if zero_stage == 0 else math.ceil(psi / dp)
+    bucket_bound_bytes``), asking the stage's policy (``data_parallel.policy``): a stage that
+    shards gradients stages ``staging_slots(buckets_in_flight)`` reduce buckets of gradients in
+    the backward; the step holds an fp32 scratch of one owned bucket piece when gradients are
+    not fp32, or, where parameters are gathered after the step, the all-gather buffers
+    (``allgather_bucket / N`` elements per rank, N + 1 of them, in the model dtype). A stage
+    that shards parameters adds the gathered parameters to the backward's bytes: at most
+    ``zero3_max_live`` elements (``--zero3-max-live-parameters``; ``zero3_gather`` gathers per
+    layer, prefetches only under that bound and releases idle layers to stay under it) and
+    never more than the stage's ``psi``. Raises ValueError for a stage without a policy."""
+    policy = sharding_policy(zero_stage)
+    shard = math.ceil(psi / dp) if policy.shards_optimizer else psi
     bucket = min(reduce_bucket, psi)
-    staging = (buckets_in_flight + 2) * bucket * grad_bytes if zero_stage >= 2 else 0
-    if zero_stage == 3:
-        live = psi if zero3_max_live is None else min(psi, zero3_max_live)
-        return float(staging + live * param_bytes), float(4 * min(math.ceil(bucket / dp), shard)
-                                                         if grad_bytes != 4 else 0)
-    piece = min(bucket if zero_stage == 0 else math.ceil(bucket / dp), shard)
+    staging = policy.staging_slots(buckets_in_flight) * bucket * grad_bytes
+    piece = min(math.ceil(bucket / dp) if policy.shards_optimizer else bucket, shard)
     scratch = 4 * piece if grad_bytes != 4 else 0
-    gather = (min(max(1, allgather_bucket // dp), shard) * (dp + 1) * param_bytes) if zero_stage > 0 else 0
+    if policy.shards_params:
+        live = psi if zero3_max_live is None else min(psi, zero3_max_live)
+        return float(staging + live * param_bytes), float(scratch)
+    gather = (min(max(1, allgather_bucket // dp), shard) * (dp + 1) * param_bytes) if policy.gathers_after_step else 0
     return float(staging), float(max(scratch, gather))

@@ -44,6 +44,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+from megazero.data_parallel.policy import sharding_policy
 from megazero.planning import activations as A
 from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
@@ -260,7 +261,8 @@ def _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host: bool, 
                           params_on_host=params_on_host))
     if states_on_host:
         device = offload_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)["device"]
-        return device - (param_bytes * psi / dp if params_on_host and zero_stage == 3 else 0.0)
+        return device - (param_bytes * psi / dp if params_on_host and sharding_policy(zero_stage).shards_params
+                         else 0.0)
     return zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
 
 
@@ -347,9 +349,9 @@ def check_fits(e: MemoryEstimate, available: Optional[int]) -> Optional[str]:
         return None
     worst = e.most_states or e
     if worst.model_state_bytes > available:
-        fixes = (["--zero-stage 2 (shards gradients and Adam states over --dp)"] if worst.zero_stage < 2 else
-                 ["--zero-stage 3 (shards the parameters too)"] if worst.zero_stage == 2 else [])
-        if worst.zero_stage > 0:
+        policy = sharding_policy(worst.zero_stage)
+        fixes = [policy.remedy] if policy.remedy else []
+        if policy.shards_optimizer:
             fixes.append("a larger --dp")
         fixes += ["a larger --tp or --pp", "a smaller model (--num-layers, --hidden-size, "
                   "--max-position-embeddings, or a tokenizer with fewer tokens)"]

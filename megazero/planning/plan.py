@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megazero.config import Config, bucket_sizes, show_flag
+from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT, sharding_policy
 from megazero.pipeline.partition import chunk_layout
 from megazero.planning import memory
 from megazero.planning.activations import ActivationSettings
@@ -46,7 +47,8 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
                 zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
                 grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
                 states_on_host=cfg.zero.offload_optimizer != "none" and on_cuda,
-                params_on_host=cfg.zero.offload_param != "none" and cfg.zero.stage == 3 and on_cuda,
+                params_on_host=cfg.zero.offload_param != "none" and sharding_policy(cfg.zero.stage).shards_params
+                and on_cuda,
                 ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1)
 
 
@@ -63,7 +65,7 @@ def zero3_live_warning(cfg: Config, model: memory.ModelSizes) -> Optional[str]:
     """At ZeRO-3, a ``--zero3-max-live-parameters`` below the smallest gather unit of a stage
     can never hold: ``zero3_gather`` gathers a unit on demand anyway (releasing idle ones
     first) and never prefetches, so the bound limits nothing. Returns that warning, else None."""
-    if cfg.zero.stage != 3:
+    if not sharding_policy(cfg.zero.stage).shards_params:
         return None
     bound = cfg.zero.zero3_max_live_parameters
     stages = zero3_units(cfg, model)
@@ -86,9 +88,9 @@ def _buckets(cfg: Config, model: memory.ModelSizes) -> tuple:
     """(reduce, all-gather bucket, buckets in flight, gathered ZeRO-3 elements): the live bound,
     or what is gathered at once when that is more (``zero3_gather`` exceeds a lower bound)."""
     live = cfg.zero.zero3_max_live_parameters
-    if cfg.zero.stage == 3:
+    if sharding_policy(cfg.zero.stage).shards_params:
         live = max([live] + [memory.zero3_gathered_at_once(c) for c in zero3_units(cfg, model)])
-    return bucket_sizes(cfg) + (2, live)
+    return bucket_sizes(cfg) + (BUCKETS_IN_FLIGHT, live)
 
 
 def plan_memory(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False) -> memory.MemoryEstimate:

@@ -19,6 +19,7 @@ from typing import Mapping, Optional
 import torch
 
 from megazero.config import Config
+from megazero.data_parallel.policy import sharding_policy
 from megazero.ops.backend import select_backend
 
 
@@ -106,7 +107,7 @@ def max_connections_rule(cfg: Config) -> tuple[Optional[str], str]:
     if not overlaps:
         return None, "no tensor- or context-parallel overlap: CUDA's default queues"
     what = " and ".join(overlaps)
-    if cfg.zero.stage == 3:
+    if sharding_policy(cfg.zero.stage).shards_params:
         return None, (f"{what} wants {MAX_CONNECTIONS}=1 but ZeRO-3's prefetch all-gathers want several "
                       "queues: left to CUDA's default (Megatron-LM decides so with FSDP)")
     return "1", f"{what} overlaps with compute only when kernels start in the order they were queued"
@@ -129,7 +130,7 @@ def max_connections_warning(cfg: Config, environ: Mapping[str, str]) -> Optional
     if value == "1" and have != "1":
         return (f"{MAX_CONNECTIONS} is {'unset' if have is None else repr(have)}: {why}; fix: export "
                 f"{MAX_CONNECTIONS}=1 before the ranks start (scripts/pretrain_gpt.sh does)")
-    if value is None and cfg.zero.stage == 3 and have == "1" and "ZeRO-3" in why:
+    if value is None and sharding_policy(cfg.zero.stage).shards_params and have == "1" and "ZeRO-3" in why:
         return f"{MAX_CONNECTIONS}=1 serialises ZeRO-3's prefetch all-gathers with compute: {why}"
     return None
 

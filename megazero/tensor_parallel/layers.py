@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.collectives import Group
-from megazero.tensor_parallel import tags
 from megazero.tensor_parallel.mappings import (
     copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
     reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)

@@ -14,7 +14,7 @@ from megazero.planning import memory
 from megazero.runtime import resilience
 from megazero.runtime.launch import (bind_device, check_device, read_launch_env, watch_parent)
 from megazero.config import (config_from_argv, resolve_run_dir)
-from megazero.optim.swap import SwapError
+from megazero.offload.swap import SwapError
 from megazero.precision import LossScaleError
 from megazero.training.control import is_collective_failure, run_control
 from megazero.training.loop import train

@@ -9,7 +9,7 @@ import torch
 from megazero.config import (Config, bucket_sizes, overlap_param_gather)
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
-from megazero.data_parallel.param_swap import ParamSwapOptions
+from megazero.offload.param_swap import ParamSwapOptions
 from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
 from megazero.optim.zero import DistributedOptimizer

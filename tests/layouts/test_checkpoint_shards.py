@@ -21,7 +21,7 @@ def test_owned_boxes_rebuild_every_tp_partition():
     placed at their global offsets rebuild exactly the elements ``tags.partition_tensor`` gave
     that rank, each once."""
     from megazero.checkpoint.shards import flat_boxes, to_global
-    from megazero.tensor_parallel import tags
+    from megazero import tags
 
     full = torch.arange(12 * 18).view(12, 18)
     for dim, stride, tp in ((0, 1, 2), (0, 3, 2), (1, 3, 3), (1, 1, 1)):

@@ -86,7 +86,7 @@ def test_clip_coefficient_matches_torch():
 def _norm_against_fp64(hidden: int, num_layers: int, stage: int = 0):
     """(reported norm, fp64 norm of the same gradients, parameter count) of one fp32 step of
     a GPT with ``num_layers`` layers of width ``hidden`` in one process, no clipping."""
-    from megazero.tensor_parallel import tags
+    from megazero import tags
     from tests.support.zero import build
 
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megazero.planning import memory
 from megazero.planning.flops import gpt_flops_per_iteration, spec_flops_per_iteration
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
+from megazero import tags
 from megazero.topology import Topology
 from model.config import GPTConfig, default_ffn_hidden_size
 from model.gpt import VOCAB_TENSORS, GPTStage, init_full_weights

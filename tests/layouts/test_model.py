@@ -9,7 +9,7 @@ import torch
 from megazero import collectives as C
 from megazero.data_parallel.finalize import finalize_param_grads
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
+from megazero import tags
 from megazero.topology import Topology
 from model.config import GPTConfig, padded_vocab_size
 from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, init_full_weights

@@ -19,7 +19,7 @@ from megazero.config import config_from_argv
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel import tags
+from megazero import tags
 from megazero.topology import Topology
 from model.build import (build_gpt_config, build_model_chunks, build_peak_bytes, initial_values, set_tf32,
                          zero3_units)

@@ -75,7 +75,7 @@ def _flag(name: str, flag: str, default: int = 1) -> int:
 def _expert_state(optimizer):
     """This rank's expert-parallel buffers: (unpadded elements, padded elements, their N, the bytes
     they hold: parameters, gradients, optimizer moments and fp32 main copies)."""
-    from megazero.tensor_parallel import tags
+    from megazero import tags
 
     numel = padded = held = 0
     n = None

@@ -14,7 +14,7 @@ import torch
 
 from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
-from megazero.optim.swap import SwapError
+from megazero.offload.swap import SwapError
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from tests.support.distributed import run_distributed
@@ -137,7 +137,7 @@ def test_seed_style_stage3_nvme_config_and_checkpoints_through_the_trainer(tmp_p
 
 def test_swap_file_check_names_a_missing_truncated_or_foreign_file(tmp_path):
     """SwapFile.check: each failure is one line naming the file and what is wrong with it."""
-    from megazero.optim.swap import IoCounter, SwapFile
+    from megazero.offload.swap import IoCounter, SwapFile
 
     path = str(tmp_path / "state.swp")
     f = SwapFile(path, 10, "run-a", IoCounter())

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from megazero.data_parallel.ddp import DataParallel
-from megazero.data_parallel.param_swap import ParamSwapOptions
+from megazero.offload.param_swap import ParamSwapOptions
 from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
-from megazero.optim.swap import SwapError
+from megazero.offload.swap import SwapError
 from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology

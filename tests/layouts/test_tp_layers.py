@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.data_parallel.finalize import finalize_param_grads
-from megazero.tensor_parallel import tags
+from megazero import tags
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, parallel_lm_logits)

@@ -81,7 +81,7 @@ def test_every_system_trains_the_same_and_states_follow_zero():
 def test_peer_parameter_groups_are_megazeros():
     """adamw_groups decays exactly the parameters megazero's optimizer decays (tags.decays)."""
     from megazero.process_groups import ProcessGroups
-    from megazero.tensor_parallel import tags
+    from megazero import tags
     from scripts.bench_peers_optional import adamw_groups
 
     model = B._model(argparse.Namespace(**ARGS), ProcessGroups.single())

@@ -166,6 +166,25 @@ def test_plan_table_names_the_ring_buffers(capsys):
     assert "context-parallel attention holds 0.04 GiB at once: K/V buffers 0.00 GiB, block scores 0.03 GiB" in line
 
 
+def test_each_zero_stage_answers_the_planner_through_its_policy():
+    """One policy class per stage answers the planner's and the config's questions without any
+    process; each strategy extends its stage's policy, so the engine reads the same answers."""
+    from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT, POLICIES, sharding_policy, stages_where
+    from megazero.data_parallel.stages import STRATEGIES
+
+    answers = {s: (p.shards_optimizer, p.shards_grads, p.shards_params, p.gathers_after_step, p.staging_slots(2))
+               for s, p in POLICIES.items()}
+    assert answers == {0: (False, False, False, False, 0), 1: (True, False, False, True, 0),
+                       2: (True, True, False, True, 4), 3: (True, True, True, False, 4)}
+    assert STRATEGIES.keys() == POLICIES.keys()
+    assert all(issubclass(STRATEGIES[s], POLICIES[s]) for s in POLICIES)
+    assert stages_where("shards_params") == (3,) and stages_where("gathers_after_step") == (1, 2)
+    assert [sharding_policy(s).remedy is None for s in range(4)] == [False, False, False, True]
+    assert BUCKETS_IN_FLIGHT == 2
+    with pytest.raises(ValueError, match=r"zero_stage must be one of \[0, 1, 2, 3\], got 4"):
+        sharding_policy(4)
+
+
 def test_zero3_formula_is_p_g_k_over_n():
     """Rajbhandari et al. 2020, sec. 5.3: (p + g + K) Psi / N; K = 8 (Adam) + 4 (fp32 main
     params) unless the model itself is fp32 (the main params are the parameters)."""

@@ -4,8 +4,15 @@
   packages of megazero (all but megazero.training, the application layer) import neither model
   nor data nor megazero.training; data imports neither model nor megazero; nothing imports train.
 - Inside megazero/: the root modules (the foundation: topology, process_groups,
-  collectives, precision, param_spec) import no subpackage; config/ imports nothing from
+  collectives, precision, param_spec, tags) import no subpackage; config/ imports nothing from
   runtime/, planning/ or checkpoint/.
+- No circle between the packages of megazero/: a package is a first-level sub-package
+  (``megazero.optim``, ``megazero.offload``, every module below it included); the root
+  modules count as one group, ``megazero`` (the foundation, which imports no sub-package, so it
+  can close no circle). ``optim -> data_parallel -> optim`` is a circle even when no two files
+  import each other.
+- No ZeRO stage number compared outside ``data_parallel/policy.py`` and ``data_parallel/stages.py``:
+  the rest asks the stage's policy (``shards_grads``, ``staging_slots``, ...).
 - No import circle between the files of megazero/, model/ and data/ (every import counts,
   also one inside a function), no module-level ``__getattr__`` and no private name
   (``_x``) imported from another file anywhere (library, train.py, scripts/, tests/).
@@ -22,7 +29,7 @@ ROOT = REPO
 FORBIDDEN = {"megazero": {"model", "data", "train"}, "model": {"data", "train"}, "data": {"model", "megazero", "train"}}
 LIBRARY = ("megazero", "model", "data")
 FOUNDATION = {"megazero.topology", "megazero.process_groups", "megazero.collectives", "megazero.precision",
-              "megazero.param_spec"}
+              "megazero.param_spec", "megazero.tags"}
 
 
 def _tree(path: Path) -> ast.Module:
@@ -179,6 +186,98 @@ def test_the_cycle_finder_sees_a_circle():
 
 def test_no_import_circle_between_library_files():
     assert _cycles(_graph()) == []
+
+
+def _package(module: str, modules: set[str]) -> str:
+    """The megazero package a module belongs to: ``megazero.optim.zero`` and ``megazero.optim``
+    (its ``__init__``) -> ``megazero.optim``; a root module (the foundation) -> ``megazero``.
+    ``modules``: every module, to tell a package's ``__init__`` from a root module."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    if len(parts) > 2 or any(m.startswith(top + ".") for m in modules):
+        return top
+    return parts[0]
+
+
+def _package_graph(graph: dict[str, set[str]]) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """The megazero package graph of the module ``graph``, and per package edge the module
+    imports that make it (``"a.b -> c.d"``, for the failure message)."""
+    packages: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    modules = set(graph) | {d for deps in graph.values() for d in deps}
+    for m, deps in graph.items():
+        if not m.startswith("megazero"):
+            continue
+        src = _package(m, modules)
+        packages.setdefault(src, set())
+        for d in deps:
+            dst = _package(d, modules)
+            if d.startswith("megazero") and dst != src:
+                packages[src].add(dst)
+                why.setdefault((src, dst), []).append(f"{m} -> {d}")
+    return packages, why
+
+
+def test_the_package_graph_sees_a_circle_that_no_two_files_close():
+    graph = {"megazero.a.x": {"megazero.b.y"}, "megazero.b.y": set(), "megazero.b.z": {"megazero.a.w"},
+             "megazero.a.w": {"megazero.topology"}, "megazero.topology": set()}
+    assert _cycles(graph) == []
+    packages, why = _package_graph(graph)
+    assert packages == {"megazero.a": {"megazero", "megazero.b"}, "megazero.b": {"megazero.a"}, "megazero": set()}
+    assert _cycles(packages) == [["megazero.a", "megazero.b"]]
+    assert why[("megazero.b", "megazero.a")] == ["megazero.b.z -> megazero.a.w"]
+
+
+def test_no_import_circle_between_megazero_packages():
+    packages, why = _package_graph(_graph())
+    assert {"megazero", "megazero.optim", "megazero.data_parallel", "megazero.offload"} <= packages.keys()
+    circles = _cycles(packages)
+    edges = {f"{a} -> {b}": why[a, b] for c in circles for a in c for b in sorted(packages[a]) if b in c}
+    assert circles == [], edges
+
+
+def _is_zero_stage(node: ast.AST) -> bool:
+    """``zero_stage``, ``<x>.zero_stage``, ``<x>.zero.stage``, ``z.stage`` or ``<x>.strategy.stage``."""
+    if isinstance(node, ast.Name):
+        return node.id == "zero_stage"
+    if isinstance(node, ast.Attribute) and node.attr == "zero_stage":
+        return True
+    if isinstance(node, ast.Attribute) and node.attr == "stage":
+        v = node.value
+        return (isinstance(v, ast.Name) and v.id == "z") or (isinstance(v, ast.Attribute)
+                                                              and v.attr in ("zero", "strategy"))
+    return False
+
+
+def _is_number(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_is_number(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, int)
+
+
+def _stage_comparisons(path: Path) -> list[int]:
+    """Lines of ``path`` comparing a ZeRO stage with a number (``stage == 3``, ``stage in (1, 2)``)."""
+    out = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_is_zero_stage(a) for a in sides) and any(_is_number(a) for a in sides):
+                out.append(node.lineno)
+    return out
+
+
+def test_the_stage_finder_sees_a_comparison(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("a = cfg.zero.stage == 3\nb = z.stage in (1, 2)\nc = zero_stage >= 2\n"
+                 "d = self.strategy.stage != 0\ne = stage == 0\nf = z.stage in POLICIES\ng = e.zero_stage < 2\n")
+    assert _stage_comparisons(f) == [1, 2, 3, 4, 7]
+
+
+def test_no_zero_stage_number_compared_outside_the_policy():
+    allowed = {"megazero/data_parallel/policy.py", "megazero/data_parallel/stages.py"}
+    bad = {str(f.relative_to(ROOT)): _stage_comparisons(f) for f in sorted((ROOT / "megazero").rglob("*.py"))
+           if str(f.relative_to(ROOT)) not in allowed}
+    assert {f: lines for f, lines in bad.items() if lines} == {}
 
 
 def _project_files() -> list[Path]:

@@ -44,7 +44,7 @@ HOST_TENSORS = {
     # checkpoint reads it whole into host memory, as cpu offload keeps it there.
     ("megazero/optim/nvme.py", "NvmeOffloadOptimizer._swap_in"): "the swapped optimizer state, read for a checkpoint",
     # ZeRO-3 parameter shards on NVMe: a shard is built in host memory, written to its swap file
-    # and read back into host slots (megazero/data_parallel/param_swap.py)
+    # and read back into host slots (megazero/offload/param_swap.py)
     ("megazero/data_parallel/zero3.py", "Stage3.init_params"): "a ZeRO-3 parameter shard kept in a swap file",
     # Hugging Face export: the tensors written to a safetensors file are host tensors.
     ("model/hf_moe.py", "extra_tensors"): "Qwen2-MoE's zero shared-expert gates, written to a file",
@@ -61,7 +61,7 @@ HOST_TENSORS = {
     ("megazero/checkpoint/shards.py", "compact_view"):
         "an empty CPU tensor re-pointed at a host storage",
     # One exactly-sized host allocation per offloaded buffer, page-locked in place on CUDA.
-    ("megazero/data_parallel/host_memory.py", "HostArena.__init__"):
+    ("megazero/offload/host_memory.py", "HostArena.__init__"):
         "an offload arena in host memory",
 }
 

@@ -1,7 +1,7 @@
 """Pinned host memory of offload as one exactly-sized arena per offloaded buffer (issue 27, item 6).
 
 CUDA's caching host allocator rounds every ``pin_memory=True`` tensor up to a power of two;
-``megazero.data_parallel.host_memory.HostArena`` allocates exactly the bytes and page-locks
+``megazero.offload.host_memory.HostArena`` allocates exactly the bytes and page-locks
 them in place once. On this CPU-only machine nothing can be pinned, so a recording registrar
 stands in for ``cudaHostRegister``: the arena logic, the byte counts and what the model-state
 table reports are the same code as on CUDA.
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megazero.data_parallel.host_memory import CudaRegistrar, HostArena, can_pin
+from megazero.offload.host_memory import CudaRegistrar, HostArena, can_pin
 from megazero.optim.offload import HOST_BYTES_PER_ELEMENT, HostOffloadOptimizer
 from megazero.process_groups import ProcessGroups
 from tests.support.zero import ADAM, build, make_batches, tiny_cfg, train

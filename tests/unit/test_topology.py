@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from megazero.process_groups import ProcessGroups
-from megazero.topology import GROUPS, Coord, Topology
+from megazero.topology import GROUP_TABLE, GROUPS, Coord, GroupRow, Topology
 from tests.support.distributed import run_distributed
 
 
@@ -125,10 +125,75 @@ def test_generic_arithmetic_equals_the_three_dimension_formulas(tp, pp, dp):
 
 
 def test_process_groups_build_creates_the_old_groups_in_the_old_order():
-    """``build`` creates GROUPS then the embedding group; each has a ProcessGroups field."""
+    """``build`` creates the table's rows in order: the dense groups of ``GROUPS``, the
+    embedding group, then the expert and hybrid families."""
     assert [*GROUPS, "embedding"] == ["tp", "dp", "pp", "mp", "cp", "dp_cp", "embedding"]
-    fields = {f.name for f in dataclasses.fields(ProcessGroups)}
-    assert set(GROUPS) | {"embedding"} <= fields
+    assert [(r.name, r.family) for r in GROUP_TABLE] == [
+        ("tp", "dense"), ("dp", "dense"), ("pp", "dense"), ("mp", "dense"), ("cp", "dense"), ("dp_cp", "dense"),
+        ("embedding", "dense"), ("ep", "expert"), ("edp", "expert"), ("zero_shard", "hybrid"),
+        ("zero_replica", "hybrid")]
+
+
+def test_process_groups_fields_are_exactly_the_table_rows():
+    fields = [f.name for f in dataclasses.fields(ProcessGroups)]
+    assert fields == ["topology", "rank", *(r.name for r in GROUP_TABLE), "world"]
+    single = ProcessGroups.single()
+    assert all(getattr(single, r.name) is None for r in GROUP_TABLE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        single.tp = None
+
+
+FAMILY_LAYOUTS = [dict(tp=2, pp=2, dp=2), dict(tp=1, pp=3, dp=4, cp=2, ep=4, zero_shard=2),
+                  dict(tp=2, pp=1, dp=2, cp=3, ep=3, zero_shard=3), dict(tp=1, pp=4, dp=6, ep=2, zero_shard=3),
+                  dict(tp=3, pp=2, dp=1, cp=2, ep=2, zero_shard=1)]
+
+
+@pytest.mark.parametrize("layout", FAMILY_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_every_family_row_partitions_the_world(layout):
+    """Each row's groups are disjoint and cover the world (the ``ends`` row: the first and last
+    stages' ranks), every rank's group is the one of ``row_groups`` holding it, and the sizes
+    are the family's: dense the product of its dimensions, carved ``k`` or dp x cp / k."""
+    t = Topology(**layout)
+    replicas = t.dp * t.cp
+    for row in GROUP_TABLE:
+        groups = t.row_groups(row)
+        members = sorted(r for g in groups for r in g)
+        ends = [r for r in range(t.world_size) if t.coord(r).pp in (0, t.pp - 1)]
+        assert members == (ends if row.rule == "ends" else list(range(t.world_size))), row.name
+        for r in range(t.world_size):
+            g = t.row_group(r, row)
+            assert g in groups and (r in g or row.rule == "ends"), (row.name, r)
+        k = getattr(t, row.by) if row.by else None
+        size = {"all": lambda: _prod_of(t, row.over), "ends": lambda: min(t.pp, 2),
+                "block": lambda: k, "stride": lambda: replicas // k}[row.rule]()
+        assert {len(g) for g in groups} == {size}, row.name
+    assert t.named_groups("ep") == [t.expert_group(r, "ep") for r in range(t.world_size)
+                                    if r == t.expert_group(r, "ep")[0]]
+    for r in range(t.world_size):   # the carved rows agree with the rank formulas
+        assert t.group(r, ("dp", "cp")).index(r) == t.coord(r).cp + t.cp * t.coord(r).dp == t.replica_index(r)
+        assert [t.ep_rank(s) for s in t.expert_group(r, "ep")] == list(range(t.ep))
+        assert [t.edp_rank(s) for s in t.expert_group(r, "edp")] == list(range(replicas // t.ep))
+        assert [t.zero_shard_rank(s) for s in t.zero_group(r, "zero_shard")] == list(range(t.zero_shard))
+        assert [t.zero_replica_rank(s) for s in t.zero_group(r, "zero_replica")] == list(
+            range(replicas // t.zero_shard))
+
+
+def _prod_of(t, over):
+    out = 1
+    for name in over:
+        out *= t.size(name)
+    return out
+
+
+def test_a_group_row_checks_its_rule():
+    with pytest.raises(ValueError, match="family 'sparse'"):
+        GroupRow("x", "sparse", ("dp",))
+    with pytest.raises(ValueError, match="rule 'block'"):
+        GroupRow("x", "expert", ("dp",), "block")
+    with pytest.raises(ValueError, match="rule 'all'"):
+        GroupRow("x", "dense", ("dp",), by="ep")
+    t = Topology(tp=2, dp=4)
+    assert t.row_groups(GroupRow("pairs", "hybrid", ("dp",), "block", "tp")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 def test_process_groups_coordinates_pure():

@@ -2,7 +2,7 @@
 
 One :class:`SwapFile` per rank and run holds this rank's fp32 optimizer state, sub-group after
 sub-group (``element_bytes`` 12; ZeRO-3's parameter shards use one with ``element_bytes`` 1,
-addressed in bytes: ``megazero/data_parallel/param_swap.py``): for the sub-group of local elements ``[a, b)`` the bytes ``main[a:b]``,
+addressed in bytes: ``megazero/offload/param_swap.py``): for the sub-group of local elements ``[a, b)`` the bytes ``main[a:b]``,
 ``exp_avg[a:b]``, ``exp_avg_sq[a:b]`` (``12 (b - a)`` bytes) start at ``HEADER + 12 a``. The
 first ``HEADER`` bytes hold a header (magic, the run id, the element count), so a file that is
 missing, truncated or from another run is found by :meth:`SwapFile.check` and named in one

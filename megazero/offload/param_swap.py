@@ -3,7 +3,7 @@
 Rajbhandari et al. 2021 (SC'21, sec. 5) keep the model-dtype parameter shards in NVMe swap
 files and bring each into host memory only while it is needed. Here one :class:`ParamSwapper`
 per rank (owned by the ZeRO-3 strategy, ``zero3.Stage3.param_swap``) holds a swap file
-(``megazero/optim/swap.py``'s :class:`~megazero.optim.swap.SwapFile`, addressed in bytes: the
+(``megazero/offload/swap.py``'s :class:`~megazero.offload.swap.SwapFile`, addressed in bytes: the
 same header with run id and size, the same missing / truncated / foreign checks, the same
 pread/pwrite and byte counter) into which every gather unit's shard is written once it is
 built, in build order, at byte offset ``buf.swap_at``.
@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from megazero.optim.swap import IoCounter, SwapFile, check_everywhere
+from megazero.offload.swap import IoCounter, SwapFile, check_everywhere
 
 SWAP_NAME = "params.swp"
 
@@ -84,7 +84,7 @@ class ParamSwapper:
     Raises ValueError for a count or size below 1 or a negative ``max_in_cpu``; OSError when
     the directory cannot be made.
 
-    Attributes: ``swap_dir``, ``swap_path``, ``io`` (:class:`~megazero.optim.swap.IoCounter`,
+    Attributes: ``swap_dir``, ``swap_path``, ``io`` (:class:`~megazero.offload.swap.IoCounter`,
     every byte moved), ``swapped`` / ``resident`` (buffers in the file / kept in memory),
     ``peak_slots`` (most shards held at once), ``largest`` (elements of the largest swapped
     shard).
