@@ -48,7 +48,7 @@ def set_shared_embedding(param: torch.Tensor, counted_here: bool) -> torch.Tenso
 
 
 def set_expert_parallel(param: torch.Tensor) -> torch.Tensor:
-    """Tag a parameter of a routed expert held by this expert-parallel rank alone (issue 22):
+    """Tag a parameter of a routed expert held by this expert-parallel rank alone:
     its gradient is reduced and its optimizer state sharded over the expert-data-parallel
     group, not over all dp x cp replicas (Megatron-LM marks these ``allreduce = False``)."""
     param.expert_parallel = True

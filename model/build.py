@@ -54,7 +54,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         **({} if m.num_experts is None else {name: getattr(m, name) for name in MOE_FIELDS}))
 
 
-# the MoE settings GPTConfig shares with ModelConfig (same names; issue 22)
+# the MoE settings GPTConfig shares with ModelConfig (same names)
 MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
               "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_pre_softmax",
               "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",

@@ -108,7 +108,7 @@ class GPTConfig:
     """Layers per uniform group, or layers recomputed per chunk with ``"block"``."""
 
     num_experts: Optional[int] = None
-    """Mixture of Experts (issue 22): experts E of each MoE layer; ``None`` = dense MLPs."""
+    """Mixture of Experts: experts E of each MoE layer; ``None`` = dense MLPs."""
     moe_ffn_hidden_size: Optional[int] = None
     """Inner width of each expert's MLP; ``None`` = ``ffn_hidden_size``."""
     moe_router_topk: int = 2

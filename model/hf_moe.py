@@ -1,4 +1,4 @@
-"""Hugging Face interchange of the LLaMA-style block with Mixture-of-Experts MLPs (issue 22):
+"""Hugging Face interchange of the LLaMA-style block with Mixture-of-Experts MLPs:
 megazero's canonical MoE parameters <-> ``MixtralForCausalLM`` (no shared expert) or
 ``Qwen2MoeForCausalLM`` (with a shared expert). ``model/hf.py`` keeps the attention, norm,
 embedding and dense-MLP maps (LlamaForCausalLM's names, which both models share) and calls

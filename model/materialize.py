@@ -2,7 +2,7 @@
 
 Layout-independent initialisation starts from full, unpartitioned tensors. Making them all
 at once, as ``init_full_weights`` does, holds the whole stage in fp32 on every rank (28 GB for
-a 7B model at tp 8, issue 27 item 4). Here a stage's modules are made on the meta device,
+a 7B model at tp 8). Here a stage's modules are made on the meta device,
 each parameter is swapped for a placeholder that holds no memory (``use_placeholders``), and
 then, one parameter at a time, its full tensor is made (or read), this rank's partition is
 cut from it (``local_partition``) and copied to the device, and the full tensor is dropped.

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts MLP of a transformer block (issue 22) and its per-step bookkeeping.
+"""The Mixture-of-Experts MLP of a transformer block and its per-step bookkeeping.
 
 ``MoEMLP`` routes each token to ``k`` of ``E`` experts (``megazero/moe/router.py``: softmax or
 sigmoid scores, aux / sequence-aux / z losses, DeepSeek-V3's aux-loss-free expert bias, capacity
@@ -87,7 +87,7 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 
 class MoEMLP(nn.Module):
-    """Mixture-of-Experts MLP of one layer (issue 22): ``[B, T, H] -> [B, T, H]``.
+    """Mixture-of-Experts MLP of one layer: ``[B, T, H] -> [B, T, H]``.
 
     The router (``router.weight [E, H]``, replicated over tp) scores the micro-batch's ``B*T``
     tokens; ``megazero.moe.router.route`` picks each token's k experts and weights, and with a

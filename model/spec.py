@@ -16,7 +16,7 @@ Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head si
   their queries with their key and value heads (Megatron-LM's layout). Query head ``h``
   belongs to group ``h // (heads/G)``.
 - ``mlp.fc1.weight`` with SwiGLU: ``[gate; up]``, ``[2F, H]``, stride 2; ``fc2`` ``[H, F]``.
-- an MoE layer (``cfg.is_moe_layer(i)``, issue 22) has instead ``mlp.router.weight`` ``[E, H]``
+- an MoE layer (``cfg.is_moe_layer(i)``) has instead ``mlp.router.weight`` ``[E, H]``
   (replicated over tp), ``mlp.experts.{j}.fc1/fc2.*`` for every expert j (its global index,
   so expert parallelism can re-shard them), each laid out and partitioned as the dense MLP
   with ``moe_ffn_hidden_size``, and ``mlp.shared_experts.fc1/fc2.*`` for a shared expert.

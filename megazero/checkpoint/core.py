@@ -481,7 +481,7 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
                 mine[key] = _clip_rows(mine.get(key, []), rows)
     # DCP writes into the optimizer's state, which is the model's own flat buffer where the
     # main params are the params (fp32): the overlapped all-gathers of the last step must
-    # land first, or one finishing later overwrites loaded values (issue 27's CI flake)
+    # land first, or one finishing later overwrites loaded values (a CI flake showed it)
     optimizer.wait_param_gather()
     try:
         dcp.load({}, storage_reader=dcp.FileSystemReader(d), planner=shards.LoadPlanner(mine),

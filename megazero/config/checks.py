@@ -158,7 +158,7 @@ def _check_swiglu_width(cfg: Config, world_size: int) -> None:
 
 
 def _check_moe(cfg: Config, world_size: int) -> None:
-    """Mixture of Experts (issue 22): top-k <= E (Megatron-LM's
+    """Mixture of Experts: top-k <= E (Megatron-LM's
     rule), the expert bias with sigmoid scores only, expert parallelism
     (``_check_expert_parallel``), and the combinations not built yet refused
     by name: context parallelism (the router sees the micro-batch's whole sequences).
@@ -175,7 +175,7 @@ def _check_moe(cfg: Config, world_size: int) -> None:
                           f"(this run: {m.moe_router_score_function}); fix: add --moe-router-score-function sigmoid")
     _check_expert_parallel(cfg)
     if p.cp > 1:
-        raise ConfigError(f"--num-experts with --cp {p.cp} is not supported yet (issue 22); fix: drop --cp")
+        raise ConfigError(f"--num-experts with --cp {p.cp} is not supported yet; fix: drop --cp")
 
 
 def _check_expert_parallel(cfg: Config) -> None:

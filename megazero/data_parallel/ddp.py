@@ -24,14 +24,14 @@ and the tied-embedding gradients over ``groups.embedding``, coalesced, on the ow
 Weights tied across pipeline stages get a buffer of their own, laid out identically on the
 first and last stage, so the two copies' owned runs match range for range.
 
-Expert parallelism (issue 22): the routed experts' parameters (``tags.is_expert_parallel``) get
+Expert parallelism: the routed experts' parameters (``tags.is_expert_parallel``) get
 buffers of their own, reduced and sharded over ``groups.edp`` (the dp x cp / EP ranks holding
 the same experts) instead of ``groups.dp``. Their gradient already sums the tokens of the whole
 ep group (the dispatch's backward), so it is divided by the full replica count N like every
 other gradient: each buffer carries its ``group`` (reduction and sharding) and its ``divisor``
 (always N, Megatron-LM's gradient scaling of expert parameters).
 
-Hybrid sharding (issue 24; MiCS, Zhang et al. 2022, sec. 3; FSDP's HYBRID_SHARD): with
+Hybrid sharding (MiCS, Zhang et al. 2022, sec. 3; FSDP's HYBRID_SHARD): with
 ``groups.topology.hybrid`` every buffer's ``group`` is the S-rank ``groups.zero_shard`` and its
 ``replica_group`` the dp x cp / S-rank ``groups.zero_replica``. Gradients are reduce-scattered
 inside the shard group as above; then each reduced shard is SUM all-reduced across the replica
@@ -192,7 +192,7 @@ class DataParallel:
             # nothing to reduce: one rank, no replica, no division, gradients kept whole in the
             # buffer (stages 0/1). The hook then only stores the gradient, copied over the
             # range on its first micro-batch (no zeroing pass) and added after; ranges without
-            # a gradient are zeroed in finish_grad_sync (a plain loop's cost, issue 24 item 4)
+            # a gradient are zeroed in finish_grad_sync (a plain loop's cost)
             buf.solo = (layout.dp_size == 1 and replica is None and buf.divisor == 1
                         and not strategy.reduces_each_microbatch and self.zero3 is None)
             self.buffers.append(buf)
@@ -372,7 +372,7 @@ class DataParallel:
 
         The hooks live in autograd's C++ state, so without this the model, these buffers and
         the process groups they reference are never freed and their gloo/NCCL worker threads
-        outlive ``destroy_process_group`` into interpreter shutdown (issue 26, F1)."""
+        outlive ``destroy_process_group`` into interpreter shutdown."""
         while self._pending:   # normally empty: finish_grad_sync retires every reduction
             work = self._pending.popleft()[2]
             if work is not None:

@@ -1,2 +1,2 @@
-"""Mixture of Experts (issue 22): ``router`` holds the routing, load-balancing and capacity
+"""Mixture of Experts: ``router`` holds the routing, load-balancing and capacity
 rules as plain functions of a micro-batch's router logits."""

@@ -1,4 +1,4 @@
-"""Token dispatch for expert parallelism (issue 22): each (token, chosen expert) assignment of a
+"""Token dispatch for expert parallelism: each (token, chosen expert) assignment of a
 micro-batch reaches the rank holding that expert and its output comes back.
 
 Expert parallelism (GShard, Lepikhin et al. 2021, sec. 3.2; Megatron-LM's

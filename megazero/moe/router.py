@@ -1,6 +1,6 @@
 """Mixture-of-Experts routing: top-k routers, load-balancing losses, the aux-loss-free expert
 bias and the capacity drop rule, as plain functions of one micro-batch's router logits
-(issue 22; the pieces the MoE layer, its expert-parallel dispatch and ``tests/support/reference.py``
+(the pieces the MoE layer, its expert-parallel dispatch and ``tests/support/reference.py``
 share, so the oracle and every layout route with the same code).
 
 Shapes: ``T`` tokens (all of a micro-batch's positions, flattened), ``E`` experts, ``k`` the

@@ -1,4 +1,4 @@
-"""Page-locked host memory as one exactly-sized allocation per offloaded buffer (issue 27).
+"""Page-locked host memory as one exactly-sized allocation per offloaded buffer.
 
 ``torch.empty(n, pin_memory=True)`` goes through CUDA's caching host allocator
 (``at::cuda::CachingHostAllocator``), which rounds every request up to a power of two and

@@ -28,11 +28,11 @@ partial sum is added in fp64. How, depends on the device (``squared_sum``):
 - CUDA: one ``torch._foreach_norm(pieces, 2, dtype=float64)`` over the whole precomputed list
   of counted pieces, then the fp64 squares of those norms summed: 4 launches whatever the
   number of pieces (per-piece kernels cost about 1,500 launches per step on the 1.3B check
-  model, issue 27). The multi-tensor kernel converts each element to fp64 in registers, so
+  model). The multi-tensor kernel converts each element to fp64 in registers, so
   the pass stays memory-bound. 1e-13 relative to an fp64 sum.
 - CPU: torch's ``_foreach_norm`` loops over the pieces and upcasts each to fp64 (5x one fp32
   pass: 10.6 against 2.1 ms on 5.25M values, one thread), which made the norm the largest
-  item of megazero's overhead over a plain PyTorch loop (issue 24, item 4). So a piece is
+  item of megazero's overhead over a plain PyTorch loop. So a piece is
   viewed as rows of ``ROW`` elements, each row's norm taken in fp32 (one pass, no copy) and
   the squared row norms summed in fp64; short pieces and the tail are upcast whole. 3.1 ms on
   the same values; off the fp64 sum by the fp32 rounding of each row's norm, averaged over

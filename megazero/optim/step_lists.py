@@ -4,7 +4,7 @@ A rank owns one run of every bucket of every buffer (its shard, or the whole buc
 a :class:`Piece`). Launching the unscale, the clip and AdamW piece by piece, and AdamW once
 per run of equal weight decay inside a piece, cost one kernel per (bucket x decay run): about
 500 fused-Adam calls per step on the 1.3B check model, plus ~5 norm kernels per counted range
-(issue 27, finding 7). Instead every tensor those kernels touch is a view fixed for the
+(found on the 1.3B check model). Instead every tensor those kernels touch is a view fixed for the
 optimizer's life (gradient storage, main params, moments), so the views are taken once and
 grouped into lists for multi-tensor kernels (``torch._foreach_*``, ``torch._fused_adamw_``,
 apex's ``multi_tensor_adam``): per :class:`Window` of consecutive pieces of one buffer, one

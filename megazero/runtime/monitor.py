@@ -103,7 +103,7 @@ ITERATION_KEYS = ("iteration", "consumed_samples", "iteration_time_s", "tokens_p
                   "tflops_per_device", "mfu", "lr", "loss", "grad_norm", "loss_scale",
                   "skipped_iterations", "model_state_bytes", "peak_memory_bytes")
 
-#: keys of a Mixture-of-Experts run (issue 22), logged only when given: the step's
+#: keys of a Mixture-of-Experts run, logged only when given: the step's
 #: coefficient-weighted load-balancing and z-loss (added to the loss; ``model.gpt.moe_step_end``).
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss")
 MOE_TAGS = {"moe_aux_loss": "train/moe_aux_loss", "moe_z_loss": "train/moe_z_loss"}
@@ -160,7 +160,7 @@ class Timer:
     On the CPU (or without a device) the clock is ``time.perf_counter``. With a CUDA
     ``device`` each interval is a pair of CUDA events recorded on the current stream, so
     starting and stopping never wait for the device: a device-wide ``torch.cuda.synchronize``
-    at every step boundary (what this timer did until issue 27) would also wait for the
+    at every step boundary (what this timer did until it stopped doing so) would also wait for the
     ZeRO-1/2 parameter all-gathers that ``--overlap-param-gather`` leaves in flight into the
     next forward, and keep the host from queueing the next step while the device works.
     ``elapsed`` / ``reset()`` read the events, waiting for the last stop event only

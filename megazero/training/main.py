@@ -80,5 +80,5 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()    # the model's reference cycles go, and with them every process group, whose
-        # destructor joins its worker threads now, not during interpreter shutdown (issue 26, F1)
+        # destructor joins its worker threads now, not during interpreter shutdown
     return 0

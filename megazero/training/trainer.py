@@ -136,7 +136,7 @@ class Trainer:
         """End of the run (collective): the background save finished, the parameter
         all-gathers and ZeRO-3 prefetches waited for, the gradient hooks removed, so that
         nothing asynchronous is in flight and the model and its process groups can be freed
-        before ``destroy_process_group`` (issue 26, F1: gloo worker threads that outlived the
+        before ``destroy_process_group`` (gloo worker threads that outlived the
         interpreter aborted a finished run)."""
         self.checkpoints.finish()
         self.optimizer.wait_param_gather()

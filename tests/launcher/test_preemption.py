@@ -440,7 +440,7 @@ def test_two_launchers_as_two_nodes_train_like_one_node(two_node_runs):
 
 
 def test_two_loopback_nodes_with_hybrid_shards_train_like_one_process(hybrid_node_runs):
-    """(tests/layouts/test_hybrid_shard.py's, issue 24) scripts/pretrain_gpt.sh --nnodes 2 on this
+    """(tests/layouts/test_hybrid_shard.py's) scripts/pretrain_gpt.sh --nnodes 2 on this
     machine (node ranks 0 and 1, two ranks each, one static rendezvous, the default, on
     127.0.0.1): dp 4 with --zero-shard-size 2 (one shard group per node, ZeRO-2) logs the
     losses of the single-process run of the same settings within 1e-5."""

@@ -1,4 +1,4 @@
-"""A finished run leaves nothing running when its interpreter exits (issue 26, F1).
+"""A finished run leaves nothing running when its interpreter exits.
 
 A finished ZeRO-3 run with full recomputation and prefetching sometimes died after its
 summary with ``terminate called without an active exception`` (SIGABRT, no Python frame:

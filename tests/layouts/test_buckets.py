@@ -1,4 +1,4 @@
-"""Gradient collectives per step against PyTorch DDP (issue 24, item 3): on the model of
+"""Gradient collectives per step against PyTorch DDP: on the model of
 ``scripts/bench_peers.py`` at its default bucket (2^20 elements, DDP's ``bucket_cap_mb`` of the
 same bytes), megazero's ZeRO-0/1/2 make no more gradient collectives per micro-batch than DDP,
 counted call by call on 2 gloo ranks (megazero's in ``megazero.collectives.calls``, DDP's with

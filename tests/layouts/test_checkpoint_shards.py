@@ -1,4 +1,4 @@
-"""Sharded checkpoints (issue 10, point 4): each rank writes only its owned shards with global
+"""Sharded checkpoints: each rank writes only its owned shards with global
 offsets and reads back only the overlapping pieces, under any other (tp, pp, dp, ZeRO stage,
 offload); the bytes a rank allocates while saving or loading are counted (torch's profiler
 records every tensor allocation) and bounded by one bucket."""

@@ -1,4 +1,4 @@
-"""Context parallelism through the whole trainer (issue 21): every (tp, cp, pp, dp) layout
+"""Context parallelism through the whole trainer: every (tp, cp, pp, dp) layout
 trains the same GPT as ``tests/support/reference.py`` on the same global batches, step by step
 (fp32, dropout off), for the GPT-2-style and the LLaMA-style block.
 

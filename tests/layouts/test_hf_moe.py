@@ -1,4 +1,4 @@
-"""Hugging Face interchange of the LLaMA-style block with Mixture-of-Experts MLPs (issue 22,
+"""Hugging Face interchange of the LLaMA-style block with Mixture-of-Experts MLPs (
 fp32): a tp 2 checkpoint with 4 experts (top-2) exports as MixtralForCausalLM, and one with a
 shared expert, a dense second layer and the pre-top-k softmax as Qwen2MoeForCausalLM; their
 logits in transformers equal megazero's within 1e-5, scripts/generate.py's greedy ids (tp 1

@@ -1,4 +1,4 @@
-"""Hybrid sharding (issue 24; HSDP / MiCS): ``--zero-shard-size S`` shards the ZeRO state over S
+"""Hybrid sharding (HSDP / MiCS): ``--zero-shard-size S`` shards the ZeRO state over S
 consecutive data-parallel ranks and replicates it over the dp x cp / S groups of them.
 
 One 4-rank spawn trains tests/layouts/test_train.py's GPT for 10 steps under dp 4 = 2 x 2 at ZeRO stages

@@ -1,4 +1,4 @@
-"""Building the model within bounded memory (issue 27, item 4) and the model's cheap GPU items
+"""Building the model within bounded memory and the model's cheap GPU items
 (item 7: the rotary table, SDPA's ``enable_gqa``, ``--tf32``, the sequence-parallel copies).
 
 - Every parameter of a stage made one full tensor at a time (model/materialize.py), and at

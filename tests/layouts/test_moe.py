@@ -1,4 +1,4 @@
-"""Mixture of Experts without expert parallelism (issue 22): the MoE MLP through the whole
+"""Mixture of Experts without expert parallelism: the MoE MLP through the whole
 trainer equals ``tests/support/reference.py``'s plain MoE (every expert on every token, the same
 ``megazero.moe.router`` rules) under (tp, pp, dp) layouts and ZeRO stages, fp32, dropout off.
 

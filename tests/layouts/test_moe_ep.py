@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 22): ``--expert-model-parallel-size`` EP carved out of the dp ranks,
+"""Expert parallelism: ``--expert-model-parallel-size`` EP carved out of the dp ranks,
 tokens dispatched to their experts' ranks by all-to-all or all-gather, expert parameters
 reduced and ZeRO-sharded over the expert-data-parallel group.
 

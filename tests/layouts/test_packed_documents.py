@@ -1,4 +1,4 @@
-"""Packed documents (issue 21): ``--reset-attention-mask``, ``--reset-position-ids`` and
+"""Packed documents: ``--reset-attention-mask``, ``--reset-position-ids`` and
 ``--eod-mask-loss``, alone and under context and tensor parallelism.
 
 A packed sequence here is document A (ending with the EOD token) followed by document B.

@@ -227,7 +227,7 @@ def _meta_default_ranks(rank, world, steps):
 def test_handshake_and_schedule_on_a_meta_default_device():
     """Under ``with torch.device("meta")`` (the CPU passed explicitly) the pipeline handshake
     and a 1F1B run on 2 stages work and equal one process; a mismatch is still named. Fails
-    when a p2p tensor forgets ``device=`` (issue 27: the handshake's CPU int64 vectors, which
+    when a p2p tensor forgets ``device=`` (the handshake's CPU int64 vectors, which
     NCCL cannot send, ended every --pp > 1 run before step 1)."""
     steps = 2
     out = run_distributed(_meta_default_ranks, 2, steps, timeout_s=120)

@@ -98,8 +98,8 @@ def _bf16_steps(rank, world, argv, steps):
 def test_bf16_grads_in_model_dtype_train_with_the_cuda_kernel_refusal(monkeypatch):
     """``--bf16 --grads-in-model-dtype`` (bf16 gradient buffers) trains through the Trainer and
     ZeRO-1 at dp 2 while the AMP kernel refuses bf16 as on CUDA: no step is skipped (finite
-    gradient norms) and the losses follow the fp32 reference to bf16's precision (issue 27:
-    the first step failed on a GPU)."""
+    gradient norms) and the losses follow the fp32 reference to bf16's precision (on a GPU
+    the first step used to fail)."""
     from tests.support.distributed import run_distributed
     from tests.support.layouts import BASE, reference_losses
 

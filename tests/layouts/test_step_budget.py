@@ -1,4 +1,4 @@
-"""Host-sync and launch budget of one training step (issue 27, item 2), checked on CPU ranks.
+"""Host-sync and launch budget of one training step, checked on CPU ranks.
 
 A GPU step is fast only when the host queues work ahead of the device: every read of a device
 value on the host (``aten._local_scalar_dense`` behind ``.item()``/``float()``/``bool()``,

@@ -75,7 +75,7 @@ def test_layout_equals_reference(name, reference, single_run, layout_results):
 
 # The trainer with "meta" as the default device and the CPU passed explicitly: every tensor
 # the library makes without device= is then a meta tensor, which gloo refuses, as NCCL refuses a
-# CPU tensor on a GPU cluster (issue 27; the static half is tests/unit/test_device_lint.py).
+# CPU tensor on a GPU cluster (the static half is tests/unit/test_device_lint.py).
 META_LAYOUTS = {
     "pp2-dp2-zero1-overlap": ["--pp", "2", "--dp", "2", "--zero-stage", "1", "--overlap-param-gather", "on"],
     "tp2-pp2-sp-interleaved": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--virtual-pipeline-size", "2"],

@@ -106,7 +106,7 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                                                 ["--save", "ckpt", "another run"]),
     "sequence_parallel_seq_vs_tp": (M + ["--tp", "4", "--sequence-parallel", "--seq-length", "30",
                                          "--hidden-size", "64"], 4, ["--sequence-parallel", "--seq-length 30"]),
-    # a restart resumes from --load's latest: this run must write it (issue 26, F6)
+    # a restart resumes from --load's latest: this run must write it
     "max_restarts_without_save": (M + ["--max-restarts", "1"], 1,
                                   ["--max-restarts 1", "iteration 0", "--save DIR --load DIR", "--save-interval N"]),
     "max_restarts_save_without_load": (M + ["--max-restarts", "2", "--save", "{DIR}/new"], 1,
@@ -120,7 +120,7 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
                                    ["--save-interval has no effect without --save", "add --save DIR or drop it"]),
     "keep_latest_without_save": (M + ["--keep-latest-checkpoints", "2"], 1, ["--keep-latest-checkpoints", "--save DIR"]),
     "async_save_without_save": (M + ["--async-save"], 1, ["--async-save has no effect without --save"]),
-    # context parallelism and packed documents (issue 21)
+    # context parallelism and packed documents
     "seq_not_divisible_by_2cp": (M + ["--cp", "3", "--seq-length", "256"], 3, ["--seq-length 256", "2 x --cp 3 = 6"]),
     "sp_seq_not_divisible_by_cp_tp": (M + ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-length", "36",
                                            "--hidden-size", "64"], 8, ["--sequence-parallel", "--cp x --tp = 8"]),

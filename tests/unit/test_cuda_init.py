@@ -4,7 +4,7 @@ Every CUDA call that names no device runs on the current device, GPU 0 until
 ``torch.cuda.set_device`` says otherwise: a rank that asks ``torch.cuda.mem_get_info()``
 or starts NCCL before setting its device opens a context (hundreds of MiB) on GPU 0, and
 NCCL then sees every rank on one GPU. The spies record each context-opening call; the
-entry points must call ``set_device(LOCAL_RANK)`` before all of them (issue 27). The second
+entry points must call ``set_device(LOCAL_RANK)`` before all of them. The second
 half tests the CUDA_DEVICE_MAX_CONNECTIONS rule (megazero/runtime/launch.py).
 """
 import os

@@ -2,7 +2,7 @@
 
 NCCL has no CPU transport, so a tensor that a factory call leaves on the default device (the
 CPU) and that then reaches a collective ends the run on a GPU cluster, while the CPU suite's
-gloo takes it happily (issue 27: the pipeline handshake's settings vector, the evaluation's
+gloo takes it happily (the pipeline handshake's settings vector, the evaluation's
 token counts). This test reads the source (``ast``, nothing is imported) of ``megazero/``,
 ``model/`` and ``train.py`` and requires of every tensor factory call
 (``torch.tensor``, ``zeros``, ``empty``, ``full``, ``arange``, ``rand*``, ...; the ``*_like``

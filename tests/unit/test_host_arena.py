@@ -1,4 +1,4 @@
-"""Pinned host memory of offload as one exactly-sized arena per offloaded buffer (issue 27, item 6).
+"""Pinned host memory of offload as one exactly-sized arena per offloaded buffer.
 
 CUDA's caching host allocator rounds every ``pin_memory=True`` tensor up to a power of two;
 ``megazero.offload.host_memory.HostArena`` allocates exactly the bytes and page-locks

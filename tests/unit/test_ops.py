@@ -191,7 +191,7 @@ def test_select_backend_cuda():
 def test_adam_over_a_list_equals_one_call_per_tensor_bit_for_bit(backend):
     """One multi-tensor call over views of a flat shard (what the optimizer issues per buffer
     and weight decay) gives exactly the values of one call per view (what it issued per
-    bucket piece and decay run before issue 27)."""
+    bucket piece and decay run before the change)."""
     from megazero.ops.adam import adam_step_lists
 
     gen = torch.Generator().manual_seed(3)

@@ -1,4 +1,4 @@
-"""Zero-bubble pipelining (issue 23) without processes: the B/W split of one chunk's backward,
+"""Zero-bubble pipelining without processes: the B/W split of one chunk's backward,
 the ZB-H1 and ZB-V schedules (validator, simulator, executor replay), the V layout, the
 config refusals. The trained equivalence on spawned ranks is tests/layouts/test_zero_bubble_train.py.
 """
