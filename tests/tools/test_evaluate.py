@@ -68,7 +68,7 @@ def _ours(rank, world, ckpt, limit, answers=True):
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
     from model.evaluation import make_lm, run_tasks
-    from scripts.generate import load_model
+    from megazero.training.inference import load_model
 
     args = SimpleNamespace(load=ckpt, from_hf=None, tokenizer_model=None, tokenizer_type=None)
     stage, tok = load_model(args, ProcessGroups.build(Topology(tp=world, pp=1, dp=1)), torch.device("cpu"))
