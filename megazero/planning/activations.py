@@ -43,7 +43,7 @@ query/key-value heads per tp rank and ``acc`` = ``max(elt, 4)`` bytes (fp32 accu
   ``Tl/2`` queries, or fewer: ``blockwise.tile_rows`` keeps a tile within
   ``SCORE_TILE_BYTES``, 16 MiB), of which the backward holds two at once (P, computed in the
   scores' memory, and dP, turned into dS in place; the forward one, and logsumexp's reduction).
-  Measured by scripts/bench_context_parallel.py. So the ring's buffers shrink as ``1/cp``
+  Measured by scripts/bench/bench_context_parallel.py. So the ring's buffers shrink as ``1/cp``
   and its score tiles stay bounded; a tile is still an unfused matrix, where the fused kernel
   of cp = 1 keeps O(s).
 - all-to-all (a2a, DeepSpeed-Ulysses): one all-to-all's send, receive and concatenation of a

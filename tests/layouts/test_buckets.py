@@ -1,5 +1,5 @@
 """Gradient collectives per step against PyTorch DDP (issue 24, item 3): on the model of
-``scripts/bench_peers.py`` at its default bucket (2^20 elements, DDP's ``bucket_cap_mb`` of the
+``scripts/bench/bench_peers.py`` at its default bucket (2^20 elements, DDP's ``bucket_cap_mb`` of the
 same bytes), megazero's ZeRO-0/1/2 make no more gradient collectives per micro-batch than DDP,
 counted call by call on 2 gloo ranks (megazero's in ``megazero.collectives.calls``, DDP's with
 a communication hook), and the reduced gradients equal DDP's within 1e-6 of the largest
@@ -8,7 +8,7 @@ import argparse
 
 import torch
 
-from scripts import bench_peers as B
+from scripts.bench import bench_peers as B
 from tests.support.distributed import run_distributed
 
 MODEL = argparse.Namespace(vocab=1024, layers=4, hidden=256, heads=4, seq=128)

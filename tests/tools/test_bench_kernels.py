@@ -1,4 +1,4 @@
-"""scripts/bench_kernels.py (the kernel part of scripts/gpu_check.sh), on CPU at tiny shapes:
+"""scripts/bench/bench_kernels.py (the kernel part of scripts/gpu_check.sh), on CPU at tiny shapes:
 one line per kernel in the documented format, and a fused kernel that disagrees with its
 reference is refused before it is timed."""
 import argparse
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from scripts import bench_kernels as K
+from scripts.bench import bench_kernels as K
 from tests.support.paths import REPO
 
 LINE = re.compile(r"kernel (\w+) \[[\d, ]+\]( fp32)? (fwd\+bwd|step): reference [\d.]+ ms, "
@@ -36,7 +36,7 @@ def test_bad_shapes_exit_2(capsys):
 
 
 def test_run_throughput_medians_after_the_warm_up(tmp_path, capsys):
-    from scripts import run_throughput as R
+    from scripts.bench import run_throughput as R
 
     recs = [{"kind": "train", "iteration": i, "iteration_time_s": t, "tokens_per_s": 8192 / t,
              "tflops_per_device": 100.0 * i, "mfu": 0.1 * i} for i, t in

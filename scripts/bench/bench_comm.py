@@ -40,15 +40,12 @@ all-reduce over the world runs only when that sum is not finite: ``DistributedOp
 and the logged loss together with the four stop flags (five fp64 values, SUM over the world:
 ``megazero.runtime.resilience.agree``); each is counted only where its group has > 1 rank.
 
-    python scripts/bench_comm.py           # prints one table, exits 1 on any mismatch
+    python -m scripts.bench.bench_comm           # prints one table, exits 1 on any mismatch
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 F32, F64 = 4, 8
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, POSITIONS, MICRO = 2, 32, 4, 1001, 16, 16, 2
@@ -297,11 +294,9 @@ def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int,
     """On every rank: for each argv, build a Trainer, run one step, count the second.
     Returns ``(pp_rank, {kind: bytes})`` per argv."""
 
-    from megazero import training
-
-    from megazero.training import build_trainer
-    from megazero import collectives
+    from megazero import collectives, training
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     out = []
     for argv in argvs:

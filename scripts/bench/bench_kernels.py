@@ -21,20 +21,17 @@ Output (one line each; ``scripts/gpu_check.sh`` parses the first)::
     matmul peak bf16: n 8192, 0.912 ms, 1205.6 TFLOP/s
     kernel layer_norm [8192, 2048] bf16 fwd+bwd: reference 0.512 ms, apex 0.081 ms, speed-up 6.32x
 
-    python scripts/bench_kernels.py --device cuda --dtype bf16
+    python -m scripts.bench.bench_kernels --device cuda --dtype bf16
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
