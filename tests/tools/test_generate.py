@@ -25,8 +25,8 @@ def _hf_greedy(hf_dir, prompt_ids, n):
 def _tp_generate(rank, world, hf_dir):
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
-    from model.sampling import sample
     from megazero.training.inference import load_model
+    from model.sampling import sample
 
     groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
     stage, tok = load_model(generate_args(hf_dir), groups, torch.device("cpu"))
@@ -38,8 +38,8 @@ def _tp_generate(rank, world, hf_dir):
 
 def test_kv_cache_logits_equal_the_full_forward(hf_dir):
     from megazero.process_groups import ProcessGroups
-    from model.sampling import forward_cached
     from megazero.training.inference import load_model
+    from model.sampling import forward_cached
 
     stage, _ = load_model(generate_args(hf_dir), ProcessGroups.single(), torch.device("cpu"))
     stage.eval()
