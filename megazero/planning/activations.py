@@ -3,7 +3,7 @@
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 sec. 4) count the tensors a transformer layer saves for its backward; this module does the
 same for megazero's GPT layer (model/gpt.py), tensor by tensor, so the planner's numbers can
-be checked against measurement (scripts/plan.py --measure). Per layer and micro-batch, with
+be checked against measurement (python -m scripts.plan --measure). Per layer and micro-batch, with
 ``q = s*b*h`` activation elements, ``t`` = tp, ``t_sp`` = tp under sequence parallelism
 (else 1), ``f`` the FFN width and ``a`` the heads:
 

@@ -5,7 +5,7 @@ A small GPT-2-style model (2 layers, hidden 64, 4 heads, micro-batch 1, vocabula
 no dropout) trains through ``training.Trainer`` on ``cp`` gloo ranks (world = cp, one torch thread
 each) at sequence lengths 2048, 4096 and 8192 and cp 1, 2, 4. Two Markdown tables:
 
-1. memory: each rank's peak as ``scripts/plan.py --measure`` measures it (resident memory the run
+1. memory: each rank's peak as ``python -m scripts.plan --measure`` measures it (resident memory the run
    adds over its baseline, ``VmHWM`` reset through ``/proc/self/clear_refs``, glibc's
    ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set; 2 steps), beside
    the planner's activations, its cp attention line (K/V buffers, ring block scores) and its

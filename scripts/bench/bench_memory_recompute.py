@@ -9,7 +9,7 @@ Two Markdown tables (docs/performance.md, "Activation memory and the planner"):
    schedule, sequence parallelism, recomputation), with the error of the worst rank
    (target: within 10 %).
 
-Peak memory per rank is measured as in ``scripts/plan.py --measure`` (resident memory the
+Peak memory per rank is measured as in ``python -m scripts.plan --measure`` (resident memory the
 run adds over its baseline, glibc's mmap threshold fixed).
 
     python -m scripts.bench.bench_memory_recompute [--steps 3] [--only recompute|layouts] [--match "pp2 1F1B" "pp2 ZB"]
