@@ -276,7 +276,7 @@ def sentencepiece_to_hf(tok: Tokenizer):
     "▁", so a literal "▁" matches no piece and falls back to its three UTF-8 bytes, as
     ``Tokenizer.encode`` does; characters without a piece fall back to bytes in both.
     Control pieces become special tokens (dropped by decode). Callers must still compare
-    encodings (scripts/convert_checkpoint.py does). Raises DataError for a piece type this
+    encodings (``data.tokenizer_export.hf_tokenizer_of`` does). Raises DataError for a piece type this
     mapping does not cover, or without the tokenizers package (``hf_tokenizers``).
     """
     hf = hf_tokenizers("exporting a sentencepiece tokenizer to Hugging Face")

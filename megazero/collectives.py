@@ -154,8 +154,8 @@ def all_reduce_max(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn on every call); older
 # releases (megazero supports torch >= 2.4) only have the old names. Same arguments, same result.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER_OP = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_OP = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
@@ -172,7 +172,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_
             out.copy_(shard)
         return None
     _count("all_gather", shard, group)
-    return _ALL_GATHER(out, shard, group=group, async_op=async_op)
+    return ALL_GATHER_OP(out, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group,
@@ -190,7 +190,7 @@ def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group
             shard_out.copy_(full)
         return None
     _count("reduce_scatter", full, group)
-    return _REDUCE_SCATTER(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return REDUCE_SCATTER_OP(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],

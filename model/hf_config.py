@@ -23,7 +23,7 @@ def config_value(config: Mapping, key: str, kind: str, default=_REQUIRED):
     if v is None:
         if default is _REQUIRED:
             raise HFConversionError(f"{key!r} is missing; fix: a complete config.json (as "
-                                    "scripts/convert_checkpoint.py --to-hf or save_pretrained writes it)")
+                                    "python -m scripts.convert_checkpoint --to-hf or save_pretrained writes it)")
         return default
     number = isinstance(v, (int, float)) and not isinstance(v, bool)
     ok = {"size": number and isinstance(v, int) and v >= 1, "flag": isinstance(v, bool),

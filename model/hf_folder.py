@@ -39,7 +39,7 @@ from model.hf import CanonicalView, HFConversionError, check_matches, config_fro
 from model.hf_moe import check_extra_tensors
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors dtype codes megazero reads as weights
-_FIX = ("fix: the file is missing, damaged or truncated; write the folder again (scripts/convert_checkpoint.py "
+_FIX = ("fix: the file is missing, damaged or truncated; write the folder again (python -m scripts.convert_checkpoint "
         "--to-hf, or save_pretrained with safetensors) or copy it again")
 
 
@@ -102,7 +102,7 @@ def _open(path: str, gcfg: GPTConfig):
         if have != shape:
             raise HFConversionError(f"{file}: tensor {name!r} has shape {have}, config.json's model needs "
                                     f"{shape}; fix: a folder whose config.json describes its tensors (write it "
-                                    "again with scripts/convert_checkpoint.py --to-hf)")
+                                    "again with python -m scripts.convert_checkpoint --to-hf)")
         if dtype not in FLOAT_DTYPES:
             raise HFConversionError(f"{file}: tensor {name!r} has dtype {dtype}; megazero reads weights stored "
                                     f"as {', '.join(FLOAT_DTYPES)}; fix: save the model unquantized")

@@ -1,15 +1,15 @@
 """Score a megazero checkpoint (any layout) or a Hugging Face GPT-2 / Llama folder on
-lm-evaluation-harness tasks.
+lm-evaluation-harness tasks. Run from the repository root:
 
-    python scripts/evaluate.py (--load CKPT_DIR | --from-hf DIR) --tasks T1,T2 \\
+    python -m scripts.evaluate (--load CKPT_DIR | --from-hf DIR) --tasks T1,T2 \\
         [--num-fewshot N] [--limit N] [--batch-size B] [--include-path DIR ...]
-    python scripts/evaluate.py --tp 2 ...                       # tensor parallel over 2 ranks
-    torchrun --nproc-per-node 2 scripts/evaluate.py ...         # the same, under your own torchrun
+    python -m scripts.evaluate --tp 2 ...                       # tensor parallel over 2 ranks
+    torchrun --nproc-per-node 2 -m scripts.evaluate ...         # the same, under your own torchrun
 
-The model and tokenizer load as in scripts/generate.py (every process one tensor-parallel rank
-of the whole model, reading only its partitions; pp 1), and ``model.evaluation.MegazeroLM`` (an
-``lm_eval.api.model.LM`` over megazero's own forward and KV-cache decoding) answers the harness's
-requests; every rank runs the same requests, rank 0 prints one line per task with each metric
+The model and tokenizer load as in ``python -m scripts.generate`` (``megazero.training.inference``:
+every process one tensor-parallel rank of the whole model, reading only its partitions; pp 1),
+and ``model.evaluation.MegazeroLM`` (an ``lm_eval.api.model.LM`` over megazero's own forward and
+KV-cache decoding) answers the harness's requests; every rank runs the same requests, rank 0 prints one line per task with each metric
 and its standard error, e.g. ``megazero_stdlib: acc 0.3247 (± 0.0337), acc_norm 0.3763 (± 0.0349)``.
 
 Tasks: the YAML files under data/tasks (``megazero_stdlib``, ``megazero_stdlib_ppl``; no
@@ -19,6 +19,9 @@ network) and under each ``--include-path`` folder (the harness's own tasks: its 
 Errors: one line ``evaluate: error: ...`` and exit code 2 (a missing lm_eval names
 ``pip install -e .[eval]``): the model, tokenizer and task names are checked before any
 process group exists, and with ``--tp N`` outside torchrun before torchrun starts.
+
+API: ``main(argv)`` takes the command line as a list (without the program name) and returns the
+exit status; nothing else here is meant to be imported.
 """
 from __future__ import annotations
 
@@ -26,19 +29,17 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from model.evaluation import HarnessError, check_tasks, format_scores, make_lm, run_tasks, split_names  # noqa: E402
-from scripts.generate import INPUT_ERRORS, check_model, join_tp_ranks, load_model, start_torchrun  # noqa: E402
+from megazero.training.inference import INPUT_ERRORS, check_model, join_tp_ranks, load_model, start_torchrun
+from model.evaluation import HarnessError, check_tasks, format_scores, make_lm, run_tasks, split_names
 
 ERRORS = INPUT_ERRORS + (HarnessError,)
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="scripts/evaluate.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.evaluate", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save), any layout")
     src.add_argument("--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)")
@@ -67,7 +68,8 @@ def parse(argv):
 
 def main(argv=None) -> int:
     """Check the inputs, then evaluate (or, with ``--tp N > 1`` outside torchrun, start
-    torchrun); returns the exit status: 0, or 2 after the one-line error."""
+    torchrun) as the command line ``argv`` (default ``sys.argv[1:]``) says; returns the exit
+    status: 0, or 2 after the one-line error."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
             print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     if tp > 1 and not is_rank:
-        start_torchrun(tp, argv, __file__)
+        start_torchrun(tp, "scripts.evaluate", argv)
     device, groups = join_tp_ranks(args.device, world, timeout_s=600)
     try:
         stage, tok = load_model(args, groups, device)

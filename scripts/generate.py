@@ -1,15 +1,15 @@
 """Generate text from a megazero checkpoint (any layout) or a Hugging Face GPT-2 / Llama folder.
+Run from the repository root:
 
-    python scripts/generate.py (--load CKPT_DIR | --from-hf DIR) (--prompt TEXT | --prompt-ids 5,17,300) \\
+    python -m scripts.generate (--load CKPT_DIR | --from-hf DIR) (--prompt TEXT | --prompt-ids 5,17,300) \\
         [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
-    python scripts/generate.py --tp 2 ...                       # tensor parallel over 2 ranks
-    torchrun --nproc-per-node 2 scripts/generate.py ...         # the same, under your own torchrun
+    python -m scripts.generate --tp 2 ...                       # tensor parallel over 2 ranks
+    torchrun --nproc-per-node 2 -m scripts.generate ...         # the same, under your own torchrun
 
 Every process is one tensor-parallel rank of a whole model (tp = the number of processes,
 pipeline size 1): it reads only its own partitions of the full weights (a checkpoint of any
-layout, ``megazero.checkpoint.read_full_weights``; or ``model.safetensors`` through
-``model/hf_folder.py``), then samples with a key/value cache (``model/sampling.py``; temperature 0
-is greedy). The tokenizer is the checkpoint's recorded one (or ``--tokenizer-model``), or
+layout or ``model.safetensors``: ``megazero.training.inference``), then samples with a key/value
+cache (``model/sampling.py``; temperature 0 is greedy). The tokenizer is the checkpoint's recorded one (or ``--tokenizer-model``), or
 the folder's ``tokenizer.json``. Rank 0 prints the text (and the ids with ``--print-ids``).
 ``--prompt-ids`` gives the prompt as token ids instead, so a folder or checkpoint without a
 tokenizer generates too: then only the ids are printed (a JSON list), and generation stops at
@@ -19,12 +19,17 @@ The same ``--seed`` gives the same text, under any tp.
 Errors: one line ``generate: error: ...`` and exit code 2. Every input (the model's settings
 and sizes under tp, every tensor's shape and dtype or the checkpoint's files, the tokenizer,
 the prompt) is checked before any process group exists and before a weight is loaded
-(``check_inputs``). ``--tp N`` (N > 1) outside torchrun runs that check once in this process
-and only then replaces this process by torchrun (``python -m torch.distributed.run
---standalone --nproc-per-node N``, as scripts/pretrain_gpt.sh starts it after its preflight),
+(``check_inputs``, with ``megazero.training.inference.check_model``). ``--tp N`` (N > 1)
+outside torchrun runs that check once in this process and only then replaces this process by
+torchrun (``python -m torch.distributed.run --standalone --nproc-per-node N -m scripts.generate``,
+as scripts/pretrain_gpt.sh starts torchrun after its preflight),
 so a bad input ends with the one line alone. Under a torchrun you start yourself each rank
 prints the line and exits 2, and torchrun then adds its own failure summary: torchrun reports
 every non-zero exit, and exiting 0 would hide the error from whoever called it.
+
+API: ``main(argv)`` takes the command line as a list (without the program name) and returns the
+exit status; nothing else here is meant to be imported (the loading is in
+``megazero.training.inference``).
 """
 from __future__ import annotations
 
@@ -32,47 +37,19 @@ import argparse
 import json
 import os
 import sys
-from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megazero.checkpoint import CheckpointError, peek, read_full_weights  # noqa: E402
-from megazero.process_groups import ProcessGroups  # noqa: E402
-from megazero.runtime.extras import MissingExtra  # noqa: E402
-from megazero.topology import Topology  # noqa: E402
-from data.indexed_dataset import DataError  # noqa: E402
-from model.config import GPTConfig  # noqa: E402
-from model.gpt import GPTStage  # noqa: E402
-from model.hf import HFConversionError, config_from_record  # noqa: E402
-from model.hf_folder import folder_config, open_folder  # noqa: E402
-from model.sampling import check_prompt, sample  # noqa: E402
-
-# what a bad input raises (ConfigError and the sampling settings' errors are ValueErrors)
-INPUT_ERRORS = (CheckpointError, HFConversionError, DataError, MissingExtra, ValueError, OSError)
-
-
-def model_settings(args) -> tuple[GPTConfig, str | None, str]:
-    """(the model's GPTConfig with dropout off, tokenizer path or None, tokenizer type), read
-    without loading a weight: --from-hf's config.json, or the meta.pt of the latest checkpoint
-    under --load (``peek`` also checks its files' sizes). Raises HFConversionError or
-    CheckpointError naming the file."""
-    off = dict(hidden_dropout=0.0, attention_dropout=0.0)
-    if args.from_hf:
-        gcfg = folder_config(args.from_hf, **off)
-        return gcfg, args.tokenizer_model or args.from_hf, args.tokenizer_type or "HuggingFaceTokenizer"
-    meta = peek(args.load)
-    if meta is None:
-        raise CheckpointError(f"--load {args.load}: no checkpoint there (no 'latest' file); fix: give the --save "
-                              "directory of a run")
-    if "gpt_config" not in meta["extra"]:
-        raise CheckpointError(f"--load {args.load}: the checkpoint does not record its model settings "
-                              "(saved by an older megazero)")
-    recorded = meta["extra"].get("tokenizer") or {}
-    return (config_from_record(meta["extra"]["gpt_config"], **off), args.tokenizer_model or recorded.get("model"),
-            args.tokenizer_type or recorded.get("type", "SentencePieceTokenizer"))
+from megazero.training.inference import (
+    INPUT_ERRORS,
+    check_model,
+    join_tp_ranks,
+    load_model,
+    model_settings,
+    start_torchrun,
+)
+from model.sampling import check_prompt, sample
 
 
 def check_inputs(args, tp: int):
@@ -94,68 +71,6 @@ def check_inputs(args, tp: int):
     return check_model(args, tp, need_tokenizer=False)
 
 
-def check_model(args, tp: int, need_tokenizer: bool = True):
-    """The model's settings and their sizes under ``tp`` ranks (``GPTConfig.validate``), every
-    tensor's name, shape and dtype (--from-hf, ``model.hf_folder.open_folder``) or the
-    checkpoint's files (--load), and the tokenizer (its vocabulary within the model's), without
-    loading a weight (also scripts/evaluate.py's check). Returns the tokenizer, or None when
-    there is none and ``need_tokenizer`` is False. Raises one of ``INPUT_ERRORS``."""
-    from data.tokenizer import load_tokenizer
-
-    gcfg, tok_path, tok_type = model_settings(args)
-    source = os.path.join(args.from_hf, "config.json") if args.from_hf else f"--load {args.load}"
-    try:
-        gcfg.validate(tp)
-    except ValueError as e:  # ConfigError, naming the setting
-        raise ValueError(f"{source}: the model does not run under --tp {tp}: {e}") from None
-    if args.from_hf:
-        open_folder(args.from_hf, gcfg, gcfg.padded_vocab(tp))  # checks every tensor, loads none
-    if not need_tokenizer and not _has_tokenizer(tok_path):
-        return None
-    if tok_path is None:
-        raise CheckpointError("no tokenizer: the run used --mock-data; fix: give --tokenizer-model, "
-                              "or the prompt as --prompt-ids")
-    tok = load_tokenizer(tok_path, tok_type)
-    if tok.vocab_size > gcfg.vocab_size:  # its ids past the embedding's rows would not index it
-        raise DataError(f"tokenizer {tok_path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
-                        f"{gcfg.vocab_size}; fix: --tokenizer-model of this model")
-    return tok
-
-
-def load_model(args, groups: ProcessGroups, device) -> tuple[GPTStage, object]:
-    """(whole-model stage with this rank's TP partitions, tokenizer or None). Raises one of
-    ``INPUT_ERRORS``."""
-    from data.tokenizer import load_tokenizer
-
-    gcfg, tok_path, tok_type = model_settings(args)
-    if getattr(args, "prompt_ids", None) is not None and not _has_tokenizer(tok_path):
-        tok_path = None   # ids need no tokenizer (check_inputs)
-    if args.from_hf:
-        full = open_folder(args.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
-    else:
-        full = read_full_weights(args.load)[1]
-    stage = GPTStage(gcfg, groups, range(gcfg.num_layers), True, True, seed=0, full_weights=full, device=device)
-    return stage, (load_tokenizer(tok_path, tok_type) if tok_path else None)
-
-
-def start_torchrun(tp: int, argv: list[str], script: str = __file__) -> None:
-    """Replace this process by torchrun running ``script`` (default: this one) on ``tp`` ranks
-    of this machine (after its input check passed here); its exit status becomes this
-    command's. The ranks share the cores (``OMP_NUM_THREADS``, unless set)."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(tp), os.path.abspath(script), *argv], env)
-
-
-def _has_tokenizer(path) -> bool:
-    """Whether ``path`` (a tokenizer file, or a Hugging Face folder) holds a tokenizer to load."""
-    if path is None:
-        return False
-    return os.path.isfile(os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else os.path.exists(path)
-
-
 def _ids(text: str) -> list[int]:
     """``"5,17,300"`` -> ``[5, 17, 300]``; argparse turns the ValueError into its usage error."""
     try:
@@ -167,23 +82,8 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def join_tp_ranks(device_type: str, world: int, timeout_s: float) -> tuple[torch.device, ProcessGroups]:
-    """This process as one of ``world`` tensor-parallel ranks (pipeline and data-parallel size
-    1): its device (``cuda:LOCAL_RANK``, made current before the process group or any tensor
-    opens a context on GPU 0, or the CPU), the process group (NCCL on CUDA, else gloo, with
-    ``timeout_s`` seconds for a collective) and the groups. Used by this script and
-    scripts/evaluate.py."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    return device, ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
-
-
 def parse(argv):
-    p = argparse.ArgumentParser(prog="scripts/generate.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.generate", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save)")
     src.add_argument("--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)")
@@ -211,8 +111,9 @@ def parse(argv):
 
 
 def main(argv=None) -> int:
-    """Check the inputs, then generate (or, with ``--tp N > 1`` outside torchrun, start torchrun);
-    returns the exit status: 0, or 2 after the one-line error."""
+    """Check the inputs, then generate (or, with ``--tp N > 1`` outside torchrun, start torchrun)
+    as the command line ``argv`` (default ``sys.argv[1:]``) says; returns the exit status: 0, or 2
+    after the one-line error."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -228,10 +129,10 @@ def main(argv=None) -> int:
             print(f"generate: error: {e}", file=sys.stderr)
         return 2
     if tp > 1 and not is_rank:
-        start_torchrun(tp, argv)
+        start_torchrun(tp, "scripts.generate", argv)
     device, groups = join_tp_ranks(args.device, world, timeout_s=300)
     try:
-        stage, tok = load_model(args, groups, device)
+        stage, tok = load_model(args, groups, device, need_tokenizer=args.prompt_ids is None)
         prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt)
         ids = sample(stage, prompt, args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, eod=None if tok is None else tok.eod)

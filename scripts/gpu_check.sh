@@ -14,18 +14,18 @@
 #    with an evaluation every 2 iterations (the token counts all-reduced over dp), ZeRO-1 at
 #    dp 2 with --overlap-param-gather on in bf16 with bf16 gradients, and tp 2 with sequence
 #    parallelism (CUDA_DEVICE_MAX_CONNECTIONS=1 from the launcher);
-# 6. optimizer offload on the GPU (ZeRO-Offload): scripts/bench_offload.py --device cuda at
+# 6. optimizer offload on the GPU (ZeRO-Offload): scripts/bench/bench_offload.py --device cuda at
 #    ZeRO-1 and ZeRO-2, fp32 and bf16: device/host model-state bytes against the formulas, peak
 #    device memory and step time with and without --offload-optimizer cpu; fails when the
 #    losses differ by more than 1e-5 or offload does not lower the device bytes
 #    (GPU_CHECK_OFFLOAD=0 skips it).
-# 7. kernels (scripts/bench_kernels.py --dtype bf16): the bf16 matmul peak of GPU 0, measured
+# 7. kernels (scripts/bench/bench_kernels.py --dtype bf16): the bf16 matmul peak of GPU 0, measured
 #    by a timed 8192^3 product, and each fused kernel (LayerNorm, RMSNorm, Adam, attention)
 #    against its reference: times and speed-up (GPU_CHECK_KERNELS=0 skips it and step 8's
 #    measured-peak MFU).
 # 8. a 1.3B-parameter GPT (24 layers, hidden 2048, 16 heads, seq 2048, vocabulary 50257) in
 #    bf16 with the fused kernels on one GPU, 6 iterations of 8 sequences, full recomputation
-#    when the GPU has under 60 GiB; prints scripts/run_throughput.py's line: tokens/s and MFU
+#    when the GPU has under 60 GiB; prints scripts/bench/run_throughput.py's line: tokens/s and MFU
 #    against step 7's measured peak and against the GPU's data-sheet peak
 #    (megazero.planning.flops; GPU_CHECK_1B3=0 skips it; GPU_CHECK_1B3_ARGS adds flags).
 # The last line names every part that did not run, and why. Output format of steps 7-8:
@@ -166,7 +166,7 @@ if [ "${GPU_CHECK_OFFLOAD:-1}" != 0 ]; then
     for DTYPE in "" "--bf16"; do
       echo "== offload: ZeRO-$STAGE ${DTYPE:-fp32}, with and without --offload-optimizer cpu"
       # shellcheck disable=SC2086  # an empty DTYPE adds no word
-      run "$PY" scripts/bench_offload.py --device cuda --stage "$STAGE" --steps 6 $DTYPE
+      run "$PY" -m scripts.bench.bench_offload --device cuda --stage "$STAGE" --steps 6 $DTYPE
     done
   done
 else
@@ -176,11 +176,11 @@ PEAK=""
 if [ "${GPU_CHECK_KERNELS:-1}" != 0 ]; then
   echo "== kernels: bf16 matmul peak and each fused kernel against its reference"
   if [ "$DRY" = 1 ]; then
-    run "$PY" scripts/bench_kernels.py --device cuda --dtype bf16
+    run "$PY" -m scripts.bench.bench_kernels --device cuda --dtype bf16
     PEAK="<measured>"
   else
     KERNELS="$(mktemp)"
-    "$PY" scripts/bench_kernels.py --device cuda --dtype bf16 | tee "$KERNELS"
+    "$PY" -m scripts.bench.bench_kernels --device cuda --dtype bf16 | tee "$KERNELS"
     PEAK=$(sed -n 's/^matmul peak bf16: .*, \([0-9.]*\) TFLOP\/s$/\1/p' "$KERNELS")
   fi
 else
@@ -199,7 +199,7 @@ if [ "${GPU_CHECK_1B3:-1}" != 0 ]; then
           --log-interval 1 --lr 1e-4 --min-lr 1e-5 ${PEAK:+--peak-tflops "$PEAK"} "${RECOMPUTE[@]}")
   # shellcheck disable=SC2206  # the extra arguments are meant to split into words
   GPT1B3+=(${GPU_CHECK_1B3_ARGS:-})
-  THROUGHPUT=("$PY" scripts/run_throughput.py "$RUN" --skip 2 --gpu-name "$NAME" --dtype bf16
+  THROUGHPUT=("$PY" -m scripts.bench.run_throughput "$RUN" --skip 2 --gpu-name "$NAME" --dtype bf16
               ${PEAK:+--measured-peak-tflops "$PEAK"})
   if [ "$DRY" = 1 ]; then
     run "${GPT1B3[@]}"

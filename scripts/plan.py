@@ -1,10 +1,12 @@
-"""Memory plan of a megazero run, without launching it (megazero/planning/memory.py, megazero/planning/activations.py).
+"""Memory plan of a megazero run, without launching it (megazero/planning/memory.py,
+megazero/planning/activations.py; the layout search: megazero/planning/search.py). Run from the
+repository root:
 
-    python scripts/plan.py [train.py flags] [--world-size N]
+    python -m scripts.plan [train.py flags] [--world-size N]
         the plan per pipeline stage: parameters, ZeRO model states, activations, temporaries, peak;
-    python scripts/plan.py [train.py flags] --world-size N --measure [--measure-steps K]
+    python -m scripts.plan [train.py flags] --world-size N --measure [--measure-steps K]
         runs K steps on N gloo ranks on this CPU and prints each rank's predicted and measured peak;
-    python scripts/plan.py [model flags] --devices N --device-memory GiB [--top K]
+    python -m scripts.plan [model flags] --devices N --device-memory GiB [--top K]
         the layouts (tp, cp with its comm type, pp, dp, ZeRO stage and shard size, recomputation) whose predicted
         peak fits, smallest first, with the data-parallel bytes each rank sends off its node per step
         (--gpus-per-node, default 8).
@@ -15,6 +17,10 @@ after torch's kernels and autograd engine have run once on tiny tensors and befo
 is built: the bytes the run allocates, not the runtime's own. glibc's malloc keeps freed
 blocks unless their size passes the mmap threshold, so the script re-executes itself with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the resident set.
+
+API: ``main(argv)`` takes the command line as a list (without the program name) and returns the
+exit status. The benchmarks of scripts/bench/ also use ``measure``, ``vocab_of`` and
+``ensure_mmap_threshold``.
 """
 from __future__ import annotations
 
@@ -24,25 +30,20 @@ import os
 import sys
 from typing import Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from megazero import training  # noqa: E402
-from data.indexed_dataset import DataError  # noqa: E402
-from data.tokenizer import load_tokenizer  # noqa: E402
-from megazero.config import MOCK_VOCAB_SIZE, ConfigError, config_from_argv, parse_args  # noqa: E402
-from megazero.config.shape import check_context_parallel  # noqa: E402
-from megazero.planning.memory import gib  # noqa: E402
-from megazero.planning import plan  # noqa: E402
-from megazero.planning.plan import plan_memory, plan_stages  # noqa: E402
-from megazero.runtime.launch import uses_cuda  # noqa: E402
-from model.build import build_gpt_config, build_peak_bytes  # noqa: E402
+from data.indexed_dataset import DataError
+from data.tokenizer import load_tokenizer
+from megazero import training
+from megazero.config import MOCK_VOCAB_SIZE, config_from_argv, world_size_of
+from megazero.planning import plan
+from megazero.planning.memory import gib
+from megazero.planning.plan import plan_memory, plan_stages
+from megazero.planning.search import dp_internode_bytes, layouts
+from megazero.runtime.launch import uses_cuda
+from model.build import build_gpt_config, build_peak_bytes
 
 MiB = 2**20
-RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
-             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
 
 
 def vocab_of(cfg) -> int:
@@ -159,93 +160,14 @@ def measure(argv: list[str], world: int, steps: int) -> list[tuple[int, float, f
 
 
 def ensure_mmap_threshold() -> None:
-    """Re-execute this script with glibc's mmap threshold fixed (see the module docstring)."""
+    """Re-execute the running command (``python -m <main module> ...``, also a benchmark's that
+    calls this) with glibc's mmap threshold fixed (see the module docstring)."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        os.execv(sys.executable, [sys.executable] + sys.argv)
+        os.execv(sys.executable, [sys.executable, "-m", sys.modules["__main__"].__spec__.name, *sys.argv[1:]])
 
 
 # -- searching layouts ----------------------------------------------------------------------
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _cp_options(base, tp: int, ranks: int) -> list[tuple[int, str]]:
-    """(cp, comm type) pairs for ``ranks`` = devices / (tp x pp): cp = 1, and every divisor cp > 1
-    of ``ranks`` that ``shape.check_context_parallel`` accepts (2 cp divides the sequence, with
-    SP cp x tp does, a2a needs the heads divisible by tp x cp), with p2p and a2a. None at cp > 1
-    when the run has attention dropout or --compile, which context parallelism refuses
-    (``config.checks._check_context_parallel``)."""
-    m = base.model
-    options = [(1, "p2p")]
-    if m.attention_dropout > 0 or base.train.compile:
-        return options
-    for cp in (d for d in _divisors(ranks) if d > 1):
-        for comm in ("p2p", "a2a"):
-            try:
-                check_context_parallel(seq_length=m.seq_length, cp=cp, tp=tp, sequence_parallel=tp > 1,
-                                       comm_type=comm, num_attention_heads=m.num_attention_heads,
-                                       num_query_groups=m.num_query_groups if m.group_query_attention else None)
-            except ConfigError:
-                continue
-            options.append((cp, comm))
-    return options
-
-
-def _shard_options(zero: int, replicas: int, tp: int, gpus_per_node: int) -> list[int]:
-    """ZeRO shard sizes S searched: the flat dp x cp (``replicas``), and at stages >= 1 one node's
-    replicas (``gpus_per_node / tp``: consecutive replicas r' = cp_rank + cp dp_rank are tp global
-    ranks apart) when that divides ``replicas`` and is smaller: hybrid sharding, whose
-    all-gathers and reduce-scatters stay inside the node."""
-    node = gpus_per_node // tp if gpus_per_node % tp == 0 else 0
-    hybrid = zero >= 1 and 1 <= node < replicas and replicas % node == 0
-    return [replicas, node] if hybrid else [replicas]
-
-
-def dp_internode_bytes(psi: float, zero: int, replicas: int, shard: int, tp: int, gpus_per_node: int,
-                       num_microbatches: int, param_bytes: int, grad_bytes: int) -> float:
-    """Bytes per rank and step the data-parallel collectives hand to groups that span nodes (the
-    payload ``megazero.collectives.counter`` counts), ranks filling nodes of ``gpus_per_node`` in
-    order. n consecutive replicas are ``tp x n`` consecutive ranks, so a group of them spans nodes
-    when ``tp x n > gpus_per_node``. ZeRO-0: the all-reduce of the g Psi buffer; ZeRO-1/2: the
-    shard group's reduce-scatter (g Psi, per micro-batch at stage 2) and all-gather (p Psi / S)
-    when that group spans nodes, plus hybrid sharding's all-reduce of the shard (g Psi / S) over
-    the replica group when that one does. Psi unpadded (each buffer pads < N elements)."""
-    spans = lambda n: tp * n > gpus_per_node   # noqa: E731
-    if zero == 0:
-        return grad_bytes * psi if spans(replicas) else 0.0
-    inside = (num_microbatches if zero == 2 else 1) * grad_bytes * psi + param_bytes * psi / shard
-    across = grad_bytes * psi / shard if shard < replicas and spans(replicas) else 0.0
-    return (inside if spans(shard) else 0.0) + across
-
-
-def layouts(argv: list[str], devices: int, max_tp: int = 8, gpus_per_node: int = 8):
-    """Every (tp, cp, cp comm type, pp, dp, ZeRO stage, ZeRO shard size S, recomputation) of
-    ``devices`` ranks the model allows, as (label, argv); tp a power of two up to ``max_tp`` (one
-    node), sequence parallel when tp > 1, cp as ``_cp_options`` gives it (the comm type "-" at cp
-    1), S the flat dp x cp or one node of ``gpus_per_node`` (``_shard_options``)."""
-    base = config_from_argv(argv + ["--tp", "1", "--pp", "1", "--dp", "1"], 1, print_warnings=False,
-                            needs_data=False)
-    m, t = base.model, base.train
-    for tp in (d for d in (1, 2, 4, 8, 16) if d <= max_tp and devices % d == 0):
-        if m.num_attention_heads % tp or m.ffn_hidden_size % tp:
-            continue
-        for pp in (d for d in _divisors(m.num_layers) if devices % (tp * d) == 0):
-            for cp, comm in _cp_options(base, tp, devices // (tp * pp)):
-                dp = devices // (tp * pp * cp)
-                if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
-                    continue
-                extra = ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp)]
-                extra += ["--cp", str(cp), "--cp-comm-type", comm] if cp > 1 else []
-                extra += ["--sequence-parallel"] if tp > 1 else []
-                for zero in (0, 1, 2):
-                    for shard in _shard_options(zero, dp * cp, tp, gpus_per_node):
-                        hybrid = ["--zero-shard-size", str(shard)] if shard < dp * cp else []
-                        for name, flags in RECOMPUTE.items():
-                            label = (tp, cp, comm if cp > 1 else "-", pp, dp, zero, shard, name)
-                            yield label, argv + extra + ["--zero-stage", str(zero)] + hybrid + flags
-
-
 def fitting_layouts(argv: list[str], devices: int, device_gib: float,
                     gpus_per_node: int = 8) -> list[tuple[float, tuple, float]]:
     """(predicted peak bytes, layout, data-parallel bytes off the node per rank and step:
@@ -267,7 +189,7 @@ def fitting_layouts(argv: list[str], devices: int, device_gib: float,
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Plan (or measure, or search layouts for) the run of ``argv`` (default: the command line)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m scripts.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x cp x pp x dp of the flags)")
     ap.add_argument("--measure", action="store_true", help="run on CPU gloo ranks and measure each rank's peak")
     ap.add_argument("--measure-steps", type=int, default=3)
@@ -286,7 +208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {shard:>5} {rc:>10} {gib(peak):>14} "
                   f"{off / 2**30:>20.2f}")
         return 0 if fits else 1
-    world = own.world_size or _world_of(argv)
+    world = own.world_size or world_size_of(argv)
     cfg = config_from_argv(argv, world, needs_data=own.measure)  # only --measure reads the data
     vocab = vocab_of(cfg)
     print(plan_table(cfg, vocab))
@@ -296,17 +218,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         for r, want, got in measure(argv + ["--device", "cpu"], world, own.measure_steps):
             print(f"{r:>4} {want / MiB:>14.1f} {got / MiB:>13.1f} {(want - got) / got:>+7.1%}")
     return 0
-
-
-def _world_of(argv: list[str]) -> int:
-    """tp x cp x pp x dp as the flags give them (any of their names, e.g. --tp or
-    --tensor-model-parallel-size; 1 when absent). A flag that does not parse gives 1 here and
-    its error from ``config_from_argv``, which reads the same argv next."""
-    try:
-        p = parse_args(argv).parallel
-    except (ConfigError, SystemExit):
-        return 1
-    return p.tp * p.cp * p.pp * (p.dp or 1)
 
 
 if __name__ == "__main__":

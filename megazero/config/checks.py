@@ -441,7 +441,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
     for name in ("config.json", "model.safetensors"):
         if not os.path.isfile(os.path.join(path, name)):
             raise ConfigError(f"--from-hf {path}: {name} not found; fix: give a folder written by "
-                              "scripts/convert_checkpoint.py --to-hf (or save_pretrained with safetensors)")
+                              "python -m scripts.convert_checkpoint --to-hf (or save_pretrained with safetensors)")
 
 
 _CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,

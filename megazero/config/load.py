@@ -44,3 +44,15 @@ def resolve_run_dir(cfg: Config, stamp: str) -> str:
     if cfg.log.run_dir is None:
         cfg.log.run_dir = os.path.join("runs", stamp)
     return cfg.log.run_dir
+
+
+def world_size_of(argv: list[str]) -> int:
+    """tp x cp x pp x dp as the flags of ``argv`` give them (any of their names, e.g. --tp or
+    --tensor-model-parallel-size; 1 when absent), for a tool that plans a run without launching
+    it. A flag that does not parse gives 1 here and its error from ``config_from_argv``, which
+    reads the same argv next."""
+    try:
+        p = parse_args(argv).parallel
+    except (ConfigError, SystemExit):
+        return 1
+    return p.tp * p.cp * p.pp * (p.dp or 1)

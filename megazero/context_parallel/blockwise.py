@@ -40,7 +40,7 @@ def tile_rows(B: int, heads: int, Tq: int, Tk: int, acc_bytes: int, budget: int 
     return max(1, min(Tq, budget // per_row))
 
 
-def _tiles(q: torch.Tensor, Tk: int):
+def score_tiles(q: torch.Tensor, Tk: int):
     """Slices of q's rows (dim 3 of ``[B, G, R, Tq, d]``) of at most ``tile_rows`` each."""
     B, G, R, Tq, _ = q.shape
     rows = tile_rows(B, G * R, Tq, Tk, torch.finfo(compute_dtype(q.dtype)).bits // 8, SCORE_TILE_BYTES)
@@ -80,7 +80,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     row's result is the same as in one pass).
     """
     outs, lses = [], []
-    for rows in _tiles(q, k.shape[2]):
+    for rows in score_tiles(q, k.shape[2]):
         s = _scores(q[:, :, :, rows], k, _rows(mask, rows), scale)    # (B, G, R, tile, Tk)
         lse = torch.logsumexp(s, dim=-1)                # (B, G, R, tile); -inf on an empty row
         p = s.sub_(_finite(lse)[..., None]).exp_()      # in place: rows sum to 1, empty rows to 0
@@ -119,7 +119,7 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     acc = compute_dtype(q.dtype)
     do, v, qa, ka = do.to(acc), v.to(acc), q.to(acc), k.to(acc)
     dqs, dk, dv = [], None, None
-    for rows in _tiles(q, k.shape[2]):
+    for rows in score_tiles(q, k.shape[2]):
         # in place, so at most two score tiles are alive: P, then dP and dS in dP's memory
         p = _scores(qa[:, :, :, rows], ka, _rows(mask, rows), scale)
         p.sub_(_finite(lse[..., rows])[..., None]).exp_()     # (B, G, R, tile, Tk), final probabilities

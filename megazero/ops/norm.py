@@ -45,7 +45,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (xf * torch.rsqrt(mean_sq + eps) * weight.float()).to(x.dtype)
 
 
-def _layer_norm(x, weight, bias, eps, backend):
+def layer_norm_backend(x, weight, bias, eps, backend):
     h = (x.shape[-1],)
     if backend == "reference":
         return layer_norm_reference(x, weight, bias, eps)
@@ -56,7 +56,7 @@ def _layer_norm(x, weight, bias, eps, backend):
     return F.layer_norm(x, h, w, b, eps)
 
 
-def _rms_norm(x, weight, eps, backend):
+def rms_norm_backend(x, weight, eps, backend):
     h = (x.shape[-1],)
     if backend == "reference":
         return rms_norm_reference(x, weight, eps)
@@ -115,7 +115,7 @@ class LayerNorm(_Norm):
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _layer_norm(x, self.weight, self.bias, self.eps, self._check(x))
+        return layer_norm_backend(x, self.weight, self.bias, self.eps, self._check(x))
 
 
 class RMSNorm(_Norm):
@@ -130,4 +130,4 @@ class RMSNorm(_Norm):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps, self._check(x))
+        return rms_norm_backend(x, self.weight, self.eps, self._check(x))

@@ -93,7 +93,7 @@ def exchange_groups(actions: Sequence[Action]) -> list[list[int]]:
     (NCCL). One chunk (GPipe, 1F1B): every action is its own group, so a steady forward runs
     before the stage waits for the next backward's gradient (Megatron's
     ``send_forward_recv_backward`` after the forward); grouping them would make the two
-    neighbours of a pp 2 pipeline take turns (scripts/bench_pipeline.py measured a 51 %
+    neighbours of a pp 2 pipeline take turns (scripts/bench/bench_pipeline.py measured a 51 %
     bubble against the ideal 11 %). Zero-bubble schedules (B/W split): one action per group.
     """
     out, i = [], 0
@@ -142,7 +142,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
         busy: when a list, ``(kind, start, end)`` is appended for every action ("F",
             "B" or "W", ``time.perf_counter()`` seconds, a clock shared by the processes of one
             machine); the rest of the step is this stage's idle time and communication
-            (``scripts/bench_pipeline.py``).
+            (``scripts/bench/bench_pipeline.py``).
         exchanges: when a list, ``(posted, done, sent tags, received tags)`` is appended for
             every p2p exchange (``time.perf_counter()`` seconds; ``message_tag`` tags).
         layout: how chunks sit on stages (``partition.chunk_layout``): "v" for zb-v.

@@ -3,7 +3,7 @@
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 sec. 4) count the tensors a transformer layer saves for its backward; this module does the
 same for megazero's GPT layer (model/gpt.py), tensor by tensor, so the planner's numbers can
-be checked against measurement (scripts/plan.py --measure). Per layer and micro-batch, with
+be checked against measurement (python -m scripts.plan --measure). Per layer and micro-batch, with
 ``q = s*b*h`` activation elements, ``t`` = tp, ``t_sp`` = tp under sequence parallelism
 (else 1), ``f`` the FFN width and ``a`` the heads:
 
@@ -43,7 +43,7 @@ query/key-value heads per tp rank and ``acc`` = ``max(elt, 4)`` bytes (fp32 accu
   ``Tl/2`` queries, or fewer: ``blockwise.tile_rows`` keeps a tile within
   ``SCORE_TILE_BYTES``, 16 MiB), of which the backward holds two at once (P, computed in the
   scores' memory, and dP, turned into dS in place; the forward one, and logsumexp's reduction).
-  Measured by scripts/bench_context_parallel.py. So the ring's buffers shrink as ``1/cp``
+  Measured by scripts/bench/bench_context_parallel.py. So the ring's buffers shrink as ``1/cp``
   and its score tiles stay bounded; a tile is still an unfused matrix, where the fused kernel
   of cp = 1 keeps O(s).
 - all-to-all (a2a, DeepSpeed-Ulysses): one all-to-all's send, receive and concatenation of a

@@ -182,7 +182,7 @@ def inflight_per_stage(schedule: str, pp: int, vp_size: int, num_microbatches: i
 
 @functools.lru_cache(maxsize=256)
 def _simulated_inflight(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> tuple[int, ...]:
-    """``inflight_per_stage``, cached: a layout search (scripts/plan.py --devices) asks for the same
+    """``inflight_per_stage``, cached: a layout search (python -m scripts.plan --devices) asks for the same
     schedules many times."""
     if pp == 1:
         return (1,)

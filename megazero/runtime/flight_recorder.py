@@ -82,7 +82,7 @@ def read_dumps(folder: str) -> dict[int, dict]:
     return dumps
 
 
-def _group(entry: Mapping) -> str:
+def entry_group(entry: Mapping) -> str:
     name, desc = (list(entry.get("process_group") or ("?", "undefined")) + ["undefined"])[:2]
     return f"{desc} (group {name})" if desc not in ("undefined", "") else f"group {name}"
 
@@ -92,7 +92,7 @@ def _describe(entry: Mapping) -> str:
     op = str(entry.get("profiling_name", "?")).split(":")[-1]
     seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
     dtypes = ",".join(entry.get("input_dtypes") or [])
-    return f"{op} #{seq} of {_group(entry)}, sizes {entry.get('input_sizes')} {dtypes}".rstrip()
+    return f"{op} #{seq} of {entry_group(entry)}, sizes {entry.get('input_sizes')} {dtypes}".rstrip()
 
 
 def last_by_state(dump: Mapping) -> dict[str, Optional[dict]]:
@@ -113,7 +113,7 @@ def behind(dumps: Mapping[int, Mapping]) -> list[str]:
     enqueued: dict[str, dict[int, int]] = {}
     words: dict[str, str] = {}
     for rank, dump in dumps.items():
-        words.update({str(e.get("pg_id")): _group(e) for e in dump["entries"]})
+        words.update({str(e.get("pg_id")): entry_group(e) for e in dump["entries"]})
         for pg_id, status in (dump.get("pg_status") or {}).items():
             enqueued.setdefault(pg_id, {})[rank] = int(status.get("last_enqueued_collective", -1))
     lines = []

@@ -45,7 +45,7 @@ def check_harness(cfg: Config) -> None:
     flag = "--eval-harness-tasks"
     if cfg.parallel.pp > 1:
         raise HarnessError(f"{flag} needs --pp 1 (the harness scores with the whole model in one stage; this run: "
-                           f"--pp {cfg.parallel.pp}); fix: score a saved checkpoint with scripts/evaluate.py")
+                           f"--pp {cfg.parallel.pp}); fix: score a saved checkpoint with python -m scripts.evaluate")
     if cfg.train.mock_data:
         raise HarnessError(f"{flag} needs a tokenizer, which --mock-data has none of; fix: --data-path with "
                            "--tokenizer-model")

@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh on CPU: what it would run on one GPU and on two (its dry run), the MFU
-line against both peaks (scripts/run_throughput.py), and scripts/env.sh refusing to pip-install
+line against both peaks (scripts/bench/run_throughput.py), and scripts/env.sh refusing to pip-install
 without a network. The kernel and peak-parsing parts are in tests/tools/test_bench_kernels.py."""
 import os
 import shlex
@@ -46,7 +46,7 @@ def test_one_gpu_says_what_it_did_not_test():
     assert lines[-2] == ("== not tested: NCCL smoke (1 GPU); multi-GPU layouts: pp 2, dp 2 with evaluation, "
                          "ZeRO-1 --overlap-param-gather, tp 2 (1 GPU)")
     assert lines[-1] == "== gpu_check dry run: nothing ran"
-    throughput = next(x for x in lines if "run_throughput.py" in x)
+    throughput = next(x for x in lines if "scripts.bench.run_throughput" in x)
     assert "--measured-peak-tflops <measured>" in throughput and "--gpu-name NVIDIA" in throughput
 
 
@@ -69,8 +69,20 @@ def test_two_gpus_run_nccl_and_the_four_layouts_and_each_parses():
     assert skipped[-2] == "== not tested: multi-GPU layouts (GPU_CHECK_LAYOUTS=0); optimizer offload (GPU_CHECK_OFFLOAD=0)"
 
 
+def test_every_python_module_of_the_plan_exists():
+    """Each ``python -m MODULE`` the dry run prints (the benchmarks under scripts/bench/) names a
+    module that imports from the repository root, on one GPU and on two."""
+    import importlib.util
+
+    for gpus in (1, 2):
+        lines = dry_run(gpus, GPU_CHECK_GIB="40")
+        modules = {x.split(" -m ", 1)[1].split()[0] for x in lines if " -m scripts." in x}
+        assert {"scripts.bench.bench_kernels", "scripts.bench.run_throughput"} <= modules, modules
+        assert [m for m in sorted(modules) if importlib.util.find_spec(m) is None] == []
+
+
 def test_mfu_against_the_measured_and_the_data_sheet_peak():
-    from scripts.run_throughput import mfu_both_ways
+    from scripts.bench.run_throughput import mfu_both_ways
 
     line = mfu_both_ways("throughput: ...", 494.5, 650.0, "NVIDIA H100 80GB HBM3", "bf16")
     assert line == ("throughput: ...; MFU 76.08% of the measured matmul peak (650.0 TFLOP/s), 50.00% of the "

@@ -1,6 +1,6 @@
 """Hostile inputs stop before launch with one line and exit code 2, never a traceback
 (docs/design.md, contract 3), from the launcher's preflight (``training.preflight``),
-scripts/generate.py and scripts/convert_checkpoint.py:
+``python -m scripts.generate`` and ``python -m scripts.convert_checkpoint``:
 
 - a --from-hf folder whose tensors contradict its config.json: another width, one tensor
   transposed, one missing, an integer tensor (every tensor's shape and dtype is checked
@@ -255,7 +255,8 @@ def _hiding(tmp_path, *modules) -> dict:
 
 
 def _script(name, args, env=None, timeout=120):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, env=env,
+    """``python -m scripts.<name> args`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", f"scripts.{name}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -320,20 +321,20 @@ def test_the_launcher_without_safetensors_stops_with_one_line(good, tmp_path):
     ("tokenizers", "generate: error: --tokenizer-type HuggingFaceTokenizer needs the optional extra hf "
                    "(tokenizers is not installed); fix: pip install -e .[hf]\n")])
 def test_generate_without_the_hf_extra_prints_one_line(good, tmp_path, hidden, line):
-    out = _script("generate.py", ["--from-hf", str(good[0]), "--prompt", "def ", "--device", "cpu"],
+    out = _script("generate", ["--from-hf", str(good[0]), "--prompt", "def ", "--device", "cpu"],
                   _hiding(tmp_path, hidden))
     assert (out.returncode, out.stderr, out.stdout) == (2, line, "")
 
 
 def test_convert_without_the_hf_extra_prints_one_line(tmp_path):
     for hidden in ("safetensors", "tokenizers"):
-        out = _script("convert_checkpoint.py", ["--load", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out")],
+        out = _script("convert_checkpoint", ["--load", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out")],
                       _hiding(tmp_path, hidden))
         assert (out.returncode, out.stderr) == (2, f"convert_checkpoint: error: --to-hf needs the optional extra hf "
                                                    f"({hidden.replace('safetensors', 'safetensors.torch')} is not "
                                                    "installed); fix: pip install -e .[hf]\n")
     (tmp_path / "file").write_text("x")
-    out = _script("convert_checkpoint.py", ["--load", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "file")])
+    out = _script("convert_checkpoint", ["--load", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "file")])
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "not a folder" in out.stderr, out.stderr
 
 
@@ -341,7 +342,7 @@ def test_convert_without_the_hf_extra_prints_one_line(tmp_path):
 
 def test_generate_tp2_checks_before_torchrun_starts(good, tmp_path):
     d, expected, _ = _damaged(good, tmp_path, "one_tensor_transposed", CASES)
-    out = _script("generate.py", ["--tp", "2", "--from-hf", str(d), "--prompt", "def ", "--device", "cpu"])
+    out = _script("generate", ["--tp", "2", "--from-hf", str(d), "--prompt", "def ", "--device", "cpu"])
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert one_line(out.stderr, "generate: error: ") and expected in out.stderr  # no ChildFailedError summary
 
@@ -349,6 +350,6 @@ def test_generate_tp2_checks_before_torchrun_starts(good, tmp_path):
 def test_generate_tp2_through_torchrun_gives_the_tp1_text(good):
     args = ["--from-hf", str(good[0]), "--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0",
             "--print-ids", "--device", "cpu"]
-    one, two = _script("generate.py", args), _script("generate.py", ["--tp", "2"] + args, timeout=300)
+    one, two = _script("generate", args), _script("generate", ["--tp", "2"] + args, timeout=300)
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     assert one.stdout == two.stdout and one.stdout.startswith("def ")

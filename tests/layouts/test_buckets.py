@@ -1,5 +1,5 @@
 """Gradient collectives per step against PyTorch DDP: on the model of
-``scripts/bench_peers.py`` at its default bucket (2^20 elements, DDP's ``bucket_cap_mb`` of the
+``scripts/bench/bench_peers.py`` at its default bucket (2^20 elements, DDP's ``bucket_cap_mb`` of the
 same bytes), megazero's ZeRO-0/1/2 make no more gradient collectives per micro-batch than DDP,
 counted call by call on 2 gloo ranks (megazero's in ``megazero.collectives.calls``, DDP's with
 a communication hook), and the reduced gradients equal DDP's within 1e-6 of the largest
@@ -8,7 +8,7 @@ import argparse
 
 import torch
 
-from scripts import bench_peers as B
+from scripts.bench import bench_peers as B
 from tests.support.distributed import run_distributed
 
 MODEL = argparse.Namespace(vocab=1024, layers=4, hidden=256, heads=4, seq=128)
@@ -26,7 +26,7 @@ def _megazero_run(groups, stage: int, bucket: int, want: dict) -> dict:
     from megazero import collectives as C
     from megazero.data_parallel.ddp import DataParallel
 
-    model = B._model(MODEL, groups)
+    model = B.peer_model(MODEL, groups)
     ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=bucket, overlap_comm=True)
     ddp.zero_grad()
     micro = _micro_batches(groups.dp_rank)
@@ -53,7 +53,7 @@ def _ddp_grads(groups):
     """(all-reduces DDP's reducer makes in the second step, reduced gradients by name)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    model = B._model(MODEL, groups)
+    model = B.peer_model(MODEL, groups)
     wrapped = DistributedDataParallel(model, bucket_cap_mb=B.DEFAULT_BUCKET * 4 / 2 ** 20)
     count = [0]
 

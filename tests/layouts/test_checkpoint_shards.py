@@ -91,13 +91,13 @@ def test_save_under_tp2_pp2_dp2_zero3_loads_under_other_layouts(tmp_path):
     (4, 1, 1) ZeRO-0 and (1, 2, 2) ZeRO-2 with --offload-optimizer cpu: the next 3 steps equal
     the uninterrupted (2, 2, 2) run within 1e-5; every DCP read/write holds at most one bucket
     (the saving or the loading layout's) beyond the own shards."""
-    from scripts.convert_checkpoint import consolidate
+    from megazero.checkpoint import consolidate_checkpoint
 
     root, full = str(tmp_path / "sharded"), str(tmp_path / "full")
     z3 = ARGS + Z3_ARGS + ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3"]
     saved = run_distributed(checkpoint_session, 8, z3, save=root, save_after=3, timeout_s=600)
     whole = saved[0]["losses"][1]
-    consolidate(root, full)
+    consolidate_checkpoint(root, full)
     # micro-batches per step: 1 at dp 4, 2 at tp 4 (micro-batch 8), 2 at pp 2 x dp 2
     layouts = {"(1,1,4) ZeRO-1": (["--dp", "4", "--zero-stage", "1"], [root, full]),
                "(4,1,1) ZeRO-0": (["--micro-batch-size", "8", "--tp", "4", "--zero-stage", "0"], [root]),

@@ -273,7 +273,7 @@ def test_row_tiles_give_the_one_pass_result(monkeypatch):
     whole_grads = bw.block_attention_backward(q, k, v, do, delta, whole[1], mask, 0.5)
     assert bw.tile_rows(B, G * R, Tq, Tk, 8) == Tq        # the default budget: one tile here
     monkeypatch.setattr(bw, "SCORE_TILE_BYTES", B * G * R * Tk * 8 * 3)
-    assert len(bw._tiles(q, Tk)) == 4                      # 3 + 3 + 3 + 1 rows
+    assert len(bw.score_tiles(q, Tk)) == 4                      # 3 + 3 + 3 + 1 rows
     tiled = bw.block_attention(q, k, v, mask, 0.5)
     tiled_grads = bw.block_attention_backward(q, k, v, do, delta, tiled[1], mask, 0.5)
     for a, b in zip((*whole, *whole_grads), (*tiled, *tiled_grads)):

@@ -169,14 +169,14 @@ def test_sentencepiece_tokenizer_exports_exactly(tmp_path):
     from transformers import AutoTokenizer
 
     from data.tokenizer import load_tokenizer, train_tokenizer
-    from scripts.convert_checkpoint import write_tokenizer
+    from data.tokenizer_export import write_hf_tokenizer
     from tests.support.data import TRICKY
 
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(60) + [TRICKY]))
     tok = load_tokenizer(train_tokenizer(str(tmp_path / "t.jsonl"), 400, str(tmp_path / "sp"), num_threads=1))
     out = tmp_path / "hf"
     out.mkdir()
-    write_tokenizer(tok, str(out), 64)  # checks the standard-library sample itself
+    write_hf_tokenizer(tok, str(out), 64)  # checks the standard-library sample itself
     hf_tok = AutoTokenizer.from_pretrained(str(out))
     for text in TEXTS + [TRICKY.replace("<|eod|>", ""), "a literal \u2581 here"]:
         assert hf_tok(text)["input_ids"] == tok.encode(text), text

@@ -76,7 +76,7 @@ def _tp2_greedy(rank, world, hf_dir):
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
     from model.sampling import sample
-    from scripts.generate import load_model
+    from megazero.training.inference import load_model
 
     stage, tok = load_model(generate_args(hf_dir), ProcessGroups.build(Topology(tp=world, pp=1, dp=1)), torch.device("cpu"))
     return sample(stage, tok.encode(PROMPT), 12, temperature=0.0)
@@ -86,7 +86,8 @@ def _tp2_greedy(rank, world, hf_dir):
 def test_llama_generate_greedy_equals_transformers_at_tp1_and_tp2(exported, capsys):
     from megazero.process_groups import ProcessGroups
     from model.sampling import forward_cached
-    from scripts.generate import load_model, main
+    from megazero.training.inference import load_model
+    from scripts.generate import main
 
     stage, tok = load_model(generate_args(exported["hf"]), ProcessGroups.single(), torch.device("cpu"))
     stage.eval()

@@ -41,7 +41,7 @@ def _run_both(rank, world, runs):
     from megazero.topology import Topology
     from model.sampling import sample
     from scripts.convert_checkpoint import main as convert
-    from scripts.generate import load_model
+    from megazero.training.inference import load_model
 
     out = {}
     for kind, (argv, ckpt, hf) in runs.items():

@@ -7,7 +7,7 @@ S = 1, pp 2 x dp 2 with S = 1 and cp 2 x dp 2 with S = 2 (a shard group is one c
 loss and gradient norm equals the flat run's within 1e-6 and ``tests/support/reference.py``'s within 1e-5;
 each rank's model-state bytes equal the ZeRO formula with N = S (and the planner's); a checkpoint
 saved at S = 2 after 5 steps resumes at S = 4 (and at ZeRO-1) with the S = 2 run's next 5 losses;
-``scripts/bench_comm.py``'s hybrid cases count exactly the theory's bytes, kind by kind, and the
+``scripts/bench/bench_comm.py``'s hybrid cases count exactly the theory's bytes, kind by kind, and the
 bytes crossing shard groups (the replica all-reduce and the world scalars). The rank arithmetic
 and the refused settings are tested without processes. An 8-rank spawn (slow) adds tp 2 x dp 4
 with S = 2 and tp 2 x pp 2 x dp 2 with S = 1.
@@ -78,7 +78,7 @@ def _run(rank, world, argv, steps, save=None, load=None):
 
 
 def _all(rank, world, root):
-    from scripts import bench_comm as B
+    from scripts.bench import bench_comm as B
 
     out = {}
     for name, (flags, _) in LAYOUTS.items():
@@ -153,10 +153,10 @@ def test_checkpoint_saved_at_s2_resumes_flat(name, runs):
 
 @pytest.mark.slow
 def test_bench_comm_hybrid_bytes_equal_theory(runs):
-    """scripts/bench_comm.py's hybrid cases (dp 4, S 2, ZeRO-1 and 2): every kind's bytes equal the
+    """scripts/bench/bench_comm.py's hybrid cases (dp 4, S 2, ZeRO-1 and 2): every kind's bytes equal the
     closed form, and the bytes on groups that cross shard groups are exactly the replica
     all-reduce of the rank's shard (padded / S x 4 bytes) plus the step's world scalars."""
-    from scripts import bench_comm as B
+    from scripts.bench import bench_comm as B
 
     per_rank, _ = runs
     cases = {c[0]: c for c in B.CASES}

@@ -6,7 +6,7 @@ with the optimizer offloaded to the host; the hooks did the waiting; the bytes o
 import pytest
 import torch
 
-from scripts.bench_comm import BASE
+from scripts.bench.bench_comm import BASE
 from tests.support.distributed import run_distributed
 
 STEPS = 3

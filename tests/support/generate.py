@@ -17,7 +17,7 @@ def hf_dir(tmp_path_factory):
     from model.config import GPTConfig
     from model.gpt import init_full_weights
     from model.hf import gpt2_config, to_hf_tensors
-    from scripts.convert_checkpoint import write_tokenizer
+    from data.tokenizer_export import write_hf_tokenizer
 
     d = tmp_path_factory.mktemp("gen")
     tok = load_tokenizer(train_hf_tokenizer(corpus(200), 300, str(d / "t" / "tokenizer.json")), "HuggingFaceTokenizer")
@@ -29,7 +29,7 @@ def hf_dir(tmp_path_factory):
     out.mkdir()
     save_file(to_hf_tensors(full, gcfg), str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(gpt2_config(gcfg, eod=tok.eod)))
-    write_tokenizer(tok, str(out), gcfg.max_position_embeddings)
+    write_hf_tokenizer(tok, str(out), gcfg.max_position_embeddings)
     return str(out)
 
 

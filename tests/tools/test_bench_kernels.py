@@ -1,4 +1,4 @@
-"""scripts/bench_kernels.py (the kernel part of scripts/gpu_check.sh), on CPU at tiny shapes:
+"""scripts/bench/bench_kernels.py (the kernel part of scripts/gpu_check.sh), on CPU at tiny shapes:
 one line per kernel in the documented format, and a fused kernel that disagrees with its
 reference is refused before it is timed."""
 import argparse
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from scripts import bench_kernels as K
+from scripts.bench import bench_kernels as K
 from tests.support.paths import REPO
 
 LINE = re.compile(r"kernel (\w+) \[[\d, ]+\]( fp32)? (fwd\+bwd|step): reference [\d.]+ ms, "
@@ -25,9 +25,9 @@ def test_report_lines_follow_the_documented_format():
 
 def test_a_wrong_kernel_is_named():
     want = torch.ones(4)
-    K._check("layer_norm", want.clone(), want)
+    K.check_close("layer_norm", want.clone(), want)
     with pytest.raises(ValueError, match="kernel layer_norm: fused output differs"):
-        K._check("layer_norm", want + 0.01, want)
+        K.check_close("layer_norm", want + 0.01, want)
 
 
 def test_bad_shapes_exit_2(capsys):
@@ -36,7 +36,7 @@ def test_bad_shapes_exit_2(capsys):
 
 
 def test_run_throughput_medians_after_the_warm_up(tmp_path, capsys):
-    from scripts import run_throughput as R
+    from scripts.bench import run_throughput as R
 
     recs = [{"kind": "train", "iteration": i, "iteration_time_s": t, "tokens_per_s": 8192 / t,
              "tflops_per_device": 100.0 * i, "mfu": 0.1 * i} for i, t in

@@ -1,4 +1,4 @@
-"""scripts/bench_overhead.py at tiny shapes: megazero's Trainer and the plain PyTorch loop train
+"""scripts/bench/bench_overhead.py at tiny shapes: megazero's Trainer and the plain PyTorch loop train
 the same model on the same batches, so their losses agree step by step (the comparison the
 benchmark's ratio rests on), and the ratio line is printed."""
 import re
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from scripts import bench_overhead
+from scripts.bench import bench_overhead
 from tests.support.paths import REPO
 
 
@@ -27,7 +27,7 @@ def test_plain_loop_and_trainer_train_the_same_model(capsys):
 def test_keep_freed_memory_sets_glibc_top_pad():
     """--allocator keep (the default) takes effect: glibc accepts M_TOP_PAD (in a child process,
     so this test process keeps its allocator as it was)."""
-    code = "from scripts import bench_overhead as b; print(b.keep_freed_memory(), b.TOP_PAD)"
+    code = "from scripts.bench import bench_overhead as b; print(b.keep_freed_memory(), b.TOP_PAD)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=str(REPO))
     assert out.stdout.split() == ["True", str(1 << 30)], out.stdout + out.stderr

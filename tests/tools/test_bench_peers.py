@@ -1,4 +1,4 @@
-"""scripts/bench_peers.py trains the same thing in every system: from identical weights and
+"""scripts/bench/bench_peers.py trains the same thing in every system: from identical weights and
 batches, megazero ZeRO-0/1/2, DDP, ZeroRedundancyOptimizer and FSDP2 reach the same loss, and
 the model-state bytes per rank follow the ZeRO accounting (16, 12 bytes per parameter...).
 DeepSpeed and Megatron-core are not needed: the optional peers are switched off here, and
@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from scripts import bench_peers as B
-from scripts.bench_peers_optional import megatron_core_weights
+from scripts.bench import bench_peers as B
+from scripts.bench.bench_peers_optional import megatron_core_weights
 from tests.support.distributed import run_distributed
 from tests.support.paths import REPO
 
@@ -50,7 +50,7 @@ def test_every_system_trains_the_same_and_states_follow_zero():
     assert res[0]["megazero-tp2"]["loss"] == res[1]["megazero-tp2"]["loss"]
     # one tp2 step counted: Megatron's 4L + 2 all-reduces of [B, T, H] per micro-batch, the
     # cross-entropy's MAX [B, T] and SUM [3, B, T] per micro-batch, and the fp64 squared norm
-    # once per step, which is also the inf/NaN check (scripts/bench_comm.py, theory_tp)
+    # once per step, which is also the inf/NaN check (scripts/bench/bench_comm.py, theory_tp)
     m, act, bt = 2, 4 * 2 * 16 * 32, 2 * 16
     assert res[0]["megazero-tp2"]["comm"] == {
         "all_reduce": [m * (4 * 1 + 2) + 2 * m + 1, m * (6 * act + 4 * 4 * bt) + 8]}
@@ -82,9 +82,9 @@ def test_peer_parameter_groups_are_megazeros():
     """adamw_groups decays exactly the parameters megazero's optimizer decays (tags.decays)."""
     from megazero.process_groups import ProcessGroups
     from megazero import tags
-    from scripts.bench_peers_optional import adamw_groups
+    from scripts.bench.bench_peers_optional import adamw_groups
 
-    model = B._model(argparse.Namespace(**ARGS), ProcessGroups.single())
+    model = B.peer_model(argparse.Namespace(**ARGS), ProcessGroups.single())
     decay, rest = adamw_groups(model.parameters(), 0.1)
     assert (decay["weight_decay"], rest["weight_decay"]) == (0.1, 0.0)
     assert {id(p) for p in decay["params"]} == {id(p) for p in model.parameters() if tags.decays(p)}
@@ -93,7 +93,7 @@ def test_peer_parameter_groups_are_megazeros():
 
 
 def test_megatron_core_layout_interleaves_q_k_v_per_head():
-    cfg = B._gpt_config(argparse.Namespace(**ARGS))
+    cfg = B.peer_gpt_config(argparse.Namespace(**ARGS))
     full = {}
     for n, shape in [("embedding.word_embeddings.weight", (64, 32)), ("final_ln.weight", (32,)),
                      ("embedding.position_embeddings.weight", (16, 32)), ("final_ln.bias", (32,))]:

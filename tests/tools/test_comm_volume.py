@@ -1,5 +1,5 @@
 """Communication volume equals theory: bytes counted in megazero/collectives.py for one
-training step of each layout in scripts/bench_comm.py (DP ZeRO-0/1/2, TP with and without
+training step of each layout in scripts/bench/bench_comm.py (DP ZeRO-0/1/2, TP with and without
 sequence parallelism, pipeline GPipe / 1F1B / interleaved, TP x ZeRO-2, context parallelism:
 cp 2 ring and all-to-all on two ranks, tp 2 x cp 2 with SP on four, hybrid sharding dp 4 with
 S 2 at ZeRO-1/2 on four, with the bytes crossing shard groups) equal the closed-form
@@ -7,7 +7,7 @@ functions there, kind by kind, on every rank; with expert parallelism, the world
 bytes equal their closed form. One spawn per world size runs all its cases."""
 import pytest
 
-from scripts import bench_comm as B
+from scripts.bench import bench_comm as B
 
 
 def _check(world):
@@ -31,7 +31,7 @@ def test_theory_relations():
     reduce-scatters that TP moved as all-reduces; ZeRO-2 reduce-scatters m times ZeRO-1."""
     s = B.shape_of(tp=2, global_batch=4)
     tp, sp = B.theory_tp(s, 0), B.theory_tp_sp(s, 0)
-    ce = s.m * B._ce(s)
+    ce = s.m * B.cross_entropy_bytes(s)
     assert sp["reduce_scatter"] == tp["all_reduce"] - ce - B.scalars(s, 0)["all_reduce"]
     assert sp["all_gather"] * s.tp == sp["reduce_scatter"]
     d = B.shape_of(dp=2)
@@ -50,8 +50,8 @@ def test_theory_relations():
 
 def test_moe_all_to_all_bytes_equal_theory_on_four_ranks():
     """Expert parallelism (dp 4 at EP 2 and 4, tp 2 dp 2 at EP 2, dropless): the world's
-    all-to-all bytes of a step equal ``tp dp L M 8E + 16 H tp K`` (scripts/bench_comm.py)."""
-    from scripts.bench_comm import measure_moe
+    all-to-all bytes of a step equal ``tp dp L M 8E + 16 H tp K`` (scripts/bench/bench_comm.py)."""
+    from scripts.bench.bench_comm import measure_moe
 
     for name, counted, theory in measure_moe():
         assert counted == theory, (name, counted, theory)

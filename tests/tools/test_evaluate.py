@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from tests.support.distributed import run_distributed
 from model.evaluation import HarnessError
+from tests.support.distributed import run_distributed
 from tests.support.extras import require
 from tests.support.hf_tokenizer import corpus
 from tests.support.paths import REPO
@@ -67,8 +67,8 @@ def _ours(rank, world, ckpt, limit, answers=True):
 
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
+    from megazero.training.inference import load_model
     from model.evaluation import make_lm, run_tasks
-    from scripts.generate import load_model
 
     args = SimpleNamespace(load=ckpt, from_hf=None, tokenizer_model=None, tokenizer_type=None)
     stage, tok = load_model(args, ProcessGroups.build(Topology(tp=world, pp=1, dp=1)), torch.device("cpu"))

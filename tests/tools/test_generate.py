@@ -25,8 +25,8 @@ def _hf_greedy(hf_dir, prompt_ids, n):
 def _tp_generate(rank, world, hf_dir):
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
+    from megazero.training.inference import load_model
     from model.sampling import sample
-    from scripts.generate import load_model
 
     groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
     stage, tok = load_model(generate_args(hf_dir), groups, torch.device("cpu"))
@@ -38,8 +38,8 @@ def _tp_generate(rank, world, hf_dir):
 
 def test_kv_cache_logits_equal_the_full_forward(hf_dir):
     from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
     from model.sampling import forward_cached
-    from scripts.generate import load_model
 
     stage, _ = load_model(generate_args(hf_dir), ProcessGroups.single(), torch.device("cpu"))
     stage.eval()
@@ -114,10 +114,10 @@ def gpt2_default_dir(tmp_path_factory):
 def _tp_logits(rank, world, hf_dir, ids):
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
-    from scripts.generate import load_model
+    from megazero.training.inference import load_model
 
     groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
-    stage, tok = load_model(generate_args(hf_dir, prompt_ids=ids[0]), groups, torch.device("cpu"))
+    stage, tok = load_model(generate_args(hf_dir), groups, torch.device("cpu"), need_tokenizer=False)
     with torch.no_grad():
         return tok, stage.cfg.openai_gelu, stage.eval()(torch.tensor(ids))[..., :96]
 

@@ -1,11 +1,11 @@
-"""The memory planner's activation and temporary terms (megazero/planning/activations.py) and scripts/plan.py.
+"""The memory planner's activation and temporary terms (megazero/planning/activations.py), its layout
+search (megazero/planning/search.py) and ``python -m scripts.plan`` (through its ``main(argv)``).
 
 The per-layer counts are checked against the bytes autograd really saves in model/gpt.py's
 layer (a saved-tensors hook sums the distinct storages; with context parallelism on 2 gloo
 ranks, ring and all-to-all), the plan against measured peak memory of a CPU run (cp 1 and
 cp 2), and the layout search against a GPT-3 175B-sized model (with cp in the search).
 """
-import os
 import subprocess
 import sys
 
@@ -149,14 +149,14 @@ def test_plan_per_rank_shrinks_with_cp():
 
 
 def test_plan_table_names_the_ring_buffers(capsys):
-    """scripts/plan.py at --cp 2 adds the cp attention's K/V buffers and the ring's block scores
-    as columns; the launcher's line names them too."""
+    """``python -m scripts.plan`` at --cp 2 adds the cp attention's K/V buffers and the ring's block
+    scores as columns; the launcher's line names them too."""
     from megazero.planning.memory import describe
+    from scripts.plan import main
 
-    plan = _plan_script()
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "4096",
             "--vocab-size", "1001", "--micro-batch-size", "1", "--global-batch-size", "1"]
-    assert plan.main(argv + ["--cp", "2"]) == 0
+    assert main(argv + ["--cp", "2"]) == 0
     table, build = capsys.readouterr().out.split("\n\n")
     head, row = table.splitlines()
     assert build.startswith("model build, stage 0: peak ")
@@ -197,11 +197,11 @@ def test_zero3_formula_is_p_g_k_over_n():
 def test_plan_lists_a_fitting_layout_for_a_175b_gpt():
     """GPT-3 175B (96 layers, hidden 12288, 96 heads, seq 2048, bf16) on 1024 devices of 80 GiB."""
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--mock-data", "--num-layers", "96",
+        [sys.executable, "-m", "scripts.plan", "--mock-data", "--num-layers", "96",
          "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048", "--vocab-size",
          "50257", "--micro-batch-size", "1", "--global-batch-size", "1536", "--bf16",
          "--devices", "1024", "--device-memory", "80", "--top", "3"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "layouts of 1024 devices fit in 80 GiB" in lines[0]
@@ -220,16 +220,17 @@ def test_layout_search_takes_cp_where_the_sequence_allows_it():
     under sequence parallelism, a2a only where tp x cp divides the heads (2 heads: only tp 1,
     cp 2); no cp with attention dropout, which cp refuses. Every layout has tp x cp x pp x dp
     ranks."""
-    plan = _plan_script()
+    from megazero.planning.search import layouts
+
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "12",
             "--vocab-size", "101", "--micro-batch-size", "1", "--global-batch-size", "24"]
-    found = {label[:5] for label, _ in plan.layouts(argv, 8)}
+    found = {label[:5] for label, _ in layouts(argv, 8)}
     assert all(tp * cp * pp * dp == 8 for tp, cp, _, pp, dp in found)
     cps = {(tp, cp, comm) for tp, cp, comm, _, _ in found}
     assert {cp for _, cp, _ in cps} == {1, 2}   # cp 4 and 8: 12 tokens are not 2 cp chunks
     assert {(tp, cp, comm) for tp, cp, comm in cps if cp > 1} == {(1, 2, "p2p"), (1, 2, "a2a"), (2, 2, "p2p")}
-    assert {label[1] for label, _ in plan.layouts(argv + ["--attention-dropout", "0.1"], 8)} == {1}
-    assert {label[1] for label, _ in plan.layouts(argv, 6)} == {1, 2, 3, 6}
+    assert {label[1] for label, _ in layouts(argv + ["--attention-dropout", "0.1"], 8)} == {1}
+    assert {label[1] for label, _ in layouts(argv, 6)} == {1, 2, 3, 6}
 
 
 def test_layout_search_takes_one_node_as_the_zero_shard_size():
@@ -240,12 +241,12 @@ def test_layout_search_takes_one_node_as_the_zero_shard_size():
     from megazero.config import config_from_argv
     from megazero.optim.zero import zero_formula_bytes
     from megazero.planning.plan import plan_memory
+    from megazero.planning.search import layouts
     from model.build import build_gpt_config
 
-    plan = _plan_script()
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "12",
             "--vocab-size", "101", "--micro-batch-size", "1", "--global-batch-size", "32"]
-    labels = [label for label, _ in plan.layouts(argv, 16)]
+    labels = [label for label, _ in layouts(argv, 16)]
     shards = {(tp, cp, dp, zero): set() for tp, cp, _, _, dp, zero, _, _ in labels}
     for tp, cp, _, _, dp, zero, shard, _ in labels:
         shards[(tp, cp, dp, zero)].add(shard)
@@ -261,41 +262,32 @@ def test_layout_search_takes_one_node_as_the_zero_shard_size():
 
 def test_off_node_bytes_are_the_replica_all_reduce_counted_by_bench_comm():
     """The search's data-parallel bytes off the node: with a node per shard group (bench_comm's
-    dp 4, S 2 at 2 GPUs per node) exactly the all-reduce bytes scripts/bench_comm.py counts on the
+    dp 4, S 2 at 2 GPUs per node) exactly the all-reduce bytes scripts/bench/bench_comm.py counts on the
     groups crossing shard groups (its ``crossing`` less the world scalars), 4 Psi / S; flat ZeRO-2
     over the same 4 ranks sends its reduce-scatter (per micro-batch) and all-gather off the node,
     and a group inside one node sends nothing."""
-    from scripts import bench_comm as B
+    from megazero.planning.search import dp_internode_bytes
+    from scripts.bench import bench_comm as B
 
-    plan = _plan_script()
     shape = B.shape_of(dp=4, shard=2, global_batch=16)
     padded = B.round_up(B.params_per_rank(shape), 2)
     crossing = B.theory_hybrid2(shape, 0)["crossing"] - B.scalars(shape, 2)["all_reduce"]
-    assert plan.dp_internode_bytes(padded, 2, 4, 2, 1, 2, shape.m, 4, 4) == crossing == 4 * padded / 2
-    assert plan.dp_internode_bytes(padded, 2, 4, 4, 1, 2, shape.m, 4, 4) == 4 * padded * shape.m + 4 * padded / 4
-    assert plan.dp_internode_bytes(padded, 1, 4, 2, 1, 8, shape.m, 4, 4) == 0
-    assert plan.dp_internode_bytes(padded, 0, 4, 4, 2, 4, shape.m, 2, 4) == 4 * padded
-
-
-def _plan_script():
-    """scripts/plan.py as a module (its main takes the command line as a list)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_script", os.path.join(ROOT, "scripts", "plan.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    assert dp_internode_bytes(padded, 2, 4, 2, 1, 2, shape.m, 4, 4) == crossing == 4 * padded / 2
+    assert dp_internode_bytes(padded, 2, 4, 4, 1, 2, shape.m, 4, 4) == 4 * padded * shape.m + 4 * padded / 4
+    assert dp_internode_bytes(padded, 1, 4, 2, 1, 8, shape.m, 4, 4) == 0
+    assert dp_internode_bytes(padded, 0, 4, 4, 2, 4, shape.m, 2, 4) == 4 * padded
 
 
 def test_plan_needs_no_data(capsys):
-    """scripts/plan.py launches nothing and reads no data: GPT-3 175B on tp 8 x pp 8 x dp 8 is
+    """``python -m scripts.plan`` launches nothing and reads no data: GPT-3 175B on tp 8 x pp 8 x dp 8 is
     planned without --data-path or --mock-data (one row per pipeline stage); without
     --vocab-size it stops with one line naming the flag."""
-    plan = _plan_script()
+    from scripts.plan import main
+
     argv = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
             "--tp", "8", "--pp", "8", "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "1536",
             "--bf16", "--zero-stage", "1", "--sequence-parallel"]
-    assert plan.main(argv + ["--vocab-size", "50257"]) == 0
+    assert main(argv + ["--vocab-size", "50257"]) == 0
     out = capsys.readouterr()
     table, build = out.out.split("\n\n")
     rows = table.splitlines()
@@ -305,19 +297,19 @@ def test_plan_needs_no_data(capsys):
     assert all(int(r.split()[1].replace(",", "")) > 10**9 for r in rows[1:])  # 175e9 / (tp 8 x pp 8) each
     assert "error" not in out.err
     with pytest.raises(SystemExit) as e:
-        plan.main(argv)
+        main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("megazero: config error: ") and "--vocab-size" in err and err.count("\n") == 1
 
 
 def _measure(argv: list[str]) -> list[tuple[float, float]]:
-    """(predicted, measured) peak MiB of every rank of ``scripts/plan.py --measure`` on ``argv``."""
+    """(predicted, measured) peak MiB of every rank of ``python -m scripts.plan --measure`` on ``argv``."""
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "plan.py"), "--mock-data", "--vocab-size", "1001",
+        [sys.executable, "-m", "scripts.plan", "--mock-data", "--vocab-size", "1001",
          "--make-vocab-size-divisible-by", "8", "--num-layers", "2", "--num-attention-heads", "4",
          "--eval-iters", "0", "--measure", "--measure-steps", "2"] + argv,
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     rows = lines[lines.index(next(l for l in lines if l.split()[:2] == ["rank", "predicted"])) + 1:]
@@ -326,7 +318,7 @@ def _measure(argv: list[str]) -> list[tuple[float, float]]:
 
 @pytest.mark.slow
 def test_measure_agrees_with_the_plan():
-    """scripts/plan.py --measure on one CPU rank: the predicted peak is within 10 % of the
+    """``python -m scripts.plan --measure`` on one CPU rank: the predicted peak is within 10 % of the
     measured one at sequence length 1024, with and without recomputation."""
     for extra in ([], ["--recompute-granularity", "selective"]):
         (want, got), = _measure(["--hidden-size", "256", "--seq-length", "1024", "--micro-batch-size", "2",
@@ -351,11 +343,12 @@ def test_measure_agrees_with_the_plan_at_cp2():
 
 
 def test_plan_script_reads_the_world_size_from_any_layout_flag_name():
-    """scripts/plan.py without --world-size takes tp x cp x pp x dp from the flags, under any of
-    their names (Megatron's long ones too); a flag that does not parse leaves the error to the
-    config's one line."""
-    plan = _plan_script()
-    assert plan._world_of(["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+    """``python -m scripts.plan`` without --world-size takes tp x cp x pp x dp from the flags
+    (``megazero.config.world_size_of``), under any of their names (Megatron's long ones too); a
+    flag that does not parse leaves the error to the config's one line."""
+    from megazero.config import world_size_of
+
+    assert world_size_of(["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                            "--pipeline-model-parallel-size", "2", "--dp", "3"]) == 24
-    assert plan._world_of(["--cp", "4"]) == 4
-    assert plan._world_of(["--tp", "two"]) == 1
+    assert world_size_of(["--cp", "4"]) == 4
+    assert world_size_of(["--tp", "two"]) == 1

@@ -9,16 +9,13 @@ half tests the CUDA_DEVICE_MAX_CONNECTIONS rule (megazero/runtime/launch.py).
 """
 import os
 import signal
-import sys
 
 import pytest
 import torch
 
 from megazero.config import config_from_argv
 from megazero.runtime import launch as L
-from tests.support.paths import REPO
 
-ROOT = str(REPO)
 TINY = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "16",
         "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1",
         "--global-batch-size", "2", "--train-iters", "1"]
@@ -76,17 +73,13 @@ def test_train_sets_its_device_before_any_cuda_context(cuda_spies, tmp_path, cap
     assert capsys.readouterr().err == ""  # rank 1 prints no warning; rank 0 would name the variable
 
 
-def test_generate_sets_its_device_before_any_cuda_context(cuda_spies, monkeypatch):
-    """scripts/generate.py on rank 1 of 2 with --device cuda: set_device(1), then NCCL."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import generate
-    finally:
-        sys.path.pop(0)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "spy")
-    monkeypatch.setattr(generate, "check_inputs", lambda args, tp: None)  # inputs are not the question
+def test_inference_ranks_set_their_device_before_any_cuda_context(cuda_spies):
+    """A rank of ``python -m scripts.generate`` / ``scripts.evaluate`` (rank 1 of 2, --device cuda)
+    joins through ``megazero.training.inference.join_tp_ranks``: set_device(1), then NCCL."""
+    from megazero.training.inference import join_tp_ranks
+
     with pytest.raises(Reached):
-        generate.main(["--load", "unused", "--prompt", "x", "--device", "cuda"])
+        join_tp_ranks("cuda", 2, timeout_s=300)
     assert cuda_spies == ["set_device(cuda:1)", "init_process_group(cuda:1)"], cuda_spies
 
 

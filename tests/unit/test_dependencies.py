@@ -18,6 +18,9 @@
   (``_x``) imported from another file anywhere (library, train.py, scripts/, tests/).
 - Tests and scripts share helpers only through ``tests.support``: a test module imports no
   other test module, and scripts import nothing of tests/ but ``tests.support``.
+- A test takes nothing from a user tool (``scripts/*.py``) but its ``main(argv)``; what tests
+  need of a tool lives in the library. Benchmarks (``scripts/bench/``) are tested through their
+  public measuring functions.
 """
 import ast
 from pathlib import Path
@@ -292,12 +295,31 @@ def test_no_module_level_getattr():
     assert bad == []
 
 
+def _project_modules() -> set[str]:
+    """Dotted names of every module and package of the project (library, scripts, tests)."""
+    files = [f for pkg in LIBRARY + ("scripts", "tests") for f in (ROOT / pkg).rglob("*.py")]
+    return {_module_name(f) for f in files if f.relative_to(ROOT).parts[0] in LIBRARY + ("scripts", "tests")}
+
+
 def _private_imports(path: Path) -> list[str]:
-    """``module.name`` of each private name (``_x``) ``path`` imports from a project module."""
+    """``module.name`` of each private name (``_x``) ``path`` takes from another project module:
+    imported by name, or read as an attribute of a project module it imported
+    (``from scripts.bench import bench_peers as B`` ... ``B._model``)."""
     ours = LIBRARY + ("train", "scripts", "tests")
-    return [f"{node.module}.{a.name}" for node in ast.walk(_tree(path))
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ours
-            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    tree, out, modules = _tree(path), [], {}
+    is_module = _project_modules()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ours:
+            out += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            modules.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                            if f"{node.module}.{a.name}" in is_module})
+        elif isinstance(node, ast.Import):
+            modules.update({a.asname: a.name for a in node.names if a.asname and a.name in is_module})
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            out.append(f"{modules[node.value.id]}.{node.attr}")
+    return out
 
 
 def test_no_private_name_imported_from_another_file():
@@ -336,9 +358,30 @@ def test_tests_and_scripts_share_helpers_only_through_tests_support():
     assert bad == {}
 
 
+def _tool_internals(path: Path) -> list[str]:
+    """``module.name`` of each name other than ``main`` that a test file imports from a user tool
+    (a module directly under scripts/), and ``module`` where it imports the tool module itself."""
+    tools = {f"scripts.{f.stem}" for f in (ROOT / "scripts").glob("*.py") if f.stem != "__init__"}
+    bad = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in tools:
+            bad += [f"{node.module}.{a.name}" for a in node.names if a.name != "main"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "scripts":
+            bad += [f"scripts.{a.name}" for a in node.names if f"scripts.{a.name}" in tools]
+        elif isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name in tools]
+    return bad
+
+
+def test_tests_take_only_main_from_a_user_tool():
+    bad = [f"{f.relative_to(ROOT)}: {name}" for f in sorted((ROOT / "tests").rglob("*.py"))
+           for name in _tool_internals(f)]
+    assert bad == []
+
+
 def test_the_test_side_rules_see_planted_violations(tmp_path, monkeypatch):
-    """A test importing another test module, a script importing a test module and a private name
-    imported from a script are each caught."""
+    """A test importing another test module, a script importing a test module, a private name
+    imported from a script and a test taking more than ``main`` from a user tool are each caught."""
     (tmp_path / "tests" / "unit").mkdir(parents=True)
     (tmp_path / "scripts").mkdir()
     a = tmp_path / "tests" / "unit" / "test_a.py"
@@ -349,6 +392,17 @@ def test_the_test_side_rules_see_planted_violations(tmp_path, monkeypatch):
     assert _test_side_violations(a) == ["tests.layouts.test_train"]
     assert _test_side_violations(b) == ["tests.layouts", "tests.layouts.test_train"]
     assert _private_imports(a) == ["scripts.plan._status"]
+    (tmp_path / "scripts" / "bench").mkdir(exist_ok=True)
+    (tmp_path / "scripts" / "bench" / "bench_peers.py").write_text("def _model(x): ...\n")
+    c = tmp_path / "tests" / "unit" / "test_c.py"
+    c.write_text("from scripts.bench import bench_peers as B\nB._model(1)\nB.peer_model(1)\n")
+    assert _private_imports(c) == ["scripts.bench.bench_peers._model"]
+    (tmp_path / "scripts" / "plan.py").write_text("")
+    (tmp_path / "scripts" / "bench").mkdir(exist_ok=True)
+    (tmp_path / "scripts" / "bench" / "bench_peers.py").write_text("def _model(x): ...\n")
+    c = tmp_path / "tests" / "unit" / "test_c.py"
+    c.write_text("from scripts.plan import main, layouts\nfrom scripts import plan\nimport scripts.plan\n")
+    assert _tool_internals(c) == ["scripts.plan.layouts", "scripts.plan", "scripts.plan"]
 
 
 def test_importing_the_trainer_leaves_out_the_heavy_optional_modules():

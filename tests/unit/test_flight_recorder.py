@@ -91,7 +91,7 @@ def test_nccl_states_give_each_ranks_last_completed_and_started_collective(tmp_p
     d0["entries"][0]["state"], d0["entries"][1]["state"] = "completed", "started"
     d1["entries"][0]["state"] = "completed"
     _write(tmp_path, [d0, d1])
-    dp = FR._group(d0["entries"][0])
+    dp = FR.entry_group(d0["entries"][0])
     trail = R.Trail()
     trail.enter(3, "the optimizer step")
     R.write_failure(str(tmp_path), 1, trail, RuntimeError("NCCL watchdog timeout"))

@@ -1,7 +1,7 @@
 """Rebuild the data of the shipped lm-evaluation-harness tasks from the embedded corpus's
 held-out split (``data/corpus.py``: the standard library files with ``is_heldout(path)``).
 
-    python data/tasks/megazero_stdlib/build.py      # rewrites mc.jsonl and ppl.jsonl beside it
+    python -m data.tasks.megazero_stdlib.build      # (repository root) rewrites mc.jsonl and ppl.jsonl here
 
 ``mc.jsonl`` (task ``megazero_stdlib``, multiple choice): from each held-out file (sorted by
 path), up to ``ITEMS_PER_FILE`` target lines drawn with a ``random.Random`` seeded by the
@@ -25,12 +25,10 @@ import json
 import os
 import platform
 import random
-import sys
+
+from data.corpus import is_heldout, read_documents, stdlib_root
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-
-from data.corpus import is_heldout, read_documents, stdlib_root  # noqa: E402
 
 ITEMS_PER_FILE, CONTEXT_LINES, CONTEXT_CHARS, PPL_CHARS, DISTRACTORS = 10, 10, 480, 2000, 3
 

@@ -21,27 +21,22 @@ loops spend about a sixth of their step in page faults and megazero's gradient h
 each gradient as soon as it is in the flat buffer, take more of them (measured: 149 against 112
 MiB of faults per step). ``--allocator system`` measures with the defaults.
 
-    python scripts/bench_overhead.py [--steps 30] [--allocator keep|system] [--hidden-size 256] ...
+    python -m scripts.bench.bench_overhead [--steps 30] [--allocator keep|system] [--hidden-size 256] ...
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 import types
 
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megazero.training import build_trainer  # noqa: E402
-from data.samplers import get_micro_batches  # noqa: E402
-from model.gpt import init_full_weights  # noqa: E402
-from tests.support.reference import ReferenceGPT  # noqa: E402
+from data.samplers import get_micro_batches
+from megazero.training import build_trainer
+from model.gpt import init_full_weights
+from tests.support.reference import ReferenceGPT
 
 
 def sdpa_attention(block, x: torch.Tensor, positions=None, hidden=None) -> torch.Tensor:

@@ -21,20 +21,17 @@ Output (one line each; ``scripts/gpu_check.sh`` parses the first)::
     matmul peak bf16: n 8192, 0.912 ms, 1205.6 TFLOP/s
     kernel layer_norm [8192, 2048] bf16 fwd+bwd: reference 0.512 ms, apex 0.081 ms, speed-up 6.32x
 
-    python scripts/bench_kernels.py --device cuda --dtype bf16
+    python -m scripts.bench.bench_kernels --device cuda --dtype bf16
 """
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
@@ -76,7 +73,7 @@ def _fwd_bwd(fn, *inputs):
     return out
 
 
-def _check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def check_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     err = (got.float() - want.float()).abs().max().item()
     tol = TOLERANCE[want.dtype] * max(1.0, want.float().abs().max().item())
     if not err <= tol:
@@ -93,10 +90,10 @@ def _norm_cases(tokens: int, hidden: int, dtype, device, backend: str) -> dict:
     eps = 1e-5
     return {
         "layer_norm": (lambda: _fwd_bwd(norm.layer_norm_reference, x, w, b, eps),
-                       lambda: _fwd_bwd(lambda *a: norm._layer_norm(*a, backend), x, w, b, eps),
+                       lambda: _fwd_bwd(lambda *a: norm.layer_norm_backend(*a, backend), x, w, b, eps),
                        f"[{tokens}, {hidden}]", "fwd+bwd"),
         "rms_norm": (lambda: _fwd_bwd(norm.rms_norm_reference, x, w, eps),
-                     lambda: _fwd_bwd(lambda *a: norm._rms_norm(*a, backend), x, w, eps),
+                     lambda: _fwd_bwd(lambda *a: norm.rms_norm_backend(*a, backend), x, w, eps),
                      f"[{tokens}, {hidden}]", "fwd+bwd")}
 
 
@@ -143,7 +140,7 @@ def run(args) -> list[str]:
     cases.update(_attention_case(args.tokens // args.seq, args.heads, args.seq,
                                  args.hidden // args.heads, dtype, device))
     for name, (reference, fused, shape, what) in cases.items():
-        _check(name, fused(), reference())
+        check_close(name, fused(), reference())
         t_ref, t_fused = time_ms(reference, device, args.iters), time_ms(fused, device, args.iters)
         label = "sdpa" if name == "attention" else backend
         dt = "" if name == "adam" else f" {args.dtype}"

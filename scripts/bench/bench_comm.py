@@ -40,15 +40,12 @@ all-reduce over the world runs only when that sum is not finite: ``DistributedOp
 and the logged loss together with the four stop flags (five fp64 values, SUM over the world:
 ``megazero.runtime.resilience.agree``); each is counted only where its group has > 1 rank.
 
-    python scripts/bench_comm.py           # prints one table, exits 1 on any mismatch
+    python -m scripts.bench.bench_comm           # prints one table, exits 1 on any mismatch
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 F32, F64 = 4, 8
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, POSITIONS, MICRO = 2, 32, 4, 1001, 16, 16, 2
@@ -183,7 +180,7 @@ def theory_hybrid2(s: Shape, pp_rank: int) -> dict:
     return theory_hybrid(s, pp_rank, 2)
 
 
-def _ce(s: Shape) -> int:
+def cross_entropy_bytes(s: Shape) -> int:
     """Vocabulary-parallel cross-entropy forward: MAX of [B, T/cp] and SUM of [3, B, T/cp], fp32."""
     return F32 * 4 * s.B * s.Tl
 
@@ -192,7 +189,7 @@ def theory_tp(s: Shape, pp_rank: int) -> dict:
     """Megatron TP, per micro-batch: 4 all-reduces of [B, T, H] per layer (2 forward, 2
     backward), the embedding's forward one, the LM head's backward one, cross-entropy."""
     act = F32 * s.B * s.T * s.H
-    per_micro = (4 * s.L + 2) * act + _ce(s)
+    per_micro = (4 * s.L + 2) * act + cross_entropy_bytes(s)
     return add({"all_reduce": s.m * per_micro}, scalars(s, 0))
 
 
@@ -208,7 +205,7 @@ def theory_tp_sp(s: Shape, pp_rank: int) -> dict:
     once per step the SP parameters' gradients all-reduced over TP. (T is a rank's T/cp.)"""
     act = F32 * s.B * s.Tl * s.H
     per_micro = {"reduce_scatter": (4 * s.L + 2) * act,
-                 "all_gather": (4 * s.L + 2) * act // s.tp, "all_reduce": _ce(s)}
+                 "all_gather": (4 * s.L + 2) * act // s.tp, "all_reduce": cross_entropy_bytes(s)}
     step = {k: s.m * v for k, v in per_micro.items()}
     return add(step, {"all_reduce": F32 * sequence_parallel_params(s)}, scalars(s, 0))
 
@@ -230,7 +227,7 @@ def theory_tp_zero2(s: Shape, pp_rank: int) -> dict:
     ZeRO-2 traffic of this TP rank's partition over its DP group; one set of scalars."""
     act = F32 * s.B * s.T * s.H
     padded = round_up(params_per_rank(s), s.dp)
-    return add({"all_reduce": s.m * ((4 * s.L + 2) * act + _ce(s))},
+    return add({"all_reduce": s.m * ((4 * s.L + 2) * act + cross_entropy_bytes(s))},
                {"reduce_scatter": F32 * padded * s.m, "all_gather": F32 * padded // s.dp},
                scalars(s, 2))
 
@@ -297,11 +294,9 @@ def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int,
     """On every rank: for each argv, build a Trainer, run one step, count the second.
     Returns ``(pp_rank, {kind: bytes})`` per argv."""
 
-    from megazero import training
-
-    from megazero.training import build_trainer
-    from megazero import collectives
+    from megazero import collectives, training
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     out = []
     for argv in argvs:

@@ -7,7 +7,7 @@ selection) and prints the medians of the rest in one line::
     throughput: iterations 3-6 of 6 (median): 412.3 ms/iteration, 39741.0 tokens/s, 312.4 TFLOP/s/device, MFU 41.21%
 
 MFU is ``n/a`` when the run knew no peak (``--peak-tflops``). ``--measured-peak-tflops`` (a
-timed matmul, scripts/bench_kernels.py) and ``--gpu-name`` with ``--dtype`` (the data-sheet
+timed matmul, scripts/bench/bench_kernels.py) and ``--gpu-name`` with ``--dtype`` (the data-sheet
 peak of ``megazero.planning.flops.peak_flops_for_name``) add the median TFLOP/s/device as a
 fraction of each, so one line shows how far the run is from what the GPU does and from what
 its maker says it does::
@@ -17,7 +17,7 @@ its maker says it does::
 
 Exits 2 with one line when the file is missing or holds no iteration after the skipped ones.
 
-    python scripts/run_throughput.py RUN_DIR --skip 2 [--measured-peak-tflops T] [--gpu-name NAME --dtype bf16]
+    python -m scripts.bench.run_throughput RUN_DIR --skip 2 [--measured-peak-tflops T] [--gpu-name NAME --dtype bf16]
 """
 from __future__ import annotations
 

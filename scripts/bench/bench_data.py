@@ -1,7 +1,7 @@
 """Data pipeline benchmark: preprocessing throughput and GPT index-building time.
 
-    python scripts/bench_data.py [--workers 1 2] [--max-docs N] [--tokens 100000000]
-    python scripts/bench_data.py --memory [--chunk-rows 256] [--doc-bytes 4096] [--workers 1] [--scales 1 20]
+    python -m scripts.bench.bench_data [--workers 1 2] [--max-docs N] [--tokens 100000000]
+    python -m scripts.bench.bench_data --memory [--chunk-rows 256] [--doc-bytes 4096] [--workers 1] [--scales 1 20]
 
 1. Writes the stdlib corpus (data.corpus), trains a tokenizer on it (or uses
    --tokenizer-model), and tokenizes it with each --workers count: documents/s, tokens/s and
@@ -32,13 +32,11 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data.corpus import list_files, stdlib_root, write_corpus  # noqa: E402
-from data.gpt_dataset import GPTDataset  # noqa: E402
-from data.indexed_dataset import IndexedDataset, write_index  # noqa: E402
-from data.preprocess import preprocess  # noqa: E402
-from data.tokenizer import train_tokenizer  # noqa: E402
+from data.corpus import list_files, stdlib_root, write_corpus
+from data.gpt_dataset import GPTDataset
+from data.indexed_dataset import IndexedDataset, write_index
+from data.preprocess import preprocess
+from data.tokenizer import train_tokenizer
 
 
 def bench_preprocess(tmp: str, workers: list[int], max_docs: int | None, model: str | None) -> None:
@@ -119,7 +117,7 @@ def bench_memory(tmp: str, model: str | None, chunk_rows: int, doc_bytes: int, w
         for k in scales:
             n = k * chunk_rows
             inputs = _write_format(fmt, docs[:n], os.path.join(tmp, f"mem{fmt}{n}"))
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_measure", model,
+            out = subprocess.run([sys.executable, "-m", __spec__.name, "--_measure", model,
                                   os.path.join(tmp, f"memout{n}"), str(chunk_rows), str(workers), *inputs],
                                  capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])

@@ -25,7 +25,7 @@ interleaved. Under zb-* sends do not wait (only receives are replayed against th
 rank runs one torch thread (``tests.support.distributed``). On a shared CPU the ranks also compete
 for cores: see docs/performance.md.
 
-    python scripts/bench_pipeline.py [--steps 5] [--micro-batches 8] [--pp 2 4]
+    python -m scripts.bench.bench_pipeline [--steps 5] [--micro-batches 8] [--pp 2 4]
 """
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ import argparse
 import os
 import statistics
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 MODEL = dict(vocab_size=128, num_layers=8, hidden_size=192, num_attention_heads=4,
@@ -51,14 +49,13 @@ def stage_times(rank: int, world: int, micro_batches: int, steps: int) -> list[d
     import torch
     import torch.distributed as dist
 
-    from megazero.pipeline.executor import run_schedule
+    from megazero.pipeline.executor import make_forward_step, run_schedule
     from megazero.pipeline.partition import chunk_layout, is_post_process, is_pre_process, layer_ids
     from megazero.pipeline.schedules import build_schedule
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
     from model.config import GPTConfig
     from model.gpt import GPTStage
-    from megazero.pipeline.executor import make_forward_step
 
     cfg = GPTConfig(**MODEL)
     groups = ProcessGroups.build(Topology(tp=1, pp=world, dp=1))
@@ -122,7 +119,6 @@ def replay_step(recs: list[dict], scheds, pp: int, vp: int, layout: str = "inter
     each action costing what it took in that step, each exchange the step's median
     hand-over time of exchanges with as many messages."""
     from megazero.pipeline.replay import simulate_executor
-
     from megazero.pipeline.schedules import is_split
 
     latency = exchange_latency(recs, eager=is_split(scheds[0]))

@@ -10,7 +10,7 @@ parameter (measured = formula), the temporaries and their bound, and the median 
 of the largest peak over ranks. ``--zero-shard-size S`` adds a hybrid-sharding row (state
 sharded over S ranks, replicated over dp / S; formula with N = S) beside each stage >= 1.
 
-    python scripts/bench_memory.py [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3] [--zero-shard-size S]
+    python -m scripts.bench.bench_memory [--dp 2] [--rounds 3] [--steps 4] [--bf16] [--stages 2,3] [--zero-shard-size S]
         [--zero3-prefetch-bucket-size N] [--zero3-max-reuse-distance N] ...
         [--offload none,cpu,nvme [--sub-group-size N] [--offload-nvme-path DIR]]
         [--offload-param none,cpu,nvme [--offload-param-buffer-count N] [--offload-param-max-in-cpu N]]
@@ -25,21 +25,16 @@ peaks differ by about the swapped shards (p bytes per swapped element) minus the
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import sys
 import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megazero.training import build_trainer  # noqa: E402
-from data.samplers import get_micro_batches  # noqa: E402
-from megazero.optim.zero import zero_formula_bytes  # noqa: E402
-from tests.support.distributed import run_distributed  # noqa: E402
+from data.samplers import get_micro_batches
+from megazero.optim.zero import zero_formula_bytes
+from megazero.training import build_trainer
+from tests.support.distributed import run_distributed
 
 MIB = 2 ** 20
 

@@ -9,22 +9,16 @@ Two Markdown tables (docs/performance.md, "Activation memory and the planner"):
    schedule, sequence parallelism, recomputation), with the error of the worst rank
    (target: within 10 %).
 
-Peak memory per rank is measured as in ``scripts/plan.py --measure`` (resident memory the
+Peak memory per rank is measured as in ``python -m scripts.plan --measure`` (resident memory the
 run adds over its baseline, glibc's mmap threshold fixed).
 
-    python scripts/bench_memory_recompute.py [--steps 3] [--only recompute|layouts] [--match "pp2 1F1B" "pp2 ZB"]
+    python -m scripts.bench.bench_memory_recompute [--steps 3] [--only recompute|layouts] [--match "pp2 1F1B" "pp2 ZB"]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import plan  # noqa: E402
+from scripts import plan
 
 MiB = 2**20
 MODEL = ["--mock-data", "--vocab-size", "1001", "--make-vocab-size-divisible-by", "8", "--num-layers", "4",

@@ -5,7 +5,7 @@ A small GPT-2-style model (2 layers, hidden 64, 4 heads, micro-batch 1, vocabula
 no dropout) trains through ``training.Trainer`` on ``cp`` gloo ranks (world = cp, one torch thread
 each) at sequence lengths 2048, 4096 and 8192 and cp 1, 2, 4. Two Markdown tables:
 
-1. memory: each rank's peak as ``scripts/plan.py --measure`` measures it (resident memory the run
+1. memory: each rank's peak as ``python -m scripts.plan --measure`` measures it (resident memory the run
    adds over its baseline, ``VmHWM`` reset through ``/proc/self/clear_refs``, glibc's
    ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set; 2 steps), beside
    the planner's activations, its cp attention line (K/V buffers, ring block scores) and its
@@ -20,7 +20,7 @@ This is a CPU with gloo, shared: at cp 4 four ranks share the cores, the ring's 
 einsum matmuls in fp32 and the all-to-all's attention is torch's fused CPU kernel, so step
 times say nothing about a GPU. The memory counts are what the planner is checked against.
 
-    python scripts/bench_context_parallel.py [--seq 2048 4096 8192] [--cp 1 2 4] [--rounds 5]
+    python -m scripts.bench.bench_context_parallel [--seq 2048 4096 8192] [--cp 1 2 4] [--rounds 5]
         [--only memory|time]
 
 About 8 minutes on the 2-core development machine (12 under another process's load), most of
@@ -29,16 +29,11 @@ it the ring's steps at T 8192; the memory table alone takes under 2.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import plan  # noqa: E402
+from scripts import plan
 
 MiB = 2**20
 COMMS = ("p2p", "a2a")
@@ -94,9 +89,9 @@ def step_times(rank: int, world: int, seq: int, rounds: int) -> dict:
 
     from megazero import training
     from megazero.config import config_from_argv
-    from megazero.training import build_trainer
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
+    from megazero.training import build_trainer
 
     cfgs = {c: config_from_argv(layout_argv(seq, world, c), world, print_warnings=False) for c in COMMS}
     groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=1, cp=world))

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-0/1/2 and Megatron-core tensor parallelism for ``scripts/bench_peers.py``.
+"""DeepSpeed ZeRO-0/1/2 and Megatron-core tensor parallelism for ``scripts/bench/bench_peers.py``.
 
 Benchmark-only optional peers: nothing in ``megazero/``, ``model/`` or the tests imports this
 file, and each runner imports its package inside itself, so ``bench_peers.py`` skips a peer

@@ -29,7 +29,7 @@ Tensor-parallel pair (tp = world size, a GPT where compute dominates: ``--tp-lay
 leaves the pair out.
 
 DeepSpeed and Megatron-core are benchmark-only optional dependencies
-(``scripts/bench_peers_optional.py``): a peer that is not importable is skipped with one line
+(``scripts/bench/bench_peers_optional.py``): a peer that is not importable is skipped with one line
 saying so. Every system trains ``model.gpt.GPTStage`` weights built from the same seed, on the
 same random token batches, with AdamW (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on
 the matrices and none on biases and norms: megazero's parameter groups, ``adamw_groups``),
@@ -44,12 +44,12 @@ Model-state bytes per rank are the parameters, gradients and optimizer states th
 after a step (``to_local()`` shards for FSDP2, every distinct storage DeepSpeed's engine holds).
 
 Every rank keeps freed heap memory for reuse by default (``--allocator keep``: glibc's
-``M_TOP_PAD``, ``scripts/bench_overhead.keep_freed_memory``), the footing of a caching
+``M_TOP_PAD``, ``scripts.bench.bench_overhead.keep_freed_memory``), the footing of a caching
 allocator, so no system's step is weighed by the page faults of memory glibc handed back to the
 kernel (a sixth of a step on this machine with the defaults); ``--allocator system`` keeps
 glibc's defaults.
 
-    python scripts/bench_peers.py --rounds 5 --steps 4
+    python -m scripts.bench.bench_peers --rounds 5 --steps 4
 """
 from __future__ import annotations
 
@@ -59,8 +59,6 @@ import os
 import statistics
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
@@ -78,7 +76,7 @@ OPTIONAL = {"deepspeed-zero0": "deepspeed", "deepspeed-zero1": "deepspeed",
             "deepspeed-zero2": "deepspeed", "megatron-core-tp2": "megatron-core"}
 
 
-def _gpt_config(args):
+def peer_gpt_config(args):
     from model.config import GPTConfig
 
     return GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
@@ -86,10 +84,10 @@ def _gpt_config(args):
                      attention_dropout=0.0, make_vocab_size_divisible_by=8)
 
 
-def _model(args, groups):
+def peer_model(args, groups):
     from model.gpt import GPTStage
 
-    return GPTStage(_gpt_config(args), groups, range(args.layers), True, True, 1234)
+    return GPTStage(peer_gpt_config(args), groups, range(args.layers), True, True, 1234)
 
 
 #: Default ``--bucket-size``: 2^20 elements (4 MiB fp32), below DDP's 25 MiB and Megatron-core's
@@ -113,7 +111,7 @@ def tp_args(args) -> argparse.Namespace:
 
 def systems_to_run(args) -> tuple[list, list]:
     """(systems that run, one line per optional package whose systems are skipped)."""
-    from scripts.bench_peers_optional import peer_available
+    from scripts.bench.bench_peers_optional import peer_available
 
     names = list(DP_SYSTEMS) + (list(TP_SYSTEMS) if args.tp_layers > 0 else [])
     if getattr(args, "sync_param_gather", False):
@@ -135,7 +133,7 @@ def _megazero(args, groups, stage, overlap_param_gather=None):
     from megazero.data_parallel.ddp import DataParallel
     from megazero.optim.zero import DistributedOptimizer
 
-    model = _model(args, groups)
+    model = peer_model(args, groups)
     ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=bucket_size(args),
                        overlap_comm=True)
     opt = DistributedOptimizer(ddp, groups, lr=ADAMW["lr"], beta1=ADAMW["betas"][0],
@@ -166,7 +164,7 @@ def _megazero(args, groups, stage, overlap_param_gather=None):
 def _floor(args, groups):
     """(step, state) of the compute floor: forward and backward of the same model on the same
     micro-batches, gradients accumulated by autograd and dropped; no sync, no update."""
-    model = _model(args, groups)
+    model = peer_model(args, groups)
 
     def step(micro):
         for p in model.parameters():
@@ -187,11 +185,11 @@ def _peer(args, groups, kind):
     import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from scripts.bench_peers_optional import adamw_groups
     from torch.nn.parallel import DistributedDataParallel
 
-    model = _model(args, groups)
+    from scripts.bench.bench_peers_optional import adamw_groups
+
+    model = peer_model(args, groups)
     if kind == "fsdp2":
         for layer in model.layers.values():
             fully_shard(layer)
@@ -264,17 +262,17 @@ def count_collectives(out: dict):
             return fn(*a, **k)
         return counted
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-    bound = {"_ALL_GATHER": C._ALL_GATHER, "_REDUCE_SCATTER": C._REDUCE_SCATTER}
+    bound = {"ALL_GATHER_OP": C.ALL_GATHER_OP, "REDUCE_SCATTER_OP": C.REDUCE_SCATTER_OP}
     try:
         for name, fn in saved.items():
             setattr(dist, name, wrap(fn, *COLLECTIVES[name]))
-        C._ALL_GATHER = wrap(bound["_ALL_GATHER"], "all_gather", -1)
-        C._REDUCE_SCATTER = wrap(bound["_REDUCE_SCATTER"], "reduce_scatter", -1)
+        C.ALL_GATHER_OP = wrap(bound["ALL_GATHER_OP"], "all_gather", -1)
+        C.REDUCE_SCATTER_OP = wrap(bound["REDUCE_SCATTER_OP"], "reduce_scatter", -1)
         yield out
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        C._ALL_GATHER, C._REDUCE_SCATTER = bound["_ALL_GATHER"], bound["_REDUCE_SCATTER"]
+        C.ALL_GATHER_OP, C.REDUCE_SCATTER_OP = bound["ALL_GATHER_OP"], bound["REDUCE_SCATTER_OP"]
 
 
 def _system(name, args, dp_groups, tp_groups):
@@ -288,13 +286,13 @@ def _system(name, args, dp_groups, tp_groups):
     if name == "megazero-tp2":
         return _megazero(tp_args(args), tp_groups, 0)
     if name.startswith("deepspeed-zero"):
-        from scripts.bench_peers_optional import deepspeed_system
-        return deepspeed_system(args, _model(args, dp_groups), int(name[-1]), ADAMW, CLIP,
+        from scripts.bench.bench_peers_optional import deepspeed_system
+        return deepspeed_system(args, peer_model(args, dp_groups), int(name[-1]), ADAMW, CLIP,
                                 bucket_size(args))
     if name == "megatron-core-tp2":
         from model.spec import init_full_weights
-        from scripts.bench_peers_optional import megatron_core_system
-        cfg = _gpt_config(tp_args(args))
+        from scripts.bench.bench_peers_optional import megatron_core_system
+        cfg = peer_gpt_config(tp_args(args))
         full = init_full_weights(cfg, 1234, tp_groups.tp_size)
         return megatron_core_system(tp_args(args), cfg, full, ADAMW, CLIP)
     return _peer(args, dp_groups, name)
@@ -317,7 +315,7 @@ def run_rank(rank: int, world: int, args, names) -> dict:
 
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
-    from scripts.bench_overhead import keep_freed_memory
+    from scripts.bench.bench_overhead import keep_freed_memory
 
     if args.allocator == "keep":   # every system on a caching allocator's footing (bench_overhead)
         keep_freed_memory()
@@ -355,7 +353,7 @@ def run_rank(rank: int, world: int, args, names) -> dict:
 
 def tp_theory(a) -> str:
     """Megatron's tensor-parallel communication of one step (Shoeybi et al. 2019, sec. 3;
-    ``scripts/bench_comm.theory_tp``): per micro-batch 4 all-reduces of ``[B, T, H]`` fp32 per
+    ``scripts.bench.bench_comm.theory_tp``): per micro-batch 4 all-reduces of ``[B, T, H]`` fp32 per
     layer (2 forward, 2 backward), the embedding's and the LM head's input gradient's; the
     vocabulary-parallel cross-entropy's few ``[B, T]`` ones come on top."""
     calls = a.accum * (4 * a.layers + 2)
@@ -449,7 +447,7 @@ def main(argv=None) -> int:
                     help="skip DeepSpeed and Megatron-core even when they are installed")
     ap.add_argument("--allocator", choices=("keep", "system"), default="keep",
                     help="keep: glibc keeps freed heap memory in every rank (M_TOP_PAD 1 GiB, as a caching "
-                         "allocator does: scripts/bench_overhead.keep_freed_memory); system: glibc's defaults")
+                         "allocator does: scripts.bench.bench_overhead.keep_freed_memory); system: glibc's defaults")
     args = ap.parse_args(argv)
     if args.tp_layers and args.world != 2:
         print(f"error: the tp pair runs at tp 2, got --world {args.world}: use --world 2 or "

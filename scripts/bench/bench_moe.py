@@ -8,25 +8,20 @@ each, their ratio, and the same for the MLP layer alone (``MLP`` against ``MoEML
 plus backward on one micro-batch), and the process's peak memory (``ru_maxrss``) after each of
 the first steps. ``--profile`` prints torch.profiler's table of the MoE step's top operators.
 
-    python scripts/bench_moe.py [--steps 10] [--hidden-size 256] [--num-experts 8] ...
+    python -m scripts.bench.bench_moe [--steps 10] [--hidden-size 256] [--num-experts 8] ...
 """
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import statistics
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megazero.training import build_trainer  # noqa: E402
-from data.samplers import get_micro_batches  # noqa: E402
-from model.gpt import MLP, MoEMLP  # noqa: E402
+from data.samplers import get_micro_batches
+from megazero.training import build_trainer
+from model.gpt import MLP, MoEMLP
 
 
 def _trainer(base: list[str], extra: list[str]):

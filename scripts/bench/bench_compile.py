@@ -10,26 +10,22 @@ per-round ratio compiled / eager, and the largest relative loss difference over 
 (both runs see the same batches in the same order; ``--compile`` promises fp32 losses
 equal to eager within 1e-5, tests/layouts/test_compile.py).
 
-    python scripts/bench_compile.py [--rounds 5] [--steps 3] [--hidden-size 256] ...
+    python -m scripts.bench.bench_compile [--rounds 5] [--steps 3] [--hidden-size 256] ...
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
 # inductor compiles in this process: no pool of compile workers left running beside the timed steps
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megazero.training import build_trainer  # noqa: E402
-from data.samplers import get_micro_batches  # noqa: E402
+from data.samplers import get_micro_batches
+from megazero.training import build_trainer
 
 
 class Run:

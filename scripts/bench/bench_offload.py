@@ -11,25 +11,21 @@ arithmetic on the host, so it is at rounding level). Exits 1 when the losses dif
 than 1e-5 relative (2e-2 with --bf16: the host and device Adam kernels may round a bf16
 parameter one ulp apart) or the offloaded run's device bytes are not below the plain run's.
 
-    python scripts/bench_offload.py [--device cuda] [--stage 2] [--steps 6] [--bf16] ...
+    python -m scripts.bench.bench_offload [--device cuda] [--stage 2] [--steps 6] [--bf16] ...
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megazero.training import build_trainer  # noqa: E402
-from data.samplers import get_micro_batches  # noqa: E402
-from megazero.optim.offload import offload_formula_bytes  # noqa: E402
-from megazero.optim.zero import zero_formula_bytes  # noqa: E402
+from data.samplers import get_micro_batches
+from megazero.optim.offload import offload_formula_bytes
+from megazero.optim.zero import zero_formula_bytes
+from megazero.training import build_trainer
 
 MIB = 2 ** 20
 

@@ -1,0 +1,136 @@
+"""A whole model for inference, as ``python -m scripts.generate`` and ``python -m scripts.evaluate``
+load it: every process one tensor-parallel rank (pipeline and data-parallel size 1) holding
+only its own partitions of the full weights.
+
+The weights come from a megazero checkpoint of any layout (``--load``:
+``megazero.checkpoint.read_full_weights``) or a Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE
+folder (``--from-hf``: ``model.hf_folder``); the tokenizer is the checkpoint's recorded one, the
+folder's ``tokenizer.json``, or ``--tokenizer-model``. ``check_model`` checks every input
+(settings and sizes under tp, each tensor's shape and dtype or the checkpoint's files, the
+tokenizer) without loading a weight or creating a process group, so a bad input ends with one
+line before torchrun starts; ``load_model`` then loads.
+
+The functions take the tools' parsed command line as ``source``: any object with the attributes
+``load``, ``from_hf`` (one of them None), ``tokenizer_model`` and ``tokenizer_type`` (None for
+the recorded ones).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from data.indexed_dataset import DataError
+from megazero.checkpoint import CheckpointError, peek, read_full_weights
+from megazero.process_groups import ProcessGroups
+from megazero.runtime.extras import MissingExtra
+from megazero.topology import Topology
+from model.config import GPTConfig
+from model.gpt import GPTStage
+from model.hf import HFConversionError, config_from_record
+from model.hf_folder import folder_config, open_folder
+
+# what a bad input raises (ConfigError and the sampling settings' errors are ValueErrors)
+INPUT_ERRORS = (CheckpointError, HFConversionError, DataError, MissingExtra, ValueError, OSError)
+
+
+def model_settings(source) -> tuple[GPTConfig, str | None, str]:
+    """(the model's GPTConfig with dropout off, tokenizer path or None, tokenizer type), read
+    without loading a weight: --from-hf's config.json, or the meta.pt of the latest checkpoint
+    under --load (``peek`` also checks its files' sizes). Raises HFConversionError or
+    CheckpointError naming the file."""
+    off = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    if source.from_hf:
+        gcfg = folder_config(source.from_hf, **off)
+        return gcfg, source.tokenizer_model or source.from_hf, source.tokenizer_type or "HuggingFaceTokenizer"
+    meta = peek(source.load)
+    if meta is None:
+        raise CheckpointError(f"--load {source.load}: no checkpoint there (no 'latest' file); fix: give the --save "
+                              "directory of a run")
+    if "gpt_config" not in meta["extra"]:
+        raise CheckpointError(f"--load {source.load}: the checkpoint does not record its model settings "
+                              "(saved by an older megazero)")
+    recorded = meta["extra"].get("tokenizer") or {}
+    return (config_from_record(meta["extra"]["gpt_config"], **off), source.tokenizer_model or recorded.get("model"),
+            source.tokenizer_type or recorded.get("type", "SentencePieceTokenizer"))
+
+
+def has_tokenizer(path) -> bool:
+    """Whether ``path`` (a tokenizer file, or a Hugging Face folder) holds a tokenizer to load."""
+    if path is None:
+        return False
+    return os.path.isfile(os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else os.path.exists(path)
+
+
+def check_model(source, tp: int, need_tokenizer: bool = True):
+    """The model's settings and their sizes under ``tp`` ranks (``GPTConfig.validate``), every
+    tensor's name, shape and dtype (--from-hf, ``model.hf_folder.open_folder``) or the
+    checkpoint's files (--load), and the tokenizer (its vocabulary within the model's), without
+    loading a weight. Returns the tokenizer, or None when there is none and ``need_tokenizer``
+    is False. Raises one of ``INPUT_ERRORS``, whose message is the one line to print."""
+    from data.tokenizer import load_tokenizer
+
+    gcfg, tok_path, tok_type = model_settings(source)
+    where = os.path.join(source.from_hf, "config.json") if source.from_hf else f"--load {source.load}"
+    try:
+        gcfg.validate(tp)
+    except ValueError as e:  # ConfigError, naming the setting
+        raise ValueError(f"{where}: the model does not run under --tp {tp}: {e}") from None
+    if source.from_hf:
+        open_folder(source.from_hf, gcfg, gcfg.padded_vocab(tp))  # checks every tensor, loads none
+    if not need_tokenizer and not has_tokenizer(tok_path):
+        return None
+    if tok_path is None:
+        raise CheckpointError("no tokenizer: the run used --mock-data; fix: give --tokenizer-model, "
+                              "or the prompt as --prompt-ids")
+    tok = load_tokenizer(tok_path, tok_type)
+    if tok.vocab_size > gcfg.vocab_size:  # its ids past the embedding's rows would not index it
+        raise DataError(f"tokenizer {tok_path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
+                        f"{gcfg.vocab_size}; fix: --tokenizer-model of this model")
+    return tok
+
+
+def load_model(source, groups: ProcessGroups, device, need_tokenizer: bool = True) -> tuple[GPTStage, object]:
+    """(whole-model stage with this rank's TP partitions of ``groups``, tokenizer or None) on
+    ``device``. Without ``need_tokenizer`` a source without a tokenizer gives None for it.
+    Raises one of ``INPUT_ERRORS``."""
+    from data.tokenizer import load_tokenizer
+
+    gcfg, tok_path, tok_type = model_settings(source)
+    if not need_tokenizer and not has_tokenizer(tok_path):
+        tok_path = None
+    if source.from_hf:
+        full = open_folder(source.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
+    else:
+        full = read_full_weights(source.load)[1]
+    stage = GPTStage(gcfg, groups, range(gcfg.num_layers), True, True, seed=0, full_weights=full, device=device)
+    return stage, (load_tokenizer(tok_path, tok_type) if tok_path else None)
+
+
+def start_torchrun(tp: int, module: str, argv: list[str]) -> None:
+    """Replace this process by torchrun running ``python -m module argv`` on ``tp`` ranks of this
+    machine (after the input check passed here), in the current directory; its exit status
+    becomes this command's. The ranks share the cores (``OMP_NUM_THREADS``, unless set)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(tp), "-m", module, *argv], env)
+
+
+def join_tp_ranks(device_type: str, world: int, timeout_s: float) -> tuple[torch.device, ProcessGroups]:
+    """This process as one of ``world`` tensor-parallel ranks (pipeline and data-parallel size
+    1): its device (``cuda:LOCAL_RANK``, made current before the process group or any tensor
+    opens a context on GPU 0, or the CPU), the process group (NCCL on CUDA, else gloo, with
+    ``timeout_s`` seconds for a collective) and the groups."""
+    on_cuda = device_type == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return device, ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
