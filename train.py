@@ -12,6 +12,7 @@ from the settings to the final summary, is ``megazero.training.main`` (docs/desi
 
 Nothing imports this file; tests, scripts and benchmarks use ``megazero.training``.
 """
+
 import sys
 
 from megazero.training import main

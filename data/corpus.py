@@ -19,8 +19,10 @@ Texts are read as bytes and decoded as UTF-8 with newlines untouched (``\\r\\n``
 Order: sorted by relative POSIX path. Held-out split: a file is held out when the first 8
 bytes of SHA-256(relative path), as a big-endian integer, modulo 10000 is below
 ``heldout_per_10k`` (default 100, i.e. ~1%). It depends on the path alone, so the split is
-file-disjoint and stable when files are added or removed. CPython 3.11.7: 1,758 documents (1,738 train, 20 held-out), 31.5 MB.
+file-disjoint and stable when files are added or removed. CPython 3.11.7: 1,758 documents (1,738 train, 20 held-out),
+31.5 MB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +45,9 @@ def list_files(root: str) -> list[str]:
     """Relative POSIX paths of the corpus files under ``root``, sorted (see module docstring)."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS
-                             and not os.path.islink(os.path.join(dirpath, d)))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in EXCLUDED_DIRS and not os.path.islink(os.path.join(dirpath, d))
+        )
         for name in filenames:
             full = os.path.join(dirpath, name)
             if name.endswith(".py") and os.path.isfile(full) and not os.path.islink(full):
@@ -113,8 +116,10 @@ def main(argv=None) -> int:
     p.add_argument("--heldout-per-10k", type=int, default=100, help="held-out share in 1/10000")
     args = p.parse_args(argv)
     c = write_corpus(args.out, args.root, args.heldout_per_10k)
-    print(f"wrote {c['train']} train + {c['heldout']} held-out documents ({c['bytes'] / 1e6:.1f} MB, "
-          f"{c['skipped']} files skipped: not UTF-8 or empty) to {args.out}")
+    print(
+        f"wrote {c['train']} train + {c['heldout']} held-out documents ({c['bytes'] / 1e6:.1f} MB, "
+        f"{c['skipped']} files skipped: not UTF-8 or empty) to {args.out}"
+    )
     return 0
 
 

@@ -37,6 +37,7 @@ What differs from Megatron, on purpose:
   as it is. The output never falls short of the length, so the pad sentinel (kept for
   Megatron's id layout and for prompts) is never written.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,8 +67,14 @@ class FIMSentinels:
 
     def record(self) -> dict:
         """What a checkpoint's tokenizer record stores (generation and a resume read it)."""
-        return dict(prefix=self.prefix, middle=self.middle, suffix=self.suffix, pad=self.pad,
-                    names=list(self.names), appended=self.appended)
+        return dict(
+            prefix=self.prefix,
+            middle=self.middle,
+            suffix=self.suffix,
+            pad=self.pad,
+            names=list(self.names),
+            appended=self.appended,
+        )
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,7 @@ def _skipped(x: np.ndarray, fim: FIMSettings) -> bool:
     """The unit's text starts with ``no_prefix`` (a character is at most 4 byte tokens, so the
     first 4 len + 4 tokens decode to at least that many characters)."""
     n = len(fim.no_prefix)
-    return fim.decode(x[:4 * n + 4].tolist()).startswith(fim.no_prefix)
+    return fim.decode(x[: 4 * n + 4].tolist()).startswith(fim.no_prefix)
 
 
 def fim_sample(x: np.ndarray, fim: FIMSettings, seed: int, index: int) -> np.ndarray:
@@ -128,9 +135,9 @@ def fim_sample(x: np.ndarray, fim: FIMSettings, seed: int, index: int) -> np.nda
             break
         n = b - a
         if rate > 0 and rng.random() < rate and room >= 4 and not (fim.no_prefix and _skipped(x[a:b], fim)):
-            m = min(n, room - 3)   # shortened at its end to fit with its 3 sentinels
+            m = min(n, room - 3)  # shortened at its end to fit with its 3 sentinels
             i, j = np.sort(rng.integers(0, m + 1, size=2))
-            pre, mid, suf = x[a:a + i], x[a + i:a + j], x[a + j:a + m]
+            pre, mid, suf = x[a : a + i], x[a + i : a + j], x[a + j : a + m]
             if rng.random() < fim.spm_rate:
                 out += [[s.prefix, s.suffix], suf, [s.middle], pre, mid]
             else:
@@ -138,7 +145,7 @@ def fim_sample(x: np.ndarray, fim: FIMSettings, seed: int, index: int) -> np.nda
             room -= m + 3
         else:
             k = min(n, room)
-            out.append(x[a:a + k])
+            out.append(x[a : a + k])
             room -= k
     return np.concatenate([np.asarray(p, dtype=np.int64) for p in out])
 
@@ -153,16 +160,16 @@ def fim_inverse(y: np.ndarray, sentinels: FIMSentinels, eod: int, split_sample: 
     out, i, n = [], 0, len(y)
     while i < n and y[i] != sentinels.pad:
         if y[i] != sentinels.prefix:
-            out.append(y[i:i + 1])
+            out.append(y[i : i + 1])
             i += 1
             continue
         j = i + 1
         while j < n and y[j] not in stops:
             j += 1
-        body = y[i + 1:j]
+        body = y[i + 1 : j]
         k_suf = int(np.flatnonzero(body == sentinels.suffix)[0])
         k_mid = int(np.flatnonzero(body == sentinels.middle)[0])
-        pre, suf, rest = body[:k_suf], body[k_suf + 1:k_mid], body[k_mid + 1:]
+        pre, suf, rest = body[:k_suf], body[k_suf + 1 : k_mid], body[k_mid + 1 :]
         out += [pre, rest, suf]
         i = j
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
@@ -185,8 +192,16 @@ class FIMDataset:
         return fim_sample(np.asarray(self.inner[i], dtype=np.int64), self.fim, self.seed, i)
 
 
-def build_fim(tok, sentinels: FIMSentinels, *, rate: float, spm_rate: float, split_sample: Optional[str] = None,
-              fragment_rate: Optional[float] = None, no_prefix: Optional[str] = None) -> FIMSettings:
+def build_fim(
+    tok,
+    sentinels: FIMSentinels,
+    *,
+    rate: float,
+    spm_rate: float,
+    split_sample: Optional[str] = None,
+    fragment_rate: Optional[float] = None,
+    no_prefix: Optional[str] = None,
+) -> FIMSettings:
     """FIMSettings for tokenizer ``tok`` (data.tokenizer) and its ``sentinels``
     (``data.tokenizer.add_fim_sentinels``).
 
@@ -197,10 +212,22 @@ def build_fim(tok, sentinels: FIMSentinels, *, rate: float, spm_rate: float, spl
     if split_sample is not None:
         split_id = tok.token_id(split_sample)
         if split_id is None:
-            raise DataError(f"--fim-split-sample {split_sample!r} is not a token of --tokenizer-model "
-                            f"{tok.model_path}; fix: give the text of one of its tokens (e.g. a file separator)")
+            raise DataError(
+                f"--fim-split-sample {split_sample!r} is not a token of --tokenizer-model "
+                f"{tok.model_path}; fix: give the text of one of its tokens (e.g. a file separator)"
+            )
         if split_id in sentinels.ids() or split_id == tok.eod:
-            raise DataError(f"--fim-split-sample {split_sample!r} is token {split_id}, which is also the EOD or a "
-                            f"FIM sentinel (ids {', '.join(map(str, sentinels.ids()))}); fix: choose another token")
-    return FIMSettings(rate=rate, spm_rate=spm_rate, sentinels=sentinels, eod=tok.eod, split_sample=split_id,
-                       fragment_rate=fragment_rate, no_prefix=no_prefix, decode=tok.decode if no_prefix else None)
+            raise DataError(
+                f"--fim-split-sample {split_sample!r} is token {split_id}, which is also the EOD or a "
+                f"FIM sentinel (ids {', '.join(map(str, sentinels.ids()))}); fix: choose another token"
+            )
+    return FIMSettings(
+        rate=rate,
+        spm_rate=spm_rate,
+        sentinels=sentinels,
+        eod=tok.eod,
+        split_sample=split_id,
+        fragment_rate=fragment_rate,
+        no_prefix=no_prefix,
+        decode=tok.decode if no_prefix else None,
+    )

@@ -24,6 +24,7 @@ weight the most (greedy largest-error assignment, as Megatron's ``build_blending
 so after every prefix of n samples each component has within one sample of ``w_k * n``; each
 component dataset is built with exactly the number of samples assigned to it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,10 @@ def parse_split(split: str) -> tuple[float, float, float]:
     except ValueError:
         vals = []
     if not 1 <= len(vals) <= 3 or any(v < 0 or not np.isfinite(v) for v in vals) or sum(vals) <= 0:
-        raise DataError(f"--split {split!r} must be 1-3 non-negative proportions with a positive sum; "
-                        "fix: e.g. 969,30,1 (train, valid, test)")
+        raise DataError(
+            f"--split {split!r} must be 1-3 non-negative proportions with a positive sum; "
+            "fix: e.g. 969,30,1 (train, valid, test)"
+        )
     vals += [0.0] * (3 - len(vals))
     total = sum(vals)
     return tuple(v / total for v in vals)
@@ -72,24 +75,28 @@ def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
     if len(data_path) == 1:
         return [(1.0, data_path[0])]
     if len(data_path) == 0 or len(data_path) % 2:
-        raise DataError(f"--data-path {' '.join(data_path)}: a blend is weight-prefix pairs, got "
-                        f"{len(data_path)} entries; fix: give one prefix or weight/prefix pairs, "
-                        "e.g. --data-path 0.7 A 0.3 B")
+        raise DataError(
+            f"--data-path {' '.join(data_path)}: a blend is weight-prefix pairs, got "
+            f"{len(data_path)} entries; fix: give one prefix or weight/prefix pairs, "
+            "e.g. --data-path 0.7 A 0.3 B"
+        )
     pairs = []
     for w, p in zip(data_path[0::2], data_path[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise DataError(f"--data-path: weight {w!r} (before {p}) is not a number; fix: give "
-                            "weight-prefix pairs, e.g. --data-path 0.7 A 0.3 B") from None
+            raise DataError(
+                f"--data-path: weight {w!r} (before {p}) is not a number; fix: give "
+                "weight-prefix pairs, e.g. --data-path 0.7 A 0.3 B"
+            ) from None
         if weight < 0 or not np.isfinite(weight):
-            raise DataError(f"--data-path weight {w} of {p} is negative or not finite; fix: use "
-                            "finite weights >= 0")
+            raise DataError(f"--data-path weight {w} of {p} is negative or not finite; fix: use finite weights >= 0")
         pairs.append((weight, p))
     total = sum(w for w, _ in pairs)
     if total <= 0:
-        raise DataError(f"--data-path weights {' '.join(data_path[0::2])} sum to 0; fix: give at least "
-                        "one positive weight")
+        raise DataError(
+            f"--data-path weights {' '.join(data_path[0::2])} sum to 0; fix: give at least one positive weight"
+        )
     return [(w / total, p) for w, p in pairs]
 
 
@@ -102,12 +109,15 @@ def require_files(blend: list[tuple[float, str]]) -> None:
         for path in (prefix + ".bin", prefix + ".idx"):
             if not os.path.isfile(path):
                 hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-                raise DataError(f"--data-path {prefix}: {path} not found{hint}; fix: correct the path or "
-                                "create it with data/preprocess.py")
+                raise DataError(
+                    f"--data-path {prefix}: {path} not found{hint}; fix: correct the path or "
+                    "create it with data/preprocess.py"
+                )
 
 
-def build_indices(sizes: np.ndarray, seq_ids: np.ndarray, seq_length: int, num_samples: int,
-                  seed: int, shuffle: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_indices(
+    sizes: np.ndarray, seq_ids: np.ndarray, seq_length: int, num_samples: int, seed: int, shuffle: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(doc_idx [E*D], sample_idx [M+1, 2] int64, shuffle_idx [N] int64) for N = num_samples.
 
     M >= N: with shuffling, M is N rounded up to whole shuffle blocks (one epoch's samples).
@@ -127,8 +137,10 @@ def build_indices(sizes: np.ndarray, seq_ids: np.ndarray, seq_length: int, num_s
     wanted, num_samples = num_samples, (-(-num_samples // per_block) * per_block if shuffle else num_samples)
     need = num_samples * seq_length + 1
     epochs = -(-need // per_epoch)  # ceil
-    perms = [np.random.default_rng([seed, e]).permutation(len(seq_ids)) if shuffle
-             else np.arange(len(seq_ids)) for e in range(epochs)]
+    perms = [
+        np.random.default_rng([seed, e]).permutation(len(seq_ids)) if shuffle else np.arange(len(seq_ids))
+        for e in range(epochs)
+    ]
     order = np.concatenate(perms)  # [E*D] positions within the split
     doc_idx = seq_ids[order]
     doc_lengths = lengths[order]  # [E*D]
@@ -176,8 +188,16 @@ class GPTDataset:
     document index. Raises DataError when the range holds no tokens.
     """
 
-    def __init__(self, indexed: IndexedDataset, doc_range: tuple[int, int], seq_length: int,
-                 num_samples: int, seed: int, cache_dir: str | None = None, shuffle: bool = True):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        doc_range: tuple[int, int],
+        seq_length: int,
+        num_samples: int,
+        seed: int,
+        cache_dir: str | None = None,
+        shuffle: bool = True,
+    ):
         if seq_length < 1 or num_samples < 0:
             raise DataError(f"seq_length {seq_length} must be >= 1 and num_samples {num_samples} >= 0")
         self.indexed, self.seq_length, self.num_samples = indexed, seq_length, num_samples
@@ -185,12 +205,16 @@ class GPTDataset:
         seq_ids = np.arange(indexed.doc_idx[a], indexed.doc_idx[b], dtype=np.int64)
         sizes = np.asarray(indexed.sizes)
         if sizes[seq_ids].sum() == 0:
-            raise DataError(f"{indexed.prefix}.idx: documents {a}..{b - 1} hold no tokens; "
-                            f"use more data or another --split")
+            raise DataError(
+                f"{indexed.prefix}.idx: documents {a}..{b - 1} hold no tokens; use more data or another --split"
+            )
         key = [seq_length, num_samples, seed, shuffle, seq_ids[:1], seq_ids[-1:], sizes[seq_ids]]
         self.doc_idx, self.sample_idx, self.shuffle_idx = _cached(
-            cache_dir, key, ["doc_idx", "sample_idx", "shuffle_idx"],
-            lambda: build_indices(sizes, seq_ids, seq_length, num_samples, seed, shuffle))
+            cache_dir,
+            key,
+            ["doc_idx", "sample_idx", "shuffle_idx"],
+            lambda: build_indices(sizes, seq_ids, seq_length, num_samples, seed, shuffle),
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -205,8 +229,11 @@ class GPTDataset:
         if d0 == d1:
             parts = [get(int(docs[d0]), o0, o1 - o0 + 1)]
         else:
-            parts = ([get(int(docs[d0]), o0)] + [get(int(docs[k])) for k in range(d0 + 1, d1)]
-                     + [get(int(docs[d1]), 0, o1 + 1)])
+            parts = (
+                [get(int(docs[d0]), o0)]
+                + [get(int(docs[k])) for k in range(d0 + 1, d1)]
+                + [get(int(docs[d1]), 0, o1 + 1)]
+            )
         return np.concatenate(parts).astype(np.int64)
 
 
@@ -280,12 +307,14 @@ def _build_split(indexed, ranges, weights, s, seq_length, seed, n, cache_dir, sf
             masks, packing, pad_id = sft
             return SFTDataset(indexed[k], masks[k], ranges[k][s], seq_length, count, seed + s, packing, pad_id)
         return GPTDataset(indexed[k], ranges[k][s], seq_length, count, seed + s, cache_dir)
+
     if len(live) == 1:
         return make(live[0], n)
     w = np.asarray([weights[k] for k in live])
     key = ["blend", n, w]
-    ds_index, ds_sample = _cached(cache_dir, key, ["blend_index", "blend_sample_index"],
-                                  lambda: blend_indices(w / w.sum(), n))
+    ds_index, ds_sample = _cached(
+        cache_dir, key, ["blend_index", "blend_sample_index"], lambda: blend_indices(w / w.sum(), n)
+    )
     counts = np.bincount(np.asarray(ds_index), minlength=len(live))
     parts = [make(k, int(c)) if c else None for k, c in zip(live, counts)]
     return BlendedDataset(parts, ds_index, ds_sample)
@@ -296,17 +325,28 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int) -> None:
     top = int(indexed.tokens.max()) if indexed.num_tokens else -1
     low = int(indexed.tokens.min()) if indexed.num_tokens else 0
     if low < 0:
-        raise DataError(f"{indexed.prefix}.bin: negative token id {low}; the file is corrupt or not a "
-                        f"token dataset, re-run data.preprocess")
+        raise DataError(
+            f"{indexed.prefix}.bin: negative token id {low}; the file is corrupt or not a "
+            f"token dataset, re-run data.preprocess"
+        )
     if top >= vocab_size:
-        raise DataError(f"{indexed.prefix}.bin: token id {top} >= vocabulary size {vocab_size}; the "
-                        f"dataset was made with another tokenizer, re-run data.preprocess with this one")
+        raise DataError(
+            f"{indexed.prefix}.bin: token id {top} >= vocabulary size {vocab_size}; the "
+            f"dataset was made with another tokenizer, re-run data.preprocess with this one"
+        )
 
 
-def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
-                                    num_samples: tuple[int, int, int], cache_dir: str | None = None,
-                                    vocab_size: int | None = None, sft: tuple[str, int] | None = None,
-                                    fim=None):
+def build_train_valid_test_datasets(
+    data_path: list[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+    vocab_size: int | None = None,
+    sft: tuple[str, int] | None = None,
+    fim=None,
+):
     """(train, valid, test) datasets; each ``ds[i]`` -> np.ndarray int64 [seq_length + 1].
 
     ``sft``: (packing, pad id) for supervised fine-tuning data (``--sft``): every prefix has its
@@ -335,9 +375,12 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
     weights = [w for w, _ in blend]
     if sft is not None:
         sft = ([open_loss_masks(p) for _, p in blend],) + tuple(sft)
-    sets = [_build_split(indexed, ranges, weights, s, seq_length, seed, int(num_samples[s]), cache_dir, sft)
-            for s in range(3)]
-    if fim is not None:   # plain token samples only (--fim-rate with --sft is refused by the config)
+    sets = [
+        _build_split(indexed, ranges, weights, s, seq_length, seed, int(num_samples[s]), cache_dir, sft)
+        for s in range(3)
+    ]
+    if fim is not None:  # plain token samples only (--fim-rate with --sft is refused by the config)
         from data.fim import FIMDataset
+
         sets = [None if ds is None else FIMDataset(ds, fim, seed + s) for s, ds in enumerate(sets)]
     return tuple(sets)

@@ -22,12 +22,13 @@ preprocessing writes one sequence per document (the document's tokens plus its E
 Files are written under a temporary name and renamed when complete (``.bin`` first, then the
 ``.idx`` that makes the pair visible), so a crash never leaves a pair that looks valid.
 """
+
 from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 import struct
 import sys
 
@@ -36,8 +37,16 @@ import numpy as np
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 9 + 8 + 1 + 8 + 8
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-               6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 
@@ -51,8 +60,10 @@ def cli_exit(main):
     SIGTERM (``timeout``, a scheduler's kill) is turned into KeyboardInterrupt, so the
     writers' clean-up removes their temporary files as on Ctrl-C (exit code 143).
     """
+
     def on_term(signum, frame):
         raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, on_term)
     try:
         code = main(sys.argv[1:])
@@ -125,8 +136,10 @@ class IndexedDatasetBuilder:
         arr = np.asarray(tokens)
         if arr.size and self._info is not None and (arr.min() < self._info.min or arr.max() > self._info.max):
             bad = int(arr.max() if arr.max() > self._info.max else arr.min())
-            raise DataError(f"{self.prefix}.bin: token id {bad} does not fit dtype {self.dtype} "
-                            f"(range {self._info.min}..{self._info.max}); use a wider dtype (int32)")
+            raise DataError(
+                f"{self.prefix}.bin: token id {bad} does not fit dtype {self.dtype} "
+                f"(range {self._info.min}..{self._info.max}); use a wider dtype (int32)"
+            )
         self._file.write(arr.astype(self.dtype, copy=False).tobytes())
         self._sizes.append(int(arr.size))
         self._doc_idx.append(len(self._sizes))
@@ -135,8 +148,10 @@ class IndexedDatasetBuilder:
         """Append every sequence and document of the dataset at ``prefix`` (same dtype required)."""
         other = IndexedDataset(prefix)
         if other.dtype != self.dtype:
-            raise DataError(f"{prefix}.idx: dtype {other.dtype} differs from {self.dtype} of the "
-                            f"other inputs; merge only datasets tokenized with the same tokenizer")
+            raise DataError(
+                f"{prefix}.idx: dtype {other.dtype} differs from {self.dtype} of the "
+                f"other inputs; merge only datasets tokenized with the same tokenizer"
+            )
         offset = len(self._sizes)
         self._sizes.extend(other.sizes.tolist())
         self._doc_idx.extend((other.doc_idx[1:] + offset).tolist())
@@ -170,8 +185,9 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
     with open(idx_path, "rb") as f:
         head = f.read(HEADER_BYTES)
     if len(head) < HEADER_BYTES or head[:9] != MAGIC:
-        raise DataError(f"{idx_path}: not an MMIDIDX index (bad magic or truncated header); "
-                        f"re-run data.preprocess to rebuild it")
+        raise DataError(
+            f"{idx_path}: not an MMIDIDX index (bad magic or truncated header); re-run data.preprocess to rebuild it"
+        )
     version, code = struct.unpack_from("<QB", head, 9)
     n_seq, n_doc = struct.unpack_from("<QQ", head, 18)
     if version != VERSION or code not in DTYPE_CODES:
@@ -192,15 +208,19 @@ class IndexedDataset:
         idx_path, bin_path = prefix + ".idx", prefix + ".bin"
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
-                raise DataError(f"{p}: file not found; a dataset prefix needs both {idx_path} and "
-                                f"{bin_path} (run data.preprocess or data.prepare)")
+                raise DataError(
+                    f"{p}: file not found; a dataset prefix needs both {idx_path} and "
+                    f"{bin_path} (run data.preprocess or data.prepare)"
+                )
         self.dtype, n_seq, n_doc = _read_header(idx_path)
         expected = HEADER_BYTES + 12 * n_seq + 8 * n_doc
         actual = os.path.getsize(idx_path)
         if actual != expected:
-            raise DataError(f"{idx_path}: {actual} bytes but its header ({n_seq} sequences, {n_doc} "
-                            f"document entries) implies {expected}; the index is truncated or corrupt, "
-                            f"rebuild {idx_path} and {bin_path} with data.preprocess")
+            raise DataError(
+                f"{idx_path}: {actual} bytes but its header ({n_seq} sequences, {n_doc} "
+                f"document entries) implies {expected}; the index is truncated or corrupt, "
+                f"rebuild {idx_path} and {bin_path} with data.preprocess"
+            )
         self._idx_map = np.memmap(idx_path, mode="r", dtype=np.uint8)
         off = HEADER_BYTES
         self.sizes = np.frombuffer(self._idx_map, dtype="<i4", count=n_seq, offset=off)
@@ -208,8 +228,7 @@ class IndexedDataset:
         self.doc_idx = np.frombuffer(self._idx_map, dtype="<i8", count=n_doc, offset=off + 12 * n_seq)
         self._check(idx_path, bin_path)
         nbytes = os.path.getsize(bin_path)
-        self._bin_map = (np.memmap(bin_path, mode="r", dtype=self.dtype) if nbytes
-                         else np.zeros(0, dtype=self.dtype))
+        self._bin_map = np.memmap(bin_path, mode="r", dtype=self.dtype) if nbytes else np.zeros(0, dtype=self.dtype)
 
     def _check(self, idx_path: str, bin_path: str) -> None:
         item = self.dtype.itemsize
@@ -217,17 +236,22 @@ class IndexedDataset:
         implied = int(self.pointers[-1]) + int(self.sizes[-1]) * item if n else 0
         actual = os.path.getsize(bin_path)
         if actual != implied:
-            raise DataError(f"{bin_path} has {actual} bytes but {idx_path} implies {implied} "
-                            f"({n} sequences of {self.dtype}); the pair does not match or is truncated, "
-                            f"rebuild both with data.preprocess")
-        if n and (self.sizes.min() < 0 or self.pointers[0] != 0
-                  or np.any(np.diff(self.pointers) != self.sizes[:-1].astype(np.int64) * item)):
-            raise DataError(f"{idx_path}: sequence pointers do not follow the lengths; rebuild "
-                            f"{idx_path} and {bin_path}")
+            raise DataError(
+                f"{bin_path} has {actual} bytes but {idx_path} implies {implied} "
+                f"({n} sequences of {self.dtype}); the pair does not match or is truncated, "
+                f"rebuild both with data.preprocess"
+            )
+        if n and (
+            self.sizes.min() < 0
+            or self.pointers[0] != 0
+            or np.any(np.diff(self.pointers) != self.sizes[:-1].astype(np.int64) * item)
+        ):
+            raise DataError(
+                f"{idx_path}: sequence pointers do not follow the lengths; rebuild {idx_path} and {bin_path}"
+            )
         d = self.doc_idx
         if len(d) == 0 or d[0] != 0 or d[-1] != n or np.any(np.diff(d) < 0):
-            raise DataError(f"{idx_path}: document index must rise from 0 to {n}; rebuild "
-                            f"{idx_path} and {bin_path}")
+            raise DataError(f"{idx_path}: document index must rise from 0 to {n}; rebuild {idx_path} and {bin_path}")
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -254,7 +278,7 @@ class IndexedDataset:
         if length is None:
             length = size - offset
         start = int(self.pointers[i]) // self.dtype.itemsize + offset
-        return self._bin_map[start:start + length]
+        return self._bin_map[start : start + length]
 
 
 def exists(prefix: str) -> bool:
@@ -296,8 +320,10 @@ def read_tokenizer_record(prefix: str) -> dict | None:
         if not (isinstance(vocab, int) and vocab > 0):
             raise ValueError(f"vocab_size {vocab!r} is not a positive integer")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{path}: unreadable tokenizer record ({e}); delete it (the check is then "
-                        f"skipped) or re-run data.preprocess") from None
+        raise DataError(
+            f"{path}: unreadable tokenizer record ({e}); delete it (the check is then "
+            f"skipped) or re-run data.preprocess"
+        ) from None
     return record
 
 
@@ -310,12 +336,16 @@ def check_same_tokenizer(prefixes: list[str], sha256: str | None = None, what: s
         if r is None:
             continue
         if sha256 is not None and r["sha256"] != sha256:
-            raise DataError(f"{p} was tokenized with {r.get('model', 'another model')} (sha256 "
-                            f"{r['sha256'][:12]}), not {what} (sha256 {sha256[:12]}); fix: pass the "
-                            f"tokenizer the data was made with, or re-run data.preprocess with this one")
+            raise DataError(
+                f"{p} was tokenized with {r.get('model', 'another model')} (sha256 "
+                f"{r['sha256'][:12]}), not {what} (sha256 {sha256[:12]}); fix: pass the "
+                f"tokenizer the data was made with, or re-run data.preprocess with this one"
+            )
         if first is not None and r["sha256"] != first[1]["sha256"]:
-            raise DataError(f"{first[0]} and {p} were tokenized with different models (sha256 "
-                            f"{first[1]['sha256'][:12]} and {r['sha256'][:12]}); fix: re-tokenize one "
-                            f"of them with the other's tokenizer")
+            raise DataError(
+                f"{first[0]} and {p} were tokenized with different models (sha256 "
+                f"{first[1]['sha256'][:12]} and {r['sha256'][:12]}); fix: re-tokenize one "
+                f"of them with the other's tokenizer"
+            )
         first = first or (p, r)
     return first[1] if first else None

@@ -23,6 +23,7 @@ exist) before any output is written. A progress bar (bytes of the input files) g
 stderr; the summary (documents/s, tokens/s) to stdout. Outputs appear only when complete
 (temporary names, then rename); on any error nothing is left behind.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,24 +37,33 @@ import time
 
 import numpy as np
 
-from data.indexed_dataset import (DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype,
-                                  check_same_tokenizer, cli_exit, exists, read_tokenizer_record,
-                                  tokenizer_record_path, write_tokenizer_record)
+from data.indexed_dataset import (
+    DataError,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    best_dtype,
+    check_same_tokenizer,
+    cli_exit,
+    exists,
+    read_tokenizer_record,
+    tokenizer_record_path,
+    write_tokenizer_record,
+)
 from data.sources import resolve_inputs
 from data.tokenizer import TOKENIZER_TYPES, load_tokenizer
 
 _worker: dict = {}
 
 
-def _init_worker(model_path: str, keys: list[str], append_eod: bool,
-                 tokenizer_type: str = "SentencePieceTokenizer") -> None:
+def _init_worker(
+    model_path: str, keys: list[str], append_eod: bool, tokenizer_type: str = "SentencePieceTokenizer"
+) -> None:
     # The parent owns clean-up: a worker that the pool terminates (SIGTERM) dies quietly, and
     # Ctrl-C reaches only the parent, which then terminates the pool.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = load_tokenizer(model_path, tokenizer_type)
-    _worker.update(tok=tok, keys=keys, eod=tok.eod if append_eod else None,
-                   dtype=best_dtype(tok.vocab_size))
+    _worker.update(tok=tok, keys=keys, eod=tok.eod if append_eod else None, dtype=best_dtype(tok.vocab_size))
 
 
 def _encode(item):
@@ -141,15 +151,26 @@ class Progress:
         frac = min(done_bytes / self.total, 1.0)
         bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
         dt = max(now - self.start, 1e-9)
-        sys.stderr.write(f"\r[{bar}] {100 * frac:5.1f}% {docs} docs {tokens} tokens "
-                         f"{docs / dt:.0f} docs/s {tokens / dt:.0f} tok/s" + ("\n" if final else ""))
+        sys.stderr.write(
+            f"\r[{bar}] {100 * frac:5.1f}% {docs} docs {tokens} tokens "
+            f"{docs / dt:.0f} docs/s {tokens / dt:.0f} tok/s" + ("\n" if final else "")
+        )
         sys.stderr.flush()
 
 
-def preprocess(inputs, keys: list[str], model_path: str, output_prefix: str,
-               append_eod: bool = True, workers: int = 1, skip_bad_lines: bool = False,
-               progress: bool = True, chunksize: int = 16,
-               tokenizer_type: str = "SentencePieceTokenizer", chunk_rows: int = 1024) -> dict:
+def preprocess(
+    inputs,
+    keys: list[str],
+    model_path: str,
+    output_prefix: str,
+    append_eod: bool = True,
+    workers: int = 1,
+    skip_bad_lines: bool = False,
+    progress: bool = True,
+    chunksize: int = 16,
+    tokenizer_type: str = "SentencePieceTokenizer",
+    chunk_rows: int = 1024,
+) -> dict:
     """Tokenize ``inputs`` (a path or glob, or a list of them: JSONL, JSONL.gz, JSONL.zst,
     parquet, a ``datasets`` folder; see data.sources) into ``{output_prefix}_{key}_document``
     for each key, with the sentencepiece model or Hugging Face ``tokenizer.json``
@@ -167,8 +188,7 @@ def preprocess(inputs, keys: list[str], model_path: str, output_prefix: str,
     tok = load_tokenizer(model_path, tokenizer_type)
     dtype = best_dtype(tok.vocab_size)
     prefixes = {k: f"{output_prefix}_{k}_document" for k in keys}
-    stats = {"documents": 0, "tokens": 0, "empty": 0, "bad_lines": 0, "prefixes": prefixes,
-             "files": len(sources)}
+    stats = {"documents": 0, "tokens": 0, "empty": 0, "bad_lines": 0, "prefixes": prefixes, "files": len(sources)}
     bar = Progress(sum(s.size for s in sources), progress)
     start = time.monotonic()
     builders = [IndexedDatasetBuilder(p, dtype) for p in prefixes.values()]
@@ -224,8 +244,7 @@ def _consume(source, position, out, builders, keys, stats, skip_bad_lines) -> No
         return
     if isinstance(out, str):
         if not skip_bad_lines:
-            raise DataError(f"{source.where(position)}: {out}; fix the {source.unit} or pass "
-                            "--skip-bad-lines")
+            raise DataError(f"{source.where(position)}: {out}; fix the {source.unit} or pass --skip-bad-lines")
         stats["bad_lines"] += 1
         return
     if all(out[k].size == 0 for k in keys):
@@ -244,8 +263,7 @@ def merge(prefixes: list[str], output_prefix: str) -> dict:
     different models; the output gets the record when every input has it."""
     for p in prefixes:
         if not exists(p):
-            raise DataError(f"{p}.idx / {p}.bin: dataset not found (--merge takes prefixes without "
-                            f".bin/.idx)")
+            raise DataError(f"{p}.idx / {p}.bin: dataset not found (--merge takes prefixes without .bin/.idx)")
     record = check_same_tokenizer(prefixes)  # before any output exists
     first = IndexedDataset(prefixes[0])
     with IndexedDatasetBuilder(output_prefix, first.dtype) as b:
@@ -262,13 +280,25 @@ def merge(prefixes: list[str], output_prefix: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__.split("\n")[0])
-    p.add_argument("--input", nargs="+", metavar="PATH", help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst: "
-                   "one document per line), .parquet files, globs of them, or a Hugging Face "
-                   "datasets folder (save_to_disk); read in this order")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="fields (JSONL) or string "
-                   "columns (parquet, datasets) to tokenize")
-    p.add_argument("--tokenizer-model", help="sentencepiece .model (see data.tokenizer), or with "
-                   "--tokenizer-type HuggingFaceTokenizer a tokenizer.json or a folder holding one")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="JSONL (.jsonl, .jsonl.gz, .jsonl.zst: "
+        "one document per line), .parquet files, globs of them, or a Hugging Face "
+        "datasets folder (save_to_disk); read in this order",
+    )
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="fields (JSONL) or string columns (parquet, datasets) to tokenize",
+    )
+    p.add_argument(
+        "--tokenizer-model",
+        help="sentencepiece .model (see data.tokenizer), or with "
+        "--tokenizer-type HuggingFaceTokenizer a tokenizer.json or a folder holding one",
+    )
     p.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD id")
@@ -276,28 +306,44 @@ def main(argv=None) -> int:
     p.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) malformed lines")
     p.add_argument("--merge", nargs="+", metavar="PREFIX", help="merge these datasets instead")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--chunk-rows", type=int, default=1024, help="documents read and held at once "
-                   "(memory is bounded by about two such chunks)")
+    p.add_argument(
+        "--chunk-rows",
+        type=int,
+        default=1024,
+        help="documents read and held at once (memory is bounded by about two such chunks)",
+    )
     args = p.parse_args(argv)
     if args.merge:
         s = merge(args.merge, args.output_prefix)
-        print(f"merged {len(args.merge)} datasets into {args.output_prefix}: "
-              f"{s['documents']} documents, {s['tokens']} tokens")
+        print(
+            f"merged {len(args.merge)} datasets into {args.output_prefix}: "
+            f"{s['documents']} documents, {s['tokens']} tokens"
+        )
         return 0
     if not args.input or not args.tokenizer_model:
         raise DataError("--input and --tokenizer-model are required unless --merge is given")
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be at least 1")
-    s = preprocess(args.input, args.json_keys, args.tokenizer_model, args.output_prefix,
-                   args.append_eod, args.workers, args.skip_bad_lines, not args.no_progress,
-                   tokenizer_type=args.tokenizer_type, chunk_rows=args.chunk_rows)
+    s = preprocess(
+        args.input,
+        args.json_keys,
+        args.tokenizer_model,
+        args.output_prefix,
+        args.append_eod,
+        args.workers,
+        args.skip_bad_lines,
+        not args.no_progress,
+        tokenizer_type=args.tokenizer_type,
+        chunk_rows=args.chunk_rows,
+    )
     secs = max(s["seconds"], 1e-9)
     files = f" ({s['files']} files)" if s["files"] > 1 else ""
-    print(f"{' '.join(args.input)}{files}: {s['documents']} documents, {s['tokens']} tokens in {secs:.1f} s "
-          f"({s['documents'] / secs:.0f} documents/s, {s['tokens'] / secs:.0f} tokens/s, "
-          f"{s['tokens'] / secs / args.workers:.0f} tokens/s per worker); skipped "
-          f"{s['empty']} empty documents and {s['bad_lines']} bad lines/rows -> "
-          + ", ".join(s["prefixes"].values()))
+    print(
+        f"{' '.join(args.input)}{files}: {s['documents']} documents, {s['tokens']} tokens in {secs:.1f} s "
+        f"({s['documents'] / secs:.0f} documents/s, {s['tokens'] / secs:.0f} tokens/s, "
+        f"{s['tokens'] / secs / args.workers:.0f} tokens/s per worker); skipped "
+        f"{s['empty']} empty documents and {s['bad_lines']} bad lines/rows -> " + ", ".join(s["prefixes"].values())
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
 """What a run reads: the tokenizer, the three splits and the vocabulary size, by name."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,6 +12,7 @@ Indices are never wrapped modulo the dataset length: build datasets with at leas
 ``train_iters * global_batch_size`` samples (``build_train_valid_test_datasets`` does this when
 given that count); asking past the end raises a DataError.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,14 +21,15 @@ import torch
 from data.indexed_dataset import DataError
 
 
-def dp_sample_range(consumed_samples: int, global_batch_size: int, dp_rank: int,
-                    dp_size: int) -> range:
+def dp_sample_range(consumed_samples: int, global_batch_size: int, dp_rank: int, dp_size: int) -> range:
     """Dataset indices of this data-parallel rank's share of the global batch starting at ``consumed``."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank {dp_rank} / dp_size {dp_size}: need 0 <= dp_rank < dp_size")
     if global_batch_size % dp_size:
-        raise DataError(f"global batch size {global_batch_size} is not divisible by the data-parallel "
-                        f"size {dp_size}; choose a global batch that is a multiple of it")
+        raise DataError(
+            f"global batch size {global_batch_size} is not divisible by the data-parallel "
+            f"size {dp_size}; choose a global batch that is a multiple of it"
+        )
     if consumed_samples < 0:
         raise DataError(f"consumed_samples {consumed_samples} is negative")
     per_rank = global_batch_size // dp_size
@@ -35,8 +37,9 @@ def dp_sample_range(consumed_samples: int, global_batch_size: int, dp_rank: int,
     return range(start, start + per_rank)
 
 
-def get_micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
-                      dp_rank: int, dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def get_micro_batches(
+    dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of the global batch after ``consumed_samples`` samples.
 
     Returns GBS / (dp_size * micro_batch_size) pairs ``(tokens, labels)``, each a
@@ -47,17 +50,21 @@ def get_micro_batches(dataset, consumed_samples: int, global_batch_size: int, mi
     indices = dp_sample_range(consumed_samples, global_batch_size, dp_rank, dp_size)
     per_rank = len(indices)
     if micro_batch_size < 1 or per_rank % micro_batch_size:
-        raise DataError(f"global batch size {global_batch_size} / data-parallel size {dp_size} = "
-                        f"{per_rank} samples per rank is not a multiple of micro batch size "
-                        f"{micro_batch_size}")
+        raise DataError(
+            f"global batch size {global_batch_size} / data-parallel size {dp_size} = "
+            f"{per_rank} samples per rank is not a multiple of micro batch size "
+            f"{micro_batch_size}"
+        )
     if consumed_samples + global_batch_size > len(dataset):  # same verdict on every rank
-        raise DataError(f"dataset has {len(dataset)} samples but the global batch after "
-                        f"{consumed_samples} consumed samples needs {consumed_samples + global_batch_size}; "
-                        f"build it with num_samples >= train_iters * global_batch_size")
+        raise DataError(
+            f"dataset has {len(dataset)} samples but the global batch after "
+            f"{consumed_samples} consumed samples needs {consumed_samples + global_batch_size}; "
+            f"build it with num_samples >= train_iters * global_batch_size"
+        )
     samples = np.stack([np.asarray(dataset[i], dtype=np.int64) for i in indices])  # [GBS/dp, T+1]
     batch = torch.from_numpy(samples)
     out = []
     for m in range(0, per_rank, micro_batch_size):
-        mb = batch[m:m + micro_batch_size]  # [mbs, T+1]
+        mb = batch[m : m + micro_batch_size]  # [mbs, T+1]
         out.append((mb[:, :-1].contiguous(), mb[:, 1:].contiguous()))
     return out

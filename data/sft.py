@@ -40,6 +40,7 @@ of the labels: ``loss_mask[1:]``), the triple the trainer carries through every 
 (megazero/context_parallel/sequence.py ``shard_micro_batch``). The sample order is a pure
 function of (document lengths, seq_length, num_samples, seed, packing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,14 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from data.indexed_dataset import (DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype, cli_exit,
-                                  write_tokenizer_record)
+from data.indexed_dataset import (
+    DataError,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    best_dtype,
+    cli_exit,
+    write_tokenizer_record,
+)
 
 ROLES = ("system", "user", "assistant")
 PACKINGS = ("pack", "pad")
@@ -75,8 +82,10 @@ class SFTKeys:
 # -- records -> tokens and loss mask -----------------------------------------------------------
 def _text(obj: dict, key: str, flag: str, where: str, keys: SFTKeys) -> str:
     if key not in obj:
-        raise DataError(f"{where}: missing field {key!r} ({flag}); a record needs {keys.prompt!r} and "
-                        f"{keys.response!r}, or {keys.messages!r}")
+        raise DataError(
+            f"{where}: missing field {key!r} ({flag}); a record needs {keys.prompt!r} and "
+            f"{keys.response!r}, or {keys.messages!r}"
+        )
     if not isinstance(obj[key], str):
         raise DataError(f"{where}: field {key!r} is {type(obj[key]).__name__}, not a string")
     return obj[key]
@@ -84,8 +93,9 @@ def _text(obj: dict, key: str, flag: str, where: str, keys: SFTKeys) -> str:
 
 def _chat_pieces(messages, where: str, keys: SFTKeys) -> list[tuple[str, bool]]:
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: field {keys.messages!r} must be a non-empty list of "
-                        "{\"role\": ..., \"content\": ...} turns")
+        raise DataError(
+            f'{where}: field {keys.messages!r} must be a non-empty list of {{"role": ..., "content": ...}} turns'
+        )
     pieces = []
     for n, turn in enumerate(messages):
         if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
@@ -110,11 +120,14 @@ def record_pieces(obj, where: str, keys: SFTKeys = SFTKeys()) -> list[tuple[str,
     if obj.get(keys.messages) is not None:  # a parquet row of a prompt/response record has a null
         pieces = _chat_pieces(obj[keys.messages], where, keys)
     else:
-        pieces = [(_text(obj, keys.prompt, "--sft-prompt-key", where, keys), False),
-                  (_text(obj, keys.response, "--sft-response-key", where, keys), True)]
+        pieces = [
+            (_text(obj, keys.prompt, "--sft-prompt-key", where, keys), False),
+            (_text(obj, keys.response, "--sft-response-key", where, keys), True),
+        ]
     if not any(loss for _, loss in pieces):
-        raise DataError(f"{where}: no assistant turn, so nothing of the record is in the loss; fix: add one "
-                        "or drop the record")
+        raise DataError(
+            f"{where}: no assistant turn, so nothing of the record is in the loss; fix: add one or drop the record"
+        )
     return pieces
 
 
@@ -175,8 +188,13 @@ def iter_records(paths: list[str]) -> Iterator[tuple[str, object]]:
         yield from (_parquet_records(path) if path.endswith(".parquet") else _jsonl_records(path))
 
 
-def preprocess_sft(inputs: list[str], model_path: str, output_prefix: str, keys: SFTKeys = SFTKeys(),
-                   tokenizer_type: str = "SentencePieceTokenizer") -> dict:
+def preprocess_sft(
+    inputs: list[str],
+    model_path: str,
+    output_prefix: str,
+    keys: SFTKeys = SFTKeys(),
+    tokenizer_type: str = "SentencePieceTokenizer",
+) -> dict:
     """Tokenize the records of ``inputs`` into ``output_prefix`` (tokens) and its loss-mask pair.
 
     Returns stats: records, tokens, loss_tokens (mask ones), prefix. Raises DataError on bad
@@ -185,8 +203,10 @@ def preprocess_sft(inputs: list[str], model_path: str, output_prefix: str, keys:
 
     tok = load_tokenizer(model_path, tokenizer_type)
     stats = dict(records=0, tokens=0, loss_tokens=0, prefix=output_prefix)
-    with IndexedDatasetBuilder(output_prefix, best_dtype(tok.vocab_size)) as tokens, \
-            IndexedDatasetBuilder(loss_mask_prefix(output_prefix), np.uint8) as masks:
+    with (
+        IndexedDatasetBuilder(output_prefix, best_dtype(tok.vocab_size)) as tokens,
+        IndexedDatasetBuilder(loss_mask_prefix(output_prefix), np.uint8) as masks,
+    ):
         for where, obj in iter_records(inputs):
             ids, mask = encode_record(record_pieces(obj, where, keys), tok)
             tokens.add_document(ids)
@@ -216,8 +236,9 @@ def next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return out
 
 
-def build_sft_index(lengths: np.ndarray, capacity: int, num_samples: int, seed: int,
-                    packing: str) -> tuple[np.ndarray, np.ndarray]:
+def build_sft_index(
+    lengths: np.ndarray, capacity: int, num_samples: int, seed: int, packing: str
+) -> tuple[np.ndarray, np.ndarray]:
     """(records [K] positions in ``lengths``, starts [num_samples + 1]): sample i holds records
     ``records[starts[i]:starts[i+1]]``. Epoch e visits every record once in the order of
     ``default_rng([seed, e]).permutation``; with ``pack`` its records are next-fit into
@@ -236,7 +257,7 @@ def build_sft_index(lengths: np.ndarray, capacity: int, num_samples: int, seed: 
     counts = np.concatenate(counts)[:num_samples] if counts else np.zeros(0, dtype=np.int64)
     starts = np.zeros(num_samples + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
-    records = np.concatenate(orders)[:starts[-1]] if orders else np.zeros(0, dtype=np.int64)
+    records = np.concatenate(orders)[: starts[-1]] if orders else np.zeros(0, dtype=np.int64)
     return records.astype(np.int64), starts
 
 
@@ -249,13 +270,23 @@ class SFTDataset:
     lengths differ or the range holds no documents.
     """
 
-    def __init__(self, tokens: IndexedDataset, masks: IndexedDataset, doc_range: tuple[int, int],
-                 seq_length: int, num_samples: int, seed: int, packing: str = "pack", pad_id: int = 0):
+    def __init__(
+        self,
+        tokens: IndexedDataset,
+        masks: IndexedDataset,
+        doc_range: tuple[int, int],
+        seq_length: int,
+        num_samples: int,
+        seed: int,
+        packing: str = "pack",
+        pad_id: int = 0,
+    ):
         if packing not in PACKINGS:
             raise DataError(f"--sft-packing {packing!r}: one of {', '.join(PACKINGS)}")
         if not np.array_equal(tokens.sizes, masks.sizes) or not np.array_equal(tokens.doc_idx, masks.doc_idx):
-            raise DataError(f"{masks.prefix}.idx: its lengths differ from {tokens.prefix}.idx; rebuild both "
-                            "with python -m data.sft")
+            raise DataError(
+                f"{masks.prefix}.idx: its lengths differ from {tokens.prefix}.idx; rebuild both with python -m data.sft"
+            )
         a, b = doc_range
         if b <= a:
             raise DataError(f"{tokens.prefix}: documents {a}..{b - 1}: an empty range")
@@ -263,8 +294,9 @@ class SFTDataset:
         self.capacity, self.num_samples = seq_length + 1, num_samples
         self.first_doc = a
         seq_ids = np.arange(tokens.doc_idx[a], tokens.doc_idx[b], dtype=np.int64)
-        order, self.starts = build_sft_index(np.asarray(tokens.sizes)[seq_ids], self.capacity, num_samples,
-                                             seed, packing)
+        order, self.starts = build_sft_index(
+            np.asarray(tokens.sizes)[seq_ids], self.capacity, num_samples, seed, packing
+        )
         self.order = seq_ids[order]
 
     def __len__(self) -> int:
@@ -272,7 +304,7 @@ class SFTDataset:
 
     def records(self, i: int) -> np.ndarray:
         """Sequence (= document) ids of the records in sample ``i``."""
-        return self.order[self.starts[i]:self.starts[i + 1]]
+        return self.order[self.starts[i] : self.starts[i + 1]]
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         if not 0 <= i < self.num_samples:
@@ -283,8 +315,8 @@ class SFTDataset:
         at = 0
         for s in self.records(i).tolist():
             n = min(int(self.tokens.sizes[s]), cap - at)
-            ids[at:at + n] = self.tokens.get(s, 0, n)
-            mask[at:at + n] = self.masks.get(s, 0, n)
+            ids[at : at + n] = self.tokens.get(s, 0, n)
+            mask[at : at + n] = self.masks.get(s, 0, n)
             at += n
         return ids, mask
 
@@ -293,13 +325,16 @@ def open_loss_masks(prefix: str) -> IndexedDataset:
     """The loss-mask pair of the SFT dataset ``prefix``; DataError naming the fix when missing."""
     mp = loss_mask_prefix(prefix)
     if not (os.path.isfile(mp + ".bin") and os.path.isfile(mp + ".idx")):
-        raise DataError(f"--data-path {prefix} with --sft: {mp}.bin/.idx not found (the loss mask); fix: "
-                        "make the data with python -m data.sft, or drop --sft")
+        raise DataError(
+            f"--data-path {prefix} with --sft: {mp}.bin/.idx not found (the loss mask); fix: "
+            "make the data with python -m data.sft, or drop --sft"
+        )
     return IndexedDataset(mp)
 
 
-def sft_micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
-                      dp_rank: int, dp_size: int) -> list[tuple]:
+def sft_micro_batches(
+    dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[tuple]:
     """This data-parallel rank's micro-batches of SFT samples (``data.samplers.get_micro_batches``'
     slicing): ``(tokens, labels, loss_mask)``, int64, int64 and float32 ``[micro, T]``, with
     tokens = sample[:-1], labels = sample[1:], loss_mask = mask[1:]. Raises DataError as
@@ -310,16 +345,26 @@ def sft_micro_batches(dataset, consumed_samples: int, global_batch_size: int, mi
 
     indices = dp_sample_range(consumed_samples, global_batch_size, dp_rank, dp_size)
     if micro_batch_size < 1 or len(indices) % micro_batch_size:
-        raise DataError(f"global batch size {global_batch_size} / data-parallel size {dp_size} = "
-                        f"{len(indices)} samples per rank is not a multiple of micro batch size {micro_batch_size}")
+        raise DataError(
+            f"global batch size {global_batch_size} / data-parallel size {dp_size} = "
+            f"{len(indices)} samples per rank is not a multiple of micro batch size {micro_batch_size}"
+        )
     if consumed_samples + global_batch_size > len(dataset):
-        raise DataError(f"dataset has {len(dataset)} samples but the global batch after {consumed_samples} "
-                        f"consumed samples needs {consumed_samples + global_batch_size}")
+        raise DataError(
+            f"dataset has {len(dataset)} samples but the global batch after {consumed_samples} "
+            f"consumed samples needs {consumed_samples + global_batch_size}"
+        )
     pairs = [dataset[i] for i in indices]
-    ids = torch.from_numpy(np.stack([p[0] for p in pairs]))                  # [GBS/dp, T+1]
+    ids = torch.from_numpy(np.stack([p[0] for p in pairs]))  # [GBS/dp, T+1]
     mask = torch.from_numpy(np.stack([p[1] for p in pairs]).astype(np.float32))
-    return [(ids[m:m + micro_batch_size, :-1].contiguous(), ids[m:m + micro_batch_size, 1:].contiguous(),
-             mask[m:m + micro_batch_size, 1:].contiguous()) for m in range(0, len(indices), micro_batch_size)]
+    return [
+        (
+            ids[m : m + micro_batch_size, :-1].contiguous(),
+            ids[m : m + micro_batch_size, 1:].contiguous(),
+            mask[m : m + micro_batch_size, 1:].contiguous(),
+        )
+        for m in range(0, len(indices), micro_batch_size)
+    ]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -336,8 +381,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     keys = SFTKeys(args.sft_prompt_key, args.sft_response_key, args.sft_messages_key)
     s = preprocess_sft(args.input, args.tokenizer_model, args.output_prefix, keys, args.tokenizer_type)
-    print(f"{s['records']} records, {s['tokens']} tokens, {s['loss_tokens']} of them in the loss -> "
-          f"{s['prefix']}.bin/.idx, {loss_mask_prefix(s['prefix'])}.bin/.idx")
+    print(
+        f"{s['records']} records, {s['tokens']} tokens, {s['loss_tokens']} of them in the loss -> "
+        f"{s['prefix']}.bin/.idx, {loss_mask_prefix(s['prefix'])}.bin/.idx"
+    )
     return 0
 
 

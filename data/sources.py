@@ -29,6 +29,7 @@ the file, the line or row, and the fix. The packages pyarrow and zstandard are t
 extra ``data`` (pyproject.toml); a missing one raises the one line of megazero's form
 (``megazero.runtime.extras.missing_extra_message``, which data/ may not import).
 """
+
 from __future__ import annotations
 
 import glob
@@ -53,8 +54,9 @@ def require_data_extra(module: str, what: str):
     except ImportError as e:
         missing = isinstance(e, ModuleNotFoundError) and (e.name or top).split(".")[0] == top
         reason = "is not installed" if missing else "cannot be imported: " + " ".join(str(e).split())
-        raise DataError(f"{what} needs the optional extra data ({module} {reason}); fix: "
-                        "pip install -e .[data]") from None
+        raise DataError(
+            f"{what} needs the optional extra data ({module} {reason}); fix: pip install -e .[data]"
+        ) from None
 
 
 class JsonlSource:
@@ -103,9 +105,11 @@ class JsonlSource:
                 try:
                     line = next(lines, None)
                 except self._corrupt_errors() as e:
-                    raise DataError(f"{self.path}:{lineno + 1}: corrupt or truncated {self.codec} data "
-                                    f"({_one_line(e)}) after {lineno} complete lines; re-create or "
-                                    "re-download the file") from None
+                    raise DataError(
+                        f"{self.path}:{lineno + 1}: corrupt or truncated {self.codec} data "
+                        f"({_one_line(e)}) after {lineno} complete lines; re-create or "
+                        "re-download the file"
+                    ) from None
                 if line is None:
                     break
                 lineno += 1
@@ -114,8 +118,10 @@ class JsonlSource:
                 try:
                     yield lineno, line.decode("utf-8"), nbytes
                 except UnicodeDecodeError as e:
-                    raise DataError(f"{self.path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} "
-                                    f"of the line); re-encode the file as UTF-8") from None
+                    raise DataError(
+                        f"{self.path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} "
+                        f"of the line); re-encode the file as UTF-8"
+                    ) from None
 
 
 class _ZstdFrames(io.RawIOBase):
@@ -150,7 +156,7 @@ class _ZstdFrames(io.RawIOBase):
                     data, self._dobj, self._in_frame = self._dobj.unused_data, None, False
             self._pending, self._offset = b"".join(out), 0
         n = min(len(buf), len(self._pending) - self._offset)
-        buf[:n] = memoryview(self._pending)[self._offset: self._offset + n]
+        buf[:n] = memoryview(self._pending)[self._offset : self._offset + n]
         self._offset += n
         return n
 
@@ -179,23 +185,30 @@ class ArrowSource:
             return [self.path]
         if os.path.isfile(os.path.join(self.path, "dataset_dict.json")):
             splits = sorted(d for d in os.listdir(self.path) if os.path.isdir(os.path.join(self.path, d)))
-            raise DataError(f"{self.path}: a DatasetDict folder (splits {', '.join(splits)}); pass one "
-                            f"split's folder, e.g. --input {os.path.join(self.path, splits[0] if splits else 'train')}")
+            raise DataError(
+                f"{self.path}: a DatasetDict folder (splits {', '.join(splits)}); pass one "
+                f"split's folder, e.g. --input {os.path.join(self.path, splits[0] if splits else 'train')}"
+            )
         state = os.path.join(self.path, "state.json")
         if not os.path.isfile(state):
-            raise DataError(f"{self.path}: a directory without state.json, so not a Hugging Face "
-                            "datasets folder (Dataset.save_to_disk); pass files or a glob, e.g. "
-                            f"--input '{os.path.join(self.path, '*.parquet')}'")
+            raise DataError(
+                f"{self.path}: a directory without state.json, so not a Hugging Face "
+                "datasets folder (Dataset.save_to_disk); pass files or a glob, e.g. "
+                f"--input '{os.path.join(self.path, '*.parquet')}'"
+            )
         try:
             with open(state, encoding="utf-8") as f:
                 meta = json.load(f)
             names = [d["filename"] for d in meta["_data_files"]]
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{state}: not a datasets state file ({type(e).__name__}: {e}); re-save "
-                            "the dataset with Dataset.save_to_disk") from None
+            raise DataError(
+                f"{state}: not a datasets state file ({type(e).__name__}: {e}); re-save "
+                "the dataset with Dataset.save_to_disk"
+            ) from None
         if meta.get("_indices_data_files"):
-            raise DataError(f"{state}: the dataset was saved with an indices mapping; save "
-                            "ds.flatten_indices() instead")
+            raise DataError(
+                f"{state}: the dataset was saved with an indices mapping; save ds.flatten_indices() instead"
+            )
         files = [os.path.join(self.path, n) for n in names]
         for f in files:
             if not os.path.isfile(f):
@@ -213,16 +226,20 @@ class ArrowSource:
                 with open(file, "rb") as f:  # a stream cut at a message boundary reads as shorter
                     f.seek(max(os.path.getsize(file) - 8, 0))
                     if f.read() != ARROW_EOS:
-                        raise DataError(f"{file}: truncated (no Arrow end-of-stream marker); re-save "
-                                        "the dataset with Dataset.save_to_disk")
+                        raise DataError(
+                            f"{file}: truncated (no Arrow end-of-stream marker); re-save "
+                            "the dataset with Dataset.save_to_disk"
+                        )
                 with pa.OSFile(file) as f:
                     return pa.ipc.open_stream(f).schema
             import pyarrow.parquet as pq
+
             return pq.read_schema(file)
         except (pa.ArrowException, OSError) as e:
             kind = "Arrow stream (datasets)" if self.folder else "parquet"
-            raise DataError(f"{file}: not a readable {kind} file ({_one_line(e)}); re-create or "
-                            "re-download it") from None
+            raise DataError(
+                f"{file}: not a readable {kind} file ({_one_line(e)}); re-create or re-download it"
+            ) from None
 
     def check(self, keys) -> None:
         if not os.path.exists(self.path):
@@ -232,8 +249,10 @@ class ArrowSource:
             schema = self._schema(file)
             for k in keys:
                 if k not in schema.names:
-                    raise DataError(f"{file}: no column {k!r} (--json-keys {' '.join(keys)}); its columns: "
-                                    f"{', '.join(schema.names)}")
+                    raise DataError(
+                        f"{file}: no column {k!r} (--json-keys {' '.join(keys)}); its columns: "
+                        f"{', '.join(schema.names)}"
+                    )
                 t = schema.field(k).type
                 if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
                     raise DataError(f"{file}: column {k!r} has type {t}, not string (--json-keys)")
@@ -251,6 +270,7 @@ class ArrowSource:
                         yield piece.select(keys), nbytes if j == 0 else 0
             return
         import pyarrow.parquet as pq
+
         # buffer_size without pre_buffer: a column chunk is read through a 1 MiB buffer, page by
         # page, instead of whole (pyarrow's default reads a row group's columns at once)
         with pq.ParquetFile(file, buffer_size=1 << 20, pre_buffer=False) as pf:
@@ -274,8 +294,9 @@ class ArrowSource:
                     batch, nbytes = got
                     columns = [batch.column(k).to_pylist() for k in keys]
                 except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
-                    raise DataError(f"{file}: rows from {row} unreadable ({_one_line(e)}); re-create "
-                                    "or re-download it") from None
+                    raise DataError(
+                        f"{file}: rows from {row} unreadable ({_one_line(e)}); re-create or re-download it"
+                    ) from None
                 for i, values in enumerate(zip(*columns)):
                     yield row, values, nbytes if i == 0 else 0
                     row += 1

@@ -25,6 +25,7 @@ space when decoding, so a literal "▁" in the text would not survive. ``encode`
 encodes each literal "▁" as its three UTF-8 byte pieces, and ``decode`` maps ids to bytes
 with its own table (pieces with "▁" -> space, byte pieces -> that byte, controls -> nothing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,10 @@ class Tokenizer:
 
     def __init__(self, model_path: str):
         if not os.path.isfile(model_path):
-            raise DataError(f"{model_path}: tokenizer model not found; train one with "
-                            f"`python -m data.tokenizer` or run `python -m data.prepare`")
+            raise DataError(
+                f"{model_path}: tokenizer model not found; train one with "
+                f"`python -m data.tokenizer` or run `python -m data.prepare`"
+            )
         self.model_path = model_path
         self.sp = spm.SentencePieceProcessor()
         try:
@@ -69,8 +72,12 @@ class Tokenizer:
 
     def record(self) -> dict:
         """What ``data.preprocess`` stores beside a dataset (``PREFIX.tokenizer.json``)."""
-        return {"sha256": self.sha256, "vocab_size": self.vocab_size, "eod": self.eod,
-                "model": os.path.abspath(self.model_path)}
+        return {
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+            "model": os.path.abspath(self.model_path),
+        }
 
     def token_id(self, text: str) -> int | None:
         """The id of the piece spelled ``text`` (None when the model has none)."""
@@ -124,8 +131,9 @@ def hf_tokenizers(what: str):
     except ImportError as e:
         missing = isinstance(e, ModuleNotFoundError) and (e.name or "tokenizers").split(".")[0] == "tokenizers"
         reason = "is not installed" if missing else "cannot be imported: " + " ".join(str(e).split())
-        raise DataError(f"{what} needs the optional extra hf (tokenizers {reason}); fix: "
-                        "pip install -e .[hf]") from None
+        raise DataError(
+            f"{what} needs the optional extra hf (tokenizers {reason}); fix: pip install -e .[hf]"
+        ) from None
     return tokenizers
 
 
@@ -150,8 +158,10 @@ class HFTokenizer:
     def __init__(self, model_path: str):
         path = tokenizer_file(model_path)
         if not os.path.isfile(path):
-            raise DataError(f"{path}: tokenizer.json not found (--tokenizer-model with --tokenizer-type "
-                            "HuggingFaceTokenizer names a tokenizer.json or a folder holding one)")
+            raise DataError(
+                f"{path}: tokenizer.json not found (--tokenizer-model with --tokenizer-type "
+                "HuggingFaceTokenizer names a tokenizer.json or a folder holding one)"
+            )
         _HF = hf_tokenizers("--tokenizer-type HuggingFaceTokenizer").Tokenizer
         try:
             self.tok = _HF.from_file(path)
@@ -162,8 +172,10 @@ class HFTokenizer:
         self.vocab_size: int = self.tok.get_vocab_size(with_added_tokens=True)
         eod = next((self.tok.token_to_id(t) for t in HF_EOD_TOKENS if self.tok.token_to_id(t) is not None), None)
         if eod is None:
-            raise DataError(f"{path}: has none of the end-of-document tokens {', '.join(HF_EOD_TOKENS)}; fix: "
-                            "add one as a special token")
+            raise DataError(
+                f"{path}: has none of the end-of-document tokens {', '.join(HF_EOD_TOKENS)}; fix: "
+                "add one as a special token"
+            )
         self.eod: int = eod
         self.sha256: str = model_sha256(path)
         self._own_size = self.vocab_size  # ids past it were appended (add_fim_sentinels)
@@ -171,8 +183,13 @@ class HFTokenizer:
 
     def record(self) -> dict:
         """What ``data.preprocess`` stores beside a dataset (``PREFIX.tokenizer.json``)."""
-        return {"sha256": self.sha256, "vocab_size": self.vocab_size, "eod": self.eod,
-                "model": os.path.abspath(self.model_path), "type": "HuggingFaceTokenizer"}
+        return {
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+            "model": os.path.abspath(self.model_path),
+            "type": "HuggingFaceTokenizer",
+        }
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
@@ -195,8 +212,10 @@ class HFTokenizer:
 
 # FIM sentinel spellings of common tokenizers, in the order prefix, middle, suffix, pad:
 # Megatron-LM / StarCoder (also the names of appended ids), then Qwen2.5-Coder.
-FIM_TOKEN_SETS = (("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"),
-                  ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"))
+FIM_TOKEN_SETS = (
+    ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"),
+    ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"),
+)
 
 
 def add_fim_sentinels(tok, names=None) -> FIMSentinels:
@@ -217,8 +236,10 @@ def add_fim_sentinels(tok, names=None) -> FIMSentinels:
         ids = [tok.token_id(n) for n in names]
         missing = [n for n, i in zip(names, ids) if i is None]
         if missing:
-            raise DataError(f"--fim-tokens: {missing[0]!r} is not a token of {where}; fix: name four of its "
-                            "tokens (prefix middle suffix pad) or drop --fim-tokens to append new ids")
+            raise DataError(
+                f"--fim-tokens: {missing[0]!r} is not a token of {where}; fix: name four of its "
+                "tokens (prefix middle suffix pad) or drop --fim-tokens to append new ids"
+            )
         found = FIMSentinels(*ids, names=tuple(names), appended=False)
     else:
         found = None
@@ -230,16 +251,20 @@ def add_fim_sentinels(tok, names=None) -> FIMSentinels:
                 break
             if have:
                 lack = next(n for n, i in zip(cand, ids) if i is None)
-                raise DataError(f"--fim-tokens: {where} has the FIM token {have[0]!r} but not {lack!r}; fix: "
-                                "give its four FIM tokens with --fim-tokens PREFIX MIDDLE SUFFIX PAD")
+                raise DataError(
+                    f"--fim-tokens: {where} has the FIM token {have[0]!r} but not {lack!r}; fix: "
+                    "give its four FIM tokens with --fim-tokens PREFIX MIDDLE SUFFIX PAD"
+                )
         if found is None:
             first = tok._append_ids(4)
             found = FIMSentinels(first, first + 1, first + 2, first + 3)
     ids = found.ids()
     if len(set(ids)) < 4 or tok.eod in ids:
-        raise DataError(f"--fim-tokens: the FIM sentinels of {where} ({', '.join(found.names)}) have ids "
-                        f"{', '.join(map(str, ids))} (EOD {tok.eod}): two of them, or one and the EOD, share an id; fix: name four distinct "
-                        "tokens other than the EOD")
+        raise DataError(
+            f"--fim-tokens: the FIM sentinels of {where} ({', '.join(found.names)}) have ids "
+            f"{', '.join(map(str, ids))} (EOD {tok.eod}): two of them, or one and the EOD, share an id; "
+            "fix: name four distinct tokens other than the EOD"
+        )
     tok.fim = found
     return found
 
@@ -249,14 +274,23 @@ def train_hf_tokenizer(texts, vocab_size: int, out_path: str, eod_token: str = "
     round-trips: every byte is in the alphabet); ``eod_token`` is id 0. Returns ``out_path``.
     Raises DataError without the tokenizers package (``hf_tokenizers``)."""
     hf = hf_tokenizers("training a Hugging Face tokenizer")
-    _HF, decoders, models, pre_tokenizers, trainers = (hf.Tokenizer, hf.decoders, hf.models, hf.pre_tokenizers,
-                                                      hf.trainers)
+    _HF, decoders, models, pre_tokenizers, trainers = (
+        hf.Tokenizer,
+        hf.decoders,
+        hf.models,
+        hf.pre_tokenizers,
+        hf.trainers,
+    )
 
     tok = _HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eod_token], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eod_token],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = tmp_name(out_path)
@@ -292,11 +326,21 @@ def sentencepiece_to_hf(tok: Tokenizer):
                 raise DataError(f"{tok.model_path}: piece {piece!r} (id {i}) has no exact tokenizers equivalent")
             piece = piece.replace(_SPACE_MARK, " ")
         vocab[piece] = i
-    ranked = sorted((i, vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for p, i in vocab.items()
-                    if p not in special and not sp.is_byte(i) for k in range(1, len(p))
-                    if p[:k] in vocab and p[k:] in vocab)
-    hf = _HF(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=sp.id_to_piece(sp.unk_id()),
-                        byte_fallback=True))
+    ranked = sorted(
+        (i, vocab[p[:k]], vocab[p[k:]], p[:k], p[k:])
+        for p, i in vocab.items()
+        if p not in special and not sp.is_byte(i)
+        for k in range(1, len(p))
+        if p[:k] in vocab and p[k:] in vocab
+    )
+    hf = _HF(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for *_, a, b in ranked],
+            unk_token=sp.id_to_piece(sp.unk_id()),
+            byte_fallback=True,
+        )
+    )
     hf.add_special_tokens([AddedToken(p, special=True) for p in special])
     hf.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     return hf
@@ -341,8 +385,9 @@ def iter_jsonl_texts(path: str, key: str = "text"):
                 obj = json.loads(line)
                 text = obj[key]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f"{path}:{lineno}: not a JSON object with a string {key!r} field; "
-                                f"fix the line or drop it") from None
+                raise DataError(
+                    f"{path}:{lineno}: not a JSON object with a string {key!r} field; fix the line or drop it"
+                ) from None
             if isinstance(text, str) and text:
                 yield text
 
@@ -380,9 +425,16 @@ def reservoir_sample(items, k: int, seed: int) -> list:
     return out
 
 
-def train_tokenizer(input_path: str, vocab_size: int, out_prefix: str, key: str = "text",
-                    input_sentence_size: int = 40000, num_threads: int = 2, seed: int = 1234,
-                    character_coverage: float | None = None) -> str:
+def train_tokenizer(
+    input_path: str,
+    vocab_size: int,
+    out_prefix: str,
+    key: str = "text",
+    input_sentence_size: int = 40000,
+    num_threads: int = 2,
+    seed: int = 1234,
+    character_coverage: float | None = None,
+) -> str:
     """Train a BPE model on the ``key`` texts of a JSONL file; returns ``out_prefix + ".model"``.
 
     ``character_coverage`` (share of characters that get their own piece; the rest use byte
@@ -392,8 +444,7 @@ def train_tokenizer(input_path: str, vocab_size: int, out_prefix: str, key: str 
     """
     if vocab_size < 259 + 8:
         raise DataError(f"--vocab-size {vocab_size}: must be at least 267 (258 reserved pieces + merges)")
-    chunks = reservoir_sample(training_chunks(iter_jsonl_texts(input_path, key)),
-                              input_sentence_size, seed)
+    chunks = reservoir_sample(training_chunks(iter_jsonl_texts(input_path, key)), input_sentence_size, seed)
     if not chunks:
         raise DataError(f"{input_path}: no non-empty {key!r} texts to train on")
     if character_coverage is None:
@@ -401,18 +452,37 @@ def train_tokenizer(input_path: str, vocab_size: int, out_prefix: str, key: str 
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(chunks), model_writer=model,
-            model_type="bpe", vocab_size=vocab_size, byte_fallback=True, character_coverage=character_coverage,
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_by_whitespace=False,
-            split_digits=False, max_sentencepiece_length=16, max_sentence_length=1 << 16,
-            unk_id=0, eos_id=1, eos_piece=EOD_PIECE, bos_id=-1, pad_id=-1, hard_vocab_limit=True,
-            input_sentence_size=input_sentence_size, shuffle_input_sentence=False,
-            num_threads=num_threads, minloglevel=2)
+            sentence_iterator=iter(chunks),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            character_coverage=character_coverage,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_by_whitespace=False,
+            split_digits=False,
+            max_sentencepiece_length=16,
+            max_sentence_length=1 << 16,
+            unk_id=0,
+            eos_id=1,
+            eos_piece=EOD_PIECE,
+            bos_id=-1,
+            pad_id=-1,
+            hard_vocab_limit=True,
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=False,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
     except RuntimeError as e:
-        raise DataError(f"{input_path}: sentencepiece training failed ({str(e).strip()}); "
-                        f"'too high' needs a smaller --vocab-size or more text, 'smaller than required_chars' "
-                        f"a larger one") from None
+        raise DataError(
+            f"{input_path}: sentencepiece training failed ({str(e).strip()}); "
+            f"'too high' needs a smaller --vocab-size or more text, 'smaller than required_chars' "
+            f"a larger one"
+        ) from None
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n" for i in range(sp.get_piece_size()))
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
@@ -430,12 +500,17 @@ def main(argv=None) -> int:
     p.add_argument("--json-key", default="text", help="field holding the text")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--out-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--input-sentence-size", type=int, default=40000,
-                   help="cap on training chunks (~1000 characters each), sampled at random")
+    p.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=40000,
+        help="cap on training chunks (~1000 characters each), sampled at random",
+    )
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    path = train_tokenizer(args.input, args.vocab_size, args.out_prefix, args.json_key,
-                           args.input_sentence_size, args.threads)
+    path = train_tokenizer(
+        args.input, args.vocab_size, args.out_prefix, args.json_key, args.input_sentence_size, args.threads
+    )
     print(f"wrote {path} (vocab {load_tokenizer(path).vocab_size})")
     return 0
 

@@ -8,6 +8,7 @@ A Hugging Face ``tokenizer.json`` is written as is. A sentencepiece model is con
 ``Tokenizer.encode`` does, else refused: the conversion is exact for the BPE models
 ``train_tokenizer`` writes, and the check guards every other.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ import os
 
 from data.indexed_dataset import DataError
 
-CHECK_TEXTS = ("def f(x):\n    return x ** 2  # square\n", "Ünïcödé ☃ 日本語 — emoji 😀\ttab\r\nCRLF",
-               "  leading and trailing spaces  ", "a literal \u2581 and \u2581\u2581", "x\n\n\t \n")
+CHECK_TEXTS = (
+    "def f(x):\n    return x ** 2  # square\n",
+    "Ünïcödé ☃ 日本語 — emoji 😀\ttab\r\nCRLF",
+    "  leading and trailing spaces  ",
+    "a literal \u2581 and \u2581\u2581",
+    "x\n\n\t \n",
+)
 
 
 def check_texts(count: int = 40) -> list[str]:
@@ -46,9 +52,11 @@ def hf_tokenizer_of(tok):
     hf = sentencepiece_to_hf(tok)
     for text in check_texts():
         if hf.encode(text, add_special_tokens=False).ids != tok.encode(text):
-            raise DataError(f"the sentencepiece tokenizer {tok.model_path} has no exact Hugging Face "
-                            f"equivalent (the ids of {text[:40]!r} differ); fix: train with "
-                            "--tokenizer-type HuggingFaceTokenizer, or pass one with --tokenizer-model")
+            raise DataError(
+                f"the sentencepiece tokenizer {tok.model_path} has no exact Hugging Face "
+                f"equivalent (the ids of {text[:40]!r} differ); fix: train with "
+                "--tokenizer-type HuggingFaceTokenizer, or pass one with --tokenizer-model"
+            )
     return hf
 
 
@@ -61,7 +69,12 @@ def write_hf_tokenizer(tok, out: str, max_length: int) -> None:
     hf = hf_tokenizer_of(tok)
     hf.save(os.path.join(out, "tokenizer.json"))
     eod = hf.id_to_token(tok.eod)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
-              "model_max_length": max_length, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eod,
+        "eos_token": eod,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
     with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)

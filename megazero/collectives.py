@@ -13,6 +13,7 @@ Conventions (docs/design.md, "Conventions" 10):
   receives), so that a rank whose collective fails can name the operation it was waiting in
   (megazero/runtime/resilience.py ``write_failure``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -85,8 +86,9 @@ def keep_bookkeeping_out_of_compiled_graphs() -> None:
 def describe(entry: tuple) -> str:
     """One ``recent`` entry in words, e.g. ``all_reduce #57 over ranks [0, 1], shape (5,) float32``."""
     op, ranks, seq, shape, dtype = entry
-    where = f"{'to' if op == 'send' else 'from'} rank {ranks[0]}" if op in ("send", "recv") \
-        else f"over ranks {list(ranks)}"
+    where = (
+        f"{'to' if op == 'send' else 'from'} rank {ranks[0]}" if op in ("send", "recv") else f"over ranks {list(ranks)}"
+    )
     return f"{op} #{seq} {where}, shape {shape} {dtype}"
 
 
@@ -165,8 +167,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_
     """
     size = group_size(group)
     if out.numel() != shard.numel() * size:
-        raise ValueError(f"all_gather_into: out has {out.numel()} elements, expected "
-                         f"{shard.numel()} x {size}")
+        raise ValueError(f"all_gather_into: out has {out.numel()} elements, expected {shard.numel()} x {size}")
     if size == 1:
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard)
@@ -175,16 +176,16 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group, async_
     return ALL_GATHER_OP(out, shard, group=group, async_op=async_op)
 
 
-def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group,
-                       async_op: bool = False):
+def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False):
     """SUM reduce-scatter of 1-D ``full`` into equal shards; rank i receives slice i.
 
     Raises ValueError when ``full.numel() != shard_out.numel() * group_size``.
     """
     size = group_size(group)
     if full.numel() != shard_out.numel() * size:
-        raise ValueError(f"reduce_scatter_sum: input has {full.numel()} elements, expected "
-                         f"{shard_out.numel()} x {size}")
+        raise ValueError(
+            f"reduce_scatter_sum: input has {full.numel()} elements, expected {shard_out.numel()} x {size}"
+        )
     if size == 1:
         if shard_out.data_ptr() != full.data_ptr():
             shard_out.copy_(full)
@@ -193,16 +194,18 @@ def reduce_scatter_sum(shard_out: torch.Tensor, full: torch.Tensor, group: Group
     return REDUCE_SCATTER_OP(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                      group: Group) -> torch.Tensor:
+def all_to_all_single(
+    out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group
+) -> torch.Tensor:
     """Variable-size all-to-all along dim 0: rows ``[sum(in_splits[:j]), +in_splits[j])`` of
     ``inp`` go to group rank j, which receives them at the rank's place in ``out`` (``out_splits``
     rows from each rank, in group-rank order). Counted as ``counter["all_to_all"]``, the bytes of
     ``inp`` (the rows kept on this rank included). At size 1 ``out`` is a copy of ``inp``.
     Raises ValueError when the splits do not add up to the row counts. Returns ``out``."""
     if sum(in_splits) != inp.shape[0] or sum(out_splits) != out.shape[0]:
-        raise ValueError(f"all_to_all_single: splits {in_splits} -> {out_splits} do not match "
-                         f"{inp.shape[0]} -> {out.shape[0]} rows")
+        raise ValueError(
+            f"all_to_all_single: splits {in_splits} -> {out_splits} do not match {inp.shape[0]} -> {out.shape[0]} rows"
+        )
     if group_size(group) == 1:
         return out.copy_(inp)
     _count("all_to_all", inp, group)

@@ -19,6 +19,7 @@ Vocabulary of a spec entry:
 - ``tied_output``: the tensor is also the output layer's weight; a last stage without the
   embedding keeps its own copy (tagged ``shared_embedding``, counted on the first stage).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,25 +79,38 @@ class ParamSpec:
         return self.numel if self.partition_dim is None else self.numel // tp
 
 
-def chunk_entries(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool,
-                  post_process: bool) -> list[ParamSpec]:
+def chunk_entries(
+    spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool, post_process: bool
+) -> list[ParamSpec]:
     """The entries of the parameters a model chunk holds: its layers, the embedding when
     ``pre_process``, the head when ``post_process`` (plus a copy of a ``tied_output`` tensor
     when the chunk holds the head but not the embedding)."""
     ids = set(layer_ids)
-    return [e for e in spec
-            if (e.part == "layer" and e.layer in ids) or (e.part == "embedding" and pre_process)
-            or (e.part == "head" and post_process) or (e.tied_output and post_process and not pre_process)]
+    return [
+        e
+        for e in spec
+        if (e.part == "layer" and e.layer in ids)
+        or (e.part == "embedding" and pre_process)
+        or (e.part == "head" and post_process)
+        or (e.tied_output and post_process and not pre_process)
+    ]
 
 
-def params_on_chunk(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool,
-                    post_process: bool, tp: int) -> int:
+def params_on_chunk(
+    spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool, post_process: bool, tp: int
+) -> int:
     """Parameters (elements) one TP rank of a model chunk holds (``chunk_entries``)."""
     return sum(e.local_numel(tp) for e in chunk_entries(spec, layer_ids, pre_process, post_process))
 
 
-def gather_units(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_process: bool,
-                 post_process: bool, tp: int, persistence_threshold: int = 0) -> dict[str, int]:
+def gather_units(
+    spec: Iterable[ParamSpec],
+    layer_ids: Sequence[int],
+    pre_process: bool,
+    post_process: bool,
+    tp: int,
+    persistence_threshold: int = 0,
+) -> dict[str, int]:
     """ZeRO-3 gather units of one model chunk: unit name -> elements one TP rank gathers
     (unpadded), as ``model.build.zero3_units`` and ``data_parallel.zero3_gather.split_units``
     form them: ``"embedding"`` (without a tied word embedding), ``"layers.{i}"``, ``"final_ln"``,
@@ -112,9 +126,15 @@ def gather_units(spec: Iterable[ParamSpec], layer_ids: Sequence[int], pre_proces
         if e.tied_output and (pre_process or post_process):
             rest += n
             continue
-        key = (f"layers.{e.layer}" if e.part == "layer" and e.layer in ids else
-               "embedding" if e.part == "embedding" and pre_process else
-               e.name.split(".")[0] if e.part == "head" and post_process else None)
+        key = (
+            f"layers.{e.layer}"
+            if e.part == "layer" and e.layer in ids
+            else "embedding"
+            if e.part == "embedding" and pre_process
+            else e.name.split(".")[0]
+            if e.part == "head" and post_process
+            else None
+        )
         if key is not None:
             units[key] = units.get(key, 0) + n
     return {**units, "chunk": rest} if rest else units

@@ -11,6 +11,7 @@ dynamic, ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_l
 the optimizer makes every rank of the world agree on it (max-reduce of the flag) before
 calling ``update``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,7 @@ class DtypePolicy:
     def from_flags(cls, fp16: bool, bf16: bool, grads_in_fp32: bool = True) -> "DtypePolicy":
         """Policy for ``--fp16`` / ``--bf16``; raises ValueError as :func:`model_dtype`."""
         model = model_dtype(fp16, bf16)
-        return cls(model=model, main=torch.float32,
-                   grad_reduce=torch.float32 if grads_in_fp32 else model)
+        return cls(model=model, main=torch.float32, grad_reduce=torch.float32 if grads_in_fp32 else model)
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -182,9 +182,13 @@ class _LossScalerBase:
 
     def state_dict(self) -> dict:
         """Plain Python values; saved with the optimizer so a resume continues identically."""
-        return dict(scale=self.scale, hysteresis_left=self.hysteresis_left,
-                    skipped_steps=self.skipped_steps, consecutive_skips=self.consecutive_skips,
-                    skips_at_min_scale=self.skips_at_min_scale)
+        return dict(
+            scale=self.scale,
+            hysteresis_left=self.hysteresis_left,
+            skipped_steps=self.skipped_steps,
+            consecutive_skips=self.consecutive_skips,
+            skips_at_min_scale=self.skips_at_min_scale,
+        )
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
@@ -233,16 +237,20 @@ class DynamicLossScaler(_LossScalerBase):
     iteration later (``stable_interval = iterations since the last overflow - 1``).
     """
 
-    def __init__(self, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0,
-                 consecutive_hysteresis: bool = False, max_consecutive_skips: int | None = None):
+    def __init__(
+        self,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_loss_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
+        max_consecutive_skips: int | None = None,
+    ):
         if loss_scale_window < 1 or hysteresis < 1:
-            raise ValueError(f"loss_scale_window ({loss_scale_window}) and hysteresis "
-                             f"({hysteresis}) must be >= 1")
+            raise ValueError(f"loss_scale_window ({loss_scale_window}) and hysteresis ({hysteresis}) must be >= 1")
         if not min_loss_scale > 0:
             raise ValueError(f"min_loss_scale must be > 0, got {min_loss_scale}")
-        super().__init__(max(2.0 ** initial_scale_power, min_loss_scale), min_loss_scale,
-                         max_consecutive_skips)
+        super().__init__(max(2.0**initial_scale_power, min_loss_scale), min_loss_scale, max_consecutive_skips)
         self.loss_scale_window = loss_scale_window
         self.hysteresis = hysteresis
         self.consecutive_hysteresis = consecutive_hysteresis

@@ -14,6 +14,7 @@ and sharded over. With hybrid sharding (``topology.hybrid``) ZeRO shards over
 ``zero_shard_group`` (``zero_shard``, S ranks) and all-reduces the shards over
 ``zero_replica``; flat, ``zero_shard_group`` is ``dp``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,7 +55,8 @@ class _Methods:
             raise ValueError(
                 f"world size {world} != {_product(topology)} = "
                 f"{'*'.join(str(d.size) for d in topology.dims)} = {topology.world_size}; "
-                f"launch {_product(topology)} processes")
+                f"launch {_product(topology)} processes"
+            )
         rank = dist.get_rank()
         timeout = timedelta(seconds=timeout_s)
         mine, made = {}, {}
@@ -65,8 +67,9 @@ class _Methods:
         for row in filter(topology.builds, GROUP_TABLE):
             for ranks in topology.row_groups(row):
                 if tuple(ranks) not in made:
-                    made[tuple(ranks)] = dist.new_group(ranks=ranks, timeout=timeout,
-                                                        **({"group_desc": row.name} if named else {}))
+                    made[tuple(ranks)] = dist.new_group(
+                        ranks=ranks, timeout=timeout, **({"group_desc": row.name} if named else {})
+                    )
                 if rank in ranks:
                     mine[row.name] = made[tuple(ranks)]
         for row in GROUP_TABLE:
@@ -191,9 +194,9 @@ class _Methods:
     def describe(self) -> str:
         """One line for the start-up log, e.g. ``rank 5: tp 1/2 dp 0/2 pp 1/2``."""
         c = self.coord
-        return f"rank {self.rank}: " + " ".join(f"{d.name} {c[d.name]}/{d.size}"
-                                                  for d in self.topology.dims
-                                                  if d.size > 1 or d.name in ("tp", "dp", "pp"))
+        return f"rank {self.rank}: " + " ".join(
+            f"{d.name} {c[d.name]}/{d.size}" for d in self.topology.dims if d.size > 1 or d.name in ("tp", "dp", "pp")
+        )
 
 
 _DOC = f"""This rank's place in the layout and its communication groups (frozen).
@@ -208,10 +211,16 @@ default group. A group is ``None`` in a single-process run, for a group this ran
 
 ProcessGroups = dataclasses.make_dataclass(
     "ProcessGroups",
-    [("topology", Topology), ("rank", int),
-     *((row.name, Group, dataclasses.field(default=None)) for row in GROUP_TABLE),
-     ("world", Group, dataclasses.field(default=None))],
-    bases=(_Methods,), frozen=True, namespace={"__module__": __name__, "__doc__": _DOC})
+    [
+        ("topology", Topology),
+        ("rank", int),
+        *((row.name, Group, dataclasses.field(default=None)) for row in GROUP_TABLE),
+        ("world", Group, dataclasses.field(default=None)),
+    ],
+    bases=(_Methods,),
+    frozen=True,
+    namespace={"__module__": __name__, "__doc__": _DOC},
+)
 
 
 def _product(topology: Topology) -> str:

@@ -17,10 +17,10 @@ else (never parameter names):
   embedding on the first stage, output layer on the last); the copy on the last stage is
   not counted again by norms.
 """
+
 from __future__ import annotations
 
 import torch
-
 
 
 def set_partitioned(param: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
@@ -106,8 +106,7 @@ def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     return is_partitioned(param) or tp_rank == 0
 
 
-def partition_tensor(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1
-                     ) -> torch.Tensor:
+def partition_tensor(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
     """Rank ``rank``'s partition of ``full`` along ``dim`` (a contiguous copy).
 
     With ``stride`` s, ``full`` is s equal blocks along ``dim``; each block is cut into
@@ -118,8 +117,7 @@ def partition_tensor(full: torch.Tensor, dim: int, rank: int, size: int, stride:
     """
     d = full.shape[dim]
     if d % (stride * size) != 0:
-        raise ValueError(f"dimension {dim} of size {d} is not divisible by stride {stride} x "
-                         f"partitions {size}")
+        raise ValueError(f"dimension {dim} of size {d} is not divisible by stride {stride} x partitions {size}")
     blocks = full.chunk(stride, dim=dim)
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 

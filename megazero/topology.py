@@ -14,7 +14,8 @@ Tensor-parallel ranks are innermost (adjacent global ranks, so one TP group sits
 and its all-reduces stay on NVLink), then context-parallel (the ring of K/V blocks, next
 closest), then data-parallel, then pipeline stages outermost, as in Megatron-LM (Narayanan
 et al. 2021, sec. 3.3; Megatron core's ``RankGenerator`` orders "tp-cp-ep-dp-pp" the same way).
-A group over a subset S of the dimensions is the set of ranks that differ from a rank only in S (the idea of torch's ``DeviceMesh``): the TP group is the
+A group over a subset S of the dimensions is the set of ranks that differ from a rank only in S (the idea of torch's
+``DeviceMesh``): the TP group is the
 group over ``("tp",)``, the model-parallel group the one over ``("tp", "pp")``, the ranks
 holding replicas of the same parameters (gradients reduced, ZeRO sharded) the one over
 ``("dp", "cp")``.
@@ -59,6 +60,7 @@ default) is flat ZeRO: the shard group is ``dp_cp`` and there is no replica grou
 
 This module imports no torch.distributed; it is the one place where the order is written.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -101,22 +103,24 @@ class GroupRow:
         if self.family not in FAMILIES:
             raise ValueError(f"group row {self.name!r}: family {self.family!r} must be one of {FAMILIES}")
         if self.rule not in RULES or (self.rule in ("block", "stride")) != (self.by is not None):
-            raise ValueError(f"group row {self.name!r}: rule {self.rule!r} must be one of {RULES}, "
-                             f"with `by` exactly for block and stride")
+            raise ValueError(
+                f"group row {self.name!r}: rule {self.rule!r} must be one of {RULES}, "
+                f"with `by` exactly for block and stride"
+            )
 
 
 GROUP_TABLE: tuple[GroupRow, ...] = (
     #        name            family    over          rule      by            when               otherwise
-    GroupRow("tp",           "dense",  ("tp",)),
-    GroupRow("dp",           "dense",  ("dp",)),
-    GroupRow("pp",           "dense",  ("pp",)),
-    GroupRow("mp",           "dense",  ("tp", "pp")),
-    GroupRow("cp",           "dense",  ("cp",)),
-    GroupRow("dp_cp",        "dense",  ("dp", "cp")),
-    GroupRow("embedding",    "dense",  ("pp",),      "ends"),
-    GroupRow("ep",           "expert", ("dp", "cp"), "block",  "ep",         "expert_parallel"),
-    GroupRow("edp",          "expert", ("dp", "cp"), "stride", "ep",         "expert_parallel", "dp_cp"),
-    GroupRow("zero_shard",   "hybrid", ("dp", "cp"), "block",  "zero_shard", "hybrid"),
+    GroupRow("tp", "dense", ("tp",)),
+    GroupRow("dp", "dense", ("dp",)),
+    GroupRow("pp", "dense", ("pp",)),
+    GroupRow("mp", "dense", ("tp", "pp")),
+    GroupRow("cp", "dense", ("cp",)),
+    GroupRow("dp_cp", "dense", ("dp", "cp")),
+    GroupRow("embedding", "dense", ("pp",), "ends"),
+    GroupRow("ep", "expert", ("dp", "cp"), "block", "ep", "expert_parallel"),
+    GroupRow("edp", "expert", ("dp", "cp"), "stride", "ep", "expert_parallel", "dp_cp"),
+    GroupRow("zero_shard", "hybrid", ("dp", "cp"), "block", "zero_shard", "hybrid"),
     GroupRow("zero_replica", "hybrid", ("dp", "cp"), "stride", "zero_shard", "hybrid"),
 )
 """Every process group, in the order ``ProcessGroups.build`` creates them (module docstring)."""
@@ -208,8 +212,17 @@ class Topology:
     ep: int = 1
     zero_shard: int = 1
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, order: str = ORDER, ep: int = 1,
-                 zero_shard: Optional[int] = None, **sizes: int):
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int = 1,
+        *,
+        order: str = ORDER,
+        ep: int = 1,
+        zero_shard: Optional[int] = None,
+        **sizes: int,
+    ):
         names = order.split("-")
         if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
             raise ValueError(f"order {order!r} must name distinct dimensions, e.g. {ORDER!r}")
@@ -271,8 +284,7 @@ class Topology:
         Raises ValueError on an unknown dimension or a coordinate outside the layout.
         """
         if len(index) > len(self.dims):
-            raise ValueError(f"{len(index)} coordinates for the {len(self.dims)} dimensions "
-                             f"of {self}")
+            raise ValueError(f"{len(index)} coordinates for the {len(self.dims)} dimensions of {self}")
         at = dict(zip(self.names, index))
         for name, i in named.items():
             self._index_of(name)
@@ -311,15 +323,15 @@ class Topology:
         middle stage it is the group of the end stages, which ``rank`` is not in; with pp == 1
         the rank alone (the tie is inside one module)."""
         over = self.present(row.over)
-        members = self.group(rank, over)   # sorted: a member's position is its index here
+        members = self.group(rank, over)  # sorted: a member's position is its index here
         if row.rule == "all":
             return members
         if row.rule == "ends":
             return sorted({members[0], members[-1]})
         k, at = getattr(self, row.by), members.index(rank)
         if row.rule == "block":
-            return members[at - at % k:at - at % k + k]
-        return members[at % k::k]   # stride
+            return members[at - at % k : at - at % k + k]
+        return members[at % k :: k]  # stride
 
     def row_groups(self, row: GroupRow) -> list[list[int]]:
         """Every group of kind ``row``, ordered by lowest member: a partition of the world, but
@@ -430,8 +442,7 @@ class Topology:
             raise ValueError(f"replica_topology needs cp right inside dp, {self} has {self.order!r}")
         sizes = {d.name: d.size for d in self.dims if d.name not in ("cp", "dp")}
         sizes["dp"] = self.size("dp") * self.size("cp")
-        return Topology(order="-".join(n for n in names if n != "cp"), ep=self.ep,
-                        zero_shard=self.zero_shard, **sizes)
+        return Topology(order="-".join(n for n in names if n != "cp"), ep=self.ep, zero_shard=self.zero_shard, **sizes)
 
     def tp_groups(self) -> list[list[int]]:
         return self.named_groups("tp")
@@ -448,8 +459,11 @@ class Topology:
     # -- helpers -------------------------------------------------------------------------
     def __repr__(self) -> str:
         sizes = ", ".join(f"{d.name}={d.size}" for d in self.dims)
-        order = "" if self.order == ORDER or "cp" not in self.names and self.order == "tp-dp-pp" \
+        order = (
+            ""
+            if self.order == ORDER or "cp" not in self.names and self.order == "tp-dp-pp"
             else f", order={self.order!r}"
+        )
         ep = f", ep={self.ep}" if self.ep > 1 else ""
         ep += f", zero_shard={self.zero_shard}" if self.hybrid else ""
         return f"Topology({sizes}{ep}{order})"

@@ -4,6 +4,7 @@ tensor at a time: model/materialize.py), their ZeRO-3 gather units, an optional 
 starting point, the memory the build needs (``build_peak_bytes``) and the model signature a
 checkpoint must match. The Trainer (train.py), the planner and the scripts build the model here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,42 +29,69 @@ from model.hf_folder import check_folder, open_folder
 def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
     m = cfg.model
     return GPTConfig(
-        vocab_size=vocab_size, num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size,
-        seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        vocab_size=vocab_size,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        seq_length=m.seq_length,
+        max_position_embeddings=m.max_position_embeddings,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
         tie_embeddings=not m.untie_embeddings_and_output_weights,
-        layernorm_epsilon=m.layernorm_epsilon, init_method_std=m.init_method_std,
+        layernorm_epsilon=m.layernorm_epsilon,
+        init_method_std=m.init_method_std,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         sequence_parallel=cfg.parallel.sequence_parallel and cfg.parallel.tp > 1,
         # torch.compile cannot trace the overlapped backward (a hand-written autograd.Function);
         # zero-bubble schedules split the backward into B and W, and that Function computes
         # both at once (megazero/pipeline/weight_grad.py): B's all-reduce then runs unoverlapped
-        tp_overlap_grad_reduce=(cfg.parallel.async_tensor_model_parallel_allreduce and not cfg.train.compile
-                                and cfg.parallel.pipeline_schedule not in ("zb-h1", "zb-v")),
+        tp_overlap_grad_reduce=(
+            cfg.parallel.async_tensor_model_parallel_allreduce
+            and not cfg.train.compile
+            and cfg.parallel.pipeline_schedule not in ("zb-h1", "zb-v")
+        ),
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
-        label_smoothing=m.label_smoothing, norm_backend=cfg.optim.kernels,
-        position_embedding_type=m.position_embedding_type, rotary_base=m.rotary_base,
-        rotary_percent=m.rotary_percent, normalization=m.normalization, swiglu=m.swiglu,
+        label_smoothing=m.label_smoothing,
+        norm_backend=cfg.optim.kernels,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
+        normalization=m.normalization,
+        swiglu=m.swiglu,
         openai_gelu=m.openai_gelu,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         add_bias_linear=m.add_bias_linear,
         cp_comm_type=cfg.parallel.cp_comm_type,
-        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
-        **({} if m.num_experts is None else {name: getattr(m, name) for name in MOE_FIELDS}))
+        **({} if m.num_experts is None else {name: getattr(m, name) for name in MOE_FIELDS}),
+    )
 
 
 # the MoE settings GPTConfig shares with ModelConfig (same names)
-MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq",
-              "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_pre_softmax",
-              "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-              "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-              "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_token_dispatcher_type")
+MOE_FIELDS = (
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_expert_capacity_factor",
+    "moe_token_drop_policy",
+    "moe_pad_expert_input_to_capacity",
+    "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate",
+    "moe_token_dispatcher_type",
+)
 
 
-def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
-                       device: torch.device) -> list[GPTStage]:
+def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups, device: torch.device) -> list[GPTStage]:
     """This rank's model chunks (one, or V for the interleaved schedule), in the model dtype.
 
     Every chunk starts from the full tensors of (seed, parameter name) and keeps its
@@ -80,14 +108,21 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups,
     full = from_hf_weights(cfg, gcfg, groups.tp_size)
     layout = partition.chunk_layout(p.pipeline_schedule)
     for v in range(p.virtual_pipeline_size):
-        ids = partition.layer_ids(gcfg.num_layers, p.pp, groups.pp_rank, p.virtual_pipeline_size, v,
-                                  p.pipeline_layer_split, layout)
-        chunk = GPTStage(gcfg, groups, ids,
-                         pre_process=partition.is_pre_process(groups.pp_rank, v),
-                         post_process=partition.is_post_process(groups.pp_rank, p.pp, v,
-                                                                p.virtual_pipeline_size, layout),
-                         seed=cfg.train.seed, rng_tracker=tracker, device=device, full_weights=full,
-                         materialize=cfg.zero.stage != 3)
+        ids = partition.layer_ids(
+            gcfg.num_layers, p.pp, groups.pp_rank, p.virtual_pipeline_size, v, p.pipeline_layer_split, layout
+        )
+        chunk = GPTStage(
+            gcfg,
+            groups,
+            ids,
+            pre_process=partition.is_pre_process(groups.pp_rank, v),
+            post_process=partition.is_post_process(groups.pp_rank, p.pp, v, p.virtual_pipeline_size, layout),
+            seed=cfg.train.seed,
+            rng_tracker=tracker,
+            device=device,
+            full_weights=full,
+            materialize=cfg.zero.stage != 3,
+        )
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
         chunks.append(chunk)
     if cfg.train.compile:
@@ -204,14 +239,13 @@ def build_peak_bytes(cfg: Config, gcfg: GPTConfig, pp_rank: int = 0, device_type
     spec = gcfg.parameter_spec(tp)
     resident = full = in_flight = 0
     for v in range(p.virtual_pipeline_size):
-        ids = partition.layer_ids(gcfg.num_layers, p.pp, pp_rank, p.virtual_pipeline_size, v,
-                                  p.pipeline_layer_split)
+        ids = partition.layer_ids(gcfg.num_layers, p.pp, pp_rank, p.virtual_pipeline_size, v, p.pipeline_layer_split)
         pre = partition.is_pre_process(pp_rank, v)
         post = partition.is_post_process(pp_rank, p.pp, v, p.virtual_pipeline_size)
         for e in chunk_entries(spec, ids, pre, post):
             local = e.local_numel(tp)
             resident += item * (local if shards == 1 or local < threshold else -(-local // shards))
-            cut = 4 * local if e.partition_dim is not None else 0   # replicated: the full tensor is it
+            cut = 4 * local if e.partition_dim is not None else 0  # replicated: the full tensor is it
             copied = e.partition_dim is None or item != 4 or device_type != "cpu"
             in_flight = max(in_flight, 4 * e.numel + cut + (item * local if copied else 0))
             full = max(full, 4 * e.numel)
@@ -221,12 +255,30 @@ def build_peak_bytes(cfg: Config, gcfg: GPTConfig, pp_rank: int = 0, device_type
 def model_signature(g: GPTConfig) -> dict:
     """The sizes a checkpoint must share with the model that loads it (layout excluded); an MoE
     model adds its expert sizes (a dense model's signature is unchanged)."""
-    moe = {} if g.num_experts is None else dict(
-        num_experts=g.num_experts, moe_ffn_hidden_size=g.moe_ffn_hidden_size, moe_layer_freq=g.moe_layer_freq,
-        moe_shared_expert_intermediate_size=g.moe_shared_expert_intermediate_size)
-    return moe | dict(vocab_size=g.vocab_size, num_layers=g.num_layers, hidden_size=g.hidden_size,
-                num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
-                max_position_embeddings=g.max_position_embeddings, tie_embeddings=g.tie_embeddings,
-                position_embedding_type=g.position_embedding_type, rotary_base=g.rotary_base,
-                rotary_percent=g.rotary_percent, normalization=g.normalization, swiglu=g.swiglu,
-                num_query_groups=g.num_query_groups, add_bias_linear=g.add_bias_linear, openai_gelu=g.openai_gelu)
+    moe = (
+        {}
+        if g.num_experts is None
+        else dict(
+            num_experts=g.num_experts,
+            moe_ffn_hidden_size=g.moe_ffn_hidden_size,
+            moe_layer_freq=g.moe_layer_freq,
+            moe_shared_expert_intermediate_size=g.moe_shared_expert_intermediate_size,
+        )
+    )
+    return moe | dict(
+        vocab_size=g.vocab_size,
+        num_layers=g.num_layers,
+        hidden_size=g.hidden_size,
+        num_attention_heads=g.num_attention_heads,
+        ffn_hidden_size=g.ffn_hidden_size,
+        max_position_embeddings=g.max_position_embeddings,
+        tie_embeddings=g.tie_embeddings,
+        position_embedding_type=g.position_embedding_type,
+        rotary_base=g.rotary_base,
+        rotary_percent=g.rotary_percent,
+        normalization=g.normalization,
+        swiglu=g.swiglu,
+        num_query_groups=g.num_query_groups,
+        add_bias_linear=g.add_bias_linear,
+        openai_gelu=g.openai_gelu,
+    )

@@ -5,6 +5,7 @@ tensor-parallel ranks and keep matmul-friendly shapes (Megatron-LM's
 ``--make-vocab-size-divisible-by``). Padded rows are zero, masked out of the softmax and
 never trained (docs/design.md, contract 1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,10 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     Raises ValueError when any argument is below 1.
     """
     if vocab_size < 1 or divisible_by < 1 or tp_size < 1:
-        raise ValueError(f"vocab_size ({vocab_size}), --make-vocab-size-divisible-by "
-                         f"({divisible_by}) and tp ({tp_size}) must all be >= 1")
+        raise ValueError(
+            f"vocab_size ({vocab_size}), --make-vocab-size-divisible-by "
+            f"({divisible_by}) and tp ({tp_size}) must all be >= 1"
+        )
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
 
@@ -198,22 +201,54 @@ class GPTConfig:
         """
         for name, where in _SETTING_OF.items():
             check_value(setting_named(where), getattr(self, name))
-        check_sizes(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-                    ffn_hidden_size=self.ffn_hidden_size, seq_length=self.seq_length,
-                    max_position_embeddings=self.max_position_embeddings, tp=tp_size,
-                    sequence_parallel=self.sequence_parallel, swiglu=self.swiglu)
-        check_block(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads, tp=tp_size,
-                    num_query_groups=self.num_query_groups, rotary_percent=self.rotary_percent,
-                    rope=self.position_embedding_type == "rope")
+        check_sizes(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size,
+            seq_length=self.seq_length,
+            max_position_embeddings=self.max_position_embeddings,
+            tp=tp_size,
+            sequence_parallel=self.sequence_parallel,
+            swiglu=self.swiglu,
+        )
+        check_block(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            tp=tp_size,
+            num_query_groups=self.num_query_groups,
+            rotary_percent=self.rotary_percent,
+            rope=self.position_embedding_type == "rope",
+        )
         if self.num_experts is not None:
             check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
 
 
 # GPTConfig field -> the setting (flag) whose documented range and choices it must satisfy
-_SETTING_OF = {"vocab_size": "data.vocab_size",
-               **{name: f"model.{name}" for name in (
-                   "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                   "max_position_embeddings", "hidden_dropout", "attention_dropout", "label_smoothing",
-                   "position_embedding_type", "normalization", "rotary_base", "num_query_groups", "num_experts",
-                   "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
-                   "moe_router_load_balancing_type", "moe_expert_capacity_factor", "moe_token_drop_policy")}}
+_SETTING_OF = {
+    "vocab_size": "data.vocab_size",
+    **{
+        name: f"model.{name}"
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "seq_length",
+            "max_position_embeddings",
+            "hidden_dropout",
+            "attention_dropout",
+            "label_smoothing",
+            "position_embedding_type",
+            "normalization",
+            "rotary_base",
+            "num_query_groups",
+            "num_experts",
+            "moe_router_topk",
+            "moe_layer_freq",
+            "moe_router_score_function",
+            "moe_router_load_balancing_type",
+            "moe_expert_capacity_factor",
+            "moe_token_drop_policy",
+        )
+    },
+}

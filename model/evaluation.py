@@ -37,6 +37,7 @@ choice over held-out standard-library lines, and ``megazero_stdlib_ppl``, rollin
 perplexity) plus any ``include`` folder, e.g. the harness's own ``lm_eval/tasks`` (README,
 section "Evaluation"). Nothing is fetched over the network for the shipped tasks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -90,7 +91,7 @@ def rolling_windows(tokens: Sequence[int], prefix: int, max_length: int) -> list
         end = min(done + max_length, len(tokens))
         # the input is the max_length tokens before the last prediction; its last
         # (end - done - 1) tokens are predictions themselves, not context
-        windows.append((tokens[end - max_length - 1:done], tokens[done:end]))
+        windows.append((tokens[end - max_length - 1 : done], tokens[done:end]))
         done = end
     return windows
 
@@ -125,8 +126,16 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
             seed: the generator of ``generate_until`` requests with ``do_sample``.
         """
 
-        def __init__(self, stage, tokenizer, *, batch_size: int = 16, max_length: Optional[int] = None,
-                     max_gen_toks: int = 256, seed: int = 1234):
+        def __init__(
+            self,
+            stage,
+            tokenizer,
+            *,
+            batch_size: int = 16,
+            max_length: Optional[int] = None,
+            max_gen_toks: int = 256,
+            seed: int = 1234,
+        ):
             super().__init__()
             if not (stage.pre_process and stage.post_process):
                 raise HarnessError("the harness needs the whole model in one stage (--pp 1)")
@@ -146,8 +155,8 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
             stage, T = self.stage, ids.shape[1]
             if stage.sp:  # sequence parallel: T a multiple of tp (right padding is invisible)
                 ids = F.pad(ids, (0, (-T) % stage.groups.tp_size))
-            logits = stage(ids)[:, :T]                                     # (B, T, V_pad/tp)
-            logits = gather_from_tp_region(logits, stage.tp)[..., :self.vocab_size]  # (B, T, V)
+            logits = stage(ids)[:, :T]  # (B, T, V_pad/tp)
+            logits = gather_from_tp_region(logits, stage.tp)[..., : self.vocab_size]  # (B, T, V)
             return F.log_softmax(logits.float(), dim=-1)
 
         def score_tokens(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -161,20 +170,25 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
             try:
                 for start in range(0, len(order), self.batch_size):
                     rows = []
-                    for i in order[start:start + self.batch_size]:
+                    for i in order[start : start + self.batch_size]:
                         ctx, cont = pairs[i]
                         if not 0 < len(cont) <= L or not ctx:
-                            raise ValueError(f"request {i}: a continuation of {len(cont)} tokens after "
-                                             f"{len(ctx)} context tokens (need 1..{L} after at least one)")
-                        window = (list(ctx) + list(cont))[-(L + 1):]
+                            raise ValueError(
+                                f"request {i}: a continuation of {len(cont)} tokens after "
+                                f"{len(ctx)} context tokens (need 1..{L} after at least one)"
+                            )
+                        window = (list(ctx) + list(cont))[-(L + 1) :]
                         rows.append((i, window[:-1], list(cont)))
                     T = max(len(inp) for _, inp, _ in rows)
-                    ids = torch.tensor([inp + [0] * (T - len(inp)) for _, inp, _ in rows],  # (B, T), right-padded
-                                       dtype=torch.long, device=self._device)
-                    logp = self.log_probs(ids)                                      # (B, T, V)
+                    ids = torch.tensor(
+                        [inp + [0] * (T - len(inp)) for _, inp, _ in rows],  # (B, T), right-padded
+                        dtype=torch.long,
+                        device=self._device,
+                    )
+                    logp = self.log_probs(ids)  # (B, T, V)
                     for b, (i, inp, cont) in enumerate(rows):
-                        lp = logp[b, len(inp) - len(cont):len(inp)]                  # (n, V)
-                        target = torch.tensor(cont, device=lp.device)                # (n,)
+                        lp = logp[b, len(inp) - len(cont) : len(inp)]  # (n, V)
+                        target = torch.tensor(cont, device=lp.device)  # (n,)
                         ll = lp.gather(1, target[:, None]).sum()
                         out[i] = (float(ll), bool((lp.argmax(dim=-1) == target).all()))
             finally:
@@ -189,9 +203,9 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
                     return cont[:1], cont[1:]
                 return [self.prefix_token_id], cont
             stripped = context.rstrip()
-            continuation = context[len(stripped):] + continuation
+            continuation = context[len(stripped) :] + continuation
             whole, ctx = self.tok.encode(stripped + continuation), self.tok.encode(stripped)
-            return ctx, whole[len(ctx):]
+            return ctx, whole[len(ctx) :]
 
         # -- the harness's three request types ------------------------------------------------
         def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -238,20 +252,23 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
             sampled = kw.get("do_sample", False) and float(kw.get("temperature", 1.0)) > 0
             temperature = float(kw.get("temperature", 1.0)) if sampled else 0.0
             generator = torch.Generator().manual_seed(self.seed)
-            ids = (self.tok.encode(context) or [self.prefix_token_id])[-(self.max_length - new_max):]
+            ids = (self.tok.encode(context) or [self.prefix_token_id])[-(self.max_length - new_max) :]
             caches: list = [None] * len(self.stage.layers)
-            step = torch.tensor([ids], device=self._device)                      # (1, t): the prefill
+            step = torch.tensor([ids], device=self._device)  # (1, t): the prefill
             new: list[int] = []
             for _ in range(new_max):
-                logits = forward_cached(self.stage, step, caches)               # (1, V)
-                token = int(choose(logits, temperature, int(kw.get("top_k", 0) or 0),
-                                   float(kw.get("top_p", 1.0) or 1.0), generator)[0])
+                logits = forward_cached(self.stage, step, caches)  # (1, V)
+                token = int(
+                    choose(
+                        logits, temperature, int(kw.get("top_k", 0) or 0), float(kw.get("top_p", 1.0) or 1.0), generator
+                    )[0]
+                )
                 if token == self.tok.eod:
                     break
                 new.append(token)
                 if any(s in self.tok.decode(new) for s in until):
                     break
-                step = torch.tensor([[token]], device=self._device)             # (1, 1)
+                step = torch.tensor([[token]], device=self._device)  # (1, 1)
             text = self.tok.decode(new)
             for s in until:
                 text = text.split(s)[0]
@@ -274,8 +291,9 @@ def task_manager(include: Sequence[str] = (), what: str = "scripts/evaluate.py")
     return tasks_mod.TaskManager(include_path=[TASKS_DIR, *include], include_defaults=False)
 
 
-def check_tasks(names: Sequence[str], include: Sequence[str] = (), what: str = "scripts/evaluate.py",
-                flag: str = "--tasks"):
+def check_tasks(
+    names: Sequence[str], include: Sequence[str] = (), what: str = "scripts/evaluate.py", flag: str = "--tasks"
+):
     """The TaskManager when every name in ``names`` is a task, group or tag of ``task_manager``;
     raises HarnessError naming the first unknown one, ``flag`` and the fix, or MissingExtra
     naming ``what`` without lm_eval."""
@@ -286,9 +304,11 @@ def check_tasks(names: Sequence[str], include: Sequence[str] = (), what: str = "
     for n in names:
         if n not in known:
             shipped = ", ".join(sorted(t for t in known if t.startswith("megazero_"))[:8])
-            raise HarnessError(f"{flag}: unknown task {n!r} (not in {TASKS_DIR}"
-                               f"{' or --include-path' if include else ''}; shipped: {shipped}); fix: a task "
-                               "name from those folders, or --include-path DIR with its YAML file")
+            raise HarnessError(
+                f"{flag}: unknown task {n!r} (not in {TASKS_DIR}"
+                f"{' or --include-path' if include else ''}; shipped: {shipped}); fix: a task "
+                "name from those folders, or --include-path DIR with its YAML file"
+            )
     return tm
 
 
@@ -314,9 +334,18 @@ def _kept_rng_and_quiet_logs(quiet: bool):
             torch.cuda.set_rng_state_all(cuda)
 
 
-def run_tasks(lm, names: Sequence[str], *, tm=None, include: Sequence[str] = (), num_fewshot: Optional[int] = None,
-              limit: Optional[float] = None, what: str = "scripts/evaluate.py",
-              flag: str = "--tasks", quiet: bool = False) -> dict[str, dict[str, float]]:
+def run_tasks(
+    lm,
+    names: Sequence[str],
+    *,
+    tm=None,
+    include: Sequence[str] = (),
+    num_fewshot: Optional[int] = None,
+    limit: Optional[float] = None,
+    what: str = "scripts/evaluate.py",
+    flag: str = "--tasks",
+    quiet: bool = False,
+) -> dict[str, dict[str, float]]:
     """Evaluate ``lm`` (an ``lm_eval`` LM) on the tasks ``names``: ``{task: {metric: value}}``,
     with ``<metric>_stderr`` beside each metric where the harness gives one; ``limit`` documents
     per task (a fraction below 1), None = all. The global RNG states are restored afterwards;
@@ -325,9 +354,16 @@ def run_tasks(lm, names: Sequence[str], *, tm=None, include: Sequence[str] = (),
     tm = tm or check_tasks(names, include, what, flag)
     evaluator = require("lm_eval.evaluator", what)
     with _kept_rng_and_quiet_logs(quiet):
-        results = evaluator.simple_evaluate(model=lm, tasks=list(names), num_fewshot=num_fewshot, limit=limit,
-                                            task_manager=tm, log_samples=False, bootstrap_iters=1000,
-                                            verbosity=None)
+        results = evaluator.simple_evaluate(
+            model=lm,
+            tasks=list(names),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=tm,
+            log_samples=False,
+            bootstrap_iters=1000,
+            verbosity=None,
+        )
     scores: dict[str, dict[str, float]] = {}
     for task, values in (results or {}).get("results", {}).items():
         row = {}

@@ -13,6 +13,7 @@ attention keeps padding invisible to the real positions) and repeated over the
 micro-batch rows, so every tensor sent matches the shape the stages agreed on at start-up.
 Token ids travel as fp32, exact below 2**24 (vocabularies are far smaller).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -26,10 +27,18 @@ from megazero.tensor_parallel.mappings import gather_from_tp_region
 
 
 @torch.no_grad()
-def pipeline_generate_greedy(chunks: Sequence[torch.nn.Module], groups: ProcessGroups,
-                             prompt_ids: Sequence[int], max_new_tokens: int, *,
-                             seq_length: int, tensor_shape: Sequence[int], dtype: torch.dtype,
-                             vocab_size: int, layout: str = "interleaved") -> list[int]:
+def pipeline_generate_greedy(
+    chunks: Sequence[torch.nn.Module],
+    groups: ProcessGroups,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    seq_length: int,
+    tensor_shape: Sequence[int],
+    dtype: torch.dtype,
+    vocab_size: int,
+    layout: str = "interleaved",
+) -> list[int]:
     """Greedy continuation of ``prompt_ids`` by the model whose stage chunks are ``chunks``.
 
     Collective over the pipeline and tensor-parallel groups: every rank of a data-parallel
@@ -69,11 +78,23 @@ def pipeline_generate_greedy(chunks: Sequence[torch.nn.Module], groups: ProcessG
                 def next_token(logits):  # (B, S, V_pad/tp) on the last stage
                     row = gather_from_tp_region(logits[:1, t - 1], chunk.tp)[:, :vocab_size]  # (1, V)
                     return row.argmax(dim=-1).float().sum()
+
                 return out, next_token
 
-            token = run_schedule(actions, chunks, forward_step, [tokens], groups,
-                                 tensor_shape=tensor_shape, dtype=dtype, num_microbatches=1,
-                                 vp_size=len(chunks), device=device, forward_only=True, layout=layout)
+            token = run_schedule(
+                actions,
+                chunks,
+                forward_step,
+                [tokens],
+                groups,
+                tensor_shape=tensor_shape,
+                dtype=dtype,
+                num_microbatches=1,
+                vp_size=len(chunks),
+                device=device,
+                forward_only=True,
+                layout=layout,
+            )
             ids.append(int(token.item()))
     finally:
         for c, mode in zip(chunks, was_training):

@@ -30,6 +30,7 @@ zigzag chunks), positions come from ``seq.position_ids``, and attention runs acr
 ranks (ring or all-to-all) and inside documents (``seq.segment_ids``). Without ``seq`` the
 model is exactly the single-sequence one (positions 0..T-1, causal SDPA).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,14 +43,18 @@ from einops import rearrange
 from torch import nn
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention
 from megazero.context_parallel.sequence import SequenceInfo
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
-from megazero import tags
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                             VocabParallelEmbedding, parallel_lm_logits)
+from megazero.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_lm_logits,
+)
 from megazero.tensor_parallel.mappings import gather_from_tp_region
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
@@ -58,7 +63,6 @@ from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_
 from model.moe import ExpertMLP, MoEMLP, grouped_mm_available, moe_step_end  # noqa: F401 (re-export)
 from model.rope import RotaryTable, apply_rotary
 from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
-
 
 # SDPA expands the key/value heads itself (``enable_gqa``, torch >= 2.5): no repeated K/V tensors
 SDPA_GQA = torch.__version__ >= (2, 5)
@@ -78,27 +82,31 @@ class Embedding(nn.Module):
         super().__init__()
         self.group, self.sp = group, sp
         self.word_embeddings = VocabParallelEmbedding(
-            cfg.padded_vocab(C.group_size(group)), cfg.hidden_size, group,
-            dtype=cfg.params_dtype, device=device, sequence_parallel=sp)
+            cfg.padded_vocab(C.group_size(group)),
+            cfg.hidden_size,
+            group,
+            dtype=cfg.params_dtype,
+            device=device,
+            sequence_parallel=sp,
+        )
         if with_positions:
             # _weight: start from zeros (load_full_weights fills it) without drawing from
             # torch's global generator, which nn.Embedding's own init would advance
-            zeros = torch.zeros(cfg.max_position_embeddings, cfg.hidden_size,
-                                dtype=cfg.params_dtype, device=device)
+            zeros = torch.zeros(cfg.max_position_embeddings, cfg.hidden_size, dtype=cfg.params_dtype, device=device)
             self.position_embeddings = nn.Embedding(*zeros.shape, _weight=zeros)
         self.with_positions = with_positions
 
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``position_ids [B, T]`` of the tokens (default ``0..T-1``); with sequence
         parallelism this rank adds those of its ``T/tp`` chunk."""
-        x = self.word_embeddings(tokens)                             # (B, T or T/tp, H)
+        x = self.word_embeddings(tokens)  # (B, T or T/tp, H)
         if not self.with_positions:  # RoPE: positions enter in attention
             return x
         start = C.group_rank(self.group) * x.shape[1] if self.sp else 0
         if position_ids is None:
             positions = torch.arange(start, start + x.shape[1], device=tokens.device)
         else:
-            positions = position_ids[:, start:start + x.shape[1]]   # (B, T or T/tp)
+            positions = position_ids[:, start : start + x.shape[1]]  # (B, T or T/tp)
         return x + self.position_embeddings(positions)
 
 
@@ -114,8 +122,16 @@ class Attention(nn.Module):
     (model/rope.py; made here when not given).
     """
 
-    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None,
-                 rope: Optional[RotaryTable] = None):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        group,
+        sp: bool,
+        tracker: RNGTracker,
+        device=None,
+        cp=None,
+        rope: Optional[RotaryTable] = None,
+    ):
         super().__init__()
         H, tp = cfg.hidden_size, C.group_size(group)
         self.cp = cp  # (cp group, its global ranks in cp order) or None
@@ -131,13 +147,27 @@ class Attention(nn.Module):
         self.dropout_p, self.tracker = cfg.attention_dropout, tracker
         self.recompute_core = cfg.recompute_granularity == "selective"
         rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * H
-        self.qkv = ColumnParallelLinear(H, rows, group, sequence_parallel=sp,
-                                        stride=1 if self.grouped else 3, bias=cfg.add_bias_linear,
-                                        dtype=cfg.params_dtype, device=device,
-                                        overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
-        self.proj = RowParallelLinear(H, H, group, input_is_parallel=True, bias=cfg.add_bias_linear,
-                                      sequence_parallel=sp, dtype=cfg.params_dtype,
-                                      device=device)
+        self.qkv = ColumnParallelLinear(
+            H,
+            rows,
+            group,
+            sequence_parallel=sp,
+            stride=1 if self.grouped else 3,
+            bias=cfg.add_bias_linear,
+            dtype=cfg.params_dtype,
+            device=device,
+            overlap_grad_reduce=cfg.tp_overlap_grad_reduce,
+        )
+        self.proj = RowParallelLinear(
+            H,
+            H,
+            group,
+            input_is_parallel=True,
+            bias=cfg.add_bias_linear,
+            sequence_parallel=sp,
+            dtype=cfg.params_dtype,
+            device=device,
+        )
 
     def _split_heads(self, qkv: torch.Tensor):
         """``(B, T, rows/tp)`` -> q ``(B, n_head/tp, T, d)``, k and v ``(B, kv_heads/tp, T, d)``."""
@@ -146,17 +176,17 @@ class Attention(nn.Module):
             return q, k, v
         # rows: g = G/tp blocks [q of heads/G heads; k; v], so r = heads/G + 2 heads a block
         qkv = rearrange(qkv, "b t (g r d) -> b g r t d", g=self.groups_local, d=self.head_dim)
-        q = rearrange(qkv[:, :, :self.q_per_group], "b g r t d -> b (g r) t d")  # group-major heads
-        return q, qkv[:, :, -2], qkv[:, :, -1]                   # k, v: (B, G/tp, T, d)
+        q = rearrange(qkv[:, :, : self.q_per_group], "b g r t d -> b (g r) t d")  # group-major heads
+        return q, qkv[:, :, -2], qkv[:, :, -1]  # k, v: (B, G/tp, T, d)
 
     def forward(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
-        q, k, v = self._split_heads(self.qkv(x))            # (B, heads/tp or G/tp, T, d)
+        q, k, v = self._split_heads(self.qkv(x))  # (B, heads/tp or G/tp, T, d)
         T = q.shape[2]
         if self.rotary is not None:
             if seq is None:
-                cos, sin = self.rope.first(T, q.dtype)                           # (T, rot)
+                cos, sin = self.rope.first(T, q.dtype)  # (T, rot)
             else:  # this rank's positions: zigzag chunks, or restarting per document
-                cos, sin = self.rope.at(seq.position_ids, q.dtype)               # (B, 1, T, rot)
+                cos, sin = self.rope.at(seq.position_ids, q.dtype)  # (B, 1, T, rot)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if seq is not None:  # K/V stay query groups: the ring sends G/tp heads, not heads/tp
             core = functools.partial(self._context_core, seq=seq)
@@ -168,11 +198,10 @@ class Attention(nn.Module):
             y = recompute(self._core, self.tracker, q, k, v)
         else:
             y = self._core(q, k, v)
-        y = rearrange(y, "b h t d -> b t (h d)")                   # (B, T, n_head/tp * d = H/tp)
+        y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, n_head/tp * d = H/tp)
         return self.proj(y)
 
-    def _context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                      seq: SequenceInfo) -> torch.Tensor:
+    def _context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq: SequenceInfo) -> torch.Tensor:
         """Causal attention of this rank's ``T/cp`` queries over the whole sequence, inside
         documents when ``seq.segment_ids`` is set: q ``(B, heads/tp, T/cp, d)``, k and v
         ``(B, G/tp, T/cp, d)`` -> ``(B, heads/tp, T/cp, d)``. No attention dropout (the
@@ -182,10 +211,10 @@ class Attention(nn.Module):
             return local_attention(q, k, v, token_index=seq.token_index, segment_ids=seq.segment_ids)
         group, ranks = self.cp
         if self.cp_comm_type == "a2a":
-            return all_to_all_attention(q, k, v, group=group, token_index=seq.token_index,
-                                        segment_ids=seq.segment_ids)
-        return ring_attention(q, k, v, group=group, cp_ranks=ranks, token_index=seq.token_index,
-                              segment_ids=seq.segment_ids)
+            return all_to_all_attention(q, k, v, group=group, token_index=seq.token_index, segment_ids=seq.segment_ids)
+        return ring_attention(
+            q, k, v, group=group, cp_ranks=ranks, token_index=seq.token_index, segment_ids=seq.segment_ids
+        )
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim).
@@ -212,22 +241,35 @@ class MLP(nn.Module):
         super().__init__()
         H, F_ = cfg.hidden_size, cfg.ffn_hidden_size
         self.swiglu = cfg.swiglu
-        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"   # torch's two GELUs
-        self.fc1 = ColumnParallelLinear(H, 2 * F_ if self.swiglu else F_, group, sequence_parallel=sp,
-                                        stride=2 if self.swiglu else 1, bias=cfg.add_bias_linear,
-                                        dtype=cfg.params_dtype, device=device,
-                                        overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
-        self.fc2 = RowParallelLinear(F_, H, group, input_is_parallel=True, bias=cfg.add_bias_linear,
-                                     sequence_parallel=sp, dtype=cfg.params_dtype,
-                                     device=device)
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"  # torch's two GELUs
+        self.fc1 = ColumnParallelLinear(
+            H,
+            2 * F_ if self.swiglu else F_,
+            group,
+            sequence_parallel=sp,
+            stride=2 if self.swiglu else 1,
+            bias=cfg.add_bias_linear,
+            dtype=cfg.params_dtype,
+            device=device,
+            overlap_grad_reduce=cfg.tp_overlap_grad_reduce,
+        )
+        self.fc2 = RowParallelLinear(
+            F_,
+            H,
+            group,
+            input_is_parallel=True,
+            bias=cfg.add_bias_linear,
+            sequence_parallel=sp,
+            dtype=cfg.params_dtype,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)                                     # (B, T, F/tp), or (B, T, 2F/tp)
+        h = self.fc1(x)  # (B, T, F/tp), or (B, T, 2F/tp)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)                   # (B, T, F/tp) each
+            gate, up = h.chunk(2, dim=-1)  # (B, T, F/tp) each
             return self.fc2(F.silu(gate) * up)
         return self.fc2(F.gelu(h, approximate=self.gelu_approximate))
-
 
 
 class Block(nn.Module):
@@ -235,8 +277,19 @@ class Block(nn.Module):
     ``MoEMLP`` when ``moe`` (``state_device``: where the MoE's counters and expert bias live;
     ``ep``: its (expert-parallel group, ep rank), None without expert parallelism)."""
 
-    def __init__(self, cfg: GPTConfig, group, sp: bool, tracker: RNGTracker, device=None, cp=None,
-                 rope: Optional[RotaryTable] = None, moe: bool = False, state_device=None, ep=None):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        group,
+        sp: bool,
+        tracker: RNGTracker,
+        device=None,
+        cp=None,
+        rope: Optional[RotaryTable] = None,
+        moe: bool = False,
+        state_device=None,
+        ep=None,
+    ):
         super().__init__()
         self.ln1 = _norm(cfg, device)
         self.attn = Attention(cfg, group, sp, tracker, device, cp, rope)
@@ -256,8 +309,9 @@ class Block(nn.Module):
 def _norm(cfg: GPTConfig, device) -> nn.Module:
     """``cfg.normalization`` over H (tags come from the spec in ``GPTStage``)."""
     norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
-    return norm(cfg.hidden_size, eps=cfg.layernorm_epsilon, backend=cfg.norm_backend,
-                dtype=cfg.params_dtype, device=device)
+    return norm(
+        cfg.hidden_size, eps=cfg.layernorm_epsilon, backend=cfg.norm_backend, dtype=cfg.params_dtype, device=device
+    )
 
 
 class GPTStage(nn.Module):
@@ -289,10 +343,20 @@ class GPTStage(nn.Module):
     the trainer sums their gradients over the embedding group.
     """
 
-    def __init__(self, cfg: GPTConfig, groups: ProcessGroups, layer_ids: Iterable[int],
-                 pre_process: bool, post_process: bool, seed: int, *,
-                 full_weights: Optional[Mapping[str, torch.Tensor]] = None,
-                 rng_tracker: Optional[RNGTracker] = None, device=None, materialize: bool = True):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        groups: ProcessGroups,
+        layer_ids: Iterable[int],
+        pre_process: bool,
+        post_process: bool,
+        seed: int,
+        *,
+        full_weights: Optional[Mapping[str, torch.Tensor]] = None,
+        rng_tracker: Optional[RNGTracker] = None,
+        device=None,
+        materialize: bool = True,
+    ):
         super().__init__()
         cfg.validate(groups.tp_size)
         self.cfg, self.groups, self.tp = cfg, groups, groups.tp
@@ -301,17 +365,16 @@ class GPTStage(nn.Module):
         self.padded_vocab = cfg.padded_vocab(groups.tp_size)
         self.sp = cfg.sequence_parallel and groups.tp_size > 1
         self.device = torch.device(device if device is not None else "cpu")
-        self.rng_tracker = rng_tracker or RNGTracker(seed + 100 * groups.pp_rank,
-                                                     groups.tp_rank, self.device)
+        self.rng_tracker = rng_tracker or RNGTracker(seed + 100 * groups.pp_rank, groups.tp_rank, self.device)
         self._build_modules(cfg, groups)
         use_placeholders(self, self.device)
         self._tag_from_spec()
         if groups.pp_size > 1 and cfg.tie_embeddings and (pre_process or post_process):
-            tags.set_shared_embedding(self.embedding.word_embeddings.weight,
-                                      counted_here=pre_process)
-        if post_process and not pre_process:   # the head's W would hold [B, T, V/tp]
-            tags.set_weight_grad_in_b(self.embedding.word_embeddings.weight if cfg.tie_embeddings
-                                      else self.output.weight)
+            tags.set_shared_embedding(self.embedding.word_embeddings.weight, counted_here=pre_process)
+        if post_process and not pre_process:  # the head's W would hold [B, T, V/tp]
+            tags.set_weight_grad_in_b(
+                self.embedding.word_embeddings.weight if cfg.tie_embeddings else self.output.weight
+            )
         self._initial = InitialWeights(cfg, seed, groups.tp_size) if full_weights is None else full_weights
         self.materialized = False
         if materialize:
@@ -327,16 +390,36 @@ class GPTStage(nn.Module):
         cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
         rope = RotaryTable.for_model(cfg, self.device) if cfg.position_embedding_type == "rope" else None
         ep = (groups.ep, groups.ep_rank) if groups.ep_size > 1 else None
-        self.layers = nn.ModuleDict({str(i): Block(cfg, self.tp, self.sp, self.rng_tracker, meta, cp, rope,
-                                                   moe=cfg.is_moe_layer(i), state_device=self.device, ep=ep)
-                                     for i in self.layer_ids})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): Block(
+                    cfg,
+                    self.tp,
+                    self.sp,
+                    self.rng_tracker,
+                    meta,
+                    cp,
+                    rope,
+                    moe=cfg.is_moe_layer(i),
+                    state_device=self.device,
+                    ep=ep,
+                )
+                for i in self.layer_ids
+            }
+        )
         if post:
             self.final_ln = _norm(cfg, meta)
             if not cfg.tie_embeddings:
                 self.output = ColumnParallelLinear(
-                    cfg.hidden_size, self.padded_vocab, self.tp, bias=False,
-                    sequence_parallel=self.sp, dtype=cfg.params_dtype, device=meta,
-                    overlap_grad_reduce=cfg.tp_overlap_grad_reduce)
+                    cfg.hidden_size,
+                    self.padded_vocab,
+                    self.tp,
+                    bias=False,
+                    sequence_parallel=self.sp,
+                    dtype=cfg.params_dtype,
+                    device=meta,
+                    overlap_grad_reduce=cfg.tp_overlap_grad_reduce,
+                )
 
     def _tag_from_spec(self) -> None:
         """Partition tags of every parameter from its spec entry (model/spec.py); a parameter
@@ -356,13 +439,15 @@ class GPTStage(nn.Module):
                 tags.set_expert_parallel(p)
             tags.set_weight_decay(p, e.weight_decay)
             if tuple(local) != tuple(p.shape):
-                raise ValueError(f"{name}: spec gives a partition of shape {tuple(local)}, the "
-                                 f"module holds {tuple(p.shape)}")
+                raise ValueError(
+                    f"{name}: spec gives a partition of shape {tuple(local)}, the module holds {tuple(p.shape)}"
+                )
 
     def _partition(self, name: str, full: Mapping) -> torch.Tensor:
         g = self.groups
-        return local_partition(name, self.get_parameter(name), full, g.tp_rank, g.tp_size,
-                               self.cfg.vocab_size, self.padded_vocab)
+        return local_partition(
+            name, self.get_parameter(name), full, g.tp_rank, g.tp_size, self.cfg.vocab_size, self.padded_vocab
+        )
 
     @torch.no_grad()
     def initial_partition(self, name: str) -> torch.Tensor:
@@ -376,7 +461,7 @@ class GPTStage(nn.Module):
         p = self.get_parameter(name)
         src = self._partition(name, self._initial)
         if tags.is_partitioned(p) and src.dtype == p.dtype and src.device == self.device:
-            return src   # already a new contiguous tensor (tags.partition_tensor): no third copy
+            return src  # already a new contiguous tensor (tags.partition_tensor): no third copy
         return torch.empty(p.shape, dtype=p.dtype, device=self.device).copy_(src)
 
     @torch.no_grad()
@@ -397,8 +482,9 @@ class GPTStage(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(self._partition(name, full))
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                seq: Optional[SequenceInfo] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, seq: Optional[SequenceInfo] = None
+    ) -> torch.Tensor:
         """Run this chunk.
 
         ``x``: token ids ``[B, T]`` with ``pre_process``, else hidden ``[B, T, H]``
@@ -411,26 +497,33 @@ class GPTStage(nn.Module):
         """
         if self.pre_process:
             if x.shape[1] > self.cfg.max_position_embeddings:
-                raise ValueError(f"sequence of {x.shape[1]} tokens exceeds "
-                                 f"--max-position-embeddings {self.cfg.max_position_embeddings}")
+                raise ValueError(
+                    f"sequence of {x.shape[1]} tokens exceeds "
+                    f"--max-position-embeddings {self.cfg.max_position_embeddings}"
+                )
             x = self.embedding(x, None if seq is None else seq.position_ids)  # (B, T(/tp), H)
             region = "tp" if self.sp else "replicated"
-            x = dropout(x, self.cfg.hidden_dropout, self.rng_tracker.generator(region),
-                        self.training)
+            x = dropout(x, self.cfg.hidden_dropout, self.rng_tracker.generator(region), self.training)
         x = self._run_layers(x, seq)
         if not self.post_process:
             return x
         x = self.final_ln(x)
         if self.cfg.tie_embeddings:
-            logits = parallel_lm_logits(x, self.embedding.word_embeddings.weight, self.tp,
-                                        sequence_parallel=self.sp)  # (B, T, V_pad/tp)
+            logits = parallel_lm_logits(
+                x, self.embedding.word_embeddings.weight, self.tp, sequence_parallel=self.sp
+            )  # (B, T, V_pad/tp)
         else:
-            logits = self.output(x)                                  # (B, T, V_pad/tp)
+            logits = self.output(x)  # (B, T, V_pad/tp)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(
-            logits, labels, self.tp, label_smoothing=self.cfg.label_smoothing,
-            vocab_size=self.cfg.vocab_size, padded_vocab_size=self.padded_vocab)
+            logits,
+            labels,
+            self.tp,
+            label_smoothing=self.cfg.label_smoothing,
+            vocab_size=self.cfg.vocab_size,
+            padded_vocab_size=self.padded_vocab,
+        )
 
     def _run_layers(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
         """The blocks of this chunk, ``[B, T(/tp), H]`` in and out, with full recomputation as
@@ -444,7 +537,7 @@ class GPTStage(nn.Module):
             return x
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "uniform":
-            groups = [layers[i:i + n] for i in range(0, len(layers), n)]
+            groups = [layers[i : i + n] for i in range(0, len(layers), n)]
             regions = [(group, True) for group in groups]
         else:
             regions = [([layer], i < n) for i, layer in enumerate(layers)]
@@ -461,8 +554,7 @@ def _run_group(layers: list, x: torch.Tensor, seq: Optional[SequenceInfo] = None
 
 
 @torch.no_grad()
-def generate_greedy(stage: GPTStage, prompt_ids: torch.Tensor, max_new_tokens: int
-                    ) -> torch.Tensor:
+def generate_greedy(stage: GPTStage, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """Greedy decoding with a whole-model stage (pp == 1): ``[B, T0] -> [B, T0 + new]``.
 
     Each step runs the last ``max_position_embeddings`` tokens without dropout, gathers the
@@ -482,12 +574,12 @@ def generate_greedy(stage: GPTStage, prompt_ids: torch.Tensor, max_new_tokens: i
     ids = prompt_ids
     try:
         for _ in range(max_new_tokens):
-            context = ids[:, -window:]                               # (B, t)
+            context = ids[:, -window:]  # (B, t)
             t = context.shape[1]
             if stage.sp:
-                context = F.pad(context, (0, (-t) % tp))             # (B, t rounded up to tp)
-            logits = stage(context)[:, t - 1]                        # (B, V_pad/tp)
-            logits = gather_from_tp_region(logits, stage.tp)[:, :cfg.vocab_size]  # (B, V)
+                context = F.pad(context, (0, (-t) % tp))  # (B, t rounded up to tp)
+            logits = stage(context)[:, t - 1]  # (B, V_pad/tp)
+            logits = gather_from_tp_region(logits, stage.tp)[:, : cfg.vocab_size]  # (B, V)
             ids = torch.cat([ids, logits.argmax(dim=-1, keepdim=True)], dim=1)
     finally:
         stage.train(was_training)

@@ -28,6 +28,7 @@ needed. Where the two computations could differ, the map is exact or refuses:
 This file reads no file: ``model/hf_folder.py`` reads a folder from disk, turns the readers'
 errors into HFConversionError and checks every tensor's shape against ``hf_shapes``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,30 +39,58 @@ import torch
 from model import hf_moe
 from model.config import GPTConfig
 from model.gpt import VOCAB_TENSORS, canonical_shapes, resize_vocab
-from model.hf_config import HFConversionError, config_value as _value
-
+from model.hf_config import HFConversionError
+from model.hf_config import config_value as _value
 
 # canonical name (per layer: after "layers.{i}.") -> (Hugging Face name, transposed)
-_GLOBAL = {"embedding.word_embeddings.weight": ("transformer.wte.weight", False),
-           "embedding.position_embeddings.weight": ("transformer.wpe.weight", False),
-           "final_ln.weight": ("transformer.ln_f.weight", False),
-           "final_ln.bias": ("transformer.ln_f.bias", False),
-           "output.weight": ("lm_head.weight", False)}
-_LAYER = {"ln1.weight": ("ln_1.weight", False), "ln1.bias": ("ln_1.bias", False),
-          "attn.qkv.weight": ("attn.c_attn.weight", True), "attn.qkv.bias": ("attn.c_attn.bias", False),
-          "attn.proj.weight": ("attn.c_proj.weight", True), "attn.proj.bias": ("attn.c_proj.bias", False),
-          "ln2.weight": ("ln_2.weight", False), "ln2.bias": ("ln_2.bias", False),
-          "mlp.fc1.weight": ("mlp.c_fc.weight", True), "mlp.fc1.bias": ("mlp.c_fc.bias", False),
-          "mlp.fc2.weight": ("mlp.c_proj.weight", True), "mlp.fc2.bias": ("mlp.c_proj.bias", False)}
+_GLOBAL = {
+    "embedding.word_embeddings.weight": ("transformer.wte.weight", False),
+    "embedding.position_embeddings.weight": ("transformer.wpe.weight", False),
+    "final_ln.weight": ("transformer.ln_f.weight", False),
+    "final_ln.bias": ("transformer.ln_f.bias", False),
+    "output.weight": ("lm_head.weight", False),
+}
+_LAYER = {
+    "ln1.weight": ("ln_1.weight", False),
+    "ln1.bias": ("ln_1.bias", False),
+    "attn.qkv.weight": ("attn.c_attn.weight", True),
+    "attn.qkv.bias": ("attn.c_attn.bias", False),
+    "attn.proj.weight": ("attn.c_proj.weight", True),
+    "attn.proj.bias": ("attn.c_proj.bias", False),
+    "ln2.weight": ("ln_2.weight", False),
+    "ln2.bias": ("ln_2.bias", False),
+    "mlp.fc1.weight": ("mlp.c_fc.weight", True),
+    "mlp.fc1.bias": ("mlp.c_fc.bias", False),
+    "mlp.fc2.weight": ("mlp.c_proj.weight", True),
+    "mlp.fc2.bias": ("mlp.c_proj.bias", False),
+}
 
 # GPTConfig fields GPT-2's config.json expresses (or that do not change the computation);
 # any other field with a non-default value is a difference the exporter refuses.
-_MAPPED_FIELDS = {"vocab_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                  "seq_length", "max_position_embeddings", "hidden_dropout", "attention_dropout",
-                  "tie_embeddings", "layernorm_epsilon", "init_method_std", "make_vocab_size_divisible_by",
-                  "sequence_parallel", "params_dtype", "label_smoothing", "norm_backend",
-                  "recompute_granularity", "recompute_method", "recompute_num_layers", "tp_overlap_grad_reduce",
-                  "openai_gelu"}
+_MAPPED_FIELDS = {
+    "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "max_position_embeddings",
+    "hidden_dropout",
+    "attention_dropout",
+    "tie_embeddings",
+    "layernorm_epsilon",
+    "init_method_std",
+    "make_vocab_size_divisible_by",
+    "sequence_parallel",
+    "params_dtype",
+    "label_smoothing",
+    "norm_backend",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "tp_overlap_grad_reduce",
+    "openai_gelu",
+}
 # transformers' ACT2FN names -> GPTConfig.openai_gelu: "gelu" is the exact erf GELU
 # (torch.nn.functional.gelu), "gelu_new" and "gelu_pytorch_tanh" its tanh approximation
 # (F.gelu(approximate="tanh"), the same formula); an export writes the first name of each
@@ -102,9 +131,11 @@ def _check_block(gcfg: GPTConfig) -> None:
         if f.name in _MAPPED_FIELDS or f.default is dataclasses.MISSING:
             continue
         if getattr(gcfg, f.name) != f.default:
-            raise HFConversionError(f"model setting {f.name} = {getattr(gcfg, f.name)!r} has no GPT-2 "
-                                    "equivalent; only the GPT-2 block converts to GPT2LMHeadModel (a "
-                                    "LLaMA-style block, --position-embedding-type rope, to LlamaForCausalLM)")
+            raise HFConversionError(
+                f"model setting {f.name} = {getattr(gcfg, f.name)!r} has no GPT-2 "
+                "equivalent; only the GPT-2 block converts to GPT2LMHeadModel (a "
+                "LLaMA-style block, --position-embedding-type rope, to LlamaForCausalLM)"
+            )
 
 
 def gpt2_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
@@ -114,15 +145,30 @@ def gpt2_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     model setting has no GPT-2 equivalent.
     """
     _check_block(gcfg)
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": gcfg.vocab_size,
-            "n_positions": gcfg.max_position_embeddings, "n_embd": gcfg.hidden_size,
-            "n_layer": gcfg.num_layers, "n_head": gcfg.num_attention_heads, "n_inner": gcfg.ffn_hidden_size,
-            "activation_function": "gelu_new" if gcfg.openai_gelu else "gelu", "layer_norm_epsilon": gcfg.layernorm_epsilon,
-            "resid_pdrop": gcfg.hidden_dropout, "embd_pdrop": gcfg.hidden_dropout,
-            "attn_pdrop": gcfg.attention_dropout, "initializer_range": gcfg.init_method_std,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False, "tie_word_embeddings": gcfg.tie_embeddings,
-            "bos_token_id": eod, "eos_token_id": eod, "use_cache": True, "torch_dtype": "float32"}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": gcfg.vocab_size,
+        "n_positions": gcfg.max_position_embeddings,
+        "n_embd": gcfg.hidden_size,
+        "n_layer": gcfg.num_layers,
+        "n_head": gcfg.num_attention_heads,
+        "n_inner": gcfg.ffn_hidden_size,
+        "activation_function": "gelu_new" if gcfg.openai_gelu else "gelu",
+        "layer_norm_epsilon": gcfg.layernorm_epsilon,
+        "resid_pdrop": gcfg.hidden_dropout,
+        "embd_pdrop": gcfg.hidden_dropout,
+        "attn_pdrop": gcfg.attention_dropout,
+        "initializer_range": gcfg.init_method_std,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": gcfg.tie_embeddings,
+        "bos_token_id": eod,
+        "eos_token_id": eod,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
 
 
 def gpt_config_from_hf(config: Mapping, **settings) -> GPTConfig:
@@ -130,26 +176,38 @@ def gpt_config_from_hf(config: Mapping, **settings) -> GPTConfig:
     ``seq_length`` or dropouts). Raises HFConversionError for another model type or a setting
     megazero computes differently (activation, attention scaling)."""
     if config.get("model_type") != "gpt2":
-        raise HFConversionError(f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') "
-                                "folders are read")
-    act = config.get("activation_function", "gelu_new")   # GPT2Config's default
+        raise HFConversionError(
+            f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') folders are read"
+        )
+    act = config.get("activation_function", "gelu_new")  # GPT2Config's default
     if act not in _GELUS:
-        raise HFConversionError(f"activation_function {act!r}: megazero's GPT-2 MLP computes the exact erf "
-                                f"GELU ('gelu') or its tanh approximation ('gelu_new', 'gelu_pytorch_tanh'); "
-                                "another activation would compute something else")
-    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                      ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+        raise HFConversionError(
+            f"activation_function {act!r}: megazero's GPT-2 MLP computes the exact erf "
+            f"GELU ('gelu') or its tanh approximation ('gelu_new', 'gelu_pytorch_tanh'); "
+            "another activation would compute something else"
+        )
+    for key, want in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("reorder_and_upcast_attn", False),
+        ("add_cross_attention", False),
+    ):
         if config.get(key, want) != want:
             raise HFConversionError(f"{key} = {config[key]!r}: megazero's attention needs {want!r}")
     hidden, positions = _value(config, "n_embd", "size"), _value(config, "n_positions", "size")
     settings.setdefault("seq_length", positions)
-    return GPTConfig(vocab_size=_value(config, "vocab_size", "size"), num_layers=_value(config, "n_layer", "size"),
-                     hidden_size=hidden, num_attention_heads=_value(config, "n_head", "size"),
-                     ffn_hidden_size=_value(config, "n_inner", "size", 4 * hidden),
-                     max_position_embeddings=positions,
-                     tie_embeddings=_value(config, "tie_word_embeddings", "flag", True),
-                     layernorm_epsilon=_value(config, "layer_norm_epsilon", "number", 1e-5),
-                     openai_gelu=_GELUS[act], **settings)
+    return GPTConfig(
+        vocab_size=_value(config, "vocab_size", "size"),
+        num_layers=_value(config, "n_layer", "size"),
+        hidden_size=hidden,
+        num_attention_heads=_value(config, "n_head", "size"),
+        ffn_hidden_size=_value(config, "n_inner", "size", 4 * hidden),
+        max_position_embeddings=positions,
+        tie_embeddings=_value(config, "tie_word_embeddings", "flag", True),
+        layernorm_epsilon=_value(config, "layer_norm_epsilon", "number", 1e-5),
+        openai_gelu=_GELUS[act],
+        **settings,
+    )
 
 
 def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
@@ -158,22 +216,31 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
     flag to change: the MoE settings first (``model.hf_moe.MATCHED``), the dense MLP width only
     where some layer is dense."""
     theirs = config_from_hf(config, seq_length=gcfg.seq_length)
-    all_moe = theirs.num_experts is not None and theirs.moe_layer_freq == 1   # no dense MLP: its width is moot
-    for field, flag in hf_moe.MATCHED + (("position_embedding_type", "--position-embedding-type"),
-                        ("normalization", "--normalization"), ("swiglu", "--swiglu"), ("openai_gelu", "--openai-gelu"),
-                        ("kv_heads", "--group-query-attention --num-query-groups"),
-                        ("rotary_base", "--rotary-base"), ("add_bias_linear", "--disable-bias-linear"),("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
-                        ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
-                        ("num_attention_heads", "--num-attention-heads"),
-                        ("ffn_hidden_size", "--ffn-hidden-size"),
-                        ("max_position_embeddings", "--max-position-embeddings"),
-                        ("tie_embeddings", "--untie-embeddings-and-output-weights"),
-                        ("layernorm_epsilon", "--layernorm-epsilon")):
+    all_moe = theirs.num_experts is not None and theirs.moe_layer_freq == 1  # no dense MLP: its width is moot
+    for field, flag in hf_moe.MATCHED + (
+        ("position_embedding_type", "--position-embedding-type"),
+        ("normalization", "--normalization"),
+        ("swiglu", "--swiglu"),
+        ("openai_gelu", "--openai-gelu"),
+        ("kv_heads", "--group-query-attention --num-query-groups"),
+        ("rotary_base", "--rotary-base"),
+        ("add_bias_linear", "--disable-bias-linear"),
+        ("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
+        ("num_layers", "--num-layers"),
+        ("hidden_size", "--hidden-size"),
+        ("num_attention_heads", "--num-attention-heads"),
+        ("ffn_hidden_size", "--ffn-hidden-size"),
+        ("max_position_embeddings", "--max-position-embeddings"),
+        ("tie_embeddings", "--untie-embeddings-and-output-weights"),
+        ("layernorm_epsilon", "--layernorm-epsilon"),
+    ):
         if field == "ffn_hidden_size" and all_moe and gcfg.num_experts is not None:
             continue
         if getattr(theirs, field) != getattr(gcfg, field):
-            raise HFConversionError(f"the folder's model has {field} = {getattr(theirs, field)}, this run "
-                                    f"{getattr(gcfg, field)}; fix: set {flag} to match")
+            raise HFConversionError(
+                f"the folder's model has {field} = {getattr(theirs, field)}, this run "
+                f"{getattr(gcfg, field)}; fix: set {flag} to match"
+            )
 
 
 def hf_shapes(gcfg: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -211,7 +278,7 @@ def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str
             raise HFConversionError(f"the checkpoint lacks parameter {name!r}")
         target, transposed = hf_name(name)
         t = full[name].float()
-        t = t[:gcfg.vocab_size] if name in VOCAB_TENSORS else t
+        t = t[: gcfg.vocab_size] if name in VOCAB_TENSORS else t
         out[target] = (t.t() if transposed else t).contiguous()
     unknown = sorted(set(full) - set(canonical_shapes(gcfg, gcfg.vocab_size)))
     if unknown:
@@ -244,8 +311,9 @@ class CanonicalView(Mapping):
         if name in VOCAB_TENSORS:
             t = resize_vocab(t, self._gcfg.vocab_size, self._padded)
         if tuple(t.shape) != tuple(self._shapes[name]):
-            raise HFConversionError(f"{target} has shape {tuple(t.shape)}, megazero's {name} needs "
-                                    f"{tuple(self._shapes[name])}")
+            raise HFConversionError(
+                f"{target} has shape {tuple(t.shape)}, megazero's {name} needs {tuple(self._shapes[name])}"
+            )
         return t
 
     def __iter__(self) -> Iterator[str]:
@@ -270,13 +338,28 @@ def _get(src, key: str) -> torch.Tensor:
 # 1/sqrt(head_dim), one bias flag for q/k/v/o (attention_bias) and one for gate/up/down
 # (mlp_bias). Its linears are [out, in] like megazero's, so nothing is transposed; the fused
 # canonical tensors are split by rows.
-_LLAMA_GLOBAL = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-                 "final_ln.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_LLAMA_LAYER = {"ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight",
-                "attn.proj.weight": "self_attn.o_proj.weight", "attn.proj.bias": "self_attn.o_proj.bias",
-                "mlp.fc2.weight": "mlp.down_proj.weight", "mlp.fc2.bias": "mlp.down_proj.bias"}
-_LLAMA_FIELDS = {"position_embedding_type", "rotary_base", "rotary_percent", "normalization", "swiglu",
-                 "num_query_groups", "add_bias_linear"}
+_LLAMA_GLOBAL = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "final_ln.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LLAMA_LAYER = {
+    "ln1.weight": "input_layernorm.weight",
+    "ln2.weight": "post_attention_layernorm.weight",
+    "attn.proj.weight": "self_attn.o_proj.weight",
+    "attn.proj.bias": "self_attn.o_proj.bias",
+    "mlp.fc2.weight": "mlp.down_proj.weight",
+    "mlp.fc2.bias": "mlp.down_proj.bias",
+}
+_LLAMA_FIELDS = {
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "normalization",
+    "swiglu",
+    "num_query_groups",
+    "add_bias_linear",
+}
 
 
 def is_llama(gcfg: GPTConfig) -> bool:
@@ -286,12 +369,21 @@ def is_llama(gcfg: GPTConfig) -> bool:
 
 def _check_llama(gcfg: GPTConfig) -> None:
     """Raise HFConversionError naming the first setting LlamaForCausalLM cannot express."""
-    for ok, what in ((gcfg.normalization == "RMSNorm", f"--normalization {gcfg.normalization}: "
-                      "LlamaForCausalLM has RMSNorm only; fix: --normalization RMSNorm"),
-                     (gcfg.swiglu, "a GELU MLP (no --swiglu): LlamaForCausalLM's MLP is the SwiGLU "
-                      "down(silu(gate) * up); fix: --swiglu"),
-                     (gcfg.rotary_percent == 1.0, f"--rotary-percent {gcfg.rotary_percent}: "
-                      "LlamaForCausalLM rotates the whole head (no partial rotary); fix: --rotary-percent 1.0")):
+    for ok, what in (
+        (
+            gcfg.normalization == "RMSNorm",
+            f"--normalization {gcfg.normalization}: LlamaForCausalLM has RMSNorm only; fix: --normalization RMSNorm",
+        ),
+        (
+            gcfg.swiglu,
+            "a GELU MLP (no --swiglu): LlamaForCausalLM's MLP is the SwiGLU down(silu(gate) * up); fix: --swiglu",
+        ),
+        (
+            gcfg.rotary_percent == 1.0,
+            f"--rotary-percent {gcfg.rotary_percent}: "
+            "LlamaForCausalLM rotates the whole head (no partial rotary); fix: --rotary-percent 1.0",
+        ),
+    ):
         if not ok:
             raise HFConversionError(f"{what} (no exact LlamaForCausalLM equivalent)")
     hf_moe.check_export(gcfg)
@@ -301,8 +393,9 @@ def _check_llama(gcfg: GPTConfig) -> None:
         if hf_moe.is_moe(gcfg) and hf_moe.is_moe_field(f.name):
             continue
         if getattr(gcfg, f.name) != f.default:
-            raise HFConversionError(f"model setting {f.name} = {getattr(gcfg, f.name)!r} has no "
-                                    "LlamaForCausalLM equivalent")
+            raise HFConversionError(
+                f"model setting {f.name} = {getattr(gcfg, f.name)!r} has no LlamaForCausalLM equivalent"
+            )
 
 
 def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
@@ -313,16 +406,32 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     express."""
     _check_llama(gcfg)
     theta = float(gcfg.rotary_base)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": gcfg.vocab_size,
-            "hidden_size": gcfg.hidden_size, "intermediate_size": gcfg.ffn_hidden_size,
-            "num_hidden_layers": gcfg.num_layers, "num_attention_heads": gcfg.num_attention_heads,
-            "num_key_value_heads": gcfg.kv_heads, "head_dim": gcfg.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": gcfg.max_position_embeddings, "rms_norm_eps": gcfg.layernorm_epsilon,
-            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-            "attention_bias": gcfg.add_bias_linear, "mlp_bias": gcfg.add_bias_linear,
-            "attention_dropout": gcfg.attention_dropout, "initializer_range": gcfg.init_method_std,
-            "tie_word_embeddings": gcfg.tie_embeddings, "pretraining_tp": 1, "bos_token_id": eod,
-            "eos_token_id": eod, "use_cache": True, "torch_dtype": "float32"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": gcfg.vocab_size,
+        "hidden_size": gcfg.hidden_size,
+        "intermediate_size": gcfg.ffn_hidden_size,
+        "num_hidden_layers": gcfg.num_layers,
+        "num_attention_heads": gcfg.num_attention_heads,
+        "num_key_value_heads": gcfg.kv_heads,
+        "head_dim": gcfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": gcfg.max_position_embeddings,
+        "rms_norm_eps": gcfg.layernorm_epsilon,
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": gcfg.add_bias_linear,
+        "mlp_bias": gcfg.add_bias_linear,
+        "attention_dropout": gcfg.attention_dropout,
+        "initializer_range": gcfg.init_method_std,
+        "tie_word_embeddings": gcfg.tie_embeddings,
+        "pretraining_tp": 1,
+        "bos_token_id": eod,
+        "eos_token_id": eod,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
     return hf_moe.moe_config(gcfg, config) if hf_moe.is_moe(gcfg) else config
 
 
@@ -337,27 +446,46 @@ def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
     head_dim = _value(config, "head_dim", "size", H // heads)
     partial = _value(rope, "partial_rotary_factor", "number", _value(config, "partial_rotary_factor", "number", 1.0))
     bias = _value(config, "attention_bias", "flag", False)
-    for ok, what in ((config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')!r}: "
-                      "megazero's SwiGLU gate is silu"),
-                     (rope.get("rope_type", rope.get("type", "default")) == "default",
-                      f"rope type {rope.get('rope_type', rope.get('type'))!r}: megazero's RoPE is unscaled"),
-                     (partial == 1.0, "partial_rotary_factor != 1: megazero's LLaMA export rotates whole heads"),
-                     (head_dim * heads == H, f"head_dim {head_dim} * heads {heads} != hidden_size {H}: "
-                      "megazero's heads split the hidden size"),
-                     (bias == _value(config, "mlp_bias", "flag", False),
-                      "attention_bias != mlp_bias: megazero has one bias flag (--disable-bias-linear)")):
+    for ok, what in (
+        (
+            config.get("hidden_act", "silu") == "silu",
+            f"hidden_act {config.get('hidden_act')!r}: megazero's SwiGLU gate is silu",
+        ),
+        (
+            rope.get("rope_type", rope.get("type", "default")) == "default",
+            f"rope type {rope.get('rope_type', rope.get('type'))!r}: megazero's RoPE is unscaled",
+        ),
+        (partial == 1.0, "partial_rotary_factor != 1: megazero's LLaMA export rotates whole heads"),
+        (
+            head_dim * heads == H,
+            f"head_dim {head_dim} * heads {heads} != hidden_size {H}: megazero's heads split the hidden size",
+        ),
+        (
+            bias == _value(config, "mlp_bias", "flag", False),
+            "attention_bias != mlp_bias: megazero has one bias flag (--disable-bias-linear)",
+        ),
+    ):
         if not ok:
             raise HFConversionError(what)
     positions = _value(config, "max_position_embeddings", "size", 2048)
     settings.setdefault("seq_length", positions)
-    return GPTConfig(vocab_size=_value(config, "vocab_size", "size"),
-                     num_layers=_value(config, "num_hidden_layers", "size"), hidden_size=H,
-                     num_attention_heads=heads, ffn_hidden_size=_value(config, "intermediate_size", "size"),
-                     max_position_embeddings=positions, position_embedding_type="rope",
-                     rotary_base=int(theta) if float(theta).is_integer() else theta,
-                     normalization="RMSNorm", swiglu=True, num_query_groups=None if kv == heads else kv,
-                     add_bias_linear=bias, tie_embeddings=_value(config, "tie_word_embeddings", "flag", False),
-                     layernorm_epsilon=_value(config, "rms_norm_eps", "number", 1e-6), **settings)
+    return GPTConfig(
+        vocab_size=_value(config, "vocab_size", "size"),
+        num_layers=_value(config, "num_hidden_layers", "size"),
+        hidden_size=H,
+        num_attention_heads=heads,
+        ffn_hidden_size=_value(config, "intermediate_size", "size"),
+        max_position_embeddings=positions,
+        position_embedding_type="rope",
+        rotary_base=int(theta) if float(theta).is_integer() else theta,
+        normalization="RMSNorm",
+        swiglu=True,
+        num_query_groups=None if kv == heads else kv,
+        add_bias_linear=bias,
+        tie_embeddings=_value(config, "tie_word_embeddings", "flag", False),
+        layernorm_epsilon=_value(config, "rms_norm_eps", "number", 1e-6),
+        **settings,
+    )
 
 
 def hf_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
@@ -373,8 +501,10 @@ def config_from_hf(config: Mapping, **settings) -> GPTConfig:
     if config.get("model_type") in hf_moe.MODEL_TYPES:
         return llama_config_from_hf(config, **hf_moe.moe_settings_from_hf(config), **settings)
     if config.get("model_type") != "gpt2":
-        raise HFConversionError(f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
-                                "LLaMA-style (model_type 'llama', 'mixtral' or 'qwen2_moe') folders are read")
+        raise HFConversionError(
+            f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
+            "LLaMA-style (model_type 'llama', 'mixtral' or 'qwen2_moe') folders are read"
+        )
     return gpt_config_from_hf(config, **settings)
 
 
@@ -403,8 +533,11 @@ def llama_pieces(canonical: str, gcfg: GPTConfig) -> list[tuple[str, int, Option
             if gcfg.num_query_groups is None:
                 return [(q, 0, None), (k, 0, None), (v, 0, None)]
             d, n = gcfg.head_dim, gcfg.num_attention_heads // gcfg.kv_heads * gcfg.head_dim
-            return [p for g in range(gcfg.kv_heads)
-                    for p in ((q, g * n, (g + 1) * n), (k, g * d, (g + 1) * d), (v, g * d, (g + 1) * d))]
+            return [
+                p
+                for g in range(gcfg.kv_heads)
+                for p in ((q, g * n, (g + 1) * n), (k, g * d, (g + 1) * d), (v, g * d, (g + 1) * d))
+            ]
         if rest in ("mlp.fc1.weight", "mlp.fc1.bias"):
             return [(f"{pre}mlp.gate_proj.{kind}", 0, None), (f"{pre}mlp.up_proj.{kind}", 0, None)]
     raise HFConversionError(f"parameter {canonical!r} has no counterpart in LlamaForCausalLM")
@@ -432,7 +565,7 @@ def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[
         if name not in full:
             raise HFConversionError(f"the checkpoint lacks parameter {name!r}")
         t = full[name].float() * hf_moe.export_scale(name, gcfg)
-        t = t[:gcfg.vocab_size] if name in VOCAB_TENSORS else t
+        t = t[: gcfg.vocab_size] if name in VOCAB_TENSORS else t
         parts = llama_pieces(name, gcfg)
         for (target, _, _), piece in zip(parts, t.split(_piece_rows(parts, t.shape[0]))):
             pieces.setdefault(target, []).append(piece)

@@ -1,5 +1,6 @@
 """Reading a Hugging Face ``config.json``: the conversion error and the typed value reader that
 ``model.hf`` (GPT-2, LLaMA) and ``model.hf_moe`` (Mixtral, Qwen2-MoE) share."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,12 @@ class HFConversionError(ValueError):
 
 
 _REQUIRED = object()
-_KINDS = {"size": "a whole number >= 1", "number": "a finite number > 0", "flag": "true or false",
-          "table": "a JSON object"}
+_KINDS = {
+    "size": "a whole number >= 1",
+    "number": "a finite number > 0",
+    "flag": "true or false",
+    "table": "a JSON object",
+}
 
 
 def config_value(config: Mapping, key: str, kind: str, default=_REQUIRED):
@@ -22,12 +27,18 @@ def config_value(config: Mapping, key: str, kind: str, default=_REQUIRED):
     v = config.get(key)
     if v is None:
         if default is _REQUIRED:
-            raise HFConversionError(f"{key!r} is missing; fix: a complete config.json (as "
-                                    "python -m scripts.convert_checkpoint --to-hf or save_pretrained writes it)")
+            raise HFConversionError(
+                f"{key!r} is missing; fix: a complete config.json (as "
+                "python -m scripts.convert_checkpoint --to-hf or save_pretrained writes it)"
+            )
         return default
     number = isinstance(v, (int, float)) and not isinstance(v, bool)
-    ok = {"size": number and isinstance(v, int) and v >= 1, "flag": isinstance(v, bool),
-          "number": number and math.isfinite(v) and v > 0, "table": isinstance(v, dict)}[kind]
+    ok = {
+        "size": number and isinstance(v, int) and v >= 1,
+        "flag": isinstance(v, bool),
+        "number": number and math.isfinite(v) and v > 0,
+        "table": isinstance(v, dict),
+    }[kind]
     if not ok:
         raise HFConversionError(f"{key} = {json.dumps(v)[:60]} is not {_KINDS[kind]}; fix: correct config.json")
     return v

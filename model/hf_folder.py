@@ -25,6 +25,7 @@ shapes; tests/launcher/test_hostile_inputs.py keeps the cases):
 A folder's ``tokenizer.json`` is read by data/tokenizer.py (DataError); safetensors itself is
 the optional extra ``hf`` (``megazero.runtime.extras.require``: MissingExtra).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,10 @@ from model.hf import CanonicalView, HFConversionError, check_matches, config_fro
 from model.hf_moe import check_extra_tensors
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors dtype codes megazero reads as weights
-_FIX = ("fix: the file is missing, damaged or truncated; write the folder again (python -m scripts.convert_checkpoint "
-        "--to-hf, or save_pretrained with safetensors) or copy it again")
+_FIX = (
+    "fix: the file is missing, damaged or truncated; write the folder again (python -m scripts.convert_checkpoint "
+    "--to-hf, or save_pretrained with safetensors) or copy it again"
+)
 
 
 def reader_errors() -> tuple[type[BaseException], ...]:
@@ -100,15 +103,19 @@ def _open(path: str, gcfg: GPTConfig):
             raise HFConversionError(f"{file} has no tensor {name!r}, which config.json's model has; {_FIX}")
         have, dtype = stored[name]
         if have != shape:
-            raise HFConversionError(f"{file}: tensor {name!r} has shape {have}, config.json's model needs "
-                                    f"{shape}; fix: a folder whose config.json describes its tensors (write it "
-                                    "again with python -m scripts.convert_checkpoint --to-hf)")
+            raise HFConversionError(
+                f"{file}: tensor {name!r} has shape {have}, config.json's model needs "
+                f"{shape}; fix: a folder whose config.json describes its tensors (write it "
+                "again with python -m scripts.convert_checkpoint --to-hf)"
+            )
         if dtype not in FLOAT_DTYPES:
-            raise HFConversionError(f"{file}: tensor {name!r} has dtype {dtype}; megazero reads weights stored "
-                                    f"as {', '.join(FLOAT_DTYPES)}; fix: save the model unquantized")
+            raise HFConversionError(
+                f"{file}: tensor {name!r} has dtype {dtype}; megazero reads weights stored "
+                f"as {', '.join(FLOAT_DTYPES)}; fix: save the model unquantized"
+            )
     try:
         with reading(file):
-            check_extra_tensors(handle, gcfg)   # Qwen2-MoE's shared-expert gates: [1, H] each, read
+            check_extra_tensors(handle, gcfg)  # Qwen2-MoE's shared-expert gates: [1, H] each, read
     except HFConversionError as e:
         raise HFConversionError(f"{file}: {e}") from None
     return handle

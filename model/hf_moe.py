@@ -38,6 +38,7 @@ policy, bias update rate) do not change the forward and are not written, except
 ``router_aux_loss_coef`` (transformers adds its own load-balancing loss, normalised
 differently from megazero's, only with ``output_router_logits``, written false).
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -48,13 +49,17 @@ from model.config import GPTConfig
 from model.hf_config import HFConversionError, config_value
 
 # (field, flag) of the MoE settings that define the forward, in the order a mismatch is named
-MATCHED = (("num_experts", "--num-experts"), ("moe_router_topk", "--moe-router-topk"),
-           ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
-           ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
-           ("moe_layer_freq", "--moe-layer-freq"), ("moe_router_score_function", "--moe-router-score-function"),
-           ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
-           ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
-           ("moe_expert_capacity_factor", "--moe-expert-capacity-factor"))
+MATCHED = (
+    ("num_experts", "--num-experts"),
+    ("moe_router_topk", "--moe-router-topk"),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+    ("moe_layer_freq", "--moe-layer-freq"),
+    ("moe_router_score_function", "--moe-router-score-function"),
+    ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
+    ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
+    ("moe_expert_capacity_factor", "--moe-expert-capacity-factor"),
+)
 MODEL_TYPES = ("mixtral", "qwen2_moe")
 
 
@@ -82,22 +87,40 @@ def check_export(gcfg: GPTConfig) -> None:
     both = "MixtralForCausalLM and Qwen2MoeForCausalLM"
     arch = "Qwen2MoeForCausalLM" if is_qwen(gcfg) else "MixtralForCausalLM"
     for refused, what in (
-            (gcfg.position_embedding_type != "rope", "--num-experts with the GPT-2 block (learned positions): "
-             f"{both} are LLaMA-style; fix: --position-embedding-type rope --normalization RMSNorm --swiglu"),
-            (gcfg.add_bias_linear, f"--num-experts with linear biases: {both} have no biases in their linears; "
-             "fix: --disable-bias-linear"),
-            (gcfg.moe_router_enable_expert_bias, f"--moe-router-enable-expert-bias: {both} have no expert bias "
-             "in their routers"),
-            (gcfg.moe_router_score_function != "softmax", f"--moe-router-score-function "
-             f"{gcfg.moe_router_score_function}: {both} score the experts with a softmax"),
-            (gcfg.moe_expert_capacity_factor is not None, f"--moe-expert-capacity-factor "
-             f"{gcfg.moe_expert_capacity_factor}: {both} are dropless (no expert capacity)"),
-            (not is_qwen(gcfg) and gcfg.moe_router_pre_softmax, "--moe-router-pre-softmax without a shared "
-             "expert: MixtralForCausalLM renormalises the top-k weights (Qwen2MoeForCausalLM, which can leave "
-             "them, needs --moe-shared-expert-intermediate-size)"),
-            (not is_qwen(gcfg) and gcfg.moe_layer_freq != 1, f"--moe-layer-freq {gcfg.moe_layer_freq} without "
-             "a shared expert: every MixtralForCausalLM layer is an MoE layer (Qwen2MoeForCausalLM, which has "
-             "dense layers, needs --moe-shared-expert-intermediate-size)")):
+        (
+            gcfg.position_embedding_type != "rope",
+            "--num-experts with the GPT-2 block (learned positions): "
+            f"{both} are LLaMA-style; fix: --position-embedding-type rope --normalization RMSNorm --swiglu",
+        ),
+        (
+            gcfg.add_bias_linear,
+            f"--num-experts with linear biases: {both} have no biases in their linears; fix: --disable-bias-linear",
+        ),
+        (
+            gcfg.moe_router_enable_expert_bias,
+            f"--moe-router-enable-expert-bias: {both} have no expert bias in their routers",
+        ),
+        (
+            gcfg.moe_router_score_function != "softmax",
+            f"--moe-router-score-function {gcfg.moe_router_score_function}: {both} score the experts with a softmax",
+        ),
+        (
+            gcfg.moe_expert_capacity_factor is not None,
+            f"--moe-expert-capacity-factor {gcfg.moe_expert_capacity_factor}: {both} are dropless (no expert capacity)",
+        ),
+        (
+            not is_qwen(gcfg) and gcfg.moe_router_pre_softmax,
+            "--moe-router-pre-softmax without a shared "
+            "expert: MixtralForCausalLM renormalises the top-k weights (Qwen2MoeForCausalLM, which can leave "
+            "them, needs --moe-shared-expert-intermediate-size)",
+        ),
+        (
+            not is_qwen(gcfg) and gcfg.moe_layer_freq != 1,
+            f"--moe-layer-freq {gcfg.moe_layer_freq} without "
+            "a shared expert: every MixtralForCausalLM layer is an MoE layer (Qwen2MoeForCausalLM, which has "
+            "dense layers, needs --moe-shared-expert-intermediate-size)",
+        ),
+    ):
         if refused:
             raise HFConversionError(f"{what} (no exact {arch} equivalent)")
 
@@ -107,20 +130,41 @@ def moe_config(gcfg: GPTConfig, llama: dict) -> dict:
     first), from the LlamaForCausalLM ``llama`` config of the same attention and norms."""
     check_export(gcfg)
     base = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
-    common = {"num_experts_per_tok": gcfg.moe_router_topk, "output_router_logits": False,
-              "router_aux_loss_coef": gcfg.moe_aux_loss_coeff}
+    common = {
+        "num_experts_per_tok": gcfg.moe_router_topk,
+        "output_router_logits": False,
+        "router_aux_loss_coef": gcfg.moe_aux_loss_coeff,
+    }
     if not is_qwen(gcfg):
-        return {**base, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                "intermediate_size": gcfg.moe_ffn_hidden_size, "num_local_experts": gcfg.num_experts,
-                "router_jitter_noise": 0.0, "sliding_window": None, **common}
+        return {
+            **base,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "intermediate_size": gcfg.moe_ffn_hidden_size,
+            "num_local_experts": gcfg.num_experts,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+            **common,
+        }
     dense = [i for i in range(gcfg.num_layers) if not gcfg.is_moe_layer(i)]
-    base.pop("head_dim")   # Qwen2MoeConfig has no such field; hidden / heads is megazero's head size
-    return {**base, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
-            "intermediate_size": gcfg.ffn_hidden_size, "moe_intermediate_size": gcfg.moe_ffn_hidden_size,
-            "shared_expert_intermediate_size": gcfg.moe_shared_expert_intermediate_size,
-            "num_experts": gcfg.num_experts, "norm_topk_prob": not gcfg.moe_router_pre_softmax,
-            "decoder_sparse_step": 1, "mlp_only_layers": dense, "qkv_bias": False, "use_sliding_window": False,
-            "sliding_window": None, "max_window_layers": gcfg.num_layers, **common}
+    base.pop("head_dim")  # Qwen2MoeConfig has no such field; hidden / heads is megazero's head size
+    return {
+        **base,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "intermediate_size": gcfg.ffn_hidden_size,
+        "moe_intermediate_size": gcfg.moe_ffn_hidden_size,
+        "shared_expert_intermediate_size": gcfg.moe_shared_expert_intermediate_size,
+        "num_experts": gcfg.num_experts,
+        "norm_topk_prob": not gcfg.moe_router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "qkv_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": gcfg.num_layers,
+        **common,
+    }
 
 
 def moe_settings_from_hf(config: Mapping) -> dict:
@@ -133,16 +177,19 @@ def moe_settings_from_hf(config: Mapping) -> dict:
     if config.get("model_type") == "mixtral":
         window = config_value(config, "sliding_window", "size", None)
         if window is not None and window < positions:
-            raise HFConversionError(f"sliding_window {window} < max_position_embeddings {positions}: megazero's "
-                                    "attention is full causal")
+            raise HFConversionError(
+                f"sliding_window {window} < max_position_embeddings {positions}: megazero's attention is full causal"
+            )
         ffn = config_value(config, "intermediate_size", "size")
         E, k = config_value(config, "num_local_experts", "size"), config_value(config, "num_experts_per_tok", "size")
         moe = dict(num_experts=E, moe_router_topk=k, moe_ffn_hidden_size=ffn)
     else:
         for key, ok in (("qkv_bias", False), ("use_sliding_window", False)):
             if config_value(config, key, "flag", True if key == "qkv_bias" else False) != ok:
-                raise HFConversionError(f"{key} true: megazero's LLaMA-style attention with experts has "
-                                        f"{'no q/k/v biases' if key == 'qkv_bias' else 'no sliding window'}")
+                raise HFConversionError(
+                    f"{key} true: megazero's LLaMA-style attention with experts has "
+                    f"{'no q/k/v biases' if key == 'qkv_bias' else 'no sliding window'}"
+                )
         step = config_value(config, "decoder_sparse_step", "size", 1)
         dense = config.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
@@ -150,15 +197,20 @@ def moe_settings_from_hf(config: Mapping) -> dict:
         layers = [i for i in range(L) if i not in dense and (i + 1) % step == 0]
         freq = next((f for f in range(1, L + 1) if layers == list(range(0, L, f))), None)
         if freq is None:
-            raise HFConversionError(f"MoE layers {layers} (decoder_sparse_step {step}, mlp_only_layers {dense}) are "
-                                    "not every n-th layer from layer 0, the only pattern of megazero's "
-                                    "--moe-layer-freq")
+            raise HFConversionError(
+                f"MoE layers {layers} (decoder_sparse_step {step}, mlp_only_layers {dense}) are "
+                "not every n-th layer from layer 0, the only pattern of megazero's "
+                "--moe-layer-freq"
+            )
         E, k = config_value(config, "num_experts", "size"), config_value(config, "num_experts_per_tok", "size")
-        moe = dict(num_experts=E, moe_router_topk=k, moe_layer_freq=freq,
-                   moe_ffn_hidden_size=config_value(config, "moe_intermediate_size", "size"),
-                   moe_shared_expert_intermediate_size=config_value(config, "shared_expert_intermediate_size",
-                                                                    "size"),
-                   moe_router_pre_softmax=not config_value(config, "norm_topk_prob", "flag", False))
+        moe = dict(
+            num_experts=E,
+            moe_router_topk=k,
+            moe_layer_freq=freq,
+            moe_ffn_hidden_size=config_value(config, "moe_intermediate_size", "size"),
+            moe_shared_expert_intermediate_size=config_value(config, "shared_expert_intermediate_size", "size"),
+            moe_router_pre_softmax=not config_value(config, "norm_topk_prob", "flag", False),
+        )
     if k > E:
         raise HFConversionError(f"num_experts_per_tok {k} exceeds the {E} experts")
     return moe
@@ -180,8 +232,12 @@ def moe_pieces(rest: str, pre: str, gcfg: GPTConfig) -> Optional[list[tuple[str,
     if parts[1] == "experts" and len(parts) == 5 and parts[3:] in (["fc1", "weight"], ["fc2", "weight"]):
         expert = f"{moe}experts.{parts[2]}."
         gate, up, down = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")
-    elif parts[1] == "shared_experts" and qwen and len(parts) == 4 and parts[2:] in (["fc1", "weight"],
-                                                                                     ["fc2", "weight"]):
+    elif (
+        parts[1] == "shared_experts"
+        and qwen
+        and len(parts) == 4
+        and parts[2:] in (["fc1", "weight"], ["fc2", "weight"])
+    ):
         expert, (gate, up, down) = f"{moe}shared_expert.", ("gate_proj", "up_proj", "down_proj")
     else:
         return None
@@ -216,6 +272,8 @@ def check_extra_tensors(src, gcfg: GPTConfig) -> None:
     for name in _gates(gcfg):
         gate = src.get_tensor(name) if hasattr(src, "get_tensor") else src[name]
         if bool(gate.float().ne(0).any()):
-            raise HFConversionError(f"{name} is not zero: its shared expert is weighted by sigmoid(gate x), a "
-                                    "per-token gate megazero's shared expert does not have (only a zero gate, "
-                                    "a constant 1/2, converts exactly)")
+            raise HFConversionError(
+                f"{name} is not zero: its shared expert is weighted by sigmoid(gate x), a "
+                "per-token gate megazero's shared expert does not have (only a zero gate, "
+                "a constant 1/2, converts exactly)"
+            )

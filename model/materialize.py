@@ -12,6 +12,7 @@ flight; at ZeRO-3 the partition goes straight into the gather unit's shard
 The values are those of slicing ``init_full_weights`` (tests/layouts/test_model_build.py compares
 every parameter of several layouts bit for bit).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -49,8 +50,9 @@ def use_placeholders(module: nn.Module, device) -> None:
             sub._parameters[key] = swapped[id(p)]
 
 
-def local_partition(name: str, param: torch.Tensor, full: Mapping, tp_rank: int, tp_size: int,
-                    vocab_size: int, padded_vocab: int) -> torch.Tensor:
+def local_partition(
+    name: str, param: torch.Tensor, full: Mapping, tp_rank: int, tp_size: int, vocab_size: int, padded_vocab: int
+) -> torch.Tensor:
     """This rank's partition of ``full[name]`` for ``param`` (its tags say how it is cut):
     the parameter's shape, the full tensor's dtype and device (fp32 on the host for
     ``model.spec.InitialWeights``). Vocabulary tensors may have any number of rows >=
@@ -58,19 +60,25 @@ def local_partition(name: str, param: torch.Tensor, full: Mapping, tp_rank: int,
     zeros to ``padded_vocab``. Raises KeyError naming a missing tensor, ValueError on a shape
     mismatch."""
     try:
-        src = full[name]   # not ``name in full``: a lazy mapping would make the tensor twice
+        src = full[name]  # not ``name in full``: a lazy mapping would make the tensor twice
     except KeyError:
         raise KeyError(f"full weights lack {name!r}, needed by this stage") from None
-    if name in VOCAB_TENSORS and tags.is_partitioned(param) and param.partition_dim == 0 \
-            and param.partition_stride == 1 and src.shape[0] >= vocab_size:
+    if (
+        name in VOCAB_TENSORS
+        and tags.is_partitioned(param)
+        and param.partition_dim == 0
+        and param.partition_stride == 1
+        and src.shape[0] >= vocab_size
+    ):
         return _vocab_rows(src, param, tp_rank, vocab_size)
     if name in VOCAB_TENSORS:
         src = resize_vocab(src, vocab_size, padded_vocab)
     if tags.is_partitioned(param):
         src = tags.partition_tensor(src, param.partition_dim, tp_rank, tp_size, param.partition_stride)
     if src.shape != param.shape:
-        raise ValueError(f"{name}: full tensor gives a partition of shape {tuple(src.shape)}, "
-                         f"parameter is {tuple(param.shape)}")
+        raise ValueError(
+            f"{name}: full tensor gives a partition of shape {tuple(src.shape)}, parameter is {tuple(param.shape)}"
+        )
     return src
 
 
@@ -79,10 +87,11 @@ def _vocab_rows(src: torch.Tensor, param: torch.Tensor, tp_rank: int, vocab_size
     ``[R >= vocab_size, H] -> [V_pad/tp, H]``, rows past ``vocab_size`` zero. Raises ValueError
     when ``src``'s row width differs from the parameter's."""
     if src.shape[1:] != param.shape[1:]:
-        raise ValueError(f"vocabulary tensor has rows of shape {tuple(src.shape[1:])}, parameter "
-                         f"rows are {tuple(param.shape[1:])}")
+        raise ValueError(
+            f"vocabulary tensor has rows of shape {tuple(src.shape[1:])}, parameter rows are {tuple(param.shape[1:])}"
+        )
     rows, start = param.shape[0], tp_rank * param.shape[0]
-    real = max(0, min(start + rows, vocab_size) - start)   # rows of the real vocabulary here
+    real = max(0, min(start + rows, vocab_size) - start)  # rows of the real vocabulary here
     out = torch.zeros(param.shape, dtype=src.dtype, device=src.device)
-    out[:real] = src[start:start + real]
+    out[:real] = src[start : start + real]
     return out

@@ -5,20 +5,27 @@ sigmoid scores, aux / sequence-aux / z losses, DeepSeek-V3's aux-loss-free exper
 drops), dispatches the tokens to the ranks holding their experts (``megazero/moe/dispatch.py``:
 all-to-all or all-gather over the expert-parallel group) and combines the weighted outputs;
 ``ExpertMLP`` is one expert (the rank's experts run as one grouped product,
-``torch._grouped_mm``, where ``grouped_mm_available`` says the device and shapes allow it). ``moe_step_end`` closes a step: the routing statistics summed over dp x cp and
+``torch._grouped_mm``, where ``grouped_mm_available`` says the device and shapes allow it). ``moe_step_end`` closes a
+step: the routing statistics summed over dp x cp and
 pp, and the expert-bias update from the global token counts. ``model/gpt.py`` (the blocks)
 re-exports these names.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from megazero import collectives as C
 from megazero.moe.dispatch import DISPATCHERS, gather_rows, local_experts
 from megazero.process_groups import ProcessGroups
-from megazero.tensor_parallel.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
+from megazero.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from model.config import GPTConfig
 
 
@@ -46,13 +53,13 @@ class ExpertMLP(nn.Module):
         self.fc2 = _Linear(H, local, cfg.add_bias_linear, cfg.params_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.fc1.weight, self.fc1.bias)           # (n, F/tp) or (n, 2F/tp)
+        h = F.linear(x, self.fc1.weight, self.fc1.bias)  # (n, F/tp) or (n, 2F/tp)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
-        return F.linear(h, self.fc2.weight)                       # (n, H), partial over tp
+        return F.linear(h, self.fc2.weight)  # (n, H), partial over tp
 
     @staticmethod
     def grouped_forward(experts: list, rows: torch.Tensor, sizes: list[int]) -> Optional[torch.Tensor]:
@@ -63,20 +70,23 @@ class ExpertMLP(nn.Module):
         adds them inside the GEMM; widths whose fp32 rows are not 16-byte multiples), and the
         caller loops."""
         e0 = experts[0]
-        align = 16 // rows.element_size()   # the kernel wants every row stride a multiple of 16 bytes
-        if (e0.fc1.bias is not None or not grouped_mm_available(rows)
-                or any(d % align for d in (*e0.fc1.weight.shape, *e0.fc2.weight.shape))):
+        align = 16 // rows.element_size()  # the kernel wants every row stride a multiple of 16 bytes
+        if (
+            e0.fc1.bias is not None
+            or not grouped_mm_available(rows)
+            or any(d % align for d in (*e0.fc1.weight.shape, *e0.fc2.weight.shape))
+        ):
             return None
         offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
-        w1 = torch.stack([e.fc1.weight for e in experts]).transpose(1, 2)      # (n, H, F/tp or 2F/tp)
+        w1 = torch.stack([e.fc1.weight for e in experts]).transpose(1, 2)  # (n, H, F/tp or 2F/tp)
         h = torch._grouped_mm(rows, w1, offs=offs)
         if e0.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate=e0.gelu_approximate)
-        w2 = torch.stack([e.fc2.weight for e in experts]).transpose(1, 2)      # (n, F/tp, H)
-        return torch._grouped_mm(h, w2, offs=offs)                             # (S, H), partial over tp
+        w2 = torch.stack([e.fc2.weight for e in experts]).transpose(1, 2)  # (n, F/tp, H)
+        return torch._grouped_mm(h, w2, offs=offs)  # (S, H), partial over tp
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
@@ -127,12 +137,16 @@ class MoEMLP(nn.Module):
         self.ep_group, self.ep_rank = (None, 0) if ep is None else ep
         local = E // C.group_size(self.ep_group)
         self.router = _Linear(E, cfg.hidden_size, False, cfg.params_dtype, device)
-        self.experts = nn.ModuleDict({str(e): ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device)
-                                      for e in range(self.ep_rank * local, (self.ep_rank + 1) * local)})
+        self.experts = nn.ModuleDict(
+            {
+                str(e): ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device)
+                for e in range(self.ep_rank * local, (self.ep_rank + 1) * local)
+            }
+        )
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_experts = None if shared is None else ExpertMLP(cfg, shared, tp, device)
         state_device = torch.device("cpu") if state_device is None else state_device
-        self.expert_bias = (torch.zeros(E, device=state_device) if cfg.moe_router_enable_expert_bias else None)
+        self.expert_bias = torch.zeros(E, device=state_device) if cfg.moe_router_enable_expert_bias else None
         self.token_counts = torch.zeros(E, dtype=torch.int64, device=state_device)
         self.dropped = torch.zeros((), dtype=torch.int64, device=state_device)
         self.aux_sum = torch.zeros((), device=state_device)
@@ -146,15 +160,14 @@ class MoEMLP(nn.Module):
 
         cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
         B, T, H = x.shape
-        logits = F.linear(x, self.router.weight)                                      # (B, T(/tp), E)
-        if self.sp:   # the router ran on this rank's T/tp positions; route the micro-batch's N
+        logits = F.linear(x, self.router.weight)  # (B, T(/tp), E)
+        if self.sp:  # the router ran on this rank's T/tp positions; route the micro-batch's N
             logits, inp, T = self._gather_sequence(logits, x)
         else:
             inp = copy_to_tp_region(x, self.group)
-        logits, inp = logits.reshape(B * T, E), inp.reshape(B * T, H)                 # (N, E), (N, H)
-        routing = R.route(logits, k, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
-                          self.expert_bias)
-        experts, weights, keep = routing.experts, routing.probs, None                 # (N, k)
+        logits, inp = logits.reshape(B * T, E), inp.reshape(B * T, H)  # (N, E), (N, H)
+        routing = R.route(logits, k, cfg.moe_router_score_function, cfg.moe_router_pre_softmax, self.expert_bias)
+        experts, weights, keep = routing.experts, routing.probs, None  # (N, k)
         if cfg.moe_expert_capacity_factor is not None:
             capacity = R.expert_capacity(B * T, E, k, cfg.moe_expert_capacity_factor)
             keep = R.capacity_keep(routing.probs, experts, E, capacity, cfg.moe_token_drop_policy)
@@ -169,9 +182,9 @@ class MoEMLP(nn.Module):
             out = reduce_scatter_to_sequence_parallel_region(out.view(B, T, H), self.group)  # (B, T/tp, H)
             weights, experts = (self._local_rows(t.view(B, T, k)) for t in (weights, experts))
         else:
-            out = reduce_from_tp_region(out, self.group)                             # (N, H)
+            out = reduce_from_tp_region(out, self.group)  # (N, H)
         out = self._add_biases(out.reshape(-1, H), weights, experts)
-        if self.training and torch.is_grad_enabled():   # under full recomputation: the replay only
+        if self.training and torch.is_grad_enabled():  # under full recomputation: the replay only
             out = self._auxiliary_losses(out, logits, routing, T)
             with torch.no_grad():
                 self.token_counts += R.assignment_counts(routing.experts, E)
@@ -194,16 +207,16 @@ class MoEMLP(nn.Module):
         the gradient of the other rows is zero here and comes from their own rank)."""
         n = t.shape[1] // C.group_size(self.group)
         r = C.group_rank(self.group)
-        return t[:, r * n:(r + 1) * n].reshape(-1, t.shape[-1])
+        return t[:, r * n : (r + 1) * n].reshape(-1, t.shape[-1])
 
     def _add_biases(self, out: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``out [n, H]`` plus the fc2 biases of each token's experts weighted by its routing
         weights ``[n, k]`` (``experts [n, k]``), and the shared expert's."""
         if not self.cfg.add_bias_linear:
             return out
-        b2 = torch.stack([ex.fc2.bias for ex in self.experts.values()])              # (E/EP, H)
+        b2 = torch.stack([ex.fc2.bias for ex in self.experts.values()])  # (E/EP, H)
         if self.ep_group is not None:
-            b2 = gather_rows(b2, self.ep_group)                                      # (E, H)
+            b2 = gather_rows(b2, self.ep_group)  # (E, H)
         out = out + (weights[..., None] * b2[experts]).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts.fc2.bias
@@ -216,8 +229,9 @@ class MoEMLP(nn.Module):
         (``--moe-pad-expert-input-to-capacity``, ``dispatch.run_expert``)."""
         if self.ep_group is not None:
             dispatch = DISPATCHERS[self.cfg.moe_token_dispatcher_type]
-            return dispatch(inp, w_tp, assigned, self.experts_by_index, self.cfg.num_experts, self.ep_group,
-                            self.ep_rank, pad_to)
+            return dispatch(
+                inp, w_tp, assigned, self.experts_by_index, self.cfg.num_experts, self.ep_group, self.ep_rank, pad_to
+            )
         return local_experts(inp, w_tp, assigned, self.experts_by_index, pad_to)
 
     @property
@@ -286,12 +300,22 @@ def moe_step_end(chunks: Iterable[nn.Module], groups: ProcessGroups, dp_group, n
     C.all_reduce_sum(table, dp_group)
     if groups.pp_size > 1:
         C.all_reduce_sum(table, groups.pp)
-    table[:, E + 1:] /= C.group_size(dp_group) * num_microbatches
+    table[:, E + 1 :] /= C.group_size(dp_group) * num_microbatches
     for m in held.values():
         m.update_expert_bias(dp_group)
-    rows = table.cpu().tolist()                       # one host transfer per step
-    layers = {i: {"tokens_per_expert": [int(v) for v in r[:E]], "dropped": int(r[E]),
-                  "assignments": int(sum(r[:E])), "aux_loss": r[E + 1], "z_loss": r[E + 2]}
-              for i, r in zip(ids, rows)}
-    return {"moe_aux_loss": sum(r[E + 1] for r in rows), "moe_z_loss": sum(r[E + 2] for r in rows),
-            "moe_layers": layers}
+    rows = table.cpu().tolist()  # one host transfer per step
+    layers = {
+        i: {
+            "tokens_per_expert": [int(v) for v in r[:E]],
+            "dropped": int(r[E]),
+            "assignments": int(sum(r[:E])),
+            "aux_loss": r[E + 1],
+            "z_loss": r[E + 2],
+        }
+        for i, r in zip(ids, rows)
+    }
+    return {
+        "moe_aux_loss": sum(r[E + 1] for r in rows),
+        "moe_z_loss": sum(r[E + 2] for r in rows),
+        "moe_layers": layers,
+    }

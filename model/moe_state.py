@@ -6,6 +6,7 @@ Every rank that holds a layer holds the same bias (the update uses counts summed
 ranks), so the checkpoint stores it once, by global layer id, in ``meta.pt``'s extras; it is
 independent of the layout (tp, pp, dp, expert parallelism) and loads under any other.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -20,8 +21,12 @@ from model.gpt import MoEMLP
 
 
 def _biased_layers(chunks: Iterable[nn.Module]) -> dict[int, MoEMLP]:
-    return {int(i): b.mlp for c in chunks for i, b in c.layers.items()
-            if isinstance(b.mlp, MoEMLP) and b.mlp.expert_bias is not None}
+    return {
+        int(i): b.mlp
+        for c in chunks
+        for i, b in c.layers.items()
+        if isinstance(b.mlp, MoEMLP) and b.mlp.expert_bias is not None
+    }
 
 
 def expert_bias_state(chunks: list[nn.Module], groups: ProcessGroups, cfg: GPTConfig) -> dict[int, list[float]]:
@@ -44,7 +49,9 @@ def load_expert_bias(chunks: list[nn.Module], state: dict[int, list[float]]) -> 
     for i, m in _biased_layers(chunks).items():
         values = state.get(i)
         if values is None or len(values) != m.expert_bias.numel():
-            raise ValueError(f"the checkpoint holds no expert bias of {m.expert_bias.numel()} experts for MoE "
-                             f"layer {i}; it was saved without --moe-router-enable-expert-bias or another "
-                             "--num-experts")
+            raise ValueError(
+                f"the checkpoint holds no expert bias of {m.expert_bias.numel()} experts for MoE "
+                f"layer {i}; it was saved without --moe-router-enable-expert-bias or another "
+                "--num-experts"
+            )
         m.expert_bias.copy_(torch.tensor(values, dtype=m.expert_bias.dtype, device=m.expert_bias.device))

@@ -13,30 +13,33 @@ before the QKV projection; pipeline stages pass whole samples), so positions are
 chunks of each sequence, and with ``--reset-position-ids`` positions restart with every
 document; ``rotary_cos_sin_at`` takes those positions (megazero/context_parallel/sequence.py).
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def rotary_cos_sin(seq_len: int, rot_dim: int, base: float, device=None,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    seq_len: int, rot_dim: int, base: float, device=None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` of every (position, rotated dimension): two ``[T, rot]`` tensors.
 
     Angles are computed in fp32 (``rot`` even, ``>= 2``) and cast to ``dtype``.
     """
     inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)                      # (T, rot)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, rot)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rotary_cos_sin_at(positions: torch.Tensor, rot_dim: int, base: float,
-                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin_at(
+    positions: torch.Tensor, rot_dim: int, base: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` at given positions ``[B, T]`` (int): two ``[B, 1, T, rot]`` tensors that
     broadcast over heads in ``apply_rotary``; the angles are those of ``rotary_cos_sin``."""
     inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float32, device=positions.device) / rot_dim)
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq                # (B, T, rot/2)
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)                     # (B, 1, T, rot)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (B, T, rot/2)
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # (B, 1, T, rot)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -45,8 +48,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     same shape back."""
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot.chunk(2, dim=-1)                                   # (B, n, T, rot/2) each
-    rotated = torch.cat([-x2, x1], dim=-1)                            # "rotate half"
+    x1, x2 = x_rot.chunk(2, dim=-1)  # (B, n, T, rot/2) each
+    rotated = torch.cat([-x2, x1], dim=-1)  # "rotate half"
     return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
 
 
@@ -68,8 +71,7 @@ class RotaryTable:
     @classmethod
     def for_model(cls, cfg, device=None) -> "RotaryTable":
         """The table of a ``model.config.GPTConfig`` with rotary positions."""
-        return cls(max(cfg.max_position_embeddings, cfg.seq_length), cfg.rotary_dim, cfg.rotary_base,
-                   device=device)
+        return cls(max(cfg.max_position_embeddings, cfg.seq_length), cfg.rotary_dim, cfg.rotary_base, device=device)
 
     def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in self._cast:
@@ -87,4 +89,4 @@ class RotaryTable:
         """Given positions ``[B, T]`` (int, below the table's length): two ``[B, 1, T, rot]``
         tensors that broadcast over heads (``rotary_cos_sin_at``'s values)."""
         cos, sin = self._tables(dtype)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)   # (B, 1, T, rot)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, rot)

@@ -5,7 +5,8 @@ The prompt runs once through the model (prefill), each layer keeping its keys an
 ``[B, kv_heads/tp, t, head_dim]`` (kv_heads = n_head, or the G groups of grouped-query
 attention, whose heads are repeated for their queries only inside attention; with RoPE the
 cached keys are already rotated at their absolute positions ``0 .. t-1``, and the new
-tokens' queries and keys are rotated at ``past .. past+t-1``); every new token then runs alone, attending to the cache, so
+tokens' queries and keys are rotated at ``past .. past+t-1``); every new token then runs alone, attending to the
+cache, so
 a step costs one token's forward instead of the whole context's (the standard decoder KV
 cache, e.g. Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 2). The
 forward reuses the stage's own tensor-parallel modules (QKV and fc1 column-parallel,
@@ -20,6 +21,7 @@ tokens whose probabilities sum to at least ``top_p`` (1.0 = all; the most likely
 always stays; nucleus sampling, Holtzman et al. 2020, sec. 3.1), and one token is drawn
 with a ``torch.Generator`` seeded by ``seed``. Padded vocabulary columns are never drawn.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -40,7 +42,7 @@ def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor
     t = q.shape[2]
     past = 0 if cache is None else cache[0].shape[2]
     if attn.rotary is not None:  # absolute positions past .. past + t - 1: the stage's table
-        cos, sin = attn.rope.first(past + t, q.dtype)                               # (past+t, rot)
+        cos, sin = attn.rope.first(past + t, q.dtype)  # (past+t, rot)
         q, k = apply_rotary(q, cos[past:], sin[past:]), apply_rotary(k, cos[past:], sin[past:])
     if cache is not None:
         k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, kv/tp, past+t, d)
@@ -53,7 +55,7 @@ def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor
     # new token i (absolute position past + i) sees keys 0 .. past + i
     mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)  # (B, n/tp, t, d)
-    y = rearrange(y, "b h t d -> b t (h d)")                       # (B, t, n_head/tp * d = H/tp)
+    y = rearrange(y, "b h t d -> b t (h d)")  # (B, t, n_head/tp * d = H/tp)
     return attn.proj(y), cache
 
 
@@ -66,46 +68,50 @@ def forward_cached(stage, ids: torch.Tensor, caches: list) -> torch.Tensor:
     is not the whole model without sequence parallelism.
     """
     if not (stage.pre_process and stage.post_process) or stage.sp:
-        raise ValueError("KV-cache decoding needs the whole model in one stage (pp 1), without "
-                         "--sequence-parallel")
+        raise ValueError("KV-cache decoding needs the whole model in one stage (pp 1), without --sequence-parallel")
     past = 0 if caches[0] is None else caches[0][0].shape[2]
     if past + ids.shape[1] > stage.cfg.max_position_embeddings:
-        raise ValueError(f"prompt + new tokens ({past + ids.shape[1]}) exceed the model's "
-                         f"{stage.cfg.max_position_embeddings} positions; lower --max-new-tokens")
+        raise ValueError(
+            f"prompt + new tokens ({past + ids.shape[1]}) exceed the model's "
+            f"{stage.cfg.max_position_embeddings} positions; lower --max-new-tokens"
+        )
     emb = stage.embedding
-    x = emb.word_embeddings(ids)                                     # (B, t, H)
+    x = emb.word_embeddings(ids)  # (B, t, H)
     if emb.with_positions:  # learned positions; RoPE enters in attention
         x = x + emb.position_embeddings(torch.arange(past, past + ids.shape[1], device=ids.device))
     for i, block in enumerate(stage.layers.values()):
         y, caches[i] = _attend(block.attn, block.ln1(x), caches[i])
         x = x + y
         x = x + block.mlp(block.ln2(x))
-    x = stage.final_ln(x[:, -1:])                                     # (B, 1, H)
+    x = stage.final_ln(x[:, -1:])  # (B, 1, H)
     if stage.cfg.tie_embeddings:
         logits = parallel_lm_logits(x, emb.word_embeddings.weight, stage.tp, sequence_parallel=False)
     else:
-        logits = stage.output(x)                                      # (B, 1, V_pad/tp)
-    return gather_from_tp_region(logits[:, 0], stage.tp)[:, :stage.cfg.vocab_size]  # (B, V)
+        logits = stage.output(x)  # (B, 1, V_pad/tp)
+    return gather_from_tp_region(logits[:, 0], stage.tp)[:, : stage.cfg.vocab_size]  # (B, V)
 
 
-def choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-           generator: Optional[torch.Generator]) -> torch.Tensor:
+def choose(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: Optional[torch.Generator]
+) -> torch.Tensor:
     """Next token ids ``[B]`` from logits ``[B, V]`` (see the module docstring).
 
     Raises ValueError for a negative temperature or top_k, or top_p outside (0, 1].
     """
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need --temperature >= 0 (got {temperature}), --top-k >= 0 (got {top_k}) and "
-                         f"0 < --top-p <= 1 (got {top_p})")
+        raise ValueError(
+            f"need --temperature >= 0 (got {temperature}), --top-k >= 0 (got {top_k}) and "
+            f"0 < --top-p <= 1 (got {top_p})"
+        )
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]               # (B, 1)
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1:
         probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)  # (B, V) each
-        before = probs.cumsum(dim=-1) - probs                          # mass of the better tokens
+        before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
         drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= top_p)  # vocab order
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
@@ -118,14 +124,24 @@ def check_prompt(prompt_ids: list[int], max_positions: int) -> None:
     if not prompt_ids:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
     if len(prompt_ids) > max_positions:
-        raise ValueError(f"--prompt encodes to {len(prompt_ids)} tokens, more than the model's {max_positions} "
-                         "positions; fix: a shorter prompt")
+        raise ValueError(
+            f"--prompt encodes to {len(prompt_ids)} tokens, more than the model's {max_positions} "
+            "positions; fix: a shorter prompt"
+        )
 
 
 @torch.no_grad()
-def sample(stage, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-           top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-           eod: Optional[int] = None) -> list[int]:
+def sample(
+    stage,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eod: Optional[int] = None,
+) -> list[int]:
     """``prompt_ids`` continued by up to ``max_new_tokens`` tokens (stops after ``eod``).
 
     Collective over the stage's TP group (every TP rank calls it with the same arguments and
@@ -139,14 +155,14 @@ def sample(stage, prompt_ids: list[int], max_new_tokens: int, *, temperature: fl
     generator = torch.Generator().manual_seed(seed)
     caches: list = [None] * len(stage.layers)
     ids = list(prompt_ids)
-    new = torch.tensor([ids], device=device)                         # (1, T0): the prefill
+    new = torch.tensor([ids], device=device)  # (1, T0): the prefill
     try:
         for _ in range(max_new_tokens):
             token = int(choose(forward_cached(stage, new, caches), temperature, top_k, top_p, generator)[0])
             ids.append(token)
             if token == eod:
                 break
-            new = torch.tensor([[token]], device=device)             # (1, 1)
+            new = torch.tensor([[token]], device=device)  # (1, 1)
     finally:
         stage.train(was_training)
     return ids

@@ -21,6 +21,7 @@ Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head si
   so expert parallelism can re-shard them), each laid out and partitioned as the dense MLP
   with ``moe_ffn_hidden_size``, and ``mlp.shared_experts.fc1/fc2.*`` for a shared expert.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 import torch
 
 from megazero.param_spec import ParamSpec
-if TYPE_CHECKING:   # model.config imports this module (GPTConfig.parameter_spec)
+
+if TYPE_CHECKING:  # model.config imports this module (GPTConfig.parameter_spec)
     from model.config import GPTConfig
 
 
@@ -39,8 +41,7 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
     H, d, heads, G = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
     grouped = cfg.num_query_groups is not None
     qkv_rows, qkv_stride = ((heads + 2 * G) * d, 1) if grouped else (3 * H, 3)
-    swiglu = cfg.swiglu
-    mlp_weights, mlp_biases, active = [], [], {}   # active: name -> fraction of tokens (an expert's: k / E)
+    mlp_weights, mlp_biases, active = [], [], {}  # active: name -> fraction of tokens (an expert's: k / E)
     if not cfg.is_moe_layer(i):
         mlp_weights, mlp_biases = _mlp_rows(cfg, "mlp", cfg.ffn_hidden_size)
     else:
@@ -59,15 +60,30 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
         ("ln1.weight", (H,), None, 1, "ones", False),
         ("attn.qkv.weight", (qkv_rows, H), 0, qkv_stride, "normal", True),
         ("attn.proj.weight", (H, H), 1, 1, "scaled_normal", True),
-        ("ln2.weight", (H,), None, 1, "ones", False)] + mlp_weights
+        ("ln2.weight", (H,), None, 1, "ones", False),
+    ] + mlp_weights
     if cfg.normalization == "LayerNorm":
         rows += [("ln1.bias", (H,), None, 1, "zeros", False), ("ln2.bias", (H,), None, 1, "zeros", False)]
     if cfg.add_bias_linear:
-        rows += [("attn.qkv.bias", (qkv_rows,), 0, qkv_stride, "zeros", False),
-                 ("attn.proj.bias", (H,), None, 1, "zeros", False)] + mlp_biases
-    return [ParamSpec(f"layers.{i}.{name}", shape, "layer", i, dim, stride, init,
-                      weight_decay=len(shape) >= 2, matmul=mm, active=active.get(name, 1.0))
-            for name, shape, dim, stride, init, mm in rows]
+        rows += [
+            ("attn.qkv.bias", (qkv_rows,), 0, qkv_stride, "zeros", False),
+            ("attn.proj.bias", (H,), None, 1, "zeros", False),
+        ] + mlp_biases
+    return [
+        ParamSpec(
+            f"layers.{i}.{name}",
+            shape,
+            "layer",
+            i,
+            dim,
+            stride,
+            init,
+            weight_decay=len(shape) >= 2,
+            matmul=mm,
+            active=active.get(name, 1.0),
+        )
+        for name, shape, dim, stride, init, mm in rows
+    ]
 
 
 def _mlp_rows(cfg: GPTConfig, prefix: str, ffn: int) -> tuple[list, list]:
@@ -76,10 +92,18 @@ def _mlp_rows(cfg: GPTConfig, prefix: str, ffn: int) -> tuple[list, list]:
     ``fc2`` row-parallel; biases with ``add_bias_linear`` (``fc2``'s replicated)."""
     H = cfg.hidden_size
     fc1_rows, fc1_stride = (2 * ffn, 2) if cfg.swiglu else (ffn, 1)
-    weights = [(f"{prefix}.fc1.weight", (fc1_rows, H), 0, fc1_stride, "normal", True),
-               (f"{prefix}.fc2.weight", (H, ffn), 1, 1, "scaled_normal", True)]
-    biases = [(f"{prefix}.fc1.bias", (fc1_rows,), 0, fc1_stride, "zeros", False),
-              (f"{prefix}.fc2.bias", (H,), None, 1, "zeros", False)] if cfg.add_bias_linear else []
+    weights = [
+        (f"{prefix}.fc1.weight", (fc1_rows, H), 0, fc1_stride, "normal", True),
+        (f"{prefix}.fc2.weight", (H, ffn), 1, 1, "scaled_normal", True),
+    ]
+    biases = (
+        [
+            (f"{prefix}.fc1.bias", (fc1_rows,), 0, fc1_stride, "zeros", False),
+            (f"{prefix}.fc2.bias", (H,), None, 1, "zeros", False),
+        ]
+        if cfg.add_bias_linear
+        else []
+    )
     return weights, biases
 
 
@@ -89,19 +113,25 @@ def build_spec(cfg: GPTConfig, padded_vocab: int) -> list[ParamSpec]:
     Weight decay on matrices only (Megatron-LM: none on biases and norm weights).
     """
     H, V = cfg.hidden_size, padded_vocab
-    spec = [ParamSpec("embedding.word_embeddings.weight", (V, H), "embedding", partition_dim=0,
-                      vocab=True, tied_output=cfg.tie_embeddings)]
+    spec = [
+        ParamSpec(
+            "embedding.word_embeddings.weight",
+            (V, H),
+            "embedding",
+            partition_dim=0,
+            vocab=True,
+            tied_output=cfg.tie_embeddings,
+        )
+    ]
     if cfg.position_embedding_type == "learned_absolute":
-        spec.append(ParamSpec("embedding.position_embeddings.weight",
-                              (cfg.max_position_embeddings, H), "embedding"))
+        spec.append(ParamSpec("embedding.position_embeddings.weight", (cfg.max_position_embeddings, H), "embedding"))
     for i in range(cfg.num_layers):
         spec += _layer_spec(cfg, i)
     spec.append(ParamSpec("final_ln.weight", (H,), "head", init="ones", weight_decay=False))
     if cfg.normalization == "LayerNorm":
         spec.append(ParamSpec("final_ln.bias", (H,), "head", init="zeros", weight_decay=False))
     if not cfg.tie_embeddings:
-        spec.append(ParamSpec("output.weight", (V, H), "head", partition_dim=0, matmul=True,
-                              vocab=True))
+        spec.append(ParamSpec("output.weight", (V, H), "head", partition_dim=0, matmul=True, vocab=True))
     return spec
 
 
@@ -135,15 +165,14 @@ class InitialWeights(Mapping):
     def __init__(self, cfg: GPTConfig, seed: int, tp_size: int = 1):
         self.cfg, self.seed = cfg, seed
         self.spec = spec_by_name(cfg, cfg.padded_vocab(tp_size))
-        self.std = {"normal": cfg.init_method_std,
-                    "scaled_normal": cfg.init_method_std / math.sqrt(2 * cfg.num_layers)}
+        self.std = {"normal": cfg.init_method_std, "scaled_normal": cfg.init_method_std / math.sqrt(2 * cfg.num_layers)}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         e = self.spec[name]
         if e.init in ("zeros", "ones"):
             return (torch.zeros if e.init == "zeros" else torch.ones)(e.shape, device="cpu")
         rows = self.cfg.vocab_size if e.vocab else e.shape[0]
-        full = torch.zeros(e.shape, device="cpu")   # rows past the real vocabulary stay zero
+        full = torch.zeros(e.shape, device="cpu")  # rows past the real vocabulary stay zero
         # normal_ on the real rows draws what torch.randn((rows, ...)) draws (randn is
         # empty().normal_()); in place, with the in-place product, one tensor in all
         full[:rows].normal_(0, 1, generator=_generator(self.seed, name)).mul_(self.std[e.init])
@@ -156,8 +185,9 @@ class InitialWeights(Mapping):
         return len(self.spec)
 
 
-def init_full_weights(cfg: GPTConfig, seed: int, tp_size: int = 1,
-                      names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
+def init_full_weights(
+    cfg: GPTConfig, seed: int, tp_size: int = 1, names: Optional[Iterable[str]] = None
+) -> dict[str, torch.Tensor]:
     """Every full (unpartitioned) fp32 tensor of the model at once, from (seed, canonical name)
     alone (``InitialWeights``' rules); ``names`` restricts the result to those canonical names
     (e.g. one pipeline stage's). The oracle (tests/support/reference.py) and the Hugging Face export

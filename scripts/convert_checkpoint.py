@@ -24,6 +24,7 @@ Errors: one line ``convert_checkpoint: error: ...`` and exit code 2.
 API: ``main(argv)`` takes the command line as a list (without the program name) and returns the
 exit status; nothing else here is meant to be imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,10 @@ def resolve_tokenizer(meta: dict, model: str | None, kind: str | None):
         raise ConvertError(f"tokenizer: {e}") from None
     want = recorded.get("sha256") or (meta["extra"].get("data") or {}).get("tokenizer")
     if want and tok.sha256 != want:
-        raise ConvertError(f"tokenizer {model} (sha256 {tok.sha256[:12]}) is not the one the checkpoint was "
-                           f"trained with (sha256 {want[:12]}); fix: --tokenizer-model of that run")
+        raise ConvertError(
+            f"tokenizer {model} (sha256 {tok.sha256[:12]}) is not the one the checkpoint was "
+            f"trained with (sha256 {want[:12]}); fix: --tokenizer-model of that run"
+        )
     return tok
 
 
@@ -79,8 +82,10 @@ def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_t
     meta, full = read_full_weights(load)
     record = meta["extra"].get("gpt_config")
     if record is None:
-        raise ConvertError(f"--load {load}: the checkpoint does not record its model settings (saved by an "
-                           "older megazero); fix: resume it for one iteration with this version and save")
+        raise ConvertError(
+            f"--load {load}: the checkpoint does not record its model settings (saved by an "
+            "older megazero); fix: resume it for one iteration with this version and save"
+        )
     gcfg = config_from_record(record, hidden_dropout=0.0, attention_dropout=0.0)
     tensors = to_hf_tensors(full, gcfg)
     tok = resolve_tokenizer(meta, tokenizer_model, tokenizer_type)
@@ -102,8 +107,10 @@ def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_t
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):  # the output is unwritable: not a directory, no permission, disk full
-            raise ConvertError(f"--to-hf {out}: cannot write {e.filename or tmp} ({e.strerror or e}); fix: "
-                               "choose a writable folder with enough space") from None
+            raise ConvertError(
+                f"--to-hf {out}: cannot write {e.filename or tmp} ({e.strerror or e}); fix: "
+                "choose a writable folder with enough space"
+            ) from None
         raise
     return config
 
@@ -115,8 +122,9 @@ def main(argv=None) -> int:
     p.add_argument("--load", required=True, help="checkpoint directory (the run's --save)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--to-hf", metavar="OUT", help="Hugging Face folder to write")
-    what.add_argument("--consolidate", metavar="OUT",
-                      help="new checkpoint directory to write with full tensors (one chunk per key)")
+    what.add_argument(
+        "--consolidate", metavar="OUT", help="new checkpoint directory to write with full tensors (one chunk per key)"
+    )
     p.add_argument("--tokenizer-model", help="tokenizer to export (default: the one the checkpoint recorded)")
     p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
     args = p.parse_args(argv)
@@ -128,9 +136,11 @@ def main(argv=None) -> int:
     except (ConvertError, CheckpointError, HFConversionError, DataError, MissingExtra) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.to_hf}: {config['architectures'][0]}, "
-          f"{config.get('n_layer', config.get('num_hidden_layers'))} layers, "
-          f"hidden {config.get('n_embd', config.get('hidden_size'))}, vocabulary {config['vocab_size']}")
+    print(
+        f"wrote {args.to_hf}: {config['architectures'][0]}, "
+        f"{config.get('n_layer', config.get('num_hidden_layers'))} layers, "
+        f"hidden {config.get('n_embd', config.get('hidden_size'))}, vocabulary {config['vocab_size']}"
+    )
     return 0
 
 

@@ -9,7 +9,8 @@ lm-evaluation-harness tasks. Run from the repository root:
 The model and tokenizer load as in ``python -m scripts.generate`` (``megazero.training.inference``:
 every process one tensor-parallel rank of the whole model, reading only its partitions; pp 1),
 and ``model.evaluation.MegazeroLM`` (an ``lm_eval.api.model.LM`` over megazero's own forward and
-KV-cache decoding) answers the harness's requests; every rank runs the same requests, rank 0 prints one line per task with each metric
+KV-cache decoding) answers the harness's requests; every rank runs the same requests, rank 0 prints one line per task
+with each metric
 and its standard error, e.g. ``megazero_stdlib: acc 0.3247 (± 0.0337), acc_norm 0.3763 (± 0.0349)``.
 
 Tasks: the YAML files under data/tasks (``megazero_stdlib``, ``megazero_stdlib_ppl``; no
@@ -23,6 +24,7 @@ process group exists, and with ``--tp N`` outside torchrun before torchrun start
 API: ``main(argv)`` takes the command line as a list (without the program name) and returns the
 exit status; nothing else here is meant to be imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +44,9 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="python -m scripts.evaluate", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save), any layout")
-    src.add_argument("--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)")
+    src.add_argument(
+        "--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)"
+    )
     p.add_argument("--tasks", required=True, nargs="+", help="task names, comma- or space-separated")
     p.add_argument("--num-fewshot", type=int, help="examples before each question (default: the task's)")
     p.add_argument("--limit", type=float, help="documents per task (below 1: a fraction); default all")
@@ -52,13 +56,20 @@ def parse(argv):
     p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=1234, help="generator of sampled generate_until requests")
-    p.add_argument("--tp", type=int, help="tensor-parallel ranks; N > 1 outside torchrun checks the inputs here, "
-                   "then starts torchrun with N processes (default: torchrun's WORLD_SIZE, else 1)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel ranks; N > 1 outside torchrun checks the inputs here, "
+        "then starts torchrun with N processes (default: torchrun's WORLD_SIZE, else 1)",
+    )
     args = p.parse_args(argv)
     if args.tp is not None and args.tp < 1:
         p.error("need --tp >= 1")
-    if args.batch_size < 1 or (args.num_fewshot is not None and args.num_fewshot < 0) or \
-            (args.limit is not None and args.limit <= 0):
+    if (
+        args.batch_size < 1
+        or (args.num_fewshot is not None and args.num_fewshot < 0)
+        or (args.limit is not None and args.limit <= 0)
+    ):
         p.error("need --batch-size >= 1, --num-fewshot >= 0 and --limit > 0")
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)
@@ -77,8 +88,10 @@ def main(argv=None) -> int:
     tp = args.tp or world
     try:
         if is_rank and tp != world:
-            raise ValueError(f"--tp {tp}, but the launcher started {world} processes; fix: the same number for "
-                             "both (or leave --tp out)")
+            raise ValueError(
+                f"--tp {tp}, but the launcher started {world} processes; fix: the same number for "
+                "both (or leave --tp out)"
+            )
         tm = check_tasks(args.tasks, args.include_path)  # before any weight or process group
         check_model(args, tp)
     except ERRORS as e:
@@ -91,8 +104,9 @@ def main(argv=None) -> int:
     try:
         stage, tok = load_model(args, groups, device)
         lm = make_lm(stage, tok, batch_size=args.batch_size, seed=args.seed)
-        scores = run_tasks(lm, args.tasks, tm=tm, num_fewshot=args.num_fewshot, limit=args.limit,
-                           quiet=rank != 0)  # rank 0 shows the harness's progress bars
+        scores = run_tasks(
+            lm, args.tasks, tm=tm, num_fewshot=args.num_fewshot, limit=args.limit, quiet=rank != 0
+        )  # rank 0 shows the harness's progress bars
     except ERRORS as e:  # a file that changed since the check
         if rank == 0:
             print(f"evaluate: error: {e}", file=sys.stderr)

@@ -9,7 +9,8 @@ Run from the repository root:
 Every process is one tensor-parallel rank of a whole model (tp = the number of processes,
 pipeline size 1): it reads only its own partitions of the full weights (a checkpoint of any
 layout or ``model.safetensors``: ``megazero.training.inference``), then samples with a key/value
-cache (``model/sampling.py``; temperature 0 is greedy). The tokenizer is the checkpoint's recorded one (or ``--tokenizer-model``), or
+cache (``model/sampling.py``; temperature 0 is greedy). The tokenizer is the checkpoint's recorded one (or
+``--tokenizer-model``), or
 the folder's ``tokenizer.json``. Rank 0 prints the text (and the ids with ``--print-ids``).
 ``--prompt-ids`` gives the prompt as token ids instead, so a folder or checkpoint without a
 tokenizer generates too: then only the ids are printed (a JSON list), and generation stops at
@@ -31,6 +32,7 @@ API: ``main(argv)`` takes the command line as a list (without the program name) 
 exit status; nothing else here is meant to be imported (the loading is in
 ``megazero.training.inference``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +67,10 @@ def check_inputs(args, tp: int):
         return tok
     bad = [i for i in args.prompt_ids if not 0 <= i < gcfg.vocab_size]
     if bad:
-        raise ValueError(f"--prompt-ids {bad[0]} is not a token id of the model's vocabulary of "
-                         f"{gcfg.vocab_size}; fix: ids in [0, {gcfg.vocab_size})")
+        raise ValueError(
+            f"--prompt-ids {bad[0]} is not a token id of the model's vocabulary of "
+            f"{gcfg.vocab_size}; fix: ids in [0, {gcfg.vocab_size})"
+        )
     check_prompt(args.prompt_ids, gcfg.max_position_embeddings)
     return check_model(args, tp, need_tokenizer=False)
 
@@ -86,11 +90,14 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="python -m scripts.generate", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save)")
-    src.add_argument("--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)")
+    src.add_argument(
+        "--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)"
+    )
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")
-    prompt.add_argument("--prompt-ids", type=_ids, help="the prompt as comma-separated token ids, e.g. 5,17,300 "
-                        "(no tokenizer needed)")
+    prompt.add_argument(
+        "--prompt-ids", type=_ids, help="the prompt as comma-separated token ids, e.g. 5,17,300 (no tokenizer needed)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
@@ -100,8 +107,12 @@ def parse(argv):
     p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--print-ids", action="store_true", help="also print the token ids as a JSON list")
-    p.add_argument("--tp", type=int, help="tensor-parallel ranks; N > 1 outside torchrun checks the inputs here, "
-                   "then starts torchrun with N processes (default: torchrun's WORLD_SIZE, else 1)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel ranks; N > 1 outside torchrun checks the inputs here, "
+        "then starts torchrun with N processes (default: torchrun's WORLD_SIZE, else 1)",
+    )
     args = p.parse_args(argv)
     if args.tp is not None and args.tp < 1:
         p.error("need --tp >= 1")
@@ -121,8 +132,10 @@ def main(argv=None) -> int:
     tp = args.tp or world
     try:
         if is_rank and tp != world:
-            raise ValueError(f"--tp {tp}, but the launcher started {world} processes; fix: the same number for "
-                             "both (or leave --tp out)")
+            raise ValueError(
+                f"--tp {tp}, but the launcher started {world} processes; fix: the same number for "
+                "both (or leave --tp out)"
+            )
         tok = check_inputs(args, tp)  # before any process group: every rank refuses the same inputs
     except INPUT_ERRORS as e:
         if rank == 0:
@@ -134,8 +147,16 @@ def main(argv=None) -> int:
     try:
         stage, tok = load_model(args, groups, device, need_tokenizer=args.prompt_ids is None)
         prompt = args.prompt_ids if args.prompt_ids is not None else tok.encode(args.prompt)
-        ids = sample(stage, prompt, args.max_new_tokens, temperature=args.temperature,
-                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, eod=None if tok is None else tok.eod)
+        ids = sample(
+            stage,
+            prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            eod=None if tok is None else tok.eod,
+        )
     except INPUT_ERRORS as e:  # a file that changed since check_inputs
         if rank == 0:
             print(f"generate: error: {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ API: ``main(argv)`` takes the command line as a list (without the program name) 
 exit status. The benchmarks of scripts/bench/ also use ``measure``, ``vocab_of`` and
 ``ensure_mmap_threshold``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,12 @@ def vocab_of(cfg) -> int:
     if cfg.train.mock_data:
         return MOCK_VOCAB_SIZE
     if cfg.data.tokenizer_model is None:
-        print("megazero: config error: the plan needs the vocabulary size; fix: give --vocab-size N "
-              "(or --tokenizer-model, or --mock-data)", file=sys.stderr, flush=True)
+        print(
+            "megazero: config error: the plan needs the vocabulary size; fix: give --vocab-size N "
+            "(or --tokenizer-model, or --mock-data)",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(2)
     try:
         return load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type).vocab_size
@@ -76,9 +81,11 @@ def build_table(cfg, vocab: int) -> str:
     lines = []
     for r in range(cfg.parallel.pp):
         b = build_peak_bytes(cfg, gcfg, r, where)
-        lines.append(f"model build, stage {r}: peak {b.peak / MiB:.1f} MiB = kept {b.resident / MiB:.1f} MiB + "
-                     f"one tensor in flight {b.in_flight / MiB:.1f} MiB (largest full tensor "
-                     f"{b.full / MiB:.1f} MiB)")
+        lines.append(
+            f"model build, stage {r}: peak {b.peak / MiB:.1f} MiB = kept {b.resident / MiB:.1f} MiB + "
+            f"one tensor in flight {b.in_flight / MiB:.1f} MiB (largest full tensor "
+            f"{b.full / MiB:.1f} MiB)"
+        )
     return "\n".join(lines)
 
 
@@ -91,12 +98,16 @@ def plan_table(cfg, vocab: int) -> str:
     scores (``megazero.planning.activations.context_parallel_bytes``).
     """
     cp = cfg.parallel.cp > 1
-    rows = [f"{'stage':>5} {'params':>14} {'states MiB':>11} {'activ. MiB':>11} {'temps MiB':>10} "
-            f"{'peak MiB':>10}" + (f" {'cp K/V bufs MiB':>16} {'ring blocks MiB':>16}" if cp else "")]
+    rows = [
+        f"{'stage':>5} {'params':>14} {'states MiB':>11} {'activ. MiB':>11} {'temps MiB':>10} "
+        f"{'peak MiB':>10}" + (f" {'cp K/V bufs MiB':>16} {'ring blocks MiB':>16}" if cp else "")
+    ]
     for e in plan_stages(cfg, build_gpt_config(cfg, vocab), on_cuda=uses_cuda(cfg)):
-        rows.append(f"{e.stage:>5} {e.params:>14,} {e.model_state_bytes / MiB:>11.1f} "
-                    f"{e.activation_bytes / MiB:>11.1f} {e.temporary_bytes / MiB:>10.1f} {e.total_bytes / MiB:>10.1f}"
-                    + (f" {e.cp_attention.kv_buffers / MiB:>16.1f} {e.cp_attention.scores / MiB:>16.1f}" if cp else ""))
+        rows.append(
+            f"{e.stage:>5} {e.params:>14,} {e.model_state_bytes / MiB:>11.1f} "
+            f"{e.activation_bytes / MiB:>11.1f} {e.temporary_bytes / MiB:>10.1f} {e.total_bytes / MiB:>10.1f}"
+            + (f" {e.cp_attention.kv_buffers / MiB:>16.1f} {e.cp_attention.scores / MiB:>16.1f}" if cp else "")
+        )
     return "\n".join(rows)
 
 
@@ -143,7 +154,7 @@ def measure_rank(rank: int, world: int, argv: list[str], steps: int) -> tuple[in
     base = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    trainer = training.build_trainer(cfg, data=run, groups=groups)   # the peak counts the model from here on
+    trainer = training.build_trainer(cfg, data=run, groups=groups)  # the peak counts the model from here on
     for b in batches:
         trainer.train_step(b)
     return groups.pp_rank, _status("VmHWM") - base
@@ -168,8 +179,9 @@ def ensure_mmap_threshold() -> None:
 
 
 # -- searching layouts ----------------------------------------------------------------------
-def fitting_layouts(argv: list[str], devices: int, device_gib: float,
-                    gpus_per_node: int = 8) -> list[tuple[float, tuple, float]]:
+def fitting_layouts(
+    argv: list[str], devices: int, device_gib: float, gpus_per_node: int = 8
+) -> list[tuple[float, tuple, float]]:
     """(predicted peak bytes, layout, data-parallel bytes off the node per rank and step:
     ``dp_internode_bytes``) of every layout whose peak fits ``device_gib``, smallest peak first."""
     fits, vocab = [], None
@@ -181,32 +193,51 @@ def fitting_layouts(argv: list[str], devices: int, device_gib: float,
             tp, cp, _, _, dp, zero, shard, _ = layout
             widths = plan.layout_settings(cfg, False)
             p_bytes, g_bytes = widths["param_bytes"], widths["grad_bytes"]
-            off = dp_internode_bytes(est.params, zero, dp * cp, shard, tp, gpus_per_node,
-                                     cfg.train.gradient_accumulation_steps, p_bytes, g_bytes)
+            off = dp_internode_bytes(
+                est.params,
+                zero,
+                dp * cp,
+                shard,
+                tp,
+                gpus_per_node,
+                cfg.train.gradient_accumulation_steps,
+                p_bytes,
+                g_bytes,
+            )
             fits.append((est.total_bytes, layout, off))
     return sorted(fits)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Plan (or measure, or search layouts for) the run of ``argv`` (default: the command line)."""
-    ap = argparse.ArgumentParser(prog="python -m scripts.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m scripts.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x cp x pp x dp of the flags)")
     ap.add_argument("--measure", action="store_true", help="run on CPU gloo ranks and measure each rank's peak")
     ap.add_argument("--measure-steps", type=int, default=3)
     ap.add_argument("--devices", type=int, default=None, help="list layouts of this many devices that fit")
     ap.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (with --devices)")
     ap.add_argument("--top", type=int, default=20, help="layouts listed (with --devices)")
-    ap.add_argument("--gpus-per-node", type=int, default=8,
-                    help="with --devices: ranks per node (hybrid sharding's one-node S, off-node bytes)")
+    ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="with --devices: ranks per node (hybrid sharding's one-node S, off-node bytes)",
+    )
     own, argv = ap.parse_known_args(argv)
     if own.devices is not None:
         fits = fitting_layouts(argv, own.devices, own.device_memory, own.gpus_per_node)
         print(f"{len(fits)} layouts of {own.devices} devices fit in {own.device_memory:g} GiB; smallest peak first:")
-        print(f"{'tp':>3} {'cp':>4} {'comm':>4} {'pp':>3} {'dp':>5} {'zero':>4} {'shard':>5} {'recompute':>10} "
-              f"{'peak per rank':>14} {'dp_off_node_GiB/step':>20}")
-        for peak, (tp, cp, comm, pp, dp, zero, shard, rc), off in fits[:own.top]:
-            print(f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {shard:>5} {rc:>10} {gib(peak):>14} "
-                  f"{off / 2**30:>20.2f}")
+        print(
+            f"{'tp':>3} {'cp':>4} {'comm':>4} {'pp':>3} {'dp':>5} {'zero':>4} {'shard':>5} {'recompute':>10} "
+            f"{'peak per rank':>14} {'dp_off_node_GiB/step':>20}"
+        )
+        for peak, (tp, cp, comm, pp, dp, zero, shard, rc), off in fits[: own.top]:
+            print(
+                f"{tp:>3} {cp:>4} {comm:>4} {pp:>3} {dp:>5} {zero:>4} {shard:>5} {rc:>10} {gib(peak):>14} "
+                f"{off / 2**30:>20.2f}"
+            )
         return 0 if fits else 1
     world = own.world_size or world_size_of(argv)
     cfg = config_from_argv(argv, world, needs_data=own.measure)  # only --measure reads the data

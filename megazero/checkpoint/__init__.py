@@ -5,7 +5,21 @@ checkpoint rewritten with full tensors (``consolidate``).
 
 The format's public functions are importable from the package, ``megazero.checkpoint.save``.
 """
+
 from megazero.checkpoint.consolidate import consolidate_checkpoint  # noqa: F401
-from megazero.checkpoint.core import (CheckpointError, PendingSave, file_checksum, iteration_dir,  # noqa: F401
-                                      latest_iteration, load, peek, prune, publish, read_full_tensors,
-                                      read_full_weights, rng_files, save, saved_iterations)
+from megazero.checkpoint.core import (  # noqa: F401
+    CheckpointError,
+    PendingSave,
+    file_checksum,
+    iteration_dir,
+    latest_iteration,
+    load,
+    peek,
+    prune,
+    publish,
+    read_full_tensors,
+    read_full_weights,
+    rng_files,
+    save,
+    saved_iterations,
+)

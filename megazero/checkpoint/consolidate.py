@@ -7,6 +7,7 @@ full tensor, ``meta.pt`` with the new files' sizes and CRC-32, and the input's `
 files; ``OUT/latest`` points at it (``publish``: temporary name, then rename). It runs in one
 process and holds every full tensor (offline use); the input's CRC-32 is checked first.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,15 @@ import warnings
 
 import torch
 
-from megazero.checkpoint.core import (CheckpointError, file_checksum, iteration_dir, peek, publish,
-                                      read_full_tensors, rng_files)
+from megazero.checkpoint.core import (
+    CheckpointError,
+    file_checksum,
+    iteration_dir,
+    peek,
+    publish,
+    read_full_tensors,
+    rng_files,
+)
 
 
 def consolidate_checkpoint(load: str, out: str) -> str:
@@ -28,8 +36,9 @@ def consolidate_checkpoint(load: str, out: str) -> str:
     import torch.distributed.checkpoint as dcp
 
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
-        raise CheckpointError(f"--consolidate {out} exists and is not empty (or not a folder); fix: choose a new "
-                              "folder")
+        raise CheckpointError(
+            f"--consolidate {out} exists and is not empty (or not a folder); fix: choose a new folder"
+        )
     peek(load, verify=True)
     meta, src, full = read_full_tensors(load)
     tmp = iteration_dir(out, meta["iteration"]) + ".tmp"

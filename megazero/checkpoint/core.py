@@ -36,6 +36,7 @@ directories fsynced in between so the order survives a power loss. A crash mid-s
 the previous checkpoint and ``latest`` intact; an iteration saved twice keeps its old copy
 (``iter_X.old``) until the new one is in.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,12 +98,16 @@ def latest_iteration(root: str) -> Optional[int]:
     if not os.path.exists(path):
         name, parent = os.path.basename(os.path.normpath(root)), os.path.dirname(os.path.normpath(root))
         if name.startswith("iter_") and os.path.exists(os.path.join(root, "meta.pt")):
-            raise CheckpointError(f"{root} is one iteration inside a checkpoint directory; fix: --load "
-                                  f"{parent or '.'} (its 'latest' file names the iteration to resume)")
+            raise CheckpointError(
+                f"{root} is one iteration inside a checkpoint directory; fix: --load "
+                f"{parent or '.'} (its 'latest' file names the iteration to resume)"
+            )
         found = saved_iterations(root)
         if found:
-            raise CheckpointError(f"{root} holds checkpoints {found} but no 'latest' file; fix: write the "
-                                  f"iteration to resume (e.g. {found[-1]}) into {path}")
+            raise CheckpointError(
+                f"{root} holds checkpoints {found} but no 'latest' file; fix: write the "
+                f"iteration to resume (e.g. {found[-1]}) into {path}"
+            )
         return None
     try:
         with open(path) as f:
@@ -110,8 +115,10 @@ def latest_iteration(root: str) -> Optional[int]:
         if it < 0:
             raise ValueError(it)
     except (ValueError, UnicodeDecodeError, OSError):  # also a directory named 'latest'
-        raise CheckpointError(f"{path} does not hold an iteration number; fix: delete it or "
-                              f"write the iteration of a complete iter_* directory") from None
+        raise CheckpointError(
+            f"{path} does not hold an iteration number; fix: delete it or "
+            f"write the iteration of a complete iter_* directory"
+        ) from None
     if not os.path.isdir(iteration_dir(root, it)):
         raise CheckpointError(f"{path} names iteration {it} but {iteration_dir(root, it)} is missing")
     return it
@@ -120,26 +127,34 @@ def latest_iteration(root: str) -> Optional[int]:
 def _load_file(path: str, weights_only: bool):
     """torch.load with a CheckpointError naming the file when it is missing or unreadable."""
     if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; fix: load an earlier "
-                              f"iter_* directory (write its number into 'latest')")
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint is incomplete; fix: load an earlier "
+            f"iter_* directory (write its number into 'latest')"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as e:  # torch raises RuntimeError, EOFError, pickle errors ... for a bad file
-        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); fix: load an "
-                              f"earlier iter_* directory (write its number into 'latest')") from None
+        raise CheckpointError(
+            f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); fix: load an "
+            f"earlier iter_* directory (write its number into 'latest')"
+        ) from None
 
 
 def _read_metadata(d: str):
     """DCP metadata of checkpoint directory ``d``; CheckpointError naming the file if unreadable."""
     path = os.path.join(d, ".metadata")
     if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete or from an older "
-                              f"format; fix: load an earlier iter_* directory (write its number into 'latest')")
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint {d} is incomplete or from an older "
+            f"format; fix: load an earlier iter_* directory (write its number into 'latest')"
+        )
     try:
         return _dcp().FileSystemReader(d).read_metadata()
     except Exception as e:  # pickle, EOF, ... on a damaged file
-        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); fix: load an "
-                              f"earlier iter_* directory (write its number into 'latest')") from None
+        raise CheckpointError(
+            f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); fix: load an "
+            f"earlier iter_* directory (write its number into 'latest')"
+        ) from None
 
 
 def file_checksum(path: str) -> list:
@@ -175,8 +190,10 @@ def peek(root: str, verify: bool = False) -> Optional[dict]:
         have = os.path.getsize(path) if os.path.exists(path) else None
         if have is None or have < size:
             what = "is missing" if have is None else f"has {have} bytes, the metadata needs {size}"
-            raise CheckpointError(f"{path} {what}: the checkpoint {d} is incomplete; fix: load an "
-                                  f"earlier iter_* directory (write its number into 'latest')")
+            raise CheckpointError(
+                f"{path} {what}: the checkpoint {d} is incomplete; fix: load an "
+                f"earlier iter_* directory (write its number into 'latest')"
+            )
     _check_listed_files(d, meta, verify)
     return meta
 
@@ -197,10 +214,15 @@ def _check_listed_files(d: str, meta: dict, verify: bool) -> None:
             raise CheckpointError(f"{path} is missing: the checkpoint {d} is incomplete; {fix}")
         got = file_checksum(path) if verify else [os.path.getsize(path), crc]
         if got != [size, crc]:
-            now, was = (f"size {got[0]} and CRC-32 {got[1]:08x}", f"size {size} and CRC-32 {crc:08x}") \
-                if verify else (f"size {got[0]}", f"size {size}")
-            raise CheckpointError(f"{path} has {now}, saved as {was}: the file was damaged or replaced after "
-                                  f"saving (truncated, or from another run); {fix}")
+            now, was = (
+                (f"size {got[0]} and CRC-32 {got[1]:08x}", f"size {size} and CRC-32 {crc:08x}")
+                if verify
+                else (f"size {got[0]}", f"size {size}")
+            )
+            raise CheckpointError(
+                f"{path} has {now}, saved as {was}: the file was damaged or replaced after "
+                f"saving (truncated, or from another run); {fix}"
+            )
     for name in rng_files(meta["layout"]):  # small: read them all (older checkpoints list none)
         _load_file(os.path.join(d, name), weights_only=False)
 
@@ -239,9 +261,16 @@ def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
     are boxes of the full tensors whatever S, so a checkpoint loads at any other S."""
     shards = _shards()
     sharded = optimizer.ddp.strategy.shards_optimizer
-    mine, params = shards.owned_chunks(optimizer, groups, select=lambda p: groups.zero_replica_rank == 0 and
-                                       shards.writes_here(p, groups.tp_rank, groups.edp_rank
-                                                          if tags.is_expert_parallel(p) else groups.dp_rank, sharded))
+    mine, params = shards.owned_chunks(
+        optimizer,
+        groups,
+        select=lambda p: (
+            groups.zero_replica_rank == 0
+            and shards.writes_here(
+                p, groups.tp_rank, groups.edp_rank if tags.is_expert_parallel(p) else groups.dp_rank, sharded
+            )
+        ),
+    )
     return mine, {f"{name}/{k}": shape for name, (_, shape) in params.items() for k in shards.STATE_KEYS}
 
 
@@ -249,8 +278,11 @@ def saved_iterations(root: str) -> list[int]:
     """Iterations of the complete ``iter_*`` directories under ``root``, ascending."""
     if not os.path.isdir(root):
         return []
-    return sorted(int(n[5:]) for n in os.listdir(root)
-                  if n.startswith("iter_") and n[5:].isdigit() and os.path.isdir(os.path.join(root, n)))
+    return sorted(
+        int(n[5:])
+        for n in os.listdir(root)
+        if n.startswith("iter_") and n[5:].isdigit() and os.path.isdir(os.path.join(root, n))
+    )
 
 
 def prune(root: str, keep: int, current: int) -> list[int]:
@@ -262,7 +294,7 @@ def prune(root: str, keep: int, current: int) -> list[int]:
     if keep <= 0:
         return []
     older = [it for it in saved_iterations(root) if it < current]
-    doomed = older[:max(len(older) - (keep - 1), 0)]
+    doomed = older[: max(len(older) - (keep - 1), 0)]
     for it in doomed:
         shutil.rmtree(iteration_dir(root, it))
     return doomed
@@ -299,6 +331,7 @@ def _writer_with_hook_class() -> type:
     (the class is made on first use: its base class is DCP's)."""
     global _writer_with_hook
     if _writer_with_hook is None:
+
         class _WriterWithHook(_dcp().FileSystemWriter):
             def __init__(self, path: str, after_write: Callable[[], None], **kwargs):
                 super().__init__(path, **kwargs)
@@ -309,6 +342,7 @@ def _writer_with_hook_class() -> type:
                 done.wait()
                 self._after_write()
                 return done
+
         _writer_with_hook = _WriterWithHook
     return _writer_with_hook
 
@@ -332,12 +366,12 @@ def stage_chunks(mine: dict, staging: Callable[[int, torch.device], "HostArena"]
         out[key] = []
         for c in cs:
             n = c.tensor.numel()
-            dst = arena.flat[pos:pos + n].view(c.tensor.shape)
+            dst = arena.flat[pos : pos + n].view(c.tensor.shape)
             dst.copy_(c.tensor.detach(), non_blocking=non_blocking)
             out[key].append(dataclasses.replace(c, tensor=dst))
             pos += n
     if non_blocking and device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()   # DCP's writer thread reads them next
+        torch.cuda.current_stream(device).synchronize()  # DCP's writer thread reads them next
     return out
 
 
@@ -348,10 +382,20 @@ def host_staging(numel: int, device: torch.device) -> "HostArena":
     return HostArena([numel], torch.float32, pin=False)
 
 
-def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
-         rng_states: Optional[dict] = None, extra: Optional[dict] = None, keep: int = 0,
-         async_group=None, after_write: Optional[Callable[[], None]] = None,
-         staging: Optional[Callable[[int, torch.device], "HostArena"]] = None):
+def save(
+    root: str,
+    iteration: int,
+    optimizer,
+    chunks,
+    groups: ProcessGroups,
+    *,
+    rng_states: Optional[dict] = None,
+    extra: Optional[dict] = None,
+    keep: int = 0,
+    async_group=None,
+    after_write: Optional[Callable[[], None]] = None,
+    staging: Optional[Callable[[int, torch.device], "HostArena"]] = None,
+):
     """Write the checkpoint of ``iteration`` under ``root`` (collective: every rank calls it).
 
     Returns the final directory. ``extra`` (picklable) goes into ``meta.pt``. With ``keep``
@@ -377,25 +421,41 @@ def save(root: str, iteration: int, optimizer, chunks, groups: ProcessGroups, *,
     planner = shards.SavePlanner(mine, sizes)
     meta = None
     if groups.rank == 0:  # the counters of this iteration, before training moves them on
-        meta = dict(iteration=iteration, layout=dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size),
-                    optimizer=optimizer.counters(), extra=extra or {})
-    writer = dcp.FileSystemWriter(tmp, sync_files=True) if after_write is None else \
-        _writer_with_hook_class()(tmp, after_write, sync_files=True)
+        meta = dict(
+            iteration=iteration,
+            layout=dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size),
+            optimizer=optimizer.counters(),
+            extra=extra or {},
+        )
+    writer = (
+        dcp.FileSystemWriter(tmp, sync_files=True)
+        if after_write is None
+        else _writer_with_hook_class()(tmp, after_write, sync_files=True)
+    )
 
     def finish() -> str:
         return _finish_save(root, iteration, tmp, final, groups, rng_states, meta, keep)
+
     if async_group is None:
-        dcp.save({}, storage_writer=writer, planner=planner, process_group=groups.world,
-                 no_dist=groups.world is None)
+        dcp.save({}, storage_writer=writer, planner=planner, process_group=groups.world, no_dist=groups.world is None)
         return finish()
     local = async_group == "local"
-    future = dcp.async_save({}, storage_writer=writer, planner=planner,
-                            process_group=None if local else async_group, no_dist=local)
+    future = dcp.async_save(
+        {}, storage_writer=writer, planner=planner, process_group=None if local else async_group, no_dist=local
+    )
     return PendingSave(future, finish)
 
 
-def _finish_save(root: str, iteration: int, tmp: str, final: str, groups: ProcessGroups,
-                 rng_states: Optional[dict], meta: Optional[dict], keep: int) -> str:
+def _finish_save(
+    root: str,
+    iteration: int,
+    tmp: str,
+    final: str,
+    groups: ProcessGroups,
+    rng_states: Optional[dict],
+    meta: Optional[dict],
+    keep: int,
+) -> str:
     """Checksums, rng and meta files, then rename and ``latest`` (collective; after the tensors)."""
     # Each rank checksums the tensor file it wrote (DCP names it after the global rank);
     # rank 0 records them all in meta.pt, so damage after saving is found before a resume.
@@ -440,8 +500,9 @@ def publish(root: str, iteration: int, tmp: str) -> str:
     return final
 
 
-def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
-         real_rows: Optional[Callable[[str], Optional[int]]] = None) -> dict:
+def load(
+    root: str, optimizer, chunks, groups: ProcessGroups, *, real_rows: Optional[Callable[[str], Optional[int]]] = None
+) -> dict:
     """Load the latest checkpoint under ``root`` into ``optimizer`` (and so the model).
 
     Every rank reads, through DCP, only the saved pieces that overlap its own owned runs
@@ -470,13 +531,16 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
         for k in shards.STATE_KEYS:
             key = f"{name}/{k}"
             if key not in saved:
-                raise CheckpointError(f"{d} has no state for parameter {name!r}: it was saved from "
-                                      f"another model; fix: load a checkpoint of this model")
+                raise CheckpointError(
+                    f"{d} has no state for parameter {name!r}: it was saved from "
+                    f"another model; fix: load a checkpoint of this model"
+                )
             have = tuple(saved[key].size)
             fits = have == shape or (rows is not None and have[1:] == shape[1:] and min(have[0], shape[0]) >= rows)
             if not fits:
-                raise CheckpointError(f"{name}: the checkpoint holds {have}, the model has {shape}; "
-                                      f"fix: same model sizes")
+                raise CheckpointError(
+                    f"{name}: the checkpoint holds {have}, the model has {shape}; fix: same model sizes"
+                )
             if rows is not None:
                 mine[key] = _clip_rows(mine.get(key, []), rows)
     # DCP writes into the optimizer's state, which is the model's own flat buffer where the
@@ -484,14 +548,21 @@ def load(root: str, optimizer, chunks, groups: ProcessGroups, *,
     # land first, or one finishing later overwrites loaded values (a CI flake showed it)
     optimizer.wait_param_gather()
     try:
-        dcp.load({}, storage_reader=dcp.FileSystemReader(d), planner=shards.LoadPlanner(mine),
-                 process_group=groups.world, no_dist=groups.world is None)
+        dcp.load(
+            {},
+            storage_reader=dcp.FileSystemReader(d),
+            planner=shards.LoadPlanner(mine),
+            process_group=groups.world,
+            no_dist=groups.world is None,
+        )
     except (Exception, CheckpointException) as e:  # a damaged .distcp file (DCP gathers every rank's failure)
         if isinstance(e, CheckpointException) and e.failures:  # the first rank's own exception
             rank, (e, _) = min(e.failures.items(), key=lambda kv: kv[0])
         first_line = (str(e).strip().splitlines() or [""])[0][:160]
-        raise CheckpointError(f"{d}: reading the tensors failed ({type(e).__name__}: {first_line}); "
-                              f"fix: load an earlier iter_* directory (write its number into 'latest')") from None
+        raise CheckpointError(
+            f"{d}: reading the tensors failed ({type(e).__name__}: {first_line}); "
+            f"fix: load an earlier iter_* directory (write its number into 'latest')"
+        ) from None
     optimizer.load_counters(meta["optimizer"])
     optimizer.refresh_model_params()
     same_layout = meta["layout"] == dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size)
@@ -522,7 +593,7 @@ def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
     Raises CheckpointError when there is no checkpoint or a file is unreadable.
     """
     meta, _, full = read_full_tensors(root, "/main_param")
-    return meta, {k[:-len("/main_param")]: t for k, t in full.items()}
+    return meta, {k[: -len("/main_param")]: t for k, t in full.items()}
 
 
 def read_full_tensors(root: str, suffix: str = "") -> tuple[dict, str, dict[str, torch.Tensor]]:
@@ -534,17 +605,20 @@ def read_full_tensors(root: str, suffix: str = "") -> tuple[dict, str, dict[str,
     """
     meta = peek(root)
     if meta is None:
-        raise CheckpointError(f"no checkpoint under {root} (no 'latest' file); fix: give the --save "
-                              "directory of a run")
+        raise CheckpointError(f"no checkpoint under {root} (no 'latest' file); fix: give the --save directory of a run")
     d = iteration_dir(root, meta["iteration"])
     saved = _read_metadata(d).state_dict_metadata
-    full = {k: torch.empty(v.size, dtype=v.properties.dtype, device="cpu") for k, v in saved.items() if k.endswith(suffix)}
+    full = {
+        k: torch.empty(v.size, dtype=v.properties.dtype, device="cpu") for k, v in saved.items() if k.endswith(suffix)
+    }
     dcp, CheckpointException = _dcp(), _checkpoint_exception()
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(full, storage_reader=dcp.FileSystemReader(d), no_dist=True)
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"{d}: reading the tensors failed ({type(e).__name__}); fix: load an "
-                              f"earlier iter_* directory (write its number into 'latest')") from None
+        raise CheckpointError(
+            f"{d}: reading the tensors failed ({type(e).__name__}); fix: load an "
+            f"earlier iter_* directory (write its number into 'latest')"
+        ) from None
     return meta, d, full

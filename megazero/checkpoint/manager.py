@@ -7,6 +7,7 @@ bad batches, evaluation round); they are written into and read from a checkpoint
 *save now* or *resume from there* (the shape of torchtitan's CheckpointManager; the format
 itself is :mod:`megazero.checkpoint.core`).
 """
+
 from __future__ import annotations
 
 import time
@@ -46,16 +47,24 @@ class RunState:
 
     def to_meta(self) -> dict:
         """The counters kept in ``meta.pt``'s ``extra`` (the iteration is ``meta["iteration"]``)."""
-        return dict(consumed_samples=self.consumed_samples, skipped_iterations=self.skipped_iterations,
-                    bad_batches=self.bad_batches, eval_round=self.eval_round)
+        return dict(
+            consumed_samples=self.consumed_samples,
+            skipped_iterations=self.skipped_iterations,
+            bad_batches=self.bad_batches,
+            eval_round=self.eval_round,
+        )
 
     @staticmethod
     def from_meta(meta: dict) -> "RunState":
         """The counters of a loaded checkpoint's ``meta`` (``bad_batches`` 0 in older ones)."""
         extra = meta["extra"]
-        return RunState(iteration=meta["iteration"], consumed_samples=extra["consumed_samples"],
-                        skipped_iterations=extra["skipped_iterations"],
-                        bad_batches=extra.get("bad_batches", 0), eval_round=extra["eval_round"])
+        return RunState(
+            iteration=meta["iteration"],
+            consumed_samples=extra["consumed_samples"],
+            skipped_iterations=extra["skipped_iterations"],
+            bad_batches=extra.get("bad_batches", 0),
+            eval_round=extra["eval_round"],
+        )
 
 
 class CheckpointManager:
@@ -70,25 +79,42 @@ class CheckpointManager:
     Attributes: ``pending`` (the background save in flight, or None) and ``pending_path``.
     """
 
-    def __init__(self, groups: ProcessGroups, *, keep: int = 0, async_save: bool = False,
-                 log: Optional[Callable[[str, dict], None]] = None):
+    def __init__(
+        self,
+        groups: ProcessGroups,
+        *,
+        keep: int = 0,
+        async_save: bool = False,
+        log: Optional[Callable[[str, dict], None]] = None,
+    ):
         self.groups, self.keep, self.log = groups, keep, log
-        self.async_group = None if not async_save else (
-            "local" if groups.world is None else dist.new_group(backend="gloo"))
+        self.async_group = (
+            None if not async_save else ("local" if groups.world is None else dist.new_group(backend="gloo"))
+        )
         self.pending: Optional[core.PendingSave] = None
         self.pending_path: Optional[str] = None
-        self.staging = None   # the background saves' host buffer, reused while its size holds
+        self.staging = None  # the background saves' host buffer, reused while its size holds
 
     def _staging(self, numel: int, device: torch.device):
         """One exactly-sized host buffer for a background save's copy, page-locked when the
         state is on CUDA; the next save reuses it (``save`` finishes the previous one first)."""
         if self.staging is None or self.staging.flat.numel() != numel:
-            self.staging = None   # free (and unregister) the old one before the new one
+            self.staging = None  # free (and unregister) the old one before the new one
             self.staging = HostArena([numel], torch.float32, pin=can_pin(device))
         return self.staging
 
-    def save(self, root: str, state: RunState, optimizer, chunks, *, rng_states: Optional[dict],
-             extra: dict, after_write: Optional[Callable[[], None]] = None, wait: bool = False) -> str:
+    def save(
+        self,
+        root: str,
+        state: RunState,
+        optimizer,
+        chunks,
+        *,
+        rng_states: Optional[dict],
+        extra: dict,
+        after_write: Optional[Callable[[], None]] = None,
+        wait: bool = False,
+    ) -> str:
         """Write the checkpoint of ``state.iteration`` under ``root``; returns its directory.
 
         The previous background save is finished first. ``extra`` (picklable) joins the
@@ -98,9 +124,19 @@ class CheckpointManager:
         """
         self.finish()
         t0 = time.perf_counter()
-        out = core.save(root, state.iteration, optimizer, chunks, self.groups, rng_states=rng_states,
-                        extra=dict(state.to_meta(), **extra), keep=self.keep,
-                        async_group=self.async_group, after_write=after_write, staging=self._staging)
+        out = core.save(
+            root,
+            state.iteration,
+            optimizer,
+            chunks,
+            self.groups,
+            rng_states=rng_states,
+            extra=dict(state.to_meta(), **extra),
+            keep=self.keep,
+            async_group=self.async_group,
+            after_write=after_write,
+            staging=self._staging,
+        )
         blocked = time.perf_counter() - t0
         path = core.iteration_dir(root, state.iteration)
         if isinstance(out, core.PendingSave):
@@ -109,8 +145,9 @@ class CheckpointManager:
             how = "in the background, " if self.pending is not None else ""
             print(f"[megazero] saving checkpoint {path} ({how}training blocked {blocked:.3f} s)", flush=True)
         if self.log is not None:
-            self.log("checkpoint", dict(iteration=state.iteration, blocked_s=blocked,
-                                        background=self.pending is not None))
+            self.log(
+                "checkpoint", dict(iteration=state.iteration, blocked_s=blocked, background=self.pending is not None)
+            )
         if wait:
             self.finish()
         return path
@@ -122,11 +159,13 @@ class CheckpointManager:
         pending, self.pending = self.pending, None
         pending.wait()
         if self.groups.rank == 0:
-            print(f"[megazero] checkpoint {self.pending_path} is complete (waited {pending.waited_s:.3f} s)",
-                  flush=True)
+            print(
+                f"[megazero] checkpoint {self.pending_path} is complete (waited {pending.waited_s:.3f} s)", flush=True
+            )
 
-    def resume(self, root: str, optimizer, chunks, *,
-               real_rows: Optional[Callable[[str], Optional[int]]] = None) -> Optional[tuple[RunState, dict]]:
+    def resume(
+        self, root: str, optimizer, chunks, *, real_rows: Optional[Callable[[str], Optional[int]]] = None
+    ) -> Optional[tuple[RunState, dict]]:
         """Load the latest checkpoint under ``root`` (saved under any layout) into ``optimizer``.
 
         Returns ``(RunState, meta)`` (``meta`` as :func:`megazero.checkpoint.core.load`

@@ -20,6 +20,7 @@ resharding (``create_read_items_for_chunk_list``) reads only the saved pieces th
 this rank's chunks, whatever layout saved them (one full-tensor chunk per key for the older
 format).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,7 @@ from typing import Callable, Optional
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megazero import tags
@@ -64,16 +64,17 @@ def flat_boxes(shape: tuple, start: int, end: int) -> list[tuple[tuple, tuple]]:
 
     def in_row(row: int, a: int, b: int) -> list:
         return [((row,) + o, (1,) + s) for o, s in flat_boxes(rest, a - row * inner, b - row * inner)]
+
     out, a = [], start
-    if a % inner:                                      # partial leading row
+    if a % inner:  # partial leading row
         stop = min(end, (a // inner + 1) * inner)
         out += in_row(a // inner, a, stop)
         a = stop
     rows = (end - a) // inner
-    if rows > 0:                                       # whole rows
+    if rows > 0:  # whole rows
         out.append(((a // inner,) + (0,) * len(rest), (rows,) + rest))
         a += rows * inner
-    if a < end:                                        # partial trailing row
+    if a < end:  # partial trailing row
         out += in_row(a // inner, a, end)
     return out
 
@@ -86,8 +87,9 @@ def global_shape(param: torch.Tensor, tp_size: int) -> tuple:
     return tuple(shape)
 
 
-def to_global(param: torch.Tensor, offsets: tuple, sizes: tuple, tp_rank: int, tp_size: int
-              ) -> list[tuple[tuple, tuple, int, int]]:
+def to_global(
+    param: torch.Tensor, offsets: tuple, sizes: tuple, tp_rank: int, tp_size: int
+) -> list[tuple[tuple, tuple, int, int]]:
     """Pieces ``(global offsets, sizes, local start, length)`` of the local box ``(offsets,
     sizes)`` of TP partition ``param``: the box is cut at the ``partition_stride`` block
     boundaries of ``partition_dim`` (``local start``/``length`` along that dim, relative to
@@ -117,8 +119,9 @@ def writes_here(param: torch.Tensor, tp_rank: int, dp_rank: int, sharded_over_dp
     return (tags.is_partitioned(param) or tp_rank == 0) and (sharded_over_dp or dp_rank == 0)
 
 
-def owned_chunks(optimizer, groups, select: Optional[Callable[[torch.Tensor], bool]] = None
-                 ) -> tuple[dict[str, list[Chunk]], dict[str, tuple]]:
+def owned_chunks(
+    optimizer, groups, select: Optional[Callable[[torch.Tensor], bool]] = None
+) -> tuple[dict[str, list[Chunk]], dict[str, tuple]]:
     """(``{"<name>/<state>": [Chunk]}``, ``{name: (param, full shape)}``) of this rank's owned
     runs (``optimizer.owned_state()``), only of parameters where ``select(param)`` holds
     (default: all). Every chunk's tensor is a view of the optimizer's state."""
@@ -133,7 +136,7 @@ def owned_chunks(optimizer, groups, select: Optional[Callable[[torch.Tensor], bo
             n = math.prod(sizes)
             for g, size, lo, length in to_global(p, offsets, sizes, groups.tp_rank, groups.tp_size):
                 for key, view in zip(STATE_KEYS, views):
-                    t = view[pos - pr.start:pos - pr.start + n].view(sizes)
+                    t = view[pos - pr.start : pos - pr.start + n].view(sizes)
                     if tags.is_partitioned(p):
                         t = t.narrow(p.partition_dim, lo, length)
                     chunks.setdefault(f"{name}/{key}", []).extend(_contiguous(g, size, t))
@@ -161,7 +164,7 @@ def compact_view(t: torch.Tensor) -> torch.Tensor:
     (it copies any tensor whose storage is larger than the tensor, and keeps the last copy
     of every key until the rank's file is closed)."""
     begin = t.storage_offset() * t.element_size()
-    storage = t.untyped_storage()[begin:begin + t.numel() * t.element_size()]
+    storage = t.untyped_storage()[begin : begin + t.numel() * t.element_size()]
     return torch.empty(0, dtype=t.dtype, device="cpu").set_(storage).view(t.shape)
 
 
@@ -179,11 +182,17 @@ class SavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         props = TensorProperties(dtype=torch.float32)
-        self.plan = SavePlan([
-            WriteItem(index=MetadataIndex(key, torch.Size(c.offsets)), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(chunk=c.md, properties=props,
-                                                  size=torch.Size(self.sizes[key])))
-            for key, cs in self.chunks.items() for c in cs])
+        self.plan = SavePlan(
+            [
+                WriteItem(
+                    index=MetadataIndex(key, torch.Size(c.offsets)),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=c.md, properties=props, size=torch.Size(self.sizes[key])),
+                )
+                for key, cs in self.chunks.items()
+                for c in cs
+            ]
+        )
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
@@ -205,8 +214,13 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata.state_dict_metadata
-        return LoadPlan([item for key, cs in self.chunks.items()
-                         for item in create_read_items_for_chunk_list(key, md[key], [c.md for c in cs])])
+        return LoadPlan(
+            [
+                item
+                for key, cs in self.chunks.items()
+                for item in create_read_items_for_chunk_list(key, md[key], [c.md for c in cs])
+            ]
+        )
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.chunks[index.fqn][index.index].tensor

@@ -36,6 +36,7 @@ The package imports downwards only (no file imports one listed after it):
 - ``load.py``: ``config_from_argv`` (parse -> DeepSpeed -> derive -> check), ``resolve_run_dir``,
   ``world_size_of`` (the ranks the layout flags ask for).
 """
+
 from megazero.config.checks import check_value, validate
 from megazero.config.cli import build_parser, flags_table, integer, parse_args
 from megazero.config.deepspeed import load_deepspeed_config
@@ -43,17 +44,61 @@ from megazero.config.derive import bucket_sizes, finalize, layout_topology, over
 from megazero.config.load import config_from_argv, resolve_run_dir, world_size_of
 from megazero.config.render import describe, to_dict
 from megazero.config.schema import (
-    MOCK_VOCAB_SIZE, Config, ConfigError, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
-    ParallelConfig, PrecisionConfig, Setting, TrainingConfig, ZeroConfig, get_value, set_value,
-    setting_named, settings, show_flag,
+    MOCK_VOCAB_SIZE,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    Setting,
+    TrainingConfig,
+    ZeroConfig,
+    get_value,
+    set_value,
+    setting_named,
+    settings,
+    show_flag,
 )
 from megazero.config.shape import check_block, check_sizes, default_ffn_hidden_size
 
 __all__ = [
-    "Config", "ConfigError", "DataConfig", "LoggingConfig", "MOCK_VOCAB_SIZE", "ModelConfig",
-    "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "Setting", "TrainingConfig",
-    "ZeroConfig", "bucket_sizes", "build_parser", "check_block", "check_sizes", "check_value",
-    "config_from_argv", "default_ffn_hidden_size", "describe", "finalize", "flags_table",
-    "get_value", "integer", "layout_topology", "load_deepspeed_config", "overlap_param_gather", "parse_args",
-    "resolve_run_dir", "set_value", "setting_named", "settings", "show_flag", "to_dict", "validate", "world_size_of",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "MOCK_VOCAB_SIZE",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "Setting",
+    "TrainingConfig",
+    "ZeroConfig",
+    "bucket_sizes",
+    "build_parser",
+    "check_block",
+    "check_sizes",
+    "check_value",
+    "config_from_argv",
+    "default_ffn_hidden_size",
+    "describe",
+    "finalize",
+    "flags_table",
+    "get_value",
+    "integer",
+    "layout_topology",
+    "load_deepspeed_config",
+    "overlap_param_gather",
+    "parse_args",
+    "resolve_run_dir",
+    "set_value",
+    "setting_named",
+    "settings",
+    "show_flag",
+    "to_dict",
+    "validate",
+    "world_size_of",
 ]

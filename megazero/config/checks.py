@@ -19,6 +19,7 @@ process group exists (docs/design.md, contract 3). Where each kind of rule lives
   launch); here only that a corpus (or --mock-data) and its tokenizer are given.
   ``validate(..., needs_data=False)`` leaves these out for tools that read no data.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,7 +29,7 @@ from typing import Any, Optional
 
 from megazero.config.derive import unused_message, unused_settings
 from megazero.config.schema import Config, ConfigError, Setting, get_value, settings, show_flag
-from megazero.config.shape import check_context_parallel, check_block, check_moe_sizes, check_sizes
+from megazero.config.shape import check_block, check_context_parallel, check_moe_sizes, check_sizes
 from megazero.data_parallel.policy import POLICIES, stages_where
 from megazero.pipeline.partition import PartitionError, validate_partition
 
@@ -46,8 +47,11 @@ def check_value(setting: Setting, value: Any, label: Optional[str] = None) -> No
         return
     if not math.isfinite(value):
         raise ConfigError(f"{label} {value} is not a finite number; fix: give a number")
-    for op, bound, ok in (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
-                          ("lt", "<", lambda v, b: v < b)):
+    for op, bound, ok in (
+        ("ge", ">=", lambda v, b: v >= b),
+        ("gt", ">", lambda v, b: v > b),
+        ("lt", "<", lambda v, b: v < b),
+    ):
         if meta[op] is not None and not ok(value, meta[op]):
             raise ConfigError(f"{label} {value} is out of range; fix: use a value {bound} {meta[op]}")
 
@@ -64,24 +68,40 @@ def _check_world(cfg: Config, world_size: int) -> None:
     cp = f" x --cp {p.cp}" if p.cp > 1 else ""
     mp = p.tp * p.cp * p.pp
     if p.dp is None:
-        raise ConfigError(f"world size {world_size} is not divisible by --tp {p.tp}{cp} x --pp {p.pp}; fix: "
-                          f"launch a multiple of {mp} processes or change --tp/--pp{'/--cp' if cp else ''}")
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tp {p.tp}{cp} x --pp {p.pp}; fix: "
+            f"launch a multiple of {mp} processes or change --tp/--pp{'/--cp' if cp else ''}"
+        )
     if mp * p.dp != world_size:
-        raise ConfigError(f"world size {world_size} != --tp {p.tp}{cp} x --pp {p.pp} x --dp {p.dp} = "
-                          f"{mp * p.dp}; fix: launch {mp * p.dp} processes or "
-                          "change --tp/--pp/--dp (leave --dp out to derive it)")
+        raise ConfigError(
+            f"world size {world_size} != --tp {p.tp}{cp} x --pp {p.pp} x --dp {p.dp} = "
+            f"{mp * p.dp}; fix: launch {mp * p.dp} processes or "
+            "change --tp/--pp/--dp (leave --dp out to derive it)"
+        )
 
 
 def _check_model_shape(cfg: Config, world_size: int) -> None:
     """The sizes split over tp (shape.py, the rules GPTConfig.validate applies too)."""
     m, p = cfg.model, cfg.parallel
-    check_sizes(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length,
-                max_position_embeddings=m.max_position_embeddings, tp=p.tp,
-                sequence_parallel=p.sequence_parallel, swiglu=m.swiglu)
-    check_context_parallel(seq_length=m.seq_length, cp=p.cp, tp=p.tp, sequence_parallel=p.sequence_parallel,
-                           comm_type=p.cp_comm_type, num_attention_heads=m.num_attention_heads,
-                           num_query_groups=m.num_query_groups if m.group_query_attention else None)
+    check_sizes(
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        seq_length=m.seq_length,
+        max_position_embeddings=m.max_position_embeddings,
+        tp=p.tp,
+        sequence_parallel=p.sequence_parallel,
+        swiglu=m.swiglu,
+    )
+    check_context_parallel(
+        seq_length=m.seq_length,
+        cp=p.cp,
+        tp=p.tp,
+        sequence_parallel=p.sequence_parallel,
+        comm_type=p.cp_comm_type,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups if m.group_query_attention else None,
+    )
 
 
 def _check_context_parallel(cfg: Config, world_size: int) -> None:
@@ -92,18 +112,30 @@ def _check_context_parallel(cfg: Config, world_size: int) -> None:
     packing = d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss
     if (p.cp > 1 or packing) and m.attention_dropout > 0:
         why = f"--cp {p.cp}" if p.cp > 1 else "packed-document flags"
-        raise ConfigError(f"--attention-dropout {m.attention_dropout} with {why}: the context-parallel and "
-                          "document-masked attention has no dropout; fix: --attention-dropout 0 (LLaMA and most "
-                          "long-context recipes use none)")
+        raise ConfigError(
+            f"--attention-dropout {m.attention_dropout} with {why}: the context-parallel and "
+            "document-masked attention has no dropout; fix: --attention-dropout 0 (LLaMA and most "
+            "long-context recipes use none)"
+        )
     if p.cp > 1 and cfg.train.compile:
-        raise ConfigError(f"--compile with --cp {p.cp} is not supported (the K/V ring runs eagerly); fix: drop "
-                          "--compile or use --cp 1")
-    packed = [f for f, on in (("--reset-attention-mask", cfg.data.reset_attention_mask),
-                              ("--reset-position-ids", cfg.data.reset_position_ids),
-                              ("--eod-mask-loss", cfg.data.eod_mask_loss)) if on]
+        raise ConfigError(
+            f"--compile with --cp {p.cp} is not supported (the K/V ring runs eagerly); fix: drop "
+            "--compile or use --cp 1"
+        )
+    packed = [
+        f
+        for f, on in (
+            ("--reset-attention-mask", cfg.data.reset_attention_mask),
+            ("--reset-position-ids", cfg.data.reset_position_ids),
+            ("--eod-mask-loss", cfg.data.eod_mask_loss),
+        )
+        if on
+    ]
     if packed and cfg.train.mock_data:
-        raise ConfigError(f"{packed[0]} needs the tokenizer's end-of-document token, and --mock-data has no "
-                          "tokenizer; fix: train on --data-path with --tokenizer-model, or drop " + " ".join(packed))
+        raise ConfigError(
+            f"{packed[0]} needs the tokenizer's end-of-document token, and --mock-data has no "
+            "tokenizer; fix: train on --data-path with --tokenizer-model, or drop " + " ".join(packed)
+        )
 
 
 def _check_unused_options(cfg: Config, world_size: int) -> None:
@@ -129,32 +161,45 @@ def _check_restarts(cfg: Config, world_size: int) -> None:
     if t.save is None:
         why = "nothing is saved (no --save), so a restarted group trains again from iteration 0"
     elif not same:
-        why = (f"a restarted group resumes from --load ({t.load or 'not given'}), not from this run's "
-               f"checkpoints under --save {t.save}")
+        why = (
+            f"a restarted group resumes from --load ({t.load or 'not given'}), not from this run's "
+            f"checkpoints under --save {t.save}"
+        )
     elif t.save_interval is None:
-        why = ("without --save-interval this run saves only at the end, so a restarted group trains "
-               "again from where it began")
+        why = (
+            "without --save-interval this run saves only at the end, so a restarted group trains "
+            "again from where it began"
+        )
     else:
         return
-    raise ConfigError(f"{show_flag(cfg, 'train.max_restarts')} {t.max_restarts} cannot resume this run after "
-                      f"a rank fails: {why}; fix: add --save DIR --load DIR (the same directory) and "
-                      "--save-interval N, or drop --max-restarts")
+    raise ConfigError(
+        f"{show_flag(cfg, 'train.max_restarts')} {t.max_restarts} cannot resume this run after "
+        f"a rank fails: {why}; fix: add --save DIR --load DIR (the same directory) and "
+        "--save-interval N, or drop --max-restarts"
+    )
 
 
 def _check_block(cfg: Config, world_size: int) -> None:
     """The LLaMA-style block's sizes (shape.py, the rules GPTConfig.validate applies too)."""
     m = cfg.model
-    check_block(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads, tp=cfg.parallel.tp,
-                num_query_groups=m.num_query_groups if m.group_query_attention else None,
-                rotary_percent=m.rotary_percent, rope=m.position_embedding_type == "rope")
+    check_block(
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        tp=cfg.parallel.tp,
+        num_query_groups=m.num_query_groups if m.group_query_attention else None,
+        rotary_percent=m.rotary_percent,
+        rope=m.position_embedding_type == "rope",
+    )
 
 
 def _check_swiglu_width(cfg: Config, world_size: int) -> None:
     """SwiGLU's derived width is not 0 (a small --hidden-size); before the range checks."""
     m = cfg.model
     if m.swiglu and m.ffn_hidden_size == 0 and "model.ffn_hidden_size" not in cfg.sources:
-        raise ConfigError(f"--swiglu derives --ffn-hidden-size 0 from --hidden-size {m.hidden_size} "
-                          "(int(8 H / 3 / 64) x 64); fix: give --ffn-hidden-size")
+        raise ConfigError(
+            f"--swiglu derives --ffn-hidden-size 0 from --hidden-size {m.hidden_size} "
+            "(int(8 H / 3 / 64) x 64); fix: give --ffn-hidden-size"
+        )
 
 
 def _check_moe(cfg: Config, world_size: int) -> None:
@@ -171,8 +216,10 @@ def _check_moe(cfg: Config, world_size: int) -> None:
     if m.moe_router_topk > E:
         raise ConfigError(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {E}; fix: choose k <= {E}")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
-        raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
-                          f"(this run: {m.moe_router_score_function}); fix: add --moe-router-score-function sigmoid")
+        raise ConfigError(
+            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+            f"(this run: {m.moe_router_score_function}); fix: add --moe-router-score-function sigmoid"
+        )
     _check_expert_parallel(cfg)
     if p.cp > 1:
         raise ConfigError(f"--num-experts with --cp {p.cp} is not supported yet; fix: drop --cp")
@@ -185,27 +232,37 @@ def _check_expert_parallel(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     ep, replicas = p.expert_model_parallel_size, p.dp * p.cp
     if m.num_experts % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide --num-experts {m.num_experts}; "
-                          f"fix: choose a divisor of {m.num_experts}")
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} does not divide --num-experts {m.num_experts}; "
+            f"fix: choose a divisor of {m.num_experts}"
+        )
     if replicas % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data x context parallel size "
-                          f"{p.dp} x {p.cp} = {replicas}; fix: choose a divisor of {replicas}")
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} does not divide the data x context parallel size "
+            f"{p.dp} x {p.cp} = {replicas}; fix: choose a divisor of {replicas}"
+        )
     etp = p.expert_tensor_parallel_size
     if etp is not None and etp != p.tp:
-        raise ConfigError(f"--expert-tensor-parallel-size {etp} other than --tp {p.tp} is not supported (experts "
-                          f"are sliced over tp as the dense MLP); fix: drop it or set it to {p.tp}")
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp} other than --tp {p.tp} is not supported (experts "
+            f"are sliced over tp as the dense MLP); fix: drop it or set it to {p.tp}"
+        )
 
 
 def _check_recompute(cfg: Config, world_size: int) -> None:
     """Megatron-LM's rules: full needs a method; a method belongs to full only."""
     m = cfg.model
     if m.recompute_granularity == "full" and m.recompute_method is None:
-        raise ConfigError(f"{show_flag(cfg, 'model.recompute_granularity')} full needs --recompute-method; "
-                          "fix: add --recompute-method uniform (or block)")
+        raise ConfigError(
+            f"{show_flag(cfg, 'model.recompute_granularity')} full needs --recompute-method; "
+            "fix: add --recompute-method uniform (or block)"
+        )
     if m.recompute_method is not None and m.recompute_granularity != "full":
-        raise ConfigError(f"{show_flag(cfg, 'model.recompute_method')} {m.recompute_method} applies to "
-                          "--recompute-granularity full only; fix: add --recompute-granularity full "
-                          "or drop --recompute-method")
+        raise ConfigError(
+            f"{show_flag(cfg, 'model.recompute_method')} {m.recompute_method} applies to "
+            "--recompute-granularity full only; fix: add --recompute-granularity full "
+            "or drop --recompute-method"
+        )
 
 
 def _check_batch(cfg: Config, world_size: int) -> None:
@@ -213,14 +270,17 @@ def _check_batch(cfg: Config, world_size: int) -> None:
     t, dp = cfg.train, cfg.parallel.dp
     micro, accum, total = t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size
     if accum is None:
-        raise ConfigError(f"{show_flag(cfg, 'train.global_batch_size')} {total} is not divisible by "
-                          f"--micro-batch-size {micro} x data-parallel size {dp} = {micro * dp}; fix: "
-                          f"use a multiple of {micro * dp} or change --micro-batch-size")
+        raise ConfigError(
+            f"{show_flag(cfg, 'train.global_batch_size')} {total} is not divisible by "
+            f"--micro-batch-size {micro} x data-parallel size {dp} = {micro * dp}; fix: "
+            f"use a multiple of {micro * dp} or change --micro-batch-size"
+        )
     if total != micro * accum * dp:
         raise ConfigError(
             f"{show_flag(cfg, 'train.global_batch_size')} {total} != {show_flag(cfg, 'train.micro_batch_size')} "
             f"{micro} x {show_flag(cfg, 'train.gradient_accumulation_steps')} {accum} x data-parallel size {dp}"
-            f" = {micro * accum * dp}; fix: make them agree, or give only two so the third is derived")
+            f" = {micro * accum * dp}; fix: make them agree, or give only two so the third is derived"
+        )
 
 
 def _check_pipeline(cfg: Config, world_size: int) -> None:
@@ -236,62 +296,85 @@ def _check_pipeline(cfg: Config, world_size: int) -> None:
     if sched == "none" and p.pp > 1:
         raise ConfigError(f"--pipeline-schedule none cannot run --pp {p.pp}; fix: use 1f1b or gpipe")
     if p.virtual_pipeline_size > 1 and sched not in ("interleaved", "zb-v"):
-        raise ConfigError(f"--virtual-pipeline-size {p.virtual_pipeline_size} needs --pipeline-schedule "
-                          f"interleaved, got {sched}; fix: drop --pipeline-schedule")
+        raise ConfigError(
+            f"--virtual-pipeline-size {p.virtual_pipeline_size} needs --pipeline-schedule "
+            f"interleaved, got {sched}; fix: drop --pipeline-schedule"
+        )
     if sched == "interleaved":
         if p.pp < 2 or p.virtual_pipeline_size < 2:
-            raise ConfigError(f"--pipeline-schedule interleaved needs --pp >= 2 and --virtual-pipeline-size"
-                              f" >= 2 (got --pp {p.pp}, --virtual-pipeline-size {p.virtual_pipeline_size}); "
-                              "fix: raise them or use --pipeline-schedule 1f1b")
+            raise ConfigError(
+                f"--pipeline-schedule interleaved needs --pp >= 2 and --virtual-pipeline-size"
+                f" >= 2 (got --pp {p.pp}, --virtual-pipeline-size {p.virtual_pipeline_size}); "
+                "fix: raise them or use --pipeline-schedule 1f1b"
+            )
         if cfg.train.gradient_accumulation_steps % p.pp:
-            raise ConfigError(f"--pipeline-schedule interleaved needs micro-batches per step "
-                              f"(--gradient-accumulation-steps {cfg.train.gradient_accumulation_steps}) "
-                              f"divisible by --pp {p.pp}; fix: adjust --global-batch-size or "
-                              "--gradient-accumulation-steps")
+            raise ConfigError(
+                f"--pipeline-schedule interleaved needs micro-batches per step "
+                f"(--gradient-accumulation-steps {cfg.train.gradient_accumulation_steps}) "
+                f"divisible by --pp {p.pp}; fix: adjust --global-batch-size or "
+                "--gradient-accumulation-steps"
+            )
 
 
 def _check_zero_bubble(cfg: Config) -> None:
     """zb-h1 / zb-v (Qi et al. 2024): pipelined (pp >= 2); zb-v's V of 2 x pp equal chunks."""
     p, m, sched = cfg.parallel, cfg.model, cfg.parallel.pipeline_schedule
     if p.pp < 2:
-        raise ConfigError(f"--pipeline-schedule {sched} needs --pp >= 2 (got --pp {p.pp}); fix: raise --pp "
-                          "or use --pipeline-schedule 1f1b")
+        raise ConfigError(
+            f"--pipeline-schedule {sched} needs --pp >= 2 (got --pp {p.pp}); fix: raise --pp "
+            "or use --pipeline-schedule 1f1b"
+        )
     if sched == "zb-v":
         if p.virtual_pipeline_size != 2:
-            raise ConfigError(f"--pipeline-schedule zb-v runs 2 model chunks per stage, got "
-                              f"--virtual-pipeline-size {p.virtual_pipeline_size}; fix: drop --virtual-pipeline-size")
+            raise ConfigError(
+                f"--pipeline-schedule zb-v runs 2 model chunks per stage, got "
+                f"--virtual-pipeline-size {p.virtual_pipeline_size}; fix: drop --virtual-pipeline-size"
+            )
         if m.num_layers % (2 * p.pp):
-            raise ConfigError(f"--pipeline-schedule zb-v needs --num-layers ({m.num_layers}) divisible by 2 x --pp "
-                              f"= {2 * p.pp} (two chunks per stage); fix: change --num-layers or --pp")
+            raise ConfigError(
+                f"--pipeline-schedule zb-v needs --num-layers ({m.num_layers}) divisible by 2 x --pp "
+                f"= {2 * p.pp} (two chunks per stage); fix: change --num-layers or --pp"
+            )
         if p.pipeline_layer_split is not None:
-            raise ConfigError("--pipeline-layer-split cannot be combined with --pipeline-schedule zb-v; "
-                              "fix: drop --pipeline-layer-split")
+            raise ConfigError(
+                "--pipeline-layer-split cannot be combined with --pipeline-schedule zb-v; "
+                "fix: drop --pipeline-layer-split"
+            )
 
 
 def _check_optim_precision(cfg: Config, world_size: int) -> None:
     """min lr <= lr; a WSD annealing phase that fits; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
     o, pr, z = cfg.optim, cfg.precision, cfg.zero
     if o.min_lr > o.lr:
-        raise ConfigError(f"{show_flag(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set "
-                          "--min-lr <= --lr")
+        raise ConfigError(
+            f"{show_flag(cfg, 'optim.min_lr')} {o.min_lr} is above --lr {o.lr}; fix: set --min-lr <= --lr"
+        )
     if o.lr_decay_style != "constant" and o.lr_decay_iters <= o.lr_warmup_iters:
-        raise ConfigError(f"{show_flag(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
-                          f"{show_flag(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
-                          f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
-                          "--train-iters, its default), lower --lr-warmup-iters, or use "
-                          "--lr-decay-style constant")
+        raise ConfigError(
+            f"{show_flag(cfg, 'optim.lr_decay_iters')} {o.lr_decay_iters} must be larger than "
+            f"{show_flag(cfg, 'optim.lr_warmup_iters')} {o.lr_warmup_iters} for "
+            f"--lr-decay-style {o.lr_decay_style}; fix: raise --lr-decay-iters (or "
+            "--train-iters, its default), lower --lr-warmup-iters, or use "
+            "--lr-decay-style constant"
+        )
     if o.lr_decay_style == "WSD" and not (
-            o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_iters <= o.lr_decay_iters - o.lr_warmup_iters):
-        raise ConfigError(f"--lr-decay-style WSD needs {show_flag(cfg, 'optim.lr_wsd_decay_iters')} between 1 and "
-                          f"--lr-decay-iters {o.lr_decay_iters} - --lr-warmup-iters {o.lr_warmup_iters}, got "
-                          f"{o.lr_wsd_decay_iters}; fix: give --lr-wsd-decay-iters in that range")
+        o.lr_wsd_decay_iters is not None and o.lr_wsd_decay_iters <= o.lr_decay_iters - o.lr_warmup_iters
+    ):
+        raise ConfigError(
+            f"--lr-decay-style WSD needs {show_flag(cfg, 'optim.lr_wsd_decay_iters')} between 1 and "
+            f"--lr-decay-iters {o.lr_decay_iters} - --lr-warmup-iters {o.lr_warmup_iters}, got "
+            f"{o.lr_wsd_decay_iters}; fix: give --lr-wsd-decay-iters in that range"
+        )
     if pr.fp16 and pr.bf16:
-        raise ConfigError(f"{show_flag(cfg, 'precision.fp16')} and {show_flag(cfg, 'precision.bf16')} are both on; "
-                          "fix: choose one")
+        raise ConfigError(
+            f"{show_flag(cfg, 'precision.fp16')} and {show_flag(cfg, 'precision.bf16')} are both on; fix: choose one"
+        )
     if z.stage not in POLICIES:
-        raise ConfigError(f"{show_flag(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
-                          "(replicated), 1 (optimizer states sharded), 2 (and gradients) or 3 "
-                          "(and parameters)")
+        raise ConfigError(
+            f"{show_flag(cfg, 'zero.stage')} {z.stage} is out of range; fix: use 0 "
+            "(replicated), 1 (optimizer states sharded), 2 (and gradients) or 3 "
+            "(and parameters)"
+        )
 
 
 def _check_offload(cfg: Config, world_size: int) -> None:
@@ -303,31 +386,45 @@ def _check_offload(cfg: Config, world_size: int) -> None:
     z = cfg.zero
     off = z.offload_optimizer
     if off != "none" and z.stage not in stages_where("shards_optimizer"):
-        raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} {off} needs a ZeRO stage of 1 or more "
-                          f"(got {show_flag(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2")
+        raise ConfigError(
+            f"{show_flag(cfg, 'zero.offload_optimizer')} {off} needs a ZeRO stage of 1 or more "
+            f"(got {show_flag(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2"
+        )
     if off != "none" and cfg.optim.kernels == "apex":
-        raise ConfigError(f"{show_flag(cfg, 'optim.kernels')} apex needs CUDA but "
-                          f"{show_flag(cfg, 'zero.offload_optimizer')} {off} runs Adam on the host; fix: use "
-                          "--kernels auto or torch")
+        raise ConfigError(
+            f"{show_flag(cfg, 'optim.kernels')} apex needs CUDA but "
+            f"{show_flag(cfg, 'zero.offload_optimizer')} {off} runs Adam on the host; fix: use "
+            "--kernels auto or torch"
+        )
     if off == "nvme" and not z.offload_nvme_path:
-        raise ConfigError(f"{show_flag(cfg, 'zero.offload_optimizer')} nvme needs a directory for the swap "
-                          "files; fix: add --offload-nvme-path DIR (DeepSpeed: offload_optimizer.nvme_path)")
+        raise ConfigError(
+            f"{show_flag(cfg, 'zero.offload_optimizer')} nvme needs a directory for the swap "
+            "files; fix: add --offload-nvme-path DIR (DeepSpeed: offload_optimizer.nvme_path)"
+        )
     if z.overlap_param_gather == "on" and z.stage not in stages_where("gathers_after_step"):
-        raise ConfigError(f"{show_flag(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
-                          f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
-                          "before each forward); fix: use --zero-stage 1 or 2, or --overlap-param-gather auto")
+        raise ConfigError(
+            f"{show_flag(cfg, 'zero.overlap_param_gather')} on needs --zero-stage 1 or 2 (got "
+            f"{z.stage}: stage 0 updates the parameters in place, stage 3 gathers them "
+            "before each forward); fix: use --zero-stage 1 or 2, or --overlap-param-gather auto"
+        )
     par = z.offload_param
     where = "host memory" if par == "cpu" else "NVMe swap files"
     if par != "none" and z.stage not in stages_where("shards_params"):
-        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} {par} keeps ZeRO-3 parameter shards in {where} "
-                          f"and needs {show_flag(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
-                          "--zero-stage 3, or remove it (--offload-optimizer cpu offloads the optimizer states)")
+        raise ConfigError(
+            f"{show_flag(cfg, 'zero.offload_param')} {par} keeps ZeRO-3 parameter shards in {where} "
+            f"and needs {show_flag(cfg, 'zero.stage')} 3 (got {z.stage}); fix: add "
+            "--zero-stage 3, or remove it (--offload-optimizer cpu offloads the optimizer states)"
+        )
     if par != "none" and z.offload_optimizer == "none":
-        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} {par} needs the optimizer on the host too "
-                          "(it updates the offloaded shards where they live); fix: add --offload-optimizer cpu")
+        raise ConfigError(
+            f"{show_flag(cfg, 'zero.offload_param')} {par} needs the optimizer on the host too "
+            "(it updates the offloaded shards where they live); fix: add --offload-optimizer cpu"
+        )
     if par == "nvme" and not z.offload_nvme_path:
-        raise ConfigError(f"{show_flag(cfg, 'zero.offload_param')} nvme needs a directory for the swap files; "
-                          "fix: add --offload-nvme-path DIR (DeepSpeed: offload_param.nvme_path)")
+        raise ConfigError(
+            f"{show_flag(cfg, 'zero.offload_param')} nvme needs a directory for the swap files; "
+            "fix: add --offload-nvme-path DIR (DeepSpeed: offload_param.nvme_path)"
+        )
 
 
 def _check_hybrid_shard(cfg: Config, world_size: int) -> None:
@@ -339,15 +436,21 @@ def _check_hybrid_shard(cfg: Config, world_size: int) -> None:
         return
     flag, replicas = show_flag(cfg, "zero.zero_shard_size"), p.dp * p.cp
     if replicas % s:
-        raise ConfigError(f"{flag} {s} does not divide the data x context parallel size {p.dp} x {p.cp} = "
-                          f"{replicas}; fix: choose a divisor of {replicas}")
+        raise ConfigError(
+            f"{flag} {s} does not divide the data x context parallel size {p.dp} x {p.cp} = "
+            f"{replicas}; fix: choose a divisor of {replicas}"
+        )
     if z.stage not in stages_where("shards_optimizer"):
-        raise ConfigError(f"{flag} {s} needs a ZeRO stage of 1 or more (got {show_flag(cfg, 'zero.stage')} 0: "
-                          "nothing is sharded); fix: add --zero-stage 1, 2 or 3, or drop it")
+        raise ConfigError(
+            f"{flag} {s} needs a ZeRO stage of 1 or more (got {show_flag(cfg, 'zero.stage')} 0: "
+            "nothing is sharded); fix: add --zero-stage 1, 2 or 3, or drop it"
+        )
     ep = p.expert_model_parallel_size if cfg.model.num_experts is not None else 1
     if ep > 1 and s < replicas:
-        raise ConfigError(f"{flag} {s} with --expert-model-parallel-size {ep} is not supported (expert "
-                          "parameters shard over their expert-data-parallel group); fix: drop one of them")
+        raise ConfigError(
+            f"{flag} {s} with --expert-model-parallel-size {ep} is not supported (expert "
+            "parameters shard over their expert-data-parallel group); fix: drop one of them"
+        )
 
 
 def _check_outputs(cfg: Config, world_size: int) -> None:
@@ -362,15 +465,22 @@ def _check_outputs(cfg: Config, world_size: int) -> None:
         if probe and not os.path.isdir(probe):
             raise ConfigError(f"{flag} {path}: {probe} is a file, not a directory; fix: choose another path")
     if t.load is not None and not os.path.isdir(t.load) and t.load != t.save:
-        raise ConfigError(f"--load {t.load}: no such directory; fix: correct the path (with --save DIR "
-                          "--load DIR the same new directory starts a fresh, restartable run)")
+        raise ConfigError(
+            f"--load {t.load}: no such directory; fix: correct the path (with --save DIR "
+            "--load DIR the same new directory starts a fresh, restartable run)"
+        )
     same = t.load is not None and t.save is not None and os.path.realpath(t.load) == os.path.realpath(t.save)
-    taken = t.save is not None and os.path.isdir(t.save) and any(
-        n == "latest" or (n.startswith("iter_") and n[5:12].isdigit()) for n in os.listdir(t.save))
+    taken = (
+        t.save is not None
+        and os.path.isdir(t.save)
+        and any(n == "latest" or (n.startswith("iter_") and n[5:12].isdigit()) for n in os.listdir(t.save))
+    )
     if taken and not same:
         # A fresh run would count iterations from 0 again and replace that run's checkpoints.
-        raise ConfigError(f"--save {t.save} already holds the checkpoints of another run; fix: add --load "
-                          f"{t.save} to continue it, or choose an empty --save directory")
+        raise ConfigError(
+            f"--save {t.save} already holds the checkpoints of another run; fix: add --load "
+            f"{t.save} to continue it, or choose an empty --save directory"
+        )
 
 
 def _check_data(cfg: Config, world_size: int) -> None:
@@ -381,13 +491,18 @@ def _check_data(cfg: Config, world_size: int) -> None:
     if cfg.train.mock_data:
         return
     if not d.data_path:
-        raise ConfigError("no training data: --data-path is missing; fix: give --data-path PREFIX "
-                          "(PREFIX.bin/.idx written by data/preprocess.py) or --mock-data")
+        raise ConfigError(
+            "no training data: --data-path is missing; fix: give --data-path PREFIX "
+            "(PREFIX.bin/.idx written by data/preprocess.py) or --mock-data"
+        )
     if d.tokenizer_model is None:
-        raise ConfigError("--tokenizer-model is missing; --data-path needs the sentencepiece model the "
-                          "data was tokenized with; fix: give --tokenizer-model PATH")
+        raise ConfigError(
+            "--tokenizer-model is missing; --data-path needs the sentencepiece model the "
+            "data was tokenized with; fix: give --tokenizer-model PATH"
+        )
     hf_folder = d.tokenizer_type == "HuggingFaceTokenizer" and os.path.isfile(
-        os.path.join(d.tokenizer_model, "tokenizer.json"))
+        os.path.join(d.tokenizer_model, "tokenizer.json")
+    )
     if not (os.path.isfile(d.tokenizer_model) or hf_folder):
         raise ConfigError(f"--tokenizer-model {d.tokenizer_model} not found; fix: correct the path")
 
@@ -402,21 +517,28 @@ def _check_fim(cfg: Config, world_size: int) -> None:
         if value is not None and value > 1:
             raise ConfigError(f"{show_flag(cfg, name)} {value} is out of range; fix: use a probability in [0, 1]")
     if d.fim_tokens is not None and (len(d.fim_tokens) != 4 or len(set(d.fim_tokens)) != 4):
-        raise ConfigError(f"--fim-tokens {' '.join(d.fim_tokens)}: need four distinct tokens (prefix middle suffix "
-                          "pad); fix: e.g. --fim-tokens '<fim_prefix>' '<fim_middle>' '<fim_suffix>' '<fim_pad>'")
+        raise ConfigError(
+            f"--fim-tokens {' '.join(d.fim_tokens)}: need four distinct tokens (prefix middle suffix "
+            "pad); fix: e.g. --fim-tokens '<fim_prefix>' '<fim_middle>' '<fim_suffix>' '<fim_pad>'"
+        )
     if d.fim_tokens is not None and d.fim_split_sample in d.fim_tokens:
-        raise ConfigError(f"--fim-split-sample {d.fim_split_sample!r} is also one of --fim-tokens; fix: split at "
-                          "another token")
-    if d.fim_rate > 0 and d.sft:   # FIM rewrites plain token samples; an SFT sample's mask would not follow
-        raise ConfigError(f"--fim-rate {d.fim_rate} with --sft: fill-in-the-middle rewrites pre-training samples, "
-                          "not supervised fine-tuning records; fix: drop one of them")
+        raise ConfigError(
+            f"--fim-split-sample {d.fim_split_sample!r} is also one of --fim-tokens; fix: split at another token"
+        )
+    if d.fim_rate > 0 and d.sft:  # FIM rewrites plain token samples; an SFT sample's mask would not follow
+        raise ConfigError(
+            f"--fim-rate {d.fim_rate} with --sft: fill-in-the-middle rewrites pre-training samples, "
+            "not supervised fine-tuning records; fix: drop one of them"
+        )
 
 
 def _check_logging(cfg: Config, world_size: int) -> None:
     """--wandb-project needs the optional wandb package (pyproject extra ``wandb``)."""
     if cfg.log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"--wandb-project {cfg.log.wandb_project} needs the wandb package, which is not "
-                          "installed; fix: pip install wandb (or pip install -e .[wandb]), or drop --wandb-project")
+        raise ConfigError(
+            f"--wandb-project {cfg.log.wandb_project} needs the wandb package, which is not "
+            "installed; fix: pip install wandb (or pip install -e .[wandb]), or drop --wandb-project"
+        )
 
 
 def _check_profile(cfg: Config, world_size: int) -> None:
@@ -425,12 +547,16 @@ def _check_profile(cfg: Config, world_size: int) -> None:
     if not g.profile:
         return
     if g.profile_step_end <= g.profile_step_start:
-        raise ConfigError(f"--profile-step-end {g.profile_step_end} must be above --profile-step-start "
-                          f"{g.profile_step_start}; fix: profile at least one step")
+        raise ConfigError(
+            f"--profile-step-end {g.profile_step_end} must be above --profile-step-start "
+            f"{g.profile_step_start}; fix: profile at least one step"
+        )
     for r in g.profile_ranks:
         if not r.isdigit() or int(r) >= world_size:
-            raise ConfigError(f"--profile-ranks {r} is not a rank of this run (0 to {world_size - 1}); "
-                              "fix: give global ranks below the world size")
+            raise ConfigError(
+                f"--profile-ranks {r} is not a rank of this run (0 to {world_size - 1}); "
+                "fix: give global ranks below the world size"
+            )
 
 
 def _check_from_hf(cfg: Config, world_size: int) -> None:
@@ -440,13 +566,34 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
         return
     for name in ("config.json", "model.safetensors"):
         if not os.path.isfile(os.path.join(path, name)):
-            raise ConfigError(f"--from-hf {path}: {name} not found; fix: give a folder written by "
-                              "python -m scripts.convert_checkpoint --to-hf (or save_pretrained with safetensors)")
+            raise ConfigError(
+                f"--from-hf {path}: {name} not found; fix: give a folder written by "
+                "python -m scripts.convert_checkpoint --to-hf (or save_pretrained with safetensors)"
+            )
 
 
-_CHECKS = (_check_outputs, _check_logging, _check_profile, _check_from_hf, _check_swiglu_width, _check_ranges,
-           _check_fim, _check_world, _check_model_shape, _check_context_parallel, _check_unused_options, _check_restarts, _check_block,
-           _check_recompute, _check_moe, _check_batch, _check_pipeline, _check_optim_precision, _check_offload, _check_hybrid_shard)
+_CHECKS = (
+    _check_outputs,
+    _check_logging,
+    _check_profile,
+    _check_from_hf,
+    _check_swiglu_width,
+    _check_ranges,
+    _check_fim,
+    _check_world,
+    _check_model_shape,
+    _check_context_parallel,
+    _check_unused_options,
+    _check_restarts,
+    _check_block,
+    _check_recompute,
+    _check_moe,
+    _check_batch,
+    _check_pipeline,
+    _check_optim_precision,
+    _check_offload,
+    _check_hybrid_shard,
+)
 
 
 def validate(cfg: Config, world_size: int, *, needs_data: bool = True) -> None:

@@ -5,6 +5,7 @@ Megatron-style long flags (plus ``--tp/--pp/--dp``), one option per setting of
 come from the field's metadata. ``flags_table()`` renders the same metadata as the README's
 Markdown table, so ``--help`` and the README cannot disagree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """A field's ``parse`` as an argparse type: its ValueError's message becomes the error."""
+
     def convert(text: str) -> Any:
         try:
             return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     convert.__name__ = parse.__name__
     return convert
 
@@ -77,8 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     Its ``error`` raises ConfigError instead of exiting.
     """
-    parser = _Parser(prog="train.py", allow_abbrev=False, argument_default=argparse.SUPPRESS,
-                     description="megazero: 3D-parallel GPT pretraining (see README.md).")
+    parser = _Parser(
+        prog="train.py",
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
+        description="megazero: 3D-parallel GPT pretraining (see README.md).",
+    )
     groups: dict[str, Any] = {}
     for s in settings():
         section = s.name.split(".")[0] if "." in s.name else "files"

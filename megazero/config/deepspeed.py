@@ -40,6 +40,7 @@ does to the saved inputs (a warning says so when it is off); ``number_checkpoint
 ``contiguous_memory_optimization``, ``synchronize_checkpoint_boundary`` and ``profile``
 (buffer layout and profiling) have no megazero equivalent and are named in a warning.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,11 +58,22 @@ _DS_KEYS = {
     "sequence_parallel_size": "parallel.cp",
     "bf16.enabled": "precision.bf16",
     "fp16.enabled": "precision.fp16",
-    **{f"fp16.{k}": f"precision.{k}" for k in
-       ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale")},
-    **{f"zero_optimization.{k}": f"zero.{k}" for k in
-       ("stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
-        "reduce_bucket_size", "contiguous_gradients")},
+    **{
+        f"fp16.{k}": f"precision.{k}"
+        for k in ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale")
+    },
+    **{
+        f"zero_optimization.{k}": f"zero.{k}"
+        for k in (
+            "stage",
+            "allgather_partitions",
+            "allgather_bucket_size",
+            "overlap_comm",
+            "reduce_scatter",
+            "reduce_bucket_size",
+            "contiguous_gradients",
+        )
+    },
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
     "zero_optimization.offload_optimizer.pin_memory": "zero.offload_optimizer_pin_memory",
     "zero_optimization.offload_optimizer.nvme_path": "zero.offload_nvme_path",
@@ -70,17 +82,23 @@ _DS_KEYS = {
     "aio.thread_count": "zero.offload_nvme_io_threads",
     "zero_optimization.offload_param.device": "zero.offload_param",
     "zero_optimization.offload_param.nvme_path": "zero.offload_nvme_path",
-    **{f"zero_optimization.offload_param.{k}": f"zero.offload_param_{k}" for k in
-       ("buffer_count", "buffer_size", "max_in_cpu")},
+    **{
+        f"zero_optimization.offload_param.{k}": f"zero.offload_param_{k}"
+        for k in ("buffer_count", "buffer_size", "max_in_cpu")
+    },
     "zero_optimization.mics_shard_size": "zero.zero_shard_size",
-    **{f"zero_optimization.stage3_{k}": f"zero.zero3_{k}" for k in
-       ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
-        "max_reuse_distance")},
+    **{
+        f"zero_optimization.stage3_{k}": f"zero.zero3_{k}"
+        for k in ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold", "max_reuse_distance")
+    },
 }
 _DS_BLOCKS = ("zero_optimization", "fp16", "bf16", "activation_checkpointing", "aio")
-_RECOMPUTE = {"model.recompute_granularity": "full", "model.recompute_method": "uniform",
-              "model.recompute_num_layers": 1}
-_OFFLOAD_KEYS = ("cpu_offload", "cpu_offload_params")           # DeepSpeed's legacy switches
+_RECOMPUTE = {
+    "model.recompute_granularity": "full",
+    "model.recompute_method": "uniform",
+    "model.recompute_num_layers": 1,
+}
+_OFFLOAD_KEYS = ("cpu_offload", "cpu_offload_params")  # DeepSpeed's legacy switches
 _OFFLOAD_BLOCKS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
 
 
@@ -89,20 +107,25 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as e:
-        raise ConfigError(f"--deepspeed-config {path}: cannot read it ({e.strerror}); "
-                          "fix: give the path of a DeepSpeed JSON file") from None
+        raise ConfigError(
+            f"--deepspeed-config {path}: cannot read it ({e.strerror}); fix: give the path of a DeepSpeed JSON file"
+        ) from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"--deepspeed-config {path}: not UTF-8 text (byte {e.start}); fix: give a "
-                          "DeepSpeed JSON file") from None
+        raise ConfigError(
+            f"--deepspeed-config {path}: not UTF-8 text (byte {e.start}); fix: give a DeepSpeed JSON file"
+        ) from None
     try:
         doc = json.loads(text)
     except RecursionError:
-        raise ConfigError(f"--deepspeed-config {path}: JSON nested too deeply; fix: give a DeepSpeed "
-                          "JSON file") from None
+        raise ConfigError(
+            f"--deepspeed-config {path}: JSON nested too deeply; fix: give a DeepSpeed JSON file"
+        ) from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--deepspeed-config {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
-                          f"{e.msg}; fix: correct the file (JSON: double quotes, true/false, "
-                          "no trailing commas)") from None
+        raise ConfigError(
+            f"--deepspeed-config {path}: invalid JSON at line {e.lineno}, column {e.colno}: "
+            f"{e.msg}; fix: correct the file (JSON: double quotes, true/false, "
+            "no trailing commas)"
+        ) from None
     if not isinstance(doc, dict):
         raise ConfigError(f"--deepspeed-config {path}: the top level must be a JSON object")
     return doc
@@ -115,7 +138,7 @@ def _ds_items(doc: dict, path: str):
             if not isinstance(value, dict):
                 raise ConfigError(f"--deepspeed-config {path}: {key} must be a JSON object")
             for k, v in value.items():
-                if f"{key}.{k}" in _OFFLOAD_BLOCKS and isinstance(v, dict):   # one level deeper
+                if f"{key}.{k}" in _OFFLOAD_BLOCKS and isinstance(v, dict):  # one level deeper
                     yield from ((f"{key}.{k}.{kk}", vv) for kk, vv in v.items())
                 else:
                     yield f"{key}.{k}", v
@@ -128,13 +151,13 @@ def _refusal(key: str, value: Any) -> Optional[str]:
     if key == "activation_checkpointing.cpu_checkpointing" and value:
         return f"{key} (offloads the saved activations to the host; remove it)"
     if key in _OFFLOAD_BLOCKS:
-        return f"{key} must be a JSON object such as {{\"device\": \"cpu\"}}"
+        return f'{key} must be a JSON object such as {{"device": "cpu"}}'
     if key == "zero_optimization.offload_optimizer.device" and value not in ("cpu", "nvme", "none"):
         return f"{key} {json.dumps(value)} (only cpu, nvme or none)"
     if key == "zero_optimization.offload_param.device" and value not in ("cpu", "nvme", "none"):
         return f"{key} {json.dumps(value)} (only cpu, nvme or none)"
     if key.startswith("zero_optimization.") and leaf in _OFFLOAD_KEYS and value:
-        return f"{key} (DeepSpeed's legacy switch; use offload_optimizer: {{\"device\": \"cpu\"}})"
+        return f'{key} (DeepSpeed\'s legacy switch; use offload_optimizer: {{"device": "cpu"}})'
     return None
 
 
@@ -173,22 +196,28 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
         if key.startswith("activation_checkpointing.") or key == _HPZ:
             continue
         if key == "zero_optimization.mics_shard_size" and isinstance(raw, int) and raw <= 0:
-            continue   # DeepSpeed's -1: MiCS off
+            continue  # DeepSpeed's -1: MiCS off
         if name is None and key.startswith("aio."):
-            warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's NVMe swap "
-                            "I/O is pread/pwrite on a pool of aio.thread_count threads (no libaio queue, "
-                            "blocks or events); ignored")
+            warnings.append(
+                f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's NVMe swap "
+                "I/O is pread/pwrite on a pool of aio.thread_count threads (no libaio queue, "
+                "blocks or events); ignored"
+            )
             continue
         if key == "zero_optimization.offload_param.pin_memory":
-            warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero page-locks "
-                            "the shards of offload_param.device cpu on CUDA always and never the host slots of "
-                            "device nvme; ignored")
+            warnings.append(
+                f"--deepspeed-config {path}: key {key!r} is not honoured: megazero page-locks "
+                "the shards of offload_param.device cpu on CUDA always and never the host slots of "
+                "device nvme; ignored"
+            )
             continue
         if name is None and key.startswith("zero_optimization.stage3_"):
-            warnings.append(f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's ZeRO-3 "
-                            "reads stage3_prefetch_bucket_size, stage3_max_live_parameters, "
-                            "stage3_param_persistence_threshold and stage3_max_reuse_distance only; "
-                            "ignored")
+            warnings.append(
+                f"--deepspeed-config {path}: key {key!r} is not honoured: megazero's ZeRO-3 "
+                "reads stage3_prefetch_bucket_size, stage3_max_live_parameters, "
+                "stage3_param_persistence_threshold and stage3_max_reuse_distance only; "
+                "ignored"
+            )
             continue
         if name is None:
             if not key.startswith("zero_optimization.") or key.split(".")[-1] not in _OFFLOAD_KEYS:
@@ -198,21 +227,28 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         value = _coerce(raw, setting_named(name).base, f"{key} in {path}")
         src = cfg.sources.get(name, "")
-        if src.endswith(f" in {path}") and get_value(cfg, name) != value:   # two keys, one setting
-            raise ConfigError(f"{src.split(' in ')[0]} = {json.dumps(get_value(cfg, name))} and {key} = "
-                              f"{json.dumps(raw)} in {path} disagree (megazero has one {setting_named(name).flag}); "
-                              "fix: make them agree or drop one")
+        if src.endswith(f" in {path}") and get_value(cfg, name) != value:  # two keys, one setting
+            raise ConfigError(
+                f"{src.split(' in ')[0]} = {json.dumps(get_value(cfg, name))} and {key} = "
+                f"{json.dumps(raw)} in {path} disagree (megazero has one {setting_named(name).flag}); "
+                "fix: make them agree or drop one"
+            )
         if src.startswith("--"):
             current = get_value(cfg, name)
             if current != value:
                 shown = src if isinstance(current, bool) else f"{src} {current}"  # a switch: the flag alone
-                raise ConfigError(f"{shown} on the command line conflicts with {key} = "
-                                  f"{json.dumps(raw)} in {path}; fix: make them agree or drop one")
+                raise ConfigError(
+                    f"{shown} on the command line conflicts with {key} = "
+                    f"{json.dumps(raw)} in {path}; fix: make them agree or drop one"
+                )
             continue
         set_value(cfg, name, value)
         cfg.sources[name] = f"{key} in {path}"
-    if cfg.sources.get("parallel.cp", "").startswith("sequence_parallel_size") and cfg.parallel.cp > 1 \
-            and "parallel.cp_comm_type" not in cfg.sources:  # Ulysses is the all-to-all over heads
+    if (
+        cfg.sources.get("parallel.cp", "").startswith("sequence_parallel_size")
+        and cfg.parallel.cp > 1
+        and "parallel.cp_comm_type" not in cfg.sources
+    ):  # Ulysses is the all-to-all over heads
         cfg.parallel.cp_comm_type = "a2a"
         cfg.sources["parallel.cp_comm_type"] = f"sequence_parallel_size in {path}"
     return warnings
@@ -229,10 +265,12 @@ def _hierarchical_partition(zero: Any, path: str) -> list[str]:
     hpz, mics = zero["zero_hpz_partition_size"], zero.get("mics_shard_size")
     if hpz == 1 or (hpz == mics and isinstance(hpz, int) and hpz > 1):
         return []
-    return [f"--deepspeed-config {path}: key {_HPZ!r} = {json.dumps(hpz)} is not honoured: ZeRO++'s secondary "
-            "parameter partition alone has no megazero equivalent (--zero-shard-size / mics_shard_size shards "
-            "the parameters, gradients and optimizer states together); set mics_shard_size to the same value "
-            "for hybrid sharding; ignored"]
+    return [
+        f"--deepspeed-config {path}: key {_HPZ!r} = {json.dumps(hpz)} is not honoured: ZeRO++'s secondary "
+        "parameter partition alone has no megazero equivalent (--zero-shard-size / mics_shard_size shards "
+        "the parameters, gradients and optimizer states together); set mics_shard_size to the same value "
+        "for hybrid sharding; ignored"
+    ]
 
 
 def _activation_checkpointing(doc: dict, path: str, cfg: Config) -> list[str]:
@@ -246,10 +284,14 @@ def _activation_checkpointing(doc: dict, path: str, cfg: Config) -> list[str]:
             cfg.sources[name] = f"activation_checkpointing in {path}"
     warnings = []
     if block.get("partition_activations") and not cfg.parallel.sequence_parallel:
-        warnings.append(f"--deepspeed-config {path}: activation_checkpointing.partition_activations: "
-                        "megazero shards the saved layer inputs over tp only with --sequence-parallel")
+        warnings.append(
+            f"--deepspeed-config {path}: activation_checkpointing.partition_activations: "
+            "megazero shards the saved layer inputs over tp only with --sequence-parallel"
+        )
     unused = [k for k in block if k not in ("partition_activations", "cpu_checkpointing")]
     if unused:
-        warnings.append(f"--deepspeed-config {path}: activation_checkpointing keys {', '.join(unused)} "
-                        "have no megazero equivalent; ignored")
+        warnings.append(
+            f"--deepspeed-config {path}: activation_checkpointing keys {', '.join(unused)} "
+            "have no megazero equivalent; ignored"
+        )
     return warnings

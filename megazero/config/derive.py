@@ -10,6 +10,7 @@ every setting given (a flag or a DeepSpeed key, ``cfg.sources``) whose field's `
 (``schema.Needs``) fails. ``finalize`` returns a warning for each; ``checks`` refuses those
 whose Needs says ``refuse``. ``unused_message`` words both.
 """
+
 from __future__ import annotations
 
 from megazero.config.schema import MOCK_VOCAB_SIZE, Config, Needs, get_value, setting_named, settings, show_flag
@@ -21,7 +22,8 @@ from megazero.topology import Topology
 def finalize(cfg: Config, world_size: int) -> list[str]:
     """Fill derived settings in place; returns warnings. Never raises: validate() judges.
 
-    dp = world / (tp x cp x pp); FFN = 4 H (SwiGLU: int(8 H / 3 / 64) x 64); max positions = seq; decay iters = train iters;
+    dp = world / (tp x cp x pp); FFN = 4 H (SwiGLU: int(8 H / 3 / 64) x 64); max positions = seq; decay iters = train
+    iters;
     mock vocab = MOCK_VOCAB_SIZE; interleaved schedule when vp > 1 and no schedule was given;
     sequence parallelism off at tp 1 (Megatron does the same, with a warning); ZeRO-3's prefetch
     bucket 0.9 H^2 and persistence threshold 10 H when unset or "auto" (the values the Hugging
@@ -48,14 +50,16 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
     if p.virtual_pipeline_size > 1 and "parallel.pipeline_schedule" not in cfg.sources:
         p.pipeline_schedule = "interleaved"
     if p.pipeline_schedule == "zb-v" and "parallel.virtual_pipeline_size" not in cfg.sources:
-        p.virtual_pipeline_size = 2   # ZB-V: two chunks per stage, in a V
+        p.virtual_pipeline_size = 2  # ZB-V: two chunks per stage, in a V
     if p.sequence_parallel and p.tp == 1:
         p.sequence_parallel = False
         warnings.append("--sequence-parallel does nothing with --tp 1; turned off")
     for knob in ("contiguous_gradients", "reduce_scatter", "allgather_partitions"):
         if not getattr(cfg.zero, knob):
-            warnings.append(f"{show_flag(cfg, 'zero.' + knob)} = false is ignored: megazero always uses "
-                            "contiguous gradient buffers, reduce-scatter and all-gather (same result)")
+            warnings.append(
+                f"{show_flag(cfg, 'zero.' + knob)} = false is ignored: megazero always uses "
+                "contiguous gradient buffers, reduce-scatter and all-gather (same result)"
+            )
     if p.dp is None and min(p.tp, p.pp, p.cp) >= 1 and world_size % (p.tp * p.cp * p.pp) == 0:
         p.dp = world_size // (p.tp * p.cp * p.pp)
     sizes = (p.dp, t.micro_batch_size, t.global_batch_size, t.gradient_accumulation_steps)
@@ -115,14 +119,14 @@ def _missed(cfg: Config, n: Needs) -> str:
     s, value = setting_named(n.on), get_value(cfg, n.on)
     if n.above is not None:
         return f"at {s.flag} {value}"
-    if s.base is bool:   # the flag sets the opposite of the default
+    if s.base is bool:  # the flag sets the opposite of the default
         ok = set(n.values) if n.values else {True, False} - set(n.besides)
         return f"without {s.flag}" if (not s.default) in ok else f"with {s.flag}"
     if (n.values or n.besides) == (None,):
         return f"with {s.flag}" if n.values else f"without {s.flag}"
     if n.besides:
         return f"with {s.flag} {_text(value)}"
-    src = cfg.sources.get(n.on, "")   # name the state only where it was given (or read from a file)
+    src = cfg.sources.get(n.on, "")  # name the state only where it was given (or read from a file)
     where = "" if src.startswith("--") else f", {src}"
     state = f" (this run: {s.flag} {_text(value)}{where})" if src else ""
     return f"without {_condition(n)}{state}"
@@ -131,8 +135,12 @@ def _missed(cfg: Config, n: Needs) -> str:
 def _derive_batch(cfg: Config) -> None:
     t, dp = cfg.train, cfg.parallel.dp
     total, accum = t.global_batch_size, t.gradient_accumulation_steps
-    if total is not None and accum is not None and "train.micro_batch_size" not in cfg.sources \
-            and total % (accum * dp) == 0:
+    if (
+        total is not None
+        and accum is not None
+        and "train.micro_batch_size" not in cfg.sources
+        and total % (accum * dp) == 0
+    ):
         t.micro_batch_size = total // (accum * dp)
     if total is None:
         t.gradient_accumulation_steps = accum = accum or 1
@@ -154,7 +162,7 @@ def _derive_zero3_knobs(cfg: Config) -> None:
 def bucket_sizes(cfg: Config) -> tuple[int, int]:
     """(reduce, all-gather) bucket elements: the flags, or hidden size squared when unset
     (DeepSpeed's "auto"; README, "Bucket sizes"). The optimizer and the planner both use it."""
-    auto = cfg.model.hidden_size ** 2
+    auto = cfg.model.hidden_size**2
     z = cfg.zero
     return int(z.reduce_bucket_size or auto), int(z.allgather_bucket_size or auto)
 
@@ -163,8 +171,9 @@ def overlap_param_gather(cfg: Config) -> bool:
     """--overlap-param-gather resolved: auto = on exactly where the ZeRO stage gathers the updated
     parameters after the step (stages 1 and 2: ``ShardingPolicy.gathers_after_step``)."""
     z = cfg.zero
-    return z.overlap_param_gather == "on" or (z.overlap_param_gather == "auto"
-                                              and z.stage in stages_where("gathers_after_step"))
+    return z.overlap_param_gather == "on" or (
+        z.overlap_param_gather == "auto" and z.stage in stages_where("gathers_after_step")
+    )
 
 
 def layout_topology(cfg: Config) -> Topology:

@@ -4,6 +4,7 @@
 pure (the world size is passed in), so every rank runs it before any process group exists
 (docs/design.md, contract 3).
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,9 @@ from megazero.config.derive import finalize
 from megazero.config.schema import Config, ConfigError
 
 
-def config_from_argv(argv: list[str], world_size: int, *, print_warnings: bool = True,
-                     needs_data: bool = True) -> Config:
+def config_from_argv(
+    argv: list[str], world_size: int, *, print_warnings: bool = True, needs_data: bool = True
+) -> Config:
     """parse -> DeepSpeed file -> finalize -> validate. Pure: needs no process group.
 
     On ConfigError prints ``megazero: config error: <message>`` to stderr and exits with code 2.

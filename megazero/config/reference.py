@@ -5,6 +5,7 @@
 ``Config``; ``tests/unit/test_docs.py`` checks that the committed page is this output, so a default,
 unit or meaning changed in ``schema.py`` changes the page in the same commit.
 """
+
 from __future__ import annotations
 
 import sys
@@ -13,10 +14,17 @@ from megazero.config.cli import flags_table
 from megazero.config.schema import settings
 
 #: Headings of the sections of ``Config``, in its order; a new section falls back to its name.
-TITLES = {"model": "Model", "parallel": "Parallel layout", "train": "Training, checkpoints and stopping",
-          "optim": "Optimizer and learning rate", "precision": "Precision and loss scaling",
-          "zero": "ZeRO and offload", "data": "Data", "log": "Logging, metrics and profiling",
-          "deepspeed_config": "DeepSpeed configuration file"}
+TITLES = {
+    "model": "Model",
+    "parallel": "Parallel layout",
+    "train": "Training, checkpoints and stopping",
+    "optim": "Optimizer and learning rate",
+    "precision": "Precision and loss scaling",
+    "zero": "ZeRO and offload",
+    "data": "Data",
+    "log": "Logging, metrics and profiling",
+    "deepspeed_config": "DeepSpeed configuration file",
+}
 
 INTRO = """\
 # Configuration reference

@@ -1,5 +1,6 @@
 """A Config rendered for people and files: ``describe`` (one line per setting, with where it
 came from) for the log and TensorBoard, ``to_dict`` (plain JSON data) for checkpoints."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,11 @@ from megazero.config.schema import Config, get_value, settings
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     """The settings as nested plain data (JSON-serialisable), without sources and warnings."""
-    out = {f.name: dataclasses.asdict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-           if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    out = {
+        f.name: dataclasses.asdict(getattr(cfg, f.name))
+        for f in dataclasses.fields(cfg)
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+    }
     out["deepspeed_config"] = cfg.deepspeed_config
     return out
 

@@ -14,6 +14,7 @@ A setting that belongs to one stage or feature says so in its metadata: ``applie
 One pass over the given settings (``derive.unused_settings``) names every one whose
 condition fails: a warning, or a ConfigError where ``refuse`` says running on would mislead.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +60,7 @@ class Needs:
         return ok or (self.alt is not None and self.alt.holds(cfg))
 
 
-_ZERO3 = Needs("zero.stage", stages_where("shards_params"))   # the stage that gathers parameters
+_ZERO3 = Needs("zero.stage", stages_where("shards_params"))  # the stage that gathers parameters
 _PARAM_NVME = Needs("zero.offload_param", ("nvme",))
 _NVME = Needs("zero.offload_optimizer", ("nvme",))
 _ANY_NVME = Needs("zero.offload_optimizer", ("nvme",), alt=_PARAM_NVME)
@@ -77,17 +78,36 @@ _HARNESS = Needs("train.eval_harness_tasks", besides=(None,))
 _MOE = Needs("model.num_experts", besides=(None,), refuse=True, wanted="--num-experts E")
 
 
-def _f(default: Any, help: str, unit: str = "", *, flags: tuple = (), choices: tuple = (),
-       ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
-       parse=None, applies=None):
+def _f(
+    default: Any,
+    help: str,
+    unit: str = "",
+    *,
+    flags: tuple = (),
+    choices: tuple = (),
+    ge: Optional[float] = None,
+    gt: Optional[float] = None,
+    lt: Optional[float] = None,
+    parse=None,
+    applies=None,
+):
     """A setting: default, meaning, unit, flags (first = the name used in messages), range.
 
     ``parse``: the command-line parser of its value (text -> value; ValueError when invalid).
     ``applies``: the ``Needs`` (or a tuple of them, all needed) under which it has an effect;
     None = always.
     """
-    meta = dict(help=help, unit=unit, flags=flags, choices=choices, ge=ge, gt=gt, lt=lt, parse=parse,
-                applies=applies if applies is None or isinstance(applies, tuple) else (applies,))
+    meta = dict(
+        help=help,
+        unit=unit,
+        flags=flags,
+        choices=choices,
+        ge=ge,
+        gt=gt,
+        lt=lt,
+        parse=parse,
+        applies=applies if applies is None or isinstance(applies, tuple) else (applies,),
+    )
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -102,90 +122,167 @@ class ModelConfig:
     num_layers: int = _f(4, "transformer layers", "layers", ge=1)
     hidden_size: int = _f(256, "model width H", "features", ge=1)
     num_attention_heads: int = _f(4, "attention heads; head size = H / heads", "heads", ge=1)
-    ffn_hidden_size: Optional[int] = _f(None, "MLP inner width; None = 4 x --hidden-size (--swiglu: "
-                                        "int(8 H / 3 / 64) x 64, as Megatron)", "features", ge=1)
+    ffn_hidden_size: Optional[int] = _f(
+        None,
+        "MLP inner width; None = 4 x --hidden-size (--swiglu: int(8 H / 3 / 64) x 64, as Megatron)",
+        "features",
+        ge=1,
+    )
     seq_length: int = _f(256, "tokens per training sample", "tokens", ge=1)
     max_position_embeddings: Optional[int] = _f(
-        None, "rows of the position-embedding table; None = --seq-length", "positions", ge=1)
+        None, "rows of the position-embedding table; None = --seq-length", "positions", ge=1
+    )
     make_vocab_size_divisible_by: int = _f(
-        128, "pad the vocabulary to a multiple of this x tp (padded logits are masked)", "tokens", ge=1)
+        128, "pad the vocabulary to a multiple of this x tp (padded logits are masked)", "tokens", ge=1
+    )
     hidden_dropout: float = _f(0.0, "dropout on embeddings and block outputs", "probability", ge=0, lt=1)
     attention_dropout: float = _f(0.0, "dropout on attention probabilities", "probability", ge=0, lt=1)
     untie_embeddings_and_output_weights: bool = _f(
-        False, "give the output layer its own weight instead of the word embedding's")
-    position_embedding_type: str = _f("learned_absolute", "positions: a learned table (GPT-2) or rotary "
-                                      "(RoPE) in attention", choices=("learned_absolute", "rope"))
+        False, "give the output layer its own weight instead of the word embedding's"
+    )
+    position_embedding_type: str = _f(
+        "learned_absolute",
+        "positions: a learned table (GPT-2) or rotary (RoPE) in attention",
+        choices=("learned_absolute", "rope"),
+    )
     rotary_base: int = _f(10000, "RoPE frequency base", "", ge=1, applies=_ROPE)
-    rotary_percent: float = _f(1.0, "fraction of each head's dimensions RoPE rotates, in (0, 1]", "fraction",
-                               applies=_ROPE)
-    normalization: str = _f("LayerNorm", "norm of every block and the final norm",
-                            choices=("LayerNorm", "RMSNorm"))
+    rotary_percent: float = _f(
+        1.0, "fraction of each head's dimensions RoPE rotates, in (0, 1]", "fraction", applies=_ROPE
+    )
+    normalization: str = _f("LayerNorm", "norm of every block and the final norm", choices=("LayerNorm", "RMSNorm"))
     swiglu: bool = _f(False, "gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8H/3/64)*64")
-    openai_gelu: bool = _f(False, "the MLP's GELU with the tanh approximation (GPT-2's gelu_new, as the public "
-                           "GPT-2 checkpoints) instead of the exact erf GELU",
-                           applies=Needs("model.swiglu", (False,), refuse=True, wanted="a GELU MLP (no --swiglu)"))
+    openai_gelu: bool = _f(
+        False,
+        "the MLP's GELU with the tanh approximation (GPT-2's gelu_new, as the public "
+        "GPT-2 checkpoints) instead of the exact erf GELU",
+        applies=Needs("model.swiglu", (False,), refuse=True, wanted="a GELU MLP (no --swiglu)"),
+    )
     group_query_attention: bool = _f(False, "grouped-query attention with --num-query-groups key/value heads")
-    num_query_groups: int = _f(1, "key/value heads of --group-query-attention (1 = multi-query)", "groups",
-                               ge=1, applies=Needs("model.group_query_attention", (True,), refuse=True))
-    add_bias_linear: bool = _f(True, "biases in the QKV, attention output and MLP linears",
-                               flags=("--disable-bias-linear",))
+    num_query_groups: int = _f(
+        1,
+        "key/value heads of --group-query-attention (1 = multi-query)",
+        "groups",
+        ge=1,
+        applies=Needs("model.group_query_attention", (True,), refuse=True),
+    )
+    add_bias_linear: bool = _f(
+        True, "biases in the QKV, attention output and MLP linears", flags=("--disable-bias-linear",)
+    )
     layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon added to the variance", "", gt=0)
-    init_method_std: float = _f(0.02, "standard deviation of the normal weight init", "", gt=0,
-                                applies=Needs("train.from_hf", (None,)))
+    init_method_std: float = _f(
+        0.02, "standard deviation of the normal weight init", "", gt=0, applies=Needs("train.from_hf", (None,))
+    )
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy", "probability", ge=0, lt=1)
-    num_experts: Optional[int] = _f(None, "Mixture of Experts: experts per MoE layer (Megatron-LM's flag); "
-                                    "None = dense MLPs", "experts", ge=1)
-    moe_ffn_hidden_size: Optional[int] = _f(None, "inner width of each expert's MLP; None = --ffn-hidden-size",
-                                            "features", ge=1, applies=_MOE)
+    num_experts: Optional[int] = _f(
+        None, "Mixture of Experts: experts per MoE layer (Megatron-LM's flag); None = dense MLPs", "experts", ge=1
+    )
+    moe_ffn_hidden_size: Optional[int] = _f(
+        None, "inner width of each expert's MLP; None = --ffn-hidden-size", "features", ge=1, applies=_MOE
+    )
     moe_router_topk: int = _f(2, "experts each token is routed to (k)", "experts", ge=1, applies=_MOE)
-    moe_layer_freq: int = _f(1, "every N-th layer is an MoE layer, starting at layer 0 (1 = all)", "layers",
-                             ge=1, applies=_MOE)
+    moe_layer_freq: int = _f(
+        1, "every N-th layer is an MoE layer, starting at layer 0 (1 = all)", "layers", ge=1, applies=_MOE
+    )
     moe_shared_expert_intermediate_size: Optional[int] = _f(
-        None, "inner width of a shared expert every token passes through (DeepSeek/Qwen); None = none",
-        "features", ge=1, applies=_MOE)
-    moe_router_score_function: str = _f("softmax", "router scores: softmax, or sigmoid (DeepSeek-V3; the "
-                                        "chosen k renormalised)", choices=("softmax", "sigmoid"), applies=_MOE)
-    moe_router_pre_softmax: bool = _f(False, "softmax over all experts before the top-k (weights not "
-                                      "renormalised) instead of a softmax over the k chosen logits",
-                                      applies=_MOE)
+        None,
+        "inner width of a shared expert every token passes through (DeepSeek/Qwen); None = none",
+        "features",
+        ge=1,
+        applies=_MOE,
+    )
+    moe_router_score_function: str = _f(
+        "softmax",
+        "router scores: softmax, or sigmoid (DeepSeek-V3; the chosen k renormalised)",
+        choices=("softmax", "sigmoid"),
+        applies=_MOE,
+    )
+    moe_router_pre_softmax: bool = _f(
+        False,
+        "softmax over all experts before the top-k (weights not "
+        "renormalised) instead of a softmax over the k chosen logits",
+        applies=_MOE,
+    )
     moe_router_load_balancing_type: str = _f(
-        "aux_loss", "load-balancing loss: aux_loss (Switch/GShard, per micro-batch), seq_aux_loss "
-        "(DeepSeek-V3, per sequence) or none", choices=("aux_loss", "seq_aux_loss", "none"), applies=_MOE)
+        "aux_loss",
+        "load-balancing loss: aux_loss (Switch/GShard, per micro-batch), seq_aux_loss "
+        "(DeepSeek-V3, per sequence) or none",
+        choices=("aux_loss", "seq_aux_loss", "none"),
+        applies=_MOE,
+    )
     moe_aux_loss_coeff: float = _f(0.0, "weight of the load-balancing loss (0 = off)", "", ge=0, applies=_MOE)
-    moe_z_loss_coeff: Optional[float] = _f(None, "weight of the router z-loss (ST-MoE); None = off", "", ge=0,
-                                           applies=_MOE)
+    moe_z_loss_coeff: Optional[float] = _f(
+        None, "weight of the router z-loss (ST-MoE); None = off", "", ge=0, applies=_MOE
+    )
     moe_expert_capacity_factor: Optional[float] = _f(
-        None, "slots per expert = ceil(tokens x k / E x factor), the rest dropped; None = dropless", "",
-        gt=0, applies=_MOE)
-    moe_token_drop_policy: str = _f("probs", "over capacity drop the lowest-probability (probs) or the "
-                                    "latest (position) assignments", choices=("probs", "position"),
-                                    applies=(_MOE, Needs("model.moe_expert_capacity_factor", besides=(None,),
-                                                         wanted="--moe-expert-capacity-factor F")))
+        None,
+        "slots per expert = ceil(tokens x k / E x factor), the rest dropped; None = dropless",
+        "",
+        gt=0,
+        applies=_MOE,
+    )
+    moe_token_drop_policy: str = _f(
+        "probs",
+        "over capacity drop the lowest-probability (probs) or the latest (position) assignments",
+        choices=("probs", "position"),
+        applies=(
+            _MOE,
+            Needs("model.moe_expert_capacity_factor", besides=(None,), wanted="--moe-expert-capacity-factor F"),
+        ),
+    )
     moe_pad_expert_input_to_capacity: bool = _f(
-        False, "each expert computes on exactly its capacity of rows (its kept tokens, then zero rows) "
-        "under a capacity factor: static shapes, the same numbers", applies=(
-            _MOE, Needs("model.moe_expert_capacity_factor", besides=(None,), refuse=True,
-                        wanted="--moe-expert-capacity-factor F")))
+        False,
+        "each expert computes on exactly its capacity of rows (its kept tokens, then zero rows) "
+        "under a capacity factor: static shapes, the same numbers",
+        applies=(
+            _MOE,
+            Needs(
+                "model.moe_expert_capacity_factor",
+                besides=(None,),
+                refuse=True,
+                wanted="--moe-expert-capacity-factor F",
+            ),
+        ),
+    )
     moe_router_enable_expert_bias: bool = _f(
-        False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the top-k, updated once per "
-        "step from the global token counts; needs --moe-router-score-function sigmoid", applies=_MOE)
-    moe_router_bias_update_rate: float = _f(1e-3, "step of the expert-bias update", "", gt=0,
-                                            applies=(_MOE, Needs("model.moe_router_enable_expert_bias", (True,),
-                                                                 wanted="--moe-router-enable-expert-bias")))
+        False,
+        "aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the top-k, updated once per "
+        "step from the global token counts; needs --moe-router-score-function sigmoid",
+        applies=_MOE,
+    )
+    moe_router_bias_update_rate: float = _f(
+        1e-3,
+        "step of the expert-bias update",
+        "",
+        gt=0,
+        applies=(_MOE, Needs("model.moe_router_enable_expert_bias", (True,), wanted="--moe-router-enable-expert-bias")),
+    )
     moe_token_dispatcher_type: str = _f(
-        "alltoall", "how tokens reach their experts' ranks under --expert-model-parallel-size > 1: alltoall = "
+        "alltoall",
+        "how tokens reach their experts' ranks under --expert-model-parallel-size > 1: alltoall = "
         "each (token, expert) sent to the expert's rank and back, allgather = every rank sees the ep group's "
-        "tokens and the outputs are reduce-scattered", choices=("alltoall", "allgather"), applies=_MOE)
+        "tokens and the outputs are reduce-scattered",
+        choices=("alltoall", "allgather"),
+        applies=_MOE,
+    )
     recompute_granularity: Optional[str] = _f(
-        None, "activation recomputation: selective = the attention core, full = whole layers "
-        "(Korthikanti et al. 2022); None = keep every activation", choices=("selective", "full"))
+        None,
+        "activation recomputation: selective = the attention core, full = whole layers "
+        "(Korthikanti et al. 2022); None = keep every activation",
+        choices=("selective", "full"),
+    )
     recompute_method: Optional[str] = _f(
-        None, "with full: uniform = each group of --recompute-num-layers layers of a chunk is one "
+        None,
+        "with full: uniform = each group of --recompute-num-layers layers of a chunk is one "
         "recomputed region; block = recompute the first --recompute-num-layers layers of each chunk",
-        choices=("uniform", "block"))
-    recompute_num_layers: int = _f(1, "layers per uniform group, or layers recomputed per chunk with "
-                                   "block", "layers", ge=1,
-                                   applies=Needs("model.recompute_granularity", ("full",)))
+        choices=("uniform", "block"),
+    )
+    recompute_num_layers: int = _f(
+        1,
+        "layers per uniform group, or layers recomputed per chunk with block",
+        "layers",
+        ge=1,
+        applies=Needs("model.recompute_granularity", ("full",)),
+    )
 
 
 @dataclass
@@ -193,37 +290,72 @@ class ParallelConfig:
     """The layout: world size = tp x cp x pp x dp (ranks ordered tp-cp-dp-pp, see topology.py)."""
 
     tp: int = _f(1, "tensor-parallel size", "ranks", flags=("--tp", "--tensor-model-parallel-size"), ge=1)
-    cp: int = _f(1, "context-parallel size: each sequence is cut into 2 x cp chunks, cp rank r holds chunks r "
-                 "and 2cp-1-r (causal load balancing)", "ranks", flags=("--cp", "--context-parallel-size"), ge=1)
-    cp_comm_type: str = _f("p2p", "attention across the cp ranks: p2p = a ring of K/V blocks (ring attention), "
-                           "a2a = all-to-all over heads (DeepSpeed-Ulysses)", choices=("p2p", "a2a"),
-                           applies=Needs("parallel.cp", above=1))
-    pp: int = _f(1, "pipeline-parallel size (stages)", "ranks",
-                 flags=("--pp", "--pipeline-model-parallel-size"), ge=1)
-    dp: Optional[int] = _f(None, "data-parallel size; None = world size / (tp x cp x pp)", "ranks",
-                           flags=("--dp", "--data-parallel-size"), ge=1)
+    cp: int = _f(
+        1,
+        "context-parallel size: each sequence is cut into 2 x cp chunks, cp rank r holds chunks r "
+        "and 2cp-1-r (causal load balancing)",
+        "ranks",
+        flags=("--cp", "--context-parallel-size"),
+        ge=1,
+    )
+    cp_comm_type: str = _f(
+        "p2p",
+        "attention across the cp ranks: p2p = a ring of K/V blocks (ring attention), "
+        "a2a = all-to-all over heads (DeepSpeed-Ulysses)",
+        choices=("p2p", "a2a"),
+        applies=Needs("parallel.cp", above=1),
+    )
+    pp: int = _f(1, "pipeline-parallel size (stages)", "ranks", flags=("--pp", "--pipeline-model-parallel-size"), ge=1)
+    dp: Optional[int] = _f(
+        None,
+        "data-parallel size; None = world size / (tp x cp x pp)",
+        "ranks",
+        flags=("--dp", "--data-parallel-size"),
+        ge=1,
+    )
     virtual_pipeline_size: int = _f(
-        1, "model chunks per pipeline stage; > 1 selects the interleaved schedule", "chunks", ge=1)
-    pipeline_schedule: str = _f("1f1b", "pipeline schedule; interleaved when --virtual-pipeline-size > 1; "
-                                "zb-h1 / zb-v: zero bubble (backward split into B and W; zb-v: 2 chunks per "
-                                "stage in a V)", choices=("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"))
+        1, "model chunks per pipeline stage; > 1 selects the interleaved schedule", "chunks", ge=1
+    )
+    pipeline_schedule: str = _f(
+        "1f1b",
+        "pipeline schedule; interleaved when --virtual-pipeline-size > 1; "
+        "zb-h1 / zb-v: zero bubble (backward split into B and W; zb-v: 2 chunks per "
+        "stage in a V)",
+        choices=("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"),
+    )
     pipeline_layer_split: Optional[list[int]] = _f(
-        None, "layers per stage as a comma list, e.g. 3,5; None = equal blocks", "layers", parse=parse_layer_split,
-        applies=Needs("parallel.pp", above=1))
+        None,
+        "layers per stage as a comma list, e.g. 3,5; None = equal blocks",
+        "layers",
+        parse=parse_layer_split,
+        applies=Needs("parallel.pp", above=1),
+    )
     expert_model_parallel_size: int = _f(
-        1, "expert-parallel size EP, carved out of the dp x cp ranks: each rank holds E/EP experts of every MoE "
-        "layer; expert parameters reduce over the dp x cp / EP expert-data-parallel ranks", "ranks", ge=1,
-        applies=_MOE)
+        1,
+        "expert-parallel size EP, carved out of the dp x cp ranks: each rank holds E/EP experts of every MoE "
+        "layer; expert parameters reduce over the dp x cp / EP expert-data-parallel ranks",
+        "ranks",
+        ge=1,
+        applies=_MOE,
+    )
     expert_tensor_parallel_size: Optional[int] = _f(
-        None, "tensor-parallel size of the experts; None = --tp (the only size built: experts sliced as the "
-        "dense MLP)", "ranks", ge=1, applies=_MOE)
+        None,
+        "tensor-parallel size of the experts; None = --tp (the only size built: experts sliced as the dense MLP)",
+        "ranks",
+        ge=1,
+        applies=_MOE,
+    )
     sequence_parallel: bool = _f(False, "partition LayerNorm/dropout activations along the sequence over tp")
     async_tensor_model_parallel_allreduce: bool = _f(
-        True, "overlap the column-parallel layers' input-gradient all-reduce with their weight-gradient "
-        "matmul (bit-identical; off under --compile)", flags=("--no-async-tensor-model-parallel-allreduce",),
-        applies=(Needs("parallel.tp", above=1), Needs("train.compile", (False,))))
-    distributed_timeout_s: float = _f(300.0, "timeout of every collective and of the rendezvous", "seconds",
-                                      gt=0, lt=1_000_000)
+        True,
+        "overlap the column-parallel layers' input-gradient all-reduce with their weight-gradient "
+        "matmul (bit-identical; off under --compile)",
+        flags=("--no-async-tensor-model-parallel-allreduce",),
+        applies=(Needs("parallel.tp", above=1), Needs("train.compile", (False,))),
+    )
+    distributed_timeout_s: float = _f(
+        300.0, "timeout of every collective and of the rendezvous", "seconds", gt=0, lt=1_000_000
+    )
 
 
 @dataclass
@@ -232,50 +364,94 @@ class TrainingConfig:
 
     micro_batch_size: int = _f(16, "samples per micro-batch per data-parallel rank", "samples", ge=1)
     global_batch_size: Optional[int] = _f(
-        None, "samples per optimizer step; None = micro x accumulation x dp", "samples", ge=1)
+        None, "samples per optimizer step; None = micro x accumulation x dp", "samples", ge=1
+    )
     gradient_accumulation_steps: Optional[int] = _f(
-        None, "micro-batches per step per data-parallel rank; None = derived (1 without a global batch)",
-        "micro-batches", ge=1)
+        None,
+        "micro-batches per step per data-parallel rank; None = derived (1 without a global batch)",
+        "micro-batches",
+        ge=1,
+    )
     train_iters: int = _f(400, "optimizer steps to train", "iterations", ge=1)
     seed: int = _f(1234, "seed of weights, data order and dropout", "", ge=0)
-    eval_interval: int = _f(100, "validate every this many steps (and at the end)", "iterations", ge=1,
-                            applies=Needs("train.eval_iters", above=0))
+    eval_interval: int = _f(
+        100,
+        "validate every this many steps (and at the end)",
+        "iterations",
+        ge=1,
+        applies=Needs("train.eval_iters", above=0),
+    )
     eval_iters: int = _f(10, "validation batches per evaluation; 0 = none", "iterations", ge=0)
     eval_harness_tasks: Optional[list[str]] = _f(
-        None, "lm-evaluation-harness tasks to score during training, comma-separated (data/tasks: megazero_stdlib, "
+        None,
+        "lm-evaluation-harness tasks to score during training, comma-separated (data/tasks: megazero_stdlib, "
         "megazero_stdlib_ppl; needs the eval extra, --pp 1 and a tokenizer); scores go to the console, "
-        "TensorBoard/W&B (harness/TASK/METRIC) and the metrics file; None = none", "tasks")
-    eval_harness_interval: Optional[int] = _f(None, "score those tasks every this many steps (and at the end); "
-                                              "None = at the end only", "iterations", ge=1, applies=_HARNESS)
-    eval_harness_limit: Optional[int] = _f(None, "documents per harness task; None = all", "documents", ge=1,
-                                           applies=_HARNESS)
+        "TensorBoard/W&B (harness/TASK/METRIC) and the metrics file; None = none",
+        "tasks",
+    )
+    eval_harness_interval: Optional[int] = _f(
+        None,
+        "score those tasks every this many steps (and at the end); None = at the end only",
+        "iterations",
+        ge=1,
+        applies=_HARNESS,
+    )
+    eval_harness_limit: Optional[int] = _f(
+        None, "documents per harness task; None = all", "documents", ge=1, applies=_HARNESS
+    )
     save: Optional[str] = _f(None, "checkpoint directory to write; None = no checkpoints", "path")
     load: Optional[str] = _f(None, "checkpoint directory to resume from", "path")
-    save_interval: Optional[int] = _f(None, "checkpoint every this many steps; None = at the end only",
-                                      "iterations", ge=1, applies=_SAVE)
-    keep_latest_checkpoints: int = _f(0, "after each save, delete all but this many newest checkpoints "
-                                      "under --save; 0 = keep all", "checkpoints", ge=0, applies=_SAVE)
-    from_hf: Optional[str] = _f(None, "Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + "
-                                "model.safetensors) to start from: weights sliced for this layout, fresh "
-                                "optimizer; a checkpoint under --load still takes precedence", "path")
+    save_interval: Optional[int] = _f(
+        None, "checkpoint every this many steps; None = at the end only", "iterations", ge=1, applies=_SAVE
+    )
+    keep_latest_checkpoints: int = _f(
+        0,
+        "after each save, delete all but this many newest checkpoints under --save; 0 = keep all",
+        "checkpoints",
+        ge=0,
+        applies=_SAVE,
+    )
+    from_hf: Optional[str] = _f(
+        None,
+        "Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + "
+        "model.safetensors) to start from: weights sliced for this layout, fresh "
+        "optimizer; a checkpoint under --load still takes precedence",
+        "path",
+    )
     device: str = _f("auto", "auto = CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))
     mock_data: bool = _f(False, "train on random tokens; no --data-path needed")
     # stopping on request, on time or on bad values, and restarting (megazero/runtime/resilience.py)
     exit_duration_in_mins: Optional[float] = _f(
-        None, "stop (and save with --save) after this much wall time; None = no limit", "minutes", gt=0)
+        None, "stop (and save with --save) after this much wall time; None = no limit", "minutes", gt=0
+    )
     exit_interval: Optional[int] = _f(
-        None, "stop (and save with --save) after an iteration divisible by this; None = never", "iterations", ge=1)
+        None, "stop (and save with --save) after an iteration divisible by this; None = never", "iterations", ge=1
+    )
     skip_bad_batches: int = _f(
-        0, "skip a step whose loss or gradient is non-finite (fp32/bf16), at most this many times; "
-        "0 = stop at the first", "steps", ge=0, applies=Needs("precision.fp16", (False,)))
-    async_save: bool = _f(False, "write checkpoint files in the background (DCP async_save); 'latest' moves "
-                          "once every rank's files are on disk, at the next save or the end", applies=_SAVE)
+        0,
+        "skip a step whose loss or gradient is non-finite (fp32/bf16), at most this many times; 0 = stop at the first",
+        "steps",
+        ge=0,
+        applies=Needs("precision.fp16", (False,)),
+    )
+    async_save: bool = _f(
+        False,
+        "write checkpoint files in the background (DCP async_save); 'latest' moves "
+        "once every rank's files are on disk, at the next save or the end",
+        applies=_SAVE,
+    )
     max_restarts: int = _f(
-        0, "torchrun restarts the whole group this many times after a rank fails; needs --save D --load D "
+        0,
+        "torchrun restarts the whole group this many times after a rank fails; needs --save D --load D "
         "--save-interval N (the group resumes from D's latest checkpoint); read by scripts/pretrain_gpt.sh",
-        "restarts", ge=0)
-    compile: bool = _f(False, "torch.compile each transformer layer (pipeline, ZeRO and the collectives "
-                       "between layers stay eager); the first steps pay the compilation")
+        "restarts",
+        ge=0,
+    )
+    compile: bool = _f(
+        False,
+        "torch.compile each transformer layer (pipeline, ZeRO and the collectives "
+        "between layers stay eager); the first steps pay the compilation",
+    )
 
 
 @dataclass
@@ -284,24 +460,40 @@ class OptimizerConfig:
 
     lr: float = _f(2e-3, "peak learning rate", "", ge=0)
     min_lr: float = _f(2e-4, "learning rate at the end of the decay", "", ge=0, applies=_DECAY)
-    lr_warmup_iters: Optional[int] = _f(None, "linear warm-up from 0 to --lr; None = 10% of --train-iters",
-                                        "iterations", ge=0)
-    lr_decay_iters: Optional[int] = _f(None, "iterations of decay to --min-lr; None = --train-iters",
-                                       "iterations", ge=1, applies=_DECAY)
-    lr_decay_style: str = _f("cosine", "shape of the decay (WSD: warmup-stable-decay, Megatron's)",
-                             choices=("cosine", "linear", "constant", "WSD"))
+    lr_warmup_iters: Optional[int] = _f(
+        None, "linear warm-up from 0 to --lr; None = 10% of --train-iters", "iterations", ge=0
+    )
+    lr_decay_iters: Optional[int] = _f(
+        None, "iterations of decay to --min-lr; None = --train-iters", "iterations", ge=1, applies=_DECAY
+    )
+    lr_decay_style: str = _f(
+        "cosine",
+        "shape of the decay (WSD: warmup-stable-decay, Megatron's)",
+        choices=("cosine", "linear", "constant", "WSD"),
+    )
     lr_wsd_decay_iters: Optional[int] = _f(
-        None, "WSD: iterations of the final annealing phase, ending at --lr-decay-iters", "iterations", ge=1,
-        applies=_WSD)
-    lr_wsd_decay_style: str = _f("exponential", "WSD: shape of the annealing phase",
-                                 choices=("exponential", "linear", "cosine", "minus_sqrt"), applies=_WSD)
+        None,
+        "WSD: iterations of the final annealing phase, ending at --lr-decay-iters",
+        "iterations",
+        ge=1,
+        applies=_WSD,
+    )
+    lr_wsd_decay_style: str = _f(
+        "exponential",
+        "WSD: shape of the annealing phase",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+        applies=_WSD,
+    )
     weight_decay: float = _f(0.1, "decoupled weight decay on matrices", "", ge=0)
     adam_beta1: float = _f(0.9, "Adam first-moment decay", "", ge=0, lt=1)
     adam_beta2: float = _f(0.95, "Adam second-moment decay", "", ge=0, lt=1)
     adam_eps: float = _f(1e-8, "Adam denominator epsilon", "", gt=0)
     clip_grad: float = _f(1.0, "clip the global gradient L2 norm to this; 0 = off", "", ge=0)
-    kernels: str = _f("auto", "LayerNorm/Adam kernels (auto = apex on CUDA when importable, else torch)",
-                      choices=("auto", "apex", "torch", "reference"))
+    kernels: str = _f(
+        "auto",
+        "LayerNorm/Adam kernels (auto = apex on CUDA when importable, else torch)",
+        choices=("auto", "apex", "torch", "reference"),
+    )
 
 
 @dataclass
@@ -310,22 +502,25 @@ class PrecisionConfig:
 
     fp16: bool = _f(False, "fp16 weights and activations, fp32 master weights, loss scaling")
     bf16: bool = _f(False, "bf16 weights and activations, fp32 master weights")
-    tf32: bool = _f(False, "CUDA only: fp32 matmuls and convolutions on TF32 tensor cores "
-                    "(10-bit mantissa inputs, fp32 accumulation); ignored on the CPU")
+    tf32: bool = _f(
+        False,
+        "CUDA only: fp32 matmuls and convolutions on TF32 tensor cores "
+        "(10-bit mantissa inputs, fp32 accumulation); ignored on the CPU",
+    )
     loss_scale: float = _f(0.0, "static fp16 loss scale; 0 = dynamic", "", ge=0, applies=_FP16)
-    initial_scale_power: int = _f(16, "dynamic loss scale starts at 2**power", "", ge=0, lt=128,
-                                  applies=_DYNAMIC_SCALE)
-    loss_scale_window: int = _f(1000, "steps without overflow before the scale doubles", "iterations", ge=1,
-                                applies=_DYNAMIC_SCALE)
-    hysteresis: int = _f(2, "overflows tolerated before the scale halves", "overflows", ge=1,
-                         applies=_DYNAMIC_SCALE)
+    initial_scale_power: int = _f(16, "dynamic loss scale starts at 2**power", "", ge=0, lt=128, applies=_DYNAMIC_SCALE)
+    loss_scale_window: int = _f(
+        1000, "steps without overflow before the scale doubles", "iterations", ge=1, applies=_DYNAMIC_SCALE
+    )
+    hysteresis: int = _f(2, "overflows tolerated before the scale halves", "overflows", ge=1, applies=_DYNAMIC_SCALE)
     min_loss_scale: float = _f(1.0, "floor of the dynamic loss scale", "", gt=0, applies=_DYNAMIC_SCALE)
-    max_consecutive_skips: int = _f(50, "stop after this many skipped (overflowed) steps in a row",
-                                    "iterations", ge=1)
+    max_consecutive_skips: int = _f(50, "stop after this many skipped (overflowed) steps in a row", "iterations", ge=1)
     accumulate_allreduce_grads_in_fp32: bool = _f(
-        True, "keep and reduce gradients in fp32, else in the model dtype (fp16/bf16)",
+        True,
+        "keep and reduce gradients in fp32, else in the model dtype (fp16/bf16)",
         flags=("--grads-in-model-dtype",),
-        applies=Needs("precision.fp16", (True,), alt=Needs("precision.bf16", (True,))))
+        applies=Needs("precision.fp16", (True,), alt=Needs("precision.bf16", (True,))),
+    )
 
 
 @dataclass
@@ -337,99 +532,177 @@ class ZeroConfig:
 
     stage: int = _f(0, "ZeRO stage: 0, 1, 2 or 3", flags=("--zero-stage",))
     zero_shard_size: Optional[int] = _f(
-        None, "hybrid sharding (HSDP / MiCS): shard the ZeRO state (optimizer states, gradients, stage-3 "
+        None,
+        "hybrid sharding (HSDP / MiCS): shard the ZeRO state (optimizer states, gradients, stage-3 "
         "parameters) over S consecutive data-parallel ranks and replicate it over the dp x cp / S groups of "
         "them; gradients reduce-scattered inside the group, then all-reduced across the groups; S divides "
-        "dp x cp; None = dp x cp (flat ZeRO); DeepSpeed's mics_shard_size", "ranks", ge=1,
-        flags=("--zero-shard-size",))
+        "dp x cp; None = dp x cp (flat ZeRO); DeepSpeed's mics_shard_size",
+        "ranks",
+        ge=1,
+        flags=("--zero-shard-size",),
+    )
     reduce_bucket_size: Optional[int] = _f(
-        None, "gradient reduction bucket; None = hidden size squared (DeepSpeed's 'auto')", "elements", ge=1)
+        None, "gradient reduction bucket; None = hidden size squared (DeepSpeed's 'auto')", "elements", ge=1
+    )
     allgather_bucket_size: Optional[int] = _f(
-        None, "parameter all-gather bucket; None = hidden size squared", "elements", ge=1,
+        None,
+        "parameter all-gather bucket; None = hidden size squared",
+        "elements",
+        ge=1,
         # the all-gather after the step: ZeRO-1/2 without the overlap (which gathers per reduce
         # bucket), and ZeRO-3's persistent parameters
-        applies=Needs("zero.stage", stages_where("shards_params"), alt=Needs("zero.overlap_param_gather", ("off",))))
-    overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass",
-                            flags=("--no-overlap-comm",))
+        applies=Needs("zero.stage", stages_where("shards_params"), alt=Needs("zero.overlap_param_gather", ("off",))),
+    )
+    overlap_comm: bool = _f(True, "overlap gradient reduction with the backward pass", flags=("--no-overlap-comm",))
     overlap_param_gather: str = _f(
-        "auto", "ZeRO-1/2: leave the all-gather of the updated parameters in flight after the "
+        "auto",
+        "ZeRO-1/2: leave the all-gather of the updated parameters in flight after the "
         "optimizer step, bucket by bucket, each waited for just before the next forward uses it "
         "(Megatron-core's overlap_param_gather; bit-identical to off); auto = on at --zero-stage 1 "
         "and 2, off at 0 (nothing to gather) and 3 (gathered before each forward anyway); on at "
-        "stage 0 or 3 is refused", choices=("auto", "on", "off"),
-        applies=Needs("zero.stage", stages_where("gathers_after_step")))
+        "stage 0 or 3 is refused",
+        choices=("auto", "on", "off"),
+        applies=Needs("zero.stage", stages_where("gathers_after_step")),
+    )
     zero3_reshard_after_forward: str = _f(
-        "auto", "ZeRO-3: drop a layer's gathered parameters after its forward and gather them again "
+        "auto",
+        "ZeRO-3: drop a layer's gathered parameters after its forward and gather them again "
         "for its backward (on: less memory, one more all-gather per micro-batch), or keep them "
         "gathered across the step's micro-batches (off); auto = off under --pp > 1, else on",
-        choices=("auto", "on", "off"), applies=_ZERO3)
+        choices=("auto", "on", "off"),
+        applies=_ZERO3,
+    )
     # DeepSpeed's zero_optimization.stage3_* knobs, in elements as DeepSpeed counts them.
     zero3_prefetch_bucket_size: Optional[int] = _f(
-        None, "ZeRO-3: parameters all-gathered ahead of the computing layer (DeepSpeed's "
+        None,
+        "ZeRO-3: parameters all-gathered ahead of the computing layer (DeepSpeed's "
         "stage3_prefetch_bucket_size); 0 = no prefetch; None = 0.9 x hidden size squared (the "
-        "Hugging Face DeepSpeed integration's 'auto')", "elements", ge=0, applies=_ZERO3)
+        "Hugging Face DeepSpeed integration's 'auto')",
+        "elements",
+        ge=0,
+        applies=_ZERO3,
+    )
     zero3_max_live_parameters: int = _f(
-        1_000_000_000, "ZeRO-3: bound on gathered parameters at any time (DeepSpeed's "
-        "stage3_max_live_parameters): no prefetch past it, idle layers released first", "elements", ge=1,
-        applies=_ZERO3)
+        1_000_000_000,
+        "ZeRO-3: bound on gathered parameters at any time (DeepSpeed's "
+        "stage3_max_live_parameters): no prefetch past it, idle layers released first",
+        "elements",
+        ge=1,
+        applies=_ZERO3,
+    )
     zero3_param_persistence_threshold: Optional[int] = _f(
-        None, "ZeRO-3: parameters with fewer elements stay whole on every rank (gradients and "
+        None,
+        "ZeRO-3: parameters with fewer elements stay whole on every rank (gradients and "
         "optimizer state still sharded; DeepSpeed's stage3_param_persistence_threshold); None = 10 x "
-        "hidden size (the Hugging Face DeepSpeed integration's 'auto')", "elements", ge=0,
-        applies=_ZERO3)
+        "hidden size (the Hugging Face DeepSpeed integration's 'auto')",
+        "elements",
+        ge=0,
+        applies=_ZERO3,
+    )
     zero3_max_reuse_distance: Optional[int] = _f(
-        None, "ZeRO-3: a layer used again (its backward) within this many gathered elements "
+        None,
+        "ZeRO-3: a layer used again (its backward) within this many gathered elements "
         "stays gathered after its forward (DeepSpeed's stage3_max_reuse_distance); None = the "
         "prefetch bucket, so only the layers whose backward follows their forward within about "
-        "one bucket (the last) stay gathered", "elements", ge=0, applies=_ZERO3)
+        "one bucket (the last) stay gathered",
+        "elements",
+        ge=0,
+        applies=_ZERO3,
+    )
     # DeepSpeed knobs whose alternative megazero does not implement: it always keeps gradients
     # in contiguous buffers, reduce-scatters them (stages 1/2) and all-gathers updated shards.
     # Turning one off is accepted (DeepSpeed files set them) and ignored with a warning.
-    contiguous_gradients: bool = _f(True, "DeepSpeed's contiguous_gradients; megazero always copies "
-                                    "gradients into contiguous buffers (off: warning, ignored)",
-                                    flags=("--no-contiguous-gradients",))
-    reduce_scatter: bool = _f(True, "DeepSpeed's reduce_scatter; megazero always reduce-scatters at "
-                              "stages 1/2 (off: warning, ignored)", flags=("--no-reduce-scatter",))
-    allgather_partitions: bool = _f(True, "DeepSpeed's allgather_partitions; megazero always all-gathers "
-                                    "updated shards (off: warning, ignored)",
-                                    flags=("--no-allgather-partitions",))
+    contiguous_gradients: bool = _f(
+        True,
+        "DeepSpeed's contiguous_gradients; megazero always copies "
+        "gradients into contiguous buffers (off: warning, ignored)",
+        flags=("--no-contiguous-gradients",),
+    )
+    reduce_scatter: bool = _f(
+        True,
+        "DeepSpeed's reduce_scatter; megazero always reduce-scatters at stages 1/2 (off: warning, ignored)",
+        flags=("--no-reduce-scatter",),
+    )
+    allgather_partitions: bool = _f(
+        True,
+        "DeepSpeed's allgather_partitions; megazero always all-gathers updated shards (off: warning, ignored)",
+        flags=("--no-allgather-partitions",),
+    )
     # ZeRO-Offload (Ren et al. 2021): DeepSpeed's zero_optimization.offload_optimizer/offload_param.
-    offload_optimizer: str = _f("none", "where the fp32 main params and Adam moments live and Adam runs: "
-                                "none (the device), cpu (host memory, ZeRO-Offload; stage >= 1) or nvme "
-                                "(swap files under --offload-nvme-path, Adam on the host; ZeRO-Infinity)",
-                                choices=("none", "cpu", "nvme"), flags=("--offload-optimizer",))
-    offload_optimizer_pin_memory: bool = _f(True, "page-lock the offloaded host state on CUDA (DeepSpeed's "
-                                            "offload_optimizer.pin_memory)",
-                                            flags=("--no-offload-pin-memory",),
-                                            applies=Needs("zero.offload_optimizer", ("cpu", "nvme")))
+    offload_optimizer: str = _f(
+        "none",
+        "where the fp32 main params and Adam moments live and Adam runs: "
+        "none (the device), cpu (host memory, ZeRO-Offload; stage >= 1) or nvme "
+        "(swap files under --offload-nvme-path, Adam on the host; ZeRO-Infinity)",
+        choices=("none", "cpu", "nvme"),
+        flags=("--offload-optimizer",),
+    )
+    offload_optimizer_pin_memory: bool = _f(
+        True,
+        "page-lock the offloaded host state on CUDA (DeepSpeed's offload_optimizer.pin_memory)",
+        flags=("--no-offload-pin-memory",),
+        applies=Needs("zero.offload_optimizer", ("cpu", "nvme")),
+    )
     # ZeRO-Infinity (Rajbhandari et al. 2021): DeepSpeed's offload_optimizer.{nvme_path, buffer_count},
     # zero_optimization.sub_group_size and aio.thread_count
-    offload_nvme_path: Optional[str] = _f(None, "directory of the NVMe swap files (one fresh directory per "
-                                          "rank and run under it, removed at exit; DeepSpeed's nvme_path)",
-                                          "path", applies=_ANY_NVME)
-    offload_nvme_buffer_count: int = _f(4, "host buffers the swapped optimizer step cycles sub-groups "
-                                        "through (DeepSpeed's offload_optimizer.buffer_count)", "buffers",
-                                        ge=1, applies=_NVME)
-    sub_group_size: int = _f(1_000_000_000, "elements of optimizer state swapped and updated at a time "
-                             "with --offload-optimizer nvme (DeepSpeed's sub_group_size)", "elements", ge=1,
-                             applies=_NVME)
-    offload_nvme_io_threads: int = _f(1, "threads doing the swap-file reads and writes (DeepSpeed's "
-                                      "aio.thread_count)", "threads", ge=1, applies=_NVME)
-    offload_param: str = _f("none", "where ZeRO-3 parameter shards live between uses: none, cpu "
-                            "(host memory, copied to the device for each all-gather) or nvme (swap files "
-                            "under --offload-nvme-path, read for each all-gather; ZeRO-Infinity); needs stage 3",
-                            choices=("none", "cpu", "nvme"),
-                            flags=("--offload-param",))
+    offload_nvme_path: Optional[str] = _f(
+        None,
+        "directory of the NVMe swap files (one fresh directory per "
+        "rank and run under it, removed at exit; DeepSpeed's nvme_path)",
+        "path",
+        applies=_ANY_NVME,
+    )
+    offload_nvme_buffer_count: int = _f(
+        4,
+        "host buffers the swapped optimizer step cycles sub-groups "
+        "through (DeepSpeed's offload_optimizer.buffer_count)",
+        "buffers",
+        ge=1,
+        applies=_NVME,
+    )
+    sub_group_size: int = _f(
+        1_000_000_000,
+        "elements of optimizer state swapped and updated at a time "
+        "with --offload-optimizer nvme (DeepSpeed's sub_group_size)",
+        "elements",
+        ge=1,
+        applies=_NVME,
+    )
+    offload_nvme_io_threads: int = _f(
+        1, "threads doing the swap-file reads and writes (DeepSpeed's aio.thread_count)", "threads", ge=1, applies=_NVME
+    )
+    offload_param: str = _f(
+        "none",
+        "where ZeRO-3 parameter shards live between uses: none, cpu "
+        "(host memory, copied to the device for each all-gather) or nvme (swap files "
+        "under --offload-nvme-path, read for each all-gather; ZeRO-Infinity); needs stage 3",
+        choices=("none", "cpu", "nvme"),
+        flags=("--offload-param",),
+    )
     # DeepSpeed's offload_param.{buffer_count, buffer_size, max_in_cpu} (device nvme)
-    offload_param_buffer_count: int = _f(5, "parameter shards in host memory at once with --offload-param "
-                                         "nvme (DeepSpeed's offload_param.buffer_count)", "buffers", ge=1,
-                                         applies=_PARAM_NVME)
-    offload_param_buffer_size: int = _f(100_000_000, "most elements of one swapped parameter shard with "
-                                        "--offload-param nvme (DeepSpeed's offload_param.buffer_size)",
-                                        "elements", ge=1, applies=_PARAM_NVME)
-    offload_param_max_in_cpu: int = _f(1_000_000_000, "elements of parameter shards kept in host memory, never "
-                                       "swapped, with --offload-param nvme (DeepSpeed's offload_param.max_in_cpu)",
-                                       "elements", ge=0, applies=_PARAM_NVME)
+    offload_param_buffer_count: int = _f(
+        5,
+        "parameter shards in host memory at once with --offload-param nvme (DeepSpeed's offload_param.buffer_count)",
+        "buffers",
+        ge=1,
+        applies=_PARAM_NVME,
+    )
+    offload_param_buffer_size: int = _f(
+        100_000_000,
+        "most elements of one swapped parameter shard with "
+        "--offload-param nvme (DeepSpeed's offload_param.buffer_size)",
+        "elements",
+        ge=1,
+        applies=_PARAM_NVME,
+    )
+    offload_param_max_in_cpu: int = _f(
+        1_000_000_000,
+        "elements of parameter shards kept in host memory, never "
+        "swapped, with --offload-param nvme (DeepSpeed's offload_param.max_in_cpu)",
+        "elements",
+        ge=0,
+        applies=_PARAM_NVME,
+    )
 
 
 @dataclass
@@ -438,74 +711,134 @@ class DataConfig:
 
     data_path: list[str] = _f([], "PREFIX of PREFIX.bin/.idx, or a blend: W1 PREFIX1 W2 PREFIX2 ...", "path")
     split: str = _f("969,30,1", "train,valid,test proportions of the documents", "parts")
-    tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file, or a tokenizer.json (or a folder "
-                                        "holding one) with HuggingFaceTokenizer; needed with --data-path", "path")
-    tokenizer_type: str = _f("SentencePieceTokenizer", "how --tokenizer-model is read (Megatron's names)",
-                             choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"), applies=_REAL_DATA)
+    tokenizer_model: Optional[str] = _f(
+        None,
+        "sentencepiece .model file, or a tokenizer.json (or a folder "
+        "holding one) with HuggingFaceTokenizer; needed with --data-path",
+        "path",
+    )
+    tokenizer_type: str = _f(
+        "SentencePieceTokenizer",
+        "how --tokenizer-model is read (Megatron's names)",
+        choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"),
+        applies=_REAL_DATA,
+    )
     vocab_size: Optional[int] = _f(
-        None, f"vocabulary; None = the tokenizer's ({MOCK_VOCAB_SIZE} with --mock-data)", "tokens", ge=1)
-    data_cache_dir: Optional[str] = _f(None, "where sample indices are cached (atomic, shared by ranks); None = built in memory on every rank", "path",
-                                       applies=_REAL_DATA)
+        None, f"vocabulary; None = the tokenizer's ({MOCK_VOCAB_SIZE} with --mock-data)", "tokens", ge=1
+    )
+    data_cache_dir: Optional[str] = _f(
+        None,
+        "where sample indices are cached (atomic, shared by ranks); None = built in memory on every rank",
+        "path",
+        applies=_REAL_DATA,
+    )
     # packed documents (Megatron's flags): a sample is documents joined by the tokenizer's EOD id
-    reset_attention_mask: bool = _f(False, "a token attends only to its own document: attention restarts after "
-                                    "each EOD token (the EOD belongs to the document it ends)")
+    reset_attention_mask: bool = _f(
+        False,
+        "a token attends only to its own document: attention restarts after "
+        "each EOD token (the EOD belongs to the document it ends)",
+    )
     reset_position_ids: bool = _f(False, "position ids restart at 0 after each EOD token")
-    eod_mask_loss: bool = _f(False, "leave targets that are the EOD token out of the loss (the mean is over "
-                             "the other targets of the global batch)")
+    eod_mask_loss: bool = _f(
+        False,
+        "leave targets that are the EOD token out of the loss (the mean is over the other targets of the global batch)",
+    )
     # supervised fine-tuning data (python -m data.sft): records with a per-token loss mask
-    sft: bool = _f(False, "--data-path holds supervised fine-tuning data (python -m data.sft): samples of whole "
-                   "records, the loss on response tokens only (the mean is over those of the global batch)",
-                   applies=Needs("train.mock_data", (False,), refuse=True, wanted="--data-path (not --mock-data)"))
-    sft_packing: str = _f("pack", "pack: records filled greedily into each sample (add --reset-attention-mask "
-                          "--reset-position-ids to keep them apart); pad: one record per sample, padded",
-                          choices=("pack", "pad"), applies=Needs("data.sft", (True,)))
+    sft: bool = _f(
+        False,
+        "--data-path holds supervised fine-tuning data (python -m data.sft): samples of whole "
+        "records, the loss on response tokens only (the mean is over those of the global batch)",
+        applies=Needs("train.mock_data", (False,), refuse=True, wanted="--data-path (not --mock-data)"),
+    )
+    sft_packing: str = _f(
+        "pack",
+        "pack: records filled greedily into each sample (add --reset-attention-mask "
+        "--reset-position-ids to keep them apart); pad: one record per sample, padded",
+        choices=("pack", "pad"),
+        applies=Needs("data.sft", (True,)),
+    )
     # fill-in-the-middle (Bavarian et al. 2022; Megatron-LM's flags): data/fim.py, applied as samples are read
-    fim_rate: float = _f(0.0, "probability that a document piece of a sample (split at EOD) is rewritten in "
-                         "fill-in-the-middle form, cut at token boundaries; in [0, 1]; 0 = off; adds 4 sentinel "
-                         "tokens to the tokenizer (--fim-tokens)", "probability", ge=0,
-                         applies=Needs("train.mock_data", (False,), refuse=True,
-                                       wanted="--data-path with --tokenizer-model (no --mock-data)"))
-    fim_spm_rate: float = _f(0.5, "probability that a FIM unit uses the SPM order (suffix, prefix, middle) "
-                             "instead of PSM; in [0, 1]", "probability", ge=0, applies=_FIM)
-    fim_split_sample: Optional[str] = _f(None, "text of a token (e.g. a file separator) at which a document "
-                                         "piece is split into fragments, each FIMed with --fim-fragment-rate",
-                                         applies=_FIM)
-    fim_fragment_rate: Optional[float] = _f(None, "probability of FIM per fragment of --fim-split-sample, in "
-                                            "[0, 1]; None = --fim-rate", "probability", ge=0,
-                                            applies=Needs("data.fim_split_sample", besides=(None,), refuse=True))
-    fim_no_prefix: Optional[str] = _f(None, "leave a FIM unit whose decoded text starts with this string as it is",
-                                      applies=_FIM)
-    fim_tokens: Optional[list[str]] = _f(None, "the tokenizer's own prefix, middle, suffix and pad tokens (four "
-                                         "texts); None = its <fim_prefix> <fim_middle> <fim_suffix> <fim_pad> (or "
-                                         "Qwen's fim_ tokens) when it has them, else 4 ids appended after its "
-                                         "vocabulary", applies=_FIM)
+    fim_rate: float = _f(
+        0.0,
+        "probability that a document piece of a sample (split at EOD) is rewritten in "
+        "fill-in-the-middle form, cut at token boundaries; in [0, 1]; 0 = off; adds 4 sentinel "
+        "tokens to the tokenizer (--fim-tokens)",
+        "probability",
+        ge=0,
+        applies=Needs(
+            "train.mock_data", (False,), refuse=True, wanted="--data-path with --tokenizer-model (no --mock-data)"
+        ),
+    )
+    fim_spm_rate: float = _f(
+        0.5,
+        "probability that a FIM unit uses the SPM order (suffix, prefix, middle) instead of PSM; in [0, 1]",
+        "probability",
+        ge=0,
+        applies=_FIM,
+    )
+    fim_split_sample: Optional[str] = _f(
+        None,
+        "text of a token (e.g. a file separator) at which a document "
+        "piece is split into fragments, each FIMed with --fim-fragment-rate",
+        applies=_FIM,
+    )
+    fim_fragment_rate: Optional[float] = _f(
+        None,
+        "probability of FIM per fragment of --fim-split-sample, in [0, 1]; None = --fim-rate",
+        "probability",
+        ge=0,
+        applies=Needs("data.fim_split_sample", besides=(None,), refuse=True),
+    )
+    fim_no_prefix: Optional[str] = _f(
+        None, "leave a FIM unit whose decoded text starts with this string as it is", applies=_FIM
+    )
+    fim_tokens: Optional[list[str]] = _f(
+        None,
+        "the tokenizer's own prefix, middle, suffix and pad tokens (four "
+        "texts); None = its <fim_prefix> <fim_middle> <fim_suffix> <fim_pad> (or "
+        "Qwen's fim_ tokens) when it has them, else 4 ids appended after its "
+        "vocabulary",
+        applies=_FIM,
+    )
 
 
 @dataclass
 class LoggingConfig:
     """Console log, TensorBoard, Weights & Biases, metrics file, MFU peak, final sample."""
 
-    log_interval: int = _f(10, "log every this many steps", "iterations",
-                           flags=("--log-interval", "--steps-per-print"), ge=1)
-    run_dir: Optional[str] = _f(None, "directory of this run; None = runs/TIMESTAMP (resolve_run_dir)",
-                                "path")
-    tensorboard_dir: Optional[str] = _f("tensorboard", "TensorBoard event directory, relative to --run-dir",
-                                        "path")
+    log_interval: int = _f(
+        10, "log every this many steps", "iterations", flags=("--log-interval", "--steps-per-print"), ge=1
+    )
+    run_dir: Optional[str] = _f(None, "directory of this run; None = runs/TIMESTAMP (resolve_run_dir)", "path")
+    tensorboard_dir: Optional[str] = _f("tensorboard", "TensorBoard event directory, relative to --run-dir", "path")
     metrics_file: Optional[str] = _f("metrics.jsonl", "JSON-lines metrics, relative to --run-dir", "path")
-    generate_tokens: int = _f(64, "length of the greedy sample printed at the end", "tokens", ge=0,
-                              applies=_REAL_DATA)   # the sample needs a tokenizer
+    generate_tokens: int = _f(
+        64, "length of the greedy sample printed at the end", "tokens", ge=0, applies=_REAL_DATA
+    )  # the sample needs a tokenizer
     prompt: str = _f("def ", "prompt of that sample", applies=_REAL_DATA)
-    wandb_project: Optional[str] = _f(None, "Weights & Biases project: log TensorBoard's scalars there too "
-                                      "(needs the wandb extra; WANDB_MODE=offline works without a network); "
-                                      "None = off")
+    wandb_project: Optional[str] = _f(
+        None,
+        "Weights & Biases project: log TensorBoard's scalars there too "
+        "(needs the wandb extra; WANDB_MODE=offline works without a network); "
+        "None = off",
+    )
     wandb_exp_name: Optional[str] = _f(None, "W&B run name; None = the --run-dir folder name", applies=_WANDB)
     wandb_save_dir: Optional[str] = _f(None, "W&B files directory; None = RUN_DIR/wandb", "path", applies=_WANDB)
-    peak_tflops: Optional[float] = _f(None, "dense peak matmul TFLOP/s of one device, the MFU denominator; "
-                                      "None = megazero's table of known GPUs (else MFU n/a)", "TFLOP/s", gt=0)
-    profile: bool = _f(False, "torch.profiler trace of steps --profile-step-start to --profile-step-end - 1 on "
-                       "each rank of --profile-ranks, written to RUN_DIR/profile/rankR.*.pt.trace.json (TensorBoard, Perfetto)")
-    profile_step_start: int = _f(10, "first profiled step (Megatron's --profile-step-start)", "iterations", ge=1,
-                                 applies=_PROFILE)
+    peak_tflops: Optional[float] = _f(
+        None,
+        "dense peak matmul TFLOP/s of one device, the MFU denominator; "
+        "None = megazero's table of known GPUs (else MFU n/a)",
+        "TFLOP/s",
+        gt=0,
+    )
+    profile: bool = _f(
+        False,
+        "torch.profiler trace of steps --profile-step-start to --profile-step-end - 1 on "
+        "each rank of --profile-ranks, written to RUN_DIR/profile/rankR.*.pt.trace.json (TensorBoard, Perfetto)",
+    )
+    profile_step_start: int = _f(
+        10, "first profiled step (Megatron's --profile-step-start)", "iterations", ge=1, applies=_PROFILE
+    )
     profile_step_end: int = _f(12, "profiling stops before this step", "iterations", ge=2, applies=_PROFILE)
     profile_ranks: list[str] = _f(["0"], "global ranks that write a trace", "ranks", applies=_PROFILE)
 
@@ -527,8 +860,12 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     log: LoggingConfig = field(default_factory=LoggingConfig)
     deepspeed_config: Optional[str] = _f(
-        None, "DeepSpeed-style JSON file (keys read: README, section DeepSpeed configuration files; "
-        "megazero/config/deepspeed.py)", "path", flags=("--deepspeed-config", "--deepspeed_config"))
+        None,
+        "DeepSpeed-style JSON file (keys read: README, section DeepSpeed configuration files; "
+        "megazero/config/deepspeed.py)",
+        "path",
+        flags=("--deepspeed-config", "--deepspeed_config"),
+    )
     sources: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -579,8 +916,7 @@ def settings() -> tuple[Setting, ...]:
         sub = hints[top.name]
         if dataclasses.is_dataclass(sub):
             sub_hints = typing.get_type_hints(sub)
-            out += [Setting(f"{top.name}.{f.name}", f, _base(sub_hints[f.name]))
-                    for f in dataclasses.fields(sub)]
+            out += [Setting(f"{top.name}.{f.name}", f, _base(sub_hints[f.name])) for f in dataclasses.fields(sub)]
         elif "help" in top.metadata:
             out.append(Setting(top.name, top, _base(hints[top.name])))
     return tuple(out)

@@ -27,6 +27,7 @@ counted in ``megazero.collectives.counter`` and given in closed form by the func
   ids, ``B*(T/C)*8`` (``"all_gather"``), if any. Backward: 4 all-to-alls (dout, dq, dk, dv),
   the same ``2*B*(h+G)*(T/C)*d*elt``.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
@@ -36,8 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero import collectives
-from megazero.context_parallel.blockwise import (block_attention, block_mask,  # noqa: F401
-                                                 compute_dtype, merge_partials)
+from megazero.context_parallel.blockwise import block_attention, block_mask, compute_dtype, merge_partials  # noqa: F401
 from megazero.context_parallel.ring import RingAttention, RingLink
 from megazero.context_parallel.zigzag import chunk_size, local_token_index
 
@@ -48,11 +48,12 @@ _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids) -> None:
     B, h, T, d = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, d) or h % k.shape[1] != 0:
-        raise ValueError(f"attention: q {tuple(q.shape)} [B, h, T, d] needs k and v [B, G, T, d] "
-                         f"with G dividing h; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"attention: q {tuple(q.shape)} [B, h, T, d] needs k and v [B, G, T, d] "
+            f"with G dividing h; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
-        raise ValueError(f"attention: segment_ids {tuple(segment_ids.shape)} is not [B, T] = "
-                         f"{(B, T)}")
+        raise ValueError(f"attention: segment_ids {tuple(segment_ids.shape)} is not [B, T] = {(B, T)}")
 
 
 def _sdpa(q, k, v, mask: Optional[torch.Tensor], scale: Optional[float]) -> torch.Tensor:
@@ -64,14 +65,18 @@ def _sdpa(q, k, v, mask: Optional[torch.Tensor], scale: Optional[float]) -> torc
         else:
             R = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(R, dim=1), v.repeat_interleave(R, dim=1)  # (B, h, T, d)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          scale=scale, **extra)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra)
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                    token_index: Optional[torch.Tensor] = None,
-                    segment_ids: Optional[torch.Tensor] = None,
-                    scale: Optional[float] = None) -> torch.Tensor:
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    token_index: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Causal attention of a whole sequence on one rank (cp = 1), document-masked if asked.
 
     q ``[B, h, T, d]``, k and v ``[B, G, T, d]`` (G divides h, group-major heads),
@@ -89,10 +94,17 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return _sdpa(q, k, v, mask, scale)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
-                   cp_ranks: Sequence[int], token_index: torch.Tensor,
-                   segment_ids: Optional[torch.Tensor] = None,
-                   scale: Optional[float] = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    cp_ranks: Sequence[int],
+    token_index: torch.Tensor,
+    segment_ids: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """``--cp-comm-type p2p``: ring attention over the cp group (``ring.RingAttention``).
 
     q ``[B, h, T/C, d]``, k and v ``[B, G, T/C, d]``, ``token_index [T/C]`` this rank's zigzag
@@ -105,11 +117,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
     _check(q, k, v, segment_ids)
     C, Tl = len(cp_ranks), q.shape[2]
     if collectives.group_size(group) != C:
-        raise ValueError(f"ring_attention: the cp group has {collectives.group_size(group)} "
-                         f"ranks but cp_ranks lists {C}")
+        raise ValueError(
+            f"ring_attention: the cp group has {collectives.group_size(group)} ranks but cp_ranks lists {C}"
+        )
     if tuple(token_index.shape) != (Tl,):
-        raise ValueError(f"ring_attention: token_index {tuple(token_index.shape)} is not [T/C] = "
-                         f"[{Tl}]")
+        raise ValueError(f"ring_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     chunk_size(Tl * C, C)
     if C == 1:
         return local_attention(q, k, v, segment_ids=segment_ids, scale=scale)
@@ -122,7 +134,7 @@ def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> to
     """Chunk i of ``x`` along ``scatter_dim`` goes to group rank i; what rank i sent lands as
     chunk i along ``gather_dim``. Counted in ``counter["all_to_all"]`` (this rank's input)."""
     C = collectives.group_size(group)
-    send = torch.stack(x.chunk(C, dim=scatter_dim))     # (C, ...): row i for group rank i
+    send = torch.stack(x.chunk(C, dim=scatter_dim))  # (C, ...): row i for group rank i
     recv = torch.empty_like(send)
     collectives.counter["all_to_all"] += send.numel() * send.element_size()
     collectives.record("all_to_all", collectives.group_ranks(group), send)
@@ -144,9 +156,16 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
 
 
-def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
-                         token_index: torch.Tensor, segment_ids: Optional[torch.Tensor] = None,
-                         scale: Optional[float] = None) -> torch.Tensor:
+def all_to_all_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    token_index: torch.Tensor,
+    segment_ids: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """``--cp-comm-type a2a``: DeepSpeed-Ulysses attention over the cp group.
 
     Shapes as ``ring_attention`` (q ``[B, h, T/C, d]``, k, v ``[B, G, T/C, d]``, ``token_index
@@ -157,27 +176,28 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g
     rank i gets query groups i*G/C .. (i+1)*G/C-1 and their heads).
     """
     _check(q, k, v, segment_ids)
-    C, (B, h, Tl, d), G = collectives.group_size(group), q.shape, k.shape[1]
+    C, (_, h, Tl, _), G = collectives.group_size(group), q.shape, k.shape[1]  # q: (B, h, T/C, d)
     if h % C or G % C:
-        raise ValueError(f"--cp-comm-type a2a needs the attention heads (h = {h}) and the "
-                         f"key/value heads (G = {G}) of this rank divisible by the context-"
-                         f"parallel size C = {C}; use --cp-comm-type p2p")
+        raise ValueError(
+            f"--cp-comm-type a2a needs the attention heads (h = {h}) and the "
+            f"key/value heads (G = {G}) of this rank divisible by the context-"
+            f"parallel size C = {C}; use --cp-comm-type p2p"
+        )
     if tuple(token_index.shape) != (Tl,):
-        raise ValueError(f"all_to_all_attention: token_index {tuple(token_index.shape)} is not "
-                         f"[T/C] = [{Tl}]")
+        raise ValueError(f"all_to_all_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     if C == 1:
         return local_attention(q, k, v, segment_ids=segment_ids, scale=scale)
     T = Tl * C
     gathered = torch.cat([local_token_index(T, i, C, device=q.device) for i in range(C)])
-    natural = torch.argsort(gathered)                   # natural[p] = where position p arrived
+    natural = torch.argsort(gathered)  # natural[p] = where position p arrived
     seq_major = [_AllToAll.apply(t, group, 1, 2).index_select(2, natural) for t in (q, k, v)]
-    seg = None                                          # heads/C (or G/C) of all T tokens above
+    seg = None  # heads/C (or G/C) of all T tokens above
     if segment_ids is not None:
         seg = torch.cat(collectives.all_gather_list(segment_ids.contiguous(), group), dim=1)
-        seg = seg.index_select(1, natural)              # (B, T), natural order
-    y = local_attention(*seq_major, segment_ids=seg, scale=scale)   # (B, h/C, T, d)
-    y = y.index_select(2, gathered)                     # back to the arrival (rank-major) order
-    return _AllToAll.apply(y, group, 2, 1)              # (B, h, T/C, d)
+        seg = seg.index_select(1, natural)  # (B, T), natural order
+    y = local_attention(*seq_major, segment_ids=seg, scale=scale)  # (B, h/C, T, d)
+    y = y.index_select(2, gathered)  # back to the arrival (rank-major) order
+    return _AllToAll.apply(y, group, 2, 1)  # (B, h, T/C, d)
 
 
 class LayerBytes(NamedTuple):
@@ -187,8 +207,7 @@ class LayerBytes(NamedTuple):
     backward: dict
 
 
-def ring_bytes_per_layer(B: int, G: int, Tl: int, d: int, elt: int, C: int, *,
-                         documents: bool = False) -> LayerBytes:
+def ring_bytes_per_layer(B: int, G: int, Tl: int, d: int, elt: int, C: int, *, documents: bool = False) -> LayerBytes:
     """``ring_attention``'s bytes (module docstring): ``Tl = T/C`` local tokens, ``elt`` bytes per
     element of k/v; the dK/dV accumulators travel in ``compute_dtype`` (``max(elt, 4)`` bytes)."""
     if C == 1:
@@ -198,8 +217,9 @@ def ring_bytes_per_layer(B: int, G: int, Tl: int, d: int, elt: int, C: int, *,
     return LayerBytes({"send": (C - 1) * (kv + seg)}, {"send": (C - 1) * kv + C * dkv})
 
 
-def a2a_bytes_per_layer(B: int, h: int, G: int, Tl: int, d: int, elt: int, C: int, *,
-                        documents: bool = False) -> LayerBytes:
+def a2a_bytes_per_layer(
+    B: int, h: int, G: int, Tl: int, d: int, elt: int, C: int, *, documents: bool = False
+) -> LayerBytes:
     """``all_to_all_attention``'s bytes (module docstring): q and out ``[B, h, Tl, d]``, k and v
     ``[B, G, Tl, d]`` each forward, their gradients backward, ``elt`` bytes per element."""
     if C == 1:

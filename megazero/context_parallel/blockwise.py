@@ -20,12 +20,12 @@ no key to attend has ``lse = -inf`` and output 0; nothing here produces NaN for 
 Arithmetic is in ``compute_dtype``: float32 for half, bfloat16 and float32 inputs, float64
 for float64 inputs. Pure math: no communication.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-
 
 SCORE_TILE_BYTES = 16 * 2**20
 """Bytes of one tile of scores ``[B, G, R, rows, Tk]`` in the accumulation dtype: a block's
@@ -65,12 +65,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scal
     acc = compute_dtype(q.dtype)
     s = torch.einsum("bgrqd,bgkd->bgrqk", q.to(acc), k.to(acc)) * scale  # (B, G, R, Tq, Tk)
     if mask is not None:
-        s.masked_fill_(~mask[:, None, None], float("-inf"))              # mask (B|1, 1, 1, Tq, Tk)
+        s.masked_fill_(~mask[:, None, None], float("-inf"))  # mask (B|1, 1, 1, Tq, Tk)
     return s
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` over the keys of one block.
 
     q ``[B, G, R, Tq, d]``, k and v ``[B, G, Tk, d]``, mask bool ``[B or 1, Tq, Tk]`` or None,
@@ -81,17 +82,18 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     outs, lses = [], []
     for rows in score_tiles(q, k.shape[2]):
-        s = _scores(q[:, :, :, rows], k, _rows(mask, rows), scale)    # (B, G, R, tile, Tk)
-        lse = torch.logsumexp(s, dim=-1)                # (B, G, R, tile); -inf on an empty row
-        p = s.sub_(_finite(lse)[..., None]).exp_()      # in place: rows sum to 1, empty rows to 0
+        s = _scores(q[:, :, :, rows], k, _rows(mask, rows), scale)  # (B, G, R, tile, Tk)
+        lse = torch.logsumexp(s, dim=-1)  # (B, G, R, tile); -inf on an empty row
+        p = s.sub_(_finite(lse)[..., None]).exp_()  # in place: rows sum to 1, empty rows to 0
         outs.append(torch.einsum("bgrqk,bgkd->bgrqd", p, v.to(p.dtype)))
         lses.append(lse)
         del s, p
     return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
 
 
-def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attentions of the same queries over disjoint key sets.
 
     ``out_*`` ``[..., Tq, d]``, ``lse_*`` ``[..., Tq]``. Returns ``(out, lse)`` over the union of
@@ -100,14 +102,21 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     """
     lse = torch.logaddexp(lse_a, lse_b)
     ref = _finite(lse)
-    w_a = torch.exp(lse_a - ref)[..., None]             # exp(-inf) = 0 for an empty side
+    w_a = torch.exp(lse_a - ref)[..., None]  # exp(-inf) = 0 for an empty side
     w_b = torch.exp(lse_b - ref)[..., None]
     return w_a * out_a + w_b * out_b, lse
 
 
-def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                             delta: torch.Tensor, lse: torch.Tensor,
-                             mask: Optional[torch.Tensor], scale: float):
+def block_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    delta: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+):
     """Gradients of one block's contribution, given the *final* ``lse`` of the queries.
 
     q and do ``[B, G, R, Tq, d]``, k and v ``[B, G, Tk, d]``, ``delta = rowsum(dO * O)`` and
@@ -122,10 +131,10 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     for rows in score_tiles(q, k.shape[2]):
         # in place, so at most two score tiles are alive: P, then dP and dS in dP's memory
         p = _scores(qa[:, :, :, rows], ka, _rows(mask, rows), scale)
-        p.sub_(_finite(lse[..., rows])[..., None]).exp_()     # (B, G, R, tile, Tk), final probabilities
+        p.sub_(_finite(lse[..., rows])[..., None]).exp_()  # (B, G, R, tile, Tk), final probabilities
         dv_t = torch.einsum("bgrqk,bgrqd->bgkd", p, do[:, :, :, rows])
-        ds = torch.einsum("bgrqd,bgkd->bgrqk", do[:, :, :, rows], v)    # dP
-        ds.sub_(delta[..., rows, None]).mul_(p)         # dS = P (dP - D); masked entries: P = 0
+        ds = torch.einsum("bgrqd,bgkd->bgrqk", do[:, :, :, rows], v)  # dP
+        ds.sub_(delta[..., rows, None]).mul_(p)  # dS = P (dP - D); masked entries: P = 0
         del p
         dqs.append(torch.einsum("bgrqk,bgkd->bgrqd", ds, ka) * scale)
         dk_t = torch.einsum("bgrqk,bgrqd->bgkd", ds, qa[:, :, :, rows]) * scale
@@ -134,8 +143,9 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.cat(dqs, dim=3), dk, dv
 
 
-def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: Optional[torch.Tensor],
-               k_seg: Optional[torch.Tensor], causal: bool) -> Optional[torch.Tensor]:
+def block_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: Optional[torch.Tensor], k_seg: Optional[torch.Tensor], causal: bool
+) -> Optional[torch.Tensor]:
     """Bool mask ``[B or 1, Tq, Tk]`` (True = attend), or None when every score is kept.
 
     ``q_pos [Tq]`` and ``k_pos [Tk]`` are global token positions; ``causal`` keeps
@@ -144,8 +154,8 @@ def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: Optional[torch.T
     """
     mask = None
     if causal:
-        mask = (k_pos[None, :] <= q_pos[:, None])[None]           # (1, Tq, Tk)
+        mask = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, Tq, Tk)
     if q_seg is not None:
-        same = q_seg[:, :, None] == k_seg[:, None, :]             # (B, Tq, Tk)
+        same = q_seg[:, :, None] == k_seg[:, None, :]  # (B, Tq, Tk)
         mask = same if mask is None else mask & same
     return mask

@@ -26,6 +26,7 @@ Every send is counted with ``collectives.count_send`` and every receive recorded
 ``collectives.recent``. Messages carry one tag per kind (gloo matches by tag; NCCL by posting
 order, which is the same on every rank).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -35,10 +36,14 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from megazero import collectives
-from megazero.context_parallel.blockwise import (block_attention, block_attention_backward,
-                                                 block_mask, compute_dtype, merge_partials)
-from megazero.context_parallel.zigzag import (DIAGONAL, block_pairs, local_token_index,
-                                              ring_source, zigzag_chunks)
+from megazero.context_parallel.blockwise import (
+    block_attention,
+    block_attention_backward,
+    block_mask,
+    compute_dtype,
+    merge_partials,
+)
+from megazero.context_parallel.zigzag import DIAGONAL, block_pairs, local_token_index, ring_source, zigzag_chunks
 
 _TAG_FWD_KV, _TAG_FWD_SEG, _TAG_BWD_KV, _TAG_BWD_DKV = 0, 1, 2, 3
 
@@ -98,10 +103,8 @@ class _Blocks:
         k_pos = _halves(local_token_index(self.T, src, self.C, device=self.q_pos[0].device), 0)
         k_seg = _halves(k_seg, 1)
         for _, q_chunk, kv_chunk, kind in self.plan[step]:
-            i, j = zigzag_chunks(self.rank, self.C).index(q_chunk), \
-                zigzag_chunks(src, self.C).index(kv_chunk)
-            yield i, j, block_mask(self.q_pos[i], k_pos[j], self.q_seg[i], k_seg[j],
-                                   causal=kind == DIAGONAL)
+            i, j = zigzag_chunks(self.rank, self.C).index(q_chunk), zigzag_chunks(src, self.C).index(kv_chunk)
+            yield i, j, block_mask(self.q_pos[i], k_pos[j], self.q_seg[i], k_seg[j], causal=kind == DIAGONAL)
 
 
 class RingAttention(torch.autograd.Function):
@@ -114,9 +117,9 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, segment_ids, link: RingLink, token_index, scale: float):
         B, h, Tl, d = q.shape
         G, C, n = k.shape[1], link.size, Tl // 2
-        qs = _halves(q.reshape(B, G, h // G, Tl, d), 3)       # 2 x (B, G, R, T/(2C), d)
+        qs = _halves(q.reshape(B, G, h // G, Tl, d), 3)  # 2 x (B, G, R, T/(2C), d)
         blocks = _Blocks(link.cp_rank, C, Tl, token_index, segment_ids)
-        kv, seg, kv_segs = torch.stack([k, v]), segment_ids, []   # kv (2, B, G, T/C, d)
+        kv, seg, kv_segs = torch.stack([k, v]), segment_ids, []  # kv (2, B, G, T/C, d)
         out, lse = [None, None], [None, None]
         for step in range(C):
             pending = None
@@ -124,14 +127,14 @@ class RingAttention(torch.autograd.Function):
                 pending = link.start([kv] if seg is None else [kv, seg], _TAG_FWD_KV)
             kv_segs.append(seg)
             for i, j, mask in blocks.each(step, seg):
-                kj, vj = kv[:, :, :, j * n:(j + 1) * n].unbind(0)  # (B, G, T/(2C), d)
+                kj, vj = kv[:, :, :, j * n : (j + 1) * n].unbind(0)  # (B, G, T/(2C), d)
                 o, l = block_attention(qs[i], kj, vj, mask, scale)
                 out[i], lse[i] = (o, l) if out[i] is None else merge_partials(out[i], lse[i], o, l)
             if pending is not None:
                 kv, *rest = pending.wait()
                 seg = rest[0] if rest else None
-        y = torch.cat(out, dim=3).reshape(B, h, Tl, d).to(q.dtype)   # (B, h, T/C, d)
-        ctx.save_for_backward(q, k, v, y, torch.cat(lse, dim=3))     # lse (B, G, R, T/C)
+        y = torch.cat(out, dim=3).reshape(B, h, Tl, d).to(q.dtype)  # (B, h, T/C, d)
+        ctx.save_for_backward(q, k, v, y, torch.cat(lse, dim=3))  # lse (B, G, R, T/C)
         ctx.link, ctx.blocks, ctx.kv_segs, ctx.scale = link, blocks, kv_segs, scale
         return y
 
@@ -143,8 +146,8 @@ class RingAttention(torch.autograd.Function):
         B, h, Tl, d = q.shape
         G, C, n, acc = k.shape[1], link.size, Tl // 2, compute_dtype(q.dtype)
         grouped = (B, G, h // G, Tl, d)
-        do = dy.reshape(grouped).to(acc)                             # (B, G, R, T/C, d)
-        delta = (do * y.reshape(grouped).to(acc)).sum(-1)            # D = rowsum(dO * O)
+        do = dy.reshape(grouped).to(acc)  # (B, G, R, T/C, d)
+        delta = (do * y.reshape(grouped).to(acc)).sum(-1)  # D = rowsum(dO * O)
         qs, dos = _halves(q.reshape(grouped), 3), _halves(do, 3)
         deltas, lses = _halves(delta, 3), _halves(lse, 3)
         dq = torch.zeros(grouped, dtype=acc, device=q.device)
@@ -153,19 +156,18 @@ class RingAttention(torch.autograd.Function):
             pending_kv = link.start([kv], _TAG_BWD_KV) if step < C - 1 else None
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # (2, B, G, T/C, d)
             for i, j, mask in blocks.each(step, ctx.kv_segs[step]):
-                kj, vj = kv[:, :, :, j * n:(j + 1) * n].unbind(0)
-                dq_b, dk_b, dv_b = block_attention_backward(qs[i], kj, vj, dos[i], deltas[i],
-                                                            lses[i], mask, scale)
-                dq[:, :, :, i * n:(i + 1) * n] += dq_b
-                dkv[0, :, :, j * n:(j + 1) * n] += dk_b
-                dkv[1, :, :, j * n:(j + 1) * n] += dv_b
+                kj, vj = kv[:, :, :, j * n : (j + 1) * n].unbind(0)
+                dq_b, dk_b, dv_b = block_attention_backward(qs[i], kj, vj, dos[i], deltas[i], lses[i], mask, scale)
+                dq[:, :, :, i * n : (i + 1) * n] += dq_b
+                dkv[0, :, :, j * n : (j + 1) * n] += dk_b
+                dkv[1, :, :, j * n : (j + 1) * n] += dv_b
             if pending_dkv is not None:
-                dkv += pending_dkv.wait()[0]       # rank src's accumulator, from rank r-1
+                dkv += pending_dkv.wait()[0]  # rank src's accumulator, from rank r-1
             if C > 1:
                 pending_dkv = link.start([dkv], _TAG_BWD_DKV)
             if pending_kv is not None:
                 kv = pending_kv.wait()[0]
         if pending_dkv is not None:
-            dkv = pending_dkv.wait()[0]            # this rank's own, back after C sends
+            dkv = pending_dkv.wait()[0]  # this rank's own, back after C sends
         dq = dq.reshape(B, h, Tl, d).to(q.dtype)
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None

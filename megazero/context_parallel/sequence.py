@@ -22,6 +22,7 @@ definition: the count is of non-EOD targets), where Megatron zeroes the position
 *input* is EOD. The documents are computed on the whole sequence before the split, so a
 document that spans two cp ranks keeps its ids and positions.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,10 @@ class Packing:
 
     def __post_init__(self):
         if self.active and self.eod is None:
-            raise ValueError("--reset-attention-mask / --reset-position-ids / --eod-mask-loss need the "
-                             "tokenizer's EOD id; fix: give a tokenizer or drop the flags")
+            raise ValueError(
+                "--reset-attention-mask / --reset-position-ids / --eod-mask-loss need the "
+                "tokenizer's EOD id; fix: give a tokenizer or drop the flags"
+            )
 
 
 def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
@@ -78,8 +81,9 @@ def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def target_mask(labels: torch.Tensor, packing: Packing,
-                loss_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def target_mask(
+    labels: torch.Tensor, packing: Packing, loss_mask: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
     """``[B, T]`` float32: 1 where the loss counts the target, or None when it counts them all.
     ``loss_mask [B, T]`` is the dataset's (SFT: 1 on response labels); ``--eod-mask-loss``
     also leaves out EOD targets."""
@@ -90,8 +94,7 @@ def target_mask(labels: torch.Tensor, packing: Packing,
     return mask
 
 
-def counted_targets(labels: torch.Tensor, packing: Packing,
-                    loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def counted_targets(labels: torch.Tensor, packing: Packing, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Targets the loss counts in ``labels [B, T]`` (all of them unless ``--eod-mask-loss`` or a
     dataset ``loss_mask``, as ``target_mask``): a 0-d fp64 tensor on ``labels``' device (no
     host sync)."""
@@ -101,8 +104,15 @@ def counted_targets(labels: torch.Tensor, packing: Packing,
     return torch.tensor(float(labels.numel()), dtype=torch.float64, device=labels.device)
 
 
-def shard_micro_batch(tokens: torch.Tensor, labels: torch.Tensor, *, cp: int, cp_rank: int,
-                      packing: Packing, loss_mask: Optional[torch.Tensor] = None) -> tuple:
+def shard_micro_batch(
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    cp: int,
+    cp_rank: int,
+    packing: Packing,
+    loss_mask: Optional[torch.Tensor] = None,
+) -> tuple:
     """``(tokens, labels)`` of ``[B, T]`` whole sequences (and the dataset's ``loss_mask [B, T]``
     of the labels, SFT data) -> this cp rank's ``(tokens, labels, SequenceInfo)`` of
     ``[B, T/cp]``; the pair unchanged when cp == 1, no packing flag is set and there is no
@@ -124,7 +134,11 @@ def shard_micro_batch(tokens: torch.Tensor, labels: torch.Tensor, *, cp: int, cp
 
     def local(x):
         return x if x is None or cp == 1 else split_for_rank(x, 1, cp_rank, cp)
-    info = SequenceInfo(token_index=local_token_index(T, cp_rank, cp, device=tokens.device) if cp > 1 else None,
-                        position_ids=local(positions).contiguous(), segment_ids=local(segments),
-                        loss_mask=local(mask))
+
+    info = SequenceInfo(
+        token_index=local_token_index(T, cp_rank, cp, device=tokens.device) if cp > 1 else None,
+        position_ids=local(positions).contiguous(),
+        segment_ids=local(segments),
+        loss_mask=local(mask),
+    )
     return local(tokens), local(labels), info

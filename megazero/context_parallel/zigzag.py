@@ -17,6 +17,7 @@ full block, and each later step exactly two full blocks: ``(r, src)`` and ``(2C-
 
 Everything here is pure (no torch.distributed); tensors only where a position is returned.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -39,8 +40,10 @@ def zigzag_chunks(rank: int, C: int) -> tuple[int, int]:
 def chunk_size(T: int, C: int) -> int:
     """``T/(2C)`` tokens per chunk; raises ValueError naming --seq-length unless 2C divides T."""
     if T % (2 * C) != 0:
-        raise ValueError(f"--seq-length {T} is not divisible by 2*C = {2 * C} (zigzag context "
-                         f"parallelism cuts the sequence into 2 chunks per cp rank, C = {C})")
+        raise ValueError(
+            f"--seq-length {T} is not divisible by 2*C = {2 * C} (zigzag context "
+            f"parallelism cuts the sequence into 2 chunks per cp rank, C = {C})"
+        )
     return T // (2 * C)
 
 
@@ -51,8 +54,7 @@ def local_token_index(T: int, rank: int, C: int, device=None) -> torch.Tensor:
     ``n = T/(2C)``. Raises ValueError when 2C does not divide T.
     """
     n = chunk_size(T, C)
-    return torch.cat([torch.arange(c * n, (c + 1) * n, device=device)
-                      for c in zigzag_chunks(rank, C)])
+    return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in zigzag_chunks(rank, C)])
 
 
 def split_for_rank(x: torch.Tensor, dim: int, rank: int, C: int) -> torch.Tensor:
@@ -77,8 +79,9 @@ def merge_from_ranks(parts: Sequence[torch.Tensor], dim: int, C: int) -> torch.T
     chunks: list = [None] * (2 * C)
     for r, part in enumerate(parts):
         if part.shape[dim] % 2 != 0:
-            raise ValueError(f"merge_from_ranks: part {r} has {part.shape[dim]} tokens along "
-                             f"dim {dim}, not two equal chunks")
+            raise ValueError(
+                f"merge_from_ranks: part {r} has {part.shape[dim]} tokens along dim {dim}, not two equal chunks"
+            )
         first, second = part.chunk(2, dim=dim)
         a, b = zigzag_chunks(r, C)
         chunks[a], chunks[b] = first, second

@@ -39,6 +39,7 @@ group (stage 1: per bucket as it retires; stages 2/3: the accumulated shard once
 ``finish_sync``), and only then divided by the full N. Parameter all-gathers stay inside the
 shard group. Expert-parallel buffers (``ep > 1``) keep the flat edp path.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -102,24 +103,36 @@ class DataParallel:
     the last backward. Raises ValueError for a bad stage, bucket size or in-flight count.
     """
 
-    def __init__(self, chunks: list[nn.Module], groups: ProcessGroups, *, zero_stage: int,
-                 bucket_size: int, overlap_comm: bool, grad_dtype: torch.dtype = torch.float32,
-                 buckets_in_flight: int = BUCKETS_IN_FLIGHT, reshard_after_forward: bool = True,
-                 units: Optional[list[list[nn.Module]]] = None,
-                 zero3: Optional[Zero3Options] = None,
-                 initial_values: Optional[list[Optional[Callable[[str], torch.Tensor]]]] = None):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        groups: ProcessGroups,
+        *,
+        zero_stage: int,
+        bucket_size: int,
+        overlap_comm: bool,
+        grad_dtype: torch.dtype = torch.float32,
+        buckets_in_flight: int = BUCKETS_IN_FLIGHT,
+        reshard_after_forward: bool = True,
+        units: Optional[list[list[nn.Module]]] = None,
+        zero3: Optional[Zero3Options] = None,
+        initial_values: Optional[list[Optional[Callable[[str], torch.Tensor]]]] = None,
+    ):
         self.reshard_after_forward = reshard_after_forward
         self.strategy = make_strategy(zero_stage)
         self.zero3 = None
         if self.strategy.shards_params:
             opts = replace(zero3 or Zero3Options(), reshard_after_forward=reshard_after_forward)
             self.strategy.offload_param = opts.offload_param or opts.param_swap is not None
-            self.strategy.param_swap = (None if opts.param_swap is None else   # NVMe: swap files
-                                        ParamSwapper(opts.param_swap, groups.rank))
+            self.strategy.param_swap = (
+                None
+                if opts.param_swap is None
+                # NVMe: swap files
+                else ParamSwapper(opts.param_swap, groups.rank)
+            )
             self.zero3 = Zero3Gather(self, opts)
         if bucket_size < 1 or buckets_in_flight < 1:
-            raise ValueError(f"bucket_size ({bucket_size}) and buckets_in_flight "
-                             f"({buckets_in_flight}) must be >= 1")
+            raise ValueError(f"bucket_size ({bucket_size}) and buckets_in_flight ({buckets_in_flight}) must be >= 1")
         self.chunks, self.groups = list(chunks), groups
         self.overlap, self.grad_dtype = overlap_comm, grad_dtype
         self.dp_size, self.dp_rank = C.group_size(groups.dp), C.group_rank(groups.dp)
@@ -129,12 +142,17 @@ class DataParallel:
         self._index: dict[int, int] = {}
         self.params: list[nn.Parameter] = []
         for cid, chunk in enumerate(self.chunks):
-            self._add_chunk(cid, chunk, bucket_size, (units or [[]] * len(chunks))[cid],
-                            (initial_values or [None] * len(chunks))[cid])
+            self._add_chunk(
+                cid,
+                chunk,
+                bucket_size,
+                (units or [[]] * len(chunks))[cid],
+                (initial_values or [None] * len(chunks))[cid],
+            )
         self._is_last = [False] * len(self.chunks)
-        self._pending: deque = deque()   # (buffer, bucket index, work handle, staged)
-        self._free: list[torch.Tensor] = []   # staging buffers to reuse (stage 2)
-        self._pool: set[int] = set()          # data_ptr of every staging buffer of this step
+        self._pending: deque = deque()  # (buffer, bucket index, work handle, staged)
+        self._free: list[torch.Tensor] = []  # staging buffers to reuse (stage 2)
+        self._pool: set[int] = set()  # data_ptr of every staging buffer of this step
         self._synced = False
         self._temp_bytes = self.peak_temp_bytes = 0
         # held by autograd in C++, where Python's garbage collector cannot see the cycle
@@ -150,28 +168,36 @@ class DataParallel:
     def stage(self) -> int:
         return self.strategy.stage
 
-    def _add_chunk(self, cid: int, chunk: nn.Module, bucket_size: int, units: list,
-                   initial_value: Optional[Callable[[str], torch.Tensor]]) -> None:
+    def _add_chunk(
+        self,
+        cid: int,
+        chunk: nn.Module,
+        bucket_size: int,
+        units: list,
+        initial_value: Optional[Callable[[str], torch.Tensor]],
+    ) -> None:
         params = [p for p in chunk.parameters() if p.requires_grad and id(p) not in self._owner]
         values = None
         if initial_value is not None:
             names = {id(p): name for name, p in chunk.named_parameters()}
-            values = lambda p: initial_value(names[id(p)])   # noqa: E731
+            values = lambda p: initial_value(names[id(p)])
         if self.zero3 is None:
             self._add_buffers(cid, params, bucket_size, self.strategy, values)
-        else:   # ZeRO-3: small parameters stay whole (ZeRO-2 buffer), one buffer set per unit
-            persistent, groups = split_units(params, units,
-                                             self.zero3.opt.param_persistence_threshold)
+        else:  # ZeRO-3: small parameters stay whole (ZeRO-2 buffer), one buffer set per unit
+            persistent, groups = split_units(params, units, self.zero3.opt.param_persistence_threshold)
             self._add_buffers(cid, persistent, bucket_size, Stage2(), values)
             self.zero3.add_chunk(chunk, cid)
             for module, members in groups:
-                self.zero3.add_unit(chunk, cid, module,
-                                    self._add_buffers(cid, members, bucket_size, self.strategy, values))
+                self.zero3.add_unit(
+                    chunk, cid, module, self._add_buffers(cid, members, bucket_size, self.strategy, values)
+                )
         if values is not None:
             left = [name for name, p in chunk.named_parameters() if id(p) not in self._owner]
             if left:
-                raise ValueError(f"chunk {cid}: parameters {left[:3]} are placeholders that no buffer "
-                                 "fills (requires_grad=False); materialize the stage first")
+                raise ValueError(
+                    f"chunk {cid}: parameters {left[:3]} are placeholders that no buffer "
+                    "fills (requires_grad=False); materialize the stage first"
+                )
         self.params.extend(params)
 
     def _add_buffers(self, cid: int, params: list, bucket_size: int, strategy, values=None) -> list:
@@ -184,17 +210,31 @@ class DataParallel:
         for (shared, _, expert), members in groups.items():
             if expert and self.groups.ep_size > 1:
                 group, replica = self.groups.edp, None
-            else:   # hybrid sharding: shard over S ranks, all-reduce the shards over the rest
+            else:  # hybrid sharding: shard over S ranks, all-reduce the shards over the rest
                 group, replica = self.groups.zero_shard_group, self.groups.zero_replica
             layout = GradBuffer(members, bucket_size, C.group_size(group), C.group_rank(group))
-            buf = ShardedBuffer(layout, cid, shared, strategy, self.grad_dtype, values, group=group,
-                                divisor=self.dp_size, replica_group=replica)
+            buf = ShardedBuffer(
+                layout,
+                cid,
+                shared,
+                strategy,
+                self.grad_dtype,
+                values,
+                group=group,
+                divisor=self.dp_size,
+                replica_group=replica,
+            )
             # nothing to reduce: one rank, no replica, no division, gradients kept whole in the
             # buffer (stages 0/1). The hook then only stores the gradient, copied over the
             # range on its first micro-batch (no zeroing pass) and added after; ranges without
             # a gradient are zeroed in finish_grad_sync (a plain loop's cost)
-            buf.solo = (layout.dp_size == 1 and replica is None and buf.divisor == 1
-                        and not strategy.reduces_each_microbatch and self.zero3 is None)
+            buf.solo = (
+                layout.dp_size == 1
+                and replica is None
+                and buf.divisor == 1
+                and not strategy.reduces_each_microbatch
+                and self.zero3 is None
+            )
             self.buffers.append(buf)
             made.append(buf)
             for i, p in enumerate(layout.params):
@@ -205,14 +245,14 @@ class DataParallel:
     def _on_grad(self, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None
         buf = self._owner[id(param)]
-        if buf.solo:   # no bucket to reduce: storing the gradient is the whole step
+        if buf.solo:  # no bucket to reduce: storing the gradient is the whole step
             pr = buf.layout.param_range[id(param)]
             with torch.no_grad():
-                if id(param) in buf.untouched:   # the step's first gradient: written, not added
+                if id(param) in buf.untouched:  # the step's first gradient: written, not added
                     buf.untouched.discard(id(param))
-                    buf.grads[pr.start:pr.end].copy_(grad.reshape(-1))
+                    buf.grads[pr.start : pr.end].copy_(grad.reshape(-1))
                 else:
-                    buf.grads[pr.start:pr.end].add_(grad.reshape(-1))
+                    buf.grads[pr.start : pr.end].add_(grad.reshape(-1))
             return
         with torch.no_grad():
             self.strategy.accumulate(buf, param, grad.reshape(-1), self._stage_piece)
@@ -228,13 +268,14 @@ class DataParallel:
         bucket = buf.layout.buckets[k].range
         if pr.start <= bucket.start and bucket.end <= pr.end and flat.dtype == self.grad_dtype:
             # the bucket is this gradient alone: reduce-scatter it where autograd put it
-            buf.staging[k] = flat[bucket.start - pr.start:bucket.end - pr.start]
+            buf.staging[k] = flat[bucket.start - pr.start : bucket.end - pr.start]
             return
         if k not in buf.staging:
             buf.staging[k] = self._take_staging(bucket.size, flat.device)
         part = pr.intersect(bucket)
-        buf.staging[k][part.start - bucket.start:part.end - bucket.start].add_(
-            flat[part.start - pr.start:part.end - pr.start])
+        buf.staging[k][part.start - bucket.start : part.end - bucket.start].add_(
+            flat[part.start - pr.start : part.end - pr.start]
+        )
 
     def _take_staging(self, numel: int, device) -> torch.Tensor:
         """A zeroed ``[numel]`` staging view: a reused buffer when one is free."""
@@ -259,7 +300,7 @@ class DataParallel:
         while issuing and buf.next_issue < n and buf.ready[buf.next_issue]:
             self._issue(buf, buf.next_issue)
             buf.next_issue += 1
-        if buf.num_ready == n:   # this micro-batch's backward is complete for this buffer
+        if buf.num_ready == n:  # this micro-batch's backward is complete for this buffer
             buf.reset_tracking()
             if self.zero3 is not None:
                 self.zero3.after_backward(buf)
@@ -269,8 +310,7 @@ class DataParallel:
     def _issue(self, buf: ShardedBuffer, k: int) -> None:
         work, staged = self.strategy.start_reduce(buf, k, buf.group, self.overlap)
         self._pending.append((buf, k, work, staged))
-        limit = self.strategy.in_flight_limit(self.overlap, self.buckets_in_flight,
-                                              len(self._pending))
+        limit = self.strategy.in_flight_limit(self.overlap, self.buckets_in_flight, len(self._pending))
         while len(self._pending) > limit:
             self._retire()
 
@@ -304,12 +344,13 @@ class DataParallel:
         of the previous step are still in flight; SwapError on every rank for a bad swap file.
         """
         if self._pending:
-            raise RuntimeError("zero_grad() with gradient reductions in flight: call "
-                               "finish_grad_sync() (or optimizer.step()) first")
+            raise RuntimeError(
+                "zero_grad() with gradient reductions in flight: call finish_grad_sync() (or optimizer.step()) first"
+            )
         if self.param_swap is not None:
             self.param_swap.check(self.groups.world, self.params[0].device)
         for buf in self.buffers:
-            if buf.solo:   # the first gradient of each parameter overwrites its range (_on_grad)
+            if buf.solo:  # the first gradient of each parameter overwrites its range (_on_grad)
                 buf.untouched = set(buf.layout.param_range)
             else:
                 buf.grads.zero_()
@@ -343,11 +384,11 @@ class DataParallel:
         if self._synced:
             return
         for buf in self.buffers:
-            if buf.solo:   # nothing to reduce; a parameter without a gradient this step gets zeros
+            if buf.solo:  # nothing to reduce; a parameter without a gradient this step gets zeros
                 with torch.no_grad():
                     for key in buf.untouched:
                         pr = buf.layout.param_range[key]
-                        buf.grads[pr.start:pr.end].zero_()
+                        buf.grads[pr.start : pr.end].zero_()
                 buf.untouched = set()
                 continue
             if buf.next_issue < len(buf.layout.buckets) or self.strategy.reduces_each_microbatch:
@@ -362,8 +403,9 @@ class DataParallel:
         for buf in self.buffers:
             self.strategy.finish_sync(buf, buf.divisor)
         tied_here = self._sum_tied_on_rank()
-        *_, peak = finalize_model_grads(self._owned_param_grads(), self.groups.tp,
-                                        None if tied_here else self.groups.embedding, self.bucket_size)
+        *_, peak = finalize_model_grads(
+            self._owned_param_grads(), self.groups.tp, None if tied_here else self.groups.embedding, self.bucket_size
+        )
         self.peak_temp_bytes = max(self.peak_temp_bytes, peak)
         self._synced = True
 
@@ -373,17 +415,17 @@ class DataParallel:
         The hooks live in autograd's C++ state, so without this the model, these buffers and
         the process groups they reference are never freed and their gloo/NCCL worker threads
         outlive ``destroy_process_group`` into interpreter shutdown."""
-        while self._pending:   # normally empty: finish_grad_sync retires every reduction
+        while self._pending:  # normally empty: finish_grad_sync retires every reduction
             work = self._pending.popleft()[2]
             if work is not None:
                 work.wait()
         if self.zero3 is not None:
-            self.zero3.release_all()   # waits for every prefetched all-gather
+            self.zero3.release_all()  # waits for every prefetched all-gather
         for h in self._hooks:
             h.remove()
         self._hooks = []
         if self.param_swap is not None:
-            self.param_swap.close()   # the parameter swap file and its directory
+            self.param_swap.close()  # the parameter swap file and its directory
 
     @property
     def param_swap(self):
@@ -415,7 +457,7 @@ class DataParallel:
         for buf in self.buffers:
             for own in buf.owned():
                 for p, _, wr in buf.layout.param_pieces(own.world):
-                    yield p, own.grad[wr.start - own.world.start:wr.end - own.world.start]
+                    yield p, own.grad[wr.start - own.world.start : wr.end - own.world.start]
 
     def staging_bound_bytes(self) -> int:
         """Most staging bytes the backward holds: stage 2 ``buckets_in_flight + 2`` buckets
@@ -428,8 +470,11 @@ class DataParallel:
         """Most bytes of the finalize step's packed buffer: min(bucket, the owned elements of
         sequence-parallel (tp > 1) and tied (embedding group > 1) parameters) gradients."""
         tp, emb = C.group_size(self.groups.tp) > 1, C.group_size(self.groups.embedding) > 1
-        numel = sum(g.numel() for p, g in self._owned_param_grads()
-                    if (tp and tags.is_sequence_parallel(p)) or (emb and tags.is_shared_embedding(p)))
+        numel = sum(
+            g.numel()
+            for p, g in self._owned_param_grads()
+            if (tp and tags.is_sequence_parallel(p)) or (emb and tags.is_shared_embedding(p))
+        )
         return min(self.bucket_size, numel) * self.grad_dtype.itemsize
 
     def grad_bytes(self) -> int:
@@ -439,9 +484,14 @@ class DataParallel:
     def param_bytes(self) -> int:
         """Bytes of persistent model-parameter storage on this rank (model dtype, padded):
         the flat buffers, or the shards at ZeRO-3 (gathered parameters are temporaries)."""
-        return sum(b.param_bytes() if b.params_shard is None
-                   else b.params_shard.numel() * b.params_shard.element_size()
-                   for b in self.buffers if not getattr(b, "swapped", False)) + self._swap_pool_bytes()
+        return (
+            sum(
+                b.param_bytes() if b.params_shard is None else b.params_shard.numel() * b.params_shard.element_size()
+                for b in self.buffers
+                if not getattr(b, "swapped", False)
+            )
+            + self._swap_pool_bytes()
+        )
 
     def _swap_pool_bytes(self) -> int:
         return 0 if self.param_swap is None else self.param_swap.pool_bytes()
@@ -449,14 +499,19 @@ class DataParallel:
     def host_param_bytes(self) -> int:
         """Bytes of the parameter shards kept in host memory (ZeRO-3 ``offload_param``; on
         NVMe the ``max_in_cpu`` resident shards plus the bound of the swap pool's slots)."""
-        return sum(b.params_shard.numel() * b.params_shard.element_size() for b in self.buffers
-                   if getattr(b, "offloaded", False) and not getattr(b, "swapped", False)) + self._swap_pool_bytes()
+        return (
+            sum(
+                b.params_shard.numel() * b.params_shard.element_size()
+                for b in self.buffers
+                if getattr(b, "offloaded", False) and not getattr(b, "swapped", False)
+            )
+            + self._swap_pool_bytes()
+        )
 
     def pinned_bytes(self) -> int:
         """Bytes of page-locked host memory held by the buffers (the ZeRO-3 ``offload_param``
         shards' arenas; 0 without CUDA or without offload)."""
-        return sum(b.host_arena.pinned_bytes for b in self.buffers
-                   if getattr(b, "host_arena", None) is not None)
+        return sum(b.host_arena.pinned_bytes for b in self.buffers if getattr(b, "host_arena", None) is not None)
 
     def gathered_bound_bytes(self) -> int:
         """ZeRO-3: most bytes of gathered parameters: ``max_live_parameters``, or what is in

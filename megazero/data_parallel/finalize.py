@@ -17,6 +17,7 @@ reducing before it, up to summation order. ``DataParallel.finish_grad_sync`` cal
 :func:`finalize_model_grads` on its owned gradient runs; a model without ``DataParallel``
 (tests, tools) calls :func:`finalize_param_grads` on its ``.grad`` tensors. One code path.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -40,14 +41,15 @@ def _coalesced_all_reduce(tensors: list[torch.Tensor], group, max_numel: Optiona
         nonlocal peak
         if not batch:
             return
-        flat = torch.cat([t.reshape(-1) for t in batch])             # (sum of numels,)
+        flat = torch.cat([t.reshape(-1) for t in batch])  # (sum of numels,)
         peak = max(peak, flat.numel() * flat.element_size())
         C.all_reduce_sum(flat, group)
         offset = 0
         for t in batch:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         batch.clear()
+
     for t in tensors:
         if t.numel() >= limit and t.is_contiguous():
             C.all_reduce_sum(t, group)
@@ -59,8 +61,12 @@ def _coalesced_all_reduce(tensors: list[torch.Tensor], group, max_numel: Optiona
     return peak
 
 
-def finalize_model_grads(pieces: Iterable[tuple[torch.nn.Parameter, torch.Tensor]], tp_group,
-                         embedding_group, max_numel: Optional[int] = None) -> tuple[int, int, int]:
+def finalize_model_grads(
+    pieces: Iterable[tuple[torch.nn.Parameter, torch.Tensor]],
+    tp_group,
+    embedding_group,
+    max_numel: Optional[int] = None,
+) -> tuple[int, int, int]:
     """SUM the sequence-parallel pieces over ``tp_group`` and the tied-embedding pieces over
     ``embedding_group``, coalesced.
 
@@ -76,13 +82,11 @@ def finalize_model_grads(pieces: Iterable[tuple[torch.nn.Parameter, torch.Tensor
     pieces = list(pieces)
     sp = [g for p, g in pieces if tags.is_sequence_parallel(p)]
     tied = [g for p, g in pieces if tags.is_shared_embedding(p)]
-    peak = max(_coalesced_all_reduce(sp, tp_group, max_numel),
-               _coalesced_all_reduce(tied, embedding_group, max_numel))
+    peak = max(_coalesced_all_reduce(sp, tp_group, max_numel), _coalesced_all_reduce(tied, embedding_group, max_numel))
     return len(sp), len(tied), peak
 
 
-def finalize_param_grads(params: Iterable[torch.nn.Parameter], tp_group,
-                         embedding_group=None) -> tuple[int, int]:
+def finalize_param_grads(params: Iterable[torch.nn.Parameter], tp_group, embedding_group=None) -> tuple[int, int]:
     """:func:`finalize_model_grads` on the ``.grad`` of ``params`` (a model without
     ``DataParallel``, whose DP ranks already hold equal gradients).
 

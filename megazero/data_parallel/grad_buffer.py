@@ -25,6 +25,7 @@ Bucket ``k`` (world ``[s, e)``, shard ``n = (e - s) / N``) gives rank ``r`` the 
 ``[s + r n, s + (r + 1) n)``, which is local range ``[L_k, L_k + n)`` with ``L_k`` the
 sum of the earlier buckets' shards.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -100,8 +101,7 @@ class GradBuffer:
     placeholder (``model.materialize.use_placeholders``: its values come from elsewhere).
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], bucket_size: int, dp_size: int,
-                 dp_rank: int):
+    def __init__(self, params: Iterable[torch.nn.Parameter], bucket_size: int, dp_size: int, dp_rank: int):
         unique = list({id(p): p for p in params}.values())
         if not unique:
             raise ValueError("GradBuffer: no parameters")
@@ -109,8 +109,7 @@ class GradBuffer:
             raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
         for p in unique:
             if not p.is_contiguous() and any(p.stride()):
-                raise ValueError(f"GradBuffer: parameter of shape {tuple(p.shape)} is not "
-                                 "contiguous")
+                raise ValueError(f"GradBuffer: parameter of shape {tuple(p.shape)} is not contiguous")
         self.params = unique[::-1]
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.param_range: dict[int, Range] = {}
@@ -125,8 +124,8 @@ class GradBuffer:
         self.shard_numel = self.padded_numel // dp_size
         # id(param) -> indices of the buckets it overlaps (a parameter may span several)
         self.param_buckets: dict[int, tuple[int, ...]] = {
-            id(p): tuple(b.index for b in self.buckets if i in b.params)
-            for i, p in enumerate(self.params)}
+            id(p): tuple(b.index for b in self.buckets if i in b.params) for i, p in enumerate(self.params)
+        }
         # increasing ends, for the range look-ups below (bisect instead of a scan per call)
         self._shard_local_ends = [b.shard_local.end for b in self.buckets]
         self._param_ends = [self.param_range[id(p)].end for p in self.params]
@@ -137,8 +136,9 @@ class GradBuffer:
             world = Range(start, min(start + self.bucket_size, self.padded_numel))
             n = world.size // self.dp_size
             shard_world = Range(start + self.dp_rank * n, start + (self.dp_rank + 1) * n)
-            members = tuple(i for i, p in enumerate(self.params)
-                            if self.param_range[id(p)].intersect(world) is not None)
+            members = tuple(
+                i for i, p in enumerate(self.params) if self.param_range[id(p)].intersect(world) is not None
+            )
             buckets.append(Bucket(k, world, shard_world, Range(local, local + n), members))
             local += n
         return buckets
@@ -155,7 +155,7 @@ class GradBuffer:
         position. Pieces come in increasing local order, one per bucket touched.
         """
         pieces = []
-        for b in self.buckets[bisect.bisect_right(self._shard_local_ends, local.start):]:
+        for b in self.buckets[bisect.bisect_right(self._shard_local_ends, local.start) :]:
             if b.shard_local.start >= local.end:
                 break
             part = b.shard_local.intersect(local)
@@ -171,7 +171,7 @@ class GradBuffer:
         Padding (world indices past ``numel``) belongs to no parameter and is skipped.
         """
         out = []
-        for p in self.params[bisect.bisect_right(self._param_ends, world.start):]:
+        for p in self.params[bisect.bisect_right(self._param_ends, world.start) :]:
             r = self.param_range[id(p)]
             if r.start >= world.end:
                 break

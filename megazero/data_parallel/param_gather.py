@@ -30,6 +30,7 @@ without calling the embedding module. Before anything else reads the parameters 
 optimizer step, a checkpoint save, an evaluation, the end of training) call
 :meth:`ParamGatherOverlap.wait_all`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -58,10 +59,12 @@ class ParamGatherOverlap:
     def __init__(self, chunks: list[nn.Module], buffers: list, group):
         for buf in buffers:
             if not buf.strategy.gathers_after_step:
-                raise ValueError(f"overlap_param_gather needs ZeRO stage 1 or 2, got stage "
-                                 f"{buf.strategy.stage}; fix: --overlap-param-gather off")
+                raise ValueError(
+                    f"overlap_param_gather needs ZeRO stage 1 or 2, got stage "
+                    f"{buf.strategy.stage}; fix: --overlap-param-gather off"
+                )
         self.group, self.waits, self.waits_all, self.starts = group, 0, 0, 0
-        where = {}   # id(param) -> (buffer, bucket indices)
+        where = {}  # id(param) -> (buffer, bucket indices)
         for buf in buffers:
             for p in buf.layout.params:
                 where[id(p)] = (buf, buf.layout.param_buckets[id(p)])
@@ -74,10 +77,10 @@ class ParamGatherOverlap:
             for p in chunk.parameters():
                 if id(p) in where:
                     self._append(*where[id(p)])
-        for buf in buffers:   # buckets no parameter of any chunk reached (none expected)
+        for buf in buffers:  # buckets no parameter of any chunk reached (none expected)
             self._append(buf, range(len(buf.layout.buckets)))
-        self._pending: list = []   # work handles (None when done), in ``order``
-        self._next = 0             # first position not yet waited for
+        self._pending: list = []  # work handles (None when done), in ``order``
+        self._next = 0  # first position not yet waited for
         for cid, chunk in enumerate(chunks):
             self._hook_chunk(cid, chunk, buffers, where)
 
@@ -88,15 +91,19 @@ class ParamGatherOverlap:
                 self.order.append((buf, k))
 
     def _hook_chunk(self, cid: int, chunk: nn.Module, buffers: list, where: dict) -> None:
-        shared = [self._position[(id(b), k)] for b in buffers if b.chunk_id == cid and b.shared
-                  for k in range(len(b.layout.buckets))]
+        shared = [
+            self._position[(id(b), k)]
+            for b in buffers
+            if b.chunk_id == cid and b.shared
+            for k in range(len(b.layout.buckets))
+        ]
         if shared:
             self._register(chunk, max(shared))
         for module in self._hook_modules(chunk):
-            params = (module.parameters() if _is_compiled(module)
-                      else module.parameters(recurse=False))
-            needed = [self._position[(id(where[id(p)][0]), k)]
-                      for p in params if id(p) in where for k in where[id(p)][1]]
+            params = module.parameters() if _is_compiled(module) else module.parameters(recurse=False)
+            needed = [
+                self._position[(id(where[id(p)][0]), k)] for p in params if id(p) in where for k in where[id(p)][1]
+            ]
             if needed:
                 self._register(module, max(needed))
 
@@ -113,6 +120,7 @@ class ParamGatherOverlap:
     def _register(self, module: nn.Module, position: int) -> None:
         def hook(_module, _args):
             self._wait_upto(position, by_hook=True)
+
         module.register_forward_pre_hook(eager_hook(module, hook))
 
     @torch.no_grad()
@@ -125,17 +133,16 @@ class ParamGatherOverlap:
         the previous ``start`` are still pending.
         """
         if self.pending():
-            raise RuntimeError("ParamGatherOverlap.start with all-gathers still pending: call "
-                               "wait_all() first")
+            raise RuntimeError("ParamGatherOverlap.start with all-gathers still pending: call wait_all() first")
         self.starts += 1
         self._pending, self._next = [], 0
         for buf, k in self.order:
             b = buf.layout.buckets[k]
-            shard = buf.params_flat[b.shard_world.start:b.shard_world.end]
+            shard = buf.params_flat[b.shard_world.start : b.shard_world.end]
             fill = fills.get(id(buf))
             if fill is not None:
                 fill(b.shard_local.start, b.shard_local.end, shard)
-            full = buf.params_flat[b.range.start:b.range.end]
+            full = buf.params_flat[b.range.start : b.range.end]
             group = self.group if buf.group is None else buf.group
             self._pending.append(C.all_gather_into(full, shard, group, async_op=True))
 

@@ -11,6 +11,7 @@ DeepSpeed's ``zero_optimization.stage``) reaches a policy through :func:`shardin
 asks the policy, never compares stage numbers. This module imports nothing (the config package,
 which must not import torch, asks it too).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -50,8 +51,7 @@ class ShardingPolicy:
         return numel / n if cls.shards_optimizer else numel
 
     @classmethod
-    def formula_bytes(cls, psi: float, n: int, param_bytes: int, grad_bytes: int,
-                      main_bytes: int) -> float:
+    def formula_bytes(cls, psi: float, n: int, param_bytes: int, grad_bytes: int, main_bytes: int) -> float:
         """Persistent model-state bytes per rank for ``psi`` elements over ``n`` data-parallel
         ranks: parameters (``param_bytes`` each) + gradients (``grad_bytes``) + fp32 main params
         (``main_bytes``) and the two fp32 Adam moments (8), each divided by ``n`` where sharded.
@@ -107,8 +107,9 @@ class ShardParameters(ShardGradients):
         return (param_bytes + grad_bytes + main_bytes + 8) * psi / n
 
 
-POLICIES: dict[int, type[ShardingPolicy]] = {p.stage: p for p in (Replicated, ShardOptimizer, ShardGradients,
-                                                                  ShardParameters)}
+POLICIES: dict[int, type[ShardingPolicy]] = {
+    p.stage: p for p in (Replicated, ShardOptimizer, ShardGradients, ShardParameters)
+}
 """The user's ZeRO stage -> its policy (each policy's ``stage``; the strategies extend these)."""
 
 

@@ -27,10 +27,10 @@ the paper's formula: the answers the config and the planner read without process
   parameter shard; ``gather``/``release`` around each gather unit's forward and backward
   (``zero3_gather``: per layer, prefetched).
 """
+
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -80,8 +80,8 @@ class ShardingStrategy(ShardingPolicy):
         buf.params_flat = torch.zeros(layout.padded_numel, dtype=buf.param_dtype, device=buf.device)
         for p in layout.params:
             r = layout.param_range[id(p)]
-            buf.params_flat[r.start:r.end].copy_(values(p).reshape(-1))
-            p.data = buf.params_flat[r.start:r.end].view_as(p)
+            buf.params_flat[r.start : r.end].copy_(values(p).reshape(-1))
+            p.data = buf.params_flat[r.start : r.end].view_as(p)
 
     def gather(self, buf: "ShardedBuffer", group) -> None:
         """Make ``buf``'s parameters whole before compute (ZeRO-3)."""
@@ -96,7 +96,7 @@ class ShardingStrategy(ShardingPolicy):
 
     def owned_param_view(self, buf: "ShardedBuffer", own) -> torch.Tensor:
         """1-D view of the model parameters of an owned run (model dtype)."""
-        return buf.params_flat[own.world.start:own.world.end]
+        return buf.params_flat[own.world.start : own.world.end]
 
     # -- what this rank owns ----------------------------------------------------------------
     def owned_ranges(self, layout: GradBuffer) -> list[tuple[Range, Range]]:
@@ -112,13 +112,13 @@ class ShardingStrategy(ShardingPolicy):
         return torch.zeros(layout.padded_numel, dtype=dtype, device=device)
 
     def grad_view(self, buf: "ShardedBuffer", world: Range, local: Range) -> torch.Tensor:
-        return buf.grads[world.start:world.end]
+        return buf.grads[world.start : world.end]
 
     def accumulate(self, buf: "ShardedBuffer", param, flat: torch.Tensor, stage_piece) -> None:
         """Add ``param``'s gradient ``flat`` (1-D) into the storage; ``stage_piece(buf, k, pr,
         flat)`` copies its part of bucket ``k`` into a staging buffer (stage 2)."""
         pr = buf.layout.param_range[id(param)]
-        buf.grads[pr.start:pr.end].add_(flat)
+        buf.grads[pr.start : pr.end].add_(flat)
 
     def start_reduce(self, buf: "ShardedBuffer", k: int, group, async_op: bool):
         """Start bucket ``k``'s DP reduction; returns ``(work handle or None, staged)``."""
@@ -128,7 +128,7 @@ class ShardingStrategy(ShardingPolicy):
         """After the reduction of bucket ``k`` completed: sum the shard over the replica group
         (hybrid sharding), divide by N / add into the shard."""
         b = buf.layout.buckets[k]
-        shard = buf.grads[b.shard_world.start:b.shard_world.end]
+        shard = buf.grads[b.shard_world.start : b.shard_world.end]
         C.all_reduce_sum(shard, buf.replica_group)
         divide(shard, dp_size)
 
@@ -145,8 +145,7 @@ class ShardingStrategy(ShardingPolicy):
         return pending if overlap else 0
 
     # -- parameters --------------------------------------------------------------------------
-    def gather_params(self, buf: "ShardedBuffer", fill_shard: Callable, chunk_numel: int,
-                      group, dp_size: int) -> int:
+    def gather_params(self, buf: "ShardedBuffer", fill_shard: Callable, chunk_numel: int, group, dp_size: int) -> int:
         """Bring every DP rank the updated parameters of ``buf``; returns the temporary bytes.
 
         ``fill_shard(a, b, out)`` writes this rank's updated values of local range ``[a, b)``
@@ -159,12 +158,12 @@ class ShardingStrategy(ShardingPolicy):
         out = torch.empty(per_rank * dp_size, dtype=dtype, device=shard.device)
         for a in range(0, layout.shard_numel, per_rank):
             b = min(a + per_rank, layout.shard_numel)
-            fill_shard(a, b, shard[:b - a])
-            C.all_gather_into(out[:(b - a) * dp_size], shard[:b - a], group)   # rank-major
+            fill_shard(a, b, shard[: b - a])
+            C.all_gather_into(out[: (b - a) * dp_size], shard[: b - a], group)  # rank-major
             for rank in range(dp_size):
                 for world, local in layout.local_to_world(Range(a, b), rank):
                     src = rank * (b - a) + local.start - a
-                    buf.params_flat[world.start:world.end].copy_(out[src:src + world.size])
+                    buf.params_flat[world.start : world.end].copy_(out[src : src + world.size])
         return (shard.numel() + out.numel()) * shard.element_size()
 
     def gather_bound_bytes(self, buf: "ShardedBuffer", chunk_numel: int, dp_size: int) -> int:
@@ -184,11 +183,11 @@ class Stage0(Replicated, ShardingStrategy):
 
     def start_reduce(self, buf, k, group, async_op):
         r = buf.layout.buckets[k].range
-        return C.all_reduce_sum(buf.grads[r.start:r.end], group, async_op), None
+        return C.all_reduce_sum(buf.grads[r.start : r.end], group, async_op), None
 
     def finish_reduce(self, buf, k, staged, dp_size):
         r = buf.layout.buckets[k].range
-        divide(buf.grads[r.start:r.end], dp_size)
+        divide(buf.grads[r.start : r.end], dp_size)
 
     def gather_params(self, buf, fill_shard, chunk_numel, group, dp_size):
         """Every rank owns everything: write the updated values in place (nothing when the
@@ -207,8 +206,9 @@ class Stage1(ShardOptimizer, ShardingStrategy):
 
     def start_reduce(self, buf, k, group, async_op):
         b = buf.layout.buckets[k]
-        return C.reduce_scatter_sum(buf.grads[b.shard_world.start:b.shard_world.end],
-                                    buf.grads[b.range.start:b.range.end], group, async_op), None
+        return C.reduce_scatter_sum(
+            buf.grads[b.shard_world.start : b.shard_world.end], buf.grads[b.range.start : b.range.end], group, async_op
+        ), None
 
 
 class Stage2(ShardGradients, ShardingStrategy):
@@ -217,10 +217,10 @@ class Stage2(ShardGradients, ShardingStrategy):
     reduces_each_microbatch = True
 
     def allocate_grads(self, layout, dtype, device):
-        return torch.zeros(layout.shard_numel, dtype=dtype, device=device)   # local coords
+        return torch.zeros(layout.shard_numel, dtype=dtype, device=device)  # local coords
 
     def grad_view(self, buf, world, local):
-        return buf.grads[local.start:local.end]
+        return buf.grads[local.start : local.end]
 
     def accumulate(self, buf, param, flat, stage_piece):
         pr = buf.layout.param_range[id(param)]
@@ -229,18 +229,17 @@ class Stage2(ShardGradients, ShardingStrategy):
 
     def start_reduce(self, buf, k, group, async_op):
         b = buf.layout.buckets[k]
-        staged = buf.staging.pop(k)   # the next micro-batch stages into another buffer
+        staged = buf.staging.pop(k)  # the next micro-batch stages into another buffer
         off = b.shard_world.start - b.range.start
-        return C.reduce_scatter_sum(staged[off:off + b.shard_size], staged, group,
-                                    async_op), staged
+        return C.reduce_scatter_sum(staged[off : off + b.shard_size], staged, group, async_op), staged
 
     def finish_reduce(self, buf, k, staged, dp_size):
         b = buf.layout.buckets[k]
         off = b.shard_world.start - b.range.start
-        buf.grads[b.shard_local.start:b.shard_local.end].add_(staged[off:off + b.shard_size])
+        buf.grads[b.shard_local.start : b.shard_local.end].add_(staged[off : off + b.shard_size])
 
     def finish_sync(self, buf, dp_size):
-        C.all_reduce_sum(buf.grads, buf.replica_group)   # hybrid sharding; no-op when flat
+        C.all_reduce_sum(buf.grads, buf.replica_group)  # hybrid sharding; no-op when flat
         divide(buf.grads, dp_size)
 
     def needs_flush(self, buf, k):
@@ -253,8 +252,10 @@ class Stage2(ShardGradients, ShardingStrategy):
 def _own_values(p: torch.Tensor) -> torch.Tensor:
     """``p``'s own values; ValueError for a placeholder (zero strides: one value repeated)."""
     if p.numel() > 1 and not any(p.stride()):
-        raise ValueError(f"parameter of shape {tuple(p.shape)} is a placeholder holding no values; "
-                         "give DataParallel its initial_values (model.build.initial_values)")
+        raise ValueError(
+            f"parameter of shape {tuple(p.shape)} is a placeholder holding no values; "
+            "give DataParallel its initial_values (model.build.initial_values)"
+        )
     return p.data
 
 
@@ -276,24 +277,33 @@ class ShardedBuffer:
     ``replica_rank`` this rank's index in it (0 when flat: the copy the norm and checkpoints count).
     """
 
-    def __init__(self, layout: GradBuffer, chunk_id: int, shared: bool,
-                 strategy: ShardingStrategy, grad_dtype: torch.dtype,
-                 values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, *,
-                 group=None, divisor: Optional[int] = None, replica_group=None):
+    def __init__(
+        self,
+        layout: GradBuffer,
+        chunk_id: int,
+        shared: bool,
+        strategy: ShardingStrategy,
+        grad_dtype: torch.dtype,
+        values: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        *,
+        group=None,
+        divisor: Optional[int] = None,
+        replica_group=None,
+    ):
         self.layout, self.chunk_id, self.shared, self.strategy = layout, chunk_id, shared, strategy
         self.group, self.divisor = group, layout.dp_size if divisor is None else divisor
         self.replica_group, self.replica_rank = replica_group, C.group_rank(replica_group)
         first = layout.params[0]
         self.param_dtype, self.device = first.dtype, first.device
         self.main_is_param = first.dtype == torch.float32
-        self.params_flat = self.params_shard = None   # stage 3: the shard, local coordinates
+        self.params_flat = self.params_shard = None  # stage 3: the shard, local coordinates
         with torch.no_grad():
             strategy.init_params(self, values or _own_values)
         self.grads = strategy.allocate_grads(layout, grad_dtype, self.device)
-        self.staging: dict[int, torch.Tensor] = {}   # stage 2: bucket index -> [bucket size]
+        self.staging: dict[int, torch.Tensor] = {}  # stage 2: bucket index -> [bucket size]
         self.next_issue = 0
-        self.solo = False   # set by DataParallel: no rank to reduce with, the hooks only store
-        self.untouched: set = set()   # solo: id of each parameter whose range holds no gradient of this step yet
+        self.solo = False  # set by DataParallel: no rank to reduce with, the hooks only store
+        self.untouched: set = set()  # solo: id of each parameter whose range holds no gradient of this step yet
         self.reset_tracking()
 
     def reset_tracking(self) -> None:
@@ -303,8 +313,9 @@ class ShardedBuffer:
 
     def owned(self) -> list[OwnedRange]:
         """This rank's owned runs with their reduced gradients, in local order."""
-        return [OwnedRange(w, l, self.strategy.grad_view(self, w, l))
-                for w, l in self.strategy.owned_ranges(self.layout)]
+        return [
+            OwnedRange(w, l, self.strategy.grad_view(self, w, l)) for w, l in self.strategy.owned_ranges(self.layout)
+        ]
 
     def owned_numel(self) -> int:
         return self.strategy.owned_numel(self.layout)
@@ -315,18 +326,16 @@ class ShardedBuffer:
 
     def param_values(self, world: Range) -> torch.Tensor:
         """1-D view of the model parameters in world range ``world`` (model dtype)."""
-        return self.params_flat[world.start:world.end]
+        return self.params_flat[world.start : world.end]
 
     def grad_bytes(self) -> int:
         return self.grads.numel() * self.grads.element_size()
 
     def param_bytes(self) -> int:
         """Bytes of parameter storage held now (full buffer and/or ZeRO-3 shard)."""
-        return sum(t.numel() * t.element_size() for t in (self.params_flat, self.params_shard)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.params_flat, self.params_shard) if t is not None)
 
     def gather_params(self, fill_shard: Callable, chunk_numel: int) -> int:
         """See :meth:`ShardingStrategy.gather_params` (over this buffer's ``group``); returns
         the temporary bytes used."""
         return self.strategy.gather_params(self, fill_shard, chunk_numel, self.group, self.layout.dp_size)
-

@@ -26,6 +26,7 @@ the optimizer's main params after the step (:mod:`megazero.offload.param_swap`).
 Persistent memory is (p + g + m + 8) Psi / N per rank (the p Psi / N part on the host with
 offload) plus the gathered units while they compute.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,9 +57,9 @@ class Stage3(ShardParameters, Stage2):
         parameter's partition. The parameters are then released (zero-stride placeholders)."""
         layout, device = buf.layout, buf.device
         buf.host_arena, buf.swapped = None, False
-        if self.param_swap is not None:   # its own storage: resized to 0 bytes when swapped out
+        if self.param_swap is not None:  # its own storage: resized to 0 bytes when swapped out
             buf.params_shard = torch.zeros(layout.shard_numel, dtype=buf.param_dtype, device="cpu")
-        elif self.offload_param:   # zero-filled: the padding stays 0
+        elif self.offload_param:  # zero-filled: the padding stays 0
             buf.host_arena = HostArena([layout.shard_numel], buf.param_dtype, pin=can_pin(device))
             buf.params_shard = buf.host_arena.parts[0]
         else:
@@ -67,20 +68,20 @@ class Stage3(ShardParameters, Stage2):
             r, flat = layout.param_range[id(p)], None
             for k in layout.param_buckets[id(p)]:
                 b = layout.buckets[k]
-                part = r.intersect(b.shard_world)   # world range of p in this rank's shard of b
+                part = r.intersect(b.shard_world)  # world range of p in this rank's shard of b
                 if part is None:
                     continue
                 flat = values(p).reshape(-1) if flat is None else flat
                 at = b.shard_local.start + part.start - b.shard_world.start
-                buf.params_shard[at:at + part.size].copy_(flat[part.start - r.start:part.end - r.start])
+                buf.params_shard[at : at + part.size].copy_(flat[part.start - r.start : part.end - r.start])
         buf.placeholder = torch.zeros(1, dtype=buf.param_dtype, device=device)
         buf.pending_gather, buf.offloaded, buf.full = None, self.offload_param, None
         if self.param_swap is not None:
-            self.param_swap.add(buf)   # written to the swap file unless kept within max_in_cpu
+            self.param_swap.add(buf)  # written to the swap file unless kept within max_in_cpu
         self.release(buf)
 
     def owned_param_view(self, buf, own):
-        return buf.params_shard[own.local.start:own.local.end]
+        return buf.params_shard[own.local.start : own.local.end]
 
     def start_gather(self, buf, group, async_op: bool) -> None:
         """Issue the all-gather of every bucket into a new buffer (kept in
@@ -88,19 +89,18 @@ class Stage3(ShardParameters, Stage2):
         if buf.params_flat is not None or buf.pending_gather is not None:
             return
         layout, device = buf.layout, buf.placeholder.device
-        full = buf.full   # one storage per buffer: tensors autograd saved as its views see it
+        full = buf.full  # one storage per buffer: tensors autograd saved as its views see it
         if full is None:
-            full = buf.full = torch.empty(layout.padded_numel, dtype=buf.params_shard.dtype,
-                                          device=device)
+            full = buf.full = torch.empty(layout.padded_numel, dtype=buf.params_shard.dtype, device=device)
         else:
             full.untyped_storage().resize_(layout.padded_numel * full.element_size())
-        if buf.swapped:   # NVMe: a slot, read from the swap file; given back in finish_gather
+        if buf.swapped:  # NVMe: a slot, read from the swap file; given back in finish_gather
             self.param_swap.acquire(buf, read=True, evict=self.finish_gather)
         works = []
-        for b in layout.buckets:   # rank-major output == the bucket's world layout
-            out = full[b.range.start:b.range.end]
-            shard = buf.params_shard[b.shard_local.start:b.shard_local.end]
-            if shard.device != device:   # offload_param: host -> device (one bucket's shard)
+        for b in layout.buckets:  # rank-major output == the bucket's world layout
+            out = full[b.range.start : b.range.end]
+            shard = buf.params_shard[b.shard_local.start : b.shard_local.end]
+            if shard.device != device:  # offload_param: host -> device (one bucket's shard)
                 shard = shard.to(device, non_blocking=True)
             works.append(C.all_gather_into(out, shard, group, async_op=async_op))
         buf.pending_gather = (full, works)
@@ -115,10 +115,10 @@ class Stage3(ShardParameters, Stage2):
                 w.wait()
         buf.pending_gather, buf.params_flat = None, full
         if buf.swapped:
-            self.param_swap.drop(buf)   # the shard is unchanged until the step: nothing to write
+            self.param_swap.drop(buf)  # the shard is unchanged until the step: nothing to write
         for p in buf.layout.params:
             r = buf.layout.param_range[id(p)]
-            p.data = full[r.start:r.end].view_as(p)
+            p.data = full[r.start : r.end].view_as(p)
 
     def gather(self, buf, group) -> None:
         """All-gather every bucket into a new ``params_flat`` now; point the params at it."""

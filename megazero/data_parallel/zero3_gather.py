@@ -23,6 +23,7 @@ position first). Every decision depends only on the module structure and the sch
 which are the same on all DP ranks, so the collectives match; gathering only copies values,
 so every setting gives bit-identical results.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,13 +66,13 @@ class Unit:
     """One gather unit: its buffers, elements (padded), chunk and place in the forward trace."""
 
     chunk_id: int
-    module: Optional[nn.Module]          # None: the chunk's remaining parameters
+    module: Optional[nn.Module]  # None: the chunk's remaining parameters
     buffers: list = field(default_factory=list)
     numel: int = 0
-    position: int = -1                   # index in the chunk's forward trace
-    in_forward: int = 0                  # forwards running now
-    in_backward: bool = False            # backward started, gradients not all arrived
-    done: set = field(default_factory=set)   # buffers whose gradients all arrived
+    position: int = -1  # index in the chunk's forward trace
+    in_forward: int = 0  # forwards running now
+    in_backward: bool = False  # backward started, gradients not all arrived
+    done: set = field(default_factory=set)  # buffers whose gradients all arrived
 
 
 def split_units(params: list, modules: list, threshold: int):
@@ -106,7 +107,7 @@ class Zero3Gather:
         self.ddp, self.opt = ddp, options
         self.units: list[Unit] = []
         self.trace: dict[int, list[Unit]] = {}
-        self.traced: set[int] = set()       # chunks whose forward trace is complete
+        self.traced: set[int] = set()  # chunks whose forward trace is complete
         self._unit_of: dict[int, Unit] = {}
         self.live = self.peak_live = self.prefetches = 0
         self.itemsize = 0
@@ -171,8 +172,10 @@ class Zero3Gather:
     def _make_room(self, need: Unit) -> None:
         """Release idle gathered units (lowest trace position first) until ``need`` fits
         under ``max_live_parameters`` or none is left to release."""
-        idle = sorted((u for u in self.units if u is not need and self._gathered(u)
-                       and not self._busy(u)), key=lambda u: (u.chunk_id, u.position))
+        idle = sorted(
+            (u for u in self.units if u is not need and self._gathered(u) and not self._busy(u)),
+            key=lambda u: (u.chunk_id, u.position),
+        )
         for u in idle:
             if self.live + need.numel <= self.opt.max_live_parameters:
                 return
@@ -184,7 +187,7 @@ class Zero3Gather:
         order = self.trace.get(u.chunk_id, [])
         if self.opt.prefetch_bucket_size <= 0 or u.chunk_id not in self.traced or u.position < 0:
             return
-        nxt = order[:u.position][::-1] if backward else order[u.position + 1:]
+        nxt = order[: u.position][::-1] if backward else order[u.position + 1 :]
         budget = self.opt.prefetch_bucket_size
         for v in nxt:
             if self._gathered(v):
@@ -197,7 +200,7 @@ class Zero3Gather:
 
     # -- hooks -----------------------------------------------------------------------------
     def _pre_forward(self, u: Unit) -> None:
-        backward = _in_backward()   # a recomputed forward runs inside the backward
+        backward = _in_backward()  # a recomputed forward runs inside the backward
         cid = u.chunk_id
         if u.module is not None and cid not in self.traced and not backward and u.position < 0:
             u.position = len(self.trace.setdefault(cid, []))
@@ -208,7 +211,7 @@ class Zero3Gather:
 
     def _post_forward(self, u: Unit, out) -> None:
         u.in_forward -= 1
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda g, u=u: self._pre_backward(u))
         if u.in_forward == 0 and not u.in_backward and not self._keep_after_forward(u):
@@ -220,13 +223,13 @@ class Zero3Gather:
         ``u`` in the trace are gathered before ``u``'s backward)."""
         if not self.opt.reshard_after_forward or _in_backward():
             return True
-        if not torch.is_grad_enabled():   # no backward follows (evaluation, generation)
+        if not torch.is_grad_enabled():  # no backward follows (evaluation, generation)
             return False
-        if u.module is None:   # the chunk's own parameters: its backward comes next
+        if u.module is None:  # the chunk's own parameters: its backward comes next
             return self.opt.max_reuse_distance >= 0
         if u.chunk_id not in self.traced:
             return False
-        distance = sum(v.numel for v in self.trace[u.chunk_id][u.position + 1:])
+        distance = sum(v.numel for v in self.trace[u.chunk_id][u.position + 1 :])
         return distance <= self.opt.max_reuse_distance
 
     def _pre_backward(self, u: Unit) -> None:

@@ -26,6 +26,7 @@ Functions (an all-to-all's backward is the all-to-all with the splits swapped; a
 reduce-scatter are each other's backward), so the expert gradients sum the tokens of every
 ep rank and the routing weights' gradients return to the router that made them.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -34,7 +35,7 @@ import torch
 
 from megazero import collectives as C
 
-Expert = Callable[[torch.Tensor], torch.Tensor]   # rows [n, H] -> outputs [n, W]
+Expert = Callable[[torch.Tensor], torch.Tensor]  # rows [n, H] -> outputs [n, W]
 
 
 def run_expert(expert: Expert, rows: torch.Tensor, pad_to=None) -> torch.Tensor:
@@ -117,7 +118,7 @@ def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
 def _sorted_assignments(assigned: torch.Tensor):
     """The kept assignments of ``assigned [N, k]`` (-1 = dropped) sorted by expert, token order
     inside an expert: ``(token [S], slot [S], expert [S])`` int64."""
-    tok, slot = (assigned >= 0).nonzero(as_tuple=True)              # token-major
+    tok, slot = (assigned >= 0).nonzero(as_tuple=True)  # token-major
     expert = assigned[tok, slot]
     order = torch.sort(expert, stable=True).indices
     return tok[order], slot[order], expert[order]
@@ -137,26 +138,35 @@ def run_blocks(experts: list, rows: torch.Tensor, sizes: list[int], pad_to=None)
     return torch.cat([run_expert(e, b, pad_to) for e, b in zip(experts, rows.split(sizes))])
 
 
-def local_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
-                  experts: Mapping[int, Expert], pad_to=None) -> torch.Tensor:
+def local_experts(
+    x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor, experts: Mapping[int, Expert], pad_to=None
+) -> torch.Tensor:
     """The routing-weighted sum of the outputs of ``experts`` (consecutive global indices) on
     the rows assigned to them: ``x [N, H]``, ``weights [N, k]``, ``assigned [N, k]`` (int64,
     -1 or an expert not in ``experts``: skipped) -> ``[N, W]``. The assignments are sorted by
     expert once (token order inside an expert), the rows gathered once and split, each expert
     runs on its block (also on none; ``pad_to``: ``run_expert``), and one ``index_add`` in that
-    order adds them up (``run_blocks``: one grouped GEMM where offered): the arithmetic of a loop over experts adding each expert's weighted
+    order adds them up (``run_blocks``: one grouped GEMM where offered): the arithmetic of a loop over experts adding
+    each expert's weighted
     outputs token by token, without one ``[N, H]`` copy and one ``[N, H]`` gradient per expert."""
     first, n = min(experts), len(experts)
     local = (assigned >= first) & (assigned < first + n)
     tok, slot, expert = _sorted_assignments(assigned.masked_fill(~local, -1))
-    sizes = torch.bincount(expert - first, minlength=n).tolist()                     # one host sync
-    y = run_blocks([experts[first + j] for j in range(n)], x[tok], sizes, pad_to)     # rows by expert
+    sizes = torch.bincount(expert - first, minlength=n).tolist()  # one host sync
+    y = run_blocks([experts[first + j] for j in range(n)], x[tok], sizes, pad_to)  # rows by expert
     return x.new_zeros((x.shape[0], y.shape[1])).index_add(0, tok, y * weights[tok, slot, None])
 
 
-def alltoall_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
-                     experts: Mapping[int, Expert], num_experts: int, group, ep_rank: int,
-                     capacity=None) -> torch.Tensor:
+def alltoall_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    assigned: torch.Tensor,
+    experts: Mapping[int, Expert],
+    num_experts: int,
+    group,
+    ep_rank: int,
+    capacity=None,
+) -> torch.Tensor:
     """The weighted expert outputs of this rank's tokens through the all-to-all dispatcher
     (module docstring): ``x [N, H]``, ``weights [N, k]`` (the routing weights), ``assigned
     [N, k]`` (int64 expert of each assignment, -1 for a dropped one); ``experts`` this rank's
@@ -166,39 +176,46 @@ def alltoall_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Ten
     ep = C.group_size(group)
     local, pad_to = num_experts // ep, None if capacity is None else ep * capacity
     tok, slot, expert = _sorted_assignments(assigned)
-    counts = torch.bincount(expert, minlength=num_experts)                           # [E] to each expert
+    counts = torch.bincount(expert, minlength=num_experts)  # [E] to each expert
     recv_counts = torch.empty_like(counts)
-    C.all_to_all_single(recv_counts, counts, [local] * ep, [local] * ep, group)      # [EP sources x E/EP]
+    C.all_to_all_single(recv_counts, counts, [local] * ep, [local] * ep, group)  # [EP sources x E/EP]
     send_rows = counts.view(ep, local).sum(1).tolist()
     recv_matrix = recv_counts.view(ep, local)
     recv_rows = recv_matrix.sum(1).tolist()
-    received = _AllToAll.apply(x[tok], recv_rows, send_rows, group)                   # [R, H], source-major
+    received = _AllToAll.apply(x[tok], recv_rows, send_rows, group)  # [R, H], source-major
     # reorder expert-major (source order inside an expert), run each local expert, restore the order
     expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv_matrix.reshape(-1))
-    perm = torch.sort(expert_of_row, stable=True).indices                            # [R] expert-major
+    perm = torch.sort(expert_of_row, stable=True).indices  # [R] expert-major
     mine = [experts[ep_rank * local + j] for j in range(local)]
     y = run_blocks(mine, received[perm], recv_matrix.sum(0).tolist(), pad_to)
-    y = torch.zeros_like(y).index_copy(0, perm, y)                                   # [R, W] source-major
-    back = _AllToAll.apply(y, send_rows, recv_rows, group)                           # [S, W] expert-sorted
+    y = torch.zeros_like(y).index_copy(0, perm, y)  # [R, W] source-major
+    back = _AllToAll.apply(y, send_rows, recv_rows, group)  # [S, W] expert-sorted
     out = x.new_zeros((x.shape[0], back.shape[1]))
     return out.index_add(0, tok, back * weights[tok, slot, None])
 
 
-def allgather_experts(x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor,
-                      experts: Mapping[int, Expert], num_experts: int, group, ep_rank: int,
-                      capacity=None) -> torch.Tensor:
+def allgather_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    assigned: torch.Tensor,
+    experts: Mapping[int, Expert],
+    num_experts: int,
+    group,
+    ep_rank: int,
+    capacity=None,
+) -> torch.Tensor:
     """The weighted expert outputs of this rank's tokens through the all-gather dispatcher
     (module docstring); arguments and result as :func:`alltoall_experts`. Every rank of the
     ep group must hold the same number of tokens N (one micro-batch shape)."""
     ep = C.group_size(group)
     local, pad_to = num_experts // ep, None if capacity is None else ep * capacity
-    x_all = _GatherRows.apply(x, group)                                              # [EP N, H]
-    w_all = _GatherRows.apply(weights, group)                                        # [EP N, k]
+    x_all = _GatherRows.apply(x, group)  # [EP N, H]
+    w_all = _GatherRows.apply(weights, group)  # [EP N, k]
     a_all = assigned.new_empty((x_all.shape[0], assigned.shape[1]))
     C.all_gather_into(a_all.view(-1), assigned.contiguous().view(-1), group)
     mine = {e: experts[e] for e in range(ep_rank * local, (ep_rank + 1) * local)}
-    out = local_experts(x_all, w_all, a_all, mine, pad_to)                          # [EP N, W]
-    return _ReduceScatterRows.apply(out, group)                                      # [N, W]
+    out = local_experts(x_all, w_all, a_all, mine, pad_to)  # [EP N, W]
+    return _ReduceScatterRows.apply(out, group)  # [N, W]
 
 
 DISPATCHERS = {"alltoall": alltoall_experts, "allgather": allgather_experts}

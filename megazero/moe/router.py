@@ -31,6 +31,7 @@ router's top-k. Flag names and meanings are Megatron-LM's (``--moe-router-topk``
   layer's output (the output itself unchanged), so the losses need no second path through
   the pipeline schedule (Megatron-core's ``MoEAuxLossAutoScaler`` does the same).
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,13 @@ class Routing:
     scores: torch.Tensor
 
 
-def route(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
-          expert_bias: Optional[torch.Tensor] = None) -> Routing:
+def route(
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    expert_bias: Optional[torch.Tensor] = None,
+) -> Routing:
     """Choose ``topk`` experts per token from ``logits [T, E]`` (computed in fp32).
 
     ``softmax``: with ``pre_softmax`` the k largest of ``softmax(logits)`` (weights not
@@ -123,8 +129,9 @@ def aux_loss(scores: torch.Tensor, experts: torch.Tensor, topk: int, coeff: floa
     return coeff * E * (f * scores.mean(0)).sum()
 
 
-def seq_aux_loss(scores: torch.Tensor, experts: torch.Tensor, topk: int, seq_length: int,
-                 coeff: float = 1.0) -> torch.Tensor:
+def seq_aux_loss(
+    scores: torch.Tensor, experts: torch.Tensor, topk: int, seq_length: int, coeff: float = 1.0
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss (eq. 17-20): :func:`aux_loss` of each sequence
     (consecutive ``seq_length`` rows of ``scores [T, E]`` / ``experts [T, k]``; tokens in
     batch-major order) averaged over the ``T / seq_length`` sequences. Raises ValueError when
@@ -133,9 +140,9 @@ def seq_aux_loss(scores: torch.Tensor, experts: torch.Tensor, topk: int, seq_len
     if T % seq_length:
         raise ValueError(f"{T} tokens are not whole sequences of {seq_length}")
     B = T // seq_length
-    one_hot = F.one_hot(experts.reshape(B, seq_length * topk), E).to(scores.dtype)   # [B, S k, E]
-    f = one_hot.sum(1) / (seq_length * topk)                                         # [B, E]
-    P = scores.reshape(B, seq_length, E).mean(1)                                     # [B, E]
+    one_hot = F.one_hot(experts.reshape(B, seq_length * topk), E).to(scores.dtype)  # [B, S k, E]
+    f = one_hot.sum(1) / (seq_length * topk)  # [B, E]
+    P = scores.reshape(B, seq_length, E).mean(1)  # [B, E]
     return coeff * E * (f * P).sum(-1).mean()
 
 
@@ -162,8 +169,9 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_facto
     return math.ceil(num_tokens * topk / num_experts * capacity_factor)
 
 
-def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity: int,
-                  policy: str = "probs") -> torch.Tensor:
+def capacity_keep(
+    probs: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity: int, policy: str = "probs"
+) -> torch.Tensor:
     """Which assignments survive ``capacity`` slots per expert: bool ``[T, k]``.
 
     For each expert, of the assignments ``(t, j)`` with ``experts[t, j] == e``, keep the
@@ -175,7 +183,7 @@ def capacity_keep(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, 
     T, k = experts.shape
     flat_e = experts.reshape(-1)
     token = torch.arange(T, device=experts.device).repeat_interleave(k)
-    if policy == "probs":   # order: expert, then descending prob, then token
+    if policy == "probs":  # order: expert, then descending prob, then token
         order = torch.sort(token, stable=True).indices
         order = order[torch.sort(-probs.reshape(-1)[order].float(), stable=True).indices]
     else:

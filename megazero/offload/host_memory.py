@@ -15,6 +15,7 @@ Registered memory is what CUDA needs for asynchronous copies (``cudaMemcpyAsync`
 page-locked memory; ``Tensor.is_pinned()`` is True for it), so ``non_blocking=True`` copies
 to and from the parts are truly asynchronous.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -67,8 +68,7 @@ class HostArena:
     Raises ValueError for a negative size; whatever the registrar raises when pinning fails.
     """
 
-    def __init__(self, sizes: Sequence[int], dtype: torch.dtype, *, pin: bool,
-                 registrar: Optional[Registrar] = None):
+    def __init__(self, sizes: Sequence[int], dtype: torch.dtype, *, pin: bool, registrar: Optional[Registrar] = None):
         if any(n < 0 for n in sizes):
             raise ValueError(f"HostArena: part sizes must be >= 0, got {list(sizes)}")
         # the one intentional host allocation of offload: pinned below when CUDA is there
@@ -76,7 +76,7 @@ class HostArena:
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.parts, start = [], 0
         for n in sizes:
-            self.parts.append(self.flat[start:start + n])
+            self.parts.append(self.flat[start : start + n])
             start += n
         self.pinned_bytes = 0
         if pin and self.nbytes:

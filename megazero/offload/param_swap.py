@@ -36,6 +36,7 @@ preallocated pinned arena: on CUDA the host-to-device copy of a swapped shard is
 page-locked memory (cpu offload's shards are). Checkpoints never read the swap file (they
 hold the optimizer's fp32 state), so runs save and resume across none, cpu and nvme.
 """
+
 from __future__ import annotations
 
 import os
@@ -92,8 +93,10 @@ class ParamSwapper:
 
     def __init__(self, opts: ParamSwapOptions, rank: int):
         if min(opts.buffer_count, opts.buffer_size) < 1 or opts.max_in_cpu < 0:
-            raise ValueError(f"offload_param buffer_count ({opts.buffer_count}) and buffer_size "
-                             f"({opts.buffer_size}) must be >= 1, max_in_cpu ({opts.max_in_cpu}) >= 0")
+            raise ValueError(
+                f"offload_param buffer_count ({opts.buffer_count}) and buffer_size "
+                f"({opts.buffer_size}) must be >= 1, max_in_cpu ({opts.max_in_cpu}) >= 0"
+            )
         self.opts = opts
         self.run_id = uuid.uuid4().hex
         self.swap_dir = os.path.join(opts.nvme_path, f"megazero-{self.run_id}-rank{rank}-params")
@@ -105,7 +108,7 @@ class ParamSwapper:
         self._finalizer = weakref.finalize(self, _cleanup, self.file, self.swap_dir)
         self.swapped: list = []
         self.resident: list = []
-        self.holders: list = []          # buffers holding a slot, oldest first
+        self.holders: list = []  # buffers holding a slot, oldest first
         self.resident_numel = self.peak_slots = self.largest = 0
 
     def add(self, buf) -> None:
@@ -120,8 +123,10 @@ class ParamSwapper:
             buf.swapped = False
             return
         if n > self.opts.buffer_size:
-            raise ValueError(f"offload_param buffer_size {self.opts.buffer_size} is smaller than a ZeRO-3 "
-                             f"parameter shard ({n} elements); fix: --offload-param-buffer-size {n} or more")
+            raise ValueError(
+                f"offload_param buffer_size {self.opts.buffer_size} is smaller than a ZeRO-3 "
+                f"parameter shard ({n} elements); fix: --offload-param-buffer-size {n} or more"
+            )
         buf.swap_at, buf.swapped = self.file.numel, True
         self.file.grow(self.file.numel + shard.numel() * shard.element_size())
         self.file.write(buf.swap_at, shard)
@@ -140,7 +145,7 @@ class ParamSwapper:
         while len(self.holders) >= self.opts.buffer_count:
             oldest = self.holders[0]
             evict(oldest)
-            self.drop(oldest)   # no-op when evict dropped it
+            self.drop(oldest)  # no-op when evict dropped it
         shard = buf.params_shard
         shard.untyped_storage().resize_(shard.numel() * shard.element_size())
         if read:

@@ -2,7 +2,8 @@
 
 One :class:`SwapFile` per rank and run holds this rank's fp32 optimizer state, sub-group after
 sub-group (``element_bytes`` 12; ZeRO-3's parameter shards use one with ``element_bytes`` 1,
-addressed in bytes: ``megazero/offload/param_swap.py``): for the sub-group of local elements ``[a, b)`` the bytes ``main[a:b]``,
+addressed in bytes: ``megazero/offload/param_swap.py``): for the sub-group of local elements ``[a, b)`` the bytes
+``main[a:b]``,
 ``exp_avg[a:b]``, ``exp_avg_sq[a:b]`` (``12 (b - a)`` bytes) start at ``HEADER + 12 a``. The
 first ``HEADER`` bytes hold a header (magic, the run id, the element count), so a file that is
 missing, truncated or from another run is found by :meth:`SwapFile.check` and named in one
@@ -11,6 +12,7 @@ preallocated host tensors (no page-cache tricks, no memmap), on whatever thread 
 optimizer runs it on a small thread pool (``megazero/optim/nvme.py``). Every byte moved is
 counted in :class:`IoCounter`. :func:`check_everywhere` is the step's collective check.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,10 +25,10 @@ import torch
 
 from megazero import collectives as C
 
-HEADER = 4096                       # bytes before the state (one page)
+HEADER = 4096  # bytes before the state (one page)
 MAGIC = b"MZSWAP1\0"
-_FORMAT = "<8s32sq"                 # magic, run id (hex), elements
-BYTES_PER_ELEMENT = 12              # fp32 main param + exp_avg + exp_avg_sq
+_FORMAT = "<8s32sq"  # magic, run id (hex), elements
+BYTES_PER_ELEMENT = 12  # fp32 main param + exp_avg + exp_avg_sq
 
 
 class SwapError(RuntimeError):
@@ -94,8 +96,7 @@ class SwapFile:
     a short read or write.
     """
 
-    def __init__(self, path: str, numel: int, run_id: str, counter: IoCounter,
-                 element_bytes: int = BYTES_PER_ELEMENT):
+    def __init__(self, path: str, numel: int, run_id: str, counter: IoCounter, element_bytes: int = BYTES_PER_ELEMENT):
         self.path, self.run_id, self.counter = path, run_id, counter
         self.element_bytes = element_bytes
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -116,19 +117,25 @@ class SwapFile:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            raise SwapError(f"NVMe swap file {self.path} is missing (deleted during the run); "
-                            "the optimizer state in it is lost: resume from the last checkpoint") from None
+            raise SwapError(
+                f"NVMe swap file {self.path} is missing (deleted during the run); "
+                "the optimizer state in it is lost: resume from the last checkpoint"
+            ) from None
         if st.st_size >= HEADER:
-            with open(self.path, "rb") as f:   # the header, read from the path (not our descriptor)
+            with open(self.path, "rb") as f:  # the header, read from the path (not our descriptor)
                 magic, run, numel = struct.unpack(_FORMAT, f.read(struct.calcsize(_FORMAT)))
             run = run.rstrip(b"\0").decode(errors="replace")
             if (magic, run, numel) != (MAGIC, self.run_id, self.numel):
-                raise SwapError(f"NVMe swap file {self.path} is from another run (run id {run!r}, {numel} "
-                                f"elements; this run {self.run_id!r}, {self.numel}): resume from the last "
-                                "checkpoint")
+                raise SwapError(
+                    f"NVMe swap file {self.path} is from another run (run id {run!r}, {numel} "
+                    f"elements; this run {self.run_id!r}, {self.numel}): resume from the last "
+                    "checkpoint"
+                )
         if st.st_size < self.size:
-            raise SwapError(f"NVMe swap file {self.path} is truncated ({st.st_size} bytes, expected "
-                            f"{self.size}): resume from the last checkpoint")
+            raise SwapError(
+                f"NVMe swap file {self.path} is truncated ({st.st_size} bytes, expected "
+                f"{self.size}): resume from the last checkpoint"
+            )
 
     def read(self, start: int, out: torch.Tensor) -> None:
         self.counter.add(read=self._io(os.preadv, start, out, "read"))
@@ -142,8 +149,10 @@ class SwapFile:
         while done < len(view):
             n = call(self.fd, [view[done:]], offset + done)
             if n <= 0:
-                raise SwapError(f"NVMe swap file {self.path}: short {what} at byte {offset + done} "
-                                f"({done} of {len(view)} bytes; truncated?): resume from the last checkpoint")
+                raise SwapError(
+                    f"NVMe swap file {self.path}: short {what} at byte {offset + done} "
+                    f"({done} of {len(view)} bytes; truncated?): resume from the last checkpoint"
+                )
             done += n
         return done
 

@@ -28,6 +28,7 @@ applied by the same ``param *= 1 - lr * weight_decay`` before a kernel called wi
 ``weight_decay=0``; this is exact because AdamW decays the parameter before, and independently
 of, the moment update.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,9 +39,20 @@ import torch
 from megazero.ops.backend import select_backend
 
 
-def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-              exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
-              eps: float, weight_decay: float | torch.Tensor, backend: str = "auto") -> None:
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float | torch.Tensor,
+    backend: str = "auto",
+) -> None:
     """Apply one AdamW step in place to ``param``, ``exp_avg`` and ``exp_avg_sq``.
 
     Args:
@@ -58,17 +70,38 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """
     if isinstance(weight_decay, torch.Tensor):
         _check([param], [grad], [exp_avg], [exp_avg_sq], step)
-        select_backend(backend, param.device)   # refuse before touching param
+        select_backend(backend, param.device)  # refuse before touching param
         param.mul_(1.0 - lr * weight_decay.to(param.dtype))
         weight_decay = 0.0
-    adam_step_lists([param], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr, beta1=beta1,
-                    beta2=beta2, eps=eps, weight_decay=weight_decay, backend=backend)
+    adam_step_lists(
+        [param],
+        [grad],
+        [exp_avg],
+        [exp_avg_sq],
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        backend=backend,
+    )
 
 
-def adam_step_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                    exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *,
-                    step: int, lr: float, beta1: float, beta2: float, eps: float,
-                    weight_decay: float, backend: str = "auto") -> None:
+def adam_step_lists(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    backend: str = "auto",
+) -> None:
     """One AdamW step in place on every ``params[i]`` with ``grads[i]`` and its moments: one
     multi-tensor kernel call for the whole list (``"torch"``, ``"apex"``; the reference
     backend loops).
@@ -95,13 +128,16 @@ def adam_step_lists(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     kernel = select_backend(backend, params[0].device)
     hyper = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=float(weight_decay))
     {"apex": _apex, "torch": _torch_fused, "reference": _reference}[kernel](
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), **hyper)
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), **hyper
+    )
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, step: int) -> None:
     if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs)):
-        raise ValueError(f"adam_step: list lengths differ: {len(params)} params, {len(grads)} grads, "
-                         f"{len(exp_avgs)} exp_avg, {len(exp_avg_sqs)} exp_avg_sq")
+        raise ValueError(
+            f"adam_step: list lengths differ: {len(params)} params, {len(grads)} grads, "
+            f"{len(exp_avgs)} exp_avg, {len(exp_avg_sqs)} exp_avg_sq"
+        )
     for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
         if not (param.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
             raise ValueError(
@@ -113,8 +149,8 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, step: int) -> None:
 
 
 def _reference(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay):
-    step_size = lr / (1.0 - beta1 ** step)
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    step_size = lr / (1.0 - beta1**step)
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
         if weight_decay != 0.0:
             param.mul_(1.0 - lr * weight_decay)
@@ -129,9 +165,21 @@ def _torch_fused(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2
     # tensor serves the whole list (torch.optim.AdamW keeps one per parameter because it
     # increments them)
     state_step = torch.full((), float(step), dtype=torch.float32, device=params[0].device)
-    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [state_step] * len(params),
-                        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                        amsgrad=False, maximize=False)
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        [state_step] * len(params),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
 
 
 def _apex(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay):
@@ -141,5 +189,16 @@ def _apex(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, 
     noop_flag = torch.zeros(1, dtype=torch.int32, device=params[0].device)
     adam_w_mode, bias_correction = 1, 1
     # tensor lists in the kernel's order: grads, params, exp_avgs, exp_avg_sqs
-    multi_tensor_applier(amp_C.multi_tensor_adam, noop_flag, [grads, params, exp_avgs, exp_avg_sqs],
-                         lr, beta1, beta2, eps, step, adam_w_mode, bias_correction, weight_decay)
+    multi_tensor_applier(
+        amp_C.multi_tensor_adam,
+        noop_flag,
+        [grads, params, exp_avgs, exp_avg_sqs],
+        lr,
+        beta1,
+        beta2,
+        eps,
+        step,
+        adam_w_mode,
+        bias_correction,
+        weight_decay,
+    )

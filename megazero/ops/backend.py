@@ -12,6 +12,7 @@ Backends, fastest first:
 ``"auto"`` picks apex when it is importable and the device is CUDA, else torch; the reference
 backend is used only when asked for by name.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,9 +54,7 @@ def select_backend(requested: str, device: torch.device) -> str:
     """
     device = torch.device(device)
     if requested not in BACKENDS:
-        raise ValueError(
-            f"--kernels {requested!r} is not a kernel backend; choose one of {', '.join(BACKENDS)}"
-        )
+        raise ValueError(f"--kernels {requested!r} is not a kernel backend; choose one of {', '.join(BACKENDS)}")
     if requested == "auto":
         return "apex" if device.type == "cuda" and apex_available() else "torch"
     if requested == "apex":
@@ -81,10 +80,12 @@ def describe_backends(device: torch.device, requested: str = "auto") -> str:
     """
     backend = select_backend(requested, device)
     kernels = {
-        "apex": ("apex fused_layer_norm_affine", "apex fused_rms_norm_affine",
-                 "apex amp_C.multi_tensor_adam (adam_w_mode)"),
-        "torch": ("torch.nn.functional.layer_norm", "torch.nn.functional.rms_norm",
-                  "torch._fused_adamw_"),
+        "apex": (
+            "apex fused_layer_norm_affine",
+            "apex fused_rms_norm_affine",
+            "apex amp_C.multi_tensor_adam (adam_w_mode)",
+        ),
+        "torch": ("torch.nn.functional.layer_norm", "torch.nn.functional.rms_norm", "torch._fused_adamw_"),
         "reference": ("reference (plain tensor math)",) * 3,
     }[backend]
     return (

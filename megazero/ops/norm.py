@@ -19,6 +19,7 @@ Backends (see :mod:`megazero.ops.backend`), each called with the same arguments:
 Every backend computes in fp32 for half inputs and returns the input's dtype. The parameters
 are cast to the input's dtype for the fused kernels (autograd casts their gradients back).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,12 +29,11 @@ from torch import nn
 from megazero.ops.backend import BACKENDS, select_backend
 
 
-def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                         eps: float) -> torch.Tensor:
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm written out in fp32. ``x`` [..., H], ``weight``/``bias`` [H] -> [..., H] in x.dtype."""
     xf = x.float()
-    mean = xf.mean(dim=-1, keepdim=True)                        # [..., 1]
-    var = (xf - mean).pow(2).mean(dim=-1, keepdim=True)         # [..., 1], biased
+    mean = xf.mean(dim=-1, keepdim=True)  # [..., 1]
+    var = (xf - mean).pow(2).mean(dim=-1, keepdim=True)  # [..., 1], biased
     y = (xf - mean) * torch.rsqrt(var + eps) * weight.float() + bias.float()
     return y.to(x.dtype)
 
@@ -41,7 +41,7 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm written out in fp32. ``x`` [..., H], ``weight`` [H] -> [..., H] in x.dtype."""
     xf = x.float()
-    mean_sq = xf.pow(2).mean(dim=-1, keepdim=True)              # [..., 1]
+    mean_sq = xf.pow(2).mean(dim=-1, keepdim=True)  # [..., 1]
     return (xf * torch.rsqrt(mean_sq + eps) * weight.float()).to(x.dtype)
 
 
@@ -52,6 +52,7 @@ def layer_norm_backend(x, weight, bias, eps, backend):
     w, b = weight.to(x.dtype), bias.to(x.dtype)
     if backend == "apex":
         from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+
         return fused_layer_norm_affine(x.contiguous(), w, b, h, eps)
     return F.layer_norm(x, h, w, b, eps)
 
@@ -63,6 +64,7 @@ def rms_norm_backend(x, weight, eps, backend):
     w = weight.to(x.dtype)
     if backend == "apex":
         from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+
         return fused_rms_norm_affine(x.contiguous(), w, h, eps)
     return F.rms_norm(x, h, w, eps)
 
@@ -73,18 +75,14 @@ class _Norm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, backend: str):
         super().__init__()
         if backend not in BACKENDS:
-            raise ValueError(
-                f"--kernels {backend!r} is not a kernel backend; choose one of {', '.join(BACKENDS)}"
-            )
+            raise ValueError(f"--kernels {backend!r} is not a kernel backend; choose one of {', '.join(BACKENDS)}")
         self.hidden_size = hidden_size
         self.eps = eps
         self.backend = backend
 
     def _check(self, x: torch.Tensor) -> str:
         if x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"{type(self).__name__}: input last dim {x.shape[-1]} != hidden_size {self.hidden_size}"
-            )
+            raise ValueError(f"{type(self).__name__}: input last dim {x.shape[-1]} != hidden_size {self.hidden_size}")
         return select_backend(self.backend, x.device)
 
     def extra_repr(self) -> str:
@@ -108,8 +106,14 @@ class LayerNorm(_Norm):
             input whose last dimension is not ``hidden_size``.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, backend: str = "auto",
-                 dtype: torch.dtype = torch.float32, device=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        backend: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         super().__init__(hidden_size, eps, backend)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
@@ -124,8 +128,14 @@ class RMSNorm(_Norm):
     Arguments, shapes and errors as :class:`LayerNorm`.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, backend: str = "auto",
-                 dtype: torch.dtype = torch.float32, device=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        backend: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         super().__init__(hidden_size, eps, backend)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 

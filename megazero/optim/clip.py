@@ -43,6 +43,7 @@ layout tests ask. The all-reduce runs in fp64 too, and nothing here reads the re
 host (``reduce_squared_sum``): the optimizer reads it once, and it doubles as the overflow check: one
 host synchronisation for both.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,9 +55,8 @@ from megazero import collectives as C
 from megazero import tags
 from megazero.process_groups import ProcessGroups
 
-
-ROW = 64            # squares per fp32 accumulator on the CPU path
-SMALL = 1 << 16     # CPU pieces up to this many elements are upcast to fp64 whole
+ROW = 64  # squares per fp32 accumulator on the CPU path
+SMALL = 1 << 16  # CPU pieces up to this many elements are upcast to fp64 whole
 
 
 def _cpu_piece_squares(flat: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ def _cpu_piece_squares(flat: torch.Tensor) -> torch.Tensor:
     if flat.numel() <= SMALL:
         return torch.linalg.vector_norm(flat, 2, dtype=torch.float64).square()
     body = flat.numel() - flat.numel() % ROW
-    rows = flat[:body].view(-1, ROW)                                             # (n/ROW, ROW)
+    rows = flat[:body].view(-1, ROW)  # (n/ROW, ROW)
     sq = torch.linalg.vector_norm(rows, 2, dim=1).double().square().sum()
     if body < flat.numel():
         sq = sq + torch.linalg.vector_norm(flat[body:], 2, dtype=torch.float64).square()
@@ -92,12 +92,13 @@ def squared_sum(tensors: Iterable[torch.Tensor], device=None) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.float64, device=device)
     if uses_rows(parts[0].device):
         return torch.stack([_cpu_piece_squares(t.reshape(-1)) for t in parts]).sum().reshape(1)
-    norms = torch._foreach_norm(parts, 2, dtype=torch.float64)           # [()] per piece, fp64
+    norms = torch._foreach_norm(parts, 2, dtype=torch.float64)  # [()] per piece, fp64
     return torch.stack(norms).square().sum().reshape(1)
 
 
-def reduce_squared_sum(counted: Iterable[torch.Tensor], groups: ProcessGroups, *,
-                       sharded_over_dp: bool, device=None) -> torch.Tensor:
+def reduce_squared_sum(
+    counted: Iterable[torch.Tensor], groups: ProcessGroups, *, sharded_over_dp: bool, device=None
+) -> torch.Tensor:
     """The global sum of squares as a one-element fp64 tensor, identical on every rank, left
     on the device (no host synchronisation): :func:`squared_sum` of this rank's ``counted``
     pieces, then one SUM all-reduce over ``groups.world`` when ``sharded_over_dp``, else over
@@ -107,8 +108,14 @@ def reduce_squared_sum(counted: Iterable[torch.Tensor], groups: ProcessGroups, *
     return sq
 
 
-def global_grad_norm(counted: Iterable[torch.Tensor], groups: ProcessGroups, *,
-                     sharded_over_dp: bool, inv_scale: float = 1.0, device=None) -> float:
+def global_grad_norm(
+    counted: Iterable[torch.Tensor],
+    groups: ProcessGroups,
+    *,
+    sharded_over_dp: bool,
+    inv_scale: float = 1.0,
+    device=None,
+) -> float:
     """Global L2 norm from this rank's counted gradient pieces.
 
     Args:
@@ -142,8 +149,7 @@ def grad_norm_of_params(params: Iterable[torch.nn.Parameter], groups: ProcessGro
     """
     params = list(params)
     device = params[0].device if params else None
-    grads = [p.grad for p in params
-             if p.grad is not None and tags.counts_in_norm(p, groups.tp_rank)]
+    grads = [p.grad for p in params if p.grad is not None and tags.counts_in_norm(p, groups.tp_rank)]
     return global_grad_norm(grads, groups, sharded_over_dp=False, device=device)
 
 

@@ -8,6 +8,7 @@ section 4; Megatron's ``--lr-decay-style WSD``) holds the peak after the warm-up
 only over the last ``wsd_decay_iters`` iterations before ``decay_iters``, in one of
 Megatron's four annealing shapes (``--lr-wsd-decay-style``).
 """
+
 from __future__ import annotations
 
 import math
@@ -66,12 +67,18 @@ class LRSchedule:
             missing or does not fit after the warm-up; the message names the flag.
     """
 
-    def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
-                 decay_style: str = "cosine", wsd_decay_iters: Optional[int] = None,
-                 wsd_decay_style: str = "exponential"):
+    def __init__(
+        self,
+        lr: float,
+        min_lr: float,
+        warmup_iters: int,
+        decay_iters: int,
+        decay_style: str = "cosine",
+        wsd_decay_iters: Optional[int] = None,
+        wsd_decay_style: str = "exponential",
+    ):
         if decay_style not in DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style {decay_style!r} is unknown; choose one of "
-                             f"{', '.join(DECAY_STYLES)}")
+            raise ValueError(f"--lr-decay-style {decay_style!r} is unknown; choose one of {', '.join(DECAY_STYLES)}")
         if lr < 0 or min_lr < 0:
             raise ValueError(f"--lr ({lr}) and --min-lr ({min_lr}) must be >= 0")
         if min_lr > lr:
@@ -107,8 +114,11 @@ class LRSchedule:
         progress = (iteration - self.warmup_iters) / (self.decay_iters - self.warmup_iters)
         if self.decay_style == "WSD":
             anneal_start = self.decay_iters - self.wsd_decay_iters
-            coeff = 1.0 if iteration <= anneal_start else wsd_coefficient(
-                (iteration - anneal_start) / self.wsd_decay_iters, self.wsd_decay_style)
+            coeff = (
+                1.0
+                if iteration <= anneal_start
+                else wsd_coefficient((iteration - anneal_start) / self.wsd_decay_iters, self.wsd_decay_style)
+            )
         elif self.decay_style == "cosine":
             coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
         else:
@@ -116,18 +126,20 @@ class LRSchedule:
         return self.min_lr + (self.lr - self.min_lr) * coeff
 
     def __repr__(self) -> str:
-        return (f"LRSchedule(lr={self.lr}, min_lr={self.min_lr}, warmup_iters={self.warmup_iters}, "
-                f"decay_iters={self.decay_iters}, decay_style={self.decay_style!r}, "
-                f"wsd_decay_iters={self.wsd_decay_iters}, wsd_decay_style={self.wsd_decay_style!r})")
+        return (
+            f"LRSchedule(lr={self.lr}, min_lr={self.min_lr}, warmup_iters={self.warmup_iters}, "
+            f"decay_iters={self.decay_iters}, decay_style={self.decay_style!r}, "
+            f"wsd_decay_iters={self.wsd_decay_iters}, wsd_decay_style={self.wsd_decay_style!r})"
+        )
 
 
 def _check_wsd(warmup_iters: int, decay_iters: int, wsd_decay_iters: Optional[int], style: str) -> None:
     """WSD needs an annealing phase that fits between the warm-up and ``decay_iters``."""
     if style not in WSD_DECAY_STYLES:
-        raise ValueError(f"--lr-wsd-decay-style {style!r} is unknown; choose one of "
-                         f"{', '.join(WSD_DECAY_STYLES)}")
+        raise ValueError(f"--lr-wsd-decay-style {style!r} is unknown; choose one of {', '.join(WSD_DECAY_STYLES)}")
     if wsd_decay_iters is None or not 1 <= wsd_decay_iters <= decay_iters - warmup_iters:
         raise ValueError(
             f"--lr-decay-style WSD needs 1 <= --lr-wsd-decay-iters <= --lr-decay-iters {decay_iters} - "
             f"--lr-warmup-iters {warmup_iters} (the annealing phase ends at --lr-decay-iters and starts "
-            f"after the warm-up), got {wsd_decay_iters}; fix: give --lr-wsd-decay-iters in that range")
+            f"after the warm-up), got {wsd_decay_iters}; fix: give --lr-wsd-decay-iters in that range"
+        )

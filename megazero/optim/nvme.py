@@ -49,6 +49,7 @@ The swap directory ``<nvme_path>/megazero-<run id>-rank<r>`` is created fresh fo
 optimizer and removed with its file by :meth:`close` (or when the optimizer is collected, or
 at interpreter exit).
 """
+
 from __future__ import annotations
 
 import os
@@ -113,12 +114,22 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
 
     HOST_PARTS = ("host_params", "host_grads", "swap_buffers", "resident_state")
 
-    def __init__(self, ddp: DataParallel, groups: ProcessGroups, *, nvme_path: str,
-                 buffer_count: int = 4, sub_group_size: int = 1_000_000_000, io_threads: int = 1,
-                 **kwargs):
+    def __init__(
+        self,
+        ddp: DataParallel,
+        groups: ProcessGroups,
+        *,
+        nvme_path: str,
+        buffer_count: int = 4,
+        sub_group_size: int = 1_000_000_000,
+        io_threads: int = 1,
+        **kwargs,
+    ):
         if min(buffer_count, sub_group_size, io_threads) < 1:
-            raise ValueError(f"buffer_count ({buffer_count}), sub_group_size ({sub_group_size}) and "
-                             f"io_threads ({io_threads}) must be >= 1")
+            raise ValueError(
+                f"buffer_count ({buffer_count}), sub_group_size ({sub_group_size}) and "
+                f"io_threads ({io_threads}) must be >= 1"
+            )
         self.buffer_count, self.sub_group_size = buffer_count, sub_group_size
         self.run_id = uuid.uuid4().hex
         self.swap_dir = os.path.join(nvme_path, f"megazero-{self.run_id}-rank{groups.rank}")
@@ -135,11 +146,12 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
     # -- hooks of the base classes -------------------------------------------------------
     def _allocate_state(self, main_numel: int, numel: int) -> tuple[torch.Tensor, ...]:
         """The host gradient copy in an arena (pinned when asked; the buffer pool gets its own
-        once the sub-groups are known, ``_plan_sub_groups``); the state itself is in the swap file, so ``(main, exp_avg, exp_avg_sq)`` are meta tensors:
+        once the sub-groups are known, ``_plan_sub_groups``); the state itself is in the swap file, so ``(main,
+        exp_avg, exp_avg_sq)`` are meta tensors:
         they only carry the local coordinates the base class slices views of."""
         self.numel = numel
         self.arena = HostArena([numel], torch.float32, pin=self.pin_memory, registrar=self.registrar)
-        self.host_grads, = self.arena.parts
+        (self.host_grads,) = self.arena.parts
         self.swap_path = os.path.join(self.swap_dir, SWAP_NAME)
         self.file = SwapFile(self.swap_path, numel, self.run_id, self.io)
         self._files.append(self.file)
@@ -147,12 +159,13 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
 
     def _init_main_params(self) -> None:
         if not hasattr(self, "sub_groups"):
-            return   # called by the base constructor before the plan exists; done at its end
+            return  # called by the base constructor before the plan exists; done at its end
 
         def first(k, main, m, v):
             m.zero_()
             v.zero_()
             self._param_runs(k, lambda view, lo, hi: main[lo:hi].copy_(view), write=False)
+
         self._walk(first, read=False)
 
     def _plan_sub_groups(self) -> None:
@@ -163,14 +176,22 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         longest = max(b - a for a, b in self.sub_groups)
         # a buffer past the number of sub-groups would never be used: at most one per sub-group
         self.buffer_count = min(self.buffer_count, len(self.sub_groups))
-        self.pool_arena = HostArena([3 * longest] * self.buffer_count, torch.float32, pin=self.pin_memory,
-                                    registrar=self.registrar)
+        self.pool_arena = HostArena(
+            [3 * longest] * self.buffer_count, torch.float32, pin=self.pin_memory, registrar=self.registrar
+        )
         self.buffers = self.pool_arena.parts
         owned = []
         for i, buf in enumerate(self.ddp.buffers):
-            with buf.strategy.shard_on_host(buf):   # views of a swapped shard are taken while it is held
-                owned += [(self.offsets[i] + own.local.start, buf.owned_param_values(own), buf,
-                           self.offsets[i] + buf.owned_numel()) for own in buf.owned()]
+            with buf.strategy.shard_on_host(buf):  # views of a swapped shard are taken while it is held
+                owned += [
+                    (
+                        self.offsets[i] + own.local.start,
+                        buf.owned_param_values(own),
+                        buf,
+                        self.offsets[i] + buf.owned_numel(),
+                    )
+                    for own in buf.owned()
+                ]
         self._sg_adam, self._sg_params = [], []
         for a, b in self.sub_groups:
             self._sg_adam.append([(max(s, a), min(e, b), d) for s, e, d in runs if s < b and e > a])
@@ -179,9 +200,15 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
             for s, view, buf, end in owned:
                 if s < b and s + view.numel() > a:
                     with buf.strategy.shard_on_host(buf):
-                        pieces.append((view[max(s, a) - s:min(s + view.numel(), b) - s], max(s, a) - a,
-                                     min(s + view.numel(), b) - a,
-                                     buf if getattr(buf, "swapped", False) else None, min(s + view.numel(), b) == end))
+                        pieces.append(
+                            (
+                                view[max(s, a) - s : min(s + view.numel(), b) - s],
+                                max(s, a) - a,
+                                min(s + view.numel(), b) - a,
+                                buf if getattr(buf, "swapped", False) else None,
+                                min(s + view.numel(), b) == end,
+                            )
+                        )
             self._sg_params.append(pieces)
 
     def _param_runs(self, k: int, fn: Callable, write: bool) -> None:
@@ -208,7 +235,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
 
         def slot(j):
             a, b = self.sub_groups[j]
-            return self.buffers[j % nb][:3 * (b - a)]
+            return self.buffers[j % nb][: 3 * (b - a)]
 
         def fetch(j):
             if j >= n or j in reads:
@@ -226,7 +253,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
                     fetch(k + 1)
                 a, b = self.sub_groups[k]
                 buf, size = slot(k), b - a
-                fn(k, buf[:size], buf[size:2 * size], buf[2 * size:])
+                fn(k, buf[:size], buf[size : 2 * size], buf[2 * size :])
                 if write:
                     writes[k] = self._pool.submit(self.file.write, a, buf)
                 fetch(k + 1)
@@ -241,7 +268,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
     def _update(self, scale: float, coef: float, lr: float) -> None:
         """Check the files; gradients to the host, unscale, clip; then AdamW sub-group by
         sub-group through the buffer pool, writing each updated main into the model."""
-        self._resident = None   # a checkpoint's swapped-in copy (read only unless refreshed)
+        self._resident = None  # a checkpoint's swapped-in copy (read only unless refreshed)
         self._check_files()
         for win in self.windows:
             torch._foreach_copy_(win.work, win.sources, non_blocking=self.pin_memory)
@@ -259,14 +286,22 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
             for decays in (True, False):
                 runs = [(s - a, e - a, s, e) for s, e, d in self._sg_adam[k] if d == decays]
                 if runs:
-                    adam_step_lists([main[x:y] for x, y, _, _ in runs],
-                                    [self.host_grads[s:e] for _, _, s, e in runs],
-                                    [m[x:y] for x, y, _, _ in runs], [v[x:y] for x, y, _, _ in runs],
-                                    step=self.step_count, lr=lr, beta1=self.beta1, beta2=self.beta2,
-                                    eps=self.eps, weight_decay=self.weight_decay if decays else 0.0,
-                                    backend=self.adam_backend)
+                    adam_step_lists(
+                        [main[x:y] for x, y, _, _ in runs],
+                        [self.host_grads[s:e] for _, _, s, e in runs],
+                        [m[x:y] for x, y, _, _ in runs],
+                        [v[x:y] for x, y, _, _ in runs],
+                        step=self.step_count,
+                        lr=lr,
+                        beta1=self.beta1,
+                        beta2=self.beta2,
+                        eps=self.eps,
+                        weight_decay=self.weight_decay if decays else 0.0,
+                        backend=self.adam_backend,
+                    )
             # blocking: the pool buffer is refilled next
             self._param_runs(k, lambda view, lo, hi: view.copy_(main[lo:hi]), write=True)
+
         self._walk(adam)
         self.step_io = {"read": self.io.read - read0, "written": self.io.written - written0}
 
@@ -278,8 +313,8 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
 
     def _shard_filler(self, buf: ShardedBuffer, mbase):
         if buf.strategy.shards_params:
-            return None   # ZeRO-3: the owned runs are the shard, written in _update (_param_runs)
-        return DistributedOptimizer._shard_filler(self, buf, None)   # from the model's owned runs
+            return None  # ZeRO-3: the owned runs are the shard, written in _update (_param_runs)
+        return DistributedOptimizer._shard_filler(self, buf, None)  # from the model's owned runs
 
     # -- checkpoint state ----------------------------------------------------------------
     def _swap_in(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -291,6 +326,7 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
                 a, b = self.sub_groups[k]
                 for dst, src in zip(whole, parts):
                     dst[a:b].copy_(src)
+
             self._walk(take, write=False)
             self._resident = tuple(whole)
         return self._resident
@@ -323,10 +359,13 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
                 for dst, src in zip(parts, whole):
                     dst.copy_(src[a:b])
                 self._param_runs(k, lambda view, lo, hi: view.copy_(parts[0][lo:hi]), write=True)
+
             self._walk(put, read=False)
         else:
+
             def params(k, main, *_):
                 self._param_runs(k, lambda view, lo, hi: view.copy_(main[lo:hi]), write=True)
+
             self._walk(params, write=False)
         self._update_model_params()
         self.wait_param_gather()
@@ -347,9 +386,14 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         ``resident_state`` the whole state while swapped in for a checkpoint."""
         out = DistributedOptimizer.model_state_bytes(self)
         del out["total"]
-        out.update(main_params=0, exp_avg=0, exp_avg_sq=0, host_grads=4 * self.numel,
-                   swap_buffers=4 * sum(b.numel() for b in self.buffers),
-                   resident_state=0 if self._resident is None else 12 * self.numel)
+        out.update(
+            main_params=0,
+            exp_avg=0,
+            exp_avg_sq=0,
+            host_grads=4 * self.numel,
+            swap_buffers=4 * sum(b.numel() for b in self.buffers),
+            resident_state=0 if self._resident is None else 12 * self.numel,
+        )
         out["total"] = sum(out.values())
         return out
 
@@ -359,5 +403,9 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
         got = super().formula()
         pool = 4 * sum(b.numel() for b in self.buffers)
         total = got["total"] - BYTES_PER_ELEMENT * self.numel + pool
-        return dict(total=total, main_bytes=0, note=got["note"] + (
-            f"; state in NVMe swap files ({BYTES_PER_ELEMENT * self.numel} bytes), host buffer pool {pool} bytes"))
+        return dict(
+            total=total,
+            main_bytes=0,
+            note=got["note"]
+            + (f"; state in NVMe swap files ({BYTES_PER_ELEMENT * self.numel} bytes), host buffer pool {pool} bytes"),
+        )

@@ -33,6 +33,7 @@ reports them apart (``HOST_PARTS``, ``bytes_by_place``). Because the model's par
 on the device, an fp32 model also gets a host main copy (4 bytes per owned element), so the
 host holds 16 bytes per owned element: main 4 + moments 8 + gradient copy 4.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -40,18 +41,19 @@ from typing import Optional
 import torch
 
 from megazero.data_parallel.ddp import DataParallel
-from megazero.data_parallel.sharding import ShardedBuffer
 from megazero.data_parallel.policy import sharding_policy
+from megazero.data_parallel.sharding import ShardedBuffer
 from megazero.offload.host_memory import HostArena, can_pin
 from megazero.optim.step_lists import Piece
 from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups
 
-HOST_BYTES_PER_ELEMENT = 16   # fp32 main params + exp_avg + exp_avg_sq + gradient copy
+HOST_BYTES_PER_ELEMENT = 16  # fp32 main params + exp_avg + exp_avg_sq + gradient copy
 
 
-def offload_formula_bytes(num_params: int, dp_size: int, stage: int, param_bytes: int,
-                          grad_bytes: int) -> dict[str, float]:
+def offload_formula_bytes(
+    num_params: int, dp_size: int, stage: int, param_bytes: int, grad_bytes: int
+) -> dict[str, float]:
     """Model-state bytes per rank with the optimizer offloaded: ``{"device", "host"}``.
 
     ``num_params`` (Psi) counts this rank's chunk parameters (padded to N for an exact count),
@@ -85,38 +87,38 @@ class HostOffloadOptimizer(DistributedOptimizer):
 
     HOST_PARTS = ("host_params", "main_params", "exp_avg", "exp_avg_sq", "host_grads")
 
-    def __init__(self, ddp: DataParallel, groups: ProcessGroups, *, pin_memory: bool = True,
-                 registrar=None, **kwargs):
+    def __init__(self, ddp: DataParallel, groups: ProcessGroups, *, pin_memory: bool = True, registrar=None, **kwargs):
         self.registrar = registrar
         self.pin_memory = pin_memory and (registrar is not None or can_pin(ddp.params[0].device))
         super().__init__(ddp, groups, **kwargs)
         # fp32 models: the device owned runs <- the host main params, one list copy (phase 3)
         self._to_device = ([], [])
         for buf, mbase in zip(ddp.buffers, self.main_offsets):
-            if buf.main_is_param and not getattr(buf, "swapped", False):   # NVMe: gather_params
+            if buf.main_is_param and not getattr(buf, "swapped", False):  # NVMe: gather_params
                 for own in buf.owned():
                     self._to_device[0].append(buf.owned_param_values(own))
-                    self._to_device[1].append(self._main[mbase + own.local.start:mbase + own.local.end])
+                    self._to_device[1].append(self._main[mbase + own.local.start : mbase + own.local.end])
 
     def _separate_main(self, buf: ShardedBuffer) -> bool:
-        return True   # the model params stay on the device; the main copy is on the host
+        return True  # the model params stay on the device; the main copy is on the host
 
     def _allocate_state(self, main_numel: int, numel: int) -> tuple[torch.Tensor, ...]:
         """One host arena of ``main_numel + 3 numel`` fp32 elements: main params, moments and
         the gradient copy (``host_grads``), pinned as a whole when ``pin_memory``."""
-        self.arena = HostArena([main_numel, numel, numel, numel], torch.float32,
-                               pin=self.pin_memory, registrar=self.registrar)
+        self.arena = HostArena(
+            [main_numel, numel, numel, numel], torch.float32, pin=self.pin_memory, registrar=self.registrar
+        )
         *state, self.host_grads = self.arena.parts
         return tuple(state)
 
     def _scratch_size(self) -> int:
-        return 0      # the host gradient copy is the fp32 tensor AdamW reads
+        return 0  # the host gradient copy is the fp32 tensor AdamW reads
 
     def _window_limit(self, buf: ShardedBuffer) -> Optional[int]:
-        return None   # ... and it is persistent: one window per buffer
+        return None  # ... and it is persistent: one window per buffer
 
     def _work_of(self, pc: Piece, position: int):
-        return pc.grad, self.host_grads[pc.offset:pc.offset + pc.grad.numel()]
+        return pc.grad, self.host_grads[pc.offset : pc.offset + pc.grad.numel()]
 
     def _update(self, scale: float, coef: float, lr: float) -> None:
         """Every reduced device gradient to the host first (one wait), then unscale, clip and
@@ -124,7 +126,7 @@ class HostOffloadOptimizer(DistributedOptimizer):
         for win in self.windows:
             torch._foreach_copy_(win.work, win.sources, non_blocking=self.pin_memory)
         if self.pin_memory and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()   # the host reads them next
+            torch.cuda.current_stream(self.device).synchronize()  # the host reads them next
         for win in self.windows:
             self._update_window(win, scale, coef, lr)
 
@@ -158,17 +160,23 @@ class HostOffloadOptimizer(DistributedOptimizer):
         slots' bound (``ParamSwapper.pool_bytes``)."""
         split = {"device": 0.0, "host": 0.0}
         for psi, n in self.formula_terms():
-            part = offload_formula_bytes(psi, n, self.ddp.strategy.stage, self._model_bytes(),
-                                         self.ddp.grad_dtype.itemsize)
+            part = offload_formula_bytes(
+                psi, n, self.ddp.strategy.stage, self._model_bytes(), self.ddp.grad_dtype.itemsize
+            )
             split = {k: split[k] + part[k] for k in split}
         swap, note = self.ddp.param_swap, ""
-        if swap is not None:   # ZeRO-3 shards on NVMe: the swapped ones are in the file, the slots on the host
+        if swap is not None:  # ZeRO-3 shards on NVMe: the swapped ones are in the file, the slots on the host
             swapped = sum(b.params_shard.numel() * b.params_shard.element_size() for b in swap.swapped)
             split["device"] -= swapped - swap.pool_bytes()
             note = f"; parameter shards on NVMe: {swapped} bytes swapped, {swap.pool_bytes()} bytes of slots"
-        return dict(total=split["device"] + split["host"], main_bytes=4, note=(
-            f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
-            f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)" + note))
+        return dict(
+            total=split["device"] + split["host"],
+            main_bytes=4,
+            note=(
+                f"; optimizer offloaded: device formula {split['device']:.0f} bytes + buckets, "
+                f"host formula {split['host']:.0f} bytes (main, moments, gradient copy)" + note
+            ),
+        )
 
     def model_state_bytes(self) -> dict[str, int]:
         """The base class's parts plus ``host_grads`` (the host fp32 gradient copy); the parts

@@ -19,6 +19,7 @@ model dtype (``--grads-in-model-dtype``) are first copied into an fp32 scratch o
 (``limit`` elements, ``DistributedOptimizer._scratch_size``), still one AdamW call per decay
 value instead of one per run.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,12 +36,12 @@ class Piece:
     """One owned bucket (or bucket shard) of a buffer: gradient, main params, moment offsets."""
 
     buffer: ShardedBuffer
-    world: Range                     # world range in the buffer
-    offset: int                      # optimizer-local start of this piece (moments)
-    grad: torch.Tensor               # 1-D view of the reduced gradient
-    main: torch.Tensor               # 1-D fp32 main params (a view of the model params in fp32)
-    adam: list                       # [(piece-relative Range, decays: bool)]
-    counted: list                    # piece-relative Ranges that count in the norm
+    world: Range  # world range in the buffer
+    offset: int  # optimizer-local start of this piece (moments)
+    grad: torch.Tensor  # 1-D view of the reduced gradient
+    main: torch.Tensor  # 1-D fp32 main params (a view of the model params in fp32)
+    adam: list  # [(piece-relative Range, decays: bool)]
+    counted: list  # piece-relative Ranges that count in the norm
 
 
 @dataclass
@@ -48,8 +49,8 @@ class AdamList:
     """The operands of one multi-tensor AdamW call: runs with one weight-decay setting."""
 
     decays: bool
-    params: list = field(default_factory=list)        # fp32 main-param views
-    grads: list = field(default_factory=list)         # fp32 gradient views (unscaled, clipped)
+    params: list = field(default_factory=list)  # fp32 main-param views
+    grads: list = field(default_factory=list)  # fp32 gradient views (unscaled, clipped)
     exp_avgs: list = field(default_factory=list)
     exp_avg_sqs: list = field(default_factory=list)
 
@@ -82,8 +83,9 @@ def merge_runs(segments: list[tuple[Range, bool]]) -> list[tuple[Range, bool]]:
 WorkOf = Callable[[Piece, int], tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
-def build_windows(pieces: list[Piece], work_of: WorkOf, exp_avg: torch.Tensor,
-                  exp_avg_sq: torch.Tensor, limit: Optional[int]) -> list[Window]:
+def build_windows(
+    pieces: list[Piece], work_of: WorkOf, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, limit: Optional[int]
+) -> list[Window]:
     """Windows over ``pieces`` (one buffer's, in local order).
 
     ``work_of(piece, position)`` gives ``(source or None, fp32 work tensor)`` for a piece
@@ -114,8 +116,8 @@ def _window(group, work_of: WorkOf, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
         work.append(g)
         for r, decays in pc.adam:
             s, e, a = pc.offset + r.start, pc.offset + r.end, lists[decays]
-            a.params.append(pc.main[r.start:r.end])
-            a.grads.append(g[r.start:r.end])
+            a.params.append(pc.main[r.start : r.end])
+            a.grads.append(g[r.start : r.end])
             a.exp_avgs.append(exp_avg[s:e])
             a.exp_avg_sqs.append(exp_avg_sq[s:e])
     return Window(sources, work, [a for a in lists.values() if a.params])
@@ -127,7 +129,7 @@ def counted_views(pieces: list[Piece]) -> list[torch.Tensor]:
     shards): the CPU norm then takes a whole buffer's rows in one call, where pieces of at most
     ``clip.SMALL`` elements each were upcast to fp64 whole (81 calls a step on bench_overhead's
     model at its hidden^2 buckets), and CUDA's multi-tensor call gets fewer tensors."""
-    return join_adjacent([pc.grad[r.start:r.end] for pc in pieces for r in pc.counted])
+    return join_adjacent([pc.grad[r.start : r.end] for pc in pieces for r in pc.counted])
 
 
 def join_adjacent(views: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -136,10 +138,16 @@ def join_adjacent(views: list[torch.Tensor]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for v in views:
         u = out[-1] if out else None
-        if (u is not None and v.dim() == u.dim() == 1 and u.is_contiguous() and v.is_contiguous()
-                and u.dtype == v.dtype and u.device == v.device
-                and u.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-                and u.storage_offset() + u.numel() == v.storage_offset()):
+        if (
+            u is not None
+            and v.dim() == u.dim() == 1
+            and u.is_contiguous()
+            and v.is_contiguous()
+            and u.dtype == v.dtype
+            and u.device == v.device
+            and u.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+            and u.storage_offset() + u.numel() == v.storage_offset()
+        ):
             out[-1] = u.as_strided((u.numel() + v.numel(),), (1,), u.storage_offset())
         else:
             out.append(v)

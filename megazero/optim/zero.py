@@ -8,6 +8,7 @@ update is asked of the sharded-buffer interface (``megazero/data_parallel/shardi
 never of the stage number: the moments are laid out in local coordinates
 (``megazero/data_parallel/grad_buffer.py``).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,8 +47,9 @@ class StepResult:
     loss_scale: float
 
 
-def zero_formula_bytes(num_params: int, dp_size: int, stage: int, param_bytes: int,
-                       grad_bytes: int, main_param_bytes: Optional[int] = None) -> float:
+def zero_formula_bytes(
+    num_params: int, dp_size: int, stage: int, param_bytes: int, grad_bytes: int, main_param_bytes: Optional[int] = None
+) -> float:
     """Model-state bytes per rank predicted by the ZeRO paper (Rajbhandari et al. 2020, sec. 5).
 
     ``num_params`` (Psi) counts this rank's model-chunk parameters, ``dp_size`` is N; the two
@@ -114,14 +116,28 @@ class DistributedOptimizer:
     ``max_consecutive_skips < 1`` or ``overlap_param_gather`` at ZeRO stage 0 or 3.
     """
 
-    def __init__(self, ddp: DataParallel, groups: ProcessGroups, *, lr: float = 1e-3,
-                 beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                 weight_decay: float = 0.0, clip_grad: float = 0.0, loss_scaler=None,
-                 allgather_bucket_size: int = 500_000_000, adam_backend: str = "auto",
-                 max_consecutive_skips: int = 50, overlap_param_gather: bool = False):
+    def __init__(
+        self,
+        ddp: DataParallel,
+        groups: ProcessGroups,
+        *,
+        lr: float = 1e-3,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        clip_grad: float = 0.0,
+        loss_scaler=None,
+        allgather_bucket_size: int = 500_000_000,
+        adam_backend: str = "auto",
+        max_consecutive_skips: int = 50,
+        overlap_param_gather: bool = False,
+    ):
         if allgather_bucket_size < 1 or max_consecutive_skips < 1:
-            raise ValueError(f"allgather_bucket_size ({allgather_bucket_size}) and "
-                             f"max_consecutive_skips ({max_consecutive_skips}) must be >= 1")
+            raise ValueError(
+                f"allgather_bucket_size ({allgather_bucket_size}) and "
+                f"max_consecutive_skips ({max_consecutive_skips}) must be >= 1"
+            )
         self.ddp, self.groups = ddp, groups
         self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
         self.weight_decay, self.clip_grad, self.loss_scaler = weight_decay, clip_grad, loss_scaler
@@ -135,14 +151,13 @@ class DistributedOptimizer:
             self.main_offsets.append(separate if own else None)
             total += buf.owned_numel()
             separate += buf.owned_numel() if own else 0
-        self.device = ddp.params[0].device   # where the model and the collectives live
+        self.device = ddp.params[0].device  # where the model and the collectives live
         self._main, self.exp_avg, self.exp_avg_sq = self._allocate_state(separate, total)
         self.pieces = [p for i, buf in enumerate(ddp.buffers) for p in self._pieces(i, buf)]
         self.peak_step_bytes = 0
         self._build_step_lists()
         self._init_main_params()
-        self.param_gather = (ParamGatherOverlap(ddp.chunks, ddp.buffers, groups.dp)
-                             if overlap_param_gather else None)
+        self.param_gather = ParamGatherOverlap(ddp.chunks, ddp.buffers, groups.dp) if overlap_param_gather else None
 
     def _separate_main(self, buf: ShardedBuffer) -> bool:
         """Whether ``buf``'s owned runs get an fp32 main copy (else the params are the main)."""
@@ -151,8 +166,7 @@ class DistributedOptimizer:
     def _allocate_state(self, main_numel: int, numel: int) -> tuple[torch.Tensor, ...]:
         """Zeroed fp32 ``(main params, exp_avg, exp_avg_sq)`` of ``main_numel``, ``numel`` and
         ``numel`` elements (local coordinates, on the model's device)."""
-        return tuple(torch.zeros(n, dtype=torch.float32, device=self.device)
-                     for n in (main_numel, numel, numel))
+        return tuple(torch.zeros(n, dtype=torch.float32, device=self.device) for n in (main_numel, numel, numel))
 
     def _build_step_lists(self) -> None:
         """The views every step works on, taken once (``megazero/optim/step_lists.py``): the
@@ -164,18 +178,22 @@ class DistributedOptimizer:
         self._sharded_norm = self.ddp.strategy.shards_optimizer or self.groups.ep_size > 1
         # hybrid sharding: the shards are disjoint over the shard group and replicated over the
         # replica group, so only the first replica's copy counts
-        counted = [pc for pc in self.pieces if (self.ddp.strategy.shards_optimizer or self.groups.ep_size == 1
-                                                or pc.buffer.layout.dp_rank == 0) and pc.buffer.replica_rank == 0]
+        counted = [
+            pc
+            for pc in self.pieces
+            if (self.ddp.strategy.shards_optimizer or self.groups.ep_size == 1 or pc.buffer.layout.dp_rank == 0)
+            and pc.buffer.replica_rank == 0
+        ]
         self._counted = counted_views(counted)
         self._scratch_numel = self._scratch_size()
-        self._scratch = (torch.empty(self._scratch_numel, dtype=torch.float32, device=self.device)
-                         if self._scratch_numel else None)
+        self._scratch = (
+            torch.empty(self._scratch_numel, dtype=torch.float32, device=self.device) if self._scratch_numel else None
+        )
         self.windows: list[Window] = []
         for buf in self.ddp.buffers:
             pieces = [pc for pc in self.pieces if pc.buffer is buf]
-            self.windows += build_windows(pieces, self._work_of, self.exp_avg, self.exp_avg_sq,
-                                          self._window_limit(buf))
-        self._hold_scratch(False)   # the views stay; the memory exists during a step only
+            self.windows += build_windows(pieces, self._work_of, self.exp_avg, self.exp_avg_sq, self._window_limit(buf))
+        self._hold_scratch(False)  # the views stay; the memory exists during a step only
 
     def _scratch_size(self) -> int:
         """Elements of the fp32 scratch for gradients kept in the model dtype: the largest
@@ -192,7 +210,7 @@ class DistributedOptimizer:
         window: fp32 gradients in place, others through the scratch."""
         if pc.grad.dtype == torch.float32:
             return None, pc.grad
-        return pc.grad, self._scratch[position:position + pc.grad.numel()]
+        return pc.grad, self._scratch[position : position + pc.grad.numel()]
 
     def _hold_scratch(self, hold: bool) -> None:
         """Give the scratch its memory for a step, or take it away (storage resized to 0
@@ -213,20 +231,31 @@ class DistributedOptimizer:
                 adam.append((rel, tags.decays(p)))
                 if tags.counts_in_norm(p, tp_rank):
                     counted.append((rel, True))
-            main = (buf.owned_param_values(own) if mbase is None
-                    else self._main[mbase + own.local.start:mbase + own.local.end])
-            out.append(Piece(buf, own.world, self.offsets[i] + own.local.start, own.grad, main,
-                              merge_runs(adam), [r for r, _ in merge_runs(counted)]))
+            main = (
+                buf.owned_param_values(own)
+                if mbase is None
+                else self._main[mbase + own.local.start : mbase + own.local.end]
+            )
+            out.append(
+                Piece(
+                    buf,
+                    own.world,
+                    self.offsets[i] + own.local.start,
+                    own.grad,
+                    main,
+                    merge_runs(adam),
+                    [r for r, _ in merge_runs(counted)],
+                )
+            )
         return out
 
     @torch.no_grad()
     def _init_main_params(self) -> None:
         for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
             if mbase is not None:
-                with buf.strategy.shard_on_host(buf):   # ZeRO-3 on NVMe: read from the swap file
+                with buf.strategy.shard_on_host(buf):  # ZeRO-3 on NVMe: read from the swap file
                     for own in buf.owned():
-                        self._main[mbase + own.local.start:mbase + own.local.end].copy_(
-                            buf.owned_param_values(own))
+                        self._main[mbase + own.local.start : mbase + own.local.end].copy_(buf.owned_param_values(own))
 
     @property
     def main_param(self) -> torch.Tensor:
@@ -249,12 +278,16 @@ class DistributedOptimizer:
         Raises LossScaleError (a RuntimeError) when stuck skipping."""
         lr = self.lr if lr is None else lr
         self.peak_step_bytes = 0
-        self.wait_param_gather()   # normally done: the forward waited for every bucket
-        self.ddp.finish_grad_sync()                                           # 1
+        self.wait_param_gather()  # normally done: the forward waited for every bucket
+        self.ddp.finish_grad_sync()  # 1
         scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        sq = reduce_squared_sum(self._counted, self.groups, device=self.device,   # 2 and 4
-                                sharded_over_dp=self._sharded_norm)
-        squares = sq.item()   # the step's host sync
+        sq = reduce_squared_sum(
+            self._counted,
+            self.groups,
+            device=self.device,  # 2 and 4
+            sharded_over_dp=self._sharded_norm,
+        )
+        squares = sq.item()  # the step's host sync
         if not math.isfinite(squares) and self._has_non_finite():
             self._skip(scale)
             return StepResult(True, float("nan"), scale)
@@ -264,8 +297,8 @@ class DistributedOptimizer:
         norm = norm_from_squares(squares, 1.0 / scale)
         coef = clip_coefficient(norm, self.clip_grad)
         self.step_count += 1
-        self._update(scale, coef, lr)                                        # 3-5
-        self._update_model_params()                                           # 6
+        self._update(scale, coef, lr)  # 3-5
+        self._update_model_params()  # 6
         return StepResult(False, norm, scale)
 
     def _has_non_finite(self) -> bool:
@@ -295,10 +328,19 @@ class DistributedOptimizer:
         if coef < 1.0:
             torch._foreach_mul_(win.work, coef)
         for a in win.adam:
-            adam_step_lists(a.params, a.grads, a.exp_avgs, a.exp_avg_sqs, step=self.step_count,
-                            lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                            weight_decay=self.weight_decay if a.decays else 0.0,
-                            backend=self.adam_backend)
+            adam_step_lists(
+                a.params,
+                a.grads,
+                a.exp_avgs,
+                a.exp_avg_sqs,
+                step=self.step_count,
+                lr=lr,
+                beta1=self.beta1,
+                beta2=self.beta2,
+                eps=self.eps,
+                weight_decay=self.weight_decay if a.decays else 0.0,
+                backend=self.adam_backend,
+            )
 
     def _skip(self, scale: float) -> None:
         self.skipped_steps += 1
@@ -307,14 +349,14 @@ class DistributedOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.update(True)
         if self.consecutive_min_skips >= self.max_consecutive_skips:
-            where = ("without loss scaling" if self.loss_scaler is None
-                     else f"at the minimum loss scale {scale:g}")
+            where = "without loss scaling" if self.loss_scaler is None else f"at the minimum loss scale {scale:g}"
             fix = "lower --lr" + ("" if self.clip_grad else ", enable --clip-grad")
             fix += "" if self.loss_scaler is None else ", or use --bf16 instead of --fp16"
             raise LossScaleError(
                 f"gradients were inf/NaN in {self.consecutive_min_skips} consecutive steps "
                 f"{where} (--max-consecutive-skips {self.max_consecutive_skips}); the run "
-                f"diverged: {fix}")
+                f"diverged: {fix}"
+            )
 
     def wait_param_gather(self) -> None:
         """Wait for the all-gathers ``overlap_param_gather`` left in flight (no-op without)."""
@@ -324,12 +366,17 @@ class DistributedOptimizer:
     @torch.no_grad()
     def _update_model_params(self) -> None:
         if self.param_gather is not None:
-            self.param_gather.start({id(buf): None if buf.main_is_param else self._shard_filler(buf, m)
-                                     for buf, m in zip(self.ddp.buffers, self.main_offsets)})
+            self.param_gather.start(
+                {
+                    id(buf): None if buf.main_is_param else self._shard_filler(buf, m)
+                    for buf, m in zip(self.ddp.buffers, self.main_offsets)
+                }
+            )
             return
         for buf, mbase in zip(self.ddp.buffers, self.main_offsets):
-            used = buf.gather_params(self._shard_filler(buf, mbase),
-                                     max(1, self.allgather_bucket_size // buf.layout.dp_size))
+            used = buf.gather_params(
+                self._shard_filler(buf, mbase), max(1, self.allgather_bucket_size // buf.layout.dp_size)
+            )
             self.peak_step_bytes = max(self.peak_step_bytes, used)
 
     def _shard_filler(self, buf: ShardedBuffer, mbase: Optional[int]):
@@ -339,10 +386,11 @@ class DistributedOptimizer:
 
         def fill(a: int, b: int, out: torch.Tensor) -> None:
             if mbase is not None:
-                out.copy_(self._main[mbase + a:mbase + b])
+                out.copy_(self._main[mbase + a : mbase + b])
                 return
             for world, local in buf.layout.local_to_world(Range(a, b), rank):
-                out[local.start - a:local.end - a].copy_(buf.param_values(world))
+                out[local.start - a : local.end - a].copy_(buf.param_values(world))
+
         return fill
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -357,18 +405,22 @@ class DistributedOptimizer:
         buffer during backward, the fp32 scratch or the all-gather buffers in the optimizer
         step; at most ``bucket_bound_bytes()``); ``total`` their sum.
         """
-        size = lambda t: t.numel() * t.element_size()  # noqa: E731
-        host = self.ddp.host_param_bytes()   # ZeRO-3 offload_param: shards in host memory
-        out = {"params": self.ddp.param_bytes() - host, "grads": self.ddp.grad_bytes(),
-               "main_params": size(self._main), "exp_avg": size(self.exp_avg),
-               "exp_avg_sq": size(self.exp_avg_sq),
-               "buckets": max(self.ddp.peak_temp_bytes, self.peak_step_bytes)}
+        size = lambda t: t.numel() * t.element_size()
+        host = self.ddp.host_param_bytes()  # ZeRO-3 offload_param: shards in host memory
+        out = {
+            "params": self.ddp.param_bytes() - host,
+            "grads": self.ddp.grad_bytes(),
+            "main_params": size(self._main),
+            "exp_avg": size(self.exp_avg),
+            "exp_avg_sq": size(self.exp_avg_sq),
+            "buckets": max(self.ddp.peak_temp_bytes, self.peak_step_bytes),
+        }
         if host:
             out["host_params"] = host
         out["total"] = sum(out.values())
         return out
 
-    HOST_PARTS: tuple = ("host_params",)   # model_state_bytes() keys kept in host memory
+    HOST_PARTS: tuple = ("host_params",)  # model_state_bytes() keys kept in host memory
 
     def formula(self) -> dict:
         """The ZeRO paper's prediction of ``model_state_bytes()`` for this optimizer (sec. 5).
@@ -421,14 +473,19 @@ class DistributedOptimizer:
         """
         ddp = self.ddp
         scratch = 4 * self._scratch_numel
-        return (max(ddp.staging_bound_bytes(), ddp.finalize_bound_bytes(), scratch,
-                    self._gather_bound_bytes()) + ddp.gathered_bound_bytes())
+        return (
+            max(ddp.staging_bound_bytes(), ddp.finalize_bound_bytes(), scratch, self._gather_bound_bytes())
+            + ddp.gathered_bound_bytes()
+        )
 
     def _gather_bound_bytes(self) -> int:
         """The most temporary bytes of the step's parameter all-gather (phase 6)."""
-        return max(buf.strategy.gather_bound_bytes(buf, max(1, self.allgather_bucket_size // buf.layout.dp_size),
-                                                   buf.layout.dp_size)
-                   for buf in self.ddp.buffers)
+        return max(
+            buf.strategy.gather_bound_bytes(
+                buf, max(1, self.allgather_bucket_size // buf.layout.dp_size), buf.layout.dp_size
+            )
+            for buf in self.ddp.buffers
+        )
 
     # -- checkpoint state ----------------------------------------------------------------
     def owned_state(self):
@@ -441,8 +498,7 @@ class DistributedOptimizer:
             for p, pr, wr in pc.buffer.layout.param_pieces(pc.world):
                 rel = wr.start - pc.world.start
                 s, e = pc.offset + rel, pc.offset + rel + pr.size
-                yield (names[id(p)], p, pr, pc.main[rel:rel + pr.size], self.exp_avg[s:e],
-                       self.exp_avg_sq[s:e])
+                yield (names[id(p)], p, pr, pc.main[rel : rel + pr.size], self.exp_avg[s:e], self.exp_avg_sq[s:e])
 
     def _owned_param_pieces(self):
         return ((name, pr, *views) for name, _, pr, *views in self.owned_state())
@@ -456,15 +512,19 @@ class DistributedOptimizer:
         """
         shards = []
         for name, pr, *views in self._owned_param_pieces():
-            shards.append(dict(name=name, start=pr.start, end=pr.end,
-                               **{k: v.clone() for k, v in zip(STATE_KEYS, views)}))
+            shards.append(
+                dict(name=name, start=pr.start, end=pr.end, **{k: v.clone() for k, v in zip(STATE_KEYS, views)})
+            )
         return dict(self.counters(), shards=shards)
 
     def counters(self) -> dict:
         """The step counters and loss-scaler state of ``state_dict()`` without its ``shards``."""
-        return dict(step_count=self.step_count, skipped_steps=self.skipped_steps,
-                    consecutive_min_skips=self.consecutive_min_skips,
-                    loss_scaler=None if self.loss_scaler is None else self.loss_scaler.state_dict())
+        return dict(
+            step_count=self.step_count,
+            skipped_steps=self.skipped_steps,
+            consecutive_min_skips=self.consecutive_min_skips,
+            loss_scaler=None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+        )
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -474,7 +534,7 @@ class DistributedOptimizer:
         the model params (an all-gather at stages 1/2). Raises ValueError naming a parameter
         whose owned elements are not all covered.
         """
-        self.wait_param_gather()   # an all-gather landing after the copies would undo them
+        self.wait_param_gather()  # an all-gather landing after the copies would undo them
         by_name: dict[str, list] = {}
         for entry in state["shards"]:
             by_name.setdefault(entry["name"], []).append(entry)
@@ -486,11 +546,13 @@ class DistributedOptimizer:
                     continue
                 src, dst = part.start - entry["start"], part.start - pr.start
                 for key, view in zip(STATE_KEYS, views):
-                    view[dst:dst + part.size].copy_(entry[key][src:src + part.size])
+                    view[dst : dst + part.size].copy_(entry[key][src : src + part.size])
                 covered += part.size
             if covered != pr.size:
-                raise ValueError(f"optimizer state lacks elements [{pr.start}, {pr.end}) of "
-                                 f"{name!r} (covered {covered}); pass every rank's shards")
+                raise ValueError(
+                    f"optimizer state lacks elements [{pr.start}, {pr.end}) of "
+                    f"{name!r} (covered {covered}); pass every rank's shards"
+                )
         self.load_counters(state)
         self.refresh_model_params()
 

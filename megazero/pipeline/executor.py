@@ -28,6 +28,7 @@ its own ``weight_grad.SavedTensors`` boxes, and B keeps of them only what W read
 on the first virtual stage followed at once by its W (all of ZB-H1's stage 0) runs as one
 plain backward after an unboxed forward (``_StageRun.adjacent``), with 1F1B's memory.
 """
+
 from __future__ import annotations
 
 import time
@@ -63,7 +64,7 @@ def comm_plan(a: Action, pp_rank: int, pp_size: int, vp_size: int = 1, layout: s
         return None, None
     n = pp_size * vp_size
     s = virtual_stage(pp_rank, pp_size, a.chunk, layout)
-    down = not (layout == "v" and a.chunk == 1)   # forward travels to higher ranks
+    down = not (layout == "v" and a.chunk == 1)  # forward travels to higher ranks
     mb = a.microbatch
 
     def peer(v: int, toward_forward: bool):
@@ -102,8 +103,14 @@ def exchange_groups(actions: Sequence[Action]) -> list[list[int]]:
     while i < len(actions):
         a = actions[i]
         b = actions[i + 1] if i + 1 < len(actions) else None
-        if (a.kind == "F" and a.phase == "steady" and b is not None and b.kind == "B"
-                and b.phase == "steady" and (a.microbatch, a.chunk) != (b.microbatch, b.chunk)):
+        if (
+            a.kind == "F"
+            and a.phase == "steady"
+            and b is not None
+            and b.kind == "B"
+            and b.phase == "steady"
+            and (a.microbatch, a.chunk) != (b.microbatch, b.chunk)
+        ):
             out.append([i, i + 1])
             i += 2
         else:
@@ -112,16 +119,26 @@ def exchange_groups(actions: Sequence[Action]) -> list[list[int]]:
     return out
 
 
-def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Module],
-                 forward_step: Callable, batches: Sequence, groups: ProcessGroups, *,
-                 tensor_shape: Sequence[int], dtype: torch.dtype, num_microbatches: int,
-                 vp_size: int = 1,
-                 before_backward: Optional[Callable[[int, bool], None]] = None,
-                 scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 device: Optional[torch.device] = None, forward_only: bool = False,
-                 busy: Optional[list] = None, exchanges: Optional[list] = None,
-                 layout: str = "interleaved",
-                 schedule_of: Optional[Callable[[int], Sequence[Action]]] = None) -> torch.Tensor:
+def run_schedule(
+    actions: Sequence[Action],
+    model_chunks: Sequence[torch.nn.Module],
+    forward_step: Callable,
+    batches: Sequence,
+    groups: ProcessGroups,
+    *,
+    tensor_shape: Sequence[int],
+    dtype: torch.dtype,
+    num_microbatches: int,
+    vp_size: int = 1,
+    before_backward: Optional[Callable[[int, bool], None]] = None,
+    scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    device: Optional[torch.device] = None,
+    forward_only: bool = False,
+    busy: Optional[list] = None,
+    exchanges: Optional[list] = None,
+    layout: str = "interleaved",
+    schedule_of: Optional[Callable[[int], Sequence[Action]]] = None,
+) -> torch.Tensor:
     """Run ``actions`` (this stage's schedule) and return the summed loss.
 
     Args:
@@ -159,16 +176,16 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
     match the configuration.
     """
     if len(batches) != num_microbatches or len(model_chunks) != vp_size:
-        raise ValueError(f"run_schedule got {len(batches)} micro-batches for "
-                         f"num_microbatches {num_microbatches} and {len(model_chunks)} model "
-                         f"chunks for --virtual-pipeline-size {vp_size}")
+        raise ValueError(
+            f"run_schedule got {len(batches)} micro-batches for "
+            f"num_microbatches {num_microbatches} and {len(model_chunks)} model "
+            f"chunks for --virtual-pipeline-size {vp_size}"
+        )
     if device is None:
         device = next(iter(model_chunks[0].parameters())).device
     p, r = groups.pp_size, groups.pp_rank
-    run = _StageRun(actions, model_chunks, forward_step, batches, before_backward, scale_loss,
-                    forward_only, device)
-    links = StageLinks(groups, tuple(tensor_shape), dtype, device,
-                       wrap=vp_size > 1 and layout == "interleaved")
+    run = _StageRun(actions, model_chunks, forward_step, batches, before_backward, scale_loss, forward_only, device)
+    links = StageLinks(groups, tuple(tensor_shape), dtype, device, wrap=vp_size > 1 and layout == "interleaved")
     local: dict = {}  # tag -> tensor passed between two chunks of this stage (V layout)
     pending: dict = {}  # sends of the previous action, posted with the next receive
     # Zero-bubble schedules: a stage runs ahead of its receiver (ZB-V's list-scheduled order
@@ -179,16 +196,20 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
     inbox = _Inbox(links, r, p, vp_size, layout, schedule_of) if eager and schedule_of else None
     for group in exchange_groups(actions):
         plans = [comm_plan(actions[i], r, p, vp_size, layout) for i in group]
-        recvs = {f"recv_{recv[0]}": recv[2] for recv, _ in plans
-                 if recv and recv[0] != "self" and inbox is None}
+        recvs = {f"recv_{recv[0]}": recv[2] for recv, _ in plans if recv and recv[0] != "self" and inbox is None}
         got = _exchange(links, pending, recvs, exchanges)  # (from prev, from next)
         by_tag = {tag: got[0 if key == "recv_prev" else 1] for key, tag in recvs.items()}
         pending = {}
         for i, (recv, send) in zip(group, plans):
             received = None
-            if recv is not None:   # (the inbox's wait for a message is idle time, not busy)
-                received = (local.pop(recv[2]) if recv[0] == "self" else by_tag[recv[2]]
-                            if inbox is None else inbox.get(recv, exchanges, posted))
+            if recv is not None:  # (the inbox's wait for a message is idle time, not busy)
+                received = (
+                    local.pop(recv[2])
+                    if recv[0] == "self"
+                    else by_tag[recv[2]]
+                    if inbox is None
+                    else inbox.get(recv, exchanges, posted)
+                )
             start = time.perf_counter()
             output = run.action(i, received, send is None)
             if busy is not None:
@@ -196,11 +217,12 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
             if send and send[0] == "self":
                 local[send[2]] = output.detach().clone()
             elif send and eager:
-                posted = [(q, t, w) for q, t, w in posted if not w.is_completed()]   # free finished sends
+                posted = [(q, t, w) for q, t, w in posted if not w.is_completed()]  # free finished sends
                 t_post = time.perf_counter()
-                posted += [(send[1], send[2], w)
-                           for w in links.post_sends(**{f"send_{send[0]}": (output.detach(), send[2])})]
-                if exchanges is not None:   # posted, not waited: done when posted
+                posted += [
+                    (send[1], send[2], w) for w in links.post_sends(**{f"send_{send[0]}": (output.detach(), send[2])})
+                ]
+                if exchanges is not None:  # posted, not waited: done when posted
                     exchanges.append((t_post, t_post, [send[2]], []))
             elif send:
                 pending[f"send_{send[0]}"] = (output, send[2])
@@ -211,8 +233,7 @@ def run_schedule(actions: Sequence[Action], model_chunks: Sequence[torch.nn.Modu
     for _, _, work in posted:
         work.wait()
     if run.saved or run.weight_work:
-        raise ValueError(f"schedule left forwards without backward or W: "
-                         f"{sorted(run.saved) + sorted(run.weight_work)}")
+        raise ValueError(f"schedule left forwards without backward or W: {sorted(run.saved) + sorted(run.weight_work)}")
     last = stage_rank(groups, stage_of(p * vp_size - 1, p, layout)[0])
     return collectives.broadcast(run.loss_sum, last, groups.pp)
 
@@ -250,7 +271,7 @@ class _Inbox:
             got = _exchange(self.links, {}, {f"recv_{direction}": t}, record)
             self.kept[t] = got[0 if direction == "prev" else 1]
             done = [i for i, (q, sent, _) in enumerate(posted) if q == peer and sent in self.acked[t]]
-            for i in reversed(done):   # the peer received these: their waits return at once
+            for i in reversed(done):  # the peer received these: their waits return at once
                 posted.pop(i)[2].wait()
         return self.kept.pop(tag)
 
@@ -259,23 +280,25 @@ class _StageRun:
     """The compute side of ``run_schedule``: runs one action, keeps what F leaves for B and
     (split backward) what B leaves for W, and sums the losses."""
 
-    def __init__(self, actions, chunks, forward_step, batches, before_backward, scale_loss,
-                 forward_only, device):
+    def __init__(self, actions, chunks, forward_step, batches, before_backward, scale_loss, forward_only, device):
         self.actions, self.chunks, self.forward_step = list(actions), chunks, forward_step
         self.batches, self.before_backward = batches, before_backward
         self.scale_loss, self.forward_only = scale_loss, forward_only
         self.split = is_split(self.actions)
         self.last_grad = last_backward_index(self.actions)
-        self.saved: dict = {}        # (mb, chunk) -> (input, output or loss), F to B
-        self.boxes: dict = {}        # (mb, chunk) -> weight_grad.SavedTensors, F to B (split)
+        self.saved: dict = {}  # (mb, chunk) -> (input, output or loss), F to B
+        self.boxes: dict = {}  # (mb, chunk) -> weight_grad.SavedTensors, F to B (split)
         self.weight_work: dict = {}  # (mb, chunk) -> weight_grad.WeightGradWork, B to W
         # (mb, chunk) whose B is followed at once by its W; of them, those on the first
         # virtual stage (their F receives nothing) run B and W as one plain backward, their
         # forward unboxed: nobody waits for that B's input gradient, so W delays no one, and
         # it is 1F1B's computation with 1F1B's memory (a split B holds every layer's output
         # gradient until W, and the boxes cost a fused backward some 7 % more at its peak)
-        self.adjacent = {(a.microbatch, a.chunk) for a, b in zip(self.actions, self.actions[1:])
-                         if a.kind == "B" and b.kind == "W" and (a.microbatch, a.chunk) == (b.microbatch, b.chunk)}
+        self.adjacent = {
+            (a.microbatch, a.chunk)
+            for a, b in zip(self.actions, self.actions[1:])
+            if a.kind == "B" and b.kind == "W" and (a.microbatch, a.chunk) == (b.microbatch, b.chunk)
+        }
         self.fused: set = set()
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -285,37 +308,52 @@ class _StageRun:
         if a.kind == "F":
             key = (a.microbatch, a.chunk)
             if self.split and received is None and key in self.adjacent and not self.forward_only:
-                self.fused.add(key)   # first virtual stage, W right after B: one backward
+                self.fused.add(key)  # first virtual stage, W right after B: one backward
             if self.split and not self.forward_only and key not in self.fused:
                 # boxed, so B can free what W won't read
                 boxes = self.boxes[(a.microbatch, a.chunk)] = SavedTensors()
                 with boxes.hooks():
-                    output, loss = _forward(self.saved, a, self.chunks[a.chunk], self.forward_step,
-                                            self.batches[a.microbatch], received, is_last_virtual)
+                    output, loss = _forward(
+                        self.saved,
+                        a,
+                        self.chunks[a.chunk],
+                        self.forward_step,
+                        self.batches[a.microbatch],
+                        received,
+                        is_last_virtual,
+                    )
             else:
-                output, loss = _forward(self.saved, a, self.chunks[a.chunk], self.forward_step,
-                                        self.batches[a.microbatch], received, is_last_virtual)
+                output, loss = _forward(
+                    self.saved,
+                    a,
+                    self.chunks[a.chunk],
+                    self.forward_step,
+                    self.batches[a.microbatch],
+                    received,
+                    is_last_virtual,
+                )
             if self.forward_only:
                 self.saved.clear()
             if loss is not None:
                 self.loss_sum += loss.detach().double()
             return output
         key = (a.microbatch, a.chunk)
-        if a.kind == "W" and key in self.fused:   # its B ran the whole backward
+        if a.kind == "W" and key in self.fused:  # its B ran the whole backward
             self.fused.discard(key)
             return None
         fuse = a.kind == "B" and key in self.fused
         if a.kind == "W" or not self.split or fuse:
-            if self.before_backward is not None:   # gradients reach the buffers in this action
+            if self.before_backward is not None:  # gradients reach the buffers in this action
                 self.before_backward(a.chunk, (i + 1 if fuse else i) == self.last_grad[a.chunk])
         if a.kind == "W":
             backward_weight(self.weight_work.pop(key))
             return None
-        if fuse:   # nobody waits for this B's result: run B and W as one backward
+        if fuse:  # nobody waits for this B's result: run B and W as one backward
             return _backward(self.saved, a, received, self.scale_loss)
         if self.split:
-            return _backward_input(self.saved, self.weight_work, a, received, self.scale_loss,
-                                   self.boxes.pop(key, None))
+            return _backward_input(
+                self.saved, self.weight_work, a, received, self.scale_loss, self.boxes.pop(key, None)
+            )
         return _backward(self.saved, a, received, self.scale_loss)
 
 
@@ -324,13 +362,19 @@ def _exchange(links: StageLinks, sends: dict, recvs: dict, record: Optional[list
     posted = time.perf_counter()
     received = links.exchange(**sends, **recvs)
     if record is not None and (sends or recvs):
-        record.append((posted, time.perf_counter(), [tag for _, tag in sends.values()],
-                       list(recvs.values())))
+        record.append((posted, time.perf_counter(), [tag for _, tag in sends.values()], list(recvs.values())))
     return received
 
 
-def _forward(saved: dict, a: Action, chunk: torch.nn.Module, forward_step: Callable, batch,
-             input_tensor: Optional[torch.Tensor], is_last_virtual: bool):
+def _forward(
+    saved: dict,
+    a: Action,
+    chunk: torch.nn.Module,
+    forward_step: Callable,
+    batch,
+    input_tensor: Optional[torch.Tensor],
+    is_last_virtual: bool,
+):
     """Run F(a); returns (output to send, None) or, on the last virtual stage, (None, loss)."""
     if input_tensor is not None:
         input_tensor.requires_grad_()
@@ -343,8 +387,14 @@ def _forward(saved: dict, a: Action, chunk: torch.nn.Module, forward_step: Calla
     return output, None
 
 
-def _backward_input(saved: dict, weight_work: dict, a: Action, output_grad: Optional[torch.Tensor],
-                    scale_loss: Optional[Callable], boxes: Optional[SavedTensors]) -> Optional[torch.Tensor]:
+def _backward_input(
+    saved: dict,
+    weight_work: dict,
+    a: Action,
+    output_grad: Optional[torch.Tensor],
+    scale_loss: Optional[Callable],
+    boxes: Optional[SavedTensors],
+) -> Optional[torch.Tensor]:
     """B(a) of a split backward: returns the input's gradient, keeps the work W will do
     (and of the forward's saved tensors, ``boxes``, only those W reads)."""
     input_tensor, output = saved.pop((a.microbatch, a.chunk))
@@ -352,13 +402,13 @@ def _backward_input(saved: dict, weight_work: dict, a: Action, output_grad: Opti
         output = scale_loss(output)
     grad, weight_work[(a.microbatch, a.chunk)] = backward_input(output, output_grad, input_tensor, boxes)
     if input_tensor is not None and grad is None:
-        raise ValueError(f"{a}: forward_step did not use input_tensor, so no gradient "
-                         f"reaches the previous stage")
+        raise ValueError(f"{a}: forward_step did not use input_tensor, so no gradient reaches the previous stage")
     return grad
 
 
-def _backward(saved: dict, a: Action, output_grad: Optional[torch.Tensor],
-              scale_loss: Optional[Callable]) -> Optional[torch.Tensor]:
+def _backward(
+    saved: dict, a: Action, output_grad: Optional[torch.Tensor], scale_loss: Optional[Callable]
+) -> Optional[torch.Tensor]:
     """Run B(a), free its saved tensors; returns the input's gradient (None on stage 0, chunk 0)."""
     input_tensor, output = saved.pop((a.microbatch, a.chunk))
     if output_grad is None:  # last virtual stage: ``output`` is the loss
@@ -368,8 +418,7 @@ def _backward(saved: dict, a: Action, output_grad: Optional[torch.Tensor],
     if input_tensor is None:
         return None
     if input_tensor.grad is None:
-        raise ValueError(f"{a}: forward_step did not use input_tensor, so no gradient "
-                         f"reaches the previous stage")
+        raise ValueError(f"{a}: forward_step did not use input_tensor, so no gradient reaches the previous stage")
     return input_tensor.grad
 
 
@@ -390,6 +439,7 @@ def make_forward_step(tokens_per_dp_rank: float, watch=None):
     global batch (docs/design.md, contract 1).
     ``watch(batch, chunk, input, output) -> output`` sees every forward (``megazero.runtime.resilience.ForwardWatch``).
     """
+
     def forward_step(batch, chunk, input_tensor):
         tokens, labels, *rest = batch
         seq = rest[0] if rest else None
@@ -402,5 +452,7 @@ def make_forward_step(tokens_per_dp_rank: float, watch=None):
             if seq is not None and seq.loss_mask is not None:
                 per_token_loss = per_token_loss * seq.loss_mask
             return per_token_loss.sum(dtype=torch.float64) / tokens_per_dp_rank
+
         return out, loss_fn
+
     return forward_step

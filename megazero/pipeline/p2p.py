@@ -17,6 +17,7 @@ messages by tag; NCCL ignores tags and matches in posting order, which the sched
 consistent (see tests/unit/test_pipeline_schedules.py). Every send and receive is recorded in
 ``collectives.recent`` (its peer's global rank, shape, dtype) for failure reports.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ class StageLinks:
             raise ValueError(f"stage {self.groups.pp_rank} has no neighbour at stage {target}")
         return stage_rank(self.groups, target)
 
-    def post_sends(self, send_next: Optional[tuple[torch.Tensor, int]] = None,
-                   send_prev: Optional[tuple[torch.Tensor, int]] = None) -> list:
+    def post_sends(
+        self, send_next: Optional[tuple[torch.Tensor, int]] = None, send_prev: Optional[tuple[torch.Tensor, int]] = None
+    ) -> list:
         """Post the given sends ``(tensor, tag)`` without waiting: returns the work handles
         (wait them before the step ends; the tensors stay referenced by the handles' ops).
         Used by the V layout (zb-v), whose stages run ahead of their receivers."""
@@ -73,14 +75,16 @@ class StageLinks:
                 tensor, tag = sent
                 self._check(tensor)
                 collectives.count_send(tensor, self._peer(step))
-                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
-                                      self._peer(step), self.groups.pp, tag))
+                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), self._peer(step), self.groups.pp, tag))
         return ops
 
-    def exchange(self, send_next: Optional[tuple[torch.Tensor, int]] = None,
-                 send_prev: Optional[tuple[torch.Tensor, int]] = None,
-                 recv_prev: Optional[int] = None, recv_next: Optional[int] = None
-                 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def exchange(
+        self,
+        send_next: Optional[tuple[torch.Tensor, int]] = None,
+        send_prev: Optional[tuple[torch.Tensor, int]] = None,
+        recv_prev: Optional[int] = None,
+        recv_next: Optional[int] = None,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Post the given sends ``(tensor, tag)`` and receives (by tag), wait for all.
 
         Returns ``(from_prev, from_next)``: new tensors of ``tensor_shape`` / ``dtype``, or
@@ -100,9 +104,11 @@ class StageLinks:
 
     def _check(self, t: torch.Tensor) -> None:
         if tuple(t.shape) != tuple(self.tensor_shape) or t.dtype != self.dtype:
-            raise ValueError(f"stage {self.groups.pp_rank} sends {tuple(t.shape)} {t.dtype}, "
-                             f"but the pipeline is configured for {tuple(self.tensor_shape)} "
-                             f"{self.dtype}")
+            raise ValueError(
+                f"stage {self.groups.pp_rank} sends {tuple(t.shape)} {t.dtype}, "
+                f"but the pipeline is configured for {tuple(self.tensor_shape)} "
+                f"{self.dtype}"
+            )
 
     # Megatron-LM's names for the exchanges a schedule needs.
     def send_forward(self, output: torch.Tensor, tag: int = 0) -> None:
@@ -117,12 +123,12 @@ class StageLinks:
     def recv_backward(self, tag: int = 0) -> torch.Tensor:
         return self.exchange(recv_next=tag)[1]
 
-    def send_forward_recv_backward(self, output: torch.Tensor, send_tag: int = 0,
-                                   recv_tag: int = 0) -> torch.Tensor:
+    def send_forward_recv_backward(self, output: torch.Tensor, send_tag: int = 0, recv_tag: int = 0) -> torch.Tensor:
         return self.exchange(send_next=(output, send_tag), recv_next=recv_tag)[1]
 
-    def send_backward_recv_forward(self, input_grad: torch.Tensor, send_tag: int = 0,
-                                   recv_tag: int = 0) -> torch.Tensor:
+    def send_backward_recv_forward(
+        self, input_grad: torch.Tensor, send_tag: int = 0, recv_tag: int = 0
+    ) -> torch.Tensor:
         return self.exchange(send_prev=(input_grad, send_tag), recv_prev=recv_tag)[0]
 
 
@@ -133,22 +139,33 @@ class PipelineConfigError(ValueError):
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_DIMS = 4
 # Fields of the settings vector after [pp_rank]: name shown in errors, how to show a value.
-_FIELDS = ("activation shape [B, T, H] (--micro-batch-size, --seq-length, --hidden-size, "
-           "--sequence-parallel)", "activation dtype (--fp16 / --bf16)",
-           "number of micro-batches (--global-batch-size / (--micro-batch-size x dp))",
-           "--virtual-pipeline-size", "pipeline schedule (--pipeline-schedule)")
+_FIELDS = (
+    "activation shape [B, T, H] (--micro-batch-size, --seq-length, --hidden-size, --sequence-parallel)",
+    "activation dtype (--fp16 / --bf16)",
+    "number of micro-batches (--global-batch-size / (--micro-batch-size x dp))",
+    "--virtual-pipeline-size",
+    "pipeline schedule (--pipeline-schedule)",
+)
 _SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 
-def _settings_vector(pp_rank: int, tensor_shape: Sequence[int], dtype: torch.dtype,
-                     num_microbatches: int, vp_size: int, schedule: str, device: torch.device) -> torch.Tensor:
+def _settings_vector(
+    pp_rank: int,
+    tensor_shape: Sequence[int],
+    dtype: torch.dtype,
+    num_microbatches: int,
+    vp_size: int,
+    schedule: str,
+    device: torch.device,
+) -> torch.Tensor:
     if len(tensor_shape) > _MAX_DIMS:
         raise ValueError(f"activation shape {tuple(tensor_shape)} has more than {_MAX_DIMS} dims")
     shape = list(tensor_shape) + [-1] * (_MAX_DIMS - len(tensor_shape))
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
     sched_code = _SCHEDULES.index(schedule) if schedule in _SCHEDULES else len(_SCHEDULES)
-    return torch.tensor([pp_rank, *shape, dtype_code, num_microbatches, vp_size, sched_code],
-                        dtype=torch.int64, device=device)
+    return torch.tensor(
+        [pp_rank, *shape, dtype_code, num_microbatches, vp_size, sched_code], dtype=torch.int64, device=device
+    )
 
 
 def _fields(v: list[int]) -> list:
@@ -159,9 +176,16 @@ def _fields(v: list[int]) -> list:
     return [shape, dtype, v[_MAX_DIMS + 1], v[_MAX_DIMS + 2], sched]
 
 
-def handshake(groups: ProcessGroups, tensor_shape: Sequence[int], dtype: torch.dtype,
-              num_microbatches: int, vp_size: int = 1, schedule: str = "1f1b", *,
-              device: torch.device) -> None:
+def handshake(
+    groups: ProcessGroups,
+    tensor_shape: Sequence[int],
+    dtype: torch.dtype,
+    num_microbatches: int,
+    vp_size: int = 1,
+    schedule: str = "1f1b",
+    *,
+    device: torch.device,
+) -> None:
     """Check once, before the first step, that all stages agree on the p2p settings.
 
     Three phases: (1) exchange a small int64 settings vector with both ring neighbours over
@@ -193,8 +217,9 @@ def handshake(groups: ProcessGroups, tensor_shape: Sequence[int], dtype: torch.d
     if problem is not None:
         raise PipelineConfigError(f"pipeline handshake failed: {problem}")
     if flag.item() > 0:
-        raise PipelineConfigError("pipeline handshake failed in another pipeline (another "
-                                  "data-parallel replica); see the errors of its ranks")
+        raise PipelineConfigError(
+            "pipeline handshake failed in another pipeline (another data-parallel replica); see the errors of its ranks"
+        )
 
 
 def _exchange_with_neighbours(groups: ProcessGroups, mine: torch.Tensor) -> Optional[str]:
@@ -204,13 +229,16 @@ def _exchange_with_neighbours(groups: ProcessGroups, mine: torch.Tensor) -> Opti
     if p == 2:
         got = {r + 1: links.exchange(send_next=(mine, tag), recv_next=tag)[1]}
     else:
-        frm_prev, frm_next = links.exchange(send_next=(mine, tag), send_prev=(mine, tag + 1),
-                                            recv_prev=tag, recv_next=tag + 1)
+        frm_prev, frm_next = links.exchange(
+            send_next=(mine, tag), send_prev=(mine, tag + 1), recv_prev=tag, recv_next=tag + 1
+        )
         got = {r - 1: frm_prev, r + 1: frm_next}
     for step, t in got.items():
         if int(t[0]) != step % p:
-            return (f"stage {r} expected stage {step % p} as a neighbour but heard from "
-                    f"stage {int(t[0])}: the pp process groups are wired wrongly")
+            return (
+                f"stage {r} expected stage {step % p} as a neighbour but heard from "
+                f"stage {int(t[0])}: the pp process groups are wired wrongly"
+            )
     return None
 
 

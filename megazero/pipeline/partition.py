@@ -20,6 +20,7 @@ LayerNorm and the output layer on the last virtual stage (stage pp-1, chunk V-1)
 trainer builds each chunk with ``pre_process=is_pre_process(...)`` and
 ``post_process=is_post_process(...)``.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -37,12 +38,14 @@ def parse_layer_split(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise PartitionError(f"--pipeline-layer-split {text!r} must be a comma list of "
-                             f"integers, one per pipeline stage, e.g. '3,5'") from None
+        raise PartitionError(
+            f"--pipeline-layer-split {text!r} must be a comma list of integers, one per pipeline stage, e.g. '3,5'"
+        ) from None
 
 
-def validate_partition(num_layers: int, pp_size: int, vp_size: int = 1,
-                       layer_split: Optional[Sequence[int]] = None) -> None:
+def validate_partition(
+    num_layers: int, pp_size: int, vp_size: int = 1, layer_split: Optional[Sequence[int]] = None
+) -> None:
     """Check that ``num_layers`` can be partitioned; returns None or raises PartitionError.
 
     Rules: ``num_layers, pp_size, vp_size >= 1``; ``vp_size > 1`` needs ``pp_size >= 2``
@@ -52,11 +55,13 @@ def validate_partition(num_layers: int, pp_size: int, vp_size: int = 1,
     or ``--pipeline-layer-split`` and the fix.
     """
     if num_layers < 1 or pp_size < 1 or vp_size < 1:
-        raise PartitionError(f"--num-layers ({num_layers}), --pp ({pp_size}) and "
-                             f"--virtual-pipeline-size ({vp_size}) must all be >= 1")
+        raise PartitionError(
+            f"--num-layers ({num_layers}), --pp ({pp_size}) and --virtual-pipeline-size ({vp_size}) must all be >= 1"
+        )
     if vp_size > 1 and pp_size < 2:
-        raise PartitionError(f"--virtual-pipeline-size {vp_size} needs --pp >= 2 (got "
-                             f"--pp {pp_size}); set --virtual-pipeline-size 1")
+        raise PartitionError(
+            f"--virtual-pipeline-size {vp_size} needs --pp >= 2 (got --pp {pp_size}); set --virtual-pipeline-size 1"
+        )
     if layer_split is not None:
         _validate_split(num_layers, pp_size, vp_size, list(layer_split))
         return
@@ -68,21 +73,26 @@ def validate_partition(num_layers: int, pp_size: int, vp_size: int = 1,
             f"--num-layers {num_layers} is not divisible by --pp {pp_size} x "
             f"--virtual-pipeline-size {vp_size} = {per}: {fix}, change --pp or "
             f"--virtual-pipeline-size, or (non-interleaved) give --pipeline-layer-split "
-            f"with {pp_size} counts summing to {num_layers}")
+            f"with {pp_size} counts summing to {num_layers}"
+        )
 
 
 def _validate_split(num_layers: int, pp_size: int, vp_size: int, split: list[int]) -> None:
     if vp_size > 1:
-        raise PartitionError(f"--pipeline-layer-split cannot be combined with "
-                             f"--virtual-pipeline-size {vp_size}; drop one of them")
+        raise PartitionError(
+            f"--pipeline-layer-split cannot be combined with --virtual-pipeline-size {vp_size}; drop one of them"
+        )
     if len(split) != pp_size:
-        raise PartitionError(f"--pipeline-layer-split {split} has {len(split)} entries but "
-                             f"--pp is {pp_size}: give one layer count per stage")
+        raise PartitionError(
+            f"--pipeline-layer-split {split} has {len(split)} entries but "
+            f"--pp is {pp_size}: give one layer count per stage"
+        )
     if min(split) < 1:
         raise PartitionError(f"--pipeline-layer-split {split}: every stage needs >= 1 layer")
     if sum(split) != num_layers:
-        raise PartitionError(f"--pipeline-layer-split {split} sums to {sum(split)} but "
-                             f"--num-layers is {num_layers}: make them agree")
+        raise PartitionError(
+            f"--pipeline-layer-split {split} sums to {sum(split)} but --num-layers is {num_layers}: make them agree"
+        )
 
 
 LAYOUTS = ("interleaved", "v")
@@ -93,9 +103,15 @@ def chunk_layout(schedule: str) -> str:
     return "v" if schedule == "zb-v" else "interleaved"
 
 
-def layer_ids(num_layers: int, pp_size: int, pp_rank: int, vp_size: int = 1,
-              vp_rank: int = 0, layer_split: Optional[Sequence[int]] = None,
-              layout: str = "interleaved") -> list[int]:
+def layer_ids(
+    num_layers: int,
+    pp_size: int,
+    pp_rank: int,
+    vp_size: int = 1,
+    vp_rank: int = 0,
+    layer_split: Optional[Sequence[int]] = None,
+    layout: str = "interleaved",
+) -> list[int]:
     """Global ids of the layers in model chunk ``vp_rank`` of stage ``pp_rank``.
 
     Example: ``layer_ids(8, 2, 1) == [4, 5, 6, 7]``; interleaved
@@ -106,8 +122,7 @@ def layer_ids(num_layers: int, pp_size: int, pp_rank: int, vp_size: int = 1,
     """
     validate_partition(num_layers, pp_size, vp_size, layer_split)
     if not (0 <= pp_rank < pp_size and 0 <= vp_rank < vp_size):
-        raise ValueError(f"pp_rank {pp_rank} / vp_rank {vp_rank} outside pp {pp_size} x "
-                         f"vp {vp_size}")
+        raise ValueError(f"pp_rank {pp_rank} / vp_rank {vp_rank} outside pp {pp_size} x vp {vp_size}")
     if layer_split is not None:
         start = sum(layer_split[:pp_rank])
         return list(range(start, start + layer_split[pp_rank]))
@@ -136,8 +151,9 @@ def is_pre_process(pp_rank: int, vp_rank: int = 0) -> bool:
     return pp_rank == 0 and vp_rank == 0
 
 
-def is_post_process(pp_rank: int, pp_size: int, vp_rank: int = 0, vp_size: int = 1,
-                    layout: str = "interleaved") -> bool:
+def is_post_process(
+    pp_rank: int, pp_size: int, vp_rank: int = 0, vp_size: int = 1, layout: str = "interleaved"
+) -> bool:
     """True for the chunk with the final LayerNorm, output layer and loss (the last virtual
     stage: last stage, last chunk; stage 0's chunk 1 in the V shape)."""
     return virtual_stage(pp_rank, pp_size, vp_rank, layout) == pp_size * vp_size - 1

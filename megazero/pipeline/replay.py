@@ -23,13 +23,13 @@ follows in ``run_schedule`` is not modelled). Busy time is the sum of a stage's 
 idle time the rest of the makespan (waiting and exchanging), and the bubble fraction
 ``sum(idle) / (pp * makespan)`` as in ``simulate``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Union
 
 from megazero.pipeline.executor import comm_plan, exchange_groups
-from megazero.pipeline.schedules import (Action, ScheduleError, SimResult, check_actions, is_split,
-                                         peak_inflight_of)
+from megazero.pipeline.schedules import Action, ScheduleError, SimResult, check_actions, is_split, peak_inflight_of
 
 
 def _plan(schedules, pp_size: int, vp_size: int, layout: str = "interleaved"):
@@ -38,11 +38,11 @@ def _plan(schedules, pp_size: int, vp_size: int, layout: str = "interleaved"):
     plans, where = [], {}
     for s, sched in enumerate(schedules):
         groups = exchange_groups(sched)
-        ex = [([], []) for _ in range(len(groups) + 1)]   # (sends, recvs)
+        ex = [([], []) for _ in range(len(groups) + 1)]  # (sends, recvs)
         for k, group in enumerate(groups):
             for i in group:
                 recv, send = comm_plan(sched[i], s, pp_size, vp_size, layout)
-                recv = None if recv and recv[0] == "self" else recv   # no exchange within a stage
+                recv = None if recv and recv[0] == "self" else recv  # no exchange within a stage
                 send = None if send and send[0] == "self" else send
                 if recv:
                     ex[k][1].append(recv[2])
@@ -54,10 +54,14 @@ def _plan(schedules, pp_size: int, vp_size: int, layout: str = "interleaved"):
     return plans, where
 
 
-def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
-                      cost: Callable[[int, Action], float],
-                      latency: Union[float, Callable[[int], float]] = 0.0,
-                      layout: str = "interleaved") -> SimResult:
+def simulate_executor(
+    schedules: list[list[Action]],
+    pp_size: int,
+    vp_size: int,
+    cost: Callable[[int, Action], float],
+    latency: Union[float, Callable[[int], float]] = 0.0,
+    layout: str = "interleaved",
+) -> SimResult:
     """Replay the executor's exchanges (module docstring); times in ``cost``'s unit.
 
     Args: ``schedules`` (one ``build_schedule`` list per stage), ``pp_size``, ``vp_size``,
@@ -73,7 +77,7 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
     check_actions(schedules, vp_size)
     plans, where = _plan(schedules, pp_size, vp_size, layout)
     eager = any(is_split(sched) for sched in schedules)
-    post = [[0.0] for _ in range(pp_size)]    # post[s][k]: when stage s posts exchange k
+    post = [[0.0] for _ in range(pp_size)]  # post[s][k]: when stage s posts exchange k
     done: list[list[float]] = [[] for _ in range(pp_size)]
     busy = [0.0] * pp_size
 
@@ -89,8 +93,7 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
                 k = len(done[s])
                 sends, recvs = ex[k]
                 # zero-bubble schedules: sends are posted without waiting (executor.run_schedule)
-                peers = ([] if eager else [peer_post(t, "recv") for t in sends]) + [
-                    peer_post(t, "send") for t in recvs]
+                peers = ([] if eager else [peer_post(t, "recv") for t in sends]) + [peer_post(t, "send") for t in recvs]
                 if any(p is None for p in peers):
                     break
                 lat = 0.0 if not peers else latency(len(peers)) if callable(latency) else latency
@@ -102,10 +105,17 @@ def simulate_executor(schedules: list[list[Action]], pp_size: int, vp_size: int,
                     post[s].append(t + work)
                 progressed = True
         if not progressed:
-            raise ScheduleError("deadlock: stages wait at exchanges " + ", ".join(
-                f"{s}:{len(done[s])}" for s in range(pp_size) if len(done[s]) < len(plans[s][1])))
+            raise ScheduleError(
+                "deadlock: stages wait at exchanges "
+                + ", ".join(f"{s}:{len(done[s])}" for s in range(pp_size) if len(done[s]) < len(plans[s][1]))
+            )
     makespan = max(d[-1] for d in done)
     idle = [makespan - b for b in busy]
-    return SimResult(makespan=makespan, bubble_fraction=sum(idle) / (pp_size * makespan),
-                     peak_inflight=[peak_inflight_of(sched) for sched in schedules],
-                     busy=busy, idle=idle, finish=done)
+    return SimResult(
+        makespan=makespan,
+        bubble_fraction=sum(idle) / (pp_size * makespan),
+        peak_inflight=[peak_inflight_of(sched) for sched in schedules],
+        busy=busy,
+        idle=idle,
+        finish=done,
+    )

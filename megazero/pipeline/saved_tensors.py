@@ -8,6 +8,7 @@ something else holds it) while the node and its graph stay alive: B of a zero-bu
 (``weight_grad.py``) keeps the graph for W but empties every box W will not read. Reading an
 emptied box raises ``SplitBackwardError``, so a missed tensor fails loudly, never computes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,7 +35,8 @@ def _unpack(box: _Box) -> torch.Tensor:
     if box.tensor is None:
         raise SplitBackwardError(
             "a weight-gradient pass (W) read a saved tensor that its B released: an operator "
-            "between a boundary and its parameters was not marked by SavedTensors.keep_for_weight")
+            "between a boundary and its parameters was not marked by SavedTensors.keep_for_weight"
+        )
     if _MARKING[0]:
         box.keep = True
     if _COLLECTING:
@@ -88,7 +90,7 @@ class SavedTensors:
         return sum(seen.values())
 
 
-_SAVED_NAMES: dict = {}   # node type -> its ``_saved_*`` attribute names
+_SAVED_NAMES: dict = {}  # node type -> its ``_saved_*`` attribute names
 
 
 def _read_saved(node) -> None:
@@ -116,7 +118,9 @@ def boxes_of(node) -> list:
 
 def empty_after_run(boxes: list):
     """A node post-hook emptying ``boxes`` once the node ran in B (W never runs it)."""
+
     def hook(grad_inputs, grad_outputs):
         for b in boxes:
             b.tensor = None
+
     return hook

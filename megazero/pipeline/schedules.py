@@ -24,6 +24,7 @@ A schedule is a ``list[Action]`` per stage; it does no communication (the execut
 schedules are executable (no backward before its forward, cross-stage order without
 deadlock) and measuring makespan, bubble and the activations kept alive.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -55,8 +56,7 @@ class Action:
         return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk}, {self.phase})"
 
 
-def build_schedule(kind: str, num_microbatches: int, pp_size: int, pp_rank: int,
-                   vp_size: int = 1) -> list[Action]:
+def build_schedule(kind: str, num_microbatches: int, pp_size: int, pp_rank: int, vp_size: int = 1) -> list[Action]:
     """The ordered actions of stage ``pp_rank`` for one training step.
 
     Raises ValueError when ``kind`` is unknown, sizes are below 1, ``none`` is used with
@@ -69,21 +69,21 @@ def build_schedule(kind: str, num_microbatches: int, pp_size: int, pp_rank: int,
     if kind not in KINDS:
         raise ValueError(f"unknown pipeline schedule {kind!r}; choose one of {KINDS}")
     if m < 1 or p < 1 or not 0 <= r < p or vp_size < 1:
-        raise ValueError(f"bad schedule sizes: num_microbatches {m}, pp {p}, pp_rank {r}, "
-                         f"virtual-pipeline-size {vp_size}")
+        raise ValueError(
+            f"bad schedule sizes: num_microbatches {m}, pp {p}, pp_rank {r}, virtual-pipeline-size {vp_size}"
+        )
     if kind in ZERO_BUBBLE:
         return _zero_bubble(kind, m, p, r, vp_size)
     if kind != "interleaved" and vp_size != 1:
-        raise ValueError(f"--virtual-pipeline-size {vp_size} needs the interleaved schedule "
-                         f"(got {kind!r})")
+        raise ValueError(f"--virtual-pipeline-size {vp_size} needs the interleaved schedule (got {kind!r})")
     if kind == "none":
         if p != 1:
-            raise ValueError(f"schedule 'none' runs without pipelining; --pp is {p}: choose "
-                             f"'1f1b', 'gpipe' or 'interleaved'")
+            raise ValueError(
+                f"schedule 'none' runs without pipelining; --pp is {p}: choose '1f1b', 'gpipe' or 'interleaved'"
+            )
         return [a for i in range(m) for a in (Action("F", i), Action("B", i))]
     if kind == "gpipe":
-        return ([Action("F", i, 0, "warmup") for i in range(m)]
-                + [Action("B", i, 0, "cooldown") for i in range(m)])
+        return [Action("F", i, 0, "warmup") for i in range(m)] + [Action("B", i, 0, "cooldown") for i in range(m)]
     if kind == "1f1b":
         return _one_f_one_b(m, min(p - r - 1, m), lambda k, fwd: (k, 0))
     return _interleaved(m, p, r, vp_size)
@@ -91,12 +91,14 @@ def build_schedule(kind: str, num_microbatches: int, pp_size: int, pp_rank: int,
 
 def _zero_bubble(kind: str, m: int, p: int, r: int, vp_size: int) -> list[Action]:
     if p < 2:
-        raise ValueError(f"--pipeline-schedule {kind} needs --pp >= 2 (got --pp {p}); fix: "
-                         f"use --pipeline-schedule 1f1b")
+        raise ValueError(
+            f"--pipeline-schedule {kind} needs --pp >= 2 (got --pp {p}); fix: use --pipeline-schedule 1f1b"
+        )
     want = 2 if kind == "zb-v" else 1
     if vp_size != want:
-        raise ValueError(f"--pipeline-schedule {kind} runs {want} model chunk(s) per stage, "
-                         f"got --virtual-pipeline-size {vp_size}")
+        raise ValueError(
+            f"--pipeline-schedule {kind} runs {want} model chunk(s) per stage, got --virtual-pipeline-size {vp_size}"
+        )
     rows = [zb_h1(m, p, r)] if kind == "zb-h1" else [zb_v(m, p)[r]]
     return [Action(*a) for a in rows[0]]
 
@@ -118,7 +120,8 @@ def _interleaved(m: int, p: int, r: int, v: int) -> list[Action]:
         raise ValueError(
             f"the interleaved schedule needs the number of micro-batches ({m} = "
             f"--global-batch-size / (--micro-batch-size x dp)) to be a multiple of --pp {p}: "
-            f"change --global-batch-size or --micro-batch-size")
+            f"change --global-batch-size or --micro-batch-size"
+        )
 
     def unit(k: int, forward: bool) -> tuple[int, int]:
         group, within = divmod(k, p * v)  # p*v chunk-forwards per group of p micro-batches
@@ -169,9 +172,15 @@ class SimResult:
     finish: list[list[float]] = field(repr=False)
 
 
-def simulate(schedules: list[list[Action]], pp_size: int, vp_size: int = 1,
-             forward_cost: float = 1.0, backward_cost: float = 2.0, weight_cost: float = 0.0,
-             layout: str = "interleaved") -> SimResult:
+def simulate(
+    schedules: list[list[Action]],
+    pp_size: int,
+    vp_size: int = 1,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    weight_cost: float = 0.0,
+    layout: str = "interleaved",
+) -> SimResult:
     """Replay one schedule per stage with zero-cost communication; return timings.
 
     A chunk-forward costs ``forward_cost / vp_size``; a chunk-backward ``(backward_cost +
@@ -197,7 +206,7 @@ def simulate(schedules: list[list[Action]], pp_size: int, vp_size: int = 1,
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> finish time
     pos, free = [0] * pp_size, [0.0] * pp_size
     finish: list[list[float]] = [[] for _ in range(pp_size)]
-    dep_of = lambda a, s: _dependency(a, s, pp_size, vp_size, layout)   # noqa: E731
+    dep_of = lambda a, s: _dependency(a, s, pp_size, vp_size, layout)
     while any(pos[s] < len(schedules[s]) for s in range(pp_size)):
         progressed = False
         for s in range(pp_size):
@@ -213,16 +222,26 @@ def simulate(schedules: list[list[Action]], pp_size: int, vp_size: int = 1,
                 pos[s] += 1
                 progressed = True
         if not progressed:
-            raise ScheduleError("deadlock: " + "; ".join(
-                f"stage {s} waits at {schedules[s][pos[s]]} for "
-                f"{_describe(dep_of(schedules[s][pos[s]], s), pp_size, layout)}"
-                for s in range(pp_size) if pos[s] < len(schedules[s])))
+            raise ScheduleError(
+                "deadlock: "
+                + "; ".join(
+                    f"stage {s} waits at {schedules[s][pos[s]]} for "
+                    f"{_describe(dep_of(schedules[s][pos[s]], s), pp_size, layout)}"
+                    for s in range(pp_size)
+                    if pos[s] < len(schedules[s])
+                )
+            )
     makespan = max(free)
     busy = [sum(cost[a.kind] for a in sched) for sched in schedules]
     idle = [makespan - b for b in busy]
-    return SimResult(makespan=makespan, bubble_fraction=sum(idle) / (pp_size * makespan),
-                     peak_inflight=[peak_inflight_of(sched) for sched in schedules],
-                     busy=busy, idle=idle, finish=finish)
+    return SimResult(
+        makespan=makespan,
+        bubble_fraction=sum(idle) / (pp_size * makespan),
+        peak_inflight=[peak_inflight_of(sched) for sched in schedules],
+        busy=busy,
+        idle=idle,
+        finish=finish,
+    )
 
 
 def _dependency(a: Action, stage: int, pp_size: int, vp_size: int, layout: str = "interleaved"):
@@ -262,18 +281,19 @@ def check_actions(schedules: list[list[Action]], vp_size: int) -> None:
                 raise ScheduleError(f"stage {s}: {a} runs before its {before[1]}")
             if a.kind == "W":
                 if a.microbatch < last_w.get(a.chunk, -1):
-                    raise ScheduleError(f"stage {s}: {a} after W of micro-batch "
-                                        f"{last_w[a.chunk]}: weight gradients out of order")
+                    raise ScheduleError(
+                        f"stage {s}: {a} after W of micro-batch {last_w[a.chunk]}: weight gradients out of order"
+                    )
                 last_w[a.chunk] = a.microbatch
             seen[a.kind].add(key)
         if seen["F"] != seen["B"]:
-            raise ScheduleError(f"stage {s}: forwards without backward: "
-                                f"{sorted(seen['F'] - seen['B'])}")
+            raise ScheduleError(f"stage {s}: forwards without backward: {sorted(seen['F'] - seen['B'])}")
         if seen["W"] and seen["W"] != seen["B"]:
             raise ScheduleError(f"stage {s}: backwards without W: {sorted(seen['B'] - seen['W'])}")
         if expected is not None and seen["F"] != expected:
-            raise ScheduleError(f"stage {s} runs micro-batches/chunks {sorted(seen['F'])}, "
-                                f"stage 0 runs {sorted(expected)}")
+            raise ScheduleError(
+                f"stage {s} runs micro-batches/chunks {sorted(seen['F'])}, stage 0 runs {sorted(expected)}"
+            )
         expected = seen["F"]
 
 
@@ -302,5 +322,4 @@ def inflight_pairs_of(sched: list[Action]) -> tuple[tuple[int, int], ...]:
         kept += {"F": 1, "B": -1}.get(a.kind, 0)
         waiting += {"B": 1, "W": -1}.get(a.kind, 0) if is_split(sched) else 0
         seen.add((kept, waiting))
-    return tuple(sorted(p for p in seen
-                        if not any(o != p and o[0] >= p[0] and o[1] >= p[1] for o in seen)))
+    return tuple(sorted(p for p in seen if not any(o != p and o[0] >= p[0] and o[1] >= p[1] for o in seen)))

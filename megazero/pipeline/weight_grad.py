@@ -61,6 +61,7 @@ recomputation, ``tensor_parallel.recompute``) replays its forward in B and split
 backward the same way (``split_in_b_pass``), so the forward is re-run before B, not before
 W; of the replayed graph, W's share is held from B to W.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ from torch.autograd.graph import GradientEdge
 from megazero.pipeline.saved_tensors import SavedTensors, SplitBackwardError, boxes_of, empty_after_run
 from megazero.tags import is_weight_grad_in_b
 
-_MANY = object()   # more than one parameter reachable
+_MANY = object()  # more than one parameter reachable
 
 
 def _release_during_b(roots: list, weight_nodes: set) -> list:
@@ -141,7 +142,7 @@ def _classify(roots: list, input_nodes: set):
     """Per node: (leads to an input, the one parameter node reachable / _MANY / None)."""
     info = {}
     for node in _nodes_postorder(roots):
-        if hasattr(node, "variable"):   # AccumulateGrad: a leaf
+        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
             is_input = node in input_nodes
             info[node] = (is_input, None if is_input else node)
             continue
@@ -185,7 +186,8 @@ def _boundaries(roots: list, info) -> list:
                 f"{type(node).__name__}: a custom autograd.Function computes both an activation "
                 f"gradient and a weight gradient, so its backward cannot be split into B and W "
                 f"(zero-bubble schedules); build the model without it (e.g. "
-                f"--no-async-tensor-model-parallel-allreduce)")
+                f"--no-async-tensor-model-parallel-allreduce)"
+            )
         out.append((node, children, weights))
     return out
 
@@ -194,9 +196,12 @@ def _num_inputs(node) -> int:
     return len(node._input_metadata)
 
 
-def backward_input(outputs: torch.Tensor, output_grad: Optional[torch.Tensor],
-                   input_tensor: Optional[torch.Tensor],
-                   saved: Optional[SavedTensors] = None) -> tuple[Optional[torch.Tensor], WeightGradWork]:
+def backward_input(
+    outputs: torch.Tensor,
+    output_grad: Optional[torch.Tensor],
+    input_tensor: Optional[torch.Tensor],
+    saved: Optional[SavedTensors] = None,
+) -> tuple[Optional[torch.Tensor], WeightGradWork]:
     """B of one (micro-batch, chunk): the input's gradient, and the work W will do.
 
     ``outputs`` is the chunk's output ``[B, T, H]`` (with ``output_grad`` of the same shape)
@@ -260,32 +265,39 @@ def _split(outputs: list, grads: list, inputs: list, work: WeightGradWork) -> li
     bounds = _boundaries(roots, info)
     matrix = {p for b in bounds if not all(_grad_in_b(q) for q in b[2]) for p in b[2]}
     vector = [_is_vector(b, matrix) for b in bounds]
-    edges = [GradientEdge(node, i) for (node, _, _), v in zip(bounds, vector) if not v
-             for i in range(_num_inputs(node))]
+    edges = [
+        GradientEdge(node, i) for (node, _, _), v in zip(bounds, vector) if not v for i in range(_num_inputs(node))
+    ]
     vparams = list(dict.fromkeys(p for b, v in zip(bounds, vector) if v for p in b[2]))
     wanted = list(inputs) + edges + [p.variable for p in vparams]
     handles = []
-    if work.saved is not None:   # the nodes W runs: matrix boundaries and below their weights
+    if work.saved is not None:  # the nodes W runs: matrix boundaries and below their weights
         matrix_bounds = [b for b, v in zip(bounds, vector) if not v]
-        handles = _release_during_b(roots, {n for n, _, _ in matrix_bounds} | set(
-            _nodes_postorder([c for _, children, _ in matrix_bounds for c in children])))
+        handles = _release_during_b(
+            roots,
+            {n for n, _, _ in matrix_bounds}
+            | set(_nodes_postorder([c for _, children, _ in matrix_bounds for c in children])),
+        )
     try:
-        got = list(torch.autograd.grad(outputs, wanted, grad_outputs=grads, retain_graph=True,
-                                       allow_unused=True)) if wanted else []
+        got = (
+            list(torch.autograd.grad(outputs, wanted, grad_outputs=grads, retain_graph=True, allow_unused=True))
+            if wanted
+            else []
+        )
     finally:
         for h in handles:
             h.remove()
-    captured = got[len(inputs):len(inputs) + len(edges)]
-    computed = dict(zip(vparams, got[len(inputs) + len(edges):]))
+    captured = got[len(inputs) : len(inputs) + len(edges)]
+    computed = dict(zip(vparams, got[len(inputs) + len(edges) :]))
     for (node, children, params), v in zip(bounds, vector):
-        if v:   # each parameter's gradient once, at its first vector boundary
+        if v:  # each parameter's gradient once, at its first vector boundary
             done = [computed.pop(p, None) for p in params]
             work.items.append(_Item(node, (), [p.variable for p in params], children, done))
             continue
         n = _num_inputs(node)
         node_grads, captured = tuple(captured[:n]), captured[n:]
         work.items.append(_Item(node, node_grads, [p.variable for p in params], children))
-    return got[:len(inputs)]
+    return got[: len(inputs)]
 
 
 def backward_weight(work: WeightGradWork) -> None:
@@ -303,8 +315,17 @@ def backward_weight(work: WeightGradWork) -> None:
             got = it.done
         else:
             live = [(GradientEdge(it.node, i), g) for i, g in enumerate(it.grads) if g is not None]
-            got = torch.autograd.grad([e for e, _ in live], it.params, grad_outputs=[g for _, g in live],
-                                      retain_graph=True, allow_unused=True) if live else [None] * len(it.params)
+            got = (
+                torch.autograd.grad(
+                    [e for e, _ in live],
+                    it.params,
+                    grad_outputs=[g for _, g in live],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+                if live
+                else [None] * len(it.params)
+            )
         ready = []
         for p, g in zip(it.params, got):
             uses[id(p)] -= 1
@@ -316,7 +337,7 @@ def backward_weight(work: WeightGradWork) -> None:
                 partial[id(p)] = g
             elif g is not None:
                 ready.append((p, g))
-        if ready:   # AccumulateGrad of each: .grad += g, the gradient hooks fire
+        if ready:  # AccumulateGrad of each: .grad += g, the gradient hooks fire
             torch.autograd.backward([p for p, _ in ready], [g for _, g in ready])
     work.items.clear()
     if work.saved is not None:

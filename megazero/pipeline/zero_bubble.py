@@ -35,6 +35,7 @@ gradient, what nobody waits for; ``weight_grad.py``), and W fills the bubbles.
 Both run each chunk's W's in micro-batch order, so every parameter's gradient is accumulated
 in the order 1F1B accumulates it (``weight_grad.py``: bit-identical gradients).
 """
+
 from __future__ import annotations
 
 from megazero.pipeline.partition import virtual_stage
@@ -44,8 +45,7 @@ def _phases(actions: list[tuple]) -> list[tuple]:
     """Attach phases: before the first B "warmup", after the last F "cooldown", else "steady"."""
     first_b = next(i for i, a in enumerate(actions) if a[0] == "B")
     last_f = max(i for i, a in enumerate(actions) if a[0] == "F")
-    return [(*a, "warmup" if i < first_b else "cooldown" if i > last_f else "steady")
-            for i, a in enumerate(actions)]
+    return [(*a, "warmup" if i < first_b else "cooldown" if i > last_f else "steady") for i, a in enumerate(actions)]
 
 
 def zb_h1(m: int, p: int, r: int) -> list[tuple]:
@@ -70,7 +70,7 @@ def zb_v(m: int, p: int) -> list[list[tuple]]:
     """ZB-V of every stage (one list per stage; module docstring). Pure and deterministic,
     so each rank computes the same orders and keeps its own."""
     last = 2 * p - 1
-    done: dict[tuple, int] = {}              # (kind, mb, virtual stage) -> finish time
+    done: dict[tuple, int] = {}  # (kind, mb, virtual stage) -> finish time
     nxt = [dict.fromkeys(("F0", "F1", "B0", "B1", "W0", "W1"), 0) for _ in range(p)]
     alive, out = [0] * p, [[] for _ in range(p)]
     t = 0
@@ -85,13 +85,14 @@ def zb_v(m: int, p: int) -> list[list[tuple]]:
             alive[r] += {"F": 1, "B": 0, "W": -1}[kind]
             out[r].append(a)
         t += 1
-        if t > 12 * m * p + 8 * p:   # every action is placed well before this at unit cost
+        if t > 12 * m * p + 8 * p:  # every action is placed well before this at unit cost
             raise RuntimeError(f"zb-v list scheduling made no progress (m {m}, pp {p})")
     return [_phases(o) for o in out]
 
 
 def _zb_v_pick(r, t, m, p, last, nxt, done, may_forward):
     """The action stage ``r`` starts at time ``t`` (unit costs), or None to wait."""
+
     def ready(key):
         return done.get(key, t + 1) <= t
 

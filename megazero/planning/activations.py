@@ -55,6 +55,7 @@ the head in the forward and after the MLP in the backward), so a stage counts th
 the two; the bound keeps the last layer's FFN inputs and the head's inputs, freed by then.
 The sizes were measured on CPU ranks (``tests/tools/test_plan.py``).
 """
+
 from __future__ import annotations
 
 import math
@@ -111,7 +112,7 @@ def core_elements(g, a: ActivationSettings) -> float:
         return _q(g, a) / a.tp
     if a.attention_dropout <= 0:
         return 0.0
-    return 3 * g.num_attention_heads * g.seq_length ** 2 * a.micro_batch_size / a.tp
+    return 3 * g.num_attention_heads * g.seq_length**2 * a.micro_batch_size / a.tp
 
 
 class ContextParallelBytes(NamedTuple):
@@ -140,13 +141,13 @@ def context_parallel_bytes(g, a: ActivationSettings) -> ContextParallelBytes:
     b, elt, acc = a.micro_batch_size, a.activation_bytes, max(a.activation_bytes, 4)
     Tl, d = g.seq_length // a.cp, g.hidden_size // g.num_attention_heads
     h_l, G_l = g.num_attention_heads // a.tp, g.kv_heads // a.tp
-    q_l = b * h_l * Tl * d                                # elements of this rank's q
+    q_l = b * h_l * Tl * d  # elements of this rank's q
     if a.cp_comm_type == "a2a":
         return ContextParallelBytes(6.0 * q_l * elt, 0.0)
-    kv = 2 * b * G_l * Tl * d                             # one K/V pair [2, b, G/tp, T/cp, d]
+    kv = 2 * b * G_l * Tl * d  # one K/V pair [2, b, G/tp, T/cp, d]
     buffers = 2 * kv * elt + 2 * kv * acc + q_l * acc
-    n = Tl // 2                                           # one block's side, T/(2 cp)
-    rows = tile_rows(b, h_l, n, n, acc)                   # the block's queries run in row tiles
+    n = Tl // 2  # one block's side, T/(2 cp)
+    rows = tile_rows(b, h_l, n, n, acc)  # the block's queries run in row tiles
     return ContextParallelBytes(float(buffers), 2.0 * b * h_l * rows * n * acc)
 
 
@@ -181,8 +182,9 @@ def head_bytes(g, a: ActivationSettings, padded_vocab: int) -> tuple[float, floa
     return kept, (2 if a.tp == 1 else 3) * partition
 
 
-def weight_grad_bytes(g, a: ActivationSettings, num_layers: int, first_stage: bool, last_stage: bool,
-                      padded_vocab: int) -> float:
+def weight_grad_bytes(
+    g, a: ActivationSettings, num_layers: int, first_stage: bool, last_stage: bool, padded_vocab: int
+) -> float:
     """Bytes a split backward (zero-bubble schedules, ``pipeline/weight_grad.py``) holds for one
     micro-batch-chunk from its B to its W, in place of its activations (B frees the rest): per
     linear layer its saved input and the gradient of its output. Per transformer layer the
@@ -210,9 +212,17 @@ def weight_grad_bytes(g, a: ActivationSettings, num_layers: int, first_stage: bo
     return elements * a.activation_bytes
 
 
-def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int], inflight: int,
-                           first_stage: bool, last_stage: bool, pp: int, padded_vocab: int,
-                           awaiting_weight: int = 0) -> float:
+def stage_activation_bytes(
+    g,
+    a: ActivationSettings,
+    layers_per_chunk: list[int],
+    inflight: int,
+    first_stage: bool,
+    last_stage: bool,
+    pp: int,
+    padded_vocab: int,
+    awaiting_weight: int = 0,
+) -> float:
     """Peak activation bytes of one rank: ``inflight`` micro-batch-chunks kept (the schedule's
     peak, spread over the chunks in turn; a split backward's ``awaiting_weight`` more hold
     ``weight_grad_bytes`` each) plus one replayed region and one layer's activation
@@ -234,8 +244,9 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
         once += _q(g, a) * a.activation_bytes
     total = inflight * per_chunk + once
     if awaiting_weight:
-        total += awaiting_weight * max(weight_grad_bytes(g, a, n, first_stage, last_stage, padded_vocab)
-                                       for n in layers_per_chunk)
+        total += awaiting_weight * max(
+            weight_grad_bytes(g, a, n, first_stage, last_stage, padded_vocab) for n in layers_per_chunk
+        )
     if last_stage:
         head_kept, head_once = head_bytes(g, a, padded_vocab)
         last_inflight = inflight if pp == 1 else max(1, inflight // len(layers_per_chunk))
@@ -244,9 +255,17 @@ def stage_activation_bytes(g, a: ActivationSettings, layers_per_chunk: list[int]
     return total + max(transient, context_parallel_bytes(g, a).total)
 
 
-def temporary_bytes(psi: int, dp: int, zero_stage: int, param_bytes: int, grad_bytes: int,
-                    reduce_bucket: int, allgather_bucket: int, buckets_in_flight: int = BUCKETS_IN_FLIGHT,
-                    zero3_max_live: Optional[int] = None) -> tuple[float, float]:
+def temporary_bytes(
+    psi: int,
+    dp: int,
+    zero_stage: int,
+    param_bytes: int,
+    grad_bytes: int,
+    reduce_bucket: int,
+    allgather_bucket: int,
+    buckets_in_flight: int = BUCKETS_IN_FLIGHT,
+    zero3_max_live: Optional[int] = None,
+) -> tuple[float, float]:
     """(bytes alive during the backward, bytes alive during the optimizer step) beyond the
     model states, as megazero's ZeRO strategies bound them (``DistributedOptimizer.
     bucket_bound_bytes``), asking the stage's policy (``data_parallel.policy``): a stage that

@@ -40,6 +40,7 @@ iteration still trains ``B*s`` tokens and the attention is still counted over th
 ``s x s`` (the cp ranks together compute its causal half, as one rank does). ``throughput``
 divides by the whole world, tp x cp x pp x dp ranks.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional, Union
@@ -63,9 +64,17 @@ _PEAKS: tuple[tuple[tuple[str, ...], dict[torch.dtype, float]], ...] = (
 )
 
 
-def gpt_flops_per_iteration(*, num_layers: int, hidden_size: int, ffn_hidden_size: int,
-                            seq_length: int, padded_vocab_size: int, global_batch_size: int,
-                            num_heads: Optional[int] = None, recompute: bool = False) -> float:
+def gpt_flops_per_iteration(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    seq_length: int,
+    padded_vocab_size: int,
+    global_batch_size: int,
+    num_heads: Optional[int] = None,
+    recompute: bool = False,
+) -> float:
     """FLOPs of one training iteration (forward + backward) of a GPT, matmuls only.
 
     ``F = B*s * (k*l*(2*(4*h*h + 2*h*f) + 4*s*h) + 6*h*V)`` with ``k = 3``, or ``k = 4``
@@ -78,15 +87,19 @@ def gpt_flops_per_iteration(*, num_layers: int, hidden_size: int, ffn_hidden_siz
     Raises ValueError naming the setting when a size is not positive or ``num_heads`` does
     not divide ``hidden_size``.
     """
-    sizes = dict(num_layers=num_layers, hidden_size=hidden_size,
-                 ffn_hidden_size=ffn_hidden_size, seq_length=seq_length,
-                 padded_vocab_size=padded_vocab_size, global_batch_size=global_batch_size)
+    sizes = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        seq_length=seq_length,
+        padded_vocab_size=padded_vocab_size,
+        global_batch_size=global_batch_size,
+    )
     for name, value in sizes.items():
         if int(value) != value or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if num_heads is not None and (num_heads <= 0 or hidden_size % num_heads):
-        raise ValueError(f"num_heads={num_heads} must be positive and divide "
-                         f"hidden_size={hidden_size}")
+        raise ValueError(f"num_heads={num_heads} must be positive and divide hidden_size={hidden_size}")
     h, f, s = hidden_size, ffn_hidden_size, seq_length
     layer_forward = 2 * (3 * h * h + h * h + 2 * h * f) + 2 * 2 * s * h  # per token
     logits_forward = 2 * h * padded_vocab_size  # per token
@@ -95,8 +108,9 @@ def gpt_flops_per_iteration(*, num_layers: int, hidden_size: int, ffn_hidden_siz
     return float(global_batch_size * s * per_token)
 
 
-def spec_flops_per_iteration(spec: Iterable[ParamSpec], *, seq_length: int, attention_width: int,
-                             global_batch_size: int, recompute: bool = False) -> float:
+def spec_flops_per_iteration(
+    spec: Iterable[ParamSpec], *, seq_length: int, attention_width: int, global_batch_size: int, recompute: bool = False
+) -> float:
     """FLOPs of one training iteration read off a model's parameter spec (matmuls only).
 
     The same count as :func:`gpt_flops_per_iteration` for any block: a weight ``W`` marked
@@ -111,8 +125,10 @@ def spec_flops_per_iteration(spec: Iterable[ParamSpec], *, seq_length: int, atte
     """
     layer, num_layers, head = matmul_params(spec)
     if num_layers == 0 or min(seq_length, attention_width, global_batch_size) <= 0:
-        raise ValueError(f"spec with {num_layers} layers, seq_length={seq_length}, attention_width="
-                         f"{attention_width}, global_batch_size={global_batch_size}: all must be positive")
+        raise ValueError(
+            f"spec with {num_layers} layers, seq_length={seq_length}, attention_width="
+            f"{attention_width}, global_batch_size={global_batch_size}: all must be positive"
+        )
     layers_forward = 2 * layer + num_layers * 2 * 2 * seq_length * attention_width  # per token
     per_token = (4 if recompute else 3) * layers_forward + 3 * 2 * head
     return float(global_batch_size * seq_length * per_token)
@@ -145,8 +161,7 @@ def peak_flops(device: Union[torch.device, str], dtype: torch.dtype) -> Optional
     return peak_flops_for_name(torch.cuda.get_device_name(device), dtype)
 
 
-def mfu(achieved_flops_per_s_per_device: float,
-        peak_flops_per_device: Optional[float]) -> Optional[float]:
+def mfu(achieved_flops_per_s_per_device: float, peak_flops_per_device: Optional[float]) -> Optional[float]:
     """Model FLOPs utilisation as a fraction (0.42 = 42 %), or None when the peak is unknown.
 
     Both arguments are FLOP/s of one device. Raises ValueError for a non-positive peak.
@@ -158,9 +173,14 @@ def mfu(achieved_flops_per_s_per_device: float,
     return achieved_flops_per_s_per_device / peak_flops_per_device
 
 
-def throughput(*, flops_per_iteration: float, tokens_per_iteration: int,
-               iteration_time_s: float, world_size: int,
-               peak_flops_per_device: Optional[float]) -> dict[str, Optional[float]]:
+def throughput(
+    *,
+    flops_per_iteration: float,
+    tokens_per_iteration: int,
+    iteration_time_s: float,
+    world_size: int,
+    peak_flops_per_device: Optional[float],
+) -> dict[str, Optional[float]]:
     """The perf values of one iteration, keyed as :meth:`Monitor.log_iteration` expects.
 
     Returns ``tokens_per_s`` (all devices together), ``tflops_per_device`` (achieved
@@ -169,9 +189,10 @@ def throughput(*, flops_per_iteration: float, tokens_per_iteration: int,
     world size.
     """
     if iteration_time_s <= 0 or world_size <= 0:
-        raise ValueError(f"iteration_time_s ({iteration_time_s}) and world_size "
-                         f"({world_size}) must be positive")
+        raise ValueError(f"iteration_time_s ({iteration_time_s}) and world_size ({world_size}) must be positive")
     per_device = flops_per_iteration / (iteration_time_s * world_size)  # FLOP/s
-    return {"tokens_per_s": tokens_per_iteration / iteration_time_s,
-            "tflops_per_device": per_device / 1e12,
-            "mfu": mfu(per_device, peak_flops_per_device)}
+    return {
+        "tokens_per_s": tokens_per_iteration / iteration_time_s,
+        "tflops_per_device": per_device / 1e12,
+        "mfu": mfu(per_device, peak_flops_per_device),
+    }

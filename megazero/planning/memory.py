@@ -37,6 +37,7 @@ out-of-memory kill minutes later (docs/design.md, contracts 2 and 3).
   product as ``dp``). Under hybrid sharding (``--zero-shard-size S``) the state is sharded over
   S ranks and replicated across the rest: the formulas hold with N = S (pass S as ``dp``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,12 +46,12 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from megazero.data_parallel.policy import sharding_policy
-from megazero.planning import activations as A
 from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.param_spec import ParamSpec, gather_units, params_on_chunk
 from megazero.pipeline import partition
 from megazero.pipeline.schedules import build_schedule, inflight_pairs_of, simulate
+from megazero.planning import activations as A
 
 
 class ModelSizes(Protocol):
@@ -74,18 +75,32 @@ class ModelSizes(Protocol):
         ...
 
 
-def params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
-                    layer_split=None, ep: int = 1, layout: str = "interleaved") -> int:
+def params_per_rank(
+    g: ModelSizes,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    vp_size: int = 1,
+    layer_split=None,
+    ep: int = 1,
+    layout: str = "interleaved",
+) -> int:
     """Parameters (elements) held by one rank of stage ``pp_rank`` (all its chunks), summed
     from ``g.parameter_spec(tp)`` over the layers, embedding and head of each chunk
     (``layout``: ``partition.chunk_layout`` of the schedule). With expert parallelism ``ep`` a
     rank holds E/ep of each MoE layer's routed experts (every ep rank the same number: those of
     ep rank 0 are counted)."""
     spec = [e for e in g.parameter_spec(tp) if _held(e.name, g, ep)]
-    return sum(params_on_chunk(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
-                               partition.is_pre_process(pp_rank, v),
-                               partition.is_post_process(pp_rank, pp, v, vp_size, layout), tp)
-               for v in range(vp_size))
+    return sum(
+        params_on_chunk(
+            spec,
+            partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
+            partition.is_pre_process(pp_rank, v),
+            partition.is_post_process(pp_rank, pp, v, vp_size, layout),
+            tp,
+        )
+        for v in range(vp_size)
+    )
 
 
 def _held(name: str, g: ModelSizes, ep: int) -> bool:
@@ -94,26 +109,55 @@ def _held(name: str, g: ModelSizes, ep: int) -> bool:
     return ".mlp.experts." not in name or int(name.split(".mlp.experts.")[1].split(".")[0]) < g.num_experts // ep
 
 
-def expert_params_per_rank(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1,
-                           layer_split=None, ep: int = 1, layout: str = "interleaved") -> int:
+def expert_params_per_rank(
+    g: ModelSizes,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    vp_size: int = 1,
+    layer_split=None,
+    ep: int = 1,
+    layout: str = "interleaved",
+) -> int:
     """The routed-expert elements among ``params_per_rank``'s (E/ep experts of each MoE layer):
     the parameters reduced and sharded over the expert-data-parallel ranks (0 for a dense model)."""
     spec = [e for e in g.parameter_spec(tp) if ".mlp.experts." in e.name and _held(e.name, g, ep)]
-    return sum(params_on_chunk(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
-                               partition.is_pre_process(pp_rank, v),
-                               partition.is_post_process(pp_rank, pp, v, vp_size, layout), tp)
-               for v in range(vp_size))
+    return sum(
+        params_on_chunk(
+            spec,
+            partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
+            partition.is_pre_process(pp_rank, v),
+            partition.is_post_process(pp_rank, pp, v, vp_size, layout),
+            tp,
+        )
+        for v in range(vp_size)
+    )
 
 
-def zero3_units(g: ModelSizes, tp: int, pp: int, pp_rank: int, vp_size: int = 1, layer_split=None,
-                persistence_threshold: int = 0, layout: str = "interleaved") -> list[dict[str, int]]:
+def zero3_units(
+    g: ModelSizes,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    vp_size: int = 1,
+    layer_split=None,
+    persistence_threshold: int = 0,
+    layout: str = "interleaved",
+) -> list[dict[str, int]]:
     """ZeRO-3 gather units of each model chunk of stage ``pp_rank``: unit name -> elements on one
     rank (``param_spec.gather_units``, from ``g.parameter_spec(tp)``)."""
     spec = g.parameter_spec(tp)
-    return [gather_units(spec, partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
-                         partition.is_pre_process(pp_rank, v),
-                         partition.is_post_process(pp_rank, pp, v, vp_size, layout), tp, persistence_threshold)
-            for v in range(vp_size)]
+    return [
+        gather_units(
+            spec,
+            partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
+            partition.is_pre_process(pp_rank, v),
+            partition.is_post_process(pp_rank, pp, v, vp_size, layout),
+            tp,
+            persistence_threshold,
+        )
+        for v in range(vp_size)
+    ]
 
 
 def zero3_gathered_at_once(chunks: list[dict[str, int]]) -> int:
@@ -126,8 +170,9 @@ def zero3_gathered_at_once(chunks: list[dict[str, int]]) -> int:
     return min(rest + sum(top), sum(n for c in chunks for n in c.values()))
 
 
-def activation_bytes_per_layer(g: ModelSizes, micro_batch_size: int, tp: int, sequence_parallel: bool,
-                               activation_bytes: int, cp: int = 1) -> float:
+def activation_bytes_per_layer(
+    g: ModelSizes, micro_batch_size: int, tp: int, sequence_parallel: bool, activation_bytes: int, cp: int = 1
+) -> float:
     """Bytes one transformer layer keeps for the backward of one micro-batch (Korthikanti eq. 1-2),
     on a rank holding ``s/cp`` of the ``s`` tokens (its queries score against all ``s`` keys)."""
     s, b, h, a = g.seq_length, micro_batch_size, g.hidden_size, g.num_attention_heads
@@ -169,8 +214,9 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> float:
         """Peak bytes: states + max(activations + backward temporaries, step temporaries)."""
-        return self.model_state_bytes + max(self.activation_bytes + self.backward_temporary_bytes,
-                                            self.step_temporary_bytes)
+        return self.model_state_bytes + max(
+            self.activation_bytes + self.backward_temporary_bytes, self.step_temporary_bytes
+        )
 
 
 def inflight_per_stage(schedule: str, pp: int, vp_size: int, num_microbatches: int) -> list[int]:
@@ -203,11 +249,28 @@ def _inflight_pairs(schedule: str, pp: int, vp_size: int, num_microbatches: int)
     return tuple(inflight_pairs_of(build_schedule(schedule, m, pp, r, vp_size)) for r in range(pp))
 
 
-def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
-             micro_batch_size: int, num_microbatches: int, zero_stage: int, param_bytes: int,
-             grad_bytes: int, sequence_parallel: bool, activations: Optional[A.ActivationSettings] = None,
-             buckets: Optional[tuple] = None, states_on_host: bool = False, cp: int = 1, ep: int = 1,
-             params_on_host: bool = False) -> MemoryEstimate:
+def estimate(
+    g: ModelSizes,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    vp_size: int,
+    layer_split,
+    schedule: str,
+    micro_batch_size: int,
+    num_microbatches: int,
+    zero_stage: int,
+    param_bytes: int,
+    grad_bytes: int,
+    sequence_parallel: bool,
+    activations: Optional[A.ActivationSettings] = None,
+    buckets: Optional[tuple] = None,
+    states_on_host: bool = False,
+    cp: int = 1,
+    ep: int = 1,
+    params_on_host: bool = False,
+) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
 
@@ -224,11 +287,24 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     the number of ranks ZeRO shards over, ``dp x cp`` with context parallelism; ``ep`` the
     expert-parallel size (a rank holds E/ep experts, their states sharded over ``dp / ep``)."""
     if activations is not None:
-        return _estimate_counted(g, tp=tp, pp=pp, dp=dp, vp_size=vp_size, layer_split=layer_split,
-                                 schedule=schedule, num_microbatches=num_microbatches, zero_stage=zero_stage,
-                                 param_bytes=param_bytes, grad_bytes=grad_bytes, a=activations,
-                                 buckets=buckets or (2**62, 2**62), states_on_host=states_on_host, ep=ep,
-                                 params_on_host=params_on_host)
+        return _estimate_counted(
+            g,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            vp_size=vp_size,
+            layer_split=layer_split,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            zero_stage=zero_stage,
+            param_bytes=param_bytes,
+            grad_bytes=grad_bytes,
+            a=activations,
+            buckets=buckets or (2**62, 2**62),
+            states_on_host=states_on_host,
+            ep=ep,
+            params_on_host=params_on_host,
+        )
     inflight = inflight_per_stage(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
     logits = 2 * 4 * micro_batch_size * g.seq_length // cp * g.padded_vocab(tp) / tp
@@ -236,9 +312,17 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     for r in range(pp):
         layout = partition.chunk_layout(schedule)
         psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
-        states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host,
-                         expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0, ep,
-                         params_on_host)
+        states = _states(
+            psi,
+            dp,
+            zero_stage,
+            param_bytes,
+            grad_bytes,
+            states_on_host,
+            expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0,
+            ep,
+            params_on_host,
+        )
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
         acts = inflight[r] * layers_per_chunk * layer + (logits if head else 0.0)
@@ -248,21 +332,32 @@ def estimate(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_sp
     return best
 
 
-def _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host: bool, experts: int = 0,
-            ep: int = 1, params_on_host: bool = False) -> float:
+def _states(
+    psi,
+    dp,
+    zero_stage,
+    param_bytes,
+    grad_bytes,
+    states_on_host: bool,
+    experts: int = 0,
+    ep: int = 1,
+    params_on_host: bool = False,
+) -> float:
     """Model-state bytes in the planned memory: the ZeRO formula, or with the optimizer
     offloaded elsewhere only its device part (params and grads), without the ZeRO-3 parameter
     shards (``p Psi / N``) when ``params_on_host`` too; with expert parallelism the
     ``experts`` among the ``psi`` elements are sharded over ``dp / ep`` ranks, the rest over dp."""
     if experts:
-        return (_states(psi - experts, dp, zero_stage, param_bytes, grad_bytes, states_on_host,
-                        params_on_host=params_on_host)
-                + _states(experts, dp // ep, zero_stage, param_bytes, grad_bytes, states_on_host,
-                          params_on_host=params_on_host))
+        return _states(
+            psi - experts, dp, zero_stage, param_bytes, grad_bytes, states_on_host, params_on_host=params_on_host
+        ) + _states(
+            experts, dp // ep, zero_stage, param_bytes, grad_bytes, states_on_host, params_on_host=params_on_host
+        )
     if states_on_host:
         device = offload_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)["device"]
-        return device - (param_bytes * psi / dp if params_on_host and sharding_policy(zero_stage).shards_params
-                         else 0.0)
+        return device - (
+            param_bytes * psi / dp if params_on_host and sharding_policy(zero_stage).shards_params else 0.0
+        )
     return zero_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)
 
 
@@ -274,27 +369,52 @@ def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
     return best
 
 
-def stage_estimates(g: ModelSizes, *, tp: int, pp: int, dp: int, vp_size: int, layer_split, schedule: str,
-                    num_microbatches: int, zero_stage: int, param_bytes: int, grad_bytes: int,
-                    a: A.ActivationSettings, buckets: tuple,
-                    states_on_host: bool = False, ep: int = 1, params_on_host: bool = False) -> list[MemoryEstimate]:
+def stage_estimates(
+    g: ModelSizes,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    vp_size: int,
+    layer_split,
+    schedule: str,
+    num_microbatches: int,
+    zero_stage: int,
+    param_bytes: int,
+    grad_bytes: int,
+    a: A.ActivationSettings,
+    buckets: tuple,
+    states_on_host: bool = False,
+    ep: int = 1,
+    params_on_host: bool = False,
+) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
     stages = []
     for r in range(pp):
         layout = partition.chunk_layout(schedule)
         psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
-        states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host,
-                         expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0, ep,
-                         params_on_host)
-        chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split))
-                  for v in range(vp_size)]
+        states = _states(
+            psi,
+            dp,
+            zero_stage,
+            param_bytes,
+            grad_bytes,
+            states_on_host,
+            expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0,
+            ep,
+            params_on_host,
+        )
+        chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split)) for v in range(vp_size)]
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
-        acts = max(A.stage_activation_bytes(g, a, chunks, kept, r == 0, head, pp, g.padded_vocab(tp), waiting)
-                   for kept, waiting in _inflight_pairs(schedule, pp, vp_size, num_microbatches)[r])
+        acts = max(
+            A.stage_activation_bytes(g, a, chunks, kept, r == 0, head, pp, g.padded_vocab(tp), waiting)
+            for kept, waiting in _inflight_pairs(schedule, pp, vp_size, num_microbatches)[r]
+        )
         staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
-        stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step,
-                                     A.context_parallel_bytes(g, a)))
+        stages.append(
+            MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step, A.context_parallel_bytes(g, a))
+        )
     return stages
 
 
@@ -326,11 +446,19 @@ def describe(e: MemoryEstimate, available: Optional[int]) -> str:
     free = gib(available) if available is not None else "unknown"
     temps = f" + temporaries {gib(e.temporary_bytes)}" if e.temporary_bytes else ""
     cp = e.cp_attention
-    ring = (f"; one layer's context-parallel attention holds {gib(cp.total)} at once: K/V buffers "
-            f"{gib(cp.kv_buffers)}, block scores {gib(cp.scores)}") if cp.total else ""
-    return (f"memory per rank (pipeline stage {e.stage}): model states {gib(e.model_state_bytes)} "
-            f"(Psi={e.params:,}, ZeRO formula) + activations up to {gib(e.activation_bytes)} "
-            f"(Korthikanti et al. 2022{ring}){temps}, peak {gib(e.total_bytes)}; available {free}")
+    ring = (
+        (
+            f"; one layer's context-parallel attention holds {gib(cp.total)} at once: K/V buffers "
+            f"{gib(cp.kv_buffers)}, block scores {gib(cp.scores)}"
+        )
+        if cp.total
+        else ""
+    )
+    return (
+        f"memory per rank (pipeline stage {e.stage}): model states {gib(e.model_state_bytes)} "
+        f"(Psi={e.params:,}, ZeRO formula) + activations up to {gib(e.activation_bytes)} "
+        f"(Korthikanti et al. 2022{ring}){temps}, peak {gib(e.total_bytes)}; available {free}"
+    )
 
 
 def ranks_per_node() -> int:
@@ -353,14 +481,20 @@ def check_fits(e: MemoryEstimate, available: Optional[int]) -> Optional[str]:
         fixes = [policy.remedy] if policy.remedy else []
         if policy.shards_optimizer:
             fixes.append("a larger --dp")
-        fixes += ["a larger --tp or --pp", "a smaller model (--num-layers, --hidden-size, "
-                  "--max-position-embeddings, or a tokenizer with fewer tokens)"]
+        fixes += [
+            "a larger --tp or --pp",
+            "a smaller model (--num-layers, --hidden-size, "
+            "--max-position-embeddings, or a tokenizer with fewer tokens)",
+        ]
         raise MemoryPlanError(
             f"the model states of one rank of pipeline stage {worst.stage} need {gib(worst.model_state_bytes)} "
             f"(Psi={worst.params:,} parameters, ZeRO-{worst.zero_stage}) but {gib(available)} is available; "
-            f"fix: {', '.join(fixes)}")
+            f"fix: {', '.join(fixes)}"
+        )
     if e.total_bytes > available:
-        return (f"activations may not fit: up to {gib(e.activation_bytes)} on top of "
-                f"{gib(e.model_state_bytes)} of model states, {gib(available)} available; fix: a "
-                f"smaller --micro-batch-size or --seq-length, --sequence-parallel, larger --tp or --pp")
+        return (
+            f"activations may not fit: up to {gib(e.activation_bytes)} on top of "
+            f"{gib(e.model_state_bytes)} of model states, {gib(available)} available; fix: a "
+            f"smaller --micro-batch-size or --seq-length, --sequence-parallel, larger --tp or --pp"
+        )
     return None

@@ -2,12 +2,14 @@
 
 The model's sizes come in as a ``memory.ModelSizes`` (``model.config.GPTConfig``, which
 megazero does not import); ``on_cuda`` says whether the run's devices are GPUs, where an
-offloaded optimizer's fp32 state lives in host memory and leaves the device's count. train.py's preflight, ``scripts/plan.py`` and the tests plan through here.
+offloaded optimizer's fp32 state lives in host memory and leaves the device's count. The
+trainer's preflight, ``python -m scripts.plan`` and the tests plan through here.
 
 The model's sizes also judge one setting the config alone cannot: ``zero3_live_warning`` (a
 ``--zero3-max-live-parameters`` below the smallest ZeRO-3 gather unit can never hold), and
 the plan counts what is gathered at once even when that bound is lower.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,11 +26,18 @@ def activation_settings(cfg: Config) -> ActivationSettings:
     """What the planner needs to count this run's activations (``megazero.planning.activations``)."""
     m, p, pr = cfg.model, cfg.parallel, cfg.precision
     return ActivationSettings(
-        micro_batch_size=cfg.train.micro_batch_size, tp=p.tp, sequence_parallel=p.sequence_parallel and p.tp > 1,
-        activation_bytes=model_dtype(pr.fp16, pr.bf16).itemsize, hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout, recompute_granularity=m.recompute_granularity,
-        recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers,
-        cp=p.cp, cp_comm_type=p.cp_comm_type)
+        micro_batch_size=cfg.train.micro_batch_size,
+        tp=p.tp,
+        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        activation_bytes=model_dtype(pr.fp16, pr.bf16).itemsize,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
+        cp=p.cp,
+        cp_comm_type=p.cp_comm_type,
+    )
 
 
 def layout_settings(cfg: Config, on_cuda: bool) -> dict:
@@ -42,23 +51,40 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
     cpu or nvme; on a CPU run the host is the planned memory, so nothing leaves it)."""
     p, pr = cfg.parallel, cfg.precision
     dtype = model_dtype(pr.fp16, pr.bf16)
-    return dict(tp=p.tp, pp=p.pp, dp=cfg.zero.zero_shard_size or p.dp * p.cp, vp_size=p.virtual_pipeline_size, layer_split=p.pipeline_layer_split,
-                schedule=p.pipeline_schedule, num_microbatches=cfg.train.gradient_accumulation_steps,
-                zero_stage=cfg.zero.stage, param_bytes=dtype.itemsize,
-                grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
-                states_on_host=cfg.zero.offload_optimizer != "none" and on_cuda,
-                params_on_host=cfg.zero.offload_param != "none" and sharding_policy(cfg.zero.stage).shards_params
-                and on_cuda,
-                ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1)
+    return dict(
+        tp=p.tp,
+        pp=p.pp,
+        dp=cfg.zero.zero_shard_size or p.dp * p.cp,
+        vp_size=p.virtual_pipeline_size,
+        layer_split=p.pipeline_layer_split,
+        schedule=p.pipeline_schedule,
+        num_microbatches=cfg.train.gradient_accumulation_steps,
+        zero_stage=cfg.zero.stage,
+        param_bytes=dtype.itemsize,
+        grad_bytes=4 if pr.accumulate_allreduce_grads_in_fp32 else dtype.itemsize,
+        states_on_host=cfg.zero.offload_optimizer != "none" and on_cuda,
+        params_on_host=cfg.zero.offload_param != "none" and sharding_policy(cfg.zero.stage).shards_params and on_cuda,
+        ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1,
+    )
 
 
 def zero3_units(cfg: Config, model: memory.ModelSizes) -> list[list[dict[str, int]]]:
     """The ZeRO-3 gather units of each pipeline stage (index = pp rank), per model chunk: unit
     name -> elements on one rank of that stage (``memory.zero3_units``)."""
     p = cfg.parallel
-    return [memory.zero3_units(model, p.tp, p.pp, r, p.virtual_pipeline_size, p.pipeline_layer_split,
-                               cfg.zero.zero3_param_persistence_threshold, chunk_layout(p.pipeline_schedule))
-            for r in range(p.pp)]
+    return [
+        memory.zero3_units(
+            model,
+            p.tp,
+            p.pp,
+            r,
+            p.virtual_pipeline_size,
+            p.pipeline_layer_split,
+            cfg.zero.zero3_param_persistence_threshold,
+            chunk_layout(p.pipeline_schedule),
+        )
+        for r in range(p.pp)
+    ]
 
 
 def zero3_live_warning(cfg: Config, model: memory.ModelSizes) -> Optional[str]:
@@ -74,13 +100,16 @@ def zero3_live_warning(cfg: Config, model: memory.ModelSizes) -> Optional[str]:
         if units and bound < units[0][0]:
             n, name = units[0]
             where = (f"pipeline stage {r}: " if cfg.parallel.pp > 1 else "") + (
-                "the chunk's own parameters" if name == "chunk" else name)
+                "the chunk's own parameters" if name == "chunk" else name
+            )
             need = max(memory.zero3_gathered_at_once(c) for c in stages)
-            return (f"{show_flag(cfg, 'zero.zero3_max_live_parameters')} {bound:,} is below the smallest "
-                    f"ZeRO-3 gather unit ({where}, {n:,} elements per rank), so the bound can never "
-                    "hold: every unit is gathered anyway when it computes (idle ones released first) and "
-                    f"nothing is prefetched; fix: give at least {need:,} (what is gathered at once: the "
-                    "chunk's own parameters and the two largest units) or leave the default")
+            return (
+                f"{show_flag(cfg, 'zero.zero3_max_live_parameters')} {bound:,} is below the smallest "
+                f"ZeRO-3 gather unit ({where}, {n:,} elements per rank), so the bound can never "
+                "hold: every unit is gathered anyway when it computes (idle ones released first) and "
+                f"nothing is prefetched; fix: give at least {need:,} (what is gathered at once: the "
+                "chunk's own parameters and the two largest units) or leave the default"
+            )
     return None
 
 
@@ -96,12 +125,19 @@ def _buckets(cfg: Config, model: memory.ModelSizes) -> tuple:
 def plan_memory(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False) -> memory.MemoryEstimate:
     """Bytes per rank of the most loaded pipeline stage before anything is allocated."""
     p = cfg.parallel
-    return memory.estimate(model, **layout_settings(cfg, on_cuda), micro_batch_size=cfg.train.micro_batch_size,
-                           sequence_parallel=p.sequence_parallel and p.tp > 1, cp=p.cp,
-                           activations=activation_settings(cfg), buckets=_buckets(cfg, model))
+    return memory.estimate(
+        model,
+        **layout_settings(cfg, on_cuda),
+        micro_batch_size=cfg.train.micro_batch_size,
+        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        cp=p.cp,
+        activations=activation_settings(cfg),
+        buckets=_buckets(cfg, model),
+    )
 
 
 def plan_stages(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False) -> list[memory.MemoryEstimate]:
     """The memory plan of every pipeline stage (index = pp rank), as ``plan_memory`` counts it."""
-    return memory.stage_estimates(model, **layout_settings(cfg, on_cuda), a=activation_settings(cfg),
-                                  buckets=_buckets(cfg, model))
+    return memory.stage_estimates(
+        model, **layout_settings(cfg, on_cuda), a=activation_settings(cfg), buckets=_buckets(cfg, model)
+    )

@@ -4,14 +4,18 @@ recomputation) the settings allow (``layouts``), and the data-parallel bytes eac
 its node per step under that layout (``dp_internode_bytes``). The memory of each layout is the
 planner's (``megazero.planning.plan.plan_memory``); nothing here builds a model.
 """
+
 from __future__ import annotations
 
 from megazero.config import ConfigError, config_from_argv
 from megazero.config.shape import check_context_parallel
 
 #: recomputation settings searched, by name
-RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
-             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}
+RECOMPUTE = {
+    "none": [],
+    "selective": ["--recompute-granularity", "selective"],
+    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+}
 
 
 def _divisors(n: int) -> list[int]:
@@ -32,9 +36,15 @@ def cp_options(base, tp: int, ranks: int) -> list[tuple[int, str]]:
     for cp in (d for d in _divisors(ranks) if d > 1):
         for comm in ("p2p", "a2a"):
             try:
-                check_context_parallel(seq_length=m.seq_length, cp=cp, tp=tp, sequence_parallel=tp > 1,
-                                       comm_type=comm, num_attention_heads=m.num_attention_heads,
-                                       num_query_groups=m.num_query_groups if m.group_query_attention else None)
+                check_context_parallel(
+                    seq_length=m.seq_length,
+                    cp=cp,
+                    tp=tp,
+                    sequence_parallel=tp > 1,
+                    comm_type=comm,
+                    num_attention_heads=m.num_attention_heads,
+                    num_query_groups=m.num_query_groups if m.group_query_attention else None,
+                )
             except ConfigError:
                 continue
             options.append((cp, comm))
@@ -51,8 +61,17 @@ def shard_options(zero: int, replicas: int, tp: int, gpus_per_node: int) -> list
     return [replicas, node] if hybrid else [replicas]
 
 
-def dp_internode_bytes(psi: float, zero: int, replicas: int, shard: int, tp: int, gpus_per_node: int,
-                       num_microbatches: int, param_bytes: int, grad_bytes: int) -> float:
+def dp_internode_bytes(
+    psi: float,
+    zero: int,
+    replicas: int,
+    shard: int,
+    tp: int,
+    gpus_per_node: int,
+    num_microbatches: int,
+    param_bytes: int,
+    grad_bytes: int,
+) -> float:
     """Bytes per rank and step the data-parallel collectives hand to groups that span nodes (the
     payload ``megazero.collectives.counter`` counts), ranks filling nodes of ``gpus_per_node`` in
     order. n consecutive replicas are ``tp x n`` consecutive ranks, so a group of them spans nodes
@@ -60,7 +79,7 @@ def dp_internode_bytes(psi: float, zero: int, replicas: int, shard: int, tp: int
     shard group's reduce-scatter (g Psi, per micro-batch at stage 2) and all-gather (p Psi / S)
     when that group spans nodes, plus hybrid sharding's all-reduce of the shard (g Psi / S) over
     the replica group when that one does. Psi unpadded (each buffer pads < N elements)."""
-    spans = lambda n: tp * n > gpus_per_node   # noqa: E731
+    spans = lambda n: tp * n > gpus_per_node
     if zero == 0:
         return grad_bytes * psi if spans(replicas) else 0.0
     inside = (num_microbatches if zero == 2 else 1) * grad_bytes * psi + param_bytes * psi / shard
@@ -73,8 +92,7 @@ def layouts(argv: list[str], devices: int, max_tp: int = 8, gpus_per_node: int =
     ``devices`` ranks the model allows, as (label, argv); tp a power of two up to ``max_tp`` (one
     node), sequence parallel when tp > 1, cp as ``cp_options`` gives it (the comm type "-" at cp
     1), S the flat dp x cp or one node of ``gpus_per_node`` (``shard_options``)."""
-    base = config_from_argv(argv + ["--tp", "1", "--pp", "1", "--dp", "1"], 1, print_warnings=False,
-                            needs_data=False)
+    base = config_from_argv(argv + ["--tp", "1", "--pp", "1", "--dp", "1"], 1, print_warnings=False, needs_data=False)
     m, t = base.model, base.train
     for tp in (d for d in (1, 2, 4, 8, 16) if d <= max_tp and devices % d == 0):
         if m.num_attention_heads % tp or m.ffn_hidden_size % tp:

@@ -12,13 +12,22 @@ against pyproject.toml). ``data/`` may not import megazero, so data/tokenizer.py
 and data/sources.py (``pyarrow``, ``zstandard``) word their own guards with
 ``missing_extra_message``'s form (tests compare).
 """
+
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
-EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "tokenizers": "hf", "wandb": "wandb",
-            "pyarrow": "data", "zstandard": "data", "datasets": "data", "lm_eval": "eval"}
+EXTRA_OF = {
+    "transformers": "hf",
+    "safetensors": "hf",
+    "tokenizers": "hf",
+    "wandb": "wandb",
+    "pyarrow": "data",
+    "zstandard": "data",
+    "datasets": "data",
+    "lm_eval": "eval",
+}
 
 
 class MissingExtra(ImportError):

@@ -30,6 +30,7 @@ sequence numbers, -1 for none) and ``entries``, oldest first, each with ``proces
 (name, desc), ``collective_seq_id``, ``p2p_seq_id``, ``is_p2p``, ``profiling_name`` (e.g.
 ``"nccl:all_reduce"``), ``input_sizes``, ``input_dtypes``, ``state``, ``time_created_ns`` and more.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,16 +42,21 @@ DUMP_DIR, PREFIX = "nccl_trace", "rank_"
 #: entries per rank: the collectives and p2p operations of several steps of a large pipeline
 BUFFER_SIZE = 2000
 #: variable -> the other name torch reads it under (either set keeps the user's value)
-_ALIASES = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_FR_DUMP_TEMP_FILE"}
+_ALIASES = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_FR_DUMP_TEMP_FILE",
+}
 
 
 def env(run_dir: str) -> dict[str, str]:
     """The variables that make every rank's NCCL watchdog dump its flight recorder into
     ``<run_dir>/nccl_trace/rank_<R>`` on a timeout."""
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(BUFFER_SIZE), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(os.path.abspath(run_dir), DUMP_DIR, PREFIX),
-            "TORCH_NCCL_ENABLE_TIMING": "1"}
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(BUFFER_SIZE),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(os.path.abspath(run_dir), DUMP_DIR, PREFIX),
+        "TORCH_NCCL_ENABLE_TIMING": "1",
+    }
 
 
 def enable(run_dir: str, environ: MutableMapping[str, str]) -> dict[str, str]:
@@ -70,7 +76,7 @@ def read_dumps(folder: str) -> dict[int, dict]:
     if not os.path.isdir(folder):
         return dumps
     for name in sorted(os.listdir(folder)):
-        if not (name.startswith(PREFIX) and name[len(PREFIX):].isdigit()):
+        if not (name.startswith(PREFIX) and name[len(PREFIX) :].isdigit()):
             continue
         try:
             with open(os.path.join(folder, name), "rb") as f:
@@ -78,7 +84,7 @@ def read_dumps(folder: str) -> dict[int, dict]:
         except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError):
             continue
         if isinstance(dump, dict) and isinstance(dump.get("entries"), list):
-            dumps[int(name[len(PREFIX):])] = dump
+            dumps[int(name[len(PREFIX) :])] = dump
     return dumps
 
 

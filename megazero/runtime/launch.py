@@ -6,6 +6,7 @@ line, exit code 2); ``bind_device`` makes this rank's GPU the current device bef
 a CUDA context; ``launch_exports`` and ``max_connections_warning`` decide and check
 ``CUDA_DEVICE_MAX_CONNECTIONS``; ``watch_parent`` ends a rank whose torchrun died without stopping it.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,11 @@ class Launch:
 
 def read_launch_env() -> Launch:
     """torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); one process without it."""
-    return Launch(rank=int(os.environ.get("RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                  world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    return Launch(
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
 
 
 class DeviceError(ValueError):
@@ -51,11 +55,15 @@ def check_device(cfg: Config, ranks_per_node: int) -> None:
     """Raise DeviceError when ``--device cuda`` has no GPU, this node runs more ranks than it
     has GPUs (one GPU per rank), or ``--kernels`` cannot run on the device."""
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("--device cuda: no CUDA device is visible on this machine; fix: --device cpu "
-                          "(or auto, which takes a GPU when there is one)")
+        raise DeviceError(
+            "--device cuda: no CUDA device is visible on this machine; fix: --device cpu "
+            "(or auto, which takes a GPU when there is one)"
+        )
     if uses_cuda(cfg) and torch.cuda.device_count() < ranks_per_node:
-        raise DeviceError(f"{ranks_per_node} ranks on this node but {torch.cuda.device_count()} GPUs (one per "
-                          f"rank); fix: fewer ranks per node (--nnodes, --tp/--pp/--dp) or --device cpu")
+        raise DeviceError(
+            f"{ranks_per_node} ranks on this node but {torch.cuda.device_count()} GPUs (one per "
+            f"rank); fix: fewer ranks per node (--nnodes, --tp/--pp/--dp) or --device cpu"
+        )
     try:
         select_backend(cfg.optim.kernels, torch.device("cuda" if uses_cuda(cfg) else "cpu"))
     except ValueError as e:
@@ -100,16 +108,20 @@ def max_connections_rule(cfg: Config) -> tuple[Optional[str], str]:
     p = cfg.parallel
     overlaps = []
     if p.tp > 1 and p.async_tensor_model_parallel_allreduce and not cfg.train.compile:
-        overlaps.append(f"the async tensor-parallel input-gradient reduction (--tp {p.tp}"
-                        f"{', --sequence-parallel' if p.sequence_parallel else ''})")
+        overlaps.append(
+            f"the async tensor-parallel input-gradient reduction (--tp {p.tp}"
+            f"{', --sequence-parallel' if p.sequence_parallel else ''})"
+        )
     if p.cp > 1 and p.cp_comm_type == "p2p":
         overlaps.append(f"the ring attention's K/V exchange (--cp {p.cp})")
     if not overlaps:
         return None, "no tensor- or context-parallel overlap: CUDA's default queues"
     what = " and ".join(overlaps)
     if sharding_policy(cfg.zero.stage).shards_params:
-        return None, (f"{what} wants {MAX_CONNECTIONS}=1 but ZeRO-3's prefetch all-gathers want several "
-                      "queues: left to CUDA's default (Megatron-LM decides so with FSDP)")
+        return None, (
+            f"{what} wants {MAX_CONNECTIONS}=1 but ZeRO-3's prefetch all-gathers want several "
+            "queues: left to CUDA's default (Megatron-LM decides so with FSDP)"
+        )
     return "1", f"{what} overlaps with compute only when kernels start in the order they were queued"
 
 
@@ -128,8 +140,10 @@ def max_connections_warning(cfg: Config, environ: Mapping[str, str]) -> Optional
     value, why = max_connections_rule(cfg)
     have = environ.get(MAX_CONNECTIONS)
     if value == "1" and have != "1":
-        return (f"{MAX_CONNECTIONS} is {'unset' if have is None else repr(have)}: {why}; fix: export "
-                f"{MAX_CONNECTIONS}=1 before the ranks start (scripts/pretrain_gpt.sh does)")
+        return (
+            f"{MAX_CONNECTIONS} is {'unset' if have is None else repr(have)}: {why}; fix: export "
+            f"{MAX_CONNECTIONS}=1 before the ranks start (scripts/pretrain_gpt.sh does)"
+        )
     if value is None and sharding_policy(cfg.zero.stage).shards_params and have == "1" and "ZeRO-3" in why:
         return f"{MAX_CONNECTIONS}=1 serialises ZeRO-3's prefetch all-gathers with compute: {why}"
     return None
@@ -162,8 +176,12 @@ def watch_parent(interval_s: float = 1.0) -> None:
             time.sleep(interval_s)
             gone = parent if os.getppid() != parent else launcher if launcher and not _alive(launcher) else None
             if gone is not None:
-                print(f"[megazero] rank {os.environ.get('RANK', 0)}: the launcher (pid {gone}) is gone; "
-                      f"exiting", file=sys.stderr, flush=True)
+                print(
+                    f"[megazero] rank {os.environ.get('RANK', 0)}: the launcher (pid {gone}) is gone; exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
+
     threading.Thread(target=loop, name="megazero-watch-parent", daemon=True).start()

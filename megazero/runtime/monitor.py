@@ -81,6 +81,7 @@ kind ``"summary"``       one per :meth:`Monitor.summary`
 ``sample_text``          str, the generated sample
 =======================  ==========================================================
 """
+
 from __future__ import annotations
 
 import json
@@ -94,14 +95,25 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from megazero.planning.flops import (gpt_flops_per_iteration, mfu, peak_flops,  # noqa: F401 (re-export)
-                            peak_flops_for_name, throughput)
+from megazero.planning.flops import gpt_flops_per_iteration, mfu, peak_flops, peak_flops_for_name, throughput  # noqa: F401 (re-export)
 from megazero.runtime.extras import require
 
 #: keys accepted by :meth:`Monitor.log_iteration`, in console order.
-ITERATION_KEYS = ("iteration", "consumed_samples", "iteration_time_s", "tokens_per_s",
-                  "tflops_per_device", "mfu", "lr", "loss", "grad_norm", "loss_scale",
-                  "skipped_iterations", "model_state_bytes", "peak_memory_bytes")
+ITERATION_KEYS = (
+    "iteration",
+    "consumed_samples",
+    "iteration_time_s",
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "lr",
+    "loss",
+    "grad_norm",
+    "loss_scale",
+    "skipped_iterations",
+    "model_state_bytes",
+    "peak_memory_bytes",
+)
 
 #: keys of a Mixture-of-Experts run, logged only when given: the step's
 #: coefficient-weighted load-balancing and z-loss (added to the loss; ``model.gpt.moe_step_end``).
@@ -111,17 +123,23 @@ MOE_TAGS = {"moe_aux_loss": "train/moe_aux_loss", "moe_z_loss": "train/moe_z_los
 MOE_LAYERS_KEY = "moe_layers"
 
 #: values key -> TensorBoard scalar tag.
-SCALAR_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-               "loss_scale": "train/loss_scale", "skipped_iterations": "train/skipped_iterations",
-               "consumed_samples": "train/consumed_samples",
-               "iteration_time_s": "perf/iteration_time_s", "tokens_per_s": "perf/tokens_per_s",
-               "tflops_per_device": "perf/tflops_per_device", "mfu": "perf/mfu",
-               "model_state_bytes": "memory/model_state_bytes",
-               "peak_memory_bytes": "memory/peak_bytes"}
+SCALAR_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "loss_scale": "train/loss_scale",
+    "skipped_iterations": "train/skipped_iterations",
+    "consumed_samples": "train/consumed_samples",
+    "iteration_time_s": "perf/iteration_time_s",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tflops_per_device": "perf/tflops_per_device",
+    "mfu": "perf/mfu",
+    "model_state_bytes": "memory/model_state_bytes",
+    "peak_memory_bytes": "memory/peak_bytes",
+}
 
-_INT_KEYS = ("iteration", "consumed_samples", "skipped_iterations", "model_state_bytes",
-             "peak_memory_bytes")
-_MiB = 2 ** 20
+_INT_KEYS = ("iteration", "consumed_samples", "skipped_iterations", "model_state_bytes", "peak_memory_bytes")
+_MiB = 2**20
 
 
 def _load_max_over_mean(tokens: list) -> float:
@@ -138,8 +156,7 @@ def moe_layers_summary(layers: Mapping[int, Mapping[str, Any]]) -> str:
     load = _load_max_over_mean(layers[worst]["tokens_per_expert"])
     dropped = sum(v["dropped"] for v in layers.values())
     total = sum(v["assignments"] for v in layers.values())
-    return (f" | moe load max/mean: {load:.3f} (layer {worst})"
-            f" | moe dropped: {100 * dropped / max(total, 1):.2f} %")
+    return f" | moe load max/mean: {load:.3f} (layer {worst}) | moe dropped: {100 * dropped / max(total, 1):.2f} %"
 
 
 def moe_layer_scalars(layers: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
@@ -147,9 +164,12 @@ def moe_layer_scalars(layers: Mapping[int, Mapping[str, Any]]) -> dict[str, floa
     out = {}
     for i, v in layers.items():
         tokens = v["tokens_per_expert"]
-        out |= {f"moe/layer{i}/aux_loss": v["aux_loss"], f"moe/layer{i}/z_loss": v["z_loss"],
-                f"moe/layer{i}/dropped_fraction": v["dropped"] / max(v["assignments"], 1),
-                f"moe/layer{i}/load_max_over_mean": _load_max_over_mean(tokens)}
+        out |= {
+            f"moe/layer{i}/aux_loss": v["aux_loss"],
+            f"moe/layer{i}/z_loss": v["z_loss"],
+            f"moe/layer{i}/dropped_fraction": v["dropped"] / max(v["assignments"], 1),
+            f"moe/layer{i}/load_max_over_mean": _load_max_over_mean(tokens),
+        }
         out |= {f"moe/layer{i}/tokens/expert{j}": float(n) for j, n in enumerate(tokens)}
     return out
 
@@ -174,7 +194,7 @@ class Timer:
     def __init__(self, device: Union[torch.device, str, None] = None):
         device = None if device is None else torch.device(device)
         self._cuda = device is not None and device.type == "cuda"
-        self._start = None        # perf_counter seconds, or a CUDA start event
+        self._start = None  # perf_counter seconds, or a CUDA start event
         self._pending: list = []  # CUDA (start, stop) event pairs not yet added to _elapsed
         self._elapsed = self._last = 0.0
 
@@ -217,8 +237,8 @@ class Timer:
     def elapsed(self) -> float:
         """Seconds summed over the completed intervals (on CUDA: waits for the last stop event)."""
         if self._pending:
-            self._pending[-1][1].synchronize()   # the stream reached it: every earlier event too
-            self._elapsed += sum(a.elapsed_time(b) for a, b in self._pending) / 1e3   # ms -> s
+            self._pending[-1][1].synchronize()  # the stream reached it: every earlier event too
+            self._elapsed += sum(a.elapsed_time(b) for a, b in self._pending) / 1e3  # ms -> s
             self._pending = []
         return self._elapsed
 
@@ -246,10 +266,12 @@ def memory_stats(device: Union[torch.device, str]) -> dict[str, Any]:
     """
     device = torch.device(device)
     if device.type == "cuda":
-        return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)),
-                "allocated_bytes": int(torch.cuda.memory_allocated(device)),
-                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
-                "source": "cuda_max_memory_allocated"}
+        return {
+            "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "allocated_bytes": int(torch.cuda.memory_allocated(device)),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "source": "cuda_max_memory_allocated",
+        }
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     per_unit = 1 if sys.platform == "darwin" else 1024
     return {"peak_bytes": int(rss) * per_unit, "source": "ru_maxrss"}
@@ -299,19 +321,21 @@ def format_iteration_line(values: Mapping[str, Any], train_iters: Optional[int])
     total = "" if train_iters is None else f"/{train_iters}"
     time_ms = None if v["iteration_time_s"] is None else v["iteration_time_s"] * 1e3
     mfu_pct = None if v["mfu"] is None else v["mfu"] * 100
-    fields = [f"iteration {v['iteration']}{total}",
-              f"consumed samples: {_fmt(v['consumed_samples'], 'd')}",
-              f"elapsed time per iteration (ms): {_fmt(time_ms, '.1f')}",
-              f"tokens/s: {_fmt(v['tokens_per_s'], '.1f')}",
-              f"TFLOP/s/device: {_fmt(v['tflops_per_device'], '.3f')}",
-              f"MFU: {_fmt(mfu_pct, '.2f')}{'' if mfu_pct is None else '%'}",
-              f"learning rate: {_fmt(v['lr'], '.3E')}",
-              f"loss: {_fmt(v['loss'], '.6E')}",
-              f"grad norm: {_fmt(v['grad_norm'], '.3f')}",
-              f"loss scale: {_fmt(v['loss_scale'], 'g')}",
-              f"skipped iterations: {_fmt(v['skipped_iterations'], 'd')}",
-              f"model state: {_fmt_bytes(v['model_state_bytes'])}",
-              f"peak memory: {_fmt_bytes(v['peak_memory_bytes'])}"]
+    fields = [
+        f"iteration {v['iteration']}{total}",
+        f"consumed samples: {_fmt(v['consumed_samples'], 'd')}",
+        f"elapsed time per iteration (ms): {_fmt(time_ms, '.1f')}",
+        f"tokens/s: {_fmt(v['tokens_per_s'], '.1f')}",
+        f"TFLOP/s/device: {_fmt(v['tflops_per_device'], '.3f')}",
+        f"MFU: {_fmt(mfu_pct, '.2f')}{'' if mfu_pct is None else '%'}",
+        f"learning rate: {_fmt(v['lr'], '.3E')}",
+        f"loss: {_fmt(v['loss'], '.6E')}",
+        f"grad norm: {_fmt(v['grad_norm'], '.3f')}",
+        f"loss scale: {_fmt(v['loss_scale'], 'g')}",
+        f"skipped iterations: {_fmt(v['skipped_iterations'], 'd')}",
+        f"model state: {_fmt_bytes(v['model_state_bytes'])}",
+        f"peak memory: {_fmt_bytes(v['peak_memory_bytes'])}",
+    ]
     return " | ".join(fields)
 
 
@@ -372,10 +396,18 @@ class Monitor:
     which then receives every TensorBoard scalar too (logging rank only).
     """
 
-    def __init__(self, run_dir: str, *, tensorboard_dir: Optional[str],
-                 metrics_file: Optional[str], rank: int, is_logging_rank: bool,
-                 config_text: str, train_iters: Optional[int] = None,
-                 wandb: Optional[Mapping[str, Any]] = None):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensorboard_dir: Optional[str],
+        metrics_file: Optional[str],
+        rank: int,
+        is_logging_rank: bool,
+        config_text: str,
+        train_iters: Optional[int] = None,
+        wandb: Optional[Mapping[str, Any]] = None,
+    ):
         self.rank, self.is_logging_rank, self.train_iters = rank, is_logging_rank, train_iters
         self._writer = None
         self._metrics = None
@@ -398,8 +430,10 @@ class Monitor:
     def _record(self, kind: str, fields: Mapping[str, Any]) -> None:
         if self._metrics is not None:
             record = {"kind": kind, "wall_time": time.time(), **fields}
-            record = {k: None if isinstance(v, float) and not math.isfinite(v) else v  # strict JSON
-                      for k, v in record.items()}
+            record = {
+                k: None if isinstance(v, float) and not math.isfinite(v) else v  # strict JSON
+                for k, v in record.items()
+            }
             self._metrics.write(json.dumps(record, allow_nan=False) + "\n")
             self._metrics.flush()
 
@@ -422,8 +456,7 @@ class Monitor:
         """
         unknown = set(values) - set(ITERATION_KEYS) - set(MOE_KEYS) - {MOE_LAYERS_KEY}
         if unknown:
-            raise ValueError(f"unknown iteration values {sorted(unknown)}; "
-                             f"expected keys from {ITERATION_KEYS}")
+            raise ValueError(f"unknown iteration values {sorted(unknown)}; expected keys from {ITERATION_KEYS}")
         if values.get("iteration", it) != it:
             raise ValueError(f"values['iteration']={values['iteration']} differs from it={it}")
         if not self.is_logging_rank:
@@ -443,8 +476,12 @@ class Monitor:
             tagged = moe_layer_scalars(layers)
             moe[MOE_LAYERS_KEY] = {str(i): dict(v) for i, v in layers.items()}
         print(line, flush=True)
-        self._scalars({tag: record[key] for key, tag in SCALAR_TAGS.items()}
-                      | {MOE_TAGS[key]: value for key, value in moe.items() if key in MOE_TAGS} | tagged, it)
+        self._scalars(
+            {tag: record[key] for key, tag in SCALAR_TAGS.items()}
+            | {MOE_TAGS[key]: value for key, value in moe.items() if key in MOE_TAGS}
+            | tagged,
+            it,
+        )
         self._record("train", record | moe)
 
     def log_validation(self, it: int, loss: float) -> None:
@@ -454,8 +491,7 @@ class Monitor:
             return
         loss = _plain(loss)
         ppl = _ppl(loss)
-        print(f"validation at iteration {it} | loss: {loss:.6E} | perplexity: {ppl:.4g}",
-              flush=True)
+        print(f"validation at iteration {it} | loss: {loss:.6E} | perplexity: {ppl:.4g}", flush=True)
         self._scalars({"valid/loss": loss, "valid/ppl": ppl}, it)
         self._record("valid", {"iteration": it, "loss": loss, "ppl": ppl})
 
@@ -468,11 +504,23 @@ class Monitor:
         for task, row in scores.items():
             shown = ", ".join(f"{m} {_plain(v):.4f}" for m, v in row.items() if not m.endswith("_stderr"))
             print(f"harness at iteration {it} | {task}: {shown}", flush=True)
-        self._scalars({f"harness/{task}/{m}": _plain(v) for task, row in scores.items() for m, v in row.items()
-                       if not m.endswith("_stderr")}, it)
-        finite = lambda v: v if math.isfinite(v) else None  # noqa: E731  (strict JSON, as _record)
-        self._record("harness", {"iteration": it, "scores": {t: {m: finite(_plain(v)) for m, v in row.items()}
-                                                             for t, row in scores.items()}})
+        self._scalars(
+            {
+                f"harness/{task}/{m}": _plain(v)
+                for task, row in scores.items()
+                for m, v in row.items()
+                if not m.endswith("_stderr")
+            },
+            it,
+        )
+        finite = lambda v: v if math.isfinite(v) else None
+        self._record(
+            "harness",
+            {
+                "iteration": it,
+                "scores": {t: {m: finite(_plain(v)) for m, v in row.items()} for t, row in scores.items()},
+            },
+        )
 
     def log_record(self, kind: str, fields: Mapping[str, Any]) -> None:
         """A ``kind`` record in the metrics file only (logging rank), e.g. ``"restart"``."""
@@ -521,10 +569,17 @@ class Monitor:
             parts = {n: int(_plain(r["bytes"].get(n, 0))) for n in names}
             total = sum(parts.values())
             formula = r.get("formula")
-            table.append([str(r["rank"]), str(r.get("psi", "n/a")), *(_fmt_bytes(parts[n]) for n in names), _fmt_bytes(total),
-                          _fmt_bytes(total - parts.get("buckets", 0)),
-                          "n/a" if formula is None else _fmt_bytes(int(formula))]
-                         + [_fmt_bytes(int(r.get("pinned", 0)))] * pinned)
+            table.append(
+                [
+                    str(r["rank"]),
+                    str(r.get("psi", "n/a")),
+                    *(_fmt_bytes(parts[n]) for n in names),
+                    _fmt_bytes(total),
+                    _fmt_bytes(total - parts.get("buckets", 0)),
+                    "n/a" if formula is None else _fmt_bytes(int(formula)),
+                ]
+                + [_fmt_bytes(int(r.get("pinned", 0)))] * pinned
+            )
             record = {"rank": r["rank"], "bytes": parts}
             if "pinned" in r:
                 record["pinned_bytes"] = int(r["pinned"])
@@ -535,8 +590,7 @@ class Monitor:
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
 
-    def summary(self, final_valid_loss: Optional[float], unigram_entropy_nats: float,
-                sample_text: str) -> None:
+    def summary(self, final_valid_loss: Optional[float], unigram_entropy_nats: float, sample_text: str) -> None:
         """Print the final validation loss and perplexity beside the unigram-entropy
         baseline (nats/token, :func:`unigram_entropy`) and their ratio, then the sample.
 
@@ -546,14 +600,22 @@ class Monitor:
             return
         loss, base = _plain(final_valid_loss), float(unigram_entropy_nats)
         ratio = None if loss is None or base <= 0 else loss / base
-        line = (f"final validation loss: {_fmt(loss, '.4f')} nats/token "
-                f"(perplexity {_fmt(_ppl(loss), '.2f')}) | unigram baseline: {base:.4f} "
-                f"nats/token (perplexity {_ppl(base):.2f}) | loss / baseline: {_fmt(ratio, '.3f')}")
+        line = (
+            f"final validation loss: {_fmt(loss, '.4f')} nats/token "
+            f"(perplexity {_fmt(_ppl(loss), '.2f')}) | unigram baseline: {base:.4f} "
+            f"nats/token (perplexity {_ppl(base):.2f}) | loss / baseline: {_fmt(ratio, '.3f')}"
+        )
         print(line, flush=True)
         print(f"sample: {sample_text}", flush=True)
         self.log_text("summary", f"{line}\n\n{sample_text}")
-        values = {"final_valid_loss": loss, "final_valid_ppl": _ppl(loss), "unigram_entropy": base,
-                  "unigram_ppl": _ppl(base), "loss_to_unigram": ratio, "sample_text": sample_text}
+        values = {
+            "final_valid_loss": loss,
+            "final_valid_ppl": _ppl(loss),
+            "unigram_entropy": base,
+            "unigram_ppl": _ppl(base),
+            "loss_to_unigram": ratio,
+            "sample_text": sample_text,
+        }
         self._record("summary", values)
         if self._wandb is not None:
             self._wandb.summary(values)

@@ -9,6 +9,7 @@ written by ``torch.profiler.tensorboard_trace_handler`` as
 with ``--logdir RUN_DIR/profile``. The profiler runs only inside the window, so the other
 steps pay nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,9 @@ class StepProfiler:
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             handler = torch.profiler.tensorboard_trace_handler(self.out_dir, worker_name=f"rank{self.rank}")
-            self._prof = torch.profiler.profile(activities=activities, record_shapes=True,
-                                                profile_memory=True, on_trace_ready=handler)
+            self._prof = torch.profiler.profile(
+                activities=activities, record_shapes=True, profile_memory=True, on_trace_ready=handler
+            )
             self._prof.start()
         if self._prof is not None:  # TensorBoard's plugin splits the trace at these ranges
             self._step = torch.profiler.record_function(f"ProfilerStep#{iteration}")
@@ -68,8 +70,6 @@ class StepProfiler:
             self.enabled = False
 
 
-def step_profiler(run_dir: str, rank: int, profile: bool, start: int, end: int,
-                  ranks: list[str]) -> StepProfiler:
+def step_profiler(run_dir: str, rank: int, profile: bool, start: int, end: int, ranks: list[str]) -> StepProfiler:
     """The profiler of this rank for ``--profile`` (enabled only on the ranks listed)."""
-    return StepProfiler(os.path.join(run_dir, "profile"), rank, start, end,
-                        enabled=profile and str(rank) in ranks)
+    return StepProfiler(os.path.join(run_dir, "profile"), rank, start, end, enabled=profile and str(rank) in ranks)

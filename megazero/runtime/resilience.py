@@ -23,6 +23,7 @@ output was non-finite while its input was finite, and names the earliest such pl
 then pipeline stage, then tensor-parallel rank): a NaN made there flows into every later stage,
 so only its origin has a finite input.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,7 +95,8 @@ def local_flags(signals: Optional[StopSignals], clock: Optional[StopClock]) -> l
 def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tuple[float, Optional[str]]:
     """Global mean loss of the step and the stop reason every rank agrees on (collective).
 
-    ``loss`` (0-d, any float dtype; fp64 from the schedule) is this data-parallel replica's loss, the same on all its ranks (the
+    ``loss`` (0-d, any float dtype; fp64 from the schedule) is this data-parallel replica's loss, the same on all its
+    ranks (the
     pipeline broadcast it); one rank per replica (last stage, tp rank 0) contributes it, so the
     SUM over the world divided by dp is the mean over replicas, as ``all_reduce_mean`` over dp
     gave. ``flags`` from ``local_flags``. Returns (loss as a Python float, reason) with reason
@@ -104,12 +106,13 @@ def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tupl
     # fp64 on every rank (the same dtype everywhere, or the all-reduce mismatches): the loss
     # sum over replicas keeps its precision
     mine = groups.is_last_stage and groups.tp_rank == 0
-    share = loss.detach().to(torch.float64).reshape(1) if mine else torch.zeros(1, dtype=torch.float64,
-                                                                             device=loss.device)
+    share = (
+        loss.detach().to(torch.float64).reshape(1) if mine else torch.zeros(1, dtype=torch.float64, device=loss.device)
+    )
     v = torch.cat([share, torch.tensor(flags, dtype=torch.float64, device=loss.device)])
     C.all_reduce_sum(v, groups.world)
     values = v.tolist()  # the one device sync: loss and flags together
-    mean = values[0] / groups.dp_size if groups.dp_size > 1 else values[0]   # fp64, as on the device
+    mean = values[0] / groups.dp_size if groups.dp_size > 1 else values[0]  # fp64, as on the device
     names = [signal.Signals(s).name for s in STOP_SIGNALS] + ["time"]
     reason = next((n for n, x in zip(names, values[1:]) if x > 0), None)
     return mean, reason
@@ -122,8 +125,9 @@ def stop_status(reason: str) -> int:
     return NON_FINITE_STATUS if reason == "non-finite" else EXIT_INTERVAL_STATUS
 
 
-def write_stop_record(run_dir: str, *, reason: str, iteration: int, checkpoint: Optional[str],
-                      message: str = "") -> str:
+def write_stop_record(
+    run_dir: str, *, reason: str, iteration: int, checkpoint: Optional[str], message: str = ""
+) -> str:
     """Write ``<run_dir>/stop.json`` atomically (temporary name, then rename); returns its path.
 
     Fields: ``reason`` (``SIGTERM``/``SIGINT``/``SIGUSR1``, ``time``, ``interval`` or
@@ -135,8 +139,12 @@ def write_stop_record(run_dir: str, *, reason: str, iteration: int, checkpoint: 
     path = os.path.join(run_dir, "stop.json")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump(dict(reason=reason, iteration=iteration, checkpoint=checkpoint,
-                       status=stop_status(reason), message=message), f)
+        json.dump(
+            dict(
+                reason=reason, iteration=iteration, checkpoint=checkpoint, status=stop_status(reason), message=message
+            ),
+            f,
+        )
     os.replace(tmp, path)
     return path
 
@@ -174,8 +182,9 @@ def locate_non_finite(gathered: list[list[int]]) -> Optional[Place]:
     return min(places, key=Place.order) if places else None
 
 
-def sample_range(consumed: int, global_batch_size: int, dp_rank: int, dp_size: int, microbatch: int,
-                 micro_batch_size: int) -> range:
+def sample_range(
+    consumed: int, global_batch_size: int, dp_rank: int, dp_size: int, microbatch: int, micro_batch_size: int
+) -> range:
     """Training-set sample indices of one micro-batch (the order of data/samplers.py)."""
     start = consumed + dp_rank * (global_batch_size // dp_size) + microbatch * micro_batch_size
     return range(start, start + micro_batch_size)
@@ -184,13 +193,17 @@ def sample_range(consumed: int, global_batch_size: int, dp_rank: int, dp_size: i
 def describe_non_finite(iteration: int, place: Optional[Place], samples: Optional[range], vp_size: int) -> str:
     """The one line naming where a non-finite loss or gradient first appeared."""
     if place is None:
-        return (f"non-finite gradient at iteration {iteration}: every forward value was finite, so it first "
-                f"appeared in the backward pass")
+        return (
+            f"non-finite gradient at iteration {iteration}: every forward value was finite, so it first "
+            f"appeared in the backward pass"
+        )
     chunk = f", model chunk {place.chunk}" if vp_size > 1 else ""
-    return (f"non-finite loss/gradient at iteration {iteration}: it first appeared in the forward pass of "
-            f"pipeline stage {place.pp_rank}{chunk} (tensor-parallel rank {place.tp_rank}, data-parallel rank "
-            f"{place.dp_rank}, micro-batch {place.microbatch}), on training samples "
-            f"{samples.start}-{samples.stop - 1}")
+    return (
+        f"non-finite loss/gradient at iteration {iteration}: it first appeared in the forward pass of "
+        f"pipeline stage {place.pp_rank}{chunk} (tensor-parallel rank {place.tp_rank}, data-parallel rank "
+        f"{place.dp_rank}, micro-batch {place.microbatch}), on training samples "
+        f"{samples.start}-{samples.stop - 1}"
+    )
 
 
 def parse_fault(text: str) -> Optional[tuple[str, int, int, int]]:
@@ -209,8 +222,10 @@ def parse_fault(text: str) -> Optional[tuple[str, int, int, int]]:
         return None
     parts = text.split(":")
     if parts[0] not in ("nan", "kill", "term", "savekill", "swaptrunc", "paramtrunc") or len(parts) not in (3, 4):
-        raise ValueError(f"MEGAZERO_TEST_FAULT={text!r}: expected KIND:ITERATION:RANK[:MICROBATCH] "
-                         f"with KIND nan, kill, term, savekill, swaptrunc or paramtrunc")
+        raise ValueError(
+            f"MEGAZERO_TEST_FAULT={text!r}: expected KIND:ITERATION:RANK[:MICROBATCH] "
+            f"with KIND nan, kill, term, savekill, swaptrunc or paramtrunc"
+        )
     nums = [int(x) for x in parts[1:]]
     return parts[0], nums[0], nums[1], nums[2] if len(nums) == 3 else 0
 
@@ -234,8 +249,11 @@ class ForwardWatch:
     def watch(self, batch, chunk, input_tensor: Optional[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
         micro = self._index.get(id(batch), 0)
         v = next(i for i, c in enumerate(self.chunks) if c is chunk)
-        if self.fault is not None and self.fault[0] == "nan" and self.fault[1:] == (
-                self.iteration, self.groups.rank, micro):
+        if (
+            self.fault is not None
+            and self.fault[0] == "nan"
+            and self.fault[1:] == (self.iteration, self.groups.rank, micro)
+        ):
             output = output * float("nan")
         ok_in = torch.isfinite(input_tensor).all() if input_tensor is not None else None
         self._records.append((micro, v, ok_in, torch.isfinite(output.detach()).all()))
@@ -288,10 +306,18 @@ def write_failure(run_dir: str, rank: int, trail: Trail, error: BaseException) -
     os.makedirs(os.path.join(run_dir, "failures"), exist_ok=True)
     path = os.path.join(run_dir, "failures", f"rank_{rank}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump(dict(rank=rank, iteration=it, phase=phase, operation=op, error=first,
-                       trail=[dict(iteration=i, phase=p, time=t) for i, p, t in trail.entries],
-                       ops=[dict(op=o, ranks=list(r), seq=q, shape=list(sh), dtype=d) for o, r, q, sh, d in ops]),
-                  f)
+        json.dump(
+            dict(
+                rank=rank,
+                iteration=it,
+                phase=phase,
+                operation=op,
+                error=first,
+                trail=[dict(iteration=i, phase=p, time=t) for i, p, t in trail.entries],
+                ops=[dict(op=o, ranks=list(r), seq=q, shape=list(sh), dtype=d) for o, r, q, sh, d in ops],
+            ),
+            f,
+        )
     os.replace(path + ".tmp", path)
     return f"megazero: rank {rank}: a collective failed in {phase} at iteration {it}, waiting in {op}: {first}"
 
@@ -335,16 +361,21 @@ def name_culprits(run_dir: str, world_size: int) -> Optional[str]:
 def _culprits_from_reports(run_dir: str, world_size: int) -> Optional[str]:
     """``name_culprits``' first line: from megazero's failure reports and torchrun's summary."""
     d = os.path.join(run_dir, "failures")
-    reports = [json.load(open(os.path.join(d, n))) for n in sorted(os.listdir(d)) if n.endswith(".json")] \
-        if os.path.isdir(d) else []
+    reports = (
+        [json.load(open(os.path.join(d, n))) for n in sorted(os.listdir(d)) if n.endswith(".json")]
+        if os.path.isdir(d)
+        else []
+    )
     log = os.path.join(run_dir, "torchrun.log")
     ended = torchrun_failures(open(log, errors="replace").read()) if os.path.isfile(log) else {}
     silent = sorted(set(range(world_size)) - {r["rank"] for r in reports}) if reports else []
     if silent:
         unknown = [r for r in silent if r not in ended]
-        first = "; ".join([f"rank {r} failed first ({ended[r]}, from torchrun's report)" for r in silent if r in ended]
-                          + [f"rank(s) {', '.join(map(str, unknown))} failed first (no report: killed, stopped or "
-                             f"hung)"] * bool(unknown))
+        first = "; ".join(
+            [f"rank {r} failed first ({ended[r]}, from torchrun's report)" for r in silent if r in ended]
+            + [f"rank(s) {', '.join(map(str, unknown))} failed first (no report: killed, stopped or hung)"]
+            * bool(unknown)
+        )
     elif ended:
         r = next(iter(ended))
         first = f"rank {r} failed first ({ended[r]}, from torchrun's report)"

@@ -7,6 +7,7 @@
 padding kept), the node rank is ``SLURM_NODEID`` and the node count ``SLURM_JOB_NUM_NODES``
 (or ``SLURM_NNODES``, else the list's length). Standard library only; no process starts.
 """
+
 from __future__ import annotations
 
 import re
@@ -76,10 +77,20 @@ def launcher_flags(env: Mapping[str, str]) -> list[str]:
         raise SlurmError(f"SLURM_JOB_NUM_NODES={nnodes} but SLURM_JOB_NODELIST={nodelist} names {len(hosts)} hosts")
     node = env.get("SLURM_NODEID")
     if node is None or not node.isdigit() or int(node) >= nnodes:
-        raise SlurmError(f"SLURM_NODEID={node!r} is not a node number below {nnodes}: start one task per node "
-                         "(srun --ntasks-per-node=1)")
-    return ["--nnodes", str(nnodes), "--node-rank", node, "--master-addr", hosts[0],
-            "--rdzv-id", env.get("SLURM_JOB_ID", "megazero")]
+        raise SlurmError(
+            f"SLURM_NODEID={node!r} is not a node number below {nnodes}: start one task per node "
+            "(srun --ntasks-per-node=1)"
+        )
+    return [
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        node,
+        "--master-addr",
+        hosts[0],
+        "--rdzv-id",
+        env.get("SLURM_JOB_ID", "megazero"),
+    ]
 
 
 def main(env: Mapping[str, str]) -> int:

@@ -15,6 +15,7 @@ before the softmax, so they carry no probability and get exactly zero gradient
 eps/V`` on this rank's columns, with no communication. With one TP rank the function is
 ``torch.nn.functional.cross_entropy`` on the real-vocabulary columns.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,16 +33,16 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, group, eps, vocab_size):
         rank, part = C.group_rank(group), logits.shape[-1]
         start = rank * part
-        cols = torch.arange(start, start + part, device=logits.device)    # (V/tp,) global ids
+        cols = torch.arange(start, start + part, device=logits.device)  # (V/tp,) global ids
         padded = cols >= vocab_size
         x = logits.to(_compute_dtype(logits.dtype)).masked_fill(padded, float("-inf"))
 
-        gmax = x.max(dim=-1).values                                        # (B, T)
+        gmax = x.max(dim=-1).values  # (B, T)
         C.all_reduce_max(gmax, group)
-        x = x - gmax.unsqueeze(-1)                                         # (B, T, V/tp)
-        exp = x.exp()                                                      # padded -> 0
+        x = x - gmax.unsqueeze(-1)  # (B, T, V/tp)
+        exp = x.exp()  # padded -> 0
 
-        mine = (target >= start) & (target < start + part)                 # (B, T)
+        mine = (target >= start) & (target < start + part)  # (B, T)
         local_t = (target - start).masked_fill(~mine, 0)
         x_t = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         sums = torch.stack([exp.sum(-1), x_t, x.masked_fill(padded, 0.0).sum(-1)])  # (3, B, T)
@@ -53,7 +54,7 @@ class _VocabParallelCE(torch.autograd.Function):
         if eps > 0:
             loss = (1.0 - eps) * loss + eps * (log_z - sum_x / vocab_size)
 
-        exp.div_(sum_exp.unsqueeze(-1))                                    # softmax, in place
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, in place
         ctx.save_for_backward(exp, local_t, mine, padded)
         ctx.eps, ctx.vocab_size, ctx.in_dtype = eps, vocab_size, logits.dtype
         return loss.float() if loss.dtype != torch.float64 else loss
@@ -62,8 +63,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_t, mine, padded = ctx.saved_tensors
         eps, vocab_size = ctx.eps, ctx.vocab_size
-        grad = softmax.clone()                                             # (B, T, V/tp)
-        hit = mine.to(grad.dtype) * (1.0 - eps)                            # (B, T)
+        grad = softmax.clone()  # (B, T, V/tp)
+        hit = mine.to(grad.dtype) * (1.0 - eps)  # (B, T)
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.unsqueeze(-1))
         if eps > 0:
             grad -= (eps / vocab_size) * (~padded).to(grad.dtype)
@@ -71,9 +72,15 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Group, *,
-                                 vocab_size: int, padded_vocab_size: int,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: Group,
+    *,
+    vocab_size: int,
+    padded_vocab_size: int,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
     """Per-token cross-entropy of one vocabulary partition of the logits.
 
     Args:
@@ -108,13 +115,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
             f"vocab_parallel_cross_entropy: expected logits of shape [B, T, "
             f"{padded_vocab_size // tp}] (padded_vocab_size {padded_vocab_size} / tensor-"
             f"parallel size {tp}), got {list(logits.shape)}; pass this rank's vocabulary "
-            f"partition, not the full or gathered logits")
+            f"partition, not the full or gathered logits"
+        )
     if not 0 < vocab_size <= padded_vocab_size:
-        raise ValueError(f"vocab_parallel_cross_entropy: vocab_size {vocab_size} must be in "
-                         f"[1, padded_vocab_size {padded_vocab_size}]")
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: vocab_size {vocab_size} must be in "
+            f"[1, padded_vocab_size {padded_vocab_size}]"
+        )
     if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"vocab_parallel_cross_entropy: target shape {list(target.shape)} "
-                         f"!= logits shape without the vocabulary {list(logits.shape[:-1])}")
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: target shape {list(target.shape)} "
+            f"!= logits shape without the vocabulary {list(logits.shape[:-1])}"
+        )
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if tp == 1:
@@ -122,6 +134,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         # Dropping the padded columns before torch's fused cross-entropy gives them exactly
         # zero gradient.
         x = logits[..., :vocab_size].float() if logits.dtype != torch.float64 else logits[..., :vocab_size]
-        return torch.nn.functional.cross_entropy(x.flatten(0, -2), target.flatten(), reduction="none",
-                                                 label_smoothing=label_smoothing).view(target.shape)
+        return torch.nn.functional.cross_entropy(
+            x.flatten(0, -2), target.flatten(), reduction="none", label_smoothing=label_smoothing
+        ).view(target.shape)
     return _VocabParallelCE.apply(logits, target, group, float(label_smoothing), vocab_size)

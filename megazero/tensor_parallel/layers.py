@@ -15,6 +15,7 @@ Every parameter is tagged (``tags.py``); a rank keeps its partition of the full 
 is given (layout-independent initialisation, docs/design.md contract 1). At group size 1
 each layer is the plain ``torch.nn.functional`` operation.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -27,41 +28,53 @@ from megazero import collectives as C
 from megazero import tags
 from megazero.collectives import Group
 from megazero.tensor_parallel.mappings import (
-    copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
-    reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
 
 
-def _partition_param(full: Optional[torch.Tensor], full_shape: tuple, dim: int, rank: int,
-                     size: int, stride: int, dtype: torch.dtype, device, name: str
-                     ) -> nn.Parameter:
+def _partition_param(
+    full: Optional[torch.Tensor],
+    full_shape: tuple,
+    dim: int,
+    rank: int,
+    size: int,
+    stride: int,
+    dtype: torch.dtype,
+    device,
+    name: str,
+) -> nn.Parameter:
     """This rank's partition of ``full`` (or zeros of the partition's shape), tagged."""
     d = full_shape[dim]
     if d % (stride * size) != 0:
-        raise ValueError(f"{name}: dimension {dim} of size {d} is not divisible by stride "
-                         f"{stride} x tensor-parallel size {size}")
+        raise ValueError(
+            f"{name}: dimension {dim} of size {d} is not divisible by stride {stride} x tensor-parallel size {size}"
+        )
     if full is None:
         shape = list(full_shape)
         shape[dim] = d // size
         part = torch.zeros(shape, dtype=dtype, device=device)
     else:
         if tuple(full.shape) != tuple(full_shape):
-            raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, expected "
-                             f"{tuple(full_shape)}")
+            raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, expected {tuple(full_shape)}")
         part = tags.partition_tensor(full.detach(), dim, rank, size, stride)
         part = part.to(dtype=dtype, device=device if device is not None else full.device)
     return tags.set_partitioned(nn.Parameter(part), dim=dim, stride=stride)
 
 
-def _replicated_param(full: Optional[torch.Tensor], shape: tuple, dtype, device, name: str,
-                      sequence_parallel: bool) -> nn.Parameter:
+def _replicated_param(
+    full: Optional[torch.Tensor], shape: tuple, dtype, device, name: str, sequence_parallel: bool
+) -> nn.Parameter:
     if full is None:
         t = torch.zeros(shape, dtype=dtype, device=device)
     else:
         if tuple(full.shape) != tuple(shape):
-            raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, expected "
-                             f"{tuple(shape)}")
-        t = full.detach().to(dtype=dtype, device=device if device is not None else full.device,
-                             copy=True)
+            raise ValueError(f"{name}: full tensor has shape {tuple(full.shape)}, expected {tuple(shape)}")
+        t = full.detach().to(dtype=dtype, device=device if device is not None else full.device, copy=True)
     return tags.set_replicated(nn.Parameter(t), sequence_parallel=sequence_parallel)
 
 
@@ -80,29 +93,30 @@ class _ColumnLinearOverlap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sp):
-        full = gather_from_sequence_parallel_region(x, group) if sp else x   # (B, T, in)
+        full = gather_from_sequence_parallel_region(x, group) if sp else x  # (B, T, in)
         ctx.save_for_backward(full, weight)
         ctx.group, ctx.sp, ctx.has_bias = group, sp, bias is not None
-        return F.linear(full, weight, bias)                                  # (B, T, out/tp)
+        return F.linear(full, weight, bias)  # (B, T, out/tp)
 
     @staticmethod
     def backward(ctx, grad):
         full, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])                                # (B*T, out/tp)
-        dx = g2.mm(weight).view(full.shape)                                  # (B, T, in)
+        g2 = grad.reshape(-1, grad.shape[-1])  # (B*T, out/tp)
+        dx = g2.mm(weight).view(full.shape)  # (B, T, in)
         if ctx.sp:
-            front = dx.movedim(1, 0).contiguous()                            # (T, B, in)
-            out = torch.empty((front.shape[0] // C.group_size(ctx.group), *front.shape[1:]),
-                              dtype=dx.dtype, device=dx.device)              # (T/tp, B, in)
+            front = dx.movedim(1, 0).contiguous()  # (T, B, in)
+            out = torch.empty(
+                (front.shape[0] // C.group_size(ctx.group), *front.shape[1:]), dtype=dx.dtype, device=dx.device
+            )  # (T/tp, B, in)
             work = C.reduce_scatter_sum(out.view(-1), front.view(-1), ctx.group, async_op=True)
         else:
             work = C.all_reduce_sum(dx, ctx.group, async_op=True)
-        x2 = full.reshape(-1, full.shape[-1])                                # (B*T, in)
-        dw = x2.t().mm(g2).t()                                               # (out/tp, in)
+        x2 = full.reshape(-1, full.shape[-1])  # (B*T, in)
+        dw = x2.t().mm(g2).t()  # (out/tp, in)
         db = g2.sum(0) if ctx.has_bias else None
         work.wait()
         if ctx.sp:
-            dx = out.movedim(0, 1).contiguous()                              # (B, T/tp, in)
+            dx = out.movedim(0, 1).contiguous()  # (B, T/tp, in)
         return dx, dw, db, None, None
 
 
@@ -122,39 +136,66 @@ class ColumnParallelLinear(nn.Module):
     ``stride > 1`` (the gathered columns would be in interleaved, not full, order).
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 full_weight: Optional[torch.Tensor] = None,
-                 full_bias: Optional[torch.Tensor] = None, stride: int = 1,
-                 dtype: torch.dtype = torch.float32, device=None, overlap_grad_reduce: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        full_weight: Optional[torch.Tensor] = None,
+        full_bias: Optional[torch.Tensor] = None,
+        stride: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        overlap_grad_reduce: bool = True,
+    ):
         super().__init__()
         self.overlap_grad_reduce = overlap_grad_reduce
         if gather_output and stride > 1:
-            raise ValueError("ColumnParallelLinear: gather_output=True needs stride=1 "
-                             f"(got stride {stride})")
+            raise ValueError(f"ColumnParallelLinear: gather_output=True needs stride=1 (got stride {stride})")
         self.group = group
         self.tp_rank, self.tp_size = C.group_rank(group), C.group_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.weight = _partition_param(full_weight, (out_features, in_features), 0,
-                                       self.tp_rank, self.tp_size, stride, dtype, device,
-                                       "ColumnParallelLinear.weight")
+        self.weight = _partition_param(
+            full_weight,
+            (out_features, in_features),
+            0,
+            self.tp_rank,
+            self.tp_size,
+            stride,
+            dtype,
+            device,
+            "ColumnParallelLinear.weight",
+        )
         self.bias = None
         if bias:
-            self.bias = _partition_param(full_bias, (out_features,), 0, self.tp_rank,
-                                         self.tp_size, stride, dtype, device,
-                                         "ColumnParallelLinear.bias")
+            self.bias = _partition_param(
+                full_bias,
+                (out_features,),
+                0,
+                self.tp_rank,
+                self.tp_size,
+                stride,
+                dtype,
+                device,
+                "ColumnParallelLinear.bias",
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.overlap_grad_reduce and self.tp_size > 1 and torch.is_grad_enabled():
-            y = _ColumnLinearOverlap.apply(x, self.weight, self.bias, self.group,
-                                           self.sequence_parallel)   # (B, T, out/tp)
+            y = _ColumnLinearOverlap.apply(
+                x, self.weight, self.bias, self.group, self.sequence_parallel
+            )  # (B, T, out/tp)
             return gather_from_tp_region(y, self.group) if self.gather_output else y
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T, in)
         else:
             x = copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)                      # (B, T, out/tp)
+        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -173,34 +214,52 @@ class RowParallelLinear(nn.Module):
     wrong shape.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 full_weight: Optional[torch.Tensor] = None,
-                 full_bias: Optional[torch.Tensor] = None,
-                 dtype: torch.dtype = torch.float32, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: Group,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        full_weight: Optional[torch.Tensor] = None,
+        full_bias: Optional[torch.Tensor] = None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         super().__init__()
         self.group = group
         self.tp_rank, self.tp_size = C.group_rank(group), C.group_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.weight = _partition_param(full_weight, (out_features, in_features), 1,
-                                       self.tp_rank, self.tp_size, 1, dtype, device,
-                                       "RowParallelLinear.weight")
+        self.weight = _partition_param(
+            full_weight,
+            (out_features, in_features),
+            1,
+            self.tp_rank,
+            self.tp_size,
+            1,
+            dtype,
+            device,
+            "RowParallelLinear.weight",
+        )
         self.bias = None
         if bias:
-            self.bias = _replicated_param(full_bias, (out_features,), dtype, device,
-                                          "RowParallelLinear.bias", sequence_parallel)
+            self.bias = _replicated_param(
+                full_bias, (out_features,), dtype, device, "RowParallelLinear.bias", sequence_parallel
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:   # no partial sums to reduce: the bias joins the matmul (addmm), as in nn.Linear
-            return F.linear(x, self.weight, self.bias)               # (B, T, out)
+        if self.tp_size == 1:  # no partial sums to reduce: the bias joins the matmul (addmm), as in nn.Linear
+            return F.linear(x, self.weight, self.bias)  # (B, T, out)
         if not self.input_is_parallel:
-            x = scatter_to_tp_region(x, self.group)                  # (B, T, in/tp)
-        partial = F.linear(x, self.weight)                           # (B, T, out), partial sum
+            x = scatter_to_tp_region(x, self.group)  # (B, T, in/tp)
+        partial = F.linear(x, self.weight)  # (B, T, out), partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
         else:
-            y = reduce_from_tp_region(partial, self.group)           # (B, T, out)
+            y = reduce_from_tp_region(partial, self.group)  # (B, T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -215,18 +274,33 @@ class VocabParallelEmbedding(nn.Module):
     divisible by tp or the full weight has the wrong shape.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
-                 full_weight: Optional[torch.Tensor] = None,
-                 dtype: torch.dtype = torch.float32, device=None,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        group: Group,
+        *,
+        full_weight: Optional[torch.Tensor] = None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.group = group
         self.tp_rank, self.tp_size = C.group_rank(group), C.group_size(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel = sequence_parallel
-        self.weight = _partition_param(full_weight, (num_embeddings, embedding_dim), 0,
-                                       self.tp_rank, self.tp_size, 1, dtype, device,
-                                       "VocabParallelEmbedding.weight")
+        self.weight = _partition_param(
+            full_weight,
+            (num_embeddings, embedding_dim),
+            0,
+            self.tp_rank,
+            self.tp_size,
+            1,
+            dtype,
+            device,
+            "VocabParallelEmbedding.weight",
+        )
         per_rank = num_embeddings // self.tp_size
         self.vocab_start_index = self.tp_rank * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
@@ -239,12 +313,16 @@ class VocabParallelEmbedding(nn.Module):
         emb = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(emb, self.group)  # (B, T/tp, H)
-        return reduce_from_tp_region(emb, self.group)                          # (B, T, H)
+        return reduce_from_tp_region(emb, self.group)  # (B, T, H)
 
 
-def parallel_lm_logits(hidden: torch.Tensor, word_embedding_weight: torch.Tensor, group: Group,
-                       sequence_parallel: bool = False,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def parallel_lm_logits(
+    hidden: torch.Tensor,
+    word_embedding_weight: torch.Tensor,
+    group: Group,
+    sequence_parallel: bool = False,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Tied output layer: this rank's vocabulary slice of the logits.
 
     ``hidden [B, T, H]`` (``[B, T/tp, H]`` with ``sequence_parallel``, all-gathered first),
@@ -257,4 +335,4 @@ def parallel_lm_logits(hidden: torch.Tensor, word_embedding_weight: torch.Tensor
         hidden = gather_from_sequence_parallel_region(hidden, group)  # (B, T, H)
     else:
         hidden = copy_to_tp_region(hidden, group)
-    return F.linear(hidden, word_embedding_weight, bias)              # (B, T, V/tp)
+    return F.linear(hidden, word_embedding_weight, bias)  # (B, T, V/tp)

@@ -15,6 +15,7 @@ alone; the function is then the identity). Tensors are batch-first ``[B, T, H]``
 sequence dimension is 1, the hidden dimension is the last. Collectives go through
 ``megazero.collectives`` (SUM only, bytes counted there).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,10 @@ SEQ_DIM = 1
 
 def _check_divisible(x: torch.Tensor, dim: int, size: int, what: str) -> None:
     if x.shape[dim] % size != 0:
-        raise ValueError(f"{what}: dimension {dim} of shape {tuple(x.shape)} has size "
-                         f"{x.shape[dim]}, not divisible by the tensor-parallel size {size}")
+        raise ValueError(
+            f"{what}: dimension {dim} of shape {tuple(x.shape)} has size "
+            f"{x.shape[dim]}, not divisible by the tensor-parallel size {size}"
+        )
 
 
 def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -47,11 +50,11 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
     C.all_gather_into(flat, x.contiguous().view(-1), group)
-    stacked = flat.view(size, *x.shape)               # (tp, *x.shape), rank-major
-    full = stacked.movedim(0, dim)                    # (.., tp, D, ..)
+    stacked = flat.view(size, *x.shape)  # (tp, *x.shape), rank-major
+    full = stacked.movedim(0, dim)  # (.., tp, D, ..)
     shape = list(x.shape)
     shape[dim] *= size
-    return full.reshape(shape).contiguous()           # (.., tp*D, ..)
+    return full.reshape(shape).contiguous()  # (.., tp*D, ..)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -60,9 +63,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if size == 1:
         return x
     _check_divisible(x, dim, size, "reduce-scatter")
-    front = x.movedim(dim, 0).contiguous()            # (D, ..): rank i's chunk is contiguous
-    out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype,
-                      device=x.device)                # (D/tp, ..)
+    front = x.movedim(dim, 0).contiguous()  # (D, ..): rank i's chunk is contiguous
+    out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype, device=x.device)  # (D/tp, ..)
     C.reduce_scatter_sum(out.view(-1), front.view(-1), group)
     return out.movedim(0, dim).contiguous()
 
@@ -176,8 +178,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.
     return x if _single(group) else _SplitGather.apply(x, SEQ_DIM, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group,
-                                         grad_reduce_scatter: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: Group, grad_reduce_scatter: bool = True
+) -> torch.Tensor:
     """All-gather the sequence: ``[B, T/tp, H] -> [B, T, H]``.
 
     Backward: SUM reduce-scatter along the sequence when ``grad_reduce_scatter`` (the

@@ -23,6 +23,7 @@ every rank instead calls ``reseed(resume_seed(seed, iteration))`` with the seed 
 with: one rule for all ranks, so TP-replicated streams stay equal, and the streams after the
 resume differ from those of the run's first iterations.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,15 +110,13 @@ class RNGTracker:
     def set_state(self, state: dict) -> None:
         """Restore what ``get_state`` returned. Raises ValueError on a different tp_rank."""
         if state["tp_rank"] != self.tp_rank:
-            raise ValueError(f"RNG state was saved by tp_rank {state['tp_rank']}, "
-                             f"this is tp_rank {self.tp_rank}")
+            raise ValueError(f"RNG state was saved by tp_rank {state['tp_rank']}, this is tp_rank {self.tp_rank}")
         self.seed = state["seed"]
         for name, g in self._gens.items():
             g.set_state(state[name])
 
 
-def dropout(x: torch.Tensor, p: float, generator: torch.Generator, training: bool = True
-            ) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, generator: torch.Generator, training: bool = True) -> torch.Tensor:
     """Inverted dropout with an explicit generator: ``x * mask / (1 - p)``.
 
     ``mask ~ Bernoulli(1 - p)`` has the shape of ``x`` and is drawn from ``generator``

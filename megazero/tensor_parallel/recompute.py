@@ -18,6 +18,7 @@ is megazero's.
 With sequence parallelism the inputs of a transformer layer are the ``[B, T/tp, H]`` chunks
 of this rank, so the stored input of a layer region is the sequence-sharded one.
 """
+
 from __future__ import annotations
 
 from typing import Callable

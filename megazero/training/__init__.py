@@ -17,6 +17,7 @@ Modules, in the order a run meets them:
 - ``loop``: the training loop with logging, evaluation and checkpoints;
 - ``main``: one rank's whole run.
 """
+
 from megazero.training.control import RunControl, finish_stop
 from megazero.training.evaluation import check_harness, evaluate, final_sample, generate_ids, harness_scores
 from megazero.training.factory import build_trainer
@@ -27,7 +28,30 @@ from megazero.training.optimizer import build_optimizer
 from megazero.training.startup import check_memory, check_resume, preflight, prepare_run, resume_warnings, setup_groups
 from megazero.training.trainer import StepOutcome, Trainer
 
-__all__ = ["RunControl", "StepOutcome", "Trainer", "build_data", "build_optimizer", "build_trainer", "check_harness",
-           "check_memory", "check_resume", "data_signature", "dp_micro_batches", "evaluate", "final_sample",
-           "finish_stop", "generate_ids", "harness_scores", "main", "preflight", "prepare_run", "resume_warnings",
-           "run_loop", "setup_groups", "start_run", "tokenizer_record", "train"]
+__all__ = [
+    "RunControl",
+    "StepOutcome",
+    "Trainer",
+    "build_data",
+    "build_optimizer",
+    "build_trainer",
+    "check_harness",
+    "check_memory",
+    "check_resume",
+    "data_signature",
+    "dp_micro_batches",
+    "evaluate",
+    "final_sample",
+    "finish_stop",
+    "generate_ids",
+    "harness_scores",
+    "main",
+    "preflight",
+    "prepare_run",
+    "resume_warnings",
+    "run_loop",
+    "setup_groups",
+    "start_run",
+    "tokenizer_record",
+    "train",
+]

@@ -1,7 +1,7 @@
 """Run control: how a run may end early (signals, wall-clock limit, agreed stop, non-finite
 steps, the test hook's faults), what it writes when it does, and restarts after a failure."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import json
 import os
@@ -12,12 +12,11 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megazero.config import Config
 from megazero.runtime import resilience
-from megazero.runtime.launch import (Launch)
-from megazero.config import (Config)
+from megazero.runtime.launch import Launch
 from megazero.runtime.monitor import Monitor
 from megazero.training.trainer import Trainer
-
 
 
 @dataclass
@@ -40,12 +39,19 @@ def inject_fault(control: RunControl, trainer: Trainer) -> None:
     """The test hook's ``kill`` / ``term`` / ``swaptrunc`` / ``paramtrunc`` fault, at the start of
     its iteration (first attempt)."""
     f = control.fault
-    if f is not None and f[0] in ("swaptrunc", "paramtrunc") and f[1:3] == (trainer.state.iteration + 1,
-                                                                          trainer.groups.rank):
+    if (
+        f is not None
+        and f[0] in ("swaptrunc", "paramtrunc")
+        and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank)
+    ):
         path = trainer.optimizer.swap_path if f[0] == "swaptrunc" else trainer.ddp.param_swap.swap_path
         os.truncate(path, os.path.getsize(path) - 12)
-    if f is not None and f[0] in ("kill", "term") and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank) \
-            and control.restart == 0:
+    if (
+        f is not None
+        and f[0] in ("kill", "term")
+        and f[1:3] == (trainer.state.iteration + 1, trainer.groups.rank)
+        and control.restart == 0
+    ):
         os.kill(os.getpid(), signal.SIGKILL if f[0] == "kill" else signal.SIGTERM)
 
 
@@ -58,10 +64,15 @@ def report_restart(cfg: Config, control: RunControl, resumed: Optional[int], mon
     logged = [json.loads(x) for x in open(path)] if cfg.log.metrics_file and os.path.exists(path) else []
     last = max([r["iteration"] for r in logged if r.get("kind") == "train"] + [resumed or 0])
     lost = last - (resumed or 0)
-    print(f"[megazero] restart {control.restart} of --max-restarts {cfg.train.max_restarts}: resumed at "
-          f"iteration {resumed or 0}; {lost} trained iteration(s) lost (the last logged was {last})", flush=True)
-    monitor.log_record("restart", dict(restart=control.restart, resumed_iteration=resumed or 0,
-                                       last_logged_iteration=last, iterations_lost=lost))
+    print(
+        f"[megazero] restart {control.restart} of --max-restarts {cfg.train.max_restarts}: resumed at "
+        f"iteration {resumed or 0}; {lost} trained iteration(s) lost (the last logged was {last})",
+        flush=True,
+    )
+    monitor.log_record(
+        "restart",
+        dict(restart=control.restart, resumed_iteration=resumed or 0, last_logged_iteration=last, iterations_lost=lost),
+    )
 
 
 def handle_bad_step(trainer: Trainer, monitor: Monitor) -> Optional[str]:
@@ -71,10 +82,12 @@ def handle_bad_step(trainer: Trainer, monitor: Monitor) -> Optional[str]:
     if state.bad_batches < budget:
         state.bad_batches += 1
         if trainer.groups.rank == 0:
-            print(f"[megazero] skipped iteration {state.iteration}: {line} ({state.bad_batches} of "
-                  f"--skip-bad-batches {budget} used)", flush=True)
-        monitor.log_record("bad_batch", dict(iteration=state.iteration, message=line,
-                                             bad_batches=state.bad_batches))
+            print(
+                f"[megazero] skipped iteration {state.iteration}: {line} ({state.bad_batches} of "
+                f"--skip-bad-batches {budget} used)",
+                flush=True,
+            )
+        monitor.log_record("bad_batch", dict(iteration=state.iteration, message=line, bad_batches=state.bad_batches))
         return None
     line += "; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps"
     if trainer.groups.rank == 0:
@@ -82,8 +95,7 @@ def handle_bad_step(trainer: Trainer, monitor: Monitor) -> Optional[str]:
     return line
 
 
-def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optional[str],
-                message: str = "") -> dict:
+def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optional[str], message: str = "") -> dict:
     """End the run early at this step boundary: save (with --save, unless just saved), write
     stop.json, say so. Returns train()'s result with ``stop`` and ``status``."""
     s, it = trainer.cfg.train, trainer.state.iteration
@@ -93,8 +105,9 @@ def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optio
     trainer.optimizer.wait_param_gather()
     path = saved if reason != "non-finite" else None
     if control.writes_record:
-        resilience.write_stop_record(trainer.cfg.log.run_dir, reason=reason, iteration=it,
-                                     checkpoint=path, message=message)
+        resilience.write_stop_record(
+            trainer.cfg.log.run_dir, reason=reason, iteration=it, checkpoint=path, message=message
+        )
     if trainer.groups.rank == 0 and reason != "non-finite":
         where = f"checkpoint saved in {path}" if path else "nothing saved (no --save)"
         print(f"[megazero] stopping after iteration {it} ({reason}): {where}", flush=True)
@@ -104,10 +117,13 @@ def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optio
 def run_control(cfg: Config, launch: Launch, signals: resilience.StopSignals, start: float) -> RunControl:
     """The RunControl of this rank: its signals and clock, one stop.json writer per node
     (local rank 0), torchrun's restart count and the test hook ``MEGAZERO_TEST_FAULT``."""
-    return RunControl(signals=signals, clock=resilience.StopClock(cfg.train.exit_duration_in_mins, start),
-                      writes_record=launch.local_rank == 0,
-                      restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-                      fault=resilience.parse_fault(os.environ.get("MEGAZERO_TEST_FAULT", "")))
+    return RunControl(
+        signals=signals,
+        clock=resilience.StopClock(cfg.train.exit_duration_in_mins, start),
+        writes_record=launch.local_rank == 0,
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        fault=resilience.parse_fault(os.environ.get("MEGAZERO_TEST_FAULT", "")),
+    )
 
 
 def is_collective_failure(e: BaseException) -> bool:
@@ -115,5 +131,15 @@ def is_collective_failure(e: BaseException) -> bool:
     (gloo's asynchronous ``Work.wait`` says "Application timeout caused pair closure")."""
     text = str(e)
     return isinstance(e, dist.DistError) or any(
-        k in text for k in ("Connection reset", "Connection closed", "timed out", "Timed out", "timeout",
-                             "pair closure", "gloo", "NCCL"))
+        k in text
+        for k in (
+            "Connection reset",
+            "Connection closed",
+            "timed out",
+            "Timed out",
+            "timeout",
+            "pair closure",
+            "gloo",
+            "NCCL",
+        )
+    )

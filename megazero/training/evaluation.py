@@ -1,21 +1,19 @@
 """Evaluation during training: validation loss with its unigram baseline, the
 lm-evaluation-harness tasks of ``--eval-harness-tasks``, and greedy generation under any layout."""
+
 from __future__ import annotations
-
-
 
 import numpy as np
 import torch
 
 from megazero import collectives
-from megazero.config import (Config)
+from megazero.config import Config
 from megazero.pipeline.partition import chunk_layout
-from model.generation import pipeline_generate_greedy
-from model.evaluation import HarnessError
-from model.gpt import generate_greedy
 from megazero.training.inputs import dp_micro_batches
 from megazero.training.trainer import Trainer
-
+from model.evaluation import HarnessError
+from model.generation import pipeline_generate_greedy
+from model.gpt import generate_greedy
 
 
 def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[float, np.ndarray]:
@@ -44,19 +42,23 @@ def check_harness(cfg: Config) -> None:
 
     flag = "--eval-harness-tasks"
     if cfg.parallel.pp > 1:
-        raise HarnessError(f"{flag} needs --pp 1 (the harness scores with the whole model in one stage; this run: "
-                           f"--pp {cfg.parallel.pp}); fix: score a saved checkpoint with python -m scripts.evaluate")
+        raise HarnessError(
+            f"{flag} needs --pp 1 (the harness scores with the whole model in one stage; this run: "
+            f"--pp {cfg.parallel.pp}); fix: score a saved checkpoint with python -m scripts.evaluate"
+        )
     if cfg.train.mock_data:
-        raise HarnessError(f"{flag} needs a tokenizer, which --mock-data has none of; fix: --data-path with "
-                           "--tokenizer-model")
+        raise HarnessError(
+            f"{flag} needs a tokenizer, which --mock-data has none of; fix: --data-path with --tokenizer-model"
+        )
     check_tasks(split_names(cfg.train.eval_harness_tasks), what=flag, flag=flag)
 
 
 def harness_due(cfg: Config, it: int) -> bool:
     """Whether iteration ``it`` scores the ``--eval-harness-tasks`` (each interval, and the last)."""
     t = cfg.train
-    return bool(t.eval_harness_tasks) and (it == t.train_iters or bool(t.eval_harness_interval
-                                                                      and it % t.eval_harness_interval == 0))
+    return bool(t.eval_harness_tasks) and (
+        it == t.train_iters or bool(t.eval_harness_interval and it % t.eval_harness_interval == 0)
+    )
 
 
 def harness_scores(trainer: Trainer, tokenizer, cfg: Config) -> dict:
@@ -67,8 +69,14 @@ def harness_scores(trainer: Trainer, tokenizer, cfg: Config) -> dict:
     flag = "--eval-harness-tasks"
     trainer.optimizer.wait_param_gather()
     lm = make_lm(trainer.chunks[0], tokenizer, what=flag)
-    return run_tasks(lm, split_names(cfg.train.eval_harness_tasks), limit=cfg.train.eval_harness_limit,
-                     what=flag, flag=flag, quiet=True)
+    return run_tasks(
+        lm,
+        split_names(cfg.train.eval_harness_tasks),
+        limit=cfg.train.eval_harness_limit,
+        what=flag,
+        flag=flag,
+        quiet=True,
+    )
 
 
 def generate_ids(trainer: Trainer, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -81,10 +89,17 @@ def generate_ids(trainer: Trainer, prompt_ids: list[int], max_new_tokens: int) -
     B, _, H = trainer.tensor_shape
     p = trainer.cfg.parallel
     shape = (B, trainer.cfg.model.seq_length // (p.tp if p.sequence_parallel else 1), H)
-    return pipeline_generate_greedy(trainer.chunks, trainer.groups, prompt_ids, max_new_tokens,
-                                    seq_length=trainer.cfg.model.seq_length, tensor_shape=shape,
-                                    dtype=trainer.dtype, vocab_size=trainer.gpt_config.vocab_size,
-                                    layout=chunk_layout(p.pipeline_schedule))
+    return pipeline_generate_greedy(
+        trainer.chunks,
+        trainer.groups,
+        prompt_ids,
+        max_new_tokens,
+        seq_length=trainer.cfg.model.seq_length,
+        tensor_shape=shape,
+        dtype=trainer.dtype,
+        vocab_size=trainer.gpt_config.vocab_size,
+        layout=chunk_layout(p.pipeline_schedule),
+    )
 
 
 def final_sample(trainer: Trainer, tokenizer, cfg: Config) -> str:

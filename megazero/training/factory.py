@@ -5,6 +5,7 @@ vocabulary size) -> process groups of the layout (``ProcessGroups.build``) -> ``
 training loop, the tests, the benchmarks and ``scripts/plan.py`` all build through here, so the
 order of these steps is written once.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
@@ -19,9 +20,15 @@ from megazero.training.inputs import build_data
 from megazero.training.trainer import Trainer
 
 
-def build_trainer(cfg: Union[Config, Sequence[str]], world_size: Optional[int] = None, *,
-                  data: Optional[RunData] = None, groups: Optional[ProcessGroups] = None,
-                  device: Union[str, torch.device] = "cpu", **collaborators) -> Trainer:
+def build_trainer(
+    cfg: Union[Config, Sequence[str]],
+    world_size: Optional[int] = None,
+    *,
+    data: Optional[RunData] = None,
+    groups: Optional[ProcessGroups] = None,
+    device: Union[str, torch.device] = "cpu",
+    **collaborators,
+) -> Trainer:
     """A Trainer for ``cfg`` on this rank, with the run's data at ``trainer.data``.
 
     ``cfg``: a ``Config``, or flags as ``train.py`` takes them (parsed by ``config_from_argv`` at

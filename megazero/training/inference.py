@@ -14,6 +14,7 @@ The functions take the tools' parsed command line as ``source``: any object with
 ``load``, ``from_hf`` (one of them None), ``tokenizer_model`` and ``tokenizer_type`` (None for
 the recorded ones).
 """
+
 from __future__ import annotations
 
 import os
@@ -48,14 +49,19 @@ def model_settings(source) -> tuple[GPTConfig, str | None, str]:
         return gcfg, source.tokenizer_model or source.from_hf, source.tokenizer_type or "HuggingFaceTokenizer"
     meta = peek(source.load)
     if meta is None:
-        raise CheckpointError(f"--load {source.load}: no checkpoint there (no 'latest' file); fix: give the --save "
-                              "directory of a run")
+        raise CheckpointError(
+            f"--load {source.load}: no checkpoint there (no 'latest' file); fix: give the --save directory of a run"
+        )
     if "gpt_config" not in meta["extra"]:
-        raise CheckpointError(f"--load {source.load}: the checkpoint does not record its model settings "
-                              "(saved by an older megazero)")
+        raise CheckpointError(
+            f"--load {source.load}: the checkpoint does not record its model settings (saved by an older megazero)"
+        )
     recorded = meta["extra"].get("tokenizer") or {}
-    return (config_from_record(meta["extra"]["gpt_config"], **off), source.tokenizer_model or recorded.get("model"),
-            source.tokenizer_type or recorded.get("type", "SentencePieceTokenizer"))
+    return (
+        config_from_record(meta["extra"]["gpt_config"], **off),
+        source.tokenizer_model or recorded.get("model"),
+        source.tokenizer_type or recorded.get("type", "SentencePieceTokenizer"),
+    )
 
 
 def has_tokenizer(path) -> bool:
@@ -84,12 +90,15 @@ def check_model(source, tp: int, need_tokenizer: bool = True):
     if not need_tokenizer and not has_tokenizer(tok_path):
         return None
     if tok_path is None:
-        raise CheckpointError("no tokenizer: the run used --mock-data; fix: give --tokenizer-model, "
-                              "or the prompt as --prompt-ids")
+        raise CheckpointError(
+            "no tokenizer: the run used --mock-data; fix: give --tokenizer-model, or the prompt as --prompt-ids"
+        )
     tok = load_tokenizer(tok_path, tok_type)
     if tok.vocab_size > gcfg.vocab_size:  # its ids past the embedding's rows would not index it
-        raise DataError(f"tokenizer {tok_path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
-                        f"{gcfg.vocab_size}; fix: --tokenizer-model of this model")
+        raise DataError(
+            f"tokenizer {tok_path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
+            f"{gcfg.vocab_size}; fix: --tokenizer-model of this model"
+        )
     return tok
 
 
@@ -117,8 +126,21 @@ def start_torchrun(tp: int, module: str, argv: list[str]) -> None:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(tp), "-m", module, *argv], env)
+    os.execve(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(tp),
+            "-m",
+            module,
+            *argv,
+        ],
+        env,
+    )
 
 
 def join_tp_ranks(device_type: str, world: int, timeout_s: float) -> tuple[torch.device, ProcessGroups]:
@@ -131,6 +153,9 @@ def join_tp_ranks(device_type: str, world: int, timeout_s: float) -> tuple[torch
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     return device, ProcessGroups.build(Topology(tp=world, pp=1, dp=1))

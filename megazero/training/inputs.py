@@ -1,19 +1,18 @@
 """The run's data as the trainer reads it: datasets and tokenizer (``build_data``), each
 data-parallel rank's micro-batches of a global batch (``dp_micro_batches``), and the records
 of the sample stream and tokenizer that checkpoints keep (``data_signature``, ``tokenizer_record``)."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import os
 from typing import Optional
 
 import torch
 
-from megazero.config import (Config)
-from megazero.process_groups import ProcessGroups
 from data.indexed_dataset import DataError
 from data.run_data import RunData
-
+from megazero.config import Config
+from megazero.process_groups import ProcessGroups
 
 
 def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
@@ -26,8 +25,13 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
     consumed, which differ from iterations x global batch after a change of batch size.
     Raises DataError for an unusable corpus, tokenizer or split.
     """
-    from data.gpt_dataset import (MockGPTDataset, build_train_valid_test_datasets, parse_data_path,
-                                  parse_split, require_files)
+    from data.gpt_dataset import (
+        MockGPTDataset,
+        build_train_valid_test_datasets,
+        parse_data_path,
+        parse_split,
+        require_files,
+    )
 
     t = cfg.train
     gbs = t.global_batch_size
@@ -38,7 +42,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
         train_samples = max(train_samples, done + max(t.train_iters - resume["iteration"], 0) * gbs)
     num_samples = (train_samples, max(evals, 1) * gbs, cfg.train.eval_iters * gbs)
     seq = cfg.model.seq_length
-    parse_split(cfg.data.split)   # a bad --split is refused also where mock data reads none
+    parse_split(cfg.data.split)  # a bad --split is refused also where mock data reads none
     if cfg.train.mock_data:
         vocab = cfg.data.vocab_size
         sets = tuple(MockGPTDataset(vocab, seq, n, t.seed + i) for i, n in enumerate(num_samples))
@@ -50,19 +54,30 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
     require_files(blend)
     tok = load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type)
     if cfg.data.vocab_size is not None and cfg.data.vocab_size != tok.vocab_size:
-        raise DataError(f"--vocab-size {cfg.data.vocab_size} differs from the {tok.vocab_size} tokens of "
-                        f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
-                        "tokenizer sets it) or use the matching tokenizer")
-    check_same_tokenizer([prefix for _, prefix in blend], tok.sha256,
-                         f"--tokenizer-model {cfg.data.tokenizer_model}")
-    sft = (cfg.data.sft_packing, tok.eod) if cfg.data.sft else None   # (packing, pad id)
-    own_vocab, fim = tok.vocab_size, fim_settings(cfg, tok)   # FIM sentinels may grow tok.vocab_size
-    sets = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split, seq, t.seed,
-                                           num_samples, cfg.data.data_cache_dir,
-                                           vocab_size=own_vocab, sft=sft, fim=fim)
+        raise DataError(
+            f"--vocab-size {cfg.data.vocab_size} differs from the {tok.vocab_size} tokens of "
+            f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
+            "tokenizer sets it) or use the matching tokenizer"
+        )
+    check_same_tokenizer([prefix for _, prefix in blend], tok.sha256, f"--tokenizer-model {cfg.data.tokenizer_model}")
+    sft = (cfg.data.sft_packing, tok.eod) if cfg.data.sft else None  # (packing, pad id)
+    own_vocab, fim = tok.vocab_size, fim_settings(cfg, tok)  # FIM sentinels may grow tok.vocab_size
+    sets = build_train_valid_test_datasets(
+        cfg.data.data_path,
+        cfg.data.split,
+        seq,
+        t.seed,
+        num_samples,
+        cfg.data.data_cache_dir,
+        vocab_size=own_vocab,
+        sft=sft,
+        fim=fim,
+    )
     if sets[0] is None:
-        raise DataError(f"--split {cfg.data.split} leaves no documents for training; fix: give the "
-                        "train part a positive share, e.g. --split 969,30,1")
+        raise DataError(
+            f"--split {cfg.data.split} leaves no documents for training; fix: give the "
+            "train part a positive share, e.g. --split 969,30,1"
+        )
     return RunData(tok, *sets, vocab_size=tok.vocab_size, resume=resume)
 
 
@@ -75,8 +90,15 @@ def fim_settings(cfg: Config, tok):
     d = cfg.data
     if d.fim_rate <= 0:
         return None
-    return build_fim(tok, add_fim_sentinels(tok, d.fim_tokens), rate=d.fim_rate, spm_rate=d.fim_spm_rate,
-                     split_sample=d.fim_split_sample, fragment_rate=d.fim_fragment_rate, no_prefix=d.fim_no_prefix)
+    return build_fim(
+        tok,
+        add_fim_sentinels(tok, d.fim_tokens),
+        rate=d.fim_rate,
+        spm_rate=d.fim_spm_rate,
+        split_sample=d.fim_split_sample,
+        fragment_rate=d.fim_fragment_rate,
+        no_prefix=d.fim_no_prefix,
+    )
 
 
 def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups, device):
@@ -90,8 +112,9 @@ def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups,
     read = get_micro_batches
     if cfg.data.sft:  # (tokens, labels, loss_mask): the loss on response tokens only
         from data.sft import sft_micro_batches as read
-    mbs = read(dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-               groups.dp_rank, groups.dp_size)
+    mbs = read(
+        dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size, groups.dp_rank, groups.dp_size
+    )
     if torch.device(device).type != "cuda":
         return [tuple(x.to(device) for x in mb) for mb in mbs]
     return [tuple(x.pin_memory().to(device, non_blocking=True) for x in mb) for mb in mbs]
@@ -101,10 +124,16 @@ def data_signature(cfg: Config) -> dict:
     """The settings that fix the sample stream (stored in checkpoints, compared on resume)."""
     d = cfg.data
     paths = [os.path.realpath(x) if os.path.exists(x + ".idx") else x for x in d.data_path or []]
-    return dict(seed=cfg.train.seed, data_path=paths, split=d.split, mock_data=cfg.train.mock_data,
-                seq_length=cfg.model.seq_length, tokenizer=tokenizer_digest(d.tokenizer_model),
-                sft=d.sft_packing if d.sft else None,
-                fim=[d.fim_rate, d.fim_spm_rate, d.fim_split_sample, d.fim_fragment_rate, d.fim_no_prefix])
+    return dict(
+        seed=cfg.train.seed,
+        data_path=paths,
+        split=d.split,
+        mock_data=cfg.train.mock_data,
+        seq_length=cfg.model.seq_length,
+        tokenizer=tokenizer_digest(d.tokenizer_model),
+        sft=d.sft_packing if d.sft else None,
+        fim=[d.fim_rate, d.fim_spm_rate, d.fim_split_sample, d.fim_fragment_rate, d.fim_no_prefix],
+    )
 
 
 def tokenizer_record(cfg: Config) -> Optional[dict]:
@@ -114,10 +143,14 @@ def tokenizer_record(cfg: Config) -> Optional[dict]:
         return None
     from data.tokenizer import fim_record
 
-    return dict(model=os.path.abspath(d.tokenizer_model), type=d.tokenizer_type,
-                sha256=tokenizer_digest(d.tokenizer_model),
-                fim=fim_record(d.tokenizer_model, d.tokenizer_type, tuple(d.fim_tokens or ()) or None)
-                if d.fim_rate > 0 else None)
+    return dict(
+        model=os.path.abspath(d.tokenizer_model),
+        type=d.tokenizer_type,
+        sha256=tokenizer_digest(d.tokenizer_model),
+        fim=fim_record(d.tokenizer_model, d.tokenizer_type, tuple(d.fim_tokens or ()) or None)
+        if d.fim_rate > 0
+        else None,
+    )
 
 
 def tokenizer_digest(path: Optional[str]) -> Optional[str]:

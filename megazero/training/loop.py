@@ -1,7 +1,7 @@
 """The training loop: the run's Monitor and Trainer, then train until ``--train-iters`` or an
 agreed stop, with logging, periodic evaluation, checkpoints and the final summary."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import os
 from typing import Optional
@@ -9,29 +9,35 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megazero.config import (Config, describe, to_dict)
-from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
+from data.run_data import RunData
+from megazero.config import Config, describe, to_dict
 from megazero.ops.backend import describe_backends
 from megazero.process_groups import ProcessGroups
+from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.runtime.profiling import StepProfiler, step_profiler
-from data.run_data import RunData
 from megazero.training.control import RunControl, finish_stop, handle_bad_step, inject_fault, report_restart
 from megazero.training.evaluation import evaluate, final_sample, harness_due, harness_scores
 from megazero.training.factory import build_trainer
 from megazero.training.trainer import Trainer
 
 
-
 def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
     """Throughput, TFLOP/s, MFU (megazero.planning.flops) and memory for one logged iteration."""
-    values = throughput(flops_per_iteration=trainer.flops_per_iteration,
-                        tokens_per_iteration=cfg.train.global_batch_size * cfg.model.seq_length,
-                        iteration_time_s=seconds_per_iter, world_size=trainer.groups.world_size,
-                        peak_flops_per_device=(cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops
-                                               else peak_flops(trainer.device, trainer.dtype)))
-    return dict(values, iteration_time_s=seconds_per_iter,
-                model_state_bytes=trainer.optimizer.model_state_bytes()["total"],
-                peak_memory_bytes=memory_stats(trainer.device).get("peak_bytes"))
+    values = throughput(
+        flops_per_iteration=trainer.flops_per_iteration,
+        tokens_per_iteration=cfg.train.global_batch_size * cfg.model.seq_length,
+        iteration_time_s=seconds_per_iter,
+        world_size=trainer.groups.world_size,
+        peak_flops_per_device=(
+            cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops else peak_flops(trainer.device, trainer.dtype)
+        ),
+    )
+    return dict(
+        values,
+        iteration_time_s=seconds_per_iter,
+        model_state_bytes=trainer.optimizer.model_state_bytes()["total"],
+        peak_memory_bytes=memory_stats(trainer.device).get("peak_bytes"),
+    )
 
 
 def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
@@ -43,23 +49,37 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     p_bytes = trainer.dtype.itemsize
     g_bytes = trainer.ddp.grad_dtype.itemsize
     formula, m_bytes, offload = predicted["total"], predicted["main_bytes"], predicted["note"]
-    row = dict(rank=trainer.groups.rank, psi=psi, formula=formula,
-               bytes={(k.replace("host_", "host ") if k.startswith("host") else "host " + k) if k in opt.HOST_PARTS
-                      else k: v for k, v in got.items() if k != "total"})
-    if got.keys() & set(opt.HOST_PARTS):   # host memory in use: how much of it is page-locked
+    row = dict(
+        rank=trainer.groups.rank,
+        psi=psi,
+        formula=formula,
+        bytes={
+            (k.replace("host_", "host ") if k.startswith("host") else "host " + k) if k in opt.HOST_PARTS else k: v
+            for k, v in got.items()
+            if k != "total"
+        },
+    )
+    if got.keys() & set(opt.HOST_PARTS):  # host memory in use: how much of it is page-locked
         row["pinned"] = opt.pinned_bytes()
     rows = [row]
     if trainer.groups.world_size > 1:
         rows = [None] * trainer.groups.world_size
         dist.all_gather_object(rows, row, group=trainer.groups.world)
     experts = f" (expert parameters: N={trainer.replicas.edp_size})" if trainer.replicas.ep_size > 1 else ""
-    hybrid = (f" (hybrid sharding: replicated over {trainer.replicas.dp_size // trainer.replicas.zero_shard_size})"
-              if trainer.replicas.topology.hybrid else "")
-    monitor.log_model_state_table(rows, note=(
-        f"ZeRO-{trainer.cfg.zero.stage} formula on the padded Psi with N={trainer.replicas.zero_shard_size}{hybrid}"
-        f"{experts}, "
-        f"{p_bytes}-byte params, {g_bytes}-byte grads, {m_bytes + 8} bytes/param fp32 optimizer state, "
-        f"+ at most {bound} bytes of buckets{offload}"))
+    hybrid = (
+        f" (hybrid sharding: replicated over {trainer.replicas.dp_size // trainer.replicas.zero_shard_size})"
+        if trainer.replicas.topology.hybrid
+        else ""
+    )
+    monitor.log_model_state_table(
+        rows,
+        note=(
+            f"ZeRO-{trainer.cfg.zero.stage} formula on the padded Psi with N={trainer.replicas.zero_shard_size}{hybrid}"
+            f"{experts}, "
+            f"{p_bytes}-byte params, {g_bytes}-byte grads, {m_bytes + 8} bytes/param fp32 optimizer state, "
+            f"+ at most {bound} bytes of buckets{offload}"
+        ),
+    )
 
 
 def is_logging_rank(groups: ProcessGroups) -> bool:
@@ -72,8 +92,12 @@ def wandb_settings(cfg: Config) -> Optional[dict]:
     lg = cfg.log
     if lg.wandb_project is None:
         return None
-    return dict(project=lg.wandb_project, name=lg.wandb_exp_name or os.path.basename(os.path.normpath(lg.run_dir)),
-                save_dir=lg.wandb_save_dir or os.path.join(lg.run_dir, "wandb"), config=to_dict(cfg))
+    return dict(
+        project=lg.wandb_project,
+        name=lg.wandb_exp_name or os.path.basename(os.path.normpath(lg.run_dir)),
+        save_dir=lg.wandb_save_dir or os.path.join(lg.run_dir, "wandb"),
+        config=to_dict(cfg),
+    )
 
 
 def make_profiler(cfg: Config, rank: int) -> StepProfiler:
@@ -82,34 +106,57 @@ def make_profiler(cfg: Config, rank: int) -> StepProfiler:
     return step_profiler(g.run_dir, rank, g.profile, g.profile_step_start, g.profile_step_end, g.profile_ranks)
 
 
-def start_run(cfg: Config, groups: ProcessGroups, device: torch.device, data: RunData,
-              control: RunControl) -> tuple[Trainer, Monitor]:
+def start_run(
+    cfg: Config, groups: ProcessGroups, device: torch.device, data: RunData, control: RunControl
+) -> tuple[Trainer, Monitor]:
     """The run's Monitor and Trainer (its collaborators passed in), resumed from ``--load``."""
-    monitor = Monitor(cfg.log.run_dir, tensorboard_dir=cfg.log.tensorboard_dir,
-                      metrics_file=cfg.log.metrics_file, rank=groups.rank,
-                      is_logging_rank=is_logging_rank(groups), config_text=describe(cfg),
-                      train_iters=cfg.train.train_iters, wandb=wandb_settings(cfg))
-    trainer = build_trainer(cfg, data=data, groups=groups, device=device, stop_flags=control.flags,
-                            fault=control.fault, trail=control.trail, monitor=monitor)
+    monitor = Monitor(
+        cfg.log.run_dir,
+        tensorboard_dir=cfg.log.tensorboard_dir,
+        metrics_file=cfg.log.metrics_file,
+        rank=groups.rank,
+        is_logging_rank=is_logging_rank(groups),
+        config_text=describe(cfg),
+        train_iters=cfg.train.train_iters,
+        wandb=wandb_settings(cfg),
+    )
+    trainer = build_trainer(
+        cfg,
+        data=data,
+        groups=groups,
+        device=device,
+        stop_flags=control.flags,
+        fault=control.fault,
+        trail=control.trail,
+        monitor=monitor,
+    )
     resumed = trainer.load_checkpoint(cfg.train.load) if cfg.train.load else None
     if cfg.train.load and groups.rank == 0:
-        print(f"[megazero] resumed from {cfg.train.load} at iteration {resumed}" if resumed is not None
-              else f"[megazero] no checkpoint under --load {cfg.train.load}: starting from scratch", flush=True)
+        print(
+            f"[megazero] resumed from {cfg.train.load} at iteration {resumed}"
+            if resumed is not None
+            else f"[megazero] no checkpoint under --load {cfg.train.load}: starting from scratch",
+            flush=True,
+        )
     report_restart(cfg, control, resumed, monitor)
     if groups.rank == 0:
-        print(f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
-              f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {data.vocab_size})", flush=True)
+        print(
+            f"[megazero] {describe_backends(device, cfg.optim.kernels)}; padded vocab "
+            f"{trainer.gpt_config.padded_vocab(cfg.parallel.tp)} (real {data.vocab_size})",
+            flush=True,
+        )
     return trainer, monitor
 
 
-def train(cfg: Config, groups: ProcessGroups, device: torch.device, data: RunData,
-          control: Optional[RunControl] = None) -> dict:
+def train(
+    cfg: Config, groups: ProcessGroups, device: torch.device, data: RunData, control: Optional[RunControl] = None
+) -> dict:
     """The whole run: model, loop, periodic evaluation, final summary; ``data`` from build_data.
     ``control`` (signals, time limit, test fault) may end it early at a step boundary."""
     control = control or RunControl()
     trainer, monitor = start_run(cfg, groups, device, data, control)
     result = run_loop(trainer, monitor, data, control)
-    trainer.close()   # nothing in flight, every hook removed: the model can be freed
+    trainer.close()  # nothing in flight, every hook removed: the model can be freed
     return result
 
 

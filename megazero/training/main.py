@@ -1,6 +1,6 @@
 """``main``: one rank's whole run, as ``train.py`` and torchrun's ranks call it."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import gc
 import os
@@ -10,16 +10,22 @@ import time
 import torch.distributed as dist
 
 from megazero import checkpoint
-from megazero.planning import memory
-from megazero.runtime import resilience
-from megazero.runtime.launch import (bind_device, check_device, read_launch_env, watch_parent)
-from megazero.config import (config_from_argv, resolve_run_dir)
+from megazero.config import config_from_argv, resolve_run_dir
 from megazero.offload.swap import SwapError
+from megazero.planning import memory
 from megazero.precision import LossScaleError
+from megazero.runtime import resilience
+from megazero.runtime.launch import bind_device, check_device, read_launch_env, watch_parent
 from megazero.training.control import is_collective_failure, run_control
 from megazero.training.loop import train
-from megazero.training.startup import START_ERRORS, check_memory, prepare_run, report_start_error, resume_warnings, setup_groups
-
+from megazero.training.startup import (
+    START_ERRORS,
+    check_memory,
+    prepare_run,
+    report_start_error,
+    resume_warnings,
+    setup_groups,
+)
 
 
 def main(argv=None) -> int:
@@ -59,7 +65,7 @@ def main(argv=None) -> int:
         if "stop" in result:
             return 0 if "TORCHELASTIC_RUN_ID" in os.environ else result["status"]
     except SwapError as e:  # an NVMe swap file failed its check: every rank stops in the same step
-        if e.local:   # the rank whose file it is names it
+        if e.local:  # the rank whose file it is names it
             print(f"megazero: training error: {e}", file=sys.stderr, flush=True)
         return 1
     except LossScaleError as e:  # every rank skips the same steps, so all of them stop here
@@ -76,9 +82,9 @@ def main(argv=None) -> int:
         print(resilience.write_failure(cfg.log.run_dir, launch.rank, control.trail, e), file=sys.stderr, flush=True)
         os._exit(1)  # no teardown: it would wait on the peer that failed
     finally:
-        groups = None   # train() has closed and dropped the Trainer: these are the last references
+        groups = None  # train() has closed and dropped the Trainer: these are the last references
         if dist.is_initialized():
             dist.destroy_process_group()
-        gc.collect()    # the model's reference cycles go, and with them every process group, whose
+        gc.collect()  # the model's reference cycles go, and with them every process group, whose
         # destructor joins its worker threads now, not during interpreter shutdown
     return 0

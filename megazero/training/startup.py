@@ -1,32 +1,37 @@
 """Start-up: everything that can fail before the first collective (settings, device, data,
 checkpoint, memory plan; contract 3), the launcher's preflight, and the process groups."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megazero import checkpoint
-from megazero.planning import memory
-from megazero.runtime.extras import MissingExtra
-from megazero.planning.plan import plan_memory, zero3_live_warning
-from megazero.runtime import flight_recorder
-from megazero.runtime.launch import (DeviceError, Launch, check_device, launch_exports,
-                                     max_connections_warning, uses_cuda)
-from megazero.config import (Config, config_from_argv, layout_topology)
-from megazero.process_groups import ProcessGroups
 from data.indexed_dataset import DataError
 from data.run_data import RunData
-from model.build import (build_gpt_config, check_from_hf, model_signature)
-from model.evaluation import HarnessError
+from megazero import checkpoint
+from megazero.config import Config, config_from_argv, layout_topology
+from megazero.planning import memory
+from megazero.planning.plan import plan_memory, zero3_live_warning
+from megazero.process_groups import ProcessGroups
+from megazero.runtime import flight_recorder
+from megazero.runtime.extras import MissingExtra
+from megazero.runtime.launch import (
+    DeviceError,
+    Launch,
+    check_device,
+    launch_exports,
+    max_connections_warning,
+    uses_cuda,
+)
 from megazero.training.evaluation import check_harness
 from megazero.training.inputs import build_data, data_signature, tokenizer_digest, tokenizer_record
-
+from model.build import build_gpt_config, check_from_hf, model_signature
+from model.evaluation import HarnessError
 
 
 def setup_groups(cfg: Config, launch: Launch, device: torch.device) -> ProcessGroups:
@@ -41,8 +46,14 @@ def setup_groups(cfg: Config, launch: Launch, device: torch.device) -> ProcessGr
             print(f"megazero: warning: {warning}", file=sys.stderr, flush=True)
     if launch.world_size > 1:
         timeout = timedelta(seconds=cfg.parallel.distributed_timeout_s)
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch.rank, world_size=launch.world_size,
-                                timeout=timeout, store=restart_store(timeout), device_id=device if use_cuda else None)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+            store=restart_store(timeout),
+            device_id=device if use_cuda else None,
+        )
     return ProcessGroups.build(layout_topology(cfg), timeout_s=cfg.parallel.distributed_timeout_s)
 
 
@@ -56,8 +67,7 @@ def restart_store(timeout: timedelta):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"megazero/attempt_{attempt}", store)
 
 
@@ -70,17 +80,20 @@ def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:
         if key in saved and saved[key] != value:
             raise checkpoint.CheckpointError(
                 f"--load {cfg.train.load}: the checkpoint has {key} = {saved[key]}, this model {value}; "
-                f"fix: use the model settings the checkpoint was saved with, or another --load")
+                f"fix: use the model settings the checkpoint was saved with, or another --load"
+            )
     was, now = (resume["extra"].get("data") or {}).get("tokenizer"), tokenizer_digest(cfg.data.tokenizer_model)
     if was and now and was != now:  # same vocabulary size, other token meanings: the weights would not fit
         raise checkpoint.CheckpointError(
             f"--load {cfg.train.load} was trained with another tokenizer (sha256 {was[:12]}) than "
-            f"--tokenizer-model {cfg.data.tokenizer_model} (sha256 {now[:12]}); fix: the tokenizer it was trained with")
+            f"--tokenizer-model {cfg.data.tokenizer_model} (sha256 {now[:12]}); fix: the tokenizer it was trained with"
+        )
     was, now = (resume["extra"].get("tokenizer") or {}).get("fim"), (tokenizer_record(cfg) or {}).get("fim")
     if was and now and was != now:  # the sentinels' rows of the embedding would mean other tokens
         raise checkpoint.CheckpointError(
             f"--load {cfg.train.load} was trained with the FIM sentinels {was}, this run has {now}; fix: the "
-            "--fim-tokens and tokenizer it was trained with")
+            "--fim-tokens and tokenizer it was trained with"
+        )
 
 
 def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
@@ -89,12 +102,16 @@ def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
         return []
     out = []
     if resume["iteration"] >= cfg.train.train_iters:
-        out.append(f"--load {cfg.train.load} is at iteration {resume['iteration']}, not below --train-iters "
-                   f"{cfg.train.train_iters}: nothing to train; fix: raise --train-iters to continue")
+        out.append(
+            f"--load {cfg.train.load} is at iteration {resume['iteration']}, not below --train-iters "
+            f"{cfg.train.train_iters}: nothing to train; fix: raise --train-iters to continue"
+        )
     saved, mine = resume["extra"].get("data"), data_signature(cfg)
     for key in (k for k in mine if saved is not None and k in saved and saved[k] != mine[k] and k != "tokenizer"):
-        out.append(f"--load {cfg.train.load} was trained with {key} = {saved[key]}, this run has {mine[key]}: "
-                   f"the samples after the resume differ from those of an uninterrupted run")
+        out.append(
+            f"--load {cfg.train.load} was trained with {key} = {saved[key]}, this run has {mine[key]}: "
+            f"the samples after the resume differ from those of an uninterrupted run"
+        )
     return out
 
 
@@ -137,8 +154,13 @@ START_ERRORS = (DataError, checkpoint.CheckpointError, memory.MemoryPlanError, D
 
 def report_start_error(e: Exception) -> int:
     """One line on stderr for a problem found before start; returns exit code 2."""
-    kind = {DataError: "data", memory.MemoryPlanError: "memory", DeviceError: "device",
-            MissingExtra: "config", HarnessError: "config"}.get(type(e), "checkpoint")
+    kind = {
+        DataError: "data",
+        memory.MemoryPlanError: "memory",
+        DeviceError: "device",
+        MissingExtra: "config",
+        HarnessError: "config",
+    }.get(type(e), "checkpoint")
     print(f"megazero: {kind} error: {e}", file=sys.stderr)
     return 2
 
@@ -165,6 +187,7 @@ def preflight(argv: list[str], world_size: int, exports_file: Optional[str] = No
         import shlex
 
         with open(exports_file, "w") as f:
-            f.writelines(f"# {why}\nexport {name}={shlex.quote(value)}\n"
-                         for name, value, why in launch_exports(cfg, os.environ))
+            f.writelines(
+                f"# {why}\nexport {name}={shlex.quote(value)}\n" for name, value, why in launch_exports(cfg, os.environ)
+            )
     return 0

@@ -1,8 +1,8 @@
 """The Trainer: everything one rank holds for training, and one iteration of it
 (``Trainer.train_step``: pipeline schedule -> gradient reduction -> optimizer step -> the loss
 all-reduce), evaluation losses and checkpoints."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import math
 import os
@@ -13,30 +13,29 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from data.run_data import RunData
 from megazero import collectives
 from megazero.checkpoint.manager import CheckpointManager, RunState
-from megazero.runtime import resilience
-from megazero.config import (Config)
-from megazero.planning.flops import spec_flops_per_iteration
-from megazero.runtime.monitor import Monitor
-from megazero.optim.lr_schedule import LRSchedule
+from megazero.config import Config
+from megazero.context_parallel.sequence import Packing, counted_targets, shard_micro_batch
 from megazero.moe.router import AuxLossBackward
+from megazero.optim.lr_schedule import LRSchedule
 from megazero.pipeline.executor import make_forward_step, run_schedule
 from megazero.pipeline.p2p import handshake
 from megazero.pipeline.partition import chunk_layout
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
+from megazero.planning.flops import spec_flops_per_iteration
 from megazero.precision import model_dtype
-from megazero.context_parallel.sequence import Packing, counted_targets, shard_micro_batch
 from megazero.process_groups import ProcessGroups
+from megazero.runtime import resilience
+from megazero.runtime.monitor import Monitor
 from megazero.tensor_parallel.random import resume_seed
-from model.build import (build_gpt_config, build_model_chunks, model_signature)
-from model.gpt import VOCAB_TENSORS, moe_step_end
-from model.moe_state import expert_bias_state, load_expert_bias
-from model.hf import config_record
-from data.run_data import RunData
 from megazero.training.inputs import data_signature, dp_micro_batches, tokenizer_record
 from megazero.training.optimizer import build_optimizer
-
+from model.build import build_gpt_config, build_model_chunks, model_signature
+from model.gpt import VOCAB_TENSORS, moe_step_end
+from model.hf import config_record
+from model.moe_state import expert_bias_state, load_expert_bias
 
 
 @dataclass
@@ -74,10 +73,20 @@ class Trainer:
     dp x cp ranks that hold the same parameters.
     """
 
-    def __init__(self, cfg: Config, groups: ProcessGroups, device: torch.device, vocab_size: int, *,
-                 stop_flags: Optional[Callable[[], list]] = None, fault: Optional[tuple] = None,
-                 trail: Optional[resilience.Trail] = None, monitor: Optional[Monitor] = None,
-                 eod: Optional[int] = None, data: Optional[RunData] = None):
+    def __init__(
+        self,
+        cfg: Config,
+        groups: ProcessGroups,
+        device: torch.device,
+        vocab_size: int,
+        *,
+        stop_flags: Optional[Callable[[], list]] = None,
+        fault: Optional[tuple] = None,
+        trail: Optional[resilience.Trail] = None,
+        monitor: Optional[Monitor] = None,
+        eod: Optional[int] = None,
+        data: Optional[RunData] = None,
+    ):
         self.cfg, self.groups, self.device, self.data = cfg, groups, device, data
         self.replicas = groups.replicas()
         d = cfg.data
@@ -86,12 +95,20 @@ class Trainer:
         self.chunks = build_model_chunks(self.gpt_config, cfg, groups, device)
         self.ddp, self.optimizer = build_optimizer(self.chunks, cfg, self.replicas)
         o = cfg.optim
-        self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or cfg.train.train_iters,
-                                      o.lr_decay_style, o.lr_wsd_decay_iters, o.lr_wsd_decay_style)
+        self.lr_schedule = LRSchedule(
+            o.lr,
+            o.min_lr,
+            o.lr_warmup_iters,
+            o.lr_decay_iters or cfg.train.train_iters,
+            o.lr_decay_style,
+            o.lr_wsd_decay_iters,
+            o.lr_wsd_decay_style,
+        )
         self.num_microbatches = cfg.train.gradient_accumulation_steps
         p = cfg.parallel
-        self.actions = build_schedule(p.pipeline_schedule, self.num_microbatches, p.pp, groups.pp_rank,
-                                      p.virtual_pipeline_size)
+        self.actions = build_schedule(
+            p.pipeline_schedule, self.num_microbatches, p.pp, groups.pp_rank, p.virtual_pipeline_size
+        )
         self.eval_actions = forward_only_schedule(self.num_microbatches, p.virtual_pipeline_size)
         seq = cfg.model.seq_length // p.cp // (p.tp if p.sequence_parallel else 1)
         self.tensor_shape = (cfg.train.micro_batch_size, seq, cfg.model.hidden_size)
@@ -100,8 +117,11 @@ class Trainer:
         self.tokens_per_dp_rank = self.num_microbatches * cfg.train.micro_batch_size * cfg.model.seq_length // p.cp
         g = self.gpt_config
         self.flops_per_iteration = spec_flops_per_iteration(
-            g.parameter_spec(p.tp), seq_length=g.seq_length, attention_width=g.hidden_size,
-            global_batch_size=cfg.train.global_batch_size)
+            g.parameter_spec(p.tp),
+            seq_length=g.seq_length,
+            attention_width=g.hidden_size,
+            global_batch_size=cfg.train.global_batch_size,
+        )
         if p.pp > 1:
             handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches, device=device)
         self.state = RunState()
@@ -109,9 +129,12 @@ class Trainer:
         self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=fault)
         self.trail = trail or resilience.Trail()
         self.monitor = monitor
-        self.checkpoints = CheckpointManager(self.replicas, keep=cfg.train.keep_latest_checkpoints,
-                                             async_save=cfg.train.async_save,
-                                             log=None if monitor is None else monitor.log_record)
+        self.checkpoints = CheckpointManager(
+            self.replicas,
+            keep=cfg.train.keep_latest_checkpoints,
+            async_save=cfg.train.async_save,
+            log=None if monitor is None else monitor.log_record,
+        )
 
     def save_checkpoint(self, root: str, wait: bool = False) -> str:
         """Write a layout-independent checkpoint of this iteration (collective); returns its
@@ -122,11 +145,21 @@ class Trainer:
         self.trail.enter(self.state.iteration, "checkpoint save (gathers over dp and tp)")
         g = self.gpt_config
         return self.checkpoints.save(
-            root, self.state, self.optimizer, self.chunks, rng_states=self.chunks[0].rng_tracker.get_state(),
-            extra=dict(model=model_signature(g), data=data_signature(self.cfg), gpt_config=config_record(g),
-                       tokenizer=tokenizer_record(self.cfg),
-                       moe_expert_bias=expert_bias_state(self.chunks, self.groups, g)),
-            after_write=self._save_fault(), wait=wait)
+            root,
+            self.state,
+            self.optimizer,
+            self.chunks,
+            rng_states=self.chunks[0].rng_tracker.get_state(),
+            extra=dict(
+                model=model_signature(g),
+                data=data_signature(self.cfg),
+                gpt_config=config_record(g),
+                tokenizer=tokenizer_record(self.cfg),
+                moe_expert_bias=expert_bias_state(self.chunks, self.groups, g),
+            ),
+            after_write=self._save_fault(),
+            wait=wait,
+        )
 
     def finish_save(self) -> None:
         """Wait for the background checkpoint, if any, and move ``latest`` to it (collective)."""
@@ -141,7 +174,7 @@ class Trainer:
         self.checkpoints.finish()
         self.optimizer.wait_param_gather()
         self.ddp.close()
-        if hasattr(self.optimizer, "close"):   # NVMe offload: its swap files go
+        if hasattr(self.optimizer, "close"):  # NVMe offload: its swap files go
             self.optimizer.close()
 
     def _save_fault(self):
@@ -161,6 +194,7 @@ class Trainer:
 
         def real_rows(name):  # a vocabulary tensor's padding rows are zeroed, not read
             return g.vocab_size if name in VOCAB_TENSORS else None
+
         resumed = self.checkpoints.resume(root, self.optimizer, self.chunks, real_rows=real_rows)
         if resumed is None:
             return None
@@ -172,9 +206,12 @@ class Trainer:
             return self.state.iteration
         tracker.reseed(resume_seed(tracker.seed, self.state.iteration))  # every rank, one rule
         if self.groups.rank == 0:
-            print(f"[megazero] {meta['directory']} was saved under another layout {meta['layout']}: weights, "
-                  f"optimizer and data position restored; every rank's dropout streams re-seeded from --seed "
-                  f"and iteration {self.state.iteration} (megazero.tensor_parallel.random.resume_seed)", flush=True)
+            print(
+                f"[megazero] {meta['directory']} was saved under another layout {meta['layout']}: weights, "
+                f"optimizer and data position restored; every rank's dropout streams re-seeded from --seed "
+                f"and iteration {self.state.iteration} (megazero.tensor_parallel.random.resume_seed)",
+                flush=True,
+            )
         return self.state.iteration
 
     def local_batches(self, batches) -> tuple[list, Union[int, torch.Tensor]]:
@@ -186,8 +223,10 @@ class Trainer:
         batch without a response token has loss 0)."""
         g, packing = self.groups, self.packing
         masks = [b[2] if len(b) > 2 else None for b in batches]
-        local = [shard_micro_batch(b[0], b[1], cp=g.cp_size, cp_rank=g.cp_rank, packing=packing, loss_mask=m)
-                 for b, m in zip(batches, masks)]
+        local = [
+            shard_micro_batch(b[0], b[1], cp=g.cp_size, cp_rank=g.cp_rank, packing=packing, loss_mask=m)
+            for b, m in zip(batches, masks)
+        ]
         if not packing.eod_mask_loss and all(m is None for m in masks):
             return local, self.tokens_per_dp_rank
         counted = sum(counted_targets(b[1], packing, m) for b, m in zip(batches, masks))
@@ -204,14 +243,22 @@ class Trainer:
             # MoE auxiliary losses weigh as Megatron-LM's: coeff x loss per micro-batch, averaged
             # over the micro-batches (and, by the gradient mean, over dp), times the fp16 loss scale
             AuxLossBackward.set_scale(self.optimizer.scale_loss(torch.ones((), device=self.device)) / len(batches))
-        return run_schedule(actions, self.chunks, make_forward_step(divisor, watch), batches,
-                            self.groups, tensor_shape=self.tensor_shape, dtype=self.dtype,
-                            num_microbatches=len(batches), vp_size=self.cfg.parallel.virtual_pipeline_size,
-                            before_backward=None if forward_only else self.ddp.before_backward,
-                            scale_loss=None if forward_only else self.optimizer.scale_loss,
-                            forward_only=forward_only,
-                            layout=chunk_layout(self.cfg.parallel.pipeline_schedule),
-                            schedule_of=None if forward_only else self._schedule_of)
+        return run_schedule(
+            actions,
+            self.chunks,
+            make_forward_step(divisor, watch),
+            batches,
+            self.groups,
+            tensor_shape=self.tensor_shape,
+            dtype=self.dtype,
+            num_microbatches=len(batches),
+            vp_size=self.cfg.parallel.virtual_pipeline_size,
+            before_backward=None if forward_only else self.ddp.before_backward,
+            scale_loss=None if forward_only else self.optimizer.scale_loss,
+            forward_only=forward_only,
+            layout=chunk_layout(self.cfg.parallel.pipeline_schedule),
+            schedule_of=None if forward_only else self._schedule_of,
+        )
 
     def _schedule_of(self, pp_rank: int):
         """The training schedule of stage ``pp_rank`` (the executor reads its neighbours')."""
@@ -243,9 +290,15 @@ class Trainer:
         s = self.state
         s.advance(self.cfg.train.global_batch_size, result.skipped)
         bad = not self.cfg.precision.fp16 and (result.skipped or not math.isfinite(loss))
-        values = dict(iteration=s.iteration, consumed_samples=s.consumed_samples, lr=lr, loss=loss,
-                      grad_norm=result.grad_norm, loss_scale=result.loss_scale,
-                      skipped_iterations=s.skipped_iterations)
+        values = dict(
+            iteration=s.iteration,
+            consumed_samples=s.consumed_samples,
+            lr=lr,
+            loss=loss,
+            grad_norm=result.grad_norm,
+            loss_scale=result.loss_scale,
+            skipped_iterations=s.skipped_iterations,
+        )
         if self.gpt_config.num_experts is not None:
             trail.enter(it, "the MoE statistics and expert-bias all-reduce over dp and pp")
             values.update(moe_step_end(self.chunks, self.groups, self.replicas.dp, self.num_microbatches))
@@ -260,11 +313,21 @@ class Trainer:
             dist.all_gather_object(gathered, mine, group=self.groups.world)
         place = resilience.locate_non_finite(gathered)
         t = self.cfg.train
-        samples = None if place is None else resilience.sample_range(
-            self.state.consumed_samples - t.global_batch_size, t.global_batch_size, place.dp_rank,
-            self.groups.dp_size, place.microbatch, t.micro_batch_size)
-        return resilience.describe_non_finite(self.state.iteration, place, samples,
-                                              self.cfg.parallel.virtual_pipeline_size)
+        samples = (
+            None
+            if place is None
+            else resilience.sample_range(
+                self.state.consumed_samples - t.global_batch_size,
+                t.global_batch_size,
+                place.dp_rank,
+                self.groups.dp_size,
+                place.microbatch,
+                t.micro_batch_size,
+            )
+        )
+        return resilience.describe_non_finite(
+            self.state.iteration, place, samples, self.cfg.parallel.virtual_pipeline_size
+        )
 
     @torch.no_grad()
     def eval_loss(self, batches) -> float:

@@ -42,6 +42,7 @@ and the logged loss together with the four stop flags (five fp64 values, SUM ove
 
     python -m scripts.bench.bench_comm           # prints one table, exits 1 on any mismatch
 """
+
 from __future__ import annotations
 
 import sys
@@ -49,13 +50,41 @@ from dataclasses import dataclass
 
 F32, F64 = 4, 8
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, POSITIONS, MICRO = 2, 32, 4, 1001, 16, 16, 2
-BASE = ["--mock-data", "--vocab-size", str(VOCAB), "--num-layers", str(LAYERS),
-        "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
-        "--seq-length", str(SEQ), "--max-position-embeddings", str(POSITIONS),
-        "--micro-batch-size", str(MICRO), "--train-iters", "2", "--lr", "1e-3",
-        "--clip-grad", "1.0", "--seed", "7", "--make-vocab-size-divisible-by", "8",
-        "--eval-iters", "0", "--device", "cpu", "--reduce-bucket-size", "500",
-        "--allgather-bucket-size", "700"]
+BASE = [
+    "--mock-data",
+    "--vocab-size",
+    str(VOCAB),
+    "--num-layers",
+    str(LAYERS),
+    "--hidden-size",
+    str(HIDDEN),
+    "--num-attention-heads",
+    str(HEADS),
+    "--seq-length",
+    str(SEQ),
+    "--max-position-embeddings",
+    str(POSITIONS),
+    "--micro-batch-size",
+    str(MICRO),
+    "--train-iters",
+    "2",
+    "--lr",
+    "1e-3",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "7",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--reduce-bucket-size",
+    "500",
+    "--allgather-bucket-size",
+    "700",
+]
 
 
 @dataclass(frozen=True)
@@ -99,8 +128,9 @@ def shape_of(tp=1, pp=1, dp=1, vp=1, global_batch=8, cp=1, cp_comm="p2p", shard=
     """The model of ``BASE`` under a layout; V padded to a multiple of 8 x tp (Megatron)."""
     step = 8 * tp
     padded = -(-VOCAB // step) * step
-    return Shape(LAYERS, HIDDEN, padded, POSITIONS, MICRO, SEQ, global_batch // (MICRO * dp),
-                 tp, pp, dp, vp, cp, cp_comm, shard)
+    return Shape(
+        LAYERS, HIDDEN, padded, POSITIONS, MICRO, SEQ, global_batch // (MICRO * dp), tp, pp, dp, vp, cp, cp_comm, shard
+    )
 
 
 def round_up(x: int, n: int) -> int:
@@ -148,15 +178,13 @@ def theory_zero1(s: Shape, pp_rank: int) -> dict:
     """ZeRO-1 (P_os): the full buffer reduce-scattered once per step (input payload = the
     padded buffer), each rank's updated shard (padded / dp) all-gathered."""
     padded = round_up(params_per_rank(s), s.dp)
-    return add({"reduce_scatter": F32 * padded, "all_gather": F32 * padded // s.dp},
-               scalars(s, 1))
+    return add({"reduce_scatter": F32 * padded, "all_gather": F32 * padded // s.dp}, scalars(s, 1))
 
 
 def theory_zero2(s: Shape, pp_rank: int) -> dict:
     """ZeRO-2 (P_os+g): the buffer reduce-scattered in each of the m micro-batches."""
     padded = round_up(params_per_rank(s), s.dp)
-    return add({"reduce_scatter": F32 * padded * s.m, "all_gather": F32 * padded // s.dp},
-               scalars(s, 2))
+    return add({"reduce_scatter": F32 * padded * s.m, "all_gather": F32 * padded // s.dp}, scalars(s, 2))
 
 
 def theory_hybrid(s: Shape, pp_rank: int, stage: int) -> dict:
@@ -166,8 +194,14 @@ def theory_hybrid(s: Shape, pp_rank: int, stage: int) -> dict:
     once per step, the shard all-gathered inside the shard group. ``crossing``: the bytes on
     groups that span shard groups: that all-reduce and the step's world scalars."""
     padded = round_up(params_per_rank(s), s.S)
-    out = add({"reduce_scatter": F32 * padded * (s.m if stage == 2 else 1), "all_gather": F32 * padded // s.S,
-               "all_reduce": F32 * padded // s.S}, scalars(s, stage))
+    out = add(
+        {
+            "reduce_scatter": F32 * padded * (s.m if stage == 2 else 1),
+            "all_gather": F32 * padded // s.S,
+            "all_reduce": F32 * padded // s.S,
+        },
+        scalars(s, stage),
+    )
     out["crossing"] = F32 * padded // s.S + scalars(s, stage)["all_reduce"]
     return out
 
@@ -204,8 +238,11 @@ def theory_tp_sp(s: Shape, pp_rank: int) -> dict:
     [B, T, H] and their conjugates all-gathers of [B, T/tp, H]; cross-entropy unchanged;
     once per step the SP parameters' gradients all-reduced over TP. (T is a rank's T/cp.)"""
     act = F32 * s.B * s.Tl * s.H
-    per_micro = {"reduce_scatter": (4 * s.L + 2) * act,
-                 "all_gather": (4 * s.L + 2) * act // s.tp, "all_reduce": cross_entropy_bytes(s)}
+    per_micro = {
+        "reduce_scatter": (4 * s.L + 2) * act,
+        "all_gather": (4 * s.L + 2) * act // s.tp,
+        "all_reduce": cross_entropy_bytes(s),
+    }
     step = {k: s.m * v for k, v in per_micro.items()}
     return add(step, {"all_reduce": F32 * sequence_parallel_params(s)}, scalars(s, 0))
 
@@ -227,9 +264,11 @@ def theory_tp_zero2(s: Shape, pp_rank: int) -> dict:
     ZeRO-2 traffic of this TP rank's partition over its DP group; one set of scalars."""
     act = F32 * s.B * s.T * s.H
     padded = round_up(params_per_rank(s), s.dp)
-    return add({"all_reduce": s.m * ((4 * s.L + 2) * act + cross_entropy_bytes(s))},
-               {"reduce_scatter": F32 * padded * s.m, "all_gather": F32 * padded // s.dp},
-               scalars(s, 2))
+    return add(
+        {"all_reduce": s.m * ((4 * s.L + 2) * act + cross_entropy_bytes(s))},
+        {"reduce_scatter": F32 * padded * s.m, "all_gather": F32 * padded // s.dp},
+        scalars(s, 2),
+    )
 
 
 def context_parallel_attention(s: Shape) -> dict:
@@ -237,7 +276,7 @@ def context_parallel_attention(s: Shape) -> dict:
     and backward closed forms (``megazero.context_parallel.attention``), fp32, no documents."""
     from megazero.context_parallel.attention import a2a_bytes_per_layer, ring_bytes_per_layer
 
-    heads, d = HEADS // s.tp, s.H // HEADS                 # G = heads (multi-head attention)
+    heads, d = HEADS // s.tp, s.H // HEADS  # G = heads (multi-head attention)
     if s.cp_comm == "a2a":
         per = a2a_bytes_per_layer(s.B, heads, heads, s.Tl, d, F32, s.cp)
     else:
@@ -256,37 +295,92 @@ def theory_cp(s: Shape, pp_rank: int) -> dict:
 
 #: name, ranks, flags beyond BASE, shape, theory
 CASES = [
-    ("dp2 ZeRO-0", 2, ["--dp", "2", "--zero-stage", "0", "--global-batch-size", "8"],
-     shape_of(dp=2), theory_dp_zero0),
-    ("dp2 ZeRO-1", 2, ["--dp", "2", "--zero-stage", "1", "--global-batch-size", "8"],
-     shape_of(dp=2), theory_zero1),
-    ("dp2 ZeRO-2", 2, ["--dp", "2", "--zero-stage", "2", "--global-batch-size", "8"],
-     shape_of(dp=2), theory_zero2),
-    ("tp2", 2, ["--tp", "2", "--global-batch-size", "4"], shape_of(tp=2, global_batch=4),
-     theory_tp),
-    ("tp2 SP", 2, ["--tp", "2", "--sequence-parallel", "--global-batch-size", "4"],
-     shape_of(tp=2, global_batch=4), theory_tp_sp),
-    ("pp2 GPipe", 2, ["--pp", "2", "--pipeline-schedule", "gpipe", "--global-batch-size", "8"],
-     shape_of(pp=2), theory_pipeline),
-    ("pp2 1F1B", 2, ["--pp", "2", "--pipeline-schedule", "1f1b", "--global-batch-size", "8"],
-     shape_of(pp=2), theory_pipeline),
-    ("pp2 interleaved vp2", 2, ["--pp", "2", "--pipeline-schedule", "interleaved",
-                                "--virtual-pipeline-size", "2", "--num-layers", "4",
-                                "--global-batch-size", "8"],
-     Shape(**{**shape_of(pp=2).__dict__, "L": 4, "vp": 2}), theory_pipeline),
-    ("pp4 1F1B", 4, ["--pp", "4", "--num-layers", "4", "--global-batch-size", "8"],
-     Shape(**{**shape_of(pp=4).__dict__, "L": 4}), theory_pipeline),
-    ("tp2 dp2 ZeRO-2", 4, ["--tp", "2", "--dp", "2", "--zero-stage", "2",
-                           "--global-batch-size", "8"], shape_of(tp=2, dp=2), theory_tp_zero2),
-    ("dp4 S2 ZeRO-1", 4, ["--dp", "4", "--zero-stage", "1", "--zero-shard-size", "2", "--global-batch-size", "8"],
-     shape_of(dp=4, shard=2), theory_hybrid1),
-    ("dp4 S2 ZeRO-2", 4, ["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2", "--global-batch-size", "16"],
-     shape_of(dp=4, shard=2, global_batch=16), theory_hybrid2),
+    ("dp2 ZeRO-0", 2, ["--dp", "2", "--zero-stage", "0", "--global-batch-size", "8"], shape_of(dp=2), theory_dp_zero0),
+    ("dp2 ZeRO-1", 2, ["--dp", "2", "--zero-stage", "1", "--global-batch-size", "8"], shape_of(dp=2), theory_zero1),
+    ("dp2 ZeRO-2", 2, ["--dp", "2", "--zero-stage", "2", "--global-batch-size", "8"], shape_of(dp=2), theory_zero2),
+    ("tp2", 2, ["--tp", "2", "--global-batch-size", "4"], shape_of(tp=2, global_batch=4), theory_tp),
+    (
+        "tp2 SP",
+        2,
+        ["--tp", "2", "--sequence-parallel", "--global-batch-size", "4"],
+        shape_of(tp=2, global_batch=4),
+        theory_tp_sp,
+    ),
+    (
+        "pp2 GPipe",
+        2,
+        ["--pp", "2", "--pipeline-schedule", "gpipe", "--global-batch-size", "8"],
+        shape_of(pp=2),
+        theory_pipeline,
+    ),
+    (
+        "pp2 1F1B",
+        2,
+        ["--pp", "2", "--pipeline-schedule", "1f1b", "--global-batch-size", "8"],
+        shape_of(pp=2),
+        theory_pipeline,
+    ),
+    (
+        "pp2 interleaved vp2",
+        2,
+        [
+            "--pp",
+            "2",
+            "--pipeline-schedule",
+            "interleaved",
+            "--virtual-pipeline-size",
+            "2",
+            "--num-layers",
+            "4",
+            "--global-batch-size",
+            "8",
+        ],
+        Shape(**{**shape_of(pp=2).__dict__, "L": 4, "vp": 2}),
+        theory_pipeline,
+    ),
+    (
+        "pp4 1F1B",
+        4,
+        ["--pp", "4", "--num-layers", "4", "--global-batch-size", "8"],
+        Shape(**{**shape_of(pp=4).__dict__, "L": 4}),
+        theory_pipeline,
+    ),
+    (
+        "tp2 dp2 ZeRO-2",
+        4,
+        ["--tp", "2", "--dp", "2", "--zero-stage", "2", "--global-batch-size", "8"],
+        shape_of(tp=2, dp=2),
+        theory_tp_zero2,
+    ),
+    (
+        "dp4 S2 ZeRO-1",
+        4,
+        ["--dp", "4", "--zero-stage", "1", "--zero-shard-size", "2", "--global-batch-size", "8"],
+        shape_of(dp=4, shard=2),
+        theory_hybrid1,
+    ),
+    (
+        "dp4 S2 ZeRO-2",
+        4,
+        ["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2", "--global-batch-size", "16"],
+        shape_of(dp=4, shard=2, global_batch=16),
+        theory_hybrid2,
+    ),
     ("cp2 p2p", 2, ["--cp", "2", "--global-batch-size", "4"], shape_of(cp=2, global_batch=4), theory_cp),
-    ("cp2 a2a", 2, ["--cp", "2", "--cp-comm-type", "a2a", "--global-batch-size", "4"],
-     shape_of(cp=2, cp_comm="a2a", global_batch=4), theory_cp),
-    ("tp2 cp2 SP p2p", 4, ["--tp", "2", "--cp", "2", "--sequence-parallel", "--global-batch-size", "4"],
-     shape_of(tp=2, cp=2, global_batch=4), theory_cp),
+    (
+        "cp2 a2a",
+        2,
+        ["--cp", "2", "--cp-comm-type", "a2a", "--global-batch-size", "4"],
+        shape_of(cp=2, cp_comm="a2a", global_batch=4),
+        theory_cp,
+    ),
+    (
+        "tp2 cp2 SP p2p",
+        4,
+        ["--tp", "2", "--cp", "2", "--sequence-parallel", "--global-batch-size", "4"],
+        shape_of(tp=2, cp=2, global_batch=4),
+        theory_cp,
+    ),
 ]
 
 
@@ -309,7 +403,7 @@ def count_step(rank: int, world: int, argvs: list[list[str]]) -> list[tuple[int,
             collectives.by_group.clear()
             trainer.train_step(batches)
         counted = dict(collectives.counter)
-        if groups.topology.hybrid:   # bytes on groups that are not inside this rank's shard group
+        if groups.topology.hybrid:  # bytes on groups that are not inside this rank's shard group
             shard = set(groups.topology.zero_group(groups.rank, "zero_shard"))
             counted["crossing"] = sum(n for (_, ranks), n in collectives.by_group.items() if not shard >= set(ranks))
         trainer.close()
@@ -334,13 +428,16 @@ def measure(cases=CASES) -> list[tuple[str, int, int, dict, dict]]:
 
 #: MoE (expert parallelism) cases on tests/layouts/test_moe.py's model (4 layers, all MoE, E 8, top-2,
 #: hidden 32, dropless): name, flags, (tp, dp). One 4-rank spawn runs them all.
-MOE_CASES = [("MoE dp4 EP2", ["--dp", "4", "--expert-model-parallel-size", "2"], (1, 4)),
-             ("MoE dp4 EP4", ["--dp", "4", "--expert-model-parallel-size", "4"], (1, 4)),
-             ("MoE tp2 dp2 EP2", ["--tp", "2", "--dp", "2", "--expert-model-parallel-size", "2"], (2, 2))]
+MOE_CASES = [
+    ("MoE dp4 EP2", ["--dp", "4", "--expert-model-parallel-size", "2"], (1, 4)),
+    ("MoE dp4 EP4", ["--dp", "4", "--expert-model-parallel-size", "4"], (1, 4)),
+    ("MoE tp2 dp2 EP2", ["--tp", "2", "--dp", "2", "--expert-model-parallel-size", "2"], (2, 2)),
+]
 
 
-def theory_moe_all_to_all(tp: int, dp: int, layers: int, micro_batches: int, experts: int, hidden: int,
-                          kept: int) -> int:
+def theory_moe_all_to_all(
+    tp: int, dp: int, layers: int, micro_batches: int, experts: int, hidden: int, kept: int
+) -> int:
     """Bytes of one step's all-to-alls summed over the world (fp32; megazero/moe/dispatch.py).
 
     Every (rank, MoE layer, micro-batch) exchanges its ``experts`` int64 token counts (8 E

@@ -12,6 +12,7 @@ equal to eager within 1e-5, tests/layouts/test_compile.py).
 
     python -m scripts.bench.bench_compile [--rounds 5] [--steps 3] [--hidden-size 256] ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: no OpenMP barrier to spin on when other jobs share the cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: no OpenMP barrier to spin on when other jobs share the cores)",
+    )
     return ap.parse_args()
 
 
@@ -68,12 +73,37 @@ def main() -> None:
     a = parse()
     torch.set_num_threads(a.threads)
     total = a.warmup + a.rounds * a.steps
-    argv = ["--mock-data", "--vocab-size", str(a.vocab_size), "--hidden-size", str(a.hidden_size),
-            "--num-layers", str(a.num_layers), "--num-attention-heads", str(a.num_attention_heads),
-            "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
-            "--train-iters", str(total), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
-            "--lr", str(a.lr), "--min-lr", str(a.lr), "--clip-grad", "1.0", "--eval-iters", "0",
-            "--device", "cpu"]
+    argv = [
+        "--mock-data",
+        "--vocab-size",
+        str(a.vocab_size),
+        "--hidden-size",
+        str(a.hidden_size),
+        "--num-layers",
+        str(a.num_layers),
+        "--num-attention-heads",
+        str(a.num_attention_heads),
+        "--seq-length",
+        str(a.seq_length),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--train-iters",
+        str(total),
+        "--lr-decay-style",
+        "constant",
+        "--lr-warmup-iters",
+        "0",
+        "--lr",
+        str(a.lr),
+        "--min-lr",
+        str(a.lr),
+        "--clip-grad",
+        "1.0",
+        "--eval-iters",
+        "0",
+        "--device",
+        "cpu",
+    ]
     runs = {"eager": Run(argv), "compiled": Run(argv + ["--compile"])}
     warm = {name: sum(r.step() for _ in range(a.warmup)) for name, r in runs.items()}
     graphs = _compiled_graphs()
@@ -86,22 +116,29 @@ def main() -> None:
             times[name] += got
             per_round[name].append(statistics.median(got))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"model: {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch "
-          f"{a.micro_batch_size}, vocab {a.vocab_size}; {a.rounds} interleaved rounds x {a.steps} steps "
-          f"each; torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
-          f"{os.getloadavg()[0]:.1f}")
-    print(f"untimed first {a.warmup} steps: eager {warm['eager']:.1f} s, compiled {warm['compiled']:.1f} s "
-          f"(tracing and compilation: {graphs} graphs; compiled during the timed steps: "
-          f"{_compiled_graphs() - graphs})")
+    print(
+        f"model: {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch "
+        f"{a.micro_batch_size}, vocab {a.vocab_size}; {a.rounds} interleaved rounds x {a.steps} steps "
+        f"each; torch {torch.__version__}, {torch.get_num_threads()} threads; load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"untimed first {a.warmup} steps: eager {warm['eager']:.1f} s, compiled {warm['compiled']:.1f} s "
+        f"(tracing and compilation: {graphs} graphs; compiled during the timed steps: "
+        f"{_compiled_graphs() - graphs})"
+    )
     for name in runs:
         r = [x * 1e3 for x in per_round[name]]
         print(f"{name:9s} median {med[name]:8.1f} ms/step   per-round medians {min(r):.1f} - {max(r):.1f}")
     ratios = [c / e for c, e in zip(per_round["compiled"], per_round["eager"])]
-    print(f"ratio compiled / eager: {med['compiled'] / med['eager']:.3f}  (per round "
-          f"{min(ratios):.3f} - {max(ratios):.3f})")
+    print(
+        f"ratio compiled / eager: {med['compiled'] / med['eager']:.3f}  (per round "
+        f"{min(ratios):.3f} - {max(ratios):.3f})"
+    )
     e, c = runs["eager"].losses, runs["compiled"].losses
     diff = max(abs(x - y) / abs(x) for x, y in zip(e, c))
-    print(f"largest relative loss difference over {len(e)} steps: {diff:.2e} (first step {abs(e[0] - c[0]) / abs(e[0]):.2e})")
+    first = abs(e[0] - c[0]) / abs(e[0])
+    print(f"largest relative loss difference over {len(e)} steps: {diff:.2e} (first step {first:.2e})")
 
 
 def _compiled_graphs() -> int:

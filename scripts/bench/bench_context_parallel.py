@@ -26,6 +26,7 @@ times say nothing about a GPU. The memory counts are what the planner is checked
 About 8 minutes on the 2-core development machine (12 under another process's load), most of
 it the ring's steps at T 8192; the memory table alone takes under 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,35 @@ COMMS = ("p2p", "a2a")
 
 def model_argv(seq: int) -> list[str]:
     """train.py flags of the benchmark's GPT at sequence length ``seq`` (one sequence a step)."""
-    return ["--mock-data", "--vocab-size", "1001", "--make-vocab-size-divisible-by", "8", "--num-layers", "2",
-            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", str(seq),
-            "--max-position-embeddings", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
-            "--eval-iters", "0", "--train-iters", "100", "--lr", "1e-3", "--device", "cpu"]
+    return [
+        "--mock-data",
+        "--vocab-size",
+        "1001",
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--eval-iters",
+        "0",
+        "--train-iters",
+        "100",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+    ]
 
 
 def layout_argv(seq: int, cp: int, comm: str) -> list[str]:
@@ -59,23 +85,27 @@ def memory_row(seq: int, cp: int, comm: str, steps: int) -> str:
 
     argv = layout_argv(seq, cp, comm)
     cfg = config_from_argv(argv, cp, print_warnings=False)
-    e, = plan_stages(cfg, build_gpt_config(cfg, plan.vocab_of(cfg)))
+    (e,) = plan_stages(cfg, build_gpt_config(cfg, plan.vocab_of(cfg)))
     measured = [got for _, _, got in plan.measure(argv, cp, steps)]
     worst = max(measured, key=lambda got: abs(e.total_bytes - got))
     spread = f"{min(measured) / MiB:.1f}" + (f"-{max(measured) / MiB:.1f}" if cp > 1 else "")
     kv, blocks = e.cp_attention
-    return (f"| {seq} | {cp} | {comm if cp > 1 else '-'} | {e.activation_bytes / MiB:.1f} | "
-            f"{kv / MiB:.1f} / {blocks / MiB:.1f} | {e.total_bytes / MiB:.1f} | {spread} | "
-            f"{(worst - e.total_bytes) / MiB:+.1f} | {(e.total_bytes - worst) / worst:+.1%} |")
+    return (
+        f"| {seq} | {cp} | {comm if cp > 1 else '-'} | {e.activation_bytes / MiB:.1f} | "
+        f"{kv / MiB:.1f} / {blocks / MiB:.1f} | {e.total_bytes / MiB:.1f} | {spread} | "
+        f"{(worst - e.total_bytes) / MiB:+.1f} | {(e.total_bytes - worst) / worst:+.1%} |"
+    )
 
 
 def memory_table(seqs, cps, steps: int) -> str:
-    rows = ["| T | cp | comm | planned activations MiB | planned cp K/V buffers / ring blocks MiB | "
-            "planned peak MiB | measured peak MiB (ranks) | measured - planned MiB | error (worst rank) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| T | cp | comm | planned activations MiB | planned cp K/V buffers / ring blocks MiB | "
+        "planned peak MiB | measured peak MiB (ranks) | measured - planned MiB | error (worst rank) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for seq in seqs:
         for cp in cps:
-            for comm in (COMMS if cp > 1 else COMMS[:1]):
+            for comm in COMMS if cp > 1 else COMMS[:1]:
                 rows.append(memory_row(seq, cp, comm, steps))
                 print(rows[-1], file=sys.stderr, flush=True)
     return "\n".join(rows)
@@ -99,7 +129,7 @@ def step_times(rank: int, world: int, seq: int, rounds: int) -> dict:
     trainers = {c: build_trainer(cfg, data=data, groups=groups) for c, cfg in cfgs.items()}
     times = {c: [] for c in COMMS}
     for r in range(rounds + 1):
-        for c in (COMMS if r % 2 == 0 else COMMS[::-1]):
+        for c in COMMS if r % 2 == 0 else COMMS[::-1]:
             t = trainers[c]
             batches = training.dp_micro_batches(data.train, t.state.consumed_samples, cfgs[c], groups, "cpu")
             dist.barrier()
@@ -120,8 +150,10 @@ def _fmt(xs: list[float]) -> str:
 def time_table(seqs, cps, rounds: int) -> str:
     from tests.support.distributed import run_distributed
 
-    rows = ["| T | cp | p2p step s, median (min-max) | a2a step s, median (min-max) | a2a / p2p |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| T | cp | p2p step s, median (min-max) | a2a step s, median (min-max) | a2a / p2p |",
+        "|---|---|---|---|---|",
+    ]
     for seq in seqs:
         for cp in (c for c in cps if c > 1):
             times = run_distributed(step_times, cp, seq, rounds, timeout_s=3600, collective_timeout_s=1800)[0]

@@ -18,6 +18,7 @@
    shuffle indices (--seq-length, default 2048; 1 and 3 epochs), the cache write and the cache load, and
    random sample reads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,11 @@ def bench_preprocess(tmp: str, workers: list[int], max_docs: int | None, model: 
     for w in workers:
         s = preprocess(src, ["text"], model, os.path.join(tmp, f"w{w}"), True, w, progress=False)
         sec = s["seconds"]
-        print(f"preprocess {mb:.1f} MB, {s['documents']} docs, {s['tokens']} tokens, workers={w}: "
-              f"{sec:.2f} s, {s['documents'] / sec:.0f} docs/s, {s['tokens'] / sec:.0f} tokens/s, "
-              f"{s['tokens'] / sec / w:.0f} tokens/s per worker")
+        print(
+            f"preprocess {mb:.1f} MB, {s['documents']} docs, {s['tokens']} tokens, workers={w}: "
+            f"{sec:.2f} s, {s['documents'] / sec:.0f} docs/s, {s['tokens'] / sec:.0f} tokens/s, "
+            f"{s['tokens'] / sec / w:.0f} tokens/s per worker"
+        )
 
 
 def _memory_corpus(n_docs: int, doc_bytes: int) -> list[str]:
@@ -88,25 +91,28 @@ def _write_format(fmt: str, docs: list[str], base: str) -> list[str]:
         return [base + ".jsonl.gz"]
     if fmt == "jsonl.zst":
         import zstandard
+
         with open(base + ".jsonl.zst", "wb") as f:
             f.write(zstandard.ZstdCompressor().compress(lines))
         return [base + ".jsonl.zst"]
     import pyarrow as pa
+
     table = pa.table({"text": docs})
     if fmt == "parquet":
         import pyarrow.parquet as pq
+
         half = len(docs) // 2
         pq.write_table(table.slice(0, half), base + "-0.parquet")
         pq.write_table(table.slice(half), base + "-1.parquet")
         return [base + "-*.parquet"]
     import datasets
+
     datasets.disable_progress_bars()
     datasets.Dataset(table).save_to_disk(base + "_hf", num_shards=2)
     return [base + "_hf"]
 
 
-def bench_memory(tmp: str, model: str | None, chunk_rows: int, doc_bytes: int, workers: int,
-                 scales: list[int]) -> None:
+def bench_memory(tmp: str, model: str | None, chunk_rows: int, doc_bytes: int, workers: int, scales: list[int]) -> None:
     docs = _memory_corpus(max(scales) * chunk_rows, doc_bytes)
     if model is None:
         with open(os.path.join(tmp, "tok.jsonl"), "w", encoding="utf-8") as f:
@@ -117,15 +123,31 @@ def bench_memory(tmp: str, model: str | None, chunk_rows: int, doc_bytes: int, w
         for k in scales:
             n = k * chunk_rows
             inputs = _write_format(fmt, docs[:n], os.path.join(tmp, f"mem{fmt}{n}"))
-            out = subprocess.run([sys.executable, "-m", __spec__.name, "--_measure", model,
-                                  os.path.join(tmp, f"memout{n}"), str(chunk_rows), str(workers), *inputs],
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    __spec__.name,
+                    "--_measure",
+                    model,
+                    os.path.join(tmp, f"memout{n}"),
+                    str(chunk_rows),
+                    str(workers),
+                    *inputs,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             r = json.loads(out.strip().splitlines()[-1])
             parts.append((k, n, r["rss_mb"], r["tokens"]))
-        print(f"peak RSS preprocessing {fmt} (--chunk-rows {chunk_rows}, {doc_bytes}-byte docs, workers={workers}): "
-              + "; ".join(f"{k}x ({n} docs, {n * doc_bytes / 1e6:.1f} MB text, {t} tokens) {rss:.1f} MB"
-                          for k, n, rss, t in parts)
-              + f"; {parts[-1][0]}x - {parts[0][0]}x = {parts[-1][2] - parts[0][2]:+.1f} MB")
+        print(
+            f"peak RSS preprocessing {fmt} (--chunk-rows {chunk_rows}, {doc_bytes}-byte docs, workers={workers}): "
+            + "; ".join(
+                f"{k}x ({n} docs, {n * doc_bytes / 1e6:.1f} MB text, {t} tokens) {rss:.1f} MB" for k, n, rss, t in parts
+            )
+            + f"; {parts[-1][0]}x - {parts[0][0]}x = {parts[-1][2] - parts[0][2]:+.1f} MB"
+        )
 
 
 def _peak_rss_mb() -> float:
@@ -140,8 +162,9 @@ def _peak_rss_mb() -> float:
 
 def _measure(model: str, prefix: str, chunk_rows: str, workers: str, *inputs: str) -> None:
     """One preprocessing run in this process; prints its peak RSS (MB) as a JSON line."""
-    s = preprocess(list(inputs), ["text"], model, prefix, True, int(workers), progress=False,
-                   chunk_rows=int(chunk_rows))
+    s = preprocess(
+        list(inputs), ["text"], model, prefix, True, int(workers), progress=False, chunk_rows=int(chunk_rows)
+    )
     print(json.dumps({"rss_mb": _peak_rss_mb(), "tokens": s["tokens"]}))
 
 
@@ -158,16 +181,20 @@ def synthetic_dataset(prefix: str, tokens: int, seed: int = 0) -> IndexedDataset
 def bench_indices(tmp: str, tokens: int, seq_length: int = 2048) -> None:
     t = time.monotonic()
     ds = synthetic_dataset(os.path.join(tmp, "synthetic"), tokens)
-    print(f"synthetic dataset: {ds.num_documents} documents, {ds.num_tokens} tokens "
-          f"(written in {time.monotonic() - t:.2f} s)")
+    print(
+        f"synthetic dataset: {ds.num_documents} documents, {ds.num_tokens} tokens "
+        f"(written in {time.monotonic() - t:.2f} s)"
+    )
     for epochs in (1, 3):
         n = epochs * ds.num_tokens // seq_length - 1
         cache = os.path.join(tmp, f"cache{epochs}")
         for label, cache_dir in (("no cache", None), ("build + write cache", cache), ("cache hit", cache)):
             t = time.monotonic()
             g = GPTDataset(ds, (0, ds.num_documents), seq_length, n, seed=1234, cache_dir=cache_dir)
-            print(f"indices for {epochs} epoch(s), {n} samples of {seq_length + 1} tokens, {label}: "
-                  f"{time.monotonic() - t:.2f} s")
+            print(
+                f"indices for {epochs} epoch(s), {n} samples of {seq_length + 1} tokens, {label}: "
+                f"{time.monotonic() - t:.2f} s"
+            )
         idx = np.random.default_rng(0).integers(0, n, 2000)
         t = time.monotonic()
         for i in idx:
@@ -182,8 +209,12 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--max-docs", type=int, default=None, help="only the first N corpus documents")
     p.add_argument("--tokenizer-model", default=None, help="skip tokenizer training, use this model")
-    p.add_argument("--tokens", type=int, default=None, help="synthetic dataset size (default 100M; "
-                   "with --memory no index benchmark unless given)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="synthetic dataset size (default 100M; with --memory no index benchmark unless given)",
+    )
     p.add_argument("--memory", action="store_true", help="peak RSS for a 1x and a 20x chunk corpus")
     p.add_argument("--chunk-rows", type=int, default=256, help="--memory: preprocess's --chunk-rows")
     p.add_argument("--doc-bytes", type=int, default=4096, help="--memory: characters per document")
@@ -193,8 +224,9 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.memory:
-            bench_memory(tmp, args.tokenizer_model, args.chunk_rows, args.doc_bytes, args.workers[0],
-                         sorted(args.scales))
+            bench_memory(
+                tmp, args.tokenizer_model, args.chunk_rows, args.doc_bytes, args.workers[0], sorted(args.scales)
+            )
             if args.tokens is None:
                 return
         elif not args.skip_preprocess:

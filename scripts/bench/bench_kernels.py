@@ -23,6 +23,7 @@ Output (one line each; ``scripts/gpu_check.sh`` parses the first)::
 
     python -m scripts.bench.bench_kernels --device cuda --dtype bf16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,7 @@ def matmul_peak(n: int, dtype: torch.dtype, device: torch.device, iters: int) ->
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     best = min(time_ms(lambda: a @ b, device, 1, warmup=2 if i == 0 else 0) for i in range(iters))
-    return best, 2 * n ** 3 / (best * 1e-3) / 1e12
+    return best, 2 * n**3 / (best * 1e-3) / 1e12
 
 
 def _fwd_bwd(fn, *inputs):
@@ -77,8 +78,7 @@ def check_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     err = (got.float() - want.float()).abs().max().item()
     tol = TOLERANCE[want.dtype] * max(1.0, want.float().abs().max().item())
     if not err <= tol:
-        raise ValueError(f"kernel {name}: fused output differs from the reference by {err:.3g} "
-                         f"(tolerance {tol:.3g})")
+        raise ValueError(f"kernel {name}: fused output differs from the reference by {err:.3g} (tolerance {tol:.3g})")
 
 
 def _norm_cases(tokens: int, hidden: int, dtype, device, backend: str) -> dict:
@@ -89,42 +89,58 @@ def _norm_cases(tokens: int, hidden: int, dtype, device, backend: str) -> dict:
     b = torch.randn(hidden, device=device, requires_grad=True)
     eps = 1e-5
     return {
-        "layer_norm": (lambda: _fwd_bwd(norm.layer_norm_reference, x, w, b, eps),
-                       lambda: _fwd_bwd(lambda *a: norm.layer_norm_backend(*a, backend), x, w, b, eps),
-                       f"[{tokens}, {hidden}]", "fwd+bwd"),
-        "rms_norm": (lambda: _fwd_bwd(norm.rms_norm_reference, x, w, eps),
-                     lambda: _fwd_bwd(lambda *a: norm.rms_norm_backend(*a, backend), x, w, eps),
-                     f"[{tokens}, {hidden}]", "fwd+bwd")}
+        "layer_norm": (
+            lambda: _fwd_bwd(norm.layer_norm_reference, x, w, b, eps),
+            lambda: _fwd_bwd(lambda *a: norm.layer_norm_backend(*a, backend), x, w, b, eps),
+            f"[{tokens}, {hidden}]",
+            "fwd+bwd",
+        ),
+        "rms_norm": (
+            lambda: _fwd_bwd(norm.rms_norm_reference, x, w, eps),
+            lambda: _fwd_bwd(lambda *a: norm.rms_norm_backend(*a, backend), x, w, eps),
+            f"[{tokens}, {hidden}]",
+            "fwd+bwd",
+        ),
+    }
 
 
 def _adam_case(numel: int, device, backend: str) -> dict:
     from megazero.ops.adam import adam_step
 
     g = torch.randn(numel, device=device)
-    states = {k: [torch.randn(numel, device=device), torch.zeros(numel, device=device),
-                  torch.zeros(numel, device=device)] for k in ("reference", backend)}
+    states = {
+        k: [torch.randn(numel, device=device), torch.zeros(numel, device=device), torch.zeros(numel, device=device)]
+        for k in ("reference", backend)
+    }
 
     def run(kind):
         p, m, v = states[kind]
-        adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
-                  weight_decay=0.1, backend=kind)
+        adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, backend=kind)
         return p
+
     states[backend][0].copy_(states["reference"][0])
     return {"adam": (lambda: run("reference"), lambda: run(backend), f"[{numel}] fp32", "step")}
 
 
 def _attention_case(batch: int, heads: int, seq: int, head_dim: int, dtype, device) -> dict:
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3)
+    )
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1)
 
     def explicit(q, k, v):
-        s = (q @ k.transpose(-2, -1)).float() / math.sqrt(head_dim)    # (B, heads, T, T)
+        s = (q @ k.transpose(-2, -1)).float() / math.sqrt(head_dim)  # (B, heads, T, T)
         return (s.masked_fill(mask, float("-inf")).softmax(-1).to(v.dtype)) @ v
 
-    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    return {"attention": (lambda: _fwd_bwd(explicit, q, k, v), lambda: _fwd_bwd(sdpa, q, k, v),
-                          f"[{batch}, {heads}, {seq}, {head_dim}]", "fwd+bwd")}
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return {
+        "attention": (
+            lambda: _fwd_bwd(explicit, q, k, v),
+            lambda: _fwd_bwd(sdpa, q, k, v),
+            f"[{batch}, {heads}, {seq}, {head_dim}]",
+            "fwd+bwd",
+        )
+    }
 
 
 def run(args) -> list[str]:
@@ -137,15 +153,18 @@ def run(args) -> list[str]:
     lines = [f"matmul peak {args.dtype}: n {args.matmul}, {ms:.3f} ms, {tflops:.1f} TFLOP/s"]
     cases = _norm_cases(args.tokens, args.hidden, dtype, device, backend)
     cases.update(_adam_case(args.adam_numel, device, backend))
-    cases.update(_attention_case(args.tokens // args.seq, args.heads, args.seq,
-                                 args.hidden // args.heads, dtype, device))
+    cases.update(
+        _attention_case(args.tokens // args.seq, args.heads, args.seq, args.hidden // args.heads, dtype, device)
+    )
     for name, (reference, fused, shape, what) in cases.items():
         check_close(name, fused(), reference())
         t_ref, t_fused = time_ms(reference, device, args.iters), time_ms(fused, device, args.iters)
         label = "sdpa" if name == "attention" else backend
         dt = "" if name == "adam" else f" {args.dtype}"
-        lines.append(f"kernel {name} {shape}{dt} {what}: reference {t_ref:.3f} ms, {label} "
-                     f"{t_fused:.3f} ms, speed-up {t_ref / t_fused:.2f}x")
+        lines.append(
+            f"kernel {name} {shape}{dt} {what}: reference {t_ref:.3f} ms, {label} "
+            f"{t_fused:.3f} ms, speed-up {t_ref / t_fused:.2f}x"
+        )
     return lines
 
 
@@ -158,12 +177,15 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=2048, help="attention sequence length")
-    ap.add_argument("--adam-numel", type=int, default=2 ** 26, help="elements of the Adam shard")
+    ap.add_argument("--adam-numel", type=int, default=2**26, help="elements of the Adam shard")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
     if args.tokens % args.seq or args.hidden % args.heads:
-        print(f"error: --tokens ({args.tokens}) must be a multiple of --seq ({args.seq}) and "
-              f"--hidden ({args.hidden}) of --heads ({args.heads})", file=sys.stderr)
+        print(
+            f"error: --tokens ({args.tokens}) must be a multiple of --seq ({args.seq}) and "
+            f"--hidden ({args.hidden}) of --heads ({args.heads})",
+            file=sys.stderr,
+        )
         return 2
     print("\n".join(run(args)))
     return 0

@@ -10,6 +10,7 @@ the first steps. ``--profile`` prints torch.profiler's table of the MoE step's t
 
     python -m scripts.bench.bench_moe [--steps 10] [--hidden-size 256] [--num-experts 8] ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,21 +54,64 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--expert-ffn", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)",
+    )
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of one MoE step")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     steps = a.steps + a.warmup
-    base = ["--mock-data", "--vocab-size", str(a.vocab_size), "--hidden-size", str(a.hidden_size),
-            "--num-layers", str(a.num_layers), "--num-attention-heads", "4", "--seq-length", str(a.seq_length),
-            "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.global_batch_size),
-            "--train-iters", str(steps), "--lr", "1e-4", "--min-lr", "1e-5", "--eval-iters", "0", "--device", "cpu",
-            "--hidden-dropout", "0", "--attention-dropout", "0"]
-    runs = {"dense": _trainer(base, ["--ffn-hidden-size", str(a.topk * a.expert_ffn)]),
-            "moe": _trainer(base, ["--num-experts", str(a.num_experts), "--moe-router-topk", str(a.topk),
-                                   "--moe-ffn-hidden-size", str(a.expert_ffn), "--moe-aux-loss-coeff", "1e-2"])}
+    base = [
+        "--mock-data",
+        "--vocab-size",
+        str(a.vocab_size),
+        "--hidden-size",
+        str(a.hidden_size),
+        "--num-layers",
+        str(a.num_layers),
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        str(a.seq_length),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--global-batch-size",
+        str(a.global_batch_size),
+        "--train-iters",
+        str(steps),
+        "--lr",
+        "1e-4",
+        "--min-lr",
+        "1e-5",
+        "--eval-iters",
+        "0",
+        "--device",
+        "cpu",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+    ]
+    runs = {
+        "dense": _trainer(base, ["--ffn-hidden-size", str(a.topk * a.expert_ffn)]),
+        "moe": _trainer(
+            base,
+            [
+                "--num-experts",
+                str(a.num_experts),
+                "--moe-router-topk",
+                str(a.topk),
+                "--moe-ffn-hidden-size",
+                str(a.expert_ffn),
+                "--moe-aux-loss-coeff",
+                "1e-2",
+            ],
+        ),
+    }
     times, peaks = {k: [] for k in runs}, []
     clock = time.perf_counter if a.clock == "wall" else time.process_time
     for step in range(steps):
@@ -78,13 +122,17 @@ def main() -> None:
             trainer.train_step(batches)
             if step >= a.warmup:
                 times[name].append(clock() - t0)
-        peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)   # KiB -> GiB
+        peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB -> GiB
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"hidden {a.hidden_size}, {a.num_layers} layers, seq {a.seq_length}, micro-batch {a.micro_batch_size}, "
-          f"global batch {a.global_batch_size}; {a.num_experts} experts of {a.expert_ffn} top-{a.topk} against a "
-          f"dense MLP of {a.topk * a.expert_ffn}; torch threads {torch.get_num_threads()}; {a.clock} clock")
-    print(f"median step  dense: {med['dense'] * 1e3:.1f} ms  moe: {med['moe'] * 1e3:.1f} ms  "
-          f"ratio {med['moe'] / med['dense']:.2f}")
+    print(
+        f"hidden {a.hidden_size}, {a.num_layers} layers, seq {a.seq_length}, micro-batch {a.micro_batch_size}, "
+        f"global batch {a.global_batch_size}; {a.num_experts} experts of {a.expert_ffn} top-{a.topk} against a "
+        f"dense MLP of {a.topk * a.expert_ffn}; torch threads {torch.get_num_threads()}; {a.clock} clock"
+    )
+    print(
+        f"median step  dense: {med['dense'] * 1e3:.1f} ms  moe: {med['moe'] * 1e3:.1f} ms  "
+        f"ratio {med['moe'] / med['dense']:.2f}"
+    )
     print("peak RSS after each step (GiB, both runs): " + " ".join(f"{p:.3f}" for p in peaks))
     dense_mlp = next(m for m in runs["dense"][0].chunks[0].modules() if isinstance(m, MLP))
     moe_mlp = next(m for m in runs["moe"][0].chunks[0].modules() if isinstance(m, MoEMLP))

@@ -13,6 +13,7 @@ parameter one ulp apart) or the offloaded run's device bytes are not below the p
 
     python -m scripts.bench.bench_offload [--device cuda] [--stage 2] [--steps 6] [--bf16] ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ from megazero.optim.offload import offload_formula_bytes
 from megazero.optim.zero import zero_formula_bytes
 from megazero.training import build_trainer
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def _sync(device: torch.device) -> None:
@@ -60,8 +61,9 @@ def run(argv: list, steps: int, device: torch.device) -> dict:
         formula = {"device": zero_formula_bytes(padded, 1, cfg.zero.stage, p, g), "host": 0}
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     buckets = opt.model_state_bytes()["buckets"]
-    return dict(losses=losses, times=times, place=opt.bytes_by_place(), formula=formula,
-                buckets=buckets, peak=peak, psi=padded)
+    return dict(
+        losses=losses, times=times, place=opt.bytes_by_place(), formula=formula, buckets=buckets, peak=peak, psi=padded
+    )
 
 
 def main() -> int:
@@ -75,25 +77,51 @@ def main() -> int:
     ap.add_argument("--bf16", action="store_true")
     a = ap.parse_args()
     device = torch.device(a.device)
-    base = ["--mock-data", "--vocab-size", "6400", "--hidden-size", str(a.hidden_size),
-            "--num-layers", str(a.num_layers), "--num-attention-heads", "8", "--seq-length", str(a.seq_length),
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(a.steps),
-            "--eval-iters", "0", "--zero-stage", str(a.stage), "--device", device.type, "--lr", "1e-3"]
+    base = [
+        "--mock-data",
+        "--vocab-size",
+        "6400",
+        "--hidden-size",
+        str(a.hidden_size),
+        "--num-layers",
+        str(a.num_layers),
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        str(a.seq_length),
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        str(a.steps),
+        "--eval-iters",
+        "0",
+        "--zero-stage",
+        str(a.stage),
+        "--device",
+        device.type,
+        "--lr",
+        "1e-3",
+    ]
     base += ["--bf16"] if a.bf16 else []
     plain = run(base, a.steps, device)
     off = run(base + ["--offload-optimizer", "cpu"], a.steps, device)
-    print(f"ZeRO-{a.stage} on {device}, Psi={plain['psi']:,} (padded), {a.steps} steps, "
-          f"{'bf16' if a.bf16 else 'fp32'}")
-    print(f"{'run':>10} {'device MiB':>11} {'(formula)':>10} {'host MiB':>9} {'(formula)':>10} "
-          f"{'peak dev MiB':>13} {'step ms':>8}")
+    print(f"ZeRO-{a.stage} on {device}, Psi={plain['psi']:,} (padded), {a.steps} steps, {'bf16' if a.bf16 else 'fp32'}")
+    print(
+        f"{'run':>10} {'device MiB':>11} {'(formula)':>10} {'host MiB':>9} {'(formula)':>10} "
+        f"{'peak dev MiB':>13} {'step ms':>8}"
+    )
     for name, r in (("plain", plain), ("offload", off)):
         dev = (r["place"]["device"] - r["buckets"]) / MIB
         peak = "n/a" if r["peak"] is None else f"{r['peak'] / MIB:.1f}"
-        print(f"{name:>10} {dev:>11.2f} {r['formula']['device'] / MIB:>10.2f} {r['place']['host'] / MIB:>9.2f} "
-              f"{r['formula']['host'] / MIB:>10.2f} {peak:>13} {1e3 * statistics.median(r['times'][1:]):>8.1f}")
+        print(
+            f"{name:>10} {dev:>11.2f} {r['formula']['device'] / MIB:>10.2f} {r['place']['host'] / MIB:>9.2f} "
+            f"{r['formula']['host'] / MIB:>10.2f} {peak:>13} {1e3 * statistics.median(r['times'][1:]):>8.1f}"
+        )
     diff = max(abs(x - y) / abs(y) for x, y in zip(off["losses"], plain["losses"]))
     print(f"largest relative loss difference offload vs plain: {diff:.2e}")
-    tol = 2e-2 if a.bf16 else 1e-5   # bf16: a one-ulp difference of a cast parameter shows
+    tol = 2e-2 if a.bf16 else 1e-5  # bf16: a one-ulp difference of a cast parameter shows
     ok = diff <= tol and off["place"]["device"] < plain["place"]["device"]
     print(f"{'ok' if ok else 'FAILED'}: tolerance {tol:g}, device bytes lower with offload")
     return 0 if ok else 1

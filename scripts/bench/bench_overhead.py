@@ -23,6 +23,7 @@ MiB of faults per step). ``--allocator system`` measures with the defaults.
 
     python -m scripts.bench.bench_overhead [--steps 30] [--allocator keep|system] [--hidden-size 256] ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,7 @@ def sdpa_attention(block, x: torch.Tensor, positions=None, hidden=None) -> torch
     return block.proj(y.transpose(1, 2).reshape(B, T, H))  # (B, heads, T, hd) -> (B, T, H)
 
 
-TOP_PAD = 1 << 30   # bytes: glibc's M_TOP_PAD for --allocator keep
+TOP_PAD = 1 << 30  # bytes: glibc's M_TOP_PAD for --allocator keep
 
 
 def keep_freed_memory() -> bool:
@@ -71,7 +72,7 @@ def keep_freed_memory() -> bool:
         mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError, TypeError):
         return False
-    M_TOP_PAD = -2   # glibc <malloc.h>
+    M_TOP_PAD = -2  # glibc <malloc.h>
     return mallopt(M_TOP_PAD, TOP_PAD) == 1
 
 
@@ -89,26 +90,64 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-4, help="constant learning rate of both runs")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)")
-    ap.add_argument("--nudge", type=float, default=0.0,
-                    help="multiply the plain loop's gradients by (1 + nudge): the chaos floor of the comparison")
-    ap.add_argument("--allocator", choices=("keep", "system"), default="keep",
-                    help="keep: glibc keeps freed heap memory for reuse (M_TOP_PAD 1 GiB, as a caching "
-                         "allocator does; see keep_freed_memory); system: glibc's defaults, where page "
-                         "faults of memory returned to the kernel and touched again weigh on both loops")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)",
+    )
+    ap.add_argument(
+        "--nudge",
+        type=float,
+        default=0.0,
+        help="multiply the plain loop's gradients by (1 + nudge): the chaos floor of the comparison",
+    )
+    ap.add_argument(
+        "--allocator",
+        choices=("keep", "system"),
+        default="keep",
+        help="keep: glibc keeps freed heap memory for reuse (M_TOP_PAD 1 GiB, as a caching "
+        "allocator does; see keep_freed_memory); system: glibc's defaults, where page "
+        "faults of memory returned to the kernel and touched again weigh on both loops",
+    )
     a = ap.parse_args(argv)
     allocator = "glibc defaults"
     if a.allocator == "keep":
-        allocator = "freed heap memory kept (M_TOP_PAD 1 GiB)" if keep_freed_memory() else \
-            "glibc defaults (no mallopt here)"
+        allocator = (
+            "freed heap memory kept (M_TOP_PAD 1 GiB)" if keep_freed_memory() else "glibc defaults (no mallopt here)"
+        )
     steps = a.steps + a.warmup
-    argv = ["--mock-data", "--vocab-size", str(a.vocab_size), "--hidden-size", str(a.hidden_size),
-            "--num-layers", str(a.num_layers), "--num-attention-heads", str(a.num_attention_heads),
-            "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
-            "--train-iters", str(steps), "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
-            "--lr", str(a.lr), "--min-lr", str(a.lr),
-            "--clip-grad", "1.0", "--eval-iters", "0", "--device", "cpu"]
+    argv = [
+        "--mock-data",
+        "--vocab-size",
+        str(a.vocab_size),
+        "--hidden-size",
+        str(a.hidden_size),
+        "--num-layers",
+        str(a.num_layers),
+        "--num-attention-heads",
+        str(a.num_attention_heads),
+        "--seq-length",
+        str(a.seq_length),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--train-iters",
+        str(steps),
+        "--lr-decay-style",
+        "constant",
+        "--lr-warmup-iters",
+        "0",
+        "--lr",
+        str(a.lr),
+        "--min-lr",
+        str(a.lr),
+        "--clip-grad",
+        "1.0",
+        "--eval-iters",
+        "0",
+        "--device",
+        "cpu",
+    ]
     trainer = build_trainer(argv, 1)
     cfg, train_ds, vocab = trainer.cfg, trainer.data.train, trainer.data.vocab_size
 
@@ -118,9 +157,15 @@ def main(argv=None) -> dict:
         block.attention = types.MethodType(sdpa_attention, block)
     params = list(ref.parameters())
     o = cfg.optim
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+    )
 
     clock = time.perf_counter if a.clock == "wall" else time.process_time
     gbs = cfg.train.global_batch_size
@@ -147,15 +192,18 @@ def main(argv=None) -> dict:
             times["megazero"].append(t1 - t0)
             times["plain"].append(t2 - t1)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"model: {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch "
-          f"{a.micro_batch_size}, vocab {vocab}; {a.steps} timed steps each, alternating; "
-          f"torch threads {torch.get_num_threads()}; {a.clock} clock; allocator: {allocator}")
-    print(f"median step time  megazero: {med['megazero'] * 1e3:.1f} ms   plain PyTorch: "
-          f"{med['plain'] * 1e3:.1f} ms")
+    print(
+        f"model: {a.num_layers} layers, hidden {a.hidden_size}, seq {a.seq_length}, micro-batch "
+        f"{a.micro_batch_size}, vocab {vocab}; {a.steps} timed steps each, alternating; "
+        f"torch threads {torch.get_num_threads()}; {a.clock} clock; allocator: {allocator}"
+    )
+    print(f"median step time  megazero: {med['megazero'] * 1e3:.1f} ms   plain PyTorch: {med['plain'] * 1e3:.1f} ms")
     print(f"ratio megazero / plain: {med['megazero'] / med['plain']:.3f}  (target <= 1.02)")
     diffs = [abs(x - y) / abs(y) for x, y in zip(losses["megazero"], losses["plain"])]
-    print(f"relative loss difference at step 1 (same weights and batch): {diffs[0]:.2e}; largest over "
-          f"{steps} steps at --lr {a.lr:g}{f' with --nudge {a.nudge:g}' if a.nudge else ''}: {max(diffs):.2e}")
+    print(
+        f"relative loss difference at step 1 (same weights and batch): {diffs[0]:.2e}; largest over "
+        f"{steps} steps at --lr {a.lr:g}{f' with --nudge {a.nudge:g}' if a.nudge else ''}: {max(diffs):.2e}"
+    )
     return {"ratio": med["megazero"] / med["plain"], "loss_diffs": diffs, "allocator": allocator}
 
 

@@ -51,6 +51,7 @@ glibc's defaults.
 
     python -m scripts.bench.bench_peers --rounds 5 --steps 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,26 +63,50 @@ import time
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
-OVERLAP_PAIRS = (("megazero-zero1", "megazero-zero1-sync-gather"),
-                 ("megazero-zero2", "megazero-zero2-sync-gather"))
-PAIRS = (("megazero-zero0", "ddp"), ("megazero-zero0", "deepspeed-zero0"),
-         ("megazero-zero1", "zero-redundancy-optimizer"), ("megazero-zero1", "deepspeed-zero1"),
-         ("megazero-zero2", "fsdp2"), ("megazero-zero2", "deepspeed-zero2"),
-         ("megazero-tp2", "megatron-core-tp2"))
-DP_SYSTEMS = ("floor", "megazero-zero0", "ddp", "deepspeed-zero0", "megazero-zero1",
-              "zero-redundancy-optimizer", "deepspeed-zero1", "megazero-zero2", "fsdp2",
-              "deepspeed-zero2")
+OVERLAP_PAIRS = (("megazero-zero1", "megazero-zero1-sync-gather"), ("megazero-zero2", "megazero-zero2-sync-gather"))
+PAIRS = (
+    ("megazero-zero0", "ddp"),
+    ("megazero-zero0", "deepspeed-zero0"),
+    ("megazero-zero1", "zero-redundancy-optimizer"),
+    ("megazero-zero1", "deepspeed-zero1"),
+    ("megazero-zero2", "fsdp2"),
+    ("megazero-zero2", "deepspeed-zero2"),
+    ("megazero-tp2", "megatron-core-tp2"),
+)
+DP_SYSTEMS = (
+    "floor",
+    "megazero-zero0",
+    "ddp",
+    "deepspeed-zero0",
+    "megazero-zero1",
+    "zero-redundancy-optimizer",
+    "deepspeed-zero1",
+    "megazero-zero2",
+    "fsdp2",
+    "deepspeed-zero2",
+)
 TP_SYSTEMS = ("megazero-tp2", "megatron-core-tp2")
-OPTIONAL = {"deepspeed-zero0": "deepspeed", "deepspeed-zero1": "deepspeed",
-            "deepspeed-zero2": "deepspeed", "megatron-core-tp2": "megatron-core"}
+OPTIONAL = {
+    "deepspeed-zero0": "deepspeed",
+    "deepspeed-zero1": "deepspeed",
+    "deepspeed-zero2": "deepspeed",
+    "megatron-core-tp2": "megatron-core",
+}
 
 
 def peer_gpt_config(args):
     from model.config import GPTConfig
 
-    return GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden_size=args.hidden,
-                     num_attention_heads=args.heads, seq_length=args.seq, hidden_dropout=0.0,
-                     attention_dropout=0.0, make_vocab_size_divisible_by=8)
+    return GPTConfig(
+        vocab_size=args.vocab,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.seq,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        make_vocab_size_divisible_by=8,
+    )
 
 
 def peer_model(args, groups):
@@ -104,9 +129,16 @@ def bucket_size(args) -> int:
 
 def tp_args(args) -> argparse.Namespace:
     """The tensor-parallel pair's sizes (``--tp-*``) under the names the runners read."""
-    return argparse.Namespace(layers=args.tp_layers, hidden=args.tp_hidden, heads=args.tp_heads,
-                              seq=args.tp_seq, vocab=args.vocab, micro=args.tp_micro,
-                              accum=args.tp_accum, bucket_size=getattr(args, "bucket_size", None))
+    return argparse.Namespace(
+        layers=args.tp_layers,
+        hidden=args.tp_hidden,
+        heads=args.tp_heads,
+        seq=args.tp_seq,
+        vocab=args.vocab,
+        micro=args.tp_micro,
+        accum=args.tp_accum,
+        bucket_size=getattr(args, "bucket_size", None),
+    )
 
 
 def systems_to_run(args) -> tuple[list, list]:
@@ -134,14 +166,19 @@ def _megazero(args, groups, stage, overlap_param_gather=None):
     from megazero.optim.zero import DistributedOptimizer
 
     model = peer_model(args, groups)
-    ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=bucket_size(args),
-                       overlap_comm=True)
-    opt = DistributedOptimizer(ddp, groups, lr=ADAMW["lr"], beta1=ADAMW["betas"][0],
-                               beta2=ADAMW["betas"][1], eps=ADAMW["eps"],
-                               weight_decay=ADAMW["weight_decay"], clip_grad=CLIP,
-                               allgather_bucket_size=bucket_size(args),
-                               overlap_param_gather=(stage in (1, 2) if overlap_param_gather is None
-                                                     else overlap_param_gather))
+    ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=bucket_size(args), overlap_comm=True)
+    opt = DistributedOptimizer(
+        ddp,
+        groups,
+        lr=ADAMW["lr"],
+        beta1=ADAMW["betas"][0],
+        beta2=ADAMW["betas"][1],
+        eps=ADAMW["eps"],
+        weight_decay=ADAMW["weight_decay"],
+        clip_grad=CLIP,
+        allgather_bucket_size=bucket_size(args),
+        overlap_param_gather=(stage in (1, 2) if overlap_param_gather is None else overlap_param_gather),
+    )
 
     def step(micro):
         ddp.zero_grad()
@@ -155,9 +192,10 @@ def _megazero(args, groups, stage, overlap_param_gather=None):
         return total
 
     def state():
-        opt.wait_param_gather()   # nothing left in flight when the ranks compare or exit
+        opt.wait_param_gather()  # nothing left in flight when the ranks compare or exit
         s = opt.model_state_bytes()
         return s["total"] - s["buckets"]
+
     return step, state
 
 
@@ -175,6 +213,7 @@ def _floor(args, groups):
             loss.backward()
             total += loss.item()
         return total
+
     return step, lambda: sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -195,7 +234,7 @@ def _peer(args, groups, kind):
             fully_shard(layer)
         wrapped = fully_shard(model)
     else:
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_size(args) * 4 / 2 ** 20)
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=bucket_size(args) * 4 / 2**20)
     if kind == "zero-redundancy-optimizer":
         # ZeroRedundancyOptimizer takes one group at construction, the second by add_param_group
         decay, rest = adamw_groups(wrapped.parameters(), ADAMW["weight_decay"])
@@ -229,17 +268,25 @@ def _peer(args, groups, kind):
         tensors = [local(p) for p in model.parameters()]
         tensors += [local(p.grad) for p in model.parameters() if p.grad is not None]
         inner = opt.optim if kind == "zero-redundancy-optimizer" else opt
-        tensors += [local(v) for s in inner.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.numel() > 1]
+        tensors += [
+            local(v) for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
+
     return step, state
 
 
 #: torch.distributed function -> (kind, payload: the first tensor argument, or the last).
-COLLECTIVES = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0), "reduce": ("reduce", 0),
-               "all_gather": ("all_gather", -1), "all_gather_into_tensor": ("all_gather", -1),
-               "all_gather_single": ("all_gather", -1), "reduce_scatter_tensor": ("reduce_scatter", -1),
-               "reduce_scatter_single": ("reduce_scatter", -1)}
+COLLECTIVES = {
+    "all_reduce": ("all_reduce", 0),
+    "broadcast": ("broadcast", 0),
+    "reduce": ("reduce", 0),
+    "all_gather": ("all_gather", -1),
+    "all_gather_into_tensor": ("all_gather", -1),
+    "all_gather_single": ("all_gather", -1),
+    "reduce_scatter_tensor": ("reduce_scatter", -1),
+    "reduce_scatter_single": ("reduce_scatter", -1),
+}
 
 
 @contextlib.contextmanager
@@ -260,7 +307,9 @@ def count_collectives(out: dict):
             calls_bytes[0] += 1
             calls_bytes[1] += tensors[which].numel() * tensors[which].element_size()
             return fn(*a, **k)
+
         return counted
+
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
     bound = {"ALL_GATHER_OP": C.ALL_GATHER_OP, "REDUCE_SCATTER_OP": C.REDUCE_SCATTER_OP}
     try:
@@ -287,11 +336,12 @@ def _system(name, args, dp_groups, tp_groups):
         return _megazero(tp_args(args), tp_groups, 0)
     if name.startswith("deepspeed-zero"):
         from scripts.bench.bench_peers_optional import deepspeed_system
-        return deepspeed_system(args, peer_model(args, dp_groups), int(name[-1]), ADAMW, CLIP,
-                                bucket_size(args))
+
+        return deepspeed_system(args, peer_model(args, dp_groups), int(name[-1]), ADAMW, CLIP, bucket_size(args))
     if name == "megatron-core-tp2":
         from model.spec import init_full_weights
         from scripts.bench.bench_peers_optional import megatron_core_system
+
         cfg = peer_gpt_config(tp_args(args))
         full = init_full_weights(cfg, 1234, tp_groups.tp_size)
         return megatron_core_system(tp_args(args), cfg, full, ADAMW, CLIP)
@@ -317,7 +367,7 @@ def run_rank(rank: int, world: int, args, names) -> dict:
     from megazero.topology import Topology
     from scripts.bench.bench_overhead import keep_freed_memory
 
-    if args.allocator == "keep":   # every system on a caching allocator's footing (bench_overhead)
+    if args.allocator == "keep":  # every system on a caching allocator's footing (bench_overhead)
         keep_freed_memory()
     dp_groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
     tp_groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1)) if args.tp_layers else None
@@ -347,7 +397,7 @@ def run_rank(rank: int, world: int, args, names) -> dict:
     for name in names:  # one more step, its collectives counted
         with count_collectives(out[name]["comm"]):
             systems[name][0](batches["tp" if name in TP_SYSTEMS else "dp"][0])
-            systems[name][1]()   # waits for what the step left in flight
+            systems[name][1]()  # waits for what the step left in flight
     return out
 
 
@@ -357,8 +407,10 @@ def tp_theory(a) -> str:
     layer (2 forward, 2 backward), the embedding's and the LM head's input gradient's; the
     vocabulary-parallel cross-entropy's few ``[B, T]`` ones come on top."""
     calls = a.accum * (4 * a.layers + 2)
-    return (f"theory tp (Megatron): {calls} all-reduces of [{a.micro}, {a.seq}, {a.hidden}] fp32 = "
-            f"{calls * 4 * a.micro * a.seq * a.hidden / 1e6:.2f} MB, + cross-entropy [B, T] sums/max")
+    return (
+        f"theory tp (Megatron): {calls} all-reduces of [{a.micro}, {a.seq}, {a.hidden}] fp32 = "
+        f"{calls * 4 * a.micro * a.seq * a.hidden / 1e6:.2f} MB, + cross-entropy [B, T] sums/max"
+    )
 
 
 def _comm(counts: dict) -> str:
@@ -370,17 +422,22 @@ def report(res: list, names: list, args=None) -> list[str]:
     ours/peer: R`` lines (one per pair whose both systems ran) from ``run_rank``'s results;
     ``args`` adds the tensor-parallel theory line."""
     r0 = res[0]
-    lines = ["| system | median ms/step | per-round medians min-max | median CPU ms/step | "
-             "model-state MiB per rank (max) | loss after the last step |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| system | median ms/step | per-round medians min-max | median CPU ms/step | "
+        "model-state MiB per rank (max) | loss after the last step |",
+        "|---|---|---|---|---|---|",
+    ]
     med = {}
     for name in names:
         times = [t for rnd in r0[name]["times"] for t in rnd]
         rounds = [statistics.median(rnd) for rnd in r0[name]["times"]]
         med[name] = (statistics.median(times), rounds)
-        state = max(r[name]["state"] for r in res) / 2 ** 20
-        lines.append(f"| {name} | {1e3 * med[name][0]:.1f} | {1e3 * min(rounds):.1f}-"
-                     f"{1e3 * max(rounds):.1f} | {1e3 * statistics.median(r0[name]['cpu']):.1f} | "
-                     f"{state:.2f} | {r0[name]['loss']:.6f} |")
+        state = max(r[name]["state"] for r in res) / 2**20
+        lines.append(
+            f"| {name} | {1e3 * med[name][0]:.1f} | {1e3 * min(rounds):.1f}-"
+            f"{1e3 * max(rounds):.1f} | {1e3 * statistics.median(r0[name]['cpu']):.1f} | "
+            f"{state:.2f} | {r0[name]['loss']:.6f} |"
+        )
     for name in names:
         unseen = " (+ DDP's C++ reducer, not counted)" if name in ("ddp", "zero-redundancy-optimizer") else ""
         lines.append(f"collectives of one step, {name}: {_comm(r0[name]['comm']) or 'none'}{unseen}")
@@ -389,21 +446,25 @@ def report(res: list, names: list, args=None) -> list[str]:
     pairs = [(a, b) for a, b in PAIRS if a in med and b in med]
     for ours, peer in pairs:
         per_round = [a / b for a, b in zip(med[ours][1], med[peer][1])]
-        lines.append(f"per-round ratios {ours}/{peer}: " + ", ".join(f"{x:.3f}" for x in per_round)
-                     + f" (min {min(per_round):.3f}, max {max(per_round):.3f})")
+        lines.append(
+            f"per-round ratios {ours}/{peer}: "
+            + ", ".join(f"{x:.3f}" for x in per_round)
+            + f" (min {min(per_round):.3f}, max {max(per_round):.3f})"
+        )
     for ours, peer in pairs:
         a, b = r0[ours]["loss"], r0[peer]["loss"]
-        lines.append(f"loss {ours} {a:.6f} vs {peer} {b:.6f}: relative difference "
-                     f"{abs(a - b) / abs(b):.2e}")
+        lines.append(f"loss {ours} {a:.6f} vs {peer} {b:.6f}: relative difference {abs(a - b) / abs(b):.2e}")
     if "floor" in med:
         floor = med["floor"][0]
         for ours, peer in pairs:
             if peer in TP_SYSTEMS:
                 continue
-            lines.append(f"floor/{peer}: {floor / med[peer][0]:.2f} (the lowest {ours}/{peer} "
-                         f"any system could reach); overhead over the floor {ours} "
-                         f"{1e3 * (med[ours][0] - floor):.1f} ms vs {peer} "
-                         f"{1e3 * (med[peer][0] - floor):.1f} ms")
+            lines.append(
+                f"floor/{peer}: {floor / med[peer][0]:.2f} (the lowest {ours}/{peer} "
+                f"any system could reach); overhead over the floor {ours} "
+                f"{1e3 * (med[ours][0] - floor):.1f} ms vs {peer} "
+                f"{1e3 * (med[peer][0] - floor):.1f} ms"
+            )
     for ours, sync in OVERLAP_PAIRS:
         if ours in med and sync in med:
             lines.append(f"ratio {ours}/{sync}: {med[ours][0] / med[sync][0]:.2f}")
@@ -414,7 +475,7 @@ def report(res: list, names: list, args=None) -> list[str]:
         for ours, peer in pairs:
             if peer in TP_SYSTEMS:
                 continue
-            over = med[peer][0] - floor   # a noisy round can put a peer at the floor
+            over = med[peer][0] - floor  # a noisy round can put a peer at the floor
             value = f"{(med[ours][0] - floor) / over:.2f}" if over > 0 else "n/a (the peer's median is at the floor)"
             lines.append(f"overhead {ours}/{peer}: {value}")
     return lines
@@ -432,26 +493,43 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=1024, help="vocabulary of both models")
     ap.add_argument("--micro", type=int, default=4, help="micro-batch size per rank")
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per step")
-    ap.add_argument("--sync-param-gather", action="store_true",
-                    help="also run megazero ZeRO-1/2 with the parameter all-gather inside the step")
-    ap.add_argument("--bucket-size", type=int, default=None,
-                    help=f"gradient/all-gather bucket of every system, elements (default {DEFAULT_BUCKET}; "
-                         "DDP's bucket_cap_mb, DeepSpeed's reduce/allgather_bucket_size)")
+    ap.add_argument(
+        "--sync-param-gather",
+        action="store_true",
+        help="also run megazero ZeRO-1/2 with the parameter all-gather inside the step",
+    )
+    ap.add_argument(
+        "--bucket-size",
+        type=int,
+        default=None,
+        help=f"gradient/all-gather bucket of every system, elements (default {DEFAULT_BUCKET}; "
+        "DDP's bucket_cap_mb, DeepSpeed's reduce/allgather_bucket_size)",
+    )
     ap.add_argument("--tp-layers", type=int, default=8, help="tp pair's layers (0: no tp pair)")
     ap.add_argument("--tp-hidden", type=int, default=512)
     ap.add_argument("--tp-heads", type=int, default=8)
     ap.add_argument("--tp-seq", type=int, default=128)
     ap.add_argument("--tp-micro", type=int, default=8, help="tp pair's micro-batch size")
     ap.add_argument("--tp-accum", type=int, default=2, help="tp pair's micro-batches per step")
-    ap.add_argument("--no-optional-peers", dest="optional", action="store_false",
-                    help="skip DeepSpeed and Megatron-core even when they are installed")
-    ap.add_argument("--allocator", choices=("keep", "system"), default="keep",
-                    help="keep: glibc keeps freed heap memory in every rank (M_TOP_PAD 1 GiB, as a caching "
-                         "allocator does: scripts.bench.bench_overhead.keep_freed_memory); system: glibc's defaults")
+    ap.add_argument(
+        "--no-optional-peers",
+        dest="optional",
+        action="store_false",
+        help="skip DeepSpeed and Megatron-core even when they are installed",
+    )
+    ap.add_argument(
+        "--allocator",
+        choices=("keep", "system"),
+        default="keep",
+        help="keep: glibc keeps freed heap memory in every rank (M_TOP_PAD 1 GiB, as a caching "
+        "allocator does: scripts.bench.bench_overhead.keep_freed_memory); system: glibc's defaults",
+    )
     args = ap.parse_args(argv)
     if args.tp_layers and args.world != 2:
-        print(f"error: the tp pair runs at tp 2, got --world {args.world}: use --world 2 or "
-              "--tp-layers 0", file=sys.stderr)
+        print(
+            f"error: the tp pair runs at tp 2, got --world {args.world}: use --world 2 or --tp-layers 0",
+            file=sys.stderr,
+        )
         return 2
     from tests.support.distributed import run_distributed
 
@@ -460,13 +538,19 @@ def main(argv=None) -> int:
         print(line)
     load = os.getloadavg()
     res = run_distributed(run_rank, args.world, args, names, timeout_s=7200, collective_timeout_s=1800)
-    print(f"world {args.world}, fp32, {args.rounds} interleaved rounds x {args.steps} timed steps; "
-          f"dp pairs: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, "
-          f"micro-batch {args.micro} x {args.accum} per rank, bucket {bucket_size(args)}; tp pair: "
-          + (f"{args.tp_layers} layers, hidden {args.tp_hidden}, heads {args.tp_heads}, seq "
-             f"{args.tp_seq}, micro-batch {args.tp_micro} x {args.tp_accum}" if args.tp_layers else "none")
-          + f"; allocator {args.allocator}; load average {load[0]:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after")
+    print(
+        f"world {args.world}, fp32, {args.rounds} interleaved rounds x {args.steps} timed steps; "
+        f"dp pairs: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, "
+        f"micro-batch {args.micro} x {args.accum} per rank, bucket {bucket_size(args)}; tp pair: "
+        + (
+            f"{args.tp_layers} layers, hidden {args.tp_hidden}, heads {args.tp_heads}, seq "
+            f"{args.tp_seq}, micro-batch {args.tp_micro} x {args.tp_accum}"
+            if args.tp_layers
+            else "none"
+        )
+        + f"; allocator {args.allocator}; load average {load[0]:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after"
+    )
     print("\n".join(report(res, names, args)))
     return 0
 

@@ -22,6 +22,7 @@ Megatron-core on CPU needs three shims, none touching the math: the global memor
 ``torch.cuda.current_device()``; the RNG tracker is Megatron's inference tracker (a no-op
 fork, dropout is 0 here); the causal mask is passed in (its default builder allocates on CUDA).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,8 +37,10 @@ def adamw_groups(params, weight_decay: float) -> list[dict]:
     rule of ``megazero.tags.decays`` for this model and Megatron-LM's. Without
     it a peer's ``AdamW(model.parameters())`` decays everything and trains another model."""
     params = list(params)
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def peer_available(peer: str) -> bool:
@@ -77,8 +80,13 @@ def _tensors_in(obj, depth: int = 2):
 
 #: DeepSpeed ZeRO-1/2 optimizer attributes holding model state: the flat parameter groups,
 #: the fp32 partitions, the reduced gradient partitions and the reduction buckets.
-DEEPSPEED_STATE_ATTRS = ("bit16_groups_flat", "single_partition_of_fp32_groups",
-                         "averaged_gradients", "ipg_buffer", "grads_in_partition")
+DEEPSPEED_STATE_ATTRS = (
+    "bit16_groups_flat",
+    "single_partition_of_fp32_groups",
+    "averaged_gradients",
+    "ipg_buffer",
+    "grads_in_partition",
+)
 
 
 def deepspeed_state_bytes(engine, ds_opt) -> int:
@@ -106,17 +114,21 @@ def deepspeed_system(args, model, stage: int, adamw: dict, clip: float, bucket: 
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.accum,
-              "gradient_clipping": clip, "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
-                                    "allgather_bucket_size": bucket},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 30}
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.accum,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**30,
+    }
     opt = torch.optim.AdamW(adamw_groups(model.parameters(), adamw["weight_decay"]), **adamw)
-    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
-                                                dist_init_required=False)
+    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
 
     def step(micro):
         total = 0.0
@@ -139,13 +151,20 @@ def megatron_core_weights(full: dict, cfg) -> dict:
     LayerNorm and biases only (the benchmark's GPT). Raises KeyError for another layout.
     """
     heads, d = cfg.num_attention_heads, cfg.head_dim
-    out = {"embedding.word_embeddings.weight": full["embedding.word_embeddings.weight"],
-           "embedding.position_embeddings.weight": full["embedding.position_embeddings.weight"],
-           "decoder.final_layernorm.weight": full["final_ln.weight"],
-           "decoder.final_layernorm.bias": full["final_ln.bias"]}
-    names = {"ln1": "input_layernorm", "attn.proj": "self_attention.linear_proj",
-             "attn.qkv": "self_attention.linear_qkv", "ln2": "pre_mlp_layernorm",
-             "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2"}
+    out = {
+        "embedding.word_embeddings.weight": full["embedding.word_embeddings.weight"],
+        "embedding.position_embeddings.weight": full["embedding.position_embeddings.weight"],
+        "decoder.final_layernorm.weight": full["final_ln.weight"],
+        "decoder.final_layernorm.bias": full["final_ln.bias"],
+    }
+    names = {
+        "ln1": "input_layernorm",
+        "attn.proj": "self_attention.linear_proj",
+        "attn.qkv": "self_attention.linear_qkv",
+        "ln2": "pre_mlp_layernorm",
+        "mlp.fc1": "mlp.linear_fc1",
+        "mlp.fc2": "mlp.linear_fc2",
+    }
     for i in range(cfg.num_layers):
         for ours, theirs in names.items():
             for kind in ("weight", "bias"):
@@ -163,6 +182,7 @@ def _megatron_core_cpu_shims(torch, ps, tensor_parallel) -> None:
     class CPUBuffer(GlobalMemoryBuffer):
         def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
             return torch.empty(tensor_shape, dtype=dtype)
+
     ps._GLOBAL_MEMORY_BUFFER = CPUBuffer()
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True)
 
@@ -203,15 +223,27 @@ def megatron_core_system(args, cfg, full: dict, adamw: dict, clip: float):
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
         _megatron_core_cpu_shims(torch, ps, tensor_parallel)
-    mc = TransformerConfig(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                           num_attention_heads=cfg.num_attention_heads,
-                           ffn_hidden_size=cfg.ffn_hidden_size, layernorm_epsilon=cfg.layernorm_epsilon,
-                           hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
-                           use_cpu_initialization=True, perform_initialization=False,
-                           params_dtype=torch.float32)
-    model = GPTModel(mc, get_gpt_layer_local_spec(), vocab_size=cfg.padded_vocab(tp),
-                     max_sequence_length=cfg.seq_length, position_embedding_type="learned_absolute",
-                     share_embeddings_and_output_weights=True)
+    mc = TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype=torch.float32,
+    )
+    model = GPTModel(
+        mc,
+        get_gpt_layer_local_spec(),
+        vocab_size=cfg.padded_vocab(tp),
+        max_sequence_length=cfg.seq_length,
+        position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=True,
+    )
     rank = ps.get_tensor_model_parallel_rank()
     _load_partitions(model, megatron_core_weights(full, cfg), tp, rank)
     params = list(model.parameters())
@@ -240,4 +272,5 @@ def megatron_core_system(args, cfg, full: dict, adamw: dict, clip: float):
         tensors = params + [p.grad for p in params if p.grad is not None]
         tensors += [v for s in opt.state.values() for v in s.values() if v.numel() > 1]
         return storage_bytes(tensors)
+
     return step, state

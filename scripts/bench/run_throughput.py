@@ -19,6 +19,7 @@ Exits 2 with one line when the file is missing or holds no iteration after the s
 
     python -m scripts.bench.run_throughput RUN_DIR --skip 2 [--measured-peak-tflops T] [--gpu-name NAME --dtype bf16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,35 +37,45 @@ def summarize(records: list[dict], skip: int) -> str:
     train = [r for r in records if r.get("kind") == "train"]
     kept = train[skip:]
     if not kept:
-        raise ValueError(f"{len(train)} logged training iterations, none left after --skip {skip}: "
-                         "train longer or lower --skip")
-    med = {k: statistics.median(r[k] for r in kept)
-           for k in ("iteration_time_s", "tokens_per_s", "tflops_per_device")}
+        raise ValueError(
+            f"{len(train)} logged training iterations, none left after --skip {skip}: train longer or lower --skip"
+        )
+    med = {k: statistics.median(r[k] for r in kept) for k in ("iteration_time_s", "tokens_per_s", "tflops_per_device")}
     mfus = [r["mfu"] for r in kept if r.get("mfu") is not None]
     mfu = f"{100 * statistics.median(mfus):.2f}%" if mfus else "n/a"
-    return (f"throughput: iterations {kept[0]['iteration']}-{kept[-1]['iteration']} of "
-            f"{train[-1]['iteration']} (median): {1e3 * med['iteration_time_s']:.1f} ms/iteration, "
-            f"{med['tokens_per_s']:.1f} tokens/s, {med['tflops_per_device']:.1f} TFLOP/s/device, MFU {mfu}")
+    return (
+        f"throughput: iterations {kept[0]['iteration']}-{kept[-1]['iteration']} of "
+        f"{train[-1]['iteration']} (median): {1e3 * med['iteration_time_s']:.1f} ms/iteration, "
+        f"{med['tokens_per_s']:.1f} tokens/s, {med['tflops_per_device']:.1f} TFLOP/s/device, MFU {mfu}"
+    )
 
 
-def mfu_both_ways(line: str, tflops_per_device: float, measured_tflops: Optional[float],
-                  gpu_name: Optional[str], dtype: str) -> str:
+def mfu_both_ways(
+    line: str, tflops_per_device: float, measured_tflops: Optional[float], gpu_name: Optional[str], dtype: str
+) -> str:
     """``line`` with the MFU against the measured matmul peak and the data-sheet peak of
     ``gpu_name`` at ``dtype`` (``bf16``, ``fp16``, ``fp32``) appended; a peak not given or
     not in the table is said to be unknown. TFLOP/s arguments are per device."""
     parts = []
     if measured_tflops:
-        parts.append(f"MFU {100 * tflops_per_device / measured_tflops:.2f}% of the measured matmul peak "
-                     f"({measured_tflops:.1f} TFLOP/s)")
+        parts.append(
+            f"MFU {100 * tflops_per_device / measured_tflops:.2f}% of the measured matmul peak "
+            f"({measured_tflops:.1f} TFLOP/s)"
+        )
     if gpu_name:
         import torch
 
         from megazero.planning.flops import peak_flops_for_name
 
-        peak = peak_flops_for_name(gpu_name, {"bf16": torch.bfloat16, "fp16": torch.float16,
-                                              "fp32": torch.float32}[dtype])
-        parts.append(f"{100 * tflops_per_device / (peak / 1e12):.2f}% of the data-sheet peak ({peak / 1e12:.1f} "
-                     f"TFLOP/s, {gpu_name} {dtype})" if peak else f"no data-sheet peak for {gpu_name} {dtype}")
+        peak = peak_flops_for_name(
+            gpu_name, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        )
+        parts.append(
+            f"{100 * tflops_per_device / (peak / 1e12):.2f}% of the data-sheet peak ({peak / 1e12:.1f} "
+            f"TFLOP/s, {gpu_name} {dtype})"
+            if peak
+            else f"no data-sheet peak for {gpu_name} {dtype}"
+        )
     return f"{line}; {', '.join(parts)}" if parts else line
 
 
@@ -81,7 +92,7 @@ def main(argv=None) -> int:
         with open(path, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
         line = summarize(records, args.skip)
-        kept = [r for r in records if r.get("kind") == "train"][args.skip:]
+        kept = [r for r in records if r.get("kind") == "train"][args.skip :]
         tflops = statistics.median(r["tflops_per_device"] for r in kept)
         print(mfu_both_ways(line, tflops, args.measured_peak_tflops, args.gpu_name, args.dtype))
     except (OSError, ValueError) as e:

@@ -5,12 +5,14 @@ losses for the same global batch, the TensorBoard event files load with TensorBo
 EventAccumulator and hold the documented scalars, and a bad setting stops the launcher with
 exit code 2 and one line naming it, before any rank starts.
 """
+
 import math
 import os
 import subprocess
 import sys
 
 import pytest
+
 from tests.support.launch import ROOT, TINY, pids_of, start_launch, train_records
 
 
@@ -48,9 +50,19 @@ def test_two_layouts_log_the_same_losses_and_tensorboard_holds_them(tmp_path):
     acc = EventAccumulator(str(tmp_path / "3d" / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_iterations",
-                "perf/tokens_per_s", "perf/tflops_per_device", "memory/model_state_bytes",
-                "memory/peak_bytes", "valid/loss", "valid/ppl"):
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/loss_scale",
+        "train/skipped_iterations",
+        "perf/tokens_per_s",
+        "perf/tflops_per_device",
+        "memory/model_state_bytes",
+        "memory/peak_bytes",
+        "valid/loss",
+        "valid/ppl",
+    ):
         assert tag in tags, tag
     logged = {e.step: e.value for e in acc.Scalars("train/loss")}
     assert sorted(logged) == list(range(1, 7))
@@ -63,20 +75,26 @@ def test_two_layouts_log_the_same_losses_and_tensorboard_holds_them(tmp_path):
 NO_CUDA = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--tp", "3"], "--tp 3"),
-    (["--pp", "3"], "--pp"),
-    (["--zero-stage", "4"], "--zero-stage 4 is out of range"),
-    (["--fp16", "--bf16"], "--bf16"),
-    (["--nnodes", "0"], "--nnodes must be a whole number >= 1"),
-    (["--tp", "08"], "--tp must be a whole number >= 1, got '08'"),
-    (["--node-rank", "3"], "--node-rank 3 is not below --nnodes 1"),
-    (["--master-port", "99999"], "--master-port must be a port number"),
-    (["--distributed-timeout-s", "1e15"], "--distributed-timeout-s"),
-    (["--max-restarts", "1"], "--max-restarts 1 cannot resume this run"),  # read by the launcher, refused before torchrun
-    pytest.param(["--device", "cuda"], "--device cuda: no CUDA device", marks=NO_CUDA),
-    pytest.param(["--kernels", "apex"], "--kernels apex needs a CUDA device", marks=NO_CUDA),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--tp", "3"], "--tp 3"),
+        (["--pp", "3"], "--pp"),
+        (["--zero-stage", "4"], "--zero-stage 4 is out of range"),
+        (["--fp16", "--bf16"], "--bf16"),
+        (["--nnodes", "0"], "--nnodes must be a whole number >= 1"),
+        (["--tp", "08"], "--tp must be a whole number >= 1, got '08'"),
+        (["--node-rank", "3"], "--node-rank 3 is not below --nnodes 1"),
+        (["--master-port", "99999"], "--master-port must be a port number"),
+        (["--distributed-timeout-s", "1e15"], "--distributed-timeout-s"),
+        (
+            ["--max-restarts", "1"],
+            "--max-restarts 1 cannot resume this run",
+        ),  # read by the launcher, refused before torchrun
+        pytest.param(["--device", "cuda"], "--device cuda: no CUDA device", marks=NO_CUDA),
+        pytest.param(["--kernels", "apex"], "--kernels apex needs a CUDA device", marks=NO_CUDA),
+    ],
+)
 def test_bad_setting_stops_the_launcher_with_exit_code_2(tmp_path, args, needle):
     out = launch(TINY + args, tmp_path / "bad", timeout=120)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
@@ -106,8 +124,11 @@ def lone_node(tmp_path_factory):
     import time
 
     start = time.monotonic()
-    out = launch(TINY + ["--tp", "2", "--nnodes", "2", "--distributed-timeout-s", "3"],
-                 tmp_path_factory.mktemp("alone") / "run", timeout=120)
+    out = launch(
+        TINY + ["--tp", "2", "--nnodes", "2", "--distributed-timeout-s", "3"],
+        tmp_path_factory.mktemp("alone") / "run",
+        timeout=120,
+    )
     return out, time.monotonic() - start
 
 
@@ -125,8 +146,10 @@ def test_the_launcher_exports_cuda_device_max_connections_for_tensor_parallel_ov
     the user set is kept: tests/unit/test_cuda_init.py). The launch itself ends at once (node 1 of
     --nnodes 2 never joins: the launch of the test above)."""
     out, _ = lone_node
-    assert "[megazero] CUDA_DEVICE_MAX_CONNECTIONS=1 (the async tensor-parallel input-gradient reduction " \
-           "(--tp 2) overlaps" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert (
+        "[megazero] CUDA_DEVICE_MAX_CONNECTIONS=1 (the async tensor-parallel input-gradient reduction "
+        "(--tp 2) overlaps" in out.stdout
+    ), out.stdout[-2000:] + out.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -137,9 +160,20 @@ def test_a_killed_rank_ends_the_run_and_its_checkpoint_resumes(tmp_path):
     import time
 
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    args = [a if a != "6" else "400" for a in TINY] + ["--dp", "2", "--save", str(ckpt), "--load", str(ckpt),
-                                                         "--save-interval", "2", "--eval-interval", "1000",
-                                                         "--keep-latest-checkpoints", "1"]
+    args = [a if a != "6" else "400" for a in TINY] + [
+        "--dp",
+        "2",
+        "--save",
+        str(ckpt),
+        "--load",
+        str(ckpt),
+        "--save-interval",
+        "2",
+        "--eval-interval",
+        "1000",
+        "--keep-latest-checkpoints",
+        "1",
+    ]
     proc = start_launch(args, run_dir)
     try:
         deadline = time.monotonic() + 120
@@ -200,7 +234,7 @@ def stopped_launches(tmp_path_factory):
                 [agent] = pids_of(run_dir, agent=True)
                 os.kill(agent, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        left = lambda d: pids_of(d, agent=False) + pids_of(d, agent=True)  # noqa: E731
+        left = lambda d: pids_of(d, agent=False) + pids_of(d, agent=True)
         while any(left(d) for d, _ in runs.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         for victim, (run_dir, proc) in runs.items():
@@ -227,10 +261,12 @@ def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(victim, stop
 
     ranks, remaining, status = stopped_launches[victim]
     assert ranks == 2
-    assert remaining == []   # no train.py rank and no torchrun agent 30 s after the stop
+    assert remaining == []  # no train.py rank and no torchrun agent 30 s after the stop
     # the launcher exits with 128 + SIGTERM when stopped, or passes on torchrun's -9 (137)
-    assert status == {"launcher": 128 + signal.SIGTERM, "launcher -9": -signal.SIGKILL,
-                      "torchrun": 128 + signal.SIGKILL}[victim]
+    assert (
+        status
+        == {"launcher": 128 + signal.SIGTERM, "launcher -9": -signal.SIGKILL, "torchrun": 128 + signal.SIGKILL}[victim]
+    )
 
 
 def test_help_lists_the_launcher_flags_and_train_flags_once_and_does_nothing_else(tmp_path):
@@ -240,18 +276,36 @@ def test_help_lists_the_launcher_flags_and_train_flags_once_and_does_nothing_els
     import time
 
     clone = tmp_path / "clone"
-    shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "runs", "__pycache__",
-                                                               ".pytest_cache", "*.egg-info"))
+    shutil.copytree(
+        ROOT,
+        clone,
+        ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "runs", "__pycache__", ".pytest_cache", "*.egg-info"),
+    )
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("MEGAZERO_VENV", None)
     start = time.monotonic()
-    out = subprocess.run(["bash", str(clone / "scripts" / "pretrain_gpt.sh"), "--tp", "2", "--help"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", str(clone / "scripts" / "pretrain_gpt.sh"), "--tp", "2", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     took = time.monotonic() - start
     assert out.returncode == 0 and out.stderr == "", out.stderr
     assert took < 5.0
-    for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--data-dir", "--run-dir",
-                 "--num-layers", "--zero-stage", "--data-path"):
+    for flag in (
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--data-dir",
+        "--run-dir",
+        "--num-layers",
+        "--zero-stage",
+        "--data-path",
+    ):
         assert flag in out.stdout, flag
     assert out.stdout.count("usage: bash scripts/pretrain_gpt.sh") == 1
     assert out.stdout.count("usage: train.py") == 1

@@ -9,6 +9,7 @@ and calls train.main, which saves each launch's imports of torch. Nor are the ru
 is train.main's alone: the resumes after a stop (a launch resumes in tests/launcher/test_launcher.py and
 in the restart test here), --skip-bad-batches and the asynchronous saves that are not killed.
 """
+
 import contextlib
 import json
 import math
@@ -24,8 +25,8 @@ import pytest
 from tests.support.distributed import forked_train_main as _uninterrupted
 from tests.support.distributed import train_main_forked
 from tests.support.launch import TINY, pids_of, start_launch, train_records
-from tests.support.preemption import BASE, launch_env
 from tests.support.paths import REPO
+from tests.support.preemption import BASE, launch_env
 
 pytestmark = pytest.mark.slow
 
@@ -68,10 +69,8 @@ def _background(args, run_dir, env=None):
     env = dict(os.environ if env is None else env)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.pop("MEGAZERO_VENV", None)
-    cmd = ["bash", str(REPO / "scripts" / "pretrain_gpt.sh"), *args,
-           "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = ["bash", str(REPO / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc
     finally:
@@ -98,8 +97,9 @@ def one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-@pytest.mark.parametrize("layout", [[], ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1"]],
-                         ids=["1x1x1", "2x2x2"])
+@pytest.mark.parametrize(
+    "layout", [[], ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1"]], ids=["1x1x1", "2x2x2"]
+)
 def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_path, layout, one_thread):
     args = BASE + layout
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
@@ -110,8 +110,10 @@ def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_
     assert proc.returncode == 128 + signal.SIGTERM, out[-2000:] + err[-2000:]
     stop = int((ckpt / "latest").read_text())
     assert 2 <= stop < 12
-    line = (f"[megazero] stopped after iteration {stop} (SIGTERM): checkpoint {ckpt}/iter_{stop:07d}; "
-            f"to resume, run the same command with --load {ckpt}")
+    line = (
+        f"[megazero] stopped after iteration {stop} (SIGTERM): checkpoint {ckpt}/iter_{stop:07d}; "
+        f"to resume, run the same command with --load {ckpt}"
+    )
     assert line in err.splitlines(), err[-3000:]
     assert not any(t in out + err for t in NO_TRACEBACK), err[-3000:]
     assert pids_of(run) == [] and pids_of(run, agent=True) == []
@@ -139,14 +141,17 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     proc = start_launch([a if a != "12" else "400" for a in BASE] + ["--dp", "2", "--save", str(ckpt)], run)
     victims = []
     out, err, took = _interrupt_after_two_steps(
-        proc, run, lambda: (victims.append(max(pids_of(run))), os.kill(victims[0], signal.SIGUSR1)))
+        proc, run, lambda: (victims.append(max(pids_of(run))), os.kill(victims[0], signal.SIGUSR1))
+    )
     victim = victims[0]
     record = json.loads((run / "stop.json").read_text())
     stop = record["iteration"]
     assert record["reason"] == "SIGUSR1" and proc.returncode == 128 + signal.SIGUSR1, err[-2000:]
     assert int((ckpt / "latest").read_text()) == stop
     assert sorted(p.name for p in (ckpt / f"iter_{stop:07d}").iterdir() if p.name.startswith("rng_")) == [
-        "rng_0.pt", "rng_1.pt"]
+        "rng_0.pt",
+        "rng_1.pt",
+    ]
     assert f"[megazero] stopped after iteration {stop} (SIGUSR1): checkpoint {ckpt}/iter_{stop:07d}" in err
     assert not any(t in out + err for t in NO_TRACEBACK), err[-3000:]
     print(f"\nSIGUSR1 to rank pid {victim}: every rank exited {took:.1f} s later")
@@ -155,8 +160,10 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 def test_exit_interval_saves_and_exits_with_status_0(exit_interval_run):
     out, run, ckpt = exit_interval_run()
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert (f"[megazero] stopped after iteration 4 (--exit-interval): checkpoint {ckpt}/iter_0000004; "
-            f"to resume, run the same command with --load {ckpt}") in out.stderr
+    assert (
+        f"[megazero] stopped after iteration 4 (--exit-interval): checkpoint {ckpt}/iter_0000004; "
+        f"to resume, run the same command with --load {ckpt}"
+    ) in out.stderr
     assert [r["iteration"] for r in train_records(run)] == [1, 2, 3, 4]
     assert (ckpt / "latest").read_text().strip() == "4"
 
@@ -170,12 +177,29 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_equals_the_uninterrupted
     env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:7:1")
     start = time.monotonic()
     with _uninterrupted(args, tmp_path / "full") as uninterrupted:
-        out = launch_env(args + ["--max-restarts", "1", "--save", str(ckpt), "--load", str(ckpt),
-                                  "--save-interval", "5", "--distributed-timeout-s", "60"], run, env)
+        out = launch_env(
+            args
+            + [
+                "--max-restarts",
+                "1",
+                "--save",
+                str(ckpt),
+                "--load",
+                str(ckpt),
+                "--save-interval",
+                "5",
+                "--distributed-timeout-s",
+                "60",
+            ],
+            run,
+            env,
+        )
         uninterrupted()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    line = "[megazero] restart 1 of --max-restarts 1: resumed at iteration 5; 1 trained iteration(s) lost " \
-           "(the last logged was 6)"
+    line = (
+        "[megazero] restart 1 of --max-restarts 1: resumed at iteration 5; 1 trained iteration(s) lost "
+        "(the last logged was 6)"
+    )
     assert line in out.stdout, out.stdout[-3000:]
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     [restart] = [r for r in records if r["kind"] == "restart"]
@@ -184,12 +208,13 @@ def test_a_rank_killed_mid_run_is_restarted_and_the_run_equals_the_uninterrupted
     _same_losses(_last_records(tmp_path / "full"), _last_records(run), range(6, 13))
     resumed_at = next(r["wall_time"] for r in records if r["kind"] == "restart")
     killed_at = next(r["wall_time"] for r in records if r["kind"] == "train" and r["iteration"] == 6)
-    print(f"\nkill -9 of rank 1 at iteration 7: resumed {resumed_at - killed_at:.1f} s after iteration 6 was "
-          f"logged ({time.monotonic() - start:.0f} s in all); line: {line}")
+    print(
+        f"\nkill -9 of rank 1 at iteration 7: resumed {resumed_at - killed_at:.1f} s after iteration 6 was "
+        f"logged ({time.monotonic() - start:.0f} s in all); line: {line}"
+    )
 
 
-def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_the_previous_latest(tmp_path,
-                                                                                                   one_thread):
+def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_the_previous_latest(tmp_path, one_thread):
     """--async-save --save-interval 1 logs the losses of synchronous saves; rank 1 killed (-9)
     inside the background write of iteration 2's checkpoint of a launched run, after its file is
     written, leaves latest = 1, which loads and verifies, and the resumed run continues from it
@@ -204,12 +229,15 @@ def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_th
     # synchronous and the asynchronous runs go on beside it.
     env = dict(os.environ, MEGAZERO_TEST_FAULT="savekill:2:1")
     c3 = tmp_path / "c3"
-    with _uninterrupted(args + ["--save", str(tmp_path / "c1")], tmp_path / "sync") as sync, \
-            _uninterrupted(args + ["--save", str(tmp_path / "c2"), "--async-save"], tmp_path / "async") as both:
-        killed = launch_env(args + ["--save", str(c3), "--async-save", "--distributed-timeout-s", "30"],
-                             tmp_path / "killed", env)
+    with (
+        _uninterrupted(args + ["--save", str(tmp_path / "c1")], tmp_path / "sync") as sync,
+        _uninterrupted(args + ["--save", str(tmp_path / "c2"), "--async-save"], tmp_path / "async") as both,
+    ):
+        killed = launch_env(
+            args + ["--save", str(c3), "--async-save", "--distributed-timeout-s", "30"], tmp_path / "killed", env
+        )
         sync()
-        both()   # every rank exited 0
+        both()  # every rank exited 0
     _same_losses(_last_records(tmp_path / "sync"), _last_records(tmp_path / "async"), range(1, 5))
     assert (tmp_path / "c2" / "latest").read_text().strip() == "4"
     log = (tmp_path / "async" / "ranks.log").read_text()
@@ -256,7 +284,7 @@ class _Later:
 
 
 NAN = [a if a != "12" else "5" for a in BASE] + ["--tp", "2", "--pp", "2"]
-NAN_FAULT = {"MEGAZERO_TEST_FAULT": "nan:3:1:1"}   # micro-batch 1 of iteration 3 on rank 1
+NAN_FAULT = {"MEGAZERO_TEST_FAULT": "nan:3:1:1"}  # micro-batch 1 of iteration 3 on rank 1
 
 
 @pytest.fixture(scope="module")
@@ -266,16 +294,18 @@ def nan_runs(tmp_path_factory):
     ``result()``: (the finished launch, the directory of both run directories)."""
     d = tmp_path_factory.mktemp("nan")
     with contextlib.ExitStack() as stack:
+
         def start():
-            skipping = stack.enter_context(_uninterrupted(NAN + ["--skip-bad-batches", "1"], d / "skip",
-                                                          env=NAN_FAULT))
+            skipping = stack.enter_context(_uninterrupted(NAN + ["--skip-bad-batches", "1"], d / "skip", env=NAN_FAULT))
             stopping = stack.enter_context(_background(NAN, d / "stop", dict(os.environ, **NAN_FAULT)))
 
             def wait():
                 stopped = _finish(stopping)
-                skipping()   # every rank exited 0
+                skipping()  # every rank exited 0
                 return stopped, d
+
             return wait
+
         yield _Later(start)
 
 
@@ -292,23 +322,50 @@ def two_node_runs(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("two_nodes")
     with contextlib.ExitStack() as stack:
+
         def start():
             one = stack.enter_context(_uninterrupted(TWO_NODES, d / "one"))
-            nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                     "--rdzv-backend", "c10d"]
+            nodes = [
+                "--nnodes",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(free_port()),
+                "--rdzv-backend",
+                "c10d",
+            ]
             env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
             env.pop("MEGAZERO_VENV", None)
-            procs = [subprocess.Popen(["bash", "scripts/pretrain_gpt.sh", *TWO_NODES, *nodes, "--node-rank", str(r),
-                                       "--run-dir", str(d / "two")], cwd=REPO,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for r in (0, 1)]
+            procs = [
+                subprocess.Popen(
+                    [
+                        "bash",
+                        "scripts/pretrain_gpt.sh",
+                        *TWO_NODES,
+                        *nodes,
+                        "--node-rank",
+                        str(r),
+                        "--run-dir",
+                        str(d / "two"),
+                    ],
+                    cwd=REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for r in (0, 1)
+            ]
             stack.callback(lambda: [p.kill() for p in procs if p.poll() is None])
 
             def wait():
                 outs = [p.communicate(timeout=600)[0] for p in procs]
                 one()
                 return [(p.returncode, o) for p, o in zip(procs, outs)], d / "one", d / "two"
+
             return wait
+
         yield _Later(start)
 
 
@@ -325,6 +382,7 @@ def hybrid_node_runs(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("hybrid_nodes")
     with contextlib.ExitStack() as stack:
+
         def start():
             one = stack.enter_context(_uninterrupted(TINY, d / "one"))
             flags = HYBRID + ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
@@ -335,7 +393,9 @@ def hybrid_node_runs(tmp_path_factory):
                 outs = [p.communicate(timeout=600) for p in procs]
                 one()
                 return [(p.returncode, *o) for p, o in zip(procs, outs)], d / "one", d / "node0"
+
             return wait
+
         yield _Later(start)
 
 
@@ -347,13 +407,15 @@ def killed_rank_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("killed_rank") / "run"
     env = dict(os.environ, MEGAZERO_TEST_FAULT="kill:3:1")
     start = time.monotonic()
-    with _background([a if a != "12" else "5" for a in BASE] + ["--dp", "2", "--distributed-timeout-s", "20"],
-                     run, env) as proc:
+    with _background(
+        [a if a != "12" else "5" for a in BASE] + ["--dp", "2", "--distributed-timeout-s", "20"], run, env
+    ) as proc:
         yield lambda: (_finish(proc, timeout=300), run, time.monotonic() - start)
 
 
-def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_path, killed_rank_run, nan_runs,
-                                                                        two_node_runs, hybrid_node_runs):
+def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(
+    tmp_path, killed_rank_run, nan_runs, two_node_runs, hybrid_node_runs
+):
     """SIGSTOP to rank 1 of 2: rank 0's collective fails (--distributed-timeout-s 10), it writes
     its failure report, torchrun ends the stopped rank (SIGKILL, in its summary), and the launcher
     names rank 1 with that signal and the operation rank 0 waited in. While it waits out the
@@ -384,9 +446,12 @@ def test_a_stopped_rank_is_named_with_the_operation_the_others_waited_in(tmp_pat
     print("\n".join(named))
     assert len(named) == 1 and re.fullmatch(
         r"\[megazero\] rank 1 failed first \(signal 9 \(SIGKILL\), exit code -9, from torchrun's report\); the "
-        rf"others waited in {OP} during the .+ at iteration \d+ \(reports: .+/failures\)", named[0]), err[-3000:]
-    assert re.search(rf"megazero: rank 0: a collective failed in the .+ at iteration \d+, waiting in {OP}: ", err), \
-        err[-3000:]
+        rf"others waited in {OP} during the .+ at iteration \d+ \(reports: .+/failures\)",
+        named[0],
+    ), err[-3000:]
+    assert re.search(rf"megazero: rank 0: a collective failed in the .+ at iteration \d+, waiting in {OP}: ", err), err[
+        -3000:
+    ]
     print(f"\nSIGSTOP to rank 1: the launcher ended {took:.1f} s later; line: {named[0]}")
 
 
@@ -403,7 +468,9 @@ def test_a_killed_rank_is_named_with_its_signal_and_the_operation_the_others_wai
         r"\[megazero\] rank 1 failed first \(signal 9 \(SIGKILL\), exit code -9, from torchrun's report\); "
         r"the others waited in all_reduce #\d+ over ranks \[0, 1\], shape \(\d+,\) float32 during the optimizer step "
         r"\(gradient reduction, overflow all-reduce, norm, parameter all-gather\) at iteration 3 "
-        + re.escape(f"(reports: {run}/failures)"), named[0]), done.stderr[-3000:]
+        + re.escape(f"(reports: {run}/failures)"),
+        named[0],
+    ), done.stderr[-3000:]
 
 
 def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(nan_runs):
@@ -414,9 +481,11 @@ def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(nan_runs):
     stopped, d = nan_runs.result()
     skipped = (d / "skip" / "ranks.log").read_text()
     assert stopped.returncode == 1, stopped.stdout[-2000:] + stopped.stderr[-2000:]
-    line = ("megazero: training error: non-finite loss/gradient at iteration 3: it first appeared in the forward "
-            "pass of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch 1), on training "
-            "samples 18-19; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps")
+    line = (
+        "megazero: training error: non-finite loss/gradient at iteration 3: it first appeared in the forward "
+        "pass of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch 1), on training "
+        "samples 18-19; fix: inspect those samples, lower --lr, or --skip-bad-batches N to skip such steps"
+    )
     assert [x for x in stopped.stderr.splitlines() if "non-finite" in x] == [line], stopped.stderr[-3000:]
     assert not any(t in stopped.stdout + stopped.stderr for t in NO_TRACEBACK), stopped.stderr[-3000:]
     assert "[megazero] skipped iteration 3: non-finite loss/gradient at iteration 3" in skipped, skipped[-3000:]

@@ -12,18 +12,47 @@ that is going away. ``Trainer.close`` and ``main``'s teardown end them while Pyt
 this test asserts that no gloo thread outlives ``training.main`` on any rank (it fails on the
 code before the fix: 18 threads per rank).
 """
+
 import os
 import subprocess
 import sys
 
 import pytest
+
 from tests.support.paths import REPO
 
 ROOT = REPO
-F1 = ["--mock-data", "--dp", "2", "--zero-stage", "3", "--recompute-granularity", "full",
-      "--recompute-method", "uniform", "--recompute-num-layers", "2", "--zero3-max-reuse-distance", "0",
-      "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-      "--micro-batch-size", "2", "--train-iters", "4", "--eval-iters", "0", "--log-interval", "2"]
+F1 = [
+    "--mock-data",
+    "--dp",
+    "2",
+    "--zero-stage",
+    "3",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "2",
+    "--zero3-max-reuse-distance",
+    "0",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "4",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "2",
+]
 
 WRAPPER = """
 import os, sys
@@ -51,12 +80,24 @@ with open(os.path.join(sys.argv[2], "teardown_" + os.environ["RANK"]), "w") as f
 def test_no_gloo_thread_outlives_a_finished_run(tmp_path):
     script = tmp_path / "wrapper.py"
     script.write_text(WRAPPER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           str(ROOT), str(tmp_path), *F1, "--run-dir", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(ROOT),
+        str(tmp_path),
+        *F1,
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     lines = [(tmp_path / f"teardown_{r}").read_text() for r in range(2)]
     for line in lines:
         rc, during, after = line.split(" ", 2)
-        assert rc == "0" and int(during.strip("[]")) > 0, line   # groups (and their threads) existed
-        assert after == "[]", line                               # ... and none is left at exit
+        assert rc == "0" and int(during.strip("[]")) > 0, line  # groups (and their threads) existed
+        assert after == "[]", line  # ... and none is left at exit

@@ -4,6 +4,7 @@ same bytes), megazero's ZeRO-0/1/2 make no more gradient collectives per micro-b
 counted call by call on 2 gloo ranks (megazero's in ``megazero.collectives.calls``, DDP's with
 a communication hook), and the reduced gradients equal DDP's within 1e-6 of the largest
 gradient at the default bucket and at a bucket of 1,000 elements (thousands of buckets)."""
+
 import argparse
 
 import torch
@@ -16,7 +17,7 @@ MODEL = argparse.Namespace(vocab=1024, layers=4, hidden=256, heads=4, seq=128)
 
 def _micro_batches(rank: int):
     gen = torch.Generator().manual_seed(7)
-    data = torch.randint(0, MODEL.vocab, (2, 2, 2, MODEL.seq + 1), generator=gen)[:, rank]   # (accum, B, T+1)
+    data = torch.randint(0, MODEL.vocab, (2, 2, 2, MODEL.seq + 1), generator=gen)[:, rank]  # (accum, B, T+1)
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
@@ -42,11 +43,16 @@ def _megazero_run(groups, stage: int, bucket: int, want: dict) -> dict:
     for buf in ddp.buffers:
         for own in buf.owned():
             for p, pr, wr in buf.layout.param_pieces(own.world):
-                got = own.grad[wr.start - own.world.start:wr.end - own.world.start]
-                worst = max(worst, (got - want[names[id(p)]][pr.start:pr.end]).abs().max().item())
+                got = own.grad[wr.start - own.world.start : wr.end - own.world.start]
+                worst = max(worst, (got - want[names[id(p)]][pr.start : pr.end]).abs().max().item())
                 compared += got.numel()
-    return dict(calls=calls, buckets=sum(len(b.layout.buckets) for b in ddp.buffers), worst=worst,
-                compared=compared, numel=sum(p.numel() for p in model.parameters()))
+    return dict(
+        calls=calls,
+        buckets=sum(len(b.layout.buckets) for b in ddp.buffers),
+        worst=worst,
+        compared=compared,
+        numel=sum(p.numel() for p in model.parameters()),
+    )
 
 
 def _ddp_grads(groups):
@@ -54,16 +60,17 @@ def _ddp_grads(groups):
     from torch.nn.parallel import DistributedDataParallel
 
     model = B.peer_model(MODEL, groups)
-    wrapped = DistributedDataParallel(model, bucket_cap_mb=B.DEFAULT_BUCKET * 4 / 2 ** 20)
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=B.DEFAULT_BUCKET * 4 / 2**20)
     count = [0]
 
     def hook(state, bucket):
         count[0] += 1
         fut = torch.distributed.all_reduce(bucket.buffer(), async_op=True).get_future()
         return fut.then(lambda f: f.value()[0] / torch.distributed.get_world_size())
+
     wrapped.register_comm_hook(None, hook)
     micro = _micro_batches(groups.dp_rank)
-    for _ in range(2):   # DDP rebuilds its buckets in gradient order after the first step
+    for _ in range(2):  # DDP rebuilds its buckets in gradient order after the first step
         count[0] = 0
         for p in wrapped.parameters():
             p.grad = None
@@ -90,8 +97,12 @@ def _compare(rank, world):
 
 def test_gradient_collectives_at_most_ddps_and_gradients_equal():
     res = run_distributed(_compare, 2, timeout_s=600)
-    print("gradient collectives per micro-batch: ddp", res[0]["ddp"], "megazero",
-          {k: v["buckets"] for k, v in res[0].items() if isinstance(k, tuple)})
+    print(
+        "gradient collectives per micro-batch: ddp",
+        res[0]["ddp"],
+        "megazero",
+        {k: v["buckets"] for k, v in res[0].items() if isinstance(k, tuple)},
+    )
     for out in res:
         assert out["ddp"] > 0
         for stage in (0, 1, 2):

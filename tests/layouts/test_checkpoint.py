@@ -1,15 +1,16 @@
 """Checkpoints (docs/design.md, contract 4): resuming reproduces the uninterrupted run, under the
 same layout bit for bit and under any other layout to summation-order rounding; writes are
 atomic, and a broken checkpoint is an error that names it."""
+
 import math
 import os
 
 import pytest
 import torch
 
+from tests.support.checkpoint import ARGS, run_checkpointed
 from tests.support.distributed import run_distributed
 from tests.support.layouts import LLAMA
-from tests.support.checkpoint import ARGS, run_checkpointed
 
 
 def run_checkpointed_jobs(rank, world, jobs):
@@ -31,9 +32,18 @@ def test_resume_same_layout_is_bit_identical_and_other_layout_matches(tmp_path):
     ckpt = str(tmp_path)
     # one set of 4 ranks runs, in order: the uninterrupted run, the first half with a save,
     # and three resumes from that save (the same layout, another one, tp 4)
-    whole, first, same, other, tp4 = run_distributed(run_checkpointed_jobs, 4, [
-        (ARGS + LAYOUT_A, 6, None, None), (ARGS + LAYOUT_A, 3, ckpt, None), (ARGS + LAYOUT_A, 3, None, ckpt),
-        (ARGS + LAYOUT_B, 3, None, ckpt), (ARGS + ["--tp", "4", "--micro-batch-size", "8"], 3, None, ckpt)], timeout_s=600)[0]
+    whole, first, same, other, tp4 = run_distributed(
+        run_checkpointed_jobs,
+        4,
+        [
+            (ARGS + LAYOUT_A, 6, None, None),
+            (ARGS + LAYOUT_A, 3, ckpt, None),
+            (ARGS + LAYOUT_A, 3, None, ckpt),
+            (ARGS + LAYOUT_B, 3, None, ckpt),
+            (ARGS + ["--tp", "4", "--micro-batch-size", "8"], 3, None, ckpt),
+        ],
+        timeout_s=600,
+    )[0]
     whole = whole[0]
     assert first[0] == whole[:3]
     assert open(tmp_path / "latest").read().strip() == "3"
@@ -54,9 +64,17 @@ def test_zero3_checkpoint_resumes_under_zero3_and_another_layout(tmp_path):
     # buckets of 2,000 elements (parameters still straddle them): a DCP save or load costs some
     # 10 ms of CPU per chunk, and ZeRO-3 cuts its shards per bucket
     z3, ckpt = ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--reduce-bucket-size", "2000"] + MB4, str(tmp_path)
-    whole, first, same, other = run_distributed(run_checkpointed_jobs, 4, [
-        (ARGS + z3, 6, None, None), (ARGS + z3, 3, ckpt, None), (ARGS + z3, 3, None, ckpt),
-        (ARGS + LAYOUT_A, 3, None, ckpt)], timeout_s=600)[0]  # in order, in one set of ranks
+    whole, first, same, other = run_distributed(
+        run_checkpointed_jobs,
+        4,
+        [
+            (ARGS + z3, 6, None, None),
+            (ARGS + z3, 3, ckpt, None),
+            (ARGS + z3, 3, None, ckpt),
+            (ARGS + LAYOUT_A, 3, None, ckpt),
+        ],
+        timeout_s=600,
+    )[0]  # in order, in one set of ranks
     whole = whole[0]
     assert first[0] == whole[:3]
     assert same[0] == whole[3:]
@@ -99,13 +117,13 @@ def test_interrupted_save_keeps_previous_checkpoint_and_errors_name_the_file(tmp
 
     d = tmp_path / "iter_0000002"
     rng = (d / "rng_0.pt").read_bytes()
-    (d / "rng_0.pt").write_bytes(rng[:len(rng) // 2])  # a damaged RNG file
+    (d / "rng_0.pt").write_bytes(rng[: len(rng) // 2])  # a damaged RNG file
     with pytest.raises(CheckpointError, match=f"rng_0.pt has size {len(rng) // 2}, saved as size {len(rng)}"):
         peek(str(tmp_path))
     (d / "rng_0.pt").write_bytes(rng)
     files = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))
     data = (d / files[0]).read_bytes()
-    (d / files[0]).write_bytes(data[:len(data) // 2])  # truncated
+    (d / files[0]).write_bytes(data[: len(data) // 2])  # truncated
     with pytest.raises(CheckpointError, match=f"{files[0]} has {len(data) // 2} bytes, the metadata needs"):
         peek(str(tmp_path))
     (d / files[0]).write_bytes(b"\0" * len(data))  # same size, garbage: only the checksum finds it
@@ -123,9 +141,12 @@ def test_llama_block_resumes_under_another_layout(tmp_path):
     """The LLaMA-style block's checkpoint (spec names: no position table, no biases, grouped
     QKV rows) saved under tp 2 x dp 2 resumes under pp 2 x dp 2 as the uninterrupted run."""
     args, ckpt = ARGS + LLAMA, str(tmp_path)
-    whole, _, other = run_distributed(run_checkpointed_jobs, 4, [(args + LAYOUT_A, 6, None, None), (args + LAYOUT_A, 3, ckpt, None),
-                                                 (args + LAYOUT_B, 3, None, ckpt)],
-                                  timeout_s=600)[0]  # in order, in one set of ranks
+    whole, _, other = run_distributed(
+        run_checkpointed_jobs,
+        4,
+        [(args + LAYOUT_A, 6, None, None), (args + LAYOUT_A, 3, ckpt, None), (args + LAYOUT_B, 3, None, ckpt)],
+        timeout_s=600,
+    )[0]  # in order, in one set of ranks
     whole = whole[0]
     assert other[1] == 3
     for got, want in zip(other[0], whole[3:]):
@@ -142,8 +163,14 @@ def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
     assert training.preflight(ARGS + ["--load", str(tmp_path)], 1) == 0
     assert "warning" not in capsys.readouterr().err
     # settings a resume cannot honour are warned about, naming both values
-    shorter = [a if a != "6" else "3" for a in ARGS] + ["--load", str(tmp_path), "--seed", "8",
-                                                        "--lr-warmup-iters", "1"]
+    shorter = [a if a != "6" else "3" for a in ARGS] + [
+        "--load",
+        str(tmp_path),
+        "--seed",
+        "8",
+        "--lr-warmup-iters",
+        "1",
+    ]
     assert training.preflight(shorter, 1) == 0
     err = capsys.readouterr().err
     assert "at iteration 3, not below --train-iters 3: nothing to train" in err
@@ -154,8 +181,7 @@ def test_checkpoint_problems_stop_before_any_rank_starts(tmp_path, capsys):
     assert "tie_embeddings" in capsys.readouterr().err
     assert training.preflight(ARGS + ["--load", str(tmp_path), "--normalization", "RMSNorm"], 1) == 2
     assert "normalization = LayerNorm, this model RMSNorm" in capsys.readouterr().err
-    smaller = [a if a != "16" or i == 0 or ARGS[i - 1] != "--global-batch-size" else "8"
-               for i, a in enumerate(ARGS)]
+    smaller = [a if a != "16" or i == 0 or ARGS[i - 1] != "--global-batch-size" else "8" for i, a in enumerate(ARGS)]
     resumed = run_distributed(run_checkpointed, 1, smaller, 3, load=str(tmp_path))[0]  # 48 + 3 x 8 samples
     assert resumed[2] == 3 * 16 + 3 * 8 and all(math.isfinite(x) for x in resumed[0])
     meta = tmp_path / "iter_0000003" / "meta.pt"
@@ -170,9 +196,8 @@ def _resumed_rng(rank, world, argv, load):
     import io
 
     from megazero import training
-
-    from megazero.training import build_trainer
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     cfg = config_from_argv(argv + ["--load", load], world)
     trainer = build_trainer(cfg, data=training.prepare_run(cfg))
@@ -211,8 +236,7 @@ def test_every_rng_file_is_checked_before_any_rank_starts(tmp_path, capsys):
             assert err.count("\n") == 1
             (d / name).write_bytes(good)
     assert training.preflight(load, 2) == 0
-    results = run_distributed(_resumed_rng, 2, ARGS + ["--tp", "2", "--hidden-dropout", "0.1"],
-                              str(tmp_path / "a"))
+    results = run_distributed(_resumed_rng, 2, ARGS + ["--tp", "2", "--hidden-dropout", "0.1"], str(tmp_path / "a"))
     assert results[1][0] == "" and results[0][0].count("\n") == 1
     assert "saved under another layout" in results[0][0] and "re-seeded" in results[0][0]
     for tp_rank, (_, built_seed, state) in enumerate(results):
@@ -239,14 +263,15 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     """A position table of 4e8 rows needs about 200 GB of model states per rank: refused
     before launch naming the fix; the plan's model states follow the ZeRO formulas."""
     from megazero import training
-    from megazero.planning import memory
     from megazero.config import config_from_argv
+    from megazero.planning import memory
     from megazero.planning.plan import plan_memory
     from model.build import build_gpt_config
 
     def plan(argv, world, vocab):
         cfg = config_from_argv(argv, world)
         return plan_memory(cfg, build_gpt_config(cfg, vocab))
+
     monkeypatch.setenv("MEGAZERO_RANKS_PER_NODE", "1")
     assert training.preflight(ARGS, 1) == 0
     assert "memory per rank (pipeline stage 0): model states" in capsys.readouterr().out
@@ -259,7 +284,7 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
     psi = plans[0].params
     assert plans[0].model_state_bytes == 16 * psi  # fp32 params (= main params), grads, 2 moments
     assert plans[2].model_state_bytes == 4 * psi + 12 * psi / 4
-    assert plans[3].model_state_bytes == 16 * psi / 4   # (p + g + K) Psi / N
+    assert plans[3].model_state_bytes == 16 * psi / 4  # (p + g + K) Psi / N
     with pytest.raises(memory.MemoryPlanError, match="--zero-stage 3"):
         memory.check_fits(plans[2], int(plans[2].model_state_bytes) - 1)
     with pytest.raises(memory.MemoryPlanError):
@@ -275,8 +300,12 @@ def test_memory_plan_refuses_model_states_that_cannot_fit(capsys, monkeypatch):
         memory.check_fits(pp2, int(pp2.most_states.model_state_bytes) - 1)
     # the in-flight counts simulated with at most 4 pp micro-batches equal the full simulation
     from megazero.pipeline.schedules import build_schedule, simulate
+
     for kind, vp in (("1f1b", 1), ("interleaved", 2)):
         full = simulate([build_schedule(kind, 64, 4, r, vp) for r in range(4)], 4, vp).peak_inflight
         assert memory.inflight_per_stage(kind, 4, vp, 64) == full
-    assert memory.inflight_per_stage("gpipe", 4, 1, 64) == [64] * 4 == simulate(
-        [build_schedule("gpipe", 64, 4, r, 1) for r in range(4)], 4, 1).peak_inflight
+    assert (
+        memory.inflight_per_stage("gpipe", 4, 1, 64)
+        == [64] * 4
+        == simulate([build_schedule("gpipe", 64, 4, r, 1) for r in range(4)], 4, 1).peak_inflight
+    )

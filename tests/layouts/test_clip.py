@@ -1,5 +1,6 @@
 """Global gradient norm: every element of the full model counted exactly once at tp 1, 2, 4,
 with pipeline-tied embeddings, and through the ZeRO optimizer (shards summed over DP)."""
+
 import math
 
 import pytest
@@ -22,7 +23,7 @@ def _stage(cfg, groups, pp_rank, pp):
 
 
 def _norm_run(rank, world, tokens, labels):
-    cfg = tiny_cfg(vocab_size=64, num_attention_heads=4)   # padded vocab 64 at tp 1, 2, 4
+    cfg = tiny_cfg(vocab_size=64, num_attention_heads=4)  # padded vocab 64 at tp 1, 2, 4
     out = {}
     for tp, pp in ((1, 1), (2, 1), (4, 1), (2, 2), (1, 2)):
         groups = ProcessGroups.build(Topology(tp=tp, pp=pp, dp=world // (tp * pp)))
@@ -46,8 +47,9 @@ def _norm_run(rank, world, tokens, labels):
     ddp.before_backward(0, True)
     rows = tokens.shape[0] // 2
     r = groups.dp_rank
-    (model(tokens[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]).sum()
-     / (labels.numel() // 2)).backward()   # / this DP rank's tokens; DP sums, divides by 2
+    (
+        model(tokens[r * rows : (r + 1) * rows], labels[r * rows : (r + 1) * rows]).sum() / (labels.numel() // 2)
+    ).backward()  # / this DP rank's tokens; DP sums, divides by 2
     out["zero2"] = opt.step().grad_norm
     return out
 
@@ -65,11 +67,11 @@ def test_norm_counts_every_element_once_at_tp_1_2_4():
         layouts = [k for k in out if k != "zero2"]
         for tp, pp in layouts:
             ones, real = out[tp, pp]
-            assert ones ** 2 == pytest.approx(unique, rel=1e-6), (tp, pp)
+            assert ones**2 == pytest.approx(unique, rel=1e-6), (tp, pp)
             if real is not None:
                 assert real == pytest.approx(ref_norm, rel=1e-5), tp
         assert out["zero2"] == pytest.approx(ref_norm, rel=1e-5)
-        assert out["zero2"] == results[0]["zero2"]   # identical on every rank
+        assert out["zero2"] == results[0]["zero2"]  # identical on every rank
 
 
 def test_clip_coefficient_matches_torch():
@@ -90,14 +92,14 @@ def _norm_against_fp64(hidden: int, num_layers: int, stage: int = 0):
     from tests.support.zero import build
 
     torch.manual_seed(0)
-    cfg = tiny_cfg(vocab_size=1000, num_layers=num_layers, hidden_size=hidden, num_attention_heads=8,
-                   seq_length=16)
+    cfg = tiny_cfg(vocab_size=1000, num_layers=num_layers, hidden_size=hidden, num_attention_heads=8, seq_length=16)
     tokens, labels = make_batches(cfg, 1, batch=2)[0]
     groups = ProcessGroups.single()
-    plain = _stage(cfg, groups, 0, 1)   # the same weights and batch without DP: grads in .grad
+    plain = _stage(cfg, groups, 0, 1)  # the same weights and batch without DP: grads in .grad
     (plain(tokens, labels).sum() / labels.numel()).backward()
-    exact = math.sqrt(sum(p.grad.double().square().sum().item() for p in plain.parameters()
-                          if tags.counts_in_norm(p, 0)))
+    exact = math.sqrt(
+        sum(p.grad.double().square().sum().item() for p in plain.parameters() if tags.counts_in_norm(p, 0))
+    )
     psi = sum(p.numel() for p in plain.parameters())
     del plain
     model, ddp, opt = build(cfg, groups, stage, overlap=False, bucket=1 << 24)
@@ -128,12 +130,12 @@ def test_cpu_squared_sum_rows_equal_fp64():
     from megazero.optim.clip import ROW, SMALL, squared_sum
 
     gen = torch.Generator().manual_seed(3)
-    sizes = [1, ROW - 1, SMALL, SMALL + 1, SMALL + ROW, 3 * SMALL + 17, 2 ** 21 + 5, 2 ** 20 * 1 + 63]
+    sizes = [1, ROW - 1, SMALL, SMALL + 1, SMALL + ROW, 3 * SMALL + 17, 2**21 + 5, 2**20 * 1 + 63]
     pieces = [torch.randn(n, generator=gen) * 10 ** (i % 5 - 2) for i, n in enumerate(sizes)]
     exact = sum(p.double().square().sum() for p in pieces).item()
     got = squared_sum(pieces)
     assert got.dtype == torch.float64 and got.shape == (1,)
-    assert got.item() == pytest.approx(exact, rel=1e-8)   # each row's norm is rounded to fp32
+    assert got.item() == pytest.approx(exact, rel=1e-8)  # each row's norm is rounded to fp32
     # a fp32 accumulation over the same values is far off: the test can tell the paths apart
     fp32 = sum(torch.linalg.vector_norm(p).square().item() for p in pieces)
     assert abs(fp32 - exact) / exact > 1e-8

@@ -2,15 +2,18 @@
 1e-5 (tensor parallel with sequence parallelism and its collectives inside the layers, a
 pipeline with ZeRO-2, and ZeRO-3, whose per-layer gather hooks run around the compiled
 layers). Slow: inductor compiles the layer on every rank (minutes on CPU)."""
+
 import pytest
 
 from tests.support.distributed import run_distributed
 from tests.support.layouts import BASE
 
 STEPS = 3
-LAYOUTS = {"tp2 SP": ["--tp", "2", "--sequence-parallel"],
-           "pp2 1F1B ZeRO-2": ["--pp", "2", "--zero-stage", "2"],
-           "dp2 ZeRO-3": ["--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"]}
+LAYOUTS = {
+    "tp2 SP": ["--tp", "2", "--sequence-parallel"],
+    "pp2 1F1B ZeRO-2": ["--pp", "2", "--zero-stage", "2"],
+    "dp2 ZeRO-3": ["--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"],
+}
 
 
 def _eager_and_compiled(rank, world, steps):

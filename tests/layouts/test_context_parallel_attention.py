@@ -15,6 +15,7 @@ magnitude: ``max|ours - oracle| / max|oracle| <= 1e-6`` (float32 SDPA itself is 
 1e-7 of the float64 oracle). The bytes counted in ``collectives.counter`` per forward and
 backward equal ``ring_bytes_per_layer`` / ``a2a_bytes_per_layer`` exactly.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,14 +25,17 @@ import torch.nn.functional as F
 
 from megazero import collectives
 from megazero.context_parallel import zigzag as Z
-from megazero.context_parallel.attention import (a2a_bytes_per_layer, all_to_all_attention,
-                                                 local_attention, ring_attention,
-                                                 ring_bytes_per_layer)
-from megazero.context_parallel.blockwise import (block_attention, block_attention_backward,
-                                                 block_mask, merge_partials)
+from megazero.context_parallel.attention import (
+    a2a_bytes_per_layer,
+    all_to_all_attention,
+    local_attention,
+    ring_attention,
+    ring_bytes_per_layer,
+)
+from megazero.context_parallel.blockwise import block_attention, block_attention_backward, block_mask, merge_partials
 from tests.support.distributed import run_distributed
 
-B, D, CHUNK = 2, 8, 4          # batch, head dim, tokens per zigzag chunk
+B, D, CHUNK = 2, 8, 4  # batch, head dim, tokens per zigzag chunk
 TOL = 1e-6
 HEADS = {2: (4, (1, 2, 4)), 3: (6, (1, 2, 3, 6)), 4: (8, (1, 2, 4, 8))}  # C: (h, G values)
 
@@ -46,8 +50,7 @@ def test_split_merge_roundtrip_and_token_index(C):
         idx = Z.local_token_index(T, r, C)
         assert torch.equal(part, x[:, idx])
         n = T // (2 * C)
-        assert idx.tolist() == [*range(r * n, (r + 1) * n),
-                                *range((2 * C - 1 - r) * n, (2 * C - r) * n)]
+        assert idx.tolist() == [*range(r * n, (r + 1) * n), *range((2 * C - 1 - r) * n, (2 * C - r) * n)]
     assert torch.equal(Z.merge_from_ranks(parts, 1, C), x)
     every = torch.cat([Z.local_token_index(T, r, C) for r in range(C)])
     assert sorted(every.tolist()) == list(range(T))
@@ -80,7 +83,7 @@ def test_block_plan_is_causal_complete_and_balanced(C):
 def test_fully_masked_row_is_zero_and_nan_free():
     q, k, v = torch.randn(1, 2, 3, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     mask = torch.ones(1, 4, 5, dtype=torch.bool)
-    mask[0, 1] = False                                   # query 1 sees no key
+    mask[0, 1] = False  # query 1 sees no key
     out, lse = block_attention(q, k, v, mask, 0.3)
     assert torch.isneginf(lse[..., 1]).all() and torch.isfinite(lse[..., [0, 2, 3]]).all()
     assert (out[..., 1, :] == 0).all() and not out.isnan().any()
@@ -89,8 +92,7 @@ def test_fully_masked_row_is_zero_and_nan_free():
     assert torch.equal(o, out) and torch.equal(l, lse)
     o, l = merge_partials(torch.zeros_like(out), empty, torch.zeros_like(out), empty)
     assert (o == 0).all() and torch.isneginf(l).all()
-    grads = block_attention_backward(q, k, v, torch.randn_like(q), torch.randn_like(lse), lse,
-                                     mask, 0.3)
+    grads = block_attention_backward(q, k, v, torch.randn_like(q), torch.randn_like(lse), lse, mask, 0.3)
     assert all(torch.isfinite(g).all() for g in grads)
     assert (grads[0][..., 1, :] == 0).all()
 
@@ -115,7 +117,7 @@ def _oracle(q, k, v, seg, dy):
     else:
         T = q.shape[2]
         causal = torch.ones(T, T, dtype=torch.bool).tril()
-        mask = causal & (seg[:, :, None] == seg[:, None, :])          # (B, T, T)
+        mask = causal & (seg[:, :, None] == seg[:, None, :])  # (B, T, T)
         y = F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask[:, None])
     y.backward(dy.double())
     return y, q.grad, k.grad, v.grad
@@ -143,19 +145,18 @@ def _inputs(C: int, h: int, G: int, docs: bool, seed: int):
 
 # -- distributed: one spawn per cp size ------------------------------------------------------
 def _counted(before: dict) -> dict:
-    return {kind: n - before.get(kind, 0) for kind, n in collectives.counter.items()
-            if n != before.get(kind, 0)}
+    return {kind: n - before.get(kind, 0) for kind, n in collectives.counter.items() if n != before.get(kind, 0)}
 
 
 def _run_case(rank, C, group, cp_ranks, method, full, part_rank):
-    q, k, v, dy, seg = (None if t is None else Z.split_for_rank(t, 2 if t.dim() == 4 else 1,
-                                                                part_rank, C) for t in full)
+    q, k, v, dy, seg = (
+        None if t is None else Z.split_for_rank(t, 2 if t.dim() == 4 else 1, part_rank, C) for t in full
+    )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     idx = Z.local_token_index(q.shape[2] * C, part_rank, C)
     before = dict(collectives.counter)
     if method == "p2p":
-        y = ring_attention(q, k, v, group=group, cp_ranks=cp_ranks, token_index=idx,
-                           segment_ids=seg)
+        y = ring_attention(q, k, v, group=group, cp_ranks=cp_ranks, token_index=idx, segment_ids=seg)
     else:
         y = all_to_all_attention(q, k, v, group=group, token_index=idx, segment_ids=seg)
     forward = _counted(before)
@@ -180,8 +181,7 @@ def _rank_checks(rank, world, C):
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         cp_ranks = [0, 2] if rank % 2 == 0 else [1, 3]
         full = _inputs(2, 4, 2, True, seed=7)
-        results["sub-group"] = _run_case(rank, 2, groups[rank % 2], cp_ranks, "p2p", full,
-                                         cp_ranks.index(rank))
+        results["sub-group"] = _run_case(rank, 2, groups[rank % 2], cp_ranks, "p2p", full, cp_ranks.index(rank))
     return results
 
 
@@ -237,7 +237,7 @@ def test_documents_make_fully_masked_block_rows():
         assert any(p[1:3] == (1, 0) for r in range(C) for p in Z.block_pairs(r, C))
         T = 2 * C * n
         seg, pos = _segments(T, seed=C), torch.arange(T)
-        mask = block_mask(pos[n:2 * n], pos[:n], seg[:, n:2 * n], seg[:, :n], causal=False)
+        mask = block_mask(pos[n : 2 * n], pos[:n], seg[:, n : 2 * n], seg[:, :n], causal=False)
         assert (~mask.any(-1)).any()
 
 
@@ -248,11 +248,11 @@ def test_group_size_one_is_plain_attention(G, docs):
     q, k, v, dy, seg = _inputs(1, 4, G, docs, seed=G)
     T = q.shape[2]
     expected = _oracle(q, k, v, seg, dy)[0]
-    for y in (ring_attention(q, k, v, group=None, cp_ranks=[0], token_index=torch.arange(T),
-                             segment_ids=seg),
-              all_to_all_attention(q, k, v, group=None, token_index=torch.arange(T),
-                                   segment_ids=seg),
-              local_attention(q, k, v, token_index=torch.arange(T), segment_ids=seg)):
+    for y in (
+        ring_attention(q, k, v, group=None, cp_ranks=[0], token_index=torch.arange(T), segment_ids=seg),
+        all_to_all_attention(q, k, v, group=None, token_index=torch.arange(T), segment_ids=seg),
+        local_attention(q, k, v, token_index=torch.arange(T), segment_ids=seg),
+    ):
         assert _relative_error(y, expected) <= TOL
 
 
@@ -267,13 +267,13 @@ def test_row_tiles_give_the_one_pass_result(monkeypatch):
     k, v = (torch.randn(B, G, Tk, d, generator=g, dtype=torch.float64) for _ in range(2))
     do = torch.randn(B, G, R, Tq, d, generator=g, dtype=torch.float64)
     mask = torch.rand(B, Tq, Tk, generator=g) < 0.6
-    mask[:, 4] = False                                   # an empty row
+    mask[:, 4] = False  # an empty row
     whole = bw.block_attention(q, k, v, mask, 0.5)
     delta = (do * whole[0]).sum(-1)
     whole_grads = bw.block_attention_backward(q, k, v, do, delta, whole[1], mask, 0.5)
-    assert bw.tile_rows(B, G * R, Tq, Tk, 8) == Tq        # the default budget: one tile here
+    assert bw.tile_rows(B, G * R, Tq, Tk, 8) == Tq  # the default budget: one tile here
     monkeypatch.setattr(bw, "SCORE_TILE_BYTES", B * G * R * Tk * 8 * 3)
-    assert len(bw.score_tiles(q, Tk)) == 4                      # 3 + 3 + 3 + 1 rows
+    assert len(bw.score_tiles(q, Tk)) == 4  # 3 + 3 + 3 + 1 rows
     tiled = bw.block_attention(q, k, v, mask, 0.5)
     tiled_grads = bw.block_attention_backward(q, k, v, do, delta, tiled[1], mask, 0.5)
     for a, b in zip((*whole, *whole_grads), (*tiled, *tiled_grads)):

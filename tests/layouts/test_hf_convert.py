@@ -2,6 +2,7 @@
 megazero's logits in transformers, its tokenizer gives megazero's ids, and --from-hf brings
 it back: the same logits, the same first-step loss as transformers, and the same 5 training
 losses as a run that started from the checkpoint's weights without leaving megazero."""
+
 import json
 import os
 
@@ -10,8 +11,15 @@ import torch
 
 from tests.support.distributed import run_distributed
 from tests.support.extras import require
+from tests.support.hf_convert import (
+    TEXTS,
+    TP2PP2,
+    assert_same_logits_and_ids,
+    from_hf_and_from_checkpoint,
+    logits_of,
+    single_stage,
+)
 from tests.support.hf_tokenizer import corpus
-from tests.support.hf_convert import TEXTS, TP2PP2, assert_same_logits_and_ids, from_hf_and_from_checkpoint, logits_of, single_stage
 
 
 @pytest.mark.slow
@@ -36,10 +44,10 @@ def test_exported_model_and_tokenizer_match_megazero(exported):
 
 @pytest.mark.slow
 def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
-    from megazero import training
     from transformers import AutoModelForCausalLM
 
     from data.samplers import get_micro_batches
+    from megazero import training
     from megazero.checkpoint import read_full_weights
     from megazero.config import config_from_argv
     from model.build import from_hf_weights
@@ -53,8 +61,9 @@ def test_from_hf_round_trip_gives_the_same_logits_and_losses(exported):
     assert torch.equal(logits_of(back, ids), logits_of(single_stage(gcfg, full), ids))  # bit for bit
 
     argv = exported["argv"] + TP2PP2
-    via_hf, native = run_distributed(from_hf_and_from_checkpoint, 4, argv, exported["hf"],
-                                     exported["ckpt"])[-1]  # the last rank holds the loss
+    via_hf, native = run_distributed(from_hf_and_from_checkpoint, 4, argv, exported["hf"], exported["ckpt"])[
+        -1
+    ]  # the last rank holds the loss
     assert via_hf == native  # same layout, same weights: the same 5 losses, bit for bit
     ds = training.build_data(cfg).train
     tokens, labels = get_micro_batches(ds, 0, 4, 4, 0, 1)[0]  # the first global batch
@@ -76,11 +85,13 @@ def test_bad_from_hf_folders_stop_before_launch(exported, tmp_path, capsys):
     assert e.value.code == 2 and "config.json not found" in capsys.readouterr().err
     os.link(os.path.join(exported["hf"], "model.safetensors"), bad / "model.safetensors")
     config = json.load(open(os.path.join(exported["hf"], "config.json")))
-    for change, message in ((dict(activation_function="gelu_new"), "openai_gelu = True, this run False; fix: set --openai-gelu"),
-                            (dict(activation_function="relu"), "activation_function 'relu'"),
-                            (dict(n_layer=3), "num_layers = 3, this run 2; fix: set --num-layers"),
-                            (dict(vocab_size=512), "vocab_size = 512, this run 300"),
-                            (dict(model_type="bert"), "only GPT-2")):
+    for change, message in (
+        (dict(activation_function="gelu_new"), "openai_gelu = True, this run False; fix: set --openai-gelu"),
+        (dict(activation_function="relu"), "activation_function 'relu'"),
+        (dict(n_layer=3), "num_layers = 3, this run 2; fix: set --num-layers"),
+        (dict(vocab_size=512), "vocab_size = 512, this run 300"),
+        (dict(model_type="bert"), "only GPT-2"),
+    ):
         (bad / "config.json").write_text(json.dumps(dict(config, **change)))
         assert training.preflight(exported["argv"] + ["--from-hf", str(bad)], 1) == 2
         assert message in capsys.readouterr().err
@@ -111,13 +122,25 @@ def test_untied_model_maps_exactly_in_one_process(tmp_path):
     from model.gpt import init_full_weights
     from model.hf import CanonicalView, gpt2_config, to_hf_tensors
 
-    gcfg = GPTConfig(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24,
-                     seq_length=8, hidden_dropout=0.0, attention_dropout=0.0, tie_embeddings=False,
-                     layernorm_epsilon=1e-6, make_vocab_size_divisible_by=16)
+    gcfg = GPTConfig(
+        vocab_size=50,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=24,
+        seq_length=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_embeddings=False,
+        layernorm_epsilon=1e-6,
+        make_vocab_size_divisible_by=16,
+    )
     full = init_full_weights(gcfg, seed=3, tp_size=1)
     for name in full:  # non-trivial biases and LayerNorms, so a wrong map cannot pass
         if name.endswith("bias") or "ln" in name:
-            full[name] = full[name] + 0.1 * torch.randn(full[name].shape, generator=torch.Generator().manual_seed(len(name)))
+            full[name] = full[name] + 0.1 * torch.randn(
+                full[name].shape, generator=torch.Generator().manual_seed(len(name))
+            )
     tensors = to_hf_tensors(full, gcfg)
     assert "lm_head.weight" in tensors and tensors["transformer.wte.weight"].shape == (50, 16)
     save_file(tensors, str(tmp_path / "m.safetensors"))
@@ -130,7 +153,9 @@ def test_untied_model_maps_exactly_in_one_process(tmp_path):
         theirs = hf(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5 * ours.abs().max().item())
     back = CanonicalView(tensors, gcfg, gcfg.padded_vocab(2))  # re-padded for tp 2: 50 -> 64 rows
-    assert back["output.weight"].shape == (64, 16) and torch.equal(back["output.weight"][:50], full["output.weight"][:50])
+    assert back["output.weight"].shape == (64, 16) and torch.equal(
+        back["output.weight"][:50], full["output.weight"][:50]
+    )
     assert torch.equal(back["layers.1.attn.qkv.weight"], full["layers.1.attn.qkv.weight"])
 
 
@@ -153,15 +178,33 @@ def test_generate_from_the_tp2_pp2_checkpoint_equals_transformers_greedy(exporte
     from scripts.generate import main
 
     prompt = "x = 1\n"
-    assert main(["--load", exported["ckpt"], "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0",
-                 "--print-ids", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "--load",
+                exported["ckpt"],
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--print-ids",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     ids = json.loads(capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1])
     model = AutoModelForCausalLM.from_pretrained(exported["hf"], dtype=torch.float32).eval()
     start = torch.tensor([exported["tok"].encode(prompt)])
     want = model.generate(start, max_new_tokens=8, do_sample=False, pad_token_id=model.config.eos_token_id)
     want, eos = want[0].tolist(), model.config.eos_token_id
     # generate.py stops after EOD; transformers pads the rest of its rows with it
-    assert ids == want[:len(ids)] and all(t == eos for t in want[len(ids) - 1:]) if len(ids) < len(want) else ids == want
+    assert (
+        ids == want[: len(ids)] and all(t == eos for t in want[len(ids) - 1 :]) if len(ids) < len(want) else ids == want
+    )
 
 
 def test_sentencepiece_tokenizer_exports_exactly(tmp_path):

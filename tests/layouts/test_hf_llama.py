@@ -5,6 +5,7 @@ it back with the same logits and the same 5 training losses; generate.py's greed
 equal transformers' greedy generate at tp 1 and tp 2; what Llama cannot express is refused
 by name. The exact map of the other layouts (multi-head QKV, biases, tied) is checked in one
 process."""
+
 import dataclasses
 import json
 import os
@@ -16,7 +17,15 @@ import torch
 from tests.support.distributed import run_distributed
 from tests.support.extras import require
 from tests.support.generate import generate_args
-from tests.support.hf_convert import MODEL, TP2PP2, from_hf_and_from_checkpoint, logits_of, single_stage, assert_same_logits_and_ids, export_tp2pp2
+from tests.support.hf_convert import (
+    MODEL,
+    TP2PP2,
+    assert_same_logits_and_ids,
+    export_tp2pp2,
+    from_hf_and_from_checkpoint,
+    logits_of,
+    single_stage,
+)
 from tests.support.hf_llama import LLAMA, PROMPT, hf_llama_model, llama_gcfg
 
 
@@ -42,16 +51,20 @@ def test_exported_llama_matches_megazero(exported):
     hf = hf_llama_model(exported["hf"])
     c = hf.config
     assert type(hf).__name__ == "LlamaForCausalLM" and c.vocab_size == 300 and c.num_key_value_heads == 2
-    assert (c.rms_norm_eps, c.rope_parameters["rope_theta"], c.tie_word_embeddings, c.attention_bias,
-            c.intermediate_size) == (1e-6, 1000.0, False, False, 64)
+    assert (
+        c.rms_norm_eps,
+        c.rope_parameters["rope_theta"],
+        c.tie_word_embeddings,
+        c.attention_bias,
+        c.intermediate_size,
+    ) == (1e-6, 1000.0, False, False, 64)
     assert_same_logits_and_ids(hf, ids, ours, exported)
 
 
 @pytest.mark.slow
 def test_llama_round_trip_gives_the_same_logits_and_losses(exported):
-    from megazero import training
-
     from data.samplers import get_micro_batches
+    from megazero import training
     from megazero.config import config_from_argv
     from model.build import from_hf_weights
 
@@ -61,8 +74,9 @@ def test_llama_round_trip_gives_the_same_logits_and_losses(exported):
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     assert torch.equal(logits_of(back, ids), logits_of(single_stage(gcfg, full), ids))  # bit for bit
 
-    via_hf, native = run_distributed(from_hf_and_from_checkpoint, 4, exported["argv"] + TP2PP2,
-                                     exported["hf"], exported["ckpt"])[-1]  # the last rank holds the loss
+    via_hf, native = run_distributed(
+        from_hf_and_from_checkpoint, 4, exported["argv"] + TP2PP2, exported["hf"], exported["ckpt"]
+    )[-1]  # the last rank holds the loss
     assert via_hf == native and len(via_hf) == 5
     ds = training.build_data(cfg).train
     tokens, labels = get_micro_batches(ds, 0, 4, 4, 0, 1)[0]  # the first global batch
@@ -75,37 +89,57 @@ def test_llama_round_trip_gives_the_same_logits_and_losses(exported):
 def _tp2_greedy(rank, world, hf_dir):
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
-    from model.sampling import sample
     from megazero.training.inference import load_model
+    from model.sampling import sample
 
-    stage, tok = load_model(generate_args(hf_dir), ProcessGroups.build(Topology(tp=world, pp=1, dp=1)), torch.device("cpu"))
+    stage, tok = load_model(
+        generate_args(hf_dir), ProcessGroups.build(Topology(tp=world, pp=1, dp=1)), torch.device("cpu")
+    )
     return sample(stage, tok.encode(PROMPT), 12, temperature=0.0)
 
 
 @pytest.mark.slow
 def test_llama_generate_greedy_equals_transformers_at_tp1_and_tp2(exported, capsys):
     from megazero.process_groups import ProcessGroups
-    from model.sampling import forward_cached
     from megazero.training.inference import load_model
+    from model.sampling import forward_cached
     from scripts.generate import main
 
     stage, tok = load_model(generate_args(exported["hf"]), ProcessGroups.single(), torch.device("cpu"))
     stage.eval()
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
     caches = [None] * len(stage.layers)
-    steps = [forward_cached(stage, ids[:, :9], caches)] + [forward_cached(stage, ids[:, t:t + 1], caches)
-                                                           for t in range(9, 16)]
+    steps = [forward_cached(stage, ids[:, :9], caches)] + [
+        forward_cached(stage, ids[:, t : t + 1], caches) for t in range(9, 16)
+    ]
     with torch.no_grad():
-        full = stage(ids)[..., :300]                          # (B, T, V)
+        full = stage(ids)[..., :300]  # (B, T, V)
     for got, t in zip(steps, range(8, 16)):  # the cache (rotated keys of G heads) == full forward
         torch.testing.assert_close(got, full[:, t], rtol=1e-5, atol=1e-5)
 
     prompt = tok.encode(PROMPT)
     model = hf_llama_model(exported["hf"])
-    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                          pad_token_id=model.config.eos_token_id)[0].tolist()
-    assert main(["--load", exported["ckpt"], "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0",
-                 "--print-ids", "--device", "cpu"]) == 0  # tp 1, from the tp2 pp2 checkpoint
+    want = model.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=model.config.eos_token_id
+    )[0].tolist()
+    assert (
+        main(
+            [
+                "--load",
+                exported["ckpt"],
+                "--prompt",
+                PROMPT,
+                "--max-new-tokens",
+                "12",
+                "--temperature",
+                "0",
+                "--print-ids",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )  # tp 1, from the tp2 pp2 checkpoint
     tp1 = json.loads(capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1])
     tp2 = run_distributed(_tp2_greedy, 2, exported["hf"])[0]
     assert len(want) == len(prompt) + 12 and tp1 == want and tp2 == want
@@ -119,16 +153,20 @@ def test_llama_from_hf_mismatch_stops_before_launch(exported, tmp_path, capsys):
     bad.mkdir()
     os.link(os.path.join(exported["hf"], "model.safetensors"), bad / "model.safetensors")
     config = json.load(open(os.path.join(exported["hf"], "config.json")))
-    for change, message in ((dict(num_key_value_heads=4), "fix: set --group-query-attention --num-query-groups"),
-                            (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-                            (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'")):
+    for change, message in (
+        (dict(num_key_value_heads=4), "fix: set --group-query-attention --num-query-groups"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
+    ):
         (bad / "config.json").write_text(json.dumps(dict(config, **change)))
         assert training.preflight(exported["argv"] + ["--from-hf", str(bad)], 1) == 2
         assert message in capsys.readouterr().err
-    gpt2_run = MODEL + exported["argv"][len(MODEL) + len(LLAMA):]  # the same sizes, GPT-2 block
+    gpt2_run = MODEL + exported["argv"][len(MODEL) + len(LLAMA) :]  # the same sizes, GPT-2 block
     assert training.preflight(gpt2_run + ["--from-hf", exported["hf"]], 1) == 2
-    assert "position_embedding_type = rope, this run learned_absolute; fix: set --position-embedding-type" \
+    assert (
+        "position_embedding_type = rope, this run learned_absolute; fix: set --position-embedding-type"
         in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("groups,bias,tied", [(2, False, False), (None, True, True), (4, True, False)])
@@ -143,7 +181,9 @@ def test_llama_map_is_exact_for_every_layout(groups, bias, tied):
     full = init_full_weights(gcfg, seed=3, tp_size=1)
     for name in full:  # non-trivial biases and norms, so a wrong map cannot pass
         if name.endswith("bias") or "ln" in name:
-            full[name] = full[name] + 0.1 * torch.randn(full[name].shape, generator=torch.Generator().manual_seed(len(name)))
+            full[name] = full[name] + 0.1 * torch.randn(
+                full[name].shape, generator=torch.Generator().manual_seed(len(name))
+            )
     tensors = to_hf_tensors(full, gcfg)
     assert ("lm_head.weight" in tensors) == (not tied) and tensors["model.embed_tokens.weight"].shape == (50, 32)
     assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (gcfg.kv_heads * 8, 32)
@@ -160,18 +200,28 @@ def test_llama_map_is_exact_for_every_layout(groups, bias, tied):
         rows = min(back[name].shape[0], full[name].shape[0])
         assert torch.equal(back[name][:rows], full[name][:rows]), name
     assert back["embedding.word_embeddings.weight"].shape == (64, 32)
-    again = llama_config_from_hf(llama_config(gcfg), hidden_dropout=0.0, attention_dropout=0.0, seq_length=12,
-                                 make_vocab_size_divisible_by=16)
+    again = llama_config_from_hf(
+        llama_config(gcfg), hidden_dropout=0.0, attention_dropout=0.0, seq_length=12, make_vocab_size_divisible_by=16
+    )
     # G = heads reads back as multi-head attention (the [q; k; v] layout), the same computation
     assert again == dataclasses.replace(gcfg, num_query_groups=None if groups == 4 else groups)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(normalization="LayerNorm", add_bias_linear=True), "--normalization LayerNorm: LlamaForCausalLM has RMSNorm only"),
-    (dict(swiglu=False, ffn_hidden_size=64), "a GELU MLP (no --swiglu)"),
-    (dict(rotary_percent=0.5), "--rotary-percent 0.5: LlamaForCausalLM rotates the whole head"),
-    (dict(position_embedding_type="learned_absolute", rotary_base=10000), "normalization = 'RMSNorm' has no GPT-2 equivalent"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            dict(normalization="LayerNorm", add_bias_linear=True),
+            "--normalization LayerNorm: LlamaForCausalLM has RMSNorm only",
+        ),
+        (dict(swiglu=False, ffn_hidden_size=64), "a GELU MLP (no --swiglu)"),
+        (dict(rotary_percent=0.5), "--rotary-percent 0.5: LlamaForCausalLM rotates the whole head"),
+        (
+            dict(position_embedding_type="learned_absolute", rotary_base=10000),
+            "normalization = 'RMSNorm' has no GPT-2 equivalent",
+        ),
+    ],
+)
 def test_export_refuses_a_block_llama_cannot_express(change, message):
     from model.gpt import init_full_weights
     from model.hf import HFConversionError, hf_config, to_hf_tensors
@@ -183,13 +233,18 @@ def test_export_refuses_a_block_llama_cannot_express(change, message):
         to_hf_tensors(init_full_weights(gcfg, seed=0), gcfg)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(attention_bias=True, mlp_bias=False), "attention_bias != mlp_bias"),
-    (dict(head_dim=16), "head_dim 16 * heads 4 != hidden_size 32"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
-     "partial_rotary_factor"),
-    (dict(model_type="mistral"), "only GPT-2 (model_type 'gpt2') and LLaMA"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(attention_bias=True, mlp_bias=False), "attention_bias != mlp_bias"),
+        (dict(head_dim=16), "head_dim 16 * heads 4 != hidden_size 32"),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+            "partial_rotary_factor",
+        ),
+        (dict(model_type="mistral"), "only GPT-2 (model_type 'gpt2') and LLaMA"),
+    ],
+)
 def test_import_refuses_a_llama_config_megazero_computes_differently(change, message):
     from model.hf import HFConversionError, config_from_hf, llama_config
 

@@ -12,6 +12,7 @@ bytes crossing shard groups (the replica all-reduce and the world scalars). The 
 and the refused settings are tested without processes. An 8-rank spawn (slow) adds tp 2 x dp 4
 with S = 2 and tp 2 x pp 2 x dp 2 with S = 1.
 """
+
 import math
 
 import pytest
@@ -24,15 +25,30 @@ LAYOUTS = {  # name -> (flags, the flat layout it must equal)
     "dp4-zero1-flat": (["--dp", "4", "--zero-stage", "1"], None),
     "dp4-zero1-s2": (["--dp", "4", "--zero-stage", "1", "--zero-shard-size", "2"], "dp4-zero1-flat"),
     "dp4-zero2-flat": (["--dp", "4", "--zero-stage", "2", "--reduce-bucket-size", "2000"], None),
-    "dp4-zero2-s2": (["--dp", "4", "--zero-stage", "2", "--reduce-bucket-size", "2000", "--zero-shard-size", "2"],
-                     "dp4-zero2-flat"),
+    "dp4-zero2-s2": (
+        ["--dp", "4", "--zero-stage", "2", "--reduce-bucket-size", "2000", "--zero-shard-size", "2"],
+        "dp4-zero2-flat",
+    ),
     "dp4-zero3-flat": (["--dp", "4"] + Z3, None),
     "dp4-zero3-s2": (["--dp", "4", "--zero-shard-size", "2"] + Z3, "dp4-zero3-flat"),
     "tp2-dp2-zero2-s1": (["--tp", "2", "--dp", "2", "--zero-stage", "2", "--zero-shard-size", "1"], None),
     "pp2-dp2-zero1-s1": (["--pp", "2", "--dp", "2", "--zero-stage", "1", "--zero-shard-size", "1"], None),
     "cp2-dp2-zero2-s2": (["--cp", "2", "--dp", "2", "--zero-stage", "2", "--zero-shard-size", "2"], None),
-    "dp4-zero2-s2-offload": (["--dp", "4", "--zero-stage", "2", "--reduce-bucket-size", "2000", "--zero-shard-size",
-                              "2", "--offload-optimizer", "cpu"], "dp4-zero2-flat"),
+    "dp4-zero2-s2-offload": (
+        [
+            "--dp",
+            "4",
+            "--zero-stage",
+            "2",
+            "--reduce-bucket-size",
+            "2000",
+            "--zero-shard-size",
+            "2",
+            "--offload-optimizer",
+            "cpu",
+        ],
+        "dp4-zero2-flat",
+    ),
 }
 SAVE_AT = 5
 RESUME = {  # resumed from dp4-zero2-s2's checkpoint at step SAVE_AT
@@ -52,10 +68,16 @@ def _state(trainer, cfg, groups):
 
     opt = trainer.optimizer
     got = opt.model_state_bytes()
-    planned = memory.stage_estimates(trainer.gpt_config, **plan.layout_settings(cfg, False),
-                                     a=plan.activation_settings(cfg), buckets=(2**62, 2**62))
-    return (got["total"] - got["buckets"], opt.formula()["total"], opt.formula_terms(),
-            planned[groups.pp_rank].model_state_bytes, len(opt.ddp.buffers))
+    planned = memory.stage_estimates(
+        trainer.gpt_config, **plan.layout_settings(cfg, False), a=plan.activation_settings(cfg), buckets=(2**62, 2**62)
+    )
+    return (
+        got["total"] - got["buckets"],
+        opt.formula()["total"],
+        opt.formula_terms(),
+        planned[groups.pp_rank].model_state_bytes,
+        len(opt.ddp.buffers),
+    )
 
 
 def _run(rank, world, argv, steps, save=None, load=None):
@@ -71,8 +93,12 @@ def _run(rank, world, argv, steps, save=None, load=None):
         values.append(trainer.train_step(batches).values)
         if save is not None and trainer.state.iteration == SAVE_AT:
             trainer.save_checkpoint(save, wait=True)
-    out = dict(losses=[v["loss"] for v in values], norms=[v["grad_norm"] for v in values],
-               state=_state(trainer, cfg, groups), shard=groups.zero_shard_size)
+    out = dict(
+        losses=[v["loss"] for v in values],
+        norms=[v["grad_norm"] for v in values],
+        state=_state(trainer, cfg, groups),
+        shard=groups.zero_shard_size,
+    )
     trainer.close()
     return out
 
@@ -87,8 +113,10 @@ def _all(rank, world, root):
     for name, flags in RESUME.items():
         out[name] = _run(rank, world, BASE + flags, STEPS - SAVE_AT, load=root)
     cases = [c for c in B.CASES if c[0] in COMM]
-    out["comm"] = [(c[0], pp_rank, counted) for c, (pp_rank, counted)
-                   in zip(cases, B.count_step(rank, world, [B.BASE + c[2] for c in cases]))]
+    out["comm"] = [
+        (c[0], pp_rank, counted)
+        for c, (pp_rank, counted) in zip(cases, B.count_step(rank, world, [B.BASE + c[2] for c in cases]))
+    ]
     return out
 
 
@@ -121,9 +149,8 @@ def test_hybrid_layout_equals_flat_and_reference(name, runs):
             assert got["norms"] == pytest.approx(r[flat]["norms"], rel=1e-6, abs=0), name
         held, formula, terms, planned, buffers = got["state"]
         assert [n for _, n in terms] == [shard]
-        if "--offload-optimizer" in flags:   # offload_formula_bytes: device p + g, host 16 Psi / N
-            assert held == formula == sum(sum(offload_formula_bytes(psi, n, stage, 4, 4).values())
-                                          for psi, n in terms)
+        if "--offload-optimizer" in flags:  # offload_formula_bytes: device p + g, host 16 Psi / N
+            assert held == formula == sum(sum(offload_formula_bytes(psi, n, stage, 4, 4).values()) for psi, n in terms)
             continue
         assert held == formula == sum(zero_formula_bytes(psi, n, stage, 4, 4) for psi, n in terms)
         assert 0 <= held - planned < 16 * shard * buffers, (held, planned)
@@ -191,14 +218,32 @@ def test_hybrid_groups_by_hand():
         Topology(dp=4, zero_shard=3)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--dp", "4", "--zero-stage", "1", "--zero-shard-size", "3"],
-     "--zero-shard-size 3 does not divide the data x context parallel size 4 x 1 = 4"),
-    (["--dp", "4", "--zero-stage", "1", "--zero-shard-size", "0"], "--zero-shard-size"),
-    (["--dp", "4", "--zero-shard-size", "2"], "--zero-shard-size 2 needs a ZeRO stage of 1 or more"),
-    (["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2", "--num-experts", "4",
-      "--expert-model-parallel-size", "2"], "--zero-shard-size 2 with --expert-model-parallel-size 2"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--dp", "4", "--zero-stage", "1", "--zero-shard-size", "3"],
+            "--zero-shard-size 3 does not divide the data x context parallel size 4 x 1 = 4",
+        ),
+        (["--dp", "4", "--zero-stage", "1", "--zero-shard-size", "0"], "--zero-shard-size"),
+        (["--dp", "4", "--zero-shard-size", "2"], "--zero-shard-size 2 needs a ZeRO stage of 1 or more"),
+        (
+            [
+                "--dp",
+                "4",
+                "--zero-stage",
+                "2",
+                "--zero-shard-size",
+                "2",
+                "--num-experts",
+                "4",
+                "--expert-model-parallel-size",
+                "2",
+            ],
+            "--zero-shard-size 2 with --expert-model-parallel-size 2",
+        ),
+    ],
+)
 def test_bad_shard_size_is_one_line_naming_the_flag(extra, message, capsys):
     """S not dividing dp x cp, S < 1, S at ZeRO-0, S with expert parallelism: exit 2 before
     launch with one line naming --zero-shard-size."""
@@ -225,6 +270,7 @@ def test_deepspeed_mics_shard_size_fills_the_flag(tmp_path):
         path.write_text(json.dumps({"zero_optimization": {"stage": 2, **zero}}))
         cfg = Config()
         return cfg, load_deepspeed_config(str(path), cfg)
+
     cfg, warnings = load({"mics_shard_size": 2, "zero_hpz_partition_size": 2})
     assert cfg.zero.zero_shard_size == 2 and warnings == []
     cfg, warnings = load({"mics_shard_size": -1, "zero_hpz_partition_size": 1})
@@ -243,8 +289,20 @@ def _eight(rank, world, argvs):
 
 EIGHT = {  # name -> flags (8 ranks; one micro-batch of 2 per dp rank and step at dp 4)
     "tp2-dp4-zero2-s2": ["--tp", "2", "--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2"],
-    "tp2-pp2-dp2-zero1-s1": ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1", "--zero-shard-size", "1",
-                             "--micro-batch-size", "1"],
+    "tp2-pp2-dp2-zero1-s1": [
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--zero-stage",
+        "1",
+        "--zero-shard-size",
+        "1",
+        "--micro-batch-size",
+        "1",
+    ],
 }
 
 
@@ -261,8 +319,11 @@ def test_eight_rank_hybrid_layouts_equal_reference():
             assert got["losses"] == pytest.approx(reference, rel=1e-5), name
             held, formula, terms, _, _ = got["state"]
             assert [n for _, n in terms] == [_flag(flags, "--zero-shard-size", 0)]
-            assert held == formula == sum(zero_formula_bytes(psi, n, _flag(flags, "--zero-stage", 0), 4, 4)
-                                          for psi, n in terms)
+            assert (
+                held
+                == formula
+                == sum(zero_formula_bytes(psi, n, _flag(flags, "--zero-stage", 0), 4, 4) for psi, n in terms)
+            )
             assert all(math.isfinite(n) for n in got["norms"])
 
 

@@ -3,26 +3,34 @@
 fp32, dropout off unless a test says otherwise. Distributed checks run on forked gloo
 ranks (tests/support/distributed.py); each spawn batches several checks.
 """
+
 import pytest
 import torch
 
 from megazero import collectives as C
+from megazero import tags
 from megazero.data_parallel.finalize import finalize_param_grads
 from megazero.process_groups import ProcessGroups
-from megazero import tags
 from megazero.topology import Topology
 from model.config import GPTConfig, padded_vocab_size
 from model.gpt import VOCAB_TENSORS, GPTStage, generate_greedy, init_full_weights
 from tests.support.distributed import run_distributed
-from tests.support.reference import ReferenceGPT, train_reference, random_batches
 from tests.support.model import ADAM, assert_rel_close, padded_rows_grad_is_zero, train_stage
+from tests.support.reference import ReferenceGPT, random_batches, train_reference
 
 SEED = 1234
 
 
 def tiny_cfg(**kw) -> GPTConfig:
-    base = dict(vocab_size=101, num_layers=2, hidden_size=32, num_attention_heads=4,
-                seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        vocab_size=101,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     base.update(kw)
     return GPTConfig(**base)
 
@@ -32,8 +40,14 @@ def make_batches(cfg: GPTConfig, n: int, batch: int, seed: int = 7):
 
 
 def reference_losses(cfg: GPTConfig, batches, steps: int):
-    return train_reference(init_full_weights(cfg, SEED), batches, vocab_size=cfg.vocab_size,
-                           num_heads=cfg.num_attention_heads, steps=steps, **ADAM)
+    return train_reference(
+        init_full_weights(cfg, SEED),
+        batches,
+        vocab_size=cfg.vocab_size,
+        num_heads=cfg.num_attention_heads,
+        steps=steps,
+        **ADAM,
+    )
 
 
 def gather_full(stage: GPTStage) -> dict:
@@ -47,13 +61,13 @@ def gather_full(stage: GPTStage) -> dict:
         t = p.detach()
         if tags.is_partitioned(p):
             parts, dim, s = C.all_gather_list(t, stage.tp), p.partition_dim, p.partition_stride
-            t = torch.cat([torch.cat([q.chunk(s, dim=dim)[j] for q in parts], dim=dim)
-                           for j in range(s)], dim=dim)
+            t = torch.cat([torch.cat([q.chunk(s, dim=dim)[j] for q in parts], dim=dim) for j in range(s)], dim=dim)
         out[name] = t.numpy().copy()
     return out
 
 
 # -- pure ---------------------------------------------------------------------------------
+
 
 def test_padded_vocab_size_and_validation():
     assert padded_vocab_size(1001, 128, 1) == 1024
@@ -80,8 +94,7 @@ def test_init_is_deterministic_and_gpt2_scaled():
     a, b = init_full_weights(cfg, SEED), init_full_weights(cfg, SEED)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["layers.0.mlp.fc1.weight"], a["layers.1.mlp.fc1.weight"])
-    assert not torch.equal(a["layers.0.mlp.fc1.weight"],
-                           init_full_weights(cfg, SEED + 1)["layers.0.mlp.fc1.weight"])
+    assert not torch.equal(a["layers.0.mlp.fc1.weight"], init_full_weights(cfg, SEED + 1)["layers.0.mlp.fc1.weight"])
     assert a["embedding.word_embeddings.weight"].shape == (1024, 64)
     assert (a["embedding.word_embeddings.weight"][1001:] == 0).all()
     assert abs(a["layers.0.mlp.fc1.weight"].std().item() - 0.02) < 0.002
@@ -90,6 +103,7 @@ def test_init_is_deterministic_and_gpt2_scaled():
 
 
 # -- one process --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_single_process_matches_reference(tie):
@@ -100,14 +114,14 @@ def test_single_process_matches_reference(tie):
     tokens, labels = batches[0]
     logits = stage(tokens)
     assert logits.shape == (4, 16, 128)
-    torch.testing.assert_close(logits[..., :cfg.vocab_size], ref(tokens), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits[..., : cfg.vocab_size], ref(tokens), rtol=0, atol=1e-6)
     # full-model gradients on the first batch, under canonical names
     (stage(tokens, labels).sum() / labels.numel()).backward()
     ref.loss(tokens, labels).backward()
     grads = dict(stage.named_parameters())
     for name, p in ref.canonical_parameters().items():
         g = grads[name].grad
-        g = g[:cfg.vocab_size] if name in VOCAB_TENSORS else g
+        g = g[: cfg.vocab_size] if name in VOCAB_TENSORS else g
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert padded_rows_grad_is_zero(stage)
     stage.zero_grad(set_to_none=True)
@@ -116,7 +130,7 @@ def test_single_process_matches_reference(tie):
 
 def test_gradient_accumulation_matches_one_big_micro_batch():
     cfg = tiny_cfg()
-    (tokens, labels), = make_batches(cfg, 1, batch=8)
+    ((tokens, labels),) = make_batches(cfg, 1, batch=8)
     big = GPTStage(cfg, ProcessGroups.single(), range(2), True, True, SEED)
     small = GPTStage(cfg, ProcessGroups.single(), range(2), True, True, SEED)
     big_loss = big(tokens, labels).sum() / labels.numel()
@@ -137,8 +151,7 @@ def test_pipeline_stages_chain_and_tie_the_embedding():
     topo = Topology(pp=2)
     first = GPTStage(cfg, ProcessGroups(topo, rank=0), [0, 1], True, False, SEED)
     last = GPTStage(cfg, ProcessGroups(topo, rank=1), [2], False, True, SEED)
-    assert [n for n, _ in last.named_parameters()][:2] == [
-        "embedding.word_embeddings.weight", "layers.2.ln1.weight"]
+    assert [n for n, _ in last.named_parameters()][:2] == ["embedding.word_embeddings.weight", "layers.2.ln1.weight"]
     w0, w1 = first.embedding.word_embeddings.weight, last.embedding.word_embeddings.weight
     assert torch.equal(w0, w1)
     assert w0.shared_embedding and w0.shared_counted_here
@@ -146,15 +159,15 @@ def test_pipeline_stages_chain_and_tie_the_embedding():
     assert not tags.counts_in_norm(w1, 0) and tags.counts_in_norm(w0, 0)
 
     ref = ReferenceGPT.from_full_weights(init_full_weights(cfg, SEED), cfg.vocab_size, 4)
-    (tokens, labels), = make_batches(cfg, 1, batch=2)
+    ((tokens, labels),) = make_batches(cfg, 1, batch=2)
     hidden = first(tokens)
     assert hidden.shape == (2, 16, 32)
     (last(hidden, labels).mean()).backward()
     ref.loss(tokens, labels).backward()
-    torch.testing.assert_close((w0.grad + w1.grad)[:cfg.vocab_size], ref.wte.weight.grad,
-                               rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(first.layers["0"].attn.qkv.weight.grad,
-                               ref.blocks[0].qkv.weight.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close((w0.grad + w1.grad)[: cfg.vocab_size], ref.wte.weight.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        first.layers["0"].attn.qkv.weight.grad, ref.blocks[0].qkv.weight.grad, rtol=1e-5, atol=1e-7
+    )
 
 
 def test_generate_greedy_matches_reference():
@@ -169,6 +182,7 @@ def test_generate_greedy_matches_reference():
 
 
 # -- tensor parallel ----------------------------------------------------------------------
+
 
 def _tp_training(rank, world, cfg, batches, steps, untied_cfg):
     results = {}
@@ -210,19 +224,19 @@ def _dropout_run(rank, world, cfg, batches):
     runs = []
     for _ in range(2):
         stage = GPTStage(cfg, groups, range(cfg.num_layers), True, True, SEED)
-        global_rng, tp_rng = torch.default_generator.get_state(), stage.rng_tracker.generator(
-            "tp").get_state()
+        global_rng, tp_rng = torch.default_generator.get_state(), stage.rng_tracker.generator("tp").get_state()
         losses = train_stage(stage, batches, 10)
         # masks come from the tracker's streams only, never from the global generator
         assert torch.equal(global_rng, torch.default_generator.get_state())
         assert not torch.equal(tp_rng, stage.rng_tracker.generator("tp").get_state())
-        runs.append((losses, {n: p.detach().numpy().copy() for n, p in stage.named_parameters()
-                              if not tags.is_partitioned(p)}))
+        runs.append(
+            (losses, {n: p.detach().numpy().copy() for n, p in stage.named_parameters() if not tags.is_partitioned(p)})
+        )
     stage.eval()
     tokens, labels = batches[0]
-    eval_loss = (stage(tokens, labels).mean().item())
+    eval_loss = stage(tokens, labels).mean().item()
     stage.train()
-    train_loss = (stage(tokens, labels).mean().item())
+    train_loss = stage(tokens, labels).mean().item()
     return runs, eval_loss, train_loss
 
 
@@ -248,8 +262,7 @@ def _sequence_parallel(rank, world, cfg, batches):
         tokens, labels = batches[0]
         (stage(tokens, labels).sum() / labels.numel()).backward()
         finalize_param_grads(stage.parameters(), stage.tp)
-        grads = {n: p.grad.numpy().copy() for n, p in stage.named_parameters()
-                 if not tags.is_partitioned(p)}
+        grads = {n: p.grad.numpy().copy() for n, p in stage.named_parameters() if not tags.is_partitioned(p)}
         sp_tagged = sorted(n for n, p in stage.named_parameters() if tags.is_sequence_parallel(p))
         stage.zero_grad(set_to_none=True)
         generated = generate_greedy(stage, batches[0][0][:, :3], 6)  # 3..8 tokens, padded to even
@@ -272,5 +285,6 @@ def test_sequence_parallel_matches_tensor_parallel():
         assert "layers.0.ln1.weight" in sp_tagged and "layers.1.mlp.fc2.bias" in sp_tagged
         for name, g in grads.items():
             assert (g == out[0][1][name]).all(), name  # identical on both TP ranks
-            torch.testing.assert_close(torch.from_numpy(g), want[name].grad, rtol=1e-5,
-                                       atol=1e-7, msg=name)  # the full sum, not 1/tp of it
+            torch.testing.assert_close(
+                torch.from_numpy(g), want[name].grad, rtol=1e-5, atol=1e-7, msg=name
+            )  # the full sum, not 1/tp of it

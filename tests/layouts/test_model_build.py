@@ -12,31 +12,44 @@
   within ``model.build.build_peak_bytes``' prediction, where building from
   ``init_full_weights`` held the whole stage in fp32.
 """
+
 import pytest
 import torch
 
+from megazero import tags
 from megazero.config import config_from_argv
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.process_groups import ProcessGroups
-from megazero import tags
+from megazero.tensor_parallel.random import RNGTracker
 from megazero.topology import Topology
-from model.build import (build_gpt_config, build_model_chunks, build_peak_bytes, initial_values, set_tf32,
-                         zero3_units)
+from model.build import build_gpt_config, build_model_chunks, build_peak_bytes, initial_values, set_tf32, zero3_units
 from model.config import GPTConfig
 from model.gpt import VOCAB_TENSORS, Attention, GPTStage, init_full_weights, resize_vocab
 from model.rope import RotaryTable, rotary_cos_sin, rotary_cos_sin_at
-from megazero.tensor_parallel.random import RNGTracker
 from tests.support.distributed import run_distributed
 
 SEED = 5
-LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-             num_query_groups=2, add_bias_linear=False, tie_embeddings=False)
+LLAMA = dict(
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    num_query_groups=2,
+    add_bias_linear=False,
+    tie_embeddings=False,
+)
 
 
 def _cfgs(tp: int):
-    base = dict(vocab_size=101, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
-                hidden_dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        vocab_size=101,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     yield GPTConfig(**base)
     yield GPTConfig(**base, params_dtype=torch.bfloat16)
     yield GPTConfig(**base, **LLAMA, sequence_parallel=tp > 1)
@@ -61,8 +74,14 @@ def _stage_run(rank, world, tp, pp):
     bad = []
     for cfg in _cfgs(tp):
         n = cfg.num_layers // pp
-        stage = GPTStage(cfg, groups, range(groups.pp_rank * n, (groups.pp_rank + 1) * n),
-                         groups.pp_rank == 0, groups.pp_rank == pp - 1, SEED)
+        stage = GPTStage(
+            cfg,
+            groups,
+            range(groups.pp_rank * n, (groups.pp_rank + 1) * n),
+            groups.pp_rank == 0,
+            groups.pp_rank == pp - 1,
+            SEED,
+        )
         want = _sliced(cfg, stage)
         bad += [name for name, p in stage.named_parameters() if not torch.equal(p.detach(), want[name])]
         if groups.dp_size > 1:
@@ -73,13 +92,35 @@ def _stage_run(rank, world, tp, pp):
 def _zero3_mismatches(cfg, groups, materialized, want):
     """ZeRO-3 built from an unmaterialized stage: each shard equals the shard of the stage
     built whole; each unit gathered equals today's slices."""
-    z3 = Zero3Options(param_persistence_threshold=20)   # the norms stay whole (a ZeRO-2 buffer)
-    ref = DataParallel([materialized], groups, zero_stage=3, bucket_size=301, overlap_comm=False,
-                       units=[zero3_units(materialized)], zero3=z3)
-    stage = GPTStage(cfg, groups, materialized.layer_ids, materialized.pre_process,
-                     materialized.post_process, SEED, materialize=False)
-    ddp = DataParallel([stage], groups, zero_stage=3, bucket_size=301, overlap_comm=False,
-                       units=[zero3_units(stage)], zero3=z3, initial_values=initial_values([stage]))
+    z3 = Zero3Options(param_persistence_threshold=20)  # the norms stay whole (a ZeRO-2 buffer)
+    ref = DataParallel(
+        [materialized],
+        groups,
+        zero_stage=3,
+        bucket_size=301,
+        overlap_comm=False,
+        units=[zero3_units(materialized)],
+        zero3=z3,
+    )
+    stage = GPTStage(
+        cfg,
+        groups,
+        materialized.layer_ids,
+        materialized.pre_process,
+        materialized.post_process,
+        SEED,
+        materialize=False,
+    )
+    ddp = DataParallel(
+        [stage],
+        groups,
+        zero_stage=3,
+        bucket_size=301,
+        overlap_comm=False,
+        units=[zero3_units(stage)],
+        zero3=z3,
+        initial_values=initial_values([stage]),
+    )
     bad = []
     for i, (a, b) in enumerate(zip(ref.buffers, ddp.buffers)):
         got, expect = (b.params_shard, a.params_shard) if b.params_shard is not None else (b.params_flat, a.params_flat)
@@ -111,6 +152,7 @@ def test_placeholders_refuse_to_pass_for_values():
 
 # -- peak memory while building ---------------------------------------------------------------
 
+
 def _peak_bytes(fn):
     """(peak bytes of CPU tensors allocated inside ``fn()`` and live at once, ``fn()``'s result),
     from torch's profiler allocation events in time order (a free matched to its allocation by
@@ -127,6 +169,7 @@ def _peak_bytes(fn):
             if e.tag == _EventType.Allocation:
                 events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
             walk(e.children)
+
     walk(prof.profiler.kineto_results.experimental_event_tree())
     live, now, peak = {}, 0, 0
     for _, size, ptr in sorted(events, key=lambda e: e[0]):
@@ -139,9 +182,23 @@ def _peak_bytes(fn):
     return peak, result
 
 
-ARGV = ["--mock-data", "--vocab-size", "250", "--num-layers", "4", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--seq-length", "32",
-        "--seed", str(SEED)]
+ARGV = [
+    "--mock-data",
+    "--vocab-size",
+    "250",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "256",
+    "--seq-length",
+    "32",
+    "--seed",
+    str(SEED),
+]
 
 
 def _memory_run(rank, world, extra):
@@ -152,30 +209,45 @@ def _memory_run(rank, world, extra):
     cpu = torch.device("cpu")
     names = [n for n, _ in GPTStage(gcfg, groups, range(4), True, True, SEED, materialize=False).named_parameters()]
     full = init_full_weights(gcfg, SEED, p.tp, names)
-    out = dict(full_stage=sum(t.numel() * t.element_size() for t in full.values()),
-               largest_full=max(t.numel() * t.element_size() for t in full.values()),
-               predicted=build_peak_bytes(cfg, gcfg))
+    out = dict(
+        full_stage=sum(t.numel() * t.element_size() for t in full.values()),
+        largest_full=max(t.numel() * t.element_size() for t in full.values()),
+        predicted=build_peak_bytes(cfg, gcfg),
+    )
     del full
-    before, _ = _peak_bytes(lambda: GPTStage(gcfg, groups, range(4), True, True, SEED,
-                                             full_weights=init_full_weights(gcfg, SEED, p.tp, names)))
+    before, _ = _peak_bytes(
+        lambda: GPTStage(
+            gcfg, groups, range(4), True, True, SEED, full_weights=init_full_weights(gcfg, SEED, p.tp, names)
+        )
+    )
     if cfg.zero.stage != 3:
         peak, chunks = _peak_bytes(lambda: build_model_chunks(gcfg, cfg, groups, cpu))
         out.update(shards=sum(q.numel() * q.element_size() for q in chunks[0].parameters()), grads=0)
     else:
+
         def build():
             chunks = build_model_chunks(gcfg, cfg, groups, cpu)
-            return DataParallel(chunks, groups, zero_stage=3, bucket_size=cfg.model.hidden_size ** 2,
-                                overlap_comm=False, units=[zero3_units(c) for c in chunks],
-                                zero3=Zero3Options(param_persistence_threshold=0),
-                                initial_values=initial_values(chunks))
+            return DataParallel(
+                chunks,
+                groups,
+                zero_stage=3,
+                bucket_size=cfg.model.hidden_size**2,
+                overlap_comm=False,
+                units=[zero3_units(c) for c in chunks],
+                zero3=Zero3Options(param_persistence_threshold=0),
+                initial_values=initial_values(chunks),
+            )
+
         peak, ddp = _peak_bytes(build)
         out.update(shards=sum(b.param_bytes() for b in ddp.buffers), grads=sum(b.grad_bytes() for b in ddp.buffers))
     return dict(out, before=before, peak=peak)
 
 
-@pytest.mark.parametrize("extra", [["--tp", "2"], ["--dp", "2", "--zero-stage", "3",
-                                                    "--zero3-param-persistence-threshold", "0"]],
-                         ids=["tp2", "zero3-dp2"])
+@pytest.mark.parametrize(
+    "extra",
+    [["--tp", "2"], ["--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"]],
+    ids=["tp2", "zero3-dp2"],
+)
 def test_build_peak_memory_is_shards_plus_one_full_tensor(extra):
     """The build's peak (less ZeRO's gradient shard, which DataParallel allocates beside it) is
     at most 2 x (largest full tensor + this rank's parameter shards) and within the predicted
@@ -188,7 +260,7 @@ def test_build_peak_memory_is_shards_plus_one_full_tensor(extra):
         assert out["before"] >= out["full_stage"]
         predicted = out["predicted"]
         assert predicted.full == out["largest_full"]
-        assert predicted.resident == pytest.approx(out["shards"], rel=0.01)   # the buckets' padding
+        assert predicted.resident == pytest.approx(out["shards"], rel=0.01)  # the buckets' padding
         assert out["shards"] <= build <= predicted.peak
 
 
@@ -204,7 +276,7 @@ def test_build_peak_bytes_without_zero3_is_the_partitions_plus_one_parameter_in_
     spec = gcfg.parameter_spec(1)
     sharded = config_from_argv(z3 + ["--zero3-param-persistence-threshold", "0"], 2)
     halves = sum(-(-e.numel // 2) for e in spec)
-    assert build_peak_bytes(sharded, build_gpt_config(sharded, 250)).resident == 2 * halves   # bf16 shards
+    assert build_peak_bytes(sharded, build_gpt_config(sharded, 250)).resident == 2 * halves  # bf16 shards
     # DeepSpeed's own threshold of 100,000 elements (the default is 10 x hidden): every tensor here stays whole
     whole = config_from_argv(z3 + ["--zero3-param-persistence-threshold", "100000"], 2)
     assert build_peak_bytes(whole, build_gpt_config(whole, 250)).resident == 2 * sum(e.numel for e in spec)
@@ -212,13 +284,16 @@ def test_build_peak_bytes_without_zero3_is_the_partitions_plus_one_parameter_in_
 
 # -- item 7: rotary table, enable_gqa, TF32 ---------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_table_rows_equal_the_tables_rebuilt_per_layer(dtype):
     table = RotaryTable(64, 8, 10000.0)
     for T in (1, 7, 16, 64):
         assert all(torch.equal(a, b) for a, b in zip(table.first(T, dtype), rotary_cos_sin(T, 8, 10000.0, dtype=dtype)))
     positions = torch.randint(0, 64, (3, 20))
-    assert all(torch.equal(a, b) for a, b in zip(table.at(positions, dtype), rotary_cos_sin_at(positions, 8, 10000.0, dtype)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(table.at(positions, dtype), rotary_cos_sin_at(positions, 8, 10000.0, dtype))
+    )
     with pytest.raises(ValueError, match="exceed"):
         table.first(65, dtype)
 
@@ -235,10 +310,18 @@ def test_enable_gqa_equals_repeated_keys_and_values(monkeypatch, groups):
     output bit for bit; the K/V gradients sum a group's heads in another order, equal to fp32
     rounding."""
     import model.gpt as gpt
+
     if not gpt.SDPA_GQA:
         pytest.skip("torch < 2.5: SDPA has no enable_gqa")
-    cfg = GPTConfig(vocab_size=101, num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
-                    attention_dropout=0.0, **dict(LLAMA, num_query_groups=groups))
+    cfg = GPTConfig(
+        vocab_size=101,
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        attention_dropout=0.0,
+        **dict(LLAMA, num_query_groups=groups),
+    )
     torch.manual_seed(0)
     attn = Attention(cfg, None, False, RNGTracker(1, 0))
     with torch.no_grad():
@@ -252,6 +335,7 @@ def test_enable_gqa_equals_repeated_keys_and_values(monkeypatch, groups):
         y = attn(xi)
         grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), [xi, *attn.parameters()])
         return y, grads
+
     (y1, g1), (y0, g0) = run(True), run(False)
     assert torch.equal(y1, y0)
     for a, b in zip(g1, g0):
@@ -263,17 +347,24 @@ def test_tf32_flag_is_off_by_default_and_acts_on_cuda_only(monkeypatch):
     assert config_from_argv(["--mock-data", "--tf32"], 1).precision.tf32 is True
     matmul = torch.backends.cuda.matmul
     new_api = hasattr(matmul, "fp32_precision")
-    before = (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) if new_api else \
-        (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    before = (
+        (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+        if new_api
+        else (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    )
 
     def state():
-        return (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) if new_api else \
-            (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        return (
+            (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+            if new_api
+            else (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        )
+
     try:
         set_tf32(True, torch.device("cpu"))
         set_tf32(False, torch.device("cuda"))
         assert state() == before
-        set_tf32(True, torch.device("cuda"))   # only flips the switches: no CUDA context is made
+        set_tf32(True, torch.device("cuda"))  # only flips the switches: no CUDA context is made
         assert state() == (("tf32", "tf32") if new_api else (True, True))
     finally:
         if new_api:
@@ -286,6 +377,7 @@ def _sp_copies_run(rank, world, layers):
     """Layout copies (``aten.clone`` of ``.contiguous()``/``reshape``) made in the TP/SP borders
     (megazero/tensor_parallel) during one forward and one backward of a ``layers``-layer stage."""
     import traceback
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -295,11 +387,21 @@ def _sp_copies_run(rank, world, layers):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.clone.default and any(
-                    "megazero/tensor_parallel/" in f.filename for f in traceback.extract_stack()):
+                "megazero/tensor_parallel/" in f.filename for f in traceback.extract_stack()
+            ):
                 self.counts[self.phase] += 1
             return func(*args, **(kwargs or {}))
-    cfg = GPTConfig(vocab_size=256, num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=32,
-                    hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=True)
+
+    cfg = GPTConfig(
+        vocab_size=256,
+        num_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        sequence_parallel=True,
+    )
     stage = GPTStage(cfg, ProcessGroups.build(Topology(tp=2, pp=1, dp=1)), range(layers), True, True, SEED)
     x = torch.randint(0, 256, (2, 32))
     with Count() as count:

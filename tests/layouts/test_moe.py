@@ -10,6 +10,7 @@ with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the refe
 assignments; an expert-bias run has the reference's bias after every step. All layouts of the 4-rank
 world share one spawn.
 """
+
 import math
 
 import pytest
@@ -22,19 +23,43 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
     "dp4-zero1": (["--dp", "4", "--zero-stage", "1"], [], MOE_STEPS),
     "dp4-zero3": (["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"], [], MOE_STEPS),
     "tp2-dp2-zero2": (["--tp", "2", "--dp", "2", "--zero-stage", "2"], [], MOE_STEPS),
-    "pp2-dp2-interleaved-zero1": (["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2", "--zero-stage", "1"],
-                                  [], MOE_STEPS),
+    "pp2-dp2-interleaved-zero1": (
+        ["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2", "--zero-stage", "1"],
+        [],
+        MOE_STEPS,
+    ),
     # capacity 1.0 of 8 experts: ceil(32 x 2 / 8) = 8 slots each, so most micro-batches drop some
-    "capacity-tp2-dp2": (["--tp", "2", "--dp", "2"], ["--moe-expert-capacity-factor", "1.0",
-                                                      "--moe-token-drop-policy", "probs"], 4),
+    "capacity-tp2-dp2": (
+        ["--tp", "2", "--dp", "2"],
+        ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
+        4,
+    ),
     # the other router and drop rules: sequence-wise aux loss, top-k of the full softmax, drops by position
-    "capacity-position-seqaux-dp4": (["--dp", "4"], ["--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy",
-                                                     "position", "--moe-router-load-balancing-type", "seq_aux_loss",
-                                                     "--moe-router-pre-softmax"], 4),
+    "capacity-position-seqaux-dp4": (
+        ["--dp", "4"],
+        [
+            "--moe-expert-capacity-factor",
+            "1.25",
+            "--moe-token-drop-policy",
+            "position",
+            "--moe-router-load-balancing-type",
+            "seq_aux_loss",
+            "--moe-router-pre-softmax",
+        ],
+        4,
+    ),
     # DeepSeek-V3's aux-loss-free bias; a large rate so that it changes the routing within 4 steps
-    "bias-pp2-dp2": (["--pp", "2", "--dp", "2"], ["--moe-router-score-function", "sigmoid",
-                                                  "--moe-router-enable-expert-bias",
-                                                  "--moe-router-bias-update-rate", "0.05"], 4),
+    "bias-pp2-dp2": (
+        ["--pp", "2", "--dp", "2"],
+        [
+            "--moe-router-score-function",
+            "sigmoid",
+            "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate",
+            "0.05",
+        ],
+        4,
+    ),
 }
 
 
@@ -45,7 +70,7 @@ def _moe_run(rank, world, argv, steps):
     trainer = build_trainer(argv, world)
     cfg, groups = trainer.cfg, trainer.groups
     moe = {int(i): b.mlp for c in trainer.chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
-    values, bias = [], []   # bias: after each step, per MoE layer held here
+    values, bias = [], []  # bias: after each step, per MoE layer held here
     for step in range(steps):
         for m in moe.values():
             m.record = [] if step == 0 else None
@@ -57,12 +82,14 @@ def _moe_run(rank, world, argv, steps):
     from megazero.planning import memory
 
     p = cfg.parallel
-    psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs the planner's count
-           memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
-                                  p.pipeline_layer_split))
+    psi = (
+        sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs the planner's count
+        memory.params_per_rank(
+            trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size, p.pipeline_layer_split
+        ),
+    )
     trainer.close()
-    return dict(values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
-                psi=psi)
+    return dict(values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, psi=psi)
 
 
 def _moe_runs(rank, world, argvs, steps):
@@ -73,10 +100,16 @@ def _moe_runs(rank, world, argvs, steps):
 def runs():
     """name -> (per-rank results, reference (losses, stats)); one 4-rank spawn runs every layout."""
     names = list(LAYOUTS)
-    per_rank = run_distributed(_moe_runs, 4, [ARGS + LAYOUTS[n][1] + LAYOUTS[n][0] for n in names],
-                               [LAYOUTS[n][2] for n in names], timeout_s=900)
-    return {n: ([r[i] for r in per_rank], moe_reference(ARGS + LAYOUTS[n][1], LAYOUTS[n][2]))
-            for i, n in enumerate(names)}
+    per_rank = run_distributed(
+        _moe_runs,
+        4,
+        [ARGS + LAYOUTS[n][1] + LAYOUTS[n][0] for n in names],
+        [LAYOUTS[n][2] for n in names],
+        timeout_s=900,
+    )
+    return {
+        n: ([r[i] for r in per_rank], moe_reference(ARGS + LAYOUTS[n][1], LAYOUTS[n][2])) for i, n in enumerate(names)
+    }
 
 
 def _global_assignment(results, layer):
@@ -99,7 +132,7 @@ def test_moe_layout_equals_reference(name, runs):
     results, (ref_losses, stats) = runs[name]
     values = results[0]["values"]
     for r in results:
-        assert r["psi"][0] == r["psi"][1]   # the planner counts each rank's parameters exactly
+        assert r["psi"][0] == r["psi"][1]  # the planner counts each rank's parameters exactly
         assert [v["loss"] for v in r["values"]] == [v["loss"] for v in values]
         assert [v["grad_norm"] for v in r["values"]] == [v["grad_norm"] for v in values]
     for step, v in enumerate(values):
@@ -109,16 +142,16 @@ def test_moe_layout_equals_reference(name, runs):
         assert math.isclose(aux, stats["aux_losses"][step], rel_tol=1e-5), (name, step, aux)
     assert values[-1]["loss"] < values[0]["loss"]
     dropped = 0
-    for layer, want in enumerate(stats["assignments"]):   # every layer is an MoE layer here
+    for layer, want in enumerate(stats["assignments"]):  # every layer is an MoE layer here
         got = _global_assignment(results, layer)
-        assert len(got) == len(want) == 8   # 16 sequences / micro-batches of 2
+        assert len(got) == len(want) == 8  # 16 sequences / micro-batches of 2
         for (g_experts, g_keep), (w_experts, w_keep) in zip(got, want):
             assert torch.equal(g_experts, w_experts), (name, layer)
             assert torch.equal(w_keep, torch.ones_like(w_keep) if g_keep is None else g_keep), (name, layer)
             dropped += int((~w_keep).sum())
     assert (dropped > 0) == name.startswith("capacity"), dropped
     moved = False
-    for step, per_layer in enumerate(stats["expert_bias"]):   # after every step
+    for step, per_layer in enumerate(stats["expert_bias"]):  # after every step
         for layer, want in enumerate(per_layer):
             for r in results:
                 if layer in r["bias"][step]:
@@ -141,23 +174,26 @@ def fails(argv, capsys):
     return err
 
 
-@pytest.mark.parametrize("extra, named", [
-    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor 0"),
-    (["--num-experts", "4", "--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),
-    (["--moe-router-topk", "1"], "--num-experts"),
-    (["--moe-aux-loss-coeff", "0.01"], "--num-experts"),
-    (["--num-experts", "4", "--cp", "2"], "--num-experts with --cp 2"),
-    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity"),
-    (["--num-experts", "4", "--dp", "2", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3"),
-    (["--num-experts", "4", "--tp", "2", "--moe-ffn-hidden-size", "7"], "--moe-ffn-hidden-size 7"),
-    (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--tp", "1", "--moe-router-topk", "1"], None),
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5"),
+        (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor 0"),
+        (["--num-experts", "4", "--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),
+        (["--moe-router-topk", "1"], "--num-experts"),
+        (["--moe-aux-loss-coeff", "0.01"], "--num-experts"),
+        (["--num-experts", "4", "--cp", "2"], "--num-experts with --cp 2"),
+        (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity"),
+        (["--num-experts", "4", "--dp", "2", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3"),
+        (["--num-experts", "4", "--tp", "2", "--moe-ffn-hidden-size", "7"], "--moe-ffn-hidden-size 7"),
+        (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--tp", "1", "--moe-router-topk", "1"], None),
+    ],
+)
 def test_bad_moe_settings_exit_2_naming_the_flag(extra, named, capsys):
     from megazero.config import config_from_argv
 
     argv = ["--mock-data", "--device", "cpu"] + extra
-    if named is None:   # a valid setting for contrast: parses
+    if named is None:  # a valid setting for contrast: parses
         assert config_from_argv(argv, 2).model.moe_ffn_hidden_size == 7
         return
     assert named in fails(argv, capsys)
@@ -169,20 +205,35 @@ def test_moe_spec_names_experts_by_global_index_and_counts_active_flops():
     from megazero.param_spec import matmul_params
     from model.config import GPTConfig
 
-    kw = dict(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, swiglu=True,
-              add_bias_linear=False, ffn_hidden_size=32)
-    moe = GPTConfig(**kw, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=8,
-                    moe_shared_expert_intermediate_size=12, moe_layer_freq=2)
+    kw = dict(
+        vocab_size=64,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        swiglu=True,
+        add_bias_linear=False,
+        ffn_hidden_size=32,
+    )
+    moe = GPTConfig(
+        **kw,
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        moe_shared_expert_intermediate_size=12,
+        moe_layer_freq=2,
+    )
     spec = {e.name: e for e in moe.parameter_spec(2)}
-    assert spec["layers.0.mlp.router.weight"].shape == (8, 16) and spec["layers.0.mlp.router.weight"].partition_dim is None
+    assert (
+        spec["layers.0.mlp.router.weight"].shape == (8, 16) and spec["layers.0.mlp.router.weight"].partition_dim is None
+    )
     e7 = spec["layers.0.mlp.experts.7.fc1.weight"]
     assert e7.shape == (16, 16) and (e7.partition_dim, e7.partition_stride) == (0, 2)
     assert spec["layers.0.mlp.shared_experts.fc2.weight"].shape == (16, 12)
-    assert "layers.1.mlp.fc1.weight" in spec and "layers.1.mlp.router.weight" not in spec   # freq 2
+    assert "layers.1.mlp.fc1.weight" in spec and "layers.1.mlp.router.weight" not in spec  # freq 2
     layer, _, _ = matmul_params(moe.parameter_spec(1))
-    attn = 2 * ((2 + 2 * 2) * 8 * 16 + 16 * 16)                     # qkv + proj of both layers
-    active = 8 * 16 + 2 * (3 * 16 * 8) + 3 * 16 * 12                # router + k experts + shared
-    assert layer == attn + active + 3 * 16 * 32                      # layer 1: the dense SwiGLU MLP
+    attn = 2 * ((2 + 2 * 2) * 8 * 16 + 16 * 16)  # qkv + proj of both layers
+    active = 8 * 16 + 2 * (3 * 16 * 8) + 3 * 16 * 12  # router + k experts + shared
+    assert layer == attn + active + 3 * 16 * 32  # layer 1: the dense SwiGLU MLP
 
 
 def test_moe_losses_reach_the_log_line_and_metrics(tmp_path, capsys):
@@ -192,8 +243,9 @@ def test_moe_losses_reach_the_log_line_and_metrics(tmp_path, capsys):
 
     from megazero.runtime.monitor import Monitor
 
-    with Monitor(str(tmp_path), tensorboard_dir=None, metrics_file="m.jsonl", rank=0, is_logging_rank=True,
-                 config_text="") as mon:
+    with Monitor(
+        str(tmp_path), tensorboard_dir=None, metrics_file="m.jsonl", rank=0, is_logging_rank=True, config_text=""
+    ) as mon:
         mon.log_iteration(1, {"loss": 2.0, "moe_aux_loss": 0.04, "moe_z_loss": 0.0175})
     assert "| moe aux loss: 4.000000E-02 | moe z loss: 1.750000E-02" in capsys.readouterr().out
     train = [r for r in map(json.loads, open(tmp_path / "m.jsonl")) if r["kind"] == "train"]
@@ -210,19 +262,20 @@ def test_moe_layer_statistics_reach_the_log_line_tensorboard_and_metrics(tmp_pat
 
     from megazero.runtime.monitor import Monitor
 
-    layers = {0: {"tokens_per_expert": [4, 4, 4, 4], "dropped": 0, "assignments": 16, "aux_loss": 0.01,
-                  "z_loss": 0.002},
-              2: {"tokens_per_expert": [10, 2, 4, 0], "dropped": 4, "assignments": 16, "aux_loss": 0.03,
-                  "z_loss": 0.001}}
-    with Monitor(str(tmp_path), tensorboard_dir="tb", metrics_file="m.jsonl", rank=0, is_logging_rank=True,
-                 config_text="") as mon:
+    layers = {
+        0: {"tokens_per_expert": [4, 4, 4, 4], "dropped": 0, "assignments": 16, "aux_loss": 0.01, "z_loss": 0.002},
+        2: {"tokens_per_expert": [10, 2, 4, 0], "dropped": 4, "assignments": 16, "aux_loss": 0.03, "z_loss": 0.001},
+    }
+    with Monitor(
+        str(tmp_path), tensorboard_dir="tb", metrics_file="m.jsonl", rank=0, is_logging_rank=True, config_text=""
+    ) as mon:
         mon.log_iteration(3, {"loss": 2.0, "moe_aux_loss": 0.04, "moe_z_loss": 0.003, "moe_layers": layers})
     line = capsys.readouterr().out
     # layer 2: max 10 over mean 4 = 2.5; dropped 4 of 32 assignments = 12.5 %
     assert "| moe load max/mean: 2.500 (layer 2) | moe dropped: 12.50 %" in line, line
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
-    scalar = lambda tag: acc.Scalars(tag)[0].value  # noqa: E731
+    scalar = lambda tag: acc.Scalars(tag)[0].value
     assert scalar("moe/layer2/tokens/expert0") == 10 and scalar("moe/layer2/tokens/expert3") == 0
     assert scalar("moe/layer2/dropped_fraction") == 0.25 and scalar("moe/layer0/load_max_over_mean") == 1.0
     assert math.isclose(scalar("moe/layer2/aux_loss"), 0.03, rel_tol=1e-6)
@@ -242,10 +295,21 @@ def test_pad_expert_input_to_capacity_keeps_the_numbers(swiglu, bias):
 
     results, shapes = [], []
     for pad in (False, True):
-        cfg = GPTConfig(vocab_size=10, num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=6,
-                        swiglu=swiglu, add_bias_linear=bias, num_experts=4, moe_ffn_hidden_size=6,
-                        moe_router_topk=2, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=pad,
-                        moe_aux_loss_coeff=1e-2)
+        cfg = GPTConfig(
+            vocab_size=10,
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=2,
+            seq_length=6,
+            swiglu=swiglu,
+            add_bias_linear=bias,
+            num_experts=4,
+            moe_ffn_hidden_size=6,
+            moe_router_topk=2,
+            moe_expert_capacity_factor=1.0,
+            moe_pad_expert_input_to_capacity=pad,
+            moe_aux_loss_coeff=1e-2,
+        )
         layer = MoEMLP(cfg, None)
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
@@ -257,11 +321,11 @@ def test_pad_expert_input_to_capacity_keeps_the_numbers(swiglu, bias):
         out = layer(x)
         out.square().sum().backward()
         results.append((out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}))
-    capacity = 6   # ceil(12 tokens x 2 / 4 experts x 1.0)
+    capacity = 6  # ceil(12 tokens x 2 / 4 experts x 1.0)
     assert {n for padded, n in shapes if padded} == {capacity}
-    assert any(n < capacity for padded, n in shapes if not padded)   # some expert had fewer rows
+    assert any(n < capacity for padded, n in shapes if not padded)  # some expert had fewer rows
     (o1, x1, g1), (o2, x2, g2) = results
-    assert torch.equal(o1, o2) and torch.equal(x1, x2)   # the zero rows change no row's sums
+    assert torch.equal(o1, o2) and torch.equal(x1, x2)  # the zero rows change no row's sums
     assert all(torch.equal(g1[n], g2[n]) for n in g1)
 
 
@@ -274,8 +338,9 @@ def test_grouped_expert_gemm_equals_the_loop(swiglu):
     from model.config import GPTConfig
     from model.gpt import ExpertMLP, grouped_mm_available
 
-    cfg = GPTConfig(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2, swiglu=swiglu,
-                    add_bias_linear=False)
+    cfg = GPTConfig(
+        vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2, swiglu=swiglu, add_bias_linear=False
+    )
     g = torch.Generator().manual_seed(2)
     experts = [ExpertMLP(cfg, 12, 1) for _ in range(4)]
     for e in experts:
@@ -300,4 +365,3 @@ def test_grouped_expert_gemm_equals_the_loop(swiglu):
     assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
     biased = GPTConfig(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2)
     assert ExpertMLP.grouped_forward([ExpertMLP(biased, 12, 1)], rows0, [17]) is None
-

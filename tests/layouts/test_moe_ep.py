@@ -5,12 +5,14 @@ reduced and ZeRO-sharded over the expert-data-parallel group.
 The model of tests/layouts/test_moe.py (LLaMA-style block with GQA, top-2 of 8 experts plus one shared
 expert, aux and z losses) under EP in {2, 4} with (tp, pp, dp) = (1, 1, 4) ZeRO-1, 2 and 3,
 (2, 1, 2) ZeRO-0 and 2, (1, 2, 2) interleaved, both dispatchers: 6 steps (warm-up, peak and
-decay of the 10-iteration schedule) equal ``tests/support/reference.py`` within 1e-5 relative (losses, gradient norms, aux losses), and the expert of every token at
+decay of the 10-iteration schedule) equal ``tests/support/reference.py`` within 1e-5 relative (losses, gradient
+norms, aux losses), and the expert of every token at
 every step equals the reference's (integers). Each step's all-to-all bytes over the world equal
 the closed form; each rank's expert model-state bytes equal the ZeRO formula with
 N = dp / EP (and its whole model state the sum of both formulas). One 4-rank spawn runs every
 layout; the pure rank arithmetic and the refused settings are tested without processes.
 """
+
 import math
 
 import pytest
@@ -23,44 +25,126 @@ EP = "--expert-model-parallel-size"
 MODELS = {  # model flags beside tests/layouts/test_moe.py's ARGS: tests/layouts/test_moe.py's routing variants
     "dropless": [],
     "capacity": ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
-    "position": ["--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position",
-                 "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-pre-softmax"],
-    "bias": ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-             "--moe-router-bias-update-rate", "0.05"],
+    "position": [
+        "--moe-expert-capacity-factor",
+        "1.25",
+        "--moe-token-drop-policy",
+        "position",
+        "--moe-router-load-balancing-type",
+        "seq_aux_loss",
+        "--moe-router-pre-softmax",
+    ],
+    "bias": [
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate",
+        "0.05",
+    ],
 }
 LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
     "dp4-ep2-zero1": (["--dp", "4", "--zero-stage", "1", EP, "2"], "dropless"),
-    "dp4-ep2-zero3": (["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
-                      "dropless"),
+    "dp4-ep2-zero3": (
+        ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
+        "dropless",
+    ),
     "dp4-ep4-zero1": (["--dp", "4", "--zero-stage", "1", EP, "4"], "dropless"),
     "tp2-dp2-ep2-zero2": (["--tp", "2", "--dp", "2", "--zero-stage", "2", EP, "2"], "dropless"),
-    "pp2-dp2-ep2-interleaved-zero1": (["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2",
-                                       "--zero-stage", "1", EP, "2"], "dropless"),
-    "dp4-ep4-zero3-allgather": (["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
-                                 EP, "4", "--moe-token-dispatcher-type", "allgather"], "dropless"),
-    "dp4-ep2-zero2-allgather": (["--dp", "4", "--zero-stage", "2", EP, "2", "--moe-token-dispatcher-type",
-                                 "allgather"], "dropless"),
-    "tp2-dp2-ep2-zero0-allgather": (["--tp", "2", "--dp", "2", "--zero-stage", "0", EP, "2",
-                                     "--moe-token-dispatcher-type", "allgather"], "dropless"),
+    "pp2-dp2-ep2-interleaved-zero1": (
+        ["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2", "--zero-stage", "1", EP, "2"],
+        "dropless",
+    ),
+    "dp4-ep4-zero3-allgather": (
+        [
+            "--dp",
+            "4",
+            "--zero-stage",
+            "3",
+            "--zero3-param-persistence-threshold",
+            "0",
+            EP,
+            "4",
+            "--moe-token-dispatcher-type",
+            "allgather",
+        ],
+        "dropless",
+    ),
+    "dp4-ep2-zero2-allgather": (
+        ["--dp", "4", "--zero-stage", "2", EP, "2", "--moe-token-dispatcher-type", "allgather"],
+        "dropless",
+    ),
+    "tp2-dp2-ep2-zero0-allgather": (
+        ["--tp", "2", "--dp", "2", "--zero-stage", "0", EP, "2", "--moe-token-dispatcher-type", "allgather"],
+        "dropless",
+    ),
     "capacity-tp2-dp2-ep2-zero1": (["--tp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"], "capacity"),
-    "position-dp4-ep4-zero2-allgather": (["--dp", "4", "--zero-stage", "2", EP, "4", "--moe-token-dispatcher-type",
-                                          "allgather"], "position"),
+    "position-dp4-ep4-zero2-allgather": (
+        ["--dp", "4", "--zero-stage", "2", EP, "4", "--moe-token-dispatcher-type", "allgather"],
+        "position",
+    ),
     "bias-pp2-dp2-ep2-zero1": (["--pp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"], "bias"),
     # sequence parallelism and recomputation, 5 steps each (SHORT)
-    "sp-selective-tp2-dp2-ep2-zero1": (["--tp", "2", "--sequence-parallel", "--dp", "2", "--zero-stage", "1", EP, "2",
-                                        "--recompute-granularity", "selective"], "dropless"),
-    "full-recompute-bias-pp2-dp2-ep2-zero1": (["--pp", "2", "--dp", "2", "--zero-stage", "1", EP, "2",
-                                               "--recompute-granularity", "full", "--recompute-method", "uniform",
-                                               "--recompute-num-layers", "1"], "bias"),
-    "sp-full-recompute-capacity-tp2-dp2-ep2-allgather": (["--tp", "2", "--sequence-parallel", "--dp", "2", EP, "2",
-                                                          "--zero-stage", "2",
-                                                          "--moe-token-dispatcher-type", "allgather",
-                                                          "--moe-pad-expert-input-to-capacity",
-                                                          "--recompute-granularity", "full", "--recompute-method",
-                                                          "block", "--recompute-num-layers", "1"], "capacity"),
+    "sp-selective-tp2-dp2-ep2-zero1": (
+        [
+            "--tp",
+            "2",
+            "--sequence-parallel",
+            "--dp",
+            "2",
+            "--zero-stage",
+            "1",
+            EP,
+            "2",
+            "--recompute-granularity",
+            "selective",
+        ],
+        "dropless",
+    ),
+    "full-recompute-bias-pp2-dp2-ep2-zero1": (
+        [
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--zero-stage",
+            "1",
+            EP,
+            "2",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+        "bias",
+    ),
+    "sp-full-recompute-capacity-tp2-dp2-ep2-allgather": (
+        [
+            "--tp",
+            "2",
+            "--sequence-parallel",
+            "--dp",
+            "2",
+            EP,
+            "2",
+            "--zero-stage",
+            "2",
+            "--moe-token-dispatcher-type",
+            "allgather",
+            "--moe-pad-expert-input-to-capacity",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "1",
+        ],
+        "capacity",
+    ),
 }
-SHORT = 5   # steps of the layouts whose names hold "sp-" or "recompute"
-EP_STEPS = MOE_STEPS   # steps of the others (6; the dropless reference is tests/layouts/test_moe.py's)
+SHORT = 5  # steps of the layouts whose names hold "sp-" or "recompute"
+EP_STEPS = MOE_STEPS  # steps of the others (6; the dropless reference is tests/layouts/test_moe.py's)
 
 
 def _steps_of(name: str) -> int:
@@ -92,9 +176,9 @@ def _expert_state(optimizer):
 
 
 def _ep_run(rank, world, argv, steps):
-    from megazero.training import build_trainer
     from megazero import collectives as C
     from megazero.planning import memory, plan
+    from megazero.training import build_trainer
     from model.gpt import MoEMLP
 
     trainer = build_trainer(argv, world)
@@ -110,19 +194,36 @@ def _ep_run(rank, world, argv, steps):
         a2a.append(C.counter["all_to_all"] - before)
         records.append({i: m.record for i, m in moe.items()})
     p, opt = cfg.parallel, trainer.optimizer
-    psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),
-           memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
-                                  ep=groups.ep_size))
+    psi = (
+        sum(q.numel() for c in trainer.chunks for q in c.parameters()),
+        memory.params_per_rank(
+            trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size, ep=groups.ep_size
+        ),
+    )
     got = opt.model_state_bytes()
-    planned = memory.stage_estimates(trainer.gpt_config, **plan.layout_settings(cfg, False),
-                                     a=plan.activation_settings(cfg), buckets=(2**62, 2**62))
+    planned = memory.stage_estimates(
+        trainer.gpt_config, **plan.layout_settings(cfg, False), a=plan.activation_settings(cfg), buckets=(2**62, 2**62)
+    )
     planned = planned[groups.pp_rank].model_state_bytes
     bias = {i: None if m.expert_bias is None else m.expert_bias.clone() for i, m in moe.items()}
-    out = dict(values=values, records=records, a2a=a2a, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank,
-               experts={i: sorted(m.experts_by_index) for i, m in moe.items()}, psi=psi, ep_rank=groups.ep_rank,
-               expert_state=_expert_state(opt), edp_size=groups.edp_size, terms=opt.formula_terms(),
-               state_bytes=got["total"] - got["buckets"], formula=opt.formula()["total"], planned=planned,
-               buffers=len(opt.ddp.buffers))
+    out = dict(
+        values=values,
+        records=records,
+        a2a=a2a,
+        bias=bias,
+        dp_rank=groups.dp_rank,
+        tp_rank=groups.tp_rank,
+        experts={i: sorted(m.experts_by_index) for i, m in moe.items()},
+        psi=psi,
+        ep_rank=groups.ep_rank,
+        expert_state=_expert_state(opt),
+        edp_size=groups.edp_size,
+        terms=opt.formula_terms(),
+        state_bytes=got["total"] - got["buckets"],
+        formula=opt.formula()["total"],
+        planned=planned,
+        buffers=len(opt.ddp.buffers),
+    )
     trainer.close()
     return out
 
@@ -135,8 +236,13 @@ def _ep_runs(rank, world, argvs, steps):
 def runs():
     """name -> (per-rank results, the reference's (losses, stats) for its model)."""
     names = list(LAYOUTS)
-    per_rank = run_distributed(_ep_runs, 4, [ARGS + MODELS[LAYOUTS[n][1]] + LAYOUTS[n][0] for n in names],
-                               [_steps_of(n) for n in names], timeout_s=900)
+    per_rank = run_distributed(
+        _ep_runs,
+        4,
+        [ARGS + MODELS[LAYOUTS[n][1]] + LAYOUTS[n][0] for n in names],
+        [_steps_of(n) for n in names],
+        timeout_s=900,
+    )
     refs = {m: moe_reference(ARGS + MODELS[m], EP_STEPS) for m in {LAYOUTS[n][1] for n in names}}
     return {n: ([r[i] for r in per_rank], refs[LAYOUTS[n][1]]) for i, n in enumerate(names)}
 
@@ -144,8 +250,9 @@ def runs():
 def _assignments(results, step, layer):
     """Step ``step``'s experts ``[N, k]`` of every micro-batch of the global batch for ``layer``
     (dp rank 0's micro-batches, then dp rank 1's, ...)."""
-    by_dp = {r["dp_rank"]: r["records"][step][layer] for r in results
-             if layer in r["records"][step] and r["tp_rank"] == 0}
+    by_dp = {
+        r["dp_rank"]: r["records"][step][layer] for r in results if layer in r["records"][step] and r["tp_rank"] == 0
+    }
     return [record for d in sorted(by_dp) for record in by_dp[d]]
 
 
@@ -169,19 +276,23 @@ def test_expert_parallel_layout_equals_reference(name, runs):
             aux = v["moe_aux_loss"] + v["moe_z_loss"]
             assert math.isclose(aux, stats["aux_losses"][step], rel_tol=1e-5), (name, step, aux)
     assert results[0]["values"][-1]["loss"] < results[0]["values"][0]["loss"]
-    for step, per_layer in enumerate(stats["assignment_steps"][:_steps_of(name)]):
+    for step, per_layer in enumerate(stats["assignment_steps"][: _steps_of(name)]):
         for layer, want in enumerate(per_layer):
             got = _assignments(results, step, layer)
-            assert len(got) == len(want) == 8   # 16 sequences in micro-batches of 2
+            assert len(got) == len(want) == 8  # 16 sequences in micro-batches of 2
             for (g, g_keep), (w, w_keep) in zip(got, want):
                 assert torch.equal(g, w), (name, step, layer)
                 assert torch.equal(w_keep, torch.ones_like(w_keep) if g_keep is None else g_keep), (name, step)
-    dropped = sum(int((~keep).sum()) for per_layer in stats["assignment_steps"][:_steps_of(name)] for mbs in per_layer
-                  for _, keep in mbs)
+    dropped = sum(
+        int((~keep).sum())
+        for per_layer in stats["assignment_steps"][: _steps_of(name)]
+        for mbs in per_layer
+        for _, keep in mbs
+    )
     assert (dropped > 0) == (LAYOUTS[name][1] in ("capacity", "position")), dropped
     for r in results:
         for layer, got in r["bias"].items():
-            want = stats["expert_bias"][_steps_of(name) - 1][layer]   # every layer is an MoE layer
+            want = stats["expert_bias"][_steps_of(name) - 1][layer]  # every layer is an MoE layer
             assert (got is None) == (want is None) and (want is None or torch.equal(got, want)), (name, layer)
             assert want is None or want.abs().sum() > 0
 
@@ -204,7 +315,7 @@ def test_logged_routing_statistics_equal_the_reference_counts(name, runs):
                 want = sum(torch.bincount(e.reshape(-1), minlength=8) for e, _ in mbs).tolist()
                 assert got["tokens_per_expert"] == want, (name, step, layer, got, want)
                 assert got["dropped"] == sum(int((~keep).sum()) for _, keep in mbs), (name, step, layer)
-                assert got["assignments"] == 16 * 16 * 2   # global batch 16 x 16 tokens, top-2
+                assert got["assignments"] == 16 * 16 * 2  # global batch 16 x 16 tokens, top-2
             assert math.isclose(sum(x["aux_loss"] for x in layers.values()), v["moe_aux_loss"], rel_tol=1e-12)
             assert math.isclose(sum(x["z_loss"] for x in layers.values()), v["moe_z_loss"], rel_tol=1e-12)
 
@@ -226,8 +337,8 @@ def test_all_to_all_bytes_equal_the_closed_form(name, runs):
     M = gbs // (micro * dp)
     for step in range(_steps_of(name)):
         kept = sum(int(keep.sum()) for mbs in stats["assignment_steps"][step] for _, keep in mbs)
-        want = tp * dp * layers * M * 8 * E + 4 * H * 4 * tp * kept   # each layer on tp x dp ranks
-        if "full-recompute" in name:   # every layer recomputed: its forward all-to-alls run twice
+        want = tp * dp * layers * M * 8 * E + 4 * H * 4 * tp * kept  # each layer on tp x dp ranks
+        if "full-recompute" in name:  # every layer recomputed: its forward all-to-alls run twice
             want += tp * dp * layers * M * 8 * E + 4 * H * 2 * tp * kept
         total = sum(r["a2a"][step] for r in results)
         assert total == (0 if "allgather" in name else want), (name, step, total, want)
@@ -243,7 +354,7 @@ def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
     from megazero.optim.zero import zero_formula_bytes
 
     stage, dp, ep, tp, pp = (_flag(name, f) for f in ("--zero-stage", "--dp", EP, "--tp", "--pp"))
-    per_expert = 3 * 32 * 16 // tp   # SwiGLU fc1 [2F/tp, H] and fc2 [H, F/tp], F = 16, H = 32
+    per_expert = 3 * 32 * 16 // tp  # SwiGLU fc1 [2F/tp, H] and fc2 [H, F/tp], F = 16, H = 32
     for r in runs[name][0]:
         numel, padded, n, held = r["expert_state"]
         assert r["edp_size"] == n == dp // ep
@@ -254,8 +365,9 @@ def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
         assert 0 <= r["state_bytes"] - r["planned"] < 16 * dp * r["buffers"], (r["state_bytes"], r["planned"])
 
 
-@pytest.mark.parametrize("dispatcher, capacity", [("alltoall", None), ("allgather", None), ("alltoall", 10),
-                                                  ("allgather", 10)])
+@pytest.mark.parametrize(
+    "dispatcher, capacity", [("alltoall", None), ("allgather", None), ("alltoall", 10), ("allgather", 10)]
+)
 def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher, capacity):
     """At ep size 1 (group None) each dispatcher gives the EP-1 loop's output and gradients
     bitwise: outputs scaled by the routing weights and added token by token in expert order.
@@ -268,7 +380,7 @@ def test_dispatch_in_one_process_is_the_loop_over_experts(dispatcher, capacity):
     N, H, E, k = 12, 8, 4, 2
     experts = {e: torch.nn.Linear(H, H, bias=False) for e in range(E)}
     assigned = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
-    assigned[3, 1] = assigned[7, 0] = -1   # two dropped assignments
+    assigned[3, 1] = assigned[7, 0] = -1  # two dropped assignments
     results = []
     for way in ("loop", dispatcher):
         x = torch.randn(N, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -315,14 +427,21 @@ def test_expert_groups_are_carved_out_of_the_replicas():
         Topology(tp=1, pp=1, dp=4, ep=3)
 
 
-@pytest.mark.parametrize("extra, named", [
-    (["--num-experts", "6", "--dp", "4", EP, "4"], f"{EP} 4 does not divide --num-experts 6"),
-    (["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "4"], f"{EP} 4 does not divide the data"),
-    (["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "2", "--expert-tensor-parallel-size", "1"],
-     "--expert-tensor-parallel-size 1"),
-    (["--num-experts", "8", "--dp", "4", EP, "4", "--moe-token-dispatcher-type", "ring"],
-     "--moe-token-dispatcher-type"),
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--num-experts", "6", "--dp", "4", EP, "4"], f"{EP} 4 does not divide --num-experts 6"),
+        (["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "4"], f"{EP} 4 does not divide the data"),
+        (
+            ["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "2", "--expert-tensor-parallel-size", "1"],
+            "--expert-tensor-parallel-size 1",
+        ),
+        (
+            ["--num-experts", "8", "--dp", "4", EP, "4", "--moe-token-dispatcher-type", "ring"],
+            "--moe-token-dispatcher-type",
+        ),
+    ],
+)
 def test_bad_expert_parallel_settings_exit_2_naming_the_flag(extra, named, capsys):
     from megazero.config import config_from_argv
 
@@ -336,23 +455,56 @@ def test_bad_expert_parallel_settings_exit_2_naming_the_flag(extra, named, capsy
 def test_expert_parallel_settings_parse():
     from megazero.config import config_from_argv, layout_topology
 
-    cfg = config_from_argv(["--mock-data", "--device", "cpu", "--num-experts", "8", "--dp", "2", "--tp", "2",
-                            EP, "2", "--expert-tensor-parallel-size", "2"], 4)
+    cfg = config_from_argv(
+        [
+            "--mock-data",
+            "--device",
+            "cpu",
+            "--num-experts",
+            "8",
+            "--dp",
+            "2",
+            "--tp",
+            "2",
+            EP,
+            "2",
+            "--expert-tensor-parallel-size",
+            "2",
+        ],
+        4,
+    )
     assert cfg.parallel.expert_model_parallel_size == 2 and layout_topology(cfg).ep == 2
     assert cfg.model.moe_token_dispatcher_type == "alltoall"
 
 
 # -- checkpoints: saved at EP 2, resumed at EP 4 and at EP 1 ------------------------------------
-BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-        "--moe-router-bias-update-rate", "0.05"]   # a bias that moves the routing within a few steps
+BIAS = [
+    "--moe-router-score-function",
+    "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate",
+    "0.05",
+]  # a bias that moves the routing within a few steps
 SAVE_AT, AFTER = 3, 5
-SAVED = ["--tp", "2", "--dp", "4", "--zero-stage", "1", EP, "2"]   # 8 ranks
-RESUMED = {"tp2-dp4-ep4-zero2-offload": ["--tp", "2", "--dp", "4", "--zero-stage", "2", EP, "4",
-                                         "--offload-optimizer", "cpu"],
-           "pp2-dp4-ep2-zero3-allgather": ["--pp", "2", "--dp", "4", "--zero-stage", "3",
-                                           "--zero3-param-persistence-threshold", "0", EP, "2",
-                                           "--moe-token-dispatcher-type", "allgather"]}
-ONE_RANK = {"one-rank-ep1": []}   # resumed in a process of its own: tp = pp = dp = EP = 1
+SAVED = ["--tp", "2", "--dp", "4", "--zero-stage", "1", EP, "2"]  # 8 ranks
+RESUMED = {
+    "tp2-dp4-ep4-zero2-offload": ["--tp", "2", "--dp", "4", "--zero-stage", "2", EP, "4", "--offload-optimizer", "cpu"],
+    "pp2-dp4-ep2-zero3-allgather": [
+        "--pp",
+        "2",
+        "--dp",
+        "4",
+        "--zero-stage",
+        "3",
+        "--zero3-param-persistence-threshold",
+        "0",
+        EP,
+        "2",
+        "--moe-token-dispatcher-type",
+        "allgather",
+    ],
+}
+ONE_RANK = {"one-rank-ep1": []}  # resumed in a process of its own: tp = pp = dp = EP = 1
 
 
 def _steps(trainer, run, cfg, groups, n):
@@ -363,8 +515,12 @@ def _steps(trainer, run, cfg, groups, n):
     for _ in range(n):
         batches = trainer.next_batches()
         values.append(trainer.train_step(batches).values)
-    bias = {int(i): b.mlp.expert_bias.clone() for c in trainer.chunks for i, b in c.layers.items()
-            if isinstance(b.mlp, MoEMLP)}
+    bias = {
+        int(i): b.mlp.expert_bias.clone()
+        for c in trainer.chunks
+        for i, b in c.layers.items()
+        if isinstance(b.mlp, MoEMLP)
+    }
     return values, bias
 
 
@@ -398,10 +554,17 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
     ZeRO-3 (all-gather dispatcher) and in one process (EP 1): the next 5 steps' losses and
     gradient norms equal the uninterrupted run's within 1e-5, and every MoE layer's expert bias
     after them is the same (exactly)."""
-    per_rank = run_distributed(_checkpoint_runs, 8, str(tmp_path), ARGS + BIAS + SAVED,
-                               {n: ARGS + BIAS + a for n, a in RESUMED.items()}, timeout_s=900)
-    per_rank += run_distributed(_checkpoint_runs, 1, str(tmp_path), None,
-                                {n: ARGS + BIAS + a for n, a in ONE_RANK.items()}, timeout_s=300)
+    per_rank = run_distributed(
+        _checkpoint_runs,
+        8,
+        str(tmp_path),
+        ARGS + BIAS + SAVED,
+        {n: ARGS + BIAS + a for n, a in RESUMED.items()},
+        timeout_s=900,
+    )
+    per_rank += run_distributed(
+        _checkpoint_runs, 1, str(tmp_path), None, {n: ARGS + BIAS + a for n, a in ONE_RANK.items()}, timeout_s=300
+    )
     want, _ = per_rank[0]["uninterrupted"]
     assert len(want) == AFTER and want[0]["iteration"] == SAVE_AT + 1
     for name in [*RESUMED, *ONE_RANK]:
@@ -414,11 +577,10 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
                 assert g["iteration"] == w["iteration"]
                 assert math.isclose(g["loss"], w["loss"], rel_tol=1e-5), (name, g["loss"], w["loss"])
                 assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (name, g, w)
-    layers = per_rank[0]["uninterrupted"][1]   # tp 2 dp 4 pp 1: every layer on every rank
+    layers = per_rank[0]["uninterrupted"][1]  # tp 2 dp 4 pp 1: every layer on every rank
     assert sorted(layers) == [0, 1, 2, 3] and any(b.abs().sum() > 0 for b in layers.values())
     assert sorted(per_rank[-1]["one-rank-ep1"][1]) == [0, 1, 2, 3]
     for name in [*RESUMED, *ONE_RANK]:
         for r in per_rank:
             for i, b in r.get(name, (None, {}))[1].items():
                 assert torch.equal(b, layers[i]), (name, i)
-

@@ -5,6 +5,7 @@ where Adam runs, not the arithmetic: losses and main params equal the same stage
 offload (within 1e-6; in practice bit-identical), bytes on each side equal
 ``offload_formula_bytes`` and a checkpoint moves between offload and no offload.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -22,10 +23,18 @@ STEPS = 5
 def build_offload(cfg, groups, stage, overlap, clip_grad=CLIP):
     """``tests.support.zero.build`` with the optimizer replaced by a HostOffloadOptimizer."""
     model, ddp, _ = build(cfg, groups, stage, overlap, clip_grad=clip_grad)
-    opt = HostOffloadOptimizer(ddp, groups, pin_memory=True, lr=ADAM["lr"], beta1=ADAM["betas"][0],
-                               beta2=ADAM["betas"][1], eps=ADAM["eps"],
-                               weight_decay=ADAM["weight_decay"], clip_grad=clip_grad,
-                               allgather_bucket_size=1001)
+    opt = HostOffloadOptimizer(
+        ddp,
+        groups,
+        pin_memory=True,
+        lr=ADAM["lr"],
+        beta1=ADAM["betas"][0],
+        beta2=ADAM["betas"][1],
+        eps=ADAM["eps"],
+        weight_decay=ADAM["weight_decay"],
+        clip_grad=clip_grad,
+        allgather_bucket_size=1001,
+    )
     return model, ddp, opt
 
 
@@ -63,10 +72,11 @@ def _resume(groups, batches, stage, first_cls, second_cls):
 def run_checkpointed(rank, world, batches):
     groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
     out = {stage: _stage_runs(groups, batches, stage) for stage in (1, 2, 3)}
-    out["resume"] = {(stage, a.__name__, b.__name__): _resume(groups, batches, stage, a, b)
-                     for stage in (1, 2)
-                     for a, b in ((HostOffloadOptimizer, DistributedOptimizer),
-                                  (DistributedOptimizer, HostOffloadOptimizer))}
+    out["resume"] = {
+        (stage, a.__name__, b.__name__): _resume(groups, batches, stage, a, b)
+        for stage in (1, 2)
+        for a, b in ((HostOffloadOptimizer, DistributedOptimizer), (DistributedOptimizer, HostOffloadOptimizer))
+    }
     return out
 
 
@@ -85,8 +95,11 @@ def test_offload_matches_same_stage_bytes_and_resume_dp2():
             got, place, bound = o["bytes"]
             formula = o["formula"]
             # host: fp32 main + 2 moments + fp32 gradient copy of the owned elements
-            assert place["host"] == formula["host"] == (
-                got["main_params"] + got["exp_avg"] + got["exp_avg_sq"] + got["host_grads"])
+            assert (
+                place["host"]
+                == formula["host"]
+                == (got["main_params"] + got["exp_avg"] + got["exp_avg_sq"] + got["host_grads"])
+            )
             assert got["main_params"] == got["exp_avg"] == got["host_grads"] > 0
             # device: the stage's params and grads, plus at most B bytes of buckets
             assert place["device"] - got["buckets"] == formula["device"]
@@ -106,14 +119,14 @@ def test_offload_formula_per_stage():
     """The device/host split of the ZeRO-Offload paper (sec. 4) for Psi = 1200, N = 4, bf16."""
     psi, n = 1200, 4
     assert offload_formula_bytes(psi, n, 1, 2, 2) == {"device": 4 * psi, "host": 16 * psi / n}
-    assert offload_formula_bytes(psi, n, 2, 2, 2) == {"device": 2 * psi + 2 * psi / n,
-                                                      "host": 16 * psi / n}
+    assert offload_formula_bytes(psi, n, 2, 2, 2) == {"device": 2 * psi + 2 * psi / n, "host": 16 * psi / n}
     assert offload_formula_bytes(psi, n, 3, 2, 2) == {"device": 4 * psi / n, "host": 16 * psi / n}
     assert offload_formula_bytes(psi, n, 0, 2, 2) == {"device": 4 * psi, "host": 16 * psi}
 
 
 def _checkpoint_runs(rank, world, jobs):
     from tests.support.checkpoint import run_checkpointed
+
     return [run_checkpointed(rank, world, argv, steps, save=save, load=load) for argv, steps, save, load in jobs]
 
 
@@ -125,10 +138,14 @@ def test_checkpoint_with_offload_resumes_without_and_back(tmp_path):
 
     plain, off = ARGS + ["--dp", "2", "--zero-stage", "2"], ["--offload-optimizer", "cpu"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    jobs = [(plain, 6, None, None), (plain + off, 3, a, None), (plain, 3, None, a),
-            (plain, 3, b, None), (plain + off, 3, None, b)]
-    whole, first_off, resumed_plain, first_plain, resumed_off = run_distributed(
-        _checkpoint_runs, 2, jobs)[0]
+    jobs = [
+        (plain, 6, None, None),
+        (plain + off, 3, a, None),
+        (plain, 3, None, a),
+        (plain, 3, b, None),
+        (plain + off, 3, None, b),
+    ]
+    whole, first_off, resumed_plain, first_plain, resumed_off = run_distributed(_checkpoint_runs, 2, jobs)[0]
     assert first_off[0] == pytest.approx(whole[0][:3], rel=1e-6)
     for resumed in (resumed_plain, resumed_off):
         assert resumed[1] == 3
@@ -146,13 +163,17 @@ def test_planner_counts_only_device_states_when_offloaded_to_a_gpu_host():
     def plan(argv, on_cuda=False):
         cfg = config_from_argv(argv, 2)
         return plan_memory(cfg, build_gpt_config(cfg, 1001), on_cuda=on_cuda)
+
     argv = ["--mock-data", "--zero-stage", "2", "--dp", "2", "--device", "cpu"]
     plain = plan(argv)
     cpu = plan(argv + ["--offload-optimizer", "cpu"])
     assert cpu.model_state_bytes == plain.model_state_bytes == zero_formula_bytes(plain.params, 2, 2, 4, 4)
     gpu = plan(argv + ["--offload-optimizer", "cpu"], on_cuda=True)
-    assert gpu.model_state_bytes == offload_formula_bytes(plain.params, 2, 2, 4, 4)["device"] \
+    assert (
+        gpu.model_state_bytes
+        == offload_formula_bytes(plain.params, 2, 2, 4, 4)["device"]
         == 4 * plain.params + 4 * plain.params / 2
+    )
     # ZeRO-3 with the parameter shards offloaded too (cpu or nvme): only the gradient shard
     # stays on the GPU, g Psi / N; the gathered parameters are temporaries, the same either way
     z3 = ["--mock-data", "--zero-stage", "3", "--dp", "2", "--device", "cpu", "--offload-optimizer", "cpu"]
@@ -170,10 +191,20 @@ def test_offload_param_through_the_trainer_equals_no_parameter_offload():
     within 1e-6; the parameter shards (4 bytes x Psi/N, fp32) move from the device bytes to
     the host bytes of bytes_by_place."""
     from tests.support.layouts import BASE, offload_runs
-    z3 = BASE + ["--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
-                 "--offload-optimizer", "cpu"]
+
+    z3 = BASE + [
+        "--dp",
+        "2",
+        "--zero-stage",
+        "3",
+        "--zero3-param-persistence-threshold",
+        "0",
+        "--offload-optimizer",
+        "cpu",
+    ]
     (plain, _, plain_place), (off, cls, place) = run_distributed(
-        offload_runs, 2, [z3, z3 + ["--offload-param", "cpu"]], 3)[0]
+        offload_runs, 2, [z3, z3 + ["--offload-param", "cpu"]], 3
+    )[0]
     assert cls == "HostOffloadOptimizer" and off == pytest.approx(plain, rel=1e-6)
     moved = place["host"] - plain_place["host"]
     assert moved > 0 and plain_place["device"] - place["device"] == moved

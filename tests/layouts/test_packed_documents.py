@@ -7,13 +7,19 @@ tokens change) and must equal B's logits when B is run alone as a sequence of it
 training runs match ``tests/support/reference.py``'s packed-document loss (its masks written out
 token by token).
 """
+
 import math
 
 import pytest
 import torch
 
-from megazero.context_parallel.sequence import (Packing, counted_targets, document_ids,
-                                                document_positions, shard_micro_batch)
+from megazero.context_parallel.sequence import (
+    Packing,
+    counted_targets,
+    document_ids,
+    document_positions,
+    shard_micro_batch,
+)
 from tests.support.distributed import run_distributed
 
 EOD, V, T = 3, 101, 16
@@ -22,11 +28,27 @@ LEN_A = 6  # A = tokens 0..5, the last of them EOD; B = tokens 6..15
 
 def _cfg(block: str):
     from model.config import GPTConfig
-    kw = dict(vocab_size=V, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T,
-              hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
+
+    kw = dict(
+        vocab_size=V,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=T,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        make_vocab_size_divisible_by=8,
+    )
     if block == "llama":
-        kw.update(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-                  num_query_groups=2, add_bias_linear=False, tie_embeddings=False, ffn_hidden_size=64)
+        kw.update(
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            swiglu=True,
+            num_query_groups=2,
+            add_bias_linear=False,
+            tie_embeddings=False,
+            ffn_hidden_size=64,
+        )
     return GPTConfig(**kw)
 
 
@@ -77,13 +99,14 @@ def _logits_of(rank, world, tp, cp, block, token_rows):
             x, _, seq = shard_micro_batch(tokens, tokens, cp=cp, cp_rank=groups.cp_rank, packing=packing)
             out.append(full(stage(x, seq=seq)))
         if cp == 1:  # B as a sequence of its own: default positions, plain causal attention
-            alone = stage(token_rows[0][:, LEN_A:])                # (B, T - LEN_A, V_pad/tp)
+            alone = stage(token_rows[0][:, LEN_A:])  # (B, T - LEN_A, V_pad/tp)
             out.append((_gather_vocab(alone, tp) if tp > 1 else alone)[..., :V])
     return out
 
 
 def _gather_vocab(local, tp):
     import torch.distributed as dist
+
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.contiguous())
     return torch.cat(parts, dim=-1)
@@ -96,7 +119,7 @@ def logits():
     out = {}
     for block in ("gpt2", "llama"):
         out[(block, "single")] = run_distributed(_logits_of, 1, 1, 1, block, rows)[0]
-    for (tp, cp) in ((1, 2), (2, 1), (2, 2)):
+    for tp, cp in ((1, 2), (2, 1), (2, 2)):
         world = tp * cp
         for block in ("gpt2", "llama"):
             out[(block, f"tp{tp}-cp{cp}")] = run_distributed(_logits_of, world, tp, cp, block, rows)[0]
@@ -122,10 +145,37 @@ def test_document_b_ignores_document_a(block, layout, logits):
 
 # -- training with packed documents equals the reference's packed loss ---------------------
 STEPS = 5
-BASE = ["--mock-data", "--vocab-size", str(V), "--num-layers", "2", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", str(T), "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--train-iters", str(STEPS), "--lr", "3e-3", "--clip-grad", "1.0",
-        "--seed", "7", "--make-vocab-size-divisible-by", "8", "--eval-iters", "0", "--device", "cpu"]
+BASE = [
+    "--mock-data",
+    "--vocab-size",
+    str(V),
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    str(T),
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    str(STEPS),
+    "--lr",
+    "3e-3",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "7",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+]
 FLAGS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
 
 
@@ -142,9 +192,8 @@ def _batches():
 
 def _train_packed(rank, world, argvs):
     from megazero import training
-    from megazero.config import config_from_argv
+    from megazero.config import config_from_argv, layout_topology
     from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
 
     results = []
     for argv in argvs:
@@ -159,8 +208,10 @@ def _train_packed(rank, world, argvs):
         for tokens, labels in _batches():  # this dp rank's samples, in micro-batches
             mine = slice(groups.dp_rank * per_dp, (groups.dp_rank + 1) * per_dp)
             x, y = tokens[mine], labels[mine]
-            mbs = [(x[i:i + t.micro_batch_size], y[i:i + t.micro_batch_size])
-                   for i in range(0, per_dp, t.micro_batch_size)]
+            mbs = [
+                (x[i : i + t.micro_batch_size], y[i : i + t.micro_batch_size])
+                for i in range(0, per_dp, t.micro_batch_size)
+            ]
             losses.append(trainer.train_step(mbs).values["loss"])
         trainer.close()
         results.append(losses)
@@ -178,21 +229,36 @@ def packed_reference():
     gcfg = build_gpt_config(cfg, V)
     o = cfg.optim
     from megazero.optim.lr_schedule import LRSchedule
+
     sched = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, cfg.train.train_iters, o.lr_decay_style)
-    return train_reference(init_full_weights(gcfg, cfg.train.seed), _batches(), vocab_size=V,
-                           num_heads=4, lr=lambda s: sched(s + 1), steps=STEPS,
-                           betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay, eps=o.adam_eps,
-                           clip_grad=o.clip_grad, packing=dict(eod=EOD, **FLAGS))
+    return train_reference(
+        init_full_weights(gcfg, cfg.train.seed),
+        _batches(),
+        vocab_size=V,
+        num_heads=4,
+        lr=lambda s: sched(s + 1),
+        steps=STEPS,
+        betas=(o.adam_beta1, o.adam_beta2),
+        weight_decay=o.weight_decay,
+        eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        packing=dict(eod=EOD, **FLAGS),
+    )
 
 
-PACKED_LAYOUTS = {1: [[]], 2: [["--cp", "2"], ["--tp", "2", "--sequence-parallel"], ["--dp", "2"]],
-                  4: [["--tp", "2", "--cp", "2"], ["--cp", "2", "--pp", "2"]]}
+PACKED_LAYOUTS = {
+    1: [[]],
+    2: [["--cp", "2"], ["--tp", "2", "--sequence-parallel"], ["--dp", "2"]],
+    4: [["--tp", "2", "--cp", "2"], ["--cp", "2", "--pp", "2"]],
+}
 
 
 @pytest.fixture(scope="module")
 def packed_runs():
-    return {world: run_distributed(_train_packed, world, [BASE + a for a in argvs], timeout_s=600)[0]
-            for world, argvs in PACKED_LAYOUTS.items()}
+    return {
+        world: run_distributed(_train_packed, world, [BASE + a for a in argvs], timeout_s=600)[0]
+        for world, argvs in PACKED_LAYOUTS.items()
+    }
 
 
 @pytest.mark.parametrize("world,index", [(w, i) for w, a in PACKED_LAYOUTS.items() for i in range(len(a))])

@@ -6,21 +6,23 @@ parameter shards (read back from the swap file) bit for bit those of ``--offload
 and of no offload, with the optimizer on the host (cpu) and in swap files (nvme), with a pool of
 one slot (every prefetch evicts) and with ``max_in_cpu`` keeping some shards resident; bytes
 read and written per step equal ``M x 4 x S`` and ``4 x S`` (S swapped elements, M
-micro-batches; the run's first step reads the layers' swapped shards once more); at most ``buffer_count`` shards hold host memory at once and none between
+micro-batches; the run's first step reads the layers' swapped shards once more); at most ``buffer_count`` shards hold
+host memory at once and none between
 steps; checkpoints (state_dict) move between nvme, cpu and none both ways; a truncated or
 missing parameter swap file stops both ranks in the next step, the owner naming it in one line.
 """
+
 import os
 
 import pytest
 import torch
 
 from megazero.data_parallel.ddp import DataParallel
-from megazero.offload.param_swap import ParamSwapOptions
 from megazero.data_parallel.zero3_gather import Zero3Options
+from megazero.offload.param_swap import ParamSwapOptions
+from megazero.offload.swap import SwapError
 from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
-from megazero.offload.swap import SwapError
 from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
@@ -36,16 +38,35 @@ CFG = dict(num_layers=3)
 def _build(groups, root, opt="cpu", param="nvme", buffer_count=2, max_in_cpu=0):
     """Model, ddp, optimizer: ``opt`` none/cpu/nvme, ``param`` none/cpu/nvme."""
     model = GPTStage(tiny_cfg(**CFG), groups, range(CFG["num_layers"]), True, True, SEED)
-    swap = (ParamSwapOptions(os.path.join(root, "params"), buffer_count=buffer_count, buffer_size=10_000,
-                             max_in_cpu=max_in_cpu) if param == "nvme" else None)
-    ddp = DataParallel([model], groups, zero_stage=3, bucket_size=BUCKET, overlap_comm=True,
-                       units=[zero3_units(model)],
-                       zero3=Zero3Options(offload_param=param == "cpu", param_swap=swap))
-    kw = dict(lr=ADAM["lr"], beta1=ADAM["betas"][0], beta2=ADAM["betas"][1], eps=ADAM["eps"],
-              weight_decay=ADAM["weight_decay"], clip_grad=CLIP, allgather_bucket_size=1001)
+    swap = (
+        ParamSwapOptions(
+            os.path.join(root, "params"), buffer_count=buffer_count, buffer_size=10_000, max_in_cpu=max_in_cpu
+        )
+        if param == "nvme"
+        else None
+    )
+    ddp = DataParallel(
+        [model],
+        groups,
+        zero_stage=3,
+        bucket_size=BUCKET,
+        overlap_comm=True,
+        units=[zero3_units(model)],
+        zero3=Zero3Options(offload_param=param == "cpu", param_swap=swap),
+    )
+    kw = dict(
+        lr=ADAM["lr"],
+        beta1=ADAM["betas"][0],
+        beta2=ADAM["betas"][1],
+        eps=ADAM["eps"],
+        weight_decay=ADAM["weight_decay"],
+        clip_grad=CLIP,
+        allgather_bucket_size=1001,
+    )
     if opt == "nvme":
-        o = NvmeOffloadOptimizer(ddp, groups, nvme_path=os.path.join(root, "opt"), buffer_count=2,
-                                 sub_group_size=997, io_threads=2, **kw)
+        o = NvmeOffloadOptimizer(
+            ddp, groups, nvme_path=os.path.join(root, "opt"), buffer_count=2, sub_group_size=997, io_threads=2, **kw
+        )
     elif opt == "cpu":
         o = HostOffloadOptimizer(ddp, groups, **kw)
     else:
@@ -69,21 +90,35 @@ def _run_case(groups, batches, root, **kw):
     losses, io, held = [], [], []
     for i in range(STEPS):
         before = (swap.io.read, swap.io.written) if swap else (0, 0)
-        losses += train(model, ddp, opt, groups, batches[i:i + 1], MICRO, steps=1)[0]
+        losses += train(model, ddp, opt, groups, batches[i : i + 1], MICRO, steps=1)[0]
         if swap:
             io.append((swap.io.read - before[0], swap.io.written - before[1]))
             held.append(swap.held_bytes())
     got = opt.model_state_bytes()
-    out = dict(losses=losses, main=opt.main_param.clone(), shards=_shards(ddp), io=io, held=held,
-               states=got["total"] - got["buckets"], formula=opt.formula()["total"] if kw.get("opt") != "none" else 0)
+    out = dict(
+        losses=losses,
+        main=opt.main_param.clone(),
+        shards=_shards(ddp),
+        io=io,
+        held=held,
+        states=got["total"] - got["buckets"],
+        formula=opt.formula()["total"] if kw.get("opt") != "none" else 0,
+    )
     if swap:
-        out.update(swapped=sum(b.params_shard.numel() for b in swap.swapped),
-                   in_layers=sum(b.params_shard.numel() for u in ddp.zero3.units if u.module is not None
-                                 for b in u.buffers if b.swapped),
-                   sharded=sum(b.layout.shard_numel for b in ddp.buffers if b.strategy.stage == 3),
-                   resident=swap.resident_numel, peak=swap.peak_slots, pool=swap.pool_bytes(),
-                   largest=swap.largest, n_swapped=len(swap.swapped),
-                   file=os.path.getsize(swap.swap_path), host=ddp.host_param_bytes())
+        out.update(
+            swapped=sum(b.params_shard.numel() for b in swap.swapped),
+            in_layers=sum(
+                b.params_shard.numel() for u in ddp.zero3.units if u.module is not None for b in u.buffers if b.swapped
+            ),
+            sharded=sum(b.layout.shard_numel for b in ddp.buffers if b.strategy.stage == 3),
+            resident=swap.resident_numel,
+            peak=swap.peak_slots,
+            pool=swap.pool_bytes(),
+            largest=swap.largest,
+            n_swapped=len(swap.swapped),
+            file=os.path.getsize(swap.swap_path),
+            host=ddp.host_param_bytes(),
+        )
     ddp.close()
     if swap:
         out["removed"] = not os.path.exists(swap.swap_dir)
@@ -127,15 +162,23 @@ def _fault(groups, batches, root, rank, kind):
 def _run(rank, world, batches, root):
     groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=world))
     root = os.path.join(root, f"r{rank}")
-    cases = {"none": dict(opt="none", param="none"), "cpu": dict(opt="cpu", param="cpu"),
-             "nvme": dict(opt="cpu", param="nvme", buffer_count=2),
-             "nvme_one_slot": dict(opt="cpu", param="nvme", buffer_count=1),
-             "nvme_resident": dict(opt="cpu", param="nvme", max_in_cpu=2000),
-             "nvme_nvme": dict(opt="nvme", param="nvme", buffer_count=1)}
+    cases = {
+        "none": dict(opt="none", param="none"),
+        "cpu": dict(opt="cpu", param="cpu"),
+        "nvme": dict(opt="cpu", param="nvme", buffer_count=2),
+        "nvme_one_slot": dict(opt="cpu", param="nvme", buffer_count=1),
+        "nvme_resident": dict(opt="cpu", param="nvme", max_in_cpu=2000),
+        "nvme_nvme": dict(opt="nvme", param="nvme", buffer_count=1),
+    }
     out = {name: _run_case(groups, batches, root, **kw) for name, kw in cases.items()}
-    out["ckpt"] = {f"{a}>{b}": _checkpoint(groups, batches, root, a, b)
-                   for a, b in ((("cpu", "nvme"), ("none", "none")), (("none", "none"), ("cpu", "nvme")),
-                                (("nvme", "nvme"), ("cpu", "cpu")))}
+    out["ckpt"] = {
+        f"{a}>{b}": _checkpoint(groups, batches, root, a, b)
+        for a, b in (
+            (("cpu", "nvme"), ("none", "none")),
+            (("none", "none"), ("cpu", "nvme")),
+            (("nvme", "nvme"), ("cpu", "cpu")),
+        )
+    }
     out["faults"] = {kind: _fault(groups, batches, root, rank, kind) for kind in (("truncate", 0), ("missing", 1))}
     return out
 
@@ -144,13 +187,18 @@ def test_param_nvme_equals_cpu_and_none_io_bytes_checkpoints_and_faults(tmp_path
     batches = make_batches(tiny_cfg(**CFG), STEPS)
     outs = run_distributed(_run, 2, batches, str(tmp_path))
     if os.environ.get("MEGAZERO_SHOW"):
-        print({k: {x: v for x, v in o.items() if x not in ("shards", "main", "losses")}
-               for k, o in outs[0].items() if k.startswith("nvme")})
+        print(
+            {
+                k: {x: v for x, v in o.items() if x not in ("shards", "main", "losses")}
+                for k, o in outs[0].items()
+                if k.startswith("nvme")
+            }
+        )
     for rank, out in enumerate(outs):
         ref = out["cpu"]
         for name in ("none", "nvme", "nvme_one_slot", "nvme_resident", "nvme_nvme"):
             o = out[name]
-            assert o["losses"] == ref["losses"], name                      # bit for bit
+            assert o["losses"] == ref["losses"], name  # bit for bit
             assert torch.equal(o["main"], ref["main"]), name
             assert all(torch.equal(x, y) for x, y in zip(o["shards"], ref["shards"])), name
         for name in ("nvme", "nvme_one_slot", "nvme_resident", "nvme_nvme"):
@@ -160,15 +208,15 @@ def test_param_nvme_equals_cpu_and_none_io_bytes_checkpoints_and_faults(tmp_path
             # trace is not known yet, so it is released after the forward): 4 x in_layers more
             first = (MICRO * 4 * s + 4 * o["in_layers"], 4 * s)
             assert o["io"] == [first] + [(MICRO * 4 * s, 4 * s)] * (STEPS - 1), (name, o["io"], s)
-            slots = 2 if name in ("nvme", "nvme_resident") else 1       # buffer_count
-            assert o["held"] == [0] * STEPS and o["peak"] == slots, (name, o["peak"])   # prefetch fills them
+            slots = 2 if name in ("nvme", "nvme_resident") else 1  # buffer_count
+            assert o["held"] == [0] * STEPS and o["peak"] == slots, (name, o["peak"])  # prefetch fills them
             assert o["pool"] == min(slots, o["n_swapped"]) * 4 * o["largest"]
             assert o["host"] == o["pool"] + 4 * o["resident"]
             assert o["file"] == 4096 + 4 * s and o["removed"], name
         assert out["nvme_resident"]["resident"] > 0
-        for name in ("nvme", "nvme_one_slot", "nvme_resident"):   # cpu optimizer: only the shards differ
+        for name in ("nvme", "nvme_one_slot", "nvme_resident"):  # cpu optimizer: only the shards differ
             o = out[name]
-            saved = 4 * o["swapped"] - o["pool"]   # the swapped shards' bytes are replaced by the slots
+            saved = 4 * o["swapped"] - o["pool"]  # the swapped shards' bytes are replaced by the slots
             assert ref["states"] - o["states"] == saved > 0 and ref["formula"] - o["formula"] == saved, name
         for key, losses in out["ckpt"].items():
             assert losses == ref["losses"], key
@@ -185,8 +233,15 @@ def test_buffer_size_below_a_shard_names_the_setting(tmp_path):
     model = GPTStage(tiny_cfg(**CFG), groups, range(CFG["num_layers"]), True, True, SEED)
     swap = ParamSwapOptions(str(tmp_path), buffer_size=10, max_in_cpu=0)
     with pytest.raises(ValueError, match="offload_param buffer_size 10 .*--offload-param-buffer-size"):
-        DataParallel([model], groups, zero_stage=3, bucket_size=BUCKET, overlap_comm=False,
-                     units=[zero3_units(model)], zero3=Zero3Options(param_swap=swap))
+        DataParallel(
+            [model],
+            groups,
+            zero_stage=3,
+            bucket_size=BUCKET,
+            overlap_comm=False,
+            units=[zero3_units(model)],
+            zero3=Zero3Options(param_swap=swap),
+        )
 
 
 def _trainer_run(rank, world, argv, steps, save=None, load=None):
@@ -231,8 +286,14 @@ def test_seed_style_stage3_all_nvme_config_through_the_trainer_and_checkpoints(t
     z["offload_optimizer"]["nvme_path"] = swap
     cpu_doc = json.loads(json.dumps(doc))
     cpu_doc["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    z["offload_param"] = {"device": "nvme", "nvme_path": swap, "buffer_count": 2, "buffer_size": 1e6,
-                          "max_in_cpu": 0, "pin_memory": True}
+    z["offload_param"] = {
+        "device": "nvme",
+        "nvme_path": swap,
+        "buffer_count": 2,
+        "buffer_size": 1e6,
+        "max_in_cpu": 0,
+        "pin_memory": True,
+    }
     paths = {}
     for name, d in (("nvme", doc), ("cpu", cpu_doc)):
         paths[name] = tmp_path / f"{name}.json"
@@ -256,14 +317,26 @@ def test_truncated_param_swap_file_through_the_launcher_exits_1_naming_it(tmp_pa
     from tests.support.preemption import BASE, launch_env
 
     args = [a if a != "12" else "5" for a in BASE] + [
-        "--dp", "2", "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "nvme",
-        "--offload-nvme-path", str(tmp_path / "swap"), "--offload-param-max-in-cpu", "0",
-        "--zero3-param-persistence-threshold", "0"]
+        "--dp",
+        "2",
+        "--zero-stage",
+        "3",
+        "--offload-optimizer",
+        "cpu",
+        "--offload-param",
+        "nvme",
+        "--offload-nvme-path",
+        str(tmp_path / "swap"),
+        "--offload-param-max-in-cpu",
+        "0",
+        "--zero3-param-persistence-threshold",
+        "0",
+    ]
     out = launch_env(args, tmp_path / "run", dict(os.environ, MEGAZERO_TEST_FAULT="paramtrunc:3:0"), timeout=300)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     lines = [x for x in out.stderr.splitlines() if "swap file" in x]
     assert len(lines) == 1 and "rank0-params/params.swp is truncated" in lines[0], out.stderr[-3000:]
-    assert "SwapError" not in out.stdout + out.stderr and "train.py\", line" not in out.stderr, out.stderr[-3000:]
+    assert "SwapError" not in out.stdout + out.stderr and 'train.py", line' not in out.stderr, out.stderr[-3000:]
     assert not os.listdir(tmp_path / "swap")
 
 
@@ -281,11 +354,21 @@ def test_bf16_shards_on_nvme_equal_cpu_with_either_optimizer_offload(tmp_path):
         model = GPTStage(cfg, groups, range(CFG["num_layers"]), True, True, SEED)
         cast_model_(model, torch.bfloat16)
         swap = ParamSwapOptions(str(tmp_path / "p"), buffer_count=1, max_in_cpu=0) if param == "nvme" else None
-        ddp = DataParallel([model], groups, zero_stage=3, bucket_size=BUCKET, overlap_comm=True,
-                           units=[zero3_units(model)], zero3=Zero3Options(offload_param=param == "cpu", param_swap=swap))
+        ddp = DataParallel(
+            [model],
+            groups,
+            zero_stage=3,
+            bucket_size=BUCKET,
+            overlap_comm=True,
+            units=[zero3_units(model)],
+            zero3=Zero3Options(offload_param=param == "cpu", param_swap=swap),
+        )
         kw = dict(lr=ADAM["lr"], weight_decay=ADAM["weight_decay"])
-        o = (NvmeOffloadOptimizer(ddp, groups, nvme_path=str(tmp_path / "o"), sub_group_size=500, **kw)
-             if opt == "nvme" else HostOffloadOptimizer(ddp, groups, **kw))
+        o = (
+            NvmeOffloadOptimizer(ddp, groups, nvme_path=str(tmp_path / "o"), sub_group_size=500, **kw)
+            if opt == "nvme"
+            else HostOffloadOptimizer(ddp, groups, **kw)
+        )
         losses = train(model, ddp, o, groups, batches, 1, steps=2)[0]
         ddp.close()
         return losses

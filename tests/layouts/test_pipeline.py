@@ -2,6 +2,7 @@
 
 Each ``run_distributed`` call batches several checks (spawning ranks costs seconds).
 """
+
 import time
 import weakref
 
@@ -9,11 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from megazero.data_parallel.finalize import finalize_param_grads
 from megazero.pipeline.executor import run_schedule
 from megazero.pipeline.p2p import PipelineConfigError, StageLinks, handshake
 from megazero.pipeline.partition import is_post_process, is_pre_process, layer_ids
 from megazero.pipeline.schedules import build_schedule, simulate
-from megazero.data_parallel.finalize import finalize_param_grads
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
 from tests.support.distributed import run_distributed
@@ -33,7 +34,7 @@ class ToyChunk(nn.Module):
             g = torch.Generator().manual_seed(1000 + i)
             lin = nn.Linear(H, H)
             with torch.no_grad():
-                lin.weight.copy_(torch.randn(H, H, generator=g) / H ** 0.5)
+                lin.weight.copy_(torch.randn(H, H, generator=g) / H**0.5)
                 lin.bias.copy_(torch.randn(H, generator=g) * 0.1)
             self.layers.append(lin)
 
@@ -45,8 +46,7 @@ class ToyChunk(nn.Module):
 
 def _toy_data(steps, seed=7):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(M * MB, H, generator=g), torch.randn(M * MB, H, generator=g))
-            for _ in range(steps)]
+    return [(torch.randn(M * MB, H, generator=g), torch.randn(M * MB, H, generator=g)) for _ in range(steps)]
 
 
 def _toy_reference(steps, seed=7):
@@ -89,10 +89,19 @@ def _toy_train(groups, kind, vp, steps, scale, seed=7):
         batches = list(zip(x.split(MB), y.split(MB)))
         for c in chunks:
             c.zero_grad()
-        loss = run_schedule(actions, chunks, alive.forward_step, batches, groups,
-                            tensor_shape=(MB, H), dtype=torch.float32, num_microbatches=M,
-                            vp_size=vp, before_backward=lambda c, last: calls.append((c, last)),
-                            scale_loss=(lambda l: l * scale) if scale != 1 else None)
+        loss = run_schedule(
+            actions,
+            chunks,
+            alive.forward_step,
+            batches,
+            groups,
+            tensor_shape=(MB, H),
+            dtype=torch.float32,
+            num_microbatches=M,
+            vp_size=vp,
+            before_backward=lambda c, last: calls.append((c, last)),
+            scale_loss=(lambda l: l * scale) if scale != 1 else None,
+        )
         with torch.no_grad():
             for c in chunks:
                 for prm in c.parameters():
@@ -103,8 +112,7 @@ def _toy_train(groups, kind, vp, steps, scale, seed=7):
 
 def _toy_ranks(rank, world, steps):
     groups = ProcessGroups.build(Topology(pp=world), timeout_s=60)
-    out = {kind: _toy_train(groups, kind, vp, steps, 8.0 if kind == "1f1b" else 1.0)
-           for kind, vp in SCHEDULES}
+    out = {kind: _toy_train(groups, kind, vp, steps, 8.0 if kind == "1f1b" else 1.0) for kind, vp in SCHEDULES}
     if world == 2:
         out["p2p"] = _p2p_checks(groups)
     if world == 4:
@@ -139,8 +147,10 @@ def _mismatch_checks(groups):
     pipeline must raise within seconds."""
     r, results = groups.pp_rank, []
     bad = groups.dp_rank == 0
-    for shape, m in (((MB, H * (2 if r == 1 and bad else 1)), M),
-                     ((MB, H), M + (1 if r == groups.pp_size - 1 and bad else 0))):
+    for shape, m in (
+        ((MB, H * (2 if r == 1 and bad else 1)), M),
+        ((MB, H), M + (1 if r == groups.pp_size - 1 and bad else 0)),
+    ):
         start = time.monotonic()
         try:
             handshake(groups, shape, torch.float32, m, 1, "1f1b", device=CPU)
@@ -160,8 +170,7 @@ def test_toy_pipeline_matches_single_process(world):
     ref = _toy_reference(steps)
     out = run_distributed(_toy_ranks, world, steps, timeout_s=120)
     for kind, vp in SCHEDULES:
-        expected_peak = simulate([build_schedule(kind, M, world, r, vp) for r in range(world)],
-                                 world, vp).peak_inflight
+        expected_peak = simulate([build_schedule(kind, M, world, r, vp) for r in range(world)], world, vp).peak_inflight
         for rank in range(world):
             losses, calls, peak = out[rank][kind]
             assert losses == pytest.approx(ref, rel=1e-5), (kind, rank)
@@ -214,9 +223,17 @@ def _meta_default_ranks(rank, world, steps):
             error = str(e)
         for x, y in data:
             chunk.zero_grad()
-            loss = run_schedule(actions, [chunk], _Alive().forward_step, list(zip(x.split(MB), y.split(MB))),
-                                groups, tensor_shape=(MB, H), dtype=torch.float32, num_microbatches=M,
-                                device=CPU)
+            loss = run_schedule(
+                actions,
+                [chunk],
+                _Alive().forward_step,
+                list(zip(x.split(MB), y.split(MB))),
+                groups,
+                tensor_shape=(MB, H),
+                dtype=torch.float32,
+                num_microbatches=M,
+                device=CPU,
+            )
             with torch.no_grad():
                 for prm in chunk.parameters():
                     prm -= LR * prm.grad
@@ -245,17 +262,31 @@ def test_no_pipelining_in_one_process(device):
     ref_loss = ((ref(x) - y) ** 2).mean()
     ref_loss.backward()
     chunk = ToyChunk(range(LAYERS)).to(device)
-    loss = run_schedule(build_schedule("none", M, 1, 0), [chunk], _Alive().forward_step,
-                        list(zip(x.split(MB), y.split(MB))), ProcessGroups.single(),
-                        tensor_shape=(MB, H), dtype=torch.float32, num_microbatches=M)
+    loss = run_schedule(
+        build_schedule("none", M, 1, 0),
+        [chunk],
+        _Alive().forward_step,
+        list(zip(x.split(MB), y.split(MB))),
+        ProcessGroups.single(),
+        tensor_shape=(MB, H),
+        dtype=torch.float32,
+        num_microbatches=M,
+    )
     assert loss.device.type == device and loss.dtype == torch.float64 and loss.dim() == 0  # summed in fp64
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
     for a, b in zip(chunk.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="3 micro-batches for num_microbatches 8"):
-        run_schedule(build_schedule("none", M, 1, 0), [chunk], _Alive().forward_step,
-                     [(x, y)] * 3, ProcessGroups.single(), tensor_shape=(MB, H),
-                     dtype=torch.float32, num_microbatches=M)
+        run_schedule(
+            build_schedule("none", M, 1, 0),
+            [chunk],
+            _Alive().forward_step,
+            [(x, y)] * 3,
+            ProcessGroups.single(),
+            tensor_shape=(MB, H),
+            dtype=torch.float32,
+            num_microbatches=M,
+        )
 
 
 # -- the GPT of model/gpt.py against tests/support/reference.py ----------------------------------------
@@ -264,9 +295,17 @@ GPT_STEPS, T, VOCAB = 10, 8, 50
 
 def _gpt_cfg():
     from model.config import GPTConfig
-    return GPTConfig(vocab_size=VOCAB, num_layers=8, hidden_size=16, num_attention_heads=2,
-                     seq_length=T, hidden_dropout=0.0, attention_dropout=0.0,
-                     make_vocab_size_divisible_by=16)
+
+    return GPTConfig(
+        vocab_size=VOCAB,
+        num_layers=8,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=T,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        make_vocab_size_divisible_by=16,
+    )
 
 
 def _gpt_data():
@@ -288,6 +327,7 @@ def _gpt_forward_step(batch, chunk, input_tensor):
 def _tied_copies_equal(chunks, groups):
     """True when both copies of the word embedding (first and last stage) are bit-identical."""
     from megazero import collectives
+
     if groups.embedding is None:
         return None
     mine = [c.embedding.word_embeddings.weight for c in chunks if hasattr(c, "embedding")]
@@ -297,10 +337,19 @@ def _tied_copies_equal(chunks, groups):
 
 def _gpt_train(groups, kind, vp):
     from model.gpt import GPTStage
+
     cfg, p, r = _gpt_cfg(), groups.pp_size, groups.pp_rank
-    chunks = [GPTStage(cfg, groups, layer_ids(cfg.num_layers, p, r, vp, v),
-                       is_pre_process(r, v), is_post_process(r, p, v, vp), seed=3)
-              for v in range(vp)]
+    chunks = [
+        GPTStage(
+            cfg,
+            groups,
+            layer_ids(cfg.num_layers, p, r, vp, v),
+            is_pre_process(r, v),
+            is_post_process(r, p, v, vp),
+            seed=3,
+        )
+        for v in range(vp)
+    ]
     params = [q for c in chunks for q in c.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     actions = build_schedule(kind, M, p, r, vp)
@@ -310,9 +359,17 @@ def _gpt_train(groups, kind, vp):
     for tokens, labels in _gpt_data():
         opt.zero_grad(set_to_none=True)
         batches = list(zip(tokens.split(MB), labels.split(MB)))
-        loss = run_schedule(actions, chunks, _gpt_forward_step, batches, groups,
-                            tensor_shape=shape, dtype=torch.float32, num_microbatches=M,
-                            vp_size=vp)
+        loss = run_schedule(
+            actions,
+            chunks,
+            _gpt_forward_step,
+            batches,
+            groups,
+            tensor_shape=shape,
+            dtype=torch.float32,
+            num_microbatches=M,
+            vp_size=vp,
+        )
         _, n_tied = finalize_param_grads(params, None, groups.embedding)
         opt.step()
         losses.append(loss.item())
@@ -329,8 +386,16 @@ def _gpt_ranks(rank, world):
 def test_gpt_pipeline_matches_reference(world):
     from model.gpt import init_full_weights
     from tests.support.reference import train_reference
-    ref = train_reference(init_full_weights(_gpt_cfg(), 3), _gpt_data(), vocab_size=VOCAB,
-                          num_heads=2, lr=1e-2, steps=GPT_STEPS, optimizer="adamw")
+
+    ref = train_reference(
+        init_full_weights(_gpt_cfg(), 3),
+        _gpt_data(),
+        vocab_size=VOCAB,
+        num_heads=2,
+        lr=1e-2,
+        steps=GPT_STEPS,
+        optimizer="adamw",
+    )
     out = run_distributed(_gpt_ranks, world, timeout_s=240)
     for kind, _ in SCHEDULES:
         for rank in range(world):

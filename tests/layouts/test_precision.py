@@ -3,15 +3,24 @@
 The expected loss-scale sequences are derived by hand, in the comments, from the rules
 DeepSpeed documents for its ``fp16`` block (see ``DynamicLossScaler``'s docstring).
 """
+
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from megazero.precision import (DtypePolicy, DynamicLossScaler, LossScaleError, StaticLossScaler,
-                                cast_model_, has_inf_or_nan, model_dtype, non_finite_flag,
-                                unscale_and_check_)
+from megazero.precision import (
+    DtypePolicy,
+    DynamicLossScaler,
+    LossScaleError,
+    StaticLossScaler,
+    cast_model_,
+    has_inf_or_nan,
+    model_dtype,
+    non_finite_flag,
+    unscale_and_check_,
+)
 
 O, C = True, False  # overflow, clean iteration
 
@@ -63,9 +72,10 @@ def refuse_bf16_like_cuda(monkeypatch) -> list:
 
     def kernel(tensors, found_inf, inv_scale):
         if any(t.dtype == torch.bfloat16 for t in tensors):
-            raise RuntimeError('"_amp_foreach_non_finite_check_and_unscale_cuda" not implemented for \'BFloat16\'')
+            raise RuntimeError("\"_amp_foreach_non_finite_check_and_unscale_cuda\" not implemented for 'BFloat16'")
         accepted.append(sorted({str(t.dtype) for t in tensors}))
         return real(tensors, found_inf, inv_scale)
+
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", kernel)
     return accepted
 
@@ -117,43 +127,40 @@ def _run(scaler, events):
     trace = []
     for overflow in events:
         scaler.update(overflow)
-        trace.append((scaler.scale, scaler.hysteresis_left, scaler.skipped_steps,
-                      scaler.consecutive_skips))
+        trace.append((scaler.scale, scaler.hysteresis_left, scaler.skipped_steps, scaler.consecutive_skips))
     return trace
 
 
 def test_dynamic_scaler_scripted_sequence():
-    s = DynamicLossScaler(initial_scale_power=4, loss_scale_window=3, hysteresis=2,
-                          min_loss_scale=1.0)
+    s = DynamicLossScaler(initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=1.0)
     assert (s.scale, s.hysteresis_left, s.skipped_steps, s.consecutive_skips) == (16.0, 2, 0, 0)
     events = [O, O, C, C, C, O, C, O, O, O, O, O, C]
     expected = [
         (16.0, 1, 1, 1),  # overflow, hysteresis 2 -> 1: scale kept (delayed shift)
-        (8.0, 1, 2, 2),   # overflow with hysteresis_left 1: halve
-        (8.0, 1, 2, 0),   # clean 1 of window 3
-        (8.0, 1, 2, 0),   # clean 2
+        (8.0, 1, 2, 2),  # overflow with hysteresis_left 1: halve
+        (8.0, 1, 2, 0),  # clean 1 of window 3
+        (8.0, 1, 2, 0),  # clean 2
         (16.0, 2, 2, 0),  # clean 3 = window: double, refill hysteresis
         (16.0, 1, 3, 1),  # overflow: hysteresis 2 -> 1
         (16.0, 1, 3, 0),  # clean: no refill without consecutive_hysteresis
-        (8.0, 1, 4, 1),   # overflow with hysteresis_left 1: halve
+        (8.0, 1, 4, 1),  # overflow with hysteresis_left 1: halve
         (4.0, 1, 5, 2),
         (2.0, 1, 6, 3),
-        (1.0, 1, 7, 4),   # reaches min_loss_scale
-        (1.0, 1, 8, 5),   # max(1/2, min_loss_scale) = 1
+        (1.0, 1, 7, 4),  # reaches min_loss_scale
+        (1.0, 1, 8, 5),  # max(1/2, min_loss_scale) = 1
         (1.0, 1, 8, 0),
     ]
     assert _run(s, events) == expected
 
 
 def test_dynamic_scaler_consecutive_hysteresis_and_hysteresis_one():
-    s = DynamicLossScaler(initial_scale_power=4, loss_scale_window=2, hysteresis=2,
-                          consecutive_hysteresis=True)
+    s = DynamicLossScaler(initial_scale_power=4, loss_scale_window=2, hysteresis=2, consecutive_hysteresis=True)
     assert _run(s, [O, C, O, O, C, C]) == [
         (16.0, 1, 1, 1),  # hysteresis 2 -> 1
         (16.0, 2, 1, 0),  # clean: consecutive_hysteresis refills at once
         (16.0, 1, 2, 1),  # hysteresis 2 -> 1 again, scale kept
-        (8.0, 1, 3, 2),   # halve
-        (8.0, 2, 3, 0),   # refill
+        (8.0, 1, 3, 2),  # halve
+        (8.0, 2, 3, 0),  # refill
         (16.0, 2, 3, 0),  # 2 clean = window: double
     ]
     s1 = DynamicLossScaler(initial_scale_power=3, loss_scale_window=100, hysteresis=1)
@@ -161,8 +168,7 @@ def test_dynamic_scaler_consecutive_hysteresis_and_hysteresis_one():
 
 
 def test_dynamic_scaler_window_counts_from_last_overflow():
-    s = DynamicLossScaler(initial_scale_power=0, loss_scale_window=4, hysteresis=1,
-                          min_loss_scale=0.25)
+    s = DynamicLossScaler(initial_scale_power=0, loss_scale_window=4, hysteresis=1, min_loss_scale=0.25)
     scales = [t[0] for t in _run(s, [C] * 4 + [C] * 3 + [O] + [C] * 4)]
     # 4 clean -> 2; 3 clean (window not reached); overflow halves to 1 and restarts the count;
     # 4 more clean -> 2
@@ -170,8 +176,9 @@ def test_dynamic_scaler_window_counts_from_last_overflow():
 
 
 def test_loss_scale_error_after_consecutive_skips_at_min_scale():
-    s = DynamicLossScaler(initial_scale_power=1, loss_scale_window=10, hysteresis=1,
-                          min_loss_scale=1.0, max_consecutive_skips=3)
+    s = DynamicLossScaler(
+        initial_scale_power=1, loss_scale_window=10, hysteresis=1, min_loss_scale=1.0, max_consecutive_skips=3
+    )
     s.update(O)  # 2 -> 1, not yet at the minimum when it overflowed
     s.update(O)  # 1st overflow at the minimum
     s.update(C)  # a clean step resets the count

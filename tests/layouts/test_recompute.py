@@ -6,6 +6,7 @@ replay draws the same masks from the RNG tracker's streams); with dropout off th
 single-process oracle (tests/support/reference.py) within 1e-5 relative. Each layout starts one set
 of gloo ranks and trains every recomputation setting in it.
 """
+
 import math
 
 import pytest
@@ -23,8 +24,14 @@ SETTINGS = {
     "none": [],
     "selective": ["--recompute-granularity", "selective"],
     "full-uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform"],
-    "full-uniform-2": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                       "--recompute-num-layers", "2"],
+    "full-uniform-2": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "2",
+    ],
     "full-block": ["--recompute-granularity", "full", "--recompute-method", "block"],
 }
 
@@ -37,6 +44,7 @@ def _region(calls, tracker, w):
         with tracker.fork("tp"):
             h = F.dropout(h, 0.5)  # draws from the default generator, swapped for the "tp" stream
         return h * x
+
     return fn
 
 
@@ -80,14 +88,21 @@ def test_recompute_is_a_plain_call_without_autograd():
 
 
 # -- configuration ---------------------------------------------------------------------------
-@pytest.mark.parametrize("argv, message", [
-    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
-    (["--recompute-method", "block"], "--recompute-method block applies to --recompute-granularity full"),
-    (["--recompute-granularity", "selective", "--recompute-method", "uniform"],
-     "--recompute-method uniform applies to --recompute-granularity full"),
-    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
-     "--recompute-num-layers 0 is out of range"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+        (["--recompute-method", "block"], "--recompute-method block applies to --recompute-granularity full"),
+        (
+            ["--recompute-granularity", "selective", "--recompute-method", "uniform"],
+            "--recompute-method uniform applies to --recompute-granularity full",
+        ),
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
+            "--recompute-num-layers 0 is out of range",
+        ),
+    ],
+)
 def test_bad_recompute_flags_exit_2(argv, message, capsys):
     from megazero.config import config_from_argv
 
@@ -105,16 +120,27 @@ def test_deepspeed_activation_checkpointing_block(tmp_path, capsys):
     from megazero.config import config_from_argv
 
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"activation_checkpointing": {
-        "partition_activations": True, "number_checkpoints": 4, "contiguous_memory_optimization": False}}))
+    ds.write_text(
+        json.dumps(
+            {
+                "activation_checkpointing": {
+                    "partition_activations": True,
+                    "number_checkpoints": 4,
+                    "contiguous_memory_optimization": False,
+                }
+            }
+        )
+    )
     cfg = config_from_argv(["--mock-data", "--deepspeed-config", str(ds)], 1, print_warnings=False)
     m = cfg.model
     assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
     assert any("partition_activations" in w and "--sequence-parallel" in w for w in cfg.warnings)
-    assert any("number_checkpoints, contiguous_memory_optimization have no megazero equivalent" in w
-               for w in cfg.warnings)
-    cli = config_from_argv(["--mock-data", "--deepspeed-config", str(ds), "--recompute-granularity",
-                            "selective"], 1, print_warnings=False).model
+    assert any(
+        "number_checkpoints, contiguous_memory_optimization have no megazero equivalent" in w for w in cfg.warnings
+    )
+    cli = config_from_argv(
+        ["--mock-data", "--deepspeed-config", str(ds), "--recompute-granularity", "selective"], 1, print_warnings=False
+    ).model
     assert (cli.recompute_granularity, cli.recompute_method) == ("selective", None)
     ds.write_text(json.dumps({"activation_checkpointing": {"cpu_checkpointing": True}}))
     with pytest.raises(SystemExit) as e:
@@ -171,8 +197,19 @@ def test_recompute_tp2_pp2_dp2_sequence_parallel(reference):
     pipeline and step (1F1B's warm-up, steady state and cool-down; a step's CPU time on gloo
     ranks is one set of collectives per micro-batch)."""
     names = ["none", "selective", "full-uniform"]
-    extra = ["--tp", "2", "--pp", "2", "--dp", "2", "--sequence-parallel", "--zero-stage", "1",
-             "--micro-batch-size", "4"]
+    extra = [
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--sequence-parallel",
+        "--zero-stage",
+        "1",
+        "--micro-batch-size",
+        "4",
+    ]
     _equals_reference(_check_layout(8, extra, names), reference, names)
 
 
@@ -189,5 +226,9 @@ def test_recompute_pp2_interleaved(reference):
 def test_recompute_half_precision(dtype):
     """bf16 / fp16 weights and activations, pp 2 with GPipe (4 micro-batches per step):
     recomputation changes nothing."""
-    _check_layout(2, ["--pp", "2", "--pipeline-schedule", "gpipe", "--micro-batch-size", "4"],
-                  ["none", "selective", "full-uniform"], dtype_flags=[dtype])
+    _check_layout(
+        2,
+        ["--pp", "2", "--pipeline-schedule", "gpipe", "--micro-batch-size", "4"],
+        ["none", "selective", "full-uniform"],
+        dtype_flags=[dtype],
+    )

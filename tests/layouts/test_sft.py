@@ -7,6 +7,7 @@ first loss equals an independent masked cross-entropy of ``tests/support/referen
 packed and padded; a tiny Llama built by transformers fine-tunes from ``--from-hf`` with its
 response loss falling; bad records exit 2 with one line naming file, line and field.
 """
+
 import gzip
 import hashlib
 import json
@@ -36,9 +37,17 @@ def records(n: int) -> list[dict]:
         if i % 2:
             out.append({"prompt": f"# {a} + {b}\n", "response": f"print({a + b})\n"})
         else:
-            out.append({"messages": [{"role": "system", "content": "short"}, {"role": "user", "content": f"{a}*{b}?"},
-                                     {"role": "assistant", "content": f"{a * b}"}, {"role": "user", "content": "ok"},
-                                     {"role": "assistant", "content": "yes"}]})
+            out.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "short"},
+                        {"role": "user", "content": f"{a}*{b}?"},
+                        {"role": "assistant", "content": f"{a * b}"},
+                        {"role": "user", "content": "ok"},
+                        {"role": "assistant", "content": "yes"},
+                    ]
+                }
+            )
     return out
 
 
@@ -47,8 +56,9 @@ def response_tokens(record: dict, tok) -> int:
     and the closing EOD when the record ends with the response."""
     if "messages" in record:
         turns = record["messages"]
-        return (sum(len(tok.encode(t["content"])) for t in turns if t["role"] == "assistant")
-                + (turns[-1]["role"] == "assistant"))
+        return sum(len(tok.encode(t["content"])) for t in turns if t["role"] == "assistant") + (
+            turns[-1]["role"] == "assistant"
+        )
     return len(tok.encode(record["response"])) + 1
 
 
@@ -66,13 +76,21 @@ def sft(tmp_path_factory):
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in recs))
     prefix = str(d / "sft")
     preprocess_sft([str(jsonl)], tok_path, prefix, tokenizer_type="HuggingFaceTokenizer")
-    return dict(tok=load_tokenizer(tok_path, "HuggingFaceTokenizer"), tok_path=tok_path, records=recs,
-                jsonl=str(jsonl), prefix=prefix, dir=d)
+    return dict(
+        tok=load_tokenizer(tok_path, "HuggingFaceTokenizer"),
+        tok_path=tok_path,
+        records=recs,
+        jsonl=str(jsonl),
+        prefix=prefix,
+        dir=d,
+    )
 
 
 def _sha(prefix):
-    return [hashlib.sha256(open(prefix + ext, "rb").read()).hexdigest()
-            for ext in (".bin", ".idx", "_loss_mask.bin", "_loss_mask.idx")]
+    return [
+        hashlib.sha256(open(prefix + ext, "rb").read()).hexdigest()
+        for ext in (".bin", ".idx", "_loss_mask.bin", "_loss_mask.idx")
+    ]
 
 
 def test_the_stored_mask_is_the_response_tokens_and_inputs_agree(sft):
@@ -111,20 +129,66 @@ def test_the_stored_mask_is_the_response_tokens_and_inputs_agree(sft):
 
 
 # -- training: counted tokens, the first loss, layouts, --from-hf --------------------------------
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(T),
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "30", "--lr", "3e-3",
-         "--seed", "7", "--make-vocab-size-divisible-by", "8", "--eval-iters", "0", "--device", "cpu",
-         "--split", "1", "--tokenizer-type", "HuggingFaceTokenizer", "--hidden-dropout", "0",
-         "--attention-dropout", "0"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    str(T),
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "30",
+    "--lr",
+    "3e-3",
+    "--seed",
+    "7",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--split",
+    "1",
+    "--tokenizer-type",
+    "HuggingFaceTokenizer",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
 RESETS = ["--reset-attention-mask", "--reset-position-ids"]
-LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
-         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-         "--ffn-hidden-size", "64", "--max-position-embeddings", "128"]
+LLAMA = [
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--ffn-hidden-size",
+    "64",
+    "--max-position-embeddings",
+    "128",
+]
 
 
 def _argv(sft, packing, *extra):
-    return (MODEL + ["--sft", "--sft-packing", packing, "--data-path", sft["prefix"], "--tokenizer-model",
-                     sft["tok_path"]] + (RESETS if packing == "pack" else []) + list(extra))
+    return (
+        MODEL
+        + ["--sft", "--sft-packing", packing, "--data-path", sft["prefix"], "--tokenizer-model", sft["tok_path"]]
+        + (RESETS if packing == "pack" else [])
+        + list(extra)
+    )
 
 
 def _train_sft(rank, world, runs):
@@ -137,7 +201,7 @@ def _train_sft(rank, world, runs):
     out = []
     for argv, steps in runs:
         cfg = config_from_argv(argv, world)
-        trainer = build_trainer(cfg, data=training.prepare_run(cfg))   # eod: the tokenizer's
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))  # eod: the tokenizer's
         run, groups = trainer.data, trainer.groups
         gbs, got = cfg.train.global_batch_size, dict(losses=[], counted=[], records=[])
         for _ in range(steps):
@@ -161,9 +225,17 @@ def hf_llama(sft):
 
     d = sft["dir"] / "hf"
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(str(d), safe_serialization=True)
     shutil.copy(sft["tok_path"], d / "tokenizer.json")
     return str(d)
@@ -173,13 +245,20 @@ def hf_llama(sft):
 def runs(sft, hf_llama):
     """Single process: pack, pad and the --from-hf fine-tuning; 8 ranks: pack and pad under
     (tp, pp, dp) = (2, 2, 2), pack under (cp, tp, dp) = (2, 2, 2). Two spawns."""
-    single = [(_argv(sft, "pack"), STEPS), (_argv(sft, "pad"), STEPS),
-              (_argv(sft, "pack", *LLAMA, "--from-hf", hf_llama, "--lr", "1e-2", "--lr-warmup-iters", "3"), 30)]
-    eight = [(_argv(sft, "pack", "--tp", "2", "--pp", "2", "--dp", "2"), STEPS),
-             (_argv(sft, "pad", "--tp", "2", "--pp", "2", "--dp", "2"), STEPS),
-             (_argv(sft, "pack", "--cp", "2", "--tp", "2", "--dp", "2"), STEPS)]
-    return (run_distributed(_train_sft, 1, single, timeout_s=600)[0],
-            run_distributed(_train_sft, 8, eight, timeout_s=600)[0])
+    single = [
+        (_argv(sft, "pack"), STEPS),
+        (_argv(sft, "pad"), STEPS),
+        (_argv(sft, "pack", *LLAMA, "--from-hf", hf_llama, "--lr", "1e-2", "--lr-warmup-iters", "3"), 30),
+    ]
+    eight = [
+        (_argv(sft, "pack", "--tp", "2", "--pp", "2", "--dp", "2"), STEPS),
+        (_argv(sft, "pad", "--tp", "2", "--pp", "2", "--dp", "2"), STEPS),
+        (_argv(sft, "pack", "--cp", "2", "--tp", "2", "--dp", "2"), STEPS),
+    ]
+    return (
+        run_distributed(_train_sft, 1, single, timeout_s=600)[0],
+        run_distributed(_train_sft, 8, eight, timeout_s=600)[0],
+    )
 
 
 def test_the_loss_counts_exactly_the_response_tokens(sft, runs):
@@ -201,8 +280,8 @@ def test_first_loss_is_the_reference_masked_cross_entropy(sft, runs, packing):
     count; it differs from the mean over every label."""
     import torch.nn.functional as F
 
-    from megazero import training
     from data.sft import sft_micro_batches
+    from megazero import training
     from megazero.config import config_from_argv
     from model.build import build_gpt_config
     from model.gpt import init_full_weights
@@ -210,9 +289,10 @@ def test_first_loss_is_the_reference_masked_cross_entropy(sft, runs, packing):
 
     cfg = config_from_argv(_argv(sft, packing), 1)
     run = training.build_data(cfg)
-    (tokens, labels, mask), = sft_micro_batches(run.train, 0, 8, 8, 0, 1)
-    model = ReferenceGPT.from_full_weights(init_full_weights(build_gpt_config(cfg, run.vocab_size), 7),
-                                           run.vocab_size, 4)
+    ((tokens, labels, mask),) = sft_micro_batches(run.train, 0, 8, 8, 0, 1)
+    model = ReferenceGPT.from_full_weights(
+        init_full_weights(build_gpt_config(cfg, run.vocab_size), 7), run.vocab_size, 4
+    )
     flags = dict(reset_attention_mask=True, reset_position_ids=True) if packing == "pack" else {}
     with torch.no_grad():
         logits = model(tokens, run.tokenizer.eod, **flags)
@@ -257,7 +337,7 @@ def test_packing_keeps_records_whole_and_a_longer_run_the_same_samples():
             assert packing == "pad" or nxt % 200 == 0 or fill[i] + clipped[records[nxt]] > 32
         assert sorted(records[:200].tolist()) == list(range(200))  # epoch 0: each record once
         shorter = build_sft_index(lengths, 32, 150, 5, packing)
-        assert np.array_equal(shorter[1], starts[:151]) and np.array_equal(shorter[0], records[:starts[150]])
+        assert np.array_equal(shorter[1], starts[:151]) and np.array_equal(shorter[0], records[: starts[150]])
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -265,9 +345,25 @@ def _sft_cli(sft, tmp_path, lines):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "data.sft", "--input", str(bad), "--tokenizer-model", sft["tok_path"],
-                        "--tokenizer-type", "HuggingFaceTokenizer", "--output-prefix", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data.sft",
+            "--input",
+            str(bad),
+            "--tokenizer-model",
+            sft["tok_path"],
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--output-prefix",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return p, bad, sorted(os.listdir(tmp_path))
 
 
@@ -287,18 +383,20 @@ def test_bad_records_exit_2_with_one_line_and_leave_nothing(sft, tmp_path, case)
 
 
 def test_record_errors_name_the_field_and_sft_needs_real_data(sft, capsys):
-    from megazero import training
     from data.indexed_dataset import DataError
     from data.sft import SFTKeys, record_pieces
+    from megazero import training
     from megazero.config import config_from_argv
 
     keys = SFTKeys("question", "answer", "turns")
     assert record_pieces({"question": "q", "answer": "a"}, "f:1", keys) == [("q", False), ("a", True)]
-    for obj, want in (({"question": "q"}, "f:1: missing field 'answer' (--sft-response-key)"),
-                      ({"turns": [{"role": "user", "content": "hi"}]}, "f:1: no assistant turn"),
-                      ({"turns": [{"role": "user"}]}, "f:1: turn 0 of 'turns' needs fields 'role' and 'content'"),
-                      ({"question": 3, "answer": "a"}, "f:1: field 'question' is int, not a string"),
-                      ([1], "f:1: a record must be a JSON object")):
+    for obj, want in (
+        ({"question": "q"}, "f:1: missing field 'answer' (--sft-response-key)"),
+        ({"turns": [{"role": "user", "content": "hi"}]}, "f:1: no assistant turn"),
+        ({"turns": [{"role": "user"}]}, "f:1: turn 0 of 'turns' needs fields 'role' and 'content'"),
+        ({"question": 3, "answer": "a"}, "f:1: field 'question' is int, not a string"),
+        ([1], "f:1: a record must be a JSON object"),
+    ):
         with pytest.raises(DataError) as e:
             record_pieces(obj, "f:1", keys)
         assert str(e.value).startswith(want), str(e.value)

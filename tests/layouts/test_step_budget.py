@@ -14,6 +14,7 @@ rows per piece). Gradients kept in the model dtype (``--grads-in-model-dtype``) 
 exception: AdamW reads them from an fp32 scratch of one piece (the memory bound allows no
 more), so there it is at most 2 calls per piece (``DistributedOptimizer.windows``).
 """
+
 import collections
 
 import pytest
@@ -21,11 +22,41 @@ import torch
 
 from tests.support.distributed import run_distributed
 
-BASE = ["--mock-data", "--vocab-size", "1001", "--num-layers", "4", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--lr", "3e-3", "--weight-decay", "0.1", "--clip-grad", "0.05",
-        "--seed", "7", "--make-vocab-size-divisible-by", "8", "--eval-iters", "0", "--device", "cpu",
-        "--reduce-bucket-size", "2000", "--train-iters", "3"]
+BASE = [
+    "--mock-data",
+    "--vocab-size",
+    "1001",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--weight-decay",
+    "0.1",
+    "--clip-grad",
+    "0.05",
+    "--seed",
+    "7",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--reduce-bucket-size",
+    "2000",
+    "--train-iters",
+    "3",
+]
 DP2 = ["--dp", "2"]
 LAYOUTS = {
     "zero1-overlap": DP2 + ["--zero-stage", "1", "--overlap-param-gather", "on"],
@@ -42,7 +73,6 @@ STEPS = 3
 
 def _counting_run(rank, world, argvs):
     from torch.utils._python_dispatch import TorchDispatchMode
-
 
     from megazero.training import build_trainer
 
@@ -67,11 +97,13 @@ def _counting_run(rank, world, argvs):
         def counted(*a, **k):
             counts[key] += 1
             return original(*a, **k)
+
         setattr(owner, name, counted)
         return original
 
     from megazero.optim import clip
-    clip.uses_rows = lambda device: False   # count the norm's launches on the path CUDA takes
+
+    clip.uses_rows = lambda device: False  # count the norm's launches on the path CUDA takes
 
     out = {}
     tolist = wrap(torch.Tensor, "tolist", "reads")
@@ -88,6 +120,7 @@ def _counting_run(rank, world, argvs):
                     return step(*a, **k)
                 finally:
                     spy.phase = "model"
+
             trainer.optimizer.step = optimizer_step
             per_step = []
             for _ in range(STEPS):
@@ -96,9 +129,12 @@ def _counting_run(rank, world, argvs):
                 with spy:
                     loss = trainer.train_step(batches).values["loss"]
                 per_step.append(dict(counts, loss=loss))
-            out[" ".join(argv[len(BASE):])] = dict(
-                steps=per_step, buffers=len(trainer.ddp.buffers), pieces=len(trainer.optimizer.pieces),
-                windows=len(getattr(trainer.optimizer, "windows", ())))
+            out[" ".join(argv[len(BASE) :])] = dict(
+                steps=per_step,
+                buffers=len(trainer.ddp.buffers),
+                pieces=len(trainer.optimizer.pieces),
+                windows=len(getattr(trainer.optimizer, "windows", ())),
+            )
             trainer.close()
     finally:
         torch.Tensor.tolist, torch.cuda.synchronize = tolist, synchronize
@@ -120,7 +156,7 @@ def test_train_step_host_reads_and_launches_within_budget():
                 assert c.get("reads", 0) <= MAX_HOST_READS, f"{where} step {i + 1}: {c}"
                 assert c.get("synchronize", 0) == 0, f"{where} step {i + 1}: {c}"
                 if "fp16" in name and i == 0:
-                    continue   # the first fp16 steps may skip on overflow: no update
+                    continue  # the first fp16 steps may skip on overflow: no update
                 assert 1 <= c.get("adam", 0) <= calls, f"{where} step {i + 1}: {c}"
                 assert c.get("norm", 0) <= r["buffers"], f"{where} step {i + 1}: {c}"
             assert r["windows"] == (r["pieces"] if model_dtype else r["buffers"]), where
@@ -161,7 +197,7 @@ def test_step_timer_never_synchronizes_the_device(monkeypatch):
     timer, logged = Timer(torch.device("cuda", 0)), []
     for it in range(1, 11):
         with timer:
-            _FakeEvent.clock += 10.0   # the step's work: start -> stop is 15 ms of clock
+            _FakeEvent.clock += 10.0  # the step's work: start -> stop is 15 ms of clock
         if it % 5 == 0:
             logged.append(timer.reset())
     assert device_syncs == []

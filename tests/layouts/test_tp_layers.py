@@ -5,6 +5,7 @@ group) and sends back errors and tensors; the tests below assert on them. Every 
 builds the same full tensors from a fixed seed, computes the dense reference with plain
 torch ops, and compares its partition of the parallel result (float64, dropout off).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,14 +16,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megazero.data_parallel.finalize import finalize_param_grads
 from megazero import tags
+from megazero.data_parallel.finalize import finalize_param_grads
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                             VocabParallelEmbedding, parallel_lm_logits)
-from megazero.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                               scatter_to_sequence_parallel_region,
-                                               scatter_to_tp_region)
+from megazero.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_lm_logits,
+)
+from megazero.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
 from megazero.tensor_parallel.random import RNGTracker, dropout
 from tests.support.distributed import run_distributed
 
@@ -48,36 +55,48 @@ def _seq(t, rank, tp):
 def _column(rank, tp, g, gather, sp, stride):
     torch.manual_seed(1)
     out = OUT * stride if stride > 1 else OUT
-    x, w, b, gy = (torch.randn(B, T, IN, dtype=D), torch.randn(out, IN, dtype=D),
-                   torch.randn(out, dtype=D), torch.randn(B, T, out, dtype=D))
+    x, w, b, gy = (
+        torch.randn(B, T, IN, dtype=D),
+        torch.randn(out, IN, dtype=D),
+        torch.randn(out, dtype=D),
+        torch.randn(B, T, out, dtype=D),
+    )
     xr, wr, br = _leaf(x), _leaf(w), _leaf(b)
     (F.linear(xr, wr, br) * gy).sum().backward()
     yr = F.linear(x, w, b)
 
-    layer = ColumnParallelLinear(IN, out, g, gather_output=gather, sequence_parallel=sp,
-                                 full_weight=w, full_bias=b, stride=stride, dtype=D)
+    layer = ColumnParallelLinear(
+        IN, out, g, gather_output=gather, sequence_parallel=sp, full_weight=w, full_bias=b, stride=stride, dtype=D
+    )
     xin = _leaf(_seq(x, rank, tp) if sp else x)
     y = layer(xin)
-    part = (lambda t: tags.partition_tensor(t, t.dim() - 1, rank, tp, stride))
+    part = lambda t: tags.partition_tensor(t, t.dim() - 1, rank, tp, stride)
     (y * (gy if gather else part(gy))).sum().backward()
     assert tags.is_partitioned(layer.weight) and layer.weight.partition_dim == 0
     assert layer.bias.partition_dim == 0 and layer.weight.partition_stride == stride
-    return max(_err(y, yr if gather else part(yr)),
-               _err(xin.grad, _seq(xr.grad, rank, tp) if sp else xr.grad),
-               _err(layer.weight.grad, tags.partition_tensor(wr.grad, 0, rank, tp, stride)),
-               _err(layer.bias.grad, tags.partition_tensor(br.grad, 0, rank, tp, stride)))
+    return max(
+        _err(y, yr if gather else part(yr)),
+        _err(xin.grad, _seq(xr.grad, rank, tp) if sp else xr.grad),
+        _err(layer.weight.grad, tags.partition_tensor(wr.grad, 0, rank, tp, stride)),
+        _err(layer.bias.grad, tags.partition_tensor(br.grad, 0, rank, tp, stride)),
+    )
 
 
 def _row(rank, tp, g, input_is_parallel, sp):
     torch.manual_seed(2)
-    x, w, b, gy = (torch.randn(B, T, IN, dtype=D), torch.randn(OUT, IN, dtype=D),
-                   torch.randn(OUT, dtype=D), torch.randn(B, T, OUT, dtype=D))
+    x, w, b, gy = (
+        torch.randn(B, T, IN, dtype=D),
+        torch.randn(OUT, IN, dtype=D),
+        torch.randn(OUT, dtype=D),
+        torch.randn(B, T, OUT, dtype=D),
+    )
     xr, wr, br = _leaf(x), _leaf(w), _leaf(b)
     (F.linear(xr, wr, br) * gy).sum().backward()
     yr = F.linear(x, w, b)
 
-    layer = RowParallelLinear(IN, OUT, g, input_is_parallel=input_is_parallel,
-                              sequence_parallel=sp, full_weight=w, full_bias=b, dtype=D)
+    layer = RowParallelLinear(
+        IN, OUT, g, input_is_parallel=input_is_parallel, sequence_parallel=sp, full_weight=w, full_bias=b, dtype=D
+    )
     xin = _leaf(tags.partition_tensor(x, 2, rank, tp) if input_is_parallel else x)
     y = layer(xin)
     (y * (_seq(gy, rank, tp) if sp else gy)).sum().backward()
@@ -86,9 +105,12 @@ def _row(rank, tp, g, input_is_parallel, sp):
     n_synced, _ = finalize_param_grads(list(layer.parameters()), g)
     assert n_synced == (1 if sp else 0)
     want_xgrad = tags.partition_tensor(xr.grad, 2, rank, tp) if input_is_parallel else xr.grad
-    return max(_err(y, _seq(yr, rank, tp) if sp else yr), _err(xin.grad, want_xgrad),
-               _err(layer.weight.grad, tags.partition_tensor(wr.grad, 1, rank, tp)),
-               _err(layer.bias.grad, br.grad))
+    return max(
+        _err(y, _seq(yr, rank, tp) if sp else yr),
+        _err(xin.grad, want_xgrad),
+        _err(layer.weight.grad, tags.partition_tensor(wr.grad, 1, rank, tp)),
+        _err(layer.bias.grad, br.grad),
+    )
 
 
 def _embedding(rank, tp, g, sp):
@@ -101,8 +123,9 @@ def _embedding(rank, tp, g, sp):
     y = emb(ids)
     (y * (_seq(gy, rank, tp) if sp else gy)).sum().backward()
     yr = F.embedding(ids, w)
-    return max(_err(y, _seq(yr, rank, tp) if sp else yr),
-               _err(emb.weight.grad, tags.partition_tensor(wr.grad, 0, rank, tp)))
+    return max(
+        _err(y, _seq(yr, rank, tp) if sp else yr), _err(emb.weight.grad, tags.partition_tensor(wr.grad, 0, rank, tp))
+    )
 
 
 def _lm_logits(rank, tp, g, sp):
@@ -113,9 +136,11 @@ def _lm_logits(rank, tp, g, sp):
     hin, wp = _leaf(_seq(h, rank, tp) if sp else h), _leaf(tags.partition_tensor(w, 0, rank, tp))
     logits = parallel_lm_logits(hin, wp, g, sequence_parallel=sp)
     (logits * tags.partition_tensor(gy, 2, rank, tp)).sum().backward()
-    return max(_err(logits, tags.partition_tensor(F.linear(h, w), 2, rank, tp)),
-               _err(hin.grad, _seq(hr.grad, rank, tp) if sp else hr.grad),
-               _err(wp.grad, tags.partition_tensor(wr.grad, 0, rank, tp)))
+    return max(
+        _err(logits, tags.partition_tensor(F.linear(h, w), 2, rank, tp)),
+        _err(hin.grad, _seq(hr.grad, rank, tp) if sp else hr.grad),
+        _err(wp.grad, tags.partition_tensor(wr.grad, 0, rank, tp)),
+    )
 
 
 def _sequence_mappings(rank, tp, g):
@@ -132,9 +157,11 @@ def _sequence_mappings(rank, tp, g):
         (y * gy).sum().backward()
         errs += [_err(y, x), _err(xc.grad, scale * _seq(gy, rank, tp))]
     messages = []
-    for call in (lambda: scatter_to_sequence_parallel_region(torch.zeros(B, T + 1, H), g),
-                 lambda: scatter_to_tp_region(torch.zeros(B, T, 4 * tp + 1), g),
-                 lambda: ColumnParallelLinear(IN, 4 * tp + 1, g)):
+    for call in (
+        lambda: scatter_to_sequence_parallel_region(torch.zeros(B, T + 1, H), g),
+        lambda: scatter_to_tp_region(torch.zeros(B, T, 4 * tp + 1), g),
+        lambda: ColumnParallelLinear(IN, 4 * tp + 1, g),
+    ):
         try:
             call()
             messages.append(None)
@@ -154,13 +181,15 @@ def _cross_entropy(rank, tp, g):
                 full = torch.randn(B, T, pv, dtype=D) * scale
                 target, gl = torch.randint(0, vocab, (B, T)), torch.randn(B, T, dtype=D)
                 real = _leaf(full[..., :vocab])
-                ref = F.cross_entropy(real.reshape(-1, vocab), target.reshape(-1),
-                                      reduction="none", label_smoothing=eps).view(B, T)
+                ref = F.cross_entropy(
+                    real.reshape(-1, vocab), target.reshape(-1), reduction="none", label_smoothing=eps
+                ).view(B, T)
                 (ref * gl).sum().backward()
                 ref_grad = torch.cat([real.grad, torch.zeros(B, T, pv - vocab, dtype=D)], -1)
                 part = _leaf(tags.partition_tensor(full, 2, rank, tp))
-                loss = vocab_parallel_cross_entropy(part, target, g, label_smoothing=eps,
-                                                    vocab_size=vocab, padded_vocab_size=pv)
+                loss = vocab_parallel_cross_entropy(
+                    part, target, g, label_smoothing=eps, vocab_size=vocab, padded_vocab_size=pv
+                )
                 (loss * gl).sum().backward()
                 cols = torch.arange(rank * pv // tp, (rank + 1) * pv // tp)
                 out[(vocab, eps, scale)] = dict(
@@ -168,10 +197,13 @@ def _cross_entropy(rank, tp, g):
                     grad_err=_err(part.grad, tags.partition_tensor(ref_grad, 2, rank, tp)),
                     finite=bool(torch.isfinite(loss).all() and torch.isfinite(part.grad).all()),
                     pad_grad_zero=bool((part.grad[..., cols >= vocab] == 0).all()),
-                    loss=loss.detach(), dtype=loss.dtype)
+                    loss=loss.detach(),
+                    dtype=loss.dtype,
+                )
     try:
-        vocab_parallel_cross_entropy(torch.zeros(B, T, pv, dtype=D), torch.zeros(B, T, dtype=torch.long),
-                                     g, vocab_size=7, padded_vocab_size=pv)
+        vocab_parallel_cross_entropy(
+            torch.zeros(B, T, pv, dtype=D), torch.zeros(B, T, dtype=torch.long), g, vocab_size=7, padded_vocab_size=pv
+        )
         out["replicated_error"] = None
     except ValueError as e:
         out["replicated_error"] = str(e)
@@ -186,17 +218,15 @@ def _cross_entropy(rank, tp, g):
 def _rng(rank):
     x = torch.ones(4, 64)
     masks = {}
-    for attempt in (0, 1):                                    # attempt 1: fresh tracker, same seed
+    for attempt in (0, 1):  # attempt 1: fresh tracker, same seed
         tr = RNGTracker(1234, rank, "cpu")
-        masks[attempt] = {name: dropout(x, 0.5, tr.generator(name), True)
-                          for name in ("replicated", "tp")}
+        masks[attempt] = {name: dropout(x, 0.5, tr.generator(name), True) for name in ("replicated", "tp")}
         state = tr.get_state()
         after = dropout(x, 0.5, tr.generator("tp"), True)
         tr.set_state(state)
         masks[attempt]["restored_equal"] = torch.equal(after, dropout(x, 0.5, tr.generator("tp"), True))
         tr.reseed(1234)
-        masks[attempt]["reseed_equal"] = torch.equal(masks[attempt]["tp"],
-                                                     dropout(x, 0.5, tr.generator("tp"), True))
+        masks[attempt]["reseed_equal"] = torch.equal(masks[attempt]["tp"], dropout(x, 0.5, tr.generator("tp"), True))
     global_before = torch.get_rng_state()
     tr = RNGTracker(1234, rank, "cpu")
     with tr.fork("tp"):
@@ -212,8 +242,13 @@ def _rng(rank):
 def _worker(rank, world):
     g = dist.group.WORLD
     res = {"column": {}, "row": {}, "embedding": {}, "lm_logits": {}}
-    for gather, sp, stride in ((False, False, 1), (True, False, 1), (False, True, 1),
-                               (False, False, 3), (False, True, 3)):
+    for gather, sp, stride in (
+        (False, False, 1),
+        (True, False, 1),
+        (False, True, 1),
+        (False, False, 3),
+        (False, True, 3),
+    ):
         res["column"][(gather, sp, stride)] = _column(rank, world, g, gather, sp, stride)
     for parallel_in, sp in ((True, False), (False, False), (True, True)):
         res["row"][(parallel_in, sp)] = _row(rank, world, g, parallel_in, sp)
@@ -283,8 +318,13 @@ def test_rng_tracker_masks(ranks):
     eq = np.array_equal
     rng = [res["rng"] for res in per_rank]
     for name in ("replicated", "fork_rep"):
-        assert all(eq(r[0][name] if name == "replicated" else r[name],
-                      rng[0][0][name] if name == "replicated" else rng[0][name]) for r in rng)
+        assert all(
+            eq(
+                r[0][name] if name == "replicated" else r[name],
+                rng[0][0][name] if name == "replicated" else rng[0][name],
+            )
+            for r in rng
+        )
     for a in range(len(rng)):
         for b in range(a + 1, len(rng)):
             assert not eq(rng[a][0]["tp"], rng[b][0]["tp"])
@@ -292,7 +332,7 @@ def test_rng_tracker_masks(ranks):
     for r in rng:
         assert not eq(r[0]["tp"], r[0]["replicated"])
         for name in ("replicated", "tp"):
-            assert eq(r[0][name], r[1][name])                # same seed, bit-exact
+            assert eq(r[0][name], r[1][name])  # same seed, bit-exact
             assert set(np.unique(r[0][name]).tolist()) == {0.0, 2.0}
         assert all(r[a]["restored_equal"] and r[a]["reseed_equal"] for a in (0, 1))
         assert r["global_untouched"] and r["eval_identity"]
@@ -302,7 +342,7 @@ def test_group_size_one_is_plain_math():
     torch.manual_seed(7)
     x, w, b = torch.randn(B, T, IN), torch.randn(OUT, IN), torch.randn(OUT)
     col = ColumnParallelLinear(IN, OUT, None, full_weight=w, full_bias=b, gather_output=True)
-    wt = w.t().contiguous()                                   # (IN, OUT)
+    wt = w.t().contiguous()  # (IN, OUT)
     row = RowParallelLinear(OUT, IN, None, full_weight=wt, full_bias=x[0, 0])
     assert torch.equal(col(x), F.linear(x, w, b))
     h = torch.randn(B, T, OUT)
@@ -312,11 +352,9 @@ def test_group_size_one_is_plain_math():
     assert torch.equal(VocabParallelEmbedding(V, H, None, full_weight=table)(ids), F.embedding(ids, table))
     logits = torch.randn(B, T, 8, dtype=torch.bfloat16)
     target = torch.randint(0, 8, (B, T))
-    loss = vocab_parallel_cross_entropy(logits, target, None, vocab_size=8, padded_vocab_size=8,
-                                        label_smoothing=0.1)
+    loss = vocab_parallel_cross_entropy(logits, target, None, vocab_size=8, padded_vocab_size=8, label_smoothing=0.1)
     assert loss.dtype == torch.float32
-    ref = F.cross_entropy(logits.float().view(-1, 8), target.view(-1), reduction="none",
-                          label_smoothing=0.1).view(B, T)
+    ref = F.cross_entropy(logits.float().view(-1, 8), target.view(-1), reduction="none", label_smoothing=0.1).view(B, T)
     assert torch.allclose(loss, ref, atol=1e-6)
     with pytest.raises(ValueError, match=r"\[B, T, 16\]"):
         vocab_parallel_cross_entropy(logits, target, None, vocab_size=8, padded_vocab_size=16)
@@ -333,10 +371,10 @@ def test_cuda_single_rank_paths():
     dev = torch.device("cuda")
     logits = torch.randn(B, T, 8, device=dev, dtype=torch.bfloat16)
     target = torch.randint(0, 7, (B, T), device=dev)
-    loss = vocab_parallel_cross_entropy(logits, target, None, vocab_size=7, padded_vocab_size=8,
-                                        label_smoothing=0.1)
-    ref = F.cross_entropy(logits.float()[..., :7].reshape(-1, 7), target.view(-1),
-                          reduction="none", label_smoothing=0.1).view(B, T)
+    loss = vocab_parallel_cross_entropy(logits, target, None, vocab_size=7, padded_vocab_size=8, label_smoothing=0.1)
+    ref = F.cross_entropy(
+        logits.float()[..., :7].reshape(-1, 7), target.view(-1), reduction="none", label_smoothing=0.1
+    ).view(B, T)
     assert loss.dtype == torch.float32 and torch.allclose(loss, ref, atol=1e-5)
     x = torch.ones(4, 64, device=dev)
     masks = []

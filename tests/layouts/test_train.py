@@ -5,6 +5,7 @@ trains the same GPT on the same global batches as ``tests/support/reference.py``
 single-process PyTorch GPT, and must give its losses step by step (fp32, dropout off).
 Each layout runs in one set of spawned gloo ranks through ``training.Trainer``.
 """
+
 import math
 import os
 
@@ -12,7 +13,19 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.layouts import BASE, LLAMA, MB4, SWEEP_STEPS, check_layout, offload_runs, reference_losses, seed_case, single_layout_run, train_layout, train_layouts
+from tests.support.layouts import (
+    BASE,
+    LLAMA,
+    MB4,
+    SWEEP_STEPS,
+    check_layout,
+    offload_runs,
+    reference_losses,
+    seed_case,
+    single_layout_run,
+    train_layout,
+    train_layouts,
+)
 
 """--train-iters of BASE (the LR schedule's length); the files that import it run this many steps."""
 """Steps each layout of the sweeps runs: the first 6 of BASE's 10-iteration schedule (warm-up,
@@ -33,17 +46,45 @@ LAYOUTS = {
     "pp2-gpipe": (2, ["--pp", "2", "--pipeline-schedule", "gpipe"] + MB4),
     "dp2-zero1": (2, ["--dp", "2", "--zero-stage", "1"]),
     "pp2-dp2-zero0": (4, ["--pp", "2", "--dp", "2"]),
-    "dp4-zero2-tiny-buckets": (4, ["--dp", "4", "--zero-stage", "2", "--reduce-bucket-size", "2000",
-                                   "--allgather-bucket-size", "3000", "--no-overlap-comm"]),
+    "dp4-zero2-tiny-buckets": (
+        4,
+        [
+            "--dp",
+            "4",
+            "--zero-stage",
+            "2",
+            "--reduce-bucket-size",
+            "2000",
+            "--allgather-bucket-size",
+            "3000",
+            "--no-overlap-comm",
+        ],
+    ),
     "tp2-pp2-dp1-gpipe": (4, ["--tp", "2", "--pp", "2", "--pipeline-schedule", "gpipe"] + MB4),
     "tp2-pp2-dp1-1f1b": (4, ["--tp", "2", "--pp", "2", "--pipeline-schedule", "1f1b"] + MB4),
     "tp2-pp2-dp1-interleaved": (4, ["--tp", "2", "--pp", "2", "--virtual-pipeline-size", "2"] + MB4),
     # 8 ranks, micro-batch 2 at dp 2: 4 micro-batches per pipeline and step
     "tp2-pp2-dp2-zero0-gpipe": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--pipeline-schedule", "gpipe"]),
-    "tp2-pp2-dp2-zero2-1f1b": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2",
-                                   "--reduce-bucket-size", "300"]),
-    "tp2-pp2-dp2-zero1-interleaved-sp": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "1",
-                                             "--virtual-pipeline-size", "2", "--sequence-parallel"]),
+    "tp2-pp2-dp2-zero2-1f1b": (
+        8,
+        ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "2", "--reduce-bucket-size", "300"],
+    ),
+    "tp2-pp2-dp2-zero1-interleaved-sp": (
+        8,
+        [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--zero-stage",
+            "1",
+            "--virtual-pipeline-size",
+            "2",
+            "--sequence-parallel",
+        ],
+    ),
 }
 
 
@@ -58,10 +99,12 @@ def layout_results(single_run):
         if name not in cache:
             world = LAYOUTS[name][0]
             names = [n for n, (w, _) in LAYOUTS.items() if w == world and n not in cache]
-            per_rank = run_distributed(train_layouts, world, [BASE + LAYOUTS[n][1] for n in names], SWEEP_STEPS,
-                                       timeout_s=300 * len(names))
+            per_rank = run_distributed(
+                train_layouts, world, [BASE + LAYOUTS[n][1] for n in names], SWEEP_STEPS, timeout_s=300 * len(names)
+            )
             cache.update({n: [r[i] for r in per_rank] for i, n in enumerate(names)})
         return cache[name]
+
     return get
 
 
@@ -110,8 +153,14 @@ def test_trainer_on_a_meta_default_device(reference, tmp_path):
     run, and the losses equal the reference. Fails on a tensor that forgets ``device=`` (the
     pipeline handshake's vectors did: every --pp > 1 run died before step 1 under NCCL)."""
     argv = [a if b != "--eval-iters" else "1" for a, b in zip(BASE, ["", *BASE])]
-    per_rank = run_distributed(_meta_default_layouts, 4, [argv + extra for extra in META_LAYOUTS.values()],
-                               META_STEPS, str(tmp_path), timeout_s=600)
+    per_rank = run_distributed(
+        _meta_default_layouts,
+        4,
+        [argv + extra for extra in META_LAYOUTS.values()],
+        META_STEPS,
+        str(tmp_path),
+        timeout_s=600,
+    )
     cfg_tokens = 16 * 16  # --eval-iters 1 global batch of 16 sequences of 16 labels, over every dp rank
     for name, results in zip(META_LAYOUTS, zip(*per_rank)):
         for losses, valid, tokens, resumed in results:
@@ -123,10 +172,39 @@ def test_trainer_on_a_meta_default_device(reference, tmp_path):
 # backward): dp 4 with 4 micro-batches per step, and tp 2 x pp 2 x dp 2 with the embedding
 # tied across the pipeline's first and last stage (4 micro-batches per step).
 ZERO3_LAYOUTS = {
-    "dp4-zero3-accum4": (4, ["--dp", "4", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0",
-                             "--zero3-prefetch-bucket-size", "5000", "--zero3-max-reuse-distance", "0"] + MICRO1),
-    "tp2-pp2-dp2-zero3-1f1b-tied": (8, ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3",
-                                        "--reduce-bucket-size", "300", "--zero3-param-persistence-threshold", "0"]),
+    "dp4-zero3-accum4": (
+        4,
+        [
+            "--dp",
+            "4",
+            "--zero-stage",
+            "3",
+            "--zero3-param-persistence-threshold",
+            "0",
+            "--zero3-prefetch-bucket-size",
+            "5000",
+            "--zero3-max-reuse-distance",
+            "0",
+        ]
+        + MICRO1,
+    ),
+    "tp2-pp2-dp2-zero3-1f1b-tied": (
+        8,
+        [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--zero-stage",
+            "3",
+            "--reduce-bucket-size",
+            "300",
+            "--zero3-param-persistence-threshold",
+            "0",
+        ],
+    ),
 }
 
 
@@ -141,8 +219,15 @@ def test_zero3_layout_equals_reference(name, reference, single_run):
     check_layout(name, results, reference, single_run)
 
 
-LLAMA_LAYOUTS = ("single", "tp2-sp", "pp2-gpipe", "tp2-pp2-dp1-gpipe", "tp2-pp2-dp1-1f1b",
-                 "tp2-pp2-dp1-interleaved", "tp2-pp2-dp2-zero1-interleaved-sp")
+LLAMA_LAYOUTS = (
+    "single",
+    "tp2-sp",
+    "pp2-gpipe",
+    "tp2-pp2-dp1-gpipe",
+    "tp2-pp2-dp1-1f1b",
+    "tp2-pp2-dp1-interleaved",
+    "tp2-pp2-dp2-zero1-interleaved-sp",
+)
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +260,9 @@ def test_llama_block_layouts_equal_reference(world, llama_runs, llama_reference)
 def test_micro_batch_split_does_not_change_the_run():
     """micro-batch 1 x 4 accumulation equals micro-batch 4 x 1, at dp 2 with ZeRO-2 (one spawn)."""
     argv = BASE + ["--dp", "2", "--zero-stage", "2"]
-    (a, *_), (b, *_) = run_distributed(train_layouts, 2, [argv + ["--micro-batch-size", "1"],
-                                                           argv + ["--micro-batch-size", "8"]], 4)[0]
+    (a, *_), (b, *_) = run_distributed(
+        train_layouts, 2, [argv + ["--micro-batch-size", "1"], argv + ["--micro-batch-size", "8"]], 4
+    )[0]
     for x, y in zip(a, b):
         assert math.isclose(x, y, rel_tol=1e-6)
 

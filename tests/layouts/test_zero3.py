@@ -4,6 +4,7 @@ fp32, dropout off. ZeRO-3 does the same arithmetic as ZeRO-2 (same reduce-scatte
 Adam on the same shards); only where the parameters live differs, so its losses and main
 params are bit-identical to ZeRO-2's and equal ``tests/support/reference.py`` within 1e-5.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -14,10 +15,10 @@ from megazero.optim.zero import DistributedOptimizer, zero_formula_bytes
 from megazero.pipeline.partition import is_post_process, is_pre_process, layer_ids
 from megazero.process_groups import ProcessGroups
 from megazero.topology import Topology
+from model.build import zero3_units
 from model.gpt import GPTStage
 from tests.support.distributed import run_distributed
-from model.build import zero3_units
-from tests.support.zero import ADAM, BUCKET, SEED, pipeline_steps, build, make_batches, reference, tiny_cfg, train
+from tests.support.zero import ADAM, BUCKET, SEED, build, make_batches, pipeline_steps, reference, tiny_cfg, train
 
 STEPS = 4
 """Steps of the multi-rank comparisons (was test_zero's 10): a step's CPU time on gloo ranks is
@@ -35,15 +36,22 @@ def _dp_run(rank, world, batches):
             padded = sum(b.layout.padded_numel for b in ddp.buffers)
             got = state_bytes[-1]
             out[stage, num_micro] = dict(
-                losses=losses, main=opt.main_param.numpy().copy(), got=got,
-                bound=opt.bucket_bound_bytes(), formula=zero_formula_bytes(padded, world, stage, 4, 4),
-                placeholder=all(p.stride() == (0,) * p.dim() for p in model.parameters()))
+                losses=losses,
+                main=opt.main_param.numpy().copy(),
+                got=got,
+                bound=opt.bucket_bound_bytes(),
+                formula=zero_formula_bytes(padded, world, stage, 4, 4),
+                placeholder=all(p.stride() == (0,) * p.dim() for p in model.parameters()),
+            )
     model, ddp, opt = build(tiny_cfg(), groups, 3, True, reshard_after_forward=False)
     losses, _, state_bytes = train(model, ddp, opt, groups, batches, 4, STEPS)
-    out["keep"] = dict(losses=losses, main=opt.main_param.numpy().copy(), got=state_bytes[-1],
-                       placeholder=all(p.stride() == (0,) * p.dim() for p in model.parameters()))
-    model, ddp, opt = build(tiny_cfg(params_dtype=torch.bfloat16), groups, 3, True,
-                            grad_dtype=torch.bfloat16)
+    out["keep"] = dict(
+        losses=losses,
+        main=opt.main_param.numpy().copy(),
+        got=state_bytes[-1],
+        placeholder=all(p.stride() == (0,) * p.dim() for p in model.parameters()),
+    )
+    model, ddp, opt = build(tiny_cfg(params_dtype=torch.bfloat16), groups, 3, True, grad_dtype=torch.bfloat16)
     *_, state_bytes = train(model, ddp, opt, groups, batches, 2, steps=2)
     padded = sum(b.layout.padded_numel for b in ddp.buffers)
     out["bf16"] = (state_bytes[-1], zero_formula_bytes(padded, world, 3, 2, 2))
@@ -64,13 +72,13 @@ def test_zero3_matches_zero2_and_reference_dp2():
             assert got["total"] - got["buckets"] == z3["formula"]
             assert got["params"] == got["grads"] == got["exp_avg"] and got["main_params"] == 0
             assert 0 < got["buckets"] <= z3["bound"]
-            assert z3["placeholder"]   # between steps no rank holds the whole parameters
+            assert z3["placeholder"]  # between steps no rank holds the whole parameters
         assert z3["got"]["total"] - z3["got"]["buckets"] < z2["got"]["total"] - z2["got"]["buckets"]
-        keep = out["keep"]   # reshard-after-forward off: gathered once per step, same arithmetic
+        keep = out["keep"]  # reshard-after-forward off: gathered once per step, same arithmetic
         assert keep["losses"] == out[3, 4]["losses"] and np.array_equal(keep["main"], out[3, 4]["main"])
         assert keep["got"]["total"] - keep["got"]["buckets"] == out[3, 4]["formula"]
-        assert keep["placeholder"]   # released at the end of the step all the same
-        got, formula = out["bf16"]   # the paper's 16 Psi / N
+        assert keep["placeholder"]  # released at the end of the step all the same
+        got, formula = out["bf16"]  # the paper's 16 Psi / N
         assert got["total"] - got["buckets"] == formula
 
 
@@ -78,16 +86,38 @@ def _pipeline_run(rank, world, batches):
     groups = ProcessGroups.build(Topology(tp=1, pp=2, dp=2))
     cfg, num_micro, vp, out = tiny_cfg(num_layers=4), 4, 2, {}
     for stage, reshard in ((2, True), (3, True), (3, False)):
-        chunks = [GPTStage(cfg, groups, layer_ids(4, 2, groups.pp_rank, vp, v),
-                           is_pre_process(groups.pp_rank, v), is_post_process(groups.pp_rank, 2, v, vp),
-                           SEED) for v in range(vp)]
-        units = [zero3_units(c) for c in chunks] if stage == 3 else None   # per-layer gathering
-        ddp = DataParallel(chunks, groups, zero_stage=stage, bucket_size=BUCKET, overlap_comm=True,
-                           reshard_after_forward=reshard, units=units,
-                           zero3=Zero3Options(prefetch_bucket_size=4000, max_reuse_distance=0))
-        opt = DistributedOptimizer(ddp, groups, lr=ADAM["lr"], beta1=ADAM["betas"][0],
-                                   beta2=ADAM["betas"][1], eps=ADAM["eps"],
-                                   weight_decay=ADAM["weight_decay"], allgather_bucket_size=1001)
+        chunks = [
+            GPTStage(
+                cfg,
+                groups,
+                layer_ids(4, 2, groups.pp_rank, vp, v),
+                is_pre_process(groups.pp_rank, v),
+                is_post_process(groups.pp_rank, 2, v, vp),
+                SEED,
+            )
+            for v in range(vp)
+        ]
+        units = [zero3_units(c) for c in chunks] if stage == 3 else None  # per-layer gathering
+        ddp = DataParallel(
+            chunks,
+            groups,
+            zero_stage=stage,
+            bucket_size=BUCKET,
+            overlap_comm=True,
+            reshard_after_forward=reshard,
+            units=units,
+            zero3=Zero3Options(prefetch_bucket_size=4000, max_reuse_distance=0),
+        )
+        opt = DistributedOptimizer(
+            ddp,
+            groups,
+            lr=ADAM["lr"],
+            beta1=ADAM["betas"][0],
+            beta2=ADAM["betas"][1],
+            eps=ADAM["eps"],
+            weight_decay=ADAM["weight_decay"],
+            allgather_bucket_size=1001,
+        )
         r = pipeline_steps(groups, chunks, ddp, opt, batches, "interleaved", vp, num_micro, cfg)
         out[stage, reshard] = dict(losses=r["losses"], main=opt.main_param.numpy().copy())
     return out
@@ -123,7 +153,7 @@ def test_zero3_under_tensor_and_sequence_parallelism():
     cfg = tiny_cfg()
     batches = make_batches(cfg, STEPS)
     ref = reference(cfg, batches, STEPS)
-    for out in run_distributed(_tp_run, 4, batches):   # tp 2 x dp 2
+    for out in run_distributed(_tp_run, 4, batches):  # tp 2 x dp 2
         assert out[3] == pytest.approx(ref, rel=1e-5)
         assert out[3] == out[2]
 
@@ -151,33 +181,59 @@ def _unit_run(rank, world, batches, cfg):
     model = GPTStage(cfg, groups, range(cfg.num_layers), True, True, SEED)
     units = zero3_units(model)
     layer = max(sum(p.numel() for p in u.parameters()) for u in units)
-    live_cap = 2 * layer + 2 * world   # two units at a time (+ padding): forces releases
-    settings = {"prefetch": {}, "no_prefetch": dict(prefetch_bucket_size=0),
-                "keep": dict(reshard_after_forward=False), "reuse0": dict(max_reuse_distance=0, prefetch_bucket_size=layer),
-                "bounded": dict(max_live_parameters=live_cap, max_reuse_distance=0),
-                "below_a_unit": dict(max_live_parameters=10),   # a bound that can never hold
-                "persist": dict(param_persistence_threshold=100),
-                "offload": dict(offload_param=True, max_reuse_distance=0)}
+    live_cap = 2 * layer + 2 * world  # two units at a time (+ padding): forces releases
+    settings = {
+        "prefetch": {},
+        "no_prefetch": dict(prefetch_bucket_size=0),
+        "keep": dict(reshard_after_forward=False),
+        "reuse0": dict(max_reuse_distance=0, prefetch_bucket_size=layer),
+        "bounded": dict(max_live_parameters=live_cap, max_reuse_distance=0),
+        "below_a_unit": dict(max_live_parameters=10),  # a bound that can never hold
+        "persist": dict(param_persistence_threshold=100),
+        "offload": dict(offload_param=True, max_reuse_distance=0),
+    }
     out = {}
     for name, kw in settings.items():
         reshard = kw.pop("reshard_after_forward", True)
         model = GPTStage(cfg, groups, range(cfg.num_layers), True, True, SEED)
-        ddp = DataParallel([model], groups, zero_stage=3, bucket_size=BUCKET, overlap_comm=True,
-                           reshard_after_forward=reshard, units=[zero3_units(model)],
-                           zero3=Zero3Options(**kw))
-        opt = DistributedOptimizer(ddp, groups, lr=ADAM["lr"], beta1=ADAM["betas"][0],
-                                   beta2=ADAM["betas"][1], eps=ADAM["eps"],
-                                   weight_decay=ADAM["weight_decay"], allgather_bucket_size=1001)
+        ddp = DataParallel(
+            [model],
+            groups,
+            zero_stage=3,
+            bucket_size=BUCKET,
+            overlap_comm=True,
+            reshard_after_forward=reshard,
+            units=[zero3_units(model)],
+            zero3=Zero3Options(**kw),
+        )
+        opt = DistributedOptimizer(
+            ddp,
+            groups,
+            lr=ADAM["lr"],
+            beta1=ADAM["betas"][0],
+            beta2=ADAM["betas"][1],
+            eps=ADAM["eps"],
+            weight_decay=ADAM["weight_decay"],
+            allgather_bucket_size=1001,
+        )
         losses, _, state_bytes = train(model, ddp, opt, groups, batches, 2, steps=5)
         persistent = sum(b.layout.padded_numel for b in ddp.buffers if b.strategy.stage == 2)
         out[name] = dict(
-            losses=losses, main=opt.main_param.numpy().copy(), got=state_bytes[-1],
-            bound=opt.bucket_bound_bytes(), place=opt.bytes_by_place(),
+            losses=losses,
+            main=opt.main_param.numpy().copy(),
+            got=state_bytes[-1],
+            bound=opt.bucket_bound_bytes(),
+            place=opt.bytes_by_place(),
             formula=zero_formula_bytes(sum(b.layout.padded_numel for b in ddp.buffers), world, 3, 4, 4)
-            + 4 * persistent * (world - 1) / world,   # persistent params whole: (N-1)/N more
-            units=len(ddp.zero3.units), live=ddp.zero3.peak_live, prefetches=ddp.zero3.prefetches,
-            total=sum(u.numel for u in ddp.zero3.units), cap=live_cap, persistent=persistent,
-            sharded=sum(b.layout.shard_numel for b in ddp.buffers if b.strategy.stage == 3))
+            + 4 * persistent * (world - 1) / world,  # persistent params whole: (N-1)/N more
+            units=len(ddp.zero3.units),
+            live=ddp.zero3.peak_live,
+            prefetches=ddp.zero3.prefetches,
+            total=sum(u.numel for u in ddp.zero3.units),
+            cap=live_cap,
+            persistent=persistent,
+            sharded=sum(b.layout.shard_numel for b in ddp.buffers if b.strategy.stage == 3),
+        )
     return out
 
 

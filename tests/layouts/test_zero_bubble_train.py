@@ -11,17 +11,28 @@ only). With tied embeddings both copies sit on stage 0 (chunks 0 and 1) and thei
 gradients are summed there; untied, ZB-V is compared with an untied 1F1B run. MoE layouts
 are checked against the MoE reference. One spawn runs every layout of its world size.
 """
+
 import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.moe import moe_reference as _moe_reference
 from tests.support.layouts import BASE, STEPS, reference_losses
+from tests.support.moe import moe_reference as _moe_reference
 
-GBS = ["--global-batch-size", "8"]   # micro-batch 2: 4 micro-batches at dp 1
+GBS = ["--global-batch-size", "8"]  # micro-batch 2: 4 micro-batches at dp 1
 UNTIE = ["--untie-embeddings-and-output-weights"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
-       "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+MOE = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "16",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
+]
 MICRO1 = ["--micro-batch-size", "1"]  # dp 2: still 4 micro-batches per pipeline
 
 
@@ -37,14 +48,16 @@ def _run(rank, world, argv, steps=STEPS):
         batches = trainer.next_batches()
         v = trainer.train_step(batches).values
         values.append((v["loss"], v["grad_norm"]))
-    values.append((trainer.eval_loss(batches), None))   # forward only, through the same chunks
-    values.append((training.generate_ids(trainer, [1, 2, 3], 3), None))   # greedy, forward only
+    values.append((trainer.eval_loss(batches), None))  # forward only, through the same chunks
+    values.append((training.generate_ids(trainer, [1, 2, 3], 3), None))  # greedy, forward only
     trainer.optimizer.wait_param_gather()
-    if cfg.zero.stage == 3:   # this rank's shards (the parameters are gathered on demand)
-        params = {(f"shard{i}", groups.pp_rank, groups.dp_rank, groups.tp_rank):
-                  b.params_shard.clone() if b.params_shard is not None   # small ones stay whole
-                  else torch.cat([q.detach().reshape(-1) for q in b.layout.params])
-                  for i, b in enumerate(trainer.ddp.buffers)}
+    if cfg.zero.stage == 3:  # this rank's shards (the parameters are gathered on demand)
+        params = {
+            (f"shard{i}", groups.pp_rank, groups.dp_rank, groups.tp_rank): b.params_shard.clone()
+            if b.params_shard is not None  # small ones stay whole
+            else torch.cat([q.detach().reshape(-1) for q in b.layout.params])
+            for i, b in enumerate(trainer.ddp.buffers)
+        }
     else:
         params = {(n, groups.tp_rank): q.detach().clone() for c in trainer.chunks for n, q in c.named_parameters()}
     trainer.close()
@@ -60,8 +73,8 @@ def _save_resume(rank, world, argv, save_at, ckpt, resume_argvs):
     """Train ``save_at`` steps under ``argv`` and save; then, for each of ``resume_argvs``,
     a new Trainer loads that checkpoint and trains to STEPS. Returns the losses of each part."""
     from megazero import training
-    from megazero.training import build_trainer
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     torch.set_num_threads(1)
     out = []
@@ -86,18 +99,18 @@ def _compare(results, base, other, same_layout):
     """``other``'s run equals ``base``'s: losses bit for bit, gradient norms bit for bit
     (same layout) or within 1e-12, every updated parameter bit for bit."""
     b_vals, o_vals = results[0][base][0], results[0][other][0]
-    assert [v[0] for v in o_vals] == [v[0] for v in b_vals], (other, "loss")   # eval loss, generated ids
+    assert [v[0] for v in o_vals] == [v[0] for v in b_vals], (other, "loss")  # eval loss, generated ids
     b_norms, o_norms = [v[1] for v in b_vals[:-2]], [v[1] for v in o_vals[:-2]]
     if same_layout:
         assert o_norms == b_norms, (other, "grad norm")
     else:
         assert o_norms == pytest.approx(b_norms, rel=1e-12, abs=0)
     b_par, o_par = {}, {}
-    for r in results:   # every rank's parameters, by name (and tp rank) or by shard
+    for r in results:  # every rank's parameters, by name (and tp rank) or by shard
         b_par.update(r[base][1])
         o_par.update(r[other][1])
     if not same_layout and any(k[0].startswith("shard") for k in b_par):
-        return   # ZeRO-3 shards of different layer placements hold different parameters
+        return  # ZeRO-3 shards of different layer placements hold different parameters
     assert b_par.keys() == o_par.keys() and len(b_par) > 0
     bad = [k for k in b_par if not torch.equal(b_par[k], o_par[k])]
     assert not bad, (other, bad[:4])
@@ -111,12 +124,12 @@ def _check(layouts, results, names, model=()):
         if key not in refs:
             ref_argv = BASE + GBS + list(model) + (UNTIE if key[0] else []) + (MOE if key[1] else [])
             threads = torch.get_num_threads()
-            torch.set_num_threads(1)   # tiny matmuls: the oracle is many times faster on one thread
-            try:   # MoE: the reference routes (and takes its auxiliary losses) per micro-batch
+            torch.set_num_threads(1)  # tiny matmuls: the oracle is many times faster on one thread
+            try:  # MoE: the reference routes (and takes its auxiliary losses) per micro-batch
                 refs[key] = _moe_reference(ref_argv, STEPS)[0] if key[1] else reference_losses(ref_argv, STEPS)
             finally:
                 torch.set_num_threads(threads)
-        for r in results:   # every rank agrees, and equals the oracle within 1e-5
+        for r in results:  # every rank agrees, and equals the oracle within 1e-5
             assert [v[0] for v in r[i][0]] == [v[0] for v in results[0][i][0]]
             assert [v[0] for v in r[i][0][:-2]] == pytest.approx(refs[key], rel=1e-5), name
     for i, name in enumerate(names):
@@ -147,12 +160,17 @@ def test_zero_bubble_pp2_equals_1f1b_bit_for_bit(tmp_path):
     In the same ranks, ZB-V with tied embeddings saved at step 4 and resumed under ZB-V gives
     the unbroken run's losses bit for bit; resumed under 1F1B (both embedding copies back on
     their own stages), the same losses, which 1F1B and ZB-V share bit for bit."""
-    layouts = dict(PP2, **{"1f1b recompute": (PP2["1f1b"][0] + FULL, None),
-                           "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute"),
-                           "zb-v tied": (TIED_V, "1f1b"),
-                           "1f1b moe": (PP2["1f1b"][0] + MOE, None),
-                           "zb-h1 moe": (PP2["zb-h1"][0] + MOE, "1f1b moe"),
-                           "zb-v tied moe": (TIED_V + MOE, "1f1b moe")})
+    layouts = dict(
+        PP2,
+        **{
+            "1f1b recompute": (PP2["1f1b"][0] + FULL, None),
+            "zb-h1 recompute": (PP2["zb-h1"][0] + FULL, "1f1b recompute"),
+            "zb-v tied": (TIED_V, "1f1b"),
+            "1f1b moe": (PP2["1f1b"][0] + MOE, None),
+            "zb-h1 moe": (PP2["zb-h1"][0] + MOE, "1f1b moe"),
+            "zb-v tied moe": (TIED_V + MOE, "1f1b moe"),
+        },
+    )
     names = list(layouts)
     resume = (BASE + GBS + TIED_V, 4, str(tmp_path), [BASE + GBS + TIED_V, BASE + GBS + PP2["1f1b"][0]])
     got = run_distributed(_runs, 2, [BASE + GBS + layouts[n][0] for n in names], resume=resume, timeout_s=900)
@@ -166,13 +184,15 @@ def test_zero_bubble_pp2_equals_1f1b_bit_for_bit(tmp_path):
 
 def _layouts4():
     out = {}
-    for tag, flags in (("tp2-sp", ["--tp", "2", "--sequence-parallel"]),
-                       ("dp2-zero2", ["--dp", "2", "--zero-stage", "2"] + MICRO1),
-                       ("dp2-zero3", ["--dp", "2", "--zero-stage", "3"] + MICRO1)):
+    for tag, flags in (
+        ("tp2-sp", ["--tp", "2", "--sequence-parallel"]),
+        ("dp2-zero2", ["--dp", "2", "--zero-stage", "2"] + MICRO1),
+        ("dp2-zero3", ["--dp", "2", "--zero-stage", "3"] + MICRO1),
+    ):
         for name, (pp_flags, base) in PP2.items():
             out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
     for tag, flags in (("dp2-zero1", ["--dp", "2", "--zero-stage", "1"] + MICRO1), ("cp2", ["--cp", "2"])):
-        for name in ("1f1b", "zb-h1"):   # ZeRO-1's overlapped reduction and gather; context parallel
+        for name in ("1f1b", "zb-h1"):  # ZeRO-1's overlapped reduction and gather; context parallel
             pp_flags, base = PP2[name]
             out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
     return out
@@ -190,7 +210,7 @@ def test_zero_bubble_with_tp_sp_and_zero_equals_1f1b_bit_for_bit():
     _check(layouts, out, names)
 
 
-PP4 = ["--num-layers", "8", "--global-batch-size", "16"]   # zb-v: 2 x 4 chunks; 8 micro-batches
+PP4 = ["--num-layers", "8", "--global-batch-size", "16"]  # zb-v: 2 x 4 chunks; 8 micro-batches
 
 
 @pytest.mark.slow
@@ -210,20 +230,23 @@ def test_zero_bubble_pp4_8_ranks_equals_1f1b():
     norms within 1e-12, at ZeRO-3 losses and norms only, as in _compare), and every loss
     equal to tests/support/reference.py within 1e-5."""
     layouts = {}
-    for tag, flags in (("tp2-sp", ["--tp", "2", "--sequence-parallel", "--global-batch-size", "16"]),
-                       ("dp2-zero2", ["--dp", "2", "--zero-stage", "2", "--micro-batch-size", "1",
-                                      "--global-batch-size", "16"]),
-                       ("dp2-zero3", ["--dp", "2", "--zero-stage", "3", "--micro-batch-size", "1",
-                                      "--global-batch-size", "16"])):
+    for tag, flags in (
+        ("tp2-sp", ["--tp", "2", "--sequence-parallel", "--global-batch-size", "16"]),
+        ("dp2-zero2", ["--dp", "2", "--zero-stage", "2", "--micro-batch-size", "1", "--global-batch-size", "16"]),
+        ("dp2-zero3", ["--dp", "2", "--zero-stage", "3", "--micro-batch-size", "1", "--global-batch-size", "16"]),
+    ):
         for sched in ("1f1b", "zb-h1", "zb-v"):
-            layouts[f"{tag} {sched}"] = (["--pp", "4", "--num-layers", "8", "--pipeline-schedule", sched] + flags,
-                                         None if sched == "1f1b" else f"{tag} 1f1b")
+            layouts[f"{tag} {sched}"] = (
+                ["--pp", "4", "--num-layers", "8", "--pipeline-schedule", sched] + flags,
+                None if sched == "1f1b" else f"{tag} 1f1b",
+            )
     names = list(layouts)
-    out = run_distributed(_runs, 8, [BASE + layouts[n][0] for n in names], STEPS, timeout_s=2400,
-                          collective_timeout_s=600)
+    out = run_distributed(
+        _runs, 8, [BASE + layouts[n][0] for n in names], STEPS, timeout_s=2400, collective_timeout_s=600
+    )
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny matmuls: the oracle is many times faster on one thread
-    try:   # every layout trains the same global batch of 16: one oracle
+    torch.set_num_threads(1)  # tiny matmuls: the oracle is many times faster on one thread
+    try:  # every layout trains the same global batch of 16: one oracle
         ref = reference_losses(BASE + ["--num-layers", "8", "--global-batch-size", "16"], STEPS)
     finally:
         torch.set_num_threads(threads)

@@ -1,11 +1,13 @@
 """Sharded-checkpoint sessions: ARGS of the layout test, checkpoint_session (save / load under
 torch's profiler) and close_trainer."""
+
 import math
+
 import torch
+
 from tests.support.layouts import BASE
 
-
-BUCKET = 500   # --reduce-bucket-size (elements): chunks are at most one bucket
+BUCKET = 500  # --reduce-bucket-size (elements): chunks are at most one bucket
 
 
 ARGS = [a if a != "10" else "8" for a in BASE] + ["--reduce-bucket-size", str(BUCKET)]
@@ -14,8 +16,16 @@ ARGS = [a if a != "10" else "8" for a in BASE] + ["--reduce-bucket-size", str(BU
 METADATA_OPS = ("gloo:gather", "gloo:scatter", "gloo:broadcast")  # DCP's plan exchange, gloo's side
 
 
-PLAN_STEPS = ("reduce_scatter", "all_reduce", "all_gather", "broadcast_object", "gather_object",
-              "scatter_object", "all_gather_object", "broadcast")   # DCP's _DistWrapper collectives
+PLAN_STEPS = (
+    "reduce_scatter",
+    "all_reduce",
+    "all_gather",
+    "broadcast_object",
+    "gather_object",
+    "scatter_object",
+    "all_gather_object",
+    "broadcast",
+)  # DCP's _DistWrapper collectives
 
 
 def _alloc_peaks(prof) -> tuple[int, int, int]:
@@ -41,9 +51,11 @@ def _alloc_peaks(prof) -> tuple[int, int, int]:
                 f = e.extra_fields
                 yield e.start_time_ns, f.alloc_size, f.ptr, d, m
             yield from walk(e.children, d, m)
+
     kind, totals, peaks = {}, [0, 0, 0], [0, 0, 0]
-    for _, size, ptr, data, meta in sorted(walk(prof.profiler.kineto_results.experimental_event_tree(),
-                                               False, False), key=lambda a: a[0]):
+    for _, size, ptr, data, meta in sorted(
+        walk(prof.profiler.kineto_results.experimental_event_tree(), False, False), key=lambda a: a[0]
+    ):
         if size > 0:
             kind[ptr] = (data, meta)
         data, meta = kind.pop(ptr, (data, meta)) if size < 0 else (data, meta)
@@ -71,6 +83,7 @@ def _measured(fn):
         def marked(*a, _orig=orig, _label=label, **k):
             with record_function(_label):
                 return _orig(*a, **k)
+
         setattr(cls, meth, marked)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -87,10 +100,11 @@ def checkpoint_session(rank, world, argv, save=None, save_after=None, loads=(), 
     train ``steps`` more. Returns losses per phase, the measured allocation peaks (the save and
     the loads under torch's profiler; only the first ``measure`` loads if given, the others None) and
     this rank's owned state bytes (3 fp32 tensors of its owned elements)."""
-    from megazero import training
-    from megazero.training import build_trainer
     from torch.distributed.checkpoint import FileSystemReader as dcp_reader
+
+    from megazero import training
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     cfg = config_from_argv(argv, world)
     trainer = build_trainer(cfg, data=training.prepare_run(cfg))
@@ -101,18 +115,22 @@ def checkpoint_session(rank, world, argv, save=None, save_after=None, loads=(), 
             batches = trainer.next_batches()
             out.append(trainer.train_step(batches).values["loss"])
         return out
+
     own = 12 * sum(pr.size for _, _, pr, *_ in trainer.optimizer.owned_state())
     bucket = 4 * max(b.range.size for buf in trainer.optimizer.ddp.buffers for b in buf.layout.buckets)
-    rng = sum(t.numel() * t.element_size() for t in trainer.chunks[0].rng_tracker.get_state().values()
-              if torch.is_tensor(t))
-    out = dict(own=own, bucket=bucket, step=trainer.optimizer.bucket_bound_bytes(), rng=rng, losses=[], peaks=[],
-               in_flight=[])
-    gather = trainer.optimizer.param_gather   # the overlapped all-gathers (ZeRO-1/2), or None
+    rng = sum(
+        t.numel() * t.element_size() for t in trainer.chunks[0].rng_tracker.get_state().values() if torch.is_tensor(t)
+    )
+    out = dict(
+        own=own, bucket=bucket, step=trainer.optimizer.bucket_bound_bytes(), rng=rng, losses=[], peaks=[], in_flight=[]
+    )
+    gather = trainer.optimizer.param_gather  # the overlapped all-gathers (ZeRO-1/2), or None
     read = dcp_reader.read_data
 
-    def read_data(*a, **k):   # the all-gathers still in flight when DCP writes the loaded tensors
+    def read_data(*a, **k):  # the all-gathers still in flight when DCP writes the loaded tensors
         out["in_flight"].append(0 if gather is None else gather.pending())
         return read(*a, **k)
+
     dcp_reader.read_data = read_data
     try:
         if not loads:
@@ -120,12 +138,13 @@ def checkpoint_session(rank, world, argv, save=None, save_after=None, loads=(), 
             out["peaks"].append(_measured(lambda: trainer.save_checkpoint(save)))
         for i, root in enumerate(loads):
             profiled = measure is None or i < measure
-            out["peaks"].append(_measured(lambda: trainer.load_checkpoint(root)) if profiled
-                                else trainer.load_checkpoint(root))
+            out["peaks"].append(
+                _measured(lambda: trainer.load_checkpoint(root)) if profiled else trainer.load_checkpoint(root)
+            )
             out["losses"].append(run(steps))
         if not loads:
             out["losses"].append(run(steps))
-    finally:   # the next session of these ranks wraps the original
+    finally:  # the next session of these ranks wraps the original
         dcp_reader.read_data = read
     return out
 

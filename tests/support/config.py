@@ -1,5 +1,7 @@
 """Assertions on configuration errors: fails (the one-line ConfigError naming the setting)."""
+
 import pytest
+
 from megazero.config import (
     config_from_argv,
 )

@@ -4,6 +4,7 @@
 one calls ``require("transformers")`` so a developer without them still runs the rest, while
 CI, where they must be present, cannot silently skip them.
 """
+
 import importlib
 import os
 
@@ -16,6 +17,8 @@ def require(module: str):
         return importlib.import_module(module)
     except ImportError as e:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI=true but the optional extra {module!r} is missing ({e}); "
-                        "scripts/test.sh installs it with pip install -e .[hf,wandb,eval]")
+            pytest.fail(
+                f"CI=true but the optional extra {module!r} is missing ({e}); "
+                "scripts/test.sh installs it with pip install -e .[hf,wandb,eval]"
+            )
         pytest.skip(f"optional extra {module!r} not installed (pip install -e .[hf,wandb,eval])")

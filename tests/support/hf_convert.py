@@ -1,22 +1,58 @@
 """Hugging Face interchange helpers: the exported tiny model (MODEL, fixtures exported /
 export_tp2pp2), hf_trainer, train_steps, logits_of, single_stage and the logits / greedy-ids
 assertion."""
+
 import json
+
 import pytest
 import torch
+
 from tests.support.distributed import run_distributed
 from tests.support.extras import require
 from tests.support.hf_tokenizer import corpus
 
+TEXTS = [
+    "def f(x):\n    return x ** 2  # square\n",
+    "Ünïcödé ☃ 日本語 — emoji 😀\ttab",
+    "for i in range(3):\n\tprint(f'{i}')\r\n",
+    "  leading spaces and trailing  ",
+]
 
-TEXTS = ["def f(x):\n    return x ** 2  # square\n", "Ünïcödé ☃ 日本語 — emoji 😀\ttab",
-         "for i in range(3):\n\tprint(f'{i}')\r\n", "  leading spaces and trailing  "]
 
-
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--global-batch-size", "4", "--make-vocab-size-divisible-by", "8",
-         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "1", "--eval-iters", "0", "--device", "cpu",
-         "--split", "1", "--seed", "11", "--hidden-dropout", "0", "--attention-dropout", "0"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "1",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--split",
+    "1",
+    "--seed",
+    "11",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
 
 
 TP2PP2 = ["--tp", "2", "--pp", "2"]
@@ -24,8 +60,8 @@ TP2PP2 = ["--tp", "2", "--pp", "2"]
 
 def hf_trainer(argv, world):
     from megazero import training
-    from megazero.training import build_trainer
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     cfg = config_from_argv(argv, world)
     return build_trainer(cfg, data=training.prepare_run(cfg))
@@ -57,15 +93,14 @@ def from_hf_and_from_checkpoint(rank, world, argv, hf_dir, ckpt):
 
 def logits_of(stage, ids):
     with torch.no_grad():
-        return stage(ids)[..., :stage.cfg.vocab_size]  # (B, T, V): padded columns dropped
+        return stage(ids)[..., : stage.cfg.vocab_size]  # (B, T, V): padded columns dropped
 
 
 def single_stage(gcfg, full):
     from megazero.process_groups import ProcessGroups
     from model.gpt import GPTStage
 
-    return GPTStage(gcfg, ProcessGroups.single(), range(gcfg.num_layers), True, True, seed=0,
-                    full_weights=full).eval()
+    return GPTStage(gcfg, ProcessGroups.single(), range(gcfg.num_layers), True, True, seed=0, full_weights=full).eval()
 
 
 def export_tp2pp2(d, model_argv: list) -> dict:
@@ -76,14 +111,22 @@ def export_tp2pp2(d, model_argv: list) -> dict:
     from data.preprocess import preprocess
     from data.tokenizer import load_tokenizer, train_hf_tokenizer
 
-    tok = load_tokenizer(train_hf_tokenizer(corpus(200), 300, str(d / "tok" / "tokenizer.json")),
-                         "HuggingFaceTokenizer")
+    tok = load_tokenizer(
+        train_hf_tokenizer(corpus(200), 300, str(d / "tok" / "tokenizer.json")), "HuggingFaceTokenizer"
+    )
     src = d / "in.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(150)), encoding="utf-8")
-    preprocess(str(src), ["text"], tok.model_path, str(d / "c"), progress=False,
-               tokenizer_type="HuggingFaceTokenizer")
-    argv = model_argv + ["--data-path", str(d / "c_text_document"), "--tokenizer-type", "HuggingFaceTokenizer",
-                         "--tokenizer-model", tok.model_path, "--train-iters", "8"]
+    preprocess(str(src), ["text"], tok.model_path, str(d / "c"), progress=False, tokenizer_type="HuggingFaceTokenizer")
+    argv = model_argv + [
+        "--data-path",
+        str(d / "c_text_document"),
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        tok.model_path,
+        "--train-iters",
+        "8",
+    ]
     run_distributed(_train_and_save, 4, argv + TP2PP2, str(d / "ckpt"))
     from scripts.convert_checkpoint import main
 

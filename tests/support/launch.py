@@ -1,20 +1,44 @@
 """Real launches of scripts/pretrain_gpt.sh: TINY flags, start_launch, pids_of (a run's rank
 processes) and train_records (its metrics file)."""
+
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from tests.support.paths import REPO
 
+from tests.support.paths import REPO
 
 ROOT = REPO
 
 
-TINY = ["--mock-data", "--vocab-size", "301", "--num-layers", "4", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "1",
-        "--eval-interval", "3", "--eval-iters", "1", "--make-vocab-size-divisible-by", "8"]
+TINY = [
+    "--mock-data",
+    "--vocab-size",
+    "301",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "6",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "3",
+    "--eval-iters",
+    "1",
+    "--make-vocab-size-divisible-by",
+    "8",
+]
 
 
 def train_records(run_dir):

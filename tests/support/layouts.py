@@ -1,14 +1,16 @@
 """The layout sweep's shared pieces: BASE (a 4-layer GPT on mock data) and LLAMA flags, one layout's
 training run on gloo ranks (train_layout, train_layouts), the oracle's losses computed once per
 pytest process (reference_losses, single_layout_run) and the per-layout assertions (check_layout)."""
+
 import functools
 import math
 import os
+
 import pytest
 import torch
+
 from tests.support.distributed import run_distributed
 from tests.support.paths import REPO
-
 
 STEPS = 10
 
@@ -16,11 +18,43 @@ STEPS = 10
 SWEEP_STEPS = 6
 
 
-BASE = ["--mock-data", "--vocab-size", "1001", "--num-layers", "4", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-        "--global-batch-size", "16", "--train-iters", str(STEPS), "--lr", "3e-3", "--min-lr", "3e-4",
-        "--lr-warmup-iters", "3", "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "7",
-        "--make-vocab-size-divisible-by", "8", "--eval-iters", "0", "--device", "cpu"]
+BASE = [
+    "--mock-data",
+    "--vocab-size",
+    "1001",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "16",
+    "--train-iters",
+    str(STEPS),
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "3",
+    "--weight-decay",
+    "0.1",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "7",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+]
 
 
 def train_layout(rank, world, argv, steps):
@@ -38,9 +72,12 @@ def train_layout(rank, world, argv, steps):
         norms.append(out["grad_norm"])
     from megazero.planning import memory
 
-    psi = (sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs counted
-           memory.params_per_rank(trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size,
-                                  p.pipeline_layer_split))
+    psi = (
+        sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs counted
+        memory.params_per_rank(
+            trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size, p.pipeline_layer_split
+        ),
+    )
     return losses, norms, training.generate_ids(trainer, PROMPT, 15), psi  # 18 ids: the window slides
 
 
@@ -77,12 +114,12 @@ def single_once(argv: tuple, steps: int):
 
 
 def oracle_losses(argv, steps):
-    from megazero import training
     from data.samplers import get_micro_batches
+    from megazero import training
     from megazero.config import config_from_argv
-    from model.gpt import init_full_weights
     from megazero.optim.lr_schedule import LRSchedule
     from model.build import build_gpt_config
+    from model.gpt import init_full_weights
     from tests.support.reference import block_options, train_reference
 
     cfg = config_from_argv(argv, 1)
@@ -93,10 +130,19 @@ def oracle_losses(argv, steps):
     batches = [get_micro_batches(train_ds, s * gbs, gbs, gbs, 0, 1)[0] for s in range(steps)]
     o = cfg.optim
     sched = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, cfg.train.train_iters, o.lr_decay_style)
-    return train_reference(init_full_weights(gcfg, cfg.train.seed), batches, vocab_size=vocab,
-                           num_heads=gcfg.num_attention_heads, lr=lambda s: sched(s + 1), steps=steps,
-                           betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay,
-                           eps=o.adam_eps, clip_grad=o.clip_grad, block=block_options(gcfg))
+    return train_reference(
+        init_full_weights(gcfg, cfg.train.seed),
+        batches,
+        vocab_size=vocab,
+        num_heads=gcfg.num_attention_heads,
+        lr=lambda s: sched(s + 1),
+        steps=steps,
+        betas=(o.adam_beta1, o.adam_beta2),
+        weight_decay=o.weight_decay,
+        eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        block=block_options(gcfg),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +185,27 @@ def check_layout(name, results, reference, single_run, clip=1.0):
 # under dp 4 ZeRO-1/3, tp 2 x dp 2 ZeRO-2 and pp 2 x dp 2), so the sweep's dp-only, pp x dp
 # and two of its 8-rank layouts run with the GPT-2 block only. The layouts of one world size
 # share one set of spawned ranks.
-LLAMA = ["--position-embedding-type", "rope", "--rotary-percent", "0.5", "--rotary-base", "1000",
-         "--normalization", "RMSNorm", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--clip-grad", "0.5"]
+LLAMA = [
+    "--position-embedding-type",
+    "rope",
+    "--rotary-percent",
+    "0.5",
+    "--rotary-base",
+    "1000",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--clip-grad",
+    "0.5",
+]
 
 
-SEEDS = os.path.join(str(REPO), "..", "shared", "cases",
-                     "deepspeed")
+SEEDS = os.path.join(str(REPO), "..", "shared", "cases", "deepspeed")
 
 
 def seed_case(name: str) -> str:
@@ -161,10 +221,10 @@ def seed_case(name: str) -> str:
 
 def offload_runs(rank, world, argvs, steps):
     """(losses, optimizer class name, bytes_by_place) of a Trainer per argv."""
-    from megazero.training import build_trainer
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
+    from megazero.training import build_trainer
 
     out = []
     for argv in argvs:

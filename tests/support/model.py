@@ -1,18 +1,23 @@
 """Model-level comparisons with the reference: assert_rel_close, train_stage, adamw and the padded-
 rows check."""
+
 import torch
+
 from megazero.data_parallel.finalize import finalize_param_grads
 from model.gpt import GPTStage
-
 
 ADAM = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 
 
 def adamw(params):
     params = list(params)
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                              {"params": [p for p in params if p.dim() < 2],
-                               "weight_decay": 0.0}], **ADAM)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        **ADAM,
+    )
 
 
 def padded_rows_grad_is_zero(stage: GPTStage) -> bool:

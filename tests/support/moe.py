@@ -1,18 +1,32 @@
 """The MoE layouts' shared pieces: ARGS of the MoE GPT, MOE_STEPS, and the dense-oracle reference of
 the routed model (moe_reference), computed once per pytest process."""
+
 import functools
+
 import torch
+
 from tests.support.layouts import BASE, LLAMA
 
-
-MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
-       "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+MOE = [
+    "--num-experts",
+    "8",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "16",
+    "--moe-shared-expert-intermediate-size",
+    "32",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
+]
 
 
 ARGS = BASE + LLAMA + MOE
 
 
-MOE_STEPS = 6   # of BASE's 10-iteration schedule (warm-up, peak, decay); tests/layouts/test_moe_ep.py's too
+MOE_STEPS = 6  # of BASE's 10-iteration schedule (warm-up, peak, decay); tests/layouts/test_moe_ep.py's too
 
 
 def moe_reference(argv, steps):
@@ -24,8 +38,8 @@ def moe_reference(argv, steps):
 @functools.lru_cache(maxsize=None)
 def _reference_once(argv: tuple, steps: int):
     argv = list(argv)
-    from megazero import training
     from data.samplers import get_micro_batches
+    from megazero import training
     from megazero.config import config_from_argv
     from megazero.optim.lr_schedule import LRSchedule
     from model.build import build_gpt_config
@@ -40,14 +54,24 @@ def _reference_once(argv: tuple, steps: int):
     o = cfg.optim
     sched = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, cfg.train.train_iters, o.lr_decay_style)
     block = block_options(gcfg)
-    block["moe"]["group_rows"] = cfg.train.micro_batch_size   # route per micro-batch, as the trainer
+    block["moe"]["group_rows"] = cfg.train.micro_batch_size  # route per micro-batch, as the trainer
     stats, threads = {}, torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny matmuls: two threads made the oracle 20x slower on 2 busy cores
+    torch.set_num_threads(1)  # tiny matmuls: two threads made the oracle 20x slower on 2 busy cores
     try:
-        losses = train_reference(init_full_weights(gcfg, cfg.train.seed), batches, vocab_size=run.vocab_size,
-                                 num_heads=gcfg.num_attention_heads, lr=lambda s: sched(s + 1), steps=steps,
-                                 betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay, eps=o.adam_eps,
-                                 clip_grad=o.clip_grad, block=block, stats=stats)
+        losses = train_reference(
+            init_full_weights(gcfg, cfg.train.seed),
+            batches,
+            vocab_size=run.vocab_size,
+            num_heads=gcfg.num_attention_heads,
+            lr=lambda s: sched(s + 1),
+            steps=steps,
+            betas=(o.adam_beta1, o.adam_beta2),
+            weight_decay=o.weight_decay,
+            eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            block=block,
+            stats=stats,
+        )
     finally:
         torch.set_num_threads(threads)
     return losses, stats

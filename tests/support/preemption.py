@@ -1,10 +1,11 @@
 """Launches for the preemption tests: BASE flags and launch_env (a launch's environment)."""
+
 import os
 import subprocess
 import sys
+
 from tests.support.launch import TINY
 from tests.support.paths import REPO
-
 
 BASE = [a if a != "6" else "12" for a in TINY] + ["--eval-iters", "0", "--hidden-dropout", "0.1"]
 
@@ -12,7 +13,5 @@ BASE = [a if a != "6" else "12" for a in TINY] + ["--eval-iters", "0", "--hidden
 def launch_env(args, run_dir, env, timeout=600):
     env = dict(env, PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
     env.pop("MEGAZERO_VENV", None)
-    cmd = ["bash", str(REPO / "scripts" / "pretrain_gpt.sh"), *args,
-           "--run-dir", str(run_dir)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+    cmd = ["bash", str(REPO / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)

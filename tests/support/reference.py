@@ -14,6 +14,7 @@ It loads the canonical full tensors of docs/design.md ("Interfaces" > Model); on
 ``vocab_size`` rows of the (padded) word embedding and output weight are used, and the loss
 is ``F.cross_entropy`` over the real vocabulary, averaged over every token of the batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,10 +55,9 @@ def rope_rotate(x: torch.Tensor, rot_dim: int, base: float, positions=None) -> t
     position ``t`` (Su et al. 2021, eq. 34). ``x [B, heads, T, d]`` -> same shape; ``positions``
     ``[B, T]`` (default 0..T-1)."""
     B, T, half = x.shape[0], x.shape[2], rot_dim // 2
-    theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)        # (rot/2,)
+    theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)  # (rot/2,)
     t = torch.arange(T, dtype=torch.float64).expand(B, T) if positions is None else positions.double()
-    phase = torch.polar(torch.ones(B, 1, T, half, dtype=torch.float64),
-                        t[:, None, :, None] * theta)                                # (B, 1, T, rot/2)
+    phase = torch.polar(torch.ones(B, 1, T, half, dtype=torch.float64), t[:, None, :, None] * theta)  # (B, 1, T, rot/2)
     z = torch.complex(x[..., :half].double(), x[..., half:rot_dim].double()) * phase
     return torch.cat([z.real.to(x.dtype), z.imag.to(x.dtype), x[..., rot_dim:]], dim=-1)
 
@@ -103,15 +103,15 @@ class _MoE(nn.Module):
         outs = []
         rows = o.get("group_rows") or B
         for g in range(0, B, rows):
-            flat = x[g:g + rows].reshape(-1, H)                          # (N, H)
-            logits = self.router(flat)                                               # (N, E)
+            flat = x[g : g + rows].reshape(-1, H)  # (N, H)
+            logits = self.router(flat)  # (N, E)
             r = R.route(logits, k, o["score_function"], o["pre_softmax"], self.expert_bias)
             keep = torch.ones_like(r.experts, dtype=torch.bool)
             if o["capacity_factor"] is not None:
                 cap = R.expert_capacity(flat.shape[0], self.E, k, o["capacity_factor"])
                 keep = R.capacity_keep(r.probs, r.experts, self.E, cap, o["drop_policy"])
-            every = torch.stack([e(flat) for e in self.experts], dim=1)              # (N, E, H)
-            chosen = every.gather(1, r.experts[..., None].expand(-1, -1, H))         # (N, k, H)
+            every = torch.stack([e(flat) for e in self.experts], dim=1)  # (N, E, H)
+            chosen = every.gather(1, r.experts[..., None].expand(-1, -1, H))  # (N, k, H)
             out = (chosen * (r.probs * keep)[..., None]).sum(1)
             if self.shared is not None:
                 out = out + self.shared(flat)
@@ -131,8 +131,20 @@ class _MoE(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, ffn: int, eps: float, *, kv_groups=None,
-                 rope=None, rmsnorm: bool = False, swiglu: bool = False, bias: bool = True, moe=None):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        ffn: int,
+        eps: float,
+        *,
+        kv_groups=None,
+        rope=None,
+        rmsnorm: bool = False,
+        swiglu: bool = False,
+        bias: bool = True,
+        moe=None,
+    ):
         super().__init__()
         self.heads, self.kv_groups, self.rope, self.swiglu = heads, kv_groups, rope, swiglu
         d = hidden // heads
@@ -142,8 +154,9 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(hidden, qkv_rows, bias=bias)
         self.proj = nn.Linear(hidden, hidden, bias=bias)
         self.ln2 = norm(hidden, eps)
-        self.moe = None if moe is None else _MoE(hidden, moe["num_experts"], moe["ffn"], moe["shared"],
-                                                 swiglu, bias, moe)
+        self.moe = (
+            None if moe is None else _MoE(hidden, moe["num_experts"], moe["ffn"], moe["shared"], swiglu, bias, moe)
+        )
         if moe is None:
             self.fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
             self.fc2 = nn.Linear(ffn, hidden, bias=bias)
@@ -156,12 +169,12 @@ class _Block(nn.Module):
             q, k, v = out.split(H, dim=-1)  # each (B, T, H)
             return (t.view(B, T, self.heads, d).transpose(1, 2) for t in (q, k, v))
         G = self.kv_groups
-        n = self.heads // G                     # query heads per group
-        per_group = out.view(B, T, G, (n + 2) * d)   # [q (n*d); k (d); v (d)] per group
+        n = self.heads // G  # query heads per group
+        per_group = out.view(B, T, G, (n + 2) * d)  # [q (n*d); k (d); v (d)] per group
         q = per_group[..., : n * d].reshape(B, T, self.heads, d).transpose(1, 2)
-        k = per_group[..., n * d: (n + 1) * d].transpose(1, 2)   # (B, G, T, d)
-        v = per_group[..., (n + 1) * d:].transpose(1, 2)
-        pick = torch.arange(self.heads) // n    # query head h uses group h // n
+        k = per_group[..., n * d : (n + 1) * d].transpose(1, 2)  # (B, G, T, d)
+        v = per_group[..., (n + 1) * d :].transpose(1, 2)
+        pick = torch.arange(self.heads) // n  # query head h uses group h // n
         return q, k[:, pick], v[:, pick]
 
     def attention(self, x, positions=None, hidden=None):
@@ -173,7 +186,7 @@ class _Block(nn.Module):
         scores = q @ k.transpose(-2, -1) / math.sqrt(H // self.heads)  # (B, heads, T, T)
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         if hidden is not None:
-            future = future | hidden[:, None]                           # (B, 1, T, T)
+            future = future | hidden[:, None]  # (B, 1, T, T)
         probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
         y = (probs @ v).transpose(1, 2).reshape(B, T, H)  # (B, heads, T, hd) -> (B, T, H)
         return self.proj(y)
@@ -198,15 +211,21 @@ def block_options(cfg) -> dict:
     rope = None
     if cfg.position_embedding_type == "rope":
         rope = (int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_percent), cfg.rotary_base)
-    out = dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm",
-               swiglu=cfg.swiglu)
+    out = dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm", swiglu=cfg.swiglu)
     if getattr(cfg, "num_experts", None) is not None:
-        out["moe"] = dict(topk=cfg.moe_router_topk, layer_freq=cfg.moe_layer_freq,
-                          score_function=cfg.moe_router_score_function, pre_softmax=cfg.moe_router_pre_softmax,
-                          load_balancing=cfg.moe_router_load_balancing_type, aux_coeff=cfg.moe_aux_loss_coeff,
-                          z_coeff=cfg.moe_z_loss_coeff, capacity_factor=cfg.moe_expert_capacity_factor,
-                          drop_policy=cfg.moe_token_drop_policy, expert_bias=cfg.moe_router_enable_expert_bias,
-                          bias_rate=cfg.moe_router_bias_update_rate)
+        out["moe"] = dict(
+            topk=cfg.moe_router_topk,
+            layer_freq=cfg.moe_layer_freq,
+            score_function=cfg.moe_router_score_function,
+            pre_softmax=cfg.moe_router_pre_softmax,
+            load_balancing=cfg.moe_router_load_balancing_type,
+            aux_coeff=cfg.moe_aux_loss_coeff,
+            z_coeff=cfg.moe_z_loss_coeff,
+            capacity_factor=cfg.moe_expert_capacity_factor,
+            drop_policy=cfg.moe_token_drop_policy,
+            expert_bias=cfg.moe_router_enable_expert_bias,
+            bias_rate=cfg.moe_router_bias_update_rate,
+        )
     return out
 
 
@@ -222,19 +241,35 @@ class ReferenceGPT(nn.Module):
     ``bias`` (linear biases).
     """
 
-    def __init__(self, vocab_size: int, num_layers: int, hidden_size: int, num_heads: int,
-                 ffn_hidden_size: int, max_positions: int, tie_embeddings: bool = True,
-                 eps: float = 1e-5, **block):
+    def __init__(
+        self,
+        vocab_size: int,
+        num_layers: int,
+        hidden_size: int,
+        num_heads: int,
+        ffn_hidden_size: int,
+        max_positions: int,
+        tie_embeddings: bool = True,
+        eps: float = 1e-5,
+        **block,
+    ):
         super().__init__()
         self.vocab_size, self.num_layers = vocab_size, num_layers
         self.tie_embeddings = tie_embeddings
         self.wte = nn.Embedding(vocab_size, hidden_size)
         self.wpe = nn.Embedding(max_positions, hidden_size) if max_positions else None
-        moe = block.pop("moe", None)   # MoE options (block_options) and sizes (from_full_weights)
+        moe = block.pop("moe", None)  # MoE options (block_options) and sizes (from_full_weights)
         self.blocks = nn.ModuleList(
-            _Block(hidden_size, num_heads, ffn_hidden_size, eps, **block,
-                   moe=moe if moe is not None and i % moe["layer_freq"] == 0 else None)
-            for i in range(num_layers))
+            _Block(
+                hidden_size,
+                num_heads,
+                ffn_hidden_size,
+                eps,
+                **block,
+                moe=moe if moe is not None and i % moe["layer_freq"] == 0 else None,
+            )
+            for i in range(num_layers)
+        )
         self.ln_f = (_RMSNorm if block.get("rmsnorm") else _LayerNorm)(hidden_size, eps)
         self.lm_head = None if tie_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
 
@@ -242,8 +277,12 @@ class ReferenceGPT(nn.Module):
         """Canonical name -> parameter (the word embedding holds the real rows only)."""
         mods = {"final_ln": self.ln_f}
         for i, b in enumerate(self.blocks):
-            mods.update({f"layers.{i}.{canon}": mod for canon, mod in (
-                ("ln1", b.ln1), ("attn.qkv", b.qkv), ("attn.proj", b.proj), ("ln2", b.ln2))})
+            mods.update(
+                {
+                    f"layers.{i}.{canon}": mod
+                    for canon, mod in (("ln1", b.ln1), ("attn.qkv", b.qkv), ("attn.proj", b.proj), ("ln2", b.ln2))
+                }
+            )
             if b.moe is None:
                 mods.update({f"layers.{i}.mlp.fc1": b.fc1, f"layers.{i}.mlp.fc2": b.fc2})
                 continue
@@ -282,8 +321,9 @@ class ReferenceGPT(nn.Module):
             p.copy_(src)
 
     @classmethod
-    def from_full_weights(cls, full: dict[str, torch.Tensor], vocab_size: int, num_heads: int,
-                          eps: float = 1e-5, **block) -> "ReferenceGPT":
+    def from_full_weights(
+        cls, full: dict[str, torch.Tensor], vocab_size: int, num_heads: int, eps: float = 1e-5, **block
+    ) -> "ReferenceGPT":
         """Build a model whose sizes are read off the canonical tensors, then load them.
 
         Learned positions, linear biases and tying follow from which tensors exist; the
@@ -294,27 +334,43 @@ class ReferenceGPT(nn.Module):
         wpe = full.get("embedding.position_embeddings.weight")
         dense = [k for k in full if k.endswith(".mlp.fc2.weight")]
         ffn = full[dense[0]].shape[1] if dense else 1
-        if block.get("moe") is not None:   # the sizes of the experts, read off the first MoE layer's
-            block = dict(block, moe=dict(block["moe"], num_experts=full["layers.0.mlp.router.weight"].shape[0],
-                                         ffn=full["layers.0.mlp.experts.0.fc2.weight"].shape[1],
-                                         shared=full["layers.0.mlp.shared_experts.fc2.weight"].shape[1]
-                                         if "layers.0.mlp.shared_experts.fc2.weight" in full else None))
-        model = cls(vocab_size, num_layers, hidden, num_heads, ffn,
-                    0 if wpe is None else wpe.shape[0],
-                    tie_embeddings="output.weight" not in full, eps=eps,
-                    bias="layers.0.attn.qkv.bias" in full, **block)
+        if block.get("moe") is not None:  # the sizes of the experts, read off the first MoE layer's
+            block = dict(
+                block,
+                moe=dict(
+                    block["moe"],
+                    num_experts=full["layers.0.mlp.router.weight"].shape[0],
+                    ffn=full["layers.0.mlp.experts.0.fc2.weight"].shape[1],
+                    shared=full["layers.0.mlp.shared_experts.fc2.weight"].shape[1]
+                    if "layers.0.mlp.shared_experts.fc2.weight" in full
+                    else None,
+                ),
+            )
+        model = cls(
+            vocab_size,
+            num_layers,
+            hidden,
+            num_heads,
+            ffn,
+            0 if wpe is None else wpe.shape[0],
+            tie_embeddings="output.weight" not in full,
+            eps=eps,
+            bias="layers.0.attn.qkv.bias" in full,
+            **block,
+        )
         model.load_full_weights(full)
         return model
 
-    def forward(self, tokens: torch.Tensor, eod=None, reset_attention_mask=False,
-                reset_position_ids=False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, eod=None, reset_attention_mask=False, reset_position_ids=False
+    ) -> torch.Tensor:
         """tokens ``[B, T]`` int64 -> logits ``[B, T, V]`` over the real vocabulary.
 
         Packed documents (Megatron's flags): with ``eod`` set, a document ends at each EOD token
         (which belongs to it); ``reset_attention_mask`` hides other documents' keys,
         ``reset_position_ids`` counts positions from 0 in each document."""
         B, T = tokens.shape
-        positions, hidden = torch.arange(T).repeat(B, 1), None                 # (B, T)
+        positions, hidden = torch.arange(T).repeat(B, 1), None  # (B, T)
         if eod is not None:
             doc = torch.zeros(B, T, dtype=torch.long)
             for b in range(B):
@@ -328,8 +384,8 @@ class ReferenceGPT(nn.Module):
                     if reset_position_ids:
                         positions[b, t] = t - start
             if reset_attention_mask:
-                hidden = doc[:, :, None] != doc[:, None, :]                     # (B, T, T)
-        x = self.wte(tokens)                                                    # (B, T, H)
+                hidden = doc[:, :, None] != doc[:, None, :]  # (B, T, T)
+        x = self.wte(tokens)  # (B, T, H)
         if self.wpe is not None:
             x = x + self.wpe(positions)
         for block in self.blocks:
@@ -341,8 +397,9 @@ class ReferenceGPT(nn.Module):
         """The blocks' MoE MLPs (``_MoE``), in layer order; empty for a dense model."""
         return [b.moe for b in self.blocks if b.moe is not None]
 
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, eod=None, eod_mask_loss=False,
-             **packing) -> torch.Tensor:
+    def loss(
+        self, tokens: torch.Tensor, labels: torch.Tensor, eod=None, eod_mask_loss=False, **packing
+    ) -> torch.Tensor:
         """Mean cross-entropy over all ``B*T`` tokens (a scalar); with ``eod_mask_loss`` over the
         targets that are not ``eod``. ``packing``: ``forward``'s document flags. With MoE layers
         the loss to minimise adds, per layer, the mean over the token groups of their
@@ -361,13 +418,25 @@ class ReferenceGPT(nn.Module):
         return ce + self.aux_loss if self.moe_layers() else ce
 
 
-def train_reference(full_weights: dict[str, torch.Tensor],
-                    batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, vocab_size: int,
-                    num_heads: int, lr: Union[float, Callable[[int], float]], steps: int,
-                    betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.0,
-                    eps: float = 1e-8, clip_grad: float = 0.0, layernorm_eps: float = 1e-5,
-                    optimizer: str = "adamw", return_model: bool = False, block=None, packing=None,
-                    stats: Optional[dict] = None):
+def train_reference(
+    full_weights: dict[str, torch.Tensor],
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    vocab_size: int,
+    num_heads: int,
+    lr: Union[float, Callable[[int], float]],
+    steps: int,
+    betas: tuple[float, float] = (0.9, 0.999),
+    weight_decay: float = 0.0,
+    eps: float = 1e-8,
+    clip_grad: float = 0.0,
+    layernorm_eps: float = 1e-5,
+    optimizer: str = "adamw",
+    return_model: bool = False,
+    block=None,
+    packing=None,
+    stats: Optional[dict] = None,
+):
     """Train the reference model; returns the loss before each of ``steps`` updates.
 
     Step ``s`` uses ``batches[s % len(batches)]`` = (tokens ``[B, T]``, labels ``[B, T]``)
@@ -387,16 +456,18 @@ def train_reference(full_weights: dict[str, torch.Tensor],
     """
     from megazero.moe.router import expert_bias_update
 
-    model = ReferenceGPT.from_full_weights(full_weights, vocab_size, num_heads, layernorm_eps,
-                                           **(block or {}))
+    model = ReferenceGPT.from_full_weights(full_weights, vocab_size, num_heads, layernorm_eps, **(block or {}))
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     lr0 = lr(0) if callable(lr) else lr
     if optimizer == "adamw":
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=lr0, betas=betas, eps=eps)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr0,
+            betas=betas,
+            eps=eps,
+        )
     elif optimizer == "sgd":
         opt = torch.optim.SGD(params, lr=lr0)
     else:
@@ -414,18 +485,20 @@ def train_reference(full_weights: dict[str, torch.Tensor],
         loss.backward()
         if stats is not None:
             stats.setdefault("grad_norms", []).append(
-                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item())
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item()
+            )
             stats.setdefault("aux_losses", []).append(model.aux_loss.item())
         if clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(params, clip_grad)
         opt.step()
-        for m in moe:   # the aux-loss-free bias: once per step, from the step's pre-drop counts
+        for m in moe:  # the aux-loss-free bias: once per step, from the step's pre-drop counts
             if m.expert_bias is not None:
                 m.expert_bias = expert_bias_update(m.expert_bias, m.counts, m.o["bias_rate"])
             m.counts.zero_()
         if stats is not None:
-            stats.setdefault("expert_bias", []).append([None if m.expert_bias is None else m.expert_bias.clone()
-                                                         for m in moe])
+            stats.setdefault("expert_bias", []).append(
+                [None if m.expert_bias is None else m.expert_bias.clone() for m in moe]
+            )
             if step == 0:
                 stats["assignments"] = [m.record for m in moe]
             stats.setdefault("assignment_steps", []).append([m.record for m in moe])

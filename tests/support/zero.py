@@ -1,19 +1,20 @@
 """ZeRO on a hand-built GPT stage: tiny_cfg, build (model + DataParallel + DistributedOptimizer over
 given groups), make_batches, train, pipeline_steps, and the single-process reference they are
 compared with."""
+
 import torch
+
 from megazero import collectives as C
 from megazero.data_parallel.ddp import DataParallel
 from megazero.optim.zero import DistributedOptimizer
+from megazero.pipeline.executor import run_schedule
+from megazero.pipeline.schedules import build_schedule
 from megazero.precision import cast_model_
 from model.config import GPTConfig
 from model.gpt import GPTStage, init_full_weights
-from megazero.pipeline.executor import run_schedule
-from megazero.pipeline.schedules import build_schedule
-from tests.support.reference import train_reference, random_batches
+from tests.support.reference import random_batches, train_reference
 
-
-GLOBAL_BATCH, STEPS, BUCKET = 16, 10, 301   # 301 elements: parameters straddle buckets
+GLOBAL_BATCH, STEPS, BUCKET = 16, 10, 301  # 301 elements: parameters straddle buckets
 
 
 SEED = 99
@@ -26,9 +27,16 @@ CLIP = 0.05
 
 
 def tiny_cfg(**kw) -> GPTConfig:
-    base = dict(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2,
-                seq_length=8, hidden_dropout=0.0, attention_dropout=0.0,
-                make_vocab_size_divisible_by=8)
+    base = dict(
+        vocab_size=50,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        make_vocab_size_divisible_by=8,
+    )
     base.update(kw)
     return GPTConfig(**base)
 
@@ -38,21 +46,34 @@ def make_batches(cfg: GPTConfig, n: int, batch: int = GLOBAL_BATCH, seed: int = 
 
 
 def reference(cfg: GPTConfig, batches, steps=STEPS, clip_grad=0.0):
-    return train_reference(init_full_weights(cfg, SEED), batches, vocab_size=cfg.vocab_size,
-                           num_heads=cfg.num_attention_heads, steps=steps, clip_grad=clip_grad,
-                           **ADAM)
+    return train_reference(
+        init_full_weights(cfg, SEED),
+        batches,
+        vocab_size=cfg.vocab_size,
+        num_heads=cfg.num_attention_heads,
+        steps=steps,
+        clip_grad=clip_grad,
+        **ADAM,
+    )
 
 
 def build(cfg, groups, stage, overlap, bucket=BUCKET, clip_grad=0.0, scaler=None, **ddp_kw):
     model = GPTStage(cfg, groups, range(cfg.num_layers), True, True, SEED)
     if cfg.params_dtype != torch.float32:
         cast_model_(model, cfg.params_dtype)
-    ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=bucket,
-                       overlap_comm=overlap, **ddp_kw)
-    opt = DistributedOptimizer(ddp, groups, lr=ADAM["lr"], beta1=ADAM["betas"][0],
-                               beta2=ADAM["betas"][1], eps=ADAM["eps"],
-                               weight_decay=ADAM["weight_decay"], clip_grad=clip_grad,
-                               loss_scaler=scaler, allgather_bucket_size=1001)
+    ddp = DataParallel([model], groups, zero_stage=stage, bucket_size=bucket, overlap_comm=overlap, **ddp_kw)
+    opt = DistributedOptimizer(
+        ddp,
+        groups,
+        lr=ADAM["lr"],
+        beta1=ADAM["betas"][0],
+        beta2=ADAM["betas"][1],
+        eps=ADAM["eps"],
+        weight_decay=ADAM["weight_decay"],
+        clip_grad=clip_grad,
+        loss_scaler=scaler,
+        allgather_bucket_size=1001,
+    )
     return model, ddp, opt
 
 
@@ -69,8 +90,8 @@ def train(model, ddp, opt, groups, batches, num_micro, steps=STEPS, on_backward=
     for step in range(steps):
         tokens, labels = batches[step % len(batches)]
         rows = tokens.shape[0] // dp
-        tokens, labels = tokens[r * rows:(r + 1) * rows], labels[r * rows:(r + 1) * rows]
-        rank_tokens = labels.numel()           # this DP rank's tokens in the global batch
+        tokens, labels = tokens[r * rows : (r + 1) * rows], labels[r * rows : (r + 1) * rows]
+        rank_tokens = labels.numel()  # this DP rank's tokens in the global batch
         opt.zero_grad()
         total = torch.zeros(1)
         for m, (t, l) in enumerate(zip(tokens.chunk(num_micro), labels.chunk(num_micro))):
@@ -93,7 +114,7 @@ def pipeline_steps(groups, chunks, ddp, opt, batches, kind, vp, num_micro, cfg):
     actions = build_schedule(kind, num_micro, 2, groups.pp_rank, vp)
     losses = []
     for step in range(len(batches)):
-        tokens, labels = (t[r * rows:(r + 1) * rows] for t in batches[step])
+        tokens, labels = (t[r * rows : (r + 1) * rows] for t in batches[step])
         micro = list(zip(tokens.chunk(num_micro), labels.chunk(num_micro)))
 
         def forward_step(batch, chunk, input_tensor):
@@ -101,11 +122,21 @@ def pipeline_steps(groups, chunks, ddp, opt, batches, kind, vp, num_micro, cfg):
             if chunk.post_process:
                 return chunk(x, batch[1]), lambda out: out.sum() / labels.numel()
             return chunk(x), None
+
         opt.zero_grad()
-        loss = run_schedule(actions, chunks, forward_step, micro, groups,
-                            tensor_shape=(mb, cfg.seq_length, cfg.hidden_size),
-                            dtype=torch.float32, num_microbatches=num_micro, vp_size=vp,
-                            before_backward=ddp.before_backward, scale_loss=opt.scale_loss)
+        loss = run_schedule(
+            actions,
+            chunks,
+            forward_step,
+            micro,
+            groups,
+            tensor_shape=(mb, cfg.seq_length, cfg.hidden_size),
+            dtype=torch.float32,
+            num_microbatches=num_micro,
+            vp_size=vp,
+            before_backward=ddp.before_backward,
+            scale_loss=opt.scale_loss,
+        )
         C.all_reduce_sum(loss, groups.dp)
         losses.append(loss.item() / 2)
         opt.step()

@@ -3,6 +3,7 @@ batches, megazero ZeRO-0/1/2, DDP, ZeroRedundancyOptimizer and FSDP2 reach the s
 the model-state bytes per rank follow the ZeRO accounting (16, 12 bytes per parameter...).
 DeepSpeed and Megatron-core are not needed: the optional peers are switched off here, and
 Megatron-core's weight layout is checked as a pure function of megazero's."""
+
 import argparse
 import math
 
@@ -13,16 +14,35 @@ from scripts.bench.bench_peers_optional import megatron_core_weights
 from tests.support.distributed import run_distributed
 from tests.support.paths import REPO
 
-ARGS = dict(rounds=1, steps=2, layers=1, hidden=32, heads=2, seq=16, vocab=64, micro=2, accum=2,
-            tp_layers=1, tp_hidden=32, tp_heads=2, tp_seq=16, tp_micro=2, tp_accum=2,
-            optional=False, sync_param_gather=True, allocator="keep")
+ARGS = dict(
+    rounds=1,
+    steps=2,
+    layers=1,
+    hidden=32,
+    heads=2,
+    seq=16,
+    vocab=64,
+    micro=2,
+    accum=2,
+    tp_layers=1,
+    tp_hidden=32,
+    tp_heads=2,
+    tp_seq=16,
+    tp_micro=2,
+    tp_accum=2,
+    optional=False,
+    sync_param_gather=True,
+    allocator="keep",
+)
 
 
 def test_every_system_trains_the_same_and_states_follow_zero():
     args = argparse.Namespace(**ARGS)
     names, skipped = B.systems_to_run(args)
-    assert skipped == ["skipped deepspeed (--no-optional-peers): deepspeed-zero0 deepspeed-zero1 "
-                       "deepspeed-zero2", "skipped megatron-core (--no-optional-peers): megatron-core-tp2"]
+    assert skipped == [
+        "skipped deepspeed (--no-optional-peers): deepspeed-zero0 deepspeed-zero1 deepspeed-zero2",
+        "skipped megatron-core (--no-optional-peers): megatron-core-tp2",
+    ]
     assert names[:4] == ["floor", "megazero-zero0", "ddp", "megazero-zero1"]
     assert names[names.index("megazero-zero1") + 1] == "megazero-zero1-sync-gather"
     assert names[names.index("megazero-zero2") + 1] == "megazero-zero2-sync-gather"
@@ -53,26 +73,34 @@ def test_every_system_trains_the_same_and_states_follow_zero():
     # once per step, which is also the inf/NaN check (scripts/bench/bench_comm.py, theory_tp)
     m, act, bt = 2, 4 * 2 * 16 * 32, 2 * 16
     assert res[0]["megazero-tp2"]["comm"] == {
-        "all_reduce": [m * (4 * 1 + 2) + 2 * m + 1, m * (6 * act + 4 * 4 * bt) + 8]}
+        "all_reduce": [m * (4 * 1 + 2) + 2 * m + 1, m * (6 * act + 4 * 4 * bt) + 8]
+    }
     lines = B.report(res, names, argparse.Namespace(**ARGS))
     assert "theory tp (Megatron): 12 all-reduces of [2, 16, 32] fp32 = 0.05 MB" in "\n".join(lines)
     assert [line for line in lines if line.startswith("ratio ")][-1].startswith("ratio megazero-zero2/fsdp2: ")
     assert lines[-1].startswith("overhead megazero-zero2/fsdp2: ")
     floor_lines = [line for line in lines if line.startswith("floor/")]
     assert [line.split(":")[0] for line in floor_lines] == [
-        "floor/ddp", "floor/zero-redundancy-optimizer", "floor/fsdp2"]
+        "floor/ddp",
+        "floor/zero-redundancy-optimizer",
+        "floor/fsdp2",
+    ]
     assert "overhead over the floor megazero-zero0" in floor_lines[0]
     assert [line.split(":")[0] for line in lines if line.startswith("ratio") and "sync-gather:" in line] == [
         "ratio megazero-zero1/megazero-zero1-sync-gather",
-        "ratio megazero-zero2/megazero-zero2-sync-gather"]
-    assert [line.split(":")[0] for line in lines
-            if line.startswith("ratio ") and "sync-gather" not in line] == [
-        "ratio megazero-zero0/ddp", "ratio megazero-zero1/zero-redundancy-optimizer",
-        "ratio megazero-zero2/fsdp2"]
+        "ratio megazero-zero2/megazero-zero2-sync-gather",
+    ]
+    assert [line.split(":")[0] for line in lines if line.startswith("ratio ") and "sync-gather" not in line] == [
+        "ratio megazero-zero0/ddp",
+        "ratio megazero-zero1/zero-redundancy-optimizer",
+        "ratio megazero-zero2/fsdp2",
+    ]
     overheads = [line for line in lines if line.startswith("overhead ")]
     assert [line.split(":")[0] for line in overheads] == [
-        "overhead megazero-zero0/ddp", "overhead megazero-zero1/zero-redundancy-optimizer",
-        "overhead megazero-zero2/fsdp2"]
+        "overhead megazero-zero0/ddp",
+        "overhead megazero-zero1/zero-redundancy-optimizer",
+        "overhead megazero-zero2/fsdp2",
+    ]
     for line in overheads:
         value = line.split(": ")[1]
         assert value.startswith("n/a (") or float(value) == float(value), line
@@ -80,8 +108,8 @@ def test_every_system_trains_the_same_and_states_follow_zero():
 
 def test_peer_parameter_groups_are_megazeros():
     """adamw_groups decays exactly the parameters megazero's optimizer decays (tags.decays)."""
-    from megazero.process_groups import ProcessGroups
     from megazero import tags
+    from megazero.process_groups import ProcessGroups
     from scripts.bench.bench_peers_optional import adamw_groups
 
     model = B.peer_model(argparse.Namespace(**ARGS), ProcessGroups.single())
@@ -89,17 +117,28 @@ def test_peer_parameter_groups_are_megazeros():
     assert (decay["weight_decay"], rest["weight_decay"]) == (0.1, 0.0)
     assert {id(p) for p in decay["params"]} == {id(p) for p in model.parameters() if tags.decays(p)}
     assert rest["params"] and {id(p) for p in rest["params"]} == {
-        id(p) for p in model.parameters() if not tags.decays(p)}
+        id(p) for p in model.parameters() if not tags.decays(p)
+    }
 
 
 def test_megatron_core_layout_interleaves_q_k_v_per_head():
     cfg = B.peer_gpt_config(argparse.Namespace(**ARGS))
     full = {}
-    for n, shape in [("embedding.word_embeddings.weight", (64, 32)), ("final_ln.weight", (32,)),
-                     ("embedding.position_embeddings.weight", (16, 32)), ("final_ln.bias", (32,))]:
+    for n, shape in [
+        ("embedding.word_embeddings.weight", (64, 32)),
+        ("final_ln.weight", (32,)),
+        ("embedding.position_embeddings.weight", (16, 32)),
+        ("final_ln.bias", (32,)),
+    ]:
         full[n] = torch.randn(shape)
-    for name, shape in [("ln1", (32,)), ("attn.qkv", (96, 32)), ("attn.proj", (32, 32)),
-                        ("ln2", (32,)), ("mlp.fc1", (128, 32)), ("mlp.fc2", (32, 128))]:
+    for name, shape in [
+        ("ln1", (32,)),
+        ("attn.qkv", (96, 32)),
+        ("attn.proj", (32, 32)),
+        ("ln2", (32,)),
+        ("mlp.fc1", (128, 32)),
+        ("mlp.fc2", (32, 128)),
+    ]:
         full[f"layers.0.{name}.weight"] = torch.randn(shape)
         full[f"layers.0.{name}.bias"] = torch.randn(shape[0])
     out = megatron_core_weights(full, cfg)
@@ -109,9 +148,9 @@ def test_megatron_core_layout_interleaves_q_k_v_per_head():
     for h in range(2):
         for j in range(3):
             row = (3 * h + j) * d
-            assert torch.equal(theirs[row:row + d], qkv[j * 32 + h * d:j * 32 + (h + 1) * d])
+            assert torch.equal(theirs[row : row + d], qkv[j * 32 + h * d : j * 32 + (h + 1) * d])
     bias = out["decoder.layers.0.self_attention.linear_qkv.bias"]
-    assert torch.equal(bias[d:2 * d], full["layers.0.attn.qkv.bias"][32:32 + d])  # k of head 0
+    assert torch.equal(bias[d : 2 * d], full["layers.0.attn.qkv.bias"][32 : 32 + d])  # k of head 0
     assert out["decoder.layers.0.mlp.linear_fc2.weight"] is full["layers.0.mlp.fc2.weight"]
 
 
@@ -121,13 +160,19 @@ def test_only_the_benchmark_imports_deepspeed_or_megatron():
     import ast
 
     root = REPO
-    files = [root / "train.py"] + [f for d in ("megazero", "model", "data", "tests", "scripts")
-                                   for f in sorted((root / d).rglob("*.py"))]
+    files = [root / "train.py"] + [
+        f for d in ("megazero", "model", "data", "tests", "scripts") for f in sorted((root / d).rglob("*.py"))
+    ]
     for f in files:
         tree = ast.parse(f.read_text(), str(f))
         for node in ast.walk(tree):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             peers = [n for n in names if n.split(".")[0] in ("deepspeed", "megatron")]
             if f.name == "bench_peers_optional.py":
                 top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]

@@ -5,6 +5,7 @@ cp 2 ring and all-to-all on two ranks, tp 2 x cp 2 with SP on four, hybrid shard
 S 2 at ZeRO-1/2 on four, with the bytes crossing shard groups) equal the closed-form
 functions there, kind by kind, on every rank; with expert parallelism, the world's all-to-all
 bytes equal their closed form. One spawn per world size runs all its cases."""
+
 import pytest
 
 from scripts.bench import bench_comm as B

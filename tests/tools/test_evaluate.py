@@ -4,6 +4,7 @@ for a checkpoint saved under tp 2 and loaded at tp 1 and tp 2, the per-request l
 ``--to-hf`` export within 1e-5, the same greedy flags and generations, and the same task
 accuracy; train.py --eval-harness-tasks logs the same scores as evaluating the saved
 checkpoint; an unknown task name is one line and exit code 2."""
+
 import json
 import os
 import sys
@@ -17,13 +18,43 @@ from tests.support.extras import require
 from tests.support.hf_tokenizer import corpus
 from tests.support.paths import REPO
 
-TASKS = os.path.join(str(REPO), "data", "tasks",
-                     "megazero_stdlib")
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "2", "--global-batch-size", "4", "--make-vocab-size-divisible-by", "8",
-         "--lr", "3e-3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--device", "cpu", "--split", "1",
-         "--seed", "11", "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4",
-         "--tokenizer-type", "HuggingFaceTokenizer"]
+TASKS = os.path.join(str(REPO), "data", "tasks", "megazero_stdlib")
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--split",
+    "1",
+    "--seed",
+    "11",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--train-iters",
+    "4",
+    "--tokenizer-type",
+    "HuggingFaceTokenizer",
+]
 HARNESS = ["--eval-harness-tasks", "megazero_stdlib", "--eval-harness-interval", "2", "--eval-harness-limit", "6"]
 
 
@@ -38,12 +69,17 @@ def _requests():
     (several windows each), and 2 greedy generations."""
     from lm_eval.api.instance import Instance
 
-    ll = [Instance("loglikelihood", d, (d["context"], c), i) for d in _rows("mc.jsonl", 5)
-          for i, c in enumerate(d["choices"])]
+    ll = [
+        Instance("loglikelihood", d, (d["context"], c), i)
+        for d in _rows("mc.jsonl", 5)
+        for i, c in enumerate(d["choices"])
+    ]
     ll.append(Instance("loglikelihood", {}, ("", "def f(x):\n    return x\n"), 0))  # empty context: the prefix
     rolling = [Instance("loglikelihood_rolling", d, (d["text"][:600],), 0) for d in _rows("ppl.jsonl", 2)]
-    gen = [Instance("generate_until", {}, (t, {"until": ["\n\n"], "max_gen_toks": 12}), 0)
-           for t in ("def add(a, b):\n", "for i in range(3):\n")]
+    gen = [
+        Instance("generate_until", {}, (t, {"until": ["\n\n"], "max_gen_toks": 12}), 0)
+        for t in ("def add(a, b):\n", "for i in range(3):\n")
+    ]
     return ll, rolling, gen
 
 
@@ -87,13 +123,28 @@ def run(tmp_path_factory):
     from scripts.convert_checkpoint import main as convert
 
     d = tmp_path_factory.mktemp("eval")
-    tok = train_hf_tokenizer(corpus(200) + [r["text"] for r in _rows("ppl.jsonl", 20)], 300,
-                             str(d / "tok" / "tokenizer.json"))
+    tok = train_hf_tokenizer(
+        corpus(200) + [r["text"] for r in _rows("ppl.jsonl", 20)], 300, str(d / "tok" / "tokenizer.json")
+    )
     src = d / "in.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(150)), encoding="utf-8")
     preprocess(str(src), ["text"], tok, str(d / "c"), progress=False, tokenizer_type="HuggingFaceTokenizer")
-    argv = MODEL + HARNESS + ["--data-path", str(d / "c_text_document"), "--tokenizer-model", tok,
-                              "--save", str(d / "ckpt"), "--run-dir", str(d / "run"), "--tp", "2"]
+    argv = (
+        MODEL
+        + HARNESS
+        + [
+            "--data-path",
+            str(d / "c_text_document"),
+            "--tokenizer-model",
+            tok,
+            "--save",
+            str(d / "ckpt"),
+            "--run-dir",
+            str(d / "run"),
+            "--tp",
+            "2",
+        ]
+    )
     run_distributed(_train, 2, argv)
     assert convert(["--load", str(d / "ckpt"), "--to-hf", str(d / "hf")]) == 0
     return dict(ckpt=str(d / "ckpt"), hf=str(d / "hf"), run=d / "run", argv=argv)
@@ -101,7 +152,7 @@ def run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_log_likelihoods_and_accuracy_equal_the_harness_hf_backend_at_tp1_and_tp2(run):
-    require("accelerate")                                     # HFLM needs it
+    require("accelerate")  # HFLM needs it
     from lm_eval.models.huggingface import HFLM
 
     from model.evaluation import run_tasks
@@ -110,19 +161,27 @@ def test_log_likelihoods_and_accuracy_equal_the_harness_hf_backend_at_tp1_and_tp
     theirs = _answers(hf), run_tasks(hf, ["megazero_stdlib"], limit=12)
     one = _ours(0, 1, run["ckpt"], 12)
     two = run_distributed(_ours, 2, run["ckpt"], 12)
-    assert two[0] == two[1]                                   # every tp rank has the same answers
+    assert two[0] == two[1]  # every tp rank has the same answers
     (ll, rolling, gen), scores = theirs
     assert len(ll) == 21 and max(len(hf.tok_encode(r.args[0])) for r in _requests()[0]) > 64  # some are cut
     for (our_ll, our_rolling, our_gen), our_scores in (one, two[0]):
-        torch.testing.assert_close(torch.tensor([v for v, _ in our_ll], dtype=torch.float64),
-                                   torch.tensor([v for v, _ in ll], dtype=torch.float64), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor([v for v, _ in our_ll], dtype=torch.float64),
+            torch.tensor([v for v, _ in ll], dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-5,
+        )
         assert [g for _, g in our_ll] == [g for _, g in ll]
-        torch.testing.assert_close(torch.tensor(our_rolling, dtype=torch.float64),
-                                   torch.tensor(rolling, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(our_rolling, dtype=torch.float64),
+            torch.tensor(rolling, dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-5,
+        )
         assert our_gen == gen and all(g for g in gen)
         for metric in ("acc", "acc_norm"):
             assert our_scores["megazero_stdlib"][metric] == scores["megazero_stdlib"][metric]
-    assert min(rolling) < -100                                # several 64-token windows per document
+    assert min(rolling) < -100  # several 64-token windows per document
 
 
 @pytest.mark.slow
@@ -130,7 +189,7 @@ def test_training_logs_the_scores_of_the_saved_checkpoint(run):
     records = [json.loads(line) for line in (run["run"] / "metrics.jsonl").read_text().splitlines()]
     harness = [r for r in records if r["kind"] == "harness"]
     assert [r["iteration"] for r in harness] == [2, 4]
-    _, scores = _ours(0, 1, run["ckpt"], 6, answers=False)                # the checkpoint of step 4, at tp 1
+    _, scores = _ours(0, 1, run["ckpt"], 6, answers=False)  # the checkpoint of step 4, at tp 1
     assert harness[-1]["scores"]["megazero_stdlib"] == pytest.approx(scores["megazero_stdlib"], abs=1e-12)
     assert 0 <= scores["megazero_stdlib"]["acc"] <= 1 and "acc_norm_stderr" in scores["megazero_stdlib"]
 
@@ -139,8 +198,12 @@ def test_training_logs_the_scores_of_the_saved_checkpoint(run):
 def test_cli_prints_one_line_per_task_and_refuses_an_unknown_task(run, capsys):
     from scripts.evaluate import main
 
-    assert main(["--load", run["ckpt"], "--tasks", "megazero_stdlib,megazero_stdlib_ppl", "--limit", "2",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(
+            ["--load", run["ckpt"], "--tasks", "megazero_stdlib,megazero_stdlib_ppl", "--limit", "2", "--device", "cpu"]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split(":")[0] for line in lines] == ["megazero_stdlib", "megazero_stdlib_ppl"]
     assert "acc " in lines[0] and "bits_per_byte " in lines[1]
@@ -153,8 +216,21 @@ def test_train_refuses_an_unknown_harness_task_before_start(tmp_path, capsys):
     require("lm_eval")
     from megazero import training
 
-    argv = ["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
-            "--seq-length", "8", "--device", "cpu", "--eval-harness-tasks", "megazero_stdlib,nope"]
+    argv = [
+        "--mock-data",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "8",
+        "--device",
+        "cpu",
+        "--eval-harness-tasks",
+        "megazero_stdlib,nope",
+    ]
     assert training.preflight(argv, 1) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if "error" in line] == err[-1:]
@@ -162,7 +238,7 @@ def test_train_refuses_an_unknown_harness_task_before_start(tmp_path, capsys):
     from megazero.config import config_from_argv
 
     cfg = config_from_argv(argv, 1, print_warnings=False)
-    cfg.train.mock_data = False                               # as with --data-path: the task names next
+    cfg.train.mock_data = False  # as with --data-path: the task names next
     with pytest.raises(HarnessError, match=r"^--eval-harness-tasks: unknown task 'nope'"):
         training.check_harness(cfg)
 
@@ -170,14 +246,13 @@ def test_train_refuses_an_unknown_harness_task_before_start(tmp_path, capsys):
 def test_rolling_windows_predict_every_token_once_with_the_fullest_context():
     from model.evaluation import rolling_windows
 
-    assert rolling_windows(list(range(10)), -1, 4) == [([-1], [0, 1, 2, 3]), ([3], [4, 5, 6, 7]),
-                                                       ([5, 6, 7], [8, 9])]
+    assert rolling_windows(list(range(10)), -1, 4) == [([-1], [0, 1, 2, 3]), ([3], [4, 5, 6, 7]), ([5, 6, 7], [8, 9])]
     assert rolling_windows([7, 8], -1, 4) == [([-1], [7, 8])] and rolling_windows([], -1, 4) == []
     for n, L in ((1, 1), (9, 3), (50, 7)):
         ws = rolling_windows(list(range(n)), -1, L)
-        assert [t for _, c in ws for t in c] == list(range(n))             # each token once, in order
-        assert all(len(x) + len(c) - 1 <= L for x, c in ws)                # the scored input fits
-        assert all(len(x) + len(c) - 1 == L for x, c in ws[1:])            # and later windows are full
+        assert [t for _, c in ws for t in c] == list(range(n))  # each token once, in order
+        assert all(len(x) + len(c) - 1 <= L for x, c in ws)  # the scored input fits
+        assert all(len(x) + len(c) - 1 == L for x, c in ws[1:])  # and later windows are full
 
 
 def test_a_missing_lm_eval_is_one_line_naming_the_extra(monkeypatch, capsys):
@@ -188,5 +263,7 @@ def test_a_missing_lm_eval_is_one_line_naming_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)
     monkeypatch.setattr(ev, "_CLASS", None)
     assert main(["--from-hf", "/nonexistent", "--tasks", "megazero_stdlib"]) == 2
-    assert capsys.readouterr().err.strip() == ("evaluate: error: scripts/evaluate.py needs the optional extra eval "
-                                               "(lm_eval is not installed); fix: pip install -e .[eval]")
+    assert capsys.readouterr().err.strip() == (
+        "evaluate: error: scripts/evaluate.py needs the optional extra eval "
+        "(lm_eval is not installed); fix: pip install -e .[eval]"
+    )

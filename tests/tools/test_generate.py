@@ -1,6 +1,7 @@
 """scripts/generate.py and model/sampling.py: the KV-cache forward equals the full forward,
 temperature 0 equals transformers' greedy generate on the same exported model under tp 1 and
 tp 2, sampling is reproducible with a seed, and top-k / top-p keep the tokens they should."""
+
 import json
 
 import pytest
@@ -17,8 +18,9 @@ def _hf_greedy(hf_dir, prompt_ids, n):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                         pad_token_id=model.config.eos_token_id)
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id
+    )
     return out[0].tolist()
 
 
@@ -45,10 +47,11 @@ def test_kv_cache_logits_equal_the_full_forward(hf_dir):
     stage.eval()
     ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
     caches = [None] * len(stage.layers)
-    steps = [forward_cached(stage, ids[:, :12], caches)] + [forward_cached(stage, ids[:, t:t + 1], caches)
-                                                            for t in range(12, 20)]
+    steps = [forward_cached(stage, ids[:, :12], caches)] + [
+        forward_cached(stage, ids[:, t : t + 1], caches) for t in range(12, 20)
+    ]
     with torch.no_grad():
-        full = stage(ids)[..., :300]                          # (B, T, V)
+        full = stage(ids)[..., :300]  # (B, T, V)
     for got, t in zip(steps, range(11, 20)):
         torch.testing.assert_close(got, full[:, t], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="exceed the model's 64 positions"):
@@ -60,7 +63,7 @@ def test_greedy_equals_transformers_generate_and_sampling_is_reproducible(hf_dir
     prompt, greedy, drawn = run_distributed(_tp_generate, tp, hf_dir)[0]
     assert greedy == _hf_greedy(hf_dir, prompt, 24)
     assert drawn[0] == drawn[1] and drawn[0] != drawn[2]  # the seed fixes the draws
-    assert len(drawn[0]) > len(prompt) and drawn[0][:len(prompt)] == prompt
+    assert len(drawn[0]) > len(prompt) and drawn[0][: len(prompt)] == prompt
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():
@@ -68,10 +71,10 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     g = torch.Generator().manual_seed(0)
-    seen = lambda **kw: {int(choose(logits, 1.0, generator=g, **kw)[0]) for _ in range(400)}  # noqa: E731
+    seen = lambda **kw: {int(choose(logits, 1.0, generator=g, **kw)[0]) for _ in range(400)}
     assert seen(top_k=0, top_p=1.0) == {0, 1, 2, 3}
     assert seen(top_k=2, top_p=1.0) == {0, 1}
-    assert seen(top_k=0, top_p=0.5) == {0, 1}       # 0.4 < 0.5, so the 0.3 token is needed too
+    assert seen(top_k=0, top_p=0.5) == {0, 1}  # 0.4 < 0.5, so the 0.3 token is needed too
     assert seen(top_k=0, top_p=0.4) == {0}
     # top-p acts on the top-k renormalised distribution (0.44, 0.33, 0.22): mass before token 2 is 0.78
     assert seen(top_k=3, top_p=0.75) == {0, 1} and seen(top_k=3, top_p=0.8) == {0, 1, 2}
@@ -84,8 +87,24 @@ def test_cli_prints_the_greedy_text_and_ids(hf_dir, capsys):
     from data.tokenizer import load_tokenizer
     from scripts.generate import main
 
-    assert main(["--from-hf", hf_dir, "--prompt", PROMPT, "--max-new-tokens", "10", "--temperature", "0",
-                 "--print-ids", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "--from-hf",
+                hf_dir,
+                "--prompt",
+                PROMPT,
+                "--max-new-tokens",
+                "10",
+                "--temperature",
+                "0",
+                "--print-ids",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     text, ids = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
     tok = load_tokenizer(hf_dir, "HuggingFaceTokenizer")
     assert json.loads(ids) == _hf_greedy(hf_dir, tok.encode(PROMPT), 10)
@@ -102,8 +121,17 @@ def gpt2_default_dir(tmp_path_factory):
     require("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    hf_cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2)
+    hf_cfg = GPT2Config(
+        vocab_size=96,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        initializer_range=0.2,
+    )
     assert hf_cfg.activation_function == "gelu_new"
     torch.manual_seed(3)
     out = str(tmp_path_factory.mktemp("gpt2default") / "hf")
@@ -142,13 +170,43 @@ def test_gpt2_config_default_folder_imports_under_tp2_with_the_tanh_gelu(gpt2_de
     assert tok is None and tanh is True
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
     exact = (theirs - ours).abs().max().item()
-    assert main(["--from-hf", gpt2_default_dir, "--prompt-ids", "5,17,30", "--max-new-tokens", "6",
-                 "--temperature", "0", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "--from-hf",
+                gpt2_default_dir,
+                "--prompt-ids",
+                "5,17,30",
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out) == _hf_greedy(gpt2_default_dir, [5, 17, 30], 6)
     assert main(["--from-hf", gpt2_default_dir, "--prompt-ids", "5,96", "--device", "cpu"]) == 2
     assert "--prompt-ids 96 is not a token id of the model's vocabulary of 96" in capsys.readouterr().err
-    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-             "--mock-data", "--from-hf", gpt2_default_dir, "--micro-batch-size", "1", "--global-batch-size", "1"]
+    model = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--mock-data",
+        "--from-hf",
+        gpt2_default_dir,
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+    ]
     with pytest.raises(CheckpointError, match="openai_gelu = True, this run False; fix: set --openai-gelu"):
         check_from_hf(config_from_argv(model, 1), 96)
     check_from_hf(config_from_argv(model + ["--openai-gelu"], 1), 96)

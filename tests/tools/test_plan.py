@@ -6,6 +6,7 @@ layer (a saved-tensors hook sums the distinct storages; with context parallelism
 ranks, ring and all-to-all), the plan against measured peak memory of a CPU run (cp 1 and
 cp 2), and the layout search against a GPT-3 175B-sized model (with cp in the search).
 """
+
 import subprocess
 import sys
 
@@ -33,10 +34,19 @@ def _saved_bytes_per_layer(rank, world, drop, granularity, cp_comm_type="p2p"):
     groups = ProcessGroups.build(Topology(tp=1, pp=1, dp=1, cp=world))
     totals = []
     for layers in (1, 3):
-        cfg = GPTConfig(vocab_size=101, num_layers=layers, hidden_size=H, num_attention_heads=HEADS,
-                        seq_length=S, hidden_dropout=drop, attention_dropout=0.0 if world > 1 else drop,
-                        make_vocab_size_divisible_by=8, recompute_granularity=granularity,
-                        recompute_method="uniform" if granularity == "full" else None, cp_comm_type=cp_comm_type)
+        cfg = GPTConfig(
+            vocab_size=101,
+            num_layers=layers,
+            hidden_size=H,
+            num_attention_heads=HEADS,
+            seq_length=S,
+            hidden_dropout=drop,
+            attention_dropout=0.0 if world > 1 else drop,
+            make_vocab_size_divisible_by=8,
+            recompute_granularity=granularity,
+            recompute_method="uniform" if granularity == "full" else None,
+            cp_comm_type=cp_comm_type,
+        )
         stage = GPTStage(cfg, groups, range(layers), True, True, seed=1)
         params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
         seen = {}
@@ -46,10 +56,11 @@ def _saved_bytes_per_layer(rank, world, drop, granularity, cp_comm_type="p2p"):
             if storage.data_ptr() not in params:
                 seen[storage.data_ptr()] = storage.nbytes()
             return t
+
         tokens, seq = torch.randint(0, 100, (B, S)), None
         if world > 1:
             index = local_token_index(S, groups.cp_rank, world)
-            tokens = split_for_rank(tokens, 1, groups.cp_rank, world)               # (B, S/cp)
+            tokens = split_for_rank(tokens, 1, groups.cp_rank, world)  # (B, S/cp)
             seq = SequenceInfo(token_index=index, position_ids=index.expand(B, -1))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             stage(tokens, labels=tokens, seq=seq)
@@ -66,21 +77,35 @@ def test_layer_bytes_equal_what_autograd_saves(drop, granularity):
     """What one layer keeps per micro-batch, counted by the planner, is what autograd saves,
     within the O(s) statistics (LayerNorm mean/rstd, attention log-sum-exp) it leaves out."""
     saved = run_distributed(_saved_bytes_per_layer, 1, drop, granularity)[0]
-    a = ActivationSettings(micro_batch_size=B, tp=1, sequence_parallel=False, activation_bytes=4,
-                           hidden_dropout=drop, attention_dropout=drop, recompute_granularity=granularity,
-                           recompute_method="uniform" if granularity == "full" else None)
+    a = ActivationSettings(
+        micro_batch_size=B,
+        tp=1,
+        sequence_parallel=False,
+        activation_bytes=4,
+        hidden_dropout=drop,
+        attention_dropout=drop,
+        recompute_granularity=granularity,
+        recompute_method="uniform" if granularity == "full" else None,
+    )
     kept = chunk_bytes(_Sizes, a, 1)[0]
     assert kept == pytest.approx(saved, rel=0.03), (kept, saved)
 
 
-@pytest.mark.parametrize("comm, drop, granularity", [("p2p", 0.0, None), ("a2a", 0.0, None),
-                                                     ("p2p", 0.1, "selective")])
+@pytest.mark.parametrize("comm, drop, granularity", [("p2p", 0.0, None), ("a2a", 0.0, None), ("p2p", 0.1, "selective")])
 def test_layer_bytes_at_cp2_equal_what_autograd_saves(comm, drop, granularity):
     """At cp 2 every kept tensor holds S/2 tokens, and the cp core keeps its output besides
     ``proj``'s input: the planner's count per layer is what autograd saves on each rank."""
     saved = run_distributed(_saved_bytes_per_layer, 2, drop, granularity, comm)
-    a = ActivationSettings(micro_batch_size=B, tp=1, sequence_parallel=False, activation_bytes=4,
-                           hidden_dropout=drop, recompute_granularity=granularity, cp=2, cp_comm_type=comm)
+    a = ActivationSettings(
+        micro_batch_size=B,
+        tp=1,
+        sequence_parallel=False,
+        activation_bytes=4,
+        hidden_dropout=drop,
+        recompute_granularity=granularity,
+        cp=2,
+        cp_comm_type=comm,
+    )
     kept = chunk_bytes(_Sizes, a, 1)[0]
     assert kept == pytest.approx(S // 2 * B * H * 4 * (17 if granularity is None else 18))
     for rank_saved in saved:
@@ -91,9 +116,11 @@ def test_recomputation_and_sequence_parallelism_shrink_the_count():
     """Per layer (Korthikanti et al. 2022, Table 2): full < selective < none with attention
     dropout; selective equals none without it (the fused core keeps no s^2 tensor); sequence
     parallelism divides the LayerNorm/dropout terms by tp."""
+
     def kept(gran=None, drop=0.1, tp=1, sp=False):
         a = ActivationSettings(B, tp, sp, 2, drop, drop, gran, "uniform" if gran == "full" else None)
         return chunk_bytes(_Sizes, a, 4)[0]
+
     q = S * B * H
     assert kept("full") == 4 * q * 2 < kept("selective") < kept()
     assert kept("selective", drop=0.0) == kept(drop=0.0) == layer_bytes(_Sizes, ActivationSettings(B, 1, False, 2)) * 4
@@ -129,11 +156,27 @@ def test_plan_per_rank_shrinks_with_cp():
     tile on, they quarter when cp doubles."""
     from megazero.context_parallel.blockwise import SCORE_TILE_BYTES
 
-    base = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "8192",
-            "--vocab-size", "1001", "--micro-batch-size", "1", "--bf16", "--zero-stage", "1"]
+    base = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "1024",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "8192",
+        "--vocab-size",
+        "1001",
+        "--micro-batch-size",
+        "1",
+        "--bf16",
+        "--zero-stage",
+        "1",
+    ]
 
     def plan(cp, comm="p2p"):
         return _plan_of(base + ["--cp", str(cp), "--cp-comm-type", comm, "--global-batch-size", "1"], cp)
+
     a2a = {cp: plan(cp, "a2a") for cp in (2, 4, 8)}
     ring = {cp: plan(cp) for cp in (2, 4, 8)}
     single = plan(1)
@@ -141,9 +184,9 @@ def test_plan_per_rank_shrinks_with_cp():
     assert single.total_bytes > a2a[2].total_bytes > a2a[4].total_bytes > a2a[8].total_bytes
     assert single.cp_attention.total == 0 and a2a[2].cp_attention.scores == 0
     assert ring[2].model_state_bytes == _plan_of(base + ["--dp", "2", "--global-batch-size", "2"], 2).model_state_bytes
-    rows = SCORE_TILE_BYTES // (1 * 8 * (8192 // 4) * 4)      # 256 query rows of 2,048 keys per tile
+    rows = SCORE_TILE_BYTES // (1 * 8 * (8192 // 4) * 4)  # 256 query rows of 2,048 keys per tile
     assert ring[2].cp_attention.scores == 2 * 1 * 8 * rows * (8192 // 4) * 4 == 2 * SCORE_TILE_BYTES
-    assert ring[8].cp_attention.scores == 2 * 1 * 8 * (8192 // 16) ** 2 * 4     # one tile: a whole block
+    assert ring[8].cp_attention.scores == 2 * 1 * 8 * (8192 // 16) ** 2 * 4  # one tile: a whole block
     assert ring[2].cp_attention.kv_buffers == 2 * ring[4].cp_attention.kv_buffers
     assert single.total_bytes > ring[2].total_bytes > ring[4].total_bytes > ring[8].total_bytes
 
@@ -154,14 +197,28 @@ def test_plan_table_names_the_ring_buffers(capsys):
     from megazero.planning.memory import describe
     from scripts.plan import main
 
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "4096",
-            "--vocab-size", "1001", "--micro-batch-size", "1", "--global-batch-size", "1"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "4096",
+        "--vocab-size",
+        "1001",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+    ]
     assert main(argv + ["--cp", "2"]) == 0
     table, build = capsys.readouterr().out.split("\n\n")
     head, row = table.splitlines()
     assert build.startswith("model build, stage 0: peak ")
     assert head.split()[-7:] == ["cp", "K/V", "bufs", "MiB", "ring", "blocks", "MiB"]
-    assert [float(x) for x in row.split()[-2:]] == [4.5, 32.0]   # 9 q-sized fp32 buffers; 2 x 16 MiB
+    assert [float(x) for x in row.split()[-2:]] == [4.5, 32.0]  # 9 q-sized fp32 buffers; 2 x 16 MiB
     line = describe(_plan_of(argv + ["--cp", "2"], 2), None)
     assert "context-parallel attention holds 0.04 GiB at once: K/V buffers 0.00 GiB, block scores 0.03 GiB" in line
 
@@ -172,10 +229,16 @@ def test_each_zero_stage_answers_the_planner_through_its_policy():
     from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT, POLICIES, sharding_policy, stages_where
     from megazero.data_parallel.stages import STRATEGIES
 
-    answers = {s: (p.shards_optimizer, p.shards_grads, p.shards_params, p.gathers_after_step, p.staging_slots(2))
-               for s, p in POLICIES.items()}
-    assert answers == {0: (False, False, False, False, 0), 1: (True, False, False, True, 0),
-                       2: (True, True, False, True, 4), 3: (True, True, True, False, 4)}
+    answers = {
+        s: (p.shards_optimizer, p.shards_grads, p.shards_params, p.gathers_after_step, p.staging_slots(2))
+        for s, p in POLICIES.items()
+    }
+    assert answers == {
+        0: (False, False, False, False, 0),
+        1: (True, False, False, True, 0),
+        2: (True, True, False, True, 4),
+        3: (True, True, True, False, 4),
+    }
     assert STRATEGIES.keys() == POLICIES.keys()
     assert all(issubclass(STRATEGIES[s], POLICIES[s]) for s in POLICIES)
     assert stages_where("shards_params") == (3,) and stages_where("gathers_after_step") == (1, 2)
@@ -189,6 +252,7 @@ def test_zero3_formula_is_p_g_k_over_n():
     """Rajbhandari et al. 2020, sec. 5.3: (p + g + K) Psi / N; K = 8 (Adam) + 4 (fp32 main
     params) unless the model itself is fp32 (the main params are the parameters)."""
     from megazero.optim.zero import zero_formula_bytes
+
     assert zero_formula_bytes(1000, 4, 3, 4, 4) == (4 + 4 + 8) * 1000 / 4
     assert zero_formula_bytes(1000, 4, 3, 2, 2) == (2 + 2 + 12) * 1000 / 4
     assert zero_formula_bytes(1000, 4, 3, 2, 4) == (2 + 4 + 12) * 1000 / 4
@@ -197,16 +261,55 @@ def test_zero3_formula_is_p_g_k_over_n():
 def test_plan_lists_a_fitting_layout_for_a_175b_gpt():
     """GPT-3 175B (96 layers, hidden 12288, 96 heads, seq 2048, bf16) on 1024 devices of 80 GiB."""
     out = subprocess.run(
-        [sys.executable, "-m", "scripts.plan", "--mock-data", "--num-layers", "96",
-         "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048", "--vocab-size",
-         "50257", "--micro-batch-size", "1", "--global-batch-size", "1536", "--bf16",
-         "--devices", "1024", "--device-memory", "80", "--top", "3"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "scripts.plan",
+            "--mock-data",
+            "--num-layers",
+            "96",
+            "--hidden-size",
+            "12288",
+            "--num-attention-heads",
+            "96",
+            "--seq-length",
+            "2048",
+            "--vocab-size",
+            "50257",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1536",
+            "--bf16",
+            "--devices",
+            "1024",
+            "--device-memory",
+            "80",
+            "--top",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "layouts of 1024 devices fit in 80 GiB" in lines[0]
-    assert lines[1].split() == ["tp", "cp", "comm", "pp", "dp", "zero", "shard", "recompute", "peak", "per", "rank",
-                                "dp_off_node_GiB/step"]
+    assert lines[1].split() == [
+        "tp",
+        "cp",
+        "comm",
+        "pp",
+        "dp",
+        "zero",
+        "shard",
+        "recompute",
+        "peak",
+        "per",
+        "rank",
+        "dp_off_node_GiB/step",
+    ]
     tp, cp, comm, pp, dp, zero, shard, rc, peak, unit, off = lines[2].split()
     assert int(tp) * int(cp) * int(pp) * int(dp) == 1024 and unit == "GiB" and float(peak) <= 80
     assert (int(dp) * int(cp)) % int(shard) == 0 and float(off) >= 0
@@ -222,12 +325,26 @@ def test_layout_search_takes_cp_where_the_sequence_allows_it():
     ranks."""
     from megazero.planning.search import layouts
 
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "12",
-            "--vocab-size", "101", "--micro-batch-size", "1", "--global-batch-size", "24"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "12",
+        "--vocab-size",
+        "101",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "24",
+    ]
     found = {label[:5] for label, _ in layouts(argv, 8)}
     assert all(tp * cp * pp * dp == 8 for tp, cp, _, pp, dp in found)
     cps = {(tp, cp, comm) for tp, cp, comm, _, _ in found}
-    assert {cp for _, cp, _ in cps} == {1, 2}   # cp 4 and 8: 12 tokens are not 2 cp chunks
+    assert {cp for _, cp, _ in cps} == {1, 2}  # cp 4 and 8: 12 tokens are not 2 cp chunks
     assert {(tp, cp, comm) for tp, cp, comm in cps if cp > 1} == {(1, 2, "p2p"), (1, 2, "a2a"), (2, 2, "p2p")}
     assert {label[1] for label, _ in layouts(argv + ["--attention-dropout", "0.1"], 8)} == {1}
     assert {label[1] for label, _ in layouts(argv, 6)} == {1, 2, 3, 6}
@@ -244,16 +361,32 @@ def test_layout_search_takes_one_node_as_the_zero_shard_size():
     from megazero.planning.search import layouts
     from model.build import build_gpt_config
 
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "12",
-            "--vocab-size", "101", "--micro-batch-size", "1", "--global-batch-size", "32"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "12",
+        "--vocab-size",
+        "101",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "32",
+    ]
     labels = [label for label, _ in layouts(argv, 16)]
     shards = {(tp, cp, dp, zero): set() for tp, cp, _, _, dp, zero, _, _ in labels}
     for tp, cp, _, _, dp, zero, shard, _ in labels:
         shards[(tp, cp, dp, zero)].add(shard)
     assert shards[(1, 1, 16, 0)] == {16} and shards[(1, 1, 16, 2)] == {16, 8} and shards[(2, 1, 8, 1)] == {8, 4}
-    assert shards[(1, 2, 8, 1)] == {16, 8}   # r' = cp_rank + cp dp_rank: 8 replicas are one node at tp 1
-    flat, hybrid = (config_from_argv(argv + ["--dp", "16", "--zero-stage", "2"] + extra, 16, print_warnings=False,
-                                     needs_data=False) for extra in ([], ["--zero-shard-size", "8"]))
+    assert shards[(1, 2, 8, 1)] == {16, 8}  # r' = cp_rank + cp dp_rank: 8 replicas are one node at tp 1
+    flat, hybrid = (
+        config_from_argv(argv + ["--dp", "16", "--zero-stage", "2"] + extra, 16, print_warnings=False, needs_data=False)
+        for extra in ([], ["--zero-shard-size", "8"])
+    )
     g = build_gpt_config(flat, 101)
     states = [plan_memory(c, g).model_state_bytes for c in (flat, hybrid)]
     psi = plan_memory(flat, g).params
@@ -284,14 +417,35 @@ def test_plan_needs_no_data(capsys):
     --vocab-size it stops with one line naming the flag."""
     from scripts.plan import main
 
-    argv = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
-            "--tp", "8", "--pp", "8", "--dp", "8", "--micro-batch-size", "1", "--global-batch-size", "1536",
-            "--bf16", "--zero-stage", "1", "--sequence-parallel"]
+    argv = [
+        "--num-layers",
+        "96",
+        "--hidden-size",
+        "12288",
+        "--num-attention-heads",
+        "96",
+        "--seq-length",
+        "2048",
+        "--tp",
+        "8",
+        "--pp",
+        "8",
+        "--dp",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1536",
+        "--bf16",
+        "--zero-stage",
+        "1",
+        "--sequence-parallel",
+    ]
     assert main(argv + ["--vocab-size", "50257"]) == 0
     out = capsys.readouterr()
     table, build = out.out.split("\n\n")
     rows = table.splitlines()
-    assert len(build.splitlines()) == 8                   # one build line per stage
+    assert len(build.splitlines()) == 8  # one build line per stage
     assert rows[0].split() == ["stage", "params", "states", "MiB", "activ.", "MiB", "temps", "MiB", "peak", "MiB"]
     assert [int(r.split()[0]) for r in rows[1:]] == list(range(8))
     assert all(int(r.split()[1].replace(",", "")) > 10**9 for r in rows[1:])  # 175e9 / (tp 8 x pp 8) each
@@ -306,13 +460,34 @@ def test_plan_needs_no_data(capsys):
 def _measure(argv: list[str]) -> list[tuple[float, float]]:
     """(predicted, measured) peak MiB of every rank of ``python -m scripts.plan --measure`` on ``argv``."""
     out = subprocess.run(
-        [sys.executable, "-m", "scripts.plan", "--mock-data", "--vocab-size", "1001",
-         "--make-vocab-size-divisible-by", "8", "--num-layers", "2", "--num-attention-heads", "4",
-         "--eval-iters", "0", "--measure", "--measure-steps", "2"] + argv,
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "scripts.plan",
+            "--mock-data",
+            "--vocab-size",
+            "1001",
+            "--make-vocab-size-divisible-by",
+            "8",
+            "--num-layers",
+            "2",
+            "--num-attention-heads",
+            "4",
+            "--eval-iters",
+            "0",
+            "--measure",
+            "--measure-steps",
+            "2",
+        ]
+        + argv,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    rows = lines[lines.index(next(l for l in lines if l.split()[:2] == ["rank", "predicted"])) + 1:]
+    rows = lines[lines.index(next(l for l in lines if l.split()[:2] == ["rank", "predicted"])) + 1 :]
     return [(float(r.split()[1]), float(r.split()[2])) for r in rows]
 
 
@@ -321,9 +496,23 @@ def test_measure_agrees_with_the_plan():
     """``python -m scripts.plan --measure`` on one CPU rank: the predicted peak is within 10 % of the
     measured one at sequence length 1024, with and without recomputation."""
     for extra in ([], ["--recompute-granularity", "selective"]):
-        (want, got), = _measure(["--hidden-size", "256", "--seq-length", "1024", "--micro-batch-size", "2",
-                                 "--global-batch-size", "2", "--hidden-dropout", "0.1", "--attention-dropout",
-                                 "0.1"] + extra)
+        ((want, got),) = _measure(
+            [
+                "--hidden-size",
+                "256",
+                "--seq-length",
+                "1024",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "2",
+                "--hidden-dropout",
+                "0.1",
+                "--attention-dropout",
+                "0.1",
+            ]
+            + extra
+        )
         assert abs(want - got) / got < 0.10, (extra, want, got)
 
 
@@ -332,10 +521,21 @@ def test_measure_agrees_with_the_plan_at_cp2():
     """The same on two ranks at cp 2: ring attention where its block scores weigh in the peak
     (hidden 64, sequence 4096: two 16 MiB score tiles), and all-to-all on the model above (sequence
     1024, no dropout: cp refuses attention dropout). Within 10 % on every rank."""
-    for extra in (["--hidden-size", "64", "--seq-length", "4096", "--micro-batch-size", "1",
-                   "--global-batch-size", "1"],
-                  ["--hidden-size", "256", "--seq-length", "1024", "--micro-batch-size", "2",
-                   "--global-batch-size", "2", "--cp-comm-type", "a2a"]):
+    for extra in (
+        ["--hidden-size", "64", "--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "1"],
+        [
+            "--hidden-size",
+            "256",
+            "--seq-length",
+            "1024",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "2",
+            "--cp-comm-type",
+            "a2a",
+        ],
+    ):
         rows = _measure(["--cp", "2"] + extra)
         assert len(rows) == 2
         for want, got in rows:
@@ -348,7 +548,20 @@ def test_plan_script_reads_the_world_size_from_any_layout_flag_name():
     flag that does not parse leaves the error to the config's one line."""
     from megazero.config import world_size_of
 
-    assert world_size_of(["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-                           "--pipeline-model-parallel-size", "2", "--dp", "3"]) == 24
+    assert (
+        world_size_of(
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--context-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--dp",
+                "3",
+            ]
+        )
+        == 24
+    )
     assert world_size_of(["--cp", "4"]) == 4
     assert world_size_of(["--tp", "two"]) == 1

@@ -2,16 +2,29 @@
 
 Pure and fast: no process groups; one subprocess shows the exit code end to end.
 """
+
 import json
 import subprocess
 import sys
 
 import pytest
 
-from data.gpt_dataset import parse_data_path, parse_split as split_fractions
+from data.gpt_dataset import parse_data_path
+from data.gpt_dataset import parse_split as split_fractions
 from megazero.config import (
-    ConfigError, Config, build_parser, config_from_argv, describe, finalize, flags_table, integer,
-    load_deepspeed_config, parse_args, settings, to_dict, validate,
+    Config,
+    ConfigError,
+    build_parser,
+    config_from_argv,
+    describe,
+    finalize,
+    flags_table,
+    integer,
+    load_deepspeed_config,
+    parse_args,
+    settings,
+    to_dict,
+    validate,
 )
 from tests.support.config import fails
 from tests.support.paths import REPO, SHARED
@@ -33,8 +46,15 @@ def files(tmp_path):
         path = tmp_path / name
         path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
         return str(path)
-    return dict(A=str(tmp_path / "A"), B=str(tmp_path / "B"), HALF=str(tmp_path / "half"),
-                TOK=str(tmp_path / "tok.model"), DIR=str(tmp_path), json=write_json)
+
+    return dict(
+        A=str(tmp_path / "A"),
+        B=str(tmp_path / "B"),
+        HALF=str(tmp_path / "half"),
+        TOK=str(tmp_path / "tok.model"),
+        DIR=str(tmp_path),
+        json=write_json,
+    )
 
 
 M = ["--mock-data"]
@@ -44,49 +64,90 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "heads_not_divisible_by_tp": (M + ["--tp", "3", "--hidden-size", "240"], 3, ["--num-attention-heads", "--tp 3"]),
     "ffn_not_divisible_by_tp": (M + ["--tp", "2", "--ffn-hidden-size", "1023"], 2, ["--ffn-hidden-size", "--tp 2"]),
     "layers_not_divisible_by_pp": (M + ["--pp", "3"], 3, ["--num-layers 4", "--pp 3"]),
-    "layers_not_divisible_by_pp_vp": (M + ["--pp", "2", "--virtual-pipeline-size", "4"], 2,
-                                      ["--num-layers 4", "--virtual-pipeline-size 4"]),
+    "layers_not_divisible_by_pp_vp": (
+        M + ["--pp", "2", "--virtual-pipeline-size", "4"],
+        2,
+        ["--num-layers 4", "--virtual-pipeline-size 4"],
+    ),
     "layer_split_wrong_sum": (M + ["--pp", "2", "--pipeline-layer-split", "1,2"], 2, ["--pipeline-layer-split"]),
     "layer_split_wrong_length": (M + ["--pp", "2", "--pipeline-layer-split", "4"], 2, ["--pipeline-layer-split"]),
     "layer_split_zero_stage": (M + ["--pp", "2", "--pipeline-layer-split", "0,4"], 2, ["--pipeline-layer-split"]),
     "layer_split_not_integers": (M + ["--pp", "2", "--pipeline-layer-split", "2,x"], 2, ["--pipeline-layer-split"]),
-    "global_not_divisible_by_micro_dp": (M4 + ["--global-batch-size", "10"], 2,
-                                         ["--global-batch-size 10", "--micro-batch-size 4"]),
-    "global_disagrees_with_three": (M + ["--global-batch-size", "16", "--gradient-accumulation-steps", "3"], 1,
-                                    ["--global-batch-size", "--gradient-accumulation-steps"]),
+    "global_not_divisible_by_micro_dp": (
+        M4 + ["--global-batch-size", "10"],
+        2,
+        ["--global-batch-size 10", "--micro-batch-size 4"],
+    ),
+    "global_disagrees_with_three": (
+        M + ["--global-batch-size", "16", "--gradient-accumulation-steps", "3"],
+        1,
+        ["--global-batch-size", "--gradient-accumulation-steps"],
+    ),
     "fp16_with_bf16": (M + ["--fp16", "--bf16"], 1, ["--fp16", "--bf16"]),
     "world_not_tp_pp_dp": (M + ["--tp", "2", "--dp", "2"], 2, ["world size 2", "--dp 2"]),
     "world_not_divisible_by_tp_pp": (M + ["--tp", "2"], 3, ["world size 3", "--tp 2"]),
-    "seq_above_positions": (M + ["--seq-length", "512", "--max-position-embeddings", "256"], 1,
-                            ["--seq-length 512", "--max-position-embeddings 256"]),
+    "seq_above_positions": (
+        M + ["--seq-length", "512", "--max-position-embeddings", "256"],
+        1,
+        ["--seq-length 512", "--max-position-embeddings 256"],
+    ),
     "zero_stage_out_of_range": (M + ["--zero-stage", "5"], 1, ["--zero-stage 5", "out of range", "3 (and parameters)"]),
     "offload_stage0": (M + ["--offload-optimizer", "cpu"], 1, ["--offload-optimizer cpu", "--zero-stage 0"]),
-    "offload_apex": (M + ["--offload-optimizer", "cpu", "--zero-stage", "1", "--kernels", "apex"], 1,
-                     ["--kernels apex", "--offload-optimizer cpu", "--kernels auto or torch"]),
-    "offload_param": (M + ["--offload-param", "cpu", "--zero-stage", "2"], 1,
-                      ["--offload-param cpu", "--zero-stage 3", "got 2"]),
-    "offload_param_alone": (M + ["--offload-param", "cpu", "--zero-stage", "3"], 1,
-                            ["--offload-param cpu", "--offload-optimizer cpu"]),
-    "offload_nvme_stage0": (M + ["--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp"], 1,
-                            ["--offload-optimizer nvme", "--zero-stage 0"]),
-    "offload_param_nvme": (M + ["--offload-param", "nvme", "--zero-stage", "3"], 1,
-                           ["--offload-param nvme", "--offload-optimizer cpu"]),
-    "offload_param_nvme_stage2": (M + ["--offload-param", "nvme", "--offload-optimizer", "cpu", "--zero-stage", "2",
-                                       "--offload-nvme-path", "/tmp"], 1,
-                                  ["--offload-param nvme", "--zero-stage 3", "got 2"]),
-    "offload_param_nvme_no_path": (M + ["--offload-param", "nvme", "--offload-optimizer", "cpu", "--zero-stage",
-                                        "3"], 1, ["--offload-param nvme", "--offload-nvme-path DIR"]),
+    "offload_apex": (
+        M + ["--offload-optimizer", "cpu", "--zero-stage", "1", "--kernels", "apex"],
+        1,
+        ["--kernels apex", "--offload-optimizer cpu", "--kernels auto or torch"],
+    ),
+    "offload_param": (
+        M + ["--offload-param", "cpu", "--zero-stage", "2"],
+        1,
+        ["--offload-param cpu", "--zero-stage 3", "got 2"],
+    ),
+    "offload_param_alone": (
+        M + ["--offload-param", "cpu", "--zero-stage", "3"],
+        1,
+        ["--offload-param cpu", "--offload-optimizer cpu"],
+    ),
+    "offload_nvme_stage0": (
+        M + ["--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp"],
+        1,
+        ["--offload-optimizer nvme", "--zero-stage 0"],
+    ),
+    "offload_param_nvme": (
+        M + ["--offload-param", "nvme", "--zero-stage", "3"],
+        1,
+        ["--offload-param nvme", "--offload-optimizer cpu"],
+    ),
+    "offload_param_nvme_stage2": (
+        M
+        + ["--offload-param", "nvme", "--offload-optimizer", "cpu", "--zero-stage", "2", "--offload-nvme-path", "/tmp"],
+        1,
+        ["--offload-param nvme", "--zero-stage 3", "got 2"],
+    ),
+    "offload_param_nvme_no_path": (
+        M + ["--offload-param", "nvme", "--offload-optimizer", "cpu", "--zero-stage", "3"],
+        1,
+        ["--offload-param nvme", "--offload-nvme-path DIR"],
+    ),
     "no_data": ([], 1, ["--data-path", "--mock-data"]),
     "tokenizer_missing": (["--data-path", "{A}"], 1, ["--tokenizer-model"]),
-    "tokenizer_file_absent": (["--data-path", "{A}", "--tokenizer-model", "{DIR}/no.model"], 1,
-                              ["--tokenizer-model", "no.model not found"]),
+    "tokenizer_file_absent": (
+        ["--data-path", "{A}", "--tokenizer-model", "{DIR}/no.model"],
+        1,
+        ["--tokenizer-model", "no.model not found"],
+    ),
     "interleaved_with_pp1": (M + ["--pipeline-schedule", "interleaved"], 1, ["--pipeline-schedule", "--pp 1"]),
     "layers_vp_with_pp1": (M + ["--virtual-pipeline-size", "2"], 1, ["--virtual-pipeline-size 2", "--pp 1"]),
-    "interleaved_microbatches_vs_pp": (M + ["--pp", "2", "--virtual-pipeline-size", "2",
-                                            "--gradient-accumulation-steps", "3"], 2,
-                                       ["--gradient-accumulation-steps 3", "--pp 2"]),
-    "vp_without_interleaved": (M + ["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "1f1b"],
-                               2, ["--virtual-pipeline-size 2", "--pipeline-schedule"]),
+    "interleaved_microbatches_vs_pp": (
+        M + ["--pp", "2", "--virtual-pipeline-size", "2", "--gradient-accumulation-steps", "3"],
+        2,
+        ["--gradient-accumulation-steps 3", "--pp 2"],
+    ),
+    "vp_without_interleaved": (
+        M + ["--pp", "2", "--virtual-pipeline-size", "2", "--pipeline-schedule", "1f1b"],
+        2,
+        ["--virtual-pipeline-size 2", "--pipeline-schedule"],
+    ),
     "schedule_none_with_pp": (M + ["--pp", "2", "--pipeline-schedule", "none"], 2, ["--pipeline-schedule none"]),
     "train_iters_zero": (M + ["--train-iters", "0"], 1, ["--train-iters 0", ">= 1"]),
     "lr_negative": (M + ["--lr", "-1"], 1, ["--lr -1"]),
@@ -102,56 +163,107 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "dp_zero": (M + ["--dp", "0"], 1, ["--dp 0"]),
     "save_over_another_run": (M + ["--save", "{DIR}/ckpt"], 1, ["--save", "ckpt", "--load", "empty"]),
     "save_over_iterations_without_latest": (M + ["--save", "{DIR}/ckpt2"], 1, ["--save", "ckpt2", "another run"]),
-    "save_over_another_run_loading_elsewhere": (M + ["--save", "{DIR}/ckpt", "--load", "{DIR}"], 1,
-                                                ["--save", "ckpt", "another run"]),
-    "sequence_parallel_seq_vs_tp": (M + ["--tp", "4", "--sequence-parallel", "--seq-length", "30",
-                                         "--hidden-size", "64"], 4, ["--sequence-parallel", "--seq-length 30"]),
+    "save_over_another_run_loading_elsewhere": (
+        M + ["--save", "{DIR}/ckpt", "--load", "{DIR}"],
+        1,
+        ["--save", "ckpt", "another run"],
+    ),
+    "sequence_parallel_seq_vs_tp": (
+        M + ["--tp", "4", "--sequence-parallel", "--seq-length", "30", "--hidden-size", "64"],
+        4,
+        ["--sequence-parallel", "--seq-length 30"],
+    ),
     # a restart resumes from --load's latest: this run must write it
-    "max_restarts_without_save": (M + ["--max-restarts", "1"], 1,
-                                  ["--max-restarts 1", "iteration 0", "--save DIR --load DIR", "--save-interval N"]),
-    "max_restarts_save_without_load": (M + ["--max-restarts", "2", "--save", "{DIR}/new"], 1,
-                                       ["--max-restarts 2", "resumes from --load (not given)", "--save DIR --load DIR"]),
-    "max_restarts_load_elsewhere": (M + ["--max-restarts", "1", "--save", "{DIR}/new", "--load", "{DIR}"], 1,
-                                    ["--max-restarts 1", "not from this run's checkpoints"]),
-    "max_restarts_without_save_interval": (M + ["--max-restarts", "1", "--save", "{DIR}/new", "--load", "{DIR}/new"], 1,
-                                           ["--max-restarts 1", "saves only at the end", "--save-interval N"]),
+    "max_restarts_without_save": (
+        M + ["--max-restarts", "1"],
+        1,
+        ["--max-restarts 1", "iteration 0", "--save DIR --load DIR", "--save-interval N"],
+    ),
+    "max_restarts_save_without_load": (
+        M + ["--max-restarts", "2", "--save", "{DIR}/new"],
+        1,
+        ["--max-restarts 2", "resumes from --load (not given)", "--save DIR --load DIR"],
+    ),
+    "max_restarts_load_elsewhere": (
+        M + ["--max-restarts", "1", "--save", "{DIR}/new", "--load", "{DIR}"],
+        1,
+        ["--max-restarts 1", "not from this run's checkpoints"],
+    ),
+    "max_restarts_without_save_interval": (
+        M + ["--max-restarts", "1", "--save", "{DIR}/new", "--load", "{DIR}/new"],
+        1,
+        ["--max-restarts 1", "saves only at the end", "--save-interval N"],
+    ),
     # a checkpoint option without --save: the run would write no checkpoint
-    "save_interval_without_save": (M + ["--save-interval", "5"], 1,
-                                   ["--save-interval has no effect without --save", "add --save DIR or drop it"]),
-    "keep_latest_without_save": (M + ["--keep-latest-checkpoints", "2"], 1, ["--keep-latest-checkpoints", "--save DIR"]),
+    "save_interval_without_save": (
+        M + ["--save-interval", "5"],
+        1,
+        ["--save-interval has no effect without --save", "add --save DIR or drop it"],
+    ),
+    "keep_latest_without_save": (
+        M + ["--keep-latest-checkpoints", "2"],
+        1,
+        ["--keep-latest-checkpoints", "--save DIR"],
+    ),
     "async_save_without_save": (M + ["--async-save"], 1, ["--async-save has no effect without --save"]),
     # context parallelism and packed documents
     "seq_not_divisible_by_2cp": (M + ["--cp", "3", "--seq-length", "256"], 3, ["--seq-length 256", "2 x --cp 3 = 6"]),
-    "sp_seq_not_divisible_by_cp_tp": (M + ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-length", "36",
-                                           "--hidden-size", "64"], 8, ["--sequence-parallel", "--cp x --tp = 8"]),
-    "a2a_heads_not_divisible": (M + ["--cp", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2",
-                                     "--tp", "2"], 4, ["--cp-comm-type a2a", "--num-attention-heads 2", "--tp x --cp = 4"]),
-    "a2a_query_groups_not_divisible": (M + ["--cp", "2", "--cp-comm-type", "a2a", "--group-query-attention",
-                                            "--num-query-groups", "1"], 2, ["--num-query-groups 1", "--tp x --cp = 2"]),
+    "sp_seq_not_divisible_by_cp_tp": (
+        M + ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-length", "36", "--hidden-size", "64"],
+        8,
+        ["--sequence-parallel", "--cp x --tp = 8"],
+    ),
+    "a2a_heads_not_divisible": (
+        M + ["--cp", "2", "--cp-comm-type", "a2a", "--num-attention-heads", "2", "--tp", "2"],
+        4,
+        ["--cp-comm-type a2a", "--num-attention-heads 2", "--tp x --cp = 4"],
+    ),
+    "a2a_query_groups_not_divisible": (
+        M + ["--cp", "2", "--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"],
+        2,
+        ["--num-query-groups 1", "--tp x --cp = 2"],
+    ),
     "world_not_tp_cp_pp_dp": (M + ["--cp", "2", "--dp", "2"], 2, ["--cp 2", "= 4", "launch 4 processes"]),
     "world_not_divisible_by_cp": (M + ["--cp", "2", "--tp", "2"], 6, ["--tp 2 x --cp 2", "multiple of 4"]),
-    "reset_attention_mask_without_tokenizer": (M + ["--reset-attention-mask"], 1,
-                                               ["--reset-attention-mask", "end-of-document token", "--mock-data has no tokenizer"]),
+    "reset_attention_mask_without_tokenizer": (
+        M + ["--reset-attention-mask"],
+        1,
+        ["--reset-attention-mask", "end-of-document token", "--mock-data has no tokenizer"],
+    ),
     "eod_mask_loss_without_tokenizer": (M + ["--eod-mask-loss"], 1, ["--eod-mask-loss", "--tokenizer-model"]),
-    "cp_with_attention_dropout": (M + ["--cp", "2", "--attention-dropout", "0.1"], 2,
-                                  ["--attention-dropout 0.1", "--cp 2", "--attention-dropout 0"]),
+    "cp_with_attention_dropout": (
+        M + ["--cp", "2", "--attention-dropout", "0.1"],
+        2,
+        ["--attention-dropout 0.1", "--cp 2", "--attention-dropout 0"],
+    ),
 }
 
 
 # data/ owns these rules (data.gpt_dataset: the blend, the corpus files, the split); the
 # launcher's preflight applies them before any rank starts, like the config's own rules
 DATA_BAD = {  # case: (argv as in BAD, world size, strings the message must contain)
-    "data_files_missing": (["--data-path", "{DIR}/nope", "--tokenizer-model", "{TOK}"], 1,
-                           ["--data-path", "nope.bin"]),
+    "data_files_missing": (["--data-path", "{DIR}/nope", "--tokenizer-model", "{TOK}"], 1, ["--data-path", "nope.bin"]),
     "data_idx_missing": (["--data-path", "{HALF}", "--tokenizer-model", "{TOK}"], 1, ["--data-path", "half.idx"]),
-    "data_prefix_with_suffix": (["--data-path", "{A}.bin", "--tokenizer-model", "{TOK}"], 1,
-                                ["--data-path", "without .bin/.idx"]),
-    "blend_odd_count": (["--data-path", "0.5", "{A}", "0.5", "--tokenizer-model", "{TOK}"], 1,
-                        ["--data-path", "weight-prefix pairs"]),
-    "blend_negative_weight": (["--data-path", "-0.5", "{A}", "1.5", "{B}", "--tokenizer-model", "{TOK}"], 1,
-                              ["--data-path", "negative"]),
-    "blend_weight_not_number": (["--data-path", "{A}", "{B}", "--tokenizer-model", "{TOK}"], 1,
-                                ["--data-path", "weight"]),
+    "data_prefix_with_suffix": (
+        ["--data-path", "{A}.bin", "--tokenizer-model", "{TOK}"],
+        1,
+        ["--data-path", "without .bin/.idx"],
+    ),
+    "blend_odd_count": (
+        ["--data-path", "0.5", "{A}", "0.5", "--tokenizer-model", "{TOK}"],
+        1,
+        ["--data-path", "weight-prefix pairs"],
+    ),
+    "blend_negative_weight": (
+        ["--data-path", "-0.5", "{A}", "1.5", "{B}", "--tokenizer-model", "{TOK}"],
+        1,
+        ["--data-path", "negative"],
+    ),
+    "blend_weight_not_number": (
+        ["--data-path", "{A}", "{B}", "--tokenizer-model", "{TOK}"],
+        1,
+        ["--data-path", "weight"],
+    ),
     "split_not_numbers": (M + ["--split", "a,b"], 1, ["--split"]),
 }
 
@@ -179,14 +291,17 @@ def test_bad_setting_exits_2_naming_the_flag(where, case, files, capsys):
 
 
 def test_exit_code_2_end_to_end_in_a_subprocess():
-    code = ("from megazero.config import config_from_argv\n"
-            "config_from_argv(['--mock-data', '--hidden-size', '250'], world_size=1)\n"
-            "print('not reached')")
+    code = (
+        "from megazero.config import config_from_argv\n"
+        "config_from_argv(['--mock-data', '--hidden-size', '250'], world_size=1)\n"
+        "print('not reached')"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stdout == ""
-    assert out.stderr.startswith("megazero: config error: --hidden-size 250 is not divisible by "
-                                 "--num-attention-heads 4")
+    assert out.stderr.startswith(
+        "megazero: config error: --hidden-size 250 is not divisible by --num-attention-heads 4"
+    )
 
 
 def test_default_config_validates_and_derives():
@@ -208,9 +323,18 @@ def test_real_data_with_blend_validates(files):
 
 
 DATA_REFUSALS = [  # (--data-path, --split): each refused by data/, their one home, before launch
-    (["0.5", "A", "0.5"], "969,30,1"), (["x", "A", "1", "B"], "969,30,1"), (["-0.5", "A", "1.5", "B"], "969,30,1"),
-    (["inf", "A", "1", "B"], "969,30,1"), (["0", "A", "0", "B"], "969,30,1"), (["A"], "a,b"), (["A"], "1,2,3,4"),
-    (["A"], "-1,2,3"), (["A"], "0,0,0"), (["A"], ""), (["A"], "nan,1"), (["A"], "96/x/4"),
+    (["0.5", "A", "0.5"], "969,30,1"),
+    (["x", "A", "1", "B"], "969,30,1"),
+    (["-0.5", "A", "1.5", "B"], "969,30,1"),
+    (["inf", "A", "1", "B"], "969,30,1"),
+    (["0", "A", "0", "B"], "969,30,1"),
+    (["A"], "a,b"),
+    (["A"], "1,2,3,4"),
+    (["A"], "-1,2,3"),
+    (["A"], "0,0,0"),
+    (["A"], ""),
+    (["A"], "nan,1"),
+    (["A"], "96/x/4"),
 ]
 
 
@@ -248,52 +372,157 @@ def test_sequence_parallel_with_tp1_is_a_warning_and_turned_off(capsys):
 
 
 UNUSED = [  # (flags, world size, the warning, flags under which the setting applies: no warning)
-    *[(["--zero-stage", "2", flag, value], 1, f"{flag} has no effect without --zero-stage 3 (this run: --zero-stage 2); "
-       "ignored", ["--zero-stage", "3", flag, value]) for flag, value in (
-        ("--zero3-prefetch-bucket-size", "0"), ("--zero3-max-live-parameters", "10"),
-        ("--zero3-param-persistence-threshold", "0"), ("--zero3-max-reuse-distance", "0"),
-        ("--zero3-reshard-after-forward", "on"))],
-    (["--zero3-max-live-parameters", "10"], 1, "--zero3-max-live-parameters has no effect without --zero-stage 3; "
-     "ignored", ["--zero3-max-live-parameters", "10", "--zero-stage", "3"]),
-    (["--zero-stage", "1", "--allgather-bucket-size", "1000"], 1, "--allgather-bucket-size has no effect without "
-     "--zero-stage 3 (this run: --zero-stage 1) and without --overlap-param-gather off; ignored",
-     ["--zero-stage", "1", "--allgather-bucket-size", "1000", "--overlap-param-gather", "off"]),
-    (["--overlap-param-gather", "off"], 1, "--overlap-param-gather has no effect without --zero-stage 1 or 2; ignored",
-     ["--overlap-param-gather", "off", "--zero-stage", "2"]),
-    (["--zero-stage", "1", "--no-offload-pin-memory"], 1, "--no-offload-pin-memory has no effect without "
-     "--offload-optimizer cpu or nvme; ignored", ["--zero-stage", "1", "--no-offload-pin-memory", "--offload-optimizer", "cpu"]),
-    (["--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu", "--offload-param-max-in-cpu", "0"], 1,
-     "--offload-param-max-in-cpu has no effect without --offload-param nvme (this run: --offload-param cpu); ignored",
-     ["--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "nvme", "--offload-param-max-in-cpu", "0",
-      "--offload-nvme-path", "/tmp"]),
-    (["--recompute-num-layers", "2"], 1, "--recompute-num-layers has no effect without --recompute-granularity full; "
-     "ignored", ["--recompute-num-layers", "2", "--recompute-granularity", "full", "--recompute-method", "block"]),
-    (["--bf16", "--loss-scale", "1024"], 1, "--loss-scale has no effect without --fp16; ignored",
-     ["--fp16", "--loss-scale", "1024"]),
-    (["--fp16", "--loss-scale", "1024", "--hysteresis", "4"], 1, "--hysteresis has no effect without --loss-scale 0 "
-     "(this run: --loss-scale 1024); ignored", ["--fp16", "--hysteresis", "4"]),
-    (["--grads-in-model-dtype"], 1, "--grads-in-model-dtype has no effect without --fp16 and without --bf16; ignored",
-     ["--grads-in-model-dtype", "--bf16"]),
-    (["--fp16", "--skip-bad-batches", "3"], 1, "--skip-bad-batches has no effect with --fp16; ignored",
-     ["--bf16", "--skip-bad-batches", "3"]),
-    (["--no-async-tensor-model-parallel-allreduce"], 2, "--no-async-tensor-model-parallel-allreduce has no effect "
-     "at --tp 1; ignored", ["--no-async-tensor-model-parallel-allreduce", "--tp", "2"]),
-    (["--tp", "2", "--compile", "--no-async-tensor-model-parallel-allreduce"], 2, "--no-async-tensor-model-parallel-"
-     "allreduce has no effect with --compile; ignored", ["--tp", "2", "--no-async-tensor-model-parallel-allreduce"]),
-    (["--pipeline-layer-split", "4"], 2, "--pipeline-layer-split has no effect at --pp 1; ignored",
-     ["--pipeline-layer-split", "1,3", "--pp", "2"]),
-    (["--eval-iters", "0", "--eval-interval", "5"], 1, "--eval-interval has no effect at --eval-iters 0; ignored",
-     ["--eval-interval", "5"]),
-    (["--lr-decay-style", "constant", "--min-lr", "0"], 1, "--min-lr has no effect with --lr-decay-style constant; "
-     "ignored", ["--min-lr", "0"]),
-    (["--lr-decay-iters", "300", "--lr-decay-style", "constant"], 1, "--lr-decay-iters has no effect with "
-     "--lr-decay-style constant; ignored", ["--lr-decay-iters", "300"]),
-    (["--lr-wsd-decay-style", "cosine"], 1, "--lr-wsd-decay-style has no effect without --lr-decay-style WSD; ignored",
-     ["--lr-wsd-decay-style", "cosine", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10"]),
-    (["--profile-step-start", "3"], 1, "--profile-step-start has no effect without --profile; ignored",
-     ["--profile-step-start", "3", "--profile"]),
-    (["--profile-ranks", "0", "1"], 2, "--profile-ranks has no effect without --profile; ignored",
-     ["--profile-ranks", "0", "1", "--profile"]),
+    *[
+        (
+            ["--zero-stage", "2", flag, value],
+            1,
+            f"{flag} has no effect without --zero-stage 3 (this run: --zero-stage 2); ignored",
+            ["--zero-stage", "3", flag, value],
+        )
+        for flag, value in (
+            ("--zero3-prefetch-bucket-size", "0"),
+            ("--zero3-max-live-parameters", "10"),
+            ("--zero3-param-persistence-threshold", "0"),
+            ("--zero3-max-reuse-distance", "0"),
+            ("--zero3-reshard-after-forward", "on"),
+        )
+    ],
+    (
+        ["--zero3-max-live-parameters", "10"],
+        1,
+        "--zero3-max-live-parameters has no effect without --zero-stage 3; ignored",
+        ["--zero3-max-live-parameters", "10", "--zero-stage", "3"],
+    ),
+    (
+        ["--zero-stage", "1", "--allgather-bucket-size", "1000"],
+        1,
+        "--allgather-bucket-size has no effect without "
+        "--zero-stage 3 (this run: --zero-stage 1) and without --overlap-param-gather off; ignored",
+        ["--zero-stage", "1", "--allgather-bucket-size", "1000", "--overlap-param-gather", "off"],
+    ),
+    (
+        ["--overlap-param-gather", "off"],
+        1,
+        "--overlap-param-gather has no effect without --zero-stage 1 or 2; ignored",
+        ["--overlap-param-gather", "off", "--zero-stage", "2"],
+    ),
+    (
+        ["--zero-stage", "1", "--no-offload-pin-memory"],
+        1,
+        "--no-offload-pin-memory has no effect without --offload-optimizer cpu or nvme; ignored",
+        ["--zero-stage", "1", "--no-offload-pin-memory", "--offload-optimizer", "cpu"],
+    ),
+    (
+        [
+            "--zero-stage",
+            "3",
+            "--offload-optimizer",
+            "cpu",
+            "--offload-param",
+            "cpu",
+            "--offload-param-max-in-cpu",
+            "0",
+        ],
+        1,
+        "--offload-param-max-in-cpu has no effect without --offload-param nvme (this run: --offload-param cpu); "
+        "ignored",
+        [
+            "--zero-stage",
+            "3",
+            "--offload-optimizer",
+            "cpu",
+            "--offload-param",
+            "nvme",
+            "--offload-param-max-in-cpu",
+            "0",
+            "--offload-nvme-path",
+            "/tmp",
+        ],
+    ),
+    (
+        ["--recompute-num-layers", "2"],
+        1,
+        "--recompute-num-layers has no effect without --recompute-granularity full; ignored",
+        ["--recompute-num-layers", "2", "--recompute-granularity", "full", "--recompute-method", "block"],
+    ),
+    (
+        ["--bf16", "--loss-scale", "1024"],
+        1,
+        "--loss-scale has no effect without --fp16; ignored",
+        ["--fp16", "--loss-scale", "1024"],
+    ),
+    (
+        ["--fp16", "--loss-scale", "1024", "--hysteresis", "4"],
+        1,
+        "--hysteresis has no effect without --loss-scale 0 (this run: --loss-scale 1024); ignored",
+        ["--fp16", "--hysteresis", "4"],
+    ),
+    (
+        ["--grads-in-model-dtype"],
+        1,
+        "--grads-in-model-dtype has no effect without --fp16 and without --bf16; ignored",
+        ["--grads-in-model-dtype", "--bf16"],
+    ),
+    (
+        ["--fp16", "--skip-bad-batches", "3"],
+        1,
+        "--skip-bad-batches has no effect with --fp16; ignored",
+        ["--bf16", "--skip-bad-batches", "3"],
+    ),
+    (
+        ["--no-async-tensor-model-parallel-allreduce"],
+        2,
+        "--no-async-tensor-model-parallel-allreduce has no effect at --tp 1; ignored",
+        ["--no-async-tensor-model-parallel-allreduce", "--tp", "2"],
+    ),
+    (
+        ["--tp", "2", "--compile", "--no-async-tensor-model-parallel-allreduce"],
+        2,
+        "--no-async-tensor-model-parallel-allreduce has no effect with --compile; ignored",
+        ["--tp", "2", "--no-async-tensor-model-parallel-allreduce"],
+    ),
+    (
+        ["--pipeline-layer-split", "4"],
+        2,
+        "--pipeline-layer-split has no effect at --pp 1; ignored",
+        ["--pipeline-layer-split", "1,3", "--pp", "2"],
+    ),
+    (
+        ["--eval-iters", "0", "--eval-interval", "5"],
+        1,
+        "--eval-interval has no effect at --eval-iters 0; ignored",
+        ["--eval-interval", "5"],
+    ),
+    (
+        ["--lr-decay-style", "constant", "--min-lr", "0"],
+        1,
+        "--min-lr has no effect with --lr-decay-style constant; ignored",
+        ["--min-lr", "0"],
+    ),
+    (
+        ["--lr-decay-iters", "300", "--lr-decay-style", "constant"],
+        1,
+        "--lr-decay-iters has no effect with --lr-decay-style constant; ignored",
+        ["--lr-decay-iters", "300"],
+    ),
+    (
+        ["--lr-wsd-decay-style", "cosine"],
+        1,
+        "--lr-wsd-decay-style has no effect without --lr-decay-style WSD; ignored",
+        ["--lr-wsd-decay-style", "cosine", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "10"],
+    ),
+    (
+        ["--profile-step-start", "3"],
+        1,
+        "--profile-step-start has no effect without --profile; ignored",
+        ["--profile-step-start", "3", "--profile"],
+    ),
+    (
+        ["--profile-ranks", "0", "1"],
+        2,
+        "--profile-ranks has no effect without --profile; ignored",
+        ["--profile-ranks", "0", "1", "--profile"],
+    ),
     (["--wandb-exp-name", "x"], 1, "--wandb-exp-name has no effect without --wandb-project; ignored", None),
     (["--prompt", "Once"], 1, "--prompt has no effect with --mock-data; ignored", None),
     (["--data-cache-dir", "/tmp/cache"], 1, "--data-cache-dir has no effect with --mock-data; ignored", None),
@@ -316,18 +545,29 @@ def test_deepspeed_stage3_keys_in_a_stage2_file_are_named_with_the_file(files, c
     """A stage-2 DeepSpeed file with ZeRO-3's stage3_* knobs: each is read, and named in a warning
     with its key and file (they take effect at stage 3 only); an unread stage3_* key is named as
     not honoured, as at stage 3."""
-    knobs = {"stage3_prefetch_bucket_size": "--zero3-prefetch-bucket-size",
-             "stage3_max_live_parameters": "--zero3-max-live-parameters",
-             "stage3_param_persistence_threshold": "--zero3-param-persistence-threshold",
-             "stage3_max_reuse_distance": "--zero3-max-reuse-distance"}
-    path = files["json"]({"zero_optimization": {"stage": 2, **{k: 1e6 for k in knobs},
-                                                "stage3_gather_16bit_weights_on_model_save": True}})
+    knobs = {
+        "stage3_prefetch_bucket_size": "--zero3-prefetch-bucket-size",
+        "stage3_max_live_parameters": "--zero3-max-live-parameters",
+        "stage3_param_persistence_threshold": "--zero3-param-persistence-threshold",
+        "stage3_max_reuse_distance": "--zero3-max-reuse-distance",
+    }
+    path = files["json"](
+        {
+            "zero_optimization": {
+                "stage": 2,
+                **{k: 1e6 for k in knobs},
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        }
+    )
     cfg = config_from_argv(M + ["--deepspeed-config", path], 1)
     assert cfg.zero.stage == 2 and cfg.zero.zero3_max_live_parameters == 1_000_000
     assert "'zero_optimization.stage3_gather_16bit_weights_on_model_save' is not honoured" in cfg.warnings[0]
     for key, flag in knobs.items():
-        assert (f"{flag} (zero_optimization.{key} in {path}) has no effect without --zero-stage 3 (this run: "
-                f"--zero-stage 2, zero_optimization.stage in {path}); ignored") in cfg.warnings
+        assert (
+            f"{flag} (zero_optimization.{key} in {path}) has no effect without --zero-stage 3 (this run: "
+            f"--zero-stage 2, zero_optimization.stage in {path}); ignored"
+        ) in cfg.warnings
     assert len(cfg.warnings) == 5
     assert capsys.readouterr().err.count("megazero: config warning: ") == 5
     stage3 = files["json"]({"zero_optimization": {"stage": 3, **{k: 1e6 for k in knobs}}}, "ds3.json")
@@ -345,8 +585,16 @@ def test_max_live_parameters_below_the_smallest_gather_unit_is_a_warning_before_
 
     # DeepSpeed's absolute threshold (1e5) rather than the default 10 x hidden, so the small
     # tensors below stay whole and the units are the three big matrices of each layer
-    argv = M4 + ["--zero-stage", "3", "--dp", "2", "--zero3-param-persistence-threshold", "100000",
-                 "--zero3-max-live-parameters", "10"]
+    argv = M4 + [
+        "--zero-stage",
+        "3",
+        "--dp",
+        "2",
+        "--zero3-param-persistence-threshold",
+        "100000",
+        "--zero3-max-live-parameters",
+        "10",
+    ]
     assert training.preflight(argv, 2) == 0
     err = capsys.readouterr().err
     cfg = config_from_argv(argv, 2)
@@ -359,8 +607,10 @@ def test_max_live_parameters_below_the_smallest_gather_unit_is_a_warning_before_
     need = memory.zero3_gathered_at_once([units])
     assert need == 262_144 + 2 * 11 * 65_536
     warning = zero3_live_warning(cfg, gpt)
-    assert warning.startswith("--zero3-max-live-parameters 10 is below the smallest ZeRO-3 gather unit (the "
-                              "chunk's own parameters, 262,144 elements per rank), so the bound can never hold")
+    assert warning.startswith(
+        "--zero3-max-live-parameters 10 is below the smallest ZeRO-3 gather unit (the "
+        "chunk's own parameters, 262,144 elements per rank), so the bound can never hold"
+    )
     assert f"fix: give at least {need:,}" in warning
     assert f"megazero: config warning: {warning}\n" in err
     for bound in (262_144, 10**9):  # a bound that a unit fits is left alone
@@ -370,23 +620,38 @@ def test_max_live_parameters_below_the_smallest_gather_unit_is_a_warning_before_
 
 
 def test_every_flag_of_the_interface_exists_and_aliases_agree():
-    flags = ("--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length "
-             "--max-position-embeddings --micro-batch-size --global-batch-size --train-iters --lr --min-lr "
-             "--lr-warmup-iters --lr-decay-iters --lr-decay-style --weight-decay --adam-beta1 --adam-beta2 "
-             "--adam-eps --clip-grad --seed --data-path --split --tokenizer-model --vocab-size --save --load "
-             "--save-interval --eval-interval --eval-iters --log-interval --tensorboard-dir --metrics-file "
-             "--run-dir --fp16 --bf16 --loss-scale --initial-scale-power --loss-scale-window --hysteresis "
-             "--min-loss-scale --zero-stage --hidden-dropout --attention-dropout --make-vocab-size-divisible-by "
-             "--untie-embeddings-and-output-weights --sequence-parallel --virtual-pipeline-size "
-             "--pipeline-schedule --pipeline-layer-split --mock-data --device --kernels --deepspeed-config "
-             "--reduce-bucket-size --allgather-bucket-size --no-overlap-comm --distributed-timeout-s "
-             "--gradient-accumulation-steps --tp --pp --dp --tensor-model-parallel-size "
-             "--pipeline-model-parallel-size --data-parallel-size --grads-in-model-dtype --steps-per-print").split()
+    flags = (
+        "--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --seq-length "
+        "--max-position-embeddings --micro-batch-size --global-batch-size --train-iters --lr --min-lr "
+        "--lr-warmup-iters --lr-decay-iters --lr-decay-style --weight-decay --adam-beta1 --adam-beta2 "
+        "--adam-eps --clip-grad --seed --data-path --split --tokenizer-model --vocab-size --save --load "
+        "--save-interval --eval-interval --eval-iters --log-interval --tensorboard-dir --metrics-file "
+        "--run-dir --fp16 --bf16 --loss-scale --initial-scale-power --loss-scale-window --hysteresis "
+        "--min-loss-scale --zero-stage --hidden-dropout --attention-dropout --make-vocab-size-divisible-by "
+        "--untie-embeddings-and-output-weights --sequence-parallel --virtual-pipeline-size "
+        "--pipeline-schedule --pipeline-layer-split --mock-data --device --kernels --deepspeed-config "
+        "--reduce-bucket-size --allgather-bucket-size --no-overlap-comm --distributed-timeout-s "
+        "--gradient-accumulation-steps --tp --pp --dp --tensor-model-parallel-size "
+        "--pipeline-model-parallel-size --data-parallel-size --grads-in-model-dtype --steps-per-print"
+    ).split()
     known = build_parser()._option_string_actions
     assert [f for f in flags if f not in known] == []
-    long = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "3",
-                       "--data-parallel-size", "4", "--steps-per-print", "7", "--no-overlap-comm",
-                       "--grads-in-model-dtype", "--reduce-bucket-size", "5e8"])
+    long = parse_args(
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "3",
+            "--data-parallel-size",
+            "4",
+            "--steps-per-print",
+            "7",
+            "--no-overlap-comm",
+            "--grads-in-model-dtype",
+            "--reduce-bucket-size",
+            "5e8",
+        ]
+    )
     assert (long.parallel.tp, long.parallel.pp, long.parallel.dp, long.log.log_interval) == (2, 3, 4, 7)
     assert long.zero.overlap_comm is False and long.precision.accumulate_allreduce_grads_in_fp32 is False
     assert long.zero.reduce_bucket_size == 500_000_000 and integer("2e8") == 200_000_000
@@ -398,8 +663,10 @@ def test_flags_table_has_one_row_per_setting_with_unit():
     assert table[0] == "| flag | default | unit | meaning |"
     assert len(table) == 2 + len(settings())
     row = next(r for r in table if r.startswith("| `--reduce-bucket-size`"))
-    assert row == ("| `--reduce-bucket-size` | `None` | elements | gradient reduction bucket; None = hidden "
-                   "size squared (DeepSpeed's 'auto') |")
+    assert row == (
+        "| `--reduce-bucket-size` | `None` | elements | gradient reduction bucket; None = hidden "
+        "size squared (DeepSpeed's 'auto') |"
+    )
     assert any(r.startswith("| `--tp`, `--tensor-model-parallel-size` | `1` | ranks |") for r in table)
     assert all(s.field.metadata["help"] for s in settings())
 
@@ -408,8 +675,7 @@ def test_to_dict_and_describe():
     cfg = config_from_argv(M4 + ["--tp", "2", "--hidden-size", "64"], 2)
     d = json.loads(json.dumps(to_dict(cfg)))
     assert d["parallel"]["tp"] == 2 and d["model"]["hidden_size"] == 64 and d["train"]["global_batch_size"] == 4
-    assert set(d) == {"model", "parallel", "train", "optim", "precision", "zero", "data", "log",
-                      "deepspeed_config"}
+    assert set(d) == {"model", "parallel", "train", "optim", "precision", "zero", "data", "log", "deepspeed_config"}
     text = describe(cfg)
     assert "parallel.tp" in text and "[--tp]" in text and len(text.splitlines()) == len(settings())
 
@@ -435,8 +701,15 @@ def seed(name):
 
 def assert_dynamic_fp16(cfg):
     p = cfg.precision
-    assert (p.fp16, p.bf16, p.loss_scale, p.loss_scale_window, p.hysteresis, p.initial_scale_power,
-            p.min_loss_scale) == (True, False, 0.0, 1000, 2, 16, 1.0)
+    assert (
+        p.fp16,
+        p.bf16,
+        p.loss_scale,
+        p.loss_scale_window,
+        p.hysteresis,
+        p.initial_scale_power,
+        p.min_loss_scale,
+    ) == (True, False, 0.0, 1000, 2, 16, 1.0)
 
 
 @pytest.mark.parametrize("name,stage", [("seed000_stage1.json", 1), ("seed000_stage2.json", 2)])
@@ -444,8 +717,11 @@ def test_seed000_micro_batch_follows_from_train_batch_size(name, stage):
     cfg = config_from_argv(M + ["--deepspeed-config", seed(name)], 8)
     assert cfg.zero.stage == stage
     assert_dynamic_fp16(cfg)
-    assert (cfg.train.global_batch_size, cfg.train.gradient_accumulation_steps, cfg.train.micro_batch_size) \
-        == (32, 1, 32 // 8)
+    assert (cfg.train.global_batch_size, cfg.train.gradient_accumulation_steps, cfg.train.micro_batch_size) == (
+        32,
+        1,
+        32 // 8,
+    )
     cfg = config_from_argv(M + ["--deepspeed-config", seed(name), "--tp", "2"], 8)
     assert (cfg.parallel.dp, cfg.train.micro_batch_size) == (4, 8)
 
@@ -474,8 +750,9 @@ def test_seed004_full_on_two_data_parallel_ranks_fails(capsys):
 
 
 def test_seed004_partial_files_combine_with_flags(capsys):
-    cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_fp16.json"), "--micro-batch-size", "2",
-                                "--global-batch-size", "16"], 2)
+    cfg = config_from_argv(
+        M + ["--deepspeed-config", seed("seed004_fp16.json"), "--micro-batch-size", "2", "--global-batch-size", "16"], 2
+    )
     assert_dynamic_fp16(cfg)
     assert cfg.train.gradient_accumulation_steps == 4 and cfg.sources["train.micro_batch_size"] == "--micro-batch-size"
     cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_bf16.json")], 1)
@@ -491,8 +768,13 @@ def test_seed004_stage_blocks():
     assert "zero.allgather_bucket_size" in cfg.sources and cfg.precision.fp16 is False
     cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_stage2.json"), "--reduce-bucket-size", "5e8"], 2)
     z = cfg.zero
-    assert (z.stage, z.overlap_comm, z.contiguous_gradients, z.reduce_bucket_size, z.allgather_bucket_size) \
-        == (2, True, True, 500_000_000, 500_000_000)
+    assert (z.stage, z.overlap_comm, z.contiguous_gradients, z.reduce_bucket_size, z.allgather_bucket_size) == (
+        2,
+        True,
+        True,
+        500_000_000,
+        500_000_000,
+    )
 
 
 def test_flag_conflicting_with_json_names_both(capsys):
@@ -507,27 +789,46 @@ def test_stage3_offload_seed_fills_the_stage3_knobs_and_parameter_offload():
     cfg = config_from_argv(M + ["--deepspeed-config", seed("seed004_stage3_offload.json")], 1)
     z = cfg.zero
     assert (z.stage, z.offload_param, z.offload_optimizer) == (3, "cpu", "cpu")
-    assert (z.zero3_prefetch_bucket_size, z.zero3_max_live_parameters, z.zero3_param_persistence_threshold,
-            z.zero3_max_reuse_distance) == (500_000_000, 1_000_000_000, 1_000_000, 1_000_000_000)
+    assert (
+        z.zero3_prefetch_bucket_size,
+        z.zero3_max_live_parameters,
+        z.zero3_param_persistence_threshold,
+        z.zero3_max_reuse_distance,
+    ) == (500_000_000, 1_000_000_000, 1_000_000, 1_000_000_000)
     assert cfg.sources["zero.zero3_max_reuse_distance"].startswith("zero_optimization.stage3_max_reuse_distance in")
 
 
 def test_stage3_is_read_and_unread_stage3_keys_named_in_a_warning(files):
     cfg = config_from_argv(M4 + ["--deepspeed-config", seed("seed000_stage3.json"), "--micro-batch-size", "16"], 2)
     assert (cfg.zero.stage, cfg.precision.fp16, cfg.train.global_batch_size) == (3, True, 32)
-    path = files["json"]({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 2e6,
-                                                "stage3_gather_16bit_weights_on_model_save": True}})
+    path = files["json"](
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_max_live_parameters": 2e6,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        }
+    )
     cfg = config_from_argv(M4 + ["--deepspeed-config", path, "--zero3-prefetch-bucket-size", "0"], 2)
-    assert (cfg.zero.stage, cfg.zero.zero3_max_live_parameters, cfg.zero.zero3_prefetch_bucket_size) == (3, 2_000_000, 0)
+    assert (cfg.zero.stage, cfg.zero.zero3_max_live_parameters, cfg.zero.zero3_prefetch_bucket_size) == (
+        3,
+        2_000_000,
+        0,
+    )
     assert len(cfg.warnings) == 1
     assert "'zero_optimization.stage3_gather_16bit_weights_on_model_save' is not honoured" in cfg.warnings[0]
 
 
 def test_unknown_keys_warn_and_auto_is_derived(files, capsys):
-    path = files["json"]({"zero_optimization": {"stage": 1, "round_robin_gradients": True,
-                                                "offload_optimizer": {"device": "none"}},
-                          "wall_clock_breakdown": False, "train_batch_size": 16,
-                          "train_micro_batch_size_per_gpu": "auto"})
+    path = files["json"](
+        {
+            "zero_optimization": {"stage": 1, "round_robin_gradients": True, "offload_optimizer": {"device": "none"}},
+            "wall_clock_breakdown": False,
+            "train_batch_size": 16,
+            "train_micro_batch_size_per_gpu": "auto",
+        }
+    )
     cfg = config_from_argv(M4 + ["--deepspeed-config", path], 2)
     assert len(cfg.warnings) == 2
     assert "'zero_optimization.round_robin_gradients'" in cfg.warnings[0]
@@ -561,13 +862,16 @@ def test_offload_keys_are_read_from_deepspeed_json(files, capsys):
     z = cfg.zero
     assert (z.stage, z.offload_optimizer, z.offload_optimizer_pin_memory, z.offload_param) == (2, "cpu", True, "none")
     assert cfg.sources["zero.offload_optimizer"].startswith("zero_optimization.offload_optimizer.device in")
-    path = files["json"]({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
-                                                                                  "pin_memory": False}}})
+    path = files["json"](
+        {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": False}}}
+    )
     z = config_from_argv(M + ["--deepspeed-config", path], 1).zero
     assert (z.offload_optimizer, z.offload_optimizer_pin_memory) == ("cpu", False)
-    for bad, key in (({"offload_param": {"device": "disk"}}, "zero_optimization.offload_param.device"),
-                     ({"offload_optimizer": {"device": "disk"}}, "zero_optimization.offload_optimizer.device"),
-                     ({"cpu_offload": True}, "zero_optimization.cpu_offload")):
+    for bad, key in (
+        ({"offload_param": {"device": "disk"}}, "zero_optimization.offload_param.device"),
+        ({"offload_optimizer": {"device": "disk"}}, "zero_optimization.offload_optimizer.device"),
+        ({"cpu_offload": True}, "zero_optimization.cpu_offload"),
+    ):
         path = files["json"]({"zero_optimization": {"stage": 2, **bad}})
         with pytest.raises(ConfigError, match="not supported by megazero") as exc:
             load_deepspeed_config(path, parse_args(M))
@@ -581,12 +885,24 @@ def test_nvme_offload_keys_are_read_from_deepspeed_json(files, capsys):
     """offload_optimizer.{device nvme, nvme_path, buffer_count}, sub_group_size and
     aio.thread_count fill their settings; the aio block's other knobs are named in a warning;
     nvme without a path stops naming --offload-nvme-path."""
-    path = files["json"]({"zero_optimization": {"stage": 3, "sub_group_size": 5e3, "offload_optimizer": {
-        "device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 3, "pin_memory": True}},
-        "aio": {"thread_count": 2, "block_size": 1048576}})
+    path = files["json"](
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "sub_group_size": 5e3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 3, "pin_memory": True},
+            },
+            "aio": {"thread_count": 2, "block_size": 1048576},
+        }
+    )
     z = config_from_argv(M + ["--dp", "2", "--deepspeed-config", path], 2).zero
-    assert (z.offload_optimizer, z.offload_nvme_path, z.offload_nvme_buffer_count, z.sub_group_size,
-            z.offload_nvme_io_threads) == ("nvme", "/tmp/x", 3, 5000, 2)
+    assert (
+        z.offload_optimizer,
+        z.offload_nvme_path,
+        z.offload_nvme_buffer_count,
+        z.sub_group_size,
+        z.offload_nvme_io_threads,
+    ) == ("nvme", "/tmp/x", 3, 5000, 2)
     assert "'aio.block_size' is not honoured" in capsys.readouterr().err
     err = fails(M + ["--zero-stage", "2", "--offload-optimizer", "nvme"], 1, capsys)
     assert "--offload-optimizer nvme" in err and "--offload-nvme-path DIR" in err
@@ -597,12 +913,23 @@ def test_offload_param_nvme_keys_are_read_from_deepspeed_json(files, capsys):
     --offload-param nvme and its knobs (the path is --offload-nvme-path, shared with the
     optimizer's); pin_memory is named in the warning; two paths that disagree are refused naming
     both keys; nvme at stage 2 exits 2 naming --zero-stage 3."""
-    block = {"device": "nvme", "nvme_path": "/tmp/p", "buffer_count": 3, "buffer_size": 2e4, "max_in_cpu": 1e3,
-             "pin_memory": True}
+    block = {
+        "device": "nvme",
+        "nvme_path": "/tmp/p",
+        "buffer_count": 3,
+        "buffer_size": 2e4,
+        "max_in_cpu": 1e3,
+        "pin_memory": True,
+    }
     doc = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": block}}
     z = config_from_argv(M + ["--dp", "2", "--deepspeed-config", files["json"](doc)], 2).zero
-    assert (z.offload_param, z.offload_nvme_path, z.offload_param_buffer_count, z.offload_param_buffer_size,
-            z.offload_param_max_in_cpu) == ("nvme", "/tmp/p", 3, 20_000, 1_000)
+    assert (
+        z.offload_param,
+        z.offload_nvme_path,
+        z.offload_param_buffer_count,
+        z.offload_param_buffer_size,
+        z.offload_param_max_in_cpu,
+    ) == ("nvme", "/tmp/p", 3, 20_000, 1_000)
     assert "'zero_optimization.offload_param.pin_memory' is not honoured" in capsys.readouterr().err
     doc["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp/o"}
     err = fails(M + ["--dp", "2", "--deepspeed-config", files["json"](doc, "two.json")], 2, capsys)
@@ -635,13 +962,19 @@ def test_zero3_knobs_scale_with_the_hidden_size_and_auto_means_the_same(files):
     Hugging Face DeepSpeed integration's "auto"); "auto" in a JSON file gives the same, and a
     number (flag or JSON) is kept."""
     z3 = M + ["--zero-stage", "3", "--dp", "2", "--hidden-size", "512", "--num-attention-heads", "8"]
-    auto = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
-                                  "stage3_param_persistence_threshold": "auto"}}
+    auto = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        }
+    }
     for argv in (z3, z3 + ["--deepspeed-config", files["json"](auto)]):
         z = config_from_argv(argv, 2).zero
         assert (z.zero3_prefetch_bucket_size, z.zero3_param_persistence_threshold) == (235_929, 5_120)
-    given = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7,
-                                   "stage3_param_persistence_threshold": 1e5}}
+    given = {
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5}
+    }
     z = config_from_argv(z3 + ["--deepspeed-config", files["json"](given, "given.json")], 2).zero
     assert (z.zero3_prefetch_bucket_size, z.zero3_param_persistence_threshold) == (50_000_000, 100_000)
     z = config_from_argv(z3 + ["--zero3-prefetch-bucket-size", "0"], 2).zero

@@ -7,6 +7,7 @@ NCCL then sees every rank on one GPU. The spies record each context-opening call
 entry points must call ``set_device(LOCAL_RANK)`` before all of them. The second
 half tests the CUDA_DEVICE_MAX_CONNECTIONS rule (megazero/runtime/launch.py).
 """
+
 import os
 import signal
 
@@ -16,12 +17,38 @@ import torch
 from megazero.config import config_from_argv
 from megazero.runtime import launch as L
 
-TINY = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "16",
-        "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1",
-        "--global-batch-size", "2", "--train-iters", "1"]
+TINY = [
+    "--mock-data",
+    "--vocab-size",
+    "64",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "16",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "8",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "1",
+]
 #: torch.cuda functions that open a context (or need one) on the current device
-CONTEXT_CALLS = ("mem_get_info", "init", "synchronize", "current_device", "get_device_properties",
-                 "memory_allocated", "max_memory_allocated", "empty_cache", "Stream", "Event")
+CONTEXT_CALLS = (
+    "mem_get_info",
+    "init",
+    "synchronize",
+    "current_device",
+    "get_device_properties",
+    "memory_allocated",
+    "max_memory_allocated",
+    "empty_cache",
+    "Stream",
+    "Event",
+)
 
 
 class Reached(Exception):
@@ -35,14 +62,18 @@ def cuda_spies(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(
-        f"set_device({d if isinstance(d, torch.device) else torch.device('cuda', d)})"))
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_device",
+        lambda d: calls.append(f"set_device({d if isinstance(d, torch.device) else torch.device('cuda', d)})"),
+    )
     for name in CONTEXT_CALLS:
         monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n) or (80 << 30, 80 << 30))
 
     def init_process_group(*a, **k):
         calls.append(f"init_process_group({k.get('device_id')})")
         raise Reached
+
     monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
     for k, v in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(k, v)
@@ -91,16 +122,19 @@ def _cfg(*flags, world=None):
     return config_from_argv(TINY + a, world or size)
 
 
-@pytest.mark.parametrize("flags,value,reason", [
-    ((), None, "no tensor- or context-parallel overlap"),
-    (("--dp", "2", "--zero-stage", "3"), None, "no tensor- or context-parallel overlap"),
-    (("--tp", "2"), "1", "async tensor-parallel input-gradient reduction (--tp 2)"),
-    (("--tp", "2", "--sequence-parallel"), "1", "(--tp 2, --sequence-parallel)"),
-    (("--tp", "2", "--no-async-tensor-model-parallel-allreduce"), None, "no tensor- or context-parallel"),
-    (("--cp", "2"), "1", "ring attention's K/V exchange (--cp 2)"),
-    (("--cp", "2", "--cp-comm-type", "a2a"), None, "no tensor- or context-parallel overlap"),
-    (("--tp", "2", "--dp", "2", "--zero-stage", "3"), None, "ZeRO-3's prefetch all-gathers want several"),
-])
+@pytest.mark.parametrize(
+    "flags,value,reason",
+    [
+        ((), None, "no tensor- or context-parallel overlap"),
+        (("--dp", "2", "--zero-stage", "3"), None, "no tensor- or context-parallel overlap"),
+        (("--tp", "2"), "1", "async tensor-parallel input-gradient reduction (--tp 2)"),
+        (("--tp", "2", "--sequence-parallel"), "1", "(--tp 2, --sequence-parallel)"),
+        (("--tp", "2", "--no-async-tensor-model-parallel-allreduce"), None, "no tensor- or context-parallel"),
+        (("--cp", "2"), "1", "ring attention's K/V exchange (--cp 2)"),
+        (("--cp", "2", "--cp-comm-type", "a2a"), None, "no tensor- or context-parallel overlap"),
+        (("--tp", "2", "--dp", "2", "--zero-stage", "3"), None, "ZeRO-3's prefetch all-gathers want several"),
+    ],
+)
 def test_max_connections_rule(flags, value, reason):
     """1 where tp or cp overlap communication with compute, CUDA's default for data
     parallelism and ZeRO-3 (Megatron-LM's rule, with FSDP standing for ZeRO-3)."""
@@ -149,6 +183,7 @@ def test_cuda_batches_are_copied_from_pinned_memory_without_blocking(monkeypatch
             copies.append(("to", str(args[0]), kwargs.get("non_blocking", False)))
             return self
         return real_to(self, *args, **kwargs)
+
     monkeypatch.setattr(torch.Tensor, "to", to)
     batches = training.dp_micro_batches(data, 0, cfg, ProcessGroups.single(), torch.device("cuda", 0))
     assert len(batches) == 2

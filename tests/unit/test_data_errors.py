@@ -1,4 +1,5 @@
 """Bad input: every case exits 2 with one line naming the file and the problem, and leaves nothing."""
+
 import json
 import os
 import subprocess
@@ -53,35 +54,79 @@ GOOD = json.dumps({"text": "def g():\n    pass\n"})
 PRE = ["data.preprocess", "--output-prefix", "{d}/out", "--append-eod", "--tokenizer-model", "{model}"]
 CASES = {  # name: (setup(dir), argv, substrings the one-line message must contain)
     "missing input": (None, PRE + ["--input", "{d}/nothere.jsonl"], ["nothere.jsonl: input file not found"]),
-    "not json": (lambda d: _jsonl(d / "bad.jsonl", [GOOD, "{oops", GOOD]),
-                 PRE + ["--input", "{d}/bad.jsonl"], ["bad.jsonl:2: not valid JSON", "--skip-bad-lines"]),
-    "not json, 2 workers": (lambda d: _jsonl(d / "bad.jsonl", [GOOD] * 40 + ["[1, 2"] + [GOOD] * 40),
-                            PRE + ["--input", "{d}/bad.jsonl", "--workers", "2"], ["bad.jsonl:41: not valid JSON"]),
-    "missing key": (lambda d: _jsonl(d / "nokey.jsonl", [GOOD, GOOD, json.dumps({"txt": "a"})]),
-                    PRE + ["--input", "{d}/nokey.jsonl"], ["nokey.jsonl:3: needs string field(s) ['text']"]),
-    "only empty documents": (lambda d: _jsonl(d / "empty.jsonl", [json.dumps({"text": ""})] * 3),
-                             PRE + ["--input", "{d}/empty.jsonl"], ["empty.jsonl: no non-empty documents"]),
-    "not utf-8": (lambda d: open(d / "latin.jsonl", "wb").write(b'{"text": "caf\xe9"}\n'),
-                  PRE + ["--input", "{d}/latin.jsonl"], ["latin.jsonl:1: not UTF-8"]),
-    "missing tokenizer": (lambda d: _jsonl(d / "ok.jsonl", [GOOD]),
-                          ["data.preprocess", "--input", "{d}/ok.jsonl", "--tokenizer-model", "{d}/no.model",
-                           "--output-prefix", "{d}/out"], ["no.model: tokenizer model not found"]),
-    "merge missing prefix": (None, ["data.preprocess", "--merge", "{d}/nope", "--output-prefix", "{d}/out"],
-                             ["nope.idx", "dataset not found"]),
-    "merge truncated bin": (_truncate_bin, ["data.preprocess", "--merge", "{d}/trunc", "--output-prefix",
-                                            "{d}/out"], ["trunc.bin has 7 bytes but", "trunc.idx implies 10"]),
-    "merge mismatched idx": (_swap_idx, ["data.preprocess", "--merge", "{d}/swap", "--output-prefix", "{d}/out"],
-                             ["swap.bin has 10 bytes but", "swap.idx implies 2"]),
-    "tokenizer missing input": (None, ["data.tokenizer", "--input", "{d}/nothere.jsonl", "--out-prefix",
-                                       "{d}/tok"], ["nothere.jsonl: input file not found"]),
-    "tokenizer bad line": (lambda d: _jsonl(d / "bad.jsonl", [GOOD, "nope"]),
-                           ["data.tokenizer", "--input", "{d}/bad.jsonl", "--out-prefix", "{d}/tok"],
-                           ["bad.jsonl:2: not a JSON object"]),
-    "tokenizer tiny vocab": (lambda d: _jsonl(d / "ok.jsonl", [GOOD]),
-                             ["data.tokenizer", "--input", "{d}/ok.jsonl", "--out-prefix", "{d}/tok",
-                              "--vocab-size", "100"], ["--vocab-size 100: must be at least 267"]),
-    "corpus missing root": (None, ["data.corpus", "--out", "{d}/c", "--root", "{d}/nodir"],
-                            ["nodir: no readable .py files"]),
+    "not json": (
+        lambda d: _jsonl(d / "bad.jsonl", [GOOD, "{oops", GOOD]),
+        PRE + ["--input", "{d}/bad.jsonl"],
+        ["bad.jsonl:2: not valid JSON", "--skip-bad-lines"],
+    ),
+    "not json, 2 workers": (
+        lambda d: _jsonl(d / "bad.jsonl", [GOOD] * 40 + ["[1, 2"] + [GOOD] * 40),
+        PRE + ["--input", "{d}/bad.jsonl", "--workers", "2"],
+        ["bad.jsonl:41: not valid JSON"],
+    ),
+    "missing key": (
+        lambda d: _jsonl(d / "nokey.jsonl", [GOOD, GOOD, json.dumps({"txt": "a"})]),
+        PRE + ["--input", "{d}/nokey.jsonl"],
+        ["nokey.jsonl:3: needs string field(s) ['text']"],
+    ),
+    "only empty documents": (
+        lambda d: _jsonl(d / "empty.jsonl", [json.dumps({"text": ""})] * 3),
+        PRE + ["--input", "{d}/empty.jsonl"],
+        ["empty.jsonl: no non-empty documents"],
+    ),
+    "not utf-8": (
+        lambda d: open(d / "latin.jsonl", "wb").write(b'{"text": "caf\xe9"}\n'),
+        PRE + ["--input", "{d}/latin.jsonl"],
+        ["latin.jsonl:1: not UTF-8"],
+    ),
+    "missing tokenizer": (
+        lambda d: _jsonl(d / "ok.jsonl", [GOOD]),
+        [
+            "data.preprocess",
+            "--input",
+            "{d}/ok.jsonl",
+            "--tokenizer-model",
+            "{d}/no.model",
+            "--output-prefix",
+            "{d}/out",
+        ],
+        ["no.model: tokenizer model not found"],
+    ),
+    "merge missing prefix": (
+        None,
+        ["data.preprocess", "--merge", "{d}/nope", "--output-prefix", "{d}/out"],
+        ["nope.idx", "dataset not found"],
+    ),
+    "merge truncated bin": (
+        _truncate_bin,
+        ["data.preprocess", "--merge", "{d}/trunc", "--output-prefix", "{d}/out"],
+        ["trunc.bin has 7 bytes but", "trunc.idx implies 10"],
+    ),
+    "merge mismatched idx": (
+        _swap_idx,
+        ["data.preprocess", "--merge", "{d}/swap", "--output-prefix", "{d}/out"],
+        ["swap.bin has 10 bytes but", "swap.idx implies 2"],
+    ),
+    "tokenizer missing input": (
+        None,
+        ["data.tokenizer", "--input", "{d}/nothere.jsonl", "--out-prefix", "{d}/tok"],
+        ["nothere.jsonl: input file not found"],
+    ),
+    "tokenizer bad line": (
+        lambda d: _jsonl(d / "bad.jsonl", [GOOD, "nope"]),
+        ["data.tokenizer", "--input", "{d}/bad.jsonl", "--out-prefix", "{d}/tok"],
+        ["bad.jsonl:2: not a JSON object"],
+    ),
+    "tokenizer tiny vocab": (
+        lambda d: _jsonl(d / "ok.jsonl", [GOOD]),
+        ["data.tokenizer", "--input", "{d}/ok.jsonl", "--out-prefix", "{d}/tok", "--vocab-size", "100"],
+        ["--vocab-size 100: must be at least 267"],
+    ),
+    "corpus missing root": (
+        None,
+        ["data.corpus", "--out", "{d}/c", "--root", "{d}/nodir"],
+        ["nodir: no readable .py files"],
+    ),
 }
 
 
@@ -107,13 +152,33 @@ def test_cli_bad_input(tmp_path, model, name):
 
 def test_skip_bad_lines_counts_them(tmp_path, model):
     _jsonl(tmp_path / "bad.jsonl", [GOOD, "{oops", json.dumps({"x": 1}), json.dumps({"text": ""}), GOOD])
-    p = subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(tmp_path / "bad.jsonl"),
-                        "--tokenizer-model", model, "--output-prefix", str(tmp_path / "o"), "--append-eod",
-                        "--skip-bad-lines", "--no-progress"], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data.preprocess",
+            "--input",
+            str(tmp_path / "bad.jsonl"),
+            "--tokenizer-model",
+            model,
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--append-eod",
+            "--skip-bad-lines",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr
     assert "2 documents" in p.stdout and "1 empty documents and 2 bad lines" in p.stdout
-    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "o_text_document.bin", "o_text_document.idx",
-                                          "o_text_document.tokenizer.json"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "bad.jsonl",
+        "o_text_document.bin",
+        "o_text_document.idx",
+        "o_text_document.tokenizer.json",
+    ]
 
 
 API_CASES = {  # name: (data_path with {d}, split, substrings of the DataError); vocabulary is 5
@@ -134,8 +199,9 @@ def test_dataset_bad_input(tmp_path, name):
     _dataset(str(tmp_path / "b"))
     before = _listing(tmp_path)
     with pytest.raises(DataError) as e:
-        build_train_valid_test_datasets([p.format(d=tmp_path) for p in data_path], split, 4, 0, (10, 0, 0),
-                                        str(tmp_path / "cache"), vocab_size=5)
+        build_train_valid_test_datasets(
+            [p.format(d=tmp_path) for p in data_path], split, 4, 0, (10, 0, 0), str(tmp_path / "cache"), vocab_size=5
+        )
     for needle in needles:
         assert needle.format(d=tmp_path) in str(e.value)
     assert _listing(tmp_path) == before

@@ -1,12 +1,20 @@
 """GPT samples: golden reconstruction of the token stream, epochs, splits, exact blends, ranks agree."""
+
 import hashlib
 import os
 
 import numpy as np
 import pytest
 
-from data.gpt_dataset import (GPTDataset, MockGPTDataset, blend_indices, build_indices,
-                              build_train_valid_test_datasets, parse_split, split_ranges)
+from data.gpt_dataset import (
+    GPTDataset,
+    MockGPTDataset,
+    blend_indices,
+    build_indices,
+    build_train_valid_test_datasets,
+    parse_split,
+    split_ranges,
+)
 from data.indexed_dataset import DataError, IndexedDataset, IndexedDatasetBuilder
 from tests.support.distributed import run_distributed
 
@@ -47,7 +55,7 @@ def test_epochs_are_different_permutations_and_samples_follow_them(tmp_path):
     ds = GPTDataset(idx, (0, 30), S, n, seed=11)
     doc_idx = np.asarray(ds.doc_idx)
     assert len(doc_idx) == 3 * 30
-    epochs = [doc_idx[e * 30:(e + 1) * 30] for e in range(3)]
+    epochs = [doc_idx[e * 30 : (e + 1) * 30] for e in range(3)]
     for e in epochs:
         assert sorted(e.tolist()) == list(range(30))
     assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
@@ -58,7 +66,7 @@ def test_epochs_are_different_permutations_and_samples_follow_them(tmp_path):
     stream = np.concatenate([idx[int(d)] for d in doc_idx]).astype(np.int64)
     inverse = np.argsort(shuffle)
     for j in (0, 1, n // 2, n - 1):
-        assert np.array_equal(ds[int(inverse[j])], stream[j * S: j * S + S + 1])
+        assert np.array_equal(ds[int(inverse[j])], stream[j * S : j * S + S + 1])
 
 
 def test_split_parsing_and_ranges():
@@ -92,8 +100,9 @@ def test_built_blend_never_indexes_past_a_component(tmp_path, k):
     for c in range(k):
         make_dataset(str(tmp_path / f"c{c}"), 20, seed=100 + c)
         data_path += [str(weights[c]), str(tmp_path / f"c{c}")]
-    train, valid, test = build_train_valid_test_datasets(data_path, "90,10,0", 8, 1, (1500, 60, 10),
-                                                         str(tmp_path / "cache"))
+    train, valid, test = build_train_valid_test_datasets(
+        data_path, "90,10,0", 8, 1, (1500, 60, 10), str(tmp_path / "cache")
+    )
     assert test is None  # no test documents
     for ds, n in ((train, 1500), (valid, 60)):
         assert len(ds) == n
@@ -128,8 +137,10 @@ def _build_on_rank(rank, world, prefix, cache_dir):
 
     train, valid, _ = build_train_valid_test_datasets([prefix], "80,20,0", 16, 7, (3000, 50, 0), cache_dir)
     dist.barrier()  # every rank has written (or found) the cache
-    files = {f: hashlib.sha256(open(os.path.join(cache_dir, f), "rb").read()).hexdigest()
-             for f in sorted(os.listdir(cache_dir))}
+    files = {
+        f: hashlib.sha256(open(os.path.join(cache_dir, f), "rb").read()).hexdigest()
+        for f in sorted(os.listdir(cache_dir))
+    }
     return _hashes(train, valid), files, [int(x) for x in train[123]]
 
 

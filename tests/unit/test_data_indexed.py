@@ -1,12 +1,12 @@
 """The .bin/.idx format: byte-exact layout from the format description, reader checks, merge."""
+
 import os
 import struct
 
 import numpy as np
 import pytest
 
-from data.indexed_dataset import (DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype,
-                                  write_index)
+from data.indexed_dataset import DataError, IndexedDataset, IndexedDatasetBuilder, best_dtype, write_index
 
 DOCS = [[5, 6, 7], [65000], [1, 2]]
 
@@ -14,11 +14,16 @@ DOCS = [[5, 6, 7], [65000], [1, 2]]
 def _expected_idx(code: int, itemsize: int) -> bytes:
     """The index of DOCS, written by hand from the layout (magic, version, dtype code, counts,
     int32 lengths, int64 byte pointers, int64 document index)."""
-    return (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code)
-            + struct.pack("<Q", 3) + struct.pack("<Q", 4)
-            + struct.pack("<3i", 3, 1, 2)
-            + struct.pack("<3q", 0, 3 * itemsize, 4 * itemsize)
-            + struct.pack("<4q", 0, 1, 2, 3))
+    return (
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<Q", 1)
+        + struct.pack("<B", code)
+        + struct.pack("<Q", 3)
+        + struct.pack("<Q", 4)
+        + struct.pack("<3i", 3, 1, 2)
+        + struct.pack("<3q", 0, 3 * itemsize, 4 * itemsize)
+        + struct.pack("<4q", 0, 1, 2, 3)
+    )
 
 
 @pytest.mark.parametrize("vocab,code,fmt", [(8192, 8, "<6H"), (70000, 4, "<6i")])

@@ -1,4 +1,5 @@
 """Text -> tokenizer -> .bin/.idx -> text is the identity (whitespace, unicode, huge and tiny docs)."""
+
 import json
 import os
 
@@ -17,8 +18,9 @@ def tok(tmp_path_factory):
     """A vocabulary-400 BPE trained in the test on two stdlib modules and the tricky line."""
     d = tmp_path_factory.mktemp("tok")
     root = stdlib_root()
-    texts = [open(os.path.join(root, f), encoding="utf-8", newline="").read()
-             for f in ("textwrap.py", "shlex.py")] + [TRICKY]
+    texts = [open(os.path.join(root, f), encoding="utf-8", newline="").read() for f in ("textwrap.py", "shlex.py")] + [
+        TRICKY
+    ]
     with open(d / "train.jsonl", "w", encoding="utf-8") as f:
         for t in texts:
             f.write(json.dumps({"text": t}) + "\n")
@@ -40,8 +42,7 @@ def _stdlib_samples(max_per_kind=2):
             text = open(os.path.join(root, rel), encoding="utf-8", newline="").read()
         except UnicodeDecodeError:
             continue
-        for kind, hit in (("\t", "\t" in text), ("\r\n", "\r\n" in text),
-                          ("nonascii", not text.isascii())):
+        for kind, hit in (("\t", "\t" in text), ("\r\n", "\r\n" in text), ("nonascii", not text.isascii())):
             if hit and len(found[kind]) < max_per_kind:
                 found[kind].append(text)
         if all(len(v) >= max_per_kind for v in found.values()):
@@ -67,8 +68,9 @@ def test_jsonl_round_trip_through_bin_idx(tok, tmp_path, workers):
         f.write(json.dumps({"text": ""}) + "\n")  # an empty document: skipped and counted
         for d in docs[1:]:
             f.write(json.dumps({"text": d}, ensure_ascii=bool(len(d) % 2)) + "\n")
-    stats = preprocess(str(path), ["text"], tok.model_path, str(tmp_path / "out"), append_eod=True,
-                       workers=workers, progress=False)
+    stats = preprocess(
+        str(path), ["text"], tok.model_path, str(tmp_path / "out"), append_eod=True, workers=workers, progress=False
+    )
     assert (stats["documents"], stats["empty"], stats["bad_lines"]) == (5, 1, 0)
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     assert ds.dtype == np.uint16 and ds.num_documents == 5 and ds.num_tokens == stats["tokens"]
@@ -87,16 +89,18 @@ def test_corpus_is_deterministic_and_file_disjoint(tmp_path):
     c = write_corpus(str(tmp_path / "a"), root, heldout_per_10k=3000)
     write_corpus(str(tmp_path / "b"), root, heldout_per_10k=3000)
     for part in ("train", "heldout"):
-        assert open(tmp_path / "a" / f"{part}.jsonl", "rb").read() == \
-            open(tmp_path / "b" / f"{part}.jsonl", "rb").read()
-    rows = {part: [json.loads(line) for line in open(tmp_path / "a" / f"{part}.jsonl", encoding="utf-8")]
-            for part in ("train", "heldout")}
+        assert (
+            open(tmp_path / "a" / f"{part}.jsonl", "rb").read() == open(tmp_path / "b" / f"{part}.jsonl", "rb").read()
+        )
+    rows = {
+        part: [json.loads(line) for line in open(tmp_path / "a" / f"{part}.jsonl", encoding="utf-8")]
+        for part in ("train", "heldout")
+    }
     paths = {part: [r["path"] for r in rows[part]] for part in rows}
     assert paths["train"] == sorted(paths["train"]) and not set(paths["train"]) & set(paths["heldout"])
     assert paths["heldout"] and all(is_heldout(p, 3000) for p in paths["heldout"])
     assert sorted(paths["train"] + paths["heldout"]) == list_files(root)
-    assert rows["train"][0]["text"] == open(os.path.join(root, paths["train"][0]), encoding="utf-8",
-                                            newline="").read()
+    assert rows["train"][0]["text"] == open(os.path.join(root, paths["train"][0]), encoding="utf-8", newline="").read()
     assert (c["train"], c["heldout"]) == (len(paths["train"]), len(paths["heldout"]))
 
 
@@ -105,8 +109,8 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
     data made with another model of the same vocabulary size, naming both sides."""
     import hashlib
 
-    from megazero import training
     from data.indexed_dataset import DataError, read_tokenizer_record
+    from megazero import training
     from megazero.config import config_from_argv
 
     path = tmp_path / "in.jsonl"
@@ -119,8 +123,7 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
     other_dir = tmp_path / "other"  # another model with the same vocabulary size
     other_dir.mkdir()
     (other_dir / "t.jsonl").write_text(path.read_text() * 3 + json.dumps({"text": TRICKY}) + "\n")
-    other = load_tokenizer(train_tokenizer(str(other_dir / "t.jsonl"), 400, str(other_dir / "tok"),
-                                           num_threads=1))
+    other = load_tokenizer(train_tokenizer(str(other_dir / "t.jsonl"), 400, str(other_dir / "tok"), num_threads=1))
     assert other.vocab_size == tok.vocab_size and other.sha256 != tok.sha256
     preprocess(str(path), ["text"], other.model_path, str(tmp_path / "b"), progress=False)
     b = str(tmp_path / "b_text_document")
@@ -129,31 +132,62 @@ def test_tokenizer_record_guards_merge_and_training(tok, tmp_path):
     assert not os.path.exists(str(tmp_path / "ab") + ".bin")  # refused before writing
     merge([a, a], str(tmp_path / "aa"))
     assert read_tokenizer_record(str(tmp_path / "aa")) == record
-    argv = ["--data-path", b, "--tokenizer-model", tok.model_path, "--seq-length", "8",
-            "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--train-iters", "2",
-            "--micro-batch-size", "2", "--global-batch-size", "2", "--split", "1", "--eval-iters", "0"]
-    with pytest.raises(DataError, match=f"b_text_document was tokenized with .*other/tok.model.*not "
-                                        f"--tokenizer-model {tok.model_path}"):
+    argv = [
+        "--data-path",
+        b,
+        "--tokenizer-model",
+        tok.model_path,
+        "--seq-length",
+        "8",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--train-iters",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--split",
+        "1",
+        "--eval-iters",
+        "0",
+    ]
+    with pytest.raises(
+        DataError, match=f"b_text_document was tokenized with .*other/tok.model.*not --tokenizer-model {tok.model_path}"
+    ):
         training.build_data(config_from_argv(argv, 1))
     argv[1] = a  # the matching model
     assert training.build_data(config_from_argv(argv, 1)).vocab_size == tok.vocab_size
     # the same data named by a relative path has the same signature (no false resume warning)
     rel = os.path.relpath(a)
-    assert training.data_signature(config_from_argv(argv[:1] + [rel] + argv[2:], 1)) == \
-        training.data_signature(config_from_argv(argv, 1))
+    assert training.data_signature(config_from_argv(argv[:1] + [rel] + argv[2:], 1)) == training.data_signature(
+        config_from_argv(argv, 1)
+    )
     # a checkpoint trained with the other tokenizer is refused on resume (same vocabulary size)
     from megazero.checkpoint import CheckpointError
+
     cfg = config_from_argv(argv, 1)
-    resume = {"iteration": 1, "extra": {"model": {}, "data": dict(training.data_signature(cfg),
-                                                                 tokenizer=other.sha256)}}
+    resume = {
+        "iteration": 1,
+        "extra": {"model": {}, "data": dict(training.data_signature(cfg), tokenizer=other.sha256)},
+    }
     with pytest.raises(CheckpointError, match="was trained with another tokenizer"):
         training.check_resume(cfg, resume, tok.vocab_size)
     resume["extra"]["data"]["tokenizer"] = tok.sha256
     training.check_resume(cfg, resume, tok.vocab_size)
     # a damaged record is one clear error, never a crash
     from data.indexed_dataset import tokenizer_record_path
-    for bad in ('{"sha256": null, "vocab_size": 400}', '{"sha256": 12, "vocab_size": 400}',
-                '{"sha256": "%s", "vocab_size": "x"}' % ("a" * 64), "[1, 2"):
+
+    for bad in (
+        '{"sha256": null, "vocab_size": 400}',
+        '{"sha256": 12, "vocab_size": 400}',
+        '{"sha256": "%s", "vocab_size": "x"}' % ("a" * 64),
+        "[1, 2",
+    ):
         with open(tokenizer_record_path(a), "w") as f:
             f.write(bad)
         with pytest.raises(DataError, match="unreadable tokenizer record"):

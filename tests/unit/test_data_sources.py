@@ -1,6 +1,7 @@
 """data.preprocess over every input format: one corpus as JSONL, JSONL.gz, JSONL.zst, two parquet
 shards (a glob), a Hugging Face ``datasets`` folder and a mix of files gives byte-identical
 ``.bin/.idx``; bad shards, columns and globs exit 2 with one line and leave nothing behind."""
+
 import gzip
 import hashlib
 import json
@@ -29,7 +30,7 @@ def _documents():
     docs, pos = [], 0
     for i in range(N_DOCS):
         n = 20 + (i * 37) % 400
-        docs.append(src[pos: pos + n] + extras[i % len(extras)] * (i % 3))
+        docs.append(src[pos : pos + n] + extras[i % len(extras)] * (i % 3))
         pos = (pos + n) % (len(src) - 500)
     docs[17] = ""  # an empty document: skipped and counted in every format
     return docs
@@ -42,25 +43,31 @@ def corpus(tmp_path_factory):
     zstd, datasets = require("zstandard"), require("datasets")
     d = tmp_path_factory.mktemp("corpus")
     docs = _documents()
-    lines = "".join(json.dumps({"id": i, "text": t}, ensure_ascii=bool(i % 2)) + "\n"
-                    for i, t in enumerate(docs)).encode("utf-8")
+    lines = "".join(
+        json.dumps({"id": i, "text": t}, ensure_ascii=bool(i % 2)) + "\n" for i, t in enumerate(docs)
+    ).encode("utf-8")
     (d / "all.jsonl").write_bytes(lines)
     (d / "all.jsonl.gz").write_bytes(gzip.compress(lines))
     half = lines.index(b"\n", len(lines) // 3) + 1  # two frames, cut mid-line (as zstd -c a b > c)
-    (d / "all.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress(lines[:half + 7])
-                                      + zstd.ZstdCompressor().compress(lines[half + 7:]))
+    (d / "all.jsonl.zst").write_bytes(
+        zstd.ZstdCompressor().compress(lines[: half + 7]) + zstd.ZstdCompressor().compress(lines[half + 7 :])
+    )
     table = pa.table({"id": list(range(N_DOCS)), "text": docs})
     os.makedirs(d / "pq")
     pq.write_table(table.slice(0, 140), d / "pq" / "shard-00000.parquet", row_group_size=32)
     pq.write_table(table.slice(140), d / "pq" / "shard-00001.parquet", row_group_size=64)
-    datasets.Dataset.from_dict({"text": docs, "id": list(range(N_DOCS))}).save_to_disk(
-        str(d / "hf"), num_shards=2)
+    datasets.Dataset.from_dict({"text": docs, "id": list(range(N_DOCS))}).save_to_disk(str(d / "hf"), num_shards=2)
     (d / "head.jsonl.gz").write_bytes(gzip.compress(b"".join(lines.splitlines(True)[:100])))
     pq.write_table(table.slice(100), d / "tail.parquet")
     model = train_tokenizer(str(d / "all.jsonl"), 400, str(d / "tok"), num_threads=1)
-    inputs = {"jsonl": [d / "all.jsonl"], "jsonl.gz": [d / "all.jsonl.gz"], "jsonl.zst": [d / "all.jsonl.zst"],
-              "parquet shards (glob)": [d / "pq" / "shard-*.parquet"], "datasets folder": [d / "hf"],
-              "jsonl.gz + parquet": [d / "head.jsonl.gz", d / "tail.parquet"]}
+    inputs = {
+        "jsonl": [d / "all.jsonl"],
+        "jsonl.gz": [d / "all.jsonl.gz"],
+        "jsonl.zst": [d / "all.jsonl.zst"],
+        "parquet shards (glob)": [d / "pq" / "shard-*.parquet"],
+        "datasets folder": [d / "hf"],
+        "jsonl.gz + parquet": [d / "head.jsonl.gz", d / "tail.parquet"],
+    }
     return {k: [str(p) for p in v] for k, v in inputs.items()}, docs, model
 
 
@@ -75,8 +82,7 @@ def test_every_format_gives_the_same_bytes(corpus, tmp_path):
     for i, (name, args) in enumerate(inputs.items()):
         workers = 2 if name.startswith("parquet") else 1  # the pool and its bounded window too
         prefix = str(tmp_path / f"o{i}")
-        s = preprocess(args, ["text"], model, prefix, append_eod=True, workers=workers,
-                       progress=False, chunk_rows=50)
+        s = preprocess(args, ["text"], model, prefix, append_eod=True, workers=workers, progress=False, chunk_rows=50)
         assert (s["documents"], s["empty"], s["bad_lines"]) == (N_DOCS - 1, 1, 0), name
         out = prefix + "_text_document"
         digests[name] = (_sha256(out + ".bin"), _sha256(out + ".idx"))
@@ -114,26 +120,48 @@ def _bad_inputs(d, corpus):
     arrow.write_bytes(arrow.read_bytes()[:-8])  # cut at a message boundary: would read as shorter
     pq.write_table(pa.table({"text": docs[:200]}), d / "mid.parquet", row_group_size=50, use_dictionary=False)
     raw = bytearray((d / "mid.parquet").read_bytes())
-    raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)  # a damaged page: the footer still reads
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)  # a damaged page: the footer still reads
     (d / "mid.parquet").write_bytes(bytes(raw))
     return {
-        "glob matching nothing": ([f"{d}/none/*.parquet"], ["text"], [f"--input '{d}/none/*.parquet': no file matches"]),
-        "missing column": ([inputs["jsonl"][0], str(d / "nocol.parquet")], ["text"],
-                           ["nocol.parquet: no column 'text' (--json-keys text); its columns: content"]),
+        "glob matching nothing": (
+            [f"{d}/none/*.parquet"],
+            ["text"],
+            [f"--input '{d}/none/*.parquet': no file matches"],
+        ),
+        "missing column": (
+            [inputs["jsonl"][0], str(d / "nocol.parquet")],
+            ["text"],
+            ["nocol.parquet: no column 'text' (--json-keys text); its columns: content"],
+        ),
         "column not string": ([str(d / "ints.parquet")], ["text"], ["ints.parquet: column 'text' has type int64"]),
         "corrupt parquet": ([str(d / "junk.parquet")], ["text"], ["junk.parquet: not a readable parquet file"]),
-        "null row": ([str(d / "null.parquet")], ["text"], ["null.parquet: row 2: needs string field(s) ['text']",
-                                                          "--skip-bad-lines"]),
-        "truncated gzip after a good shard": (inputs["jsonl.zst"] + [str(d / "cut.jsonl.gz")], ["text"],
-                                              ["cut.jsonl.gz:", "corrupt or truncated gzip data"]),
+        "null row": (
+            [str(d / "null.parquet")],
+            ["text"],
+            ["null.parquet: row 2: needs string field(s) ['text']", "--skip-bad-lines"],
+        ),
+        "truncated gzip after a good shard": (
+            inputs["jsonl.zst"] + [str(d / "cut.jsonl.gz")],
+            ["text"],
+            ["cut.jsonl.gz:", "corrupt or truncated gzip data"],
+        ),
         "corrupt zstd": ([str(d / "bad.jsonl.zst")], ["text"], ["bad.jsonl.zst:1: corrupt or truncated zstd data"]),
         "truncated zstd": ([str(d / "cut.jsonl.zst")], ["text"], ["cut.jsonl.zst:", "ends inside a Zstandard frame"]),
-        "datasets folder missing column": ([str(d / "hf_nocol")], ["text"],
-                                           ["data-00000-of-00001.arrow: no column 'text'", "its columns: body"]),
-        "DatasetDict folder": ([str(d / "hf_dict")], ["text"], ["hf_dict: a DatasetDict folder (splits train)",
-                                                              f"--input {d}/hf_dict/train"]),
-        "datasets shard cut short": ([str(d / "hf_cut")], ["text"],
-                                     ["data-00001-of-00002.arrow: truncated (no Arrow end-of-stream marker)"]),
+        "datasets folder missing column": (
+            [str(d / "hf_nocol")],
+            ["text"],
+            ["data-00000-of-00001.arrow: no column 'text'", "its columns: body"],
+        ),
+        "DatasetDict folder": (
+            [str(d / "hf_dict")],
+            ["text"],
+            ["hf_dict: a DatasetDict folder (splits train)", f"--input {d}/hf_dict/train"],
+        ),
+        "datasets shard cut short": (
+            [str(d / "hf_cut")],
+            ["text"],
+            ["data-00001-of-00002.arrow: truncated (no Arrow end-of-stream marker)"],
+        ),
         "damaged parquet page": ([str(d / "mid.parquet")], ["text"], ["mid.parquet: rows from ", "unreadable"]),
         "plain directory": ([str(d / "plain_dir")], ["text"], ["plain_dir: a directory without state.json"]),
     }
@@ -145,8 +173,20 @@ def test_bad_inputs_name_the_file_and_leave_nothing(corpus, tmp_path_factory):
     model = corpus[2]
     for name, (args, keys, needles) in cases.items():
         before = _listing(d)
-        argv = ["--input", *args, "--json-keys", *keys, "--tokenizer-model", model, "--output-prefix",
-                str(d / "out"), "--append-eod", "--no-progress", "--chunk-rows", "16"]
+        argv = [
+            "--input",
+            *args,
+            "--json-keys",
+            *keys,
+            "--tokenizer-model",
+            model,
+            "--output-prefix",
+            str(d / "out"),
+            "--append-eod",
+            "--no-progress",
+            "--chunk-rows",
+            "16",
+        ]
         # two workers where the error comes mid-stream: the pool's reader thread hands it over
         with pytest.raises(DataError) as e:
             main(argv + (["--workers", "2"] if "after a good shard" in name else []))
@@ -157,16 +197,31 @@ def test_bad_inputs_name_the_file_and_leave_nothing(corpus, tmp_path_factory):
         assert _listing(d) == before, name
     # the CLI end to end: exit 2, one line on stderr, no output
     before = _listing(d)
-    p = subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(d / "null.parquet"),
-                        "--tokenizer-model", model, "--output-prefix", str(d / "out"), "--workers", "2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data.preprocess",
+            "--input",
+            str(d / "null.parquet"),
+            "--tokenizer-model",
+            model,
+            "--output-prefix",
+            str(d / "out"),
+            "--workers",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("[")]
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert lines[0].startswith("error: ") and "null.parquet: row 2: needs string field(s)" in lines[0]
     assert _listing(d) == before
     # --skip-bad-lines skips the null row and counts it
-    s = preprocess([str(d / "null.parquet")], ["text"], model, str(d / "skip"), skip_bad_lines=True,
-                   progress=False)
+    s = preprocess([str(d / "null.parquet")], ["text"], model, str(d / "skip"), skip_bad_lines=True, progress=False)
     assert (s["documents"], s["bad_lines"]) == (2, 1)
 
 

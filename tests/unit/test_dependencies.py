@@ -22,24 +22,35 @@
   need of a tool lives in the library. Benchmarks (``scripts/bench/``) are tested through their
   public measuring functions.
 """
+
 import ast
 from pathlib import Path
 
 import pytest
+
 from tests.support.paths import REPO
 
 ROOT = REPO
 FORBIDDEN = {"megazero": {"model", "data", "train"}, "model": {"data", "train"}, "data": {"model", "megazero", "train"}}
 LIBRARY = ("megazero", "model", "data")
-FOUNDATION = {"megazero.topology", "megazero.process_groups", "megazero.collectives", "megazero.precision",
-              "megazero.param_spec", "megazero.tags"}
+FOUNDATION = {
+    "megazero.topology",
+    "megazero.process_groups",
+    "megazero.collectives",
+    "megazero.precision",
+    "megazero.param_spec",
+    "megazero.tags",
+}
 
 
 def _tree(path: Path) -> ast.Module:
     """The file's syntax tree without its ``if TYPE_CHECKING:`` blocks (annotations only)."""
     tree = ast.parse(path.read_text(), str(path))
-    tree.body = [n for n in tree.body if not (isinstance(n, ast.If) and isinstance(n.test, ast.Name)
-                                              and n.test.id == "TYPE_CHECKING")]
+    tree.body = [
+        n
+        for n in tree.body
+        if not (isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
+    ]
     return tree
 
 
@@ -84,7 +95,7 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(path, known) for name, path in known.items()}
 
 
-APPLICATION = ROOT / "megazero" / "training"   # the trainer: may import model and data
+APPLICATION = ROOT / "megazero" / "training"  # the trainer: may import model and data
 
 
 def _forbidden(path: Path) -> set[str]:
@@ -112,7 +123,7 @@ def test_package_imports_follow_the_dependency_direction(package):
     bad = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) & _forbidden(f)) for f in files}
     assert {f: b for f, b in bad.items() if b} == {}
     upward = [str(f.relative_to(ROOT)) for f in files if not f.is_relative_to(APPLICATION) and _imports_training(f)]
-    assert upward == []   # the trainer sits above the library, model and data
+    assert upward == []  # the trainer sits above the library, model and data
 
 
 def test_the_dependency_rules_see_a_planted_import(tmp_path, monkeypatch):
@@ -136,20 +147,29 @@ def test_nothing_imports_train_py():
 
 def test_the_megazero_root_holds_only_the_foundation_and_it_imports_no_subpackage():
     graph = _graph()
-    root = {m for m in graph if m.startswith("megazero.") and m.count(".") == 1
-            and (ROOT / m.replace(".", "/")).with_suffix(".py").exists()}
+    root = {
+        m
+        for m in graph
+        if m.startswith("megazero.") and m.count(".") == 1 and (ROOT / m.replace(".", "/")).with_suffix(".py").exists()
+    }
     assert root == FOUNDATION
-    assert {m: sorted(d for d in graph[m] if d not in FOUNDATION) for m in sorted(root)
-            if any(d not in FOUNDATION for d in graph[m])} == {}
+    assert {
+        m: sorted(d for d in graph[m] if d not in FOUNDATION)
+        for m in sorted(root)
+        if any(d not in FOUNDATION for d in graph[m])
+    } == {}
 
 
 def test_config_imports_nothing_from_runtime_planning_or_checkpoint():
     above = ("megazero.runtime", "megazero.planning", "megazero.checkpoint")
     graph = _graph()
-    bad = {m: sorted(d for d in deps if d.startswith(above)) for m, deps in graph.items()
-           if m.startswith("megazero.config")}
+    bad = {
+        m: sorted(d for d in deps if d.startswith(above))
+        for m, deps in graph.items()
+        if m.startswith("megazero.config")
+    }
     assert {m: d for m, d in bad.items() if d} == {}
-    assert any(m.startswith("megazero.config.") for m in graph)   # the package exists
+    assert any(m.startswith("megazero.config.") for m in graph)  # the package exists
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -176,6 +196,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                     break
             if len(comp) > 1:
                 out.append(sorted(comp))
+
     for v in sorted(graph):
         if v not in index:
             visit(v)
@@ -222,8 +243,13 @@ def _package_graph(graph: dict[str, set[str]]) -> tuple[dict[str, set[str]], dic
 
 
 def test_the_package_graph_sees_a_circle_that_no_two_files_close():
-    graph = {"megazero.a.x": {"megazero.b.y"}, "megazero.b.y": set(), "megazero.b.z": {"megazero.a.w"},
-             "megazero.a.w": {"megazero.topology"}, "megazero.topology": set()}
+    graph = {
+        "megazero.a.x": {"megazero.b.y"},
+        "megazero.b.y": set(),
+        "megazero.b.z": {"megazero.a.w"},
+        "megazero.a.w": {"megazero.topology"},
+        "megazero.topology": set(),
+    }
     assert _cycles(graph) == []
     packages, why = _package_graph(graph)
     assert packages == {"megazero.a": {"megazero", "megazero.b"}, "megazero.b": {"megazero.a"}, "megazero": set()}
@@ -247,8 +273,9 @@ def _is_zero_stage(node: ast.AST) -> bool:
         return True
     if isinstance(node, ast.Attribute) and node.attr == "stage":
         v = node.value
-        return (isinstance(v, ast.Name) and v.id == "z") or (isinstance(v, ast.Attribute)
-                                                              and v.attr in ("zero", "strategy"))
+        return (isinstance(v, ast.Name) and v.id == "z") or (
+            isinstance(v, ast.Attribute) and v.attr in ("zero", "strategy")
+        )
     return False
 
 
@@ -271,15 +298,20 @@ def _stage_comparisons(path: Path) -> list[int]:
 
 def test_the_stage_finder_sees_a_comparison(tmp_path):
     f = tmp_path / "x.py"
-    f.write_text("a = cfg.zero.stage == 3\nb = z.stage in (1, 2)\nc = zero_stage >= 2\n"
-                 "d = self.strategy.stage != 0\ne = stage == 0\nf = z.stage in POLICIES\ng = e.zero_stage < 2\n")
+    f.write_text(
+        "a = cfg.zero.stage == 3\nb = z.stage in (1, 2)\nc = zero_stage >= 2\n"
+        "d = self.strategy.stage != 0\ne = stage == 0\nf = z.stage in POLICIES\ng = e.zero_stage < 2\n"
+    )
     assert _stage_comparisons(f) == [1, 2, 3, 4, 7]
 
 
 def test_no_zero_stage_number_compared_outside_the_policy():
     allowed = {"megazero/data_parallel/policy.py", "megazero/data_parallel/stages.py"}
-    bad = {str(f.relative_to(ROOT)): _stage_comparisons(f) for f in sorted((ROOT / "megazero").rglob("*.py"))
-           if str(f.relative_to(ROOT)) not in allowed}
+    bad = {
+        str(f.relative_to(ROOT)): _stage_comparisons(f)
+        for f in sorted((ROOT / "megazero").rglob("*.py"))
+        if str(f.relative_to(ROOT)) not in allowed
+    }
     assert {f: lines for f, lines in bad.items() if lines} == {}
 
 
@@ -290,8 +322,11 @@ def _project_files() -> list[Path]:
 
 
 def test_no_module_level_getattr():
-    bad = [str(f.relative_to(ROOT)) for f in _project_files()
-           if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in _tree(f).body)]
+    bad = [
+        str(f.relative_to(ROOT))
+        for f in _project_files()
+        if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in _tree(f).body)
+    ]
     assert bad == []
 
 
@@ -310,14 +345,26 @@ def _private_imports(path: Path) -> list[str]:
     is_module = _project_modules()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ours:
-            out += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
-            modules.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
-                            if f"{node.module}.{a.name}" in is_module})
+            out += [
+                f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+            modules.update(
+                {
+                    a.asname or a.name: f"{node.module}.{a.name}"
+                    for a in node.names
+                    if f"{node.module}.{a.name}" in is_module
+                }
+            )
         elif isinstance(node, ast.Import):
             modules.update({a.asname: a.name for a in node.names if a.asname and a.name in is_module})
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
-                and node.attr.startswith("_") and not node.attr.startswith("__")):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
             out.append(f"{modules[node.value.id]}.{node.attr}")
     return out
 
@@ -344,12 +391,18 @@ def _test_side_violations(path: Path) -> list[str]:
     tests.support."""
     rel = path.relative_to(ROOT)
     mods = _imported_modules(path)
-    if rel.parts[0] == "tests":   # a test may import itself (to patch its own globals)
-        return sorted(m for m in mods if m.startswith("tests.") and m.rsplit(".", 1)[-1].startswith("test_")
-                      and m != _module_name(path))
+    if rel.parts[0] == "tests":  # a test may import itself (to patch its own globals)
+        return sorted(
+            m
+            for m in mods
+            if m.startswith("tests.") and m.rsplit(".", 1)[-1].startswith("test_") and m != _module_name(path)
+        )
     if rel.parts[0] == "scripts":
-        return sorted(m for m in mods if (m == "tests" or m.startswith("tests."))
-                      and not (m == "tests.support" or m.startswith("tests.support.")))
+        return sorted(
+            m
+            for m in mods
+            if (m == "tests" or m.startswith("tests.")) and not (m == "tests.support" or m.startswith("tests.support."))
+        )
     return []
 
 
@@ -374,8 +427,9 @@ def _tool_internals(path: Path) -> list[str]:
 
 
 def test_tests_take_only_main_from_a_user_tool():
-    bad = [f"{f.relative_to(ROOT)}: {name}" for f in sorted((ROOT / "tests").rglob("*.py"))
-           for name in _tool_internals(f)]
+    bad = [
+        f"{f.relative_to(ROOT)}: {name}" for f in sorted((ROOT / "tests").rglob("*.py")) for name in _tool_internals(f)
+    ]
     assert bad == []
 
 
@@ -413,10 +467,15 @@ def test_importing_the_trainer_leaves_out_the_heavy_optional_modules():
     import subprocess
     import sys
 
-    heavy = ["torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo",
-             "torch.utils.tensorboard", "transformers", "wandb"]
-    code = ("import sys, megazero.training; print(' '.join(m for m in sys.argv[1:] if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code, *heavy], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    heavy = [
+        "torch.distributed.checkpoint",
+        "torch.distributed.tensor",
+        "torch._dynamo",
+        "torch.utils.tensorboard",
+        "transformers",
+        "wandb",
+    ]
+    code = "import sys, megazero.training; print(' '.join(m for m in sys.argv[1:] if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code, *heavy], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == []

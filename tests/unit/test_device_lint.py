@@ -25,18 +25,39 @@ default device and the real device passed explicitly (tests/layouts/test_train.p
 tests/layouts/test_pipeline.py): a factory that forgot ``device=`` then makes a meta tensor, which gloo
 refuses.
 """
+
 from __future__ import annotations
 
 import ast
 import pathlib
+
 from tests.support.paths import REPO
 
 ROOT = REPO
 SCANNED = ("megazero", "model", "train.py")
 
-FACTORIES = frozenset({"tensor", "as_tensor", "from_numpy", "zeros", "ones", "empty", "full", "arange",
-                       "linspace", "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_strided",
-                       "scalar_tensor", "normal"})
+FACTORIES = frozenset(
+    {
+        "tensor",
+        "as_tensor",
+        "from_numpy",
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "arange",
+        "linspace",
+        "logspace",
+        "eye",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "empty_strided",
+        "scalar_tensor",
+        "normal",
+    }
+)
 
 #: (file, enclosing function) -> why its tensors live in host memory on purpose.
 HOST_TENSORS = {
@@ -51,18 +72,14 @@ HOST_TENSORS = {
     # Layout-invariant initialisation (docs/design.md, contract 6): every full weight is drawn
     # by a CPU generator seeded from (seed, name), so its values do not depend on the device;
     # the caller keeps this rank's partition and moves it to the device.
-    ("model/spec.py", "InitialWeights.__getitem__"):
-        "full weights from a seeded CPU generator",
+    ("model/spec.py", "InitialWeights.__getitem__"): "full weights from a seeded CPU generator",
     # The full (unsharded) tensors of a checkpoint, read in one process for generate.py and
     # convert_checkpoint.py: the host holds them; the model takes its partitions from them.
-    ("megazero/checkpoint/core.py", "read_full_tensors"):
-        "full checkpoint tensors read into host memory",
+    ("megazero/checkpoint/core.py", "read_full_tensors"): "full checkpoint tensors read into host memory",
     # A view of a host tensor's own storage for DCP's file writer (the tensor is on the CPU).
-    ("megazero/checkpoint/shards.py", "compact_view"):
-        "an empty CPU tensor re-pointed at a host storage",
+    ("megazero/checkpoint/shards.py", "compact_view"): "an empty CPU tensor re-pointed at a host storage",
     # One exactly-sized host allocation per offloaded buffer, page-locked in place on CUDA.
-    ("megazero/offload/host_memory.py", "HostArena.__init__"):
-        "an offload arena in host memory",
+    ("megazero/offload/host_memory.py", "HostArena.__init__"): "an offload arena in host memory",
 }
 
 
@@ -74,8 +91,12 @@ HOST_FORMS = ("on a literal CPU device", "torch.from_numpy makes a host tensor: 
 
 def _is_torch_attr(node: ast.AST) -> str | None:
     """``torch.NAME`` -> NAME for a factory name, else None."""
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
-            and node.attr in FACTORIES:
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "torch"
+        and node.attr in FACTORIES
+    ):
         return node.attr
     return None
 
@@ -84,8 +105,13 @@ def _is_cpu_literal(node: ast.AST) -> bool:
     """``"cpu"`` / ``"cpu:0"`` or ``torch.device("cpu"...)``."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value.split(":")[0] == "cpu"
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "device"
-            and bool(node.args) and _is_cpu_literal(node.args[0]))
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "device"
+        and bool(node.args)
+        and _is_cpu_literal(node.args[0])
+    )
 
 
 class _Scanner(ast.NodeVisitor):
@@ -95,7 +121,7 @@ class _Scanner(ast.NodeVisitor):
         self.scope: list[str] = []
         self.parents: dict[ast.AST, ast.AST] = {}
         self.found: list[tuple[str, int, str]] = []
-        self.checked: set[int] = set()   # ids of torch.FACTORY nodes seen as a call's callee
+        self.checked: set[int] = set()  # ids of torch.FACTORY nodes seen as a call's callee
 
     def visit_FunctionDef(self, node):
         self.scope.append(node.name)
@@ -105,10 +131,12 @@ class _Scanner(ast.NodeVisitor):
     visit_AsyncFunctionDef = visit_FunctionDef
 
     def visit_ClassDef(self, node):
-        if any((isinstance(d, ast.Name) and d.id == "dataclass") or
-               (isinstance(d, ast.Attribute) and d.attr == "dataclass") or
-               (isinstance(d, ast.Call) and getattr(d.func, "id", getattr(d.func, "attr", None)) == "dataclass")
-               for d in node.decorator_list):
+        if any(
+            (isinstance(d, ast.Name) and d.id == "dataclass")
+            or (isinstance(d, ast.Attribute) and d.attr == "dataclass")
+            or (isinstance(d, ast.Call) and getattr(d.func, "id", getattr(d.func, "attr", None)) == "dataclass")
+            for d in node.decorator_list
+        ):
             self._dataclass_fields(node)
         self.visit_FunctionDef(node)
 
@@ -116,13 +144,16 @@ class _Scanner(ast.NodeVisitor):
         for item in node.body:
             if isinstance(item, ast.AnnAssign) and item.value is not None:
                 default = item.value
-                if isinstance(default, ast.Call) and getattr(default.func, "id", getattr(default.func, "attr", None)) \
-                        == "field":
+                if (
+                    isinstance(default, ast.Call)
+                    and getattr(default.func, "id", getattr(default.func, "attr", None)) == "field"
+                ):
                     default = next((k.value for k in default.keywords if k.arg == "default"), None)
                 if default is not None and _is_cpu_literal(default):
                     name = item.target.id if isinstance(item.target, ast.Name) else "?"
-                    self.found.append((node.name, item.lineno, f"dataclass field {node.name}.{name} defaults "
-                                                               "to a CPU device"))
+                    self.found.append(
+                        (node.name, item.lineno, f"dataclass field {node.name}.{name} defaults to a CPU device")
+                    )
 
     def _report(self, line: int, problem: str) -> None:
         self.found.append((".".join(self.scope) or "<module>", line, problem))
@@ -141,8 +172,11 @@ class _Scanner(ast.NodeVisitor):
     def _check_call(self, node: ast.Call, name: str) -> None:
         if name == "from_numpy":
             parent = self.parents.get(node)
-            moved = isinstance(parent, ast.Attribute) and parent.attr == "to" and \
-                isinstance(self.parents.get(parent), ast.Call)
+            moved = (
+                isinstance(parent, ast.Attribute)
+                and parent.attr == "to"
+                and isinstance(self.parents.get(parent), ast.Call)
+            )
             if not moved:
                 self._report(node.lineno, "torch.from_numpy makes a host tensor: add .to(device)")
             return
@@ -203,14 +237,15 @@ def test_every_tensor_factory_names_its_device():
     assert not problems, (
         "tensor factory calls that leave their tensor on the CPU (NCCL cannot send it): pass "
         "device=, or, for a tensor meant for host memory, add (file, function) with the reason to "
-        "HOST_TENSORS in tests/unit/test_device_lint.py:\n  " + "\n  ".join(problems))
+        "HOST_TENSORS in tests/unit/test_device_lint.py:\n  " + "\n  ".join(problems)
+    )
     stale = sorted(set(HOST_TENSORS) - used)
     assert not stale, f"HOST_TENSORS entries that match no host tensor any more (remove them): {stale}"
 
 
 def test_the_lint_sees_each_kind_of_mistake():
     """Each rule on a small source (the lint is only as good as what it can see)."""
-    src = '''
+    src = """
 import torch
 from dataclasses import dataclass, field
 
@@ -229,13 +264,15 @@ def f(x, dev):
     g = torch.empty(2, device="cpu")
     h = torch.zeros_like(b)
     make = torch.arange
-'''
+"""
     found = [(f, p) for f, _, p in scan_source(src)]
-    assert found == [("Links", "dataclass field Links.device defaults to a CPU device"),
-                     ("Links", "dataclass field Links.other defaults to a CPU device"),
-                     ("f", "torch.tensor without device="),
-                     ("f", "torch.from_numpy makes a host tensor: add .to(device)"),
-                     ("f", "torch.zeros without device="),
-                     ("f", "torch.ones without device="),
-                     ("f", "torch.empty on a literal CPU device"),
-                     ("f", "torch.arange used other than by a call")], found
+    assert found == [
+        ("Links", "dataclass field Links.device defaults to a CPU device"),
+        ("Links", "dataclass field Links.other defaults to a CPU device"),
+        ("f", "torch.tensor without device="),
+        ("f", "torch.from_numpy makes a host tensor: add .to(device)"),
+        ("f", "torch.zeros without device="),
+        ("f", "torch.ones without device="),
+        ("f", "torch.empty on a literal CPU device"),
+        ("f", "torch.arange used other than by a call"),
+    ], found

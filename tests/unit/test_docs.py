@@ -4,16 +4,16 @@ size, and no page points at the issue tracker (which is not in the repository).
 
 Plain file reads; no torch, no processes.
 """
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from tests.support.paths import REPO
-
 import pytest
 
 from megazero.config.reference import reference
+from tests.support.paths import REPO
 
 ROOT = REPO
 README = ROOT / "README.md"
@@ -45,16 +45,16 @@ def section(text: str, heading: str) -> str:
     """The lines under ``heading`` up to the next heading of the same or a higher level."""
     level = heading.split()[0]
     start = text.index(heading + "\n")
-    rest = text[start + len(heading) + 1:]
+    rest = text[start + len(heading) + 1 :]
     end = re.search(rf"^#{{1,{len(level)}}}\s", rest, re.M)
-    return rest[:end.start()] if end else rest
+    return rest[: end.start()] if end else rest
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page):
     broken = []
     for target in LINK.findall(prose(page)):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target):          # http:, https:, mailto:
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
             continue
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
@@ -68,16 +68,25 @@ def test_relative_links_resolve(page):
 def layout_paths() -> set[str]:
     """The paths the README's code-layout section names (code spans with a '/' or a suffix)."""
     text = section(README.read_text(encoding="utf-8"), LAYOUT_HEADING)
-    return {span.strip() for span in CODE_SPAN.findall(text)
-            if "/" in span or re.search(r"\.(py|sh|toml|md)$", span.strip())}
+    return {
+        span.strip()
+        for span in CODE_SPAN.findall(text)
+        if "/" in span or re.search(r"\.(py|sh|toml|md)$", span.strip())
+    }
 
 
 def packages() -> set[str]:
     """Every top-level package and every package below megazero/, as 'path/'."""
-    top = {f"{d.name}/" for d in ROOT.iterdir()
-           if d.is_dir() and not d.name.startswith(".") and (d / "__init__.py").exists()}
-    below = {f"{d.relative_to(ROOT).as_posix()}/" for d in (ROOT / "megazero").rglob("*")
-             if d.is_dir() and (d / "__init__.py").exists()}
+    top = {
+        f"{d.name}/"
+        for d in ROOT.iterdir()
+        if d.is_dir() and not d.name.startswith(".") and (d / "__init__.py").exists()
+    }
+    below = {
+        f"{d.relative_to(ROOT).as_posix()}/"
+        for d in (ROOT / "megazero").rglob("*")
+        if d.is_dir() and (d / "__init__.py").exists()
+    }
     return top | below
 
 
@@ -91,8 +100,9 @@ def test_code_layout_names_every_package_and_only_real_paths():
 
 def test_configuration_reference_is_generated():
     page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
-    assert page == reference(), \
+    assert page == reference(), (
         "docs/configuration.md is stale: python -m megazero.config.reference > docs/configuration.md"
+    )
 
 
 @pytest.mark.parametrize("name, limit", [("README.md", 300), ("docs/design.md", 350)])

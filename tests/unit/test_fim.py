@@ -1,6 +1,7 @@
 """Fill-in-the-middle (data/fim.py): exact inverse on every sample, rates within 3 sigma, the same
 samples under (tp, pp, dp) = (2, 2, 2) as on 1 rank and after a resume at any step, sentinels
 added to sentencepiece and Hugging Face tokenizers, bad settings refused with exit 2."""
+
 import json
 import math
 from types import SimpleNamespace
@@ -33,9 +34,16 @@ def _settings(**kw):
     return FIMSettings(**{**dict(rate=0.5, spm_rate=0.5, sentinels=SENT, eod=EOD), **kw})
 
 
-@pytest.mark.parametrize("kw", [dict(rate=1.0, spm_rate=0.0), dict(rate=1.0, spm_rate=1.0), dict(rate=0.5),
-                                dict(rate=0.9, split_sample=SPLIT, fragment_rate=0.6)],
-                         ids=["psm", "spm", "mixed", "fragments"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(rate=1.0, spm_rate=0.0),
+        dict(rate=1.0, spm_rate=1.0),
+        dict(rate=0.5),
+        dict(rate=0.9, split_sample=SPLIT, fragment_rate=0.6),
+    ],
+    ids=["psm", "spm", "mixed", "fragments"],
+)
 def test_inverse_rebuilds_every_sample_exactly(tmp_path, kw):
     """inverse(fim(x)) is exactly the first L - 3k tokens of x (k units in FIM form); length kept."""
     fim = _settings(**kw)
@@ -49,12 +57,12 @@ def test_inverse_rebuilds_every_sample_exactly(tmp_path, kw):
         assert k == int((y == SENT.middle).sum()) and not (y == SENT.pad).any()
         inv = fim_inverse(y, SENT, EOD, fim.split_sample)
         assert len(inv) == 65 - 3 * k
-        np.testing.assert_array_equal(inv, x[:len(inv)])
+        np.testing.assert_array_equal(inv, x[: len(inv)])
         units += k
         spm += int(((y[:-1] == SENT.prefix) & (y[1:] == SENT.suffix)).sum())
     assert units > 1500 * 0.5  # the transform did happen, in both orders where asked
     if kw.get("spm_rate") == 0.0:
-        assert spm < 0.3 * units   # only PSM units with an empty prefix start <PRE> <SUF>
+        assert spm < 0.3 * units  # only PSM units with an empty prefix start <PRE> <SUF>
     if kw.get("spm_rate") == 1.0:
         assert spm == units
 
@@ -63,7 +71,7 @@ def test_fim_fraction_of_10000_samples_is_within_3_sigma_of_the_rate():
     """One unit per sample (no EOD in mock samples): FIM fraction ~ Binomial(N, rate) / N and the
     SPM share of those ~ --fim-spm-rate, each within 3 sigma."""
     n = 10_000
-    inner = MockGPTDataset(100, 63, n, seed=5)   # ids < 100, no EOD (the settings name 999)
+    inner = MockGPTDataset(100, 63, n, seed=5)  # ids < 100, no EOD (the settings name 999)
     for rate, spm_rate in ((0.5, 0.5), (0.1, 0.8)):
         ds = FIMDataset(inner, _settings(rate=rate, spm_rate=spm_rate, eod=999), seed=2)
         ys = np.stack([ds[i] for i in range(n)])
@@ -115,9 +123,27 @@ def corpus(tmp_path_factory):
 
 
 def _argv(corpus, *extra):
-    return ["--data-path", corpus["data"], "--tokenizer-model", corpus["model"], "--seq-length", "32",
-            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--eval-iters", "0",
-            "--fim-rate", "0.7", "--fim-spm-rate", "0.5", *extra]
+    return [
+        "--data-path",
+        corpus["data"],
+        "--tokenizer-model",
+        corpus["model"],
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "6",
+        "--eval-iters",
+        "0",
+        "--fim-rate",
+        "0.7",
+        "--fim-spm-rate",
+        "0.5",
+        *extra,
+    ]
 
 
 def _batches(data, cfg, dp_rank, dp, steps):
@@ -125,8 +151,10 @@ def _batches(data, cfg, dp_rank, dp, steps):
 
     groups = SimpleNamespace(dp_rank=dp_rank, dp_size=dp)
     gbs = cfg.train.global_batch_size
-    return [np.concatenate([x.numpy() for x, _ in training.dp_micro_batches(data.train, s * gbs, cfg, groups, "cpu")])
-            for s in steps]
+    return [
+        np.concatenate([x.numpy() for x, _ in training.dp_micro_batches(data.train, s * gbs, cfg, groups, "cpu")])
+        for s in steps
+    ]
 
 
 def test_layout_2_2_2_and_every_resume_see_the_single_rank_samples(corpus):
@@ -140,7 +168,7 @@ def test_layout_2_2_2_and_every_resume_see_the_single_rank_samples(corpus):
     data = training.build_data(one)
     assert data.vocab_size == base + 4 and data.tokenizer.fim == FIMSentinels(base, base + 1, base + 2, base + 3)
     ref = _batches(data, one, 0, 1, range(6))
-    assert sum(int((b == base).sum()) for b in ref) > 10   # FIM units present
+    assert sum(int((b == base).sum()) for b in ref) > 10  # FIM units present
     for b in ref:
         assert b.max() < base + 4
 
@@ -168,7 +196,7 @@ def test_checkpoint_records_the_sentinels_and_a_resume_checks_them(corpus):
     rec = training.tokenizer_record(cfg)
     base = load_tokenizer(corpus["model"]).vocab_size
     assert (rec["fim"]["prefix"], rec["fim"]["pad"], rec["fim"]["appended"]) == (base, base + 3, True)
-    assert training.tokenizer_record(config_from_argv(_argv(corpus)[:-4], 1))["fim"] is None   # --fim-rate 0
+    assert training.tokenizer_record(config_from_argv(_argv(corpus)[:-4], 1))["fim"] is None  # --fim-rate 0
     meta = {"iteration": 1, "extra": {"tokenizer": {**rec, "fim": {**rec["fim"], "prefix": 5}}, "model": {}}}
     with pytest.raises(CheckpointError, match="FIM sentinels"):
         training.check_resume(cfg, meta, base + 4)
@@ -195,7 +223,7 @@ def test_hf_tokenizer_uses_its_own_fim_tokens_and_refuses_a_partial_set(tmp_path
     with pytest.raises(DataError, match=r"^--fim-tokens: .* has the FIM token '<fim_prefix>' but not '<fim_suffix>'"):
         add_fim_sentinels(load_tokenizer(str(tmp_path / "partial.json"), "HuggingFaceTokenizer"))
 
-    plain = load_tokenizer(path, "HuggingFaceTokenizer")   # none of the sets: 4 ids appended
+    plain = load_tokenizer(path, "HuggingFaceTokenizer")  # none of the sets: 4 ids appended
     n = plain.vocab_size
     assert add_fim_sentinels(plain).ids() == (n, n + 1, n + 2, n + 3) and plain.vocab_size == n + 4
     assert plain.decode([n, n + 2] + plain.encode("x")) == "x"
@@ -214,14 +242,18 @@ BAD = {  # case: (extra argv, strings the one-line message must contain); config
     "spm_rate_above_1": (["--fim-spm-rate", "2"], ["--fim-spm-rate 2.0"]),
     "fragment_rate_without_split": (["--fim-fragment-rate", "0.5"], ["--fim-fragment-rate", "--fim-split-sample"]),
     "three_tokens": (["--fim-tokens", "a", "b", "c"], ["--fim-tokens a b c", "four distinct"]),
-    "split_is_a_sentinel": (["--fim-tokens", "a", "b", "c", "d", "--fim-split-sample", "c"],
-                            ["--fim-split-sample 'c'", "--fim-tokens"]),
+    "split_is_a_sentinel": (
+        ["--fim-tokens", "a", "b", "c", "d", "--fim-split-sample", "c"],
+        ["--fim-split-sample 'c'", "--fim-tokens"],
+    ),
     "with_sft": (["--sft"], ["--fim-rate 0.7 with --sft", "drop one of them"]),
 }
 DATA_BAD = {  # data rules, refused by the launcher's preflight
     "named_token_missing": (["--fim-tokens", "<p>", "<m>", "<s>", "<pad>"], ["--fim-tokens: '<p>' is not a token"]),
-    "named_tokens_collide_with_eod": (["--fim-tokens", "<|eod|>", "<0x41>", "<0x42>", "<0x43>"],
-                                      ["--fim-tokens", "share an id"]),
+    "named_tokens_collide_with_eod": (
+        ["--fim-tokens", "<|eod|>", "<0x41>", "<0x42>", "<0x43>"],
+        ["--fim-tokens", "share an id"],
+    ),
     "split_not_a_token": (["--fim-split-sample", "<file_sep>"], ["--fim-split-sample '<file_sep>' is not a token"]),
 }
 

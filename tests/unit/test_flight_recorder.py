@@ -7,6 +7,7 @@ Rank 0 enqueues one all-reduce more than rank 1 before both dump, as a rank that
 leaves its group's collective hanging. gloo leaves every entry ``scheduled``; the states NCCL's
 watchdog would have set (completed, started) are then written into the same dumps.
 """
+
 import os
 import pickle
 import re
@@ -23,8 +24,11 @@ def test_enable_sets_what_the_user_did_not_and_makes_the_folder(tmp_path):
     environ = {"TORCH_FR_BUFFER_SIZE": "50"}  # the newer name of the buffer size: kept
     added = FR.enable(str(tmp_path), environ)
     prefix = os.path.join(str(tmp_path), "nccl_trace", "rank_")
-    assert added == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-                     "TORCH_NCCL_ENABLE_TIMING": "1"}
+    assert added == {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+        "TORCH_NCCL_ENABLE_TIMING": "1",
+    }
     assert environ["TORCH_FR_BUFFER_SIZE"] == "50" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ
     assert (tmp_path / "nccl_trace").is_dir()
     assert FR.enable(str(tmp_path), environ) == {}  # idempotent
@@ -59,7 +63,8 @@ def torch_dumps():
         return run_distributed(_dump_with_one_rank_behind, 2)
     finally:
         os.environ.pop("TORCH_NCCL_TRACE_BUFFER_SIZE") if old is None else os.environ.update(
-            TORCH_NCCL_TRACE_BUFFER_SIZE=old)
+            TORCH_NCCL_TRACE_BUFFER_SIZE=old
+        )
 
 
 def _write(run_dir, dumps):
@@ -78,8 +83,9 @@ def test_a_torch_dump_names_the_rank_that_never_enqueued_the_collective(tmp_path
     entries = dumps[0]["entries"]
     assert [e["collective_seq_id"] for e in entries] == [1, 2] and entries[0]["process_group"][1] == "dp"
     assert entries[1]["input_sizes"] == [[3]] and entries[1]["profiling_name"].endswith("all_reduce")
-    assert re.fullmatch(r"rank\(s\) 1 \(at #1\) never enqueued collective #2 of dp \(group \d+\)",
-                        FR.behind(dumps)[0]), FR.behind(dumps)
+    assert re.fullmatch(
+        r"rank\(s\) 1 \(at #1\) never enqueued collective #2 of dp \(group \d+\)", FR.behind(dumps)[0]
+    ), FR.behind(dumps)
     line = R.name_culprits(str(tmp_path), 2)  # no megazero report, no torchrun log: the dumps alone
     assert line.startswith(f"[megazero] NCCL flight recorder ({folder}): rank(s) 1 (at #1) never enqueued")
 
@@ -99,5 +105,6 @@ def test_nccl_states_give_each_ranks_last_completed_and_started_collective(tmp_p
     assert first.startswith("[megazero] rank(s) 0 failed first (no report: killed, stopped or hung)")
     assert second.endswith(
         f"rank 0: last completed all_reduce #1 of {dp}, sizes [[4]] Float; started, not completed: "
-        f"all_reduce #2 of {dp}, sizes [[3]] Float; rank 1: last completed all_reduce #1 of {dp}, sizes [[4]] Float")
+        f"all_reduce #2 of {dp}, sizes [[3]] Float; rank 1: last completed all_reduce #1 of {dp}, sizes [[4]] Float"
+    )
     assert R.name_culprits(str(tmp_path / "empty"), 2) is None

@@ -1,5 +1,6 @@
 """GradBuffer's range look-ups (bisect over the bucket and parameter ends) return exactly
 what a scan of every bucket / parameter returns, for ranges anywhere in the buffer."""
+
 import random
 
 import torch

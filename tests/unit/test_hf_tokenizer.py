@@ -1,5 +1,6 @@
 """--tokenizer-type HuggingFaceTokenizer: a tokenizer.json goes from preprocessing to the final
 summary of a training run, with the same tokenizer record and checks as sentencepiece."""
+
 import hashlib
 import json
 import os
@@ -47,30 +48,75 @@ def test_bad_tokenizer_files_are_data_errors(tmp_path, hf_tok):
 
 @pytest.mark.slow
 def test_tokenizer_json_trains_from_preprocessing_to_final_summary(hf_tok, tmp_path, capsys):
-    from megazero import training
     from data import preprocess
     from data.indexed_dataset import DataError, IndexedDataset, read_tokenizer_record
+    from megazero import training
     from megazero.config import config_from_argv
 
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(120)), encoding="utf-8")
-    assert preprocess.main(["--input", str(src), "--tokenizer-type", "HuggingFaceTokenizer",
-                            "--tokenizer-model", os.path.dirname(hf_tok.model_path),  # the folder
-                            "--output-prefix", str(tmp_path / "c"), "--append-eod", "--workers", "2",
-                            "--no-progress"]) == 0
+    assert (
+        preprocess.main(
+            [
+                "--input",
+                str(src),
+                "--tokenizer-type",
+                "HuggingFaceTokenizer",
+                "--tokenizer-model",
+                os.path.dirname(hf_tok.model_path),  # the folder
+                "--output-prefix",
+                str(tmp_path / "c"),
+                "--append-eod",
+                "--workers",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     prefix = str(tmp_path / "c_text_document")
     record = read_tokenizer_record(prefix)
-    assert record == dict(sha256=hf_tok.sha256, vocab_size=320, eod=0, model=hf_tok.model_path,
-                          type="HuggingFaceTokenizer")
+    assert record == dict(
+        sha256=hf_tok.sha256, vocab_size=320, eod=0, model=hf_tok.model_path, type="HuggingFaceTokenizer"
+    )
     ds = IndexedDataset(prefix)
     for i in (0, 57, 119):  # each document is its ids, then EOD
         assert ds[i].tolist() == hf_tok.encode(corpus(120)[i]) + [hf_tok.eod]
     run = tmp_path / "run"
-    argv = ["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-            hf_tok.model_path, "--seq-length", "16", "--num-layers", "1", "--hidden-size", "16",
-            "--num-attention-heads", "2", "--train-iters", "4", "--micro-batch-size", "2", "--split", "90,10",
-            "--eval-iters", "1", "--eval-interval", "4", "--device", "cpu", "--run-dir", str(run),
-            "--prompt", "def ", "--generate-tokens", "6"]
+    argv = [
+        "--data-path",
+        prefix,
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        hf_tok.model_path,
+        "--seq-length",
+        "16",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--train-iters",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--split",
+        "90,10",
+        "--eval-iters",
+        "1",
+        "--eval-interval",
+        "4",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(run),
+        "--prompt",
+        "def ",
+        "--generate-tokens",
+        "6",
+    ]
     assert training.main(argv) == 0
     out = capsys.readouterr().out
     assert "final validation loss:" in out and "sample: def " in out

@@ -6,6 +6,7 @@ them in place once. On this CPU-only machine nothing can be pinned, so a recordi
 stands in for ``cudaHostRegister``: the arena logic, the byte counts and what the model-state
 table reports are the same code as on CUDA.
 """
+
 import gc
 import io
 import sys
@@ -38,7 +39,7 @@ def test_arena_is_one_exact_allocation_pinned_once():
     ptr = arena.flat.data_ptr()
     assert rec.registered == [(ptr, 32)] and arena.nbytes == arena.pinned_bytes == 32
     assert [p.numel() for p in arena.parts] == [3, 0, 5]
-    assert [p.storage_offset() for p in arena.parts] == [0, 3, 3]   # views, end to end
+    assert [p.storage_offset() for p in arena.parts] == [0, 3, 3]  # views, end to end
     assert {p.untyped_storage().data_ptr() for p in arena.parts} == {ptr}
     assert all(torch.equal(p, torch.zeros(p.numel())) for p in arena.parts)
     del arena
@@ -55,8 +56,15 @@ def _offload(pin_memory=True, registrar=None, stage=1):
     groups = ProcessGroups.single()
     cfg = tiny_cfg()
     model, ddp, _ = build(cfg, groups, stage, False)
-    opt = HostOffloadOptimizer(ddp, groups, pin_memory=pin_memory, registrar=registrar, lr=ADAM["lr"],
-                               weight_decay=ADAM["weight_decay"], clip_grad=1.0)
+    opt = HostOffloadOptimizer(
+        ddp,
+        groups,
+        pin_memory=pin_memory,
+        registrar=registrar,
+        lr=ADAM["lr"],
+        weight_decay=ADAM["weight_decay"],
+        clip_grad=1.0,
+    )
     return cfg, model, ddp, opt
 
 
@@ -76,8 +84,8 @@ def test_offloaded_state_pins_exactly_16_bytes_per_owned_element(stage):
     assert opt.bytes_by_place()["host"] == exact
     lo, hi = opt.arena.flat.data_ptr(), opt.arena.flat.data_ptr() + exact
     for t in (opt._main, opt.exp_avg, opt.exp_avg_sq, opt.host_grads):
-        assert lo <= t.data_ptr() and t.data_ptr() + t.numel() * 4 <= hi   # parts of the arena
-    assert _offload(pin_memory=True)[3].pinned_bytes() == 0   # CPU: nothing to pin
+        assert lo <= t.data_ptr() and t.data_ptr() + t.numel() * 4 <= hi  # parts of the arena
+    assert _offload(pin_memory=True)[3].pinned_bytes() == 0  # CPU: nothing to pin
 
 
 def test_zero3_offload_param_shards_are_one_arena_each(monkeypatch):
@@ -96,12 +104,20 @@ def test_zero3_offload_param_shards_are_one_arena_each(monkeypatch):
     monkeypatch.setattr(CudaRegistrar, "unregister", lambda self, ptr: rec.unregister(ptr))
     groups, cfg = ProcessGroups.single(), tiny_cfg()
     model = GPTStage(cfg, groups, range(cfg.num_layers), True, True, SEED)
-    ddp = DataParallel([model], groups, zero_stage=3, bucket_size=BUCKET, overlap_comm=True,
-                       units=[zero3_units(model)], zero3=Zero3Options(offload_param=True))
+    ddp = DataParallel(
+        [model],
+        groups,
+        zero_stage=3,
+        bucket_size=BUCKET,
+        overlap_comm=True,
+        units=[zero3_units(model)],
+        zero3=Zero3Options(offload_param=True),
+    )
     offloaded = [b for b in ddp.buffers if b.host_arena is not None]
     assert len(offloaded) > 1
     assert sorted(n for _, n in rec.registered) == sorted(
-        b.layout.shard_numel * b.params_shard.element_size() for b in offloaded)
+        b.layout.shard_numel * b.params_shard.element_size() for b in offloaded
+    )
     assert ddp.pinned_bytes() == ddp.host_param_bytes() == sum(n for _, n in rec.registered)
 
 
@@ -111,8 +127,9 @@ def test_model_state_table_shows_the_pinned_bytes(tmp_path, monkeypatch):
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     rows = [dict(rank=0, psi=10, bytes={"params": 40, "host exp_avg": 40}, formula=80, pinned=2**20)]
-    with Monitor(str(tmp_path), tensorboard_dir=None, metrics_file="m.jsonl", rank=0,
-                 is_logging_rank=True, config_text="") as mon:
+    with Monitor(
+        str(tmp_path), tensorboard_dir=None, metrics_file="m.jsonl", rank=0, is_logging_rank=True, config_text=""
+    ) as mon:
         mon.log_model_state_table(rows)
     monkeypatch.undo()
     head, row = out.getvalue().splitlines()[1:3]
@@ -127,23 +144,26 @@ def test_background_save_stages_every_chunk_in_one_reused_buffer():
     from megazero.checkpoint.shards import Chunk
 
     state = torch.arange(20, dtype=torch.float32)
-    mine = {"a/main_param": [Chunk((0,), (6,), state[:6]), Chunk((8,), (4,), state[8:12])],
-            "b/exp_avg": [Chunk((0, 0), (2, 3), state[14:20].view(2, 3))]}
+    mine = {
+        "a/main_param": [Chunk((0,), (6,), state[:6]), Chunk((8,), (4,), state[8:12])],
+        "b/exp_avg": [Chunk((0, 0), (2, 3), state[14:20].view(2, 3))],
+    }
     manager = CheckpointManager(ProcessGroups.single(), async_save=True)
     asked = []
 
     def staging(numel, device):
         asked.append((numel, device))
         return manager._staging(numel, device)
+
     staged = core.stage_chunks(mine, staging)
     assert asked == [(16, torch.device("cpu"))]
     flat = manager.staging.flat
-    assert flat.numel() == 16 and manager.staging.pinned_bytes == 0   # CPU: not pinned
+    assert flat.numel() == 16 and manager.staging.pinned_bytes == 0  # CPU: not pinned
     for key, cs in mine.items():
         for c, s in zip(cs, staged[key]):
             assert s.offsets == c.offsets and s.sizes == c.sizes and torch.equal(s.tensor, c.tensor)
             assert s.tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-    state.add_(100)   # training goes on: the staged copy keeps the saved values
+    state.add_(100)  # training goes on: the staged copy keeps the saved values
     assert staged["a/main_param"][1].tensor.tolist() == [8.0, 9.0, 10.0, 11.0]
     core.stage_chunks(mine, staging)
-    assert manager.staging.flat.data_ptr() == flat.data_ptr()   # reused by the next save
+    assert manager.staging.flat.data_ptr() == flat.data_ptr()  # reused by the next save

@@ -1,4 +1,5 @@
 """LRSchedule values at chosen iterations equal the closed-form formulas; bad settings raise."""
+
 import math
 
 import pytest
@@ -66,8 +67,12 @@ def _megatron_wsd(it, style, lr=LR, min_lr=MIN_LR, warmup=W, decay=D, wsd=30):
     if it <= start:
         return lr
     r = (it - start) / wsd
-    coeff = {"linear": 1 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1),
-             "exponential": 2 * 0.5 ** r - 1, "minus_sqrt": 1 - math.sqrt(r)}[style]
+    coeff = {
+        "linear": 1 - r,
+        "cosine": 0.5 * (math.cos(math.pi * r) + 1),
+        "exponential": 2 * 0.5**r - 1,
+        "minus_sqrt": 1 - math.sqrt(r),
+    }[style]
     return min_lr + coeff * (lr - min_lr)
 
 
@@ -92,8 +97,17 @@ def test_wsd_bad_settings_raise():
 def test_wsd_config_needs_its_phase(capsys):
     from megazero.config import config_from_argv
 
-    base = ["--mock-data", "--train-iters", "20", "--lr-warmup-iters", "4", "--lr-decay-style", "WSD",
-            "--device", "cpu"]
+    base = [
+        "--mock-data",
+        "--train-iters",
+        "20",
+        "--lr-warmup-iters",
+        "4",
+        "--lr-decay-style",
+        "WSD",
+        "--device",
+        "cpu",
+    ]
     with pytest.raises(SystemExit) as e:
         config_from_argv(base, 1)
     assert e.value.code == 2 and "--lr-wsd-decay-iters" in capsys.readouterr().err
@@ -107,9 +121,8 @@ def test_wsd_config_needs_its_phase(capsys):
 def _wsd_lrs(rank, world, argv, steps, save=None, load=None):
 
     from megazero import training
-
-    from megazero.training import build_trainer
     from megazero.config import config_from_argv
+    from megazero.training import build_trainer
 
     cfg = config_from_argv(argv + (["--load", load] if load else []), world)
     trainer = build_trainer(cfg, data=training.prepare_run(cfg))
@@ -129,11 +142,41 @@ def _wsd_lrs(rank, world, argv, steps, save=None, load=None):
 def test_wsd_training_follows_the_formula_and_survives_a_resume(tmp_path):
     from tests.support.distributed import run_distributed
 
-    argv = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
-            "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "2", "--train-iters", "8",
-            "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "WSD",
-            "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", "cosine", "--eval-iters", "0",
-            "--make-vocab-size-divisible-by", "8", "--device", "cpu"]
+    argv = [
+        "--mock-data",
+        "--vocab-size",
+        "64",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "8",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "8",
+        "--lr",
+        "1e-2",
+        "--min-lr",
+        "1e-3",
+        "--lr-warmup-iters",
+        "2",
+        "--lr-decay-style",
+        "WSD",
+        "--lr-wsd-decay-iters",
+        "4",
+        "--lr-wsd-decay-style",
+        "cosine",
+        "--eval-iters",
+        "0",
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--device",
+        "cpu",
+    ]
     whole = run_distributed(_wsd_lrs, 1, argv, 8)[0]
     for it, lr, _ in whole:  # train_step uses the schedule at iteration + 1 (warm-up above 0)
         assert lr == pytest.approx(_megatron_wsd(it, "cosine", 1e-2, 1e-3, 2, 8, 4), rel=1e-12), it

@@ -2,6 +2,7 @@
 choice and weights of each score function, the aux loss from the pre-drop top-k mask, the
 sequence-wise aux loss, the z-loss, the expert-bias sign rule, the capacity drop of both
 policies (against a brute-force rule), and the auxiliary gradient's entry into the backward."""
+
 import math
 
 import pytest
@@ -24,17 +25,20 @@ def test_route_softmax_sigmoid_and_bias_by_hand():
             best = sorted(range(E), key=lambda e: (-row[e], e))[:2]
             assert r.experts[t].tolist() == best
             full = [math.exp(v) / sum(math.exp(u) for u in row) for v in row]
-            want = [full[e] for e in best] if pre else [math.exp(row[e]) / sum(math.exp(row[b]) for b in best)
-                                                        for e in best]
+            want = (
+                [full[e] for e in best]
+                if pre
+                else [math.exp(row[e]) / sum(math.exp(row[b]) for b in best) for e in best]
+            )
             assert r.probs[t].tolist() == pytest.approx(want, rel=1e-6)
             assert r.scores[t].tolist() == pytest.approx(full, rel=1e-6)
-    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 5.0])   # forces expert 5 into every choice
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 5.0])  # forces expert 5 into every choice
     r = R.route(x, 2, "sigmoid", expert_bias=bias)
     sig = torch.sigmoid(x)
     for t in range(T):
         others = sorted(range(5), key=lambda e: (-sig[t, e].item(), e))
         assert r.experts[t].tolist() == [5, others[0]]
-        chosen = [sig[t, 5].item(), sig[t, others[0]].item()]   # the bias steers, never weighs
+        chosen = [sig[t, 5].item(), sig[t, others[0]].item()]  # the bias steers, never weighs
         assert r.probs[t].tolist() == pytest.approx([c / sum(chosen) for c in chosen], rel=1e-6)
         assert r.scores[t].tolist() == pytest.approx((sig[t] / sig[t].sum()).tolist(), rel=1e-6)
     one = R.route(x, 1, "sigmoid")
@@ -50,10 +54,12 @@ def test_aux_loss_seq_aux_loss_and_z_loss_equal_their_closed_forms():
         f = [sum(int(e) == i for t in rows for e in r.experts[t].tolist()) / (len(rows) * k) for i in range(E)]
         P = [sum(r.scores[t, i].item() for t in rows) / len(rows) for i in range(E)]
         return E * sum(a * b for a, b in zip(f, P))
+
     assert R.aux_loss(r.scores, r.experts, k, coeff=0.01).item() == pytest.approx(0.01 * by_hand(range(T)), rel=1e-6)
     seqs = [range(0, 8), range(8, 16)]
     assert R.seq_aux_loss(r.scores, r.experts, k, 8, coeff=0.5).item() == pytest.approx(
-        0.5 * sum(by_hand(s) for s in seqs) / 2, rel=1e-6)
+        0.5 * sum(by_hand(s) for s in seqs) / 2, rel=1e-6
+    )
     lse = [math.log(sum(math.exp(v) for v in x[t].tolist())) for t in range(T)]
     assert R.z_loss(x, coeff=1e-3).item() == pytest.approx(1e-3 * sum(v * v for v in lse) / T, rel=1e-6)
     # every expert equally likely and equally chosen: the minimum, coeff x 1
@@ -63,13 +69,13 @@ def test_aux_loss_seq_aux_loss_and_z_loss_equal_their_closed_forms():
 
 
 def test_expert_bias_sign_rule_and_capacity_drops_equal_the_brute_force_rule():
-    counts = torch.tensor([10, 2, 6, 6])   # mean 6
+    counts = torch.tensor([10, 2, 6, 6])  # mean 6
     assert R.expert_bias_update(torch.zeros(4), counts, 1e-3).tolist() == pytest.approx([-1e-3, 1e-3, 0.0, 0.0])
     assert R.expert_capacity(16, 4, 2, 1.0) == 8 and R.expert_capacity(10, 4, 2, 1.1) == 6
     for seed in range(4):
         x = _logits(T=20, E=5, seed=seed)
         r = R.route(x, 2, "softmax")
-        r.probs[3, 0] = r.probs[7, 0] = r.probs[7, 0].clone()   # a tie, broken to the earlier token
+        r.probs[3, 0] = r.probs[7, 0] = r.probs[7, 0].clone()  # a tie, broken to the earlier token
         for policy in R.DROP_POLICIES:
             keep = R.capacity_keep(r.probs, r.experts, 5, 4, policy)
             for e in range(5):
@@ -101,6 +107,7 @@ def test_auxiliary_gradient_enters_the_backward_as_if_added_to_the_loss():
         else:
             (out.sum() + scale * aux).backward()
         return w.grad.clone()
+
     try:
         for scale in (1.0, 0.25):
             torch.testing.assert_close(grads(True, scale), grads(False, scale), rtol=1e-6, atol=1e-7)

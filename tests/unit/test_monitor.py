@@ -1,6 +1,7 @@
 """Monitor tests: FLOP formula against hand counts and torch's FLOP counter, peak table, MFU,
 timers, memory units, unigram entropy, and the TensorBoard / metrics.jsonl / console output
 read back with TensorBoard's own EventAccumulator."""
+
 import json
 import math
 import os
@@ -14,30 +15,44 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from megazero.planning.flops import (gpt_flops_per_iteration, mfu, peak_flops, peak_flops_for_name,
-                            throughput)
-from megazero.runtime.monitor import (ITERATION_KEYS, Monitor, Timer, memory_stats,
-                              unigram_entropy)
-from tests.support.reference import ReferenceGPT
+from megazero.planning.flops import gpt_flops_per_iteration, mfu, peak_flops, peak_flops_for_name, throughput
+from megazero.runtime.monitor import ITERATION_KEYS, Monitor, Timer, memory_stats, unigram_entropy
 from tests.support.monitor import ITERATIONS
+from tests.support.reference import ReferenceGPT
 
-TINY = dict(num_layers=2, hidden_size=16, ffn_hidden_size=40, seq_length=8,
-            padded_vocab_size=50, global_batch_size=3, num_heads=4)
+TINY = dict(
+    num_layers=2,
+    hidden_size=16,
+    ffn_hidden_size=40,
+    seq_length=8,
+    padded_vocab_size=50,
+    global_batch_size=3,
+    num_heads=4,
+)
 
 
-def _hand_count(num_layers, hidden_size, ffn_hidden_size, seq_length, padded_vocab_size,
-                global_batch_size, num_heads, layer_passes=3):
+def _hand_count(
+    num_layers,
+    hidden_size,
+    ffn_hidden_size,
+    seq_length,
+    padded_vocab_size,
+    global_batch_size,
+    num_heads,
+    layer_passes=3,
+):
     """Sum 2*m*k*n over every matmul of the forward, by shape; backward = 2x forward."""
-    B, s, h, f, V, n = (global_batch_size, seq_length, hidden_size, ffn_hidden_size,
-                        padded_vocab_size, num_heads)
+    B, s, h, f, V, n = (global_batch_size, seq_length, hidden_size, ffn_hidden_size, padded_vocab_size, num_heads)
     d = h // n
-    mm = lambda m, k, nn: 2 * m * k * nn  # noqa: E731
-    layer = (mm(B * s, h, 3 * h)          # x @ W_qkv^T
-             + B * n * mm(s, d, s)        # q @ k^T per (batch, head)
-             + B * n * mm(s, s, d)        # probs @ v per (batch, head)
-             + mm(B * s, h, h)            # attention output projection
-             + mm(B * s, h, f)            # fc1
-             + mm(B * s, f, h))           # fc2
+    mm = lambda m, k, nn: 2 * m * k * nn
+    layer = (
+        mm(B * s, h, 3 * h)  # x @ W_qkv^T
+        + B * n * mm(s, d, s)  # q @ k^T per (batch, head)
+        + B * n * mm(s, s, d)  # probs @ v per (batch, head)
+        + mm(B * s, h, h)  # attention output projection
+        + mm(B * s, h, f)  # fc1
+        + mm(B * s, f, h)
+    )  # fc2
     logits = mm(B * s, h, V)
     return layer_passes * num_layers * layer + 3 * logits
 
@@ -51,10 +66,15 @@ def _measured_flops(recompute: bool) -> int:
     """FLOPs torch's FlopCounterMode sees in one forward+backward of the reference GPT."""
     torch.manual_seed(0)
     cfg = TINY
-    model = ReferenceGPT(cfg["padded_vocab_size"], cfg["num_layers"], cfg["hidden_size"],
-                         cfg["num_heads"], cfg["ffn_hidden_size"], cfg["seq_length"])
-    tokens = torch.randint(0, cfg["padded_vocab_size"],
-                           (cfg["global_batch_size"], cfg["seq_length"]))
+    model = ReferenceGPT(
+        cfg["padded_vocab_size"],
+        cfg["num_layers"],
+        cfg["hidden_size"],
+        cfg["num_heads"],
+        cfg["ffn_hidden_size"],
+        cfg["seq_length"],
+    )
+    tokens = torch.randint(0, cfg["padded_vocab_size"], (cfg["global_batch_size"], cfg["seq_length"]))
     counter = FlopCounterMode(display=False)
     # early stop would skip recomputing each block's last matmul (fc2), whose output no
     # backward needs; Megatron's count assumes the whole forward is recomputed
@@ -75,13 +95,19 @@ def test_flops_equal_torch_flop_counter_on_reference_gpt(recompute):
 
 def test_flops_equal_narayanan_closed_form_for_ffn_4h():
     B, s, l, h, V = 512, 2048, 96, 12288, 51200  # GPT-3 175B (paper, Table 1 row)
-    kw = dict(num_layers=l, hidden_size=h, ffn_hidden_size=4 * h, seq_length=s,
-              padded_vocab_size=V, global_batch_size=B, num_heads=96)
+    kw = dict(
+        num_layers=l,
+        hidden_size=h,
+        ffn_hidden_size=4 * h,
+        seq_length=s,
+        padded_vocab_size=V,
+        global_batch_size=B,
+        num_heads=96,
+    )
     no_recompute = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
     with_recompute = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
     assert gpt_flops_per_iteration(**kw) == pytest.approx(no_recompute, rel=1e-12)
-    assert gpt_flops_per_iteration(**kw, recompute=True) == pytest.approx(with_recompute,
-                                                                        rel=1e-12)
+    assert gpt_flops_per_iteration(**kw, recompute=True) == pytest.approx(with_recompute, rel=1e-12)
 
 
 def test_flops_near_6_n_tokens_for_large_models():
@@ -89,8 +115,9 @@ def test_flops_near_6_n_tokens_for_large_models():
     f = 4 * h
     n_matmul_params = l * (4 * h * h + 2 * h * f) + V * h  # weights that multiply tokens
     tokens = B * s
-    flops = gpt_flops_per_iteration(num_layers=l, hidden_size=h, ffn_hidden_size=f,
-                                    seq_length=s, padded_vocab_size=V, global_batch_size=B)
+    flops = gpt_flops_per_iteration(
+        num_layers=l, hidden_size=h, ffn_hidden_size=f, seq_length=s, padded_vocab_size=V, global_batch_size=B
+    )
     six_n = 6 * n_matmul_params * tokens
     attention = 3 * l * 4 * s * h * tokens  # the only term outside 6*N*tokens
     assert flops == six_n + attention
@@ -119,8 +146,13 @@ def test_peak_table_mfu_and_throughput():
     assert mfu(156e12, None) is None
     with pytest.raises(ValueError, match="peak"):
         mfu(1.0, 0.0)
-    perf = throughput(flops_per_iteration=8e12, tokens_per_iteration=4096,
-                      iteration_time_s=2.0, world_size=4, peak_flops_per_device=4e12)
+    perf = throughput(
+        flops_per_iteration=8e12,
+        tokens_per_iteration=4096,
+        iteration_time_s=2.0,
+        world_size=4,
+        peak_flops_per_device=4e12,
+    )
     assert perf == {"tokens_per_s": 2048.0, "tflops_per_device": 1.0, "mfu": 0.25}
 
 
@@ -201,12 +233,20 @@ def test_unigram_entropy():
         unigram_entropy(np.zeros(4))
 
 
-TAGS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
-        "train/loss_scale": "loss_scale", "train/skipped_iterations": "skipped_iterations",
-        "train/consumed_samples": "consumed_samples", "perf/iteration_time_s": "iteration_time_s",
-        "perf/tokens_per_s": "tokens_per_s", "perf/tflops_per_device": "tflops_per_device",
-        "perf/mfu": "mfu", "memory/model_state_bytes": "model_state_bytes",
-        "memory/peak_bytes": "peak_memory_bytes"}
+TAGS = {
+    "train/loss": "loss",
+    "train/lr": "lr",
+    "train/grad_norm": "grad_norm",
+    "train/loss_scale": "loss_scale",
+    "train/skipped_iterations": "skipped_iterations",
+    "train/consumed_samples": "consumed_samples",
+    "perf/iteration_time_s": "iteration_time_s",
+    "perf/tokens_per_s": "tokens_per_s",
+    "perf/tflops_per_device": "tflops_per_device",
+    "perf/mfu": "mfu",
+    "memory/model_state_bytes": "model_state_bytes",
+    "memory/peak_bytes": "peak_memory_bytes",
+}
 
 
 def _as_float(v):
@@ -215,8 +255,15 @@ def _as_float(v):
 
 def _run_logging(tmp_path, capsys):
     config = "tp: 2\npp: 1\nhidden_size: 64"
-    with Monitor(str(tmp_path / "run"), tensorboard_dir="tb", metrics_file="metrics.jsonl",
-                 rank=3, is_logging_rank=True, config_text=config, train_iters=100) as mon:
+    with Monitor(
+        str(tmp_path / "run"),
+        tensorboard_dir="tb",
+        metrics_file="metrics.jsonl",
+        rank=3,
+        is_logging_rank=True,
+        config_text=config,
+        train_iters=100,
+    ) as mon:
         mon.log_memory_breakdown({"params": 2**20, "grads": 2**20, "optimizer": 6 * 2**20})
         for it, values in ITERATIONS.items():
             mon.log_iteration(it, values)
@@ -228,13 +275,11 @@ def _run_logging(tmp_path, capsys):
 
 def test_tensorboard_events_hold_the_logged_values(tmp_path, capsys):
     config, _ = _run_logging(tmp_path, capsys)
-    acc = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"scalars": 0,
-                                                                        "tensors": 0})
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     for tag, key in TAGS.items():
         got = {e.step: e.value for e in acc.Scalars(tag)}
-        want = {it: np.float32(_as_float(v[key])) for it, v in ITERATIONS.items()
-                if v[key] is not None}
+        want = {it: np.float32(_as_float(v[key])) for it, v in ITERATIONS.items() if v[key] is not None}
         if key == "loss":
             want[30] = np.float32(4.0)
         assert got == want, tag
@@ -249,16 +294,14 @@ def test_metrics_jsonl_has_one_record_per_call(tmp_path, capsys):
     _run_logging(tmp_path, capsys)
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
-    assert [r["kind"] for r in records] == ["memory", "train", "train", "train", "valid",
-                                            "summary"]
+    assert [r["kind"] for r in records] == ["memory", "train", "train", "train", "valid", "summary"]
     train = records[1:4]
     for r in train:
         assert set(r) == {"kind", "wall_time", *ITERATION_KEYS}
     assert [r["iteration"] for r in train] == [10, 20, 30]
     for r, (it, values) in zip(train, ITERATIONS.items()):
         for key, v in values.items():
-            assert r[key] == pytest.approx(_as_float(v), rel=1e-7) if v is not None \
-                else r[key] is None, key
+            assert r[key] == pytest.approx(_as_float(v), rel=1e-7) if v is not None else r[key] is None, key
     assert train[2]["loss"] == 4.0 and train[2]["lr"] is None
     assert records[0]["bytes"] == {"params": 2**20, "grads": 2**20, "optimizer": 6 * 2**20}
     assert records[4]["loss"] == 4.75 and records[4]["ppl"] == pytest.approx(math.exp(4.75))
@@ -267,15 +310,23 @@ def test_metrics_jsonl_has_one_record_per_call(tmp_path, capsys):
 
 def test_console_lines_contain_every_field(tmp_path, capsys):
     _, lines = _run_logging(tmp_path, capsys)
-    assert lines[0] == ("[rank 3] model state: params 1.00 MiB | grads 1.00 MiB | "
-                        "optimizer 6.00 MiB | total 8.00 MiB")
+    assert lines[0] == ("[rank 3] model state: params 1.00 MiB | grads 1.00 MiB | optimizer 6.00 MiB | total 8.00 MiB")
     first, second, missing = lines[1:4]
-    for expected in ("iteration 10/100", "consumed samples: 80",
-                     "elapsed time per iteration (ms): 125.0", "tokens/s: 9830.4",
-                     "TFLOP/s/device: 0.012", "MFU: 37.50%", "learning rate: 3.000E-04",
-                     "loss: 5.250000E+00", "grad norm: 1.500", "loss scale: 65536",
-                     "skipped iterations: 0", "model state: 12.00 MiB",
-                     "peak memory: 210.00 MiB"):
+    for expected in (
+        "iteration 10/100",
+        "consumed samples: 80",
+        "elapsed time per iteration (ms): 125.0",
+        "tokens/s: 9830.4",
+        "TFLOP/s/device: 0.012",
+        "MFU: 37.50%",
+        "learning rate: 3.000E-04",
+        "loss: 5.250000E+00",
+        "grad norm: 1.500",
+        "loss scale: 65536",
+        "skipped iterations: 0",
+        "model state: 12.00 MiB",
+        "peak memory: 210.00 MiB",
+    ):
         assert expected in first, expected
     assert "MFU: n/a" in second and "skipped iterations: 1" in second
     assert missing.startswith("iteration 30/100 | consumed samples: n/a")
@@ -288,8 +339,14 @@ def test_console_lines_contain_every_field(tmp_path, capsys):
 
 
 def test_non_logging_rank_writes_nothing_but_its_memory_line(tmp_path, capsys):
-    mon = Monitor(str(tmp_path / "run"), tensorboard_dir="tb", metrics_file="metrics.jsonl",
-                  rank=1, is_logging_rank=False, config_text="x")
+    mon = Monitor(
+        str(tmp_path / "run"),
+        tensorboard_dir="tb",
+        metrics_file="metrics.jsonl",
+        rank=1,
+        is_logging_rank=False,
+        config_text="x",
+    )
     mon.log_iteration(1, {"loss": 1.0})
     mon.log_validation(1, 1.0)
     mon.log_memory_breakdown({"params": 3 * 2**19})
@@ -300,8 +357,9 @@ def test_non_logging_rank_writes_nothing_but_its_memory_line(tmp_path, capsys):
 
 
 def test_unknown_iteration_key_is_an_error(tmp_path):
-    with Monitor(str(tmp_path), tensorboard_dir=None, metrics_file=None, rank=0,
-                 is_logging_rank=True, config_text="") as mon:
+    with Monitor(
+        str(tmp_path), tensorboard_dir=None, metrics_file=None, rank=0, is_logging_rank=True, config_text=""
+    ) as mon:
         with pytest.raises(ValueError, match="gradnorm"):
             mon.log_iteration(1, {"gradnorm": 1.0})
         with pytest.raises(ValueError, match="differs"):
@@ -309,13 +367,21 @@ def test_unknown_iteration_key_is_an_error(tmp_path):
 
 
 def test_metrics_jsonl_is_strict_json_with_null_for_nan(tmp_path, capsys):
-    with Monitor(str(tmp_path / "run"), tensorboard_dir=None, metrics_file="metrics.jsonl", rank=0,
-                 is_logging_rank=True, config_text="", train_iters=2) as mon:
+    with Monitor(
+        str(tmp_path / "run"),
+        tensorboard_dir=None,
+        metrics_file="metrics.jsonl",
+        rank=0,
+        is_logging_rank=True,
+        config_text="",
+        train_iters=2,
+    ) as mon:
         mon.log_iteration(1, {"loss": float("nan"), "grad_norm": float("inf")})
         mon.summary(None, float("nan"), "")
 
     def refuse(token):
         raise ValueError(f"non-standard JSON token {token}")
+
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         records = [json.loads(line, parse_constant=refuse) for line in f]
     assert records[0]["loss"] is None and records[0]["grad_norm"] is None
@@ -327,8 +393,11 @@ def test_model_state_table_is_one_write_by_the_logging_rank(tmp_path, monkeypatc
     one table in a single write, so ranks sharing a console cannot interleave inside it."""
     import io
 
-    rows = [dict(rank=1, psi=1000, bytes={"params": 2**20, "buckets": 2**10}, formula=2**20),
-            dict(rank=0, psi=2000, bytes={"params": 2**21, "buckets": 0}, formula=2**21)]
+    rows = [
+        dict(rank=1, psi=1000, bytes={"params": 2**20, "buckets": 2**10}, formula=2**20),
+        dict(rank=0, psi=2000, bytes={"params": 2**21, "buckets": 0}, formula=2**21),
+    ]
+
     class Out(io.StringIO):
         def write(self, text):
             writes.append(text)
@@ -337,8 +406,14 @@ def test_model_state_table_is_one_write_by_the_logging_rank(tmp_path, monkeypatc
     for logging, expect_writes in ((False, 0), (True, 1)):
         writes = []
         monkeypatch.setattr(sys, "stdout", Out())
-        with Monitor(str(tmp_path / str(logging)), tensorboard_dir=None, metrics_file="m.jsonl", rank=0,
-                     is_logging_rank=logging, config_text="") as mon:
+        with Monitor(
+            str(tmp_path / str(logging)),
+            tensorboard_dir=None,
+            metrics_file="m.jsonl",
+            rank=0,
+            is_logging_rank=logging,
+            config_text="",
+        ) as mon:
             mon.log_model_state_table(rows, note="ZeRO-0")
         monkeypatch.undo()
         assert len(writes) == expect_writes

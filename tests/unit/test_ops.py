@@ -6,6 +6,7 @@ twice, so the bound is a few units in the last place of values of size ~3: bf16 
 mantissa, eps 2^-8) atol = rtol = 3e-2, fp16 (11 bits, eps 2^-11) atol = rtol = 4e-3; the
 parameter gradients (sums over rows) get atol four times larger.
 """
+
 import pytest
 import torch
 
@@ -59,11 +60,9 @@ def test_reference_norms_match_their_formulas():
     mean = xd.mean(-1, keepdim=True)
     var = ((xd - mean) ** 2).mean(-1, keepdim=True)
     expected_ln = (xd - mean) / torch.sqrt(var + eps) * w.double() + b.double()
-    expected_rms = xd / torch.sqrt((xd ** 2).mean(-1, keepdim=True) + eps) * w.double()
-    torch.testing.assert_close(layer_norm_reference(x, w, b, eps).double(), expected_ln,
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rms_norm_reference(x, w, eps).double(), expected_rms,
-                               atol=1e-5, rtol=1e-5)
+    expected_rms = xd / torch.sqrt((xd**2).mean(-1, keepdim=True) + eps) * w.double()
+    torch.testing.assert_close(layer_norm_reference(x, w, b, eps).double(), expected_ln, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rms_norm_reference(x, w, eps).double(), expected_rms, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -102,9 +101,12 @@ def _adamw_reference_run(flat_param, grads, decay_mask, hyper):
     p_decay = torch.nn.Parameter(flat_param[:k].clone())
     p_plain = torch.nn.Parameter(flat_param[k:].clone())
     opt = torch.optim.AdamW(
-        [dict(params=[p_decay], weight_decay=hyper["weight_decay"]),
-         dict(params=[p_plain], weight_decay=0.0)],
-        lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"], foreach=False)
+        [dict(params=[p_decay], weight_decay=hyper["weight_decay"]), dict(params=[p_plain], weight_decay=0.0)],
+        lr=hyper["lr"],
+        betas=(hyper["beta1"], hyper["beta2"]),
+        eps=hyper["eps"],
+        foreach=False,
+    )
     for g in grads:
         p_decay.grad, p_plain.grad = g[:k].clone(), g[k:].clone()
         opt.step()
@@ -126,12 +128,20 @@ def _run_adam(backend, device, n_steps, weight_decay_as_tensor):
     wd = (mask * hyper["weight_decay"]).to(device)
     for step, g in enumerate(grads, start=1):
         if weight_decay_as_tensor:
-            adam_step(param, g.to(device), exp_avg, exp_avg_sq, step=step, backend=backend,
-                      **dict(hyper, weight_decay=wd))
+            adam_step(
+                param, g.to(device), exp_avg, exp_avg_sq, step=step, backend=backend, **dict(hyper, weight_decay=wd)
+            )
         else:  # scalar decay on the decayed part, none on the rest: two calls on views
             for sl, w in ((slice(0, k), hyper["weight_decay"]), (slice(k, n), 0.0)):
-                adam_step(param[sl], g[sl].to(device), exp_avg[sl], exp_avg_sq[sl], step=step,
-                          backend=backend, **dict(hyper, weight_decay=w))
+                adam_step(
+                    param[sl],
+                    g[sl].to(device),
+                    exp_avg[sl],
+                    exp_avg_sq[sl],
+                    step=step,
+                    backend=backend,
+                    **dict(hyper, weight_decay=w),
+                )
     torch.testing.assert_close(param.cpu(), expected, atol=1e-6, rtol=1e-6)
 
 
@@ -154,14 +164,34 @@ def test_adam_equals_torch_adamw_cuda(backend, wd_tensor):
 def test_adam_rejects_bad_arguments():
     p = torch.zeros(4)
     with pytest.raises(ValueError, match="shapes differ"):
-        adam_step(p, torch.zeros(5), torch.zeros(4), torch.zeros(4), step=1, lr=1.0, beta1=0.9,
-                  beta2=0.99, eps=1e-8, weight_decay=0.0)
+        adam_step(
+            p,
+            torch.zeros(5),
+            torch.zeros(4),
+            torch.zeros(4),
+            step=1,
+            lr=1.0,
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-8,
+            weight_decay=0.0,
+        )
     with pytest.raises(ValueError, match="step must be >= 1"):
-        adam_step(p, p.clone(), p.clone(), p.clone(), step=0, lr=1.0, beta1=0.9, beta2=0.99,
-                  eps=1e-8, weight_decay=0.0)
+        adam_step(p, p.clone(), p.clone(), p.clone(), step=0, lr=1.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
     with pytest.raises(ValueError, match="--kernels apex"):
-        adam_step(p, p.clone(), p.clone(), p.clone(), step=1, lr=1.0, beta1=0.9, beta2=0.99,
-                  eps=1e-8, weight_decay=0.0, backend="apex")
+        adam_step(
+            p,
+            p.clone(),
+            p.clone(),
+            p.clone(),
+            step=1,
+            lr=1.0,
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-8,
+            weight_decay=0.0,
+            backend="apex",
+        )
 
 
 def test_select_backend():
@@ -195,7 +225,7 @@ def test_adam_over_a_list_equals_one_call_per_tensor_bit_for_bit(backend):
     from megazero.ops.adam import adam_step_lists
 
     gen = torch.Generator().manual_seed(3)
-    cuts = [0, 5, 37, 38, 300, 301, 1000]   # odd sizes: vectorised bodies and scalar tails
+    cuts = [0, 5, 37, 38, 300, 301, 1000]  # odd sizes: vectorised bodies and scalar tails
     state = [torch.randn(1000, generator=gen) for _ in range(2)] + [torch.rand(1000, generator=gen)]
     grads = [torch.randn(1000, generator=gen) for _ in range(3)]
     runs = [(a, b) for a, b in zip(cuts, cuts[1:])]
@@ -204,8 +234,7 @@ def test_adam_over_a_list_equals_one_call_per_tensor_bit_for_bit(backend):
     for step, g in enumerate(grads, start=1):
         for a, b in runs:
             adam_step(one[0][a:b], g[a:b], one[1][a:b], one[2][a:b], step=step, **hyper)
-        adam_step_lists(*([t[a:b] for a, b in runs] for t in (lists[0], g, lists[1], lists[2])),
-                        step=step, **hyper)
+        adam_step_lists(*([t[a:b] for a, b in runs] for t in (lists[0], g, lists[1], lists[2])), step=step, **hyper)
     for x, y in zip(one, lists):
         assert torch.equal(x, y)
     with pytest.raises(ValueError, match="list lengths differ"):

@@ -1,6 +1,7 @@
 """megazero.pipeline.replay.simulate_executor: the executor's exchanges replayed. With free
 communication and the textbook 1:2 costs it gives the textbook bubble of every schedule; each
 exchange's hand-over time adds to it as derived by hand; bad schedules are refused."""
+
 import pytest
 
 from megazero.pipeline.replay import simulate_executor
@@ -31,9 +32,10 @@ def test_hand_over_time_by_hand():
         got = simulate_executor(_scheds("1f1b", 1, 2, 1), 2, 1, lambda s, a: 1.0 if a.kind == "F" else 2.0, L)
         assert got.makespan == pytest.approx(6 + 2 * L)
         assert got.bubble_fraction == pytest.approx((6 + 4 * L) / (12 + 4 * L))
-        by_messages = simulate_executor(_scheds("1f1b", 1, 2, 1), 2, 1,
-                                        lambda s, a: 1.0 if a.kind == "F" else 2.0, {1: L, 2: L}.__getitem__)
-        assert by_messages.makespan == got.makespan   # the same hand-over for 1 and 2 messages
+        by_messages = simulate_executor(
+            _scheds("1f1b", 1, 2, 1), 2, 1, lambda s, a: 1.0 if a.kind == "F" else 2.0, {1: L, 2: L}.__getitem__
+        )
+        assert by_messages.makespan == got.makespan  # the same hand-over for 1 and 2 messages
 
 
 def test_stage_costs_move_the_bubble():
@@ -42,7 +44,7 @@ def test_stage_costs_move_the_bubble():
     even = simulate_executor(scheds, 2, 1, lambda s, a: 1.0 if a.kind == "F" else 2.0)
     slow = simulate_executor(scheds, 2, 1, lambda s, a: (1.0 if a.kind == "F" else 2.0) * (1 + s))
     assert slow.busy == [12.0, 24.0] and slow.bubble_fraction > even.bubble_fraction
-    assert slow.makespan >= 24.0 + 3.0   # stage 1 cannot start before stage 0's first F
+    assert slow.makespan >= 24.0 + 3.0  # stage 1 cannot start before stage 0's first F
 
 
 def test_bad_schedule_is_refused():

@@ -1,11 +1,17 @@
 """Pure tests of pipeline partitioning, schedules and their communication plan (no processes)."""
+
 import pytest
 
 from megazero.pipeline.executor import comm_plan, exchange_groups
-from megazero.pipeline.partition import (PartitionError, is_post_process, is_pre_process,
-                                         layer_ids, parse_layer_split, validate_partition)
-from megazero.pipeline.schedules import (Action, ScheduleError, build_schedule,
-                                         last_backward_index, simulate)
+from megazero.pipeline.partition import (
+    PartitionError,
+    is_post_process,
+    is_pre_process,
+    layer_ids,
+    parse_layer_split,
+    validate_partition,
+)
+from megazero.pipeline.schedules import Action, ScheduleError, build_schedule, last_backward_index, simulate
 
 CASES = [(kind, p, m) for kind in ("gpipe", "1f1b") for p in (2, 4, 8) for m in (1, 4, 8, 32)]
 INTERLEAVED = [(p, m) for p in (2, 4, 8) for m in (1, 4, 8, 32) if m % p == 0]
@@ -35,15 +41,18 @@ def test_pre_and_post_process_chunks():
     assert not is_post_process(2, 4) and is_post_process(0, 1)
 
 
-@pytest.mark.parametrize("args, names", [
-    ((10, 4, 1, None), ["--num-layers 10", "--pp 4", "--virtual-pipeline-size 1", "12", "8"]),
-    ((8, 2, 3, None), ["--num-layers 8", "--pp 2", "--virtual-pipeline-size 3", "12"]),
-    ((5, 2, 1, [2, 2]), ["--pipeline-layer-split", "sums to 4", "--num-layers is 5"]),
-    ((5, 2, 1, [5, 0]), ["--pipeline-layer-split", ">= 1 layer"]),
-    ((6, 2, 1, [1, 2, 3]), ["--pipeline-layer-split", "3 entries", "--pp is 2"]),
-    ((8, 2, 2, [4, 4]), ["--pipeline-layer-split", "--virtual-pipeline-size 2"]),
-    ((8, 1, 2, None), ["--virtual-pipeline-size 2", "--pp >= 2"]),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        ((10, 4, 1, None), ["--num-layers 10", "--pp 4", "--virtual-pipeline-size 1", "12", "8"]),
+        ((8, 2, 3, None), ["--num-layers 8", "--pp 2", "--virtual-pipeline-size 3", "12"]),
+        ((5, 2, 1, [2, 2]), ["--pipeline-layer-split", "sums to 4", "--num-layers is 5"]),
+        ((5, 2, 1, [5, 0]), ["--pipeline-layer-split", ">= 1 layer"]),
+        ((6, 2, 1, [1, 2, 3]), ["--pipeline-layer-split", "3 entries", "--pp is 2"]),
+        ((8, 2, 2, [4, 4]), ["--pipeline-layer-split", "--virtual-pipeline-size 2"]),
+        ((8, 1, 2, None), ["--virtual-pipeline-size 2", "--pp >= 2"]),
+    ],
+)
 def test_partition_errors_name_the_flags(args, names):
     with pytest.raises(PartitionError) as err:
         validate_partition(*args)
@@ -82,16 +91,29 @@ def test_1f1b_bounds_activations_gpipe_does_not(p, m):
 
 
 def test_schedule_shapes_and_phases():
-    assert [str(a)[:6] for a in build_schedule("none", 2, 1, 0)] == [
-        "F(mb=0", "B(mb=0", "F(mb=1", "B(mb=1"]
+    assert [str(a)[:6] for a in build_schedule("none", 2, 1, 0)] == ["F(mb=0", "B(mb=0", "F(mb=1", "B(mb=1"]
     s = build_schedule("1f1b", 4, 4, 1)
     assert [(a.kind, a.microbatch, a.phase) for a in s] == [
-        ("F", 0, "warmup"), ("F", 1, "warmup"), ("F", 2, "steady"), ("B", 0, "steady"),
-        ("F", 3, "steady"), ("B", 1, "steady"), ("B", 2, "cooldown"), ("B", 3, "cooldown")]
+        ("F", 0, "warmup"),
+        ("F", 1, "warmup"),
+        ("F", 2, "steady"),
+        ("B", 0, "steady"),
+        ("F", 3, "steady"),
+        ("B", 1, "steady"),
+        ("B", 2, "cooldown"),
+        ("B", 3, "cooldown"),
+    ]
     s = build_schedule("interleaved", 2, 2, 1, 2)  # warm-up (2-1-1)*2 + 1*2 = 2
     assert [(a.kind, a.microbatch, a.chunk) for a in s] == [
-        ("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 0, 1), ("F", 1, 1), ("B", 1, 1),
-        ("B", 0, 0), ("B", 1, 0)]
+        ("F", 0, 0),
+        ("F", 1, 0),
+        ("F", 0, 1),
+        ("B", 0, 1),
+        ("F", 1, 1),
+        ("B", 1, 1),
+        ("B", 0, 0),
+        ("B", 1, 0),
+    ]
     assert last_backward_index(s) == {1: 5, 0: 7}
 
 
@@ -107,24 +129,27 @@ def test_build_schedule_errors():
 
 
 def test_simulator_rejects_backward_before_forward():
-    bad = [[Action("F", 0), Action("B", 1), Action("F", 1), Action("B", 0)],
-           [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)]]
+    bad = [
+        [Action("F", 0), Action("B", 1), Action("F", 1), Action("B", 0)],
+        [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+    ]
     with pytest.raises(ScheduleError, match=r"stage 0: B\(mb=1, chunk=0.*before its forward"):
         simulate(bad, 2)
 
 
 def test_simulator_rejects_missing_and_duplicate_actions():
     with pytest.raises(ScheduleError, match=r"stage 1: forwards without backward: \[\(1, 0\)\]"):
-        simulate([build_schedule("1f1b", 2, 2, 0), [Action("F", 0), Action("B", 0),
-                                                    Action("F", 1)]], 2)
+        simulate([build_schedule("1f1b", 2, 2, 0), [Action("F", 0), Action("B", 0), Action("F", 1)]], 2)
     with pytest.raises(ScheduleError, match=r"stage 0: F\(mb=0.*twice"):
         simulate([[Action("F", 0), Action("F", 0)], [Action("F", 0)]], 2)
 
 
 def test_simulator_detects_cross_stage_deadlock():
     # Stage 0 wants B0 before F1; stage 1 wants F1 before B0: a cycle.
-    bad = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
-           [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]]
+    bad = [
+        [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+        [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)],
+    ]
     with pytest.raises(ScheduleError) as err:
         simulate(bad, 2)
     msg = str(err.value)
@@ -149,10 +174,11 @@ def _exchanges(kind, m, p, v):
     return out
 
 
-ALL_KINDS = ([("1f1b", p, m, 1) for p, m in ((2, 8), (4, 8), (8, 4))]
-             + [("gpipe", p, m, 1) for p, m in ((2, 8), (4, 3))]
-             + [("interleaved", p, m, v) for p, m, v in ((2, 8, 2), (4, 8, 2), (4, 4, 2),
-                                                          (3, 6, 3), (8, 16, 2))])
+ALL_KINDS = (
+    [("1f1b", p, m, 1) for p, m in ((2, 8), (4, 8), (8, 4))]
+    + [("gpipe", p, m, 1) for p, m in ((2, 8), (4, 3))]
+    + [("interleaved", p, m, v) for p, m, v in ((2, 8, 2), (4, 8, 2), (4, 4, 2), (3, 6, 3), (8, 16, 2))]
+)
 
 
 @pytest.mark.parametrize("kind, p, m, v", ALL_KINDS)
@@ -161,8 +187,7 @@ def test_messages_match_in_posting_order(kind, p, m, v):
     sent, got = {}, {}
     for r, batches in enumerate(_exchanges(kind, m, p, v)):
         for peer, tag, op in (o for b in batches for o in b):
-            (sent if op == "send" else got).setdefault(
-                (r, peer) if op == "send" else (peer, r), []).append(tag)
+            (sent if op == "send" else got).setdefault((r, peer) if op == "send" else (peer, r), []).append(tag)
     assert sent == got and len(sent) > 0
 
 
@@ -171,15 +196,15 @@ def test_exchanges_complete_with_blocking_sends(kind, p, m, v):
     """Model NCCL's rendezvous: a batch completes only once every op's peer has posted its
     matching op (peer's batch reached). Every stage must get through all its batches."""
     ex = _exchanges(kind, m, p, v)
-    where = {(r, op, peer, tag): i for r, bs in enumerate(ex) for i, b in enumerate(bs)
-             for peer, tag, op in b}
+    where = {(r, op, peer, tag): i for r, bs in enumerate(ex) for i, b in enumerate(bs) for peer, tag, op in b}
     pos = [0] * p
     while any(pos[r] < len(ex[r]) for r in range(p)):
         moved = False
         for r in range(p):
             if pos[r] < len(ex[r]) and all(
-                    pos[peer] >= where[(peer, "recv" if op == "send" else "send", r, tag)]
-                    for peer, tag, op in ex[r][pos[r]]):
+                pos[peer] >= where[(peer, "recv" if op == "send" else "send", r, tag)]
+                for peer, tag, op in ex[r][pos[r]]
+            ):
                 pos[r] += 1
                 moved = True
         assert moved, f"blocking exchanges deadlock at batches {pos}"

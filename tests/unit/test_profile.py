@@ -1,5 +1,6 @@
 """--profile: a torch.profiler trace of the chosen steps, on the chosen ranks only, in the run
 directory; bad windows and ranks are config errors naming the flag."""
+
 import glob
 import json
 import os
@@ -16,9 +17,8 @@ def _train(rank, world, argv):
     import torch
 
     from megazero import training
-    from megazero.config import config_from_argv
+    from megazero.config import config_from_argv, layout_topology
     from megazero.process_groups import ProcessGroups
-    from megazero.config import layout_topology
 
     cfg = config_from_argv(argv, world)
     data = training.prepare_run(cfg)
@@ -28,8 +28,19 @@ def _train(rank, world, argv):
 
 def test_trace_written_for_chosen_ranks_only(tmp_path):
     run = str(tmp_path / "run")
-    argv = ARGS + ["--dp", "2", "--run-dir", run, "--profile", "--profile-step-start", "2",
-                   "--profile-step-end", "4", "--profile-ranks", "1"]
+    argv = ARGS + [
+        "--dp",
+        "2",
+        "--run-dir",
+        run,
+        "--profile",
+        "--profile-step-start",
+        "2",
+        "--profile-step-end",
+        "4",
+        "--profile-ranks",
+        "1",
+    ]
     assert run_distributed(_train, 2, argv, timeout_s=300) == [4, 4]
     traces = glob.glob(os.path.join(run, "profile", "*.pt.trace.json"))
     assert [os.path.basename(t).split(".")[0] for t in traces] == ["rank1"]
@@ -39,10 +50,13 @@ def test_trace_written_for_chosen_ranks_only(tmp_path):
     assert any(e.get("name") == "gloo:all_reduce" for e in events)  # the DP gradient all-reduce
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--profile-step-start", "5", "--profile-step-end", "5"], "--profile-step-end 5 must be above"),
-    (["--profile-ranks", "2"], "--profile-ranks 2 is not a rank"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--profile-step-start", "5", "--profile-step-end", "5"], "--profile-step-end 5 must be above"),
+        (["--profile-ranks", "2"], "--profile-ranks 2 is not a rank"),
+    ],
+)
 def test_bad_profile_settings_name_the_flag(flags, message, capsys):
     from tests.support.config import fails
 

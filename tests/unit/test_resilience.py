@@ -3,6 +3,7 @@
 The agreement and the NaN location run on real gloo ranks (tests/support/distributed.py) through
 ``training.Trainer``; the rest is pure.
 """
+
 import json
 import os
 import signal
@@ -35,13 +36,20 @@ def test_the_time_limit_counts_from_the_start():
 
 def test_exit_statuses_are_the_documented_ones():
     assert [R.stop_status(r) for r in ("SIGTERM", "SIGINT", "SIGUSR1", "time", "interval", "non-finite")] == [
-        143, 130, 138, 0, 0, 1]
+        143,
+        130,
+        138,
+        0,
+        0,
+        1,
+    ]
 
 
 def test_the_stop_record_is_written_whole(tmp_path):
     path = R.write_stop_record(str(tmp_path / "run"), reason="SIGTERM", iteration=7, checkpoint="/c/iter_0000007")
-    assert json.loads(open(path).read()) == dict(reason="SIGTERM", iteration=7, checkpoint="/c/iter_0000007",
-                                                 status=143, message="")
+    assert json.loads(open(path).read()) == dict(
+        reason="SIGTERM", iteration=7, checkpoint="/c/iter_0000007", status=143, message=""
+    )
     assert os.listdir(tmp_path / "run") == ["stop.json"]
 
 
@@ -73,35 +81,69 @@ def test_sample_indices_follow_the_sampler():
 
 def test_the_non_finite_line_names_everything():
     line = R.describe_non_finite(3, R.Place(2, 1, 0, 1, 0), range(52, 54), vp_size=1)
-    assert line == ("non-finite loss/gradient at iteration 3: it first appeared in the forward pass of pipeline "
-                    "stage 1 (tensor-parallel rank 1, data-parallel rank 0, micro-batch 2), on training samples "
-                    "52-53")
+    assert line == (
+        "non-finite loss/gradient at iteration 3: it first appeared in the forward pass of pipeline "
+        "stage 1 (tensor-parallel rank 1, data-parallel rank 0, micro-batch 2), on training samples "
+        "52-53"
+    )
     assert "backward" in R.describe_non_finite(3, None, None, vp_size=1)
 
 
-@pytest.mark.parametrize("text,err", [("nan:3", "KIND:ITERATION:RANK"), ("boom:1:2", "KIND nan, kill, term, savekill, swaptrunc or paramtrunc")])
+@pytest.mark.parametrize(
+    "text,err",
+    [("nan:3", "KIND:ITERATION:RANK"), ("boom:1:2", "KIND nan, kill, term, savekill, swaptrunc or paramtrunc")],
+)
 def test_a_bad_fault_spec_is_refused(text, err):
     with pytest.raises(ValueError, match=err):
         R.parse_fault(text)
     assert R.parse_fault("nan:3:5:1") == ("nan", 3, 5, 1) and R.parse_fault("kill:7:1") == ("kill", 7, 1, 0)
 
 
-ARGV = ["--mock-data", "--vocab-size", "101", "--num-layers", "2", "--hidden-size", "16",
-        "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1",
-        "--global-batch-size", "8", "--train-iters", "4", "--eval-iters", "0", "--device", "cpu",
-        "--make-vocab-size-divisible-by", "8", "--tp", "2", "--pp", "2"]
+ARGV = [
+    "--mock-data",
+    "--vocab-size",
+    "101",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "16",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "8",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "4",
+    "--eval-iters",
+    "0",
+    "--device",
+    "cpu",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+]
 
 
 def _steps(rank, world, stop_rank, fault):
     from megazero.config import config_from_argv
-    from megazero.training import build_trainer
     from megazero.process_groups import ProcessGroups
     from megazero.topology import Topology
+    from megazero.training import build_trainer
 
     cfg = config_from_argv(ARGV, world)
     asked = [False]
-    trainer = build_trainer(cfg, groups=ProcessGroups.build(Topology(tp=2, pp=2, dp=cfg.parallel.dp)), fault=fault,
-                            stop_flags=lambda: [0.0, 0.0, float(asked[0]), 0.0])
+    trainer = build_trainer(
+        cfg,
+        groups=ProcessGroups.build(Topology(tp=2, pp=2, dp=cfg.parallel.dp)),
+        fault=fault,
+        stop_flags=lambda: [0.0, 0.0, float(asked[0]), 0.0],
+    )
     out = []
     for step in range(1, 4):
         asked[0] = rank == stop_rank and step == 2  # as if SIGUSR1 came to this rank during step 2
@@ -127,9 +169,11 @@ def test_a_nan_in_one_micro_batch_is_located():
     runs = run_distributed(_steps, 8, -1, ("nan", 2, 1, 2), timeout_s=300)
     for steps in runs:
         assert [s[2] for s in steps] == [False, True, False]
-        assert steps[1][3] == ("non-finite loss/gradient at iteration 2: it first appeared in the forward pass "
-                               "of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch "
-                               "2), on training samples 10-10")
+        assert steps[1][3] == (
+            "non-finite loss/gradient at iteration 2: it first appeared in the forward pass "
+            "of pipeline stage 0 (tensor-parallel rank 1, data-parallel rank 0, micro-batch "
+            "2), on training samples 10-10"
+        )
 
 
 SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -178,16 +222,23 @@ def test_the_ring_buffer_is_bounded_and_named_in_the_report_and_the_launchers_li
     trail.enter(7, "the loss / stop all-reduce")
     line = R.write_failure(str(tmp_path), 0, trail, RuntimeError("Connection closed by peer\nmore"))
     op = f"all_reduce #{seq} over ranks [0, 2], shape (5,) float32"
-    assert line == f"megazero: rank 0: a collective failed in the loss / stop all-reduce at iteration 7, " \
-                   f"waiting in {op}: Connection closed by peer"
+    assert (
+        line == f"megazero: rank 0: a collective failed in the loss / stop all-reduce at iteration 7, "
+        f"waiting in {op}: Connection closed by peer"
+    )
     report = json.loads((tmp_path / "failures" / "rank_0.json").read_text())
     assert report["operation"] == op and len(report["ops"]) == C.recent.maxlen
     assert report["ops"][-1] == dict(op="all_reduce", ranks=[0, 2], seq=seq, shape=[5], dtype="float32")
     R.write_failure(str(tmp_path), 2, trail, RuntimeError("Connection closed by peer"))
-    waited = f"the others waited in {op} during the loss / stop all-reduce at iteration 7 (reports: {tmp_path}/failures)"
-    assert R.name_culprits(str(tmp_path), 4) == \
-        f"[megazero] rank(s) 1, 3 failed first (no report: killed, stopped or hung); {waited}"
+    waited = (
+        f"the others waited in {op} during the loss / stop all-reduce at iteration 7 (reports: {tmp_path}/failures)"
+    )
+    assert (
+        R.name_culprits(str(tmp_path), 4)
+        == f"[megazero] rank(s) 1, 3 failed first (no report: killed, stopped or hung); {waited}"
+    )
     (tmp_path / "torchrun.log").write_text(SUMMARY)
     assert R.name_culprits(str(tmp_path), 4) == (
         "[megazero] rank 3 failed first (signal 9 (SIGKILL), exit code -9, from torchrun's report); rank(s) 1 "
-        f"failed first (no report: killed, stopped or hung); {waited}")
+        f"failed first (no report: killed, stopped or hung); {waited}"
+    )

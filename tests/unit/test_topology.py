@@ -4,6 +4,7 @@ The generic N-dimensional arithmetic is checked against the three-dimension form
 replaced (written out below, independently of megazero.topology) for every layout of up to
 8 ranks, and a fourth dimension against Megatron-LM's tp-cp-dp-pp arithmetic.
 """
+
 import dataclasses
 import itertools
 
@@ -19,7 +20,15 @@ def test_order_is_tp_cp_dp_pp():
     assert t.order == "tp-cp-dp-pp" and t.cp == 1
     # rank = tp + 2 * (dp + 2 * pp)
     assert [(c.tp, c.dp, c.pp) for c in map(t.coord, range(8))] == [
-        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+        (0, 0, 0),
+        (1, 0, 0),
+        (0, 1, 0),
+        (1, 1, 0),
+        (0, 0, 1),
+        (1, 0, 1),
+        (0, 1, 1),
+        (1, 1, 1),
+    ]
     for r in range(8):
         c = t.coord(r)
         assert t.rank(c.tp, c.cp, c.dp, c.pp) == t.rank(tp=c.tp, dp=c.dp, pp=c.pp) == r
@@ -47,17 +56,30 @@ def test_groups_partition_the_world(tp, pp, dp):
 
 
 EXPECTED = {
-    (2, 2, 2): dict(tp=[[0, 1], [2, 3], [4, 5], [6, 7]], dp=[[0, 2], [1, 3], [4, 6], [5, 7]],
-                    pp=[[0, 4], [1, 5], [2, 6], [3, 7]], mp=[[0, 1, 4, 5], [2, 3, 6, 7]],
-                    embedding=[[0, 4], [1, 5], [2, 6], [3, 7]]),
-    (1, 4, 2): dict(tp=[[r] for r in range(8)], dp=[[0, 1], [2, 3], [4, 5], [6, 7]],
-                    pp=[[0, 2, 4, 6], [1, 3, 5, 7]], mp=[[0, 2, 4, 6], [1, 3, 5, 7]],
-                    embedding=[[0, 6], [1, 7]]),
-    (4, 1, 2): dict(tp=[[0, 1, 2, 3], [4, 5, 6, 7]], dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
-                    pp=[[r] for r in range(8)], mp=[[0, 1, 2, 3], [4, 5, 6, 7]],
-                    embedding=[[r] for r in range(8)]),
-    (2, 2, 1): dict(tp=[[0, 1], [2, 3]], dp=[[0], [1], [2], [3]], pp=[[0, 2], [1, 3]],
-                    mp=[[0, 1, 2, 3]], embedding=[[0, 2], [1, 3]]),
+    (2, 2, 2): dict(
+        tp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        dp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        pp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        mp=[[0, 1, 4, 5], [2, 3, 6, 7]],
+        embedding=[[0, 4], [1, 5], [2, 6], [3, 7]],
+    ),
+    (1, 4, 2): dict(
+        tp=[[r] for r in range(8)],
+        dp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        pp=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        mp=[[0, 2, 4, 6], [1, 3, 5, 7]],
+        embedding=[[0, 6], [1, 7]],
+    ),
+    (4, 1, 2): dict(
+        tp=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        pp=[[r] for r in range(8)],
+        mp=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        embedding=[[r] for r in range(8)],
+    ),
+    (2, 2, 1): dict(
+        tp=[[0, 1], [2, 3]], dp=[[0], [1], [2], [3]], pp=[[0, 2], [1, 3]], mp=[[0, 1, 2, 3]], embedding=[[0, 2], [1, 3]]
+    ),
 }
 
 
@@ -71,6 +93,7 @@ def test_documented_members_pure(layout):
 
 # -- the three-dimension arithmetic as it was (order tp-dp-pp), the oracle -----------------
 
+
 def _old_coord(r, tp, pp, dp):
     return r % tp, (r // tp) % dp, r // (tp * dp)
 
@@ -81,7 +104,7 @@ def _old_rank(t, d, p, tp, pp, dp):
 
 def _old_group(kind, r, tp, pp, dp):
     t, d, p = _old_coord(r, tp, pp, dp)
-    at = lambda t_, d_, p_: _old_rank(t_, d_, p_, tp, pp, dp)  # noqa: E731
+    at = lambda t_, d_, p_: _old_rank(t_, d_, p_, tp, pp, dp)
     if kind == "tp":
         return [at(x, d, p) for x in range(tp)]
     if kind == "dp":
@@ -103,8 +126,7 @@ def _old_groups(kind, tp, pp, dp):
     return out
 
 
-LAYOUTS = [(tp, pp, dp) for tp, pp, dp in itertools.product(range(1, 9), repeat=3)
-           if tp * pp * dp <= 8]
+LAYOUTS = [(tp, pp, dp) for tp, pp, dp in itertools.product(range(1, 9), repeat=3) if tp * pp * dp <= 8]
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
@@ -129,9 +151,18 @@ def test_process_groups_build_creates_the_old_groups_in_the_old_order():
     embedding group, then the expert and hybrid families."""
     assert [*GROUPS, "embedding"] == ["tp", "dp", "pp", "mp", "cp", "dp_cp", "embedding"]
     assert [(r.name, r.family) for r in GROUP_TABLE] == [
-        ("tp", "dense"), ("dp", "dense"), ("pp", "dense"), ("mp", "dense"), ("cp", "dense"), ("dp_cp", "dense"),
-        ("embedding", "dense"), ("ep", "expert"), ("edp", "expert"), ("zero_shard", "hybrid"),
-        ("zero_replica", "hybrid")]
+        ("tp", "dense"),
+        ("dp", "dense"),
+        ("pp", "dense"),
+        ("mp", "dense"),
+        ("cp", "dense"),
+        ("dp_cp", "dense"),
+        ("embedding", "dense"),
+        ("ep", "expert"),
+        ("edp", "expert"),
+        ("zero_shard", "hybrid"),
+        ("zero_replica", "hybrid"),
+    ]
 
 
 def test_process_groups_fields_are_exactly_the_table_rows():
@@ -143,9 +174,13 @@ def test_process_groups_fields_are_exactly_the_table_rows():
         single.tp = None
 
 
-FAMILY_LAYOUTS = [dict(tp=2, pp=2, dp=2), dict(tp=1, pp=3, dp=4, cp=2, ep=4, zero_shard=2),
-                  dict(tp=2, pp=1, dp=2, cp=3, ep=3, zero_shard=3), dict(tp=1, pp=4, dp=6, ep=2, zero_shard=3),
-                  dict(tp=3, pp=2, dp=1, cp=2, ep=2, zero_shard=1)]
+FAMILY_LAYOUTS = [
+    dict(tp=2, pp=2, dp=2),
+    dict(tp=1, pp=3, dp=4, cp=2, ep=4, zero_shard=2),
+    dict(tp=2, pp=1, dp=2, cp=3, ep=3, zero_shard=3),
+    dict(tp=1, pp=4, dp=6, ep=2, zero_shard=3),
+    dict(tp=3, pp=2, dp=1, cp=2, ep=2, zero_shard=1),
+]
 
 
 @pytest.mark.parametrize("layout", FAMILY_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
@@ -164,18 +199,24 @@ def test_every_family_row_partitions_the_world(layout):
             g = t.row_group(r, row)
             assert g in groups and (r in g or row.rule == "ends"), (row.name, r)
         k = getattr(t, row.by) if row.by else None
-        size = {"all": lambda: _prod_of(t, row.over), "ends": lambda: min(t.pp, 2),
-                "block": lambda: k, "stride": lambda: replicas // k}[row.rule]()
+        size = {
+            "all": lambda: _prod_of(t, row.over),
+            "ends": lambda: min(t.pp, 2),
+            "block": lambda: k,
+            "stride": lambda: replicas // k,
+        }[row.rule]()
         assert {len(g) for g in groups} == {size}, row.name
-    assert t.named_groups("ep") == [t.expert_group(r, "ep") for r in range(t.world_size)
-                                    if r == t.expert_group(r, "ep")[0]]
-    for r in range(t.world_size):   # the carved rows agree with the rank formulas
+    assert t.named_groups("ep") == [
+        t.expert_group(r, "ep") for r in range(t.world_size) if r == t.expert_group(r, "ep")[0]
+    ]
+    for r in range(t.world_size):  # the carved rows agree with the rank formulas
         assert t.group(r, ("dp", "cp")).index(r) == t.coord(r).cp + t.cp * t.coord(r).dp == t.replica_index(r)
         assert [t.ep_rank(s) for s in t.expert_group(r, "ep")] == list(range(t.ep))
         assert [t.edp_rank(s) for s in t.expert_group(r, "edp")] == list(range(replicas // t.ep))
         assert [t.zero_shard_rank(s) for s in t.zero_group(r, "zero_shard")] == list(range(t.zero_shard))
         assert [t.zero_replica_rank(s) for s in t.zero_group(r, "zero_replica")] == list(
-            range(replicas // t.zero_shard))
+            range(replicas // t.zero_shard)
+        )
 
 
 def _prod_of(t, over):
@@ -201,13 +242,13 @@ def test_process_groups_coordinates_pure():
     g = ProcessGroups(t, rank=5)
     assert g.describe() == "rank 5: tp 1/2 dp 0/2 pp 1/2"
     assert (g.tp_rank, g.dp_rank, g.pp_rank, g.tp_size, g.dp_size, g.pp_size) == (1, 0, 1, 2, 2, 2)
-    assert (g.is_first_stage, g.is_last_stage, g.prev_stage_rank, g.next_stage_rank) == (
-        False, True, 1, None)
+    assert (g.is_first_stage, g.is_last_stage, g.prev_stage_rank, g.next_stage_rank) == (False, True, 1, None)
     assert ProcessGroups(t, rank=1).next_stage_rank == 5
     assert ProcessGroups.single().describe() == "rank 0: tp 0/1 dp 0/1 pp 0/1"
 
 
 # -- a fourth dimension is one entry --------------------------------------------------------
+
 
 def test_context_parallel_dimension_follows_megatron_arithmetic():
     """Order tp-cp-dp-pp (Megatron-LM): tp_rank = r % tp, cp_rank = (r // tp) % cp,
@@ -215,23 +256,34 @@ def test_context_parallel_dimension_follows_megatron_arithmetic():
     tp, cp, dp, pp = 2, 2, 3, 2
     t = Topology(order="tp-cp-dp-pp", tp=tp, cp=cp, dp=dp, pp=pp)
     assert t.world_size == 24 and (t.tp, t.cp, t.dp, t.pp) == (tp, cp, dp, pp)
-    same = lambda r, s, keep: all(getattr(t.coord(r), n) == getattr(t.coord(s), n)  # noqa: E731
-                                  for n in keep)
+    same = lambda r, s, keep: all(getattr(t.coord(r), n) == getattr(t.coord(s), n) for n in keep)
     for r in range(t.world_size):
         c = t.coord(r)
-        assert (c.tp, c.cp, c.dp, c.pp) == (r % tp, (r // tp) % cp, (r // (tp * cp)) % dp,
-                                            r // (tp * cp * dp))
+        assert (c.tp, c.cp, c.dp, c.pp) == (r % tp, (r // tp) % cp, (r // (tp * cp)) % dp, r // (tp * cp * dp))
         assert t.rank(c.tp, c.cp, c.dp, c.pp) == t.rank(**c) == r
         # the group over S: the ranks that agree with r outside S
-        for over in [("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("tp", "pp"),
-                     ("tp", "cp", "dp", "pp"), ()]:
+        for over in [("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("tp", "pp"), ("tp", "cp", "dp", "pp"), ()]:
             keep = [n for n in t.names if n not in over]
             assert t.group(r, over) == [s for s in range(t.world_size) if same(r, s, keep)]
-    assert t.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11],
-                              [12, 14], [13, 15], [16, 18], [17, 19], [20, 22], [21, 23]]
-    assert t.groups(("dp", "cp")) == t.groups("cp-dp") == [
-        [0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11], [12, 14, 16, 18, 20, 22],
-        [13, 15, 17, 19, 21, 23]]
+    assert t.groups("cp") == [
+        [0, 2],
+        [1, 3],
+        [4, 6],
+        [5, 7],
+        [8, 10],
+        [9, 11],
+        [12, 14],
+        [13, 15],
+        [16, 18],
+        [17, 19],
+        [20, 22],
+        [21, 23],
+    ]
+    assert (
+        t.groups(("dp", "cp"))
+        == t.groups("cp-dp")
+        == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11], [12, 14, 16, 18, 20, 22], [13, 15, 17, 19, 21, 23]]
+    )
     assert t.dp_group(0) == [0, 4, 8] and t.pp_group(3) == [3, 15]
     assert t.mp_groups()[:2] == [[0, 1, 12, 13], [2, 3, 14, 15]]
     assert t.embedding_group(2) == [2, 14]
@@ -284,8 +336,7 @@ def _members(rank, world, layout):
         got = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(g))]
         dist.all_gather(got, mine, group=g)
         out[kind] = [int(x) for x in got]
-    out["stage"] = (groups.is_first_stage, groups.is_last_stage, groups.prev_stage_rank,
-                    groups.next_stage_rank)
+    out["stage"] = (groups.is_first_stage, groups.is_last_stage, groups.prev_stage_rank, groups.next_stage_rank)
     return out
 
 

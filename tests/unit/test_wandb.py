@@ -1,5 +1,6 @@
 """Weights & Biases logging (offline) gets exactly TensorBoard's scalars; --peak-tflops sets the
 MFU denominator; a missing wandb package is a config error before launch."""
+
 import glob
 import json
 import math
@@ -20,11 +21,11 @@ def _records(raw: bytes):
     pos, block, buf = 7, 32768, b""
     while pos + 7 <= len(raw):
         left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7]) if left >= 7 else (0, 0, 0)
         if kind == 0:  # block trailer padding
             pos += left
             continue
-        buf, pos = buf + raw[pos + 7:pos + 7 + length], pos + 7 + length
+        buf, pos = buf + raw[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 4):
             yield buf
             buf = b""
@@ -64,8 +65,16 @@ def test_offline_run_holds_exactly_the_tensorboard_scalars(tmp_path, offline, ca
     from megazero.runtime.monitor import Monitor
 
     wb = dict(project="megazero-test", name="unit", save_dir=str(tmp_path / "wb"), config={"tp": 2})
-    with Monitor(str(tmp_path / "run"), tensorboard_dir="tb", metrics_file=None, rank=0,
-                 is_logging_rank=True, config_text="tp: 2", train_iters=100, wandb=wb) as mon:
+    with Monitor(
+        str(tmp_path / "run"),
+        tensorboard_dir="tb",
+        metrics_file=None,
+        rank=0,
+        is_logging_rank=True,
+        config_text="tp: 2",
+        train_iters=100,
+        wandb=wb,
+    ) as mon:
         for it, values in ITERATIONS.items():
             mon.log_iteration(it, values)
         mon.log_validation(20, 4.75)
@@ -99,11 +108,39 @@ def test_training_run_sends_its_scalars_to_wandb_with_peak_tflops_mfu(tmp_path, 
     from megazero import training
 
     run = tmp_path / "run"
-    argv = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
-            "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "2", "--train-iters", "3",
-            "--log-interval", "1", "--eval-iters", "0", "--device", "cpu", "--make-vocab-size-divisible-by", "8",
-            "--run-dir", str(run), "--wandb-project", "megazero-test", "--wandb-exp-name", "tiny",
-            "--peak-tflops", "0.5"]
+    argv = [
+        "--mock-data",
+        "--vocab-size",
+        "64",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "8",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "3",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--device",
+        "cpu",
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--run-dir",
+        str(run),
+        "--wandb-project",
+        "megazero-test",
+        "--wandb-exp-name",
+        "tiny",
+        "--peak-tflops",
+        "0.5",
+    ]
     assert training.main(argv) == 0
     records = [json.loads(line) for line in open(run / "metrics.jsonl")]
     logged = [r for r in records if r["kind"] == "train"]

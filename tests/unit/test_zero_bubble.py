@@ -2,6 +2,7 @@
 the ZB-H1 and ZB-V schedules (validator, simulator, executor replay), the V layout, the
 config refusals. The trained equivalence on spawned ranks is tests/layouts/test_zero_bubble_train.py.
 """
+
 import contextlib
 import math
 
@@ -16,8 +17,8 @@ from megazero.pipeline.weight_grad import SavedTensors, SplitBackwardError, back
 from megazero.planning.memory import inflight_per_stage
 from megazero.process_groups import ProcessGroups
 
-SIZES = [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]   # (pp, micro-batches)
-UNIT = dict(forward_cost=1.0, backward_cost=1.0, weight_cost=1.0)   # F = B = W
+SIZES = [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]  # (pp, micro-batches)
+UNIT = dict(forward_cost=1.0, backward_cost=1.0, weight_cost=1.0)  # F = B = W
 
 
 def _all(kind, m, p):
@@ -56,7 +57,7 @@ def test_zb_v_bubble_at_m_2p_is_the_start_up_delay(p):
     if p == 2:
         assert v.bubble_fraction < 0.05
     assert v.peak_inflight == [2 * p] * p
-    assert inflight_per_stage("zb-v", p, 2, m) == v.peak_inflight   # the planner counts the same
+    assert inflight_per_stage("zb-v", p, 2, m) == v.peak_inflight  # the planner counts the same
     assert inflight_per_stage("zb-h1", p, 1, m) == [p] * p
 
 
@@ -72,8 +73,7 @@ def test_schedules_validate_and_run_in_the_executor_replay(kind, p, m):
     for s in scheds:
         assert [a.kind for a in s].count("W") == m * v
         assert s[0].phase == "warmup" and s[-1].phase == "cooldown" and s[-1].kind == "W"
-    replay = simulate_executor(scheds, p, v, lambda s, a: {"F": 1.0, "B": 1.0, "W": 1.0}[a.kind] / v,
-                               layout=layout)
+    replay = simulate_executor(scheds, p, v, lambda s, a: {"F": 1.0, "B": 1.0, "W": 1.0}[a.kind] / v, layout=layout)
     assert replay.makespan == pytest.approx(simulate(scheds, p, v, layout=layout, **UNIT).makespan)
 
 
@@ -99,8 +99,8 @@ def test_v_layout_and_its_messages():
     assert layer_ids(16, p, 1, 2, 1, layout="v") == [12, 13]
     assert is_post_process(0, p, 1, 2, "v") and not is_post_process(p - 1, p, 1, 2, "v")
     f = Action("F", 5, 1)
-    assert comm_plan(f, p - 1, p, 2, "v")[0][0] == "self"     # the turn stays on the rank
-    recv, send = comm_plan(f, 1, p, 2, "v")                    # chunk 1 runs back up
+    assert comm_plan(f, p - 1, p, 2, "v")[0][0] == "self"  # the turn stays on the rank
+    recv, send = comm_plan(f, 1, p, 2, "v")  # chunk 1 runs back up
     assert (recv[:2], send[:2]) == (("next", 2), ("prev", 0))
     assert comm_plan(Action("W", 0, 1), 1, p, 2, "v") == (None, None)
 
@@ -113,20 +113,38 @@ def test_build_schedule_refuses_zero_bubble_without_pipeline():
 
 
 # -- the B/W split of one chunk -----------------------------------------------------------------
-RECOMPUTE = {"none": {}, "selective": dict(recompute_granularity="selective"),
-             "full": dict(recompute_granularity="full", recompute_method="uniform"),
-             # MoE (4 experts, top 2, shared expert, load-balancing and z losses): the
-             # routing's custom Functions and AuxLossBackward run in B, the experts' linears in W
-             "moe": dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
-                         moe_shared_expert_intermediate_size=32)}
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full": dict(recompute_granularity="full", recompute_method="uniform"),
+    # MoE (4 experts, top 2, shared expert, load-balancing and z losses): the
+    # routing's custom Functions and AuxLossBackward run in B, the experts' linears in W
+    "moe": dict(
+        num_experts=4,
+        moe_router_topk=2,
+        moe_aux_loss_coeff=0.01,
+        moe_z_loss_coeff=0.001,
+        moe_shared_expert_intermediate_size=32,
+    ),
+}
 
 
 def _stage(pre, post, recompute="none"):
     from model.config import GPTConfig
     from model.gpt import GPTStage
-    cfg = GPTConfig(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8,
-                    hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=16,
-                    tie_embeddings=False, **RECOMPUTE[recompute])
+
+    cfg = GPTConfig(
+        vocab_size=50,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        make_vocab_size_divisible_by=16,
+        tie_embeddings=False,
+        **RECOMPUTE[recompute],
+    )
     return GPTStage(cfg, ProcessGroups.single(), [0, 1], pre, post, seed=3)
 
 
@@ -144,7 +162,7 @@ def _three_microbatches(stage, split):
         dy = None if stage.post_process else torch.randn(2, 8, 16, generator=g)
         if split:
             dx, work = backward_input(out, dy, None if stage.pre_process else x, boxes)
-            assert all(p.grad is None for p in stage.parameters())   # B leaves the weights alone
+            assert all(p.grad is None for p in stage.parameters())  # B leaves the weights alone
             works.append(work)
         else:
             torch.autograd.backward(out, dy)
@@ -155,10 +173,15 @@ def _three_microbatches(stage, split):
     return [p.grad for p in stage.parameters()], input_grads
 
 
-@pytest.mark.parametrize("recompute, pre, post", [
-    (r, pre, post) for r in ("none", "selective", "full")
-    for pre, post in [(True, False), (False, False), (False, True), (True, True)]]
-    + [("moe", True, True)])   # one stage with embedding, MoE layers and head
+@pytest.mark.parametrize(
+    "recompute, pre, post",
+    [
+        (r, pre, post)
+        for r in ("none", "selective", "full")
+        for pre, post in [(True, False), (False, False), (False, True), (True, True)]
+    ]
+    + [("moe", True, True)],
+)  # one stage with embedding, MoE layers and head
 def test_split_backward_is_bit_identical(pre, post, recompute):
     """B then W (all B's first, W's in micro-batch order) gives the fused backward's input
     gradients and accumulated weight gradients bit for bit, on the first, middle and last
@@ -172,6 +195,7 @@ def test_split_backward_is_bit_identical(pre, post, recompute):
 
 def test_split_refuses_a_fused_custom_function():
     """A custom autograd.Function computing dX and dW in one backward cannot be split."""
+
     class Fused(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w):
@@ -192,14 +216,18 @@ def test_split_refuses_a_fused_custom_function():
 BAD = {
     "zb-h1 at pp 1": (["--pipeline-schedule", "zb-h1"], 1, "--pipeline-schedule zb-h1 needs --pp >= 2"),
     "zb-v at pp 1": (["--pipeline-schedule", "zb-v"], 1, "--pipeline-schedule zb-v needs --pp >= 2"),
-    "zb-v layers": (["--pp", "2", "--pipeline-schedule", "zb-v", "--num-layers", "6",
-                     "--untie-embeddings-and-output-weights"], 2, "--num-layers (6) divisible by 2 x --pp = 4"),
+    "zb-v layers": (
+        ["--pp", "2", "--pipeline-schedule", "zb-v", "--num-layers", "6", "--untie-embeddings-and-output-weights"],
+        2,
+        "--num-layers (6) divisible by 2 x --pp = 4",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_zero_bubble_settings_exit_2(case, capsys):
     from megazero.config import config_from_argv
+
     argv, world, expected = BAD[case]
     with pytest.raises(SystemExit) as exc:
         config_from_argv(["--mock-data"] + argv, world)
@@ -210,8 +238,20 @@ def test_bad_zero_bubble_settings_exit_2(case, capsys):
 
 def test_zb_v_selects_two_chunks():
     from megazero.config import config_from_argv
-    cfg = config_from_argv(["--mock-data", "--pp", "2", "--pipeline-schedule", "zb-v", "--num-layers", "4",
-                            "--untie-embeddings-and-output-weights"], 2)
+
+    cfg = config_from_argv(
+        [
+            "--mock-data",
+            "--pp",
+            "2",
+            "--pipeline-schedule",
+            "zb-v",
+            "--num-layers",
+            "4",
+            "--untie-embeddings-and-output-weights",
+        ],
+        2,
+    )
     assert cfg.parallel.virtual_pipeline_size == 2
 
 
@@ -221,17 +261,37 @@ def test_planner_counts_what_b_leaves_for_w():
     planner takes the largest of the (kept, awaiting W) moments of each stage's schedule.
     ZB-H1's stage r: (p - r, r) in the steady phase, (0, p) at the end of the last stage."""
     from megazero.config import config_from_argv
+    from megazero.pipeline.schedules import inflight_pairs_of
     from megazero.planning import activations as A
     from megazero.planning.plan import plan_stages
-    from megazero.pipeline.schedules import inflight_pairs_of
     from model.build import build_gpt_config
 
     assert [inflight_pairs_of(build_schedule("zb-h1", 8, 4, r)) for r in range(4)] == [
-        ((3, 1), (4, 0)), ((2, 2), (3, 1)), ((1, 3), (2, 2)), ((0, 4), (1, 3))]
+        ((3, 1), (4, 0)),
+        ((2, 2), (3, 1)),
+        ((1, 3), (2, 2)),
+        ((0, 4), (1, 3)),
+    ]
     assert inflight_pairs_of(build_schedule("1f1b", 8, 4, 0)) == ((4, 0),)
-    base = ["--mock-data", "--vocab-size", "1001", "--num-layers", "4", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "2", "--pp", "2",
-            "--global-batch-size", "8"]
+    base = [
+        "--mock-data",
+        "--vocab-size",
+        "1001",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "128",
+        "--micro-batch-size",
+        "2",
+        "--pp",
+        "2",
+        "--global-batch-size",
+        "8",
+    ]
     stages = {}
     for kind in ("1f1b", "zb-h1"):
         cfg = config_from_argv(base + ["--pipeline-schedule", kind], 2, print_warnings=False)
@@ -241,13 +301,16 @@ def test_planner_counts_what_b_leaves_for_w():
     q, vocab = 4 * 2 * 128 * 64, gcfg.padded_vocab(1)
     # per layer: inputs 2 q + q + 4 q, output gradients 3 q + 4 q + 2 q; the embedding's q
     assert A.weight_grad_bytes(gcfg, a, 2, True, False, vocab) == q * (2 * 16 + 1)
-    assert A.weight_grad_bytes(gcfg, a, 2, False, True, vocab) == q * 2 * 16 + 4 * vocab * 64   # + the head's dW
+    assert A.weight_grad_bytes(gcfg, a, 2, False, True, vocab) == q * 2 * 16 + 4 * vocab * 64  # + the head's dW
     for r, (first, last) in enumerate(((True, False), (False, True))):
-        want = max(A.stage_activation_bytes(gcfg, a, [2], kept, first, last, 2, vocab, waiting)
-                   for kept, waiting in inflight_pairs_of(build_schedule("zb-h1", 4, 2, r)))
+        want = max(
+            A.stage_activation_bytes(gcfg, a, [2], kept, first, last, 2, vocab, waiting)
+            for kept, waiting in inflight_pairs_of(build_schedule("zb-h1", 4, 2, r))
+        )
         assert stages["zb-h1"][r].activation_bytes == pytest.approx(want)
         assert stages["1f1b"][r].activation_bytes == pytest.approx(
-            A.stage_activation_bytes(gcfg, a, [2], 2 - r, first, last, 2, vocab))
+            A.stage_activation_bytes(gcfg, a, [2], 2 - r, first, last, 2, vocab)
+        )
 
 
 @pytest.mark.parametrize("pre, post", [(False, False), (True, False), (False, True)])
@@ -258,6 +321,7 @@ def test_b_frees_what_w_does_not_read(pre, post):
     the planner's ``weight_grad_bytes`` exactly; W reading an emptied box raises instead of computing."""
     from megazero.planning import activations as A
     from model.config import GPTConfig
+
     stage = _stage(pre, post)
     g = torch.Generator().manual_seed(0)
     tokens, labels = torch.randint(0, 50, (2, 8), generator=g), torch.randint(0, 50, (2, 8), generator=g)
@@ -269,21 +333,41 @@ def test_b_frees_what_w_does_not_read(pre, post):
     before = boxes.held_bytes()
     _, work = backward_input(out, None if post else torch.randn(2, 8, 16, generator=g), None if pre else x, boxes)
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    kept = {b.tensor.untyped_storage().data_ptr(): b.tensor for b in boxes.boxes
-            if b.tensor.untyped_storage().data_ptr() not in params}
+    kept = {
+        b.tensor.untyped_storage().data_ptr(): b.tensor
+        for b in boxes.boxes
+        if b.tensor.untyped_storage().data_ptr() not in params
+    }
     indices = sum(t.untyped_storage().nbytes() for t in kept.values() if not t.is_floating_point())
-    assert indices == (2 * 8 * 8 + 8 * 8 if pre else 0)   # the embeddings' token and position ids
+    assert indices == (2 * 8 * 8 + 8 * 8 if pre else 0)  # the embeddings' token and position ids
     kept = sum(t.untyped_storage().nbytes() for t in kept.values()) - indices
-    grads = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-             for it in work.items for t in it.grads if t is not None}
-    grads.update({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()   # the head's, B computed
-                  for it in work.items if it.done for t in it.done if t is not None and t.dim() > 1})
-    cfg = GPTConfig(vocab_size=50, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8,
-                    make_vocab_size_divisible_by=16)
+    grads = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for it in work.items
+        for t in it.grads
+        if t is not None
+    }
+    grads.update(
+        {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the head's, B computed
+            for it in work.items
+            if it.done
+            for t in it.done
+            if t is not None and t.dim() > 1
+        }
+    )
+    cfg = GPTConfig(
+        vocab_size=50,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        seq_length=8,
+        make_vocab_size_divisible_by=16,
+    )
     a = A.ActivationSettings(micro_batch_size=2, tp=1, sequence_parallel=False, activation_bytes=4)
     assert kept + sum(grads.values()) == A.weight_grad_bytes(cfg, a, 2, pre, post, 64)
     assert boxes.held_bytes() < before
-    for b in boxes.boxes:   # as if B had not marked what W reads
+    for b in boxes.boxes:  # as if B had not marked what W reads
         b.tensor = None
     with pytest.raises(SplitBackwardError, match="read a saved tensor that its B released"):
         backward_weight(work)

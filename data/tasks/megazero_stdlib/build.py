@@ -18,6 +18,7 @@ first whole lines up to ``PPL_CHARS`` characters.
 The held-out split depends on the path alone; the texts on the running Python's standard
 library (CPython 3.11.7 wrote the committed files: ``python`` in each row's ``source``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,11 +43,11 @@ def _candidates(lines: list[str]) -> list[int]:
 
 
 def _indent(line: str) -> str:
-    return line[:len(line) - len(line.lstrip(" \t"))]
+    return line[: len(line) - len(line.lstrip(" \t"))]
 
 
 def _ending(line: str) -> str:
-    return line[len(line.rstrip("\r\n")):]
+    return line[len(line.rstrip("\r\n")) :]
 
 
 def build(root: str | None = None) -> tuple[list[dict], list[dict]]:
@@ -63,7 +64,7 @@ def build(root: str | None = None) -> tuple[list[dict], list[dict]]:
         cands = _candidates(file_lines)
         others = [s for q in sorted(pool) if q != path for s in pool[q]]
         for i in sorted(rng.sample(cands, min(ITEMS_PER_FILE, len(cands)))):
-            context = file_lines[max(0, i - CONTEXT_LINES):i]
+            context = file_lines[max(0, i - CONTEXT_LINES) : i]
             while len(context) > 1 and sum(map(len, context)) > CONTEXT_CHARS:
                 context = context[1:]
             true = file_lines[i]
@@ -76,8 +77,16 @@ def build(root: str | None = None) -> tuple[list[dict], list[dict]]:
                     wrong.append(line)
             choices = [true] + wrong
             rng.shuffle(choices)
-            mc.append({"path": path, "line": i + 1, "context": "".join(context), "choices": choices,
-                       "label": choices.index(true), "source": source})
+            mc.append(
+                {
+                    "path": path,
+                    "line": i + 1,
+                    "context": "".join(context),
+                    "choices": choices,
+                    "label": choices.index(true),
+                    "source": source,
+                }
+            )
         head, size = [], 0
         for line in file_lines:
             if size + len(line) > PPL_CHARS and head:

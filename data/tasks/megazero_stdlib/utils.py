@@ -1,6 +1,7 @@
 """Loaders of the shipped tasks' data for lm-evaluation-harness (``custom_dataset`` in the task
 YAML files beside this one): the JSON lines next to this file, read with no network and no
 ``datasets`` cache (``datasets.Dataset.from_list``). ``build.py`` writes them."""
+
 import json
 import os
 
