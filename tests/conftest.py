@@ -12,9 +12,11 @@ forks its ranks, so a module imported here is already loaded in every rank: impo
 trainer and torch.distributed.checkpoint (which megazero imports only when a checkpoint is read
 or written) costs about 2 s of CPU per process, 7 s per set of 4 ranks on a 2-core machine, when
 each rank does it itself."""
-import megazero.checkpoint.shards  # noqa: F401  (torch.distributed.checkpoint)
-import megazero.training  # noqa: F401
+
 import pytest
+
+import megazero.checkpoint.shards  # noqa: F401 (torch.distributed.checkpoint, inherited by forked ranks)
+import megazero.training  # noqa: F401
 
 # the fixtures that tests in several modules share (a test module imports no other test module)
 pytest_plugins = ["tests.support.generate", "tests.support.hf_convert", "tests.support.layouts"]

@@ -12,6 +12,7 @@ most of the start-up time on a 2-core machine.
 ``forked_train_main(args, run_dir)`` forks the ranks of a whole ``training.main`` run (torchrun's
 variables, no launcher) in the background, for the reference runs launched ones are compared with.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,13 +46,14 @@ def _child(fn, rank, world_size, port, results, collective_timeout_s, args, kwar
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
+        )
         out = fn(rank, world_size, *args, **kwargs)
         dist.barrier()  # nobody tears down connections a peer is still reading from
         # plain pickle: tensors travel by value, not as shared-memory handles that die with the rank
         results.put((rank, True, pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException:  # everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -61,8 +63,9 @@ def _child(fn, rank, world_size, port, results, collective_timeout_s, args, kwar
                 pass
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0,
-                    collective_timeout_s: float = 60.0, **kwargs) -> list:
+def run_distributed(
+    fn, world_size: int, *args, timeout_s: float = 180.0, collective_timeout_s: float = 60.0, **kwargs
+) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
     Returns the list of per-rank return values, indexed by rank.
@@ -71,9 +74,12 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0,
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, daemon=True,
-                         args=(fn, r, world_size, port, results, collective_timeout_s, args, kwargs))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child, daemon=True, args=(fn, r, world_size, port, results, collective_timeout_s, args, kwargs)
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}
@@ -82,13 +88,16 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0,
         while len(out) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"run_distributed: ranks {sorted(set(range(world_size)) - set(out))}"
-                                   f" did not finish within {timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"run_distributed: ranks {sorted(set(range(world_size)) - set(out))}"
+                    f" did not finish within {timeout_s:.0f} s"
+                )
             try:
                 rank, ok, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
-                        and r not in out]
+                dead = [
+                    r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and r not in out
+                ]
                 if dead:
                     raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
                 continue
@@ -117,14 +126,23 @@ def _train_main_rank(args, rank: int, world: int, port: int, log: str, env: dict
     # Python-level streams onto the log too: under pytest they are its capture objects
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEGAZERO_RANKS_PER_NODE=str(world),
-                      MEGAZERO_PREFLIGHT_DONE="1", OMP_NUM_THREADS="1", **env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        MEGAZERO_RANKS_PER_NODE=str(world),
+        MEGAZERO_PREFLIGHT_DONE="1",
+        OMP_NUM_THREADS="1",
+        **env,
+    )
     torch.set_num_threads(1)
     code = 1
     try:
         code = training.main(list(args))
-    except BaseException:  # noqa: BLE001 - the traceback goes to the log, the status to the parent
+    except BaseException:  # the traceback goes to the log, the status to the parent
         traceback.print_exc()
     finally:
         sys.stdout.flush()
@@ -149,8 +167,9 @@ def forked_train_main(args, run_dir, env=None):
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     log, port, ctx = str(Path(run_dir) / "ranks.log"), free_port(), mp.get_context("fork")
     argv = list(args) + ["--run-dir", str(run_dir)]
-    procs = [ctx.Process(target=_train_main_rank, args=(argv, r, world, port, log, dict(env or {})))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_train_main_rank, args=(argv, r, world, port, log, dict(env or {}))) for r in range(world)
+    ]
     for proc in procs:
         proc.start()
 
@@ -160,6 +179,7 @@ def forked_train_main(args, run_dir, env=None):
             proc.join(max(1.0, deadline - time.monotonic()))
         codes = [proc.exitcode for proc in procs]
         assert codes == [0] * world, f"forked training.main: exit codes {codes}: " + Path(log).read_text()[-3000:]
+
     try:
         yield finished
     finally:
