@@ -15,7 +15,7 @@ each rank does it itself."""
 
 import pytest
 
-import megazero.checkpoint.shards  # noqa: F401 (torch.distributed.checkpoint, inherited by forked ranks)
+import megazero.checkpoint.shards  # torch.distributed.checkpoint, inherited by forked ranks
 import megazero.training  # noqa: F401
 
 # the fixtures that tests in several modules share (a test module imports no other test module)
