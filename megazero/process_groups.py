@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megazero.topology import GROUP_TABLE, Coord, Topology
+from megazero.topology import GROUP_TABLE, ROWS, Coord, Topology
 
 Group = Optional[dist.ProcessGroup]
 
@@ -111,12 +111,17 @@ class _Methods:
         return tuple(self.topology.group(self.rank, "cp"))
 
     def replicas(self) -> "ProcessGroups":
-        """The same rank with cp folded into dp (``Topology.replica_topology``): ``dp`` is
-        the ``dp_cp`` group, ``dp_size`` is dp x cp, ``dp_rank`` is ``cp_rank + cp * dp_rank``.
-        Gradients are reduced and ZeRO shards over it; at cp == 1 it is ``self``."""
-        if self.cp_size == 1:
+        """The same rank with the replica dimensions folded into dp (``Topology.replica_topology``):
+        ``dp`` is the ``dp_cp`` group, ``dp_size`` is dp x cp, ``dp_rank`` is ``cp_rank + cp *
+        dp_rank``. Gradients are reduced and ZeRO shards over it; when every folded dimension has
+        size 1 it is ``self``. The folded dimensions are the ``dp_cp`` row's (``GROUP_TABLE``) other
+        than dp, so a dimension whose ranks hold replicas joins by widening that row."""
+        folded = [d for d in ROWS["dp_cp"].over if d != "dp"]
+        if all(self.topology.size(d) == 1 for d in folded):
             return self
-        return dataclasses.replace(self, topology=self.topology.replica_topology(), dp=self.dp_cp, cp=None)
+        return dataclasses.replace(
+            self, topology=self.topology.replica_topology(), dp=self.dp_cp, **dict.fromkeys(folded)
+        )
 
     @property
     def zero_shard_group(self) -> Group:
