@@ -41,7 +41,7 @@ _FORMAT = "megazero-gpt-indices-v2"  # v2: indices built for whole shuffle block
 def parse_split(split: str) -> tuple[float, float, float]:
     """``--split "969,30,1"`` (or ``"98/2/0"``; fewer parts = 0) -> normalised (train, valid, test)
     fractions; raises DataError naming ``--split`` and the fix. This is the rule's one home:
-    train.py's ``build_data`` applies it before launch (also with --mock-data, which reads no
+    ``megazero.training.build_data`` applies it before launch (also with --mock-data, which reads no
     split but still gets a well-formed flag)."""
     try:
         vals = [float(p) for p in split.replace("/", ",").split(",")]

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 @dataclass
 class RunData:
-    """The data of one run, as ``train.build_data`` / ``train.prepare_run`` return it.
+    """The data of one run, as ``megazero.training.build_data`` / ``megazero.training.prepare_run`` return it.
 
     ``tokenizer`` (None with mock data), ``train`` / ``valid`` / ``test`` (datasets of
     ``(tokens, labels)`` samples of ``seq_length`` int64 tokens each; ``valid``/``test`` None

@@ -16,6 +16,7 @@ from torch import nn
 from megazero import collectives
 from megazero.checkpoint import CheckpointError
 from megazero.config import Config
+from megazero.data_parallel.policy import sharding_policy
 from megazero.param_spec import chunk_entries
 from megazero.pipeline import partition
 from megazero.precision import model_dtype
@@ -121,7 +122,7 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups, devi
             rng_tracker=tracker,
             device=device,
             full_weights=full,
-            materialize=cfg.zero.stage != 3,
+            materialize=not sharding_policy(cfg.zero.stage).shards_params,
         )
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
         chunks.append(chunk)
@@ -234,7 +235,7 @@ def build_peak_bytes(cfg: Config, gcfg: GPTConfig, pp_rank: int = 0, device_type
     ("cpu" or "cuda"; on CUDA the model-dtype copy of every partition is a tensor of its own)."""
     p, tp = cfg.parallel, cfg.parallel.tp
     item = gcfg.params_dtype.itemsize
-    shards = p.dp * p.cp if cfg.zero.stage == 3 else 1
+    shards = p.dp * p.cp if sharding_policy(cfg.zero.stage).shards_params else 1
     threshold = cfg.zero.zero3_param_persistence_threshold
     spec = gcfg.parameter_spec(tp)
     resident = full = in_flight = 0

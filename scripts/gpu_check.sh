@@ -14,18 +14,18 @@
 #    with an evaluation every 2 iterations (the token counts all-reduced over dp), ZeRO-1 at
 #    dp 2 with --overlap-param-gather on in bf16 with bf16 gradients, and tp 2 with sequence
 #    parallelism (CUDA_DEVICE_MAX_CONNECTIONS=1 from the launcher);
-# 6. optimizer offload on the GPU (ZeRO-Offload): scripts/bench/bench_offload.py --device cuda at
+# 6. optimizer offload on the GPU (ZeRO-Offload): python -m scripts.bench.bench_offload --device cuda at
 #    ZeRO-1 and ZeRO-2, fp32 and bf16: device/host model-state bytes against the formulas, peak
 #    device memory and step time with and without --offload-optimizer cpu; fails when the
 #    losses differ by more than 1e-5 or offload does not lower the device bytes
 #    (GPU_CHECK_OFFLOAD=0 skips it).
-# 7. kernels (scripts/bench/bench_kernels.py --dtype bf16): the bf16 matmul peak of GPU 0, measured
+# 7. kernels (python -m scripts.bench.bench_kernels --dtype bf16): the bf16 matmul peak of GPU 0, measured
 #    by a timed 8192^3 product, and each fused kernel (LayerNorm, RMSNorm, Adam, attention)
 #    against its reference: times and speed-up (GPU_CHECK_KERNELS=0 skips it and step 8's
 #    measured-peak MFU).
 # 8. a 1.3B-parameter GPT (24 layers, hidden 2048, 16 heads, seq 2048, vocabulary 50257) in
 #    bf16 with the fused kernels on one GPU, 6 iterations of 8 sequences, full recomputation
-#    when the GPU has under 60 GiB; prints scripts/bench/run_throughput.py's line: tokens/s and MFU
+#    when the GPU has under 60 GiB; prints python -m scripts.bench.run_throughput's line: tokens/s and MFU
 #    against step 7's measured peak and against the GPU's data-sheet peak
 #    (megazero.planning.flops; GPU_CHECK_1B3=0 skips it; GPU_CHECK_1B3_ARGS adds flags).
 # The last line names every part that did not run, and why. Output format of steps 7-8:

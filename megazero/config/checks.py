@@ -15,7 +15,7 @@ process group exists (docs/design.md, contract 3). Where each kind of rule lives
   arithmetic, schedules, precision, ZeRO and offload, output directories, logging,
   profiling, ``--from-hf``, fill-in-the-middle rates and tokens): here;
 - the training data: data/ owns the ``--data-path`` blend, the corpus files and the
-  ``--split`` rules (``data.gpt_dataset``, applied by train.py's ``build_data`` before
+  ``--split`` rules (``data.gpt_dataset``, applied by ``megazero.training.build_data`` before
   launch); here only that a corpus (or --mock-data) and its tokenizer are given.
   ``validate(..., needs_data=False)`` leaves these out for tools that read no data.
 """
@@ -486,7 +486,7 @@ def _check_outputs(cfg: Config, world_size: int) -> None:
 def _check_data(cfg: Config, world_size: int) -> None:
     """A training corpus is given (--data-path, unless --mock-data) with its tokenizer file.
     The blend, the split and the corpus files are data/'s rules (``data.gpt_dataset``), checked
-    by train.py's ``build_data`` before launch."""
+    by ``megazero.training.build_data`` before launch."""
     d = cfg.data
     if cfg.train.mock_data:
         return
@@ -510,7 +510,7 @@ def _check_data(cfg: Config, world_size: int) -> None:
 def _check_fim(cfg: Config, world_size: int) -> None:
     """Fill-in-the-middle: rates are probabilities (at most 1); --fim-tokens names four distinct
     tokens, none of them --fim-split-sample; not with --sft. That the tokens exist is data/'s rule
-    (``data.tokenizer.add_fim_sentinels``, applied by train.py's ``build_data`` before launch)."""
+    (``data.tokenizer.add_fim_sentinels``, applied by ``megazero.training.build_data`` before launch)."""
     d = cfg.data
     for name in ("data.fim_rate", "data.fim_spm_rate", "data.fim_fragment_rate"):
         value = get_value(cfg, name)

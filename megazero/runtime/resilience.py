@@ -43,7 +43,7 @@ from megazero.runtime import flight_recorder
 #: the signals that request a stop, in the order of the slots of ``agree``'s vector.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-#: launcher exit status of each stop reason (also returned by ``train.main`` without torchrun).
+#: launcher exit status of each stop reason (also returned by ``megazero.training.main`` without torchrun).
 EXIT_INTERVAL_STATUS = 0
 NON_FINITE_STATUS = 1
 

@@ -15,15 +15,17 @@ Modules, in the order a run meets them:
 - ``evaluation``: validation loss, lm-evaluation-harness tasks, greedy generation;
 - ``control``: early stops, faults, restarts;
 - ``loop``: the training loop with logging, evaluation and checkpoints;
-- ``main``: one rank's whole run.
+- ``entry``: ``main``, one rank's whole run;
+- ``inference``: loading a checkpoint or Hugging Face folder for the generation and evaluation
+  tools.
 """
 
 from megazero.training.control import RunControl, finish_stop
+from megazero.training.entry import main
 from megazero.training.evaluation import check_harness, evaluate, final_sample, generate_ids, harness_scores
 from megazero.training.factory import build_trainer
 from megazero.training.inputs import build_data, data_signature, dp_micro_batches, tokenizer_record
 from megazero.training.loop import run_loop, start_run, train
-from megazero.training.main import main
 from megazero.training.optimizer import build_optimizer
 from megazero.training.startup import check_memory, check_resume, preflight, prepare_run, resume_warnings, setup_groups
 from megazero.training.trainer import StepOutcome, Trainer

@@ -2,7 +2,7 @@
 
 settings (a ``Config`` or command-line flags) -> data (``build_data``: tokenizer, datasets,
 vocabulary size) -> process groups of the layout (``ProcessGroups.build``) -> ``Trainer``. The
-training loop, the tests, the benchmarks and ``scripts/plan.py`` all build through here, so the
+training loop, the tests, the benchmarks and ``python -m scripts.plan`` all build through here, so the
 order of these steps is written once.
 """
 
@@ -35,7 +35,8 @@ def build_trainer(
     ``world_size``, default: the default process group's size, 1 without one). ``data``: the
     run's ``RunData`` (default ``build_data(cfg)``; pass ``prepare_run(cfg)``'s to resume with
     ``--load``). ``groups``: the layout's process groups (default ``ProcessGroups.build`` of the
-    layout's topology, a collective when the world has more than one rank). ``device``: where the
+    layout's topology with ``--distributed-timeout-s``, a collective when the world has more than
+    one rank). ``device``: where the
     model lives. ``collaborators``: ``Trainer``'s keyword arguments (``stop_flags``, ``fault``,
     ``trail``, ``monitor``); ``eod`` defaults to the tokenizer's end-of-document id.
 
@@ -46,7 +47,8 @@ def build_trainer(
             world_size = dist.get_world_size() if dist.is_initialized() else 1
         cfg = config_from_argv(list(cfg), world_size)
     data = build_data(cfg) if data is None else data
-    groups = ProcessGroups.build(layout_topology(cfg)) if groups is None else groups
+    if groups is None:
+        groups = ProcessGroups.build(layout_topology(cfg), timeout_s=cfg.parallel.distributed_timeout_s)
     collaborators.setdefault("eod", None if data.tokenizer is None else data.tokenizer.eod)
     trainer = Trainer(cfg, groups, torch.device(device), data.vocab_size, data=data, **collaborators)
     return trainer

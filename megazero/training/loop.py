@@ -183,6 +183,7 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
             last_logged = it
             monitor.log_iteration(it, outcome.values)
         if outcome.bad_step and (line := handle_bad_step(trainer, monitor)) is not None:
+            profiler.close()
             monitor.close()
             return finish_stop(trainer, control, "non-finite", None, message=line)
         if data.valid is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters):

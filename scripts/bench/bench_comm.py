@@ -48,6 +48,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from megazero.data_parallel.policy import sharding_policy
+
 F32, F64 = 4, 8
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, POSITIONS, MICRO = 2, 32, 4, 1001, 16, 16, 2
 BASE = [
@@ -154,7 +156,7 @@ def scalars(s: Shape, zero_stage: int) -> dict:
     share plus the SIGTERM/SIGINT/SIGUSR1/time stop flags (5 x fp64, world); the loss is also
     broadcast from the last stage over pp (fp64)."""
     world, mp = s.tp * s.cp * s.pp * s.dp, s.tp * s.pp
-    norm_group = world if zero_stage >= 1 else mp
+    norm_group = world if sharding_policy(zero_stage).shards_optimizer else mp
     out = {"all_reduce": F64 * (norm_group > 1) + 5 * F64 * (world > 1)}
     if s.pp > 1:
         out["broadcast"] = F64

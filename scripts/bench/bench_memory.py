@@ -33,6 +33,7 @@ import tempfile
 import torch
 
 from data.samplers import get_micro_batches
+from megazero.data_parallel.policy import sharding_policy
 from megazero.optim.zero import zero_formula_bytes
 from megazero.training import build_trainer
 from tests.support.distributed import run_distributed
@@ -70,7 +71,8 @@ def _rank(rank: int, world: int, argv: list, steps: int) -> dict:
     padded = sum(b.layout.padded_numel for b in trainer.ddp.buffers)
     p_bytes, g_bytes = trainer.dtype.itemsize, trainer.ddp.grad_dtype.itemsize
     # ZeRO-3: parameters under the persistence threshold stay whole ((N - 1) / N more bytes)
-    whole = sum(b.layout.padded_numel for b in trainer.ddp.buffers if cfg.zero.stage == 3 and b.strategy.stage != 3)
+    shards_params = sharding_policy(cfg.zero.stage).shards_params
+    whole = sum(b.layout.padded_numel for b in trainer.ddp.buffers if shards_params and not b.strategy.shards_params)
     offloaded = cfg.zero.offload_optimizer != "none"
     formula = (
         opt.formula()["total"]

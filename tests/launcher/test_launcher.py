@@ -29,7 +29,7 @@ def launch(args, run_dir=None, timeout=300):
 
 @pytest.mark.slow
 def test_two_layouts_log_the_same_losses_and_tensorboard_holds_them(tmp_path):
-    """The 3D layout launched; the one-rank run it is compared with runs train.main on a forked
+    """The 3D layout launched; the one-rank run it is compared with runs megazero.training.main on a forked
     rank beside it (``forked_train_main``: not a second launch, whose imports cost more than it)."""
     from tests.support.distributed import forked_train_main
 

@@ -5,8 +5,8 @@ a signal saves at one step boundary on every rank and the resumed run continues 
 NaN names where it appeared; torchrun restarts a group after a rank is killed. The seconds from
 each fault to the end (or the resume) are printed (pytest -s) for the notes. The uninterrupted
 runs the launched ones are compared with are not launched: ``_uninterrupted`` forks their ranks
-and calls train.main, which saves each launch's imports of torch. Nor are the runs whose part
-is train.main's alone: the resumes after a stop (a launch resumes in tests/launcher/test_launcher.py and
+and calls megazero.training.main, which saves each launch's imports of torch. Nor are the runs whose part
+is megazero.training.main's alone: the resumes after a stop (a launch resumes in tests/launcher/test_launcher.py and
 in the restart test here), --skip-bad-batches and the asynchronous saves that are not killed.
 """
 
@@ -118,7 +118,7 @@ def test_sigterm_to_the_launcher_saves_and_the_resumed_run_is_bit_identical(tmp_
     assert not any(t in out + err for t in NO_TRACEBACK), err[-3000:]
     assert pids_of(run) == [] and pids_of(run, agent=True) == []
     print(f"\nSIGTERM to the launcher ({layout or '1x1x1'}): every rank exited {took:.1f} s later; line: {line}")
-    # the resume (train.main's, not the launcher's: a launch resumes in test_launcher.py) on forked ranks
+    # the resume (megazero.training.main's, not the launcher's: a launch resumes in test_launcher.py) on forked ranks
     again = train_main_forked(args + ["--save", str(ckpt), "--load", str(ckpt)], run)
     assert f"resumed from {ckpt} at iteration {stop}" in again
     _same_losses(_last_records(tmp_path / "full"), _last_records(run), range(stop + 1, 13))
@@ -220,7 +220,7 @@ def test_async_save_every_iteration_trains_the_same_and_a_kill_mid_save_keeps_th
     written, leaves latest = 1, which loads and verifies, and the resumed run continues from it
     and logs the losses of the uninterrupted run. Only the killed run is launched (the launcher
     names the rank that failed); the synchronous, the asynchronous and the resumed runs are
-    train.main on forked ranks."""
+    megazero.training.main on forked ranks."""
     from megazero import checkpoint
 
     args = [a if a != "12" else "4" for a in BASE] + ["--dp", "2", "--save-interval", "1"]
@@ -290,7 +290,7 @@ NAN_FAULT = {"MEGAZERO_TEST_FAULT": "nan:3:1:1"}  # micro-batch 1 of iteration 3
 @pytest.fixture(scope="module")
 def nan_runs(tmp_path_factory):
     """The NaN test's runs (started by the SIGSTOP test while it waits out the timeouts): the
-    launch that stops, and --skip-bad-batches 1 on forked ranks (train.main's handling).
+    launch that stops, and --skip-bad-batches 1 on forked ranks (megazero.training.main's handling).
     ``result()``: (the finished launch, the directory of both run directories)."""
     d = tmp_path_factory.mktemp("nan")
     with contextlib.ExitStack() as stack:
@@ -476,7 +476,7 @@ def test_a_killed_rank_is_named_with_its_signal_and_the_operation_the_others_wai
 def test_a_nan_stops_with_one_line_and_skip_bad_batches_skips_it(nan_runs):
     """NaN in micro-batch 1 of iteration 3 on rank 1 (tp rank 1 of stage 0) of tp2 x pp2: the
     launched run stops with status 1 and a line naming iteration, stage, ranks and samples; with
-    --skip-bad-batches 1 (train.main's handling: forked ranks beside the launch) the run
+    --skip-bad-batches 1 (megazero.training.main's handling: forked ranks beside the launch) the run
     completes with one skipped step."""
     stopped, d = nan_runs.result()
     skipped = (d / "skip" / "ranks.log").read_text()

@@ -138,7 +138,7 @@ def _trainer_runs(rank, world, jobs):
 
 def test_seed_style_stage3_nvme_config_and_checkpoints_through_the_trainer(tmp_path):
     """The fixture (seed004_stage3_offload.json with offload_optimizer.device nvme and an aio
-    block) trains through train.Trainer; its losses equal the cpu-offload seed's exactly, and a
+    block) trains through megazero.training.Trainer; its losses equal the cpu-offload seed's exactly, and a
     checkpoint (megazero/checkpoint/, DCP) saved with nvme resumes with cpu offload and back."""
     from tests.support.checkpoint import ARGS
     from tests.support.layouts import seed_case

@@ -1,4 +1,5 @@
-"""``main``: one rank's whole run, as ``train.py`` and torchrun's ranks call it."""
+"""``main``: one rank's whole run, as ``train.py`` and torchrun's ranks call it (the package re-exports it
+as ``megazero.training.main``)."""
 
 from __future__ import annotations
 
