@@ -151,7 +151,7 @@ def _tp_logits(rank, world, hf_dir, ids):
 
 
 def test_gpt2_config_default_folder_imports_under_tp2_with_the_tanh_gelu(gpt2_default_dir, capsys):
-    """Issue 25, item 5: a GPT2Config()-default folder (gelu_new) loads under tp 2 with the tanh
+    """A GPT2Config()-default folder (gelu_new) loads under tp 2 with the tanh
     GELU (logits equal transformers' within 1e-5), --prompt-ids generates from it without a
     tokenizer (greedy ids equal transformers'), and a training run's --from-hf names
     --openai-gelu until it is given."""
