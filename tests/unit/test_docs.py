@@ -115,3 +115,15 @@ def test_page_length(name, limit):
 def test_no_issue_tracker_references(page):
     hits = [m.group(0) for m in re.finditer(r"\bissues?\s*#?\d+", page.read_text(encoding="utf-8"), re.I)]
     assert not hits, f"{page.relative_to(ROOT)} cites the tracker ({hits}); say what the thing is instead"
+
+
+def test_no_issue_tracker_references_in_code():
+    """Docstrings and comments say what a thing is, not which tracker item asked for it."""
+    files = [f for pkg in ("megazero", "model", "data", "scripts", "tests") for f in (ROOT / pkg).rglob("*.py")]
+    hits = [
+        f"{f.relative_to(ROOT)}:{n}"
+        for f in files + [ROOT / "train.py"]
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bissues?\s*#?\d+", line, re.I) and f.name != "test_docs.py"
+    ]
+    assert hits == []
