@@ -309,18 +309,22 @@ def estimate(
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
     logits = 2 * 4 * micro_batch_size * g.seq_length // cp * g.padded_vocab(tp) / tp
     stages = []
+    layout = partition.chunk_layout(schedule)
     for r in range(pp):
-        layout = partition.chunk_layout(schedule)
-        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
-        states = _states(
-            psi,
+        psi, states = _stage_states(
+            g,
+            tp,
+            pp,
+            r,
+            vp_size,
+            layer_split,
+            ep,
+            schedule,
             dp,
             zero_stage,
             param_bytes,
             grad_bytes,
             states_on_host,
-            expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0,
-            ep,
             params_on_host,
         )
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
@@ -330,6 +334,30 @@ def estimate(
     best = max(stages, key=lambda e: e.total_bytes)
     best.most_states = max(stages, key=lambda e: e.model_state_bytes)
     return best
+
+
+def _stage_states(
+    g,
+    tp,
+    pp,
+    r,
+    vp_size,
+    layer_split,
+    ep,
+    schedule,
+    dp,
+    zero_stage,
+    param_bytes,
+    grad_bytes,
+    states_on_host,
+    params_on_host,
+) -> tuple:
+    """(Psi, model-state bytes by part) of pipeline stage ``r``: its parameters under the
+    schedule's chunk layout, and ``_states`` of them (expert parameters apart when ep > 1)."""
+    layout = partition.chunk_layout(schedule)
+    psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
+    experts = expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0
+    return psi, _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host, experts, ep, params_on_host)
 
 
 def _states(
@@ -391,18 +419,22 @@ def stage_estimates(
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
     stages = []
+    layout = partition.chunk_layout(schedule)
     for r in range(pp):
-        layout = partition.chunk_layout(schedule)
-        psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
-        states = _states(
-            psi,
+        psi, states = _stage_states(
+            g,
+            tp,
+            pp,
+            r,
+            vp_size,
+            layer_split,
+            ep,
+            schedule,
             dp,
             zero_stage,
             param_bytes,
             grad_bytes,
             states_on_host,
-            expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0,
-            ep,
             params_on_host,
         )
         chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split)) for v in range(vp_size)]
