@@ -49,7 +49,7 @@ cd "$MEGAZERO_ROOT"
 
 TP=1; CP=1; PP=1; DP=1; NNODES=1; NODE_RANK=0; MASTER_ADDR=127.0.0.1; MASTER_PORT=""
 DATA_DIR="${MEGAZERO_DATA_DIR:-$MEGAZERO_ROOT/.cache/data}"
-ARGS=(); HAVE_DATA=0; RUN_DIR=""; HAVE_TOK=0; DIST_TIMEOUT=300  # train.py's default, seconds
+ARGS=(); LAYOUT=(); HAVE_DATA=0; RUN_DIR=""; HAVE_TOK=0; DIST_TIMEOUT=300  # train.py's default, seconds
 RDZV_BACKEND=static; RDZV_ID="${SLURM_JOB_ID:-megazero}"; MAX_RESTARTS=0; SAVE=""; LOAD=""
 # --flag=value is split into --flag value, so both spellings reach the cases below.
 SPLIT=()
@@ -60,10 +60,10 @@ set -- ${SPLIT[@]+"${SPLIT[@]}"}
 need() { [ "$#" -ge 2 ] || { echo "megazero: config error: $1 needs a value" >&2; exit 2; }; }
 while [ "$#" -gt 0 ]; do
   case "$1" in
-    --tp|--tensor-model-parallel-size) need "$@"; TP="$2"; shift 2 ;;
-    --pp|--pipeline-model-parallel-size) need "$@"; PP="$2"; shift 2 ;;
-    --cp|--context-parallel-size) need "$@"; CP="$2"; shift 2 ;;
-    --dp|--data-parallel-size) need "$@"; DP="$2"; shift 2 ;;
+    --tp|--tensor-model-parallel-size) need "$@"; TP="$2"; LAYOUT+=("$1" "$2"); shift 2 ;;
+    --pp|--pipeline-model-parallel-size) need "$@"; PP="$2"; LAYOUT+=("$1" "$2"); shift 2 ;;
+    --cp|--context-parallel-size) need "$@"; CP="$2"; LAYOUT+=("$1" "$2"); shift 2 ;;
+    --dp|--data-parallel-size) need "$@"; DP="$2"; LAYOUT+=("$1" "$2"); shift 2 ;;
     --nnodes) need "$@"; NNODES="$2"; shift 2 ;;
     --node-rank) need "$@"; NODE_RANK="$2"; shift 2 ;;
     --master-addr) need "$@"; MASTER_ADDR="$2"; shift 2 ;;
@@ -91,12 +91,6 @@ if [ "$NODE_RANK" -ge "$NNODES" ]; then
   echo "megazero: config error: --node-rank $NODE_RANK is not below --nnodes $NNODES; fix: number the nodes 0 to $((NNODES - 1))" >&2
   exit 2
 fi
-WORLD=$((TP * CP * PP * DP))
-if [ "$WORLD" -lt 1 ] || [ $((WORLD % NNODES)) -ne 0 ]; then
-  echo "megazero: config error: --tp x --cp x --pp x --dp = $WORLD is not divisible by --nnodes $NNODES; choose sizes whose product is a multiple of the node count" >&2
-  exit 2
-fi
-NPROC=$((WORLD / NNODES))
 
 # Stopping the launcher (Ctrl-C, kill, a scheduler's SIGTERM or SIGUSR1) before training stops the
 # step running now (data preparation, the preflight) and exits with 128 + the signal's number.
@@ -156,9 +150,19 @@ stopped_exit() {
 # second), so a mistake in them ends with its one line and exit code 2 before the corpus is
 # prepared or torch is imported. The preflight below checks them again, with the data, the
 # checkpoint and the device.
-"$PY" -c 'import sys; from megazero.config import config_from_argv
-config_from_argv(sys.argv[2:], int(sys.argv[1]), print_warnings=False, needs_data=False)' "$WORLD" \
-  --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" ${ARGS[@]+"${ARGS[@]}"} || exit $?
+# Only the layout flags given are passed on: a size left out may come from --deepspeed-config
+# (sequence_parallel_size is --cp), and the sizes the run will have are read back here.
+SIZES=$("$PY" -c 'import math, sys; from megazero.config import config_from_argv, parallel_sizes
+sizes = parallel_sizes(sys.argv[1:])
+config_from_argv(sys.argv[1:], math.prod(sizes), print_warnings=False, needs_data=False)
+print(*sizes)' ${LAYOUT[@]+"${LAYOUT[@]}"} ${ARGS[@]+"${ARGS[@]}"}) || exit $?
+read -r TP CP PP DP <<< "$SIZES"
+WORLD=$((TP * CP * PP * DP))
+if [ $((WORLD % NNODES)) -ne 0 ]; then
+  echo "megazero: config error: --tp x --cp x --pp x --dp = $WORLD is not divisible by --nnodes $NNODES; choose sizes whose product is a multiple of the node count" >&2
+  exit 2
+fi
+NPROC=$((WORLD / NNODES))
 
 if [ "$HAVE_DATA" = 0 ]; then
   echo "[megazero] no --data-path: preparing the embedded default corpus under $DATA_DIR (once)"
@@ -210,7 +214,7 @@ export MEGAZERO_RANKS_PER_NODE=$NPROC  # the memory check shares this node among
 # the environment is kept), exported here so that they are set before any CUDA context exists.
 EXPORTS="$(mktemp)"
 "$PY" -c 'import sys; from megazero.training import preflight; sys.exit(preflight(sys.argv[3:], int(sys.argv[1]), sys.argv[2]))' "$WORLD" \
-  "$EXPORTS" --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" || { rc=$?; rm -f "$EXPORTS"; exit "$rc"; }
+  "$EXPORTS" ${LAYOUT[@]+"${LAYOUT[@]}"} --run-dir "$RUN_DIR" "${ARGS[@]}" || { rc=$?; rm -f "$EXPORTS"; exit "$rc"; }
 # shellcheck disable=SC1090  # written just now by the preflight
 source "$EXPORTS"
 for name in $(sed -n 's/^export \([A-Z_]*\)=.*/\1/p' "$EXPORTS"); do
@@ -241,7 +245,7 @@ rm -rf "$RUN_DIR/stop.json" "$RUN_DIR/failures" "$RUN_DIR/torchrun.log" "$RUN_DI
 exec 3> >(trap '' INT TERM USR1 HUP; exec tee -a "$RUN_DIR/torchrun.log" >&2); TEE=$!  # deaf to Ctrl-C, as torchrun
 rc=0
 run_child torchrun_ignoring_stop --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
-  "${RDZV[@]}" train.py --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" 2>&3 || rc=$?
+  "${RDZV[@]}" train.py ${LAYOUT[@]+"${LAYOUT[@]}"} --run-dir "$RUN_DIR" "${ARGS[@]}" 2>&3 || rc=$?
 exec 3>&-; wait "$TEE" 2>/dev/null || true
 echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
 if [ "$rc" = 0 ] && [ -f "$RUN_DIR/stop.json" ]; then  # an early end on purpose: one line, its status

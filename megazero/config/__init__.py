@@ -34,14 +34,15 @@ The package imports downwards only (no file imports one listed after it):
 - ``deepspeed.py``: the DeepSpeed JSON source;
 - ``render.py``: ``describe``, ``to_dict``;
 - ``load.py``: ``config_from_argv`` (parse -> DeepSpeed -> derive -> check), ``resolve_run_dir``,
-  ``world_size_of`` (the ranks the layout flags ask for).
+  ``parallel_sizes`` / ``world_size_of`` (the sizes and ranks the layout flags and a DeepSpeed
+  file ask for).
 """
 
 from megazero.config.checks import check_value, validate
 from megazero.config.cli import build_parser, flags_table, integer, parse_args
 from megazero.config.deepspeed import load_deepspeed_config
 from megazero.config.derive import bucket_sizes, finalize, layout_topology, overlap_param_gather
-from megazero.config.load import config_from_argv, resolve_run_dir, world_size_of
+from megazero.config.load import config_from_argv, parallel_sizes, resolve_run_dir, world_size_of
 from megazero.config.render import describe, to_dict
 from megazero.config.schema import (
     MOCK_VOCAB_SIZE,
@@ -100,5 +101,6 @@ __all__ = [
     "show_flag",
     "to_dict",
     "validate",
+    "parallel_sizes",
     "world_size_of",
 ]

@@ -29,7 +29,8 @@ otherwise, as are the quantized ZeRO++ switches (``zero_quantized_weights``,
 
 ``sequence_parallel_size`` (DeepSpeed-Ulysses' degree, which DeepSpeed's config reads for its
 sequence-parallel groups) is context parallelism over heads: ``--cp N --cp-comm-type a2a``
-unless the command line chose the communication type.
+unless the command line chose the communication type; a ``--cp N`` given beside it that agrees
+keeps the all-to-all (the file says which kind of context parallelism it means).
 
 ``activation_checkpointing`` (DeepSpeed's activation checkpointing API, as Megatron-DeepSpeed
 uses it with one checkpoint per transformer layer): the block turns on
@@ -244,9 +245,11 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         set_value(cfg, name, value)
         cfg.sources[name] = f"{key} in {path}"
+    ulysses = dict(items).get("sequence_parallel_size")
     if (
-        cfg.sources.get("parallel.cp", "").startswith("sequence_parallel_size")
-        and cfg.parallel.cp > 1
+        isinstance(ulysses, int)
+        and ulysses > 1
+        and cfg.parallel.cp == ulysses  # from the file, or a --cp that agrees with it
         and "parallel.cp_comm_type" not in cfg.sources
     ):  # Ulysses is the all-to-all over heads
         cfg.parallel.cp_comm_type = "a2a"

@@ -7,6 +7,7 @@ pure (the world size is passed in), so every rank runs it before any process gro
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -48,13 +49,24 @@ def resolve_run_dir(cfg: Config, stamp: str) -> str:
     return cfg.log.run_dir
 
 
-def world_size_of(argv: list[str]) -> int:
-    """tp x cp x pp x dp as the flags of ``argv`` give them (any of their names, e.g. --tp or
-    --tensor-model-parallel-size; 1 when absent), for a tool that plans a run without launching
-    it. A flag that does not parse gives 1 here and its error from ``config_from_argv``, which
-    reads the same argv next."""
+def parallel_sizes(argv: list[str]) -> tuple[int, int, int, int]:
+    """(tp, cp, pp, dp) as ``argv`` asks for them: the layout flags under any of their names
+    (e.g. --tp or --tensor-model-parallel-size), then a ``--deepspeed-config`` file's
+    ``sequence_parallel_size`` for a ``--cp`` not given; 1 for each size given nowhere (dp
+    too). For the launcher, which must know how many ranks to start before any rank reads the
+    config, and for tools that plan a run without launching it. Settings that do not parse,
+    or a file that does not load, give 1s here and their error from ``config_from_argv``,
+    which reads the same argv next."""
     try:
-        p = parse_args(argv).parallel
-    except (ConfigError, SystemExit):
-        return 1
-    return p.tp * p.cp * p.pp * (p.dp or 1)
+        cfg = parse_args(argv)
+        if cfg.deepspeed_config:
+            load_deepspeed_config(cfg.deepspeed_config, cfg)
+    except (ConfigError, SystemExit, OSError):
+        return (1, 1, 1, 1)
+    p = cfg.parallel
+    return (p.tp, p.cp, p.pp, p.dp or 1)
+
+
+def world_size_of(argv: list[str]) -> int:
+    """tp x cp x pp x dp of ``parallel_sizes(argv)``: the ranks the layout asks for."""
+    return math.prod(parallel_sizes(argv))

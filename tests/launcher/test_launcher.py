@@ -117,6 +117,31 @@ def test_master_port_in_use_stops_the_launcher_with_exit_code_2(tmp_path):
     assert not (tmp_path / "busy").exists()
 
 
+@pytest.mark.slow
+def test_a_deepspeed_sequence_parallel_size_launches_ulysses_without_a_cp_flag(tmp_path):
+    """A DeepSpeed JSON with ``sequence_parallel_size: 2`` and no --cp: the launcher starts the
+    two ranks it asks for and forwards no --cp of its own (which used to conflict with the
+    file), and the run is DeepSpeed-Ulysses (--cp 2 --cp-comm-type a2a), loss for loss exactly,
+    not the ring, which differs in the last bits; a --cp 2 beside the file means the same."""
+    import json
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": 2}))
+    short = TINY[: TINY.index("--train-iters")] + ["--train-iters", "2", "--eval-iters", "0"]
+    runs = {
+        "ds": short + ["--deepspeed-config", str(ds)],
+        "a2a": short + ["--cp", "2", "--cp-comm-type", "a2a"],
+        "ds+cp": short + ["--cp", "2", "--deepspeed-config", str(ds)],
+    }
+    losses = {}
+    for name, args in runs.items():
+        out = launch(args, tmp_path / name, timeout=180)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert "launching 2 process(es) on this node (tp=1 cp=2 pp=1 dp=1" in out.stdout, out.stdout[-2000:]
+        losses[name] = [r["loss"] for r in train_records(tmp_path / name)]
+    assert len(losses["a2a"]) == 2 and losses["ds"] == losses["a2a"] == losses["ds+cp"], losses
+
+
 @pytest.fixture(scope="module")
 def lone_node(tmp_path_factory):
     """One launch for the two tests below: --tp 2 --nnodes 2 with only node 0 started (its

@@ -955,6 +955,22 @@ def test_deepspeed_sequence_parallel_size_is_ulysses_context_parallelism(files, 
     assert (p.cp, p.cp_comm_type) == (2, "p2p")
     err = fails(M + ["--cp", "4", "--deepspeed-config", path], 4, capsys)
     assert "--cp 4 on the command line conflicts with sequence_parallel_size = 2" in err
+    # a --cp that agrees with the file keeps the file's meaning: Ulysses' all-to-all, not the ring
+    p = config_from_argv(M + ["--cp", "2", "--deepspeed-config", path], 2).parallel
+    assert (p.cp, p.cp_comm_type) == (2, "a2a")
+
+
+def test_parallel_sizes_read_the_deepspeed_file_for_a_size_not_given(files):
+    """The launcher starts tp x cp x pp x dp ranks before any rank reads the config: a --cp left
+    out comes from sequence_parallel_size; a size given nowhere is 1; a file that does not load
+    gives 1s (its error comes from config_from_argv)."""
+    from megazero.config import parallel_sizes, world_size_of
+
+    path = files["json"]({"sequence_parallel_size": 2})
+    assert parallel_sizes(["--tp", "2", "--deepspeed-config", path]) == (2, 2, 1, 1)
+    assert world_size_of(["--dp", "3", "--deepspeed-config", path]) == 6
+    assert parallel_sizes(["--pipeline-model-parallel-size", "2"]) == (1, 1, 2, 1)
+    assert parallel_sizes(["--deepspeed-config", path + ".missing"]) == (1, 1, 1, 1)
 
 
 def test_zero3_knobs_scale_with_the_hidden_size_and_auto_means_the_same(files):
