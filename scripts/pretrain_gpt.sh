@@ -252,7 +252,7 @@ if [ "$rc" = 0 ] && [ -f "$RUN_DIR/stop.json" ]; then  # an early end on purpose
   STOP_LINE=$("$PY" -c 'import json, sys
 r = json.load(open(sys.argv[1])); save, load = sys.argv[2:4]
 why = {"time": "--exit-duration-in-mins", "interval": "--exit-interval"}.get(r["reason"], r["reason"])
-if r["reason"] == "non-finite":
+if r["reason"] in ("non-finite", "no-loss-tokens"):
     sys.exit(print(r["status"]))  # the ranks printed the one line
 resume = ("run the same command again (it has --load %s)" % load if load and load == save
           else "run the same command with --load %s" % save)

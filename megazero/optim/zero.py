@@ -37,14 +37,17 @@ STATE_KEYS = ("main_param", "exp_avg", "exp_avg_sq")
 class StepResult:
     """Outcome of one optimizer step.
 
-    ``skipped``: inf/NaN gradients on some rank, no update. ``grad_norm``: global norm of
-    the unscaled gradient before clipping (NaN when skipped). ``loss_scale``: the scale the
-    gradients of this step were computed with (1.0 without a loss scaler).
+    ``skipped``: no update (inf/NaN gradients on some rank, or ``empty``). ``grad_norm``:
+    global norm of the unscaled gradient before clipping (NaN when skipped for inf/NaN).
+    ``loss_scale``: the scale the gradients of this step were computed with (1.0 without a
+    loss scaler). ``empty``: the global batch had no loss token (``step(loss_tokens=0)``):
+    nothing to learn, so no update, no Adam step and no loss-scale change.
     """
 
     skipped: bool
     grad_norm: float
     loss_scale: float
+    empty: bool = False
 
 
 def zero_formula_bytes(
@@ -272,9 +275,13 @@ class DistributedOptimizer:
         self.ddp.zero_grad()
 
     @torch.no_grad()
-    def step(self, lr: Optional[float] = None) -> StepResult:
+    def step(self, lr: Optional[float] = None, loss_tokens: Optional[torch.Tensor] = None) -> StepResult:
         """One optimizer step (phases 1-6 of the class docstring); ``lr`` defaults to the
         constructor's. Reads the device once (the sum of squares; twice when it is not finite).
+        ``loss_tokens``: the global batch's count of loss tokens (0-d, the same on every rank,
+        e.g. ``Trainer.local_batches``' count), read in the same host sync; when it is 0 the
+        step is skipped without an update (``StepResult.empty``): Adam's moments and weight
+        decay would otherwise move the weights on a batch that carries no signal.
         Raises LossScaleError (a RuntimeError) when stuck skipping."""
         lr = self.lr if lr is None else lr
         self.peak_step_bytes = 0
@@ -287,7 +294,13 @@ class DistributedOptimizer:
             device=self.device,  # 2 and 4
             sharded_over_dp=self._sharded_norm,
         )
-        squares = sq.item()  # the step's host sync
+        if loss_tokens is None:
+            squares = sq.item()  # the step's host sync
+        else:  # the count rides on the same sync
+            both = torch.cat([sq.reshape(1).double(), loss_tokens.reshape(1).to(sq.device, torch.float64)])
+            squares, tokens = both.tolist()
+            if tokens == 0:
+                return StepResult(True, norm_from_squares(squares, 1.0 / scale), scale, empty=True)
         if not math.isfinite(squares) and self._has_non_finite():
             self._skip(scale)
             return StepResult(True, float("nan"), scale)

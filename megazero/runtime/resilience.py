@@ -16,7 +16,9 @@ reason, the iteration, the checkpoint and the exit status. Under torchrun the ra
 with 0, so torchrun neither restarts the group nor prints a failure report; the launcher
 (scripts/pretrain_gpt.sh) reads the record, prints one line and exits with the recorded status:
 128 + the signal's number for a signal (as a shell reports a process ended by that signal),
-0 for ``--exit-interval`` / ``--exit-duration-in-mins`` (as Megatron-LM), 1 for non-finite values.
+0 for ``--exit-interval`` / ``--exit-duration-in-mins`` (as Megatron-LM), 1 for non-finite values,
+2 for a run none of whose steps had a loss token (``no-loss-tokens``: the data, not the model, is
+wrong). For the two failures the ranks print the error line and the launcher only exits.
 
 Bad values. ``locate_non_finite`` reads, from every rank, the first micro-batch whose forward
 output was non-finite while its input was finite, and names the earliest such place (micro-batch,
@@ -46,6 +48,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 #: launcher exit status of each stop reason (also returned by ``megazero.training.main`` without torchrun).
 EXIT_INTERVAL_STATUS = 0
 NON_FINITE_STATUS = 1
+NO_LOSS_TOKENS_STATUS = 2
+#: the stop reasons that are failures: nothing is saved for them and the ranks print the error line.
+FAILED_STOPS = {"non-finite": NON_FINITE_STATUS, "no-loss-tokens": NO_LOSS_TOKENS_STATUS}
 
 
 class StopSignals:
@@ -119,10 +124,11 @@ def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tupl
 
 
 def stop_status(reason: str) -> int:
-    """Exit status of a deliberate end: 128 + signal number, 0 for interval/time, 1 for bad values."""
+    """Exit status of a deliberate end: 128 + signal number, 0 for interval/time, 1 for bad
+    values, 2 for a run without a loss token (``FAILED_STOPS``)."""
     if reason.startswith("SIG"):
         return 128 + int(signal.Signals[reason])
-    return NON_FINITE_STATUS if reason == "non-finite" else EXIT_INTERVAL_STATUS
+    return FAILED_STOPS.get(reason, EXIT_INTERVAL_STATUS)
 
 
 def write_stop_record(
@@ -131,7 +137,7 @@ def write_stop_record(
     """Write ``<run_dir>/stop.json`` atomically (temporary name, then rename); returns its path.
 
     Fields: ``reason`` (``SIGTERM``/``SIGINT``/``SIGUSR1``, ``time``, ``interval`` or
-    ``non-finite``), ``iteration`` (the last completed step), ``checkpoint`` (directory or
+    ``non-finite``, ``no-loss-tokens``), ``iteration`` (the last completed step), ``checkpoint`` (directory or
     None), ``status`` (``stop_status``), ``message``. Several writers (one per node) write
     the same content, each through its own temporary name.
     """

@@ -95,20 +95,73 @@ def handle_bad_step(trainer: Trainer, monitor: Monitor) -> Optional[str]:
     return line
 
 
+#: empty steps of a run that get a warning line each; later ones are counted and recorded only.
+EMPTY_STEP_WARNINGS = 10
+
+
+def data_name(cfg: Config) -> str:
+    """The training data as the command line named it (``--data-path`` prefixes, or mock data)."""
+    d = cfg.data
+    if cfg.train.mock_data:
+        return "--mock-data"
+    prefixes = [p for p in d.data_path if not _is_number(p)]  # a blend: W1 PREFIX1 W2 PREFIX2 ...
+    return "--data-path " + " ".join(prefixes)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def report_empty_step(trainer: Trainer, monitor: Monitor, empty_steps: int) -> None:
+    """A step whose global batch had no loss token, which the optimizer skipped
+    (``Trainer.train_step``, ``StepOutcome.empty``): an ``empty_batch`` record, and for the first
+    ``EMPTY_STEP_WARNINGS`` of the run a warning naming the iteration and its samples.
+    ``empty_steps`` counts this run's empty steps, this one included."""
+    state, cfg = trainer.state, trainer.cfg
+    last = state.consumed_samples - 1
+    first = state.consumed_samples - cfg.train.global_batch_size
+    monitor.log_record("empty_batch", dict(iteration=state.iteration, first_sample=first, last_sample=last))
+    if trainer.groups.rank != 0 or empty_steps > EMPTY_STEP_WARNINGS:
+        return
+    more = " (later empty steps are counted without a warning)" if empty_steps == EMPTY_STEP_WARNINGS else ""
+    print(
+        f"megazero: warning: iteration {state.iteration} skipped: its global batch (samples {first}..{last} "
+        f"of {data_name(cfg)}) has no loss token, so the optimizer step was not taken (counted in "
+        f"'skipped iterations'){more}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def no_loss_tokens_line(cfg: Config, steps: int) -> str:
+    """The error that ends a run none of whose ``steps`` steps had a loss token (exit 2)."""
+    return (
+        f"none of the {steps} steps of this run had a loss token: every target of {data_name(cfg)} is "
+        f"masked (SFT prompts that fill --seq-length {cfg.model.seq_length}, or --eod-mask-loss on "
+        "one-token documents); fix: check the data's loss masks, or raise --seq-length so that the "
+        "responses fit"
+    )
+
+
 def finish_stop(trainer: Trainer, control: RunControl, reason: str, saved: Optional[str], message: str = "") -> dict:
     """End the run early at this step boundary: save (with --save, unless just saved), write
     stop.json, say so. Returns train()'s result with ``stop`` and ``status``."""
     s, it = trainer.cfg.train, trainer.state.iteration
-    if reason != "non-finite" and s.save and saved is None:
+    failed = reason in resilience.FAILED_STOPS
+    if not failed and s.save and saved is None:
         saved = trainer.save_checkpoint(s.save)
     trainer.finish_save()  # the checkpoint is complete before the run ends
     trainer.optimizer.wait_param_gather()
-    path = saved if reason != "non-finite" else None
+    path = saved if not failed else None
     if control.writes_record:
         resilience.write_stop_record(
             trainer.cfg.log.run_dir, reason=reason, iteration=it, checkpoint=path, message=message
         )
-    if trainer.groups.rank == 0 and reason != "non-finite":
+    if trainer.groups.rank == 0 and not failed:
         where = f"checkpoint saved in {path}" if path else "nothing saved (no --save)"
         print(f"[megazero] stopping after iteration {it} ({reason}): {where}", flush=True)
     return dict(iteration=it, stop=reason, status=resilience.stop_status(reason))

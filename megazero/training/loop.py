@@ -4,6 +4,7 @@ agreed stop, with logging, periodic evaluation, checkpoints and the final summar
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -15,7 +16,15 @@ from megazero.ops.backend import describe_backends
 from megazero.process_groups import ProcessGroups
 from megazero.runtime.monitor import Monitor, Timer, memory_stats, peak_flops, throughput, unigram_entropy
 from megazero.runtime.profiling import StepProfiler, step_profiler
-from megazero.training.control import RunControl, finish_stop, handle_bad_step, inject_fault, report_restart
+from megazero.training.control import (
+    RunControl,
+    finish_stop,
+    handle_bad_step,
+    inject_fault,
+    no_loss_tokens_line,
+    report_empty_step,
+    report_restart,
+)
 from megazero.training.evaluation import evaluate, final_sample, harness_due, harness_scores
 from megazero.training.factory import build_trainer
 from megazero.training.trainer import Trainer
@@ -167,7 +176,7 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
     state, s, exit_interval = trainer.state, cfg.train, cfg.train.exit_interval
     last_valid, counts = None, None
     timer, last_logged = Timer(device), state.iteration
-    first_iteration = state.iteration + 1
+    first_iteration, empty_steps = state.iteration + 1, 0
     profiler = make_profiler(cfg, groups.rank)
     while state.iteration < s.train_iters:
         inject_fault(control, trainer)
@@ -182,6 +191,9 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
             outcome.values.update(perf_values(trainer, cfg, timer.reset() / (it - last_logged)))
             last_logged = it
             monitor.log_iteration(it, outcome.values)
+        if outcome.empty:
+            empty_steps += 1
+            report_empty_step(trainer, monitor, empty_steps)
         if outcome.bad_step and (line := handle_bad_step(trainer, monitor)) is not None:
             profiler.close()
             monitor.close()
@@ -201,10 +213,16 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
             monitor.close()
             return finish_stop(trainer, control, reason, saved)
     profiler.close()
+    if empty_steps and empty_steps == state.iteration - first_iteration + 1:  # every step: the data is wrong
+        line = no_loss_tokens_line(cfg, empty_steps)
+        if groups.rank == 0:
+            print(f"megazero: data error: {line}", file=sys.stderr, flush=True)
+        monitor.close()
+        return finish_stop(trainer, control, "no-loss-tokens", None, message=line)
     trainer.finish_save()
     trainer.optimizer.wait_param_gather()
     sample = final_sample(trainer, data.tokenizer, cfg)
-    baseline = unigram_entropy(counts) if counts is not None else float("nan")
+    baseline = unigram_entropy(counts) if counts is not None and counts.sum() > 0 else None
     monitor.summary(last_valid, baseline, sample)
     monitor.close()
     return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=state.iteration)

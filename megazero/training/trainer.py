@@ -47,12 +47,14 @@ class StepOutcome:
     moe_aux_loss and moe_z_loss, ``model.gpt.moe_step_end``); ``stop_reason``:
     a stop every rank agreed on in the step's loss all-reduce (``resilience.agree``), else None;
     ``bad_step``: a non-finite loss or gradient outside fp16's loss scaling (the optimizer
-    skipped the update).
+    skipped the update); ``empty``: the global batch had no loss token, so the optimizer step
+    was skipped (counted in ``skipped_iterations``; not a bad step).
     """
 
     values: dict
     stop_reason: Optional[str] = None
     bad_step: bool = False
+    empty: bool = False
 
 
 class Trainer:
@@ -127,6 +129,7 @@ class Trainer:
         self.state = RunState()
         self.stop_flags = stop_flags or (lambda: resilience.local_flags(None, None))
         self.forward_watch = resilience.ForwardWatch(self.chunks, groups, fault=fault)
+        self._loss_tokens: Optional[torch.Tensor] = None  # the last _run's count (local_batches)
         self.trail = trail or resilience.Trail()
         self.monitor = monitor
         self.checkpoints = CheckpointManager(
@@ -214,13 +217,15 @@ class Trainer:
             )
         return self.state.iteration
 
-    def local_batches(self, batches) -> tuple[list, Union[int, torch.Tensor]]:
+    def local_batches(self, batches) -> tuple[list, Union[int, torch.Tensor], Optional[torch.Tensor]]:
         """Whole-sequence micro-batches ``(tokens, labels)``, or ``(tokens, labels, loss_mask)``
         of SFT data (data/sft.py) -> this rank's share (its zigzag ``T/cp`` with a
-        ``SequenceInfo``, megazero/context_parallel/sequence.py) and the loss divisor: the
-        targets this step counts over all dp ranks, divided by dp x cp (with --eod-mask-loss or
-        a loss mask a 0-d fp64 tensor summed over the dp group, no host sync; at least 1, so a
-        batch without a response token has loss 0)."""
+        ``SequenceInfo``, megazero/context_parallel/sequence.py), the loss divisor and the count
+        of loss tokens. The count: the targets this step counts over all dp ranks (with
+        --eod-mask-loss or a loss mask a 0-d fp64 tensor summed over the dp group, no host sync;
+        the same on every rank; None without a mask, where every target counts). The divisor:
+        that count divided by dp x cp, at least 1/(dp x cp), so a batch without a response token
+        has loss 0."""
         g, packing = self.groups, self.packing
         masks = [b[2] if len(b) > 2 else None for b in batches]
         local = [
@@ -228,15 +233,15 @@ class Trainer:
             for b, m in zip(batches, masks)
         ]
         if not packing.eod_mask_loss and all(m is None for m in masks):
-            return local, self.tokens_per_dp_rank
+            return local, self.tokens_per_dp_rank, None
         counted = sum(counted_targets(b[1], packing, m) for b, m in zip(batches, masks))
         counted = counted.reshape(()).to(self.device)
         collectives.all_reduce_sum(counted, g.dp)
-        return local, counted.clamp_min(1.0) / (g.dp_size * g.cp_size)
+        return local, counted.clamp_min(1.0) / (g.dp_size * g.cp_size), counted
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
         watch = None if forward_only else self.forward_watch.watch
-        batches, divisor = self.local_batches(batches)
+        batches, divisor, self._loss_tokens = self.local_batches(batches)
         if not forward_only:
             self.forward_watch.begin(self.state.iteration + 1, batches)
         if not forward_only and self.gpt_config.num_experts is not None:
@@ -283,13 +288,13 @@ class Trainer:
         trail.enter(it, "the pipeline schedule (forward/backward with p2p, bucketed gradient reduction)")
         loss = self._run(batches, self.actions, forward_only=False)
         trail.enter(it, "the optimizer step (gradient reduction, overflow all-reduce, norm, parameter all-gather)")
-        result = self.optimizer.step(lr)
+        result = self.optimizer.step(lr, loss_tokens=self._loss_tokens)
         trail.enter(it, "the loss / stop all-reduce")
         # this DP rank's share -> global mean; the same all-reduce agrees on a stop request
         loss, stop_reason = resilience.agree(loss, self.stop_flags(), self.replicas)
         s = self.state
         s.advance(self.cfg.train.global_batch_size, result.skipped)
-        bad = not self.cfg.precision.fp16 and (result.skipped or not math.isfinite(loss))
+        bad = not self.cfg.precision.fp16 and ((result.skipped and not result.empty) or not math.isfinite(loss))
         values = dict(
             iteration=s.iteration,
             consumed_samples=s.consumed_samples,
@@ -302,7 +307,7 @@ class Trainer:
         if self.gpt_config.num_experts is not None:
             trail.enter(it, "the MoE statistics and expert-bias all-reduce over dp and pp")
             values.update(moe_step_end(self.chunks, self.groups, self.replicas.dp, self.num_microbatches))
-        return StepOutcome(values, stop_reason, bool(bad))
+        return StepOutcome(values, stop_reason, bool(bad), result.empty)
 
     def locate_bad_step(self) -> str:
         """The one line naming where the last step's non-finite value appeared (collective)."""

@@ -207,7 +207,7 @@ def _train_sft(rank, world, runs):
         for _ in range(steps):
             done = trainer.state.consumed_samples
             batches = training.dp_micro_batches(run.train, done, cfg, groups, "cpu")
-            got["counted"].append(float(trainer.local_batches(batches)[1]) * groups.dp_size * groups.cp_size)
+            got["counted"].append(float(trainer.local_batches(batches)[2]))
             got["records"].append([int(r) for i in range(done, done + gbs) for r in run.train.records(i)])
             got["losses"].append(trainer.train_step(batches).values["loss"])
         trainer.close()
@@ -410,3 +410,119 @@ def test_record_errors_name_the_field_and_sft_needs_real_data(sft, capsys):
     argv = [plain if a == sft["prefix"] else a for a in _argv(sft, "pad")]
     with pytest.raises(DataError, match="plain_loss_mask.bin/.idx not found .*python -m data.sft"):
         training.build_data(config_from_argv(argv, 1))
+
+
+def _empty_steps(rank, world, argv):
+    """Two trainers from one seed: A takes [empty, S, E_r, S], B takes [S, E_r, S] where every
+    rank's micro-batches of the empty step have an all-zero loss mask and E_r is empty on dp
+    rank 0 only (the whole global batch at dp 1). Returns what the test compares (every rank)."""
+    from megazero.training import build_trainer
+
+    a, b = build_trainer(argv), build_trainer(argv)
+    rank_dp = a.groups.dp_rank
+    real = a.next_batches()
+    full = [(t, l, torch.ones_like(t)) for t, l in real]
+    empty = [(t, l, torch.zeros_like(t)) for t, l in real]
+    half = empty if rank_dp == 0 else full  # one dp rank empty: the global batch still counts
+
+    def params(tr):
+        tr.optimizer.wait_param_gather()  # the overlapped all-gather of the last update
+        return [p.detach().clone() for c in tr.chunks for p in c.parameters()]
+
+    before = params(a)
+    first = a.train_step(empty)
+    after_empty = params(a)
+    a_rest = [a.train_step(x) for x in (full, half, full)]
+    b_all = [b.train_step(x) for x in (full, half, full)]
+    out = dict(
+        empty=getattr(first, "empty", False),
+        bad=first.bad_step,
+        values=first.values,
+        unchanged=all(torch.equal(x, y) for x, y in zip(before, after_empty)),
+        a_losses=[o.values["loss"] for o in a_rest],
+        b_losses=[o.values["loss"] for o in b_all],
+        a_skipped=a_rest[-1].values["skipped_iterations"],
+        half_empty=a_rest[1].empty,
+        dp=a.groups.dp_size,
+        same=all(torch.equal(x, y) for x, y in zip(params(a), params(b))),
+    )
+    a.close(), b.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", [["--dp", "2", "--zero-stage", "2"], ["--pp", "2", "--zero-stage", "1"]])
+def test_a_global_batch_without_a_loss_token_skips_the_optimizer_step(layout):
+    """A step whose global batch has no loss token (every mask zero on every dp rank) takes no
+    optimizer step: the weights are bitwise unchanged, the step counts as skipped, it is not a
+    bad step, and every later step equals a run that never saw it (so Adam's moments, step count
+    and weight decay did not move either). A batch empty on one dp rank only still trains.
+    Under ZeRO-2 at dp 2 and at pp 2."""
+    argv = [
+        "--mock-data",
+        "--vocab-size",
+        "64",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "4",
+        "--weight-decay",
+        "0.1",
+        "--lr-decay-style",
+        "constant",  # the same lr at every iteration: A's steps 2-4 meet B's 1-3
+        "--lr-warmup-iters",
+        "0",
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--eval-iters",
+        "0",
+        *layout,
+    ]
+    for got in run_distributed(_empty_steps, 2, argv):
+        assert got["empty"] and not got["bad"] and got["unchanged"], got
+        assert got["values"]["loss"] == 0.0 and got["values"]["skipped_iterations"] == 1
+        # with dp 1 (pp 2) "empty on dp rank 0" is the whole global batch
+        assert got["half_empty"] == (got["dp"] == 1) and got["a_skipped"] == 1 + got["half_empty"]
+        assert got["a_losses"] == got["b_losses"] and got["same"], got
+
+
+@pytest.fixture(scope="module")
+def prompts_fill_the_sequence(sft):
+    """SFT data whose every prompt is longer than the sequence: no response token survives."""
+    from data.sft import preprocess_sft
+
+    d = sft["dir"]
+    long = " ".join(f"word{i}" for i in range(3 * T))
+    jsonl = d / "long.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": long, "response": "ok"}) + "\n" for _ in range(16)))
+    prefix = str(d / "long")
+    preprocess_sft([str(jsonl)], sft["tok_path"], prefix, tokenizer_type="HuggingFaceTokenizer")
+    return prefix
+
+
+def test_a_run_whose_every_step_is_empty_exits_2_naming_the_data(sft, prompts_fill_the_sequence, tmp_path):
+    """SFT prompts that fill --seq-length: every step is skipped with a warning naming it and its
+    samples, and the run ends with exit 2 and one error line naming --data-path (no training on
+    nothing, no 'unigram baseline: nan')."""
+    prefix = prompts_fill_the_sequence
+    argv = _argv(sft, "pad") + ["--run-dir", str(tmp_path / "run")]
+    argv[argv.index(sft["prefix"])] = prefix
+    argv[argv.index("--train-iters") + 1] = "3"
+    out = subprocess.run([sys.executable, "train.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    warnings = [l for l in out.stderr.splitlines() if "has no loss token" in l]
+    assert len(warnings) == 3 and warnings[0].startswith("megazero: warning: iteration 1 skipped"), out.stderr
+    assert f"(samples 0..7 of --data-path {prefix})" in warnings[0], warnings[0]
+    errors = [l for l in out.stderr.splitlines() if l.startswith("megazero: data error:")]
+    assert len(errors) == 1 and "none of the 3 steps of this run had a loss token" in errors[0], out.stderr
+    assert f"--data-path {prefix}" in errors[0] and "Traceback" not in out.stderr
+    assert "skipped iterations: 3" in out.stdout and "nan" not in out.stdout

@@ -424,3 +424,22 @@ def test_model_state_table_is_one_write_by_the_logging_rank(tmp_path, monkeypatc
     assert lines[3].split()[:2] == ["1", "1000"] and lines[3].split()[-2:] == ["1.00", "MiB"]
     records = [json.loads(x) for x in (tmp_path / "True" / "m.jsonl").read_text().splitlines()]
     assert [r["rank"] for r in records if r["kind"] == "memory"] == [0, 1]
+
+
+def test_a_run_without_validation_prints_its_baseline_as_not_available(tmp_path, capsys):
+    """No validation ran (or it counted no token): the summary says n/a, not nan."""
+    mon = Monitor(
+        str(tmp_path / "run"),
+        tensorboard_dir=None,
+        metrics_file="metrics.jsonl",
+        rank=0,
+        is_logging_rank=True,
+        config_text="",
+    )
+    mon.summary(None, None, "hello")
+    mon.close()
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == (
+        "final validation loss: n/a nats/token (perplexity n/a) | unigram baseline: n/a nats/token "
+        "(perplexity n/a) | loss / baseline: n/a"
+    )
