@@ -590,20 +590,23 @@ class Monitor:
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
 
-    def summary(self, final_valid_loss: Optional[float], unigram_entropy_nats: float, sample_text: str) -> None:
+    def summary(
+        self, final_valid_loss: Optional[float], unigram_entropy_nats: Optional[float], sample_text: str
+    ) -> None:
         """Print the final validation loss and perplexity beside the unigram-entropy
-        baseline (nats/token, :func:`unigram_entropy`) and their ratio, then the sample.
+        baseline (nats/token, :func:`unigram_entropy`; None, printed ``n/a``, when no validation
+        ran or it counted no token) and their ratio, then the sample.
 
         Also writes TensorBoard text ``summary`` and a ``"summary"`` record.
         """
         if not self.is_logging_rank:
             return
-        loss, base = _plain(final_valid_loss), float(unigram_entropy_nats)
-        ratio = None if loss is None or base <= 0 else loss / base
+        loss, base = _plain(final_valid_loss), _plain(unigram_entropy_nats)
+        ratio = None if loss is None or base is None or base <= 0 else loss / base
         line = (
             f"final validation loss: {_fmt(loss, '.4f')} nats/token "
-            f"(perplexity {_fmt(_ppl(loss), '.2f')}) | unigram baseline: {base:.4f} "
-            f"nats/token (perplexity {_ppl(base):.2f}) | loss / baseline: {_fmt(ratio, '.3f')}"
+            f"(perplexity {_fmt(_ppl(loss), '.2f')}) | unigram baseline: {_fmt(base, '.4f')} "
+            f"nats/token (perplexity {_fmt(_ppl(base), '.2f')}) | loss / baseline: {_fmt(ratio, '.3f')}"
         )
         print(line, flush=True)
         print(f"sample: {sample_text}", flush=True)
