@@ -5,8 +5,8 @@ over pipeline stages (and, inside each, over TP ranks), so each new token is one
 forward-only pass of the training pipeline (``schedules.forward_only_schedule`` with one
 micro-batch) run by ``pipeline.executor.run_schedule``: the activations travel between
 stages in the training shape ``[micro-batch, seq_length, hidden]``, and the last stage's
-"loss" of that micro-batch is the argmax token id, which ``run_schedule`` broadcasts over
-the pipeline group, so every rank appends the same token.
+"loss" of that micro-batch is the chosen token id (the argmax, or a ``pick`` function's draw),
+which ``run_schedule`` broadcasts over the pipeline group, so every rank appends the same token.
 
 The context is the last ``seq_length`` tokens, right-padded to ``seq_length`` (causal
 attention keeps padding invisible to the real positions) and repeated over the
@@ -16,7 +16,7 @@ Token ids travel as fp32, exact below 2**24 (vocabularies are far smaller).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ def pipeline_generate_greedy(
     dtype: torch.dtype,
     vocab_size: int,
     layout: str = "interleaved",
+    pick: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> list[int]:
     """Greedy continuation of ``prompt_ids`` by the model whose stage chunks are ``chunks``.
 
@@ -52,6 +53,9 @@ def pipeline_generate_greedy(
             ``(micro-batch, seq_length / (tp if sequence-parallel else 1), hidden)``.
         vocab_size: the real vocabulary; padded logit columns are never chosen.
         layout: how the chunks sit on the stages (``pipeline.partition.chunk_layout``).
+        pick: ``logits [1, V] -> ids [1]`` in place of the argmax (e.g. ``model.sampling.choose``
+            with a seeded generator), called on the last stage only, whose choice every rank
+            receives.
 
     Returns ``prompt_ids + new`` (``len(prompt_ids) + max_new_tokens`` ids).
     Raises ValueError for an empty prompt.
@@ -77,7 +81,8 @@ def pipeline_generate_greedy(
 
                 def next_token(logits):  # (B, S, V_pad/tp) on the last stage
                     row = gather_from_tp_region(logits[:1, t - 1], chunk.tp)[:, :vocab_size]  # (1, V)
-                    return row.argmax(dim=-1).float().sum()
+                    chosen = row.argmax(dim=-1) if pick is None else pick(row)  # (1,)
+                    return chosen.float().sum()
 
                 return out, next_token
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -554,14 +554,21 @@ def _run_group(layers: list, x: torch.Tensor, seq: Optional[SequenceInfo] = None
 
 
 @torch.no_grad()
-def generate_greedy(stage: GPTStage, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+def generate_greedy(
+    stage: GPTStage,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    pick: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
     """Greedy decoding with a whole-model stage (pp == 1): ``[B, T0] -> [B, T0 + new]``.
 
     Each step runs the last ``max_position_embeddings`` tokens without dropout, gathers the
     vocabulary partitions of the last position's logits over TP and takes the argmax over
-    the real vocabulary (padded columns ignored). Under sequence parallelism the context is
-    right-padded to a multiple of tp, which causal attention keeps invisible to the real
-    positions. Raises ValueError when the stage lacks the embedding or the output layer.
+    the real vocabulary (padded columns ignored), or ``pick(logits [B, V]) -> ids [B]`` (e.g.
+    ``model.sampling.choose`` with a seeded generator: every TP rank sees the same logits and
+    draws the same ids). Under sequence parallelism the context is right-padded to a multiple
+    of tp, which causal attention keeps invisible to the real positions. Raises ValueError
+    when the stage lacks the embedding or the output layer.
     """
     if not (stage.pre_process and stage.post_process):
         raise ValueError("generate_greedy needs the whole model in one stage (pp == 1)")
@@ -580,7 +587,8 @@ def generate_greedy(stage: GPTStage, prompt_ids: torch.Tensor, max_new_tokens: i
                 context = F.pad(context, (0, (-t) % tp))  # (B, t rounded up to tp)
             logits = stage(context)[:, t - 1]  # (B, V_pad/tp)
             logits = gather_from_tp_region(logits, stage.tp)[:, : cfg.vocab_size]  # (B, V)
-            ids = torch.cat([ids, logits.argmax(dim=-1, keepdim=True)], dim=1)
+            chosen = logits.argmax(dim=-1) if pick is None else pick(logits)  # (B,)
+            ids = torch.cat([ids, chosen.reshape(-1, 1).to(ids.dtype)], dim=1)
     finally:
         stage.train(was_training)
     return ids

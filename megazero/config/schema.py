@@ -813,9 +813,23 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = _f("tensorboard", "TensorBoard event directory, relative to --run-dir", "path")
     metrics_file: Optional[str] = _f("metrics.jsonl", "JSON-lines metrics, relative to --run-dir", "path")
     generate_tokens: int = _f(
-        64, "length of the greedy sample printed at the end", "tokens", ge=0, applies=_REAL_DATA
+        64, "length of the sample printed at the end", "tokens", ge=0, applies=_REAL_DATA
     )  # the sample needs a tokenizer
     prompt: str = _f("def ", "prompt of that sample", applies=_REAL_DATA)
+    sample_temperature: float = _f(
+        0.8,
+        "temperature of that sample, drawn with a generator seeded by --seed (reproducible); 0 = greedy",
+        "",
+        ge=0,
+        applies=_REAL_DATA,
+    )
+    sample_top_k: int = _f(
+        40,
+        "draw that sample from the k most likely tokens; 0 = all",
+        "tokens",
+        ge=0,
+        applies=(_REAL_DATA, Needs("log.sample_temperature", besides=(0.0,))),
+    )
     wandb_project: Optional[str] = _f(
         None,
         "Weights & Biases project: log TensorBoard's scalars there too "

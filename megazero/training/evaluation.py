@@ -14,6 +14,7 @@ from megazero.training.trainer import Trainer
 from model.evaluation import HarnessError
 from model.generation import pipeline_generate_greedy
 from model.gpt import generate_greedy
+from model.sampling import choose
 
 
 def evaluate(trainer: Trainer, valid, cfg: Config, eval_round: int) -> tuple[float, np.ndarray]:
@@ -79,13 +80,27 @@ def harness_scores(trainer: Trainer, tokenizer, cfg: Config) -> dict:
     )
 
 
-def generate_ids(trainer: Trainer, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation under any layout (collective over the model-parallel ranks):
-    a whole-model stage decodes directly, a pipeline runs one forward-only pass per token. The
-    context-parallel ranks decode the whole context each, the same tokens (no cp attention)."""
+def generate_ids(
+    trainer: Trainer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+) -> list[int]:
+    """Continuation under any layout (collective over the model-parallel ranks): a whole-model
+    stage decodes directly, a pipeline runs one forward-only pass per token. The
+    context-parallel ranks decode the whole context each, the same tokens (no cp attention).
+    Greedy at ``temperature`` 0; otherwise each token is drawn from ``softmax(logits /
+    temperature)`` over the ``top_k`` most likely tokens (0 = all) with a CPU generator seeded
+    by ``seed`` (``model.sampling.choose``): every rank that draws sees the same gathered
+    logits and the same generator state, so every rank gets the same ids, and a rerun too."""
+    generator = torch.Generator().manual_seed(seed)
+    pick = None if temperature == 0 else (lambda logits: choose(logits, temperature, top_k, 1.0, generator))
     if trainer.cfg.parallel.pp == 1:
         ids = torch.tensor([prompt_ids], device=trainer.device)
-        return generate_greedy(trainer.chunks[0], ids, max_new_tokens)[0].tolist()
+        return generate_greedy(trainer.chunks[0], ids, max_new_tokens, pick)[0].tolist()
     B, _, H = trainer.tensor_shape
     p = trainer.cfg.parallel
     shape = (B, trainer.cfg.model.seq_length // (p.tp if p.sequence_parallel else 1), H)
@@ -99,12 +114,19 @@ def generate_ids(trainer: Trainer, prompt_ids: list[int], max_new_tokens: int) -
         dtype=trainer.dtype,
         vocab_size=trainer.gpt_config.vocab_size,
         layout=chunk_layout(p.pipeline_schedule),
+        pick=pick,
     )
 
 
 def final_sample(trainer: Trainer, tokenizer, cfg: Config) -> str:
-    """A short greedy continuation of ``--prompt`` (needs a tokenizer, i.e. real data)."""
+    """A short continuation of ``--prompt`` (needs a tokenizer, i.e. real data), drawn at
+    ``--sample-temperature`` from the ``--sample-top-k`` most likely tokens with ``--seed``
+    (greedy at temperature 0): a small model's greedy continuation repeats one token."""
     prompt = tokenizer.encode(cfg.log.prompt) if tokenizer is not None else []
     if not prompt:
         return "(sample generation needs a tokenizer and a non-empty --prompt)"
-    return tokenizer.decode(generate_ids(trainer, prompt, cfg.log.generate_tokens))
+    g = cfg.log
+    ids = generate_ids(
+        trainer, prompt, g.generate_tokens, temperature=g.sample_temperature, top_k=g.sample_top_k, seed=cfg.train.seed
+    )
+    return tokenizer.decode(ids)

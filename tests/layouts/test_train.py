@@ -17,6 +17,7 @@ from tests.support.layouts import (
     BASE,
     LLAMA,
     MB4,
+    PROMPT,
     SWEEP_STEPS,
     check_layout,
     offload_runs,
@@ -325,3 +326,42 @@ def test_seed_offload_config_equals_stage2_without_offload():
     assert off == pytest.approx(plain, rel=1e-6)
     assert place["host"] > 0 and plain_place["host"] == 0
     assert place["device"] < plain_place["device"]
+
+
+class _Ids:
+    """A stand-in tokenizer: the prompt is PROMPT, the decoded text the ids themselves."""
+
+    def encode(self, text):
+        return list(PROMPT)
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _final_samples(rank, world, argv):
+    from megazero import training
+    from megazero.training import build_trainer
+
+    trainer = build_trainer(argv, world)
+    for _ in range(2):
+        trainer.train_step(trainer.next_batches())
+    cfg, tok = trainer.cfg, _Ids()
+    out = dict(
+        default=[training.final_sample(trainer, tok, cfg) for _ in range(2)],
+        drawn=training.generate_ids(trainer, PROMPT, cfg.log.generate_tokens, temperature=0.8, top_k=40, seed=7),
+        greedy=training.generate_ids(trainer, PROMPT, cfg.log.generate_tokens),
+    )
+    cfg.log.sample_temperature = 0.0
+    out["zero"] = training.final_sample(trainer, tok, cfg)
+    trainer.close()
+    return out
+
+
+def test_the_end_of_run_sample_is_drawn_seeded_and_greedy_at_temperature_0():
+    """The sample printed at the end is drawn at --sample-temperature 0.8 from the --sample-top-k
+    40 most likely tokens with --seed (the same text twice), not the argmax that repeats one token
+    on a small model; --sample-temperature 0 is the greedy continuation."""
+    argv = BASE + ["--generate-tokens", "12"]
+    got = run_distributed(_final_samples, 1, argv)[0]
+    drawn, greedy = (" ".join(map(str, got[k])) for k in ("drawn", "greedy"))
+    assert got["default"] == [drawn, drawn] and got["zero"] == greedy and drawn != greedy, got

@@ -78,7 +78,11 @@ def train_layout(rank, world, argv, steps):
             trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size, p.pipeline_layer_split
         ),
     )
-    return losses, norms, training.generate_ids(trainer, PROMPT, 15), psi  # 18 ids: the window slides
+    ids = (  # 18 ids each: the window slides
+        training.generate_ids(trainer, PROMPT, 15),  # greedy
+        training.generate_ids(trainer, PROMPT, 15, temperature=1.0, top_k=20, seed=3),  # the end-of-run default kind
+    )
+    return losses, norms, ids, psi
 
 
 PROMPT = [5, 17, 3]
@@ -166,12 +170,13 @@ def check_layout(name, results, reference, single_run, clip=1.0):
     for losses, norms, ids, (built, counted) in results:  # every rank: global loss, norm, sample
         assert losses == results[0][0]
         assert norms == results[0][1]
-        assert ids == single_run[2]  # greedy decoding: the same tokens under every layout
+        assert ids == single_run[2]  # greedy and seeded sampling: the same tokens under every layout
         assert built == counted  # megazero.planning.memory counts each rank's parameters exactly
     losses, norms = results[0][:2]
     for step, (got, want) in enumerate(zip(losses, reference)):
         assert math.isclose(got, want, rel_tol=1e-5), (name, step, got, want)
     assert max(single_run[1]) > clip  # the clip really acts
+    assert single_run[2][0] != single_run[2][1]  # the sample is drawn, not the argmax
     for got, want in zip(norms, single_run[1]):
         assert math.isclose(got, want, rel_tol=1e-6), (name, got, want)
     assert losses[-1] < losses[0]
