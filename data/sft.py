@@ -161,8 +161,9 @@ def _jsonl_records(path: str) -> Iterator[tuple[str, object]]:
 
 
 def _parquet_records(path: str) -> Iterator[tuple[str, object]]:
-    """(``file:row N``, record) of every row of a parquet file, 1,024 rows decoded at a time
-    (the chat form's ``messages`` column is a list of structs, so rows are read whole)."""
+    """(``file: row N``, record) of every row of a parquet file, 1,024 rows decoded at a time
+    (the chat form's ``messages`` column is a list of structs, so rows are read whole). Rows
+    count from 0, as ``data.preprocess`` counts them (``data.sources``) and as ``ds[i]``."""
     from data.sources import require_data_extra
 
     pyarrow = require_data_extra("pyarrow", f"--input {path}")
@@ -172,14 +173,14 @@ def _parquet_records(path: str) -> Iterator[tuple[str, object]]:
         row = 0
         for batch in rows.iter_batches(batch_size=1024):
             for obj in batch.to_pylist():
+                yield f"{path}: row {row}", obj
                 row += 1
-                yield f"{path}:row {row}", obj
     except (OSError, pyarrow.ArrowException) as e:
         raise DataError(f"{path}: unreadable parquet file ({e})") from None
 
 
 def iter_records(paths: list[str]) -> Iterator[tuple[str, object]]:
-    """(``file:line`` or ``file:row N``, record) of every record of ``paths`` in order (JSONL,
+    """(``file:line`` (from 1) or ``file: row N`` (from 0), record) of every record of ``paths`` in order (JSONL,
     ``.jsonl.gz``, ``.jsonl.zst`` or ``.parquet``). Raises DataError for a missing file or a
     bad line."""
     for path in paths:

@@ -205,3 +205,23 @@ def test_dataset_bad_input(tmp_path, name):
     for needle in needles:
         assert needle.format(d=tmp_path) in str(e.value)
     assert _listing(tmp_path) == before
+
+
+def test_preprocess_and_sft_number_parquet_rows_alike(tmp_path, model):
+    """One parquet file whose row 2 (counting from 0, as ``ds[2]`` and pandas' ``iloc[2]``) lacks
+    its text: data.preprocess and data.sft both name it ``row 2``; JSONL lines count from 1."""
+    from tests.support.extras import require
+
+    pa, pq = require("pyarrow"), require("pyarrow.parquet")
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"text": ["a", "b", None], "prompt": ["p", "q", None], "response": ["r", "s", None]}), path)
+    runs = {
+        "data.preprocess": ["--json-keys", "text", "--output-prefix", str(tmp_path / "pre")],
+        "data.sft": ["--output-prefix", str(tmp_path / "sft")],
+    }
+    for tool, extra in runs.items():
+        argv = [sys.executable, "-m", tool, "--input", str(path), "--tokenizer-model", model, *extra]
+        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+        assert p.returncode == 2 and len(errors) == 1, (tool, p.stderr)
+        assert f"{path}: row 2: " in errors[0], (tool, errors[0])
