@@ -16,7 +16,10 @@ log-likelihoods tests/tools/test_evaluate.py compares within 1e-5):
   starts with it. The tokens ``context + continuation`` are cut from the left to the model's
   ``max_length + 1`` (its positions), the last one dropped, and the log-probabilities of the
   continuation's tokens (fp32 log-softmax over the real vocabulary, the logits gathered over
-  tp) are summed; ``is_greedy`` is whether each is the argmax.
+  tp) are summed; ``is_greedy`` is whether each is the argmax. Only the context is ever cut: a
+  continuation of more than ``max_length`` tokens is refused (HarnessError naming the window),
+  as the harness's ``HFLM._loglikelihood_tokens`` refuses it (an ``assert len(continuation_enc)
+  <= self.max_length``; it scores no part of such a continuation).
 - ``loglikelihood_rolling((text,))``: the whole text's log-likelihood in windows of
   ``max_length`` predictions (the harness's documented scheme): the first window predicts the
   first ``max_length`` tokens after the prefix token, each later one predicts the next
@@ -96,6 +99,27 @@ def rolling_windows(tokens: Sequence[int], prefix: int, max_length: int) -> list
     return windows
 
 
+def check_pair(i: int, n_context: int, n_continuation: int, max_length: int) -> None:
+    """Raise HarnessError (one line) unless request ``i``'s ``n_context`` context tokens and
+    ``n_continuation`` continuation tokens can be scored in a window of ``max_length`` positions:
+    at least one of each, and the continuation whole in the window (the context may be cut).
+    lm-evaluation-harness's ``HFLM._loglikelihood_tokens`` asserts the same three conditions and
+    scores no part of a longer continuation, so neither does megazero."""
+    if n_context < 1 or n_continuation < 1:
+        raise HarnessError(
+            f"request {i}: {n_context} context and {n_continuation} continuation tokens; a log-likelihood "
+            "request needs at least one of each; fix: a task whose requests have a continuation"
+        )
+    if n_continuation > max_length:
+        raise HarnessError(
+            f"request {i}: its continuation is {n_continuation} tokens (after {n_context} context tokens), "
+            f"longer than the model's {max_length}-token window; only the context is cut to fit, and "
+            "lm-evaluation-harness's Hugging Face backend refuses such a request too (it scores a "
+            f"continuation whole or not at all); fix: a task whose continuations fit in {max_length} "
+            "tokens, or a model with more positions (--max-position-embeddings)"
+        )
+
+
 def make_lm(stage, tokenizer, what: str = "scripts/evaluate.py", **kwargs):
     """A ``MegazeroLM`` over ``stage`` (see :func:`megazero_lm_class`); raises MissingExtra
     naming ``what`` (the script or flag) without lm_eval."""
@@ -161,22 +185,21 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
 
         def score_tokens(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
             """``(log-likelihood, is_greedy)`` of each ``(context, continuation)`` token pair
-            (a non-empty context; a continuation of 1 to ``max_length`` tokens), in order.
-            Raises ValueError for a continuation longer than the window."""
+            (a non-empty context; a continuation of 1 to ``max_length`` tokens), in order; the
+            context cut from the left to fit the window (module docstring). Raises HarnessError,
+            before any forward, for an empty context or continuation, or a continuation longer
+            than the window (which the harness's Hugging Face backend refuses too)."""
+            L, out = self.max_length, [None] * len(pairs)
+            for i, (ctx, cont) in enumerate(pairs):
+                check_pair(i, len(ctx), len(cont), L)
             was_training = self.stage.training
             self.stage.eval()
-            L, out = self.max_length, [None] * len(pairs)
             order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
             try:
                 for start in range(0, len(order), self.batch_size):
                     rows = []
                     for i in order[start : start + self.batch_size]:
                         ctx, cont = pairs[i]
-                        if not 0 < len(cont) <= L or not ctx:
-                            raise ValueError(
-                                f"request {i}: a continuation of {len(cont)} tokens after "
-                                f"{len(ctx)} context tokens (need 1..{L} after at least one)"
-                            )
                         window = (list(ctx) + list(cont))[-(L + 1) :]
                         rows.append((i, window[:-1], list(cont)))
                     T = max(len(inp) for _, inp, _ in rows)
