@@ -4,9 +4,9 @@ untied) exported as LlamaForCausalLM gives megazero's logits in transformers; --
 it back with the same logits and the same 5 training losses; generate.py's greedy tokens
 equal transformers' greedy generate at tp 1 and tp 2; a folder sharded by transformers'
 save_pretrained imports under tp 2 with transformers' logits, and --to-hf --max-shard-size
-writes shards and an index that transformers loads with megazero's logits; what Llama cannot
-express is refused by name. The exact map of the other layouts (multi-head QKV, biases, tied) is checked in one
-process."""
+writes shards and an index that transformers loads with megazero's logits (a write that fails
+leaves nothing behind); what Llama cannot express is refused by name. The exact map of the
+other layouts (multi-head QKV, biases, tied) is checked in one process."""
 
 import dataclasses
 import json
@@ -203,6 +203,30 @@ def test_to_hf_with_max_shard_size_writes_shards_that_transformers_loads(exporte
     back = from_hf_weights(config_from_argv(exported["argv"] + ["--from-hf", str(out)], 1), gcfg, 2)
     for name, t in full.items():
         assert torch.equal(back[name], t), name  # bit for bit, padded for tp 2 as the checkpoint
+
+
+@pytest.mark.slow
+def test_a_failed_sharded_export_leaves_nothing_behind(exported, tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+
+    from scripts.convert_checkpoint import main
+
+    written = []
+
+    def full_disk_after_two(tensors, filename, metadata=None):
+        if len(written) == 2:
+            raise OSError(28, "No space left on device", filename)
+        written.append(filename)
+        real(tensors, filename, metadata=metadata)
+
+    real = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk_after_two)
+    out = tmp_path / "out"
+    assert main(["--load", exported["ckpt"], "--to-hf", str(out), "--max-shard-size", "30KB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(written) == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"convert_checkpoint: error: --to-hf {out}: cannot write ") and "No space left" in err
+    assert os.listdir(tmp_path) == []  # no folder, no temporary folder, no shard
 
 
 @pytest.mark.slow
