@@ -288,7 +288,8 @@ def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str
 
 class CanonicalView(Mapping):
     """Megazero's canonical full tensors read lazily from GPT-2 or (LLaMA-style ``gcfg``)
-    LlamaForCausalLM tensors (e.g. a safetensors ``safe_open`` handle): ``view[name]`` loads,
+    LlamaForCausalLM tensors (e.g. a safetensors ``safe_open`` handle, or ``model.hf_folder.TensorFiles``
+    over a sharded folder): ``view[name]`` loads,
     transposes or joins (``llama_pieces``) and pads one tensor, so a stage reads only its own
     parameters. Vocabulary tensors get ``padded_vocab`` rows."""
 
@@ -326,7 +327,7 @@ class CanonicalView(Mapping):
 def _get(src, key: str) -> torch.Tensor:
     """``src[key]`` of a dict or a safetensors handle; HFConversionError naming a missing key."""
     if key not in set(src.keys()):
-        raise HFConversionError(f"the folder's model.safetensors has no tensor {key!r}")
+        raise HFConversionError(f"the folder's safetensors files have no tensor {key!r}")
     return src.get_tensor(key) if hasattr(src, "get_tensor") else src[key]
 
 

@@ -2,7 +2,8 @@
 consolidate its shards into full tensors. Run from the repository root:
 
     python -m scripts.convert_checkpoint --load CKPT_DIR --to-hf OUT \\
-        [--tokenizer-model PATH --tokenizer-type {SentencePieceTokenizer,HuggingFaceTokenizer}]
+        [--tokenizer-model PATH --tokenizer-type {SentencePieceTokenizer,HuggingFaceTokenizer}] \\
+        [--max-shard-size 5GB]
     python -m scripts.convert_checkpoint --load CKPT_DIR --consolidate OUT
 
 ``--consolidate`` writes ``OUT/iter_<N>/`` (and ``OUT/latest``): the same checkpoint with every
@@ -16,8 +17,12 @@ the run's tokenizer, so that ``AutoModelForCausalLM.from_pretrained(OUT)`` and
 ``AutoTokenizer.from_pretrained(OUT)`` work. The checkpoint is read in this one process (full fp32
 master weights; no process group). The tokenizer is the one the checkpoint recorded unless
 ``--tokenizer-model`` is given; its sha256 must equal the recorded one; it is exported exactly or
-refused (``data.tokenizer_export.write_hf_tokenizer``). The folder appears only when complete
-(temporary name, then rename).
+refused (``data.tokenizer_export.write_hf_tokenizer``). A model of more than ``--max-shard-size``
+bytes (default 5GB; ``500MB``, ``2000000`` bytes: decimal units as ``save_pretrained``'s
+``max_shard_size``) is written as ``model-0000i-of-0000N.safetensors`` shards plus
+``model.safetensors.index.json`` instead of ``model.safetensors``, split as ``save_pretrained``
+splits (``model.hf_folder.write_tensors``). The folder appears only when complete (temporary
+name, then rename; on a failure the temporary folder is removed).
 
 Errors: one line ``convert_checkpoint: error: ...`` and exit code 2.
 
@@ -38,6 +43,7 @@ from data.tokenizer_export import write_hf_tokenizer
 from megazero.checkpoint import CheckpointError, consolidate_checkpoint, read_full_weights
 from megazero.runtime.extras import MissingExtra, require
 from model.hf import HFConversionError, config_from_record, hf_config, to_hf_tensors
+from model.hf_folder import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, write_tensors
 
 
 class ConvertError(RuntimeError):
@@ -68,14 +74,26 @@ def resolve_tokenizer(meta: dict, model: str | None, kind: str | None):
     return tok
 
 
-def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_type: str | None = None) -> dict:
-    """Write the Hugging Face folder ``out`` from the latest checkpoint under ``load``.
+def convert(
+    load: str,
+    out: str,
+    tokenizer_model: str | None = None,
+    tokenizer_type: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> dict:
+    """Write the Hugging Face folder ``out`` from the latest checkpoint under ``load``; tensors
+    above ``max_shard_size`` (bytes, or a size such as ``"5GB"``: ``parse_shard_size``) in all
+    are written as shards plus ``model.safetensors.index.json``.
 
     Returns the written ``config.json`` as a dict. Raises ConvertError, CheckpointError,
     HFConversionError or DataError (message names the difference) before anything is written;
     MissingExtra (megazero.runtime.extras) without the optional extra ``hf``, before reading.
     """
-    save_file = require("safetensors.torch", "--to-hf").save_file
+    try:
+        max_shard_size = parse_shard_size(max_shard_size)
+    except ValueError as e:
+        raise ConvertError(f"--max-shard-size {e}; fix: e.g. --max-shard-size 5GB") from None
+    require("safetensors.torch", "--to-hf")
     require("tokenizers", "--to-hf")  # the tokenizer's export (data.tokenizer)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise ConvertError(f"--to-hf {out} exists and is not empty (or not a folder); fix: choose a new folder")
@@ -96,7 +114,7 @@ def convert(load: str, out: str, tokenizer_model: str | None = None, tokenizer_t
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_tensors(tensors, tmp, max_shard_size)
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=1)
         if tok is not None:
@@ -127,12 +145,18 @@ def main(argv=None) -> int:
     )
     p.add_argument("--tokenizer-model", help="tokenizer to export (default: the one the checkpoint recorded)")
     p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
+    p.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="--to-hf: the most bytes per safetensors file (2000000, 500MB, 5GB; decimal units); "
+        "a larger model is written as shards plus model.safetensors.index.json (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     try:
         if args.consolidate:
             print(f"wrote {consolidate_checkpoint(args.load, args.consolidate)} (full tensors)")
             return 0
-        config = convert(args.load, args.to_hf, args.tokenizer_model, args.tokenizer_type)
+        config = convert(args.load, args.to_hf, args.tokenizer_model, args.tokenizer_type, args.max_shard_size)
     except (ConvertError, CheckpointError, HFConversionError, DataError, MissingExtra) as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ Run from the repository root:
 
 Every process is one tensor-parallel rank of a whole model (tp = the number of processes,
 pipeline size 1): it reads only its own partitions of the full weights (a checkpoint of any
-layout or ``model.safetensors``: ``megazero.training.inference``), then samples with a key/value
+layout, or ``model.safetensors`` or the shards of ``model.safetensors.index.json``:
+``megazero.training.inference``), then samples with a key/value
 cache (``model/sampling.py``; temperature 0 is greedy). The tokenizer is the checkpoint's recorded one (or
 ``--tokenizer-model``), or
 the folder's ``tokenizer.json``. Rank 0 prints the text (and the ids with ``--print-ids``).
@@ -91,7 +92,8 @@ def parse(argv):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save)")
     src.add_argument(
-        "--from-hf", help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors)"
+        "--from-hf",
+        help="Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + model.safetensors or its shards)",
     )
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")

@@ -560,16 +560,19 @@ def _check_profile(cfg: Config, world_size: int) -> None:
 
 
 def _check_from_hf(cfg: Config, world_size: int) -> None:
-    """--from-hf names a folder with config.json and model.safetensors."""
+    """--from-hf names a folder with config.json and model.safetensors, or the sharded
+    model.safetensors.index.json (whose shards model/hf_folder.py checks)."""
     path = cfg.train.from_hf
     if path is None:
         return
-    for name in ("config.json", "model.safetensors"):
-        if not os.path.isfile(os.path.join(path, name)):
-            raise ConfigError(
-                f"--from-hf {path}: {name} not found; fix: give a folder written by "
-                "python -m scripts.convert_checkpoint --to-hf (or save_pretrained with safetensors)"
-            )
+    fix = (
+        "fix: give a folder written by python -m scripts.convert_checkpoint --to-hf "
+        "(or save_pretrained with safetensors)"
+    )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--from-hf {path}: config.json not found; {fix}")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(f"--from-hf {path}: model.safetensors not found (nor model.safetensors.index.json); {fix}")
 
 
 _CHECKS = (

@@ -414,8 +414,8 @@ class TrainingConfig:
     from_hf: Optional[str] = _f(
         None,
         "Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + "
-        "model.safetensors) to start from: weights sliced for this layout, fresh "
-        "optimizer; a checkpoint under --load still takes precedence",
+        "model.safetensors, or its shards and model.safetensors.index.json) to start from: "
+        "weights sliced for this layout, fresh optimizer; a checkpoint under --load still takes precedence",
         "path",
     )
     device: str = _f("auto", "auto = CUDA when available, else CPU", choices=("auto", "cpu", "cuda"))

@@ -2,9 +2,11 @@
 base 1000, RMSNorm eps 1e-6, SwiGLU, grouped-query attention G=2 of 4 heads, no biases,
 untied) exported as LlamaForCausalLM gives megazero's logits in transformers; --from-hf brings
 it back with the same logits and the same 5 training losses; generate.py's greedy tokens
-equal transformers' greedy generate at tp 1 and tp 2; what Llama cannot express is refused
-by name. The exact map of the other layouts (multi-head QKV, biases, tied) is checked in one
-process."""
+equal transformers' greedy generate at tp 1 and tp 2; a folder sharded by transformers'
+save_pretrained imports under tp 2 with transformers' logits, and --to-hf --max-shard-size
+writes shards and an index that transformers loads with megazero's logits (a write that fails
+leaves nothing behind); what Llama cannot express is refused by name. The exact map of the
+other layouts (multi-head QKV, biases, tied) is checked in one process."""
 
 import dataclasses
 import json
@@ -143,6 +145,88 @@ def test_llama_generate_greedy_equals_transformers_at_tp1_and_tp2(exported, caps
     tp1 = json.loads(capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1])
     tp2 = run_distributed(_tp2_greedy, 2, exported["hf"])[0]
     assert len(want) == len(prompt) + 12 and tp1 == want and tp2 == want
+
+
+def _tp_logits(rank, world, hf_dir, ids):
+    from megazero.process_groups import ProcessGroups
+    from megazero.tensor_parallel.mappings import gather_from_tp_region
+    from megazero.topology import Topology
+    from megazero.training.inference import load_model
+
+    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+    stage, _ = load_model(generate_args(hf_dir), groups, torch.device("cpu"), need_tokenizer=False)
+    with torch.no_grad():
+        local = stage.eval()(ids)  # (B, T, V_pad/tp)
+    return gather_from_tp_region(local, stage.tp)[..., : stage.cfg.vocab_size]  # (B, T, V)
+
+
+@pytest.mark.slow
+def test_a_save_pretrained_sharded_llama_imports_under_tp2_with_transformers_logits(exported, tmp_path):
+    from megazero import training
+
+    hf = hf_llama_model(exported["hf"])
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="20KB")  # transformers' own sharding
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 4 and not (sharded / "model.safetensors").exists()
+    assert training.preflight(exported["argv"] + TP2PP2 + ["--from-hf", str(sharded)], 4) == 0
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    ours = run_distributed(_tp_logits, 2, str(sharded), ids)
+    with torch.no_grad():
+        theirs = hf(ids).logits  # (B, T, V)
+    for logits in ours:
+        torch.testing.assert_close(logits, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+
+
+@pytest.mark.slow
+def test_to_hf_with_max_shard_size_writes_shards_that_transformers_loads(exported, tmp_path):
+    from model.build import from_hf_weights
+    from model.hf import to_hf_tensors
+    from scripts.convert_checkpoint import main
+
+    out = tmp_path / "out"
+    assert main(["--load", exported["ckpt"], "--to-hf", str(out), "--max-shard-size", "30KB"]) == 0
+    gcfg, full = _checkpoint_model(exported["ckpt"])
+    tensors = to_hf_tensors(full, gcfg)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert len(shards) >= 4 and shards == sorted(set(index["weight_map"].values()))
+    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    assert index["metadata"]["total_size"] == sum(4 * t.numel() for t in tensors.values())
+    assert sorted(index["weight_map"]) == sorted(tensors) and not any(f.endswith(".tmp") for f in os.listdir(out))
+    assert all(os.path.getsize(out / f) < 30_000 + 38_400 for f in shards)  # the limit, or one larger tensor
+    ids = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(5))
+    ours = logits_of(single_stage(gcfg, full), ids)
+    assert_same_logits_and_ids(hf_llama_model(str(out)), ids, ours, dict(exported, hf=str(out)))
+    from megazero.config import config_from_argv
+
+    back = from_hf_weights(config_from_argv(exported["argv"] + ["--from-hf", str(out)], 1), gcfg, 2)
+    for name, t in full.items():
+        assert torch.equal(back[name], t), name  # bit for bit, padded for tp 2 as the checkpoint
+
+
+@pytest.mark.slow
+def test_a_failed_sharded_export_leaves_nothing_behind(exported, tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+
+    from scripts.convert_checkpoint import main
+
+    written = []
+
+    def full_disk_after_two(tensors, filename, metadata=None):
+        if len(written) == 2:
+            raise OSError(28, "No space left on device", filename)
+        written.append(filename)
+        real(tensors, filename, metadata=metadata)
+
+    real = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk_after_two)
+    out = tmp_path / "out"
+    assert main(["--load", exported["ckpt"], "--to-hf", str(out), "--max-shard-size", "30KB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(written) == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"convert_checkpoint: error: --to-hf {out}: cannot write ") and "No space left" in err
+    assert os.listdir(tmp_path) == []  # no folder, no temporary folder, no shard
 
 
 @pytest.mark.slow

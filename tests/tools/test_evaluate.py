@@ -2,12 +2,15 @@
 for a checkpoint saved under tp 2 and loaded at tp 1 and tp 2, the per-request log-likelihoods
 (context/continuation and rolling) of the harness's own Hugging Face backend (HFLM) on the
 ``--to-hf`` export within 1e-5, the same greedy flags and generations, and the same task
-accuracy; train.py --eval-harness-tasks logs the same scores as evaluating the saved
+accuracy, also for requests whose context or continuation fills the whole window, while a
+continuation longer than the window is refused as HFLM refuses it; train.py
+--eval-harness-tasks logs the same scores as evaluating the saved
 checkpoint; an unknown task name is one line and exit code 2."""
 
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,6 +185,48 @@ def test_log_likelihoods_and_accuracy_equal_the_harness_hf_backend_at_tp1_and_tp
         for metric in ("acc", "acc_norm"):
             assert our_scores["megazero_stdlib"][metric] == scores["megazero_stdlib"][metric]
     assert min(rolling) < -100  # several 64-token windows per document
+
+
+@pytest.mark.slow
+def test_requests_past_the_window_match_the_harness_and_a_longer_continuation_is_refused_as_it_is(run):
+    """Context cut from the left, continuations of up to the whole 64-token window scored whole:
+    the harness's HFLM numbers and greedy flags. A continuation past the window: HFLM asserts,
+    megazero names the window and the fix, before any forward."""
+    require("accelerate")
+    from lm_eval.models.huggingface import HFLM
+
+    from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
+    from model.evaluation import make_lm
+
+    hf = HFLM(pretrained=run["hf"], device="cpu", batch_size=4, dtype="float32")
+    args = SimpleNamespace(load=run["ckpt"], from_hf=None, tokenizer_model=None, tokenizer_type=None)
+    stage, tok = load_model(args, ProcessGroups.single(), torch.device("cpu"))
+    lm = make_lm(stage, tok, batch_size=3)
+    doc = tok.encode(" ".join(r["text"] for r in _rows("ppl.jsonl", 3)))
+    assert lm.max_length == hf.max_length == 64 and len(doc) > 420
+    cuts = [(200, 64), (1, 64), (300, 40), (10, 63), (65, 1), (330, 64), (5, 58)]
+    pairs = [(doc[:c], doc[c : c + n]) for c, n in cuts]
+    theirs = hf._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in pairs])
+    ours = lm.score_tokens(pairs)
+    torch.testing.assert_close(
+        torch.tensor([v for v, _ in ours], dtype=torch.float64),
+        torch.tensor([v for v, _ in theirs], dtype=torch.float64),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert [g for _, g in ours] == [g for _, g in theirs] and min(v for v, _ in ours) < -50
+    long = (doc[:330], doc[330:403])  # 73 continuation tokens, 64 positions
+    with pytest.raises(AssertionError):
+        hf._loglikelihood_tokens([(None, *long)])
+    with pytest.raises(HarnessError) as e:
+        lm.score_tokens(pairs[:2] + [long])
+    assert str(e.value) == (
+        "request 2: its continuation is 73 tokens (after 330 context tokens), longer than the model's "
+        "64-token window; only the context is cut to fit, and lm-evaluation-harness's Hugging Face "
+        "backend refuses such a request too (it scores a continuation whole or not at all); fix: a task "
+        "whose continuations fit in 64 tokens, or a model with more positions (--max-position-embeddings)"
+    )
 
 
 @pytest.mark.slow
