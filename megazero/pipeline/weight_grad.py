@@ -9,10 +9,18 @@ and the gradient of its output. Nothing of the forward is recomputed.
 How the cut is made here, without a layer of its own per operator: after the forward, the
 autograd graph is walked once from the chunk's output. A node is on the *activation path*
 when the chunk's input is reachable from it, or when two or more parameters are (the
-embedding's sum of word and position lookups on the first stage, which has no input tensor);
-a node from which exactly one parameter and not the input is reachable is *weight-only*. A
-*boundary* is an activation-path node with a weight-only child: ``addmm`` of a linear layer
-(child ``t`` -> weight), a norm (children -> weight, bias), the embedding's reduction.
+embedding's sum of word and position lookups on the first stage, which has no input tensor),
+or when it is a *source*: exactly one parameter reachable, and its output consumed by two or
+more edges of the graph. A first stage with rotary positions has no position table, so its
+word-embedding lookup is where the activations begin, read by the first norm and by the
+residual add: the source stands for the missing input. B sums the gradients flowing into it,
+as a plain backward does, and W runs it once. (Were it a weight-only child of both, W asking
+the residual add for the embedding's gradient would also reach it through the add's other
+child, the whole first layer, re-running backward steps that B ran and released and adding the
+norm's share twice.) A node from which exactly one parameter and not the input is reachable,
+and that is no source, is *weight-only*. A *boundary* is an activation-path node with a
+weight-only child: ``addmm`` of a linear layer (child ``t`` -> weight), a norm (children ->
+weight, bias), the embedding's reduction.
 
 - B: ``torch.autograd.grad(output, inputs=[input] + [edges into every boundary])`` with the
   graph retained. The engine runs only nodes that lead to a requested edge and, inside each
@@ -139,9 +147,17 @@ def _nodes_postorder(roots: list) -> list:
 
 
 def _classify(roots: list, input_nodes: set):
-    """Per node: (leads to an input, the one parameter node reachable / _MANY / None)."""
+    """Per node: (leads to an input or a source, the one parameter node reachable / _MANY /
+    None). A *source* is an operator from which one parameter is reachable whose output feeds
+    two or more edges of the graph (module docstring); it counts as an input."""
+    order = _nodes_postorder(roots)
+    fed: dict = {}  # node -> edges of the graph that consume its output
+    for node in order:
+        for c, _ in node.next_functions:
+            if c is not None:
+                fed[c] = fed.get(c, 0) + 1
     info = {}
-    for node in _nodes_postorder(roots):
+    for node in order:
         if hasattr(node, "variable"):  # AccumulateGrad: a leaf
             is_input = node in input_nodes
             info[node] = (is_input, None if is_input else node)
@@ -154,7 +170,8 @@ def _classify(roots: list, input_nodes: set):
             to_input = to_input or ci
             if cr is not None:
                 reach = cr if reach is None or reach is cr else _MANY
-        info[node] = (to_input, reach)
+        source = not to_input and reach is not None and reach is not _MANY and fed.get(node, 0) > 1
+        info[node] = (to_input or source, reach)
     return info
 
 

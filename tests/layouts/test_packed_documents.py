@@ -21,8 +21,9 @@ from megazero.context_parallel.sequence import (
     shard_micro_batch,
 )
 from tests.support.distributed import run_distributed
+from tests.support.packed import EOD, PACKING, packed_batches, packed_trainer, rank_micro_batches
 
-EOD, V, T = 3, 101, 16
+V, T = 101, 16
 LEN_A = 6  # A = tokens 0..5, the last of them EOD; B = tokens 6..15
 
 
@@ -176,43 +177,19 @@ BASE = [
     "--device",
     "cpu",
 ]
-FLAGS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
+FLAGS = PACKING
 
 
 def _batches():
     """STEPS global batches of 8 packed sequences: EOD tokens at random places (about 1 in 5)."""
-    g = torch.Generator().manual_seed(11)
-    out = []
-    for _ in range(STEPS):
-        data = torch.randint(4, V, (8, T + 1), generator=g)
-        data[torch.rand(8, T + 1, generator=g) < 0.2] = EOD
-        out.append((data[:, :-1], data[:, 1:]))
-    return out
+    return packed_batches(V, T, 8, STEPS)
 
 
 def _train_packed(rank, world, argvs):
-    from megazero import training
-    from megazero.config import config_from_argv, layout_topology
-    from megazero.process_groups import ProcessGroups
-
     results = []
-    for argv in argvs:
-        cfg = config_from_argv(argv, world)
-        for k, v in FLAGS.items():  # mock data has no tokenizer: the trainer is given the EOD id
-            setattr(cfg.data, k, v)
-        p, t = cfg.parallel, cfg.train
-        groups = ProcessGroups.build(layout_topology(cfg))
-        trainer = training.build_trainer(cfg, groups=groups, eod=EOD)
-        losses = []
-        per_dp = t.global_batch_size // p.dp
-        for tokens, labels in _batches():  # this dp rank's samples, in micro-batches
-            mine = slice(groups.dp_rank * per_dp, (groups.dp_rank + 1) * per_dp)
-            x, y = tokens[mine], labels[mine]
-            mbs = [
-                (x[i : i + t.micro_batch_size], y[i : i + t.micro_batch_size])
-                for i in range(0, per_dp, t.micro_batch_size)
-            ]
-            losses.append(trainer.train_step(mbs).values["loss"])
+    for argv in argvs:  # mock data has no tokenizer: the trainer is given the EOD id and flags
+        trainer = packed_trainer(argv, world)
+        losses = [trainer.train_step(rank_micro_batches(trainer, b)).values["loss"] for b in _batches()]
         trainer.close()
         results.append(losses)
     return results

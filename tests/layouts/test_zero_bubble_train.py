@@ -10,14 +10,22 @@ name) are bit-identical (at ZeRO-3, whose shards follow the placement, losses an
 only). With tied embeddings both copies sit on stage 0 (chunks 0 and 1) and their
 gradients are summed there; untied, ZB-V is compared with an untied 1F1B run. MoE layouts
 are checked against the MoE reference. One spawn runs every layout of its world size.
+
+Block features run under every pp-2 schedule (1F1B, interleaved, ZB-H1, ZB-V) against 1F1B:
+RoPE (tied, so ZB-V sums both embedding copies on stage 0) and the LLaMA block on 2 ranks;
+LLaMA with MoE at expert parallel 2 (dp 2) and LLaMA with packed documents at cp 2 on 4 ranks.
+A first stage with RoPE has no position table, so its word embedding is where its activations
+begin (pipeline/weight_grad.py). Interleaved, like ZB-V, places layers in chunks of its own: gradient
+norms within 1e-12, losses and parameters bit for bit.
 """
 
 import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.layouts import BASE, STEPS, reference_losses
+from tests.support.layouts import BASE, LLAMA, STEPS, oracle_losses, reference_losses
 from tests.support.moe import moe_reference as _moe_reference
+from tests.support.packed import EOD, PACKING, packed_batches, packed_trainer, rank_micro_batches
 
 GBS = ["--global-batch-size", "8"]  # micro-batch 2: 4 micro-batches at dp 1
 UNTIE = ["--untie-embeddings-and-output-weights"]
@@ -34,6 +42,26 @@ MOE = [
     "1e-3",
 ]
 MICRO1 = ["--micro-batch-size", "1"]  # dp 2: still 4 micro-batches per pipeline
+ROPE = ["--position-embedding-type", "rope"]
+# packed documents: the flags mock data refuses on the command line; _run strips them and
+# gives the trainer EOD and the flags (tests/support/packed.py) and batches with EOD tokens
+PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+EP2 = ["--dp", "2", "--expert-model-parallel-size", "2"] + MICRO1
+BLOCKS = {"untied": UNTIE, "moe": MOE, "rope": ROPE, "llama": LLAMA, "packed": PACKED}
+
+
+def _has(argv, flags) -> bool:
+    return any(argv[i : i + len(flags)] == flags for i in range(len(argv) - len(flags) + 1))
+
+
+def _without(argv, flags) -> list:
+    i = next(i for i in range(len(argv)) if argv[i : i + len(flags)] == flags)
+    return argv[:i] + argv[i + len(flags) :]
+
+
+def _packed_global_batches(cfg, steps):
+    """The global batches every packed-document run and its oracle train on (``cfg``: a Config)."""
+    return packed_batches(cfg.data.vocab_size, cfg.model.seq_length, cfg.train.global_batch_size, steps)
 
 
 def _run(rank, world, argv, steps=STEPS):
@@ -41,11 +69,15 @@ def _run(rank, world, argv, steps=STEPS):
     from megazero.training import build_trainer
 
     torch.set_num_threads(1)
-    trainer = build_trainer(argv, world)
+    if _has(argv, PACKED):  # documents packed: the batches given, not the mock data's
+        trainer = packed_trainer(_without(argv, PACKED), world)
+        given = _packed_global_batches(trainer.cfg, steps)
+    else:
+        trainer, given = build_trainer(argv, world), None
     cfg, groups = trainer.cfg, trainer.groups
     values = []
-    for _ in range(steps):
-        batches = trainer.next_batches()
+    for step in range(steps):
+        batches = trainer.next_batches() if given is None else rank_micro_batches(trainer, given[step])
         v = trainer.train_step(batches).values
         values.append((v["loss"], v["grad_norm"]))
     values.append((trainer.eval_loss(batches), None))  # forward only, through the same chunks
@@ -116,26 +148,46 @@ def _compare(results, base, other, same_layout):
     assert not bad, (other, bad[:4])
 
 
+def _reference(key, model):
+    """The oracle's losses for the model of the blocks named in ``key`` (BLOCKS)."""
+    flags = dict(BLOCKS, packed=[], micro1=MICRO1)
+    ref_argv = BASE + GBS + list(model) + [f for k in key for f in flags[k]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: the oracle is many times faster on one thread
+    try:  # MoE: the reference routes (and takes its auxiliary losses) per micro-batch
+        if "moe" in key:
+            return _moe_reference(ref_argv, STEPS)[0]
+        if "packed" in key:
+            from megazero.config import config_from_argv
+
+            batches = _packed_global_batches(config_from_argv(ref_argv, 1), STEPS)
+            return oracle_losses(ref_argv, STEPS, batches, packing=dict(eod=EOD, **PACKING))
+        return reference_losses(ref_argv, STEPS)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _placed_apart(name: str) -> bool:
+    """ZB-V and interleaved place the layers in chunks of their own (their norms add in another order)."""
+    return "zb-v" in name or "interleaved" in name
+
+
 def _check(layouts, results, names, model=()):
     refs = {}
     for i, name in enumerate(names):
         argv, _ = layouts[name]
-        key = (UNTIE[0] in argv, MOE[0] in argv)
+        key = tuple(k for k, flags in BLOCKS.items() if _has(argv, flags))
+        if "moe" in key and _has(argv, MICRO1):  # the MoE oracle routes per micro-batch
+            key += ("micro1",)
         if key not in refs:
-            ref_argv = BASE + GBS + list(model) + (UNTIE if key[0] else []) + (MOE if key[1] else [])
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # tiny matmuls: the oracle is many times faster on one thread
-            try:  # MoE: the reference routes (and takes its auxiliary losses) per micro-batch
-                refs[key] = _moe_reference(ref_argv, STEPS)[0] if key[1] else reference_losses(ref_argv, STEPS)
-            finally:
-                torch.set_num_threads(threads)
+            refs[key] = _reference(key, model)
         for r in results:  # every rank agrees, and equals the oracle within 1e-5
             assert [v[0] for v in r[i][0]] == [v[0] for v in results[0][i][0]]
             assert [v[0] for v in r[i][0][:-2]] == pytest.approx(refs[key], rel=1e-5), name
     for i, name in enumerate(names):
         base = layouts[name][1]
         if base is not None:
-            _compare(results, names.index(base), i, same_layout="zb-v" not in name)
+            _compare(results, names.index(base), i, same_layout=not _placed_apart(name))
 
 
 # name -> (flags, the 1F1B run it must equal bit for bit)
@@ -149,6 +201,20 @@ PP2 = {
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 TIED_V = ["--pp", "2", "--pipeline-schedule", "zb-v"]
+# every schedule of pp 2 (zb-v with the block's own embedding choice), for the block features
+SCHEDULES = {
+    "1f1b": ["--pp", "2"],
+    "interleaved": ["--pp", "2", "--virtual-pipeline-size", "2"],
+    "zb-h1": ["--pp", "2", "--pipeline-schedule", "zb-h1"],
+    "zb-v": TIED_V,
+}
+
+
+def _every_schedule(tag, flags, schedules=SCHEDULES):
+    """``tag``'s block or layout ``flags`` under each of ``schedules``, each against its 1F1B run."""
+    return {
+        f"{tag} {name}": (sched + flags, None if name == "1f1b" else f"{tag} 1f1b") for name, sched in schedules.items()
+    }
 
 
 def test_zero_bubble_pp2_equals_1f1b_bit_for_bit(tmp_path):
@@ -159,7 +225,8 @@ def test_zero_bubble_pp2_equals_1f1b_bit_for_bit(tmp_path):
     auxiliary losses and the shared expert: B runs the routing's backward, W the experts').
     In the same ranks, ZB-V with tied embeddings saved at step 4 and resumed under ZB-V gives
     the unbroken run's losses bit for bit; resumed under 1F1B (both embedding copies back on
-    their own stages), the same losses, which 1F1B and ZB-V share bit for bit."""
+    their own stages), the same losses, which 1F1B and ZB-V share bit for bit. RoPE alone and the
+    LLaMA block under interleaved, ZB-H1 and ZB-V against 1F1B with the same block."""
     layouts = dict(
         PP2,
         **{
@@ -170,6 +237,8 @@ def test_zero_bubble_pp2_equals_1f1b_bit_for_bit(tmp_path):
             "zb-h1 moe": (PP2["zb-h1"][0] + MOE, "1f1b moe"),
             "zb-v tied moe": (TIED_V + MOE, "1f1b moe"),
         },
+        **_every_schedule("rope", ROPE),
+        **_every_schedule("llama", LLAMA),
     )
     names = list(layouts)
     resume = (BASE + GBS + TIED_V, 4, str(tmp_path), [BASE + GBS + TIED_V, BASE + GBS + PP2["1f1b"][0]])
@@ -195,6 +264,8 @@ def _layouts4():
         for name in ("1f1b", "zb-h1"):  # ZeRO-1's overlapped reduction and gather; context parallel
             pp_flags, base = PP2[name]
             out[f"{tag} {name}"] = (pp_flags + flags, None if base is None else f"{tag} {base}")
+    out.update(_every_schedule("ep2 llama-moe", EP2 + LLAMA + MOE))  # experts split over 2 ranks
+    out.update(_every_schedule("cp2 packed llama", ["--cp", "2"] + LLAMA + PACKED))
     return out
 
 
@@ -203,7 +274,9 @@ def test_zero_bubble_with_tp_sp_and_zero_equals_1f1b_bit_for_bit():
     """4 ranks: tp 2 + sequence parallelism, ZeRO-2 and ZeRO-3 over dp 2, each with ZB-H1 and
     ZB-V next to 1F1B (the bucket reductions start when a bucket's last W is done; ZeRO-3
     keeps a unit gathered from its B to its last W); ZB-H1 also with ZeRO-1 (overlapped
-    reduction and parameter gather) and with context parallelism cp 2."""
+    reduction and parameter gather) and with context parallelism cp 2; the LLaMA block with MoE
+    at expert parallel 2 and with packed documents (document masks, restarted positions, EOD
+    targets left out) at cp 2 under interleaved, ZB-H1 and ZB-V against 1F1B and the oracle."""
     layouts = _layouts4()
     names = list(layouts)
     out = run_distributed(_runs, 4, [BASE + GBS + layouts[n][0] for n in names], timeout_s=1500)

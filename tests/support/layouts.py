@@ -117,7 +117,9 @@ def single_once(argv: tuple, steps: int):
     return run_distributed(train_layout, 1, list(argv), steps)[0]
 
 
-def oracle_losses(argv, steps):
+def oracle_losses(argv, steps, batches=None, packing=None):
+    """tests/support/reference.py's losses for ``argv`` over ``steps`` steps, on ``argv``'s data or on
+    ``batches`` (global batches of (tokens, labels)); ``packing``: the reference's document options."""
     from data.samplers import get_micro_batches
     from megazero import training
     from megazero.config import config_from_argv
@@ -131,7 +133,8 @@ def oracle_losses(argv, steps):
     train_ds, vocab = run.train, run.vocab_size
     gcfg = build_gpt_config(cfg, vocab)
     gbs = cfg.train.global_batch_size
-    batches = [get_micro_batches(train_ds, s * gbs, gbs, gbs, 0, 1)[0] for s in range(steps)]
+    if batches is None:
+        batches = [get_micro_batches(train_ds, s * gbs, gbs, gbs, 0, 1)[0] for s in range(steps)]
     o = cfg.optim
     sched = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, cfg.train.train_iters, o.lr_decay_style)
     return train_reference(
@@ -146,6 +149,7 @@ def oracle_losses(argv, steps):
         eps=o.adam_eps,
         clip_grad=o.clip_grad,
         block=block_options(gcfg),
+        packing=packing,
     )
 
 

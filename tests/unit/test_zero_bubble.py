@@ -126,6 +126,18 @@ RECOMPUTE = {
         moe_z_loss_coeff=0.001,
         moe_shared_expert_intermediate_size=32,
     ),
+    # rotary positions: the first stage's word embedding feeds the first norm and the residual
+    # (no position table added to it), so B sums its output gradient and W runs it once
+    "rope": dict(position_embedding_type="rope"),
+    "llama": dict(
+        position_embedding_type="rope",
+        rotary_percent=0.5,
+        normalization="RMSNorm",
+        swiglu=True,
+        num_query_groups=1,
+        add_bias_linear=False,
+        ffn_hidden_size=32,
+    ),
 }
 
 
@@ -180,13 +192,15 @@ def _three_microbatches(stage, split):
         for r in ("none", "selective", "full")
         for pre, post in [(True, False), (False, False), (False, True), (True, True)]
     ]
-    + [("moe", True, True)],
-)  # one stage with embedding, MoE layers and head
+    + [("moe", True, True)]  # one stage with embedding, MoE layers and head
+    + [(block, True, post) for block in ("rope", "llama") for post in (False, True)],
+)
 def test_split_backward_is_bit_identical(pre, post, recompute):
     """B then W (all B's first, W's in micro-batch order) gives the fused backward's input
     gradients and accumulated weight gradients bit for bit, on the first, middle and last
     stage, with and without recomputation (full: the replayed region's backward is split
-    too); no weight gradient exists before W."""
+    too), with MoE and with rotary positions (alone and in the LLaMA block: the first
+    stage's word embedding is where its activations begin); no weight gradient exists before W."""
     fused, fused_dx = _three_microbatches(_stage(pre, post, recompute), split=False)
     split, split_dx = _three_microbatches(_stage(pre, post, recompute), split=True)
     assert len(fused) == len(split) and all(torch.equal(a, b) for a, b in zip(fused, split))
@@ -313,16 +327,20 @@ def test_planner_counts_what_b_leaves_for_w():
         )
 
 
-@pytest.mark.parametrize("pre, post", [(False, False), (True, False), (False, True)])
-def test_b_frees_what_w_does_not_read(pre, post):
+@pytest.mark.parametrize(
+    "pre, post, block", [(False, False, "none"), (True, False, "none"), (False, True, "none"), (True, False, "rope")]
+)
+def test_b_frees_what_w_does_not_read(pre, post, block):
     """After B a micro-batch keeps, of its saved tensors, only its linear layers' inputs (and
     views of the weights, the embeddings' ids), plus the captured output gradients and, on
     the last stage, the output layer's weight gradient that B computed: together
-    the planner's ``weight_grad_bytes`` exactly; W reading an emptied box raises instead of computing."""
+    the planner's ``weight_grad_bytes`` exactly (with rotary positions too, where the first
+    stage keeps the word embedding's output gradient and its ids, no position ids); W
+    reading an emptied box raises instead of computing."""
     from megazero.planning import activations as A
     from model.config import GPTConfig
 
-    stage = _stage(pre, post)
+    stage = _stage(pre, post, block)
     g = torch.Generator().manual_seed(0)
     tokens, labels = torch.randint(0, 50, (2, 8), generator=g), torch.randint(0, 50, (2, 8), generator=g)
     x = tokens if pre else torch.randn(2, 8, 16, generator=g).requires_grad_()
@@ -339,7 +357,8 @@ def test_b_frees_what_w_does_not_read(pre, post):
         if b.tensor.untyped_storage().data_ptr() not in params
     }
     indices = sum(t.untyped_storage().nbytes() for t in kept.values() if not t.is_floating_point())
-    assert indices == (2 * 8 * 8 + 8 * 8 if pre else 0)  # the embeddings' token and position ids
+    positions = 8 * 8 if block == "none" else 0  # rotary: no position table, no position ids
+    assert indices == (2 * 8 * 8 + positions if pre else 0)  # the embeddings' token and position ids
     kept = sum(t.untyped_storage().nbytes() for t in kept.values()) - indices
     grads = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
