@@ -51,15 +51,17 @@ from megazero.param_spec import ParamSpec, matmul_params
 
 # Dense (no sparsity) peak matmul throughput in FLOP/s from NVIDIA's data sheets, keyed by
 # name fragments of ``torch.cuda.get_device_name`` (upper-cased), first match wins.
-# fp32 is the plain FP32 rate, not TF32: PyTorch runs fp32 matmuls without TF32 by default
-# (``torch.backends.cuda.matmul.allow_tf32 = False``). With TF32 on, pass the TF32 peak
-# (A100 156e12, H100 SXM 494.5e12) to the trainer's ``--peak-tflops`` instead.
-_PEAKS: tuple[tuple[tuple[str, ...], dict[torch.dtype, float]], ...] = (
-    (("H100", "PCIE"), {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 51e12}),
-    (("H100", "NVL"), {torch.bfloat16: 835e12, torch.float16: 835e12, torch.float32: 60e12}),
-    (("H100",), {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}),
-    (("H200",), {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 67e12}),
-    (("A100",), {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12}),
+# ``torch.float32`` is the plain FP32 rate: PyTorch runs fp32 matmuls without TF32 by default
+# (``torch.backends.cuda.matmul.allow_tf32 = False``). ``TF32`` is the dense TF32 tensor-core
+# rate (half the sparse figure of the data sheets), the peak of fp32 matmuls under ``--tf32``;
+# a GPU without TF32 (V100) has no such entry and keeps its FP32 rate.
+TF32 = "tf32"
+_PEAKS: tuple[tuple[tuple[str, ...], dict], ...] = (
+    (("H100", "PCIE"), {torch.bfloat16: 756e12, torch.float16: 756e12, TF32: 378e12, torch.float32: 51e12}),
+    (("H100", "NVL"), {torch.bfloat16: 835e12, torch.float16: 835e12, TF32: 417.5e12, torch.float32: 60e12}),
+    (("H100",), {torch.bfloat16: 989e12, torch.float16: 989e12, TF32: 494.5e12, torch.float32: 67e12}),
+    (("H200",), {torch.bfloat16: 989e12, torch.float16: 989e12, TF32: 494.5e12, torch.float32: 67e12}),
+    (("A100",), {torch.bfloat16: 312e12, torch.float16: 312e12, TF32: 156e12, torch.float32: 19.5e12}),
     (("V100",), {torch.float16: 125e12, torch.float32: 15.7e12}),
 )
 
@@ -134,8 +136,10 @@ def spec_flops_per_iteration(
     return float(global_batch_size * seq_length * per_token)
 
 
-def peak_flops_for_name(device_name: str, dtype: torch.dtype) -> Optional[float]:
-    """Dense peak matmul FLOP/s of one GPU named ``device_name`` at ``dtype``.
+def peak_flops_for_name(device_name: str, dtype: torch.dtype, tf32: bool = False) -> Optional[float]:
+    """Dense peak matmul FLOP/s of one GPU named ``device_name`` at ``dtype``: the peak of the
+    precision its matmuls actually run in, so fp32 with ``tf32`` (``--tf32``) is the TF32
+    tensor-core rate (about 7x the FP32 rate on H100), where the GPU has one.
 
     Matches fragments of the name (case-insensitive): H100 PCIe, H100 NVL, H100 (SXM), H200
     (as H100 SXM), A100,
@@ -144,12 +148,15 @@ def peak_flops_for_name(device_name: str, dtype: torch.dtype) -> Optional[float]
     name = device_name.upper()
     for fragments, peaks in _PEAKS:
         if all(fragment in name for fragment in fragments):
+            if tf32 and dtype == torch.float32 and TF32 in peaks:
+                return peaks[TF32]
             return peaks.get(dtype)
     return None
 
 
-def peak_flops(device: Union[torch.device, str], dtype: torch.dtype) -> Optional[float]:
-    """Dense peak matmul FLOP/s of ``device`` at ``dtype``, or None when unknown.
+def peak_flops(device: Union[torch.device, str], dtype: torch.dtype, tf32: bool = False) -> Optional[float]:
+    """Dense peak matmul FLOP/s of ``device`` at ``dtype`` (``tf32``: fp32 matmuls on TF32
+    tensor cores, ``--tf32``), or None when unknown.
 
     On CUDA the name comes from ``torch.cuda.get_device_name(device)`` and is looked up
     with :func:`peak_flops_for_name`. A CPU has no table entry: None (MFU shown as "n/a";
@@ -158,7 +165,7 @@ def peak_flops(device: Union[torch.device, str], dtype: torch.dtype) -> Optional
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return peak_flops_for_name(torch.cuda.get_device_name(device), dtype)
+    return peak_flops_for_name(torch.cuda.get_device_name(device), dtype, tf32)
 
 
 def mfu(achieved_flops_per_s_per_device: float, peak_flops_per_device: Optional[float]) -> Optional[float]:

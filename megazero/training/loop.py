@@ -38,7 +38,9 @@ def perf_values(trainer: Trainer, cfg: Config, seconds_per_iter: float) -> dict:
         iteration_time_s=seconds_per_iter,
         world_size=trainer.groups.world_size,
         peak_flops_per_device=(
-            cfg.log.peak_tflops * 1e12 if cfg.log.peak_tflops else peak_flops(trainer.device, trainer.dtype)
+            cfg.log.peak_tflops * 1e12
+            if cfg.log.peak_tflops
+            else peak_flops(trainer.device, trainer.dtype, tf32=cfg.precision.tf32)
         ),
     )
     return dict(

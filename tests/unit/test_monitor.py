@@ -142,6 +142,11 @@ def test_peak_table_mfu_and_throughput():
     assert peak_flops_for_name("Tesla V100-SXM2-32GB", bf16) is None
     assert peak_flops_for_name("NVIDIA GeForce GTX 1080", bf16) is None
     assert peak_flops("cpu", bf16) is None
+    # --tf32: fp32 matmuls run on TF32 tensor cores, so MFU is against the TF32 peak (not ~7x FP32's)
+    assert peak_flops_for_name("NVIDIA H100 80GB HBM3", fp32, tf32=True) == 494.5e12
+    assert peak_flops_for_name("NVIDIA A100-SXM4-80GB", fp32, tf32=True) == 156e12
+    assert peak_flops_for_name("NVIDIA H100 80GB HBM3", bf16, tf32=True) == 989e12  # bf16 matmuls: unchanged
+    assert peak_flops_for_name("Tesla V100-SXM2-32GB", fp32, tf32=True) == 15.7e12  # no TF32 there
     assert mfu(156e12, 312e12) == 0.5
     assert mfu(156e12, None) is None
     with pytest.raises(ValueError, match="peak"):
@@ -443,3 +448,30 @@ def test_a_run_without_validation_prints_its_baseline_as_not_available(tmp_path,
         "final validation loss: n/a nats/token (perplexity n/a) | unigram baseline: n/a nats/token "
         "(perplexity n/a) | loss / baseline: n/a"
     )
+
+
+def test_the_trainer_asks_for_the_peak_of_the_precision_its_matmuls_run_in(monkeypatch):
+    """perf_values passes --tf32 to the peak lookup (an fp32 run with --tf32 on an H100 has a
+    494.5 TFLOP/s denominator, not FP32's 67)."""
+    from types import SimpleNamespace
+
+    from megazero.training import loop
+
+    asked = []
+    monkeypatch.setattr(loop, "peak_flops", lambda device, dtype, tf32=False: asked.append(tf32) or 494.5e12)
+    for tf32 in (True, False):
+        cfg = SimpleNamespace(
+            train=SimpleNamespace(global_batch_size=8),
+            model=SimpleNamespace(seq_length=16),
+            log=SimpleNamespace(peak_tflops=None),
+            precision=SimpleNamespace(tf32=tf32),
+        )
+        trainer = SimpleNamespace(
+            flops_per_iteration=1e12,
+            groups=SimpleNamespace(world_size=1),
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            optimizer=SimpleNamespace(model_state_bytes=lambda: {"total": 0}),
+        )
+        assert loop.perf_values(trainer, cfg, 1.0)["mfu"] == pytest.approx(1e12 / 494.5e12)
+    assert asked == [True, False]
