@@ -79,6 +79,7 @@ MOE_FIELDS = (
     "moe_layer_freq",
     "moe_shared_expert_intermediate_size",
     "moe_router_score_function",
+    "moe_router_dtype",
     "moe_router_pre_softmax",
     "moe_router_load_balancing_type",
     "moe_aux_loss_coeff",

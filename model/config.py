@@ -122,6 +122,8 @@ class GPTConfig:
     """Inner width of the shared expert every token passes through; ``None`` = none."""
     moe_router_score_function: str = "softmax"
     """``softmax`` or ``sigmoid`` (megazero.moe.router.route)."""
+    moe_router_dtype: str = "fp32"
+    """Precision of the router GEMM: ``fp32`` or ``model`` (megazero.moe.router.router_logits)."""
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before the top-k (weights not renormalised)."""
     moe_router_load_balancing_type: str = "aux_loss"

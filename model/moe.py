@@ -160,7 +160,7 @@ class MoEMLP(nn.Module):
 
         cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
         B, T, H = x.shape
-        logits = F.linear(x, self.router.weight)  # (B, T(/tp), E)
+        logits = R.router_logits(x, self.router.weight, cfg.moe_router_dtype)  # (B, T(/tp), E), fp32 by default
         if self.sp:  # the router ran on this rank's T/tp positions; route the micro-batch's N
             logits, inp, T = self._gather_sequence(logits, x)
         else:

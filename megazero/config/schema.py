@@ -196,6 +196,14 @@ class ModelConfig:
         choices=("softmax", "sigmoid"),
         applies=_MOE,
     )
+    moe_router_dtype: str = _f(
+        "fp32",
+        "precision of the router GEMM and its logits: fp32 (as Megatron-LM's --moe-router-dtype fp32: a "
+        "bf16/fp16 GEMM rounds near-ties into exact ties, which the top-k gives to the lower-numbered "
+        "expert), or model (the model dtype)",
+        choices=("fp32", "model"),
+        applies=_MOE,
+    )
     moe_router_pre_softmax: bool = _f(
         False,
         "softmax over all experts before the top-k (weights not "

@@ -61,6 +61,20 @@ class Routing:
     scores: torch.Tensor
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor, dtype: str = "fp32") -> torch.Tensor:
+    """The router's logits ``x [..., H] @ weight[E, H]^T -> [..., E]``, in fp32 (``dtype``
+    ``"fp32"``: inputs and weight cast up, fp32 accumulation and output, the gradient cast back
+    to their dtypes by autograd) or in the model dtype (``"model"``). A bf16 GEMM rounds its
+    output to 8 significant bits, so logits that differ by less than that become exact ties,
+    which ``route`` gives to the lower-numbered expert: the fp32 GEMM keeps them apart
+    (Megatron-LM's ``--moe-router-dtype fp32``). Raises ValueError for another ``dtype``."""
+    if dtype == "model":
+        return F.linear(x, weight)
+    if dtype != "fp32":
+        raise ValueError(f"--moe-router-dtype {dtype!r}: one of fp32, model")
+    return F.linear(x.float(), weight.float())
+
+
 def route(
     logits: torch.Tensor,
     topk: int,

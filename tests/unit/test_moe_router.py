@@ -123,3 +123,44 @@ def test_router_refuses_bad_settings_by_name():
         R.route(x, 2, "softmax", expert_bias=torch.zeros(4))
     with pytest.raises(ValueError, match="--moe-router-score-function 'relu'"):
         R.route(x, 2, "relu")
+
+
+def test_router_logits_in_fp32_keep_near_ties_of_a_bf16_model_apart():
+    """Two experts whose logits differ by 2**-9 (below bf16's resolution at 1.0, 2**-7): the bf16
+    GEMM rounds both to 1.0, an exact tie the top-1 gives to expert 0; the fp32 router (the
+    default, --moe-router-dtype fp32) picks expert 1, as the exact logits say. The MoE layer of a
+    bf16 model routes by the fp32 logits."""
+    from model.config import GPTConfig
+    from model.moe import MoEMLP
+
+    bf16 = torch.bfloat16
+    x = torch.tensor([[1.0, 1.0]], dtype=bf16)  # (N=1, H=2)
+    w = torch.tensor([[1.0, 2.0**-9], [1.0, 2.0**-8], [-1.0, 0.0], [-1.0, 0.0]], dtype=bf16)  # (E=4, H)
+    low, high = R.router_logits(x, w, "model"), R.router_logits(x, w)
+    assert low.dtype == bf16 and low[0, 0] == low[0, 1]  # the tie the bf16 GEMM makes
+    assert high.dtype == torch.float32 and high[0, 1] - high[0, 0] == 2.0**-9
+    assert R.route(low, 1).experts.tolist() == [[0]] and R.route(high, 1).experts.tolist() == [[1]]
+    with pytest.raises(ValueError, match="--moe-router-dtype 'fp16'"):
+        R.router_logits(x, w, "fp16")
+
+    for dtype, want in (("fp32", 1), ("model", 0)):
+        cfg = GPTConfig(
+            num_layers=1,
+            hidden_size=2,
+            num_attention_heads=1,
+            ffn_hidden_size=4,
+            seq_length=1,
+            max_position_embeddings=1,
+            vocab_size=8,
+            params_dtype=bf16,
+            num_experts=4,
+            moe_router_topk=1,
+            moe_ffn_hidden_size=4,
+            moe_router_dtype=dtype,
+        )
+        moe = MoEMLP(cfg, None)
+        with torch.no_grad():
+            moe.router.weight.copy_(w)
+        moe.record = []
+        moe(x.view(1, 1, 2))
+        assert moe.record[0][0].tolist() == [[want]], dtype
