@@ -115,13 +115,28 @@ def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _sorted_assignments(assigned: torch.Tensor):
-    """The kept assignments of ``assigned [N, k]`` (-1 = dropped) sorted by expert, token order
-    inside an expert: ``(token [S], slot [S], expert [S])`` int64."""
-    tok, slot = (assigned >= 0).nonzero(as_tuple=True)  # token-major
-    expert = assigned[tok, slot]
-    order = torch.sort(expert, stable=True).indices
-    return tok[order], slot[order], expert[order]
+def _expert_order(assigned: torch.Tensor, first: int, n: int):
+    """The assignments of ``assigned [N, k]`` to experts ``first .. first+n-1`` (any other
+    value, e.g. -1 for a dropped one, left out), sorted by expert with token order inside an
+    expert, without a host sync: ``(order [N k], counts [n])`` where the first ``sum(counts)``
+    entries of ``order`` index the kept assignments of the token-major flattening (the others
+    sort last) and ``counts`` are the rows of each expert (int64, on the device). The caller
+    reads ``counts`` on the host once (the one sync of a dispatch) and cuts ``order`` with
+    :func:`_kept`."""
+    flat = assigned.reshape(-1) - first
+    inside = (flat >= 0) & (flat < n)
+    key = torch.where(inside, flat, n)  # the experts in order, then everything left out
+    order = torch.sort(key, stable=True).indices  # stable: token-major inside an expert
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=assigned.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    return order, counts[:n]
+
+
+def _kept(order: torch.Tensor, kept: int, k: int, assigned: torch.Tensor):
+    """``(token [S], slot [S], expert [S])`` of the first ``kept`` entries of an
+    :func:`_expert_order` order (``S = kept``, known on the host)."""
+    rows = order[:kept]
+    return rows // k, rows % k, assigned.reshape(-1)[rows]
 
 
 def run_blocks(experts: list, rows: torch.Tensor, sizes: list[int], pad_to=None) -> torch.Tensor:
@@ -150,9 +165,9 @@ def local_experts(
     each expert's weighted
     outputs token by token, without one ``[N, H]`` copy and one ``[N, H]`` gradient per expert."""
     first, n = min(experts), len(experts)
-    local = (assigned >= first) & (assigned < first + n)
-    tok, slot, expert = _sorted_assignments(assigned.masked_fill(~local, -1))
-    sizes = torch.bincount(expert - first, minlength=n).tolist()  # one host sync
+    order, counts = _expert_order(assigned, first, n)
+    sizes = counts.tolist()  # the one host sync
+    tok, slot, _ = _kept(order, sum(sizes), assigned.shape[1], assigned)
     y = run_blocks([experts[first + j] for j in range(n)], x[tok], sizes, pad_to)  # rows by expert
     return x.new_zeros((x.shape[0], y.shape[1])).index_add(0, tok, y * weights[tok, slot, None])
 
@@ -175,19 +190,23 @@ def alltoall_experts(
     rows when ``capacity`` is given (``run_expert``). Returns ``[N, W]``."""
     ep = C.group_size(group)
     local, pad_to = num_experts // ep, None if capacity is None else ep * capacity
-    tok, slot, expert = _sorted_assignments(assigned)
-    counts = torch.bincount(expert, minlength=num_experts)  # [E] to each expert
+    order, counts = _expert_order(assigned, 0, num_experts)  # counts: [E] to each expert
     recv_counts = torch.empty_like(counts)
     C.all_to_all_single(recv_counts, counts, [local] * ep, [local] * ep, group)  # [EP sources x E/EP]
-    send_rows = counts.view(ep, local).sum(1).tolist()
-    recv_matrix = recv_counts.view(ep, local)
-    recv_rows = recv_matrix.sum(1).tolist()
+    both = torch.cat([counts, recv_counts]).tolist()  # the one host sync
+    sent, got = both[:num_experts], both[num_experts:]
+    send_rows = [sum(sent[r * local : (r + 1) * local]) for r in range(ep)]
+    recv_rows = [sum(got[r * local : (r + 1) * local]) for r in range(ep)]
+    tok, slot, _ = _kept(order, sum(send_rows), assigned.shape[1], assigned)
     received = _AllToAll.apply(x[tok], recv_rows, send_rows, group)  # [R, H], source-major
     # reorder expert-major (source order inside an expert), run each local expert, restore the order
-    expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv_matrix.reshape(-1))
+    expert_of_row = (
+        torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv_counts, output_size=sum(recv_rows))
+    )  # the size known on the host: no sync
     perm = torch.sort(expert_of_row, stable=True).indices  # [R] expert-major
     mine = [experts[ep_rank * local + j] for j in range(local)]
-    y = run_blocks(mine, received[perm], recv_matrix.sum(0).tolist(), pad_to)
+    sizes = [sum(got[r * local + j] for r in range(ep)) for j in range(local)]
+    y = run_blocks(mine, received[perm], sizes, pad_to)
     y = torch.zeros_like(y).index_copy(0, perm, y)  # [R, W] source-major
     back = _AllToAll.apply(y, send_rows, recv_rows, group)  # [S, W] expert-sorted
     out = x.new_zeros((x.shape[0], back.shape[1]))

@@ -128,8 +128,15 @@ def _topk_indices(key: torch.Tensor, k: int) -> torch.Tensor:
 
 def assignment_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert ``[E]`` (int64) from ``experts [T, k]`` (each assignment
-    counts once; before any drop)."""
-    return torch.bincount(experts.reshape(-1), minlength=num_experts)
+    counts once; before any drop; an index outside ``[0, E)``, e.g. -1 for a dropped one, is
+    not counted). A ``scatter_add`` of ones, not ``torch.bincount``: on CUDA bincount reads the
+    largest index on the host to size its output, a device sync per call; integer atomics make
+    the sum exact in any order."""
+    flat = experts.reshape(-1)
+    inside = (flat >= 0) & (flat < num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=experts.device)
+    counts.scatter_add_(0, torch.where(inside, flat, num_experts), torch.ones_like(flat, dtype=torch.int64))
+    return counts[:num_experts]
 
 
 def aux_loss(scores: torch.Tensor, experts: torch.Tensor, topk: int, coeff: float = 1.0) -> torch.Tensor:
