@@ -156,9 +156,12 @@ stopped_exit() {
 # second), so a mistake in them ends with its one line and exit code 2 before the corpus is
 # prepared or torch is imported. The preflight below checks them again, with the data, the
 # checkpoint and the device.
-"$PY" -c 'import sys; from megazero.config import config_from_argv
-config_from_argv(sys.argv[2:], int(sys.argv[1]), print_warnings=False, needs_data=False)' "$WORLD" \
-  --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" ${ARGS[@]+"${ARGS[@]}"} || exit $?
+# It also prints the folder of the NVMe swap files (--offload-nvme-path, empty without NVMe
+# offload), swept after the ranks end (below).
+NVME_PATH="$("$PY" -c 'import sys; from megazero.config import config_from_argv
+z = config_from_argv(sys.argv[2:], int(sys.argv[1]), print_warnings=False, needs_data=False).zero
+print(z.offload_nvme_path if "nvme" in (z.offload_optimizer, z.offload_param) and z.offload_nvme_path else "")' "$WORLD" \
+  --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" ${ARGS[@]+"${ARGS[@]}"})" || exit $?
 
 if [ "$HAVE_DATA" = 0 ]; then
   echo "[megazero] no --data-path: preparing the embedded default corpus under $DATA_DIR (once)"
@@ -243,6 +246,13 @@ rc=0
 run_child torchrun_ignoring_stop --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
   "${RDZV[@]}" train.py --tp "$TP" --cp "$CP" --pp "$PP" --dp "$DP" --run-dir "$RUN_DIR" "${ARGS[@]}" 2>&3 || rc=$?
 exec 3>&-; wait "$TEE" 2>/dev/null || true
+# A rank that was killed (or ended by torchrun after a peer died) left its NVMe swap folders:
+# every rank of this node has ended now, so each folder whose process is gone goes, one line each
+# (megazero/offload/swap_dirs.py; a restarted attempt's rank swept the earlier attempt's already).
+if [ -n "$NVME_PATH" ]; then
+  "$PY" -c 'import sys; from megazero.offload.swap_dirs import sweep_stale
+sweep_stale(sys.argv[1], log=lambda line: print(line, file=sys.stderr, flush=True))' "$NVME_PATH" || true
+fi
 echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
 if [ "$rc" = 0 ] && [ -f "$RUN_DIR/stop.json" ]; then  # an early end on purpose: one line, its status
   STOP_LINE=$("$PY" -c 'import json, sys
