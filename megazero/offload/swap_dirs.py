@@ -4,15 +4,17 @@ Each rank makes its own swap folder under ``--offload-nvme-path``
 (``megazero-<run id>-rank<r>`` for the optimizer state, ``...-params`` for ZeRO-3's
 parameter shards) and removes it when it closes. A rank that is killed (SIGKILL, a node's OOM
 killer, torchrun ending the survivors after a peer died) removes nothing, so every folder
-records its owner in ``owner.json``: the host name, the boot id (``/proc/sys/kernel/random/boot_id``)
-and the pid and start time (clock ticks after boot, field 22 of ``/proc/<pid>/stat``) of the
-process that made it. The folder is made under a hidden temporary name and renamed into place
-with its owner file in it, so no ``megazero-*`` folder is ever seen without an owner.
+records its owner in ``owner.json``: the host name, the boot id
+(``/proc/sys/kernel/random/boot_id``), the pid namespace and the pid and start time (clock
+ticks after boot, field 22 of ``/proc/<pid>/stat``) of the process that made it. The folder is
+made under a hidden temporary name and renamed into place with its owner file in it, so no
+``megazero-*`` folder is ever seen without an owner.
 
 :func:`sweep_stale` removes the folders whose owner is gone: same host and another boot id (the
 machine restarted), or same boot and the pid is not running (or runs another process: its start
-time differs). A folder made on another host is never touched (a disk shared between nodes: its
-owner cannot be checked from here), nor one whose owner runs. The launcher sweeps before the
+time differs). A folder made on another host or in another pid namespace is never touched (a
+disk shared between nodes or containers: its owner cannot be checked from here), nor one whose
+owner runs. The launcher sweeps before the
 ranks start and after they end (``scripts/pretrain_gpt.sh``), and local rank 0 of every attempt
 sweeps before the first swap file is made (the folders of an attempt torchrun restarted after
 a rank died).
@@ -59,6 +61,13 @@ def _boot_id() -> str:
         return ""
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _stat_fields(pid: int) -> Optional[list[str]]:
     """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
     try:
@@ -69,21 +78,26 @@ def _stat_fields(pid: int) -> Optional[list[str]]:
 
 
 def owner_record(pid: Optional[int] = None) -> dict:
-    """``{"host", "boot", "pid", "start"}`` of process ``pid`` (default: this one); ``start`` is
-    its start time in clock ticks after boot (None without ``/proc``)."""
+    """``{"host", "boot", "pidns", "pid", "start"}`` of process ``pid`` (default: this one, whose
+    pid namespace ``pidns`` is); ``start`` is its start time in clock ticks after boot (None
+    without ``/proc``)."""
     pid = os.getpid() if pid is None else pid
     fields = _stat_fields(pid)
-    return dict(host=socket.gethostname(), boot=_boot_id(), pid=pid, start=int(fields[19]) if fields else None)
+    start = int(fields[19]) if fields else None
+    return dict(host=socket.gethostname(), boot=_boot_id(), pidns=_pid_namespace(), pid=pid, start=start)
 
 
 def owner_gone(owner: dict) -> bool:
     """True when the process that ``owner`` (an :func:`owner_record`) describes is known to be
-    gone: same host, and another boot, or its pid not running (a zombie counts as gone), or
-    running with another start time (the pid was reused). False for another host (unknown)."""
+    gone: same host, and another boot, or (same pid namespace) its pid not running (a zombie
+    counts as gone) or running with another start time (the pid was reused). False for another
+    host or another pid namespace (a container with the same host name): unknown."""
     if owner.get("host") != socket.gethostname():
         return False
     if owner.get("boot") and _boot_id() and owner["boot"] != _boot_id():
         return True
+    if owner.get("pidns", "") != _pid_namespace():
+        return False
     pid = int(owner.get("pid", 0))
     if pid <= 0:
         return False

@@ -56,6 +56,12 @@ def test_sweep_removes_the_folders_of_killed_processes_and_keeps_live_and_foreig
         foreign = root / f"megazero-{'c' * 32}-rank0"  # made on another node sharing the disk
         foreign.mkdir()
         (foreign / OWNER_FILE).write_text(json.dumps(dict(host="another-node", boot="x", pid=1, start=1)))
+        # a container on this machine with the same host name: the dead pid means nothing here
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        other_ns = dict(host=os.uname().nodename, boot=boot, pidns="pid:[1]", pid=dead[0].pid, start=1)
+        container = root / f"megazero-{'d' * 32}-rank0"
+        container.mkdir()
+        (container / OWNER_FILE).write_text(json.dumps(other_ns))
         alien = root / "megazero-notes"  # no owner record: not a swap folder of ours
         alien.mkdir()
         lines = []
@@ -66,7 +72,8 @@ def test_sweep_removes_the_folders_of_killed_processes_and_keeps_live_and_foreig
             f"{os.uname().nodename}, is gone)"
             for path, p in zip(removed, dead)
         ]
-        assert sorted(os.listdir(root)) == sorted([f"megazero-{'b' * 32}-rank0", foreign.name, alien.name])
+        kept = [f"megazero-{'b' * 32}-rank0", foreign.name, container.name, alien.name]
+        assert sorted(os.listdir(root)) == sorted(kept)
         assert read_owner(str(root / f"megazero-{'b' * 32}-rank0"))["pid"] == live.pid
         assert sweep_stale(str(root), log=lines.append) == []  # a second sweep finds nothing
     finally:
