@@ -151,12 +151,17 @@ stopped_exit() {
 # prepared or torch is imported. The preflight below checks them again, with the data, the
 # checkpoint and the device.
 # Only the layout flags given are passed on: a size left out may come from --deepspeed-config
-# (sequence_parallel_size is --cp), and the sizes the run will have are read back here.
-SIZES=$("$PY" -c 'import math, sys; from megazero.config import config_from_argv, parallel_sizes
+# (sequence_parallel_size is --cp), and the sizes the run will have are read back here. The
+# second line is the folder of the NVMe swap files (--offload-nvme-path, empty without NVMe
+# offload), swept after the ranks end (below).
+SETTINGS=$("$PY" -c 'import math, sys; from megazero.config import config_from_argv, parallel_sizes
 sizes = parallel_sizes(sys.argv[1:])
-config_from_argv(sys.argv[1:], math.prod(sizes), print_warnings=False, needs_data=False)
-print(*sizes)' ${LAYOUT[@]+"${LAYOUT[@]}"} ${ARGS[@]+"${ARGS[@]}"}) || exit $?
-read -r TP CP PP DP <<< "$SIZES"
+z = config_from_argv(sys.argv[1:], math.prod(sizes), print_warnings=False, needs_data=False).zero
+print(*sizes)
+print(z.offload_nvme_path if "nvme" in (z.offload_optimizer, z.offload_param) and z.offload_nvme_path else "")' \
+  ${LAYOUT[@]+"${LAYOUT[@]}"} ${ARGS[@]+"${ARGS[@]}"}) || exit $?
+read -r TP CP PP DP <<< "$(printf '%s\n' "$SETTINGS" | sed -n 1p)"
+NVME_PATH="$(printf '%s\n' "$SETTINGS" | sed -n 2p)"
 WORLD=$((TP * CP * PP * DP))
 if [ $((WORLD % NNODES)) -ne 0 ]; then
   echo "megazero: config error: --tp x --cp x --pp x --dp = $WORLD is not divisible by --nnodes $NNODES; choose sizes whose product is a multiple of the node count" >&2
@@ -247,6 +252,13 @@ rc=0
 run_child torchrun_ignoring_stop --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
   "${RDZV[@]}" train.py ${LAYOUT[@]+"${LAYOUT[@]}"} --run-dir "$RUN_DIR" "${ARGS[@]}" 2>&3 || rc=$?
 exec 3>&-; wait "$TEE" 2>/dev/null || true
+# A rank that was killed (or ended by torchrun after a peer died) left its NVMe swap folders:
+# every rank of this node has ended now, so each folder whose process is gone goes, one line each
+# (megazero/offload/swap_dirs.py; a restarted attempt's rank swept the earlier attempt's already).
+if [ -n "$NVME_PATH" ]; then
+  "$PY" -c 'import sys; from megazero.offload.swap_dirs import sweep_stale
+sweep_stale(sys.argv[1], log=lambda line: print(line, file=sys.stderr, flush=True))' "$NVME_PATH" || true
+fi
 echo "[megazero] run directory: $RUN_DIR   (tensorboard --logdir $RUN_DIR/tensorboard)"
 if [ "$rc" = 0 ] && [ -f "$RUN_DIR/stop.json" ]; then  # an early end on purpose: one line, its status
   STOP_LINE=$("$PY" -c 'import json, sys

@@ -655,8 +655,9 @@ class ZeroConfig:
     # zero_optimization.sub_group_size and aio.thread_count
     offload_nvme_path: Optional[str] = _f(
         None,
-        "directory of the NVMe swap files (one fresh directory per "
-        "rank and run under it, removed at exit; DeepSpeed's nvme_path)",
+        "directory of the NVMe swap files (one fresh directory per rank and run under it, "
+        "removed at exit; a killed rank's is swept by the launcher or the next run; checked to be "
+        "a writable directory with room for the swap files before any rank starts; DeepSpeed's nvme_path)",
         "path",
         applies=_ANY_NVME,
     )

@@ -141,14 +141,19 @@ class DataParallel:
         self._owner: dict[int, ShardedBuffer] = {}
         self._index: dict[int, int] = {}
         self.params: list[nn.Parameter] = []
-        for cid, chunk in enumerate(self.chunks):
-            self._add_chunk(
-                cid,
-                chunk,
-                bucket_size,
-                (units or [[]] * len(chunks))[cid],
-                (initial_values or [None] * len(chunks))[cid],
-            )
+        try:
+            for cid, chunk in enumerate(self.chunks):
+                self._add_chunk(
+                    cid,
+                    chunk,
+                    bucket_size,
+                    (units or [[]] * len(chunks))[cid],
+                    (initial_values or [None] * len(chunks))[cid],
+                )
+        except BaseException:  # e.g. a full disk under the parameter swap file: its folder goes now
+            if getattr(self.strategy, "param_swap", None) is not None:
+                self.strategy.param_swap.close()
+            raise
         self._is_last = [False] * len(self.chunks)
         self._pending: deque = deque()  # (buffer, bucket index, work handle, staged)
         self._free: list[torch.Tensor] = []  # staging buffers to reuse (stage 2)

@@ -40,7 +40,6 @@ hold the optimizer's fp32 state), so runs save and resume across none, cpu and n
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 import weakref
 from contextlib import contextmanager
@@ -50,6 +49,7 @@ from typing import Callable
 import torch
 
 from megazero.offload.swap import IoCounter, SwapFile, check_everywhere
+from megazero.offload.swap_dirs import make_swap_dir, remove_swap_dir
 
 SWAP_NAME = "params.swp"
 
@@ -71,7 +71,7 @@ class ParamSwapOptions:
 
 def _cleanup(file: SwapFile, directory: str) -> None:
     file.close(remove=True)
-    shutil.rmtree(directory, ignore_errors=True)
+    remove_swap_dir(directory)
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -82,8 +82,9 @@ class ParamSwapper:
     """One rank's parameter swap file and its slot pool (module docstring).
 
     Args: ``opts`` (:class:`ParamSwapOptions`), ``rank`` (global rank, names the directory).
-    Raises ValueError for a count or size below 1 or a negative ``max_in_cpu``; OSError when
-    the directory cannot be made.
+    Raises ValueError for a count or size below 1 or a negative ``max_in_cpu``; SwapError
+    naming ``--offload-nvme-path`` when the folder or file cannot be made (nothing left behind)
+    or a shard cannot be written (a full disk).
 
     Attributes: ``swap_dir``, ``swap_path``, ``io`` (:class:`~megazero.offload.swap.IoCounter`,
     every byte moved), ``swapped`` / ``resident`` (buffers in the file / kept in memory),
@@ -99,12 +100,14 @@ class ParamSwapper:
             )
         self.opts = opts
         self.run_id = uuid.uuid4().hex
-        self.swap_dir = os.path.join(opts.nvme_path, f"megazero-{self.run_id}-rank{rank}-params")
-        os.makedirs(opts.nvme_path, exist_ok=True)
-        os.mkdir(self.swap_dir)
+        self.swap_dir = make_swap_dir(opts.nvme_path, f"megazero-{self.run_id}-rank{rank}-params")
         self.swap_path = os.path.join(self.swap_dir, SWAP_NAME)
         self.io = IoCounter()
-        self.file = SwapFile(self.swap_path, 0, self.run_id, self.io, element_bytes=1)
+        try:
+            self.file = SwapFile(self.swap_path, 0, self.run_id, self.io, element_bytes=1)
+        except BaseException:
+            remove_swap_dir(self.swap_dir)
+            raise
         self._finalizer = weakref.finalize(self, _cleanup, self.file, self.swap_dir)
         self.swapped: list = []
         self.resident: list = []

@@ -16,6 +16,7 @@ counted in :class:`IoCounter`. :func:`check_everywhere` is the step's collective
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import struct
 import threading
@@ -24,20 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from megazero import collectives as C
+from megazero.offload.swap_dirs import FLAG, SwapError
 
 HEADER = 4096  # bytes before the state (one page)
 MAGIC = b"MZSWAP1\0"
 _FORMAT = "<8s32sq"  # magic, run id (hex), elements
 BYTES_PER_ELEMENT = 12  # fp32 main param + exp_avg + exp_avg_sq
-
-
-class SwapError(RuntimeError):
-    """A swap file failed its check or an I/O call. ``local``: the file is this rank's (the
-    message names it); False on the ranks that only learnt that another rank's file failed."""
-
-    def __init__(self, message: str, local: bool = True):
-        super().__init__(message)
-        self.local = local
 
 
 @dataclass
@@ -99,7 +92,8 @@ class SwapFile:
     def __init__(self, path: str, numel: int, run_id: str, counter: IoCounter, element_bytes: int = BYTES_PER_ELEMENT):
         self.path, self.run_id, self.counter = path, run_id, counter
         self.element_bytes = element_bytes
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd = None
+        self.fd = self._os(os.open, "create", path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.grow(numel)
         self.inode = os.fstat(self.fd).st_ino
 
@@ -108,8 +102,23 @@ class SwapFile:
         element_bytes x numel`` (the bytes already written stay)."""
         self.numel, self.size = numel, HEADER + self.element_bytes * numel
         header = struct.pack(_FORMAT, MAGIC, self.run_id.encode(), numel)
-        os.pwrite(self.fd, header.ljust(HEADER, b"\0"), 0)
-        os.ftruncate(self.fd, self.size)
+        self._os(os.pwrite, "write", self.fd, header.ljust(HEADER, b"\0"), 0)
+        self._os(os.ftruncate, "resize", self.fd, self.size)
+
+    def _os(self, call, what: str, *args):
+        """``call(*args)``; an OSError (a full disk: ENOSPC, a read-only one, an I/O error)
+        becomes a SwapError naming the file, ``--offload-nvme-path`` and the fix."""
+        try:
+            return call(*args)
+        except OSError as e:
+            root = os.path.dirname(os.path.dirname(self.path))
+            fix = (
+                "free space there or point it at a disk with more room" if e.errno == errno.ENOSPC else "check the disk"
+            )
+            raise SwapError(
+                f"{FLAG} {root}: cannot {what} the swap file {self.path} ({e.strerror}); fix: {fix}, "
+                "then resume from the last checkpoint"
+            ) from None
 
     def check(self) -> None:
         """Raise SwapError (one line naming the file) when the file at ``path`` is missing,
@@ -147,7 +156,7 @@ class SwapFile:
         view, offset = _bytes_view(t), HEADER + self.element_bytes * start
         done = 0
         while done < len(view):
-            n = call(self.fd, [view[done:]], offset + done)
+            n = self._os(call, what, self.fd, [view[done:]], offset + done)
             if n <= 0:
                 raise SwapError(
                     f"NVMe swap file {self.path}: short {what} at byte {offset + done} "

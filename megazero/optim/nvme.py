@@ -46,14 +46,15 @@ first run and is written to its own swap file at its last (local order is shard 
 shard is held at a time), and ``_shard_filler`` gives None for it (nothing left to fill).
 
 The swap directory ``<nvme_path>/megazero-<run id>-rank<r>`` is created fresh for each
-optimizer and removed with its file by :meth:`close` (or when the optimizer is collected, or
-at interpreter exit).
+optimizer, with its owner recorded (``megazero/offload/swap_dirs.py``), and removed with its
+file by :meth:`close` (or when the optimizer is collected, or at interpreter exit); the folder
+of a killed rank is swept by the launcher or the next run. A write that fails (a full disk) is
+a SwapError naming ``--offload-nvme-path``.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,7 @@ from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.sharding import ShardedBuffer
 from megazero.offload.host_memory import HostArena
 from megazero.offload.swap import BYTES_PER_ELEMENT, IoCounter, SwapFile, check_everywhere
+from megazero.offload.swap_dirs import make_swap_dir, remove_swap_dir
 from megazero.ops.adam import adam_step_lists
 from megazero.optim.offload import HostOffloadOptimizer
 from megazero.optim.zero import DistributedOptimizer
@@ -77,7 +79,7 @@ def _cleanup(files: list, pool: ThreadPoolExecutor, directory: str) -> None:
     pool.shutdown(wait=True)
     for f in files:
         f.close(remove=True)
-    shutil.rmtree(directory, ignore_errors=True)
+    remove_swap_dir(directory)
 
 
 def cut_sub_groups(numel: int, starts: list[int], size: int) -> list[tuple[int, int]]:
@@ -104,8 +106,9 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
     directory is made in; created if absent), ``buffer_count`` (host buffers in the pool,
     >= 1; DeepSpeed's ``offload_optimizer.buffer_count``), ``sub_group_size`` (elements per
     swapped sub-group, >= 1) and ``io_threads`` (threads doing the file I/O, >= 1; DeepSpeed's
-    ``aio.thread_count``). Raises ValueError for a count below 1, OSError when the directory
-    cannot be made.
+    ``aio.thread_count``). Raises ValueError for a count below 1, SwapError (naming
+    ``--offload-nvme-path``, the swap folder removed) when the folder cannot be made or the
+    first write of the state fails (a full disk).
 
     Attributes: ``swap_path`` (the file), ``sub_groups`` (``(start, end)`` local ranges),
     ``io`` (an :class:`IoCounter` of every byte moved), ``step_io`` (``{"read", "written"}``
@@ -132,16 +135,18 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
             )
         self.buffer_count, self.sub_group_size = buffer_count, sub_group_size
         self.run_id = uuid.uuid4().hex
-        self.swap_dir = os.path.join(nvme_path, f"megazero-{self.run_id}-rank{groups.rank}")
-        os.makedirs(nvme_path, exist_ok=True)
-        os.mkdir(self.swap_dir)
+        self.swap_dir = make_swap_dir(nvme_path, f"megazero-{self.run_id}-rank{groups.rank}")
         self.io, self.step_io, self._resident = IoCounter(), {"read": 0, "written": 0}, None
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="megazero-swap")
         self._files: list[SwapFile] = []
         self._finalizer = weakref.finalize(self, _cleanup, self._files, self._pool, self.swap_dir)
-        super().__init__(ddp, groups, **kwargs)
-        self._plan_sub_groups()
-        self._init_main_params()
+        try:
+            super().__init__(ddp, groups, **kwargs)
+            self._plan_sub_groups()
+            self._init_main_params()
+        except BaseException:  # e.g. a full disk (SwapError): the folder goes now, not at exit
+            self._finalizer()
+            raise
 
     # -- hooks of the base classes -------------------------------------------------------
     def _allocate_state(self, main_numel: int, numel: int) -> tuple[torch.Tensor, ...]:

@@ -141,3 +141,19 @@ def plan_stages(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False)
     return memory.stage_estimates(
         model, **layout_settings(cfg, on_cuda), a=activation_settings(cfg), buckets=_buckets(cfg, model)
     )
+
+
+def nvme_swap_bytes(cfg: Config, plan: memory.MemoryEstimate) -> int:
+    """Bytes one rank's NVMe swap files take (an upper bound: the most loaded stage's ``plan``):
+    ``--offload-optimizer nvme`` 12 bytes (fp32 main param and two moments) per owned element,
+    ``--offload-param nvme`` at ZeRO-3 ``p`` bytes per owned element past
+    ``--offload-param-max-in-cpu``, each file plus its 4 KiB header
+    (``megazero/offload/swap.py``); 0 without NVMe offload."""
+    z, pr = cfg.zero, cfg.precision
+    owned = -(-plan.params // max(1, plan.dp))
+    total = 0
+    if z.offload_optimizer == "nvme":
+        total += 4096 + 12 * owned
+    if z.offload_param == "nvme" and sharding_policy(z.stage).shards_params:
+        total += 4096 + model_dtype(pr.fp16, pr.bf16).itemsize * max(0, owned - z.offload_param_max_in_cpu)
+    return total

@@ -22,10 +22,12 @@ from megazero.training.loop import train
 from megazero.training.startup import (
     START_ERRORS,
     check_memory,
+    check_nvme,
     prepare_run,
     report_start_error,
     resume_warnings,
     setup_groups,
+    sweep_nvme,
 )
 
 
@@ -52,7 +54,10 @@ def main(argv=None) -> int:
         # the checksums are read once: by the launcher's preflight, else by rank 0
         verify = launch.rank == 0 and os.environ.get("MEGAZERO_PREFLIGHT_DONE") != "1"
         data = prepare_run(cfg, verify=verify)
-        check_memory(cfg, data.vocab_size, verbose=not quiet)
+        plan = check_memory(cfg, data.vocab_size, verbose=not quiet)
+        if launch.local_rank == 0:  # one sweeper per node: e.g. the folders of the attempt torchrun restarted
+            sweep_nvme(cfg)
+        check_nvme(cfg, plan, keep=True, room=launch.local_rank == 0)  # room counted once swept
     except START_ERRORS as e:
         return report_start_error(e)
     for w in resume_warnings(cfg, data.resume) if not quiet else []:

@@ -15,8 +15,9 @@ from data.indexed_dataset import DataError
 from data.run_data import RunData
 from megazero import checkpoint
 from megazero.config import Config, config_from_argv, layout_topology
+from megazero.offload.swap_dirs import NvmePathError, check_nvme_path, sweep_stale
 from megazero.planning import memory
-from megazero.planning.plan import plan_memory, zero3_live_warning
+from megazero.planning.plan import nvme_swap_bytes, plan_memory, zero3_live_warning
 from megazero.process_groups import ProcessGroups
 from megazero.runtime import flight_recorder
 from megazero.runtime.extras import MissingExtra
@@ -130,10 +131,10 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     return data
 
 
-def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
+def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> memory.MemoryEstimate:
     """Print the memory plan (``verbose``) and raise MemoryPlanError when the model states
     cannot fit; a likely activation overflow is a warning, and so is a ZeRO-3 live bound the
-    model's gather units make moot (added to ``cfg.warnings``)."""
+    model's gather units make moot (added to ``cfg.warnings``). Returns the plan."""
     device = "cuda" if uses_cuda(cfg) else "cpu"
     gpt = build_gpt_config(cfg, vocab_size)
     plan = plan_memory(cfg, gpt, on_cuda=device == "cuda")
@@ -147,9 +148,41 @@ def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> None:
             print(f"megazero: warning: {warning}", file=sys.stderr, flush=True)
         if moot:
             print(f"megazero: config warning: {moot}", file=sys.stderr, flush=True)
+    return plan
 
 
-START_ERRORS = (DataError, checkpoint.CheckpointError, memory.MemoryPlanError, DeviceError, MissingExtra, HarnessError)
+def uses_nvme(cfg: Config) -> bool:
+    """Whether this run keeps swap files under ``--offload-nvme-path``."""
+    return "nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_param) and bool(cfg.zero.offload_nvme_path)
+
+
+def check_nvme(cfg: Config, plan: memory.MemoryEstimate, keep: bool = False, room: bool = True) -> None:
+    """With NVMe offload: raise NvmePathError when ``--offload-nvme-path`` is not a directory,
+    cannot be created, is not writable or (``room``) has less free space than this node's
+    ranks' swap files take (``nvme_swap_bytes`` x ranks per node; call it after ``sweep_nvme``,
+    so stale folders do not count as taken); ``keep``: leave a directory it created (the
+    ranks, which all check at once), else remove it (``swap_dirs.check_nvme_path``)."""
+    if uses_nvme(cfg):
+        need = nvme_swap_bytes(cfg, plan) * memory.ranks_per_node() if room else 0
+        check_nvme_path(cfg.zero.offload_nvme_path, need, keep=keep)
+
+
+def sweep_nvme(cfg: Config) -> None:
+    """Remove the swap folders under ``--offload-nvme-path`` whose process is gone (a killed
+    rank of an earlier run or of the attempt torchrun restarted), one line each."""
+    if uses_nvme(cfg):
+        sweep_stale(cfg.zero.offload_nvme_path, log=lambda line: print(line, flush=True))
+
+
+START_ERRORS = (
+    DataError,
+    checkpoint.CheckpointError,
+    memory.MemoryPlanError,
+    DeviceError,
+    MissingExtra,
+    HarnessError,
+    NvmePathError,
+)
 
 
 def report_start_error(e: Exception) -> int:
@@ -160,6 +193,7 @@ def report_start_error(e: Exception) -> int:
         DeviceError: "device",
         MissingExtra: "config",
         HarnessError: "config",
+        NvmePathError: "config",
     }.get(type(e), "checkpoint")
     print(f"megazero: {kind} error: {e}", file=sys.stderr)
     return 2
@@ -169,7 +203,9 @@ def preflight(argv: list[str], world_size: int, exports_file: Optional[str] = No
     """Check the settings, the data and the checkpoint as ``main`` would, starting nothing.
 
     The launcher runs it once before torchrun, so a bad configuration ends with its one-line
-    message and exit code 2 instead of torchrun's per-rank failure report. Returns 0 or 2.
+    message and exit code 2 instead of torchrun's per-rank failure report; with NVMe offload it
+    also sweeps the stale swap folders of runs that are gone (before the free-space check).
+    Returns 0 or 2.
     ``exports_file``: where to write the launcher's ``export NAME=VALUE`` lines for this run
     (``launch_exports``: CUDA_DEVICE_MAX_CONNECTIONS where the overlap needs it), each after a
     comment with its reason; the launcher sources it before torchrun.
@@ -178,7 +214,9 @@ def preflight(argv: list[str], world_size: int, exports_file: Optional[str] = No
     try:
         check_device(cfg, memory.ranks_per_node())
         data = prepare_run(cfg, verify=True)
-        check_memory(cfg, data.vocab_size, verbose=True)
+        plan = check_memory(cfg, data.vocab_size, verbose=True)
+        sweep_nvme(cfg)
+        check_nvme(cfg, plan)
     except START_ERRORS as e:
         return report_start_error(e)
     for w in resume_warnings(cfg, data.resume):
