@@ -303,7 +303,7 @@ def moe_step_end(chunks: Iterable[nn.Module], groups: ProcessGroups, dp_group, n
     table[:, E + 1 :] /= C.group_size(dp_group) * num_microbatches
     for m in held.values():
         m.update_expert_bias(dp_group)
-    rows = table.cpu().tolist()  # one host transfer per step
+    rows = table.tolist()  # one host transfer per step
     layers = {
         i: {
             "tokens_per_expert": [int(v) for v in r[:E]],
