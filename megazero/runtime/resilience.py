@@ -106,15 +106,19 @@ def agree(loss: torch.Tensor, flags: list[float], groups: ProcessGroups) -> tupl
     SUM over the world divided by dp is the mean over replicas, as ``all_reduce_mean`` over dp
     gave. ``flags`` from ``local_flags``. Returns (loss as a Python float, reason) with reason
     None, ``"SIGTERM"``, ``"SIGINT"``, ``"SIGUSR1"`` (the first slot any rank set) or
-    ``"time"``; both come from one read of the device (the only one the caller needs).
+    ``"time"``; both come from one read of the device (the only one the caller needs). The
+    vector is built on the device (zeros, the loss copied in, a fill per raised flag): no copy
+    from a Python list, which on CUDA is a blocking copy from pageable memory every step.
     """
     # fp64 on every rank (the same dtype everywhere, or the all-reduce mismatches): the loss
     # sum over replicas keeps its precision
     mine = groups.is_last_stage and groups.tp_rank == 0
-    share = (
-        loss.detach().to(torch.float64).reshape(1) if mine else torch.zeros(1, dtype=torch.float64, device=loss.device)
-    )
-    v = torch.cat([share, torch.tensor(flags, dtype=torch.float64, device=loss.device)])
+    v = torch.zeros(1 + len(flags), dtype=torch.float64, device=loss.device)
+    if mine:
+        v[:1].copy_(loss.detach().reshape(1))
+    for i, raised in enumerate(flags):
+        if raised:
+            v[1 + i].fill_(raised)  # a kernel argument, no host-to-device copy
     C.all_reduce_sum(v, groups.world)
     values = v.tolist()  # the one device sync: loss and flags together
     mean = values[0] / groups.dp_size if groups.dp_size > 1 else values[0]  # fp64, as on the device

@@ -10,7 +10,8 @@ in ``Trainer.train_step`` under a ``TorchDispatchMode`` with those ``Tensor`` me
 syncs per step for a dense model (the optimizer's sum of squares, the loss / stop all-reduce;
 one more in a step whose gradients overflowed), and for an MoE model one more per MoE layer
 and micro-batch (the rows per expert) and one per step (the routing statistics), at expert
-parallelism 1 and 2; no device-wide synchronize at all, the step timer included (CUDA events,
+parallelism 1 and 2; no ``torch.tensor(values, device=...)`` (a blocking copy from pageable host
+memory on CUDA) and no device-wide synchronize at all, the step timer included (CUDA events,
 read on log steps only: ``megazero.runtime.monitor.Timer``). In the optimizer step they count
 the kernel calls that scaled with the number of buckets: fused AdamW at most twice per buffer
 (one per weight-decay value), one multi-tensor norm call per step, whatever the number of
@@ -125,6 +126,13 @@ def _counting_run(rank, world, argvs):
     out = {}
     tolist = wrap(torch.Tensor, "tolist", "reads")
     cpu, numpy = wrap(torch.Tensor, "cpu", "reads"), wrap(torch.Tensor, "numpy", "reads")
+    make = torch.tensor
+
+    def uploaded(*a, **k):  # torch.tensor(python values, device=...): a blocking copy on CUDA
+        counts["uploads"] += k.get("device") is not None
+        return make(*a, **k)
+
+    torch.tensor = uploaded
     synchronize = wrap(torch.cuda, "synchronize", "synchronize")
     try:
         for argv in argvs:
@@ -160,7 +168,7 @@ def _counting_run(rank, world, argvs):
             trainer.close()
     finally:
         torch.Tensor.tolist, torch.cuda.synchronize = tolist, synchronize
-        torch.Tensor.cpu, torch.Tensor.numpy = cpu, numpy
+        torch.Tensor.cpu, torch.Tensor.numpy, torch.tensor = cpu, numpy, make
     return out
 
 
@@ -179,7 +187,7 @@ def test_train_step_host_reads_and_launches_within_budget():
             for i, c in enumerate(r["steps"]):
                 overflowed, skipped = c["skipped"] > skipped, c["skipped"]
                 assert c.get("reads", 0) <= DENSE_SYNCS + overflowed, f"{where} step {i + 1}: {c}"
-                assert c.get("synchronize", 0) == 0, f"{where} step {i + 1}: {c}"
+                assert c.get("synchronize", 0) == 0 and c.get("uploads", 0) == 0, f"{where} step {i + 1}: {c}"
                 if "fp16" in name and i == 0:
                     continue  # the first fp16 steps may skip on overflow: no update
                 assert 1 <= c.get("adam", 0) <= calls, f"{where} step {i + 1}: {c}"
@@ -198,7 +206,9 @@ def test_moe_step_syncs_once_per_layer_and_micro_batch():
             assert r["moe_layers"] == 4 and r["microbatches"] == 2, (name, r)
             for i, c in enumerate(r["steps"]):
                 assert c.get("reads", 0) <= budget, f"{name} rank {rank} step {i + 1}: {c}"
-                assert c.get("synchronize", 0) == 0, f"{name} rank {rank} step {i + 1}: {c}"
+                assert c.get("synchronize", 0) == 0 and c.get("uploads", 0) == 0, (
+                    f"{name} rank {rank} step {i + 1}: {c}"
+                )
 
 
 class _FakeEvent:

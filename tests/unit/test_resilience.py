@@ -242,3 +242,22 @@ def test_the_ring_buffer_is_bounded_and_named_in_the_report_and_the_launchers_li
         "[megazero] rank 3 failed first (signal 9 (SIGKILL), exit code -9, from torchrun's report); rank(s) 1 "
         f"failed first (no report: killed, stopped or hung); {waited}"
     )
+
+
+def test_agree_builds_its_vector_on_the_device_and_reads_each_raised_flag():
+    """The loss share and the stop flags travel in one fp64 vector built without a copy from a
+    Python list (torch.tensor(flags, device=cuda) blocks the host every step on CUDA): no
+    torch.tensor call, the loss kept in fp64, each raised flag's reason returned (first slot wins)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megazero.runtime import resilience
+
+    groups = SimpleNamespace(is_last_stage=True, tp_rank=0, world=None, dp_size=1)
+    loss = torch.tensor(2.0**-30 + 1.0, dtype=torch.float64)
+    with mock.patch.object(torch, "tensor", side_effect=AssertionError("torch.tensor in agree")):
+        assert resilience.agree(loss, [0.0, 0.0, 0.0, 0.0], groups) == (2.0**-30 + 1.0, None)
+        assert resilience.agree(loss, [0.0, 1.0, 0.0, 1.0], groups) == (2.0**-30 + 1.0, "SIGINT")
+        assert resilience.agree(loss, [0.0, 0.0, 0.0, 1.0], groups)[1] == "time"
+        other = SimpleNamespace(is_last_stage=False, tp_rank=0, world=None, dp_size=1)
+        assert resilience.agree(loss, [1.0, 0.0, 0.0, 0.0], other) == (0.0, "SIGTERM")
