@@ -125,12 +125,37 @@ def max_connections_rule(cfg: Config) -> tuple[Optional[str], str]:
     return "1", f"{what} overlaps with compute only when kernels start in the order they were queued"
 
 
-def launch_exports(cfg: Config, environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
-    """``(name, value, reason)`` of each variable the launcher exports for this run: those
-    ``max_connections_rule`` wants and ``environ`` does not set already (a value the user set
-    wins; ``max_connections_warning`` then says what it costs). Inert on a CPU run."""
+#: the caching allocator's settings (PyTorch's "CUDA memory management" notes; the older name
+#: first, the device-neutral one PyTorch 2.9 added second: a value in either is the user's)
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+EXPANDABLE = "expandable_segments:True"
+
+
+def launch_exports(cfg: Config, environ: Mapping[str, str], cuda: Optional[bool] = None) -> list[tuple[str, str, str]]:
+    """``(name, value, reason)`` of each variable the launcher exports for this run, unless
+    ``environ`` sets it already (a value the user set wins; ``max_connections_warning`` then
+    says what it costs): ``CUDA_DEVICE_MAX_CONNECTIONS`` as ``max_connections_rule`` wants, and
+    on CUDA (``cuda``; default: ``--device cuda``, or ``auto`` with a GPU visible)
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: MoE experts, variable-length
+    documents and pipeline buffers allocate blocks of ever-changing sizes, which fragment the
+    caching allocator's fixed segments; expandable segments grow one mapping instead (PyTorch's
+    documented remedy). Inert on a CPU run."""
+    out = []
     value, why = max_connections_rule(cfg)
-    return [(MAX_CONNECTIONS, value, why)] if value is not None and MAX_CONNECTIONS not in environ else []
+    if value is not None and MAX_CONNECTIONS not in environ:
+        out.append((MAX_CONNECTIONS, value, why))
+    if cuda is None:
+        cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if cuda and not any(name in environ for name in ALLOC_CONF):
+        out.append(
+            (
+                ALLOC_CONF[0],
+                EXPANDABLE,
+                "variable block sizes (experts, documents, pipeline buffers) fragment fixed segments; "
+                "expandable segments grow one mapping",
+            )
+        )
+    return out
 
 
 def max_connections_warning(cfg: Config, environ: Mapping[str, str]) -> Optional[str]:

@@ -155,6 +155,21 @@ def test_launch_exports_and_the_warning_keep_a_users_value():
     assert L.launch_exports(_cfg(), {}) == [] and L.max_connections_warning(_cfg(), {}) is None
 
 
+def test_the_launcher_exports_expandable_segments_on_cuda_and_keeps_a_users_value():
+    """On CUDA the caching allocator gets expandable segments (variable block sizes fragment
+    fixed ones); a value the user set under either name is kept; nothing on a CPU run."""
+    cfg = _cfg("--tp", "2")
+    names = [x[:2] for x in L.launch_exports(cfg, {}, cuda=True)]
+    assert names == [("CUDA_DEVICE_MAX_CONNECTIONS", "1"), ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")]
+    assert [x[:2] for x in L.launch_exports(_cfg(), {}, cuda=True)] == [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    ]
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        assert L.launch_exports(_cfg(), {name: "max_split_size_mb:128"}, cuda=True) == []
+    assert L.launch_exports(_cfg(), {}, cuda=False) == []
+    assert L.launch_exports(_cfg("--device", "cpu"), {}) == []
+
+
 def test_preflight_writes_the_launchers_exports(tmp_path):
     from megazero import training
 
