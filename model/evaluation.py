@@ -16,7 +16,7 @@ log-likelihoods tests/tools/test_evaluate.py compares within 1e-5):
   starts with it. The tokens ``context + continuation`` are cut from the left to the model's
   ``max_length + 1`` (its positions), the last one dropped, and the log-probabilities of the
   continuation's tokens (fp32 log-softmax over the real vocabulary, the logits gathered over
-  tp) are summed; ``is_greedy`` is whether each is the argmax. Only the context is ever cut: a
+  tp, of the continuation's rows only) are summed; ``is_greedy`` is whether each is the argmax. Only the context is ever cut: a
   continuation of more than ``max_length`` tokens is refused (HarnessError naming the window),
   as the harness's ``HFLM._loglikelihood_tokens`` refuses it (an ``assert len(continuation_enc)
   <= self.max_length``; it scores no part of such a continuation).
@@ -173,14 +173,19 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
 
         # -- tokens -> log-probabilities ---------------------------------------------------
         @torch.no_grad()
-        def log_probs(self, ids: torch.Tensor) -> torch.Tensor:
-            """fp32 log-probabilities ``[B, T, V]`` over the real vocabulary of the next token
-            at every position of ``ids [B, T]`` (collective over tp)."""
+        def log_probs(self, ids: torch.Tensor, spans: Optional[Sequence[tuple[int, int, int]]] = None) -> torch.Tensor:
+            """fp32 log-probabilities over the real vocabulary of the next token at every
+            position of ``ids [B, T]``: ``[B, T, V]``; or, with ``spans`` ``(row, start, end)``,
+            at those positions only, concatenated ``[sum(end - start), V]`` (collective over tp).
+            Only the rows asked for are gathered over tp and log-softmaxed in fp32: scoring a
+            continuation then holds ``n x V`` fp32 values, not ``B x T x V``."""
             stage, T = self.stage, ids.shape[1]
             if stage.sp:  # sequence parallel: T a multiple of tp (right padding is invisible)
                 ids = F.pad(ids, (0, (-T) % stage.groups.tp_size))
             logits = stage(ids)[:, :T]  # (B, T, V_pad/tp)
-            logits = gather_from_tp_region(logits, stage.tp)[..., : self.vocab_size]  # (B, T, V)
+            if spans is not None:
+                logits = torch.cat([logits[b, s:e] for b, s, e in spans])  # (n, V_pad/tp)
+            logits = gather_from_tp_region(logits, stage.tp)[..., : self.vocab_size]  # (..., V)
             return F.log_softmax(logits.float(), dim=-1)
 
         def score_tokens(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -208,9 +213,9 @@ def megazero_lm_class(what: str = "scripts/evaluate.py"):
                         dtype=torch.long,
                         device=self._device,
                     )
-                    logp = self.log_probs(ids)  # (B, T, V)
-                    for b, (i, inp, cont) in enumerate(rows):
-                        lp = logp[b, len(inp) - len(cont) : len(inp)]  # (n, V)
+                    spans = [(b, len(inp) - len(cont), len(inp)) for b, (_, inp, cont) in enumerate(rows)]
+                    logp = self.log_probs(ids, spans).split([len(cont) for _, _, cont in rows])  # (n, V) each
+                    for lp, (i, inp, cont) in zip(logp, rows):
                         target = torch.tensor(cont, device=lp.device)  # (n,)
                         ll = lp.gather(1, target[:, None]).sum()
                         out[i] = (float(ll), bool((lp.argmax(dim=-1) == target).all()))

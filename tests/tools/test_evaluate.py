@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -190,8 +191,9 @@ def test_log_likelihoods_and_accuracy_equal_the_harness_hf_backend_at_tp1_and_tp
 @pytest.mark.slow
 def test_requests_past_the_window_match_the_harness_and_a_longer_continuation_is_refused_as_it_is(run):
     """Context cut from the left, continuations of up to the whole 64-token window scored whole:
-    the harness's HFLM numbers and greedy flags. A continuation past the window: HFLM asserts,
-    megazero names the window and the fix, before any forward."""
+    the harness's HFLM numbers and greedy flags, with only the continuation rows log-softmaxed. A
+    continuation past the window: HFLM asserts, megazero names the window and the fix, before any
+    forward."""
     require("accelerate")
     from lm_eval.models.huggingface import HFLM
 
@@ -208,7 +210,13 @@ def test_requests_past_the_window_match_the_harness_and_a_longer_continuation_is
     cuts = [(200, 64), (1, 64), (300, 40), (10, 63), (65, 1), (330, 64), (5, 58)]
     pairs = [(doc[:c], doc[c : c + n]) for c, n in cuts]
     theirs = hf._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in pairs])
-    ours = lm.score_tokens(pairs)
+    seen, log_softmax = [], torch.nn.functional.log_softmax
+    with mock.patch.object(
+        torch.nn.functional, "log_softmax", lambda x, dim: seen.append(x.shape) or log_softmax(x, dim)
+    ):
+        ours = lm.score_tokens(pairs)
+    # only the continuation rows are log-softmaxed (n x V fp32, not B x T x V)
+    assert [len(s) for s in seen] == [2] * 3 and sum(s[0] for s in seen) == sum(n for _, n in cuts), seen
     torch.testing.assert_close(
         torch.tensor([v for v, _ in ours], dtype=torch.float64),
         torch.tensor([v for v, _ in theirs], dtype=torch.float64),
