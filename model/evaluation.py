@@ -16,10 +16,11 @@ log-likelihoods tests/tools/test_evaluate.py compares within 1e-5):
   starts with it. The tokens ``context + continuation`` are cut from the left to the model's
   ``max_length + 1`` (its positions), the last one dropped, and the log-probabilities of the
   continuation's tokens (fp32 log-softmax over the real vocabulary, the logits gathered over
-  tp, of the continuation's rows only) are summed; ``is_greedy`` is whether each is the argmax. Only the context is ever cut: a
-  continuation of more than ``max_length`` tokens is refused (HarnessError naming the window),
-  as the harness's ``HFLM._loglikelihood_tokens`` refuses it (an ``assert len(continuation_enc)
-  <= self.max_length``; it scores no part of such a continuation).
+  tp, of the continuation's rows only) are summed; ``is_greedy`` is whether each is the argmax.
+  Only the context is ever cut: a continuation of more than ``max_length`` tokens is refused
+  (HarnessError naming the window), as the harness's ``HFLM._loglikelihood_tokens`` refuses it
+  (an ``assert len(continuation_enc) <= self.max_length``; it scores no part of such a
+  continuation).
 - ``loglikelihood_rolling((text,))``: the whole text's log-likelihood in windows of
   ``max_length`` predictions (the harness's documented scheme): the first window predicts the
   first ``max_length`` tokens after the prefix token, each later one predicts the next

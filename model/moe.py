@@ -77,7 +77,7 @@ class ExpertMLP(nn.Module):
             or any(d % align for d in (*e0.fc1.weight.shape, *e0.fc2.weight.shape))
         ):
             return None
-        offs = torch.tensor(sizes, device=rows.device).cumsum(0).to(torch.int32)
+        offs = group_offsets(sizes, rows.device)
         w1 = torch.stack([e.fc1.weight for e in experts]).transpose(1, 2)  # (n, H, F/tp or 2F/tp)
         h = torch._grouped_mm(rows, w1, offs=offs)
         if e0.swiglu:
@@ -89,11 +89,54 @@ class ExpertMLP(nn.Module):
         return torch._grouped_mm(h, w2, offs=offs)  # (S, H), partial over tp
 
 
+def group_offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """The grouped GEMM's ``offs``: the running row ends of ``sizes`` ``[n]`` int32 on
+    ``device``, copied from page-locked memory without blocking on CUDA (a plain
+    ``torch.tensor(..., device=cuda)`` from a Python list copies from pageable memory, which
+    waits for the device: a host sync per MoE layer)."""
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if torch.device(device).type == "cuda":
+        return ends.pin_memory().to(device, non_blocking=True)
+    return ends.to(device)
+
+
+_GROUPED_CHECKED: dict = {}  # (device, dtype) -> whether the grouped GEMM matched the loop there
+
+
+def grouped_matches_loop(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` on ``device`` in ``dtype`` gives a per-expert ``F.linear``'s
+    result, on a small fixed problem (4 experts of 5, 0, 11 and 16 rows, 64 -> 128, inputs
+    rounded to ``dtype`` first): equal within one unit of ``dtype``'s rounding of the output
+    (relative 2**-7 for bf16, the same products accumulated in another order), False when the
+    kernel refuses the device (CUDA's wants sm90 or newer) or differs."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        sizes = [5, 0, 11, 16]
+        rows = torch.randn(sum(sizes), 64, generator=g).to(device, dtype)
+        w = torch.randn(len(sizes), 128, 64, generator=g).to(device, dtype)  # (n, out, in)
+        got = torch._grouped_mm(rows, w.transpose(1, 2), offs=group_offsets(sizes, device)).float()
+        want = torch.cat([F.linear(b, w[j]) for j, b in enumerate(rows.split(sizes))]).float()
+    except (RuntimeError, NotImplementedError):
+        return False
+    tol = torch.finfo(dtype).eps
+    return bool(((got - want).abs() <= tol * want.abs() + tol).all())
+
+
 def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether the experts run as grouped GEMMs on ``x``'s device and dtype: torch's
-    ``_grouped_mm`` on CPU in fp32 (checked equal to the loop, tests/layouts/test_moe_ep.py). Other
-    devices and dtypes loop until checked there (CUDA's kernel wants bf16 on sm90+)."""
-    return hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and x.dtype == torch.float32
+    ``_grouped_mm`` on CPU in fp32 (equal to the loop bitwise: tests/layouts/test_moe.py), and on
+    CUDA in bf16 where ``grouped_matches_loop`` passes on that device (checked once per device;
+    the kernel wants sm90 or newer). Elsewhere the experts loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype == torch.float32
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    key = (str(x.device), x.dtype)
+    if key not in _GROUPED_CHECKED:
+        _GROUPED_CHECKED[key] = grouped_matches_loop(x.device, x.dtype)
+    return _GROUPED_CHECKED[key]
 
 
 class MoEMLP(nn.Module):

@@ -365,3 +365,22 @@ def test_grouped_expert_gemm_equals_the_loop(swiglu):
     assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
     biased = GPTConfig(vocab_size=10, num_layers=1, hidden_size=16, num_attention_heads=2)
     assert ExpertMLP.grouped_forward([ExpertMLP(biased, 12, 1)], rows0, [17]) is None
+
+
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", torch.float32), ("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)],
+)
+def test_the_grouped_gemm_guard_compares_it_with_the_loop(device, dtype):
+    """The guard that lets CUDA's bf16 grouped GEMM run the experts: it passes where the kernel
+    matches the per-expert loop (CPU fp32 and bf16 here; on a GPU, scripts/gpu_check.sh), and it
+    fails when the kernel's result is off (a stand-in kernel adding one unit of rounding too many)."""
+    from unittest import mock
+
+    from model.moe import grouped_matches_loop
+
+    assert grouped_matches_loop(torch.device(device), dtype)
+    real = torch._grouped_mm
+    off = lambda *a, **k: real(*a, **k) * (1 + 4 * torch.finfo(dtype).eps)
+    with mock.patch.object(torch, "_grouped_mm", off):
+        assert not grouped_matches_loop(torch.device(device), dtype)
