@@ -285,6 +285,8 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
             if coef < 1.0:
                 torch._foreach_mul_(win.work, coef)
         read0, written0 = self.io.read, self.io.written
+        # the updated runs go to a CUDA model from the pinned pool buffer without blocking each
+        async_h2d = self.pin_memory and self.device.type == "cuda"
 
         def adam(k, main, m, v):
             a = self.sub_groups[k][0]
@@ -304,8 +306,9 @@ class NvmeOffloadOptimizer(HostOffloadOptimizer):
                         weight_decay=self.weight_decay if decays else 0.0,
                         backend=self.adam_backend,
                     )
-            # blocking: the pool buffer is refilled next
-            self._param_runs(k, lambda view, lo, hi: view.copy_(main[lo:hi]), write=True)
+            self._param_runs(k, lambda view, lo, hi: view.copy_(main[lo:hi], non_blocking=async_h2d), write=True)
+            if async_h2d:  # one wait per sub-group, not one blocking copy per run: the pool buffer is refilled next
+                torch.cuda.current_stream(self.device).synchronize()
 
         self._walk(adam)
         self.step_io = {"read": self.io.read - read0, "written": self.io.written - written0}
