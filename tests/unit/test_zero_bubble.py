@@ -226,6 +226,111 @@ def test_split_refuses_a_fused_custom_function():
         backward_input(Fused.apply(x, w).sum(), None, x)
 
 
+class _StandInLayerNorm(torch.autograd.Function):
+    """apex's ``FusedLayerNormAffineFunction`` in Python: one custom Function whose backward
+    returns the input's, the weight's and the bias's gradients together."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps):
+        mean = x.mean(-1, keepdim=True)  # [..., 1]
+        rstd = torch.rsqrt((x - mean).pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        xhat = (x - mean) * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        return xhat * weight + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, rstd, weight = ctx.saved_tensors
+        g = dy * weight
+        dx = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+        rows = dy.reshape(-1, dy.shape[-1])  # [N, H]
+        dw = (rows * xhat.reshape(rows.shape)).sum(0)
+        return dx, dw, rows.sum(0), None, None
+
+
+class _StandInRMSNorm(torch.autograd.Function):
+    """apex's ``FusedRMSNormAffineFunction`` in Python (input and weight gradients together)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shape, eps):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        xhat = x * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        return xhat * weight
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, rstd, weight = ctx.saved_tensors
+        g = dy * weight
+        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        rows = dy.reshape(-1, dy.shape[-1])  # [N, H]
+        return dx, (rows * xhat.reshape(rows.shape)).sum(0), None, None
+
+
+@pytest.fixture
+def apex_stand_in(monkeypatch):
+    """``--kernels auto`` on a CUDA machine with apex: the norms call apex's fused functions,
+    here stand-ins with apex's signatures, and the backend selection answers apex."""
+    import sys
+    import types
+
+    fused = types.ModuleType("apex.normalization.fused_layer_norm")
+    fused.fused_layer_norm_affine = lambda x, w, b, shape, eps: _StandInLayerNorm.apply(x, w, b, shape, eps)
+    fused.fused_rms_norm_affine = lambda x, w, shape, eps: _StandInRMSNorm.apply(x, w, shape, eps)
+    for name in ("apex", "apex.normalization"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, fused.__name__, fused)
+    monkeypatch.setattr("megazero.ops.norm.select_backend", lambda requested, device: "apex")
+    return fused
+
+
+@pytest.mark.parametrize(
+    "block, pre, post",
+    [("none", True, False), ("none", False, True), ("llama", True, True), ("full", False, False)],
+)
+def test_split_backward_with_apex_style_fused_norms(apex_stand_in, block, pre, post):
+    """apex's fused norms are custom autograd Functions with an activation child and 1-D
+    weights: vector boundaries, so B runs each norm's backward once (input and weight
+    gradients together) and W accumulates what B kept. ZB-H1 and ZB-V (B's of a chunk before
+    its W's, W's in micro-batch order) then give 1F1B's input and weight gradients bit for
+    bit with the same kernels; LayerNorm and RMSNorm (LLaMA), first / last / middle stage,
+    and inside a fully recomputed region."""
+    stage = _stage(pre, post, block)
+    norms = [m for m in stage.modules() if type(m).__name__ in ("LayerNorm", "RMSNorm")]
+    names = set()
+    for n in norms:  # the stand-in runs: every norm's output comes from its custom Function
+        y = n(torch.randn(2, 8, 16, requires_grad=True))
+        names.add(type(y.grad_fn).__name__)
+    assert names == {"_StandInRMSNormBackward" if block == "llama" else "_StandInLayerNormBackward"}
+    fused, fused_dx = _three_microbatches(_stage(pre, post, block), split=False)
+    split, split_dx = _three_microbatches(_stage(pre, post, block), split=True)
+    assert len(fused) == len(split) and all(torch.equal(a, b) for a, b in zip(fused, split))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(fused_dx, split_dx))
+
+
+def test_split_refuses_a_fused_custom_function_with_a_vector_and_a_matrix():
+    """A custom Function with a matrix weight stays refused though it also takes a bias."""
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b):
+            ctx.save_for_backward(x, w)
+            return x @ w + b
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w.t(), x.t() @ g, g.sum(0)
+
+    x, w, b = (
+        torch.randn(3, 4, requires_grad=True),
+        torch.nn.Parameter(torch.randn(4, 4)),
+        torch.nn.Parameter(torch.randn(4)),
+    )
+    with pytest.raises(SplitBackwardError, match="cannot be split into B and W"):
+        backward_input(Fused.apply(x, w, b).sum(), None, x)
+
+
 # -- bad input: exit 2 before launch ---------------------------------------------------------------
 BAD = {
     "zb-h1 at pp 1": (["--pipeline-schedule", "zb-h1"], 1, "--pipeline-schedule zb-h1 needs --pp >= 2"),
