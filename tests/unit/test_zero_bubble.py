@@ -16,6 +16,7 @@ from megazero.pipeline.schedules import Action, ScheduleError, build_schedule, c
 from megazero.pipeline.weight_grad import SavedTensors, SplitBackwardError, backward_input, backward_weight
 from megazero.planning.memory import inflight_per_stage
 from megazero.process_groups import ProcessGroups
+from tests.support.apex_stand_in import install as install_apex_stand_in
 
 SIZES = [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]  # (pp, micro-batches)
 UNIT = dict(forward_cost=1.0, backward_cost=1.0, weight_cost=1.0)  # F = B = W
@@ -226,62 +227,11 @@ def test_split_refuses_a_fused_custom_function():
         backward_input(Fused.apply(x, w).sum(), None, x)
 
 
-class _StandInLayerNorm(torch.autograd.Function):
-    """apex's ``FusedLayerNormAffineFunction`` in Python: one custom Function whose backward
-    returns the input's, the weight's and the bias's gradients together."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps):
-        mean = x.mean(-1, keepdim=True)  # [..., 1]
-        rstd = torch.rsqrt((x - mean).pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-        xhat = (x - mean) * rstd
-        ctx.save_for_backward(xhat, rstd, weight)
-        return xhat * weight + bias
-
-    @staticmethod
-    def backward(ctx, dy):
-        xhat, rstd, weight = ctx.saved_tensors
-        g = dy * weight
-        dx = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-        rows = dy.reshape(-1, dy.shape[-1])  # [N, H]
-        dw = (rows * xhat.reshape(rows.shape)).sum(0)
-        return dx, dw, rows.sum(0), None, None
-
-
-class _StandInRMSNorm(torch.autograd.Function):
-    """apex's ``FusedRMSNormAffineFunction`` in Python (input and weight gradients together)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, shape, eps):
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-        xhat = x * rstd
-        ctx.save_for_backward(xhat, rstd, weight)
-        return xhat * weight
-
-    @staticmethod
-    def backward(ctx, dy):
-        xhat, rstd, weight = ctx.saved_tensors
-        g = dy * weight
-        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        rows = dy.reshape(-1, dy.shape[-1])  # [N, H]
-        return dx, (rows * xhat.reshape(rows.shape)).sum(0), None, None
-
-
 @pytest.fixture
 def apex_stand_in(monkeypatch):
-    """``--kernels auto`` on a CUDA machine with apex: the norms call apex's fused functions,
-    here stand-ins with apex's signatures, and the backend selection answers apex."""
-    import sys
-    import types
-
-    fused = types.ModuleType("apex.normalization.fused_layer_norm")
-    fused.fused_layer_norm_affine = lambda x, w, b, shape, eps: _StandInLayerNorm.apply(x, w, b, shape, eps)
-    fused.fused_rms_norm_affine = lambda x, w, shape, eps: _StandInRMSNorm.apply(x, w, shape, eps)
-    for name in ("apex", "apex.normalization"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, fused.__name__, fused)
-    monkeypatch.setattr("megazero.ops.norm.select_backend", lambda requested, device: "apex")
-    return fused
+    """``--kernels auto`` on a CUDA machine with apex: the norms run apex-style custom
+    Functions (tests/support/apex_stand_in.py)."""
+    install_apex_stand_in(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -301,7 +251,7 @@ def test_split_backward_with_apex_style_fused_norms(apex_stand_in, block, pre, p
     for n in norms:  # the stand-in runs: every norm's output comes from its custom Function
         y = n(torch.randn(2, 8, 16, requires_grad=True))
         names.add(type(y.grad_fn).__name__)
-    assert names == {"_StandInRMSNormBackward" if block == "llama" else "_StandInLayerNormBackward"}
+    assert names == {"RMSNormFunctionBackward" if block == "llama" else "LayerNormFunctionBackward"}
     fused, fused_dx = _three_microbatches(_stage(pre, post, block), split=False)
     split, split_dx = _three_microbatches(_stage(pre, post, block), split=True)
     assert len(fused) == len(split) and all(torch.equal(a, b) for a, b in zip(fused, split))
