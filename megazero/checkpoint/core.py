@@ -599,7 +599,8 @@ def _clip_rows(chunks: list, rows: int) -> list:
 
 def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, canonical name -> full fp32 main parameter) of the latest checkpoint under
-    ``root``, read in one process without any process group (conversion, generation).
+    ``root``, read in one process without any process group (offline conversion; it holds
+    every full tensor, so a tensor-parallel rank reads ``read_partitions`` instead).
 
     Raises CheckpointError when there is no checkpoint or a file is unreadable.
     """
