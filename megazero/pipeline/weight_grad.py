@@ -67,10 +67,11 @@ with both activation and weight children (its Python backward ignores which outp
 needed, so B and W would each run it whole; e.g. the overlapped column-parallel linear). A
 custom Function whose parameters are all vectors is a vector boundary like any other (apex's
 fused LayerNorm / RMSNorm, which ``--kernels auto`` picks on CUDA): B runs its backward once,
-for the input and the weight gradients together, and W only accumulates what B kept. A recomputed region (full
-recomputation, ``tensor_parallel.recompute``) replays its forward in B and splits its inner
-backward the same way (``split_in_b_pass``), so the forward is re-run before B, not before
-W; of the replayed graph, W's share is held from B to W.
+for the input and the weight gradients together, and W only accumulates what B kept.
+
+A recomputed region (full recomputation, ``tensor_parallel.recompute``) replays its forward
+in B and splits its inner backward the same way (``split_in_b_pass``), so the forward is
+re-run before B, not before W; of the replayed graph, W's share is held from B to W.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ The weights come from a megazero checkpoint of any layout (``--load``:
 them plus one saved chunk at a time, never every full tensor) or a Hugging Face GPT-2 / Llama /
 Mixtral / Qwen2-MoE folder (``--from-hf``: ``model.hf_folder``); the tokenizer is the
 checkpoint's recorded one, the folder's ``tokenizer.json``, or ``--tokenizer-model``.
-``check_model`` checks every input
-(settings and sizes under tp, each tensor's shape and dtype or the checkpoint's files, the
-tokenizer) without loading a weight or creating a process group, so a bad input ends with one
-line before torchrun starts; ``load_model`` then loads.
+``check_model`` checks every input (settings and sizes under tp, each tensor's shape and dtype
+or the checkpoint's files, the tokenizer) without loading a weight or creating a process group,
+so a bad input ends with one line before torchrun starts; ``load_model`` then loads.
 
 The functions take the tools' parsed command line as ``source``: any object with the attributes
 ``load``, ``from_hf`` (one of them None), ``tokenizer_model`` and ``tokenizer_type`` (None for
