@@ -465,12 +465,26 @@ class GPTStage(nn.Module):
         return torch.empty(p.shape, dtype=p.dtype, device=self.device).copy_(src)
 
     @torch.no_grad()
-    def materialize(self) -> None:
+    def materialize(self, partitions: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         """Give every parameter its initial value, one at a time (``initial_partition``): at
         most one full tensor and one partition exist beyond the parameters already made.
-        Drops the source of the values (``full_weights`` is not kept alive by the stage)."""
+        Drops the source of the values (``full_weights`` is not kept alive by the stage).
+
+        ``partitions``: this rank's partitions already cut (name -> a tensor of the
+        parameter's shape, e.g. ``megazero.checkpoint.read_partitions``), taken instead of
+        the initial values and cast to the parameter's dtype on ``self.device`` (no copy
+        when they match). Raises KeyError naming a missing partition, ValueError on a shape
+        mismatch."""
         for name, p in self.named_parameters():
-            p.data = self.initial_partition(name)
+            if partitions is None:
+                p.data = self.initial_partition(name)
+                continue
+            if name not in partitions:
+                raise KeyError(f"partitions lack {name!r}, needed by this stage")
+            src = partitions[name]
+            if tuple(src.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: partition of shape {tuple(src.shape)}, parameter is {tuple(p.shape)}")
+            p.data = src.to(dtype=p.dtype, device=self.device)
         self._initial, self.materialized = None, True
 
     @torch.no_grad()

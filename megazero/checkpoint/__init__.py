@@ -19,6 +19,7 @@ from megazero.checkpoint.core import (  # noqa: F401
     publish,
     read_full_tensors,
     read_full_weights,
+    read_partitions,
     rng_files,
     save,
     saved_iterations,

@@ -530,17 +530,7 @@ def load(
         rows = None if real_rows is None else real_rows(name)
         for k in shards.STATE_KEYS:
             key = f"{name}/{k}"
-            if key not in saved:
-                raise CheckpointError(
-                    f"{d} has no state for parameter {name!r}: it was saved from "
-                    f"another model; fix: load a checkpoint of this model"
-                )
-            have = tuple(saved[key].size)
-            fits = have == shape or (rows is not None and have[1:] == shape[1:] and min(have[0], shape[0]) >= rows)
-            if not fits:
-                raise CheckpointError(
-                    f"{name}: the checkpoint holds {have}, the model has {shape}; fix: same model sizes"
-                )
+            _check_fits(d, saved, key, name, shape, rows)
             if rows is not None:
                 mine[key] = _clip_rows(mine.get(key, []), rows)
     # DCP writes into the optimizer's state, which is the model's own flat buffer where the
@@ -556,13 +546,7 @@ def load(
             no_dist=groups.world is None,
         )
     except (Exception, CheckpointException) as e:  # a damaged .distcp file (DCP gathers every rank's failure)
-        if isinstance(e, CheckpointException) and e.failures:  # the first rank's own exception
-            rank, (e, _) = min(e.failures.items(), key=lambda kv: kv[0])
-        first_line = (str(e).strip().splitlines() or [""])[0][:160]
-        raise CheckpointError(
-            f"{d}: reading the tensors failed ({type(e).__name__}: {first_line}); "
-            f"fix: load an earlier iter_* directory (write its number into 'latest')"
-        ) from None
+        raise _read_error(d, e) from None
     optimizer.load_counters(meta["optimizer"])
     optimizer.refresh_model_params()
     same_layout = meta["layout"] == dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size)
@@ -571,6 +555,33 @@ def load(
     meta["same_layout"] = same_layout
     meta["directory"] = d
     return meta
+
+
+def _check_fits(d: str, saved: dict, key: str, name: str, shape: tuple, rows: Optional[int]) -> None:
+    """CheckpointError unless ``saved`` (DCP metadata of ``d``) holds ``key`` with the full
+    shape ``shape``, or, for a vocabulary tensor (``rows``: its real rows), another padding
+    of at least ``rows`` rows."""
+    if key not in saved:
+        raise CheckpointError(
+            f"{d} has no state for parameter {name!r}: it was saved from "
+            f"another model; fix: load a checkpoint of this model"
+        )
+    have = tuple(saved[key].size)
+    fits = have == shape or (rows is not None and have[1:] == shape[1:] and min(have[0], shape[0]) >= rows)
+    if not fits:
+        raise CheckpointError(f"{name}: the checkpoint holds {have}, the model has {shape}; fix: same model sizes")
+
+
+def _read_error(d: str, e: BaseException) -> CheckpointError:
+    """The CheckpointError for a failed DCP read of ``d`` (a damaged .distcp file): the first
+    rank's own exception when DCP gathered every rank's failure."""
+    if isinstance(e, _checkpoint_exception()) and e.failures:
+        _, (e, _) = min(e.failures.items(), key=lambda kv: kv[0])
+    first_line = (str(e).strip().splitlines() or [""])[0][:160]
+    return CheckpointError(
+        f"{d}: reading the tensors failed ({type(e).__name__}: {first_line}); "
+        f"fix: load an earlier iter_* directory (write its number into 'latest')"
+    )
 
 
 def _clip_rows(chunks: list, rows: int) -> list:
@@ -588,12 +599,57 @@ def _clip_rows(chunks: list, rows: int) -> list:
 
 def read_full_weights(root: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, canonical name -> full fp32 main parameter) of the latest checkpoint under
-    ``root``, read in one process without any process group (conversion, generation).
+    ``root``, read in one process without any process group (offline conversion; it holds
+    every full tensor, so a tensor-parallel rank reads ``read_partitions`` instead).
 
     Raises CheckpointError when there is no checkpoint or a file is unreadable.
     """
     meta, _, full = read_full_tensors(root, "/main_param")
     return meta, {k[: -len("/main_param")]: t for k, t in full.items()}
+
+
+def read_partitions(
+    root: str,
+    params: dict[str, torch.Tensor],
+    tp_rank: int,
+    tp_size: int,
+    real_rows: Optional[Callable[[str], Optional[int]]] = None,
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, name -> this tensor-parallel rank's partition of the fp32 main parameter) of the
+    latest checkpoint under ``root``, saved under any layout, read in one process without a
+    process group (generation, evaluation: every process one tp rank).
+
+    ``params``: name -> the parameter as this rank holds it (its shape and partition tags;
+    placeholders do, e.g. ``model.gpt.GPTStage(materialize=False)``). Each partition, a new
+    fp32 CPU tensor of its parameter's shape, is read through DCP straight from the saved
+    pieces that overlap it (``shards.partition_chunks``; DCP's resharding), so the memory is
+    the rank's own partitions plus one saved chunk at a time (at most one full tensor), where
+    ``read_full_weights`` holds every full tensor. ``real_rows(name)`` as for ``load``: a
+    vocabulary tensor's rows at or past it are zero and its saved padding may differ.
+
+    Raises CheckpointError when there is no checkpoint, a tensor is missing or has another
+    shape, or a file is unreadable.
+    """
+    meta = peek(root)
+    if meta is None:
+        raise CheckpointError(f"no checkpoint under {root} (no 'latest' file); fix: give the --save directory of a run")
+    d = iteration_dir(root, meta["iteration"])
+    saved = _read_metadata(d).state_dict_metadata
+    dcp, shards, CheckpointException = _dcp(), _shards(), _checkpoint_exception()
+    parts, mine = {}, {}
+    for name, p in params.items():
+        key, rows = f"{name}/main_param", None if real_rows is None else real_rows(name)
+        _check_fits(d, saved, key, name, shards.global_shape(p, tp_size), rows)
+        parts[name] = torch.zeros(p.shape, dtype=torch.float32, device="cpu")
+        chunks = shards.partition_chunks(p, parts[name], tp_rank, tp_size)
+        mine[key] = chunks if rows is None else _clip_rows(chunks, rows)
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({}, storage_reader=dcp.FileSystemReader(d), planner=shards.LoadPlanner(mine), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise _read_error(d, e) from None
+    return meta, parts
 
 
 def read_full_tensors(root: str, suffix: str = "") -> tuple[dict, str, dict[str, torch.Tensor]]:

@@ -144,6 +144,19 @@ def owned_chunks(
     return chunks, params
 
 
+def partition_chunks(param: torch.Tensor, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> list[Chunk]:
+    """The chunks of the full tensor that rank ``tp_rank``'s TP partition ``param`` is: its
+    whole box cut at the ``partition_stride`` blocks (``to_global``), each chunk a view of
+    ``tensor`` (the partition's values, ``param``'s shape), for reading straight into it. A
+    replicated parameter is one chunk, the whole tensor."""
+    shape = tuple(param.shape)
+    out = []
+    for g, size, lo, length in to_global(param, (0,) * len(shape), shape, tp_rank, tp_size):
+        view = tensor.narrow(param.partition_dim, lo, length) if tags.is_partitioned(param) else tensor
+        out.append(Chunk(g, size, view))
+    return out
+
+
 def _contiguous(offsets: tuple, sizes: tuple, t: torch.Tensor) -> list[Chunk]:
     """``Chunk(offsets, sizes, t)`` split along its leading dims until every piece is one
     contiguous run of memory (a box narrowed along a later dim by a partition stride)."""

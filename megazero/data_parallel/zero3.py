@@ -19,8 +19,8 @@ schedule of gathers, prefetches and releases is :mod:`megazero.data_parallel.zer
 
 With ``offload_param`` (ZeRO-Infinity's ``offload_param: {device: cpu}``, Rajbhandari et al.
 2021) the shard lives in host memory between uses (one exactly-sized ``HostArena`` per
-buffer, page-locked on CUDA) and is copied to the device bucket by bucket just before its
-all-gather. With ``param_swap`` (``offload_param: {device: nvme}``) the shards live in a swap
+buffer, page-locked on CUDA as whole pages of its own) and is copied to the device bucket by
+bucket just before its all-gather. With ``param_swap`` (``offload_param: {device: nvme}``) the shards live in a swap
 file instead and are read into a bounded set of host slots for each gather and rebuilt from
 the optimizer's main params after the step (:mod:`megazero.offload.param_swap`).
 Persistent memory is (p + g + m + 8) Psi / N per rank (the p Psi / N part on the host with

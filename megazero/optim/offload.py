@@ -25,8 +25,8 @@ checkpoint format) with its state allocated on the host. One step:
 
 Pinned memory: the four host tensors are the parts of one :class:`HostArena` of exactly 16
 bytes per owned element, page-locked as a whole with ``cudaHostRegister`` (not through CUDA's
-caching host allocator, which rounds each tensor up to a power of two);
-``pinned_bytes()`` reports what is actually page-locked.
+caching host allocator, which rounds each tensor up to a power of two); the registered range
+is those bytes rounded up to whole pages, and ``pinned_bytes()`` reports it.
 
 Without a GPU the same code runs with host and device the same memory; the accounting still
 reports them apart (``HOST_PARTS``, ``bytes_by_place``). Because the model's parameters live
@@ -131,8 +131,9 @@ class HostOffloadOptimizer(DistributedOptimizer):
             self._update_window(win, scale, coef, lr)
 
     def pinned_bytes(self) -> int:
-        """Bytes of host memory page-locked for this optimizer: its arena (exactly 16 bytes per
-        owned element when pinned, else 0) plus the ZeRO-3 ``offload_param`` shards' arenas."""
+        """Bytes of host memory page-locked for this optimizer: its arena (16 bytes per owned
+        element rounded up to whole pages when pinned, else 0) plus the ZeRO-3
+        ``offload_param`` shards' arenas (each rounded up to whole pages)."""
         return self.arena.pinned_bytes + self.ddp.pinned_bytes()
 
     @torch.no_grad()

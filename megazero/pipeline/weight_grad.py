@@ -62,12 +62,16 @@ weight_grad_bytes``). W reading an emptied box raises SplitBackwardError. About 
 its activations when attention keeps no score matrix (docs/performance.md): the paper's
 ZB-H1 keeps 1F1B's peak on the first stage assuming W needs less than B (its Table 1).
 
-Refused (``SplitBackwardError``): a boundary that is a custom ``autograd.Function`` with both
-activation and weight children (its Python backward ignores which outputs are needed, so it
-would run twice; e.g. the overlapped column-parallel linear). A recomputed region (full
-recomputation, ``tensor_parallel.recompute``) replays its forward in B and splits its inner
-backward the same way (``split_in_b_pass``), so the forward is re-run before B, not before
-W; of the replayed graph, W's share is held from B to W.
+Refused (``SplitBackwardError``): a matrix boundary that is a custom ``autograd.Function``
+with both activation and weight children (its Python backward ignores which outputs are
+needed, so B and W would each run it whole; e.g. the overlapped column-parallel linear). A
+custom Function whose parameters are all vectors is a vector boundary like any other (apex's
+fused LayerNorm / RMSNorm, which ``--kernels auto`` picks on CUDA): B runs its backward once,
+for the input and the weight gradients together, and W only accumulates what B kept.
+
+A recomputed region (full recomputation, ``tensor_parallel.recompute``) replays its forward
+in B and splits its inner backward the same way (``split_in_b_pass``), so the forward is
+re-run before B, not before W; of the replayed graph, W's share is held from B to W.
 """
 
 from __future__ import annotations
@@ -186,27 +190,34 @@ def _boundaries(roots: list, info) -> list:
     for node in reversed(_nodes_postorder(roots)):
         if hasattr(node, "variable") or not (_on_activation_path(info, node) or node in roots):
             continue
-        weights, children, activation_child = [], [], False
+        weights, children = [], []
         for c, _ in node.next_functions:
-            if c is None:
+            if c is None or _on_activation_path(info, c):
                 continue
-            if _on_activation_path(info, c):
-                activation_child = True
-            elif info[c][1] is not None:
+            if info[c][1] is not None:
                 children.append(c)
                 if info[c][1] not in weights:
                     weights.append(info[c][1])
-        if not weights:
+        if weights:
+            out.append((node, children, weights))
+    return out
+
+
+def _refuse_fused(bounds: list, vector: list, info) -> None:
+    """Raise SplitBackwardError for a matrix boundary that is a custom ``autograd.Function``
+    with an activation child: its Python backward computes every gradient whichever are
+    asked for, so B and W would each run it whole. A vector boundary is accepted (apex's
+    fused norms): B runs its backward once and keeps its weight gradients for W."""
+    for (node, _, _), v in zip(bounds, vector):
+        if v or not isinstance(node, torch.autograd.function.BackwardCFunction):
             continue
-        if activation_child and isinstance(node, torch.autograd.function.BackwardCFunction):
+        if any(c is not None and _on_activation_path(info, c) for c, _ in node.next_functions):
             raise SplitBackwardError(
                 f"{type(node).__name__}: a custom autograd.Function computes both an activation "
-                f"gradient and a weight gradient, so its backward cannot be split into B and W "
-                f"(zero-bubble schedules); build the model without it (e.g. "
+                f"gradient and a matrix weight gradient, so its backward cannot be split into B "
+                f"and W (zero-bubble schedules); build the model without it (e.g. "
                 f"--no-async-tensor-model-parallel-allreduce)"
             )
-        out.append((node, children, weights))
-    return out
 
 
 def _num_inputs(node) -> int:
@@ -282,6 +293,7 @@ def _split(outputs: list, grads: list, inputs: list, work: WeightGradWork) -> li
     bounds = _boundaries(roots, info)
     matrix = {p for b in bounds if not all(_grad_in_b(q) for q in b[2]) for p in b[2]}
     vector = [_is_vector(b, matrix) for b in bounds]
+    _refuse_fused(bounds, vector, info)
     edges = [
         GradientEdge(node, i) for (node, _, _), v in zip(bounds, vector) if not v for i in range(_num_inputs(node))
     ]

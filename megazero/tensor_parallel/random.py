@@ -21,7 +21,10 @@ A layout change on resume (different tp) cannot reproduce the old masks of ``"tp
 regions; ``get_state``/``set_state`` restore the same layout exactly. Under another layout
 every rank instead calls ``reseed(resume_seed(seed, iteration))`` with the seed it was built
 with: one rule for all ranks, so TP-replicated streams stay equal, and the streams after the
-resume differ from those of the run's first iterations.
+resume differ from those of the run's first iterations. A resume on another device type
+(saved on CPU, resumed on CUDA or back) re-seeds by the same rule: a CPU generator's state
+(MT19937, 5056 bytes) cannot be given to a CUDA one (Philox, 16 bytes), nor the reverse, so
+``get_state`` records the device type and ``saved_device`` reads it.
 """
 
 from __future__ import annotations
@@ -102,15 +105,38 @@ class RNGTracker:
             glob.set_state(saved)
 
     def get_state(self) -> dict:
-        """``{"seed", "tp_rank", "replicated": ByteTensor, "tp": ByteTensor}`` for checkpoints."""
+        """``{"seed", "tp_rank", "device", "replicated": ByteTensor, "tp": ByteTensor}`` for
+        checkpoints; ``device`` is the device type whose generators drew the streams."""
         state = {name: g.get_state() for name, g in self._gens.items()}
-        state.update(seed=self.seed, tp_rank=self.tp_rank)
+        state.update(seed=self.seed, tp_rank=self.tp_rank, device=self.device.type)
         return state
 
+    def saved_device(self, state: dict) -> str:
+        """The device type whose generators ``state`` holds: the one ``get_state`` recorded,
+        or, for a state saved before it was recorded, this tracker's type when every
+        stream's state has the size of this tracker's (CPU's MT19937: 5056 bytes; CUDA's
+        Philox: 16 bytes), else ``"another device type"``. A state restores only where this
+        is ``self.device.type`` (``set_state``)."""
+        if "device" in state:
+            return state["device"]
+        own = {name: g.get_state().numel() for name, g in self._gens.items()}
+        fits = all(state[name].numel() == n for name, n in own.items())
+        return self.device.type if fits else "another device type"
+
     def set_state(self, state: dict) -> None:
-        """Restore what ``get_state`` returned. Raises ValueError on a different tp_rank."""
+        """Restore what ``get_state`` returned.
+
+        Raises ValueError on a different tp_rank, or on a state drawn on another device
+        type (``saved_device``: a CPU generator's state does not fit a CUDA one's, nor the
+        reverse; the caller re-seeds instead, module docstring)."""
         if state["tp_rank"] != self.tp_rank:
             raise ValueError(f"RNG state was saved by tp_rank {state['tp_rank']}, this is tp_rank {self.tp_rank}")
+        saved = self.saved_device(state)
+        if saved != self.device.type:
+            raise ValueError(
+                f"RNG state was drawn on {saved}, this tracker draws on {self.device.type}; "
+                f"re-seed with reseed(resume_seed(seed, iteration)) instead"
+            )
         self.seed = state["seed"]
         for name, g in self._gens.items():
             g.set_state(state[name])

@@ -3,12 +3,13 @@ load it: every process one tensor-parallel rank (pipeline and data-parallel size
 only its own partitions of the full weights.
 
 The weights come from a megazero checkpoint of any layout (``--load``:
-``megazero.checkpoint.read_full_weights``) or a Hugging Face GPT-2 / Llama / Mixtral / Qwen2-MoE
-folder (``--from-hf``: ``model.hf_folder``); the tokenizer is the checkpoint's recorded one, the
-folder's ``tokenizer.json``, or ``--tokenizer-model``. ``check_model`` checks every input
-(settings and sizes under tp, each tensor's shape and dtype or the checkpoint's files, the
-tokenizer) without loading a weight or creating a process group, so a bad input ends with one
-line before torchrun starts; ``load_model`` then loads.
+``megazero.checkpoint.read_partitions``: each rank reads only its own partitions, so it holds
+them plus one saved chunk at a time, never every full tensor) or a Hugging Face GPT-2 / Llama /
+Mixtral / Qwen2-MoE folder (``--from-hf``: ``model.hf_folder``); the tokenizer is the
+checkpoint's recorded one, the folder's ``tokenizer.json``, or ``--tokenizer-model``.
+``check_model`` checks every input (settings and sizes under tp, each tensor's shape and dtype
+or the checkpoint's files, the tokenizer) without loading a weight or creating a process group,
+so a bad input ends with one line before torchrun starts; ``load_model`` then loads.
 
 The functions take the tools' parsed command line as ``source``: any object with the attributes
 ``load``, ``from_hf`` (one of them None), ``tokenizer_model`` and ``tokenizer_type`` (None for
@@ -25,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from data.indexed_dataset import DataError
-from megazero.checkpoint import CheckpointError, peek, read_full_weights
+from megazero.checkpoint import CheckpointError, peek, read_partitions
 from megazero.process_groups import ProcessGroups
 from megazero.runtime.extras import MissingExtra
 from megazero.topology import Topology
 from model.config import GPTConfig
-from model.gpt import GPTStage
+from model.gpt import VOCAB_TENSORS, GPTStage
 from model.hf import HFConversionError, config_from_record
 from model.hf_folder import folder_config, open_folder
 
@@ -111,12 +112,20 @@ def load_model(source, groups: ProcessGroups, device, need_tokenizer: bool = Tru
     gcfg, tok_path, tok_type = model_settings(source)
     if not need_tokenizer and not has_tokenizer(tok_path):
         tok_path = None
+    tok = load_tokenizer(tok_path, tok_type) if tok_path else None
     if source.from_hf:
         full = open_folder(source.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
-    else:
-        full = read_full_weights(source.load)[1]
-    stage = GPTStage(gcfg, groups, range(gcfg.num_layers), True, True, seed=0, full_weights=full, device=device)
-    return stage, (load_tokenizer(tok_path, tok_type) if tok_path else None)
+        return GPTStage(gcfg, groups, range(gcfg.num_layers), True, True, seed=0, full_weights=full, device=device), tok
+    stage = GPTStage(gcfg, groups, range(gcfg.num_layers), True, True, seed=0, device=device, materialize=False)
+    parts = read_partitions(
+        source.load,
+        dict(stage.named_parameters()),
+        groups.tp_rank,
+        groups.tp_size,
+        real_rows=lambda name: gcfg.vocab_size if name in VOCAB_TENSORS else None,
+    )[1]
+    stage.materialize(parts)
+    return stage, tok
 
 
 def start_torchrun(tp: int, module: str, argv: list[str]) -> None:

@@ -203,14 +203,19 @@ class Trainer:
             return None
         self.state, meta = resumed
         load_expert_bias(self.chunks, meta["extra"].get("moe_expert_bias", {}))
-        tracker = self.chunks[0].rng_tracker
-        if meta["rng_state"] is not None:
-            tracker.set_state(meta["rng_state"])
+        tracker, saved = self.chunks[0].rng_tracker, meta["rng_state"]
+        drawn = None if saved is None else tracker.saved_device(saved)
+        if saved is None:
+            why = f"under another layout {meta['layout']}"
+        elif drawn != tracker.device.type:  # CPU <-> CUDA: the generator states do not fit
+            why = f"with dropout streams drawn on {drawn}, this run draws on {tracker.device.type}"
+        else:
+            tracker.set_state(saved)
             return self.state.iteration
         tracker.reseed(resume_seed(tracker.seed, self.state.iteration))  # every rank, one rule
         if self.groups.rank == 0:
             print(
-                f"[megazero] {meta['directory']} was saved under another layout {meta['layout']}: weights, "
+                f"[megazero] {meta['directory']} was saved {why}: weights, "
                 f"optimizer and data position restored; every rank's dropout streams re-seeded from --seed "
                 f"and iteration {self.state.iteration} (megazero.tensor_parallel.random.resume_seed)",
                 flush=True,

@@ -4,6 +4,7 @@ atomic, and a broken checkpoint is an error that names it."""
 
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -245,6 +246,49 @@ def test_every_rng_file_is_checked_before_any_rank_starts(tmp_path, capsys):
             assert torch.equal(state[region], want[region]), (tp_rank, region)
     assert torch.equal(results[0][2]["replicated"], results[1][2]["replicated"])  # TP-replicated
     assert not torch.equal(results[0][2]["replicated"], RNGTracker(built_seed, 0).get_state()["replicated"])
+
+
+def _resumed_rng_each(rank, world, argv, loads):
+    """``_resumed_rng`` for each checkpoint root of ``loads``, one after the other."""
+    return [_resumed_rng(rank, world, argv, load) for load in loads]
+
+
+def test_rng_states_of_another_device_type_reseed_on_resume(tmp_path):
+    """A checkpoint whose dropout streams were drawn on CUDA (Philox: 16-byte generator
+    states, as ``torch.cuda.get_rng_state`` returns) resumed on CPU under the same layout:
+    the states are not set (a CPU generator's is 5056 bytes), every stream is re-seeded by
+    ``resume_seed`` as under another layout, and rank 0 says so in one line. Both the
+    recorded device type and, for a state saved without it, the states' size are read."""
+    from megazero import training
+    from megazero.checkpoint import file_checksum
+    from megazero.tensor_parallel.random import RNGTracker, resume_seed
+
+    args = ARGS + ["--hidden-dropout", "0.1"]
+    run_distributed(run_checkpointed, 1, args, 2, save=str(tmp_path / "recorded"))
+    shutil.copytree(tmp_path / "recorded", tmp_path / "unrecorded")
+    for root in ("recorded", "unrecorded"):
+        d = tmp_path / root / "iter_0000002"
+        state = torch.load(d / "rng_0.pt", weights_only=False)
+        assert state["replicated"].numel() == 5056  # drawn on CPU
+        state.update(replicated=torch.arange(16, dtype=torch.uint8), tp=torch.arange(16, 32, dtype=torch.uint8))
+        state.pop("device", None)
+        if root == "recorded":
+            state["device"] = "cuda"
+        torch.save(state, d / "rng_0.pt")
+        meta = torch.load(d / "meta.pt", weights_only=False)
+        meta["files"]["rng_0.pt"] = file_checksum(str(d / "rng_0.pt"))
+        torch.save(meta, d / "meta.pt")
+        assert training.preflight(args + ["--load", str(tmp_path / root)], 1) == 0
+    got = run_distributed(_resumed_rng_each, 1, args, [str(tmp_path / "recorded"), str(tmp_path / "unrecorded")])[0]
+    for (printed, built_seed, state), drawn in zip(got, ("cuda", "another device type")):
+        assert printed.count("\n") == 1 and f"with dropout streams drawn on {drawn}, this run draws on cpu" in printed
+        assert "re-seeded from --seed and iteration 2" in printed
+        want = RNGTracker(resume_seed(built_seed, 2), 0).get_state()
+        assert state["device"] == "cpu"
+        for region in ("replicated", "tp"):
+            assert torch.equal(state[region], want[region]), region
+    with pytest.raises(ValueError, match="RNG state was drawn on cuda, this tracker draws on cpu"):
+        RNGTracker(1, 0).set_state(dict(want, device="cuda"))
 
 
 def test_prune_keeps_the_newest_and_never_a_later_one(tmp_path):

@@ -16,12 +16,14 @@ RoPE (tied, so ZB-V sums both embedding copies on stage 0) and the LLaMA block o
 LLaMA with MoE at expert parallel 2 (dp 2) and LLaMA with packed documents at cp 2 on 4 ranks.
 A first stage with RoPE has no position table, so its word embedding is where its activations
 begin (pipeline/weight_grad.py). Interleaved, like ZB-V, places layers in chunks of its own: gradient
-norms within 1e-12, losses and parameters bit for bit.
+norms within 1e-12, losses and parameters bit for bit. With apex-style fused norms (custom autograd
+Functions, tests/support/apex_stand_in.py) ZB-H1 and ZB-V equal 1F1B with the same norms.
 """
 
 import pytest
 import torch
 
+from tests.support.apex_stand_in import install as install_apex_stand_in
 from tests.support.distributed import run_distributed
 from tests.support.layouts import BASE, LLAMA, STEPS, oracle_losses, reference_losses
 from tests.support.moe import moe_reference as _moe_reference
@@ -249,6 +251,27 @@ def test_zero_bubble_pp2_equals_1f1b_bit_for_bit(tmp_path):
         assert first == unbroken[:4]
         assert same == unbroken[4:], "zb-v resumed under zb-v"
         assert other == unbroken[4:], "zb-v resumed under 1f1b"
+
+
+def _runs_with_apex_stand_in(rank, world, argvs):
+    """``_runs`` with the norms on apex-style custom autograd Functions (--kernels auto where
+    apex imports: tests/support/apex_stand_in.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        install_apex_stand_in(patch)
+        return _runs(rank, world, argvs)
+
+
+def test_zero_bubble_with_apex_style_fused_norms_equals_1f1b_bit_for_bit():
+    """Wherever apex imports, --kernels auto runs apex's fused LayerNorm / RMSNorm: custom
+    autograd Functions returning the input's and the weights' gradients from one backward.
+    Their weights are vectors, so B runs each once and W accumulates what B kept: ZB-H1 and
+    ZB-V (tied embeddings) at pp 2 equal 1F1B with the same Functions bit for bit, with
+    LayerNorm (GPT-2) and RMSNorm (LLaMA), and the oracle within 1e-5."""
+    schedules = {k: SCHEDULES[k] for k in ("1f1b", "zb-h1", "zb-v")}
+    layouts = dict(**_every_schedule("apex", [], schedules), **_every_schedule("apex llama", LLAMA, schedules))
+    names = list(layouts)
+    got = run_distributed(_runs_with_apex_stand_in, 2, [BASE + GBS + layouts[n][0] for n in names], timeout_s=900)
+    _check(layouts, got, names)
 
 
 def _layouts4():

@@ -66,6 +66,16 @@ def _alloc_peaks(prof) -> tuple[int, int, int]:
     return tuple(peaks)
 
 
+def allocation_peak(fn) -> int:
+    """Peak bytes of the CPU tensors allocated while ``fn()`` runs and still live at that
+    moment (torch's profiler allocation events, every tensor counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return _alloc_peaks(prof)[0]
+
+
 def _measured(fn):
     """Run ``fn()`` under torch's profiler (CPU allocations) with DCP's tensor reads/writes
     and its plan collectives marked; returns ``_alloc_peaks``."""

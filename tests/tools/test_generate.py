@@ -7,9 +7,12 @@ import json
 import pytest
 import torch
 
+from tests.support.checkpoint import ARGS, run_checkpointed
+from tests.support.checkpoint_shards import allocation_peak
 from tests.support.distributed import run_distributed
 from tests.support.extras import require
 from tests.support.generate import generate_args
+from tests.support.layouts import LLAMA
 
 PROMPT = "def add(a, b):\n"
 
@@ -64,6 +67,56 @@ def test_greedy_equals_transformers_generate_and_sampling_is_reproducible(hf_dir
     assert greedy == _hf_greedy(hf_dir, prompt, 24)
     assert drawn[0] == drawn[1] and drawn[0] != drawn[2]  # the seed fixes the draws
     assert len(drawn[0]) > len(prompt) and drawn[0][: len(prompt)] == prompt
+
+
+def _load_peak(rank, world, ckpt):
+    """This tp rank's allocation peak while ``load_model`` reads ``ckpt``, its own partitions'
+    bytes, the largest full tensor's bytes, the peak of reading every full tensor
+    (``read_full_weights``), and whether both give the same parameters."""
+    from types import SimpleNamespace
+
+    from megazero.checkpoint import read_full_weights
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+    from megazero.training.inference import load_model
+    from model.gpt import GPTStage
+
+    torch.set_num_threads(1)
+    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+    args = SimpleNamespace(load=ckpt, from_hf=None, tokenizer_model=None, tokenizer_type=None)
+    got = {}
+    peak = allocation_peak(lambda: got.update(stage=load_model(args, groups, torch.device("cpu"), False)[0]))
+    stage = got.pop("stage")
+    own = sum(p.numel() * p.element_size() for p in stage.parameters())
+    layers = range(stage.cfg.num_layers)
+    full_peak = allocation_peak(
+        lambda: got.update(
+            stage=GPTStage(stage.cfg, groups, layers, True, True, seed=0, full_weights=read_full_weights(ckpt)[1])
+        )
+    )
+    full = read_full_weights(ckpt)[1]
+    same = [torch.equal(a, b) for a, b in zip(stage.parameters(), got["stage"].parameters())]
+    largest = max(t.numel() * t.element_size() for t in full.values())
+    return peak, own, largest, full_peak, sum(t.numel() * t.element_size() for t in full.values()), all(same)
+
+
+@pytest.mark.parametrize("block", ["gpt", "llama"])
+def test_each_tp_rank_reads_only_its_own_partitions(tmp_path, block):
+    """``--load`` of a tp-1 checkpoint under tp 2: each rank's load peaks within its own
+    partitions plus one full tensor (a saved chunk being read) plus 4 KiB, not every full
+    tensor (``read_full_weights``: all of them plus the partitions); the parameters are those
+    cut from the full tensors, also for the LLaMA block (SwiGLU's strided partition, grouped
+    query attention, an untied output layer) with a vocabulary padded to 1016 rows when saved
+    and 1024 when loaded."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(
+        run_checkpointed, 1, ARGS + (LLAMA + ["--vocab-size", "1010"] if block == "llama" else []), 1, save=ckpt
+    )
+    for rank, (peak, own, largest, full_peak, every, same) in enumerate(run_distributed(_load_peak, 2, ckpt)):
+        assert same, rank
+        assert own < every / 2 + largest  # half of each partitioned tensor, the replicated ones whole
+        assert own <= peak <= own + largest + 4096, (rank, peak, own, largest)
+        assert full_peak >= every + own - largest, (rank, full_peak, every)
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():

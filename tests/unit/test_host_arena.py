@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from megazero.offload.host_memory import CudaRegistrar, HostArena, can_pin
+from megazero.offload.host_memory import CudaRegistrar, HostArena, can_pin, page_bytes, page_range
 from megazero.optim.offload import HOST_BYTES_PER_ELEMENT, HostOffloadOptimizer
 from megazero.process_groups import ProcessGroups
 from tests.support.zero import ADAM, build, make_batches, tiny_cfg, train
@@ -33,14 +33,22 @@ class Recorder:
         self.unregistered.append(ptr)
 
 
-def test_arena_is_one_exact_allocation_pinned_once():
+PAGE = page_bytes()
+
+
+def _whole_pages(n: int, page: int = PAGE) -> int:
+    return -(-n // page) * page
+
+
+def test_arena_is_one_allocation_pinned_once_as_whole_pages():
     rec = Recorder()
     arena = HostArena([3, 0, 5], torch.float32, pin=True, registrar=rec)
     ptr = arena.flat.data_ptr()
-    assert rec.registered == [(ptr, 32)] and arena.nbytes == arena.pinned_bytes == 32
+    assert ptr % PAGE == 0 and rec.registered == [(ptr, PAGE)]
+    assert arena.nbytes == 32 and arena.pinned_bytes == PAGE
     assert [p.numel() for p in arena.parts] == [3, 0, 5]
-    assert [p.storage_offset() for p in arena.parts] == [0, 3, 3]  # views, end to end
-    assert {p.untyped_storage().data_ptr() for p in arena.parts} == {ptr}
+    assert [p.storage_offset() - arena.flat.storage_offset() for p in arena.parts] == [0, 3, 3]  # end to end
+    assert {p.untyped_storage().data_ptr() for p in arena.parts} == {arena.flat.untyped_storage().data_ptr()}
     assert all(torch.equal(p, torch.zeros(p.numel())) for p in arena.parts)
     del arena
     gc.collect()
@@ -70,17 +78,18 @@ def _offload(pin_memory=True, registrar=None, stage=1):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_offloaded_state_pins_exactly_16_bytes_per_owned_element(stage):
-    """One registration for the whole host state (main, moments, gradient copy), of exactly
-    the bytes the model-state table lists on the host, reported by ``pinned_bytes``; a CPU
-    model without a registrar pins nothing and touches no CUDA call."""
+    """One registration for the whole host state (main, moments, gradient copy): the bytes
+    the model-state table lists on the host, rounded up to whole pages, reported by
+    ``pinned_bytes``; a CPU model without a registrar pins nothing and touches no CUDA call."""
     rec = Recorder()
     cfg, model, ddp, opt = _offload(registrar=rec, stage=stage)
     owned = sum(buf.owned_numel() for buf in ddp.buffers)
     exact = HOST_BYTES_PER_ELEMENT * owned
     train(model, ddp, opt, ProcessGroups.single(), make_batches(cfg, 2), 2, steps=2)
     got = opt.model_state_bytes()
-    assert rec.registered == [(opt.arena.flat.data_ptr(), exact)]
-    assert opt.pinned_bytes() == exact == sum(got[k] for k in opt.HOST_PARTS if k in got)
+    assert rec.registered == [(opt.arena.flat.data_ptr(), _whole_pages(exact))]
+    assert opt.arena.nbytes == exact == sum(got[k] for k in opt.HOST_PARTS if k in got)
+    assert opt.pinned_bytes() == _whole_pages(exact)
     assert opt.bytes_by_place()["host"] == exact
     lo, hi = opt.arena.flat.data_ptr(), opt.arena.flat.data_ptr() + exact
     for t in (opt._main, opt.exp_avg, opt.exp_avg_sq, opt.host_grads):
@@ -88,9 +97,21 @@ def test_offloaded_state_pins_exactly_16_bytes_per_owned_element(stage):
     assert _offload(pin_memory=True)[3].pinned_bytes() == 0  # CPU: nothing to pin
 
 
+def _assert_whole_disjoint_pages(ranges, page=PAGE):
+    """Every registered (start, length) starts on a page boundary, is whole pages, and no two
+    share a page (the driver refuses a page registered twice)."""
+    assert ranges
+    for start, n in ranges:
+        assert start % page == 0 and n % page == 0 and n > 0, (start, n, page)
+    spans = sorted((start, start + n) for start, n in ranges)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start, spans
+
+
 def test_zero3_offload_param_shards_are_one_arena_each(monkeypatch):
-    """Each ZeRO-3 gather unit's host parameter shard is its own exactly-sized arena; the
-    pinned bytes equal the host shards' bytes (the ``host_params`` part of the table)."""
+    """Each ZeRO-3 gather unit's host parameter shard is its own arena; the pinned bytes are
+    the host shards' bytes (the ``host_params`` part of the table), each rounded up to whole
+    pages, registered page-aligned with no page shared between two units."""
     from megazero.data_parallel import zero3
     from megazero.data_parallel.ddp import DataParallel
     from megazero.data_parallel.zero3_gather import Zero3Options
@@ -115,10 +136,37 @@ def test_zero3_offload_param_shards_are_one_arena_each(monkeypatch):
     )
     offloaded = [b for b in ddp.buffers if b.host_arena is not None]
     assert len(offloaded) > 1
-    assert sorted(n for _, n in rec.registered) == sorted(
-        b.layout.shard_numel * b.params_shard.element_size() for b in offloaded
-    )
-    assert ddp.pinned_bytes() == ddp.host_param_bytes() == sum(n for _, n in rec.registered)
+    shard_bytes = [b.layout.shard_numel * b.params_shard.element_size() for b in offloaded]
+    assert sorted(n for _, n in rec.registered) == sorted(_whole_pages(n) for n in shard_bytes)
+    assert ddp.host_param_bytes() == sum(shard_bytes)
+    assert ddp.pinned_bytes() == sum(n for _, n in rec.registered)
+    assert any(n < PAGE for n in shard_bytes)  # small units: several would fit in one page
+    _assert_whole_disjoint_pages(rec.registered)
+
+
+@pytest.mark.parametrize("page", [PAGE, 65536])  # this machine's, and 64 KiB (aarch64 kernels)
+def test_many_small_arenas_register_whole_disjoint_pages(page):
+    """ZeRO-3 parameter offload's pattern: many small arenas (a norm's shard is a few
+    bytes) side by side, in several dtypes, plus large ones: each registered range is
+    page-aligned, whole pages, disjoint from every other, and covers its arena's parts."""
+    rec = Recorder()
+    sizes = [[n] for n in range(1, 40)] + [[3, 0, 5], [page // 4 + 1], [3 * page]]
+    arenas = [
+        HostArena(s, dtype, pin=True, registrar=rec, **({} if page == PAGE else dict(page=page)))
+        for s in sizes
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    assert len(rec.registered) == len(arenas)
+    _assert_whole_disjoint_pages(rec.registered, page)
+    for a, (start, n) in zip(arenas, rec.registered):
+        assert a.flat.data_ptr() == start and a.nbytes <= n == a.pinned_bytes == _whole_pages(a.nbytes, page)
+        assert all(
+            start <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= start + n
+            for p in a.parts
+            if p.numel()
+        )
+        a.flat.fill_(1)  # the parts are usable memory
+    assert page_range(page + 1, page, page) == (page, 2 * page) and page_range(2 * page, 1, page) == (2 * page, page)
 
 
 def test_model_state_table_shows_the_pinned_bytes(tmp_path, monkeypatch):

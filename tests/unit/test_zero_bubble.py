@@ -16,6 +16,7 @@ from megazero.pipeline.schedules import Action, ScheduleError, build_schedule, c
 from megazero.pipeline.weight_grad import SavedTensors, SplitBackwardError, backward_input, backward_weight
 from megazero.planning.memory import inflight_per_stage
 from megazero.process_groups import ProcessGroups
+from tests.support.apex_stand_in import install as install_apex_stand_in
 
 SIZES = [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]  # (pp, micro-batches)
 UNIT = dict(forward_cost=1.0, backward_cost=1.0, weight_cost=1.0)  # F = B = W
@@ -224,6 +225,60 @@ def test_split_refuses_a_fused_custom_function():
     x, w = torch.randn(3, 4, requires_grad=True), torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(SplitBackwardError, match="cannot be split into B and W"):
         backward_input(Fused.apply(x, w).sum(), None, x)
+
+
+@pytest.fixture
+def apex_stand_in(monkeypatch):
+    """``--kernels auto`` on a CUDA machine with apex: the norms run apex-style custom
+    Functions (tests/support/apex_stand_in.py)."""
+    install_apex_stand_in(monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "block, pre, post",
+    [("none", True, False), ("none", False, True), ("llama", True, True), ("full", False, False)],
+)
+def test_split_backward_with_apex_style_fused_norms(apex_stand_in, block, pre, post):
+    """apex's fused norms are custom autograd Functions with an activation child and 1-D
+    weights: vector boundaries, so B runs each norm's backward once (input and weight
+    gradients together) and W accumulates what B kept. ZB-H1 and ZB-V (B's of a chunk before
+    its W's, W's in micro-batch order) then give 1F1B's input and weight gradients bit for
+    bit with the same kernels; LayerNorm and RMSNorm (LLaMA), first / last / middle stage,
+    and inside a fully recomputed region."""
+    stage = _stage(pre, post, block)
+    norms = [m for m in stage.modules() if type(m).__name__ in ("LayerNorm", "RMSNorm")]
+    names = set()
+    for n in norms:  # the stand-in runs: every norm's output comes from its custom Function
+        y = n(torch.randn(2, 8, 16, requires_grad=True))
+        names.add(type(y.grad_fn).__name__)
+    assert names == {"RMSNormFunctionBackward" if block == "llama" else "LayerNormFunctionBackward"}
+    fused, fused_dx = _three_microbatches(_stage(pre, post, block), split=False)
+    split, split_dx = _three_microbatches(_stage(pre, post, block), split=True)
+    assert len(fused) == len(split) and all(torch.equal(a, b) for a, b in zip(fused, split))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(fused_dx, split_dx))
+
+
+def test_split_refuses_a_fused_custom_function_with_a_vector_and_a_matrix():
+    """A custom Function with a matrix weight stays refused though it also takes a bias."""
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b):
+            ctx.save_for_backward(x, w)
+            return x @ w + b
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w.t(), x.t() @ g, g.sum(0)
+
+    x, w, b = (
+        torch.randn(3, 4, requires_grad=True),
+        torch.nn.Parameter(torch.randn(4, 4)),
+        torch.nn.Parameter(torch.randn(4)),
+    )
+    with pytest.raises(SplitBackwardError, match="cannot be split into B and W"):
+        backward_input(Fused.apply(x, w, b).sum(), None, x)
 
 
 # -- bad input: exit 2 before launch ---------------------------------------------------------------
