@@ -75,9 +75,11 @@ def _sdpa(q, k, v, mask: Optional[torch.Tensor], scale: Optional[float]) -> torc
 def document_mask(pos: torch.Tensor, segment_ids: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Additive mask ``[B or 1, 1, T, T]`` of ``dtype``: 0 where query i may attend key j (same
     document and ``pos(j) <= pos(i)``), -inf elsewhere; ``pos [T]`` positions, ``segment_ids
-    [B, T]`` or None. The last dim's storage is padded to a multiple of 16 elements, so CUDA's
-    memory-efficient kernel takes it as it is (it pads an unaligned mask, a copy per call); SDPA
-    gives the same result as with the boolean mask (a boolean mask is turned into this one)."""
+    [B, T]`` or None. The rows' storage is padded to a multiple of 16 elements, so CUDA's
+    memory-efficient kernel takes it as it is (``preprocess_mask`` in PyTorch's
+    ``transformers/cuda/attention.cu`` pads a mask whose strides are not multiples of 8, a copy
+    per call); SDPA gives the boolean mask's results (it turns a boolean mask into this one,
+    ``convert_boolean_attn_mask``)."""
     keep = block_mask(pos, pos, segment_ids, segment_ids, causal=True)[:, None]  # (B|1, 1, T, T)
     T = pos.shape[0]
     storage = torch.zeros((*keep.shape[:3], -(-T // 16) * 16), dtype=dtype, device=pos.device)
