@@ -230,3 +230,38 @@ def test_the_start_warning_names_what_runs_on_math_and_the_plan_counts_it():
     cfg, gpt = _cfg_and_model(512, ["--bf16", "--reset-attention-mask"])  # head size 64
     assert attention_math_warning(cfg, gpt, SM90) is None
     assert attention_math_warning(cfg, gpt, CudaPlatform(sm=(8, 0))) is None
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_the_expanded_call_path_equals_todays_on_cpu(monkeypatch, docs):
+    """The CUDA branch that expands K/V (taken where ``expand_kv_for`` says so), forced on CPU:
+    the same output bit for bit, K/V gradients equal to rounding (the group summed)."""
+    import megazero.context_parallel.attention as attention
+
+    q, k, v, seg = _inputs(2)
+    seg = seg if docs else None
+    y = local_attention(q, k, v, segment_ids=seg)
+    grads = _grads(y, q, k, v)
+    monkeypatch.setattr(attention, "expand_kv_for", lambda *a, **kw: True)
+    y_exp = local_attention(q, k, v, segment_ids=seg)
+    assert torch.equal(y, y_exp)
+    for a, b in zip(grads, _grads(y_exp, q, k, v)):
+        assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-6
+
+
+def test_the_models_expanded_core_equals_enable_gqa_on_cpu(monkeypatch):
+    import model.gpt as gpt
+
+    cfg = tiny_cfg(num_layers=2, seq_length=16, num_attention_heads=4, num_query_groups=2)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    losses, grads = [], []
+    for expand in (False, True):
+        monkeypatch.setattr(gpt, "expand_kv_for", lambda *a, expand=expand, **kw: expand)
+        stage = GPTStage(cfg, ProcessGroups.single(), range(2), True, True, seed=5)
+        loss = stage(tokens, tokens).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in stage.parameters()])
+    assert torch.equal(losses[0], losses[1])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
