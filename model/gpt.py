@@ -45,6 +45,7 @@ from torch import nn
 from megazero import collectives as C
 from megazero import tags
 from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention
+from megazero.context_parallel.sdpa_kernels import expand_kv_for
 from megazero.context_parallel.sequence import SequenceInfo
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
@@ -207,14 +208,13 @@ class Attention(nn.Module):
         ``(B, G/tp, T/cp, d)`` -> ``(B, heads/tp, T/cp, d)``. No attention dropout (the
         config refuses it with cp > 1; with packed documents alone it is applied nowhere either,
         so it is refused there too)."""
+        docs = dict(token_index=seq.token_index, segment_ids=seq.segment_ids, mask_cache=seq.cache)
         if self.cp is None:
-            return local_attention(q, k, v, token_index=seq.token_index, segment_ids=seq.segment_ids)
+            return local_attention(q, k, v, **docs)
         group, ranks = self.cp
         if self.cp_comm_type == "a2a":
-            return all_to_all_attention(q, k, v, group=group, token_index=seq.token_index, segment_ids=seq.segment_ids)
-        return ring_attention(
-            q, k, v, group=group, cp_ranks=ranks, token_index=seq.token_index, segment_ids=seq.segment_ids
-        )
+            return all_to_all_attention(q, k, v, group=group, **docs)
+        return ring_attention(q, k, v, group=group, cp_ranks=ranks, **docs)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim).
@@ -222,9 +222,15 @@ class Attention(nn.Module):
         k and v have ``G/tp`` heads under grouped-query attention when SDPA expands them itself
         (``SDPA_GQA``): query head h reads key/value head ``h // (heads/G)``, as
         ``repeat_interleave`` would give, with the same forward values (its K/V gradients sum
-        the group's heads in another order: equal to rounding, tests/layouts/test_model_build.py)."""
+        the group's heads in another order: equal to rounding, tests/layouts/test_model_build.py).
+        On CUDA, where no fused kernel would take ``enable_gqa`` for this call (fp32 in torch
+        2.13, ``context_parallel/sdpa_kernels.py``), K/V are expanded here instead, inside the
+        recomputed region under selective recomputation."""
         p = self.dropout_p if self.training else 0.0
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        if gqa and expand_kv_for(q, k, v, documents=False, dropout=p):  # CUDA: no fused kernel takes it
+            k, v = (t.repeat_interleave(self.q_per_group, dim=1) for t in (k, v))  # (B, heads/tp, T, d)
+            gqa = {}
         if p > 0:
             with self.tracker.fork("tp"):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)

@@ -24,7 +24,8 @@ counted in ``megazero.collectives.counter`` and given in closed form by the func
   None at C = 1.
 - a2a forward: 4 all-to-alls (q, k, v, out), ``2*B*(h+G)*(T/C)*d*elt`` (``"all_to_all"``,
   counted as this rank's input, the 1/C it keeps included), plus an all-gather of the document
-  ids, ``B*(T/C)*8`` (``"all_gather"``), if any. Backward: 4 all-to-alls (dout, dq, dk, dv),
+  ids, ``B*(T/C)*8`` (``"all_gather"``), if any (once per ``mask_cache``: the model gathers
+  them at a micro-batch's first layer only). Backward: 4 all-to-alls (dout, dq, dk, dv),
   the same ``2*B*(h+G)*(T/C)*d*elt``.
 """
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from megazero import collectives
 from megazero.context_parallel.blockwise import block_attention, block_mask, compute_dtype, merge_partials  # noqa: F401
 from megazero.context_parallel.ring import RingAttention, RingLink
+from megazero.context_parallel.sdpa_kernels import expand_kv_for
 from megazero.context_parallel.zigzag import chunk_size, local_token_index
 
 # enable_gqa (torch >= 2.5) lets SDPA share a key/value head across its group without a copy.
@@ -57,15 +59,40 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids) -> No
 
 
 def _sdpa(q, k, v, mask: Optional[torch.Tensor], scale: Optional[float]) -> torch.Tensor:
-    """SDPA with group-major GQA; causal when ``mask`` is None, else the bool mask only."""
+    """SDPA with group-major GQA; causal when ``mask`` is None, else the additive mask only.
+    K/V are expanded over their group where the kernel would otherwise be refused
+    (``sdpa_kernels.expand_kv_for``: on CUDA, e.g. fp32 or a mask with fewer K/V heads)."""
     extra = {}
     if k.shape[1] != q.shape[1]:
-        if _SDPA_GQA:
+        if _SDPA_GQA and not expand_kv_for(q, k, v, documents=mask is not None):
             extra["enable_gqa"] = True
         else:
             R = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(R, dim=1), v.repeat_interleave(R, dim=1)  # (B, h, T, d)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra)
+
+
+def document_mask(pos: torch.Tensor, segment_ids: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[B or 1, 1, T, T]`` of ``dtype``: 0 where query i may attend key j (same
+    document and ``pos(j) <= pos(i)``), -inf elsewhere; ``pos [T]`` positions, ``segment_ids
+    [B, T]`` or None. The rows' storage is padded to a multiple of 16 elements, so CUDA's
+    memory-efficient kernel takes it as it is (``preprocess_mask`` in PyTorch's
+    ``transformers/cuda/attention.cu`` pads a mask whose strides are not multiples of 8, a copy
+    per call); SDPA gives the boolean mask's results (it turns a boolean mask into this one,
+    ``convert_boolean_attn_mask``)."""
+    keep = block_mask(pos, pos, segment_ids, segment_ids, causal=True)[:, None]  # (B|1, 1, T, T)
+    T = pos.shape[0]
+    storage = torch.zeros((*keep.shape[:3], -(-T // 16) * 16), dtype=dtype, device=pos.device)
+    mask = storage[..., :T]
+    return mask.masked_fill_(~keep, float("-inf"))
+
+
+def _cached(cache: Optional[dict], key, build):
+    if cache is None:
+        return build()
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 def local_attention(
@@ -76,6 +103,7 @@ def local_attention(
     token_index: Optional[torch.Tensor] = None,
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
+    mask_cache: Optional[dict] = None,
 ) -> torch.Tensor:
     """Causal attention of a whole sequence on one rank (cp = 1), document-masked if asked.
 
@@ -83,14 +111,16 @@ def local_attention(
     ``token_index [T]`` the positions (None: ``0..T-1``), ``segment_ids [B, T]`` document ids or
     None. ``scale`` defaults to ``d**-0.5``. Returns ``[B, h, T, d]``. Without documents and
     positions this is ``F.scaled_dot_product_attention(is_causal=True)``; otherwise SDPA with the
-    bool mask "same document and ``pos(j) <= pos(i)``" (block-diagonal causal). Raises
-    ValueError on inconsistent shapes.
+    additive ``document_mask`` "same document and ``pos(j) <= pos(i)``" (block-diagonal causal),
+    built once per ``mask_cache`` (a dict that lives as long as the micro-batch, e.g.
+    ``SequenceInfo.cache``: every layer then shares one ``[B, 1, T, T]`` mask) and dtype.
+    Raises ValueError on inconsistent shapes.
     """
     _check(q, k, v, segment_ids)
     if token_index is None and segment_ids is None:
         return _sdpa(q, k, v, None, scale)
     pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
-    mask = block_mask(pos, pos, segment_ids, segment_ids, causal=True)[:, None]  # (B|1, 1, T, T)
+    mask = _cached(mask_cache, ("local", q.dtype, q.device), lambda: document_mask(pos, segment_ids, q.dtype))
     return _sdpa(q, k, v, mask, scale)
 
 
@@ -104,6 +134,7 @@ def ring_attention(
     token_index: torch.Tensor,
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
+    mask_cache: Optional[dict] = None,
 ) -> torch.Tensor:
     """``--cp-comm-type p2p``: ring attention over the cp group (``ring.RingAttention``).
 
@@ -111,7 +142,7 @@ def ring_attention(
     positions (``local_token_index(T, cp_rank, C)``; the keys' positions are derived from the
     same layout), ``segment_ids [B, T/C]`` or None; ``cp_ranks`` the global ranks of ``group`` in
     cp-rank order, C = ``len(cp_ranks)``. Returns ``[B, h, T/C, d]`` in q's dtype; differentiable
-    in q, k and v. At C = 1 it is ``local_attention`` (no communication). Raises ValueError when
+    in q, k and v. At C = 1 it is ``local_attention`` (no communication; ``mask_cache`` is its). Raises ValueError when
     the group size is not C, T/C is odd, or shapes disagree.
     """
     _check(q, k, v, segment_ids)
@@ -124,7 +155,7 @@ def ring_attention(
         raise ValueError(f"ring_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     chunk_size(Tl * C, C)
     if C == 1:
-        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale)
+        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     link = RingLink(group, cp_ranks, collectives.group_rank(group))
     return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale)
@@ -165,13 +196,16 @@ def all_to_all_attention(
     token_index: torch.Tensor,
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
+    mask_cache: Optional[dict] = None,
 ) -> torch.Tensor:
     """``--cp-comm-type a2a``: DeepSpeed-Ulysses attention over the cp group.
 
     Shapes as ``ring_attention`` (q ``[B, h, T/C, d]``, k, v ``[B, G, T/C, d]``, ``token_index
     [T/C]`` this rank's zigzag positions, of which the gathered order is derived, ``segment_ids
     [B, T/C]`` or None). Inside: ``[B, h/C, T, d]`` and ``[B, G/C, T, d]`` in natural order,
-    ``local_attention`` on them, and back. Returns ``[B, h, T/C, d]``; differentiable. Raises
+    ``local_attention`` on them, and back. With documents the ids are all-gathered and the
+    mask built once per ``mask_cache`` (as ``local_attention``: then once per micro-batch, not
+    per layer; without a cache, every call). Returns ``[B, h, T/C, d]``; differentiable. Raises
     ValueError naming --cp-comm-type a2a when h or G is not divisible by C (group-major heads:
     rank i gets query groups i*G/C .. (i+1)*G/C-1 and their heads).
     """
@@ -186,16 +220,22 @@ def all_to_all_attention(
     if tuple(token_index.shape) != (Tl,):
         raise ValueError(f"all_to_all_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     if C == 1:
-        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale)
+        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache)
     T = Tl * C
     gathered = torch.cat([local_token_index(T, i, C, device=q.device) for i in range(C)])
     natural = torch.argsort(gathered)  # natural[p] = where position p arrived
     seq_major = [_AllToAll.apply(t, group, 1, 2).index_select(2, natural) for t in (q, k, v)]
     seg = None  # heads/C (or G/C) of all T tokens above
     if segment_ids is not None:
-        seg = torch.cat(collectives.all_gather_list(segment_ids.contiguous(), group), dim=1)
-        seg = seg.index_select(1, natural)  # (B, T), natural order
-    y = local_attention(*seq_major, segment_ids=seg, scale=scale)  # (B, h/C, T, d)
+
+        def gather():  # (B, T), natural order
+            return torch.cat(collectives.all_gather_list(segment_ids.contiguous(), group), dim=1).index_select(
+                1, natural
+            )
+
+        seg = _cached(mask_cache, ("a2a segments", group), gather)
+    cache = None if mask_cache is None else mask_cache.setdefault(("a2a", group), {})
+    y = local_attention(*seq_major, segment_ids=seg, scale=scale, mask_cache=cache)  # (B, h/C, T, d)
     y = y.index_select(2, gathered)  # back to the arrival (rank-major) order
     return _AllToAll.apply(y, group, 2, 1)  # (B, h, T/C, d)
 

@@ -25,7 +25,7 @@ document that spans two cp ranks keeps its ids and positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -36,12 +36,16 @@ from megazero.context_parallel.zigzag import local_token_index, split_for_rank
 @dataclass(frozen=True)
 class SequenceInfo:
     """This rank's tokens of a micro-batch of ``B`` sequences: shapes as in the module docstring
-    (``Tl = T / cp``); ``segment_ids`` and ``loss_mask`` are None when their flag is off."""
+    (``Tl = T / cp``); ``segment_ids`` and ``loss_mask`` are None when their flag is off.
+    ``cache`` holds what every layer of the micro-batch shares, built by the first that needs
+    it (``attention.local_attention``'s document mask, the all-to-all's gathered document ids);
+    it is not copied by ``dataclasses.replace``."""
 
     token_index: Optional[torch.Tensor]
     position_ids: torch.Tensor
     segment_ids: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
+    cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

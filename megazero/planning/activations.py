@@ -12,9 +12,15 @@ be checked against measurement (python -m scripts.plan --measure). Per layer and
   extra re-gather); QKV output ``3q/t`` (attention keeps q, k, v); attention output ``q/t``
   (``proj``'s input); GELU input and ``fc2`` input ``2fq/(h t)``;
 - with ``--hidden-dropout`` > 0 two masks of the activation dtype, ``2q/t_sp``;
-- with ``--attention-dropout`` > 0 the attention core cannot use the fused kernel and keeps
-  its scores, softmax and dropout mask, ``3*a*s^2*b/t`` (Korthikanti's ``5as/h`` term, here
-  in the activation dtype); without attention dropout the fused kernel keeps only ``O(s)``.
+- with ``--attention-dropout`` > 0 on CPU ranks the attention core cannot use the fused
+  kernel and keeps its scores, softmax and dropout mask, ``3*a*s^2*b/t`` (Korthikanti's
+  ``5as/h`` term, here in the activation dtype); without attention dropout the fused kernel
+  keeps only ``O(s)``. On CUDA (``ActivationSettings.platform``) flash, cuDNN and the
+  memory-efficient kernel apply dropout inside and keep ``O(s)``; a call that no fused kernel
+  takes (``attention_kernel``, ``context_parallel/sdpa_kernels.py``) keeps the math kernel's
+  fp32 probabilities instead (``math_core_bytes``);
+- with packed documents one additive ``[b, 1, s, s]`` mask per micro-batch in flight, shared by
+  its layers (``document_mask_bytes``; not for the ring, which masks per block).
 
 That is ``q(2/t_sp + 2 + (4 + 2f/h)/t)`` elements plus the dropout terms; with 16-bit
 activations, ``f = 4h`` and dropout on it is Korthikanti's ``sbh(10 + 24/t + 5as/(ht))``
@@ -62,7 +68,10 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+import torch
+
 from megazero.context_parallel.blockwise import tile_rows
+from megazero.context_parallel.sdpa_kernels import CudaPlatform, megazero_call, split_offsets
 from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT, sharding_policy
 
 
@@ -84,6 +93,10 @@ class ActivationSettings:
     """Context-parallel size (ranks): each rank holds ``T/cp`` tokens of every sequence."""
     cp_comm_type: str = "p2p"
     """Attention across the cp ranks, ``"p2p"`` (ring) or ``"a2a"`` (all-to-all); read at cp > 1."""
+    documents: bool = False
+    """Packed documents (``--reset-attention-mask``): SDPA takes a ``[b, 1, s, s]`` mask."""
+    platform: Optional[CudaPlatform] = None
+    """The GPU whose SDPA kernels run the attention (``sdpa_kernels``); None: CPU ranks."""
 
 
 def _q(g, a: ActivationSettings) -> int:
@@ -100,7 +113,7 @@ def layer_bytes(g, a: ActivationSettings, with_core: bool = True) -> float:
     if a.hidden_dropout > 0:
         elements += 2 * q / t_sp
     elements += core_elements(g, a) if with_core else 0
-    return elements * a.activation_bytes
+    return elements * a.activation_bytes + (math_core_bytes(g, a) if with_core else 0.0)
 
 
 def core_elements(g, a: ActivationSettings) -> float:
@@ -110,9 +123,51 @@ def core_elements(g, a: ActivationSettings) -> float:
     kernel keeps only its ``O(s)`` statistics and its output is ``proj``'s input)."""
     if a.cp > 1:
         return _q(g, a) / a.tp
-    if a.attention_dropout <= 0:
+    if a.attention_dropout <= 0 or a.platform is not None:
         return 0.0
     return 3 * g.num_attention_heads * g.seq_length**2 * a.micro_batch_size / a.tp
+
+
+def attention_kernel(g, a: ActivationSettings) -> str:
+    """The kernel of one layer's attention core (``sdpa_kernels.megazero_call``): ``"cpu"`` on
+    CPU ranks, ``"blockwise"`` for the ring at cp > 1, else the CUDA SDPA kernel of
+    ``a.platform`` for this rank's heads (``h/tp``, or ``h/(tp cp)`` under a2a), head size,
+    dtype (``activation_bytes``: 4 fp32, 2 bf16), documents and dropout."""
+    if a.platform is None:
+        return "cpu"
+    if a.cp > 1 and a.cp_comm_type != "a2a":
+        return "blockwise"
+    split = a.tp * (a.cp if a.cp > 1 else 1)
+    h, G, d = g.num_attention_heads // split, g.kv_heads // split, g.hidden_size // g.num_attention_heads
+    offsets = split_offsets(G != h, h, G, d) if a.cp == 1 else (0, 0, 0)
+    dtype = torch.float32 if a.activation_bytes == 4 else torch.bfloat16
+    dropout = a.attention_dropout if a.cp == 1 and not a.documents else 0.0
+    return megazero_call(
+        dtype, h, G, d, documents=a.documents, dropout=dropout, offsets=offsets, plat=a.platform
+    ).kernel
+
+
+def math_core_bytes(g, a: ActivationSettings) -> float:
+    """Bytes one layer's attention keeps when CUDA SDPA falls back to its math kernel
+    (``attention_kernel`` is ``"math"``, 0 otherwise): the fp32 probabilities ``[b, h_l, s, s]``
+    (``h_l`` this rank's heads: ``h/tp``, or ``h/(tp cp)`` over all ``s`` tokens under a2a), and
+    with dropout its boolean mask and the dropped probabilities, ``(4 + 1 + 4) b h_l s^2``."""
+    if attention_kernel(g, a) != "math":
+        return 0.0
+    heads = g.num_attention_heads // (a.tp * a.cp)
+    per_score = 4 + (5 if a.attention_dropout > 0 and a.cp == 1 and not a.documents else 0)
+    return float(per_score * a.micro_batch_size * heads * g.seq_length**2)
+
+
+def document_mask_bytes(g, a: ActivationSettings) -> float:
+    """Bytes of the document mask one micro-batch keeps (``attention.document_mask``: one
+    additive ``[b, 1, s, s]`` of the activation dtype, its rows padded to 16, shared by the
+    layers; over all ``s`` tokens under a2a); 0 without documents and for the ring, whose
+    block masks are built per block."""
+    if not a.documents or (a.cp > 1 and a.cp_comm_type != "a2a"):
+        return 0.0
+    s = g.seq_length
+    return float(a.micro_batch_size * s * (-(-s // 16) * 16) * a.activation_bytes)
 
 
 class ContextParallelBytes(NamedTuple):
@@ -158,7 +213,7 @@ def chunk_bytes(g, a: ActivationSettings, num_layers: int) -> tuple[float, float
     full_layer = layer_bytes(g, a)
     kept_layer = layer_bytes(g, a, with_core=not selective)
     if a.recompute_granularity != "full":
-        replay = core_elements(g, a) * a.activation_bytes if selective else 0.0
+        replay = core_elements(g, a) * a.activation_bytes + math_core_bytes(g, a) if selective else 0.0
         return num_layers * kept_layer, replay
     t_sp = a.tp if a.sequence_parallel else 1
     region_input = _q(g, a) / t_sp * a.activation_bytes
@@ -234,7 +289,7 @@ def stage_activation_bytes(
     gradient and the head's logits when they are larger (they are never alive together)."""
     q_sp = _q(g, a) / (a.tp if a.sequence_parallel else 1) * a.activation_bytes
     kept = [chunk_bytes(g, a, n) for n in layers_per_chunk]
-    per_chunk = max(k for k, _ in kept)
+    per_chunk = max(k for k, _ in kept) + document_mask_bytes(g, a)
     once = max(r for _, r in kept)
     transient = _q(g, a) * g.ffn_hidden_size / (g.hidden_size * a.tp) * a.activation_bytes
     if pp > 1:

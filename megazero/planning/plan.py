@@ -15,15 +15,17 @@ from __future__ import annotations
 from typing import Optional
 
 from megazero.config import Config, bucket_sizes, show_flag
+from megazero.context_parallel.sdpa_kernels import SM90, CudaPlatform
 from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT, sharding_policy
 from megazero.pipeline.partition import chunk_layout
 from megazero.planning import memory
-from megazero.planning.activations import ActivationSettings
+from megazero.planning.activations import ActivationSettings, attention_kernel, math_core_bytes
 from megazero.precision import model_dtype
 
 
-def activation_settings(cfg: Config) -> ActivationSettings:
-    """What the planner needs to count this run's activations (``megazero.planning.activations``)."""
+def activation_settings(cfg: Config, platform: Optional[CudaPlatform] = None) -> ActivationSettings:
+    """What the planner needs to count this run's activations (``megazero.planning.activations``);
+    ``platform`` the GPU whose attention kernels run (None: CPU ranks)."""
     m, p, pr = cfg.model, cfg.parallel, cfg.precision
     return ActivationSettings(
         micro_batch_size=cfg.train.micro_batch_size,
@@ -37,6 +39,8 @@ def activation_settings(cfg: Config) -> ActivationSettings:
         recompute_num_layers=m.recompute_num_layers,
         cp=p.cp,
         cp_comm_type=p.cp_comm_type,
+        documents=cfg.data.reset_attention_mask,
+        platform=platform,
     )
 
 
@@ -122,8 +126,35 @@ def _buckets(cfg: Config, model: memory.ModelSizes) -> tuple:
     return bucket_sizes(cfg) + (BUCKETS_IN_FLIGHT, live)
 
 
-def plan_memory(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False) -> memory.MemoryEstimate:
-    """Bytes per rank of the most loaded pipeline stage before anything is allocated."""
+def cuda_platform(on_cuda: bool, platform: Optional[CudaPlatform]) -> Optional[CudaPlatform]:
+    """The GPU the attention kernels are planned for: ``platform``, else on CUDA an sm90
+    (H100/H200) with a recent cuDNN (``sdpa_kernels.SM90``), else None (CPU ranks)."""
+    return (platform or SM90) if on_cuda else None
+
+
+def attention_math_warning(cfg: Config, model: memory.ModelSizes, platform: Optional[CudaPlatform]) -> Optional[str]:
+    """A warning naming the attention configuration that CUDA SDPA runs on its math kernel
+    (``activations.attention_kernel``), with the fp32 scores it keeps per layer, else None
+    (also on CPU ranks, ``platform`` None)."""
+    a = activation_settings(cfg, platform)
+    if platform is None or attention_kernel(model, a) != "math":
+        return None
+    d = model.hidden_size // model.num_attention_heads
+    dtype = "fp32" if a.activation_bytes == 4 else "bf16/fp16"
+    docs = " with --reset-attention-mask" if a.documents else ""
+    return (
+        f"attention in {dtype} with head size {d} (--hidden-size {model.hidden_size} / "
+        f"--num-attention-heads {model.num_attention_heads}){docs} has no fused SDPA kernel on this GPU "
+        f"and runs PyTorch's math kernel: {math_core_bytes(model, a) / 2**20:,.1f} MiB of fp32 scores "
+        "per layer and micro-batch, counted in the plan; fix: a head size that is a multiple of 8"
+    )
+
+
+def plan_memory(
+    cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False, platform: Optional[CudaPlatform] = None
+) -> memory.MemoryEstimate:
+    """Bytes per rank of the most loaded pipeline stage before anything is allocated; on CUDA
+    the attention kernels of ``platform`` (``cuda_platform``)."""
     p = cfg.parallel
     return memory.estimate(
         model,
@@ -131,16 +162,17 @@ def plan_memory(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False)
         micro_batch_size=cfg.train.micro_batch_size,
         sequence_parallel=p.sequence_parallel and p.tp > 1,
         cp=p.cp,
-        activations=activation_settings(cfg),
+        activations=activation_settings(cfg, cuda_platform(on_cuda, platform)),
         buckets=_buckets(cfg, model),
     )
 
 
-def plan_stages(cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False) -> list[memory.MemoryEstimate]:
+def plan_stages(
+    cfg: Config, model: memory.ModelSizes, *, on_cuda: bool = False, platform: Optional[CudaPlatform] = None
+) -> list[memory.MemoryEstimate]:
     """The memory plan of every pipeline stage (index = pp rank), as ``plan_memory`` counts it."""
-    return memory.stage_estimates(
-        model, **layout_settings(cfg, on_cuda), a=activation_settings(cfg), buckets=_buckets(cfg, model)
-    )
+    a = activation_settings(cfg, cuda_platform(on_cuda, platform))
+    return memory.stage_estimates(model, **layout_settings(cfg, on_cuda), a=a, buckets=_buckets(cfg, model))
 
 
 def nvme_swap_bytes(cfg: Config, plan: memory.MemoryEstimate) -> int:

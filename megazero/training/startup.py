@@ -15,9 +15,10 @@ from data.indexed_dataset import DataError
 from data.run_data import RunData
 from megazero import checkpoint
 from megazero.config import Config, config_from_argv, layout_topology
+from megazero.context_parallel.sdpa_kernels import CudaPlatform
 from megazero.offload.swap_dirs import NvmePathError, check_nvme_path, sweep_stale
 from megazero.planning import memory
-from megazero.planning.plan import nvme_swap_bytes, plan_memory, zero3_live_warning
+from megazero.planning.plan import attention_math_warning, nvme_swap_bytes, plan_memory, zero3_live_warning
 from megazero.process_groups import ProcessGroups
 from megazero.runtime import flight_recorder
 from megazero.runtime.extras import MissingExtra
@@ -133,21 +134,25 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
 
 def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> memory.MemoryEstimate:
     """Print the memory plan (``verbose``) and raise MemoryPlanError when the model states
-    cannot fit; a likely activation overflow is a warning, and so is a ZeRO-3 live bound the
-    model's gather units make moot (added to ``cfg.warnings``). Returns the plan."""
+    cannot fit; a likely activation overflow is a warning, and so are a ZeRO-3 live bound the
+    model's gather units make moot and, on CUDA, an attention that lands on SDPA's math kernel
+    (both added to ``cfg.warnings``). Returns the plan."""
     device = "cuda" if uses_cuda(cfg) else "cpu"
     gpt = build_gpt_config(cfg, vocab_size)
-    plan = plan_memory(cfg, gpt, on_cuda=device == "cuda")
+    platform = CudaPlatform.current(torch.device("cuda")) if device == "cuda" else None
+    plan = plan_memory(cfg, gpt, on_cuda=device == "cuda", platform=platform)
     available = memory.available_bytes_per_rank(device, memory.ranks_per_node())
     warning = memory.check_fits(plan, available)
     moot = zero3_live_warning(cfg, gpt)
-    cfg.warnings += [moot] if moot else []
+    math = attention_math_warning(cfg, gpt, platform)
+    cfg.warnings += [w for w in (moot, math) if w]
     if verbose:
         print(f"[megazero] {memory.describe(plan, available)}", flush=True)
         if warning:
             print(f"megazero: warning: {warning}", file=sys.stderr, flush=True)
-        if moot:
-            print(f"megazero: config warning: {moot}", file=sys.stderr, flush=True)
+        for w in (moot, math):
+            if w:
+                print(f"megazero: config warning: {w}", file=sys.stderr, flush=True)
     return plan
 
 

@@ -13,7 +13,9 @@ its local output and dq, dk, dv (for a fixed upstream gradient); the parent merg
 runs in float64 on the same values, and the error is measured relative to the oracle's largest
 magnitude: ``max|ours - oracle| / max|oracle| <= 1e-6`` (float32 SDPA itself is within a few
 1e-7 of the float64 oracle). The bytes counted in ``collectives.counter`` per forward and
-backward equal ``ring_bytes_per_layer`` / ``a2a_bytes_per_layer`` exactly.
+backward equal ``ring_bytes_per_layer`` / ``a2a_bytes_per_layer`` exactly; with a
+``mask_cache`` shared by two calls (two layers of a micro-batch) a2a gathers the document ids
+once.
 """
 
 from __future__ import annotations
@@ -165,8 +167,26 @@ def _run_case(rank, C, group, cp_ranks, method, full, part_rank):
     return (y.detach(), q.grad, k.grad, v.grad), forward, _counted(before)
 
 
+def _shared_documents(rank, C):
+    """Two layers of one micro-batch through a2a with one ``mask_cache``: the document ids are
+    gathered at the first only, and each output equals the uncached call's."""
+    full = _inputs(C, 2 * C, C, True, seed=11)
+    q, k, v, _, seg = (None if t is None else Z.split_for_rank(t, 2 if t.dim() == 4 else 1, rank, C) for t in full)
+    idx = Z.local_token_index(q.shape[2] * C, rank, C)
+    cache, gathered, same = {}, [], []
+    for _ in range(2):
+        before = dict(collectives.counter)
+        y = all_to_all_attention(q, k, v, group=dist.group.WORLD, token_index=idx, segment_ids=seg, mask_cache=cache)
+        gathered.append(_counted(before).get("all_gather", 0))
+        plain = all_to_all_attention(q, k, v, group=dist.group.WORLD, token_index=idx, segment_ids=seg)
+        same.append(torch.equal(y, plain))
+    return gathered, same
+
+
 def _rank_checks(rank, world, C):
     results = {}
+    if C == 2:
+        results["a2a shared"] = _shared_documents(rank, C)
     for i, (name, method, h, G, docs) in enumerate(_cases(C)):
         full = _inputs(C, h, G, docs, seed=100 * C + i)
         results[name] = _run_case(rank, C, dist.group.WORLD, list(range(C)), method, full, rank)
@@ -221,6 +241,8 @@ def test_cp_attention_equals_full_sdpa(C):
     error = out[0]["a2a error"]
     if C == 2:
         assert "--cp-comm-type a2a" in error and "G = 1" in error and "C = 2" in error
+        for r in range(C):  # the document ids of a micro-batch are gathered at its first layer only
+            assert out[r]["a2a shared"] == ([B * 2 * CHUNK * 8, 0], [True, True])
     if C == 4:
         sub = [out[r]["sub-group"] for r in range(4)]
         full = _inputs(2, 4, 2, True, seed=7)
