@@ -94,7 +94,7 @@ def group_offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
     ``device``, copied from page-locked memory without blocking on CUDA (a plain
     ``torch.tensor(..., device=cuda)`` from a Python list copies from pageable memory, which
     waits for the device: a host sync per MoE layer)."""
-    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    ends = torch.tensor(sizes, dtype=torch.int64, device="cpu").cumsum(0).to(torch.int32)
     if torch.device(device).type == "cuda":
         return ends.pin_memory().to(device, non_blocking=True)
     return ends.to(device)
@@ -112,8 +112,8 @@ def grouped_matches_loop(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         g = torch.Generator().manual_seed(0)
         sizes = [5, 0, 11, 16]
-        rows = torch.randn(sum(sizes), 64, generator=g).to(device, dtype)
-        w = torch.randn(len(sizes), 128, 64, generator=g).to(device, dtype)  # (n, out, in)
+        rows = torch.randn(sum(sizes), 64, generator=g, device="cpu").to(device, dtype)
+        w = torch.randn(len(sizes), 128, 64, generator=g, device="cpu").to(device, dtype)  # (n, out, in)
         got = torch._grouped_mm(rows, w.transpose(1, 2), offs=group_offsets(sizes, device)).float()
         want = torch.cat([F.linear(b, w[j]) for j, b in enumerate(rows.split(sizes))]).float()
     except (RuntimeError, NotImplementedError):

@@ -110,7 +110,7 @@ class HostArena:
         if any(n < 0 for n in sizes):
             raise ValueError(f"HostArena: part sizes must be >= 0, got {list(sizes)}")
         numel = sum(sizes)
-        self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = numel * dtype.itemsize
         self.pinned_bytes = 0
         pin = pin and self.nbytes > 0
         page = page or page_bytes()

@@ -67,8 +67,12 @@ def cuda_spies(monkeypatch):
         "set_device",
         lambda d: calls.append(f"set_device({d if isinstance(d, torch.device) else torch.device('cuda', d)})"),
     )
-    for name in CONTEXT_CALLS:
-        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n) or (80 << 30, 80 << 30))
+    from types import SimpleNamespace
+
+    gpu = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=80 << 30)
+    for name in CONTEXT_CALLS:  # free/total bytes for mem_get_info; an H100 for get_device_properties
+        value = gpu if name == "get_device_properties" else (80 << 30, 80 << 30)
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, _v=value, **k: calls.append(_n) or _v)
 
     def init_process_group(*a, **k):
         calls.append(f"init_process_group({k.get('device_id')})")

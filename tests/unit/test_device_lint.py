@@ -80,6 +80,12 @@ HOST_TENSORS = {
     ("megazero/checkpoint/shards.py", "compact_view"): "an empty CPU tensor re-pointed at a host storage",
     # One exactly-sized host allocation per offloaded buffer, page-locked in place on CUDA.
     ("megazero/offload/host_memory.py", "HostArena.__init__"): "an offload arena in host memory",
+    # A tensor-parallel rank's partitions assembled from a checkpoint's saved pieces (generate/evaluate).
+    ("megazero/checkpoint/core.py", "read_partitions"): "this rank's partitions read into host memory",
+    # The grouped GEMM's offsets: built from a Python list on the host, then copied (pinned on CUDA).
+    ("model/moe.py", "group_offsets"): "the group offsets before their copy to the device",
+    # The grouped-GEMM check draws its inputs from a seeded CPU generator, then moves them.
+    ("model/moe.py", "grouped_matches_loop"): "a seeded CPU draw of the check's inputs",
 }
 
 
