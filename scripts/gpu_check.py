@@ -258,9 +258,12 @@ def write_summary(out: str, outcomes: list[Outcome], header: dict) -> int:
 def mirror(out: str) -> None:
     """Copy ``out`` to ``$OUT/<basename>`` (files new or changed since the last copy)."""
     dest_root = os.environ.get("OUT")
-    if not dest_root or os.path.abspath(dest_root) == os.path.abspath(os.path.dirname(out)):
+    if not dest_root:
         return
     dest = os.path.join(dest_root, os.path.basename(os.path.abspath(out)))
+    here, there = os.path.realpath(out), os.path.realpath(dest)
+    if os.path.commonpath([here, there]) in (here, there):  # --out under $OUT already, or $OUT itself
+        return
     for here, _, files in os.walk(out):
         there = os.path.join(dest, os.path.relpath(here, out))
         os.makedirs(there, exist_ok=True)

@@ -68,8 +68,6 @@ def key(name: str, value) -> None:
 
 
 def versions(args) -> int:
-    from megazero.ops.backend import apex_available, describe_backends
-
     print("torch", torch.__version__, "| cuda", torch.version.cuda, "| cudnn", torch.backends.cudnn.version())
     key("torch", torch.__version__)
     key("gpus", torch.cuda.device_count())
@@ -83,6 +81,8 @@ def versions(args) -> int:
             f"gpu {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs"
         )
     key("gpu0", torch.cuda.get_device_name(0))
+    from megazero.ops.backend import apex_available, describe_backends  # after the GPU count: it may fail
+
     try:
         import apex
 
