@@ -22,7 +22,8 @@ summary, and exits 1 when what it checks does not hold.
   ``torch._grouped_mm`` against the per-expert loop in bf16 on CUDA, the layout
   ``model.moe`` stacks its experts in; (3) host syncs per training step under
   ``torch.cuda.set_sync_debug_mode("warn")`` for a dense and an MoE model, against the budgets
-  docs/performance.md gives for the CPU count. Written to ``OUT/probes.json``.
+  docs/performance.md gives for the CPU count. Written to ``OUT/probes.json``. ``--device cpu
+  --seq 64`` runs (1) and (2) on CPU (its own flash kernel), to test the probe itself.
 """
 
 from __future__ import annotations
@@ -189,37 +190,47 @@ def layout(args) -> int:
 
 
 def _sdpa_backend(names: list[str]) -> str:
-    """The SDPA implementation a list of CUDA kernel names shows (flash, efficient, cudnn or math)."""
+    """The SDPA implementation the profiled operator and kernel names show: the dispatcher's
+    ``aten::_scaled_dot_product_{flash,efficient,cudnn}_attention`` (or their kernels'
+    ``flash`` / ``fmha`` / ``cudnn`` names), else ``math`` (softmax of the full T x T scores)."""
     low = " ".join(names).lower()
-    for backend, marks in (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient"))):
+    for backend, marks in (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("efficient", "fmha"))):
         if any(m in low for m in marks):
             return backend
     return "math"
 
 
-def sdpa_cases(device: torch.device) -> list[dict]:
-    """Forward and backward of ``local_attention`` at B 2, 16 heads, T 2048, d 128 for each
-    dtype x GQA x document mask: the CUDA kernels the profiler saw and the backend they show."""
+def sdpa_cases(device: torch.device, seq: int = 2048) -> list[dict]:
+    """Forward and backward of ``local_attention`` at B 2, 16 heads, T ``seq``, d 128 for each
+    dtype x GQA x document mask: the attention operators and kernels the profiler saw and the
+    backend they show."""
     from torch.profiler import ProfilerActivity, profile
 
     from megazero.context_parallel.attention import local_attention
 
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    marks = ("attn", "attention", "fmha", "flash", "sdpa")
     cases = []
     for dtype in (torch.bfloat16, torch.float32):
         for groups in (16, 4):
             for docs in (False, True):
-                q = torch.randn(2, 16, 2048, 128, device=device, dtype=dtype, requires_grad=True)
-                k, v = (torch.randn(2, groups, 2048, 128, device=device, dtype=dtype, requires_grad=True) for _ in "kv")
-                seg = torch.arange(2048, device=device).div(512, rounding_mode="floor").expand(2, -1) if docs else None
+                q = torch.randn(2, 16, seq, 128, device=device, dtype=dtype, requires_grad=True)
+                k, v = (torch.randn(2, groups, seq, 128, device=device, dtype=dtype, requires_grad=True) for _ in "kv")
+                seg = (
+                    torch.arange(seq, device=device).div(seq // 4, rounding_mode="floor").expand(2, -1)
+                    if docs
+                    else None
+                )
                 local_attention(q, k, v, segment_ids=seg).sum().backward()  # warm-up
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                with profile(activities=activities) as prof:
                     local_attention(q, k, v, segment_ids=seg).sum().backward()
-                    torch.cuda.synchronize(device)
-                names = sorted({e.key for e in prof.key_averages() if e.device_type.name == "CUDA"})
-                attn = [n for n in names if any(m in n.lower() for m in ("attn", "attention", "fmha", "flash", "sdpa"))]
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                names = sorted({e.name for e in prof.events()})
+                attn = [n for n in names if any(m in n.lower() for m in marks) and "aten::scaled_dot" not in n]
                 case = f"{str(dtype)[6:]}-{'gqa' if groups < 16 else 'mha'}-{'docs' if docs else 'causal'}"
-                cases.append(dict(case=case, backend=_sdpa_backend(attn), kernels=(attn or names)[:8]))
-                print(f"sdpa {case}: {cases[-1]['backend']} ({', '.join(attn[:3]) or 'no attention kernel'})")
+                cases.append(dict(case=case, backend=_sdpa_backend(attn), names=attn[:8]))
+                print(f"sdpa {case}: {cases[-1]['backend']} ({', '.join(attn[:3]) or 'no attention operator'})")
     return cases
 
 
@@ -276,9 +287,9 @@ def sync_count(device: torch.device, extra: list[str]) -> dict:
 
 
 def kernels(args) -> int:
-    device = torch.device("cuda", 0)
+    device = torch.device(args.device)
     report, failures = {}, []
-    for name, fn in (("sdpa", sdpa_cases), ("grouped_mm", grouped_mm_check)):
+    for name, fn in (("sdpa", lambda d: sdpa_cases(d, args.seq)), ("grouped_mm", grouped_mm_check)):
         try:
             report[name] = fn(device)
         except Exception as e:  # a probe that breaks is recorded and the others still run
@@ -298,7 +309,7 @@ def kernels(args) -> int:
     # docs/performance.md, "Host syncs per step": dense 2; MoE the dense 2, one per MoE layer and
     # micro-batch (the rows per expert) and one for the routing statistics
     budgets = {"dense": ([], 2), "moe": (moe, 2 + layers * micro + 1)}
-    for name, (extra, budget) in budgets.items():
+    for name, (extra, budget) in budgets.items() if device.type == "cuda" else ():  # sync debug: CUDA only
         try:
             report[f"syncs_{name}"] = counted = sync_count(device, extra)
         except Exception as e:
@@ -332,6 +343,8 @@ def main(argv=None) -> int:
     p.add_argument("flags", nargs=argparse.REMAINDER)
     p = sub.add_parser("kernels")
     p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda", help="cpu: the SDPA and grouped GEMM probes on CPU (no sync count)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length of the attention cases")
     args = ap.parse_args(argv)
     if getattr(args, "flags", None) and args.flags[0] == "--":
         args.flags = args.flags[1:]

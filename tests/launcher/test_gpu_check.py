@@ -168,6 +168,35 @@ def test_the_sweep_compares_runs_and_resumes_across_devices_on_cpu(tmp_path):
     assert len(got["resume-gpu-to-cpu"]["device"]) == 4 and "gpu_check key sweep_dense pass" in res.stdout
 
 
+def test_the_attention_and_grouped_gemm_probes_on_cpu(tmp_path):
+    """The kernel probes with CPU standing for the GPU: each of the 8 attention cases is read off
+    the profiler as CPU's flash kernel, and the grouped GEMM equals the per-expert loop."""
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.gpu_probe",
+            "kernels",
+            "--device",
+            "cpu",
+            "--seq",
+            "32",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads((tmp_path / "probes.json").read_text())
+    cases = [f"{d}-{g}-{m}" for d in ("bfloat16", "float32") for g in ("mha", "gqa") for m in ("causal", "docs")]
+    assert [(c["case"], c["backend"]) for c in got["sdpa"]] == [(c, "flash") for c in cases]
+    assert got["grouped_mm"] == {"uneven": "equal", "empty-expert": "equal"} and got["failures"] == []
+    assert "gpu_check key sdpa_float32_gqa_docs flash" in res.stdout.splitlines()
+
+
 def test_mfu_against_the_measured_and_the_data_sheet_peak():
     from scripts.bench.run_throughput import mfu_both_ways
 
