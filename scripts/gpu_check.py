@@ -52,9 +52,12 @@ NUM = r"([0-9.]+)"
 PATTERNS = {  # step name prefix -> (key, regex over the log) for tools that do not print key lines
     "peak": [("matmul_sustained_tflops", r"^matmul peak \w+: n \d+, [0-9.]+ ms, " + NUM + " TFLOP/s")],
     "kernels": [("matmul_sustained_tflops", r"^matmul peak \w+: n \d+, [0-9.]+ ms, " + NUM + " TFLOP/s")],
-    "cuda-tests": [(k, r"\b(\d+) " + k + r"\b") for k in ("passed", "failed", "skipped", "errors")],
+    "cuda-tests": [(k, r"\b(\d+) " + k + r"\b") for k in ("passed", "failed", "skipped", "deselected")]
+    + [("errors", r"\b(\d+) errors?\b")],
     "mfu": [
+        ("ms_per_iteration", r"^throughput: .*?: " + NUM + " ms/iteration"),
         ("tokens_per_s", r"^throughput: .*?, " + NUM + " tokens/s"),
+        ("tflops_per_device", r"^throughput: .*?, " + NUM + " TFLOP/s/device"),
         ("mfu_measured_peak_pct", r"MFU " + NUM + "% of the measured matmul peak"),
         ("mfu_datasheet_peak_pct", NUM + "% of the data-sheet peak"),
     ],

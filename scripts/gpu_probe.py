@@ -173,15 +173,15 @@ def _losses(run_dir: str) -> list[float]:
 
 def layout(args) -> int:
     runs = {}
-    for device in ("cuda", "cpu"):
-        run = os.path.join(os.path.abspath(args.out), f"layout-{args.name}", device)
+    for side, device in (("cuda", args.device), ("cpu", "cpu")):
+        run = os.path.join(os.path.abspath(args.out), f"layout-{args.name}", side)
         shutil.rmtree(run, ignore_errors=True)
         cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain_gpt.sh")] + SMALL + args.flags
         rc = subprocess.call(cmd + ["--device", device, "--run-dir", run], cwd=ROOT)
         if rc != 0:
             print(f"layout {args.name} on {device} exited {rc}")
             return 1
-        runs[device] = _losses(run)
+        runs[side] = _losses(run)
     gpu, cpu = runs["cuda"], runs["cpu"]
     worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu)) if gpu and len(gpu) == len(cpu) else float("inf")
     print(f"layout {args.name}: losses cuda {gpu}, cpu {cpu}, largest relative difference {worst:.2e}")
@@ -340,6 +340,7 @@ def main(argv=None) -> int:
     p.add_argument("--name", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--device", default="cuda", help="the side compared with CPU ranks (cpu: a smoke run of the probe)")
     p.add_argument("flags", nargs=argparse.REMAINDER)
     p = sub.add_parser("kernels")
     p.add_argument("--out", required=True)
