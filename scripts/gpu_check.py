@@ -22,6 +22,10 @@ the matmul peak, the MFU line). The matmul peak of step ``peak`` is what the MFU
 from ``summary.json``. Each step's budget is cut to what is left of ``--budget-s`` (default
 540 s: one 10-minute command with room for start-up); a step with under 5 s left is skipped.
 
+SIGTERM (a machine's command limit) stops the running step, records it as ``timeout`` and the
+rest as not run, and writes the summary before the runner exits. A failed step's note is its
+last line naming an error (an exception, ``error:``), else its last line.
+
 The exit status is 0 when no step failed or timed out, 1 otherwise (after running them all),
 2 for a bad argument. ``--dry-run`` prints the plan (each step's budget and command, and why a
 step would be skipped) and runs nothing; ``--ngpu`` stands for the machine's GPU count there.
@@ -187,12 +191,32 @@ def _number(text: str):
 
 
 def last_line(path: str) -> str:
+    """The line that most likely says why a step failed: its last line naming an error (a
+    traceback's exception, ``error:``), else its last line."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [x.strip() for x in f.read()[-20000:].splitlines() if x.strip()]
+            lines = [x.strip() for x in f.read()[-50000:].splitlines() if x.strip()]
     except OSError:
         return ""
-    return lines[-1][:300] if lines else ""
+    errors = [x for x in lines if re.match(r"^(\w+\.)*\w*(Error|Exception)\b|.*\berror: |^FAILED", x)]
+    return (errors or lines or [""])[-1][:300]
+
+
+OUTSIDE = "the check was terminated from outside (SIGTERM)"
+
+
+class Terminated(Exception):
+    """SIGTERM reached the runner (the machine's command limit): the running step is stopped,
+    recorded as timed out, and the summary written before the runner exits."""
+
+
+_TERM = {"received": False, "in_step": False}
+
+
+def _terminated(signum, frame):
+    _TERM["received"] = True
+    if _TERM["in_step"]:  # stop the step; between steps the loop sees the flag
+        raise Terminated()
 
 
 def run_step(step: Step, out: str, budget_s: float) -> Outcome:
@@ -208,17 +232,20 @@ def run_step(step: Step, out: str, budget_s: float) -> Outcome:
         except OSError as e:
             f.write(f"gpu_check: could not start the step: {e}\n")
             return Outcome(step.name, "fail", time.monotonic() - start, budget_s, None, {}, str(e))
+        outside = False
         try:
             rc, status = proc.wait(timeout=budget_s), None
         except subprocess.TimeoutExpired:
             rc, status = _stop(proc), "timeout"
-        wall = time.monotonic() - start
-        if status == "timeout":
             f.write(f"\ngpu_check: step {step.name} stopped after its budget of {budget_s:.0f} s\n")
+        except Terminated:
+            rc, status, outside = _stop(proc), "timeout", True
+            f.write(f"\ngpu_check: the check was terminated from outside during step {step.name}\n")
+        wall = time.monotonic() - start
     status = status or ("pass" if rc == 0 else "fail")
     with open(log, encoding="utf-8", errors="replace") as f:
         keys = read_keys(step.name, f.read())
-    note = "" if status == "pass" else last_line(log)
+    note = OUTSIDE if outside else "" if status == "pass" else last_line(log)
     return Outcome(step.name, status, wall, budget_s, rc, keys, note)
 
 
@@ -342,7 +369,12 @@ def run_plan(steps: list[Step], out: str, budget_s: float, only: Optional[set], 
     header = {"gpu_check": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "out": out, "budget_s": budget_s}
     outcomes: list[Outcome] = []
     status = 0
+    signal.signal(signal.SIGTERM, _terminated)
     for step in steps:
+        if _TERM["received"]:
+            outcomes.append(Outcome(step.name, "skip", note="not run: " + OUTSIDE))
+            status = write_summary(out, outcomes, header)
+            continue
         left = budget_s - (time.monotonic() - start)
         why = "not in --only" if only and step.name not in only else skip_reason(step, gpus, left)
         if why:
@@ -351,7 +383,11 @@ def run_plan(steps: list[Step], out: str, budget_s: float, only: Optional[set], 
             print(
                 f"== {step.name} ({min(step.budget_s, left):.0f} s): {step.what or shlex.join(step.argv)}", flush=True
             )
-            outcome = run_step(step, out, min(step.budget_s, left))
+            _TERM["in_step"] = True
+            try:
+                outcome = run_step(step, out, min(step.budget_s, left))
+            finally:
+                _TERM["in_step"] = False
             if step.name == "versions" and gpus is None:
                 gpus = outcome.keys.get("gpus")
         outcomes.append(outcome)

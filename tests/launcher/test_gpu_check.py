@@ -143,6 +143,37 @@ def test_a_failing_a_timed_out_and_a_passing_step_all_run_and_are_summarised(tmp
     assert (mirror / "check" / "broken.log").exists()
 
 
+def test_a_check_terminated_from_outside_still_leaves_its_summary(tmp_path):
+    """SIGTERM (a machine's command limit) during a step: the step's process group is stopped
+    and recorded, the steps after it are marked as not run, the error line of the failed step
+    before it is kept, and the exit status is 1."""
+    py = sys.executable
+    fails = "import sys; print('Traceback'); print('RuntimeError: CUDA out of memory'); print('after'); sys.exit(3)"
+    plan = [
+        dict(name="oom", budget_s=30, argv=[py, "-c", fails]),
+        dict(name="long", budget_s=120, argv=[py, "-c", "import time; time.sleep(100)"]),
+        dict(name="later", budget_s=30, argv=[py, "-c", "pass"]),
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "check"
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--plan", str(tmp_path / "plan.json"), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (out / "long.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.terminate()  # gpu_check.sh execs the runner: this is its SIGTERM
+    assert proc.wait(timeout=60) == 1
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert [(s["name"], s["status"], s["note"]) for s in steps] == [
+        ("oom", "fail", "RuntimeError: CUDA out of memory"),
+        ("long", "timeout", "the check was terminated from outside (SIGTERM)"),
+        ("later", "skip", "not run: the check was terminated from outside (SIGTERM)"),
+    ]
+    assert steps[1]["wall_s"] < 50
+
+
 def test_a_bad_plan_or_step_name_exits_2(tmp_path):
     (tmp_path / "plan.json").write_text("{not json")
     res = _bash("gpu_check.sh", {}, args=["--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "o")])
