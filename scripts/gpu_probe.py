@@ -9,18 +9,21 @@ summary, and exits 1 when what it checks does not hold.
   profiled (``torch.profiler`` trace, gzipped, under ``OUT/mfu-BLOCK/profile``), full
   recomputation under 60 GiB; then ``scripts/bench/run_throughput.py``'s line: tokens/s and MFU
   against the measured sustained matmul peak (the ``peak`` step's key in ``OUT/summary.json``)
-  and against the data-sheet peak (``megazero.planning.flops``).
+  and against the data-sheet peak (``megazero.planning.flops``). ``--device cpu``: the small
+  model instead, a smoke run of the probe.
 - ``nccl-smoke`` (under torchrun, 2+ ranks): all-reduce, reduce-scatter and all-gather through
   ``megazero.collectives`` over NCCL against their closed-form results.
 - ``layout --name N -- FLAGS``: a small fp32 GPT (``SMALL``) with ``FLAGS`` through
   ``pretrain_gpt.sh`` on the GPUs and again on CPU gloo ranks; the per-iteration losses agree
-  to ``--rtol`` (relative; CUDA and CPU kernels sum in other orders).
+  to ``--rtol`` (relative; CUDA and CPU kernels sum in other orders). ``--device cpu`` compares
+  CPU with itself, a smoke run of the probe.
 - ``kernels``: (1) the SDPA kernel CUDA runs for each attention case megazero has (bf16 / fp32,
   grouped-query or not, causal or document-masked through
-  ``megazero.context_parallel.attention.local_attention``), read off the profiler's kernel
-  names, a math (O(T^2) memory) fallback being a failure (DESIGN contract 6); (2)
+  ``megazero.context_parallel.attention.local_attention``), read off the profiler's operator
+  and kernel names, a math (O(T^2) memory) fallback being a failure (DESIGN contract 6); (2)
   ``torch._grouped_mm`` against the per-expert loop in bf16 on CUDA, the layout
-  ``model.moe`` stacks its experts in; (3) host syncs per training step under
+  ``model.moe`` stacks its experts in (a wrong product fails; a kernel that refuses the shapes
+  is recorded); (3) host syncs per training step under
   ``torch.cuda.set_sync_debug_mode("warn")`` for a dense and an MoE model, against the budgets
   docs/performance.md gives for the CPU count. Written to ``OUT/probes.json``. ``--device cpu
   --seq 64`` runs (1) and (2) on CPU (its own flash kernel), to test the probe itself.
