@@ -1,8 +1,11 @@
 """The device's matmul peak and the speed-up of each fused kernel over its reference.
 
 1. Matmul peak: a timed ``[n, n] @ [n, n]`` in ``--dtype`` (``2 n^3`` FLOP per product), the
-   best of ``--iters`` timed products after warm-up: the MFU denominator ``scripts/gpu_check.sh``
-   passes to ``train.py --peak-tflops``.
+   MEDIAN of ``--peak-iters`` products timed one by one after ``--peak-warmup`` untimed ones: the
+   sustained rate, the MFU denominator ``scripts/gpu_check.sh`` passes to ``train.py
+   --peak-tflops``. Not the fastest product: a GPU's clock boosts for a short burst and then
+   settles at its power limit, so the best single product overstates what a training run can
+   get (and understates its MFU); the best is printed beside it.
 2. Each fused kernel megazero uses against the plain-tensor reference it is tested against,
    forward + backward where the kernel has one, on the shapes of the model being checked
    (``[tokens, hidden]`` activations, ``--adam-numel`` fp32 elements of a flat Adam shard):
@@ -16,9 +19,9 @@
    Before timing, each fused output is compared with the reference (ValueError naming the kernel
    when they differ by more than the dtype's tolerance), so a speed-up is never of a wrong kernel.
 
-Output (one line each; ``scripts/gpu_check.sh`` parses the first)::
+Output (one line each; ``scripts/gpu_check.sh`` reads the first line's sustained TFLOP/s)::
 
-    matmul peak bf16: n 8192, 0.912 ms, 1205.6 TFLOP/s
+    matmul peak bf16: n 8192, 1.412 ms, 778.7 TFLOP/s (median of 20 after 5 warm-up; best 1.305 ms, 842.5 TFLOP/s)
     kernel layer_norm [8192, 2048] bf16 fwd+bwd: reference 0.512 ms, apex 0.081 ms, speed-up 6.32x
 
     python -m scripts.bench.bench_kernels --device cuda --dtype bf16
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 
@@ -58,13 +62,30 @@ def time_ms(fn, device: torch.device, iters: int, warmup: int = 2) -> float:
     return 1e3 * sorted(times)[len(times) // 2]
 
 
-def matmul_peak(n: int, dtype: torch.dtype, device: torch.device, iters: int) -> tuple[float, float]:
-    """(best ms, TFLOP/s) of an ``[n, n] @ [n, n]`` product: ``2 n^3`` FLOP over the fastest
-    of ``iters`` timed products (a peak, not a median)."""
+def sustained_peak(times_ms: list[float], flop: float) -> tuple[float, float]:
+    """(median ms, TFLOP/s) of timed runs of one ``flop``-FLOP product: the median of
+    ``times_ms`` (milliseconds per product), so a few boosted or throttled products move it
+    no more than their rank does. Raises ValueError for no timing or a non-positive one."""
+    if not times_ms or min(times_ms) <= 0:
+        raise ValueError(f"sustained_peak: needs positive timings in ms, got {times_ms!r}")
+    ms = statistics.median(times_ms)
+    return ms, flop / (ms * 1e-3) / 1e12
+
+
+def matmul_peak(
+    n: int, dtype: torch.dtype, device: torch.device, iters: int, warmup: int = 5
+) -> tuple[float, float, float]:
+    """(median ms, sustained TFLOP/s, best ms) of an ``[n, n] @ [n, n]`` product (``2 n^3`` FLOP):
+    ``warmup`` untimed products, then ``iters`` products timed one by one, the device
+    synchronised around each; the rate is :func:`sustained_peak` of those timings (the
+    median, not the fastest: module docstring)."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    best = min(time_ms(lambda: a @ b, device, 1, warmup=2 if i == 0 else 0) for i in range(iters))
-    return best, 2 * n**3 / (best * 1e-3) / 1e12
+    for _ in range(warmup):
+        a @ b
+    times = [time_ms(lambda: a @ b, device, 1, warmup=0) for _ in range(iters)]
+    ms, tflops = sustained_peak(times, 2.0 * n**3)
+    return ms, tflops, min(times)
 
 
 def _fwd_bwd(fn, *inputs):
@@ -149,8 +170,14 @@ def run(args) -> list[str]:
 
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     backend = select_backend("auto", device)
-    ms, tflops = matmul_peak(args.matmul, dtype, device, args.iters)
-    lines = [f"matmul peak {args.dtype}: n {args.matmul}, {ms:.3f} ms, {tflops:.1f} TFLOP/s"]
+    ms, tflops, best = matmul_peak(args.matmul, dtype, device, args.peak_iters, args.peak_warmup)
+    flop = 2.0 * args.matmul**3
+    lines = [
+        f"matmul peak {args.dtype}: n {args.matmul}, {ms:.3f} ms, {tflops:.1f} TFLOP/s (median of "
+        f"{args.peak_iters} after {args.peak_warmup} warm-up; best {best:.3f} ms, {flop / best / 1e9:.1f} TFLOP/s)"
+    ]
+    if args.peak_only:
+        return lines
     cases = _norm_cases(args.tokens, args.hidden, dtype, device, backend)
     cases.update(_adam_case(args.adam_numel, device, backend))
     cases.update(
@@ -178,7 +205,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=2048, help="attention sequence length")
     ap.add_argument("--adam-numel", type=int, default=2**26, help="elements of the Adam shard")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=10, help="timed calls of each kernel (median)")
+    ap.add_argument("--peak-iters", type=int, default=20, help="timed matmuls of the peak (median)")
+    ap.add_argument("--peak-warmup", type=int, default=5, help="untimed matmuls before the peak's timing")
+    ap.add_argument("--peak-only", action="store_true", help="print the matmul peak line only")
     args = ap.parse_args(argv)
     if args.tokens % args.seq or args.hidden % args.heads:
         print(
