@@ -44,7 +44,10 @@ FEATURES = [
     ("offload-nvme", ["--zero-stage", "1", "--offload-optimizer", "nvme", "--offload-nvme-path", "NVME"], [], 1e-4),
     ("resume-gpu-to-cpu", [], [], 1e-4),
     ("resume-cpu-to-gpu", [], [], 1e-4),
+    ("zero3-offload-param", ["--zero-stage", "3", "--offload-param", "cpu", "--offload-optimizer", "cpu"], [], 1e-4),
     ("moe", ["--num-experts", "4", "--moe-router-topk", "2"], [], 1e-4),
+    # no biases: the experts' grouped GEMM, in bf16 on the GPU where its check passes
+    ("moe-grouped-bf16", ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"], ["--bf16"], 3e-2),
     ("recompute-full", RECOMPUTE, [], 1e-4),
     ("recompute-selective", ["--recompute-granularity", "selective"], [], 1e-4),
     ("bf16", [], ["--bf16"], 3e-2),
