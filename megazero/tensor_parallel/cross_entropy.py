@@ -138,3 +138,42 @@ def vocab_parallel_cross_entropy(
             x.flatten(0, -2), target.flatten(), reduction="none", label_smoothing=label_smoothing
         ).view(target.shape)
     return _VocabParallelCE.apply(logits, target, group, float(label_smoothing), vocab_size)
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: Group,
+    *,
+    vocab_size: int,
+    padded_vocab_size: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-token ``log p(target | prefix)`` of ``softmax(logits / temperature)`` over the real
+    vocabulary, from one vocabulary partition of the logits: the post-training primitive (DPO's
+    and the reward model's sequence log-probabilities, PPO/GRPO's ratios), the negative of
+    :func:`vocab_parallel_cross_entropy` without label smoothing on the scaled logits, so the
+    logits are never gathered and the backward stays local.
+
+    Args:
+        logits: ``[B, T, V_pad/tp]``, this TP rank's contiguous slice of the padded vocabulary.
+        target: ``[B, T]`` int64 token ids in ``[0, vocab_size)``, identical on TP ranks.
+        group: the tensor-parallel group (``None`` = one rank holding the full vocabulary).
+        vocab_size, padded_vocab_size: as :func:`vocab_parallel_cross_entropy`.
+        temperature: the sampler's temperature (> 0): a rollout drawn at ``T`` is scored at
+            ``T`` too, or the first PPO ratio is not 1 (the trap verl and OpenRLHF users met).
+
+    Returns:
+        ``[B, T]`` log-probabilities (nats, <= 0), fp32 (float64 for float64 logits), identical
+        on every TP rank; equal to ``F.log_softmax(full_logits[..., :vocab_size] / temperature,
+        -1).gather(-1, target)``.
+
+    Raises:
+        ValueError: as :func:`vocab_parallel_cross_entropy`, and for ``temperature <= 0``.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = logits if temperature == 1.0 else logits / temperature
+    return -vocab_parallel_cross_entropy(
+        scaled, target, group, vocab_size=vocab_size, padded_vocab_size=padded_vocab_size
+    )

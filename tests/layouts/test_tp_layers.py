@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megazero import tags
 from megazero.data_parallel.finalize import finalize_param_grads
-from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_log_probs
 from megazero.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -200,6 +200,28 @@ def _cross_entropy(rank, tp, g):
                     loss=loss.detach(),
                     dtype=loss.dtype,
                 )
+    for vocab in (8, 5):  # the log-probability primitive at temperatures 1 and 0.7
+        for temperature in (1.0, 0.7):
+            torch.manual_seed(7)
+            full = torch.randn(B, T, pv, dtype=D) * 3
+            target, gl = torch.randint(0, vocab, (B, T)), torch.randn(B, T, dtype=D)
+            real = _leaf(full[..., :vocab])
+            ref = F.log_softmax(real / temperature, -1).gather(-1, target[..., None])[..., 0]
+            (ref * gl).sum().backward()
+            ref_grad = torch.cat([real.grad, torch.zeros(B, T, pv - vocab, dtype=D)], -1)
+            part = _leaf(tags.partition_tensor(full, 2, rank, tp))
+            logp = vocab_parallel_log_probs(
+                part, target, g, vocab_size=vocab, padded_vocab_size=pv, temperature=temperature
+            )
+            (logp * gl).sum().backward()
+            out[("logp", vocab, temperature)] = dict(
+                loss_err=_err(logp, ref),
+                grad_err=_err(part.grad, tags.partition_tensor(ref_grad, 2, rank, tp)),
+                finite=bool(torch.isfinite(logp).all() and (logp <= 0).all()),
+                pad_grad_zero=True,
+                loss=logp.detach(),
+                dtype=logp.dtype,
+            )
     try:
         vocab_parallel_cross_entropy(
             torch.zeros(B, T, pv, dtype=D), torch.zeros(B, T, dtype=torch.long), g, vocab_size=7, padded_vocab_size=pv
@@ -297,6 +319,9 @@ def test_sequence_mappings_and_divisibility_errors(ranks):
 
 
 def test_vocab_parallel_cross_entropy(ranks):
+    """The loss (and, keyed ``("logp", vocab, temperature)``, the post-training log-probability
+    primitive ``vocab_parallel_log_probs``) and its gradient against F.cross_entropy /
+    F.log_softmax of the gathered real vocabulary, on every tp rank."""
     tp, per_rank = ranks
     for case in per_rank[0]["ce"]:
         if case in ("replicated_error", "no_sizes_error"):
@@ -358,6 +383,12 @@ def test_group_size_one_is_plain_math():
     assert torch.allclose(loss, ref, atol=1e-6)
     with pytest.raises(ValueError, match=r"\[B, T, 16\]"):
         vocab_parallel_cross_entropy(logits, target, None, vocab_size=8, padded_vocab_size=16)
+    real = target.clamp(max=6)  # ids of the 7 real tokens
+    logp = vocab_parallel_log_probs(logits, real, None, vocab_size=7, padded_vocab_size=8, temperature=0.5)
+    want = F.log_softmax(logits[..., :7].float() / 0.5, -1).gather(-1, real[..., None])[..., 0]
+    assert logp.dtype == torch.float32 and torch.allclose(logp, want, atol=1e-6)
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+        vocab_parallel_log_probs(logits, target, None, vocab_size=8, padded_vocab_size=8, temperature=0)
     with pytest.raises(ValueError, match="stride 3"):
         ColumnParallelLinear(IN, OUT * 3, None, gather_output=True, stride=3)
     with pytest.raises(ValueError, match=r"expected \(12, 8\)"):
