@@ -9,6 +9,7 @@ import torch
 from tests.support.deferred import deferred_collectives
 from tests.support.distributed import run_distributed
 from tests.support.layouts import BASE, LLAMA
+from tests.support.moe import MOE
 
 STEPS = 3
 
@@ -165,9 +166,10 @@ def test_overlapped_paths_on_two_ranks_are_bit_identical_under_deferred_collecti
     )
 
 
-def test_interleaved_pipeline_with_data_parallelism_is_bit_identical_under_deferred_collectives():
-    """pp 2 x dp 2, the interleaved schedule at ZeRO-1: the tied embedding's buffer waited for by
-    the chunk's hook, two chunks a rank."""
+def test_pipelines_with_data_and_expert_parallelism_are_bit_identical_under_deferred_collectives():
+    """pp 2 x dp 2: the interleaved schedule at ZeRO-1 (the tied embedding's buffer waited for by
+    the chunk's hook, two chunks a rank), and the MoE model under zb-v with expert parallelism 2
+    (all-to-all dispatch) at ZeRO-2."""
     pp2 = ["--pp", "2", "--dp", "2"]
     _compare(
         4,
@@ -179,5 +181,39 @@ def test_interleaved_pipeline_with_data_parallelism_is_bit_identical_under_defer
                 + ["--zero-stage", "1"],
                 [GATHER, "p2p"],
             ),
+            (
+                ROPE
+                + MOE
+                + pp2
+                + ["--pipeline-schedule", "zb-v", "--num-layers", "4", "--expert-model-parallel-size", "2"]
+                + ["--moe-token-dispatcher-type", "alltoall", "--zero-stage", "2"],
+                [GATHER, "p2p"],
+            ),
         ],
     )
+
+
+MOE_DP2 = BASE + LLAMA + MOE + ["--num-layers", "2", "--dp", "2", "--global-batch-size", "8"]
+
+
+def test_moe_overlap_param_gather_waits_before_the_expert_reads():
+    """MoE at ZeRO-1/2 with --overlap-param-gather: the router, expert and shared-expert weights are
+    read by their parent MoE layer (F.linear / grouped GEMM), so the all-gather of their bucket must
+    be waited for before that layer runs; overlap on and off are bit-identical under deferred
+    collectives (ZeRO-1 and ZeRO-2; with and without the shared expert; expert parallelism 2)."""
+    i = MOE_DP2.index("--moe-shared-expert-intermediate-size")
+    no_shared = MOE_DP2[:i] + MOE_DP2[i + 2 :]
+    variants = [
+        MOE_DP2 + ["--zero-stage", "1"],
+        MOE_DP2 + ["--zero-stage", "2"],
+        no_shared + ["--zero-stage", "1"],
+        no_shared + ["--zero-stage", "2"],
+        MOE_DP2 + ["--zero-stage", "1", "--expert-model-parallel-size", "2"],
+        MOE_DP2 + ["--zero-stage", "2", "--expert-model-parallel-size", "2"],
+    ]
+    cases = [(argv + ["--overlap-param-gather", mode], True) for argv in variants for mode in ("off", "on")]
+    for rank, results in enumerate(run_distributed(_runs, 2, cases, STEPS, timeout_s=900)):
+        for i, argv in enumerate(variants):
+            off, on = results[2 * i : 2 * i + 2]
+            assert on[2].get("all_gather_into_tensor", 0) + on[2].get("all_gather_single", 0) > 0
+            _assert_same(off, on, f"{' '.join(argv[len(BASE) :])} rank {rank}")
