@@ -173,6 +173,12 @@ class MoEMLP(nn.Module):
     forward with autograd (the replay) counts and attaches the auxiliary losses.
     """
 
+    #: the forward reads the router's, the experts' and the shared expert's parameters itself
+    #: (``F.linear``, grouped GEMMs, the fc2 biases) without calling those modules, so a forward
+    #: pre-hook that must see them ready (``--overlap-param-gather``'s wait,
+    #: megazero/data_parallel/param_gather.py) goes on this module, not on theirs.
+    reads_descendant_parameters = True
+
     def __init__(self, cfg: GPTConfig, group, device=None, state_device=None, ep=None, sp: bool = False):
         super().__init__()
         self.cfg, self.group, self.sp, E = cfg, group, sp, cfg.num_experts

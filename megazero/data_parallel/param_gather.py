@@ -20,11 +20,20 @@ Issue and wait order: for each model chunk in order, the buckets in the order of
 ``parameters()`` (registration order, which is forward order), weights tied across pipeline
 stages (their own buffer, ``DataParallel``) first, because the first stage's embedding uses
 them before anything else. Waits are in issue order: a hook that needs the i-th bucket waits
-for buckets 0..i. Hooks sit on every module that directly owns parameters, except that a
-module compiled with ``torch.compile`` (``nn.Module.compile``) counts as one module owning all
-its parameters, so no hook runs inside a compiled region (the hook of a compiled module is
-``torch.compiler.disable``-d, a graph break at its start; every hook is, once torch._dynamo is
-imported). The tied buffer is waited for by a
+for buckets 0..i.
+
+Where the hooks go: on the module whose forward *reads* a parameter, not the one that registers
+it. A pre-hook on a module that is never called, or whose parameters its parent reads directly
+(``F.linear(x, self.router.weight)``), waits too late: on NCCL the read sees the bucket before
+its all-gather landed (gloo finishes early and hides it; tests/support/deferred.py does not).
+So hooks sit on every module that directly owns parameters, except that a module that declares
+``reads_descendant_parameters = True`` (its forward reads its submodules' parameters itself:
+the MoE layer's router, experts and shared expert, ``model/moe.py``) or is compiled with
+``torch.compile`` (``nn.Module.compile``) counts as one module owning all its parameters: one
+hook waits for every bucket of its subtree, and nothing below it is hooked (so no hook runs
+inside a compiled region; the hook of a compiled module is ``torch.compiler.disable``-d, a graph
+break at its start; every hook is, once torch._dynamo is imported). The tied buffer is waited
+for by a
 pre-hook on the chunk itself, because the last stage's head reads the embedding weight
 without calling the embedding module. Before anything else reads the parameters (the next
 optimizer step, a checkpoint save, an evaluation, the end of training) call
@@ -100,7 +109,7 @@ class ParamGatherOverlap:
         if shared:
             self._register(chunk, max(shared))
         for module in self._hook_modules(chunk):
-            params = module.parameters() if _is_compiled(module) else module.parameters(recurse=False)
+            params = module.parameters() if reads_subtree(module) else module.parameters(recurse=False)
             needed = [
                 self._position[(id(where[id(p)][0]), k)] for p in params if id(p) in where for k in where[id(p)][1]
             ]
@@ -109,12 +118,13 @@ class ParamGatherOverlap:
 
     @staticmethod
     def _hook_modules(root: nn.Module):
-        """``root`` and its descendants, not descending into compiled modules."""
+        """``root`` and its descendants, not descending into modules that read their whole
+        subtree's parameters (``reads_subtree``)."""
         stack = [root]
         while stack:
             m = stack.pop()
             yield m
-            if not _is_compiled(m):
+            if not reads_subtree(m):
                 stack.extend(m.children())
 
     def _register(self, module: nn.Module, position: int) -> None:
@@ -168,6 +178,15 @@ class ParamGatherOverlap:
 
 def _is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def reads_subtree(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is where its whole subtree's parameters are read, so that a
+    forward pre-hook waiting for their buckets belongs on it and on nothing below: a module
+    compiled with ``nn.Module.compile`` (its submodules run inside the compiled region), or one
+    whose class sets ``reads_descendant_parameters = True`` (its forward reads the parameters
+    of submodules it does not call, e.g. ``F.linear(x, self.router.weight)``)."""
+    return _is_compiled(module) or bool(getattr(module, "reads_descendant_parameters", False))
 
 
 def eager_hook(module: nn.Module, hook: Callable) -> Callable:

@@ -4,7 +4,9 @@
 ``torch.distributed`` with the gloo backend on 127.0.0.1, calls ``fn(rank, world_size,
 *args, **kwargs)`` and sends back its return value (which must pickle). The first rank to
 fail makes the call raise ``RankError`` carrying that rank's traceback; the others are
-killed. A run longer than ``timeout_s`` seconds raises ``TimeoutError`` (no hang).
+killed. A run longer than ``timeout_s`` seconds raises ``TimeoutError`` (no hang). With
+``MEGAZERO_TEST_DEFERRED_COLLECTIVES=1`` in the environment the ranks run with NCCL's completion
+order (asynchronous collectives land only at ``wait()``: tests/support/deferred.py).
 
 fork is used instead of spawn: starting 8 ranks then costs no re-import of torch, which is
 most of the start-up time on a 2-core machine.
@@ -42,6 +44,8 @@ def _child(fn, rank, world_size, port, results, collective_timeout_s, args, kwar
     import torch
     import torch.distributed as dist
 
+    from tests.support.deferred import install_from_env
+
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -49,7 +53,9 @@ def _child(fn, rank, world_size, port, results, collective_timeout_s, args, kwar
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
-        out = fn(rank, world_size, *args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            install_from_env(stack)  # MEGAZERO_TEST_DEFERRED_COLLECTIVES=1: NCCL's completion order
+            out = fn(rank, world_size, *args, **kwargs)
         dist.barrier()  # nobody tears down connections a peer is still reading from
         # plain pickle: tensors travel by value, not as shared-memory handles that die with the rank
         results.put((rank, True, pickle.dumps(out)))
@@ -119,6 +125,7 @@ def _train_main_rank(args, rank: int, world: int, port: int, log: str, env: dict
     import torch
 
     from megazero import training
+    from tests.support.deferred import install_from_env
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
@@ -141,7 +148,9 @@ def _train_main_rank(args, rank: int, world: int, port: int, log: str, env: dict
     torch.set_num_threads(1)
     code = 1
     try:
-        code = training.main(list(args))
+        with contextlib.ExitStack() as stack:
+            install_from_env(stack)
+            code = training.main(list(args))
     except BaseException:  # the traceback goes to the log, the status to the parent
         traceback.print_exc()
     finally:
