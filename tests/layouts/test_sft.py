@@ -457,36 +457,10 @@ def test_a_global_batch_without_a_loss_token_skips_the_optimizer_step(layout):
     bad step, and every later step equals a run that never saw it (so Adam's moments, step count
     and weight decay did not move either). A batch empty on one dp rank only still trains.
     Under ZeRO-2 at dp 2 and at pp 2."""
-    argv = [
-        "--mock-data",
-        "--vocab-size",
-        "64",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "16",
-        "--micro-batch-size",
-        "2",
-        "--global-batch-size",
-        "8",
-        "--train-iters",
-        "4",
-        "--weight-decay",
-        "0.1",
-        "--lr-decay-style",
-        "constant",  # the same lr at every iteration: A's steps 2-4 meet B's 1-3
-        "--lr-warmup-iters",
-        "0",
-        "--make-vocab-size-divisible-by",
-        "8",
-        "--eval-iters",
-        "0",
-        *layout,
-    ]
+    from tests.support.layouts import BASE
+
+    # the same lr at every iteration: A's steps 2-4 meet B's 1-3
+    argv = BASE + ["--lr-decay-style", "constant", "--lr-warmup-iters", "0", *layout]
     for got in run_distributed(_empty_steps, 2, argv):
         assert got["empty"] and not got["bad"] and got["unchanged"], got
         assert got["values"]["loss"] == 0.0 and got["values"]["skipped_iterations"] == 1
