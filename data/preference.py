@@ -127,6 +127,8 @@ def _chat_render(turns: list, key: str, where: str) -> list[tuple[str, bool]]:
 def _chat_pieces(obj: dict, where: str, keys: PreferenceKeys) -> list[list[tuple[str, bool]]]:
     shared = obj.get(keys.messages)
     shared = [] if shared is None else _turns(shared, keys.messages, where)
+    if shared:  # check the shared turns under their own field's name (a stand-in answer closes them)
+        _chat_render(shared + [{"role": "assistant", "content": ""}], keys.messages, where)
     convs = [shared + _turns(obj[k], k, where) for k in (keys.chosen, keys.rejected)]
     for key, conv in zip((keys.chosen, keys.rejected), convs):
         last = conv[-1]

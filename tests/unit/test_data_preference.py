@@ -248,7 +248,12 @@ CASES = {  # name: (records of bad.jsonl, extra flags, substrings of the one err
             }
         ],
         [],
-        ["bad.jsonl:1: ", "field 'chosen': turn 0 has unknown role 'tool'"],
+        ["bad.jsonl:1: ", "field 'messages': turn 0 has unknown role 'tool'"],
+    ),
+    "conversation content not a string": (
+        [{k: [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}] for k in ("chosen", "rejected")}],
+        [],
+        ["bad.jsonl:1: ", "field 'chosen': turn 0's 'content' is int, not a string"],
     ),
     "final turn not the assistant's": (
         [{"chosen": [SAY], "rejected": [SAY]}],
