@@ -37,9 +37,10 @@ weight, bias), the embedding's reduction.
 Exactness: each gradient is the same operator formula on the same tensors as in the fused
 backward, and each parameter receives one accumulation per micro-batch, so when W runs in
 micro-batch order per chunk (every zero-bubble schedule here does) the summed gradients are
-bit-identical to 1F1B's. Where it cannot hold: a parameter reached through two boundaries in
-one chunk (a weight used twice in one forward, e.g. tied input and output embeddings in one
-chunk): its two contributions are added here in B's order, not in the engine's.
+bit-identical to 1F1B's. Not split: a parameter reached through two boundaries in one chunk
+(a weight used twice in one forward, e.g. tied input and output embeddings in one chunk) raises
+SplitBackwardError. No schedule meets it: a zero-bubble schedule needs pp >= 2, which puts the
+embedding and the output layer in different chunks (ZB-V's V keeps a copy in each).
 
 Vector boundaries (every parameter behind them 1-D: a norm's scale and shift, a bias added
 after a row-parallel reduction) have their weight gradients computed in B, from the same
