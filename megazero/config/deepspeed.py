@@ -28,9 +28,10 @@ otherwise, as are the quantized ZeRO++ switches (``zero_quantized_weights``,
 ``zero_quantized_gradients``), which have no megazero equivalent.
 
 ``sequence_parallel_size`` (DeepSpeed-Ulysses' degree, which DeepSpeed's config reads for its
-sequence-parallel groups) is context parallelism over heads: ``--cp N --cp-comm-type a2a``
-unless the command line chose the communication type; a ``--cp N`` given beside it that agrees
-keeps the all-to-all (the file says which kind of context parallelism it means).
+sequence-parallel groups) is context parallelism over heads: ``--cp N --cp-comm-type a2a``; a
+``--cp N`` given beside it that agrees keeps the all-to-all (the file says which kind of context
+parallelism it means), and a ``--cp-comm-type p2p`` beside it is a conflict naming both. A value
+below 1 is refused naming the key.
 
 ``activation_checkpointing`` (DeepSpeed's activation checkpointing API, as Megatron-DeepSpeed
 uses it with one checkpoint per transformer layer): the block turns on
@@ -190,6 +191,12 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
     refused = [r for r in (_refusal(k, v) for k, v in items) if r]
     if refused:
         raise ConfigError(f"--deepspeed-config {path}: not supported by megazero: " + "; ".join(refused))
+    degree = dict(items).get("sequence_parallel_size")
+    if isinstance(degree, (int, float)) and not isinstance(degree, bool) and degree < 1:
+        raise ConfigError(
+            f"sequence_parallel_size = {json.dumps(degree)} in {path} must be at least 1 (the context-parallel "
+            "size); fix: correct the file"
+        )
     warnings = _activation_checkpointing(doc, path, cfg)
     warnings += _hierarchical_partition(doc.get("zero_optimization"), path)
     for key, raw in items:
@@ -246,6 +253,13 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
         set_value(cfg, name, value)
         cfg.sources[name] = f"{key} in {path}"
     ulysses = dict(items).get("sequence_parallel_size")
+    chosen = cfg.sources.get("parallel.cp_comm_type", "")
+    if isinstance(ulysses, int) and ulysses > 1 and chosen.startswith("--") and cfg.parallel.cp_comm_type != "a2a":
+        raise ConfigError(
+            f"{chosen} {cfg.parallel.cp_comm_type} on the command line conflicts with sequence_parallel_size = "
+            f"{ulysses} in {path} (DeepSpeed-Ulysses: the all-to-all over heads, --cp-comm-type a2a); "
+            "fix: drop one (--cp N alone for ring attention)"
+        )
     if (
         isinstance(ulysses, int)
         and ulysses > 1

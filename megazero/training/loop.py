@@ -207,7 +207,8 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
         if harness_due(cfg, it):
             monitor.log_harness(it, harness_scores(trainer, data.tokenizer, cfg))
         saved = None
-        if s.save and ((s.save_interval and it % s.save_interval == 0) or it == s.train_iters):
+        learned = empty_steps < it - first_iteration + 1  # a run with no loss token yet saves nothing
+        if s.save and learned and ((s.save_interval and it % s.save_interval == 0) or it == s.train_iters):
             saved = trainer.save_checkpoint(s.save)
         reason = outcome.stop_reason or ("interval" if exit_interval and it % exit_interval == 0 else None)
         if reason is not None and it < s.train_iters:

@@ -43,8 +43,8 @@ class StepOutcome:
     """What one ``Trainer.train_step`` produced.
 
     ``values``: the logged values (iteration, consumed_samples, lr, loss [nats/token, the
-    global batch's token mean], grad_norm, loss_scale, skipped_iterations; an MoE model adds
-    moe_aux_loss and moe_z_loss, ``model.gpt.moe_step_end``); ``stop_reason``:
+    global batch's token mean; None for a batch without a loss token], grad_norm, loss_scale,
+    skipped_iterations; an MoE model adds moe_aux_loss and moe_z_loss, ``model.gpt.moe_step_end``); ``stop_reason``:
     a stop every rank agreed on in the step's loss all-reduce (``resilience.agree``), else None;
     ``bad_step``: a non-finite loss or gradient outside fp16's loss scaling (the optimizer
     skipped the update); ``empty``: the global batch had no loss token, so the optimizer step
@@ -304,7 +304,7 @@ class Trainer:
             iteration=s.iteration,
             consumed_samples=s.consumed_samples,
             lr=lr,
-            loss=loss,
+            loss=None if result.empty else loss,  # no loss token: n/a, not a dip to 0 in the curve
             grad_norm=result.grad_norm,
             loss_scale=result.loss_scale,
             skipped_iterations=s.skipped_iterations,

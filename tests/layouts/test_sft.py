@@ -463,7 +463,7 @@ def test_a_global_batch_without_a_loss_token_skips_the_optimizer_step(layout):
     argv = BASE + ["--lr-decay-style", "constant", "--lr-warmup-iters", "0", *layout]
     for got in run_distributed(_empty_steps, 2, argv):
         assert got["empty"] and not got["bad"] and got["unchanged"], got
-        assert got["values"]["loss"] == 0.0 and got["values"]["skipped_iterations"] == 1
+        assert got["values"]["loss"] is None and got["values"]["skipped_iterations"] == 1
         # with dp 1 (pp 2) "empty on dp rank 0" is the whole global batch
         assert got["half_empty"] == (got["dp"] == 1) and got["a_skipped"] == 1 + got["half_empty"]
         assert got["a_losses"] == got["b_losses"] and got["same"], got
@@ -488,7 +488,7 @@ def test_a_run_whose_every_step_is_empty_exits_2_naming_the_data(sft, prompts_fi
     samples, and the run ends with exit 2 and one error line naming --data-path (no training on
     nothing, no 'unigram baseline: nan')."""
     prefix = prompts_fill_the_sequence
-    argv = _argv(sft, "pad") + ["--run-dir", str(tmp_path / "run")]
+    argv = _argv(sft, "pad") + ["--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ckpt")]
     argv[argv.index(sft["prefix"])] = prefix
     argv[argv.index("--train-iters") + 1] = "3"
     out = subprocess.run([sys.executable, "train.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -500,3 +500,4 @@ def test_a_run_whose_every_step_is_empty_exits_2_naming_the_data(sft, prompts_fi
     assert len(errors) == 1 and "none of the 3 steps of this run had a loss token" in errors[0], out.stderr
     assert f"--data-path {prefix}" in errors[0] and "Traceback" not in out.stderr
     assert "skipped iterations: 3" in out.stdout and "nan" not in out.stdout
+    assert "loss: n/a" in out.stdout and not (tmp_path / "ckpt").exists()  # nothing learned, nothing saved

@@ -947,17 +947,23 @@ def test_cp_comm_type_at_cp_1_is_a_warning(capsys):
 
 def test_deepspeed_sequence_parallel_size_is_ulysses_context_parallelism(files, capsys):
     """DeepSpeed-Ulysses' ``sequence_parallel_size`` N is --cp N over heads (a2a); a
-    --cp-comm-type on the command line wins; a disagreeing --cp is refused naming both."""
+    --cp-comm-type p2p or a disagreeing --cp on the command line is refused naming both; a value
+    below 1 is refused naming the key."""
     path = files["json"]({"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": 2})
     p = config_from_argv(M + ["--deepspeed-config", path], 2).parallel
     assert (p.cp, p.cp_comm_type, p.dp) == (2, "a2a", 1)
-    p = config_from_argv(M + ["--cp-comm-type", "p2p", "--deepspeed-config", path], 2).parallel
-    assert (p.cp, p.cp_comm_type) == (2, "p2p")
+    err = fails(M + ["--cp-comm-type", "p2p", "--deepspeed-config", path], 2, capsys)
+    assert "--cp-comm-type p2p on the command line conflicts with sequence_parallel_size = 2" in err
+    p = config_from_argv(M + ["--cp-comm-type", "a2a", "--deepspeed-config", path], 2).parallel
+    assert (p.cp, p.cp_comm_type) == (2, "a2a")
     err = fails(M + ["--cp", "4", "--deepspeed-config", path], 4, capsys)
     assert "--cp 4 on the command line conflicts with sequence_parallel_size = 2" in err
     # a --cp that agrees with the file keeps the file's meaning: Ulysses' all-to-all, not the ring
     p = config_from_argv(M + ["--cp", "2", "--deepspeed-config", path], 2).parallel
     assert (p.cp, p.cp_comm_type) == (2, "a2a")
+    for bad in (0, -1):
+        err = fails(M + ["--deepspeed-config", files["json"]({"sequence_parallel_size": bad})], 1, capsys)
+        assert f"sequence_parallel_size = {bad} in" in err and "must be at least 1" in err
 
 
 def test_parallel_sizes_read_the_deepspeed_file_for_a_size_not_given(files):
