@@ -142,7 +142,8 @@ def sample(
     seed: int = 0,
     eod: Optional[int] = None,
 ) -> list[int]:
-    """``prompt_ids`` continued by up to ``max_new_tokens`` tokens (stops after ``eod``).
+    """``prompt_ids`` continued by up to ``max_new_tokens`` tokens (stops after ``eod``, and when
+    the sequence fills the model's ``max_position_embeddings`` positions).
 
     Collective over the stage's TP group (every TP rank calls it with the same arguments and
     gets the same ids). Reproducible: the same seed gives the same tokens. Raises ValueError
@@ -157,7 +158,8 @@ def sample(
     ids = list(prompt_ids)
     new = torch.tensor([ids], device=device)  # (1, T0): the prefill
     try:
-        for _ in range(max_new_tokens):
+        room = stage.cfg.max_position_embeddings - len(ids)  # every token of the result has a position
+        for _ in range(min(max_new_tokens, room)):
             token = int(choose(forward_cached(stage, new, caches), temperature, top_k, top_p, generator)[0])
             ids.append(token)
             if token == eod:

@@ -159,6 +159,13 @@ def main(argv=None) -> int:
             seed=args.seed,
             eod=None if tok is None else tok.eod,
         )
+        made, limit = len(ids) - len(prompt), stage.cfg.max_position_embeddings
+        if rank == 0 and made < args.max_new_tokens and len(ids) == limit and (tok is None or ids[-1] != tok.eod):
+            print(
+                f"generate: note: stopped after {made} new tokens at the model's {limit} positions "
+                f"(--max-new-tokens {args.max_new_tokens} after a prompt of {len(prompt)})",
+                file=sys.stderr,
+            )
     except INPUT_ERRORS as e:  # a file that changed since check_inputs
         if rank == 0:
             print(f"generate: error: {e}", file=sys.stderr)

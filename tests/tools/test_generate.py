@@ -61,6 +61,19 @@ def test_kv_cache_logits_equal_the_full_forward(hf_dir):
         forward_cached(stage, torch.zeros(1, 60, dtype=torch.long), caches)
 
 
+def test_generation_stops_at_the_models_positions(hf_dir):
+    """More new tokens than the model has positions: the continuation fills the 64 positions and
+    stops there, as the docs say (it used to raise in the middle of decoding, naming 65)."""
+    from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
+    from model.sampling import sample
+
+    stage, _ = load_model(generate_args(hf_dir), ProcessGroups.single(), torch.device("cpu"))
+    for prompt, new in (([5, 17, 30], 70), ([1] * 64, 5), ([2] * 63, 1)):
+        ids = sample(stage, prompt, new)
+        assert len(ids) == min(64, len(prompt) + new) and ids[: len(prompt)] == prompt
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_equals_transformers_generate_and_sampling_is_reproducible(hf_dir, tp):
     prompt, greedy, drawn = run_distributed(_tp_generate, tp, hf_dir)[0]
