@@ -191,10 +191,10 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
     refused = [r for r in (_refusal(k, v) for k, v in items) if r]
     if refused:
         raise ConfigError(f"--deepspeed-config {path}: not supported by megazero: " + "; ".join(refused))
-    degree = dict(items).get("sequence_parallel_size")
-    if isinstance(degree, (int, float)) and not isinstance(degree, bool) and degree < 1:
+    ulysses = dict(items).get("sequence_parallel_size")
+    if isinstance(ulysses, (int, float)) and not isinstance(ulysses, bool) and ulysses < 1:
         raise ConfigError(
-            f"sequence_parallel_size = {json.dumps(degree)} in {path} must be at least 1 (the context-parallel "
+            f"sequence_parallel_size = {json.dumps(ulysses)} in {path} must be at least 1 (the context-parallel "
             "size); fix: correct the file"
         )
     warnings = _activation_checkpointing(doc, path, cfg)
@@ -252,7 +252,6 @@ def load_deepspeed_config(path: str, cfg: Config) -> list[str]:
             continue
         set_value(cfg, name, value)
         cfg.sources[name] = f"{key} in {path}"
-    ulysses = dict(items).get("sequence_parallel_size")
     chosen = cfg.sources.get("parallel.cp_comm_type", "")
     if isinstance(ulysses, int) and ulysses > 1 and chosen.startswith("--") and cfg.parallel.cp_comm_type != "a2a":
         raise ConfigError(

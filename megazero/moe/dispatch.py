@@ -34,6 +34,7 @@ from typing import Callable, Mapping
 import torch
 
 from megazero import collectives as C
+from megazero.moe.router import assignment_counts
 
 Expert = Callable[[torch.Tensor], torch.Tensor]  # rows [n, H] -> outputs [n, W]
 
@@ -124,12 +125,9 @@ def _expert_order(assigned: torch.Tensor, first: int, n: int):
     reads ``counts`` on the host once (the one sync of a dispatch) and cuts ``order`` with
     :func:`_kept`."""
     flat = assigned.reshape(-1) - first
-    inside = (flat >= 0) & (flat < n)
-    key = torch.where(inside, flat, n)  # the experts in order, then everything left out
+    key = torch.where((flat >= 0) & (flat < n), flat, n)  # the experts in order, then everything left out
     order = torch.sort(key, stable=True).indices  # stable: token-major inside an expert
-    counts = torch.zeros(n + 1, dtype=torch.int64, device=assigned.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    return order, counts[:n]
+    return order, assignment_counts(key, n)
 
 
 def _kept(order: torch.Tensor, kept: int, k: int, assigned: torch.Tensor):

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from data.gpt_dataset import parse_data_path
 from megazero.config import Config
 from megazero.runtime import resilience
 from megazero.runtime.launch import Launch
@@ -101,19 +102,9 @@ EMPTY_STEP_WARNINGS = 10
 
 def data_name(cfg: Config) -> str:
     """The training data as the command line named it (``--data-path`` prefixes, or mock data)."""
-    d = cfg.data
     if cfg.train.mock_data:
         return "--mock-data"
-    prefixes = [p for p in d.data_path if not _is_number(p)]  # a blend: W1 PREFIX1 W2 PREFIX2 ...
-    return "--data-path " + " ".join(prefixes)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    return "--data-path " + " ".join(prefix for _, prefix in parse_data_path(cfg.data.data_path))
 
 
 def report_empty_step(trainer: Trainer, monitor: Monitor, empty_steps: int) -> None:
