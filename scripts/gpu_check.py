@@ -14,7 +14,8 @@ is in one folder (``--out``, default ``runs/gpu_check-<UTC date-time>``):
   training runs' ``metrics.jsonl``).
 
 When the environment variable ``OUT`` names a folder (the device machine returns what is
-under it), the folder is mirrored to ``$OUT/<folder name>`` after every step.
+under it), the summaries are copied to ``$OUT/<folder name>/`` and the whole folder packed into
+``$OUT/<folder name>.tar.gz`` after every step (:func:`mirror`).
 
 A step's key numbers are the ``gpu_check key NAME VALUE`` lines of its log (the probes print
 them), plus what :data:`PATTERNS` reads from the tools' own report lines (pytest's counts,
@@ -285,23 +286,45 @@ def write_summary(out: str, outcomes: list[Outcome], header: dict) -> int:
     return 1 if bad else 0
 
 
+MIRROR_FILE_CAP = 8 << 20  # bytes: a larger file (a long profiler trace) stays out of the archive
+
+
 def mirror(out: str) -> None:
-    """Copy ``out`` to ``$OUT/<basename>`` (files new or changed since the last copy)."""
+    """Return ``out`` through ``$OUT``: ``$OUT/<basename>/summary.txt`` and ``summary.json`` as
+    they are, and everything in ``out`` as ``$OUT/<basename>.tar.gz`` (files over
+    :data:`MIRROR_FILE_CAP` left out and named in ``left_out.txt`` beside the summaries).
+
+    One archive instead of a copy of the folder, because a lending machine returns only a few
+    files (the workplace's device tool: 8 files, 16 MiB each, 2 folders deep)."""
+    import tarfile
+
     dest_root = os.environ.get("OUT")
     if not dest_root:
         return
-    dest = os.path.join(dest_root, os.path.basename(os.path.abspath(out)))
-    here, there = os.path.realpath(out), os.path.realpath(dest)
+    name = os.path.basename(os.path.abspath(out))
+    dest = os.path.join(dest_root, name)
+    here, there = os.path.realpath(out), os.path.realpath(dest_root)
     if os.path.commonpath([here, there]) in (here, there):  # --out under $OUT already, or $OUT itself
         return
-    for here, _, files in os.walk(out):
-        there = os.path.join(dest, os.path.relpath(here, out))
-        os.makedirs(there, exist_ok=True)
-        for name in files:
-            src, dst = os.path.join(here, name), os.path.join(there, name)
-            st = os.stat(src)
-            if not os.path.exists(dst) or os.stat(dst).st_size != st.st_size or os.stat(dst).st_mtime < st.st_mtime:
-                shutil.copy2(src, dst)
+    os.makedirs(dest, exist_ok=True)
+    for summary in ("summary.txt", "summary.json"):
+        if os.path.exists(os.path.join(out, summary)):
+            shutil.copy2(os.path.join(out, summary), os.path.join(dest, summary))
+    left_out = []
+    tmp = os.path.join(dest_root, f".{name}.tar.gz.part")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for folder, _, files in os.walk(out):
+            for f in sorted(files):
+                path = os.path.join(folder, f)
+                rel = os.path.join(name, os.path.relpath(path, out))
+                if os.path.getsize(path) > MIRROR_FILE_CAP:
+                    left_out.append(f"{rel} ({os.path.getsize(path)} bytes)")
+                else:
+                    tar.add(path, arcname=rel)
+    os.replace(tmp, os.path.join(dest_root, name + ".tar.gz"))
+    if left_out:
+        with open(os.path.join(dest, "left_out.txt"), "w", encoding="utf-8") as f:
+            f.write("\n".join(left_out) + "\n")
 
 
 def skip_reason(step: Step, gpus: Optional[int], left_s: float) -> str:

@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -140,7 +141,9 @@ def test_a_failing_a_timed_out_and_a_passing_step_all_run_and_are_summarised(tmp
     assert text.splitlines()[-1] == "result: FAIL (2 of 4 steps: broken fail, slow timeout)"
     assert re.search(r"^slow +timeout +[\d.]+ +2 ", text, re.M) and "\n" + " " * 25 + "boom\n" in text, text
     assert (mirror / "check" / "summary.json").read_text() == (out / "summary.json").read_text()
-    assert (mirror / "check" / "broken.log").exists()
+    with tarfile.open(mirror / "check.tar.gz") as tar:
+        assert tar.extractfile("check/broken.log").read() == (out / "broken.log").read_bytes()
+        assert sorted(tar.getnames()) == sorted("check/" + p.name for p in out.iterdir())
 
 
 def test_a_check_terminated_from_outside_still_leaves_its_summary(tmp_path):
