@@ -265,9 +265,28 @@ def grouped_mm_check(device: torch.device) -> dict:
     return report
 
 
+def _our_frame(stack) -> str:
+    """``path:line`` of the innermost frame of ``stack`` (a ``traceback.extract_stack()``) in
+    this repository, followed by ``<- torch/...:line`` when a library frame sits inside it (the
+    place a warning names is where the C++ call came from, often inside torch itself)."""
+    inner = stack[-1]
+    for frame in reversed(stack):
+        rel = os.path.relpath(frame.filename, ROOT)
+        if not rel.startswith("..") and not rel.startswith("scripts"):
+            mine = f"{rel}:{frame.lineno}"
+            if frame is inner:
+                return mine
+            lib = inner.filename.split("site-packages" + os.sep)[-1]
+            return f"{mine} <- {lib}:{inner.lineno}"
+    return f"{inner.filename}:{inner.lineno}"
+
+
 def sync_count(device: torch.device, extra: list[str]) -> dict:
     """Host syncs per step of ``SMALL + extra`` on ``device``: the warnings of
-    ``torch.cuda.set_sync_debug_mode("warn")`` over 2 steps after 2 warm-up steps, by place."""
+    ``torch.cuda.set_sync_debug_mode("warn")`` over 2 steps after 2 warm-up steps, by place (the
+    innermost frame in this repository: :func:`_our_frame`)."""
+    import traceback
+
     from megazero.training import build_trainer
 
     trainer = build_trainer(SMALL + extra + ["--device", "cuda"], 1, device=device)
@@ -275,17 +294,23 @@ def sync_count(device: torch.device, extra: list[str]) -> dict:
         trainer.train_step(trainer.next_batches())
     torch.cuda.synchronize(device)
     places: Counter = Counter()
-    with warnings.catch_warnings(record=True) as caught:
+
+    def seen(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            stack = traceback.extract_stack()[:-1]  # less this hook
+            while stack and os.path.basename(stack[-1].filename) == "warnings.py":
+                stack.pop()
+            places[_our_frame(stack)] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = seen
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(2):
                 trainer.train_step(trainer.next_batches())
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            places[f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}"] += 1
     return dict(per_step=sum(places.values()) / 2, places=dict(places.most_common(12)))
 
 
