@@ -307,6 +307,71 @@ class PreferencePairs:
         )
 
 
+class PreferenceSplit:
+    """One split of the pairs as a sequence dataset for training: sample ``2k`` is the chosen and
+    ``2k + 1`` the rejected sequence of the ``k``-th pair drawn, so data.sft's ``sft_micro_batches``
+    slices it into ``(tokens, labels, loss_mask)`` micro-batches and a data-parallel rank's
+    share (an even number of samples) holds whole pairs.
+
+    ``pairs``: a PreferencePairs; ``indices``: the pair ids of this split (``--split`` applied
+    to the pairs in file order); ``num_samples``: the sequences it must serve; ``seq_length``:
+    tokens per sample (each sample has ``seq_length + 1``: right-padded with ``pad_id`` at
+    mask 0, cut at ``seq_length + 1``); ``seed``: the pairs are drawn in a fresh permutation of
+    ``indices`` each epoch (numpy ``default_rng((seed, epoch))``), so the order does not depend
+    on the layout. ``dataset[i]`` -> (ids int64 [T + 1], mask uint8 [T + 1]); ``pair_of(i)``:
+    the pair id of sample ``i``. Raises DataError for an empty split, and, on reading, for a
+    sequence with no response label within ``seq_length + 1`` tokens (naming its record)."""
+
+    def __init__(self, pairs: PreferencePairs, indices, num_samples: int, seq_length: int, seed: int, pad_id: int):
+        self.pairs, self.indices = pairs, np.asarray(indices, dtype=np.int64)
+        if len(self.indices) == 0:
+            raise DataError(f"{pairs.prefix}: the split holds no pair; fix: give it a positive share in --split")
+        self.num_samples, self.seq_length, self.seed, self.pad_id = num_samples, seq_length, seed, pad_id
+        self._epoch, self._order = -1, None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def pair_of(self, i: int) -> int:
+        k = i // 2
+        epoch, j = divmod(k, len(self.indices))
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, np.random.default_rng((self.seed, epoch)).permutation(self.indices)
+        return int(self._order[j])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
+        p = self.pair_of(i)
+        ct, cm, rt, rm, _ = self.pairs.pair(p)
+        t, m, side = (ct, cm, "chosen") if i % 2 == 0 else (rt, rm, "rejected")
+        check_scored(m, self.seq_length, f"the {side} sequence", f"{self.pairs.where(p)} (pair {p})")
+        cap = self.seq_length + 1
+        ids = np.full(cap, self.pad_id, dtype=np.int64)
+        mask = np.zeros(cap, dtype=np.uint8)
+        k = min(len(t), cap)
+        ids[:k], mask[:k] = t[:k], m[:k]
+        return ids, mask
+
+
+def preference_splits(prefix: str, split: str, num_samples, seq_length: int, seed: int, pad_id: int):
+    """(train, valid, test) ``PreferenceSplit`` of the pairs at ``prefix`` by ``--split``
+    (``data.gpt_dataset.split_ranges`` over the pairs in file order; an empty valid or test
+    split is None); ``num_samples`` the sequences each must serve. Raises DataError."""
+    from data.gpt_dataset import parse_split, split_ranges
+
+    pairs = PreferencePairs(prefix)
+    out = []
+    for (a, b), n, name in zip(split_ranges(len(pairs), parse_split(split)), num_samples, ("train", "valid", "test")):
+        if b > a:
+            out.append(PreferenceSplit(pairs, range(a, b), n, seq_length, seed, pad_id))
+        elif name == "train":
+            raise DataError(f"--split {split} leaves no pair of {prefix} for training; fix: e.g. --split 95,5,0")
+        else:
+            out.append(None)
+    return tuple(out)
+
+
 class PreferenceBatch(NamedTuple):
     """One micro-batch of B/2 pairs: ``tokens``, ``labels`` int64 [B, T], ``loss_mask`` float32
     [B, T] (rows 2j chosen, 2j + 1 rejected, of pair start + j), ``margin`` float32 [B/2]."""

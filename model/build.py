@@ -93,7 +93,9 @@ MOE_FIELDS = (
 )
 
 
-def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups, device: torch.device) -> list[GPTStage]:
+def build_model_chunks(
+    gcfg: GPTConfig, cfg: Config, groups: ProcessGroups, device: torch.device, materialize: Optional[bool] = None
+) -> list[GPTStage]:
     """This rank's model chunks (one, or V for the interleaved schedule), in the model dtype.
 
     Every chunk starts from the full tensors of (seed, parameter name) and keeps its
@@ -102,7 +104,8 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups, devi
     unmaterialized (``materialized`` False: placeholders holding no memory) and
     ``DataParallel(initial_values=initial_values(chunks))`` writes each parameter straight into
     its gather unit's shard, so no rank ever holds its whole partition. With ``--tf32`` on
-    CUDA, fp32 matmuls run on TF32 (``set_tf32``).
+    CUDA, fp32 matmuls run on TF32 (``set_tf32``). ``materialize`` (default: unless ZeRO-3)
+    overrides that choice, e.g. False for chunks filled later from a checkpoint's partitions.
     """
     p = cfg.parallel
     set_tf32(cfg.precision.tf32, device)
@@ -123,7 +126,7 @@ def build_model_chunks(gcfg: GPTConfig, cfg: Config, groups: ProcessGroups, devi
             rng_tracker=tracker,
             device=device,
             full_weights=full,
-            materialize=not sharding_policy(cfg.zero.stage).shards_params,
+            materialize=not sharding_policy(cfg.zero.stage).shards_params if materialize is None else materialize,
         )
         tracker = chunk.rng_tracker  # one dropout stream for all chunks of this stage
         chunks.append(chunk)

@@ -501,7 +501,13 @@ def publish(root: str, iteration: int, tmp: str) -> str:
 
 
 def load(
-    root: str, optimizer, chunks, groups: ProcessGroups, *, real_rows: Optional[Callable[[str], Optional[int]]] = None
+    root: str,
+    optimizer,
+    chunks,
+    groups: ProcessGroups,
+    *,
+    real_rows: Optional[Callable[[str], Optional[int]]] = None,
+    weights_only: bool = False,
 ) -> dict:
     """Load the latest checkpoint under ``root`` into ``optimizer`` (and so the model).
 
@@ -514,6 +520,8 @@ def load(
     vocabulary size of a padded vocabulary tensor: those rows are read, the rows after them
     zeroed, so a checkpoint saved with another vocabulary padding loads. Returns ``meta``
     plus ``rng_state`` (this rank's saved RNG, or None when the layout differs).
+    ``weights_only`` (``--finetune``) reads the main parameters alone: the moments, the
+    optimizer's counters and the RNG state stay as they are (``rng_state`` None).
     Raises CheckpointError when there is no complete checkpoint, a tensor is missing or has
     another shape, a tensor file fails to read, or (same layout) this rank's
     ``rng_<rank>.pt`` is missing or unreadable. Collective (DCP's planning, the all-gather).
@@ -526,9 +534,11 @@ def load(
     saved = _read_metadata(d).state_dict_metadata
     dcp, shards, CheckpointException = _dcp(), _shards(), _checkpoint_exception()
     mine, params = shards.owned_chunks(optimizer, groups)
+    keys = shards.STATE_KEYS[:1] if weights_only else shards.STATE_KEYS
+    mine = {k: v for k, v in mine.items() if k.rsplit("/", 1)[-1] in keys}
     for name, (_, shape) in params.items():
         rows = None if real_rows is None else real_rows(name)
-        for k in shards.STATE_KEYS:
+        for k in keys:
             key = f"{name}/{k}"
             _check_fits(d, saved, key, name, shape, rows)
             if rows is not None:
@@ -547,11 +557,12 @@ def load(
         )
     except (Exception, CheckpointException) as e:  # a damaged .distcp file (DCP gathers every rank's failure)
         raise _read_error(d, e) from None
-    optimizer.load_counters(meta["optimizer"])
+    if not weights_only:
+        optimizer.load_counters(meta["optimizer"])
     optimizer.refresh_model_params()
     same_layout = meta["layout"] == dict(tp=groups.tp_size, pp=groups.pp_size, dp=groups.dp_size)
     rng_path = os.path.join(d, f"rng_{groups.rank}.pt")
-    meta["rng_state"] = _load_file(rng_path, weights_only=False) if same_layout else None
+    meta["rng_state"] = _load_file(rng_path, weights_only=False) if same_layout and not weights_only else None
     meta["same_layout"] = same_layout
     meta["directory"] = d
     return meta

@@ -532,6 +532,43 @@ def _check_fim(cfg: Config, world_size: int) -> None:
         )
 
 
+def _check_post_train(cfg: Config, world_size: int) -> None:
+    """Post-training: no dropout unless --post-train-allow-dropout (reference and policy
+    log-probabilities must differ by the update alone; TRL #2042 and DeepSpeed-Chat's PPO met
+    it); --post-train dpo reads preference pairs (python -m data.preference: not --sft, --mock-data,
+    fill-in-the-middle or --eod-mask-loss) with both sequences of a pair in one micro-batch (even
+    --micro-batch-size)."""
+    post, d, t = cfg.post, cfg.data, cfg.train
+    if post.mode is None:
+        return
+    mode = f"--post-train {post.mode}" if "post.mode" in cfg.sources else "--sft"
+    dropout = [(n, get_value(cfg, n)) for n in ("model.hidden_dropout", "model.attention_dropout")]
+    on = [f"{show_flag(cfg, n)} {v}" for n, v in dropout if v > 0]
+    if on and not post.allow_dropout:
+        raise ConfigError(
+            f"{' and '.join(on)} with {mode}: dropout makes the policy's log-probabilities differ from the "
+            "reference's by noise; fix: set them to 0, or add --post-train-allow-dropout"
+        )
+    if post.mode != "dpo":
+        return
+    if d.sft and "data.sft" in cfg.sources:
+        raise ConfigError("--sft with --post-train dpo: choose one mode; fix: drop --sft")
+    if t.mock_data:
+        raise ConfigError(
+            "--post-train dpo with --mock-data: preference optimisation needs pairs; fix: give --data-path "
+            "PREFIX of python -m data.preference (PREFIX_pairs.npz) and its --tokenizer-model"
+        )
+    if d.fim_rate > 0 or d.eod_mask_loss:
+        flag = "--fim-rate" if d.fim_rate > 0 else "--eod-mask-loss"
+        raise ConfigError(f"{flag} with --post-train dpo: a pair's loss mask marks its response; fix: drop {flag}")
+    mbs = t.micro_batch_size
+    if mbs is not None and mbs % 2:
+        raise ConfigError(
+            f"--micro-batch-size {mbs} with --post-train dpo: a pair's chosen and rejected sequences share a "
+            f"micro-batch, so it must be even; fix: --micro-batch-size {mbs + 1}"
+        )
+
+
 def _check_logging(cfg: Config, world_size: int) -> None:
     """--wandb-project needs the optional wandb package (pyproject extra ``wandb``)."""
     if cfg.log.wandb_project is not None and importlib.util.find_spec("wandb") is None:
@@ -596,6 +633,7 @@ _CHECKS = (
     _check_optim_precision,
     _check_offload,
     _check_hybrid_shard,
+    _check_post_train,
 )
 
 

@@ -43,6 +43,10 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
     _derive_zero3_knobs(cfg)
     o.lr_decay_iters = t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters
     o.lr_warmup_iters = t.train_iters // 10 if o.lr_warmup_iters is None else o.lr_warmup_iters
+    if cfg.post.mode == "sft":  # --post-train sft is --sft; --sft alone names the mode
+        d.sft = True
+    elif cfg.post.mode is None and d.sft:
+        cfg.post.mode = "sft"
     if t.mock_data:
         d.vocab_size = MOCK_VOCAB_SIZE if d.vocab_size is None else d.vocab_size
         if d.data_path:

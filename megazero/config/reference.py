@@ -23,6 +23,7 @@ TITLES = {
     "zero": "ZeRO and offload",
     "data": "Data",
     "log": "Logging, metrics and profiling",
+    "post": "Post-training",
     "deepspeed_config": "DeepSpeed configuration file",
 }
 

@@ -409,6 +409,12 @@ class TrainingConfig:
     )
     save: Optional[str] = _f(None, "checkpoint directory to write; None = no checkpoints", "path")
     load: Optional[str] = _f(None, "checkpoint directory to resume from", "path")
+    finetune: bool = _f(
+        False,
+        "start from --load's weights only: iteration 0, a fresh optimizer, the data from its start "
+        "and the dropout streams from --seed (Megatron-LM's --finetune: the next stage of post-training)",
+        applies=Needs("train.load", besides=(None,), refuse=True, wanted="--load DIR"),
+    )
     save_interval: Optional[int] = _f(
         None, "checkpoint every this many steps; None = at the end only", "iterations", ge=1, applies=_SAVE
     )
@@ -811,6 +817,75 @@ class DataConfig:
     )
 
 
+_DPO = Needs("post.mode", ("dpo",))
+_REFERENCE = (_DPO, Needs("post.dpo_loss", besides=("simpo",)))  # SimPO is reference-free
+
+
+@dataclass
+class PostTrainConfig:
+    """Post-training modes of the one trainer (docs/post-training.md): supervised fine-tuning
+    and preference optimisation against a frozen reference model."""
+
+    mode: Optional[str] = _f(
+        None,
+        "sft: supervised fine-tuning (the same as --sft); dpo: preference optimisation on "
+        "python -m data.preference pairs (--dpo-loss picks DPO, IPO, SimPO or hinge); None = pre-training",
+        flags=("--post-train",),
+        choices=("sft", "dpo"),
+    )
+    dpo_beta: float = _f(
+        0.1,
+        "beta: the inverse temperature of the implicit reward beta x log(pi / pi_ref) "
+        "(Rafailov et al. 2023, eq. 7); SimPO's reward scale",
+        gt=0,
+        applies=_DPO,
+    )
+    dpo_loss: str = _f(
+        "sigmoid",
+        "sigmoid: DPO (-log sigmoid of the reward margin); ipo: IPO's squared loss on length-averaged "
+        "log-ratios (Azar et al. 2023); simpo: reference-free, length-normalised with margin "
+        "--simpo-gamma (Meng et al. 2024); hinge: max(0, 1 - margin) (SLiC, Zhao et al. 2023)",
+        choices=("sigmoid", "ipo", "simpo", "hinge"),
+        applies=_DPO,
+    )
+    dpo_label_smoothing: float = _f(
+        0.0,
+        "the probability that a pair's preference is flipped (conservative DPO, cDPO); in [0, 0.5)",
+        "probability",
+        ge=0,
+        lt=0.5,
+        applies=_DPO,
+    )
+    dpo_sft_weight: float = _f(
+        0.0,
+        "weight of the chosen response's mean token negative log-likelihood added to each pair's "
+        "loss (RPO, Pang et al. 2024); 0 = off",
+        ge=0,
+        applies=_DPO,
+    )
+    simpo_gamma: float = _f(
+        0.5,
+        "SimPO's target reward margin gamma (in reward units, subtracted inside the sigmoid)",
+        ge=0,
+        applies=(_DPO, Needs("post.dpo_loss", ("simpo",))),
+    )
+    ref_load: Optional[str] = _f(
+        None,
+        "checkpoint directory of the frozen reference model (its latest checkpoint, any layout); "
+        "None = the policy's starting point: --load's checkpoint, --from-hf's weights, or the "
+        "seeded initialisation; a resumed run keeps the reference its checkpoint records",
+        "path",
+        applies=_REFERENCE,
+    )
+    allow_dropout: bool = _f(
+        False,
+        "let post-training run with dropout on (the policy's log-probabilities then differ from "
+        "the reference's by the dropout noise alone)",
+        flags=("--post-train-allow-dropout",),
+        applies=Needs("post.mode", besides=(None,)),
+    )
+
+
 @dataclass
 class LoggingConfig:
     """Console log, TensorBoard, Weights & Biases, metrics file, MFU peak, final sample."""
@@ -882,6 +957,7 @@ class Config:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LoggingConfig = field(default_factory=LoggingConfig)
+    post: PostTrainConfig = field(default_factory=PostTrainConfig)
     deepspeed_config: Optional[str] = _f(
         None,
         "DeepSpeed-style JSON file (keys read: README, section DeepSpeed configuration files; "

@@ -422,7 +422,7 @@ def _backward(
     return input_tensor.grad
 
 
-def make_forward_step(tokens_per_dp_rank: float, watch=None):
+def make_forward_step(tokens_per_dp_rank: float, watch=None, sequence_loss=None):
     """Megatron's ``forward_step`` contract: (batch, chunk, input) -> (output, loss_fn).
 
     ``batch`` is (tokens, labels), each ``(micro_batch_size, seq_length)`` int64, or (tokens,
@@ -438,6 +438,8 @@ def make_forward_step(tokens_per_dp_rank: float, watch=None):
     then divide by dp x cp) the step minimises the mean over all counted targets of the
     global batch (docs/design.md, contract 1).
     ``watch(batch, chunk, input, output) -> output`` sees every forward (``megazero.runtime.resilience.ForwardWatch``).
+    ``sequence_loss(batch, per_token_loss) -> share`` replaces the token-mean loss (post-training
+    losses of whole sequences: ``megazero.post_training.preference.PreferenceStep.loss``).
     """
 
     def forward_step(batch, chunk, input_tensor):
@@ -449,6 +451,8 @@ def make_forward_step(tokens_per_dp_rank: float, watch=None):
             out = watch(batch, chunk, input_tensor, out)
 
         def loss_fn(per_token_loss):  # summed in fp64: exact to rounding for any token count
+            if sequence_loss is not None:
+                return sequence_loss(batch, per_token_loss)
             if seq is not None and seq.loss_mask is not None:
                 per_token_loss = per_token_loss * seq.loss_mask
             return per_token_loss.sum(dtype=torch.float64) / tokens_per_dp_rank

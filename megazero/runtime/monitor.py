@@ -34,6 +34,9 @@ tag                            values key             unit
 ``memory/peak_bytes``          ``peak_memory_bytes``  bytes, see :func:`memory_stats`
 ``train/moe_aux_loss``         ``moe_aux_loss``       MoE: load-balancing loss added
 ``train/moe_z_loss``           ``moe_z_loss``         MoE: router z-loss added
+``dpo/rewards_chosen`` ...     ``rewards_chosen``...  --post-train dpo: mean implicit rewards of the
+                                                      chosen and rejected responses, reward accuracy
+                                                      and margin over the global batch's pairs
 ``moe/layer{i}/...``           ``moe_layers``         MoE layer i: ``aux_loss``, ``z_loss`` (its
                                                       mean over the micro-batches),
                                                       ``dropped_fraction`` (of its assignments),
@@ -67,6 +70,8 @@ kind ``"train"``         one per :meth:`Monitor.log_iteration`
 ``peak_memory_bytes``    int, bytes, peak memory of the logging rank
 ``moe_aux_loss`` ...     MoE runs only: ``moe_aux_loss``, ``moe_z_loss`` (floats) and
                          ``moe_layers`` ({layer id: the statistics of ``model.gpt.moe_step_end``})
+``rewards_chosen`` ...   --post-train dpo only: ``rewards_chosen``, ``rewards_rejected``,
+                         ``reward_accuracy``, ``reward_margin`` (floats; ``post_training.preference``)
 kind ``"valid"``         one per :meth:`Monitor.log_validation`
 ``iteration``            int
 ``loss``                 float, nats/token on the validation split
@@ -119,6 +124,9 @@ ITERATION_KEYS = (
 #: coefficient-weighted load-balancing and z-loss (added to the loss; ``model.gpt.moe_step_end``).
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss")
 MOE_TAGS = {"moe_aux_loss": "train/moe_aux_loss", "moe_z_loss": "train/moe_z_loss"}
+#: --post-train dpo: the step's implicit-reward statistics (``megazero.post_training.preference.METRICS``).
+PREFERENCE_KEYS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin")
+MOE_TAGS.update({key: f"dpo/{key}" for key in PREFERENCE_KEYS})
 #: per-MoE-layer routing statistics (``model.gpt.moe_step_end``'s ``moe_layers``), logged when given.
 MOE_LAYERS_KEY = "moe_layers"
 
@@ -454,7 +462,7 @@ class Monitor:
         missing ones are ``n/a``/``null``). Raises ValueError for an unknown key or an
         ``iteration`` value different from ``it``.
         """
-        unknown = set(values) - set(ITERATION_KEYS) - set(MOE_KEYS) - {MOE_LAYERS_KEY}
+        unknown = set(values) - set(ITERATION_KEYS) - set(MOE_KEYS) - set(PREFERENCE_KEYS) - {MOE_LAYERS_KEY}
         if unknown:
             raise ValueError(f"unknown iteration values {sorted(unknown)}; expected keys from {ITERATION_KEYS}")
         if values.get("iteration", it) != it:
@@ -465,7 +473,7 @@ class Monitor:
         record["iteration"] = it
         for key in _INT_KEYS:
             record[key] = None if record[key] is None else int(record[key])
-        moe = {key: _plain(values[key]) for key in MOE_KEYS if key in values}
+        moe = {key: _plain(values[key]) for key in MOE_KEYS + PREFERENCE_KEYS if key in values}
         line = format_iteration_line(record, self.train_iters)
         if moe:
             line += "".join(f" | {key.replace('_', ' ')}: {value:.6E}" for key, value in moe.items())
@@ -591,11 +599,17 @@ class Monitor:
         sys.stdout.flush()
 
     def summary(
-        self, final_valid_loss: Optional[float], unigram_entropy_nats: Optional[float], sample_text: str
+        self,
+        final_valid_loss: Optional[float],
+        unigram_entropy_nats: Optional[float],
+        sample_text: str,
+        pair_loss: bool = False,
     ) -> None:
         """Print the final validation loss and perplexity beside the unigram-entropy
         baseline (nats/token, :func:`unigram_entropy`; None, printed ``n/a``, when no validation
-        ran or it counted no token) and their ratio, then the sample.
+        ran or it counted no token) and their ratio, then the sample. ``pair_loss``
+        (--post-train dpo): the loss is the mean preference loss of a pair, printed without
+        perplexity or baseline.
 
         Also writes TensorBoard text ``summary`` and a ``"summary"`` record.
         """
@@ -607,6 +621,8 @@ class Monitor:
             f"final validation loss: {_fmt(loss, '.4f')} nats/token "
             f"(perplexity {_fmt(_ppl(loss), '.2f')}) | unigram baseline: {_fmt(base, '.4f')} "
             f"nats/token (perplexity {_fmt(_ppl(base), '.2f')}) | loss / baseline: {_fmt(ratio, '.3f')}"
+            if not pair_loss
+            else f"final validation loss: {_fmt(loss, '.4f')} (the mean preference loss of a pair)"
         )
         print(line, flush=True)
         print(f"sample: {sample_text}", flush=True)

@@ -59,6 +59,17 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
             f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
             "tokenizer sets it) or use the matching tokenizer"
         )
+    if cfg.post.mode == "dpo":  # preference pairs (python -m data.preference): one prefix
+        from data.preference import preference_splits
+
+        if len(blend) != 1:
+            raise DataError(
+                f"--data-path {' '.join(cfg.data.data_path)}: --post-train dpo reads one prefix of "
+                "python -m data.preference; fix: give one PREFIX (merge the inputs when preprocessing)"
+            )
+        check_same_tokenizer([blend[0][1]], tok.sha256, f"--tokenizer-model {cfg.data.tokenizer_model}")
+        sets = preference_splits(blend[0][1], cfg.data.split, num_samples, seq, t.seed, tok.eod)
+        return RunData(tok, *sets, vocab_size=tok.vocab_size, resume=resume)
     check_same_tokenizer([prefix for _, prefix in blend], tok.sha256, f"--tokenizer-model {cfg.data.tokenizer_model}")
     sft = (cfg.data.sft_packing, tok.eod) if cfg.data.sft else None  # (packing, pad id)
     own_vocab, fim = tok.vocab_size, fim_settings(cfg, tok)  # FIM sentinels may grow tok.vocab_size
@@ -110,7 +121,7 @@ def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups,
     from data.samplers import get_micro_batches
 
     read = get_micro_batches
-    if cfg.data.sft:  # (tokens, labels, loss_mask): the loss on response tokens only
+    if cfg.data.sft or cfg.post.mode == "dpo":  # (tokens, labels, loss_mask): the loss on response tokens only
         from data.sft import sft_micro_batches as read
     mbs = read(
         dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size, groups.dp_rank, groups.dp_size

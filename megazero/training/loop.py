@@ -141,10 +141,13 @@ def start_run(
         trail=control.trail,
         monitor=monitor,
     )
-    resumed = trainer.load_checkpoint(cfg.train.load) if cfg.train.load else None
+    finetune = cfg.train.finetune
+    resumed = trainer.load_checkpoint(cfg.train.load, weights_only=finetune) if cfg.train.load else None
     if cfg.train.load and groups.rank == 0:
         print(
-            f"[megazero] resumed from {cfg.train.load} at iteration {resumed}"
+            f"[megazero] --finetune: the weights of {cfg.train.load}; iteration, optimizer and data start afresh"
+            if resumed is not None and finetune
+            else f"[megazero] resumed from {cfg.train.load} at iteration {resumed}"
             if resumed is not None
             else f"[megazero] no checkpoint under --load {cfg.train.load}: starting from scratch",
             flush=True,
@@ -226,6 +229,6 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
     trainer.optimizer.wait_param_gather()
     sample = final_sample(trainer, data.tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None and counts.sum() > 0 else None
-    monitor.summary(last_valid, baseline, sample)
+    monitor.summary(last_valid, baseline, sample, pair_loss=cfg.post.mode == "dpo")
     monitor.close()
     return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=state.iteration)

@@ -123,7 +123,7 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     ``--load`` or a checkpoint); raises DataError or CheckpointError (contract 3).
     ``verify`` re-reads the checkpoint's tensor files against their saved CRC-32 sums."""
     resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
-    data = build_data(cfg, resume)
+    data = build_data(cfg, None if cfg.train.finetune else resume)  # --finetune: the data from its start
     check_resume(cfg, resume, data.vocab_size)
     if cfg.train.from_hf:
         check_from_hf(cfg, data.vocab_size)

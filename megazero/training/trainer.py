@@ -25,6 +25,7 @@ from megazero.pipeline.p2p import handshake
 from megazero.pipeline.partition import chunk_layout
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.planning.flops import spec_flops_per_iteration
+from megazero.post_training import PostTraining
 from megazero.precision import model_dtype
 from megazero.process_groups import ProcessGroups
 from megazero.runtime import resilience
@@ -32,6 +33,7 @@ from megazero.runtime.monitor import Monitor
 from megazero.tensor_parallel.random import resume_seed
 from megazero.training.inputs import data_signature, dp_micro_batches, tokenizer_record
 from megazero.training.optimizer import build_optimizer
+from megazero.training.reference import build_reference
 from model.build import build_gpt_config, build_model_chunks, model_signature
 from model.gpt import VOCAB_TENSORS, moe_step_end
 from model.hf import config_record
@@ -132,6 +134,9 @@ class Trainer:
         self._loss_tokens: Optional[torch.Tensor] = None  # the last _run's count (local_batches)
         self.trail = trail or resilience.Trail()
         self.monitor = monitor
+        self.post = PostTraining(
+            cfg, groups, lambda source: build_reference(cfg, groups, self.gpt_config, device, source)
+        )
         self.checkpoints = CheckpointManager(
             self.replicas,
             keep=cfg.train.keep_latest_checkpoints,
@@ -159,6 +164,7 @@ class Trainer:
                 gpt_config=config_record(g),
                 tokenizer=tokenizer_record(self.cfg),
                 moe_expert_bias=expert_bias_state(self.chunks, self.groups, g),
+                post_train=self.post.record(),
             ),
             after_write=self._save_fault(),
             wait=wait,
@@ -188,21 +194,28 @@ class Trainer:
             return lambda: os.kill(pid, signal.SIGKILL)
         return None
 
-    def load_checkpoint(self, root: str) -> Optional[int]:
+    def load_checkpoint(self, root: str, weights_only: bool = False) -> Optional[int]:
         """Resume from the latest checkpoint under ``root`` (saved under any layout).
 
         Returns the iteration resumed from, or None when ``root`` holds no checkpoint yet.
+        ``weights_only`` (``--finetune``): only the weights (and an MoE's expert biases) are
+        read; the iteration stays 0, the optimizer fresh, the dropout streams from --seed.
         """
         g = self.gpt_config
 
         def real_rows(name):  # a vocabulary tensor's padding rows are zeroed, not read
             return g.vocab_size if name in VOCAB_TENSORS else None
 
-        resumed = self.checkpoints.resume(root, self.optimizer, self.chunks, real_rows=real_rows)
+        resumed = self.checkpoints.resume(
+            root, self.optimizer, self.chunks, real_rows=real_rows, weights_only=weights_only
+        )
         if resumed is None:
             return None
         self.state, meta = resumed
         load_expert_bias(self.chunks, meta["extra"].get("moe_expert_bias", {}))
+        self.post.resumed(meta, root, weights_only)
+        if weights_only:
+            return self.state.iteration
         tracker, saved = self.chunks[0].rng_tracker, meta["rng_state"]
         drawn = None if saved is None else tracker.saved_device(saved)
         if saved is None:
@@ -247,6 +260,11 @@ class Trainer:
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
         watch = None if forward_only else self.forward_watch.watch
         batches, divisor, self._loss_tokens = self.local_batches(batches)
+        sequence_loss, pref = None, self.post.preference
+        if pref is not None:  # --post-train dpo: the reference's sums first, then pair losses
+            ref = self.post.reference_sums(batches, self._forward_only) if self.post.uses_reference else None
+            pref.prepare(batches, ref)
+            sequence_loss = pref.loss
         if not forward_only:
             self.forward_watch.begin(self.state.iteration + 1, batches)
         if not forward_only and self.gpt_config.num_experts is not None:
@@ -256,7 +274,7 @@ class Trainer:
         return run_schedule(
             actions,
             self.chunks,
-            make_forward_step(divisor, watch),
+            make_forward_step(divisor, watch, sequence_loss),
             batches,
             self.groups,
             tensor_shape=self.tensor_shape,
@@ -268,6 +286,23 @@ class Trainer:
             forward_only=forward_only,
             layout=chunk_layout(self.cfg.parallel.pipeline_schedule),
             schedule_of=None if forward_only else self._schedule_of,
+        )
+
+    def _forward_only(self, chunks, forward_step, batches) -> torch.Tensor:
+        """The forward-only schedule of ``chunks`` (another model in this layout: the
+        post-training reference) over this rank's sharded ``batches``."""
+        return run_schedule(
+            self.eval_actions,
+            chunks,
+            forward_step,
+            batches,
+            self.groups,
+            tensor_shape=self.tensor_shape,
+            dtype=self.dtype,
+            num_microbatches=len(batches),
+            vp_size=self.cfg.parallel.virtual_pipeline_size,
+            forward_only=True,
+            layout=chunk_layout(self.cfg.parallel.pipeline_schedule),
         )
 
     def _schedule_of(self, pp_rank: int):
@@ -309,6 +344,9 @@ class Trainer:
             loss_scale=result.loss_scale,
             skipped_iterations=s.skipped_iterations,
         )
+        if self.post.preference is not None:
+            trail.enter(it, "the preference metrics all-reduce")
+            values.update(self.post.preference.metrics(self.device))
         if self.gpt_config.num_experts is not None:
             trail.enter(it, "the MoE statistics and expert-bias all-reduce over dp and pp")
             values.update(moe_step_end(self.chunks, self.groups, self.replicas.dp, self.num_microbatches))
@@ -346,5 +384,7 @@ class Trainer:
         for c in self.chunks:
             c.eval()
         loss = self._run(batches, self.eval_actions, forward_only=True)
+        if self.post.preference is not None:
+            self.post.preference.totals = None  # the training step's metrics only
         collectives.all_reduce_mean(loss, self.replicas.dp)
         return float(loss)

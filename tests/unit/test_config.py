@@ -675,7 +675,18 @@ def test_to_dict_and_describe():
     cfg = config_from_argv(M4 + ["--tp", "2", "--hidden-size", "64"], 2)
     d = json.loads(json.dumps(to_dict(cfg)))
     assert d["parallel"]["tp"] == 2 and d["model"]["hidden_size"] == 64 and d["train"]["global_batch_size"] == 4
-    assert set(d) == {"model", "parallel", "train", "optim", "precision", "zero", "data", "log", "deepspeed_config"}
+    assert set(d) == {
+        "model",
+        "parallel",
+        "train",
+        "optim",
+        "precision",
+        "zero",
+        "data",
+        "log",
+        "post",
+        "deepspeed_config",
+    }
     text = describe(cfg)
     assert "parallel.tp" in text and "[--tp]" in text and len(text.splitlines()) == len(settings())
 

@@ -1,0 +1,99 @@
+"""Post-training modes of the one trainer (``--post-train``; docs/post-training.md).
+
+``sft`` is supervised fine-tuning (``--sft``: data/sft.py's loss masks, the token-mean loss).
+``dpo`` is preference optimisation (``preference.py``, ``losses.py``) against a frozen
+reference model built here in the training layout (``PostTraining.reference_chunks``).
+
+The reference is, in this order: ``--ref-load DIR``'s latest checkpoint; the reference a
+resumed checkpoint records; the policy's starting point: ``--load``'s checkpoint (with
+``--finetune``, or a checkpoint of another mode), ``--from-hf``'s weights, or the seeded
+initialisation. Checkpoints record it (``record``), so a resumed run compares with the same
+model and not with the policy it saved.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from megazero.post_training.losses import PreferenceLoss
+from megazero.post_training.preference import PreferenceStep, reference_forward_step
+
+__all__ = ["PostTraining", "PreferenceLoss"]
+
+
+class PostTraining:
+    """What a post-training mode adds to a ``Trainer``: its preference step, its reference model
+    (built at first use, after any checkpoint was read) and the record kept in checkpoints.
+
+    ``cfg``: the run's ``Config``; ``groups``: ``ProcessGroups``; ``build_reference(source) ->
+    chunks``: builds the reference model in this rank's layout from a ``reference_source()``
+    (``megazero.training.reference.build_reference``: the library packages do not import
+    ``model``)."""
+
+    def __init__(self, cfg, groups, build_reference: Callable[[dict], list]):
+        self.cfg, self.groups, self.build_reference = cfg, groups, build_reference
+        self.mode = cfg.post.mode
+        self.preference: Optional[PreferenceStep] = None
+        self.chunks: Optional[list] = None
+        self.recorded: Optional[dict] = None
+        if self.mode == "dpo":
+            p = cfg.post
+            settings = PreferenceLoss(p.dpo_loss, p.dpo_beta, p.dpo_label_smoothing, p.dpo_sft_weight, p.simpo_gamma)
+            pairs = cfg.train.global_batch_size // 2
+            self.preference = PreferenceStep(settings, groups, pairs / groups.dp_size)
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.preference is not None and self.preference.settings.uses_reference
+
+    def resumed(self, meta: dict, root: str, weights_only: bool) -> None:
+        """After a checkpoint under ``root`` was read: a resumed run (not ``--finetune``) keeps
+        the reference its checkpoint records."""
+        rec = (meta.get("extra") or {}).get("post_train") or {}
+        if not weights_only and rec.get("reference") is not None:
+            self.recorded = rec["reference"]
+
+    def reference_source(self) -> dict:
+        """Where the reference comes from: ``{"load": DIR}``, ``{"hf": DIR}`` or ``{"init": seed}``
+        (module docstring's order)."""
+        from megazero.checkpoint import latest_iteration
+
+        t = self.cfg.train
+        if self.cfg.post.ref_load:
+            return {"load": self.cfg.post.ref_load}
+        if self.recorded is not None:
+            return dict(self.recorded)
+        if t.load and latest_iteration(t.load) is not None:
+            return {"load": t.load}
+        if t.from_hf:
+            return {"hf": t.from_hf}
+        return {"init": t.seed}
+
+    def record(self) -> dict:
+        """What a checkpoint keeps: the mode and, with a reference, its source."""
+        return dict(mode=self.mode, reference=self.reference_source() if self.uses_reference else None)
+
+    def reference_chunks(self) -> list:
+        """This rank's chunks of the frozen reference model (eval mode, no gradients), built at
+        the first call by ``build_reference(source)`` from ``reference_source()`` (the
+        trainer's ``megazero.training.reference.build_reference``). Raises CheckpointError for an
+        unusable ``--ref-load``."""
+        if self.chunks is None:
+            self.chunks = self.build_reference(self.reference_source())
+        return self.chunks
+
+    @torch.no_grad()
+    def reference_sums(self, batches: list, run) -> list:
+        """The reference's sequence log-probabilities ``[B]`` of each of ``batches`` (this rank's
+        sharded micro-batches; None off the last stage). ``run(chunks, forward_step, batches)``
+        runs the forward-only schedule (the trainer's)."""
+        out: list = [None] * len(batches)
+        index = {id(b): i for i, b in enumerate(batches)}
+
+        def store(batch, sums):
+            out[index[id(batch)]] = sums
+
+        run(self.reference_chunks(), reference_forward_step(self.groups, store), batches)
+        return out

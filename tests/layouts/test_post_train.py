@@ -1,0 +1,211 @@
+"""Preference optimisation (``--post-train dpo``): the pair losses under every layout equal one
+process's, and the first loss equals an independent computation.
+
+Pairs are written by ``python -m data.preference`` from arithmetic records with a small Hugging
+Face tokenizer. One process runs each loss (DPO, IPO, SimPO, hinge; label smoothing and the RPO
+term) and the LLaMA block; eight gloo ranks run (tp, pp, dp) = (2, 2, 2), (cp, tp, dp) =
+(2, 2, 2) with the LLaMA block, zero-bubble ZB-V at pp 2 with tp 2, and dp 8 at ZeRO-3; the
+losses and reward metrics of every step agree. A reference model read from a checkpoint
+(``--ref-load``) gives step 1's loss of ``tests/support/reference.py``'s GPT run on both weight
+sets; a resumed run keeps comparing with the recorded reference, not the policy it loaded;
+``--finetune`` starts at iteration 0 from the loaded weights, which are also the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.distributed import run_distributed
+from tests.support.extras import require
+from tests.support.hf_tokenizer import corpus
+
+T, STEPS, PAIRS = 32, 3, 64
+MODEL = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--global-batch-size 16 --lr 2e-3 --seed 7 --eval-iters 0 --device cpu --split 1 "
+    "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 8 --lr-warmup-iters 0"
+).split()
+LLAMA = (
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention "
+    "--num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights --ffn-hidden-size 64"
+).split()
+LOSSES = {
+    "sigmoid": [],
+    "ipo": ["--dpo-loss", "ipo", "--dpo-beta", "0.5"],
+    "simpo": ["--dpo-loss", "simpo", "--dpo-beta", "2.0", "--simpo-gamma", "0.3"],
+    "hinge": ["--dpo-loss", "hinge"],
+    "cdpo-rpo": ["--dpo-label-smoothing", "0.1", "--dpo-sft-weight", "0.5"],
+}
+
+
+def records() -> list[dict]:
+    out = []
+    for i in range(PAIRS):
+        a, b = i % 7, i % 3 + 1
+        rec = {"prompt": f"# {a} + {b} =", "chosen": f" {a + b}", "rejected": f" {a * b + 5} or so"}
+        if i % 4 == 0:  # a chat pair: shared messages, a chosen and a rejected final turn
+            rec = {
+                "messages": [{"role": "user", "content": f"{a} + {b}?"}],
+                "chosen": {"role": "assistant", "content": f"{a + b}"},
+                "rejected": {"role": "assistant", "content": f"{a - b} I think"},
+            }
+        out.append(rec)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pref(tmp_path_factory):
+    require("tokenizers")
+    from data.preference import preprocess_preference
+    from data.tokenizer import train_hf_tokenizer
+
+    d = tmp_path_factory.mktemp("dpo")
+    tok = train_hf_tokenizer(corpus(200), 320, str(d / "tokenizer.json"))
+    (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records()))
+    preprocess_preference([str(d / "pairs.jsonl")], tok, str(d / "pref"), tokenizer_type="HuggingFaceTokenizer")
+    return dict(dir=d, argv=MODEL + ["--data-path", str(d / "pref"), "--tokenizer-model", tok, "--post-train", "dpo"])
+
+
+def _train(rank, world, runs):
+    """Per (argv, steps, load): the values of each step (loss and reward metrics) and the
+    iteration the run started at."""
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.training import build_trainer
+
+    out = []
+    for argv, steps in runs:
+        cfg = config_from_argv(argv, world)
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+        start = trainer.load_checkpoint(cfg.train.load, weights_only=cfg.train.finetune) if cfg.train.load else None
+        got = dict(start=start, iteration=trainer.state.iteration, steps=[])
+        for _ in range(steps):
+            got["steps"].append(trainer.train_step(trainer.next_batches()).values)
+        if cfg.train.save:
+            trainer.save_checkpoint(cfg.train.save, wait=True)
+        trainer.close()
+        out.append(got)
+    return out
+
+
+KEYS = ("loss", "grad_norm", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin")
+
+
+def _same(got, want, what, rel=1e-5, abs_=1e-6):
+    for step, (g, w) in enumerate(zip(got["steps"], want["steps"], strict=True)):
+        for k in KEYS:
+            assert math.isclose(g[k], w[k], rel_tol=rel, abs_tol=abs_), (what, step, k, g[k], w[k])
+
+
+@pytest.fixture(scope="module")
+def runs(pref):
+    """One process: each loss, the LLaMA block; eight ranks: four layouts. Two spawns."""
+    base = pref["argv"]
+    single = [(base + extra + ["--train-iters", str(STEPS)], STEPS) for extra in LOSSES.values()]
+    single.append((base + LLAMA + ["--train-iters", str(STEPS)], STEPS))
+    layouts = [
+        ["--tp", "2", "--pp", "2", "--dp", "2"],
+        ["--cp", "2", "--tp", "2", "--dp", "2"] + LLAMA,
+        ["--tp", "2", "--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-v"] + LOSSES["cdpo-rpo"],
+        ["--dp", "8", "--zero-stage", "3"] + LOSSES["simpo"],
+    ]
+    eight = [(base + extra + ["--train-iters", str(STEPS)], STEPS) for extra in layouts]
+    one = run_distributed(_train, 1, single, timeout_s=600)[0]
+    return dict(zip(list(LOSSES) + ["llama"], one)), run_distributed(_train, 8, eight, timeout_s=600)[0]
+
+
+def test_the_first_step_compares_the_policy_with_itself(runs):
+    """Reference = the seeded initial policy: step 1's rewards are 0 and its loss is each loss's
+    value at a zero margin (log 2; IPO 1/(2 beta)^2; hinge 1), and the losses then fall."""
+    single, _ = runs
+    at_zero = dict(sigmoid=math.log(2), ipo=(1 / (2 * 0.5)) ** 2, hinge=1.0, llama=math.log(2))
+    for name, want in at_zero.items():
+        first = single[name]["steps"][0]
+        assert math.isclose(first["loss"], want, rel_tol=1e-9), (name, first)
+        assert first["rewards_chosen"] == first["rewards_rejected"] == 0.0
+    for name, run in single.items():
+        losses = [s["loss"] for s in run["steps"]]
+        assert losses[-1] < losses[0], (name, losses)
+
+
+@pytest.mark.parametrize(
+    "index,name,want",
+    [(0, "tp2-pp2-dp2", "sigmoid"), (1, "cp2-tp2-dp2 llama", "llama"), (2, "tp2-pp2-dp2 zb-v", "cdpo-rpo"),
+     (3, "dp8 zero-3", "simpo")],
+)  # fmt: skip
+def test_layouts_give_the_single_process_losses_and_rewards(runs, index, name, want):
+    single, eight = runs
+    _same(eight[index], single[want], name)
+
+
+def _sequence_logps(model, tokens, labels, mask):
+    with torch.no_grad():
+        logits = model(tokens)
+        each = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    return (each.reshape(labels.shape).double() * mask.double()).sum(dim=1)
+
+
+def test_a_checkpointed_reference_a_resume_and_finetune(pref):
+    """--ref-load A (A: the policy after 2 steps): step 1's loss is the mean over the first global
+    batch's pairs of -log sigmoid(beta ((pi_w - ref_w) - (pi_l - ref_l))), with both models as
+    the reference GPT. Resuming A for step 3 gives the uninterrupted run's step 3 (the reference
+    stays the recorded seeded one). --finetune from A starts at iteration 0 with A as policy and
+    reference: loss log 2."""
+    from data.sft import sft_micro_batches
+    from megazero import training
+    from megazero.checkpoint import read_full_weights
+    from megazero.config import config_from_argv
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+    from tests.support.reference import ReferenceGPT
+
+    base, d = pref["argv"], pref["dir"]
+    a = str(d / "ckpt_a")
+    runs = [
+        (base + ["--train-iters", "3"], 3),  # uninterrupted
+        (base + ["--train-iters", "3", "--save", a], 2),  # A: saved after step 2
+        (base + ["--train-iters", "3", "--load", a], 1),  # resumed: step 3
+        (base + ["--train-iters", "1", "--ref-load", a], 1),
+        (base + ["--train-iters", "1", "--load", a, "--finetune"], 1),
+    ]
+    whole, _, resumed, ref_load, finetune = run_distributed(_train, 1, runs, timeout_s=600)[0]
+    assert resumed["start"] == 2 and math.isclose(resumed["steps"][0]["loss"], whole["steps"][2]["loss"], rel_tol=1e-9)
+    assert finetune["start"] == 0 and finetune["iteration"] == 0
+    assert math.isclose(finetune["steps"][0]["loss"], math.log(2), rel_tol=1e-9)
+
+    cfg = config_from_argv(base + ["--train-iters", "1"], 1)
+    data = training.build_data(cfg)
+    gcfg = build_gpt_config(cfg, data.vocab_size)
+    policy = ReferenceGPT.from_full_weights(init_full_weights(gcfg, 7), data.vocab_size, 4)
+    reference = ReferenceGPT.from_full_weights(read_full_weights(a)[1], data.vocab_size, 4)
+    ((tokens, labels, mask),) = sft_micro_batches(data.train, 0, 16, 16, 0, 1)
+    h = _sequence_logps(policy, tokens, labels, mask) - _sequence_logps(reference, tokens, labels, mask)
+    want = float(-F.logsigmoid(0.1 * (h[0::2] - h[1::2])).mean())
+    got = ref_load["steps"][0]["loss"]
+    assert math.isclose(got, want, rel_tol=1e-5) and abs(want - math.log(2)) > 1e-3, (got, want)
+
+
+def test_bad_post_training_settings_exit_2_with_one_line(pref, capsys):
+    """Dropout, an odd micro-batch, --mock-data and --sft with dpo each end with exit 2 and one
+    line naming the setting and the fix."""
+    from megazero.config import config_from_argv
+
+    base = pref["argv"] + ["--train-iters", "1"]
+    cases = {
+        "--hidden-dropout 0.1": (["--hidden-dropout", "0.1"], "--post-train-allow-dropout"),
+        "--micro-batch-size 3": (["--micro-batch-size", "3", "--global-batch-size", "6"], "--micro-batch-size 4"),
+        "--mock-data": (["--mock-data"], "data.preference"),
+        "--sft": (["--sft"], "drop --sft"),
+    }
+    for what, (extra, fix) in cases.items():
+        with pytest.raises(SystemExit) as e:
+            config_from_argv(base + extra, 1)
+        msg = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and what.split()[0] in msg and fix in msg and "\n" not in msg, (what, msg)
+    cfg = config_from_argv(base + ["--hidden-dropout", "0.1", "--post-train-allow-dropout"], 1)
+    assert cfg.model.hidden_dropout == 0.1
