@@ -73,27 +73,29 @@ def restart_store(timeout: timedelta):
     return dist.PrefixStore(f"megazero/attempt_{attempt}", store)
 
 
-def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int) -> None:
-    """Raise CheckpointError naming the first model size that differs from the checkpoint's."""
+def check_resume(cfg: Config, resume: Optional[dict], vocab_size: int, flag: str = "--load") -> None:
+    """Raise CheckpointError naming the first model size that differs from the checkpoint's
+    (``resume``, read from ``flag``'s directory: --load, or --ref-load's reference)."""
     if resume is None:
         return
+    path = cfg.post.ref_load if flag == "--ref-load" else cfg.train.load
     saved, mine = resume["extra"].get("model", {}), model_signature(build_gpt_config(cfg, vocab_size))
     for key, value in mine.items():
         if key in saved and saved[key] != value:
             raise checkpoint.CheckpointError(
-                f"--load {cfg.train.load}: the checkpoint has {key} = {saved[key]}, this model {value}; "
-                f"fix: use the model settings the checkpoint was saved with, or another --load"
+                f"{flag} {path}: the checkpoint has {key} = {saved[key]}, this model {value}; "
+                f"fix: use the model settings the checkpoint was saved with, or another {flag}"
             )
     was, now = (resume["extra"].get("data") or {}).get("tokenizer"), tokenizer_digest(cfg.data.tokenizer_model)
     if was and now and was != now:  # same vocabulary size, other token meanings: the weights would not fit
         raise checkpoint.CheckpointError(
-            f"--load {cfg.train.load} was trained with another tokenizer (sha256 {was[:12]}) than "
+            f"{flag} {path} was trained with another tokenizer (sha256 {was[:12]}) than "
             f"--tokenizer-model {cfg.data.tokenizer_model} (sha256 {now[:12]}); fix: the tokenizer it was trained with"
         )
     was, now = (resume["extra"].get("tokenizer") or {}).get("fim"), (tokenizer_record(cfg) or {}).get("fim")
     if was and now and was != now:  # the sentinels' rows of the embedding would mean other tokens
         raise checkpoint.CheckpointError(
-            f"--load {cfg.train.load} was trained with the FIM sentinels {was}, this run has {now}; fix: the "
+            f"{flag} {path} was trained with the FIM sentinels {was}, this run has {now}; fix: the "
             "--fim-tokens and tokenizer it was trained with"
         )
 
@@ -125,6 +127,14 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
     data = build_data(cfg, None if cfg.train.finetune else resume)  # --finetune: the data from its start
     check_resume(cfg, resume, data.vocab_size)
+    if cfg.post.mode == "dpo" and cfg.post.ref_load:  # the reference, before any process starts
+        reference = checkpoint.peek(cfg.post.ref_load, verify=verify)
+        if reference is None:
+            raise checkpoint.CheckpointError(
+                f"--ref-load {cfg.post.ref_load}: no checkpoint there (no 'latest' file); fix: give the --save "
+                "directory of the reference run"
+            )
+        check_resume(cfg, reference, data.vocab_size, flag="--ref-load")
     if cfg.train.from_hf:
         check_from_hf(cfg, data.vocab_size)
     if cfg.train.eval_harness_tasks:

@@ -4,8 +4,10 @@ process's, and the first loss equals an independent computation.
 Pairs are written by ``python -m data.preference`` from arithmetic records with a small Hugging
 Face tokenizer. One process runs each loss (DPO, IPO, SimPO, hinge; label smoothing and the RPO
 term) and the LLaMA block; eight gloo ranks run (tp, pp, dp) = (2, 2, 2), (cp, tp, dp) =
-(2, 2, 2) with the LLaMA block, zero-bubble ZB-V at pp 2 with tp 2, and dp 8 at ZeRO-3; the
-losses and reward metrics of every step agree. A reference model read from a checkpoint
+(2, 2, 2) with the LLaMA block, zero-bubble ZB-V at pp 2 with tp 2, dp 8 at ZeRO-3, ZeRO-3 with
+sequence parallelism, cp 2 at ZeRO-2, the interleaved schedule, ZeRO-3 with the optimizer on the
+host, and 2 micro-batches of 4 (one process: 8 of 2); the losses, gradient norms and reward
+metrics of every step agree. A reference model read from a checkpoint
 (``--ref-load``) gives step 1's loss of ``tests/support/reference.py``'s GPT run on both weight
 sets; a resumed run keeps comparing with the recorded reference, not the policy it loaded;
 ``--finetune`` starts at iteration 0 from the loaded weights, which are also the reference.
@@ -28,8 +30,8 @@ T, STEPS, PAIRS = 32, 3, 64
 MODEL = (
     "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
     "--global-batch-size 16 --lr 2e-3 --seed 7 --eval-iters 0 --device cpu --split 1 "
-    "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 8 --lr-warmup-iters 0"
-).split()
+    "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 8 --lr-warmup-iters 0 --adam-eps 1e-4"
+).split()  # eps 1e-4: Adam's first steps move a weight whose gradient is rounding noise by a whole lr, not by noise
 LLAMA = (
     "--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention "
     "--num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights --ffn-hidden-size 64"
@@ -113,6 +115,11 @@ def runs(pref):
         ["--cp", "2", "--tp", "2", "--dp", "2"] + LLAMA,
         ["--tp", "2", "--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-v"] + LOSSES["cdpo-rpo"],
         ["--dp", "8", "--zero-stage", "3"] + LOSSES["simpo"],
+        ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3", "--sequence-parallel"] + LOSSES["ipo"],
+        ["--cp", "2", "--tp", "2", "--dp", "2", "--zero-stage", "2"] + LOSSES["hinge"],
+        ["--pp", "2", "--virtual-pipeline-size", "2", "--dp", "4", "--zero-stage", "1"],
+        ["--dp", "4", "--tp", "2", "--zero-stage", "3", "--offload-optimizer", "cpu"] + LOSSES["simpo"],
+        ["--dp", "2", "--tp", "4", "--micro-batch-size", "4", "--gradient-accumulation-steps", "2"],
     ]
     eight = [(base + extra + ["--train-iters", str(STEPS)], STEPS) for extra in layouts]
     one = run_distributed(_train, 1, single, timeout_s=600)[0]
@@ -136,7 +143,9 @@ def test_the_first_step_compares_the_policy_with_itself(runs):
 @pytest.mark.parametrize(
     "index,name,want",
     [(0, "tp2-pp2-dp2", "sigmoid"), (1, "cp2-tp2-dp2 llama", "llama"), (2, "tp2-pp2-dp2 zb-v", "cdpo-rpo"),
-     (3, "dp8 zero-3", "simpo")],
+     (3, "dp8 zero-3", "simpo"), (4, "tp2-pp2-dp2 zero-3 sp", "ipo"), (5, "cp2-tp2-dp2 zero-2", "hinge"),
+     (6, "interleaved pp2 vp2 dp4 zero-1", "sigmoid"), (7, "dp4 tp2 zero-3 cpu offload", "simpo"),
+     (8, "dp2 tp4 micro-batch 4 x 2", "sigmoid")],
 )  # fmt: skip
 def test_layouts_give_the_single_process_losses_and_rewards(runs, index, name, want):
     single, eight = runs
@@ -209,3 +218,25 @@ def test_bad_post_training_settings_exit_2_with_one_line(pref, capsys):
         assert e.value.code == 2 and what.split()[0] in msg and fix in msg and "\n" not in msg, (what, msg)
     cfg = config_from_argv(base + ["--hidden-dropout", "0.1", "--post-train-allow-dropout"], 1)
     assert cfg.model.hidden_dropout == 0.1
+
+
+def test_a_reference_of_another_model_or_none_is_refused_before_start(pref, tmp_path):
+    """--ref-load of a checkpoint with another hidden size, or of a folder without one: exit 2
+    before any rank starts, one line naming --ref-load and the fix."""
+    import subprocess
+    import sys
+
+    from tests.support.paths import REPO
+
+    other = str(tmp_path / "other")
+    argv = pref["argv"] + ["--train-iters", "1", "--save", other]
+    run_distributed(_train, 1, [(argv[:] + ["--hidden-size", "16"], 1)], timeout_s=300)
+    for ref, want in ((other, "the checkpoint has hidden_size = 16, this model 32"), (str(tmp_path), "no checkpoint")):
+        res = subprocess.run(
+            [sys.executable, str(REPO / "train.py"), *pref["argv"], "--train-iters", "1", "--ref-load", ref,
+             "--run-dir", str(tmp_path / "run")],
+            capture_output=True, text=True, timeout=300, cwd=str(REPO),
+        )  # fmt: skip
+        lines = [x for x in res.stderr.splitlines() if x.startswith("megazero:")]
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        assert f"--ref-load {ref}" in lines[0] and want in lines[0], lines
