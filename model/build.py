@@ -64,6 +64,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         add_bias_linear=m.add_bias_linear,
         cp_comm_type=cfg.parallel.cp_comm_type,
+        cp_ring_kernel=cfg.parallel.cp_ring_kernel,
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,

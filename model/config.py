@@ -100,6 +100,9 @@ class GPTConfig:
     ``--disable-bias-linear``)."""
     cp_comm_type: str = "p2p"
     """Attention across context-parallel ranks: ``p2p`` (ring) or ``a2a`` (all-to-all over heads)."""
+    cp_ring_kernel: str = "auto"
+    """Kernel of each ring block: ``auto`` (a fused kernel where one exists) or ``einsum``
+    (``context_parallel.fused_blocks.block_path``)."""
     recompute_granularity: Optional[str] = None
     """Activation recomputation (Korthikanti et al. 2022): ``None``, ``"selective"`` (the
     attention core) or ``"full"`` (whole layers, chosen by ``recompute_method``)."""

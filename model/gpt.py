@@ -136,7 +136,7 @@ class Attention(nn.Module):
         super().__init__()
         H, tp = cfg.hidden_size, C.group_size(group)
         self.cp = cp  # (cp group, its global ranks in cp order) or None
-        self.cp_comm_type = cfg.cp_comm_type
+        self.cp_comm_type, self.cp_ring_kernel = cfg.cp_comm_type, cfg.cp_ring_kernel
         self.heads_local, self.head_dim = cfg.num_attention_heads // tp, cfg.head_dim
         self.grouped = cfg.num_query_groups is not None
         self.groups_local = cfg.kv_heads // tp
@@ -214,7 +214,7 @@ class Attention(nn.Module):
         group, ranks = self.cp
         if self.cp_comm_type == "a2a":
             return all_to_all_attention(q, k, v, group=group, **docs)
-        return ring_attention(q, k, v, group=group, cp_ranks=ranks, **docs)
+        return ring_attention(q, k, v, group=group, cp_ranks=ranks, block_kernel=self.cp_ring_kernel, **docs)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim).

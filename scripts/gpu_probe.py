@@ -25,8 +25,11 @@ summary, and exits 1 when what it checks does not hold.
   ``model.moe`` stacks its experts in (a wrong product fails; a kernel that refuses the shapes
   is recorded); (3) host syncs per training step under
   ``torch.cuda.set_sync_debug_mode("warn")`` for a dense and an MoE model, against the budgets
-  docs/performance.md gives for the CPU count. Written to ``OUT/probes.json``. ``--device cpu
-  --seq 64`` runs (1) and (2) on CPU (its own flash kernel), to test the probe itself.
+  docs/performance.md gives for the CPU count; (4) one ring block (``--cp-comm-type p2p``)
+  through the fused kernel against the einsum path, bf16 and fp32, causal and document-masked:
+  differences and times (``ring_block_check``; not fused or beyond ``RING_BLOCK_TOL`` fails).
+  Written to ``OUT/probes.json``. ``--device cpu --seq 64`` runs (1), (2) and (4) on CPU (its
+  own flash kernel), to test the probe itself.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ SHAPE_SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
 SHAPE_SMALL += ["--vocab-size", "512", "--micro-batch-size", "2", "--global-batch-size", "8"]
 SMALL = SHAPE_SMALL + ["--train-iters", "4", "--log-interval", "1", "--lr", "1e-3", "--seed", "7", "--mock-data"]
 SMALL += ["--eval-iters", "0"]
+RING_BLOCK_TOL = {"bfloat16": 0.1, "float32": 1e-3}
+"""Largest |fused - einsum| of a ring block's out, lse, dq, dk, dv that ``kernels`` accepts: the
+fused path rounds its output and probabilities to the input dtype, the einsums keep fp32."""
 
 
 def key(name: str, value) -> None:
@@ -237,6 +243,87 @@ def sdpa_cases(device: torch.device, seq: int = 2048) -> list[dict]:
     return cases
 
 
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| with -inf taken as 0 on both sides; inf when the -inf rows or NaNs differ."""
+    if not torch.equal(torch.isneginf(a), torch.isneginf(b)) or a.isnan().any() or b.isnan().any():
+        return float("inf")
+    return (a.nan_to_num(neginf=0.0).double() - b.nan_to_num(neginf=0.0).double()).abs().max().item()
+
+
+def _median_ms(fn, device: torch.device, reps: int = 3) -> float:
+    import time
+
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def ring_block_check(device: torch.device, seq: int = 2048) -> list[dict]:
+    """One ring block ``[B 2, G 4, R 2, seq, d 128]`` through the fused path
+    (``fused_blocks.block_path``: CUDA's efficient kernel, CPU's flash kernel) against the einsum
+    path (``blockwise``), bf16 and fp32, as the causal diagonal block and as a document-masked
+    off-diagonal block whose last quarter of query rows sees no key: max |difference| of out,
+    lse, and dq, dk, dv (both backwards given the einsum's out and lse), and the median time
+    of forward + backward on each path (ms)."""
+    from megazero.context_parallel import blockwise as bw
+    from megazero.context_parallel import fused_blocks as fb
+
+    g = torch.Generator().manual_seed(0)
+    docs = torch.arange(seq).div(max(seq // 4, 1), rounding_mode="floor")
+    cases = []
+    for dtype in (torch.bfloat16, torch.float32):
+        q, do = (torch.randn(2, 4, 2, seq, 128, generator=g).to(device, dtype) for _ in "qo")
+        k, v = (torch.randn(2, 4, seq, 128, generator=g).to(device, dtype) for _ in "kv")
+        for name in ("causal", "docs"):
+            causal = name == "causal"
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril() if causal else (docs + 1)[:, None] == docs[None, :]
+            mask, scale = mask[None].to(device), 128**-0.5  # (1, T, T)
+            out, lse = bw.block_attention(q, k, v, mask, scale)
+            y = out.to(dtype)
+            delta = (do.to(out.dtype) * y.to(out.dtype)).sum(-1)
+            grads = bw.block_attention_backward(q, k, v, do, delta, lse, mask, scale)
+            f_out, f_lse = fb.fused_block_attention(q, k, v, mask, scale, causal=causal)
+            f_grads = fb.fused_block_attention_backward(q, k, v, do, y, lse, mask, scale, causal=causal)
+            diffs = {
+                n: _max_diff(a, b)
+                for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), (f_out, f_lse, *f_grads), (out, lse, *grads))
+            }
+            ms = {
+                "einsum": _median_ms(
+                    lambda: bw.block_attention_backward(
+                        q, k, v, do, delta, bw.block_attention(q, k, v, mask, scale)[1], mask, scale
+                    ),
+                    device,
+                ),
+                "fused": _median_ms(
+                    lambda: fb.fused_block_attention_backward(
+                        q,
+                        k,
+                        v,
+                        do,
+                        y,
+                        fb.fused_block_attention(q, k, v, mask, scale, causal=causal)[1],
+                        mask,
+                        scale,
+                        causal=causal,
+                    ),
+                    device,
+                ),
+            }
+            case = f"{str(dtype)[6:]}_{name}"
+            cases.append(dict(case=case, path=fb.block_path(q), max_abs_diff=diffs, ms=ms))
+            print(f"ring block {case}: path {cases[-1]['path']}, max |diff| {diffs}, fwd+bwd ms {ms}")
+    return cases
+
+
 def grouped_mm_check(device: torch.device) -> dict:
     """``torch._grouped_mm`` of 8 experts (rows ``[S, H]``, weights ``[8, F, H]`` stacked and
     transposed as ``model.moe`` does) against the per-expert ``x @ w.T`` loop in bf16, with
@@ -317,7 +404,8 @@ def sync_count(device: torch.device, extra: list[str]) -> dict:
 def kernels(args) -> int:
     device = torch.device(args.device)
     report, failures = {}, []
-    for name, fn in (("sdpa", lambda d: sdpa_cases(d, args.seq)), ("grouped_mm", grouped_mm_check)):
+    probes = (("sdpa", lambda d: sdpa_cases(d, args.seq)), ("grouped_mm", grouped_mm_check))
+    for name, fn in probes + (("ring_block", lambda d: ring_block_check(d, args.seq)),):
         try:
             report[name] = fn(device)
         except Exception as e:  # a probe that breaks is recorded and the others still run
@@ -331,6 +419,14 @@ def kernels(args) -> int:
         key(f"grouped_mm_bf16_{case.replace('-', '_')}", verdict.split(":")[0].split()[0])
         if verdict.startswith("differs"):
             failures.append(f"grouped_mm {case}: {verdict}")
+    for case in report["ring_block"] if isinstance(report["ring_block"], list) else []:
+        name, diffs = f"ring_block_{case['case']}", case["max_abs_diff"]
+        key(f"{name}_path", case["path"])
+        key(f"{name}_max_abs_diff", ",".join(f"{n}={x:.2e}" for n, x in diffs.items()))
+        key(f"{name}_ms", ",".join(f"{n}={x:.1f}" for n, x in case["ms"].items()))
+        bound = RING_BLOCK_TOL[case["case"].split("_")[0]]
+        if case["path"] == "einsum" or max(diffs.values()) > bound:  # not fused, or not the same attention
+            failures.append(f"ring block {case['case']}: path {case['path']}, max |diff| {max(diffs.values()):.2e}")
     micro = 4  # SMALL: global batch 8 of micro-batches of 2
     layers = 4  # SMALL's, every one an MoE layer in the MoE model
     moe = ["--num-experts", "4", "--moe-router-topk", "2"]

@@ -313,6 +313,14 @@ class ParallelConfig:
         choices=("p2p", "a2a"),
         applies=Needs("parallel.cp", above=1),
     )
+    cp_ring_kernel: str = _f(
+        "auto",
+        "kernel of each ring block (--cp-comm-type p2p): auto = PyTorch's fused attention kernel "
+        "where the device and dtype have one (CUDA: memory-efficient; CPU: flash), else einsum; "
+        "einsum = fp32 einsums in row tiles of at most 16 MiB of scores",
+        choices=("auto", "einsum"),
+        applies=Needs("parallel.cp", above=1),
+    )
     pp: int = _f(1, "pipeline-parallel size (stages)", "ranks", flags=("--pp", "--pipeline-model-parallel-size"), ge=1)
     dp: Optional[int] = _f(
         None,

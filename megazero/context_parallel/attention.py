@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from megazero import collectives
 from megazero.context_parallel.blockwise import block_attention, block_mask, compute_dtype, merge_partials  # noqa: F401
+from megazero.context_parallel.fused_blocks import block_path
 from megazero.context_parallel.ring import RingAttention, RingLink
 from megazero.context_parallel.sdpa_kernels import expand_kv_for
 from megazero.context_parallel.zigzag import chunk_size, local_token_index
@@ -135,6 +136,7 @@ def ring_attention(
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
+    block_kernel: str = "auto",
 ) -> torch.Tensor:
     """``--cp-comm-type p2p``: ring attention over the cp group (``ring.RingAttention``).
 
@@ -142,8 +144,10 @@ def ring_attention(
     positions (``local_token_index(T, cp_rank, C)``; the keys' positions are derived from the
     same layout), ``segment_ids [B, T/C]`` or None; ``cp_ranks`` the global ranks of ``group`` in
     cp-rank order, C = ``len(cp_ranks)``. Returns ``[B, h, T/C, d]`` in q's dtype; differentiable
-    in q, k and v. At C = 1 it is ``local_attention`` (no communication; ``mask_cache`` is its). Raises ValueError when
-    the group size is not C, T/C is odd, or shapes disagree.
+    in q, k and v. At C = 1 it is ``local_attention`` (no communication; ``mask_cache`` is its). ``block_kernel``:
+    ``"auto"`` runs each block through a fused kernel where q's device and dtype have one
+    (``fused_blocks.block_path``), ``"einsum"`` through ``blockwise``'s einsums. Raises ValueError when
+    the group size is not C, T/C is odd, shapes disagree, or ``block_kernel`` is unknown.
     """
     _check(q, k, v, segment_ids)
     C, Tl = len(cp_ranks), q.shape[2]
@@ -158,7 +162,8 @@ def ring_attention(
         return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     link = RingLink(group, cp_ranks, collectives.group_rank(group))
-    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale)
+    path = block_path(q, block_kernel)
+    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale, path)
 
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:

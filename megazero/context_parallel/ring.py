@@ -8,15 +8,17 @@ rank computing its queries against the block it holds while the next block is in
 Forward, step s = 0 .. C-1 (rank r holds the K/V of rank ``src = (r - s) mod C``):
   1. post the send of the K/V (and their document ids) to rank r+1 and the receive from r-1
      (skipped at the last step), before any compute, so the transfer overlaps step s;
-  2. compute the blocks ``zigzag.block_pairs`` lists for step s (``blockwise.block_attention``)
-     and merge them into the running (out, lse) of each query chunk (``merge_partials``);
+  2. compute the blocks ``zigzag.block_pairs`` lists for step s (``blockwise.block_attention``,
+     or a fused kernel: ``fused_blocks``, the ``path`` argument) and merge them into the
+     running (out, lse) of each query chunk (``merge_partials``);
   3. wait for the next K/V.
 The document ids that arrived at each step are kept for the backward (B*T int64, small next to
 the K/V), so the backward does not send them again.
 
 Backward, step s = 0 .. C-1, with the final lse saved (FlashAttention-2, Dao 2023, sec. 3.1):
   1. post the K/V transfer for step s+1, as in the forward (not at the last step);
-  2. compute dQ (kept here) and this rank's contribution to the dK/dV of rank src's K/V;
+  2. compute dQ (kept here) and this rank's contribution to the dK/dV of rank src's K/V (the
+     einsums take ``D = rowsum(dO * O)``, the fused kernels the final output O itself);
   3. wait for the dK/dV accumulator of rank src from rank r-1 (none at step 0), add the
      contribution, post its send to rank r+1; then wait for the next K/V.
 After step C-1 the accumulator that arrives is this rank's own: C sends of dK/dV, C-1 of K/V.
@@ -43,6 +45,7 @@ from megazero.context_parallel.blockwise import (
     compute_dtype,
     merge_partials,
 )
+from megazero.context_parallel.fused_blocks import fused_block_attention, fused_block_attention_backward
 from megazero.context_parallel.zigzag import DIAGONAL, block_pairs, local_token_index, ring_source, zigzag_chunks
 
 _TAG_FWD_KV, _TAG_FWD_SEG, _TAG_BWD_KV, _TAG_BWD_DKV = 0, 1, 2, 3
@@ -98,23 +101,41 @@ class _Blocks:
         self.q_pos, self.q_seg = _halves(token_index, 0), _halves(q_seg, 1)
 
     def each(self, step: int, k_seg):
-        """Yield ``(i, j, mask)`` for the blocks of ``step``: query half i, key half j."""
+        """Yield ``(i, j, mask, causal)`` for the blocks of ``step``: query half i, key half j;
+        ``causal`` when the mask is exactly the top-left causal one (a diagonal block, one document)."""
         src = ring_source(self.rank, step, self.C)
         k_pos = _halves(local_token_index(self.T, src, self.C, device=self.q_pos[0].device), 0)
         k_seg = _halves(k_seg, 1)
         for _, q_chunk, kv_chunk, kind in self.plan[step]:
             i, j = zigzag_chunks(self.rank, self.C).index(q_chunk), zigzag_chunks(src, self.C).index(kv_chunk)
-            yield i, j, block_mask(self.q_pos[i], k_pos[j], self.q_seg[i], k_seg[j], causal=kind == DIAGONAL)
+            mask = block_mask(self.q_pos[i], k_pos[j], self.q_seg[i], k_seg[j], causal=kind == DIAGONAL)
+            yield i, j, mask, kind == DIAGONAL and k_seg[j] is None
+
+
+def _forward_block(path: str, q, k, v, mask, scale: float, causal: bool):
+    """One block's ``(out, lse)`` on ``path`` (``fused_blocks.block_path``)."""
+    if path == "einsum":
+        return block_attention(q, k, v, mask, scale)
+    return fused_block_attention(q, k, v, mask, scale, causal=causal)
+
+
+def _backward_block(path: str, q, k, v, do, out, delta, lse, mask, scale: float, causal: bool):
+    """One block's ``(dq, dk, dv)`` on ``path``: the einsums take ``delta = rowsum(dO * O)``, the
+    fused kernels the final ``out``."""
+    if path == "einsum":
+        return block_attention_backward(q, k, v, do, delta, lse, mask, scale)
+    return fused_block_attention_backward(q, k, v, do, out, lse, mask, scale, causal=causal)
 
 
 class RingAttention(torch.autograd.Function):
-    """``apply(q, k, v, segment_ids, link, token_index, scale) -> out``: q ``[B, h, T/C, d]``
+    """``apply(q, k, v, segment_ids, link, token_index, scale, path) -> out``: q ``[B, h, T/C, d]``
     (group-major heads), k and v ``[B, G, T/C, d]``, segment_ids ``[B, T/C]`` or None, token_index
-    ``[T/C]`` (this rank's zigzag positions). Returns ``[B, h, T/C, d]`` in q's dtype. Use
+    ``[T/C]`` (this rank's zigzag positions), ``path`` the blocks' kernel path
+    (``fused_blocks.block_path``). Returns ``[B, h, T/C, d]`` in q's dtype. Use
     ``attention.ring_attention``, which checks the arguments."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, link: RingLink, token_index, scale: float):
+    def forward(ctx, q, k, v, segment_ids, link: RingLink, token_index, scale: float, path: str = "einsum"):
         B, h, Tl, d = q.shape
         G, C, n = k.shape[1], link.size, Tl // 2
         qs = _halves(q.reshape(B, G, h // G, Tl, d), 3)  # 2 x (B, G, R, T/(2C), d)
@@ -126,16 +147,16 @@ class RingAttention(torch.autograd.Function):
             if step < C - 1:
                 pending = link.start([kv] if seg is None else [kv, seg], _TAG_FWD_KV)
             kv_segs.append(seg)
-            for i, j, mask in blocks.each(step, seg):
+            for i, j, mask, causal in blocks.each(step, seg):
                 kj, vj = kv[:, :, :, j * n : (j + 1) * n].unbind(0)  # (B, G, T/(2C), d)
-                o, l = block_attention(qs[i], kj, vj, mask, scale)
+                o, l = _forward_block(path, qs[i], kj, vj, mask, scale, causal)
                 out[i], lse[i] = (o, l) if out[i] is None else merge_partials(out[i], lse[i], o, l)
             if pending is not None:
                 kv, *rest = pending.wait()
                 seg = rest[0] if rest else None
         y = torch.cat(out, dim=3).reshape(B, h, Tl, d).to(q.dtype)  # (B, h, T/C, d)
         ctx.save_for_backward(q, k, v, y, torch.cat(lse, dim=3))  # lse (B, G, R, T/C)
-        ctx.link, ctx.blocks, ctx.kv_segs, ctx.scale = link, blocks, kv_segs, scale
+        ctx.link, ctx.blocks, ctx.kv_segs, ctx.scale, ctx.path = link, blocks, kv_segs, scale, path
         return y
 
     @staticmethod
@@ -147,17 +168,19 @@ class RingAttention(torch.autograd.Function):
         G, C, n, acc = k.shape[1], link.size, Tl // 2, compute_dtype(q.dtype)
         grouped = (B, G, h // G, Tl, d)
         do = dy.reshape(grouped).to(acc)  # (B, G, R, T/C, d)
-        delta = (do * y.reshape(grouped).to(acc)).sum(-1)  # D = rowsum(dO * O)
-        qs, dos = _halves(q.reshape(grouped), 3), _halves(do, 3)
+        delta = (do * y.reshape(grouped).to(acc)).sum(-1) if ctx.path == "einsum" else None  # D = rowsum(dO * O)
+        qs, dos, ys = _halves(q.reshape(grouped), 3), _halves(do, 3), _halves(y.reshape(grouped), 3)
         deltas, lses = _halves(delta, 3), _halves(lse, 3)
         dq = torch.zeros(grouped, dtype=acc, device=q.device)
         kv, pending_dkv = torch.stack([k, v]), None
         for step in range(C):
             pending_kv = link.start([kv], _TAG_BWD_KV) if step < C - 1 else None
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # (2, B, G, T/C, d)
-            for i, j, mask in blocks.each(step, ctx.kv_segs[step]):
+            for i, j, mask, causal in blocks.each(step, ctx.kv_segs[step]):
                 kj, vj = kv[:, :, :, j * n : (j + 1) * n].unbind(0)
-                dq_b, dk_b, dv_b = block_attention_backward(qs[i], kj, vj, dos[i], deltas[i], lses[i], mask, scale)
+                dq_b, dk_b, dv_b = _backward_block(
+                    ctx.path, qs[i], kj, vj, dos[i], ys[i], deltas[i], lses[i], mask, scale, causal
+                )
                 dq[:, :, :, i * n : (i + 1) * n] += dq_b
                 dkv[0, :, :, j * n : (j + 1) * n] += dk_b
                 dkv[1, :, :, j * n : (j + 1) * n] += dv_b
@@ -170,4 +193,4 @@ class RingAttention(torch.autograd.Function):
         if pending_dkv is not None:
             dkv = pending_dkv.wait()[0]  # this rank's own, back after C sends
         dq = dq.reshape(B, h, Tl, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None

@@ -323,13 +323,24 @@ def split_offsets(gqa: bool, q_heads: int, kv_heads: int, head_dim: int, rope: b
     return (0, 0, offsets[2]) if rope else offsets
 
 
+def ring_block_kernel(dtype: torch.dtype, head_dim: int, plat: CudaPlatform) -> str:
+    """The kernel of one ring block (``--cp-comm-type p2p``) on CUDA: ``"efficient"``
+    (``_scaled_dot_product_efficient_attention`` called directly, ``fused_blocks``) when it takes
+    ``dtype`` and ``head_dim`` on ``plat`` (rule 3, with K/V expanded to the query heads and an
+    additive mask), else ``"einsum"`` (``blockwise``: fp32 einsums in row tiles of at most 16 MiB
+    of scores). Flash is not used (its op takes no mask tensor and refuses float32), nor cuDNN
+    (16-bit only; not tried here)."""
+    call = SdpaCall(dtype, 1, 1, head_dim, mask="additive")
+    return "efficient" if efficient_refusal(call, plat) is None else "einsum"
+
+
 def config_kernel(c: AttentionConfig, head_dim: int, plat: CudaPlatform) -> tuple[str, bool]:
-    """``(kernel, K/V expanded)`` of configuration ``c`` at ``head_dim`` on ``plat``. The ring runs
-    no SDPA: its blocks are ``blockwise.block_attention`` (einsum in fp32, row tiles of at most
-    16 MiB of scores, recomputed in the backward), shown as ``"blockwise"``. The all-to-all's
-    tensors are new (offsets 0)."""
+    """``(kernel, K/V expanded)`` of configuration ``c`` at ``head_dim`` on ``plat``. The ring calls
+    its blocks' kernel itself (``ring_block_kernel``; K/V expanded over the group under GQA),
+    shown as ``"efficient"`` or ``"einsum"``. The all-to-all's tensors are new (offsets 0)."""
     if c.cp == "p2p":
-        return "blockwise", False
+        kernel = ring_block_kernel(c.dtype, head_dim, plat)
+        return kernel, kernel == "efficient" and c.gqa
     h, g = _HEADS[c.gqa]
     offsets = split_offsets(c.gqa, h, g, head_dim) if c.cp == "none" else (0, 0, 0)
     got = megazero_call(c.dtype, h, g, head_dim, documents=c.documents, dropout=c.dropout, offsets=offsets, plat=plat)

@@ -51,7 +51,17 @@ query/key-value heads per tp rank and ``acc`` = ``max(elt, 4)`` bytes (fp32 accu
   scores' memory, and dP, turned into dS in place; the forward one, and logsumexp's reduction).
   Measured by scripts/bench/bench_context_parallel.py. So the ring's buffers shrink as ``1/cp``
   and its score tiles stay bounded; a tile is still an unfused matrix, where the fused kernel
-  of cp = 1 keeps O(s).
+  of cp = 1 keeps O(s). That is the einsum path (``--cp-ring-kernel einsum``); where the blocks
+  run through a fused kernel (``auto``, ``context_parallel/fused_blocks.py``: always on CPU
+  ranks, on CUDA where ``sdpa_kernels.ring_block_kernel`` says ``"efficient"``) no scores are kept, and a block's
+  backward holds instead, with ``E = b*h_l*(Tl/2)*d``, the larger of: during the kernel, q,
+  dO and the output in the kernel's layout and the kernel's dq, dk, dv (K/V expanded to
+  ``h_l`` heads), ``6*E*elt``, plus the expanded K and V under grouped-query attention,
+  ``2*E*elt``; after it, the kernel's gradients ``3*E*elt`` and their ``acc`` copies and
+  sums over the group, ``(E + 2*b*G_l*(Tl/2)*d)*acc``; and with packed documents the block's
+  additive bias ``b*(Tl/2)*(Tl/2)*elt`` (rows padded to 16 on CUDA). On CPU ranks one fused
+  block's forward and backward measured 3.2-3.6 MiB resident at b 1, h_l 4, Tl/2 1024, d 16
+  in fp32 (formula 1.5 MiB, the rest the kernel's own buffers; the einsum path 37 MiB).
 - all-to-all (a2a, DeepSpeed-Ulysses): one all-to-all's send, receive and concatenation of a
   ``b*h_l*Tl*d`` tensor and the three gathered gradients of the backward, ``6*b*h_l*Tl*d*elt``;
   the attention itself runs in the fused kernel over ``h_l/cp`` heads of all T tokens (O(s)).
@@ -71,7 +81,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from megazero.context_parallel.blockwise import tile_rows
-from megazero.context_parallel.sdpa_kernels import CudaPlatform, megazero_call, split_offsets
+from megazero.context_parallel.sdpa_kernels import CudaPlatform, megazero_call, ring_block_kernel, split_offsets
 from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT, sharding_policy
 
 
@@ -93,6 +103,8 @@ class ActivationSettings:
     """Context-parallel size (ranks): each rank holds ``T/cp`` tokens of every sequence."""
     cp_comm_type: str = "p2p"
     """Attention across the cp ranks, ``"p2p"`` (ring) or ``"a2a"`` (all-to-all); read at cp > 1."""
+    cp_ring_kernel: str = "auto"
+    """The ring blocks' kernel choice (``--cp-ring-kernel``): ``"auto"`` (fused where one exists) or ``"einsum"``."""
     documents: bool = False
     """Packed documents (``--reset-attention-mask``): SDPA takes a ``[b, 1, s, s]`` mask."""
     platform: Optional[CudaPlatform] = None
@@ -130,17 +142,18 @@ def core_elements(g, a: ActivationSettings) -> float:
 
 def attention_kernel(g, a: ActivationSettings) -> str:
     """The kernel of one layer's attention core (``sdpa_kernels.megazero_call``): ``"cpu"`` on
-    CPU ranks, ``"blockwise"`` for the ring at cp > 1, else the CUDA SDPA kernel of
+    CPU ranks, the ring's block kernel at cp > 1 (``sdpa_kernels.ring_block_kernel``:
+    ``"efficient"`` or ``"einsum"``), else the CUDA SDPA kernel of
     ``a.platform`` for this rank's heads (``h/tp``, or ``h/(tp cp)`` under a2a), head size,
     dtype (``activation_bytes``: 4 fp32, 2 bf16), documents and dropout."""
     if a.platform is None:
         return "cpu"
-    if a.cp > 1 and a.cp_comm_type != "a2a":
-        return "blockwise"
     split = a.tp * (a.cp if a.cp > 1 else 1)
     h, G, d = g.num_attention_heads // split, g.kv_heads // split, g.hidden_size // g.num_attention_heads
-    offsets = split_offsets(G != h, h, G, d) if a.cp == 1 else (0, 0, 0)
     dtype = torch.float32 if a.activation_bytes == 4 else torch.bfloat16
+    if a.cp > 1 and a.cp_comm_type != "a2a":
+        return "einsum" if a.cp_ring_kernel == "einsum" else ring_block_kernel(dtype, d, a.platform)
+    offsets = split_offsets(G != h, h, G, d) if a.cp == 1 else (0, 0, 0)
     dropout = a.attention_dropout if a.cp == 1 and not a.documents else 0.0
     return megazero_call(
         dtype, h, G, d, documents=a.documents, dropout=dropout, offsets=offsets, plat=a.platform
@@ -176,7 +189,8 @@ class ContextParallelBytes(NamedTuple):
     kv_buffers: float
     """ring: K/V current and next, the dK/dV accumulators and dQ's; a2a: the all-to-all buffers."""
     scores: float
-    """ring: the block scores alive at once in the backward; a2a: 0 (fused kernel)."""
+    """ring: what one block holds at once in the backward (the einsum path's score tiles, or the
+    fused path's copies and bias); a2a: 0 (fused kernel)."""
 
     @property
     def total(self) -> float:
@@ -202,6 +216,16 @@ def context_parallel_bytes(g, a: ActivationSettings) -> ContextParallelBytes:
     kv = 2 * b * G_l * Tl * d  # one K/V pair [2, b, G/tp, T/cp, d]
     buffers = 2 * kv * elt + 2 * kv * acc + q_l * acc
     n = Tl // 2  # one block's side, T/(2 cp)
+    dtype = torch.float32 if elt == 4 else torch.bfloat16
+    fused = a.platform is None or ring_block_kernel(dtype, d, a.platform) == "efficient"
+    if a.cp_ring_kernel == "auto" and fused:
+        E = b * h_l * n * d  # elements of one block's q
+        during = (6 + (2 if G_l != h_l else 0)) * E * elt  # the kernel's inputs and gradients
+        after = 3 * E * elt + (E + 2 * b * G_l * n * d) * acc  # its gradients and their fp32 sums
+        copies = max(during, after)
+        width = n if a.platform is None else -(-n // 16) * 16
+        bias = b * n * width * elt if a.documents else 0
+        return ContextParallelBytes(float(buffers), float(copies + bias))
     rows = tile_rows(b, h_l, n, n, acc)  # the block's queries run in row tiles
     return ContextParallelBytes(float(buffers), 2.0 * b * h_l * rows * n * acc)
 

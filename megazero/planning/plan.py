@@ -39,6 +39,7 @@ def activation_settings(cfg: Config, platform: Optional[CudaPlatform] = None) ->
         recompute_num_layers=m.recompute_num_layers,
         cp=p.cp,
         cp_comm_type=p.cp_comm_type,
+        cp_ring_kernel=p.cp_ring_kernel,
         documents=cfg.data.reset_attention_mask,
         platform=platform,
     )

@@ -153,7 +153,9 @@ def test_plan_per_rank_shrinks_with_cp():
     dp x cp (cp 2's states are dp 2's); the ring's K/V buffers halve when cp doubles, and its
     block scores are two row tiles of at most SCORE_TILE_BYTES (16 MiB) each (P and dP/dS, in
     place; a whole (T/2cp)^2 block would be 128 MiB at cp 2 here); from a block that fits one
-    tile on, they quarter when cp doubles."""
+    tile on, they quarter when cp doubles. That is the einsum path (``--cp-ring-kernel einsum``);
+    the fused path (the default, always taken on CPU ranks) holds block copies instead: the
+    larger of ``6 E elt`` during the kernel and ``3 E elt + (E + 2 b G n d) acc`` after it."""
     from megazero.context_parallel.blockwise import SCORE_TILE_BYTES
 
     base = [
@@ -174,8 +176,9 @@ def test_plan_per_rank_shrinks_with_cp():
         "1",
     ]
 
-    def plan(cp, comm="p2p"):
-        return _plan_of(base + ["--cp", str(cp), "--cp-comm-type", comm, "--global-batch-size", "1"], cp)
+    def plan(cp, comm="p2p", kernel="einsum"):
+        extra = ["--cp", str(cp), "--cp-comm-type", comm, "--cp-ring-kernel", kernel, "--global-batch-size", "1"]
+        return _plan_of(base + extra, cp)
 
     a2a = {cp: plan(cp, "a2a") for cp in (2, 4, 8)}
     ring = {cp: plan(cp) for cp in (2, 4, 8)}
@@ -189,6 +192,10 @@ def test_plan_per_rank_shrinks_with_cp():
     assert ring[8].cp_attention.scores == 2 * 1 * 8 * (8192 // 16) ** 2 * 4  # one tile: a whole block
     assert ring[2].cp_attention.kv_buffers == 2 * ring[4].cp_attention.kv_buffers
     assert single.total_bytes > ring[2].total_bytes > ring[4].total_bytes > ring[8].total_bytes
+    fused = plan(2, kernel="auto").cp_attention
+    E, n = 1 * 8 * (8192 // 4) * 128, 8192 // 4  # elements of one block's q (b h_l n d), block side
+    assert fused.kv_buffers == ring[2].cp_attention.kv_buffers
+    assert fused.scores == max(6 * E * 2, 3 * E * 2 + (E + 2 * 1 * 8 * n * 128) * 4) == 36 * 2**20
 
 
 def test_plan_table_names_the_ring_buffers(capsys):
@@ -213,6 +220,7 @@ def test_plan_table_names_the_ring_buffers(capsys):
         "--global-batch-size",
         "1",
     ]
+    argv += ["--cp-ring-kernel", "einsum"]
     assert main(argv + ["--cp", "2"]) == 0
     table, build = capsys.readouterr().out.split("\n\n")
     head, row = table.splitlines()
@@ -518,11 +526,12 @@ def test_measure_agrees_with_the_plan():
 
 @pytest.mark.slow
 def test_measure_agrees_with_the_plan_at_cp2():
-    """The same on two ranks at cp 2: ring attention where its block scores weigh in the peak
-    (hidden 64, sequence 4096: two 16 MiB score tiles), and all-to-all on the model above (sequence
+    """The same on two ranks at cp 2: ring attention's einsum path where its block scores weigh in
+    the peak (hidden 64, sequence 4096: two 16 MiB score tiles), and all-to-all on the model above (sequence
     1024, no dropout: cp refuses attention dropout). Within 10 % on every rank."""
     for extra in (
-        ["--hidden-size", "64", "--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "1"],
+        ["--hidden-size", "64", "--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "1"]
+        + ["--cp-ring-kernel", "einsum"],
         [
             "--hidden-size",
             "256",

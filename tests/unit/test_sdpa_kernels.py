@@ -31,6 +31,7 @@ from megazero.context_parallel.sdpa_kernels import (
     config_kernel,
     megazero_call,
     refusals,
+    ring_block_kernel,
     select_kernel,
 )
 from megazero.context_parallel.sequence import Packing, shard_micro_batch
@@ -130,6 +131,19 @@ def test_the_docs_table_is_the_functions_output():
 
 class _Sizes:
     seq_length, hidden_size, num_attention_heads, kv_heads, ffn_hidden_size = 4096, 1152, 32, 8, 4608
+
+
+def test_ring_blocks_take_the_efficient_kernel_where_it_takes_the_dtype_and_head_dim():
+    """The ring calls the memory-efficient kernel per block (``fused_blocks``): float32 at head
+    dims of 4, 16-bit at head dims of 8; float64 and 16-bit head dim 36 stay on the einsums."""
+    assert ring_block_kernel(torch.float32, 36, SM90) == "efficient"
+    assert ring_block_kernel(BF16, 36, SM90) == ring_block_kernel(FP16, 36, SM80) == "einsum"
+    assert ring_block_kernel(BF16, 320, SM80) == "efficient"
+    assert ring_block_kernel(torch.float64, 128, SM90) == "einsum"
+    assert config_kernel(accepted_configs()[0]._replace(cp="p2p", gqa=True), 64, SM90) == ("efficient", True)
+    a = ActivationSettings(micro_batch_size=2, tp=2, sequence_parallel=False, activation_bytes=2, platform=SM90)
+    assert attention_kernel(_Sizes(), replace(a, cp=2)) == "einsum"  # head size 36 in bf16
+    assert attention_kernel(_Sizes(), replace(a, cp=2, activation_bytes=4)) == "efficient"
 
 
 def test_planner_counts_the_math_kernels_scores_and_the_shared_document_mask():
