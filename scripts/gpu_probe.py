@@ -425,7 +425,8 @@ def kernels(args) -> int:
         key(f"{name}_max_abs_diff", ",".join(f"{n}={x:.2e}" for n, x in diffs.items()))
         key(f"{name}_ms", ",".join(f"{n}={x:.1f}" for n, x in case["ms"].items()))
         bound = RING_BLOCK_TOL[case["case"].split("_")[0]]
-        if case["path"] == "einsum" or max(diffs.values()) > bound:  # not fused, or not the same attention
+        unfused = case["path"] == "einsum" and device.type == "cuda"  # CPU keeps 16-bit blocks on einsums
+        if unfused or max(diffs.values()) > bound:  # not fused on the GPU, or not the same attention
             failures.append(f"ring block {case['case']}: path {case['path']}, max |diff| {max(diffs.values()):.2e}")
     micro = 4  # SMALL: global batch 8 of micro-batches of 2
     layers = 4  # SMALL's, every one an MoE layer in the MoE model

@@ -40,7 +40,8 @@ PATHS = ("einsum", "flash_cpu", "efficient")
 """Block paths: ``blockwise``'s einsums (the oracle), the CPU flash operator, CUDA's efficient one."""
 CHOICES = ("auto", "einsum")
 """What a caller may ask for: the fused path where it exists (``auto``), or the einsums."""
-_CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # what the CPU kernel takes
+_CPU_AUTO = (torch.float64, torch.float32)  # where "auto" takes it: 16-bit ran 3.7x slower (long-sequences.md)
 _BIAS_ALIGN = 16  # elements: SDPA pads an efficient-attention bias row to this
 
 
@@ -52,15 +53,15 @@ def block_path(q: torch.Tensor, choice: str = "auto") -> str:
     """The path the ring's blocks take for queries like ``q`` (``[..., d]``): one of ``PATHS``.
 
     ``choice`` ``"einsum"`` always gives ``"einsum"``; ``"auto"`` gives ``"flash_cpu"`` on CPU
-    for float64/32, bfloat16 and float16, on CUDA ``sdpa_kernels.ring_block_kernel`` for this
-    GPU (``"efficient"`` for float32, bfloat16 and float16 at a head dim the kernel takes), else
-    ``"einsum"``. Raises ValueError for a choice not in ``CHOICES``.
+    for float64 and float32 (16-bit blocks ran 3.7x slower there than the einsums), on CUDA
+    ``sdpa_kernels.ring_block_kernel`` for this GPU (``"efficient"`` for float32, bfloat16 and
+    float16 at a head dim the kernel takes), else ``"einsum"``. Raises ValueError for a choice not in ``CHOICES``.
     """
     if choice not in CHOICES:
         raise ValueError(f"ring block kernel {choice!r} is not one of {CHOICES}")
     if choice == "einsum":
         return "einsum"
-    if q.device.type == "cpu" and q.dtype in _CPU_DTYPES and _op("_scaled_dot_product_flash_attention_for_cpu"):
+    if q.device.type == "cpu" and q.dtype in _CPU_AUTO and _op("_scaled_dot_product_flash_attention_for_cpu"):
         return "flash_cpu"
     if q.device.type == "cuda" and _op("_scaled_dot_product_efficient_attention"):
         return ring_block_kernel(q.dtype, q.shape[-1], CudaPlatform.current(q.device))

@@ -117,7 +117,8 @@ def test_fully_masked_rows_give_zero_and_no_nan():
 
 def test_block_path_choice():
     q32, q16 = torch.zeros(1, 1, 1, 2, 8), torch.zeros(1, 1, 1, 2, 8, dtype=torch.bfloat16)
-    assert block_path(q32) == block_path(q16) == block_path(q32.double()) == "flash_cpu"
+    assert block_path(q32) == block_path(q32.double()) == "flash_cpu"
+    assert block_path(q16) == "einsum"  # on CPU 16-bit blocks are faster as einsums
     assert block_path(q32, "einsum") == "einsum"
     assert block_path(torch.zeros(1, 8, dtype=torch.int64)) == "einsum"
     assert block_path(torch.zeros(1, 8, device="meta")) == "einsum"
