@@ -492,12 +492,21 @@ class Monitor:
         )
         self._record("train", record | moe)
 
-    def log_validation(self, it: int, loss: float) -> None:
+    def log_validation(self, it: int, loss: float, preference: Optional[Mapping[str, float]] = None) -> None:
         """Validation loss (nats/token) at iteration ``it``: console, ``valid/loss`` and
-        ``valid/ppl`` scalars, and a ``"valid"`` record."""
+        ``valid/ppl`` scalars, and a ``"valid"`` record. ``preference`` (--post-train dpo): the
+        validation pairs' :data:`PREFERENCE_KEYS`, printed and logged as ``valid/<key>``, in
+        place of the perplexity (the loss is then the mean pair loss)."""
         if not self.is_logging_rank:
             return
         loss = _plain(loss)
+        if preference is not None:
+            extra = {k: _plain(v) for k, v in preference.items()}
+            shown = " | ".join(f"{k.replace('_', ' ')}: {v:.6E}" for k, v in extra.items())
+            print(f"validation at iteration {it} | loss: {loss:.6E} | {shown}", flush=True)
+            self._scalars({"valid/loss": loss} | {f"valid/{k}": v for k, v in extra.items()}, it)
+            self._record("valid", {"iteration": it, "loss": loss} | extra)
+            return
         ppl = _ppl(loss)
         print(f"validation at iteration {it} | loss: {loss:.6E} | perplexity: {ppl:.4g}", flush=True)
         self._scalars({"valid/loss": loss, "valid/ppl": ppl}, it)

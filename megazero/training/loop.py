@@ -206,7 +206,8 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
         if data.valid is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters):
             last_valid, counts = evaluate(trainer, data.valid, cfg, state.eval_round)
             state.eval_round += 1
-            monitor.log_validation(it, last_valid)
+            pref = trainer.post.preference  # --post-train dpo: the held-out pairs' reward statistics
+            monitor.log_validation(it, last_valid, None if pref is None else pref.metrics(device))
         if harness_due(cfg, it):
             monitor.log_harness(it, harness_scores(trainer, data.tokenizer, cfg))
         saved = None

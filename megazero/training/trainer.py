@@ -383,8 +383,6 @@ class Trainer:
         self.optimizer.wait_param_gather()
         for c in self.chunks:
             c.eval()
-        loss = self._run(batches, self.eval_actions, forward_only=True)
-        if self.post.preference is not None:
-            self.post.preference.totals = None  # the training step's metrics only
+        loss = self._run(batches, self.eval_actions, forward_only=True)  # DPO: adds to the reward statistics
         collectives.all_reduce_mean(loss, self.replicas.dp)
         return float(loss)

@@ -10,7 +10,9 @@ host, and 2 micro-batches of 4 (one process: 8 of 2); the losses, gradient norms
 metrics of every step agree. A reference model read from a checkpoint
 (``--ref-load``) gives step 1's loss of ``tests/support/reference.py``'s GPT run on both weight
 sets; a resumed run keeps comparing with the recorded reference, not the policy it loaded;
-``--finetune`` starts at iteration 0 from the loaded weights, which are also the reference.
+``--finetune`` starts at iteration 0 from the loaded weights, which are also the reference; the
+micro-batch size does not change a step; three steps equal DPO written here on that GPT with
+``torch.optim.Adam``, parameters included.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def pref(tmp_path_factory):
     return dict(dir=d, argv=MODEL + ["--data-path", str(d / "pref"), "--tokenizer-model", tok, "--post-train", "dpo"])
 
 
-def _train(rank, world, runs):
-    """Per (argv, steps, load): the values of each step (loss and reward metrics) and the
-    iteration the run started at."""
+def _train(rank, world, runs, params=False):
+    """Per (argv, steps): the values of each step (loss and reward metrics), the iteration the
+    run started at and, with ``params`` (one process at ZeRO-0), the parameters at the end."""
     from megazero import training
     from megazero.config import config_from_argv
     from megazero.training import build_trainer
@@ -90,6 +92,8 @@ def _train(rank, world, runs):
             got["steps"].append(trainer.train_step(trainer.next_batches()).values)
         if cfg.train.save:
             trainer.save_checkpoint(cfg.train.save, wait=True)
+        if params:
+            got["params"] = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
         trainer.close()
         out.append(got)
     return out
@@ -110,6 +114,7 @@ def runs(pref):
     base = pref["argv"]
     single = [(base + extra + ["--train-iters", str(STEPS)], STEPS) for extra in LOSSES.values()]
     single.append((base + LLAMA + ["--train-iters", str(STEPS)], STEPS))
+    single += [(base + ["--train-iters", str(STEPS), "--micro-batch-size", m], STEPS) for m in ("4", "8")]
     layouts = [
         ["--tp", "2", "--pp", "2", "--dp", "2"],
         ["--cp", "2", "--tp", "2", "--dp", "2"] + LLAMA,
@@ -123,7 +128,8 @@ def runs(pref):
     ]
     eight = [(base + extra + ["--train-iters", str(STEPS)], STEPS) for extra in layouts]
     one = run_distributed(_train, 1, single, timeout_s=600)[0]
-    return dict(zip(list(LOSSES) + ["llama"], one)), run_distributed(_train, 8, eight, timeout_s=600)[0]
+    names = list(LOSSES) + ["llama", "micro-batch 4", "micro-batch 8"]
+    return dict(zip(names, one)), run_distributed(_train, 8, eight, timeout_s=600)[0]
 
 
 def test_the_first_step_compares_the_policy_with_itself(runs):
@@ -150,6 +156,13 @@ def test_the_first_step_compares_the_policy_with_itself(runs):
 def test_layouts_give_the_single_process_losses_and_rewards(runs, index, name, want):
     single, eight = runs
     _same(eight[index], single[want], name)
+
+
+def test_the_update_does_not_depend_on_the_micro_batch_size(runs):
+    """One process, 8 micro-batches of one pair, 4 of two and 2 of four: the same steps."""
+    single, _ = runs
+    for name in ("micro-batch 4", "micro-batch 8"):
+        _same(single[name], single["sigmoid"], name, rel=1e-6, abs_=1e-7)
 
 
 def _sequence_logps(model, tokens, labels, mask):
@@ -240,3 +253,44 @@ def test_a_reference_of_another_model_or_none_is_refused_before_start(pref, tmp_
         lines = [x for x in res.stderr.splitlines() if x.startswith("megazero:")]
         assert res.returncode == 2 and len(lines) == 1, res.stderr
         assert f"--ref-load {ref}" in lines[0] and want in lines[0], lines
+
+
+def test_three_steps_equal_a_plain_pytorch_dpo(pref):
+    """megazero's DPO for 3 steps (constant lr, no weight decay or clipping) against DPO written
+    here on the reference GPT with torch.optim.Adam: the same losses and rewards each step and the
+    same parameters after (Rafailov et al. 2023, eq. 7; the reference = the initial weights)."""
+    from data.sft import sft_micro_batches
+    from megazero import training
+    from megazero.config import config_from_argv
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+    from tests.support.reference import ReferenceGPT
+
+    plain = ["--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "0", "--train-iters", "3"]
+    argv = pref["argv"] + plain
+    (got,) = run_distributed(_train, 1, [(argv, 3)], params=True, timeout_s=300)[0]
+    cfg = config_from_argv(argv, 1)
+    data = training.build_data(cfg)
+    full = init_full_weights(build_gpt_config(cfg, data.vocab_size), 7)
+    policy = ReferenceGPT.from_full_weights(full, data.vocab_size, 4)
+    reference = ReferenceGPT.from_full_weights(full, data.vocab_size, 4)
+    o = cfg.optim
+    adam = torch.optim.Adam(policy.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    for step in range(3):
+        ((tokens, labels, mask),) = sft_micro_batches(data.train, 16 * step, 16, 16, 0, 1)
+        logits = policy(tokens)
+        each = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        logp = (each.reshape(labels.shape).double() * mask.double()).sum(dim=1)
+        h = logp - _sequence_logps(reference, tokens, labels, mask)
+        loss = -F.logsigmoid(0.1 * (h[0::2] - h[1::2])).mean()
+        adam.zero_grad()
+        loss.backward()
+        adam.step()
+        mine = got["steps"][step]
+        assert math.isclose(mine["loss"], loss.item(), rel_tol=1e-6), (step, mine["loss"], loss.item())
+        for key, want in (("rewards_chosen", 0.1 * h[0::2]), ("rewards_rejected", 0.1 * h[1::2])):
+            assert math.isclose(mine[key], want.detach().mean().item(), rel_tol=1e-5, abs_tol=1e-7), (step, key)
+    theirs = policy.canonical_parameters()
+    for name, p in got["params"].items():
+        q = theirs[name].detach()
+        assert torch.allclose(p[: q.shape[0]], q, rtol=0, atol=1e-6), (name, float((p[: q.shape[0]] - q).abs().max()))
