@@ -261,20 +261,3 @@ def test_no_pip_install_without_a_network(tmp_path):
 @pytest.mark.parametrize("script", ["gpu_check.sh", "env.sh", "pretrain_gpt.sh"])
 def test_scripts_parse(script):
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], check=True)
-
-
-def test_a_sync_is_placed_at_megazeros_frame_and_the_probes_own_is_not_counted():
-    """The host-sync probe names the innermost megazero frame of a warning's stack (with the torch
-    frame the warning came from); a sync reached only from scripts/ (the H200 run's
-    ``set_sync_debug_mode`` switch, under ``<frozen runpy>``) is the probe's own."""
-    from collections import namedtuple
-
-    from scripts import gpu_probe as g
-
-    F = namedtuple("F", "filename lineno")
-    torch_frame = F("/env/lib/python3.12/site-packages/torch/cuda/__init__.py", 1270)
-    probe = [F("<frozen runpy>", 88), F(os.path.join(g.ROOT, "scripts", "gpu_probe.py"), 390), torch_frame]
-    assert g._our_frame(probe) == g.PROBE
-    step = [*probe[:2], F(os.path.join(g.ROOT, "megazero", "optim", "zero.py"), 298), torch_frame]
-    assert g._our_frame(step) == "megazero/optim/zero.py:298 <- torch/cuda/__init__.py:1270"
-    assert g._our_frame(step[:3]) == "megazero/optim/zero.py:298"
