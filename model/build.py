@@ -54,6 +54,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         ),
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
         label_smoothing=m.label_smoothing,
+        value_head=cfg.post.mode == "rm",
         norm_backend=cfg.optim.kernels,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
