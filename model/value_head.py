@@ -24,6 +24,7 @@ then holds every row's score.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Optional
 
 import torch
@@ -33,6 +34,8 @@ from megazero import collectives as C
 from megazero.context_parallel.sequence import SequenceInfo
 from megazero.post_training.preference import sum_over_cp
 from megazero.tensor_parallel.mappings import reduce_from_tp_region
+
+HEAD = "value_head.weight"
 
 
 class ValueHead(nn.Module):
@@ -66,3 +69,23 @@ class ValueHead(nn.Module):
         if self.sp:
             score = reduce_from_tp_region(score, self.groups.tp)
         return sum_over_cp(score, self.groups)
+
+
+class WithSeededHead(Mapping):
+    """A language model's canonical full tensors (``lm``, e.g. a ``--from-hf`` folder's
+    ``model.hf.CanonicalView``) plus a reward model's ``value_head.weight`` drawn from (seed,
+    name) as the seeded initialisation draws it (``heads[HEAD]``, ``model.spec.InitialWeights``):
+    how a reward model starts from a language model that has no head."""
+
+    def __init__(self, lm: Mapping, heads: Mapping):
+        self.lm, self.heads = lm, heads
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.heads[HEAD] if name == HEAD else self.lm[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.lm
+        yield HEAD
+
+    def __len__(self) -> int:
+        return len(self.lm) + 1

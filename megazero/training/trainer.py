@@ -200,15 +200,18 @@ class Trainer:
 
         Returns the iteration resumed from, or None when ``root`` holds no checkpoint yet.
         ``weights_only`` (``--finetune``): only the weights (and an MoE's expert biases) are
-        read; the iteration stays 0, the optimizer fresh, the dropout streams from --seed.
+        read; the iteration stays 0, the optimizer fresh, the dropout streams from --seed; a
+        reward model's value head keeps its seeded values when the checkpoint (a language
+        model's) has none.
         """
         g = self.gpt_config
 
         def real_rows(name):  # a vocabulary tensor's padding rows are zeroed, not read
             return g.vocab_size if name in VOCAB_TENSORS else None
 
+        fresh = ("value_head.weight",) if g.value_head else ()  # a reward model from a language model's weights
         resumed = self.checkpoints.resume(
-            root, self.optimizer, self.chunks, real_rows=real_rows, weights_only=weights_only
+            root, self.optimizer, self.chunks, real_rows=real_rows, weights_only=weights_only, fresh=fresh
         )
         if resumed is None:
             return None

@@ -67,7 +67,7 @@ def pref(tmp_path_factory):
 
 
 def _train(rank, world, runs):
-    """Per (argv, steps): the values of each step."""
+    """Per (argv, steps): the values of each step (after --load's checkpoint, if any)."""
     from megazero import training
     from megazero.config import config_from_argv
     from megazero.training import build_trainer
@@ -76,6 +76,8 @@ def _train(rank, world, runs):
     for argv, steps in runs:
         cfg = config_from_argv(argv, world)
         trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+        if cfg.train.load:
+            trainer.load_checkpoint(cfg.train.load, weights_only=cfg.train.finetune)
         got = [trainer.train_step(trainer.next_batches()).values for _ in range(steps)]
         if cfg.train.save:
             trainer.save_checkpoint(cfg.train.save, wait=True)
@@ -133,20 +135,15 @@ def _global_batch(pref, extra=()):
     return cfg, data, tokens, labels, mask, margins
 
 
-@pytest.mark.parametrize("block", ["gpt2", "llama"])
-def test_the_first_step_equals_the_reference_gpt_with_the_head(pref, runs, block):
-    """Step 1's scores are the reference GPT's final-norm hidden state at each sequence's last
-    response position (the last loss-mask 1) times the head's initial weight; the loss is the mean
-    of -log sigmoid(s_w - s_l - m) + 0.05 (s_w + s_l)^2 over the pairs."""
+def _expected_first_step(pref, full, head, extra=()):
+    """Step 1's loss, mean chosen and rejected scores and accuracy computed by the reference GPT
+    with ``full`` (canonical tensors without the head) and ``head`` [1, H]: its final-norm hidden
+    state at each sequence's last loss-mask-1 position times the head."""
     from model.build import build_gpt_config
-    from model.spec import init_full_weights
     from tests.support.reference import ReferenceGPT, block_options
 
-    extra = LLAMA if block == "llama" else []
     cfg, data, tokens, _, mask, margins = _global_batch(pref, extra)
     gcfg = build_gpt_config(cfg, data.vocab_size)
-    full = init_full_weights(gcfg, 7)
-    head = full.pop("value_head.weight")  # [1, H]
     model = ReferenceGPT.from_full_weights(full, data.vocab_size, 4, **block_options(gcfg))
     with torch.no_grad():
         hidden = model(tokens, return_hidden=True).double()  # (16, T, H)
@@ -154,12 +151,64 @@ def test_the_first_step_equals_the_reference_gpt_with_the_head(pref, runs, block
     scores = hidden[torch.arange(16), last] @ head.double().t()  # (16, 1)
     sw, sl = scores[0::2, 0], scores[1::2, 0]
     assert margins.abs().sum() > 0  # the margin term is exercised
-    want = float((-F.logsigmoid(sw - sl - margins.double()) + 0.05 * (sw + sl) ** 2).mean())
-    first = runs[0][block][0]
-    assert math.isclose(first["loss"], want, rel_tol=1e-5), (first["loss"], want)
-    assert math.isclose(first["rm_chosen_score"], float(sw.mean()), rel_tol=1e-5, abs_tol=1e-7)
-    assert math.isclose(first["rm_rejected_score"], float(sl.mean()), rel_tol=1e-5, abs_tol=1e-7)
-    assert first["rm_accuracy"] == float((sw > sl).double().mean())
+    loss = float((-F.logsigmoid(sw - sl - margins.double()) + 0.05 * (sw + sl) ** 2).mean())
+    return dict(
+        loss=loss,
+        rm_chosen_score=float(sw.mean()),
+        rm_rejected_score=float(sl.mean()),
+        rm_accuracy=float((sw > sl).double().mean()),
+    )
+
+
+def _agree(got: dict, want: dict) -> None:
+    for k, w in want.items():
+        assert math.isclose(got[k], w, rel_tol=1e-5, abs_tol=1e-7), (k, got[k], w)
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+def test_the_first_step_equals_the_reference_gpt_with_the_head(pref, runs, block):
+    """Step 1's scores are the reference GPT's final-norm hidden state at each sequence's last
+    response position (the last loss-mask 1) times the head's initial weight; the loss is the mean
+    of -log sigmoid(s_w - s_l - m) + 0.05 (s_w + s_l)^2 over the pairs."""
+    from megazero import training
+    from megazero.config import config_from_argv
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+
+    extra = LLAMA if block == "llama" else []
+    cfg = config_from_argv(pref["argv"] + extra + ["--train-iters", "1"], 1)
+    full = init_full_weights(build_gpt_config(cfg, training.build_data(cfg).vocab_size), 7)
+    head = full.pop("value_head.weight")  # [1, H]
+    _agree(runs[0][block][0], _expected_first_step(pref, full, head, extra))
+
+
+def test_a_reward_model_starts_from_a_language_model(pref, tmp_path):
+    """--load LM --finetune (a DPO checkpoint: no value head) and --from-hf of LM's export: the
+    body has LM's weights, the head its seeded initial value; step 1 equals the reference GPT on
+    those weights."""
+    from megazero import training
+    from megazero.checkpoint import read_full_weights
+    from megazero.config import config_from_argv
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+    from scripts.convert_checkpoint import main
+
+    lm, hf = str(tmp_path / "lm"), str(tmp_path / "lm_hf")
+    dpo = [a for a in pref["argv"] if a not in ("--rm-use-margin", "--rm-center-coef", "0.05")]
+    dpo[dpo.index("rm")] = "dpo"
+    run_distributed(_train, 1, [(dpo + ["--train-iters", "1", "--save", lm], 1)], timeout_s=300)
+    assert main(["--load", lm, "--to-hf", hf]) == 0
+    one = ["--train-iters", "1"]
+    finetuned, from_hf = run_distributed(
+        _train, 1, [(pref["argv"] + one + ["--load", lm, "--finetune"], 1), (pref["argv"] + one + ["--from-hf", hf], 1)]
+    )[0]
+    cfg = config_from_argv(pref["argv"] + one, 1)
+    head = init_full_weights(build_gpt_config(cfg, training.build_data(cfg).vocab_size), 7)["value_head.weight"]
+    body = read_full_weights(lm)[1]
+    assert "value_head.weight" not in body
+    want = _expected_first_step(pref, body, head)
+    _agree(finetuned[0], want)
+    _agree(from_hf[0], want)
 
 
 def _stage_scores(gcfg, full, tokens, mask):
