@@ -6,7 +6,8 @@ Pairs are written by ``python -m data.preference`` from arithmetic records (some
 with a small Hugging Face tokenizer. One process runs the GPT-2 block and the LLaMA block; eight
 gloo ranks run (tp, pp, dp) = (2, 2, 2), (cp, tp, dp) = (2, 2, 2) with the LLaMA block, and
 (tp, pp, dp) = (2, 2, 2) at ZeRO-3 with sequence parallelism and the LLaMA block (its untied
-output layer gets no gradient in rm); the loss, gradient norm and rm metrics of every step agree.
+output layer gets no gradient in rm), and zero-bubble ZB-V at (2, 2, 2); the loss, gradient
+norm and rm metrics of every step agree.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _train(rank, world, runs):
 @pytest.fixture(scope="module")
 def runs(pref):
     """One process: GPT-2 (saved after step 1 for the export), the LLaMA block (saved likewise);
-    eight ranks: three layouts. Two spawns."""
+    eight ranks: four layouts. Two spawns."""
     base, d = pref["argv"], pref["dir"]
     n = ["--train-iters", str(STEPS)]
     single = [
@@ -102,6 +103,7 @@ def runs(pref):
         ["--tp", "2", "--pp", "2", "--dp", "2"],
         ["--cp", "2", "--tp", "2", "--dp", "2"] + LLAMA,
         ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3", "--sequence-parallel"] + LLAMA,
+        ["--tp", "2", "--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-v"],
     ]
     eight = [(base + extra + n, STEPS) for extra in layouts]
     one = run_distributed(_train, 1, single, timeout_s=600)[0]
@@ -110,7 +112,12 @@ def runs(pref):
 
 @pytest.mark.parametrize(
     "index,name,want",
-    [(0, "tp2-pp2-dp2", "gpt2"), (1, "cp2-tp2-dp2 llama", "llama"), (2, "tp2-pp2-dp2 zero-3 sp llama", "llama")],
+    [
+        (0, "tp2-pp2-dp2", "gpt2"),
+        (1, "cp2-tp2-dp2 llama", "llama"),
+        (2, "tp2-pp2-dp2 zero-3 sp llama", "llama"),
+        (3, "tp2-pp2-dp2 zb-v", "gpt2"),
+    ],
 )
 def test_layouts_give_the_single_process_losses_and_scores(runs, index, name, want):
     single, eight = runs
