@@ -354,6 +354,33 @@ class PreferenceSplit:
         return ids, mask
 
 
+def split_margins(
+    split: "PreferenceSplit",
+    consumed_samples: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> list:
+    """The margins of this data-parallel rank's micro-batches of ``split``, in the order
+    ``data.sft.sft_micro_batches`` slices the same samples: one float32 tensor ``[micro/2]`` per
+    micro-batch (the margin of the pair in rows 2j, 2j + 1; 0 for a record without one). Raises
+    DataError as ``sft_micro_batches`` does for sizes that do not divide."""
+    import torch
+
+    from data.samplers import dp_sample_range
+
+    indices = list(dp_sample_range(consumed_samples, global_batch_size, dp_rank, dp_size))
+    if micro_batch_size < 2 or micro_batch_size % 2 or len(indices) % micro_batch_size:
+        raise DataError(
+            f"--micro-batch-size {micro_batch_size}: {len(indices)} samples per data-parallel rank must split "
+            "into micro-batches of whole pairs (an even size that divides them)"
+        )
+    margins = np.asarray([split.pairs.margins[split.pair_of(i)] for i in indices[0::2]], dtype=np.float32)
+    n = micro_batch_size // 2
+    return [torch.from_numpy(margins[m : m + n].copy()) for m in range(0, len(margins), n)]
+
+
 def preference_splits(prefix: str, split: str, num_samples, seq_length: int, seed: int, pad_id: int):
     """(train, valid, test) ``PreferenceSplit`` of the pairs at ``prefix`` by ``--split``
     (``data.gpt_dataset.split_ranges`` over the pairs in file order; an empty valid or test

@@ -7,7 +7,7 @@ checkpoint must match. The Trainer (train.py), the planner and the scripts build
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -25,6 +25,8 @@ from model.config import GPTConfig
 from model.gpt import GPTStage
 from model.hf import HFConversionError
 from model.hf_folder import check_folder, open_folder
+from model.spec import InitialWeights
+from model.value_head import WithSeededHead
 
 
 def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
@@ -54,6 +56,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         ),
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
         label_smoothing=m.label_smoothing,
+        value_head=cfg.post.mode == "rm",
         norm_backend=cfg.optim.kernels,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
@@ -173,8 +176,13 @@ def from_hf_weights(cfg: Config, gcfg: GPTConfig, tp_size: int):
     """With ``--from-hf DIR``: the canonical full tensors of DIR's GPT-2, Llama, Mixtral or
     Qwen2-MoE model, read lazily (each stage loads only its own), vocabulary re-padded for
     ``tp_size``; else None.
+    A reward model (``gcfg.value_head``) reads the language model there and starts its value head
+    from the seed (``model.value_head.WithSeededHead``).
     Raises HFConversionError (model.hf_folder.open_folder) for a folder that does not hold it."""
-    return None if cfg.train.from_hf is None else open_folder(cfg.train.from_hf, gcfg, gcfg.padded_vocab(tp_size))
+    if cfg.train.from_hf is None:
+        return None
+    lm = open_folder(cfg.train.from_hf, replace(gcfg, value_head=False), gcfg.padded_vocab(tp_size))
+    return WithSeededHead(lm, InitialWeights(gcfg, cfg.train.seed, tp_size)) if gcfg.value_head else lm
 
 
 def check_from_hf(cfg: Config, vocab_size: int) -> None:
@@ -183,7 +191,7 @@ def check_from_hf(cfg: Config, vocab_size: int) -> None:
     CheckpointError naming the file and the fix when it does not or a file cannot be read;
     MissingExtra (megazero.runtime.extras) without the ``hf`` extra."""
     try:
-        check_folder(cfg.train.from_hf, build_gpt_config(cfg, vocab_size))
+        check_folder(cfg.train.from_hf, replace(build_gpt_config(cfg, vocab_size), value_head=False))
     except HFConversionError as e:
         raise CheckpointError(f"--from-hf {e}") from None
 

@@ -76,6 +76,10 @@ class GPTConfig:
     """dtype of the model parameters (the fp32 master copy lives in the optimizer)."""
     label_smoothing: float = 0.0
     """Label smoothing of the cross-entropy loss (0 = none)."""
+    value_head: bool = False
+    """A reward model (``--post-train rm``): the last stage ends in ``value_head.weight``
+    ``[1, H]`` (model/value_head.py) and returns one score per sequence; the output layer is
+    kept (its gradient is zero) but not computed."""
     norm_backend: str = "auto"
     """LayerNorm kernels: ``auto``, ``apex``, ``torch`` or ``reference`` (megazero.ops.norm)."""
     position_embedding_type: str = "learned_absolute"

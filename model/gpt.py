@@ -64,6 +64,7 @@ from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_
 from model.moe import ExpertMLP, MoEMLP, grouped_mm_available, moe_step_end  # noqa: F401 (re-export)
 from model.rope import RotaryTable, apply_rotary
 from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
+from model.value_head import ValueHead
 
 # SDPA expands the key/value heads itself (``enable_gqa``, torch >= 2.5): no repeated K/V tensors
 SDPA_GQA = torch.__version__ >= (2, 5)
@@ -426,6 +427,8 @@ class GPTStage(nn.Module):
                     device=meta,
                     overlap_grad_reduce=cfg.tp_overlap_grad_reduce,
                 )
+            if cfg.value_head:
+                self.value_head = ValueHead(cfg.hidden_size, groups, self.sp, meta)
 
     def _tag_from_spec(self) -> None:
         """Partition tags of every parameter from its spec entry (model/spec.py); a parameter
@@ -511,7 +514,9 @@ class GPTStage(nn.Module):
         (``[B, T/tp, H]`` with sequence parallelism); ``T`` is this rank's ``T/cp`` tokens
         when ``seq`` (their positions and documents) is given. Returns, with ``post_process``,
         per-token losses ``[B, T]`` fp32 when ``labels [B, T]`` is given, else this rank's
-        vocabulary partition of the logits ``[B, T, V_pad/tp]``; otherwise the hidden
+        vocabulary partition of the logits ``[B, T, V_pad/tp]``; a reward model
+        (``cfg.value_head``) returns instead the score of each sequence ``[B]`` fp32, of the
+        token ``seq.loss_mask`` selects (model/value_head.py); otherwise the hidden
         states for the next stage. Raises ValueError when ``T`` exceeds
         ``max_position_embeddings`` or (sequence parallel) is not divisible by tp.
         """
@@ -528,6 +533,8 @@ class GPTStage(nn.Module):
         if not self.post_process:
             return x
         x = self.final_ln(x)
+        if self.cfg.value_head:  # a reward model: one score per sequence, no logits
+            return self.value_head(x, seq)  # (B,) fp32
         if self.cfg.tie_embeddings:
             logits = parallel_lm_logits(
                 x, self.embedding.word_embeddings.weight, self.tp, sequence_parallel=self.sp

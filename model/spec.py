@@ -132,6 +132,8 @@ def build_spec(cfg: GPTConfig, padded_vocab: int) -> list[ParamSpec]:
         spec.append(ParamSpec("final_ln.bias", (H,), "head", init="zeros", weight_decay=False))
     if not cfg.tie_embeddings:
         spec.append(ParamSpec("output.weight", (V, H), "head", partition_dim=0, matmul=True, vocab=True))
+    if cfg.value_head:  # a reward model's scalar head (model/value_head.py), replicated over tp
+        spec.append(ParamSpec("value_head.weight", (1, H), "head"))
     return spec
 
 

@@ -12,7 +12,10 @@ key stored as ONE full tensor (``megazero.checkpoint.consolidate_checkpoint``).
 ``--to-hf`` writes ``OUT/config.json`` and ``OUT/model.safetensors`` of a ``GPT2LMHeadModel`` (GPT-2
 block) or ``LlamaForCausalLM`` (LLaMA-style block; with experts ``MixtralForCausalLM``, or
 ``Qwen2MoeForCausalLM`` with a shared expert) that computes what the checkpoint's model computes
-(``model/hf.py`` and ``model/hf_moe.py`` hold the name map and the differences they refuse), plus
+(``model/hf.py`` and ``model/hf_moe.py`` hold the name map and the differences they refuse); a
+reward model's checkpoint (``--post-train rm``) becomes ``GPT2ForSequenceClassification`` or
+``LlamaForSequenceClassification`` (``score.weight`` [1, H], one label, ``pad_token_id`` = EOD;
+``model/hf_reward.py``), loaded with ``AutoModelForSequenceClassification``; plus
 the run's tokenizer, so that ``AutoModelForCausalLM.from_pretrained(OUT)`` and
 ``AutoTokenizer.from_pretrained(OUT)`` work. The checkpoint is read in this one process (full fp32
 master weights; no process group). The tokenizer is the one the checkpoint recorded unless
@@ -44,6 +47,7 @@ from megazero.checkpoint import CheckpointError, consolidate_checkpoint, read_fu
 from megazero.runtime.extras import MissingExtra, require
 from model.hf import HFConversionError, config_from_record, hf_config, to_hf_tensors
 from model.hf_folder import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, write_tensors
+from model.hf_reward import reward_architecture, to_hf_reward
 
 
 class ConvertError(RuntimeError):
@@ -105,11 +109,18 @@ def convert(
             "older megazero); fix: resume it for one iteration with this version and save"
         )
     gcfg = config_from_record(record, hidden_dropout=0.0, attention_dropout=0.0)
-    tensors = to_hf_tensors(full, gcfg)
+    if gcfg.value_head:
+        reward_architecture(gcfg)  # refused before the tokenizer is read
+    else:
+        tensors = to_hf_tensors(full, gcfg)
     tok = resolve_tokenizer(meta, tokenizer_model, tokenizer_type)
     if tok is not None and tok.vocab_size != gcfg.vocab_size:
         raise ConvertError(f"tokenizer vocabulary {tok.vocab_size} != the model's {gcfg.vocab_size}")
-    config = hf_config(gcfg, eod=None if tok is None else tok.eod)
+    eod = None if tok is None else tok.eod
+    if gcfg.value_head:  # a reward model (--post-train rm): a sequence-classification folder
+        tensors, config = to_hf_reward(full, gcfg, eod)
+    else:
+        config = hf_config(gcfg, eod=eod)
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

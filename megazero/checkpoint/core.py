@@ -508,6 +508,7 @@ def load(
     *,
     real_rows: Optional[Callable[[str], Optional[int]]] = None,
     weights_only: bool = False,
+    fresh: tuple = (),
 ) -> dict:
     """Load the latest checkpoint under ``root`` into ``optimizer`` (and so the model).
 
@@ -521,7 +522,9 @@ def load(
     zeroed, so a checkpoint saved with another vocabulary padding loads. Returns ``meta``
     plus ``rng_state`` (this rank's saved RNG, or None when the layout differs).
     ``weights_only`` (``--finetune``) reads the main parameters alone: the moments, the
-    optimizer's counters and the RNG state stay as they are (``rng_state`` None).
+    optimizer's counters and the RNG state stay as they are (``rng_state`` None). ``fresh``:
+    with ``weights_only``, parameter names the checkpoint may lack, which then keep their
+    initial values (a reward model's value head, started from a language model's checkpoint).
     Raises CheckpointError when there is no complete checkpoint, a tensor is missing or has
     another shape, a tensor file fails to read, or (same layout) this rank's
     ``rng_<rank>.pt`` is missing or unreadable. Collective (DCP's planning, the all-gather).
@@ -535,8 +538,11 @@ def load(
     dcp, shards, CheckpointException = _dcp(), _shards(), _checkpoint_exception()
     mine, params = shards.owned_chunks(optimizer, groups)
     keys = shards.STATE_KEYS[:1] if weights_only else shards.STATE_KEYS
-    mine = {k: v for k, v in mine.items() if k.rsplit("/", 1)[-1] in keys}
+    absent = {n for n in fresh if weights_only and f"{n}/{keys[0]}" not in saved}
+    mine = {k: v for k, v in mine.items() if k.rsplit("/", 1)[-1] in keys and k.rsplit("/", 1)[0] not in absent}
     for name, (_, shape) in params.items():
+        if name in absent:
+            continue
         rows = None if real_rows is None else real_rows(name)
         for k in keys:
             key = f"{name}/{k}"

@@ -171,15 +171,19 @@ class CheckpointManager:
         *,
         real_rows: Optional[Callable[[str], Optional[int]]] = None,
         weights_only: bool = False,
+        fresh: tuple = (),
     ) -> Optional[tuple[RunState, dict]]:
         """Load the latest checkpoint under ``root`` (saved under any layout) into ``optimizer``.
 
         Returns ``(RunState, meta)`` (``meta`` as :func:`megazero.checkpoint.core.load`
         returns it, with this rank's ``rng_state`` or None when the layout differs), or None
         when ``root`` holds no checkpoint yet. ``weights_only`` (``--finetune``): the weights
-        alone, and a fresh ``RunState``. Raises CheckpointError as ``core.load`` does.
+        alone, and a fresh ``RunState``; ``fresh`` as ``core.load`` takes it. Raises
+        CheckpointError as ``core.load`` does.
         """
         if core.latest_iteration(root) is None:
             return None
-        meta = core.load(root, optimizer, chunks, self.groups, real_rows=real_rows, weights_only=weights_only)
+        meta = core.load(
+            root, optimizer, chunks, self.groups, real_rows=real_rows, weights_only=weights_only, fresh=fresh
+        )
         return (RunState() if weights_only else RunState.from_meta(meta)), meta

@@ -535,7 +535,7 @@ def _check_fim(cfg: Config, world_size: int) -> None:
 def _check_post_train(cfg: Config, world_size: int) -> None:
     """Post-training: no dropout unless --post-train-allow-dropout (reference and policy
     log-probabilities must differ by the update alone; TRL #2042 and DeepSpeed-Chat's PPO met
-    it); --post-train dpo reads preference pairs (python -m data.preference: not --sft, --mock-data,
+    it); --post-train dpo and rm read preference pairs (python -m data.preference: not --sft, --mock-data,
     fill-in-the-middle or --eod-mask-loss) with both sequences of a pair in one micro-batch (even
     --micro-batch-size)."""
     post, d, t = cfg.post, cfg.data, cfg.train
@@ -549,22 +549,27 @@ def _check_post_train(cfg: Config, world_size: int) -> None:
             f"{' and '.join(on)} with {mode}: dropout makes the policy's log-probabilities differ from the "
             "reference's by noise; fix: set them to 0, or add --post-train-allow-dropout"
         )
-    if post.mode != "dpo":
+    if post.mode not in ("dpo", "rm"):
         return
     if d.sft and "data.sft" in cfg.sources:
-        raise ConfigError("--sft with --post-train dpo: choose one mode; fix: drop --sft")
+        raise ConfigError(f"--sft with {mode}: choose one mode; fix: drop --sft")
     if t.mock_data:
         raise ConfigError(
-            "--post-train dpo with --mock-data: preference optimisation needs pairs; fix: give --data-path "
+            f"{mode} with --mock-data: preference training needs pairs; fix: give --data-path "
             "PREFIX of python -m data.preference (PREFIX_pairs.npz) and its --tokenizer-model"
         )
     if d.fim_rate > 0 or d.eod_mask_loss:
         flag = "--fim-rate" if d.fim_rate > 0 else "--eod-mask-loss"
-        raise ConfigError(f"{flag} with --post-train dpo: a pair's loss mask marks its response; fix: drop {flag}")
+        raise ConfigError(f"{flag} with {mode}: a pair's loss mask marks its response; fix: drop {flag}")
+    if post.mode == "rm" and t.eval_harness_tasks:
+        raise ConfigError(
+            "--eval-harness-tasks with --post-train rm: a reward model has no language-model head in use; "
+            "fix: drop --eval-harness-tasks"
+        )
     mbs = t.micro_batch_size
     if mbs is not None and mbs % 2:
         raise ConfigError(
-            f"--micro-batch-size {mbs} with --post-train dpo: a pair's chosen and rejected sequences share a "
+            f"--micro-batch-size {mbs} with {mode}: a pair's chosen and rejected sequences share a "
             f"micro-batch, so it must be even; fix: --micro-batch-size {mbs + 1}"
         )
 

@@ -826,20 +826,36 @@ class DataConfig:
 
 
 _DPO = Needs("post.mode", ("dpo",))
+_RM = Needs("post.mode", ("rm",))
 _REFERENCE = (_DPO, Needs("post.dpo_loss", besides=("simpo",)))  # SimPO is reference-free
 
 
 @dataclass
 class PostTrainConfig:
-    """Post-training modes of the one trainer (docs/post-training.md): supervised fine-tuning
-    and preference optimisation against a frozen reference model."""
+    """Post-training modes of the one trainer (docs/post-training.md): supervised fine-tuning,
+    reward models and preference optimisation against a frozen reference model."""
 
     mode: Optional[str] = _f(
         None,
-        "sft: supervised fine-tuning (the same as --sft); dpo: preference optimisation on "
-        "python -m data.preference pairs (--dpo-loss picks DPO, IPO, SimPO or hinge); None = pre-training",
+        "sft: supervised fine-tuning (the same as --sft); rm: a reward model (a scalar value head, "
+        "Bradley-Terry loss) on python -m data.preference pairs; dpo: preference optimisation on "
+        "those pairs (--dpo-loss picks DPO, IPO, SimPO or hinge); None = pre-training",
         flags=("--post-train",),
-        choices=("sft", "dpo"),
+        choices=("sft", "rm", "dpo"),
+    )
+    rm_use_margin: bool = _f(
+        False,
+        "subtract each pair's margin (python -m data.preference's margin field) inside the "
+        "Bradley-Terry loss: -log sigmoid(s_w - s_l - m) (Llama 2's margin loss, Touvron et al. "
+        "2023, sec. 3.2.2)",
+        applies=_RM,
+    )
+    rm_center_coef: float = _f(
+        0.0,
+        "weight c of the reward-centring term c x (s_w + s_l)^2 added to each pair's loss "
+        "(Eisenstein et al. 2023); 0 = off",
+        ge=0,
+        applies=_RM,
     )
     dpo_beta: float = _f(
         0.1,

@@ -1,6 +1,7 @@
 """Post-training modes of the one trainer (``--post-train``; docs/post-training.md).
 
 ``sft`` is supervised fine-tuning (``--sft``: data/sft.py's loss masks, the token-mean loss).
+``rm`` trains a reward model (``reward.py``: a value head's scores, the Bradley-Terry loss).
 ``dpo`` is preference optimisation (``preference.py``, ``losses.py``) against a frozen
 reference model built here in the training layout (``PostTraining.reference_chunks``).
 
@@ -19,12 +20,14 @@ import torch
 
 from megazero.post_training.losses import PreferenceLoss
 from megazero.post_training.preference import PreferenceStep, reference_forward_step
+from megazero.post_training.reward import RewardLoss, RewardStep
 
-__all__ = ["PostTraining", "PreferenceLoss"]
+__all__ = ["PostTraining", "PreferenceLoss", "RewardLoss"]
 
 
 class PostTraining:
-    """What a post-training mode adds to a ``Trainer``: its preference step, its reference model
+    """What a post-training mode adds to a ``Trainer``: its preference step (DPO's
+    ``PreferenceStep`` or the reward model's ``RewardStep``, the same interface), its reference model
     (built at first use, after any checkpoint was read) and the record kept in checkpoints.
 
     ``cfg``: the run's ``Config``; ``groups``: ``ProcessGroups``; ``build_reference(source) ->
@@ -35,7 +38,7 @@ class PostTraining:
     def __init__(self, cfg, groups, build_reference: Callable[[dict], list]):
         self.cfg, self.groups, self.build_reference = cfg, groups, build_reference
         self.mode = cfg.post.mode
-        self.preference: Optional[PreferenceStep] = None
+        self.preference: Optional[PreferenceStep | RewardStep] = None
         self.chunks: Optional[list] = None
         self.recorded: Optional[dict] = None
         if self.mode == "dpo":
@@ -43,6 +46,9 @@ class PostTraining:
             settings = PreferenceLoss(p.dpo_loss, p.dpo_beta, p.dpo_label_smoothing, p.dpo_sft_weight, p.simpo_gamma)
             pairs = cfg.train.global_batch_size // 2
             self.preference = PreferenceStep(settings, groups, pairs / groups.dp_size)
+        elif self.mode == "rm":
+            settings = RewardLoss(cfg.post.rm_use_margin, cfg.post.rm_center_coef)
+            self.preference = RewardStep(settings, groups, cfg.train.global_batch_size // 2 / groups.dp_size)
 
     @property
     def uses_reference(self) -> bool:

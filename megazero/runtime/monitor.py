@@ -37,6 +37,8 @@ tag                            values key             unit
 ``dpo/rewards_chosen`` ...     ``rewards_chosen``...  --post-train dpo: mean implicit rewards of the
                                                       chosen and rejected responses, reward accuracy
                                                       and margin over the global batch's pairs
+``rm/accuracy`` ...            ``rm_accuracy`` ...    --post-train rm: the share of pairs scored
+                                                      s_w > s_l, mean chosen and rejected scores
 ``moe/layer{i}/...``           ``moe_layers``         MoE layer i: ``aux_loss``, ``z_loss`` (its
                                                       mean over the micro-batches),
                                                       ``dropped_fraction`` (of its assignments),
@@ -72,6 +74,8 @@ kind ``"train"``         one per :meth:`Monitor.log_iteration`
                          ``moe_layers`` ({layer id: the statistics of ``model.gpt.moe_step_end``})
 ``rewards_chosen`` ...   --post-train dpo only: ``rewards_chosen``, ``rewards_rejected``,
                          ``reward_accuracy``, ``reward_margin`` (floats; ``post_training.preference``)
+``rm_accuracy`` ...      --post-train rm only: ``rm_accuracy``, ``rm_chosen_score``,
+                         ``rm_rejected_score`` (floats; ``post_training.reward``)
 kind ``"valid"``         one per :meth:`Monitor.log_validation`
 ``iteration``            int
 ``loss``                 float, nats/token on the validation split
@@ -127,6 +131,9 @@ MOE_TAGS = {"moe_aux_loss": "train/moe_aux_loss", "moe_z_loss": "train/moe_z_los
 #: --post-train dpo: the step's implicit-reward statistics (``megazero.post_training.preference.METRICS``).
 PREFERENCE_KEYS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin")
 MOE_TAGS.update({key: f"dpo/{key}" for key in PREFERENCE_KEYS})
+#: --post-train rm: the step's pair accuracy and mean scores (``megazero.post_training.reward.METRICS``).
+REWARD_MODEL_KEYS = ("rm_accuracy", "rm_chosen_score", "rm_rejected_score")
+MOE_TAGS.update({key: f"rm/{key.removeprefix('rm_')}" for key in REWARD_MODEL_KEYS})
 #: per-MoE-layer routing statistics (``model.gpt.moe_step_end``'s ``moe_layers``), logged when given.
 MOE_LAYERS_KEY = "moe_layers"
 
@@ -462,7 +469,8 @@ class Monitor:
         missing ones are ``n/a``/``null``). Raises ValueError for an unknown key or an
         ``iteration`` value different from ``it``.
         """
-        unknown = set(values) - set(ITERATION_KEYS) - set(MOE_KEYS) - set(PREFERENCE_KEYS) - {MOE_LAYERS_KEY}
+        extra = set(MOE_KEYS) | set(PREFERENCE_KEYS) | set(REWARD_MODEL_KEYS) | {MOE_LAYERS_KEY}
+        unknown = set(values) - set(ITERATION_KEYS) - extra
         if unknown:
             raise ValueError(f"unknown iteration values {sorted(unknown)}; expected keys from {ITERATION_KEYS}")
         if values.get("iteration", it) != it:
@@ -473,7 +481,7 @@ class Monitor:
         record["iteration"] = it
         for key in _INT_KEYS:
             record[key] = None if record[key] is None else int(record[key])
-        moe = {key: _plain(values[key]) for key in MOE_KEYS + PREFERENCE_KEYS if key in values}
+        moe = {key: _plain(values[key]) for key in MOE_KEYS + PREFERENCE_KEYS + REWARD_MODEL_KEYS if key in values}
         line = format_iteration_line(record, self.train_iters)
         if moe:
             line += "".join(f" | {key.replace('_', ' ')}: {value:.6E}" for key, value in moe.items())
@@ -617,7 +625,7 @@ class Monitor:
         """Print the final validation loss and perplexity beside the unigram-entropy
         baseline (nats/token, :func:`unigram_entropy`; None, printed ``n/a``, when no validation
         ran or it counted no token) and their ratio, then the sample. ``pair_loss``
-        (--post-train dpo): the loss is the mean preference loss of a pair, printed without
+        (--post-train dpo or rm): the loss is the mean preference loss of a pair, printed without
         perplexity or baseline.
 
         Also writes TensorBoard text ``summary`` and a ``"summary"`` record.

@@ -121,7 +121,10 @@ def generate_ids(
 def final_sample(trainer: Trainer, tokenizer, cfg: Config) -> str:
     """A short continuation of ``--prompt`` (needs a tokenizer, i.e. real data), drawn at
     ``--sample-temperature`` from the ``--sample-top-k`` most likely tokens with ``--seed``
-    (greedy at temperature 0): a small model's greedy continuation repeats one token."""
+    (greedy at temperature 0): a small model's greedy continuation repeats one token. A reward
+    model (``--post-train rm``) has no output layer in use and generates nothing."""
+    if trainer.gpt_config.value_head:
+        return "(a reward model scores sequences and generates no text)"
     prompt = tokenizer.encode(cfg.log.prompt) if tokenizer is not None else []
     if not prompt:
         return "(sample generation needs a tokenizer and a non-empty --prompt)"

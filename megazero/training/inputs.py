@@ -59,12 +59,12 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
             f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
             "tokenizer sets it) or use the matching tokenizer"
         )
-    if cfg.post.mode == "dpo":  # preference pairs (python -m data.preference): one prefix
+    if cfg.post.mode in ("dpo", "rm"):  # preference pairs (python -m data.preference): one prefix
         from data.preference import preference_splits
 
         if len(blend) != 1:
             raise DataError(
-                f"--data-path {' '.join(cfg.data.data_path)}: --post-train dpo reads one prefix of "
+                f"--data-path {' '.join(cfg.data.data_path)}: --post-train {cfg.post.mode} reads one prefix of "
                 "python -m data.preference; fix: give one PREFIX (merge the inputs when preprocessing)"
             )
         check_same_tokenizer([blend[0][1]], tok.sha256, f"--tokenizer-model {cfg.data.tokenizer_model}")
@@ -115,17 +115,22 @@ def fim_settings(cfg: Config, tok):
 def dp_micro_batches(dataset, consumed: int, cfg: Config, groups: ProcessGroups, device):
     """This dp rank's micro-batches of the global batch after ``consumed`` samples, as
     ``(tokens, labels)`` ``[micro, T]`` int64 on ``device``; with ``--sft`` ``(tokens, labels,
-    loss_mask)``, the mask float32 and 1 on response labels (data/sft.py). The cp ranks of one
+    loss_mask)``, the mask float32 and 1 on response labels (data/sft.py); with ``--post-train rm``
+    ``(tokens, labels, loss_mask, margin)``, the margin float32 ``[micro/2]`` of each pair
+    (``data.preference.split_margins``). The cp ranks of one
     dp rank read the same ones. On CUDA each tensor is copied from pinned host memory without
     blocking the host (the copies queue on the current stream, ahead of the forward that reads them)."""
     from data.samplers import get_micro_batches
 
     read = get_micro_batches
-    if cfg.data.sft or cfg.post.mode == "dpo":  # (tokens, labels, loss_mask): the loss on response tokens only
+    if cfg.data.sft or cfg.post.mode in ("dpo", "rm"):  # (tokens, labels, loss_mask): the loss on responses only
         from data.sft import sft_micro_batches as read
-    mbs = read(
-        dataset, consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size, groups.dp_rank, groups.dp_size
-    )
+    where = (consumed, cfg.train.global_batch_size, cfg.train.micro_batch_size, groups.dp_rank, groups.dp_size)
+    mbs = read(dataset, *where)
+    if cfg.post.mode == "rm":  # the pairs' margins ride with their micro-batch
+        from data.preference import split_margins
+
+        mbs = [(*mb, margin) for mb, margin in zip(mbs, split_margins(dataset, *where))]
     if torch.device(device).type != "cuda":
         return [tuple(x.to(device) for x in mb) for mb in mbs]
     return [tuple(x.pin_memory().to(device, non_blocking=True) for x in mb) for mb in mbs]

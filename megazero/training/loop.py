@@ -230,6 +230,6 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
     trainer.optimizer.wait_param_gather()
     sample = final_sample(trainer, data.tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None and counts.sum() > 0 else None
-    monitor.summary(last_valid, baseline, sample, pair_loss=cfg.post.mode == "dpo")
+    monitor.summary(last_valid, baseline, sample, pair_loss=cfg.post.mode in ("dpo", "rm"))
     monitor.close()
     return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=state.iteration)

@@ -26,6 +26,7 @@ from megazero.pipeline.partition import chunk_layout
 from megazero.pipeline.schedules import build_schedule, forward_only_schedule
 from megazero.planning.flops import spec_flops_per_iteration
 from megazero.post_training import PostTraining
+from megazero.post_training.reward import last_token_mask
 from megazero.precision import model_dtype
 from megazero.process_groups import ProcessGroups
 from megazero.runtime import resilience
@@ -199,15 +200,18 @@ class Trainer:
 
         Returns the iteration resumed from, or None when ``root`` holds no checkpoint yet.
         ``weights_only`` (``--finetune``): only the weights (and an MoE's expert biases) are
-        read; the iteration stays 0, the optimizer fresh, the dropout streams from --seed.
+        read; the iteration stays 0, the optimizer fresh, the dropout streams from --seed; a
+        reward model's value head keeps its seeded values when the checkpoint (a language
+        model's) has none.
         """
         g = self.gpt_config
 
         def real_rows(name):  # a vocabulary tensor's padding rows are zeroed, not read
             return g.vocab_size if name in VOCAB_TENSORS else None
 
+        fresh = ("value_head.weight",) if g.value_head else ()  # a reward model from a language model's weights
         resumed = self.checkpoints.resume(
-            root, self.optimizer, self.chunks, real_rows=real_rows, weights_only=weights_only
+            root, self.optimizer, self.chunks, real_rows=real_rows, weights_only=weights_only, fresh=fresh
         )
         if resumed is None:
             return None
@@ -236,8 +240,9 @@ class Trainer:
         return self.state.iteration
 
     def local_batches(self, batches) -> tuple[list, Union[int, torch.Tensor], Optional[torch.Tensor]]:
-        """Whole-sequence micro-batches ``(tokens, labels)``, or ``(tokens, labels, loss_mask)``
-        of SFT data (data/sft.py) -> this rank's share (its zigzag ``T/cp`` with a
+        """Whole-sequence micro-batches ``(tokens, labels)``, or ``(tokens, labels, loss_mask,
+        *extra)`` of SFT or preference data (data/sft.py; ``extra``, a reward model's margins,
+        is kept as it is) -> this rank's share (its zigzag ``T/cp`` with a
         ``SequenceInfo``, megazero/context_parallel/sequence.py), the loss divisor and the count
         of loss tokens. The count: the targets this step counts over all dp ranks (with
         --eod-mask-loss or a loss mask a 0-d fp64 tensor summed over the dp group, no host sync;
@@ -246,8 +251,8 @@ class Trainer:
         has loss 0."""
         g, packing = self.groups, self.packing
         masks = [b[2] if len(b) > 2 else None for b in batches]
-        local = [
-            shard_micro_batch(b[0], b[1], cp=g.cp_size, cp_rank=g.cp_rank, packing=packing, loss_mask=m)
+        local = [  # items past the loss mask (a reward model's margins) ride along unsharded
+            (*shard_micro_batch(b[0], b[1], cp=g.cp_size, cp_rank=g.cp_rank, packing=packing, loss_mask=m), *b[3:])
             for b, m in zip(batches, masks)
         ]
         if not packing.eod_mask_loss and all(m is None for m in masks):
@@ -259,9 +264,11 @@ class Trainer:
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
         watch = None if forward_only else self.forward_watch.watch
+        if self.gpt_config.value_head:  # --post-train rm: the mask selects each sequence's scored token
+            batches = [(b[0], b[1], last_token_mask(b[2]), *b[3:]) for b in batches]
         batches, divisor, self._loss_tokens = self.local_batches(batches)
         sequence_loss, pref = None, self.post.preference
-        if pref is not None:  # --post-train dpo: the reference's sums first, then pair losses
+        if pref is not None:  # dpo: the reference's sums first, then pair losses; rm: pair losses
             ref = self.post.reference_sums(batches, self._forward_only) if self.post.uses_reference else None
             pref.prepare(batches, ref)
             sequence_loss = pref.loss

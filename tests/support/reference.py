@@ -362,9 +362,11 @@ class ReferenceGPT(nn.Module):
         return model
 
     def forward(
-        self, tokens: torch.Tensor, eod=None, reset_attention_mask=False, reset_position_ids=False
+        self, tokens: torch.Tensor, eod=None, reset_attention_mask=False, reset_position_ids=False, return_hidden=False
     ) -> torch.Tensor:
-        """tokens ``[B, T]`` int64 -> logits ``[B, T, V]`` over the real vocabulary.
+        """tokens ``[B, T]`` int64 -> logits ``[B, T, V]`` over the real vocabulary; with
+        ``return_hidden`` the final-norm hidden states ``[B, T, H]`` instead (what a reward
+        model's value head reads).
 
         Packed documents (Megatron's flags): with ``eod`` set, a document ends at each EOD token
         (which belongs to it); ``reset_attention_mask`` hides other documents' keys,
@@ -391,6 +393,8 @@ class ReferenceGPT(nn.Module):
         for block in self.blocks:
             x = block(x, positions, hidden)
         x = self.ln_f(x)
+        if return_hidden:
+            return x
         return x @ (self.wte.weight if self.lm_head is None else self.lm_head.weight).t()
 
     def moe_layers(self) -> list:
