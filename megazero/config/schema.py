@@ -466,7 +466,7 @@ class TrainingConfig:
     )
     from_hf: Optional[str] = _f(
         None,
-        "Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + "
+        "Hugging Face GPT-2, Llama (2, 3.x), Qwen2, Mixtral or Qwen2-MoE folder (config.json + "
         "model.safetensors, or its shards and model.safetensors.index.json) to start from: "
         "weights sliced for this layout, fresh optimizer; a checkpoint under --load still takes precedence",
         "path",
