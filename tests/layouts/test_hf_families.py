@@ -3,8 +3,9 @@ classes at tiny sizes (no network): a Llama with ``llama3`` RoPE scaling (untied
 a Qwen2 with q/k/v biases, tied embeddings, ``use_sliding_window: false`` and ``linear`` RoPE
 scaling. ``--from-hf`` gives transformers' logits within 1e-5 at tp 1 and tp 2 (+ SP), the
 first training step's loss under tp 2 equals transformers' loss on the same batch within 1e-6,
-and the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to tensors
-``torch.equal`` to the folder's, with the same config."""
+the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to tensors
+``torch.equal`` to the folder's, with the same config, and KV-cache greedy decoding gives
+transformers' ``generate`` tokens for 32 tokens past the original context."""
 
 import json
 import shutil
@@ -172,3 +173,20 @@ def test_family_in_and_out(family, folders, tmp_path):
     given = json.loads(open(f"{folder}/config.json").read())
     assert written["model_type"] == given["model_type"] and written["rope_parameters"] == given["rope_parameters"]
     assert config_from_hf(written, seq_length=16) == config_from_hf(given, seq_length=16)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_kv_cache_greedy_tokens_equal_transformers_past_the_original_context(family, folders):
+    """32 greedy tokens after a 48-token prompt (positions up to 80, past llama3's original 64):
+    the KV-cache decoding of model/sampling.py (rotated keys cached with the scaled angles)
+    gives transformers' ``generate`` tokens."""
+    from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
+    from model.sampling import sample
+
+    folder, hf, _ = folders[family]
+    stage, _ = load_model(generate_args(folder), ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
+    prompt = torch.randint(1, 300, (48,), generator=torch.Generator().manual_seed(7)).tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert len(want[0]) == 80
+    assert sample(stage, prompt, 32, temperature=0.0) == want[0].tolist()
