@@ -61,11 +61,13 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
         rotary_percent=m.rotary_percent,
+        **{name: getattr(m, name) for name in ROPE_SCALING_FIELDS},
         normalization=m.normalization,
         swiglu=m.swiglu,
         openai_gelu=m.openai_gelu,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
         cp_comm_type=cfg.parallel.cp_comm_type,
         cp_ring_kernel=cfg.parallel.cp_ring_kernel,
         recompute_granularity=m.recompute_granularity,
@@ -73,6 +75,17 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         recompute_num_layers=m.recompute_num_layers,
         **({} if m.num_experts is None else {name: getattr(m, name) for name in MOE_FIELDS}),
     )
+
+
+# the RoPE scaling settings GPTConfig shares with ModelConfig (same names)
+ROPE_SCALING_FIELDS = (
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "rotary_seq_len_interpolation_factor",
+)
 
 
 # the MoE settings GPTConfig shares with ModelConfig (same names)
@@ -266,6 +279,10 @@ def build_peak_bytes(cfg: Config, gcfg: GPTConfig, pp_rank: int = 0, device_type
     return BuildPeak(resident, full, in_flight)
 
 
+def _changed(g: GPTConfig, name: str) -> bool:
+    return getattr(g, name) != GPTConfig.__dataclass_fields__[name].default
+
+
 def model_signature(g: GPTConfig) -> dict:
     """The sizes a checkpoint must share with the model that loads it (layout excluded); an MoE
     model adds its expert sizes (a dense model's signature is unchanged)."""
@@ -279,7 +296,9 @@ def model_signature(g: GPTConfig) -> dict:
             moe_shared_expert_intermediate_size=g.moe_shared_expert_intermediate_size,
         )
     )
-    return moe | dict(
+    # RoPE scaling and the QKV-only bias enter only when on, so older checkpoints keep their signature
+    optional = moe | {name: getattr(g, name) for name in ROPE_SCALING_FIELDS + ("add_qkv_bias",) if _changed(g, name)}
+    return optional | dict(
         vocab_size=g.vocab_size,
         num_layers=g.num_layers,
         hidden_size=g.hidden_size,

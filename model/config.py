@@ -15,7 +15,13 @@ import torch
 
 from megazero.config.checks import check_value
 from megazero.config.schema import setting_named
-from megazero.config.shape import check_block, check_moe_sizes, check_sizes, default_ffn_hidden_size
+from megazero.config.shape import (
+    check_block,
+    check_moe_sizes,
+    check_rope_scaling,
+    check_sizes,
+    default_ffn_hidden_size,
+)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -86,6 +92,19 @@ class GPTConfig:
     """``learned_absolute`` (GPT-2's position table) or ``rope`` (rotary, Su et al. 2021)."""
     rotary_base: int = 10000
     """Base of the rotary frequencies ``base^(-2j/d_rot)`` (RoPE only)."""
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency rewrite (model/rope.py, ``RopeScaling``; Megatron-LM's
+    ``--use-rope-scaling``) with the four ``rope_scaling_*`` values below."""
+    rope_scaling_factor: float = 8.0
+    """How many times slower the low-frequency pairs turn under ``use_rope_scaling``."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Pairs with wavelength above ``original / low_freq_factor`` positions are slowed fully."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Pairs with wavelength below ``original / high_freq_factor`` positions are kept."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """The pretraining context (tokens) the ``use_rope_scaling`` wavelengths are measured against."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """Linear RoPE scaling: positions divided by this factor (Chen et al. 2023); ``None`` = off."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates, in (0, 1] (GPT-NeoX's partial rotary)."""
     normalization: str = "LayerNorm"
@@ -102,6 +121,9 @@ class GPTConfig:
     add_bias_linear: bool = True
     """Biases in the QKV, attention output and MLP linears (False = Megatron's
     ``--disable-bias-linear``)."""
+    add_qkv_bias: bool = False
+    """A bias on the QKV projection even when ``add_bias_linear`` is off (Megatron-LM's
+    ``--add-qkv-bias``; Qwen2's attention); no effect when ``add_bias_linear`` is on."""
     cp_comm_type: str = "p2p"
     """Attention across context-parallel ranks: ``p2p`` (ring) or ``a2a`` (all-to-all over heads)."""
     cp_ring_kernel: str = "auto"
@@ -175,6 +197,11 @@ class GPTConfig:
         return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
 
     @property
+    def qkv_bias(self) -> bool:
+        """Whether the QKV projection has a bias (``add_bias_linear`` or ``add_qkv_bias``)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates (``int(head_dim * rotary_percent)``)."""
         return int(self.head_dim * self.rotary_percent)
@@ -228,6 +255,7 @@ class GPTConfig:
             rotary_percent=self.rotary_percent,
             rope=self.position_embedding_type == "rope",
         )
+        check_rope_scaling(self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor)
         if self.num_experts is not None:
             check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
 
@@ -250,6 +278,11 @@ _SETTING_OF = {
             "position_embedding_type",
             "normalization",
             "rotary_base",
+            "rope_scaling_factor",
+            "rope_scaling_low_freq_factor",
+            "rope_scaling_high_freq_factor",
+            "rope_scaling_original_max_position_embeddings",
+            "rotary_seq_len_interpolation_factor",
             "num_query_groups",
             "num_experts",
             "moe_router_topk",

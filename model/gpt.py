@@ -155,7 +155,7 @@ class Attention(nn.Module):
             group,
             sequence_parallel=sp,
             stride=1 if self.grouped else 3,
-            bias=cfg.add_bias_linear,
+            bias=cfg.qkv_bias,
             dtype=cfg.params_dtype,
             device=device,
             overlap_grad_reduce=cfg.tp_overlap_grad_reduce,

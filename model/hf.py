@@ -1,7 +1,8 @@
 """Hugging Face interchange: megazero's canonical parameters <-> the tensors and
 ``config.json`` of ``transformers``' ``GPT2LMHeadModel`` (GPT-2 block, learned positions) or
 ``LlamaForCausalLM`` (LLaMA-style block, ``--position-embedding-type rope``; the second half
-of this file, from ``llama_config``), and with experts ``MixtralForCausalLM`` /
+of this file, from ``llama_config``; Llama-3.x's RoPE scaling and ``Qwen2ForCausalLM``'s q/k/v
+biases: ``model/hf_families.py``), and with experts ``MixtralForCausalLM`` /
 ``Qwen2MoeForCausalLM`` (``model/hf_moe.py`` adds their MoE MLPs to the Llama map).
 
 One name map, keyed by megazero's canonical parameter names (``model.gpt.canonical_shapes``),
@@ -36,7 +37,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from model import hf_moe
+from model import hf_families, hf_moe
 from model.config import GPTConfig
 from model.gpt import VOCAB_TENSORS, canonical_shapes, resize_vocab
 from model.hf_config import HFConversionError
@@ -224,7 +225,14 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
         ("openai_gelu", "--openai-gelu"),
         ("kv_heads", "--group-query-attention --num-query-groups"),
         ("rotary_base", "--rotary-base"),
+        ("use_rope_scaling", "--use-rope-scaling"),
+        ("rope_scaling_factor", "--rope-scaling-factor"),
+        ("rope_scaling_low_freq_factor", "--rope-scaling-low-freq-factor"),
+        ("rope_scaling_high_freq_factor", "--rope-scaling-high-freq-factor"),
+        ("rope_scaling_original_max_position_embeddings", "--rope-scaling-original-max-position-embeddings"),
+        ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
         ("add_bias_linear", "--disable-bias-linear"),
+        ("add_qkv_bias", "--add-qkv-bias"),
         ("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
         ("num_layers", "--num-layers"),
         ("hidden_size", "--hidden-size"),
@@ -337,7 +345,8 @@ def _get(src, key: str) -> torch.Tensor:
 # as model/rope.py), RMSNorm (x * rsqrt(mean x^2 + eps) * w), SwiGLU MLP down(silu(gate) * up),
 # key/value head j serving query heads j*heads/G .. (j+1)*heads/G - 1 (repeat_kv), scaling
 # 1/sqrt(head_dim), one bias flag for q/k/v/o (attention_bias) and one for gate/up/down
-# (mlp_bias). Its linears are [out, in] like megazero's, so nothing is transposed; the fused
+# (mlp_bias); Llama-3.x's RoPE scaling and Qwen2's q/k/v-only biases are model/hf_families.py's.
+# Its linears are [out, in] like megazero's, so nothing is transposed; the fused
 # canonical tensors are split by rows.
 _LLAMA_GLOBAL = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -355,6 +364,13 @@ _LLAMA_LAYER = {
 _LLAMA_FIELDS = {
     "position_embedding_type",
     "rotary_base",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "rotary_seq_len_interpolation_factor",
+    "add_qkv_bias",
     "rotary_percent",
     "normalization",
     "swiglu",
@@ -384,6 +400,11 @@ def _check_llama(gcfg: GPTConfig) -> None:
             f"--rotary-percent {gcfg.rotary_percent}: "
             "LlamaForCausalLM rotates the whole head (no partial rotary); fix: --rotary-percent 1.0",
         ),
+        (
+            not (gcfg.add_qkv_bias and hf_moe.is_moe(gcfg)),
+            "--add-qkv-bias with --num-experts: megazero exports q/k/v-only biases as Qwen2ForCausalLM, "
+            "which has no experts",
+        ),
     ):
         if not ok:
             raise HFConversionError(f"{what} (no exact LlamaForCausalLM equivalent)")
@@ -402,11 +423,13 @@ def _check_llama(gcfg: GPTConfig) -> None:
 def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     """``config.json`` of the LlamaForCausalLM that computes what ``gcfg``'s model computes
     (``rope_theta`` both top-level, as transformers 4 reads it, and in ``rope_parameters``, as
-    transformers 5 does). With experts, Mixtral's or Qwen2-MoE's (``model.hf_moe.moe_config``).
-    Raises HFConversionError for a setting Llama (or with experts, Mixtral / Qwen2-MoE) cannot
-    express."""
+    transformers 5 does; a scaled RoPE's table also as ``rope_scaling``, transformers 4's key).
+    With q/k/v-only biases Qwen2's (``model.hf_families.qwen2_config``); with experts, Mixtral's
+    or Qwen2-MoE's (``model.hf_moe.moe_config``). Raises HFConversionError for a setting Llama
+    (or with experts, Mixtral / Qwen2-MoE) cannot express."""
     _check_llama(gcfg)
     theta = float(gcfg.rotary_base)
+    rope = hf_families.rope_parameters(gcfg, theta)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -421,7 +444,8 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
         "max_position_embeddings": gcfg.max_position_embeddings,
         "rms_norm_eps": gcfg.layernorm_epsilon,
         "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope,
+        **({} if rope["rope_type"] == "default" else {"rope_scaling": rope}),
         "attention_bias": gcfg.add_bias_linear,
         "mlp_bias": gcfg.add_bias_linear,
         "attention_dropout": gcfg.attention_dropout,
@@ -433,15 +457,20 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
         "use_cache": True,
         "torch_dtype": "float32",
     }
+    if hf_families.is_qwen2(gcfg):
+        return hf_families.qwen2_config(config, gcfg)
     return hf_moe.moe_config(gcfg, config) if hf_moe.is_moe(gcfg) else config
 
 
 def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
-    """The LLaMA-style GPTConfig of a Llama ``config.json`` (``settings`` as in
-    ``gpt_config_from_hf``). Raises HFConversionError for a missing size or a setting megazero
-    computes differently (activation, RoPE scaling or partial rotary, head_dim, biases)."""
+    """The LLaMA-style GPTConfig of a Llama (or Qwen2, Mixtral, Qwen2-MoE) ``config.json``
+    (``settings`` as in ``gpt_config_from_hf``; Qwen2's biases and the MoE fields come in it).
+    Raises HFConversionError for a missing size or a setting megazero computes differently
+    (activation, a RoPE scaling other than llama3 / linear, partial rotary, head_dim, biases)."""
+    hf_families.check_keys(config)
     H, heads = _value(config, "hidden_size", "size"), _value(config, "num_attention_heads", "size")
     rope = _value(config, "rope_parameters", "table", None) or _value(config, "rope_scaling", "table", {})
+    positions = _value(config, "max_position_embeddings", "size", 2048)
     theta = _value(rope, "rope_theta", "number", _value(config, "rope_theta", "number", 10000.0))
     kv = _value(config, "num_key_value_heads", "size", heads)
     head_dim = _value(config, "head_dim", "size", H // heads)
@@ -452,10 +481,6 @@ def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
             config.get("hidden_act", "silu") == "silu",
             f"hidden_act {config.get('hidden_act')!r}: megazero's SwiGLU gate is silu",
         ),
-        (
-            rope.get("rope_type", rope.get("type", "default")) == "default",
-            f"rope type {rope.get('rope_type', rope.get('type'))!r}: megazero's RoPE is unscaled",
-        ),
         (partial == 1.0, "partial_rotary_factor != 1: megazero's LLaMA export rotates whole heads"),
         (
             head_dim * heads == H,
@@ -463,13 +488,15 @@ def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
         ),
         (
             bias == _value(config, "mlp_bias", "flag", False),
-            "attention_bias != mlp_bias: megazero has one bias flag (--disable-bias-linear)",
+            "attention_bias != mlp_bias: megazero's biases are all on (default) or all off "
+            "(--disable-bias-linear), or on q/k/v only (--add-qkv-bias, model_type 'qwen2')",
         ),
     ):
         if not ok:
             raise HFConversionError(what)
-    positions = _value(config, "max_position_embeddings", "size", 2048)
+    settings = {**hf_families.rope_settings_from_hf(rope, positions), **settings}
     settings.setdefault("seq_length", positions)
+    settings.setdefault("add_bias_linear", bias)
     return GPTConfig(
         vocab_size=_value(config, "vocab_size", "size"),
         num_layers=_value(config, "num_hidden_layers", "size"),
@@ -482,7 +509,6 @@ def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
         normalization="RMSNorm",
         swiglu=True,
         num_query_groups=None if kv == heads else kv,
-        add_bias_linear=bias,
         tie_embeddings=_value(config, "tie_word_embeddings", "flag", False),
         layernorm_epsilon=_value(config, "rms_norm_eps", "number", 1e-6),
         **settings,
@@ -495,16 +521,18 @@ def hf_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
 
 
 def config_from_hf(config: Mapping, **settings) -> GPTConfig:
-    """The GPTConfig of a GPT-2, Llama, Mixtral or Qwen2-MoE ``config.json`` (the last two:
-    ``model.hf_moe``); HFConversionError for another type."""
+    """The GPTConfig of a GPT-2, Llama (2 and 3.x), Qwen2, Mixtral or Qwen2-MoE ``config.json``
+    (Qwen2: ``model.hf_families``; the last two: ``model.hf_moe``); HFConversionError for another type."""
     if config.get("model_type") == "llama":
         return llama_config_from_hf(config, **settings)
+    if config.get("model_type") == "qwen2":
+        return llama_config_from_hf(config, **hf_families.qwen2_settings_from_hf(config), **settings)
     if config.get("model_type") in hf_moe.MODEL_TYPES:
         return llama_config_from_hf(config, **hf_moe.moe_settings_from_hf(config), **settings)
     if config.get("model_type") != "gpt2":
         raise HFConversionError(
             f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
-            "LLaMA-style (model_type 'llama', 'mixtral' or 'qwen2_moe') folders are read"
+            "LLaMA-style (model_type 'llama', 'qwen2', 'mixtral' or 'qwen2_moe') folders are read"
         )
     return gpt_config_from_hf(config, **settings)
 

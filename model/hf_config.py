@@ -15,6 +15,7 @@ class HFConversionError(ValueError):
 _REQUIRED = object()
 _KINDS = {
     "size": "a whole number >= 1",
+    "count": "a whole number >= 0",
     "number": "a finite number > 0",
     "flag": "true or false",
     "table": "a JSON object",
@@ -35,6 +36,7 @@ def config_value(config: Mapping, key: str, kind: str, default=_REQUIRED):
     number = isinstance(v, (int, float)) and not isinstance(v, bool)
     ok = {
         "size": number and isinstance(v, int) and v >= 1,
+        "count": number and isinstance(v, int) and v >= 0,
         "flag": isinstance(v, bool),
         "number": number and math.isfinite(v) and v > 0,
         "table": isinstance(v, dict),

@@ -64,11 +64,10 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
     ] + mlp_weights
     if cfg.normalization == "LayerNorm":
         rows += [("ln1.bias", (H,), None, 1, "zeros", False), ("ln2.bias", (H,), None, 1, "zeros", False)]
+    if cfg.qkv_bias:  # --add-qkv-bias keeps this one without the others
+        rows += [("attn.qkv.bias", (qkv_rows,), 0, qkv_stride, "zeros", False)]
     if cfg.add_bias_linear:
-        rows += [
-            ("attn.qkv.bias", (qkv_rows,), 0, qkv_stride, "zeros", False),
-            ("attn.proj.bias", (H,), None, 1, "zeros", False),
-        ] + mlp_biases
+        rows += [("attn.proj.bias", (H,), None, 1, "zeros", False)] + mlp_biases
     return [
         ParamSpec(
             f"layers.{i}.{name}",

@@ -10,13 +10,15 @@ consolidate its shards into full tensors. Run from the repository root:
 key stored as ONE full tensor (``megazero.checkpoint.consolidate_checkpoint``).
 
 ``--to-hf`` writes ``OUT/config.json`` and ``OUT/model.safetensors`` of a ``GPT2LMHeadModel`` (GPT-2
-block) or ``LlamaForCausalLM`` (LLaMA-style block; with experts ``MixtralForCausalLM``, or
+block) or ``LlamaForCausalLM`` (LLaMA-style block, RoPE scaling included; ``Qwen2ForCausalLM`` with
+``--add-qkv-bias``; with experts ``MixtralForCausalLM``, or
 ``Qwen2MoeForCausalLM`` with a shared expert) that computes what the checkpoint's model computes
-(``model/hf.py`` and ``model/hf_moe.py`` hold the name map and the differences they refuse); a
-reward model's checkpoint (``--post-train rm``) becomes ``GPT2ForSequenceClassification`` or
-``LlamaForSequenceClassification`` (``score.weight`` [1, H], one label, ``pad_token_id`` = EOD;
-``model/hf_reward.py``), loaded with ``AutoModelForSequenceClassification``; plus
-the run's tokenizer, so that ``AutoModelForCausalLM.from_pretrained(OUT)`` and
+(``model/hf.py``, ``model/hf_families.py`` and ``model/hf_moe.py`` hold the name map and the
+differences they refuse); a reward model's checkpoint (``--post-train rm``) becomes
+``GPT2ForSequenceClassification`` or ``LlamaForSequenceClassification`` (``score.weight`` [1, H], one
+label, ``pad_token_id`` = EOD; ``model/hf_reward.py``), loaded with
+``AutoModelForSequenceClassification``; plus the run's tokenizer, so that
+``AutoModelForCausalLM.from_pretrained(OUT)`` and
 ``AutoTokenizer.from_pretrained(OUT)`` work. The checkpoint is read in this one process (full fp32
 master weights; no process group). The tokenizer is the one the checkpoint recorded unless
 ``--tokenizer-model`` is given; its sha256 must equal the recorded one; it is exported exactly or

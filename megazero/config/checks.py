@@ -29,7 +29,13 @@ from typing import Any, Optional
 
 from megazero.config.derive import unused_message, unused_settings
 from megazero.config.schema import Config, ConfigError, Setting, get_value, settings, show_flag
-from megazero.config.shape import check_block, check_context_parallel, check_moe_sizes, check_sizes
+from megazero.config.shape import (
+    check_block,
+    check_context_parallel,
+    check_moe_sizes,
+    check_rope_scaling,
+    check_sizes,
+)
 from megazero.data_parallel.policy import POLICIES, stages_where
 from megazero.pipeline.partition import PartitionError, validate_partition
 
@@ -190,6 +196,7 @@ def _check_block(cfg: Config, world_size: int) -> None:
         rotary_percent=m.rotary_percent,
         rope=m.position_embedding_type == "rope",
     )
+    check_rope_scaling(m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor)
 
 
 def _check_swiglu_width(cfg: Config, world_size: int) -> None:

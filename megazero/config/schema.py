@@ -72,6 +72,7 @@ _WANDB = Needs("log.wandb_project", besides=(None,))
 _DECAY = Needs("optim.lr_decay_style", besides=("constant",))
 _SAVE = Needs("train.save", besides=(None,), refuse=True, wanted="--save DIR")
 _ROPE = Needs("model.position_embedding_type", ("rope",), refuse=True)
+_ROPE_SCALING = Needs("model.use_rope_scaling", (True,), refuse=True)
 _WSD = Needs("optim.lr_decay_style", ("WSD",))
 _FIM = Needs("data.fim_rate", above=0)
 _HARNESS = Needs("train.eval_harness_tasks", besides=(None,))
@@ -146,6 +147,31 @@ class ModelConfig:
         choices=("learned_absolute", "rope"),
     )
     rotary_base: int = _f(10000, "RoPE frequency base", "", ge=1, applies=_ROPE)
+    use_rope_scaling: bool = _f(
+        False,
+        "Llama 3.1's RoPE frequency rewrite (low frequencies --rope-scaling-factor times slower, high kept, "
+        "the band between interpolated)",
+        applies=_ROPE,
+    )
+    rope_scaling_factor: float = _f(
+        8.0, "--use-rope-scaling: slow-down of the low frequencies", "", gt=0, applies=_ROPE_SCALING
+    )
+    rope_scaling_low_freq_factor: float = _f(
+        1.0, "--use-rope-scaling: wavelengths above original / this are slowed fully", "", gt=0, applies=_ROPE_SCALING
+    )
+    rope_scaling_high_freq_factor: float = _f(
+        4.0, "--use-rope-scaling: wavelengths below original / this are kept", "", gt=0, applies=_ROPE_SCALING
+    )
+    rope_scaling_original_max_position_embeddings: int = _f(
+        8192,
+        "--use-rope-scaling: the pretraining context the wavelengths are measured against",
+        "tokens",
+        ge=1,
+        applies=_ROPE_SCALING,
+    )
+    rotary_seq_len_interpolation_factor: Optional[float] = _f(
+        None, "linear RoPE scaling: positions divided by this factor; None = off", "", gt=0, applies=_ROPE
+    )
     rotary_percent: float = _f(
         1.0, "fraction of each head's dimensions RoPE rotates, in (0, 1]", "fraction", applies=_ROPE
     )
@@ -167,6 +193,11 @@ class ModelConfig:
     )
     add_bias_linear: bool = _f(
         True, "biases in the QKV, attention output and MLP linears", flags=("--disable-bias-linear",)
+    )
+    add_qkv_bias: bool = _f(
+        False,
+        "a bias on the QKV projection alone when --disable-bias-linear removes the others (Qwen2)",
+        applies=Needs("model.add_bias_linear", (False,), refuse=True, wanted="--disable-bias-linear"),
     )
     layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon added to the variance", "", gt=0)
     init_method_std: float = _f(
@@ -435,7 +466,7 @@ class TrainingConfig:
     )
     from_hf: Optional[str] = _f(
         None,
-        "Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE folder (config.json + "
+        "Hugging Face GPT-2, Llama (2, 3.x), Qwen2, Mixtral or Qwen2-MoE folder (config.json + "
         "model.safetensors, or its shards and model.safetensors.index.json) to start from: "
         "weights sliced for this layout, fresh optimizer; a checkpoint under --load still takes precedence",
         "path",

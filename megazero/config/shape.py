@@ -111,6 +111,17 @@ def check_block(
         )
 
 
+def check_rope_scaling(low_freq_factor: float, high_freq_factor: float) -> None:
+    """Llama 3.1's RoPE rewrite interpolates between the two wavelength bounds (model/rope.py), so
+    ``--rope-scaling-high-freq-factor`` must exceed ``--rope-scaling-low-freq-factor``. Raises
+    ConfigError naming both flags."""
+    if not high_freq_factor > low_freq_factor:
+        raise ConfigError(
+            f"--rope-scaling-high-freq-factor {high_freq_factor} is not above --rope-scaling-low-freq-factor "
+            f"{low_freq_factor}; fix: e.g. Llama 3.1's 4.0 and 1.0"
+        )
+
+
 def check_context_parallel(
     *,
     seq_length: int,

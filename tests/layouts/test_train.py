@@ -365,3 +365,42 @@ def test_the_end_of_run_sample_is_drawn_seeded_and_greedy_at_temperature_0():
     got = run_distributed(_final_samples, 1, argv)[0]
     drawn, greedy = (" ".join(map(str, got[k])) for k in ("drawn", "greedy"))
     assert got["default"] == [drawn, drawn] and got["zero"] == greedy and drawn != greedy, got
+
+
+# Llama-3.x's RoPE scaling (the llama3 rule: with original context 256 and factors 1 / 32, of the
+# two rotated pairs (wavelengths 6 and 199 positions) the first is kept and the second
+# interpolated; linear interpolation by 2 on top) and Qwen2's q/k/v-only bias, together, under
+# tp 2 + SP, pp 2 and cp 2 (ring): one spawn of 2 ranks. Weights of std 0.1 make attention, so
+# positions, matter more to the loss (on the mock data's random tokens, 3.7e-4 relative by step 6).
+WIDER = ["--init-method-std", "0.1"]
+SCALED_QKV_BIAS = (
+    LLAMA
+    + WIDER
+    + [
+        "--use-rope-scaling",
+        "--rope-scaling-factor",
+        "4",
+        "--rope-scaling-high-freq-factor",
+        "32",
+        "--rope-scaling-original-max-position-embeddings",
+        "256",
+        "--rotary-seq-len-interpolation-factor",
+        "2",
+        "--add-qkv-bias",
+    ]
+)
+FEATURE_LAYOUTS = {"tp2-sp": LAYOUTS["tp2-sp"][1], "pp2-gpipe": LAYOUTS["pp2-gpipe"][1], "cp2-p2p": ["--cp", "2"] + MB4}
+
+
+def test_rope_scaling_and_qkv_bias_layouts_equal_reference():
+    """Each layout of FEATURE_LAYOUTS with SCALED_QKV_BIAS: losses equal the oracle's (which scales
+    the RoPE angles and adds the q/k/v bias on its own) within 1e-5 relative over 6 steps,
+    gradient norms and the sample the single process's; the features change the losses."""
+    argv = BASE + SCALED_QKV_BIAS
+    reference, single = reference_losses(argv, SWEEP_STEPS), single_layout_run(argv, SWEEP_STEPS)
+    plain = reference_losses(BASE + LLAMA + WIDER, SWEEP_STEPS)
+    assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # 10x the tolerance below: features matter
+    argvs = [argv + flags for flags in FEATURE_LAYOUTS.values()]
+    per_rank = run_distributed(train_layouts, 2, argvs, SWEEP_STEPS, timeout_s=600)
+    for i, name in enumerate(FEATURE_LAYOUTS):
+        check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)

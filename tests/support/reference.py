@@ -7,7 +7,9 @@ embeddings, pre-LayerNorm blocks, causal self-attention computed with an explici
 softmax, an exact (erf) GELU MLP, a final LayerNorm and an output layer that is tied to the
 word embedding by default. The LLaMA-style options (Touvron et al. 2023) are written out
 as plainly: RoPE as a complex rotation, RMSNorm, SwiGLU, grouped-query attention by
-indexing each query head's key/value head, linear layers without bias. There is no
+indexing each query head's key/value head, linear layers without bias (or with a bias on the
+QKV projection alone, Qwen2's), RoPE scaling (Llama 3.1's frequency rule and linear position
+interpolation, applied to the angles pair by pair). There is no
 dropout: the oracle is only compared with runs that have dropout off.
 
 It loads the canonical full tensors of docs/design.md ("Interfaces" > Model); only the first
@@ -49,14 +51,34 @@ class _RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_rotate(x: torch.Tensor, rot_dim: int, base: float, positions=None) -> torch.Tensor:
+def _scaled_frequency(theta: float, scaling: dict) -> float:
+    """One pair's frequency under ``scaling``'s ``llama3`` = (factor, low, high, original
+    context): Llama 3.1's rule, written for a single wavelength."""
+    if "llama3" not in scaling:
+        return theta
+    factor, low, high, original = scaling["llama3"]
+    wavelength = 2 * math.pi / theta
+    if wavelength < original / high:  # fast pairs keep their frequency
+        return theta
+    if wavelength > original / low:  # slow pairs turn factor times slower
+        return theta / factor
+    weight = (original / wavelength - low) / (high - low)
+    return weight * theta + (1 - weight) * theta / factor
+
+
+def rope_rotate(x: torch.Tensor, rot_dim: int, base: float, positions=None, scaling=None) -> torch.Tensor:
     """RoPE written with complex numbers: pair ``(x_j, x_{j+rot/2})`` of the first ``rot_dim``
     dimensions is ``x_j + i x_{j+rot/2}``, multiplied by ``exp(i t base^(-2j/rot_dim))`` at
     position ``t`` (Su et al. 2021, eq. 34). ``x [B, heads, T, d]`` -> same shape; ``positions``
-    ``[B, T]`` (default 0..T-1)."""
+    ``[B, T]`` (default 0..T-1). ``scaling``: ``{"llama3": (factor, low, high, original)}``
+    rewrites each frequency (``_scaled_frequency``), ``{"linear": f}`` uses position ``t / f``."""
     B, T, half = x.shape[0], x.shape[2], rot_dim // 2
-    theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)  # (rot/2,)
+    scaling = scaling or {}
+    theta = torch.tensor(
+        [_scaled_frequency(base ** (-2 * j / rot_dim), scaling) for j in range(half)], dtype=torch.float64
+    )  # (rot/2,)
     t = torch.arange(T, dtype=torch.float64).expand(B, T) if positions is None else positions.double()
+    t = t / scaling.get("linear", 1.0)
     phase = torch.polar(torch.ones(B, 1, T, half, dtype=torch.float64), t[:, None, :, None] * theta)  # (B, 1, T, rot/2)
     z = torch.complex(x[..., :half].double(), x[..., half:rot_dim].double()) * phase
     return torch.cat([z.real.to(x.dtype), z.imag.to(x.dtype), x[..., rot_dim:]], dim=-1)
@@ -143,15 +165,18 @@ class _Block(nn.Module):
         rmsnorm: bool = False,
         swiglu: bool = False,
         bias: bool = True,
+        qkv_bias: Optional[bool] = None,
+        rope_scaling=None,
         moe=None,
     ):
         super().__init__()
         self.heads, self.kv_groups, self.rope, self.swiglu = heads, kv_groups, rope, swiglu
+        self.rope_scaling = rope_scaling
         d = hidden // heads
         norm = _RMSNorm if rmsnorm else _LayerNorm
         self.ln1 = norm(hidden, eps)
         qkv_rows = 3 * hidden if kv_groups is None else (heads + 2 * kv_groups) * d
-        self.qkv = nn.Linear(hidden, qkv_rows, bias=bias)
+        self.qkv = nn.Linear(hidden, qkv_rows, bias=bias if qkv_bias is None else qkv_bias)
         self.proj = nn.Linear(hidden, hidden, bias=bias)
         self.ln2 = norm(hidden, eps)
         self.moe = (
@@ -182,7 +207,7 @@ class _Block(nn.Module):
         B, T, H = x.shape
         q, k, v = self._heads(x)
         if self.rope is not None:
-            q, k = rope_rotate(q, *self.rope, positions), rope_rotate(k, *self.rope, positions)
+            q, k = (rope_rotate(t, *self.rope, positions, self.rope_scaling) for t in (q, k))
         scores = q @ k.transpose(-2, -1) / math.sqrt(H // self.heads)  # (B, heads, T, T)
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         if hidden is not None:
@@ -212,6 +237,18 @@ def block_options(cfg) -> dict:
     if cfg.position_embedding_type == "rope":
         rope = (int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_percent), cfg.rotary_base)
     out = dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm", swiglu=cfg.swiglu)
+    scaling = {}
+    if getattr(cfg, "use_rope_scaling", False):
+        scaling["llama3"] = (
+            cfg.rope_scaling_factor,
+            cfg.rope_scaling_low_freq_factor,
+            cfg.rope_scaling_high_freq_factor,
+            cfg.rope_scaling_original_max_position_embeddings,
+        )
+    if getattr(cfg, "rotary_seq_len_interpolation_factor", None) is not None:
+        scaling["linear"] = cfg.rotary_seq_len_interpolation_factor
+    if scaling:
+        out["rope_scaling"] = scaling
     if getattr(cfg, "num_experts", None) is not None:
         out["moe"] = dict(
             topk=cfg.moe_router_topk,
@@ -237,8 +274,9 @@ class ReferenceGPT(nn.Module):
     e.g. with ``rope``); ``tie_embeddings`` shares the word embedding with the output layer;
     ``eps`` is the norm epsilon. Block options: ``kv_groups`` G (grouped-query attention
     with Megatron's per-group ``[q; k; v]`` QKV rows; None = GPT-2's ``[q; k; v]``),
-    ``rope`` = ``(rotated dims, base)``, ``rmsnorm``, ``swiglu`` (``fc1`` = ``[gate; up]``),
-    ``bias`` (linear biases).
+    ``rope`` = ``(rotated dims, base)``, ``rope_scaling`` (``rope_rotate``), ``rmsnorm``,
+    ``swiglu`` (``fc1`` = ``[gate; up]``), ``bias`` (linear biases), ``qkv_bias`` (the QKV
+    projection's; None = ``bias``).
     """
 
     def __init__(
@@ -355,7 +393,8 @@ class ReferenceGPT(nn.Module):
             0 if wpe is None else wpe.shape[0],
             tie_embeddings="output.weight" not in full,
             eps=eps,
-            bias="layers.0.attn.qkv.bias" in full,
+            bias="layers.0.attn.proj.bias" in full,
+            qkv_bias="layers.0.attn.qkv.bias" in full,
             **block,
         )
         model.load_full_weights(full)

@@ -1,0 +1,229 @@
+"""The dense Hugging Face families beyond Llama-2: Llama-3.x (``model_type`` ``llama`` with RoPE
+scaling) and Qwen2 / Qwen2.5 (``qwen2``). ``model/hf.py`` keeps the tensor map they share with
+LlamaForCausalLM (the same tensor names; Qwen2 adds q/k/v biases); this file reads and writes
+what differs in ``config.json`` and classifies every key a folder may hold. Like ``model/hf.py``
+it reads no file.
+
+What the two models compute beyond Llama-2 (transformers 5's ``modeling_llama``,
+``modeling_qwen2`` and ``modeling_rope_utils``, read for this map):
+
+- RoPE scaling (``rope_parameters``, in transformers 4 ``rope_scaling``): rope type ``llama3``
+  rewrites the frequencies with ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
+  ``original_max_position_embeddings`` (``max_position_embeddings`` when absent), rope type
+  ``linear`` divides them by ``factor``; neither rescales cos/sin (their attention factor is 1).
+  Both are megazero's ``model.rope.RopeScaling`` (``--use-rope-scaling`` with the
+  ``--rope-scaling-*`` flags; ``--rotary-seq-len-interpolation-factor``). Other rope types
+  (``dynamic``, ``yarn``, ``longrope``, ...) are refused by name.
+- Qwen2's attention: ``q_proj``, ``k_proj``, ``v_proj`` with bias, ``o_proj`` and the MLP
+  without (``--disable-bias-linear --add-qkv-bias``); a layer whose ``layer_types`` entry is
+  ``sliding_attention`` sees only its last ``sliding_window`` keys, which equals megazero's
+  full causal attention only when the window covers ``max_position_embeddings`` (Qwen2.5 sets
+  ``use_sliding_window: false``, so every layer is full); otherwise refused.
+
+``KEYS`` lists, per model type, every key of transformers' ``LlamaConfig().to_dict()`` /
+``Qwen2Config().to_dict()`` (plus the legacy ``rope_scaling`` / ``rope_theta``) as ``mapped``
+(read into a GPTConfig field), ``checked`` (read and refused unless it has the value megazero
+computes) or ``no_effect`` (with the reason it does not change logits or loss);
+``check_keys`` refuses a key outside the three, since transformers keeps an unknown key as a
+config attribute its modeling code may read (tests/layouts/test_hf_families.py asserts the
+lists are complete for the installed transformers).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from model.config import GPTConfig
+from model.hf_config import HFConversionError, config_value
+
+MODEL_TYPES = ("llama", "qwen2")
+
+_COMMON_MAPPED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+_COMMON_NO_EFFECT = {
+    "_name_or_path": "where the folder came from",
+    "architectures": "the class name; model_type chooses the map",
+    "transformers_version": "the writer's version",
+    "dtype": "storage dtype; megazero reads every tensor as fp32 and casts to its --fp16/--bf16",
+    "torch_dtype": "transformers 4's name of dtype",
+    "bos_token_id": "a token id for generation (the tokenizer in the folder gives megazero's EOD)",
+    "eos_token_id": "a token id for generation",
+    "pad_token_id": "a token id for generation",
+    "use_cache": "transformers' KV cache switch (same logits either way)",
+    "output_attentions": "what transformers returns, not what it computes",
+    "output_hidden_states": "what transformers returns, not what it computes",
+    "return_dict": "what transformers returns, not what it computes",
+    "id2label": "labels of a classification head (no such head in a causal LM)",
+    "label2id": "labels of a classification head (no such head in a causal LM)",
+    "problem_type": "loss of a classification head (no such head in a causal LM)",
+    "chunk_size_feed_forward": "read by no Llama or Qwen2 layer (BERT-style chunking)",
+    "is_encoder_decoder": "read by no decoder-only model class",
+    "initializer_range": "the init of new weights; every weight is read from the folder",
+    "attention_dropout": "training-time dropout; the run's --attention-dropout decides (0 in released models)",
+    "model_type": "chooses this map (config_from_hf)",
+}
+KEYS = {
+    "llama": {
+        "mapped": _COMMON_MAPPED + ("attention_bias", "mlp_bias"),
+        "checked": ("hidden_act", "head_dim", "partial_rotary_factor"),
+        "no_effect": {
+            **_COMMON_NO_EFFECT,
+            "pretraining_tp": "read by no transformers 5 Llama layer (transformers 4 split matmuls: same sums)",
+        },
+    },
+    "qwen2": {
+        "mapped": _COMMON_MAPPED,
+        "checked": (
+            "hidden_act",
+            "head_dim",
+            "partial_rotary_factor",
+            "use_sliding_window",
+            "sliding_window",
+            "max_window_layers",
+            "layer_types",
+        ),
+        "no_effect": dict(_COMMON_NO_EFFECT),
+    },
+}
+
+
+def check_keys(config: Mapping) -> None:
+    """Raise HFConversionError naming the first key of a ``llama`` or ``qwen2`` ``config.json``
+    that ``KEYS`` does not classify (nothing for other model types)."""
+    table = KEYS.get(config.get("model_type"))
+    if table is None:
+        return
+    known = set(table["mapped"]) | set(table["checked"]) | set(table["no_effect"])
+    for key in config:
+        if key not in known:
+            raise HFConversionError(
+                f"config.json key {key!r} is unknown to megazero's {config['model_type']} map and may change "
+                "what transformers computes; fix: remove it if it does not (docs/checkpoints.md lists the keys)"
+            )
+
+
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"},
+    "linear": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"},
+    "llama3": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "partial_rotary_factor",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    },
+}
+
+
+def rope_settings_from_hf(rope: Mapping, positions: int) -> dict:
+    """GPTConfig RoPE-scaling fields of a ``rope_parameters`` (or ``rope_scaling``) table; ``positions``:
+    ``max_position_embeddings``, llama3's fallback original context. Raises HFConversionError
+    naming a rope type megazero does not compute or a key of it megazero would not read."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in _ROPE_KEYS:
+        raise HFConversionError(
+            f"rope type {kind!r}: megazero's RoPE is unscaled, 'linear' or 'llama3'; another scaling would "
+            "compute other angles"
+        )
+    extra = sorted(set(rope) - _ROPE_KEYS[kind])
+    if extra:
+        raise HFConversionError(f"rope_parameters.{extra[0]} with rope type {kind!r}: megazero would not read it")
+    if kind == "linear":
+        return dict(rotary_seq_len_interpolation_factor=float(config_value(rope, "factor", "number")))
+    if kind == "default":
+        return {}
+    return dict(
+        use_rope_scaling=True,
+        rope_scaling_factor=float(config_value(rope, "factor", "number")),
+        rope_scaling_low_freq_factor=float(config_value(rope, "low_freq_factor", "number")),
+        rope_scaling_high_freq_factor=float(config_value(rope, "high_freq_factor", "number")),
+        rope_scaling_original_max_position_embeddings=config_value(
+            rope, "original_max_position_embeddings", "size", positions
+        ),
+    )
+
+
+def rope_parameters(gcfg: GPTConfig, theta: float) -> dict:
+    """The ``rope_parameters`` table of ``gcfg``'s RoPE (type ``default``, ``llama3`` or ``linear``).
+    Raises HFConversionError when both scalings are on (transformers has one rope type)."""
+    if gcfg.use_rope_scaling and gcfg.rotary_seq_len_interpolation_factor is not None:
+        raise HFConversionError(
+            "--use-rope-scaling with --rotary-seq-len-interpolation-factor: a Hugging Face config has one "
+            "rope type (no exact LlamaForCausalLM equivalent)"
+        )
+    if gcfg.use_rope_scaling:
+        return {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": gcfg.rope_scaling_factor,
+            "low_freq_factor": gcfg.rope_scaling_low_freq_factor,
+            "high_freq_factor": gcfg.rope_scaling_high_freq_factor,
+            "original_max_position_embeddings": gcfg.rope_scaling_original_max_position_embeddings,
+        }
+    if gcfg.rotary_seq_len_interpolation_factor is not None:
+        return {"rope_type": "linear", "rope_theta": theta, "factor": gcfg.rotary_seq_len_interpolation_factor}
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def is_qwen2(gcfg: GPTConfig) -> bool:
+    """Whether a dense LLaMA-style ``gcfg`` exports as Qwen2ForCausalLM: a bias on q/k/v only
+    (``--disable-bias-linear --add-qkv-bias``)."""
+    return gcfg.add_qkv_bias and not gcfg.add_bias_linear and gcfg.num_experts is None
+
+
+def qwen2_config(llama: dict, gcfg: GPTConfig) -> dict:
+    """``config.json`` of the Qwen2ForCausalLM computing what the LlamaForCausalLM config ``llama``
+    would with q/k/v biases: no ``attention_bias`` / ``mlp_bias`` / ``pretraining_tp`` /
+    ``head_dim`` (Qwen2 fixes the first two, derives the last), no sliding window."""
+    base = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp", "head_dim")}
+    return {
+        **base,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": gcfg.num_layers,
+        "layer_types": ["full_attention"] * gcfg.num_layers,
+    }
+
+
+def qwen2_settings_from_hf(config: Mapping) -> dict:
+    """GPTConfig bias fields of a ``qwen2`` ``config.json`` (q/k/v biases only). Raises
+    HFConversionError naming ``layer_types`` / ``sliding_window`` when some layer's window is
+    shorter than ``max_position_embeddings`` (megazero's attention is full causal)."""
+    positions = config_value(config, "max_position_embeddings", "size", 32768)
+    L = config_value(config, "num_hidden_layers", "size")
+    use = config_value(config, "use_sliding_window", "flag", False)
+    window = config_value(config, "sliding_window", "size", None) if use else None
+    first = config_value(config, "max_window_layers", "count", 28)
+    types = config.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(L)
+    ]
+    if not isinstance(types, list) or len(types) != L:
+        raise HFConversionError(f"layer_types = {str(types)[:60]} is not a list of {L} layer types")
+    for i, kind in enumerate(types):
+        if kind == "full_attention":
+            continue
+        if kind != "sliding_attention":
+            raise HFConversionError(f"layer_types[{i}] = {kind!r}: megazero's attention is full causal")
+        if window is None or window < positions:
+            raise HFConversionError(
+                f"layer_types[{i}] = 'sliding_attention' with sliding_window {window} (use_sliding_window "
+                f"{use}) below max_position_embeddings {positions}: megazero's attention is full causal"
+            )
+    return dict(add_bias_linear=False, add_qkv_bias=True)

@@ -1,0 +1,192 @@
+"""Llama-3.x and Qwen2.5 folders in and out (fp32), built by transformers' own config and model
+classes at tiny sizes (no network): a Llama with ``llama3`` RoPE scaling (untied, no biases) and
+a Qwen2 with q/k/v biases, tied embeddings, ``use_sliding_window: false`` and ``linear`` RoPE
+scaling. ``--from-hf`` gives transformers' logits within 1e-5 at tp 1 and tp 2 (+ SP), the
+first training step's loss under tp 2 equals transformers' loss on the same batch within 1e-6,
+the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to tensors
+``torch.equal`` to the folder's, with the same config, and KV-cache greedy decoding gives
+transformers' ``generate`` tokens for 32 tokens past the original context."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.support.distributed import run_distributed
+from tests.support.extras import require
+from tests.support.generate import generate_args
+from tests.support.hf_convert import MODEL, hf_trainer, train_steps
+from tests.support.hf_tokenizer import corpus
+
+SIZES = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,  # weights large enough that positions and biases move the logits
+)
+BLOCK = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64"]
+BLOCK += ["--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear", "--layernorm-epsilon", "1e-6"]
+BLOCK += ["--max-position-embeddings", "256"]
+FAMILIES = {
+    # wavelengths 2 pi x (1, 10, 100, 1000) positions against original 64 / (1, 8): one pair kept,
+    # one interpolated, two slowed 4 times
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=8.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        BLOCK
+        + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--use-rope-scaling"]
+        + ["--rope-scaling-factor", "4", "--rope-scaling-high-freq-factor", "8"]
+        + ["--rope-scaling-original-max-position-embeddings", "64"],
+    ),
+    "qwen2.5": (
+        "Qwen2Config",
+        dict(
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=4096,
+            max_window_layers=1,
+            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+        ),
+        BLOCK + ["--rotary-base", "10000", "--add-qkv-bias", "--rotary-seq-len-interpolation-factor", "2"],
+    ),
+}
+
+
+def _make_folder(d, family, tokenizer_json):
+    import transformers
+
+    cls_name, options, _ = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**SIZES, **options)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: give them values a wrong map would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.5 * torch.randn(p.shape))
+    model.save_pretrained(d)
+    shutil.copy(tokenizer_json, d / "tokenizer.json")
+    return model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """family -> (folder, the transformers model, the run's argv) on a 300-token corpus."""
+    require("transformers")
+    require("safetensors")
+    from data.preprocess import preprocess
+    from data.tokenizer import load_tokenizer, train_hf_tokenizer
+
+    d = tmp_path_factory.mktemp("families")
+    tok_json = train_hf_tokenizer(corpus(200), 300, str(d / "tok" / "tokenizer.json"))
+    tok = load_tokenizer(tok_json, "HuggingFaceTokenizer")
+    src = d / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(150)), encoding="utf-8")
+    preprocess(str(src), ["text"], tok.model_path, str(d / "c"), progress=False, tokenizer_type="HuggingFaceTokenizer")
+    data = ["--data-path", str(d / "c_text_document"), "--tokenizer-type", "HuggingFaceTokenizer"]
+    data += ["--tokenizer-model", tok.model_path, "--train-iters", "2"]
+    out = {}
+    for family in FAMILIES:
+        folder = d / family
+        model = _make_folder(folder, family, tok.model_path)
+        out[family] = str(folder), model, MODEL + FAMILIES[family][2] + data
+    return out
+
+
+def _tp2_logits_and_first_loss(rank, world, hf_dir, ids, argv, save):
+    """tp 2's gathered logits of ``ids`` read with the generate/evaluate loader, then a tp 2 + SP
+    trainer from ``--from-hf`` saved before its first step and that step's loss."""
+    from megazero.process_groups import ProcessGroups
+    from megazero.tensor_parallel.mappings import gather_from_tp_region
+    from megazero.topology import Topology
+    from megazero.training.inference import load_model
+
+    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+    stage, _ = load_model(generate_args(hf_dir), groups, torch.device("cpu"), need_tokenizer=False)
+    with torch.no_grad():
+        logits = gather_from_tp_region(stage.eval()(ids), stage.tp)[..., : stage.cfg.vocab_size]  # (B, T, V)
+    trainer = hf_trainer(argv + ["--from-hf", hf_dir, "--tp", "2", "--sequence-parallel"], world)
+    trainer.save_checkpoint(save)
+    return logits, train_steps(trainer, 1)[0]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_in_and_out(family, folders, tmp_path):
+    from safetensors.torch import load_file
+
+    from data.samplers import get_micro_batches
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
+    from model.hf import config_from_hf
+    from scripts.convert_checkpoint import main
+
+    folder, hf, argv = folders[family]
+    ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(ids).logits  # (B, T, V)
+    stage, _ = load_model(generate_args(folder), ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
+    assert (stage.cfg.use_rope_scaling, stage.cfg.add_qkv_bias) == (family == "llama3", family == "qwen2.5")
+    with torch.no_grad():
+        tp1 = stage.eval()(ids)[..., :300]
+    tp2, loss = run_distributed(_tp2_logits_and_first_loss, 2, folder, ids, argv, str(tmp_path / "ckpt"))[0]
+    scale = theirs.abs().max().item()
+    for ours in (tp1, tp2):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * scale)
+
+    stage.cfg.use_rope_scaling, stage.cfg.rotary_seq_len_interpolation_factor = False, None  # RoPE unscaled
+    with torch.no_grad():
+        unscaled = type(stage)(
+            stage.cfg, stage.groups, range(2), True, True, seed=0, full_weights=dict(stage.named_parameters())
+        )(ids)[..., :300]
+    assert (unscaled - theirs).abs().max() > 1e-2 * scale  # the scaling matters here: the test can fail
+
+    cfg = config_from_argv(argv, 1)
+    tokens, labels = get_micro_batches(training.build_data(cfg).train, 0, 4, 4, 0, 1)[0]  # the first global batch
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1), labels.flatten()).item()
+    assert loss == pytest.approx(want, rel=1e-6)
+
+    out = tmp_path / "out"
+    assert main(["--load", str(tmp_path / "ckpt"), "--to-hf", str(out)]) == 0
+    back, original = load_file(out / "model.safetensors"), load_file(f"{folder}/model.safetensors")
+    assert sorted(back) == sorted(original) and ("lm_head.weight" in back) == (family == "llama3")
+    for name, t in original.items():
+        assert torch.equal(back[name], t), name
+    written = json.loads((out / "config.json").read_text())
+    given = json.loads(open(f"{folder}/config.json").read())
+    assert written["model_type"] == given["model_type"] and written["rope_parameters"] == given["rope_parameters"]
+    assert config_from_hf(written, seq_length=16) == config_from_hf(given, seq_length=16)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_kv_cache_greedy_tokens_equal_transformers_past_the_original_context(family, folders):
+    """32 greedy tokens after a 48-token prompt (positions up to 80, past llama3's original 64):
+    the KV-cache decoding of model/sampling.py (rotated keys cached with the scaled angles)
+    gives transformers' ``generate`` tokens."""
+    from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
+    from model.sampling import sample
+
+    folder, hf, _ = folders[family]
+    stage, _ = load_model(generate_args(folder), ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
+    prompt = torch.randint(1, 300, (48,), generator=torch.Generator().manual_seed(7)).tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert len(want[0]) == 80
+    assert sample(stage, prompt, 32, temperature=0.0) == want[0].tolist()
