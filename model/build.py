@@ -21,7 +21,7 @@ from megazero.param_spec import chunk_entries
 from megazero.pipeline import partition
 from megazero.precision import model_dtype
 from megazero.process_groups import ProcessGroups
-from model.config import GPTConfig
+from model.config import ROPE_SCALING_FIELDS, GPTConfig
 from model.gpt import GPTStage
 from model.hf import HFConversionError
 from model.hf_folder import check_folder, open_folder
@@ -75,17 +75,6 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         recompute_num_layers=m.recompute_num_layers,
         **({} if m.num_experts is None else {name: getattr(m, name) for name in MOE_FIELDS}),
     )
-
-
-# the RoPE scaling settings GPTConfig shares with ModelConfig (same names)
-ROPE_SCALING_FIELDS = (
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "rope_scaling_low_freq_factor",
-    "rope_scaling_high_freq_factor",
-    "rope_scaling_original_max_position_embeddings",
-    "rotary_seq_len_interpolation_factor",
-)
 
 
 # the MoE settings GPTConfig shares with ModelConfig (same names)

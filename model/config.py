@@ -261,6 +261,17 @@ class GPTConfig:
 
 
 # GPTConfig field -> the setting (flag) whose documented range and choices it must satisfy
+# the RoPE scaling settings GPTConfig shares with ModelConfig (same names)
+ROPE_SCALING_FIELDS = (
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "rotary_seq_len_interpolation_factor",
+)
+
+
 _SETTING_OF = {
     "vocab_size": "data.vocab_size",
     **{

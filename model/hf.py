@@ -38,7 +38,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from model import hf_families, hf_moe
-from model.config import GPTConfig
+from model.config import ROPE_SCALING_FIELDS, GPTConfig
 from model.gpt import VOCAB_TENSORS, canonical_shapes, resize_vocab
 from model.hf_config import HFConversionError
 from model.hf_config import config_value as _value
@@ -364,12 +364,7 @@ _LLAMA_LAYER = {
 _LLAMA_FIELDS = {
     "position_embedding_type",
     "rotary_base",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "rope_scaling_low_freq_factor",
-    "rope_scaling_high_freq_factor",
-    "rope_scaling_original_max_position_embeddings",
-    "rotary_seq_len_interpolation_factor",
+    *ROPE_SCALING_FIELDS,
     "add_qkv_bias",
     "rotary_percent",
     "normalization",

@@ -278,10 +278,17 @@ class Trainer:
             # MoE auxiliary losses weigh as Megatron-LM's: coeff x loss per micro-batch, averaged
             # over the micro-batches (and, by the gradient mean, over dp), times the fp16 loss scale
             AuxLossBackward.set_scale(self.optimizer.scale_loss(torch.ones((), device=self.device)) / len(batches))
+        return self._schedule(
+            actions, self.chunks, make_forward_step(divisor, watch, sequence_loss), batches, forward_only
+        )
+
+    def _schedule(self, actions, chunks, forward_step, batches, forward_only: bool) -> torch.Tensor:
+        """``run_schedule`` of ``actions`` over this rank's sharded ``batches`` with ``chunks``
+        (the model's, or another model in this layout: the post-training reference)."""
         return run_schedule(
             actions,
-            self.chunks,
-            make_forward_step(divisor, watch, sequence_loss),
+            chunks,
+            forward_step,
             batches,
             self.groups,
             tensor_shape=self.tensor_shape,
@@ -296,21 +303,8 @@ class Trainer:
         )
 
     def _forward_only(self, chunks, forward_step, batches) -> torch.Tensor:
-        """The forward-only schedule of ``chunks`` (another model in this layout: the
-        post-training reference) over this rank's sharded ``batches``."""
-        return run_schedule(
-            self.eval_actions,
-            chunks,
-            forward_step,
-            batches,
-            self.groups,
-            tensor_shape=self.tensor_shape,
-            dtype=self.dtype,
-            num_microbatches=len(batches),
-            vp_size=self.cfg.parallel.virtual_pipeline_size,
-            forward_only=True,
-            layout=chunk_layout(self.cfg.parallel.pipeline_schedule),
-        )
+        """The forward-only schedule of ``chunks`` (the post-training reference)."""
+        return self._schedule(self.eval_actions, chunks, forward_step, batches, forward_only=True)
 
     def _schedule_of(self, pp_rank: int):
         """The training schedule of stage ``pp_rank`` (the executor reads its neighbours')."""
