@@ -18,7 +18,8 @@
 #   probes        which SDPA kernel CUDA picks per attention case, torch._grouped_mm against the
 #                 per-expert loop in bf16, host syncs per training step (dense, MoE)
 #   sweep         ZeRO 0-3, optimizer offload cpu / nvme, async save and resume across devices, MoE,
-#                 recompute, fp16, bf16, torch.compile: GPU losses against CPU losses
+#                 recompute, fp16, bf16, torch.compile, DPO and reward-model post-training: GPU losses
+#                 against CPU losses
 #   kernels       fused kernels (norms, Adam, attention) against their references
 #   offload       ZeRO-2 bf16 with and without --offload-optimizer cpu (scripts/bench/bench_offload.py)
 #

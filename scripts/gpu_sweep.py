@@ -8,7 +8,8 @@ CPU kernels sum in other orders; at world size 1 every feature is the plain mode
 3e-2 where only the GPU run is bf16 or fp16 (one bf16 rounding is 2^-8 relative). The resume
 features train 2 steps on one device, save (``--async-save``), load the checkpoint on the other
 device and train 2 more: the 4 losses against the uninterrupted CPU run. ``torch.compile``
-(``--compile``) runs on the GPU only, against the eager CPU run.
+(``--compile``) runs on the GPU only, against the eager CPU run. ``dpo`` and ``rm`` train the
+post-training modes on 16 preference pairs written with a small tokenizer in a temporary folder.
 
 A feature that raises is recorded as failed with its error, and the next one runs. Results go
 to ``OUT/sweep.json`` after every feature and to ``gpu_check key sweep_FEATURE pass|fail`` lines.
@@ -53,6 +54,13 @@ FEATURES = [
     ("bf16", [], ["--bf16"], 3e-2),
     ("fp16", [], ["--fp16"], 3e-2),
     ("compile", [], ["--compile"], 1e-4),
+    # post-training on preference pairs (PAIRS: a tokenizer and pairs made in a temporary folder)
+    ("dpo", ["PAIRS", "--post-train", "dpo"], [], 1e-4),
+    ("rm", ["PAIRS", "--post-train", "rm"], [], 1e-4),
+]
+PAIRS_BASE = [f for f in BASE if f not in ("--mock-data", "--vocab-size", "256")] + [
+    "--make-vocab-size-divisible-by",
+    "8",
 ]
 
 
@@ -63,7 +71,8 @@ def train(device: str, flags: list[str], steps: int, save: str = "", load: str =
     from megazero.config import config_from_argv
     from megazero.training import build_trainer
 
-    argv = BASE + flags + ["--device", device] + (["--load", load] if load else [])
+    base = PAIRS_BASE if "--data-path" in flags else BASE
+    argv = base + flags + ["--device", device] + (["--load", load] if load else [])
     cfg = config_from_argv(argv, 1)
     trainer = build_trainer(cfg, data=training.prepare_run(cfg), device=device)
     if load:
@@ -83,9 +92,29 @@ def rel_diff(got: list[float], want: list[float]) -> float:
     return max(abs(g - w) / abs(w) for g, w in zip(got, want))
 
 
+def make_pairs(tmp: str) -> list[str]:
+    """Flags of 16 arithmetic preference pairs written under ``tmp`` (``python -m
+    data.preference``) with a byte-level BPE tokenizer of 300 tokens trained there."""
+    from data.preference import preprocess_preference
+    from data.tokenizer import train_hf_tokenizer
+
+    texts = [f"# {a} + {b} = {a + b}, not {a * b + 5}" for a in range(10) for b in range(10)]
+    tok = train_hf_tokenizer(texts, 300, os.path.join(tmp, "tokenizer.json"))
+    rows = [{"prompt": f"# {i % 7} + {i % 3} =", "chosen": f" {i % 7 + i % 3}", "rejected": f" {i % 5 + 5} or so"}
+            for i in range(16)]  # fmt: skip
+    with open(os.path.join(tmp, "pairs.jsonl"), "w", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    prefix = os.path.join(tmp, "pref")
+    preprocess_preference([os.path.join(tmp, "pairs.jsonl")], tok, prefix, tokenizer_type="HuggingFaceTokenizer")
+    return ["--data-path", prefix, "--tokenizer-model", tok, "--tokenizer-type", "HuggingFaceTokenizer", "--split", "1"]
+
+
 def feature_losses(name: str, both: list[str], gpu_only: list[str], device: str, tmp: str) -> tuple[list, list]:
     """(device losses, CPU losses) of one feature (module docstring)."""
     both = [os.path.join(tmp, "nvme") if f == "NVME" else f for f in both]
+    if "PAIRS" in both:
+        i = both.index("PAIRS")
+        both = both[:i] + make_pairs(tmp) + both[i + 1 :]
     if name.startswith("resume-"):
         first, second = (device, "cpu") if name == "resume-gpu-to-cpu" else ("cpu", device)
         ckpt = os.path.join(tmp, name)
