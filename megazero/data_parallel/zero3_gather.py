@@ -26,6 +26,7 @@ so every setting gives bit-identical results.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -165,6 +166,25 @@ class Zero3Gather:
             u.in_forward, u.in_backward = 0, False
             u.done.clear()
             self.release(u)
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Every unit gathered once on entry, kept through the block and released on exit: the
+        many forwards without gradients of a rollout (one per decoded token) then cost one
+        all-gather of each unit instead of one per token (the re-gathering of TRL #3858).
+        Collective over each buffer's group. Units held count as in use, so
+        ``max_live_parameters`` does not release them: the whole model is live meanwhile.
+        Nothing gathered outlives the block, so an update after it cannot leave stale copies."""
+        for u in self.units:
+            self._gather(u)
+            u.in_forward += 1
+        try:
+            yield self
+        finally:
+            for u in self.units:
+                u.in_forward -= 1
+                if u.in_forward == 0 and not u.in_backward:
+                    self.release(u)
 
     def _busy(self, u: Unit) -> bool:
         return u.in_forward > 0 or u.in_backward

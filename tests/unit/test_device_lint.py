@@ -84,6 +84,9 @@ HOST_TENSORS = {
     ("megazero/checkpoint/core.py", "read_partitions"): "this rank's partitions read into host memory",
     # The grouped GEMM's offsets: built from a Python list on the host, then copied (pinned on CUDA).
     ("model/moe.py", "group_offsets"): "the group offsets before their copy to the device",
+    # Rollout noise: each row's Gumbel noise comes from its own keyed CPU generator, so the draw
+    # does not depend on the device; it is moved to the logits' device at once.
+    ("megazero/post_training/rollout.py", "choose_with_log_probs"): "per-row Gumbel noise from a keyed CPU generator",
     # The grouped-GEMM check draws its inputs from a seeded CPU generator, then moves them.
     ("model/moe.py", "grouped_matches_loop"): "a seeded CPU draw of the check's inputs",
 }
