@@ -229,3 +229,23 @@ def test_kv_cache_greedy_tokens_equal_transformers_past_the_original_context(fam
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert len(want[0]) == 80
     assert sample(stage, prompt, 32, temperature=0.0) == want[0].tolist()
+
+
+def _first_loss(rank, world, argv):
+    return train_steps(hf_trainer(argv, world), 1)[0]
+
+
+def test_qwen3_moe_first_loss_under_expert_parallelism_equals_transformers(folders):
+    """The Qwen3-MoE folder under dp 2 x ep 2 (each rank holds 2 of the 4 experts and its tokens
+    travel to them): the first step's loss equals transformers' on the same global batch (1e-6)."""
+    from data.samplers import get_micro_batches
+    from megazero import training
+    from megazero.config import config_from_argv
+
+    folder, hf, argv = folders["qwen3-moe"]
+    argv = argv + ["--from-hf", folder, "--dp", "2", "--expert-model-parallel-size", "2"]
+    loss = run_distributed(_first_loss, 2, argv)[0]
+    tokens, labels = get_micro_batches(training.build_data(config_from_argv(argv, 2)).train, 0, 4, 4, 0, 1)[0]
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1), labels.flatten()).item()
+    assert loss == pytest.approx(want, rel=1e-6)
