@@ -68,6 +68,8 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
+        kv_channels=m.kv_channels,
+        qk_layernorm=m.qk_layernorm,
         cp_comm_type=cfg.parallel.cp_comm_type,
         cp_ring_kernel=cfg.parallel.cp_ring_kernel,
         recompute_granularity=m.recompute_granularity,
@@ -285,8 +287,10 @@ def model_signature(g: GPTConfig) -> dict:
             moe_shared_expert_intermediate_size=g.moe_shared_expert_intermediate_size,
         )
     )
-    # RoPE scaling and the QKV-only bias enter only when on, so older checkpoints keep their signature
-    optional = moe | {name: getattr(g, name) for name in ROPE_SCALING_FIELDS + ("add_qkv_bias",) if _changed(g, name)}
+    # RoPE scaling, the QKV-only bias, --kv-channels and QK-norm enter only when on, so older
+    # checkpoints keep their signature
+    fields = ROPE_SCALING_FIELDS + ("add_qkv_bias", "kv_channels", "qk_layernorm")
+    optional = moe | {name: getattr(g, name) for name in fields if _changed(g, name)}
     return optional | dict(
         vocab_size=g.vocab_size,
         num_layers=g.num_layers,

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from megazero.config.checks import check_value
-from megazero.config.schema import setting_named
+from megazero.config.schema import ConfigError, setting_named
 from megazero.config.shape import (
     check_block,
     check_moe_sizes,
@@ -124,6 +124,13 @@ class GPTConfig:
     add_qkv_bias: bool = False
     """A bias on the QKV projection even when ``add_bias_linear`` is off (Megatron-LM's
     ``--add-qkv-bias``; Qwen2's attention); no effect when ``add_bias_linear`` is on."""
+    kv_channels: Optional[int] = None
+    """Size of each attention head (Megatron-LM's ``--kv-channels``): q, k and v are ``heads *
+    kv_channels`` wide and the output projection maps that back to ``hidden_size``; ``None`` =
+    ``hidden_size / num_attention_heads``."""
+    qk_layernorm: bool = False
+    """RMSNorm (weight ``[head_dim]``, ``layernorm_epsilon``) over each head of q and of k, after the
+    projection and before RoPE (Megatron-LM's ``--qk-layernorm``; Qwen3's ``q_norm`` / ``k_norm``)."""
     cp_comm_type: str = "p2p"
     """Attention across context-parallel ranks: ``p2p`` (ring) or ``a2a`` (all-to-all over heads)."""
     cp_ring_kernel: str = "auto"
@@ -189,7 +196,13 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Dimensions of each attention head: ``kv_channels``, else ``hidden_size / heads``."""
+        return self.hidden_size // self.num_attention_heads if self.kv_channels is None else self.kv_channels
+
+    @property
+    def attention_width(self) -> int:
+        """Width of all query heads together, ``heads * head_dim`` (``hidden_size`` unless ``kv_channels``)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -254,7 +267,13 @@ class GPTConfig:
             num_query_groups=self.num_query_groups,
             rotary_percent=self.rotary_percent,
             rope=self.position_embedding_type == "rope",
+            kv_channels=self.kv_channels,
         )
+        if self.qk_layernorm and self.normalization != "RMSNorm":
+            raise ConfigError(
+                f"--qk-layernorm with --normalization {self.normalization}: megazero's QK norm is RMSNorm; "
+                "fix: --normalization RMSNorm"
+            )
         check_rope_scaling(self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor)
         if self.num_experts is not None:
             check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
@@ -294,6 +313,7 @@ _SETTING_OF = {
             "rope_scaling_high_freq_factor",
             "rope_scaling_original_max_position_embeddings",
             "rotary_seq_len_interpolation_factor",
+            "kv_channels",
             "num_query_groups",
             "num_experts",
             "moe_router_topk",

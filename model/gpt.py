@@ -121,7 +121,9 @@ class Attention(nn.Module):
     ``[q of heads/G heads; k; v]`` and each rank holds ``G/tp`` whole groups (model/spec.py);
     each key/value head serves the ``heads/G`` query heads of its group. With
     ``position_embedding_type == "rope"`` q and k are rotated by the stage's ``rope`` table
-    (model/rope.py; made here when not given).
+    (model/rope.py; made here when not given). The head size ``d`` is ``kv_channels`` when set
+    (``proj`` then maps ``A = n_head * d`` back to H), and with ``qk_layernorm`` q and k are
+    RMS-normalised per head before the rotation (``project``).
     """
 
     def __init__(
@@ -148,7 +150,8 @@ class Attention(nn.Module):
         self.rope = rope
         self.dropout_p, self.tracker = cfg.attention_dropout, tracker
         self.recompute_core = cfg.recompute_granularity == "selective"
-        rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * H
+        A = cfg.attention_width  # heads * d (H unless --kv-channels)
+        rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * A
         self.qkv = ColumnParallelLinear(
             H,
             rows,
@@ -161,7 +164,7 @@ class Attention(nn.Module):
             overlap_grad_reduce=cfg.tp_overlap_grad_reduce,
         )
         self.proj = RowParallelLinear(
-            H,
+            A,
             H,
             group,
             input_is_parallel=True,
@@ -170,6 +173,18 @@ class Attention(nn.Module):
             dtype=cfg.params_dtype,
             device=device,
         )
+        if cfg.qk_layernorm:  # per head, so each rank's heads need no communication
+            self.q_norm, self.k_norm = (
+                RMSNorm(
+                    cfg.head_dim,
+                    eps=cfg.layernorm_epsilon,
+                    backend=cfg.norm_backend,
+                    dtype=cfg.params_dtype,
+                    device=device,
+                )
+                for _ in range(2)
+            )
+        self.qk_layernorm = cfg.qk_layernorm
 
     def _split_heads(self, qkv: torch.Tensor):
         """``(B, T, rows/tp)`` -> q ``(B, n_head/tp, T, d)``, k and v ``(B, kv_heads/tp, T, d)``."""
@@ -181,8 +196,17 @@ class Attention(nn.Module):
         q = rearrange(qkv[:, :, : self.q_per_group], "b g r t d -> b (g r) t d")  # group-major heads
         return q, qkv[:, :, -2], qkv[:, :, -1]  # k, v: (B, G/tp, T, d)
 
-    def forward(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
+    def project(self, x: torch.Tensor):
+        """q ``(B, n_head/tp, T, d)``, k and v ``(B, kv_heads/tp, T, d)`` of ``x [B, T(/tp), H]``
+        (the sequence gathered under SP), q and k RMS-normalised per head with ``qk_layernorm``
+        (Qwen3's ``q_norm`` / ``k_norm``, Megatron-LM's ``--qk-layernorm``); not yet rotated."""
         q, k, v = self._split_heads(self.qkv(x))  # (B, heads/tp or G/tp, T, d)
+        if self.qk_layernorm:  # RMSNorm over d of every (token, head)
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
+        q, k, v = self.project(x)  # (B, heads/tp or G/tp, T, d)
         T = q.shape[2]
         if self.rotary is not None:
             if seq is None:
@@ -200,7 +224,7 @@ class Attention(nn.Module):
             y = recompute(self._core, self.tracker, q, k, v)
         else:
             y = self._core(q, k, v)
-        y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, n_head/tp * d = H/tp)
+        y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, n_head/tp * d = A/tp)
         return self.proj(y)
 
     def _context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq: SequenceInfo) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Hugging Face interchange: megazero's canonical parameters <-> the tensors and
 ``config.json`` of ``transformers``' ``GPT2LMHeadModel`` (GPT-2 block, learned positions) or
 ``LlamaForCausalLM`` (LLaMA-style block, ``--position-embedding-type rope``; the second half
-of this file, from ``llama_config``; Llama-3.x's RoPE scaling and ``Qwen2ForCausalLM``'s q/k/v
-biases: ``model/hf_families.py``), and with experts ``MixtralForCausalLM`` /
-``Qwen2MoeForCausalLM`` (``model/hf_moe.py`` adds their MoE MLPs to the Llama map).
+of this file, from ``llama_config``; Llama-3.x's RoPE scaling, ``Qwen2ForCausalLM``'s q/k/v
+biases and ``Qwen3ForCausalLM``'s QK-norm and head size: ``model/hf_families.py``), and with
+experts ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``
+(``model/hf_moe.py`` adds their MoE MLPs to the Llama map).
 
 One name map, keyed by megazero's canonical parameter names (``model.gpt.canonical_shapes``),
 gives each parameter's Hugging Face name and whether it is transposed: GPT-2 stores its
@@ -360,12 +361,16 @@ _LLAMA_LAYER = {
     "attn.proj.bias": "self_attn.o_proj.bias",
     "mlp.fc2.weight": "mlp.down_proj.weight",
     "mlp.fc2.bias": "mlp.down_proj.bias",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's QK-norm (--qk-layernorm)
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
 }
 _LLAMA_FIELDS = {
     "position_embedding_type",
     "rotary_base",
     *ROPE_SCALING_FIELDS,
     "add_qkv_bias",
+    "kv_channels",
+    "qk_layernorm",
     "rotary_percent",
     "normalization",
     "swiglu",
@@ -400,6 +405,11 @@ def _check_llama(gcfg: GPTConfig) -> None:
             "--add-qkv-bias with --num-experts: megazero exports q/k/v-only biases as Qwen2ForCausalLM, "
             "which has no experts",
         ),
+        (
+            not (gcfg.qk_layernorm and (gcfg.add_bias_linear or gcfg.add_qkv_bias)),
+            "--qk-layernorm with linear biases: megazero exports QK-norm as Qwen3ForCausalLM / "
+            "Qwen3MoeForCausalLM, whose MLP has no bias (fix: --disable-bias-linear without --add-qkv-bias)",
+        ),
     ):
         if not ok:
             raise HFConversionError(f"{what} (no exact LlamaForCausalLM equivalent)")
@@ -419,9 +429,9 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     """``config.json`` of the LlamaForCausalLM that computes what ``gcfg``'s model computes
     (``rope_theta`` both top-level, as transformers 4 reads it, and in ``rope_parameters``, as
     transformers 5 does; a scaled RoPE's table also as ``rope_scaling``, transformers 4's key).
-    With q/k/v-only biases Qwen2's (``model.hf_families.qwen2_config``); with experts, Mixtral's
-    or Qwen2-MoE's (``model.hf_moe.moe_config``). Raises HFConversionError for a setting Llama
-    (or with experts, Mixtral / Qwen2-MoE) cannot express."""
+    With q/k/v-only biases Qwen2's (``model.hf_families.qwen2_config``), with QK-norm Qwen3's; with
+    experts, Mixtral's, Qwen2-MoE's or Qwen3-MoE's (``model.hf_moe.moe_config``). Raises
+    HFConversionError for a setting Llama (or with experts, those three) cannot express."""
     _check_llama(gcfg)
     theta = float(gcfg.rotary_base)
     rope = hf_families.rope_parameters(gcfg, theta)
@@ -454,14 +464,17 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     }
     if hf_families.is_qwen2(gcfg):
         return hf_families.qwen2_config(config, gcfg)
-    return hf_moe.moe_config(gcfg, config) if hf_moe.is_moe(gcfg) else config
+    if hf_moe.is_moe(gcfg):
+        return hf_moe.moe_config(gcfg, config)
+    return hf_families.qwen3_config(config, gcfg) if hf_families.is_qwen3(gcfg) else config
 
 
 def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
     """The LLaMA-style GPTConfig of a Llama (or Qwen2, Mixtral, Qwen2-MoE) ``config.json``
     (``settings`` as in ``gpt_config_from_hf``; Qwen2's biases and the MoE fields come in it).
     Raises HFConversionError for a missing size or a setting megazero computes differently
-    (activation, a RoPE scaling other than llama3 / linear, partial rotary, head_dim, biases)."""
+    (activation, a RoPE scaling other than llama3 / linear, partial rotary, biases); ``head_dim``
+    other than hidden / heads is ``kv_channels``."""
     hf_families.check_keys(config)
     H, heads = _value(config, "hidden_size", "size"), _value(config, "num_attention_heads", "size")
     rope = _value(config, "rope_parameters", "table", None) or _value(config, "rope_scaling", "table", {})
@@ -478,10 +491,6 @@ def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
         ),
         (partial == 1.0, "partial_rotary_factor != 1: megazero's LLaMA export rotates whole heads"),
         (
-            head_dim * heads == H,
-            f"head_dim {head_dim} * heads {heads} != hidden_size {H}: megazero's heads split the hidden size",
-        ),
-        (
             bias == _value(config, "mlp_bias", "flag", False),
             "attention_bias != mlp_bias: megazero's biases are all on (default) or all off "
             "(--disable-bias-linear), or on q/k/v only (--add-qkv-bias, model_type 'qwen2')",
@@ -492,6 +501,7 @@ def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
     settings = {**hf_families.rope_settings_from_hf(rope, positions), **settings}
     settings.setdefault("seq_length", positions)
     settings.setdefault("add_bias_linear", bias)
+    settings.setdefault("kv_channels", None if head_dim * heads == H else head_dim)  # --kv-channels
     return GPTConfig(
         vocab_size=_value(config, "vocab_size", "size"),
         num_layers=_value(config, "num_hidden_layers", "size"),
@@ -516,18 +526,22 @@ def hf_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
 
 
 def config_from_hf(config: Mapping, **settings) -> GPTConfig:
-    """The GPTConfig of a GPT-2, Llama (2 and 3.x), Qwen2, Mixtral or Qwen2-MoE ``config.json``
-    (Qwen2: ``model.hf_families``; the last two: ``model.hf_moe``); HFConversionError for another type."""
+    """The GPTConfig of a GPT-2, Llama (2 and 3.x), Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE
+    ``config.json`` (Qwen2, Qwen3: ``model.hf_families``; the MoE ones: ``model.hf_moe``);
+    HFConversionError for another type."""
     if config.get("model_type") == "llama":
         return llama_config_from_hf(config, **settings)
     if config.get("model_type") == "qwen2":
         return llama_config_from_hf(config, **hf_families.qwen2_settings_from_hf(config), **settings)
+    if config.get("model_type") == "qwen3":
+        return llama_config_from_hf(config, **hf_families.qwen3_settings_from_hf(config), **settings)
     if config.get("model_type") in hf_moe.MODEL_TYPES:
-        return llama_config_from_hf(config, **hf_moe.moe_settings_from_hf(config), **settings)
+        qwen3 = hf_families.qwen3_settings_from_hf(config) if config["model_type"] == "qwen3_moe" else {}
+        return llama_config_from_hf(config, **hf_moe.moe_settings_from_hf(config), **qwen3, **settings)
     if config.get("model_type") != "gpt2":
         raise HFConversionError(
             f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
-            "LLaMA-style (model_type 'llama', 'qwen2', 'mixtral' or 'qwen2_moe') folders are read"
+            "LLaMA-style (model_type 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe') folders are read"
         )
     return gpt_config_from_hf(config, **settings)
 

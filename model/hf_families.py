@@ -1,5 +1,6 @@
-"""The dense Hugging Face families beyond Llama-2: Llama-3.x (``model_type`` ``llama`` with RoPE
-scaling) and Qwen2 / Qwen2.5 (``qwen2``). ``model/hf.py`` keeps the tensor map they share with
+"""The Hugging Face families beyond Llama-2: Llama-3.x (``model_type`` ``llama`` with RoPE
+scaling), Qwen2 / Qwen2.5 (``qwen2``), Qwen3 (``qwen3``) and the key table of Qwen3-MoE
+(``qwen3_moe``, whose experts are ``model/hf_moe.py``'s). ``model/hf.py`` keeps the tensor map they share with
 LlamaForCausalLM (the same tensor names; Qwen2 adds q/k/v biases); this file reads and writes
 what differs in ``config.json`` and classifies every key a folder may hold. Like ``model/hf.py``
 it reads no file.
@@ -19,9 +20,18 @@ What the two models compute beyond Llama-2 (transformers 5's ``modeling_llama``,
   ``sliding_attention`` sees only its last ``sliding_window`` keys, which equals megazero's
   full causal attention only when the window covers ``max_position_embeddings`` (Qwen2.5 sets
   ``use_sliding_window: false``, so every layer is full); otherwise refused.
+- Qwen3's attention (``modeling_qwen3``): heads of ``head_dim`` dimensions whatever
+  ``hidden_size / num_attention_heads`` is (``q_proj`` ``[heads * head_dim, H]``, ``o_proj``
+  ``[H, heads * head_dim]``: megazero's ``--kv-channels``; every family's ``head_dim`` maps to it,
+  since all their attention classes read it), and ``q_norm`` / ``k_norm``, an RMSNorm
+  (``rms_norm_eps``) of each head of q and of k after the projection and before RoPE
+  (``--qk-layernorm``); no biases (``attention_bias`` true would put one on q, k, v and o but
+  none on the MLP, which no megazero block has: refused); the sliding-window rule of Qwen2.
+  Qwen3-MoE has the same attention and Qwen2-MoE's experts without the shared one.
 
 ``KEYS`` lists, per model type, every key of transformers' ``LlamaConfig().to_dict()`` /
-``Qwen2Config().to_dict()`` (plus the legacy ``rope_scaling`` / ``rope_theta``) as ``mapped``
+``Qwen2Config`` / ``Qwen3Config`` / ``Qwen3MoeConfig`` (plus the legacy ``rope_scaling`` /
+``rope_theta``, and ``head_dim`` / ``num_experts`` that Qwen3-MoE folders carry) as ``mapped``
 (read into a GPTConfig field), ``checked`` (read and refused unless it has the value megazero
 computes) or ``no_effect`` (with the reason it does not change logits or loss);
 ``check_keys`` refuses a key outside the three, since transformers keeps an unknown key as a
@@ -36,7 +46,7 @@ from typing import Mapping
 from model.config import GPTConfig
 from model.hf_config import HFConversionError, config_value
 
-MODEL_TYPES = ("llama", "qwen2")
+MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 _COMMON_MAPPED = (
     "vocab_size",
@@ -74,34 +84,44 @@ _COMMON_NO_EFFECT = {
     "attention_dropout": "training-time dropout; the run's --attention-dropout decides (0 in released models)",
     "model_type": "chooses this map (config_from_hf)",
 }
+_WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+_ROUTER_NO_EFFECT = {
+    "output_router_logits": "whether transformers returns router logits and adds its own load-balancing loss "
+    "to its loss; megazero's --moe-aux-loss-coeff decides its own (written false)",
+    "router_aux_loss_coef": "the weight of that transformers-only loss (megazero's: --moe-aux-loss-coeff)",
+}
 KEYS = {
     "llama": {
-        "mapped": _COMMON_MAPPED + ("attention_bias", "mlp_bias"),
-        "checked": ("hidden_act", "head_dim", "partial_rotary_factor"),
+        "mapped": _COMMON_MAPPED + ("attention_bias", "mlp_bias", "head_dim"),
+        "checked": ("hidden_act", "partial_rotary_factor"),
         "no_effect": {
             **_COMMON_NO_EFFECT,
             "pretraining_tp": "read by no transformers 5 Llama layer (transformers 4 split matmuls: same sums)",
         },
     },
     "qwen2": {
-        "mapped": _COMMON_MAPPED,
-        "checked": (
-            "hidden_act",
-            "head_dim",
-            "partial_rotary_factor",
-            "use_sliding_window",
-            "sliding_window",
-            "max_window_layers",
-            "layer_types",
-        ),
+        "mapped": _COMMON_MAPPED + ("head_dim",),
+        "checked": ("hidden_act", "partial_rotary_factor") + _WINDOW,
         "no_effect": dict(_COMMON_NO_EFFECT),
+    },
+    "qwen3": {
+        "mapped": _COMMON_MAPPED + ("head_dim",),
+        "checked": ("hidden_act", "partial_rotary_factor", "attention_bias") + _WINDOW,
+        "no_effect": dict(_COMMON_NO_EFFECT),
+    },
+    "qwen3_moe": {  # head_dim: not a Qwen3MoeConfig field, but real folders carry it and the attention reads it
+        "mapped": _COMMON_MAPPED
+        + ("head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
+        + ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
+        "checked": ("hidden_act", "partial_rotary_factor", "attention_bias") + _WINDOW,
+        "no_effect": {**_COMMON_NO_EFFECT, **_ROUTER_NO_EFFECT},
     },
 }
 
 
 def check_keys(config: Mapping) -> None:
-    """Raise HFConversionError naming the first key of a ``llama`` or ``qwen2`` ``config.json``
-    that ``KEYS`` does not classify (nothing for other model types)."""
+    """Raise HFConversionError naming the first key of a ``llama``, ``qwen2``, ``qwen3`` or
+    ``qwen3_moe`` ``config.json`` that ``KEYS`` does not classify (nothing for other model types)."""
     table = KEYS.get(config.get("model_type"))
     if table is None:
         return
@@ -189,8 +209,10 @@ def is_qwen2(gcfg: GPTConfig) -> bool:
 def qwen2_config(llama: dict, gcfg: GPTConfig) -> dict:
     """``config.json`` of the Qwen2ForCausalLM computing what the LlamaForCausalLM config ``llama``
     would with q/k/v biases: no ``attention_bias`` / ``mlp_bias`` / ``pretraining_tp`` /
-    ``head_dim`` (Qwen2 fixes the first two, derives the last), no sliding window."""
-    base = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp", "head_dim")}
+    ``head_dim`` unless ``--kv-channels`` sets it (Qwen2 fixes the first two, derives the last from
+    hidden / heads otherwise), no sliding window."""
+    dropped = ("attention_bias", "mlp_bias", "pretraining_tp") + (("head_dim",) if gcfg.kv_channels is None else ())
+    base = {k: v for k, v in llama.items() if k not in dropped}
     return {
         **base,
         "architectures": ["Qwen2ForCausalLM"],
@@ -206,6 +228,59 @@ def qwen2_settings_from_hf(config: Mapping) -> dict:
     """GPTConfig bias fields of a ``qwen2`` ``config.json`` (q/k/v biases only). Raises
     HFConversionError naming ``layer_types`` / ``sliding_window`` when some layer's window is
     shorter than ``max_position_embeddings`` (megazero's attention is full causal)."""
+    check_full_attention(config)
+    return dict(add_bias_linear=False, add_qkv_bias=True)
+
+
+def is_qwen3(gcfg: GPTConfig) -> bool:
+    """Whether a LLaMA-style ``gcfg`` exports as Qwen3 (dense) or Qwen3-MoE: ``--qk-layernorm``."""
+    return gcfg.qk_layernorm
+
+
+def qwen3_config(llama: dict, gcfg: GPTConfig) -> dict:
+    """``config.json`` of the Qwen3ForCausalLM computing what the LlamaForCausalLM config ``llama``
+    would with QK-norm: no ``mlp_bias`` / ``pretraining_tp``, ``attention_bias`` false (the export
+    refuses biases first), ``head_dim`` always written (Qwen3Config's default is 128), no
+    sliding window."""
+    base = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
+    return {
+        **base,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": gcfg.num_layers,
+        "layer_types": ["full_attention"] * gcfg.num_layers,
+    }
+
+
+def qwen3_settings_from_hf(config: Mapping) -> dict:
+    """GPTConfig fields of a ``qwen3`` or ``qwen3_moe`` ``config.json`` beyond Llama's: QK-norm, no
+    biases. Raises HFConversionError naming ``attention_bias`` when true (q/k/v/o biases without
+    MLP biases) or a sliding window shorter than the context (``check_full_attention``)."""
+    if config_value(config, "attention_bias", "flag", False):
+        raise HFConversionError(
+            "attention_bias true: Qwen3 then biases q, k, v and o but not the MLP, which no megazero block does"
+        )
+    if config.get("model_type") != "qwen3_moe":
+        check_full_attention(config)
+    elif config_value(config, "use_sliding_window", "flag", False):  # then every Qwen3-MoE layer slides
+        window = config_value(config, "sliding_window", "size", None)
+        positions = config_value(config, "max_position_embeddings", "size", 32768)
+        if window is not None and window < positions:
+            raise HFConversionError(
+                f"use_sliding_window with sliding_window {window} below max_position_embeddings {positions}: "
+                "megazero's attention is full causal"
+            )
+    return dict(qk_layernorm=True, add_bias_linear=False)
+
+
+def check_full_attention(config: Mapping) -> None:
+    """Raise HFConversionError naming ``layer_types`` / ``sliding_window`` unless every layer of a
+    Qwen ``config.json`` attends to all earlier positions (its window, if any, covers
+    ``max_position_embeddings``); a folder without ``layer_types`` derives them as transformers
+    does from ``use_sliding_window`` and ``max_window_layers``."""
     positions = config_value(config, "max_position_embeddings", "size", 32768)
     L = config_value(config, "num_hidden_layers", "size")
     use = config_value(config, "use_sliding_window", "flag", False)
@@ -226,4 +301,3 @@ def qwen2_settings_from_hf(config: Mapping) -> dict:
                 f"layer_types[{i}] = 'sliding_attention' with sliding_window {window} (use_sliding_window "
                 f"{use}) below max_position_embeddings {positions}: megazero's attention is full causal"
             )
-    return dict(add_bias_linear=False, add_qkv_bias=True)

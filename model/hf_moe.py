@@ -1,6 +1,7 @@
 """Hugging Face interchange of the LLaMA-style block with Mixture-of-Experts MLPs:
-megazero's canonical MoE parameters <-> ``MixtralForCausalLM`` (no shared expert) or
-``Qwen2MoeForCausalLM`` (with a shared expert). ``model/hf.py`` keeps the attention, norm,
+megazero's canonical MoE parameters <-> ``MixtralForCausalLM`` (no shared expert),
+``Qwen2MoeForCausalLM`` (with a shared expert) or ``Qwen3MoeForCausalLM`` (``--qk-layernorm``,
+no shared expert). ``model/hf.py`` keeps the attention, norm,
 embedding and dense-MLP maps (LlamaForCausalLM's names, which both models share) and calls
 this file for what MoE adds; like it, this file reads no file.
 
@@ -24,10 +25,17 @@ read for this map), and why the map is exact:
   export writes the gate as zeros and ``down_proj`` as ``2 * fc2``: ``1/2 * (2 W h) = W h`` bit
   for bit. The import reads ``fc2 = down_proj / 2`` and refuses a folder whose gate is not
   all zero (a real Qwen checkpoint's gate depends on the token: megazero has no such gate).
+- Qwen3-MoE (``modeling_qwen3_moe``): Qwen3's attention (``model/hf_families.py``) and
+  Qwen2-MoE's router and expert names without the shared expert; its router, like
+  Qwen2-MoE's, takes the top-k of the full softmax and divides by their sum only with
+  ``norm_topk_prob`` (Qwen3-30B-A3B: true, megazero's default router), so ``norm_topk_prob =
+  not moe_router_pre_softmax``. Its experts count is ``num_experts`` (transformers 5 writes
+  ``num_local_experts``; both are read).
 - Layers: Mixtral's are all MoE; Qwen2-MoE's layer ``i`` is MoE unless listed in
   ``mlp_only_layers`` and when ``(i + 1) % decoder_sparse_step == 0``; megazero's when ``i %
-  moe_layer_freq == 0``. The export writes ``decoder_sparse_step = 1`` and the dense layers as
-  ``mlp_only_layers``; the import finds the ``moe_layer_freq`` giving the same set or refuses.
+  moe_layer_freq == 0`` (Qwen3-MoE: the same rule). The export writes ``decoder_sparse_step =
+  1`` and the dense layers as ``mlp_only_layers``; the import finds the ``moe_layer_freq``
+  giving the same set or refuses.
 
 Refused by name (``HFConversionError``), since neither model computes it: the GPT-2 block
 with experts, linear biases, sigmoid scores, the expert bias, a capacity factor (both models
@@ -60,7 +68,7 @@ MATCHED = (
     ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
     ("moe_expert_capacity_factor", "--moe-expert-capacity-factor"),
 )
-MODEL_TYPES = ("mixtral", "qwen2_moe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def is_moe_field(name: str) -> bool:
@@ -79,14 +87,32 @@ def is_qwen(gcfg: GPTConfig) -> bool:
     return gcfg.moe_shared_expert_intermediate_size is not None
 
 
+def is_qwen3_moe(gcfg: GPTConfig) -> bool:
+    """Whether an MoE ``gcfg`` exports as Qwen3MoeForCausalLM: QK-norm (``--qk-layernorm``)."""
+    return is_moe(gcfg) and gcfg.qk_layernorm
+
+
+def architecture(gcfg: GPTConfig) -> str:
+    """The transformers class an MoE ``gcfg`` exports as."""
+    if is_qwen3_moe(gcfg):
+        return "Qwen3MoeForCausalLM"
+    return "Qwen2MoeForCausalLM" if is_qwen(gcfg) else "MixtralForCausalLM"
+
+
 def check_export(gcfg: GPTConfig) -> None:
     """Raise HFConversionError naming the first MoE setting neither Mixtral nor Qwen2-MoE
     computes (module docstring); nothing for a dense ``gcfg``."""
     if not is_moe(gcfg):
         return
-    both = "MixtralForCausalLM and Qwen2MoeForCausalLM"
-    arch = "Qwen2MoeForCausalLM" if is_qwen(gcfg) else "MixtralForCausalLM"
+    both = "MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM"
+    arch = architecture(gcfg)
+    free = is_qwen(gcfg) or is_qwen3_moe(gcfg)  # routers that may skip the renormalisation, dense layers
     for refused, what in (
+        (
+            is_qwen3_moe(gcfg) and is_qwen(gcfg),
+            "--qk-layernorm with --moe-shared-expert-intermediate-size: megazero exports QK-norm with "
+            "experts as Qwen3MoeForCausalLM, which has no shared expert",
+        ),
         (
             gcfg.position_embedding_type != "rope",
             "--num-experts with the GPT-2 block (learned positions): "
@@ -109,16 +135,16 @@ def check_export(gcfg: GPTConfig) -> None:
             f"--moe-expert-capacity-factor {gcfg.moe_expert_capacity_factor}: {both} are dropless (no expert capacity)",
         ),
         (
-            not is_qwen(gcfg) and gcfg.moe_router_pre_softmax,
+            not free and gcfg.moe_router_pre_softmax,
             "--moe-router-pre-softmax without a shared "
             "expert: MixtralForCausalLM renormalises the top-k weights (Qwen2MoeForCausalLM, which can leave "
-            "them, needs --moe-shared-expert-intermediate-size)",
+            "them, needs --moe-shared-expert-intermediate-size; Qwen3MoeForCausalLM --qk-layernorm)",
         ),
         (
-            not is_qwen(gcfg) and gcfg.moe_layer_freq != 1,
+            not free and gcfg.moe_layer_freq != 1,
             f"--moe-layer-freq {gcfg.moe_layer_freq} without "
             "a shared expert: every MixtralForCausalLM layer is an MoE layer (Qwen2MoeForCausalLM, which has "
-            "dense layers, needs --moe-shared-expert-intermediate-size)",
+            "dense layers, needs --moe-shared-expert-intermediate-size; Qwen3MoeForCausalLM --qk-layernorm)",
         ),
     ):
         if refused:
@@ -135,6 +161,23 @@ def moe_config(gcfg: GPTConfig, llama: dict) -> dict:
         "output_router_logits": False,
         "router_aux_loss_coef": gcfg.moe_aux_loss_coeff,
     }
+    dense = [i for i in range(gcfg.num_layers) if not gcfg.is_moe_layer(i)]
+    if is_qwen3_moe(gcfg):  # Qwen3-MoE: Qwen3's attention (head_dim kept), routed experts only
+        return {
+            **base,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "attention_bias": False,
+            "intermediate_size": gcfg.ffn_hidden_size,
+            "moe_intermediate_size": gcfg.moe_ffn_hidden_size,
+            "num_experts": gcfg.num_experts,
+            "norm_topk_prob": not gcfg.moe_router_pre_softmax,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": dense,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            **common,
+        }
     if not is_qwen(gcfg):
         return {
             **base,
@@ -146,8 +189,8 @@ def moe_config(gcfg: GPTConfig, llama: dict) -> dict:
             "sliding_window": None,
             **common,
         }
-    dense = [i for i in range(gcfg.num_layers) if not gcfg.is_moe_layer(i)]
-    base.pop("head_dim")  # Qwen2MoeConfig has no such field; hidden / heads is megazero's head size
+    if gcfg.kv_channels is None:
+        base.pop("head_dim")  # not a Qwen2MoeConfig field: its attention then takes hidden / heads
     return {
         **base,
         "architectures": ["Qwen2MoeForCausalLM"],
@@ -183,6 +226,16 @@ def moe_settings_from_hf(config: Mapping) -> dict:
         ffn = config_value(config, "intermediate_size", "size")
         E, k = config_value(config, "num_local_experts", "size"), config_value(config, "num_experts_per_tok", "size")
         moe = dict(num_experts=E, moe_router_topk=k, moe_ffn_hidden_size=ffn)
+    elif config.get("model_type") == "qwen3_moe":  # no shared expert; attention: hf_families.qwen3_settings_from_hf
+        E = config_value(config, "num_experts", "size", None) or config_value(config, "num_local_experts", "size")
+        k = config_value(config, "num_experts_per_tok", "size")
+        moe = dict(
+            num_experts=E,
+            moe_router_topk=k,
+            moe_layer_freq=_layer_freq(config, L),
+            moe_ffn_hidden_size=config_value(config, "moe_intermediate_size", "size"),
+            moe_router_pre_softmax=not config_value(config, "norm_topk_prob", "flag", False),
+        )
     else:
         for key, ok in (("qkv_bias", False), ("use_sliding_window", False)):
             if config_value(config, key, "flag", True if key == "qkv_bias" else False) != ok:
@@ -190,18 +243,7 @@ def moe_settings_from_hf(config: Mapping) -> dict:
                     f"{key} true: megazero's LLaMA-style attention with experts has "
                     f"{'no q/k/v biases' if key == 'qkv_bias' else 'no sliding window'}"
                 )
-        step = config_value(config, "decoder_sparse_step", "size", 1)
-        dense = config.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
-            raise HFConversionError(f"mlp_only_layers = {dense!r} is not a list of layer indices")
-        layers = [i for i in range(L) if i not in dense and (i + 1) % step == 0]
-        freq = next((f for f in range(1, L + 1) if layers == list(range(0, L, f))), None)
-        if freq is None:
-            raise HFConversionError(
-                f"MoE layers {layers} (decoder_sparse_step {step}, mlp_only_layers {dense}) are "
-                "not every n-th layer from layer 0, the only pattern of megazero's "
-                "--moe-layer-freq"
-            )
+        freq = _layer_freq(config, L)
         E, k = config_value(config, "num_experts", "size"), config_value(config, "num_experts_per_tok", "size")
         moe = dict(
             num_experts=E,
@@ -216,6 +258,25 @@ def moe_settings_from_hf(config: Mapping) -> dict:
     return moe
 
 
+def _layer_freq(config: Mapping, L: int) -> int:
+    """``--moe-layer-freq`` of a Qwen2-MoE / Qwen3-MoE ``config.json`` of ``L`` layers: layer ``i`` is
+    MoE unless in ``mlp_only_layers`` and when ``(i + 1) % decoder_sparse_step == 0``. Raises
+    HFConversionError naming both keys when that set is not every n-th layer from layer 0."""
+    step = config_value(config, "decoder_sparse_step", "size", 1)
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise HFConversionError(f"mlp_only_layers = {dense!r} is not a list of layer indices")
+    layers = [i for i in range(L) if i not in dense and (i + 1) % step == 0]
+    freq = next((f for f in range(1, L + 1) if layers == list(range(0, L, f))), None)
+    if freq is None:
+        raise HFConversionError(
+            f"MoE layers {layers} (decoder_sparse_step {step}, mlp_only_layers {dense}) are "
+            "not every n-th layer from layer 0, the only pattern of megazero's "
+            "--moe-layer-freq"
+        )
+    return freq
+
+
 def moe_pieces(rest: str, pre: str, gcfg: GPTConfig) -> Optional[list[tuple[str, int, Optional[int]]]]:
     """``model.hf.llama_pieces`` of an MoE MLP parameter ``rest`` (the canonical name after
     ``layers.{i}.``; ``pre`` the Hugging Face layer prefix ``model.layers.{i}.``): Mixtral's
@@ -224,7 +285,7 @@ def moe_pieces(rest: str, pre: str, gcfg: GPTConfig) -> Optional[list[tuple[str,
     None for another name (attention, norms, a dense MLP: Llama's names)."""
     if not is_moe(gcfg) or not rest.startswith(("mlp.router.", "mlp.experts.", "mlp.shared_experts.")):
         return None
-    qwen = is_qwen(gcfg)
+    qwen = is_qwen(gcfg) or is_qwen3_moe(gcfg)  # Qwen2-MoE's names, which Qwen3-MoE keeps
     moe = f"{pre}mlp." if qwen else f"{pre}block_sparse_moe."
     parts = rest.split(".")
     if rest == "mlp.router.weight":

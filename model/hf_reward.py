@@ -1,5 +1,6 @@
 """A reward model's Hugging Face export: ``GPT2ForSequenceClassification`` (GPT-2 block) or
-``LlamaForSequenceClassification`` (LLaMA-style block) with one label.
+``LlamaForSequenceClassification`` (LLaMA-style block; ``Qwen2...`` / ``Qwen3...`` for those
+families' exports) with one label.
 
 The body is the language model's export (``model/hf.py``: the same tensor names under
 ``transformer.`` / ``model.``, the same checks of every setting); the output layer is dropped
@@ -58,6 +59,8 @@ def to_hf_reward(
     tensors.pop("lm_head.weight", None)
     tensors["score.weight"] = full[HEAD].float().reshape(1, gcfg.hidden_size).contiguous()
     config = hf_config(lm, eod)
+    if arch.startswith("Llama"):  # the family's own class: Qwen2 / Qwen3 keep their model_type
+        arch = config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
     config.update(
         architectures=[arch],
         num_labels=1,

@@ -38,7 +38,7 @@ from model.rope import apply_rotary
 
 def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor, tuple]:
     """``model.gpt.Attention`` on new tokens ``x [B, t, H]`` with past keys/values ``cache``."""
-    q, k, v = attn._split_heads(attn.qkv(x))  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
+    q, k, v = attn.project(x)  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
     t = q.shape[2]
     past = 0 if cache is None else cache[0].shape[2]
     if attn.rotary is not None:  # absolute positions past .. past + t - 1: the stage's table
@@ -55,7 +55,7 @@ def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor
     # new token i (absolute position past + i) sees keys 0 .. past + i
     mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)  # (B, n/tp, t, d)
-    y = rearrange(y, "b h t d -> b t (h d)")  # (B, t, n_head/tp * d = H/tp)
+    y = rearrange(y, "b h t d -> b t (h d)")  # (B, t, n_head/tp * d)
     return attn.proj(y), cache
 
 

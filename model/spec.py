@@ -10,7 +10,10 @@ names from it, ``init_full_weights`` its initial values, ``megazero.planning.mem
 Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head size:
 
 - ``attn.qkv.weight`` of multi-head attention (no ``num_query_groups``): ``[q; k; v]``,
-  ``[3H, H]``, partition stride 3 (each rank takes its heads of q, of k and of v).
+  ``[3A, H]`` with ``A = heads * d`` (``H`` unless ``kv_channels`` sets ``d``), partition
+  stride 3 (each rank takes its heads of q, of k and of v); ``attn.proj.weight`` ``[H, A]``.
+- with ``qk_layernorm``: ``attn.q_norm.weight`` and ``attn.k_norm.weight``, ``[d]`` each,
+  replicated over tp (the norm acts on each head alone).
 - with grouped-query attention (``G`` groups): ``G`` blocks of ``[q (heads/G * d rows);
   k (d); v (d)]``, ``[(heads + 2G) d, H]``, stride 1: each rank holds ``G/tp`` whole groups,
   their queries with their key and value heads (Megatron-LM's layout). Query head ``h``
@@ -40,7 +43,8 @@ if TYPE_CHECKING:  # model.config imports this module (GPTConfig.parameter_spec)
 def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
     H, d, heads, G = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
     grouped = cfg.num_query_groups is not None
-    qkv_rows, qkv_stride = ((heads + 2 * G) * d, 1) if grouped else (3 * H, 3)
+    A = cfg.attention_width  # heads * d: H unless --kv-channels
+    qkv_rows, qkv_stride = ((heads + 2 * G) * d, 1) if grouped else (3 * A, 3)
     mlp_weights, mlp_biases, active = [], [], {}  # active: name -> fraction of tokens (an expert's: k / E)
     if not cfg.is_moe_layer(i):
         mlp_weights, mlp_biases = _mlp_rows(cfg, "mlp", cfg.ffn_hidden_size)
@@ -59,9 +63,11 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
     rows = [  # (name, shape, partition dim, stride, init, matmul)
         ("ln1.weight", (H,), None, 1, "ones", False),
         ("attn.qkv.weight", (qkv_rows, H), 0, qkv_stride, "normal", True),
-        ("attn.proj.weight", (H, H), 1, 1, "scaled_normal", True),
+        ("attn.proj.weight", (H, A), 1, 1, "scaled_normal", True),
         ("ln2.weight", (H,), None, 1, "ones", False),
     ] + mlp_weights
+    if cfg.qk_layernorm:  # one weight per head dimension, shared by every head (each rank keeps a copy)
+        rows += [(f"attn.{x}_norm.weight", (d,), None, 1, "ones", False) for x in "qk"]
     if cfg.normalization == "LayerNorm":
         rows += [("ln1.bias", (H,), None, 1, "zeros", False), ("ln2.bias", (H,), None, 1, "zeros", False)]
     if cfg.qkv_bias:  # --add-qkv-bias keeps this one without the others

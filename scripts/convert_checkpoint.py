@@ -10,8 +10,9 @@ consolidate its shards into full tensors. Run from the repository root:
 key stored as ONE full tensor (``megazero.checkpoint.consolidate_checkpoint``).
 
 ``--to-hf`` writes ``OUT/config.json`` and ``OUT/model.safetensors`` of a ``GPT2LMHeadModel`` (GPT-2
-block) or ``LlamaForCausalLM`` (LLaMA-style block, RoPE scaling included; ``Qwen2ForCausalLM`` with
-``--add-qkv-bias``; with experts ``MixtralForCausalLM``, or
+block) or ``LlamaForCausalLM`` (LLaMA-style block, RoPE scaling and ``--kv-channels`` included;
+``Qwen2ForCausalLM`` with ``--add-qkv-bias``, ``Qwen3ForCausalLM`` with ``--qk-layernorm``; with
+experts ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` with ``--qk-layernorm``, or
 ``Qwen2MoeForCausalLM`` with a shared expert) that computes what the checkpoint's model computes
 (``model/hf.py``, ``model/hf_families.py`` and ``model/hf_moe.py`` hold the name map and the
 differences they refuse); a reward model's checkpoint (``--post-train rm``) becomes

@@ -93,7 +93,7 @@ def parse(argv):
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save)")
     src.add_argument(
         "--from-hf",
-        help="Hugging Face GPT-2, Llama (2, 3.x), Qwen2, Mixtral or Qwen2-MoE folder "
+        help="Hugging Face GPT-2, Llama (2, 3.x), Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE folder "
         "(config.json + model.safetensors or its shards)",
     )
     prompt = p.add_mutually_exclusive_group(required=True)

@@ -195,6 +195,7 @@ def _check_block(cfg: Config, world_size: int) -> None:
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         rotary_percent=m.rotary_percent,
         rope=m.position_embedding_type == "rope",
+        kv_channels=m.kv_channels,
     )
     check_rope_scaling(m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor)
 

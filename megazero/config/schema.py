@@ -191,6 +191,18 @@ class ModelConfig:
         ge=1,
         applies=Needs("model.group_query_attention", (True,), refuse=True),
     )
+    kv_channels: Optional[int] = _f(
+        None,
+        "size of each attention head (q/k/v projections heads * this wide, the output projection back to "
+        "--hidden-size); None = hidden / heads",
+        "dimensions",
+        ge=1,
+    )
+    qk_layernorm: bool = _f(
+        False,
+        "RMSNorm over each head's dimensions of q and k after the projection, before RoPE (Qwen3)",
+        applies=Needs("model.normalization", ("RMSNorm",), refuse=True),
+    )
     add_bias_linear: bool = _f(
         True, "biases in the QKV, attention output and MLP linears", flags=("--disable-bias-linear",)
     )

@@ -80,10 +80,11 @@ def check_block(
     num_query_groups: Optional[int] = None,
     rotary_percent: float = 1.0,
     rope: bool = False,
+    kv_channels: Optional[int] = None,
 ) -> None:
     """The LLaMA-style block: G = ``num_query_groups`` (None = multi-head attention) divides
     the heads and divides by tp; ``rotary_percent`` in (0, 1], and with ``rope`` it rotates an
-    even number >= 2 of each head's ``H / heads`` dimensions.
+    even number >= 2 of each head's ``kv_channels`` (default ``H / heads``) dimensions.
 
     Call after ``check_sizes`` (the heads divide H). Raises ConfigError naming the flags.
     """
@@ -101,13 +102,13 @@ def check_block(
             )
     if not 0.0 < rotary_percent <= 1.0:
         raise ConfigError(f"--rotary-percent {rotary_percent} is outside (0, 1]; fix: e.g. 1.0 or 0.5")
-    head_dim = hidden_size // num_attention_heads
+    head_dim = hidden_size // num_attention_heads if kv_channels is None else kv_channels
     rot = int(head_dim * rotary_percent)
     if rope and (rot < 2 or rot % 2):
         raise ConfigError(
             f"--rotary-percent {rotary_percent} rotates {rot} dimensions of each "
             f"{head_dim}-dimensional head; RoPE needs an even number >= 2; fix: another "
-            "--rotary-percent"
+            "--rotary-percent (or --kv-channels)"
         )
 
 

@@ -22,7 +22,8 @@ be checked against measurement (python -m scripts.plan --measure). Per layer and
 - with packed documents one additive ``[b, 1, s, s]`` mask per micro-batch in flight, shared by
   its layers (``document_mask_bytes``; not for the ring, which masks per block).
 
-That is ``q(2/t_sp + 2 + (4 + 2f/h)/t)`` elements plus the dropout terms; with 16-bit
+That is ``q(2/t_sp + 2 + (4 + 2f/h)/t)`` elements plus the dropout terms (with ``--kv-channels``
+the QKV output and ``proj``'s input scale by ``A/h``, ``A`` = heads x head size: ``4A/h``); with 16-bit
 activations, ``f = 4h`` and dropout on it is Korthikanti's ``sbh(10 + 24/t + 5as/(ht))``
 up to the masks' width. Recomputation (sec. 5): ``selective`` drops the ``s^2`` term (the
 core is replayed per layer in the backward, so one layer's core is alive at a time);
@@ -116,12 +117,24 @@ def _q(g, a: ActivationSettings) -> int:
     return g.seq_length // a.cp * a.micro_batch_size * g.hidden_size
 
 
+def head_size(g) -> int:
+    """``g.head_dim`` (``--kv-channels``), or ``hidden / heads`` for sizes that do not carry one."""
+    return getattr(g, "head_dim", g.hidden_size // g.num_attention_heads)
+
+
+def _attention_ratio(g) -> float:
+    """``A / h``: the width of the query heads together (``heads * head_dim``) over the hidden
+    size; 1 unless ``--kv-channels`` sets another head size, which scales QKV's output and
+    ``proj``'s input."""
+    return g.num_attention_heads * head_size(g) / g.hidden_size
+
+
 def layer_bytes(g, a: ActivationSettings, with_core: bool = True) -> float:
     """Bytes one layer keeps for the backward of one micro-batch without full recomputation;
     ``with_core=False`` leaves out the attention core's ``s^2`` tensors (selective)."""
     q, t = _q(g, a), a.tp
     t_sp = t if a.sequence_parallel else 1
-    elements = q * (2 / t_sp + 2 + (4 + 2 * g.ffn_hidden_size / g.hidden_size) / t)
+    elements = q * (2 / t_sp + 2 + (4 * _attention_ratio(g) + 2 * g.ffn_hidden_size / g.hidden_size) / t)
     if a.hidden_dropout > 0:
         elements += 2 * q / t_sp
     elements += core_elements(g, a) if with_core else 0
@@ -134,7 +147,7 @@ def core_elements(g, a: ActivationSettings) -> float:
     dropout there) the ring's or the all-to-all's own output ``q/t``; else 0 (the fused
     kernel keeps only its ``O(s)`` statistics and its output is ``proj``'s input)."""
     if a.cp > 1:
-        return _q(g, a) / a.tp
+        return _q(g, a) * _attention_ratio(g) / a.tp
     if a.attention_dropout <= 0 or a.platform is not None:
         return 0.0
     return 3 * g.num_attention_heads * g.seq_length**2 * a.micro_batch_size / a.tp
@@ -149,7 +162,7 @@ def attention_kernel(g, a: ActivationSettings) -> str:
     if a.platform is None:
         return "cpu"
     split = a.tp * (a.cp if a.cp > 1 else 1)
-    h, G, d = g.num_attention_heads // split, g.kv_heads // split, g.hidden_size // g.num_attention_heads
+    h, G, d = g.num_attention_heads // split, g.kv_heads // split, head_size(g)
     dtype = torch.float32 if a.activation_bytes == 4 else torch.bfloat16
     if a.cp > 1 and a.cp_comm_type != "a2a":
         return "einsum" if a.cp_ring_kernel == "einsum" else ring_block_kernel(dtype, d, a.platform)
@@ -208,7 +221,7 @@ def context_parallel_bytes(g, a: ActivationSettings) -> ContextParallelBytes:
     if a.cp == 1:
         return ContextParallelBytes(0.0, 0.0)
     b, elt, acc = a.micro_batch_size, a.activation_bytes, max(a.activation_bytes, 4)
-    Tl, d = g.seq_length // a.cp, g.hidden_size // g.num_attention_heads
+    Tl, d = g.seq_length // a.cp, head_size(g)
     h_l, G_l = g.num_attention_heads // a.tp, g.kv_heads // a.tp
     q_l = b * h_l * Tl * d  # elements of this rank's q
     if a.cp_comm_type == "a2a":
@@ -278,10 +291,11 @@ def weight_grad_bytes(
     not counted)."""
     q, t = _q(g, a), a.tp
     t_sp = t if a.sequence_parallel else 1
-    qkv = (g.num_attention_heads + 2 * g.kv_heads) / g.num_attention_heads
+    r = _attention_ratio(g)
+    qkv = (g.num_attention_heads + 2 * g.kv_heads) / g.num_attention_heads * r
     ffn = g.ffn_hidden_size / g.hidden_size
     ffn_out = ffn * (2 if getattr(g, "swiglu", False) else 1)
-    inputs = 2 + (1 + ffn) / t
+    inputs = 2 + (r + ffn) / t
     grads = 2 + (qkv + ffn_out) / t
     elements = num_layers * q * (inputs + grads)
     if first_stage:

@@ -19,7 +19,7 @@ from megazero.context_parallel.sdpa_kernels import SM90, CudaPlatform
 from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT, sharding_policy
 from megazero.pipeline.partition import chunk_layout
 from megazero.planning import memory
-from megazero.planning.activations import ActivationSettings, attention_kernel, math_core_bytes
+from megazero.planning.activations import ActivationSettings, attention_kernel, head_size, math_core_bytes
 from megazero.precision import model_dtype
 
 
@@ -140,11 +140,11 @@ def attention_math_warning(cfg: Config, model: memory.ModelSizes, platform: Opti
     a = activation_settings(cfg, platform)
     if platform is None or attention_kernel(model, a) != "math":
         return None
-    d = model.hidden_size // model.num_attention_heads
+    d = head_size(model)
     dtype = "fp32" if a.activation_bytes == 4 else "bf16/fp16"
     docs = " with --reset-attention-mask" if a.documents else ""
     return (
-        f"attention in {dtype} with head size {d} (--hidden-size {model.hidden_size} / "
+        f"attention in {dtype} with head size {d} (--kv-channels, else --hidden-size {model.hidden_size} / "
         f"--num-attention-heads {model.num_attention_heads}){docs} has no fused SDPA kernel on this GPU "
         f"and runs PyTorch's math kernel: {math_core_bytes(model, a) / 2**20:,.1f} MiB of fp32 scores "
         "per layer and micro-batch, counted in the plan; fix: a head size that is a multiple of 8"

@@ -124,7 +124,7 @@ class Trainer:
         self.flops_per_iteration = spec_flops_per_iteration(
             g.parameter_spec(p.tp),
             seq_length=g.seq_length,
-            attention_width=g.hidden_size,
+            attention_width=g.attention_width,
             global_batch_size=cfg.train.global_batch_size,
         )
         if p.pp > 1:

@@ -1,8 +1,10 @@
-"""Llama-3.x and Qwen2.5 folders in and out (fp32), built by transformers' own config and model
-classes at tiny sizes (no network): a Llama with ``llama3`` RoPE scaling (untied, no biases) and
-a Qwen2 with q/k/v biases, tied embeddings, ``use_sliding_window: false`` and ``linear`` RoPE
-scaling. ``--from-hf`` gives transformers' logits within 1e-5 at tp 1 and tp 2 (+ SP), the
-first training step's loss under tp 2 equals transformers' loss on the same batch within 1e-6,
+"""Llama-3.x, Qwen2.5, Qwen3 and Qwen3-MoE folders in and out (fp32), built by transformers' own
+config and model classes at tiny sizes (no network): a Llama with ``llama3`` RoPE scaling (untied,
+no biases), a Qwen2 with q/k/v biases, tied embeddings, ``use_sliding_window: false`` and
+``linear`` RoPE scaling, a Qwen3 with ``head_dim`` 12 (hidden / heads = 8) and QK-norm, and a
+Qwen3-MoE with the same attention, 4 experts (top 2, not renormalised) and one dense layer.
+``--from-hf`` gives transformers' logits within 1e-5 at tp 1 and tp 2 (+ SP), the first training
+step's loss under tp 2 equals transformers' loss on the same batch within 1e-6,
 the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to tensors
 ``torch.equal`` to the folder's, with the same config, and KV-cache greedy decoding gives
 transformers' ``generate`` tokens for 32 tokens past the original context."""
@@ -65,7 +67,42 @@ FAMILIES = {
         ),
         BLOCK + ["--rotary-base", "10000", "--add-qkv-bias", "--rotary-seq-len-interpolation-factor", "2"],
     ),
+    # heads of 12 dimensions (q/k/v 48 wide against a hidden size of 32) with QK-norm, untied
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            head_dim=12,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            sliding_window=4096,
+            max_window_layers=1,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        BLOCK
+        + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"]
+        + ["--qk-layernorm"],
+    ),
+    # Qwen3's attention with 4 experts of width 16, top 2 of the full softmax not renormalised
+    # (norm_topk_prob false), layer 1 dense (mlp_only_layers: --moe-layer-freq 2)
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=12,
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        BLOCK
+        + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"]
+        + ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16"]
+        + ["--moe-router-pre-softmax", "--moe-layer-freq", "2"],
+    ),
 }
+SCALED = ("llama3", "qwen2.5")  # the families whose RoPE is scaled
 
 
 def _make_folder(d, family, tokenizer_json):
@@ -143,6 +180,7 @@ def test_family_in_and_out(family, folders, tmp_path):
         theirs = hf(ids).logits  # (B, T, V)
     stage, _ = load_model(generate_args(folder), ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
     assert (stage.cfg.use_rope_scaling, stage.cfg.add_qkv_bias) == (family == "llama3", family == "qwen2.5")
+    assert (stage.cfg.kv_channels, stage.cfg.qk_layernorm) == ((12, True) if "qwen3" in family else (None, False))
     with torch.no_grad():
         tp1 = stage.eval()(ids)[..., :300]
     tp2, loss = run_distributed(_tp2_logits_and_first_loss, 2, folder, ids, argv, str(tmp_path / "ckpt"))[0]
@@ -150,12 +188,13 @@ def test_family_in_and_out(family, folders, tmp_path):
     for ours in (tp1, tp2):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * scale)
 
-    stage.cfg.use_rope_scaling, stage.cfg.rotary_seq_len_interpolation_factor = False, None  # RoPE unscaled
-    with torch.no_grad():
-        unscaled = type(stage)(
-            stage.cfg, stage.groups, range(2), True, True, seed=0, full_weights=dict(stage.named_parameters())
-        )(ids)[..., :300]
-    assert (unscaled - theirs).abs().max() > 1e-2 * scale  # the scaling matters here: the test can fail
+    if family in SCALED:
+        stage.cfg.use_rope_scaling, stage.cfg.rotary_seq_len_interpolation_factor = False, None  # RoPE unscaled
+        with torch.no_grad():
+            unscaled = type(stage)(
+                stage.cfg, stage.groups, range(2), True, True, seed=0, full_weights=dict(stage.named_parameters())
+            )(ids)[..., :300]
+        assert (unscaled - theirs).abs().max() > 1e-2 * scale  # the scaling matters here: the test can fail
 
     cfg = config_from_argv(argv, 1)
     tokens, labels = get_micro_batches(training.build_data(cfg).train, 0, 4, 4, 0, 1)[0]  # the first global batch
@@ -166,7 +205,7 @@ def test_family_in_and_out(family, folders, tmp_path):
     out = tmp_path / "out"
     assert main(["--load", str(tmp_path / "ckpt"), "--to-hf", str(out)]) == 0
     back, original = load_file(out / "model.safetensors"), load_file(f"{folder}/model.safetensors")
-    assert sorted(back) == sorted(original) and ("lm_head.weight" in back) == (family == "llama3")
+    assert sorted(back) == sorted(original) and ("lm_head.weight" in back) == (family != "qwen2.5")
     for name, t in original.items():
         assert torch.equal(back[name], t), name
     written = json.loads((out / "config.json").read_text())
@@ -190,3 +229,23 @@ def test_kv_cache_greedy_tokens_equal_transformers_past_the_original_context(fam
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert len(want[0]) == 80
     assert sample(stage, prompt, 32, temperature=0.0) == want[0].tolist()
+
+
+def _first_loss(rank, world, argv):
+    return train_steps(hf_trainer(argv, world), 1)[0]
+
+
+def test_qwen3_moe_first_loss_under_expert_parallelism_equals_transformers(folders):
+    """The Qwen3-MoE folder under dp 2 x ep 2 (each rank holds 2 of the 4 experts and its tokens
+    travel to them): the first step's loss equals transformers' on the same global batch (1e-6)."""
+    from data.samplers import get_micro_batches
+    from megazero import training
+    from megazero.config import config_from_argv
+
+    folder, hf, argv = folders["qwen3-moe"]
+    argv = argv + ["--from-hf", folder, "--dp", "2", "--expert-model-parallel-size", "2"]
+    loss = run_distributed(_first_loss, 2, argv)[0]
+    tokens, labels = get_micro_batches(training.build_data(config_from_argv(argv, 2)).train, 0, 4, 4, 0, 1)[0]
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1), labels.flatten()).item()
+    assert loss == pytest.approx(want, rel=1e-6)

@@ -325,7 +325,6 @@ def test_export_refuses_a_block_llama_cannot_express(change, message):
     "change,message",
     [
         (dict(attention_bias=True, mlp_bias=False), "attention_bias != mlp_bias"),
-        (dict(head_dim=16), "head_dim 16 * heads 4 != hidden_size 32"),
         (
             dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
             "partial_rotary_factor",
@@ -338,3 +337,15 @@ def test_import_refuses_a_llama_config_megazero_computes_differently(change, mes
 
     with pytest.raises(HFConversionError, match=re.escape(message)):
         config_from_hf({**llama_config(llama_gcfg()), **change})
+
+
+def test_a_head_dim_other_than_hidden_over_heads_is_kv_channels_both_ways():
+    """A Llama ``head_dim`` of 16 with hidden 32 and 4 heads (once refused) reads as ``--kv-channels 16``
+    and is written back; the default head size keeps ``kv_channels`` None."""
+    from model.hf import config_from_hf, llama_config
+
+    config = {**llama_config(llama_gcfg()), "head_dim": 16}
+    gcfg = config_from_hf(config)
+    assert (gcfg.kv_channels, gcfg.head_dim, gcfg.attention_width) == (16, 16, 64)
+    assert llama_config(gcfg)["head_dim"] == 16 and config_from_hf(llama_config(gcfg)) == gcfg
+    assert config_from_hf(llama_config(llama_gcfg())).kv_channels is None

@@ -390,7 +390,8 @@ def test_convert_refuses_a_sigmoid_router_in_one_line(exported, capsys):
     assert main(["--load", exported["sigmoid"]["ckpt"], "--to-hf", str(out)]) == 2
     err = capsys.readouterr().err
     assert err == (
-        "convert_checkpoint: error: --moe-router-score-function sigmoid: MixtralForCausalLM and "
-        "Qwen2MoeForCausalLM score the experts with a softmax (no exact MixtralForCausalLM equivalent)\n"
+        "convert_checkpoint: error: --moe-router-score-function sigmoid: MixtralForCausalLM, "
+        "Qwen2MoeForCausalLM and Qwen3MoeForCausalLM score the experts with a softmax (no exact "
+        "MixtralForCausalLM equivalent)\n"
     )
     assert not out.exists()

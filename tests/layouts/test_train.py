@@ -404,3 +404,31 @@ def test_rope_scaling_and_qkv_bias_layouts_equal_reference():
     per_rank = run_distributed(train_layouts, 2, argvs, SWEEP_STEPS, timeout_s=600)
     for i, name in enumerate(FEATURE_LAYOUTS):
         check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)
+
+
+# Qwen3's attention: heads of their own size (--kv-channels 12, so q/k/v are 48 wide against a
+# hidden size of 32) with QK-norm (an RMSNorm of every q and k head before RoPE), under tp 2 + SP,
+# pp 2 (with full recomputation of every block, norms included) and cp 2 (ring and all-to-all):
+# one spawn of 2 ranks.
+QWEN3_ATTENTION = LLAMA + WIDER + ["--kv-channels", "12", "--qk-layernorm"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+QWEN3_LAYOUTS = {
+    "tp2-sp": LAYOUTS["tp2-sp"][1],
+    "pp2-gpipe-recompute": LAYOUTS["pp2-gpipe"][1] + RECOMPUTE,
+    "cp2-p2p": ["--cp", "2"] + MB4,
+    "cp2-a2a": ["--cp", "2", "--cp-comm-type", "a2a"] + MB4,
+}
+
+
+def test_kv_channels_and_qk_layernorm_layouts_equal_reference():
+    """Each layout of QWEN3_LAYOUTS with QWEN3_ATTENTION: losses equal the oracle's (which sizes
+    its heads and normalises q and k on its own) within 1e-5 relative over 6 steps, gradient norms
+    and the sample the single process's; the features change the losses."""
+    argv = BASE + QWEN3_ATTENTION
+    reference, single = reference_losses(argv, SWEEP_STEPS), single_layout_run(argv, SWEEP_STEPS)
+    plain = reference_losses(BASE + LLAMA + WIDER, SWEEP_STEPS)
+    assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # 10x the tolerance below: features matter
+    argvs = [argv + flags for flags in QWEN3_LAYOUTS.values()]
+    per_rank = run_distributed(train_layouts, 2, argvs, SWEEP_STEPS, timeout_s=600)
+    for i, name in enumerate(QWEN3_LAYOUTS):
+        check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)

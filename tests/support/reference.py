@@ -9,7 +9,8 @@ word embedding by default. The LLaMA-style options (Touvron et al. 2023) are wri
 as plainly: RoPE as a complex rotation, RMSNorm, SwiGLU, grouped-query attention by
 indexing each query head's key/value head, linear layers without bias (or with a bias on the
 QKV projection alone, Qwen2's), RoPE scaling (Llama 3.1's frequency rule and linear position
-interpolation, applied to the angles pair by pair). There is no
+interpolation, applied to the angles pair by pair), a head size of its own (``head_dim``, not
+hidden / heads) and Qwen3's QK-norm (an RMSNorm of each q and k head before RoPE). There is no
 dropout: the oracle is only compared with runs that have dropout off.
 
 It loads the canonical full tensors of docs/design.md ("Interfaces" > Model); only the first
@@ -167,17 +168,21 @@ class _Block(nn.Module):
         bias: bool = True,
         qkv_bias: Optional[bool] = None,
         rope_scaling=None,
+        head_dim: Optional[int] = None,
+        qk_norm: bool = False,
         moe=None,
     ):
         super().__init__()
         self.heads, self.kv_groups, self.rope, self.swiglu = heads, kv_groups, rope, swiglu
         self.rope_scaling = rope_scaling
-        d = hidden // heads
+        d = self.d = hidden // heads if head_dim is None else head_dim
         norm = _RMSNorm if rmsnorm else _LayerNorm
         self.ln1 = norm(hidden, eps)
-        qkv_rows = 3 * hidden if kv_groups is None else (heads + 2 * kv_groups) * d
+        qkv_rows = 3 * heads * d if kv_groups is None else (heads + 2 * kv_groups) * d
         self.qkv = nn.Linear(hidden, qkv_rows, bias=bias if qkv_bias is None else qkv_bias)
-        self.proj = nn.Linear(hidden, hidden, bias=bias)
+        self.proj = nn.Linear(heads * d, hidden, bias=bias)
+        # QK-norm (Qwen3): every head of q and of k divided by its RMS over d, times a [d] weight
+        self.q_norm, self.k_norm = (_RMSNorm(d, eps), _RMSNorm(d, eps)) if qk_norm else (None, None)
         self.ln2 = norm(hidden, eps)
         self.moe = (
             None if moe is None else _MoE(hidden, moe["num_experts"], moe["ffn"], moe["shared"], swiglu, bias, moe)
@@ -189,9 +194,9 @@ class _Block(nn.Module):
     def _heads(self, x):
         """q ``(B, heads, T, d)``; k, v ``(B, heads, T, d)`` (a group's k/v copied to its queries)."""
         B, T, H = x.shape
-        d, out = H // self.heads, self.qkv(x)
+        d, out = self.d, self.qkv(x)
         if self.kv_groups is None:  # [q; k; v]
-            q, k, v = out.split(H, dim=-1)  # each (B, T, H)
+            q, k, v = out.split(self.heads * d, dim=-1)  # each (B, T, heads * d)
             return (t.view(B, T, self.heads, d).transpose(1, 2) for t in (q, k, v))
         G = self.kv_groups
         n = self.heads // G  # query heads per group
@@ -206,14 +211,16 @@ class _Block(nn.Module):
         """``hidden [B, T, T]`` bool: key j is hidden from query i (besides the future)."""
         B, T, H = x.shape
         q, k, v = self._heads(x)
+        if self.q_norm is not None:  # before the rotation, as Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = (rope_rotate(t, *self.rope, positions, self.rope_scaling) for t in (q, k))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(H // self.heads)  # (B, heads, T, T)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d)  # (B, heads, T, T)
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         if hidden is not None:
             future = future | hidden[:, None]  # (B, 1, T, T)
         probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-        y = (probs @ v).transpose(1, 2).reshape(B, T, H)  # (B, heads, T, hd) -> (B, T, H)
+        y = (probs @ v).transpose(1, 2).reshape(B, T, self.heads * self.d)  # (B, heads, T, d) -> (B, T, heads d)
         return self.proj(y)
 
     def mlp(self, x):
@@ -235,8 +242,14 @@ def block_options(cfg) -> dict:
     ``model.config.GPTConfig``; read by name, so this file imports nothing of ``model``)."""
     rope = None
     if cfg.position_embedding_type == "rope":
-        rope = (int(cfg.hidden_size // cfg.num_attention_heads * cfg.rotary_percent), cfg.rotary_base)
+        d = cfg.hidden_size // cfg.num_attention_heads
+        d = getattr(cfg, "kv_channels", None) or d
+        rope = (int(d * cfg.rotary_percent), cfg.rotary_base)
     out = dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm", swiglu=cfg.swiglu)
+    if getattr(cfg, "kv_channels", None) is not None:
+        out["head_dim"] = cfg.kv_channels
+    if getattr(cfg, "qk_layernorm", False):
+        out["qk_norm"] = True
     scaling = {}
     if getattr(cfg, "use_rope_scaling", False):
         scaling["llama3"] = (
@@ -276,7 +289,7 @@ class ReferenceGPT(nn.Module):
     with Megatron's per-group ``[q; k; v]`` QKV rows; None = GPT-2's ``[q; k; v]``),
     ``rope`` = ``(rotated dims, base)``, ``rope_scaling`` (``rope_rotate``), ``rmsnorm``,
     ``swiglu`` (``fc1`` = ``[gate; up]``), ``bias`` (linear biases), ``qkv_bias`` (the QKV
-    projection's; None = ``bias``).
+    projection's; None = ``bias``), ``head_dim`` (None = hidden / heads), ``qk_norm``.
     """
 
     def __init__(
@@ -321,6 +334,8 @@ class ReferenceGPT(nn.Module):
                     for canon, mod in (("ln1", b.ln1), ("attn.qkv", b.qkv), ("attn.proj", b.proj), ("ln2", b.ln2))
                 }
             )
+            if b.q_norm is not None:
+                mods.update({f"layers.{i}.attn.q_norm": b.q_norm, f"layers.{i}.attn.k_norm": b.k_norm})
             if b.moe is None:
                 mods.update({f"layers.{i}.mlp.fc1": b.fc1, f"layers.{i}.mlp.fc2": b.fc2})
                 continue

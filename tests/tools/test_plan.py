@@ -21,7 +21,7 @@ ROOT = str(REPO)
 S, B, H, HEADS = 256, 2, 64, 4
 
 
-def _saved_bytes_per_layer(rank, world, drop, granularity, cp_comm_type="p2p"):
+def _saved_bytes_per_layer(rank, world, drop, granularity, cp_comm_type="p2p", kv_channels=None):
     """Bytes of the distinct non-parameter storages autograd saves, per layer (3 layers - 1 layer),
     on one rank of a cp = ``world`` layout (this rank's zigzag ``S/cp`` tokens of each sequence)."""
     from megazero.context_parallel.sequence import SequenceInfo
@@ -46,6 +46,7 @@ def _saved_bytes_per_layer(rank, world, drop, granularity, cp_comm_type="p2p"):
             recompute_granularity=granularity,
             recompute_method="uniform" if granularity == "full" else None,
             cp_comm_type=cp_comm_type,
+            kv_channels=kv_channels,
         )
         stage = GPTStage(cfg, groups, range(layers), True, True, seed=1)
         params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
@@ -574,3 +575,14 @@ def test_plan_script_reads_the_world_size_from_any_layout_flag_name():
     )
     assert world_size_of(["--cp", "4"]) == 4
     assert world_size_of(["--tp", "two"]) == 1
+
+
+def test_layer_bytes_with_kv_channels_equal_what_autograd_saves():
+    """Heads of 32 dimensions against hidden / heads = 16 (``--kv-channels 32``): q, k, v and
+    ``proj``'s input are twice as wide, and the planner's count follows what autograd saves."""
+    saved = run_distributed(_saved_bytes_per_layer, 1, 0.0, None, "p2p", 32)[0]
+    sizes = type("Sizes", (_Sizes,), {"head_dim": 32})
+    a = ActivationSettings(micro_batch_size=B, tp=1, sequence_parallel=False, activation_bytes=4)
+    kept = chunk_bytes(sizes, a, 1)[0]
+    assert kept == pytest.approx(saved, rel=0.03), (kept, saved)
+    assert kept == pytest.approx(chunk_bytes(_Sizes, a, 1)[0] + S * B * H * 4 * 4)  # 4 more q-sized tensors

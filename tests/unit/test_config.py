@@ -61,6 +61,12 @@ M = ["--mock-data"]
 M4 = M + ["--micro-batch-size", "4"]  # for cases whose batch arithmetic assumes micro-batch 4
 BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the message must contain)
     "heads_not_dividing_hidden": (M + ["--hidden-size", "250"], 1, ["--hidden-size", "--num-attention-heads"]),
+    "qk_layernorm_without_rmsnorm": (M + ["--qk-layernorm"], 1, ["--qk-layernorm", "--normalization RMSNorm"]),
+    "kv_channels_odd_under_rope": (
+        M + ["--position-embedding-type", "rope", "--kv-channels", "5"],
+        1,
+        ["5-dimensional head", "--kv-channels"],
+    ),
     "heads_not_divisible_by_tp": (M + ["--tp", "3", "--hidden-size", "240"], 3, ["--num-attention-heads", "--tp 3"]),
     "ffn_not_divisible_by_tp": (M + ["--tp", "2", "--ffn-hidden-size", "1023"], 2, ["--ffn-hidden-size", "--tp 2"]),
     "layers_not_divisible_by_pp": (M + ["--pp", "3"], 3, ["--num-layers 4", "--pp 3"]),
