@@ -48,8 +48,8 @@ stage sft scripts/post_train.sh sft --load "$ROOT/pretrain" --finetune --data-pa
   --train-iters 100 --lr 5e-4 --lr-warmup-iters 10 --eval-iters 0
 PAIRS=(--data-path "$PREF_PATH" --tokenizer-model "$TOK" --split "$SPLIT" --micro-batch-size 8 --global-batch-size 16)
 stage rm scripts/post_train.sh rm --load "$ROOT/sft" --finetune "${PAIRS[@]}" \
-  --train-iters 100 --lr 1e-4 --lr-warmup-iters 10 --eval-interval 50 --eval-iters 4
+  --train-iters 100 --lr 5e-4 --min-lr 5e-5 --lr-warmup-iters 10 --eval-interval 50 --eval-iters 4
 stage dpo scripts/post_train.sh dpo --load "$ROOT/sft" --finetune --data-path "$PREF_PATH" \
   --tokenizer-model "$TOK" --split "$SPLIT" --micro-batch-size 8 --global-batch-size 16 \
-  --train-iters 100 --lr 1e-4 --lr-warmup-iters 10 --dpo-beta 0.1 --eval-interval 25 --eval-iters 4
+  --train-iters 100 --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 10 --dpo-beta 0.1 --eval-interval 25 --eval-iters 4
 echo "[demo] done: checkpoints under $ROOT (pretrain, sft, rm, dpo); the validation lines of rm and dpo are the held-out pairs"
