@@ -9,8 +9,8 @@
 # usually starts from the previous stage's checkpoint with --load DIR --finetune (weights only:
 # iteration 0, a fresh optimizer), or from a Hugging Face folder with --from-hf DIR. For dpo the
 # frozen reference model is that starting point unless --ref-load DIR names another checkpoint.
-# docs/post-training.md walks through SFT -> RM -> DPO (bash scripts/post_train_demo.sh). There is no embedded default data: --data-path
-# is required (exit 2 without it).
+# docs/post-training.md walks through SFT -> RM -> DPO (bash scripts/post_train_demo.sh). There is
+# no embedded default data here: --data-path is required (exit 2 without it).
 set -euo pipefail
 usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
