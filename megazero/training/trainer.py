@@ -135,9 +135,8 @@ class Trainer:
         self._loss_tokens: Optional[torch.Tensor] = None  # the last _run's count (local_batches)
         self.trail = trail or resilience.Trail()
         self.monitor = monitor
-        self.post = PostTraining(
-            cfg, groups, lambda source: build_reference(cfg, groups, self.gpt_config, device, source)
-        )
+        gcfg = self.gpt_config  # not self: a cycle through the trainer would keep it (and its swap files) alive
+        self.post = PostTraining(cfg, groups, lambda source: build_reference(cfg, groups, gcfg, device, source))
         self.checkpoints = CheckpointManager(
             self.replicas,
             keep=cfg.train.keep_latest_checkpoints,
