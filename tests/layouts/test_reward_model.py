@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tests.support.distributed import run_distributed
 from tests.support.extras import require
-from tests.support.hf_tokenizer import corpus
+from tests.support.preference import write_pairs
 
 STEPS, PAIRS = 3, 64
 MODEL = (
@@ -56,15 +56,9 @@ def records() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pref(tmp_path_factory):
-    require("tokenizers")
-    from data.preference import preprocess_preference
-    from data.tokenizer import train_hf_tokenizer
-
     d = tmp_path_factory.mktemp("rm")
-    tok = train_hf_tokenizer(corpus(200), 320, str(d / "tokenizer.json"))
-    (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records()))
-    preprocess_preference([str(d / "pairs.jsonl")], tok, str(d / "pref"), tokenizer_type="HuggingFaceTokenizer")
-    return dict(dir=d, tok=tok, argv=MODEL + ["--data-path", str(d / "pref"), "--tokenizer-model", tok])
+    tok, prefix = write_pairs(d, records())
+    return dict(dir=d, tok=tok, argv=MODEL + ["--data-path", prefix, "--tokenizer-model", tok])
 
 
 def _train(rank, world, runs):
