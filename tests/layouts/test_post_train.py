@@ -247,10 +247,25 @@ def test_a_reference_of_another_model_or_none_is_refused_before_start(pref, tmp_
         assert f"--ref-load {ref}" in lines[0] and want in lines[0], lines
 
 
-def test_three_steps_equal_a_plain_pytorch_dpo(pref):
-    """megazero's DPO for 3 steps (constant lr, no weight decay or clipping) against DPO written
-    here on the reference GPT with torch.optim.Adam: the same losses and rewards each step and the
-    same parameters after (Rafailov et al. 2023, eq. 7; the reference = the initial weights)."""
+def _plain_loss(kind: str, logp, ref, n):
+    """(pair losses' mean, chosen rewards, rejected rewards) written from the papers: DPO
+    (Rafailov et al. 2023, eq. 7; beta 0.1), IPO on token-averaged log-ratios (Azar et al. 2023,
+    eq. 17; beta 0.5), SimPO (Meng et al. 2024, eq. 6; beta 2, gamma 0.3)."""
+    if kind == "simpo":
+        r = 2.0 * logp / n
+        return -F.logsigmoid(r[0::2] - r[1::2] - 0.3).mean(), r[0::2], r[1::2]
+    h = logp - ref
+    if kind == "ipo":
+        z = h[0::2] / n[0::2] - h[1::2] / n[1::2]
+        return ((z - 1 / (2 * 0.5)) ** 2).mean(), 0.5 * h[0::2], 0.5 * h[1::2]
+    return -F.logsigmoid(0.1 * (h[0::2] - h[1::2])).mean(), 0.1 * h[0::2], 0.1 * h[1::2]
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "simpo"])
+def test_three_steps_equal_a_plain_pytorch_dpo(pref, kind):
+    """megazero's DPO, IPO and SimPO for 3 steps (constant lr, no weight decay or clipping)
+    against the loss written here on the reference GPT with torch.optim.Adam: the same losses
+    and rewards each step and the same parameters after (the reference = the initial weights)."""
     from data.sft import sft_micro_batches
     from megazero import training
     from megazero.config import config_from_argv
@@ -259,7 +274,7 @@ def test_three_steps_equal_a_plain_pytorch_dpo(pref):
     from tests.support.reference import ReferenceGPT
 
     plain = ["--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "0", "--train-iters", "3"]
-    argv = pref["argv"] + plain
+    argv = pref["argv"] + plain + LOSSES[kind]
     (got,) = run_distributed(_train, 1, [(argv, 3)], params=True, timeout_s=300)[0]
     cfg = config_from_argv(argv, 1)
     data = training.build_data(cfg)
@@ -273,14 +288,13 @@ def test_three_steps_equal_a_plain_pytorch_dpo(pref):
         logits = policy(tokens)
         each = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
         logp = (each.reshape(labels.shape).double() * mask.double()).sum(dim=1)
-        h = logp - _sequence_logps(reference, tokens, labels, mask)
-        loss = -F.logsigmoid(0.1 * (h[0::2] - h[1::2])).mean()
+        loss, rw, rl = _plain_loss(kind, logp, _sequence_logps(reference, tokens, labels, mask), mask.double().sum(1))
         adam.zero_grad()
         loss.backward()
         adam.step()
         mine = got["steps"][step]
         assert math.isclose(mine["loss"], loss.item(), rel_tol=1e-6), (step, mine["loss"], loss.item())
-        for key, want in (("rewards_chosen", 0.1 * h[0::2]), ("rewards_rejected", 0.1 * h[1::2])):
+        for key, want in (("rewards_chosen", rw), ("rewards_rejected", rl)):
             assert math.isclose(mine[key], want.detach().mean().item(), rel_tol=1e-5, abs_tol=1e-7), (step, key)
     theirs = policy.canonical_parameters()
     for name, p in got["params"].items():
