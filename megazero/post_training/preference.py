@@ -68,6 +68,17 @@ def sequence_sums(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, groups)
     return sum_over_cp(logp, groups), sum_over_cp(loss_mask.double().sum(dim=1).detach(), groups)
 
 
+def global_totals(totals: Optional[torch.Tensor], size: int, groups, device) -> list[float]:
+    """The sums ``totals`` (a float64 ``[size]`` vector accumulated on the last stage, or None)
+    over every pair of the global batch: each last-stage tp 0 / cp 0 rank's, all-reduced over the
+    world (one small all-reduce and one host read); the same list on every rank."""
+    v = torch.zeros(size, dtype=torch.float64, device=device)
+    if totals is not None and groups.tp_rank == 0 and groups.cp_rank == 0:
+        v.copy_(totals)
+    collectives.all_reduce_sum(v, groups.world)
+    return v.tolist()
+
+
 class PreferenceStep:
     """One step's preference losses on the last stage: ``prepare`` keys the step's micro-batches
     and takes the reference sums; ``loss(batch, per_token_loss)`` is a micro-batch's share of the
@@ -103,13 +114,8 @@ class PreferenceStep:
     def metrics(self, device) -> dict:
         """The step's mean implicit rewards, reward accuracy and margin over every pair of the
         global batch (collective over the world: one small all-reduce and one host read); resets."""
-        g = self.groups
-        v = torch.zeros(5, dtype=torch.float64, device=device)
-        if self.totals is not None and g.tp_rank == 0 and g.cp_rank == 0:
-            v.copy_(self.totals)
+        chosen, rejected, correct, margin, n = global_totals(self.totals, 5, self.groups, device)
         self.totals = None
-        collectives.all_reduce_sum(v, g.world)
-        chosen, rejected, correct, margin, n = v.tolist()
         n = max(n, 1.0)
         return dict(zip(METRICS, (chosen / n, rejected / n, correct / n, margin / n)))
 

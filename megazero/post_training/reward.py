@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megazero import collectives
+from megazero.post_training.preference import global_totals
 from megazero.runtime.monitor import REWARD_MODEL_KEYS
 
 METRICS = REWARD_MODEL_KEYS  # the names the monitor logs
@@ -102,12 +102,7 @@ class RewardStep:
     def metrics(self, device) -> dict:
         """The step's accuracy and mean scores over every pair of the global batch (collective
         over the world: one small all-reduce and one host read); resets."""
-        g = self.groups
-        v = torch.zeros(4, dtype=torch.float64, device=device)
-        if self.totals is not None and g.tp_rank == 0 and g.cp_rank == 0:
-            v.copy_(self.totals)
+        chosen, rejected, correct, n = global_totals(self.totals, 4, self.groups, device)
         self.totals = None
-        collectives.all_reduce_sum(v, g.world)
-        chosen, rejected, correct, n = v.tolist()
         n = max(n, 1.0)
         return dict(zip(METRICS, (correct / n, chosen / n, rejected / n)))
