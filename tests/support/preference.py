@@ -22,3 +22,106 @@ def write_pairs(folder, records: list[dict]) -> tuple[str, str]:
         [str(folder / "pairs.jsonl")], tok, str(folder / "pref"), tokenizer_type="HuggingFaceTokenizer"
     )
     return tok, str(folder / "pref")
+
+
+def _dpo_losses(post, pw, pl, rw_ref, rl_ref, nw, nl):
+    """Per-pair losses [P] and implicit rewards of ``--post-train dpo`` written from the papers:
+    DPO with conservative label smoothing e (Rafailov et al. 2023, eq. 7; Mitchell 2023), IPO on
+    token-averaged log-ratios (Azar et al. 2023, eq. 17), the SLiC hinge (Zhao et al. 2023),
+    SimPO (Meng et al. 2024, eq. 6), plus RPO's chosen NLL per token (Pang et al. 2024)."""
+    import torch.nn.functional as F
+
+    beta, e = post.dpo_beta, post.dpo_label_smoothing
+    if post.dpo_loss == "simpo":
+        rw, rl = beta * pw / nw, beta * pl / nl
+        u = rw - rl - post.simpo_gamma
+        loss = -(1 - e) * F.logsigmoid(u) - e * F.logsigmoid(-u)
+    else:
+        hw, hl = pw - rw_ref, pl - rl_ref
+        rw, rl = beta * hw, beta * hl
+        if post.dpo_loss == "ipo":
+            loss = (hw / nw - hl / nl - 1 / (2 * beta)) ** 2
+        elif post.dpo_loss == "hinge":
+            loss = (1 - beta * (hw - hl)).clamp_min(0)
+        else:
+            loss = -(1 - e) * F.logsigmoid(beta * (hw - hl)) - e * F.logsigmoid(-beta * (hw - hl))
+    if post.dpo_sft_weight > 0:
+        loss = loss + post.dpo_sft_weight * (-pw / nw)
+    return loss, rw, rl
+
+
+def plain_post_training(argv: list[str], steps: int) -> dict:
+    """``--post-train dpo`` or ``rm`` written on ``tests/support/reference.py``'s GPT with
+    ``torch.optim.Adam``, in one process and without megazero's model, losses or optimizer:
+    ``{"steps": [per step: loss, grad_norm and the mode's metrics], "params": canonical name ->
+    tensor after ``steps`` steps}``. ``argv`` is a one-process megazero command line with a
+    constant learning rate and no weight decay or clipping (Adam's update then has no other
+    term); the initial weights are megazero's seeded ones, the reference model (dpo) stays at them.
+
+    Each step takes the next global batch of pairs (rows 2j chosen, 2j + 1 rejected) and
+    minimises the mean pair loss: DPO's (``_dpo_losses``) on the summed log-probabilities of the
+    response tokens, or the reward model's Bradley-Terry loss -log sigmoid(s_w - s_l - m) +
+    c (s_w + s_l)^2 (Ouyang et al. 2022, eq. 1; Touvron et al. 2023, sec. 3.2.2) on the score
+    head [1, H] times the final-norm hidden state at each sequence's last response position."""
+    import torch
+    import torch.nn.functional as F
+
+    from data.preference import split_margins
+    from data.sft import sft_micro_batches
+    from megazero import training
+    from megazero.config import config_from_argv
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+    from tests.support.reference import ReferenceGPT, block_options
+
+    cfg = config_from_argv(argv, 1)
+    data = training.build_data(cfg)
+    gcfg = build_gpt_config(cfg, data.vocab_size)
+    full = dict(init_full_weights(gcfg, cfg.train.seed))
+    head = full.pop("value_head.weight", None)
+    build = dict(vocab_size=data.vocab_size, num_heads=cfg.model.num_attention_heads, **block_options(gcfg))
+    policy, reference = ReferenceGPT.from_full_weights(full, **build), ReferenceGPT.from_full_weights(full, **build)
+    params = dict(policy.canonical_parameters())
+    if head is not None:
+        params["value_head.weight"] = torch.nn.Parameter(head.clone())
+    o, post, gbs = cfg.optim, cfg.post, cfg.train.global_batch_size
+    adam = torch.optim.Adam(params.values(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+
+    def logps(model, tokens, labels, mask):
+        logits = model(tokens)
+        each = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        return (each.reshape(labels.shape).double() * mask.double()).sum(dim=1)  # (2P,)
+
+    out = []
+    for step in range(steps):
+        ((tokens, labels, mask),) = sft_micro_batches(data.train, gbs * step, gbs, gbs, 0, 1)
+        if post.mode == "rm":
+            (margins,) = split_margins(data.train, gbs * step, gbs, gbs, 0, 1)
+            last = torch.tensor([int(torch.nonzero(row).max()) for row in mask])  # (2P,)
+            hidden = policy(tokens, return_hidden=True)  # (2P, T, H)
+            s = (hidden[torch.arange(len(last)), last] @ params["value_head.weight"].t()).squeeze(-1).double()
+            sw, sl = s[0::2], s[1::2]
+            x = sw - sl - (margins.double() if post.rm_use_margin else 0.0)
+            loss = (-F.logsigmoid(x) + post.rm_center_coef * (sw + sl) ** 2).mean()
+            values = dict(rm_accuracy=(sw > sl).double().mean(), rm_chosen_score=sw.mean(), rm_rejected_score=sl.mean())
+        else:
+            with torch.no_grad():
+                ref = logps(reference, tokens, labels, mask)
+            n = mask.double().sum(dim=1)
+            p = logps(policy, tokens, labels, mask)
+            pair, rw, rl = _dpo_losses(post, p[0::2], p[1::2], ref[0::2], ref[1::2], n[0::2], n[1::2])
+            loss = pair.mean()
+            values = dict(
+                rewards_chosen=rw.mean(),
+                rewards_rejected=rl.mean(),
+                reward_accuracy=(rw > rl).double().mean(),
+                reward_margin=(rw - rl).mean(),
+            )
+        adam.zero_grad()
+        loss.backward()
+        norm = torch.linalg.vector_norm(
+            torch.stack([q.grad.double().norm() for q in params.values() if q.grad is not None])
+        )
+        adam.step()
+        out.append(dict(loss=loss.item(), grad_norm=norm.item(), **{k: v.item() for k, v in values.items()}))
+    return dict(steps=out, params={k: v.detach().clone() for k, v in params.items()})
