@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.distributed import run_distributed
-from tests.support.preference import plain_post_training, write_pairs
+from tests.support.preference import assert_same_as_plain, plain_post_training, train_runs, write_pairs
 
 T, STEPS, PAIRS = 32, 3, 64
 MODEL = (
@@ -71,30 +71,6 @@ def pref(tmp_path_factory):
     return dict(dir=d, argv=MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--post-train", "dpo"])
 
 
-def _train(rank, world, runs, params=False):
-    """Per (argv, steps): the values of each step (loss and reward metrics), the iteration the
-    run started at and, with ``params`` (one process at ZeRO-0), the parameters at the end."""
-    from megazero import training
-    from megazero.config import config_from_argv
-    from megazero.training import build_trainer
-
-    out = []
-    for argv, steps in runs:
-        cfg = config_from_argv(argv, world)
-        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
-        start = trainer.load_checkpoint(cfg.train.load, weights_only=cfg.train.finetune) if cfg.train.load else None
-        got = dict(start=start, iteration=trainer.state.iteration, steps=[])
-        for _ in range(steps):
-            got["steps"].append(trainer.train_step(trainer.next_batches()).values)
-        if cfg.train.save:
-            trainer.save_checkpoint(cfg.train.save, wait=True)
-        if params:
-            got["params"] = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
-        trainer.close()
-        out.append(got)
-    return out
-
-
 KEYS = ("loss", "grad_norm", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin")
 
 
@@ -124,8 +100,8 @@ def runs(pref):
         (base + model + flags.split() + ["--save", str(d / f"layout{i}")], STEPS)
         for i, (flags, model) in enumerate(LAYOUTS.values())
     ]
-    one = run_distributed(_train, 1, single, params=True, timeout_s=600)[0]
-    got = run_distributed(_train, 8, eight, timeout_s=600)[0]
+    one = run_distributed(train_runs, 1, single, params=True, timeout_s=600)[0]
+    got = run_distributed(train_runs, 8, eight, timeout_s=600)[0]
     return dict(zip(SINGLE, one)), dict(zip(LAYOUTS, got))
 
 
@@ -141,18 +117,6 @@ def plain(pref):
         return cache[key]
 
     return get
-
-
-def _same(got, want, what, tol=1e-6):
-    """Each step's loss, gradient norm and reward metrics within ``tol`` (relative, or absolute
-    near zero), then every parameter within ``tol`` (absolute; padded vocabulary rows left out)."""
-    for step, (g, w) in enumerate(zip(got["steps"], want["steps"], strict=True)):
-        for k in KEYS:
-            assert math.isclose(g[k], w[k], rel_tol=tol, abs_tol=tol), (what, step, k, g[k], w[k])
-    assert set(got["params"]) == set(want["params"]), (what, set(got["params"]) ^ set(want["params"]))
-    for name, q in want["params"].items():
-        p = got["params"][name][: q.shape[0]]
-        assert torch.allclose(p, q, rtol=0, atol=tol), (what, name, float((p - q).abs().max()))
 
 
 def test_the_first_step_compares_the_policy_with_itself(runs):
@@ -174,7 +138,7 @@ def test_one_process_equals_plain_pytorch(runs, plain, name):
     """Each loss and block, and micro-batches of 1, 2 and 4 pairs: 3 steps' losses, gradient
     norms and rewards and the parameters after equal the plain run within 1e-6."""
     single, _ = runs
-    _same(single[name], plain([] if name.startswith("micro-batch") else SINGLE[name]), name)
+    assert_same_as_plain(KEYS, single[name], plain([] if name.startswith("micro-batch") else SINGLE[name]), name)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -185,7 +149,7 @@ def test_layouts_equal_plain_pytorch(pref, runs, plain, name):
 
     _, eight = runs
     got = dict(eight[name], params=read_full_weights(str(pref["dir"] / f"layout{list(LAYOUTS).index(name)}"))[1])
-    _same(got, plain(LAYOUTS[name][1]), name)
+    assert_same_as_plain(KEYS, got, plain(LAYOUTS[name][1]), name)
 
 
 def _sequence_logps(model, tokens, labels, mask):
@@ -218,7 +182,7 @@ def test_a_checkpointed_reference_a_resume_and_finetune(pref):
         (base + ["--train-iters", "1", "--ref-load", a], 1),
         (base + ["--train-iters", "1", "--load", a, "--finetune"], 1),
     ]
-    whole, _, resumed, ref_load, finetune = run_distributed(_train, 1, runs, timeout_s=600)[0]
+    whole, _, resumed, ref_load, finetune = run_distributed(train_runs, 1, runs, timeout_s=600)[0]
     assert resumed["start"] == 2 and math.isclose(resumed["steps"][0]["loss"], whole["steps"][2]["loss"], rel_tol=1e-9)
     assert finetune["start"] == 0 and finetune["iteration"] == 0
     assert math.isclose(finetune["steps"][0]["loss"], math.log(2), rel_tol=1e-9)
@@ -266,7 +230,7 @@ def test_a_reference_of_another_model_or_none_is_refused_before_start(pref, tmp_
 
     other = str(tmp_path / "other")
     argv = pref["argv"] + ["--train-iters", "1", "--save", other]
-    run_distributed(_train, 1, [(argv[:] + ["--hidden-size", "16"], 1)], timeout_s=300)
+    run_distributed(train_runs, 1, [(argv[:] + ["--hidden-size", "16"], 1)], timeout_s=300)
     for ref, want in ((other, "the checkpoint has hidden_size = 16, this model 32"), (str(tmp_path), "no checkpoint")):
         res = subprocess.run(
             [sys.executable, str(REPO / "train.py"), *pref["argv"], "--train-iters", "1", "--ref-load", ref,

@@ -21,14 +21,14 @@ import torch.nn.functional as F
 
 from tests.support.distributed import run_distributed
 from tests.support.extras import require
-from tests.support.preference import write_pairs
+from tests.support.preference import assert_same_as_plain, plain_post_training, train_runs, write_pairs
 
 STEPS, PAIRS = 3, 64
 MODEL = (
     "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
     "--global-batch-size 16 --lr 2e-3 --seed 7 --eval-iters 0 --device cpu --split 1 "
     "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 8 --lr-warmup-iters 0 --adam-eps 1e-4 "
-    "--post-train rm --rm-use-margin --rm-center-coef 0.05"
+    "--post-train rm --rm-use-margin --rm-center-coef 0.05 --lr-decay-style constant --weight-decay 0 --clip-grad 0"
 ).split()  # eps 1e-4: Adam's first steps move a weight whose gradient is rounding noise by a whole lr, not by noise
 LLAMA = (
     "--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention "
@@ -61,65 +61,68 @@ def pref(tmp_path_factory):
     return dict(dir=d, tok=tok, argv=MODEL + ["--data-path", prefix, "--tokenizer-model", tok])
 
 
-def _train(rank, world, runs):
-    """Per (argv, steps): the values of each step (after --load's checkpoint, if any)."""
-    from megazero import training
-    from megazero.config import config_from_argv
-    from megazero.training import build_trainer
-
-    out = []
-    for argv, steps in runs:
-        cfg = config_from_argv(argv, world)
-        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
-        if cfg.train.load:
-            trainer.load_checkpoint(cfg.train.load, weights_only=cfg.train.finetune)
-        got = [trainer.train_step(trainer.next_batches()).values for _ in range(steps)]
-        if cfg.train.save:
-            trainer.save_checkpoint(cfg.train.save, wait=True)
-        trainer.close()
-        out.append(got)
-    return out
+SINGLE = {"gpt2": [], "llama": LLAMA}
+LAYOUTS = {  # name: (layout flags, the model flags its plain reference runs with)
+    "tp2-pp2-dp2 zero-1": ("--tp 2 --pp 2 --dp 2 --zero-stage 1", []),
+    "cp2-tp2-dp2 zero-2 llama": ("--cp 2 --tp 2 --dp 2 --zero-stage 2", LLAMA),
+    "tp2-pp2-dp2 zero-3 sp llama": ("--tp 2 --pp 2 --dp 2 --zero-stage 3 --sequence-parallel", LLAMA),
+    "tp2-pp2-dp2 zb-v": ("--tp 2 --pp 2 --dp 2 --pipeline-schedule zb-v", []),
+    "interleaved pp4 vp2 dp2": ("--pp 4 --virtual-pipeline-size 2 --dp 2", ["--num-layers", "8"]),
+    "dp4-tp2 zero-3 cpu offload": ("--dp 4 --tp 2 --zero-stage 3 --offload-optimizer cpu", []),
+    "dp2-tp4 accumulation 3": ("--dp 2 --tp 4 --gradient-accumulation-steps 3", ["--global-batch-size", "12"]),
+}
 
 
 @pytest.fixture(scope="module")
 def runs(pref):
-    """One process: GPT-2 (saved after step 1 for the export), the LLaMA block (saved likewise);
-    eight ranks: four layouts. Two spawns."""
+    """One process: GPT-2 and the LLaMA block for 3 steps, then each for 1 step saved for the
+    export; eight ranks: each layout, saved after its last step. Two spawns."""
     base, d = pref["argv"], pref["dir"]
     n = ["--train-iters", str(STEPS)]
-    single = [
-        (base + n, STEPS),
-        (base + LLAMA + n, STEPS),
-        (base + ["--train-iters", "1", "--save", str(d / "gpt2")], 1),
-        (base + LLAMA + ["--train-iters", "1", "--save", str(d / "llama")], 1),
+    single = [(base + extra + n, STEPS) for extra in SINGLE.values()]
+    single += [(base + extra + ["--train-iters", "1", "--save", str(d / name)], 1) for name, extra in SINGLE.items()]
+    eight = [
+        (base + model + flags.split() + n + ["--save", str(d / f"layout{i}")], STEPS)
+        for i, (flags, model) in enumerate(LAYOUTS.values())
     ]
-    layouts = [
-        ["--tp", "2", "--pp", "2", "--dp", "2"],
-        ["--cp", "2", "--tp", "2", "--dp", "2"] + LLAMA,
-        ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3", "--sequence-parallel"] + LLAMA,
-        ["--tp", "2", "--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-v"],
-    ]
-    eight = [(base + extra + n, STEPS) for extra in layouts]
-    one = run_distributed(_train, 1, single, timeout_s=600)[0]
-    return dict(gpt2=one[0], llama=one[1]), run_distributed(_train, 8, eight, timeout_s=600)[0]
+    one = run_distributed(train_runs, 1, single, params=True, timeout_s=600)[0]
+    return dict(zip(SINGLE, one)), dict(zip(LAYOUTS, run_distributed(train_runs, 8, eight, timeout_s=600)[0]))
 
 
-@pytest.mark.parametrize(
-    "index,name,want",
-    [
-        (0, "tp2-pp2-dp2", "gpt2"),
-        (1, "cp2-tp2-dp2 llama", "llama"),
-        (2, "tp2-pp2-dp2 zero-3 sp llama", "llama"),
-        (3, "tp2-pp2-dp2 zb-v", "gpt2"),
-    ],
-)
-def test_layouts_give_the_single_process_losses_and_scores(runs, index, name, want):
-    single, eight = runs
-    for step, (g, w) in enumerate(zip(eight[index], single[want], strict=True)):
-        for k in KEYS:
-            assert math.isclose(g[k], w[k], rel_tol=1e-5, abs_tol=1e-6), (name, step, k, g[k], w[k])
-    losses = [s["loss"] for s in single[want]]
+@pytest.fixture(scope="module")
+def plain(pref):
+    """The plain PyTorch reward model of a model (flags) -> its steps and final parameters."""
+    cache = {}
+
+    def get(extra: list[str]) -> dict:
+        key = tuple(extra)
+        if key not in cache:
+            cache[key] = plain_post_training(pref["argv"] + extra + ["--train-iters", str(STEPS)], STEPS)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(SINGLE))
+def test_one_process_equals_plain_pytorch(runs, plain, name):
+    """GPT-2 and LLaMA blocks: 3 steps' losses, gradient norms and rm metrics and the parameters
+    after (the head included) equal the Bradley-Terry model written in plain PyTorch within 1e-6;
+    the loss falls."""
+    single, _ = runs
+    assert_same_as_plain(KEYS, single[name], plain(SINGLE[name]), name)
+    losses = [s["loss"] for s in single[name]["steps"]]
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_equal_plain_pytorch(pref, runs, plain, name):
+    """Each layout (ZeRO 0-3, offload; tp, sp, cp, pp 1F1B, ZB-V and interleaved; dp 2, 4;
+    accumulation 3): the same 3 steps and saved parameters within 1e-6."""
+    from megazero.checkpoint import read_full_weights
+
+    _, eight = runs
+    got = dict(eight[name], params=read_full_weights(str(pref["dir"] / f"layout{list(LAYOUTS).index(name)}"))[1])
+    assert_same_as_plain(KEYS, got, plain(LAYOUTS[name][1]), name)
 
 
 def _global_batch(pref, extra=()):
@@ -180,7 +183,7 @@ def test_the_first_step_equals_the_reference_gpt_with_the_head(pref, runs, block
     cfg = config_from_argv(pref["argv"] + extra + ["--train-iters", "1"], 1)
     full = init_full_weights(build_gpt_config(cfg, training.build_data(cfg).vocab_size), 7)
     head = full.pop("value_head.weight")  # [1, H]
-    _agree(runs[0][block][0], _expected_first_step(pref, full, head, extra))
+    _agree(runs[0][block]["steps"][0], _expected_first_step(pref, full, head, extra))
 
 
 def test_a_reward_model_starts_from_a_language_model(pref, tmp_path):
@@ -197,24 +200,27 @@ def test_a_reward_model_starts_from_a_language_model(pref, tmp_path):
     lm, hf = str(tmp_path / "lm"), str(tmp_path / "lm_hf")
     dpo = [a for a in pref["argv"] if a not in ("--rm-use-margin", "--rm-center-coef", "0.05")]
     dpo[dpo.index("rm")] = "dpo"
-    run_distributed(_train, 1, [(dpo + ["--train-iters", "1", "--save", lm], 1)], timeout_s=300)
+    run_distributed(train_runs, 1, [(dpo + ["--train-iters", "1", "--save", lm], 1)], timeout_s=300)
     assert main(["--load", lm, "--to-hf", hf]) == 0
     one = ["--train-iters", "1"]
     finetuned, from_hf = run_distributed(
-        _train, 1, [(pref["argv"] + one + ["--load", lm, "--finetune"], 1), (pref["argv"] + one + ["--from-hf", hf], 1)]
+        train_runs,
+        1,
+        [(pref["argv"] + one + ["--load", lm, "--finetune"], 1), (pref["argv"] + one + ["--from-hf", hf], 1)],
     )[0]
     cfg = config_from_argv(pref["argv"] + one, 1)
     head = init_full_weights(build_gpt_config(cfg, training.build_data(cfg).vocab_size), 7)["value_head.weight"]
     body = read_full_weights(lm)[1]
     assert "value_head.weight" not in body
     want = _expected_first_step(pref, body, head)
-    _agree(finetuned[0], want)
-    _agree(from_hf[0], want)
+    _agree(finetuned["steps"][0], want)
+    _agree(from_hf["steps"][0], want)
 
 
-def _stage_scores(gcfg, full, tokens, mask):
+def _stage_scores(gcfg, full, tokens, mask, packing=None):
     """megazero's scores [B] of a whole-model stage in one process (the trainer's path:
-    last_token_mask, then the sequence info of the loss mask)."""
+    last_token_mask, then the sequence info of the loss mask; ``packing`` a
+    ``megazero.context_parallel.sequence.Packing``, default none)."""
     from megazero.context_parallel.sequence import Packing, shard_micro_batch
     from megazero.post_training.reward import last_token_mask
     from megazero.process_groups import ProcessGroups
@@ -222,7 +228,7 @@ def _stage_scores(gcfg, full, tokens, mask):
 
     stage = GPTStage(gcfg, ProcessGroups.single(), range(gcfg.num_layers), True, True, 7, full_weights=full).eval()
     tokens, labels, seq = shard_micro_batch(
-        tokens, tokens, cp=1, cp_rank=0, packing=Packing(), loss_mask=last_token_mask(mask)
+        tokens, tokens, cp=1, cp_rank=0, packing=packing or Packing(), loss_mask=last_token_mask(mask)
     )
     with torch.no_grad():
         return stage(tokens, seq=seq)
@@ -266,6 +272,51 @@ def test_the_scored_token_is_the_last_response_token(pref):
     with torch.no_grad():
         hidden = model(with_eod, return_hidden=True)[0, n - 1]  # (H,)
     assert torch.allclose(got[0], hidden @ head[0], rtol=1e-5, atol=1e-6), (got, hidden @ head[0])
+
+
+def test_left_padded_and_packed_rows_score_as_alone(pref):
+    """With the packing flags (EOD ends a document; attention and positions reset at each), a
+    sequence scores as alone (1e-6) when left-padded with EOD beside longer ones, and when packed
+    with three others in one row (the head selects one token per row, so the packed row is
+    scored once per sequence). Without the flags, left padding moves the score."""
+    from dataclasses import replace
+
+    from data.tokenizer import load_tokenizer
+    from megazero.context_parallel.sequence import Packing
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+
+    cfg, data, tokens, _, mask, _ = _global_batch(pref)
+    gcfg = build_gpt_config(cfg, data.vocab_size)  # 128 positions: room for the packed row
+    gcfg = replace(gcfg, hidden_dropout=0.0, attention_dropout=0.0, seq_length=128, max_position_embeddings=128)
+    full = init_full_weights(gcfg, 7)
+    eod = load_tokenizer(pref["tok"], "HuggingFaceTokenizer").eod
+    packing = Packing(eod=eod, reset_attention_mask=True, reset_position_ids=True)
+    rows = range(4)
+    n = [int(torch.nonzero(mask[r]).max()) + 1 for r in rows]  # up to the last response token
+    assert len(set(n)) > 1 and all(eod not in tokens[r, : n[r]] for r in rows)
+    alone = torch.cat([_stage_scores(gcfg, full, tokens[r : r + 1, : n[r]], mask[r : r + 1, : n[r]]) for r in rows])
+
+    width = max(n)
+    left = torch.full((4, width), eod, dtype=tokens.dtype)
+    left_mask = torch.zeros(4, width)
+    for r in rows:
+        left[r, width - n[r] :], left_mask[r, width - n[r] :] = tokens[r, : n[r]], mask[r, : n[r]]
+    got = _stage_scores(gcfg, full, left, left_mask, packing)
+    assert torch.allclose(got, alone, rtol=0, atol=1e-6), (got, alone)
+    unpacked = _stage_scores(gcfg, full, left, left_mask)
+    shifted = [r for r in rows if n[r] < width]
+    assert (unpacked[shifted] - alone[shifted]).abs().min() > 1e-4, (unpacked, alone)
+
+    packed = torch.cat([torch.cat([tokens[r, : n[r]], tokens.new_tensor([eod])]) for r in rows])
+    masks, start = [], 0
+    for r in rows:  # copy r selects sequence r's last response token
+        m = torch.zeros(len(packed))
+        m[start : start + n[r]] = mask[r, : n[r]]
+        masks.append(m)
+        start += n[r] + 1
+    got = _stage_scores(gcfg, full, packed.expand(4, -1).clone(), torch.stack(masks), packing)
+    assert torch.allclose(got, alone, rtol=0, atol=1e-6), (got, alone)
 
 
 @pytest.mark.parametrize(

@@ -125,3 +125,49 @@ def plain_post_training(argv: list[str], steps: int) -> dict:
         adam.step()
         out.append(dict(loss=loss.item(), grad_norm=norm.item(), **{k: v.item() for k, v in values.items()}))
     return dict(steps=out, params={k: v.detach().clone() for k, v in params.items()})
+
+
+def train_runs(rank, world, runs, params=False):
+    """A ``run_distributed`` target: for each ``(argv, steps)`` of ``runs``, build the trainer
+    (loading ``--load``, weights only with ``--finetune``), run ``steps`` steps and save to
+    ``--save`` if given. Returns per run ``{"start": the loaded iteration or None, "iteration":
+    the trainer's first, "steps": each step's logged values (loss, grad_norm, the mode's
+    metrics)}``, plus ``"params"`` (canonical name -> tensor after the steps) with ``params``,
+    valid in one process at ZeRO-0 only."""
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.training import build_trainer
+
+    out = []
+    for argv, steps in runs:
+        cfg = config_from_argv(argv, world)
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+        start = trainer.load_checkpoint(cfg.train.load, weights_only=cfg.train.finetune) if cfg.train.load else None
+        got = dict(start=start, iteration=trainer.state.iteration, steps=[])
+        for _ in range(steps):
+            got["steps"].append(trainer.train_step(trainer.next_batches()).values)
+        if cfg.train.save:
+            trainer.save_checkpoint(cfg.train.save, wait=True)
+        if params:
+            got["params"] = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
+        trainer.close()
+        out.append(got)
+    return out
+
+
+def assert_same_as_plain(keys, got: dict, want: dict, what: str, tol: float = 1e-6) -> None:
+    """Each step's values named in ``keys`` (loss, gradient norm, the mode's metrics) within
+    ``tol`` (relative, or absolute near zero), then every parameter of ``want`` within ``tol``
+    (absolute; the padded vocabulary rows of ``got`` left out). ``got`` and ``want`` as
+    ``train_runs`` and ``plain_post_training`` return them; ``what`` names the run."""
+    import math
+
+    import torch
+
+    for step, (g, w) in enumerate(zip(got["steps"], want["steps"], strict=True)):
+        for k in keys:
+            assert math.isclose(g[k], w[k], rel_tol=tol, abs_tol=tol), (what, step, k, g[k], w[k])
+    assert set(got["params"]) == set(want["params"]), (what, set(got["params"]) ^ set(want["params"]))
+    for name, q in want["params"].items():
+        p = got["params"][name][: q.shape[0]]
+        assert torch.allclose(p, q, rtol=0, atol=tol), (what, name, float((p - q).abs().max()))
