@@ -944,6 +944,14 @@ class PostTrainConfig:
         "path",
         applies=_REFERENCE,
     )
+    ref_offload: bool = _f(
+        False,
+        "keep the reference model's weights in host memory (pinned on CUDA) between uses and copy "
+        "them to the device only for its forward pass (OpenRLHF's --ref_reward_offload): the "
+        "reference then costs no GPU memory outside that pass, for one host-to-device copy of its "
+        "weights per step",
+        applies=_REFERENCE,
+    )
     allow_dropout: bool = _f(
         False,
         "let post-training run with dropout on (the policy's log-probabilities then differ from "

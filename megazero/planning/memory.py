@@ -206,6 +206,10 @@ class MemoryEstimate:
     cp_attention: A.ContextParallelBytes = A.ContextParallelBytes(0.0, 0.0)
     """The cp attention's buffers alive inside one layer (the ring's K/V and blocks); counted
     in ``activation_bytes`` where larger than the logits and FFN gradient (zeros at cp = 1)."""
+    reference_bytes: float = 0.0
+    """Post-training's frozen reference model on this rank (``--post-train dpo``): the stage's
+    Psi parameters in the model dtype, replicated over dp, no gradients or optimizer state; 0
+    without one, or when ``--ref-offload`` keeps it off the planned memory (a GPU's)."""
 
     @property
     def temporary_bytes(self) -> float:
@@ -213,9 +217,12 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> float:
-        """Peak bytes: states + max(activations + backward temporaries, step temporaries)."""
-        return self.model_state_bytes + max(
-            self.activation_bytes + self.backward_temporary_bytes, self.step_temporary_bytes
+        """Peak bytes: states + reference + max(activations + backward temporaries, step
+        temporaries)."""
+        return (
+            self.model_state_bytes
+            + self.reference_bytes
+            + max(self.activation_bytes + self.backward_temporary_bytes, self.step_temporary_bytes)
         )
 
 
@@ -270,6 +277,7 @@ def estimate(
     cp: int = 1,
     ep: int = 1,
     params_on_host: bool = False,
+    reference: bool = False,
 ) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
@@ -285,7 +293,8 @@ def estimate(
     stay among the temporaries). ``cp``: the
     context-parallel size of the bound (the counted path reads ``activations.cp``); ``dp`` is
     the number of ranks ZeRO shards over, ``dp x cp`` with context parallelism; ``ep`` the
-    expert-parallel size (a rank holds E/ep experts, their states sharded over ``dp / ep``)."""
+    expert-parallel size (a rank holds E/ep experts, their states sharded over ``dp / ep``);
+    ``reference``: a frozen reference model in the planned memory (``MemoryEstimate.reference_bytes``)."""
     if activations is not None:
         return _estimate_counted(
             g,
@@ -304,6 +313,7 @@ def estimate(
             states_on_host=states_on_host,
             ep=ep,
             params_on_host=params_on_host,
+            reference=reference,
         )
     inflight = inflight_per_stage(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
@@ -330,9 +340,10 @@ def estimate(
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
         acts = inflight[r] * layers_per_chunk * layer + (logits if head else 0.0)
-        stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp))
+        ref = psi * param_bytes * reference
+        stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, reference_bytes=ref))
     best = max(stages, key=lambda e: e.total_bytes)
-    best.most_states = max(stages, key=lambda e: e.model_state_bytes)
+    best.most_states = max(stages, key=lambda e: e.model_state_bytes + e.reference_bytes)
     return best
 
 
@@ -393,7 +404,7 @@ def _estimate_counted(g: ModelSizes, **kw) -> MemoryEstimate:
     """``estimate`` with activations and temporaries counted (``megazero.planning.activations``)."""
     stages = stage_estimates(g, **kw)
     best = max(stages, key=lambda e: e.total_bytes)
-    best.most_states = max(stages, key=lambda e: e.model_state_bytes)
+    best.most_states = max(stages, key=lambda e: e.model_state_bytes + e.reference_bytes)
     return best
 
 
@@ -415,6 +426,7 @@ def stage_estimates(
     states_on_host: bool = False,
     ep: int = 1,
     params_on_host: bool = False,
+    reference: bool = False,
 ) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
@@ -444,9 +456,9 @@ def stage_estimates(
             for kept, waiting in _inflight_pairs(schedule, pp, vp_size, num_microbatches)[r]
         )
         staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
-        stages.append(
-            MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step, A.context_parallel_bytes(g, a))
-        )
+        cp_bytes = A.context_parallel_bytes(g, a)
+        ref = psi * param_bytes * reference
+        stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step, cp_bytes, ref))
     return stages
 
 
@@ -486,9 +498,10 @@ def describe(e: MemoryEstimate, available: Optional[int]) -> str:
         if cp.total
         else ""
     )
+    reference = f" + reference model {gib(e.reference_bytes)}" if e.reference_bytes else ""
     return (
         f"memory per rank (pipeline stage {e.stage}): model states {gib(e.model_state_bytes)} "
-        f"(Psi={e.params:,}, ZeRO formula) + activations up to {gib(e.activation_bytes)} "
+        f"(Psi={e.params:,}, ZeRO formula){reference} + activations up to {gib(e.activation_bytes)} "
         f"(Korthikanti et al. 2022{ring}){temps}, peak {gib(e.total_bytes)}; available {free}"
     )
 
@@ -508,11 +521,15 @@ def check_fits(e: MemoryEstimate, available: Optional[int]) -> Optional[str]:
     if available is None:
         return None
     worst = e.most_states or e
-    if worst.model_state_bytes > available:
+    if worst.model_state_bytes + worst.reference_bytes > available:
         policy = sharding_policy(worst.zero_stage)
         fixes = [policy.remedy] if policy.remedy else []
         if policy.shards_optimizer:
             fixes.append("a larger --dp")
+        ref = ""
+        if worst.reference_bytes:
+            ref = f" and the reference model {gib(worst.reference_bytes)}"
+            fixes.append("--ref-offload")
         fixes += [
             "a larger --tp or --pp",
             "a smaller model (--num-layers, --hidden-size, "
@@ -520,7 +537,7 @@ def check_fits(e: MemoryEstimate, available: Optional[int]) -> Optional[str]:
         ]
         raise MemoryPlanError(
             f"the model states of one rank of pipeline stage {worst.stage} need {gib(worst.model_state_bytes)} "
-            f"(Psi={worst.params:,} parameters, ZeRO-{worst.zero_stage}) but {gib(available)} is available; "
+            f"(Psi={worst.params:,} parameters, ZeRO-{worst.zero_stage}){ref} but {gib(available)} is available; "
             f"fix: {', '.join(fixes)}"
         )
     if e.total_bytes > available:

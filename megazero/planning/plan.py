@@ -53,7 +53,9 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
     dp x cp / S groups, so the formulas hold with N = S); ``ep`` the expert-parallel size of an
     MoE model (1 for a dense one); ``states_on_host`` / ``params_on_host``: the optimizer state /
     ZeRO-3's parameter shards offloaded off the GPU (``--offload-optimizer`` / ``--offload-param``
-    cpu or nvme; on a CPU run the host is the planned memory, so nothing leaves it)."""
+    cpu or nvme; on a CPU run the host is the planned memory, so nothing leaves it);
+    ``reference``: DPO's frozen reference model in the planned memory (not SimPO's, which has
+    none; not with ``--ref-offload`` on a GPU)."""
     p, pr = cfg.parallel, cfg.precision
     dtype = model_dtype(pr.fp16, pr.bf16)
     return dict(
@@ -70,6 +72,7 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
         states_on_host=cfg.zero.offload_optimizer != "none" and on_cuda,
         params_on_host=cfg.zero.offload_param != "none" and sharding_policy(cfg.zero.stage).shards_params and on_cuda,
         ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1,
+        reference=cfg.post.mode == "dpo" and cfg.post.dpo_loss != "simpo" and not (cfg.post.ref_offload and on_cuda),
     )
 
 

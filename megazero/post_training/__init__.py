@@ -9,15 +9,18 @@ The reference is, in this order: ``--ref-load DIR``'s latest checkpoint; the ref
 resumed checkpoint records; the policy's starting point: ``--load``'s checkpoint (with
 ``--finetune``, or a checkpoint of another mode), ``--from-hf``'s weights, or the seeded
 initialisation. Checkpoints record it (``record``), so a resumed run compares with the same
-model and not with the policy it saved.
+model and not with the policy it saved. With ``--ref-offload`` its weights stay in host memory
+between steps and come to the device for its forward pass only (``megazero.offload.host_resident``).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
 
+from megazero.offload.host_resident import HostResident
 from megazero.post_training.losses import PreferenceLoss
 from megazero.post_training.preference import PreferenceStep, reference_forward_step
 from megazero.post_training.reward import RewardLoss, RewardStep
@@ -40,6 +43,7 @@ class PostTraining:
         self.mode = cfg.post.mode
         self.preference: Optional[PreferenceStep | RewardStep] = None
         self.chunks: Optional[list] = None
+        self.resident = None  # --ref-offload: the reference's host copy (HostResident)
         self.recorded: Optional[dict] = None
         if self.mode == "dpo":
             p = cfg.post
@@ -88,6 +92,9 @@ class PostTraining:
         unusable ``--ref-load``."""
         if self.chunks is None:
             self.chunks = self.build_reference(self.reference_source())
+            if self.cfg.post.ref_offload:
+                params = [p for c in self.chunks for p in c.parameters()]
+                self.resident = HostResident(params, params[0].device)
         return self.chunks
 
     @torch.no_grad()
@@ -101,5 +108,7 @@ class PostTraining:
         def store(batch, sums):
             out[index[id(batch)]] = sums
 
-        run(self.reference_chunks(), reference_forward_step(self.groups, store), batches)
+        chunks = self.reference_chunks()
+        with self.resident.on_device() if self.resident is not None else nullcontext():
+            run(chunks, reference_forward_step(self.groups, store), batches)
         return out

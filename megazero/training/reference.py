@@ -46,7 +46,8 @@ def build_reference(cfg: Config, groups: ProcessGroups, gcfg: GPTConfig, device:
         kind, where = next(iter(source.items()))
         print(
             f"[megazero] reference model from {kind} {where}: {n / 2**20:.2f} MiB on rank 0 "
-            "(replicated over dp, no gradients or optimizer state)",
+            "(replicated over dp, no gradients or optimizer state"
+            + ("; in host memory between steps, --ref-offload)" if cfg.post.ref_offload else ")"),
             flush=True,
         )
     return chunks

@@ -84,7 +84,10 @@ LAYOUTS = {  # name: (layout flags, the model and loss flags its plain reference
     "dp8 zero-3 simpo": ("--dp 8 --zero-stage 3", LOSSES["simpo"]),
     "tp2-pp2-dp2 zero-3 sp ipo": ("--tp 2 --pp 2 --dp 2 --zero-stage 3 --sequence-parallel", LOSSES["ipo"]),
     "cp2-tp2-dp2 zero-2 hinge": ("--cp 2 --tp 2 --dp 2 --zero-stage 2", LOSSES["hinge"]),
-    "interleaved pp4 vp2 dp2 zero-1": ("--pp 4 --virtual-pipeline-size 2 --dp 2 --zero-stage 1", ["--num-layers", "8"]),
+    "interleaved pp4 vp2 dp2 zero-1 ref-offload": (
+        "--pp 4 --virtual-pipeline-size 2 --dp 2 --zero-stage 1 --ref-offload",
+        ["--num-layers", "8"],
+    ),
     "dp4-tp2 zero-3 cpu offload simpo": ("--dp 4 --tp 2 --zero-stage 3 --offload-optimizer cpu", LOSSES["simpo"]),
     "dp2-tp4 accumulation 3": ("--dp 2 --tp 4 --gradient-accumulation-steps 3", ["--global-batch-size", "12"]),
 }
@@ -197,6 +200,52 @@ def test_a_checkpointed_reference_a_resume_and_finetune(pref):
     want = float(-F.logsigmoid(0.1 * (h[0::2] - h[1::2])).mean())
     got = ref_load["steps"][0]["loss"]
     assert math.isclose(got, want, rel_tol=1e-5) and abs(want - math.log(2)) > 1e-3, (got, want)
+
+
+def _reference_bytes(rank, world, argv):
+    """One step of ``argv``: (its values, the reference's parameter bytes, the device bytes its
+    storages hold after the step, the bytes its host copy holds)."""
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.training import build_trainer
+
+    cfg = config_from_argv(argv, world)
+    trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+    values = trainer.train_step(trainer.next_batches()).values
+    params = [p for c in trainer.post.chunks for p in c.parameters()]
+    held = sum(p.untyped_storage().nbytes() for p in params)
+    host = trainer.post.resident.nbytes if trainer.post.resident is not None else None
+    out = values, sum(p.numel() * p.element_size() for p in params), held, host
+    trainer.close()
+    return out
+
+
+def test_the_plan_counts_the_reference_and_ref_offload_keeps_it_on_the_host(pref):
+    """The memory plan adds the reference model, Psi x 4 bytes (fp32) per rank, exactly the bytes
+    of the reference the trainer builds; SimPO has none. With --ref-offload the reference's
+    storages hold 0 bytes after a step, its host copy holds those bytes, the step is bit for bit
+    the same, and a GPU's plan leaves the reference out (a CPU run's host is its planned memory)."""
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.planning.plan import plan_stages
+    from model.build import build_gpt_config
+
+    argv = pref["argv"] + ["--train-iters", "1"]
+    (plain_run, offloaded) = [run_distributed(_reference_bytes, 1, a)[0] for a in (argv, argv + ["--ref-offload"])]
+    assert plain_run[0] == offloaded[0]
+    assert plain_run[2] == plain_run[1] > 0 and offloaded[2] == 0 and offloaded[3] == offloaded[1] == plain_run[1]
+
+    def planned(extra, on_cuda=False):
+        cfg = config_from_argv(argv + extra, 1)
+        (stage,) = plan_stages(cfg, build_gpt_config(cfg, training.build_data(cfg).vocab_size), on_cuda=on_cuda)
+        return stage
+
+    stage = planned([])
+    assert stage.reference_bytes == 4 * stage.params == plain_run[1]
+    assert planned(["--ref-offload"]).reference_bytes == plain_run[1]
+    assert planned(["--ref-offload"], on_cuda=True).reference_bytes == 0
+    assert planned([], on_cuda=True).reference_bytes == plain_run[1]
+    assert planned(LOSSES["simpo"]).reference_bytes == 0
 
 
 def test_bad_post_training_settings_exit_2_with_one_line(pref, capsys):
