@@ -57,6 +57,8 @@ FEATURES = [
     # post-training on preference pairs (PAIRS: a tokenizer and pairs made in a temporary folder)
     ("dpo", ["PAIRS", "--post-train", "dpo"], [], 1e-4),
     ("rm", ["PAIRS", "--post-train", "rm"], [], 1e-4),
+    # the reference model in pinned host memory, copied in for its pass (storages resized on CUDA)
+    ("dpo-ref-offload", ["PAIRS", "--post-train", "dpo"], ["--ref-offload"], 1e-4),
 ]
 PAIRS_BASE = [f for f in BASE if f not in ("--mock-data", "--vocab-size", "256")] + [
     "--make-vocab-size-divisible-by",
