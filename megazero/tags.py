@@ -7,9 +7,11 @@ else (never parameter names):
   tensor; then ``partition_dim`` and ``partition_stride`` say how (stride > 1 means the
   full tensor is ``stride`` interleaved blocks, each cut into ``tp`` pieces, as for a fused
   QKV weight whose q, k and v blocks are each split by head).
-- ``sequence_parallel`` (bool): a TP-replicated parameter that sees sequence-partitioned
-  activations (LayerNorm weight/bias, row-parallel bias under ``--sequence-parallel``): its
-  gradient must be summed over the TP group (Korthikanti et al. 2022, sec. 4.2.2).
+- ``sequence_parallel`` (bool): a TP-replicated parameter of which each TP rank computes only a
+  part of the gradient: one that sees sequence-partitioned activations (LayerNorm weight/bias,
+  row-parallel bias under ``--sequence-parallel``; Korthikanti et al. 2022, sec. 4.2.2), or one
+  applied to each rank's own attention heads (QK-norm weights, with or without sequence
+  parallelism). Its gradient must be summed over the TP group.
 - ``weight_grad_in_b`` (bool): under a zero-bubble schedule, B computes this parameter's
   weight gradient and hands it to W (``pipeline/weight_grad.py``): the output layer's, whose
   W would otherwise hold the logits' gradient ``[B, T, V/tp]`` from B to W.

@@ -70,6 +70,11 @@ from model.value_head import ValueHead
 SDPA_GQA = torch.__version__ >= (2, 5)
 
 
+PER_HEAD_NORMS = ("attn.q_norm.weight", "attn.k_norm.weight")
+"""Replicated over tp, but applied to each rank's own heads: without sequence parallelism too,
+a tp rank's gradient is its heads' part, summed over tp by the ``sequence_parallel`` tag's rule."""
+
+
 class Embedding(nn.Module):
     """Vocabulary-parallel word embedding plus learned positions (replicated over TP).
 
@@ -466,8 +471,8 @@ class GPTStage(nn.Module):
             if e.partition_dim is not None:
                 local[e.partition_dim] //= tp
                 tags.set_partitioned(p, e.partition_dim, e.partition_stride)
-            else:
-                tags.set_replicated(p, sequence_parallel=self.sp)
+            else:  # QK-norm weights: each tp rank normalises its own heads, so holds part of the gradient
+                tags.set_replicated(p, sequence_parallel=self.sp or name.endswith(PER_HEAD_NORMS))
             if self.groups.ep_size > 1 and ".mlp.experts." in name:
                 tags.set_expert_parallel(p)
             tags.set_weight_decay(p, e.weight_decay)

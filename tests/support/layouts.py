@@ -70,12 +70,19 @@ def train_layout(rank, world, argv, steps):
         out = trainer.train_step(batches).values
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
+    from megazero.pipeline.partition import chunk_layout
     from megazero.planning import memory
 
     psi = (
         sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs counted
         memory.params_per_rank(
-            trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size, p.pipeline_layer_split
+            trainer.gpt_config,
+            p.tp,
+            p.pp,
+            groups.pp_rank,
+            p.virtual_pipeline_size,
+            p.pipeline_layer_split,
+            layout=chunk_layout(p.pipeline_schedule),  # ZB-V: the last chunk (final norm, head) on stage 0
         ),
     )
     ids = (  # 18 ids each: the window slides
