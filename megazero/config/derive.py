@@ -18,12 +18,15 @@ from megazero.config.shape import default_ffn_hidden_size
 from megazero.data_parallel.policy import stages_where
 from megazero.topology import Topology
 
+MIN_LR = 2e-4
+"""--min-lr when not given and --lr is at least this (below it: --lr / 10)."""
+
 
 def finalize(cfg: Config, world_size: int) -> list[str]:
     """Fill derived settings in place; returns warnings. Never raises: validate() judges.
 
     dp = world / (tp x cp x pp); FFN = 4 H (SwiGLU: int(8 H / 3 / 64) x 64); max positions = seq; decay iters = train
-    iters;
+    iters; min lr = MIN_LR, or lr / 10 below it;
     mock vocab = MOCK_VOCAB_SIZE; interleaved schedule when vp > 1 and no schedule was given;
     sequence parallelism off at tp 1 (Megatron does the same, with a warning); ZeRO-3's prefetch
     bucket 0.9 H^2 and persistence threshold 10 H when unset or "auto" (the values the Hugging
@@ -42,6 +45,8 @@ def finalize(cfg: Config, world_size: int) -> list[str]:
         m.max_position_embeddings = m.seq_length
     _derive_zero3_knobs(cfg)
     o.lr_decay_iters = t.train_iters if o.lr_decay_iters is None else o.lr_decay_iters
+    if o.min_lr is None:  # 2e-4 unless --lr is below it (then a tenth of --lr)
+        o.min_lr = MIN_LR if o.lr >= MIN_LR else o.lr / 10
     o.lr_warmup_iters = t.train_iters // 10 if o.lr_warmup_iters is None else o.lr_warmup_iters
     if cfg.post.mode == "sft":  # --post-train sft is --sft; --sft alone names the mode
         d.sft = True

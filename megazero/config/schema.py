@@ -524,7 +524,14 @@ class OptimizerConfig:
     """AdamW (decoupled weight decay), warm-up then decay of the learning rate, clipping."""
 
     lr: float = _f(2e-3, "peak learning rate", "", ge=0)
-    min_lr: float = _f(2e-4, "learning rate at the end of the decay", "", ge=0, applies=_DECAY)
+    min_lr: Optional[float] = _f(
+        None,
+        "learning rate at the end of the decay; None = 2e-4, or --lr / 10 when --lr is below 2e-4 "
+        "(a fine-tuning --lr then needs no --min-lr of its own)",
+        "",
+        ge=0,
+        applies=_DECAY,
+    )
     lr_warmup_iters: Optional[int] = _f(
         None, "linear warm-up from 0 to --lr; None = 10% of --train-iters", "iterations", ge=0
     )

@@ -1018,3 +1018,18 @@ def test_zero3_knobs_scale_with_the_hidden_size_and_auto_means_the_same(files):
     assert (z.zero3_prefetch_bucket_size, z.zero3_param_persistence_threshold) == (50_000_000, 100_000)
     z = config_from_argv(z3 + ["--zero3-prefetch-bucket-size", "0"], 2).zero
     assert (z.zero3_prefetch_bucket_size, z.zero3_param_persistence_threshold) == (0, 5_120)
+
+
+def test_min_lr_defaults_to_2e_4_or_a_tenth_of_a_smaller_lr():
+    """Without --min-lr: 2e-4 (the pretraining default, --lr 2e-3), a tenth of a fine-tuning --lr
+    below 2e-4 (5e-7 -> 5e-8) instead of a refusal; a given --min-lr is kept, one above --lr refused."""
+    from megazero.config import config_from_argv
+
+    def min_lr(*extra):
+        return config_from_argv(["--mock-data", *extra], 1).optim.min_lr
+
+    assert min_lr() == 2e-4 and min_lr("--lr", "2e-4") == 2e-4
+    assert min_lr("--lr", "5e-7") == pytest.approx(5e-8, rel=1e-12)
+    assert min_lr("--lr", "5e-7", "--min-lr", "0") == 0.0
+    with pytest.raises(SystemExit):
+        config_from_argv(["--mock-data", "--lr", "5e-7", "--min-lr", "1e-6"], 1)
