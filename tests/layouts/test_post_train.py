@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.distributed import run_distributed
-from tests.support.preference import assert_same_as_plain, plain_post_training, train_runs, write_pairs
+from tests.support.preference import assert_same_as_plain, plain_cache, train_runs, write_pairs
 
 T, STEPS, PAIRS = 32, 3, 64
 MODEL = (
@@ -111,15 +111,7 @@ def runs(pref):
 @pytest.fixture(scope="module")
 def plain(pref):
     """The plain PyTorch run of a model and loss (flags) -> its steps and final parameters."""
-    cache = {}
-
-    def get(extra: list[str]) -> dict:
-        key = tuple(extra)
-        if key not in cache:
-            cache[key] = plain_post_training(pref["argv"] + extra + ["--train-iters", str(STEPS)], STEPS)
-        return cache[key]
-
-    return get
+    return plain_cache(pref["argv"], STEPS)
 
 
 def test_the_first_step_compares_the_policy_with_itself(runs):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from tests.support.distributed import run_distributed
 from tests.support.extras import require
-from tests.support.preference import assert_same_as_plain, plain_post_training, train_runs, write_pairs
+from tests.support.preference import assert_same_as_plain, plain_cache, train_runs, write_pairs
 
 STEPS, PAIRS = 3, 64
 MODEL = (
@@ -92,15 +92,7 @@ def runs(pref):
 @pytest.fixture(scope="module")
 def plain(pref):
     """The plain PyTorch reward model of a model (flags) -> its steps and final parameters."""
-    cache = {}
-
-    def get(extra: list[str]) -> dict:
-        key = tuple(extra)
-        if key not in cache:
-            cache[key] = plain_post_training(pref["argv"] + extra + ["--train-iters", str(STEPS)], STEPS)
-        return cache[key]
-
-    return get
+    return plain_cache(pref["argv"], STEPS)
 
 
 @pytest.mark.parametrize("name", list(SINGLE))

@@ -171,3 +171,17 @@ def assert_same_as_plain(keys, got: dict, want: dict, what: str, tol: float = 1e
     for name, q in want["params"].items():
         p = got["params"][name][: q.shape[0]]
         assert torch.allclose(p, q, rtol=0, atol=tol), (what, name, float((p - q).abs().max()))
+
+
+def plain_cache(argv: list[str], steps: int):
+    """``get(extra)``: ``plain_post_training(argv + extra + ["--train-iters", steps], steps)``,
+    computed once per ``extra`` (a list of flags: the model or loss a run compares with)."""
+    cache: dict = {}
+
+    def get(extra: list[str]) -> dict:
+        key = tuple(extra)
+        if key not in cache:
+            cache[key] = plain_post_training(argv + list(extra) + ["--train-iters", str(steps)], steps)
+        return cache[key]
+
+    return get
