@@ -76,3 +76,32 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
         rows = torch.nonzero(~on.any(dim=1)).flatten().tolist()
         raise ValueError(f"rows {rows} have no response token to put their reward on")
     return last_token_mask(response_mask) * scores.to(torch.float32).unsqueeze(1)
+
+
+@torch.no_grad()
+def reward_model_scores(stage, sequences: list[list[int]], response_lengths: list[int], pad: int) -> torch.Tensor:
+    """A reward model's score ``[N]`` fp32 of each sequence (prompt + response ids, ragged) whose
+    last ``response_lengths[n]`` tokens are the response: the value head on the final-norm hidden
+    state of the last response token (``last_token_mask``), as ``--post-train rm`` trains it,
+    the rows right-padded with ``pad`` in one batch. ``stage`` is a whole-model reward-model
+    stage (``model.gpt.GPTStage`` with its value head; any tp, no pipeline), in eval mode; every
+    tp rank returns the same scores. Raises ValueError for a stage without a value head, or a
+    response length outside [1, len(sequence)]."""
+    from megazero.context_parallel.sequence import Packing, shard_micro_batch
+
+    if not getattr(stage.cfg, "value_head", False):
+        raise ValueError("the model has no value head: a reward model is a --post-train rm checkpoint")
+    bad = [n for n, (s, r) in enumerate(zip(sequences, response_lengths, strict=True)) if not 1 <= r <= len(s)]
+    if bad:
+        raise ValueError(f"sequences {bad} have a response length outside [1, sequence length]")
+    device = next(stage.parameters()).device
+    T = max(len(s) for s in sequences)
+    tokens = torch.full((len(sequences), T), pad, dtype=torch.long, device=device)
+    mask = torch.zeros(len(sequences), T, dtype=torch.float32, device=device)
+    for n, (s, r) in enumerate(zip(sequences, response_lengths)):
+        tokens[n, : len(s)] = torch.as_tensor(s, dtype=torch.long, device=device)
+        mask[n, len(s) - r : len(s)] = 1.0
+    tokens, _, seq = shard_micro_batch(
+        tokens, tokens, cp=1, cp_rank=0, packing=Packing(), loss_mask=last_token_mask(mask)
+    )
+    return stage(tokens, seq=seq).float()

@@ -168,3 +168,24 @@ def join_tp_ranks(device_type: str, world: int, timeout_s: float) -> tuple[torch
             device_id=device if device.type == "cuda" else None,
         )
     return device, ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
+
+
+def load_reward_model(load: str, groups: ProcessGroups, device) -> GPTStage:
+    """A ``--post-train rm`` checkpoint under ``load`` as a whole-model stage in eval mode (this
+    rank's tp partitions, the value head included), for ``--reward rm:DIR`` scores
+    (``megazero.post_training.rewards.reward_model_scores``). Raises CheckpointError naming
+    ``--reward rm:DIR`` for a missing checkpoint or one without a value head (a language model)."""
+    from types import SimpleNamespace
+
+    source = SimpleNamespace(load=load, from_hf=None, tokenizer_model=None, tokenizer_type=None)
+    try:
+        gcfg, _, _ = model_settings(source)
+    except CheckpointError as e:
+        raise CheckpointError(f"--reward rm:{load}: {e}") from None
+    if not gcfg.value_head:
+        raise CheckpointError(
+            f"--reward rm:{load}: the checkpoint is a language model, not a reward model (no value head); "
+            "fix: the --save directory of a --post-train rm run"
+        )
+    stage, _ = load_model(source, groups, device, need_tokenizer=False)
+    return stage.eval()

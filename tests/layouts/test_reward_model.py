@@ -311,6 +311,51 @@ def test_left_padded_and_packed_rows_score_as_alone(pref):
     assert torch.allclose(got, alone, rtol=0, atol=1e-6), (got, alone)
 
 
+def _checkpoint_scores(rank, world, load, sequences, lengths, pad):
+    """``--reward rm:DIR``'s scores of ``sequences`` at tp ``world``."""
+    from megazero.post_training.rewards import reward_model_scores
+    from megazero.process_groups import ProcessGroups
+    from megazero.topology import Topology
+    from megazero.training.inference import load_reward_model
+
+    groups = ProcessGroups.build(Topology(tp=world, pp=1, dp=1)) if world > 1 else ProcessGroups.single()
+    return reward_model_scores(load_reward_model(load, groups, torch.device("cpu")), sequences, lengths, pad)
+
+
+def test_a_reward_model_checkpoint_scores_ragged_sequences_as_training_does(pref, runs, tmp_path):
+    """The scorer of ``--reward rm:DIR`` (``load_reward_model``, ``reward_model_scores``): four
+    sequences of different lengths in one batch score as the trainer's path scores each alone
+    (1e-6), at tp 1 and tp 2; a language model's checkpoint is refused naming --reward rm:DIR."""
+    from data.tokenizer import load_tokenizer
+    from megazero.checkpoint import CheckpointError, read_full_weights
+    from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_reward_model
+    from model.hf import config_from_record
+
+    load = str(pref["dir"] / "gpt2")
+    _, _, tokens, _, mask, _ = _global_batch(pref)
+    n = [int(torch.nonzero(mask[r]).max()) + 1 for r in range(4)]
+    sequences = [tokens[r, : n[r]].tolist() for r in range(4)]
+    lengths = [int(mask[r, : n[r]].sum()) for r in range(4)]
+    meta, full = read_full_weights(load)
+    gcfg = config_from_record(meta["extra"]["gpt_config"], hidden_dropout=0.0, attention_dropout=0.0)
+    alone = torch.cat([_stage_scores(gcfg, full, tokens[r : r + 1, : n[r]], mask[r : r + 1, : n[r]]) for r in range(4)])
+    pad = load_tokenizer(pref["tok"], "HuggingFaceTokenizer").eod
+    assert len(set(n)) > 1
+    for world in (1, 2):
+        got = run_distributed(_checkpoint_scores, world, load, sequences, lengths, pad)
+        for scores in got:  # every tp rank
+            assert torch.allclose(scores, alone, rtol=0, atol=1e-6), (world, scores, alone)
+
+    dpo = [a for a in pref["argv"] if a not in ("--rm-use-margin", "--rm-center-coef", "0.05")]
+    dpo[dpo.index("rm")] = "dpo"
+    lm = str(tmp_path / "lm")
+    run_distributed(train_runs, 1, [(dpo + ["--train-iters", "1", "--save", lm], 1)], timeout_s=300)
+    with pytest.raises(CheckpointError, match="no value head") as e:
+        load_reward_model(lm, ProcessGroups.single(), torch.device("cpu"))
+    assert str(e.value).startswith(f"--reward rm:{lm}: ") and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     "block,arch", [("gpt2", "GPT2ForSequenceClassification"), ("llama", "LlamaForSequenceClassification")]
 )
