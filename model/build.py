@@ -24,12 +24,14 @@ from megazero.process_groups import ProcessGroups
 from model.config import ROPE_SCALING_FIELDS, GPTConfig
 from model.gpt import GPTStage
 from model.hf import HFConversionError
-from model.hf_folder import check_folder, open_folder
+from model.hf_folder import check_folder, folder_model_type, open_folder
 from model.spec import InitialWeights
 from model.value_head import WithSeededHead
 
 
 def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
+    """The GPTConfig of ``cfg``'s model settings with ``vocab_size`` real tokens; with ``--from-hf``
+    a Mistral folder's family is kept for the export (``hf_model_type``, read from its config.json)."""
     m = cfg.model
     return GPTConfig(
         vocab_size=vocab_size,
@@ -70,6 +72,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         add_qkv_bias=m.add_qkv_bias,
         kv_channels=m.kv_channels,
         qk_layernorm=m.qk_layernorm,
+        hf_model_type=folder_model_type(cfg.train.from_hf) if cfg.train.from_hf else None,
         cp_comm_type=cfg.parallel.cp_comm_type,
         cp_ring_kernel=cfg.parallel.cp_ring_kernel,
         recompute_granularity=m.recompute_granularity,

@@ -131,6 +131,11 @@ class GPTConfig:
     qk_layernorm: bool = False
     """RMSNorm (weight ``[head_dim]``, ``layernorm_epsilon``) over each head of q and of k, after the
     projection and before RoPE (Megatron-LM's ``--qk-layernorm``; Qwen3's ``q_norm`` / ``k_norm``)."""
+    hf_model_type: Optional[str] = None
+    """The Hugging Face family an export writes where two compute the same model: ``"mistral"``
+    (MistralForCausalLM, which computes Llama's block) for a model read from a ``mistral`` folder
+    (``--from-hf``, ``model.hf.config_from_hf``); ``None``: the family the block implies (Llama,
+    Qwen2, Qwen3 or an MoE one, ``model.hf.llama_config``). Changes nothing megazero computes."""
     cp_comm_type: str = "p2p"
     """Attention across context-parallel ranks: ``p2p`` (ring) or ``a2a`` (all-to-all over heads)."""
     cp_ring_kernel: str = "auto"

@@ -1,8 +1,9 @@
 """Hugging Face interchange: megazero's canonical parameters <-> the tensors and
 ``config.json`` of ``transformers``' ``GPT2LMHeadModel`` (GPT-2 block, learned positions) or
 ``LlamaForCausalLM`` (LLaMA-style block, ``--position-embedding-type rope``; the second half
-of this file, from ``llama_config``; Llama-3.x's RoPE scaling, ``Qwen2ForCausalLM``'s q/k/v
-biases and ``Qwen3ForCausalLM``'s QK-norm and head size: ``model/hf_families.py``), and with
+of this file, from ``llama_config``; Llama-3.x's RoPE scaling, ``MistralForCausalLM``,
+``Qwen2ForCausalLM``'s q/k/v biases and ``Qwen3ForCausalLM``'s QK-norm and head size:
+``model/hf_families.py``), and with
 experts ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``
 (``model/hf_moe.py`` adds their MoE MLPs to the Llama map).
 
@@ -371,6 +372,7 @@ _LLAMA_FIELDS = {
     "add_qkv_bias",
     "kv_channels",
     "qk_layernorm",
+    "hf_model_type",
     "rotary_percent",
     "normalization",
     "swiglu",
@@ -430,8 +432,9 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     (``rope_theta`` both top-level, as transformers 4 reads it, and in ``rope_parameters``, as
     transformers 5 does; a scaled RoPE's table also as ``rope_scaling``, transformers 4's key).
     With q/k/v-only biases Qwen2's (``model.hf_families.qwen2_config``), with QK-norm Qwen3's; with
-    experts, Mixtral's, Qwen2-MoE's or Qwen3-MoE's (``model.hf_moe.moe_config``). Raises
-    HFConversionError for a setting Llama (or with experts, those three) cannot express."""
+    experts, Mixtral's, Qwen2-MoE's or Qwen3-MoE's (``model.hf_moe.moe_config``); Mistral's for
+    ``hf_model_type`` ``"mistral"`` (``model.hf_families.mistral_config``). Raises
+    HFConversionError for a setting Llama (or with experts, those three; Mistral) cannot express."""
     _check_llama(gcfg)
     theta = float(gcfg.rotary_base)
     rope = hf_families.rope_parameters(gcfg, theta)
@@ -462,6 +465,8 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
         "use_cache": True,
         "torch_dtype": "float32",
     }
+    if gcfg.hf_model_type == "mistral":
+        return hf_families.mistral_config(config, gcfg)
     if hf_families.is_qwen2(gcfg):
         return hf_families.qwen2_config(config, gcfg)
     if hf_moe.is_moe(gcfg):
@@ -470,8 +475,8 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
 
 
 def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
-    """The LLaMA-style GPTConfig of a Llama (or Qwen2, Mixtral, Qwen2-MoE) ``config.json``
-    (``settings`` as in ``gpt_config_from_hf``; Qwen2's biases and the MoE fields come in it).
+    """The LLaMA-style GPTConfig of a Llama (or Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE)
+    ``config.json`` (``settings`` as in ``gpt_config_from_hf``; the families' fields come in it).
     Raises HFConversionError for a missing size or a setting megazero computes differently
     (activation, a RoPE scaling other than llama3 / linear, partial rotary, biases); ``head_dim``
     other than hidden / heads is ``kv_channels``."""
@@ -526,11 +531,13 @@ def hf_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
 
 
 def config_from_hf(config: Mapping, **settings) -> GPTConfig:
-    """The GPTConfig of a GPT-2, Llama (2 and 3.x), Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE
-    ``config.json`` (Qwen2, Qwen3: ``model.hf_families``; the MoE ones: ``model.hf_moe``);
-    HFConversionError for another type."""
+    """The GPTConfig of a GPT-2, Llama (2 and 3.x), Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or
+    Qwen3-MoE ``config.json`` (Mistral, Qwen2, Qwen3: ``model.hf_families``; the MoE ones:
+    ``model.hf_moe``); HFConversionError for another type."""
     if config.get("model_type") == "llama":
         return llama_config_from_hf(config, **settings)
+    if config.get("model_type") == "mistral":
+        return llama_config_from_hf(config, **hf_families.mistral_settings_from_hf(config), **settings)
     if config.get("model_type") == "qwen2":
         return llama_config_from_hf(config, **hf_families.qwen2_settings_from_hf(config), **settings)
     if config.get("model_type") == "qwen3":
@@ -541,7 +548,8 @@ def config_from_hf(config: Mapping, **settings) -> GPTConfig:
     if config.get("model_type") != "gpt2":
         raise HFConversionError(
             f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
-            "LLaMA-style (model_type 'llama', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe') folders are read"
+            "LLaMA-style (model_type 'llama', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe') "
+            "folders are read"
         )
     return gpt_config_from_hf(config, **settings)
 

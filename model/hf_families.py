@@ -1,7 +1,7 @@
 """The Hugging Face families beyond Llama-2: Llama-3.x (``model_type`` ``llama`` with RoPE
-scaling), Qwen2 / Qwen2.5 (``qwen2``), Qwen3 (``qwen3``) and the key table of Qwen3-MoE
-(``qwen3_moe``, whose experts are ``model/hf_moe.py``'s). ``model/hf.py`` keeps the tensor map they share with
-LlamaForCausalLM (the same tensor names; Qwen2 adds q/k/v biases); this file reads and writes
+scaling), Mistral (``mistral``), Qwen2 / Qwen2.5 (``qwen2``), Qwen3 (``qwen3``) and the key table
+of Qwen3-MoE (``qwen3_moe``, whose experts are ``model/hf_moe.py``'s). ``model/hf.py`` keeps the
+tensor map they share with LlamaForCausalLM (the same tensor names; Qwen2 adds q/k/v biases); this file reads and writes
 what differs in ``config.json`` and classifies every key a folder may hold. Like ``model/hf.py``
 it reads no file.
 
@@ -15,6 +15,13 @@ What the two models compute beyond Llama-2 (transformers 5's ``modeling_llama``,
   Both are megazero's ``model.rope.RopeScaling`` (``--use-rope-scaling`` with the
   ``--rope-scaling-*`` flags; ``--rotary-seq-len-interpolation-factor``). Other rope types
   (``dynamic``, ``yarn``, ``longrope``, ...) are refused by name.
+- Mistral (``modeling_mistral``): Llama's block without biases (no ``attention_bias`` /
+  ``mlp_bias`` keys: none is read) with ``head_dim`` (``--kv-channels``) and ``sliding_window``:
+  every layer's query at position i sees keys j with ``i - j < sliding_window``, all earlier
+  positions when the window is null or at least ``max_position_embeddings``, which is then
+  megazero's full causal attention; a shorter window is refused (megazero has no sliding-window
+  attention). Llama computes the same model, so ``GPTConfig.hf_model_type`` remembers the family
+  and the export writes MistralForCausalLM again (``mistral_config``).
 - Qwen2's attention: ``q_proj``, ``k_proj``, ``v_proj`` with bias, ``o_proj`` and the MLP
   without (``--disable-bias-linear --add-qkv-bias``); a layer whose ``layer_types`` entry is
   ``sliding_attention`` sees only its last ``sliding_window`` keys, which equals megazero's
@@ -30,7 +37,7 @@ What the two models compute beyond Llama-2 (transformers 5's ``modeling_llama``,
   Qwen3-MoE has the same attention and Qwen2-MoE's experts without the shared one.
 
 ``KEYS`` lists, per model type, every key of transformers' ``LlamaConfig().to_dict()`` /
-``Qwen2Config`` / ``Qwen3Config`` / ``Qwen3MoeConfig`` (plus the legacy ``rope_scaling`` /
+``MistralConfig`` / ``Qwen2Config`` / ``Qwen3Config`` / ``Qwen3MoeConfig`` (plus the legacy ``rope_scaling`` /
 ``rope_theta``, and ``head_dim`` / ``num_experts`` that Qwen3-MoE folders carry) as ``mapped``
 (read into a GPTConfig field), ``checked`` (read and refused unless it has the value megazero
 computes) or ``no_effect`` (with the reason it does not change logits or loss);
@@ -46,7 +53,7 @@ from typing import Mapping
 from model.config import GPTConfig
 from model.hf_config import HFConversionError, config_value
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _COMMON_MAPPED = (
     "vocab_size",
@@ -99,6 +106,11 @@ KEYS = {
             "pretraining_tp": "read by no transformers 5 Llama layer (transformers 4 split matmuls: same sums)",
         },
     },
+    "mistral": {
+        "mapped": _COMMON_MAPPED + ("head_dim",),
+        "checked": ("hidden_act", "partial_rotary_factor", "sliding_window"),
+        "no_effect": dict(_COMMON_NO_EFFECT),
+    },
     "qwen2": {
         "mapped": _COMMON_MAPPED + ("head_dim",),
         "checked": ("hidden_act", "partial_rotary_factor") + _WINDOW,
@@ -120,8 +132,8 @@ KEYS = {
 
 
 def check_keys(config: Mapping) -> None:
-    """Raise HFConversionError naming the first key of a ``llama``, ``qwen2``, ``qwen3`` or
-    ``qwen3_moe`` ``config.json`` that ``KEYS`` does not classify (nothing for other model types)."""
+    """Raise HFConversionError naming the first key of a ``llama``, ``mistral``, ``qwen2``, ``qwen3``
+    or ``qwen3_moe`` ``config.json`` that ``KEYS`` does not classify (nothing for other model types)."""
     table = KEYS.get(config.get("model_type"))
     if table is None:
         return
@@ -198,6 +210,41 @@ def rope_parameters(gcfg: GPTConfig, theta: float) -> dict:
     if gcfg.rotary_seq_len_interpolation_factor is not None:
         return {"rope_type": "linear", "rope_theta": theta, "factor": gcfg.rotary_seq_len_interpolation_factor}
     return {"rope_type": "default", "rope_theta": theta}
+
+
+def mistral_config(llama: dict, gcfg: GPTConfig) -> dict:
+    """``config.json`` of the MistralForCausalLM computing what the LlamaForCausalLM config ``llama``
+    would: no ``attention_bias`` / ``mlp_bias`` / ``pretraining_tp`` (Mistral has no biases),
+    ``head_dim`` always written, ``sliding_window`` null (full causal attention). Raises
+    HFConversionError naming the setting when ``gcfg`` has biases, QK-norm or experts."""
+    for on, flag in (
+        (gcfg.add_bias_linear, "linear biases (fix: --disable-bias-linear)"),
+        (gcfg.add_qkv_bias, "--add-qkv-bias"),
+        (gcfg.qk_layernorm, "--qk-layernorm"),
+        (gcfg.num_experts is not None, "--num-experts"),
+    ):
+        if on:
+            raise HFConversionError(
+                f"hf_model_type 'mistral' (a model read from a mistral folder) with {flag}: MistralForCausalLM "
+                "has Llama's block without biases, QK-norm or experts"
+            )
+    base = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
+    return {**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}
+
+
+def mistral_settings_from_hf(config: Mapping) -> dict:
+    """GPTConfig fields of a ``mistral`` ``config.json`` beyond Llama's: no biases, ``hf_model_type``
+    ``"mistral"``. Raises HFConversionError naming ``sliding_window`` when it is below
+    ``max_position_embeddings`` (some key would fall outside a query's window: megazero's
+    attention is full causal)."""
+    positions = config_value(config, "max_position_embeddings", "size", 2048)  # megazero's context when absent
+    window = config_value(config, "sliding_window", "size", None)
+    if window is not None and window < positions:
+        raise HFConversionError(
+            f"sliding_window {window} is below max_position_embeddings {positions}: megazero has no "
+            "sliding-window attention (only a null window or one covering max_position_embeddings converts)"
+        )
+    return dict(add_bias_linear=False, hf_model_type="mistral")
 
 
 def is_qwen2(gcfg: GPTConfig) -> bool:

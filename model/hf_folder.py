@@ -44,7 +44,7 @@ import json
 import os
 import re
 import sys
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Optional
 
 import torch
 
@@ -93,6 +93,16 @@ def read_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise HFConversionError(f"{file}: holds a JSON {type(config).__name__}, not an object; {_FIX}")
     return config
+
+
+def folder_model_type(path: str) -> Optional[str]:
+    """``GPTConfig.hf_model_type`` of a run started from folder ``path`` (``--from-hf``): ``"mistral"``
+    when its ``config.json`` says so (Llama's computation, exported back as Mistral), else None;
+    None too for a ``config.json`` that cannot be read (``check_folder`` names that error)."""
+    try:
+        return "mistral" if read_config(path).get("model_type") == "mistral" else None
+    except HFConversionError:
+        return None
 
 
 def folder_config(path: str, **settings) -> GPTConfig:

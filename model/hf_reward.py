@@ -1,6 +1,6 @@
 """A reward model's Hugging Face export: ``GPT2ForSequenceClassification`` (GPT-2 block) or
-``LlamaForSequenceClassification`` (LLaMA-style block; ``Qwen2...`` / ``Qwen3...`` for those
-families' exports) with one label.
+``LlamaForSequenceClassification`` (LLaMA-style block; ``Mistral...`` / ``Qwen2...`` / ``Qwen3...``
+for those families' exports) with one label.
 
 The body is the language model's export (``model/hf.py``: the same tensor names under
 ``transformer.`` / ``model.``, the same checks of every setting); the output layer is dropped

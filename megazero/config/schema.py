@@ -478,8 +478,8 @@ class TrainingConfig:
     )
     from_hf: Optional[str] = _f(
         None,
-        "Hugging Face GPT-2, Llama (2, 3.x), Qwen2, Mixtral or Qwen2-MoE folder (config.json + "
-        "model.safetensors, or its shards and model.safetensors.index.json) to start from: "
+        "Hugging Face GPT-2, Llama (2, 3.x), Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE folder "
+        "(config.json + model.safetensors, or its shards and model.safetensors.index.json) to start from: "
         "weights sliced for this layout, fresh optimizer; a checkpoint under --load still takes precedence",
         "path",
     )

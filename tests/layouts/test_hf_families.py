@@ -1,8 +1,10 @@
-"""Llama-3.x, Qwen2.5, Qwen3 and Qwen3-MoE folders in and out (fp32), built by transformers' own
-config and model classes at tiny sizes (no network): a Llama with ``llama3`` RoPE scaling (untied,
-no biases), a Qwen2 with q/k/v biases, tied embeddings, ``use_sliding_window: false`` and
-``linear`` RoPE scaling, a Qwen3 with ``head_dim`` 12 (hidden / heads = 8) and QK-norm, and a
-Qwen3-MoE with the same attention, 4 experts (top 2, not renormalised) and one dense layer.
+"""Llama-3.x, Mistral, Qwen2.5, Qwen3 and Qwen3-MoE folders in and out (fp32), built by
+transformers' own config and model classes at tiny sizes (no network): a Llama with ``llama3``
+RoPE scaling (untied, no biases), a Mistral with ``head_dim`` 12 (hidden / heads = 8), no sliding
+window and untied embeddings (exported back as Mistral), a Qwen2 with q/k/v biases, tied
+embeddings, ``use_sliding_window: false`` and ``linear`` RoPE scaling, a Qwen3 with ``head_dim``
+12 and QK-norm, and a Qwen3-MoE with the same attention, 4 experts (top 2, not renormalised) and
+one dense layer.
 ``--from-hf`` gives transformers' logits within 1e-5 at tp 1 and tp 2 (+ SP), the first training
 step's loss under tp 2 equals transformers' loss on the same batch within 1e-6,
 the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to tensors
@@ -57,6 +59,17 @@ FAMILIES = {
         + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--use-rope-scaling"]
         + ["--rope-scaling-factor", "4", "--rope-scaling-high-freq-factor", "8"]
         + ["--rope-scaling-original-max-position-embeddings", "64"],
+    ),
+    # Llama's block with heads of 12 dimensions, full causal attention (sliding_window null), untied
+    "mistral": (
+        "MistralConfig",
+        dict(
+            head_dim=12,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        BLOCK + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"],
     ),
     "qwen2.5": (
         "Qwen2Config",
@@ -182,7 +195,10 @@ def test_family_in_and_out(family, folders, tmp_path):
         theirs = hf(ids).logits  # (B, T, V)
     stage, _ = load_model(generate_args(folder), ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
     assert (stage.cfg.use_rope_scaling, stage.cfg.add_qkv_bias) == (family == "llama3", family == "qwen2.5")
-    assert (stage.cfg.kv_channels, stage.cfg.qk_layernorm) == ((12, True) if "qwen3" in family else (None, False))
+    assert (stage.cfg.kv_channels, stage.cfg.qk_layernorm) == (
+        (12, "qwen3" in family) if family == "mistral" or "qwen3" in family else (None, False)
+    )
+    assert stage.cfg.hf_model_type == ("mistral" if family == "mistral" else None)
     with torch.no_grad():
         tp1 = stage.eval()(ids)[..., :300]
     tp2, loss = run_distributed(_tp2_logits_and_first_loss, 2, folder, ids, argv, str(tmp_path / "ckpt"))[0]
@@ -213,6 +229,7 @@ def test_family_in_and_out(family, folders, tmp_path):
     written = json.loads((out / "config.json").read_text())
     given = json.loads(open(f"{folder}/config.json").read())
     assert written["model_type"] == given["model_type"] and written["rope_parameters"] == given["rope_parameters"]
+    assert written["architectures"] == given["architectures"] and written.get("head_dim") == given.get("head_dim")
     assert config_from_hf(written, seq_length=16) == config_from_hf(given, seq_length=16)
 
 

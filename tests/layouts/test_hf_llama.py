@@ -329,7 +329,7 @@ def test_export_refuses_a_block_llama_cannot_express(change, message):
             dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
             "partial_rotary_factor",
         ),
-        (dict(model_type="mistral"), "only GPT-2 (model_type 'gpt2') and LLaMA"),
+        (dict(model_type="gemma"), "only GPT-2 (model_type 'gpt2') and LLaMA"),
     ],
 )
 def test_import_refuses_a_llama_config_megazero_computes_differently(change, message):

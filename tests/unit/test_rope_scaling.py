@@ -2,8 +2,8 @@
 (model/hf_families.py), in one process without ranks: Llama 3.1's frequency rule band by band
 and against transformers' own ``llama3`` initialiser, linear scaling as divided positions,
 scaling off bit-identical to the unscaled table, the megazero model with scaling and a
-q/k/v-only bias equal to the oracle, every key of transformers' LlamaConfig / Qwen2Config
-classified, and what the import refuses, one line naming the key."""
+q/k/v-only bias equal to the oracle, every key of transformers' LlamaConfig / MistralConfig /
+Qwen2Config / Qwen3Config / Qwen3MoeConfig classified, and what the import refuses, one line naming the key."""
 
 import math
 import re
@@ -106,14 +106,15 @@ def test_the_model_with_scaling_or_a_qkv_bias_equals_the_oracle(features):
     assert (ours - plain).abs().max() > 1e-2 * want.abs().max()  # the feature matters: the test can fail
 
 
-@pytest.mark.parametrize("family", ["LlamaConfig", "Qwen2Config", "Qwen3Config", "Qwen3MoeConfig"])
+@pytest.mark.parametrize("family", ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "Qwen3MoeConfig"])
 def test_every_key_of_the_transformers_config_class_is_classified(family):
     require("transformers")
     import transformers
 
     from model.hf_families import KEYS
 
-    types = {"LlamaConfig": "llama", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3", "Qwen3MoeConfig": "qwen3_moe"}
+    types = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3"}
+    types["Qwen3MoeConfig"] = "qwen3_moe"
     model_type = types[family]
     table = KEYS[model_type]
     mapped, checked, no_effect = set(table["mapped"]), set(table["checked"]), set(table["no_effect"])
