@@ -143,10 +143,10 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
         "capacity",
     ),
 }
-# Steps of every layout: the learning rate's warm-up (steps 1-3, the peak at 3) and decay (4), Adam
-# from its moments, routing and expert bias moved by updated weights. The references run MOE_STEPS (6,
-# tests/layouts/test_moe.py's, computed once per pytest process) and are compared over their first 4.
-EP_STEPS = 4
+# Steps of every layout (tests/support/moe.py): the learning rate's warm-up (steps 1-3, the peak at 3)
+# and decay (4), Adam from its moments, routing and expert bias moved by updated weights; the
+# references are tests/layouts/test_moe.py's (computed once per pytest process).
+EP_STEPS = MOE_STEPS
 
 
 def _flag(name: str, flag: str, default: int = 1) -> int:
