@@ -394,7 +394,7 @@ FEATURE_LAYOUTS = {"tp2-sp": LAYOUTS["tp2-sp"][1], "pp2-gpipe": LAYOUTS["pp2-gpi
 
 def test_rope_scaling_and_qkv_bias_layouts_equal_reference():
     """Each layout of FEATURE_LAYOUTS with SCALED_QKV_BIAS: losses equal the oracle's (which scales
-    the RoPE angles and adds the q/k/v bias on its own) within 1e-5 relative over 6 steps,
+    the RoPE angles and adds the q/k/v bias on its own) within 1e-5 relative over SWEEP_STEPS (4) steps,
     gradient norms and the sample the single process's; the features change the losses."""
     argv = BASE + SCALED_QKV_BIAS
     reference, single = reference_losses(argv, SWEEP_STEPS), single_layout_run(argv, SWEEP_STEPS)
@@ -422,7 +422,7 @@ QWEN3_LAYOUTS = {
 
 def test_kv_channels_and_qk_layernorm_layouts_equal_reference():
     """Each layout of QWEN3_LAYOUTS with QWEN3_ATTENTION: losses equal the oracle's (which sizes
-    its heads and normalises q and k on its own) within 1e-5 relative over 6 steps, gradient norms
+    its heads and normalises q and k on its own) within 1e-5 relative over SWEEP_STEPS (4) steps, gradient norms
     and the sample the single process's; the features change the losses."""
     argv = BASE + QWEN3_ATTENTION
     reference, single = reference_losses(argv, SWEEP_STEPS), single_layout_run(argv, SWEEP_STEPS)
