@@ -18,9 +18,9 @@ import math
 from tests.support.distributed import run_distributed
 from tests.support.layouts import (
     BASE,
+    FEATURE_STEPS,
     LLAMA,
     MB4,
-    SWEEP_STEPS,
     check_layout,
     reference_losses,
     single_layout_run,
@@ -43,11 +43,11 @@ LAYOUTS = {
 
 def test_every_block_feature_together_under_interleaved_zero_bubble_zero3_and_cp():
     argv = BASE + FEATURES
-    reference, single = reference_losses(argv, SWEEP_STEPS), single_layout_run(argv, SWEEP_STEPS)
-    plain = reference_losses(BASE + LLAMA + WIDER, SWEEP_STEPS)
+    reference, single = reference_losses(argv, FEATURE_STEPS), single_layout_run(argv, FEATURE_STEPS)
+    plain = reference_losses(BASE + LLAMA + WIDER, FEATURE_STEPS)
     assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # 10x the tolerance: the features matter
     per_rank = run_distributed(
-        train_layouts, 4, [argv + flags for flags in LAYOUTS.values()], SWEEP_STEPS, timeout_s=900
+        train_layouts, 4, [argv + flags for flags in LAYOUTS.values()], FEATURE_STEPS, timeout_s=900
     )
     for i, name in enumerate(LAYOUTS):
         check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)

@@ -1,7 +1,12 @@
 """--compile: torch.compile of each transformer layer gives the eager run's fp32 losses within
 1e-5 (tensor parallel with sequence parallelism and its collectives inside the layers, a
 pipeline with ZeRO-2, and ZeRO-3, whose per-layer gather hooks run around the compiled
-layers). Slow: inductor compiles the layer on every rank (minutes on CPU)."""
+layers). Slow: inductor compiles the layer on every rank (minutes on CPU).
+
+The sweep's model has 2 layers, not BASE's 4: the second layer runs the first one's compiled
+graphs (the same code, guards and shapes), as layers 3 and 4 would, and each layer's call walks
+its graph breaks (the collectives' counters) through dynamo once per step, so every layer costs
+seconds per rank. The pipeline still has a layer per stage and ZeRO-3 a gather unit per layer."""
 
 import pytest
 
@@ -9,6 +14,8 @@ from tests.support.distributed import run_distributed
 from tests.support.layouts import BASE
 
 STEPS = 3
+_LAYERS = BASE.index("--num-layers") + 1
+MODEL = BASE[:_LAYERS] + ["2"] + BASE[_LAYERS + 1 :]  # BASE with 2 layers
 LAYOUTS = {
     "tp2 SP": ["--tp", "2", "--sequence-parallel"],
     "pp2 1F1B ZeRO-2": ["--pp", "2", "--zero-stage", "2"],
@@ -26,8 +33,8 @@ def _eager_and_compiled(rank, world, steps):
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     out = {}
     for name, extra in LAYOUTS.items():
-        eager = train_layout(rank, world, BASE + extra, steps)[0]
-        compiled = train_layout(rank, world, BASE + extra + ["--compile"], steps)[0]
+        eager = train_layout(rank, world, MODEL + extra, steps)[0]
+        compiled = train_layout(rank, world, MODEL + extra + ["--compile"], steps)[0]
         out[name] = eager, compiled
     return out
 

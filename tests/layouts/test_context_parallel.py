@@ -67,7 +67,7 @@ def references():
 
 @pytest.mark.parametrize("block,name", CASES)
 def test_context_parallel_layout_equals_reference(name, block, runs, references):
-    """6 steps (``SWEEP_STEPS``): losses equal the reference within 1e-5 relative, gradient
+    """4 steps (``SWEEP_STEPS``): losses equal the reference within 1e-5 relative, gradient
     norms the single process's within 1e-6, every rank the same values, the same greedy sample."""
     check_layout(
         name, runs[(block, name)], references[block], runs[(block, "single")][0], clip=0.5 if block == "llama" else 1.0

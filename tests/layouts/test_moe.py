@@ -3,7 +3,7 @@ trainer equals ``tests/support/reference.py``'s plain MoE (every expert on every
 ``megazero.moe.router`` rules) under (tp, pp, dp) layouts and ZeRO stages, fp32, dropout off.
 
 LLaMA-style block with grouped-query attention, top-2 of 8 experts plus one shared expert,
-aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 6 steps, gradient
+aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 4 steps, gradient
 norms and the logged auxiliary losses likewise, the first step's token-to-expert assignment
 of every token equal (integers); capacity-factor runs (drop by probability, and by position
 with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the reference rule's
@@ -32,7 +32,7 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
     "capacity-tp2-dp2": (
         ["--tp", "2", "--dp", "2"],
         ["--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "probs"],
-        4,
+        MOE_STEPS,
     ),
     # the other router and drop rules: sequence-wise aux loss, top-k of the full softmax, drops by position
     "capacity-position-seqaux-dp4": (
@@ -46,9 +46,9 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
             "seq_aux_loss",
             "--moe-router-pre-softmax",
         ],
-        4,
+        MOE_STEPS,
     ),
-    # DeepSeek-V3's aux-loss-free bias; a large rate so that it changes the routing within 4 steps
+    # DeepSeek-V3's aux-loss-free bias; a large rate so that it changes the routing within MOE_STEPS (4)
     "bias-pp2-dp2": (
         ["--pp", "2", "--dp", "2"],
         [
@@ -58,7 +58,7 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
             "--moe-router-bias-update-rate",
             "0.05",
         ],
-        4,
+        MOE_STEPS,
     ),
 }
 

@@ -15,6 +15,7 @@ import torch
 from tests.support.distributed import run_distributed
 from tests.support.layouts import (
     BASE,
+    FEATURE_STEPS,
     LLAMA,
     MB4,
     PROMPT,
@@ -394,14 +395,14 @@ FEATURE_LAYOUTS = {"tp2-sp": LAYOUTS["tp2-sp"][1], "pp2-gpipe": LAYOUTS["pp2-gpi
 
 def test_rope_scaling_and_qkv_bias_layouts_equal_reference():
     """Each layout of FEATURE_LAYOUTS with SCALED_QKV_BIAS: losses equal the oracle's (which scales
-    the RoPE angles and adds the q/k/v bias on its own) within 1e-5 relative over 6 steps,
+    the RoPE angles and adds the q/k/v bias on its own) within 1e-5 relative over FEATURE_STEPS (6) steps,
     gradient norms and the sample the single process's; the features change the losses."""
     argv = BASE + SCALED_QKV_BIAS
-    reference, single = reference_losses(argv, SWEEP_STEPS), single_layout_run(argv, SWEEP_STEPS)
-    plain = reference_losses(BASE + LLAMA + WIDER, SWEEP_STEPS)
+    reference, single = reference_losses(argv, FEATURE_STEPS), single_layout_run(argv, FEATURE_STEPS)
+    plain = reference_losses(BASE + LLAMA + WIDER, FEATURE_STEPS)
     assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # 10x the tolerance below: features matter
     argvs = [argv + flags for flags in FEATURE_LAYOUTS.values()]
-    per_rank = run_distributed(train_layouts, 2, argvs, SWEEP_STEPS, timeout_s=600)
+    per_rank = run_distributed(train_layouts, 2, argvs, FEATURE_STEPS, timeout_s=600)
     for i, name in enumerate(FEATURE_LAYOUTS):
         check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)
 
@@ -422,13 +423,13 @@ QWEN3_LAYOUTS = {
 
 def test_kv_channels_and_qk_layernorm_layouts_equal_reference():
     """Each layout of QWEN3_LAYOUTS with QWEN3_ATTENTION: losses equal the oracle's (which sizes
-    its heads and normalises q and k on its own) within 1e-5 relative over 6 steps, gradient norms
+    its heads and normalises q and k on its own) within 1e-5 relative over FEATURE_STEPS (6) steps, gradient norms
     and the sample the single process's; the features change the losses."""
     argv = BASE + QWEN3_ATTENTION
-    reference, single = reference_losses(argv, SWEEP_STEPS), single_layout_run(argv, SWEEP_STEPS)
-    plain = reference_losses(BASE + LLAMA + WIDER, SWEEP_STEPS)
+    reference, single = reference_losses(argv, FEATURE_STEPS), single_layout_run(argv, FEATURE_STEPS)
+    plain = reference_losses(BASE + LLAMA + WIDER, FEATURE_STEPS)
     assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # 10x the tolerance below: features matter
     argvs = [argv + flags for flags in QWEN3_LAYOUTS.values()]
-    per_rank = run_distributed(train_layouts, 2, argvs, SWEEP_STEPS, timeout_s=600)
+    per_rank = run_distributed(train_layouts, 2, argvs, FEATURE_STEPS, timeout_s=600)
     for i, name in enumerate(QWEN3_LAYOUTS):
         check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)

@@ -15,7 +15,15 @@ from tests.support.paths import REPO
 STEPS = 10
 
 
-SWEEP_STEPS = 6
+# Steps of the layout sweeps (tests/layouts/test_train.py, test_context_parallel.py): the learning
+# rate's warm-up (1-3, the peak at 3) and decay (4), Adam from its moments from step 2 and, with a
+# global norm above --clip-grad 1.0 in the first steps, the clipping.
+SWEEP_STEPS = 4
+
+FEATURE_STEPS = 6
+"""Steps of the sweeps of the open checkpoints' block features (RoPE scaling, q/k/v bias,
+--kv-channels, QK-norm): their layouts are compared with the oracle over 6 steps, 2 past the
+decay's start, where a wrong gradient of a small parameter (the QK-norm weights') shows."""
 
 
 BASE = [

@@ -26,7 +26,9 @@ MOE = [
 ARGS = BASE + LLAMA + MOE
 
 
-MOE_STEPS = 6  # of BASE's 10-iteration schedule (warm-up, peak, decay); tests/layouts/test_moe_ep.py's too
+# steps of BASE's 10-iteration schedule: warm-up (1-3, the peak at 3) and decay (4), Adam from its
+# moments; every layout of tests/layouts/test_moe.py and tests/layouts/test_moe_ep.py, and their references
+MOE_STEPS = 4
 
 
 def moe_reference(argv, steps):
