@@ -13,21 +13,8 @@ part and must still be summed over tp (it was not: the gradient norm 5e-5 low, t
 off by step 4, with Adam hiding the rest).
 """
 
-import math
+from tests.support.layouts import LLAMA, MB4, WIDER, check_feature_sweep
 
-from tests.support.distributed import run_distributed
-from tests.support.layouts import (
-    BASE,
-    FEATURE_STEPS,
-    LLAMA,
-    MB4,
-    check_layout,
-    reference_losses,
-    single_layout_run,
-    train_layouts,
-)
-
-WIDER = ["--init-method-std", "0.1"]  # attention, so positions and the features, matter more
 FEATURES = LLAMA + WIDER
 FEATURES += ["--use-rope-scaling", "--rope-scaling-factor", "4", "--rope-scaling-high-freq-factor", "32"]
 FEATURES += ["--rope-scaling-original-max-position-embeddings", "256", "--rotary-seq-len-interpolation-factor", "2"]
@@ -42,12 +29,4 @@ LAYOUTS = {
 
 
 def test_every_block_feature_together_under_interleaved_zero_bubble_zero3_and_cp():
-    argv = BASE + FEATURES
-    reference, single = reference_losses(argv, FEATURE_STEPS), single_layout_run(argv, FEATURE_STEPS)
-    plain = reference_losses(BASE + LLAMA + WIDER, FEATURE_STEPS)
-    assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # 10x the tolerance: the features matter
-    per_rank = run_distributed(
-        train_layouts, 4, [argv + flags for flags in LAYOUTS.values()], FEATURE_STEPS, timeout_s=900
-    )
-    for i, name in enumerate(LAYOUTS):
-        check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)
+    check_feature_sweep(FEATURES, LAYOUTS, 4)

@@ -15,11 +15,12 @@ import torch
 from tests.support.distributed import run_distributed
 from tests.support.layouts import (
     BASE,
-    FEATURE_STEPS,
     LLAMA,
     MB4,
     PROMPT,
     SWEEP_STEPS,
+    WIDER,
+    check_feature_sweep,
     check_layout,
     offload_runs,
     reference_losses,
@@ -373,7 +374,6 @@ def test_the_end_of_run_sample_is_drawn_seeded_and_greedy_at_temperature_0():
 # interpolated; linear interpolation by 2 on top) and Qwen2's q/k/v-only bias, together, under
 # tp 2 + SP, pp 2 and cp 2 (ring): one spawn of 2 ranks. Weights of std 0.1 make attention, so
 # positions, matter more to the loss (on the mock data's random tokens, 3.7e-4 relative by step 6).
-WIDER = ["--init-method-std", "0.1"]
 SCALED_QKV_BIAS = (
     LLAMA
     + WIDER
@@ -397,14 +397,7 @@ def test_rope_scaling_and_qkv_bias_layouts_equal_reference():
     """Each layout of FEATURE_LAYOUTS with SCALED_QKV_BIAS: losses equal the oracle's (which scales
     the RoPE angles and adds the q/k/v bias on its own) within 1e-5 relative over FEATURE_STEPS (6) steps,
     gradient norms and the sample the single process's; the features change the losses."""
-    argv = BASE + SCALED_QKV_BIAS
-    reference, single = reference_losses(argv, FEATURE_STEPS), single_layout_run(argv, FEATURE_STEPS)
-    plain = reference_losses(BASE + LLAMA + WIDER, FEATURE_STEPS)
-    assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # 10x the tolerance below: features matter
-    argvs = [argv + flags for flags in FEATURE_LAYOUTS.values()]
-    per_rank = run_distributed(train_layouts, 2, argvs, FEATURE_STEPS, timeout_s=600)
-    for i, name in enumerate(FEATURE_LAYOUTS):
-        check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)
+    check_feature_sweep(SCALED_QKV_BIAS, FEATURE_LAYOUTS, 2)
 
 
 # Qwen3's attention: heads of their own size (--kv-channels 12, so q/k/v are 48 wide against a
@@ -425,11 +418,4 @@ def test_kv_channels_and_qk_layernorm_layouts_equal_reference():
     """Each layout of QWEN3_LAYOUTS with QWEN3_ATTENTION: losses equal the oracle's (which sizes
     its heads and normalises q and k on its own) within 1e-5 relative over FEATURE_STEPS (6) steps, gradient norms
     and the sample the single process's; the features change the losses."""
-    argv = BASE + QWEN3_ATTENTION
-    reference, single = reference_losses(argv, FEATURE_STEPS), single_layout_run(argv, FEATURE_STEPS)
-    plain = reference_losses(BASE + LLAMA + WIDER, FEATURE_STEPS)
-    assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # 10x the tolerance below: features matter
-    argvs = [argv + flags for flags in QWEN3_LAYOUTS.values()]
-    per_rank = run_distributed(train_layouts, 2, argvs, FEATURE_STEPS, timeout_s=600)
-    for i, name in enumerate(QWEN3_LAYOUTS):
-        check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)
+    check_feature_sweep(QWEN3_ATTENTION, QWEN3_LAYOUTS, 2)

@@ -257,3 +257,22 @@ def offload_runs(rank, world, argvs, steps):
         losses = [trainer.train_step(trainer.next_batches()).values["loss"] for _ in range(steps)]
         out.append((losses, type(trainer.optimizer).__name__, trainer.optimizer.bytes_by_place()))
     return out
+
+
+WIDER = ["--init-method-std", "0.1"]
+"""Weights of std 0.1: attention, so positions and the attention features, move the loss more."""
+
+
+def check_feature_sweep(features: list, layouts: dict, world: int) -> None:
+    """A block feature's sweep: ``BASE + features`` under each of ``layouts`` (name -> flags; one
+    spawn of ``world`` ranks, FEATURE_STEPS steps) passes ``check_layout`` against the oracle
+    (losses within 1e-5 relative, gradient norms and sample the single process's, clip 0.5), and
+    the features move the oracle's last loss by 10x that tolerance from the plain LLaMA block's."""
+    argv = BASE + features
+    reference, single = reference_losses(argv, FEATURE_STEPS), single_layout_run(argv, FEATURE_STEPS)
+    plain = reference_losses(BASE + LLAMA + WIDER, FEATURE_STEPS)
+    assert not math.isclose(reference[-1], plain[-1], rel_tol=1e-4)  # the features matter
+    argvs = [argv + flags for flags in layouts.values()]
+    per_rank = run_distributed(train_layouts, world, argvs, FEATURE_STEPS, timeout_s=300 * len(argvs))
+    for i, name in enumerate(layouts):
+        check_layout(name, [r[i] for r in per_rank], reference, single, clip=0.5)
