@@ -187,6 +187,54 @@ class PromptSet:
         return f"{path}: row {pos}" if path.endswith(".parquet") else f"{path}:{pos}"
 
 
+class PromptSplit:
+    """Prompts ``ids`` (a range of ``PromptSet`` indices) of one split, read in epochs: each epoch
+    visits every prompt once in an order shuffled by ``(seed, epoch)`` (numpy's PCG64), so the
+    prompts of any step follow from the count already consumed, on every rank and after a
+    resume. ``len``; ``index(k)``: the ``PromptSet`` index of the k-th prompt read (k >= 0);
+    ``tokens``, ``answer``, ``where`` of a ``PromptSet`` index."""
+
+    def __init__(self, prompts: PromptSet, ids: range, seed: int):
+        self.prompts, self.ids, self.seed = prompts, ids, seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def index(self, k: int) -> int:
+        epoch, pos = divmod(k, len(self.ids))
+        if epoch not in self._orders:
+            self._orders[epoch] = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(len(self.ids))
+        return self.ids.start + int(self._orders[epoch][pos])
+
+    def tokens(self, i: int) -> list[int]:
+        return self.prompts.tokens(i)
+
+    def answer(self, i: int) -> str:
+        return self.prompts.answer(i)
+
+    def where(self, i: int) -> str:
+        return self.prompts.where(i)
+
+
+def prompt_splits(prefix: str, split: str, seed: int) -> tuple:
+    """(train, valid, test) ``PromptSplit`` of the prompts at ``prefix`` by ``--split``
+    (``data.gpt_dataset.split_ranges`` over the prompts in file order; an empty valid or test
+    split is None). Raises DataError for an unreadable file or an empty train split."""
+    from data.gpt_dataset import parse_split, split_ranges
+
+    prompts = PromptSet(prefix)
+    out = []
+    for (a, b), name in zip(split_ranges(len(prompts), parse_split(split)), ("train", "valid", "test")):
+        if b > a:
+            out.append(PromptSplit(prompts, range(a, b), seed))
+        elif name == "train":
+            raise DataError(f"--split {split} leaves no prompt of {prefix} for training; fix: e.g. --split 95,5,0")
+        else:
+            out.append(None)
+    return tuple(out)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from data.tokenizer import TOKENIZER_TYPES
 

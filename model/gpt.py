@@ -413,6 +413,9 @@ class GPTStage(nn.Module):
             )
         self._initial = InitialWeights(cfg, seed, groups.tp_size) if full_weights is None else full_weights
         self.materialized = False
+        # the per-token losses are -log softmax(logits / this): a rollout sampled at temperature T
+        # is scored at T (--post-train grpo sets it on the policy and the reference)
+        self.logit_temperature = 1.0
         if materialize:
             self.materialize()
 
@@ -542,7 +545,8 @@ class GPTStage(nn.Module):
         ``x``: token ids ``[B, T]`` with ``pre_process``, else hidden ``[B, T, H]``
         (``[B, T/tp, H]`` with sequence parallelism); ``T`` is this rank's ``T/cp`` tokens
         when ``seq`` (their positions and documents) is given. Returns, with ``post_process``,
-        per-token losses ``[B, T]`` fp32 when ``labels [B, T]`` is given, else this rank's
+        per-token losses ``[B, T]`` fp32 when ``labels [B, T]`` is given (of ``logits /
+        logit_temperature``, 1 unless a post-training mode set it), else this rank's
         vocabulary partition of the logits ``[B, T, V_pad/tp]``; a reward model
         (``cfg.value_head``) returns instead the score of each sequence ``[B]`` fp32, of the
         token ``seq.loss_mask`` selects (model/value_head.py); otherwise the hidden
@@ -572,6 +576,8 @@ class GPTStage(nn.Module):
             logits = self.output(x)  # (B, T, V_pad/tp)
         if labels is None:
             return logits
+        if self.logit_temperature != 1.0:
+            logits = logits / self.logit_temperature
         return vocab_parallel_cross_entropy(
             logits,
             labels,

@@ -557,6 +557,9 @@ def _check_post_train(cfg: Config, world_size: int) -> None:
             f"{' and '.join(on)} with {mode}: dropout makes the policy's log-probabilities differ from the "
             "reference's by noise; fix: set them to 0, or add --post-train-allow-dropout"
         )
+    if post.mode == "grpo":
+        _check_grpo(cfg, world_size)
+        return
     if post.mode not in ("dpo", "rm"):
         return
     if d.sft and "data.sft" in cfg.sources:
@@ -579,6 +582,50 @@ def _check_post_train(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"--micro-batch-size {mbs} with {mode}: a pair's chosen and rejected sequences share a "
             f"micro-batch, so it must be even; fix: --micro-batch-size {mbs + 1}"
+        )
+
+
+def _check_grpo(cfg: Config, world_size: int) -> None:
+    """--post-train grpo: prompts of python -m data.prompts (not --mock-data, --sft, FIM,
+    --eod-mask-loss or label smoothing: the per-token log-probabilities are the sampler's), a
+    rollout that cuts into whole optimizer steps (P x G a multiple of --global-batch-size), a
+    sequence long enough for a response, top-p in (0, 1], a block the decoder runs (no MoE)."""
+    post, d, t, m = cfg.post, cfg.data, cfg.train, cfg.model
+    if t.mock_data:
+        raise ConfigError(
+            "--post-train grpo with --mock-data: reinforcement learning samples responses to prompts; fix: give "
+            "--data-path PREFIX of python -m data.prompts (PREFIX_prompts.npz) and its --tokenizer-model"
+        )
+    for flag, on in (
+        ("--sft", d.sft and "data.sft" in cfg.sources),
+        ("--fim-rate", d.fim_rate > 0),
+        ("--eod-mask-loss", d.eod_mask_loss),
+        ("--label-smoothing", m.label_smoothing > 0),
+    ):
+        if on:
+            raise ConfigError(
+                f"{flag} with --post-train grpo: the loss is on the sampled responses' own log-probabilities; "
+                f"fix: drop {flag}"
+            )
+    if m.num_experts is not None:
+        raise ConfigError(
+            "--num-experts with --post-train grpo: the rollout decoder runs dense blocks only; fix: drop "
+            "--num-experts (MoE rollouts are not built yet)"
+        )
+    if not post.top_p <= 1:
+        raise ConfigError(f"--top-p {post.top_p}: must be in (0, 1]; fix: --top-p 1 keeps every token")
+    rows = post.grpo_prompts_per_step * post.grpo_group_size
+    gbs = t.global_batch_size
+    if gbs is not None and rows % gbs:
+        raise ConfigError(
+            f"--grpo-prompts-per-step {post.grpo_prompts_per_step} x --grpo-group-size {post.grpo_group_size} = "
+            f"{rows} responses per rollout is not a multiple of --global-batch-size {gbs} (sequences per "
+            f"optimizer step); fix: --global-batch-size {rows}"
+        )
+    if m.seq_length is not None and post.max_new_tokens >= m.seq_length:
+        raise ConfigError(
+            f"--max-new-tokens {post.max_new_tokens} leaves no room for a prompt in --seq-length "
+            f"{m.seq_length}; fix: --seq-length {post.max_new_tokens + 64} or a smaller --max-new-tokens"
         )
 
 

@@ -877,7 +877,15 @@ class DataConfig:
 
 _DPO = Needs("post.mode", ("dpo",))
 _RM = Needs("post.mode", ("rm",))
-_REFERENCE = (_DPO, Needs("post.dpo_loss", besides=("simpo",)))  # SimPO is reference-free
+_GRPO = Needs("post.mode", ("grpo",))
+_GRPO_KL = (_GRPO, Needs("post.grpo_kl_beta", above=0))
+# a frozen reference: DPO's losses but SimPO's, GRPO's KL penalty
+_REFERENCE = (
+    Needs(
+        "post.mode", ("dpo",), alt=Needs("post.grpo_kl_beta", above=0), wanted="--post-train dpo or --grpo-kl-beta > 0"
+    ),
+    Needs("post.dpo_loss", besides=("simpo",)),
+)
 
 
 @dataclass
@@ -889,9 +897,11 @@ class PostTrainConfig:
         None,
         "sft: supervised fine-tuning (the same as --sft); rm: a reward model (a scalar value head, "
         "Bradley-Terry loss) on python -m data.preference pairs; dpo: preference optimisation on "
-        "those pairs (--dpo-loss picks DPO, IPO, SimPO or hinge); None = pre-training",
+        "those pairs (--dpo-loss picks DPO, IPO, SimPO or hinge); grpo: reinforcement learning "
+        "on python -m data.prompts prompts with rollouts sampled by the policy and a --reward "
+        "(GRPO, Shao et al. 2024); None = pre-training",
         flags=("--post-train",),
-        choices=("sft", "rm", "dpo"),
+        choices=("sft", "rm", "dpo", "grpo"),
     )
     rm_use_margin: bool = _f(
         False,
@@ -958,6 +968,85 @@ class PostTrainConfig:
         "reference then costs no GPU memory outside that pass, for one host-to-device copy of its "
         "weights per step",
         applies=_REFERENCE,
+    )
+    reward: str = _f(
+        "exact",
+        "the reward of a response: exact (1 when it equals the prompt's answer after stripping "
+        "white space, else 0) or python:MODULE:FUNCTION (FUNCTION(prompt, response, answer) -> "
+        "a number; megazero.post_training.rewards)",
+        applies=_GRPO,
+    )
+    grpo_prompts_per_step: int = _f(
+        8,
+        "prompts of one rollout (one iteration); each is sampled --grpo-group-size times and the "
+        "rollout's P x G responses are cut into optimizer steps of --global-batch-size sequences",
+        "prompts",
+        ge=1,
+        applies=_GRPO,
+    )
+    grpo_group_size: int = _f(4, "responses sampled per prompt (G)", "sequences", ge=2, applies=_GRPO)
+    grpo_iterations: int = _f(
+        1,
+        "passes over each rollout (each pass one optimizer step per --global-batch-size "
+        "sequences; GRPO's mu, Shao et al. 2024, alg. 1)",
+        ge=1,
+        applies=_GRPO,
+    )
+    grpo_advantage: str = _f(
+        "grpo",
+        "grpo: (r - group mean) / (group std + 1e-6); dr_grpo: r - group mean (Liu et al. 2025); "
+        "rloo: r - mean of the other samples (Ahmadian et al. 2024)",
+        choices=("grpo", "dr_grpo", "rloo"),
+        applies=_GRPO,
+    )
+    grpo_clamp_eps_lower: float = _f(
+        0.2, "the ratio's lower clip 1 - eps (PPO's epsilon, Schulman et al. 2017)", ge=0, applies=_GRPO
+    )
+    grpo_clamp_eps_upper: float = _f(
+        0.2, "the ratio's upper clip 1 + eps (DAPO's clip-higher uses 0.28, Yu et al. 2025)", ge=0, applies=_GRPO
+    )
+    grpo_kl_beta: float = _f(
+        0.0,
+        "weight of the per-token KL(policy || reference) estimate added to the loss; 0 = no KL "
+        "term and no reference model",
+        ge=0,
+        applies=_GRPO,
+    )
+    grpo_kl_estimator: str = _f(
+        "k3",
+        "k1: log ratio; k2: half its square; k3: exp(-d) + d - 1, unbiased and non-negative "
+        "(Schulman 2020, DeepSeekMath's choice)",
+        choices=("k1", "k2", "k3"),
+        applies=_GRPO_KL,
+    )
+    grpo_loss_agg: str = _f(
+        "token-mean",
+        "how token losses make the step's loss: token-mean (each response token of the step "
+        "weighs the same, DAPO); seq-mean-token-mean (each response's token mean, then the "
+        "mean over responses: the original GRPO); seq-mean-token-sum-norm (token sums over "
+        "responses x --max-new-tokens: Dr. GRPO)",
+        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        applies=_GRPO,
+    )
+    grpo_filter_groups_with_same_reward: bool = _f(
+        False,
+        "leave groups whose rewards are all equal (advantage 0) out of the loss and of its "
+        "denominators (DAPO's dynamic sampling without the resampling, Yu et al. 2025)",
+        applies=_GRPO,
+    )
+    max_new_tokens: int = _f(32, "bound on each rollout response", "tokens", ge=1, applies=_GRPO)
+    temperature: float = _f(
+        1.0,
+        "rollout sampling temperature; the policy's log-probabilities are taken at the same one",
+        gt=0,
+        applies=_GRPO,
+    )
+    top_k: int = _f(0, "sample from the k most likely tokens; 0 = all", "tokens", ge=0, applies=_GRPO)
+    top_p: float = _f(
+        1.0,
+        "sample from the smallest set of tokens whose probability reaches p (nucleus), in (0, 1]",
+        gt=0,
+        applies=_GRPO,
     )
     allow_dropout: bool = _f(
         False,

@@ -24,6 +24,7 @@ from megazero.offload.host_resident import HostResident
 from megazero.post_training.losses import PreferenceLoss
 from megazero.post_training.preference import PreferenceStep, reference_forward_step
 from megazero.post_training.reward import RewardLoss, RewardStep
+from megazero.post_training.rl_step import PolicyLoss, PolicyStep
 
 __all__ = ["PostTraining", "PreferenceLoss", "RewardLoss"]
 
@@ -53,10 +54,16 @@ class PostTraining:
         elif self.mode == "rm":
             settings = RewardLoss(cfg.post.rm_use_margin, cfg.post.rm_center_coef)
             self.preference = RewardStep(settings, groups, cfg.train.global_batch_size // 2 / groups.dp_size)
+        self.policy: Optional[PolicyStep] = None  # grpo: the policy loss of each update
+        if self.mode == "grpo":
+            p = cfg.post
+            loss = PolicyLoss(p.grpo_clamp_eps_lower, p.grpo_clamp_eps_upper, p.grpo_kl_beta, p.grpo_kl_estimator)
+            self.policy = PolicyStep(loss, groups, groups.replicas().dp_size)
 
     @property
     def uses_reference(self) -> bool:
-        return self.preference is not None and self.preference.settings.uses_reference
+        step = self.preference if self.preference is not None else self.policy
+        return step is not None and step.settings.uses_reference
 
     def resumed(self, meta: dict, root: str, weights_only: bool) -> None:
         """After a checkpoint under ``root`` was read: a resumed run (not ``--finetune``) keeps

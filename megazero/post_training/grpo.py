@@ -128,3 +128,38 @@ def aggregate(
     if constant is None or constant <= 0:
         raise ValueError("--grpo-loss-agg seq-mean-token-sum-norm needs a positive constant (the generation budget)")
     return summed.sum() / (max(n, 1.0) * constant)
+
+
+def token_weights(
+    mask: torch.Tensor,
+    kind: str = "token-mean",
+    *,
+    keep: Optional[torch.Tensor] = None,
+    constant: Optional[float] = None,
+) -> torch.Tensor:
+    """Each response token's weight ``[N, T]`` float64 in the step's loss under ``kind``, so that
+    ``aggregate(per_token, mask, kind, ...) == (token_weights(...) * per_token).sum()`` for the
+    N rows of one optimizer step (the closed forms below; ``keep`` ``[N]`` bool, default all:
+    the rows that count, e.g. without zero-variance groups, whose tokens weigh 0 and which leave
+    the denominators):
+
+    - ``token-mean``: ``1 / K`` with K the kept response tokens;
+    - ``seq-mean-token-mean``: ``1 / (|y_n| S)`` with ``|y_n|`` row n's tokens, S the kept rows;
+    - ``seq-mean-token-sum-norm``: ``1 / (S C)`` with C = ``constant`` (Dr. GRPO's budget).
+
+    Computed once over the whole step's rows, then cut by any layout: a rank's loss is its
+    tokens' weighted sum, so splitting rows over micro-batches or ranks changes nothing.
+    Raises ValueError as ``aggregate``."""
+    if kind not in AGGREGATIONS:
+        raise ValueError(f"--grpo-loss-agg {kind}: not one of {', '.join(AGGREGATIONS)}")
+    m = mask.to(torch.float64)
+    if keep is not None:
+        m = m * keep.to(torch.float64).unsqueeze(1)
+    rows = float((m.sum(dim=1) > 0).sum())
+    if kind == "token-mean":
+        return m / max(float(m.sum()), 1.0)
+    if kind == "seq-mean-token-mean":
+        return m / m.sum(dim=1, keepdim=True).clamp_min(1.0) / max(rows, 1.0)
+    if constant is None or constant <= 0:
+        raise ValueError("--grpo-loss-agg seq-mean-token-sum-norm needs a positive constant (the generation budget)")
+    return m / (max(rows, 1.0) * constant)

@@ -213,6 +213,7 @@ def rollout(
     *,
     step: int = 0,
     samples_per_prompt: int = 1,
+    prompt_keys: Optional[Sequence[int]] = None,
     dp_group=None,
     zero3=None,
     device=None,
@@ -227,19 +228,25 @@ def rollout(
     same arguments. ``zero3``: the policy's ZeRO-3 gather schedule (``DataParallel.zero3``;
     None when its parameters are whole): every unit is gathered once for the whole rollout
     (``Zero3Gather.holding``) and released after, so the all-gather bytes do not grow with the
-    number of decoded tokens. Raises ValueError as :func:`generate`, and for
-    ``samples_per_prompt < 1``.
+    number of decoded tokens. ``prompt_keys``: each prompt's global number, the second key of
+    its rows' generators (default its position in ``prompts``). Raises ValueError as
+    :func:`generate`, and for ``samples_per_prompt < 1`` or a ``prompt_keys`` of another length.
     """
     settings.check()  # before any collective
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    if prompt_keys is not None and len(prompt_keys) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(prompt_keys)} prompt keys; give one per prompt")
+    keys = list(range(len(prompts))) if prompt_keys is None else list(prompt_keys)
     rows = [(i, s) for i in range(len(prompts)) for s in range(samples_per_prompt)]
     dp, rank = C.group_size(dp_group), C.group_rank(dp_group)
     per = -(-len(rows) // dp)  # ceil
     mine = rows[rank * per : (rank + 1) * per]
     mine += [rows[0]] * (per - len(mine))  # padding rows: same shapes on every replica
     with contextlib.nullcontext() if zero3 is None else zero3.holding():
-        local = generate(decoder, [prompts[i] for i, _ in mine], mine, settings, step=step, device=device)
+        local = generate(
+            decoder, [prompts[i] for i, _ in mine], [(keys[i], s) for i, s in mine], settings, step=step, device=device
+        )
     if dp == 1:
         return local
     parts = [C.all_gather_list(t, dp_group) for t in (local.tokens, local.mask.to(torch.uint8), local.log_probs)]

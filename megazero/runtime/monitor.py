@@ -134,6 +134,17 @@ MOE_TAGS.update({key: f"dpo/{key}" for key in PREFERENCE_KEYS})
 #: --post-train rm: the step's pair accuracy and mean scores (``megazero.post_training.reward.METRICS``).
 REWARD_MODEL_KEYS = ("rm_accuracy", "rm_chosen_score", "rm_rejected_score")
 MOE_TAGS.update({key: f"rm/{key.removeprefix('rm_')}" for key in REWARD_MODEL_KEYS})
+#: --post-train grpo: the iteration's rollout and update statistics (``megazero.training.rl``).
+RL_KEYS = (
+    "rl_reward",
+    "rl_response_length",
+    "rl_zero_variance_fraction",
+    "rl_clip_fraction",
+    "rl_first_clip_fraction",
+    "rl_first_ratio_deviation",
+    "rl_kl",
+)
+MOE_TAGS.update({key: f"rl/{key.removeprefix('rl_')}" for key in RL_KEYS})
 #: per-MoE-layer routing statistics (``model.gpt.moe_step_end``'s ``moe_layers``), logged when given.
 MOE_LAYERS_KEY = "moe_layers"
 
@@ -469,7 +480,7 @@ class Monitor:
         missing ones are ``n/a``/``null``). Raises ValueError for an unknown key or an
         ``iteration`` value different from ``it``.
         """
-        extra = set(MOE_KEYS) | set(PREFERENCE_KEYS) | set(REWARD_MODEL_KEYS) | {MOE_LAYERS_KEY}
+        extra = set(MOE_KEYS) | set(PREFERENCE_KEYS) | set(REWARD_MODEL_KEYS) | set(RL_KEYS) | {MOE_LAYERS_KEY}
         unknown = set(values) - set(ITERATION_KEYS) - extra
         if unknown:
             raise ValueError(f"unknown iteration values {sorted(unknown)}; expected keys from {ITERATION_KEYS}")
@@ -481,7 +492,11 @@ class Monitor:
         record["iteration"] = it
         for key in _INT_KEYS:
             record[key] = None if record[key] is None else int(record[key])
-        moe = {key: _plain(values[key]) for key in MOE_KEYS + PREFERENCE_KEYS + REWARD_MODEL_KEYS if key in values}
+        moe = {
+            key: _plain(values[key])
+            for key in MOE_KEYS + PREFERENCE_KEYS + REWARD_MODEL_KEYS + RL_KEYS
+            if key in values and values[key] is not None
+        }
         line = format_iteration_line(record, self.train_iters)
         if moe:
             line += "".join(f" | {key.replace('_', ' ')}: {value:.6E}" for key, value in moe.items())
@@ -519,6 +534,18 @@ class Monitor:
         print(f"validation at iteration {it} | loss: {loss:.6E} | perplexity: {ppl:.4g}", flush=True)
         self._scalars({"valid/loss": loss, "valid/ppl": ppl}, it)
         self._record("valid", {"iteration": it, "loss": loss, "ppl": ppl})
+
+    def log_rollout_validation(self, it: int, values: Mapping[str, float]) -> None:
+        """--post-train grpo's held-out rollouts at iteration ``it`` (``megazero.training.rl.evaluate``:
+        mean reward of sampled and greedy responses, mean response length): one console line,
+        ``valid/<key>`` scalars and a ``"valid"`` record."""
+        if not self.is_logging_rank:
+            return
+        extra = {k: _plain(v) for k, v in values.items()}
+        shown = " | ".join(f"{k.replace('_', ' ')}: {v:.4f}" for k, v in extra.items())
+        print(f"validation at iteration {it} | {shown}", flush=True)
+        self._scalars({f"valid/{k}": v for k, v in extra.items()}, it)
+        self._record("valid", {"iteration": it} | extra)
 
     def log_harness(self, it: int, scores: Mapping[str, Mapping[str, float]]) -> None:
         """lm-evaluation-harness scores ``{task: {metric: value}}`` at iteration ``it``: one

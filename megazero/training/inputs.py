@@ -51,13 +51,26 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
     from data.tokenizer import load_tokenizer
 
     blend = parse_data_path(cfg.data.data_path)
-    require_files(blend)
+    if cfg.post.mode != "grpo":  # prompts are one npz (PromptSet names it when missing)
+        require_files(blend)
     tok = load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type)
     if cfg.data.vocab_size is not None and cfg.data.vocab_size != tok.vocab_size:
         raise DataError(
             f"--vocab-size {cfg.data.vocab_size} differs from the {tok.vocab_size} tokens of "
             f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
             "tokenizer sets it) or use the matching tokenizer"
+        )
+    if cfg.post.mode == "grpo":  # prompts with answers (python -m data.prompts): one prefix
+        from data.prompts import prompt_splits
+
+        if len(blend) != 1:
+            raise DataError(
+                f"--data-path {' '.join(cfg.data.data_path)}: --post-train grpo reads one prefix of "
+                "python -m data.prompts; fix: give one PREFIX (merge the inputs when preprocessing)"
+            )
+        check_same_tokenizer([blend[0][1]], tok.sha256, f"--tokenizer-model {cfg.data.tokenizer_model}")
+        return RunData(
+            tok, *prompt_splits(blend[0][1], cfg.data.split, t.seed), vocab_size=tok.vocab_size, resume=resume
         )
     if cfg.post.mode in ("dpo", "rm"):  # preference pairs (python -m data.preference): one prefix
         from data.preference import preference_splits

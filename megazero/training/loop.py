@@ -203,7 +203,12 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
             profiler.close()
             monitor.close()
             return finish_stop(trainer, control, "non-finite", None, message=line)
-        if data.valid is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters):
+        due = data.valid is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters)
+        if due and cfg.post.mode == "grpo":  # held-out rollouts: sampled and greedy rewards
+            from megazero.training import rl
+
+            monitor.log_rollout_validation(it, rl.evaluate(trainer, data.valid, it, rl.held_out_prompts(cfg)))
+        elif due:
             last_valid, counts = evaluate(trainer, data.valid, cfg, state.eval_round)
             state.eval_round += 1
             pref = trainer.post.preference  # --post-train dpo: the held-out pairs' reward statistics

@@ -96,6 +96,7 @@ class Trainer:
         self.replicas = groups.replicas()
         d = cfg.data
         self.packing = Packing(eod, d.reset_attention_mask, d.reset_position_ids, d.eod_mask_loss)
+        self.eod = eod
         self.gpt_config = build_gpt_config(cfg, vocab_size)
         self.chunks = build_model_chunks(self.gpt_config, cfg, groups, device)
         self.ddp, self.optimizer = build_optimizer(self.chunks, cfg, self.replicas)
@@ -305,6 +306,19 @@ class Trainer:
         """The forward-only schedule of ``chunks`` (the post-training reference)."""
         return self._schedule(self.eval_actions, chunks, forward_step, batches, forward_only=True)
 
+    def run_forward_only(self, chunks, forward_step, batches) -> torch.Tensor:
+        """The forward-only schedule of ``chunks`` (the model's or another in this layout, e.g.
+        the post-training reference) over this rank's sharded ``batches`` (one global batch's
+        micro-batches) with ``forward_step`` (``megazero.pipeline.executor`` contract)."""
+        return self._forward_only(chunks, forward_step, batches)
+
+    def run_training_schedule(self, forward_step, batches) -> torch.Tensor:
+        """The training schedule (forward, backward, gradient reduction) of the model over this
+        rank's sharded ``batches`` with ``forward_step``: this replica's loss (fp64 0-d, on the
+        last stage). The caller zeroes the gradients before and steps the optimizer after
+        (``megazero.training.rl.update``)."""
+        return self._schedule(self.actions, self.chunks, forward_step, batches, forward_only=False)
+
     def _schedule_of(self, pp_rank: int):
         """The training schedule of stage ``pp_rank`` (the executor reads its neighbours')."""
         p = self.cfg.parallel
@@ -313,13 +327,22 @@ class Trainer:
     def next_batches(self, dataset=None) -> list:
         """This data-parallel rank's micro-batches of the next global batch (``dp_micro_batches``
         after ``state.consumed_samples``) of ``dataset``, default the run's training split
-        (``data.train``; a Trainer built without ``data`` needs ``dataset``)."""
+        (``data.train``; a Trainer built without ``data`` needs ``dataset``). With
+        ``--post-train grpo``: the next rollout (``megazero.training.rl.sample``; collective)."""
         dataset = self.data.train if dataset is None else dataset
+        if self.post.mode == "grpo":
+            from megazero.training import rl
+
+            p = self.cfg.post
+            first = self.state.consumed_samples
+            return rl.sample(self, dataset, first, p.grpo_prompts_per_step, p.grpo_group_size, self.state.iteration + 1)
         return dp_micro_batches(dataset, self.state.consumed_samples, self.cfg, self.groups, self.device)
 
     def train_step(self, batches) -> StepOutcome:
         """One iteration on this DP rank's micro-batches (a list of (tokens, labels), each
         ``(micro_batch_size, seq_length)`` int64); advances ``state`` and returns the outcome."""
+        if self.post.mode == "grpo":
+            return self._rl_step(batches)
         for c in self.chunks:
             c.train()
         it, trail = self.state.iteration + 1, self.trail
@@ -351,6 +374,22 @@ class Trainer:
             trail.enter(it, "the MoE statistics and expert-bias all-reduce over dp and pp")
             values.update(moe_step_end(self.chunks, self.groups, self.replicas.dp, self.num_microbatches))
         return StepOutcome(values, stop_reason, bool(bad), result.empty)
+
+    def _rl_step(self, stored) -> StepOutcome:
+        """``--post-train grpo``'s iteration on a rollout (``megazero.training.rl.update``)."""
+        from megazero.training import rl
+
+        it = self.state.iteration + 1
+        lr = self.lr_schedule(it)
+        self.trail.enter(it, "the policy updates on the rollout (schedule, gradient reduction, optimizer steps)")
+        out = rl.update(self, stored, lr)
+        s = self.state
+        s.advance(len(stored.prompts), out["skipped"])
+        v = out["values"]
+        bad = not self.cfg.precision.fp16 and (out["skipped"] or not math.isfinite(v["loss"]))
+        values = dict(iteration=s.iteration, consumed_samples=s.consumed_samples, lr=lr, **v)
+        values["skipped_iterations"] = s.skipped_iterations
+        return StepOutcome(values, out["stop"], bool(bad), out["empty"])
 
     def locate_bad_step(self) -> str:
         """The one line naming where the last step's non-finite value appeared (collective)."""

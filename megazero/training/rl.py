@@ -1,0 +1,305 @@
+"""``--post-train grpo``: one iteration is one rollout and the optimizer steps on it.
+
+1. ``sample``: the iteration's ``--grpo-prompts-per-step`` prompts (``data.prompts.PromptSplit``,
+   read after the prompts already consumed) are each answered ``--grpo-group-size`` times by the
+   policy (``megazero.post_training.rollout.rollout``: rows split over the data-parallel
+   replicas, every row's generator keyed by (seed, iteration, global prompt number, sample), so
+   the rollout is the same under every layout), in eval mode, after any parameter all-gather in
+   flight was waited for (a rollout never reads the weights of the step before).
+2. ``score``: global rank 0 decodes each response (its tokens up to the EOD) and calls the
+   ``--reward`` function with the prompt's text and answer; the scores reach every rank in one
+   all-reduce (a user's function runs once per response, so one that is not deterministic
+   cannot make the ranks disagree).
+3. ``update``: group advantages, then ``--grpo-iterations`` passes over the rollout, each one
+   optimizer step per ``--global-batch-size`` sequences (a mini-batch), each step's per-token
+   weights computed over its whole mini-batch (``grpo.token_weights``) before the rows are cut
+   over data-parallel ranks and micro-batches (``megazero.post_training.rl_step``).
+
+A rollout is a ``StoredRollout``, which the tests save and feed to ``update`` under other layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from data.indexed_dataset import DataError
+from megazero import collectives
+from megazero.context_parallel.sequence import Packing, shard_micro_batch
+from megazero.context_parallel.zigzag import split_for_rank
+from megazero.pipeline.executor import make_forward_step
+from megazero.post_training.grpo import group_advantages, token_weights, zero_variance_groups
+from megazero.post_training.rewards import parse_reward, score
+from megazero.post_training.rl_step import ADVANTAGE, COLUMNS, OLD, REF, WEIGHT
+from megazero.post_training.rollout import RolloutSettings, rollout
+from megazero.runtime import resilience
+
+
+@dataclass
+class StoredRollout:
+    """One iteration's rollout: ``prompts`` (P lists of ids), ``prompt_keys`` (their global
+    numbers), ``answers`` (P reference answers), ``group_size`` G, and for the N = P G rows
+    (prompt-major) ``tokens`` / ``mask`` / ``log_probs`` ``[N, max_new_tokens]`` as
+    ``megazero.post_training.rollout.Rollout`` holds them and ``scores`` ``[N]`` float64."""
+
+    prompts: list
+    prompt_keys: list
+    answers: list
+    group_size: int
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    log_probs: torch.Tensor
+    scores: torch.Tensor
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def rollout_settings(cfg, eod: Optional[int], greedy: bool = False) -> RolloutSettings:
+    """The sampler's settings from ``--max-new-tokens``, ``--temperature``, ``--top-k``,
+    ``--top-p`` and ``--seed`` (``greedy``: argmax, log-probabilities at ``--temperature``)."""
+    p = cfg.post
+    return RolloutSettings(
+        max_new_tokens=p.max_new_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        greedy=greedy,
+        eod=eod,
+        seed=cfg.train.seed,
+    )
+
+
+def decoder_of(trainer):
+    """The rollout decoder of ``trainer``'s chunks (``model.rollout``)."""
+    try:
+        from model.rollout import make_decoder
+    except ImportError:  # until pipeline rollouts land: one whole-model stage
+        from model.rollout import StageDecoder
+
+        return StageDecoder(trainer.chunks[0])
+    return make_decoder(trainer.chunks, trainer.groups)
+
+
+def sample(
+    trainer,
+    split,
+    first: int,
+    count: int,
+    group_size: int,
+    step: int,
+    greedy: bool = False,
+) -> StoredRollout:
+    """Responses to prompts ``first .. first + count - 1`` of ``split`` (a ``PromptSplit``, in
+    its epoch order), ``group_size`` each, keyed by iteration ``step`` (collective over every
+    rank; the same result everywhere). Raises DataError naming a prompt that leaves no room
+    for ``--max-new-tokens`` in ``--seq-length``."""
+    cfg = trainer.cfg
+    keys = [first + k for k in range(count)]
+    ids = [split.index(k) for k in keys]
+    prompts = [split.tokens(i) for i in ids]
+    room = cfg.model.seq_length - cfg.post.max_new_tokens
+    for i, p in zip(ids, prompts):
+        if len(p) > room:
+            raise DataError(
+                f"{split.where(i)}: a prompt of {len(p)} tokens leaves no room for --max-new-tokens "
+                f"{cfg.post.max_new_tokens} in --seq-length {cfg.model.seq_length}; fix: --seq-length "
+                f"{len(p) + cfg.post.max_new_tokens} (or shorter prompts: python -m data.prompts --max-prompt-length)"
+            )
+    trainer.optimizer.wait_param_gather()  # the rollout reads this step's weights, never the last one's
+    for c in trainer.chunks:
+        c.eval()
+    r = rollout(
+        decoder_of(trainer),
+        prompts,
+        rollout_settings(cfg, trainer.eod, greedy),
+        step=step,
+        samples_per_prompt=group_size,
+        prompt_keys=keys,
+        dp_group=trainer.groups.dp,
+        zero3=trainer.ddp.zero3,
+        device=trainer.device,
+    )
+    answers = [split.answer(i) for i in ids]
+    scores = score_rows(trainer, prompts, answers, group_size, r.tokens, r.mask)
+    return StoredRollout(prompts, keys, answers, group_size, r.tokens, r.mask, r.log_probs, scores)
+
+
+def score_rows(trainer, prompts, answers, group_size: int, tokens, mask) -> torch.Tensor:
+    """``[N]`` float64 rewards of the rows (``--reward``, computed on global rank 0, summed to
+    every rank)."""
+    cfg, tok = trainer.cfg, trainer.data.tokenizer
+    N = tokens.shape[0]
+    out = torch.zeros(N, dtype=torch.float64, device=trainer.device)
+    if trainer.groups.rank == 0:
+        fn = parse_reward(cfg.post.reward)
+        texts = [tok.decode(p) for p in prompts]
+        for n in range(N):
+            ids = tokens[n][mask[n]].tolist()
+            if ids and trainer.eod is not None and ids[-1] == trainer.eod:
+                ids = ids[:-1]
+            j = n // group_size
+            out[n] = score(fn, cfg.post.reward, texts[j], tok.decode(ids), answers[j])
+    collectives.all_reduce_sum(out, trainer.groups.world)
+    return out
+
+
+def policy_rows(stored: StoredRollout, seq_length: int, pad: int):
+    """The rollout as training rows: ``tokens``, ``labels`` ``[N, T]`` int64 (prompt, response,
+    then ``pad``; labels the next token), ``mask`` ``[N, T]`` float32 (1 where the label is a
+    response token) and ``extra`` ``[N, T, 4]`` float64 with the rollout's log-probability of
+    each response label in column ``OLD`` (the other columns 0)."""
+    N = stored.tokens.shape[0]
+    G = stored.group_size
+    device = stored.tokens.device
+    tokens = torch.full((N, seq_length + 1), pad, dtype=torch.long, device=device)
+    mask = torch.zeros(N, seq_length, dtype=torch.float32, device=device)
+    extra = torch.zeros(N, seq_length, COLUMNS, dtype=torch.float64, device=device)
+    for n in range(N):
+        prompt = stored.prompts[n // G]
+        L = len(prompt)
+        k = int(stored.mask[n].sum())
+        tokens[n, :L] = torch.as_tensor(prompt, dtype=torch.long, device=device)
+        tokens[n, L : L + k] = stored.tokens[n, :k]
+        mask[n, L - 1 : L - 1 + k] = 1.0  # the label at position t is token t + 1
+        extra[n, L - 1 : L - 1 + k, OLD] = stored.log_probs[n, :k].double()
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), mask, extra
+
+
+def reference_log_probs_step(store):
+    """Forward step (``megazero.pipeline.executor`` contract) of the frozen reference: its last
+    stage hands ``store(batch, log_probs [B, T/cp] float64)`` and returns a zero loss."""
+
+    def forward_step(batch, chunk, input_tensor):
+        tokens, labels, seq = batch[:3]
+        x = tokens if input_tensor is None else input_tensor
+        out = chunk(x, labels=labels if chunk.post_process else None, seq=seq)
+
+        def loss_fn(per_token_loss):
+            store(batch, -per_token_loss.detach().double())
+            return per_token_loss.new_zeros((), dtype=torch.float64)
+
+        return out, loss_fn
+
+    return forward_step
+
+
+def local_batches(trainer, tokens, labels, mask, extra, rows: range) -> list:
+    """This rank's micro-batches ``(tokens, labels, seq, extra)`` of mini-batch ``rows``: the
+    dp rank's contiguous share, cut into ``--micro-batch-size`` rows, each sharded over cp."""
+    g, mbs = trainer.groups, trainer.cfg.train.micro_batch_size
+    per = len(rows) // g.dp_size
+    mine = range(rows.start + g.dp_rank * per, rows.start + (g.dp_rank + 1) * per)
+    out = []
+    for a in range(mine.start, mine.stop, mbs):
+        sl = slice(a, a + mbs)
+        t, lab, seq = shard_micro_batch(
+            tokens[sl], labels[sl], cp=g.cp_size, cp_rank=g.cp_rank, packing=Packing(), loss_mask=mask[sl]
+        )
+        ex = extra[sl] if g.cp_size == 1 else split_for_rank(extra[sl], 1, g.cp_rank, g.cp_size)
+        out.append((t, lab, seq, ex.contiguous()))
+    return out
+
+
+def update(trainer, stored: StoredRollout, lr: float) -> dict:
+    """``--grpo-iterations`` passes of optimizer steps over ``stored`` (module docstring, item 3)
+    at learning rate ``lr``. Returns the iteration's values: ``loss`` (mean over its steps),
+    ``grad_norm`` and ``loss_scale`` of its last step, ``skipped`` (any step skipped), ``stop``
+    (a stop every rank agreed on), ``steps`` and the ``RL_KEYS`` statistics."""
+    cfg, post = trainer.cfg, trainer.cfg.post
+    policy = trainer.post.policy
+    device = trainer.device
+    G, N = stored.group_size, stored.tokens.shape[0]
+    pad = trainer.eod if trainer.eod is not None else 0
+    tokens, labels, mask, extra = (x.to(device) for x in policy_rows(stored, cfg.model.seq_length, pad))
+    scores = stored.scores.to(device=device, dtype=torch.float64)
+    adv = group_advantages(scores, G, post.grpo_advantage)
+    flat = zero_variance_groups(scores, G)
+    keep = ~flat if post.grpo_filter_groups_with_same_reward else None
+    extra[..., ADVANTAGE] = adv[:, None] * mask.double()
+    gbs = cfg.train.global_batch_size
+    minis = [range(a, a + gbs) for a in range(0, N, gbs)]
+    counts = []
+    for rows in minis:
+        w = token_weights(
+            mask[rows.start : rows.stop],
+            post.grpo_loss_agg,
+            keep=None if keep is None else keep[rows.start : rows.stop],
+            constant=float(post.max_new_tokens),
+        )
+        extra[rows.start : rows.stop, :, WEIGHT] = w
+        counts.append(float((w > 0).sum()))
+    batches = [local_batches(trainer, tokens, labels, mask, extra, rows) for rows in minis]
+    for c in trainer.chunks:
+        c.logit_temperature = post.temperature
+    if policy.settings.uses_reference:
+        for mb in batches:  # one forward-only schedule per mini-batch (the schedules' micro-batch count)
+            reference_into(trainer, mb)
+    forward_step = make_forward_step(1.0, None, policy.loss)
+    losses, stats, result, skipped = [], [], None, False
+    for _ in range(post.grpo_iterations):
+        for mb, count in zip(batches, counts):
+            for c in trainer.chunks:
+                c.train()
+            trainer.ddp.zero_grad()
+            loss = trainer.run_training_schedule(forward_step, mb)
+            result = trainer.optimizer.step(lr, loss_tokens=torch.tensor(count, dtype=torch.float64, device=device))
+            skipped = skipped or (result.skipped and not result.empty)
+            losses.append(loss)
+            stats.append(policy.metrics(device))
+    loss, stop = resilience.agree(torch.stack(losses).mean(), trainer.stop_flags(), trainer.replicas)
+    lengths = stored.mask.sum(dim=1).double()
+    values = dict(
+        loss=loss,
+        grad_norm=result.grad_norm,
+        loss_scale=result.loss_scale,
+        rl_reward=float(stored.scores.mean()),
+        rl_response_length=float(lengths.mean()),
+        rl_zero_variance_fraction=float(flat.double().mean()),
+        rl_clip_fraction=sum(s["rl_clip_fraction"] for s in stats) / len(stats),
+        rl_first_clip_fraction=stats[0]["rl_clip_fraction"],
+        rl_first_ratio_deviation=stats[0]["rl_ratio_deviation"],
+        rl_kl=sum(s["rl_kl"] for s in stats) / len(stats) if policy.settings.uses_reference else None,
+    )
+    return dict(values=values, skipped=skipped, stop=stop, steps=len(stats), empty=all(c == 0 for c in counts))
+
+
+@torch.no_grad()
+def reference_into(trainer, batches: list) -> None:
+    """The frozen reference's log-probability of each label, written into column ``REF`` of
+    each of ``batches``' ``extra`` on the last stage (forward-only schedule, in the training
+    layout; the reference at the rollout's temperature)."""
+    post = trainer.post
+    chunks = post.reference_chunks()
+    for c in chunks:
+        c.logit_temperature = trainer.cfg.post.temperature
+
+    def store(batch, log_probs):
+        batch[3][..., REF] = log_probs
+
+    from contextlib import nullcontext
+
+    with post.resident.on_device() if post.resident is not None else nullcontext():
+        trainer.run_forward_only(chunks, reference_log_probs_step(store), batches)
+
+
+def held_out_prompts(cfg) -> int:
+    """The held-out prompts of one validation: ``--eval-iters`` x ``--grpo-prompts-per-step``."""
+    return cfg.train.eval_iters * cfg.post.grpo_prompts_per_step
+
+
+def evaluate(trainer, split, step: int, count: int) -> dict:
+    """Held-out rollouts of the first ``count`` prompts of ``split`` (its first epoch's order),
+    one sampled and one greedy response each (collective): ``sampled_reward`` and
+    ``greedy_reward`` (mean ``--reward``; with ``exact``, the accuracy) and
+    ``sampled_length`` (mean response tokens)."""
+    count = min(count, len(split))
+    s = sample(trainer, split, 0, count, 1, step)
+    gr = sample(trainer, split, 0, count, 1, step, greedy=True)
+    return dict(
+        sampled_reward=float(s.scores.mean()),
+        greedy_reward=float(gr.scores.mean()),
+        sampled_length=float(s.mask.sum(dim=1).double().mean()),
+    )

@@ -1,0 +1,170 @@
+"""Reinforcement learning (``--post-train grpo``): updates on stored rollouts under every layout
+equal GRPO written from the papers in plain PyTorch, and rollouts are reproducible.
+
+Prompts are the demo's print tasks (``data.print_tasks``) with a small Hugging Face tokenizer;
+the reward is ``tests.support.rl.text_reward`` (many values for an untrained model's responses).
+One process samples two rollouts and trains on them; ``tests/support/rl.py``'s ``plain_grpo``
+replays them on the reference GPT with ``torch.optim.Adam`` (constant lr, no weight decay or
+clipping). One process then replays the stored rollouts with micro-batches of 1 and 4, each
+advantage kind, each loss aggregation, the KL penalty with each estimator, several iterations
+per rollout, the zero-variance filter and the LLaMA block; eight gloo ranks replay them under
+tp2-pp2-dp2 ZeRO-3, cp2-tp2-dp2 ZeRO-2, dp4 x tp2 ZeRO-3 with the optimizer on the host, dp 2
+and 8 (ranks whose rows all weigh 0), ZB-V and interleaved pp 4. Every iteration's loss and
+gradient norm and the parameters after the last one equal the plain run's within 1e-6; on the
+first update of each rollout the ratio is 1 within 1e-6 (the trainer's log-probabilities of
+the sampled tokens equal the sampler's, under any layout) and no token is clipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.support.distributed import run_distributed
+from tests.support.preference import assert_same_as_plain
+from tests.support.rl import grpo_runs, plain_grpo, write_prompts
+
+MODEL = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 48 --micro-batch-size 2 "
+    "--global-batch-size 8 --grpo-prompts-per-step 4 --grpo-group-size 4 --max-new-tokens 8 "
+    "--lr 2e-3 --seed 7 --eval-iters 0 --device cpu --split 1 --tokenizer-type HuggingFaceTokenizer "
+    "--make-vocab-size-divisible-by 8 --lr-warmup-iters 0 --adam-eps 1e-4 --lr-decay-style constant "
+    "--weight-decay 0 --clip-grad 0 --reward python:tests.support.rl:text_reward --train-iters 8"
+).split()
+LLAMA = (
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention "
+    "--num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights --ffn-hidden-size 64"
+).split()
+KL = ["--grpo-kl-beta", "0.1"]
+VARIANTS = {  # one process, replaying the stored rollouts
+    "micro-batch 1": ["--micro-batch-size", "1"],
+    "micro-batch 4": ["--micro-batch-size", "4"],
+    "rloo seq-mean kl-k3 2 iterations filter": [
+        *KL,
+        "--grpo-advantage",
+        "rloo",
+        "--grpo-loss-agg",
+        "seq-mean-token-mean",
+        "--grpo-iterations",
+        "2",
+        "--grpo-filter-groups-with-same-reward",
+    ],
+    "dr_grpo sum-norm kl-k2 temperature 0.7": [
+        "--grpo-kl-beta",
+        "0.05",
+        "--grpo-kl-estimator",
+        "k2",
+        "--grpo-advantage",
+        "dr_grpo",
+        "--grpo-loss-agg",
+        "seq-mean-token-sum-norm",
+        "--temperature",
+        "0.7",
+    ],
+    "kl-k1 asymmetric clip": [*KL, "--grpo-kl-estimator", "k1", "--grpo-clamp-eps-upper", "0.28"],
+    "llama": LLAMA,
+}
+FILTER = ["--grpo-filter-groups-with-same-reward"]
+LAYOUTS = {  # name: (layout flags, the model and loss flags its plain run uses)
+    "tp2-pp2-dp2 zero-3 kl": ("--tp 2 --pp 2 --dp 2 --zero-stage 3", KL),
+    "cp2-tp2-dp2 zero-2 llama": ("--cp 2 --tp 2 --dp 2 --zero-stage 2", LLAMA),
+    "dp4-tp2 zero-3 cpu offload seq-mean": (
+        "--dp 4 --tp 2 --zero-stage 3 --offload-optimizer cpu",
+        ["--grpo-loss-agg", "seq-mean-token-mean"],
+    ),
+    "dp2-tp2-pp2 zb-v kl": ("--dp 2 --tp 2 --pp 2 --pipeline-schedule zb-v", KL),
+    "interleaved pp4 vp2 dp2 kl": (
+        "--pp 4 --virtual-pipeline-size 2 --dp 2 --micro-batch-size 1",
+        [*KL, "--num-layers", "8"],
+    ),
+    "dp8 micro-batch 1 filter": ("--dp 8 --micro-batch-size 1", FILTER),
+    "dp2-tp4 filter": ("--dp 2 --tp 4", FILTER),
+}
+KEYS = ("loss", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grpo")
+    tok, prefix = write_prompts(d)
+    return dict(dir=d, argv=MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--post-train", "grpo"])
+
+
+@pytest.fixture(scope="module")
+def sampled(task):
+    """One process samples and trains on two rollouts; the second rollout's first group is then
+    given equal rewards (a group the filter leaves out: dp 8's ranks 0-3 hold only its rows)."""
+    got = run_distributed(grpo_runs, 1, [(task["argv"], [None, None])], params=True, timeout_s=600)[0][0]
+    stored = [dict(r) for r in got["rollouts"]]
+    flat = stored[1]["scores"].clone()
+    flat[:4] = 0.5
+    stored[1]["scores"] = flat
+    return got, stored
+
+
+@pytest.fixture(scope="module")
+def replays(task, sampled):
+    """The stored rollouts replayed: each variant in one process, each layout on eight ranks
+    (saved after the last iteration). Two spawns."""
+    _, stored = sampled
+    base, d = task["argv"], task["dir"]
+    single = [(base + extra, stored) for extra in VARIANTS.values()]
+    eight = [
+        (base + model + flags.split() + ["--save", str(d / f"layout{i}")], stored)
+        for i, (flags, model) in enumerate(LAYOUTS.values())
+    ]
+    one = run_distributed(grpo_runs, 1, single, params=True, timeout_s=600)[0]
+    got = run_distributed(grpo_runs, 8, eight, timeout_s=900)[0]
+    return dict(zip(VARIANTS, one)), dict(zip(LAYOUTS, got))
+
+
+def test_sampling_and_training_in_one_process_equal_plain_pytorch(task, sampled):
+    """The full loop (sample, score, advantages, update) of two iterations equals GRPO written in
+    plain PyTorch on the same rollouts; each rollout's first update has ratio 1 within 1e-6 and
+    clips nothing; the rewards are the text reward's of the decoded responses."""
+    got, _ = sampled
+    assert_same_as_plain(KEYS, got, plain_grpo(task["argv"], got["rollouts"]), "sampled")
+    for step, r in zip(got["steps"], got["rollouts"]):
+        assert step["rl_first_ratio_deviation"] < 1e-6 and step["rl_first_clip_fraction"] == 0.0, step
+        assert math.isclose(step["rl_reward"], float(r["scores"].mean()), rel_tol=1e-12)
+        assert set(r["scores"].tolist()) <= {0.0, 0.25, 0.5, 0.75, 1.0} and len(set(r["scores"].tolist())) > 1
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_one_process_variants_equal_plain_pytorch(task, sampled, replays, name):
+    """Each variant replaying the stored rollouts: losses, gradient norms and parameters within 1e-6."""
+    _, stored = sampled
+    single, _ = replays
+    extra = [] if name.startswith("micro-batch") else VARIANTS[name]
+    assert_same_as_plain(KEYS, single[name], plain_grpo(task["argv"] + extra, stored), name)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_equal_plain_pytorch(task, sampled, replays, name):
+    """Each layout replaying the stored rollouts: losses, gradient norms and the saved
+    parameters within 1e-6 of the plain run; on the first update (the first rollout was sampled
+    by one process with the same weights) the ratio is 1 within 1e-6 and nothing is clipped."""
+    from megazero.checkpoint import read_full_weights
+
+    _, stored = sampled
+    _, eight = replays
+    flags, model = LAYOUTS[name]
+    got = dict(eight[name], params=read_full_weights(str(task["dir"] / f"layout{list(LAYOUTS).index(name)}"))[1])
+    assert_same_as_plain(KEYS, got, plain_grpo(task["argv"] + model, stored), name)
+    if "--num-layers" not in model and "llama" not in name:  # the sampler's model before its first update: ratio 1
+        first = got["steps"][0]
+        assert first["rl_first_ratio_deviation"] < 1e-6 and first["rl_first_clip_fraction"] == 0.0, (name, first)
+
+
+def test_the_filter_leaves_a_flat_group_out_and_its_ranks_hold_only_zero_weights(sampled, replays):
+    """The second stored rollout's first group has equal rewards: its share of the zero-variance
+    fraction is 1/4, and under dp 8 the four ranks holding its rows contribute no weighted token,
+    yet the run equals the plain run (checked above) and its second iteration moves the model."""
+    _, stored = sampled
+    _, eight = replays
+    run = eight["dp8 micro-batch 1 filter"]
+    assert run["steps"][1]["rl_zero_variance_fraction"] >= 0.25
+    assert torch.equal(stored[1]["scores"][:4], torch.full((4,), 0.5, dtype=stored[1]["scores"].dtype))
+    assert run["steps"][1]["grad_norm"] > 0

@@ -1,0 +1,164 @@
+"""Prompts for the reinforcement-learning tests: the demo's print tasks (``data.print_tasks``)
+preprocessed by ``python -m data.prompts`` with a small Hugging Face tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+from tests.support.extras import require
+from tests.support.hf_tokenizer import corpus
+
+
+def write_prompts(folder, count: int = 64, seed: int = 0) -> tuple[str, str]:
+    """(tokenizer path, prompts prefix) of ``count`` print-task records written under ``folder``
+    (a ``pathlib.Path``) with a 320-token byte-level BPE trained on the test corpus and the
+    records' own text."""
+    require("tokenizers")
+    from data.print_tasks import records
+    from data.prompts import preprocess_prompts
+    from data.tokenizer import train_hf_tokenizer
+
+    recs = records(count, seed)
+    texts = corpus(200) + [r["prompt"] + " " + r["answer"] for r in recs]
+    tok = train_hf_tokenizer(texts, 320, str(folder / "tokenizer.json"))
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    preprocess_prompts([str(folder / "prompts.jsonl")], tok, str(folder / "rl"), tokenizer_type="HuggingFaceTokenizer")
+    return tok, str(folder / "rl")
+
+
+def text_reward(prompt: str, response: str, answer: str) -> float:
+    """A test reward with many values for an untrained model's responses: the stripped
+    response's length modulo 5, over 4 (``--reward python:tests.support.rl:text_reward``)."""
+    return (len(response.strip()) % 5) / 4
+
+
+def grpo_runs(rank, world, runs, params=False):
+    """A ``run_distributed`` target: for each ``(argv, rollouts)`` of ``runs``, build the trainer
+    and run one iteration per rollout: a stored rollout (a ``StoredRollout.to_dict()``), or None
+    to sample the next one. Saves to ``--save`` if given. Returns per run ``{"steps": each
+    iteration's logged values, "rollouts": each iteration's rollout as a dict}``, plus
+    ``"params"`` (canonical name -> tensor; one process at ZeRO-0 only) with ``params``."""
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.training import build_trainer
+    from megazero.training.rl import StoredRollout
+
+    out = []
+    for argv, rollouts in runs:
+        cfg = config_from_argv(argv, world)
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+        if cfg.train.load:
+            trainer.load_checkpoint(cfg.train.load)
+        got = dict(steps=[], rollouts=[])
+        for stored in rollouts:
+            r = trainer.next_batches() if stored is None else StoredRollout(**stored)
+            got["rollouts"].append({k: v.cpu() if hasattr(v, "cpu") else v for k, v in r.to_dict().items()})
+            got["steps"].append(trainer.train_step(r).values)
+        if cfg.train.save:
+            trainer.save_checkpoint(cfg.train.save, wait=True)
+        if params:
+            got["params"] = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
+        trainer.close()
+        out.append(got)
+    return out
+
+
+def plain_grpo(argv: list[str], rollouts: list[dict]) -> dict:
+    """GRPO written from the papers on ``tests/support/reference.py``'s GPT with
+    ``torch.optim.Adam``, without megazero's model, losses or optimizer: one iteration per stored
+    rollout (dicts as ``grpo_runs`` returns them). ``argv``: a one-process megazero command line
+    with a constant learning rate and no weight decay or clipping; the initial weights are
+    megazero's seeded ones and the reference model stays at them. Returns ``{"steps": per
+    iteration the mean loss over its optimizer steps and the last step's gradient norm,
+    "params": canonical name -> tensor after the last iteration}``.
+
+    Per rollout of P prompts x G responses: rewards r, advantages ``(r - mean) / (std + 1e-6)``
+    over each group (DeepSeekMath, sec. 4.1.2; std with Bessel's correction), ``r - mean``
+    (Dr. GRPO) or ``G / (G - 1) (r - mean)`` (RLOO); then ``--grpo-iterations`` passes of one
+    Adam step per ``--global-batch-size`` rows: the ratio ``exp(logp - old)`` of the response
+    tokens' log-probabilities of ``softmax(logits / temperature)``, the clipped surrogate
+    ``-min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A)`` (Schulman et al. 2017, eq. 7)
+    plus ``beta`` times the k1 / k2 / k3 KL estimate, averaged over the step's response tokens
+    (token-mean), over each response then the responses (seq-mean-token-mean), or summed over
+    responses x --max-new-tokens (seq-mean-token-sum-norm); with the filter, groups whose
+    rewards are all equal leave the loss and its counts."""
+    import torch
+
+    from megazero import training
+    from megazero.config import config_from_argv
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+    from tests.support.reference import ReferenceGPT, block_options
+
+    cfg = config_from_argv(argv, 1)
+    data = training.build_data(cfg)
+    gcfg = build_gpt_config(cfg, data.vocab_size)
+    full = dict(init_full_weights(gcfg, cfg.train.seed))
+    build = dict(vocab_size=data.vocab_size, num_heads=cfg.model.num_attention_heads, **block_options(gcfg))
+    policy, reference = ReferenceGPT.from_full_weights(full, **build), ReferenceGPT.from_full_weights(full, **build)
+    params = dict(policy.canonical_parameters())
+    o, p, S = cfg.optim, cfg.post, cfg.model.seq_length
+    adam = torch.optim.Adam(params.values(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    eod = data.tokenizer.eod
+
+    def logps(model, tokens, labels):
+        logits = model(tokens).double() / p.temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, labels[..., None])[..., 0]  # (B, S)
+
+    out = []
+    for r in rollouts:
+        G = r["group_size"]
+        N = r["tokens"].shape[0]
+        seqs = torch.full((N, S + 1), eod, dtype=torch.long)
+        m = torch.zeros(N, S, dtype=torch.float64)
+        old = torch.zeros(N, S, dtype=torch.float64)
+        for n in range(N):
+            prompt, k = r["prompts"][n // G], int(r["mask"][n].sum())
+            L = len(prompt)
+            seqs[n, :L] = torch.tensor(prompt)
+            seqs[n, L : L + k] = r["tokens"][n, :k]
+            m[n, L - 1 : L - 1 + k] = 1
+            old[n, L - 1 : L - 1 + k] = r["log_probs"][n, :k].double()
+        tokens, labels = seqs[:, :-1], seqs[:, 1:]
+        s = r["scores"].double().reshape(-1, G)
+        centred = s - s.mean(dim=1, keepdim=True)
+        if p.grpo_advantage == "grpo":
+            adv = centred / (s.std(dim=1, keepdim=True) + 1e-6)
+        elif p.grpo_advantage == "dr_grpo":
+            adv = centred
+        else:
+            adv = centred * G / (G - 1)
+        adv = adv.reshape(-1, 1)
+        kept = torch.ones(N, dtype=torch.float64)
+        if p.grpo_filter_groups_with_same_reward:
+            kept = (s.max(dim=1).values != s.min(dim=1).values).double().repeat_interleave(G)
+        losses, norm = [], None
+        for _ in range(p.grpo_iterations):
+            for a in range(0, N, cfg.train.global_batch_size):
+                rows = slice(a, a + cfg.train.global_batch_size)
+                logp = logps(policy, tokens[rows], labels[rows])
+                ratio = torch.exp(logp - old[rows])
+                clipped = ratio.clamp(1 - p.grpo_clamp_eps_lower, 1 + p.grpo_clamp_eps_upper)
+                each = -torch.minimum(ratio * adv[rows], clipped * adv[rows])
+                if p.grpo_kl_beta > 0:
+                    with torch.no_grad():
+                        ref = logps(reference, tokens[rows], labels[rows])
+                    d = ref - logp
+                    kl = {"k1": -d, "k2": d * d / 2, "k3": torch.exp(d) - d - 1}[p.grpo_kl_estimator]
+                    each = each + p.grpo_kl_beta * kl
+                mk = m[rows] * kept[rows, None]
+                n_rows = float((mk.sum(dim=1) > 0).sum())
+                if p.grpo_loss_agg == "token-mean":
+                    loss = (each * mk).sum() / mk.sum()
+                elif p.grpo_loss_agg == "seq-mean-token-mean":
+                    per_row = (each * mk).sum(dim=1) / mk.sum(dim=1).clamp_min(1)
+                    loss = per_row.sum() / n_rows
+                else:
+                    loss = (each * mk).sum() / (n_rows * p.max_new_tokens)
+                adam.zero_grad()
+                loss.backward()
+                norm = torch.linalg.vector_norm(torch.stack([q.grad.double().norm() for q in params.values()]))
+                adam.step()
+                losses.append(loss.item())
+        out.append(dict(loss=sum(losses) / len(losses), grad_norm=norm.item()))
+    return dict(steps=out, params={k: v.detach().clone() for k, v in params.items()})
