@@ -2,7 +2,7 @@
 
 One process: a row sampled in a ragged batch gives the tokens and log-probs it gets alone;
 right- and left-padded prompts give the same logits; the log-probs equal a trainer-style
-forward over prompt + response (no cache, ``vocab_parallel_log_probs``) at temperature 1 and
+forward over prompt + response (no cache, ``vocab_parallel_log_probs``; QK-norm too) at temperature 1 and
 0.7; top-k / top-p draws stay inside their sets; greedy decoding equals model/sampling.py's;
 EOD stops a row and ``max_new_tokens`` bounds it; bad settings raise a one-line ValueError
 naming them; an MoE block's log-probs equal the trainer's, and an expert capacity is refused.
@@ -58,7 +58,8 @@ def _cfg(arch: str) -> GPTConfig:
         attention_dropout=0.0,
         init_method_std=0.1,
         make_vocab_size_divisible_by=8,
-        **(LLAMA if arch == "llama" else {}),
+        **(LLAMA if arch.startswith("llama") else {}),
+        **(dict(qk_layernorm=True) if arch == "llama-qk-norm" else {}),
     )
 
 
@@ -124,7 +125,7 @@ def test_right_and_left_padding_give_the_same_logits(arch):
     torch.testing.assert_close(out["left"][0, 1:2], alone, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-qk-norm"])  # QK-norm: q, k RMS-normed per head
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_equal_a_trainer_forward_over_prompt_and_response(arch, temperature):
     stage = _stage(arch)
