@@ -3,8 +3,8 @@ generation half of RL post-training (GRPO and PPO are to build on it).
 
 The loop here is model-free: it drives a *decoder* with two methods, ``prefill(ids [B, L],
 valid [B, L]) -> logits [B, V]`` and ``step(ids [B]) -> logits [B, V]`` (full real-vocabulary
-logits of each row's next token, identical on every TP rank; ``model.rollout.StageDecoder``
-is the GPT's).
+logits of each row's next token, identical on every rank of the decoder's tp and pp groups;
+``model.rollout.make_decoder`` makes the GPT's from the trainer's chunks, under any layout).
 
 Per new token of each row:
 
@@ -174,7 +174,7 @@ def generate(
 ) -> Rollout:
     """Responses to ``prompts`` (lists of token ids, any lengths >= 1) on this rank, row b
     keyed by ``keys[b] = (prompt index, sample index)`` (global numbers). See the module
-    docstring; collective over the decoder's TP group. Raises ValueError for bad settings,
+    docstring; collective over the decoder's tp and pp groups. Raises ValueError for bad settings,
     an empty prompt, or prompt + new tokens past the model's positions."""
     settings.check()
     if len(keys) != len(prompts):
@@ -224,7 +224,7 @@ def rollout(
     The rows are split into equal contiguous blocks over ``dp_group`` (the last replicas pad
     theirs with copies of row 0, dropped after the gather); each replica generates its block
     and the blocks are all-gathered, so every rank returns the same rollout, equal to one
-    process's. Collective over the decoder's TP group and ``dp_group``; every rank passes the
+    process's. Collective over the decoder's tp and pp groups and ``dp_group``; every rank passes the
     same arguments. ``zero3``: the policy's ZeRO-3 gather schedule (``DataParallel.zero3``;
     None when its parameters are whole): every unit is gathered once for the whole rollout
     (``Zero3Gather.holding``) and released after, so the all-gather bytes do not grow with the

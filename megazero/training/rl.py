@@ -74,12 +74,8 @@ def rollout_settings(cfg, eod: Optional[int], greedy: bool = False) -> RolloutSe
 
 def decoder_of(trainer):
     """The rollout decoder of ``trainer``'s chunks (``model.rollout``)."""
-    try:
-        from model.rollout import make_decoder
-    except ImportError:  # until pipeline rollouts land: one whole-model stage
-        from model.rollout import StageDecoder
+    from model.rollout import make_decoder
 
-        return StageDecoder(trainer.chunks[0])
     return make_decoder(trainer.chunks, trainer.groups)
 
 

@@ -2,12 +2,18 @@
 
 One process: a row sampled in a ragged batch gives the tokens and log-probs it gets alone;
 right- and left-padded prompts give the same logits; the log-probs equal a trainer-style
-forward over prompt + response (no cache, ``vocab_parallel_log_probs``) at temperature 1 and
+forward over prompt + response (no cache, ``vocab_parallel_log_probs``; QK-norm too) at temperature 1 and
 0.7; top-k / top-p draws stay inside their sets; greedy decoding equals model/sampling.py's;
 EOD stops a row and ``max_new_tokens`` bounds it; bad settings raise a one-line ValueError
-naming them. Two gloo ranks: tp 2, dp 2 and dp 2 at ZeRO-3 give the one-process rollout
-(tokens equal, log-probs within 1e-6), and the ZeRO-3 rollout's all-gather bytes are one
-gather of every unit whatever the number of decoded tokens.
+naming them; an MoE block's log-probs equal the trainer's, and an expert capacity is refused.
+Two gloo ranks: tp 2, dp 2 and dp 2 at ZeRO-3 give the one-process rollout (tokens equal,
+log-probs within 1e-6), and the ZeRO-3 rollout's all-gather bytes are one gather of every unit
+whatever the number of decoded tokens. The trainer's chunks through ``make_decoder``, on four
+ranks: pp2 x dp2, tp2 x pp2, pp2 with a virtual pipeline, ZB-V, tp2 with sequence parallelism
+and cp2 x dp2 (no cp communication), GPT-2 and LLaMA-style blocks, give one process's rollout;
+under pp2 a row alone equals the row in the batch and a step sends one [B, 1, H] activation;
+MoE with expert parallelism is refused by name. On eight: tp2 x pp2 x dp2 at ZeRO-3, each
+unit gathered once.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from model.config import GPTConfig
 from model.gpt import GPTStage
 from model.rollout import StageDecoder
 from tests.support.distributed import run_distributed
+from tests.support.layouts import BASE, WIDER
+from tests.support.layouts import LLAMA as LLAMA_FLAGS
 
 SEED, N_NEW = 3, 8
 LLAMA = dict(
@@ -50,7 +58,8 @@ def _cfg(arch: str) -> GPTConfig:
         attention_dropout=0.0,
         init_method_std=0.1,
         make_vocab_size_divisible_by=8,
-        **(LLAMA if arch == "llama" else {}),
+        **(LLAMA if arch.startswith("llama") else {}),
+        **(dict(qk_layernorm=True) if arch == "llama-qk-norm" else {}),
     )
 
 
@@ -116,7 +125,7 @@ def test_right_and_left_padding_give_the_same_logits(arch):
     torch.testing.assert_close(out["left"][0, 1:2], alone, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-qk-norm"])  # QK-norm: q, k RMS-normed per head
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_equal_a_trainer_forward_over_prompt_and_response(arch, temperature):
     stage = _stage(arch)
@@ -199,6 +208,29 @@ def test_bad_settings_raise_one_line_naming_them(change, name):
         rollout(StageDecoder(stage), [[1], []], SETTINGS)
 
 
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+
+
+def test_moe_rollout_log_probs_equal_a_trainer_forward_and_rows_alone():
+    cfg = replace(_cfg("gpt2"), **MOE)
+    stage = GPTStage(cfg, ProcessGroups.single(), range(cfg.num_layers), True, True, SEED).eval()
+    r = rollout(StageDecoder(stage), PROMPTS, SETTINGS, step=4, samples_per_prompt=2)
+    for b, response in enumerate(_rows(r)):
+        want = _trainer_log_probs(stage, PROMPTS[b // 2], response, SETTINGS.temperature)
+        torch.testing.assert_close(r.log_probs[b], want, rtol=0, atol=1e-6)
+    dense = rollout(StageDecoder(_stage("gpt2")), PROMPTS, SETTINGS, step=4, samples_per_prompt=2)
+    assert not torch.equal(r.tokens, dense.tokens)  # the experts are in the path
+    alone = generate(StageDecoder(stage), [PROMPTS[1]], [(1, 1)], SETTINGS, step=4)
+    assert torch.equal(alone.tokens[0], r.tokens[3])
+
+
+def test_moe_with_an_expert_capacity_is_refused_by_name():
+    cfg = replace(_cfg("gpt2"), moe_expert_capacity_factor=1.0, **MOE)
+    stage = GPTStage(cfg, ProcessGroups.single(), range(cfg.num_layers), True, True, SEED).eval()
+    with pytest.raises(ValueError, match="--moe-expert-capacity-factor"):
+        StageDecoder(stage)
+
+
 def _layouts(rank, world):
     """tp 2 and dp 2 rollouts of both blocks; a dp 2 ZeRO-3 rollout of 2 and 8 new tokens with
     the all-gather bytes each counted, and the bytes of one gather of every unit."""
@@ -254,4 +286,158 @@ def test_rollouts_are_identical_at_tp2_dp2_and_zero3():
             torch.testing.assert_close(r.log_probs, want.log_probs[:, :n], rtol=0, atol=1e-6)
             results = len(r.tokens) // 2 * n * (8 + 1 + 4)  # this replica's tokens, mask, log-probs
             assert gathered == rank["unit_bytes"] + results, (n, gathered)  # one gather of each unit, any n
+            assert live == 0  # every unit released after the rollout
+
+
+# ---- every training layout: the trainer's chunks through model.rollout.make_decoder ----
+
+TRAIN_ARGV = BASE + WIDER + ["--seq-length", "32"]
+"""The layout sweep's 4-layer GPT (tests/support/layouts.py) with weights of std 0.1 (logits far
+from uniform, so the top-k set and the draws follow the model) and room for prompt (<= 9) +
+N_NEW tokens."""
+
+LAYOUTS_4 = {
+    "pp2-dp2": ["--pp", "2", "--dp", "2"],
+    "tp2-pp2": ["--tp", "2", "--pp", "2"],
+    "pp2-vp2-dp2": ["--pp", "2", "--dp", "2", "--virtual-pipeline-size", "2"],
+    "pp2-zbv-dp2": ["--pp", "2", "--dp", "2", "--pipeline-schedule", "zb-v"],
+    "tp2-sp-dp2": ["--tp", "2", "--dp", "2", "--sequence-parallel"],
+    "cp2-dp2": ["--cp", "2", "--dp", "2"],
+}
+LLAMA_4 = ("tp2-pp2", "pp2-vp2-dp2", "pp2-zbv-dp2", "tp2-sp-dp2", "cp2-dp2")
+"""The layouts the LLaMA-style block also runs under: where its parts meet a split (query groups
+and SwiGLU halves over tp, RoPE positions over chunks and over cp, the untied head on the last
+stage); pp2 x dp2 only moves rows, which the GPT-2 block shows."""
+
+
+def _oracle(gcfg, seed: int) -> GPTStage:
+    """One process's whole model of the trainer's GPTConfig and seed (the same weights)."""
+    single = replace(gcfg, sequence_parallel=False, tp_overlap_grad_reduce=False)
+    return GPTStage(single, ProcessGroups.single(), range(single.num_layers), True, True, seed).eval()
+
+
+def _trainer_rollout(world, argv):
+    """(the global rollout on this rank, the trainer's GPTConfig and seed, the bytes of the
+    rollout's collectives over the cp group and, without a pipeline, of its sends: the ring's),
+    trainer, decoder."""
+    from megazero import collectives as C
+    from megazero.training import build_trainer
+    from model.rollout import make_decoder
+
+    trainer = build_trainer(argv, world)
+    for chunk in trainer.chunks:
+        chunk.eval()
+    decoder = make_decoder(trainer.chunks, trainer.groups)
+    g, zero3 = trainer.groups, trainer.ddp.zero3
+    cp = tuple(sorted(C.group_ranks(g.cp))) if g.cp_size > 1 else None
+    before = sum(n for (_, ranks), n in C.by_group.items() if ranks == cp), C.counter["send"]
+    r = rollout(decoder, PROMPTS, SETTINGS, step=4, samples_per_prompt=2, dp_group=g.dp, zero3=zero3)
+    after = sum(n for (_, ranks), n in C.by_group.items() if ranks == cp), C.counter["send"]
+    cp_bytes = after[0] - before[0] + (after[1] - before[1] if g.pp_size == 1 else 0)  # ring: sends
+    return (r, trainer.gpt_config, trainer.cfg.train.seed, cp_bytes), trainer, decoder
+
+
+def _rows_alone_and_sends(trainer, decoder):
+    """pp 2: rows 0, 3 and 9 generated alone, and the bytes this rank sends in one decoding step
+    of the 10-row batch (a one-token activation [10, 1, H] from stage 0, none from stage 1)."""
+    from megazero import collectives as C
+
+    alone = {}
+    for b in (0, 3, 9):
+        i, s = divmod(b, 2)
+        alone[b] = generate(decoder, [PROMPTS[i]], [(i, s)], SETTINGS, step=4)
+    ids, valid = torch.ones(10, 3, dtype=torch.long), torch.ones(10, 3, dtype=torch.bool)
+    decoder.prefill(ids, valid)
+    before = C.counter["send"]
+    decoder.step(torch.ones(10, dtype=torch.long))
+    return alone, C.counter["send"] - before, trainer.groups.pp_rank
+
+
+def _sweep(rank, world, layouts, refused_argv):
+    """Each layout's ``_trainer_rollout`` (and under pp2 x dp2 ``_rows_alone_and_sends``); the
+    message ``make_decoder`` refuses ``refused_argv``'s model with."""
+    from megazero.training import build_trainer
+    from model.rollout import make_decoder
+
+    trainer = build_trainer(refused_argv, world)
+    with pytest.raises(ValueError) as refused:
+        make_decoder(trainer.chunks, trainer.groups)
+    out = {"refused": str(refused.value)}
+    for name, argv in layouts.items():
+        out[name], trainer, decoder = _trainer_rollout(world, argv)
+        if name == "pp2-dp2":
+            out["alone"] = _rows_alone_and_sends(trainer, decoder)
+    return out
+
+
+def _assert_equal_rollouts(got, want, name):
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask), name
+    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=1e-6, atol=1e-6)
+
+
+def test_rollouts_under_pipeline_sequence_and_context_parallel_layouts_equal_one_process():
+    layouts = {name: TRAIN_ARGV + flags for name, flags in LAYOUTS_4.items()}
+    layouts |= {f"{name}-llama": TRAIN_ARGV + LLAMA_FLAGS + LAYOUTS_4[name] for name in LLAMA_4}
+    moe_ep2 = TRAIN_ARGV + ["--num-experts", "4", "--expert-model-parallel-size", "2", "--dp", "4"]
+    got = run_distributed(_sweep, 4, layouts, moe_ep2, timeout_s=900)
+    wants = {}
+    for name in layouts:
+        _, gcfg, seed, _ = got[0][name]
+        key = "llama" if name.endswith("-llama") else "gpt2"
+        if key not in wants:
+            wants[key] = rollout(StageDecoder(_oracle(gcfg, seed)), PROMPTS, SETTINGS, step=4, samples_per_prompt=2)
+        for rank in got:
+            _assert_equal_rollouts(rank[name][0], wants[key], name)
+            assert rank[name][3] == 0, name  # no cp communication: each cp rank decodes whole rows
+    assert not torch.equal(wants["gpt2"].tokens, wants["llama"].tokens)  # two models, two rollouts
+    H = got[0]["pp2-dp2"][1].hidden_size
+    for rank in got:
+        assert "--expert-model-parallel-size 1 (got 2)" in rank["refused"]
+        alone, sent, pp_rank = rank["alone"]
+        for b, r in alone.items():
+            assert torch.equal(r.tokens[0], wants["gpt2"].tokens[b]), b
+            torch.testing.assert_close(r.log_probs[0], wants["gpt2"].log_probs[b], rtol=0, atol=1e-6)
+        assert sent == (10 * 1 * H * 4 if pp_rank == 0 else 0)  # fp32 [B, 1, H], stage 0 -> 1
+
+
+def _zero3(rank, world, layouts):
+    """Per layout at ZeRO-3: the rollout refused without ``zero3`` (sharded parameters named),
+    then with it: (rollout, GPTConfig, seed), the all-gather bytes it counted over the ZeRO shard
+    group (dp here, which the results' gather also spans), the bytes of one
+    gather of every unit of this rank's chunks, and the units still gathered after it."""
+    from megazero import collectives as C
+    from megazero.training import build_trainer
+    from model.rollout import make_decoder
+
+    out = {}
+    for name, argv in layouts.items():
+        trainer = build_trainer(argv, world)
+        for chunk in trainer.chunks:
+            chunk.eval()
+        decoder, g, zero3 = make_decoder(trainer.chunks, trainer.groups), trainer.groups, trainer.ddp.zero3
+        with pytest.raises(ValueError, match="zero3=") as refused:
+            rollout(decoder, PROMPTS, SETTINGS, dp_group=g.dp)
+        buffers = [b for u in zero3.units for b in u.buffers]
+        unit_bytes = sum(b.layout.shard_numel * b.params_shard.element_size() for b in buffers)
+        key = ("all_gather", tuple(sorted(C.group_ranks(g.zero_shard_group))))  # not the logits' tp gather
+        before = C.by_group[key]
+        r = rollout(decoder, PROMPTS, SETTINGS, step=4, samples_per_prompt=2, dp_group=g.dp, zero3=zero3)
+        gathered = C.by_group[key] - before
+        out[name] = ((r, trainer.gpt_config, trainer.cfg.train.seed), gathered, unit_bytes, zero3.live)
+        assert "not gathered" in str(refused.value)
+    return out
+
+
+def test_rollouts_at_tp2_pp2_dp2_zero3_equal_one_process_and_gather_each_unit_once():
+    flags = ["--tp", "2", "--pp", "2", "--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0"]
+    layouts = {"gpt2": TRAIN_ARGV + flags, "llama": TRAIN_ARGV + LLAMA_FLAGS + flags}
+    got = run_distributed(_zero3, 8, layouts, timeout_s=900)
+    for name in layouts:
+        _, gcfg, seed = got[0][name][0]
+        want = rollout(StageDecoder(_oracle(gcfg, seed)), PROMPTS, SETTINGS, step=4, samples_per_prompt=2)
+        for rank in got:
+            (r, _, _), gathered, unit_bytes, live = rank[name]
+            _assert_equal_rollouts(r, want, name)
+            results = len(r.tokens) // 2 * N_NEW * (8 + 1 + 4)  # this replica's tokens, mask, log-probs
+            assert unit_bytes > 0 and gathered == unit_bytes + results, (name, gathered, unit_bytes)
             assert live == 0  # every unit released after the rollout
