@@ -179,6 +179,10 @@ class PromptSet:
     def tokens(self, i: int) -> list[int]:
         return self._tokens[self._offsets[i] : self._offsets[i + 1]].tolist()
 
+    def lengths(self) -> np.ndarray:
+        """``[N]`` int64: each prompt's token count."""
+        return np.diff(self._offsets)
+
     def answer(self, i: int) -> str:
         return str(self._answers[i])
 

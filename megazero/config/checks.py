@@ -614,6 +614,7 @@ def _check_grpo(cfg: Config, world_size: int) -> None:
         )
     if not post.top_p <= 1:
         raise ConfigError(f"--top-p {post.top_p}: must be in (0, 1]; fix: --top-p 1 keeps every token")
+
     rows = post.grpo_prompts_per_step * post.grpo_group_size
     gbs = t.global_batch_size
     if gbs is not None and rows % gbs:

@@ -29,13 +29,17 @@ from megazero.post_training.reward import last_token_mask
 RewardFunction = Callable[[str, str, str], float]
 
 
+class RewardError(ValueError):
+    """A ``--reward`` that names no usable reward function (found before any rank starts)."""
+
+
 def exact_match(prompt: str, response: str, answer: str) -> float:
     """1.0 when ``response.strip() == answer.strip()``, else 0.0 (module docstring)."""
     return 1.0 if response.strip() == answer.strip() else 0.0
 
 
 def parse_reward(spec: str) -> RewardFunction:
-    """The reward function ``spec`` names (module docstring). Raises ValueError, one line naming
+    """The reward function ``spec`` names (module docstring). Raises RewardError (a ValueError), one line naming
     ``--reward`` and the fix: an unknown kind, a module that does not import, a missing or
     non-callable function."""
     if spec == "exact":
@@ -43,15 +47,15 @@ def parse_reward(spec: str) -> RewardFunction:
     kind, _, rest = spec.partition(":")
     module, _, name = rest.rpartition(":")
     if kind != "python" or not module or not name:
-        raise ValueError(f"--reward {spec}: not a reward; fix: --reward exact or --reward python:MODULE:FUNCTION")
+        raise RewardError(f"--reward {spec}: not a reward; fix: --reward exact or --reward python:MODULE:FUNCTION")
     try:
         fn = getattr(importlib.import_module(module), name)
     except ImportError as e:
-        raise ValueError(f"--reward {spec}: module {module!r} does not import ({e}); fix: put it on PYTHONPATH") from e
+        raise RewardError(f"--reward {spec}: module {module!r} does not import ({e}); fix: put it on PYTHONPATH") from e
     except AttributeError as e:
-        raise ValueError(f"--reward {spec}: module {module!r} has no {name!r}; fix: name a function it defines") from e
+        raise RewardError(f"--reward {spec}: module {module!r} has no {name!r}; fix: name a function it defines") from e
     if not callable(fn):
-        raise ValueError(f"--reward {spec}: {module}.{name} is not callable; fix: name a function")
+        raise RewardError(f"--reward {spec}: {module}.{name} is not callable; fix: name a function")
     return fn
 
 

@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 
-from data.indexed_dataset import DataError
 from megazero import collectives
 from megazero.context_parallel.sequence import Packing, shard_micro_batch
 from megazero.context_parallel.zigzag import split_for_rank
@@ -90,20 +89,12 @@ def sample(
 ) -> StoredRollout:
     """Responses to prompts ``first .. first + count - 1`` of ``split`` (a ``PromptSplit``, in
     its epoch order), ``group_size`` each, keyed by iteration ``step`` (collective over every
-    rank; the same result everywhere). Raises DataError naming a prompt that leaves no room
-    for ``--max-new-tokens`` in ``--seq-length``."""
+    rank; the same result everywhere). Every prompt leaves room for ``--max-new-tokens`` in
+    ``--seq-length`` (``megazero.training.startup.check_prompt_room`` refused the run otherwise)."""
     cfg = trainer.cfg
     keys = [first + k for k in range(count)]
     ids = [split.index(k) for k in keys]
     prompts = [split.tokens(i) for i in ids]
-    room = cfg.model.seq_length - cfg.post.max_new_tokens
-    for i, p in zip(ids, prompts):
-        if len(p) > room:
-            raise DataError(
-                f"{split.where(i)}: a prompt of {len(p)} tokens leaves no room for --max-new-tokens "
-                f"{cfg.post.max_new_tokens} in --seq-length {cfg.model.seq_length}; fix: --seq-length "
-                f"{len(p) + cfg.post.max_new_tokens} (or shorter prompts: python -m data.prompts --max-prompt-length)"
-            )
     trainer.optimizer.wait_param_gather()  # the rollout reads this step's weights, never the last one's
     for c in trainer.chunks:
         c.eval()

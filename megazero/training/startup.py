@@ -19,6 +19,7 @@ from megazero.context_parallel.sdpa_kernels import CudaPlatform
 from megazero.offload.swap_dirs import NvmePathError, check_nvme_path, sweep_stale
 from megazero.planning import memory
 from megazero.planning.plan import attention_math_warning, nvme_swap_bytes, plan_memory, zero3_live_warning
+from megazero.post_training.rewards import RewardError, parse_reward
 from megazero.process_groups import ProcessGroups
 from megazero.runtime import flight_recorder
 from megazero.runtime.extras import MissingExtra
@@ -122,12 +123,15 @@ def resume_warnings(cfg: Config, resume: Optional[dict]) -> list[str]:
 def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     """Everything that can fail before any process group exists: the checkpoint to resume and
     the data. Returns the RunData, ``resume`` set to the checkpoint's meta (None without
-    ``--load`` or a checkpoint); raises DataError or CheckpointError (contract 3).
+    ``--load`` or a checkpoint); raises DataError, CheckpointError or RewardError (contract 3).
     ``verify`` re-reads the checkpoint's tensor files against their saved CRC-32 sums."""
     resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
     data = build_data(cfg, None if cfg.train.finetune else resume)  # --finetune: the data from its start
     check_resume(cfg, resume, data.vocab_size)
-    if cfg.post.mode == "dpo" and cfg.post.ref_load:  # the reference, before any process starts
+    if cfg.post.mode == "grpo":  # the reward function imports, every prompt leaves room for a response
+        parse_reward(cfg.post.reward)
+        check_prompt_room(cfg, data.train.prompts)
+    if cfg.post.mode in ("dpo", "grpo") and cfg.post.ref_load:  # the reference, before any process starts
         reference = checkpoint.peek(cfg.post.ref_load, verify=verify)
         if reference is None:
             raise checkpoint.CheckpointError(
@@ -140,6 +144,21 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     if cfg.train.eval_harness_tasks:
         check_harness(cfg)
     return data
+
+
+def check_prompt_room(cfg: Config, prompts) -> None:
+    """--post-train grpo: every prompt (a ``data.prompts.PromptSet``) leaves ``--max-new-tokens``
+    in ``--seq-length``; raises DataError naming the longest prompt's file and line."""
+    lengths = prompts.lengths()
+    room = cfg.model.seq_length - cfg.post.max_new_tokens
+    i = int(lengths.argmax())
+    if lengths[i] > room:
+        raise DataError(
+            f"{prompts.where(i)}: a prompt of {lengths[i]} tokens leaves no room for --max-new-tokens "
+            f"{cfg.post.max_new_tokens} in --seq-length {cfg.model.seq_length}; fix: --seq-length "
+            f"{int(lengths[i]) + cfg.post.max_new_tokens}, or drop longer prompts (python -m data.prompts "
+            f"--max-prompt-length {room})"
+        )
 
 
 def check_memory(cfg: Config, vocab_size: int, verbose: bool) -> memory.MemoryEstimate:
@@ -197,6 +216,7 @@ START_ERRORS = (
     MissingExtra,
     HarnessError,
     NvmePathError,
+    RewardError,
 )
 
 
@@ -209,6 +229,7 @@ def report_start_error(e: Exception) -> int:
         MissingExtra: "config",
         HarnessError: "config",
         NvmePathError: "config",
+        RewardError: "config",
     }.get(type(e), "checkpoint")
     print(f"megazero: {kind} error: {e}", file=sys.stderr)
     return 2

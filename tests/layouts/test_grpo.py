@@ -74,7 +74,7 @@ LAYOUTS = {  # name: (layout flags, the model and loss flags its plain run uses)
         "--dp 4 --tp 2 --zero-stage 3 --offload-optimizer cpu",
         ["--grpo-loss-agg", "seq-mean-token-mean"],
     ),
-    "dp2-tp2-pp2 zb-v kl": ("--dp 2 --tp 2 --pp 2 --pipeline-schedule zb-v", KL),
+    "dp2-tp2-pp2 zb-v kl ref-offload": ("--dp 2 --tp 2 --pp 2 --pipeline-schedule zb-v --ref-offload", KL),
     "interleaved pp4 vp2 dp2 kl": (
         "--pp 4 --virtual-pipeline-size 2 --dp 2 --micro-batch-size 1",
         [*KL, "--num-layers", "8"],
@@ -83,6 +83,7 @@ LAYOUTS = {  # name: (layout flags, the model and loss flags its plain run uses)
     "dp2-tp4 filter": ("--dp 2 --tp 4", FILTER),
 }
 KEYS = ("loss", "grad_norm")
+FULL = "--tp 2 --pp 2 --dp 2 --zero-stage 3"  # three whole iterations, rollouts included
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +95,12 @@ def task(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sampled(task):
-    """One process samples and trains on two rollouts; the second rollout's first group is then
-    given equal rewards (a group the filter leaves out: dp 8's ranks 0-3 hold only its rows)."""
-    got = run_distributed(grpo_runs, 1, [(task["argv"], [None, None])], params=True, timeout_s=600)[0][0]
-    stored = [dict(r) for r in got["rollouts"]]
+    """One process samples and trains on three rollouts, and (a second run) on two, saved; the
+    stored rollouts are the first two, the second one's first group then given equal rewards (a
+    group the filter leaves out: dp 8's ranks 0-3 hold only its rows)."""
+    runs = [(task["argv"], [None] * 3), (task["argv"] + ["--save", str(task["dir"] / "two")], [None] * 2)]
+    got = run_distributed(grpo_runs, 1, runs, params=True, timeout_s=600)[0][0]
+    stored = [dict(r) for r in got["rollouts"][:2]]
     flat = stored[1]["scores"].clone()
     flat[:4] = 0.5
     stored[1]["scores"] = flat
@@ -115,9 +118,10 @@ def replays(task, sampled):
         (base + model + flags.split() + ["--save", str(d / f"layout{i}")], stored)
         for i, (flags, model) in enumerate(LAYOUTS.values())
     ]
+    eight.append((base + FULL.split() + ["--save", str(d / "full")], [None] * 3))
     one = run_distributed(grpo_runs, 1, single, params=True, timeout_s=600)[0]
     got = run_distributed(grpo_runs, 8, eight, timeout_s=900)[0]
-    return dict(zip(VARIANTS, one)), dict(zip(LAYOUTS, got))
+    return dict(zip(VARIANTS, one)), dict(zip([*LAYOUTS, "full"], got))
 
 
 def test_sampling_and_training_in_one_process_equal_plain_pytorch(task, sampled):
@@ -168,3 +172,61 @@ def test_the_filter_leaves_a_flat_group_out_and_its_ranks_hold_only_zero_weights
     assert run["steps"][1]["rl_zero_variance_fraction"] >= 0.25
     assert torch.equal(stored[1]["scores"][:4], torch.full((4,), 0.5, dtype=stored[1]["scores"].dtype))
     assert run["steps"][1]["grad_norm"] > 0
+
+
+def test_full_iterations_under_tp2_pp2_dp2_zero3_equal_one_process(task, sampled, replays):
+    """Three whole iterations (rollout under the layout: pipeline decoding, ZeRO-3 units held for
+    the rollout, rows split over dp; then the update) give the one process's rollouts token for
+    token, log-probabilities within 1e-6, the same rewards, and parameters within 1e-6."""
+    from megazero.checkpoint import read_full_weights
+
+    one, _ = sampled
+    _, eight = replays
+    full = eight["full"]
+    for a, b in zip(one["rollouts"], full["rollouts"], strict=True):
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["mask"], b["mask"])
+        assert torch.allclose(a["log_probs"], b["log_probs"], rtol=0, atol=1e-6)
+        assert torch.equal(a["scores"], b["scores"])
+    got = dict(full, params=read_full_weights(str(task["dir"] / "full"))[1])
+    assert_same_as_plain(KEYS, got, dict(one, params=one["params"]), "full")
+
+
+def test_a_rollout_after_a_reload_is_bit_identical(task, sampled):
+    """A fresh process loading the checkpoint saved after iteration 2 samples iteration 3's
+    rollout bit for bit as the run that went on (tokens, log-probabilities, rewards), and its
+    update gives the same loss."""
+    one, _ = sampled
+    argv = task["argv"] + ["--load", str(task["dir"] / "two")]
+    again = run_distributed(grpo_runs, 1, [(argv, [None])], timeout_s=600)[0][0]
+    a, b = one["rollouts"][2], again["rollouts"][0]
+    for k in ("tokens", "mask", "log_probs", "scores"):
+        assert torch.equal(a[k], b[k]), k
+    assert b["prompt_keys"] == a["prompt_keys"] == [8, 9, 10, 11]
+    assert again["steps"][0]["loss"] == one["steps"][2]["loss"]
+
+
+def test_bad_grpo_settings_exit_2_with_one_line(task, capsys):
+    """Before any rank starts (the launcher's preflight): --mock-data, a rollout that does not cut
+    into whole optimizer steps, no room for a response, MoE, label smoothing, a reward module that
+    does not import, a prompt longer than the room left: exit 2, one line naming the setting and
+    the fix; nothing is written."""
+    from megazero.training.startup import preflight
+
+    cases = {
+        "--mock-data": (["--mock-data"], "data.prompts"),
+        "--global-batch-size 6": (["--global-batch-size", "6"], "--global-batch-size 16"),
+        "--max-new-tokens 48": (["--max-new-tokens", "48"], "--seq-length 112"),
+        "--num-experts 4": (["--num-experts", "4"], "drop --num-experts"),
+        "--label-smoothing 0.1": (["--label-smoothing", "0.1"], "drop --label-smoothing"),
+        "--reward python:no_such_module_here:f": (["--reward", "python:no_such_module_here:f"], "PYTHONPATH"),
+        "--max-new-tokens 40": (["--max-new-tokens", "40"], "--max-prompt-length 8"),
+    }
+    before = sorted(p.name for p in task["dir"].iterdir())
+    for what, (extra, fix) in cases.items():
+        try:
+            code = preflight(task["argv"] + extra, 1)
+        except SystemExit as e:
+            code = e.code
+        msg = capsys.readouterr().err.strip()
+        assert code == 2 and what.split()[0] in msg and fix in msg and "\n" not in msg, (what, msg)
+    assert sorted(p.name for p in task["dir"].iterdir()) == before

@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from megazero.post_training.grpo import aggregate, clipped_surrogate, group_advantages, kl_penalty, zero_variance_groups
+from megazero.post_training.grpo import (
+    aggregate,
+    clipped_surrogate,
+    group_advantages,
+    kl_penalty,
+    token_weights,
+    zero_variance_groups,
+)
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 2.0, 0.0, 1.0, 3.0])  # 3 prompts x 4 samples
 
@@ -83,3 +90,34 @@ def test_aggregations_and_their_global_counts():
         assert parts.item() == pytest.approx(whole.item(), rel=1e-12), kind
     with pytest.raises(ValueError, match="constant"):
         aggregate(loss, mask, "seq-mean-token-sum-norm")
+
+
+def test_token_weights_are_each_aggregations_closed_form():
+    """Three rows of 3, 1 and 0 response tokens (T = 4), row 1 filtered out in the second case:
+    token-mean weighs each kept token 1/K; seq-mean-token-mean 1/(|y_n| S); the Dr. GRPO norm
+    1/(S C); and the weighted sum equals ``aggregate`` of the same rows."""
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
+    x = torch.arange(12, dtype=torch.float64).reshape(3, 4) - 4.5
+    third, half = 1 / 3, 1 / 2
+    want = {
+        "token-mean": [[0.25, 0.25, 0.25, 0], [0, 0.25, 0, 0], [0] * 4],
+        "seq-mean-token-mean": [[third * half] * 3 + [0], [0, 1 * half, 0, 0], [0] * 4],
+        "seq-mean-token-sum-norm": [[1 / (2 * 8)] * 3 + [0], [0, 1 / (2 * 8), 0, 0], [0] * 4],
+    }
+    for kind, w in want.items():
+        got = token_weights(mask, kind, constant=8.0)
+        assert torch.allclose(got, torch.tensor(w, dtype=torch.float64), rtol=1e-15, atol=0), kind
+        agg = aggregate(x, mask, kind, sequences=2.0, constant=8.0)
+        assert math.isclose(float((got * x).sum()), float(agg), rel_tol=1e-13), kind
+    keep = torch.tensor([True, False, True])
+    assert torch.allclose(
+        token_weights(mask, "token-mean", keep=keep)[0, :3], torch.full((3,), third, dtype=torch.float64)
+    )
+    assert float(token_weights(mask, "seq-mean-token-mean", keep=keep)[1].abs().sum()) == 0.0
+    assert torch.allclose(
+        token_weights(mask, "seq-mean-token-mean", keep=keep)[0, :3], torch.full((3,), third, dtype=torch.float64)
+    )
+    with pytest.raises(ValueError, match="positive constant"):
+        token_weights(mask, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="--grpo-loss-agg"):
+        token_weights(mask, "mean")
