@@ -64,7 +64,7 @@ from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_
 from model.moe import ExpertMLP, MoEMLP, grouped_mm_available, moe_step_end  # noqa: F401 (re-export)
 from model.rope import RotaryTable, apply_rotary
 from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
-from model.value_head import ValueHead
+from model.value_head import ValueHead, per_token_values
 
 # SDPA expands the key/value heads itself (``enable_gqa``, torch >= 2.5): no repeated K/V tensors
 SDPA_GQA = torch.__version__ >= (2, 5)
@@ -416,6 +416,9 @@ class GPTStage(nn.Module):
         # the per-token losses are -log softmax(logits / this): a rollout sampled at temperature T
         # is scored at T (--post-train grpo sets it on the policy and the reference)
         self.logit_temperature = 1.0
+        # a value head scores every position instead of the one the loss mask selects (the
+        # critic of --post-train ppo sets it; model/value_head.per_token_values)
+        self.values_per_token = False
         if materialize:
             self.materialize()
 
@@ -549,7 +552,8 @@ class GPTStage(nn.Module):
         logit_temperature``, 1 unless a post-training mode set it), else this rank's
         vocabulary partition of the logits ``[B, T, V_pad/tp]``; a reward model
         (``cfg.value_head``) returns instead the score of each sequence ``[B]`` fp32, of the
-        token ``seq.loss_mask`` selects (model/value_head.py); otherwise the hidden
+        token ``seq.loss_mask`` selects (model/value_head.py), or with ``values_per_token`` (a PPO
+        critic) each position's value ``[B, T]`` fp32; otherwise the hidden
         states for the next stage. Raises ValueError when ``T`` exceeds
         ``max_position_embeddings`` or (sequence parallel) is not divisible by tp.
         """
@@ -567,6 +571,8 @@ class GPTStage(nn.Module):
             return x
         x = self.final_ln(x)
         if self.cfg.value_head:  # a reward model: one score per sequence, no logits
+            if self.values_per_token:  # a critic: one value per position
+                return per_token_values(self.value_head, x)  # (B, T/cp) fp32
             return self.value_head(x, seq)  # (B,) fp32
         if self.cfg.tie_embeddings:
             logits = parallel_lm_logits(

@@ -71,6 +71,16 @@ class ValueHead(nn.Module):
         return sum_over_cp(score, self.groups)
 
 
+def per_token_values(head: ValueHead, hidden: torch.Tensor) -> torch.Tensor:
+    """A critic's value of every local position (``--post-train ppo``): ``[B, T/cp]`` fp32 from
+    the final-norm ``hidden`` ``[B, T/cp, H]`` and the head's ``[1, H]`` weight, the same on
+    every tp rank (each holds the whole hidden state). Raises ValueError under sequence
+    parallelism (the positions would be split over tp; not built)."""
+    if head.sp:
+        raise ValueError("per-token values under --sequence-parallel are not built; drop --sequence-parallel")
+    return (hidden.float() @ head.weight.t()).squeeze(-1)
+
+
 class WithSeededHead(Mapping):
     """A language model's canonical full tensors (``lm``, e.g. a ``--from-hf`` folder's
     ``model.hf.CanonicalView``) plus a reward model's ``value_head.weight`` drawn from (seed,

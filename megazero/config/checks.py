@@ -557,8 +557,8 @@ def _check_post_train(cfg: Config, world_size: int) -> None:
             f"{' and '.join(on)} with {mode}: dropout makes the policy's log-probabilities differ from the "
             "reference's by noise; fix: set them to 0, or add --post-train-allow-dropout"
         )
-    if post.mode == "grpo":
-        _check_grpo(cfg, world_size)
+    if post.mode in ("grpo", "ppo"):
+        _check_rl(cfg, world_size)
         return
     if post.mode not in ("dpo", "rm"):
         return
@@ -585,15 +585,32 @@ def _check_post_train(cfg: Config, world_size: int) -> None:
         )
 
 
-def _check_grpo(cfg: Config, world_size: int) -> None:
-    """--post-train grpo: prompts of python -m data.prompts (not --mock-data, --sft, FIM,
+def _check_rl(cfg: Config, world_size: int) -> None:
+    """--post-train grpo / ppo: prompts of python -m data.prompts (not --mock-data, --sft, FIM,
     --eod-mask-loss or label smoothing: the per-token log-probabilities are the sampler's), a
     rollout that cuts into whole optimizer steps (P x G a multiple of --global-batch-size), a
-    sequence long enough for a response, top-p in (0, 1], a block the decoder runs (no MoE)."""
+    sequence long enough for a response, top-p in (0, 1], a dense block (no MoE); grpo: groups of
+    at least 2; ppo: no sequence parallelism (the critic's per-token values), gamma and lambda
+    in [0, 1]."""
     post, d, t, m = cfg.post, cfg.data, cfg.train, cfg.model
+    mode = f"--post-train {post.mode}"
+    if post.mode == "grpo" and post.grpo_group_size < 2:
+        raise ConfigError(
+            f"--grpo-group-size {post.grpo_group_size} with --post-train grpo: the advantage compares a response "
+            "with its group; fix: --grpo-group-size 2 or more"
+        )
+    if post.mode == "ppo":
+        if cfg.parallel.sequence_parallel:
+            raise ConfigError(
+                "--sequence-parallel with --post-train ppo: the critic's per-token values under sequence "
+                "parallelism are not built; fix: drop --sequence-parallel"
+            )
+        for flag, v in (("--gamma", post.gamma), ("--lam", post.lam)):
+            if v > 1:
+                raise ConfigError(f"{flag} {v}: must be in [0, 1]; fix: {flag} 1")
     if t.mock_data:
         raise ConfigError(
-            "--post-train grpo with --mock-data: reinforcement learning samples responses to prompts; fix: give "
+            f"{mode} with --mock-data: reinforcement learning samples responses to prompts; fix: give "
             "--data-path PREFIX of python -m data.prompts (PREFIX_prompts.npz) and its --tokenizer-model"
         )
     for flag, on in (
@@ -604,12 +621,11 @@ def _check_grpo(cfg: Config, world_size: int) -> None:
     ):
         if on:
             raise ConfigError(
-                f"{flag} with --post-train grpo: the loss is on the sampled responses' own log-probabilities; "
-                f"fix: drop {flag}"
+                f"{flag} with {mode}: the loss is on the sampled responses' own log-probabilities; fix: drop {flag}"
             )
     if m.num_experts is not None:
         raise ConfigError(
-            "--num-experts with --post-train grpo: the rollout decoder runs dense blocks only; fix: drop "
+            f"--num-experts with {mode}: the rollout decoder runs dense blocks only; fix: drop "
             "--num-experts (MoE rollouts are not built yet)"
         )
     if not post.top_p <= 1:

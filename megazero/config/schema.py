@@ -878,11 +878,16 @@ class DataConfig:
 _DPO = Needs("post.mode", ("dpo",))
 _RM = Needs("post.mode", ("rm",))
 _GRPO = Needs("post.mode", ("grpo",))
+_PPO = Needs("post.mode", ("ppo",))
+_RL = Needs("post.mode", ("grpo", "ppo"), wanted="--post-train grpo or ppo")  # rollouts of the policy
 _GRPO_KL = (_GRPO, Needs("post.grpo_kl_beta", above=0))
-# a frozen reference: DPO's losses but SimPO's, GRPO's KL penalty
+# a frozen reference: DPO's losses but SimPO's, GRPO's KL penalty, PPO's KL-shaped rewards
 _REFERENCE = (
     Needs(
-        "post.mode", ("dpo",), alt=Needs("post.grpo_kl_beta", above=0), wanted="--post-train dpo or --grpo-kl-beta > 0"
+        "post.mode",
+        ("dpo", "ppo"),
+        alt=Needs("post.grpo_kl_beta", above=0),
+        wanted="--post-train dpo or ppo, or --grpo-kl-beta > 0",
     ),
     Needs("post.dpo_loss", besides=("simpo",)),
 )
@@ -899,9 +904,11 @@ class PostTrainConfig:
         "Bradley-Terry loss) on python -m data.preference pairs; dpo: preference optimisation on "
         "those pairs (--dpo-loss picks DPO, IPO, SimPO or hinge); grpo: reinforcement learning "
         "on python -m data.prompts prompts with rollouts sampled by the policy and a --reward "
-        "(GRPO, Shao et al. 2024); None = pre-training",
+        "(GRPO, Shao et al. 2024); ppo: the same rollouts with a critic (a value model trained "
+        "beside the policy) and KL-shaped rewards (InstructGPT's RLHF, DeepSpeed-Chat's step 3); "
+        "None = pre-training",
         flags=("--post-train",),
-        choices=("sft", "rm", "dpo", "grpo"),
+        choices=("sft", "rm", "dpo", "grpo", "ppo"),
     )
     rm_use_margin: bool = _f(
         False,
@@ -974,7 +981,7 @@ class PostTrainConfig:
         "the reward of a response: exact (1 when it equals the prompt's answer after stripping "
         "white space, else 0) or python:MODULE:FUNCTION (FUNCTION(prompt, response, answer) -> "
         "a number; megazero.post_training.rewards)",
-        applies=_GRPO,
+        applies=_RL,
     )
     grpo_prompts_per_step: int = _f(
         8,
@@ -982,15 +989,17 @@ class PostTrainConfig:
         "rollout's P x G responses are cut into optimizer steps of --global-batch-size sequences",
         "prompts",
         ge=1,
-        applies=_GRPO,
+        applies=_RL,
     )
-    grpo_group_size: int = _f(4, "responses sampled per prompt (G)", "sequences", ge=2, applies=_GRPO)
+    grpo_group_size: int = _f(
+        4, "responses sampled per prompt (G; at least 2 for grpo's group baseline)", "sequences", ge=1, applies=_RL
+    )
     grpo_iterations: int = _f(
         1,
         "passes over each rollout (each pass one optimizer step per --global-batch-size "
         "sequences; GRPO's mu, Shao et al. 2024, alg. 1)",
         ge=1,
-        applies=_GRPO,
+        applies=_RL,
     )
     grpo_advantage: str = _f(
         "grpo",
@@ -1000,10 +1009,10 @@ class PostTrainConfig:
         applies=_GRPO,
     )
     grpo_clamp_eps_lower: float = _f(
-        0.2, "the ratio's lower clip 1 - eps (PPO's epsilon, Schulman et al. 2017)", ge=0, applies=_GRPO
+        0.2, "the ratio's lower clip 1 - eps (PPO's epsilon, Schulman et al. 2017)", ge=0, applies=_RL
     )
     grpo_clamp_eps_upper: float = _f(
-        0.2, "the ratio's upper clip 1 + eps (DAPO's clip-higher uses 0.28, Yu et al. 2025)", ge=0, applies=_GRPO
+        0.2, "the ratio's upper clip 1 + eps (DAPO's clip-higher uses 0.28, Yu et al. 2025)", ge=0, applies=_RL
     )
     grpo_kl_beta: float = _f(
         0.0,
@@ -1026,7 +1035,7 @@ class PostTrainConfig:
         "mean over responses: the original GRPO); seq-mean-token-sum-norm (token sums over "
         "responses x --max-new-tokens: Dr. GRPO)",
         choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-        applies=_GRPO,
+        applies=_RL,
     )
     grpo_filter_groups_with_same_reward: bool = _f(
         False,
@@ -1034,19 +1043,65 @@ class PostTrainConfig:
         "denominators (DAPO's dynamic sampling without the resampling, Yu et al. 2025)",
         applies=_GRPO,
     )
-    max_new_tokens: int = _f(32, "bound on each rollout response", "tokens", ge=1, applies=_GRPO)
+    max_new_tokens: int = _f(32, "bound on each rollout response", "tokens", ge=1, applies=_RL)
     temperature: float = _f(
         1.0,
         "rollout sampling temperature; the policy's log-probabilities are taken at the same one",
         gt=0,
-        applies=_GRPO,
+        applies=_RL,
     )
-    top_k: int = _f(0, "sample from the k most likely tokens; 0 = all", "tokens", ge=0, applies=_GRPO)
+    top_k: int = _f(0, "sample from the k most likely tokens; 0 = all", "tokens", ge=0, applies=_RL)
     top_p: float = _f(
         1.0,
         "sample from the smallest set of tokens whose probability reaches p (nucleus), in (0, 1]",
         gt=0,
-        applies=_GRPO,
+        applies=_RL,
+    )
+    critic_load: Optional[str] = _f(
+        None,
+        "checkpoint directory the PPO critic starts from (its latest checkpoint, e.g. a --post-train "
+        "rm run's: DeepSpeed-Chat starts the critic from the reward model); None = the policy's "
+        "starting weights with a seeded value head",
+        "path",
+        applies=_PPO,
+    )
+    critic_lr: Optional[float] = _f(
+        None, "the critic's learning rate (on --lr's schedule); None = --lr", gt=0, applies=_PPO
+    )
+    gamma: float = _f(1.0, "discount of the per-token rewards in GAE (Schulman et al. 2016)", ge=0, applies=_PPO)
+    lam: float = _f(0.95, "GAE's lambda: 0 = one-step TD, 1 = Monte Carlo returns", ge=0, applies=_PPO)
+    cliprange_value: Optional[float] = _f(
+        0.2,
+        "clip the critic's new values to old +- this in its loss (PPO2's value clipping); None = no clipping",
+        gt=0,
+        applies=_PPO,
+    )
+    init_kl_coef: float = _f(
+        0.02,
+        "weight of the per-token KL(policy || reference) penalty in the rewards (InstructGPT, Ouyang "
+        "et al. 2022, eq. 2); the adaptive controller's starting value with --kl-target",
+        ge=0,
+        applies=_PPO,
+    )
+    kl_target: Optional[float] = _f(
+        None,
+        "adapt the KL coefficient toward this KL per response (Ziegler et al. 2019, sec. 2.2); None = fixed",
+        "nats",
+        gt=0,
+        applies=_PPO,
+    )
+    kl_horizon: float = _f(
+        10000,
+        "the adaptive KL controller's horizon",
+        "responses",
+        gt=0,
+        applies=(_PPO, Needs("post.kl_target", besides=(None,))),
+    )
+    clip_reward_value: Optional[float] = _f(
+        None,
+        "clip each response's score to +- this before it enters the rewards (DeepSpeed-Chat); None = off",
+        gt=0,
+        applies=_PPO,
     )
     allow_dropout: bool = _f(
         False,

@@ -4,6 +4,8 @@
 ``rm`` trains a reward model (``reward.py``: a value head's scores, the Bradley-Terry loss).
 ``dpo`` is preference optimisation (``preference.py``, ``losses.py``) against a frozen
 reference model built here in the training layout (``PostTraining.reference_chunks``).
+``grpo`` and ``ppo`` learn from the policy's own rollouts (``megazero.training.rl``; the policy
+loss ``rl_step.py`` on ``grpo.py``'s algebra, PPO's critic loss and KL controller ``ppo.py``).
 
 The reference is, in this order: ``--ref-load DIR``'s latest checkpoint; the reference a
 resumed checkpoint records; the policy's starting point: ``--load``'s checkpoint (with
@@ -22,9 +24,10 @@ import torch
 
 from megazero.offload.host_resident import HostResident
 from megazero.post_training.losses import PreferenceLoss
+from megazero.post_training.ppo import AdaptiveKLController, FixedKLController
 from megazero.post_training.preference import PreferenceStep, reference_forward_step
 from megazero.post_training.reward import RewardLoss, RewardStep
-from megazero.post_training.rl_step import PolicyLoss, PolicyStep
+from megazero.post_training.rl_step import PolicyLoss, PolicyStep, ValueStep
 
 __all__ = ["PostTraining", "PreferenceLoss", "RewardLoss"]
 
@@ -54,14 +57,26 @@ class PostTraining:
         elif self.mode == "rm":
             settings = RewardLoss(cfg.post.rm_use_margin, cfg.post.rm_center_coef)
             self.preference = RewardStep(settings, groups, cfg.train.global_batch_size // 2 / groups.dp_size)
-        self.policy: Optional[PolicyStep] = None  # grpo: the policy loss of each update
+        self.policy: Optional[PolicyStep] = None  # grpo, ppo: the policy loss of each update
+        self.value: Optional[ValueStep] = None  # ppo: the critic's loss
+        self.kl = None  # ppo: the KL coefficient of the rewards (a FixedKLController or adaptive)
+        p, replicas = cfg.post, groups.replicas().dp_size
         if self.mode == "grpo":
-            p = cfg.post
             loss = PolicyLoss(p.grpo_clamp_eps_lower, p.grpo_clamp_eps_upper, p.grpo_kl_beta, p.grpo_kl_estimator)
-            self.policy = PolicyStep(loss, groups, groups.replicas().dp_size)
+            self.policy = PolicyStep(loss, groups, replicas)
+        elif self.mode == "ppo":  # the KL enters the rewards, not the policy loss
+            self.policy = PolicyStep(PolicyLoss(p.grpo_clamp_eps_lower, p.grpo_clamp_eps_upper), groups, replicas)
+            self.value = ValueStep(p.cliprange_value, groups, replicas)
+            self.kl = (
+                FixedKLController(p.init_kl_coef)
+                if p.kl_target is None
+                else AdaptiveKLController(p.init_kl_coef, p.kl_target, p.kl_horizon)
+            )
 
     @property
     def uses_reference(self) -> bool:
+        if self.kl is not None:  # ppo: a KL penalty in the rewards
+            return self.cfg.post.init_kl_coef > 0 or self.cfg.post.kl_target is not None
         step = self.preference if self.preference is not None else self.policy
         return step is not None and step.settings.uses_reference
 
@@ -71,6 +86,8 @@ class PostTraining:
         rec = (meta.get("extra") or {}).get("post_train") or {}
         if not weights_only and rec.get("reference") is not None:
             self.recorded = rec["reference"]
+        if not weights_only and self.kl is not None and rec.get("kl") is not None:
+            self.kl.load(rec["kl"])
 
     def reference_source(self) -> dict:
         """Where the reference comes from: ``{"load": DIR}``, ``{"hf": DIR}`` or ``{"init": seed}``
@@ -90,7 +107,10 @@ class PostTraining:
 
     def record(self) -> dict:
         """What a checkpoint keeps: the mode and, with a reference, its source."""
-        return dict(mode=self.mode, reference=self.reference_source() if self.uses_reference else None)
+        rec = dict(mode=self.mode, reference=self.reference_source() if self.uses_reference else None)
+        if self.kl is not None:
+            rec["kl"] = self.kl.state()
+        return rec
 
     def reference_chunks(self) -> list:
         """This rank's chunks of the frozen reference model (eval mode, no gradients), built at

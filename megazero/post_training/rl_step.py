@@ -3,10 +3,11 @@ penalty of ``grpo.py`` on the last stage's per-token log-probabilities, each tok
 its closed-form share of the step's loss (``grpo.token_weights``).
 
 A micro-batch arrives as ``(tokens, labels, seq, extra)``: this rank's ``T / cp`` tokens of each
-row (``megazero.context_parallel.sequence.shard_micro_batch``) and ``extra`` ``[B, T / cp, 4]``
+row (``megazero.context_parallel.sequence.shard_micro_batch``) and ``extra`` ``[B, T / cp, 6]``
 float64, cut from the whole rows the same way (columns ``OLD``: the rollout's log-probability of
 each label, ``REF``: the reference model's, filled on the last stage just before the update,
-``ADVANTAGE``: the row's advantage, ``WEIGHT``: the token's weight, 0 off the response). The
+``ADVANTAGE``: the token's advantage, ``WEIGHT``: the token's weight, 0 off the response; PPO's
+critic: ``VALUE``, its value before the update, and ``RETURN``, the GAE return). The
 chunk's per-token loss is ``-log p(label)`` at the rollout's temperature
 (``GPTStage.logit_temperature``).
 
@@ -26,9 +27,10 @@ import torch
 
 from megazero import collectives
 from megazero.post_training.grpo import clipped_surrogate, kl_penalty
+from megazero.post_training.ppo import value_loss
 
-OLD, REF, ADVANTAGE, WEIGHT = range(4)
-COLUMNS = 4
+OLD, REF, ADVANTAGE, WEIGHT, VALUE, RETURN = range(6)
+COLUMNS = 6
 METRICS = ("rl_clip_fraction", "rl_ratio_deviation", "rl_kl")
 
 
@@ -107,3 +109,31 @@ class PolicyStep:
         n, clipped, kl = v.tolist()
         n = max(n, 1.0)
         return dict(zip(METRICS, (clipped / n, float(m[0]), kl / n)))
+
+
+class ValueStep:
+    """One optimizer step's critic loss (``--post-train ppo``) on the last stage, with
+    ``PolicyStep``'s interface: ``loss(batch, values)`` from the critic's per-token values
+    ``[B, T/cp]`` is the tokens' ``WEIGHT``-weighted clipped value loss (``ppo.value_loss``
+    against ``RETURN`` around ``VALUE``, ``clip_range`` = ``--cliprange-value``) times R = dp x cp;
+    ``metrics``: ``critic_loss`` (the weighted value loss of the step)."""
+
+    def __init__(self, clip_range, groups, replicas: int):
+        self.clip_range, self.groups, self.replicas = clip_range, groups, replicas
+        self.total: Optional[torch.Tensor] = None
+
+    def loss(self, batch, values: torch.Tensor) -> torch.Tensor:
+        extra = batch[3]
+        each = value_loss(values.double(), extra[..., VALUE], extra[..., RETURN], self.clip_range)
+        mine = (each * extra[..., WEIGHT]).sum()
+        self.total = mine.detach() if self.total is None else self.total + mine.detach()
+        return mine * self.replicas
+
+    def metrics(self, device) -> dict:
+        """The step's weighted value loss over every token (collective over the world; resets)."""
+        v = torch.zeros(1, dtype=torch.float64, device=device)
+        if self.total is not None and self.groups.tp_rank == 0:
+            v.copy_(self.total.reshape(1))
+        collectives.all_reduce_sum(v, self.groups.world)
+        self.total = None
+        return dict(critic_loss=float(v[0]))

@@ -143,6 +143,8 @@ RL_KEYS = (
     "rl_first_clip_fraction",
     "rl_first_ratio_deviation",
     "rl_kl",
+    "rl_kl_coef",
+    "rl_critic_loss",
 )
 MOE_TAGS.update({key: f"rl/{key.removeprefix('rl_')}" for key in RL_KEYS})
 #: per-MoE-layer routing statistics (``model.gpt.moe_step_end``'s ``moe_layers``), logged when given.

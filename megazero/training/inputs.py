@@ -51,7 +51,7 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
     from data.tokenizer import load_tokenizer
 
     blend = parse_data_path(cfg.data.data_path)
-    if cfg.post.mode != "grpo":  # prompts are one npz (PromptSet names it when missing)
+    if cfg.post.mode not in ("grpo", "ppo"):  # prompts are one npz (PromptSet names it when missing)
         require_files(blend)
     tok = load_tokenizer(cfg.data.tokenizer_model, cfg.data.tokenizer_type)
     if cfg.data.vocab_size is not None and cfg.data.vocab_size != tok.vocab_size:
@@ -60,12 +60,12 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
             f"--tokenizer-model {cfg.data.tokenizer_model}; fix: drop --vocab-size (the "
             "tokenizer sets it) or use the matching tokenizer"
         )
-    if cfg.post.mode == "grpo":  # prompts with answers (python -m data.prompts): one prefix
+    if cfg.post.mode in ("grpo", "ppo"):  # prompts with answers (python -m data.prompts): one prefix
         from data.prompts import prompt_splits
 
         if len(blend) != 1:
             raise DataError(
-                f"--data-path {' '.join(cfg.data.data_path)}: --post-train grpo reads one prefix of "
+                f"--data-path {' '.join(cfg.data.data_path)}: --post-train {cfg.post.mode} reads one prefix of "
                 "python -m data.prompts; fix: give one PREFIX (merge the inputs when preprocessing)"
             )
         check_same_tokenizer([blend[0][1]], tok.sha256, f"--tokenizer-model {cfg.data.tokenizer_model}")

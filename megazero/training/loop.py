@@ -204,7 +204,7 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
             monitor.close()
             return finish_stop(trainer, control, "non-finite", None, message=line)
         due = data.valid is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters)
-        if due and cfg.post.mode == "grpo":  # held-out rollouts: sampled and greedy rewards
+        if due and cfg.post.mode in ("grpo", "ppo"):  # held-out rollouts: sampled and greedy rewards
             from megazero.training import rl
 
             monitor.log_rollout_validation(it, rl.evaluate(trainer, data.valid, it, rl.held_out_prompts(cfg)))

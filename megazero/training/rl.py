@@ -27,11 +27,12 @@ import torch
 
 from megazero import collectives
 from megazero.context_parallel.sequence import Packing, shard_micro_batch
-from megazero.context_parallel.zigzag import split_for_rank
+from megazero.context_parallel.zigzag import merge_from_ranks, split_for_rank
 from megazero.pipeline.executor import make_forward_step
 from megazero.post_training.grpo import group_advantages, token_weights, zero_variance_groups
+from megazero.post_training.ppo import gae, masked_moments, shaped_rewards, whiten
 from megazero.post_training.rewards import parse_reward, score
-from megazero.post_training.rl_step import ADVANTAGE, COLUMNS, OLD, REF, WEIGHT
+from megazero.post_training.rl_step import ADVANTAGE, COLUMNS, OLD, REF, RETURN, VALUE, WEIGHT
 from megazero.post_training.rollout import RolloutSettings, rollout
 from megazero.runtime import resilience
 
@@ -173,13 +174,14 @@ def reference_log_probs_step(store):
     return forward_step
 
 
-def local_batches(trainer, tokens, labels, mask, extra, rows: range) -> list:
+def local_batches(trainer, tokens, labels, mask, extra, rows: range) -> tuple[list, list]:
     """This rank's micro-batches ``(tokens, labels, seq, extra)`` of mini-batch ``rows``: the
-    dp rank's contiguous share, cut into ``--micro-batch-size`` rows, each sharded over cp."""
+    dp rank's contiguous share, cut into ``--micro-batch-size`` rows, each sharded over cp; and
+    the global rows of each (slices)."""
     g, mbs = trainer.groups, trainer.cfg.train.micro_batch_size
     per = len(rows) // g.dp_size
     mine = range(rows.start + g.dp_rank * per, rows.start + (g.dp_rank + 1) * per)
-    out = []
+    out, where = [], []
     for a in range(mine.start, mine.stop, mbs):
         sl = slice(a, a + mbs)
         t, lab, seq = shard_micro_batch(
@@ -187,25 +189,41 @@ def local_batches(trainer, tokens, labels, mask, extra, rows: range) -> list:
         )
         ex = extra[sl] if g.cp_size == 1 else split_for_rank(extra[sl], 1, g.cp_rank, g.cp_size)
         out.append((t, lab, seq, ex.contiguous()))
-    return out
+        where.append(sl)
+    return out, where
+
+
+def local_part(x: torch.Tensor, groups) -> torch.Tensor:
+    """This cp rank's zigzag share ``[B, T/cp, ...]`` of whole rows ``x`` ``[B, T, ...]``."""
+    return x if groups.cp_size == 1 else split_for_rank(x, 1, groups.cp_rank, groups.cp_size)
+
+
+def whole_rows(x: torch.Tensor, groups) -> torch.Tensor:
+    """The whole rows ``[B, T, ...]`` of every cp rank's share ``x`` ``[B, T/cp, ...]`` (one
+    all-gather over cp)."""
+    if groups.cp_size == 1:
+        return x
+    return merge_from_ranks(collectives.all_gather_list(x.contiguous(), groups.cp), 1, groups.cp_size)
 
 
 def update(trainer, stored: StoredRollout, lr: float) -> dict:
-    """``--grpo-iterations`` passes of optimizer steps over ``stored`` (module docstring, item 3)
-    at learning rate ``lr``. Returns the iteration's values: ``loss`` (mean over its steps),
+    """``--grpo-iterations`` passes of optimizer steps over ``stored`` (module docstring, item 3;
+    with ``--post-train ppo`` the critic steps beside the policy, ``ppo_advantages``) at
+    learning rate ``lr``. Returns the iteration's values: ``loss`` (mean over its steps),
     ``grad_norm`` and ``loss_scale`` of its last step, ``skipped`` (any step skipped), ``stop``
     (a stop every rank agreed on), ``steps`` and the ``RL_KEYS`` statistics."""
-    cfg, post = trainer.cfg, trainer.cfg.post
-    policy = trainer.post.policy
+    cfg, post, ppo = trainer.cfg, trainer.cfg.post, trainer.post.mode == "ppo"
+    policy, critic = trainer.post.policy, trainer.critic
     device = trainer.device
     G, N = stored.group_size, stored.tokens.shape[0]
     pad = trainer.eod if trainer.eod is not None else 0
     tokens, labels, mask, extra = (x.to(device) for x in policy_rows(stored, cfg.model.seq_length, pad))
     scores = stored.scores.to(device=device, dtype=torch.float64)
-    adv = group_advantages(scores, G, post.grpo_advantage)
-    flat = zero_variance_groups(scores, G)
-    keep = ~flat if post.grpo_filter_groups_with_same_reward else None
-    extra[..., ADVANTAGE] = adv[:, None] * mask.double()
+    flat = zero_variance_groups(scores, G) if G > 1 else torch.zeros(N, dtype=torch.bool, device=device)
+    keep = None
+    if not ppo:
+        keep = ~flat if post.grpo_filter_groups_with_same_reward else None
+        extra[..., ADVANTAGE] = group_advantages(scores, G, post.grpo_advantage)[:, None] * mask.double()
     gbs = cfg.train.global_batch_size
     minis = [range(a, a + gbs) for a in range(0, N, gbs)]
     counts = []
@@ -218,24 +236,40 @@ def update(trainer, stored: StoredRollout, lr: float) -> dict:
         )
         extra[rows.start : rows.stop, :, WEIGHT] = w
         counts.append(float((w > 0).sum()))
-    batches = [local_batches(trainer, tokens, labels, mask, extra, rows) for rows in minis]
+    cut = [local_batches(trainer, tokens, labels, mask, extra, rows) for rows in minis]
+    batches = [b for b, _ in cut]
     for c in trainer.chunks:
         c.logit_temperature = post.temperature
-    if policy.settings.uses_reference:
+    if trainer.post.uses_reference:
         for mb in batches:  # one forward-only schedule per mini-batch (the schedules' micro-batch count)
             reference_into(trainer, mb)
+    shaped = None
+    if ppo:
+        shaped = ppo_advantages(trainer, stored, mask, extra, cut)
     forward_step = make_forward_step(1.0, None, policy.loss)
-    losses, stats, result, skipped = [], [], None, False
+    critic_step = None if critic is None else make_forward_step(1.0, None, trainer.post.value.loss)
+    critic_lr = None if critic is None else critic.lr_schedule(trainer.state.iteration + 1)
+    losses, stats, critic_losses, result, skipped = [], [], [], None, False
     for _ in range(post.grpo_iterations):
         for mb, count in zip(batches, counts):
+            tokens_counted = torch.tensor(count, dtype=torch.float64, device=device)
             for c in trainer.chunks:
                 c.train()
             trainer.ddp.zero_grad()
             loss = trainer.run_training_schedule(forward_step, mb)
-            result = trainer.optimizer.step(lr, loss_tokens=torch.tensor(count, dtype=torch.float64, device=device))
+            result = trainer.optimizer.step(lr, loss_tokens=tokens_counted)
             skipped = skipped or (result.skipped and not result.empty)
             losses.append(loss)
             stats.append(policy.metrics(device))
+            if critic is not None:
+                for c in critic.chunks:
+                    c.train()
+                critic.ddp.zero_grad()
+                critic.run_training_schedule(critic_step, mb)
+                critic.optimizer.step(critic_lr, loss_tokens=tokens_counted)
+                critic_losses.append(trainer.post.value.metrics(device)["critic_loss"])
+    if critic is not None:
+        critic.state.advance(len(stored.prompts), False)
     loss, stop = resilience.agree(torch.stack(losses).mean(), trainer.stop_flags(), trainer.replicas)
     lengths = stored.mask.sum(dim=1).double()
     values = dict(
@@ -244,13 +278,107 @@ def update(trainer, stored: StoredRollout, lr: float) -> dict:
         loss_scale=result.loss_scale,
         rl_reward=float(stored.scores.mean()),
         rl_response_length=float(lengths.mean()),
-        rl_zero_variance_fraction=float(flat.double().mean()),
+        rl_zero_variance_fraction=None if ppo else float(flat.double().mean()),
         rl_clip_fraction=sum(s["rl_clip_fraction"] for s in stats) / len(stats),
         rl_first_clip_fraction=stats[0]["rl_clip_fraction"],
         rl_first_ratio_deviation=stats[0]["rl_ratio_deviation"],
         rl_kl=sum(s["rl_kl"] for s in stats) / len(stats) if policy.settings.uses_reference else None,
     )
+    if ppo:
+        values.update(
+            rl_kl=shaped["kl"],
+            rl_kl_coef=shaped["kl_coef"],
+            rl_critic_loss=sum(critic_losses) / len(critic_losses),
+        )
     return dict(values=values, skipped=skipped, stop=stop, steps=len(stats), empty=all(c == 0 for c in counts))
+
+
+def ppo_advantages(trainer, stored: StoredRollout, mask, extra, cut) -> dict:
+    """PPO's advantages and returns (``megazero.post_training.ppo``) into each local micro-batch's
+    ``ADVANTAGE``, ``RETURN`` and ``VALUE`` columns: the critic's values of the rollout
+    (forward-only schedule, per mini-batch); on each micro-batch's whole rows (gathered over cp)
+    the KL-shaped rewards with the controller's coefficient (the rollout's log-probabilities
+    against the reference's, k1, the score on the last response token), then GAE (``--gamma``,
+    ``--lam``); the advantages whitened with the whole rollout's statistics (summed over the
+    world from the last stage's tp 0 / cp 0 ranks). Then the controller takes the rollout's mean
+    KL per response (summed likewise). Returns ``{"kl": mean KL per response token, "kl_coef": the coefficient
+    used}``. Collective."""
+    post, g = trainer.cfg.post, trainer.groups
+    device = trainer.device
+    for mb, _ in cut:
+        values_into(trainer.critic, mb)
+    coef = trainer.post.kl.value
+    scores = stored.scores.to(device=device, dtype=torch.float64)
+    if post.clip_reward_value is not None:
+        scores = scores.clamp(-post.clip_reward_value, post.clip_reward_value)
+    # the ranks that hold the head (the last stage; stage 0 under ZB-V), once per row
+    counted = any(c.post_process for c in trainer.chunks) and g.tp_rank == 0 and g.cp_rank == 0
+    totals = torch.zeros(5, dtype=torch.float64, device=device)  # adv moments (3), kl sum, tokens
+    for mb, where in cut:
+        for b, rows in zip(mb, where):
+            ex = b[3]
+            both = whole_rows(ex[..., [REF, VALUE]], g)  # (B, T, 2)
+            m, old = mask[rows], extra[rows, :, OLD]
+            ref = both[..., 0] if trainer.post.uses_reference else old
+            rewards = shaped_rewards(scores[rows], old, ref, m, coef, "k1")
+            adv, ret = gae(rewards, both[..., 1], m, post.gamma, post.lam)
+            ex[..., ADVANTAGE] = local_part(adv, g)
+            ex[..., RETURN] = local_part(ret, g)
+            if counted:
+                on = m.double()
+                kl = ((old - ref) * on).sum()
+                totals += torch.cat([masked_moments(adv, m), torch.stack([kl, on.sum()])])
+    collectives.all_reduce_sum(totals, g.world)
+    n, s1, s2, kl, tokens = totals.tolist()
+    mean = s1 / max(n, 1.0)
+    var = max(s2 / max(n, 1.0) - mean * mean, 0.0)
+    for mb, _ in cut:
+        for b in mb:
+            ex = b[3]
+            ex[..., ADVANTAGE] = whiten(ex[..., ADVANTAGE], b[2].loss_mask, mean=mean, var=var)
+    rows = stored.tokens.shape[0]
+    trainer.post.kl.update(kl / rows, rows)
+    return dict(kl=kl / max(tokens, 1.0), kl_coef=coef)
+
+
+@torch.no_grad()
+def values_into(critic, batches: list) -> None:
+    """The critic's value of each label position before the update, written into column
+    ``VALUE`` of each of ``batches``' ``extra`` on the last stage (forward-only schedule)."""
+
+    def forward_step(batch, chunk, input_tensor):
+        tokens, labels, seq = batch[:3]
+        x = tokens if input_tensor is None else input_tensor
+        out = chunk(x, labels=labels if chunk.post_process else None, seq=seq)
+
+        def loss_fn(values):
+            batch[3][..., VALUE] = values.detach().double()
+            return values.new_zeros((), dtype=torch.float64)
+
+        return out, loss_fn
+
+    for c in critic.chunks:
+        c.eval()
+    critic.run_forward_only(critic.chunks, forward_step, batches)
+
+
+def build_critic(cfg, groups, device, vocab_size: int, eod):
+    """``--post-train ppo``'s critic: a second ``Trainer`` in the same layout (its own chunks,
+    ZeRO optimizer and checkpoints) whose model ends in a value head scoring every position
+    (``GPTStage.values_per_token``), at ``--critic-lr`` on the policy's schedule."""
+    import copy
+
+    from megazero.training.trainer import Trainer
+
+    c = copy.deepcopy(cfg)
+    c.post.mode = "rm"  # the GPT with a value head
+    if cfg.post.critic_lr is not None:
+        scale = cfg.post.critic_lr / cfg.optim.lr
+        c.optim.lr, c.optim.min_lr = cfg.post.critic_lr, cfg.optim.min_lr * scale
+    critic = Trainer(c, groups, device, vocab_size, eod=eod)
+    for chunk in critic.chunks:
+        chunk.values_per_token = True
+    return critic
 
 
 @torch.no_grad()

@@ -128,10 +128,10 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
     data = build_data(cfg, None if cfg.train.finetune else resume)  # --finetune: the data from its start
     check_resume(cfg, resume, data.vocab_size)
-    if cfg.post.mode == "grpo":  # the reward function imports, every prompt leaves room for a response
+    if cfg.post.mode in ("grpo", "ppo"):  # the reward function imports, every prompt leaves room for a response
         parse_reward(cfg.post.reward)
         check_prompt_room(cfg, data.train.prompts)
-    if cfg.post.mode in ("dpo", "grpo") and cfg.post.ref_load:  # the reference, before any process starts
+    if cfg.post.mode in ("dpo", "grpo", "ppo") and cfg.post.ref_load:  # the reference, before any process starts
         reference = checkpoint.peek(cfg.post.ref_load, verify=verify)
         if reference is None:
             raise checkpoint.CheckpointError(

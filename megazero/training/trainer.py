@@ -40,6 +40,8 @@ from model.gpt import VOCAB_TENSORS, moe_step_end
 from model.hf import config_record
 from model.moe_state import expert_bias_state, load_expert_bias
 
+CRITIC = "critic"  # --post-train ppo: the critic's checkpoints, under the run's
+
 
 @dataclass
 class StepOutcome:
@@ -138,6 +140,13 @@ class Trainer:
         self.monitor = monitor
         gcfg = self.gpt_config  # not self: a cycle through the trainer would keep it (and its swap files) alive
         self.post = PostTraining(cfg, groups, lambda source: build_reference(cfg, groups, gcfg, device, source))
+        self.critic: Optional["Trainer"] = None  # --post-train ppo: the value model, a second Trainer
+        if cfg.post.mode == "ppo":
+            from megazero.training.rl import build_critic
+
+            self.critic = build_critic(cfg, groups, device, vocab_size, eod)
+            if cfg.post.critic_load and not cfg.train.load:  # else load_checkpoint starts it
+                self.critic.load_checkpoint(cfg.post.critic_load, weights_only=True)
         self.checkpoints = CheckpointManager(
             self.replicas,
             keep=cfg.train.keep_latest_checkpoints,
@@ -153,6 +162,8 @@ class Trainer:
         self.optimizer.wait_param_gather()
         self.trail.enter(self.state.iteration, "checkpoint save (gathers over dp and tp)")
         g = self.gpt_config
+        if self.critic is not None:  # ROOT/critic: the value model's own checkpoints
+            self.critic.save_checkpoint(os.path.join(root, CRITIC), wait=wait)
         return self.checkpoints.save(
             root,
             self.state,
@@ -174,6 +185,8 @@ class Trainer:
     def finish_save(self) -> None:
         """Wait for the background checkpoint, if any, and move ``latest`` to it (collective)."""
         self.checkpoints.finish()
+        if self.critic is not None:
+            self.critic.finish_save()
 
     def close(self) -> None:
         """End of the run (collective): the background save finished, the parameter
@@ -186,6 +199,22 @@ class Trainer:
         self.ddp.close()
         if hasattr(self.optimizer, "close"):  # NVMe offload: its swap files go
             self.optimizer.close()
+        if self.critic is not None:
+            self.critic.close()
+
+    def _start_critic(self, root: str, resuming: bool) -> None:
+        """--post-train ppo: the critic resumes from ``ROOT/critic`` when the policy resumed a
+        PPO run; else it starts from ``--critic-load`` (e.g. the reward model), or from the
+        policy's starting checkpoint under ``root`` with a seeded value head, or stays seeded."""
+        from megazero.checkpoint import latest_iteration
+
+        mine = os.path.join(root, CRITIC)
+        if resuming and latest_iteration(mine) is not None:
+            self.critic.load_checkpoint(mine)
+        elif self.cfg.post.critic_load:
+            self.critic.load_checkpoint(self.cfg.post.critic_load, weights_only=True)
+        elif latest_iteration(root) is not None:
+            self.critic.load_checkpoint(root, weights_only=True)
 
     def _save_fault(self):
         """The test hook's ``savekill`` fault for this save: SIGKILL this rank's process from
@@ -213,6 +242,8 @@ class Trainer:
         resumed = self.checkpoints.resume(
             root, self.optimizer, self.chunks, real_rows=real_rows, weights_only=weights_only, fresh=fresh
         )
+        if self.critic is not None:
+            self._start_critic(root, resumed is not None and not weights_only)
         if resumed is None:
             return None
         self.state, meta = resumed
@@ -330,7 +361,7 @@ class Trainer:
         (``data.train``; a Trainer built without ``data`` needs ``dataset``). With
         ``--post-train grpo``: the next rollout (``megazero.training.rl.sample``; collective)."""
         dataset = self.data.train if dataset is None else dataset
-        if self.post.mode == "grpo":
+        if self.post.mode in ("grpo", "ppo"):
             from megazero.training import rl
 
             p = self.cfg.post
@@ -341,7 +372,7 @@ class Trainer:
     def train_step(self, batches) -> StepOutcome:
         """One iteration on this DP rank's micro-batches (a list of (tokens, labels), each
         ``(micro_batch_size, seq_length)`` int64); advances ``state`` and returns the outcome."""
-        if self.post.mode == "grpo":
+        if self.post.mode in ("grpo", "ppo"):
             return self._rl_step(batches)
         for c in self.chunks:
             c.train()

@@ -37,7 +37,8 @@ def grpo_runs(rank, world, runs, params=False):
     and run one iteration per rollout: a stored rollout (a ``StoredRollout.to_dict()``), or None
     to sample the next one. Saves to ``--save`` if given. Returns per run ``{"steps": each
     iteration's logged values, "rollouts": each iteration's rollout as a dict}``, plus
-    ``"params"`` (canonical name -> tensor; one process at ZeRO-0 only) with ``params``."""
+    ``"params"`` (canonical name -> tensor; one process at ZeRO-0 only; and ``"critic"``, the PPO
+    critic's) with ``params``."""
     from megazero import training
     from megazero.config import config_from_argv
     from megazero.training import build_trainer
@@ -58,6 +59,8 @@ def grpo_runs(rank, world, runs, params=False):
             trainer.save_checkpoint(cfg.train.save, wait=True)
         if params:
             got["params"] = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
+            if trainer.critic is not None:  # --post-train ppo
+                got["critic"] = {n: p.detach().clone() for c in trainer.critic.chunks for n, p in c.named_parameters()}
         trainer.close()
         out.append(got)
     return out
@@ -162,3 +165,123 @@ def plain_grpo(argv: list[str], rollouts: list[dict]) -> dict:
                 losses.append(loss.item())
         out.append(dict(loss=sum(losses) / len(losses), grad_norm=norm.item()))
     return dict(steps=out, params={k: v.detach().clone() for k, v in params.items()})
+
+
+def plain_ppo(argv: list[str], rollouts: list[dict]) -> dict:
+    """PPO with a critic written from the papers on ``tests/support/reference.py``'s GPT with two
+    ``torch.optim.Adam`` (policy at ``--lr``, critic at ``--critic-lr``), without megazero's model,
+    losses or optimizer: one iteration per stored rollout. The critic is the seeded GPT whose
+    final-norm hidden state meets a seeded ``[1, H]`` head at every position (megazero's seeded
+    critic); the reference stays at the policy's initial weights.
+
+    Per rollout: each response token's reward is ``-c (log pi_old - log pi_ref)`` plus, on the
+    row's last response token, its score (InstructGPT, Ouyang et al. 2022, eq. 2; ``c`` the KL
+    coefficient, fixed or Ziegler et al. 2019's controller ``c *= 1 + clip(KL / target - 1,
+    +-0.2) n / horizon`` after the rollout); advantages by GAE over the row's response tokens
+    (Schulman et al. 2016, eq. 16, value 0 after the last), returns = advantages + values, the
+    advantages whitened over the whole rollout's response tokens (population variance, eps
+    1e-8); then ``--grpo-iterations`` passes of one policy step (clipped surrogate, token mean)
+    and one critic step (``0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``, token mean) per
+    ``--global-batch-size`` rows. Returns ``{"steps": per iteration the mean policy loss, the last
+    policy step's gradient norm and the mean critic loss, "params", "critic"}``."""
+    import torch
+
+    from megazero import training
+    from megazero.config import config_from_argv
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+    from tests.support.reference import ReferenceGPT, block_options
+
+    cfg = config_from_argv(argv, 1)
+    data = training.build_data(cfg)
+    gcfg = build_gpt_config(cfg, data.vocab_size)
+    full = dict(init_full_weights(gcfg, cfg.train.seed))
+    build = dict(vocab_size=data.vocab_size, num_heads=cfg.model.num_attention_heads, **block_options(gcfg))
+    policy, reference = ReferenceGPT.from_full_weights(full, **build), ReferenceGPT.from_full_weights(full, **build)
+    from dataclasses import replace
+
+    cfull = dict(init_full_weights(replace(gcfg, value_head=True), cfg.train.seed))
+    head = torch.nn.Parameter(cfull.pop("value_head.weight").clone())
+    critic = ReferenceGPT.from_full_weights(cfull, **build)
+    params, cparams = dict(policy.canonical_parameters()), dict(critic.canonical_parameters())
+    cparams["value_head.weight"] = head
+    o, p, S = cfg.optim, cfg.post, cfg.model.seq_length
+    betas = (o.adam_beta1, o.adam_beta2)
+    adam = torch.optim.Adam(params.values(), lr=o.lr, betas=betas, eps=o.adam_eps)
+    cadam = torch.optim.Adam(cparams.values(), lr=p.critic_lr or o.lr, betas=betas, eps=o.adam_eps)
+    eod, coef = data.tokenizer.eod, p.init_kl_coef
+
+    def logps(model, tokens, labels):
+        logits = model(tokens).double() / p.temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, labels[..., None])[..., 0]  # (B, S)
+
+    def values(tokens):
+        return (critic(tokens, return_hidden=True).float() @ head.t()).squeeze(-1).double()  # (B, S)
+
+    out = []
+    for r in rollouts:
+        G, N = r["group_size"], r["tokens"].shape[0]
+        seqs = torch.full((N, S + 1), eod, dtype=torch.long)
+        m = torch.zeros(N, S, dtype=torch.float64)
+        old = torch.zeros(N, S, dtype=torch.float64)
+        for n in range(N):
+            prompt, k = r["prompts"][n // G], int(r["mask"][n].sum())
+            L = len(prompt)
+            seqs[n, :L] = torch.tensor(prompt)
+            seqs[n, L : L + k] = r["tokens"][n, :k]
+            m[n, L - 1 : L - 1 + k] = 1
+            old[n, L - 1 : L - 1 + k] = r["log_probs"][n, :k].double()
+        tokens, labels = seqs[:, :-1], seqs[:, 1:]
+        with torch.no_grad():
+            ref = logps(reference, tokens, labels)
+            v_old = values(tokens)
+        adv = torch.zeros(N, S, dtype=torch.float64)
+        for n in range(N):
+            pos = [t for t in range(S) if m[n, t] > 0]
+            reward = {t: -coef * float(old[n, t] - ref[n, t]) for t in pos}
+            score = float(r["scores"][n])
+            if p.clip_reward_value is not None:
+                score = min(max(score, -p.clip_reward_value), p.clip_reward_value)
+            reward[pos[-1]] += score
+            a_next, v_next = 0.0, 0.0
+            for t in reversed(pos):
+                delta = reward[t] + p.gamma * v_next - float(v_old[n, t])
+                a_next = delta + p.gamma * p.lam * a_next
+                adv[n, t], v_next = a_next, float(v_old[n, t])
+        ret = (adv + v_old) * m
+        on = m > 0
+        mean, var = adv[on].mean(), adv[on].var(unbiased=False)
+        white = torch.where(on, (adv - mean) / torch.sqrt(var + 1e-8), 0.0)
+        kl_per_response = float(((old - ref) * m).sum()) / N
+        if p.kl_target is not None:
+            coef *= 1 + min(max(kl_per_response / p.kl_target - 1, -0.2), 0.2) * N / p.kl_horizon
+        losses, closses, norm = [], [], None
+        for _ in range(p.grpo_iterations):
+            for a in range(0, N, cfg.train.global_batch_size):
+                rows = slice(a, a + cfg.train.global_batch_size)
+                mk = m[rows]
+                ratio = torch.exp(logps(policy, tokens[rows], labels[rows]) - old[rows])
+                clipped = ratio.clamp(1 - p.grpo_clamp_eps_lower, 1 + p.grpo_clamp_eps_upper)
+                each = -torch.minimum(ratio * white[rows], clipped * white[rows])
+                loss = (each * mk).sum() / mk.sum()
+                adam.zero_grad()
+                loss.backward()
+                norm = torch.linalg.vector_norm(torch.stack([q.grad.double().norm() for q in params.values()]))
+                adam.step()
+                losses.append(loss.item())
+                v = values(tokens[rows])
+                vo = v_old[rows]
+                vc = torch.maximum(torch.minimum(v, vo + p.cliprange_value), vo - p.cliprange_value)
+                closs = (0.5 * torch.maximum((v - ret[rows]) ** 2, (vc - ret[rows]) ** 2) * mk).sum() / mk.sum()
+                cadam.zero_grad()
+                closs.backward()
+                cadam.step()
+                closses.append(closs.item())
+        out.append(
+            dict(loss=sum(losses) / len(losses), grad_norm=norm.item(), rl_critic_loss=sum(closses) / len(closses))
+        )
+    return dict(
+        steps=out,
+        params={k: q.detach().clone() for k, q in params.items()},
+        critic={k: q.detach().clone() for k, q in cparams.items()},
+    )
