@@ -1,7 +1,8 @@
 """The algebra of PPO with a critic (InstructGPT's RLHF step, DeepSpeed-Chat's step 3), as pure
 functions of per-token tensors; the ``--post-train ppo`` mode calls them
-(``megazero.training.rl.ppo_advantages``). The policy's clipped surrogate is ``grpo.clipped_surrogate`` with per-token advantages, and
-a per-token loss becomes the step's scalar with ``grpo.aggregate``.
+(``megazero.training.rl.ppo_advantages``). The policy's clipped surrogate is
+``grpo.clipped_surrogate`` with per-token advantages, and a per-token loss becomes the step's
+scalar with ``grpo.aggregate``.
 
 Shapes follow ``grpo``: ``N`` rows, prompt-major, per-token tensors ``[N, T]`` over the response
 positions with ``mask`` ``[N, T]`` non-zero on a row's response tokens (its EOD included) and 0 on

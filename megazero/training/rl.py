@@ -362,25 +362,6 @@ def values_into(critic, batches: list) -> None:
     critic.run_forward_only(critic.chunks, forward_step, batches)
 
 
-def build_critic(cfg, groups, device, vocab_size: int, eod):
-    """``--post-train ppo``'s critic: a second ``Trainer`` in the same layout (its own chunks,
-    ZeRO optimizer and checkpoints) whose model ends in a value head scoring every position
-    (``GPTStage.values_per_token``), at ``--critic-lr`` on the policy's schedule."""
-    import copy
-
-    from megazero.training.trainer import Trainer
-
-    c = copy.deepcopy(cfg)
-    c.post.mode = "rm"  # the GPT with a value head
-    if cfg.post.critic_lr is not None:
-        scale = cfg.post.critic_lr / cfg.optim.lr
-        c.optim.lr, c.optim.min_lr = cfg.post.critic_lr, cfg.optim.min_lr * scale
-    critic = Trainer(c, groups, device, vocab_size, eod=eod)
-    for chunk in critic.chunks:
-        chunk.values_per_token = True
-    return critic
-
-
 @torch.no_grad()
 def reference_into(trainer, batches: list) -> None:
     """The frozen reference's log-probability of each label, written into column ``REF`` of

@@ -142,8 +142,6 @@ class Trainer:
         self.post = PostTraining(cfg, groups, lambda source: build_reference(cfg, groups, gcfg, device, source))
         self.critic: Optional["Trainer"] = None  # --post-train ppo: the value model, a second Trainer
         if cfg.post.mode == "ppo":
-            from megazero.training.rl import build_critic
-
             self.critic = build_critic(cfg, groups, device, vocab_size, eod)
             if cfg.post.critic_load and not cfg.train.load:  # else load_checkpoint starts it
                 self.critic.load_checkpoint(cfg.post.critic_load, weights_only=True)
@@ -456,3 +454,20 @@ class Trainer:
         loss = self._run(batches, self.eval_actions, forward_only=True)  # DPO: adds to the reward statistics
         collectives.all_reduce_mean(loss, self.replicas.dp)
         return float(loss)
+
+
+def build_critic(cfg, groups, device, vocab_size: int, eod):
+    """``--post-train ppo``'s critic: a second ``Trainer`` in the same layout (its own chunks,
+    ZeRO optimizer and checkpoints) whose model ends in a value head scoring every position
+    (``GPTStage.values_per_token``), at ``--critic-lr`` on the policy's schedule."""
+    import copy
+
+    c = copy.deepcopy(cfg)
+    c.post.mode = "rm"  # the GPT with a value head
+    if cfg.post.critic_lr is not None:
+        scale = cfg.post.critic_lr / cfg.optim.lr
+        c.optim.lr, c.optim.min_lr = cfg.post.critic_lr, cfg.optim.min_lr * scale
+    critic = Trainer(c, groups, device, vocab_size, eod=eod)
+    for chunk in critic.chunks:
+        chunk.values_per_token = True
+    return critic
