@@ -650,12 +650,15 @@ class Monitor:
         unigram_entropy_nats: Optional[float],
         sample_text: str,
         pair_loss: bool = False,
+        rollouts: Optional[Mapping[str, float]] = None,
+        rl: bool = False,
     ) -> None:
         """Print the final validation loss and perplexity beside the unigram-entropy
         baseline (nats/token, :func:`unigram_entropy`; None, printed ``n/a``, when no validation
         ran or it counted no token) and their ratio, then the sample. ``pair_loss``
         (--post-train dpo or rm): the loss is the mean preference loss of a pair, printed without
-        perplexity or baseline.
+        perplexity or baseline. ``rl`` (--post-train grpo or ppo): the last held-out rollouts'
+        values instead (``rollouts``, ``megazero.training.rl.evaluate``; None: no validation ran).
 
         Also writes TensorBoard text ``summary`` and a ``"summary"`` record.
         """
@@ -664,7 +667,14 @@ class Monitor:
         loss, base = _plain(final_valid_loss), _plain(unigram_entropy_nats)
         ratio = None if loss is None or base is None or base <= 0 else loss / base
         line = (
-            f"final validation loss: {_fmt(loss, '.4f')} nats/token "
+            "final held-out rollouts: "
+            + (
+                " | ".join(f"{k.replace('_', ' ')}: {_plain(v):.4f}" for k, v in rollouts.items())
+                if rollouts
+                else "n/a"
+            )
+            if rl
+            else f"final validation loss: {_fmt(loss, '.4f')} nats/token "
             f"(perplexity {_fmt(_ppl(loss), '.2f')}) | unigram baseline: {_fmt(base, '.4f')} "
             f"nats/token (perplexity {_fmt(_ppl(base), '.2f')}) | loss / baseline: {_fmt(ratio, '.3f')}"
             if not pair_loss

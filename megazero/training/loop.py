@@ -179,7 +179,7 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
     Returns train()'s result (with ``stop`` and ``status`` after an early stop)."""
     cfg, groups, device = trainer.cfg, trainer.groups, trainer.device
     state, s, exit_interval = trainer.state, cfg.train, cfg.train.exit_interval
-    last_valid, counts = None, None
+    last_valid, counts, last_rollouts = None, None, None
     timer, last_logged = Timer(device), state.iteration
     first_iteration, empty_steps = state.iteration + 1, 0
     profiler = make_profiler(cfg, groups.rank)
@@ -207,7 +207,8 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
         if due and cfg.post.mode in ("grpo", "ppo"):  # held-out rollouts: sampled and greedy rewards
             from megazero.training import rl
 
-            monitor.log_rollout_validation(it, rl.evaluate(trainer, data.valid, it, rl.held_out_prompts(cfg)))
+            last_rollouts = rl.evaluate(trainer, data.valid, it, rl.held_out_prompts(cfg))
+            monitor.log_rollout_validation(it, last_rollouts)
         elif due:
             last_valid, counts = evaluate(trainer, data.valid, cfg, state.eval_round)
             state.eval_round += 1
@@ -235,6 +236,9 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
     trainer.optimizer.wait_param_gather()
     sample = final_sample(trainer, data.tokenizer, cfg)
     baseline = unigram_entropy(counts) if counts is not None and counts.sum() > 0 else None
-    monitor.summary(last_valid, baseline, sample, pair_loss=cfg.post.mode in ("dpo", "rm"))
+    rl_mode = cfg.post.mode in ("grpo", "ppo")
+    monitor.summary(
+        last_valid, baseline, sample, pair_loss=cfg.post.mode in ("dpo", "rm"), rollouts=last_rollouts, rl=rl_mode
+    )
     monitor.close()
     return dict(valid_loss=last_valid, unigram_entropy=baseline, iteration=state.iteration)
