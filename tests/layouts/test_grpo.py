@@ -24,7 +24,7 @@ import torch
 
 from tests.support.distributed import run_distributed
 from tests.support.preference import assert_same_as_plain
-from tests.support.rl import grpo_runs, plain_grpo, write_prompts
+from tests.support.rl import grpo_runs, plain_grpo, prompt_task
 
 MODEL = (
     "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 48 --micro-batch-size 2 "
@@ -88,9 +88,7 @@ FULL = "--tp 2 --pp 2 --dp 2 --zero-stage 3"  # three whole iterations, rollouts
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("grpo")
-    tok, prefix = write_prompts(d)
-    return dict(dir=d, argv=MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--post-train", "grpo"])
+    return prompt_task(tmp_path_factory, "grpo", MODEL, "grpo")
 
 
 @pytest.fixture(scope="module")

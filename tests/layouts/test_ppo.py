@@ -20,7 +20,7 @@ import torch
 
 from tests.support.distributed import run_distributed
 from tests.support.preference import assert_same_as_plain
-from tests.support.rl import grpo_runs, plain_ppo, write_prompts
+from tests.support.rl import grpo_runs, plain_ppo, prompt_task
 
 MODEL = (
     "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 48 --micro-batch-size 2 "
@@ -49,9 +49,7 @@ KEYS = ("loss", "grad_norm", "rl_critic_loss")
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ppo")
-    tok, prefix = write_prompts(d)
-    return dict(dir=d, argv=MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--post-train", "ppo"])
+    return prompt_task(tmp_path_factory, "ppo", MODEL, "ppo")
 
 
 @pytest.fixture(scope="module")

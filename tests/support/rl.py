@@ -26,6 +26,59 @@ def write_prompts(folder, count: int = 64, seed: int = 0) -> tuple[str, str]:
     return tok, str(folder / "rl")
 
 
+def plain_models(argv: list[str]):
+    """``(cfg, data, gcfg, build, policy, reference)`` of a one-process command line: the
+    reference GPT (``tests/support/reference.py``) twice at megazero's seeded initial weights,
+    ``build`` its constructor's keywords."""
+    from megazero import training
+    from megazero.config import config_from_argv
+    from model.build import build_gpt_config
+    from model.spec import init_full_weights
+    from tests.support.reference import ReferenceGPT, block_options
+
+    cfg = config_from_argv(argv, 1)
+    data = training.build_data(cfg)
+    gcfg = build_gpt_config(cfg, data.vocab_size)
+    full = dict(init_full_weights(gcfg, cfg.train.seed))
+    build = dict(vocab_size=data.vocab_size, num_heads=cfg.model.num_attention_heads, **block_options(gcfg))
+    return (
+        cfg,
+        data,
+        gcfg,
+        build,
+        ReferenceGPT.from_full_weights(full, **build),
+        ReferenceGPT.from_full_weights(full, **build),
+    )
+
+
+def plain_rows(r: dict, S: int, eod: int):
+    """A stored rollout (``grpo_runs``' dict) as plain training rows: ``tokens``, ``labels``
+    ``[N, S]`` (prompt, response, then ``eod``; labels the next token), the response-label mask
+    ``m`` and the rollout's log-probabilities ``old`` at those labels (``[N, S]`` float64)."""
+    import torch
+
+    G, N = r["group_size"], r["tokens"].shape[0]
+    seqs = torch.full((N, S + 1), eod, dtype=torch.long)
+    m = torch.zeros(N, S, dtype=torch.float64)
+    old = torch.zeros(N, S, dtype=torch.float64)
+    for n in range(N):
+        prompt, k = r["prompts"][n // G], int(r["mask"][n].sum())
+        L = len(prompt)
+        seqs[n, :L] = torch.tensor(prompt)
+        seqs[n, L : L + k] = r["tokens"][n, :k]
+        m[n, L - 1 : L - 1 + k] = 1
+        old[n, L - 1 : L - 1 + k] = r["log_probs"][n, :k].double()
+    return seqs[:, :-1], seqs[:, 1:], m, old
+
+
+def prompt_task(tmp_path_factory, name: str, argv: list[str], mode: str) -> dict:
+    """A module's RL task: print-task prompts written under a fresh folder ``name`` and
+    ``argv`` completed with their data flags and ``--post-train mode``: ``{"dir", "argv"}``."""
+    d = tmp_path_factory.mktemp(name)
+    tok, prefix = write_prompts(d)
+    return dict(dir=d, argv=argv + ["--data-path", prefix, "--tokenizer-model", tok, "--post-train", mode])
+
+
 def text_reward(prompt: str, response: str, answer: str) -> float:
     """A test reward with many values for an untrained model's responses: the stripped
     response's length modulo 5, over 4 (``--reward python:tests.support.rl:text_reward``)."""
@@ -87,18 +140,7 @@ def plain_grpo(argv: list[str], rollouts: list[dict]) -> dict:
     rewards are all equal leave the loss and its counts."""
     import torch
 
-    from megazero import training
-    from megazero.config import config_from_argv
-    from model.build import build_gpt_config
-    from model.spec import init_full_weights
-    from tests.support.reference import ReferenceGPT, block_options
-
-    cfg = config_from_argv(argv, 1)
-    data = training.build_data(cfg)
-    gcfg = build_gpt_config(cfg, data.vocab_size)
-    full = dict(init_full_weights(gcfg, cfg.train.seed))
-    build = dict(vocab_size=data.vocab_size, num_heads=cfg.model.num_attention_heads, **block_options(gcfg))
-    policy, reference = ReferenceGPT.from_full_weights(full, **build), ReferenceGPT.from_full_weights(full, **build)
+    cfg, data, gcfg, build, policy, reference = plain_models(argv)
     params = dict(policy.canonical_parameters())
     o, p, S = cfg.optim, cfg.post, cfg.model.seq_length
     adam = torch.optim.Adam(params.values(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
@@ -112,17 +154,7 @@ def plain_grpo(argv: list[str], rollouts: list[dict]) -> dict:
     for r in rollouts:
         G = r["group_size"]
         N = r["tokens"].shape[0]
-        seqs = torch.full((N, S + 1), eod, dtype=torch.long)
-        m = torch.zeros(N, S, dtype=torch.float64)
-        old = torch.zeros(N, S, dtype=torch.float64)
-        for n in range(N):
-            prompt, k = r["prompts"][n // G], int(r["mask"][n].sum())
-            L = len(prompt)
-            seqs[n, :L] = torch.tensor(prompt)
-            seqs[n, L : L + k] = r["tokens"][n, :k]
-            m[n, L - 1 : L - 1 + k] = 1
-            old[n, L - 1 : L - 1 + k] = r["log_probs"][n, :k].double()
-        tokens, labels = seqs[:, :-1], seqs[:, 1:]
+        tokens, labels, m, old = plain_rows(r, S, eod)
         s = r["scores"].double().reshape(-1, G)
         centred = s - s.mean(dim=1, keepdim=True)
         if p.grpo_advantage == "grpo":
@@ -186,19 +218,11 @@ def plain_ppo(argv: list[str], rollouts: list[dict]) -> dict:
     policy step's gradient norm and the mean critic loss, "params", "critic"}``."""
     import torch
 
-    from megazero import training
-    from megazero.config import config_from_argv
-    from model.build import build_gpt_config
-    from model.spec import init_full_weights
-    from tests.support.reference import ReferenceGPT, block_options
-
-    cfg = config_from_argv(argv, 1)
-    data = training.build_data(cfg)
-    gcfg = build_gpt_config(cfg, data.vocab_size)
-    full = dict(init_full_weights(gcfg, cfg.train.seed))
-    build = dict(vocab_size=data.vocab_size, num_heads=cfg.model.num_attention_heads, **block_options(gcfg))
-    policy, reference = ReferenceGPT.from_full_weights(full, **build), ReferenceGPT.from_full_weights(full, **build)
+    cfg, data, gcfg, build, policy, reference = plain_models(argv)
     from dataclasses import replace
+
+    from model.spec import init_full_weights
+    from tests.support.reference import ReferenceGPT
 
     cfull = dict(init_full_weights(replace(gcfg, value_head=True), cfg.train.seed))
     head = torch.nn.Parameter(cfull.pop("value_head.weight").clone())
@@ -220,18 +244,8 @@ def plain_ppo(argv: list[str], rollouts: list[dict]) -> dict:
 
     out = []
     for r in rollouts:
-        G, N = r["group_size"], r["tokens"].shape[0]
-        seqs = torch.full((N, S + 1), eod, dtype=torch.long)
-        m = torch.zeros(N, S, dtype=torch.float64)
-        old = torch.zeros(N, S, dtype=torch.float64)
-        for n in range(N):
-            prompt, k = r["prompts"][n // G], int(r["mask"][n].sum())
-            L = len(prompt)
-            seqs[n, :L] = torch.tensor(prompt)
-            seqs[n, L : L + k] = r["tokens"][n, :k]
-            m[n, L - 1 : L - 1 + k] = 1
-            old[n, L - 1 : L - 1 + k] = r["log_probs"][n, :k].double()
-        tokens, labels = seqs[:, :-1], seqs[:, 1:]
+        N = r["tokens"].shape[0]
+        tokens, labels, m, old = plain_rows(r, S, eod)
         with torch.no_grad():
             ref = logps(reference, tokens, labels)
             v_old = values(tokens)
