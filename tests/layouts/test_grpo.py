@@ -107,8 +107,9 @@ def sampled(task):
 
 @pytest.fixture(scope="module")
 def replays(task, sampled):
-    """The stored rollouts replayed: each variant in one process, each layout on eight ranks
-    (saved after the last iteration). Two spawns."""
+    """The stored rollouts replayed: each variant in one process, then (the same process, a new
+    trainer) the run loading iteration 2's checkpoint for one iteration; each layout on eight
+    ranks (saved after the last iteration). Two spawns."""
     _, stored = sampled
     base, d = task["argv"], task["dir"]
     single = [(base + extra, stored) for extra in VARIANTS.values()]
@@ -117,9 +118,10 @@ def replays(task, sampled):
         for i, (flags, model) in enumerate(LAYOUTS.values())
     ]
     eight.append((base + FULL.split() + ["--save", str(d / "full")], [None] * 3))
+    single.append((base + ["--load", str(d / "two")], [None]))
     one = run_distributed(grpo_runs, 1, single, params=True, timeout_s=600)[0]
     got = run_distributed(grpo_runs, 8, eight, timeout_s=900)[0]
-    return dict(zip(VARIANTS, one)), dict(zip([*LAYOUTS, "full"], got))
+    return dict(zip([*VARIANTS, "reload"], one)), dict(zip([*LAYOUTS, "full"], got))
 
 
 def test_sampling_and_training_in_one_process_equal_plain_pytorch(task, sampled):
@@ -189,13 +191,12 @@ def test_full_iterations_under_tp2_pp2_dp2_zero3_equal_one_process(task, sampled
     assert_same_as_plain(KEYS, got, dict(one, params=one["params"]), "full")
 
 
-def test_a_rollout_after_a_reload_is_bit_identical(task, sampled):
-    """A fresh process loading the checkpoint saved after iteration 2 samples iteration 3's
-    rollout bit for bit as the run that went on (tokens, log-probabilities, rewards), and its
-    update gives the same loss."""
+def test_a_rollout_after_a_reload_is_bit_identical(sampled, replays):
+    """A trainer built afresh (another process than the one that saved) loading the checkpoint
+    saved after iteration 2 samples iteration 3's rollout bit for bit as the run that went on
+    (tokens, log-probabilities, rewards), and its update gives the same loss."""
     one, _ = sampled
-    argv = task["argv"] + ["--load", str(task["dir"] / "two")]
-    again = run_distributed(grpo_runs, 1, [(argv, [None])], timeout_s=600)[0][0]
+    again = replays[0]["reload"]
     a, b = one["rollouts"][2], again["rollouts"][0]
     for k in ("tokens", "mask", "log_probs", "scores"):
         assert torch.equal(a[k], b[k]), k

@@ -63,10 +63,11 @@ def sampled(task):
 def replays(task, sampled):
     stored = sampled["rollouts"][:2]
     base, d = task["argv"], task["dir"]
-    one = run_distributed(grpo_runs, 1, [(base + v, stored) for v in VARIANTS.values()], params=True, timeout_s=600)
+    single = [(base + v, stored) for v in VARIANTS.values()] + [(base + ["--load", str(d / "two")], [None])]
+    one = run_distributed(grpo_runs, 1, single, params=True, timeout_s=600)
     eight = [(base + f.split() + ["--save", str(d / f"layout{i}")], stored) for i, f in enumerate(LAYOUTS.values())]
     got = run_distributed(grpo_runs, 8, eight, timeout_s=900)[0]
-    return dict(zip(VARIANTS, one[0])), dict(zip(LAYOUTS, got))
+    return dict(zip([*VARIANTS, "reload"], one[0])), dict(zip(LAYOUTS, got))
 
 
 def _same(got: dict, want: dict, what: str) -> None:
@@ -112,12 +113,11 @@ def test_layouts_equal_plain_pytorch(task, sampled, replays, name):
     assert first["rl_first_ratio_deviation"] < 1e-6 and first["rl_first_clip_fraction"] == 0.0, first
 
 
-def test_a_resumed_run_continues_the_critic_and_the_controller(task, sampled):
-    """A fresh process loading iteration 2's checkpoint (policy, ``ROOT/critic``, the KL
-    coefficient) samples iteration 3's rollout bit for bit and its update gives the same policy
-    and critic losses."""
-    argv = task["argv"] + ["--load", str(task["dir"] / "two")]
-    again = run_distributed(grpo_runs, 1, [(argv, [None])], timeout_s=600)[0][0]
+def test_a_resumed_run_continues_the_critic_and_the_controller(sampled, replays):
+    """A trainer built afresh in another process, loading iteration 2's checkpoint (policy,
+    ``ROOT/critic``, the KL coefficient), samples iteration 3's rollout bit for bit and its update
+    gives the same policy and critic losses."""
+    again = replays[0]["reload"]
     a, b = sampled["rollouts"][2], again["rollouts"][0]
     for k in ("tokens", "mask", "log_probs", "scores"):
         assert torch.equal(a[k], b[k]), k
