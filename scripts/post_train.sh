@@ -3,6 +3,7 @@
 #   MODE: sft (supervised fine-tuning on python -m data.sft records; the same as --sft)
 #         rm  (a reward model on python -m data.preference pairs; --rm-use-margin, --rm-center-coef)
 #         dpo (preference optimisation on python -m data.preference pairs; --dpo-loss sigmoid|ipo|simpo|hinge)
+#         grpo (reinforcement learning on python -m data.prompts prompts with a --reward; bash scripts/rl_demo.sh)
 #
 # Runs scripts/pretrain_gpt.sh with --post-train MODE: the same launcher flags (--tp --cp --pp --dp
 # --nnodes ...), the same train.py flags, logs, TensorBoard and checkpoints. A post-training stage
@@ -12,11 +13,11 @@
 # docs/post-training.md walks through SFT -> RM -> DPO (bash scripts/post_train_demo.sh). There is
 # no embedded default data here: --data-path is required (exit 2 without it).
 set -euo pipefail
-usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
-  sft|rm|dpo) mode="$1"; shift ;;
+  sft|rm|dpo|grpo) mode="$1"; shift ;;
   -h|--help) usage; exit 0 ;;
-  *) echo "post_train.sh: the first argument must be the mode, sft, rm or dpo (got '${1:-}'); fix: bash scripts/post_train.sh dpo --data-path PREFIX ..." >&2; exit 2 ;;
+  *) echo "post_train.sh: the first argument must be the mode, sft, rm, dpo or grpo (got '${1:-}'); fix: bash scripts/post_train.sh dpo --data-path PREFIX ..." >&2; exit 2 ;;
 esac
 for a in "$@"; do
   case "$a" in -h|--help) exec bash "$(dirname "${BASH_SOURCE[0]}")/pretrain_gpt.sh" --help ;; esac
@@ -24,8 +25,8 @@ done
 have_data=0
 for a in "$@"; do case "$a" in --data-path|--data-path=*) have_data=1 ;; esac; done
 if [ "$have_data" = 0 ]; then
-  what="python -m data.sft --input FILE.jsonl --tokenizer-model TOK --output-prefix PREFIX"
-  [ "$mode" != sft ] && what="python -m data.preference --input FILE.jsonl --tokenizer-model TOK --output-prefix PREFIX"
+  case "$mode" in sft) tool=data.sft ;; grpo) tool=data.prompts ;; *) tool=data.preference ;; esac
+  what="python -m $tool --input FILE.jsonl --tokenizer-model TOK --output-prefix PREFIX"
   echo "post_train.sh $mode: --data-path is missing; fix: make the data with '$what' and give --data-path PREFIX --tokenizer-model TOK" >&2
   exit 2
 fi

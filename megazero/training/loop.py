@@ -174,6 +174,14 @@ def train(
     return result
 
 
+def validate_rollouts(trainer: Trainer, monitor: Monitor, data: RunData, it: int) -> None:
+    """--post-train grpo's held-out rollouts at iteration ``it`` (``megazero.training.rl.evaluate``),
+    logged as one ``validation at iteration`` line and a ``"valid"`` record (collective)."""
+    from megazero.training import rl
+
+    monitor.log_rollout_validation(it, rl.evaluate(trainer, data.valid, it, rl.held_out_prompts(trainer.cfg)))
+
+
 def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunControl) -> dict:
     """Train until ``--train-iters`` or an agreed stop; evaluate, log and save on the way.
     Returns train()'s result (with ``stop`` and ``status`` after an early stop)."""
@@ -183,6 +191,8 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
     timer, last_logged = Timer(device), state.iteration
     first_iteration, empty_steps = state.iteration + 1, 0
     profiler = make_profiler(cfg, groups.rank)
+    if cfg.post.mode == "grpo" and state.iteration == 0 and data.valid is not None and s.eval_iters > 0:
+        validate_rollouts(trainer, monitor, data, 0)  # the curve's start: the policy before any update
     while state.iteration < s.train_iters:
         inject_fault(control, trainer)
         profiler.before_step(state.iteration + 1)
@@ -205,9 +215,7 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
             return finish_stop(trainer, control, "non-finite", None, message=line)
         due = data.valid is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters)
         if due and cfg.post.mode == "grpo":  # held-out rollouts: sampled and greedy rewards
-            from megazero.training import rl
-
-            monitor.log_rollout_validation(it, rl.evaluate(trainer, data.valid, it, rl.held_out_prompts(cfg)))
+            validate_rollouts(trainer, monitor, data, it)
         elif due:
             last_valid, counts = evaluate(trainer, data.valid, cfg, state.eval_round)
             state.eval_round += 1
