@@ -3,7 +3,7 @@
 #   MODE: sft (supervised fine-tuning on python -m data.sft records; the same as --sft)
 #         rm  (a reward model on python -m data.preference pairs; --rm-use-margin, --rm-center-coef)
 #         dpo (preference optimisation on python -m data.preference pairs; --dpo-loss sigmoid|ipo|simpo|hinge)
-#         grpo (reinforcement learning on python -m data.prompts prompts; --reward exact|python:MODULE:FN)
+#         grpo (reinforcement learning on python -m data.prompts prompts with a --reward; bash scripts/rl_demo.sh)
 #         ppo  (the same with a critic: --critic-load RM_DIR, --gamma, --lam, --init-kl-coef, --kl-target)
 #
 # Runs scripts/pretrain_gpt.sh with --post-train MODE: the same launcher flags (--tp --cp --pp --dp
@@ -26,9 +26,8 @@ done
 have_data=0
 for a in "$@"; do case "$a" in --data-path|--data-path=*) have_data=1 ;; esac; done
 if [ "$have_data" = 0 ]; then
-  what="python -m data.sft --input FILE.jsonl --tokenizer-model TOK --output-prefix PREFIX"
-  [ "$mode" = rm ] || [ "$mode" = dpo ] && what="python -m data.preference --input FILE.jsonl --tokenizer-model TOK --output-prefix PREFIX"
-  [ "$mode" = grpo ] || [ "$mode" = ppo ] && what="python -m data.prompts --input FILE.jsonl --tokenizer-model TOK --output-prefix PREFIX"
+  case "$mode" in sft) tool=data.sft ;; grpo|ppo) tool=data.prompts ;; *) tool=data.preference ;; esac
+  what="python -m $tool --input FILE.jsonl --tokenizer-model TOK --output-prefix PREFIX"
   echo "post_train.sh $mode: --data-path is missing; fix: make the data with '$what' and give --data-path PREFIX --tokenizer-model TOK" >&2
   exit 2
 fi

@@ -174,6 +174,17 @@ def train(
     return result
 
 
+def validate_rollouts(trainer: Trainer, monitor: Monitor, data: RunData, it: int) -> dict:
+    """--post-train grpo / ppo's held-out rollouts at iteration ``it`` (``megazero.training.rl.evaluate``),
+    logged as one ``validation at iteration`` line and a ``"valid"`` record (collective); returns
+    their values."""
+    from megazero.training import rl
+
+    values = rl.evaluate(trainer, data.valid, it, rl.held_out_prompts(trainer.cfg))
+    monitor.log_rollout_validation(it, values)
+    return values
+
+
 def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunControl) -> dict:
     """Train until ``--train-iters`` or an agreed stop; evaluate, log and save on the way.
     Returns train()'s result (with ``stop`` and ``status`` after an early stop)."""
@@ -183,6 +194,8 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
     timer, last_logged = Timer(device), state.iteration
     first_iteration, empty_steps = state.iteration + 1, 0
     profiler = make_profiler(cfg, groups.rank)
+    if cfg.post.mode in ("grpo", "ppo") and state.iteration == 0 and data.valid is not None and s.eval_iters > 0:
+        last_rollouts = validate_rollouts(trainer, monitor, data, 0)  # the curve's start: the policy before any update
     while state.iteration < s.train_iters:
         inject_fault(control, trainer)
         profiler.before_step(state.iteration + 1)
@@ -205,10 +218,7 @@ def run_loop(trainer: Trainer, monitor: Monitor, data: RunData, control: RunCont
             return finish_stop(trainer, control, "non-finite", None, message=line)
         due = data.valid is not None and s.eval_iters > 0 and (it % s.eval_interval == 0 or it == s.train_iters)
         if due and cfg.post.mode in ("grpo", "ppo"):  # held-out rollouts: sampled and greedy rewards
-            from megazero.training import rl
-
-            last_rollouts = rl.evaluate(trainer, data.valid, it, rl.held_out_prompts(cfg))
-            monitor.log_rollout_validation(it, last_rollouts)
+            last_rollouts = validate_rollouts(trainer, monitor, data, it)
         elif due:
             last_valid, counts = evaluate(trainer, data.valid, cfg, state.eval_round)
             state.eval_round += 1
