@@ -138,6 +138,7 @@ class Trainer:
         self.monitor = monitor
         gcfg = self.gpt_config  # not self: a cycle through the trainer would keep it (and its swap files) alive
         self.post = PostTraining(cfg, groups, lambda source: build_reference(cfg, groups, gcfg, device, source))
+        self.reward_model = None  # --reward rm:DIR: the scorer, loaded by the first rollout (training.rl)
         self.checkpoints = CheckpointManager(
             self.replicas,
             keep=cfg.train.keep_latest_checkpoints,
