@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # RLHF end to end on the embedded corpus, as DeepSpeed-Chat's e2e script: SFT -> reward model -> RL
 # (GRPO scored by that reward model), one layout for every stage (docs/post-training.md):
-#   bash scripts/rlhf_e2e.sh [--run-root DIR] [--pretrain-iters 100] [--sft-iters 40] [--rm-iters 40]
-#                            [--grpo-iters 12] [launcher flags, e.g. --tp 2 --pp 2; default one process]
+#   bash scripts/rlhf_e2e.sh [--run-root DIR] [--pretrain-iters 500] [--sft-iters 200] [--rm-iters 300]
+#                            [--grpo-iters 100] [launcher flags, e.g. --tp 2 --pp 2; default one process]
 #
 #   0. data:     python -m data.prepare (the embedded corpus and tokenizer, as pretrain_gpt.sh does);
 #                python -m data.post_train_demo --prompts 256: SFT records (6 lines of stdlib code ->
@@ -19,7 +19,7 @@
 # whose checkpoint exists under ROOT (default <repo>/runs/rlhf_e2e) is skipped. About 10 minutes
 # on 2 quiet CPU cores. Every stage's logs are in ROOT/<stage>/run.
 set -euo pipefail
-ROOT=""; PRETRAIN=100; SFT=40; RM=40; GRPO=12
+ROOT=""; PRETRAIN=500; SFT=200; RM=300; GRPO=100
 LAUNCH=()
 count() { [[ "${2:-}" =~ ^[1-9][0-9]{0,6}$ ]] || { echo "rlhf_e2e.sh: $1 needs a whole number >= 1, got '${2:-}'; fix: e.g. $1 20" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do

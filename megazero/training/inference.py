@@ -207,8 +207,9 @@ def check_reward_model(load: str, tp: int, vocab_size: int, tokenizer_sha256: Op
 
 
 def reward_model_config(load: str) -> GPTConfig:
-    """The GPTConfig of the reward model under ``load`` (dropout off). Raises CheckpointError
-    naming ``--reward rm:DIR`` for a missing checkpoint or one without a value head."""
+    """The GPTConfig of the reward model under ``load`` as ``load_reward_model`` builds it
+    (dropout and sequence parallelism off). Raises CheckpointError naming ``--reward rm:DIR``
+    for a missing checkpoint or one without a value head."""
     from types import SimpleNamespace
 
     source = SimpleNamespace(load=load, from_hf=None, tokenizer_model=None, tokenizer_type=None)
@@ -218,7 +219,7 @@ def reward_model_config(load: str) -> GPTConfig:
             "--post-train rm run"
         )
     try:
-        gcfg, _, _ = model_settings(source)
+        gcfg, _, _ = model_settings(source, sequence_parallel=False)
     except CheckpointError as e:
         raise CheckpointError(f"--reward rm:{load}: {e}") from None
     if not gcfg.value_head:
