@@ -16,8 +16,8 @@
 #                (4 prompts x 4 responses of at most 16 tokens per iteration, no KL term)
 # Then one line per stage from its metrics.jsonl: SFT's final loss, the RM's held-out accuracy,
 # GRPO's reward (the RM's mean score of a rollout) at the first and the last iteration. A stage
-# whose checkpoint exists under ROOT (default <repo>/runs/rlhf_e2e) is skipped. About 10 minutes
-# on 2 quiet CPU cores. Every stage's logs are in ROOT/<stage>/run.
+# whose checkpoint exists under ROOT (default <repo>/runs/rlhf_e2e) is skipped. About 7 minutes
+# on 2 quiet CPU cores (26 beside another run). Every stage's logs are in ROOT/<stage>/run.
 set -euo pipefail
 ROOT=""; PRETRAIN=500; SFT=200; RM=300; GRPO=100
 LAUNCH=()
