@@ -196,6 +196,20 @@ class _Methods:
             return None
         return self.topology.rank(**self.coord.replace(pp=self.pp_rank - 1))
 
+    def tensor_parallel_only(self) -> "ProcessGroups":
+        """The same rank as one tp rank of a whole model: every tp group runs its own copy
+        (a model beside the trained one, e.g. ``--reward rm:DIR``'s reward model). The same
+        ``tp`` group (tp is innermost, so its members are those of ``Topology(tp, dp=world /
+        tp)``'s tp group), ``mp`` = ``tp`` and ``world``; pipeline, context and expert parallel
+        size 1, so the copy neither sends between stages nor splits the sequence; every other
+        group None (the copies never communicate with each other). ``self`` at tp = world."""
+        if self.tp_size == self.world_size:
+            return self
+        keep = ("topology", "rank", "tp", "world")
+        others = {f.name: None for f in dataclasses.fields(self) if f.name not in keep}
+        topology = Topology(tp=self.tp_size, dp=self.world_size // self.tp_size)
+        return dataclasses.replace(self, topology=topology, **{**others, "mp": self.tp})
+
     def describe(self) -> str:
         """One line for the start-up log, e.g. ``rank 5: tp 1/2 dp 0/2 pp 1/2``."""
         c = self.coord

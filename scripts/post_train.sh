@@ -3,7 +3,8 @@
 #   MODE: sft (supervised fine-tuning on python -m data.sft records; the same as --sft)
 #         rm  (a reward model on python -m data.preference pairs; --rm-use-margin, --rm-center-coef)
 #         dpo (preference optimisation on python -m data.preference pairs; --dpo-loss sigmoid|ipo|simpo|hinge)
-#         grpo (reinforcement learning on python -m data.prompts prompts with a --reward; bash scripts/rl_demo.sh)
+#         grpo (reinforcement learning on python -m data.prompts prompts; --reward exact|python:MODULE:FN|rm:DIR;
+#               bash scripts/rl_demo.sh)
 #         ppo  (the same with a critic: --critic-load RM_DIR, --gamma, --lam, --init-kl-coef, --kl-target)
 #
 # Runs scripts/pretrain_gpt.sh with --post-train MODE: the same launcher flags (--tp --cp --pp --dp
@@ -11,10 +12,11 @@
 # usually starts from the previous stage's checkpoint with --load DIR --finetune (weights only:
 # iteration 0, a fresh optimizer), or from a Hugging Face folder with --from-hf DIR. For dpo the
 # frozen reference model is that starting point unless --ref-load DIR names another checkpoint.
-# docs/post-training.md walks through SFT -> RM -> DPO (bash scripts/post_train_demo.sh). There is
-# no embedded default data here: --data-path is required (exit 2 without it).
+# docs/post-training.md walks through SFT -> RM -> DPO (bash scripts/post_train_demo.sh) and SFT ->
+# RM -> GRPO (bash scripts/rlhf_e2e.sh). There is no embedded default data here: --data-path is
+# required (exit 2 without it).
 set -euo pipefail
-usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   sft|rm|dpo|grpo|ppo) mode="$1"; shift ;;
   -h|--help) usage; exit 0 ;;

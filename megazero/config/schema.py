@@ -979,8 +979,10 @@ class PostTrainConfig:
     reward: str = _f(
         "exact",
         "the reward of a response: exact (1 when it equals the prompt's answer after stripping "
-        "white space, else 0) or python:MODULE:FUNCTION (FUNCTION(prompt, response, answer) -> "
-        "a number; megazero.post_training.rewards)",
+        "white space, else 0), python:MODULE:FUNCTION (FUNCTION(prompt, response, answer) -> "
+        "a number) or rm:DIR (the score of prompt + response by the reward model of the latest "
+        "--post-train rm checkpoint under DIR, with this run's tokenizer; every rank holds a "
+        "whole copy at the run's tp; megazero.post_training.rewards)",
         applies=_RL,
     )
     grpo_prompts_per_step: int = _f(

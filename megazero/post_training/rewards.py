@@ -8,7 +8,11 @@ up to its EOD, the record's reference answer from ``data.prompts``) and returns 
   stripped likewise, else 0.0 (a verifiable task's binary reward, as GRPO's math and code
   tasks use: DeepSeek-R1, Guo et al. 2025, sec. 2.2.2 "accuracy rewards");
 - ``python:MODULE:FN``: ``FN`` of the importable ``MODULE``, called with the same three
-  arguments (a user's own verifier: a unit-test runner, a format check).
+  arguments (a user's own verifier: a unit-test runner, a format check);
+- ``rm:DIR``: a reward model, the latest ``--post-train rm`` checkpoint under ``DIR``, scoring
+  the prompt's and the response's tokens (``reward_model_inputs``: the tokens as the reward
+  model was trained to score them; ``reward_model_scores``), learned from human preferences as
+  in InstructGPT's RL stage (Ouyang et al. 2022, sec. 3.5).
 
 ``token_rewards`` puts each sequence's score on its last response token: the EOD when the row
 generated one, else the last token generated (a row cut by ``--max-new-tokens``), never a pad
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -38,8 +42,22 @@ def exact_match(prompt: str, response: str, answer: str) -> float:
     return 1.0 if response.strip() == answer.strip() else 0.0
 
 
+def reward_model_dir(spec: str) -> Optional[str]:
+    """``DIR`` of a ``--reward rm:DIR``, None for another kind. Raises RewardError for ``rm:``
+    without a directory."""
+    kind, _, rest = spec.partition(":")
+    if kind != "rm":
+        return None
+    if not rest:
+        raise RewardError(
+            f"--reward {spec}: no directory; fix: --reward rm:DIR, DIR the --save of a --post-train rm run"
+        )
+    return rest
+
+
 def parse_reward(spec: str) -> RewardFunction:
-    """The reward function ``spec`` names (module docstring). Raises RewardError (a ValueError), one line naming
+    """The reward function ``spec`` names (module docstring; not ``rm:DIR``, a model that
+    ``megazero.training.rl`` runs). Raises RewardError (a ValueError), one line naming
     ``--reward`` and the fix: an unknown kind, a module that does not import, a missing or
     non-callable function."""
     if spec == "exact":
@@ -47,7 +65,9 @@ def parse_reward(spec: str) -> RewardFunction:
     kind, _, rest = spec.partition(":")
     module, _, name = rest.rpartition(":")
     if kind != "python" or not module or not name:
-        raise RewardError(f"--reward {spec}: not a reward; fix: --reward exact or --reward python:MODULE:FUNCTION")
+        raise RewardError(
+            f"--reward {spec}: not a reward; fix: --reward exact, --reward python:MODULE:FUNCTION or --reward rm:DIR"
+        )
     try:
         fn = getattr(importlib.import_module(module), name)
     except ImportError as e:
@@ -80,6 +100,31 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
         rows = torch.nonzero(~on.any(dim=1)).flatten().tolist()
         raise ValueError(f"rows {rows} have no response token to put their reward on")
     return last_token_mask(response_mask) * scores.to(torch.float32).unsqueeze(1)
+
+
+def reward_model_inputs(
+    prompts: list[list[int]], group_size: int, tokens: torch.Tensor, mask: torch.Tensor, eod: Optional[int]
+) -> tuple[list[list[int]], list[int]]:
+    """(sequences, response lengths) for ``reward_model_scores`` of N = P G rollout rows:
+    ``prompts`` P lists of ids, row n answering prompt ``n // group_size``; ``tokens`` / ``mask``
+    ``[N, max_new_tokens]`` the responses (``megazero.post_training.rollout.Rollout``).
+
+    A reward model scores the hidden state of the token whose next token is the response's
+    closing EOD: ``data.preference`` writes a pair's sequence as prompt + response + EOD and
+    ``--post-train rm`` reads the score at the last position whose label is a response token,
+    the EOD's (``last_token_mask``). So row n's sequence is its prompt and its response up to,
+    not including, the EOD (all of it when ``--max-new-tokens`` cut it first, or ``eod`` is None);
+    an empty response (an EOD alone) leaves the prompt, scored at its last token as training
+    scores such a pair. The response length counts the tokens kept (1 for an empty response:
+    the scored position is the sequence's last token either way)."""
+    sequences, lengths = [], []
+    for n in range(tokens.shape[0]):
+        ids = tokens[n][mask[n]].tolist()
+        if ids and eod is not None and ids[-1] == eod:
+            ids = ids[:-1]
+        sequences.append(list(prompts[n // group_size]) + ids)
+        lengths.append(max(len(ids), 1))
+    return sequences, lengths
 
 
 @torch.no_grad()

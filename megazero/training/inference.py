@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,12 @@ from model.hf_folder import folder_config, open_folder
 INPUT_ERRORS = (CheckpointError, HFConversionError, DataError, MissingExtra, ValueError, OSError)
 
 
-def model_settings(source) -> tuple[GPTConfig, str | None, str]:
-    """(the model's GPTConfig with dropout off, tokenizer path or None, tokenizer type), read
-    without loading a weight: --from-hf's config.json, or the meta.pt of the latest checkpoint
-    under --load (``peek`` also checks its files' sizes). Raises HFConversionError or
-    CheckpointError naming the file."""
-    off = dict(hidden_dropout=0.0, attention_dropout=0.0)
+def model_settings(source, **settings) -> tuple[GPTConfig, str | None, str]:
+    """(the model's GPTConfig with dropout off and ``settings`` (GPTConfig fields) applied,
+    tokenizer path or None, tokenizer type), read without loading a weight: --from-hf's
+    config.json, or the meta.pt of the latest checkpoint under --load (``peek`` also checks
+    its files' sizes). Raises HFConversionError or CheckpointError naming the file."""
+    off = dict(hidden_dropout=0.0, attention_dropout=0.0, **settings)
     if source.from_hf:
         gcfg = folder_config(source.from_hf, **off)
         return gcfg, source.tokenizer_model or source.from_hf, source.tokenizer_type or "HuggingFaceTokenizer"
@@ -103,13 +104,16 @@ def check_model(source, tp: int, need_tokenizer: bool = True):
     return tok
 
 
-def load_model(source, groups: ProcessGroups, device, need_tokenizer: bool = True) -> tuple[GPTStage, object]:
+def load_model(
+    source, groups: ProcessGroups, device, need_tokenizer: bool = True, **settings
+) -> tuple[GPTStage, object]:
     """(whole-model stage with this rank's TP partitions of ``groups``, tokenizer or None) on
-    ``device``. Without ``need_tokenizer`` a source without a tokenizer gives None for it.
-    Raises one of ``INPUT_ERRORS``."""
+    ``device``. Without ``need_tokenizer`` a source without a tokenizer gives None for it;
+    ``settings``: GPTConfig fields to override (``model_settings``). Raises one of
+    ``INPUT_ERRORS``."""
     from data.tokenizer import load_tokenizer
 
-    gcfg, tok_path, tok_type = model_settings(source)
+    gcfg, tok_path, tok_type = model_settings(source, **settings)
     if not need_tokenizer and not has_tokenizer(tok_path):
         tok_path = None
     tok = load_tokenizer(tok_path, tok_type) if tok_path else None
@@ -170,16 +174,52 @@ def join_tp_ranks(device_type: str, world: int, timeout_s: float) -> tuple[torch
     return device, ProcessGroups.build(Topology(tp=world, pp=1, dp=1))
 
 
-def load_reward_model(load: str, groups: ProcessGroups, device) -> GPTStage:
-    """A ``--post-train rm`` checkpoint under ``load`` as a whole-model stage in eval mode (this
-    rank's tp partitions, the value head included), for ``--reward rm:DIR`` scores
-    (``megazero.post_training.rewards.reward_model_scores``). Raises CheckpointError naming
-    ``--reward rm:DIR`` for a missing checkpoint or one without a value head (a language model)."""
+def check_reward_model(load: str, tp: int, vocab_size: int, tokenizer_sha256: Optional[str], seq_length: int) -> None:
+    """``--reward rm:DIR`` before any rank starts: the latest checkpoint under ``load`` is a
+    reward model (``--post-train rm``: a value head) that runs under ``tp`` ranks, with the
+    run's vocabulary (``vocab_size`` tokens, and the tokenizer whose sha256 is
+    ``tokenizer_sha256`` where both sides record one) and room for ``seq_length`` positions.
+    Loads no weight. Raises CheckpointError, one line naming ``--reward rm:DIR`` and the fix."""
+    where = f"--reward rm:{load}"
+    gcfg = reward_model_config(load)
+    try:
+        gcfg.validate(tp)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: the reward model does not run under --tp {tp}: {e}") from None
+    if gcfg.vocab_size != vocab_size:
+        raise CheckpointError(
+            f"{where}: the reward model has a vocabulary of {gcfg.vocab_size} tokens, this run's tokenizer "
+            f"{vocab_size}; fix: a reward model trained with this run's --tokenizer-model"
+        )
+    meta = peek(load)
+    recorded = ((meta or {}).get("extra", {}).get("tokenizer") or {}).get("sha256")
+    if recorded and tokenizer_sha256 and recorded != tokenizer_sha256:
+        raise CheckpointError(
+            f"{where}: the reward model was trained with another tokenizer (sha256 {recorded[:12]}) than this "
+            f"run's (sha256 {tokenizer_sha256[:12]}); fix: a reward model trained with this run's --tokenizer-model"
+        )
+    room = gcfg.max_position_embeddings or gcfg.seq_length
+    if gcfg.position_embedding_type == "learned_absolute" and room < seq_length:
+        raise CheckpointError(
+            f"{where}: the reward model has {room} positions, fewer than --seq-length {seq_length}; "
+            f"fix: --seq-length {room}, or a reward model trained with --seq-length {seq_length}"
+        )
+
+
+def reward_model_config(load: str) -> GPTConfig:
+    """The GPTConfig of the reward model under ``load`` as ``load_reward_model`` builds it
+    (dropout and sequence parallelism off). Raises CheckpointError naming ``--reward rm:DIR``
+    for a missing checkpoint or one without a value head."""
     from types import SimpleNamespace
 
     source = SimpleNamespace(load=load, from_hf=None, tokenizer_model=None, tokenizer_type=None)
+    if peek(load) is None:
+        raise CheckpointError(
+            f"--reward rm:{load}: no checkpoint there (no 'latest' file); fix: the --save directory of a "
+            "--post-train rm run"
+        )
     try:
-        gcfg, _, _ = model_settings(source)
+        gcfg, _, _ = model_settings(source, sequence_parallel=False)
     except CheckpointError as e:
         raise CheckpointError(f"--reward rm:{load}: {e}") from None
     if not gcfg.value_head:
@@ -187,5 +227,20 @@ def load_reward_model(load: str, groups: ProcessGroups, device) -> GPTStage:
             f"--reward rm:{load}: the checkpoint is a language model, not a reward model (no value head); "
             "fix: the --save directory of a --post-train rm run"
         )
-    stage, _ = load_model(source, groups, device, need_tokenizer=False)
+    return gcfg
+
+
+def load_reward_model(load: str, groups: ProcessGroups, device) -> GPTStage:
+    """A ``--post-train rm`` checkpoint under ``load`` as a whole-model stage in eval mode (this
+    rank's tp partitions of ``groups``, the value head included; sequence parallelism off, so
+    any sequence length runs), for ``--reward rm:DIR`` scores
+    (``megazero.post_training.rewards.reward_model_scores``). ``groups``: a layout with pipeline
+    and context parallel size 1 (``ProcessGroups.tensor_parallel_only``). Raises CheckpointError
+    naming ``--reward rm:DIR`` for a missing checkpoint or one without a value head (a language
+    model)."""
+    from types import SimpleNamespace
+
+    reward_model_config(load)
+    source = SimpleNamespace(load=load, from_hf=None, tokenizer_model=None, tokenizer_type=None)
+    stage, _ = load_model(source, groups, device, need_tokenizer=False, sequence_parallel=False)
     return stage.eval()

@@ -9,7 +9,8 @@
 2. ``score``: global rank 0 decodes each response (its tokens up to the EOD) and calls the
    ``--reward`` function with the prompt's text and answer; the scores reach every rank in one
    all-reduce (a user's function runs once per response, so one that is not deterministic
-   cannot make the ranks disagree).
+   cannot make the ranks disagree). A reward model (``--reward rm:DIR``) instead runs on every
+   rank: each tp group scores every row with its own whole copy (``reward_model_rows``).
 3. ``update``: group advantages, then ``--grpo-iterations`` passes over the rollout, each one
    optimizer step per ``--global-batch-size`` sequences (a mini-batch), each step's per-token
    weights computed over its whole mini-batch (``grpo.token_weights``) before the rows are cut
@@ -31,7 +32,13 @@ from megazero.context_parallel.zigzag import merge_from_ranks, split_for_rank
 from megazero.pipeline.executor import make_forward_step
 from megazero.post_training.grpo import group_advantages, token_weights, zero_variance_groups
 from megazero.post_training.ppo import gae, masked_moments, shaped_rewards, whiten
-from megazero.post_training.rewards import parse_reward, score
+from megazero.post_training.rewards import (
+    parse_reward,
+    reward_model_dir,
+    reward_model_inputs,
+    reward_model_scores,
+    score,
+)
 from megazero.post_training.rl_step import ADVANTAGE, COLUMNS, OLD, REF, RETURN, VALUE, WEIGHT
 from megazero.post_training.rollout import RolloutSettings, rollout
 from megazero.runtime import resilience
@@ -116,9 +123,12 @@ def sample(
 
 
 def score_rows(trainer, prompts, answers, group_size: int, tokens, mask) -> torch.Tensor:
-    """``[N]`` float64 rewards of the rows (``--reward``, computed on global rank 0, summed to
-    every rank)."""
+    """``[N]`` float64 rewards of the rows (``--reward``): a function's computed on global rank
+    0 and summed to every rank; a reward model's (``rm:DIR``) computed by every tp group alike
+    (``reward_model_rows``)."""
     cfg, tok = trainer.cfg, trainer.data.tokenizer
+    if reward_model_dir(cfg.post.reward) is not None:
+        return reward_model_rows(trainer, prompts, group_size, tokens, mask)
     N = tokens.shape[0]
     out = torch.zeros(N, dtype=torch.float64, device=trainer.device)
     if trainer.groups.rank == 0:
@@ -132,6 +142,27 @@ def score_rows(trainer, prompts, answers, group_size: int, tokens, mask) -> torc
             out[n] = score(fn, cfg.post.reward, texts[j], tok.decode(ids), answers[j])
     collectives.all_reduce_sum(out, trainer.groups.world)
     return out
+
+
+def reward_model_rows(trainer, prompts, group_size: int, tokens, mask) -> torch.Tensor:
+    """``[N]`` float64: ``--reward rm:DIR``'s score of each row's prompt and response
+    (``reward_model_inputs``), ``--micro-batch-size`` rows per forward pass. Every rank holds a
+    whole copy of the reward model at the run's tp (``ProcessGroups.tensor_parallel_only``,
+    loaded at the first call and kept on ``trainer.reward_model``) and every tp group scores
+    every row, so every rank has the same scores without communicating outside its tp group."""
+    if trainer.reward_model is None:
+        from megazero.training.inference import load_reward_model
+
+        where = reward_model_dir(trainer.cfg.post.reward)
+        trainer.reward_model = load_reward_model(where, trainer.groups.tensor_parallel_only(), trainer.device)
+    pad = trainer.eod if trainer.eod is not None else 0
+    sequences, lengths = reward_model_inputs(prompts, group_size, tokens.cpu(), mask.cpu(), trainer.eod)
+    mbs = trainer.cfg.train.micro_batch_size
+    parts = [
+        reward_model_scores(trainer.reward_model, sequences[a : a + mbs], lengths[a : a + mbs], pad)
+        for a in range(0, len(sequences), mbs)
+    ]
+    return torch.cat(parts).to(device=trainer.device, dtype=torch.float64)
 
 
 def policy_rows(stored: StoredRollout, seq_length: int, pad: int):

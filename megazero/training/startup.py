@@ -19,7 +19,7 @@ from megazero.context_parallel.sdpa_kernels import CudaPlatform
 from megazero.offload.swap_dirs import NvmePathError, check_nvme_path, sweep_stale
 from megazero.planning import memory
 from megazero.planning.plan import attention_math_warning, nvme_swap_bytes, plan_memory, zero3_live_warning
-from megazero.post_training.rewards import RewardError, parse_reward
+from megazero.post_training.rewards import RewardError, parse_reward, reward_model_dir
 from megazero.process_groups import ProcessGroups
 from megazero.runtime import flight_recorder
 from megazero.runtime.extras import MissingExtra
@@ -32,6 +32,7 @@ from megazero.runtime.launch import (
     uses_cuda,
 )
 from megazero.training.evaluation import check_harness
+from megazero.training.inference import check_reward_model
 from megazero.training.inputs import build_data, data_signature, tokenizer_digest, tokenizer_record
 from model.build import build_gpt_config, check_from_hf, model_signature
 from model.evaluation import HarnessError
@@ -128,8 +129,8 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     resume = checkpoint.peek(cfg.train.load, verify=verify) if cfg.train.load else None
     data = build_data(cfg, None if cfg.train.finetune else resume)  # --finetune: the data from its start
     check_resume(cfg, resume, data.vocab_size)
-    if cfg.post.mode in ("grpo", "ppo"):  # the reward function imports, every prompt leaves room for a response
-        parse_reward(cfg.post.reward)
+    if cfg.post.mode in ("grpo", "ppo"):  # the reward imports (or loads), every prompt leaves room for a response
+        check_reward(cfg, data.vocab_size)
         check_prompt_room(cfg, data.train.prompts)
     if cfg.post.mode in ("dpo", "grpo", "ppo") and cfg.post.ref_load:  # the reference, before any process starts
         reference = checkpoint.peek(cfg.post.ref_load, verify=verify)
@@ -144,6 +145,19 @@ def prepare_run(cfg: Config, verify: bool = False) -> RunData:
     if cfg.train.eval_harness_tasks:
         check_harness(cfg)
     return data
+
+
+def check_reward(cfg: Config, vocab_size: int) -> None:
+    """--post-train grpo's ``--reward``: a function that imports (``parse_reward``), or with
+    ``rm:DIR`` a reward model that runs under ``--tp`` with this run's ``vocab_size``-token
+    tokenizer and ``--seq-length`` (``check_reward_model``). Raises RewardError or
+    CheckpointError."""
+    where = reward_model_dir(cfg.post.reward)
+    if where is None:
+        parse_reward(cfg.post.reward)
+        return
+    sha = tokenizer_digest(cfg.data.tokenizer_model)
+    check_reward_model(where, cfg.parallel.tp, vocab_size, sha, cfg.model.seq_length)
 
 
 def check_prompt_room(cfg: Config, prompts) -> None:

@@ -145,6 +145,7 @@ class Trainer:
             self.critic = build_critic(cfg, groups, device, vocab_size, eod)
             if cfg.post.critic_load and not cfg.train.load:  # else load_checkpoint starts it
                 self.critic.load_checkpoint(cfg.post.critic_load, weights_only=True)
+        self.reward_model = None  # --reward rm:DIR: the scorer, loaded by the first rollout (training.rl)
         self.checkpoints = CheckpointManager(
             self.replicas,
             keep=cfg.train.keep_latest_checkpoints,

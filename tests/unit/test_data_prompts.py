@@ -136,3 +136,25 @@ def test_reward_functions_and_where_the_score_goes(tmp_path, monkeypatch):
     assert torch.equal(got, torch.tensor([[0, 0, 0, 2.0, 0, 0], [0, 0, 0, 0, 0, -1.0]]))
     with pytest.raises(ValueError, match="rows \\[1\\]"):
         token_rewards(torch.tensor([1.0, 1.0]), torch.tensor([[1, 0], [0, 0.0]]))
+
+
+def test_reward_model_inputs_are_the_tokens_the_reward_model_scores():
+    """--reward rm:DIR: the directory is read off the spec (``rm:`` alone is a one-line error);
+    each row's sequence is its prompt and its response without the closing EOD (the reward
+    model scores the token whose label is the EOD), a row cut by the length limit whole, an
+    EOD-only response the prompt alone (length 1: its last token is scored)."""
+    from megazero.post_training.rewards import RewardError, reward_model_dir, reward_model_inputs
+
+    assert reward_model_dir("rm:/runs/rm") == "/runs/rm" and reward_model_dir("exact") is None
+    assert reward_model_dir("python:m:f") is None
+    with pytest.raises(RewardError, match="fix: --reward rm:DIR") as e:
+        reward_model_dir("rm:")
+    assert "\n" not in str(e.value)
+    eod = 0
+    tokens = torch.tensor([[5, 6, eod, 9], [7, 8, 9, 4], [eod, 3, 3, 3], [5, eod, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    seqs, lengths = reward_model_inputs([[1, 2], [3]], 2, tokens, mask, eod)
+    assert seqs == [[1, 2, 5, 6], [1, 2, 7, 8, 9, 4], [3], [3, 5]]
+    assert lengths == [2, 4, 1, 1]
+    seqs, lengths = reward_model_inputs([[1, 2], [3]], 2, tokens, mask, None)  # no EOD: every token kept
+    assert seqs[0] == [1, 2, 5, 6, eod] and lengths[2] == 1 and seqs[2] == [3, eod]

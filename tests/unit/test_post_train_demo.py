@@ -52,3 +52,58 @@ def test_windows_are_real_lines_and_the_rejected_is_their_reversal(demo, capsys)
 def test_a_missing_corpus_is_one_line(tmp_path):
     with pytest.raises(DataError, match=r"corpus/train.jsonl not found; fix: python -m data.prepare --data-dir"):
         main(["--data-dir", str(tmp_path)])
+
+
+def test_prompts_are_the_first_sft_windows_that_fit_and_data_prompts_reads_them(demo, capsys):
+    """--prompts N: the first N SFT records (in order) whose prompt is at most --max-prompt-tokens
+    sentencepiece tokens, the response as the answer; PROMPTS_JSONL names the file and
+    python -m data.prompts --max-prompt-length preprocesses it with the same prompts and answers."""
+    import sentencepiece
+
+    from data.prompts import PromptSet
+    from data.prompts import main as prompts_main
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(demo / "tokenizer.model"))
+    assert main(["--data-dir", str(demo), "--sft-records", "30", "--pairs", "5"]) == 0
+    sft = [json.loads(x) for x in open(demo / "post_train" / "sft.jsonl")]
+    lengths = [len(sp.encode(r["prompt"])) for r in sft]
+    limit = sorted(lengths)[len(lengths) // 2]  # about half the windows fit
+    kept = [i for i, n in enumerate(lengths) if n <= limit][:6]
+    assert len(kept) == 6 and kept[-1] > 5  # some earlier window is too long and left out
+    want = [{"prompt": sft[i]["prompt"], "answer": sft[i]["response"]} for i in kept]
+    capsys.readouterr()
+    argv = ["--data-dir", str(demo), "--sft-records", "30", "--pairs", "5", "--prompts", "6"]
+    assert main(argv + ["--max-prompt-tokens", str(limit)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    path = str(demo / "post_train" / "prompts.jsonl")
+    assert f"PROMPTS_JSONL={path}" in out and out[-1].startswith("SPLIT=")
+    got = [json.loads(x) for x in open(path)]
+    assert got == want
+    prefix = str(demo / "post_train" / "rl")
+    tok = str(demo / "tokenizer.model")
+    assert prompts_main(["--input", path, "--tokenizer-model", tok, "--output-prefix", prefix,
+                         "--max-prompt-length", str(limit)]) == 0  # fmt: skip
+    ps = PromptSet(prefix)
+    assert len(ps) == 6 and [ps.answer(i) for i in range(6)] == [r["answer"] for r in want]
+    assert [ps.tokens(i) for i in range(6)] == [sp.encode(r["prompt"]) for r in want]
+
+
+def test_too_few_prompts_that_fit_exit_2_with_one_line(demo):
+    """More --prompts than SFT windows fit under --max-prompt-tokens, or --prompts below 1 with
+    a bound below 1: exit code 2 and one line naming the setting and the fix; no prompts file."""
+    import subprocess
+    import sys
+
+    cases = {
+        ("--prompts", "25", "--max-prompt-tokens", "8"): "fix: fewer --prompts",
+        ("--prompts", "-1"): "--prompts -1",
+        ("--prompts", "3", "--max-prompt-tokens", "0"): "--max-prompt-tokens 0",
+    }
+    path = demo / "post_train" / "prompts.jsonl"
+    for extra, want in cases.items():
+        path.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "data.post_train_demo", "--data-dir", str(demo), "--sft-records", "30"]
+        r = subprocess.run([*argv, "--pairs", "5", *extra], capture_output=True, text=True)
+        err = r.stderr.strip()
+        assert r.returncode == 2 and want in err and "\n" not in err, (extra, err)
+        assert not path.exists()

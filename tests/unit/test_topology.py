@@ -370,3 +370,22 @@ def _fail_on_one(rank, world):
     if rank == 1:
         raise ValueError("boom")
     return rank
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, dp=2, cp=2), dict(tp=4, pp=2, dp=1), dict(tp=1, pp=2, dp=2)])
+def test_tensor_parallel_only_keeps_the_tp_group_and_drops_the_rest(layout):
+    """``tensor_parallel_only`` (a whole-model copy per tp group): every rank keeps its tp rank,
+    its tp group object and the same tp members, with pipeline, context, expert and data groups
+    gone (None) and sizes 1 for pp and cp; at tp = world it is the groups themselves."""
+    t = Topology(**layout)
+    for r in range(t.world_size):
+        fake = {row.name: f"{row.name}-group-of-{r}" for row in GROUP_TABLE}
+        g = ProcessGroups(topology=t, rank=r, world="world", **fake)
+        v = g.tensor_parallel_only()
+        assert (v.rank, v.tp_rank, v.tp_size) == (r, g.tp_rank, g.tp_size)
+        assert (v.pp_size, v.pp_rank, v.cp_size, v.ep_size) == (1, 0, 1, 1)
+        assert v.topology.group(r, "tp") == t.group(r, "tp")
+        assert v.tp == f"tp-group-of-{r}" and v.mp == v.tp and v.world == "world"
+        assert all(getattr(v, row.name) is None for row in GROUP_TABLE if row.name not in ("tp", "mp"))
+    whole = ProcessGroups(topology=Topology(tp=4), rank=1, tp="tp", world="world")
+    assert whole.tensor_parallel_only() is whole
