@@ -100,17 +100,18 @@ def parse_data_path(data_path: list[str]) -> list[tuple[float, str]]:
     return [(w / total, p) for w, p in pairs]
 
 
-def require_files(blend: list[tuple[float, str]]) -> None:
-    """Every prefix of a parsed ``--data-path`` has its ``PREFIX.bin`` and ``PREFIX.idx``.
+def require_files(blend: list[tuple[float, str]], flag: str = "--data-path") -> None:
+    """Every prefix of a parsed ``--data-path`` (or the blend of ``flag``) has its ``PREFIX.bin``
+    and ``PREFIX.idx``.
 
-    Raises DataError naming ``--data-path``, the missing file and the fix (a prefix given with
+    Raises DataError naming ``flag``, the missing file and the fix (a prefix given with
     its ``.bin``/``.idx`` suffix is named as such)."""
     for _, prefix in blend:
         for path in (prefix + ".bin", prefix + ".idx"):
             if not os.path.isfile(path):
                 hint = " (give the prefix, without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
                 raise DataError(
-                    f"--data-path {prefix}: {path} not found{hint}; fix: correct the path or "
+                    f"{flag} {prefix}: {path} not found{hint}; fix: correct the path or "
                     "create it with data/preprocess.py"
                 )
 

@@ -13,7 +13,8 @@ class RunData:
     ``tokenizer`` (None with mock data), ``train`` / ``valid`` / ``test`` (datasets of
     ``(tokens, labels)`` samples of ``seq_length`` int64 tokens each; ``valid``/``test`` None
     when the split gives them no documents), ``vocab_size`` (real tokens, before padding),
-    ``resume`` (the meta of the checkpoint the run resumes from, or None).
+    ``resume`` (the meta of the checkpoint the run resumes from, or None), ``ptx`` (``--post-train
+    ppo --ptx-coef``: the pretraining dataset of its language-model term, else None).
     """
 
     tokenizer: Any
@@ -22,3 +23,4 @@ class RunData:
     test: Any
     vocab_size: int
     resume: Optional[dict] = None
+    ptx: Any = None  # --post-train ppo --ptx-coef: the pretraining sequences of the ptx term

@@ -605,6 +605,11 @@ def _check_rl(cfg: Config, world_size: int) -> None:
                 "--sequence-parallel with --post-train ppo: the critic's per-token values under sequence "
                 "parallelism are not built; fix: drop --sequence-parallel"
             )
+        if post.ptx_coef > 0 and not post.ptx_data_path:
+            raise ConfigError(
+                f"--ptx-coef {post.ptx_coef} without --ptx-data-path: the pretraining loss needs its data; fix: "
+                "give --ptx-data-path PREFIX (python -m data.preprocess) or drop --ptx-coef"
+            )
         for flag, v in (("--gamma", post.gamma), ("--lam", post.lam)):
             if v > 1:
                 raise ConfigError(f"{flag} {v}: must be in [0, 1]; fix: {flag} 1")

@@ -1099,6 +1099,22 @@ class PostTrainConfig:
         gt=0,
         applies=(_PPO, Needs("post.kl_target", besides=(None,))),
     )
+    ptx_coef: float = _f(
+        0.0,
+        "weight of a pretraining language-model loss kept during PPO (InstructGPT's PPO-ptx, Ouyang "
+        "et al. 2022, eq. 2): after each policy step, a step on --global-batch-size sequences of "
+        "--ptx-data-path whose loss is this times their token-mean loss (DeepSpeed-Chat's "
+        "unsupervised step); 0 = off",
+        ge=0,
+        applies=_PPO,
+    )
+    ptx_data_path: list[str] = _f(
+        [],
+        "the ptx term's pretraining data: PREFIX of python -m data.preprocess's PREFIX.bin/.idx, or a "
+        "blend W1 PREFIX1 W2 PREFIX2 ..., tokenized with this run's tokenizer",
+        "path",
+        applies=(_PPO, Needs("post.ptx_coef", above=0)),
+    )
     clip_reward_value: Optional[float] = _f(
         None,
         "clip each response's score to +- this before it enters the rewards (DeepSpeed-Chat); None = off",

@@ -145,6 +145,7 @@ RL_KEYS = (
     "rl_kl",
     "rl_kl_coef",
     "rl_critic_loss",
+    "rl_ptx_loss",
 )
 MOE_TAGS.update({key: f"rl/{key.removeprefix('rl_')}" for key in RL_KEYS})
 #: per-MoE-layer routing statistics (``model.gpt.moe_step_end``'s ``moe_layers``), logged when given.

@@ -69,9 +69,9 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
                 "python -m data.prompts; fix: give one PREFIX (merge the inputs when preprocessing)"
             )
         check_same_tokenizer([blend[0][1]], tok.sha256, f"--tokenizer-model {cfg.data.tokenizer_model}")
-        return RunData(
-            tok, *prompt_splits(blend[0][1], cfg.data.split, t.seed), vocab_size=tok.vocab_size, resume=resume
-        )
+        ptx = ptx_dataset(cfg, tok) if cfg.post.mode == "ppo" and cfg.post.ptx_coef > 0 else None
+        splits = prompt_splits(blend[0][1], cfg.data.split, t.seed)
+        return RunData(tok, *splits, vocab_size=tok.vocab_size, resume=resume, ptx=ptx)
     if cfg.post.mode in ("dpo", "rm"):  # preference pairs (python -m data.preference): one prefix
         from data.preference import preference_splits
 
@@ -103,6 +103,38 @@ def build_data(cfg: Config, resume: Optional[dict] = None) -> RunData:
             "train part a positive share, e.g. --split 969,30,1"
         )
     return RunData(tok, *sets, vocab_size=tok.vocab_size, resume=resume)
+
+
+def ptx_dataset(cfg: Config, tok):
+    """--post-train ppo --ptx-coef: the pretraining dataset of ``--ptx-data-path`` (sequences of
+    ``--seq-length``, shuffled by ``--seed``), sized for every ptx step of the run: one per policy
+    optimizer step, ``--global-batch-size`` sequences each. Raises DataError for missing files or
+    another tokenizer."""
+    from data.gpt_dataset import build_train_valid_test_datasets, parse_data_path, require_files
+    from data.indexed_dataset import check_same_tokenizer
+
+    p, t = cfg.post, cfg.train
+    blend = parse_data_path(p.ptx_data_path)
+    require_files(blend, "--ptx-data-path")
+    check_same_tokenizer([prefix for _, prefix in blend], tok.sha256, f"--tokenizer-model {cfg.data.tokenizer_model}")
+    sequences = ptx_steps_per_iteration(cfg) * t.train_iters * t.global_batch_size
+    train, _, _ = build_train_valid_test_datasets(
+        p.ptx_data_path,
+        "1,0,0",
+        cfg.model.seq_length,
+        t.seed,
+        (sequences, 0, 0),
+        cfg.data.data_cache_dir,
+        vocab_size=tok.vocab_size,
+    )
+    return train
+
+
+def ptx_steps_per_iteration(cfg: Config) -> int:
+    """Policy optimizer steps (each followed by a ptx step) of one RL iteration:
+    ``--grpo-iterations`` x the rollout's rows / ``--global-batch-size``."""
+    p = cfg.post
+    return p.grpo_iterations * p.grpo_prompts_per_step * p.grpo_group_size // cfg.train.global_batch_size
 
 
 def fim_settings(cfg: Config, tok):

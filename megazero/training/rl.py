@@ -42,6 +42,7 @@ from megazero.post_training.rewards import (
 from megazero.post_training.rl_step import ADVANTAGE, COLUMNS, OLD, REF, RETURN, VALUE, WEIGHT
 from megazero.post_training.rollout import RolloutSettings, rollout
 from megazero.runtime import resilience
+from megazero.training.inputs import dp_micro_batches, ptx_steps_per_iteration
 
 
 @dataclass
@@ -280,7 +281,8 @@ def update(trainer, stored: StoredRollout, lr: float) -> dict:
     forward_step = make_forward_step(1.0, None, policy.loss)
     critic_step = None if critic is None else make_forward_step(1.0, None, trainer.post.value.loss)
     critic_lr = None if critic is None else critic.lr_schedule(trainer.state.iteration + 1)
-    losses, stats, critic_losses, result, skipped = [], [], [], None, False
+    losses, stats, critic_losses, ptx_losses, result, skipped = [], [], [], [], None, False
+    ptx_step = trainer.state.iteration * ptx_steps_per_iteration(cfg)  # the run's ptx steps so far
     for _ in range(post.grpo_iterations):
         for mb, count in zip(batches, counts):
             tokens_counted = torch.tensor(count, dtype=torch.float64, device=device)
@@ -292,6 +294,9 @@ def update(trainer, stored: StoredRollout, lr: float) -> dict:
             skipped = skipped or (result.skipped and not result.empty)
             losses.append(loss)
             stats.append(policy.metrics(device))
+            if ppo and post.ptx_coef > 0:
+                ptx_losses.append(ptx_update(trainer, ptx_step, lr))
+                ptx_step += 1
             if critic is not None:
                 for c in critic.chunks:
                     c.train()
@@ -320,6 +325,7 @@ def update(trainer, stored: StoredRollout, lr: float) -> dict:
             rl_kl=shaped["kl"],
             rl_kl_coef=shaped["kl_coef"],
             rl_critic_loss=sum(critic_losses) / len(critic_losses),
+            rl_ptx_loss=ptx_mean(trainer, ptx_losses) if ptx_losses else None,
         )
     return dict(values=values, skipped=skipped, stop=stop, steps=len(stats), empty=all(c == 0 for c in counts))
 
@@ -370,6 +376,39 @@ def ppo_advantages(trainer, stored: StoredRollout, mask, extra, cut) -> dict:
     rows = stored.tokens.shape[0]
     trainer.post.kl.update(kl / rows, rows)
     return dict(kl=kl / max(tokens, 1.0), kl_coef=coef)
+
+
+def ptx_update(trainer, step: int, lr: float) -> torch.Tensor:
+    """One ptx step of ``--post-train ppo --ptx-coef`` (DeepSpeed-Chat's unsupervised step after
+    each actor step; InstructGPT's PPO-ptx objective, Ouyang et al. 2022, eq. 2): the policy's
+    token-mean language-model loss on the run's ``step``-th global batch of ``--ptx-data-path``
+    sequences, times ``--ptx-coef``, at temperature 1, then an optimizer step at ``lr``. Returns
+    this replica's loss share (fp64 0-d, the last stage's; ``ptx_mean`` reduces it)."""
+    cfg = trainer.cfg
+    batches = dp_micro_batches(
+        trainer.data.ptx, step * cfg.train.global_batch_size, cfg, trainer.groups, trainer.device
+    )
+    for c in trainer.chunks:
+        c.logit_temperature = 1.0
+        c.train()
+    trainer.ddp.zero_grad()
+    local, divisor, counted = trainer.local_batches(batches)
+    loss = trainer.run_training_schedule(make_forward_step(divisor / cfg.post.ptx_coef), local)
+    trainer.optimizer.step(lr, loss_tokens=counted)
+    for c in trainer.chunks:
+        c.logit_temperature = cfg.post.temperature
+    return loss
+
+
+def ptx_mean(trainer, losses: list) -> float:
+    """The mean ptx language-model loss (nats/token, without the coefficient) of an iteration's
+    ptx steps from each replica's shares (one all-reduce over the world, as the loss's)."""
+    g = trainer.groups
+    v = torch.zeros(1, dtype=torch.float64, device=trainer.device)
+    if g.is_last_stage and g.tp_rank == 0:
+        v.copy_(torch.stack(losses).mean().reshape(1))
+    collectives.all_reduce_sum(v, g.world)
+    return float(v[0]) / trainer.replicas.dp_size / trainer.cfg.post.ptx_coef
 
 
 @torch.no_grad()

@@ -10,7 +10,8 @@ adaptive KL controller, two passes per rollout, gamma 0.9 / lambda 0.8, clipped 
 clipping and its own critic lr; eight gloo ranks replay them under tp2-pp2-dp2 ZeRO-3,
 cp2-tp2-dp2 ZeRO-2, dp4 x tp2 ZeRO-3 with the optimizer on the host and the ZB-V layout. Every
 iteration's policy loss, gradient norm and critic loss, the policy's parameters and the
-critic's (from ``ROOT/critic``) equal the plain run's within 1e-6.
+critic's (from ``ROOT/critic``) equal the plain run's within 1e-6; so does the pretraining-loss
+term (``--ptx-coef``) in one process and under cp2-tp2-dp2.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ LAYOUTS = {
     "dp2-tp2-pp2 zb-v": "--dp 2 --tp 2 --pp 2 --pipeline-schedule zb-v",
 }
 KEYS = ("loss", "grad_norm", "rl_critic_loss")
+PTX = ["--ptx-coef", "0.5"]
+PTX_LAYOUT = "--cp 2 --tp 2 --dp 2 --zero-stage 1"
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +67,12 @@ def replays(task, sampled):
     stored = sampled["rollouts"][:2]
     base, d = task["argv"], task["dir"]
     single = [(base + v, stored) for v in VARIANTS.values()] + [(base + ["--load", str(d / "two")], [None])]
+    single.append((base + task["ptx"] + PTX, stored))
     one = run_distributed(grpo_runs, 1, single, params=True, timeout_s=600)
     eight = [(base + f.split() + ["--save", str(d / f"layout{i}")], stored) for i, f in enumerate(LAYOUTS.values())]
+    eight.append((base + PTX_LAYOUT.split() + task["ptx"] + PTX + ["--save", str(d / "ptx")], stored))
     got = run_distributed(grpo_runs, 8, eight, timeout_s=900)[0]
-    return dict(zip([*VARIANTS, "reload"], one[0])), dict(zip(LAYOUTS, got))
+    return dict(zip([*VARIANTS, "reload", "ptx"], one[0])), dict(zip([*LAYOUTS, "ptx"], got))
 
 
 def _same(got: dict, want: dict, what: str) -> None:
@@ -123,3 +128,45 @@ def test_a_resumed_run_continues_the_critic_and_the_controller(sampled, replays)
         assert torch.equal(a[k], b[k]), k
     for k in ("loss", "rl_critic_loss", "rl_kl_coef"):
         assert again["steps"][0][k] == sampled["steps"][2][k], k
+
+
+def test_the_ptx_term_equals_plain_pytorch_in_one_process_and_under_cp2_tp2_dp2(task, sampled, replays):
+    """--ptx-coef 0.5 with the test corpus: after each policy step a step on 0.5 x the token-mean
+    language-model loss of the next pretraining batch; the policy, critic and ptx losses and both
+    models' parameters equal the plain run's within 1e-6, in one process and under cp2-tp2-dp2
+    ZeRO-1 (the pretraining sequences sharded over cp like any batch)."""
+    from megazero.checkpoint import read_full_weights
+
+    single, eight = replays
+    want = plain_ppo(task["argv"] + task["ptx"] + PTX, sampled["rollouts"][:2])
+    assert all(s["rl_ptx_loss"] is not None and s["rl_ptx_loss"] > 0 for s in want["steps"])
+    keys = (*KEYS, "rl_ptx_loss")
+    assert_same_as_plain(keys, dict(single["ptx"], params=single["ptx"]["params"]), want, "ptx one process")
+    root = task["dir"] / "ptx"
+    got = dict(eight["ptx"], params=read_full_weights(str(root))[1], critic=read_full_weights(str(root / "critic"))[1])
+    assert_same_as_plain(keys, got, want, "ptx cp2-tp2-dp2")
+    without = plain_ppo(task["argv"], sampled["rollouts"][:2])
+    moved = max(float((want["params"][k] - without["params"][k]).abs().max()) for k in want["params"])
+    assert moved > 1e-4, moved  # the term changes the policy
+
+
+def test_bad_ppo_settings_exit_2_with_one_line(task, capsys):
+    """Before any rank starts: --ptx-coef without its data, --sequence-parallel (per-token values),
+    --gamma above 1, --ptx-data-path of a missing prefix: exit 2, one line naming the setting and
+    the fix."""
+    from megazero.training.startup import preflight
+
+    cases = {
+        "--ptx-coef 0.5": (["--ptx-coef", "0.5"], "--ptx-data-path"),
+        "--sequence-parallel": (["--tp", "2", "--sequence-parallel"], "drop --sequence-parallel"),
+        "--gamma 1.5": (["--gamma", "1.5"], "--gamma 1"),
+        "--ptx-data-path": (["--ptx-coef", "0.5", "--ptx-data-path", str(task["dir"] / "nope")], "data/preprocess.py"),
+    }
+    for what, (extra, fix) in cases.items():
+        world = 2 if "--tp" in extra else 1
+        try:
+            code = preflight(task["argv"] + extra, world)
+        except SystemExit as e:
+            code = e.code
+        msg = capsys.readouterr().err.strip()
+        assert code == 2 and what.split()[0] in msg and fix in msg and "\n" not in msg, (what, msg)

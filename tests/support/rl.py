@@ -73,10 +73,23 @@ def plain_rows(r: dict, S: int, eod: int):
 
 def prompt_task(tmp_path_factory, name: str, argv: list[str], mode: str) -> dict:
     """A module's RL task: print-task prompts written under a fresh folder ``name`` and
-    ``argv`` completed with their data flags and ``--post-train mode``: ``{"dir", "argv"}``."""
+    ``argv`` completed with their data flags and ``--post-train mode``: ``{"dir", "argv",
+    "ptx"}``, ``ptx`` the flags of a pretraining corpus (the test corpus, ``python -m
+    data.preprocess`` with the same tokenizer) for PPO's ``--ptx-coef`` term."""
+    import json
+
+    from data.preprocess import preprocess
+
     d = tmp_path_factory.mktemp(name)
     tok, prefix = write_prompts(d)
-    return dict(dir=d, argv=argv + ["--data-path", prefix, "--tokenizer-model", tok, "--post-train", mode])
+    src = d / "ptx.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(120)), encoding="utf-8")
+    preprocess(str(src), ["text"], tok, str(d / "ptx"), progress=False, tokenizer_type="HuggingFaceTokenizer")
+    return dict(
+        dir=d,
+        argv=argv + ["--data-path", prefix, "--tokenizer-model", tok, "--post-train", mode],
+        ptx=["--ptx-data-path", str(d / "ptx_text_document")],
+    )
 
 
 def text_reward(prompt: str, response: str, answer: str) -> float:
@@ -214,8 +227,11 @@ def plain_ppo(argv: list[str], rollouts: list[dict]) -> dict:
     advantages whitened over the whole rollout's response tokens (population variance, eps
     1e-8); then ``--grpo-iterations`` passes of one policy step (clipped surrogate, token mean)
     and one critic step (``0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``, token mean) per
-    ``--global-batch-size`` rows. Returns ``{"steps": per iteration the mean policy loss, the last
-    policy step's gradient norm and the mean critic loss, "params", "critic"}``."""
+    ``--global-batch-size`` rows; with ``--ptx-coef c``, after each policy step another on ``c``
+    times the token-mean language-model loss of the next ``--global-batch-size`` sequences of
+    ``--ptx-data-path`` (DeepSpeed-Chat's unsupervised step). Returns ``{"steps": per iteration
+    the mean policy loss, the last policy step's gradient norm, the mean critic loss and the mean
+    ptx loss, "params", "critic"}``."""
     import torch
 
     cfg, data, gcfg, build, policy, reference = plain_models(argv)
@@ -233,7 +249,10 @@ def plain_ppo(argv: list[str], rollouts: list[dict]) -> dict:
     betas = (o.adam_beta1, o.adam_beta2)
     adam = torch.optim.Adam(params.values(), lr=o.lr, betas=betas, eps=o.adam_eps)
     cadam = torch.optim.Adam(cparams.values(), lr=p.critic_lr or o.lr, betas=betas, eps=o.adam_eps)
-    eod, coef = data.tokenizer.eod, p.init_kl_coef
+    eod, coef, ptx_step = data.tokenizer.eod, p.init_kl_coef, 0
+    import torch.nn.functional as F
+
+    from data.samplers import get_micro_batches
 
     def logps(model, tokens, labels):
         logits = model(tokens).double() / p.temperature
@@ -269,7 +288,7 @@ def plain_ppo(argv: list[str], rollouts: list[dict]) -> dict:
         kl_per_response = float(((old - ref) * m).sum()) / N
         if p.kl_target is not None:
             coef *= 1 + min(max(kl_per_response / p.kl_target - 1, -0.2), 0.2) * N / p.kl_horizon
-        losses, closses, norm = [], [], None
+        losses, closses, ptx, norm = [], [], [], None
         for _ in range(p.grpo_iterations):
             for a in range(0, N, cfg.train.global_batch_size):
                 rows = slice(a, a + cfg.train.global_batch_size)
@@ -283,6 +302,16 @@ def plain_ppo(argv: list[str], rollouts: list[dict]) -> dict:
                 norm = torch.linalg.vector_norm(torch.stack([q.grad.double().norm() for q in params.values()]))
                 adam.step()
                 losses.append(loss.item())
+                if p.ptx_coef > 0:  # DeepSpeed-Chat's unsupervised step: coef x the token-mean LM loss
+                    gbs = cfg.train.global_batch_size
+                    ((pt, pl),) = get_micro_batches(data.ptx, ptx_step * gbs, gbs, gbs, 0, 1)
+                    logits = policy(pt)
+                    lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), pl.reshape(-1))
+                    adam.zero_grad()
+                    (p.ptx_coef * lm).backward()
+                    adam.step()
+                    ptx.append(lm.item())
+                    ptx_step += 1
                 v = values(tokens[rows])
                 vo = v_old[rows]
                 vc = torch.maximum(torch.minimum(v, vo + p.cliprange_value), vo - p.cliprange_value)
@@ -292,7 +321,12 @@ def plain_ppo(argv: list[str], rollouts: list[dict]) -> dict:
                 cadam.step()
                 closses.append(closs.item())
         out.append(
-            dict(loss=sum(losses) / len(losses), grad_norm=norm.item(), rl_critic_loss=sum(closses) / len(closses))
+            dict(
+                loss=sum(losses) / len(losses),
+                grad_norm=norm.item(),
+                rl_critic_loss=sum(closses) / len(closses),
+                rl_ptx_loss=sum(ptx) / len(ptx) if ptx else None,
+            )
         )
     return dict(
         steps=out,
