@@ -1039,6 +1039,14 @@ class PostTrainConfig:
         choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
         applies=_RL,
     )
+    grpo_kl_in_reward: bool = _f(
+        False,
+        "put the KL penalty in the rewards instead of the loss: each response's reward minus "
+        "--grpo-kl-beta x its summed per-token KL estimate (at the rollout's log-probabilities) "
+        "before the group advantages, as PPO's shaped rewards do (--grpo-filter-groups-with-same-"
+        "reward still reads the --reward scores)",
+        applies=_GRPO_KL,
+    )
     grpo_filter_groups_with_same_reward: bool = _f(
         False,
         "leave groups whose rewards are all equal (advantage 0) out of the loss and of its "

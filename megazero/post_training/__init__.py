@@ -61,8 +61,9 @@ class PostTraining:
         self.value: Optional[ValueStep] = None  # ppo: the critic's loss
         self.kl = None  # ppo: the KL coefficient of the rewards (a FixedKLController or adaptive)
         p, replicas = cfg.post, groups.replicas().dp_size
-        if self.mode == "grpo":
-            loss = PolicyLoss(p.grpo_clamp_eps_lower, p.grpo_clamp_eps_upper, p.grpo_kl_beta, p.grpo_kl_estimator)
+        if self.mode == "grpo":  # the KL in the loss, or (--grpo-kl-in-reward) in the rewards
+            beta = 0.0 if p.grpo_kl_in_reward else p.grpo_kl_beta
+            loss = PolicyLoss(p.grpo_clamp_eps_lower, p.grpo_clamp_eps_upper, beta, p.grpo_kl_estimator)
             self.policy = PolicyStep(loss, groups, replicas)
         elif self.mode == "ppo":  # the KL enters the rewards, not the policy loss
             self.policy = PolicyStep(PolicyLoss(p.grpo_clamp_eps_lower, p.grpo_clamp_eps_upper), groups, replicas)
@@ -77,6 +78,8 @@ class PostTraining:
     def uses_reference(self) -> bool:
         if self.kl is not None:  # ppo: a KL penalty in the rewards
             return self.cfg.post.init_kl_coef > 0 or self.cfg.post.kl_target is not None
+        if self.mode == "grpo":  # in the loss or in the rewards
+            return self.cfg.post.grpo_kl_beta > 0
         step = self.preference if self.preference is not None else self.policy
         return step is not None and step.settings.uses_reference
 

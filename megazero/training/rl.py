@@ -30,7 +30,7 @@ from megazero import collectives
 from megazero.context_parallel.sequence import Packing, shard_micro_batch
 from megazero.context_parallel.zigzag import merge_from_ranks, split_for_rank
 from megazero.pipeline.executor import make_forward_step
-from megazero.post_training.grpo import group_advantages, token_weights, zero_variance_groups
+from megazero.post_training.grpo import group_advantages, kl_penalty, token_weights, zero_variance_groups
 from megazero.post_training.ppo import gae, masked_moments, shaped_rewards, whiten
 from megazero.post_training.rewards import (
     parse_reward,
@@ -275,6 +275,9 @@ def update(trainer, stored: StoredRollout, lr: float) -> dict:
     if trainer.post.uses_reference:
         for mb in batches:  # one forward-only schedule per mini-batch (the schedules' micro-batch count)
             reference_into(trainer, mb)
+    sequence_kl = None
+    if not ppo and post.grpo_kl_in_reward and trainer.post.uses_reference:
+        sequence_kl = kl_in_rewards(trainer, scores, mask, extra, cut)  # the filter still reads the scores
     shaped = None
     if ppo:
         shaped = ppo_advantages(trainer, stored, mask, extra, cut)
@@ -320,6 +323,8 @@ def update(trainer, stored: StoredRollout, lr: float) -> dict:
         rl_first_ratio_deviation=stats[0]["rl_ratio_deviation"],
         rl_kl=sum(s["rl_kl"] for s in stats) / len(stats) if policy.settings.uses_reference else None,
     )
+    if sequence_kl is not None:  # per response token, as in the loss
+        values["rl_kl"] = float(sequence_kl.sum()) / max(float(mask.sum()), 1.0)
     if ppo:
         values.update(
             rl_kl=shaped["kl"],
@@ -328,6 +333,37 @@ def update(trainer, stored: StoredRollout, lr: float) -> dict:
             rl_ptx_loss=ptx_mean(trainer, ptx_losses) if ptx_losses else None,
         )
     return dict(values=values, skipped=skipped, stop=stop, steps=len(stats), empty=all(c == 0 for c in counts))
+
+
+def sequence_kl_sums(trainer, mask, extra, cut, kind: str) -> torch.Tensor:
+    """``[N]`` float64 on every rank: each row's summed per-token KL estimate ``kind`` between
+    the rollout's log-probabilities and the reference's (written on the stage holding the head,
+    gathered whole over cp; one all-reduce over the world)."""
+    g = trainer.groups
+    out = torch.zeros(mask.shape[0], dtype=torch.float64, device=trainer.device)
+    counted = any(c.post_process for c in trainer.chunks) and g.tp_rank == 0 and g.cp_rank == 0
+    for mb, where in cut:
+        for b, rows in zip(mb, where):
+            ref = whole_rows(b[3][..., REF], g)  # (B, T)
+            kl = kl_penalty(extra[rows, :, OLD], ref, kind) * mask[rows].double()
+            if counted:
+                out[rows] = kl.sum(dim=1)
+    collectives.all_reduce_sum(out, g.world)
+    return out
+
+
+def kl_in_rewards(trainer, scores, mask, extra, cut) -> torch.Tensor:
+    """--grpo-kl-in-reward: the advantages of ``scores - --grpo-kl-beta x`` each response's summed
+    KL estimate (``sequence_kl_sums``), written into every local micro-batch's ``ADVANTAGE``
+    column; returns the summed KL ``[N]``."""
+    post, g = trainer.cfg.post, trainer.groups
+    kl = sequence_kl_sums(trainer, mask, extra, cut, post.grpo_kl_estimator)
+    adv = group_advantages(scores - post.grpo_kl_beta * kl, post.grpo_group_size, post.grpo_advantage)
+    full = adv[:, None] * mask.double()
+    for mb, where in cut:
+        for b, rows in zip(mb, where):
+            b[3][..., ADVANTAGE] = local_part(full[rows], g)
+    return kl
 
 
 def ppo_advantages(trainer, stored: StoredRollout, mask, extra, cut) -> dict:

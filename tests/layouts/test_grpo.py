@@ -7,9 +7,10 @@ One process samples two rollouts and trains on them; ``tests/support/rl.py``'s `
 replays them on the reference GPT with ``torch.optim.Adam`` (constant lr, no weight decay or
 clipping). One process then replays the stored rollouts with micro-batches of 1 and 4, each
 advantage kind, each loss aggregation, the KL penalty with each estimator, several iterations
-per rollout, the zero-variance filter and the LLaMA block; eight gloo ranks replay them under
-tp2-pp2-dp2 ZeRO-3, cp2-tp2-dp2 ZeRO-2, dp4 x tp2 ZeRO-3 with the optimizer on the host, dp 2
-and 8 (ranks whose rows all weigh 0), ZB-V and interleaved pp 4. Every iteration's loss and
+per rollout, the zero-variance filter, the KL in the rewards and the LLaMA block; eight gloo
+ranks replay them under tp2-pp2-dp2 ZeRO-3, cp2-tp2-dp2 ZeRO-2, dp4 x tp2 ZeRO-3 with the
+optimizer on the host, dp 2 and 8 (ranks whose rows all weigh 0), ZB-V, interleaved pp 4, and
+cp2 x dp4 with the KL in the rewards (whole rows gathered over cp). Every iteration's loss and
 gradient norm and the parameters after the last one equal the plain run's within 1e-6; on the
 first update of each rollout the ratio is 1 within 1e-6 (the trainer's log-probabilities of
 the sampled tokens equal the sampler's, under any layout) and no token is clipped.
@@ -38,6 +39,7 @@ LLAMA = (
     "--num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights --ffn-hidden-size 64"
 ).split()
 KL = ["--grpo-kl-beta", "0.1"]
+FILTER = ["--grpo-filter-groups-with-same-reward"]
 VARIANTS = {  # one process, replaying the stored rollouts
     "micro-batch 1": ["--micro-batch-size", "1"],
     "micro-batch 4": ["--micro-batch-size", "4"],
@@ -64,9 +66,9 @@ VARIANTS = {  # one process, replaying the stored rollouts
         "0.7",
     ],
     "kl-k1 asymmetric clip": [*KL, "--grpo-kl-estimator", "k1", "--grpo-clamp-eps-upper", "0.28"],
+    "kl in reward k1 filter": [*KL, "--grpo-kl-in-reward", "--grpo-kl-estimator", "k1", *FILTER],
     "llama": LLAMA,
 }
-FILTER = ["--grpo-filter-groups-with-same-reward"]
 LAYOUTS = {  # name: (layout flags, the model and loss flags its plain run uses)
     "tp2-pp2-dp2 zero-3 kl": ("--tp 2 --pp 2 --dp 2 --zero-stage 3", KL),
     "cp2-tp2-dp2 zero-2 llama": ("--cp 2 --tp 2 --dp 2 --zero-stage 2", LLAMA),
@@ -81,6 +83,7 @@ LAYOUTS = {  # name: (layout flags, the model and loss flags its plain run uses)
     ),
     "dp8 micro-batch 1 filter": ("--dp 8 --micro-batch-size 1", FILTER),
     "dp2-tp4 filter": ("--dp 2 --tp 4", FILTER),
+    "cp2-dp4 kl in reward": ("--cp 2 --dp 4", [*KL, "--grpo-kl-in-reward"]),
 }
 KEYS = ("loss", "grad_norm")
 FULL = "--tp 2 --pp 2 --dp 2 --zero-stage 3"  # three whole iterations, rollouts included

@@ -150,7 +150,10 @@ def plain_grpo(argv: list[str], rollouts: list[dict]) -> dict:
     plus ``beta`` times the k1 / k2 / k3 KL estimate, averaged over the step's response tokens
     (token-mean), over each response then the responses (seq-mean-token-mean), or summed over
     responses x --max-new-tokens (seq-mean-token-sum-norm); with the filter, groups whose
-    rewards are all equal leave the loss and its counts."""
+    rewards are all equal leave the loss and its counts. With ``--grpo-kl-in-reward`` the KL leaves
+    the loss for the rewards: each response's reward minus ``beta`` times its summed KL estimate
+    (the rollout's log-probabilities against the reference's) before the advantages; the filter
+    still reads the scores."""
     import torch
 
     cfg, data, gcfg, build, policy, reference = plain_models(argv)
@@ -169,6 +172,14 @@ def plain_grpo(argv: list[str], rollouts: list[dict]) -> dict:
         N = r["tokens"].shape[0]
         tokens, labels, m, old = plain_rows(r, S, eod)
         s = r["scores"].double().reshape(-1, G)
+        kept = torch.ones(N, dtype=torch.float64)
+        if p.grpo_filter_groups_with_same_reward:  # by the verifier's scores
+            kept = (s.max(dim=1).values != s.min(dim=1).values).double().repeat_interleave(G)
+        if p.grpo_kl_in_reward:  # each response's summed KL estimate at the rollout's log-probabilities
+            with torch.no_grad():
+                d = logps(reference, tokens, labels) - old
+            kl = {"k1": -d, "k2": d * d / 2, "k3": torch.exp(d) - d - 1}[p.grpo_kl_estimator]
+            s = s - p.grpo_kl_beta * (kl * m).sum(dim=1).reshape(-1, G)
         centred = s - s.mean(dim=1, keepdim=True)
         if p.grpo_advantage == "grpo":
             adv = centred / (s.std(dim=1, keepdim=True) + 1e-6)
@@ -177,9 +188,6 @@ def plain_grpo(argv: list[str], rollouts: list[dict]) -> dict:
         else:
             adv = centred * G / (G - 1)
         adv = adv.reshape(-1, 1)
-        kept = torch.ones(N, dtype=torch.float64)
-        if p.grpo_filter_groups_with_same_reward:
-            kept = (s.max(dim=1).values != s.min(dim=1).values).double().repeat_interleave(G)
         losses, norm = [], None
         for _ in range(p.grpo_iterations):
             for a in range(0, N, cfg.train.global_batch_size):
@@ -188,7 +196,7 @@ def plain_grpo(argv: list[str], rollouts: list[dict]) -> dict:
                 ratio = torch.exp(logp - old[rows])
                 clipped = ratio.clamp(1 - p.grpo_clamp_eps_lower, 1 + p.grpo_clamp_eps_upper)
                 each = -torch.minimum(ratio * adv[rows], clipped * adv[rows])
-                if p.grpo_kl_beta > 0:
+                if p.grpo_kl_beta > 0 and not p.grpo_kl_in_reward:
                     with torch.no_grad():
                         ref = logps(reference, tokens[rows], labels[rows])
                     d = ref - logp
