@@ -76,7 +76,10 @@ LAYOUTS = {  # name: (layout flags, the model and loss flags its plain run uses)
         "--dp 4 --tp 2 --zero-stage 3 --offload-optimizer cpu",
         ["--grpo-loss-agg", "seq-mean-token-mean"],
     ),
-    "dp2-tp2-pp2 zb-v kl ref-offload": ("--dp 2 --tp 2 --pp 2 --pipeline-schedule zb-v --ref-offload", KL),
+    "dp2-tp2-pp2 zb-v llama kl ref-offload": (
+        "--dp 2 --tp 2 --pp 2 --pipeline-schedule zb-v --ref-offload",
+        [*KL, *LLAMA],
+    ),
     "interleaved pp4 vp2 dp2 kl": (
         "--pp 4 --virtual-pipeline-size 2 --dp 2 --micro-batch-size 1",
         [*KL, "--num-layers", "8"],
