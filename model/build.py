@@ -72,6 +72,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         add_qkv_bias=m.add_qkv_bias,
         kv_channels=m.kv_channels,
         qk_layernorm=m.qk_layernorm,
+        softmax_type=m.softmax_type,
         hf_model_type=folder_model_type(cfg.train.from_hf) if cfg.train.from_hf else None,
         cp_comm_type=cfg.parallel.cp_comm_type,
         cp_ring_kernel=cfg.parallel.cp_ring_kernel,
@@ -292,7 +293,7 @@ def model_signature(g: GPTConfig) -> dict:
     )
     # RoPE scaling, the QKV-only bias, --kv-channels and QK-norm enter only when on, so older
     # checkpoints keep their signature
-    fields = ROPE_SCALING_FIELDS + ("add_qkv_bias", "kv_channels", "qk_layernorm")
+    fields = ROPE_SCALING_FIELDS + ("add_qkv_bias", "kv_channels", "qk_layernorm", "softmax_type")
     optional = moe | {name: getattr(g, name) for name in fields if _changed(g, name)}
     return optional | dict(
         vocab_size=g.vocab_size,

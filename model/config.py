@@ -131,6 +131,11 @@ class GPTConfig:
     qk_layernorm: bool = False
     """RMSNorm (weight ``[head_dim]``, ``layernorm_epsilon``) over each head of q and of k, after the
     projection and before RoPE (Megatron-LM's ``--qk-layernorm``; Qwen3's ``q_norm`` / ``k_norm``)."""
+    softmax_type: str = "vanilla"
+    """The attention softmax (Megatron-LM's ``--softmax-type``): ``"vanilla"``; ``"off-by-one"``,
+    one more ``exp(0)`` in every row's denominator (Miller 2023); ``"learnable"``, a learned sink
+    logit per head there instead (gpt-oss's ``sinks``, parameter ``attn.sinks [heads]``,
+    megazero/context_parallel/attention.py)."""
     hf_model_type: Optional[str] = None
     """The Hugging Face family an export writes where two compute the same model: ``"mistral"``
     (MistralForCausalLM, which computes Llama's block) for a model read from a ``mistral`` folder

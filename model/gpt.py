@@ -44,7 +44,7 @@ from torch import nn
 
 from megazero import collectives as C
 from megazero import tags
-from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention
+from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention, sink_attention
 from megazero.context_parallel.sdpa_kernels import expand_kv_for
 from megazero.context_parallel.sequence import SequenceInfo
 from megazero.ops.norm import LayerNorm, RMSNorm
@@ -128,7 +128,10 @@ class Attention(nn.Module):
     ``position_embedding_type == "rope"`` q and k are rotated by the stage's ``rope`` table
     (model/rope.py; made here when not given). The head size ``d`` is ``kv_channels`` when set
     (``proj`` then maps ``A = n_head * d`` back to H), and with ``qk_layernorm`` q and k are
-    RMS-normalised per head before the rotation (``project``).
+    RMS-normalised per head before the rotation (``project``). With a ``softmax_type`` other than
+    ``"vanilla"`` each head's softmax has a sink logit (``sink_logits``; every path:
+    megazero/context_parallel/attention.py ``sink_attention``, the ring, the all-to-all, and the
+    KV-cache decoders through ``masked_core``).
     """
 
     def __init__(
@@ -190,6 +193,20 @@ class Attention(nn.Module):
                 for _ in range(2)
             )
         self.qk_layernorm = cfg.qk_layernorm
+        # attention sinks (gpt-oss; Megatron-LM's --softmax-type): one logit per head, this rank's heads
+        self.softmax_type = cfg.softmax_type
+        if cfg.softmax_type == "learnable":
+            self.sinks = nn.Parameter(torch.empty(self.heads_local, dtype=cfg.params_dtype, device=device))
+
+    def sink_logits(self) -> Optional[torch.Tensor]:
+        """The sink logit of each of this rank's ``n_head/tp`` heads (``[n_head/tp]``), or None
+        with ``softmax_type`` ``"vanilla"`` (no sink): the learned ``sinks`` (``"learnable"``),
+        zeros (``"off-by-one"``, a softmax whose denominator has one more ``exp(0)``)."""
+        if self.softmax_type == "learnable":
+            return self.sinks
+        if self.softmax_type == "off-by-one":
+            return torch.zeros(self.heads_local, device=self.proj.weight.device)
+        return None
 
     def _split_heads(self, qkv: torch.Tensor):
         """``(B, T, rows/tp)`` -> q ``(B, n_head/tp, T, d)``, k and v ``(B, kv_heads/tp, T, d)``."""
@@ -232,6 +249,17 @@ class Attention(nn.Module):
         y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, n_head/tp * d = A/tp)
         return self.proj(y)
 
+    def masked_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The KV-cache decoders' attention (model/sampling.py, model/rollout.py): q ``[B, n_head/tp,
+        t, d]`` over k and v ``[B, kv_heads/tp or n_head/tp, S, d]`` with a bool ``mask``
+        broadcastable to ``[B, n_head/tp, t, S]`` (True = attend) -> ``[B, n_head/tp, t, d]``: SDPA,
+        or ``sink_attention`` with this layer's sinks."""
+        sinks = self.sink_logits()
+        if sinks is not None:
+            return sink_attention(q, k, v, sinks, mask)
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
     def _context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq: SequenceInfo) -> torch.Tensor:
         """Causal attention of this rank's ``T/cp`` queries over the whole sequence, inside
         documents when ``seq.segment_ids`` is set: q ``(B, heads/tp, T/cp, d)``, k and v
@@ -239,6 +267,7 @@ class Attention(nn.Module):
         config refuses it with cp > 1; with packed documents alone it is applied nowhere either,
         so it is refused there too)."""
         docs = dict(token_index=seq.token_index, segment_ids=seq.segment_ids, mask_cache=seq.cache)
+        docs["sinks"] = self.sink_logits()
         if self.cp is None:
             return local_attention(q, k, v, **docs)
         group, ranks = self.cp
@@ -256,6 +285,9 @@ class Attention(nn.Module):
         On CUDA, where no fused kernel would take ``enable_gqa`` for this call (fp32 in torch
         2.13, ``context_parallel/sdpa_kernels.py``), K/V are expanded here instead, inside the
         recomputed region under selective recomputation."""
+        sinks = self.sink_logits()
+        if sinks is not None:  # no SDPA kernel takes a sink: explicit scores (dropout refused: config/checks.py)
+            return local_attention(q, k, v, sinks=sinks)
         p = self.dropout_p if self.training else 0.0
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if gqa and expand_kv_for(q, k, v, documents=False, dropout=p):  # CUDA: no fused kernel takes it

@@ -38,7 +38,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from einops import rearrange
 
 from megazero import collectives as C
@@ -140,7 +139,7 @@ def attend(attn, x: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Te
     cache = (k, v)
     if attn.q_per_group > 1:  # each key/value head serves its group's query heads
         k, v = (z.repeat_interleave(attn.q_per_group, dim=1) for z in (k, v))  # (B, n/tp, S, d)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, n/tp, t, d)
+    y = attn.masked_core(q, k, v, mask)  # (B, n/tp, t, d)
     y = rearrange(y, "b h t d -> b t (h d)")  # (B, t, n_head/tp * d = A/tp)
     return attn.proj(y), cache
 

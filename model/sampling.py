@@ -54,7 +54,10 @@ def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor
         k, v = (z.repeat_interleave(attn.q_per_group, dim=1) for z in (k, v))  # (B, n/tp, past+t, d)
     # new token i (absolute position past + i) sees keys 0 .. past + i
     mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)  # (B, n/tp, t, d)
+    if attn.sink_logits() is not None:
+        y = attn.masked_core(q, k, v, mask)  # (B, n/tp, t, d)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)  # (B, n/tp, t, d)
     y = rearrange(y, "b h t d -> b t (h d)")  # (B, t, n_head/tp * d)
     return attn.proj(y), cache
 

@@ -14,6 +14,9 @@ Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head si
   stride 3 (each rank takes its heads of q, of k and of v); ``attn.proj.weight`` ``[H, A]``.
 - with ``qk_layernorm``: ``attn.q_norm.weight`` and ``attn.k_norm.weight``, ``[d]`` each,
   replicated over tp (the norm acts on each head alone).
+- with ``softmax_type`` ``"learnable"``: ``attn.sinks`` ``[heads]``, one logit per query head,
+  partitioned over tp with the heads (group-major, so each rank's are contiguous), init N(0, std) as
+  transformers' gpt-oss.
 - with grouped-query attention (``G`` groups): ``G`` blocks of ``[q (heads/G * d rows);
   k (d); v (d)]``, ``[(heads + 2G) d, H]``, stride 1: each rank holds ``G/tp`` whole groups,
   their queries with their key and value heads (Megatron-LM's layout). Query head ``h``
@@ -68,6 +71,8 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
     ] + mlp_weights
     if cfg.qk_layernorm:  # one weight per head dimension, shared by every head (each rank keeps a copy)
         rows += [(f"attn.{x}_norm.weight", (d,), None, 1, "ones", False) for x in "qk"]
+    if cfg.softmax_type == "learnable":  # a sink logit per query head, split over tp with the heads
+        rows += [("attn.sinks", (heads,), 0, 1, "normal", False)]
     if cfg.normalization == "LayerNorm":
         rows += [("ln1.bias", (H,), None, 1, "zeros", False), ("ln2.bias", (H,), None, 1, "zeros", False)]
     if cfg.qkv_bias:  # --add-qkv-bias keeps this one without the others

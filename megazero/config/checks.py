@@ -116,6 +116,11 @@ def _check_context_parallel(cfg: Config, world_size: int) -> None:
     p, m = cfg.parallel, cfg.model
     d = cfg.data
     packing = d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss
+    if m.softmax_type != "vanilla" and m.attention_dropout > 0:
+        raise ConfigError(
+            f"--attention-dropout {m.attention_dropout} with --softmax-type {m.softmax_type}: the sink "
+            "attention has no dropout; fix: --attention-dropout 0"
+        )
     if (p.cp > 1 or packing) and m.attention_dropout > 0:
         why = f"--cp {p.cp}" if p.cp > 1 else "packed-document flags"
         raise ConfigError(

@@ -203,6 +203,12 @@ class ModelConfig:
         "RMSNorm over each head's dimensions of q and k after the projection, before RoPE (Qwen3)",
         applies=Needs("model.normalization", ("RMSNorm",), refuse=True),
     )
+    softmax_type: str = _f(
+        "vanilla",
+        "the attention softmax: vanilla, off-by-one (one more exp(0) in each row's denominator) or "
+        "learnable (a learned sink logit per head in it, gpt-oss)",
+        choices=("vanilla", "off-by-one", "learnable"),
+    )
     add_bias_linear: bool = _f(
         True, "biases in the QKV, attention output and MLP linears", flags=("--disable-bias-linear",)
     )

@@ -14,6 +14,15 @@ mask``): query i attends key j iff they are in the same document and ``pos(j) <=
   ordinary attention, a second all-to-all turns it back.
 - ``local_attention``: C = 1, plain (document-masked) causal attention.
 
+Attention sinks (``sinks [h]``, one logit per query head; gpt-oss's learnable sinks,
+Megatron-LM's ``--softmax-type learnable``, or a constant 0 for ``off-by-one``, Miller 2023,
+"Attention Is Off By One"): every row's softmax gains one extra term ``exp(sink_h)`` in its
+denominator, with no value behind it, so ``out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j
+exp(s_ij))`` and a row can give less than all of its weight to the keys. Each entry point takes
+``sinks``: the local and all-to-all paths through ``sink_attention`` (scores made explicitly, the
+extra column appended, as transformers' gpt-oss eager attention does), the ring through one more
+partial merged into each query's running ``(out, lse)`` (``ring.RingAttention``).
+
 Bytes this rank puts on the wire per layer and micro-batch (``elt`` = bytes per element of
 q/k/v, ``acc`` = bytes per element of ``blockwise.compute_dtype``: 4, or 8 for float64),
 counted in ``megazero.collectives.counter`` and given in closed form by the functions below:
@@ -88,6 +97,41 @@ def document_mask(pos: torch.Tensor, segment_ids: Optional[torch.Tensor], dtype:
     return mask.masked_fill_(~keep, float("-inf"))
 
 
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Softmax attention with one sink logit per query head (module docstring), differentiable in
+    q, k, v and ``sinks``.
+
+    q ``[B, h, Tq, d]``, k and v ``[B, G, Tk, d]`` (G divides h, group-major heads), ``sinks [h]``
+    (any float dtype), ``mask`` bool broadcastable to ``[B, h, Tq, Tk]`` (True = attend) or None
+    (causal, top-left aligned: needs Tq == Tk). Scores, softmax and products in
+    ``blockwise.compute_dtype`` (fp32 for 16-bit inputs); returns ``[B, h, Tq, d]`` in q's dtype.
+    A row with no key to attend gives 0 (all its weight on the sink). Scores are held whole
+    (``[B, h, Tq, Tk]``), as the eager attention of transformers' ``modeling_gpt_oss``.
+    """
+    B, h, Tq, d = q.shape
+    G, Tk = k.shape[1], k.shape[2]
+    acc = compute_dtype(q.dtype)
+    scale = d**-0.5 if scale is None else scale
+    if mask is None:
+        if Tq != Tk:
+            raise ValueError(f"sink_attention: a causal mask needs as many queries as keys, got {Tq} and {Tk}")
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+    grouped = q.reshape(B, G, h // G, Tq, d).to(acc)
+    s = torch.einsum("bgrqd,bgkd->bgrqk", grouped, k.to(acc)).reshape(B, h, Tq, Tk) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(acc).view(1, h, 1, 1).expand(B, h, Tq, 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :Tk]  # (B, h, Tq, Tk), the sink's share dropped
+    out = torch.einsum("bgrqk,bgkd->bgrqd", p.reshape(B, G, h // G, Tq, Tk), v.to(acc))
+    return out.reshape(B, h, Tq, d).to(q.dtype)
+
+
 def _cached(cache: Optional[dict], key, build):
     if cache is None:
         return build()
@@ -105,6 +149,7 @@ def local_attention(
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of a whole sequence on one rank (cp = 1), document-masked if asked.
 
@@ -115,9 +160,18 @@ def local_attention(
     additive ``document_mask`` "same document and ``pos(j) <= pos(i)``" (block-diagonal causal),
     built once per ``mask_cache`` (a dict that lives as long as the micro-batch, e.g.
     ``SequenceInfo.cache``: every layer then shares one ``[B, 1, T, T]`` mask) and dtype.
+    ``sinks [h]``: ``sink_attention`` with the same mask (bool, cached likewise).
     Raises ValueError on inconsistent shapes.
     """
     _check(q, k, v, segment_ids)
+    if sinks is not None:
+        pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
+
+        def build():
+            return block_mask(pos, pos, segment_ids, segment_ids, causal=True)[:, None]  # (B|1, 1, T, T)
+
+        keep = _cached(mask_cache, ("sink mask", q.device), build)
+        return sink_attention(q, k, v, sinks, keep, scale)
     if token_index is None and segment_ids is None:
         return _sdpa(q, k, v, None, scale)
     pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
@@ -137,6 +191,7 @@ def ring_attention(
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
     block_kernel: str = "auto",
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``--cp-comm-type p2p``: ring attention over the cp group (``ring.RingAttention``).
 
@@ -146,7 +201,8 @@ def ring_attention(
     cp-rank order, C = ``len(cp_ranks)``. Returns ``[B, h, T/C, d]`` in q's dtype; differentiable
     in q, k and v. At C = 1 it is ``local_attention`` (no communication; ``mask_cache`` is its). ``block_kernel``:
     ``"auto"`` runs each block through a fused kernel where q's device and dtype have one
-    (``fused_blocks.block_path``), ``"einsum"`` through ``blockwise``'s einsums. Raises ValueError when
+    (``fused_blocks.block_path``), ``"einsum"`` through ``blockwise``'s einsums. ``sinks [h]``: one
+    sink logit per query head (module docstring), differentiable. Raises ValueError when
     the group size is not C, T/C is odd, shapes disagree, or ``block_kernel`` is unknown.
     """
     _check(q, k, v, segment_ids)
@@ -159,11 +215,11 @@ def ring_attention(
         raise ValueError(f"ring_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     chunk_size(Tl * C, C)
     if C == 1:
-        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache)
+        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache, sinks=sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     link = RingLink(group, cp_ranks, collectives.group_rank(group))
     path = block_path(q, block_kernel)
-    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale, path)
+    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale, path, sinks)
 
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -202,6 +258,7 @@ def all_to_all_attention(
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``--cp-comm-type a2a``: DeepSpeed-Ulysses attention over the cp group.
 
@@ -210,7 +267,8 @@ def all_to_all_attention(
     [B, T/C]`` or None). Inside: ``[B, h/C, T, d]`` and ``[B, G/C, T, d]`` in natural order,
     ``local_attention`` on them, and back. With documents the ids are all-gathered and the
     mask built once per ``mask_cache`` (as ``local_attention``: then once per micro-batch, not
-    per layer; without a cache, every call). Returns ``[B, h, T/C, d]``; differentiable. Raises
+    per layer; without a cache, every call). ``sinks [h]``: each rank applies its heads' sinks
+    (``[i h/C, (i+1) h/C)`` on cp rank i). Returns ``[B, h, T/C, d]``; differentiable. Raises
     ValueError naming --cp-comm-type a2a when h or G is not divisible by C (group-major heads:
     rank i gets query groups i*G/C .. (i+1)*G/C-1 and their heads).
     """
@@ -225,7 +283,7 @@ def all_to_all_attention(
     if tuple(token_index.shape) != (Tl,):
         raise ValueError(f"all_to_all_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     if C == 1:
-        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache)
+        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache, sinks=sinks)
     T = Tl * C
     gathered = torch.cat([local_token_index(T, i, C, device=q.device) for i in range(C)])
     natural = torch.argsort(gathered)  # natural[p] = where position p arrived
@@ -240,7 +298,10 @@ def all_to_all_attention(
 
         seg = _cached(mask_cache, ("a2a segments", group), gather)
     cache = None if mask_cache is None else mask_cache.setdefault(("a2a", group), {})
-    y = local_attention(*seq_major, segment_ids=seg, scale=scale, mask_cache=cache)  # (B, h/C, T, d)
+    if sinks is not None:  # this rank's h/C heads, as the first all-to-all gave them
+        r = collectives.group_rank(group)
+        sinks = sinks[r * (h // C) : (r + 1) * (h // C)]
+    y = local_attention(*seq_major, segment_ids=seg, scale=scale, mask_cache=cache, sinks=sinks)  # (B, h/C, T, d)
     y = y.index_select(2, gathered)  # back to the arrival (rank-major) order
     return _AllToAll.apply(y, group, 2, 1)  # (B, h, T/C, d)
 

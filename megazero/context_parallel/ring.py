@@ -13,7 +13,9 @@ Forward, step s = 0 .. C-1 (rank r holds the K/V of rank ``src = (r - s) mod C``
      running (out, lse) of each query chunk (``merge_partials``);
   3. wait for the next K/V.
 The document ids that arrived at each step are kept for the backward (B*T int64, small next to
-the K/V), so the backward does not send them again.
+the K/V), so the backward does not send them again. With attention sinks (``sinks [h]``, one
+logit per head, ``attention.py``) a last partial with no keys, ``out = 0`` and ``lse = sink``, is
+merged into every query's result after step C-1.
 
 Backward, step s = 0 .. C-1, with the final lse saved (FlashAttention-2, Dao 2023, sec. 3.1):
   1. post the K/V transfer for step s+1, as in the forward (not at the last step);
@@ -22,6 +24,9 @@ Backward, step s = 0 .. C-1, with the final lse saved (FlashAttention-2, Dao 202
   3. wait for the dK/dV accumulator of rank src from rank r-1 (none at step 0), add the
      contribution, post its send to rank r+1; then wait for the next K/V.
 After step C-1 the accumulator that arrives is this rank's own: C sends of dK/dV, C-1 of K/V.
+The sinks' gradient is the sink column's ``dS = P_sink (dP_sink - D) = -exp(sink - lse) D`` (its
+value is 0, so ``dP_sink = 0``) summed over this rank's queries; the cp ranks' parts are summed
+with the other replicated gradients (over dp x cp).
 Accumulators are in ``blockwise.compute_dtype`` (float32 for 16- and 32-bit inputs).
 
 Every send is counted with ``collectives.count_send`` and every receive recorded in
@@ -128,14 +133,14 @@ def _backward_block(path: str, q, k, v, do, out, delta, lse, mask, scale: float,
 
 
 class RingAttention(torch.autograd.Function):
-    """``apply(q, k, v, segment_ids, link, token_index, scale, path) -> out``: q ``[B, h, T/C, d]``
+    """``apply(q, k, v, segment_ids, link, token_index, scale, path, sinks) -> out``: q ``[B, h, T/C, d]``
     (group-major heads), k and v ``[B, G, T/C, d]``, segment_ids ``[B, T/C]`` or None, token_index
     ``[T/C]`` (this rank's zigzag positions), ``path`` the blocks' kernel path
-    (``fused_blocks.block_path``). Returns ``[B, h, T/C, d]`` in q's dtype. Use
+    (``fused_blocks.block_path``), ``sinks [h]`` or None. Returns ``[B, h, T/C, d]`` in q's dtype. Use
     ``attention.ring_attention``, which checks the arguments."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, link: RingLink, token_index, scale: float, path: str = "einsum"):
+    def forward(ctx, q, k, v, segment_ids, link: RingLink, token_index, scale: float, path: str = "einsum", sinks=None):
         B, h, Tl, d = q.shape
         G, C, n = k.shape[1], link.size, Tl // 2
         qs = _halves(q.reshape(B, G, h // G, Tl, d), 3)  # 2 x (B, G, R, T/(2C), d)
@@ -154,21 +159,31 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv, *rest = pending.wait()
                 seg = rest[0] if rest else None
+        if sinks is not None:  # the sink: a partial with no keys, out 0 and lse = sink
+            sink = sinks.to(out[0].dtype).view(1, G, h // G, 1).expand(B, G, h // G, n)
+            for i in range(2):
+                out[i], lse[i] = merge_partials(out[i], lse[i], torch.zeros_like(out[i]), sink)
         y = torch.cat(out, dim=3).reshape(B, h, Tl, d).to(q.dtype)  # (B, h, T/C, d)
-        ctx.save_for_backward(q, k, v, y, torch.cat(lse, dim=3))  # lse (B, G, R, T/C)
+        ctx.save_for_backward(q, k, v, y, torch.cat(lse, dim=3), sinks)  # lse (B, G, R, T/C)
         ctx.link, ctx.blocks, ctx.kv_segs, ctx.scale, ctx.path = link, blocks, kv_segs, scale, path
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        q, k, v, y, lse = ctx.saved_tensors
+        q, k, v, y, lse, sinks = ctx.saved_tensors
         link, blocks, scale = ctx.link, ctx.blocks, ctx.scale
         B, h, Tl, d = q.shape
         G, C, n, acc = k.shape[1], link.size, Tl // 2, compute_dtype(q.dtype)
         grouped = (B, G, h // G, Tl, d)
         do = dy.reshape(grouped).to(acc)  # (B, G, R, T/C, d)
-        delta = (do * y.reshape(grouped).to(acc)).sum(-1) if ctx.path == "einsum" else None  # D = rowsum(dO * O)
+        delta = None  # D = rowsum(dO * O), (B, G, R, T/C)
+        if ctx.path == "einsum" or sinks is not None:
+            delta = (do * y.reshape(grouped).to(acc)).sum(-1)
+        dsinks = None
+        if sinks is not None:  # dS of the sink column: -exp(sink - lse) D, summed over rows
+            p_sink = torch.exp(sinks.to(acc).view(1, G, h // G, 1) - lse)
+            dsinks = -(p_sink * delta).sum(dim=(0, 3)).reshape(h).to(sinks.dtype)
         qs, dos, ys = _halves(q.reshape(grouped), 3), _halves(do, 3), _halves(y.reshape(grouped), 3)
         deltas, lses = _halves(delta, 3), _halves(lse, 3)
         dq = torch.zeros(grouped, dtype=acc, device=q.device)
@@ -193,4 +208,4 @@ class RingAttention(torch.autograd.Function):
         if pending_dkv is not None:
             dkv = pending_dkv.wait()[0]  # this rank's own, back after C sends
         dq = dq.reshape(B, h, Tl, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, dsinks

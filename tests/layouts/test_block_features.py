@@ -4,7 +4,8 @@ over dp with full recomputation, and cp 2 at ZeRO-2 with the all-to-all.
 
 FEATURES is a LLaMA-style block with Llama-3.x's RoPE scaling (``llama3`` bands and ``linear``
 interpolation on top), Qwen2's q/k/v-only bias, and Qwen3's heads of their own size
-(``--kv-channels 12`` against hidden / heads = 16) with QK-norm. Each layout trains 6 steps in
+(``--kv-channels 12`` against hidden / heads = 16) with QK-norm, and gpt-oss's attention sinks
+(``--softmax-type learnable``: a learned logit per head in every softmax). Each layout trains 6 steps in
 one spawn of 4 gloo ranks; its losses equal ``tests/support/reference.py``'s oracle (which
 computes every feature on its own) within 1e-5 relative, its gradient norms and greedy sample
 the single process's (``check_layout``), and the features change the losses. ZB-V and ZeRO-3
@@ -18,7 +19,7 @@ from tests.support.layouts import LLAMA, MB4, WIDER, check_feature_sweep
 FEATURES = LLAMA + WIDER
 FEATURES += ["--use-rope-scaling", "--rope-scaling-factor", "4", "--rope-scaling-high-freq-factor", "32"]
 FEATURES += ["--rope-scaling-original-max-position-embeddings", "256", "--rotary-seq-len-interpolation-factor", "2"]
-FEATURES += ["--add-qkv-bias", "--kv-channels", "12", "--qk-layernorm"]
+FEATURES += ["--add-qkv-bias", "--kv-channels", "12", "--qk-layernorm", "--softmax-type", "learnable"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 LAYOUTS = {
     "tp2-pp2-sp-interleaved": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--virtual-pipeline-size", "2"] + MB4,

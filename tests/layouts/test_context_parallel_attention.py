@@ -15,7 +15,9 @@ magnitude: ``max|ours - oracle| / max|oracle| <= 1e-6`` (float32 SDPA itself is 
 1e-7 of the float64 oracle). The bytes counted in ``collectives.counter`` per forward and
 backward equal ``ring_bytes_per_layer`` / ``a2a_bytes_per_layer`` exactly; with a
 ``mask_cache`` shared by two calls (two layers of a micro-batch) a2a gathers the document ids
-once.
+once. With attention sinks (one logit per head, gpt-oss), the ring and the all-to-all equal an
+explicit float64 softmax with a sink column, their outputs and dq, dk, dv, and the sinks'
+gradient summed over the cp ranks.
 """
 
 from __future__ import annotations
@@ -197,12 +199,55 @@ def _rank_checks(rank, world, C):
         results["a2a error"] = None
     except ValueError as e:
         results["a2a error"] = str(e)
+    if C in (2, 4):
+        for name, method, h, G, docs in _sink_cases(C):
+            results[name] = _run_sinks(rank, C, method, _inputs(C, h, G, docs, seed=300 + C), _sinks(h))
     if world == 4:  # two cp groups of 2 inside 4 ranks: p2p peers are global ranks
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         cp_ranks = [0, 2] if rank % 2 == 0 else [1, 3]
         full = _inputs(2, 4, 2, True, seed=7)
         results["sub-group"] = _run_case(rank, 2, groups[rank % 2], cp_ranks, "p2p", full, cp_ranks.index(rank))
     return results
+
+
+def _sink_cases(C: int):
+    """Attention sinks at cp size C: the ring (G = 1 and all h heads) and the all-to-all, with documents."""
+    h, groups = HEADS[C]
+    return [(f"sinks p2p G={G}", "p2p", h, G, True) for G in (1, h)] + [(f"sinks a2a G={C}", "a2a", h, C, True)]
+
+
+def _sinks(h: int) -> torch.Tensor:
+    return torch.randn(h, generator=torch.Generator().manual_seed(5)) * 2
+
+
+def _run_sinks(rank, C, method, full, sinks):
+    """One rank's (y, dq, dk, dv, dsinks) of ``method`` with attention sinks."""
+    q, k, v, dy, seg = (None if t is None else Z.split_for_rank(t, 2 if t.dim() == 4 else 1, rank, C) for t in full)
+    q, k, v, sinks = (t.clone().requires_grad_() for t in (q, k, v, sinks))
+    idx = Z.local_token_index(q.shape[2] * C, rank, C)
+    kw = dict(group=dist.group.WORLD, token_index=idx, segment_ids=seg, sinks=sinks)
+    if method == "p2p":
+        y = ring_attention(q, k, v, cp_ranks=list(range(C)), **kw)
+    else:
+        y = all_to_all_attention(q, k, v, **kw)
+    y.backward(dy)
+    return y.detach(), q.grad, k.grad, v.grad, sinks.grad
+
+
+def _sink_oracle(q, k, v, seg, dy, sinks):
+    """Explicit float64 attention on the whole sequence with a sink column per head (dropped
+    after the softmax, as transformers' gpt-oss): (y, dq, dk, dv, dsinks)."""
+    q, k, v, sinks = (t.double().requires_grad_() for t in (q, k, v, sinks))
+    B_, h, T, d = q.shape
+    R = h // k.shape[1]
+    scores = q @ k.repeat_interleave(R, dim=1).transpose(-1, -2) / d**0.5
+    keep = torch.ones(T, T, dtype=torch.bool).tril() & (seg[:, :, None] == seg[:, None, :])
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    column = sinks.view(1, h, 1, 1).expand(B_, h, T, 1)
+    probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :T]
+    y = probs @ v.repeat_interleave(R, dim=1)
+    y.backward(dy.double())
+    return y, q.grad, k.grad, v.grad, sinks.grad
 
 
 def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -243,6 +288,16 @@ def test_cp_attention_equals_full_sdpa(C):
         assert "--cp-comm-type a2a" in error and "G = 1" in error and "C = 2" in error
         for r in range(C):  # the document ids of a micro-batch are gathered at its first layer only
             assert out[r]["a2a shared"] == ([B * 2 * CHUNK * 8, 0], [True, True])
+    if C in (2, 4):  # attention sinks: out and every gradient, the sinks' summed over the cp ranks
+        for name, method, h, G, docs in _sink_cases(C):
+            full = _inputs(C, h, G, docs, seed=300 + C)
+            expected = _sink_oracle(*full[:3], full[4], full[3], _sinks(h))
+            for what, j in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+                got = Z.merge_from_ranks([out[r][name][j] for r in range(C)], 2, C)
+                assert _relative_error(got, expected[j]) <= TOL, f"{name}: {what}"
+            dsinks = sum(out[r][name][4] for r in range(C))
+            assert _relative_error(dsinks, expected[4]) <= TOL, f"{name}: dsinks {dsinks} vs {expected[4]}"
+            assert expected[4].abs().min() > 1e-3  # every head's sink moves the loss
     if C == 4:
         sub = [out[r]["sub-group"] for r in range(4)]
         full = _inputs(2, 4, 2, True, seed=7)

@@ -403,8 +403,9 @@ def test_rope_scaling_and_qkv_bias_layouts_equal_reference():
 # Qwen3's attention: heads of their own size (--kv-channels 12, so q/k/v are 48 wide against a
 # hidden size of 32) with QK-norm (an RMSNorm of every q and k head before RoPE), under tp 2 + SP,
 # pp 2 (with full recomputation of every block, norms included) and cp 2 (ring and all-to-all):
-# one spawn of 2 ranks.
-QWEN3_ATTENTION = LLAMA + WIDER + ["--kv-channels", "12", "--qk-layernorm"]
+# one spawn of 2 ranks. With gpt-oss's attention sinks on top (--softmax-type learnable: the
+# ring merges each head's sink as one more partial, the all-to-all splits them with the heads).
+QWEN3_ATTENTION = LLAMA + WIDER + ["--kv-channels", "12", "--qk-layernorm", "--softmax-type", "learnable"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 QWEN3_LAYOUTS = {
     "tp2-sp": LAYOUTS["tp2-sp"][1],

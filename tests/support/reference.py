@@ -170,6 +170,7 @@ class _Block(nn.Module):
         rope_scaling=None,
         head_dim: Optional[int] = None,
         qk_norm: bool = False,
+        softmax_type: str = "vanilla",
         moe=None,
     ):
         super().__init__()
@@ -183,6 +184,9 @@ class _Block(nn.Module):
         self.proj = nn.Linear(heads * d, hidden, bias=bias)
         # QK-norm (Qwen3): every head of q and of k divided by its RMS over d, times a [d] weight
         self.q_norm, self.k_norm = (_RMSNorm(d, eps), _RMSNorm(d, eps)) if qk_norm else (None, None)
+        # attention sinks: one logit per head in each softmax's denominator (learned, or 0 off-by-one)
+        self.softmax_type = softmax_type
+        self.sinks = nn.Parameter(torch.zeros(heads)) if softmax_type == "learnable" else None
         self.ln2 = norm(hidden, eps)
         self.moe = (
             None if moe is None else _MoE(hidden, moe["num_experts"], moe["ffn"], moe["shared"], swiglu, bias, moe)
@@ -219,7 +223,13 @@ class _Block(nn.Module):
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         if hidden is not None:
             future = future | hidden[:, None]  # (B, 1, T, T)
-        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(future, float("-inf"))
+        if self.softmax_type == "vanilla":
+            probs = scores.softmax(dim=-1)
+        else:  # the sink column joins the softmax and is dropped after it
+            sink = self.sinks if self.sinks is not None else torch.zeros(self.heads, device=x.device)
+            column = sink.view(1, -1, 1, 1).expand(B, self.heads, T, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :T]
         y = (probs @ v).transpose(1, 2).reshape(B, T, self.heads * self.d)  # (B, heads, T, d) -> (B, T, heads d)
         return self.proj(y)
 
@@ -250,6 +260,8 @@ def block_options(cfg) -> dict:
         out["head_dim"] = cfg.kv_channels
     if getattr(cfg, "qk_layernorm", False):
         out["qk_norm"] = True
+    if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
+        out["softmax_type"] = cfg.softmax_type
     scaling = {}
     if getattr(cfg, "use_rope_scaling", False):
         scaling["llama3"] = (
@@ -326,7 +338,7 @@ class ReferenceGPT(nn.Module):
 
     def canonical_parameters(self) -> dict[str, nn.Parameter]:
         """Canonical name -> parameter (the word embedding holds the real rows only)."""
-        mods = {"final_ln": self.ln_f}
+        mods, sinks = {"final_ln": self.ln_f}, {}
         for i, b in enumerate(self.blocks):
             mods.update(
                 {
@@ -336,6 +348,8 @@ class ReferenceGPT(nn.Module):
             )
             if b.q_norm is not None:
                 mods.update({f"layers.{i}.attn.q_norm": b.q_norm, f"layers.{i}.attn.k_norm": b.k_norm})
+            if b.sinks is not None:
+                sinks[f"layers.{i}.attn.sinks"] = b.sinks
             if b.moe is None:
                 mods.update({f"layers.{i}.mlp.fc1": b.fc1, f"layers.{i}.mlp.fc2": b.fc2})
                 continue
@@ -352,7 +366,7 @@ class ReferenceGPT(nn.Module):
                 out[f"{canon}.bias"] = mod.bias
         if self.lm_head is not None:
             out["output.weight"] = self.lm_head.weight
-        return out
+        return {**out, **sinks}
 
     @torch.no_grad()
     def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:

@@ -242,6 +242,11 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
         2,
         ["--attention-dropout 0.1", "--cp 2", "--attention-dropout 0"],
     ),
+    "sinks_with_attention_dropout": (
+        M + ["--softmax-type", "learnable", "--attention-dropout", "0.1"],
+        1,
+        ["--attention-dropout 0.1", "--softmax-type learnable", "--attention-dropout 0"],
+    ),
 }
 
 
