@@ -20,6 +20,7 @@ from megazero.config.shape import (
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
+    check_yarn,
     default_ffn_hidden_size,
 )
 
@@ -107,6 +108,23 @@ class GPTConfig:
     """Linear RoPE scaling: positions divided by this factor (Chen et al. 2023); ``None`` = off."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates, in (0, 1] (GPT-NeoX's partial rotary)."""
+    yarn_rotary_scaling_factor: Optional[float] = None
+    """YaRN's context extension factor (model/rope.py, ``RopeScaling``; Peng et al. 2023; the name of
+    Megatron-core's TransformerConfig field); ``None`` = off. The ``yarn_*`` fields below are its."""
+    yarn_original_max_position_embeddings: int = 4096
+    """The pretraining context (tokens) over which YaRN counts each pair's rotations."""
+    yarn_beta_fast: float = 32.0
+    """Pairs turning more than this many times over the original context keep their frequency."""
+    yarn_beta_slow: float = 1.0
+    """Pairs turning fewer times than this over the original context are divided by the factor."""
+    yarn_mscale: Optional[float] = None
+    """Numerator coefficient of the attention factor, used with ``yarn_mscale_all_dim`` (DeepSeek)."""
+    yarn_mscale_all_dim: Optional[float] = None
+    """Denominator coefficient of the attention factor (DeepSeek's ``mscale_all_dim``)."""
+    yarn_attention_factor: Optional[float] = None
+    """The factor on cos and sin given outright; ``None`` = derived (``RopeScaling.cos_sin_factor``)."""
+    yarn_correction_range_round_to_int: bool = True
+    """Round the ramp's bounds outwards to integers (transformers' ``truncate``; gpt-oss: false)."""
     normalization: str = "LayerNorm"
     """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only, Zhang & Sennrich 2019)."""
     swiglu: bool = False
@@ -285,11 +303,31 @@ class GPTConfig:
                 "fix: --normalization RMSNorm"
             )
         check_rope_scaling(self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor)
+        check_yarn(
+            yarn_factor=self.yarn_rotary_scaling_factor,
+            use_rope_scaling=self.use_rope_scaling,
+            linear_factor=self.rotary_seq_len_interpolation_factor,
+            beta_fast=self.yarn_beta_fast,
+            beta_slow=self.yarn_beta_slow,
+            mscale=self.yarn_mscale,
+            mscale_all_dim=self.yarn_mscale_all_dim,
+        )
         if self.num_experts is not None:
             check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
 
 
 # GPTConfig field -> the setting (flag) whose documented range and choices it must satisfy
+# YaRN's settings (model/rope.py), shared by GPTConfig and ModelConfig
+YARN_FIELDS = (
+    "yarn_rotary_scaling_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_mscale",
+    "yarn_mscale_all_dim",
+    "yarn_attention_factor",
+    "yarn_correction_range_round_to_int",
+)
 # the RoPE scaling settings GPTConfig shares with ModelConfig (same names)
 ROPE_SCALING_FIELDS = (
     "use_rope_scaling",
@@ -298,6 +336,7 @@ ROPE_SCALING_FIELDS = (
     "rope_scaling_high_freq_factor",
     "rope_scaling_original_max_position_embeddings",
     "rotary_seq_len_interpolation_factor",
+    *YARN_FIELDS,
 )
 
 
@@ -323,6 +362,7 @@ _SETTING_OF = {
             "rope_scaling_high_freq_factor",
             "rope_scaling_original_max_position_embeddings",
             "rotary_seq_len_interpolation_factor",
+            *YARN_FIELDS,
             "kv_channels",
             "num_query_groups",
             "num_experts",

@@ -39,8 +39,9 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
+from megazero.config.schema import setting_named
 from model import hf_families, hf_moe
-from model.config import ROPE_SCALING_FIELDS, GPTConfig
+from model.config import ROPE_SCALING_FIELDS, YARN_FIELDS, GPTConfig
 from model.gpt import VOCAB_TENSORS, canonical_shapes, resize_vocab
 from model.hf_config import HFConversionError
 from model.hf_config import config_value as _value
@@ -233,6 +234,7 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
         ("rope_scaling_high_freq_factor", "--rope-scaling-high-freq-factor"),
         ("rope_scaling_original_max_position_embeddings", "--rope-scaling-original-max-position-embeddings"),
         ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
+        *((name, setting_named(f"model.{name}").flag) for name in YARN_FIELDS),
         ("add_bias_linear", "--disable-bias-linear"),
         ("add_qkv_bias", "--add-qkv-bias"),
         ("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
@@ -478,7 +480,7 @@ def llama_config_from_hf(config: Mapping, **settings) -> GPTConfig:
     """The LLaMA-style GPTConfig of a Llama (or Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE)
     ``config.json`` (``settings`` as in ``gpt_config_from_hf``; the families' fields come in it).
     Raises HFConversionError for a missing size or a setting megazero computes differently
-    (activation, a RoPE scaling other than llama3 / linear, partial rotary, biases); ``head_dim``
+    (activation, a RoPE scaling other than llama3 / linear / yarn, partial rotary, biases); ``head_dim``
     other than hidden / heads is ``kv_channels``."""
     hf_families.check_keys(config)
     H, heads = _value(config, "hidden_size", "size"), _value(config, "num_attention_heads", "size")

@@ -12,9 +12,15 @@ What the two models compute beyond Llama-2 (transformers 5's ``modeling_llama``,
   rewrites the frequencies with ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
   ``original_max_position_embeddings`` (``max_position_embeddings`` when absent), rope type
   ``linear`` divides them by ``factor``; neither rescales cos/sin (their attention factor is 1).
-  Both are megazero's ``model.rope.RopeScaling`` (``--use-rope-scaling`` with the
-  ``--rope-scaling-*`` flags; ``--rotary-seq-len-interpolation-factor``). Other rope types
-  (``dynamic``, ``yarn``, ``longrope``, ...) are refused by name.
+  Rope type ``yarn`` (``_compute_yarn_parameters``) ramps between kept and divided frequencies with
+  ``factor`` (``max_position_embeddings / original_max_position_embeddings`` when null),
+  ``original_max_position_embeddings``, ``beta_fast`` (32 when absent), ``beta_slow`` (1) and
+  ``truncate`` (true), and multiplies cos and sin by ``attention_factor`` (derived from ``factor``,
+  ``mscale`` and ``mscale_all_dim`` when absent). All three are megazero's
+  ``model.rope.RopeScaling`` (``--use-rope-scaling`` with the ``--rope-scaling-*`` flags;
+  ``--rotary-seq-len-interpolation-factor``; ``--yarn-rotary-scaling-factor`` with the ``--yarn-*``
+  flags). Other rope types (``dynamic``, ``longrope``, ...) are refused by name, and so is any
+  key of a rope table megazero would not read.
 - Mistral (``modeling_mistral``): Llama's block without biases (no ``attention_bias`` /
   ``mlp_bias`` keys: none is read) with ``head_dim`` (``--kv-channels``) and ``sliding_window``:
   every layer's query at position i sees keys j with ``i - j < sliding_window``, all earlier
@@ -159,18 +165,32 @@ _ROPE_KEYS = {
         "high_freq_factor",
         "original_max_position_embeddings",
     },
+    "yarn": {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "partial_rotary_factor",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    },
 }
 
 
 def rope_settings_from_hf(rope: Mapping, positions: int) -> dict:
     """GPTConfig RoPE-scaling fields of a ``rope_parameters`` (or ``rope_scaling``) table; ``positions``:
-    ``max_position_embeddings``, llama3's fallback original context. Raises HFConversionError
+    ``max_position_embeddings``, llama3's and yarn's fallback original context. Raises HFConversionError
     naming a rope type megazero does not compute or a key of it megazero would not read."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in _ROPE_KEYS:
         raise HFConversionError(
-            f"rope type {kind!r}: megazero's RoPE is unscaled, 'linear' or 'llama3'; another scaling would "
-            "compute other angles"
+            f"rope type {kind!r}: megazero's RoPE is unscaled, 'linear', 'llama3' or 'yarn'; another scaling "
+            "would compute other angles"
         )
     extra = sorted(set(rope) - _ROPE_KEYS[kind])
     if extra:
@@ -179,6 +199,8 @@ def rope_settings_from_hf(rope: Mapping, positions: int) -> dict:
         return dict(rotary_seq_len_interpolation_factor=float(config_value(rope, "factor", "number")))
     if kind == "default":
         return {}
+    if kind == "yarn":
+        return _yarn_settings_from_hf(rope, positions)
     return dict(
         use_rope_scaling=True,
         rope_scaling_factor=float(config_value(rope, "factor", "number")),
@@ -190,14 +212,58 @@ def rope_settings_from_hf(rope: Mapping, positions: int) -> dict:
     )
 
 
+def _yarn_settings_from_hf(rope: Mapping, positions: int) -> dict:
+    """GPTConfig ``yarn_*`` fields of a ``yarn`` rope table, with transformers' defaults for absent keys
+    (``mscale`` / ``mscale_all_dim`` may be 0, which transformers reads as absent, as megazero does)."""
+    original = config_value(rope, "original_max_position_embeddings", "size", positions)
+    out = dict(
+        yarn_rotary_scaling_factor=float(config_value(rope, "factor", "number", positions / original)),
+        yarn_original_max_position_embeddings=original,
+        yarn_beta_fast=float(config_value(rope, "beta_fast", "number", 32.0)),
+        yarn_beta_slow=float(config_value(rope, "beta_slow", "number", 1.0)),
+        yarn_correction_range_round_to_int=config_value(rope, "truncate", "flag", True),
+    )
+    for key in ("mscale", "mscale_all_dim", "attention_factor"):
+        v = rope.get(key)
+        if v is None:
+            continue
+        if key != "attention_factor" and v == 0:
+            out[f"yarn_{key}"] = 0.0
+        else:
+            out[f"yarn_{key}"] = float(config_value(rope, key, "number"))
+    return out
+
+
 def rope_parameters(gcfg: GPTConfig, theta: float) -> dict:
-    """The ``rope_parameters`` table of ``gcfg``'s RoPE (type ``default``, ``llama3`` or ``linear``).
-    Raises HFConversionError when both scalings are on (transformers has one rope type)."""
-    if gcfg.use_rope_scaling and gcfg.rotary_seq_len_interpolation_factor is not None:
-        raise HFConversionError(
-            "--use-rope-scaling with --rotary-seq-len-interpolation-factor: a Hugging Face config has one "
-            "rope type (no exact LlamaForCausalLM equivalent)"
+    """The ``rope_parameters`` table of ``gcfg``'s RoPE (type ``default``, ``llama3``, ``linear`` or
+    ``yarn``; yarn's ``mscale``, ``mscale_all_dim`` and ``attention_factor`` only when set). Raises
+    HFConversionError when two scalings are on (transformers has one rope type)."""
+    on = [
+        flag
+        for flag, set_ in (
+            ("--use-rope-scaling", gcfg.use_rope_scaling),
+            ("--rotary-seq-len-interpolation-factor", gcfg.rotary_seq_len_interpolation_factor is not None),
+            ("--yarn-rotary-scaling-factor", gcfg.yarn_rotary_scaling_factor is not None),
         )
+        if set_
+    ]
+    if len(on) > 1:
+        raise HFConversionError(
+            f"{on[0]} with {on[1]}: a Hugging Face config has one rope type (no exact LlamaForCausalLM equivalent)"
+        )
+    if gcfg.yarn_rotary_scaling_factor is not None:
+        optional = {"mscale": gcfg.yarn_mscale, "mscale_all_dim": gcfg.yarn_mscale_all_dim}
+        optional["attention_factor"] = gcfg.yarn_attention_factor
+        return {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": gcfg.yarn_rotary_scaling_factor,
+            "original_max_position_embeddings": gcfg.yarn_original_max_position_embeddings,
+            "beta_fast": gcfg.yarn_beta_fast,
+            "beta_slow": gcfg.yarn_beta_slow,
+            "truncate": gcfg.yarn_correction_range_round_to_int,
+            **{k: v for k, v in optional.items() if v is not None},
+        }
     if gcfg.use_rope_scaling:
         return {
             "rope_type": "llama3",

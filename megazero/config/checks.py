@@ -35,6 +35,7 @@ from megazero.config.shape import (
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
+    check_yarn,
 )
 from megazero.data_parallel.policy import POLICIES, stages_where
 from megazero.pipeline.partition import PartitionError, validate_partition
@@ -203,6 +204,15 @@ def _check_block(cfg: Config, world_size: int) -> None:
         kv_channels=m.kv_channels,
     )
     check_rope_scaling(m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor)
+    check_yarn(
+        yarn_factor=m.yarn_rotary_scaling_factor,
+        use_rope_scaling=m.use_rope_scaling,
+        linear_factor=m.rotary_seq_len_interpolation_factor,
+        beta_fast=m.yarn_beta_fast,
+        beta_slow=m.yarn_beta_slow,
+        mscale=m.yarn_mscale,
+        mscale_all_dim=m.yarn_mscale_all_dim,
+    )
 
 
 def _check_swiglu_width(cfg: Config, world_size: int) -> None:

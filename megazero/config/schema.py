@@ -73,6 +73,7 @@ _DECAY = Needs("optim.lr_decay_style", besides=("constant",))
 _SAVE = Needs("train.save", besides=(None,), refuse=True, wanted="--save DIR")
 _ROPE = Needs("model.position_embedding_type", ("rope",), refuse=True)
 _ROPE_SCALING = Needs("model.use_rope_scaling", (True,), refuse=True)
+_YARN = Needs("model.yarn_rotary_scaling_factor", besides=(None,), refuse=True, wanted="--yarn-rotary-scaling-factor F")
 _WSD = Needs("optim.lr_decay_style", ("WSD",))
 _FIM = Needs("data.fim_rate", above=0)
 _HARNESS = Needs("train.eval_harness_tasks", besides=(None,))
@@ -174,6 +175,58 @@ class ModelConfig:
     )
     rotary_percent: float = _f(
         1.0, "fraction of each head's dimensions RoPE rotates, in (0, 1]", "fraction", applies=_ROPE
+    )
+    yarn_rotary_scaling_factor: Optional[float] = _f(
+        None,
+        "YaRN RoPE scaling (Peng et al. 2023; transformers' rope type yarn): the context extension factor; "
+        "slow frequencies are divided by it, fast ones kept, and cos/sin scaled by the attention factor; "
+        "None = off",
+        "",
+        ge=1,
+        applies=_ROPE,
+    )
+    yarn_original_max_position_embeddings: int = _f(
+        4096, "YaRN: the pretraining context the rotations are counted over", "tokens", ge=1, applies=_YARN
+    )
+    yarn_beta_fast: float = _f(
+        32.0,
+        "YaRN: pairs turning more than this over the original context keep their frequency",
+        "rotations",
+        gt=0,
+        applies=_YARN,
+    )
+    yarn_beta_slow: float = _f(
+        1.0,
+        "YaRN: pairs turning less than this over the original context are fully interpolated",
+        "rotations",
+        gt=0,
+        applies=_YARN,
+    )
+    yarn_mscale: Optional[float] = _f(
+        None,
+        "YaRN: the attention factor's numerator coefficient (with --yarn-mscale-all-dim; DeepSeek's mscale)",
+        "",
+        ge=0,
+        applies=_YARN,
+    )
+    yarn_mscale_all_dim: Optional[float] = _f(
+        None,
+        "YaRN: the attention factor's denominator coefficient (DeepSeek's mscale_all_dim)",
+        "",
+        ge=0,
+        applies=_YARN,
+    )
+    yarn_attention_factor: Optional[float] = _f(
+        None,
+        "YaRN: the factor on cos and sin, given outright; None = 0.1 ln(factor) + 1 or the mscale ratio",
+        "",
+        gt=0,
+        applies=_YARN,
+    )
+    yarn_correction_range_round_to_int: bool = _f(
+        True,
+        "YaRN: round the ramp's correction dimensions outwards to integers (transformers' truncate)",
+        applies=_YARN,
     )
     normalization: str = _f("LayerNorm", "norm of every block and the final norm", choices=("LayerNorm", "RMSNorm"))
     swiglu: bool = _f(False, "gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8H/3/64)*64")

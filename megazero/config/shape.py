@@ -123,6 +123,41 @@ def check_rope_scaling(low_freq_factor: float, high_freq_factor: float) -> None:
         )
 
 
+def check_yarn(
+    *,
+    yarn_factor: Optional[float],
+    use_rope_scaling: bool,
+    linear_factor: Optional[float],
+    beta_fast: float,
+    beta_slow: float,
+    mscale: Optional[float],
+    mscale_all_dim: Optional[float],
+) -> None:
+    """YaRN (model/rope.py) is one RoPE scaling of its own, with a ramp from ``beta_fast`` down to
+    ``beta_slow`` rotations, and its ``mscale`` counts only beside ``mscale_all_dim`` (transformers'
+    ``yarn`` rope type). Raises ConfigError naming the flags: YaRN with another scaling,
+    ``beta_fast < beta_slow``, or an ``mscale`` other than 1 that would be ignored."""
+    if yarn_factor is None:
+        return
+    linear = linear_factor is not None
+    others = (use_rope_scaling, "--use-rope-scaling"), (linear, "--rotary-seq-len-interpolation-factor")
+    for on, flag in others:
+        if on:
+            raise ConfigError(
+                f"--yarn-rotary-scaling-factor with {flag}: one RoPE scaling at a time (a Hugging Face config has "
+                "one rope type); fix: drop one of them"
+            )
+    if beta_fast < beta_slow:
+        raise ConfigError(
+            f"--yarn-beta-fast {beta_fast} is below --yarn-beta-slow {beta_slow}; fix: e.g. YaRN's 32 and 1"
+        )
+    if mscale is not None and mscale != 1.0 and not mscale_all_dim:
+        raise ConfigError(
+            f"--yarn-mscale {mscale} without --yarn-mscale-all-dim is ignored (the attention factor is then "
+            "0.1 ln(factor) + 1); fix: give --yarn-mscale-all-dim or drop --yarn-mscale"
+        )
+
+
 def check_context_parallel(
     *,
     seq_length: int,

@@ -3,8 +3,10 @@ transformers' own config and model classes at tiny sizes (no network): a Llama w
 RoPE scaling (untied, no biases), a Mistral with ``head_dim`` 12 (hidden / heads = 8), no sliding
 window and untied embeddings (exported back as Mistral), a Qwen2 with q/k/v biases, tied
 embeddings, ``use_sliding_window: false`` and ``linear`` RoPE scaling, a Qwen3 with ``head_dim``
-12 and QK-norm, and a Qwen3-MoE with the same attention, 4 experts (top 2, not renormalised) and
-one dense layer.
+12, QK-norm and ``yarn`` RoPE scaling (factor 4 over an original context of 64, YaRN's betas 32 / 1,
+the ramp rounded outwards), and a Qwen3-MoE with the same attention, 4 experts (top 2, not
+renormalised), one dense layer and DeepSeek / gpt-oss style ``yarn`` (factor 8 over 32, beta_fast
+16, ``mscale`` 1 over ``mscale_all_dim`` 0.5, ``truncate`` false).
 ``--from-hf`` gives transformers' logits within 1e-5 at tp 1 and tp 2 (+ SP), the first training
 step's loss under tp 2 equals transformers' loss on the same batch within 1e-6,
 the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to tensors
@@ -91,11 +93,19 @@ FAMILIES = {
             use_sliding_window=False,
             sliding_window=4096,
             max_window_layers=1,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=True,
+            ),
         ),
         BLOCK
         + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"]
-        + ["--qk-layernorm"],
+        + ["--qk-layernorm", "--yarn-rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "64"],
     ),
     # Qwen3's attention with 4 experts of width 16, top 2 of the full softmax not renormalised
     # (norm_topk_prob false), layer 1 dense (mlp_only_layers: --moe-layer-freq 2)
@@ -109,15 +119,28 @@ FAMILIES = {
             moe_intermediate_size=16,
             norm_topk_prob=False,
             mlp_only_layers=[1],
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=8.0,
+                original_max_position_embeddings=32,
+                beta_fast=16.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=0.5,
+                truncate=False,
+            ),
         ),
         BLOCK
         + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"]
         + ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16"]
-        + ["--moe-router-pre-softmax", "--moe-layer-freq", "2"],
+        + ["--moe-router-pre-softmax", "--moe-layer-freq", "2"]
+        + ["--yarn-rotary-scaling-factor", "8", "--yarn-original-max-position-embeddings", "32"]
+        + ["--yarn-beta-fast", "16", "--yarn-mscale", "1", "--yarn-mscale-all-dim", "0.5"]
+        + ["--no-yarn-correction-range-round-to-int"],
     ),
 }
-SCALED = ("llama3", "qwen2.5")  # the families whose RoPE is scaled
+SCALED = ("llama3", "qwen2.5", "qwen3", "qwen3-moe")  # the families whose RoPE is scaled
 
 
 def _make_folder(d, family, tokenizer_json):
@@ -199,6 +222,9 @@ def test_family_in_and_out(family, folders, tmp_path):
         (12, "qwen3" in family) if family == "mistral" or "qwen3" in family else (None, False)
     )
     assert stage.cfg.hf_model_type == ("mistral" if family == "mistral" else None)
+    assert (stage.cfg.yarn_rotary_scaling_factor, stage.cfg.yarn_correction_range_round_to_int) == (
+        {"qwen3": (4.0, True), "qwen3-moe": (8.0, False)}.get(family, (None, True))
+    )
     with torch.no_grad():
         tp1 = stage.eval()(ids)[..., :300]
     tp2, loss = run_distributed(_tp2_logits_and_first_loss, 2, folder, ids, argv, str(tmp_path / "ckpt"))[0]
@@ -208,6 +234,7 @@ def test_family_in_and_out(family, folders, tmp_path):
 
     if family in SCALED:
         stage.cfg.use_rope_scaling, stage.cfg.rotary_seq_len_interpolation_factor = False, None  # RoPE unscaled
+        stage.cfg.yarn_rotary_scaling_factor = None
         with torch.no_grad():
             unscaled = type(stage)(
                 stage.cfg, stage.groups, range(2), True, True, seed=0, full_weights=dict(stage.named_parameters())
@@ -235,9 +262,9 @@ def test_family_in_and_out(family, folders, tmp_path):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kv_cache_greedy_tokens_equal_transformers_past_the_original_context(family, folders):
-    """32 greedy tokens after a 48-token prompt (positions up to 80, past llama3's original 64):
-    the KV-cache decoding of model/sampling.py (rotated keys cached with the scaled angles)
-    gives transformers' ``generate`` tokens."""
+    """32 greedy tokens after a 48-token prompt (positions up to 80, past llama3's and Qwen3's
+    original 64 and Qwen3-MoE's 32): the KV-cache decoding of model/sampling.py (rotated keys
+    cached with the scaled angles and YaRN's attention factor) gives transformers' ``generate`` tokens."""
     from megazero.process_groups import ProcessGroups
     from megazero.training.inference import load_model
     from model.sampling import sample

@@ -240,7 +240,11 @@ def test_llama_from_hf_mismatch_stops_before_launch(exported, tmp_path, capsys):
     for change, message in (
         (dict(num_key_value_heads=4), "fix: set --group-query-attention --num-query-groups"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope type 'yarn'"),
+        (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic'"),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}),
+            "yarn_rotary_scaling_factor = 2.0, this run None; fix: set --yarn-rotary-scaling-factor",
+        ),
         (
             dict(rope_parameters={"rope_type": "linear", "factor": 2.0}),
             "rotary_seq_len_interpolation_factor = 2.0, this run None; fix: set --rotary-seq-len-interpolation-factor",

@@ -401,11 +401,17 @@ def test_rope_scaling_and_qkv_bias_layouts_equal_reference():
 
 
 # Qwen3's attention: heads of their own size (--kv-channels 12, so q/k/v are 48 wide against a
-# hidden size of 32) with QK-norm (an RMSNorm of every q and k head before RoPE), under tp 2 + SP,
-# pp 2 (with full recomputation of every block, norms included) and cp 2 (ring and all-to-all):
-# one spawn of 2 ranks. With gpt-oss's attention sinks on top (--softmax-type learnable: the
-# ring merges each head's sink as one more partial, the all-to-all splits them with the heads).
-QWEN3_ATTENTION = LLAMA + WIDER + ["--kv-channels", "12", "--qk-layernorm", "--softmax-type", "learnable"]
+# hidden size of 32) with QK-norm (an RMSNorm of every q and k head before RoPE) and YaRN on the
+# partial rotary dimension (6 of 12, as DeepSeek's MLA rotates part of each head: factor 4 over an
+# original context of 8, beta_fast 4, the ramp unrounded, attention factor 1.139 / 1.069 from
+# mscale 1 over mscale_all_dim 0.5), with gpt-oss's attention sinks on top (--softmax-type
+# learnable: the ring merges each head's sink as one more partial, the all-to-all splits them with
+# the heads), under tp 2 + SP, pp 2 (with full recomputation of every block, norms included) and
+# cp 2 (ring and all-to-all, where each rank's rows read the table at its zigzag positions): one
+# spawn of 2 ranks.
+YARN = ["--yarn-rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "8", "--yarn-beta-fast", "4"]
+YARN += ["--yarn-mscale", "1", "--yarn-mscale-all-dim", "0.5", "--no-yarn-correction-range-round-to-int"]
+QWEN3_ATTENTION = LLAMA + WIDER + ["--kv-channels", "12", "--qk-layernorm", "--softmax-type", "learnable"] + YARN
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 QWEN3_LAYOUTS = {
     "tp2-sp": LAYOUTS["tp2-sp"][1],
@@ -417,6 +423,7 @@ QWEN3_LAYOUTS = {
 
 def test_kv_channels_and_qk_layernorm_layouts_equal_reference():
     """Each layout of QWEN3_LAYOUTS with QWEN3_ATTENTION: losses equal the oracle's (which sizes
-    its heads and normalises q and k on its own) within 1e-5 relative over FEATURE_STEPS (6) steps, gradient norms
-    and the sample the single process's; the features change the losses."""
+    its heads, normalises q and k and computes YaRN's angles and factor on its own) within 1e-5
+    relative over FEATURE_STEPS (6) steps, gradient norms and the sample the single process's; the
+    features change the losses."""
     check_feature_sweep(QWEN3_ATTENTION, QWEN3_LAYOUTS, 2)

@@ -67,20 +67,60 @@ def _scaled_frequency(theta: float, scaling: dict) -> float:
     return weight * theta + (1 - weight) * theta / factor
 
 
+def _yarn_frequency(j: int, rot_dim: int, base: float, yarn: dict) -> float:
+    """Pair ``j``'s YaRN frequency (transformers' ``yarn`` rope type, written per pair in float64):
+    the pair index where a pair turns ``b`` times over the original context is
+    ``rot ln(original / (2 pi b)) / (2 ln base)``; between those of ``beta_fast`` and ``beta_slow``
+    (rounded outwards when ``truncate``) the frequency slides linearly in ``j`` from kept to
+    divided by ``factor``."""
+
+    def index(b):
+        return rot_dim * math.log(yarn["original"] / (2 * math.pi * b)) / (2 * math.log(base))
+
+    low, high = index(yarn["beta_fast"]), index(yarn["beta_slow"])
+    if yarn["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    slide = min(max((j - low) / ((high + 0.001 if high == low else high) - low), 0.0), 1.0)
+    theta = base ** (-2 * j / rot_dim)
+    return slide * theta / yarn["factor"] + (1 - slide) * theta
+
+
+def _yarn_magnitude(yarn: dict) -> float:
+    """YaRN's factor on cos and sin: ``attention_factor`` if given, else ``(0.1 a ln s + 1)`` over
+    ``(0.1 b ln s + 1)`` with ``a, b = mscale, mscale_all_dim`` when both are non-zero, else
+    ``0.1 ln s + 1`` (1 for ``s <= 1``)."""
+    s = yarn["factor"]
+    if yarn.get("attention_factor") is not None:
+        return yarn["attention_factor"]
+
+    def m(a):
+        return 1.0 if s <= 1 else 0.1 * a * math.log(s) + 1.0
+
+    a, b = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    return m(a) / m(b) if a and b else m(1.0)
+
+
 def rope_rotate(x: torch.Tensor, rot_dim: int, base: float, positions=None, scaling=None) -> torch.Tensor:
     """RoPE written with complex numbers: pair ``(x_j, x_{j+rot/2})`` of the first ``rot_dim``
     dimensions is ``x_j + i x_{j+rot/2}``, multiplied by ``exp(i t base^(-2j/rot_dim))`` at
     position ``t`` (Su et al. 2021, eq. 34). ``x [B, heads, T, d]`` -> same shape; ``positions``
     ``[B, T]`` (default 0..T-1). ``scaling``: ``{"llama3": (factor, low, high, original)}``
-    rewrites each frequency (``_scaled_frequency``), ``{"linear": f}`` uses position ``t / f``."""
+    rewrites each frequency (``_scaled_frequency``), ``{"linear": f}`` uses position ``t / f``,
+    ``{"yarn": dict(factor, original, beta_fast, beta_slow, truncate, mscale, mscale_all_dim,
+    attention_factor)}`` uses ``_yarn_frequency`` and scales the rotated pairs by ``_yarn_magnitude``."""
     B, T, half = x.shape[0], x.shape[2], rot_dim // 2
     scaling = scaling or {}
-    theta = torch.tensor(
-        [_scaled_frequency(base ** (-2 * j / rot_dim), scaling) for j in range(half)], dtype=torch.float64
-    )  # (rot/2,)
+    if "yarn" in scaling:
+        freqs = [_yarn_frequency(j, rot_dim, base, scaling["yarn"]) for j in range(half)]
+    else:
+        freqs = [_scaled_frequency(base ** (-2 * j / rot_dim), scaling) for j in range(half)]
+    theta = torch.tensor(freqs, dtype=torch.float64)  # (rot/2,)
     t = torch.arange(T, dtype=torch.float64).expand(B, T) if positions is None else positions.double()
     t = t / scaling.get("linear", 1.0)
-    phase = torch.polar(torch.ones(B, 1, T, half, dtype=torch.float64), t[:, None, :, None] * theta)  # (B, 1, T, rot/2)
+    magnitude = _yarn_magnitude(scaling["yarn"]) if "yarn" in scaling else 1.0
+    ones = torch.full((B, 1, T, half), magnitude, dtype=torch.float64)
+    phase = torch.polar(ones, t[:, None, :, None] * theta)  # (B, 1, T, rot/2)
     z = torch.complex(x[..., :half].double(), x[..., half:rot_dim].double()) * phase
     return torch.cat([z.real.to(x.dtype), z.imag.to(x.dtype), x[..., rot_dim:]], dim=-1)
 
@@ -272,6 +312,17 @@ def block_options(cfg) -> dict:
         )
     if getattr(cfg, "rotary_seq_len_interpolation_factor", None) is not None:
         scaling["linear"] = cfg.rotary_seq_len_interpolation_factor
+    if getattr(cfg, "yarn_rotary_scaling_factor", None) is not None:
+        scaling["yarn"] = dict(
+            factor=cfg.yarn_rotary_scaling_factor,
+            original=cfg.yarn_original_max_position_embeddings,
+            beta_fast=cfg.yarn_beta_fast,
+            beta_slow=cfg.yarn_beta_slow,
+            truncate=cfg.yarn_correction_range_round_to_int,
+            mscale=cfg.yarn_mscale,
+            mscale_all_dim=cfg.yarn_mscale_all_dim,
+            attention_factor=cfg.yarn_attention_factor,
+        )
     if scaling:
         out["rope_scaling"] = scaling
     if getattr(cfg, "num_experts", None) is not None:

@@ -83,7 +83,7 @@ def test_a_qwen3_moe_config_reads_as_kv_channels_qk_norm_and_experts_and_writes_
         (dict(mlp_only_layers=[0]), "MoE layers [1] (decoder_sparse_step 1, mlp_only_layers [0])"),
         (dict(decoder_sparse_step=2), "MoE layers [1] (decoder_sparse_step 2"),
         (dict(shared_expert_intermediate_size=16), "'shared_expert_intermediate_size' is unknown"),
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+        (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "rope type 'longrope'"),
     ],
 )
 def test_import_refuses_a_qwen3_moe_config_megazero_computes_differently(change, message):

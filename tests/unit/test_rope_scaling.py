@@ -1,6 +1,7 @@
 """RoPE scaling (model/rope.py) and the config side of the Llama-3.x / Qwen2 map
 (model/hf_families.py), in one process without ranks: Llama 3.1's frequency rule band by band
-and against transformers' own ``llama3`` initialiser, linear scaling as divided positions,
+and against transformers' own ``llama3`` initialiser, YaRN's frequencies, attention factor and
+cos/sin tables bit for bit transformers' ``yarn`` ones, linear scaling as divided positions,
 scaling off bit-identical to the unscaled table, the megazero model with scaling and a
 q/k/v-only bias equal to the oracle, every key of transformers' LlamaConfig / MistralConfig /
 Qwen2Config / Qwen3Config / Qwen3MoeConfig classified, and what the import refuses, one line naming the key."""
@@ -50,6 +51,60 @@ def test_llama3_frequencies_equal_transformers_initialiser():
     assert not torch.allclose(ours, inv_frequencies(16, 10000.0), rtol=1e-3)  # the rewrite acts
 
 
+# (options of transformers' yarn table, partial_rotary_factor): the ramp rounded outwards or not,
+# DeepSeek's mscale ratio, other betas, a partial rotary dimension (DeepSeek-V3's rotates 64 of 192),
+# an attention factor given outright
+YARN_CASES = [
+    (dict(factor=4.0), 1.0),
+    (dict(factor=4.0, truncate=False), 1.0),
+    (dict(factor=8.0, beta_fast=16, beta_slow=2, mscale=0.707, mscale_all_dim=0.707), 1.0),
+    (dict(factor=4.0, mscale=1.0, mscale_all_dim=0.5, truncate=False), 0.5),
+    (dict(factor=2.0, attention_factor=1.25), 0.5),
+]
+
+
+@pytest.mark.parametrize("options,partial", YARN_CASES)
+def test_yarn_frequencies_factor_and_tables_equal_transformers(options, partial):
+    require("transformers")
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = dict(rope_type="yarn", rope_theta=10000.0, original_max_position_embeddings=64, **options)
+    if partial != 1.0:
+        rope["partial_rotary_factor"] = partial
+    positions = int(64 * options["factor"])  # the extended context (transformers warns otherwise)
+    hf = LlamaConfig(hidden_size=128, num_attention_heads=4, max_position_embeddings=positions, rope_parameters=rope)
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    rot = int(32 * partial)  # head_dim 32: 16 pairs (8 partial) over the ramp
+    yarn = RopeScaling(
+        yarn_factor=options["factor"],
+        original_max_positions=64,
+        beta_fast=options.get("beta_fast", 32.0),
+        beta_slow=options.get("beta_slow", 1.0),
+        mscale=options.get("mscale"),
+        mscale_all_dim=options.get("mscale_all_dim"),
+        attention_factor=options.get("attention_factor"),
+        truncate=options.get("truncate", True),
+    )
+    ours = inv_frequencies(rot, 10000.0, yarn)
+    assert torch.equal(ours, theirs) and yarn.cos_sin_factor == attention_factor
+    plain = inv_frequencies(rot, 10000.0)
+    assert ours[0] == plain[0] and ours[-1].item() == pytest.approx(plain[-1].item() / options["factor"], rel=1e-6)
+
+    positions = torch.arange(200).reshape(2, 100)  # past the original 64
+    cos_hf, sin_hf = LlamaRotaryEmbedding(hf)(torch.zeros(1, dtype=torch.bfloat16), positions)  # (B, T, rot) bf16
+    cos, sin = rotary_cos_sin_at(positions, rot, 10000.0, torch.bfloat16, scaling=yarn)  # (B, 1, T, rot)
+    assert torch.equal(cos[:, 0], cos_hf) and torch.equal(sin[:, 0], sin_hf)
+    table = RotaryTable(200, rot, 10000.0, scaling=yarn)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = rotary_cos_sin_at(positions, rot, 10000.0, dtype, scaling=yarn)
+        assert all(torch.equal(a, b) for a, b in zip(table.at(positions, dtype), want))
+        assert all(torch.equal(a, b[0, 0]) for a, b in zip(table.first(100, dtype), want))  # row 0: positions 0..99
+    if "attention_factor" in options or "mscale" not in options:
+        assert attention_factor > 1  # cos and sin are rescaled: a table without the factor would fail
+
+
 def test_linear_scaling_is_positions_divided_by_the_factor():
     positions = torch.arange(0, 30, 3).reshape(2, 5)  # multiples of 3
     cos, sin = rotary_cos_sin_at(positions, 8, 1000.0, scaling=RopeScaling(linear_factor=3.0))
@@ -79,6 +134,9 @@ def test_scaling_off_is_the_unscaled_table_bit_for_bit():
         dict(use_rope_scaling=True, rope_scaling_factor=4.0, rope_scaling_high_freq_factor=8.0,
              rope_scaling_original_max_position_embeddings=64),
         dict(rotary_seq_len_interpolation_factor=2.5),
+        dict(yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16, yarn_beta_fast=8.0,
+             yarn_mscale=1.0, yarn_mscale_all_dim=0.5, yarn_correction_range_round_to_int=False,
+             rotary_percent=0.5),
         dict(add_qkv_bias=True),
     ],
 )  # fmt: skip
@@ -188,7 +246,8 @@ def test_a_llama31_config_reads_as_rope_scaling_and_writes_back():
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+        (dict(rope_scaling={"type": "yarn", "factor": 16.0, "finetuned": True}), "rope_parameters.finetuned"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 0}), "beta_fast = 0 is not"),
         (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope type 'dynamic'"),
         (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "beta_fast": 32}), "rope_parameters.beta_fast"),
         (dict(quantization_config={"quant_method": "fp8"}), "config.json key 'quantization_config' is unknown"),
@@ -210,6 +269,29 @@ def test_import_refuses_what_megazero_computes_differently_in_one_line(change, m
     assert "\n" not in str(e.value)
 
 
+def test_a_transformers4_yarn_config_reads_with_transformers_defaults_and_writes_back():
+    """Legacy ``rope_scaling`` with ``type`` yarn and only factor / original context (as Qwen's model
+    cards give it): beta 32 / 1, truncate true, no mscale; exported as ``rope_parameters`` with those
+    values written out, which reads back to the same GPTConfig."""
+    from model.hf import config_from_hf, llama_config
+
+    rope = {"type": "yarn", "factor": 4, "original_max_position_embeddings": 256}
+    gcfg = config_from_hf(_llama31_config(rope_scaling=rope), hidden_dropout=0.0, attention_dropout=0.0)
+    assert (gcfg.yarn_rotary_scaling_factor, gcfg.yarn_original_max_position_embeddings) == (4.0, 256)
+    assert (gcfg.yarn_beta_fast, gcfg.yarn_beta_slow, gcfg.yarn_correction_range_round_to_int) == (32.0, 1.0, True)
+    assert (gcfg.yarn_mscale, gcfg.yarn_mscale_all_dim, gcfg.yarn_attention_factor, gcfg.use_rope_scaling) == (
+        None, None, None, False
+    )  # fmt: skip
+    written = llama_config(gcfg)
+    assert written["rope_parameters"] == written["rope_scaling"] == {
+        "rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+    }  # fmt: skip
+    assert config_from_hf(written, hidden_dropout=0.0, attention_dropout=0.0) == gcfg
+    no_factor = config_from_hf(_llama31_config(rope_scaling={"rope_type": "yarn", "mscale_all_dim": 0}))
+    assert (no_factor.yarn_rotary_scaling_factor, no_factor.yarn_mscale_all_dim) == (1.0, 0.0)  # 1024 / 1024
+
+
 def test_a_qwen25_window_that_covers_every_position_is_full_attention():
     from model.hf import config_from_hf
 
@@ -225,6 +307,8 @@ def test_export_refuses_both_scalings_and_a_qkv_bias_with_experts():
 
     with pytest.raises(HFConversionError, match="one rope type"):
         hf_config(llama_gcfg(use_rope_scaling=True, rotary_seq_len_interpolation_factor=2.0))
+    with pytest.raises(HFConversionError, match="--use-rope-scaling with --yarn-rotary-scaling-factor: a Hugging"):
+        hf_config(llama_gcfg(use_rope_scaling=True, yarn_rotary_scaling_factor=2.0))
     with pytest.raises(HFConversionError, match="--add-qkv-bias with --num-experts"):
         hf_config(llama_gcfg(add_qkv_bias=True, num_experts=2, moe_router_topk=1))
 
@@ -235,10 +319,19 @@ def test_flags_need_their_feature_and_sane_bands(capsys):
     base = ["--mock-data", "--position-embedding-type", "rope"]
     cfg = config_from_argv(base + ["--use-rope-scaling", "--rope-scaling-factor", "32"], 1)
     assert (cfg.model.use_rope_scaling, cfg.model.rope_scaling_factor) == (True, 32.0)
+    yarn = ["--yarn-rotary-scaling-factor", "40", "--yarn-mscale", "1", "--yarn-mscale-all-dim", "1"]
+    m = config_from_argv(base + yarn + ["--no-yarn-correction-range-round-to-int"], 1).model
+    assert (m.yarn_rotary_scaling_factor, m.yarn_mscale_all_dim, m.yarn_correction_range_round_to_int) == (40, 1, False)
     for argv, message in (
         (["--rope-scaling-factor", "32"], "--rope-scaling-factor"),
         (["--add-qkv-bias"], "--add-qkv-bias"),
         (["--use-rope-scaling", "--rope-scaling-low-freq-factor", "4"], "--rope-scaling-high-freq-factor 4.0 is not"),
+        (["--yarn-beta-fast", "16"], "--yarn-beta-fast"),
+        (["--yarn-rotary-scaling-factor", "0.5"], "--yarn-rotary-scaling-factor"),
+        (["--yarn-rotary-scaling-factor", "4", "--use-rope-scaling"], "--yarn-rotary-scaling-factor with --use-rope"),
+        (["--yarn-rotary-scaling-factor", "4", "--rotary-seq-len-interpolation-factor", "2"], "one RoPE scaling"),
+        (["--yarn-rotary-scaling-factor", "4", "--yarn-beta-fast", "0.5"], "--yarn-beta-fast 0.5 is below"),
+        (["--yarn-rotary-scaling-factor", "4", "--yarn-mscale", "0.7"], "--yarn-mscale 0.7 without --yarn-mscale-all"),
     ):
         with pytest.raises(SystemExit) as e:
             config_from_argv(base + argv, 1)
