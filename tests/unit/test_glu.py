@@ -1,7 +1,8 @@
 """gpt-oss's MLP pieces against transformers' own: the gated unit (``megazero.ops.activation.glu``
 with --quick-geglu, --glu-linear-offset, --activation-func-clamp-value) against
-``GptOssExperts._apply_gate``, the router with its bias against ``GptOssTopKRouter``; the flags'
-refusals and the router bias's spec row."""
+``GptOssExperts._apply_gate``, the router with its bias against ``GptOssTopKRouter``, the MXFP4
+dequantization (``model.mxfp4``) against ``convert_moe_packed_tensors``; the flags' refusals and
+the router bias's spec row."""
 
 import math
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from megazero.moe import router as R
 from megazero.ops.activation import glu, quick_gelu
+from model.mxfp4 import dequantize_mxfp4
 
 
 def _gpt_oss():
@@ -69,6 +71,38 @@ def test_router_with_bias_equals_gpt_oss_topk_router():
     assert torch.equal(routing.experts, indices)
     assert torch.allclose(routing.probs, scores, rtol=1e-6, atol=0)
     assert not torch.equal(unbiased.experts, indices)  # the bias matters
+
+
+def _transformers_dequantize():
+    try:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    except ImportError as e:  # pragma: no cover - depends on the installed transformers
+        pytest.skip(f"transformers' MXFP4 conversion is not importable: {e}")
+    return convert_moe_packed_tensors
+
+
+def test_mxfp4_equals_transformers_on_random_bytes():
+    convert = _transformers_dequantize()
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (3, 10, 2, 16), dtype=torch.uint8, generator=g)  # E=3, R=10 rows, 64 values each
+    scales = torch.randint(0, 255, (3, 10, 2), dtype=torch.uint8, generator=g)  # every E8M0 code but NaN's
+    want = convert(blocks, scales, dtype=torch.float32)
+    got = dequantize_mxfp4(blocks, scales, transpose=True)
+    assert want.shape == got.shape == (3, 64, 10) and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(dequantize_mxfp4(blocks, scales), want.transpose(1, 2))  # rows as stored: [out, in]
+
+
+def test_mxfp4_by_hand_from_the_e2m1_table():
+    # byte 0x71: low nibble 1 (0.5) first, high 7 (6.0); 0xF8: 8 (-0.0), 15 (-6.0); 0x2B: 11 (-1.5), 2 (1.0)
+    blocks = torch.tensor([[[0x71, 0xF8], [0x2B, 0x00]], [[0x71, 0x00], [0x00, 0x00]]], dtype=torch.uint8)
+    scales = torch.tensor([[127, 130], [1, 255]], dtype=torch.uint8)  # 2**0, 2**3; 2**-126, NaN
+    got = dequantize_mxfp4(blocks, scales)
+    assert got.shape == (2, 8)
+    assert got[0].tolist() == [0.5, 6.0, -0.0, -6.0, -1.5 * 8, 1.0 * 8, 0.0, 0.0]
+    assert got[1, :4].tolist() == [0.5 * 2.0**-126, 6.0 * 2.0**-126, 0.0, 0.0] and got[1, 4:].isnan().all()
+    with pytest.raises(ValueError, match="without its last dim"):
+        dequantize_mxfp4(blocks, scales[:, :1])
 
 
 @pytest.mark.parametrize(
