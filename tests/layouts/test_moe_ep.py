@@ -14,7 +14,7 @@ layout; the pure rank arithmetic and the refused settings are tested without pro
 
 gpt-oss's MLP (``GPT_OSS``: --quick-geglu, --glu-linear-offset 1, a clamp small enough to bite at
 this init, linear biases, so the router's bias and the experts' biases) runs the same checks
-under tp 2 with sequence parallelism and under pp 2, both at EP 2.
+under tp 2 with sequence parallelism (ZeRO-1) and under pp 2 (ZeRO-3), both at EP 2.
 """
 
 import math
@@ -171,7 +171,10 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
         ["--tp", "2", "--sequence-parallel", "--dp", "2", "--zero-stage", "1", EP, "2"],
         "gpt-oss",
     ),
-    "gpt-oss-pp2-dp2-ep2-zero2": (["--pp", "2", "--dp", "2", "--zero-stage", "2", EP, "2"], "gpt-oss"),
+    "gpt-oss-pp2-dp2-ep2-zero3": (
+        ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
+        "gpt-oss",
+    ),
 }
 # Steps of every layout (tests/support/moe.py): the learning rate's warm-up (steps 1-3, the peak at 3)
 # and decay (4), Adam from its moments, routing and expert bias moved by updated weights; the
