@@ -21,7 +21,7 @@ from megazero.param_spec import chunk_entries
 from megazero.pipeline import partition
 from megazero.precision import model_dtype
 from megazero.process_groups import ProcessGroups
-from model.config import ROPE_SCALING_FIELDS, GPTConfig
+from model.config import GLU_FIELDS, ROPE_SCALING_FIELDS, GPTConfig
 from model.gpt import GPTStage
 from model.hf import HFConversionError
 from model.hf_folder import check_folder, folder_model_type, open_folder
@@ -66,6 +66,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         **{name: getattr(m, name) for name in ROPE_SCALING_FIELDS},
         normalization=m.normalization,
         swiglu=m.swiglu,
+        **{name: getattr(m, name) for name in GLU_FIELDS},
         openai_gelu=m.openai_gelu,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         add_bias_linear=m.add_bias_linear,
@@ -291,9 +292,9 @@ def model_signature(g: GPTConfig) -> dict:
             moe_shared_expert_intermediate_size=g.moe_shared_expert_intermediate_size,
         )
     )
-    # RoPE scaling, the QKV-only bias, --kv-channels and QK-norm enter only when on, so older
-    # checkpoints keep their signature
-    fields = ROPE_SCALING_FIELDS + ("add_qkv_bias", "kv_channels", "qk_layernorm", "softmax_type")
+    # RoPE scaling, the QKV-only bias, --kv-channels, QK-norm, the softmax type and the gated unit's
+    # variants enter only when on, so older checkpoints keep their signature
+    fields = ROPE_SCALING_FIELDS + ("add_qkv_bias", "kv_channels", "qk_layernorm", "softmax_type") + GLU_FIELDS
     optional = moe | {name: getattr(g, name) for name in fields if _changed(g, name)}
     return optional | dict(
         vocab_size=g.vocab_size,

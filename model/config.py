@@ -129,6 +129,14 @@ class GPTConfig:
     """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only, Zhang & Sennrich 2019)."""
     swiglu: bool = False
     """Gated SiLU MLP ``fc2(silu(gate) * up)`` (Shazeer 2020); ``fc1`` holds ``[gate; up]``."""
+    quick_geglu: bool = False
+    """Gated MLP whose gate is quick GELU ``x * sigmoid(1.702 x)`` (Megatron-LM's ``--quick-geglu``,
+    gpt-oss's): ``fc1`` holds ``[gate; up]`` as with ``swiglu`` (megazero.ops.activation)."""
+    glu_linear_offset: float = 0.0
+    """The gated MLP's ``act(gate) * (up + offset)`` (Megatron-LM's ``--glu-linear-offset``; gpt-oss 1.0)."""
+    activation_func_clamp_value: Optional[float] = None
+    """Before the gated MLP's activation, the gate clamped to at most this and up to ``[-it, it]``
+    (Megatron-LM's ``--activation-func-clamp-value``; gpt-oss 7.0); ``None`` = no clamp."""
     openai_gelu: bool = False
     """The GELU MLP with the tanh approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``
     (Hendrycks & Gimpel 2016, section 2; GPT-2's ``gelu_new``, Megatron-LM's ``--openai-gelu``)
@@ -238,6 +246,20 @@ class GPTConfig:
         return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """Whether the MLP is gated, ``fc1 = [gate; up]`` (``swiglu`` or ``quick_geglu``)."""
+        return self.swiglu or self.quick_geglu
+
+    @property
+    def glu_options(self) -> dict:
+        """The gated unit's keyword arguments for ``megazero.ops.activation.glu``."""
+        return dict(
+            quick_geglu=self.quick_geglu,
+            linear_offset=self.glu_linear_offset,
+            clamp_value=self.activation_func_clamp_value,
+        )
+
+    @property
     def qkv_bias(self) -> bool:
         """Whether the QKV projection has a bias (``add_bias_linear`` or ``add_qkv_bias``)."""
         return self.add_bias_linear or self.add_qkv_bias
@@ -286,7 +308,7 @@ class GPTConfig:
             max_position_embeddings=self.max_position_embeddings,
             tp=tp_size,
             sequence_parallel=self.sequence_parallel,
-            swiglu=self.swiglu,
+            swiglu=self.gated_linear_unit,
         )
         check_block(
             hidden_size=self.hidden_size,
@@ -328,6 +350,8 @@ YARN_FIELDS = (
     "yarn_attention_factor",
     "yarn_correction_range_round_to_int",
 )
+# the gated MLP's variants (megazero.ops.activation), the same names in GPTConfig and ModelConfig
+GLU_FIELDS = ("quick_geglu", "glu_linear_offset", "activation_func_clamp_value")
 # the RoPE scaling settings GPTConfig shares with ModelConfig (same names)
 ROPE_SCALING_FIELDS = (
     "use_rope_scaling",
@@ -363,6 +387,7 @@ _SETTING_OF = {
             "rope_scaling_original_max_position_embeddings",
             "rotary_seq_len_interpolation_factor",
             *YARN_FIELDS,
+            "activation_func_clamp_value",
             "kv_channels",
             "num_query_groups",
             "num_experts",

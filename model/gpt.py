@@ -47,6 +47,7 @@ from megazero import tags
 from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention, sink_attention
 from megazero.context_parallel.sdpa_kernels import expand_kv_for
 from megazero.context_parallel.sequence import SequenceInfo
+from megazero.ops.activation import glu
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -302,20 +303,21 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``fc2(gelu(fc1(x)))`` with exact (erf) GELU (tanh-approximated with ``openai_gelu``), or with ``swiglu``
     ``fc2(silu(gate) * up)`` where ``fc1`` gives ``[gate; up]`` (Shazeer 2020, "GLU Variants
-    Improve Transformer", eq. 6; stride 2, so each rank holds F/tp of each); fc1 column-,
-    fc2 row-parallel."""
+    Improve Transformer", eq. 6; stride 2, so each rank holds F/tp of each); with ``quick_geglu``
+    the gate's activation is quick GELU, with the offset and clamp of gpt-oss where set
+    (``megazero.ops.activation.glu``); fc1 column-, fc2 row-parallel."""
 
     def __init__(self, cfg: GPTConfig, group, sp: bool, device=None):
         super().__init__()
         H, F_ = cfg.hidden_size, cfg.ffn_hidden_size
-        self.swiglu = cfg.swiglu
+        self.gated, self.glu_options = cfg.gated_linear_unit, cfg.glu_options
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"  # torch's two GELUs
         self.fc1 = ColumnParallelLinear(
             H,
-            2 * F_ if self.swiglu else F_,
+            2 * F_ if self.gated else F_,
             group,
             sequence_parallel=sp,
-            stride=2 if self.swiglu else 1,
+            stride=2 if self.gated else 1,
             bias=cfg.add_bias_linear,
             dtype=cfg.params_dtype,
             device=device,
@@ -334,9 +336,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # (B, T, F/tp), or (B, T, 2F/tp)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)  # (B, T, F/tp) each
-            return self.fc2(F.silu(gate) * up)
+        if self.gated:  # [gate; up], (B, T, F/tp) each
+            return self.fc2(glu(h, **self.glu_options))  # (B, T, F/tp) in
         return self.fc2(F.gelu(h, approximate=self.gelu_approximate))
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from megazero import collectives as C
 from megazero.moe.dispatch import DISPATCHERS, gather_rows, local_experts
+from megazero.ops.activation import glu
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -41,25 +42,28 @@ class _Linear(nn.Module):
 
 class ExpertMLP(nn.Module):
     """One expert (or the shared expert) of inner width ``ffn``: this rank's ``ffn/tp`` hidden
-    units of the block's MLP (GELU, or SwiGLU with ``fc1 = [gate; up]``), as ``MLP`` partitions
-    them. ``forward`` returns the rank's *partial* sum of ``fc2`` (no reduction, no ``fc2``
-    bias): ``MoEMLP`` reduces every expert's output in one all-reduce and adds the biases."""
+    units of the block's MLP (GELU, or a gated unit with ``fc1 = [gate; up]``: SwiGLU, or gpt-oss's
+    clamped quick GEGLU, ``megazero.ops.activation.glu``), as ``MLP`` partitions them. ``forward``
+    returns the rank's *partial* sum of ``fc2`` (no reduction, no ``fc2`` bias): ``MoEMLP``
+    reduces every expert's output in one all-reduce and adds the biases."""
 
     def __init__(self, cfg: GPTConfig, ffn: int, tp: int, device=None):
         super().__init__()
         H, local = cfg.hidden_size, ffn // tp
-        self.swiglu, self.gelu_approximate = cfg.swiglu, "tanh" if cfg.openai_gelu else "none"
-        self.fc1 = _Linear(2 * local if cfg.swiglu else local, H, cfg.add_bias_linear, cfg.params_dtype, device)
+        self.gated, self.gelu_approximate = cfg.gated_linear_unit, "tanh" if cfg.openai_gelu else "none"
+        self.glu_options = cfg.glu_options
+        self.fc1 = _Linear(2 * local if self.gated else local, H, cfg.add_bias_linear, cfg.params_dtype, device)
         self.fc2 = _Linear(H, local, cfg.add_bias_linear, cfg.params_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, self.fc1.weight, self.fc1.bias)  # (n, F/tp) or (n, 2F/tp)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        return F.linear(h, self.fc2.weight)  # (n, H), partial over tp
+        return F.linear(self.activation(h), self.fc2.weight)  # (n, H), partial over tp
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """``fc1``'s output ``[n, 2F/tp]`` (gated) or ``[n, F/tp]`` -> the ``fc2`` input ``[n, F/tp]``."""
+        if self.gated:
+            return glu(h, **self.glu_options)
+        return F.gelu(h, approximate=self.gelu_approximate)
 
     @staticmethod
     def grouped_forward(experts: list, rows: torch.Tensor, sizes: list[int]) -> Optional[torch.Tensor]:
@@ -79,12 +83,7 @@ class ExpertMLP(nn.Module):
             return None
         offs = group_offsets(sizes, rows.device)
         w1 = torch.stack([e.fc1.weight for e in experts]).transpose(1, 2)  # (n, H, F/tp or 2F/tp)
-        h = torch._grouped_mm(rows, w1, offs=offs)
-        if e0.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate=e0.gelu_approximate)
+        h = e0.activation(torch._grouped_mm(rows, w1, offs=offs))  # (S, F/tp)
         w2 = torch.stack([e.fc2.weight for e in experts]).transpose(1, 2)  # (n, F/tp, H)
         return torch._grouped_mm(h, w2, offs=offs)  # (S, H), partial over tp
 
@@ -142,9 +141,10 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 class MoEMLP(nn.Module):
     """Mixture-of-Experts MLP of one layer: ``[B, T, H] -> [B, T, H]``.
 
-    The router (``router.weight [E, H]``, replicated over tp) scores the micro-batch's ``B*T``
-    tokens; ``megazero.moe.router.route`` picks each token's k experts and weights, and with a
-    capacity factor ``capacity_keep`` drops the assignments over capacity (dropped: that
+    The router (``router.weight [E, H]`` and, with linear biases, ``router.bias [E]``, both
+    replicated over tp; fp32 logits by default) scores the micro-batch's ``B*T`` tokens;
+    ``megazero.moe.router.route`` picks each token's k experts and weights, and with a capacity
+    factor ``capacity_keep`` drops the assignments over capacity (dropped: that
     expert adds nothing to the token). Each expert runs on its assigned tokens (gather, expert
     MLP, scale by the weight, ``index_add`` back; an expert with no token runs on an empty
     batch so its gradients still arrive), the shared expert on all tokens; the partial sums
@@ -185,7 +185,7 @@ class MoEMLP(nn.Module):
         tp = C.group_size(group)
         self.ep_group, self.ep_rank = (None, 0) if ep is None else ep
         local = E // C.group_size(self.ep_group)
-        self.router = _Linear(E, cfg.hidden_size, False, cfg.params_dtype, device)
+        self.router = _Linear(E, cfg.hidden_size, cfg.add_bias_linear, cfg.params_dtype, device)
         self.experts = nn.ModuleDict(
             {
                 str(e): ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device)
@@ -209,7 +209,7 @@ class MoEMLP(nn.Module):
 
         cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.moe_router_topk
         B, T, H = x.shape
-        logits = R.router_logits(x, self.router.weight, cfg.moe_router_dtype)  # (B, T(/tp), E), fp32 by default
+        logits = R.router_logits(x, self.router.weight, cfg.moe_router_dtype, self.router.bias)  # (B, T(/tp), E)
         if self.sp:  # the router ran on this rank's T/tp positions; route the micro-batch's N
             logits, inp, T = self._gather_sequence(logits, x)
         else:

@@ -21,9 +21,12 @@ Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head si
   k (d); v (d)]``, ``[(heads + 2G) d, H]``, stride 1: each rank holds ``G/tp`` whole groups,
   their queries with their key and value heads (Megatron-LM's layout). Query head ``h``
   belongs to group ``h // (heads/G)``.
-- ``mlp.fc1.weight`` with SwiGLU: ``[gate; up]``, ``[2F, H]``, stride 2; ``fc2`` ``[H, F]``.
+- ``mlp.fc1.weight`` of a gated MLP (SwiGLU, quick GEGLU): ``[gate; up]``, ``[2F, H]``, stride 2;
+  ``fc2`` ``[H, F]``.
 - an MoE layer (``cfg.is_moe_layer(i)``) has instead ``mlp.router.weight`` ``[E, H]``
-  (replicated over tp), ``mlp.experts.{j}.fc1/fc2.*`` for every expert j (its global index,
+  (replicated over tp; with linear biases also ``mlp.router.bias`` ``[E]``, zeros, no weight
+  decay, as Megatron-LM's router under ``--add-bias-linear`` and gpt-oss's ``router.bias``),
+  ``mlp.experts.{j}.fc1/fc2.*`` for every expert j (its global index,
   so expert parallelism can re-shard them), each laid out and partitioned as the dense MLP
   with ``moe_ffn_hidden_size``, and ``mlp.shared_experts.fc1/fc2.*`` for a shared expert.
 """
@@ -54,6 +57,8 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
     else:
         E = cfg.num_experts
         mlp_weights.append(("mlp.router.weight", (E, H), None, 1, "normal", True))
+        if cfg.add_bias_linear:
+            mlp_biases.append(("mlp.router.bias", (E,), None, 1, "zeros", False))
         for j in range(E):
             weights, biases = _mlp_rows(cfg, f"mlp.experts.{j}", cfg.moe_ffn_hidden_size)
             mlp_weights += weights
@@ -98,10 +103,10 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
 
 def _mlp_rows(cfg: GPTConfig, prefix: str, ffn: int) -> tuple[list, list]:
     """The weight rows and the bias rows of one MLP of inner width ``ffn`` (the dense MLP, an
-    expert or the shared expert): ``fc1`` column-parallel (SwiGLU: ``[gate; up]``, stride 2),
+    expert or the shared expert): ``fc1`` column-parallel (gated: ``[gate; up]``, stride 2),
     ``fc2`` row-parallel; biases with ``add_bias_linear`` (``fc2``'s replicated)."""
     H = cfg.hidden_size
-    fc1_rows, fc1_stride = (2 * ffn, 2) if cfg.swiglu else (ffn, 1)
+    fc1_rows, fc1_stride = (2 * ffn, 2) if cfg.gated_linear_unit else (ffn, 1)
     weights = [
         (f"{prefix}.fc1.weight", (fc1_rows, H), 0, fc1_stride, "normal", True),
         (f"{prefix}.fc2.weight", (H, ffn), 1, 1, "scaled_normal", True),

@@ -98,7 +98,7 @@ def _check_model_shape(cfg: Config, world_size: int) -> None:
         max_position_embeddings=m.max_position_embeddings,
         tp=p.tp,
         sequence_parallel=p.sequence_parallel,
-        swiglu=m.swiglu,
+        swiglu=m.swiglu or m.quick_geglu,
     )
     check_context_parallel(
         seq_length=m.seq_length,

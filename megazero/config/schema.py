@@ -77,6 +77,13 @@ _YARN = Needs("model.yarn_rotary_scaling_factor", besides=(None,), refuse=True, 
 _WSD = Needs("optim.lr_decay_style", ("WSD",))
 _FIM = Needs("data.fim_rate", above=0)
 _HARNESS = Needs("train.eval_harness_tasks", besides=(None,))
+_GATED = Needs(
+    "model.swiglu",
+    (True,),
+    alt=Needs("model.quick_geglu", (True,)),
+    refuse=True,
+    wanted="a gated MLP (--swiglu or --quick-geglu)",
+)
 _MOE = Needs("model.num_experts", besides=(None,), refuse=True, wanted="--num-experts E")
 
 
@@ -230,11 +237,35 @@ class ModelConfig:
     )
     normalization: str = _f("LayerNorm", "norm of every block and the final norm", choices=("LayerNorm", "RMSNorm"))
     swiglu: bool = _f(False, "gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8H/3/64)*64")
+    quick_geglu: bool = _f(
+        False,
+        "gated MLP (fc1 = [gate; up]) with the gate's activation quick GELU x * sigmoid(1.702 x) "
+        "instead of SiLU (Megatron-LM's; gpt-oss); a gated MLP by itself, so not with --swiglu; "
+        "--ffn-hidden-size defaults to 4 x --hidden-size",
+        applies=Needs("model.swiglu", (False,), refuse=True, wanted="no --swiglu (--quick-geglu is already gated)"),
+    )
+    glu_linear_offset: float = _f(
+        0.0,
+        "the gated MLP's act(gate) * (up + offset) (gpt-oss: 1.0)",
+        "",
+        applies=_GATED,
+    )
+    activation_func_clamp_value: Optional[float] = _f(
+        None,
+        "before the gated MLP's activation, clamp the gate to at most L and up to [-L, L] (gpt-oss: 7.0); "
+        "None = no clamp",
+        "",
+        gt=0,
+        applies=_GATED,
+    )
     openai_gelu: bool = _f(
         False,
         "the MLP's GELU with the tanh approximation (GPT-2's gelu_new, as the public "
         "GPT-2 checkpoints) instead of the exact erf GELU",
-        applies=Needs("model.swiglu", (False,), refuse=True, wanted="a GELU MLP (no --swiglu)"),
+        applies=(
+            Needs("model.swiglu", (False,), refuse=True, wanted="a GELU MLP (no --swiglu)"),
+            Needs("model.quick_geglu", (False,), refuse=True, wanted="a GELU MLP (no --quick-geglu)"),
+        ),
     )
     group_query_attention: bool = _f(False, "grouped-query attention with --num-query-groups key/value heads")
     num_query_groups: int = _f(

@@ -55,7 +55,7 @@ def check_sizes(
             "fix: use a --tp that divides the head count"
         )
     if ffn_hidden_size % tp:
-        glu = " (--swiglu: each rank holds F/tp gate and F/tp up units)" if swiglu else ""
+        glu = " (a gated MLP, --swiglu or --quick-geglu: each rank holds F/tp gate and F/tp up units)" if swiglu else ""
         raise ConfigError(
             f"--ffn-hidden-size {ffn_hidden_size} is not divisible by --tp {tp}{glu}; "
             "fix: use a multiple of the tensor-parallel size"

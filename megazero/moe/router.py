@@ -11,7 +11,8 @@ router's top-k. Flag names and meanings are Megatron-LM's (``--moe-router-topk``
 ``--moe-expert-capacity-factor``, ``--moe-token-drop-policy``).
 
 - Routing (:func:`route`): softmax scores, top-k after the softmax over all experts
-  (``pre_softmax``) or a softmax over the k chosen logits (the default, Mixtral's form);
+  (``pre_softmax``) or a softmax over the k chosen logits (the default: Mixtral's form, and
+  gpt-oss's ``GptOssTopKRouter`` on logits with the router's bias, :func:`router_logits`);
   sigmoid scores (DeepSeek-V3, section 2.1.2), the chosen k normalised to sum 1 when k > 1,
   with the expert bias added only to choose the experts, never to weight them.
 - Load balancing, computed from the top-k assignment *before* any capacity drop (a drop must
@@ -61,18 +62,22 @@ class Routing:
     scores: torch.Tensor
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, dtype: str = "fp32") -> torch.Tensor:
-    """The router's logits ``x [..., H] @ weight[E, H]^T -> [..., E]``, in fp32 (``dtype``
-    ``"fp32"``: inputs and weight cast up, fp32 accumulation and output, the gradient cast back
-    to their dtypes by autograd) or in the model dtype (``"model"``). A bf16 GEMM rounds its
-    output to 8 significant bits, so logits that differ by less than that become exact ties,
-    which ``route`` gives to the lower-numbered expert: the fp32 GEMM keeps them apart
-    (Megatron-LM's ``--moe-router-dtype fp32``). Raises ValueError for another ``dtype``."""
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, dtype: str = "fp32", bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The router's logits ``x [..., H] @ weight[E, H]^T (+ bias [E]) -> [..., E]``, in fp32
+    (``dtype`` ``"fp32"``: inputs, weight and bias cast up, fp32 accumulation and output, the
+    gradient cast back to their dtypes by autograd) or in the model dtype (``"model"``). A bf16
+    GEMM rounds its output to 8 significant bits, so logits that differ by less than that become
+    exact ties, which ``route`` gives to the lower-numbered expert: the fp32 GEMM keeps them apart
+    (Megatron-LM's ``--moe-router-dtype fp32``). ``bias``: the router's learnable bias
+    (Megatron-LM's router under ``--add-bias-linear``; gpt-oss's ``router.bias``), None = none.
+    Raises ValueError for another ``dtype``."""
     if dtype == "model":
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
     if dtype != "fp32":
         raise ValueError(f"--moe-router-dtype {dtype!r}: one of fp32, model")
-    return F.linear(x.float(), weight.float())
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
 def route(

@@ -294,7 +294,7 @@ def weight_grad_bytes(
     r = _attention_ratio(g)
     qkv = (g.num_attention_heads + 2 * g.kv_heads) / g.num_attention_heads * r
     ffn = g.ffn_hidden_size / g.hidden_size
-    ffn_out = ffn * (2 if getattr(g, "swiglu", False) else 1)
+    ffn_out = ffn * (2 if getattr(g, "gated_linear_unit", False) else 1)
     inputs = 2 + (r + ffn) / t
     grads = 2 + (qkv + ffn_out) / t
     elements = num_layers * q * (inputs + grads)

@@ -1,7 +1,9 @@
 """A plain single-process GPT: the test oracle for every layout-equivalence test (docs/design.md, "Conventions" 13).
 
 Written independently of ``model/`` and ``megazero/`` (it imports only torch and math; an MoE
-layer routes with ``megazero.moe.router``'s functions, the one routing rule of the project), in
+layer routes with ``megazero.moe.router``'s functions, the one routing rule of the project, and
+a gated MLP calls ``megazero.ops.activation.glu``, held against transformers' gpt-oss by
+tests/unit/test_glu.py), in
 the style of nanoGPT (Karpathy) and GPT-2 (Radford et al. 2019): learned position
 embeddings, pre-LayerNorm blocks, causal self-attention computed with an explicit mask and
 softmax, an exact (erf) GELU MLP, a final LayerNorm and an output layer that is tied to the
@@ -126,18 +128,24 @@ def rope_rotate(x: torch.Tensor, rot_dim: int, base: float, positions=None, scal
 
 
 class _Expert(nn.Module):
-    def __init__(self, hidden: int, ffn: int, swiglu: bool, bias: bool):
+    """``glu``: None for the GELU MLP, else the gated unit's options (``megazero.ops.activation.glu``)."""
+
+    def __init__(self, hidden: int, ffn: int, glu: Optional[dict], bias: bool):
         super().__init__()
-        self.swiglu = swiglu
-        self.fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
+        self.glu = glu
+        self.fc1 = nn.Linear(hidden, ffn if glu is None else 2 * ffn, bias=bias)
         self.fc2 = nn.Linear(ffn, hidden, bias=bias)
 
     def forward(self, x):
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return self.fc2(gate * torch.sigmoid(gate) * up)
-        return self.fc2(F.gelu(h))
+        return self.fc2(_activation(self.fc1(x), self.glu))
+
+
+def _activation(h, glu: Optional[dict]):
+    """GELU, or the gated unit of ``h = [gate; up]`` (the model's one function: the unit tests hold
+    it against transformers' gpt-oss)."""
+    from megazero.ops.activation import glu as gated
+
+    return F.gelu(h) if glu is None else gated(h, **glu)
 
 
 class _MoE(nn.Module):
@@ -150,12 +158,12 @@ class _MoE(nn.Module):
     auxiliary loss, ``counts`` the pre-drop assignments per expert, ``record`` each group's
     ``(experts, keep)`` while it is a list."""
 
-    def __init__(self, hidden: int, num_experts: int, ffn: int, shared, swiglu: bool, bias: bool, opts: dict):
+    def __init__(self, hidden: int, num_experts: int, ffn: int, shared, glu, bias: bool, opts: dict):
         super().__init__()
         self.o, self.E = opts, num_experts
-        self.router = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = nn.ModuleList(_Expert(hidden, ffn, swiglu, bias) for _ in range(num_experts))
-        self.shared = None if shared is None else _Expert(hidden, shared, swiglu, bias)
+        self.router = nn.Linear(hidden, num_experts, bias=bias)  # gpt-oss's (and Megatron-LM's) router bias
+        self.experts = nn.ModuleList(_Expert(hidden, ffn, glu, bias) for _ in range(num_experts))
+        self.shared = None if shared is None else _Expert(hidden, shared, glu, bias)
         self.expert_bias = torch.zeros(num_experts) if opts["expert_bias"] else None
         self.losses, self.counts, self.record = [], torch.zeros(num_experts, dtype=torch.long), None
 
@@ -205,6 +213,7 @@ class _Block(nn.Module):
         rope=None,
         rmsnorm: bool = False,
         swiglu: bool = False,
+        glu: Optional[dict] = None,
         bias: bool = True,
         qkv_bias: Optional[bool] = None,
         rope_scaling=None,
@@ -214,7 +223,8 @@ class _Block(nn.Module):
         moe=None,
     ):
         super().__init__()
-        self.heads, self.kv_groups, self.rope, self.swiglu = heads, kv_groups, rope, swiglu
+        self.heads, self.kv_groups, self.rope = heads, kv_groups, rope
+        self.glu = (glu or {}) if swiglu else None  # the gated unit's options; None = GELU
         self.rope_scaling = rope_scaling
         d = self.d = hidden // heads if head_dim is None else head_dim
         norm = _RMSNorm if rmsnorm else _LayerNorm
@@ -229,7 +239,7 @@ class _Block(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(heads)) if softmax_type == "learnable" else None
         self.ln2 = norm(hidden, eps)
         self.moe = (
-            None if moe is None else _MoE(hidden, moe["num_experts"], moe["ffn"], moe["shared"], swiglu, bias, moe)
+            None if moe is None else _MoE(hidden, moe["num_experts"], moe["ffn"], moe["shared"], self.glu, bias, moe)
         )
         if moe is None:
             self.fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
@@ -276,15 +286,18 @@ class _Block(nn.Module):
     def mlp(self, x):
         if self.moe is not None:
             return self.moe(x)
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return self.fc2(gate * torch.sigmoid(gate) * up)
-        return self.fc2(F.gelu(h))
+        return self.fc2(_activation(self.fc1(x), self.glu))
 
     def forward(self, x, positions=None, hidden=None):
         x = x + self.attention(self.ln1(x), positions, hidden)
         return x + self.mlp(self.ln2(x))
+
+
+_GLU_OPTIONS = {  # megazero.ops.activation.glu's keyword -> the config attribute
+    "quick_geglu": "quick_geglu",
+    "linear_offset": "glu_linear_offset",
+    "clamp_value": "activation_func_clamp_value",
+}
 
 
 def block_options(cfg) -> dict:
@@ -295,7 +308,11 @@ def block_options(cfg) -> dict:
         d = cfg.hidden_size // cfg.num_attention_heads
         d = getattr(cfg, "kv_channels", None) or d
         rope = (int(d * cfg.rotary_percent), cfg.rotary_base)
-    out = dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm", swiglu=cfg.swiglu)
+    gated = cfg.swiglu or getattr(cfg, "quick_geglu", False)
+    out = dict(kv_groups=cfg.num_query_groups, rope=rope, rmsnorm=cfg.normalization == "RMSNorm", swiglu=gated)
+    glu = {name: getattr(cfg, key) for name, key in _GLU_OPTIONS.items() if getattr(cfg, key, None)}
+    if glu:
+        out["glu"] = glu
     if getattr(cfg, "kv_channels", None) is not None:
         out["head_dim"] = cfg.kv_channels
     if getattr(cfg, "qk_layernorm", False):
@@ -351,8 +368,10 @@ class ReferenceGPT(nn.Module):
     ``eps`` is the norm epsilon. Block options: ``kv_groups`` G (grouped-query attention
     with Megatron's per-group ``[q; k; v]`` QKV rows; None = GPT-2's ``[q; k; v]``),
     ``rope`` = ``(rotated dims, base)``, ``rope_scaling`` (``rope_rotate``), ``rmsnorm``,
-    ``swiglu`` (``fc1`` = ``[gate; up]``), ``bias`` (linear biases), ``qkv_bias`` (the QKV
-    projection's; None = ``bias``), ``head_dim`` (None = hidden / heads), ``qk_norm``.
+    ``swiglu`` (a gated MLP, ``fc1`` = ``[gate; up]``; ``glu``: its options, the keywords of
+    ``megazero.ops.activation.glu``: gpt-oss's quick GEGLU, offset and clamp), ``bias`` (linear
+    biases, the MoE router's too), ``qkv_bias`` (the QKV projection's; None = ``bias``),
+    ``head_dim`` (None = hidden / heads), ``qk_norm``.
     """
 
     def __init__(

@@ -157,6 +157,7 @@ def test_router_logits_in_fp32_keep_near_ties_of_a_bf16_model_apart():
             moe_router_topk=1,
             moe_ffn_hidden_size=4,
             moe_router_dtype=dtype,
+            add_bias_linear=False,  # no router bias: the weight alone makes the near tie
         )
         moe = MoEMLP(cfg, None)
         with torch.no_grad():
