@@ -40,7 +40,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from megazero.config.schema import setting_named
-from model import hf_families, hf_moe
+from model import hf_families, hf_gpt_oss, hf_moe
 from model.config import ROPE_SCALING_FIELDS, YARN_FIELDS, GPTConfig
 from model.gpt import VOCAB_TENSORS, canonical_shapes, resize_vocab
 from model.hf_config import HFConversionError
@@ -267,9 +267,13 @@ def hf_shapes(gcfg: GPTConfig) -> dict[str, tuple[int, ...]]:
             target, transposed = hf_name(name)
             out[target] = tuple(reversed(shape)) if transposed else tuple(shape)
             continue
+        if hf_gpt_oss.is_gpt_oss(gcfg) and hf_gpt_oss.expert_source(name) is not None:
+            continue  # stacked per layer: hf_gpt_oss.expert_shapes
         parts = llama_pieces(name, gcfg)
         for (target, _, _), rows in zip(parts, _piece_rows(parts, shape[0])):
             out[target] = (out.get(target, (0,))[0] + rows,) + tuple(shape[1:])
+    if hf_gpt_oss.is_gpt_oss(gcfg):
+        out.update(hf_gpt_oss.expert_shapes(gcfg))
     return {**out, **{name: tuple(t.shape) for name, t in hf_moe.extra_tensors(gcfg).items()}}
 
 
@@ -309,11 +313,18 @@ class CanonicalView(Mapping):
         self._src, self._gcfg = hf_tensors, gcfg
         self._shapes = canonical_shapes(gcfg, padded_vocab)
         self._padded = padded_vocab
+        self._stacked: dict[str, torch.Tensor] = {}  # gpt-oss: the last stacked expert tensor read
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._shapes:
             raise KeyError(name)
-        if is_llama(self._gcfg):
+        expert = hf_gpt_oss.expert_source(name) if hf_gpt_oss.is_gpt_oss(self._gcfg) else None
+        if expert is not None:  # one layer's stack is read (and dequantized) once for its E experts
+            stacked, j, part = expert
+            if stacked not in self._stacked:
+                self._stacked = {stacked: hf_gpt_oss.read_stacked(self._src, stacked)}
+            t, target = hf_gpt_oss.expert_tensor(self._stacked[stacked], j, part), stacked
+        elif is_llama(self._gcfg):
             t, target = _join_llama(self._src, name, self._gcfg), name
         else:
             target, transposed = hf_name(name)
@@ -396,7 +407,7 @@ def _check_llama(gcfg: GPTConfig) -> None:
             f"--normalization {gcfg.normalization}: LlamaForCausalLM has RMSNorm only; fix: --normalization RMSNorm",
         ),
         (
-            gcfg.swiglu,
+            gcfg.swiglu or hf_gpt_oss.is_gpt_oss(gcfg),
             "a GELU MLP (no --swiglu): LlamaForCausalLM's MLP is the SwiGLU down(silu(gate) * up); fix: --swiglu",
         ),
         (
@@ -417,9 +428,14 @@ def _check_llama(gcfg: GPTConfig) -> None:
     ):
         if not ok:
             raise HFConversionError(f"{what} (no exact LlamaForCausalLM equivalent)")
-    hf_moe.check_export(gcfg)
+    oss = hf_gpt_oss.is_gpt_oss(gcfg)
+    if oss:
+        hf_gpt_oss.check_export(gcfg)
+    else:
+        hf_moe.check_export(gcfg)
+    mapped = _MAPPED_FIELDS | _LLAMA_FIELDS | (hf_gpt_oss.FIELDS if oss else set())
     for f in dataclasses.fields(gcfg):
-        if f.name in _MAPPED_FIELDS | _LLAMA_FIELDS or f.default is dataclasses.MISSING:
+        if f.name in mapped or f.default is dataclasses.MISSING:
             continue
         if hf_moe.is_moe(gcfg) and hf_moe.is_moe_field(f.name):
             continue
@@ -467,6 +483,8 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
         "use_cache": True,
         "torch_dtype": "float32",
     }
+    if hf_gpt_oss.is_gpt_oss(gcfg):
+        return hf_gpt_oss.gpt_oss_config(config, gcfg)
     if gcfg.hf_model_type == "mistral":
         return hf_families.mistral_config(config, gcfg)
     if hf_families.is_qwen2(gcfg):
@@ -544,13 +562,16 @@ def config_from_hf(config: Mapping, **settings) -> GPTConfig:
         return llama_config_from_hf(config, **hf_families.qwen2_settings_from_hf(config), **settings)
     if config.get("model_type") == "qwen3":
         return llama_config_from_hf(config, **hf_families.qwen3_settings_from_hf(config), **settings)
+    if config.get("model_type") == hf_gpt_oss.MODEL_TYPE:
+        return GPTConfig(**{**hf_gpt_oss.settings_from_hf(config), **settings})
     if config.get("model_type") in hf_moe.MODEL_TYPES:
         qwen3 = hf_families.qwen3_settings_from_hf(config) if config["model_type"] == "qwen3_moe" else {}
         return llama_config_from_hf(config, **hf_moe.moe_settings_from_hf(config), **qwen3, **settings)
     if config.get("model_type") != "gpt2":
         raise HFConversionError(
             f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
-            "LLaMA-style (model_type 'llama', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe' or 'qwen3_moe') "
+            "LLaMA-style (model_type 'llama', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe', 'qwen3_moe' or "
+            "'gpt_oss') "
             "folders are read"
         )
     return gpt_config_from_hf(config, **settings)
@@ -573,6 +594,9 @@ def llama_pieces(canonical: str, gcfg: GPTConfig) -> list[tuple[str, int, Option
         kind = rest.rsplit(".", 1)[-1]
         if rest in _LLAMA_LAYER:
             return [(pre + _LLAMA_LAYER[rest], 0, None)]
+        oss = hf_gpt_oss.layer_pieces(rest, pre) if hf_gpt_oss.is_gpt_oss(gcfg) else None
+        if oss is not None:
+            return oss
         moe = hf_moe.moe_pieces(rest, pre, gcfg)
         if moe is not None:
             return moe
@@ -609,15 +633,21 @@ def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[
     if unknown:
         raise HFConversionError(f"parameter {unknown[0]!r} has no counterpart in LlamaForCausalLM")
     pieces: dict[str, list] = {}
+    oss = hf_gpt_oss.is_gpt_oss(gcfg)
     for name in names:
         if name not in full:
             raise HFConversionError(f"the checkpoint lacks parameter {name!r}")
+        if oss and hf_gpt_oss.expert_source(name) is not None:
+            continue  # stacked per layer below
         t = full[name].float() * hf_moe.export_scale(name, gcfg)
         t = t[: gcfg.vocab_size] if name in VOCAB_TENSORS else t
         parts = llama_pieces(name, gcfg)
         for (target, _, _), piece in zip(parts, t.split(_piece_rows(parts, t.shape[0]))):
             pieces.setdefault(target, []).append(piece)
-    return {**{target: torch.cat(ps).contiguous() for target, ps in pieces.items()}, **hf_moe.extra_tensors(gcfg)}
+    out = {target: torch.cat(ps).contiguous() for target, ps in pieces.items()}
+    if oss:
+        out.update(hf_gpt_oss.expert_tensors(full, gcfg))
+    return {**out, **hf_moe.extra_tensors(gcfg)}
 
 
 def _join_llama(src, canonical: str, gcfg: GPTConfig) -> torch.Tensor:

@@ -50,6 +50,7 @@ import torch
 
 from megazero.runtime.extras import require
 from model.config import GPTConfig
+from model import hf_gpt_oss
 from model.hf import CanonicalView, HFConversionError, check_matches, config_from_hf, hf_shapes
 from model.hf_moe import check_extra_tensors
 
@@ -194,6 +195,10 @@ def _open(path: str, gcfg: GPTConfig) -> TensorFiles:
         with reading(os.path.join(path, shard)):
             held[shard] = set(handle.keys())
     for name, shape in hf_shapes(gcfg).items():
+        packed = hf_gpt_oss.packed_names(name) if hf_gpt_oss.is_gpt_oss(gcfg) else None
+        if name not in files.weight_map and packed is not None and all(p in files.weight_map for p in packed):
+            _check_packed(files, packed, hf_gpt_oss.packed_shapes(name, shape))
+            continue
         if name not in files.weight_map:
             raise HFConversionError(f"{listing} has no tensor {name!r}, which config.json's model has; {_FIX}")
         file = files.file(name)
@@ -217,6 +222,20 @@ def _open(path: str, gcfg: GPTConfig) -> TensorFiles:
     except HFConversionError as e:
         raise HFConversionError(f"{listing}: {e}") from None
     return files
+
+
+def _check_packed(files: TensorFiles, names: tuple[str, str], shapes: tuple) -> None:
+    """gpt-oss's MXFP4 ``*_blocks`` / ``*_scales`` pair: each in ``shapes`` and stored as uint8
+    (``model.hf_gpt_oss.packed_shapes``). Raises HFConversionError naming the file and tensor."""
+    for name, shape in zip(names, shapes):
+        file = files.file(name)
+        with reading(file):
+            have, dtype = tuple(files.get_slice(name).get_shape()), files.get_slice(name).get_dtype()
+        if have != shape or dtype != "U8":
+            raise HFConversionError(
+                f"{file}: MXFP4 tensor {name!r} is {dtype} {have}, config.json's model needs U8 {shape}; "
+                "fix: a folder whose config.json describes its tensors"
+            )
 
 
 def open_folder(path: str, gcfg: GPTConfig, padded_vocab: int) -> CanonicalView:

@@ -139,6 +139,36 @@ FAMILIES = {
         + ["--yarn-beta-fast", "16", "--yarn-mscale", "1", "--yarn-mscale-all-dim", "0.5"]
         + ["--no-yarn-correction-range-round-to-int"],
     ),
+    # gpt-oss: q/k/v/o biases, learned sinks, layer 0 sliding (window 8) and layer 1 full, yarn RoPE
+    # (factor 4 over an original 64 positions, truncate false), 4 experts (top 2 of the router's
+    # biased logits, softmaxed over the 2) with the clamped quick GEGLU (limit 1.0, so it bites)
+    "gpt-oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=12,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        ),
+        ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--quick-geglu"]
+        + ["--glu-linear-offset", "1", "--activation-func-clamp-value", "1.0", "--ffn-hidden-size", "64"]
+        + ["--group-query-attention", "--num-query-groups", "2", "--layernorm-epsilon", "1e-6"]
+        + ["--max-position-embeddings", "256", "--rotary-base", "10000", "--untie-embeddings-and-output-weights"]
+        + ["--kv-channels", "12", "--softmax-type", "learnable", "--window-size", "7,0"]
+        + ["--window-attn-skip-freq", "2", "--num-experts", "4", "--moe-router-topk", "2"]
+        + ["--moe-ffn-hidden-size", "64", "--yarn-rotary-scaling-factor", "4"]
+        + ["--yarn-original-max-position-embeddings", "64", "--no-yarn-correction-range-round-to-int"],
+    ),
 }
 SCALED = ("llama3", "qwen2.5", "qwen3", "qwen3-moe")  # the families whose RoPE is scaled
 
@@ -219,11 +249,11 @@ def test_family_in_and_out(family, folders, tmp_path):
     stage, _ = load_model(generate_args(folder), ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
     assert (stage.cfg.use_rope_scaling, stage.cfg.add_qkv_bias) == (family == "llama3", family == "qwen2.5")
     assert (stage.cfg.kv_channels, stage.cfg.qk_layernorm) == (
-        (12, "qwen3" in family) if family == "mistral" or "qwen3" in family else (None, False)
+        (12, "qwen3" in family) if family in ("mistral", "gpt-oss") or "qwen3" in family else (None, False)
     )
-    assert stage.cfg.hf_model_type == ("mistral" if family == "mistral" else None)
+    assert stage.cfg.hf_model_type == {"mistral": "mistral", "gpt-oss": "gpt_oss"}.get(family)
     assert (stage.cfg.yarn_rotary_scaling_factor, stage.cfg.yarn_correction_range_round_to_int) == (
-        {"qwen3": (4.0, True), "qwen3-moe": (8.0, False)}.get(family, (None, True))
+        {"qwen3": (4.0, True), "qwen3-moe": (8.0, False), "gpt-oss": (4.0, False)}.get(family, (None, True))
     )
     with torch.no_grad():
         tp1 = stage.eval()(ids)[..., :300]
@@ -281,14 +311,16 @@ def _first_loss(rank, world, argv):
     return train_steps(hf_trainer(argv, world), 1)[0]
 
 
-def test_qwen3_moe_first_loss_under_expert_parallelism_equals_transformers(folders):
-    """The Qwen3-MoE folder under dp 2 x ep 2 (each rank holds 2 of the 4 experts and its tokens
-    travel to them): the first step's loss equals transformers' on the same global batch (1e-6)."""
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_first_loss_under_expert_parallelism_equals_transformers(family, folders):
+    """The Qwen3-MoE and gpt-oss folders under dp 2 x ep 2 (each rank holds 2 of the 4 experts and
+    its tokens travel to them): the first step's loss equals transformers' on the same global
+    batch (1e-6)."""
     from data.samplers import get_micro_batches
     from megazero import training
     from megazero.config import config_from_argv
 
-    folder, hf, argv = folders["qwen3-moe"]
+    folder, hf, argv = folders[family]
     argv = argv + ["--from-hf", folder, "--dp", "2", "--expert-model-parallel-size", "2"]
     loss = run_distributed(_first_loss, 2, argv)[0]
     tokens, labels = get_micro_batches(training.build_data(config_from_argv(argv, 2)).train, 0, 4, 4, 0, 1)[0]
@@ -304,9 +336,12 @@ PP_CP = {
 }
 
 
+MOE_FAMILIES = ("qwen3-moe", "gpt-oss")
+
+
 def _layouts_of(family: str) -> dict:
-    """PP_CP without cp for the MoE family (megazero refuses --num-experts with --cp)."""
-    return {k: v for k, v in PP_CP.items() if "moe" not in family or not k.startswith("cp")}
+    """PP_CP without cp for the MoE families (megazero refuses --num-experts with --cp)."""
+    return {k: v for k, v in PP_CP.items() if family not in MOE_FAMILIES or not k.startswith("cp")}
 
 
 def _losses_then_save(rank, world, runs):
