@@ -75,7 +75,7 @@ _COMMON_MAPPED = (
     "rope_theta",
     "tie_word_embeddings",
 )
-_COMMON_NO_EFFECT = {
+COMMON_NO_EFFECT = {
     "_name_or_path": "where the folder came from",
     "architectures": "the class name; model_type chooses the map",
     "transformers_version": "the writer's version",
@@ -98,7 +98,7 @@ _COMMON_NO_EFFECT = {
     "model_type": "chooses this map (config_from_hf)",
 }
 _WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-_ROUTER_NO_EFFECT = {
+ROUTER_NO_EFFECT = {
     "output_router_logits": "whether transformers returns router logits and adds its own load-balancing loss "
     "to its loss; megazero's --moe-aux-loss-coeff decides its own (written false)",
     "router_aux_loss_coef": "the weight of that transformers-only loss (megazero's: --moe-aux-loss-coeff)",
@@ -108,31 +108,31 @@ KEYS = {
         "mapped": _COMMON_MAPPED + ("attention_bias", "mlp_bias", "head_dim"),
         "checked": ("hidden_act", "partial_rotary_factor"),
         "no_effect": {
-            **_COMMON_NO_EFFECT,
+            **COMMON_NO_EFFECT,
             "pretraining_tp": "read by no transformers 5 Llama layer (transformers 4 split matmuls: same sums)",
         },
     },
     "mistral": {
         "mapped": _COMMON_MAPPED + ("head_dim",),
         "checked": ("hidden_act", "partial_rotary_factor", "sliding_window"),
-        "no_effect": dict(_COMMON_NO_EFFECT),
+        "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen2": {
         "mapped": _COMMON_MAPPED + ("head_dim",),
         "checked": ("hidden_act", "partial_rotary_factor") + _WINDOW,
-        "no_effect": dict(_COMMON_NO_EFFECT),
+        "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen3": {
         "mapped": _COMMON_MAPPED + ("head_dim",),
         "checked": ("hidden_act", "partial_rotary_factor", "attention_bias") + _WINDOW,
-        "no_effect": dict(_COMMON_NO_EFFECT),
+        "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen3_moe": {  # head_dim: not a Qwen3MoeConfig field, but real folders carry it and the attention reads it
         "mapped": _COMMON_MAPPED
         + ("head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
         + ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
         "checked": ("hidden_act", "partial_rotary_factor", "attention_bias") + _WINDOW,
-        "no_effect": {**_COMMON_NO_EFFECT, **_ROUTER_NO_EFFECT},
+        "no_effect": {**COMMON_NO_EFFECT, **ROUTER_NO_EFFECT},
     },
 }
 

@@ -72,7 +72,7 @@ KEYS = {
     ),
     "checked": ("swiglu_alpha", "attention_bias"),
     "no_effect": {
-        **{k: v for k, v in hf_families.COMMON_NO_EFFECT.items()},
+        **hf_families.COMMON_NO_EFFECT,
         **hf_families.ROUTER_NO_EFFECT,
         "hidden_act": "read by no gpt-oss layer (its experts' activation is the clamped quick GEGLU)",
     },
