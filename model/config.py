@@ -20,7 +20,9 @@ from megazero.config.shape import (
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
+    check_window,
     default_ffn_hidden_size,
+    layer_window,
 )
 
 
@@ -131,6 +133,13 @@ class GPTConfig:
     qk_layernorm: bool = False
     """RMSNorm (weight ``[head_dim]``, ``layernorm_epsilon``) over each head of q and of k, after the
     projection and before RoPE (Megatron-LM's ``--qk-layernorm``; Qwen3's ``q_norm`` / ``k_norm``)."""
+    window_size: Optional[list] = None
+    """Sliding-window attention, Megatron-LM's ``--window-size L,R`` as ``[L, 0]``: query i sees
+    keys ``i - L .. i`` (transformers' ``sliding_window`` W = L + 1); ``None`` (or L = -1) = full
+    causal attention (``megazero.config.shape.layer_window``)."""
+    window_attn_skip_freq: Optional[list] = None
+    """Which layers stay full under ``window_size`` (Megatron-LM's ``--window-attn-skip-freq``):
+    ``[N]`` every N-th layer (1-based), or one 0/1 per layer (1 = windowed); ``None`` = all windowed."""
     hf_model_type: Optional[str] = None
     """The Hugging Face family an export writes where two compute the same model: ``"mistral"``
     (MistralForCausalLM, which computes Llama's block) for a model read from a ``mistral`` folder
@@ -194,6 +203,12 @@ class GPTConfig:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+
+    def attention_window(self, i: int) -> Optional[int]:
+        """Sliding window W of global layer ``i`` (0-based): its query at position p sees keys at
+        positions ``p - W + 1 .. p`` (transformers' ``sliding_window``); None = full causal
+        attention (``megazero.config.shape.layer_window``, Megatron-LM's per-layer rule)."""
+        return layer_window(self.window_size, self.window_attn_skip_freq, i + 1)
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer ``i`` holds an MoE MLP (``num_experts`` set and ``i % moe_layer_freq == 0``)."""
@@ -280,6 +295,7 @@ class GPTConfig:
                 "fix: --normalization RMSNorm"
             )
         check_rope_scaling(self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor)
+        check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
         if self.num_experts is not None:
             check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
 

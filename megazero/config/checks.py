@@ -35,6 +35,7 @@ from megazero.config.shape import (
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
+    check_window,
 )
 from megazero.data_parallel.policy import POLICIES, stages_where
 from megazero.pipeline.partition import PartitionError, validate_partition
@@ -198,6 +199,7 @@ def _check_block(cfg: Config, world_size: int) -> None:
         kv_channels=m.kv_channels,
     )
     check_rope_scaling(m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor)
+    check_window(m.window_size, m.window_attn_skip_freq, m.num_layers)
 
 
 def _check_swiglu_width(cfg: Config, world_size: int) -> None:

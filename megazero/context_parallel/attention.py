@@ -73,15 +73,18 @@ def _sdpa(q, k, v, mask: Optional[torch.Tensor], scale: Optional[float]) -> torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra)
 
 
-def document_mask(pos: torch.Tensor, segment_ids: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def document_mask(
+    pos: torch.Tensor, segment_ids: Optional[torch.Tensor], dtype: torch.dtype, window: Optional[int] = None
+) -> torch.Tensor:
     """Additive mask ``[B or 1, 1, T, T]`` of ``dtype``: 0 where query i may attend key j (same
-    document and ``pos(j) <= pos(i)``), -inf elsewhere; ``pos [T]`` positions, ``segment_ids
-    [B, T]`` or None. The rows' storage is padded to a multiple of 16 elements, so CUDA's
+    document, ``pos(j) <= pos(i)`` and, with a sliding ``window`` W, ``pos(i) - pos(j) < W``),
+    -inf elsewhere; ``pos [T]`` positions, ``segment_ids [B, T]`` or None. The rows' storage is
+    padded to a multiple of 16 elements, so CUDA's
     memory-efficient kernel takes it as it is (``preprocess_mask`` in PyTorch's
     ``transformers/cuda/attention.cu`` pads a mask whose strides are not multiples of 8, a copy
     per call); SDPA gives the boolean mask's results (it turns a boolean mask into this one,
     ``convert_boolean_attn_mask``)."""
-    keep = block_mask(pos, pos, segment_ids, segment_ids, causal=True)[:, None]  # (B|1, 1, T, T)
+    keep = block_mask(pos, pos, segment_ids, segment_ids, causal=True, window=window)[:, None]  # (B|1, 1, T, T)
     T = pos.shape[0]
     storage = torch.zeros((*keep.shape[:3], -(-T // 16) * 16), dtype=dtype, device=pos.device)
     mask = storage[..., :T]
@@ -105,6 +108,7 @@ def local_attention(
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of a whole sequence on one rank (cp = 1), document-masked if asked.
 
@@ -114,14 +118,17 @@ def local_attention(
     positions this is ``F.scaled_dot_product_attention(is_causal=True)``; otherwise SDPA with the
     additive ``document_mask`` "same document and ``pos(j) <= pos(i)``" (block-diagonal causal),
     built once per ``mask_cache`` (a dict that lives as long as the micro-batch, e.g.
-    ``SequenceInfo.cache``: every layer then shares one ``[B, 1, T, T]`` mask) and dtype.
+    ``SequenceInfo.cache``: every layer then shares one ``[B, 1, T, T]`` mask), dtype and
+    ``window``: a sliding window W (None = full) also drops keys with ``pos(i) - pos(j) >= W``.
     Raises ValueError on inconsistent shapes.
     """
     _check(q, k, v, segment_ids)
-    if token_index is None and segment_ids is None:
+    if token_index is None and segment_ids is None and window is None:
         return _sdpa(q, k, v, None, scale)
     pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
-    mask = _cached(mask_cache, ("local", q.dtype, q.device), lambda: document_mask(pos, segment_ids, q.dtype))
+    mask = _cached(
+        mask_cache, ("local", q.dtype, q.device, window), lambda: document_mask(pos, segment_ids, q.dtype, window)
+    )
     return _sdpa(q, k, v, mask, scale)
 
 
@@ -137,6 +144,7 @@ def ring_attention(
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
     block_kernel: str = "auto",
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """``--cp-comm-type p2p``: ring attention over the cp group (``ring.RingAttention``).
 
@@ -146,7 +154,9 @@ def ring_attention(
     cp-rank order, C = ``len(cp_ranks)``. Returns ``[B, h, T/C, d]`` in q's dtype; differentiable
     in q, k and v. At C = 1 it is ``local_attention`` (no communication; ``mask_cache`` is its). ``block_kernel``:
     ``"auto"`` runs each block through a fused kernel where q's device and dtype have one
-    (``fused_blocks.block_path``), ``"einsum"`` through ``blockwise``'s einsums. Raises ValueError when
+    (``fused_blocks.block_path``), ``"einsum"`` through ``blockwise``'s einsums. ``window``: a
+    sliding window W (None = full): a (query chunk, key chunk) block wholly outside it is skipped
+    in forward and backward (its K/V still travel on to the next rank). Raises ValueError when
     the group size is not C, T/C is odd, shapes disagree, or ``block_kernel`` is unknown.
     """
     _check(q, k, v, segment_ids)
@@ -159,11 +169,11 @@ def ring_attention(
         raise ValueError(f"ring_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     chunk_size(Tl * C, C)
     if C == 1:
-        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache)
+        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache, window=window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     link = RingLink(group, cp_ranks, collectives.group_rank(group))
     path = block_path(q, block_kernel)
-    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale, path)
+    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale, path, window)
 
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -202,6 +212,7 @@ def all_to_all_attention(
     segment_ids: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """``--cp-comm-type a2a``: DeepSpeed-Ulysses attention over the cp group.
 
@@ -210,7 +221,8 @@ def all_to_all_attention(
     [B, T/C]`` or None). Inside: ``[B, h/C, T, d]`` and ``[B, G/C, T, d]`` in natural order,
     ``local_attention`` on them, and back. With documents the ids are all-gathered and the
     mask built once per ``mask_cache`` (as ``local_attention``: then once per micro-batch, not
-    per layer; without a cache, every call). Returns ``[B, h, T/C, d]``; differentiable. Raises
+    per layer; without a cache, every call); a sliding ``window`` W masks the natural order
+    (``local_attention``'s). Returns ``[B, h, T/C, d]``; differentiable. Raises
     ValueError naming --cp-comm-type a2a when h or G is not divisible by C (group-major heads:
     rank i gets query groups i*G/C .. (i+1)*G/C-1 and their heads).
     """
@@ -225,7 +237,7 @@ def all_to_all_attention(
     if tuple(token_index.shape) != (Tl,):
         raise ValueError(f"all_to_all_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     if C == 1:
-        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache)
+        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache, window=window)
     T = Tl * C
     gathered = torch.cat([local_token_index(T, i, C, device=q.device) for i in range(C)])
     natural = torch.argsort(gathered)  # natural[p] = where position p arrived
@@ -240,7 +252,7 @@ def all_to_all_attention(
 
         seg = _cached(mask_cache, ("a2a segments", group), gather)
     cache = None if mask_cache is None else mask_cache.setdefault(("a2a", group), {})
-    y = local_attention(*seq_major, segment_ids=seg, scale=scale, mask_cache=cache)  # (B, h/C, T, d)
+    y = local_attention(*seq_major, segment_ids=seg, scale=scale, mask_cache=cache, window=window)  # (B, h/C, T, d)
     y = y.index_select(2, gathered)  # back to the arrival (rank-major) order
     return _AllToAll.apply(y, group, 2, 1)  # (B, h, T/C, d)
 
