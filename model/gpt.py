@@ -256,7 +256,8 @@ class Attention(nn.Module):
         return ring_attention(q, k, v, group=group, cp_ranks=ranks, block_kernel=self.cp_ring_kernel, **docs)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim).
+        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim);
+        the causal mask is the sliding window's (``_window_mask``) on a windowed layer.
 
         k and v have ``G/tp`` heads under grouped-query attention when SDPA expands them itself
         (``SDPA_GQA``): query head h reads key/value head ``h // (heads/G)``, as
@@ -266,17 +267,17 @@ class Attention(nn.Module):
         2.13, ``context_parallel/sdpa_kernels.py``), K/V are expanded here instead, inside the
         recomputed region under selective recomputation."""
         p = self.dropout_p if self.training else 0.0
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         windowed = self.window is not None
-        if gqa and expand_kv_for(q, k, v, documents=windowed, dropout=p):  # CUDA: no fused kernel takes it
+        if extra and expand_kv_for(q, k, v, documents=windowed, dropout=p):  # CUDA: no fused kernel takes it
             k, v = (t.repeat_interleave(self.q_per_group, dim=1) for t in (k, v))  # (B, heads/tp, T, d)
-            gqa = {}
+            extra = {}
         if windowed:  # the sliding window's [1, 1, T, T] mask, shared by the stage's layers
-            gqa["attn_mask"] = self._window_mask(q)
+            extra["attn_mask"] = self._window_mask(q)
         if p > 0:
             with self.tracker.fork("tp"):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=not windowed, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=not windowed, **gqa)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=not windowed, **extra)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=not windowed, **extra)
 
     def _window_mask(self, q: torch.Tensor) -> torch.Tensor:
         """Additive ``[1, 1, T, T]`` mask of q's dtype for ``self.window`` (0 where ``0 <= i - j <

@@ -235,6 +235,8 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
         ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
         ("add_bias_linear", "--disable-bias-linear"),
         ("add_qkv_bias", "--add-qkv-bias"),
+        ("window_size", "--window-size"),
+        ("window_attn_skip_freq", "--window-attn-skip-freq"),
         ("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
         ("num_layers", "--num-layers"),
         ("hidden_size", "--hidden-size"),

@@ -63,7 +63,7 @@ def test_a_mistral_config_reads_as_llamas_block_and_writes_back_as_mistral():
 
 @pytest.mark.parametrize("window", [16, 255])
 def test_a_window_below_the_context_reads_as_window_size_and_writes_back(window):
-    from model.hf import config_from_hf, llama_config
+    from model.hf import HFConversionError, check_matches, config_from_hf, llama_config
 
     # window 255 of 256 positions: the query at position 255 does not see key 0
     gcfg = config_from_hf(_mistral_config(sliding_window=window))
@@ -72,6 +72,8 @@ def test_a_window_below_the_context_reads_as_window_size_and_writes_back(window)
     written = llama_config(gcfg)
     assert (written["model_type"], written["sliding_window"]) == ("mistral", window)
     assert config_from_hf(written) == gcfg
+    with pytest.raises(HFConversionError, match=re.escape("fix: set --window-size to match")):
+        check_matches(written, dataclasses.replace(gcfg, window_size=None))  # a --from-hf run without the flag
 
 
 @pytest.mark.parametrize("window", [256, 4096, None])
