@@ -205,9 +205,9 @@ def _windowed(rank, C):
     ring.block_attention = counted("forward", originals[0])
     ring.block_attention_backward = counted("backward", originals[1])
     try:
-        for i, (name, method, h, G, docs, kernel) in enumerate(WINDOW_CASES):
+        for i, (name, method, h, G, docs, kernel, window) in enumerate(WINDOW_CASES):
             calls.update(forward=0, backward=0)
-            kw = dict(window=WINDOW) | ({"block_kernel": kernel} if method == "p2p" else {})
+            kw = dict(window=window) | ({"block_kernel": kernel} if method == "p2p" else {})
             full = _inputs(C, h, G, docs, seed=500 + i)
             run = _run_case(rank, C, dist.group.WORLD, list(range(C)), method, full, rank, **kw)
             results[name] = (*run, dict(calls))
@@ -287,11 +287,13 @@ def test_cp_attention_equals_full_sdpa(C):
 
 
 WINDOW = 6  # sliding window W: at CHUNK 4 a query chunk reaches 2 key chunks back, partly
-WINDOW_CASES = [  # (name, method, h, G, documents, ring block kernel)
-    ("p2p window G=2", "p2p", 8, 2, False, "einsum"),
-    ("p2p window G=2 docs", "p2p", 8, 2, True, "einsum"),
-    ("p2p window G=4 docs fused", "p2p", 8, 4, True, "auto"),
-    ("a2a window G=4 docs", "a2a", 8, 4, True, None),
+WINDOW_CASES = [  # (name, method, h, G, documents, ring block kernel, window)
+    ("p2p window G=2", "p2p", 8, 2, False, "einsum", WINDOW),
+    ("p2p window G=2 docs", "p2p", 8, 2, True, "einsum", WINDOW),
+    ("p2p window G=4 docs fused", "p2p", 8, 4, True, "auto", WINDOW),
+    # a window of 3 inside a chunk of 4: the diagonal blocks too need the mask, not is_causal
+    ("p2p window 3 G=2 fused", "p2p", 8, 2, False, "auto", 3),
+    ("a2a window G=4 docs", "a2a", 8, 4, True, None, WINDOW),
 ]
 # blocks each rank computes at C 4 with W 6: query chunk c (positions 4c .. 4c+3) meets key
 # chunks c-2 .. c (4c - (4(c-3) + 3) = 9 >= 6 puts c-3 and earlier wholly outside); rank r holds
@@ -303,10 +305,10 @@ def _check_windowed(per_rank, C):
     """Windowed ring and a2a equal the float64 windowed oracle (forward and gradients), the bytes
     are the unwindowed formula's (K/V still go round), and the einsum ring computes WINDOW_BLOCKS
     blocks forward and backward (none of the skipped ones)."""
-    for i, (name, method, h, G, docs, kernel) in enumerate(WINDOW_CASES):
+    for i, (name, method, h, G, docs, kernel, window) in enumerate(WINDOW_CASES):
         full = _inputs(C, h, G, docs, seed=500 + i)
         q, k, v, dy, seg = full
-        expected = _oracle(q, k, v, seg, dy, window=WINDOW)
+        expected = _oracle(q, k, v, seg, dy, window=window)
         for what, j in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
             got = Z.merge_from_ranks([p[name][0][j] for p in per_rank], 2, C)
             err = _relative_error(got, expected[j])
