@@ -74,6 +74,8 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         kv_channels=m.kv_channels,
         qk_layernorm=m.qk_layernorm,
         softmax_type=m.softmax_type,
+        window_size=m.window_size,
+        window_attn_skip_freq=m.window_attn_skip_freq,
         hf_model_type=folder_model_type(cfg.train.from_hf) if cfg.train.from_hf else None,
         cp_comm_type=cfg.parallel.cp_comm_type,
         cp_ring_kernel=cfg.parallel.cp_ring_kernel,

@@ -20,8 +20,10 @@ from megazero.config.shape import (
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
+    check_window,
     check_yarn,
     default_ffn_hidden_size,
+    layer_window,
 )
 
 
@@ -162,6 +164,13 @@ class GPTConfig:
     one more ``exp(0)`` in every row's denominator (Miller 2023); ``"learnable"``, a learned sink
     logit per head there instead (gpt-oss's ``sinks``, parameter ``attn.sinks [heads]``,
     megazero/context_parallel/attention.py)."""
+    window_size: Optional[list] = None
+    """Sliding-window attention, Megatron-LM's ``--window-size L,R`` as ``[L, 0]``: query i sees
+    keys ``i - L .. i`` (transformers' ``sliding_window`` W = L + 1); ``None`` (or L = -1) = full
+    causal attention (``megazero.config.shape.layer_window``)."""
+    window_attn_skip_freq: Optional[list] = None
+    """Which layers stay full under ``window_size`` (Megatron-LM's ``--window-attn-skip-freq``):
+    ``[N]`` every N-th layer (1-based), or one 0/1 per layer (1 = windowed); ``None`` = all windowed."""
     hf_model_type: Optional[str] = None
     """The Hugging Face family an export writes where two compute the same model: ``"mistral"``
     (MistralForCausalLM, which computes Llama's block) for a model read from a ``mistral`` folder
@@ -225,6 +234,12 @@ class GPTConfig:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+
+    def attention_window(self, i: int) -> Optional[int]:
+        """Sliding window W of global layer ``i`` (0-based): its query at position p sees keys at
+        positions ``p - W + 1 .. p`` (transformers' ``sliding_window``); None = full causal
+        attention (``megazero.config.shape.layer_window``, Megatron-LM's per-layer rule)."""
+        return layer_window(self.window_size, self.window_attn_skip_freq, i + 1)
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer ``i`` holds an MoE MLP (``num_experts`` set and ``i % moe_layer_freq == 0``)."""
@@ -334,6 +349,7 @@ class GPTConfig:
             mscale=self.yarn_mscale,
             mscale_all_dim=self.yarn_mscale_all_dim,
         )
+        check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
         if self.num_experts is not None:
             check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
 

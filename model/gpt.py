@@ -44,7 +44,13 @@ from torch import nn
 
 from megazero import collectives as C
 from megazero import tags
-from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention, sink_attention
+from megazero.context_parallel.attention import (
+    all_to_all_attention,
+    document_mask,
+    local_attention,
+    ring_attention,
+    sink_attention,
+)
 from megazero.context_parallel.sdpa_kernels import expand_kv_for
 from megazero.context_parallel.sequence import SequenceInfo
 from megazero.ops.activation import glu
@@ -133,6 +139,12 @@ class Attention(nn.Module):
     ``"vanilla"`` each head's softmax has a sink logit (``sink_logits``; every path:
     megazero/context_parallel/attention.py ``sink_attention``, the ring, the all-to-all, and the
     KV-cache decoders through ``masked_core``).
+
+    Sliding-window attention (Mistral 7B, Jiang et al. 2023, sec. 2; Megatron-LM's
+    ``--window-size``): with ``window`` W (``GPTConfig.attention_window`` of this layer) the query
+    at position p sees keys ``p - W + 1 .. p`` only; None = full causal attention. The plain path
+    takes the additive mask from ``mask_cache`` (a dict the stage owns and clears each forward,
+    so the layers of a micro-batch share one ``[1, 1, T, T]`` mask per window).
     """
 
     def __init__(
@@ -144,8 +156,11 @@ class Attention(nn.Module):
         device=None,
         cp=None,
         rope: Optional[RotaryTable] = None,
+        window: Optional[int] = None,
+        mask_cache: Optional[dict] = None,
     ):
         super().__init__()
+        self.window, self.mask_cache = window, mask_cache
         H, tp = cfg.hidden_size, C.group_size(group)
         self.cp = cp  # (cp group, its global ranks in cp order) or None
         self.cp_comm_type, self.cp_ring_kernel = cfg.cp_comm_type, cfg.cp_ring_kernel
@@ -267,7 +282,7 @@ class Attention(nn.Module):
         ``(B, G/tp, T/cp, d)`` -> ``(B, heads/tp, T/cp, d)``. No attention dropout (the
         config refuses it with cp > 1; with packed documents alone it is applied nowhere either,
         so it is refused there too)."""
-        docs = dict(token_index=seq.token_index, segment_ids=seq.segment_ids, mask_cache=seq.cache)
+        docs = dict(token_index=seq.token_index, segment_ids=seq.segment_ids, mask_cache=seq.cache, window=self.window)
         docs["sinks"] = self.sink_logits()
         if self.cp is None:
             return local_attention(q, k, v, **docs)
@@ -277,7 +292,8 @@ class Attention(nn.Module):
         return ring_attention(q, k, v, group=group, cp_ranks=ranks, block_kernel=self.cp_ring_kernel, **docs)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim).
+        """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim);
+        the causal mask is the sliding window's (``_window_mask``) on a windowed layer.
 
         k and v have ``G/tp`` heads under grouped-query attention when SDPA expands them itself
         (``SDPA_GQA``): query head h reads key/value head ``h // (heads/G)``, as
@@ -288,16 +304,31 @@ class Attention(nn.Module):
         recomputed region under selective recomputation."""
         sinks = self.sink_logits()
         if sinks is not None:  # no SDPA kernel takes a sink: explicit scores (dropout refused: config/checks.py)
-            return local_attention(q, k, v, sinks=sinks)
+            return local_attention(q, k, v, sinks=sinks, window=self.window, mask_cache=self.mask_cache)
         p = self.dropout_p if self.training else 0.0
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        if gqa and expand_kv_for(q, k, v, documents=False, dropout=p):  # CUDA: no fused kernel takes it
+        extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        windowed = self.window is not None
+        if extra and expand_kv_for(q, k, v, documents=windowed, dropout=p):  # CUDA: no fused kernel takes it
             k, v = (t.repeat_interleave(self.q_per_group, dim=1) for t in (k, v))  # (B, heads/tp, T, d)
-            gqa = {}
+            extra = {}
+        if windowed:  # the sliding window's [1, 1, T, T] mask, shared by the stage's layers
+            extra["attn_mask"] = self._window_mask(q)
         if p > 0:
             with self.tracker.fork("tp"):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=not windowed, **extra)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=not windowed, **extra)
+
+    def _window_mask(self, q: torch.Tensor) -> torch.Tensor:
+        """Additive ``[1, 1, T, T]`` mask of q's dtype for ``self.window`` (0 where ``0 <= i - j <
+        W``), built once per (T, W, dtype, device) in ``mask_cache`` (every call without one)."""
+        T = q.shape[2]
+        key = ("window", T, self.window, q.dtype, q.device)
+        if self.mask_cache is not None and key in self.mask_cache:
+            return self.mask_cache[key]
+        mask = document_mask(torch.arange(T, device=q.device), None, q.dtype, self.window)  # (1, 1, T, T)
+        if self.mask_cache is not None:
+            self.mask_cache[key] = mask
+        return mask
 
 
 class MLP(nn.Module):
@@ -344,7 +375,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block with residual dropout (``hidden_dropout``); its MLP is an
     ``MoEMLP`` when ``moe`` (``state_device``: where the MoE's counters and expert bias live;
-    ``ep``: its (expert-parallel group, ep rank), None without expert parallelism)."""
+    ``ep``: its (expert-parallel group, ep rank), None without expert parallelism); ``window`` and
+    ``mask_cache``: its attention's sliding window and mask cache (``Attention``)."""
 
     def __init__(
         self,
@@ -358,10 +390,12 @@ class Block(nn.Module):
         moe: bool = False,
         state_device=None,
         ep=None,
+        window: Optional[int] = None,
+        mask_cache: Optional[dict] = None,
     ):
         super().__init__()
         self.ln1 = _norm(cfg, device)
-        self.attn = Attention(cfg, group, sp, tracker, device, cp, rope)
+        self.attn = Attention(cfg, group, sp, tracker, device, cp, rope, window, mask_cache)
         self.ln2 = _norm(cfg, device)
         self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp) if moe else MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
@@ -459,6 +493,7 @@ class GPTStage(nn.Module):
         """The embedding, blocks and head on the meta device (no memory; ``use_placeholders``
         moves them to ``self.device``), sharing one rotary table made on the device."""
         meta, pre, post = "meta", self.pre_process, self.post_process
+        self.attention_masks: dict = {}  # sliding-window masks, shared by the layers, cleared each forward
         if pre or (post and cfg.tie_embeddings):
             with_positions = pre and cfg.position_embedding_type == "learned_absolute"
             self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, meta)
@@ -478,6 +513,8 @@ class GPTStage(nn.Module):
                     moe=cfg.is_moe_layer(i),
                     state_device=self.device,
                     ep=ep,
+                    window=cfg.attention_window(i),
+                    mask_cache=self.attention_masks,
                 )
                 for i in self.layer_ids
             }
@@ -590,6 +627,7 @@ class GPTStage(nn.Module):
         states for the next stage. Raises ValueError when ``T`` exceeds
         ``max_position_embeddings`` or (sequence parallel) is not divisible by tp.
         """
+        self.attention_masks.clear()  # masks of the last micro-batch's shapes (held by autograd if needed)
         if self.pre_process:
             if x.shape[1] > self.cfg.max_position_embeddings:
                 raise ValueError(

@@ -237,6 +237,8 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
         *((name, setting_named(f"model.{name}").flag) for name in YARN_FIELDS),
         ("add_bias_linear", "--disable-bias-linear"),
         ("add_qkv_bias", "--add-qkv-bias"),
+        ("window_size", "--window-size"),
+        ("window_attn_skip_freq", "--window-attn-skip-freq"),
         ("vocab_size", "--vocab-size (or the tokenizer's vocabulary)"),
         ("num_layers", "--num-layers"),
         ("hidden_size", "--hidden-size"),
@@ -386,6 +388,8 @@ _LLAMA_FIELDS = {
     "kv_channels",
     "qk_layernorm",
     "hf_model_type",
+    "window_size",  # written by the families that have a window (_check_llama refuses the others)
+    "window_attn_skip_freq",
     "rotary_percent",
     "normalization",
     "swiglu",
@@ -419,6 +423,15 @@ def _check_llama(gcfg: GPTConfig) -> None:
             not (gcfg.add_qkv_bias and hf_moe.is_moe(gcfg)),
             "--add-qkv-bias with --num-experts: megazero exports q/k/v-only biases as Qwen2ForCausalLM, "
             "which has no experts",
+        ),
+        (
+            hf_families.window_pattern(gcfg)[0] is None
+            or gcfg.hf_model_type == "mistral"
+            or hf_families.is_qwen2(gcfg)
+            or hf_families.is_qwen3(gcfg),
+            "--window-size: megazero writes a sliding window as MistralForCausalLM (a model read from a mistral "
+            "folder), Qwen2ForCausalLM (--add-qkv-bias) or Qwen3 / Qwen3-MoE (--qk-layernorm); Llama, Mixtral "
+            "and Qwen2-MoE have none",
         ),
         (
             not (gcfg.qk_layernorm and (gcfg.add_bias_linear or gcfg.add_qkv_bias)),

@@ -22,17 +22,23 @@ What the two models compute beyond Llama-2 (transformers 5's ``modeling_llama``,
   flags). Other rope types (``dynamic``, ``longrope``, ...) are refused by name, and so is any
   key of a rope table megazero would not read.
 - Mistral (``modeling_mistral``): Llama's block without biases (no ``attention_bias`` /
-  ``mlp_bias`` keys: none is read) with ``head_dim`` (``--kv-channels``) and ``sliding_window``:
-  every layer's query at position i sees keys j with ``i - j < sliding_window``, all earlier
-  positions when the window is null or at least ``max_position_embeddings``, which is then
-  megazero's full causal attention; a shorter window is refused (megazero has no sliding-window
-  attention). Llama computes the same model, so ``GPTConfig.hf_model_type`` remembers the family
-  and the export writes MistralForCausalLM again (``mistral_config``).
+  ``mlp_bias`` keys: none is read) with ``head_dim`` (``--kv-channels``) and ``sliding_window``
+  W: every layer's query at position i sees keys j with ``i - W < j <= i`` (``masking_utils``'
+  ``sliding_window_overlay``), all earlier positions when W is null or at least
+  ``max_position_embeddings`` (megazero's full causal attention). A shorter W is megazero's
+  ``--window-size W-1,0`` on every layer (``megazero.config.shape.layer_window``). Llama computes
+  the same model otherwise, so ``GPTConfig.hf_model_type`` remembers the family and the export
+  writes MistralForCausalLM again (``mistral_config``), with the window.
 - Qwen2's attention: ``q_proj``, ``k_proj``, ``v_proj`` with bias, ``o_proj`` and the MLP
   without (``--disable-bias-linear --add-qkv-bias``); a layer whose ``layer_types`` entry is
-  ``sliding_attention`` sees only its last ``sliding_window`` keys, which equals megazero's
-  full causal attention only when the window covers ``max_position_embeddings`` (Qwen2.5 sets
-  ``use_sliding_window: false``, so every layer is full); otherwise refused.
+  ``sliding_attention`` sees only its last ``sliding_window`` keys (transformers derives
+  ``layer_types`` from ``use_sliding_window``: layers from ``max_window_layers`` on slide; and
+  drops the window when ``use_sliding_window`` is false). The pattern becomes ``--window-size
+  W-1,0`` with ``--window-attn-skip-freq`` (None when every layer slides, N when every N-th is
+  full, else the 0/1 list; ``window_settings``); a window covering ``max_position_embeddings`` is
+  full attention; a layer type other than full or sliding attention is refused. The export
+  writes ``use_sliding_window``, ``sliding_window``, ``max_window_layers`` and ``layer_types``
+  back (``window_keys``). Qwen3-MoE's window, when on, applies to every layer.
 - Qwen3's attention (``modeling_qwen3``): heads of ``head_dim`` dimensions whatever
   ``hidden_size / num_attention_heads`` is (``q_proj`` ``[heads * head_dim, H]``, ``o_proj``
   ``[H, heads * head_dim]``: megazero's ``--kv-channels``; every family's ``head_dim`` maps to it,
@@ -113,25 +119,26 @@ KEYS = {
         },
     },
     "mistral": {
-        "mapped": _COMMON_MAPPED + ("head_dim",),
-        "checked": ("hidden_act", "partial_rotary_factor", "sliding_window"),
+        "mapped": _COMMON_MAPPED + ("head_dim", "sliding_window"),
+        "checked": ("hidden_act", "partial_rotary_factor"),
         "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen2": {
-        "mapped": _COMMON_MAPPED + ("head_dim",),
-        "checked": ("hidden_act", "partial_rotary_factor") + _WINDOW,
+        "mapped": _COMMON_MAPPED + ("head_dim",) + _WINDOW,
+        "checked": ("hidden_act", "partial_rotary_factor"),
         "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen3": {
-        "mapped": _COMMON_MAPPED + ("head_dim",),
-        "checked": ("hidden_act", "partial_rotary_factor", "attention_bias") + _WINDOW,
+        "mapped": _COMMON_MAPPED + ("head_dim",) + _WINDOW,
+        "checked": ("hidden_act", "partial_rotary_factor", "attention_bias"),
         "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen3_moe": {  # head_dim: not a Qwen3MoeConfig field, but real folders carry it and the attention reads it
         "mapped": _COMMON_MAPPED
         + ("head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
-        + ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
-        "checked": ("hidden_act", "partial_rotary_factor", "attention_bias") + _WINDOW,
+        + ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+        + _WINDOW,
+        "checked": ("hidden_act", "partial_rotary_factor", "attention_bias"),
         "no_effect": {**COMMON_NO_EFFECT, **ROUTER_NO_EFFECT},
     },
 }
@@ -278,11 +285,63 @@ def rope_parameters(gcfg: GPTConfig, theta: float) -> dict:
     return {"rope_type": "default", "rope_theta": theta}
 
 
+def window_pattern(gcfg: GPTConfig) -> tuple:
+    """``(W, sliding)``: the one sliding window of ``gcfg``'s windowed layers (None when no layer is
+    windowed) and, per layer, whether it is (``GPTConfig.attention_window``)."""
+    windows = [gcfg.attention_window(i) for i in range(gcfg.num_layers)]
+    W = next((w for w in windows if w is not None), None)
+    return W, [w is not None for w in windows]
+
+
+def window_settings(sliding: list, window, positions: int) -> dict:
+    """GPTConfig window fields of a folder whose layers slide where ``sliding`` (one bool per layer)
+    with transformers' window ``window`` W: ``window_size [W-1, 0]`` and ``window_attn_skip_freq``
+    None (every layer slides), ``[N]`` (Megatron-LM's integer form matches: layers N, 2N, ... full)
+    or the 0/1 list; nothing when no layer slides or W covers ``positions`` (full attention)."""
+    if window is None or window >= positions or not any(sliding):
+        return {}
+    L, size = len(sliding), [window - 1, 0]
+    if all(sliding):
+        return dict(window_size=size)
+    for N in range(2, L + 1):
+        if [n % N != 0 for n in range(1, L + 1)] == list(sliding):
+            return dict(window_size=size, window_attn_skip_freq=[N])
+    return dict(window_size=size, window_attn_skip_freq=[int(x) for x in sliding])
+
+
+def window_keys(gcfg: GPTConfig) -> dict:
+    """Qwen2 / Qwen3 window keys of ``gcfg``: ``use_sliding_window``, ``sliding_window`` W (null when
+    no layer slides), ``max_window_layers`` (the layers before the first sliding one) and
+    ``layer_types`` (``sliding_attention`` / ``full_attention`` per layer), which transformers 5
+    reads as they are."""
+    W, sliding = window_pattern(gcfg)
+    return {
+        "use_sliding_window": W is not None,
+        "sliding_window": W,
+        "max_window_layers": sliding.index(True) if W is not None else gcfg.num_layers,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
+
+
+def every_layer_window(gcfg: GPTConfig, family: str):
+    """The window W every layer of ``gcfg`` has (None: no window), for a family whose
+    ``sliding_window`` applies to all layers (Mistral, Qwen3-MoE). Raises HFConversionError naming
+    --window-attn-skip-freq when some layers are windowed and others not."""
+    W, sliding = window_pattern(gcfg)
+    if W is not None and not all(sliding):
+        raise HFConversionError(
+            f"--window-attn-skip-freq keeps some layers full: {family}'s sliding_window applies to every layer "
+            "(fix: no --window-attn-skip-freq, or a Qwen2/Qwen3 export, whose layer_types say it per layer)"
+        )
+    return W
+
+
 def mistral_config(llama: dict, gcfg: GPTConfig) -> dict:
     """``config.json`` of the MistralForCausalLM computing what the LlamaForCausalLM config ``llama``
     would: no ``attention_bias`` / ``mlp_bias`` / ``pretraining_tp`` (Mistral has no biases),
-    ``head_dim`` always written, ``sliding_window`` null (full causal attention). Raises
-    HFConversionError naming the setting when ``gcfg`` has biases, QK-norm or experts."""
+    ``head_dim`` always written, ``sliding_window`` W of ``--window-size W-1,0`` (null: full causal
+    attention). Raises HFConversionError naming the setting when ``gcfg`` has biases, QK-norm or
+    experts, or windows only some layers (``every_layer_window``)."""
     for on, flag in (
         (gcfg.add_bias_linear, "linear biases (fix: --disable-bias-linear)"),
         (gcfg.add_qkv_bias, "--add-qkv-bias"),
@@ -294,23 +353,19 @@ def mistral_config(llama: dict, gcfg: GPTConfig) -> dict:
                 f"hf_model_type 'mistral' (a model read from a mistral folder) with {flag}: MistralForCausalLM "
                 "has Llama's block without biases, QK-norm or experts"
             )
+    window = every_layer_window(gcfg, "Mistral")
     base = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")}
-    return {**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}
+    return {**base, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": window}
 
 
 def mistral_settings_from_hf(config: Mapping) -> dict:
     """GPTConfig fields of a ``mistral`` ``config.json`` beyond Llama's: no biases, ``hf_model_type``
-    ``"mistral"``. Raises HFConversionError naming ``sliding_window`` when it is below
-    ``max_position_embeddings`` (some key would fall outside a query's window: megazero's
-    attention is full causal)."""
+    ``"mistral"``, and a ``sliding_window`` W below ``max_position_embeddings`` as ``window_size
+    [W-1, 0]`` on every layer (one covering the context is full causal attention)."""
     positions = config_value(config, "max_position_embeddings", "size", 2048)  # megazero's context when absent
+    L = config_value(config, "num_hidden_layers", "size")
     window = config_value(config, "sliding_window", "size", None)
-    if window is not None and window < positions:
-        raise HFConversionError(
-            f"sliding_window {window} is below max_position_embeddings {positions}: megazero has no "
-            "sliding-window attention (only a null window or one covering max_position_embeddings converts)"
-        )
-    return dict(add_bias_linear=False, hf_model_type="mistral")
+    return dict(add_bias_linear=False, hf_model_type="mistral", **window_settings([True] * L, window, positions))
 
 
 def is_qwen2(gcfg: GPTConfig) -> bool:
@@ -323,26 +378,17 @@ def qwen2_config(llama: dict, gcfg: GPTConfig) -> dict:
     """``config.json`` of the Qwen2ForCausalLM computing what the LlamaForCausalLM config ``llama``
     would with q/k/v biases: no ``attention_bias`` / ``mlp_bias`` / ``pretraining_tp`` /
     ``head_dim`` unless ``--kv-channels`` sets it (Qwen2 fixes the first two, derives the last from
-    hidden / heads otherwise), no sliding window."""
+    hidden / heads otherwise), the sliding window per layer (``window_keys``)."""
     dropped = ("attention_bias", "mlp_bias", "pretraining_tp") + (("head_dim",) if gcfg.kv_channels is None else ())
     base = {k: v for k, v in llama.items() if k not in dropped}
-    return {
-        **base,
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": gcfg.num_layers,
-        "layer_types": ["full_attention"] * gcfg.num_layers,
-    }
+    return {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **window_keys(gcfg)}
 
 
 def qwen2_settings_from_hf(config: Mapping) -> dict:
-    """GPTConfig bias fields of a ``qwen2`` ``config.json`` (q/k/v biases only). Raises
-    HFConversionError naming ``layer_types`` / ``sliding_window`` when some layer's window is
-    shorter than ``max_position_embeddings`` (megazero's attention is full causal)."""
-    check_full_attention(config)
-    return dict(add_bias_linear=False, add_qkv_bias=True)
+    """GPTConfig fields of a ``qwen2`` ``config.json``: q/k/v biases only, and its sliding-window
+    layers (``qwen_window_settings``; HFConversionError naming ``layer_types`` for a pattern the
+    flags cannot express)."""
+    return dict(add_bias_linear=False, add_qkv_bias=True, **qwen_window_settings(config))
 
 
 def is_qwen3(gcfg: GPTConfig) -> bool:
@@ -353,47 +399,44 @@ def is_qwen3(gcfg: GPTConfig) -> bool:
 def qwen3_config(llama: dict, gcfg: GPTConfig) -> dict:
     """``config.json`` of the Qwen3ForCausalLM computing what the LlamaForCausalLM config ``llama``
     would with QK-norm: no ``mlp_bias`` / ``pretraining_tp``, ``attention_bias`` false (the export
-    refuses biases first), ``head_dim`` always written (Qwen3Config's default is 128), no
-    sliding window."""
+    refuses biases first), ``head_dim`` always written (Qwen3Config's default is 128), the sliding
+    window per layer (``window_keys``)."""
     base = {k: v for k, v in llama.items() if k not in ("mlp_bias", "pretraining_tp")}
     return {
         **base,
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "attention_bias": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": gcfg.num_layers,
-        "layer_types": ["full_attention"] * gcfg.num_layers,
+        **window_keys(gcfg),
     }
 
 
 def qwen3_settings_from_hf(config: Mapping) -> dict:
     """GPTConfig fields of a ``qwen3`` or ``qwen3_moe`` ``config.json`` beyond Llama's: QK-norm, no
-    biases. Raises HFConversionError naming ``attention_bias`` when true (q/k/v/o biases without
-    MLP biases) or a sliding window shorter than the context (``check_full_attention``)."""
+    biases, and the sliding window (Qwen3: per layer, ``qwen_window_settings``; Qwen3-MoE: on every
+    layer when ``use_sliding_window``). Raises HFConversionError naming ``attention_bias`` when true
+    (q/k/v/o biases without MLP biases) or a ``layer_types`` entry megazero does not compute."""
     if config_value(config, "attention_bias", "flag", False):
         raise HFConversionError(
             "attention_bias true: Qwen3 then biases q, k, v and o but not the MLP, which no megazero block does"
         )
     if config.get("model_type") != "qwen3_moe":
-        check_full_attention(config)
-    elif config_value(config, "use_sliding_window", "flag", False):  # then every Qwen3-MoE layer slides
-        window = config_value(config, "sliding_window", "size", None)
+        window = qwen_window_settings(config)
+    else:  # Qwen3MoeConfig drops the window unless use_sliding_window; then every layer slides
         positions = config_value(config, "max_position_embeddings", "size", 32768)
-        if window is not None and window < positions:
-            raise HFConversionError(
-                f"use_sliding_window with sliding_window {window} below max_position_embeddings {positions}: "
-                "megazero's attention is full causal"
-            )
-    return dict(qk_layernorm=True, add_bias_linear=False)
+        L = config_value(config, "num_hidden_layers", "size")
+        on = config_value(config, "use_sliding_window", "flag", False)
+        size = config_value(config, "sliding_window", "size", None) if on else None
+        window = window_settings([True] * L, size, positions)
+    return dict(qk_layernorm=True, add_bias_linear=False, **window)
 
 
-def check_full_attention(config: Mapping) -> None:
-    """Raise HFConversionError naming ``layer_types`` / ``sliding_window`` unless every layer of a
-    Qwen ``config.json`` attends to all earlier positions (its window, if any, covers
-    ``max_position_embeddings``); a folder without ``layer_types`` derives them as transformers
-    does from ``use_sliding_window`` and ``max_window_layers``."""
+def qwen_window_settings(config: Mapping) -> dict:
+    """GPTConfig window fields of a Qwen2 / Qwen3 ``config.json`` (``window_settings``): its
+    ``layer_types``, or, without them, those transformers derives (``sliding_attention`` from
+    layer ``max_window_layers`` on when ``use_sliding_window``, whose ``sliding_window`` W is null
+    otherwise). Raises HFConversionError naming ``layer_types`` for a list of the wrong length, a
+    type other than full or sliding attention, or a sliding layer without a window."""
     positions = config_value(config, "max_position_embeddings", "size", 32768)
     L = config_value(config, "num_hidden_layers", "size")
     use = config_value(config, "use_sliding_window", "flag", False)
@@ -405,12 +448,13 @@ def check_full_attention(config: Mapping) -> None:
     if not isinstance(types, list) or len(types) != L:
         raise HFConversionError(f"layer_types = {str(types)[:60]} is not a list of {L} layer types")
     for i, kind in enumerate(types):
-        if kind == "full_attention":
-            continue
-        if kind != "sliding_attention":
-            raise HFConversionError(f"layer_types[{i}] = {kind!r}: megazero's attention is full causal")
-        if window is None or window < positions:
+        if kind not in ("full_attention", "sliding_attention"):
             raise HFConversionError(
-                f"layer_types[{i}] = 'sliding_attention' with sliding_window {window} (use_sliding_window "
-                f"{use}) below max_position_embeddings {positions}: megazero's attention is full causal"
+                f"layer_types[{i}] = {kind!r}: megazero computes full_attention and sliding_attention layers only"
             )
+        if kind == "sliding_attention" and window is None:
+            raise HFConversionError(
+                f"layer_types[{i}] = 'sliding_attention' without a window (use_sliding_window {use}, "
+                f"sliding_window {config.get('sliding_window')}): fix: use_sliding_window true with a sliding_window"
+            )
+    return window_settings([kind == "sliding_attention" for kind in types], window, positions)

@@ -49,8 +49,8 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from megazero.runtime.extras import require
-from model.config import GPTConfig
 from model import hf_gpt_oss
+from model.config import GPTConfig
 from model.hf import CanonicalView, HFConversionError, check_matches, config_from_hf, hf_shapes
 from model.hf_moe import check_extra_tensors
 

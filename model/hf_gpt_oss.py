@@ -115,7 +115,9 @@ def window_settings(config: Mapping, num_layers: int) -> dict:
     ``layer_types`` for another layer type or a list of the wrong length, ``sliding_window`` for
     a sliding layer without a window."""
     window = config_value(config, "sliding_window", "size", None)
-    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    types = config.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+    ]
     if not isinstance(types, list) or len(types) != num_layers:
         raise HFConversionError(f"layer_types = {str(types)[:60]} is not a list of {num_layers} layer types")
     bad = [t for t in types if t not in ("sliding_attention", "full_attention")]

@@ -55,6 +55,7 @@ import torch
 
 from model.config import GPTConfig
 from model.hf_config import HFConversionError, config_value
+from model.hf_families import every_layer_window
 
 # (field, flag) of the MoE settings that define the forward, in the order a mismatch is named
 MATCHED = (
@@ -174,8 +175,8 @@ def moe_config(gcfg: GPTConfig, llama: dict) -> dict:
             "norm_topk_prob": not gcfg.moe_router_pre_softmax,
             "decoder_sparse_step": 1,
             "mlp_only_layers": dense,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "use_sliding_window": every_layer_window(gcfg, "Qwen3-MoE") is not None,
+            "sliding_window": every_layer_window(gcfg, "Qwen3-MoE"),
             **common,
         }
     if not is_qwen(gcfg):

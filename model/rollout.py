@@ -7,7 +7,9 @@ Each row of the batch has its own prompt length. The cache is a list of *slots* 
 a slot holds a token or padding, so prompts may be left- or right-padded. Every slot
 carries an explicit position (the number of real tokens before it in its row) and a
 validity bit; a query attends to the valid slots at or before its own slot (and to itself,
-so a padding query's softmax is never empty). A row's keys, values, positions and logits
+so a padding query's softmax is never empty); a layer with a sliding window W keeps of those
+only the slots whose positions are within W of the query's (the cache keeps every slot, masked).
+A row's keys, values, positions and logits
 therefore depend on its own tokens only: a row decoded in a batch equals the row decoded
 alone, up to the rounding of batched matrix products. Each decoding step appends one slot
 per row (Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 2, for the
@@ -87,18 +89,24 @@ class RaggedSlots:
         """One new valid slot per row; returns its positions ``[B, 1]``."""
         positions = self.next_pos[:, None]  # (B, 1)
         self.valid = torch.cat([self.valid, torch.ones_like(self.valid[:, :1])], dim=1)  # (B, S+1)
+        self.positions = torch.cat([self.positions, positions], dim=1)  # (B, S+1)
         self.next_pos = self.next_pos + 1
         self._check(self.next_pos)
         return positions
 
-    def mask(self, t: int) -> torch.Tensor:
-        """``[B, 1, t, S]`` bool (True: attend) of the ``t`` newest slots' queries over all slots."""
+    def mask(self, t: int, window: Optional[int] = None) -> torch.Tensor:
+        """``[B, 1, t, S]`` bool (True: attend) of the ``t`` newest slots' queries over all slots;
+        with a sliding ``window`` W a query at position p keeps only slots at positions above
+        ``p - W`` (positions, not slots: padding between them does not count)."""
         S, device = self.valid.shape[1], self.valid.device
         slot = torch.arange(S, device=device)
         query = S - t + torch.arange(t, device=device)  # (t,): the new slots
         mine = slot[None, :] == query[:, None]  # (t, S): each query's own slot
-        causal = slot[None, :] <= query[:, None]  # (t, S)
-        return ((self.valid[:, None, :] & causal[None]) | mine[None])[:, None]  # (B, 1, t, S)
+        keep = self.valid[:, None, :] & (slot[None, :] <= query[:, None])[None]  # (B, t, S) causal
+        if window is not None:
+            near = self.positions[:, query, None] - self.positions[:, None, :] < window  # (B, t, S)
+            keep = keep & near
+        return (keep | mine[None])[:, None]  # (B, 1, t, S)
 
 
 @contextlib.contextmanager
@@ -144,16 +152,17 @@ def attend(attn, x: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Te
     return attn.proj(y), cache
 
 
-def run_chunk(chunk: GPTStage, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, caches: list):
+def run_chunk(chunk: GPTStage, x: torch.Tensor, positions: torch.Tensor, masks: dict, caches: list):
     """One chunk on the new slots: ids ``x [B, t]`` (embedding chunk) or hidden ``[B, t, H]``
-    -> hidden ``[B, t, H]``; ``caches`` (one entry per layer) updated in place."""
+    -> hidden ``[B, t, H]``; ``masks``: each layer's sliding window (None = full) -> its
+    ``RaggedSlots.mask``; ``caches`` (one entry per layer) updated in place."""
     if chunk.pre_process:
         emb = chunk.embedding
         x = emb.word_embeddings(x)  # (B, t) ids -> (B, t, H)
         if emb.with_positions:  # learned positions; RoPE enters in attention
             x = x + emb.position_embeddings(positions)
     for i, block in enumerate(chunk.layers.values()):
-        y, caches[i] = attend(block.attn, block.ln1(x), caches[i], positions, mask)
+        y, caches[i] = attend(block.attn, block.ln1(x), caches[i], positions, masks[block.attn.window])
         x = x + y
         x = x + block.mlp(block.ln2(x))
     return x
@@ -271,7 +280,8 @@ class PipelineDecoder:
         """Every chunk in virtual-stage order on the new slots ``ids [B, t]``; ``last [B]``:
         the slot whose logits to return (None: the only one). Returns ``[B, V]`` on every rank."""
         B, t = ids.shape
-        mask, me = self.slots.mask(t), self.groups.pp_rank
+        windows = {block.attn.window for chunk in self.chunks for block in chunk.layers.values()}
+        masks, me = {w: self.slots.mask(t, w) for w in windows}, self.groups.pp_rank  # one per window
         x = ids
         with sequence_parallel_off(self.chunks):
             for v, (owner, i) in enumerate(self.order):
@@ -279,7 +289,7 @@ class PipelineDecoder:
                     continue
                 if v > 0 and self.order[v - 1][0] != me:  # the previous chunk ran on another stage
                     x = self._recv((B, t, self.cfg.hidden_size), self.order[v - 1][0], ids.device)
-                x = run_chunk(self.chunks[i], x, positions, mask, self.caches[i])  # (B, t, H)
+                x = run_chunk(self.chunks[i], x, positions, masks, self.caches[i])  # (B, t, H)
                 if v + 1 < len(self.order) and self.order[v + 1][0] != me:
                     self._send(x, self.order[v + 1][0])
             owner, i = self.order[-1]

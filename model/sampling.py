@@ -8,7 +8,9 @@ cached keys are already rotated at their absolute positions ``0 .. t-1``, and th
 tokens' queries and keys are rotated at ``past .. past+t-1``); every new token then runs alone, attending to the
 cache, so
 a step costs one token's forward instead of the whole context's (the standard decoder KV
-cache, e.g. Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 2). The
+cache, e.g. Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 2). A layer
+with a sliding window W keeps its whole cache and masks the keys W or more positions back
+(memory as full attention; the values equal a cache trimmed to its last W entries). The
 forward reuses the stage's own tensor-parallel modules (QKV and fc1 column-parallel,
 projections row-parallel, vocabulary-parallel embedding and logits), so under tp each rank
 holds its heads' cache and the logits are gathered over TP before sampling: every TP rank
@@ -52,8 +54,10 @@ def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor
         gqa = {"enable_gqa": True}
     elif attn.q_per_group > 1:
         k, v = (z.repeat_interleave(attn.q_per_group, dim=1) for z in (k, v))  # (B, n/tp, past+t, d)
-    # new token i (absolute position past + i) sees keys 0 .. past + i
+    # new token i (absolute position past + i) sees keys 0 .. past + i (past + i - W + 1 .. with a window)
     mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+    if attn.window is not None:  # the cache keeps every key; the window masks the older ones
+        mask = mask & ~torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past - attn.window)
     if attn.sink_logits() is not None:
         y = attn.masked_core(q, k, v, mask)  # (B, n/tp, t, d)
     else:

@@ -35,6 +35,7 @@ from megazero.config.shape import (
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
+    check_window,
     check_yarn,
 )
 from megazero.data_parallel.policy import POLICIES, stages_where
@@ -213,6 +214,7 @@ def _check_block(cfg: Config, world_size: int) -> None:
         mscale=m.yarn_mscale,
         mscale_all_dim=m.yarn_mscale_all_dim,
     )
+    check_window(m.window_size, m.window_attn_skip_freq, m.num_layers)
 
 
 def _check_swiglu_width(cfg: Config, world_size: int) -> None:

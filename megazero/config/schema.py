@@ -122,6 +122,17 @@ def _f(
     return field(default=default, metadata=meta)
 
 
+def parse_window_list(text: str) -> list[int]:
+    """``--window-size`` / ``--window-attn-skip-freq`` text ("4095,0", "2", "1,1,0,1") as a list of
+    integers. Raises ValueError (the message names the flags) on a non-integer entry."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a comma list of integers; fix: e.g. --window-size 4095,0 --window-attn-skip-freq 2"
+        ) from None
+
+
 @dataclass
 class ModelConfig:
     """The GPT architecture: GPT-2's block by default (pre-LayerNorm, learned positions, GELU MLP,
@@ -292,6 +303,21 @@ class ModelConfig:
         "the attention softmax: vanilla, off-by-one (one more exp(0) in each row's denominator) or "
         "learnable (a learned sink logit per head in it, gpt-oss)",
         choices=("vanilla", "off-by-one", "learnable"),
+    )
+    window_size: Optional[list[int]] = _f(
+        None,
+        "sliding-window attention as Megatron-LM's L,R: query i sees keys i-L .. i (R must be 0; "
+        "transformers' sliding_window W = L + 1; L = -1 unbounded); None = full causal attention",
+        "tokens",
+        parse=parse_window_list,
+    )
+    window_attn_skip_freq: Optional[list[int]] = _f(
+        None,
+        "which layers keep full attention under --window-size: N = every N-th layer (1-based, N, 2N, ...), or "
+        "one 0/1 per layer (1 = windowed); None = every layer windowed",
+        "layers",
+        parse=parse_window_list,
+        applies=Needs("model.window_size", besides=(None,), refuse=True, wanted="--window-size"),
     )
     add_bias_linear: bool = _f(
         True, "biases in the QKV, attention output and MLP linears", flags=("--disable-bias-linear",)

@@ -205,3 +205,52 @@ def check_moe_sizes(moe_ffn_hidden_size: int, shared_size, tp: int) -> None:
     ):
         if size is not None and size % tp:
             raise ConfigError(f"{flag} {size} is not divisible by --tp {tp}; fix: choose a multiple of {tp}")
+
+
+def layer_window(window_size, window_attn_skip_freq, layer_number: int) -> Optional[int]:
+    """The sliding window W of 1-based layer ``layer_number``, or None for full causal attention.
+
+    Megatron-LM's ``--window-size L,R`` (``TransformerConfig.window_size``, FlashAttention's
+    ``window_size=(left, right)``) lets query i see keys j with ``i - L <= j <= i + R``; megazero's
+    attention is causal, so R = 0 and L = -1 means an unbounded window. Transformers'
+    ``sliding_window`` W (Mistral, Qwen2/3, gpt-oss: key j visible from query i iff
+    ``i - W < j <= i``) is therefore ``W = L + 1``: a query sees itself and the L keys before it.
+    ``--window-attn-skip-freq`` (Megatron-LM's ``is_layer_window_attention``): None = every layer
+    windowed; ``[N]`` (its integer form) = layer n full when ``n % N == 0`` (every N-th, 1-based:
+    N = 2 makes layers 2, 4, ... full, gpt-oss's alternation); a list with one 0/1 per layer
+    (its list form) = layer n windowed when entry n-1 is 1. Returns None when ``window_size`` is
+    None or L is -1. Call ``check_window`` first.
+    """
+    if not window_size or window_size[0] < 0:
+        return None
+    freq = window_attn_skip_freq
+    if freq is not None:
+        windowed = layer_number % freq[0] != 0 if len(freq) == 1 else bool(freq[layer_number - 1])
+        if not windowed:
+            return None
+    return window_size[0] + 1
+
+
+def check_window(window_size, window_attn_skip_freq, num_layers: int) -> None:
+    """``--window-size`` is two integers ``L,0`` with L >= -1 (megazero's attention is causal: no
+    key after the query), and ``--window-attn-skip-freq`` one integer N >= 1 or exactly
+    ``num_layers`` entries of 0 or 1 (given only with a window). Raises ConfigError naming the flag
+    and the fix."""
+    if window_size is not None:
+        if len(window_size) != 2 or window_size[1] != 0 or window_size[0] < -1:
+            raise ConfigError(
+                f"--window-size {','.join(map(str, window_size))} is not L,0 with L >= -1; fix: e.g. "
+                "--window-size 4095,0 (each query sees itself and the 4095 keys before it; causal: right = 0)"
+            )
+    freq = window_attn_skip_freq
+    if freq is None:
+        return
+    if window_size is None:
+        raise ConfigError("--window-attn-skip-freq without --window-size has no effect; fix: give --window-size L,0")
+    if len(freq) == 1 and freq[0] < 1:
+        raise ConfigError(f"--window-attn-skip-freq {freq[0]} is below 1; fix: N >= 1 (every N-th layer full)")
+    if len(freq) > 1 and (len(freq) != num_layers or any(f not in (0, 1) for f in freq)):
+        raise ConfigError(
+            f"--window-attn-skip-freq lists {len(freq)} entries; fix: one integer N, or one 0/1 per layer "
+            f"({num_layers} for --num-layers {num_layers}; 1 = windowed, 0 = full)"
+        )

@@ -82,15 +82,18 @@ def _sdpa(q, k, v, mask: Optional[torch.Tensor], scale: Optional[float]) -> torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra)
 
 
-def document_mask(pos: torch.Tensor, segment_ids: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def document_mask(
+    pos: torch.Tensor, segment_ids: Optional[torch.Tensor], dtype: torch.dtype, window: Optional[int] = None
+) -> torch.Tensor:
     """Additive mask ``[B or 1, 1, T, T]`` of ``dtype``: 0 where query i may attend key j (same
-    document and ``pos(j) <= pos(i)``), -inf elsewhere; ``pos [T]`` positions, ``segment_ids
-    [B, T]`` or None. The rows' storage is padded to a multiple of 16 elements, so CUDA's
+    document, ``pos(j) <= pos(i)`` and, with a sliding ``window`` W, ``pos(i) - pos(j) < W``),
+    -inf elsewhere; ``pos [T]`` positions, ``segment_ids [B, T]`` or None. The rows' storage is
+    padded to a multiple of 16 elements, so CUDA's
     memory-efficient kernel takes it as it is (``preprocess_mask`` in PyTorch's
     ``transformers/cuda/attention.cu`` pads a mask whose strides are not multiples of 8, a copy
     per call); SDPA gives the boolean mask's results (it turns a boolean mask into this one,
     ``convert_boolean_attn_mask``)."""
-    keep = block_mask(pos, pos, segment_ids, segment_ids, causal=True)[:, None]  # (B|1, 1, T, T)
+    keep = block_mask(pos, pos, segment_ids, segment_ids, causal=True, window=window)[:, None]  # (B|1, 1, T, T)
     T = pos.shape[0]
     storage = torch.zeros((*keep.shape[:3], -(-T // 16) * 16), dtype=dtype, device=pos.device)
     mask = storage[..., :T]
@@ -150,6 +153,7 @@ def local_attention(
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
     sinks: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of a whole sequence on one rank (cp = 1), document-masked if asked.
 
@@ -159,7 +163,8 @@ def local_attention(
     positions this is ``F.scaled_dot_product_attention(is_causal=True)``; otherwise SDPA with the
     additive ``document_mask`` "same document and ``pos(j) <= pos(i)``" (block-diagonal causal),
     built once per ``mask_cache`` (a dict that lives as long as the micro-batch, e.g.
-    ``SequenceInfo.cache``: every layer then shares one ``[B, 1, T, T]`` mask) and dtype.
+    ``SequenceInfo.cache``: every layer then shares one ``[B, 1, T, T]`` mask), dtype and
+    ``window``: a sliding window W (None = full) also drops keys with ``pos(i) - pos(j) >= W``.
     ``sinks [h]``: ``sink_attention`` with the same mask (bool, cached likewise).
     Raises ValueError on inconsistent shapes.
     """
@@ -167,15 +172,17 @@ def local_attention(
     if sinks is not None:
         pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
 
-        def build():
-            return block_mask(pos, pos, segment_ids, segment_ids, causal=True)[:, None]  # (B|1, 1, T, T)
+        def build():  # (B|1, 1, T, T)
+            return block_mask(pos, pos, segment_ids, segment_ids, causal=True, window=window)[:, None]
 
-        keep = _cached(mask_cache, ("sink mask", q.device), build)
+        keep = _cached(mask_cache, ("sink mask", q.shape[2], q.device, window), build)
         return sink_attention(q, k, v, sinks, keep, scale)
-    if token_index is None and segment_ids is None:
+    if token_index is None and segment_ids is None and window is None:
         return _sdpa(q, k, v, None, scale)
     pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
-    mask = _cached(mask_cache, ("local", q.dtype, q.device), lambda: document_mask(pos, segment_ids, q.dtype))
+    mask = _cached(
+        mask_cache, ("local", q.dtype, q.device, window), lambda: document_mask(pos, segment_ids, q.dtype, window)
+    )
     return _sdpa(q, k, v, mask, scale)
 
 
@@ -192,6 +199,7 @@ def ring_attention(
     mask_cache: Optional[dict] = None,
     block_kernel: str = "auto",
     sinks: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """``--cp-comm-type p2p``: ring attention over the cp group (``ring.RingAttention``).
 
@@ -202,7 +210,9 @@ def ring_attention(
     in q, k and v. At C = 1 it is ``local_attention`` (no communication; ``mask_cache`` is its). ``block_kernel``:
     ``"auto"`` runs each block through a fused kernel where q's device and dtype have one
     (``fused_blocks.block_path``), ``"einsum"`` through ``blockwise``'s einsums. ``sinks [h]``: one
-    sink logit per query head (module docstring), differentiable. Raises ValueError when
+    sink logit per query head (module docstring), differentiable. ``window``: a
+    sliding window W (None = full): a (query chunk, key chunk) block wholly outside it is skipped
+    in forward and backward (its K/V still travel on to the next rank). Raises ValueError when
     the group size is not C, T/C is odd, shapes disagree, or ``block_kernel`` is unknown.
     """
     _check(q, k, v, segment_ids)
@@ -215,11 +225,13 @@ def ring_attention(
         raise ValueError(f"ring_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     chunk_size(Tl * C, C)
     if C == 1:
-        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache, sinks=sinks)
+        return local_attention(
+            q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache, sinks=sinks, window=window
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     link = RingLink(group, cp_ranks, collectives.group_rank(group))
     path = block_path(q, block_kernel)
-    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale, path, sinks)
+    return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale, path, window, sinks)
 
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -259,6 +271,7 @@ def all_to_all_attention(
     scale: Optional[float] = None,
     mask_cache: Optional[dict] = None,
     sinks: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """``--cp-comm-type a2a``: DeepSpeed-Ulysses attention over the cp group.
 
@@ -267,7 +280,8 @@ def all_to_all_attention(
     [B, T/C]`` or None). Inside: ``[B, h/C, T, d]`` and ``[B, G/C, T, d]`` in natural order,
     ``local_attention`` on them, and back. With documents the ids are all-gathered and the
     mask built once per ``mask_cache`` (as ``local_attention``: then once per micro-batch, not
-    per layer; without a cache, every call). ``sinks [h]``: each rank applies its heads' sinks
+    per layer; without a cache, every call); a sliding ``window`` W masks the natural order
+    (``local_attention``'s). ``sinks [h]``: each rank applies its heads' sinks
     (``[i h/C, (i+1) h/C)`` on cp rank i). Returns ``[B, h, T/C, d]``; differentiable. Raises
     ValueError naming --cp-comm-type a2a when h or G is not divisible by C (group-major heads:
     rank i gets query groups i*G/C .. (i+1)*G/C-1 and their heads).
@@ -283,7 +297,9 @@ def all_to_all_attention(
     if tuple(token_index.shape) != (Tl,):
         raise ValueError(f"all_to_all_attention: token_index {tuple(token_index.shape)} is not [T/C] = [{Tl}]")
     if C == 1:
-        return local_attention(q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache, sinks=sinks)
+        return local_attention(
+            q, k, v, segment_ids=segment_ids, scale=scale, mask_cache=mask_cache, sinks=sinks, window=window
+        )
     T = Tl * C
     gathered = torch.cat([local_token_index(T, i, C, device=q.device) for i in range(C)])
     natural = torch.argsort(gathered)  # natural[p] = where position p arrived
@@ -301,7 +317,7 @@ def all_to_all_attention(
     if sinks is not None:  # this rank's h/C heads, as the first all-to-all gave them
         r = collectives.group_rank(group)
         sinks = sinks[r * (h // C) : (r + 1) * (h // C)]
-    y = local_attention(*seq_major, segment_ids=seg, scale=scale, mask_cache=cache, sinks=sinks)  # (B, h/C, T, d)
+    y = local_attention(*seq_major, segment_ids=seg, scale=scale, mask_cache=cache, sinks=sinks, window=window)
     y = y.index_select(2, gathered)  # back to the arrival (rank-major) order
     return _AllToAll.apply(y, group, 2, 1)  # (B, h, T/C, d)
 

@@ -144,17 +144,26 @@ def block_attention_backward(
 
 
 def block_mask(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, q_seg: Optional[torch.Tensor], k_seg: Optional[torch.Tensor], causal: bool
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_seg: Optional[torch.Tensor],
+    k_seg: Optional[torch.Tensor],
+    causal: bool,
+    window: Optional[int] = None,
 ) -> Optional[torch.Tensor]:
     """Bool mask ``[B or 1, Tq, Tk]`` (True = attend), or None when every score is kept.
 
     ``q_pos [Tq]`` and ``k_pos [Tk]`` are global token positions; ``causal`` keeps
-    ``k_pos <= q_pos``; document ids ``q_seg [B, Tq]`` and ``k_seg [B, Tk]`` (or None: one
+    ``k_pos <= q_pos``; ``window`` W (sliding-window attention, transformers' ``sliding_window``)
+    keeps ``q_pos - k_pos < W``; document ids ``q_seg [B, Tq]`` and ``k_seg [B, Tk]`` (or None: one
     document) keep only keys of the query's own document.
     """
     mask = None
     if causal:
         mask = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, Tq, Tk)
+    if window is not None:
+        near = (q_pos[:, None] - k_pos[None, :] < window)[None]  # (1, Tq, Tk)
+        mask = near if mask is None else mask & near
     if q_seg is not None:
         same = q_seg[:, :, None] == k_seg[:, None, :]  # (B, Tq, Tk)
         mask = same if mask is None else mask & same

@@ -51,7 +51,16 @@ from megazero.context_parallel.blockwise import (
     merge_partials,
 )
 from megazero.context_parallel.fused_blocks import fused_block_attention, fused_block_attention_backward
-from megazero.context_parallel.zigzag import DIAGONAL, block_pairs, local_token_index, ring_source, zigzag_chunks
+from megazero.context_parallel.zigzag import (
+    DIAGONAL,
+    INSIDE,
+    OUTSIDE,
+    block_pairs,
+    local_token_index,
+    ring_source,
+    window_overlap,
+    zigzag_chunks,
+)
 
 _TAG_FWD_KV, _TAG_FWD_SEG, _TAG_BWD_KV, _TAG_BWD_DKV = 0, 1, 2, 3
 
@@ -98,11 +107,16 @@ def _halves(x: Optional[torch.Tensor], dim: int):
 
 
 class _Blocks:
-    """What one step needs to find its blocks: positions, chunk ids and document ids."""
+    """What one step needs to find its blocks: positions, chunk ids and document ids; with a
+    sliding ``window`` the plan leaves out the blocks wholly outside it (``zigzag.window_overlap``),
+    in the forward and the backward alike."""
 
-    def __init__(self, rank: int, C: int, Tl: int, token_index: torch.Tensor, q_seg):
-        self.rank, self.C, self.T = rank, C, Tl * C
-        self.plan = [[p for p in block_pairs(rank, C) if p[0] == s] for s in range(C)]
+    def __init__(self, rank: int, C: int, Tl: int, token_index: torch.Tensor, q_seg, window: Optional[int] = None):
+        self.rank, self.C, self.T, self.window, n = rank, C, Tl * C, window, Tl // 2
+        self.plan = [
+            [p for p in block_pairs(rank, C) if p[0] == s and window_overlap(p[1], p[2], n, window) != OUTSIDE]
+            for s in range(C)
+        ]
         self.q_pos, self.q_seg = _halves(token_index, 0), _halves(q_seg, 1)
 
     def each(self, step: int, k_seg):
@@ -111,10 +125,13 @@ class _Blocks:
         src = ring_source(self.rank, step, self.C)
         k_pos = _halves(local_token_index(self.T, src, self.C, device=self.q_pos[0].device), 0)
         k_seg = _halves(k_seg, 1)
+        n = self.T // (2 * self.C)
         for _, q_chunk, kv_chunk, kind in self.plan[step]:
             i, j = zigzag_chunks(self.rank, self.C).index(q_chunk), zigzag_chunks(src, self.C).index(kv_chunk)
-            mask = block_mask(self.q_pos[i], k_pos[j], self.q_seg[i], k_seg[j], causal=kind == DIAGONAL)
-            yield i, j, mask, kind == DIAGONAL and k_seg[j] is None
+            whole = window_overlap(q_chunk, kv_chunk, n, self.window) == INSIDE  # no key cut by the window
+            window = None if whole else self.window
+            mask = block_mask(self.q_pos[i], k_pos[j], self.q_seg[i], k_seg[j], causal=kind == DIAGONAL, window=window)
+            yield i, j, mask, kind == DIAGONAL and k_seg[j] is None and whole
 
 
 def _forward_block(path: str, q, k, v, mask, scale: float, causal: bool):
@@ -133,18 +150,31 @@ def _backward_block(path: str, q, k, v, do, out, delta, lse, mask, scale: float,
 
 
 class RingAttention(torch.autograd.Function):
-    """``apply(q, k, v, segment_ids, link, token_index, scale, path, sinks) -> out``: q ``[B, h, T/C, d]``
-    (group-major heads), k and v ``[B, G, T/C, d]``, segment_ids ``[B, T/C]`` or None, token_index
-    ``[T/C]`` (this rank's zigzag positions), ``path`` the blocks' kernel path
-    (``fused_blocks.block_path``), ``sinks [h]`` or None. Returns ``[B, h, T/C, d]`` in q's dtype. Use
-    ``attention.ring_attention``, which checks the arguments."""
+    """``apply(q, k, v, segment_ids, link, token_index, scale, path, window, sinks) -> out``: q ``[B, h,
+    T/C, d]`` (group-major heads), k and v ``[B, G, T/C, d]``, segment_ids ``[B, T/C]`` or None,
+    token_index ``[T/C]`` (this rank's zigzag positions), ``path`` the blocks' kernel path
+    (``fused_blocks.block_path``), ``window`` a sliding window W or None (blocks wholly outside
+    it are not computed; the K/V still go round the ring), ``sinks [h]`` or None. Returns ``[B, h,
+    T/C, d]`` in q's dtype. Use ``attention.ring_attention``, which checks the arguments."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, link: RingLink, token_index, scale: float, path: str = "einsum", sinks=None):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        segment_ids,
+        link: RingLink,
+        token_index,
+        scale: float,
+        path: str = "einsum",
+        window=None,
+        sinks=None,
+    ):
         B, h, Tl, d = q.shape
         G, C, n = k.shape[1], link.size, Tl // 2
         qs = _halves(q.reshape(B, G, h // G, Tl, d), 3)  # 2 x (B, G, R, T/(2C), d)
-        blocks = _Blocks(link.cp_rank, C, Tl, token_index, segment_ids)
+        blocks = _Blocks(link.cp_rank, C, Tl, token_index, segment_ids, window)
         kv, seg, kv_segs = torch.stack([k, v]), segment_ids, []  # kv (2, B, G, T/C, d)
         out, lse = [None, None], [None, None]
         for step in range(C):
@@ -208,4 +238,4 @@ class RingAttention(torch.autograd.Function):
         if pending_dkv is not None:
             dkv = pending_dkv.wait()[0]  # this rank's own, back after C sends
         dq = dq.reshape(B, h, Tl, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, dsinks
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, dsinks

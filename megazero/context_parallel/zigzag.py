@@ -20,7 +20,7 @@ Everything here is pure (no torch.distributed); tensors only where a position is
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -119,3 +119,21 @@ def block_work(rank: int, C: int) -> float:
     a diagonal block 1/2 (its n(n+1)/2 unmasked scores, rounded to half a block).
     Equal on every rank: 2C-1 full and 2 diagonal blocks, so ``2C``."""
     return sum(1.0 if kind == FULL else 0.5 for *_, kind in block_pairs(rank, C))
+
+
+OUTSIDE, PARTIAL, INSIDE = "outside", "partial", "inside"
+
+
+def window_overlap(q_chunk: int, kv_chunk: int, n: int, window: Optional[int]) -> str:
+    """How a sliding window W (query p sees keys p-W+1 .. p) meets the block of query chunk
+    ``q_chunk`` and key chunk ``kv_chunk`` (chunk c holds positions ``c*n .. c*n+n-1``), causal
+    order aside: ``OUTSIDE`` when no query is within W of any key (the block can be skipped:
+    ``c_q*n - (c_k*n + n-1) >= W``), ``INSIDE`` when every pair is (``c_q*n + n-1 - c_k*n < W``,
+    or no window), else ``PARTIAL`` (the block needs the window in its mask)."""
+    if window is None:
+        return INSIDE
+    if q_chunk * n - (kv_chunk * n + n - 1) >= window:
+        return OUTSIDE
+    if q_chunk * n + n - 1 - kv_chunk * n < window:
+        return INSIDE
+    return PARTIAL

@@ -111,17 +111,21 @@ def _segments(T: int, seed: int) -> torch.Tensor:
     return torch.cumsum(starts.long(), dim=1)
 
 
-def _oracle(q, k, v, seg, dy):
-    """SDPA on the whole sequence in float64, K/V expanded: (y, dq, dk, dv)."""
+def _oracle(q, k, v, seg, dy, window=None):
+    """SDPA on the whole sequence in float64, K/V expanded: (y, dq, dk, dv); with a sliding
+    ``window`` W the keys W or more positions back are masked too."""
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     R = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(R, dim=1), v.repeat_interleave(R, dim=1)
-    if seg is None:
+    if seg is None and window is None:
         y = F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
     else:
         T = q.shape[2]
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        mask = causal & (seg[:, :, None] == seg[:, None, :])  # (B, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool).tril()[None]  # (1, T, T) causal
+        if window is not None:  # keep i - j < W: drop the band from diagonal -W down
+            mask = mask & ~torch.ones(T, T, dtype=torch.bool).tril(-window)
+        if seg is not None:
+            mask = mask & (seg[:, :, None] == seg[:, None, :])  # (B, T, T)
         y = F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask[:, None])
     y.backward(dy.double())
     return y, q.grad, k.grad, v.grad
@@ -152,7 +156,7 @@ def _counted(before: dict) -> dict:
     return {kind: n - before.get(kind, 0) for kind, n in collectives.counter.items() if n != before.get(kind, 0)}
 
 
-def _run_case(rank, C, group, cp_ranks, method, full, part_rank):
+def _run_case(rank, C, group, cp_ranks, method, full, part_rank, **kw):
     q, k, v, dy, seg = (
         None if t is None else Z.split_for_rank(t, 2 if t.dim() == 4 else 1, part_rank, C) for t in full
     )
@@ -160,9 +164,9 @@ def _run_case(rank, C, group, cp_ranks, method, full, part_rank):
     idx = Z.local_token_index(q.shape[2] * C, part_rank, C)
     before = dict(collectives.counter)
     if method == "p2p":
-        y = ring_attention(q, k, v, group=group, cp_ranks=cp_ranks, token_index=idx, segment_ids=seg)
+        y = ring_attention(q, k, v, group=group, cp_ranks=cp_ranks, token_index=idx, segment_ids=seg, **kw)
     else:
-        y = all_to_all_attention(q, k, v, group=group, token_index=idx, segment_ids=seg)
+        y = all_to_all_attention(q, k, v, group=group, token_index=idx, segment_ids=seg, **kw)
     forward = _counted(before)
     before = dict(collectives.counter)
     y.backward(dy)
@@ -185,10 +189,41 @@ def _shared_documents(rank, C):
     return gathered, same
 
 
+def _windowed(rank, C):
+    """The WINDOW_CASES through the ring and a2a; each einsum ring case counts its block calls
+    (forward ``block_attention``, backward ``block_attention_backward``) by wrapping the ring's."""
+    from megazero.context_parallel import ring
+
+    results, calls = {}, {"forward": 0, "backward": 0}
+    originals = ring.block_attention, ring.block_attention_backward
+
+    def counted(kind, fn):
+        def wrapper(*args):
+            calls[kind] += 1
+            return fn(*args)
+
+        return wrapper
+
+    ring.block_attention = counted("forward", originals[0])
+    ring.block_attention_backward = counted("backward", originals[1])
+    try:
+        for i, (name, method, h, G, docs, kernel, window) in enumerate(WINDOW_CASES):
+            calls.update(forward=0, backward=0)
+            kw = dict(window=window) | ({"block_kernel": kernel} if method == "p2p" else {})
+            full = _inputs(C, h, G, docs, seed=500 + i)
+            run = _run_case(rank, C, dist.group.WORLD, list(range(C)), method, full, rank, **kw)
+            results[name] = (*run, dict(calls))
+    finally:
+        ring.block_attention, ring.block_attention_backward = originals
+    return results
+
+
 def _rank_checks(rank, world, C):
     results = {}
     if C == 2:
         results["a2a shared"] = _shared_documents(rank, C)
+    if C == 4:
+        results["window"] = _windowed(rank, C)
     for i, (name, method, h, G, docs) in enumerate(_cases(C)):
         full = _inputs(C, h, G, docs, seed=100 * C + i)
         results[name] = _run_case(rank, C, dist.group.WORLD, list(range(C)), method, full, rank)
@@ -299,10 +334,63 @@ def test_cp_attention_equals_full_sdpa(C):
             assert _relative_error(dsinks, expected[4]) <= TOL, f"{name}: dsinks {dsinks} vs {expected[4]}"
             assert expected[4].abs().min() > 1e-3  # every head's sink moves the loss
     if C == 4:
+        _check_windowed([out[r]["window"] for r in range(C)], C)
         sub = [out[r]["sub-group"] for r in range(4)]
         full = _inputs(2, 4, 2, True, seed=7)
         for ranks in ([0, 2], [1, 3]):
             _compare(f"sub-group {ranks}", [sub[r][0] for r in ranks], full, 2)
+
+
+WINDOW = 6  # sliding window W: at CHUNK 4 a query chunk reaches 2 key chunks back, partly
+WINDOW_CASES = [  # (name, method, h, G, documents, ring block kernel, window)
+    ("p2p window G=2", "p2p", 8, 2, False, "einsum", WINDOW),
+    ("p2p window G=2 docs", "p2p", 8, 2, True, "einsum", WINDOW),
+    ("p2p window G=4 docs fused", "p2p", 8, 4, True, "auto", WINDOW),
+    # a window of 3 inside a chunk of 4: the diagonal blocks too need the mask, not is_causal
+    ("p2p window 3 G=2 fused", "p2p", 8, 2, False, "auto", 3),
+    ("a2a window G=4 docs", "a2a", 8, 4, True, None, WINDOW),
+]
+# blocks each rank computes at C 4 with W 6: query chunk c (positions 4c .. 4c+3) meets key
+# chunks c-2 .. c (4c - (4(c-3) + 3) = 9 >= 6 puts c-3 and earlier wholly outside); rank r holds
+# chunks r and 7-r, so min(r, 2) + 1 + 3 blocks, against 2C+1 = 9 without the window
+WINDOW_BLOCKS = [4, 5, 6, 6]
+
+
+def _check_windowed(per_rank, C):
+    """Windowed ring and a2a equal the float64 windowed oracle (forward and gradients), the bytes
+    are the unwindowed formula's (K/V still go round), and the einsum ring computes WINDOW_BLOCKS
+    blocks forward and backward (none of the skipped ones)."""
+    for i, (name, method, h, G, docs, kernel, window) in enumerate(WINDOW_CASES):
+        full = _inputs(C, h, G, docs, seed=500 + i)
+        q, k, v, dy, seg = full
+        expected = _oracle(q, k, v, seg, dy, window=window)
+        for what, j in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+            got = Z.merge_from_ranks([p[name][0][j] for p in per_rank], 2, C)
+            err = _relative_error(got, expected[j])
+            assert err <= TOL, f"{name}: {what} relative error {err:.2e} > {TOL}"
+        theory = _theory(method, h, G, docs, C)
+        for r, p in enumerate(per_rank):
+            assert (p[name][1], p[name][2]) == (theory.forward, theory.backward), f"{name} rank {r} bytes"
+            if kernel == "einsum":
+                assert p[name][3] == {"forward": WINDOW_BLOCKS[r], "backward": WINDOW_BLOCKS[r]}, f"{name} rank {r}"
+
+
+def test_window_plan_skips_blocks_out_of_reach():
+    """``zigzag.window_overlap`` against the positions themselves: OUTSIDE exactly when no (query,
+    key) pair of the two chunks is within the window, INSIDE exactly when every pair is."""
+    n = CHUNK
+    for W in (1, 3, 4, 6, 9, 100):
+        for qc in range(8):
+            for kc in range(qc + 1):
+                gaps = [(qc * n + a) - (kc * n + b) for a in range(n) for b in range(n)]
+                got = Z.window_overlap(qc, kc, n, W)
+                if all(g >= W for g in gaps):
+                    assert got == Z.OUTSIDE
+                elif all(g < W for g in gaps):
+                    assert got == Z.INSIDE
+                else:
+                    assert got == Z.PARTIAL
+    assert Z.window_overlap(7, 0, n, None) == Z.INSIDE
 
 
 def test_documents_make_fully_masked_block_rows():

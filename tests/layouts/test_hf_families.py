@@ -1,12 +1,16 @@
-"""Llama-3.x, Mistral, Qwen2.5, Qwen3 and Qwen3-MoE folders in and out (fp32), built by
+"""Llama-3.x, Mistral, Qwen2, Qwen3 and Qwen3-MoE folders in and out (fp32), built by
 transformers' own config and model classes at tiny sizes (no network): a Llama with ``llama3``
 RoPE scaling (untied, no biases), a Mistral with ``head_dim`` 12 (hidden / heads = 8), no sliding
-window and untied embeddings (exported back as Mistral), a Qwen2 with q/k/v biases, tied
-embeddings, ``use_sliding_window: false`` and ``linear`` RoPE scaling, a Qwen3 with ``head_dim``
+window of 8 positions on every layer (Mistral-7B-v0.1's kind; ``--window-size 7,0``) and untied
+embeddings (exported back as Mistral), a Qwen2 with q/k/v biases, tied embeddings,
+``use_sliding_window: true`` with ``max_window_layers`` 1 (layer 0 full, layer 1 a window of 8;
+``--window-attn-skip-freq 0,1``) and ``linear`` RoPE scaling, a Qwen3 with ``head_dim``
 12, QK-norm and ``yarn`` RoPE scaling (factor 4 over an original context of 64, YaRN's betas 32 / 1,
-the ramp rounded outwards), and a Qwen3-MoE with the same attention, 4 experts (top 2, not
+the ramp rounded outwards), a Qwen3-MoE with the same attention, 4 experts (top 2, not
 renormalised), one dense layer and DeepSeek / gpt-oss style ``yarn`` (factor 8 over 32, beta_fast
-16, ``mscale`` 1 over ``mscale_all_dim`` 0.5, ``truncate`` false).
+16, ``mscale`` 1 over ``mscale_all_dim`` 0.5, ``truncate`` false), and a gpt-oss (q/k/v/o biases,
+learned sinks, a window of 8 on layer 0, yarn, 4 experts with biases, a router bias and the
+clamped quick GEGLU).
 ``--from-hf`` gives transformers' logits within 1e-5 at tp 1 and tp 2 (+ SP), the first training
 step's loss under tp 2 equals transformers' loss on the same batch within 1e-6,
 the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to tensors
@@ -15,6 +19,7 @@ transformers' ``generate`` tokens for 32 tokens past the original context. Under
 and cp 2 (ring, all-to-all) the first loss is transformers' too, and 3 steps trained at pp 2 x
 tp 2 export to a folder whose transformers logits are megazero's."""
 
+import dataclasses
 import json
 import shutil
 
@@ -62,27 +67,33 @@ FAMILIES = {
         + ["--rope-scaling-factor", "4", "--rope-scaling-high-freq-factor", "8"]
         + ["--rope-scaling-original-max-position-embeddings", "64"],
     ),
-    # Llama's block with heads of 12 dimensions, full causal attention (sliding_window null), untied
+    # Llama's block with heads of 12 dimensions and Mistral-7B-v0.1's sliding window on every layer
+    # (8 positions: shorter than the 16-token training sequence and the 48-token prompts), untied
     "mistral": (
         "MistralConfig",
         dict(
             head_dim=12,
             tie_word_embeddings=False,
-            sliding_window=None,
+            sliding_window=8,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
-        BLOCK + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"],
+        BLOCK
+        + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"]
+        + ["--window-size", "7,0"],
     ),
-    "qwen2.5": (
+    # Qwen2 with use_sliding_window: layer 0 full (max_window_layers 1), layer 1 a window of 8
+    "qwen2": (
         "Qwen2Config",
         dict(
             tie_word_embeddings=True,
-            use_sliding_window=False,
-            sliding_window=4096,
+            use_sliding_window=True,
+            sliding_window=8,
             max_window_layers=1,
             rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
         ),
-        BLOCK + ["--rotary-base", "10000", "--add-qkv-bias", "--rotary-seq-len-interpolation-factor", "2"],
+        BLOCK
+        + ["--rotary-base", "10000", "--add-qkv-bias", "--rotary-seq-len-interpolation-factor", "2"]
+        + ["--window-size", "7,0", "--window-attn-skip-freq", "0,1"],
     ),
     # heads of 12 dimensions (q/k/v 48 wide against a hidden size of 32) with QK-norm, untied
     "qwen3": (
@@ -170,7 +181,8 @@ FAMILIES = {
         + ["--yarn-original-max-position-embeddings", "64", "--no-yarn-correction-range-round-to-int"],
     ),
 }
-SCALED = ("llama3", "qwen2.5", "qwen3", "qwen3-moe")  # the families whose RoPE is scaled
+SCALED = ("llama3", "qwen2", "qwen3", "qwen3-moe", "gpt-oss")  # the families whose RoPE is scaled
+WINDOWED = ("mistral", "qwen2", "gpt-oss")  # the families with a sliding window shorter than the sequences
 
 
 def _make_folder(d, family, tokenizer_json):
@@ -247,7 +259,12 @@ def test_family_in_and_out(family, folders, tmp_path):
     with torch.no_grad():
         theirs = hf(ids).logits  # (B, T, V)
     stage, _ = load_model(generate_args(folder), ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
-    assert (stage.cfg.use_rope_scaling, stage.cfg.add_qkv_bias) == (family == "llama3", family == "qwen2.5")
+    assert (stage.cfg.use_rope_scaling, stage.cfg.add_qkv_bias) == (family == "llama3", family == "qwen2")
+    assert [stage.cfg.attention_window(i) for i in range(2)] == {
+        "mistral": [8, 8],
+        "qwen2": [None, 8],
+        "gpt-oss": [8, None],
+    }.get(family, [None, None])
     assert (stage.cfg.kv_channels, stage.cfg.qk_layernorm) == (
         (12, "qwen3" in family) if family in ("mistral", "gpt-oss") or "qwen3" in family else (None, False)
     )
@@ -261,6 +278,14 @@ def test_family_in_and_out(family, folders, tmp_path):
     scale = theirs.abs().max().item()
     for ours in (tp1, tp2):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * scale)
+
+    if family in WINDOWED:  # the same weights without the window: the window matters at 48 tokens
+        full = dataclasses.replace(stage.cfg, window_size=None, window_attn_skip_freq=None)
+        with torch.no_grad():
+            unwindowed = type(stage)(
+                full, stage.groups, range(2), True, True, seed=0, full_weights=dict(stage.named_parameters())
+            )(ids)[..., :300]
+        assert (unwindowed - theirs).abs().max() > 1e-2 * scale
 
     if family in SCALED:
         stage.cfg.use_rope_scaling, stage.cfg.rotary_seq_len_interpolation_factor = False, None  # RoPE unscaled
@@ -280,13 +305,15 @@ def test_family_in_and_out(family, folders, tmp_path):
     out = tmp_path / "out"
     assert main(["--load", str(tmp_path / "ckpt"), "--to-hf", str(out)]) == 0
     back, original = load_file(out / "model.safetensors"), load_file(f"{folder}/model.safetensors")
-    assert sorted(back) == sorted(original) and ("lm_head.weight" in back) == (family != "qwen2.5")
+    assert sorted(back) == sorted(original) and ("lm_head.weight" in back) == (family != "qwen2")
     for name, t in original.items():
         assert torch.equal(back[name], t), name
     written = json.loads((out / "config.json").read_text())
     given = json.loads(open(f"{folder}/config.json").read())
     assert written["model_type"] == given["model_type"] and written["rope_parameters"] == given["rope_parameters"]
     assert written["architectures"] == given["architectures"] and written.get("head_dim") == given.get("head_dim")
+    for key in ("sliding_window", "use_sliding_window", "layer_types"):  # what transformers reads of the window
+        assert written.get(key) == given.get(key), key
     assert config_from_hf(written, seq_length=16) == config_from_hf(given, seq_length=16)
 
 

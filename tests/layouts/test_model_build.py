@@ -11,6 +11,7 @@
   measures checkpoint I/O), stays within 2 x (largest full tensor + this rank's shards), and
   within ``model.build.build_peak_bytes``' prediction, where building from
   ``init_full_weights`` held the whole stage in fp32.
+- Sliding-window layers share one mask per forward; an unbounded window is full attention.
 """
 
 import pytest
@@ -302,6 +303,37 @@ def test_a_stage_shares_one_rotary_table_across_its_layers():
     cfg = GPTConfig(vocab_size=101, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, **LLAMA)
     stage = GPTStage(cfg, ProcessGroups.single(), range(3), True, True, SEED)
     assert len({id(block.attn.rope) for block in stage.layers.values()}) == 1
+
+
+def test_a_stage_builds_one_window_mask_per_forward_and_its_layers_share_it(monkeypatch):
+    """Sliding-window layers on the plain path: layers 1 and 3 of 4 (``--window-size 5,0
+    --window-attn-skip-freq 2``) take one ``[1, 1, T, T]`` mask, built once per forward (counted)
+    and the same tensor in both; a window of -1 is full attention, the output equal bit for bit."""
+    import model.gpt as gpt
+
+    built = []
+
+    def counted(*args):
+        built.append(args)
+        return gpt_mask(*args)
+
+    gpt_mask = gpt.document_mask
+    monkeypatch.setattr(gpt, "document_mask", counted)
+    base = dict(vocab_size=101, num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, **LLAMA)
+    cfg = GPTConfig(**base, window_size=[5, 0], window_attn_skip_freq=[2])
+    stage = GPTStage(cfg, ProcessGroups.single(), range(4), True, True, SEED).eval()
+    assert [block.attn.window for block in stage.layers.values()] == [6, None, 6, None]
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for _ in range(2):
+            stage(ids)
+    assert len(built) == 2 and list(stage.attention_masks) == [("window", 16, 6, torch.float32, torch.device("cpu"))]
+    mask = stage.attention_masks[("window", 16, 6, torch.float32, torch.device("cpu"))][0, 0]  # (T, T)
+    assert int(mask.isinf().sum()) == 16 * 15 // 2 + 10 * 11 // 2  # the future, and i - j >= 6: 55 pairs
+    plain = GPTStage(GPTConfig(**base), ProcessGroups.single(), range(4), True, True, SEED).eval()
+    unbounded = GPTStage(GPTConfig(**base, window_size=[-1, 0]), ProcessGroups.single(), range(4), True, True, SEED)
+    with torch.no_grad():
+        assert torch.equal(plain(ids), unbounded.eval()(ids))
 
 
 @pytest.mark.parametrize("groups", [1, 2])

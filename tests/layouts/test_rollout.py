@@ -3,7 +3,8 @@
 One process: a row sampled in a ragged batch gives the tokens and log-probs it gets alone;
 right- and left-padded prompts give the same logits; the log-probs equal a trainer-style
 forward over prompt + response (no cache, ``vocab_parallel_log_probs``; QK-norm too) at temperature 1 and
-0.7; top-k / top-p draws stay inside their sets; greedy decoding equals model/sampling.py's;
+0.7 (also with a sliding window on one layer, which left padding must not shift); top-k / top-p
+draws stay inside their sets; greedy decoding equals model/sampling.py's;
 EOD stops a row and ``max_new_tokens`` bounds it; bad settings raise a one-line ValueError
 naming them; an MoE block's log-probs equal the trainer's, and an expert capacity is refused.
 Two gloo ranks: tp 2, dp 2 and dp 2 at ZeRO-3 give the one-process rollout (tokens equal,
@@ -60,6 +61,8 @@ def _cfg(arch: str) -> GPTConfig:
         make_vocab_size_divisible_by=8,
         **(LLAMA if arch.startswith("llama") else {}),
         **(dict(qk_layernorm=True) if arch == "llama-qk-norm" else {}),
+        # a window of 4 positions on layer 1, layer 2 full: rows of 10 to 17 tokens reach past it
+        **(dict(window_size=[3, 0], window_attn_skip_freq=[2]) if arch == "llama-window" else {}),
     )
 
 
@@ -104,7 +107,7 @@ def test_row_in_a_ragged_batch_equals_the_row_alone(arch):
     assert not torch.equal(other_step.tokens, batch.tokens)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-window"])  # window: in positions, not slots
 def test_right_and_left_padding_give_the_same_logits(arch):
     stage = _stage(arch)
     L = max(len(p) for p in PROMPTS)
@@ -125,7 +128,7 @@ def test_right_and_left_padding_give_the_same_logits(arch):
     torch.testing.assert_close(out["left"][0, 1:2], alone, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-qk-norm"])  # QK-norm: q, k RMS-normed per head
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-qk-norm", "llama-window"])  # QK-norm: per head
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_equal_a_trainer_forward_over_prompt_and_response(arch, temperature):
     stage = _stage(arch)

@@ -221,10 +221,12 @@ class _Block(nn.Module):
         qk_norm: bool = False,
         softmax_type: str = "vanilla",
         moe=None,
+        window: Optional[int] = None,
     ):
         super().__init__()
         self.heads, self.kv_groups, self.rope = heads, kv_groups, rope
         self.glu = (glu or {}) if swiglu else None  # the gated unit's options; None = GELU
+        self.window = window  # sliding window W: key j hidden from query i when i - j >= W
         self.rope_scaling = rope_scaling
         d = self.d = hidden // heads if head_dim is None else head_dim
         norm = _RMSNorm if rmsnorm else _LayerNorm
@@ -271,6 +273,8 @@ class _Block(nn.Module):
             q, k = (rope_rotate(t, *self.rope, positions, self.rope_scaling) for t in (q, k))
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.d)  # (B, heads, T, T)
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        if self.window is not None:  # keys W or more positions back: below the diagonal i - j = W
+            future = future | torch.ones(T, T, dtype=torch.bool, device=x.device).tril(-self.window)
         if hidden is not None:
             future = future | hidden[:, None]  # (B, 1, T, T)
         scores = scores.masked_fill(future, float("-inf"))
@@ -319,6 +323,8 @@ def block_options(cfg) -> dict:
         out["qk_norm"] = True
     if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
         out["softmax_type"] = cfg.softmax_type
+    if getattr(cfg, "window_size", None) is not None:  # per-layer sliding windows
+        out["windows"] = [cfg.attention_window(i) for i in range(cfg.num_layers)]
     scaling = {}
     if getattr(cfg, "use_rope_scaling", False):
         scaling["llama3"] = (
@@ -371,7 +377,8 @@ class ReferenceGPT(nn.Module):
     ``swiglu`` (a gated MLP, ``fc1`` = ``[gate; up]``; ``glu``: its options, the keywords of
     ``megazero.ops.activation.glu``: gpt-oss's quick GEGLU, offset and clamp), ``bias`` (linear
     biases, the MoE router's too), ``qkv_bias`` (the QKV projection's; None = ``bias``),
-    ``head_dim`` (None = hidden / heads), ``qk_norm``.
+    ``head_dim`` (None = hidden / heads), ``qk_norm``, ``softmax_type`` (sinks), ``windows``
+    (one sliding window W or None per layer: key j hidden from query i when ``i - j >= W``).
     """
 
     def __init__(
@@ -392,6 +399,7 @@ class ReferenceGPT(nn.Module):
         self.wte = nn.Embedding(vocab_size, hidden_size)
         self.wpe = nn.Embedding(max_positions, hidden_size) if max_positions else None
         moe = block.pop("moe", None)  # MoE options (block_options) and sizes (from_full_weights)
+        windows = block.pop("windows", None) or [None] * num_layers  # sliding window per layer
         self.blocks = nn.ModuleList(
             _Block(
                 hidden_size,
@@ -400,6 +408,7 @@ class ReferenceGPT(nn.Module):
                 eps,
                 **block,
                 moe=moe if moe is not None and i % moe["layer_freq"] == 0 else None,
+                window=windows[i],
             )
             for i in range(num_layers)
         )

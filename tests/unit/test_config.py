@@ -62,6 +62,18 @@ M4 = M + ["--micro-batch-size", "4"]  # for cases whose batch arithmetic assumes
 BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the message must contain)
     "heads_not_dividing_hidden": (M + ["--hidden-size", "250"], 1, ["--hidden-size", "--num-attention-heads"]),
     "qk_layernorm_without_rmsnorm": (M + ["--qk-layernorm"], 1, ["--qk-layernorm", "--normalization RMSNorm"]),
+    "window_not_causal": (M + ["--window-size", "4,2"], 1, ["--window-size 4,2", "right = 0"]),
+    "window_skip_pattern_length": (
+        M + ["--window-size", "4,0", "--window-attn-skip-freq", "1,0,1"],
+        1,
+        ["--window-attn-skip-freq lists 3 entries", "--num-layers 4"],
+    ),
+    "window_skip_without_window": (
+        M + ["--window-attn-skip-freq", "2"],
+        1,
+        ["--window-attn-skip-freq", "--window-size"],
+    ),
+    "window_size_not_integers": (M + ["--window-size", "4,x"], 1, ["--window-size", "comma list of integers"]),
     "kv_channels_odd_under_rope": (
         M + ["--position-embedding-type", "rope", "--kv-channels", "5"],
         1,
@@ -1038,3 +1050,19 @@ def test_min_lr_defaults_to_2e_4_or_a_tenth_of_a_smaller_lr():
     assert min_lr("--lr", "5e-7", "--min-lr", "0") == 0.0
     with pytest.raises(SystemExit):
         config_from_argv(["--mock-data", "--lr", "5e-7", "--min-lr", "1e-6"], 1)
+
+
+def test_window_layers_follow_megatron_is_layer_window_attention():
+    """--window-size L,0 gives transformers' window W = L + 1 on the windowed layers; the integer
+    --window-attn-skip-freq N makes the 1-based layers N, 2N, ... full, the 0/1 list picks them."""
+    from megazero.config.shape import layer_window
+
+    def windows(size, freq):
+        return [layer_window(size, freq, n) for n in range(1, 5)]
+
+    assert windows([5, 0], None) == [6, 6, 6, 6]
+    assert windows([5, 0], [2]) == [6, None, 6, None]  # gpt-oss: even layers (0-based) windowed
+    assert windows([5, 0], [3]) == [6, 6, None, 6]
+    assert windows([5, 0], [1, 1, 0, 1]) == [6, 6, None, 6]
+    assert windows([-1, 0], [2]) == [None] * 4  # L = -1: unbounded
+    assert windows(None, None) == [None] * 4

@@ -1,8 +1,8 @@
 """Mistral ``config.json`` <-> GPTConfig (model/hf_families.py), without tensors: a config shaped
 like Mistral-7B-v0.3's (transformers 4 keys, ``sliding_window`` null) with ``head_dim`` 16
 against hidden / heads = 8 reads as Llama's block with ``--kv-channels 16`` and writes back as
-MistralForCausalLM (``hf_model_type``); a window shorter than ``max_position_embeddings`` is
-refused in one line naming ``sliding_window``, one covering it imports; the export refuses what
+MistralForCausalLM (``hf_model_type``); a window W shorter than ``max_position_embeddings`` reads
+as ``--window-size W-1,0`` on every layer and writes back, one covering it is full attention; the export refuses what
 Mistral lacks; a ``--from-hf`` folder's family is read from its config.json."""
 
 import dataclasses
@@ -62,14 +62,18 @@ def test_a_mistral_config_reads_as_llamas_block_and_writes_back_as_mistral():
 
 
 @pytest.mark.parametrize("window", [16, 255])
-def test_a_window_below_the_context_is_refused_in_one_line_naming_sliding_window(window):
-    from model.hf import HFConversionError, config_from_hf
+def test_a_window_below_the_context_reads_as_window_size_and_writes_back(window):
+    from model.hf import HFConversionError, check_matches, config_from_hf, llama_config
 
-    # window 255 of 256 positions: the query at position 255 would not see key 0
-    message = f"sliding_window {window} is below max_position_embeddings 256"
-    with pytest.raises(HFConversionError, match=re.escape(message)) as e:
-        config_from_hf(_mistral_config(sliding_window=window))
-    assert "\n" not in str(e.value)
+    # window 255 of 256 positions: the query at position 255 does not see key 0
+    gcfg = config_from_hf(_mistral_config(sliding_window=window))
+    assert (gcfg.window_size, gcfg.window_attn_skip_freq) == ([window - 1, 0], None)
+    assert [gcfg.attention_window(i) for i in range(2)] == [window, window]
+    written = llama_config(gcfg)
+    assert (written["model_type"], written["sliding_window"]) == ("mistral", window)
+    assert config_from_hf(written) == gcfg
+    with pytest.raises(HFConversionError, match=re.escape("fix: set --window-size to match")):
+        check_matches(written, dataclasses.replace(gcfg, window_size=None))  # a --from-hf run without the flag
 
 
 @pytest.mark.parametrize("window", [256, 4096, None])
@@ -78,6 +82,7 @@ def test_a_window_covering_the_context_imports_as_full_attention(window):
 
     gcfg = config_from_hf(_mistral_config(sliding_window=window))
     assert (gcfg.hf_model_type, gcfg.max_position_embeddings, gcfg.kv_channels) == ("mistral", 256, 16)
+    assert gcfg.window_size is None
 
 
 def test_every_mistral_key_is_classified_and_an_unknown_one_refused():
@@ -101,6 +106,8 @@ def test_the_export_refuses_what_mistral_does_not_have():
         with pytest.raises(HFConversionError, match=re.escape(message)):
             hf_config(llama_gcfg(**{**base, **change}))
     assert hf_config(llama_gcfg(**base))["model_type"] == "mistral"
+    with pytest.raises(HFConversionError, match=re.escape("Mistral's sliding_window applies to every layer")):
+        hf_config(llama_gcfg(**base, window_size=[7, 0], window_attn_skip_freq=[2]))
 
 
 def test_a_from_hf_folder_gives_its_family_to_the_run(tmp_path):

@@ -252,8 +252,8 @@ def test_a_llama31_config_reads_as_rope_scaling_and_writes_back():
         (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "beta_fast": 32}), "rope_parameters.beta_fast"),
         (dict(quantization_config={"quant_method": "fp8"}), "config.json key 'quantization_config' is unknown"),
         (dict(attention_bias=True), "attention_bias != mlp_bias"),
-        (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
-         "layer_types[1] = 'sliding_attention' with sliding_window 16"),
+        (dict(model_type="qwen2", use_sliding_window=False, layer_types=["full_attention", "sliding_attention"]),
+         "layer_types[1] = 'sliding_attention' without a window"),
         (dict(model_type="qwen2", layer_types=["full_attention", "chunked_attention"]), "layer_types[1]"),
     ],
 )  # fmt: skip
@@ -299,6 +299,10 @@ def test_a_qwen25_window_that_covers_every_position_is_full_attention():
     config.update(model_type="qwen2", use_sliding_window=True, sliding_window=1024, max_window_layers=0)
     gcfg = config_from_hf(config)
     assert (gcfg.add_bias_linear, gcfg.add_qkv_bias, gcfg.qkv_bias) == (False, True, True)
+    assert gcfg.window_size is None
+    config.update(sliding_window=16, max_window_layers=1)  # layer 1 sees its last 16 positions
+    gcfg = config_from_hf(config)
+    assert (gcfg.window_size, gcfg.window_attn_skip_freq) == ([15, 0], [0, 1])
 
 
 def test_export_refuses_both_scalings_and_a_qkv_bias_with_experts():
