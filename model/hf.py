@@ -428,10 +428,11 @@ def _check_llama(gcfg: GPTConfig) -> None:
             hf_families.window_pattern(gcfg)[0] is None
             or gcfg.hf_model_type == "mistral"
             or hf_families.is_qwen2(gcfg)
-            or hf_families.is_qwen3(gcfg),
+            or hf_families.is_qwen3(gcfg)
+            or hf_gpt_oss.is_gpt_oss(gcfg),
             "--window-size: megazero writes a sliding window as MistralForCausalLM (a model read from a mistral "
-            "folder), Qwen2ForCausalLM (--add-qkv-bias) or Qwen3 / Qwen3-MoE (--qk-layernorm); Llama, Mixtral "
-            "and Qwen2-MoE have none",
+            "folder), Qwen2ForCausalLM (--add-qkv-bias), Qwen3 / Qwen3-MoE (--qk-layernorm) or GptOssForCausalLM "
+            "(--softmax-type learnable); Llama, Mixtral and Qwen2-MoE have none",
         ),
         (
             not (gcfg.qk_layernorm and (gcfg.add_bias_linear or gcfg.add_qkv_bias)),

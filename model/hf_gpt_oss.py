@@ -108,12 +108,11 @@ def is_gpt_oss(gcfg: GPTConfig) -> bool:
     return gcfg.hf_model_type == MODEL_TYPE or gcfg.softmax_type == "learnable"
 
 
-def window_settings(config: Mapping, num_layers: int) -> dict:
-    """``window_size`` / ``window_attn_skip_freq`` of a config's ``layer_types`` and
-    ``sliding_window`` (transformers' W: query i sees keys ``i - W < j <= i``; megazero's
-    ``--window-size W-1,0``, the windowed layers listed 1/0). Raises HFConversionError naming
-    ``layer_types`` for another layer type or a list of the wrong length, ``sliding_window`` for
-    a sliding layer without a window."""
+def window_fields(config: Mapping, num_layers: int, positions: int) -> dict:
+    """``window_size`` / ``window_attn_skip_freq`` of a gpt-oss config's ``layer_types`` (transformers'
+    default when absent: even layers sliding) and ``sliding_window`` W (``hf_families.window_settings``).
+    Raises HFConversionError naming ``layer_types`` for another layer type or a list of the wrong
+    length, ``sliding_window`` for sliding layers without a window."""
     window = config_value(config, "sliding_window", "size", None)
     types = config.get("layer_types") or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
@@ -123,12 +122,10 @@ def window_settings(config: Mapping, num_layers: int) -> dict:
     bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
     if bad:
         raise HFConversionError(f"layer_types holds {bad[0]!r}: gpt-oss layers are sliding_attention or full_attention")
-    sliding = [int(t == "sliding_attention") for t in types]
-    if not any(sliding):
-        return {}
-    if window is None:
+    sliding = [t == "sliding_attention" for t in types]
+    if any(sliding) and window is None:
         raise HFConversionError("layer_types has sliding_attention layers but sliding_window is null")
-    return dict(window_size=[window - 1, 0], window_attn_skip_freq=None if all(sliding) else sliding)
+    return hf_families.window_settings(sliding, window, positions)
 
 
 def settings_from_hf(config: Mapping) -> dict:
@@ -185,7 +182,7 @@ def settings_from_hf(config: Mapping) -> dict:
         moe_ffn_hidden_size=F,
         hf_model_type=MODEL_TYPE,
         **hf_families.rope_settings_from_hf(rope, positions),
-        **window_settings(config, L),
+        **window_fields(config, L, positions),
     )
 
 

@@ -183,6 +183,7 @@ FAMILIES = {
 }
 SCALED = ("llama3", "qwen2", "qwen3", "qwen3-moe", "gpt-oss")  # the families whose RoPE is scaled
 WINDOWED = ("mistral", "qwen2", "gpt-oss")  # the families with a sliding window shorter than the sequences
+MOE_FAMILIES = ("qwen3-moe", "gpt-oss")
 
 
 def _make_folder(d, family, tokenizer_json):
@@ -361,9 +362,6 @@ PP_CP = {
     "cp2-tp2-ring": ["--cp", "2", "--tp", "2"],
     "cp2-dp2-a2a": ["--cp", "2", "--dp", "2", "--cp-comm-type", "a2a"],  # a2a: kv groups 2 over tp x cp
 }
-
-
-MOE_FAMILIES = ("qwen3-moe", "gpt-oss")
 
 
 def _layouts_of(family: str) -> dict:
