@@ -60,7 +60,7 @@ lists are complete for the installed transformers).
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from model.config import GPTConfig
 from model.hf_config import HFConversionError, config_value
@@ -144,10 +144,12 @@ KEYS = {
 }
 
 
-def check_keys(config: Mapping) -> None:
+def check_keys(config: Mapping, table: Optional[Mapping] = None) -> None:
     """Raise HFConversionError naming the first key of a ``llama``, ``mistral``, ``qwen2``, ``qwen3``
-    or ``qwen3_moe`` ``config.json`` that ``KEYS`` does not classify (nothing for other model types)."""
-    table = KEYS.get(config.get("model_type"))
+    or ``qwen3_moe`` ``config.json`` that ``KEYS`` does not classify, or of another family's that
+    ``table`` (its own mapped / checked / no_effect lists, e.g. ``model.hf_gpt_oss.KEYS``) does not;
+    nothing for other model types."""
+    table = KEYS.get(config.get("model_type")) if table is None else table
     if table is None:
         return
     known = set(table["mapped"]) | set(table["checked"]) | set(table["no_effect"])

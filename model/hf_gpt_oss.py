@@ -131,7 +131,7 @@ def window_fields(config: Mapping, num_layers: int, positions: int) -> dict:
 def settings_from_hf(config: Mapping) -> dict:
     """GPTConfig fields of a ``gpt_oss`` ``config.json`` (all of them but the overrides a run
     gives). Raises HFConversionError naming a key megazero computes differently."""
-    hf_families.check_keys(config)
+    hf_families.check_keys(config, KEYS)
     if config_value(config, "attention_bias", "flag", True) is not True:
         raise HFConversionError(
             "attention_bias false: gpt-oss then has no q/k/v/o biases but keeps the experts' and the router's, "
