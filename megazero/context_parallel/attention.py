@@ -19,9 +19,11 @@ Megatron-LM's ``--softmax-type learnable``, or a constant 0 for ``off-by-one``, 
 "Attention Is Off By One"): every row's softmax gains one extra term ``exp(sink_h)`` in its
 denominator, with no value behind it, so ``out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j
 exp(s_ij))`` and a row can give less than all of its weight to the keys. Each entry point takes
-``sinks``: the local and all-to-all paths through ``sink_attention`` (scores made explicitly, the
-extra column appended, as transformers' gpt-oss eager attention does), the ring through one more
-partial merged into each query's running ``(out, lse)`` (``ring.RingAttention``).
+``sinks``: the ring merges one more partial into each query's running ``(out, lse)``
+(``ring.RingAttention``), and so do the local and all-to-all paths, which run that blockwise
+attention on one rank; the KV-cache decoders (new queries against a longer cache) make the scores
+explicitly with the extra column appended (``sink_attention``, as transformers' gpt-oss eager
+attention does).
 
 Bytes this rank puts on the wire per layer and micro-batch (``elt`` = bytes per element of
 q/k/v, ``acc`` = bytes per element of ``blockwise.compute_dtype``: 4, or 8 for float64),
@@ -165,11 +167,20 @@ def local_attention(
     built once per ``mask_cache`` (a dict that lives as long as the micro-batch, e.g.
     ``SequenceInfo.cache``: every layer then shares one ``[B, 1, T, T]`` mask), dtype and
     ``window``: a sliding window W (None = full) also drops keys with ``pos(i) - pos(j) >= W``.
-    ``sinks [h]``: ``sink_attention`` with the same mask (bool, cached likewise).
+    ``sinks [h]``: the ring's blockwise attention on this one rank (``ring.RingAttention``: its
+    two zigzag chunks, fused block kernels, the sink merged as one more partial; it keeps the
+    log-sum-exp, ``O(T)``, not the ``[B, h, T, T]`` scores), or for an odd T or given positions
+    ``sink_attention`` with the same mask (bool, cached likewise).
     Raises ValueError on inconsistent shapes.
     """
     _check(q, k, v, segment_ids)
-    if sinks is not None:
+    if sinks is not None and token_index is None and q.shape[2] % 2 == 0:
+        # the ring's blockwise path on one rank: O(T) memory (the log-sum-exp), fused block kernels
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        whole = torch.arange(q.shape[2], device=q.device)
+        link, path = RingLink(None, [0], 0), block_path(q, "auto")
+        return RingAttention.apply(q, k, v, segment_ids, link, whole, scale, path, window, sinks)
+    if sinks is not None:  # an odd length or given positions: explicit scores
         pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
 
         def build():  # (B|1, 1, T, T)
