@@ -337,7 +337,7 @@ def expert_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[st
         gate_up = []
         for e in experts:
             w = full[e + "fc1.weight"].float()  # (2F, H) = [gate; up]
-            inter = torch.empty(w.shape[1], 2 * F, device="cpu")
+            inter = torch.empty(w.shape[1], 2 * F, device=w.device)
             inter[:, 0::2], inter[:, 1::2] = w[:F].t(), w[F:].t()
             gate_up.append(inter)
         pre = f"model.layers.{i}.mlp.experts."
@@ -345,7 +345,7 @@ def expert_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[st
         biases = []
         for e in experts:
             b = full[e + "fc1.bias"].float()
-            inter = torch.empty(2 * F, device="cpu")
+            inter = torch.empty(2 * F, device=b.device)
             inter[0::2], inter[1::2] = b[:F], b[F:]
             biases.append(inter)
         out[pre + "gate_up_proj_bias"] = torch.stack(biases)
