@@ -411,7 +411,14 @@ def test_rope_scaling_and_qkv_bias_layouts_equal_reference():
 # spawn of 2 ranks.
 YARN = ["--yarn-rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "8", "--yarn-beta-fast", "4"]
 YARN += ["--yarn-mscale", "1", "--yarn-mscale-all-dim", "0.5", "--no-yarn-correction-range-round-to-int"]
-QWEN3_ATTENTION = LLAMA + WIDER + ["--kv-channels", "12", "--qk-layernorm", "--softmax-type", "learnable"] + YARN
+# And gpt-oss's dense MLP in place of SwiGLU: the quick GEGLU with offset 1. Its clamp is left to
+# tests/layouts/test_moe_ep.py (a clamp of 0.1 that holds nearly every gate) and the unit tests: with a
+# clamp of 0.5 at init std 0.1 (about a third of the gates clamped) the tp 2 + SP run's gradient
+# norms equal the single process's to 1e-6 for 3 steps, then differ by 2e-4 at step 4, as a gate
+# within rounding of the clamp falls on the other side of the kink in one run and not the other.
+GPT_OSS_MLP = ["--quick-geglu", "--glu-linear-offset", "1"]
+QWEN3_ATTENTION = [f for f in LLAMA if f != "--swiglu"] + GPT_OSS_MLP + WIDER
+QWEN3_ATTENTION += ["--kv-channels", "12", "--qk-layernorm", "--softmax-type", "learnable"] + YARN
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 QWEN3_LAYOUTS = {
     "tp2-sp": LAYOUTS["tp2-sp"][1],
