@@ -67,7 +67,7 @@ from model.hf_config import HFConversionError, config_value
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
-_COMMON_MAPPED = (
+COMMON_MAPPED = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -111,7 +111,7 @@ ROUTER_NO_EFFECT = {
 }
 KEYS = {
     "llama": {
-        "mapped": _COMMON_MAPPED + ("attention_bias", "mlp_bias", "head_dim"),
+        "mapped": COMMON_MAPPED + ("attention_bias", "mlp_bias", "head_dim"),
         "checked": ("hidden_act", "partial_rotary_factor"),
         "no_effect": {
             **COMMON_NO_EFFECT,
@@ -119,22 +119,22 @@ KEYS = {
         },
     },
     "mistral": {
-        "mapped": _COMMON_MAPPED + ("head_dim", "sliding_window"),
+        "mapped": COMMON_MAPPED + ("head_dim", "sliding_window"),
         "checked": ("hidden_act", "partial_rotary_factor"),
         "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen2": {
-        "mapped": _COMMON_MAPPED + ("head_dim",) + _WINDOW,
+        "mapped": COMMON_MAPPED + ("head_dim",) + _WINDOW,
         "checked": ("hidden_act", "partial_rotary_factor"),
         "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen3": {
-        "mapped": _COMMON_MAPPED + ("head_dim",) + _WINDOW,
+        "mapped": COMMON_MAPPED + ("head_dim",) + _WINDOW,
         "checked": ("hidden_act", "partial_rotary_factor", "attention_bias"),
         "no_effect": dict(COMMON_NO_EFFECT),
     },
     "qwen3_moe": {  # head_dim: not a Qwen3MoeConfig field, but real folders carry it and the attention reads it
-        "mapped": _COMMON_MAPPED
+        "mapped": COMMON_MAPPED
         + ("head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
         + ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
         + _WINDOW,

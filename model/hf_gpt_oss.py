@@ -48,28 +48,9 @@ MODEL_TYPE = "gpt_oss"
 QUICK_GELU_ALPHA = 1.702  # transformers' swiglu_alpha default; megazero's --quick-geglu constant
 
 KEYS = {
-    "mapped": (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_parameters",
-        "rope_scaling",
-        "rope_theta",
-        "tie_word_embeddings",
-        "num_local_experts",
-        "num_experts",
-        "num_experts_per_tok",
-        "sliding_window",
-        "layer_types",
-        "swiglu_limit",
-        "quantization_config",
-    ),
+    "mapped": hf_families.COMMON_MAPPED
+    + ("head_dim", "num_local_experts", "num_experts", "num_experts_per_tok", "sliding_window", "layer_types")
+    + ("swiglu_limit", "quantization_config"),
     "checked": ("swiglu_alpha", "attention_bias"),
     "no_effect": {
         **hf_families.COMMON_NO_EFFECT,
