@@ -8,8 +8,12 @@ a slot holds a token or padding, so prompts may be left- or right-padded. Every 
 carries an explicit position (the number of real tokens before it in its row) and a
 validity bit; a query attends to the valid slots at or before its own slot (and to itself,
 so a padding query's softmax is never empty); a layer with a sliding window W keeps of those
-only the slots whose positions are within W of the query's (the cache keeps every slot, masked).
-A row's keys, values, positions and logits
+only the slots whose positions are within W of the query's. After each call the caches of the
+windowed layers drop their leading slots that no row's next query can see any more
+(``RaggedSlots.trim``): rows are ragged, so one common number of slots is dropped, the slots
+before the first one any row still needs. With left-padded prompts (the rollout loop's) every
+row ends on the same slot, which leaves at most W - 1 slots; a right-padded row keeps its
+padding gap until it slides out. A row's keys, values, positions and logits
 therefore depend on its own tokens only: a row decoded in a batch equals the row decoded
 alone, up to the rounding of batched matrix products. Each decoding step appends one slot
 per row (Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 2, for the
@@ -59,8 +63,10 @@ from model.rope import apply_rotary
 
 class RaggedSlots:
     """The cache's slots of a batch of B rows: ``valid [B, S]`` bool (which slots hold a real
-    token) and ``next_pos [B]`` int64 (the position of each row's next token). Shared by all
-    chunks of a decoder. ``max_positions``: the model's ``max_position_embeddings``."""
+    token), ``positions [B, S]`` int64 and ``next_pos [B]`` int64 (the position of each row's
+    next token). Shared by all chunks of a decoder. ``start``: for each sliding window W, the
+    first of the S slots its layers' caches still hold (``trim``; a full layer holds all S).
+    ``max_positions``: the model's ``max_position_embeddings``."""
 
     def __init__(self, valid: torch.Tensor, max_positions: int):
         counts = valid.sum(dim=1)  # (B,)
@@ -69,6 +75,7 @@ class RaggedSlots:
         self.max_positions = max_positions
         self.valid, self.next_pos = valid.clone(), counts.clone()
         self.positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): real tokens before
+        self.start: dict[int, int] = {}
         self._check(counts)
 
     def _check(self, top: torch.Tensor) -> None:
@@ -94,10 +101,24 @@ class RaggedSlots:
         self._check(self.next_pos)
         return positions
 
+    def trim(self, window: int) -> int:
+        """Advance ``start[window]`` to the first slot that some row's next query (at
+        ``next_pos``) can see through a window of ``window`` W: a valid slot at a position above
+        ``next_pos - W``; all S when no row needs any. Returns how many more leading slots the
+        caches of that window's layers may drop."""
+        S = self.valid.shape[1]
+        needed = self.valid & (self.positions > self.next_pos[:, None] - window)  # (B, S)
+        first = torch.where(needed.any(dim=1), needed.int().argmax(dim=1), S)  # (B,): argmax takes the first
+        before, after = self.start.get(window, 0), int(first.min())
+        self.start[window] = max(before, after)
+        return self.start[window] - before
+
     def mask(self, t: int, window: Optional[int] = None) -> torch.Tensor:
-        """``[B, 1, t, S]`` bool (True: attend) of the ``t`` newest slots' queries over all slots;
-        with a sliding ``window`` W a query at position p keeps only slots at positions above
-        ``p - W`` (positions, not slots: padding between them does not count)."""
+        """``[B, 1, t, S - start]`` bool (True: attend) of the ``t`` newest slots' queries over the
+        slots a layer of this ``window`` holds (all S for a full layer, None); with a sliding
+        ``window`` W a query at position p keeps only slots at positions above ``p - W``
+        (positions, not slots: padding between them does not count), over the slots from
+        ``start[W]`` on."""
         S, device = self.valid.shape[1], self.valid.device
         slot = torch.arange(S, device=device)
         query = S - t + torch.arange(t, device=device)  # (t,): the new slots
@@ -106,7 +127,8 @@ class RaggedSlots:
         if window is not None:
             near = self.positions[:, query, None] - self.positions[:, None, :] < window  # (B, t, S)
             keep = keep & near
-        return (keep | mine[None])[:, None]  # (B, 1, t, S)
+        start = 0 if window is None else self.start.get(window, 0)
+        return (keep | mine[None])[:, None, :, start:]  # (B, 1, t, S - start)
 
 
 @contextlib.contextmanager
@@ -135,9 +157,10 @@ def sequence_parallel_off(chunks: Sequence[GPTStage]):
 
 def attend(attn, x: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor):
     """``model.gpt.Attention`` on new slots ``x [B, t, H]`` at ``positions [B, t]`` over the
-    cached slots and themselves, ``mask [B, 1, t, S]`` (True: attend). ``cache``: None or
-    the ``(k, v)`` of the earlier slots, each ``[B, kv_heads/tp, S - t, d]``. Returns the
-    output ``[B, t, H]`` (reduced over tp) and the new cache ``[B, kv_heads/tp, S, d]`` each."""
+    cached slots and themselves, ``mask [B, 1, t, S]`` (True: attend; S: the slots this layer
+    holds). ``cache``: None or the ``(k, v)`` of the earlier slots, each
+    ``[B, kv_heads/tp, S - t, d]``. Returns the output ``[B, t, H]`` (reduced over tp) and the
+    new cache ``[B, kv_heads/tp, S, d]`` each (``trim_caches`` shortens a windowed layer's)."""
     q, k, v = attn.project(x)  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
     if attn.rotary is not None:
         cos, sin = attn.rope.at(positions, q.dtype)  # (B, 1, t, rot)
@@ -166,6 +189,15 @@ def run_chunk(chunk: GPTStage, x: torch.Tensor, positions: torch.Tensor, masks: 
         x = x + y
         x = x + block.mlp(block.ln2(x))
     return x
+
+
+def trim_caches(chunk: GPTStage, caches: list, drop: dict) -> None:
+    """Drop the ``drop[W]`` leading slots of the caches (updated in place, one per layer) of the
+    chunk's layers with sliding window W (``RaggedSlots.trim``); full layers keep theirs."""
+    for i, block in enumerate(chunk.layers.values()):
+        n = drop.get(block.attn.window, 0)
+        if block.attn.window is not None and n > 0 and caches[i] is not None:
+            caches[i] = tuple(z[:, :, n:].clone() for z in caches[i])  # a copy frees the dropped slots
 
 
 def head_logits(chunk: GPTStage, x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +269,9 @@ class PipelineDecoder:
     rank of them calls ``prefill``/``step`` with the same ids and gets the same full logits.
 
     Use: ``prefill(ids, valid)`` once, then ``step(next_ids)`` per new token; both return the
-    next-token logits ``[B, V]`` (real vocabulary, the model's dtype).
+    next-token logits ``[B, V]`` (real vocabulary, the model's dtype). ``caches[c][i]``: the
+    ``(k, v)`` of layer i of chunk c, ``[B, kv_heads/tp, S, d]`` each, S the slots it holds
+    (fewer on a windowed layer: ``RaggedSlots.trim``).
 
     Raises ValueError as ``check_decodable`` and ``virtual_order``. The constructor is
     collective over the pp group when ``groups.pp_size > 1``.
@@ -292,6 +326,9 @@ class PipelineDecoder:
                 x = run_chunk(self.chunks[i], x, positions, masks, self.caches[i])  # (B, t, H)
                 if v + 1 < len(self.order) and self.order[v + 1][0] != me:
                     self._send(x, self.order[v + 1][0])
+            drop = {w: self.slots.trim(w) for w in windows if w is not None}  # the next query's reach
+            for chunk, caches in zip(self.chunks, self.caches):
+                trim_caches(chunk, caches, drop)
             owner, i = self.order[-1]
             logits = None
             if owner == me:

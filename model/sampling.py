@@ -4,15 +4,19 @@ LLaMA-style block.
 The prompt runs once through the model (prefill), each layer keeping its keys and values
 ``[B, kv_heads/tp, t, head_dim]`` (kv_heads = n_head, or the G groups of grouped-query
 attention, whose heads are repeated for their queries only inside attention; with RoPE the
-cached keys are already rotated at their absolute positions ``0 .. t-1``, and the new
-tokens' queries and keys are rotated at ``past .. past+t-1``); every new token then runs alone, attending to the
-cache, so
-a step costs one token's forward instead of the whole context's (the standard decoder KV
-cache, e.g. Pope et al. 2022, "Efficiently Scaling Transformer Inference", sec. 2). A layer
-with a sliding window W keeps its whole cache and masks the keys W or more positions back
-(memory as full attention; the values equal a cache trimmed to its last W entries). The
-forward reuses the stage's own tensor-parallel modules (QKV and fc1 column-parallel,
-projections row-parallel, vocabulary-parallel embedding and logits), so under tp each rank
+cached keys are already rotated at their absolute positions); every new token then runs alone,
+attending to the cache, so a step costs one token's forward instead of the whole context's
+(the standard decoder KV cache, e.g. Pope et al. 2022, "Efficiently Scaling Transformer
+Inference", sec. 2). Each layer's ``LayerCache`` counts the tokens it has seen (``seen``, the
+absolute position of the next one), apart from how many keys it holds, so RoPE angles, learned
+positions and masks stay right once a cache is trimmed. A layer with a sliding window W
+(Mistral 7B, Jiang et al. 2023, sec. 2) keeps only the last W - 1 keys and values after each
+call, the ones the next query can still see: its cache holds at most W - 1 + t entries during a
+call of t new tokens, while a full layer's grows with the sequence. A prefill longer than W
+attends inside the prompt with the window's mask, then trims. Attention sinks need no key: the
+sink logit of each head joins every softmax over the trimmed keys. The forward reuses the
+stage's own tensor-parallel modules (QKV and fc1 column-parallel, projections row-parallel,
+vocabulary-parallel embedding and logits), so under tp each rank
 holds its heads' cache and the logits are gathered over TP before sampling: every TP rank
 sees the same full logits and, with the same seed, draws the same token.
 
@@ -26,7 +30,7 @@ with a ``torch.Generator`` seeded by ``seed``. Padded vocabulary columns are nev
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,45 +42,61 @@ from model.gpt import SDPA_GQA
 from model.rope import apply_rotary
 
 
-def _attend(attn, x: torch.Tensor, cache: Optional[tuple]) -> tuple[torch.Tensor, tuple]:
-    """``model.gpt.Attention`` on new tokens ``x [B, t, H]`` with past keys/values ``cache``."""
+class LayerCache(NamedTuple):
+    """One layer's KV cache: ``k``, ``v`` ``[B, kv_heads/tp, held, d]`` (RoPE keys already
+    rotated), the keys of the absolute positions ``seen - held .. seen - 1``; ``seen``: the
+    tokens this layer has processed (the position of the next one)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    seen: int
+
+
+def _attend(attn, x: torch.Tensor, cache: Optional[LayerCache]) -> tuple[torch.Tensor, LayerCache]:
+    """``model.gpt.Attention`` on new tokens ``x [B, t, H]`` after ``cache`` (None: the first call);
+    returns the output ``[B, t, H]`` and the cache, trimmed to W - 1 entries on a windowed layer."""
     q, k, v = attn.project(x)  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
     t = q.shape[2]
-    past = 0 if cache is None else cache[0].shape[2]
+    past, held = (0, 0) if cache is None else (cache.seen, cache.k.shape[2])
     if attn.rotary is not None:  # absolute positions past .. past + t - 1: the stage's table
         cos, sin = attn.rope.first(past + t, q.dtype)  # (past+t, rot)
         q, k = apply_rotary(q, cos[past:], sin[past:]), apply_rotary(k, cos[past:], sin[past:])
     if cache is not None:
-        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, kv/tp, past+t, d)
-    cache = (k, v)
+        k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)  # (B, kv/tp, held+t, d)
+    new_cache = LayerCache(k, v, past + t)
+    if attn.window is not None and held + t > attn.window - 1:  # keep what the next query sees
+        keep = attn.window - 1
+        new_cache = LayerCache(k[:, :, held + t - keep :].clone(), v[:, :, held + t - keep :].clone(), past + t)
     gqa = {}
     if attn.q_per_group > 1 and SDPA_GQA:  # SDPA reads each key/value head for its group's queries
         gqa = {"enable_gqa": True}
     elif attn.q_per_group > 1:
-        k, v = (z.repeat_interleave(attn.q_per_group, dim=1) for z in (k, v))  # (B, n/tp, past+t, d)
-    # new token i (absolute position past + i) sees keys 0 .. past + i (past + i - W + 1 .. with a window)
-    mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-    if attn.window is not None:  # the cache keeps every key; the window masks the older ones
-        mask = mask & ~torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past - attn.window)
-    if attn.sink_logits() is not None:
+        k, v = (z.repeat_interleave(attn.q_per_group, dim=1) for z in (k, v))  # (B, n/tp, held+t, d)
+    # key j holds position past - held + j: new token i (position past + i) sees j <= held + i,
+    # and with a window W only j > held + i - W
+    mask = torch.ones(t, held + t, dtype=torch.bool, device=x.device).tril(diagonal=held)
+    if attn.window is not None:
+        mask = mask & ~torch.ones(t, held + t, dtype=torch.bool, device=x.device).tril(diagonal=held - attn.window)
+    if attn.sink_logits() is not None:  # the sink is a logit per head, no key: nothing to keep for it
         y = attn.masked_core(q, k, v, mask)  # (B, n/tp, t, d)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)  # (B, n/tp, t, d)
     y = rearrange(y, "b h t d -> b t (h d)")  # (B, t, n_head/tp * d)
-    return attn.proj(y), cache
+    return attn.proj(y), new_cache
 
 
 @torch.no_grad()
 def forward_cached(stage, ids: torch.Tensor, caches: list) -> torch.Tensor:
     """Logits ``[B, V]`` (real vocabulary, gathered over TP) of the last of the new tokens
-    ``ids [B, t]``; ``caches`` (one entry per layer, None at first) is extended in place.
+    ``ids [B, t]``; ``caches`` (one ``LayerCache`` per layer, None at first) is replaced in
+    place by the caches after these tokens (a windowed layer's trimmed to W - 1 entries).
 
     Raises ValueError when the positions run past ``max_position_embeddings`` or the stage
     is not the whole model without sequence parallelism.
     """
     if not (stage.pre_process and stage.post_process) or stage.sp:
         raise ValueError("KV-cache decoding needs the whole model in one stage (pp 1), without --sequence-parallel")
-    past = 0 if caches[0] is None else caches[0][0].shape[2]
+    past = 0 if caches[0] is None else caches[0].seen  # absolute position of ids[:, 0]
     if past + ids.shape[1] > stage.cfg.max_position_embeddings:
         raise ValueError(
             f"prompt + new tokens ({past + ids.shape[1]}) exceed the model's "
