@@ -62,7 +62,9 @@ def _cfg(arch: str) -> GPTConfig:
         **(LLAMA if arch.startswith("llama") else {}),
         **(dict(qk_layernorm=True) if arch == "llama-qk-norm" else {}),
         # a window of 4 positions on layer 1, layer 2 full: rows of 10 to 17 tokens reach past it
-        **(dict(window_size=[3, 0], window_attn_skip_freq=[2]) if arch == "llama-window" else {}),
+        **(dict(window_size=[3, 0], window_attn_skip_freq=[2]) if arch.startswith("llama-window") else {}),
+        # gpt-oss's attention sinks: the rollout's explicit sink column against the trainer's blockwise path
+        **(dict(softmax_type="learnable") if arch == "llama-window-sinks" else {}),
     )
 
 
@@ -128,7 +130,7 @@ def test_right_and_left_padding_give_the_same_logits(arch):
     torch.testing.assert_close(out["left"][0, 1:2], alone, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-qk-norm", "llama-window"])  # QK-norm: per head
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-qk-norm", "llama-window", "llama-window-sinks"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_equal_a_trainer_forward_over_prompt_and_response(arch, temperature):
     stage = _stage(arch)
