@@ -20,7 +20,11 @@ be checked against measurement (python -m scripts.plan --measure). Per layer and
   takes (``attention_kernel``, ``context_parallel/sdpa_kernels.py``) keeps the math kernel's
   fp32 probabilities instead (``math_core_bytes``);
 - with packed documents one additive ``[b, 1, s, s]`` mask per micro-batch in flight, shared by
-  its layers (``document_mask_bytes``; not for the ring, which masks per block).
+  its layers, and with sliding-window layers (``--window-size``) one ``[1, 1, s, s]`` mask per
+  chunk and micro-batch in flight, shared by its windowed layers; the document mask folds the
+  window in, so with both it is one ``[b, 1, s, s]`` per distinct window of the chunk
+  (``attention_mask_bytes``, ``chunk_mask_bytes``); not for the ring, nor with attention sinks,
+  whose blockwise attention masks per block.
 
 That is ``q(2/t_sp + 2 + (4 + 2f/h)/t)`` elements plus the dropout terms (with ``--kv-channels``
 the QKV output and ``proj``'s input scale by ``A/h``, ``A`` = heads x head size: ``4A/h``); with 16-bit
@@ -70,6 +74,13 @@ query/key-value heads per tp rank and ``acc`` = ``max(elt, 4)`` bytes (fp32 accu
 These are alive when the logits and the FFN-width gradient are not (the attention runs before
 the head in the forward and after the MLP in the backward), so a stage counts the larger of
 the two; the bound keeps the last layer's FFN inputs and the head's inputs, freed by then.
+Attention sinks (``--softmax-type``) run every path through the ring's blockwise attention
+(``ring.RingAttention``; at cp = 1 on one rank, under a2a on each rank's ``h_l/cp`` heads of all
+T tokens): the core keeps its own output ``q/t`` and the O(s) log-sum-exp as at cp > 1, and its
+buffers and blocks count as the ring's with C = 1 (``context_parallel_bytes``: no next K/V, no
+arriving dK/dV, blocks of side ``T/2``). A block a sliding window cuts takes a ``[1, 1, n, n]``
+bias on the fused path.
+
 The sizes were measured on CPU ranks (``tests/tools/test_plan.py``).
 """
 
@@ -110,6 +121,9 @@ class ActivationSettings:
     """Packed documents (``--reset-attention-mask``): SDPA takes a ``[b, 1, s, s]`` mask."""
     platform: Optional[CudaPlatform] = None
     """The GPU whose SDPA kernels run the attention (``sdpa_kernels``); None: CPU ranks."""
+    sinks: bool = False
+    """Attention sinks (``--softmax-type learnable`` or ``off-by-one``): the core is the ring's
+    blockwise attention, on one rank at cp = 1 and inside the all-to-all (``attention.local_attention``)."""
 
 
 def _q(g, a: ActivationSettings) -> int:
@@ -143,10 +157,11 @@ def layer_bytes(g, a: ActivationSettings, with_core: bool = True) -> float:
 
 def core_elements(g, a: ActivationSettings) -> float:
     """Elements the attention core keeps besides q, k, v and ``proj``'s input: with attention
-    dropout the unfused core's scores, softmax and dropout mask, ``3as^2b/t``; at cp > 1 (no
-    dropout there) the ring's or the all-to-all's own output ``q/t``; else 0 (the fused
-    kernel keeps only its ``O(s)`` statistics and its output is ``proj``'s input)."""
-    if a.cp > 1:
+    dropout the unfused core's scores, softmax and dropout mask, ``3as^2b/t``; at cp > 1 or
+    with sinks (no dropout there: the config refuses it) the ring's or the all-to-all's own
+    output ``q/t`` (``ring.RingAttention`` saves it, at C = 1 too); else 0 (the fused kernel
+    keeps only its ``O(s)`` statistics and its output is ``proj``'s input)."""
+    if a.cp > 1 or a.sinks:
         return _q(g, a) * _attention_ratio(g) / a.tp
     if a.attention_dropout <= 0 or a.platform is not None:
         return 0.0
@@ -155,8 +170,9 @@ def core_elements(g, a: ActivationSettings) -> float:
 
 def attention_kernel(g, a: ActivationSettings) -> str:
     """The kernel of one layer's attention core (``sdpa_kernels.megazero_call``): ``"cpu"`` on
-    CPU ranks, the ring's block kernel at cp > 1 (``sdpa_kernels.ring_block_kernel``:
-    ``"efficient"`` or ``"einsum"``), else the CUDA SDPA kernel of
+    CPU ranks, the ring's block kernel at cp > 1 under p2p and with sinks on any path
+    (``sdpa_kernels.ring_block_kernel``: ``"efficient"`` or ``"einsum"``; the one-rank ring of
+    sinks always takes ``"auto"``), else the CUDA SDPA kernel of
     ``a.platform`` for this rank's heads (``h/tp``, or ``h/(tp cp)`` under a2a), head size,
     dtype (``activation_bytes``: 4 fp32, 2 bf16), documents and dropout."""
     if a.platform is None:
@@ -164,8 +180,9 @@ def attention_kernel(g, a: ActivationSettings) -> str:
     split = a.tp * (a.cp if a.cp > 1 else 1)
     h, G, d = g.num_attention_heads // split, g.kv_heads // split, head_size(g)
     dtype = torch.float32 if a.activation_bytes == 4 else torch.bfloat16
-    if a.cp > 1 and a.cp_comm_type != "a2a":
-        return "einsum" if a.cp_ring_kernel == "einsum" else ring_block_kernel(dtype, d, a.platform)
+    ring = a.cp > 1 and a.cp_comm_type != "a2a"
+    if ring or a.sinks:
+        return "einsum" if ring and a.cp_ring_kernel == "einsum" else ring_block_kernel(dtype, d, a.platform)
     offsets = split_offsets(G != h, h, G, d) if a.cp == 1 else (0, 0, 0)
     dropout = a.attention_dropout if a.cp == 1 and not a.documents else 0.0
     return megazero_call(
@@ -188,12 +205,59 @@ def math_core_bytes(g, a: ActivationSettings) -> float:
 def document_mask_bytes(g, a: ActivationSettings) -> float:
     """Bytes of the document mask one micro-batch keeps (``attention.document_mask``: one
     additive ``[b, 1, s, s]`` of the activation dtype, its rows padded to 16, shared by the
-    layers; over all ``s`` tokens under a2a); 0 without documents and for the ring, whose
-    block masks are built per block."""
-    if not a.documents or (a.cp > 1 and a.cp_comm_type != "a2a"):
+    layers; over all ``s`` tokens under a2a); 0 without documents, for the ring, whose
+    block masks are built per block, and with sinks (the blockwise path's, also per block)."""
+    return attention_mask_bytes(g, a, frozenset({None})) if a.documents else 0.0
+
+
+def layer_windows(g, layer_ids) -> frozenset:
+    """The distinct sliding windows W of the layers ``layer_ids`` (0-based), None standing for
+    full causal attention: ``g.attention_window(i)`` (``GPTConfig``, from ``--window-size`` and
+    ``--window-attn-skip-freq``); ``{None}`` for sizes without that method."""
+    window = getattr(g, "attention_window", None)
+    return frozenset(window(i) if window is not None else None for i in layer_ids)
+
+
+def attention_mask_bytes(g, a: ActivationSettings, windows: frozenset = frozenset({None})) -> float:
+    """Bytes of the additive attention masks one micro-batch-chunk keeps, one per distinct window
+    in ``windows`` (``layer_windows`` of the chunk), each ``s x ceil16(s)`` elements of the
+    activation dtype (rows padded to 16, ``attention.document_mask``), ``s`` = ``T`` (under a2a
+    the mask covers all T tokens):
+
+    - with packed documents one ``[b, 1, s, s]`` per distinct window, full layers included: the
+      document mask already folds the window in (``local_attention`` caches one per window), so
+      a windowed chunk's mask is not counted twice, but a chunk of windowed and full layers
+      keeps two;
+    - without documents one ``[1, 1, s, s]`` per distinct W, none for full layers (the plain
+      causal SDPA takes no mask): ``Attention._window_mask`` (cp = 1, the stage's
+      ``mask_cache``) or ``local_attention``'s inside the all-to-all.
+
+    0 for the ring (cp > 1, p2p) and with sinks: the blockwise attention builds its masks per
+    block (``context_parallel_bytes``). Sinks with an odd ``T`` take explicit scores with a
+    boolean mask instead, not counted."""
+    if a.sinks or (a.cp > 1 and a.cp_comm_type != "a2a"):
         return 0.0
     s = g.seq_length
-    return float(a.micro_batch_size * s * (-(-s // 16) * 16) * a.activation_bytes)
+    one = s * (-(-s // 16) * 16) * a.activation_bytes  # one [1, 1, s, s] mask, rows padded to 16
+    if a.documents:
+        return float(len(windows) * a.micro_batch_size * one)
+    return float(sum(one for w in windows if w is not None))
+
+
+def chunk_mask_bytes(g, a: ActivationSettings, windows: frozenset, num_layers: int) -> tuple[float, float]:
+    """(mask bytes one chunk keeps per in-flight micro-batch, mask bytes it holds once) of
+    ``attention_mask_bytes``. The fused kernels save the mask for the backward, so each
+    micro-batch in flight keeps its own; but the sliding-window mask of a stage without
+    documents at cp = 1 lives in the stage's ``mask_cache``, which each forward clears, so
+    where the core is replayed in the backward (selective recomputation, or full recomputation
+    of every layer of the chunk) no micro-batch keeps it and the cache holds one at a time."""
+    total = attention_mask_bytes(g, a, windows)
+    replayed = a.recompute_granularity == "selective" or (
+        a.recompute_granularity == "full" and (a.recompute_method == "uniform" or a.recompute_num_layers >= num_layers)
+    )
+    if replayed and not a.documents and a.cp == 1:
+        return 0.0, total
+    return total, 0.0
 
 
 class ContextParallelBytes(NamedTuple):
@@ -210,35 +274,51 @@ class ContextParallelBytes(NamedTuple):
         return self.kv_buffers + self.scores
 
 
-def context_parallel_bytes(g, a: ActivationSettings) -> ContextParallelBytes:
-    """What one layer's cp attention has alive at once, per rank, in bytes (zeros at cp = 1).
+def context_parallel_bytes(g, a: ActivationSettings, windowed: bool = False) -> ContextParallelBytes:
+    """What one layer's cp attention, or with sinks the one-rank ring, has alive at once, per
+    rank, in bytes (zeros at cp = 1 without sinks).
 
     Reads ``g.seq_length`` (T, tokens), ``g.num_attention_heads``, ``g.kv_heads`` (G),
     ``g.hidden_size``; ``a.cp``, ``a.cp_comm_type``, ``a.tp``, ``a.micro_batch_size``,
-    ``a.activation_bytes``. The formulas are in the module docstring; ``T/(2 cp)`` is the zigzag
-    chunk (``context_parallel/zigzag.py``), one block's side.
+    ``a.activation_bytes``, ``a.sinks``; ``windowed``: a layer of the stage has a sliding window
+    (a block it cuts takes a ``[1, 1, n, n]`` bias on the fused path). The formulas are in the
+    module docstring; ``T/(2 cp)`` is the zigzag chunk (``context_parallel/zigzag.py``), one
+    block's side. With sinks at cp = 1 the ring runs on one rank (``local_attention``) with one
+    K/V stack, one dK/dV accumulator and dQ's, and blocks of side ``T/2``; under a2a with sinks
+    each rank runs it over ``h_l/cp`` heads of all T tokens, besides the all-to-all's buffers.
     """
-    if a.cp == 1:
+    if a.cp == 1 and not a.sinks:
         return ContextParallelBytes(0.0, 0.0)
-    b, elt, acc = a.micro_batch_size, a.activation_bytes, max(a.activation_bytes, 4)
-    Tl, d = g.seq_length // a.cp, head_size(g)
+    b, elt = a.micro_batch_size, a.activation_bytes
+    T, d = g.seq_length, head_size(g)
     h_l, G_l = g.num_attention_heads // a.tp, g.kv_heads // a.tp
+    if a.cp > 1 and a.cp_comm_type == "a2a":
+        a2a = 6.0 * b * h_l * (T // a.cp) * d * elt  # send, receive, concatenation; three gradients
+        if not a.sinks:
+            return ContextParallelBytes(a2a, 0.0)
+        inner = _ring_bytes(a, b, h_l // a.cp, G_l // a.cp, T, 1, d, windowed)
+        return ContextParallelBytes(a2a + inner.kv_buffers, inner.scores)
+    return _ring_bytes(a, b, h_l, G_l, T // a.cp, a.cp, d, windowed)
+
+
+def _ring_bytes(a: ActivationSettings, b: int, h_l: int, G_l: int, Tl: int, C: int, d: int, windowed: bool):
+    """``ContextParallelBytes`` of ``ring.RingAttention`` over ``C`` ranks holding ``Tl`` tokens
+    of ``h_l`` query and ``G_l`` key/value heads each (module docstring)."""
+    elt, acc = a.activation_bytes, max(a.activation_bytes, 4)
     q_l = b * h_l * Tl * d  # elements of this rank's q
-    if a.cp_comm_type == "a2a":
-        return ContextParallelBytes(6.0 * q_l * elt, 0.0)
     kv = 2 * b * G_l * Tl * d  # one K/V pair [2, b, G/tp, T/cp, d]
-    buffers = 2 * kv * elt + 2 * kv * acc + q_l * acc
+    copies = 2 if C > 1 else 1  # the ring's next K/V and arriving dK/dV; none on one rank
+    buffers = copies * kv * elt + copies * kv * acc + q_l * acc
     n = Tl // 2  # one block's side, T/(2 cp)
     dtype = torch.float32 if elt == 4 else torch.bfloat16
     fused = a.platform is None or ring_block_kernel(dtype, d, a.platform) == "efficient"
-    if a.cp_ring_kernel == "auto" and fused:
+    if (a.cp_ring_kernel == "auto" or C == 1) and fused:
         E = b * h_l * n * d  # elements of one block's q
         during = (6 + (2 if G_l != h_l else 0)) * E * elt  # the kernel's inputs and gradients
         after = 3 * E * elt + (E + 2 * b * G_l * n * d) * acc  # its gradients and their fp32 sums
-        copies = max(during, after)
         width = n if a.platform is None else -(-n // 16) * 16
-        bias = b * n * width * elt if a.documents else 0
-        return ContextParallelBytes(float(buffers), float(copies + bias))
+        bias_rows = b if a.documents else (1 if windowed else 0)  # a block cut by documents or the window
+        return ContextParallelBytes(float(buffers), float(max(during, after) + bias_rows * n * width * elt))
     rows = tile_rows(b, h_l, n, n, acc)  # the block's queries run in row tiles
     return ContextParallelBytes(float(buffers), 2.0 * b * h_l * rows * n * acc)
 
@@ -315,20 +395,25 @@ def stage_activation_bytes(
     pp: int,
     padded_vocab: int,
     awaiting_weight: int = 0,
+    windows_per_chunk: Optional[list[frozenset]] = None,
 ) -> float:
     """Peak activation bytes of one rank: ``inflight`` micro-batch-chunks kept (the schedule's
     peak, spread over the chunks in turn; a split backward's ``awaiting_weight`` more hold
     ``weight_grad_bytes`` each) plus one replayed region and one layer's activation
-    gradients. Pipelined (pp > 1): each kept micro-batch-chunk that is not the last stage's
-    also keeps its output ``q/t_sp`` for the backward, and a received and a sent tensor are in
-    flight. The first stage adds, at tp > 1, the full partial-sum embedding before its
-    reduction; the last stage the head (``head_bytes``) for each of its micro-batches. At
-    cp > 1 the attention's temporaries (``context_parallel_bytes``) count instead of the FFN
-    gradient and the head's logits when they are larger (they are never alive together)."""
+    gradients, and each chunk's attention masks (``chunk_mask_bytes`` of its entry in
+    ``windows_per_chunk``, the ``layer_windows`` of its layers; None: no window anywhere).
+    Pipelined (pp > 1): each kept micro-batch-chunk that is not the last stage's also keeps its
+    output ``q/t_sp`` for the backward, and a received and a sent tensor are in flight. The
+    first stage adds, at tp > 1, the full partial-sum embedding before its reduction; the last
+    stage the head (``head_bytes``) for each of its micro-batches. At cp > 1 or with sinks the
+    attention's temporaries (``context_parallel_bytes``) count instead of the FFN gradient and
+    the head's logits when they are larger (they are never alive together)."""
     q_sp = _q(g, a) / (a.tp if a.sequence_parallel else 1) * a.activation_bytes
+    windows = windows_per_chunk or [frozenset({None})] * len(layers_per_chunk)
+    masks = [chunk_mask_bytes(g, a, w, n) for w, n in zip(windows, layers_per_chunk)]
     kept = [chunk_bytes(g, a, n) for n in layers_per_chunk]
-    per_chunk = max(k for k, _ in kept) + document_mask_bytes(g, a)
-    once = max(r for _, r in kept)
+    per_chunk = max(k + m for (k, _), (m, _) in zip(kept, masks))
+    once = max(r for _, r in kept) + sum(m for _, m in masks)
     transient = _q(g, a) * g.ffn_hidden_size / (g.hidden_size * a.tp) * a.activation_bytes
     if pp > 1:
         per_chunk += q_sp
@@ -345,7 +430,8 @@ def stage_activation_bytes(
         last_inflight = inflight if pp == 1 else max(1, inflight // len(layers_per_chunk))
         total += last_inflight * head_kept
         transient += head_once
-    return total + max(transient, context_parallel_bytes(g, a).total)
+    windowed = any(w is not None for ws in windows for w in ws)
+    return total + max(transient, context_parallel_bytes(g, a, windowed).total)
 
 
 def temporary_bytes(

@@ -35,6 +35,14 @@ Chowdhery et al. 2022, PaLM, appendix B). (torch's non-reentrant checkpoint stop
 recomputing once the saved tensors are rebuilt, so it skips each layer's last matmul; the
 formula counts the full recomputation, as the paper does.)
 
+Sliding-window attention (``--window-size``): a windowed layer's scores and probability-value
+products are charged ``min(W, s)`` keys per query instead of ``s`` (``attention_keys``). These are
+model FLOPs, the work the model needs, as Megatron-LM's MFU counts it, not what the kernel
+executes: the plain SDPA path takes a ``[1, 1, s, s]`` additive mask and computes the whole
+masked ``s x s`` square (a fused kernel skips only whole masked tiles); the ring and its
+one-rank form under attention sinks skip the blocks wholly outside the window. Attention sinks
+add one logit per head and row to the softmax, no matmul: no FLOPs.
+
 Context parallelism changes none of this: it splits each sequence, not the batch, so an
 iteration still trains ``B*s`` tokens and the attention is still counted over the whole
 ``s x s`` (the cp ranks together compute its causal half, as one rank does). ``throughput``
@@ -43,7 +51,7 @@ divides by the whole world, tp x cp x pp x dp ranks.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -110,8 +118,30 @@ def gpt_flops_per_iteration(
     return float(global_batch_size * s * per_token)
 
 
+def attention_keys(seq_length: int, window: Optional[int] = None) -> int:
+    """Keys each query is charged for in one layer's attention FLOPs: ``s`` (``seq_length``,
+    tokens) for full causal attention, counted in full as Narayanan et al. 2021 do (the whole
+    ``s x s`` square, the masked triangle included), and ``min(W, s)`` for a sliding window W
+    (Jiang et al. 2023, Mistral 7B, sec. 2). The causal keys a windowed layer really needs are
+    ``sum_i min(i + 1, W) = s W - W (W - 1) / 2`` over queries ``i < s`` (``W <= s``); charging
+    ``W`` keys to every query adds the ``W (W - 1) / 2`` masked corner, as the full count adds
+    the masked triangle, so ``W >= s`` gives the full layer's ``s`` and ``W = 1`` the diagonal
+    only. Raises ValueError for ``W < 1``."""
+    if window is None:
+        return seq_length
+    if window < 1:
+        raise ValueError(f"sliding window W = {window} must be at least 1 (--window-size L,0 gives W = L + 1)")
+    return min(window, seq_length)
+
+
 def spec_flops_per_iteration(
-    spec: Iterable[ParamSpec], *, seq_length: int, attention_width: int, global_batch_size: int, recompute: bool = False
+    spec: Iterable[ParamSpec],
+    *,
+    seq_length: int,
+    attention_width: int,
+    global_batch_size: int,
+    recompute: bool = False,
+    windows: Optional[Sequence[Optional[int]]] = None,
 ) -> float:
     """FLOPs of one training iteration read off a model's parameter spec (matmuls only).
 
@@ -122,8 +152,11 @@ def spec_flops_per_iteration(
     (``attention_width`` = query heads x head size; keys shared by a group do not change
     it), the output layer ``2*h*V``:
     ``F = B*s * (k * (2*layer_matmuls + l*4*s*a) + 3 * 2*output_elements)``, ``k = 3`` or
-    4 with ``recompute``. Returns FLOPs as a float (all devices). Raises ValueError when
-    the spec has no layer or a size is not positive.
+    4 with ``recompute``. ``windows``: each layer's sliding window W or None
+    (``GPTConfig.attention_window``; None: every layer full), which charges that layer's
+    attention ``attention_keys(s, W)`` keys per query in place of ``s``. Returns FLOPs as a
+    float (all devices). Raises ValueError when the spec has no layer, a size is not positive
+    or ``windows`` does not give one entry per layer.
     """
     layer, num_layers, head = matmul_params(spec)
     if num_layers == 0 or min(seq_length, attention_width, global_batch_size) <= 0:
@@ -131,7 +164,11 @@ def spec_flops_per_iteration(
             f"spec with {num_layers} layers, seq_length={seq_length}, attention_width="
             f"{attention_width}, global_batch_size={global_batch_size}: all must be positive"
         )
-    layers_forward = 2 * layer + num_layers * 2 * 2 * seq_length * attention_width  # per token
+    windows = [None] * num_layers if windows is None else list(windows)
+    if len(windows) != num_layers:
+        raise ValueError(f"windows gives {len(windows)} layers' windows, the spec has {num_layers} layers")
+    keys = sum(attention_keys(seq_length, w) for w in windows)  # summed over the layers
+    layers_forward = 2 * layer + 2 * 2 * keys * attention_width  # per token
     per_token = (4 if recompute else 3) * layers_forward + 3 * 2 * head
     return float(global_batch_size * seq_length * per_token)
 

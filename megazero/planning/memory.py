@@ -449,14 +449,15 @@ def stage_estimates(
             states_on_host,
             params_on_host,
         )
-        chunks = [len(partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split)) for v in range(vp_size)]
+        ids = [partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split, layout) for v in range(vp_size)]
+        chunks, windows = [len(i) for i in ids], [A.layer_windows(g, i) for i in ids]
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
         acts = max(
-            A.stage_activation_bytes(g, a, chunks, kept, r == 0, head, pp, g.padded_vocab(tp), waiting)
+            A.stage_activation_bytes(g, a, chunks, kept, r == 0, head, pp, g.padded_vocab(tp), waiting, windows)
             for kept, waiting in _inflight_pairs(schedule, pp, vp_size, num_microbatches)[r]
         )
         staging, step = A.temporary_bytes(psi, dp, zero_stage, param_bytes, grad_bytes, *buckets)
-        cp_bytes = A.context_parallel_bytes(g, a)
+        cp_bytes = A.context_parallel_bytes(g, a, any(w is not None for ws in windows for w in ws))
         ref = psi * param_bytes * reference
         stages.append(MemoryEstimate(r, psi, states, acts, zero_stage, dp, None, staging, step, cp_bytes, ref))
     return stages

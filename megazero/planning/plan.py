@@ -42,6 +42,7 @@ def activation_settings(cfg: Config, platform: Optional[CudaPlatform] = None) ->
         cp_ring_kernel=p.cp_ring_kernel,
         documents=cfg.data.reset_attention_mask,
         platform=platform,
+        sinks=m.softmax_type != "vanilla",
     )
 
 

@@ -129,6 +129,7 @@ class Trainer:
             seq_length=g.seq_length,
             attention_width=g.attention_width,
             global_batch_size=cfg.train.global_batch_size,
+            windows=[g.attention_window(i) for i in range(g.num_layers)],
         )
         if p.pp > 1:
             handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches, device=device)

@@ -173,6 +173,18 @@ def _trainer_flops(rank, world, argv):
     return training.build_trainer(cfg, groups=groups).flops_per_iteration
 
 
+def test_trainer_counts_the_windowed_layers_keys():
+    """The trainer's FLOPs read each layer's window: ``--window-size 3,0 --window-attn-skip-freq 2``
+    on BASE's 4 layers (s 16, width 32, 16 sequences) windows layers 1 and 3 to W = 4 keys, so
+    two layers lose ``3 * 16*16 * 2*2*(16 - 4)*32`` each."""
+    from tests.support.distributed import run_distributed
+    from tests.support.layouts import BASE
+
+    full = run_distributed(_trainer_flops, 1, BASE)[0]
+    windowed = run_distributed(_trainer_flops, 1, BASE + ["--window-size", "3,0", "--window-attn-skip-freq", "2"])[0]
+    assert full - windowed == 2 * 3 * 16 * 16 * 2 * 2 * (16 - 4) * 32
+
+
 def test_model_flops_per_iteration_do_not_change_with_cp():
     """Context parallelism splits each sequence, not the batch: the trainer's FLOPs per iteration
     (the same tokens, the attention counted over the whole sequence) at cp 2 equal dp 2's."""
@@ -181,6 +193,35 @@ def test_model_flops_per_iteration_do_not_change_with_cp():
 
     flops = {flag: run_distributed(_trainer_flops, 2, BASE + [flag, "2"]) for flag in ("--cp", "--dp")}
     assert flops["--cp"] == flops["--dp"] and flops["--cp"][0] > 0
+
+
+def test_windowed_layers_count_the_keys_in_their_window():
+    """A sliding window W charges its layer's attention ``min(W, s)`` keys per query: W >= s
+    is the full layer's count, W = 1 the diagonal only, and a window on one layer of two
+    removes ``3 * B*s * 2*2*(s - W)*a`` (forward + backward, the two attention matmuls, width
+    a). Per query that is the exact causal count ``sum_i min(i + 1, W)`` plus the masked
+    ``W (W - 1) / 2`` corner, as the full count adds the masked triangle."""
+    from megazero.planning.flops import attention_keys, spec_flops_per_iteration
+    from model.config import GPTConfig
+
+    B, s, a = 3, 8, 16
+    spec = GPTConfig(vocab_size=50, num_layers=2, hidden_size=a, num_attention_heads=4, seq_length=s).parameter_spec(1)
+    kw = dict(seq_length=s, attention_width=a, global_batch_size=B)
+    full = spec_flops_per_iteration(spec, **kw)
+    assert (
+        spec_flops_per_iteration(spec, **kw, windows=[s, 10 * s])
+        == spec_flops_per_iteration(spec, **kw, windows=[None, None])
+        == full
+    )
+    assert full - spec_flops_per_iteration(spec, **kw, windows=[1, 1]) == 3 * B * s * 2 * (2 * 2 * (s - 1) * a)
+    assert full - spec_flops_per_iteration(spec, **kw, windows=[3, None]) == 3 * B * s * 2 * 2 * (s - 3) * a
+    for W in range(1, 2 * s):
+        w = min(W, s)
+        assert s * attention_keys(s, W) == sum(min(i + 1, W) for i in range(s)) + w * (w - 1) // 2
+    with pytest.raises(ValueError, match="3 layers' windows"):
+        spec_flops_per_iteration(spec, **kw, windows=[1, 2, 3])
+    with pytest.raises(ValueError, match="--window-size"):
+        attention_keys(s, 0)
 
 
 @pytest.mark.cuda
