@@ -5,6 +5,14 @@ consolidate its shards into full tensors. Run from the repository root:
         [--tokenizer-model PATH --tokenizer-type {SentencePieceTokenizer,HuggingFaceTokenizer}] \\
         [--max-shard-size 5GB]
     python -m scripts.convert_checkpoint --load CKPT_DIR --consolidate OUT
+    python -m scripts.convert_checkpoint --print-flags HF_DIR
+
+``--print-flags`` prints, on one line, the megazero model flags (Megatron-LM spelling) whose model is
+the one in the Hugging Face folder ``HF_DIR`` (``model.hf_flags.folder_flags``: sizes, vocabulary,
+norms, RoPE and its scaling, head size, QK-norm, biases, grouped-query attention, sliding window,
+softmax, gated MLP, experts), so that a run starts from it with
+``--from-hf HF_DIR $(python -m scripts.convert_checkpoint --print-flags HF_DIR)``; the folder's
+config.json and every tensor's shape are checked first.
 
 ``--consolidate`` writes ``OUT/iter_<N>/`` (and ``OUT/latest``): the same checkpoint with every
 key stored as ONE full tensor (``megazero.checkpoint.consolidate_checkpoint``).
@@ -49,6 +57,7 @@ from data.tokenizer_export import write_hf_tokenizer
 from megazero.checkpoint import CheckpointError, consolidate_checkpoint, read_full_weights
 from megazero.runtime.extras import MissingExtra, require
 from model.hf import HFConversionError, config_from_record, hf_config, to_hf_tensors
+from model.hf_flags import folder_flags
 from model.hf_folder import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, write_tensors
 from model.hf_reward import reward_architecture, to_hf_reward
 
@@ -151,11 +160,16 @@ def main(argv=None) -> int:
     """Convert or consolidate as the command line ``argv`` (default ``sys.argv[1:]``) says;
     returns the exit status: 0, or 2 after the one-line error."""
     p = argparse.ArgumentParser(prog="python -m scripts.convert_checkpoint", description=__doc__.split("\n")[0])
-    p.add_argument("--load", required=True, help="checkpoint directory (the run's --save)")
+    p.add_argument("--load", help="checkpoint directory (the run's --save); needed by --to-hf and --consolidate")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--to-hf", metavar="OUT", help="Hugging Face folder to write")
     what.add_argument(
         "--consolidate", metavar="OUT", help="new checkpoint directory to write with full tensors (one chunk per key)"
+    )
+    what.add_argument(
+        "--print-flags",
+        metavar="HF_DIR",
+        help="print the megazero model flags of this Hugging Face folder on one line (for --from-hf HF_DIR)",
     )
     p.add_argument("--tokenizer-model", help="tokenizer to export (default: the one the checkpoint recorded)")
     p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
@@ -167,6 +181,13 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     try:
+        if args.print_flags is not None:
+            if args.load is not None:
+                raise ConvertError("--print-flags reads a Hugging Face folder, not --load; fix: leave --load out")
+            print(" ".join(folder_flags(args.print_flags)))
+            return 0
+        if args.load is None:
+            raise ConvertError("--to-hf and --consolidate read a checkpoint; fix: --load CKPT_DIR (the run's --save)")
         if args.consolidate:
             print(f"wrote {consolidate_checkpoint(args.load, args.consolidate)} (full tensors)")
             return 0

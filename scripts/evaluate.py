@@ -1,4 +1,4 @@
-"""Score a megazero checkpoint (any layout) or a Hugging Face GPT-2 / Llama folder on
+"""Score a megazero checkpoint (any layout) or a Hugging Face folder of any family megazero reads on
 lm-evaluation-harness tasks. Run from the repository root:
 
     python -m scripts.evaluate (--load CKPT_DIR | --from-hf DIR) --tasks T1,T2 \\
@@ -46,8 +46,8 @@ def parse(argv):
     src.add_argument("--load", help="megazero checkpoint directory (a run's --save), any layout")
     src.add_argument(
         "--from-hf",
-        help="Hugging Face GPT-2, Llama (2, 3.x), Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE folder "
-        "(config.json + model.safetensors or its shards)",
+        help="Hugging Face GPT-2, Llama (2, 3.x), Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or "
+        "gpt-oss folder (config.json + model.safetensors or its shards)",
     )
     p.add_argument("--tasks", required=True, nargs="+", help="task names, comma- or space-separated")
     p.add_argument("--num-fewshot", type=int, help="examples before each question (default: the task's)")

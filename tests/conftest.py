@@ -19,7 +19,12 @@ import megazero.checkpoint.shards  # torch.distributed.checkpoint, inherited by 
 import megazero.training  # noqa: F401
 
 # the fixtures that tests in several modules share (a test module imports no other test module)
-pytest_plugins = ["tests.support.generate", "tests.support.hf_convert", "tests.support.layouts"]
+pytest_plugins = [
+    "tests.support.generate",
+    "tests.support.hf_convert",
+    "tests.support.hf_families",
+    "tests.support.layouts",
+]
 
 
 SLOW_FOLDERS = ("layouts", "launcher")

@@ -17,213 +17,24 @@ the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to 
 ``torch.equal`` to the folder's, with the same config, and KV-cache greedy decoding gives
 transformers' ``generate`` tokens for 32 tokens past the original context. Under pp 2 x tp 2
 and cp 2 (ring, all-to-all) the first loss is transformers' too, and 3 steps trained at pp 2 x
-tp 2 export to a folder whose transformers logits are megazero's."""
+tp 2 export to a folder whose transformers logits are megazero's. Every family but gpt-oss runs
+with the model flags ``convert_checkpoint.py --print-flags`` prints for its folder."""
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.support.extras import require
 from tests.support.generate import generate_args
-from tests.support.hf_convert import MODEL, hf_trainer, train_steps
-from tests.support.hf_tokenizer import corpus
+from tests.support.hf_convert import hf_trainer, train_steps
+from tests.support.hf_families import FAMILIES
 
-SIZES = dict(
-    vocab_size=300,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    initializer_range=0.2,  # weights large enough that positions and biases move the logits
-)
-BLOCK = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64"]
-BLOCK += ["--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear", "--layernorm-epsilon", "1e-6"]
-BLOCK += ["--max-position-embeddings", "256"]
-FAMILIES = {
-    # wavelengths 2 pi x (1, 10, 100, 1000) positions against original 64 / (1, 8): one pair kept,
-    # one interpolated, two slowed 4 times
-    "llama3": (
-        "LlamaConfig",
-        dict(
-            tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=10000.0,
-                factor=4.0,
-                low_freq_factor=1.0,
-                high_freq_factor=8.0,
-                original_max_position_embeddings=64,
-            ),
-        ),
-        BLOCK
-        + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--use-rope-scaling"]
-        + ["--rope-scaling-factor", "4", "--rope-scaling-high-freq-factor", "8"]
-        + ["--rope-scaling-original-max-position-embeddings", "64"],
-    ),
-    # Llama's block with heads of 12 dimensions and Mistral-7B-v0.1's sliding window on every layer
-    # (8 positions: shorter than the 16-token training sequence and the 48-token prompts), untied
-    "mistral": (
-        "MistralConfig",
-        dict(
-            head_dim=12,
-            tie_word_embeddings=False,
-            sliding_window=8,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        ),
-        BLOCK
-        + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"]
-        + ["--window-size", "7,0"],
-    ),
-    # Qwen2 with use_sliding_window: layer 0 full (max_window_layers 1), layer 1 a window of 8
-    "qwen2": (
-        "Qwen2Config",
-        dict(
-            tie_word_embeddings=True,
-            use_sliding_window=True,
-            sliding_window=8,
-            max_window_layers=1,
-            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
-        ),
-        BLOCK
-        + ["--rotary-base", "10000", "--add-qkv-bias", "--rotary-seq-len-interpolation-factor", "2"]
-        + ["--window-size", "7,0", "--window-attn-skip-freq", "0,1"],
-    ),
-    # heads of 12 dimensions (q/k/v 48 wide against a hidden size of 32) with QK-norm, untied
-    "qwen3": (
-        "Qwen3Config",
-        dict(
-            head_dim=12,
-            tie_word_embeddings=False,
-            use_sliding_window=False,
-            sliding_window=4096,
-            max_window_layers=1,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=64,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                truncate=True,
-            ),
-        ),
-        BLOCK
-        + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"]
-        + ["--qk-layernorm", "--yarn-rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "64"],
-    ),
-    # Qwen3's attention with 4 experts of width 16, top 2 of the full softmax not renormalised
-    # (norm_topk_prob false), layer 1 dense (mlp_only_layers: --moe-layer-freq 2)
-    "qwen3-moe": (
-        "Qwen3MoeConfig",
-        dict(
-            head_dim=12,
-            tie_word_embeddings=False,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            norm_topk_prob=False,
-            mlp_only_layers=[1],
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=8.0,
-                original_max_position_embeddings=32,
-                beta_fast=16.0,
-                beta_slow=1.0,
-                mscale=1.0,
-                mscale_all_dim=0.5,
-                truncate=False,
-            ),
-        ),
-        BLOCK
-        + ["--rotary-base", "10000", "--untie-embeddings-and-output-weights", "--kv-channels", "12"]
-        + ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16"]
-        + ["--moe-router-pre-softmax", "--moe-layer-freq", "2"]
-        + ["--yarn-rotary-scaling-factor", "8", "--yarn-original-max-position-embeddings", "32"]
-        + ["--yarn-beta-fast", "16", "--yarn-mscale", "1", "--yarn-mscale-all-dim", "0.5"]
-        + ["--no-yarn-correction-range-round-to-int"],
-    ),
-    # gpt-oss: q/k/v/o biases, learned sinks, layer 0 sliding (window 8) and layer 1 full, yarn RoPE
-    # (factor 4 over an original 64 positions, truncate false), 4 experts (top 2 of the router's
-    # biased logits, softmaxed over the 2) with the clamped quick GEGLU (limit 1.0, so it bites)
-    "gpt-oss": (
-        "GptOssConfig",
-        dict(
-            head_dim=12,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=8,
-            swiglu_limit=1.0,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                truncate=False,
-                original_max_position_embeddings=64,
-            ),
-        ),
-        ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--quick-geglu"]
-        + ["--glu-linear-offset", "1", "--activation-func-clamp-value", "1.0", "--ffn-hidden-size", "64"]
-        + ["--group-query-attention", "--num-query-groups", "2", "--layernorm-epsilon", "1e-6"]
-        + ["--max-position-embeddings", "256", "--rotary-base", "10000", "--untie-embeddings-and-output-weights"]
-        + ["--kv-channels", "12", "--softmax-type", "learnable", "--window-size", "7,0"]
-        + ["--window-attn-skip-freq", "2", "--num-experts", "4", "--moe-router-topk", "2"]
-        + ["--moe-ffn-hidden-size", "64", "--yarn-rotary-scaling-factor", "4"]
-        + ["--yarn-original-max-position-embeddings", "64", "--no-yarn-correction-range-round-to-int"],
-    ),
-}
 SCALED = ("llama3", "qwen2", "qwen3", "qwen3-moe", "gpt-oss")  # the families whose RoPE is scaled
 WINDOWED = ("mistral", "qwen2", "gpt-oss")  # the families with a sliding window shorter than the sequences
 MOE_FAMILIES = ("qwen3-moe", "gpt-oss")
-
-
-def _make_folder(d, family, tokenizer_json):
-    import transformers
-
-    cls_name, options, _ = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**SIZES, **options)
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: give them values a wrong map would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.5 * torch.randn(p.shape))
-    model.save_pretrained(d)
-    shutil.copy(tokenizer_json, d / "tokenizer.json")
-    return model
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """family -> (folder, the transformers model, the run's argv) on a 300-token corpus."""
-    require("transformers")
-    require("safetensors")
-    from data.preprocess import preprocess
-    from data.tokenizer import load_tokenizer, train_hf_tokenizer
-
-    d = tmp_path_factory.mktemp("families")
-    tok_json = train_hf_tokenizer(corpus(200), 300, str(d / "tok" / "tokenizer.json"))
-    tok = load_tokenizer(tok_json, "HuggingFaceTokenizer")
-    src = d / "in.jsonl"
-    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus(150)), encoding="utf-8")
-    preprocess(str(src), ["text"], tok.model_path, str(d / "c"), progress=False, tokenizer_type="HuggingFaceTokenizer")
-    data = ["--data-path", str(d / "c_text_document"), "--tokenizer-type", "HuggingFaceTokenizer"]
-    data += ["--tokenizer-model", tok.model_path, "--train-iters", "2"]
-    out = {}
-    for family in FAMILIES:
-        folder = d / family
-        model = _make_folder(folder, family, tok.model_path)
-        out[family] = str(folder), model, MODEL + FAMILIES[family][2] + data
-    return out
+# the folders (fixture ``folders``, tests/support/hf_families.py) and their run's flags: FAMILIES there
 
 
 def _tp2_logits_and_first_loss(rank, world, hf_dir, ids, argv, save):

@@ -5,7 +5,8 @@ for a checkpoint saved under tp 2 and loaded at tp 1 and tp 2, the per-request l
 accuracy, also for requests whose context or continuation fills the whole window, while a
 continuation longer than the window is refused as HFLM refuses it; train.py
 --eval-harness-tasks logs the same scores as evaluating the saved
-checkpoint; an unknown task name is one line and exit code 2."""
+checkpoint; an unknown task name is one line and exit code 2. Every Hugging Face family folder
+read with ``--from-hf`` scores transformers' per-request log-likelihoods within 1e-5."""
 
 import json
 import os
@@ -263,6 +264,54 @@ def test_cli_prints_one_line_per_task_and_refuses_an_unknown_task(run, capsys):
     assert main(["--load", run["ckpt"], "--tasks", "megazero_stdlib,hellaswag_typo", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("evaluate: error: --tasks: unknown task 'hellaswag_typo'")
+
+
+@pytest.mark.slow
+def test_family_folders_log_likelihoods_equal_transformers(folders, capsys):
+    """Each family folder of tests/support/hf_families.py (Llama-3.x, Mistral, Qwen2, Qwen3,
+    Qwen3-MoE, gpt-oss) read with ``--from-hf``: megazero's per-request log-likelihoods and greedy
+    flags (``MegazeroLM.loglikelihood``) are transformers' (the sum of the log-softmax of the
+    continuation's tokens after the last 256 + 1 tokens, the last dropped) within 1e-5, contexts past
+    the 256-position window included; ``scripts/evaluate.py --from-hf`` scores the gpt-oss and Qwen3
+    folders. One process."""
+    require("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
+    from model.evaluation import make_lm
+    from scripts.evaluate import main
+    from tests.support.generate import generate_args
+
+    rows = _rows("mc.jsonl", 4)
+    requests = [Instance("loglikelihood", d, (d["context"], c), i) for d in rows for i, c in enumerate(d["choices"])]
+    requests.append(Instance("loglikelihood", {}, (" ".join(d["context"] for d in rows), rows[0]["choices"][0]), 0))
+    for family, (folder, hf, _) in folders.items():
+        stage, tok = load_model(generate_args(folder), ProcessGroups.single(), torch.device("cpu"))
+        lm = make_lm(stage, tok, batch_size=5)
+        ours = lm.loglikelihood(requests)
+        theirs, cut = [], 0
+        for r in requests:
+            ctx, cont = lm.encode_pair(*r.args)
+            ids = (ctx + cont)[-257:][:-1]
+            cut += len(ctx) + len(cont) > 257
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -len(cont) :].double(), -1)  # (n, V)
+            theirs.append(
+                (logp[range(len(cont)), cont].sum().item(), bool((logp.argmax(-1) == torch.tensor(cont)).all()))
+            )
+        assert cut >= 1, family  # the window cut at least one context
+        torch.testing.assert_close(
+            torch.tensor([v for v, _ in ours], dtype=torch.float64),
+            torch.tensor([v for v, _ in theirs], dtype=torch.float64),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+        assert [g for _, g in ours] == [g for _, g in theirs], family
+    for family in ("gpt-oss", "qwen3"):
+        argv = ["--from-hf", folders[family][0], "--tasks", "megazero_stdlib", "--limit", "2", "--device", "cpu"]
+        assert main(argv) == 0
+        assert capsys.readouterr().out.startswith("megazero_stdlib: acc "), family
 
 
 def test_train_refuses_an_unknown_harness_task_before_start(tmp_path, capsys):
