@@ -98,10 +98,12 @@ def read_config(path: str) -> dict:
 
 def folder_model_type(path: str) -> Optional[str]:
     """``GPTConfig.hf_model_type`` of a run started from folder ``path`` (``--from-hf``): ``"mistral"``
-    when its ``config.json`` says so (Llama's computation, exported back as Mistral), else None;
-    None too for a ``config.json`` that cannot be read (``check_folder`` names that error)."""
+    when its ``config.json`` says so (Llama's computation, exported back as Mistral), ``"gpt_oss"``
+    for a gpt-oss folder, else None; None too for a ``config.json`` that cannot be read
+    (``check_folder`` names that error)."""
     try:
-        return "mistral" if read_config(path).get("model_type") == "mistral" else None
+        kind = read_config(path).get("model_type")
+        return kind if kind in ("mistral", hf_gpt_oss.MODEL_TYPE) else None
     except HFConversionError:
         return None
 

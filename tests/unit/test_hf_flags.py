@@ -57,7 +57,7 @@ def test_printed_flags_give_the_folders_model(folders, capsys):
         flags = FAMILIES[family][2] or folder_flags(folder)
         data = argv[len(MODEL) + len(flags) :]
         ours = _check_folder_flags(folder, data, 300, capsys)
-        assert ours.hf_model_type == {"mistral": "mistral"}.get(family)  # --from-hf gives it, not a flag
+        assert ours.hf_model_type == {"mistral": "mistral", "gpt-oss": "gpt_oss"}.get(family)  # --from-hf gives it
         if family == HAND:  # the hand-written flags: another spelling ("4" for 4.0), the same model
             hand = FAMILIES[HAND][2]
             assert hand != folder_flags(folder)
