@@ -203,6 +203,12 @@ class GPTConfig:
     """Inner width of the shared expert every token passes through; ``None`` = none."""
     moe_router_score_function: str = "softmax"
     """``softmax`` or ``sigmoid`` (megazero.moe.router.route)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: experts in G groups (megazero.moe.router.route); ``None`` = none."""
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token's experts are chosen from (with ``moe_router_num_groups``)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """The routed experts' combine weights times this factor; ``None`` = unscaled."""
     moe_router_dtype: str = "fp32"
     """Precision of the router GEMM: ``fp32`` or ``model`` (megazero.moe.router.router_logits)."""
     moe_router_pre_softmax: bool = False

@@ -186,6 +186,8 @@ def check_export(gcfg: GPTConfig) -> None:
         (gcfg.moe_router_pre_softmax, "--moe-router-pre-softmax: gpt-oss softmaxes over the top-k logits"),
         (gcfg.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias: gpt-oss has no expert bias"),
         (gcfg.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor: gpt-oss is dropless"),
+        (gcfg.moe_router_num_groups is not None, "--moe-router-num-groups: gpt-oss routes over all experts"),
+        (gcfg.moe_router_topk_scaling_factor is not None, "--moe-router-topk-scaling-factor: gpt-oss is unscaled"),
         (gcfg.rotary_percent != 1.0, f"--rotary-percent {gcfg.rotary_percent}: gpt-oss rotates whole heads"),
     ):
         if refused:

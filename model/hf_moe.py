@@ -132,6 +132,14 @@ def check_export(gcfg: GPTConfig) -> None:
             f"--moe-router-score-function {gcfg.moe_router_score_function}: {both} score the experts with a softmax",
         ),
         (
+            gcfg.moe_router_num_groups is not None,
+            f"--moe-router-num-groups {gcfg.moe_router_num_groups}: {both} route over all experts (no groups)",
+        ),
+        (
+            gcfg.moe_router_topk_scaling_factor is not None,
+            f"--moe-router-topk-scaling-factor {gcfg.moe_router_topk_scaling_factor}: {both} do not scale the weights",
+        ),
+        (
             gcfg.moe_expert_capacity_factor is not None,
             f"--moe-expert-capacity-factor {gcfg.moe_expert_capacity_factor}: {both} are dropless (no expert capacity)",
         ),

@@ -215,7 +215,16 @@ class MoEMLP(nn.Module):
         else:
             inp = copy_to_tp_region(x, self.group)
         logits, inp = logits.reshape(B * T, E), inp.reshape(B * T, H)  # (N, E), (N, H)
-        routing = R.route(logits, k, cfg.moe_router_score_function, cfg.moe_router_pre_softmax, self.expert_bias)
+        routing = R.route(
+            logits,
+            k,
+            cfg.moe_router_score_function,
+            cfg.moe_router_pre_softmax,
+            self.expert_bias,
+            cfg.moe_router_num_groups,
+            cfg.moe_router_group_topk,
+            cfg.moe_router_topk_scaling_factor,
+        )
         experts, weights, keep = routing.experts, routing.probs, None  # (N, k)
         if cfg.moe_expert_capacity_factor is not None:
             capacity = R.expert_capacity(B * T, E, k, cfg.moe_expert_capacity_factor)

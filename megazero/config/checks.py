@@ -39,6 +39,7 @@ from megazero.config.shape import (
     check_yarn,
 )
 from megazero.data_parallel.policy import POLICIES, stages_where
+from megazero.moe.router import check_groups
 from megazero.pipeline.partition import PartitionError, validate_partition
 
 
@@ -229,7 +230,8 @@ def _check_swiglu_width(cfg: Config, world_size: int) -> None:
 
 def _check_moe(cfg: Config, world_size: int) -> None:
     """Mixture of Experts: top-k <= E (Megatron-LM's
-    rule), the expert bias with sigmoid scores only, expert parallelism
+    rule), the expert bias with sigmoid scores only, group-limited routing's sizes
+    (``megazero.moe.router.check_groups``: the rule route() enforces), expert parallelism
     (``_check_expert_parallel``), and the combinations not built yet refused
     by name: context parallelism (the router sees the micro-batch's whole sequences).
     --from-hf reads Mixtral / Qwen2-MoE folders (model/hf_moe.py)."""
@@ -245,6 +247,11 @@ def _check_moe(cfg: Config, world_size: int) -> None:
             "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
             f"(this run: {m.moe_router_score_function}); fix: add --moe-router-score-function sigmoid"
         )
+    if m.moe_router_num_groups is not None or m.moe_router_group_topk is not None:
+        try:
+            check_groups(E, m.moe_router_topk, m.moe_router_num_groups, m.moe_router_group_topk)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _check_expert_parallel(cfg)
     if p.cp > 1:
         raise ConfigError(f"--num-experts with --cp {p.cp} is not supported yet; fix: drop --cp")

@@ -355,6 +355,33 @@ class ModelConfig:
         choices=("softmax", "sigmoid"),
         applies=_MOE,
     )
+    moe_router_num_groups: Optional[int] = _f(
+        None,
+        "group-limited routing (DeepSeek-V3's node-limited routing): the experts in G groups of E/G "
+        "consecutive experts, each token's k experts chosen within its --moe-router-group-topk best groups "
+        "(a group's score: the sum of its two highest choice scores); None = no groups",
+        "groups",
+        ge=1,
+        applies=_MOE,
+    )
+    moe_router_group_topk: Optional[int] = _f(
+        None,
+        "groups each token's experts are chosen from under --moe-router-num-groups",
+        "groups",
+        ge=1,
+        applies=(
+            _MOE,
+            Needs("model.moe_router_num_groups", besides=(None,), refuse=True, wanted="--moe-router-num-groups G"),
+        ),
+    )
+    moe_router_topk_scaling_factor: Optional[float] = _f(
+        None,
+        "the combine weights of the routed experts times this factor (DeepSeek-V3's routed_scaling_factor, "
+        "2.5); None = unscaled",
+        "",
+        gt=0,
+        applies=_MOE,
+    )
     moe_router_dtype: str = _f(
         "fp32",
         "precision of the router GEMM and its logits: fp32 (as Megatron-LM's --moe-router-dtype fp32: a "

@@ -15,6 +15,12 @@ router's top-k. Flag names and meanings are Megatron-LM's (``--moe-router-topk``
   gpt-oss's ``GptOssTopKRouter`` on logits with the router's bias, :func:`router_logits`);
   sigmoid scores (DeepSeek-V3, section 2.1.2), the chosen k normalised to sum 1 when k > 1,
   with the expert bias added only to choose the experts, never to weight them.
+  Group-limited routing (DeepSeek-V3 section 2.1.2's node-limited routing, Megatron-LM's
+  ``--moe-router-num-groups`` / ``--moe-router-group-topk``): the E experts in G groups of
+  E/G consecutive experts, each group scored by the sum of its two highest choice scores, the
+  k experts chosen only among the ``group_topk`` best groups. ``scaling_factor`` (Megatron-LM's
+  ``--moe-router-topk-scaling-factor``, DeepSeek-V3's ``routed_scaling_factor``) multiplies
+  the combine weights.
 - Load balancing, computed from the top-k assignment *before* any capacity drop (a drop must
   not hide the imbalance that caused it; Megatron-LM #1513 counted after):
   :func:`aux_loss` (Switch Transformer, Fedus et al. 2021, eq. 4-6, GShard's top-k form:
@@ -86,6 +92,9 @@ def route(
     score_function: str = "softmax",
     pre_softmax: bool = False,
     expert_bias: Optional[torch.Tensor] = None,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
 ) -> Routing:
     """Choose ``topk`` experts per token from ``logits [T, E]`` (computed in fp32).
 
@@ -93,12 +102,24 @@ def route(
     renormalised), else the k largest logits and a softmax over those k. ``sigmoid``:
     ``s = sigmoid(logits)``; the experts are the k largest of ``s + expert_bias`` (the bias
     steers the choice only), their weights ``s`` of the chosen, divided by their sum when
-    k > 1. Ties go to the lower expert index (``torch.topk`` on CPU and CUDA alike is not
-    promised to, so the order is made explicit by a stable sort).
+    k > 1 (transformers' DeepseekV3 divides when ``norm_topk_prob``, DeepSeek-V3's setting,
+    so the two agree for k > 1; for k = 1 megazero keeps ``s`` as Megatron-LM does, where
+    the division would make every weight 1). Ties go to the lower expert index
+    (``torch.topk`` on CPU and CUDA alike is not promised to, so the order is made explicit
+    by a stable sort).
 
-    Raises ValueError for ``topk`` outside ``[1, E]``, an unknown ``score_function``, or an
+    ``num_groups`` G with ``group_topk`` (both or neither): the choice key (the biased
+    sigmoid scores, the softmax probabilities under ``pre_softmax``, else the logits) of
+    each of the G groups of E/G consecutive experts is summed over its two largest (its one
+    when E/G = 1), the ``group_topk`` groups with the largest sums kept (ties to the lower
+    group) and the k experts chosen among theirs only (:func:`group_mask`). The weights and
+    ``scores`` are those of the ungrouped rule. ``scaling_factor``: the weights ``probs``
+    times it (None = unscaled; ``scores`` unscaled).
+
+    Raises ValueError for ``topk`` outside ``[1, E]``, an unknown ``score_function``, an
     ``expert_bias`` with softmax scores (Megatron-LM's aux-loss-free bias is defined for
-    sigmoid scores) or of another shape than ``[E]``.
+    sigmoid scores) or of another shape than ``[E]``, and the group errors of
+    :func:`check_groups`.
     """
     T, E = logits.shape
     if not 1 <= topk <= E:
@@ -109,20 +130,73 @@ def route(
         raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
     if expert_bias is not None and tuple(expert_bias.shape) != (E,):
         raise ValueError(f"the expert bias has shape {tuple(expert_bias.shape)}, not ({E},)")
+    if num_groups is not None or group_topk is not None:
+        check_groups(E, topk, num_groups, group_topk)
     logits = logits.float()
     if score_function == "softmax":
         full = torch.softmax(logits, dim=-1)
         key = full if pre_softmax else logits
-        experts = _topk_indices(key, topk)
+        experts = _choose(key, topk, num_groups, group_topk)
         chosen = key.gather(1, experts)
         probs = chosen if pre_softmax else torch.softmax(chosen, dim=-1)
-        return Routing(probs, experts, full)
+        return Routing(_scaled(probs, scaling_factor), experts, full)
     s = torch.sigmoid(logits)
     key = s if expert_bias is None else s + expert_bias.float()
-    experts = _topk_indices(key, topk)
+    experts = _choose(key, topk, num_groups, group_topk)
     chosen = s.gather(1, experts)
     probs = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) if topk > 1 else chosen
-    return Routing(probs, experts, s / (s.sum(-1, keepdim=True) + 1e-20))
+    return Routing(_scaled(probs, scaling_factor), experts, s / (s.sum(-1, keepdim=True) + 1e-20))
+
+
+def check_groups(num_experts: int, topk: int, num_groups: Optional[int], group_topk: Optional[int]) -> None:
+    """Raise ValueError unless group-limited routing of ``topk`` of ``num_experts`` experts is
+    well formed: ``num_groups`` and ``group_topk`` both given, ``num_groups`` dividing
+    ``num_experts``, ``1 <= group_topk <= num_groups``, and the kept groups holding at least
+    ``topk`` experts (``topk <= group_topk * num_experts / num_groups``)."""
+    if num_groups is None or group_topk is None:
+        raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together; fix: give both or neither")
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(
+            f"--moe-router-num-groups {num_groups} does not divide --num-experts {num_experts}; fix: choose a divisor"
+        )
+    if not 1 <= group_topk <= num_groups:
+        raise ValueError(
+            f"--moe-router-group-topk {group_topk} must be in [1, --moe-router-num-groups {num_groups}]; "
+            "fix: choose one in that range"
+        )
+    per_group = num_experts // num_groups
+    if topk > group_topk * per_group:
+        raise ValueError(
+            f"--moe-router-topk {topk} exceeds the {group_topk} x {per_group} experts of the kept groups; "
+            "fix: raise --moe-router-group-topk"
+        )
+
+
+def group_mask(key: torch.Tensor, num_groups: int, group_topk: int) -> torch.Tensor:
+    """Which experts lie in each token's ``group_topk`` best groups: bool ``[T, E]`` from the
+    choice key ``key [T, E]``. A group's score is the sum of its two largest keys (DeepSeek-V3's
+    and transformers' ``DeepseekV3TopkRouter``; Megatron-LM sums the top ``k / group_topk``,
+    the same for DeepSeek-V3's 8 / 4; one key when a group has one expert); ties to the lower
+    group. No checks (:func:`check_groups`)."""
+    T, E = key.shape
+    per_group = E // num_groups
+    grouped = key.reshape(T, num_groups, per_group)  # (T, G, E/G)
+    group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # (T, G)
+    kept = _topk_indices(group_score, group_topk)  # (T, group_topk)
+    mask = torch.zeros(T, num_groups, dtype=torch.bool, device=key.device).scatter_(1, kept, True)
+    return mask.repeat_interleave(per_group, dim=1)  # (T, E)
+
+
+def _choose(key: torch.Tensor, k: int, num_groups: Optional[int], group_topk: Optional[int]) -> torch.Tensor:
+    """The k experts ``[T, k]`` of the largest ``key [T, E]``, among the kept groups' when grouped."""
+    if num_groups is not None:
+        key = key.masked_fill(~group_mask(key, num_groups, group_topk), float("-inf"))
+    return _topk_indices(key, k)
+
+
+def _scaled(probs: torch.Tensor, scaling_factor: Optional[float]) -> torch.Tensor:
+    """``probs`` times ``scaling_factor``; the same tensor when it is None."""
+    return probs if scaling_factor is None else probs * scaling_factor
 
 
 def _topk_indices(key: torch.Tensor, k: int) -> torch.Tensor:

@@ -328,6 +328,8 @@ def test_moe_map_is_exact_for_every_layout(kw, tmp_path):
             dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
             "--moe-router-enable-expert-bias",
         ),
+        (dict(moe_router_num_groups=2, moe_router_group_topk=1), "--moe-router-num-groups 2"),
+        (dict(moe_router_topk_scaling_factor=2.5), "--moe-router-topk-scaling-factor 2.5"),
         (dict(moe_expert_capacity_factor=1.25), "--moe-expert-capacity-factor 1.25"),
         (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax without a shared expert"),
         (dict(moe_layer_freq=2), "--moe-layer-freq 2 without a shared expert"),

@@ -163,6 +163,9 @@ def test_moe_layout_equals_reference(name, runs):
     assert moved == name.startswith("bias")
 
 
+GROUPS, TOPK = ["--moe-router-num-groups"], "--moe-router-group-topk"
+
+
 def fails(argv, capsys):
     from megazero.config import config_from_argv
 
@@ -180,6 +183,13 @@ def fails(argv, capsys):
         (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5"),
         (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor 0"),
         (["--num-experts", "4", "--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),
+        (["--num-experts", "8"] + GROUPS + ["3", TOPK, "1"], "--moe-router-num-groups 3 does not divide"),
+        (["--num-experts", "8"] + GROUPS + ["4", TOPK, "5"], "--moe-router-group-topk 5 must be in [1,"),
+        (["--num-experts", "8"] + GROUPS + ["4", TOPK, "1", "--moe-router-topk", "3"], "3 exceeds the 1 x 2 experts"),
+        (["--num-experts", "8"] + GROUPS + ["4"], "--moe-router-group-topk go together"),
+        (["--num-experts", "8", TOPK, "1"], "--moe-router-group-topk has no effect"),
+        (["--num-experts", "8", "--moe-router-topk-scaling-factor", "0"], "--moe-router-topk-scaling-factor"),
+        (GROUPS + ["2"], "--num-experts"),
         (["--moe-router-topk", "1"], "--num-experts"),
         (["--moe-aux-loss-coeff", "0.01"], "--num-experts"),
         (["--num-experts", "4", "--cp", "2"], "--num-experts with --cp 2"),

@@ -15,6 +15,10 @@ layout; the pure rank arithmetic and the refused settings are tested without pro
 gpt-oss's MLP (``GPT_OSS``: --quick-geglu, --glu-linear-offset 1, a clamp small enough to bite at
 this init, linear biases, so the router's bias and the experts' biases) runs the same checks
 under tp 2 with sequence parallelism (ZeRO-1) and under pp 2 (ZeRO-3), both at EP 2.
+
+DeepSeek-V3's router (``grouped``: sigmoid scores, the expert bias, the sequence-wise aux loss,
+the experts in 2 groups of which each token's top-2 come from the best one, weights times 2.5)
+runs pp 2 with full recomputation at EP 2.
 """
 
 import math
@@ -66,6 +70,22 @@ MODELS = {  # model -> its flags: tests/layouts/test_moe.py's ARGS and its routi
         "0.05",
     ],
     "gpt-oss": GPT_OSS,
+    "grouped": ARGS  # DeepSeek-V3's router: device-limited to one of 2 groups (an EP 2 rank's 4 experts)
+    + [
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate",
+        "0.05",
+        "--moe-router-num-groups",
+        "2",
+        "--moe-router-group-topk",
+        "1",
+        "--moe-router-topk-scaling-factor",
+        "2.5",
+        "--moe-router-load-balancing-type",
+        "seq_aux_loss",
+    ],
 }
 LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
     "dp4-ep2-zero1": (["--dp", "4", "--zero-stage", "1", EP, "2"], "dropless"),
@@ -125,7 +145,7 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
         ],
         "dropless",
     ),
-    "full-recompute-bias-pp2-dp2-ep2-zero1": (
+    "full-recompute-grouped-pp2-dp2-ep2-zero1": (
         [
             "--pp",
             "2",
@@ -142,7 +162,7 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
             "--recompute-num-layers",
             "1",
         ],
-        "bias",
+        "grouped",
     ),
     "sp-full-recompute-capacity-tp2-dp2-ep2-allgather": (
         [
@@ -302,7 +322,8 @@ def test_expert_parallel_layout_equals_reference(name, runs):
     """Losses, gradient norms and aux + z losses within 1e-5 relative of the reference at every
     step on every rank; the expert of every token at every step equal (integers), with a
     capacity factor which assignments are kept too (and some are dropped), with the expert
-    bias the bias after every step (exactly, and moved); each rank holds its E/EP experts by
+    bias the bias after every step (exactly, and moved), with group-limited routing each token's
+    experts inside one group; each rank holds its E/EP experts by
     global index, and the planner counts its parameters exactly."""
     results, (ref_losses, stats) = runs[name]
     ep = _flag(name, EP)
@@ -328,6 +349,9 @@ def test_expert_parallel_layout_equals_reference(name, runs):
         int((~keep).sum()) for per_layer in stats["assignment_steps"][:EP_STEPS] for mbs in per_layer for _, keep in mbs
     )
     assert (dropped > 0) == (LAYOUTS[name][1] in ("capacity", "position")), dropped
+    if LAYOUTS[name][1] == "grouped":  # every token's two experts in one group of 4 (one EP rank's)
+        halves = [e // 4 for per_layer in stats["assignment_steps"][:EP_STEPS] for mbs in per_layer for e, _ in mbs]
+        assert all(torch.equal(h[:, 0], h[:, 1]) for h in halves)
     for r in results:  # the bias after every step; every layer's moves (its last may be back at 0)
         for step, per_layer in enumerate(r["bias"]):
             for layer, got in per_layer.items():

@@ -176,7 +176,16 @@ class _MoE(nn.Module):
         for g in range(0, B, rows):
             flat = x[g : g + rows].reshape(-1, H)  # (N, H)
             logits = self.router(flat)  # (N, E)
-            r = R.route(logits, k, o["score_function"], o["pre_softmax"], self.expert_bias)
+            r = R.route(
+                logits,
+                k,
+                o["score_function"],
+                o["pre_softmax"],
+                self.expert_bias,
+                o.get("num_groups"),
+                o.get("group_topk"),
+                o.get("scaling_factor"),
+            )
             keep = torch.ones_like(r.experts, dtype=torch.bool)
             if o["capacity_factor"] is not None:
                 cap = R.expert_capacity(flat.shape[0], self.E, k, o["capacity_factor"])
@@ -361,6 +370,9 @@ def block_options(cfg) -> dict:
             drop_policy=cfg.moe_token_drop_policy,
             expert_bias=cfg.moe_router_enable_expert_bias,
             bias_rate=cfg.moe_router_bias_update_rate,
+            num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk,
+            scaling_factor=cfg.moe_router_topk_scaling_factor,
         )
     return out
 

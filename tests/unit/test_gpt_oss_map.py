@@ -167,6 +167,8 @@ def test_a_bad_folder_stops_naming_the_key_or_tensor(quantized, tmp_path, case, 
         (dict(glu_linear_offset=0.0), "--glu-linear-offset"),
         (dict(add_bias_linear=False), "--disable-bias-linear"),
         (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
+        (dict(moe_router_num_groups=2, moe_router_group_topk=1), "--moe-router-num-groups"),
+        (dict(moe_router_topk_scaling_factor=2.5), "--moe-router-topk-scaling-factor"),
         (dict(window_size=[3, 0], window_attn_skip_freq=None, num_layers=2), None),  # every layer windowed: fine
     ],
 )

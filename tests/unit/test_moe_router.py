@@ -165,3 +165,93 @@ def test_router_logits_in_fp32_keep_near_ties_of_a_bf16_model_apart():
         moe.record = []
         moe(x.view(1, 1, 2))
         assert moe.record[0][0].tolist() == [[want]], dtype
+
+
+def _deepseek_v3_gate(E, k, groups, group_topk, norm, scaling, bias, seed=0):
+    """transformers' DeepseekV3TopkRouter of a tiny config (H = 16) with a random weight and, when
+    ``bias``, a random e_score_correction_bias of the size of the sigmoid scores' spread."""
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(
+        hidden_size=16,
+        n_routed_experts=E,
+        num_experts_per_tok=k,
+        n_group=groups,
+        topk_group=group_topk,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scaling,
+    )
+    gate = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(E, 16, generator=g))
+        if bias:
+            gate.e_score_correction_bias.copy_(0.3 * torch.randn(E, generator=g))
+    return gate
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("groups,group_topk", [(1, 1), (4, 2), (8, 3)])
+def test_group_limited_sigmoid_routing_equals_transformers_deepseek_v3(groups, group_topk, bias):
+    """16 experts, k = 4, 64 tokens: megazero's route (sigmoid, the gate's correction bias as the
+    expert bias, --moe-router-num-groups/--moe-router-group-topk, scaling 2.5) chooses the experts
+    transformers' DeepseekV3TopkRouter chooses (norm_topk_prob true, as DeepSeek-V3) with weights
+    within 1e-6; one group of all experts is the ungrouped rule bit for bit."""
+    E, k, scaling = 16, 4, 2.5
+    gate = _deepseek_v3_gate(E, k, groups, group_topk, True, scaling, bias)
+    h = torch.randn(2, 32, 16, generator=torch.Generator().manual_seed(1))
+    logits, want_w, want_e = gate(h)  # (64, E), (64, k), (64, k)
+    expert_bias = gate.e_score_correction_bias if bias else None
+    r = R.route(logits, k, "sigmoid", expert_bias=expert_bias, num_groups=groups, group_topk=group_topk)
+    scaled = R.route(
+        logits, k, "sigmoid", expert_bias=expert_bias, num_groups=groups, group_topk=group_topk, scaling_factor=scaling
+    )
+    order = want_e.argsort(-1)  # transformers' top-k is unsorted: compare by expert
+    got_order = scaled.experts.argsort(-1)
+    assert torch.equal(scaled.experts.gather(1, got_order), want_e.gather(1, order))
+    torch.testing.assert_close(scaled.probs.gather(1, got_order), want_w.gather(1, order), rtol=0, atol=1e-6)
+    torch.testing.assert_close(scaled.probs, r.probs * scaling, rtol=0, atol=0)
+    assert torch.equal(scaled.experts, r.experts)
+    if groups == 1:
+        plain = R.route(logits, k, "sigmoid", expert_bias=expert_bias)
+        assert torch.equal(plain.experts, r.experts) and torch.equal(plain.probs, r.probs)
+    else:  # the groups changed some token's choice: the test sees the group rule
+        plain = R.route(logits, k, "sigmoid", expert_bias=expert_bias)
+        assert not torch.equal(plain.experts, r.experts)
+
+
+def test_group_limited_softmax_routing_by_hand():
+    """Softmax scores (Megatron-LM groups the choice key: the logits, or the full softmax under
+    pre-softmax): 8 experts in 4 groups of 2, the 2 groups with the largest top-2 sums kept, the
+    k = 3 experts the largest keys inside them, weights as the ungrouped rule of those 3; the
+    load-balancing scores stay the softmax over all experts."""
+    x = _logits(T=20, E=8, seed=3)
+    T, E = x.shape
+    for pre in (False, True):
+        r = R.route(x, 3, "softmax", pre_softmax=pre, num_groups=4, group_topk=2, scaling_factor=1.5)
+        full = torch.softmax(x, -1)
+        key = full if pre else x
+        for t in range(T):
+            row = key[t].tolist()
+            sums = [row[2 * g] + row[2 * g + 1] for g in range(4)]
+            kept = sorted(range(4), key=lambda g: (-sums[g], g))[:2]
+            inside = [e for e in range(E) if e // 2 in kept]
+            best = sorted(inside, key=lambda e: (-row[e], e))[:3]
+            assert r.experts[t].tolist() == best
+            chosen = [row[e] for e in best]
+            want = chosen if pre else [math.exp(c) / sum(math.exp(u) for u in chosen) for c in chosen]
+            assert r.probs[t].tolist() == pytest.approx([1.5 * w for w in want], rel=1e-6)
+        torch.testing.assert_close(r.scores, full, rtol=0, atol=0)
+
+
+def test_group_limited_routing_refuses_bad_sizes_by_name():
+    x = _logits(E=8)
+    with pytest.raises(ValueError, match="--moe-router-num-groups 3 does not divide --num-experts 8"):
+        R.route(x, 2, "sigmoid", num_groups=3, group_topk=1)
+    with pytest.raises(ValueError, match=r"--moe-router-group-topk 5 must be in \[1, --moe-router-num-groups 4\]"):
+        R.route(x, 2, "sigmoid", num_groups=4, group_topk=5)
+    with pytest.raises(ValueError, match="--moe-router-topk 5 exceeds the 2 x 2 experts of the kept groups"):
+        R.route(x, 5, "sigmoid", num_groups=4, group_topk=2)
+    with pytest.raises(ValueError, match="go together"):
+        R.route(x, 2, "sigmoid", num_groups=4)
