@@ -397,7 +397,8 @@ class Block(nn.Module):
         self.ln1 = _norm(cfg, device)
         self.attn = Attention(cfg, group, sp, tracker, device, cp, rope, window, mask_cache)
         self.ln2 = _norm(cfg, device)
-        self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp) if moe else MLP(cfg, group, sp, device)
+        cp_group = None if cp is None else cp[0]
+        self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp, cp_group) if moe else MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.region = "tp" if sp else "replicated"
 

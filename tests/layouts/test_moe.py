@@ -7,8 +7,9 @@ aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 4 ste
 norms and the logged auxiliary losses likewise, the first step's token-to-expert assignment
 of every token equal (integers); capacity-factor runs (drop by probability, and by position
 with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the reference rule's
-assignments; an expert-bias run has the reference's bias after every step. All layouts of the 4-rank
-world share one spawn.
+assignments (also under context parallelism, cp 2 with all-to-all attention, where the drops and
+the sequence-wise aux loss span every cp rank's tokens); an expert-bias run has the reference's
+bias after every step. All layouts of the 4-rank world share one spawn.
 """
 
 import math
@@ -37,6 +38,21 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
     # the other router and drop rules: sequence-wise aux loss, top-k of the full softmax, drops by position
     "capacity-position-seqaux-dp4": (
         ["--dp", "4"],
+        [
+            "--moe-expert-capacity-factor",
+            "1.25",
+            "--moe-token-drop-policy",
+            "position",
+            "--moe-router-load-balancing-type",
+            "seq_aux_loss",
+            "--moe-router-pre-softmax",
+        ],
+        MOE_STEPS,
+    ),
+    # context parallelism (all-to-all attention): every cp rank routes the whole micro-batch, so the
+    # capacity, the drops by position and each sequence's aux loss are those of cp 1
+    "capacity-position-seqaux-cp2-a2a-dp2": (
+        ["--cp", "2", "--cp-comm-type", "a2a", "--dp", "2"],
         [
             "--moe-expert-capacity-factor",
             "1.25",
@@ -182,11 +198,11 @@ def fails(argv, capsys):
         (["--num-experts", "4", "--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),
         (["--moe-router-topk", "1"], "--num-experts"),
         (["--moe-aux-loss-coeff", "0.01"], "--num-experts"),
-        (["--num-experts", "4", "--cp", "2"], "--num-experts with --cp 2"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity"),
         (["--num-experts", "4", "--dp", "2", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3"),
         (["--num-experts", "4", "--tp", "2", "--moe-ffn-hidden-size", "7"], "--moe-ffn-hidden-size 7"),
         (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--tp", "1", "--moe-router-topk", "1"], None),
+        (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--cp", "2"], None),  # MoE under context parallelism
     ],
 )
 def test_bad_moe_settings_exit_2_naming_the_flag(extra, named, capsys):
