@@ -407,7 +407,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
         x = x + self._drop(self.attn(self.ln1(x), seq))
-        return x + self._drop(self.mlp(self.ln2(x)))
+        h = self.ln2(x)  # an MoE routes a cp rank's share over the whole sequences, decoding's alone
+        return x + self._drop(self.mlp(h, seq is not None) if isinstance(self.mlp, MoEMLP) else self.mlp(h))
 
 
 def _norm(cfg: GPTConfig, device) -> nn.Module:

@@ -174,7 +174,8 @@ class MoEMLP(nn.Module):
     term added on the rank's positions (docs/design.md). Under full recomputation only the
     forward with autograd (the replay) counts and attaches the auxiliary losses.
 
-    Context parallelism (``cp_group``, the layer's cp group; None at cp 1): the rank holds
+    Context parallelism (``cp_group``, the layer's cp group; None at cp 1; a forward with
+    ``cp_share``, i.e. of a sharded micro-batch, not a decoding step): the rank holds
     ``T/cp`` tokens of each sequence (zigzag chunks, megazero/context_parallel/zigzag.py). Its
     router logits are all-gathered over cp and put back in sequence order (``_gather_context``),
     so every cp rank routes the whole micro-batch: capacity, drops, aux / sequence-aux / z losses
@@ -212,9 +213,11 @@ class MoEMLP(nn.Module):
         self.z_sum = torch.zeros((), device=state_device)
         self.record: Optional[list] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, T, H] -> [B, T, H]``; with sequence parallelism ``[B, T/tp, H]`` in and out
-        (under context parallelism ``T`` is the rank's ``T/cp`` tokens)."""
+    def forward(self, x: torch.Tensor, cp_share: bool = False) -> torch.Tensor:
+        """``[B, T, H] -> [B, T, H]``; with sequence parallelism ``[B, T/tp, H]`` in and out.
+        ``cp_share``: ``T`` is this cp rank's ``T/cp`` tokens of each sequence (a forward of
+        sharded micro-batches, where the block has a ``SequenceInfo``), routed over the whole
+        sequences; False: whole sequences on every cp rank (decoding), routed here alone."""
         from megazero.moe import router as R
         from megazero.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
@@ -225,7 +228,8 @@ class MoEMLP(nn.Module):
             logits, inp, T = self._gather_sequence(logits, x)
         else:
             inp = copy_to_tp_region(x, self.group)
-        logits = self._gather_context(logits)  # (B, T cp, E): the micro-batch's whole sequences
+        cp = self.cp_group if cp_share else None
+        logits = self._gather_context(logits, cp)  # (B, T cp, E): the micro-batch's whole sequences
         S = logits.shape[1]  # the sequence length (T x cp)
         logits, inp = logits.reshape(B * S, E), inp.reshape(B * T, H)  # (B S, E), (N, H)
         routing = R.route(logits, k, cfg.moe_router_score_function, cfg.moe_router_pre_softmax, self.expert_bias)
@@ -236,7 +240,7 @@ class MoEMLP(nn.Module):
             weights = weights * keep
         weights = weights.to(x.dtype)
         assigned = experts if keep is None else experts.masked_fill(~keep, -1)
-        weights, experts, assigned = (self._context_rows(t, B) for t in (weights, experts, assigned))  # (N, k)
+        weights, experts, assigned = (self._context_rows(t, B, cp) for t in (weights, experts, assigned))  # (N, k)
         pad_to = capacity if cfg.moe_pad_expert_input_to_capacity else None
         out = self._routed(inp, copy_to_tp_region(weights, self.group), assigned, pad_to)  # (N, H), partial over tp
         if self.shared_experts is not None:
@@ -250,9 +254,9 @@ class MoEMLP(nn.Module):
         if self.training and torch.is_grad_enabled():  # under full recomputation: the replay only
             out = self._auxiliary_losses(out, logits, routing, S)
             with torch.no_grad():
-                self.token_counts += R.assignment_counts(self._context_rows(routing.experts, B), E)
+                self.token_counts += R.assignment_counts(self._context_rows(routing.experts, B, cp), E)
                 if keep is not None:
-                    self.dropped += (~self._context_rows(keep, B)).sum()
+                    self.dropped += (~self._context_rows(keep, B, cp)).sum()
             if self.record is not None:
                 self.record.append((routing.experts.detach().clone(), None if keep is None else keep.clone()))
         return out.view(x.shape)
@@ -265,27 +269,29 @@ class MoEMLP(nn.Module):
         logits = gather_from_sequence_parallel_region(logits, self.group, grad_reduce_scatter=False)
         return logits, gather_from_sequence_parallel_region(x, self.group), logits.shape[1]
 
-    def _gather_context(self, logits: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _gather_context(logits: torch.Tensor, cp_group) -> torch.Tensor:
         """Context parallelism: ``logits [B, T/cp, E]`` of this cp rank's zigzag chunks -> the
         micro-batch's ``[B, T, E]`` in sequence order, the same on every cp rank (an all-gather
         over cp). Backward: the SUM reduce-scatter. This rank's rows get the routing weights'
         gradient from this rank alone and the auxiliary losses' from every cp rank (each adds the
         micro-batch's losses whole), so cp times; the gradient mean over dp x cp then gives the
-        gradient of cp 1. The identity without cp."""
-        if self.cp_group is None:
+        gradient of cp 1. The identity without a ``cp_group``."""
+        if cp_group is None:
             return logits
-        cp = C.group_size(self.cp_group)
-        rows = gather_rows(logits.transpose(0, 1), self.cp_group)  # (cp T/cp, B, E), cp-rank order
+        cp = C.group_size(cp_group)
+        rows = gather_rows(logits.transpose(0, 1), cp_group)  # (cp T/cp, B, E), cp-rank order
         return merge_from_ranks(rows.chunk(cp), 0, cp).transpose(0, 1)  # (B, T, E), sequence order
 
-    def _context_rows(self, t: torch.Tensor, B: int) -> torch.Tensor:
+    @staticmethod
+    def _context_rows(t: torch.Tensor, B: int, cp_group) -> torch.Tensor:
         """``[B T, ...]`` of the micro-batch's whole sequences (batch-major) -> this cp rank's
         zigzag chunks ``[B T/cp, ...]`` (autograd: the other rows' gradient is zero here); the
-        identity without cp."""
-        if self.cp_group is None:
+        identity without a ``cp_group``."""
+        if cp_group is None:
             return t
-        cp = C.group_size(self.cp_group)
-        part = split_for_rank(t.view(B, -1, *t.shape[1:]), 1, C.group_rank(self.cp_group), cp)  # (B, T/cp, ...)
+        cp = C.group_size(cp_group)
+        part = split_for_rank(t.view(B, -1, *t.shape[1:]), 1, C.group_rank(cp_group), cp)  # (B, T/cp, ...)
         return part.reshape(-1, *t.shape[1:])
 
     def _local_rows(self, t: torch.Tensor) -> torch.Tensor:

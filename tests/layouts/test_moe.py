@@ -95,8 +95,10 @@ def _moe_run(rank, world, argv, steps):
         batches = trainer.next_batches()
         values.append(trainer.train_step(batches).values)
         bias.append({i: None if m.expert_bias is None else m.expert_bias.clone() for i, m in moe.items()})
+    from megazero import training
     from megazero.planning import memory
 
+    ids = training.generate_ids(trainer, [5, 17, 3], 8)  # greedy; under cp every rank decodes whole rows
     p = cfg.parallel
     psi = (
         sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs the planner's count
@@ -105,7 +107,9 @@ def _moe_run(rank, world, argv, steps):
         ),
     )
     trainer.close()
-    return dict(values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, psi=psi)
+    return dict(
+        values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, psi=psi, ids=ids
+    )
 
 
 def _moe_runs(rank, world, argvs, steps):
@@ -177,6 +181,23 @@ def test_moe_layout_equals_reference(name, runs):
                         assert torch.equal(got, want), (step, layer, got, want)
                         moved |= bool(want.abs().sum() > 0)
     assert moved == name.startswith("bias")
+
+
+@pytest.mark.slow
+def test_moe_greedy_tokens_agree_across_layouts_of_one_model(runs):
+    """After the steps, 8 greedy tokens from one prompt are the same on every rank and under every
+    layout of the same model flags (equal losses to 1e-7 leave the argmax alone): under cp each
+    rank decodes whole rows and routes them alone, as dp 4 does (the capacity and sequence-aux
+    model under cp 2 x dp 2 and under dp 4)."""
+    by_model: dict = {}
+    for name, (results, _) in runs.items():
+        by_model.setdefault(tuple(LAYOUTS[name][1]), []).extend((name, r["ids"]) for r in results)
+    cp_model = tuple(LAYOUTS["capacity-position-seqaux-cp2-a2a-dp2"][1])
+    names = {n for n, _ in by_model[cp_model]}
+    assert names == {"capacity-position-seqaux-dp4", "capacity-position-seqaux-cp2-a2a-dp2"}
+    for got in by_model.values():
+        assert len(got[0][1]) == 3 + 8
+        assert all(ids == got[0][1] for _, ids in got), got
 
 
 def fails(argv, capsys):
