@@ -7,9 +7,9 @@ aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 4 ste
 norms and the logged auxiliary losses likewise, the first step's token-to-expert assignment
 of every token equal (integers); capacity-factor runs (drop by probability, and by position
 with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the reference rule's
-assignments (also under context parallelism, cp 2 with all-to-all attention, where the drops and
-the sequence-wise aux loss span every cp rank's tokens); an expert-bias run has the reference's
-bias after every step. All layouts of the 4-rank world share one spawn.
+assignments (also under context parallelism, cp 2 with all-to-all attention and full
+recomputation, where the drops and the sequence-wise aux loss span every cp rank's tokens); an
+expert-bias run has the reference's bias after every step. All layouts of the 4-rank world share one spawn.
 """
 
 import math
@@ -50,9 +50,23 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
         MOE_STEPS,
     ),
     # context parallelism (all-to-all attention): every cp rank routes the whole micro-batch, so the
-    # capacity, the drops by position and each sequence's aux loss are those of cp 1
-    "capacity-position-seqaux-cp2-a2a-dp2": (
-        ["--cp", "2", "--cp-comm-type", "a2a", "--dp", "2"],
+    # capacity, the drops by position and each sequence's aux loss are those of cp 1; under full
+    # recomputation the gather runs in both forwards, the statistics are taken in the replay
+    "capacity-position-seqaux-cp2-a2a-dp2-recompute": (
+        [
+            "--cp",
+            "2",
+            "--cp-comm-type",
+            "a2a",
+            "--dp",
+            "2",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
         [
             "--moe-expert-capacity-factor",
             "1.25",
@@ -192,9 +206,9 @@ def test_moe_greedy_tokens_agree_across_layouts_of_one_model(runs):
     by_model: dict = {}
     for name, (results, _) in runs.items():
         by_model.setdefault(tuple(LAYOUTS[name][1]), []).extend((name, r["ids"]) for r in results)
-    cp_model = tuple(LAYOUTS["capacity-position-seqaux-cp2-a2a-dp2"][1])
+    cp_model = tuple(LAYOUTS["capacity-position-seqaux-cp2-a2a-dp2-recompute"][1])
     names = {n for n, _ in by_model[cp_model]}
-    assert names == {"capacity-position-seqaux-dp4", "capacity-position-seqaux-cp2-a2a-dp2"}
+    assert names == {"capacity-position-seqaux-dp4", "capacity-position-seqaux-cp2-a2a-dp2-recompute"}
     for got in by_model.values():
         assert len(got[0][1]) == 3 + 8
         assert all(ids == got[0][1] for _, ids in got), got
