@@ -397,7 +397,8 @@ class Block(nn.Module):
         self.ln1 = _norm(cfg, device)
         self.attn = Attention(cfg, group, sp, tracker, device, cp, rope, window, mask_cache)
         self.ln2 = _norm(cfg, device)
-        self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp) if moe else MLP(cfg, group, sp, device)
+        cp_group = None if cp is None else cp[0]
+        self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp, cp_group) if moe else MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.region = "tp" if sp else "replicated"
 
@@ -406,7 +407,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
         x = x + self._drop(self.attn(self.ln1(x), seq))
-        return x + self._drop(self.mlp(self.ln2(x)))
+        h = self.ln2(x)  # an MoE routes a cp rank's share over the whole sequences, decoding's alone
+        return x + self._drop(self.mlp(h, seq is not None) if isinstance(self.mlp, MoEMLP) else self.mlp(h))
 
 
 def _norm(cfg: GPTConfig, device) -> nn.Module:

@@ -7,8 +7,9 @@ all-to-all or all-gather over the expert-parallel group) and combines the weight
 ``ExpertMLP`` is one expert (the rank's experts run as one grouped product,
 ``torch._grouped_mm``, where ``grouped_mm_available`` says the device and shapes allow it). ``moe_step_end`` closes a
 step: the routing statistics summed over dp x cp and
-pp, and the expert-bias update from the global token counts. ``model/gpt.py`` (the blocks)
-re-exports these names.
+pp, and the expert-bias update from the global token counts. Under context parallelism every cp
+rank routes the whole micro-batch (its router logits all-gathered over cp) and runs the experts
+on its own tokens. ``model/gpt.py`` (the blocks) re-exports these names.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero import collectives as C
+from megazero.context_parallel.zigzag import merge_from_ranks, split_for_rank
 from megazero.moe.dispatch import DISPATCHERS, gather_rows, local_experts
 from megazero.ops.activation import glu
 from megazero.process_groups import ProcessGroups
@@ -171,6 +173,15 @@ class MoEMLP(nn.Module):
     losses those of the whole micro-batch), the partial outputs reduce-scattered and the bias
     term added on the rank's positions (docs/design.md). Under full recomputation only the
     forward with autograd (the replay) counts and attaches the auxiliary losses.
+
+    Context parallelism (``cp_group``, the layer's cp group; None at cp 1; a forward with
+    ``cp_share``, i.e. of a sharded micro-batch, not a decoding step): the rank holds
+    ``T/cp`` tokens of each sequence (zigzag chunks, megazero/context_parallel/zigzag.py). Its
+    router logits are all-gathered over cp and put back in sequence order (``_gather_context``),
+    so every cp rank routes the whole micro-batch: capacity, drops, aux / sequence-aux / z losses
+    those of cp 1. The experts then run on the rank's own tokens only (``_context_rows``), and
+    ``token_counts`` / ``dropped`` count those (summed over dp x cp in ``moe_step_end``);
+    ``record`` holds the whole micro-batch's routing on every cp rank.
     """
 
     #: the forward reads the router's, the experts' and the shared expert's parameters itself
@@ -179,9 +190,9 @@ class MoEMLP(nn.Module):
     #: megazero/data_parallel/param_gather.py) goes on this module, not on theirs.
     reads_descendant_parameters = True
 
-    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None, ep=None, sp: bool = False):
+    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None, ep=None, sp: bool = False, cp_group=None):
         super().__init__()
-        self.cfg, self.group, self.sp, E = cfg, group, sp, cfg.num_experts
+        self.cfg, self.group, self.sp, self.cp_group, E = cfg, group, sp, cp_group, cfg.num_experts
         tp = C.group_size(group)
         self.ep_group, self.ep_rank = (None, 0) if ep is None else ep
         local = E // C.group_size(self.ep_group)
@@ -202,8 +213,11 @@ class MoEMLP(nn.Module):
         self.z_sum = torch.zeros((), device=state_device)
         self.record: Optional[list] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, T, H] -> [B, T, H]``; with sequence parallelism ``[B, T/tp, H]`` in and out."""
+    def forward(self, x: torch.Tensor, cp_share: bool = False) -> torch.Tensor:
+        """``[B, T, H] -> [B, T, H]``; with sequence parallelism ``[B, T/tp, H]`` in and out.
+        ``cp_share``: ``T`` is this cp rank's ``T/cp`` tokens of each sequence (a forward of
+        sharded micro-batches, where the block has a ``SequenceInfo``), routed over the whole
+        sequences; False: whole sequences on every cp rank (decoding), routed here alone."""
         from megazero.moe import router as R
         from megazero.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
@@ -214,7 +228,10 @@ class MoEMLP(nn.Module):
             logits, inp, T = self._gather_sequence(logits, x)
         else:
             inp = copy_to_tp_region(x, self.group)
-        logits, inp = logits.reshape(B * T, E), inp.reshape(B * T, H)  # (N, E), (N, H)
+        cp = self.cp_group if cp_share else None
+        logits = self._gather_context(logits, cp)  # (B, T cp, E): the micro-batch's whole sequences
+        S = logits.shape[1]  # the sequence length (T x cp)
+        logits, inp = logits.reshape(B * S, E), inp.reshape(B * T, H)  # (B S, E), (N, H)
         routing = R.route(
             logits,
             k,
@@ -225,13 +242,14 @@ class MoEMLP(nn.Module):
             cfg.moe_router_group_topk,
             cfg.moe_router_topk_scaling_factor,
         )
-        experts, weights, keep = routing.experts, routing.probs, None  # (N, k)
+        experts, weights, keep, capacity = routing.experts, routing.probs, None, None  # (B S, k)
         if cfg.moe_expert_capacity_factor is not None:
-            capacity = R.expert_capacity(B * T, E, k, cfg.moe_expert_capacity_factor)
+            capacity = R.expert_capacity(B * S, E, k, cfg.moe_expert_capacity_factor)
             keep = R.capacity_keep(routing.probs, experts, E, capacity, cfg.moe_token_drop_policy)
             weights = weights * keep
         weights = weights.to(x.dtype)
         assigned = experts if keep is None else experts.masked_fill(~keep, -1)
+        weights, experts, assigned = (self._context_rows(t, B, cp) for t in (weights, experts, assigned))  # (N, k)
         pad_to = capacity if cfg.moe_pad_expert_input_to_capacity else None
         out = self._routed(inp, copy_to_tp_region(weights, self.group), assigned, pad_to)  # (N, H), partial over tp
         if self.shared_experts is not None:
@@ -243,11 +261,11 @@ class MoEMLP(nn.Module):
             out = reduce_from_tp_region(out, self.group)  # (N, H)
         out = self._add_biases(out.reshape(-1, H), weights, experts)
         if self.training and torch.is_grad_enabled():  # under full recomputation: the replay only
-            out = self._auxiliary_losses(out, logits, routing, T)
+            out = self._auxiliary_losses(out, logits, routing, S)
             with torch.no_grad():
-                self.token_counts += R.assignment_counts(routing.experts, E)
+                self.token_counts += R.assignment_counts(self._context_rows(routing.experts, B, cp), E)
                 if keep is not None:
-                    self.dropped += keep.numel() - keep.sum()
+                    self.dropped += (~self._context_rows(keep, B, cp)).sum()
             if self.record is not None:
                 self.record.append((routing.experts.detach().clone(), None if keep is None else keep.clone()))
         return out.view(x.shape)
@@ -259,6 +277,31 @@ class MoEMLP(nn.Module):
         the experts' partial gradients), and ``T``."""
         logits = gather_from_sequence_parallel_region(logits, self.group, grad_reduce_scatter=False)
         return logits, gather_from_sequence_parallel_region(x, self.group), logits.shape[1]
+
+    @staticmethod
+    def _gather_context(logits: torch.Tensor, cp_group) -> torch.Tensor:
+        """Context parallelism: ``logits [B, T/cp, E]`` of this cp rank's zigzag chunks -> the
+        micro-batch's ``[B, T, E]`` in sequence order, the same on every cp rank (an all-gather
+        over cp). Backward: the SUM reduce-scatter. This rank's rows get the routing weights'
+        gradient from this rank alone and the auxiliary losses' from every cp rank (each adds the
+        micro-batch's losses whole), so cp times; the gradient mean over dp x cp then gives the
+        gradient of cp 1. The identity without a ``cp_group``."""
+        if cp_group is None:
+            return logits
+        cp = C.group_size(cp_group)
+        rows = gather_rows(logits.transpose(0, 1), cp_group)  # (cp T/cp, B, E), cp-rank order
+        return merge_from_ranks(rows.chunk(cp), 0, cp).transpose(0, 1)  # (B, T, E), sequence order
+
+    @staticmethod
+    def _context_rows(t: torch.Tensor, B: int, cp_group) -> torch.Tensor:
+        """``[B T, ...]`` of the micro-batch's whole sequences (batch-major) -> this cp rank's
+        zigzag chunks ``[B T/cp, ...]`` (autograd: the other rows' gradient is zero here); the
+        identity without a ``cp_group``."""
+        if cp_group is None:
+            return t
+        cp = C.group_size(cp_group)
+        part = split_for_rank(t.view(B, -1, *t.shape[1:]), 1, C.group_rank(cp_group), cp)  # (B, T/cp, ...)
+        return part.reshape(-1, *t.shape[1:])
 
     def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
         """``[B, T, ...]`` -> this tp rank's sequence chunk ``[B T/tp, ...]`` (no autograd hook:

@@ -232,8 +232,7 @@ def _check_moe(cfg: Config, world_size: int) -> None:
     """Mixture of Experts: top-k <= E (Megatron-LM's
     rule), the expert bias with sigmoid scores only, group-limited routing's sizes
     (``megazero.moe.router.check_groups``: the rule route() enforces), expert parallelism
-    (``_check_expert_parallel``), and the combinations not built yet refused
-    by name: context parallelism (the router sees the micro-batch's whole sequences).
+    (``_check_expert_parallel``, carved out of dp x cp).
     --from-hf reads Mixtral / Qwen2-MoE folders (model/hf_moe.py)."""
     m, p = cfg.model, cfg.parallel
     if m.num_experts is None:
@@ -253,8 +252,6 @@ def _check_moe(cfg: Config, world_size: int) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     _check_expert_parallel(cfg)
-    if p.cp > 1:
-        raise ConfigError(f"--num-experts with --cp {p.cp} is not supported yet; fix: drop --cp")
 
 
 def _check_expert_parallel(cfg: Config) -> None:

@@ -175,11 +175,6 @@ PP_CP = {
 }
 
 
-def _layouts_of(family: str) -> dict:
-    """PP_CP without cp for the MoE families (megazero refuses --num-experts with --cp)."""
-    return {k: v for k, v in PP_CP.items() if family not in MOE_FAMILIES or not k.startswith("cp")}
-
-
 def _losses_then_save(rank, world, runs):
     """Per (argv, steps, save or None): the losses of ``steps`` steps, then a checkpoint."""
     out = []
@@ -194,8 +189,8 @@ def _losses_then_save(rank, world, runs):
 
 def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(folders, tmp_path):
     """Each family from ``--from-hf`` under pp 2 x tp 2, cp 2 x tp 2 (ring) and cp 2 x dp 2
-    (all-to-all: its 2 KV groups split over tp x cp; no cp for Qwen3-MoE, which megazero
-    refuses), in one spawn of 4 ranks: the first loss
+    (all-to-all: its 2 KV groups split over tp x cp; the MoE families too, their routing over
+    the whole micro-batch on every cp rank), in one spawn of 4 ranks: the first loss
     equals transformers' on the same batch within 1e-6. The pp 2 x tp 2 run trains 3 steps and
     saves; ``convert_checkpoint.py --to-hf`` of that checkpoint is a folder transformers loads
     whose logits equal megazero's (the checkpoint's weights in one process) within 1e-5, and
@@ -214,7 +209,7 @@ def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(fold
 
     runs, names = [], []
     for family, (folder, _, argv) in folders.items():
-        for name, flags in _layouts_of(family).items():
+        for name, flags in PP_CP.items():
             trained = name == "pp2-tp2"
             save = str(tmp_path / family) if trained else None
             runs.append((argv + ["--from-hf", folder, "--train-iters", "3"] + flags, 3 if trained else 1, save))
@@ -227,7 +222,7 @@ def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(fold
         tokens, labels = get_micro_batches(training.build_data(cfg).train, 0, 4, 4, 0, 1)[0]
         with torch.no_grad():
             want = torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1), labels.flatten()).item()
-        for name in _layouts_of(family):
+        for name in PP_CP:
             assert got[family, name][0] == pytest.approx(want, rel=1e-6), (family, name)
 
         out = tmp_path / f"{family}_hf"

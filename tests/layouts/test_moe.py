@@ -7,8 +7,9 @@ aux-loss coefficient 1e-2 and z-loss 1e-3: losses within 1e-5 relative for 4 ste
 norms and the logged auxiliary losses likewise, the first step's token-to-expert assignment
 of every token equal (integers); capacity-factor runs (drop by probability, and by position
 with the sequence-wise aux loss and the pre-top-k softmax) drop exactly the reference rule's
-assignments; an expert-bias run has the reference's bias after every step. All layouts of the 4-rank
-world share one spawn.
+assignments (also under context parallelism, cp 2 with all-to-all attention and full
+recomputation, where the drops and the sequence-wise aux loss span every cp rank's tokens); an
+expert-bias run has the reference's bias after every step. All layouts of the 4-rank world share one spawn.
 """
 
 import math
@@ -37,6 +38,35 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
     # the other router and drop rules: sequence-wise aux loss, top-k of the full softmax, drops by position
     "capacity-position-seqaux-dp4": (
         ["--dp", "4"],
+        [
+            "--moe-expert-capacity-factor",
+            "1.25",
+            "--moe-token-drop-policy",
+            "position",
+            "--moe-router-load-balancing-type",
+            "seq_aux_loss",
+            "--moe-router-pre-softmax",
+        ],
+        MOE_STEPS,
+    ),
+    # context parallelism (all-to-all attention): every cp rank routes the whole micro-batch, so the
+    # capacity, the drops by position and each sequence's aux loss are those of cp 1; under full
+    # recomputation the gather runs in both forwards, the statistics are taken in the replay
+    "capacity-position-seqaux-cp2-a2a-dp2-recompute": (
+        [
+            "--cp",
+            "2",
+            "--cp-comm-type",
+            "a2a",
+            "--dp",
+            "2",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
         [
             "--moe-expert-capacity-factor",
             "1.25",
@@ -79,8 +109,10 @@ def _moe_run(rank, world, argv, steps):
         batches = trainer.next_batches()
         values.append(trainer.train_step(batches).values)
         bias.append({i: None if m.expert_bias is None else m.expert_bias.clone() for i, m in moe.items()})
+    from megazero import training
     from megazero.planning import memory
 
+    ids = training.generate_ids(trainer, [5, 17, 3], 8)  # greedy; under cp every rank decodes whole rows
     p = cfg.parallel
     psi = (
         sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs the planner's count
@@ -89,7 +121,9 @@ def _moe_run(rank, world, argv, steps):
         ),
     )
     trainer.close()
-    return dict(values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, psi=psi)
+    return dict(
+        values=values, records=records, bias=bias, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, psi=psi, ids=ids
+    )
 
 
 def _moe_runs(rank, world, argvs, steps):
@@ -163,6 +197,23 @@ def test_moe_layout_equals_reference(name, runs):
     assert moved == name.startswith("bias")
 
 
+@pytest.mark.slow
+def test_moe_greedy_tokens_agree_across_layouts_of_one_model(runs):
+    """After the steps, 8 greedy tokens from one prompt are the same on every rank and under every
+    layout of the same model flags (equal losses to 1e-7 leave the argmax alone): under cp each
+    rank decodes whole rows and routes them alone, as dp 4 does (the capacity and sequence-aux
+    model under cp 2 x dp 2 and under dp 4)."""
+    by_model: dict = {}
+    for name, (results, _) in runs.items():
+        by_model.setdefault(tuple(LAYOUTS[name][1]), []).extend((name, r["ids"]) for r in results)
+    cp_model = tuple(LAYOUTS["capacity-position-seqaux-cp2-a2a-dp2-recompute"][1])
+    names = {n for n, _ in by_model[cp_model]}
+    assert names == {"capacity-position-seqaux-dp4", "capacity-position-seqaux-cp2-a2a-dp2-recompute"}
+    for got in by_model.values():
+        assert len(got[0][1]) == 3 + 8
+        assert all(ids == got[0][1] for _, ids in got), got
+
+
 GROUPS, TOPK = ["--moe-router-num-groups"], "--moe-router-group-topk"
 
 
@@ -192,11 +243,11 @@ def fails(argv, capsys):
         (GROUPS + ["2"], "--num-experts"),
         (["--moe-router-topk", "1"], "--num-experts"),
         (["--moe-aux-loss-coeff", "0.01"], "--num-experts"),
-        (["--num-experts", "4", "--cp", "2"], "--num-experts with --cp 2"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "--moe-pad-expert-input-to-capacity"),
         (["--num-experts", "4", "--dp", "2", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3"),
         (["--num-experts", "4", "--tp", "2", "--moe-ffn-hidden-size", "7"], "--moe-ffn-hidden-size 7"),
         (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--tp", "1", "--moe-router-topk", "1"], None),
+        (["--num-experts", "4", "--moe-ffn-hidden-size", "7", "--cp", "2"], None),  # MoE under context parallelism
     ],
 )
 def test_bad_moe_settings_exit_2_naming_the_flag(extra, named, capsys):

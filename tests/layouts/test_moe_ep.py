@@ -1,15 +1,17 @@
-"""Expert parallelism: ``--expert-model-parallel-size`` EP carved out of the dp ranks,
+"""Expert parallelism: ``--expert-model-parallel-size`` EP carved out of the dp x cp ranks,
 tokens dispatched to their experts' ranks by all-to-all or all-gather, expert parameters
 reduced and ZeRO-sharded over the expert-data-parallel group.
 
 The model of tests/layouts/test_moe.py (LLaMA-style block with GQA, top-2 of 8 experts plus one shared
 expert, aux and z losses) under EP in {2, 4} with (tp, pp, dp) = (1, 1, 4) ZeRO-1, 2 and 3,
-(2, 1, 2) ZeRO-0 and 2, (1, 2, 2) interleaved, both dispatchers: 4 steps (warm-up, peak and
+(2, 1, 2) ZeRO-0 and 2, (1, 2, 2) interleaved, both dispatchers, and under context parallelism
+(cp 2 x dp 2 at EP 2, whose ep group is the cp group, and at EP 4; tp 2 x cp 2 with sequence
+parallelism and the expert bias at EP 2): 4 steps (warm-up, peak and
 decay of the 10-iteration schedule) equal ``tests/support/reference.py`` within 1e-5 relative (losses, gradient
 norms, aux losses), and the expert of every token at
 every step equals the reference's (integers). Each step's all-to-all bytes over the world equal
 the closed form; each rank's expert model-state bytes equal the ZeRO formula with
-N = dp / EP (and its whole model state the sum of both formulas). One 4-rank spawn runs every
+N = dp x cp / EP (and its whole model state the sum of both formulas). One 4-rank spawn runs every
 layout; the pure rank arithmetic and the refused settings are tested without processes.
 
 gpt-oss's MLP (``GPT_OSS``: --quick-geglu, --glu-linear-offset 1, a clamp small enough to bite at
@@ -191,6 +193,10 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
         ["--tp", "2", "--sequence-parallel", "--dp", "2", "--zero-stage", "1", EP, "2"],
         "gpt-oss",
     ),
+    # context parallelism: every cp rank routes the whole micro-batch, its experts run on its own tokens
+    "cp2-dp2-ep2-zero1": (["--cp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"], "dropless"),
+    "position-cp2-dp2-ep4-zero2": (["--cp", "2", "--dp", "2", "--zero-stage", "2", EP, "4"], "position"),
+    "sp-tp2-cp2-ep2-zero1": (["--tp", "2", "--sequence-parallel", "--cp", "2", "--zero-stage", "1", EP, "2"], "bias"),
     "gpt-oss-pp2-dp2-ep2-zero3": (
         ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
         "gpt-oss",
@@ -390,20 +396,20 @@ def test_all_to_all_bytes_equal_the_closed_form(name, runs):
     """Per step, summed over the world: every (rank, MoE layer held, micro-batch) puts 8 E bytes of
     counts and ``4 H (S + R)`` bytes of tokens forward and as many backward into all-to-alls,
     with ``S`` the assignments it keeps and sends; over an ep group sum R = sum S, so the world
-    total is ``tp x dp x layers x M x 8 E + 16 H tp K`` (fp32) with K the kept assignments of the
-    step's global batch over all layers (the reference's: ``N k`` per micro-batch and layer when
-    dropless). Under full recomputation of every layer the forward's half runs twice
-    (``8 E`` per rank, layer and micro-batch, ``8 H tp K`` in all). The all-gather dispatcher
-    sends none."""
+    total is ``tp x dp x cp x layers x M x 8 E + 16 H tp K`` (fp32) with K the kept assignments of
+    the step's global batch over all layers (the reference's: ``N k`` per micro-batch and layer
+    when dropless; a cp rank sends its own tokens' kept assignments, so K does not change with
+    cp). Under full recomputation of every layer the forward's half runs twice (``8 E`` per rank,
+    layer and micro-batch, ``8 H tp K`` in all). The all-gather dispatcher sends none."""
     results, (_, stats) = runs[name]
-    tp, dp = _flag(name, "--tp"), _flag(name, "--dp")
+    tp, dp, cp = _flag(name, "--tp"), _flag(name, "--dp"), _flag(name, "--cp")
     E, H, layers, micro, gbs = 8, 32, 4, 2, 16
     M = gbs // (micro * dp)
     for step in range(EP_STEPS):
         kept = sum(int(keep.sum()) for mbs in stats["assignment_steps"][step] for _, keep in mbs)
-        want = tp * dp * layers * M * 8 * E + 4 * H * 4 * tp * kept  # each layer on tp x dp ranks
+        want = tp * dp * cp * layers * M * 8 * E + 4 * H * 4 * tp * kept  # each layer on tp x dp x cp ranks
         if "full-recompute" in name:  # every layer recomputed: its forward all-to-alls run twice
-            want += tp * dp * layers * M * 8 * E + 4 * H * 2 * tp * kept
+            want += tp * dp * cp * layers * M * 8 * E + 4 * H * 2 * tp * kept
         total = sum(r["a2a"][step] for r in results)
         assert total == (0 if "allgather" in name else want), (name, step, total, want)
 
@@ -412,12 +418,13 @@ def test_all_to_all_bytes_equal_the_closed_form(name, runs):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
     """Each rank's expert buffers hold E/EP experts and exactly the ZeRO formula's bytes with
-    N = dp / EP (fp32: parameters and gradients 4 bytes, moments 8); the whole model state is the
-    dense formula (N = dp) plus the expert one, and the memory planner predicts it up to the
-    padding of each buffer to a multiple of its N (< N elements of 16 bytes per buffer)."""
+    N = dp x cp / EP (fp32: parameters and gradients 4 bytes, moments 8); the whole model state is
+    the dense formula (N = dp x cp) plus the expert one, and the memory planner predicts it up to
+    the padding of each buffer to a multiple of its N (< N elements of 16 bytes per buffer)."""
     from megazero.optim.zero import zero_formula_bytes
 
-    stage, dp, ep, tp, pp = (_flag(name, f) for f in ("--zero-stage", "--dp", EP, "--tp", "--pp"))
+    stage, dp, ep, tp, pp, cp = (_flag(name, f) for f in ("--zero-stage", "--dp", EP, "--tp", "--pp", "--cp"))
+    dp *= cp  # the replicas: ZeRO's N of the dense parameters
     per_expert = 3 * 32 * 16 // tp  # gated fc1 [2F/tp, H] and fc2 [H, F/tp], F = 16, H = 32
     if LAYOUTS[name][1] == "gpt-oss":
         per_expert += 2 * 16 // tp + 32  # the biases: fc1's [2F/tp], fc2's [H] (replicated over tp)
