@@ -276,6 +276,15 @@ class GPTConfig:
         return self.num_attention_heads * self.head_dim
 
     @property
+    def attention_flops_width(self) -> float:
+        """The width ``a`` of the FLOPs' attention term ``2*2*s*a`` per layer and token
+        (``megazero.planning.flops``): ``attention_width``; under MLA the scores read ``heads * (n + r)``
+        dimensions and the values ``heads * v``, so the mean of the two."""
+        if self.multi_latent_attention:
+            return self.num_attention_heads * (self.qk_head_dim + self.qk_pos_emb_head_dim + self.v_head_dim) / 2
+        return self.attention_width
+
+    @property
     def kv_heads(self) -> int:
         """Key/value heads: G with grouped-query attention, else one per query head."""
         return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups

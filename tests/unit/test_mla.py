@@ -224,3 +224,18 @@ def test_hugging_face_export_refuses_mla():
     _, cfg = _configs(16, False)
     with pytest.raises(HFConversionError, match="--multi-latent-attention: megazero writes no DeepSeek family"):
         hf_config(cfg)
+
+
+def test_flops_count_mla_matmuls_and_attention():
+    """Per token forward: 2 x every MLA weight, plus QK^T over heads (n + r) and PV over heads v."""
+    from megazero.planning.flops import spec_flops_per_iteration
+    from model.spec import build_spec
+
+    _, cfg = _configs(16, False)
+    B, s = 2, T
+    spec = build_spec(cfg, 128)
+    flops = spec_flops_per_iteration(spec, seq_length=s, attention_width=cfg.attention_flops_width, global_batch_size=B)
+    attn = 16 * H + HEADS * 12 * 16 + (KV_LORA + ROPE) * H + HEADS * (NOPE + V) * KV_LORA + H * HEADS * V
+    mlp = 3 * H * cfg.ffn_hidden_size if cfg.swiglu else 2 * H * cfg.ffn_hidden_size
+    layer = 2 * (attn + mlp) + 2 * s * HEADS * (NOPE + ROPE) + 2 * s * HEADS * V
+    assert flops == B * s * (3 * layer + 3 * 2 * H * 128)
