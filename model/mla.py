@@ -192,16 +192,14 @@ class MultiLatentAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
 
     def _document_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq: SequenceInfo) -> torch.Tensor:
-        """Causal attention inside the documents of ``seq`` (packed documents, cp = 1)."""
-        return local_attention(
-            q,
-            k,
-            v,
-            token_index=seq.token_index,
-            segment_ids=seq.segment_ids,
-            scale=self.softmax_scale,
-            mask_cache=seq.cache,
-        )
+        """Causal attention inside the documents of ``seq`` (packed documents, cp = 1). The kernel
+        takes one head size, so q, k and v are zero-padded to the larger of ``r + n`` and ``v`` (zero
+        dimensions add nothing to a score or an output; the scale is explicit) and the output cut back."""
+        width = max(q.shape[-1], v.shape[-1])
+        q, k, v_padded = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))  # (B, heads/tp, T, width)
+        docs = dict(token_index=seq.token_index, segment_ids=seq.segment_ids, mask_cache=seq.cache)
+        y = local_attention(q, k, v_padded, scale=self.softmax_scale, **docs)  # (B, heads/tp, T, width)
+        return y[..., : v.shape[-1]]
 
     def masked_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The KV-cache decoders' attention: q ``[B, heads/tp, t, r + n]`` over k ``[B, heads/tp, S, r +

@@ -239,3 +239,19 @@ def test_flops_count_mla_matmuls_and_attention():
     mlp = 3 * H * cfg.ffn_hidden_size if cfg.swiglu else 2 * H * cfg.ffn_hidden_size
     layer = 2 * (attn + mlp) + 2 * s * HEADS * (NOPE + ROPE) + 2 * s * HEADS * V
     assert flops == B * s * (3 * layer + 3 * 2 * H * 128)
+
+
+@torch.no_grad()
+def test_packed_documents_attend_inside_each_document():
+    """Two packed documents (positions restarting at the second): each token's output equals that
+    document's own forward, alone."""
+    from megazero.context_parallel.sequence import SequenceInfo
+
+    attn = _mla_stage().layers["1"].attn
+    x = torch.randn(2, T, H)
+    split = 4
+    segments = torch.tensor([0] * split + [1] * (T - split)).expand(2, T)
+    positions = torch.cat([torch.arange(split), torch.arange(T - split)]).expand(2, T)
+    got = attn(x, SequenceInfo(None, positions, segments))
+    want = torch.cat([attn(x[:, :split]), attn(x[:, split:])], dim=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
