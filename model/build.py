@@ -21,7 +21,7 @@ from megazero.param_spec import chunk_entries
 from megazero.pipeline import partition
 from megazero.precision import model_dtype
 from megazero.process_groups import ProcessGroups
-from model.config import GLU_FIELDS, ROPE_SCALING_FIELDS, GPTConfig
+from model.config import GLU_FIELDS, MLA_FIELDS, ROPE_SCALING_FIELDS, GPTConfig
 from model.gpt import GPTStage
 from model.hf import HFConversionError
 from model.hf_folder import check_folder, folder_model_type, open_folder
@@ -74,6 +74,7 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         kv_channels=m.kv_channels,
         qk_layernorm=m.qk_layernorm,
         softmax_type=m.softmax_type,
+        **{name: getattr(m, name) for name in MLA_FIELDS},
         window_size=m.window_size,
         window_attn_skip_freq=m.window_attn_skip_freq,
         hf_model_type=folder_model_type(cfg.train.from_hf) if cfg.train.from_hf else None,
@@ -298,8 +299,9 @@ def model_signature(g: GPTConfig) -> dict:
         )
     )
     # RoPE scaling, the QKV-only bias, --kv-channels, QK-norm, the softmax type and the gated unit's
-    # variants enter only when on, so older checkpoints keep their signature
+    # variants and MLA's sizes enter only when changed, so older checkpoints keep their signature
     fields = ROPE_SCALING_FIELDS + ("add_qkv_bias", "kv_channels", "qk_layernorm", "softmax_type") + GLU_FIELDS
+    fields += MLA_FIELDS
     optional = moe | {name: getattr(g, name) for name in fields if _changed(g, name)}
     return optional | dict(
         vocab_size=g.vocab_size,

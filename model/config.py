@@ -17,6 +17,7 @@ from megazero.config.checks import check_value
 from megazero.config.schema import ConfigError, setting_named
 from megazero.config.shape import (
     check_block,
+    check_mla,
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
@@ -159,6 +160,19 @@ class GPTConfig:
     qk_layernorm: bool = False
     """RMSNorm (weight ``[head_dim]``, ``layernorm_epsilon``) over each head of q and of k, after the
     projection and before RoPE (Megatron-LM's ``--qk-layernorm``; Qwen3's ``q_norm`` / ``k_norm``)."""
+    multi_latent_attention: bool = False
+    """Multi-head latent attention (DeepSeek-V2, sec. 2.1; model/mla.py) instead of the QKV
+    attention: needs ``position_embedding_type == "rope"`` and no linear biases."""
+    q_lora_rank: Optional[int] = None
+    """MLA: width of the query latent (``q_a``, its RMSNorm, ``q_b``); None = one query projection ``q``."""
+    kv_lora_rank: int = 512
+    """MLA: width of the compressed key/value latent (dimensions)."""
+    qk_head_dim: int = 128
+    """MLA: each head's query/key dimensions without RoPE (transformers' ``qk_nope_head_dim``)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: each head's rotated query/key dimensions, the key's shared by all heads (``qk_rope_head_dim``)."""
+    v_head_dim: int = 128
+    """MLA: each head's value dimensions."""
     softmax_type: str = "vanilla"
     """The attention softmax (Megatron-LM's ``--softmax-type``): ``"vanilla"``; ``"off-by-one"``,
     one more ``exp(0)`` in every row's denominator (Miller 2023); ``"learnable"``, a learned sink
@@ -262,6 +276,15 @@ class GPTConfig:
         return self.num_attention_heads * self.head_dim
 
     @property
+    def attention_flops_width(self) -> float:
+        """The width ``a`` of the FLOPs' attention term ``2*2*s*a`` per layer and token
+        (``megazero.planning.flops``): ``attention_width``; under MLA the scores read ``heads * (n + r)``
+        dimensions and the values ``heads * v``, so the mean of the two."""
+        if self.multi_latent_attention:
+            return self.num_attention_heads * (self.qk_head_dim + self.qk_pos_emb_head_dim + self.v_head_dim) / 2
+        return self.attention_width
+
+    @property
     def kv_heads(self) -> int:
         """Key/value heads: G with grouped-query attention, else one per query head."""
         return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
@@ -287,7 +310,10 @@ class GPTConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dimensions of each head that RoPE rotates (``int(head_dim * rotary_percent)``)."""
+        """Dimensions of each head that RoPE rotates (``int(head_dim * rotary_percent)``; MLA's
+        ``qk_pos_emb_head_dim``)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
 
     def parameter_spec(self, tp_size: int):
@@ -356,6 +382,17 @@ class GPTConfig:
             mscale_all_dim=self.yarn_mscale_all_dim,
         )
         check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
+        if self.multi_latent_attention:
+            check_mla(
+                cp=1,  # GPTStage refuses a cp group (it knows the layout)
+                rope=self.position_embedding_type == "rope",
+                bias=self.add_bias_linear or self.add_qkv_bias,
+                softmax_type=self.softmax_type,
+                window_size=self.window_size,
+                qk_layernorm=self.qk_layernorm,
+                num_query_groups=self.num_query_groups,
+                qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
+            )
         if self.num_experts is not None:
             check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
 
@@ -374,6 +411,15 @@ YARN_FIELDS = (
 )
 # the gated MLP's variants (megazero.ops.activation), the same names in GPTConfig and ModelConfig
 GLU_FIELDS = ("quick_geglu", "glu_linear_offset", "activation_func_clamp_value")
+# multi-head latent attention's settings (model/mla.py), the same names in GPTConfig and ModelConfig
+MLA_FIELDS = (
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+)
 # the RoPE scaling settings GPTConfig shares with ModelConfig (same names)
 ROPE_SCALING_FIELDS = (
     "use_rope_scaling",
@@ -412,6 +458,11 @@ _SETTING_OF = {
             "activation_func_clamp_value",
             "kv_channels",
             "num_query_groups",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_head_dim",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
             "num_experts",
             "moe_router_topk",
             "moe_layer_freq",

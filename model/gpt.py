@@ -6,7 +6,8 @@ LayerNorm and an output layer tied to the word embedding (or its own ``output.we
 The LLaMA-style options (Touvron et al. 2023) swap parts of the same structure: rotary
 positions inside attention instead of the table (model/rope.py), RMSNorm, a SwiGLU MLP,
 grouped-query attention, linears without bias; ``model/spec.py`` lists the parameters
-each choice has, and the stage takes its partition tags from that list.
+each choice has, and the stage takes its partition tags from that list. With
+``multi_latent_attention`` a block's attention is DeepSeek's MLA instead (model/mla.py).
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, sec. 3): the fused QKV and
 ``fc1`` are column-parallel (each rank holds whole heads / ``F/tp`` hidden units), ``proj``
 and ``fc2`` are row-parallel, the word embedding and logits are split by vocabulary rows and
@@ -44,6 +45,7 @@ from torch import nn
 
 from megazero import collectives as C
 from megazero import tags
+from megazero.config.schema import ConfigError
 from megazero.context_parallel.attention import (
     all_to_all_attention,
     document_mask,
@@ -68,6 +70,7 @@ from megazero.tensor_parallel.random import RNGTracker, dropout
 from megazero.tensor_parallel.recompute import recompute
 from model.config import GPTConfig
 from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_placeholders  # noqa: F401
+from model.mla import MLA_REPLICATED, MultiLatentAttention
 from model.moe import ExpertMLP, MoEMLP, grouped_mm_available, moe_step_end  # noqa: F401 (re-export)
 from model.rope import RotaryTable, apply_rotary
 from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
@@ -173,6 +176,7 @@ class Attention(nn.Module):
             rope = RotaryTable.for_model(cfg, device)
         self.rope = rope
         self.dropout_p, self.tracker = cfg.attention_dropout, tracker
+        self.softmax_scale = None  # SDPA's 1/sqrt(d) (model/mla.py sets its own)
         self.recompute_core = cfg.recompute_granularity == "selective"
         A = cfg.attention_width  # heads * d (H unless --kv-channels)
         rows = (cfg.num_attention_heads + 2 * cfg.kv_heads) * cfg.head_dim if self.grouped else 3 * A
@@ -376,7 +380,8 @@ class Block(nn.Module):
     """Pre-norm transformer block with residual dropout (``hidden_dropout``); its MLP is an
     ``MoEMLP`` when ``moe`` (``state_device``: where the MoE's counters and expert bias live;
     ``ep``: its (expert-parallel group, ep rank), None without expert parallelism); ``window`` and
-    ``mask_cache``: its attention's sliding window and mask cache (``Attention``)."""
+    ``mask_cache``: its attention's sliding window and mask cache (``Attention``). Its attention is
+    ``model.mla.MultiLatentAttention`` under ``cfg.multi_latent_attention``."""
 
     def __init__(
         self,
@@ -395,7 +400,10 @@ class Block(nn.Module):
     ):
         super().__init__()
         self.ln1 = _norm(cfg, device)
-        self.attn = Attention(cfg, group, sp, tracker, device, cp, rope, window, mask_cache)
+        if cfg.multi_latent_attention:  # DeepSeek's MLA (model/mla.py); the config refuses cp, windows
+            self.attn = MultiLatentAttention(cfg, group, sp, tracker, device, rope)
+        else:
+            self.attn = Attention(cfg, group, sp, tracker, device, cp, rope, window, mask_cache)
         self.ln2 = _norm(cfg, device)
         cp_group = None if cp is None else cp[0]
         self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp, cp_group) if moe else MLP(cfg, group, sp, device)
@@ -464,6 +472,8 @@ class GPTStage(nn.Module):
     ):
         super().__init__()
         cfg.validate(groups.tp_size)
+        if cfg.multi_latent_attention and groups.cp_size > 1:
+            raise ConfigError(f"--multi-latent-attention with --cp {groups.cp_size} is not supported; fix: --cp 1")
         self.cfg, self.groups, self.tp = cfg, groups, groups.tp
         self.layer_ids = list(layer_ids)
         self.pre_process, self.post_process = pre_process, post_process
@@ -549,8 +559,8 @@ class GPTStage(nn.Module):
             if e.partition_dim is not None:
                 local[e.partition_dim] //= tp
                 tags.set_partitioned(p, e.partition_dim, e.partition_stride)
-            else:  # QK-norm weights: each tp rank normalises its own heads, so holds part of the gradient
-                tags.set_replicated(p, sequence_parallel=self.sp or name.endswith(PER_HEAD_NORMS))
+            else:  # QK-norm and MLA's latent weights: each tp rank's heads give part of the gradient
+                tags.set_replicated(p, sequence_parallel=self.sp or name.endswith(PER_HEAD_NORMS + MLA_REPLICATED))
             if self.groups.ep_size > 1 and ".mlp.experts." in name:
                 tags.set_expert_parallel(p)
             tags.set_weight_decay(p, e.weight_decay)

@@ -227,6 +227,7 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
         ("swiglu", "--swiglu"),
         ("openai_gelu", "--openai-gelu"),
         ("kv_heads", "--group-query-attention --num-query-groups"),
+        ("multi_latent_attention", "--multi-latent-attention (no Hugging Face MLA family is read yet)"),
         ("rotary_base", "--rotary-base"),
         ("use_rope_scaling", "--use-rope-scaling"),
         ("rope_scaling_factor", "--rope-scaling-factor"),
@@ -406,6 +407,10 @@ def is_llama(gcfg: GPTConfig) -> bool:
 def _check_llama(gcfg: GPTConfig) -> None:
     """Raise HFConversionError naming the first setting LlamaForCausalLM cannot express."""
     for ok, what in (
+        (
+            not gcfg.multi_latent_attention,
+            "--multi-latent-attention: megazero writes no DeepSeek family yet; fix: export a model without it",
+        ),
         (
             gcfg.normalization == "RMSNorm",
             f"--normalization {gcfg.normalization}: LlamaForCausalLM has RMSNorm only; fix: --normalization RMSNorm",

@@ -57,6 +57,7 @@ from megazero.tensor_parallel.layers import (
 )
 from megazero.tensor_parallel.mappings import gather_from_tp_region
 from model.gpt import GPTStage
+from model.mla import MultiLatentAttention
 from model.moe import MoEMLP
 from model.rope import apply_rotary
 
@@ -136,7 +137,7 @@ def sequence_parallel_off(chunks: Sequence[GPTStage]):
     """Run the chunks' tensor-parallel layers (and MoE MLPs) without sequence parallelism for
     the block: activations ``[B, t, H]`` whole on every tp rank, the row-parallel outputs and
     the word embedding all-reduced over tp instead of reduce-scattered along t, the
-    column-parallel inputs used as they are instead of all-gathered. Restores the settings on
+    column-parallel (and MLA's latent) inputs used as they are instead of all-gathered. Restores the settings on
     exit. No-op for chunks without sequence parallelism."""
     changed = []
     for chunk in chunks:
@@ -144,7 +145,7 @@ def sequence_parallel_off(chunks: Sequence[GPTStage]):
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
                 if module.sequence_parallel:
                     changed.append((module, "sequence_parallel"))
-            elif isinstance(module, MoEMLP) and module.sp:
+            elif isinstance(module, (MoEMLP, MultiLatentAttention)) and module.sp:
                 changed.append((module, "sp"))
     for module, name in changed:
         setattr(module, name, False)

@@ -80,7 +80,7 @@ def _attend(attn, x: torch.Tensor, cache: Optional[LayerCache]) -> tuple[torch.T
     if attn.sink_logits() is not None:  # the sink is a logit per head, no key: nothing to keep for it
         y = attn.masked_core(q, k, v, mask)  # (B, n/tp, t, d)
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)  # (B, n/tp, t, d)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.softmax_scale, **gqa)  # (B, n/tp, t, d)
     y = rearrange(y, "b h t d -> b t (h d)")  # (B, t, n_head/tp * d)
     return attn.proj(y), new_cache
 

@@ -21,6 +21,13 @@ Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head si
   k (d); v (d)]``, ``[(heads + 2G) d, H]``, stride 1: each rank holds ``G/tp`` whole groups,
   their queries with their key and value heads (Megatron-LM's layout). Query head ``h``
   belongs to group ``h // (heads/G)``.
+- with ``multi_latent_attention`` (model/mla.py; ``n``, ``r``, ``v`` = qk_head_dim, qk_pos_emb_head_dim,
+  v_head_dim) instead of ``qkv``: ``attn.q_a.weight`` ``[q_lora_rank, H]``, ``attn.q_a_norm.weight``
+  ``[q_lora_rank]`` and ``attn.q_b.weight`` ``[heads (n + r), q_lora_rank]`` (or ``attn.q.weight``
+  ``[heads (n + r), H]`` without ``q_lora_rank``), ``attn.kv_a.weight`` ``[kv_lora_rank + r, H]``,
+  ``attn.kv_a_norm.weight`` ``[kv_lora_rank]``, ``attn.kv_b.weight`` ``[heads (n + v), kv_lora_rank]``,
+  ``attn.proj.weight`` ``[H, heads v]``; ``q_b`` / ``q`` / ``kv_b`` split over tp by whole heads, the
+  ``a`` projections and their norms replicated; the rope rows in rotate-half order.
 - ``mlp.fc1.weight`` of a gated MLP (SwiGLU, quick GEGLU): ``[gate; up]``, ``[2F, H]``, stride 2;
   ``fc2`` ``[H, F]``.
 - an MoE layer (``cfg.is_moe_layer(i)``) has instead ``mlp.router.weight`` ``[E, H]``
@@ -68,10 +75,17 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
             weights, biases = _mlp_rows(cfg, "mlp.shared_experts", cfg.moe_shared_expert_intermediate_size)
             mlp_weights += weights
             mlp_biases += biases
+    attention = (
+        _mla_rows(cfg)
+        if cfg.multi_latent_attention
+        else [
+            ("attn.qkv.weight", (qkv_rows, H), 0, qkv_stride, "normal", True),
+            ("attn.proj.weight", (H, A), 1, 1, "scaled_normal", True),
+        ]
+    )
     rows = [  # (name, shape, partition dim, stride, init, matmul)
         ("ln1.weight", (H,), None, 1, "ones", False),
-        ("attn.qkv.weight", (qkv_rows, H), 0, qkv_stride, "normal", True),
-        ("attn.proj.weight", (H, A), 1, 1, "scaled_normal", True),
+        *attention,
         ("ln2.weight", (H,), None, 1, "ones", False),
     ] + mlp_weights
     if cfg.qk_layernorm:  # one weight per head dimension, shared by every head (each rank keeps a copy)
@@ -98,6 +112,28 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
             active=active.get(name, 1.0),
         )
         for name, shape, dim, stride, init, mm in rows
+    ]
+
+
+def _mla_rows(cfg: GPTConfig) -> list:
+    """Multi-head latent attention's rows (model/mla.py): per head ``[nope; rope]`` query rows and
+    ``[k_nope; v]`` key/value rows, column-parallel by whole heads; ``kv_a`` rows ``[latent; k_pe]``."""
+    H, heads = cfg.hidden_size, cfg.num_attention_heads
+    n, r, v = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    L, Q = cfg.kv_lora_rank, cfg.q_lora_rank
+    if Q is None:
+        rows = [("attn.q.weight", (heads * (n + r), H), 0, 1, "normal", True)]
+    else:
+        rows = [
+            ("attn.q_a.weight", (Q, H), None, 1, "normal", True),
+            ("attn.q_a_norm.weight", (Q,), None, 1, "ones", False),
+            ("attn.q_b.weight", (heads * (n + r), Q), 0, 1, "normal", True),
+        ]
+    return rows + [
+        ("attn.kv_a.weight", (L + r, H), None, 1, "normal", True),
+        ("attn.kv_a_norm.weight", (L,), None, 1, "ones", False),
+        ("attn.kv_b.weight", (heads * (n + v), L), 0, 1, "normal", True),
+        ("attn.proj.weight", (H, heads * v), 1, 1, "scaled_normal", True),
     ]
 
 

@@ -32,6 +32,7 @@ from megazero.config.schema import Config, ConfigError, Setting, get_value, sett
 from megazero.config.shape import (
     check_block,
     check_context_parallel,
+    check_mla,
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
@@ -216,6 +217,17 @@ def _check_block(cfg: Config, world_size: int) -> None:
         mscale_all_dim=m.yarn_mscale_all_dim,
     )
     check_window(m.window_size, m.window_attn_skip_freq, m.num_layers)
+    if m.multi_latent_attention:
+        check_mla(
+            cp=cfg.parallel.cp,
+            rope=m.position_embedding_type == "rope",
+            bias=m.add_bias_linear,
+            softmax_type=m.softmax_type,
+            window_size=m.window_size,
+            qk_layernorm=m.qk_layernorm,
+            num_query_groups=m.num_query_groups if m.group_query_attention else None,
+            qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+        )
 
 
 def _check_swiglu_width(cfg: Config, world_size: int) -> None:

@@ -65,6 +65,7 @@ _PARAM_NVME = Needs("zero.offload_param", ("nvme",))
 _NVME = Needs("zero.offload_optimizer", ("nvme",))
 _ANY_NVME = Needs("zero.offload_optimizer", ("nvme",), alt=_PARAM_NVME)
 _FP16 = Needs("precision.fp16", (True,))
+_MLA = Needs("model.multi_latent_attention", (True,), refuse=True)
 _DYNAMIC_SCALE = (_FP16, Needs("precision.loss_scale", (0.0,)))
 _REAL_DATA = Needs("train.mock_data", (False,))
 _PROFILE = Needs("log.profile", (True,))
@@ -298,6 +299,29 @@ class ModelConfig:
         "RMSNorm over each head's dimensions of q and k after the projection, before RoPE (Qwen3)",
         applies=Needs("model.normalization", ("RMSNorm",), refuse=True),
     )
+    multi_latent_attention: bool = _f(
+        False,
+        "multi-head latent attention (DeepSeek-V2 sec. 2.1, as DeepSeek-V3): q and k/v through low-rank "
+        "latents, a decoupled RoPE part with one key head shared by all heads (model/mla.py); needs "
+        "--position-embedding-type rope and --disable-bias-linear",
+    )
+    q_lora_rank: Optional[int] = _f(
+        None,
+        "MLA: width of the query latent (q_a, its RMSNorm, q_b); None = one plain query projection",
+        "dimensions",
+        ge=1,
+        applies=_MLA,
+    )
+    kv_lora_rank: int = _f(512, "MLA: width of the compressed key/value latent", "dimensions", ge=1, applies=_MLA)
+    qk_head_dim: int = _f(128, "MLA: each head's query/key dimensions without RoPE", "dimensions", ge=1, applies=_MLA)
+    qk_pos_emb_head_dim: int = _f(
+        64,
+        "MLA: each head's rotated query/key dimensions (the key's shared by all heads); even",
+        "dimensions",
+        ge=2,
+        applies=_MLA,
+    )
+    v_head_dim: int = _f(128, "MLA: each head's value dimensions", "dimensions", ge=1, applies=_MLA)
     softmax_type: str = _f(
         "vanilla",
         "the attention softmax: vanilla, off-by-one (one more exp(0) in each row's denominator) or "

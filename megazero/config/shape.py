@@ -254,3 +254,32 @@ def check_window(window_size, window_attn_skip_freq, num_layers: int) -> None:
             f"--window-attn-skip-freq lists {len(freq)} entries; fix: one integer N, or one 0/1 per layer "
             f"({num_layers} for --num-layers {num_layers}; 1 = windowed, 0 = full)"
         )
+
+
+def check_mla(
+    *,
+    cp: int,
+    rope: bool,
+    bias: bool,
+    softmax_type: str,
+    window_size,
+    qk_layernorm: bool,
+    num_query_groups: Optional[int],
+    qk_pos_emb_head_dim: int,
+) -> None:
+    """What multi-head latent attention (``--multi-latent-attention``, model/mla.py) runs with: rotary
+    positions, no linear biases, an even RoPE part, the plain softmax, full causal attention, one
+    context-parallel rank, no QK-norm and no grouped queries. Raises ConfigError naming the flag."""
+    refusals = [
+        (cp > 1, f"--cp {cp}", "--cp 1 (the ring and all-to-all attention do not take MLA's shapes yet)"),
+        (not rope, "--position-embedding-type learned_absolute", "--position-embedding-type rope"),
+        (bias, "linear biases", "--disable-bias-linear (DeepSeek's attention has none)"),
+        (softmax_type != "vanilla", f"--softmax-type {softmax_type}", "--softmax-type vanilla"),
+        (window_size is not None, "--window-size", "drop --window-size (full causal attention only)"),
+        (qk_layernorm, "--qk-layernorm", "drop --qk-layernorm (MLA normalises its latents instead)"),
+        (num_query_groups is not None, "--group-query-attention", "drop it (every MLA head has its own k and v)"),
+        (qk_pos_emb_head_dim % 2, f"--qk-pos-emb-head-dim {qk_pos_emb_head_dim}", "an even number"),
+    ]
+    for refused, what, fix in refusals:
+        if refused:
+            raise ConfigError(f"--multi-latent-attention with {what} is not supported; fix: {fix}")

@@ -127,7 +127,7 @@ class Trainer:
         self.flops_per_iteration = spec_flops_per_iteration(
             g.parameter_spec(p.tp),
             seq_length=g.seq_length,
-            attention_width=g.attention_width,
+            attention_width=g.attention_flops_width,
             global_batch_size=cfg.train.global_batch_size,
             windows=[g.attention_window(i) for i in range(g.num_layers)],
         )

@@ -231,6 +231,7 @@ class _Block(nn.Module):
         softmax_type: str = "vanilla",
         moe=None,
         window: Optional[int] = None,
+        mla: Optional[dict] = None,
     ):
         super().__init__()
         self.heads, self.kv_groups, self.rope = heads, kv_groups, rope
@@ -241,8 +242,12 @@ class _Block(nn.Module):
         norm = _RMSNorm if rmsnorm else _LayerNorm
         self.ln1 = norm(hidden, eps)
         qkv_rows = 3 * heads * d if kv_groups is None else (heads + 2 * kv_groups) * d
-        self.qkv = nn.Linear(hidden, qkv_rows, bias=bias if qkv_bias is None else qkv_bias)
-        self.proj = nn.Linear(heads * d, hidden, bias=bias)
+        self.mla = mla
+        if mla is None:
+            self.qkv = nn.Linear(hidden, qkv_rows, bias=bias if qkv_bias is None else qkv_bias)
+            self.proj = nn.Linear(heads * d, hidden, bias=bias)
+        else:
+            self._mla_modules(hidden, heads, eps, **mla)
         # QK-norm (Qwen3): every head of q and of k divided by its RMS over d, times a [d] weight
         self.q_norm, self.k_norm = (_RMSNorm(d, eps), _RMSNorm(d, eps)) if qk_norm else (None, None)
         # attention sinks: one logit per head in each softmax's denominator (learned, or 0 off-by-one)
@@ -255,6 +260,42 @@ class _Block(nn.Module):
         if moe is None:
             self.fc1 = nn.Linear(hidden, 2 * ffn if swiglu else ffn, bias=bias)
             self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+
+    def _mla_modules(self, hidden: int, heads: int, eps: float, *, q_lora, kv_lora, nope, rope, v) -> None:
+        """DeepSeek's latent attention (model/mla.py): per head q = [nope; rope], k/v latent expanded."""
+        qk = nope + rope
+        if q_lora is None:
+            self.q = nn.Linear(hidden, heads * qk, bias=False)
+        else:
+            self.q_a, self.q_a_norm = nn.Linear(hidden, q_lora, bias=False), _RMSNorm(q_lora, eps)
+            self.q_b = nn.Linear(q_lora, heads * qk, bias=False)
+        self.kv_a, self.kv_a_norm = nn.Linear(hidden, kv_lora + rope, bias=False), _RMSNorm(kv_lora, eps)
+        self.kv_b = nn.Linear(kv_lora, heads * (nope + v), bias=False)
+        self.proj = nn.Linear(heads * v, hidden, bias=False)
+
+    def _mla_attention(self, x, positions, hidden):
+        """Scores of [q_nope; q_pe] against [k_nope; k_pe] (one k_pe for all heads), scaled by
+        (nope + rope)^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2."""
+        B, T, H = x.shape
+        o, heads = self.mla, self.heads
+        nope, rope = o["nope"], o["rope"]
+        q = self.q(x) if o["q_lora"] is None else self.q_b(self.q_a_norm(self.q_a(x)))
+        q = q.view(B, T, heads, nope + rope).transpose(1, 2)  # (B, heads, T, nope + rope)
+        latent, k_pe = self.kv_a(x).split([o["kv_lora"], rope], dim=-1)
+        kv = self.kv_b(self.kv_a_norm(latent)).view(B, T, heads, nope + o["v"]).transpose(1, 2)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        q_pe = rope_rotate(q[..., nope:], rope, self.rope[1], positions, self.rope_scaling)
+        k_pe = rope_rotate(k_pe.view(B, 1, T, rope), rope, self.rope[1], positions, self.rope_scaling)
+        scale = (nope + rope) ** -0.5
+        yarn = (self.rope_scaling or {}).get("yarn")
+        if yarn and yarn.get("mscale_all_dim") and yarn["factor"] > 1:
+            scale *= (0.1 * yarn["mscale_all_dim"] * math.log(yarn["factor"]) + 1.0) ** 2
+        scores = (q[..., :nope] @ k_nope.transpose(-2, -1) + q_pe @ k_pe.transpose(-2, -1)) * scale
+        future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        if hidden is not None:
+            future = future | hidden[:, None]  # (B, 1, T, T)
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        return self.proj((probs @ v).transpose(1, 2).reshape(B, T, heads * o["v"]))
 
     def _heads(self, x):
         """q ``(B, heads, T, d)``; k, v ``(B, heads, T, d)`` (a group's k/v copied to its queries)."""
@@ -274,6 +315,8 @@ class _Block(nn.Module):
 
     def attention(self, x, positions=None, hidden=None):
         """``hidden [B, T, T]`` bool: key j is hidden from query i (besides the future)."""
+        if self.mla is not None:
+            return self._mla_attention(x, positions, hidden)
         B, T, H = x.shape
         q, k, v = self._heads(x)
         if self.q_norm is not None:  # before the rotation, as Qwen3
@@ -328,6 +371,15 @@ def block_options(cfg) -> dict:
         out["glu"] = glu
     if getattr(cfg, "kv_channels", None) is not None:
         out["head_dim"] = cfg.kv_channels
+    if getattr(cfg, "multi_latent_attention", False):
+        out["rope"] = (cfg.qk_pos_emb_head_dim, cfg.rotary_base)
+        out["mla"] = dict(
+            q_lora=cfg.q_lora_rank,
+            kv_lora=cfg.kv_lora_rank,
+            nope=cfg.qk_head_dim,
+            rope=cfg.qk_pos_emb_head_dim,
+            v=cfg.v_head_dim,
+        )
     if getattr(cfg, "qk_layernorm", False):
         out["qk_norm"] = True
     if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
@@ -390,7 +442,9 @@ class ReferenceGPT(nn.Module):
     ``megazero.ops.activation.glu``: gpt-oss's quick GEGLU, offset and clamp), ``bias`` (linear
     biases, the MoE router's too), ``qkv_bias`` (the QKV projection's; None = ``bias``),
     ``head_dim`` (None = hidden / heads), ``qk_norm``, ``softmax_type`` (sinks), ``windows``
-    (one sliding window W or None per layer: key j hidden from query i when ``i - j >= W``).
+    (one sliding window W or None per layer: key j hidden from query i when ``i - j >= W``), ``mla``
+    (DeepSeek's latent attention in place of ``qkv``: ``dict(q_lora, kv_lora, nope, rope, v)``,
+    ``rope`` = ``(its rotated dims, base)``).
     """
 
     def __init__(
@@ -431,12 +485,10 @@ class ReferenceGPT(nn.Module):
         """Canonical name -> parameter (the word embedding holds the real rows only)."""
         mods, sinks = {"final_ln": self.ln_f}, {}
         for i, b in enumerate(self.blocks):
-            mods.update(
-                {
-                    f"layers.{i}.{canon}": mod
-                    for canon, mod in (("ln1", b.ln1), ("attn.qkv", b.qkv), ("attn.proj", b.proj), ("ln2", b.ln2))
-                }
-            )
+            attention = ("q", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "kv_b") if b.mla else ("qkv",)
+            named = [("ln1", b.ln1)] + [(f"attn.{n}", getattr(b, n)) for n in attention if hasattr(b, n)]
+            named += [("attn.proj", b.proj), ("ln2", b.ln2)]
+            mods.update({f"layers.{i}.{canon}": mod for canon, mod in named})
             if b.q_norm is not None:
                 mods.update({f"layers.{i}.attn.q_norm": b.q_norm, f"layers.{i}.attn.k_norm": b.k_norm})
             if b.sinks is not None:
