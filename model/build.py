@@ -106,6 +106,7 @@ MOE_FIELDS = (
     "moe_expert_capacity_factor",
     "moe_token_drop_policy",
     "moe_pad_expert_input_to_capacity",
+    "moe_router_linear_bias",
     "moe_router_enable_expert_bias",
     "moe_router_bias_update_rate",
     "moe_token_dispatcher_type",

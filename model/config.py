@@ -239,6 +239,8 @@ class GPTConfig:
     """``probs`` or ``position`` (``router.capacity_keep``)."""
     moe_pad_expert_input_to_capacity: bool = False
     """Each expert runs on exactly its capacity of rows (needs a capacity factor)."""
+    moe_router_linear_bias: bool = False
+    """A learnable bias ``[E]`` on the router's logits (``mlp.router.bias``; gpt-oss's ``router.bias``)."""
     moe_router_enable_expert_bias: bool = False
     """DeepSeek-V3's aux-loss-free bias (sigmoid scores), updated once per step."""
     moe_router_bias_update_rate: float = 1e-3

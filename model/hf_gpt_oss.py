@@ -12,7 +12,7 @@ settings for each piece:
   ``full_attention``: ``--window-size W-1,0`` with ``--window-attn-skip-freq`` listing the layers;
   RoPE of rope type ``yarn`` (``model.rope``; ``truncate`` false in the released models).
 - every MLP is a Mixture of Experts: the router is a linear with a bias (``mlp.router.weight
-  [E, H]``, ``mlp.router.bias [E]``: megazero's router under linear biases), the top-k of its
+  [E, H]``, ``mlp.router.bias [E]``: ``--moe-router-linear-bias``), the top-k of its
   logits are softmaxed over the k (megazero's softmax router without ``--moe-router-pre-softmax``),
   and each expert computes ``down((up + 1) * g * sigmoid(1.702 g)) + b`` with ``g`` = the gate
   clamped to at most ``swiglu_limit`` and ``up`` clamped to ``[-limit, limit]``: ``--quick-geglu
@@ -160,6 +160,7 @@ def settings_from_hf(config: Mapping) -> dict:
         layernorm_epsilon=config_value(config, "rms_norm_eps", "number", 1e-5),
         num_experts=E,
         moe_router_topk=k,
+        moe_router_linear_bias=True,
         moe_ffn_hidden_size=F,
         hf_model_type=MODEL_TYPE,
         **hf_families.rope_settings_from_hf(rope, positions),
@@ -182,6 +183,7 @@ def check_export(gcfg: GPTConfig) -> None:
         (not gcfg.quick_geglu, "no --quick-geglu: gpt-oss's gate is x * sigmoid(1.702 x)"),
         (gcfg.glu_linear_offset != 1.0, f"--glu-linear-offset {gcfg.glu_linear_offset}: gpt-oss multiplies by up + 1"),
         (gcfg.activation_func_clamp_value is None, "no --activation-func-clamp-value: gpt-oss clamps (swiglu_limit)"),
+        (not gcfg.moe_router_linear_bias, "no --moe-router-linear-bias: gpt-oss's router has a bias"),
         (gcfg.moe_router_score_function != "softmax", "a sigmoid router: gpt-oss softmaxes its top-k logits"),
         (gcfg.moe_router_pre_softmax, "--moe-router-pre-softmax: gpt-oss softmaxes over the top-k logits"),
         (gcfg.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias: gpt-oss has no expert bias"),

@@ -67,6 +67,7 @@ MATCHED = (
     ("moe_router_score_function", "--moe-router-score-function"),
     ("moe_router_pre_softmax", "--moe-router-pre-softmax"),
     ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
+    ("moe_router_linear_bias", "--moe-router-linear-bias"),
     ("moe_expert_capacity_factor", "--moe-expert-capacity-factor"),
 )
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -127,6 +128,7 @@ def check_export(gcfg: GPTConfig) -> None:
             gcfg.moe_router_enable_expert_bias,
             f"--moe-router-enable-expert-bias: {both} have no expert bias in their routers",
         ),
+        (gcfg.moe_router_linear_bias, f"--moe-router-linear-bias: {both} have no bias in their routers"),
         (
             gcfg.moe_router_score_function != "softmax",
             f"--moe-router-score-function {gcfg.moe_router_score_function}: {both} score the experts with a softmax",

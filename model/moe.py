@@ -143,7 +143,7 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 class MoEMLP(nn.Module):
     """Mixture-of-Experts MLP of one layer: ``[B, T, H] -> [B, T, H]``.
 
-    The router (``router.weight [E, H]`` and, with linear biases, ``router.bias [E]``, both
+    The router (``router.weight [E, H]`` and, with ``moe_router_linear_bias``, ``router.bias [E]``, both
     replicated over tp; fp32 logits by default) scores the micro-batch's ``B*T`` tokens;
     ``megazero.moe.router.route`` picks each token's k experts and weights, and with a capacity
     factor ``capacity_keep`` drops the assignments over capacity (dropped: that
@@ -196,7 +196,7 @@ class MoEMLP(nn.Module):
         tp = C.group_size(group)
         self.ep_group, self.ep_rank = (None, 0) if ep is None else ep
         local = E // C.group_size(self.ep_group)
-        self.router = _Linear(E, cfg.hidden_size, cfg.add_bias_linear, cfg.params_dtype, device)
+        self.router = _Linear(E, cfg.hidden_size, cfg.moe_router_linear_bias, cfg.params_dtype, device)
         self.experts = nn.ModuleDict(
             {
                 str(e): ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device)

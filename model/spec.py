@@ -31,8 +31,8 @@ Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head si
 - ``mlp.fc1.weight`` of a gated MLP (SwiGLU, quick GEGLU): ``[gate; up]``, ``[2F, H]``, stride 2;
   ``fc2`` ``[H, F]``.
 - an MoE layer (``cfg.is_moe_layer(i)``) has instead ``mlp.router.weight`` ``[E, H]``
-  (replicated over tp; with linear biases also ``mlp.router.bias`` ``[E]``, zeros, no weight
-  decay, as Megatron-LM's router under ``--add-bias-linear`` and gpt-oss's ``router.bias``),
+  (replicated over tp; with ``moe_router_linear_bias`` also ``mlp.router.bias`` ``[E]``, zeros, no
+  weight decay, gpt-oss's ``router.bias``),
   ``mlp.experts.{j}.fc1/fc2.*`` for every expert j (its global index,
   so expert parallelism can re-shard them), each laid out and partitioned as the dense MLP
   with ``moe_ffn_hidden_size``, and ``mlp.shared_experts.fc1/fc2.*`` for a shared expert.
@@ -64,8 +64,8 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
     else:
         E = cfg.num_experts
         mlp_weights.append(("mlp.router.weight", (E, H), None, 1, "normal", True))
-        if cfg.add_bias_linear:
-            mlp_biases.append(("mlp.router.bias", (E,), None, 1, "zeros", False))
+        if cfg.moe_router_linear_bias:  # a bias row even under --disable-bias-linear
+            mlp_weights.append(("mlp.router.bias", (E,), None, 1, "zeros", False))
         for j in range(E):
             weights, biases = _mlp_rows(cfg, f"mlp.experts.{j}", cfg.moe_ffn_hidden_size)
             mlp_weights += weights

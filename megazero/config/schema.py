@@ -461,6 +461,12 @@ class ModelConfig:
             ),
         ),
     )
+    moe_router_linear_bias: bool = _f(
+        False,
+        "a learnable bias [E] on the router's logits (gpt-oss's router.bias; Megatron-LM adds it under "
+        "--add-bias-linear, megazero only with this flag, so MoE models with linear biases keep their parameters)",
+        applies=_MOE,
+    )
     moe_router_enable_expert_bias: bool = _f(
         False,
         "aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the top-k, updated once per "

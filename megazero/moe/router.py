@@ -77,7 +77,7 @@ def router_logits(
     GEMM rounds its output to 8 significant bits, so logits that differ by less than that become
     exact ties, which ``route`` gives to the lower-numbered expert: the fp32 GEMM keeps them apart
     (Megatron-LM's ``--moe-router-dtype fp32``). ``bias``: the router's learnable bias
-    (Megatron-LM's router under ``--add-bias-linear``; gpt-oss's ``router.bias``), None = none.
+    (``--moe-router-linear-bias``; gpt-oss's ``router.bias``), None = none.
     Raises ValueError for another ``dtype``."""
     if dtype == "model":
         return F.linear(x, weight, bias)

@@ -216,7 +216,7 @@ BAD = [  # (world, flags, words the message must hold)
     (
         2,
         ["--tp", "2", "--swiglu", "--ffn-hidden-size", "65"],
-        "--ffn-hidden-size 65 is not divisible by --tp 2 (--swiglu",
+        "--ffn-hidden-size 65 is not divisible by --tp 2 (a gated MLP, --swiglu",
     ),
     (1, ["--swiglu", "--hidden-size", "16"], "--swiglu derives --ffn-hidden-size 0"),
     (1, ["--normalization", "BatchNorm"], "--normalization"),
@@ -239,7 +239,7 @@ def test_model_config_refuses_the_same_combinations():
     for kw, words in (
         (dict(num_query_groups=3), "--num-query-groups 3 does not divide"),
         (dict(rotary_percent=0.0), "--rotary-percent 0.0 is outside"),
-        (dict(ffn_hidden_size=65), "(--swiglu"),
+        (dict(ffn_hidden_size=65), "(a gated MLP, --swiglu"),
     ):
         with pytest.raises(ValueError, match=words.replace("(", r"\(")):
             llama_cfg(**kw).validate(2 if "swiglu" in words else 1)

@@ -15,7 +15,7 @@ N = dp x cp / EP (and its whole model state the sum of both formulas). One 4-ran
 layout; the pure rank arithmetic and the refused settings are tested without processes.
 
 gpt-oss's MLP (``GPT_OSS``: --quick-geglu, --glu-linear-offset 1, a clamp small enough to bite at
-this init, linear biases, so the router's bias and the experts' biases) runs the same checks
+this init, linear biases on the experts, --moe-router-linear-bias on the router) runs the same checks
 under tp 2 with sequence parallelism (ZeRO-1) and under pp 2 (ZeRO-3), both at EP 2.
 
 DeepSeek-V3's router (``grouped``: sigmoid scores, the expert bias, the sequence-wise aux loss,
@@ -41,6 +41,7 @@ GPT_OSS_BLOCK = [
     "--quick-geglu",
     "--glu-linear-offset",
     "1.0",
+    "--moe-router-linear-bias",
     "--group-query-attention",
     "--num-query-groups",
     "2",

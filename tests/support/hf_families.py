@@ -145,7 +145,7 @@ FAMILIES = {
         + ["--group-query-attention", "--num-query-groups", "2", "--layernorm-epsilon", "1e-6"]
         + ["--max-position-embeddings", "256", "--rotary-base", "10000", "--untie-embeddings-and-output-weights"]
         + ["--kv-channels", "12", "--softmax-type", "learnable", "--window-size", "7,0"]
-        + ["--window-attn-skip-freq", "2", "--num-experts", "4", "--moe-router-topk", "2"]
+        + ["--window-attn-skip-freq", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-linear-bias"]
         + ["--moe-ffn-hidden-size", "64", "--yarn-rotary-scaling-factor", "4"]
         + ["--yarn-original-max-position-embeddings", "64", "--no-yarn-correction-range-round-to-int"],
     ),

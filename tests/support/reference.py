@@ -161,7 +161,7 @@ class _MoE(nn.Module):
     def __init__(self, hidden: int, num_experts: int, ffn: int, shared, glu, bias: bool, opts: dict):
         super().__init__()
         self.o, self.E = opts, num_experts
-        self.router = nn.Linear(hidden, num_experts, bias=bias)  # gpt-oss's (and Megatron-LM's) router bias
+        self.router = nn.Linear(hidden, num_experts, bias=opts.get("router_bias", False))  # gpt-oss's router bias
         self.experts = nn.ModuleList(_Expert(hidden, ffn, glu, bias) for _ in range(num_experts))
         self.shared = None if shared is None else _Expert(hidden, shared, glu, bias)
         self.expert_bias = torch.zeros(num_experts) if opts["expert_bias"] else None
@@ -421,6 +421,7 @@ def block_options(cfg) -> dict:
             capacity_factor=cfg.moe_expert_capacity_factor,
             drop_policy=cfg.moe_token_drop_policy,
             expert_bias=cfg.moe_router_enable_expert_bias,
+            router_bias=getattr(cfg, "moe_router_linear_bias", False),
             bias_rate=cfg.moe_router_bias_update_rate,
             num_groups=cfg.moe_router_num_groups,
             group_topk=cfg.moe_router_group_topk,
@@ -440,7 +441,7 @@ class ReferenceGPT(nn.Module):
     ``rope`` = ``(rotated dims, base)``, ``rope_scaling`` (``rope_rotate``), ``rmsnorm``,
     ``swiglu`` (a gated MLP, ``fc1`` = ``[gate; up]``; ``glu``: its options, the keywords of
     ``megazero.ops.activation.glu``: gpt-oss's quick GEGLU, offset and clamp), ``bias`` (linear
-    biases, the MoE router's too), ``qkv_bias`` (the QKV projection's; None = ``bias``),
+    biases; the MoE router's with ``moe["router_bias"]``), ``qkv_bias`` (the QKV projection's; None = ``bias``),
     ``head_dim`` (None = hidden / heads), ``qk_norm``, ``softmax_type`` (sinks), ``windows``
     (one sliding window W or None per layer: key j hidden from query i when ``i - j >= W``), ``mla``
     (DeepSeek's latent attention in place of ``qkv``: ``dict(q_lora, kv_lora, nope, rope, v)``,

@@ -125,21 +125,24 @@ def test_bad_gated_unit_settings_exit_2_naming_the_flag(extra, named, capsys):
     assert err.startswith("megazero: config error: ") and err.count("\n") == 1 and named in err, err
 
 
-def test_router_bias_is_a_replicated_zero_initialised_undecayed_row_with_linear_biases():
+def test_router_bias_is_a_replicated_zero_initialised_undecayed_row_with_its_flag():
     from megazero.config import config_from_argv
     from model.build import build_gpt_config
     from model.spec import InitialWeights, spec_by_name
 
     argv = ["--mock-data", "--device", "cpu", "--num-experts", "4", "--quick-geglu", "--glu-linear-offset", "1"]
-    gcfg = build_gpt_config(config_from_argv(argv, 1), 1024)
+    gcfg = build_gpt_config(config_from_argv(argv + ["--moe-router-linear-bias"], 1), 1024)
     spec = spec_by_name(gcfg, 1024)
     e = spec["layers.0.mlp.router.bias"]
     assert (e.shape, e.partition_dim, e.weight_decay) == ((4,), None, False)
     assert torch.equal(InitialWeights(gcfg, 7)["layers.0.mlp.router.bias"], torch.zeros(4))
     H = gcfg.hidden_size
     assert spec["layers.0.mlp.experts.0.fc1.weight"].shape == (2 * 4 * H, H)  # gated: [gate; up] of 4H, as Megatron
-    bare = build_gpt_config(config_from_argv(argv + ["--disable-bias-linear"], 1), 1024)
+    bare = build_gpt_config(config_from_argv(argv, 1), 1024)  # linear biases alone add none
     assert "layers.0.mlp.router.bias" not in spec_by_name(bare, 1024)
+    assert "layers.0.mlp.experts.0.fc1.bias" in spec_by_name(bare, 1024)
+    alone = build_gpt_config(config_from_argv(argv + ["--disable-bias-linear", "--moe-router-linear-bias"], 1), 1024)
+    assert "layers.0.mlp.router.bias" in spec_by_name(alone, 1024)
 
 
 def test_dense_gpt_oss_mlp_equals_the_oracle_and_its_clamp_bites():
