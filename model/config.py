@@ -22,7 +22,7 @@ from megazero.config.shape import (
     check_rope_scaling,
     check_sizes,
     check_window,
-    check_yarn,
+    check_yarn_of,
     default_ffn_hidden_size,
     layer_window,
 )
@@ -374,15 +374,7 @@ class GPTConfig:
                 "fix: --normalization RMSNorm"
             )
         check_rope_scaling(self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor)
-        check_yarn(
-            yarn_factor=self.yarn_rotary_scaling_factor,
-            use_rope_scaling=self.use_rope_scaling,
-            linear_factor=self.rotary_seq_len_interpolation_factor,
-            beta_fast=self.yarn_beta_fast,
-            beta_slow=self.yarn_beta_slow,
-            mscale=self.yarn_mscale,
-            mscale_all_dim=self.yarn_mscale_all_dim,
-        )
+        check_yarn_of(self)
         check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
         if self.multi_latent_attention:
             check_mla(

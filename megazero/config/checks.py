@@ -37,7 +37,7 @@ from megazero.config.shape import (
     check_rope_scaling,
     check_sizes,
     check_window,
-    check_yarn,
+    check_yarn_of,
 )
 from megazero.data_parallel.policy import POLICIES, stages_where
 from megazero.moe.router import check_groups
@@ -207,15 +207,7 @@ def _check_block(cfg: Config, world_size: int) -> None:
         kv_channels=m.kv_channels,
     )
     check_rope_scaling(m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor)
-    check_yarn(
-        yarn_factor=m.yarn_rotary_scaling_factor,
-        use_rope_scaling=m.use_rope_scaling,
-        linear_factor=m.rotary_seq_len_interpolation_factor,
-        beta_fast=m.yarn_beta_fast,
-        beta_slow=m.yarn_beta_slow,
-        mscale=m.yarn_mscale,
-        mscale_all_dim=m.yarn_mscale_all_dim,
-    )
+    check_yarn_of(m)
     check_window(m.window_size, m.window_attn_skip_freq, m.num_layers)
     if m.multi_latent_attention:
         check_mla(

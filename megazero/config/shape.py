@@ -123,6 +123,23 @@ def check_rope_scaling(low_freq_factor: float, high_freq_factor: float) -> None:
         )
 
 
+def check_yarn_of(settings) -> None:
+    """``check_yarn`` of an object holding the settings under their names (``ModelConfig`` and
+    ``GPTConfig`` share them: ``yarn_rotary_scaling_factor``, ``use_rope_scaling``,
+    ``rotary_seq_len_interpolation_factor``, ``yarn_beta_fast``, ``yarn_beta_slow``,
+    ``yarn_mscale``, ``yarn_mscale_all_dim``)."""
+    s = settings
+    check_yarn(
+        yarn_factor=s.yarn_rotary_scaling_factor,
+        use_rope_scaling=s.use_rope_scaling,
+        linear_factor=s.rotary_seq_len_interpolation_factor,
+        beta_fast=s.yarn_beta_fast,
+        beta_slow=s.yarn_beta_slow,
+        mscale=s.yarn_mscale,
+        mscale_all_dim=s.yarn_mscale_all_dim,
+    )
+
+
 def check_yarn(
     *,
     yarn_factor: Optional[float],
