@@ -3,7 +3,8 @@
 Every module that communicates takes this object (or the one group it needs) as an argument;
 there is no global registry. The fields are generated from ``megazero.topology.GROUP_TABLE``:
 ``topology`` and ``rank``, then one group per row (``tp``, ``dp``, ``pp``, ``mp``, ``cp``,
-``dp_cp``, ``embedding``, ``ep``, ``edp``, ``zero_shard``, ``zero_replica``), then ``world``; a
+``dp_cp``, ``embedding``, ``ep``, ``edp``, ``zero_shard``, ``zero_replica``,
+``expert_zero_shard``), then ``world``; a
 new row is a new field with no code here. ``ProcessGroups.single()`` describes a one-process run
 with no torch.distributed at all: every group is ``None`` and every collective in
 ``megazero.collectives`` is a no-op on it. ``replicas()`` is the view the data-parallel
@@ -12,7 +13,9 @@ dp, its ``dp`` the ``dp_cp`` group. With expert parallelism (``topology.ep > 1``
 group the MoE layers dispatch tokens over and ``edp`` the group expert parameters are reduced
 and sharded over. With hybrid sharding (``topology.hybrid``) ZeRO shards over
 ``zero_shard_group`` (``zero_shard``, S ranks) and all-reduces the shards over
-``zero_replica``; flat, ``zero_shard_group`` is ``dp``.
+``zero_replica``; flat, ``zero_shard_group`` is ``dp``. Both together, expert parameters shard
+over ``expert_zero_shard`` (the S / EP edp ranks inside one shard group; ``edp`` when flat) and
+all-reduce over the same ``zero_replica``.
 """
 
 from __future__ import annotations
@@ -225,7 +228,8 @@ Fields: ``topology`` (Topology), ``rank`` (global rank), one process group per r
 default group. A group is ``None`` in a single-process run, for a group this rank is not in
 (``embedding`` on a middle stage) and for a row the layout does not build (``ep``,
 ``zero_shard``, ``zero_replica`` without expert parallelism / hybrid sharding; ``edp`` is then
-``dp_cp``). Two rows with the same members share one group (``dp_cp`` is ``dp`` when cp == 1).
+``dp_cp``, ``expert_zero_shard`` is ``edp`` unless both are on). Two rows with the same members
+share one group (``dp_cp`` is ``dp`` when cp == 1).
 """
 
 ProcessGroups = dataclasses.make_dataclass(

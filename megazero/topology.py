@@ -27,13 +27,15 @@ its group over them (``GroupRow``). Three families, one code path (``Topology.ro
 - *dense*: the group over a set of dimensions (``all``), and the embedding group, the first and
   last member along ``pp`` (``ends``: the holders of tied embedding copies);
 - *expert*: expert parallelism carved out of the dp x cp replicas by the size ``ep``;
-- *hybrid*: hybrid sharding's ZeRO shard group and its replica group, carved by ``zero_shard``.
+- *hybrid*: hybrid sharding's ZeRO shard group and its replica group, carved by ``zero_shard``,
+  and the expert parameters' shard group, carved by ``expert_zero_shard`` inside the ``edp`` group.
 
-A carved row splits the rank's group over ``over`` (sorted, so a member's position is its
-index among those ranks) into ``k``-rank blocks of consecutive positions (``block``: the same
-``position // k``) or into the ranks ``k`` positions apart (``stride``: the same
-``position % k``). A row with ``when`` is built only when that property of the topology holds
-(``ep > 1``, ``hybrid``); else its field is the group of its ``otherwise`` row, or None.
+A carved row splits the rank's group over ``over`` (or, with ``within``, the rank's group of that
+other row; sorted, so a member's position is its index among those ranks) into ``k``-rank
+blocks of consecutive positions (``block``: the same ``position // k``) or into the ranks ``k``
+positions apart (``stride``: the same ``position % k``). A row with ``when`` is built only when
+that property of the topology holds (``ep > 1``, ``hybrid``, ``expert_hybrid``); else its field
+is the group of its ``otherwise`` row, or None.
 
 A new dimension is data: its name in ``ORDER`` (``Topology(cp=2)`` works, every other size
 defaulting to 1) and its groups as rows of ``GROUP_TABLE``; ``ProcessGroups`` gets a field per
@@ -57,6 +59,15 @@ replicas (``zero_shard_rank = r' % S``: reduce-scatter, all-gather) and replicat
 dp x cp / S blocks (``zero_replica_rank = r' // S``: all-reduce of the shards). With
 tp-cp-dp-pp and S = GPUs per node / (tp x cp) a shard group is one node. S = dp x cp (the
 default) is flat ZeRO: the shard group is ``dp_cp`` and there is no replica group.
+
+Hybrid sharding with expert parallelism (Megatron-LM's partial expert-data-parallel groups of
+``--num-distributed-optimizer-instances``): expert state is sharded over the edp ranks inside
+one dense shard group, ``S_e = S / EP`` of them (``expert_zero_shard``; S must be a multiple of
+EP), and replicated over the same ``dp x cp / S`` replica count as the dense state. With
+``e = edp_rank``, ``expert_zero_shard_rank = e % S_e`` and ``expert_zero_replica_rank = e // S_e
+= r' // S``: the expert state's replica group IS ``zero_replica`` (the ranks with the same
+``r' % S`` share ``ep_rank`` and ``e % S_e``), so it needs no row of its own. Flat (S = dp x cp)
+the expert shard group is the edp group.
 
 This module imports no torch.distributed; it is the one place where the order is written.
 """
@@ -87,7 +98,9 @@ class GroupRow:
     there and is skipped); ``rule``: one of ``RULES``; ``by``: the ``Topology`` attribute whose
     value is the ``k`` of a ``block`` / ``stride`` row (``"ep"``, ``"zero_shard"``); ``when``: a
     boolean ``Topology`` property without which the row is not built (None: always built);
-    ``otherwise``: the row whose group stands in when not built (None: the field is None).
+    ``otherwise``: the row whose group stands in when not built (None: the field is None);
+    ``within``: carve the block / stride out of the rank's group of this other row instead of
+    its group over ``over`` (the expert shard group inside the ``edp`` group).
     """
 
     name: str
@@ -97,20 +110,22 @@ class GroupRow:
     by: Optional[str] = None
     when: Optional[str] = None
     otherwise: Optional[str] = None
+    within: Optional[str] = None
 
     def __post_init__(self):
-        """Raises ValueError for an unknown family or rule, or ``by`` given to the wrong rule."""
+        """Raises ValueError for an unknown family or rule, or ``by`` / ``within`` given to the wrong rule."""
         if self.family not in FAMILIES:
             raise ValueError(f"group row {self.name!r}: family {self.family!r} must be one of {FAMILIES}")
-        if self.rule not in RULES or (self.rule in ("block", "stride")) != (self.by is not None):
+        carved = self.rule in ("block", "stride")
+        if self.rule not in RULES or carved != (self.by is not None) or (self.within and not carved):
             raise ValueError(
                 f"group row {self.name!r}: rule {self.rule!r} must be one of {RULES}, "
-                f"with `by` exactly for block and stride"
+                f"with `by` exactly for block and stride (and `within` only for them)"
             )
 
 
 GROUP_TABLE: tuple[GroupRow, ...] = (
-    #        name            family    over          rule      by            when               otherwise
+    #        name            family    over          rule      by            when               otherwise  within
     GroupRow("tp", "dense", ("tp",)),
     GroupRow("dp", "dense", ("dp",)),
     GroupRow("pp", "dense", ("pp",)),
@@ -122,6 +137,7 @@ GROUP_TABLE: tuple[GroupRow, ...] = (
     GroupRow("edp", "expert", ("dp", "cp"), "stride", "ep", "expert_parallel", "dp_cp"),
     GroupRow("zero_shard", "hybrid", ("dp", "cp"), "block", "zero_shard", "hybrid"),
     GroupRow("zero_replica", "hybrid", ("dp", "cp"), "stride", "zero_shard", "hybrid"),
+    GroupRow("expert_zero_shard", "hybrid", ("dp", "cp"), "block", "expert_zero_shard", "expert_hybrid", "edp", "edp"),
 )
 """Every process group, in the order ``ProcessGroups.build`` creates them (module docstring)."""
 
@@ -205,7 +221,7 @@ class Topology:
         ValueError: a size below 1 (``--tp must be >= 1, got 0``), a size for a dimension
             the order does not have, an order that repeats a name, or an ``ep`` / ``zero_shard``
             that does not divide dp x cp (naming ``--expert-model-parallel-size`` /
-            ``--zero-shard-size``).
+            ``--zero-shard-size``), or a ``zero_shard`` that is no multiple of ``ep``.
     """
 
     dims: tuple[Dim, ...]
@@ -243,6 +259,11 @@ class Topology:
         shard = replicas if zero_shard is None else zero_shard
         if shard < 1 or replicas % shard:
             raise ValueError(f"--zero-shard-size {shard} must be >= 1 and divide dp x cp = {replicas}")
+        if shard % ep:
+            raise ValueError(
+                f"--zero-shard-size {shard} must be a multiple of --expert-model-parallel-size {ep} "
+                "(expert state shards over S / EP expert-data-parallel ranks)"
+            )
         object.__setattr__(self, "zero_shard", shard)
 
     # -- sizes and coordinates -----------------------------------------------------------
@@ -322,8 +343,10 @@ class Topology:
         """``rank``'s group of kind ``row`` (module docstring), sorted. For an ``ends`` row on a
         middle stage it is the group of the end stages, which ``rank`` is not in; with pp == 1
         the rank alone (the tie is inside one module)."""
-        over = self.present(row.over)
-        members = self.group(rank, over)  # sorted: a member's position is its index here
+        if row.within is not None:  # sorted: a member's position is its index here
+            members = self.row_group(rank, ROWS[row.within])
+        else:
+            members = self.group(rank, self.present(row.over))
         if row.rule == "all":
             return members
         if row.rule == "ends":
@@ -404,12 +427,31 @@ class Topology:
         return self.replica_index(rank) // self.zero_shard
 
     def zero_group(self, rank: int, kind: str) -> list[int]:
-        """The ``"zero_shard"`` or ``"zero_replica"`` group of ``rank`` (module docstring), in
-        increasing global rank; the shard group is the ``dp_cp`` group when flat. ValueError
-        for another kind."""
+        """The ``"zero_shard"``, ``"zero_replica"`` or ``"expert_zero_shard"`` group of ``rank``
+        (module docstring), in increasing global rank; flat, the shard group is the ``dp_cp``
+        group and the expert one the ``edp`` group. ValueError for another kind."""
         if kind not in HYBRID_GROUPS:
             raise ValueError(f"unknown hybrid-sharding group {kind!r}: one of {HYBRID_GROUPS}")
         return self.row_group(rank, ROWS[kind])
+
+    @property
+    def expert_zero_shard(self) -> int:
+        """S_e = S / EP: the edp ranks one expert shard set is spread over (the edp size when flat)."""
+        return self.zero_shard // self.ep
+
+    @property
+    def expert_hybrid(self) -> bool:
+        """Hybrid sharding with expert parallelism: the ``expert_zero_shard`` row is built."""
+        return self.hybrid and self.expert_parallel
+
+    def expert_zero_shard_rank(self, rank: int) -> int:
+        """``edp_rank % S_e``: the rank's index in its expert shard group."""
+        return self.edp_rank(rank) % self.expert_zero_shard
+
+    def expert_zero_replica_rank(self, rank: int) -> int:
+        """``edp_rank // S_e``: which replica of the sharded expert state the rank holds (0 when
+        flat); equal to ``zero_replica_rank`` (``r' // S``: one replica group for both)."""
+        return self.edp_rank(rank) // self.expert_zero_shard
 
     # The named groups of the three dimensions every caller knows: the group containing
     # ``rank`` (sorted), and all groups of a kind.

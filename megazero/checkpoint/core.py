@@ -257,8 +257,9 @@ def _chunks_to_write(optimizer, groups: ProcessGroups) -> tuple[dict, dict]:
     """(``{key: [Chunk]}``, ``{key: full shape}``): the owned runs this rank writes (replicated
     copies once, ``checkpoint_shards.writes_here``: an expert-parallel parameter once per ep
     rank, by its first expert-data-parallel replica; under hybrid sharding by the first replica
-    of the shards, ``groups.zero_replica_rank == 0``), views of the optimizer's state. The chunks
-    are boxes of the full tensors whatever S, so a checkpoint loads at any other S."""
+    of the shards, ``groups.zero_replica_rank == 0``, which is also the expert state's replica
+    rank ``edp_rank // (S / EP)``), views of the optimizer's state. The chunks are boxes of the
+    full tensors whatever S, so a checkpoint loads at any other S and EP."""
     shards = _shards()
     sharded = optimizer.ddp.strategy.shards_optimizer
     mine, params = shards.owned_chunks(

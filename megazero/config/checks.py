@@ -462,7 +462,8 @@ def _check_offload(cfg: Config, world_size: int) -> None:
 
 def _check_hybrid_shard(cfg: Config, world_size: int) -> None:
     """--zero-shard-size S (hybrid sharding): S divides dp x cp, needs a sharded stage (1-3), and
-    is refused with expert parallelism (expert buffers shard over their own edp group)."""
+    with expert parallelism is a multiple of EP (expert state shards over the S / EP
+    expert-data-parallel ranks inside each shard group, megazero/topology.py)."""
     z, p = cfg.zero, cfg.parallel
     s = z.zero_shard_size
     if s is None:
@@ -479,10 +480,12 @@ def _check_hybrid_shard(cfg: Config, world_size: int) -> None:
             "nothing is sharded); fix: add --zero-stage 1, 2 or 3, or drop it"
         )
     ep = p.expert_model_parallel_size if cfg.model.num_experts is not None else 1
-    if ep > 1 and s < replicas:
+    if s % ep:
+        fits = [d for d in range(ep, replicas + 1, ep) if replicas % d == 0]
         raise ConfigError(
-            f"{flag} {s} with --expert-model-parallel-size {ep} is not supported (expert "
-            "parameters shard over their expert-data-parallel group); fix: drop one of them"
+            f"{flag} {s} is not a multiple of --expert-model-parallel-size {ep} (expert state shards "
+            f"over the S / EP expert-data-parallel ranks of each shard group); fix: choose one of "
+            f"{', '.join(map(str, fits))} (a multiple of {ep} dividing {replicas})"
         )
 
 

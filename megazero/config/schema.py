@@ -781,7 +781,8 @@ class ZeroConfig:
         "hybrid sharding (HSDP / MiCS): shard the ZeRO state (optimizer states, gradients, stage-3 "
         "parameters) over S consecutive data-parallel ranks and replicate it over the dp x cp / S groups of "
         "them; gradients reduce-scattered inside the group, then all-reduced across the groups; S divides "
-        "dp x cp; None = dp x cp (flat ZeRO); DeepSpeed's mics_shard_size",
+        "dp x cp; with --expert-model-parallel-size EP, S is a multiple of EP and expert state shards over "
+        "S / EP ranks; None = dp x cp (flat ZeRO); DeepSpeed's mics_shard_size",
         "ranks",
         ge=1,
         flags=("--zero-shard-size",),

@@ -37,7 +37,9 @@ Hybrid sharding (MiCS, Zhang et al. 2022, sec. 3; FSDP's HYBRID_SHARD): with
 inside the shard group as above; then each reduced shard is SUM all-reduced across the replica
 group (stage 1: per bucket as it retires; stages 2/3: the accumulated shard once per step, in
 ``finish_sync``), and only then divided by the full N. Parameter all-gathers stay inside the
-shard group. Expert-parallel buffers (``ep > 1``) keep the flat edp path.
+shard group. Expert-parallel buffers (``ep > 1``) do the same inside ``groups.expert_zero_shard``
+(the S / EP edp ranks of one shard group, Megatron-LM's partial expert-data-parallel group) and
+over the same replica group; flat, that group is ``groups.edp`` and there is no replica group.
 """
 
 from __future__ import annotations
@@ -213,8 +215,8 @@ class DataParallel:
             groups.setdefault((tags.is_shared_embedding(p), p.dtype, tags.is_expert_parallel(p)), []).append(p)
         made = []
         for (shared, _, expert), members in groups.items():
-            if expert and self.groups.ep_size > 1:
-                group, replica = self.groups.edp, None
+            if expert and self.groups.ep_size > 1:  # edp, or its S / EP ranks in one shard group
+                group, replica = self.groups.expert_zero_shard, self.groups.zero_replica
             else:  # hybrid sharding: shard over S ranks, all-reduce the shards over the rest
                 group, replica = self.groups.zero_shard_group, self.groups.zero_replica
             layout = GradBuffer(members, bucket_size, C.group_size(group), C.group_rank(group))

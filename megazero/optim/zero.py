@@ -451,8 +451,9 @@ class DistributedOptimizer:
 
     def formula_terms(self) -> list[tuple[int, int]]:
         """``(Psi, N)`` per kind of buffer: the padded elements of the buffers sharded over the
-        dp x cp replicas with N their count, and (expert parallelism) those of the expert
-        buffers with N the expert-data-parallel size (megazero/data_parallel/ddp.py)."""
+        dp x cp replicas with N their count (S under hybrid sharding), and (expert parallelism)
+        those of the expert buffers with N the expert-data-parallel size (S / EP under hybrid
+        sharding: the expert shard group, megazero/data_parallel/ddp.py)."""
         by_n: dict[int, int] = {}
         for b in self.ddp.buffers:
             by_n[b.layout.dp_size] = by_n.get(b.layout.dp_size, 0) + b.layout.padded_numel

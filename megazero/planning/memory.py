@@ -35,7 +35,8 @@ out-of-memory kill minutes later (docs/design.md, contracts 2 and 3).
   count includes the cp attention's buffers (the ring's K/V blocks, ``ContextParallelBytes``),
   and ZeRO shards over the ``dp x cp`` ranks that hold the same parameters (pass that
   product as ``dp``). Under hybrid sharding (``--zero-shard-size S``) the state is sharded over
-  S ranks and replicated across the rest: the formulas hold with N = S (pass S as ``dp``).
+  S ranks and replicated across the rest: the formulas hold with N = S (pass S as ``dp``), and
+  with expert parallelism N = S / EP for the expert state (the edp ranks of one shard group).
 """
 
 from __future__ import annotations
@@ -293,7 +294,8 @@ def estimate(
     stay among the temporaries). ``cp``: the
     context-parallel size of the bound (the counted path reads ``activations.cp``); ``dp`` is
     the number of ranks ZeRO shards over, ``dp x cp`` with context parallelism; ``ep`` the
-    expert-parallel size (a rank holds E/ep experts, their states sharded over ``dp / ep``);
+    expert-parallel size (a rank holds E/ep experts, their states sharded over ``dp / ep``: the
+    edp size, or S / EP under hybrid sharding);
     ``reference``: a frozen reference model in the planned memory (``MemoryEstimate.reference_bytes``)."""
     if activations is not None:
         return _estimate_counted(

@@ -52,7 +52,8 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
     the number of ranks ZeRO shards over: the replicas, dp x cp (``ProcessGroups.replicas``), or
     the shard size S of hybrid sharding (``--zero-shard-size``: the state is replicated over the
     dp x cp / S groups, so the formulas hold with N = S); ``ep`` the expert-parallel size of an
-    MoE model (1 for a dense one); ``states_on_host`` / ``params_on_host``: the optimizer state /
+    MoE model (1 for a dense one; its expert state shards over ``dp / ep``: dp x cp / EP, or
+    S / EP under hybrid sharding); ``states_on_host`` / ``params_on_host``: the optimizer state /
     ZeRO-3's parameter shards offloaded off the GPU (``--offload-optimizer`` / ``--offload-param``
     cpu or nvme; on a CPU run the host is the planned memory, so nothing leaves it);
     ``reference``: DPO's frozen reference model in the planned memory (not SimPO's, which has

@@ -220,6 +220,8 @@ def test_hybrid_groups_by_hand():
     assert Topology(tp=2, dp=4, zero_shard=4) == flat
     with pytest.raises(ValueError, match="--zero-shard-size 3 must be >= 1 and divide dp x cp = 4"):
         Topology(dp=4, zero_shard=3)
+    with pytest.raises(ValueError, match="--zero-shard-size 2 must be a multiple of --expert-model-parallel-size 4"):
+        Topology(dp=8, ep=4, zero_shard=2)
 
 
 @pytest.mark.parametrize(
@@ -238,19 +240,20 @@ def test_hybrid_groups_by_hand():
                 "--zero-stage",
                 "2",
                 "--zero-shard-size",
-                "2",
+                "1",
                 "--num-experts",
                 "4",
                 "--expert-model-parallel-size",
                 "2",
             ],
-            "--zero-shard-size 2 with --expert-model-parallel-size 2",
+            "--zero-shard-size 1 is not a multiple of --expert-model-parallel-size 2 (expert state shards over "
+            "the S / EP expert-data-parallel ranks of each shard group); fix: choose one of 2, 4",
         ),
     ],
 )
 def test_bad_shard_size_is_one_line_naming_the_flag(extra, message, capsys):
-    """S not dividing dp x cp, S < 1, S at ZeRO-0, S with expert parallelism: exit 2 before
-    launch with one line naming --zero-shard-size."""
+    """S not dividing dp x cp, S < 1, S at ZeRO-0, S no multiple of the expert-parallel size:
+    exit 2 before launch with one line naming --zero-shard-size and the sizes that fit."""
     from megazero.config import config_from_argv
 
     with pytest.raises(SystemExit) as e:

@@ -90,6 +90,7 @@ MODELS = {  # model -> its flags: tests/layouts/test_moe.py's ARGS and its routi
         "seq_aux_loss",
     ],
 }
+Z3 = ["--zero-stage", "3", "--zero3-param-persistence-threshold", "0"]  # every parameter sharded
 LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
     "dp4-ep2-zero1": (["--dp", "4", "--zero-stage", "1", EP, "2"], "dropless"),
     "dp4-ep2-zero3": (
@@ -198,6 +199,10 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
     "cp2-dp2-ep2-zero1": (["--cp", "2", "--dp", "2", "--zero-stage", "1", EP, "2"], "dropless"),
     "position-cp2-dp2-ep4-zero2": (["--cp", "2", "--dp", "2", "--zero-stage", "2", EP, "4"], "position"),
     "sp-tp2-cp2-ep2-zero1": (["--tp", "2", "--sequence-parallel", "--cp", "2", "--zero-stage", "1", EP, "2"], "bias"),
+    # hybrid sharding: dense state over S = 2, expert state over S / EP = 1 edp rank, both replicated over 2
+    "dp4-ep2-s2-zero1": (["--dp", "4", "--zero-stage", "1", EP, "2", "--zero-shard-size", "2"], "dropless"),
+    "dp4-ep2-s2-zero2": (["--dp", "4", "--zero-stage", "2", EP, "2", "--zero-shard-size", "2"], "bias"),
+    "dp4-ep2-s2-zero3": (["--dp", "4", "--zero-shard-size", "2", EP, "2", *Z3], "dropless"),
     "gpt-oss-pp2-dp2-ep2-zero3": (
         ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
         "gpt-oss",
@@ -419,19 +424,21 @@ def test_all_to_all_bytes_equal_the_closed_form(name, runs):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
     """Each rank's expert buffers hold E/EP experts and exactly the ZeRO formula's bytes with
-    N = dp x cp / EP (fp32: parameters and gradients 4 bytes, moments 8); the whole model state is
-    the dense formula (N = dp x cp) plus the expert one, and the memory planner predicts it up to
+    N = S / EP (S = --zero-shard-size, default dp x cp; fp32: parameters and gradients 4 bytes,
+    moments 8); the whole model state is the dense formula (N = S) plus the expert one, and the
+    memory planner predicts it up to
     the padding of each buffer to a multiple of its N (< N elements of 16 bytes per buffer)."""
     from megazero.optim.zero import zero_formula_bytes
 
     stage, dp, ep, tp, pp, cp = (_flag(name, f) for f in ("--zero-stage", "--dp", EP, "--tp", "--pp", "--cp"))
-    dp *= cp  # the replicas: ZeRO's N of the dense parameters
+    dp *= cp  # the replicas
+    shard = _flag(name, "--zero-shard-size", dp)  # ZeRO's N of the dense parameters; S / EP the experts'
     per_expert = 3 * 32 * 16 // tp  # gated fc1 [2F/tp, H] and fc2 [H, F/tp], F = 16, H = 32
     if LAYOUTS[name][1] == "gpt-oss":
         per_expert += 2 * 16 // tp + 32  # the biases: fc1's [2F/tp], fc2's [H] (replicated over tp)
     for r in runs[name][0]:
         numel, padded, n, held = r["expert_state"]
-        assert r["edp_size"] == n == dp // ep
+        assert r["edp_size"] == dp // ep and n == shard // ep
         assert numel == (4 // pp) * (8 // ep) * per_expert
         assert held == zero_formula_bytes(padded, n, stage, 4, 4)
         assert r["terms"][-1] == (padded, n) or ep == 1
@@ -658,3 +665,60 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep4_and_ep1(tmp_path):
         for r in per_rank:
             for i, b in r.get(name, (None, {}))[1].items():
                 assert torch.equal(b, layers[i]), (name, i)
+
+
+# -- checkpoints across ZeRO shard sizes: saved at --zero-shard-size 2 x EP 2, resumed flat and at EP 1 --
+HYBRID_SAVED = ["--dp", "4", "--zero-stage", "1", EP, "2", "--zero-shard-size", "2"]  # expert state whole per rank
+HYBRID_RESUMED = {
+    "dp4-ep2-zero2-flat": ["--dp", "4", "--zero-stage", "2", EP, "2"],  # experts sharded over edp 2
+    "dp4-ep1-zero3-flat": ["--dp", "4", *Z3],  # experts in the dense buffers, sharded over 4
+    "dp4-ep2-s2-zero3": ["--dp", "4", "--zero-shard-size", "2", EP, "2", *Z3],  # both replicas read
+}
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_hybrid_sharding_resumes_at_other_shard_sizes(tmp_path):
+    """Saved at dp 4, EP 2, --zero-shard-size 2 (ZeRO-1: dense state sharded over 2 ranks, each
+    rank's expert state whole, S / EP = 1, both written by the first replica only) after 3 steps,
+    with the expert bias; resumed flat at EP 2 ZeRO-2 (experts sharded over the 2 edp ranks), at
+    EP 1 ZeRO-3 (experts in the dense buffers over 4 ranks) and at the saved S with ZeRO-3 (every
+    replica reads its shards): the next 5 steps' losses and gradient norms equal the uninterrupted
+    run's within 1e-5 and every layer's expert bias after them is the same (exactly)."""
+    per_rank = run_distributed(
+        _checkpoint_runs,
+        4,
+        str(tmp_path),
+        ARGS + BIAS + HYBRID_SAVED,
+        {n: ARGS + BIAS + a for n, a in HYBRID_RESUMED.items()},
+        timeout_s=900,
+    )
+    want, layers = per_rank[0]["uninterrupted"]
+    assert len(want) == AFTER and want[0]["iteration"] == SAVE_AT + 1
+    assert sorted(layers) == [0, 1, 2, 3] and any(b.abs().sum() > 0 for b in layers.values())
+    for r in per_rank:
+        for name in HYBRID_RESUMED:
+            got, bias = r[name]
+            assert [g["iteration"] for g in got] == [w["iteration"] for w in want]
+            for g, w in zip(got, want):
+                assert math.isclose(g["loss"], w["loss"], rel_tol=1e-5), (name, g["loss"], w["loss"])
+                assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (name, g, w)
+            assert sorted(bias) == [0, 1, 2, 3] and all(torch.equal(b, layers[i]) for i, b in bias.items()), name
+
+
+def test_expert_shard_groups_by_hand():
+    """S_e = S / EP: the expert shard group is the edp ranks inside the rank's shard group and
+    the replica group is the dense one. dp 8, EP 2, S 4: shard groups {0..3}, {4..7}; edp groups
+    the even and the odd ranks; expert shard groups their halves; replicas 4 apart. Flat, the
+    expert shard group is the edp group; S no multiple of EP is refused by name."""
+    from megazero.topology import Topology
+
+    t = Topology(dp=8, ep=2, zero_shard=4)
+    assert t.expert_hybrid and t.expert_zero_shard == 2
+    assert t.named_groups("expert_zero_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t.named_groups("zero_replica") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [t.expert_zero_shard_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [t.expert_zero_replica_rank(r) for r in range(8)] == [0] * 4 + [1] * 4
+    flat = Topology(dp=8, ep=2)
+    assert not flat.expert_hybrid and flat.named_groups("expert_zero_shard") == flat.named_groups("edp")
+    with pytest.raises(ValueError, match="--zero-shard-size 2 must be a multiple of --expert-model-parallel-size 4"):
+        Topology(dp=8, ep=4, zero_shard=2)

@@ -162,6 +162,7 @@ def test_process_groups_build_creates_the_old_groups_in_the_old_order():
         ("edp", "expert"),
         ("zero_shard", "hybrid"),
         ("zero_replica", "hybrid"),
+        ("expert_zero_shard", "hybrid"),
     ]
 
 
@@ -176,10 +177,11 @@ def test_process_groups_fields_are_exactly_the_table_rows():
 
 FAMILY_LAYOUTS = [
     dict(tp=2, pp=2, dp=2),
-    dict(tp=1, pp=3, dp=4, cp=2, ep=4, zero_shard=2),
+    dict(tp=1, pp=3, dp=4, cp=2, ep=2, zero_shard=4),  # S a multiple of EP: S_e = S / EP
     dict(tp=2, pp=1, dp=2, cp=3, ep=3, zero_shard=3),
-    dict(tp=1, pp=4, dp=6, ep=2, zero_shard=3),
-    dict(tp=3, pp=2, dp=1, cp=2, ep=2, zero_shard=1),
+    dict(tp=1, pp=2, dp=12, ep=2, zero_shard=6),
+    dict(tp=3, pp=2, dp=2, cp=2, ep=2, zero_shard=2),
+    dict(tp=2, pp=2, dp=4, zero_shard=1),
 ]
 
 
@@ -217,6 +219,13 @@ def test_every_family_row_partitions_the_world(layout):
         assert [t.zero_replica_rank(s) for s in t.zero_group(r, "zero_replica")] == list(
             range(replicas // t.zero_shard)
         )
+        # the expert shard group: the edp ranks inside the rank's shard group, S / EP of them
+        shard, edp = t.zero_group(r, "zero_shard"), t.expert_group(r, "edp")
+        assert t.zero_group(r, "expert_zero_shard") == [s for s in edp if s in shard]
+        assert [t.expert_zero_shard_rank(s) for s in t.zero_group(r, "expert_zero_shard")] == list(
+            range(t.zero_shard // t.ep)
+        )
+        assert t.expert_zero_replica_rank(r) == t.zero_replica_rank(r)  # one replica group for both
 
 
 def _prod_of(t, over):
@@ -233,6 +242,8 @@ def test_a_group_row_checks_its_rule():
         GroupRow("x", "expert", ("dp",), "block")
     with pytest.raises(ValueError, match="rule 'all'"):
         GroupRow("x", "dense", ("dp",), by="ep")
+    with pytest.raises(ValueError, match="`within` only for them"):
+        GroupRow("x", "dense", ("dp",), within="edp")
     t = Topology(tp=2, dp=4)
     assert t.row_groups(GroupRow("pairs", "hybrid", ("dp",), "block", "tp")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
