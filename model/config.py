@@ -378,7 +378,6 @@ class GPTConfig:
         check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
         if self.multi_latent_attention:
             check_mla(
-                cp=1,  # GPTStage refuses a cp group (it knows the layout)
                 rope=self.position_embedding_type == "rope",
                 bias=self.add_bias_linear or self.add_qkv_bias,
                 softmax_type=self.softmax_type,

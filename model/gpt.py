@@ -45,7 +45,6 @@ from torch import nn
 
 from megazero import collectives as C
 from megazero import tags
-from megazero.config.schema import ConfigError
 from megazero.context_parallel.attention import (
     all_to_all_attention,
     document_mask,
@@ -400,8 +399,8 @@ class Block(nn.Module):
     ):
         super().__init__()
         self.ln1 = _norm(cfg, device)
-        if cfg.multi_latent_attention:  # DeepSeek's MLA (model/mla.py); the config refuses cp, windows
-            self.attn = MultiLatentAttention(cfg, group, sp, tracker, device, rope)
+        if cfg.multi_latent_attention:  # DeepSeek's MLA (model/mla.py); the config refuses windows, sinks
+            self.attn = MultiLatentAttention(cfg, group, sp, tracker, device, rope, cp)
         else:
             self.attn = Attention(cfg, group, sp, tracker, device, cp, rope, window, mask_cache)
         self.ln2 = _norm(cfg, device)
@@ -472,8 +471,6 @@ class GPTStage(nn.Module):
     ):
         super().__init__()
         cfg.validate(groups.tp_size)
-        if cfg.multi_latent_attention and groups.cp_size > 1:
-            raise ConfigError(f"--multi-latent-attention with --cp {groups.cp_size} is not supported; fix: --cp 1")
         self.cfg, self.groups, self.tp = cfg, groups, groups.tp
         self.layer_ids = list(layer_ids)
         self.pre_process, self.post_process = pre_process, post_process

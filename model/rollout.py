@@ -34,7 +34,9 @@ token cannot be; the decoder runs the tensor-parallel layers without it
 row-parallel ones and the vocabulary-parallel embedding all-reduce over tp, as the layers do
 without sequence parallelism, which gives the same values. Context parallelism needs nothing:
 every cp rank holds the whole weights and the decoder's own attention (``attend``) runs whole
-rows, never the ring or all-to-all.
+rows, never the ring or all-to-all. A multi-head latent attention layer caches its compressed
+latent and rotated shared RoPE key, ``(c_kv [B, 1, S, kv_lora_rank], k_pe [B, 1, S, r])``, and
+attends in the latent space (``model.mla.MultiLatentAttention.decode``).
 """
 
 from __future__ import annotations
@@ -161,7 +163,11 @@ def attend(attn, x: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Te
     cached slots and themselves, ``mask [B, 1, t, S]`` (True: attend; S: the slots this layer
     holds). ``cache``: None or the ``(k, v)`` of the earlier slots, each
     ``[B, kv_heads/tp, S - t, d]``. Returns the output ``[B, t, H]`` (reduced over tp) and the
-    new cache ``[B, kv_heads/tp, S, d]`` each (``trim_caches`` shortens a windowed layer's)."""
+    new cache ``[B, kv_heads/tp, S, d]`` each (``trim_caches`` shortens a windowed layer's); a
+    ``MultiLatentAttention``'s cache is its latent one (``decode``)."""
+    if isinstance(attn, MultiLatentAttention):
+        cos, sin = attn.rope.at(positions, x.dtype)  # (B, 1, t, r)
+        return attn.decode(x, cos, sin, cache, mask)
     q, k, v = attn.project(x)  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
     if attn.rotary is not None:
         cos, sin = attn.rope.at(positions, q.dtype)  # (B, 1, t, rot)

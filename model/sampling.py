@@ -18,7 +18,10 @@ sink logit of each head joins every softmax over the trimmed keys. The forward r
 stage's own tensor-parallel modules (QKV and fc1 column-parallel, projections row-parallel,
 vocabulary-parallel embedding and logits), so under tp each rank
 holds its heads' cache and the logits are gathered over TP before sampling: every TP rank
-sees the same full logits and, with the same seed, draws the same token.
+sees the same full logits and, with the same seed, draws the same token. A multi-head latent
+attention layer (model/mla.py) caches its compressed latent and shared RoPE key instead,
+``kv_lora_rank + qk_pos_emb_head_dim`` values a token, and attends in the latent space
+(``MultiLatentAttention.decode``).
 
 Sampling (as Hugging Face's ``generate`` and Megatron's text generation define it): with
 ``temperature == 0`` the argmax (greedy); otherwise the logits are divided by the
@@ -39,13 +42,16 @@ from einops import rearrange
 from megazero.tensor_parallel.layers import parallel_lm_logits
 from megazero.tensor_parallel.mappings import gather_from_tp_region
 from model.gpt import SDPA_GQA
+from model.mla import MultiLatentAttention
 from model.rope import apply_rotary
 
 
 class LayerCache(NamedTuple):
     """One layer's KV cache: ``k``, ``v`` ``[B, kv_heads/tp, held, d]`` (RoPE keys already
     rotated), the keys of the absolute positions ``seen - held .. seen - 1``; ``seen``: the
-    tokens this layer has processed (the position of the next one)."""
+    tokens this layer has processed (the position of the next one). A multi-head latent attention
+    layer holds its latent ``c_kv [B, 1, held, kv_lora_rank]`` in ``k`` and its rotated shared key
+    ``k_pe [B, 1, held, qk_pos_emb_head_dim]`` in ``v`` (model/mla.py)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -55,6 +61,8 @@ class LayerCache(NamedTuple):
 def _attend(attn, x: torch.Tensor, cache: Optional[LayerCache]) -> tuple[torch.Tensor, LayerCache]:
     """``model.gpt.Attention`` on new tokens ``x [B, t, H]`` after ``cache`` (None: the first call);
     returns the output ``[B, t, H]`` and the cache, trimmed to W - 1 entries on a windowed layer."""
+    if isinstance(attn, MultiLatentAttention):
+        return _attend_latent(attn, x, cache)
     q, k, v = attn.project(x)  # q (B, n_head/tp, t, d); k, v (B, kv_heads/tp, t, d)
     t = q.shape[2]
     past, held = (0, 0) if cache is None else (cache.seen, cache.k.shape[2])
@@ -83,6 +91,16 @@ def _attend(attn, x: torch.Tensor, cache: Optional[LayerCache]) -> tuple[torch.T
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.softmax_scale, **gqa)  # (B, n/tp, t, d)
     y = rearrange(y, "b h t d -> b t (h d)")  # (B, t, n_head/tp * d)
     return attn.proj(y), new_cache
+
+
+def _attend_latent(attn: MultiLatentAttention, x: torch.Tensor, cache: Optional[LayerCache]):
+    """``_attend`` for multi-head latent attention: the latent cache (``LayerCache``), no window."""
+    t = x.shape[1]
+    past, held = (0, 0) if cache is None else (cache.seen, cache.k.shape[2])
+    cos, sin = attn.rope.first(past + t, x.dtype)  # (past+t, r)
+    mask = torch.ones(t, held + t, dtype=torch.bool, device=x.device).tril(diagonal=held)  # (t, held+t)
+    y, (c_kv, k_pe) = attn.decode(x, cos[past:], sin[past:], None if cache is None else cache[:2], mask)
+    return y, LayerCache(c_kv, k_pe, past + t)
 
 
 @torch.no_grad()

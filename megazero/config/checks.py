@@ -211,7 +211,6 @@ def _check_block(cfg: Config, world_size: int) -> None:
     check_window(m.window_size, m.window_attn_skip_freq, m.num_layers)
     if m.multi_latent_attention:
         check_mla(
-            cp=cfg.parallel.cp,
             rope=m.position_embedding_type == "rope",
             bias=m.add_bias_linear,
             softmax_type=m.softmax_type,

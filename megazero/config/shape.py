@@ -275,7 +275,6 @@ def check_window(window_size, window_attn_skip_freq, num_layers: int) -> None:
 
 def check_mla(
     *,
-    cp: int,
     rope: bool,
     bias: bool,
     softmax_type: str,
@@ -285,10 +284,10 @@ def check_mla(
     qk_pos_emb_head_dim: int,
 ) -> None:
     """What multi-head latent attention (``--multi-latent-attention``, model/mla.py) runs with: rotary
-    positions, no linear biases, an even RoPE part, the plain softmax, full causal attention, one
-    context-parallel rank, no QK-norm and no grouped queries. Raises ConfigError naming the flag."""
+    positions, no linear biases, an even RoPE part, the plain softmax, full causal attention, no
+    QK-norm and no grouped queries (any context parallelism: the ring and the all-to-all take keys
+    and values of different head sizes). Raises ConfigError naming the flag."""
     refusals = [
-        (cp > 1, f"--cp {cp}", "--cp 1 (the ring and all-to-all attention do not take MLA's shapes yet)"),
         (not rope, "--position-embedding-type learned_absolute", "--position-embedding-type rope"),
         (bias, "linear biases", "--disable-bias-linear (DeepSeek's attention has none)"),
         (softmax_type != "vanilla", f"--softmax-type {softmax_type}", "--softmax-type vanilla"),

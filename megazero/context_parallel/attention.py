@@ -2,7 +2,9 @@
 
 Three entry points, one per ``--cp-comm-type``, with the same tensors: queries ``q [B, h, T/C,
 d]`` with h = G*R heads in group-major order (heads g*R .. g*R+R-1 use key/value head g, as in
-model/gpt.py), keys and values ``[B, G, T/C, d]`` (not expanded), this rank's tokens in the
+model/gpt.py), keys ``[B, G, T/C, d]`` and values ``[B, G, T/C, d_v]`` (not expanded; ``d_v`` may
+differ from ``d``, as in DeepSeek's multi-head latent attention, model/mla.py, where the output
+is ``[B, h, T/C, d_v]``), this rank's tokens in the
 zigzag order of ``zigzag.py`` (``token_index = local_token_index(T, cp_rank, C)``), and
 optional document ids ``segment_ids [B, T/C]`` (int64; packed documents, ``--reset-attention-
 mask``): query i attends key j iff they are in the same document and ``pos(j) <= pos(i)``.
@@ -27,7 +29,9 @@ attention does).
 
 Bytes this rank puts on the wire per layer and micro-batch (``elt`` = bytes per element of
 q/k/v, ``acc`` = bytes per element of ``blockwise.compute_dtype``: 4, or 8 for float64),
-counted in ``megazero.collectives.counter`` and given in closed form by the functions below:
+counted in ``megazero.collectives.counter`` and given in closed form by the functions below
+(written for ``d_v = d``; with values of ``d_v`` dimensions each ``2*d`` of K and V, and of q and
+the output, is ``d + d_v``):
 
 - p2p forward: C-1 sends of K and V, ``(C-1) * 2*B*G*(T/C)*d*elt`` (``"send"``), plus
   ``(C-1) * B*(T/C)*8`` for the document ids if any. Backward: C-1 sends of K and V again plus
@@ -61,9 +65,9 @@ _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids) -> None:
     B, h, T, d = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, d) or h % k.shape[1] != 0:
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[2:] != (T, d) or h % k.shape[1] != 0:
         raise ValueError(
-            f"attention: q {tuple(q.shape)} [B, h, T, d] needs k and v [B, G, T, d] "
+            f"attention: q {tuple(q.shape)} [B, h, T, d] needs k [B, G, T, d] and v [B, G, T, d_v] "
             f"with G dividing h; got k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
@@ -113,10 +117,10 @@ def sink_attention(
     """Softmax attention with one sink logit per query head (module docstring), differentiable in
     q, k, v and ``sinks``.
 
-    q ``[B, h, Tq, d]``, k and v ``[B, G, Tk, d]`` (G divides h, group-major heads), ``sinks [h]``
-    (any float dtype), ``mask`` bool broadcastable to ``[B, h, Tq, Tk]`` (True = attend) or None
-    (causal, top-left aligned: needs Tq == Tk). Scores, softmax and products in
-    ``blockwise.compute_dtype`` (fp32 for 16-bit inputs); returns ``[B, h, Tq, d]`` in q's dtype.
+    q ``[B, h, Tq, d]``, k ``[B, G, Tk, d]`` and v ``[B, G, Tk, d_v]`` (G divides h, group-major
+    heads), ``sinks [h]`` (any float dtype), ``mask`` bool broadcastable to ``[B, h, Tq, Tk]`` (True
+    = attend) or None (causal, top-left aligned: needs Tq == Tk). Scores, softmax and products in
+    ``blockwise.compute_dtype`` (fp32 for 16-bit inputs); returns ``[B, h, Tq, d_v]`` in q's dtype.
     A row with no key to attend gives 0 (all its weight on the sink). Scores are held whole
     (``[B, h, Tq, Tk]``), as the eager attention of transformers' ``modeling_gpt_oss``.
     """
@@ -134,7 +138,7 @@ def sink_attention(
     sink = sinks.to(acc).view(1, h, 1, 1).expand(B, h, Tq, 1)
     p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :Tk]  # (B, h, Tq, Tk), the sink's share dropped
     out = torch.einsum("bgrqk,bgkd->bgrqd", p.reshape(B, G, h // G, Tq, Tk), v.to(acc))
-    return out.reshape(B, h, Tq, d).to(q.dtype)
+    return out.reshape(B, h, Tq, v.shape[-1]).to(q.dtype)
 
 
 def _cached(cache: Optional[dict], key, build):
@@ -159,9 +163,9 @@ def local_attention(
 ) -> torch.Tensor:
     """Causal attention of a whole sequence on one rank (cp = 1), document-masked if asked.
 
-    q ``[B, h, T, d]``, k and v ``[B, G, T, d]`` (G divides h, group-major heads),
-    ``token_index [T]`` the positions (None: ``0..T-1``), ``segment_ids [B, T]`` document ids or
-    None. ``scale`` defaults to ``d**-0.5``. Returns ``[B, h, T, d]``. Without documents and
+    q ``[B, h, T, d]``, k ``[B, G, T, d]`` and v ``[B, G, T, d_v]`` (G divides h, group-major
+    heads), ``token_index [T]`` the positions (None: ``0..T-1``), ``segment_ids [B, T]`` document
+    ids or None. ``scale`` defaults to ``d**-0.5``. Returns ``[B, h, T, d_v]``. Without documents and
     positions this is ``F.scaled_dot_product_attention(is_causal=True)``; otherwise SDPA with the
     additive ``document_mask`` "same document and ``pos(j) <= pos(i)``" (block-diagonal causal),
     built once per ``mask_cache`` (a dict that lives as long as the micro-batch, e.g.
@@ -178,7 +182,7 @@ def local_attention(
         # the ring's blockwise path on one rank: O(T) memory (the log-sum-exp), fused block kernels
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         whole = torch.arange(q.shape[2], device=q.device)
-        link, path = RingLink(None, [0], 0), block_path(q, "auto")
+        link, path = RingLink(None, [0], 0), block_path(q, "auto", v.shape[-1])
         return RingAttention.apply(q, k, v, segment_ids, link, whole, scale, path, window, sinks)
     if sinks is not None:  # an odd length or given positions: explicit scores
         pos = torch.arange(q.shape[2], device=q.device) if token_index is None else token_index
@@ -214,10 +218,10 @@ def ring_attention(
 ) -> torch.Tensor:
     """``--cp-comm-type p2p``: ring attention over the cp group (``ring.RingAttention``).
 
-    q ``[B, h, T/C, d]``, k and v ``[B, G, T/C, d]``, ``token_index [T/C]`` this rank's zigzag
+    q ``[B, h, T/C, d]``, k ``[B, G, T/C, d]``, v ``[B, G, T/C, d_v]``, ``token_index [T/C]`` this rank's zigzag
     positions (``local_token_index(T, cp_rank, C)``; the keys' positions are derived from the
     same layout), ``segment_ids [B, T/C]`` or None; ``cp_ranks`` the global ranks of ``group`` in
-    cp-rank order, C = ``len(cp_ranks)``. Returns ``[B, h, T/C, d]`` in q's dtype; differentiable
+    cp-rank order, C = ``len(cp_ranks)``. Returns ``[B, h, T/C, d_v]`` in q's dtype; differentiable
     in q, k and v. At C = 1 it is ``local_attention`` (no communication; ``mask_cache`` is its). ``block_kernel``:
     ``"auto"`` runs each block through a fused kernel where q's device and dtype have one
     (``fused_blocks.block_path``), ``"einsum"`` through ``blockwise``'s einsums. ``sinks [h]``: one
@@ -241,7 +245,7 @@ def ring_attention(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     link = RingLink(group, cp_ranks, collectives.group_rank(group))
-    path = block_path(q, block_kernel)
+    path = block_path(q, block_kernel, v.shape[-1])
     return RingAttention.apply(q, k, v, segment_ids, link, token_index, scale, path, window, sinks)
 
 
@@ -286,14 +290,14 @@ def all_to_all_attention(
 ) -> torch.Tensor:
     """``--cp-comm-type a2a``: DeepSpeed-Ulysses attention over the cp group.
 
-    Shapes as ``ring_attention`` (q ``[B, h, T/C, d]``, k, v ``[B, G, T/C, d]``, ``token_index
+    Shapes as ``ring_attention`` (q ``[B, h, T/C, d]``, k ``[B, G, T/C, d]``, v ``[B, G, T/C, d_v]``, ``token_index
     [T/C]`` this rank's zigzag positions, of which the gathered order is derived, ``segment_ids
     [B, T/C]`` or None). Inside: ``[B, h/C, T, d]`` and ``[B, G/C, T, d]`` in natural order,
     ``local_attention`` on them, and back. With documents the ids are all-gathered and the
     mask built once per ``mask_cache`` (as ``local_attention``: then once per micro-batch, not
     per layer; without a cache, every call); a sliding ``window`` W masks the natural order
     (``local_attention``'s). ``sinks [h]``: each rank applies its heads' sinks
-    (``[i h/C, (i+1) h/C)`` on cp rank i). Returns ``[B, h, T/C, d]``; differentiable. Raises
+    (``[i h/C, (i+1) h/C)`` on cp rank i). Returns ``[B, h, T/C, d_v]``; differentiable. Raises
     ValueError naming --cp-comm-type a2a when h or G is not divisible by C (group-major heads:
     rank i gets query groups i*G/C .. (i+1)*G/C-1 and their heads).
     """
@@ -330,7 +334,7 @@ def all_to_all_attention(
         sinks = sinks[r * (h // C) : (r + 1) * (h // C)]
     y = local_attention(*seq_major, segment_ids=seg, scale=scale, mask_cache=cache, sinks=sinks, window=window)
     y = y.index_select(2, gathered)  # back to the arrival (rank-major) order
-    return _AllToAll.apply(y, group, 2, 1)  # (B, h, T/C, d)
+    return _AllToAll.apply(y, group, 2, 1)  # (B, h, T/C, d_v)
 
 
 class LayerBytes(NamedTuple):
@@ -340,24 +344,29 @@ class LayerBytes(NamedTuple):
     backward: dict
 
 
-def ring_bytes_per_layer(B: int, G: int, Tl: int, d: int, elt: int, C: int, *, documents: bool = False) -> LayerBytes:
+def ring_bytes_per_layer(
+    B: int, G: int, Tl: int, d: int, elt: int, C: int, *, documents: bool = False, d_v: Optional[int] = None
+) -> LayerBytes:
     """``ring_attention``'s bytes (module docstring): ``Tl = T/C`` local tokens, ``elt`` bytes per
-    element of k/v; the dK/dV accumulators travel in ``compute_dtype`` (``max(elt, 4)`` bytes)."""
+    element of k/v, keys of ``d`` and values of ``d_v`` dimensions (None: ``d``); the dK/dV
+    accumulators travel in ``compute_dtype`` (``max(elt, 4)`` bytes)."""
     if C == 1:
         return LayerBytes({"send": 0}, {"send": 0})
-    kv, dkv = 2 * B * G * Tl * d * elt, 2 * B * G * Tl * d * max(elt, 4)
+    width = d + (d if d_v is None else d_v)  # one [k | v] message
+    kv, dkv = B * G * Tl * width * elt, B * G * Tl * width * max(elt, 4)
     seg = B * Tl * 8 if documents else 0
     return LayerBytes({"send": (C - 1) * (kv + seg)}, {"send": (C - 1) * kv + C * dkv})
 
 
 def a2a_bytes_per_layer(
-    B: int, h: int, G: int, Tl: int, d: int, elt: int, C: int, *, documents: bool = False
+    B: int, h: int, G: int, Tl: int, d: int, elt: int, C: int, *, documents: bool = False, d_v: Optional[int] = None
 ) -> LayerBytes:
-    """``all_to_all_attention``'s bytes (module docstring): q and out ``[B, h, Tl, d]``, k and v
-    ``[B, G, Tl, d]`` each forward, their gradients backward, ``elt`` bytes per element."""
+    """``all_to_all_attention``'s bytes (module docstring): q ``[B, h, Tl, d]``, out ``[B, h, Tl,
+    d_v]``, k ``[B, G, Tl, d]`` and v ``[B, G, Tl, d_v]`` each forward (``d_v`` None: ``d``), their
+    gradients backward, ``elt`` bytes per element."""
     if C == 1:
         return LayerBytes({"all_to_all": 0}, {"all_to_all": 0})
-    per_pass = 2 * B * (h + G) * Tl * d * elt
+    per_pass = B * (h + G) * Tl * (d + (d if d_v is None else d_v)) * elt
     forward = {"all_to_all": per_pass}
     if documents:
         forward["all_gather"] = B * Tl * 8

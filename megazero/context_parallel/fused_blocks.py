@@ -16,10 +16,14 @@ the queries (over every key block), as FlashAttention-2 ring implementations do 
 sec. 3.1): the kernel recomputes ``P = exp(S - lse)`` and ``D = rowsum(dO * out)`` itself, so
 the block's dq, dk, dv are exactly its terms of the full gradient.
 
-Conventions shared with ``blockwise``: q ``[B, G, R, Tq, d]``, k and v ``[B, G, Tk, d]``, mask
-bool ``[B or 1, Tq, Tk]`` (True = attend) or None. The kernels take no grouped-query layout
-through these operators, so K/V are expanded over R (``[B, G*R, Tk, d]``, a copy) and dk, dv
-summed over R afterwards. The mask becomes an additive bias of q's dtype (0 / -inf, one
+Conventions shared with ``blockwise``: q ``[B, G, R, Tq, d]``, k ``[B, G, Tk, d]``, v
+``[B, G, Tk, d_v]`` (``d_v`` may differ from ``d``: DeepSeek's MLA), mask bool ``[B or 1, Tq, Tk]``
+(True = attend) or None. The kernels take no grouped-query layout through these operators, so K/V
+are expanded over R (``[B, G*R, Tk, d]``, a copy) and dk, dv summed over R afterwards. The CPU
+operator takes one head size for q, k and v, so when ``d_v != d`` the three are zero-padded to
+``max(d, d_v)`` in that same copy: zero columns of q and k add nothing to a score (the scale is
+explicit), zero columns of v give zero output columns, which are cut off, and the padded
+columns' gradients are dropped. The mask becomes an additive bias of q's dtype (0 / -inf, one
 ``[B|1, 1, Tq, Tk]`` tensor per block, rows padded to 16 elements on CUDA); ``causal=True``
 says the mask is exactly the top-left causal one (a diagonal block without documents) and
 passes ``is_causal`` with no bias. A row with no visible key gets ``out = 0`` and
@@ -32,6 +36,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megazero.context_parallel.blockwise import compute_dtype
 from megazero.context_parallel.sdpa_kernels import CudaPlatform, ring_block_kernel
@@ -49,8 +54,10 @@ def _op(name: str):
     return getattr(torch.ops.aten, name, None)
 
 
-def block_path(q: torch.Tensor, choice: str = "auto") -> str:
-    """The path the ring's blocks take for queries like ``q`` (``[..., d]``): one of ``PATHS``.
+def block_path(q: torch.Tensor, choice: str = "auto", v_dim: Optional[int] = None) -> str:
+    """The path the ring's blocks take for queries like ``q`` (``[..., d]``) and values of ``v_dim``
+    dimensions (None: ``d``): one of ``PATHS``; a CUDA kernel is chosen for the padded width
+    ``max(d, v_dim)`` (module docstring).
 
     ``choice`` ``"einsum"`` always gives ``"einsum"``; ``"auto"`` gives ``"flash_cpu"`` on CPU
     for float64 and float32 (16-bit blocks ran 3.7x slower there than the einsums), on CUDA
@@ -64,16 +71,23 @@ def block_path(q: torch.Tensor, choice: str = "auto") -> str:
     if q.device.type == "cpu" and q.dtype in _CPU_AUTO and _op("_scaled_dot_product_flash_attention_for_cpu"):
         return "flash_cpu"
     if q.device.type == "cuda" and _op("_scaled_dot_product_efficient_attention"):
-        return ring_block_kernel(q.dtype, q.shape[-1], CudaPlatform.current(q.device))
+        width = max(q.shape[-1], v_dim or 0)
+        return ring_block_kernel(q.dtype, width, CudaPlatform.current(q.device))
     return "einsum"
 
 
+def _width(t: torch.Tensor, w: int) -> torch.Tensor:
+    """``t [..., d]`` zero-padded to ``[..., w]`` (itself when ``d == w``)."""
+    return t if t.shape[-1] == w else F.pad(t, (0, w - t.shape[-1]))
+
+
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q ``[B, G, R, Tq, d]`` as ``[B, G*R, Tq, d]``; k, v expanded over R to ``[B, G*R, Tk, d]``."""
-    B, G, R, Tq, d = q.shape
-    Tk = k.shape[2]
-    qh = q.reshape(B, G * R, Tq, d).contiguous()
-    kh, vh = (t[:, :, None].expand(B, G, R, Tk, d).reshape(B, G * R, Tk, d) for t in (k, v))  # copies
+    """q ``[B, G, R, Tq, d]`` as ``[B, G*R, Tq, w]``; k and v (``[B, G, Tk, d]``, ``[B, G, Tk, d_v]``)
+    expanded over R to ``[B, G*R, Tk, w]``, with ``w = max(d, d_v)`` (zero-padded, module docstring)."""
+    B, G, R, Tq, _ = q.shape
+    Tk, w = k.shape[2], max(q.shape[-1], v.shape[-1])
+    qh = _width(q.reshape(B, G * R, Tq, -1), w).contiguous()
+    kh, vh = (_width(t, w)[:, :, None].expand(B, G, R, Tk, w).reshape(B, G * R, Tk, w) for t in (k, v))  # copies
     return qh, kh, vh
 
 
@@ -110,14 +124,15 @@ def fused_block_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``blockwise.block_attention`` through the fused operator of q's device (``block_path``).
 
-    q ``[B, G, R, Tq, d]``, k and v ``[B, G, Tk, d]`` of q's dtype, mask bool ``[B or 1, Tq, Tk]``
-    or None, ``causal``: the mask is the top-left causal one (Tq == Tk; the mask is then not
-    read). Returns ``out [B, G, R, Tq, d]`` and ``lse [B, G, R, Tq]`` in
+    q ``[B, G, R, Tq, d]``, k ``[B, G, Tk, d]`` and v ``[B, G, Tk, d_v]`` of q's dtype, mask bool
+    ``[B or 1, Tq, Tk]`` or None, ``causal``: the mask is the top-left causal one (Tq == Tk; the
+    mask is then not read). Returns ``out [B, G, R, Tq, d_v]`` and ``lse [B, G, R, Tq]`` in
     ``compute_dtype(q.dtype)``; a row with no visible key has out 0 and lse -inf. Raises
     RuntimeError where the device has no fused operator (``block_path`` says ``"einsum"``).
     """
-    B, G, R, Tq, d = q.shape
-    qh, kh, vh = _heads(q, k, v)  # (B, G*R, T, d)
+    B, G, R, Tq, _ = q.shape
+    dv = v.shape[-1]
+    qh, kh, vh = _heads(q, k, v)  # (B, G*R, T, max(d, d_v))
     bias = None if causal else _bias(mask, q.dtype, q.device.type)
     if q.device.type == "cuda":
         op = torch.ops.aten._scaled_dot_product_efficient_attention
@@ -130,7 +145,8 @@ def fused_block_attention(
     else:
         raise RuntimeError(f"fused ring blocks: no fused attention operator on {q.device.type}; use the einsum path")
     acc = compute_dtype(q.dtype)
-    out, lse = out.to(acc).reshape(B, G, R, Tq, d), lse.to(acc).reshape(B, G, R, Tq)
+    out = out[..., :dv].to(acc).reshape(B, G, R, Tq, dv)  # the padded columns are zero
+    lse = lse.to(acc).reshape(B, G, R, Tq)
     dead = _dead_rows(mask, causal)
     if dead is not None:  # the kernels leave 0, NaN or a finite lse there
         out = out.masked_fill(dead[..., None], 0.0)
@@ -152,18 +168,20 @@ def fused_block_attention_backward(
 ):
     """``blockwise.block_attention_backward`` through the fused operator's backward.
 
-    q, do and ``out`` ``[B, G, R, Tq, d]`` (``out`` the *final* attention output of the queries,
-    which the kernel turns into ``D = rowsum(dO * out)``), k and v ``[B, G, Tk, d]``, ``lse``
+    q ``[B, G, R, Tq, d]``, do and ``out`` ``[B, G, R, Tq, d_v]`` (``out`` the *final* attention
+    output of the queries, which the kernel turns into ``D = rowsum(dO * out)``), k ``[B, G, Tk,
+    d]`` and v ``[B, G, Tk, d_v]``, ``lse``
     ``[B, G, R, Tq]`` the final log-sum-exp (-inf on rows that see no key at all), mask and
     ``causal`` as in ``fused_block_attention``. Returns ``(dq [B, G, R, Tq, d], dk [B, G, Tk, d],
-    dv [B, G, Tk, d])`` in ``compute_dtype(q.dtype)``, dk and dv summed over the R heads of each
+    dv [B, G, Tk, d_v])`` in ``compute_dtype(q.dtype)``, dk and dv summed over the R heads of each
     group; zero on rows with lse -inf.
     """
     B, G, R, Tq, d = q.shape
-    Tk, dt, acc = k.shape[2], q.dtype, compute_dtype(q.dtype)
-    qh, kh, vh = _heads(q, k, v)  # (B, G*R, T, d)
-    doh = do.to(dt).reshape(B, G * R, Tq, d).contiguous()
-    oh = out.to(dt).reshape(B, G * R, Tq, d).contiguous()
+    Tk, dt, acc, d_v = k.shape[2], q.dtype, compute_dtype(q.dtype), v.shape[-1]
+    qh, kh, vh = _heads(q, k, v)  # (B, G*R, T, w), w = max(d, d_v)
+    w = qh.shape[-1]
+    doh = _width(do.to(dt).reshape(B, G * R, Tq, d_v), w).contiguous()  # zero columns: no gradient
+    oh = _width(out.to(dt).reshape(B, G * R, Tq, d_v), w).contiguous()
     lse_ok = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # exp(-inf - 0) = 0, not NaN
     lse_k = lse_ok.to(torch.promote_types(dt, torch.float32)).reshape(B, G * R, Tq)
     bias = None if causal else _bias(mask, dt, q.device.type)
@@ -186,7 +204,7 @@ def fused_block_attention_backward(
     else:
         raise RuntimeError(f"fused ring blocks: no fused attention operator on {q.device.type}; use the einsum path")
     del qh, kh, vh, doh, oh, bias  # before the fp32 copies: fewer block-sized tensors alive at once
-    dq = dq.to(acc).reshape(B, G, R, Tq, d)
-    dk, dv = (t.reshape(B, G, R, Tk, d).sum(2, dtype=acc) for t in (dk, dv))  # (B, G, Tk, d)
+    dq = dq[..., :d].to(acc).reshape(B, G, R, Tq, d)
+    dk, dv = (t[..., :n].reshape(B, G, R, Tk, n).sum(2, dtype=acc) for t, n in ((dk, d), (dv, d_v)))  # (B, G, Tk, .)
     dead = torch.isneginf(lse)[..., None]
     return dq.masked_fill(dead, 0.0), dk, dv

@@ -29,6 +29,12 @@ value is 0, so ``dP_sink = 0``) summed over this rank's queries; the cp ranks' p
 with the other replicated gradients (over dp x cp).
 Accumulators are in ``blockwise.compute_dtype`` (float32 for 16- and 32-bit inputs).
 
+Keys and values may have different head sizes, ``d`` and ``d_v`` (DeepSeek's multi-head latent
+attention: ``qk_head_dim + qk_pos_emb_head_dim`` against ``v_head_dim``, which the context
+parallelism of TransformerEngine and Megatron-LM long refused). They travel
+as one message ``[k | v]`` of ``d + d_v`` columns, and so do their gradients; the output, dO and
+the merge run over ``d_v``, the scores, dQ and dK over ``d``.
+
 Every send is counted with ``collectives.count_send`` and every receive recorded in
 ``collectives.recent``. Messages carry one tag per kind (gloo matches by tag; NCCL by posting
 order, which is the same on every rank).
@@ -151,11 +157,11 @@ def _backward_block(path: str, q, k, v, do, out, delta, lse, mask, scale: float,
 
 class RingAttention(torch.autograd.Function):
     """``apply(q, k, v, segment_ids, link, token_index, scale, path, window, sinks) -> out``: q ``[B, h,
-    T/C, d]`` (group-major heads), k and v ``[B, G, T/C, d]``, segment_ids ``[B, T/C]`` or None,
+    T/C, d]`` (group-major heads), k ``[B, G, T/C, d]``, v ``[B, G, T/C, d_v]``, segment_ids ``[B, T/C]`` or None,
     token_index ``[T/C]`` (this rank's zigzag positions), ``path`` the blocks' kernel path
     (``fused_blocks.block_path``), ``window`` a sliding window W or None (blocks wholly outside
     it are not computed; the K/V still go round the ring), ``sinks [h]`` or None. Returns ``[B, h,
-    T/C, d]`` in q's dtype. Use ``attention.ring_attention``, which checks the arguments."""
+    T/C, d_v]`` in q's dtype. Use ``attention.ring_attention``, which checks the arguments."""
 
     @staticmethod
     def forward(
@@ -172,10 +178,10 @@ class RingAttention(torch.autograd.Function):
         sinks=None,
     ):
         B, h, Tl, d = q.shape
-        G, C, n = k.shape[1], link.size, Tl // 2
+        G, C, n, d_v = k.shape[1], link.size, Tl // 2, v.shape[-1]
         qs = _halves(q.reshape(B, G, h // G, Tl, d), 3)  # 2 x (B, G, R, T/(2C), d)
         blocks = _Blocks(link.cp_rank, C, Tl, token_index, segment_ids, window)
-        kv, seg, kv_segs = torch.stack([k, v]), segment_ids, []  # kv (2, B, G, T/C, d)
+        kv, seg, kv_segs = torch.cat([k, v], dim=-1), segment_ids, []  # kv (B, G, T/C, d + d_v)
         out, lse = [None, None], [None, None]
         for step in range(C):
             pending = None
@@ -183,7 +189,7 @@ class RingAttention(torch.autograd.Function):
                 pending = link.start([kv] if seg is None else [kv, seg], _TAG_FWD_KV)
             kv_segs.append(seg)
             for i, j, mask, causal in blocks.each(step, seg):
-                kj, vj = kv[:, :, :, j * n : (j + 1) * n].unbind(0)  # (B, G, T/(2C), d)
+                kj, vj = kv[:, :, j * n : (j + 1) * n].split([d, d_v], dim=-1)  # (B, G, T/(2C), d | d_v)
                 o, l = _forward_block(path, qs[i], kj, vj, mask, scale, causal)
                 out[i], lse[i] = (o, l) if out[i] is None else merge_partials(out[i], lse[i], o, l)
             if pending is not None:
@@ -193,7 +199,7 @@ class RingAttention(torch.autograd.Function):
             sink = sinks.to(out[0].dtype).view(1, G, h // G, 1).expand(B, G, h // G, n)
             for i in range(2):
                 out[i], lse[i] = merge_partials(out[i], lse[i], torch.zeros_like(out[i]), sink)
-        y = torch.cat(out, dim=3).reshape(B, h, Tl, d).to(q.dtype)  # (B, h, T/C, d)
+        y = torch.cat(out, dim=3).reshape(B, h, Tl, d_v).to(q.dtype)  # (B, h, T/C, d_v)
         ctx.save_for_backward(q, k, v, y, torch.cat(lse, dim=3), sinks)  # lse (B, G, R, T/C)
         ctx.link, ctx.blocks, ctx.kv_segs, ctx.scale, ctx.path = link, blocks, kv_segs, scale, path
         return y
@@ -204,31 +210,31 @@ class RingAttention(torch.autograd.Function):
         q, k, v, y, lse, sinks = ctx.saved_tensors
         link, blocks, scale = ctx.link, ctx.blocks, ctx.scale
         B, h, Tl, d = q.shape
-        G, C, n, acc = k.shape[1], link.size, Tl // 2, compute_dtype(q.dtype)
-        grouped = (B, G, h // G, Tl, d)
-        do = dy.reshape(grouped).to(acc)  # (B, G, R, T/C, d)
+        G, C, n, acc, d_v = k.shape[1], link.size, Tl // 2, compute_dtype(q.dtype), v.shape[-1]
+        grouped, grouped_v = (B, G, h // G, Tl, d), (B, G, h // G, Tl, d_v)
+        do = dy.reshape(grouped_v).to(acc)  # (B, G, R, T/C, d_v)
         delta = None  # D = rowsum(dO * O), (B, G, R, T/C)
         if ctx.path == "einsum" or sinks is not None:
-            delta = (do * y.reshape(grouped).to(acc)).sum(-1)
+            delta = (do * y.reshape(grouped_v).to(acc)).sum(-1)
         dsinks = None
         if sinks is not None:  # dS of the sink column: -exp(sink - lse) D, summed over rows
             p_sink = torch.exp(sinks.to(acc).view(1, G, h // G, 1) - lse)
             dsinks = -(p_sink * delta).sum(dim=(0, 3)).reshape(h).to(sinks.dtype)
-        qs, dos, ys = _halves(q.reshape(grouped), 3), _halves(do, 3), _halves(y.reshape(grouped), 3)
+        qs, dos, ys = _halves(q.reshape(grouped), 3), _halves(do, 3), _halves(y.reshape(grouped_v), 3)
         deltas, lses = _halves(delta, 3), _halves(lse, 3)
         dq = torch.zeros(grouped, dtype=acc, device=q.device)
-        kv, pending_dkv = torch.stack([k, v]), None
+        kv, pending_dkv = torch.cat([k, v], dim=-1), None  # (B, G, T/C, d + d_v)
         for step in range(C):
             pending_kv = link.start([kv], _TAG_BWD_KV) if step < C - 1 else None
-            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # (2, B, G, T/C, d)
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # (B, G, T/C, d + d_v)
             for i, j, mask, causal in blocks.each(step, ctx.kv_segs[step]):
-                kj, vj = kv[:, :, :, j * n : (j + 1) * n].unbind(0)
+                kj, vj = kv[:, :, j * n : (j + 1) * n].split([d, d_v], dim=-1)
                 dq_b, dk_b, dv_b = _backward_block(
                     ctx.path, qs[i], kj, vj, dos[i], ys[i], deltas[i], lses[i], mask, scale, causal
                 )
                 dq[:, :, :, i * n : (i + 1) * n] += dq_b
-                dkv[0, :, :, j * n : (j + 1) * n] += dk_b
-                dkv[1, :, :, j * n : (j + 1) * n] += dv_b
+                dkv[:, :, j * n : (j + 1) * n, :d] += dk_b
+                dkv[:, :, j * n : (j + 1) * n, d:] += dv_b
             if pending_dkv is not None:
                 dkv += pending_dkv.wait()[0]  # rank src's accumulator, from rank r-1
             if C > 1:
@@ -238,4 +244,4 @@ class RingAttention(torch.autograd.Function):
         if pending_dkv is not None:
             dkv = pending_dkv.wait()[0]  # this rank's own, back after C sends
         dq = dq.reshape(B, h, Tl, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, dsinks
+        return dq, dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None, None, None, None, dsinks

@@ -17,7 +17,9 @@ backward equal ``ring_bytes_per_layer`` / ``a2a_bytes_per_layer`` exactly; with 
 ``mask_cache`` shared by two calls (two layers of a micro-batch) a2a gathers the document ids
 once. With attention sinks (one logit per head, gpt-oss), the ring and the all-to-all equal an
 explicit float64 softmax with a sink column, their outputs and dq, dk, dv, and the sinks'
-gradient summed over the cp ranks.
+gradient summed over the cp ranks. With values of another head size than the keys (``d_v != d``,
+DeepSeek's multi-head latent attention: ``MLA_CASES`` at C = 2, ring einsum and fused blocks, a2a,
+with and without documents), the same oracle and byte counts hold.
 """
 
 from __future__ import annotations
@@ -143,12 +145,26 @@ def _cases(C: int):
     return out
 
 
-def _inputs(C: int, h: int, G: int, docs: bool, seed: int):
+def _inputs(C: int, h: int, G: int, docs: bool, seed: int, dv: int = D):
     T = 2 * C * CHUNK
     g = torch.Generator().manual_seed(seed)
-    q, dy = torch.randn(B, h, T, D, generator=g), torch.randn(B, h, T, D, generator=g)
-    k, v = torch.randn(B, G, T, D, generator=g), torch.randn(B, G, T, D, generator=g)
+    q, dy = torch.randn(B, h, T, D, generator=g), torch.randn(B, h, T, dv, generator=g)
+    k, v = torch.randn(B, G, T, D, generator=g), torch.randn(B, G, T, dv, generator=g)
     return q, k, v, dy, _segments(T, seed) if docs else None
+
+
+MLA_CASES = [  # (name, method, documents, ring block kernel, d_v) at C 2 with h = G = 4 heads, d = D = 8
+    ("mla p2p einsum", "p2p", False, "einsum", 5),
+    ("mla p2p einsum docs", "p2p", True, "einsum", 12),
+    ("mla p2p fused", "p2p", False, "auto", 5),
+    ("mla p2p fused docs", "p2p", True, "auto", 12),
+    ("mla a2a", "a2a", False, None, 5),
+    ("mla a2a docs", "a2a", True, None, 12),
+]
+
+
+def _mla_inputs(i: int, docs: bool, dv: int):
+    return _inputs(2, 4, 4, docs, seed=700 + i, dv=dv)
 
 
 # -- distributed: one spawn per cp size ------------------------------------------------------
@@ -222,6 +238,9 @@ def _rank_checks(rank, world, C):
     results = {}
     if C == 2:
         results["a2a shared"] = _shared_documents(rank, C)
+        for i, (name, method, docs, kernel, dv) in enumerate(MLA_CASES):
+            kw = {"block_kernel": kernel} if method == "p2p" else {}
+            results[name] = _run_case(rank, C, dist.group.WORLD, [0, 1], method, _mla_inputs(i, docs, dv), rank, **kw)
     if C == 4:
         results["window"] = _windowed(rank, C)
     for i, (name, method, h, G, docs) in enumerate(_cases(C)):
@@ -300,11 +319,11 @@ def _compare(name, parts, full, C):
         assert err <= TOL, f"{name}: {what} relative error {err:.2e} > {TOL}"
 
 
-def _theory(method, h, G, docs, C):
+def _theory(method, h, G, docs, C, dv=None):
     Tl = 2 * CHUNK
     if method == "p2p":
-        return ring_bytes_per_layer(B, G, Tl, D, 4, C, documents=docs)
-    return a2a_bytes_per_layer(B, h, G, Tl, D, 4, C, documents=docs)
+        return ring_bytes_per_layer(B, G, Tl, D, 4, C, documents=docs, d_v=dv)
+    return a2a_bytes_per_layer(B, h, G, Tl, D, 4, C, documents=docs, d_v=dv)
 
 
 @pytest.mark.parametrize("C", [2, 3, 4])
@@ -323,6 +342,10 @@ def test_cp_attention_equals_full_sdpa(C):
         assert "--cp-comm-type a2a" in error and "G = 1" in error and "C = 2" in error
         for r in range(C):  # the document ids of a micro-batch are gathered at its first layer only
             assert out[r]["a2a shared"] == ([B * 2 * CHUNK * 8, 0], [True, True])
+        for i, (name, method, docs, _, dv) in enumerate(MLA_CASES):  # d_v != d: out [B, h, T, d_v]
+            _compare(name, [out[r][name][0] for r in range(C)], _mla_inputs(i, docs, dv), C)
+            theory = _theory(method, 4, 4, docs, C, dv)
+            assert all(out[r][name][1:] == (theory.forward, theory.backward) for r in range(C)), name
     if C in (2, 4):  # attention sinks: out and every gradient, the sinks' summed over the cp ranks
         for name, method, h, G, docs in _sink_cases(C):
             full = _inputs(C, h, G, docs, seed=300 + C)

@@ -1,8 +1,10 @@
 """The ring's blocks through PyTorch's fused CPU attention kernel (``fused_blocks``) equal the
 einsum blocks (``blockwise``, the oracle): forward out and lse, backward dq, dk, dv given the
 final out and lse of the queries, in float64 to 1e-12 and float32 to 1e-5, with no mask, the
-causal diagonal, packed documents with rows that see no key, and grouped-query heads. The
-distributed ring runs the fused path by default: tests/layouts/test_context_parallel_attention.py."""
+causal diagonal, packed documents with rows that see no key, and grouped-query heads; and with
+values narrower or wider than the keys (``d_v != d``, DeepSeek's MLA: the fused path zero-pads to
+one head size, the results are cut back). The distributed ring runs the fused path by default:
+tests/layouts/test_context_parallel_attention.py."""
 
 import pytest
 import torch
@@ -14,11 +16,13 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 SCALE = 0.35
 
 
-def _inputs(dtype, G, R, Tq, Tk, seed=0, B=2, d=8):
+def _inputs(dtype, G, R, Tq, Tk, seed=0, B=2, d=8, dv=None):
     g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
     q = torch.randn(B, G, R, Tq, d, generator=g, dtype=torch.float64).to(dtype)
-    k, v = (torch.randn(B, G, Tk, d, generator=g, dtype=torch.float64).to(dtype) for _ in "kv")
-    do = torch.randn(B, G, R, Tq, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, G, Tk, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, G, Tk, dv, generator=g, dtype=torch.float64).to(dtype)
+    do = torch.randn(B, G, R, Tq, dv, generator=g, dtype=torch.float64).to(dtype)
     return q, k, v, do
 
 
@@ -46,10 +50,12 @@ def _close(got, want, tol, what):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["none", "causal", "documents"])
 @pytest.mark.parametrize("G,R", [(2, 1), (1, 3), (2, 2)])
-def test_fused_block_equals_einsum_block(dtype, kind, G, R):
-    """One block as the ring's first step computes it: its own out and lse are the final ones."""
+@pytest.mark.parametrize("dv", [8, 5, 12])
+def test_fused_block_equals_einsum_block(dtype, kind, G, R, dv):
+    """One block as the ring's first step computes it: its own out and lse are the final ones;
+    values of ``dv`` dimensions against keys of 8."""
     T = 8
-    q, k, v, do = _inputs(dtype, G, R, T, T)
+    q, k, v, do = _inputs(dtype, G, R, T, T, dv=dv)
     mask, causal = _mask(kind, 2, T, T), kind == "causal"
     out, lse = block_attention(q, k, v, mask, SCALE)
     f_out, f_lse = fused_block_attention(q, k, v, mask, SCALE, causal=causal)
@@ -59,17 +65,19 @@ def test_fused_block_equals_einsum_block(dtype, kind, G, R):
     delta = (do.to(out.dtype) * y.to(out.dtype)).sum(-1)
     want = block_attention_backward(q, k, v, do, delta, lse, mask, SCALE)
     got = fused_block_attention_backward(q, k, v, do, y, lse, mask, SCALE, causal=causal)
+    assert f_out.shape == (2, G, R, T, dv)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
         _close(a, b, TOL[dtype], name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_backward_with_the_merged_out_and_lse_of_two_blocks(dtype):
+@pytest.mark.parametrize("dv", [8, 6])
+def test_backward_with_the_merged_out_and_lse_of_two_blocks(dtype, dv):
     """Two key blocks (a document one with empty rows, then an unmasked one) merged as the ring
     merges them; each block's backward with the *final* out and lse equals the einsum's, and
-    their sum is the gradient of attention over all keys."""
-    q, k, v, do = _inputs(dtype, 2, 2, 8, 12, seed=1)
+    the blocks' dq, dk, dv are the gradient of attention over all keys (values of ``dv`` dims)."""
+    q, k, v, do = _inputs(dtype, 2, 2, 8, 12, seed=1, dv=dv)
     mask_a = _mask("documents", 2, 8, 6)
     ka, kb, va, vb = k[:, :, :6], k[:, :, 6:], v[:, :, :6], v[:, :, 6:]
     parts = [fused_block_attention(q, ka, va, mask_a, SCALE), fused_block_attention(q, kb, vb, None, SCALE)]
@@ -81,19 +89,23 @@ def test_backward_with_the_merged_out_and_lse_of_two_blocks(dtype):
     _close(lse, ref_lse, TOL[dtype], "merged lse")
     y = ref_out.to(dtype)
     delta = (do.to(y.dtype) * y).sum(-1).to(ref_out.dtype)
-    total = [0, 0, 0]
+    total, dks, dvs = 0, [], []
     for kk, vv, m in ((ka, va, mask_a), (kb, vb, None)):
         got = fused_block_attention_backward(q, kk, vv, do, y, ref_lse, m, SCALE)
         want = block_attention_backward(q, kk, vv, do, delta, ref_lse, m, SCALE)
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
             _close(a, b, TOL[dtype], name)
-        total[0] = total[0] + got[0]
+        total = total + got[0]
+        dks.append(got[1])
+        dvs.append(got[2])
     qa, ka_, va_ = (t.double().requires_grad_() for t in (q, k, v))
     s = torch.einsum("bgrqd,bgkd->bgrqk", qa, ka_) * SCALE  # (B, G, R, Tq, Tk)
     full_mask = torch.cat([mask_a, torch.ones(2, 8, 6, dtype=torch.bool)], dim=2)
     s = s.masked_fill(~full_mask[:, None, None], float("-inf"))
     torch.einsum("bgrqk,bgkd->bgrqd", s.softmax(-1), va_).backward(do.double())
-    _close(total[0].double(), qa.grad, 10 * TOL[dtype], "dq summed over blocks")
+    _close(total.double(), qa.grad, 10 * TOL[dtype], "dq summed over blocks")
+    _close(torch.cat(dks, dim=2).double(), ka_.grad, 10 * TOL[dtype], "dk of the two blocks")
+    _close(torch.cat(dvs, dim=2).double(), va_.grad, 10 * TOL[dtype], "dv of the two blocks")
 
 
 def test_fully_masked_rows_give_zero_and_no_nan():

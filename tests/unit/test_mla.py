@@ -10,7 +10,7 @@ from megazero.config.schema import ConfigError
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel.random import RNGTracker
 from model.config import GPTConfig
-from model.mla import MultiLatentAttention, mla_softmax_scale, rope_rows_from_interleaved
+from model.mla import MultiLatentAttention, latent_cache_bytes, mla_softmax_scale, rope_rows_from_interleaved
 from tests.support.config import fails
 
 transformers = pytest.importorskip("transformers")
@@ -167,12 +167,14 @@ def test_cli_builds_mla_config():
     cfg = build_gpt_config(config_from_argv(CLI_MLA + ["--q-lora-rank", "16", "--v-head-dim", "6"], 1), 1001)
     assert (cfg.multi_latent_attention, cfg.q_lora_rank, cfg.kv_lora_rank) == (True, 16, 12)
     assert (cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.rotary_dim) == (8, 4, 6, 4)
+    for comm in ("p2p", "a2a"):  # context parallelism takes MLA (tests/layouts/test_mla.py trains it)
+        run = config_from_argv(CLI_MLA + ["--cp", "2", "--cp-comm-type", comm], 2)
+        assert (run.parallel.cp, run.parallel.cp_comm_type, run.model.multi_latent_attention) == (2, comm, True)
 
 
 @pytest.mark.parametrize(
     "argv, world, message",
     [
-        (CLI_MLA + ["--cp", "2"], 2, "--multi-latent-attention with --cp 2 is not supported; fix: --cp 1"),
         (CLI_MLA + ["--softmax-type", "off-by-one"], 1, "with --softmax-type off-by-one is not supported"),
         (CLI_MLA + ["--window-size", "4,0"], 1, "with --window-size is not supported"),
         (CLI_MLA + ["--qk-pos-emb-head-dim", "3"], 1, "--qk-pos-emb-head-dim 3 is not supported; fix: an even"),
@@ -196,7 +198,8 @@ def _mla_stage():
 @torch.no_grad()
 def test_kv_cache_decoders_equal_the_full_forward():
     """model/sampling.py's cache (prompt, then two tokens) gives the full forward's last logits;
-    model/rollout.py's ``attend`` (6 slots, then 4 over the cache) gives the layer's full output."""
+    model/rollout.py's ``attend`` (6 slots, then 4 over the cache) gives the layer's full output,
+    its cache the latent ``[B, 1, T, kv_lora]`` and the shared RoPE key ``[B, 1, T, r]``."""
     from model.rollout import attend
     from model.sampling import forward_cached
 
@@ -214,8 +217,37 @@ def test_kv_cache_decoders_equal_the_full_forward():
     positions = torch.arange(T).expand(2, T)
     first, cache = attend(attn, x[:, :6], None, positions[:, :6], causal[..., :6, :6])
     second, cache = attend(attn, x[:, 6:], cache, positions[:, 6:], causal[..., 6:, :])
-    assert cache[0].shape == (2, HEADS, T, ROPE + NOPE) and cache[1].shape == (2, HEADS, T, V)
+    assert cache[0].shape == (2, 1, T, KV_LORA) and cache[1].shape == (2, 1, T, ROPE)
     torch.testing.assert_close(torch.cat([first, second], dim=1), want, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_latent_cache_greedy_decoding_equals_the_full_forward():
+    """Greedy decoding with the latent cache (model/sampling.py): at each of 6 steps the cached
+    logits equal the full forward's over the tokens so far within 1e-5 and their argmax is the
+    same token, ``sample`` returns those tokens, and each layer's cache holds ``(kv_lora_rank +
+    qk_pos_emb_head_dim) x 4`` bytes a token (fp32, ``latent_cache_bytes``), against ``heads x (n
+    + r + v) x 4`` for the expanded keys and values."""
+    from model.sampling import forward_cached, sample
+
+    stage = _mla_stage()
+    prompt = [5, 17, 3, 40, 9]
+    ids, caches, new = list(prompt), [None, None], torch.tensor([prompt])
+    for _ in range(6):
+        got = forward_cached(stage, new, caches)  # (1, V)
+        full = stage(torch.tensor([ids]))[:, -1, :64]  # (1, V)
+        torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
+        assert int(got.argmax()) == int(full.argmax())
+        ids.append(int(got.argmax()))
+        new = torch.tensor([[ids[-1]]])
+    assert sample(stage, prompt, 6, temperature=0.0) == ids
+    per_token = (KV_LORA + ROPE) * 4
+    assert latent_cache_bytes(stage.cfg, torch.float32) == per_token < HEADS * (NOPE + ROPE + V) * 4
+    for cache in caches:  # prompt + 5 tokens seen, one row
+        assert cache.seen == len(ids) - 1 == cache.k.shape[2]
+        assert (cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()) == (
+            per_token * cache.seen
+        )
 
 
 def test_hugging_face_export_refuses_mla():
