@@ -43,6 +43,15 @@ LLAMA = dict(
     add_bias_linear=False,
     tie_embeddings=False,
 )
+MLA = dict(  # DeepSeek's MLA (no GQA): the rollout decodes from the compressed latent cache
+    multi_latent_attention=True,
+    q_lora_rank=12,
+    kv_lora_rank=10,
+    qk_head_dim=6,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=5,
+    num_query_groups=None,
+)
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9], [40, 41, 42, 43, 44], [17, 3]]
 SETTINGS = RolloutSettings(max_new_tokens=N_NEW, temperature=0.7, top_k=20, top_p=0.9, seed=11)
 
@@ -59,7 +68,7 @@ def _cfg(arch: str) -> GPTConfig:
         attention_dropout=0.0,
         init_method_std=0.1,
         make_vocab_size_divisible_by=8,
-        **(LLAMA if arch.startswith("llama") else {}),
+        **(LLAMA if arch.startswith("llama") else {}) | (MLA if arch == "llama-mla" else {}),
         **(dict(qk_layernorm=True) if arch == "llama-qk-norm" else {}),
         # a window of 4 positions on layer 1, layer 2 full: rows of 10 to 17 tokens reach past it
         **(dict(window_size=[3, 0], window_attn_skip_freq=[2]) if arch.startswith("llama-window") else {}),
@@ -94,7 +103,7 @@ def _rows(r) -> list[list[int]]:
     return [r.tokens[b, : int(n)].tolist() for b, n in enumerate(r.lengths)]
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-mla"])
 def test_row_in_a_ragged_batch_equals_the_row_alone(arch):
     stage = _stage(arch)
     batch = rollout(StageDecoder(stage), PROMPTS, SETTINGS, step=4, samples_per_prompt=2)
@@ -109,7 +118,7 @@ def test_row_in_a_ragged_batch_equals_the_row_alone(arch):
     assert not torch.equal(other_step.tokens, batch.tokens)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-window"])  # window: in positions, not slots
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-window", "llama-mla"])  # window: in positions, not slots
 def test_right_and_left_padding_give_the_same_logits(arch):
     stage = _stage(arch)
     L = max(len(p) for p in PROMPTS)
@@ -130,7 +139,7 @@ def test_right_and_left_padding_give_the_same_logits(arch):
     torch.testing.assert_close(out["left"][0, 1:2], alone, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-qk-norm", "llama-window", "llama-window-sinks"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-qk-norm", "llama-window", "llama-window-sinks", "llama-mla"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_equal_a_trainer_forward_over_prompt_and_response(arch, temperature):
     stage = _stage(arch)
