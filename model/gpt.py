@@ -656,8 +656,8 @@ class GPTStage(nn.Module):
         token ``seq.loss_mask`` selects (model/value_head.py), or with ``values_per_token`` (a PPO
         critic) each position's value ``[B, T]`` fp32; otherwise the hidden
         states for the next stage. With ``mtp`` (this rank's ``MTPTargets``, counted) and
-        ``labels`` a last stage with multi-token prediction modules also computes the micro-batch's
-        share of the MTP loss (model/mtp.py), adds it to ``mtp_loss_sum`` when training and
+        ``labels`` a last stage with multi-token prediction modules in training mode also computes
+        the micro-batch's share of the MTP loss (model/mtp.py), adds it to ``mtp_loss_sum`` and
         attaches it to the returned per-token losses, whose values it leaves unchanged (its
         gradient joins the backward). Raises ValueError when ``T`` exceeds
         ``max_position_embeddings`` or (sequence parallel) is not divisible by tp.
@@ -686,7 +686,7 @@ class GPTStage(nn.Module):
         if self.logit_temperature != 1.0:
             logits = logits / self.logit_temperature
         losses = self._cross_entropy(logits, labels)  # (B, T) fp32
-        if mtp is None or not hasattr(self, "mtp"):
+        if mtp is None or not hasattr(self, "mtp") or not self.training:  # evaluation: the next-token loss
             return losses
         share = mtp_loss(
             self.mtp,
@@ -697,8 +697,7 @@ class GPTStage(nn.Module):
             lambda h, y: self._cross_entropy(self._logits(h), y),
             self.cfg.mtp_loss_scaling_factor,
         )
-        if self.training and torch.is_grad_enabled():
-            self.mtp_loss_sum += share.detach()
+        self.mtp_loss_sum += share.detach()
         return MTPLossBackward.apply(losses, share, mtp.grad_scale)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
