@@ -18,6 +18,9 @@ Vocabulary of a spec entry:
   once in a global norm (on TP rank 0), while a partition counts on every TP rank.
 - ``tied_output``: the tensor is also the output layer's weight; a last stage without the
   embedding keeps its own copy (tagged ``shared_embedding``, counted on the first stage).
+- ``head_copy``: a last stage without the embedding keeps a copy of the tensor, as of a
+  ``tied_output`` one, without it being the output layer (the word embedding that multi-token
+  prediction reads, model/mtp.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class ParamSpec:
     matmul: bool = False
     vocab: bool = False
     tied_output: bool = False
+    head_copy: bool = False
     active: float = 1.0
     """Fraction of the tokens whose activations meet this weight: 1, or k / E for an expert of
     a top-k Mixture of Experts (the FLOP count takes active parameters only)."""
@@ -70,6 +74,11 @@ class ParamSpec:
         return n
 
     @property
+    def copied_to_head(self) -> bool:
+        """A last stage without the embedding holds its own copy (``tied_output`` or ``head_copy``)."""
+        return self.tied_output or self.head_copy
+
+    @property
     def counted_once_in_norm(self) -> bool:
         """Replicated over TP: one copy counts in a global norm (TP rank 0)."""
         return self.partition_dim is None
@@ -84,7 +93,7 @@ def chunk_entries(
 ) -> list[ParamSpec]:
     """The entries of the parameters a model chunk holds: its layers, the embedding when
     ``pre_process``, the head when ``post_process`` (plus a copy of a ``tied_output`` tensor
-    when the chunk holds the head but not the embedding)."""
+    when the chunk holds the head but not the embedding, and of a ``head_copy`` one)."""
     ids = set(layer_ids)
     return [
         e
@@ -92,7 +101,7 @@ def chunk_entries(
         if (e.part == "layer" and e.layer in ids)
         or (e.part == "embedding" and pre_process)
         or (e.part == "head" and post_process)
-        or (e.tied_output and post_process and not pre_process)
+        or (e.copied_to_head and post_process and not pre_process)
     ]
 
 
@@ -114,6 +123,7 @@ def gather_units(
     """ZeRO-3 gather units of one model chunk: unit name -> elements one TP rank gathers
     (unpadded), as ``model.build.zero3_units`` and ``data_parallel.zero3_gather.split_units``
     form them: ``"embedding"`` (without a tied word embedding), ``"layers.{i}"``, ``"final_ln"``,
+    ``"mtp.{k}"`` (each multi-token prediction module),
     ``"output"`` (untied), then ``"chunk"``: the chunk's remaining parameters (the tied word
     embedding, gathered around the whole chunk). A parameter with fewer than
     ``persistence_threshold`` elements on the rank stays whole and joins no unit; a unit left
@@ -123,7 +133,7 @@ def gather_units(
         n = e.local_numel(tp)
         if n < persistence_threshold:
             continue
-        if e.tied_output and (pre_process or post_process):
+        if e.copied_to_head and (pre_process or post_process):
             rest += n
             continue
         key = (
@@ -131,7 +141,7 @@ def gather_units(
             if e.part == "layer" and e.layer in ids
             else "embedding"
             if e.part == "embedding" and pre_process
-            else e.name.split(".")[0]
+            else ".".join(e.name.split(".")[: 2 if e.name.startswith("mtp.") else 1])
             if e.part == "head" and post_process
             else None
         )

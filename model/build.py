@@ -83,6 +83,8 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         **({} if m.num_experts is None else {name: getattr(m, name) for name in MOE_FIELDS}),
     )
 
@@ -214,16 +216,17 @@ def check_from_hf(cfg: Config, vocab_size: int) -> None:
 
 def zero3_units(chunk: GPTStage) -> list[nn.Module]:
     """ZeRO-3 gather units of one model chunk in forward order: the embedding (its position
-    table alone when the word embedding is also the tied output layer, which then stays in
-    the chunk's own unit, gathered around the whole chunk), each block, the final norm and an
-    untied output layer."""
-    units, tied = [], chunk.cfg.tie_embeddings
+    table alone when the word embedding is also the tied output layer or read by multi-token
+    prediction on the last stage, which then stays in the chunk's own unit, gathered around the
+    whole chunk), each block, the final norm, an untied output layer and the MTP modules."""
+    units, tied = [], chunk.cfg.tie_embeddings or chunk.cfg.mtp_num_layers > 0
     if chunk.pre_process:
         emb = chunk.embedding
         units += [emb] if not tied else ([emb.position_embeddings] if emb.with_positions else [])
     units += list(chunk.layers.values())
     if chunk.post_process:
-        units += [chunk.final_ln] + ([] if tied else [chunk.output])
+        units += [chunk.final_ln] + ([] if chunk.cfg.tie_embeddings else [chunk.output])
+        units += list(chunk.mtp) if chunk.cfg.mtp_num_layers > 0 else []  # one unit per depth
     return units
 
 
@@ -302,7 +305,7 @@ def model_signature(g: GPTConfig) -> dict:
     # RoPE scaling, the QKV-only bias, --kv-channels, QK-norm, the softmax type and the gated unit's
     # variants and MLA's sizes enter only when changed, so older checkpoints keep their signature
     fields = ROPE_SCALING_FIELDS + ("add_qkv_bias", "kv_channels", "qk_layernorm", "softmax_type") + GLU_FIELDS
-    fields += MLA_FIELDS
+    fields += MLA_FIELDS + ("mtp_num_layers",)
     optional = moe | {name: getattr(g, name) for name in fields if _changed(g, name)}
     return optional | dict(
         vocab_size=g.vocab_size,

@@ -248,6 +248,11 @@ class GPTConfig:
     moe_token_dispatcher_type: str = "alltoall"
     """How tokens reach their experts' ranks under expert parallelism: ``alltoall`` or
     ``allgather`` (megazero.moe.dispatch)."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depth D (DeepSeek-V3 sec. 2.2, model/mtp.py): D sequential modules on
+    the last stage predict the tokens 2..D+1 ahead; 0 = none (the plain next-token model)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """lambda: the training loss adds ``lambda / D`` times the sum of the D depths' mean cross-entropies."""
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -463,6 +468,8 @@ _SETTING_OF = {
             "moe_router_load_balancing_type",
             "moe_expert_capacity_factor",
             "moe_token_drop_policy",
+            "mtp_num_layers",
+            "mtp_loss_scaling_factor",
         )
     },
 }

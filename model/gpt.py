@@ -53,7 +53,7 @@ from megazero.context_parallel.attention import (
     sink_attention,
 )
 from megazero.context_parallel.sdpa_kernels import expand_kv_for
-from megazero.context_parallel.sequence import SequenceInfo
+from megazero.context_parallel.sequence import MTPTargets, SequenceInfo
 from megazero.ops.activation import glu
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
@@ -71,6 +71,7 @@ from model.config import GPTConfig
 from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_placeholders  # noqa: F401
 from model.mla import MLA_REPLICATED, MultiLatentAttention
 from model.moe import ExpertMLP, MoEMLP, grouped_mm_available, moe_step_end  # noqa: F401 (re-export)
+from model.mtp import MTPLossBackward, MTPModule, mtp_loss
 from model.rope import RotaryTable, apply_rotary
 from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
 from model.value_head import ValueHead, per_token_values
@@ -481,7 +482,8 @@ class GPTStage(nn.Module):
         self._build_modules(cfg, groups)
         use_placeholders(self, self.device)
         self._tag_from_spec()
-        if groups.pp_size > 1 and cfg.tie_embeddings and (pre_process or post_process):
+        shared = cfg.tie_embeddings or cfg.mtp_num_layers > 0  # the last stage reads the word embedding
+        if groups.pp_size > 1 and shared and (pre_process or post_process):
             tags.set_shared_embedding(self.embedding.word_embeddings.weight, counted_here=pre_process)
         if post_process and not pre_process:  # the head's W would hold [B, T, V/tp]
             tags.set_weight_grad_in_b(
@@ -503,7 +505,7 @@ class GPTStage(nn.Module):
         moves them to ``self.device``), sharing one rotary table made on the device."""
         meta, pre, post = "meta", self.pre_process, self.post_process
         self.attention_masks: dict = {}  # sliding-window masks, shared by the layers, cleared each forward
-        if pre or (post and cfg.tie_embeddings):
+        if pre or (post and (cfg.tie_embeddings or cfg.mtp_num_layers > 0)):
             with_positions = pre and cfg.position_embedding_type == "learned_absolute"
             self.embedding = Embedding(cfg, self.tp, self.sp, with_positions, meta)
         cp = (groups.cp, groups.cp_ranks) if groups.cp_size > 1 else None
@@ -543,6 +545,19 @@ class GPTStage(nn.Module):
                 )
             if cfg.value_head:
                 self.value_head = ValueHead(cfg.hidden_size, groups, self.sp, meta)
+            if cfg.mtp_num_layers > 0:  # DeepSeek-V3's multi-token prediction (model/mtp.py)
+                self.mtp = nn.ModuleList(
+                    MTPModule(
+                        cfg.hidden_size,
+                        functools.partial(_norm, cfg, meta),
+                        Block(cfg, self.tp, self.sp, self.rng_tracker, meta, cp, rope, mask_cache=self.attention_masks),
+                        cfg.params_dtype,
+                        meta,
+                    )
+                    for _ in range(cfg.mtp_num_layers)
+                )
+                # this step's MTP loss (fp64, the sum of the micro-batches' shares; mtp_step_end reads it)
+                self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _tag_from_spec(self) -> None:
         """Partition tags of every parameter from its spec entry (model/spec.py); a parameter
@@ -620,7 +635,11 @@ class GPTStage(nn.Module):
             p.copy_(self._partition(name, full))
 
     def forward(
-        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, seq: Optional[SequenceInfo] = None
+        self,
+        x: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        seq: Optional[SequenceInfo] = None,
+        mtp: Optional[MTPTargets] = None,
     ) -> torch.Tensor:
         """Run this chunk.
 
@@ -633,7 +652,11 @@ class GPTStage(nn.Module):
         (``cfg.value_head``) returns instead the score of each sequence ``[B]`` fp32, of the
         token ``seq.loss_mask`` selects (model/value_head.py), or with ``values_per_token`` (a PPO
         critic) each position's value ``[B, T]`` fp32; otherwise the hidden
-        states for the next stage. Raises ValueError when ``T`` exceeds
+        states for the next stage. With ``mtp`` (this rank's ``MTPTargets``, counted) and
+        ``labels`` a last stage with multi-token prediction modules in training mode also computes
+        the micro-batch's share of the MTP loss (model/mtp.py), adds it to ``mtp_loss_sum`` and
+        attaches it to the returned per-token losses, whose values it leaves unchanged (its
+        gradient joins the backward). Raises ValueError when ``T`` exceeds
         ``max_position_embeddings`` or (sequence parallel) is not divisible by tp.
         """
         self.attention_masks.clear()  # masks of the last micro-batch's shapes (held by autograd if needed)
@@ -654,16 +677,35 @@ class GPTStage(nn.Module):
             if self.values_per_token:  # a critic: one value per position
                 return per_token_values(self.value_head, x)  # (B, T/cp) fp32
             return self.value_head(x, seq)  # (B,) fp32
-        if self.cfg.tie_embeddings:
-            logits = parallel_lm_logits(
-                x, self.embedding.word_embeddings.weight, self.tp, sequence_parallel=self.sp
-            )  # (B, T, V_pad/tp)
-        else:
-            logits = self.output(x)  # (B, T, V_pad/tp)
+        logits = self._logits(x)  # (B, T, V_pad/tp)
         if labels is None:
             return logits
         if self.logit_temperature != 1.0:
             logits = logits / self.logit_temperature
+        losses = self._cross_entropy(logits, labels)  # (B, T) fp32
+        if mtp is None or not hasattr(self, "mtp") or not self.training:  # evaluation: the next-token loss
+            return losses
+        share = mtp_loss(
+            self.mtp,
+            x,
+            mtp,
+            seq,
+            self.embedding.word_embeddings,
+            lambda h, y: self._cross_entropy(self._logits(h), y),
+            self.cfg.mtp_loss_scaling_factor,
+        )
+        self.mtp_loss_sum += share.detach()
+        return MTPLossBackward.apply(losses, share, mtp.grad_scale)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer (the tied word embedding or ``output``): ``[B, T(/tp), H]`` -> this
+        rank's vocabulary partition ``[B, T, V_pad/tp]``."""
+        if self.cfg.tie_embeddings:
+            return parallel_lm_logits(x, self.embedding.word_embeddings.weight, self.tp, sequence_parallel=self.sp)
+        return self.output(x)
+
+    def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token losses ``[B, T]`` fp32 of the vocabulary-parallel ``logits`` for ``labels [B, T]``."""
         return vocab_parallel_cross_entropy(
             logits,
             labels,

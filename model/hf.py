@@ -94,6 +94,7 @@ _MAPPED_FIELDS = {
     "recompute_num_layers",
     "tp_overlap_grad_reduce",
     "openai_gelu",
+    "mtp_loss_scaling_factor",  # the training loss's weight (the MTP modules themselves do not export)
 }
 # transformers' ACT2FN names -> GPTConfig.openai_gelu: "gelu" is the exact erf GELU
 # (torch.nn.functional.gelu), "gelu_new" and "gelu_pytorch_tanh" its tanh approximation

@@ -53,6 +53,7 @@ RUN_FIELDS = frozenset(
         "moe_pad_expert_input_to_capacity",
         "moe_router_bias_update_rate",
         "moe_token_dispatcher_type",
+        "mtp_loss_scaling_factor",  # the training loss's weight of the MTP modules (which are the model's)
     }
 )
 # printed whatever their value, so that the line reads as the model's shape

@@ -36,6 +36,7 @@ Canonical layouts (docs/design.md, "Interfaces" > Model), with ``d`` the head si
   ``mlp.experts.{j}.fc1/fc2.*`` for every expert j (its global index,
   so expert parallelism can re-shard them), each laid out and partitioned as the dense MLP
   with ``moe_ffn_hidden_size``, and ``mlp.shared_experts.fc1/fc2.*`` for a shared expert.
+- with ``mtp_num_layers`` D, the multi-token prediction modules ``mtp.{k}.*`` (``_mtp_spec``).
 """
 
 from __future__ import annotations
@@ -54,12 +55,32 @@ if TYPE_CHECKING:  # model.config imports this module (GPTConfig.parameter_spec)
 
 
 def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
+    return [
+        ParamSpec(
+            f"layers.{i}.{name}",
+            shape,
+            "layer",
+            i,
+            dim,
+            stride,
+            init,
+            weight_decay=len(shape) >= 2,
+            matmul=mm,
+            active=active,
+        )
+        for name, shape, dim, stride, init, mm, active in _block_rows(cfg, cfg.is_moe_layer(i))
+    ]
+
+
+def _block_rows(cfg: GPTConfig, moe: bool) -> list[tuple]:
+    """One block's rows ``(name in the block, shape, partition dim, stride, init, matmul, active)``;
+    an MoE MLP when ``moe``, else the dense one."""
     H, d, heads, G = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.kv_heads
     grouped = cfg.num_query_groups is not None
     A = cfg.attention_width  # heads * d: H unless --kv-channels
     qkv_rows, qkv_stride = ((heads + 2 * G) * d, 1) if grouped else (3 * A, 3)
     mlp_weights, mlp_biases, active = [], [], {}  # active: name -> fraction of tokens (an expert's: k / E)
-    if not cfg.is_moe_layer(i):
+    if not moe:
         mlp_weights, mlp_biases = _mlp_rows(cfg, "mlp", cfg.ffn_hidden_size)
     else:
         E = cfg.num_experts
@@ -98,21 +119,38 @@ def _layer_spec(cfg: GPTConfig, i: int) -> list[ParamSpec]:
         rows += [("attn.qkv.bias", (qkv_rows,), 0, qkv_stride, "zeros", False)]
     if cfg.add_bias_linear:
         rows += [("attn.proj.bias", (H,), None, 1, "zeros", False)] + mlp_biases
-    return [
-        ParamSpec(
-            f"layers.{i}.{name}",
-            shape,
-            "layer",
-            i,
-            dim,
-            stride,
-            init,
-            weight_decay=len(shape) >= 2,
-            matmul=mm,
-            active=active.get(name, 1.0),
-        )
-        for name, shape, dim, stride, init, mm in rows
-    ]
+    return [(*row, active.get(row[0], 1.0)) for row in rows]
+
+
+def _mtp_spec(cfg: GPTConfig) -> list[ParamSpec]:
+    """The multi-token prediction modules' parameters (model/mtp.py), on the last stage: per depth
+    ``mtp.{k}`` (k = 0 .. D-1 predicts the token k+2 ahead) the norms of the embedding and of the
+    hidden state (``enorm``, ``hnorm``, ``[H]``), the projection ``eh_proj`` ``[H, 2H]`` of
+    ``[enorm(e); hnorm(h)]`` (replicated over tp), one dense block (``block.*``, laid out as a
+    layer's) and its final norm (``final_ln``)."""
+    H, layernorm = cfg.hidden_size, cfg.normalization == "LayerNorm"
+    spec = []
+    for k in range(cfg.mtp_num_layers):
+        rows = [(f"{n}.weight", (H,), None, 1, "ones", False, 1.0) for n in ("enorm", "hnorm")]
+        rows += [(f"{n}.bias", (H,), None, 1, "zeros", False, 1.0) for n in ("enorm", "hnorm") if layernorm]
+        rows += [("eh_proj.weight", (H, 2 * H), None, 1, "normal", True, 1.0)]
+        rows += [(f"block.{row[0]}", *row[1:]) for row in _block_rows(cfg, moe=False)]
+        rows += [("final_ln.weight", (H,), None, 1, "ones", False, 1.0)]
+        rows += [("final_ln.bias", (H,), None, 1, "zeros", False, 1.0)] if layernorm else []
+        spec += [
+            ParamSpec(
+                f"mtp.{k}.{name}",
+                shape,
+                "head",
+                partition_dim=dim,
+                partition_stride=stride,
+                init=init,
+                weight_decay=len(shape) >= 2,
+                matmul=mm,
+            )
+            for name, shape, dim, stride, init, mm, _ in rows
+        ]
+    return spec
 
 
 def _mla_rows(cfg: GPTConfig) -> list:
@@ -172,6 +210,7 @@ def build_spec(cfg: GPTConfig, padded_vocab: int) -> list[ParamSpec]:
             partition_dim=0,
             vocab=True,
             tied_output=cfg.tie_embeddings,
+            head_copy=cfg.mtp_num_layers > 0,  # multi-token prediction reads it on the last stage
         )
     ]
     if cfg.position_embedding_type == "learned_absolute":
@@ -185,7 +224,7 @@ def build_spec(cfg: GPTConfig, padded_vocab: int) -> list[ParamSpec]:
         spec.append(ParamSpec("output.weight", (V, H), "head", partition_dim=0, matmul=True, vocab=True))
     if cfg.value_head:  # a reward model's scalar head (model/value_head.py), replicated over tp
         spec.append(ParamSpec("value_head.weight", (1, H), "head"))
-    return spec
+    return spec + _mtp_spec(cfg)
 
 
 def spec_by_name(cfg: GPTConfig, padded_vocab: int) -> dict[str, ParamSpec]:

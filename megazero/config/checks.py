@@ -374,6 +374,31 @@ def _check_zero_bubble(cfg: Config) -> None:
             )
 
 
+def _check_mtp(cfg: Config, world_size: int) -> None:
+    """Multi-token prediction (model/mtp.py): fewer depths than tokens in a sequence; a language
+    model's pretraining or SFT loss (no preference / RL mode); not under a zero-bubble schedule,
+    whose split backward the MTP loss's gradient injection is not built for."""
+    m, p, post = cfg.model, cfg.parallel, cfg.post
+    D = m.mtp_num_layers
+    if D == 0:
+        return
+    if D >= m.seq_length:
+        raise ConfigError(
+            f"--mtp-num-layers {D} with --seq-length {m.seq_length}: depth D predicts the token D+1 ahead, so "
+            f"no position of the sequence would have a target; fix: --mtp-num-layers {max(1, m.seq_length - 1)} or less"
+        )
+    if post.mode in ("dpo", "rm", "grpo", "ppo"):
+        raise ConfigError(
+            f"--mtp-num-layers {D} with --post-train {post.mode}: multi-token prediction trains a language "
+            "model's next tokens; fix: drop --mtp-num-layers"
+        )
+    if p.pipeline_schedule in ("zb-h1", "zb-v"):
+        raise ConfigError(
+            f"--mtp-num-layers {D} with --pipeline-schedule {p.pipeline_schedule}: the MTP loss is not built for "
+            "the split backward of a zero-bubble schedule; fix: --pipeline-schedule 1f1b (or interleaved)"
+        )
+
+
 def _check_optim_precision(cfg: Config, world_size: int) -> None:
     """min lr <= lr; a WSD annealing phase that fits; one of fp16/bf16; ZeRO stage 0-2 (3 refused)."""
     o, pr, z = cfg.optim, cfg.precision, cfg.zero
@@ -743,6 +768,7 @@ _CHECKS = (
     _check_offload,
     _check_hybrid_shard,
     _check_post_train,
+    _check_mtp,
 )
 
 

@@ -356,6 +356,22 @@ class ModelConfig:
         0.02, "standard deviation of the normal weight init", "", gt=0, applies=Needs("train.from_hf", (None,))
     )
     label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy", "probability", ge=0, lt=1)
+    mtp_num_layers: int = _f(
+        0,
+        "multi-token prediction depth D (DeepSeek-V3 sec. 2.2; Megatron-LM's flag): D sequential modules on the "
+        "last stage, each one block, predict the tokens 2..D+1 ahead with the shared embedding and output head; "
+        "0 = none",
+        "modules",
+        ge=0,
+    )
+    mtp_loss_scaling_factor: float = _f(
+        0.1,
+        "lambda of the multi-token prediction loss: the training loss adds lambda / D times the sum of the D "
+        "depths' mean cross-entropies (logged apart as mtp_loss)",
+        "",
+        ge=0,
+        applies=Needs("model.mtp_num_layers", above=0, wanted="--mtp-num-layers D"),
+    )
     num_experts: Optional[int] = _f(
         None, "Mixture of Experts: experts per MoE layer (Megatron-LM's flag); None = dense MLPs", "experts", ge=1
     )

@@ -16,6 +16,10 @@ embedding and the loss need to know about those tokens:
   supervised fine-tuning data (``--sft``, data/sft.py) the dataset's mask of the labels (1 on
   response tokens), times the EOD rule when both are on.
 
+With multi-token prediction (``--mtp-num-layers D``, model/mtp.py) ``mtp_targets`` shifts the
+whole sequences before the split, so the token ``k`` ahead of a local token is the sequence's
+own even where it sits on another cp rank's chunk (``MTPTargets``).
+
 These are Megatron-LM's ``get_ltor_masks_and_position_ids`` meanings (its masks per
 document), with one difference: ``--eod-mask-loss`` here leaves out EOD *targets* (the issue's
 definition: the count is of non-EOD targets), where Megatron zeroes the positions whose
@@ -146,3 +150,67 @@ def shard_micro_batch(
         loss_mask=local(mask),
     )
     return local(tokens), local(labels), info
+
+
+@dataclass(frozen=True)
+class MTPTargets:
+    """Multi-token prediction's inputs and targets of this rank's tokens (``Tl = T / cp``):
+    ``tokens [B, Tl, D]`` int64, at position i and depth k (1-based, index k-1) the token
+    ``t_{i+k}`` whose embedding enters depth k; ``labels [B, Tl, D]`` its target ``t_{i+k+1}``;
+    ``mask [B, Tl, D]`` float32, 1 where that target counts; ``divisor [D]`` fp64, each depth's
+    counted targets of the global batch divided by the replica ranks (dp x cp), at least
+    ``1 / (dp x cp)``: the main loss's divisor rule, per depth; ``grad_scale`` (0-d) the
+    gradient the MTP loss gets in the backward, the fp16 loss scale (else 1). The two are filled
+    in by ``counted`` once the global counts are known."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+    divisor: Optional[torch.Tensor] = None
+    grad_scale: Optional[torch.Tensor] = None
+
+    def counted(self, divisor: torch.Tensor, grad_scale: torch.Tensor) -> "MTPTargets":
+        """These targets with their ``divisor [D]`` and ``grad_scale`` (0-d)."""
+        return MTPTargets(self.tokens, self.labels, self.mask, divisor, grad_scale)
+
+
+def mtp_targets(
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    depth: int,
+    packing: Packing,
+    loss_mask: Optional[torch.Tensor] = None,
+) -> MTPTargets:
+    """``MTPTargets`` of whole sequences ``tokens, labels [B, T]`` (``labels[:, i] = t_{i+1}``) for
+    ``depth`` D modules, without a divisor: at depth k the input ``tokens[:, i+k]`` and the target
+    ``labels[:, i+k]``, counted where (1) ``i + k < T`` (positions without a k-shifted target are
+    masked; their token and label are 0), (2) the main loss would count ``labels[:, i+k]``
+    (``target_mask``: the dataset's loss mask, ``--eod-mask-loss``'s EOD targets) and (3) with
+    packed documents (any of the packing flags) no EOD among ``tokens[:, i .. i+k]``: the chain
+    from position i's hidden state to the target stays inside one document. Raises ValueError
+    unless ``1 <= depth < T``."""
+    B, T = tokens.shape
+    if not 1 <= depth < T:
+        raise ValueError(f"--mtp-num-layers {depth} must be in [1, {T}) for sequences of {T} tokens")
+    base = target_mask(labels, packing, loss_mask)
+    base = torch.ones(B, T, device=tokens.device) if base is None else base
+    eod = (tokens == packing.eod) if packing.active else torch.zeros(B, T, dtype=torch.bool, device=tokens.device)
+    shifted_tokens = torch.zeros(B, T, depth, dtype=tokens.dtype, device=tokens.device)
+    shifted_labels = torch.zeros(B, T, depth, dtype=labels.dtype, device=labels.device)
+    mask = torch.zeros(B, T, depth, dtype=torch.float32, device=tokens.device)
+    crossed = eod.clone()  # crossed[:, i]: an EOD among tokens[:, i .. i+k] (k = 0 so far)
+    for k in range(1, depth + 1):
+        n = T - k  # positions 0 .. n-1 have the target labels[:, i+k]
+        crossed[:, :n] |= eod[:, k:]
+        shifted_tokens[:, :n, k - 1] = tokens[:, k:]
+        shifted_labels[:, :n, k - 1] = labels[:, k:]
+        mask[:, :n, k - 1] = base[:, k:] * (~crossed[:, :n]).float()
+    return MTPTargets(shifted_tokens, shifted_labels, mask)
+
+
+def local_mtp_targets(targets: MTPTargets, cp: int, cp_rank: int) -> MTPTargets:
+    """This cp rank's zigzag share (``[B, T/cp, D]``) of whole-sequence ``targets``."""
+    if cp == 1:
+        return targets
+    tokens, labels, mask = (split_for_rank(x, 1, cp_rank, cp) for x in (targets.tokens, targets.labels, targets.mask))
+    return MTPTargets(tokens, labels, mask, targets.divisor, targets.grad_scale)

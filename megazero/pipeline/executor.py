@@ -37,6 +37,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megazero import collectives
+from megazero.context_parallel.sequence import MTPTargets
 from megazero.pipeline.p2p import StageLinks, stage_rank
 from megazero.pipeline.partition import stage_of, virtual_stage
 from megazero.pipeline.schedules import Action, is_split, last_backward_index
@@ -428,9 +429,12 @@ def make_forward_step(tokens_per_dp_rank: float, watch=None, sequence_loss=None)
     ``batch`` is (tokens, labels), each ``(micro_batch_size, seq_length)`` int64, or (tokens,
     labels, seq) with ``seq`` the ``SequenceInfo`` of a context-parallel share or of packed
     documents (megazero/context_parallel/sequence.py: tokens and labels are then this rank's
-    ``T/cp`` of each sequence); ``input`` is None on the first stage, else the previous stage's
-    activation; a last-stage chunk returns its per-token losses ``(micro_batch_size, T(/cp))``,
-    which ``loss_fn`` turns into this micro-batch's share of the loss (fp64 scalar).
+    ``T/cp`` of each sequence), or (tokens, labels, seq or None, mtp) with multi-token
+    prediction's ``MTPTargets``, passed to a last-stage chunk as ``mtp=`` (its loss joins the
+    backward through the returned per-token losses, model/mtp.py); ``input`` is None on the
+    first stage, else the previous stage's activation; a last-stage chunk returns its per-token
+    losses ``(micro_batch_size, T(/cp))``, which ``loss_fn`` turns into this micro-batch's share
+    of the loss (fp64 scalar).
 
     The loss of one micro-batch is its token-loss sum (targets with ``seq.loss_mask`` 0 left
     out) divided by ``tokens_per_dp_rank``: the counted targets of the global batch divided by
@@ -446,7 +450,9 @@ def make_forward_step(tokens_per_dp_rank: float, watch=None, sequence_loss=None)
         tokens, labels, *rest = batch
         seq = rest[0] if rest else None
         x = tokens if input_tensor is None else input_tensor
-        out = chunk(x, labels=labels if chunk.post_process else None, seq=seq)
+        mtp = rest[1] if len(rest) > 1 and isinstance(rest[1], MTPTargets) else None
+        extra = {"mtp": mtp} if mtp is not None and chunk.post_process else {}
+        out = chunk(x, labels=labels if chunk.post_process else None, seq=seq, **extra)
         if watch is not None:
             out = watch(batch, chunk, input_tensor, out)
 

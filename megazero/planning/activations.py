@@ -33,8 +33,9 @@ up to the masks' width. Recomputation (sec. 5): ``selective`` drops the ``s^2`` 
 core is replayed per layer in the backward, so one layer's core is alive at a time);
 ``full`` keeps one ``q/t_sp`` input per recomputed region and replays one region at a time.
 The last stage keeps, per micro-batch, the fp32 softmax of its logits partition
-``4*b*s*V_pad/t`` and the head's inputs, and has the logits and their gradient alive once.
-A pipeline stage keeps each in-flight chunk output for its backward.
+``4*b*s*V_pad/t`` and the head's inputs, and has the logits and their gradient alive once;
+with multi-token prediction each of its D modules keeps a block, its inputs and a head's
+(``mtp_bytes``). A pipeline stage keeps each in-flight chunk output for its backward.
 While a layer is back-propagated its activation gradients are alive too, at most about the
 FFN-width gradient ``fq/(h t)`` at once (the GELU and ``fc1`` output gradients in turn).
 
@@ -354,6 +355,18 @@ def head_bytes(g, a: ActivationSettings, padded_vocab: int) -> tuple[float, floa
     return kept, (2 if a.tp == 1 else 3) * partition
 
 
+def mtp_bytes(g, a: ActivationSettings, padded_vocab: int) -> float:
+    """Bytes the last stage's multi-token prediction modules (``g.mtp_num_layers`` D, model/mtp.py)
+    keep per micro-batch: per depth one block never recomputed (``layer_bytes``), the inputs of its
+    two norms and of ``eh_proj`` (``4 q/t_sp``: the embedding, the hidden state and their ``2 q/t_sp``
+    concatenation) and a head's (``head_bytes``); 0 without them."""
+    D = getattr(g, "mtp_num_layers", 0)
+    if not D:
+        return 0.0
+    q_sp = _q(g, a) / (a.tp if a.sequence_parallel else 1) * a.activation_bytes
+    return D * (layer_bytes(g, a) + 4 * q_sp + head_bytes(g, a, padded_vocab)[0])
+
+
 def weight_grad_bytes(
     g, a: ActivationSettings, num_layers: int, first_stage: bool, last_stage: bool, padded_vocab: int
 ) -> float:
@@ -405,7 +418,8 @@ def stage_activation_bytes(
     Pipelined (pp > 1): each kept micro-batch-chunk that is not the last stage's also keeps its
     output ``q/t_sp`` for the backward, and a received and a sent tensor are in flight. The
     first stage adds, at tp > 1, the full partial-sum embedding before its reduction; the last
-    stage the head (``head_bytes``) for each of its micro-batches. At cp > 1 or with sinks the
+    stage the head (``head_bytes``) and the multi-token prediction modules (``mtp_bytes``) for
+    each of its micro-batches. At cp > 1 or with sinks the
     attention's temporaries (``context_parallel_bytes``) count instead of the FFN gradient and
     the head's logits when they are larger (they are never alive together)."""
     q_sp = _q(g, a) / (a.tp if a.sequence_parallel else 1) * a.activation_bytes
@@ -428,7 +442,7 @@ def stage_activation_bytes(
     if last_stage:
         head_kept, head_once = head_bytes(g, a, padded_vocab)
         last_inflight = inflight if pp == 1 else max(1, inflight // len(layers_per_chunk))
-        total += last_inflight * head_kept
+        total += last_inflight * (head_kept + mtp_bytes(g, a, padded_vocab))
         transient += head_once
     windowed = any(w is not None for ws in windows for w in ws)
     return total + max(transient, context_parallel_bytes(g, a, windowed).total)

@@ -142,6 +142,7 @@ def spec_flops_per_iteration(
     global_batch_size: int,
     recompute: bool = False,
     windows: Optional[Sequence[Optional[int]]] = None,
+    mtp_num_layers: int = 0,
 ) -> float:
     """FLOPs of one training iteration read off a model's parameter spec (matmuls only).
 
@@ -154,10 +155,15 @@ def spec_flops_per_iteration(
     ``F = B*s * (k * (2*layer_matmuls + l*4*s*a) + 3 * 2*output_elements)``, ``k = 3`` or
     4 with ``recompute``. ``windows``: each layer's sliding window W or None
     (``GPTConfig.attention_window``; None: every layer full), which charges that layer's
-    attention ``attention_keys(s, W)`` keys per query in place of ``s``. Returns FLOPs as a
+    attention ``attention_keys(s, W)`` keys per query in place of ``s``. ``mtp_num_layers`` D
+    (multi-token prediction, DeepSeek-V3 sec. 2.2): the modules' matmul weights are ``head``
+    entries of the spec, counted with the head (``3 * 2 * elements``, not recomputed); each
+    depth adds its block's full causal attention ``3 * 2*2*s*a`` and a second pass through the
+    output layer ``3 * 2*V*h`` per token. Returns FLOPs as a
     float (all devices). Raises ValueError when the spec has no layer, a size is not positive
     or ``windows`` does not give one entry per layer.
     """
+    spec = list(spec)
     layer, num_layers, head = matmul_params(spec)
     if num_layers == 0 or min(seq_length, attention_width, global_batch_size) <= 0:
         raise ValueError(
@@ -170,6 +176,9 @@ def spec_flops_per_iteration(
     keys = sum(attention_keys(seq_length, w) for w in windows)  # summed over the layers
     layers_forward = 2 * layer + 2 * 2 * keys * attention_width  # per token
     per_token = (4 if recompute else 3) * layers_forward + 3 * 2 * head
+    if mtp_num_layers:
+        output = sum(e.numel for e in spec if e.vocab and (e.matmul or e.tied_output))  # the output layer
+        per_token += mtp_num_layers * 3 * (2 * 2 * attention_keys(seq_length, None) * attention_width + 2 * output)
     return float(global_batch_size * seq_length * per_token)
 
 

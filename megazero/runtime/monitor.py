@@ -34,6 +34,8 @@ tag                            values key             unit
 ``memory/peak_bytes``          ``peak_memory_bytes``  bytes, see :func:`memory_stats`
 ``train/moe_aux_loss``         ``moe_aux_loss``       MoE: load-balancing loss added
 ``train/moe_z_loss``           ``moe_z_loss``         MoE: router z-loss added
+``train/mtp_loss``             ``mtp_loss``           multi-token prediction: lambda / D x the
+                                                      depths' cross-entropies, added to the loss
 ``dpo/rewards_chosen`` ...     ``rewards_chosen``...  --post-train dpo: mean implicit rewards of the
                                                       chosen and rejected responses, reward accuracy
                                                       and margin over the global batch's pairs
@@ -72,6 +74,7 @@ kind ``"train"``         one per :meth:`Monitor.log_iteration`
 ``peak_memory_bytes``    int, bytes, peak memory of the logging rank
 ``moe_aux_loss`` ...     MoE runs only: ``moe_aux_loss``, ``moe_z_loss`` (floats) and
                          ``moe_layers`` ({layer id: the statistics of ``model.gpt.moe_step_end``})
+``mtp_loss``             --mtp-num-layers runs only: float, nats/token (``Trainer.mtp_step_end``)
 ``rewards_chosen`` ...   --post-train dpo only: ``rewards_chosen``, ``rewards_rejected``,
                          ``reward_accuracy``, ``reward_margin`` (floats; ``post_training.preference``)
 ``rm_accuracy`` ...      --post-train rm only: ``rm_accuracy``, ``rm_chosen_score``,
@@ -128,6 +131,9 @@ ITERATION_KEYS = (
 #: coefficient-weighted load-balancing and z-loss (added to the loss; ``model.gpt.moe_step_end``).
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss")
 MOE_TAGS = {"moe_aux_loss": "train/moe_aux_loss", "moe_z_loss": "train/moe_z_loss"}
+#: --mtp-num-layers: the step's multi-token prediction loss (added to the loss; ``Trainer.mtp_step_end``).
+MTP_KEYS = ("mtp_loss",)
+MOE_TAGS["mtp_loss"] = "train/mtp_loss"
 #: --post-train dpo: the step's implicit-reward statistics (``megazero.post_training.preference.METRICS``).
 PREFERENCE_KEYS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin")
 MOE_TAGS.update({key: f"dpo/{key}" for key in PREFERENCE_KEYS})
@@ -483,7 +489,7 @@ class Monitor:
         missing ones are ``n/a``/``null``). Raises ValueError for an unknown key or an
         ``iteration`` value different from ``it``.
         """
-        extra = set(MOE_KEYS) | set(PREFERENCE_KEYS) | set(REWARD_MODEL_KEYS) | set(RL_KEYS) | {MOE_LAYERS_KEY}
+        extra = set(MOE_KEYS + MTP_KEYS + PREFERENCE_KEYS + REWARD_MODEL_KEYS + RL_KEYS) | {MOE_LAYERS_KEY}
         unknown = set(values) - set(ITERATION_KEYS) - extra
         if unknown:
             raise ValueError(f"unknown iteration values {sorted(unknown)}; expected keys from {ITERATION_KEYS}")
@@ -497,7 +503,7 @@ class Monitor:
             record[key] = None if record[key] is None else int(record[key])
         moe = {
             key: _plain(values[key])
-            for key in MOE_KEYS + PREFERENCE_KEYS + REWARD_MODEL_KEYS + RL_KEYS
+            for key in MOE_KEYS + MTP_KEYS + PREFERENCE_KEYS + REWARD_MODEL_KEYS + RL_KEYS
             if key in values and values[key] is not None
         }
         line = format_iteration_line(record, self.train_iters)

@@ -17,7 +17,13 @@ from data.run_data import RunData
 from megazero import collectives
 from megazero.checkpoint.manager import CheckpointManager, RunState
 from megazero.config import Config
-from megazero.context_parallel.sequence import Packing, counted_targets, shard_micro_batch
+from megazero.context_parallel.sequence import (
+    Packing,
+    counted_targets,
+    local_mtp_targets,
+    mtp_targets,
+    shard_micro_batch,
+)
 from megazero.moe.router import AuxLossBackward
 from megazero.optim.lr_schedule import LRSchedule
 from megazero.pipeline.executor import make_forward_step, run_schedule
@@ -49,7 +55,8 @@ class StepOutcome:
 
     ``values``: the logged values (iteration, consumed_samples, lr, loss [nats/token, the
     global batch's token mean; None for a batch without a loss token], grad_norm, loss_scale,
-    skipped_iterations; an MoE model adds moe_aux_loss and moe_z_loss, ``model.gpt.moe_step_end``); ``stop_reason``:
+    skipped_iterations; an MoE model adds moe_aux_loss and moe_z_loss, ``model.gpt.moe_step_end``; multi-token
+    prediction adds mtp_loss, ``Trainer.mtp_step_end``, which ``loss`` leaves out); ``stop_reason``:
     a stop every rank agreed on in the step's loss all-reduce (``resilience.agree``), else None;
     ``bad_step``: a non-finite loss or gradient outside fp16's loss scaling (the optimizer
     skipped the update); ``empty``: the global batch had no loss token, so the optimizer step
@@ -130,6 +137,7 @@ class Trainer:
             attention_width=g.attention_flops_width,
             global_batch_size=cfg.train.global_batch_size,
             windows=[g.attention_window(i) for i in range(g.num_layers)],
+            mtp_num_layers=g.mtp_num_layers,
         )
         if p.pp > 1:
             handshake(groups, self.tensor_shape, self.dtype, self.num_microbatches, device=device)
@@ -286,12 +294,45 @@ class Trainer:
             (*shard_micro_batch(b[0], b[1], cp=g.cp_size, cp_rank=g.cp_rank, packing=packing, loss_mask=m), *b[3:])
             for b, m in zip(batches, masks)
         ]
+        if self.gpt_config.mtp_num_layers > 0:
+            local = self._with_mtp_targets(batches, masks, local)
         if not packing.eod_mask_loss and all(m is None for m in masks):
             return local, self.tokens_per_dp_rank, None
         counted = sum(counted_targets(b[1], packing, m) for b, m in zip(batches, masks))
         counted = counted.reshape(()).to(self.device)
         collectives.all_reduce_sum(counted, g.dp)
         return local, counted.clamp_min(1.0) / (g.dp_size * g.cp_size), counted
+
+    def _with_mtp_targets(self, batches, masks, local) -> list:
+        """``local`` micro-batches as ``(tokens, labels, seq or None, MTPTargets)``: multi-token
+        prediction's shifted tokens and labels, made from the whole sequences before the cp split
+        (``mtp_targets``), with each depth's divisor from its counted targets summed over the dp
+        group (one all-reduce of ``[D]`` fp64, no host sync) and the fp16 loss scale as gradient."""
+        g, D = self.groups, self.gpt_config.mtp_num_layers
+        full = [mtp_targets(b[0], b[1], D, self.packing, m) for b, m in zip(batches, masks)]
+        counted = sum(t.mask.sum(dim=(0, 1), dtype=torch.float64) for t in full).to(self.device)  # (D,)
+        collectives.all_reduce_sum(counted, g.dp)
+        divisor = counted.clamp_min(1.0) / (g.dp_size * g.cp_size)
+        scale = self.optimizer.scale_loss(torch.ones((), device=self.device))
+        out = []
+        for b, t in zip(local, full):
+            mine = local_mtp_targets(t, g.cp_size, g.cp_rank).counted(divisor, scale)
+            out.append((b[0], b[1], b[2] if len(b) > 2 else None, mine))
+        return out
+
+    def mtp_step_end(self) -> dict:
+        """After a training step (collective over the replicas and pp): ``{"mtp_loss": float}``, the
+        step's multi-token prediction loss (``lambda / D * sum_k CE_k``, the global batch's) that
+        the training loss added, read from the last stage's ``mtp_loss_sum`` (then zeroed)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for c in self.chunks:
+            if hasattr(c, "mtp_loss_sum"):
+                total += c.mtp_loss_sum
+                c.mtp_loss_sum.zero_()
+        collectives.all_reduce_sum(total, self.replicas.dp)
+        if self.groups.pp_size > 1:
+            collectives.all_reduce_sum(total, self.groups.pp)
+        return {"mtp_loss": float(total) / collectives.group_size(self.replicas.dp)}
 
     def _run(self, batches, actions, forward_only: bool) -> torch.Tensor:
         watch = None if forward_only else self.forward_watch.watch
@@ -401,6 +442,9 @@ class Trainer:
         if self.post.preference is not None:
             trail.enter(it, "the preference metrics all-reduce")
             values.update(self.post.preference.metrics(self.device))
+        if self.gpt_config.mtp_num_layers > 0:
+            trail.enter(it, "the multi-token prediction loss all-reduce over dp and pp")
+            values.update(self.mtp_step_end())
         if self.gpt_config.num_experts is not None:
             trail.enter(it, "the MoE statistics and expert-bias all-reduce over dp and pp")
             values.update(moe_step_end(self.chunks, self.groups, self.replicas.dp, self.num_microbatches))

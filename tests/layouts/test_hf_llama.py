@@ -312,6 +312,7 @@ def test_llama_map_is_exact_for_every_layout(groups, bias, tied):
             dict(position_embedding_type="learned_absolute", rotary_base=10000),
             "normalization = 'RMSNorm' has no GPT-2 equivalent",
         ),
+        (dict(mtp_num_layers=1), "mtp_num_layers = 1 has no LlamaForCausalLM equivalent"),
     ],
 )
 def test_export_refuses_a_block_llama_cannot_express(change, message):

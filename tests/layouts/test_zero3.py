@@ -238,16 +238,21 @@ def _unit_run(rank, world, batches, cfg):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("rope", [False, True])
-def test_planned_gather_units_are_the_units_zero3_gathers(tied, rope):
+@pytest.mark.parametrize("rope,mtp", [(False, 0), (True, 0), (False, 2)])
+def test_planned_gather_units_are_the_units_zero3_gathers(tied, rope, mtp):
     """The planner's ZeRO-3 gather units (``param_spec.gather_units``, from the parameter spec:
     what the preflight judges --zero3-max-live-parameters by) are the ones ``DataParallel``
     forms from ``model.build.zero3_units`` and ``split_units``, for every kind of chunk and
-    persistence threshold."""
+    persistence threshold; with multi-token prediction (``mtp`` depths) too."""
     from megazero.data_parallel.zero3_gather import split_units
     from megazero.param_spec import gather_units
 
-    cfg = tiny_cfg(num_layers=4, tie_embeddings=tied, position_embedding_type="rope" if rope else "learned_absolute")
+    cfg = tiny_cfg(
+        num_layers=4,
+        tie_embeddings=tied,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        mtp_num_layers=mtp,
+    )
     for ids, pre, post in ((range(4), True, True), (range(2), True, False), (range(2, 4), False, True)):
         stage = GPTStage(cfg, ProcessGroups.single(), list(ids), pre, post, SEED)
         for threshold in (0, 20, 1000):
@@ -255,7 +260,9 @@ def test_planned_gather_units_are_the_units_zero3_gathers(tied, rope):
             built = sorted(sum(p.numel() for p in members) for _, members in groups)
             planned = gather_units(cfg.parameter_spec(1), list(ids), pre, post, 1, threshold)
             assert built == sorted(planned.values()), (list(ids), threshold, planned)
-            assert ("chunk" in planned) == (tied and any(m is None for m, _ in groups))
+            assert ("chunk" in planned) == ((tied or mtp > 0) and any(m is None for m, _ in groups))
+            if threshold == 0:  # one unit per depth, on the last stage
+                assert len([u for u in planned if u.startswith("mtp.")]) == (mtp if post else 0)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -349,6 +349,18 @@ class _Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def reference_block(hidden: int, heads: int, ffn: int, eps: float, **block) -> nn.Module:
+    """One of the oracle's blocks, ``x [B, T, H] -> [B, T, H]`` called as ``block(x, positions [B, T],
+    hidden [B, T, T] bool: True = key hidden)``; ``block``: ``ReferenceGPT``'s block options (one
+    ``window``, not ``windows``)."""
+    return _Block(hidden, heads, ffn, eps, **block)
+
+
+def reference_norm(size: int, eps: float, rmsnorm: bool) -> nn.Module:
+    """The oracle's LayerNorm (weight and bias) or RMSNorm (weight) over the last ``size`` dimensions."""
+    return _RMSNorm(size, eps) if rmsnorm else _LayerNorm(size, eps)
+
+
 _GLU_OPTIONS = {  # megazero.ops.activation.glu's keyword -> the config attribute
     "quick_geglu": "quick_geglu",
     "linear_offset": "glu_linear_offset",
@@ -652,6 +664,7 @@ def train_reference(
     block=None,
     packing=None,
     stats: Optional[dict] = None,
+    model_class=None,
 ):
     """Train the reference model; returns the loss before each of ``steps`` updates.
 
@@ -668,11 +681,14 @@ def train_reference(
     global norm before clipping) and ``aux_losses``, the first step's MoE ``assignments`` (per MoE
     layer, per token group ``(experts [N, k], keep [N, k])``; every step's in ``assignment_steps``)
     and ``expert_bias``: after each step,
-    per MoE layer, its bias (None without one).
+    per MoE layer, its bias (None without one). ``model_class``: ``ReferenceGPT`` (default) or a
+    subclass; one whose loss sets ``mtp_loss`` (tests/support/mtp.py) adds it per step to
+    ``stats["mtp_losses"]``.
     """
+    model_class = model_class or ReferenceGPT
     from megazero.moe.router import expert_bias_update
 
-    model = ReferenceGPT.from_full_weights(full_weights, vocab_size, num_heads, layernorm_eps, **(block or {}))
+    model = model_class.from_full_weights(full_weights, vocab_size, num_heads, layernorm_eps, **(block or {}))
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -704,6 +720,8 @@ def train_reference(
                 torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])).item()
             )
             stats.setdefault("aux_losses", []).append(model.aux_loss.item())
+            if hasattr(model, "mtp_loss"):
+                stats.setdefault("mtp_losses", []).append(model.mtp_loss.item())
         if clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(params, clip_grad)
         opt.step()

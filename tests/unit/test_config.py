@@ -63,6 +63,17 @@ BAD = {  # case: (argv with {A}/{B}/{HALF}/{TOK}/{DIR}, world size, strings the 
     "heads_not_dividing_hidden": (M + ["--hidden-size", "250"], 1, ["--hidden-size", "--num-attention-heads"]),
     "qk_layernorm_without_rmsnorm": (M + ["--qk-layernorm"], 1, ["--qk-layernorm", "--normalization RMSNorm"]),
     "window_not_causal": (M + ["--window-size", "4,2"], 1, ["--window-size 4,2", "right = 0"]),
+    "mtp_depth_not_below_seq_length": (
+        M + ["--seq-length", "64", "--mtp-num-layers", "64"],
+        1,
+        ["--mtp-num-layers 64", "--seq-length 64", "--mtp-num-layers 63"],
+    ),
+    "mtp_negative": (M + ["--mtp-num-layers", "-1"], 1, ["--mtp-num-layers"]),
+    "mtp_with_zero_bubble": (
+        M + ["--mtp-num-layers", "1", "--pp", "2", "--pipeline-schedule", "zb-h1"],
+        2,
+        ["--mtp-num-layers 1", "--pipeline-schedule zb-h1"],
+    ),
     "window_skip_pattern_length": (
         M + ["--window-size", "4,0", "--window-attn-skip-freq", "1,0,1"],
         1,
