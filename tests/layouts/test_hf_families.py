@@ -26,6 +26,7 @@ with the model flags ``convert_checkpoint.py --print-flags`` prints for its fold
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -258,7 +259,8 @@ def test_deepseek_v3_trained_at_tp2_pp2_ep2_exports_to_transformers(folders, tmp
     """The DeepSeek-V3 folder on 8 ranks, tp 2 x pp 2 x dp 2 with expert parallelism 2 (each rank 4
     of the 8 experts): the first loss equals transformers' on the same batch (1e-6); 3 steps trained
     (weights and the expert biases move), saved, exported (``convert_checkpoint.py --to-hf``) and
-    loaded by transformers give the logits of megazero's model of that checkpoint within 1e-5."""
+    loaded by transformers give the logits of megazero's model of that checkpoint within 1e-5, which
+    the generate / evaluate loader (``--load``) gives too, the expert biases read from ``meta.pt``."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -267,6 +269,7 @@ def test_deepseek_v3_trained_at_tp2_pp2_ep2_exports_to_transformers(folders, tmp
     from megazero.checkpoint import read_full_weights
     from megazero.config import config_from_argv
     from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
     from model.gpt import GPTStage
     from model.hf import config_from_record
     from model.moe_state import load_expert_bias
@@ -288,11 +291,15 @@ def test_deepseek_v3_trained_at_tp2_pp2_ep2_exports_to_transformers(folders, tmp
     gcfg = config_from_record(meta["extra"]["gpt_config"], hidden_dropout=0.0, attention_dropout=0.0)
     ours = GPTStage(gcfg, ProcessGroups.single(), range(gcfg.num_layers), True, True, 0, full_weights=full)
     load_expert_bias([ours], meta["extra"]["moe_expert_bias"])
+    source = SimpleNamespace(load=save, from_hf=None, tokenizer_model=None, tokenizer_type=None)
+    loaded, _ = load_model(source, ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
     theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         a, b = ours.eval()(ids)[..., :300], theirs(ids).logits
+        generated = loaded.eval()(ids)[..., :300]  # the generate / evaluate loader: the biases from meta.pt too
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    torch.testing.assert_close(generated, a, rtol=0, atol=0)
     before, after = load_file(f"{folder}/model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(before) == sorted(after)
     assert (

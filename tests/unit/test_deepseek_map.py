@@ -243,3 +243,27 @@ def test_multi_token_prediction_tensors_past_the_last_layer_are_ignored(tmp_path
     assert torch.equal(view["layers.1.mlp.router.weight"], tensors["model.layers.1.mlp.gate.weight"])
     assert torch.equal(view.expert_bias(1), tensors["model.layers.1.mlp.gate.e_score_correction_bias"])
     assert view.expert_bias(0) is None  # the dense layer has no router
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        (dict(q_lora_rank=8), "--q-lora-rank"),
+        (dict(qk_pos_emb_head_dim=8), "--qk-pos-emb-head-dim"),
+        (dict(moe_layer_freq=1), "--moe-layer-freq"),
+        (dict(moe_router_num_groups=2, moe_router_group_topk=1), "--moe-router-num-groups"),
+        (dict(moe_router_topk_scaling_factor=None), "--moe-router-topk-scaling-factor"),
+        (dict(moe_router_enable_expert_bias=False), "--moe-router-enable-expert-bias"),
+    ],
+)
+def test_a_run_whose_flags_differ_from_the_folder_is_told_the_flag(change, flag):
+    """``--from-hf`` with the folder's printed flags but one (``model.hf.check_matches``)."""
+    import dataclasses
+
+    from model.hf import check_matches, config_from_hf
+
+    config = _released_config()
+    ours = dataclasses.replace(config_from_hf(config), **change)
+    with pytest.raises(HFConversionError, match=f"fix: set {flag} to match"):
+        check_matches(config, ours)
+    check_matches(config, config_from_hf(config))  # the folder's own model passes
