@@ -267,3 +267,14 @@ def test_a_run_whose_flags_differ_from_the_folder_is_told_the_flag(change, flag)
     with pytest.raises(HFConversionError, match=f"fix: set {flag} to match"):
         check_matches(config, ours)
     check_matches(config, config_from_hf(config))  # the folder's own model passes
+
+
+def test_print_flags_of_a_refused_folder_is_one_line_and_exit_2(tmp_path, capsys):
+    import json
+
+    from scripts.convert_checkpoint import main
+
+    (tmp_path / "config.json").write_text(json.dumps(_released_config(rope_interleave=False)))
+    assert main(["--print-flags", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("convert_checkpoint: error: ") and "rope_interleave false" in err
