@@ -9,7 +9,7 @@ never trained (docs/design.md, contract 1).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -18,12 +18,14 @@ from megazero.config.schema import ConfigError, setting_named
 from megazero.config.shape import (
     check_block,
     check_mla,
+    check_moe_layer_freq,
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
     check_window,
     check_yarn_of,
     default_ffn_hidden_size,
+    is_moe_layer_of,
     layer_window,
 )
 
@@ -211,8 +213,11 @@ class GPTConfig:
     """Inner width of each expert's MLP; ``None`` = ``ffn_hidden_size``."""
     moe_router_topk: int = 2
     """Experts k each token is routed to."""
-    moe_layer_freq: int = 1
-    """Layer ``i`` is an MoE layer when ``i % moe_layer_freq == 0`` (Megatron-LM's integer form)."""
+    moe_layer_freq: Union[int, list] = 1
+    """Which layers are MoE layers (Megatron-LM's ``--moe-layer-freq``): an integer N, layer ``i`` when
+    ``i % N == 0``; or one 0/1 per layer, 1 = MoE (DeepSeek-V3's ``first_k_dense_replace`` k: k zeros,
+    then ones). The other layers are dense MLPs of ``ffn_hidden_size``
+    (``megazero.config.shape.is_moe_layer_of``)."""
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Inner width of the shared expert every token passes through; ``None`` = none."""
     moe_router_score_function: str = "softmax"
@@ -269,8 +274,8 @@ class GPTConfig:
         return layer_window(self.window_size, self.window_attn_skip_freq, i + 1)
 
     def is_moe_layer(self, i: int) -> bool:
-        """Layer ``i`` holds an MoE MLP (``num_experts`` set and ``i % moe_layer_freq == 0``)."""
-        return self.num_experts is not None and i % self.moe_layer_freq == 0
+        """Layer ``i`` holds an MoE MLP (``num_experts`` set and ``moe_layer_freq`` marks it)."""
+        return self.num_experts is not None and is_moe_layer_of(self.moe_layer_freq, i)
 
     @property
     def head_dim(self) -> int:
@@ -392,6 +397,7 @@ class GPTConfig:
                 qk_pos_emb_head_dim=self.qk_pos_emb_head_dim,
             )
         if self.num_experts is not None:
+            check_moe_layer_freq(self.moe_layer_freq, self.num_layers)
             check_moe_sizes(self.moe_ffn_hidden_size, self.moe_shared_expert_intermediate_size, tp_size)
 
 
@@ -463,7 +469,6 @@ _SETTING_OF = {
             "v_head_dim",
             "num_experts",
             "moe_router_topk",
-            "moe_layer_freq",
             "moe_router_score_function",
             "moe_router_load_balancing_type",
             "moe_expert_capacity_factor",

@@ -490,6 +490,7 @@ class GPTStage(nn.Module):
                 self.embedding.word_embeddings.weight if cfg.tie_embeddings else self.output.weight
             )
         self._initial = InitialWeights(cfg, seed, groups.tp_size) if full_weights is None else full_weights
+        self._start_expert_bias(full_weights)
         self.materialized = False
         # the per-token losses are -log softmax(logits / this): a rollout sampled at temperature T
         # is scored at T (--post-train grpo sets it on the policy and the reference)
@@ -558,6 +559,20 @@ class GPTStage(nn.Module):
                 )
                 # this step's MTP loss (fp64, the sum of the micro-batches' shares; mtp_step_end reads it)
                 self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    @torch.no_grad()
+    def _start_expert_bias(self, full_weights) -> None:
+        """Each MoE layer's expert bias (``--moe-router-enable-expert-bias``) from ``full_weights``
+        where it offers one (``expert_bias(layer)`` -> ``[E]`` or None: a Hugging Face folder's
+        DeepSeek-V3 ``e_score_correction_bias``, ``model.hf.CanonicalView``); zeros otherwise."""
+        read = getattr(full_weights, "expert_bias", None)
+        if read is None:
+            return
+        for i, block in self.layers.items():
+            bias = block.mlp.expert_bias if isinstance(block.mlp, MoEMLP) else None
+            value = read(int(i)) if bias is not None else None
+            if value is not None:
+                bias.copy_(value)
 
     def _tag_from_spec(self) -> None:
         """Partition tags of every parameter from its spec entry (model/spec.py); a parameter

@@ -5,7 +5,9 @@ of this file, from ``llama_config``; Llama-3.x's RoPE scaling, ``MistralForCausa
 ``Qwen2ForCausalLM``'s q/k/v biases and ``Qwen3ForCausalLM``'s QK-norm and head size:
 ``model/hf_families.py``), and with
 experts ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM``
-(``model/hf_moe.py`` adds their MoE MLPs to the Llama map).
+(``model/hf_moe.py`` adds their MoE MLPs to the Llama map), ``GptOssForCausalLM``
+(``model/hf_gpt_oss.py``) and, with multi-head latent attention, ``DeepseekV3ForCausalLM``
+(``model/hf_deepseek.py``).
 
 One name map, keyed by megazero's canonical parameter names (``model.gpt.canonical_shapes``),
 gives each parameter's Hugging Face name and whether it is transposed: GPT-2 stores its
@@ -40,8 +42,8 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from megazero.config.schema import setting_named
-from model import hf_families, hf_gpt_oss, hf_moe
-from model.config import ROPE_SCALING_FIELDS, YARN_FIELDS, GPTConfig
+from model import hf_deepseek, hf_families, hf_gpt_oss, hf_moe
+from model.config import MLA_FIELDS, ROPE_SCALING_FIELDS, YARN_FIELDS, GPTConfig
 from model.gpt import VOCAB_TENSORS, canonical_shapes, resize_vocab
 from model.hf_config import HFConversionError
 from model.hf_config import config_value as _value
@@ -228,7 +230,10 @@ def check_matches(config: Mapping, gcfg: GPTConfig) -> None:
         ("swiglu", "--swiglu"),
         ("openai_gelu", "--openai-gelu"),
         ("kv_heads", "--group-query-attention --num-query-groups"),
-        ("multi_latent_attention", "--multi-latent-attention (no Hugging Face MLA family is read yet)"),
+        *((name, setting_named(f"model.{name}").flag) for name in MLA_FIELDS),
+        ("moe_router_num_groups", "--moe-router-num-groups"),
+        ("moe_router_group_topk", "--moe-router-group-topk"),
+        ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"),
         ("rotary_base", "--rotary-base"),
         ("use_rope_scaling", "--use-rope-scaling"),
         ("rope_scaling_factor", "--rope-scaling-factor"),
@@ -278,19 +283,23 @@ def hf_shapes(gcfg: GPTConfig) -> dict[str, tuple[int, ...]]:
             out[target] = (out.get(target, (0,))[0] + rows,) + tuple(shape[1:])
     if hf_gpt_oss.is_gpt_oss(gcfg):
         out.update(hf_gpt_oss.expert_shapes(gcfg))
+    out.update(hf_deepseek.bias_shapes(gcfg))
     return {**out, **{name: tuple(t.shape) for name, t in hf_moe.extra_tensors(gcfg).items()}}
 
 
-def to_hf_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:
+def to_hf_tensors(
+    full: Mapping[str, torch.Tensor], gcfg: GPTConfig, expert_bias: Optional[Mapping[int, list]] = None
+) -> dict[str, torch.Tensor]:
     """GPT-2 tensors (fp32, contiguous) from megazero's full canonical tensors.
 
     Vocabulary tensors keep their ``vocab_size`` real rows. With tied embeddings
     ``lm_head.weight`` is left out (transformers ties it to ``transformer.wte.weight``).
     Raises HFConversionError for a missing or unknown parameter. A LLaMA-style ``gcfg`` gives
-    LlamaForCausalLM's tensors (``to_llama_tensors``).
+    LlamaForCausalLM's tensors (``to_llama_tensors``; ``expert_bias``: a checkpoint's
+    ``{layer: E floats}``, DeepSeek-V3's ``e_score_correction_bias``).
     """
     if is_llama(gcfg):
-        return to_llama_tensors(full, gcfg)
+        return to_llama_tensors(full, gcfg, expert_bias)
     _check_block(gcfg)
     out = {}
     for name in canonical_shapes(gcfg, gcfg.vocab_size):
@@ -318,6 +327,15 @@ class CanonicalView(Mapping):
         self._shapes = canonical_shapes(gcfg, padded_vocab)
         self._padded = padded_vocab
         self._stacked: dict[str, torch.Tensor] = {}  # gpt-oss: the last stacked expert tensor read
+
+    def expert_bias(self, layer: int) -> Optional[torch.Tensor]:
+        """MoE layer ``layer``'s expert bias ``[E]`` fp32 (DeepSeek-V3's ``e_score_correction_bias``,
+        which ``model.gpt.GPTStage`` takes as its ``--moe-router-enable-expert-bias`` start), None
+        for a family without one."""
+        name = hf_deepseek.bias_name(layer)
+        if name not in hf_deepseek.bias_shapes(self._gcfg):
+            return None
+        return _get(self._src, name).float()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._shapes:
@@ -409,10 +427,6 @@ def _check_llama(gcfg: GPTConfig) -> None:
     """Raise HFConversionError naming the first setting LlamaForCausalLM cannot express."""
     for ok, what in (
         (
-            not gcfg.multi_latent_attention,
-            "--multi-latent-attention: megazero writes no DeepSeek family yet; fix: export a model without it",
-        ),
-        (
             gcfg.normalization == "RMSNorm",
             f"--normalization {gcfg.normalization}: LlamaForCausalLM has RMSNorm only; fix: --normalization RMSNorm",
         ),
@@ -448,12 +462,15 @@ def _check_llama(gcfg: GPTConfig) -> None:
     ):
         if not ok:
             raise HFConversionError(f"{what} (no exact LlamaForCausalLM equivalent)")
-    oss = hf_gpt_oss.is_gpt_oss(gcfg)
+    oss, deepseek = hf_gpt_oss.is_gpt_oss(gcfg), hf_deepseek.is_deepseek(gcfg)
     if oss:
         hf_gpt_oss.check_export(gcfg)
+    elif deepseek:
+        hf_deepseek.check_export(gcfg)
     else:
         hf_moe.check_export(gcfg)
     mapped = _MAPPED_FIELDS | _LLAMA_FIELDS | (hf_gpt_oss.FIELDS if oss else set())
+    mapped |= hf_deepseek.FIELDS if deepseek else set()
     for f in dataclasses.fields(gcfg):
         if f.name in mapped or f.default is dataclasses.MISSING:
             continue
@@ -505,6 +522,8 @@ def llama_config(gcfg: GPTConfig, eod: Optional[int] = None) -> dict:
     }
     if hf_gpt_oss.is_gpt_oss(gcfg):
         return hf_gpt_oss.gpt_oss_config(config, gcfg)
+    if hf_deepseek.is_deepseek(gcfg):
+        return hf_deepseek.deepseek_config(config, gcfg)
     if gcfg.hf_model_type == "mistral":
         return hf_families.mistral_config(config, gcfg)
     if hf_families.is_qwen2(gcfg):
@@ -584,14 +603,16 @@ def config_from_hf(config: Mapping, **settings) -> GPTConfig:
         return llama_config_from_hf(config, **hf_families.qwen3_settings_from_hf(config), **settings)
     if config.get("model_type") == hf_gpt_oss.MODEL_TYPE:
         return GPTConfig(**{**hf_gpt_oss.settings_from_hf(config), **settings})
+    if config.get("model_type") == hf_deepseek.MODEL_TYPE:
+        return GPTConfig(**{**hf_deepseek.settings_from_hf(config), **settings})
     if config.get("model_type") in hf_moe.MODEL_TYPES:
         qwen3 = hf_families.qwen3_settings_from_hf(config) if config["model_type"] == "qwen3_moe" else {}
         return llama_config_from_hf(config, **hf_moe.moe_settings_from_hf(config), **qwen3, **settings)
     if config.get("model_type") != "gpt2":
         raise HFConversionError(
             f"model_type {config.get('model_type')!r}: only GPT-2 (model_type 'gpt2') and "
-            "LLaMA-style (model_type 'llama', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe', 'qwen3_moe' or "
-            "'gpt_oss') "
+            "LLaMA-style (model_type 'llama', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe', 'qwen3_moe', "
+            "'gpt_oss' or 'deepseek_v3') "
             "folders are read"
         )
     return gpt_config_from_hf(config, **settings)
@@ -617,6 +638,9 @@ def llama_pieces(canonical: str, gcfg: GPTConfig) -> list[tuple[str, int, Option
         oss = hf_gpt_oss.layer_pieces(rest, pre) if hf_gpt_oss.is_gpt_oss(gcfg) else None
         if oss is not None:
             return oss
+        deepseek = hf_deepseek.layer_pieces(rest, pre, gcfg) if hf_deepseek.is_deepseek(gcfg) else None
+        if deepseek is not None:
+            return deepseek
         moe = hf_moe.moe_pieces(rest, pre, gcfg)
         if moe is not None:
             return moe
@@ -641,12 +665,15 @@ def _piece_rows(parts: list[tuple[str, int, Optional[int]]], rows: int) -> list[
     return [rows // len(parts) if stop is None else stop - start for _, start, stop in parts]
 
 
-def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[str, torch.Tensor]:
+def to_llama_tensors(
+    full: Mapping[str, torch.Tensor], gcfg: GPTConfig, expert_bias: Optional[Mapping[int, list]] = None
+) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM tensors (fp32, contiguous) from megazero's full canonical tensors:
     fused tensors split by ``llama_pieces``, vocabulary tensors cut to ``vocab_size`` rows,
     ``lm_head.weight`` left out when tied; with experts Mixtral's / Qwen2-MoE's (``model.hf_moe``:
-    names, the shared expert's scale, its zero gate). Raises HFConversionError for a setting Llama cannot
-    express or a missing / unknown parameter."""
+    names, the shared expert's scale, its zero gate); DeepSeek-V3's interleaved rope rows and its
+    ``e_score_correction_bias`` from ``expert_bias`` (``model.hf_deepseek``). Raises HFConversionError
+    for a setting Llama cannot express or a missing / unknown parameter."""
     _check_llama(gcfg)
     names = canonical_shapes(gcfg, gcfg.vocab_size)
     unknown = sorted(set(full) - set(names))
@@ -660,13 +687,14 @@ def to_llama_tensors(full: Mapping[str, torch.Tensor], gcfg: GPTConfig) -> dict[
         if oss and hf_gpt_oss.expert_source(name) is not None:
             continue  # stacked per layer below
         t = full[name].float() * hf_moe.export_scale(name, gcfg)
-        t = t[: gcfg.vocab_size] if name in VOCAB_TENSORS else t
+        t = t[: gcfg.vocab_size] if name in VOCAB_TENSORS else hf_deepseek.to_hf_rows(name, t, gcfg)
         parts = llama_pieces(name, gcfg)
         for (target, _, _), piece in zip(parts, t.split(_piece_rows(parts, t.shape[0]))):
             pieces.setdefault(target, []).append(piece)
     out = {target: torch.cat(ps).contiguous() for target, ps in pieces.items()}
     if oss:
         out.update(hf_gpt_oss.expert_tensors(full, gcfg))
+    out.update(hf_deepseek.bias_tensors(gcfg, expert_bias))
     return {**out, **hf_moe.extra_tensors(gcfg)}
 
 
@@ -681,4 +709,5 @@ def _join_llama(src, canonical: str, gcfg: GPTConfig) -> torch.Tensor:
             loaded[target] = _get(src, target).float()
         out.append(loaded[target][start:stop])
     scale = hf_moe.export_scale(canonical, gcfg)
-    return torch.cat(out) if scale == 1.0 else torch.cat(out) / scale
+    t = torch.cat(out) if scale == 1.0 else torch.cat(out) / scale
+    return hf_deepseek.from_hf_rows(canonical, t, gcfg) if hf_deepseek.is_deepseek(gcfg) else t

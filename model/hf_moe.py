@@ -85,8 +85,9 @@ def is_moe(gcfg: GPTConfig) -> bool:
 
 def is_qwen(gcfg: GPTConfig) -> bool:
     """Whether an MoE ``gcfg`` exports as Qwen2MoeForCausalLM (it has a shared expert) rather
-    than MixtralForCausalLM."""
-    return gcfg.moe_shared_expert_intermediate_size is not None
+    than MixtralForCausalLM; not with multi-head latent attention (DeepSeek-V3's ungated shared
+    experts, ``model/hf_deepseek.py``)."""
+    return gcfg.moe_shared_expert_intermediate_size is not None and not gcfg.multi_latent_attention
 
 
 def is_qwen3_moe(gcfg: GPTConfig) -> bool:

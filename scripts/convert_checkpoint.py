@@ -21,7 +21,8 @@ key stored as ONE full tensor (``megazero.checkpoint.consolidate_checkpoint``).
 block) or ``LlamaForCausalLM`` (LLaMA-style block, RoPE scaling and ``--kv-channels`` included;
 ``Qwen2ForCausalLM`` with ``--add-qkv-bias``, ``Qwen3ForCausalLM`` with ``--qk-layernorm``; with
 experts ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` with ``--qk-layernorm``, or
-``Qwen2MoeForCausalLM`` with a shared expert) that computes what the checkpoint's model computes
+``Qwen2MoeForCausalLM`` with a shared expert; ``GptOssForCausalLM``; ``DeepseekV3ForCausalLM`` with
+``--multi-latent-attention``, the checkpoint's expert biases as its ``e_score_correction_bias``) that computes what the checkpoint's model computes
 (``model/hf.py``, ``model/hf_families.py`` and ``model/hf_moe.py`` hold the name map and the
 differences they refuse); a reward model's checkpoint (``--post-train rm``) becomes
 ``GPT2ForSequenceClassification`` or ``LlamaForSequenceClassification`` (``score.weight`` [1, H], one
@@ -124,7 +125,7 @@ def convert(
     if gcfg.value_head:
         reward_architecture(gcfg)  # refused before the tokenizer is read
     else:
-        tensors = to_hf_tensors(full, gcfg)
+        tensors = to_hf_tensors(full, gcfg, meta["extra"].get("moe_expert_bias"))
     tok = resolve_tokenizer(meta, tokenizer_model, tokenizer_type)
     if tok is not None and tok.vocab_size != gcfg.vocab_size:
         raise ConvertError(f"tokenizer vocabulary {tok.vocab_size} != the model's {gcfg.vocab_size}")

@@ -33,6 +33,7 @@ from megazero.config.shape import (
     check_block,
     check_context_parallel,
     check_mla,
+    check_moe_layer_freq,
     check_moe_sizes,
     check_rope_scaling,
     check_sizes,
@@ -242,6 +243,7 @@ def _check_moe(cfg: Config, world_size: int) -> None:
         return
     E = m.num_experts
     check_moe_sizes(m.moe_ffn_hidden_size or m.ffn_hidden_size, m.moe_shared_expert_intermediate_size, p.tp)
+    check_moe_layer_freq(m.moe_layer_freq, m.num_layers)
     if m.moe_router_topk > E:
         raise ConfigError(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {E}; fix: choose k <= {E}")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -132,6 +133,59 @@ def parse_window_list(text: str) -> list[int]:
         raise ValueError(
             f"{text!r} is not a comma list of integers; fix: e.g. --window-size 4095,0 --window-attn-skip-freq 2"
         ) from None
+
+
+def parse_moe_layer_freq(text: str):
+    """``--moe-layer-freq`` text as Megatron-LM reads it: an integer N (every N-th layer an MoE layer,
+    from layer 0), or a pattern with one 0/1 per layer (1 = MoE, 0 = dense MLP), written as a comma
+    list ("0,1,1,1") or in Megatron-LM's Python-list spelling ("([0]*1+[1]*3)", "[1,0]*2"): lists
+    of 0/1, ``+`` to join, ``* N`` to repeat, parentheses. Megatron-LM ``eval``s that text; megazero
+    parses just this grammar. Returns an int or a list of ints; raises ValueError naming the flag."""
+    text = text.strip()
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    if re.fullmatch(r"\d+(\s*,\s*\d+)+", text):
+        return [int(x) for x in text.split(",")]
+    tokens = re.findall(r"\d+|[][()+*,]|\S", text)
+    try:
+        out, rest = _pattern_sum(tokens)
+        if rest or not out:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ValueError(
+            f"--moe-layer-freq {text!r} is not an integer, a comma list or a pattern like ([0]*1+[1]*3); "
+            "fix: e.g. --moe-layer-freq 2, or 0,1,1,1 (1 = MoE layer)"
+        ) from None
+    return out
+
+
+def _pattern_sum(tokens: list) -> tuple[list, list]:
+    """``term ('+' term)*`` of parse_moe_layer_freq's grammar: (the list, the tokens left)."""
+    out, tokens = _pattern_term(tokens)
+    while tokens and tokens[0] == "+":
+        more, tokens = _pattern_term(tokens[1:])
+        out = out + more
+    return out, tokens
+
+
+def _pattern_term(tokens: list) -> tuple[list, list]:
+    """``atom ('*' N)*`` with atom a ``[i, j, ...]`` list or a parenthesised sum."""
+    if tokens[0] == "(":
+        out, tokens = _pattern_sum(tokens[1:])
+        if tokens[0] != ")":
+            raise ValueError
+        tokens = tokens[1:]
+    elif tokens[0] == "[":
+        out, tokens = [], tokens[1:]
+        while tokens[0] != "]":
+            out.append(int(tokens[0]))
+            tokens = tokens[2:] if tokens[1] == "," else tokens[1:]
+        tokens = tokens[1:]
+    else:
+        raise ValueError
+    while tokens and tokens[0] == "*":
+        out, tokens = out * int(tokens[1]), tokens[2:]
+    return out, tokens
 
 
 @dataclass
@@ -379,8 +433,13 @@ class ModelConfig:
         None, "inner width of each expert's MLP; None = --ffn-hidden-size", "features", ge=1, applies=_MOE
     )
     moe_router_topk: int = _f(2, "experts each token is routed to (k)", "experts", ge=1, applies=_MOE)
-    moe_layer_freq: int = _f(
-        1, "every N-th layer is an MoE layer, starting at layer 0 (1 = all)", "layers", ge=1, applies=_MOE
+    moe_layer_freq: typing.Union[list[int], int] = _f(
+        1,
+        "which layers are MoE layers (Megatron-LM's forms): N = every N-th from layer 0 (1 = all), or one 0/1 per "
+        "layer (1 = MoE, 0 = dense with --ffn-hidden-size) as 0,1,1,1 or ([0]*1+[1]*3) (DeepSeek's first_k_dense)",
+        "layers",
+        parse=parse_moe_layer_freq,
+        applies=_MOE,
     )
     moe_shared_expert_intermediate_size: Optional[int] = _f(
         None,

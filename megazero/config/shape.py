@@ -224,6 +224,30 @@ def check_moe_sizes(moe_ffn_hidden_size: int, shared_size, tp: int) -> None:
             raise ConfigError(f"{flag} {size} is not divisible by --tp {tp}; fix: choose a multiple of {tp}")
 
 
+def is_moe_layer_of(moe_layer_freq, layer: int) -> bool:
+    """Whether 0-based ``layer`` is an MoE layer under ``--moe-layer-freq`` (Megatron-LM's
+    ``moe_layer_freq``): an integer N makes layers 0, N, 2N, ... MoE layers; a list holds one 0/1 per
+    layer (1 = MoE; DeepSeek-V3's ``first_k_dense_replace`` k is k zeros, then ones). Call
+    ``check_moe_layer_freq`` first."""
+    if isinstance(moe_layer_freq, list):
+        return bool(moe_layer_freq[layer])
+    return layer % moe_layer_freq == 0
+
+
+def check_moe_layer_freq(moe_layer_freq, num_layers: int) -> None:
+    """``--moe-layer-freq`` is an integer N >= 1 or exactly ``num_layers`` entries of 0 or 1.
+    Raises ConfigError naming the flag and the fix."""
+    freq = moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != num_layers or any(f not in (0, 1) for f in freq):
+            raise ConfigError(
+                f"--moe-layer-freq lists {len(freq)} entries {freq[:8]}; fix: one 0/1 per layer "
+                f"({num_layers} for --num-layers {num_layers}; 1 = MoE layer, 0 = dense), or one integer N"
+            )
+    elif not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+        raise ConfigError(f"--moe-layer-freq {freq!r} is not an integer >= 1; fix: N >= 1 (every N-th layer MoE)")
+
+
 def layer_window(window_size, window_attn_skip_freq, layer_number: int) -> Optional[int]:
     """The sliding window W of 1-based layer ``layer_number``, or None for full causal attention.
 

@@ -35,6 +35,7 @@ from model.config import GPTConfig
 from model.gpt import VOCAB_TENSORS, GPTStage
 from model.hf import HFConversionError, config_from_record
 from model.hf_folder import folder_config, open_folder
+from model.moe_state import load_expert_bias
 
 # what a bad input raises (ConfigError and the sampling settings' errors are ValueErrors)
 INPUT_ERRORS = (CheckpointError, HFConversionError, DataError, MissingExtra, ValueError, OSError)
@@ -121,14 +122,15 @@ def load_model(
         full = open_folder(source.from_hf, gcfg, gcfg.padded_vocab(groups.tp_size))
         return GPTStage(gcfg, groups, range(gcfg.num_layers), True, True, seed=0, full_weights=full, device=device), tok
     stage = GPTStage(gcfg, groups, range(gcfg.num_layers), True, True, seed=0, device=device, materialize=False)
-    parts = read_partitions(
+    meta, parts = read_partitions(
         source.load,
         dict(stage.named_parameters()),
         groups.tp_rank,
         groups.tp_size,
         real_rows=lambda name: gcfg.vocab_size if name in VOCAB_TENSORS else None,
-    )[1]
+    )
     stage.materialize(parts)
+    load_expert_bias([stage], meta["extra"].get("moe_expert_bias", {}))  # the router's choice bias, not a parameter
     return stage, tok
 
 

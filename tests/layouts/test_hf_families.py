@@ -10,18 +10,23 @@ the ramp rounded outwards), a Qwen3-MoE with the same attention, 4 experts (top 
 renormalised), one dense layer and DeepSeek / gpt-oss style ``yarn`` (factor 8 over 32, beta_fast
 16, ``mscale`` 1 over ``mscale_all_dim`` 0.5, ``truncate`` false), and a gpt-oss (q/k/v/o biases,
 learned sinks, a window of 8 on layer 0, yarn, 4 experts with biases, a router bias and the
-clamped quick GEGLU).
+clamped quick GEGLU), and a DeepSeek-V3 (multi-head latent attention with a query latent and
+DeepSeek's interleaved rope rows, layer 0 dense and layer 1 of 8 sigmoid-routed experts in 2
+groups with a correction bias, a shared expert and a routed scaling factor, yarn with
+``mscale_all_dim``).
 ``--from-hf`` gives transformers' logits within 1e-5 at tp 1 and tp 2 (+ SP), the first training
 step's loss under tp 2 equals transformers' loss on the same batch within 1e-6,
 the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to tensors
 ``torch.equal`` to the folder's, with the same config, and KV-cache greedy decoding gives
 transformers' ``generate`` tokens for 32 tokens past the original context. Under pp 2 x tp 2
 and cp 2 (ring, all-to-all) the first loss is transformers' too, and 3 steps trained at pp 2 x
-tp 2 export to a folder whose transformers logits are megazero's. Every family but gpt-oss runs
+tp 2 export to a folder whose transformers logits are megazero's (DeepSeek-V3: pp 2 x tp 2 only;
+megazero's MLA does not run under cp yet, ``CP_SKIPPED``). Every family but gpt-oss runs
 with the model flags ``convert_checkpoint.py --print-flags`` prints for its folder."""
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,9 +36,11 @@ from tests.support.generate import generate_args
 from tests.support.hf_convert import hf_trainer, train_steps
 from tests.support.hf_families import FAMILIES
 
-SCALED = ("llama3", "qwen2", "qwen3", "qwen3-moe", "gpt-oss")  # the families whose RoPE is scaled
+SCALED = ("llama3", "qwen2", "qwen3", "qwen3-moe", "gpt-oss", "deepseek-v3")  # the families whose RoPE is scaled
 WINDOWED = ("mistral", "qwen2", "gpt-oss")  # the families with a sliding window shorter than the sequences
-MOE_FAMILIES = ("qwen3-moe", "gpt-oss")
+MOE_FAMILIES = ("qwen3-moe", "gpt-oss", "deepseek-v3")
+# family -> why its cp layouts are skipped (model.gpt.GPTStage refuses MLA x cp until MLA runs under cp)
+CP_SKIPPED = {"deepseek-v3": "MLA x cp: megazero's multi-latent attention does not run under --cp > 1 yet"}
 # the folders (fixture ``folders``, tests/support/hf_families.py) and their run's flags: FAMILIES there
 
 
@@ -82,7 +89,9 @@ def test_family_in_and_out(family, folders, tmp_path):
     )
     assert stage.cfg.hf_model_type == {"mistral": "mistral", "gpt-oss": "gpt_oss"}.get(family)
     assert (stage.cfg.yarn_rotary_scaling_factor, stage.cfg.yarn_correction_range_round_to_int) == (
-        {"qwen3": (4.0, True), "qwen3-moe": (8.0, False), "gpt-oss": (4.0, False)}.get(family, (None, True))
+        {"qwen3": (4.0, True), "qwen3-moe": (8.0, False), "gpt-oss": (4.0, False), "deepseek-v3": (4.0, True)}.get(
+            family, (None, True)
+        )
     )
     with torch.no_grad():
         tp1 = stage.eval()(ids)[..., :300]
@@ -152,9 +161,9 @@ def _first_loss(rank, world, argv):
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_first_loss_under_expert_parallelism_equals_transformers(family, folders):
-    """The Qwen3-MoE and gpt-oss folders under dp 2 x ep 2 (each rank holds 2 of the 4 experts and
-    its tokens travel to them): the first step's loss equals transformers' on the same global
-    batch (1e-6)."""
+    """The Qwen3-MoE, gpt-oss and DeepSeek-V3 folders under dp 2 x ep 2 (each rank holds half the
+    experts and its tokens travel to them): the first step's loss equals transformers' on the same
+    global batch (1e-6)."""
     from data.samplers import get_micro_batches
     from megazero import training
     from megazero.config import config_from_argv
@@ -190,11 +199,13 @@ def _losses_then_save(rank, world, runs):
 def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(folders, tmp_path):
     """Each family from ``--from-hf`` under pp 2 x tp 2, cp 2 x tp 2 (ring) and cp 2 x dp 2
     (all-to-all: its 2 KV groups split over tp x cp; the MoE families too, their routing over
-    the whole micro-batch on every cp rank), in one spawn of 4 ranks: the first loss
+    the whole micro-batch on every cp rank; DeepSeek-V3 skips the cp layouts, ``CP_SKIPPED``),
+    in one spawn of 4 ranks: the first loss
     equals transformers' on the same batch within 1e-6. The pp 2 x tp 2 run trains 3 steps and
     saves; ``convert_checkpoint.py --to-hf`` of that checkpoint is a folder transformers loads
     whose logits equal megazero's (the checkpoint's weights in one process) within 1e-5, and
-    whose weights moved from the input's."""
+    whose weights moved from the input's (the checkpoint's expert biases loaded into megazero's
+    model and written as DeepSeek-V3's ``e_score_correction_bias``)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -205,11 +216,14 @@ def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(fold
     from megazero.process_groups import ProcessGroups
     from model.gpt import GPTStage
     from model.hf import config_from_record
+    from model.moe_state import load_expert_bias
     from scripts.convert_checkpoint import main
 
     runs, names = [], []
     for family, (folder, _, argv) in folders.items():
         for name, flags in PP_CP.items():
+            if name.startswith("cp") and family in CP_SKIPPED:
+                continue
             trained = name == "pp2-tp2"
             save = str(tmp_path / family) if trained else None
             runs.append((argv + ["--from-hf", folder, "--train-iters", "3"] + flags, 3 if trained else 1, save))
@@ -223,16 +237,73 @@ def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(fold
         with torch.no_grad():
             want = torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1), labels.flatten()).item()
         for name in PP_CP:
-            assert got[family, name][0] == pytest.approx(want, rel=1e-6), (family, name)
+            if (family, name) in got:
+                assert got[family, name][0] == pytest.approx(want, rel=1e-6), (family, name)
 
         out = tmp_path / f"{family}_hf"
         assert main(["--load", str(tmp_path / family), "--to-hf", str(out)]) == 0
         meta, full = read_full_weights(str(tmp_path / family))
         gcfg = config_from_record(meta["extra"]["gpt_config"], hidden_dropout=0.0, attention_dropout=0.0)
         ours = GPTStage(gcfg, ProcessGroups.single(), range(gcfg.num_layers), True, True, 0, full_weights=full)
+        load_expert_bias([ours], meta["extra"].get("moe_expert_bias", {}))
         theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
         with torch.no_grad():
             a, b = ours.eval()(ids)[..., :300], theirs(ids).logits
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
         before, after = load_file(f"{folder}/model.safetensors"), load_file(out / "model.safetensors")
         assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4, family  # trained
+
+
+@pytest.mark.slow
+def test_deepseek_v3_trained_at_tp2_pp2_ep2_exports_to_transformers(folders, tmp_path):
+    """The DeepSeek-V3 folder on 8 ranks, tp 2 x pp 2 x dp 2 with expert parallelism 2 (each rank 4
+    of the 8 experts): the first loss equals transformers' on the same batch (1e-6); 3 steps trained
+    (weights and the expert biases move), saved, exported (``convert_checkpoint.py --to-hf``) and
+    loaded by transformers give the logits of megazero's model of that checkpoint within 1e-5, which
+    the generate / evaluate loader (``--load``) gives too, the expert biases read from ``meta.pt``."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from data.samplers import get_micro_batches
+    from megazero import training
+    from megazero.checkpoint import read_full_weights
+    from megazero.config import config_from_argv
+    from megazero.process_groups import ProcessGroups
+    from megazero.training.inference import load_model
+    from model.gpt import GPTStage
+    from model.hf import config_from_record
+    from model.moe_state import load_expert_bias
+    from scripts.convert_checkpoint import main
+
+    folder, hf, argv = folders["deepseek-v3"]
+    layout = ["--tp", "2", "--pp", "2", "--dp", "2", "--expert-model-parallel-size", "2"]
+    argv = argv + ["--from-hf", folder, "--train-iters", "3"] + layout
+    save = str(tmp_path / "ckpt")
+    losses = run_distributed(_losses_then_save, 8, [(argv, 3, save)], timeout_s=900)[0][0]
+    tokens, labels = get_micro_batches(training.build_data(config_from_argv(argv, 8)).train, 0, 4, 4, 0, 1)[0]
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1), labels.flatten()).item()
+    assert losses[0] == pytest.approx(want, rel=1e-6)
+
+    out = tmp_path / "hf"
+    assert main(["--load", save, "--to-hf", str(out)]) == 0
+    meta, full = read_full_weights(save)
+    gcfg = config_from_record(meta["extra"]["gpt_config"], hidden_dropout=0.0, attention_dropout=0.0)
+    ours = GPTStage(gcfg, ProcessGroups.single(), range(gcfg.num_layers), True, True, 0, full_weights=full)
+    load_expert_bias([ours], meta["extra"]["moe_expert_bias"])
+    source = SimpleNamespace(load=save, from_hf=None, tokenizer_model=None, tokenizer_type=None)
+    loaded, _ = load_model(source, ProcessGroups.single(), torch.device("cpu"), need_tokenizer=False)
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ours.eval()(ids)[..., :300], theirs(ids).logits
+        generated = loaded.eval()(ids)[..., :300]  # the generate / evaluate loader: the biases from meta.pt too
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    torch.testing.assert_close(generated, a, rtol=0, atol=0)
+    before, after = load_file(f"{folder}/model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert (
+        after["model.layers.1.mlp.experts.5.down_proj.weight"] - before["model.layers.1.mlp.experts.5.down_proj.weight"]
+    ).abs().max() > 1e-4
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert not torch.equal(after[bias], before[bias])  # the aux-loss-free bias was updated and exported

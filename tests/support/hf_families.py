@@ -1,5 +1,5 @@
 """The Hugging Face family folders the family tests share (``folders``): Llama-3.x, Mistral, Qwen2,
-Qwen3, Qwen3-MoE and gpt-oss at tiny sizes, written by transformers' own config and model classes
+Qwen3, Qwen3-MoE, gpt-oss and DeepSeek-V3 at tiny sizes, written by transformers' own config and model classes
 (no network), with a 300-token tokenizer and a tokenized corpus; each family's run argv uses the
 model flags ``python -m scripts.convert_checkpoint --print-flags`` prints for its folder, except
 ``HAND``'s, written by hand (tests/unit/test_hf_flags.py holds the two to the same model). What
@@ -149,6 +149,43 @@ FAMILIES = {
         + ["--moe-ffn-hidden-size", "64", "--yarn-rotary-scaling-factor", "4"]
         + ["--yarn-original-max-position-embeddings", "64", "--no-yarn-correction-range-round-to-int"],
     ),
+    # DeepSeek-V3: MLA (q latent 16, kv latent 12, heads of 8 + 4 rope + 6 value dims, DeepSeek's
+    # interleaved rope rows), layer 0 dense (first_k_dense_replace 1: --moe-layer-freq 0,1), layer 1 of
+    # 8 sigmoid-routed experts of width 16 in 2 groups (top 2 inside the best group, a random
+    # correction bias, weights times 2.5) plus a shared expert, yarn RoPE with mscale_all_dim
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            q_lora_rank=16,
+            kv_lora_rank=12,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            rope_interleave=True,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                truncate=True,
+            ),
+        ),
+        None,
+    ),
 }
 
 
@@ -158,13 +195,16 @@ def make_folder(d, family, tokenizer_json):
     import transformers
 
     cls_name, options, _ = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**SIZES, **options)
+    config = getattr(transformers, cls_name)(**{**SIZES, **options})
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # transformers starts biases at 0 and norms at 1: give them values a wrong map would show
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.5 * torch.randn(p.shape))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias, a buffer: one that moves the choice
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape))
     model.save_pretrained(d)
     shutil.copy(tokenizer_json, d / "tokenizer.json")
     return model

@@ -148,6 +148,11 @@ def _activation(h, glu: Optional[dict]):
     return F.gelu(h) if glu is None else gated(h, **glu)
 
 
+def _moe_layer(freq, i: int) -> bool:
+    """Megatron-LM's ``--moe-layer-freq``: an integer N (layers 0, N, 2N, ...) or one 0/1 per layer."""
+    return bool(freq[i]) if isinstance(freq, list) else i % freq == 0
+
+
 class _MoE(nn.Module):
     """A Mixture-of-Experts MLP written plainly: every expert runs on every token of a group and
     each token keeps the outputs of its (kept) top-k experts, weighted by the routing weights;
@@ -486,7 +491,7 @@ class ReferenceGPT(nn.Module):
                 ffn_hidden_size,
                 eps,
                 **block,
-                moe=moe if moe is not None and i % moe["layer_freq"] == 0 else None,
+                moe=moe if moe is not None and _moe_layer(moe["layer_freq"], i) else None,
                 window=windows[i],
             )
             for i in range(num_layers)

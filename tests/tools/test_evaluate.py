@@ -269,7 +269,7 @@ def test_cli_prints_one_line_per_task_and_refuses_an_unknown_task(run, capsys):
 @pytest.mark.slow
 def test_family_folders_log_likelihoods_equal_transformers(folders, capsys):
     """Each family folder of tests/support/hf_families.py (Llama-3.x, Mistral, Qwen2, Qwen3,
-    Qwen3-MoE, gpt-oss) read with ``--from-hf``: megazero's per-request log-likelihoods and greedy
+    Qwen3-MoE, gpt-oss, DeepSeek-V3) read with ``--from-hf``: megazero's per-request log-likelihoods and greedy
     flags (``MegazeroLM.loglikelihood``) are transformers' (the sum of the log-softmax of the
     continuation's tokens after the last 256 + 1 tokens, the last dropped) within 1e-5, contexts past
     the 256-position window included; ``scripts/evaluate.py --from-hf`` scores the gpt-oss and Qwen3

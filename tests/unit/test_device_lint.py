@@ -69,6 +69,7 @@ HOST_TENSORS = {
     ("megazero/data_parallel/zero3.py", "Stage3.init_params"): "a ZeRO-3 parameter shard kept in a swap file",
     # Hugging Face export: the tensors written to a safetensors file are host tensors.
     ("model/hf_moe.py", "extra_tensors"): "Qwen2-MoE's zero shared-expert gates, written to a file",
+    ("model/hf_deepseek.py", "bias_tensors"): "DeepSeek-V3's router correction biases, written to a file",
     # Layout-invariant initialisation (docs/design.md, contract 6): every full weight is drawn
     # by a CPU generator seeded from (seed, name), so its values do not depend on the device;
     # the caller keeps this rank's partition and moves it to the device.

@@ -250,12 +250,15 @@ def test_latent_cache_greedy_decoding_equals_the_full_forward():
         )
 
 
-def test_hugging_face_export_refuses_mla():
+def test_hugging_face_export_refuses_mla_without_experts():
+    """MLA exports as DeepSeek-V3 (model/hf_deepseek.py), whose layers past the first k are MoE."""
+    from dataclasses import replace
+
     from model.hf import HFConversionError, hf_config
 
     _, cfg = _configs(16, False)
-    with pytest.raises(HFConversionError, match="--multi-latent-attention: megazero writes no DeepSeek family"):
-        hf_config(cfg)
+    with pytest.raises(HFConversionError, match="--multi-latent-attention without --num-experts"):
+        hf_config(replace(cfg, swiglu=True))
 
 
 def test_flops_count_mla_matmuls_and_attention():

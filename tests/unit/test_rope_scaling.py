@@ -165,18 +165,28 @@ def test_the_model_with_scaling_or_a_qkv_bias_equals_the_oracle(features):
 
 
 @pytest.mark.parametrize(
-    "family", ["LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "Qwen3MoeConfig", "GptOssConfig"]
+    "family",
+    [
+        "LlamaConfig",
+        "MistralConfig",
+        "Qwen2Config",
+        "Qwen3Config",
+        "Qwen3MoeConfig",
+        "GptOssConfig",
+        "DeepseekV3Config",
+    ],
 )
 def test_every_key_of_the_transformers_config_class_is_classified(family):
     require("transformers")
     import transformers
 
-    from model import hf_gpt_oss
+    from model import hf_deepseek, hf_gpt_oss
     from model.hf_families import KEYS
 
     types = {"LlamaConfig": "llama", "MistralConfig": "mistral", "Qwen2Config": "qwen2", "Qwen3Config": "qwen3"}
     types["Qwen3MoeConfig"] = "qwen3_moe"
-    table = hf_gpt_oss.KEYS if family == "GptOssConfig" else KEYS[types[family]]
+    own = {"GptOssConfig": hf_gpt_oss.KEYS, "DeepseekV3Config": hf_deepseek.KEYS}
+    table = own[family] if family in own else KEYS[types[family]]
     mapped, checked, no_effect = set(table["mapped"]), set(table["checked"]), set(table["no_effect"])
     assert not (mapped & checked) and not (mapped & no_effect) and not (checked & no_effect)
     keys = set(getattr(transformers, family)().to_dict())
