@@ -20,8 +20,8 @@ the weights saved by that trainer export (``convert_checkpoint.py --to-hf``) to 
 ``torch.equal`` to the folder's, with the same config, and KV-cache greedy decoding gives
 transformers' ``generate`` tokens for 32 tokens past the original context. Under pp 2 x tp 2
 and cp 2 (ring, all-to-all) the first loss is transformers' too, and 3 steps trained at pp 2 x
-tp 2 export to a folder whose transformers logits are megazero's (DeepSeek-V3: pp 2 x tp 2 only;
-megazero's MLA does not run under cp yet, ``CP_SKIPPED``). Every family but gpt-oss runs
+tp 2 export to a folder whose transformers logits are megazero's (DeepSeek-V3's MLA included:
+its keys and values of different head sizes ride the ring and the all-to-all). Every family but gpt-oss runs
 with the model flags ``convert_checkpoint.py --print-flags`` prints for its folder."""
 
 import dataclasses
@@ -39,8 +39,6 @@ from tests.support.hf_families import FAMILIES
 SCALED = ("llama3", "qwen2", "qwen3", "qwen3-moe", "gpt-oss", "deepseek-v3")  # the families whose RoPE is scaled
 WINDOWED = ("mistral", "qwen2", "gpt-oss")  # the families with a sliding window shorter than the sequences
 MOE_FAMILIES = ("qwen3-moe", "gpt-oss", "deepseek-v3")
-# family -> why its cp layouts are skipped (model.gpt.GPTStage refuses MLA x cp until MLA runs under cp)
-CP_SKIPPED = {"deepseek-v3": "MLA x cp: megazero's multi-latent attention does not run under --cp > 1 yet"}
 # the folders (fixture ``folders``, tests/support/hf_families.py) and their run's flags: FAMILIES there
 
 
@@ -199,7 +197,7 @@ def _losses_then_save(rank, world, runs):
 def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(folders, tmp_path):
     """Each family from ``--from-hf`` under pp 2 x tp 2, cp 2 x tp 2 (ring) and cp 2 x dp 2
     (all-to-all: its 2 KV groups split over tp x cp; the MoE families too, their routing over
-    the whole micro-batch on every cp rank; DeepSeek-V3 skips the cp layouts, ``CP_SKIPPED``),
+    the whole micro-batch on every cp rank; DeepSeek-V3's MLA too),
     in one spawn of 4 ranks: the first loss
     equals transformers' on the same batch within 1e-6. The pp 2 x tp 2 run trains 3 steps and
     saves; ``convert_checkpoint.py --to-hf`` of that checkpoint is a folder transformers loads
@@ -222,8 +220,6 @@ def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(fold
     runs, names = [], []
     for family, (folder, _, argv) in folders.items():
         for name, flags in PP_CP.items():
-            if name.startswith("cp") and family in CP_SKIPPED:
-                continue
             trained = name == "pp2-tp2"
             save = str(tmp_path / family) if trained else None
             runs.append((argv + ["--from-hf", folder, "--train-iters", "3"] + flags, 3 if trained else 1, save))
@@ -237,8 +233,7 @@ def test_families_under_pp_and_cp_and_exported_after_three_steps_at_tp2_pp2(fold
         with torch.no_grad():
             want = torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1), labels.flatten()).item()
         for name in PP_CP:
-            if (family, name) in got:
-                assert got[family, name][0] == pytest.approx(want, rel=1e-6), (family, name)
+            assert got[family, name][0] == pytest.approx(want, rel=1e-6), (family, name)
 
         out = tmp_path / f"{family}_hf"
         assert main(["--load", str(tmp_path / family), "--to-hf", str(out)]) == 0
