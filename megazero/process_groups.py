@@ -11,7 +11,8 @@ with no torch.distributed at all: every group is ``None`` and every collective i
 machinery (gradient reduction, ZeRO, the optimizer, checkpoint shards) takes: cp folded into
 dp, its ``dp`` the ``dp_cp`` group. With expert parallelism (``topology.ep > 1``) ``ep`` is the
 group the MoE layers dispatch tokens over and ``edp`` the group expert parameters are reduced
-and sharded over. With hybrid sharding (``topology.hybrid``) ZeRO shards over
+and sharded over; with expert tensor parallelism (etp < tp) ``edp`` also folds in the tp / etp
+ranks holding the same expert partition. With hybrid sharding (``topology.hybrid``) ZeRO shards over
 ``zero_shard_group`` (``zero_shard``, S ranks) and all-reduces the shards over
 ``zero_replica``; flat, ``zero_shard_group`` is ``dp``. Both together, expert parameters shard
 over ``expert_zero_shard`` (the S / EP edp ranks inside one shard group; ``edp`` when flat) and
@@ -153,8 +154,24 @@ class _Methods:
 
     @property
     def edp_size(self) -> int:
-        """Expert-data-parallel size: dp x cp / ep."""
-        return self.topology.size("dp") * self.cp_size // self.topology.ep
+        """Expert-data-parallel size: (tp / etp) x dp x cp / ep (dp x cp / ep at etp = tp)."""
+        folded = self.tp_size // self.topology.etp
+        return folded * self.topology.size("dp") * self.cp_size // self.topology.ep
+
+    @property
+    def etp_size(self) -> int:
+        """Expert-tensor-parallel size: the tp ranks each expert is sliced over (tp by default)."""
+        return self.topology.etp
+
+    @property
+    def etp_rank(self) -> int:
+        """This rank's partition of every expert: ``tp_rank % etp``."""
+        return self.topology.etp_rank(self.rank)
+
+    @property
+    def experts_apart(self) -> bool:
+        """Expert parameters reduce and shard over ``edp`` (EP > 1 or etp < tp), not ``dp``."""
+        return self.topology.experts_apart
 
     @property
     def edp_rank(self) -> int:
@@ -228,8 +245,8 @@ Fields: ``topology`` (Topology), ``rank`` (global rank), one process group per r
 default group. A group is ``None`` in a single-process run, for a group this rank is not in
 (``embedding`` on a middle stage) and for a row the layout does not build (``ep``,
 ``zero_shard``, ``zero_replica`` without expert parallelism / hybrid sharding; ``edp`` is then
-``dp_cp``, ``expert_zero_shard`` is ``edp`` unless both are on). Two rows with the same members
-share one group (``dp_cp`` is ``dp`` when cp == 1).
+``dp_cp`` at EP 1 and etp = tp, ``expert_zero_shard`` is ``edp`` unless both are on). Two rows
+with the same members share one group (``dp_cp`` is ``dp`` when cp == 1).
 """
 
 ProcessGroups = dataclasses.make_dataclass(

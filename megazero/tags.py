@@ -15,6 +15,10 @@ else (never parameter names):
 - ``weight_grad_in_b`` (bool): under a zero-bubble schedule, B computes this parameter's
   weight gradient and hands it to W (``pipeline/weight_grad.py``): the output layer's, whose
   W would otherwise hold the logits' gradient ``[B, T, V/tp]`` from B to W.
+- ``partition_size`` (int, optional): the number of TP ranks a partition is cut over when
+  fewer than tp: a routed expert under ``--expert-tensor-parallel-size`` etp < tp is cut over
+  etp ranks (this rank's piece ``tp_rank % etp``) and replicated over the tp / etp others
+  (``partition_coords``).
 - ``shared_embedding`` (bool): one copy of a weight tied across pipeline stages (word
   embedding on the first stage, output layer on the last); the copy on the last stage is
   not counted again by norms.
@@ -31,6 +35,22 @@ def set_partitioned(param: torch.Tensor, dim: int, stride: int = 1) -> torch.Ten
     param.partition_dim = dim
     param.partition_stride = stride
     return param
+
+
+def set_partition_size(param: torch.Tensor, size: int) -> torch.Tensor:
+    """Tag a TP partition cut over ``size`` of the tp ranks (a divisor of tp; the expert
+    tensor-parallel size) instead of all of them; returns it."""
+    param.partition_size = size
+    return param
+
+
+def partition_coords(param: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """``(rank, size)``: which of how many pieces of the full tensor this rank's partition of
+    ``param`` is: ``(tp_rank % etp, etp)`` for a parameter tagged ``set_partition_size(etp)``
+    (etp consecutive tp ranks hold the pieces, Megatron-LM's expert rank order), else
+    ``(tp_rank, tp_size)``."""
+    size = getattr(param, "partition_size", None)
+    return (tp_rank, tp_size) if size is None else (tp_rank % size, size)
 
 
 def set_replicated(param: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:

@@ -33,9 +33,11 @@ its group over them (``GroupRow``). Three families, one code path (``Topology.ro
 A carved row splits the rank's group over ``over`` (or, with ``within``, the rank's group of that
 other row; sorted, so a member's position is its index among those ranks) into ``k``-rank
 blocks of consecutive positions (``block``: the same ``position // k``) or into the ranks ``k``
-positions apart (``stride``: the same ``position % k``). A row with ``when`` is built only when
-that property of the topology holds (``ep > 1``, ``hybrid``, ``expert_hybrid``); else its field
-is the group of its ``otherwise`` row, or None.
+positions apart (``stride``: the same ``position % k``). The ``fold`` rule keeps the members that
+hold the same partition of the same experts: the same ``tp_rank % etp`` and the same ``ep_rank``
+(expert-data parallelism, below). A row with ``when`` is built only when that property of the
+topology holds (``ep > 1``, ``hybrid``, ``expert_hybrid``); else its field is the group of its
+``otherwise`` row, or None.
 
 A new dimension is data: its name in ``ORDER`` (``Topology(cp=2)`` works, every other size
 defaulting to 1) and its groups as rows of ``GROUP_TABLE``; ``ProcessGroups`` gets a field per
@@ -51,6 +53,15 @@ replica ranks, as Megatron-LM's expert rank order "tp-ep-dp-pp" does. With the r
 data parallel: the replicas of those experts); the ``ep`` group is a block of EP replicas, the
 ``edp`` group the ``dp * cp / EP`` replicas EP apart. At EP = 1 the ep group is the rank alone
 and the edp group is ``dp_cp``.
+
+Expert tensor parallelism (Megatron-LM's ``--expert-tensor-parallel-size``, "MoE parallel
+folding", Liu et al. 2025, arXiv 2504.14960, sec. 3) slices each expert over ``etp`` of the tp
+ranks (``etp`` divides tp; None = tp): ``etp_rank = tp_rank % etp``, so the etp groups are blocks
+of etp consecutive tp ranks and the ``tp / etp`` ranks with the same etp rank hold the same
+expert partition. Those are folded into the expert-data-parallel group: with etp < tp, ``edp`` is
+the ``(tp / etp) x dp x cp / EP`` ranks of the same ``tp_rank % etp`` and ``ep_rank`` (Megatron's
+edp = world / (etp x EP x pp)), ordered by ``(r' // EP, tp_rank // etp)``:
+``edp_rank = (r' // EP) x tp / etp + tp_rank // etp``. At etp = tp it is the group above.
 
 Hybrid sharding (torchtitan's ``data_parallel_shard_degree``, DeepSpeed's MiCS
 ``mics_shard_size``, Megatron's distributed-optimizer instances) is the same arithmetic with
@@ -85,7 +96,7 @@ ORDER = "tp-cp-dp-pp"
 FAMILIES = ("dense", "expert", "hybrid")
 """The families of ``GROUP_TABLE``'s rows (module docstring)."""
 
-RULES = ("all", "ends", "block", "stride")
+RULES = ("all", "ends", "block", "stride", "fold")
 """How a ``GroupRow`` picks members out of a rank's group over its dimensions (module docstring)."""
 
 
@@ -134,7 +145,7 @@ GROUP_TABLE: tuple[GroupRow, ...] = (
     GroupRow("dp_cp", "dense", ("dp", "cp")),
     GroupRow("embedding", "dense", ("pp",), "ends"),
     GroupRow("ep", "expert", ("dp", "cp"), "block", "ep", "expert_parallel"),
-    GroupRow("edp", "expert", ("dp", "cp"), "stride", "ep", "expert_parallel", "dp_cp"),
+    GroupRow("edp", "expert", ("tp", "dp", "cp"), "fold", None, "experts_apart", "dp_cp"),
     GroupRow("zero_shard", "hybrid", ("dp", "cp"), "block", "zero_shard", "hybrid"),
     GroupRow("zero_replica", "hybrid", ("dp", "cp"), "stride", "zero_shard", "hybrid"),
     GroupRow("expert_zero_shard", "hybrid", ("dp", "cp"), "block", "expert_zero_shard", "expert_hybrid", "edp", "edp"),
@@ -221,12 +232,15 @@ class Topology:
         ValueError: a size below 1 (``--tp must be >= 1, got 0``), a size for a dimension
             the order does not have, an order that repeats a name, or an ``ep`` / ``zero_shard``
             that does not divide dp x cp (naming ``--expert-model-parallel-size`` /
-            ``--zero-shard-size``), or a ``zero_shard`` that is no multiple of ``ep``.
+            ``--zero-shard-size``), a ``zero_shard`` that is no multiple of ``ep``, an ``etp``
+            that does not divide tp (naming ``--expert-tensor-parallel-size``), or etp < tp with
+            hybrid sharding.
     """
 
     dims: tuple[Dim, ...]
     ep: int = 1
     zero_shard: int = 1
+    etp: int = 1
 
     def __init__(
         self,
@@ -237,6 +251,7 @@ class Topology:
         order: str = ORDER,
         ep: int = 1,
         zero_shard: Optional[int] = None,
+        etp: Optional[int] = None,
         **sizes: int,
     ):
         names = order.split("-")
@@ -265,6 +280,16 @@ class Topology:
                 "(expert state shards over S / EP expert-data-parallel ranks)"
             )
         object.__setattr__(self, "zero_shard", shard)
+        tp_size = self._size_or_1("tp")
+        etp = tp_size if etp is None else etp
+        if etp < 1 or tp_size % etp:
+            raise ValueError(f"--expert-tensor-parallel-size {etp} must be >= 1 and divide --tp {tp_size}")
+        if etp < tp_size and shard < replicas:
+            raise ValueError(
+                f"--expert-tensor-parallel-size {etp} below --tp {tp_size} with --zero-shard-size {shard} "
+                "is not supported (the folded expert-data-parallel group has no shard groups)"
+            )
+        object.__setattr__(self, "etp", etp)
 
     # -- sizes and coordinates -----------------------------------------------------------
     @property
@@ -351,6 +376,9 @@ class Topology:
             return members
         if row.rule == "ends":
             return sorted({members[0], members[-1]})
+        if row.rule == "fold":
+            mine = self._expert_slot(rank)
+            return [m for m in members if self._expert_slot(m) == mine]
         k, at = getattr(self, row.by), members.index(rank)
         if row.rule == "block":
             return members[at - at % k : at - at % k + k]
@@ -397,13 +425,29 @@ class Topology:
         """Experts are spread over more than one rank (``ep > 1``): the expert rows are built."""
         return self.ep > 1
 
+    @property
+    def experts_apart(self) -> bool:
+        """Expert parameters reduce over a group of their own (``edp``): EP > 1, or etp < tp
+        (the tp / etp replicas of an expert partition folded in)."""
+        return self.ep > 1 or self.etp < self._size_or_1("tp")
+
+    def etp_rank(self, rank: int) -> int:
+        """Expert-tensor-parallel rank ``tp_rank % etp``: which of the etp partitions of each expert."""
+        return self.coord(rank)["tp"] % self.etp if "tp" in self.names else 0
+
+    def _expert_slot(self, rank: int) -> tuple[int, int]:
+        """(etp rank, ep rank): the expert partition a rank holds (beside its pp stage)."""
+        return self.etp_rank(rank), self.ep_rank(rank)
+
     def ep_rank(self, rank: int) -> int:
         """Expert-parallel rank ``r' % ep``: the rank holds experts ``[ep_rank E/ep, (ep_rank+1) E/ep)``."""
         return self.replica_index(rank) % self.ep
 
     def edp_rank(self, rank: int) -> int:
-        """Expert-data-parallel rank ``r' // ep`` (index among the replicas of the same experts)."""
-        return self.replica_index(rank) // self.ep
+        """Expert-data-parallel rank ``(r' // ep) x tp / etp + tp_rank // etp`` (index among the
+        replicas of the same expert partition; ``r' // ep`` at etp = tp)."""
+        tp_rank = self.coord(rank)["tp"] if "tp" in self.names else 0
+        return self.replica_index(rank) // self.ep * (self._size_or_1("tp") // self.etp) + tp_rank // self.etp
 
     def expert_group(self, rank: int, kind: str) -> list[int]:
         """The ``"ep"`` or ``"edp"`` group of ``rank`` (module docstring), in increasing global
@@ -436,8 +480,9 @@ class Topology:
 
     @property
     def expert_zero_shard(self) -> int:
-        """S_e = S / EP: the edp ranks one expert shard set is spread over (the edp size when flat)."""
-        return self.zero_shard // self.ep
+        """S_e = S / EP: the edp ranks one expert shard set is spread over (the edp size when flat,
+        (tp / etp) x dp x cp / EP with folded experts; hybrid sharding refuses etp < tp)."""
+        return self.zero_shard // self.ep * (self._size_or_1("tp") // self.etp)
 
     @property
     def expert_hybrid(self) -> bool:
@@ -484,7 +529,9 @@ class Topology:
             raise ValueError(f"replica_topology needs cp right inside dp, {self} has {self.order!r}")
         sizes = {d.name: d.size for d in self.dims if d.name not in ("cp", "dp")}
         sizes["dp"] = self.size("dp") * self.size("cp")
-        return Topology(order="-".join(n for n in names if n != "cp"), ep=self.ep, zero_shard=self.zero_shard, **sizes)
+        return Topology(
+            order="-".join(n for n in names if n != "cp"), ep=self.ep, zero_shard=self.zero_shard, etp=self.etp, **sizes
+        )
 
     def tp_groups(self) -> list[list[int]]:
         return self.named_groups("tp")
@@ -508,6 +555,7 @@ class Topology:
         )
         ep = f", ep={self.ep}" if self.ep > 1 else ""
         ep += f", zero_shard={self.zero_shard}" if self.hybrid else ""
+        ep += f", etp={self.etp}" if self.etp < self._size_or_1("tp") else ""
         return f"Topology({sizes}{ep}{order})"
 
     def _size_or_1(self, name: str) -> int:

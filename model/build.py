@@ -266,6 +266,7 @@ def build_peak_bytes(cfg: Config, gcfg: GPTConfig, pp_rank: int = 0, device_type
     alone (no tensor is made): a ``BuildPeak``. ``device_type``: where the parameters live
     ("cpu" or "cuda"; on CUDA the model-dtype copy of every partition is a tensor of its own)."""
     p, tp = cfg.parallel, cfg.parallel.tp
+    etp = p.expert_tensor_parallel_size or tp  # a routed expert's partitions: 1/etp
     item = gcfg.params_dtype.itemsize
     shards = p.dp * p.cp if sharding_policy(cfg.zero.stage).shards_params else 1
     threshold = cfg.zero.zero3_param_persistence_threshold
@@ -276,7 +277,7 @@ def build_peak_bytes(cfg: Config, gcfg: GPTConfig, pp_rank: int = 0, device_type
         pre = partition.is_pre_process(pp_rank, v)
         post = partition.is_post_process(pp_rank, p.pp, v, p.virtual_pipeline_size)
         for e in chunk_entries(spec, ids, pre, post):
-            local = e.local_numel(tp)
+            local = e.local_numel(etp if ".mlp.experts." in e.name else tp)
             resident += item * (local if shards == 1 or local < threshold else -(-local // shards))
             cut = 4 * local if e.partition_dim is not None else 0  # replicated: the full tensor is it
             copied = e.partition_dim is None or item != 4 or device_type != "cpu"

@@ -379,7 +379,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block with residual dropout (``hidden_dropout``); its MLP is an
     ``MoEMLP`` when ``moe`` (``state_device``: where the MoE's counters and expert bias live;
-    ``ep``: its (expert-parallel group, ep rank), None without expert parallelism); ``window`` and
+    ``ep``: its (expert-parallel group, ep rank), None without expert parallelism; ``etp``: the
+    tp ranks each routed expert is sliced over, None = all); ``window`` and
     ``mask_cache``: its attention's sliding window and mask cache (``Attention``). Its attention is
     ``model.mla.MultiLatentAttention`` under ``cfg.multi_latent_attention``."""
 
@@ -397,6 +398,7 @@ class Block(nn.Module):
         ep=None,
         window: Optional[int] = None,
         mask_cache: Optional[dict] = None,
+        etp: Optional[int] = None,
     ):
         super().__init__()
         self.ln1 = _norm(cfg, device)
@@ -406,7 +408,10 @@ class Block(nn.Module):
             self.attn = Attention(cfg, group, sp, tracker, device, cp, rope, window, mask_cache)
         self.ln2 = _norm(cfg, device)
         cp_group = None if cp is None else cp[0]
-        self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp, cp_group) if moe else MLP(cfg, group, sp, device)
+        if moe:
+            self.mlp = MoEMLP(cfg, group, device, state_device, ep, sp, cp_group, etp)
+        else:
+            self.mlp = MLP(cfg, group, sp, device)
         self.tracker, self.p = tracker, cfg.hidden_dropout
         self.region = "tp" if sp else "replicated"
 
@@ -527,6 +532,7 @@ class GPTStage(nn.Module):
                     ep=ep,
                     window=cfg.attention_window(i),
                     mask_cache=self.attention_masks,
+                    etp=groups.etp_size,
                 )
                 for i in self.layer_ids
             }
@@ -577,18 +583,20 @@ class GPTStage(nn.Module):
     def _tag_from_spec(self) -> None:
         """Partition tags of every parameter from its spec entry (model/spec.py); a parameter
         the spec does not declare, or whose partition shape disagrees, is a ValueError."""
-        spec, tp = spec_by_name(self.cfg, self.padded_vocab), self.groups.tp_size
+        spec, tp, etp = spec_by_name(self.cfg, self.padded_vocab), self.groups.tp_size, self.groups.etp_size
         for name, p in self.named_parameters():
             e = spec.get(name)
             if e is None:
                 raise ValueError(f"parameter {name!r} is not declared in model/spec.py")
-            local = list(e.shape)
+            local, routed = list(e.shape), ".mlp.experts." in name
             if e.partition_dim is not None:
-                local[e.partition_dim] //= tp
+                local[e.partition_dim] //= etp if routed else tp
                 tags.set_partitioned(p, e.partition_dim, e.partition_stride)
+                if routed and etp < tp:  # cut over etp ranks, replicated over tp / etp
+                    tags.set_partition_size(p, etp)
             else:  # QK-norm and MLA's latent weights: each tp rank's heads give part of the gradient
                 tags.set_replicated(p, sequence_parallel=self.sp or name.endswith(PER_HEAD_NORMS + MLA_REPLICATED))
-            if self.groups.ep_size > 1 and ".mlp.experts." in name:
+            if self.groups.experts_apart and routed:
                 tags.set_expert_parallel(p)
             tags.set_weight_decay(p, e.weight_decay)
             if tuple(local) != tuple(p.shape):

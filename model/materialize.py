@@ -74,7 +74,8 @@ def local_partition(
     if name in VOCAB_TENSORS:
         src = resize_vocab(src, vocab_size, padded_vocab)
     if tags.is_partitioned(param):
-        src = tags.partition_tensor(src, param.partition_dim, tp_rank, tp_size, param.partition_stride)
+        rank, size = tags.partition_coords(param, tp_rank, tp_size)  # experts: over etp of the tp ranks
+        src = tags.partition_tensor(src, param.partition_dim, rank, size, param.partition_stride)
     if src.shape != param.shape:
         raise ValueError(
             f"{name}: full tensor gives a partition of shape {tuple(src.shape)}, parameter is {tuple(param.shape)}"

@@ -44,7 +44,8 @@ class _Linear(nn.Module):
 
 class ExpertMLP(nn.Module):
     """One expert (or the shared expert) of inner width ``ffn``: this rank's ``ffn/tp`` hidden
-    units of the block's MLP (GELU, or a gated unit with ``fc1 = [gate; up]``: SwiGLU, or gpt-oss's
+    units (a routed expert's ``ffn/etp`` under expert tensor parallelism, ``tp`` then being etp)
+    of the block's MLP (GELU, or a gated unit with ``fc1 = [gate; up]``: SwiGLU, or gpt-oss's
     clamped quick GEGLU, ``megazero.ops.activation.glu``), as ``MLP`` partitions them. ``forward``
     returns the rank's *partial* sum of ``fc2`` (no reduction, no ``fc2`` bias): ``MoEMLP``
     reduces every expert's output in one all-reduce and adds the biases."""
@@ -168,6 +169,12 @@ class MoEMLP(nn.Module):
     routing, drops and losses stay on the rank that holds the tokens. The ``fc2`` biases of all
     E experts are all-gathered over ep for the bias term (their gradients reduce-scattered back).
 
+    Expert tensor parallelism (``etp`` < tp, Megatron-LM's ``--expert-tensor-parallel-size``):
+    every routed expert is sliced over etp ranks (``F/etp`` hidden units, the partition
+    ``tp_rank % etp``) and each block of etp consecutive tp ranks runs them on its own range of
+    the rows (``_token_share``), with or without sequence parallelism; the router, the shared
+    expert (sliced over tp) and the reduction over tp stay as at etp = tp.
+
     Sequence parallelism (``sp``): input and output ``[B, T/tp, H]``; the router runs on the
     rank's positions, its logits and the tokens are all-gathered over tp (routing, drops and
     losses those of the whole micro-batch), the partial outputs reduce-scattered and the bias
@@ -190,16 +197,27 @@ class MoEMLP(nn.Module):
     #: megazero/data_parallel/param_gather.py) goes on this module, not on theirs.
     reads_descendant_parameters = True
 
-    def __init__(self, cfg: GPTConfig, group, device=None, state_device=None, ep=None, sp: bool = False, cp_group=None):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        group,
+        device=None,
+        state_device=None,
+        ep=None,
+        sp: bool = False,
+        cp_group=None,
+        etp: Optional[int] = None,
+    ):
         super().__init__()
         self.cfg, self.group, self.sp, self.cp_group, E = cfg, group, sp, cp_group, cfg.num_experts
         tp = C.group_size(group)
+        self.etp = tp if etp is None else etp
         self.ep_group, self.ep_rank = (None, 0) if ep is None else ep
         local = E // C.group_size(self.ep_group)
         self.router = _Linear(E, cfg.hidden_size, cfg.moe_router_linear_bias, cfg.params_dtype, device)
         self.experts = nn.ModuleDict(
             {
-                str(e): ExpertMLP(cfg, cfg.moe_ffn_hidden_size, tp, device)
+                str(e): ExpertMLP(cfg, cfg.moe_ffn_hidden_size, self.etp, device)
                 for e in range(self.ep_rank * local, (self.ep_rank + 1) * local)
             }
         )
@@ -250,8 +268,9 @@ class MoEMLP(nn.Module):
         weights = weights.to(x.dtype)
         assigned = experts if keep is None else experts.masked_fill(~keep, -1)
         weights, experts, assigned = (self._context_rows(t, B, cp) for t in (weights, experts, assigned))  # (N, k)
+        routed = self._token_share(assigned)  # etp < tp: this etp block's share of the rows
         pad_to = capacity if cfg.moe_pad_expert_input_to_capacity else None
-        out = self._routed(inp, copy_to_tp_region(weights, self.group), assigned, pad_to)  # (N, H), partial over tp
+        out = self._routed(inp, copy_to_tp_region(weights, self.group), routed, pad_to)  # (N, H), partial over tp
         if self.shared_experts is not None:
             out = out + self.shared_experts(inp)
         if self.sp:
@@ -302,6 +321,24 @@ class MoEMLP(nn.Module):
         cp = C.group_size(cp_group)
         part = split_for_rank(t.view(B, -1, *t.shape[1:]), 1, C.group_rank(cp_group), cp)  # (B, T/cp, ...)
         return part.reshape(-1, *t.shape[1:])
+
+    def _token_share(self, assigned: torch.Tensor) -> torch.Tensor:
+        """Expert tensor parallelism (etp < tp): ``assigned [N, k]`` with every row outside this
+        rank's share set to -1 (no expert). The tp group is ``tp / etp`` blocks of etp ranks
+        (block ``tp_rank // etp``); block j runs the routed experts on the j-th of ``tp / etp``
+        consecutive row ranges (``torch.tensor_split``), its etp ranks each on their slice of
+        every expert, so the tp reduction that follows sums disjoint token ranges and, inside a
+        range, the etp partial sums: the output of etp = tp. The experts' weight gradients then
+        hold one range's tokens, and the tp / etp blocks' are summed by the expert-data-parallel
+        reduction they are folded into (megazero/topology.py). The identity at etp = tp."""
+        tp = C.group_size(self.group)
+        if self.etp == tp:
+            return assigned
+        blocks, j = tp // self.etp, C.group_rank(self.group) // self.etp
+        rows = torch.arange(assigned.shape[0], device=assigned.device)
+        mine = torch.zeros_like(rows, dtype=torch.bool)
+        mine[rows.tensor_split(blocks)[j]] = True
+        return assigned.masked_fill(~mine[:, None], -1)
 
     def _local_rows(self, t: torch.Tensor) -> torch.Tensor:
         """``[B, T, ...]`` -> this tp rank's sequence chunk ``[B T/tp, ...]`` (no autograd hook:

@@ -22,7 +22,8 @@ block) or ``LlamaForCausalLM`` (LLaMA-style block, RoPE scaling and ``--kv-chann
 ``Qwen2ForCausalLM`` with ``--add-qkv-bias``, ``Qwen3ForCausalLM`` with ``--qk-layernorm``; with
 experts ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` with ``--qk-layernorm``, or
 ``Qwen2MoeForCausalLM`` with a shared expert; ``GptOssForCausalLM``; ``DeepseekV3ForCausalLM`` with
-``--multi-latent-attention``, the checkpoint's expert biases as its ``e_score_correction_bias``) that computes what the checkpoint's model computes
+``--multi-latent-attention``, the checkpoint's expert biases as its ``e_score_correction_bias``)
+that computes what the checkpoint's model computes
 (``model/hf.py``, ``model/hf_families.py`` and ``model/hf_moe.py`` hold the name map and the
 differences they refuse); a reward model's checkpoint (``--post-train rm``) becomes
 ``GPT2ForSequenceClassification`` or ``LlamaForSequenceClassification`` (``score.weight`` [1, H], one

@@ -80,10 +80,11 @@ def flat_boxes(shape: tuple, start: int, end: int) -> list[tuple[tuple, tuple]]:
 
 
 def global_shape(param: torch.Tensor, tp_size: int) -> tuple:
-    """The full (unpartitioned) shape of ``param`` (``tp_size`` x its partition dim)."""
+    """The full (unpartitioned) shape of ``param`` (``tp_size`` x its partition dim; etp x for an
+    expert cut over etp ranks, ``tags.partition_coords``)."""
     shape = list(param.shape)
     if tags.is_partitioned(param):
-        shape[param.partition_dim] *= tp_size
+        shape[param.partition_dim] *= tags.partition_coords(param, 0, tp_size)[1]
     return tuple(shape)
 
 
@@ -96,6 +97,7 @@ def to_global(
     the box) and each piece placed where ``tags.partition_tensor`` took it from."""
     if not tags.is_partitioned(param):
         return [(tuple(offsets), tuple(sizes), 0, sizes[0] if sizes else 0)]
+    tp_rank, tp_size = tags.partition_coords(param, tp_rank, tp_size)  # an expert cut over etp ranks
     d, s = param.partition_dim, param.partition_stride
     block = param.shape[d] // s
     out, i, end = [], offsets[d], offsets[d] + sizes[d]

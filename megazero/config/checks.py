@@ -261,8 +261,10 @@ def _check_moe(cfg: Config, world_size: int) -> None:
 
 def _check_expert_parallel(cfg: Config) -> None:
     """Expert parallelism (Megatron-LM's rules): EP divides E (each rank holds E/EP whole experts)
-    and the dp x cp replica ranks it is carved out of; experts are sliced over tp as the dense
-    MLP, so an --expert-tensor-parallel-size other than --tp is refused by name."""
+    and the dp x cp replica ranks it is carved out of; the expert-tensor-parallel size divides tp
+    (the experts are sliced over etp of the tp ranks, docs/moe.md), and with etp < tp the routed
+    experts carry no linear biases (their fc2 bias term is added after the tp reduction, on every
+    token, which the tp / etp folding does not split) and there is no hybrid sharding."""
     m, p = cfg.model, cfg.parallel
     ep, replicas = p.expert_model_parallel_size, p.dp * p.cp
     if m.num_experts % ep:
@@ -276,10 +278,23 @@ def _check_expert_parallel(cfg: Config) -> None:
             f"{p.dp} x {p.cp} = {replicas}; fix: choose a divisor of {replicas}"
         )
     etp = p.expert_tensor_parallel_size
-    if etp is not None and etp != p.tp:
+    if etp is None or etp == p.tp:
+        return
+    if p.tp % etp:
         raise ConfigError(
-            f"--expert-tensor-parallel-size {etp} other than --tp {p.tp} is not supported (experts "
-            f"are sliced over tp as the dense MLP); fix: drop it or set it to {p.tp}"
+            f"--expert-tensor-parallel-size {etp} does not divide --tp {p.tp}; "
+            f"fix: choose a divisor of {p.tp} (or drop it: experts sliced over all tp ranks)"
+        )
+    if m.add_bias_linear:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp} below --tp {p.tp} with linear biases on the experts is not "
+            f"supported; fix: add --disable-bias-linear or set --expert-tensor-parallel-size {p.tp}"
+        )
+    if cfg.zero.zero_shard_size is not None and cfg.zero.zero_shard_size < replicas:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp} below --tp {p.tp} with --zero-shard-size "
+            f"{cfg.zero.zero_shard_size} is not supported (the experts' folded expert-data-parallel "
+            f"group has no hybrid shard groups); fix: drop one of them"
         )
 
 

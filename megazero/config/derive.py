@@ -189,7 +189,10 @@ def layout_topology(cfg: Config) -> Topology:
     """The rank layout of a finalized config: ``Topology(tp, pp, dp, cp)`` in the order
     tp-cp-dp-pp (megazero/topology.py) with the expert-parallel size carved out of dp x cp
     (an MoE model's ``--expert-model-parallel-size``) and the ZeRO shard size of hybrid sharding
-    (``--zero-shard-size``); one place, so no caller forgets a dimension."""
+    (``--zero-shard-size``) and the experts' tensor-parallel size (``--expert-tensor-parallel-size``,
+    None = tp); one place, so no caller forgets a dimension."""
     p = cfg.parallel
-    ep = p.expert_model_parallel_size if cfg.model.num_experts is not None else 1
-    return Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=ep, zero_shard=cfg.zero.zero_shard_size)
+    moe = cfg.model.num_experts is not None
+    ep = p.expert_model_parallel_size if moe else 1
+    etp = p.expert_tensor_parallel_size if moe else None
+    return Topology(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=ep, zero_shard=cfg.zero.zero_shard_size, etp=etp)

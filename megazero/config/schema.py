@@ -647,7 +647,8 @@ class ParallelConfig:
     )
     expert_tensor_parallel_size: Optional[int] = _f(
         None,
-        "tensor-parallel size of the experts; None = --tp (the only size built: experts sliced as the dense MLP)",
+        "tensor-parallel size etp of the routed experts, a divisor of --tp (None = --tp): each expert is sliced over "
+        "etp ranks and its tp / etp replicas join the expert-data-parallel reduction (docs/moe.md)",
         "ranks",
         ge=1,
         applies=_MOE,

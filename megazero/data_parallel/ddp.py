@@ -29,7 +29,10 @@ buffers of their own, reduced and sharded over ``groups.edp`` (the dp x cp / EP 
 the same experts) instead of ``groups.dp``. Their gradient already sums the tokens of the whole
 ep group (the dispatch's backward), so it is divided by the full replica count N like every
 other gradient: each buffer carries its ``group`` (reduction and sharding) and its ``divisor``
-(always N, Megatron-LM's gradient scaling of expert parameters).
+(always N, Megatron-LM's gradient scaling of expert parameters). With expert tensor parallelism
+(etp < tp) ``groups.edp`` also holds the tp / etp ranks of the same expert partition, whose
+gradients are those of disjoint token ranges (``model/moe.py``): summed with the replicas, and
+still divided by N = dp x cp.
 
 Hybrid sharding (MiCS, Zhang et al. 2022, sec. 3; FSDP's HYBRID_SHARD): with
 ``groups.topology.hybrid`` every buffer's ``group`` is the S-rank ``groups.zero_shard`` and its
@@ -37,9 +40,10 @@ Hybrid sharding (MiCS, Zhang et al. 2022, sec. 3; FSDP's HYBRID_SHARD): with
 inside the shard group as above; then each reduced shard is SUM all-reduced across the replica
 group (stage 1: per bucket as it retires; stages 2/3: the accumulated shard once per step, in
 ``finish_sync``), and only then divided by the full N. Parameter all-gathers stay inside the
-shard group. Expert-parallel buffers (``ep > 1``) do the same inside ``groups.expert_zero_shard``
-(the S / EP edp ranks of one shard group, Megatron-LM's partial expert-data-parallel group) and
-over the same replica group; flat, that group is ``groups.edp`` and there is no replica group.
+shard group. Expert buffers (``ep > 1`` or etp < tp: ``groups.experts_apart``) do the same inside
+``groups.expert_zero_shard`` (the S / EP edp ranks of one shard group, Megatron-LM's partial
+expert-data-parallel group) and over the same replica group; flat, that group is ``groups.edp``
+(with etp < tp the tp / etp copies of an expert partition folded in) and there is no replica group.
 """
 
 from __future__ import annotations
@@ -215,7 +219,7 @@ class DataParallel:
             groups.setdefault((tags.is_shared_embedding(p), p.dtype, tags.is_expert_parallel(p)), []).append(p)
         made = []
         for (shared, _, expert), members in groups.items():
-            if expert and self.groups.ep_size > 1:  # edp, or its S / EP ranks in one shard group
+            if expert and self.groups.experts_apart:  # edp, or its S / EP ranks in one shard group
                 group, replica = self.groups.expert_zero_shard, self.groups.zero_replica
             else:  # hybrid sharding: shard over S ranks, all-reduce the shards over the rest
                 group, replica = self.groups.zero_shard_group, self.groups.zero_replica

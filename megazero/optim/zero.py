@@ -177,14 +177,17 @@ class DistributedOptimizer:
         self._flag_grads = [pc.grad for pc in self.pieces]
         # every element once: ZeRO shards are disjoint over the world; unsharded (stage 0) buffers
         # are summed over the model-parallel group, or, with expert parallelism (expert buffers
-        # differ across the ep ranks), over the world from the first replica of each buffer
-        self._sharded_norm = self.ddp.strategy.shards_optimizer or self.groups.ep_size > 1
+        # differ across the ep ranks, and the etp partitions across the tp ranks), over the world
+        # from the first replica of each buffer: an expert partition's tp / etp copies are in its
+        # edp group, so it counts once (Megatron-LM PR #5916 counted them per tp rank)
+        apart = self.groups.experts_apart
+        self._sharded_norm = self.ddp.strategy.shards_optimizer or apart
         # hybrid sharding: the shards are disjoint over the shard group and replicated over the
         # replica group, so only the first replica's copy counts
         counted = [
             pc
             for pc in self.pieces
-            if (self.ddp.strategy.shards_optimizer or self.groups.ep_size == 1 or pc.buffer.layout.dp_rank == 0)
+            if (self.ddp.strategy.shards_optimizer or not apart or pc.buffer.layout.dp_rank == 0)
             and pc.buffer.replica_rank == 0
         ]
         self._counted = counted_views(counted)

@@ -85,21 +85,32 @@ def params_per_rank(
     layer_split=None,
     ep: int = 1,
     layout: str = "interleaved",
+    etp: Optional[int] = None,
 ) -> int:
     """Parameters (elements) held by one rank of stage ``pp_rank`` (all its chunks), summed
     from ``g.parameter_spec(tp)`` over the layers, embedding and head of each chunk
     (``layout``: ``partition.chunk_layout`` of the schedule). With expert parallelism ``ep`` a
     rank holds E/ep of each MoE layer's routed experts (every ep rank the same number: those of
-    ep rank 0 are counted)."""
+    ep rank 0 are counted); with expert tensor parallelism ``etp`` (None = tp) each routed
+    expert's partitioned tensors are cut over etp ranks, not tp."""
     spec = [e for e in g.parameter_spec(tp) if _held(e.name, g, ep)]
+    return _on_rank(g, spec, tp, pp, pp_rank, vp_size, layer_split, layout, etp)
+
+
+def _on_rank(g, spec, tp, pp, pp_rank, vp_size, layer_split, layout, etp) -> int:
+    """Elements of ``spec``'s entries on one rank of stage ``pp_rank``: the routed experts'
+    partitions at ``etp`` (None = tp), every other partition at tp."""
+    routed = [e for e in spec if ".mlp.experts." in e.name]
+    dense = [e for e in spec if ".mlp.experts." not in e.name]
     return sum(
         params_on_chunk(
-            spec,
+            part,
             partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
             partition.is_pre_process(pp_rank, v),
             partition.is_post_process(pp_rank, pp, v, vp_size, layout),
-            tp,
+            size,
         )
+        for part, size in ((dense, tp), (routed, tp if etp is None else etp))
         for v in range(vp_size)
     )
 
@@ -119,20 +130,13 @@ def expert_params_per_rank(
     layer_split=None,
     ep: int = 1,
     layout: str = "interleaved",
+    etp: Optional[int] = None,
 ) -> int:
-    """The routed-expert elements among ``params_per_rank``'s (E/ep experts of each MoE layer):
-    the parameters reduced and sharded over the expert-data-parallel ranks (0 for a dense model)."""
+    """The routed-expert elements among ``params_per_rank``'s (E/ep experts of each MoE layer, cut
+    over ``etp`` ranks): the parameters reduced and sharded over the expert-data-parallel ranks
+    (0 for a dense model)."""
     spec = [e for e in g.parameter_spec(tp) if ".mlp.experts." in e.name and _held(e.name, g, ep)]
-    return sum(
-        params_on_chunk(
-            spec,
-            partition.layer_ids(g.num_layers, pp, pp_rank, vp_size, v, layer_split, layout),
-            partition.is_pre_process(pp_rank, v),
-            partition.is_post_process(pp_rank, pp, v, vp_size, layout),
-            tp,
-        )
-        for v in range(vp_size)
-    )
+    return _on_rank(g, spec, tp, pp, pp_rank, vp_size, layer_split, layout, etp)
 
 
 def zero3_units(
@@ -279,6 +283,7 @@ def estimate(
     ep: int = 1,
     params_on_host: bool = False,
     reference: bool = False,
+    etp: Optional[int] = None,
 ) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
@@ -295,7 +300,9 @@ def estimate(
     context-parallel size of the bound (the counted path reads ``activations.cp``); ``dp`` is
     the number of ranks ZeRO shards over, ``dp x cp`` with context parallelism; ``ep`` the
     expert-parallel size (a rank holds E/ep experts, their states sharded over ``dp / ep``: the
-    edp size, or S / EP under hybrid sharding);
+    edp size, or S / EP under hybrid sharding) and ``etp`` the experts' tensor-parallel size
+    (None = tp; at etp < tp an expert's partition is 1/etp and its states shard over
+    ``(tp / etp) x dp / ep``);
     ``reference``: a frozen reference model in the planned memory (``MemoryEstimate.reference_bytes``)."""
     if activations is not None:
         return _estimate_counted(
@@ -316,6 +323,7 @@ def estimate(
             ep=ep,
             params_on_host=params_on_host,
             reference=reference,
+            etp=etp,
         )
     inflight = inflight_per_stage(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
@@ -338,6 +346,7 @@ def estimate(
             grad_bytes,
             states_on_host,
             params_on_host,
+            etp,
         )
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
@@ -364,13 +373,18 @@ def _stage_states(
     grad_bytes,
     states_on_host,
     params_on_host,
+    etp=None,
 ) -> tuple:
     """(Psi, model-state bytes by part) of pipeline stage ``r``: its parameters under the
-    schedule's chunk layout, and ``_states`` of them (expert parameters apart when ep > 1)."""
+    schedule's chunk layout, and ``_states`` of them (expert parameters apart when ep > 1 or
+    etp < tp, sharded over the (tp / etp) x dp / ep expert-data-parallel ranks)."""
     layout = partition.chunk_layout(schedule)
-    psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout)
-    experts = expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout) if ep > 1 else 0
-    return psi, _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host, experts, ep, params_on_host)
+    etp = tp if etp is None else etp
+    psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout, etp)
+    apart = ep > 1 or etp < tp
+    experts = expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout, etp) if apart else 0
+    edp = dp // ep * (tp // etp)
+    return psi, _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host, experts, edp, params_on_host)
 
 
 def _states(
@@ -381,19 +395,18 @@ def _states(
     grad_bytes,
     states_on_host: bool,
     experts: int = 0,
-    ep: int = 1,
+    edp: int = 1,
     params_on_host: bool = False,
 ) -> float:
     """Model-state bytes in the planned memory: the ZeRO formula, or with the optimizer
     offloaded elsewhere only its device part (params and grads), without the ZeRO-3 parameter
     shards (``p Psi / N``) when ``params_on_host`` too; with expert parallelism the
-    ``experts`` among the ``psi`` elements are sharded over ``dp / ep`` ranks, the rest over dp."""
+    ``experts`` among the ``psi`` elements are sharded over the ``edp`` expert-data-parallel
+    ranks, the rest over dp."""
     if experts:
         return _states(
             psi - experts, dp, zero_stage, param_bytes, grad_bytes, states_on_host, params_on_host=params_on_host
-        ) + _states(
-            experts, dp // ep, zero_stage, param_bytes, grad_bytes, states_on_host, params_on_host=params_on_host
-        )
+        ) + _states(experts, edp, zero_stage, param_bytes, grad_bytes, states_on_host, params_on_host=params_on_host)
     if states_on_host:
         device = offload_formula_bytes(psi, dp, zero_stage, param_bytes, grad_bytes)["device"]
         return device - (
@@ -429,6 +442,7 @@ def stage_estimates(
     ep: int = 1,
     params_on_host: bool = False,
     reference: bool = False,
+    etp: Optional[int] = None,
 ) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
@@ -450,6 +464,7 @@ def stage_estimates(
             grad_bytes,
             states_on_host,
             params_on_host,
+            etp,
         )
         ids = [partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split, layout) for v in range(vp_size)]
         chunks, windows = [len(i) for i in ids], [A.layer_windows(g, i) for i in ids]

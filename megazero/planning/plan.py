@@ -74,6 +74,7 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
         states_on_host=cfg.zero.offload_optimizer != "none" and on_cuda,
         params_on_host=cfg.zero.offload_param != "none" and sharding_policy(cfg.zero.stage).shards_params and on_cuda,
         ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1,
+        etp=p.expert_tensor_parallel_size if cfg.model.num_experts is not None else None,
         reference=cfg.post.mode == "dpo" and cfg.post.dpo_loss != "simpo" and not (cfg.post.ref_offload and on_cuda),
     )
 

@@ -76,7 +76,7 @@ def report_model_state(trainer: Trainer, monitor: Monitor) -> None:
     if trainer.groups.world_size > 1:
         rows = [None] * trainer.groups.world_size
         dist.all_gather_object(rows, row, group=trainer.groups.world)
-    experts = f" (expert parameters: N={trainer.replicas.edp_size})" if trainer.replicas.ep_size > 1 else ""
+    experts = f" (expert parameters: N={trainer.replicas.edp_size})" if trainer.replicas.experts_apart else ""
     hybrid = (
         f" (hybrid sharding: replicated over {trainer.replicas.dp_size // trainer.replicas.zero_shard_size})"
         if trainer.replicas.topology.hybrid

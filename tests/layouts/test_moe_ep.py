@@ -21,6 +21,11 @@ under tp 2 with sequence parallelism (ZeRO-1) and under pp 2 (ZeRO-3), both at E
 DeepSeek-V3's router (``grouped``: sigmoid scores, the expert bias, the sequence-wise aux loss,
 the experts in 2 groups of which each token's top-2 come from the best one, weights times 2.5)
 runs pp 2 with full recomputation at EP 2.
+
+Expert tensor parallelism (``--expert-tensor-parallel-size 1`` inside tp 2, with and without
+sequence parallelism at EP 2, and at EP 1 under ZeRO-3): the same checks, with the all-to-all
+bytes ``16 H etp K`` and the expert states sharded over the folded edp = (tp / etp) x dp x cp / EP
+ranks; a checkpoint moves between etp 1 and etp 2 both ways.
 """
 
 import math
@@ -33,6 +38,7 @@ from tests.support.layouts import BASE
 from tests.support.moe import ARGS, MOE, MOE_STEPS, moe_reference
 
 EP = "--expert-model-parallel-size"
+ETP = "--expert-tensor-parallel-size"
 GPT_OSS_BLOCK = [
     "--position-embedding-type",
     "rope",
@@ -207,6 +213,17 @@ LAYOUTS = {  # name -> (layout flags, model); edp = dp / EP
         ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", EP, "2"],
         "gpt-oss",
     ),
+    # expert tensor parallelism: whole experts (etp 1) inside tp 2, the two tp ranks each running
+    # the experts on half of the rows, folded into the expert-data-parallel group (edp 2 x 2 / 2)
+    "sp-tp2-etp1-dp2-ep2-zero1": (
+        ["--tp", "2", "--sequence-parallel", "--dp", "2", "--zero-stage", "1", EP, "2", ETP, "1"],
+        "dropless",
+    ),
+    "tp2-etp1-dp2-ep2-zero0": (["--tp", "2", "--dp", "2", "--zero-stage", "0", EP, "2", ETP, "1"], "dropless"),
+    "tp2-etp1-dp2-ep1-zero3": (  # no expert parallelism: edp is the 4 ranks, every expert whole on each
+        ["--tp", "2", "--dp", "2", "--zero-stage", "3", "--zero3-param-persistence-threshold", "0", ETP, "1"],
+        "dropless",
+    ),
 }
 # Steps of every layout (tests/support/moe.py): the learning rate's warm-up (steps 1-3, the peak at 3)
 # and decay (4), Adam from its moments, routing and expert bias moved by updated weights; the
@@ -261,7 +278,13 @@ def _ep_run(rank, world, argv, steps):
     psi = (
         sum(q.numel() for c in trainer.chunks for q in c.parameters()),
         memory.params_per_rank(
-            trainer.gpt_config, p.tp, p.pp, groups.pp_rank, p.virtual_pipeline_size, ep=groups.ep_size
+            trainer.gpt_config,
+            p.tp,
+            p.pp,
+            groups.pp_rank,
+            p.virtual_pipeline_size,
+            ep=groups.ep_size,
+            etp=groups.etp_size,
         ),
     )
     got = opt.model_state_bytes()
@@ -402,46 +425,51 @@ def test_all_to_all_bytes_equal_the_closed_form(name, runs):
     """Per step, summed over the world: every (rank, MoE layer held, micro-batch) puts 8 E bytes of
     counts and ``4 H (S + R)`` bytes of tokens forward and as many backward into all-to-alls,
     with ``S`` the assignments it keeps and sends; over an ep group sum R = sum S, so the world
-    total is ``tp x dp x cp x layers x M x 8 E + 16 H tp K`` (fp32) with K the kept assignments of
+    total is ``tp x dp x cp x layers x M x 8 E + 16 H etp K`` (fp32) with K the kept assignments of
     the step's global batch over all layers (the reference's: ``N k`` per micro-batch and layer
     when dropless; a cp rank sends its own tokens' kept assignments, so K does not change with
-    cp). Under full recomputation of every layer the forward's half runs twice (``8 E`` per rank,
-    layer and micro-batch, ``8 H tp K`` in all). The all-gather dispatcher sends none."""
+    cp; with expert tensor parallelism the tp / etp blocks of etp ranks send disjoint rows, so
+    etp, not tp, copies of each assignment travel). Under full recomputation of every layer the
+    forward's half runs twice (``8 E`` per rank, layer and micro-batch, ``8 H etp K`` in all). The
+    all-gather dispatcher sends none, nor does EP 1."""
     results, (_, stats) = runs[name]
     tp, dp, cp = _flag(name, "--tp"), _flag(name, "--dp"), _flag(name, "--cp")
+    etp = _flag(name, ETP, tp)
     E, H, layers, micro, gbs = 8, 32, 4, 2, 16
     M = gbs // (micro * dp)
     for step in range(EP_STEPS):
         kept = sum(int(keep.sum()) for mbs in stats["assignment_steps"][step] for _, keep in mbs)
-        want = tp * dp * cp * layers * M * 8 * E + 4 * H * 4 * tp * kept  # each layer on tp x dp x cp ranks
+        want = tp * dp * cp * layers * M * 8 * E + 4 * H * 4 * etp * kept  # each layer on tp x dp x cp ranks
         if "full-recompute" in name:  # every layer recomputed: its forward all-to-alls run twice
-            want += tp * dp * cp * layers * M * 8 * E + 4 * H * 2 * tp * kept
+            want += tp * dp * cp * layers * M * 8 * E + 4 * H * 2 * etp * kept
         total = sum(r["a2a"][step] for r in results)
-        assert total == (0 if "allgather" in name else want), (name, step, total, want)
+        none = "allgather" in name or _flag(name, EP) == 1  # EP 1: the experts run where the tokens are
+        assert total == (0 if none else want), (name, step, total, want)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_model_state_bytes_equal_the_formula_over_edp(name, runs):
-    """Each rank's expert buffers hold E/EP experts and exactly the ZeRO formula's bytes with
-    N = S / EP (S = --zero-shard-size, default dp x cp; fp32: parameters and gradients 4 bytes,
-    moments 8); the whole model state is the dense formula (N = S) plus the expert one, and the
-    memory planner predicts it up to
-    the padding of each buffer to a multiple of its N (< N elements of 16 bytes per buffer)."""
+    """Each rank's expert buffers hold E/EP experts, each cut over etp ranks, and exactly the ZeRO
+    formula's bytes with N = (tp / etp) x S / EP (S = --zero-shard-size, default dp x cp; fp32:
+    parameters and gradients 4 bytes, moments 8); the whole model state is the dense formula
+    (N = S) plus the expert one, and the memory planner predicts it up to the padding of each
+    buffer to a multiple of its N (< N elements of 16 bytes per buffer)."""
     from megazero.optim.zero import zero_formula_bytes
 
     stage, dp, ep, tp, pp, cp = (_flag(name, f) for f in ("--zero-stage", "--dp", EP, "--tp", "--pp", "--cp"))
+    etp = _flag(name, ETP, tp)
     dp *= cp  # the replicas
     shard = _flag(name, "--zero-shard-size", dp)  # ZeRO's N of the dense parameters; S / EP the experts'
-    per_expert = 3 * 32 * 16 // tp  # gated fc1 [2F/tp, H] and fc2 [H, F/tp], F = 16, H = 32
+    per_expert = 3 * 32 * 16 // etp  # gated fc1 [2F/etp, H] and fc2 [H, F/etp], F = 16, H = 32
     if LAYOUTS[name][1] == "gpt-oss":
         per_expert += 2 * 16 // tp + 32  # the biases: fc1's [2F/tp], fc2's [H] (replicated over tp)
     for r in runs[name][0]:
         numel, padded, n, held = r["expert_state"]
-        assert r["edp_size"] == dp // ep and n == shard // ep
+        assert r["edp_size"] == dp // ep * (tp // etp) and n == shard // ep * (tp // etp)
         assert numel == (4 // pp) * (8 // ep) * per_expert
         assert held == zero_formula_bytes(padded, n, stage, 4, 4)
-        assert r["terms"][-1] == (padded, n) or ep == 1
+        assert r["terms"][-1] == (padded, n) or ep == 1 or n == dp  # one term when both N agree
         assert r["state_bytes"] == r["formula"] == sum(zero_formula_bytes(psi, m, stage, 4, 4) for psi, m in r["terms"])
         assert 0 <= r["state_bytes"] - r["planned"] < 16 * dp * r["buffers"], (r["state_bytes"], r["planned"])
 
@@ -508,14 +536,45 @@ def test_expert_groups_are_carved_out_of_the_replicas():
         Topology(tp=1, pp=1, dp=4, ep=3)
 
 
+def test_expert_tensor_parallel_folds_tp_ranks_into_edp():
+    """etp < tp: etp rank = tp_rank % etp; the edp group holds the ranks of the same etp rank and
+    ep rank, (tp / etp) x dp x cp / EP of them, and edp rank = (r' // EP) x tp / etp + tp_rank // etp.
+    By hand for tp 4, dp 2, EP 2, etp 2 (8 ranks, rank = tp + 4 dp) and tp 2, dp 4, EP 2, etp 1; at
+    etp = tp the groups are those of ``Topology`` without etp."""
+    from megazero.topology import Topology
+
+    t = Topology(tp=4, dp=2, ep=2, etp=2)
+    assert [t.etp_rank(r) for r in range(8)] == [0, 1, 0, 1] * 2
+    assert t.named_groups("edp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # dp 2 / EP 2 = 1 replica, x tp / etp 2
+    assert t.named_groups("ep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [t.edp_rank(r) for r in range(8)] == [0, 0, 1, 1] * 2 and "etp=2" in repr(t)
+    u = Topology(tp=2, dp=4, ep=2, etp=1)
+    assert u.named_groups("edp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [u.edp_rank(r) for r in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert u.replica_topology().etp == 1 and u.experts_apart
+    same = Topology(tp=2, dp=4, ep=2)
+    assert same.etp == 2 and same.named_groups("edp") == Topology(tp=2, dp=4, ep=2, etp=2).named_groups("edp")
+    assert same.named_groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for bad in (0, 3, 4):
+        with pytest.raises(ValueError, match=f"--expert-tensor-parallel-size {bad} must be >= 1 and divide --tp 2"):
+            Topology(tp=2, dp=2, etp=bad)
+
+
 @pytest.mark.parametrize(
     "extra, named",
     [
         (["--num-experts", "6", "--dp", "4", EP, "4"], f"{EP} 4 does not divide --num-experts 6"),
         (["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "4"], f"{EP} 4 does not divide the data"),
+        (["--num-experts", "8", "--dp", "1", "--tp", "4", ETP, "3"], f"{ETP} 3 does not divide --tp 4"),
+        (["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "2", ETP, "4"], f"{ETP} 4 does not divide --tp 2"),
         (
-            ["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "2", "--expert-tensor-parallel-size", "1"],
-            "--expert-tensor-parallel-size 1",
+            ["--num-experts", "8", "--dp", "2", "--tp", "2", EP, "2", ETP, "1"],  # biases on by default
+            f"{ETP} 1 below --tp 2 with linear biases",
+        ),
+        (
+            ["--num-experts", "8", "--disable-bias-linear", "--dp", "2", "--tp", "2", ETP, "1"]
+            + ["--zero-stage", "1", "--zero-shard-size", "1"],
+            f"{ETP} 1 below --tp 2 with --zero-shard-size 1",
         ),
         (
             ["--num-experts", "8", "--dp", "4", EP, "4", "--moe-token-dispatcher-type", "ring"],
@@ -556,6 +615,17 @@ def test_expert_parallel_settings_parse():
     )
     assert cfg.parallel.expert_model_parallel_size == 2 and layout_topology(cfg).ep == 2
     assert cfg.model.moe_token_dispatcher_type == "alltoall"
+    assert layout_topology(cfg).etp == 2 and layout_topology(cfg).experts_apart  # EP 2
+    folded = config_from_argv(
+        ["--mock-data", "--device", "cpu", "--num-experts", "8", "--disable-bias-linear", "--tp", "2", "--dp", "2"]
+        + [ETP, "1"],
+        4,
+    )
+    t = layout_topology(folded)
+    assert (t.ep, t.etp, t.experts_apart) == (1, 1, True)
+    assert t.named_groups("edp") == [[0, 1, 2, 3]]  # EP 1: the tp 2 x dp 2 replicas of the whole experts
+    unset = layout_topology(config_from_argv(["--mock-data", "--device", "cpu", "--num-experts", "8", "--tp", "2"], 2))
+    assert (unset.etp, unset.experts_apart) == (2, False)
 
 
 # -- checkpoints: saved at EP 2, resumed at EP 4 and at EP 1 ------------------------------------
@@ -703,6 +773,49 @@ def test_checkpoint_saved_under_hybrid_sharding_resumes_at_other_shard_sizes(tmp
                 assert math.isclose(g["loss"], w["loss"], rel_tol=1e-5), (name, g["loss"], w["loss"])
                 assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (name, g, w)
             assert sorted(bias) == [0, 1, 2, 3] and all(torch.equal(b, layers[i]) for i, b in bias.items()), name
+
+
+# -- checkpoints: moved between expert tensor-parallel sizes 1 and 2 ----------------------------
+ETP_MOVES = {  # name -> (saved, resumed): 4 ranks, tp 2 x dp 2 at EP 2 each
+    "etp1-sp-zero1-to-etp2-zero2": (
+        ["--tp", "2", "--sequence-parallel", "--dp", "2", "--zero-stage", "1", EP, "2", ETP, "1"],
+        ["--tp", "2", "--dp", "2", "--zero-stage", "2", EP, "2"],
+    ),
+    "etp2-zero1-to-etp1-zero0": (
+        ["--tp", "2", "--dp", "2", "--zero-stage", "1", EP, "2", ETP, "2"],
+        ["--tp", "2", "--dp", "2", "--zero-stage", "0", EP, "2", ETP, "1"],
+    ),
+}
+
+
+def _etp_moves(rank, world, root, moves):
+    """Each move of ``moves`` (name -> (saved argv, resumed argv)) under ``root/name``."""
+    return {
+        name: _checkpoint_runs(rank, world, f"{root}/{name}", saved, {"resumed": resumed})
+        for name, (saved, resumed) in moves.items()
+    }
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_etp1_and_etp2(tmp_path):
+    """Saved after 3 steps at tp 2, dp 2, EP 2 with whole experts (etp 1, their tp copies folded
+    into the expert-data-parallel group) and resumed with experts sliced over tp (etp 2), and
+    the reverse, with the expert bias: the next 5 steps' losses and gradient norms equal the
+    uninterrupted run's within 1e-5 and every layer's expert bias after them is the same
+    (exactly): each expert tensor is saved once, as its full tensor, whatever etp."""
+    moves = {n: (ARGS + BIAS + s, ARGS + BIAS + r) for n, (s, r) in ETP_MOVES.items()}
+    per_rank = run_distributed(_etp_moves, 4, str(tmp_path), moves, timeout_s=900)
+    for name in ETP_MOVES:
+        want, want_bias = per_rank[0][name]["uninterrupted"]
+        assert len(want) == AFTER and want[0]["iteration"] == SAVE_AT + 1
+        assert sorted(want_bias) == [0, 1, 2, 3] and any(b.abs().sum() > 0 for b in want_bias.values())
+        for r in per_rank:
+            got, bias = r[name]["resumed"]
+            assert [g["iteration"] for g in got] == [w["iteration"] for w in want]
+            for g, w in zip(got, want):
+                assert math.isclose(g["loss"], w["loss"], rel_tol=1e-5), (name, g["loss"], w["loss"])
+                assert math.isclose(g["grad_norm"], w["grad_norm"], rel_tol=1e-5), (name, g, w)
+            assert all(torch.equal(b, want_bias[i]) for i, b in bias.items()), name
 
 
 def test_expert_shard_groups_by_hand():

@@ -182,6 +182,8 @@ FAMILY_LAYOUTS = [
     dict(tp=1, pp=2, dp=12, ep=2, zero_shard=6),
     dict(tp=3, pp=2, dp=2, cp=2, ep=2, zero_shard=2),
     dict(tp=2, pp=2, dp=4, zero_shard=1),
+    dict(tp=4, pp=2, dp=2, cp=2, ep=2, etp=2),  # expert tensor parallelism: tp / etp folded into edp
+    dict(tp=2, pp=1, dp=3, ep=1, etp=1),
 ]
 
 
@@ -189,9 +191,11 @@ FAMILY_LAYOUTS = [
 def test_every_family_row_partitions_the_world(layout):
     """Each row's groups are disjoint and cover the world (the ``ends`` row: the first and last
     stages' ranks), every rank's group is the one of ``row_groups`` holding it, and the sizes
-    are the family's: dense the product of its dimensions, carved ``k`` or dp x cp / k."""
+    are the family's: dense the product of its dimensions, carved ``k`` or dp x cp / k, folded
+    (tp / etp) x dp x cp / ep."""
     t = Topology(**layout)
     replicas = t.dp * t.cp
+    folded = t.tp // t.etp * replicas // t.ep
     for row in GROUP_TABLE:
         groups = t.row_groups(row)
         members = sorted(r for g in groups for r in g)
@@ -206,6 +210,7 @@ def test_every_family_row_partitions_the_world(layout):
             "ends": lambda: min(t.pp, 2),
             "block": lambda: k,
             "stride": lambda: replicas // k,
+            "fold": lambda: folded,
         }[row.rule]()
         assert {len(g) for g in groups} == {size}, row.name
     assert t.named_groups("ep") == [
@@ -214,13 +219,16 @@ def test_every_family_row_partitions_the_world(layout):
     for r in range(t.world_size):  # the carved rows agree with the rank formulas
         assert t.group(r, ("dp", "cp")).index(r) == t.coord(r).cp + t.cp * t.coord(r).dp == t.replica_index(r)
         assert [t.ep_rank(s) for s in t.expert_group(r, "ep")] == list(range(t.ep))
-        assert [t.edp_rank(s) for s in t.expert_group(r, "edp")] == list(range(replicas // t.ep))
+        assert [t.edp_rank(s) for s in t.expert_group(r, "edp")] == list(range(folded))
         assert [t.zero_shard_rank(s) for s in t.zero_group(r, "zero_shard")] == list(range(t.zero_shard))
         assert [t.zero_replica_rank(s) for s in t.zero_group(r, "zero_replica")] == list(
             range(replicas // t.zero_shard)
         )
         # the expert shard group: the edp ranks inside the rank's shard group, S / EP of them
         shard, edp = t.zero_group(r, "zero_shard"), t.expert_group(r, "edp")
+        if t.etp < t.tp:  # no hybrid sharding with folded experts: their shard group is edp
+            assert t.zero_group(r, "expert_zero_shard") == edp and t.zero_shard == replicas
+            continue
         assert t.zero_group(r, "expert_zero_shard") == [s for s in edp if s in shard]
         assert [t.expert_zero_shard_rank(s) for s in t.zero_group(r, "expert_zero_shard")] == list(
             range(t.zero_shard // t.ep)
