@@ -319,11 +319,12 @@ PP4 = ["--num-layers", "8", "--global-batch-size", "16"]  # zb-v: 2 x 4 chunks; 
 
 @pytest.mark.slow
 def test_zero_bubble_pp4_with_8_microbatches_equals_1f1b():
-    """(pp, micro-batches) = (4, 8) on 4 ranks (pp only: the tp 2 / dp 2 variants need 8)."""
+    """(pp, micro-batches) = (4, 8) on 4 ranks (pp only: the tp 2 / dp 2 variants need 8), ``SHORT``
+    (4) steps."""
     layouts = {n: (["--pp", "4"] + flags[2:], base) for n, (flags, base) in PP2.items()}
     names = list(layouts)
-    out = run_distributed(_runs, 4, [BASE + PP4 + layouts[n][0] for n in names], timeout_s=1500)
-    _check(layouts, out, names, model=PP4)
+    out = run_distributed(_runs, 4, [BASE + PP4 + layouts[n][0] for n in names], SHORT, timeout_s=1500)
+    _check(layouts, out, names, model=PP4, steps=SHORT)
 
 
 @pytest.mark.slow
