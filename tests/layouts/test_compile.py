@@ -23,18 +23,27 @@ LAYOUTS = {
 }
 
 
+def _losses(rank, world, argv, steps):
+    """The losses of ``steps`` training steps, nothing after them: a sample would compile the layers
+    again for each new context length (tests/support/layouts.py's train_layout samples)."""
+    from megazero.training import build_trainer
+
+    trainer = build_trainer(argv, world)
+    losses = [trainer.train_step(trainer.next_batches()).values["loss"] for _ in range(steps)]
+    trainer.close()
+    return losses
+
+
 def _eager_and_compiled(rank, world, steps):
     import torch._dynamo
-
-    from tests.support.layouts import train_layout
 
     # a layer that keeps failing its guards (e.g. on a Python counter its collectives bump)
     # recompiles up to recompile_limit times and then runs uncompiled, silently: fail instead
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     out = {}
     for name, extra in LAYOUTS.items():
-        eager = train_layout(rank, world, MODEL + extra, steps)[0]
-        compiled = train_layout(rank, world, MODEL + extra + ["--compile"], steps)[0]
+        eager = _losses(rank, world, MODEL + extra, steps)
+        compiled = _losses(rank, world, MODEL + extra + ["--compile"], steps)
         out[name] = eager, compiled
     return out
 

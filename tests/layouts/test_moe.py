@@ -92,6 +92,8 @@ LAYOUTS = {  # name -> (layout flags, model flags, steps)
     ),
 }
 
+NEW_TOKENS = 4  # greedy tokens after the steps: one forward pass each (a ZeRO-3 one gathers every parameter)
+
 
 def _moe_run(rank, world, argv, steps):
     from megazero.training import build_trainer
@@ -112,7 +114,7 @@ def _moe_run(rank, world, argv, steps):
     from megazero import training
     from megazero.planning import memory
 
-    ids = training.generate_ids(trainer, [5, 17, 3], 8)  # greedy; under cp every rank decodes whole rows
+    ids = training.generate_ids(trainer, [5, 17, 3], NEW_TOKENS)  # greedy; under cp every rank decodes whole rows
     p = cfg.parallel
     psi = (
         sum(q.numel() for c in trainer.chunks for q in c.parameters()),  # built vs the planner's count
@@ -199,7 +201,7 @@ def test_moe_layout_equals_reference(name, runs):
 
 @pytest.mark.slow
 def test_moe_greedy_tokens_agree_across_layouts_of_one_model(runs):
-    """After the steps, 8 greedy tokens from one prompt are the same on every rank and under every
+    """After the steps, 4 (NEW_TOKENS) greedy tokens from one prompt are the same on every rank and under every
     layout of the same model flags (equal losses to 1e-7 leave the argmax alone): under cp each
     rank decodes whole rows and routes them alone, as dp 4 does (the capacity and sequence-aux
     model under cp 2 x dp 2 and under dp 4)."""
@@ -210,7 +212,7 @@ def test_moe_greedy_tokens_agree_across_layouts_of_one_model(runs):
     names = {n for n, _ in by_model[cp_model]}
     assert names == {"capacity-position-seqaux-dp4", "capacity-position-seqaux-cp2-a2a-dp2-recompute"}
     for got in by_model.values():
-        assert len(got[0][1]) == 3 + 8
+        assert len(got[0][1]) == 3 + NEW_TOKENS
         assert all(ids == got[0][1] for _, ids in got), got
 
 

@@ -94,13 +94,20 @@ def train_layout(rank, world, argv, steps):
         ),
     )
     ids = (  # 18 ids each: the window slides
-        training.generate_ids(trainer, PROMPT, 15),  # greedy
-        training.generate_ids(trainer, PROMPT, 15, temperature=1.0, top_k=20, seed=3),  # the end-of-run default kind
+        training.generate_ids(trainer, SAMPLE_PROMPT, SAMPLE_NEW),  # greedy
+        training.generate_ids(trainer, SAMPLE_PROMPT, SAMPLE_NEW, temperature=1.0, top_k=20, seed=3),  # drawn
     )
     return losses, norms, ids, psi
 
 
 PROMPT = [5, 17, 3]
+"""The end-of-run sample's prompt (tests/layouts/test_train.py)."""
+SAMPLE_PROMPT = [5, 17, 3, 11, 2, 8, 13, 7, 1, 19, 4, 9, 6, 12]
+SAMPLE_NEW = 4
+"""``train_layout``'s samples: 4 tokens after a 14-token prompt, 18 ids, so the contexts are 14,
+15 (odd: sequence parallelism pads it), 16 and the slid window of 16 (the sequence length), one
+forward pass each. A prompt of 3 and 15 new tokens ran the same paths in 15 passes per sample, the
+most of a ZeRO-3 layout's time (every pass gathers every parameter)."""
 
 
 def reference_losses(argv, steps) -> list:
