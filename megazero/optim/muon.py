@@ -35,12 +35,14 @@ distributed Muon instead gathers per matrix on one owner; this is its simple for
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 
 import torch
 
 from megazero import collectives as C
 from megazero import tags
 from megazero.data_parallel.ddp import DataParallel
+from megazero.data_parallel.grad_buffer import Range
 from megazero.optim.zero import DistributedOptimizer
 from megazero.process_groups import ProcessGroups
 
@@ -92,6 +94,41 @@ def join_partitions(pieces: list[torch.Tensor], dim: int, stride: int) -> torch.
     return torch.cat([blk[j] for j in range(stride) for blk in blocks], dim)
 
 
+class AdamOnlyMoments:
+    """Adam's second moment over the optimizer's local coordinates, stored only outside the
+    ``skipped`` runs (the hidden matrices, which keep one moment): ``moments[s:e]`` is a view
+    of the compact fp32 storage for a run outside them, a fresh zero tensor for a run inside
+    one (what a checkpoint saves for it; writing it changes nothing). ``numel`` counts the
+    whole local coordinates; the storage holds ``numel - sum(skipped sizes)`` elements.
+    Raises ValueError for a slice that straddles a skipped run."""
+
+    def __init__(self, numel: int, skipped: list[Range], device):
+        self.skipped = sorted(skipped, key=lambda r: r.start)
+        self.starts = [r.start for r in self.skipped]
+        self.before = [0]
+        for r in self.skipped:
+            self.before.append(self.before[-1] + r.size)
+        self.storage = torch.zeros(numel - self.before[-1], dtype=torch.float32, device=device)
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        s, e = key.start, key.stop
+        i = bisect_right(self.starts, s) - 1
+        if i >= 0 and s < self.skipped[i].end:
+            if e > self.skipped[i].end:
+                raise ValueError(f"moment slice [{s}, {e}) straddles a Muon run {self.skipped[i]}")
+            return torch.zeros(e - s, dtype=torch.float32, device=self.storage.device)
+        if i + 1 < len(self.starts) and self.starts[i + 1] < e:
+            raise ValueError(f"moment slice [{s}, {e}) straddles a Muon run {self.skipped[i + 1]}")
+        shift = self.before[i + 1]
+        return self.storage[s - shift : e - shift]
+
+    def numel(self) -> int:
+        return self.storage.numel()
+
+    def element_size(self) -> int:
+        return self.storage.element_size()
+
+
 class MuonOptimizer(DistributedOptimizer):
     """:class:`DistributedOptimizer` whose AdamW skips the hidden matrices
     (``tags.is_hidden_matrix``), which Muon updates instead (module docstring, phases 1-4).
@@ -125,6 +162,30 @@ class MuonOptimizer(DistributedOptimizer):
 
     def _uses_adam(self, p: torch.Tensor) -> bool:
         return not tags.is_hidden_matrix(p)
+
+    def _allocate_state(self, main_numel: int, numel: int) -> tuple:
+        """The parent's state with ``exp_avg_sq`` only where AdamW runs (:class:`AdamOnlyMoments`):
+        Muon keeps one moment, its momentum in ``exp_avg``."""
+        skipped = []
+        for i, buf in enumerate(self.ddp.buffers):
+            for own in buf.owned():
+                for p, pr, wr in buf.layout.param_pieces(own.world):
+                    if tags.is_hidden_matrix(p):
+                        start = self.offsets[i] + own.local.start + wr.start - own.world.start
+                        skipped.append(Range(start, start + pr.size))
+        main = torch.zeros(main_numel, dtype=torch.float32, device=self.device)
+        exp_avg = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        return main, exp_avg, AdamOnlyMoments(numel, skipped, self.device)
+
+    def formula(self) -> dict:
+        """The parent's ZeRO formula less 4 bytes for each hidden-matrix element this rank owns
+        (M: one fp32 moment instead of two; about H / N of the H hidden-matrix elements, as many
+        as the shard boundaries leave here; the ranks of a shard group together own all H)."""
+        out = super().formula()
+        hidden = self.exp_avg_sq.before[-1]
+        out["total"] -= 4 * hidden
+        out["note"] += f", Muon: {hidden} owned hidden-matrix elements with one fp32 moment (4 bytes less)"
+        return out
 
     def _pack_plan(self, buf) -> tuple[dict, list]:
         """``(offset of each hidden matrix in the buffer's pack, owned runs)``: each run is

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megazero.optim.muon import join_partitions, lr_scale, newton_schulz
-from megazero.tags import partition_tensor
+from megazero.optim.zero import DistributedOptimizer
+from megazero.tags import is_hidden_matrix, partition_tensor
 from tests.support.distributed import run_distributed
 from tests.support.layouts import BASE, oracle_losses
 
@@ -70,23 +71,6 @@ def muon_oracle(argv, steps):
     return losses, norms
 
 
-def train_runs(rank, world, argvs, steps, save=None, load=None):
-    """Each argv's losses and gradient norms over ``steps`` steps on these ranks; ``save``: a
-    folder to checkpoint the first argv's run into after ``steps // 2`` steps."""
-    from megazero.training import build_trainer
-
-    out = []
-    for argv in argvs:
-        trainer = build_trainer(argv, world)
-        losses, norms = [], []
-        for _ in range(steps):
-            values = trainer.train_step(trainer.next_batches()).values
-            losses.append(values["loss"])
-            norms.append(values["grad_norm"])
-        out.append((losses, norms, trainer.optimizer.model_state_bytes(), trainer.optimizer.formula()))
-    return out
-
-
 def test_newton_schulz_and_lr_scale_match_torch():
     g = torch.Generator().manual_seed(0)
     for shape in ((12, 20), (20, 12)):
@@ -105,9 +89,12 @@ def test_newton_schulz_and_lr_scale_match_torch():
 def test_one_process_equals_torch_muon():
     """megazero's one-process --optimizer muon equals torch.optim.Muon + AdamW within 1e-6."""
     want_losses, want_norms = muon_oracle(MUON, STEPS)
-    [[(losses, norms, _, _)]] = run_distributed(train_runs, 1, [MUON], STEPS)
+    [(losses, norms, memory, _)] = run_distributed(layout_jobs, 1, [(MUON, STEPS, None, None)])[0]
     for step, (got, want) in enumerate(zip(losses, want_losses)):
         assert math.isclose(got, want, rel_tol=1e-6), (step, got, want)
+    got, formula, two_moments, owned, hidden = memory  # one fp32 moment on the hidden matrices
+    assert got["total"] - got["buckets"] == formula["total"] == two_moments - 4 * hidden
+    assert owned == hidden == 4 * 4 * 32 * 32 * 3  # qkv 96x32, proj 32x32, fc1 128x32, fc2 32x128
     # the first norm (same weights) to summation order; later ones 1e-4: Newton-Schulz runs in
     # bf16 (as torch's), where a 1e-7 difference of the input flips a few 8-bit roundings
     assert math.isclose(norms[0], want_norms[0], rel_tol=1e-6)
@@ -151,7 +138,10 @@ def layout_jobs(rank, world, jobs):
                 owned[id(p)] = owned.get(id(p), 0) + pr.size
         params = {id(p): p.numel() for c in trainer.chunks for p in c.parameters()}
         cut = any(0 < n < params[k] for k, n in owned.items())
-        out.append((losses, norms, opt.model_state_bytes(), opt.formula(), cut))
+        hidden = sum(p.numel() for c in trainer.chunks for p in c.parameters() if is_hidden_matrix(p))
+        two_moments = DistributedOptimizer.formula(opt)["total"]
+        memory = (opt.model_state_bytes(), opt.formula(), two_moments, sum(owned.values()), hidden)
+        out.append((losses, norms, memory, cut))
     return out
 
 
@@ -163,7 +153,7 @@ def test_layouts_and_resume_equal_one_process(tmp_path):
     the first resumes under the second; model-state bytes equal the optimizer's formula."""
     ckpt = str(tmp_path)
     muon = MUON + ["--muon-ns-dtype", "fp32"]  # bf16 rounding would amplify summation order
-    [[(single, single_norms, _, _)]] = run_distributed(train_runs, 1, [muon], STEPS)
+    [(single, single_norms, _, _)] = run_distributed(layout_jobs, 1, [(muon, STEPS, None, None)])[0]
     results = run_distributed(
         layout_jobs,
         4,
@@ -176,7 +166,7 @@ def test_layouts_and_resume_equal_one_process(tmp_path):
         timeout_s=600,
     )
     tp_sp, pp_z3, first, resumed = results[0]
-    for name, (losses, norms, *_), want in (
+    for name, (losses, norms, _, _), want in (
         ("tp2-sp-dp2-zero1", tp_sp, single),
         ("pp2-dp2-zero3", pp_z3, single),
         ("resume", resumed, single[STEPS // 2 :]),
@@ -186,10 +176,13 @@ def test_layouts_and_resume_equal_one_process(tmp_path):
     for got, ref in zip(tp_sp[1] + pp_z3[1], single_norms + single_norms):
         assert math.isclose(got, ref, rel_tol=1e-6), (got, ref)
     assert first[0] == tp_sp[0][: STEPS // 2]
-    assert any(r[1][4] for r in results)  # some rank owns only part of a hidden matrix at ZeRO-3
-    for rank_results in results:  # ZeRO-1 (ZeRO-3 keeps its small parameters whole besides)
-        got, formula = rank_results[0][2:4]
-        assert got["total"] - got["buckets"] == formula["total"]
+    assert any(r[1][3] for r in results)  # some rank owns only part of a hidden matrix at ZeRO-3
+    # ZeRO-1 (ZeRO-3 keeps its small parameters whole besides): the ZeRO formula with one moment
+    # on the hidden-matrix elements each rank owns; the 2 dp ranks of a tp rank own them all
+    for rank, rank_results in enumerate(results):
+        got, formula, two_moments, owned, hidden = rank_results[0][2]
+        assert got["total"] - got["buckets"] == formula["total"] == two_moments - 4 * owned
+        assert owned + results[rank ^ 2][0][2][3] == hidden > 0
 
 
 def test_muon_with_optimizer_offload_is_refused(capsys):
