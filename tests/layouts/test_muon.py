@@ -205,3 +205,18 @@ def test_muon_with_optimizer_offload_is_refused(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--optimizer muon runs on the device" in err and "fix: drop --offload-optimizer" in err
+
+
+def test_memory_plan_keeps_one_moment_on_the_hidden_matrices():
+    """The planner's model states under --optimizer muon: Adam's less 4 bytes per hidden-matrix
+    element over the N = 2 ranks sharding them (4 layers of qkv, proj, fc1, fc2: 12 x 32^2 each,
+    halved by tp 2)."""
+    from megazero.config import config_from_argv
+    from megazero.planning.plan import plan_memory
+    from model.build import build_gpt_config
+
+    argv = BASE + ["--tp", "2", "--dp", "2", "--zero-stage", "1"]
+    adam, muon = (config_from_argv(argv + extra, 4) for extra in ([], ["--optimizer", "muon"]))
+    gpt = build_gpt_config(adam, 1001)
+    saved = plan_memory(adam, gpt).model_state_bytes - plan_memory(muon, gpt).model_state_bytes
+    assert saved == 4 * (4 * 12 * 32 * 32 // 2) / 2
