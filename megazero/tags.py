@@ -103,6 +103,19 @@ def decays(param: torch.Tensor) -> bool:
     return bool(getattr(param, "weight_decay", param.dim() >= 2))
 
 
+def set_hidden_matrix(param: torch.Tensor, hidden: bool) -> torch.Tensor:
+    """Tag whether ``param`` is a hidden-layer matrix that Muon orthogonalises (the model's
+    parameter spec decides: 2-D and neither an embedding nor the output head); returns it."""
+    param.hidden_matrix = hidden
+    return param
+
+
+def is_hidden_matrix(param: torch.Tensor) -> bool:
+    """Whether Muon updates ``param`` (its ``set_hidden_matrix`` tag; untagged: False, so
+    AdamW updates it)."""
+    return bool(getattr(param, "hidden_matrix", False))
+
+
 def is_partitioned(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 

@@ -599,6 +599,7 @@ class GPTStage(nn.Module):
             if self.groups.experts_apart and routed:
                 tags.set_expert_parallel(p)
             tags.set_weight_decay(p, e.weight_decay)
+            tags.set_hidden_matrix(p, len(e.shape) == 2 and e.part == "layer")
             if tuple(local) != tuple(p.shape):
                 raise ValueError(
                     f"{name}: spec gives a partition of shape {tuple(local)}, the module holds {tuple(p.shape)}"

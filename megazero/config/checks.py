@@ -452,8 +452,8 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
 
 
 def _check_offload(cfg: Config, world_size: int) -> None:
-    """--offload-optimizer cpu/nvme needs a sharded stage (1-3, as DeepSpeed) and CPU Adam kernels
-    (nvme also --offload-nvme-path);
+    """--offload-optimizer cpu/nvme needs a sharded stage (1-3, as DeepSpeed), CPU Adam kernels
+    and --optimizer adam (nvme also --offload-nvme-path);
     --offload-param cpu/nvme needs ZeRO-3 parameter shards (refused at stages 0-2) and the
     optimizer offloaded too (cpu or nvme: the host shards are updated where they live); nvme
     also --offload-nvme-path."""
@@ -463,6 +463,12 @@ def _check_offload(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"{show_flag(cfg, 'zero.offload_optimizer')} {off} needs a ZeRO stage of 1 or more "
             f"(got {show_flag(cfg, 'zero.stage')} 0); fix: add --zero-stage 1 or 2"
+        )
+    if off != "none" and cfg.optim.optimizer == "muon":
+        raise ConfigError(
+            f"{show_flag(cfg, 'optim.optimizer')} muon runs on the device (Newton-Schulz on whole "
+            f"matrices); {show_flag(cfg, 'zero.offload_optimizer')} {off} runs Adam on the host; "
+            "fix: drop --offload-optimizer or use --optimizer adam"
         )
     if off != "none" and cfg.optim.kernels == "apex":
         raise ConfigError(

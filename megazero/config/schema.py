@@ -66,6 +66,7 @@ _PARAM_NVME = Needs("zero.offload_param", ("nvme",))
 _NVME = Needs("zero.offload_optimizer", ("nvme",))
 _ANY_NVME = Needs("zero.offload_optimizer", ("nvme",), alt=_PARAM_NVME)
 _FP16 = Needs("precision.fp16", (True,))
+_MUON = Needs("optim.optimizer", ("muon",))
 _MLA = Needs("model.multi_latent_attention", (True,), refuse=True)
 _DYNAMIC_SCALE = (_FP16, Needs("precision.loss_scale", (0.0,)))
 _REAL_DATA = Needs("train.mock_data", (False,))
@@ -770,7 +771,34 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW (decoupled weight decay), warm-up then decay of the learning rate, clipping."""
+    """AdamW (decoupled weight decay) or Muon with AdamW beside it, warm-up then decay of the
+    learning rate, clipping."""
+
+    optimizer: str = _f(
+        "adam",
+        "adam = AdamW on every parameter; muon = Muon (Jordan 2024; torch.optim.Muon's update) on "
+        "the 2-D hidden matrices, AdamW on embeddings, output head, norms and biases",
+        choices=("adam", "muon"),
+    )
+    muon_momentum: float = _f(0.95, "Muon momentum mu (B = mu B + (1 - mu) G)", "", ge=0, lt=1, applies=_MUON)
+    muon_nesterov: bool = _f(
+        True, "Muon's Nesterov step: orthogonalise G + mu (B - G)", flags=("--no-muon-nesterov",), applies=_MUON
+    )
+    muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations", "iterations", ge=1, lt=100, applies=_MUON)
+    muon_ns_dtype: str = _f(
+        "bf16",
+        "dtype of Muon's Newton-Schulz matmuls: bf16 as torch.optim.Muon; fp32 makes every layout "
+        "give the one-process update to summation-order rounding (bf16 amplifies that rounding)",
+        choices=("bf16", "fp32"),
+        applies=_MUON,
+    )
+    muon_adjust_lr: str = _f(
+        "original",
+        "Muon's per-matrix learning-rate scale for an A x B matrix: original = sqrt(max(1, A / B)) "
+        "(Jordan), match_rms_adamw = 0.2 sqrt(max(A, B)) (Moonshot, arXiv 2502.16982)",
+        choices=("original", "match_rms_adamw"),
+        applies=_MUON,
+    )
 
     lr: float = _f(2e-3, "peak learning rate", "", ge=0)
     min_lr: Optional[float] = _f(

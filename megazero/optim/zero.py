@@ -228,13 +228,19 @@ class DistributedOptimizer:
         if hold:
             self.peak_step_bytes = max(self.peak_step_bytes, self._scratch_numel * 4)
 
+    def _uses_adam(self, p: torch.Tensor) -> bool:
+        """Whether AdamW updates ``p`` (all of them here; ``optim.muon`` keeps the hidden
+        matrices for itself)."""
+        return True
+
     def _pieces(self, i: int, buf: ShardedBuffer) -> list[Piece]:
         tp_rank, out, mbase = self.groups.tp_rank, [], self.main_offsets[i]
         for own in buf.owned():
             adam, counted = [], []
             for p, _, wr in buf.layout.param_pieces(own.world):
                 rel = wr.shift(-own.world.start)
-                adam.append((rel, tags.decays(p)))
+                if self._uses_adam(p):
+                    adam.append((rel, tags.decays(p)))
                 if tags.counts_in_norm(p, tp_rank):
                     counted.append((rel, True))
             main = (

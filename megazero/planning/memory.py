@@ -284,6 +284,7 @@ def estimate(
     params_on_host: bool = False,
     reference: bool = False,
     etp: Optional[int] = None,
+    muon: bool = False,
 ) -> MemoryEstimate:
     """The stage with the largest model states plus activations, and its numbers (bytes);
     ``.most_states`` is the stage with the largest model states alone (``check_fits`` tests it).
@@ -303,7 +304,8 @@ def estimate(
     edp size, or S / EP under hybrid sharding) and ``etp`` the experts' tensor-parallel size
     (None = tp; at etp < tp an expert's partition is 1/etp and its states shard over
     ``(tp / etp) x dp / ep``);
-    ``reference``: a frozen reference model in the planned memory (``MemoryEstimate.reference_bytes``)."""
+    ``reference``: a frozen reference model in the planned memory (``MemoryEstimate.reference_bytes``);
+    ``muon``: ``--optimizer muon``, one fp32 moment on the hidden matrices (``muon_saved_bytes``)."""
     if activations is not None:
         return _estimate_counted(
             g,
@@ -324,6 +326,7 @@ def estimate(
             params_on_host=params_on_host,
             reference=reference,
             etp=etp,
+            muon=muon,
         )
     inflight = inflight_per_stage(schedule, pp, vp_size, num_microbatches)
     layer = activation_bytes_per_layer(g, micro_batch_size, tp, sequence_parallel, param_bytes, cp)
@@ -347,6 +350,7 @@ def estimate(
             states_on_host,
             params_on_host,
             etp,
+            muon,
         )
         layers_per_chunk = len(partition.layer_ids(g.num_layers, pp, r, vp_size, 0, layer_split))
         head = r == partition.stage_of(pp * vp_size - 1, pp, layout)[0]
@@ -374,17 +378,39 @@ def _stage_states(
     states_on_host,
     params_on_host,
     etp=None,
+    muon=False,
 ) -> tuple:
     """(Psi, model-state bytes by part) of pipeline stage ``r``: its parameters under the
     schedule's chunk layout, and ``_states`` of them (expert parameters apart when ep > 1 or
-    etp < tp, sharded over the (tp / etp) x dp / ep expert-data-parallel ranks)."""
+    etp < tp, sharded over the (tp / etp) x dp / ep expert-data-parallel ranks), less
+    ``muon_saved_bytes`` with ``muon``."""
     layout = partition.chunk_layout(schedule)
     etp = tp if etp is None else etp
     psi = params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout, etp)
     apart = ep > 1 or etp < tp
     experts = expert_params_per_rank(g, tp, pp, r, vp_size, layer_split, ep, layout, etp) if apart else 0
     edp = dp // ep * (tp // etp)
-    return psi, _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host, experts, edp, params_on_host)
+    states = _states(psi, dp, zero_stage, param_bytes, grad_bytes, states_on_host, experts, edp, params_on_host)
+    if muon:
+        states -= muon_saved_bytes(g, tp, pp, r, vp_size, layer_split, ep, layout, etp, dp, edp, zero_stage)
+    return psi, states
+
+
+def muon_saved_bytes(
+    g: ModelSizes, tp, pp, pp_rank, vp_size, layer_split, ep, layout, etp, dp, edp, zero_stage
+) -> float:
+    """Bytes ``--optimizer muon`` saves per rank of stage ``pp_rank``: 4 per hidden-matrix element
+    (a 2-D ``layer`` entry of the spec: one fp32 moment instead of Adam's two), divided by the
+    ranks the optimizer state is sharded over (dp, the routed experts' over ``edp``; 1 at stage 0).
+    On average over a shard group: the shard boundaries decide each rank's exact share."""
+    shards = sharding_policy(zero_stage).shards_optimizer
+    hidden = [e for e in g.parameter_spec(tp) if e.part == "layer" and len(e.shape) == 2 and _held(e.name, g, ep)]
+    routed = [e for e in hidden if ".mlp.experts." in e.name]
+    dense = [e for e in hidden if ".mlp.experts." not in e.name]
+    out = 0.0
+    for spec, n in ((dense, dp), (routed, edp)):
+        out += 4 * _on_rank(g, spec, tp, pp, pp_rank, vp_size, layer_split, layout, etp) / (n if shards else 1)
+    return out
 
 
 def _states(
@@ -443,6 +469,7 @@ def stage_estimates(
     params_on_host: bool = False,
     reference: bool = False,
     etp: Optional[int] = None,
+    muon: bool = False,
 ) -> list[MemoryEstimate]:
     """One ``MemoryEstimate`` per pipeline stage (every rank of a stage holds the same bytes):
     ZeRO-formula model states, counted activations (``megazero.planning.activations``) and temporaries."""
@@ -465,6 +492,7 @@ def stage_estimates(
             states_on_host,
             params_on_host,
             etp,
+            muon,
         )
         ids = [partition.layer_ids(g.num_layers, pp, r, vp_size, v, layer_split, layout) for v in range(vp_size)]
         chunks, windows = [len(i) for i in ids], [A.layer_windows(g, i) for i in ids]

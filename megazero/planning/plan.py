@@ -57,7 +57,8 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
     ZeRO-3's parameter shards offloaded off the GPU (``--offload-optimizer`` / ``--offload-param``
     cpu or nvme; on a CPU run the host is the planned memory, so nothing leaves it);
     ``reference``: DPO's frozen reference model in the planned memory (not SimPO's, which has
-    none; not with ``--ref-offload`` on a GPU)."""
+    none; not with ``--ref-offload`` on a GPU); ``muon``: ``--optimizer muon`` (one moment on the
+    hidden matrices)."""
     p, pr = cfg.parallel, cfg.precision
     dtype = model_dtype(pr.fp16, pr.bf16)
     return dict(
@@ -76,6 +77,7 @@ def layout_settings(cfg: Config, on_cuda: bool) -> dict:
         ep=p.expert_model_parallel_size if cfg.model.num_experts is not None else 1,
         etp=p.expert_tensor_parallel_size if cfg.model.num_experts is not None else None,
         reference=cfg.post.mode == "dpo" and cfg.post.dpo_loss != "simpo" and not (cfg.post.ref_offload and on_cuda),
+        muon=cfg.optim.optimizer == "muon",
     )
 
 

@@ -9,6 +9,7 @@ from megazero.config import Config, bucket_sizes, overlap_param_gather
 from megazero.data_parallel.ddp import DataParallel
 from megazero.data_parallel.zero3_gather import Zero3Options
 from megazero.offload.param_swap import ParamSwapOptions
+from megazero.optim.muon import MuonOptimizer
 from megazero.optim.nvme import NvmeOffloadOptimizer
 from megazero.optim.offload import HostOffloadOptimizer
 from megazero.optim.zero import DistributedOptimizer
@@ -88,4 +89,8 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
         )
     if z.offload_optimizer == "cpu":  # ZeRO-Offload: fp32 state and Adam on the host
         return ddp, HostOffloadOptimizer(ddp, groups, pin_memory=z.offload_optimizer_pin_memory, **kw)
+    if o.optimizer == "muon":  # Muon on the hidden matrices, AdamW on the rest
+        muon = dict(momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps)
+        muon["ns_dtype"] = torch.float32 if o.muon_ns_dtype == "fp32" else torch.bfloat16
+        return ddp, MuonOptimizer(ddp, groups, adjust_lr=o.muon_adjust_lr, **muon, **kw)
     return ddp, DistributedOptimizer(ddp, groups, **kw)

@@ -1,0 +1,222 @@
+"""--optimizer muon against torch.optim.Muon + torch.optim.AdamW on the one-process reference
+model, and every layout against the one-process run (megazero/optim/muon.py)."""
+
+import math
+
+import pytest
+import torch
+
+from megazero.optim.muon import join_partitions, lr_scale, newton_schulz
+from megazero.optim.zero import DistributedOptimizer
+from megazero.tags import is_hidden_matrix, partition_tensor
+from tests.support.distributed import run_distributed
+from tests.support.layouts import BASE, oracle_losses
+from tests.support.moe import ARGS as MOE_ARGS
+
+STEPS = 10
+MUON = BASE + ["--optimizer", "muon", "--lr", "1e-3", "--muon-momentum", "0.9"]
+
+
+def muon_oracle(argv, steps):
+    """Losses and pre-clip gradient norms of ReferenceGPT trained with torch.optim.Muon on the
+    2-D hidden matrices (``layers.*``) and torch.optim.AdamW on the rest, both at the
+    schedule's learning rate, after torch's clip_grad_norm_."""
+    from data.samplers import get_micro_batches
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.optim.lr_schedule import LRSchedule
+    from model.build import build_gpt_config
+    from model.gpt import init_full_weights
+    from tests.support.reference import ReferenceGPT, block_options
+
+    cfg = config_from_argv(list(argv), 1)
+    run = training.build_data(cfg)
+    gcfg = build_gpt_config(cfg, run.vocab_size)
+    gbs, o = cfg.train.global_batch_size, cfg.optim
+    batches = [get_micro_batches(run.train, s * gbs, gbs, gbs, 0, 1)[0] for s in range(steps)]
+    sched = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, cfg.train.train_iters, o.lr_decay_style)
+    model = ReferenceGPT.from_full_weights(
+        init_full_weights(gcfg, cfg.train.seed),
+        run.vocab_size,
+        gcfg.num_attention_heads,
+        **block_options(gcfg),
+    )
+    named = model.canonical_parameters()
+    hidden = [p for n, p in named.items() if n.startswith("layers.") and p.dim() == 2]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in named.values() if id(p) not in ids]
+    assert len(hidden) == 4 * cfg.model.num_layers  # qkv, proj, fc1, fc2 per layer
+    muon = torch.optim.Muon(hidden, lr=o.lr, weight_decay=o.weight_decay, momentum=o.muon_momentum)
+    adam = torch.optim.AdamW(
+        [
+            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+    )
+    params = list(named.values())
+    losses, norms = [], []
+    for step in range(steps):
+        for opt in (muon, adam):
+            for group in opt.param_groups:
+                group["lr"] = sched(step + 1)
+        tokens, labels = batches[step]
+        model.zero_grad(set_to_none=True)
+        model.loss(tokens, labels).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, o.clip_grad).item())
+        muon.step()
+        adam.step()
+        losses.append(model.cross_entropy.item())
+    return losses, norms
+
+
+def test_newton_schulz_and_lr_scale_match_torch():
+    g = torch.Generator().manual_seed(0)
+    for shape in ((12, 20), (20, 12)):
+        x = torch.randn(*shape, generator=g)
+        want = torch.optim._muon._zeropower_via_newtonschulz(x, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert torch.equal(newton_schulz(x), want)
+    assert lr_scale((96, 32), "original") == math.sqrt(3) and lr_scale((32, 96), "original") == 1.0
+    assert lr_scale((32, 96), "match_rms_adamw") == pytest.approx(0.2 * math.sqrt(96))
+    with pytest.raises(ValueError, match="adjust_lr"):
+        lr_scale((2, 2), "spectral")
+    full = torch.arange(24.0).view(12, 2)  # a fused QKV of 3 blocks, 2 TP partitions
+    parts = [partition_tensor(full, 0, r, 2, stride=3) for r in range(2)]
+    assert torch.equal(join_partitions(parts, 0, 3), full)
+
+
+def test_one_process_equals_torch_muon():
+    """megazero's one-process --optimizer muon equals torch.optim.Muon + AdamW within 1e-6."""
+    want_losses, want_norms = muon_oracle(MUON, STEPS)
+    [(losses, norms, memory, _)] = run_distributed(layout_jobs, 1, [(MUON, STEPS, None, None)])[0]
+    for step, (got, want) in enumerate(zip(losses, want_losses)):
+        assert math.isclose(got, want, rel_tol=1e-6), (step, got, want)
+    got, formula, two_moments, owned, hidden = memory  # one fp32 moment on the hidden matrices
+    assert got["total"] - got["buckets"] == formula["total"] == two_moments - 4 * hidden
+    assert owned == hidden == 4 * 4 * 32 * 32 * 3  # qkv 96x32, proj 32x32, fc1 128x32, fc2 32x128
+    # the first norm (same weights) to summation order; later ones 1e-4: Newton-Schulz runs in
+    # bf16 (as torch's), where a 1e-7 difference of the input flips a few 8-bit roundings
+    assert math.isclose(norms[0], want_norms[0], rel_tol=1e-6)
+    for got, want in zip(norms, want_norms):
+        assert math.isclose(got, want, rel_tol=1e-4), (got, want)
+    adam = oracle_losses(MUON, STEPS)  # the same run with AdamW everywhere: Muon really acts
+    assert max(abs(a - b) for a, b in zip(adam, losses)) > 1e-3
+
+
+MB4 = ["--micro-batch-size", "4"]
+TP_SP = ["--tp", "2", "--sequence-parallel", "--dp", "2", "--zero-stage", "1"] + MB4
+# buckets of 2,000 elements: ZeRO-3 shard boundaries cut hidden matrices (checked below)
+PP_Z3 = ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--reduce-bucket-size", "2000"] + MB4
+PP_Z3 += ["--zero3-param-persistence-threshold", "0"]  # every parameter sharded: the formula is exact
+# the LLaMA-block MoE (8 experts, top-2, a shared expert): experts split over ep 2 and cut over tp 2
+EP2 = ["--tp", "2", "--dp", "2", "--zero-stage", "2", "--expert-model-parallel-size", "2"] + MB4
+
+
+def layout_jobs(rank, world, jobs):
+    """``jobs`` = [(argv, steps, save, load)] run one after the other on these ranks: each
+    one's losses, gradient norms, model-state bytes and formula, and whether a hidden matrix
+    has only part of its elements owned here (cut by a ZeRO shard boundary)."""
+    from megazero import training
+    from megazero.config import config_from_argv
+    from megazero.training import build_trainer
+
+    out = []
+    for argv, steps, save, load in jobs:
+        cfg = config_from_argv(argv + (["--load", load] if load else []), world)
+        trainer = build_trainer(cfg, data=training.prepare_run(cfg))
+        if load:
+            trainer.load_checkpoint(load)
+        losses, norms = [], []
+        for _ in range(steps):
+            values = trainer.train_step(trainer.next_batches()).values
+            losses.append(values["loss"])
+            norms.append(values["grad_norm"])
+        if save:
+            trainer.save_checkpoint(save)
+        opt = trainer.optimizer
+        owned = {}
+        for _, runs in getattr(opt, "packs", []):
+            for p, pr, *_ in runs:
+                owned[id(p)] = owned.get(id(p), 0) + pr.size
+        params = {id(p): p.numel() for c in trainer.chunks for p in c.parameters()}
+        cut = any(0 < n < params[k] for k, n in owned.items())
+        hidden = sum(p.numel() for c in trainer.chunks for p in c.parameters() if is_hidden_matrix(p))
+        two_moments = DistributedOptimizer.formula(opt)["total"]
+        memory = (opt.model_state_bytes(), opt.formula(), two_moments, sum(owned.values()), hidden)
+        out.append((losses, norms, memory, cut))
+    return out
+
+
+@pytest.mark.slow
+def test_layouts_and_resume_equal_one_process(tmp_path):
+    """tp 2 + SP x dp 2 ZeRO-1, pp 2 x dp 2 ZeRO-3 (matrices cut by shard boundaries) and, on
+    the MoE model, tp 2 x dp 2 x ep 2 ZeRO-2 equal the one-process Muon run over 10 steps (losses
+    and gradient norms 1e-6, MoE 1e-5 / 1e-3; Newton-Schulz in fp32); a checkpoint saved at step 5 under
+    the first resumes under the second; model-state bytes equal the optimizer's formula."""
+    ckpt = str(tmp_path)
+    muon = MUON + ["--muon-ns-dtype", "fp32"]  # bf16 rounding would amplify summation order
+    moe = MOE_ARGS + MUON[len(BASE) :] + ["--muon-ns-dtype", "fp32"]
+    singles = run_distributed(layout_jobs, 1, [(muon, STEPS, None, None), (moe, STEPS, None, None)])[0]
+    (single, single_norms, _, _), (moe_single, moe_norms, _, _) = singles
+    results = run_distributed(
+        layout_jobs,
+        4,
+        [
+            (muon + TP_SP, STEPS, None, None),
+            (muon + PP_Z3, STEPS, None, None),
+            (muon + TP_SP, STEPS // 2, ckpt, None),
+            (muon + PP_Z3, STEPS - STEPS // 2, None, ckpt),
+            (moe + EP2, STEPS, None, None),
+        ],
+        timeout_s=600,
+    )
+    tp_sp, pp_z3, first, resumed, ep2 = results[0]
+    # the MoE layout differs from its one-process run by ~2e-5 in the first gradient norm (before
+    # any update), ~2e-4 after 6 steps, and ~1e-5 in the losses under AdamW too (a wrong expert join is O(1))
+    for name, (losses, norms, _, _), want, want_norms, tol in (
+        ("tp2-sp-dp2-zero1", tp_sp, single, single_norms, (1e-6, 1e-6)),
+        ("pp2-dp2-zero3", pp_z3, single, single_norms, (1e-6, 1e-6)),
+        ("resume", resumed, single[STEPS // 2 :], single_norms[STEPS // 2 :], (1e-6, 1e-6)),
+        ("tp2-dp2-ep2-zero2 moe", ep2, moe_single, moe_norms, (1e-5, 1e-3)),
+    ):
+        for step, (got, ref) in enumerate(zip(losses, want)):
+            assert math.isclose(got, ref, rel_tol=tol[0]), (name, step, got, ref)
+        for got, ref in zip(norms, want_norms):
+            assert math.isclose(got, ref, rel_tol=tol[1]), (name, got, ref)
+    assert first[0] == tp_sp[0][: STEPS // 2]
+    assert any(r[1][3] for r in results)  # some rank owns only part of a hidden matrix at ZeRO-3
+    # ZeRO-1 and ZeRO-3: the ZeRO formula with one moment on the hidden-matrix elements each rank
+    # owns; the 2 dp ranks of a tp rank (rank, rank ^ 2) or of a stage (rank, rank ^ 1) own them all
+    for job, other in ((0, 2), (1, 1)):
+        for rank, rank_results in enumerate(results):
+            got, formula, two_moments, owned, hidden = rank_results[job][2]
+            assert got["total"] - got["buckets"] == formula["total"] == two_moments - 4 * owned
+            assert owned + results[rank ^ other][job][2][3] == hidden > 0
+
+
+def test_muon_with_optimizer_offload_is_refused(capsys):
+    from megazero import training
+
+    argv = MUON + ["--zero-stage", "1", "--offload-optimizer", "cpu"]
+    with pytest.raises(SystemExit) as exc:
+        training.preflight(argv, 1)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--optimizer muon runs on the device" in err and "fix: drop --offload-optimizer" in err
+
+
+def test_memory_plan_keeps_one_moment_on_the_hidden_matrices():
+    """The planner's model states under --optimizer muon: Adam's less 4 bytes per hidden-matrix
+    element over the N = 2 ranks sharding them (4 layers of qkv, proj, fc1, fc2: 12 x 32^2 each,
+    halved by tp 2)."""
+    from megazero.config import config_from_argv
+    from megazero.planning.plan import plan_memory
+    from model.build import build_gpt_config
+
+    argv = BASE + ["--tp", "2", "--dp", "2", "--zero-stage", "1"]
+    adam, muon = (config_from_argv(argv + extra, 4) for extra in ([], ["--optimizer", "muon"]))
+    gpt = build_gpt_config(adam, 1001)
+    saved = plan_memory(adam, gpt).model_state_bytes - plan_memory(muon, gpt).model_state_bytes
+    assert saved == 4 * (4 * 12 * 32 * 32 // 2) / 2
