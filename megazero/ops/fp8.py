@@ -18,11 +18,14 @@ and its amax is taken per block of that view:
   power-of-two scale stored as ``float8_e8m0fnu``, ``2^(floor(log2 amax) - emax)`` (emax = 8
   for e4m3, 15 for e5m2), the scaled values saturated to the format's max.
 
-The other recipes' scales are powers of two too: ``s = 2^floor(log2(fp8_max / amax))`` (the
-power-of-two option of TransformerEngine's current scaling), so ``x * s <= fp8_max`` and the
-dequantisation ``q / s`` is exact. That makes ``torch._scaled_mm`` (used for tensorwise and
-rowwise) equal bit for bit to the fp32 product of the dequantised operands (used for the block
-recipes), which tests/unit/test_fp8.py checks. An all-zero block gets scale 1.
+The other recipes scale by ``fp8_max / amax`` in fp32 (current scaling, TransformerEngine's
+default; an all-zero block gets scale 1). The GEMMs are emulated: the fp32 product of the
+dequantised operands, equal bit for bit to a fake-quantised reference (tests/unit/test_fp8.py).
+``scaled_mm`` runs the same product through ``torch._scaled_mm``'s FP8 kernel for per-tensor and
+per-row scales; it rescales after the accumulation, so it is bitwise the emulation only for
+power-of-two scales (tested), and within fp32 rounding otherwise. A power-of-two scale changes
+no rounding of a normal value, only which values fall below the format's normal range, so the
+exact ratio is used: it makes a wrong scale visible.
 
 Parallel layouts. A scale is a function of the *logical* (unsharded) tensor, so that every layout
 quantises as one process does (the bugs of torchtitan #3109, amax of the local shard, and
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megazero import collectives as C
 from megazero.collectives import Group
@@ -108,15 +112,24 @@ def check_divisible(name: str, shape: tuple, s: Fp8Settings, weight: bool) -> No
         )
 
 
+def check_weight_blocks(name: str, shape: tuple, s: Fp8Settings) -> None:
+    """Raise ValueError unless a weight shard ``[N_local, K_local]`` holds whole blocks both as the
+    forward operand and, transposed, as the data gradient's."""
+    check_divisible(name, shape, s, True)
+    check_divisible(name + " (transposed)", tuple(shape[::-1]), s, True)
+
+
 def quantize(
     t: torch.Tensor, dtype: torch.dtype, s: Fp8Settings, *, weight: bool = False, group: Group = None, sharded=()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise the 2-D operand ``t [rows, K]`` (K = contraction) to ``dtype`` per ``s.recipe``.
 
-    Returns ``(q, inv_scale)``: ``q [rows, K]`` in ``dtype`` and the fp32 dequantisation factor
-    per block, ``[rows/br, K/bc]`` (a power of two), so that ``dequantize(q, inv_scale)`` is the
-    operand as the GEMM sees it. ``sharded``: which of ``("rows", "K")`` are split over
-    ``group``; their amax is reduced over it where the recipe's blocks span the split.
+    Returns ``(q, scale)``: ``q = (t * scale).clamp(+-max).to(dtype)`` ``[rows, K]`` and the fp32
+    scale per block ``[rows/br, K/bc]``: ``fp8_max / amax`` (current scaling; 1 for an all-zero
+    block), or for mxfp8 ``1 / X`` with the block's e8m0 exponent ``X`` (a power of two), so that
+    ``dequantize(q, scale) = q / scale`` is the operand as the GEMM sees it. ``sharded``: which
+    of ``("rows", "K")`` are split over ``group``; their amax is reduced over it where the
+    recipe's blocks span the split.
     Raises ValueError when the shape does not divide into the recipe's blocks.
     """
     rows, cols = t.shape
@@ -128,37 +141,40 @@ def quantize(
         reduce_amax(amax, group)
     fmax = torch.finfo(dtype).max
     if s.recipe == "mxfp8":
-        exp = torch.floor(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny))) - _EMAX[dtype]
-        inv = torch.exp2(exp).to(torch.float8_e8m0fnu).float()  # exact: a power of two
-        inv = torch.where(amax > 0, inv, torch.ones_like(inv))
+        _, e = torch.frexp(amax)  # amax = m 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+        shared = torch.exp2((e - 1 - _EMAX[dtype]).float()).to(torch.float8_e8m0fnu)  # X, exact
+        scale = torch.where(amax > 0, 1.0 / shared.float(), torch.ones_like(amax))
     else:
-        safe = torch.where(amax > 0, amax, torch.full_like(amax, fmax))
-        inv = torch.exp2(-torch.floor(torch.log2(fmax / safe)))  # 1 / 2^floor(log2(max/amax))
-    full = inv.repeat_interleave(br, 0).repeat_interleave(bc, 1)  # (rows, K)
-    q = (x / full).clamp(-fmax, fmax).to(dtype)
-    return q, inv
+        scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))  # a true division
+    full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)  # (rows, K)
+    q = (x * full).clamp(-fmax, fmax).to(dtype)
+    return q, scale
 
 
-def dequantize(q: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[rows, K]`` of ``quantize``'s output: each block times its factor (exact)."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[rows, K]`` of ``quantize``'s output: each block divided by its scale."""
     rows, cols = q.shape
-    br, bc = rows // inv_scale.shape[0], cols // inv_scale.shape[1]
-    return q.float() * inv_scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    br, bc = rows // scale.shape[0], cols // scale.shape[1]
+    return q.float() / scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
 
 
-def gemm(a: tuple, b: tuple, s: Fp8Settings) -> torch.Tensor:
-    """fp32 ``A B^T [M, N]`` of quantised ``a = (q [M, K], inv)`` and ``b = (q [N, K], inv)``.
-
-    Tensorwise and rowwise run ``torch._scaled_mm`` (per-tensor or per-row/column scales, fp32
-    out); the block recipes multiply the dequantised operands in fp32 (an emulation: their
-    scales vary along K). With power-of-two scales both equal the fake-quantised fp32 product.
-    """
-    if s.recipe in ("tensorwise", "rowwise"):
-        (qa, ia), (qb, ib) = a, b
-        sa = ia.reshape(()) if ia.numel() == 1 else ia.reshape(-1, 1)
-        sb = ib.reshape(()) if ib.numel() == 1 else ib.reshape(1, -1)
-        return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+def gemm(a: tuple, b: tuple) -> torch.Tensor:
+    """fp32 ``A B^T [M, N]`` of quantised ``a = (q [M, K], scale)`` and ``b = (q [N, K], scale)``:
+    the fp32 product of the dequantised operands (an emulation of an FP8 GEMM with fp32
+    accumulation). ``scaled_mm`` is the same product on FP8 kernels for per-tensor and per-row
+    scales: equal bit for bit where the scales are powers of two (tests/unit/test_fp8.py)."""
     return dequantize(*a).mm(dequantize(*b).t())
+
+
+def scaled_mm(a: tuple, b: tuple) -> torch.Tensor:
+    """``gemm`` by ``torch._scaled_mm`` (FP8 operands, fp32 accumulation and output) for one scale
+    per tensor or per row of each operand (tensorwise, rowwise): ``A [M, K]``, ``B [N, K]`` ->
+    ``[M, N]``. It applies ``1 / scale`` after the accumulation, so it equals ``gemm`` bit for
+    bit only when the scales are powers of two (else within fp32 rounding of the scales)."""
+    (qa, sa), (qb, sb) = a, b
+    ia = (1.0 / sa).reshape(()) if sa.numel() == 1 else (1.0 / sa).reshape(-1, 1)
+    ib = (1.0 / sb).reshape(()) if sb.numel() == 1 else (1.0 / sb).reshape(1, -1)
+    return torch._scaled_mm(qa, qb.t(), scale_a=ia, scale_b=ib, out_dtype=torch.float32)
 
 
 SPLIT = {
@@ -186,7 +202,6 @@ class Fp8LinearFunction(torch.autograd.Function):
         y = gemm(
             quantize(x2, s.forward_dtype, s, group=group, sharded=split["x"]),
             quantize(weight, s.forward_dtype, s, weight=True, group=group, sharded=split["w"]),
-            s,
         )  # (M, N)
         if bias is not None:
             y = y + bias.float()
@@ -201,17 +216,21 @@ class Fp8LinearFunction(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])  # (M, N)
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         split = SPLIT[sh]
+        tile = s.tile(False)
+        if tile and g2.shape[0] % tile:  # tokens in whole tiles: zero rows change no amax and add nothing
+            pad = tile - g2.shape[0] % tile
+            gt, xt = F.pad(g2, (0, 0, 0, pad)).t(), F.pad(x2, (0, 0, 0, pad)).t()  # (N, M+pad), (K, M+pad)
+        else:
+            gt, xt = g2.t(), x2.t()
         # data gradient: contraction over N
         dx = gemm(
             quantize(g2, s.grad_dtype, s, group=group, sharded=split["g"]),
             quantize(weight.t(), s.forward_dtype, s, weight=True, group=group, sharded=split["wt"]),
-            s,
         )  # (M, K)
         # weight gradient: contraction over the M tokens
         dw = gemm(
-            quantize(g2.t(), s.grad_dtype, s, group=group, sharded=split["gt"]),
-            quantize(x2.t(), s.forward_dtype, s, group=group, sharded=split["xt"]),
-            s,
+            quantize(gt, s.grad_dtype, s, group=group, sharded=split["gt"]),
+            quantize(xt, s.forward_dtype, s, group=group, sharded=split["xt"]),
         )  # (N, K)
         db = g2.float().sum(0).to(grad.dtype) if ctx.has_bias else None
         return dx.to(x.dtype).view(x.shape), dw.to(weight.dtype), db, None, None, None

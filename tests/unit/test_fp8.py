@@ -1,8 +1,9 @@
 """megazero/ops/fp8.py against a fake-quantised fp32 reference written here: every recipe's forward,
 data-gradient and weight-gradient GEMMs equal bit for bit the fp32 product of operands quantised
-block by block (``(t * scale).to(fp8)``, then ``/ scale``) with the scales computed here through
-``torch.frexp``; the quantisation error stays within each format's rounding bound; the master
-weight is read, never written; a shape that splits a block is refused naming the flag."""
+block by block (``(t * scale).to(fp8)``, then ``/ scale``; scale = fp8_max / amax, or MX's
+power of two from ``torch.frexp``); torch's CPU ``_scaled_mm`` equals that product bit for bit
+with power-of-two scales; the quantisation error stays within each format's rounding bound; the
+master weight is read, never written; a shape that splits a block is refused naming the flag."""
 
 import pytest
 import torch
@@ -21,8 +22,7 @@ def _scale(amax: torch.Tensor, dtype, mx: bool) -> torch.Tensor:
     if mx:  # OCP MX: X = 2^(floor(log2 amax) - emax); multiplier 1/X
         _, e = torch.frexp(amax)
         return torch.exp2(-(e - 1 - {E4M3: 8, E5M2: 15}[dtype]).float())
-    _, e = torch.frexp(torch.tensor(fmax, dtype=torch.float32) / amax)  # v = m 2^e, m in [0.5, 1)
-    return torch.exp2((e - 1).float())  # 2^floor(log2(fmax / amax))
+    return torch.tensor(fmax, dtype=torch.float32) / amax  # current scaling
 
 
 def fake_quant(t: torch.Tensor, dtype, recipe: str, block: int, weight: bool) -> torch.Tensor:
@@ -76,6 +76,14 @@ def test_fp8_gemms_equal_fake_quantised_reference_bitwise(recipe, fmt):
     assert rel < 0.1
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_tokens_not_a_multiple_of_the_tile_are_padded_with_zeros(recipe):
+    torch.manual_seed(4)
+    x, w, g = torch.randn(40, K, requires_grad=True), torch.randn(N, K, requires_grad=True), torch.randn(40, N)
+    fp8.fp8_linear(x, w, None, fp8.Fp8Settings("hybrid", recipe, block=16)).backward(g)
+    assert torch.equal(w.grad, reference(x.detach(), w.detach(), g, recipe, "hybrid", 16)[2])  # last tile: 8 tokens
+
+
 def test_hybrid_quantises_gradients_to_e5m2():
     torch.manual_seed(1)
     x, w, g = torch.randn(M, K, requires_grad=True), torch.randn(N, K), torch.randn(M, N)
@@ -106,19 +114,38 @@ def test_quantisation_error_within_format_bound(recipe, dtype):
     torch.manual_seed(3)
     t = torch.randn(M, K) * torch.logspace(-6, 2, K)
     s = fp8.Fp8Settings("e4m3", recipe, block=16)
-    q, inv = fp8.quantize(t, dtype, s, weight=True)
-    assert q.dtype == dtype and bool((torch.log2(inv) == torch.round(torch.log2(inv))).all())  # powers of two
-    deq = fp8.dequantize(q, inv)
-    factor = fp8.dequantize(torch.ones_like(q, dtype=torch.float32).to(dtype), inv)  # per-element inv scale
-    scaled, err = t.abs() / factor, (deq - t).abs()
-    fmax, rb = torch.finfo(dtype).max, fp8.relative_bound(dtype)
+    q, scale = fp8.quantize(t, dtype, s, weight=True)
+    assert q.dtype == dtype
+    if recipe == "mxfp8":  # e8m0 scales: powers of two
+        assert bool((torch.log2(scale) == torch.round(torch.log2(scale))).all())
+    deq = fp8.dequantize(q, scale)
+    full = scale.repeat_interleave(M // scale.shape[0], 0).repeat_interleave(K // scale.shape[1], 1)
+    factor = 1 / full
+    scaled, err = t.abs() * full, (deq - t).abs()  # as quantize scales it
+    fmax, rb, slack = torch.finfo(dtype).max, fp8.relative_bound(dtype), 1 + 2.0**-20  # slack: fp32 scaling
     normal = (scaled >= fp8.min_normal(dtype)) & (scaled <= fmax)
-    assert bool((err[normal] <= rb * t.abs()[normal]).all())  # e4m3 2^-4, e5m2 2^-3 relative
+    assert bool((err[normal] <= rb * slack * t.abs()[normal]).all())  # e4m3 2^-4, e5m2 2^-3 relative
     sub = scaled < fp8.min_normal(dtype)
-    assert bool((err[sub] <= fp8.min_normal(dtype) * rb * factor[sub]).all())  # half the subnormal spacing
-    over = scaled > fmax  # only MX's power-of-two scale of amax can leave values above the max: saturated
-    assert recipe == "mxfp8" or not bool(over.any())
-    assert torch.equal(deq[over].abs(), fmax * factor[over])
+    assert bool(normal.any()) and bool((err[sub] <= fp8.min_normal(dtype) * rb * slack * factor[sub]).all())
+    over = scaled > fmax  # saturated: MX's power-of-two scale of amax, or amax * (fp8_max / amax) rounded up
+    assert recipe == "mxfp8" or bool((scaled[over] <= fmax * (1 + 2.0**-22)).all())
+    assert torch.equal(deq[over].abs(), torch.full_like(full[over], fmax) / full[over])
+    if recipe != "mxfp8":  # current scaling: each block's largest magnitude lands on the format's max
+        assert torch.finfo(dtype).max == q.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_scaled_mm_equals_the_emulated_gemm_with_power_of_two_scales(rowwise, dtype):
+    torch.manual_seed(5)
+    qa = (torch.randn(M, K) * 50).clamp(-400, 400).to(dtype)
+    qb = (torch.randn(N, K) * 50).clamp(-400, 400).to(E4M3)
+    exps = (torch.randint(-12, 4, (M, 1) if rowwise else (1, 1)), torch.randint(-12, 4, (N, 1) if rowwise else (1, 1)))
+    sa, sb = torch.exp2(exps[0].float()), torch.exp2(exps[1].float())
+    assert torch.equal(fp8.scaled_mm((qa, sa), (qb, sb)), fp8.gemm((qa, sa), (qb, sb)))
+    sa, sb = sa * 1.37, sb * 0.61  # scales of current scaling: the rescale after the sum rounds differently
+    got, want = fp8.scaled_mm((qa, sa), (qb, sb)), fp8.gemm((qa, sa), (qb, sb))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
 def test_shapes_that_split_a_block_are_refused():
@@ -126,3 +153,45 @@ def test_shapes_that_split_a_block_are_refused():
         fp8.quantize(torch.randn(M, 24), E4M3, fp8.Fp8Settings("e4m3", "blockwise", block=16))
     with pytest.raises(ValueError, match="--fp8-recipe mxfp8"):
         fp8.quantize(torch.randn(M, 48), E4M3, fp8.Fp8Settings("e4m3", "mxfp8"))
+
+
+def test_experts_run_their_gemms_in_fp8():
+    from model.config import GPTConfig
+    from model.moe import ExpertMLP
+
+    cfg = GPTConfig(vocab_size=64, num_layers=1, hidden_size=K, num_attention_heads=4, fp8_format="hybrid")
+    expert = ExpertMLP(cfg, N, 1)
+    torch.manual_seed(6)
+    for p in expert.parameters():
+        p.data.normal_(0, 0.1)
+    x = torch.randn(40, K)  # a ragged token count
+    h = fp8.fp8_linear(x, expert.fc1.weight, expert.fc1.bias, cfg.fp8)
+    want = fp8.fp8_linear(expert.activation(h), expert.fc2.weight, None, cfg.fp8)
+    assert torch.equal(expert(x), want)
+    plain = expert.activation(torch.nn.functional.linear(x, expert.fc1.weight, expert.fc1.bias))
+    assert not torch.equal(expert(x), torch.nn.functional.linear(plain, expert.fc2.weight))
+    assert ExpertMLP.grouped_forward([expert, expert], x, [20, 20]) is None  # FP8 experts loop
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--cp", "2"], "--fp8-format e4m3 with --cp 2 is not supported; fix: use --cp 1"),
+        (["--pp", "2", "--pipeline-schedule", "zb-h1"], "--fp8-format with --pipeline-schedule zb-h1"),
+        (["--num-experts", "2", "--tp", "2"], "--fp8-format with experts under --tp 2"),
+        (
+            ["--fp8-recipe", "blockwise", "--fp8-block", "32", "--tp", "2"],
+            "--hidden-size 32 / --tp 2 is not a multiple of the 32-element",
+        ),
+        (
+            ["--fp8-recipe", "mxfp8", "--tp", "2"],
+            "32-element FP8 block; fix: choose sizes that are multiples of 64 or --fp8-recipe blockwise",
+        ),
+    ],
+)
+def test_fp8_settings_without_a_logical_scale_are_refused(extra, message, capsys):
+    from tests.support.config import fails
+    from tests.support.layouts import BASE
+
+    err = fails(BASE + ["--fp8-format", "e4m3"] + extra, 2 if "2" in extra else 1, capsys)
+    assert message in err, err
