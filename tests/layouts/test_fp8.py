@@ -9,13 +9,15 @@ shard. One spawn of 4 gloo ranks checks it twice.
    the output and the input gradient equal it within 1e-6 of their largest value (the tp partial
    sums' order). The planted bug (``reduce_amax`` left local, torchtitan #3109) moves the
    tensorwise and rowwise results (rowwise: the output and input gradient) by more than 1e-3.
-2. Training: a 4-layer GPT in FP8 (hybrid; tensorwise, and blockwise with 8-wide tiles) under
-   tp 2 + SP (x dp 2), pp 2 (x dp 2) and tp 2 x dp 2 with ZeRO-3 gives the one-rank FP8 run's
-   first loss within 1e-6 (the planted bug: off by 9e-4) and every rank the same numbers. Later
-   steps agree only within FP8's rounding-flip noise (asserted within 2e-3): a last-bit fp32
-   difference of the summation order (the tp partial sums, the dp gradient sums) now and then
-   moves a value across an FP8 rounding boundary, a jump of a whole FP8 step (6-25%) that
-   training then carries; bitwise layout invariance of FP8 training is not reached."""
+2. Training: a 4-layer GPT in FP8 (hybrid; tensorwise, and blockwise with 8-wide tiles), 6 steps
+   of 2 micro-batches. Under pp 2 x dp 2 and pp 2 x dp 2 with ZeRO-3 every loss and gradient norm
+   equals the one-rank FP8 run's within 1e-6 (each dp rank sums one micro-batch's gradient: the
+   same single addition as the one rank's). Under tp 2 + SP (x dp 2) and tp 2 x dp 2 with ZeRO-3
+   the first loss is within 1e-6 (the planted bug: off by 9e-4); later steps agree only within
+   FP8's rounding-flip noise (asserted within 2e-3 for losses, 2e-2 for norms): the tp partial
+   sums' last-bit fp32 differences now and then move a value across an FP8 rounding boundary, a
+   jump of a whole FP8 step (6-25%) that training then carries. Every rank reports the same
+   numbers."""
 
 import math
 
@@ -27,16 +29,18 @@ from tests.support.layouts import BASE, FEATURE_STEPS, WIDER
 
 pytestmark = pytest.mark.slow
 
-ARGV = BASE + WIDER + ["--global-batch-size", "8"]
+ARGV = BASE + WIDER + ["--global-batch-size", "4"]  # 2 micro-batches: one per dp rank
 TRAIN = {
     "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
     "blockwise": ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-block", "8"],
 }
 LAYOUTS = {
-    "tp2-sp": ["--tp", "2", "--sequence-parallel"],
     "pp2": ["--pp", "2"],
+    "pp2-dp2-zero3": ["--pp", "2", "--dp", "2", "--zero-stage", "3"],
+    "tp2-sp": ["--tp", "2", "--sequence-parallel"],
     "tp2-dp2-zero3": ["--tp", "2", "--dp", "2", "--zero-stage", "3"],
 }
+TP = ("tp2-sp", "tp2-dp2-zero3")  # FP8 rounding flips from the tp partial sums' order: the first loss only
 PLANTED = ("tensorwise", "tp2-sp")
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 H, FFN, B, T = 64, 128, 2, 32
@@ -144,13 +148,16 @@ def test_fp8_layers_and_training_under_tp_sp_pp_zero3_equal_one_rank_and_a_local
     _check_layers(per_rank)
     for r in TRAIN:
         assert not _close(single[r][0], single["plain"][0], 1e-5), r  # FP8 changes the losses
-        assert _close(single[r][0], single["plain"][0], 1e-3), r  # by FP8's rounding, not more
+        assert _close(single[r][0], single["plain"][0], 1e-2), r  # by FP8's rounding, not more
     for name in runs:
         losses, norms = per_rank[0][name]
         assert all(res[name] == (losses, norms) for res in per_rank)  # every rank agrees
         if name == "planted":
             continue
         want_losses, want_norms = single[name.split("/")[0]]
+        if name.split("/")[1] not in TP:
+            assert _close(losses, want_losses, 1e-6) and _close(norms, want_norms, 1e-6), (name, losses, want_losses)
+            continue
         assert math.isclose(losses[0], want_losses[0], rel_tol=1e-6), (name, losses[0], want_losses[0])
         assert _close(losses, want_losses, 2e-3) and _close(norms, want_norms, 2e-2), (name, losses, want_losses)
     planted, want = per_rank[0]["planted"][0], single[PLANTED[0]][0]
