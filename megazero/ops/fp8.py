@@ -60,10 +60,12 @@ _EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 
 @dataclass(frozen=True)
 class Fp8Settings:
-    """What an FP8 linear layer quantises with.
+    """What an FP8 linear layer quantises with (Megatron-LM's ``--fp8-format`` / ``--fp8-recipe``).
 
     ``format``: ``e4m3`` or ``hybrid`` (e5m2 gradients); ``recipe``: one of ``RECIPES``;
-    ``block``: the blockwise recipe's tile width b (activations ``1 x b``, weights ``b x b``).
+    ``block``: the blockwise recipe's tile width b in elements (activations ``1 x b``, weights
+    ``b x b``). ``forward_dtype`` / ``grad_dtype``: the FP8 dtypes of the forward operands and of
+    the output gradient.
     """
 
     format: str = "e4m3"
@@ -78,8 +80,9 @@ class Fp8Settings:
     def grad_dtype(self) -> torch.dtype:
         return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
 
-    def tile(self, weight: bool) -> Optional[int]:
-        """Block width along the contraction (None: the whole row / tensor)."""
+    @property
+    def tile(self) -> Optional[int]:
+        """Block width along the contraction, elements (None: the whole row / tensor)."""
         if self.recipe == "blockwise":
             return self.block
         return MX_BLOCK if self.recipe == "mxfp8" else None
@@ -96,7 +99,7 @@ def _blocks(rows: int, cols: int, s: Fp8Settings, weight: bool) -> tuple[int, in
         return rows, cols
     if s.recipe == "rowwise":
         return 1, cols
-    b = s.tile(weight)
+    b = s.tile
     return (b if weight and s.recipe == "blockwise" else 1), b
 
 
@@ -216,7 +219,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])  # (M, N)
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         split = SPLIT[sh]
-        tile = s.tile(False)
+        tile = s.tile
         if tile and g2.shape[0] % tile:  # tokens in whole tiles: zero rows change no amax and add nothing
             pad = tile - g2.shape[0] % tile
             gt, xt = F.pad(g2, (0, 0, 0, pad)).t(), F.pad(x2, (0, 0, 0, pad)).t()  # (N, M+pad), (K, M+pad)
