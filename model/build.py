@@ -57,6 +57,9 @@ def build_gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
             and cfg.parallel.pipeline_schedule not in ("zb-h1", "zb-v")
         ),
         params_dtype=model_dtype(cfg.precision.fp16, cfg.precision.bf16),
+        fp8_format=cfg.precision.fp8_format,
+        fp8_recipe=cfg.precision.fp8_recipe,
+        fp8_block=cfg.precision.fp8_block,
         label_smoothing=m.label_smoothing,
         value_head=cfg.post.mode == "rm",
         norm_backend=cfg.optim.kernels,

@@ -28,6 +28,7 @@ from megazero.config.shape import (
     is_moe_layer_of,
     layer_window,
 )
+from megazero.ops.fp8 import Fp8Settings
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -86,6 +87,13 @@ class GPTConfig:
     sequence parallelism) with the weight-gradient matmul; bit-identical either way."""
     params_dtype: torch.dtype = torch.float32
     """dtype of the model parameters (the fp32 master copy lives in the optimizer)."""
+    fp8_format: Optional[str] = None
+    """FP8 GEMMs in the blocks' linear layers and the experts (megazero/ops/fp8.py): ``e4m3`` or
+    ``hybrid`` (e5m2 output gradients); None = the GEMMs run in ``params_dtype``."""
+    fp8_recipe: str = "tensorwise"
+    """FP8 scaling granularity: tensorwise, rowwise, blockwise or mxfp8 (current scaling)."""
+    fp8_block: int = 128
+    """Tile width of the blockwise recipe (1 x b activations, b x b weights)."""
     label_smoothing: float = 0.0
     """Label smoothing of the cross-entropy loss (0 = none)."""
     value_head: bool = False
@@ -266,6 +274,13 @@ class GPTConfig:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+
+    @property
+    def fp8(self) -> Optional[Fp8Settings]:
+        """The FP8 settings of the linear layers, or None without ``fp8_format``."""
+        if self.fp8_format is None:
+            return None
+        return Fp8Settings(self.fp8_format, self.fp8_recipe, self.fp8_block)
 
     def attention_window(self, i: int) -> Optional[int]:
         """Sliding window W of global layer ``i`` (0-based): its query at position p sees keys at

@@ -189,6 +189,7 @@ class Attention(nn.Module):
             bias=cfg.qkv_bias,
             dtype=cfg.params_dtype,
             device=device,
+            fp8=cfg.fp8,
             overlap_grad_reduce=cfg.tp_overlap_grad_reduce,
         )
         self.proj = RowParallelLinear(
@@ -200,6 +201,7 @@ class Attention(nn.Module):
             sequence_parallel=sp,
             dtype=cfg.params_dtype,
             device=device,
+            fp8=cfg.fp8,
         )
         if cfg.qk_layernorm:  # per head, so each rank's heads need no communication
             self.q_norm, self.k_norm = (
@@ -356,6 +358,7 @@ class MLP(nn.Module):
             bias=cfg.add_bias_linear,
             dtype=cfg.params_dtype,
             device=device,
+            fp8=cfg.fp8,
             overlap_grad_reduce=cfg.tp_overlap_grad_reduce,
         )
         self.fc2 = RowParallelLinear(
@@ -367,6 +370,7 @@ class MLP(nn.Module):
             sequence_parallel=sp,
             dtype=cfg.params_dtype,
             device=device,
+            fp8=cfg.fp8,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,9 @@ RUN_FIELDS = frozenset(
         "sequence_parallel",
         "tp_overlap_grad_reduce",
         "params_dtype",
+        "fp8_format",  # a precision choice of the run (--fp8-format, --fp8-recipe, --fp8-block)
+        "fp8_recipe",
+        "fp8_block",
         "label_smoothing",
         "norm_backend",
         "cp_comm_type",

@@ -24,6 +24,7 @@ from megazero import collectives as C
 from megazero.context_parallel.zigzag import merge_from_ranks, split_for_rank
 from megazero.moe.dispatch import DISPATCHERS, gather_rows, local_experts
 from megazero.ops.activation import glu
+from megazero.ops.fp8 import fp8_linear
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -54,11 +55,14 @@ class ExpertMLP(nn.Module):
         super().__init__()
         H, local = cfg.hidden_size, ffn // tp
         self.gated, self.gelu_approximate = cfg.gated_linear_unit, "tanh" if cfg.openai_gelu else "none"
-        self.glu_options = cfg.glu_options
+        self.glu_options, self.fp8 = cfg.glu_options, cfg.fp8
         self.fc1 = _Linear(2 * local if self.gated else local, H, cfg.add_bias_linear, cfg.params_dtype, device)
         self.fc2 = _Linear(H, local, cfg.add_bias_linear, cfg.params_dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:  # unsliced experts only (config checks refuse FP8 with ep or etp > 1)
+            h = fp8_linear(x, self.fc1.weight, self.fc1.bias, self.fp8)  # (n, F) or (n, 2F)
+            return fp8_linear(self.activation(h), self.fc2.weight, None, self.fp8)  # (n, H)
         h = F.linear(x, self.fc1.weight, self.fc1.bias)  # (n, F/tp) or (n, 2F/tp)
         return F.linear(self.activation(h), self.fc2.weight)  # (n, H), partial over tp
 
@@ -74,12 +78,13 @@ class ExpertMLP(nn.Module):
         as two grouped GEMMs (``torch._grouped_mm``, the weights stacked ``[n, in, out]`` as
         transposed views, which gives the per-expert ``F.linear`` bitwise on CPU); None where
         it is not offered (see :func:`grouped_mm_available`; experts with biases: ``F.linear``
-        adds them inside the GEMM; widths whose fp32 rows are not 16-byte multiples), and the
-        caller loops."""
+        adds them inside the GEMM; FP8 experts; widths whose fp32 rows are not 16-byte multiples),
+        and the caller loops."""
         e0 = experts[0]
         align = 16 // rows.element_size()  # the kernel wants every row stride a multiple of 16 bytes
         if (
             e0.fc1.bias is not None
+            or e0.fp8 is not None
             or not grouped_mm_available(rows)
             or any(d % align for d in (*e0.fc1.weight.shape, *e0.fc2.weight.shape))
         ):

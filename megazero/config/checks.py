@@ -451,6 +451,40 @@ def _check_optim_precision(cfg: Config, world_size: int) -> None:
         )
 
 
+def _check_fp8(cfg: Config, world_size: int) -> None:
+    """FP8 GEMMs (megazero/ops/fp8.py) where their scales are computed over the logical tensor:
+    not under context parallelism (the weight gradient's token contraction would be split over cp,
+    zigzag-ordered), nor with the zero-bubble schedules (their split backward runs the plain GEMMs),
+    nor for experts sliced over tp or ep ranks (their amax groups are not wired: left for later)."""
+    pr, p, m = cfg.precision, cfg.parallel, cfg.model
+    if pr.fp8_format is None:
+        return
+    fmt = show_flag(cfg, "precision.fp8_format")
+    if p.cp > 1:
+        raise ConfigError(f"{fmt} {pr.fp8_format} with --cp {p.cp} is not supported; fix: use --cp 1 or drop {fmt}")
+    if p.pipeline_schedule in ("zb-h1", "zb-v"):
+        raise ConfigError(
+            f"{fmt} with --pipeline-schedule {p.pipeline_schedule} is not supported (its split "
+            f"backward runs plain GEMMs); fix: use 1f1b, gpipe or interleaved"
+        )
+    if m.num_experts is not None and (p.tp > 1 or p.expert_model_parallel_size > 1):
+        raise ConfigError(
+            f"{fmt} with experts under --tp {p.tp} / --expert-model-parallel-size "
+            f"{p.expert_model_parallel_size} is not supported; fix: use --tp 1 and "
+            "--expert-model-parallel-size 1 with FP8 experts"
+        )
+    if pr.fp8_recipe not in ("blockwise", "mxfp8"):
+        return
+    tile = pr.fp8_block if pr.fp8_recipe == "blockwise" else 32  # megazero.ops.fp8.MX_BLOCK
+    for name, size in (("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
+        if size % (tile * p.tp):
+            raise ConfigError(
+                f"--fp8-recipe {pr.fp8_recipe}: {name} {size} / --tp {p.tp} is not a multiple of the {tile}-element "
+                f"FP8 block; fix: choose sizes that are multiples of {tile * p.tp}"
+                + (" or a smaller --fp8-block" if pr.fp8_recipe == "blockwise" else " or --fp8-recipe blockwise")
+            )
+
+
 def _check_offload(cfg: Config, world_size: int) -> None:
     """--offload-optimizer cpu/nvme needs a sharded stage (1-3, as DeepSpeed), CPU Adam kernels
     and --optimizer adam (nvme also --offload-nvme-path);
@@ -771,6 +805,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 
 _CHECKS = (
     _check_outputs,
+    _check_fp8,
     _check_logging,
     _check_profile,
     _check_from_hf,

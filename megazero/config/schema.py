@@ -71,6 +71,7 @@ _MLA = Needs("model.multi_latent_attention", (True,), refuse=True)
 _DYNAMIC_SCALE = (_FP16, Needs("precision.loss_scale", (0.0,)))
 _REAL_DATA = Needs("train.mock_data", (False,))
 _PROFILE = Needs("log.profile", (True,))
+_FP8 = Needs("precision.fp8_format", besides=(None,), wanted="--fp8-format e4m3|hybrid")
 _WANDB = Needs("log.wandb_project", besides=(None,))
 _DECAY = Needs("optim.lr_decay_style", besides=("constant",))
 _SAVE = Needs("train.save", besides=(None,), refuse=True, wanted="--save DIR")
@@ -864,6 +865,29 @@ class PrecisionConfig:
     hysteresis: int = _f(2, "overflows tolerated before the scale halves", "overflows", ge=1, applies=_DYNAMIC_SCALE)
     min_loss_scale: float = _f(1.0, "floor of the dynamic loss scale", "", gt=0, applies=_DYNAMIC_SCALE)
     max_consecutive_skips: int = _f(50, "stop after this many skipped (overflowed) steps in a row", "iterations", ge=1)
+    fp8_format: Optional[str] = _f(
+        None,
+        "FP8 GEMMs in the linear layers and experts (megazero/ops/fp8.py, docs/precision.md): e4m3 "
+        "for every operand, or hybrid = e4m3 forward and e5m2 output gradients; master weights stay "
+        "in the model dtype; None = no FP8",
+        choices=("e4m3", "hybrid"),
+    )
+    fp8_recipe: str = _f(
+        "tensorwise",
+        "FP8 scaling granularity (current scaling, power-of-two scales): tensorwise = one scale per "
+        "tensor, rowwise = per row along the contraction, blockwise = DeepSeek-V3 1 x b activation "
+        "and b x b weight tiles, mxfp8 = 1 x 32 blocks with e8m0 scales",
+        choices=("tensorwise", "rowwise", "blockwise", "mxfp8"),
+        applies=_FP8,
+    )
+    fp8_block: int = _f(
+        128,
+        "tile width b of the blockwise FP8 recipe (DeepSeek-V3: 128); hidden and ffn sizes per "
+        "tensor-parallel rank and the tokens per micro-batch must be multiples of it",
+        "elements",
+        ge=1,
+        applies=Needs("precision.fp8_recipe", ("blockwise",)),
+    )
     accumulate_allreduce_grads_in_fp32: bool = _f(
         True,
         "keep and reduce gradients in fp32, else in the model dtype (fp16/bf16)",

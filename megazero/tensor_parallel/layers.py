@@ -27,6 +27,7 @@ from torch import nn
 from megazero import collectives as C
 from megazero import tags
 from megazero.collectives import Group
+from megazero.ops.fp8 import Fp8Settings, check_weight_blocks, fp8_linear
 from megazero.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -131,6 +132,9 @@ class ColumnParallelLinear(nn.Module):
     ``overlap_grad_reduce`` (tp > 1, training): the backward overlaps the input-gradient
     reduction with the weight-gradient matmul (``_ColumnLinearOverlap``), bit-identical.
 
+    ``fp8``: the GEMMs run in FP8 (``megazero.ops.fp8``, without the overlap) on the
+    (sequence-gathered) input; scales spanning the ``out/tp`` split are reduced over TP.
+
     Raises ValueError when ``out_features`` is not divisible by ``stride * tp``, when a
     full tensor has the wrong shape, or when ``gather_output`` is combined with
     ``stride > 1`` (the gathered columns would be in interleaved, not full, order).
@@ -151,9 +155,10 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device=None,
         overlap_grad_reduce: bool = True,
+        fp8: Optional[Fp8Settings] = None,
     ):
         super().__init__()
-        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_grad_reduce, self.fp8 = overlap_grad_reduce, fp8
         if gather_output and stride > 1:
             raise ValueError(f"ColumnParallelLinear: gather_output=True needs stride=1 (got stride {stride})")
         self.group = group
@@ -171,6 +176,9 @@ class ColumnParallelLinear(nn.Module):
             device,
             "ColumnParallelLinear.weight",
         )
+        if fp8 is not None:  # FP8 blocks lie on the logical weight: each stride block's shard holds whole ones
+            shard = (out_features // (stride * self.tp_size), in_features)
+            check_weight_blocks("ColumnParallelLinear.weight", shard, fp8)
         self.bias = None
         if bias:
             self.bias = _partition_param(
@@ -186,7 +194,7 @@ class ColumnParallelLinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.overlap_grad_reduce and self.tp_size > 1 and torch.is_grad_enabled():
+        if self.overlap_grad_reduce and self.tp_size > 1 and torch.is_grad_enabled() and self.fp8 is None:
             y = _ColumnLinearOverlap.apply(
                 x, self.weight, self.bias, self.group, self.sequence_parallel
             )  # (B, T, out/tp)
@@ -195,7 +203,10 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T, in)
         else:
             x = copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.weight, self.bias, self.fp8, self.group, "N" if self.tp_size > 1 else "")
+        else:
+            y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -209,6 +220,9 @@ class RowParallelLinear(nn.Module):
     reduce, inside the matmul as ``nn.Linear`` adds it: one pass fewer); under sequence
     parallelism it is tagged ``sequence_parallel`` since each rank sees only ``T/tp``
     tokens and its gradient must be summed over TP (``data_parallel.finalize``).
+
+    ``fp8``: the GEMM runs in FP8 (``megazero.ops.fp8``); scales spanning the ``in/tp`` split
+    of the input and weight are reduced over TP.
 
     Raises ValueError when ``in_features`` is not divisible by tp or a full tensor has the
     wrong shape.
@@ -227,9 +241,10 @@ class RowParallelLinear(nn.Module):
         full_bias: Optional[torch.Tensor] = None,
         dtype: torch.dtype = torch.float32,
         device=None,
+        fp8: Optional[Fp8Settings] = None,
     ):
         super().__init__()
-        self.group = group
+        self.group, self.fp8 = group, fp8
         self.tp_rank, self.tp_size = C.group_rank(group), C.group_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
@@ -244,6 +259,8 @@ class RowParallelLinear(nn.Module):
             device,
             "RowParallelLinear.weight",
         )
+        if fp8 is not None:
+            check_weight_blocks("RowParallelLinear.weight", (out_features, in_features // self.tp_size), fp8)
         self.bias = None
         if bias:
             self.bias = _replicated_param(
@@ -252,10 +269,15 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # no partial sums to reduce: the bias joins the matmul (addmm), as in nn.Linear
+            if self.fp8 is not None:
+                return fp8_linear(x, self.weight, self.bias, self.fp8)  # (B, T, out)
             return F.linear(x, self.weight, self.bias)  # (B, T, out)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)  # (B, T, in/tp)
-        partial = F.linear(x, self.weight)  # (B, T, out), partial sum
+        if self.fp8 is not None:
+            partial = fp8_linear(x, self.weight, None, self.fp8, self.group, "K")  # (B, T, out), partial sum
+        else:
+            partial = F.linear(x, self.weight)  # (B, T, out), partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
         else:
