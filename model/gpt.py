@@ -46,10 +46,9 @@ from torch import nn
 from megazero import collectives as C
 from megazero import tags
 from megazero.context_parallel.attention import (
-    all_to_all_attention,
+    context_parallel_attention,
     document_mask,
     local_attention,
-    ring_attention,
     sink_attention,
 )
 from megazero.context_parallel.sdpa_kernels import expand_kv_for
@@ -290,12 +289,9 @@ class Attention(nn.Module):
         so it is refused there too)."""
         docs = dict(token_index=seq.token_index, segment_ids=seq.segment_ids, mask_cache=seq.cache, window=self.window)
         docs["sinks"] = self.sink_logits()
-        if self.cp is None:
-            return local_attention(q, k, v, **docs)
-        group, ranks = self.cp
-        if self.cp_comm_type == "a2a":
-            return all_to_all_attention(q, k, v, group=group, **docs)
-        return ring_attention(q, k, v, group=group, cp_ranks=ranks, block_kernel=self.cp_ring_kernel, **docs)
+        return context_parallel_attention(
+            q, k, v, cp=self.cp, comm_type=self.cp_comm_type, block_kernel=self.cp_ring_kernel, **docs
+        )
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask), dropout, times v: (B, n_head/tp, T, head_dim);

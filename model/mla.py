@@ -51,7 +51,7 @@ from einops import rearrange
 from torch import nn
 
 from megazero import collectives as C
-from megazero.context_parallel.attention import all_to_all_attention, local_attention, ring_attention
+from megazero.context_parallel.attention import context_parallel_attention
 from megazero.context_parallel.sequence import SequenceInfo
 from megazero.ops.norm import RMSNorm
 from megazero.tensor_parallel.layers import RowParallelLinear
@@ -267,12 +267,9 @@ class MultiLatentAttention(nn.Module):
         with cp > 1 and with packed documents)."""
         docs = dict(token_index=seq.token_index, segment_ids=seq.segment_ids, mask_cache=seq.cache)
         docs["scale"] = self.softmax_scale
-        if self.cp is None:
-            return local_attention(q, k, v, **docs)
-        group, ranks = self.cp
-        if self.cp_comm_type == "a2a":
-            return all_to_all_attention(q, k, v, group=group, **docs)
-        return ring_attention(q, k, v, group=group, cp_ranks=ranks, block_kernel=self.cp_ring_kernel, **docs)
+        return context_parallel_attention(
+            q, k, v, cp=self.cp, comm_type=self.cp_comm_type, block_kernel=self.cp_ring_kernel, **docs
+        )
 
     def masked_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The KV-cache decoders' attention: q ``[B, heads/tp, t, r + n]`` over k ``[B, heads/tp, S, r +

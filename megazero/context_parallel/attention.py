@@ -337,6 +337,31 @@ def all_to_all_attention(
     return _AllToAll.apply(y, group, 2, 1)  # (B, h, T/C, d_v)
 
 
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp: Optional[tuple],
+    comm_type: str = "p2p",
+    block_kernel: Optional[str] = None,
+    **docs,
+) -> torch.Tensor:
+    """A block's attention core under its context-parallel setting: ``local_attention`` when
+    ``cp`` is None (one rank holds the sequence), else ``all_to_all_attention`` over ``cp =
+    (group, ranks)``'s group for ``comm_type`` ``"a2a"`` (``--cp-comm-type``) and
+    ``ring_attention`` with ``block_kernel`` (``--cp-ring-kernel``) otherwise. ``docs``: the
+    keywords those share (``token_index``, ``segment_ids``, ``mask_cache``, ``scale``, ``sinks``,
+    ``window``). Shapes as ``ring_attention``: q ``[B, h, T/C, d]``, k ``[B, G, T/C, d]``, v
+    ``[B, G, T/C, d_v]`` -> ``[B, h, T/C, d_v]``."""
+    if cp is None:
+        return local_attention(q, k, v, **docs)
+    group, ranks = cp
+    if comm_type == "a2a":
+        return all_to_all_attention(q, k, v, group=group, **docs)
+    return ring_attention(q, k, v, group=group, cp_ranks=ranks, block_kernel=block_kernel, **docs)
+
+
 class LayerBytes(NamedTuple):
     """Bytes one rank sends per layer and micro-batch, by ``collectives.counter`` kind."""
 
