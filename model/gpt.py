@@ -54,6 +54,7 @@ from megazero.context_parallel.attention import (
 from megazero.context_parallel.sdpa_kernels import expand_kv_for
 from megazero.context_parallel.sequence import MTPTargets, SequenceInfo
 from megazero.ops.activation import glu
+from megazero.ops.fp8 import ACCUMULATE
 from megazero.ops.norm import LayerNorm, RMSNorm
 from megazero.process_groups import ProcessGroups
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -549,6 +550,7 @@ class GPTStage(nn.Module):
                     dtype=cfg.params_dtype,
                     device=meta,
                     overlap_grad_reduce=cfg.tp_overlap_grad_reduce,
+                    wide=None if cfg.fp8 is None else ACCUMULATE,  # exact tp sums for FP8 (megazero.ops.fp8)
                 )
             if cfg.value_head:
                 self.value_head = ValueHead(cfg.hidden_size, groups, self.sp, meta)
@@ -724,13 +726,17 @@ class GPTStage(nn.Module):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer (the tied word embedding or ``output``): ``[B, T(/tp), H]`` -> this
         rank's vocabulary partition ``[B, T, V_pad/tp]``."""
-        if self.cfg.tie_embeddings:
-            return parallel_lm_logits(x, self.embedding.word_embeddings.weight, self.tp, sequence_parallel=self.sp)
-        return self.output(x)
+        if self.cfg.tie_embeddings:  # FP8: logits, softmax sums and the hidden gradient in fp64 (megazero.ops.fp8)
+            wide = None if self.cfg.fp8 is None else ACCUMULATE
+            return parallel_lm_logits(
+                x, self.embedding.word_embeddings.weight, self.tp, sequence_parallel=self.sp, wide=wide
+            )
+        return self.output(x)  # built with wide= under FP8
 
     def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token losses ``[B, T]`` fp32 of the vocabulary-parallel ``logits`` for ``labels [B, T]``."""
-        return vocab_parallel_cross_entropy(
+        """Per-token losses ``[B, T]`` fp32 of the vocabulary-parallel ``logits`` for ``labels [B, T]``
+        (computed in fp64 for the fp64 logits of FP8 training, then rounded)."""
+        loss = vocab_parallel_cross_entropy(
             logits,
             labels,
             self.tp,
@@ -738,6 +744,7 @@ class GPTStage(nn.Module):
             vocab_size=self.cfg.vocab_size,
             padded_vocab_size=self.padded_vocab,
         )
+        return loss.float() if self.cfg.fp8 is not None else loss
 
     def _run_layers(self, x: torch.Tensor, seq: Optional[SequenceInfo] = None) -> torch.Tensor:
         """The blocks of this chunk, ``[B, T(/tp), H]`` in and out, with full recomputation as

@@ -19,13 +19,13 @@ and its amax is taken per block of that view:
   for e4m3, 15 for e5m2), the scaled values saturated to the format's max.
 
 The other recipes scale by ``fp8_max / amax`` in fp32 (current scaling, TransformerEngine's
-default; an all-zero block gets scale 1). The GEMMs are emulated: the fp32 product of the
-dequantised operands, equal bit for bit to a fake-quantised reference (tests/unit/test_fp8.py).
-``scaled_mm`` runs the same product through ``torch._scaled_mm``'s FP8 kernel for per-tensor and
-per-row scales; it rescales after the accumulation, so it is bitwise the emulation only for
-power-of-two scales (tested), and within fp32 rounding otherwise. A power-of-two scale changes
-no rounding of a normal value, only which values fall below the format's normal range, so the
-exact ratio is used: it makes a wrong scale visible.
+default; an all-zero block gets scale 1). A power-of-two scale changes no rounding of a normal
+value, only which values fall below the format's normal range, so the exact ratio is used: it
+makes a wrong scale visible. The GEMMs are emulated exactly (:func:`gemm`: FP8 products summed
+in fp64 block by block, then scaled, then rounded once), equal bit for bit to a fake-quantised
+reference (tests/unit/test_fp8.py). ``scaled_mm`` runs per-tensor and per-row scales through
+``torch._scaled_mm``'s FP8 kernel (fp32 accumulation: within fp32 rounding of the emulation);
+the layers do not call it yet.
 
 Parallel layouts. A scale is a function of the *logical* (unsharded) tensor, so that every layout
 quantises as one process does (the bugs of torchtitan #3109, amax of the local shard, and
@@ -37,6 +37,10 @@ never communicate: the blocks are laid on the logical tensor and every shard mus
 blocks (``check_divisible``). Activations are quantised after the sequence-parallel all-gather,
 so the logical activation is the micro-batch's; its tensorwise scale therefore depends on the
 micro-batch, which layouts must keep (dp and pp do). Delayed scaling (amax history) is left out.
+Exact sums: because :func:`gemm`'s result does not depend on where K is cut, a row-parallel
+layer's partial sums are returned in ``ACCUMULATE`` and reduced in it (and a column-parallel
+layer's input-gradient partial sums likewise, tensor_parallel/layers.py), so the value rounded
+into the model dtype is one process's, and so is every later quantisation (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -161,19 +165,49 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() / scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)
 
 
+ACCUMULATE = torch.float64
+"""dtype of the emulated GEMMs' sums and of the tp partial sums of FP8 layers (see :func:`gemm`)."""
+
+
+def _row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """``1 / scale`` per row and contraction block, ``[rows, K/bc]`` in ``ACCUMULATE``."""
+    return (1.0 / scale.to(ACCUMULATE)).repeat_interleave(rows // scale.shape[0], 0)
+
+
 def gemm(a: tuple, b: tuple) -> torch.Tensor:
-    """fp32 ``A B^T [M, N]`` of quantised ``a = (q [M, K], scale)`` and ``b = (q [N, K], scale)``:
-    the fp32 product of the dequantised operands (an emulation of an FP8 GEMM with fp32
-    accumulation). ``scaled_mm`` is the same product on FP8 kernels for per-tensor and per-row
-    scales: equal bit for bit where the scales are powers of two (tests/unit/test_fp8.py)."""
-    return dequantize(*a).mm(dequantize(*b).t())
+    """``A B^T [M, N]`` in ``ACCUMULATE`` (fp64) of quantised ``a = (q [M, K], scale)`` and
+    ``b = (q [N, K], scale)``, block by block of the contraction: the FP8 products of a block
+    summed (exact in fp64: an e4m3 x e4m3 product has 8 significant bits and lies between 2^-18
+    and 2^17.6, so up to 2^17 of them add without rounding), then multiplied by the block's
+    ``1 / scale`` of each operand, the blocks added. So the result is the exact product of the
+    dequantised operands to fp64 rounding, and does not depend on how K is cut: the tp partial
+    sums of a row-parallel layer (and of a column-parallel layer's data gradient) reduced in fp64
+    round to the same fp32/bf16 value as one process's GEMM (``ColumnParallelLinear`` /
+    ``RowParallelLinear``), which an fp32 accumulation does not promise (its last bit follows the
+    summation order, and a last-bit change moves an FP8 quantisation across a rounding boundary
+    now and then). Hardware FP8 GEMMs accumulate in fp32 or less; this emulation is the exact
+    reference they approximate. Raises ValueError when the operands' K blocks differ."""
+    (qa, sa), (qb, sb) = a, b
+    rows, k = qa.shape
+    if sa.shape[1] != sb.shape[1] or k != qb.shape[1]:
+        raise ValueError(f"fp8 gemm: contraction blocks differ: {tuple(qa.shape)} / {sa.shape[1]} vs {tuple(qb.shape)}")
+    nb = sa.shape[1]
+    bc = k // nb
+    ia, ib = _row_scales(sa, rows), _row_scales(sb, qb.shape[0])  # (M, nb), (N, nb)
+    xa, xb = qa.to(ACCUMULATE), qb.to(ACCUMULATE)
+    out = None
+    for j in range(nb):  # contraction blocks: exact sums, then the scales
+        part = xa[:, j * bc : (j + 1) * bc].mm(xb[:, j * bc : (j + 1) * bc].t())  # (M, N)
+        part = part * ia[:, j : j + 1] * ib[:, j].unsqueeze(0)
+        out = part if out is None else out + part
+    return out
 
 
 def scaled_mm(a: tuple, b: tuple) -> torch.Tensor:
     """``gemm`` by ``torch._scaled_mm`` (FP8 operands, fp32 accumulation and output) for one scale
     per tensor or per row of each operand (tensorwise, rowwise): ``A [M, K]``, ``B [N, K]`` ->
-    ``[M, N]``. It applies ``1 / scale`` after the accumulation, so it equals ``gemm`` bit for
-    bit only when the scales are powers of two (else within fp32 rounding of the scales)."""
+    ``[M, N]`` fp32, within fp32 accumulation rounding of ``gemm`` (tests/unit/test_fp8.py). Not
+    used by the layers: the kernel a CUDA FP8 path would call."""
     (qa, sa), (qb, sb) = a, b
     ia = (1.0 / sa).reshape(()) if sa.numel() == 1 else (1.0 / sa).reshape(-1, 1)
     ib = (1.0 / sb).reshape(()) if sb.numel() == 1 else (1.0 / sb).reshape(1, -1)
@@ -199,18 +233,18 @@ class Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, s: Fp8Settings, group, sharded: str):
+    def forward(ctx, x, weight, bias, s: Fp8Settings, group, sharded: str, out_dtype):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         split = SPLIT[sharded]
         y = gemm(
             quantize(x2, s.forward_dtype, s, group=group, sharded=split["x"]),
             quantize(weight, s.forward_dtype, s, weight=True, group=group, sharded=split["w"]),
-        )  # (M, N)
+        ).to(out_dtype)  # (M, N), rounded once
         if bias is not None:
-            y = y + bias.float()
-        ctx.save_for_backward(x, weight)
-        ctx.s, ctx.group, ctx.sharded, ctx.has_bias = s, group, sharded, bias is not None
-        return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(x.to(out_dtype) if x.dtype == ACCUMULATE else x, weight)  # a widened x: saved narrow
+        ctx.s, ctx.group, ctx.sharded, ctx.has_bias, ctx.x_dtype = s, group, sharded, bias is not None, x.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
@@ -235,8 +269,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             quantize(gt, s.grad_dtype, s, group=group, sharded=split["gt"]),
             quantize(xt, s.forward_dtype, s, group=group, sharded=split["xt"]),
         )  # (N, K)
-        db = g2.float().sum(0).to(grad.dtype) if ctx.has_bias else None
-        return dx.to(x.dtype).view(x.shape), dw.to(weight.dtype), db, None, None, None
+        db = g2.to(ACCUMULATE).sum(0).to(weight.dtype) if ctx.has_bias else None  # fp64: one value for any N split
+        return dx.to(ctx.x_dtype).view(x.shape), dw.to(weight.dtype), db, None, None, None, None
 
 
 def fp8_linear(
@@ -246,9 +280,11 @@ def fp8_linear(
     s: Fp8Settings,
     group: Group = None,
     sharded: str = "",
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """:class:`Fp8LinearFunction` applied: ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``."""
-    return Fp8LinearFunction.apply(x, weight, bias, s, group, sharded)
+    """:class:`Fp8LinearFunction` applied: ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]`` in
+    ``out_dtype`` (default ``x``'s; ``ACCUMULATE`` for a row-parallel partial sum, reduced in it)."""
+    return Fp8LinearFunction.apply(x, weight, bias, s, group, sharded, out_dtype or x.dtype)
 
 
 def relative_bound(dtype: torch.dtype) -> float:

@@ -27,7 +27,7 @@ from torch import nn
 from megazero import collectives as C
 from megazero import tags
 from megazero.collectives import Group
-from megazero.ops.fp8 import Fp8Settings, check_weight_blocks, fp8_linear
+from megazero.ops.fp8 import ACCUMULATE, Fp8Settings, check_weight_blocks, fp8_linear
 from megazero.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -134,6 +134,8 @@ class ColumnParallelLinear(nn.Module):
 
     ``fp8``: the GEMMs run in FP8 (``megazero.ops.fp8``, without the overlap) on the
     (sequence-gathered) input; scales spanning the ``out/tp`` split are reduced over TP.
+    ``wide`` (a dtype; an FP8 model's output layer): input, product and output in ``wide`` and the
+    input gradient summed over TP in it, as :func:`parallel_lm_logits` (without the overlap).
 
     Raises ValueError when ``out_features`` is not divisible by ``stride * tp``, when a
     full tensor has the wrong shape, or when ``gather_output`` is combined with
@@ -156,9 +158,12 @@ class ColumnParallelLinear(nn.Module):
         device=None,
         overlap_grad_reduce: bool = True,
         fp8: Optional[Fp8Settings] = None,
+        wide: Optional[torch.dtype] = None,
     ):
         super().__init__()
-        self.overlap_grad_reduce, self.fp8 = overlap_grad_reduce, fp8
+        self.overlap_grad_reduce, self.fp8, self.wide = overlap_grad_reduce, fp8, wide
+        if wide is not None and fp8 is not None:
+            raise ValueError("ColumnParallelLinear: wide= is for a layer outside FP8 (the output layer), not with fp8=")
         if gather_output and stride > 1:
             raise ValueError(f"ColumnParallelLinear: gather_output=True needs stride=1 (got stride {stride})")
         self.group = group
@@ -194,17 +199,22 @@ class ColumnParallelLinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide is not None:  # computed in ``wide``, its output in it (an FP8 model's output layer)
+            y = parallel_lm_logits(x, self.weight, self.group, self.sequence_parallel, self.bias, self.wide)
+            return gather_from_tp_region(y, self.group) if self.gather_output else y
         if self.overlap_grad_reduce and self.tp_size > 1 and torch.is_grad_enabled() and self.fp8 is None:
             y = _ColumnLinearOverlap.apply(
                 x, self.weight, self.bias, self.group, self.sequence_parallel
             )  # (B, T, out/tp)
             return gather_from_tp_region(y, self.group) if self.gather_output else y
+        dtype = x.dtype
+        wide = ACCUMULATE if self.fp8 is not None and self.tp_size > 1 else None  # fp8: exact dX partial sums
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)  # (B, T, in)
+            x = gather_from_sequence_parallel_region(x, self.group, wide=wide)  # (B, T, in)
         else:
-            x = copy_to_tp_region(x, self.group)
+            x = copy_to_tp_region(x, self.group, wide=wide)
         if self.fp8 is not None:
-            y = fp8_linear(x, self.weight, self.bias, self.fp8, self.group, "N" if self.tp_size > 1 else "")
+            y = fp8_linear(x, self.weight, self.bias, self.fp8, self.group, "N" if self.tp_size > 1 else "", dtype)
         else:
             y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
@@ -269,19 +279,21 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # no partial sums to reduce: the bias joins the matmul (addmm), as in nn.Linear
-            if self.fp8 is not None:
-                return fp8_linear(x, self.weight, self.bias, self.fp8)  # (B, T, out)
+            if self.fp8 is not None:  # the bias after the GEMM, as at tp > 1: one summation of its gradient
+                y = fp8_linear(x, self.weight, None, self.fp8)  # (B, T, out)
+                return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)  # (B, T, out)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)  # (B, T, in/tp)
-        if self.fp8 is not None:
-            partial = fp8_linear(x, self.weight, None, self.fp8, self.group, "K")  # (B, T, out), partial sum
+        if self.fp8 is not None:  # the partial sums in ACCUMULATE, reduced in it, rounded once: one process's value
+            partial = fp8_linear(x, self.weight, None, self.fp8, self.group, "K", ACCUMULATE)  # (B, T, out)
         else:
             partial = F.linear(x, self.weight)  # (B, T, out), partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.group)  # (B, T/tp, out)
         else:
             y = reduce_from_tp_region(partial, self.group)  # (B, T, out)
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -344,6 +356,7 @@ def parallel_lm_logits(
     group: Group,
     sequence_parallel: bool = False,
     bias: Optional[torch.Tensor] = None,
+    wide: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Tied output layer: this rank's vocabulary slice of the logits.
 
@@ -351,10 +364,16 @@ def parallel_lm_logits(
     ``word_embedding_weight [V/tp, H]`` (the rank's embedding partition), optional
     ``bias [V/tp]`` -> logits ``[B, T, V/tp]``. The entry mapping (Megatron's ``f``, or the
     sequence all-gather whose backward reduce-scatters) sums the hidden-state gradient over
-    TP, since each rank's vocabulary slice contributes a part of it.
+    TP, since each rank's vocabulary slice contributes a part of it. ``wide`` (FP8 training,
+    ``megazero.ops.fp8.ACCUMULATE``): the product, the logits and that gradient sum in ``wide``,
+    so the hidden-state gradient rounds to one process's value under any tp (the gradient then
+    enters FP8 quantisations, which a last-bit difference can move by a whole FP8 step).
     """
     if sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(hidden, group)  # (B, T, H)
+        hidden = gather_from_sequence_parallel_region(hidden, group, wide=wide)  # (B, T, H)
     else:
-        hidden = copy_to_tp_region(hidden, group)
+        hidden = copy_to_tp_region(hidden, group, wide=wide)
+    if wide is not None:
+        word_embedding_weight = word_embedding_weight.to(wide)
+        bias = None if bias is None else bias.to(wide)
     return F.linear(hidden, word_embedding_weight, bias)  # (B, T, V/tp)

@@ -18,6 +18,8 @@ sequence dimension is 1, the hidden dimension is the last. Collectives go throug
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megazero import collectives as C
@@ -79,14 +81,17 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 class _CopyToRegion(torch.autograd.Function):
+    """Identity forward (cast to ``wide`` when given: exact for a wider float); backward SUM all-reduce
+    of the gradient in its own dtype, then cast back to the input's."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+    def forward(ctx, x, group, wide=None):
+        ctx.group, ctx.dtype = group, x.dtype
+        return x.view_as(x) if wide is None else x.to(wide)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce(grad, ctx.group).to(ctx.dtype), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -103,15 +108,16 @@ class _GatherSplit(torch.autograd.Function):
     """Forward all-gather along ``dim``; backward split (or reduce-scatter if asked)."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, grad_reduce_scatter):
-        ctx.dim, ctx.group, ctx.grad_reduce_scatter = dim, group, grad_reduce_scatter
-        return _gather(x, dim, group)
+    def forward(ctx, x, dim, group, grad_reduce_scatter, wide=None):
+        ctx.dim, ctx.group, ctx.grad_reduce_scatter, ctx.dtype = dim, group, grad_reduce_scatter, x.dtype
+        out = _gather(x, dim, group)
+        return out if wide is None else out.to(wide)  # gathered in x's dtype, widened after
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.grad_reduce_scatter:
-            return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
-        return _split(grad, ctx.dim, ctx.group), None, None, None
+            return _reduce_scatter(grad, ctx.dim, ctx.group).to(ctx.dtype), None, None, None, None
+        return _split(grad, ctx.dim, ctx.group).to(ctx.dtype), None, None, None, None
 
 
 class _SplitGather(torch.autograd.Function):
@@ -144,12 +150,16 @@ def _single(group: Group) -> bool:
     return C.group_size(group) == 1
 
 
-def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, group: Group, wide: Optional[torch.dtype] = None) -> torch.Tensor:
     """Megatron's ``f``: identity forward, SUM all-reduce of the gradient backward.
 
-    Any shape; output has the shape of ``x``.
+    Any shape; output has the shape of ``x``. ``wide`` (a float dtype at least as wide as
+    ``x``'s): the output is ``x`` cast to it (exactly) and the gradient is all-reduced in it,
+    then cast back to ``x``'s dtype (the FP8 emulation's exact partial sums, ``megazero.ops.fp8``).
     """
-    return x if _single(group) else _CopyToRegion.apply(x, group)
+    if _single(group):
+        return x if wide is None else x.to(wide)
+    return _CopyToRegion.apply(x, group, wide)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -179,17 +189,19 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.
 
 
 def gather_from_sequence_parallel_region(
-    x: torch.Tensor, group: Group, grad_reduce_scatter: bool = True
+    x: torch.Tensor, group: Group, grad_reduce_scatter: bool = True, wide: Optional[torch.dtype] = None
 ) -> torch.Tensor:
     """All-gather the sequence: ``[B, T/tp, H] -> [B, T, H]``.
 
     Backward: SUM reduce-scatter along the sequence when ``grad_reduce_scatter`` (the
     gathered tensor feeds a partitioned layer, so each rank holds a partial gradient,
     Korthikanti et al. 2022, sec. 4.2.2), else keep this rank's chunk of the gradient.
+    ``wide``: gathered in ``x``'s dtype, then cast to ``wide``; the gradient is reduce-scattered
+    in ``wide`` and cast back (as :func:`copy_to_tp_region`).
     """
     if _single(group):
-        return x
-    return _GatherSplit.apply(x, SEQ_DIM, group, grad_reduce_scatter)
+        return x if wide is None else x.to(wide)
+    return _GatherSplit.apply(x, SEQ_DIM, group, grad_reduce_scatter, wide)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
