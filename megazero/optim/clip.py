@@ -78,32 +78,33 @@ def uses_rows(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def squared_sum(tensors: Iterable[torch.Tensor], device=None) -> torch.Tensor:
+def squared_sum(tensors: Iterable[torch.Tensor], device=None, exact: bool = False) -> torch.Tensor:
     """Sum of squares of every element of ``tensors`` as a one-element fp64 tensor.
 
     ``tensors``: any shapes and floating dtypes on one device (the optimizer passes a list it
     built once). On CUDA one multi-tensor fp64 norm call for the whole list; on the CPU rows of
     ``ROW`` fp32 squares per piece, added in fp64 (module docstring, "Precision and
-    launches"); no host synchronisation. ``device`` is used when ``tensors`` is empty (CPU
-    when not given).
+    launches"), or with ``exact`` every square in fp64 as on CUDA (FP8 training: a clip
+    coefficient whose last fp32 bit does not depend on the layout's pieces); no host
+    synchronisation. ``device`` is used when ``tensors`` is empty (CPU when not given).
     """
     parts = [t for t in tensors if t.numel() > 0]
     if not parts:
         return torch.zeros(1, dtype=torch.float64, device=device)
-    if uses_rows(parts[0].device):
+    if uses_rows(parts[0].device) and not exact:
         return torch.stack([_cpu_piece_squares(t.reshape(-1)) for t in parts]).sum().reshape(1)
     norms = torch._foreach_norm(parts, 2, dtype=torch.float64)  # [()] per piece, fp64
     return torch.stack(norms).square().sum().reshape(1)
 
 
 def reduce_squared_sum(
-    counted: Iterable[torch.Tensor], groups: ProcessGroups, *, sharded_over_dp: bool, device=None
+    counted: Iterable[torch.Tensor], groups: ProcessGroups, *, sharded_over_dp: bool, device=None, exact: bool = False
 ) -> torch.Tensor:
     """The global sum of squares as a one-element fp64 tensor, identical on every rank, left
     on the device (no host synchronisation): :func:`squared_sum` of this rank's ``counted``
-    pieces, then one SUM all-reduce over ``groups.world`` when ``sharded_over_dp``, else over
-    ``groups.mp`` (arguments as :func:`global_grad_norm`)."""
-    sq = squared_sum(counted, device)
+    pieces (``exact`` as there), then one SUM all-reduce over ``groups.world`` when
+    ``sharded_over_dp``, else over ``groups.mp`` (arguments as :func:`global_grad_norm`)."""
+    sq = squared_sum(counted, device, exact)
     C.all_reduce_sum(sq, groups.world if sharded_over_dp else groups.mp)
     return sq
 

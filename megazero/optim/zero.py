@@ -115,7 +115,8 @@ class DistributedOptimizer:
     ``allgather_bucket_size`` (elements per all-gather); ``adam_backend``;
     ``max_consecutive_skips``; ``overlap_param_gather`` (ZeRO-1/2 only: leave the step-6
     all-gathers in flight; call ``wait_param_gather`` before reading the parameters other than
-    through the model's forward). Raises ValueError for ``allgather_bucket_size < 1``,
+    through the model's forward); ``exact_norm`` (every square in fp64 on the CPU too,
+    ``clip.squared_sum``: FP8 training's clip coefficient). Raises ValueError for ``allgather_bucket_size < 1``,
     ``max_consecutive_skips < 1`` or ``overlap_param_gather`` at ZeRO stage 0 or 3.
     """
 
@@ -135,6 +136,7 @@ class DistributedOptimizer:
         adam_backend: str = "auto",
         max_consecutive_skips: int = 50,
         overlap_param_gather: bool = False,
+        exact_norm: bool = False,
     ):
         if allgather_bucket_size < 1 or max_consecutive_skips < 1:
             raise ValueError(
@@ -145,7 +147,7 @@ class DistributedOptimizer:
         self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
         self.weight_decay, self.clip_grad, self.loss_scaler = weight_decay, clip_grad, loss_scaler
         self.allgather_bucket_size, self.adam_backend = allgather_bucket_size, adam_backend
-        self.max_consecutive_skips = max_consecutive_skips
+        self.max_consecutive_skips, self.exact_norm = max_consecutive_skips, exact_norm
         self.step_count = self.skipped_steps = self.consecutive_min_skips = 0
         self.offsets, self.main_offsets, total, separate = [], [], 0, 0
         for buf in ddp.buffers:
@@ -302,6 +304,7 @@ class DistributedOptimizer:
             self.groups,
             device=self.device,  # 2 and 4
             sharded_over_dp=self._sharded_norm,
+            exact=self.exact_norm,
         )
         if loss_tokens is None:
             squares = sq.item()  # the step's host sync

@@ -75,6 +75,7 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
         adam_backend=o.kernels,
         max_consecutive_skips=pr.max_consecutive_skips,
         overlap_param_gather=overlap_param_gather(cfg),
+        exact_norm=pr.fp8_format is not None,  # FP8: a clip coefficient independent of the layout's pieces
     )
     if z.offload_optimizer == "nvme":  # ZeRO-Infinity: fp32 state in swap files, Adam on the host
         return ddp, NvmeOffloadOptimizer(
