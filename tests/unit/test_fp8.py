@@ -231,9 +231,13 @@ def test_a_pre_quantised_tensorwise_weight_gives_the_same_gemms_and_other_recipe
             ["--fp8-format", "e4m3", "--dp", "2", "--zero-stage", "2"],
             "--fp8-param-gather needs ZeRO-3 parameter shards (got --zero-stage 2); fix: add --zero-stage 3",
         ),
+        (
+            ["--fp8-format", "e4m3", "--dp", "2", "--zero-stage", "3", "--offload-param", "cpu"],
+            "--fp8-param-gather with --offload-param cpu is not supported; fix: drop one of them",
+        ),
     ],
 )
-def test_fp8_param_gather_without_fp8_tensorwise_or_zero3_is_refused(extra, message, capsys):
+def test_fp8_param_gather_without_fp8_tensorwise_or_zero3_or_with_param_offload_is_refused(extra, message, capsys):
     from tests.support.config import fails
     from tests.support.layouts import BASE
 
