@@ -19,6 +19,10 @@ else (never parameter names):
   fewer than tp: a routed expert under ``--expert-tensor-parallel-size`` etp < tp is cut over
   etp ranks (this rank's piece ``tp_rank % etp``) and replicated over the tp / etp others
   (``partition_coords``).
+- ``fp8_weight`` (bool): the weight of an FP8 GEMM (``tensor_parallel.layers``) whose tensorwise
+  scale is that of the whole logical tensor; ZeRO-3's ``--fp8-param-gather`` gathers it as FP8 bytes
+  (``data_parallel.zero3_fp8``) and sets ``fp8_gathered``, the ``(q, scale)`` the GEMM uses, while
+  it is gathered (None otherwise).
 - ``shared_embedding`` (bool): one copy of a weight tied across pipeline stages (word
   embedding on the first stage, output layer on the last); the copy on the last stage is
   not counted again by norms.
@@ -81,6 +85,23 @@ def set_weight_grad_in_b(param: torch.Tensor) -> torch.Tensor:
     """Tag ``param`` so a split backward computes its weight gradient in B (module docstring)."""
     param.weight_grad_in_b = True
     return param
+
+
+def set_fp8_weight(param: torch.Tensor) -> torch.Tensor:
+    """Tag ``param`` as an FP8 GEMM's weight (module docstring); returns it."""
+    param.fp8_weight = True
+    param.fp8_gathered = None
+    return param
+
+
+def is_fp8_weight(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "fp8_weight", False))
+
+
+def fp8_gathered(param: torch.Tensor):
+    """The ``(q [N, K] float8_e4m3fn, scale [1, 1] fp32)`` ZeRO-3's FP8 all-gather made of
+    ``param`` while it is gathered, else None (the GEMM quantises ``param`` itself)."""
+    return getattr(param, "fp8_gathered", None)
 
 
 def is_weight_grad_in_b(param: torch.Tensor) -> bool:

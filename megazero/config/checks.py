@@ -485,6 +485,32 @@ def _check_fp8(cfg: Config, world_size: int) -> None:
             )
 
 
+def _check_fp8_param_gather(cfg: Config, world_size: int) -> None:
+    """--fp8-param-gather (megazero/data_parallel/zero3_fp8.py) needs FP8 GEMMs with the tensorwise
+    recipe (one scale per weight, the only one wired) and ZeRO-3's parameter shards in device memory."""
+    pr, z = cfg.precision, cfg.zero
+    if not pr.fp8_param_gather:
+        return
+    flag = show_flag(cfg, "precision.fp8_param_gather")
+    if pr.fp8_format is None:
+        raise ConfigError(f"{flag} needs FP8 GEMMs; fix: add --fp8-format e4m3|hybrid or drop {flag}")
+    if pr.fp8_recipe != "tensorwise":
+        raise ConfigError(
+            f"{flag} with --fp8-recipe {pr.fp8_recipe} is not supported (tensorwise scales only); "
+            f"fix: use --fp8-recipe tensorwise or drop {flag}"
+        )
+    if z.stage not in stages_where("shards_params"):
+        raise ConfigError(
+            f"{flag} needs ZeRO-3 parameter shards (got {show_flag(cfg, 'zero.stage')} {z.stage}); "
+            f"fix: add --zero-stage 3 or drop {flag}"
+        )
+    if z.offload_param != "none":
+        raise ConfigError(
+            f"{flag} with {show_flag(cfg, 'zero.offload_param')} {z.offload_param} is not supported; "
+            f"fix: drop one of them"
+        )
+
+
 def _check_offload(cfg: Config, world_size: int) -> None:
     """--offload-optimizer cpu/nvme needs a sharded stage (1-3, as DeepSpeed), CPU Adam kernels
     and --optimizer adam (nvme also --offload-nvme-path);
@@ -806,6 +832,7 @@ def _check_from_hf(cfg: Config, world_size: int) -> None:
 _CHECKS = (
     _check_outputs,
     _check_fp8,
+    _check_fp8_param_gather,
     _check_logging,
     _check_profile,
     _check_from_hf,

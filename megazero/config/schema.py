@@ -888,6 +888,13 @@ class PrecisionConfig:
         ge=1,
         applies=Needs("precision.fp8_recipe", ("blockwise",)),
     )
+    fp8_param_gather: bool = _f(
+        False,
+        "ZeRO-3 all-gathers the FP8 GEMMs' weights as e4m3 bytes (1 per element, not the working dtype's "
+        "2 or 4), each shard quantised with the scale of the whole weight (amax MAX-reduced over the ZeRO "
+        "shard group and tp); the GEMMs use them without quantising again (Megatron-LM's flag; "
+        "needs --zero-stage 3 and --fp8-recipe tensorwise)",
+    )
     accumulate_allreduce_grads_in_fp32: bool = _f(
         True,
         "keep and reduce gradients in fp32, else in the model dtype (fp16/bf16)",

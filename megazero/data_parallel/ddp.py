@@ -62,6 +62,7 @@ from megazero.data_parallel.grad_buffer import GradBuffer, Range
 from megazero.data_parallel.policy import BUCKETS_IN_FLIGHT
 from megazero.data_parallel.sharding import ShardedBuffer, Stage2
 from megazero.data_parallel.stages import make_strategy
+from megazero.data_parallel.zero3_fp8 import Fp8GatherStage3
 from megazero.data_parallel.zero3_gather import Zero3Gather, Zero3Options, split_units
 from megazero.offload.param_swap import ParamSwapper
 from megazero.process_groups import ProcessGroups
@@ -90,7 +91,7 @@ class DataParallel:
             the embedding, each transformer layer, the head); the chunk's other parameters are
             one more unit gathered around the whole chunk. ``None``: one unit per chunk.
         zero3: stage 3 settings (:class:`~megazero.data_parallel.zero3_gather.Zero3Options`:
-            prefetch, live bound, persistence, reuse distance, parameter offload); its
+            prefetch, live bound, persistence, reuse distance, parameter offload, FP8 all-gather); its
             ``reshard_after_forward`` is replaced by the argument above.
         initial_values: per chunk, None (its parameters hold their values) or, for a chunk
             whose parameters are placeholders (``model.gpt.GPTStage(materialize=False)``), a
@@ -129,6 +130,8 @@ class DataParallel:
         self.zero3 = None
         if self.strategy.shards_params:
             opts = replace(zero3 or Zero3Options(), reshard_after_forward=reshard_after_forward)
+            if opts.fp8_param_gather:  # the FP8 weights of each unit in buffers gathered as e4m3 bytes
+                self.strategy = Fp8GatherStage3(groups.tp)
             self.strategy.offload_param = opts.offload_param or opts.param_swap is not None
             self.strategy.param_swap = (
                 None
@@ -212,13 +215,15 @@ class DataParallel:
         self.params.extend(params)
 
     def _add_buffers(self, cid: int, params: list, bucket_size: int, strategy, values=None) -> list:
-        """One ShardedBuffer per (tied across stages, dtype, expert-parallel) group of ``params``, its values
-        from ``values(p)`` (default: each parameter's own)."""
+        """One ShardedBuffer per (tied across stages, dtype, expert-parallel, FP8-gathered) group of
+        ``params``, its values from ``values(p)`` (default: each parameter's own)."""
         groups: dict[tuple, list] = {}
+        fp8 = isinstance(strategy, Fp8GatherStage3)
         for p in params:
-            groups.setdefault((tags.is_shared_embedding(p), p.dtype, tags.is_expert_parallel(p)), []).append(p)
+            key = (tags.is_shared_embedding(p), p.dtype, tags.is_expert_parallel(p), fp8 and tags.is_fp8_weight(p))
+            groups.setdefault(key, []).append(p)
         made = []
-        for (shared, _, expert), members in groups.items():
+        for (shared, _, expert, _), members in groups.items():
             if expert and self.groups.experts_apart:  # edp, or its S / EP ranks in one shard group
                 group, replica = self.groups.expert_zero_shard, self.groups.zero_replica
             else:  # hybrid sharding: shard over S ranks, all-reduce the shards over the rest

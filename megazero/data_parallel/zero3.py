@@ -161,3 +161,7 @@ class Stage3(ShardParameters, Stage2):
 
     def gather_bound_bytes(self, buf, chunk_numel, dp_size):
         return 0
+
+    def gathered_nbytes(self, buf) -> int:
+        """Bytes of ``buf``'s parameters while gathered: its padded elements in the working dtype."""
+        return buf.layout.padded_numel * buf.param_dtype.itemsize

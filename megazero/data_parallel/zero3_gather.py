@@ -47,6 +47,8 @@ class Zero3Options:
     ``max_reuse_distance``: a unit used again within this many elements stays gathered;
     ``reshard_after_forward``: release after the forward (else keep until the step's end);
     ``offload_param``: parameter shards in host memory between uses;
+    ``fp8_param_gather``: the FP8 GEMMs' weights all-gathered as e4m3 bytes with the scale of the
+    whole weight (:mod:`megazero.data_parallel.zero3_fp8`; Megatron-LM's ``--fp8-param-gather``);
     ``param_swap``: parameter shards in NVMe swap files between uses
     (:class:`~megazero.offload.param_swap.ParamSwapOptions`; None: not on NVMe).
     Defaults are DeepSpeed's, except the persistence threshold (DeepSpeed 100,000; here 0 so
@@ -60,6 +62,7 @@ class Zero3Options:
     reshard_after_forward: bool = True
     offload_param: bool = False
     param_swap: Optional[ParamSwapOptions] = None
+    fp8_param_gather: bool = False
 
 
 @dataclass(eq=False)
@@ -70,6 +73,7 @@ class Unit:
     module: Optional[nn.Module]  # None: the chunk's remaining parameters
     buffers: list = field(default_factory=list)
     numel: int = 0
+    nbytes: int = 0  # gathered bytes (FP8 buffers: one per element)
     position: int = -1  # index in the chunk's forward trace
     in_forward: int = 0  # forwards running now
     in_backward: bool = False  # backward started, gradients not all arrived
@@ -101,7 +105,8 @@ class Zero3Gather:
 
     Args: ``ddp`` (its ``strategy``, each buffer's ``group``, byte counters), ``options``
     (:class:`Zero3Options`). Attributes: ``units``, ``live`` (gathered or in-flight
-    elements now), ``peak_live`` (its high-water mark), ``prefetches`` (units prefetched).
+    elements now), ``live_bytes`` (their bytes: one per element of an FP8-gathered buffer),
+    ``peak_live`` (its high-water mark), ``prefetches`` (units prefetched).
     """
 
     def __init__(self, ddp, options: Zero3Options):
@@ -111,6 +116,7 @@ class Zero3Gather:
         self.traced: set[int] = set()  # chunks whose forward trace is complete
         self._unit_of: dict[int, Unit] = {}
         self.live = self.peak_live = self.prefetches = 0
+        self.live_bytes = 0  # bytes of the gathered or in-flight units now
         self.itemsize = 0
 
     def add_chunk(self, chunk: nn.Module, chunk_id: int) -> None:
@@ -120,6 +126,7 @@ class Zero3Gather:
     def add_unit(self, chunk: nn.Module, chunk_id: int, module, buffers: list) -> None:
         """Register a unit's buffers and its hooks (``module`` None: the chunk's own hooks)."""
         u = Unit(chunk_id, module, list(buffers), sum(b.layout.padded_numel for b in buffers))
+        u.nbytes = sum(self.ddp.strategy.gathered_nbytes(b) for b in buffers)
         self.itemsize = max(self.itemsize, *(b.param_dtype.itemsize for b in buffers))
         self.units.append(u)
         for b in buffers:
@@ -127,10 +134,6 @@ class Zero3Gather:
         target = chunk if module is None else module
         target.register_forward_pre_hook(eager_hook(target, lambda m, a, u=u: self._pre_forward(u)))
         target.register_forward_hook(eager_hook(target, lambda m, a, out, u=u: self._post_forward(u, out)))
-
-    @property
-    def live_bytes(self) -> int:
-        return self.live * self.itemsize
 
     # -- gather / release ------------------------------------------------------------------
     def _gathered(self, u: Unit) -> bool:
@@ -142,6 +145,7 @@ class Zero3Gather:
         for b in u.buffers:
             self.ddp.strategy.start_gather(b, b.group, async_op)
         self.live += u.numel
+        self.live_bytes += u.nbytes
         self.peak_live = max(self.peak_live, self.live)
         ddp = self.ddp
         ddp.peak_temp_bytes = max(ddp.peak_temp_bytes, ddp._temp_bytes + self.live_bytes)
@@ -157,6 +161,7 @@ class Zero3Gather:
     def release(self, u: Unit) -> None:
         if self._gathered(u):
             self.live -= u.numel
+            self.live_bytes -= u.nbytes
         for b in u.buffers:
             self.ddp.strategy.release(b)
 

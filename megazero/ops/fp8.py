@@ -152,10 +152,16 @@ def quantize(
         shared = torch.exp2((e - 1 - _EMAX[dtype]).float()).to(torch.float8_e8m0fnu)  # X, exact
         scale = torch.where(amax > 0, 1.0 / shared.float(), torch.ones_like(amax))
     else:
-        scale = torch.where(amax > 0, torch.full_like(amax, fmax) / amax, torch.ones_like(amax))  # a true division
+        scale = current_scale(amax, dtype)
     full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)  # (rows, K)
     q = (x * full).clamp(-fmax, fmax).to(dtype)
     return q, scale
+
+
+def current_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Current scaling's fp32 multiplier per block: ``fp8_max(dtype) / amax``, 1 where ``amax`` is 0
+    (an all-zero block); ``amax`` fp32, any shape. A true division, the exact ratio (module docstring)."""
+    return torch.where(amax > 0, torch.full_like(amax, torch.finfo(dtype).max) / amax, torch.ones_like(amax))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -230,20 +236,26 @@ class Fp8LinearFunction(torch.autograd.Function):
     contraction. ``x [..., K]``, ``weight [N, K]`` (the master weight: read, never modified),
     ``bias [N]`` -> ``[..., N]`` in ``x``'s dtype; the gradients come back in the inputs' dtypes.
     ``sharded``: ``"N"`` (column-parallel), ``"K"`` (row-parallel) or ``""`` (no tp split).
+    ``weight_fp8``: the weight already quantised, ``(q [N, K] e4m3, scale [1, 1])`` (tensorwise:
+    ZeRO-3's FP8 all-gather, ``megazero.data_parallel.zero3_fp8``): both GEMMs use it, ``q^T`` for
+    the data gradient (a tensorwise scale is the transpose's too), instead of quantising ``weight``.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, s: Fp8Settings, group, sharded: str, out_dtype):
+    def forward(ctx, x, weight, bias, s: Fp8Settings, group, sharded: str, out_dtype, weight_fp8=None):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         split = SPLIT[sharded]
+        if weight_fp8 is not None and s.recipe != "tensorwise":
+            raise ValueError(f"a pre-quantised FP8 weight needs --fp8-recipe tensorwise, got {s.recipe}")
         y = gemm(
             quantize(x2, s.forward_dtype, s, group=group, sharded=split["x"]),
-            quantize(weight, s.forward_dtype, s, weight=True, group=group, sharded=split["w"]),
+            weight_fp8 or quantize(weight, s.forward_dtype, s, weight=True, group=group, sharded=split["w"]),
         ).to(out_dtype)  # (M, N), rounded once
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.save_for_backward(x.to(out_dtype) if x.dtype == ACCUMULATE else x, weight)  # a widened x: saved narrow
         ctx.s, ctx.group, ctx.sharded, ctx.has_bias, ctx.x_dtype = s, group, sharded, bias is not None, x.dtype
+        ctx.weight_fp8 = weight_fp8  # views of a storage ZeRO-3 frees and refills before the backward
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -260,9 +272,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         else:
             gt, xt = g2.t(), x2.t()
         # data gradient: contraction over N
+        wt = None if ctx.weight_fp8 is None else (ctx.weight_fp8[0].t(), ctx.weight_fp8[1])  # (K, N), same scale
         dx = gemm(
             quantize(g2, s.grad_dtype, s, group=group, sharded=split["g"]),
-            quantize(weight.t(), s.forward_dtype, s, weight=True, group=group, sharded=split["wt"]),
+            wt or quantize(weight.t(), s.forward_dtype, s, weight=True, group=group, sharded=split["wt"]),
         )  # (M, K)
         # weight gradient: contraction over the M tokens
         dw = gemm(
@@ -270,7 +283,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             quantize(xt, s.forward_dtype, s, group=group, sharded=split["xt"]),
         )  # (N, K)
         db = g2.to(ACCUMULATE).sum(0).to(weight.dtype) if ctx.has_bias else None  # fp64: one value for any N split
-        return dx.to(ctx.x_dtype).view(x.shape), dw.to(weight.dtype), db, None, None, None, None
+        return dx.to(ctx.x_dtype).view(x.shape), dw.to(weight.dtype), db, None, None, None, None, None
 
 
 def fp8_linear(
@@ -281,10 +294,12 @@ def fp8_linear(
     group: Group = None,
     sharded: str = "",
     out_dtype: Optional[torch.dtype] = None,
+    weight_fp8: Optional[tuple] = None,
 ) -> torch.Tensor:
     """:class:`Fp8LinearFunction` applied: ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]`` in
-    ``out_dtype`` (default ``x``'s; ``ACCUMULATE`` for a row-parallel partial sum, reduced in it)."""
-    return Fp8LinearFunction.apply(x, weight, bias, s, group, sharded, out_dtype or x.dtype)
+    ``out_dtype`` (default ``x``'s; ``ACCUMULATE`` for a row-parallel partial sum, reduced in it);
+    ``weight_fp8``: the weight pre-quantised, tensorwise (raises ValueError for another recipe)."""
+    return Fp8LinearFunction.apply(x, weight, bias, s, group, sharded, out_dtype or x.dtype, weight_fp8)
 
 
 def relative_bound(dtype: torch.dtype) -> float:

@@ -133,7 +133,9 @@ class ColumnParallelLinear(nn.Module):
     reduction with the weight-gradient matmul (``_ColumnLinearOverlap``), bit-identical.
 
     ``fp8``: the GEMMs run in FP8 (``megazero.ops.fp8``, without the overlap) on the
-    (sequence-gathered) input; scales spanning the ``out/tp`` split are reduced over TP.
+    (sequence-gathered) input; scales spanning the ``out/tp`` split are reduced over TP. The
+    weight is tagged ``fp8_weight``: ZeRO-3 with ``--fp8-param-gather`` hands it over quantised
+    (``tags.fp8_gathered``), and the GEMMs use that instead of quantising it again.
     ``wide`` (a dtype; an FP8 model's output layer): input, product and output in ``wide`` and the
     input gradient summed over TP in it, as :func:`parallel_lm_logits` (without the overlap).
 
@@ -184,6 +186,7 @@ class ColumnParallelLinear(nn.Module):
         if fp8 is not None:  # FP8 blocks lie on the logical weight: each stride block's shard holds whole ones
             shard = (out_features // (stride * self.tp_size), in_features)
             check_weight_blocks("ColumnParallelLinear.weight", shard, fp8)
+            tags.set_fp8_weight(self.weight)
         self.bias = None
         if bias:
             self.bias = _partition_param(
@@ -214,7 +217,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tp_region(x, self.group, wide=wide)
         if self.fp8 is not None:
-            y = fp8_linear(x, self.weight, self.bias, self.fp8, self.group, "N" if self.tp_size > 1 else "", dtype)
+            sharded = "N" if self.tp_size > 1 else ""
+            y = fp8_linear(
+                x, self.weight, self.bias, self.fp8, self.group, sharded, dtype, tags.fp8_gathered(self.weight)
+            )
         else:
             y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
@@ -232,7 +238,8 @@ class RowParallelLinear(nn.Module):
     tokens and its gradient must be summed over TP (``data_parallel.finalize``).
 
     ``fp8``: the GEMM runs in FP8 (``megazero.ops.fp8``); scales spanning the ``in/tp`` split
-    of the input and weight are reduced over TP.
+    of the input and weight are reduced over TP; the weight is tagged ``fp8_weight`` as in
+    :class:`ColumnParallelLinear`.
 
     Raises ValueError when ``in_features`` is not divisible by tp or a full tensor has the
     wrong shape.
@@ -271,6 +278,7 @@ class RowParallelLinear(nn.Module):
         )
         if fp8 is not None:
             check_weight_blocks("RowParallelLinear.weight", (out_features, in_features // self.tp_size), fp8)
+            tags.set_fp8_weight(self.weight)
         self.bias = None
         if bias:
             self.bias = _replicated_param(
@@ -280,13 +288,15 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # no partial sums to reduce: the bias joins the matmul (addmm), as in nn.Linear
             if self.fp8 is not None:  # the bias after the GEMM, as at tp > 1: one summation of its gradient
-                y = fp8_linear(x, self.weight, None, self.fp8)  # (B, T, out)
+                y = fp8_linear(x, self.weight, None, self.fp8, weight_fp8=tags.fp8_gathered(self.weight))  # (B, T, out)
                 return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)  # (B, T, out)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)  # (B, T, in/tp)
         if self.fp8 is not None:  # the partial sums in ACCUMULATE, reduced in it, rounded once: one process's value
-            partial = fp8_linear(x, self.weight, None, self.fp8, self.group, "K", ACCUMULATE)  # (B, T, out)
+            partial = fp8_linear(
+                x, self.weight, None, self.fp8, self.group, "K", ACCUMULATE, tags.fp8_gathered(self.weight)
+            )  # (B, T, out)
         else:
             partial = F.linear(x, self.weight)  # (B, T, out), partial sum
         if self.sequence_parallel:

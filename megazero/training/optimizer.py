@@ -38,6 +38,7 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
             buffer_size=z.offload_param_buffer_size,
             max_in_cpu=z.offload_param_max_in_cpu,
         ),
+        fp8_param_gather=pr.fp8_param_gather,
     )
     ddp = DataParallel(
         chunks,

@@ -3,7 +3,7 @@ scales are those of the logical tensors: a tensorwise amax of a tp-sharded opera
 amax along a sharded contraction, are MAX-reduced over tp; block recipes lay whole blocks in each
 shard. And it computes as one process does, because every tp sum feeding a quantiser is exact (the
 emulated GEMM's fp64 partial sums reduced in fp64; the output layer in fp64). One spawn of 4 gloo
-ranks checks it twice.
+ranks checks all three.
 
 1. Layers: a column-parallel -> GELU -> row-parallel FP8 MLP (hidden 64, ffn 128, 64 tokens, e5m2
    gradients) at tp 2 (ranks 0-1) and tp 2 with sequence parallelism (ranks 2-3) against the same
@@ -21,7 +21,15 @@ ranks checks it twice.
    parameters' gradients are added over tp from fp32 partial sums, and a binding clip would
    spread that last bit to every weight (docs/precision.md names the remaining sources). The
    planted local amax moves the tp 2 + SP first loss by more than 1e-4 (measured 1.8e-3). Every
-   rank reports the same numbers."""
+   rank reports the same numbers.
+3. ``--fp8-param-gather`` (megazero/data_parallel/zero3_fp8.py), tensorwise: pp 2 x dp 2 and
+   tp 2 x dp 2 at ZeRO-3 give losses and gradient norms bitwise those of the same layout without it
+   (so they are the one-rank run's bit for bit, as above): each shard quantised with the whole
+   weight's scale is the weight the GEMM quantised. Per step each rank all-gathers its stage's P
+   parameters once (pp 2 keeps units gathered through the step): 4 P / 2 bytes without the flag,
+   4 (P - F) / 2 + F / 2 with it, F = 12 H^2 per layer (qkv, proj, fc1, fc2); the amax all-reduces
+   add 4 bytes per FP8 weight. The planted bug (the scale of the local ZeRO shard's amax) moves the
+   first loss by more than 1e-4."""
 
 import math
 
@@ -46,17 +54,29 @@ LAYOUTS = {
     "tp2-sp": ["--tp", "2", "--sequence-parallel"] + NO_CLIP,
     "tp2-dp2-zero3": ["--tp", "2", "--dp", "2", "--zero-stage", "3"],
 }
+GATHER = {  # --fp8-param-gather runs, each bitwise the run of the layout it names
+    "tensorwise/pp2-dp2-zero3-fp8ag": "tensorwise/pp2-dp2-zero3",
+    "tensorwise/tp2-dp2-zero3-fp8ag": "tensorwise/tp2-dp2-zero3",
+}
 PLANTED = ("tensorwise", "tp2-sp")
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 H, FFN, B, T = 64, 128, 2, 32
 
 
 def _train(argv: list, world: int) -> tuple:
+    """(losses, norms, all-gather bytes per step, all-reduce bytes per step, parameters of this rank)."""
+    from megazero import collectives as C
     from megazero.training import build_trainer
 
     trainer = build_trainer(argv, world)
-    out = [trainer.train_step(trainer.next_batches()).values for _ in range(FEATURE_STEPS)]
-    return [o["loss"] for o in out], [o["grad_norm"] for o in out]
+    out, gathered, reduced = [], [], []
+    for _ in range(FEATURE_STEPS):
+        g0, r0 = C.counter["all_gather"], C.counter["all_reduce"]
+        out.append(trainer.train_step(trainer.next_batches()).values)
+        gathered.append(C.counter["all_gather"] - g0)
+        reduced.append(C.counter["all_reduce"] - r0)
+    params = sum(p.numel() for p in trainer.ddp.params)
+    return [o["loss"] for o in out], [o["grad_norm"] for o in out], gathered, reduced, params
 
 
 def _mlp(rank: int, group, recipe: str, sp: bool) -> tuple:
@@ -110,6 +130,15 @@ def _runs(rank: int, world: int, runs: dict) -> dict:
             out["planted"] = _train(runs["planted"], world)
         finally:
             fp8.reduce_amax = reduce_amax
+    if "planted-fp8ag" in runs:
+        import megazero.data_parallel.zero3_fp8 as ag
+
+        reduce_shards = ag.reduce_amax
+        ag.reduce_amax = lambda amax, shard_group, tp_group: amax  # the bug: each ZeRO shard's own amax
+        try:
+            out["planted-fp8ag"] = _train(runs["planted-fp8ag"], world)
+        finally:
+            ag.reduce_amax = reduce_shards
     return out
 
 
@@ -148,20 +177,42 @@ def test_fp8_layers_and_training_under_tp_sp_pp_zero3_equal_one_rank_and_a_local
     single = run_distributed(_runs, 1, alone, timeout_s=300)[0]
     runs = {f"{r}/{name}": ARGV + TRAIN[r] + flags for r in TRAIN for name, flags in LAYOUTS.items()}
     runs["planted"] = ARGV + TRAIN[PLANTED[0]] + LAYOUTS[PLANTED[1]]
+    for name, base in GATHER.items():
+        runs[name] = runs[base] + ["--fp8-param-gather"]
+    runs["planted-fp8ag"] = runs["tensorwise/pp2-dp2-zero3-fp8ag"]
     per_rank = run_distributed(_runs, 4, runs, timeout_s=600)
     _check_layers(per_rank)
     for r in TRAIN:
         assert not _close(single[r][0], single["plain"][0], 1e-5), r  # FP8 changes the losses
         assert _close(single[r][0], single["plain"][0], 1e-2), r  # by FP8's rounding, not more
     for name in runs:
-        losses, norms = per_rank[0][name]
-        assert all(res[name] == (losses, norms) for res in per_rank)  # every rank agrees
-        if name == "planted":
+        losses, norms = per_rank[0][name][:2]
+        assert all(res[name][:2] == (losses, norms) for res in per_rank)  # every rank agrees
+        if name.startswith("planted"):
             continue
         recipe, layout = name.split("/")
-        want_losses, want_norms = single[recipe + ("/no-clip" if NO_CLIP[0] in LAYOUTS[layout] else "")]
+        layout = layout.removesuffix("-fp8ag")
+        want_losses, want_norms = single[recipe + ("/no-clip" if NO_CLIP[0] in LAYOUTS[layout] else "")][:2]
         if "sp" not in layout:  # bit for bit; the norm's sum of squares follows the pieces (clip.py)
             assert losses == want_losses and _close(norms, want_norms, 1e-7), (name, losses, want_losses)
         assert _close(losses, want_losses, 1e-6) and _close(norms, want_norms, 1e-6), (name, losses, want_losses)
     planted, want = per_rank[0]["planted"][0], single[PLANTED[0] + "/no-clip"][0]
     assert not math.isclose(planted[0], want[0], rel_tol=1e-4), (planted[0], want[0])  # the reduction matters
+    _check_fp8_param_gather(per_rank)
+
+
+def _check_fp8_param_gather(per_rank: list) -> None:
+    """Part 3 of the module docstring: bitwise the plain all-gather's run, the bytes' closed form."""
+    hidden = int(BASE[BASE.index("--hidden-size") + 1])
+    for name, base in GATHER.items():
+        for res in per_rank:
+            assert res[name][:2] == res[base][:2], (name, res[name][:2], res[base][:2])
+    for res in per_rank:  # pp 2 x dp 2: 2 layers and P parameters per stage, N = 2 shards
+        *_, plain, plain_reduced, p = res["tensorwise/pp2-dp2-zero3"]
+        *_, fp8, fp8_reduced, p8 = res["tensorwise/pp2-dp2-zero3-fp8ag"]
+        f = 2 * 12 * hidden * hidden
+        assert p8 == p and plain == [4 * p // 2] * FEATURE_STEPS, (plain, p)
+        assert fp8 == [4 * (p - f) // 2 + f // 2] * FEATURE_STEPS, (fp8, p, f)  # 1 byte per FP8 element
+        assert [b - a for a, b in zip(plain_reduced, fp8_reduced)] == [4 * 4 * 2] * FEATURE_STEPS  # the amaxes
+    planted, want = per_rank[0]["planted-fp8ag"][0], per_rank[0]["tensorwise/pp2-dp2-zero3"][0]
+    assert not math.isclose(planted[0], want[0], rel_tol=1e-4), (planted[0], want[0])  # the whole weight's amax matters

@@ -225,3 +225,51 @@ def test_fp8_settings_without_a_logical_scale_are_refused(extra, message, capsys
 
     err = fails(BASE + ["--fp8-format", "e4m3"] + extra, 2 if "2" in extra else 1, capsys)
     assert message in err, err
+
+
+def test_a_pre_quantised_tensorwise_weight_gives_the_same_gemms_and_other_recipes_refuse_it():
+    """``weight_fp8`` (ZeRO-3's FP8 all-gather hands the GEMMs the weight quantised with the whole
+    weight's scale): forward and both backward GEMMs bitwise those that quantise the weight
+    themselves; the weight's own values are not read (here: zeros)."""
+    torch.manual_seed(7)
+    x, w, g = torch.randn(M, K, requires_grad=True), torch.randn(N, K) * 0.02, torch.randn(M, N) * 1e-3
+    s = fp8.Fp8Settings("hybrid", "tensorwise")
+    w1 = w.clone().requires_grad_()
+    y1 = fp8.fp8_linear(x, w1, None, s)
+    y1.backward(g)
+    dx1, x.grad = x.grad, None
+    q, scale = fp8.quantize(w, s.forward_dtype, s, weight=True)
+    assert scale.shape == (1, 1) and torch.equal(scale, fp8.current_scale(w.abs().max().reshape(1, 1), E4M3))
+    w2 = torch.zeros(N, K, requires_grad=True)  # a ZeRO-3 placeholder: only its shape and dtype matter
+    y2 = fp8.fp8_linear(x, w2, None, s, weight_fp8=(q, scale))
+    y2.backward(g)
+    assert torch.equal(y2, y1) and torch.equal(x.grad, dx1) and torch.equal(w2.grad, w1.grad)
+    with pytest.raises(ValueError, match="needs --fp8-recipe tensorwise, got rowwise"):
+        fp8.fp8_linear(x, w2, None, fp8.Fp8Settings("hybrid", "rowwise"), weight_fp8=(q, scale))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dp", "2", "--zero-stage", "3"], "--fp8-param-gather needs FP8 GEMMs; fix: add --fp8-format e4m3|hybrid"),
+        (
+            ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--dp", "2", "--zero-stage", "3"],
+            "--fp8-param-gather with --fp8-recipe rowwise is not supported (tensorwise scales only); fix: use "
+            "--fp8-recipe tensorwise",
+        ),
+        (
+            ["--fp8-format", "e4m3", "--dp", "2", "--zero-stage", "2"],
+            "--fp8-param-gather needs ZeRO-3 parameter shards (got --zero-stage 2); fix: add --zero-stage 3",
+        ),
+        (
+            ["--fp8-format", "e4m3", "--dp", "2", "--zero-stage", "3", "--offload-param", "cpu"],
+            "--fp8-param-gather with --offload-param cpu is not supported; fix: drop one of them",
+        ),
+    ],
+)
+def test_fp8_param_gather_without_fp8_tensorwise_or_zero3_or_with_param_offload_is_refused(extra, message, capsys):
+    from tests.support.config import fails
+    from tests.support.layouts import BASE
+
+    err = fails(BASE + ["--fp8-param-gather"] + extra, 2, capsys)
+    assert message in err, err
