@@ -122,6 +122,9 @@ class ActivationSettings:
     """Packed documents (``--reset-attention-mask``): SDPA takes a ``[b, 1, s, s]`` mask."""
     platform: Optional[CudaPlatform] = None
     """The GPU whose SDPA kernels run the attention (``sdpa_kernels``); None: CPU ranks."""
+    logits_bytes: int = 4
+    """Bytes per element of the head's logits, softmax and their gradient: 4 (fp32), 8 under FP8
+    (``--fp8-format``: the output layer and the cross-entropy run in fp64, docs/precision.md)."""
     sinks: bool = False
     """Attention sinks (``--softmax-type learnable`` or ``off-by-one``): the core is the ring's
     blockwise attention, on one rank at cp = 1 and inside the all-to-all (``attention.local_attention``)."""
@@ -347,10 +350,10 @@ def chunk_bytes(g, a: ActivationSettings, num_layers: int) -> tuple[float, float
 def head_bytes(g, a: ActivationSettings, padded_vocab: int) -> tuple[float, float]:
     """(bytes the last stage's head keeps per micro-batch, bytes alive once): kept are the
     final LayerNorm input ``q/t_sp``, the logits' input ``q`` and the fp32 softmax partition
-    ``4*b*s*V_pad/t``; alive once are the logits and their gradient, two more partitions
-    (three with the vocabulary-parallel cross-entropy at tp > 1)."""
+    ``4*b*s*V_pad/t`` (fp64 under FP8: ``a.logits_bytes``); alive once are the logits and their
+    gradient, two more partitions (three with the vocabulary-parallel cross-entropy at tp > 1)."""
     t_sp = a.tp if a.sequence_parallel else 1
-    partition = 4 * a.micro_batch_size * (g.seq_length // a.cp) * padded_vocab / a.tp
+    partition = a.logits_bytes * a.micro_batch_size * (g.seq_length // a.cp) * padded_vocab / a.tp
     kept = _q(g, a) * (1 / t_sp + 1) * a.activation_bytes + partition
     return kept, (2 if a.tp == 1 else 3) * partition
 

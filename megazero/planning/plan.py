@@ -43,6 +43,7 @@ def activation_settings(cfg: Config, platform: Optional[CudaPlatform] = None) ->
         documents=cfg.data.reset_attention_mask,
         platform=platform,
         sinks=m.softmax_type != "vanilla",
+        logits_bytes=4 if pr.fp8_format is None else 8,
     )
 
 

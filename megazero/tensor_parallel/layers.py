@@ -360,6 +360,31 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp_region(emb, self.group)  # (B, T, H)
 
 
+class _WideLinear(torch.autograd.Function):
+    """``x W^T (+ b)`` with ``x [..., H]`` already in a wide dtype (fp64), ``W [V, H]`` and ``b [V]``
+    in theirs: the product and output in ``x``'s dtype, the weight widened only while a GEMM runs
+    (saved as it is: no wide copy kept for the backward), ``x`` saved in ``narrow`` (exact when
+    ``x`` was widened from it). Backward: ``dX`` in the wide dtype, ``dW``, ``db`` summed in it and
+    rounded once to the parameters' dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, narrow):
+        wide = x.dtype
+        y = F.linear(x, weight.to(wide), None if bias is None else bias.to(wide))  # (..., V)
+        ctx.save_for_backward(x.to(narrow), weight)
+        ctx.wide, ctx.has_bias = wide, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(ctx.wide)  # (M, V), (M, H)
+        dx = grad.matmul(weight.to(ctx.wide))  # (..., H)
+        dw = g2.t().mm(x2).to(weight.dtype)  # (V, H)
+        db = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
 def parallel_lm_logits(
     hidden: torch.Tensor,
     word_embedding_weight: torch.Tensor,
@@ -377,13 +402,14 @@ def parallel_lm_logits(
     TP, since each rank's vocabulary slice contributes a part of it. ``wide`` (FP8 training,
     ``megazero.ops.fp8.ACCUMULATE``): the product, the logits and that gradient sum in ``wide``,
     so the hidden-state gradient rounds to one process's value under any tp (the gradient then
-    enters FP8 quantisations, which a last-bit difference can move by a whole FP8 step).
+    enters FP8 quantisations, which a last-bit difference can move by a whole FP8 step); the
+    input is kept in its own dtype and the weight is widened only while a GEMM runs.
     """
+    narrow = hidden.dtype
     if sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, group, wide=wide)  # (B, T, H)
     else:
         hidden = copy_to_tp_region(hidden, group, wide=wide)
     if wide is not None:
-        word_embedding_weight = word_embedding_weight.to(wide)
-        bias = None if bias is None else bias.to(wide)
+        return _WideLinear.apply(hidden, word_embedding_weight, bias, narrow)  # (B, T, V/tp) in wide
     return F.linear(hidden, word_embedding_weight, bias)  # (B, T, V/tp)
