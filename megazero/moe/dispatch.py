@@ -19,6 +19,10 @@ of expert-parallel size 1; only where the experts run changes. Two dispatchers, 
   each rank computes its local experts on every token routed to them, and the partial outputs
   are reduce-scattered back (summed over the ep ranks).
 
+An expert whose result on a row depends on the call's other rows (``scales_per_call``: FP8 current
+scaling) runs once per source micro-batch's chunk of what it receives (:func:`run_by_source`), so
+it quantises as at expert-parallel size 1 (docs/precision.md).
+
 Both return ``[N, W]``: the routing-weighted sum over each token's kept assignments of the
 expert outputs, the same arithmetic as the loop of ``model.gpt.MoEMLP`` at EP = 1 (outputs
 scaled by their weights and added token by token in expert order). The exchanges are autograd

@@ -1,7 +1,8 @@
 """FP8 (megazero/ops/fp8.py) under tensor parallelism quantises as one process does, because its
 scales are those of the logical tensors: a tensorwise amax of a tp-sharded operand, and a rowwise
 amax along a sharded contraction, are MAX-reduced over tp; block recipes lay whole blocks in each
-shard. One spawn of 4 gloo ranks checks it twice.
+shard; under expert parallelism an FP8 expert runs once per source micro-batch of the tokens it
+receives. One spawn of 4 gloo ranks checks it three times.
 
 1. Layers: a column-parallel -> GELU -> row-parallel FP8 MLP (hidden 64, ffn 128, 64 tokens, e5m2
    gradients) at tp 2 (ranks 0-1) and tp 2 with sequence parallelism (ranks 2-3) against the same
@@ -17,7 +18,13 @@ shard. One spawn of 4 gloo ranks checks it twice.
    FP8's rounding-flip noise (asserted within 2e-3 for losses, 2e-2 for norms): the tp partial
    sums' last-bit fp32 differences now and then move a value across an FP8 rounding boundary, a
    jump of a whole FP8 step (6-25%) that training then carries. Every rank reports the same
-   numbers."""
+   numbers.
+3. Experts: an MoE GPT (8 experts, top-2, a shared expert; untied output layer, see MOE_RUNS) in
+   FP8 (hybrid; tensorwise and blockwise) under pp 2 x dp 2 x EP 2, where each expert receives both
+   micro-batches' tokens in one dispatch (all-to-all, and all-gather): losses and gradient norms
+   within 1e-6 of the one-rank FP8 run over 6 steps and every token's experts the same integers.
+   The planted bug (the expert run once over all received tokens, one scale over both
+   micro-batches) moves the first loss by over 1e-4 (measured 1.1e-3)."""
 
 import math
 
@@ -26,6 +33,7 @@ import torch
 
 from tests.support.distributed import run_distributed
 from tests.support.layouts import BASE, FEATURE_STEPS, WIDER
+from tests.support.moe import MOE
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +48,14 @@ LAYOUTS = {
     "tp2-sp": ["--tp", "2", "--sequence-parallel"],
     "tp2-dp2-zero3": ["--tp", "2", "--dp", "2", "--zero-stage", "3"],
 }
+# MoE: 8 experts top-2 and a shared expert; untied output layer: under pp the tied embedding's gradient
+# sums the two stages' parts in another order than one rank (last bits that FP8 rounding then amplifies)
+MOE_RUNS = {f"moe-{r}": ARGV + MOE + f + ["--untie-embeddings-and-output-weights"] for r, f in TRAIN.items()}
+EP_LAYOUTS = {  # ep 2 = the dp pair of each stage: each expert receives both micro-batches' tokens
+    "pp2-dp2-ep2": ["--pp", "2", "--dp", "2", "--expert-model-parallel-size", "2"],
+    "pp2-dp2-ep2-allgather": ["--pp", "2", "--dp", "2", "--expert-model-parallel-size", "2"]
+    + ["--moe-token-dispatcher-type", "allgather"],
+}
 TP = ("tp2-sp", "tp2-dp2-zero3")  # FP8 rounding flips from the tp partial sums' order: the first loss only
 PLANTED = ("tensorwise", "tp2-sp")
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
@@ -47,11 +63,20 @@ H, FFN, B, T = 64, 128, 2, 32
 
 
 def _train(argv: list, world: int) -> tuple:
+    """(losses, gradient norms, (dp rank, per step {MoE layer held here: [experts [N, k] of each
+    of the rank's micro-batches]}))."""
     from megazero.training import build_trainer
+    from model.moe import MoEMLP
 
     trainer = build_trainer(argv, world)
-    out = [trainer.train_step(trainer.next_batches()).values for _ in range(FEATURE_STEPS)]
-    return [o["loss"] for o in out], [o["grad_norm"] for o in out]
+    moe = {int(i): b.mlp for c in trainer.chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
+    out, experts = [], []
+    for _ in range(FEATURE_STEPS):
+        for m in moe.values():
+            m.record = []
+        out.append(trainer.train_step(trainer.next_batches()).values)
+        experts.append({i: [r[0] for r in m.record] for i, m in moe.items()})
+    return [o["loss"] for o in out], [o["grad_norm"] for o in out], (trainer.groups.dp_rank, experts)
 
 
 def _mlp(rank: int, group, recipe: str, sp: bool) -> tuple:
@@ -95,9 +120,10 @@ def _layers(rank: int) -> dict:
 
 def _runs(rank: int, world: int, runs: dict) -> dict:
     import megazero.ops.fp8 as fp8
+    from model.moe import ExpertMLP
 
     out = {"layers": _layers(rank)} if world == 4 else {}
-    out.update({name: _train(argv, world) for name, argv in runs.items() if name != "planted"})
+    out.update({name: _train(argv, world) for name, argv in runs.items() if "planted" not in name})
     if "planted" in runs:
         reduce_amax = fp8.reduce_amax
         fp8.reduce_amax = lambda amax, group: amax
@@ -105,6 +131,13 @@ def _runs(rank: int, world: int, runs: dict) -> dict:
             out["planted"] = _train(runs["planted"], world)
         finally:
             fp8.reduce_amax = reduce_amax
+    if "moe-planted" in runs:  # the bug: each expert's received tokens in one call, one scale over them
+        per_call = ExpertMLP.scales_per_call
+        ExpertMLP.scales_per_call = property(lambda self: False)
+        try:
+            out["moe-planted"] = _train(runs["moe-planted"], world)
+        finally:
+            ExpertMLP.scales_per_call = per_call
     return out
 
 
@@ -140,21 +173,61 @@ def _check_layers(per_rank: list) -> None:
             assert max(off) > 1e-3, (recipe, sp, off)
 
 
-def test_fp8_layers_and_training_under_tp_sp_pp_zero3_equal_one_rank_and_a_local_amax_breaks_them():
-    single = run_distributed(_runs, 1, {"plain": ARGV, **{r: ARGV + f for r, f in TRAIN.items()}}, timeout_s=300)[0]
+def _assignments(per_rank: list, name: str) -> list:
+    """Per step, per MoE layer: the experts ``[N, k]`` of every micro-batch of the global batch
+    (dp rank 0's, then dp rank 1's), from the ranks of the stage holding the layer."""
+    steps = []
+    for step in range(FEATURE_STEPS):
+        by_layer = {}
+        for dp in (0, 1):
+            held = [r[name][2][1][step] for r in per_rank if r[name][2][0] == dp]
+            for layer in sorted({i for h in held for i in h}):
+                by_layer.setdefault(layer, []).extend(next(h[layer] for h in held if layer in h))
+        steps.append(by_layer)
+    return steps
+
+
+def _check_moe(single: dict, per_rank: list) -> None:
+    """FP8 experts under dp 2 x EP 2 (and pp 2): losses and gradient norms within 1e-6 of the one-rank
+    FP8 run over 6 steps, the same expert for every token (integers); one call per expert over all
+    received tokens (one scale over both micro-batches, planted) moves the first loss by over 1e-4."""
+    for r in TRAIN:
+        want_losses, want_norms, (_, want_experts) = single[f"moe-{r}"]
+        for layout in EP_LAYOUTS:
+            name = f"moe-{r}/{layout}"
+            losses, norms = per_rank[0][name][:2]
+            assert _close(losses, want_losses, 1e-6) and _close(norms, want_norms, 1e-6), (name, losses, want_losses)
+            got = _assignments(per_rank, name)
+            assert all(
+                got[s].keys() == want_experts[s].keys()
+                and all(torch.equal(torch.cat(got[s][i]), torch.cat(want_experts[s][i])) for i in got[s])
+                for s in range(FEATURE_STEPS)
+            ), name
+    planted, want = per_rank[0]["moe-planted"][0], single["moe-tensorwise"][0]
+    assert not math.isclose(planted[0], want[0], rel_tol=1e-4), (planted[0], want[0])
+
+
+def test_fp8_layers_and_training_under_tp_sp_pp_zero3_ep_equal_one_rank_and_a_local_amax_breaks_them():
+    alone = {"plain": ARGV, **{r: ARGV + f for r, f in TRAIN.items()}, **MOE_RUNS}
+    single = run_distributed(_runs, 1, alone, timeout_s=300)[0]
     runs = {f"{r}/{name}": ARGV + TRAIN[r] + flags for r in TRAIN for name, flags in LAYOUTS.items()}
     runs["planted"] = ARGV + TRAIN[PLANTED[0]] + LAYOUTS[PLANTED[1]]
+    runs.update({f"{m}/{name}": argv + flags for m, argv in MOE_RUNS.items() for name, flags in EP_LAYOUTS.items()})
+    runs["moe-planted"] = MOE_RUNS["moe-tensorwise"] + EP_LAYOUTS["pp2-dp2-ep2"]
     per_rank = run_distributed(_runs, 4, runs, timeout_s=600)
     _check_layers(per_rank)
+    _check_moe(single, per_rank)
     for r in TRAIN:
         assert not _close(single[r][0], single["plain"][0], 1e-5), r  # FP8 changes the losses
         assert _close(single[r][0], single["plain"][0], 1e-2), r  # by FP8's rounding, not more
     for name in runs:
-        losses, norms = per_rank[0][name]
-        assert all(res[name] == (losses, norms) for res in per_rank)  # every rank agrees
+        losses, norms = per_rank[0][name][:2]
+        assert all(res[name][:2] == (losses, norms) for res in per_rank)  # every rank agrees
+        if "moe" in name:
+            continue
         if name == "planted":
             continue
-        want_losses, want_norms = single[name.split("/")[0]]
+        want_losses, want_norms = single[name.split("/")[0]][:2]
         if name.split("/")[1] not in TP:
             assert _close(losses, want_losses, 1e-6) and _close(norms, want_norms, 1e-6), (name, losses, want_losses)
             continue
