@@ -20,8 +20,9 @@ receives. One spawn of 4 gloo ranks checks it three times.
    jump of a whole FP8 step (6-25%) that training then carries. Every rank reports the same
    numbers.
 3. Experts: an MoE GPT (8 experts, top-2, a shared expert; untied output layer, see MOE_RUNS) in
-   FP8 (hybrid; tensorwise and blockwise) under pp 2 x dp 2 x EP 2, where each expert receives both
-   micro-batches' tokens in one dispatch (all-to-all, and all-gather): losses and gradient norms
+   FP8 (hybrid; tensorwise and blockwise; tensorwise with capacity drops and each expert's input
+   padded to its capacity) under pp 2 x dp 2 x EP 2, where each expert receives both
+   micro-batches' tokens in one all-to-all: losses and gradient norms
    within 1e-6 of the one-rank FP8 run over 6 steps and every token's experts the same integers.
    The planted bug (the expert run once over all received tokens, one scale over both
    micro-batches) moves the first loss by over 1e-4 (measured 1.1e-3)."""
@@ -51,10 +52,17 @@ LAYOUTS = {
 # MoE: 8 experts top-2 and a shared expert; untied output layer: under pp the tied embedding's gradient
 # sums the two stages' parts in another order than one rank (last bits that FP8 rounding then amplifies)
 MOE_RUNS = {f"moe-{r}": ARGV + MOE + f + ["--untie-embeddings-and-output-weights"] for r, f in TRAIN.items()}
-EP_LAYOUTS = {  # ep 2 = the dp pair of each stage: each expert receives both micro-batches' tokens
-    "pp2-dp2-ep2": ["--pp", "2", "--dp", "2", "--expert-model-parallel-size", "2"],
-    "pp2-dp2-ep2-allgather": ["--pp", "2", "--dp", "2", "--expert-model-parallel-size", "2"]
-    + ["--moe-token-dispatcher-type", "allgather"],
+MOE_RUNS["moe-capacity"] = MOE_RUNS["moe-tensorwise"] + [  # drops, and each expert padded to its capacity
+    "--moe-expert-capacity-factor",
+    "1.0",
+    "--moe-pad-expert-input-to-capacity",
+]
+EP = ["--pp", "2", "--dp", "2", "--expert-model-parallel-size", "2"]  # ep 2 = the dp pair of each stage
+EP_RUNS = {  # name -> (model, layout): each expert receives both micro-batches' tokens in one all-to-all
+    # (the all-gather dispatcher's per-source split: tests/unit/test_fp8.py, bit for bit)
+    "moe-tensorwise/pp2-dp2-ep2": ("moe-tensorwise", EP),
+    "moe-blockwise/pp2-dp2-ep2": ("moe-blockwise", EP),
+    "moe-capacity/pp2-dp2-ep2": ("moe-capacity", EP),
 }
 TP = ("tp2-sp", "tp2-dp2-zero3")  # FP8 rounding flips from the tp partial sums' order: the first loss only
 PLANTED = ("tensorwise", "tp2-sp")
@@ -191,18 +199,16 @@ def _check_moe(single: dict, per_rank: list) -> None:
     """FP8 experts under dp 2 x EP 2 (and pp 2): losses and gradient norms within 1e-6 of the one-rank
     FP8 run over 6 steps, the same expert for every token (integers); one call per expert over all
     received tokens (one scale over both micro-batches, planted) moves the first loss by over 1e-4."""
-    for r in TRAIN:
-        want_losses, want_norms, (_, want_experts) = single[f"moe-{r}"]
-        for layout in EP_LAYOUTS:
-            name = f"moe-{r}/{layout}"
-            losses, norms = per_rank[0][name][:2]
-            assert _close(losses, want_losses, 1e-6) and _close(norms, want_norms, 1e-6), (name, losses, want_losses)
-            got = _assignments(per_rank, name)
-            assert all(
-                got[s].keys() == want_experts[s].keys()
-                and all(torch.equal(torch.cat(got[s][i]), torch.cat(want_experts[s][i])) for i in got[s])
-                for s in range(FEATURE_STEPS)
-            ), name
+    for name, (model, _) in EP_RUNS.items():
+        want_losses, want_norms, (_, want_experts) = single[model]
+        losses, norms = per_rank[0][name][:2]
+        assert _close(losses, want_losses, 1e-6) and _close(norms, want_norms, 1e-6), (name, losses, want_losses)
+        got = _assignments(per_rank, name)
+        assert all(
+            got[s].keys() == want_experts[s].keys()
+            and all(torch.equal(torch.cat(got[s][i]), torch.cat(want_experts[s][i])) for i in got[s])
+            for s in range(FEATURE_STEPS)
+        ), name
     planted, want = per_rank[0]["moe-planted"][0], single["moe-tensorwise"][0]
     assert not math.isclose(planted[0], want[0], rel_tol=1e-4), (planted[0], want[0])
 
@@ -212,8 +218,8 @@ def test_fp8_layers_and_training_under_tp_sp_pp_zero3_ep_equal_one_rank_and_a_lo
     single = run_distributed(_runs, 1, alone, timeout_s=300)[0]
     runs = {f"{r}/{name}": ARGV + TRAIN[r] + flags for r in TRAIN for name, flags in LAYOUTS.items()}
     runs["planted"] = ARGV + TRAIN[PLANTED[0]] + LAYOUTS[PLANTED[1]]
-    runs.update({f"{m}/{name}": argv + flags for m, argv in MOE_RUNS.items() for name, flags in EP_LAYOUTS.items()})
-    runs["moe-planted"] = MOE_RUNS["moe-tensorwise"] + EP_LAYOUTS["pp2-dp2-ep2"]
+    runs.update({name: MOE_RUNS[model] + layout for name, (model, layout) in EP_RUNS.items()})
+    runs["moe-planted"] = MOE_RUNS["moe-tensorwise"] + EP
     per_rank = run_distributed(_runs, 4, runs, timeout_s=600)
     _check_layers(per_rank)
     _check_moe(single, per_rank)
