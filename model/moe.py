@@ -59,8 +59,19 @@ class ExpertMLP(nn.Module):
         self.fc1 = _Linear(2 * local if self.gated else local, H, cfg.add_bias_linear, cfg.params_dtype, device)
         self.fc2 = _Linear(H, local, cfg.add_bias_linear, cfg.params_dtype, device)
 
+    @property
+    def scales_per_call(self) -> bool:
+        """Whether an output row depends on the call's other rows: under FP8 a tensorwise scale
+        spans the call's tokens and the weight gradient quantises along them, so the expert-parallel
+        dispatchers run it on each source micro-batch's rows apart (``dispatch.run_by_source``)."""
+        return self.fp8 is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:  # unsliced experts only (config checks refuse FP8 with ep or etp > 1)
+        """``x [n, H]`` -> the partial ``fc2`` output ``[n, H]``; under FP8 (unsliced experts only:
+        the config checks refuse FP8 experts under tp > 1) both GEMMs quantise with ``fp8_linear``,
+        except on no rows, where there is no scale to take and the plain product gives the empty
+        output and zero gradients."""
+        if self.fp8 is not None and x.shape[0] > 0:
             h = fp8_linear(x, self.fc1.weight, self.fc1.bias, self.fp8)  # (n, F) or (n, 2F)
             return fp8_linear(self.activation(h), self.fc2.weight, None, self.fp8)  # (n, H)
         h = F.linear(x, self.fc1.weight, self.fc1.bias)  # (n, F/tp) or (n, 2F/tp)

@@ -455,7 +455,10 @@ def _check_fp8(cfg: Config, world_size: int) -> None:
     """FP8 GEMMs (megazero/ops/fp8.py) where their scales are computed over the logical tensor:
     not under context parallelism (the weight gradient's token contraction would be split over cp,
     zigzag-ordered), nor with the zero-bubble schedules (their split backward runs the plain GEMMs),
-    nor for experts sliced over tp or ep ranks (their amax groups are not wired: left for later)."""
+    nor for experts under tp > 1 (the shared expert sliced over tp, the routed ones over
+    --expert-tensor-parallel-size ranks or on a share of the tokens: their amax groups are not
+    wired). Expert parallelism is allowed: the dispatchers run an FP8 expert once per source
+    micro-batch (megazero/moe/dispatch.py, ``run_by_source``), as at EP 1."""
     pr, p, m = cfg.precision, cfg.parallel, cfg.model
     if pr.fp8_format is None:
         return
@@ -467,11 +470,11 @@ def _check_fp8(cfg: Config, world_size: int) -> None:
             f"{fmt} with --pipeline-schedule {p.pipeline_schedule} is not supported (its split "
             f"backward runs plain GEMMs); fix: use 1f1b, gpipe or interleaved"
         )
-    if m.num_experts is not None and (p.tp > 1 or p.expert_model_parallel_size > 1):
+    if m.num_experts is not None and p.tp > 1:
+        etp = p.tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
         raise ConfigError(
-            f"{fmt} with experts under --tp {p.tp} / --expert-model-parallel-size "
-            f"{p.expert_model_parallel_size} is not supported; fix: use --tp 1 and "
-            "--expert-model-parallel-size 1 with FP8 experts"
+            f"{fmt} with experts under --tp {p.tp} (--expert-tensor-parallel-size {etp}) is not supported; "
+            "fix: use --tp 1 with FP8 experts (expert parallelism, --expert-model-parallel-size, is supported)"
         )
     if pr.fp8_recipe not in ("blockwise", "mxfp8"):
         return

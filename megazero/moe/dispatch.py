@@ -19,6 +19,10 @@ of expert-parallel size 1; only where the experts run changes. Two dispatchers, 
   each rank computes its local experts on every token routed to them, and the partial outputs
   are reduce-scattered back (summed over the ep ranks).
 
+An expert whose result on a row depends on the call's other rows (``scales_per_call``: FP8 current
+scaling) runs once per source micro-batch's chunk of what it receives (:func:`run_by_source`), so
+it quantises as at expert-parallel size 1 (docs/precision.md).
+
 Both return ``[N, W]``: the routing-weighted sum over each token's kept assignments of the
 expert outputs, the same arithmetic as the loop of ``model.gpt.MoEMLP`` at EP = 1 (outputs
 scaled by their weights and added token by token in expert order). The exchanges are autograd
@@ -137,12 +141,21 @@ def _kept(order: torch.Tensor, kept: int, k: int, assigned: torch.Tensor):
     return rows // k, rows % k, assigned.reshape(-1)[rows]
 
 
-def run_blocks(experts: list, rows: torch.Tensor, sizes: list[int], pad_to=None) -> torch.Tensor:
+def run_blocks(experts: list, rows: torch.Tensor, sizes: list[int], pad_to=None, sources=None) -> torch.Tensor:
     """``experts[j]`` on its block of ``sizes[j]`` consecutive rows of ``rows [S, H]`` ->
     ``[S, W]`` in the same order: one grouped matrix product when the experts offer it
     (a ``grouped_forward(experts, rows, sizes)`` returning a tensor, e.g. ``model.gpt.ExpertMLP``
     where torch has a grouped GEMM for the device and dtype; not with ``pad_to``), else a loop
-    over the blocks (``run_expert``). Both give the same numbers (tests/layouts/test_moe_ep.py)."""
+    over the blocks (``run_expert``). Both give the same numbers (tests/layouts/test_moe_ep.py).
+
+    ``sources``: the rows of each block per source micro-batch, ``sources[j]`` a list of counts
+    summing to ``sizes[j]`` (an expert's block is source-major: the dispatchers below). Experts
+    whose ``scales_per_call`` is true (FP8 ones: a scale per tensor, and the weight gradient's
+    quantisation along the tokens, take the whole call's rows) then run once per non-empty source
+    chunk (:func:`run_by_source`), so each quantises and contracts one micro-batch's rows as
+    expert-parallel size 1 does."""
+    if sources is not None and experts and getattr(experts[0], "scales_per_call", False):
+        return run_by_source(experts, rows, sizes, sources, pad_to)
     grouped = getattr(experts[0], "grouped_forward", None) if experts else None
     if pad_to is None and grouped is not None:
         y = grouped(experts, rows, sizes)
@@ -151,8 +164,33 @@ def run_blocks(experts: list, rows: torch.Tensor, sizes: list[int], pad_to=None)
     return torch.cat([run_expert(e, b, pad_to) for e, b in zip(experts, rows.split(sizes))])
 
 
+def run_by_source(
+    experts: list, rows: torch.Tensor, sizes: list[int], sources: list[list[int]], pad_to=None
+) -> torch.Tensor:
+    """``experts[j]`` on each source's chunk of its block of ``rows [S, H]`` (``sizes``, ``sources``
+    as :func:`run_blocks`), one call per non-empty chunk (one call on the empty block when every
+    chunk is empty, so the expert's gradients still arrive) -> ``[S, W]`` in row order. A chunk is
+    what the expert receives at expert-parallel size 1 from that source's micro-batch, in the same
+    (token) order, so each call is the single rank's call for that micro-batch: the same FP8
+    scales, the same GEMM shapes; ``pad_to`` (the whole block's padded rows) pads each chunk to
+    ``pad_to / len(sources[j])``, the single rank's capacity. The weight gradients of the calls sum
+    in autograd (with two sources ``g0 + g1``, the single rank's accumulation ``(0 + g0) + g1``
+    bit for bit; with more, in autograd's order)."""
+    out = []
+    for e, block, counts in zip(experts, rows.split(sizes), sources):
+        chunks = [c for c in block.split(counts) if c.shape[0] > 0] or [block]
+        per = None if pad_to is None else pad_to // len(counts)
+        out += [run_expert(e, c, per) for c in chunks]
+    return torch.cat(out)
+
+
 def local_experts(
-    x: torch.Tensor, weights: torch.Tensor, assigned: torch.Tensor, experts: Mapping[int, Expert], pad_to=None
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    assigned: torch.Tensor,
+    experts: Mapping[int, Expert],
+    pad_to=None,
+    sources: int = 1,
 ) -> torch.Tensor:
     """The routing-weighted sum of the outputs of ``experts`` (consecutive global indices) on
     the rows assigned to them: ``x [N, H]``, ``weights [N, k]``, ``assigned [N, k]`` (int64,
@@ -161,12 +199,20 @@ def local_experts(
     runs on its block (also on none; ``pad_to``: ``run_expert``), and one ``index_add`` in that
     order adds them up (``run_blocks``: one grouped GEMM where offered): the arithmetic of a loop over experts adding
     each expert's weighted
-    outputs token by token, without one ``[N, H]`` copy and one ``[N, H]`` gradient per expert."""
+    outputs token by token, without one ``[N, H]`` copy and one ``[N, H]`` gradient per expert.
+    ``sources``: the rows are that many equal blocks of source micro-batches (the all-gather
+    dispatcher's ep ranks), whose per-expert counts go to ``run_blocks``."""
     first, n = min(experts), len(experts)
     order, counts = _expert_order(assigned, first, n)
-    sizes = counts.tolist()  # the one host sync
+    if sources > 1:
+        blocks = (assigned - first).view(sources, -1)  # (sources, N/sources k)
+        per_source = torch.stack([assignment_counts(b, n) for b in blocks])  # (sources, n)
+        split = per_source.t().tolist()  # the one host sync: [n][sources]
+        sizes = [sum(c) for c in split]
+    else:
+        split, sizes = None, counts.tolist()  # the one host sync
     tok, slot, _ = _kept(order, sum(sizes), assigned.shape[1], assigned)
-    y = run_blocks([experts[first + j] for j in range(n)], x[tok], sizes, pad_to)  # rows by expert
+    y = run_blocks([experts[first + j] for j in range(n)], x[tok], sizes, pad_to, split)  # rows by expert
     return x.new_zeros((x.shape[0], y.shape[1])).index_add(0, tok, y * weights[tok, slot, None])
 
 
@@ -203,8 +249,8 @@ def alltoall_experts(
     )  # the size known on the host: no sync
     perm = torch.sort(expert_of_row, stable=True).indices  # [R] expert-major
     mine = [experts[ep_rank * local + j] for j in range(local)]
-    sizes = [sum(got[r * local + j] for r in range(ep)) for j in range(local)]
-    y = run_blocks(mine, received[perm], sizes, pad_to)
+    sources = [[got[r * local + j] for r in range(ep)] for j in range(local)]  # [E/EP][EP sources]
+    y = run_blocks(mine, received[perm], [sum(c) for c in sources], pad_to, sources)
     y = torch.zeros_like(y).index_copy(0, perm, y)  # [R, W] source-major
     back = _AllToAll.apply(y, send_rows, recv_rows, group)  # [S, W] expert-sorted
     out = x.new_zeros((x.shape[0], back.shape[1]))
@@ -231,7 +277,7 @@ def allgather_experts(
     a_all = assigned.new_empty((x_all.shape[0], assigned.shape[1]))
     C.all_gather_into(a_all.view(-1), assigned.contiguous().view(-1), group)
     mine = {e: experts[e] for e in range(ep_rank * local, (ep_rank + 1) * local)}
-    out = local_experts(x_all, w_all, a_all, mine, pad_to)  # [EP N, W]
+    out = local_experts(x_all, w_all, a_all, mine, pad_to, sources=ep)  # [EP N, W]
     return _ReduceScatterRows.apply(out, group)  # [N, W]
 
 

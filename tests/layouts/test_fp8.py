@@ -1,9 +1,10 @@
 """FP8 (megazero/ops/fp8.py) under tensor parallelism quantises as one process does, because its
 scales are those of the logical tensors: a tensorwise amax of a tp-sharded operand, and a rowwise
 amax along a sharded contraction, are MAX-reduced over tp; block recipes lay whole blocks in each
-shard. And it computes as one process does, because every tp sum feeding a quantiser is exact (the
-emulated GEMM's fp64 partial sums reduced in fp64; the output layer in fp64). One spawn of 4 gloo
-ranks checks all three.
+shard; under expert parallelism an FP8 expert runs once per source micro-batch of the tokens it
+receives. And it computes as one process does, because every tp sum feeding a quantiser is exact
+(the emulated GEMM's fp64 partial sums reduced in fp64; the output layer in fp64). One spawn of 4
+gloo ranks checks all four parts.
 
 1. Layers: a column-parallel -> GELU -> row-parallel FP8 MLP (hidden 64, ffn 128, 64 tokens, e5m2
    gradients) at tp 2 (ranks 0-1) and tp 2 with sequence parallelism (ranks 2-3) against the same
@@ -29,7 +30,14 @@ ranks checks all three.
    parameters once (pp 2 keeps units gathered through the step): 4 P / 2 bytes without the flag,
    4 (P - F) / 2 + F / 2 with it, F = 12 H^2 per layer (qkv, proj, fc1, fc2); the amax all-reduces
    add 4 bytes per FP8 weight. The planted bug (the scale of the local ZeRO shard's amax) moves the
-   first loss by more than 1e-4."""
+   first loss by more than 1e-4.
+4. Experts: an MoE GPT (8 experts, top-2, a shared expert) in
+   FP8 (hybrid; tensorwise and blockwise; tensorwise with capacity drops and each expert's input
+   padded to its capacity) under pp 2 x dp 2 x EP 2, where each expert receives both
+   micro-batches' tokens in one all-to-all: losses bitwise and gradient norms
+   within 1e-7 of the one-rank FP8 run over 6 steps and every token's experts the same integers.
+   The planted bug (the expert run once over all received tokens, one scale over both
+   micro-batches) moves the first loss by over 1e-4 (measured 1.1e-3)."""
 
 import math
 
@@ -38,6 +46,7 @@ import torch
 
 from tests.support.distributed import run_distributed
 from tests.support.layouts import BASE, FEATURE_STEPS, WIDER
+from tests.support.moe import MOE
 
 pytestmark = pytest.mark.slow
 
@@ -58,25 +67,47 @@ GATHER = {  # --fp8-param-gather runs, each bitwise the run of the layout it nam
     "tensorwise/pp2-dp2-zero3-fp8ag": "tensorwise/pp2-dp2-zero3",
     "tensorwise/tp2-dp2-zero3-fp8ag": "tensorwise/tp2-dp2-zero3",
 }
+# MoE: 8 experts top-2 and a shared expert
+MOE_RUNS = {f"moe-{r}": ARGV + MOE + f for r, f in TRAIN.items()}
+MOE_RUNS["moe-capacity"] = MOE_RUNS["moe-tensorwise"] + [  # drops, and each expert padded to its capacity
+    "--moe-expert-capacity-factor",
+    "1.0",
+    "--moe-pad-expert-input-to-capacity",
+]
+EP = ["--pp", "2", "--dp", "2", "--expert-model-parallel-size", "2"]  # ep 2 = the dp pair of each stage
+EP_RUNS = {  # name -> (model, layout): each expert receives both micro-batches' tokens in one all-to-all
+    # (the all-gather dispatcher's per-source split: tests/unit/test_fp8.py, bit for bit)
+    "moe-tensorwise/pp2-dp2-ep2": ("moe-tensorwise", EP),
+    "moe-blockwise/pp2-dp2-ep2": ("moe-blockwise", EP),
+    "moe-capacity/pp2-dp2-ep2": ("moe-capacity", EP),
+}
 PLANTED = ("tensorwise", "tp2-sp")
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 H, FFN, B, T = 64, 128, 2, 32
 
 
 def _train(argv: list, world: int) -> tuple:
-    """(losses, norms, all-gather bytes per step, all-reduce bytes per step, parameters of this rank)."""
+    """(losses, gradient norms, (dp rank, per step {MoE layer held here: [experts [N, k] of each of
+    the rank's micro-batches]}), all-gather bytes per step, all-reduce bytes per step, parameters of
+    this rank)."""
     from megazero import collectives as C
     from megazero.training import build_trainer
+    from model.moe import MoEMLP
 
     trainer = build_trainer(argv, world)
-    out, gathered, reduced = [], [], []
+    moe = {int(i): b.mlp for c in trainer.chunks for i, b in c.layers.items() if isinstance(b.mlp, MoEMLP)}
+    out, experts, gathered, reduced = [], [], [], []
     for _ in range(FEATURE_STEPS):
+        for m in moe.values():
+            m.record = []
         g0, r0 = C.counter["all_gather"], C.counter["all_reduce"]
         out.append(trainer.train_step(trainer.next_batches()).values)
         gathered.append(C.counter["all_gather"] - g0)
         reduced.append(C.counter["all_reduce"] - r0)
+        experts.append({i: [r[0] for r in m.record] for i, m in moe.items()})
     params = sum(p.numel() for p in trainer.ddp.params)
-    return [o["loss"] for o in out], [o["grad_norm"] for o in out], gathered, reduced, params
+    losses, norms = [o["loss"] for o in out], [o["grad_norm"] for o in out]
+    return losses, norms, (trainer.groups.dp_rank, experts), gathered, reduced, params
 
 
 def _mlp(rank: int, group, recipe: str, sp: bool) -> tuple:
@@ -120,9 +151,10 @@ def _layers(rank: int) -> dict:
 
 def _runs(rank: int, world: int, runs: dict) -> dict:
     import megazero.ops.fp8 as fp8
+    from model.moe import ExpertMLP
 
     out = {"layers": _layers(rank)} if world == 4 else {}
-    out.update({name: _train(argv, world) for name, argv in runs.items() if name != "planted"})
+    out.update({name: _train(argv, world) for name, argv in runs.items() if "planted" not in name})
     if "planted" in runs:
         reduce_amax = fp8.reduce_amax
         fp8.reduce_amax = lambda amax, group: amax
@@ -139,6 +171,13 @@ def _runs(rank: int, world: int, runs: dict) -> dict:
             out["planted-fp8ag"] = _train(runs["planted-fp8ag"], world)
         finally:
             ag.reduce_amax = reduce_shards
+    if "moe-planted" in runs:  # the bug: each expert's received tokens in one call, one scale over them
+        per_call = ExpertMLP.scales_per_call
+        ExpertMLP.scales_per_call = property(lambda self: False)
+        try:
+            out["moe-planted"] = _train(runs["moe-planted"], world)
+        finally:
+            ExpertMLP.scales_per_call = per_call
     return out
 
 
@@ -171,8 +210,40 @@ def _check_layers(per_rank: list) -> None:
             assert max(off) > 1e-3, (recipe, sp, off)
 
 
-def test_fp8_layers_and_training_under_tp_sp_pp_zero3_equal_one_rank_and_a_local_amax_breaks_them():
-    alone = {"plain": ARGV, **{r: ARGV + f for r, f in TRAIN.items()}}
+def _assignments(per_rank: list, name: str) -> list:
+    """Per step, per MoE layer: the experts ``[N, k]`` of every micro-batch of the global batch
+    (dp rank 0's, then dp rank 1's), from the ranks of the stage holding the layer."""
+    steps = []
+    for step in range(FEATURE_STEPS):
+        by_layer = {}
+        for dp in (0, 1):
+            held = [r[name][2][1][step] for r in per_rank if r[name][2][0] == dp]
+            for layer in sorted({i for h in held for i in h}):
+                by_layer.setdefault(layer, []).extend(next(h[layer] for h in held if layer in h))
+        steps.append(by_layer)
+    return steps
+
+
+def _check_moe(single: dict, per_rank: list) -> None:
+    """FP8 experts under dp 2 x EP 2 (and pp 2): losses bitwise and gradient norms within 1e-7 of the
+    one-rank FP8 run over 6 steps, the same expert for every token (integers); one call per expert over all
+    received tokens (one scale over both micro-batches, planted) moves the first loss by over 1e-4."""
+    for name, (model, _) in EP_RUNS.items():
+        want_losses, want_norms, (_, want_experts) = single[model][:3]
+        losses, norms = per_rank[0][name][:2]
+        assert losses == want_losses and _close(norms, want_norms, 1e-7), (name, losses, want_losses, norms, want_norms)
+        got = _assignments(per_rank, name)
+        assert all(
+            got[s].keys() == want_experts[s].keys()
+            and all(torch.equal(torch.cat(got[s][i]), torch.cat(want_experts[s][i])) for i in got[s])
+            for s in range(FEATURE_STEPS)
+        ), name
+    planted, want = per_rank[0]["moe-planted"][0], single["moe-tensorwise"][0]
+    assert not math.isclose(planted[0], want[0], rel_tol=1e-4), (planted[0], want[0])
+
+
+def test_fp8_layers_and_training_under_tp_sp_pp_zero3_ep_equal_one_rank_and_a_local_amax_breaks_them():
+    alone = {"plain": ARGV, **{r: ARGV + f for r, f in TRAIN.items()}, **MOE_RUNS}
     alone.update({f"{r}/no-clip": ARGV + f + NO_CLIP for r, f in TRAIN.items()})
     single = run_distributed(_runs, 1, alone, timeout_s=300)[0]
     runs = {f"{r}/{name}": ARGV + TRAIN[r] + flags for r in TRAIN for name, flags in LAYOUTS.items()}
@@ -180,15 +251,18 @@ def test_fp8_layers_and_training_under_tp_sp_pp_zero3_equal_one_rank_and_a_local
     for name, base in GATHER.items():
         runs[name] = runs[base] + ["--fp8-param-gather"]
     runs["planted-fp8ag"] = runs["tensorwise/pp2-dp2-zero3-fp8ag"]
+    runs.update({name: MOE_RUNS[model] + layout for name, (model, layout) in EP_RUNS.items()})
+    runs["moe-planted"] = MOE_RUNS["moe-tensorwise"] + EP
     per_rank = run_distributed(_runs, 4, runs, timeout_s=600)
     _check_layers(per_rank)
+    _check_moe(single, per_rank)
     for r in TRAIN:
         assert not _close(single[r][0], single["plain"][0], 1e-5), r  # FP8 changes the losses
         assert _close(single[r][0], single["plain"][0], 1e-2), r  # by FP8's rounding, not more
     for name in runs:
         losses, norms = per_rank[0][name][:2]
         assert all(res[name][:2] == (losses, norms) for res in per_rank)  # every rank agrees
-        if name.startswith("planted"):
+        if "planted" in name or name.startswith("moe"):
             continue
         recipe, layout = name.split("/")
         layout = layout.removesuffix("-fp8ag")
