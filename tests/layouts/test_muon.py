@@ -110,8 +110,15 @@ TP_SP = ["--tp", "2", "--sequence-parallel", "--dp", "2", "--zero-stage", "1"] +
 # buckets of 2,000 elements: ZeRO-3 shard boundaries cut hidden matrices (checked below)
 PP_Z3 = ["--pp", "2", "--dp", "2", "--zero-stage", "3", "--reduce-bucket-size", "2000"] + MB4
 PP_Z3 += ["--zero3-param-persistence-threshold", "0"]  # every parameter sharded: the formula is exact
+# ZeRO-0 keeps whole buffers (no sum over dp); ZeRO-2 and hybrid sharding (shards of 2 of the 4 dp
+# ranks, replicated across the pairs) cut hidden matrices with 2,000-element buckets
+TP_Z0 = ["--tp", "2", "--dp", "2", "--zero-stage", "0"] + MB4
+PP_Z2 = ["--pp", "2", "--dp", "2", "--zero-stage", "2", "--reduce-bucket-size", "2000"] + MB4
+HYBRID = ["--dp", "4", "--zero-stage", "2", "--zero-shard-size", "2", "--reduce-bucket-size", "2000"] + MB4
 # the LLaMA-block MoE (8 experts, top-2, a shared expert): experts split over ep 2 and cut over tp 2
 EP2 = ["--tp", "2", "--dp", "2", "--zero-stage", "2", "--expert-model-parallel-size", "2"] + MB4
+# dp 4 x ep 2: each expert's state sharded over its expert-data-parallel group of 2 ranks
+DP_EP2 = ["--dp", "4", "--zero-stage", "2", "--expert-model-parallel-size", "2"] + MB4
 
 
 def layout_jobs(rank, world, jobs):
@@ -151,49 +158,56 @@ def layout_jobs(rank, world, jobs):
 
 @pytest.mark.slow
 def test_layouts_and_resume_equal_one_process(tmp_path):
-    """tp 2 + SP x dp 2 ZeRO-1, pp 2 x dp 2 ZeRO-3 (matrices cut by shard boundaries) and, on
-    the MoE model, tp 2 x dp 2 x ep 2 ZeRO-2 equal the one-process Muon run over 10 steps (losses
-    and gradient norms 1e-6, MoE 1e-5 / 1e-3; Newton-Schulz in fp32); a checkpoint saved at step 5 under
-    the first resumes under the second; model-state bytes equal the optimizer's formula."""
+    """Every layout equals the one-process Muon run (Newton-Schulz in fp32) within 1e-6 in losses
+    and gradient norms over 10 steps: tp 2 + SP x dp 2 ZeRO-1, tp 2 x dp 2 ZeRO-0, pp 2 x dp 2
+    ZeRO-2 and ZeRO-3 and dp 4 ZeRO-2 sharded over pairs (hybrid), with hidden matrices cut by
+    shard boundaries, and, on the MoE model, tp 2 x dp 2 x ep 2 and dp 4 x ep 2 ZeRO-2 (experts
+    sharded over their expert-data-parallel group); a checkpoint saved at step
+    5 under tp 2 + SP resumes under pp 2 ZeRO-3; model-state bytes equal the optimizer's formula."""
     ckpt = str(tmp_path)
     muon = MUON + ["--muon-ns-dtype", "fp32"]  # bf16 rounding would amplify summation order
-    moe = MOE_ARGS + MUON[len(BASE) :] + ["--muon-ns-dtype", "fp32"]
+    # the MoE oracle routes micro-batches of the layout's size: the router's aux and z losses are
+    # means over a micro-batch's tokens, so another split is another loss (at micro-batch 2 the
+    # first gradient norm differs by 2e-5 before any update, under AdamW as under Muon)
+    moe = MOE_ARGS + MUON[len(BASE) :] + ["--muon-ns-dtype", "fp32"] + MB4
     singles = run_distributed(layout_jobs, 1, [(muon, STEPS, None, None), (moe, STEPS, None, None)])[0]
     (single, single_norms, _, _), (moe_single, moe_norms, _, _) = singles
-    results = run_distributed(
-        layout_jobs,
-        4,
-        [
-            (muon + TP_SP, STEPS, None, None),
-            (muon + PP_Z3, STEPS, None, None),
-            (muon + TP_SP, STEPS // 2, ckpt, None),
-            (muon + PP_Z3, STEPS - STEPS // 2, None, ckpt),
-            (moe + EP2, STEPS, None, None),
-        ],
-        timeout_s=600,
-    )
-    tp_sp, pp_z3, first, resumed, ep2 = results[0]
-    # the MoE layout differs from its one-process run by ~2e-5 in the first gradient norm (before
-    # any update), ~2e-4 after 6 steps, and ~1e-5 in the losses under AdamW too (a wrong expert join is O(1))
-    for name, (losses, norms, _, _), want, want_norms, tol in (
-        ("tp2-sp-dp2-zero1", tp_sp, single, single_norms, (1e-6, 1e-6)),
-        ("pp2-dp2-zero3", pp_z3, single, single_norms, (1e-6, 1e-6)),
-        ("resume", resumed, single[STEPS // 2 :], single_norms[STEPS // 2 :], (1e-6, 1e-6)),
-        ("tp2-dp2-ep2-zero2 moe", ep2, moe_single, moe_norms, (1e-5, 1e-3)),
-    ):
+    layouts = {  # name: (argv, partner rank owning the rest of each hidden matrix, "all" or None)
+        "tp2-sp-dp2-zero1": (muon + TP_SP, 2),
+        "pp2-dp2-zero3": (muon + PP_Z3, 1),
+        "tp2-dp2-zero0": (muon + TP_Z0, "all"),
+        "pp2-dp2-zero2": (muon + PP_Z2, 1),
+        "dp4-zero2-shard2": (muon + HYBRID, 1),
+        "dp4-ep2-zero2 moe": (moe + DP_EP2, None),
+        "tp2-dp2-ep2-zero2 moe": (moe + EP2, None),
+    }
+    jobs = [(argv, STEPS, None, None) for argv, _ in layouts.values()]
+    jobs += [(muon + TP_SP, STEPS // 2, ckpt, None), (muon + PP_Z3, STEPS - STEPS // 2, None, ckpt)]
+    results = run_distributed(layout_jobs, 4, jobs, timeout_s=600)
+    checks = [(name, job, single, single_norms) for job, name in enumerate(layouts)]
+    for job in (len(layouts) - 2, len(layouts) - 1):
+        checks[job] = (checks[job][0], job, moe_single, moe_norms)
+    checks.append(("resume", len(layouts) + 1, single[STEPS // 2 :], single_norms[STEPS // 2 :]))
+    for name, job, want, want_norms in checks:
+        losses, norms, _, _ = results[0][job]
+        assert len(losses) == len(want)
         for step, (got, ref) in enumerate(zip(losses, want)):
-            assert math.isclose(got, ref, rel_tol=tol[0]), (name, step, got, ref)
-        for got, ref in zip(norms, want_norms):
-            assert math.isclose(got, ref, rel_tol=tol[1]), (name, got, ref)
-    assert first[0] == tp_sp[0][: STEPS // 2]
-    assert any(r[1][3] for r in results)  # some rank owns only part of a hidden matrix at ZeRO-3
-    # ZeRO-1 and ZeRO-3: the ZeRO formula with one moment on the hidden-matrix elements each rank
-    # owns; the 2 dp ranks of a tp rank (rank, rank ^ 2) or of a stage (rank, rank ^ 1) own them all
-    for job, other in ((0, 2), (1, 1)):
+            assert math.isclose(got, ref, rel_tol=1e-6), (name, step, got, ref)
+        for step, (got, ref) in enumerate(zip(norms, want_norms)):
+            assert math.isclose(got, ref, rel_tol=1e-6), (name, step, got, ref)
+    assert results[0][len(layouts)][0] == results[0][0][0][: STEPS // 2]
+    for job in (1, 3, 4):  # ZeRO-3, ZeRO-2, hybrid: some rank owns only part of a hidden matrix
+        assert any(r[job][3] for r in results), checks[job][0]
+    # the ZeRO formula with one moment on the hidden-matrix elements each rank owns; the partner
+    # (same tp rank and stage, other dp rank of the shard group) owns the rest; ZeRO-0 owns them all
+    for job, (name, (_, other)) in enumerate(layouts.items()):
         for rank, rank_results in enumerate(results):
             got, formula, two_moments, owned, hidden = rank_results[job][2]
-            assert got["total"] - got["buckets"] == formula["total"] == two_moments - 4 * owned
-            assert owned + results[rank ^ other][job][2][3] == hidden > 0
+            assert got["total"] - got["buckets"] == formula["total"] == two_moments - 4 * owned, name
+            if other == "all":
+                assert owned == hidden > 0, name
+            elif other is not None:
+                assert owned + results[rank ^ other][job][2][3] == hidden > 0, name
 
 
 def test_muon_with_optimizer_offload_is_refused(capsys):
