@@ -2,6 +2,7 @@
 model, and every layout against the one-process run (megazero/optim/muon.py)."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -17,10 +18,63 @@ STEPS = 10
 MUON = BASE + ["--optimizer", "muon", "--lr", "1e-3", "--muon-momentum", "0.9"]
 
 
-def muon_oracle(argv, steps):
+def ns_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py) with fp32 matmuls instead of bf16."""
+    a, b, c = ns_coefficients
+    x = grad.float().T if grad.size(0) > grad.size(1) else grad.float()
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+def clip_qk_reference(model, outputs, tau, alpha):
+    """Kimi K2's QK-Clip (arXiv 2507.20534 sec. 2.1) on a multi-head ReferenceGPT, written
+    plainly: each block's QKV output ``outputs[i]`` ``[B, T, 3 A]`` of the step gives each head's
+    largest causal q.k / sqrt(d); a head above ``tau`` has its q rows (weight and bias) scaled by
+    gamma^alpha and its k rows by gamma^(1 - alpha), gamma = tau / max. Returns the count of
+    clipped heads."""
+    clipped = 0
+    for block, out in zip(model.blocks, outputs):
+        B, T, rows = out.shape
+        heads, d = block.heads, rows // 3 // block.heads
+        q, k = out[..., : heads * d], out[..., heads * d : 2 * heads * d]
+        q, k = (t.reshape(B, T, heads, d).transpose(1, 2) for t in (q, k))  # (B, heads, T, d)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # (B, heads, T, T)
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        top = scores.masked_fill(future, float("-inf")).amax(dim=(0, 2, 3))  # (heads,)
+        with torch.no_grad():
+            for h in range(heads):
+                if top[h] > tau:
+                    gamma = tau / top[h].item()
+                    clipped += 1
+                    for p in (q for q in (block.qkv.weight, block.qkv.bias) if q is not None):
+                        p[h * d : (h + 1) * d] *= gamma**alpha
+                        p[(heads + h) * d : (heads + h + 1) * d] *= gamma ** (1 - alpha)
+    return clipped
+
+
+def _oracle_step(model, opts, params, batch, lr, clip_grad, ns, norms, losses):
+    for opt in opts:
+        for group in opt.param_groups:
+            group["lr"] = lr
+    tokens, labels = batch
+    model.zero_grad(set_to_none=True)
+    model.loss(tokens, labels).backward()
+    norms.append(torch.nn.utils.clip_grad_norm_(params, clip_grad).item())
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", ns):
+        opts[0].step()
+    opts[1].step()
+    losses.append(model.cross_entropy.item())
+
+
+def muon_oracle(argv, steps, fp32=False, qk_clip=None, stats=None):
     """Losses and pre-clip gradient norms of ReferenceGPT trained with torch.optim.Muon on the
     2-D hidden matrices (``layers.*``) and torch.optim.AdamW on the rest, both at the
-    schedule's learning rate, after torch's clip_grad_norm_."""
+    schedule's learning rate, after torch's clip_grad_norm_. ``fp32``: Newton-Schulz in fp32
+    (``ns_fp32``); ``qk_clip`` (tau, alpha): ``clip_qk_reference`` after each step; ``stats``: a
+    dict to receive the final canonical parameters (``params``) and the clipped heads' count."""
     from data.samplers import get_micro_batches
     from megazero import training
     from megazero.config import config_from_argv
@@ -56,19 +110,23 @@ def muon_oracle(argv, steps):
         betas=(o.adam_beta1, o.adam_beta2),
         eps=o.adam_eps,
     )
-    params = list(named.values())
-    losses, norms = [], []
-    for step in range(steps):
-        for opt in (muon, adam):
-            for group in opt.param_groups:
-                group["lr"] = sched(step + 1)
-        tokens, labels = batches[step]
-        model.zero_grad(set_to_none=True)
-        model.loss(tokens, labels).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(params, o.clip_grad).item())
-        muon.step()
-        adam.step()
-        losses.append(model.cross_entropy.item())
+    params, opts = list(named.values()), (muon, adam)
+    losses, norms, outputs, clipped = [], [], [], 0
+    for block in model.blocks:
+        block.qkv.register_forward_hook(lambda mod, args, out: outputs.append(out.detach()))
+    ns = ns_fp32 if fp32 else torch.optim._muon._zeropower_via_newtonschulz
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: more threads only wait on the busy cores
+    try:
+        for step in range(steps):
+            _oracle_step(model, opts, params, batches[step], sched(step + 1), o.clip_grad, ns, norms, losses)
+            if qk_clip is not None:
+                clipped += clip_qk_reference(model, outputs, *qk_clip)
+            outputs.clear()
+    finally:
+        torch.set_num_threads(threads)
+    if stats is not None:
+        stats.update(params={n: p.detach().clone() for n, p in named.items()}, clipped=clipped)
     return losses, norms
 
 
@@ -90,7 +148,7 @@ def test_newton_schulz_and_lr_scale_match_torch():
 def test_one_process_equals_torch_muon():
     """megazero's one-process --optimizer muon equals torch.optim.Muon + AdamW within 1e-6."""
     want_losses, want_norms = muon_oracle(MUON, STEPS)
-    [(losses, norms, memory, _)] = run_distributed(layout_jobs, 1, [(MUON, STEPS, None, None)])[0]
+    [(losses, norms, memory, *_)] = run_distributed(layout_jobs, 1, [(MUON, STEPS, None, None)])[0]
     for step, (got, want) in enumerate(zip(losses, want_losses)):
         assert math.isclose(got, want, rel_tol=1e-6), (step, got, want)
     got, formula, two_moments, owned, hidden = memory  # one fp32 moment on the hidden matrices
@@ -103,6 +161,58 @@ def test_one_process_equals_torch_muon():
         assert math.isclose(got, want, rel_tol=1e-4), (got, want)
     adam = oracle_losses(MUON, STEPS)  # the same run with AdamW everywhere: Muon really acts
     assert max(abs(a - b) for a, b in zip(adam, losses)) > 1e-3
+
+
+QK_CLIP = ["--muon-ns-dtype", "fp32", "--qk-clip", "--qk-clip-threshold", "0.05"]  # ~half the heads' max logits
+
+
+def assert_qkv_close(got: dict, want: dict) -> None:
+    """QKV weights within 1e-6; biases within 2e-6: AdamW's first steps on their tiny gradients
+    are near sign steps that amplify rounding (1e-6 apart without QK-Clip too)."""
+    assert set(got) == {n for n in want if ".attn.qkv." in n}
+    for name, value in got.items():
+        atol = 1e-6 if name.endswith("weight") else 2e-6
+        torch.testing.assert_close(value, want[name], rtol=0, atol=atol, msg=name)
+
+
+def test_qk_clip_one_process_equals_reference():
+    """--qk-clip (tau 0.05, alpha 0.5) with fp32 Newton-Schulz: the one-process run equals
+    torch.optim.Muon (fp32 Newton-Schulz) + AdamW followed by the plain QK-Clip of
+    ``clip_qk_reference``: losses and gradient norms within 1e-6 over 10 steps, QKV weights as
+    ``assert_qkv_close``; the clip fired (36 of 160 head-steps), which moves the QKV weights ~1e-2
+    from a run without it (so a missing clip fails the weights' check)."""
+    argv, clip = MUON + QK_CLIP, {}
+    want_losses, want_norms = muon_oracle(argv, STEPS, fp32=True, qk_clip=(0.05, 0.5), stats=clip)
+    [(losses, norms, _, _, qkv)] = run_distributed(layout_jobs, 1, [(argv, STEPS, None, None)])[0]
+    for step, (got, want, got_n, want_n) in enumerate(zip(losses, want_losses, norms, want_norms)):
+        assert math.isclose(got, want, rel_tol=1e-6) and math.isclose(got_n, want_n, rel_tol=1e-6), step
+    assert_qkv_close(qkv, clip["params"])
+    assert 0 < clip["clipped"] < STEPS * 4 * 4  # some heads clipped, not all (4 layers x 4 heads)
+
+
+def test_qk_clip_row_factors_and_refusals(capsys):
+    """``row_factors`` in both QKV row orders (one row a head): multi-head maxima [4, 0.5] at tau 1
+    give gamma [0.25, 1], q and k rows sqrt(gamma) at alpha 0.5; grouped (2 query heads a key head)
+    maxima [2, 0.5, 4, -inf] give each query row its gamma and leave the shared k and v rows alone.
+    --qk-clip without Muon or with --context-parallel-size 2 exits 2 naming the flag."""
+    from megazero import training
+    from model.qk_clip import row_factors
+
+    mha = row_factors(torch.tensor([4.0, 0.5]), 1.0, 0.5, 1, 1, grouped=False)
+    assert mha.tolist() == [0.5, 1.0, 0.5, 1.0, 1.0, 1.0]
+    gqa = row_factors(torch.tensor([2.0, 0.5, 4.0, float("-inf")]), 1.0, 0.5, 2, 1, grouped=True)
+    assert gqa.tolist() == [0.5, 1.0, 1.0, 1.0, 0.25, 1.0, 1.0, 1.0]
+    want = [0.25**0.25] * 2 + [0.25**0.75] * 2 + [1.0] * 2  # alpha 0.25, head_dim 2, G = heads
+    assert row_factors(torch.tensor([4.0]), 1.0, 0.25, 1, 2, grouped=True).tolist() == pytest.approx(want)
+    for argv, world, named in (
+        (BASE + ["--qk-clip"], 1, "--qk-clip"),
+        (MUON + ["--qk-clip", "--context-parallel-size", "2"], 2, "--context-parallel-size"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            training.preflight(argv, world)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--qk-clip" in err and named in err and "fix:" in err, err
 
 
 MB4 = ["--micro-batch-size", "4"]
@@ -124,7 +234,8 @@ DP_EP2 = ["--dp", "4", "--zero-stage", "2", "--expert-model-parallel-size", "2"]
 def layout_jobs(rank, world, jobs):
     """``jobs`` = [(argv, steps, save, load)] run one after the other on these ranks: each
     one's losses, gradient norms, model-state bytes and formula, and whether a hidden matrix
-    has only part of its elements owned here (cut by a ZeRO shard boundary)."""
+    has only part of its elements owned here (cut by a ZeRO shard boundary), and this rank's QKV
+    weights and biases by name (TP partitions; not at ZeRO-3, where they are shards)."""
     from megazero import training
     from megazero.config import config_from_argv
     from megazero.training import build_trainer
@@ -152,7 +263,9 @@ def layout_jobs(rank, world, jobs):
         hidden = sum(p.numel() for c in trainer.chunks for p in c.parameters() if is_hidden_matrix(p))
         two_moments = DistributedOptimizer.formula(opt)["total"]
         memory = (opt.model_state_bytes(), opt.formula(), two_moments, sum(owned.values()), hidden)
-        out.append((losses, norms, memory, cut))
+        opt.wait_param_gather()  # --overlap-param-gather (ZeRO-1/2) leaves the last step's in flight
+        qkv = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters() if ".attn.qkv." in n}
+        out.append((losses, norms, memory, cut, qkv))
     return out
 
 
@@ -163,15 +276,20 @@ def test_layouts_and_resume_equal_one_process(tmp_path):
     ZeRO-2 and ZeRO-3 and dp 4 ZeRO-2 sharded over pairs (hybrid), with hidden matrices cut by
     shard boundaries, and, on the MoE model, tp 2 x dp 2 x ep 2 and dp 4 x ep 2 ZeRO-2 (experts
     sharded over their expert-data-parallel group); a checkpoint saved at step
-    5 under tp 2 + SP resumes under pp 2 ZeRO-3; model-state bytes equal the optimizer's formula."""
+    5 under tp 2 + SP resumes under pp 2 ZeRO-3; model-state bytes equal the optimizer's formula.
+    With --qk-clip, tp 2 + SP x dp 2 ZeRO-1 equals its one-process run (losses, norms, the QKV
+    weights joined over tp as ``assert_qkv_close``)."""
     ckpt = str(tmp_path)
     muon = MUON + ["--muon-ns-dtype", "fp32"]  # bf16 rounding would amplify summation order
     # the MoE oracle routes micro-batches of the layout's size: the router's aux and z losses are
     # means over a micro-batch's tokens, so another split is another loss (at micro-batch 2 the
     # first gradient norm differs by 2e-5 before any update, under AdamW as under Muon)
     moe = MOE_ARGS + MUON[len(BASE) :] + ["--muon-ns-dtype", "fp32"] + MB4
-    singles = run_distributed(layout_jobs, 1, [(muon, STEPS, None, None), (moe, STEPS, None, None)])[0]
-    (single, single_norms, _, _), (moe_single, moe_norms, _, _) = singles
+    qk = MUON + QK_CLIP
+    singles = run_distributed(
+        layout_jobs, 1, [(muon, STEPS, None, None), (moe, STEPS, None, None), (qk, STEPS, None, None)]
+    )[0]
+    (single, single_norms, *_), (moe_single, moe_norms, *_), qk_single = singles
     layouts = {  # name: (argv, partner rank owning the rest of each hidden matrix, "all" or None)
         "tp2-sp-dp2-zero1": (muon + TP_SP, 2),
         "pp2-dp2-zero3": (muon + PP_Z3, 1),
@@ -183,19 +301,23 @@ def test_layouts_and_resume_equal_one_process(tmp_path):
     }
     jobs = [(argv, STEPS, None, None) for argv, _ in layouts.values()]
     jobs += [(muon + TP_SP, STEPS // 2, ckpt, None), (muon + PP_Z3, STEPS - STEPS // 2, None, ckpt)]
+    jobs.append((qk + TP_SP, STEPS, None, None))  # QK-Clip's maxima MAX-reduced over dp 2
     results = run_distributed(layout_jobs, 4, jobs, timeout_s=600)
     checks = [(name, job, single, single_norms) for job, name in enumerate(layouts)]
     for job in (len(layouts) - 2, len(layouts) - 1):
         checks[job] = (checks[job][0], job, moe_single, moe_norms)
     checks.append(("resume", len(layouts) + 1, single[STEPS // 2 :], single_norms[STEPS // 2 :]))
+    checks.append(("tp2-sp-dp2-zero1 qk-clip", len(layouts) + 2, qk_single[0], qk_single[1]))
     for name, job, want, want_norms in checks:
-        losses, norms, _, _ = results[0][job]
+        losses, norms, *_ = results[0][job]
         assert len(losses) == len(want)
         for step, (got, ref) in enumerate(zip(losses, want)):
             assert math.isclose(got, ref, rel_tol=1e-6), (name, step, got, ref)
         for step, (got, ref) in enumerate(zip(norms, want_norms)):
             assert math.isclose(got, ref, rel_tol=1e-6), (name, step, got, ref)
     assert results[0][len(layouts)][0] == results[0][0][0][: STEPS // 2]
+    tp_pieces = [results[rank][len(layouts) + 2][4] for rank in (0, 1)]  # tp ranks 0, 1 of dp rank 0
+    assert_qkv_close({n: join_partitions([q[n] for q in tp_pieces], 0, 3) for n in tp_pieces[0]}, qk_single[4])
     for job in (1, 3, 4):  # ZeRO-3, ZeRO-2, hybrid: some rank owns only part of a hidden matrix
         assert any(r[job][3] for r in results), checks[job][0]
     # the ZeRO formula with one moment on the hidden-matrix elements each rank owns; the partner
