@@ -32,6 +32,8 @@ import torch
 from megazero import collectives as C
 from megazero.process_groups import ProcessGroups
 
+QUERY_BLOCK = 256  # queries per block of head_max_logits: [B, h, 256, T] fp32 logits at a time
+
 
 @torch.no_grad()
 def head_max_logits(
@@ -44,18 +46,24 @@ def head_max_logits(
     """Each query head's largest causal pre-softmax logit ``scale * q . k``: q ``[B, h, T, d]``,
     k ``[B, g, T, d]`` (g divides h; query head i reads key head ``i // (h / g)``) -> ``[h]``
     fp32. Only pairs the attention uses count: key position j <= i, ``i - j < window`` when
-    given, and the same document when ``segment_ids [B, T]`` is given. Computed in fp32."""
+    given, and the same document when ``segment_ids [B, T]`` is given. Computed in fp32, over
+    blocks of ``QUERY_BLOCK`` queries (a temporary of ``B h QUERY_BLOCK T`` floats, not ``B h T^2``)."""
     B, h, T, _ = q.shape
-    k = k.repeat_interleave(h // k.shape[1], dim=1)  # (B, h, T, d)
-    logits = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * scale  # (B, h, T, T)
-    i = torch.arange(T, device=q.device)
-    allowed = i[None, :] <= i[:, None]  # (T, T): key j <= query i
-    if window is not None:
-        allowed = allowed & (i[:, None] - i[None, :] < window)
-    allowed = allowed.expand(B, 1, T, T)
-    if segment_ids is not None:
-        allowed = allowed & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))  # (h,)
+    k = k.float().repeat_interleave(h // k.shape[1], dim=1)  # (B, h, T, d)
+    j = torch.arange(T, device=q.device)
+    best = torch.full((h,), float("-inf"), device=q.device)
+    for start in range(0, T, QUERY_BLOCK):
+        i = j[start : start + QUERY_BLOCK]  # (c,) query positions
+        logits = torch.einsum("bhid,bhjd->bhij", q[:, :, i].float(), k) * scale  # (B, h, c, T)
+        allowed = j[None, :] <= i[:, None]  # (c, T): key j <= query i
+        if window is not None:
+            allowed = allowed & (i[:, None] - j[None, :] < window)
+        allowed = allowed.expand(B, 1, i.numel(), T)
+        if segment_ids is not None:
+            allowed = allowed & (segment_ids[:, None, i, None] == segment_ids[:, None, None, :])
+        top = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))  # (h,)
+        best = torch.maximum(best, top)
+    return best
 
 
 def row_factors(

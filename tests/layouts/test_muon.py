@@ -191,6 +191,31 @@ def test_qk_clip_one_process_equals_reference():
     assert 0 < clip["clipped"] < STEPS * 4 * 4  # some heads clipped, not all (4 layers x 4 heads)
 
 
+@pytest.mark.parametrize("block", [256, 5])
+def test_head_max_logits_equals_the_masked_scores(monkeypatch, block):
+    """``head_max_logits`` (grouped keys, 2 query heads each) equals the max of the full score
+    matrix q k^T / sqrt(d) under the causal mask, with a sliding window of 3 and with documents,
+    in one query block and in blocks of 5 (T = 37: a ragged last block)."""
+    import model.qk_clip as qk_clip
+
+    monkeypatch.setattr(qk_clip, "QUERY_BLOCK", block)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 37, 8, generator=g), torch.randn(2, 2, 37, 8, generator=g)
+    docs = torch.randint(0, 3, (2, 37), generator=g).sort(dim=1).values  # 3 documents a row
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(8)  # (2, 4, 37, 37)
+    i = torch.arange(37)
+    for window, segments in ((None, None), (3, None), (None, docs), (3, docs)):
+        seen = (i[None, :] <= i[:, None]).expand(2, 1, 37, 37)
+        if window is not None:
+            seen = seen & (i[:, None] - i[None, :] < window)
+        if segments is not None:
+            seen = seen & (segments[:, None, :, None] == segments[:, None, None, :])
+        want = scores.masked_fill(~seen, float("-inf")).amax(dim=(0, 2, 3))
+        got = qk_clip.head_max_logits(q, k, 8**-0.5, window, segments)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert not torch.equal(qk_clip.head_max_logits(q, k, 8**-0.5, 3), qk_clip.head_max_logits(q, k, 8**-0.5))
+
+
 def test_qk_clip_row_factors_and_refusals(capsys):
     """``row_factors`` in both QKV row orders (one row a head): multi-head maxima [4, 0.5] at tau 1
     give gamma [0.25, 1], q and k rows sqrt(gamma) at alpha 0.5; grouped (2 query heads a key head)
