@@ -72,6 +72,7 @@ from model.materialize import VOCAB_TENSORS, local_partition, resize_vocab, use_
 from model.mla import MLA_REPLICATED, MultiLatentAttention
 from model.moe import ExpertMLP, MoEMLP, grouped_mm_available, moe_step_end  # noqa: F401 (re-export)
 from model.mtp import MTPLossBackward, MTPModule, mtp_loss
+from model.qk_clip import head_max_logits
 from model.rope import RotaryTable, apply_rotary
 from model.spec import InitialWeights, canonical_shapes, init_full_weights, spec_by_name  # noqa: F401 (re-export)
 from model.value_head import ValueHead, per_token_values
@@ -219,6 +220,13 @@ class Attention(nn.Module):
         self.softmax_type = cfg.softmax_type
         if cfg.softmax_type == "learnable":
             self.sinks = nn.Parameter(torch.empty(self.heads_local, dtype=cfg.params_dtype, device=device))
+        self.max_logits: Optional[torch.Tensor] = None  # QK-Clip's per-head maxima (record_max_logits)
+
+    def record_max_logits(self) -> None:
+        """From now on each training forward raises ``max_logits`` ``[n_head/tp]`` fp32 to the
+        largest pre-softmax logit of each of this rank's heads (model/qk_clip.py; ``QKClip.reset``
+        clears it after each step)."""
+        self.max_logits = torch.full((self.heads_local,), float("-inf"), device=self.proj.weight.device)
 
     def sink_logits(self) -> Optional[torch.Tensor]:
         """The sink logit of each of this rank's ``n_head/tp`` heads (``[n_head/tp]``), or None
@@ -258,6 +266,10 @@ class Attention(nn.Module):
             else:  # this rank's positions: zigzag chunks, or restarting per document
                 cos, sin = self.rope.at(seq.position_ids, q.dtype)  # (B, 1, T, rot)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.max_logits is not None and self.training:  # QK-Clip: cp 1 only (config/checks.py)
+            scale = self.softmax_scale or self.head_dim**-0.5
+            segments = None if seq is None else seq.segment_ids
+            torch.maximum(self.max_logits, head_max_logits(q, k, scale, self.window, segments), out=self.max_logits)
         if seq is not None:  # K/V stay query groups: the ring sends G/tp heads, not heads/tp
             core = functools.partial(self._context_core, seq=seq)
             y = recompute(core, self.tracker, q, k, v) if self.recompute_core else core(q, k, v)

@@ -570,6 +570,23 @@ def _check_offload(cfg: Config, world_size: int) -> None:
         )
 
 
+def _check_qk_clip(cfg: Config, world_size: int) -> None:
+    """--qk-clip scales the query and key rows of a QKV weight from the max logits of the
+    plain attention (model/qk_clip.py): not under context parallelism (each cp rank sees a
+    part of the logits), QK-norm (q and k renormalised: scaling their weights changes no
+    logit) or latent attention (its rows are not per-head q and k)."""
+    if not cfg.optim.qk_clip:
+        return
+    m, flag = cfg.model, show_flag(cfg, "optim.qk_clip")
+    for on, name, fix in (
+        (cfg.parallel.cp > 1, "parallel.cp", "--context-parallel-size 1"),
+        (m.qk_layernorm, "model.qk_layernorm", "drop --qk-layernorm"),
+        (m.multi_latent_attention, "model.multi_latent_attention", "drop --multi-latent-attention"),
+    ):
+        if on:
+            raise ConfigError(f"{flag} does not run with {show_flag(cfg, name)}; fix: {fix} or drop --qk-clip")
+
+
 def _check_hybrid_shard(cfg: Config, world_size: int) -> None:
     """--zero-shard-size S (hybrid sharding): S divides dp x cp, needs a sharded stage (1-3), and
     with expert parallelism is a multiple of EP (expert state shards over the S / EP
@@ -854,6 +871,7 @@ _CHECKS = (
     _check_pipeline,
     _check_optim_precision,
     _check_offload,
+    _check_qk_clip,
     _check_hybrid_shard,
     _check_post_train,
     _check_mtp,

@@ -67,6 +67,7 @@ _NVME = Needs("zero.offload_optimizer", ("nvme",))
 _ANY_NVME = Needs("zero.offload_optimizer", ("nvme",), alt=_PARAM_NVME)
 _FP16 = Needs("precision.fp16", (True,))
 _MUON = Needs("optim.optimizer", ("muon",))
+_QK_CLIP = Needs("optim.qk_clip", (True,), wanted="--qk-clip")
 _MLA = Needs("model.multi_latent_attention", (True,), refuse=True)
 _DYNAMIC_SCALE = (_FP16, Needs("precision.loss_scale", (0.0,)))
 _REAL_DATA = Needs("train.mock_data", (False,))
@@ -799,6 +800,26 @@ class OptimizerConfig:
         "(Jordan), match_rms_adamw = 0.2 sqrt(max(A, B)) (Moonshot, arXiv 2502.16982)",
         choices=("original", "match_rms_adamw"),
         applies=_MUON,
+    )
+    qk_clip: bool = _f(
+        False,
+        "QK-Clip (Kimi K2's MuonClip, arXiv 2507.20534 sec. 2.1; Megatron-LM's --qk-clip): after each "
+        "step, a head whose largest pre-softmax logit q.k / sqrt(d) over the step's batch exceeds "
+        "--qk-clip-threshold tau has its query rows scaled by gamma^alpha and key rows by "
+        "gamma^(1 - alpha), gamma = tau / max logit (grouped-query heads: the query rows by gamma, the "
+        "shared key rows untouched)",
+        applies=Needs("optim.optimizer", ("muon",), refuse=True),
+    )
+    qk_clip_threshold: float = _f(
+        100.0, "QK-Clip's threshold tau on the max logit (Kimi K2: 100)", "logit", gt=0, applies=_QK_CLIP
+    )
+    qk_clip_alpha: float = _f(
+        0.5,
+        "QK-Clip's share alpha of the scale put on the query rows (1 - alpha on the keys)",
+        "",
+        gt=0,
+        lt=1,
+        applies=_QK_CLIP,
     )
 
     lr: float = _f(2e-3, "peak learning rate", "", ge=0)

@@ -137,7 +137,10 @@ class MuonOptimizer(DistributedOptimizer):
     all-gather); between the clipping and AdamW, Muon takes each hidden matrix's owned
     gradient, unscaled and clipped as AdamW's would be. Args: those of the parent plus
     ``momentum`` (mu), ``nesterov``, ``ns_steps``, ``adjust_lr`` (``lr_scale``'s mode) and
-    ``ns_dtype`` (``newton_schulz``'s dtype; bf16 as torch.optim.Muon).
+    ``ns_dtype`` (``newton_schulz``'s dtype; bf16 as torch.optim.Muon) and ``qk_clip``: None, or
+    QK-Clip's step (model/qk_clip.py ``QKClip``: ``factors()`` -> ``[(param, row factors
+    [rows])]``, ``reset()``), whose factors scale the rows of the owned fp32 main elements after
+    Muon and AdamW, before the parameters reach the model (``reset`` after every step).
     Raises ValueError for ``momentum`` outside [0, 1) or an unknown ``adjust_lr``.
     """
 
@@ -151,12 +154,13 @@ class MuonOptimizer(DistributedOptimizer):
         ns_steps: int = 5,
         adjust_lr: str = "original",
         ns_dtype: torch.dtype = torch.bfloat16,
+        qk_clip=None,
         **kw,
     ):
         if not 0 <= momentum < 1 or adjust_lr not in ADJUST_LR:
             raise ValueError(f"muon momentum {momentum} must be in [0, 1) and adjust_lr one of {ADJUST_LR}")
         self.momentum, self.nesterov, self.ns_steps, self.adjust_lr = momentum, nesterov, ns_steps, adjust_lr
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.qk_clip = ns_dtype, qk_clip
         super().__init__(ddp, groups, **kw)
         self.packs = [self._pack_plan(buf) for buf in ddp.buffers]
 
@@ -213,6 +217,30 @@ class MuonOptimizer(DistributedOptimizer):
             if plan[0][1]:
                 self._muon_buffer(buf, plan, scale, coef, lr)
         super()._update(scale, coef, lr)
+        if self.qk_clip is not None:
+            self._clip_qk(self.qk_clip.factors())
+
+    def step(self, lr=None, loss_tokens=None):
+        """The parent's step, then QK-Clip's maxima cleared (also after a skipped step)."""
+        try:
+            return super().step(lr, loss_tokens)
+        finally:
+            if self.qk_clip is not None:
+                self.qk_clip.reset()
+
+    @torch.no_grad()
+    def _clip_qk(self, factors: list) -> None:
+        """Scale each owned run of the fp32 main params of ``factors``' parameters row by row:
+        ``(param, rows [R])`` with the param's ``numel / R`` elements a row (1 for a bias)."""
+        by_id = {id(p): rows for p, rows in factors}
+        for pc in self.pieces:
+            for p, pr, wr in pc.buffer.layout.param_pieces(pc.world):
+                rows = by_id.get(id(p))
+                if rows is None:
+                    continue
+                rel, width = wr.start - pc.world.start, p.numel() // rows.numel()
+                row = torch.arange(pr.start, pr.end, device=rows.device) // width  # (run,)
+                pc.main[rel : rel + pr.size].mul_(rows[row].to(pc.main.device))
 
     def _muon_buffer(self, buf, plan, scale: float, coef: float, lr: float) -> None:
         (offsets, total), runs = plan

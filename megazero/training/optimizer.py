@@ -16,6 +16,7 @@ from megazero.optim.zero import DistributedOptimizer
 from megazero.precision import DynamicLossScaler, StaticLossScaler, model_dtype
 from megazero.process_groups import ProcessGroups
 from model.build import initial_values, zero3_units
+from model.qk_clip import QKClip
 
 
 def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataParallel, DistributedOptimizer]:
@@ -94,5 +95,7 @@ def build_optimizer(chunks, cfg: Config, groups: ProcessGroups) -> tuple[DataPar
     if o.optimizer == "muon":  # Muon on the hidden matrices, AdamW on the rest
         muon = dict(momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps)
         muon["ns_dtype"] = torch.float32 if o.muon_ns_dtype == "fp32" else torch.bfloat16
+        if o.qk_clip:  # Kimi K2's MuonClip: per-head rescaling of q and k after the update
+            muon["qk_clip"] = QKClip(chunks, groups, o.qk_clip_threshold, o.qk_clip_alpha)
         return ddp, MuonOptimizer(ddp, groups, adjust_lr=o.muon_adjust_lr, **muon, **kw)
     return ddp, DistributedOptimizer(ddp, groups, **kw)
