@@ -14,17 +14,22 @@ import sys
 import pytest
 
 from tests.support.launch import ROOT, TINY, pids_of, start_launch, train_records
+from tests.support.ports import launch_with_port
 
 
 def launch(args, run_dir=None, timeout=300):
+    """The launcher on ``args`` to its end, on a rendezvous port of this shard's block (``launch_with_port``)."""
     env = dict(os.environ)
     # scripts/env.sh takes the Python on PATH when it has the dependencies: this one
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.pop("MEGAZERO_VENV", None)
-    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args]
-    if run_dir is not None:
-        cmd += ["--run-dir", str(run_dir)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    tail = [] if run_dir is None else ["--run-dir", str(run_dir)]
+
+    def run(argv):
+        cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *argv, *tail]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+    return launch_with_port(run, args)
 
 
 @pytest.mark.slow

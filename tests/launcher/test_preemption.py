@@ -26,6 +26,7 @@ from tests.support.distributed import forked_train_main as _uninterrupted
 from tests.support.distributed import train_main_forked
 from tests.support.launch import TINY, pids_of, start_launch, train_records
 from tests.support.paths import REPO
+from tests.support.ports import with_master_port
 from tests.support.preemption import BASE, launch_env
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def _background(args, run_dir, env=None):
     env = dict(os.environ if env is None else env)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.pop("MEGAZERO_VENV", None)
-    cmd = ["bash", str(REPO / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
+    cmd = ["bash", str(REPO / "scripts" / "pretrain_gpt.sh"), *with_master_port(args), "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc
@@ -318,7 +319,7 @@ def two_node_runs(tmp_path_factory):
     TWO_NODES on one node (4 forked ranks) and launched as two nodes, --nnodes 2 --node-rank
     0/1 --rdzv-backend c10d on 127.0.0.1. ``result()``: (the two launches' output, the
     one-node run directory, the two-node run directory)."""
-    from tests.support.distributed import free_port
+    from tests.support.ports import free_port
 
     d = tmp_path_factory.mktemp("two_nodes")
     with contextlib.ExitStack() as stack:
@@ -378,7 +379,7 @@ def hybrid_node_runs(tmp_path_factory):
     the timeouts): HYBRID's settings on one forked rank, and launched as two nodes of two ranks
     (the static rendezvous, the default). ``result()``: (the launches' (status, stdout, stderr),
     the one-rank run directory, node 0's run directory)."""
-    from tests.support.distributed import free_port
+    from tests.support.ports import free_port
 
     d = tmp_path_factory.mktemp("hybrid_nodes")
     with contextlib.ExitStack() as stack:

@@ -13,6 +13,10 @@ most of the start-up time on a 2-core machine.
 
 ``forked_train_main(args, run_dir)`` forks the ranks of a whole ``training.main`` run (torchrun's
 variables, no launcher) in the background, for the reference runs launched ones are compared with.
+
+The rendezvous port comes from ``tests.support.ports.free_port`` (this shard's own block of ports
+under scripts/test.sh); a run whose rank 0 finds it taken when its store binds runs once more on a
+fresh one.
 """
 
 from __future__ import annotations
@@ -22,22 +26,21 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from tests.support.ports import free_port, lost_its_port
+
 
 class RankError(RuntimeError):
     """An exception raised inside a spawned rank; the message holds its traceback."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class _PortTaken(Exception):
+    """Rank 0's rendezvous store found its port taken: nothing ran yet, the run may start again."""
 
 
 def _child(fn, rank, world_size, port, results, collective_timeout_s, args, kwargs):
@@ -53,6 +56,10 @@ def _child(fn, rank, world_size, port, results, collective_timeout_s, args, kwar
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
         )
+    except BaseException:  # the rendezvous itself failed (a taken port is retried by the parent)
+        results.put((rank, False, "init:" + traceback.format_exc()))
+        return
+    try:
         with contextlib.ExitStack() as stack:
             install_from_env(stack)  # MEGAZERO_TEST_DEFERRED_COLLECTIVES=1: NCCL's completion order
             out = fn(rank, world_size, *args, **kwargs)
@@ -75,8 +82,16 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
     Returns the list of per-rank return values, indexed by rank.
-    Raises RankError (first failing rank's traceback) or TimeoutError after ``timeout_s``.
+    Raises RankError (first failing rank's traceback) or TimeoutError after ``timeout_s``. A run
+    whose rendezvous port was taken before rank 0's store bound it runs once more on a fresh port.
     """
+    try:
+        return _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, retry=True)
+    except _PortTaken:
+        return _run_once(fn, world_size, args, kwargs, timeout_s, collective_timeout_s, retry=False)
+
+
+def _run_once(fn, world_size: int, args, kwargs, timeout_s: float, collective_timeout_s: float, retry: bool) -> list:
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
@@ -107,6 +122,10 @@ def run_distributed(
                 if dead:
                     raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
                 continue
+            if not ok and value.startswith("init:"):
+                value = value[len("init:") :]
+                if retry and lost_its_port(value):
+                    raise _PortTaken(port)
             if not ok:
                 raise RankError(f"rank {rank} failed:\n{value}")
             out[rank] = pickle.loads(value)
@@ -168,34 +187,53 @@ def forked_train_main(args, run_dir, env=None):
     scripts/pretrain_gpt.sh imports torch in its preflight, in torchrun and in every rank (some
     4 CPU-s each), a forked rank inherits the imports. Yields a function that waits for the ranks
     (``timeout`` seconds) and asserts they exited 0; their output goes to RUN_DIR/ranks.log. The
-    ranks still alive on the way out are killed. ``env``: more variables for the ranks (a test
+    ranks still alive on the way out are killed. A rank 0 that finds the rendezvous port taken starts
+    the run once more on a fresh port (the log restarts). ``env``: more variables for the ranks (a test
     hook's ``MEGAZERO_TEST_FAULT``). A run that is not about the launcher (a resume, a fault
     inside training.main) runs this way instead of a launch."""
     size = {f: int(args[args.index(f) + 1]) if f in args else 1 for f in ("--tp", "--cp", "--pp", "--dp")}
     world = size["--tp"] * size["--cp"] * size["--pp"] * size["--dp"]
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    log, port, ctx = str(Path(run_dir) / "ranks.log"), free_port(), mp.get_context("fork")
+    log = Path(run_dir) / "ranks.log"
     argv = list(args) + ["--run-dir", str(run_dir)]
-    procs = [
-        ctx.Process(target=_train_main_rank, args=(argv, r, world, port, log, dict(env or {}))) for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
+    procs = _fork_ranks(argv, world, str(log), dict(env or {}))
 
     def finished(timeout: float = 600):
-        deadline = time.monotonic() + timeout
+        deadline, retried = time.monotonic() + timeout, False
+        while time.monotonic() < deadline:
+            failed = any(proc.exitcode not in (0, None) for proc in procs)
+            if failed and not retried and log.exists() and lost_its_port(log.read_text(errors="replace")):
+                _kill(procs)
+                log.unlink()
+                procs[:], retried = _fork_ranks(argv, world, str(log), dict(env or {})), True
+            elif not any(proc.is_alive() for proc in procs):
+                break
+            time.sleep(0.2)
         for proc in procs:
-            proc.join(max(1.0, deadline - time.monotonic()))
+            proc.join(max(0.1, deadline - time.monotonic()))
         codes = [proc.exitcode for proc in procs]
-        assert codes == [0] * world, f"forked training.main: exit codes {codes}: " + Path(log).read_text()[-3000:]
+        assert codes == [0] * world, f"forked training.main: exit codes {codes}: " + log.read_text()[-3000:]
 
     try:
         yield finished
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        _kill(procs)
+
+
+def _fork_ranks(argv, world: int, log: str, env: dict) -> list:
+    """``world`` forked ranks of ``training.main(argv)`` on a fresh rendezvous port, started."""
+    port, ctx = free_port(), mp.get_context("fork")
+    procs = [ctx.Process(target=_train_main_rank, args=(argv, r, world, port, log, env)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def _kill(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def train_main_forked(args, run_dir, env=None, timeout: float = 600) -> str:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from tests.support.paths import REPO
+from tests.support.ports import with_master_port
 
 ROOT = REPO
 
@@ -61,9 +62,10 @@ def pids_of(run_dir, agent: bool = False):
 
 
 def start_launch(args, run_dir, capture=True):
-    """The launcher in the background for the kill tests (``capture``: pipe its output, else drop it)."""
+    """The launcher in the background for the kill tests (``capture``: pipe its output, else drop it),
+    on a rendezvous port of this shard's block unless ``args`` name one (``with_master_port``)."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("MEGAZERO_VENV", None)
-    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *args, "--run-dir", str(run_dir)]
+    cmd = ["bash", str(ROOT / "scripts" / "pretrain_gpt.sh"), *with_master_port(args), "--run-dir", str(run_dir)]
     out = subprocess.PIPE if capture else subprocess.DEVNULL
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out, text=True)
