@@ -108,11 +108,11 @@ def builtin_plan(out: str, py: str) -> list[Step]:
             peak + ["--peak-only", "--matmul", "8192", "--peak-iters", "20", "--peak-warmup", "5"],
             what="sustained bf16 matmul peak: median of 20 timed 8192^3",
         ),
-        Step("mfu-gpt2", 90, probe + ["mfu", "--block", "gpt2", "--out", out], what="1.3B GPT-2 block, bf16"),
-        Step("mfu-llama", 90, probe + ["mfu", "--block", "llama", "--out", out], what="1.3B LLaMA-GQA block, bf16"),
+        Step("mfu-gpt2", 75, probe + ["mfu", "--block", "gpt2", "--out", out], what="1.3B GPT-2 block, bf16"),
+        Step("mfu-llama", 75, probe + ["mfu", "--block", "llama", "--out", out], what="1.3B LLaMA-GQA block, bf16"),
         Step(
             "cuda-tests",
-            90,
+            75,
             [py, "-m", "pytest", "-q", "-rfEs", "-m", "cuda", "-p", "no:cacheprovider", "tests/"]
             + ["--junitxml", os.path.join(out, "cuda-tests.xml")],
             what="pytest -m cuda",
@@ -144,6 +144,7 @@ def builtin_plan(out: str, py: str) -> list[Step]:
             [py, "-m", "scripts.gpu_sweep", "--out", out],
             what="features on the GPU vs CPU losses",
         ),
+        Step("fp8", 40, fp8_argv(py), what="FP8 (hybrid, tensorwise) vs bf16: tokens/s, loss within 2 %"),
         Step("kernels", 30, peak + ["--peak-iters", "5"], what="fused kernels vs their references"),
         Step(
             "offload",
@@ -153,6 +154,18 @@ def builtin_plan(out: str, py: str) -> list[Step]:
         ),
     ]
     return steps
+
+
+def fp8_argv(py: str) -> list[str]:
+    """Step ``fp8``: ``scripts/bench/bench_fp8.py`` on the GPU, bf16 against ``--fp8-format hybrid
+    --fp8-recipe tensorwise``, 30 steps each of a 4-layer GPT (hidden 256, seq 256, micro-batch 8)
+    from the same seed on the stdlib's ``email`` package (a 1024-token tokenizer trained in a
+    temporary folder in about a second); ``--check``: tokens/s and losses as key lines, exit 1 when
+    the FP8 loss after 30 steps is off bf16's by more than 2 %."""
+    bench = [py, "-m", "scripts.bench.bench_fp8", "--device", "cuda", "--check", "--tolerance", "0.02"]
+    bench += ["--steps", "30", "--chunk", "5", "--warmup", "3", "--fp8-format", "hybrid", "--recipes", "tensorwise"]
+    bench += ["--muon", "off", "--hidden-size", "256", "--num-layers", "4", "--heads", "4", "--seq-length", "256"]
+    return bench + ["--micro-batch-size", "8", "--corpus-package", "email", "--vocab-size", "1024"]
 
 
 # the multi-GPU layouts: name, GPUs needed, pretrain_gpt.sh flags beyond the probe's small model

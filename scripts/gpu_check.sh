@@ -20,6 +20,9 @@
 #   sweep         ZeRO 0-3, optimizer offload cpu / nvme, async save and resume across devices, MoE,
 #                 recompute, fp16, bf16, torch.compile, DPO and reward-model post-training: GPU losses
 #                 against CPU losses
+#   fp8           bf16 against --fp8-format hybrid --fp8-recipe tensorwise, 30 steps of a small GPT on the
+#                 stdlib's email package: tokens/s of each, pass when the FP8 loss is within 2 % of bf16's
+#                 (scripts/bench/bench_fp8.py)
 #   kernels       fused kernels (norms, Adam, attention) against their references
 #   offload       ZeRO-2 bf16 with and without --offload-optimizer cpu (scripts/bench/bench_offload.py)
 #

@@ -62,6 +62,7 @@ def test_the_plan_of_one_gpu_runs_mfu_and_cuda_tests_first_within_nine_minutes()
     assert list(steps)[:5] == ["versions", "peak", "mfu-gpt2", "mfu-llama", "cuda-tests"], list(steps)
     run = {n: b for n, (b, _) in steps.items() if isinstance(b, int)}
     assert set(run) == {"versions", "peak", "mfu-gpt2", "mfu-llama", "cuda-tests", "probes", "sweep"} | {
+        "fp8",
         "kernels",
         "offload",
     }
@@ -71,6 +72,9 @@ def test_the_plan_of_one_gpu_runs_mfu_and_cuda_tests_first_within_nine_minutes()
     peak = " ".join(steps["peak"][1])  # the sustained peak: the median of 20 timed 8192^3 after warm-up
     assert "-m scripts.bench.bench_kernels --device cuda --dtype bf16 --peak-only --matmul 8192 --peak-iters 20" in peak
     assert steps["mfu-llama"][1][-4:-2] == ["--block", "llama"]
+    fp8 = " ".join(steps["fp8"][1])  # bf16 against hybrid tensorwise, 30 steps on CUDA, pass/fail at 2 %
+    assert "-m scripts.bench.bench_fp8 --device cuda --check --tolerance 0.02 --steps 30" in fp8
+    assert "--fp8-format hybrid --recipes tensorwise --muon off" in fp8
 
 
 def test_two_gpus_add_nccl_and_the_layouts_whose_flags_parse():
