@@ -8,7 +8,7 @@ per run: the loss at the last step, the mean of the last 10 losses, the last los
 (the bar: within ``--tolerance``, 2 %), the median step time and tokens/s. The runs take
 turns in rounds of ``--chunk`` steps each, the order rotated every round, so that machine noise
 hits every run alike; the spread is the lowest and highest per-round median. On the CPU the FP8
-GEMMs are emulated (quantise, dequantise, an fp32 product; megazero/ops/fp8.py), so FP8 is
+GEMMs are emulated (quantise, then exact sums in fp64; megazero/ops/fp8.py), so FP8 is
 *slower* there: those times say what the emulation costs, not what FP8 gains.
 
 The Muon part (``--muon on``) trains the same model in fp32 with ``--optimizer adam`` and with

@@ -301,7 +301,8 @@ def test_stopping_the_launcher_or_killing_torchrun_stops_every_rank(victim, stop
 
 def test_help_lists_the_launcher_flags_and_train_flags_once_and_does_nothing_else(tmp_path):
     """``--help`` in a fresh copy of the repository: the launcher's own flags and train.py's,
-    each help once, in under 5 s, with no data prepared and no run directory made."""
+    each help once, with no data prepared and no run directory made (and well under the minutes that
+    preparing data takes: 30 s, a bound loose enough for a loaded machine; it takes about 2 s)."""
     import shutil
     import time
 
@@ -324,7 +325,7 @@ def test_help_lists_the_launcher_flags_and_train_flags_once_and_does_nothing_els
     )
     took = time.monotonic() - start
     assert out.returncode == 0 and out.stderr == "", out.stderr
-    assert took < 5.0
+    assert took < 30.0, took
     for flag in (
         "--nnodes",
         "--node-rank",
