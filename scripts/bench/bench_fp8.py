@@ -7,9 +7,10 @@ weights (``--seed``), the same batches in the same order, the same learning-rate
 per run: the loss at the last step, the mean of the last 10 losses, the last loss over bf16's
 (the bar: within ``--tolerance``, 2 %), the median step time and tokens/s. The runs take
 turns in rounds of ``--chunk`` steps each, the order rotated every round, so that machine noise
-hits every run alike; the spread is the lowest and highest per-round median. On the CPU the FP8
-GEMMs are emulated (quantise, then exact sums in fp64; megazero/ops/fp8.py), so FP8 is
-*slower* there: those times say what the emulation costs, not what FP8 gains.
+hits every run alike; the spread is the lowest and highest per-round median. The FP8 GEMMs are
+emulated (quantise, then exact sums in fp64; megazero/ops/fp8.py) on every device, and bf16
+matmuls are slow on many CPUs: the times say what the emulation costs against that bf16, not what
+FP8 kernels would gain.
 
 The Muon part (``--muon on``) trains the same model in fp32 with ``--optimizer adam`` and with
 ``--optimizer muon --muon-adjust-lr match_rms_adamw`` (so one ``--lr`` suits both; Moonshot,
@@ -166,7 +167,10 @@ def report_fp8(runs: list[Run], rounds, a: argparse.Namespace) -> dict:
     tol = f"{a.tolerance * 100:g} %"
     print(f"FP8 loss within {tol} of bf16 at step {a.steps}: {verdict} (largest |ratio - 1| {worst:.4f})")
     if a.device == "cpu":
-        print("CPU numbers: the FP8 GEMMs are emulated (quantise, dequantise, fp32 product), so FP8 is slower here")
+        print(
+            f"{a.device} numbers: the FP8 GEMMs are emulated (quantise, exact fp64 sums), "
+            "not FP8 kernels: not a measure of FP8's speed"
+        )
     return out
 
 
